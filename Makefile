@@ -1,0 +1,43 @@
+# Zattera: `make up` starts the whole single-machine cluster, `make test` runs lint, types and tests.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: up test lint typecheck pytest bench chaos proto clean install
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/zattera up
+
+test: lint typecheck pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check shared services cli tests benchmarks
+
+typecheck: $(STAMP)
+	$(PY) -m mypy shared services cli
+
+pytest: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run
+
+chaos: $(STAMP)
+	$(PY) -m pytest -m chaos tests/chaos -q
+
+proto: $(STAMP)
+	PYTHON=$(PY) proto/generate.sh
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""Zattera builds service."""

@@ -1,0 +1,81 @@
+"""Injected time.
+
+Loops never read the wall clock directly: they take a :class:`Clock`. Production uses
+:class:`RealClock`; tests use :class:`FakeClock`, whose time moves only when the test calls
+:meth:`FakeClock.advance`, so timer semantics are tested without sleeping on real time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from datetime import UTC, datetime
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds since the epoch (UTC)."""
+        ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+def to_datetime(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, tz=UTC)
+
+
+class RealClock:
+    def now(self) -> float:
+        return time.time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds))
+
+
+class FakeClock:
+    """A clock that advances only when told to.
+
+    ``sleep`` parks the caller until ``advance`` moves time past its deadline; sleepers wake
+    in deadline order (ties in the order they slept), and ``advance`` yields to the event loop
+    after each wake-up so woken tasks run before time moves on.
+    """
+
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self._now = start
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    def now(self) -> float:
+        return self._now
+
+    async def sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._sleepers, (self._now + seconds, next(self._seq), fut))
+        await fut
+
+    @property
+    def sleepers(self) -> int:
+        return sum(1 for _, _, f in self._sleepers if not f.done())
+
+    async def advance(self, seconds: float) -> None:
+        """Move time forward, waking every sleeper whose deadline is reached, in order."""
+        target = self._now + seconds
+        while self._sleepers and self._sleepers[0][0] <= target:
+            deadline, _, fut = heapq.heappop(self._sleepers)
+            self._now = max(self._now, deadline)
+            if not fut.done():
+                fut.set_result(None)
+                for _ in range(5):
+                    await asyncio.sleep(0)
+        self._now = target
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    def set(self, ts: float) -> None:
+        self._now = ts

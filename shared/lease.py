@@ -1,0 +1,274 @@
+"""Leases for singleton leader loops and the helper that runs a function only while leading (DESIGN §2.2).
+
+``lease.<loop>`` holds a :class:`zattera.v1.Lease` {holder, term, acquired_at}. A contender acquires it
+with a create (expected revision 0, or the revision of a delete marker) carrying a per-message TTL; the
+holder renews it with an expected-revision update well inside the TTL, and every fenced batch of the
+holder re-writes it too (:mod:`shared.txn`). The term is the revision of the acquiring write: unique per
+acquisition, so two processes can never believe they lead in the same term.
+
+The holder steps down at once when a renewal or a fenced write is refused, or when it could not renew
+for longer than the TTL (the server has expired the key by then). Standbys retry every renew interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import socket
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from nats.errors import Error as NatsError
+from nats.js.errors import APIError
+from zattera.v1 import types_pb2 as pb
+
+from shared import keys as K
+from shared.ids import new_id
+from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+
+log = logging.getLogger(__name__)
+
+WRONG_LAST_SEQUENCE = 10071
+
+
+def default_holder(service: str) -> str:
+    return f"{service}@{socket.gethostname()}:{os.getpid()}:{new_id()[-6:]}"
+
+
+class Lease:
+    """One lease key; shared by the renewal task and the fenced writer through :attr:`lock`."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        loop: str,
+        holder: str,
+        *,
+        ttl: float = 3.0,
+        renew_interval: float = 1.0,
+    ) -> None:
+        if ttl < 1.0:
+            raise ValueError("lease ttl must be at least 1 s (the server's TTL granularity)")
+        self._conn = conn
+        self.loop = loop
+        self.holder = holder
+        self.ttl = ttl
+        self.renew_interval = renew_interval
+        self.key = K.lease(loop)
+        self.subject = STATE_PREFIX + self.key
+        self.lock = asyncio.Lock()
+        self.rev = 0
+        self.term = 0
+        self.held = False
+        self._acquired_at = Timestamp()
+        self._last_refresh = 0.0
+        self._lost = asyncio.Event()
+        self.lost_reason = ""
+
+    @property
+    def _ttl_header(self) -> str:
+        return f"{math.ceil(self.ttl)}s"
+
+    def _value(self) -> bytes:
+        return pb.Lease(holder=self.holder, term=self.term, acquired_at=self._acquired_at).SerializeToString(
+            deterministic=True
+        )
+
+    def fence_message(self) -> tuple[str, bytes, dict[str, str]]:
+        """The lease re-write that fences a batch (the caller holds :attr:`lock`)."""
+        headers = {"Nats-Expected-Last-Subject-Sequence": str(self.rev), "Nats-TTL": self._ttl_header}
+        return self.subject, self._value(), headers
+
+    def refreshed(self, rev: int, sent_at: float) -> None:
+        self.rev = rev
+        self._last_refresh = sent_at
+
+    def lost(self, reason: str) -> None:
+        if self.held:
+            log.warning("lease %s lost (term %d): %s", self.loop, self.term, reason)
+        self.held = False
+        self.lost_reason = reason
+        self._lost.set()
+
+    async def wait_lost(self) -> None:
+        await self._lost.wait()
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def _publish(self, data: bytes, expect: int) -> int:
+        headers = {"Nats-Expected-Last-Subject-Sequence": str(expect), "Nats-TTL": self._ttl_header}
+        ack = await self._conn.js.publish(self.subject, data, headers=headers, stream=STATE_STREAM, timeout=2.0)
+        return int(ack.seq)
+
+    async def _last_entry(self) -> tuple[int, bytes | None]:
+        """(revision, value) of the lease key; value None when deleted or expired (a marker)."""
+        try:
+            msg = await self._conn.js.get_last_msg(STATE_STREAM, self.subject, direct=True)
+        except NatsError:
+            return 0, None
+        except APIError:
+            return 0, None
+        headers = msg.headers or {}
+        if headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
+            return int(msg.seq or 0), None
+        return int(msg.seq or 0), msg.data or b""
+
+    async def try_acquire(self) -> bool:
+        """One attempt to take the lease; True when this process now holds it."""
+        async with self.lock:
+            rev, value = await self._last_entry()
+            if value is not None:
+                return False
+            self._acquired_at.GetCurrentTime()
+            self.term = 0
+            sent_at = self._now()
+            try:
+                created = await self._publish(self._value(), rev)
+            except APIError as exc:
+                if exc.err_code == WRONG_LAST_SEQUENCE:
+                    return False
+                raise
+            self.term = created
+            self.rev = created
+            self._last_refresh = sent_at
+            sent_at = self._now()
+            try:
+                self.rev = await self._publish(self._value(), created)
+            except APIError:
+                return False
+            self._last_refresh = sent_at
+            self.held = True
+            self._lost = asyncio.Event()
+            self.lost_reason = ""
+            log.info("lease %s acquired by %s (term %d)", self.loop, self.holder, self.term)
+            return True
+
+    async def renew(self) -> bool:
+        async with self.lock:
+            if not self.held:
+                return False
+            sent_at = self._now()
+            try:
+                self.rev = await self._publish(self._value(), self.rev)
+            except APIError as exc:
+                if exc.err_code == WRONG_LAST_SEQUENCE:
+                    self.lost("renewal refused: the lease changed hands")
+                    return False
+                self._check_expiry()
+                return self.held
+            except (NatsError, TimeoutError, OSError) as exc:
+                log.debug("lease %s renewal failed: %s", self.loop, exc)
+                self._check_expiry()
+                return self.held
+            self._last_refresh = sent_at
+            return True
+
+    def _check_expiry(self) -> None:
+        if self._now() - self._last_refresh >= self.ttl - 0.2:
+            self.lost("could not renew within the TTL")
+
+    async def still_ours(self) -> bool:
+        rev, value = await self._last_entry()
+        if value is None or rev != self.rev:
+            if value is not None:
+                lease = pb.Lease.FromString(value)
+                return lease.holder == self.holder and lease.term == self.term
+            return False
+        return True
+
+    async def release(self) -> None:
+        """Give the lease up (clean shutdown), so a standby takes over without waiting for the TTL."""
+        async with self.lock:
+            if not self.held:
+                return
+            self.held = False
+            self._lost.set()
+            self.lost_reason = "released"
+            with contextlib.suppress(Exception):
+                await self._conn.js.publish(
+                    self.subject,
+                    b"",
+                    headers={"Nats-Expected-Last-Subject-Sequence": str(self.rev), "KV-Operation": "DEL"},
+                    stream=STATE_STREAM,
+                    timeout=2.0,
+                )
+
+
+@dataclass
+class Leadership:
+    """What a leader function receives: its term and the lease that fences its writes."""
+
+    lease: Lease
+
+    @property
+    def term(self) -> int:
+        return self.lease.term
+
+
+LeaderFn = Callable[[Leadership], Coroutine[Any, Any, None]]
+
+
+async def run_while_leading(
+    conn: Connection,
+    loop: str,
+    fn: LeaderFn,
+    *,
+    holder: str,
+    ttl: float = 3.0,
+    renew_interval: float = 1.0,
+    on_term: Callable[[int], None] | None = None,
+) -> None:
+    """Campaign for ``lease.<loop>`` forever; run ``fn`` while holding it, cancel it on loss, re-campaign.
+
+    Returns only when cancelled; the lease is released on the way out.
+    """
+    lease = Lease(conn, loop, holder, ttl=ttl, renew_interval=renew_interval)
+    try:
+        while True:
+            try:
+                acquired = await lease.try_acquire()
+            except (NatsError, TimeoutError, OSError, APIError) as exc:
+                log.debug("lease %s: acquire attempt failed: %s", loop, exc)
+                acquired = False
+            if not acquired:
+                await asyncio.sleep(renew_interval)
+                continue
+            if on_term:
+                on_term(lease.term)
+            await _lead(lease, fn)
+            await asyncio.sleep(renew_interval)
+    finally:
+        await asyncio.shield(lease.release())
+
+
+async def _lead(lease: Lease, fn: LeaderFn) -> None:
+    work: asyncio.Task[None] = asyncio.create_task(fn(Leadership(lease)), name=f"leader:{lease.loop}")
+    lost = asyncio.create_task(lease.wait_lost())
+
+    async def renew_forever() -> None:
+        while lease.held:
+            await asyncio.sleep(lease.renew_interval)
+            await lease.renew()
+
+    renewer = asyncio.create_task(renew_forever())
+    try:
+        done, _ = await asyncio.wait({work, lost}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done and not work.cancelled() and work.exception() is not None:
+            log.error("leader loop %s crashed: %r; stepping down", lease.loop, work.exception())
+            lease.lost(f"loop crashed: {work.exception()!r}")
+            await lease.release()
+    finally:
+        for task in (work, lost, renewer):
+            task.cancel()
+        for task in (work, lost, renewer):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if lease.held:
+        # fn returned on its own while still leading: hand over.
+        await lease.release()

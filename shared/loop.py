@@ -1,0 +1,120 @@
+"""The shape every leader loop shares: evaluate at the start of a term, on relevant view changes
+(coalesced) and on a tick; write through a writer fenced by the term's lease.
+
+A concrete loop implements :meth:`LeaderLoop.run_pass` (feed ``evaluate()`` from the view, commit the
+decision). Its in-memory timers are reset by :meth:`LeaderLoop.on_term_start`, as in the reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+from shared.clock import Clock
+from shared.events import EventPublisher
+from shared.lease import Leadership
+from shared.natsio import Connection
+from shared.telemetry import span
+from shared.txn import Deposed, Writer
+from shared.view import Change, StateView
+
+log = logging.getLogger(__name__)
+
+
+async def wait_change_or_tick(
+    view: StateView, feed_wait: asyncio.Future[set[Change]] | None, clock: Clock, tick: float
+) -> None:
+    """Return when the feed fires or the tick elapses (whichever first)."""
+    sleeper = asyncio.ensure_future(clock.sleep(tick))
+    waiters: set[asyncio.Future[object]] = {sleeper}  # type: ignore[arg-type]
+    if feed_wait is not None:
+        waiters.add(feed_wait)  # type: ignore[arg-type]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sleeper
+
+
+class LeaderLoop(ABC):
+    """Base of the leader-gated loops. Subclasses set :attr:`name` (the lease) and :attr:`kinds`."""
+
+    name: str = ""
+    kinds: frozenset[str] = frozenset()
+
+    def __init__(
+        self,
+        *,
+        conn: Connection,
+        view: StateView,
+        clock: Clock,
+        tick: float = 15.0,
+        coalesce: float = 0.005,
+        max_batch: int = 1000,
+        tombstone_ttl: float = 900.0,
+    ) -> None:
+        self.conn = conn
+        self.view = view
+        self.clock = clock
+        self.tick = tick
+        self.coalesce = coalesce
+        self.events = EventPublisher(conn)
+        self._max_batch = max_batch
+        self._tombstone_ttl = tombstone_ttl
+        self.writer: Writer | None = None
+        self.passes = 0
+
+    def fenced_writer(self, leadership: Leadership) -> Writer:
+        return Writer(
+            self.conn, self.view, lease=leadership.lease, max_batch=self._max_batch, tombstone_ttl=self._tombstone_ttl
+        )
+
+    def on_term_start(self) -> None:
+        """Reset in-memory timers (a new term starts from durable state only)."""
+
+    def extra_kinds(self) -> Iterable[str]:
+        return ()
+
+    @abstractmethod
+    async def run_pass(self) -> None:
+        """One evaluation: read the view, decide, commit."""
+
+    async def run(self, leadership: Leadership) -> None:
+        """Run for one leadership term (cancelled when the lease is lost)."""
+        self.writer = self.fenced_writer(leadership)
+        self.on_term_start()
+        feed = self.view.subscribe(set(self.kinds) | set(self.extra_kinds()))
+        try:
+            while True:
+                await self.view.wait_fresh()
+                feed.drain()
+                await self.pass_once()
+                if self.coalesce:
+                    await asyncio.sleep(self.coalesce)
+                if feed.pending_count:
+                    continue
+                waiter = asyncio.ensure_future(feed.wait())
+                try:
+                    await wait_change_or_tick(self.view, waiter, self.clock, self.tick)
+                finally:
+                    waiter.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await waiter
+        finally:
+            feed.close()
+
+    async def pass_once(self) -> None:
+        self.passes += 1
+        with span(f"{self.name}.pass", loop=self.name, passes=self.passes):
+            try:
+                await self.run_pass()
+            except Deposed:
+                raise
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s: pass failed; will retry on the next change or tick", self.name)

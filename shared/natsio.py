@@ -1,0 +1,238 @@
+"""NATS connection and idempotent provisioning of every bucket, stream and object store (DESIGN §2–§3)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    ObjectStoreConfig,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+log = logging.getLogger(__name__)
+
+STATE_BUCKET = "zattera-state"
+LIVE_BUCKET = "zattera-live"
+STATE_STREAM = f"KV_{STATE_BUCKET}"
+LIVE_STREAM = f"KV_{LIVE_BUCKET}"
+STATE_PREFIX = f"$KV.{STATE_BUCKET}."
+LIVE_PREFIX = f"$KV.{LIVE_BUCKET}."
+
+EVENTS_STREAM = "ZATTERA_EVENTS"
+EVENTS_SUBJECT_PREFIX = "zattera.events."
+ROUTES_STREAM = "ZATTERA_ROUTES"
+ROUTES_SNAPSHOT_SUBJECT = "zattera.routes.snapshot"
+ROUTES_GET_SUBJECT = "zattera.routes.get"
+ACTIVATE_SUBJECT = "zattera.activate"
+BUILD_LOGS_STREAM = "ZATTERA_BUILD_LOGS"
+
+SOURCES_STORE = "zattera-sources"
+IMAGES_STORE = "zattera-images"
+SNAPSHOTS_STORE = "zattera-snapshots"
+
+DAY = 24 * 3600.0
+
+
+def build_log_subject(build_id: str) -> str:
+    return f"zattera.builds.{build_id}.log"
+
+
+def build_events_subject(build_id: str) -> str:
+    return f"zattera.builds.{build_id}.events"
+
+
+def agent_subject(node_id: str, verb: str) -> str:
+    return f"zattera.agent.{node_id}.{verb}"
+
+
+def split_urls(urls: str | list[str]) -> list[str]:
+    if isinstance(urls, list):
+        return urls
+    return [u.strip() for u in urls.split(",") if u.strip()]
+
+
+ConnectionListener = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class Connection:
+    """A NATS connection plus reconnect listeners (the state view resyncs on reconnect)."""
+
+    nc: NATS
+    js: JetStreamContext
+    _on_reconnect: list[ConnectionListener]
+    _on_disconnect: list[ConnectionListener]
+
+    def on_reconnect(self, cb: ConnectionListener) -> None:
+        self._on_reconnect.append(cb)
+
+    def on_disconnect(self, cb: ConnectionListener) -> None:
+        self._on_disconnect.append(cb)
+
+    async def close(self) -> None:
+        if self.nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout=5)
+        except (TimeoutError, nats.errors.Error, OSError):
+            await self.nc.close()
+
+
+async def connect(urls: str | list[str], name: str = "zattera", *, connect_timeout: float = 5.0) -> Connection:
+    """Connect with unlimited reconnects; the returned connection drains on close."""
+    on_reconnect: list[ConnectionListener] = []
+    on_disconnect: list[ConnectionListener] = []
+
+    async def reconnected() -> None:
+        log.info("nats reconnected", extra={"client": name})
+        for cb in list(on_reconnect):
+            await cb()
+
+    async def disconnected() -> None:
+        log.warning("nats disconnected", extra={"client": name})
+        for cb in list(on_disconnect):
+            await cb()
+
+    async def error(exc: Exception) -> None:
+        log.debug("nats error: %s", exc)
+
+    nc = await nats.connect(
+        servers=split_urls(urls),
+        name=name,
+        connect_timeout=connect_timeout,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.25,
+        allow_reconnect=True,
+        reconnected_cb=reconnected,
+        disconnected_cb=disconnected,
+        error_cb=error,
+        pending_size=64 * 1024 * 1024,
+        flush_timeout=10,
+    )
+    return Connection(nc=nc, js=nc.jetstream(timeout=10), _on_reconnect=on_reconnect, _on_disconnect=on_disconnect)
+
+
+def state_stream_config(replicas: int, tombstone_ttl: float) -> StreamConfig:
+    return StreamConfig(
+        name=STATE_STREAM,
+        subjects=[f"{STATE_PREFIX}>"],
+        max_msgs_per_subject=1,
+        discard=DiscardPolicy.NEW,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        allow_rollup_hdrs=True,
+        deny_delete=True,
+        allow_direct=True,
+        duplicate_window=120.0,
+        allow_msg_ttl=True,
+        allow_atomic=True,
+        subject_delete_marker_ttl=tombstone_ttl,
+    )
+
+
+def live_stream_config(replicas: int, ttl: float) -> StreamConfig:
+    return StreamConfig(
+        name=LIVE_STREAM,
+        subjects=[f"{LIVE_PREFIX}>"],
+        max_msgs_per_subject=1,
+        discard=DiscardPolicy.NEW,
+        storage=StorageType.MEMORY,
+        num_replicas=replicas,
+        allow_rollup_hdrs=True,
+        deny_delete=True,
+        allow_direct=True,
+        max_age=ttl,
+        duplicate_window=min(ttl, 120.0),
+        allow_msg_ttl=True,
+    )
+
+
+def event_stream_config(replicas: int) -> StreamConfig:
+    return StreamConfig(
+        name=EVENTS_STREAM,
+        subjects=[f"{EVENTS_SUBJECT_PREFIX}>"],
+        max_msgs=100_000,
+        max_age=7 * DAY,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        allow_direct=True,
+    )
+
+
+def routes_stream_config(replicas: int) -> StreamConfig:
+    return StreamConfig(
+        name=ROUTES_STREAM,
+        subjects=[ROUTES_SNAPSHOT_SUBJECT],
+        max_msgs_per_subject=1,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        allow_direct=True,
+        max_msg_size=-1,
+    )
+
+
+def build_logs_stream_config(replicas: int, lines_per_build: int = 10_000) -> StreamConfig:
+    return StreamConfig(
+        name=BUILD_LOGS_STREAM,
+        subjects=["zattera.builds.*.log"],
+        max_msgs_per_subject=lines_per_build,
+        max_age=30 * DAY,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        allow_direct=True,
+    )
+
+
+async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    """Create the stream, or update it in place when it exists (idempotent, safe from many processes)."""
+    assert cfg.name is not None
+    try:
+        await js.stream_info(cfg.name)
+    except NotFoundError:
+        try:
+            await js.add_stream(cfg)
+            return
+        except BadRequestError as exc:
+            if exc.err_code != 10058:  # created concurrently by another process: fall through to update
+                raise
+    await js.update_stream(cfg)
+
+
+async def ensure_object_store(js: JetStreamContext, bucket: str, replicas: int) -> None:
+    try:
+        await js.object_store(bucket)
+    except (NotFoundError, nats.js.errors.BucketNotFoundError):
+        try:
+            await js.create_object_store(
+                bucket, ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE, replicas=replicas)
+            )
+        except BadRequestError as exc:
+            if exc.err_code != 10058:
+                raise
+
+
+async def provision(
+    js: JetStreamContext,
+    *,
+    replicas: int = 1,
+    live_ttl: float = 60.0,
+    tombstone_ttl: float = 900.0,
+    build_log_lines: int = 10_000,
+) -> None:
+    """Create or update everything of DESIGN §2–§3. Idempotent; every service calls it at start."""
+    await ensure_stream(js, state_stream_config(replicas, tombstone_ttl))
+    await ensure_stream(js, live_stream_config(replicas, live_ttl))
+    await ensure_stream(js, event_stream_config(replicas))
+    await ensure_stream(js, routes_stream_config(replicas))
+    await ensure_stream(js, build_logs_stream_config(replicas, build_log_lines))
+    for bucket in (SOURCES_STORE, IMAGES_STORE, SNAPSHOTS_STORE):
+        await ensure_object_store(js, bucket, replicas)

@@ -1,0 +1,149 @@
+"""The process shell every service shares: ``python -m services.<name> [--nats URL]``.
+
+It connects (retrying with backoff while NATS is unreachable), provisions the buckets and streams,
+loads the state view, runs the service's tasks (leader loops through :func:`run_while_leading`), and on
+SIGTERM/SIGINT cancels them (leases released, no half-written state: every transition is one atomic
+batch), then drains the connection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.clock import Clock, RealClock
+from shared.events import EventPublisher
+from shared.lease import default_holder, run_while_leading
+from shared.loop import LeaderLoop
+from shared.natsio import Connection, connect, provision
+from shared.settings import Settings, settings
+from shared.telemetry import setup as setup_telemetry
+from shared.txn import Writer
+from shared.view import StateView
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServiceContext:
+    name: str
+    settings: Settings
+    conn: Connection
+    view: StateView
+    clock: Clock
+    holder: str
+    events: EventPublisher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.events = EventPublisher(self.conn)
+
+    def writer(self) -> Writer:
+        """An unfenced writer (for writes that are not a leader loop's: activator, API)."""
+        return Writer(
+            self.conn,
+            self.view,
+            max_batch=self.settings.max_batch,
+            tombstone_ttl=self.settings.tombstone_ttl,
+        )
+
+    def loop_kwargs(self) -> dict[str, Any]:
+        return {
+            "conn": self.conn,
+            "view": self.view,
+            "clock": self.clock,
+            "coalesce": self.settings.coalesce_window,
+            "max_batch": self.settings.max_batch,
+            "tombstone_ttl": self.settings.tombstone_ttl,
+        }
+
+    def lead(self, loop: LeaderLoop) -> Coroutine[Any, Any, None]:
+        return run_while_leading(
+            self.conn,
+            loop.name,
+            loop.run,
+            holder=self.holder,
+            ttl=self.settings.lease_ttl,
+            renew_interval=self.settings.lease_renew,
+        )
+
+
+Build = Callable[[ServiceContext], Awaitable[Sequence[Coroutine[Any, Any, None]]]]
+
+
+def parse_args(name: str, argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=f"Zattera {name} service")
+    parser.add_argument("--nats", default=None, help="NATS URL(s), comma-separated (default: $ZATTERA_NATS_URL)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser.parse_args(argv)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+async def connect_with_retry(urls: str, name: str, stop: asyncio.Event) -> Connection | None:
+    delay = 0.2
+    while not stop.is_set():
+        try:
+            return await connect(urls, name=name)
+        except Exception as exc:
+            log.warning("%s: NATS at %s unreachable (%s); retrying in %.1fs", name, urls, exc, delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, 5.0)
+    return None
+
+
+async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> int:
+    args = parse_args(name, argv)
+    configure_logging(args.log_level)
+    setup_telemetry(f"zattera-{name}")
+    cfg = settings()
+    urls = args.nats or cfg.nats_url
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    conn = await connect_with_retry(urls, f"zattera-{name}", stop)
+    if conn is None:
+        return 0
+    view = StateView(conn, name=name)
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        await provision(conn.js, replicas=cfg.replicas, live_ttl=cfg.live_ttl, tombstone_ttl=cfg.tombstone_ttl)
+        await view.start()
+        ctx = ServiceContext(name, cfg, conn, view, RealClock(), default_holder(name))
+        tasks = [asyncio.create_task(c) for c in await build(ctx)]
+        log.info("%s: running (%d tasks) against %s", name, len(tasks), urls)
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({stopper, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is not stopper and not task.cancelled() and task.exception() is not None:
+                log.error("%s: task failed: %r", name, task.exception())
+        stopper.cancel()
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await view.stop()
+        await conn.close()
+        log.info("%s: stopped", name)
+    return 0
+
+
+def main(name: str, build: Build) -> None:
+    sys.exit(asyncio.run(serve(name, build)))

@@ -1,0 +1,36 @@
+"""Settings from the environment (prefix ``ZATTERA_``), shared by every service and the CLI.
+
+Timers live here too so tests and demos can shorten them without code changes.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ZATTERA_", extra="ignore")
+
+    nats_url: str = Field(default="nats://127.0.0.1:4222", description="comma-separated for a cluster")
+    domain: str = Field(default="", description="cluster app domain for implicit routes; empty = none")
+    data_dir: Path = Field(default=Path(".zattera"))
+    replicas: int = Field(default=1, ge=1, le=5, description="replicas of buckets and streams")
+    nats_server_bin: str = Field(default="", description="path of nats-server; empty = the bundled one")
+
+    lease_ttl: float = Field(default=3.0, gt=0)
+    lease_renew: float = Field(default=1.0, gt=0)
+    tombstone_ttl: float = Field(default=900.0, gt=0, description="how long delete markers stay")
+    live_ttl: float = Field(default=60.0, gt=0)
+    loop_tick: float = Field(default=15.0, gt=0)
+    serverless_tick: float = Field(default=5.0, gt=0)
+    coalesce_window: float = Field(default=0.005, ge=0, description="delay that merges bursts of changes")
+    max_batch: int = Field(default=1000, ge=2, le=1000, description="messages per atomic batch")
+
+
+@lru_cache(maxsize=1)
+def settings() -> Settings:
+    return Settings()

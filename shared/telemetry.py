@@ -1,0 +1,95 @@
+"""OpenTelemetry: one tracer per service, span helpers, trace context in NATS headers.
+
+The exporter is chosen by the standard ``OTEL_*`` variables: ``OTEL_TRACES_EXPORTER=otlp`` sends
+OTLP/HTTP to ``OTEL_EXPORTER_OTLP_ENDPOINT``; ``console`` prints; ``none`` or unset keeps spans in
+process only. Tests install an in-memory exporter with :func:`use_in_memory_exporter`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+_meter = metrics.get_meter("zattera")
+_configured = False
+
+
+def setup(service_name: str) -> None:
+    """Install the tracer provider for this process (once); exporter from ``OTEL_TRACES_EXPORTER``."""
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
+    exporter: SpanExporter | None = None
+    if exporter_name == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter()
+    elif exporter_name == "console":
+        exporter = ConsoleSpanExporter()
+    elif exporter_name == "file":
+        from shared.tracefile import JsonLinesSpanExporter
+
+        exporter = JsonLinesSpanExporter(os.environ.get("ZATTERA_TRACE_FILE", "zattera-traces.jsonl"))
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+
+
+def use_in_memory_exporter() -> InMemorySpanExporter:
+    """For tests: a provider whose finished spans are kept in memory."""
+    global _configured
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider(resource=Resource.create({"service.name": "test"}))
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    _configured = True
+    return exporter
+
+
+def tracer(name: str = "zattera") -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def counter(name: str, description: str) -> metrics.Counter:
+    return _meter.create_counter(name, description=description)
+
+
+def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
+    """Headers carrying the current trace context (``traceparent``) for a NATS message or KV write."""
+    carrier: dict[str, str] = dict(headers or {})
+    propagate.inject(carrier)
+    return carrier
+
+
+def extract(headers: Mapping[str, str] | None) -> Context:
+    return propagate.extract(dict(headers or {}))
+
+
+@contextmanager
+def span(name: str, *, headers: Mapping[str, str] | None = None, **attributes: Any) -> Iterator[trace.Span]:
+    """A span, child of the current one or of the context carried in ``headers``."""
+    ctx = extract(headers) if headers else None
+    with tracer().start_as_current_span(name, context=ctx) as current:
+        for key, value in attributes.items():
+            if value is not None:
+                current.set_attribute(key, value)
+        yield current

