@@ -1,0 +1,62 @@
+"""Deployment phases and who owns an environment's replicas: the contract between scheduler,
+orchestrator and the scaling loops.
+
+Reference rule: any non-terminal deployment owns its env; the scheduler and scaling loops leave it alone.
+This project's fix: once a deployment is promoted (DRAINING_OLD), the scheduler owns the **active**
+release's replicas again (node-loss replacement, scaling); only the blue set (the deployment's
+``previous_release_id``) is held warm by the deployment until the drain completes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zattera.v1 import types_pb2 as pb
+
+from shared.view import StateView
+
+P = pb.DeploymentPhase
+
+TERMINAL_PHASES: frozenset[int] = frozenset(
+    {
+        pb.DEPLOYMENT_PHASE_UNSPECIFIED,
+        pb.DEPLOYMENT_PHASE_SUCCEEDED,
+        pb.DEPLOYMENT_PHASE_FAILED,
+        pb.DEPLOYMENT_PHASE_ROLLED_BACK,
+        pb.DEPLOYMENT_PHASE_SUPERSEDED,
+    }
+)
+
+
+def is_terminal(phase: int) -> bool:
+    return phase in TERMINAL_PHASES
+
+
+def active_deployments(view: StateView, env_id: str) -> list[pb.Deployment]:
+    """Non-terminal deployments of an env, oldest first."""
+    return [d for d in view.deployments(env_id) if not is_terminal(d.phase)]
+
+
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    """Who manages an env's replicas right now."""
+
+    deployment: pb.Deployment | None
+    scheduler_manages: bool
+    held_release_ids: frozenset[str]
+
+
+def env_ownership(view: StateView, env_id: str) -> Ownership:
+    live = active_deployments(view, env_id)
+    if not live:
+        return Ownership(None, True, frozenset())
+    newest = live[-1]
+    if all(d.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD for d in live):
+        held = frozenset(d.previous_release_id for d in live if d.previous_release_id)
+        return Ownership(newest, True, held)
+    return Ownership(newest, False, frozenset())
+
+
+def owns_scaling(view: StateView, env_id: str) -> bool:
+    """True when a deployment is under way (scaling loops skip the env, as in the reference)."""
+    return bool(active_deployments(view, env_id))
