@@ -5,6 +5,12 @@ proxy's per-env samples); ``proxy.<proxy_id>`` holds a :class:`ProxyHeartbeat` (
 RPS, last request time). The bucket's TTL (60 s) removes what stops reporting; readers additionally
 ignore samples older than :data:`FRESH_FOR` seconds (the reference counted a dead node's last sample
 forever). A sample's age is measured from its own ``time`` field against the injected clock.
+
+Besides the raw ``node``/``proxy`` changes, a feed that explicitly asks for them receives derived
+changes: ``(ENV_TRAFFIC, env_id)`` when some reporter's sample for that env changed, appeared or
+disappeared, and ``(INSTANCE, assignment_id)`` likewise for per-instance samples. The scaling loops use
+them to re-evaluate only the environments a heartbeat touched, as soon as it arrives. Per-env and
+per-instance indexes keep those reads proportional to an env's reporters, not to the cluster size.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +37,11 @@ log = logging.getLogger(__name__)
 FRESH_FOR = 30.0
 NODE = "node"
 PROXY = "proxy"
+ENV_TRAFFIC = "env"
+"""Derived change kind: a reporter's traffic sample for this env id changed (only for feeds that ask)."""
+INSTANCE = "instance"
+"""Derived change kind: a per-instance sample for this assignment id changed (only for feeds that ask)."""
+_DERIVED_KINDS = (ENV_TRAFFIC, INSTANCE)
 
 _skipped_counter = counter("zattera.live.skipped", "live samples skipped because they could not be decoded")
 
@@ -45,6 +56,19 @@ def proxy_key(proxy_id: str) -> str:
 
 def _ts(msg: cpb.Heartbeat | cpb.ProxyHeartbeat) -> float:
     return float(msg.time.seconds + msg.time.nanos / 1e9)
+
+
+def _traffic(msg: cpb.Heartbeat | cpb.ProxyHeartbeat) -> Mapping[str, cpb.ProxySample]:
+    return msg.proxy if isinstance(msg, cpb.Heartbeat) else msg.envs
+
+
+def _changed_keys(old: Mapping[str, Any], new: Mapping[str, Any], old_fresh: bool) -> set[str]:
+    """Keys whose value differs between two sample maps (every key when the old sample was stale)."""
+    if not old_fresh:
+        return set(old) | set(new)
+    changed = {k for k in old if k not in new}
+    changed.update(k for k, v in new.items() if k not in old or old[k] != v)
+    return changed
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +90,13 @@ class LiveView:
         self._nodes: dict[str, cpb.Heartbeat] = {}
         self._proxies: dict[str, cpb.ProxyHeartbeat] = {}
         self._feeds: set[ChangeFeed] = set()
+        # env id -> reporter key ("node.<id>" / "proxy.<id>") -> the reporter's latest heartbeat
+        self._env_reporters: dict[str, dict[str, cpb.Heartbeat | cpb.ProxyHeartbeat]] = {}
+        # assignment id -> node ids whose latest heartbeat carries a sample for it
+        self._instance_nodes: dict[str, set[str]] = {}
+        # reporter key -> time of its latest heartbeat carrying traffic data (see has_fresh_traffic_data)
+        self._traffic_report_times: dict[str, float] = {}
+        self._latest_traffic_report = 0.0
         self._sub: Any = None
         self._ready = asyncio.Event()
         self.skipped = 0
@@ -119,18 +150,80 @@ class LiveView:
             self._skip(key, "unknown key")
             return
         store: dict[str, Any] = self._nodes if kind == NODE else self._proxies
-        if data is None:
-            store.pop(ident, None)
-        else:
+        msg: cpb.Heartbeat | cpb.ProxyHeartbeat | None = None
+        if data is not None:
             try:
                 msg = cpb.Heartbeat() if kind == NODE else cpb.ProxyHeartbeat()
                 msg.ParseFromString(data)
             except (DecodeError, ValueError, RuntimeError) as exc:
                 self._skip(key, str(exc))
                 return
+        old = store.pop(ident, None)
+        if msg is not None:
             store[ident] = msg
+        self._reindex(key, ident, old, msg)
         for feed in self._feeds:
             feed._offer(kind, ident)
+
+    def _reindex(
+        self,
+        key: str,
+        ident: str,
+        old: cpb.Heartbeat | cpb.ProxyHeartbeat | None,
+        new: cpb.Heartbeat | cpb.ProxyHeartbeat | None,
+    ) -> None:
+        """Keep the per-env and per-instance indexes in step and offer the derived changes."""
+        old_fresh = old is not None and self._fresh(_ts(old))
+        old_traffic = _traffic(old) if old is not None else {}
+        new_traffic = _traffic(new) if new is not None else {}
+        for env_id in old_traffic:
+            if env_id not in new_traffic:
+                reporters = self._env_reporters.get(env_id)
+                if reporters is not None:
+                    reporters.pop(key, None)
+                    if not reporters:
+                        del self._env_reporters[env_id]
+        if new is not None:
+            for env_id in new_traffic:
+                self._env_reporters.setdefault(env_id, {})[key] = new
+        self._note_traffic_report(key, new)
+        self._offer_derived(ENV_TRAFFIC, _changed_keys(old_traffic, new_traffic, old_fresh))
+
+        old_instances = old.instances if isinstance(old, cpb.Heartbeat) else {}
+        new_instances = new.instances if isinstance(new, cpb.Heartbeat) else {}
+        for aid in old_instances:
+            if aid not in new_instances:
+                nodes = self._instance_nodes.get(aid)
+                if nodes is not None:
+                    nodes.discard(ident)
+                    if not nodes:
+                        del self._instance_nodes[aid]
+        for aid in new_instances:
+            self._instance_nodes.setdefault(aid, set()).add(ident)
+        self._offer_derived(INSTANCE, _changed_keys(old_instances, new_instances, old_fresh))
+
+    def _note_traffic_report(self, key: str, new: cpb.Heartbeat | cpb.ProxyHeartbeat | None) -> None:
+        """Track the newest heartbeat that carries traffic data: a proxy heartbeat (even with no envs yet)
+        or a node heartbeat with a non-empty proxy map. A worker-only node heartbeat is not traffic data
+        (the reference counted it, so envs cooled during an ingress blackout)."""
+        old_time = self._traffic_report_times.pop(key, None)
+        carries_traffic = isinstance(new, cpb.ProxyHeartbeat) or (isinstance(new, cpb.Heartbeat) and bool(new.proxy))
+        if new is not None and carries_traffic:
+            new_time = _ts(new)
+            self._traffic_report_times[key] = new_time
+            if new_time >= self._latest_traffic_report:
+                self._latest_traffic_report = new_time
+                return
+        if old_time is not None and old_time >= self._latest_traffic_report:
+            self._latest_traffic_report = max(self._traffic_report_times.values(), default=0.0)
+
+    def _offer_derived(self, kind: str, idents: set[str]) -> None:
+        if not idents:
+            return
+        for feed in self._feeds:
+            if kind in feed.kinds:
+                for ident in idents:
+                    feed._offer(kind, ident)
 
     def _skip(self, key: str, why: str) -> None:
         self.skipped += 1
@@ -138,6 +231,7 @@ class LiveView:
         log.warning("live: skipped value under %r: %s", key, why)
 
     def subscribe(self, kinds: Iterable[str] = ()) -> ChangeFeed:
+        """Changes of the given kinds (empty = every raw kind; derived kinds only when named)."""
         feed = ChangeFeed(self, kinds)
         self._feeds.add(feed)
         return feed
@@ -168,18 +262,28 @@ class LiveView:
             return None
         return hb.instances.get(assignment_id)
 
+    def fresh_instance_sample(self, assignment_id: str, prefer_node: str = "") -> cpb.InstanceSample | None:
+        """A fresh sample of one instance from whichever node reports it (``prefer_node`` first)."""
+        nodes = self._instance_nodes.get(assignment_id)
+        if not nodes:
+            return None
+        order = [prefer_node, *sorted(nodes - {prefer_node})] if prefer_node in nodes else sorted(nodes)
+        for node_id in order:
+            sample = self.instance_sample(node_id, assignment_id)
+            if sample is not None:
+                return sample
+        return None
+
+    def has_fresh_traffic_data(self) -> bool:
+        """True when at least one proxy has reported within :attr:`fresh_for` (the blackout guard)."""
+        return self._latest_traffic_report > 0 and self._fresh(self._latest_traffic_report)
+
     def env_traffic(self, env_id: str) -> EnvTraffic:
         """Sum of fresh per-env proxy samples (proxy heartbeats and node heartbeats' proxy maps)."""
         inflight = held = reporters = 0
         rps = 0.0
         last = 0.0
-        samples: list[cpb.ProxySample] = []
-        for phb in self._proxies.values():
-            if self._fresh(_ts(phb)) and env_id in phb.envs:
-                samples.append(phb.envs[env_id])
-        for nhb in self._nodes.values():
-            if self._fresh(_ts(nhb)) and env_id in nhb.proxy:
-                samples.append(nhb.proxy[env_id])
+        samples = [_traffic(hb)[env_id] for hb in self._env_reporters.get(env_id, {}).values() if self._fresh(_ts(hb))]
         for sample in samples:
             reporters += 1
             inflight += sample.inflight

@@ -19,7 +19,7 @@ from shared.lease import Leadership
 from shared.natsio import Connection
 from shared.telemetry import span
 from shared.txn import Deposed, Writer
-from shared.view import Change, StateView
+from shared.view import Change, ChangeFeed, StateView
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class LeaderLoop(ABC):
         self._tombstone_ttl = tombstone_ttl
         self.writer: Writer | None = None
         self.passes = 0
+        self._feed: ChangeFeed | None = None
 
     def fenced_writer(self, leadership: Leadership) -> Writer:
         return Writer(
@@ -79,6 +80,10 @@ class LeaderLoop(ABC):
     def extra_kinds(self) -> Iterable[str]:
         return ()
 
+    def seconds_until_due(self) -> float | None:
+        """Seconds until a deadline of the loop's own falls due, to wake before the tick (None: no deadline)."""
+        return None
+
     @abstractmethod
     async def run_pass(self) -> None:
         """One evaluation: read the view, decide, commit."""
@@ -87,7 +92,7 @@ class LeaderLoop(ABC):
         """Run for one leadership term (cancelled when the lease is lost)."""
         self.writer = self.fenced_writer(leadership)
         self.on_term_start()
-        feed = self.view.subscribe(set(self.kinds) | set(self.extra_kinds()))
+        feed = self._feed = self.view.subscribe(set(self.kinds) | set(self.extra_kinds()))
         try:
             while True:
                 await self.view.wait_fresh()
@@ -99,13 +104,21 @@ class LeaderLoop(ABC):
                     continue
                 waiter = asyncio.ensure_future(feed.wait())
                 try:
-                    await wait_change_or_tick(self.view, waiter, self.clock, self.tick)
+                    due = self.seconds_until_due()
+                    wait = self.tick if due is None else min(self.tick, max(due, 0.0))
+                    await wait_change_or_tick(self.view, waiter, self.clock, wait)
                 finally:
                     waiter.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await waiter
         finally:
             feed.close()
+            self._feed = None
+
+    def ignore_own_changes(self, changes: Iterable[Change]) -> None:
+        """Keep this loop's own writes of ``changes`` from waking it again (e.g. lease renewals)."""
+        if self._feed is not None:
+            self._feed.discard(changes)
 
     async def pass_once(self) -> None:
         self.passes += 1

@@ -30,6 +30,15 @@ class Settings(BaseSettings):
     coalesce_window: float = Field(default=0.005, ge=0, description="delay that merges bursts of changes")
     max_batch: int = Field(default=1000, ge=2, le=1000, description="messages per atomic batch")
 
+    # Deployment orchestrator timers (seconds).
+    drain_window: float = Field(default=600.0, gt=0, description="blue kept warm after promotion")
+    health_default_grace: float = Field(default=60.0, gt=0, description="grace when the release sets none")
+    health_deadline_extra: float = Field(default=60.0, ge=0, description="health deadline = 2 x grace + this")
+    building_timeout: float = Field(default=1800.0, gt=0)
+    placing_timeout: float = Field(default=600.0, gt=0)
+    starting_timeout: float = Field(default=600.0, gt=0)
+    stopping_old_timeout: float = Field(default=300.0, gt=0)
+
 
 @lru_cache(maxsize=1)
 def settings() -> Settings:

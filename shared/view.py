@@ -115,6 +115,13 @@ class ChangeFeed:
     def pending_count(self) -> int:
         return len(self._pending)
 
+    def discard(self, changes: Iterable[Change]) -> None:
+        """Forget pending changes (a loop's own writes that must not wake it again)."""
+        before = len(self._pending)
+        self._pending.difference_update(changes)
+        if before and not self._pending:
+            self._signal.clear()
+
     def drain(self) -> set[Change]:
         pending, self._pending = self._pending, set()
         self._signal.clear()
@@ -154,7 +161,6 @@ _ENV_INDEXED = {
     K.VOLUME: "environment_id",
     K.BUILD: "environment_id",
     K.DOMAIN: "environment_id",
-    K.SNAPSHOT: "environment_id",
 }
 
 
@@ -180,6 +186,7 @@ class StateView:
         self.skipped = 0
         self.applied = 0
         self.last_revision = 0
+        self._kind_revisions: dict[str, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -314,6 +321,7 @@ class StateView:
         except K.BadKey as exc:
             self._skip(key, rev, exc)
             return
+        self._note_kind_revision(k.kind, rev)
         if data is None:
             self._remove(k, key)
             return
@@ -337,6 +345,7 @@ class StateView:
             return
         self.last_revision = max(self.last_revision, rev)
         k = K.parse(key)
+        self._note_kind_revision(k.kind, rev)
         if msg is None:
             self._remove(k, key)
             return
@@ -347,6 +356,18 @@ class StateView:
             decoded.ClearField("observed")
             msg = decoded
         self._put(k, key, msg, rev)
+
+    def _note_kind_revision(self, kind: str, rev: int) -> None:
+        if rev > self._kind_revisions.get(kind, 0):
+            self._kind_revisions[kind] = rev
+
+    def kind_revision(self, kind: str) -> int:
+        """Newest revision of any put or delete of ``kind`` seen (a delete counts while its marker is seen).
+
+        Unlike :attr:`last_revision` it does not move on writes of other kinds (lease renewals), so
+        two views at the same state agree on it: route snapshots derive their version from it.
+        """
+        return self._kind_revisions.get(kind, 0)
 
     def _put(self, k: K.Key, key: str, msg: Message, rev: int) -> None:
         self.applied += 1

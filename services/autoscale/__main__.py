@@ -1,15 +1,34 @@
-"""Entry point: `python -m services.autoscale [--nats URL]`."""
+"""Entry point: `python -m services.autoscale [--nats URL]`.
+
+One process runs the three scaling loops (each under its own lease, so replicas of this service split
+or share them) and the activator responder (every replica answers, not leader-gated), all reading one
+:class:`LiveView` over ``zattera-live``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from services.autoscale.activator import Activator
+from services.autoscale.autoscaler import Autoscaler
+from services.autoscale.scaletozero import ScaleToZero
+from services.autoscale.serverless import Serverless
+from shared.live import LiveView
 from shared.service import ServiceContext, main
 
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
-    return []
+    live = LiveView(ctx.conn, ctx.clock)
+    await live.start()
+    loop_kwargs = ctx.loop_kwargs()
+    loops = [
+        Autoscaler(live=live, tick=ctx.settings.loop_tick, **loop_kwargs),
+        ScaleToZero(live=live, tick=ctx.settings.loop_tick, **loop_kwargs),
+        Serverless(live=live, tick=ctx.settings.serverless_tick, **loop_kwargs),
+    ]
+    activator = Activator(conn=ctx.conn, view=ctx.view, writer=ctx.writer(), clock=ctx.clock)
+    return [*(ctx.lead(loop) for loop in loops), activator.serve()]
 
 
 if __name__ == "__main__":

@@ -1,15 +1,40 @@
-"""Entry point: `python -m services.builds [--nats URL]`."""
+"""Entry point: `python -m services.builds [--nats URL]`: build dispatcher and retention (with the
+registry sweeper), each under its own lease."""
 
 from __future__ import annotations
 
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from services.builds.dispatcher import BuildDispatcher, BuildDispatcherConfig
+from services.builds.registry import RegistrySweeper
+from services.builds.retention import Retention
+from services.builds.settings import BuildsSettings
 from shared.service import ServiceContext, main
 
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
-    return []
+    cfg = BuildsSettings()
+    dispatcher = BuildDispatcher(
+        config=BuildDispatcherConfig(
+            source_url_base=cfg.source_url_base,
+            registry_addr=cfg.registry_addr,
+            local_load=cfg.local_load,
+            builder_lost_timeout=cfg.builder_lost_timeout,
+            builder_concurrency=cfg.builder_concurrency,
+            checkpoint_interval=cfg.checkpoint_interval,
+        ),
+        tick=ctx.settings.loop_tick,
+        **ctx.loop_kwargs(),
+    )
+    retention = Retention(
+        sweeper=RegistrySweeper(ctx.conn, ctx.view, ctx.clock, grace=cfg.blob_grace),
+        interval=cfg.retention_interval,
+        keep=cfg.keep_releases,
+        source_max_age=cfg.source_max_age,
+        **ctx.loop_kwargs(),
+    )
+    return [ctx.lead(dispatcher), ctx.lead(retention)]
 
 
 if __name__ == "__main__":

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from services.orchestrator.loop import Orchestrator
+from services.orchestrator.model import Timers
 from shared.service import ServiceContext, main
 
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
-    return []
+    loop = Orchestrator(timers=Timers.from_settings(ctx.settings), tick=ctx.settings.loop_tick, **ctx.loop_kwargs())
+    return [ctx.lead(loop)]
 
 
 if __name__ == "__main__":

@@ -1,15 +1,27 @@
-"""Entry point: `python -m services.scheduler [--nats URL]`."""
+"""Entry point: `python -m services.scheduler [--nats URL]`.
+
+Runs the placement loop (``lease.scheduler``) and node liveness (``lease.liveness``), each only while
+this replica holds its lease.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from services.scheduler.liveness import Liveness
+from services.scheduler.loop import Scheduler
+from shared.live import LiveView
 from shared.service import ServiceContext, main
 
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
-    return []
+    live = LiveView(ctx.conn, ctx.clock)
+    await live.start()
+    return [
+        ctx.lead(Scheduler(tick=ctx.settings.loop_tick, **ctx.loop_kwargs())),
+        ctx.lead(Liveness(live=live, **ctx.loop_kwargs())),
+    ]
 
 
 if __name__ == "__main__":

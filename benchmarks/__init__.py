@@ -1,0 +1,1 @@
+"""Benchmarks: one file per figure (`make bench`)."""

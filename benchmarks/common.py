@@ -1,0 +1,69 @@
+"""Helpers shared by the benchmarks: an embedded server, percentiles, the result row and table."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from shared.embedded import EmbeddedNats
+
+Row = dict[str, Any]
+
+
+def row(figure: str, value: float, unit: str, target: str = "", anchor: str = "") -> Row:
+    return {"figure": figure, "value": value, "unit": unit, "target": target, "anchor": anchor}
+
+
+def percentile(samples: Sequence[float], p: float) -> float:
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    k = (len(ordered) - 1) * p / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def median(samples: Sequence[float]) -> float:
+    return statistics.median(samples) if samples else float("nan")
+
+
+@contextlib.contextmanager
+def embedded_server(prefix: str = "zattera-bench-") -> Iterator[EmbeddedNats]:
+    """A throwaway nats-server whose store is on the real disk (not tmpfs), as in production."""
+    base = Path.home() / ".cache" / "zattera-bench"
+    base.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=base) as tmp:
+        server = EmbeddedNats(data_dir=Path(tmp) / "nats").start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def format_value(value: float) -> str:
+    if value != value:  # NaN
+        return "n/a"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 1:
+        return f"{value:,.2f}"
+    return f"{value:.4f}"
+
+
+def print_table(title: str, rows: Sequence[Row]) -> None:
+    table = Table(title=title)
+    for column in ("figure", "measured", "target", "anchor"):
+        table.add_column(column, overflow="fold")
+    for r in rows:
+        table.add_row(
+            r["figure"], f"{format_value(float(r['value']))} {r['unit']}", r.get("target", ""), r.get("anchor", "")
+        )
+    Console().print(table)

@@ -1,0 +1,238 @@
+"""State layer figures: fenced writes, atomic batches, view apply rate and view memory.
+
+Run: ``python -m benchmarks.state_bench [--full]`` (also part of ``make bench``).
+One local nats-server, file storage on the real disk, on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+from zattera.v1 import types_pb2 as pb
+
+from benchmarks.common import Row, embedded_server, print_table, row
+from shared import keys as K
+from shared.ids import new_id
+from shared.lease import Lease
+from shared.natsio import connect, provision
+from shared.txn import Writer
+from shared.view import StateView
+
+
+def _node(i: int) -> pb.Node:
+    n = pb.Node(name=f"n{i}", status=pb.NODE_STATUS_ALIVE, schedulable=True)
+    n.meta.id = f"n{i:06d}"
+    return n
+
+
+def _assignment(i: int) -> pb.Assignment:
+    a = pb.Assignment(
+        node_id=f"n{i % 5000:05d}",
+        environment_id=f"e{i % 2000:05d}",
+        release_id=f"r{i % 2000:05d}",
+        project_id="p",
+        app_id="a",
+        desired=pb.ASSIGNMENT_DESIRED_RUN,
+        config_hash="sha256:0123456789abcdef",
+    )
+    a.meta.id = new_id()
+    a.meta.created_at.GetCurrentTime()
+    a.meta.updated_at.CopyFrom(a.meta.created_at)
+    return a
+
+
+async def _writes(url: str, quick: bool) -> list[Row]:
+    conn = await connect(url, name="bench")
+    await provision(conn.js)
+    view = StateView(conn, name="bench")
+    await view.start()
+    rows: list[Row] = []
+    n = 300 if quick else 2000
+
+    # Fenced single-key transition, the non-leader path (CLI, agents): KV update with expected revision.
+    plain = Writer(conn, view)
+    await plain.commit(plain.txn().create(_node(0)))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        await plain.commit(plain.txn().put(_node(0)))
+    rate = n / (time.perf_counter() - t0)
+    rows.append(
+        row(
+            "fenced single-key transitions/s, sequential (expected-revision write)",
+            rate,
+            "/s",
+            ">= 2,000",
+            "DESIGN: ~3,200/s sequential KV put",
+        )
+    )
+
+    lease = Lease(conn, "bench", "bench", ttl=30)
+    assert await lease.try_acquire()
+    fenced = Writer(conn, view, lease=lease)
+
+    # Leader-fenced single-key transitions: each one carries the lease fence, concurrent callers group commit.
+    for i in range(1, 65):
+        await plain.commit(plain.txn().create(_node(i)))
+    per_caller = max(5, n // 64)
+
+    async def caller(i: int) -> None:
+        for _ in range(per_caller):
+            await fenced.commit(fenced.txn().put(_node(i)))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller(i) for i in range(1, 65)))
+    rate = 64 * per_caller / (time.perf_counter() - t0)
+    rows.append(row("leader-fenced single-key transitions/s, 64 concurrent (group commit)", rate, "/s", ">= 2,000", ""))
+
+    # Fenced 10-key atomic batches, one at a time: bounded by the server's per-batch disk flush.
+    batches = 40 if quick else 200
+    base = 1000
+    t0 = time.perf_counter()
+    for b in range(batches):
+        txn = fenced.txn()
+        for k in range(10):
+            txn.create(_node(base + b * 10 + k))
+        await fenced.commit(txn)
+    rate = batches / (time.perf_counter() - t0)
+    rows.append(
+        row(
+            "fenced 10-key atomic batches/s, sequential",
+            rate,
+            "/s",
+            ">= 500",
+            "DESIGN: 100-280/s (server flush per batch)",
+        )
+    )
+
+    # Fenced 10-key transactions from concurrent callers (each still all-or-nothing).
+    per_caller = 10 if quick else 40
+    start_at = 100_000
+
+    async def batch_caller(c: int) -> None:
+        for j in range(per_caller):
+            txn = fenced.txn()
+            for k in range(10):
+                txn.create(_node(start_at + (c * per_caller + j) * 10 + k))
+            await fenced.commit(txn)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(batch_caller(c) for c in range(32)))
+    rate = 32 * per_caller / (time.perf_counter() - t0)
+    rows.append(row("fenced 10-key atomic transactions/s, 32 concurrent (group commit)", rate, "/s", ">= 500", ""))
+
+    await lease.release()
+    await view.stop()
+    await conn.close()
+    return rows
+
+
+async def _fill(url: str, count: int) -> None:
+    conn = await connect(url, name="bench-fill")
+    await provision(conn.js)
+    view = StateView(conn, name="fill")
+    await view.start()
+    writer = Writer(conn, view)
+    txns = []
+    for i in range(0, count, 500):
+        txn = writer.txn()
+        for j in range(i, min(count, i + 500)):
+            txn.create(_assignment(j))
+        txns.append(txn)
+    results = await writer.commit_many(txns)
+    assert all(r is None for r in results), results[:3]
+    await view.stop()
+    await conn.close()
+
+
+async def _load_view(url: str) -> dict[str, float]:
+    gc.collect()
+    rss0 = psutil.Process().memory_info().rss
+    conn = await connect(url, name="bench-view")
+    view = StateView(conn, name="bench")
+    t0 = time.perf_counter()
+    await view.start(timeout=300)
+    elapsed = time.perf_counter() - t0
+    gc.collect()
+    rss1 = psutil.Process().memory_info().rss
+    count = view.count(K.ASSIGNMENT)
+    await view.stop()
+    await conn.close()
+    return {"count": count, "seconds": elapsed, "rss_mb": (rss1 - rss0) / 1e6}
+
+
+async def _live_apply(url: str, changes: int) -> float:
+    """Changes/s a running view applies while another client streams updates."""
+    conn = await connect(url, name="bench-live")
+    view = StateView(conn, name="live")
+    await view.start(timeout=300)
+    writer_conn = await connect(url, name="bench-live-writer")
+    target = view.last_revision + changes
+    t0 = time.perf_counter()
+    pending = []
+    for i in range(changes):
+        a = _assignment(i)
+        pending.append(
+            writer_conn.js.publish_async("$KV.zattera-state." + K.key_of(a), K.encode(a), stream="KV_zattera-state")
+        )
+        if len(pending) >= 2000:
+            await asyncio.gather(*pending)
+            pending.clear()
+    await asyncio.gather(*pending)
+    while view.last_revision < target:  # noqa: ASYNC110 - polling a counter, no event to wait on
+        await asyncio.sleep(0.005)
+    elapsed = time.perf_counter() - t0
+    await view.stop()
+    await conn.close()
+    await writer_conn.close()
+    return changes / elapsed
+
+
+def run(quick: bool = True) -> list[Row]:
+    rows: list[Row] = []
+    with embedded_server() as server:
+        rows += asyncio.run(_writes(server.url, quick))
+    with embedded_server() as server:
+        count = 100_000
+        asyncio.run(_fill(server.url, count))
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.state_bench", "--load-view", server.url],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        loaded = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append(
+            row(
+                f"view initial load of {int(loaded['count']):,} assignments",
+                loaded["count"] / loaded["seconds"],
+                "changes/s",
+                ">= 20,000",
+                "",
+            )
+        )
+        rows.append(row("view memory for 100,000 assignments (RSS growth)", loaded["rss_mb"], "MB", "<= 300", ""))
+        rate = asyncio.run(_live_apply(server.url, 20_000 if quick else 100_000))
+        rows.append(row("view live apply rate (streamed changes)", rate, "changes/s", ">= 20,000", ""))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--full", action="store_true", help="larger sample sizes")
+    parser.add_argument("--load-view", metavar="URL", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.load_view:
+        print(json.dumps(asyncio.run(_load_view(args.load_view))))
+        return
+    print_table("state layer", run(quick=not args.full))
+
+
+if __name__ == "__main__":
+    main()

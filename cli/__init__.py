@@ -1,0 +1,1 @@
+"""The ``zattera`` command: the operator interface."""

@@ -1,0 +1,201 @@
+"""``zattera up``: the whole single-machine cluster on the embedded NATS server.
+
+Starts nats-server (JetStream, data under ``<data_dir>/nats``), provisions the buckets and streams,
+then every service as its own process (logs under ``<data_dir>/logs``), restarts a service that dies
+(with backoff), and on Ctrl-C / SIGTERM stops the services (SIGTERM, then SIGKILL after a grace) and
+then NATS, leaving no process behind. Running it again resumes the same cluster from its data dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+from shared.embedded import EmbeddedNats, free_port
+from shared.natsio import connect, provision
+
+SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes")
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def available_services() -> list[str]:
+    return [s for s in SERVICES if (PROJECT_ROOT / "services" / s / "__main__.py").exists()]
+
+
+@dataclass
+class Supervised:
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    started_at: float = 0.0
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=PROJECT_ROOT,
+                env=self.env,
+                start_new_session=True,
+            )
+        self.started_at = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def terminate(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def wait_or_kill(self, deadline: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@dataclass
+class Cluster:
+    data_dir: Path
+    port: int = 4222
+    services: list[str] = field(default_factory=available_services)
+    extra: list[Supervised] = field(default_factory=list)
+    console: Console = field(default_factory=lambda: Console(stderr=True))
+    nats: EmbeddedNats | None = None
+    children: list[Supervised] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        assert self.nats is not None
+        return self.nats.url
+
+    def start_nats(self) -> None:
+        port = self.port
+        if port and not _port_free(port):
+            self.console.print(f"[yellow]port {port} is busy; using a free port instead[/]")
+            port = free_port()
+        self.nats = EmbeddedNats(data_dir=self.data_dir / "nats", port=port).start()
+
+    def child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["ZATTERA_NATS_URL"] = self.url
+        env["ZATTERA_DATA_DIR"] = str(self.data_dir)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def start_services(self) -> None:
+        env = self.child_env()
+        for name in self.services:
+            child = Supervised(
+                name,
+                [sys.executable, "-m", f"services.{name}", "--nats", self.url],
+                self.data_dir / "logs" / f"{name}.log",
+                env,
+            )
+            child.start()
+            self.children.append(child)
+        for child in self.extra:
+            child.env = {**env, **child.env}
+            child.start()
+            self.children.append(child)
+
+    def supervise_once(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if child.alive():
+                continue
+            if child.next_start == 0.0:
+                backoff = min(30.0, 0.5 * 2 ** min(child.restarts, 6))
+                if now - child.started_at > 60:
+                    child.restarts = 0
+                    backoff = 0.5
+                child.next_start = now + backoff
+                code = child.proc.returncode if child.proc else None
+                self.console.print(f"[red]{child.name} exited ({code}); restarting in {backoff:.1f}s[/]")
+            elif now >= child.next_start:
+                child.restarts += 1
+                child.next_start = 0.0
+                child.start()
+
+    def stop(self, grace: float = 10.0) -> None:
+        for child in self.children:
+            child.terminate()
+        deadline = time.monotonic() + grace
+        for child in self.children:
+            child.wait_or_kill(deadline)
+        if self.nats is not None:
+            self.nats.stop()
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+async def _provision(url: str) -> None:
+    conn = await connect(url, name="zattera-up")
+    try:
+        await provision(conn.js)
+    finally:
+        await conn.close()
+
+
+def run_up(cluster: Cluster, *, hint: str = "") -> int:
+    stop = False
+
+    def on_signal(_sig: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    console = cluster.console
+    try:
+        cluster.start_nats()
+        asyncio.run(_provision(cluster.url))
+        cluster.start_services()
+        console.print(f"[bold green]Zattera is up[/] — data in {cluster.data_dir}")
+        console.print(f"  NATS:      {cluster.url}")
+        for child in cluster.children:
+            console.print(f"  {child.name:<10} pid {child.proc.pid if child.proc else '-'}  log {child.log_path}")
+        if hint:
+            console.print(hint)
+        console.print("Press Ctrl-C to stop.")
+        while not stop:
+            cluster.supervise_once()
+            time.sleep(0.2)
+    finally:
+        console.print("stopping…")
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        console.print("stopped.")
+    return 0

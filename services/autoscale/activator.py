@@ -1,0 +1,173 @@
+"""Activator: wakes a scaled-to-zero env on request (``zattera.activate``, reference §4.1).
+
+Served by every autoscale replica in one queue group (not leader-gated). A request body is an
+``ActivateRequest``; the reply is an ``ActivateResponse``, or an error reply: empty body with the NATS
+micro service headers ``Nats-Service-Error-Code`` (the code) and ``Nats-Service-Error`` (the message).
+
+Semantics (reference): unknown env → error 404; not ``scale_to_zero`` → ``accepted=false``; target
+``max(min, 1)``; already at or above the target → ``accepted=true`` without a write (idempotent).
+
+Single flight, cluster-wide: the write expects the env's revision as read. Of concurrent activations
+(in this process or in other replicas) one write lands; the others conflict, wait until their view
+has caught up, re-read the env, find it warm and answer ``accepted=true`` without writing. The
+reference's per-process 10 s debounce is dropped: it could not stop other control nodes, and the only
+case it changed (a wake undone within 10 s) cannot happen now that held requests count as demand, where
+it would have made a waiting request wait 10 s longer.
+
+Errors (reference gRPC codes as numbers): 400 undecodable request; 404 env not found; 503 state view
+not in sync (retry); 409 the env kept changing under the write (retry); 500 anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+from nats.aio.msg import Msg
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from services.autoscale.common import ReplicaWrite, catch_up, effective_txn, wake_target
+from shared import keys as K
+from shared.clock import Clock
+from shared.natsio import ACTIVATE_SUBJECT, Connection
+from shared.telemetry import span
+from shared.txn import CommitUnknown, Conflict, TxnError, Writer
+from shared.view import StateView
+
+log = logging.getLogger(__name__)
+
+ACTOR = "system:activator"
+QUEUE_GROUP = "zattera-activator"
+MAX_ATTEMPTS = 3
+ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+ERROR_HEADER = "Nats-Service-Error"
+
+INVALID_ARGUMENT = 400
+NOT_FOUND = 404
+ABORTED = 409
+INTERNAL = 500
+UNAVAILABLE = 503
+
+
+class ActivateError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """``accepted`` is the reply; ``write`` the wake to commit first (None = answer at once)."""
+
+    accepted: bool
+    write: ReplicaWrite | None
+    reason: str
+
+
+def evaluate(env: pb.Environment, revision: int) -> Decision:
+    if not env.service.scale_to_zero:
+        return Decision(False, None, "not a scale-to-zero env")
+    target = wake_target(env)
+    if env.effective_replicas >= target:
+        return Decision(True, None, "already warm")
+    return Decision(True, ReplicaWrite(env, revision, env.effective_replicas, target), "wake")
+
+
+class Activator:
+    def __init__(self, *, conn: Connection, view: StateView, writer: Writer, clock: Clock) -> None:
+        self.conn = conn
+        self.view = view
+        self.writer = writer
+        self.clock = clock
+        self.wakes = 0
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def activate(self, environment_id: str, node_id: str = "") -> cpb.ActivateResponse:
+        """Wake the env if needed; raises :class:`ActivateError` with the reference's error codes."""
+        for _ in range(MAX_ATTEMPTS):
+            if self.view.stale:
+                raise ActivateError(UNAVAILABLE, "state view is not in sync; retry shortly")
+            env = self.view.env(environment_id)
+            if env is None:
+                raise ActivateError(NOT_FOUND, f"environment {environment_id!r} not found")
+            decision = evaluate(env, self.view.rev(K.env(environment_id)))
+            if decision.write is None:
+                return cpb.ActivateResponse(accepted=decision.accepted)
+            try:
+                await self.writer.commit(effective_txn(self.writer, decision.write, self.clock.now()))
+            except Conflict:
+                await catch_up(self.conn, self.view)
+                continue
+            except CommitUnknown:
+                continue  # the writer's view has caught up: re-read and re-decide
+            except TxnError as exc:
+                raise ActivateError(INTERNAL, f"wake of {environment_id!r} failed: {exc}") from exc
+            self.wakes += 1
+            log.info(
+                "activated env %s to %d replicas (by node %r, %s)",
+                environment_id,
+                decision.write.target,
+                node_id,
+                ACTOR,
+            )
+            return cpb.ActivateResponse(accepted=True)
+        raise ActivateError(ABORTED, f"environment {environment_id!r} kept changing; retry")
+
+    async def handle(self, msg: Msg) -> None:
+        with span("activator.activate", headers=msg.headers) as current:
+            try:
+                request = cpb.ActivateRequest.FromString(msg.data)
+            except (DecodeError, ValueError) as exc:
+                await self._reply_error(msg, ActivateError(INVALID_ARGUMENT, f"bad ActivateRequest: {exc}"))
+                return
+            current.set_attribute("environment_id", request.environment_id)
+            try:
+                response = await self.activate(request.environment_id, request.node_id)
+            except ActivateError as exc:
+                await self._reply_error(msg, exc)
+                return
+            except Exception as exc:
+                log.exception("activator: activation of %s failed", request.environment_id)
+                await self._reply_error(msg, ActivateError(INTERNAL, str(exc)))
+                return
+            await msg.respond(response.SerializeToString(deterministic=True))
+
+    async def _reply_error(self, msg: Msg, error: ActivateError) -> None:
+        if msg.reply:
+            headers = {ERROR_CODE_HEADER: str(error.code), ERROR_HEADER: error.message}
+            await self.conn.nc.publish(msg.reply, b"", headers=headers)
+
+    async def serve(self) -> None:
+        """Answer ``zattera.activate`` until cancelled; each request is handled concurrently, so
+        concurrent wakes share one group commit."""
+
+        async def on_msg(msg: Msg) -> None:
+            task = asyncio.create_task(self.handle(msg))
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+
+        sub = await self.conn.nc.subscribe(ACTIVATE_SUBJECT, queue=QUEUE_GROUP, cb=on_msg)
+        try:
+            await asyncio.Future()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            for task in list(self._handlers):
+                task.cancel()
+
+
+async def request_activation(
+    conn: Connection, environment_id: str, node_id: str = "", *, timeout: float = 10.0
+) -> cpb.ActivateResponse:
+    """The client side (what a proxy calls): raises :class:`ActivateError` on an error reply."""
+    request = cpb.ActivateRequest(environment_id=environment_id, node_id=node_id)
+    reply = await conn.nc.request(ACTIVATE_SUBJECT, request.SerializeToString(deterministic=True), timeout=timeout)
+    headers = reply.headers or {}
+    if ERROR_CODE_HEADER in headers:
+        raise ActivateError(int(headers[ERROR_CODE_HEADER]), headers.get(ERROR_HEADER, ""))
+    return cpb.ActivateResponse.FromString(reply.data)

@@ -1,0 +1,241 @@
+"""What the three scaling loops share (the reference's ``helpers.go``): how an env's current replica
+count is read, the fenced ``effective_replicas`` write, and :class:`ScalingLoop`, the event-driven loop
+shape that reacts to live samples as they arrive.
+
+Every write of ``effective_replicas`` expects the env's revision as the decision read it. An operator
+edit (or another loop's or the activator's write) in between makes the server refuse the write; the
+loop then waits until its view has caught up, re-reads the env and decides again. Nothing is
+clobbered and no bookkeeping (cooldown, events) happens for a write that did not land (the reference
+recorded both even after a failed write, §7.3.5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from abc import abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from zattera.v1 import types_pb2 as pb
+
+from shared import keys as K
+from shared.lease import Leadership
+from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
+from shared.loop import LeaderLoop
+from shared.natsio import STATE_STREAM, Connection
+from shared.telemetry import span
+from shared.txn import CommitUnknown, Conflict, Deposed, Txn, Writer
+from shared.view import Change, ChangeFeed, StateView
+
+log = logging.getLogger(__name__)
+
+CATCH_UP_TIMEOUT = 2.0
+
+
+def current_replicas(env: pb.Environment) -> int:
+    """The reference's ``desiredReplicas``: the replica count the placement scheduler converges to."""
+    if not env.active_release_id:
+        return 0
+    if env.service.scale_to_zero:
+        return env.effective_replicas
+    return env.effective_replicas or env.service.replicas.min
+
+
+def wake_target(env: pb.Environment) -> int:
+    """A woken (or minimum) env runs max(min, 1) replicas, never 0."""
+    return max(env.service.replicas.min, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaWrite:
+    """Set ``effective_replicas`` of ``env`` (as read at ``revision``) from ``current`` to ``target``."""
+
+    env: pb.Environment
+    revision: int
+    current: int
+    target: int
+
+    @property
+    def env_id(self) -> str:
+        return self.env.meta.id
+
+
+def effective_txn(writer: Writer, write: ReplicaWrite, now: float) -> Txn:
+    """The fenced write: a copy of the env as decided on, expecting the revision the decision read."""
+    env = pb.Environment()
+    env.CopyFrom(write.env)
+    env.effective_replicas = write.target
+    env.meta.updated_at.FromNanoseconds(int(now * 1e9))
+    return writer.txn(label="effective_replicas").put(env, expect=write.revision)
+
+
+async def catch_up(conn: Connection, view: StateView, timeout: float = CATCH_UP_TIMEOUT) -> None:
+    """Wait until the view has seen every state write the server holds (so a re-read sees the write
+    that made ours conflict)."""
+    info = await conn.js.stream_info(STATE_STREAM)
+    target = info.state.last_seq
+    deadline = time.monotonic() + timeout
+    feed = view.subscribe()
+    try:
+        while view.last_revision < target and (remaining := deadline - time.monotonic()) > 0:
+            # Short slices: a write the view already applied locally is not announced again.
+            await feed.wait(min(remaining, 0.05))
+    finally:
+        feed.close()
+
+
+class ScalingLoop(LeaderLoop):
+    """A scaling loop: full passes at term start and on every tick; in between, re-evaluates only the
+    envs that a state change or a fresh live sample touched, as soon as it arrives.
+
+    Subclasses implement :meth:`decide` (the pure ``evaluate`` of the module plus the timer updates of
+    outcomes that write nothing) and :meth:`committed` (bookkeeping after a write landed).
+    """
+
+    kinds = frozenset({K.ENV, K.DEPLOYMENT})
+    live_kinds: frozenset[str] = frozenset({ENV_TRAFFIC})
+
+    def __init__(self, *, live: LiveView, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.live = live
+        self.writes = 0
+        self.conflicts = 0
+
+    @abstractmethod
+    def decide(self, env: pb.Environment, revision: int, now: float) -> ReplicaWrite | None:
+        """Evaluate one env; return the write to make, if any."""
+
+    @abstractmethod
+    def committed(self, write: ReplicaWrite, now: float) -> pb.Event | None:
+        """Record a landed write (timers) and return the event to publish, if any."""
+
+    # ------------------------------------------------------------------ passes
+
+    async def run_pass(self) -> None:
+        await self.reconcile(None)
+
+    async def reconcile(self, env_ids: Iterable[str] | None) -> None:
+        """Decide and commit for ``env_ids`` (None = every env); re-decide once after a conflict."""
+        now = self.clock.now()
+        envs = self.view.envs() if env_ids is None else [e for i in sorted(env_ids) if (e := self.view.env(i))]
+        retry = await self._commit(self._decide_all(envs, now), now)
+        if retry:
+            await catch_up(self.conn, self.view)
+            again = [e for i in sorted(retry) if (e := self.view.env(i))]
+            # A second conflict is left to the change feed: the conflicting write wakes this loop again.
+            await self._commit(self._decide_all(again, now), now)
+
+    def _decide_all(self, envs: list[pb.Environment], now: float) -> list[ReplicaWrite]:
+        writes = []
+        for env in envs:
+            write = self.decide(env, self.view.rev(K.env(env.meta.id)), now)
+            if write is not None:
+                writes.append(write)
+        return writes
+
+    async def _commit(self, writes: list[ReplicaWrite], now: float) -> set[str]:
+        """Commit the writes in few batches; returns the env ids whose write conflicted."""
+        if not writes:
+            return set()
+        assert self.writer is not None, "run() or the test sets the writer"
+        results = await self.writer.commit_many([effective_txn(self.writer, w, now) for w in writes])
+        retry: set[str] = set()
+        events: list[pb.Event] = []
+        for write, error in zip(writes, results, strict=True):
+            if error is None:
+                self.writes += 1
+                event = self.committed(write, now)
+                if event is not None:
+                    events.append(event)
+            elif isinstance(error, Conflict | CommitUnknown):
+                self.conflicts += 1
+                log.info("%s: env %s changed under the decision (%s); re-deciding", self.name, write.env_id, error)
+                retry.add(write.env_id)
+            else:
+                log.warning("%s: write for env %s failed: %s", self.name, write.env_id, error)
+        if events:
+            await self.events.publish(*events)
+        return retry
+
+    async def pass_envs(self, env_ids: set[str]) -> None:
+        self.passes += 1
+        with span(f"{self.name}.pass", loop=self.name, passes=self.passes, envs=len(env_ids)):
+            try:
+                await self.reconcile(env_ids)
+            except (Deposed, asyncio.CancelledError):
+                raise
+            except Exception:
+                log.exception("%s: pass failed; will retry on the next change or tick", self.name)
+
+    # ------------------------------------------------------------------ the term
+
+    def affected_envs(self, changes: set[Change]) -> set[str] | None:
+        """Env ids touched by state or live changes; None when one cannot be mapped (a full pass)."""
+        envs: set[str] = set()
+        for kind, ident in changes:
+            if kind in (K.ENV, ENV_TRAFFIC):
+                envs.add(ident)
+                continue
+            if kind == INSTANCE:
+                sampled = self.view.assignment(ident)
+                if sampled is not None:  # a sample of an unknown assignment counts for nothing
+                    envs.add(sampled.environment_id)
+                continue
+            obj = self.view.get(kind, ident)
+            if obj is not None:
+                envs.add(getattr(obj, "environment_id", ""))
+            elif kind in self.kinds:
+                return None  # a deleted assignment/deployment: its env is unknown here
+        return envs
+
+    async def run(self, leadership: Leadership) -> None:
+        """One term: a full pass now and every ``tick``; touched envs re-evaluated on every change."""
+        self.writer = self.fenced_writer(leadership)
+        self.on_term_start()
+        view_feed = self.view.subscribe(set(self.kinds) | set(self.extra_kinds()))
+        live_feed = self.live.subscribe(self.live_kinds)
+        try:
+            full = True
+            changes: set[Change] = set()
+            next_full = self.clock.now()
+            while True:
+                await self.view.wait_fresh()
+                changes |= view_feed.drain() | live_feed.drain()
+                touched = None if full else self.affected_envs(changes)
+                changes = set()
+                if touched is None:
+                    await self.pass_once()
+                    next_full = self.clock.now() + self.tick
+                elif touched:
+                    await self.pass_envs(touched)
+                if self.coalesce:
+                    await asyncio.sleep(self.coalesce)
+                full = False
+                if view_feed.pending_count or live_feed.pending_count:
+                    continue
+                full, changes = await self._wait(view_feed, live_feed, next_full - self.clock.now())
+        finally:
+            view_feed.close()
+            live_feed.close()
+
+    async def _wait(self, view_feed: ChangeFeed, live_feed: ChangeFeed, until_tick: float) -> tuple[bool, set[Change]]:
+        """Wait for a change or the tick; returns (tick due, the changes received)."""
+        if until_tick <= 0:
+            return True, set()
+        sleeper = asyncio.ensure_future(self.clock.sleep(until_tick))
+        waiters = [asyncio.ensure_future(view_feed.wait()), asyncio.ensure_future(live_feed.wait())]
+        try:
+            await asyncio.wait([sleeper, *waiters], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sleeper, *waiters):
+                task.cancel()
+            results = await asyncio.gather(*waiters, return_exceptions=True)
+            await asyncio.gather(sleeper, return_exceptions=True)
+        changes: set[Change] = set()
+        for result in results:
+            if isinstance(result, set):
+                changes |= result
+        return sleeper.done() and not sleeper.cancelled(), changes

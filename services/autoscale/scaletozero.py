@@ -1,0 +1,107 @@
+"""ScaleToZero (``lease.scaletozero``): cools an idle ``scale_to_zero`` env to ``effective_replicas = 0``
+(reference §2). Waking it again is the activator's job.
+
+Per env: skip (timer untouched) unless scale-to-zero, not stateful, an active release and not
+serverless (``max_concurrency > 0``: the serverless loop owns cooling); skip and forget the env's
+activity (so the next eligible look grants a full window) while it is already cold or a deployment is
+under way. Activity comes from fresh proxy samples: requests in flight or held at a proxy mark the env
+active now; otherwise the newest ``last_request_at`` counts. The first sight of an env in a term grants
+a full idle window. Idle for ``idle_timeout`` → cool, event ``scaletozero.cooled``. No fresh proxy data
+at all (an ingress blackout) freezes every decision.
+
+Fixes over the reference:
+* ``scale_to_zero`` without ``idle_timeout`` cools after :data:`DEFAULT_IDLE_TIMEOUT` (the reference
+  silently never cooled).
+* Held requests count as activity: a woken env is not cooled while requests wait for it.
+* Only samples younger than 30 s count, and only proxy data counts as data (a worker-only heartbeat
+  no longer lets envs cool while the ingress is silent).
+* The activity timer and the event are updated only when the write landed; the write is fenced.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from zattera.v1 import types_pb2 as pb
+
+from services.autoscale.common import ReplicaWrite, ScalingLoop
+from shared.deployments import owns_scaling
+from shared.events import event_for_env
+from shared.live import LiveView
+from shared.view import StateView
+
+log = logging.getLogger(__name__)
+
+ACTOR = "system:scaletozero"
+EVENT_COOLED = "scaletozero.cooled"
+DEFAULT_IDLE_TIMEOUT = 900.0
+"""15 minutes when ``scale_to_zero`` is set without ``idle_timeout``. Cooling too early costs users a
+cold start (seconds of latency on the next request); cooling late only costs an idle replica, so the
+default leans long. 15 min is the value the reference documents and tests with (``idle_timeout =
+"15m"``), so an operator following those docs sees the same behaviour with or without the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The write (if any) and the env's new last-active time (None = forget it)."""
+
+    write: ReplicaWrite | None
+    last_active: float | None
+    reason: str
+
+
+def idle_timeout(env: pb.Environment) -> float:
+    """The env's idle window in seconds (the documented default when unset or not positive)."""
+    seconds = env.idle_timeout.seconds + env.idle_timeout.nanos / 1e9
+    return seconds if seconds > 0 else DEFAULT_IDLE_TIMEOUT
+
+
+def evaluate(
+    view: StateView, live: LiveView, env: pb.Environment, revision: int, now: float, last_active: float | None
+) -> Decision:
+    """Decide for one env from the view, fresh proxy samples, ``now`` and its last-active time."""
+    spec = env.service
+    if not spec.scale_to_zero or spec.stateful or not env.active_release_id or spec.max_concurrency > 0:
+        return Decision(None, last_active, "not a scale-to-zero env this loop owns")
+    if env.effective_replicas == 0:
+        return Decision(None, None, "already cold")
+    if owns_scaling(view, env.meta.id):
+        return Decision(None, None, "deployment under way")
+    if not live.has_fresh_traffic_data():
+        return Decision(None, last_active, "no fresh proxy data (frozen)")
+    traffic = live.env_traffic(env.meta.id)
+    seen = now if last_active is None else last_active
+    if traffic.inflight + traffic.held > 0:
+        seen = now
+    elif traffic.last_request_at > seen:
+        seen = traffic.last_request_at
+    if now - seen < idle_timeout(env):
+        return Decision(None, seen, "active within the idle window")
+    return Decision(ReplicaWrite(env, revision, env.effective_replicas, 0), seen, "idle")
+
+
+class ScaleToZero(ScalingLoop):
+    name = "scaletozero"
+
+    def __init__(self, *, live: LiveView, **kwargs: Any) -> None:
+        super().__init__(live=live, **kwargs)
+        self.last_active: dict[str, float] = {}
+
+    def on_term_start(self) -> None:
+        self.last_active = {}
+
+    def decide(self, env: pb.Environment, revision: int, now: float) -> ReplicaWrite | None:
+        decision = evaluate(self.view, self.live, env, revision, now, self.last_active.get(env.meta.id))
+        if decision.last_active is None:
+            self.last_active.pop(env.meta.id, None)
+        else:
+            self.last_active[env.meta.id] = decision.last_active
+        return decision.write
+
+    def committed(self, write: ReplicaWrite, now: float) -> pb.Event:
+        self.last_active.pop(write.env_id, None)
+        message = f"scaled {write.env.name} to zero after idle"
+        log.info("%s (env %s, %s)", message, write.env_id, ACTOR)
+        return event_for_env(write.env, EVENT_COOLED, message, clock=self.clock, fields={"actor": ACTOR})

@@ -1,0 +1,131 @@
+"""Serverless (``lease.serverless``): concurrency-based ``effective_replicas`` for every env with
+``max_concurrency > 0`` and an active release (reference §3); the autoscaler and the scale-to-zero loop
+leave these envs alone. Skips while a deployment is under way; no fresh proxy data freezes.
+
+``desired = ceil((in_flight + held) / max_concurrency)`` clamped to ``[floor, ceiling]``: floor 0 for a
+scale-to-zero env, else max(min, 1); ceiling max(max, max(min, 1)).
+
+Fixes over the reference:
+* Requests held at proxies count as demand: a wake (activator) is never undone while requests wait,
+  and load queued behind the per-replica cap drives scale-up (in-flight alone can never exceed
+  replicas × cap, §7.3.1).
+* Scale up at once; scale down only after demand has stayed below the current count for
+  ``scale_down_window`` (default :data:`SCALE_DOWN_WINDOW`), and then only to the highest count
+  demand asked for during that window (the reference dropped to the floor on the first quiet sample,
+  so gappy traffic cold-started over and over).
+* The ceiling is never below the wake target: ``min = 0`` without ``max`` no longer pins a
+  scale-to-zero env at 0, undoing every wake (§7.2 footgun 11).
+* Only samples younger than 30 s count; the write is fenced on the env's revision.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from zattera.v1 import types_pb2 as pb
+
+from services.autoscale.common import ReplicaWrite, ScalingLoop, current_replicas, wake_target
+from shared.deployments import owns_scaling
+from shared.live import LiveView
+from shared.view import StateView
+
+log = logging.getLogger(__name__)
+
+ACTOR = "system:serverless"
+SCALE_DOWN_WINDOW = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class LowSpell:
+    """Demand has asked for fewer than ``current`` replicas since ``since``; ``peak`` is the most it asked."""
+
+    since: float
+    current: int
+    peak: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    write: ReplicaWrite | None
+    low: LowSpell | None
+    reason: str
+
+
+def replica_bounds(env: pb.Environment) -> tuple[int, int]:
+    """(floor, ceiling) of a serverless env."""
+    floor = 0 if env.service.scale_to_zero else wake_target(env)
+    return floor, max(env.service.replicas.max, wake_target(env))
+
+
+def desired_replicas(demand: int, max_concurrency: int, floor: int, ceiling: int) -> int:
+    return max(floor, min(math.ceil(demand / max_concurrency), ceiling))
+
+
+def evaluate(
+    view: StateView,
+    live: LiveView,
+    env: pb.Environment,
+    revision: int,
+    now: float,
+    low: LowSpell | None,
+    *,
+    window: float = SCALE_DOWN_WINDOW,
+) -> Decision:
+    """Decide for one env from the view, fresh proxy samples, ``now`` and its low spell (reads only)."""
+    spec = env.service
+    if spec.max_concurrency == 0 or not env.active_release_id:
+        return Decision(None, low, "not a serverless env")
+    if owns_scaling(view, env.meta.id):
+        return Decision(None, None, "deployment under way")
+    if not live.has_fresh_traffic_data():
+        return Decision(None, low, "no fresh proxy data (frozen)")
+    traffic = live.env_traffic(env.meta.id)
+    floor, ceiling = replica_bounds(env)
+    desired = desired_replicas(traffic.inflight + traffic.held, spec.max_concurrency, floor, ceiling)
+    current = current_replicas(env)
+    if desired > current:
+        return Decision(ReplicaWrite(env, revision, current, desired), None, "scale up")
+    if desired == current:
+        return Decision(None, None, "at target")
+    if low is None or low.current != current:
+        low = LowSpell(now, current, desired)
+    else:
+        low = LowSpell(low.since, current, max(low.peak, desired))
+    if now - low.since < window:
+        return Decision(None, low, "scale-down window")
+    return Decision(ReplicaWrite(env, revision, current, low.peak), low, "scale down")
+
+
+class Serverless(ScalingLoop):
+    name = "serverless"
+
+    def __init__(self, *, live: LiveView, scale_down_window: float = SCALE_DOWN_WINDOW, **kwargs: Any) -> None:
+        kwargs.setdefault("tick", 5.0)
+        super().__init__(live=live, **kwargs)
+        self.window = scale_down_window
+        self.low: dict[str, LowSpell] = {}
+
+    def on_term_start(self) -> None:
+        self.low = {}
+
+    def decide(self, env: pb.Environment, revision: int, now: float) -> ReplicaWrite | None:
+        decision = evaluate(self.view, self.live, env, revision, now, self.low.get(env.meta.id), window=self.window)
+        if decision.low is None:
+            self.low.pop(env.meta.id, None)
+        else:
+            self.low[env.meta.id] = decision.low
+        return decision.write
+
+    def committed(self, write: ReplicaWrite, now: float) -> None:
+        self.low.pop(write.env_id, None)
+        log.info(
+            "serverless scaled %s from %d to %d replicas (env %s, %s)",
+            write.env.name,
+            write.current,
+            write.target,
+            write.env_id,
+            ACTOR,
+        )

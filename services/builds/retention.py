@@ -1,0 +1,253 @@
+"""Retention (lease ``retention``): prune old releases and their images, stale source tarballs, then
+sweep the registry. Runs at the start of a term and then an hour after each sweep finished.
+
+Reference rules kept (spec §7): per environment keep the 10 newest releases, the active one, the
+previous one (highest version below the active) and the release and previous release of every
+non-terminal deployment; an environment without a record is skipped. Source tarballs written more than
+24 h ago are deleted.
+
+Fixed here:
+
+* Images of every kind of build are reclaimed (§11.1): a release's images are found by its build —
+  ``source.build_id`` or the build of a deployment that created it (CLI uploads) — as the tag
+  ``lower(<project>/<app>):lower(<build id>)``, and by its pinned digest. An image still used by a
+  remaining release (same tag, or same digest as its ref: deploy-by-build releases share images) is
+  kept.
+* Untagging and deleting the release are one atomic batch (the reference: two writes, sweeper errors
+  only logged). One failed prune does not abort the others nor the tarball cleanup (§11.12).
+* A tarball needed by a QUEUED or RUNNING build is never deleted (§11.10), and re-uploading the same
+  source refreshes its written-at time (shared/registry.py ``BlobStore.put``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from zattera.v1 import types_pb2 as pb
+
+from services.builds.registry import RegistrySweeper
+from shared import keys as K
+from shared.deployments import is_terminal
+from shared.lease import Leadership
+from shared.loop import LeaderLoop
+from shared.natsio import DAY, SOURCES_STORE
+from shared.registry import BlobInfo, BlobStore, parse_ref, repository
+
+log = logging.getLogger(__name__)
+
+KEEP_RELEASES = 10
+RETENTION_INTERVAL = 3600.0
+SOURCE_MAX_AGE = DAY
+
+LIVE_BUILD_STATUSES = frozenset({pb.BUILD_STATUS_QUEUED, pb.BUILD_STATUS_RUNNING})
+
+
+@dataclass(frozen=True, slots=True)
+class Prune:
+    release_id: str
+    environment_id: str
+    version: int
+    image_ids: tuple[str, ...]
+    """``image.<id>`` keys untagged in the same batch as the release delete."""
+
+
+def kept_release_ids(
+    env: pb.Environment, releases: Sequence[pb.Release], deployments: Sequence[pb.Deployment], keep: int
+) -> set[str]:
+    """``releases`` newest first."""
+    kept = {r.meta.id for r in releases[:keep]}
+    kept.add(env.active_release_id)
+    active = next((r for r in releases if r.meta.id == env.active_release_id), None)
+    if active is not None:
+        previous = next((r for r in releases if r.version < active.version), None)
+        if previous is not None:
+            kept.add(previous.meta.id)
+    for d in deployments:
+        if not is_terminal(d.phase):
+            kept.update((d.release_id, d.previous_release_id))
+    kept.discard("")
+    return kept
+
+
+def release_build_ids(release: pb.Release, deployments_by_release: Mapping[str, Sequence[pb.Deployment]]) -> set[str]:
+    ids = {d.build_id for d in deployments_by_release.get(release.meta.id, ()) if d.build_id}
+    if release.source.build_id:
+        ids.add(release.source.build_id)
+    return ids
+
+
+@dataclass(frozen=True, slots=True)
+class _Uses:
+    """(repo, tag) and (repo, digest) pairs releases use."""
+
+    tags: frozenset[tuple[str, str]]
+    digests: frozenset[tuple[str, str]]
+
+
+def _uses(releases: Sequence[pb.Release], deployments_by_release: Mapping[str, Sequence[pb.Deployment]]) -> _Uses:
+    tags: set[tuple[str, str]] = set()
+    digests: set[tuple[str, str]] = set()
+    for release in releases:
+        repo = repository(release.project_id, release.app_id)
+        tags.update((repo, b.lower()) for b in release_build_ids(release, deployments_by_release))
+        if release.image_ref:
+            ref = parse_ref(release.image_ref)
+            if ref.digest:
+                digests.add((ref.repo, ref.digest))
+            if ref.tag:
+                tags.add((ref.repo, ref.tag))
+    return _Uses(frozenset(tags), frozenset(digests))
+
+
+def _uses_image(uses: _Uses, image: pb.Image) -> bool:
+    if (image.repo, image.tag) in uses.tags or (image.repo, image.digest) in uses.digests:
+        return True
+    return any((image.repo, d) in uses.digests for d in image.manifest_digests)
+
+
+def evaluate(
+    *,
+    envs: Mapping[str, pb.Environment],
+    releases: Sequence[pb.Release],
+    deployments: Sequence[pb.Deployment],
+    images: Sequence[pb.Image],
+    keep: int = KEEP_RELEASES,
+) -> list[Prune]:
+    """Which releases to delete (newest first per env) and which tags go with each."""
+    releases_by_env: dict[str, list[pb.Release]] = defaultdict(list)
+    for r in releases:
+        releases_by_env[r.environment_id].append(r)
+    deployments_by_env: dict[str, list[pb.Deployment]] = defaultdict(list)
+    deployments_by_release: dict[str, list[pb.Deployment]] = defaultdict(list)
+    for d in deployments:
+        deployments_by_env[d.environment_id].append(d)
+        deployments_by_release[d.release_id].append(d)
+
+    pruned: list[pb.Release] = []
+    for env_id in sorted(releases_by_env):
+        env = envs.get(env_id)
+        if env is None:
+            continue
+        rels = sorted(releases_by_env[env_id], key=lambda r: (r.version, r.meta.id), reverse=True)
+        kept = kept_release_ids(env, rels, deployments_by_env.get(env_id, []), keep)
+        pruned.extend(r for r in rels if r.meta.id not in kept)
+
+    pruned_ids = {r.meta.id for r in pruned}
+    remaining_uses = _uses([r for r in releases if r.meta.id not in pruned_ids], deployments_by_release)
+    by_tag = {(i.repo, i.tag): i for i in images}
+    by_digest: dict[tuple[str, str], list[pb.Image]] = defaultdict(list)
+    for image in images:
+        for digest in (image.digest, *image.manifest_digests):
+            by_digest[(image.repo, digest)].append(image)
+    taken: set[str] = set()
+    prunes: list[Prune] = []
+    for release in pruned:
+        own = _uses([release], deployments_by_release)
+        found = [by_tag[t] for t in sorted(own.tags) if t in by_tag]
+        found += [i for d in sorted(own.digests) for i in by_digest.get(d, [])]
+        image_ids = []
+        for image in found:
+            if image.meta.id in taken or _uses_image(remaining_uses, image):
+                continue
+            taken.add(image.meta.id)
+            image_ids.append(image.meta.id)
+        prunes.append(Prune(release.meta.id, release.environment_id, release.version, tuple(image_ids)))
+    return prunes
+
+
+def stale_sources(
+    blobs: Sequence[BlobInfo], builds: Sequence[pb.Build], *, now: float, max_age: float = SOURCE_MAX_AGE
+) -> list[BlobInfo]:
+    """Tarballs written strictly more than ``max_age`` ago that no QUEUED or RUNNING build needs."""
+    needed = {b.tarball_digest for b in builds if b.status in LIVE_BUILD_STATUSES and b.tarball_digest}
+    return [blob for blob in blobs if blob.written_at < now - max_age and blob.digest not in needed]
+
+
+class Retention(LeaderLoop):
+    name = "retention"
+
+    def __init__(
+        self,
+        *,
+        sweeper: RegistrySweeper | None = None,
+        interval: float = RETENTION_INTERVAL,
+        keep: int = KEEP_RELEASES,
+        source_max_age: float = SOURCE_MAX_AGE,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.sweeper = sweeper
+        self.interval = interval
+        self.keep = keep
+        self.source_max_age = source_max_age
+        self._sources = BlobStore(self.conn, SOURCES_STORE, clock=self.clock)
+        self.sweeps = 0
+
+    async def run(self, leadership: Leadership) -> None:
+        """Sweep at once, then ``interval`` after each sweep finished (not on state changes)."""
+        self.writer = self.fenced_writer(leadership)
+        self.on_term_start()
+        while True:
+            await self.view.wait_fresh()
+            await self.pass_once()
+            await self.clock.sleep(self.interval)
+
+    async def run_pass(self) -> None:
+        await self.prune_releases()
+        await self.delete_stale_sources()
+        if self.sweeper is not None:
+            await self.sweeper.collect()
+        self.sweeps += 1
+
+    async def prune_releases(self) -> list[Prune]:
+        assert self.writer is not None
+        prunes = evaluate(
+            envs={e.meta.id: e for e in self.view.envs()},
+            releases=self.view.releases(),
+            deployments=self.view.deployments(),
+            images=self.view.images(),
+            keep=self.keep,
+        )
+        txns = []
+        for prune in prunes:
+            txn = self.writer.txn("prune release")
+            for ident in prune.image_ids:
+                txn.delete(K.image(ident))
+            txn.delete(K.release(prune.release_id))
+            txns.append(txn)
+        results = await self.writer.commit_many(txns)
+        done = []
+        for prune, result in zip(prunes, results, strict=True):
+            if result is None:
+                done.append(prune)
+                log.info(
+                    "release pruned: env %s release %s version %d (%d images untagged)",
+                    prune.environment_id,
+                    prune.release_id,
+                    prune.version,
+                    len(prune.image_ids),
+                )
+            else:
+                log.warning("release %s not pruned this time: %s", prune.release_id, result)
+        return done
+
+    async def delete_stale_sources(self) -> list[str]:
+        candidates = stale_sources(
+            await self._sources.list(), self.view.builds(), now=self.clock.now(), max_age=self.source_max_age
+        )
+        deleted = []
+        for candidate in candidates:
+            fresh = await self._sources.stat(candidate.digest)
+            if fresh is None or not stale_sources(
+                [fresh], self.view.builds(), now=self.clock.now(), max_age=self.source_max_age
+            ):
+                continue
+            if await self._sources.delete_if_unchanged(fresh):
+                deleted.append(fresh.digest)
+        if deleted:
+            log.info("deleted %d stale source tarballs", len(deleted))
+        return deleted

@@ -1,0 +1,104 @@
+"""The orchestrator leader loop (``lease.orchestrator``): drives every non-terminal deployment.
+
+A pass reconciles the non-terminal deployments oldest id first (so a supersession resolves in the same
+pass); each reconcile commits at most one :class:`~services.orchestrator.model.Transition` as one
+fenced atomic batch. The loop wakes on deployment, assignment (and observed state), build, env, node
+and release changes — a finished build or a node loss is acted on at once, not on the next tick — and
+at the next deadline of any deployment (phase timeouts, health deadline, drain deadline), so timers
+fire on time instead of up to a tick late. Everything is derived from durable state: a new leader
+resumes from the recorded phase, and deadlines are absolute, so failover neither resets nor extends
+them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from zattera.v1 import types_pb2 as pb
+
+from services.orchestrator.model import Timers, Transition, phase_label
+from services.orchestrator.phases import decide, wake_at
+from shared import keys as K
+from shared.deployments import is_terminal
+from shared.loop import LeaderLoop
+from shared.telemetry import counter, span
+from shared.txn import CommitUnknown, Conflict, Deposed, Txn
+
+log = logging.getLogger(__name__)
+
+_transitions = counter("zattera.orchestrator.transitions", "deployment transitions committed")
+_refused = counter("zattera.orchestrator.refused", "transitions refused because state changed meanwhile")
+
+
+class Orchestrator(LeaderLoop):
+    name = "orchestrator"
+    kinds = frozenset({K.DEPLOYMENT, K.ASSIGNMENT, K.BUILD, K.ENV, K.NODE, K.RELEASE})
+
+    def __init__(self, *, timers: Timers | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.timers = timers or Timers()
+        self._pass_started_at = float("-inf")
+
+    def live_deployments(self) -> list[pb.Deployment]:
+        return [d for d in self.view.deployments() if not is_terminal(d.phase)]
+
+    async def run_pass(self) -> None:
+        self._pass_started_at = self.clock.now()
+        for d in self.live_deployments():
+            await self.reconcile(d.meta.id)
+
+    async def reconcile(self, deployment_id: str) -> Transition | None:
+        """Decide one step for a deployment and commit it; None when nothing was written."""
+        assert self.writer is not None, "reconcile needs the term's fenced writer"
+        d = self.view.deployment(deployment_id)
+        if d is None or is_terminal(d.phase):
+            return None
+        with span("orchestrator.reconcile", deployment=deployment_id, phase=phase_label(d.phase)) as current:
+            transition = decide(self.view, d, self.clock.now(), self.timers)
+            if transition is None:
+                return None
+            current.set_attribute("transition", transition.label)
+            txn = self.transaction(transition)
+            try:
+                await self.writer.commit(txn)
+            except Deposed:
+                raise
+            except (Conflict, CommitUnknown) as exc:
+                # Nothing (or an unknown part, already caught up in the view) was written: the change
+                # that beat us wakes the loop again and the step is decided afresh.
+                _refused.add(1)
+                log.debug("deployment %s: %s not committed: %s", deployment_id, transition.label, exc)
+                return None
+        _transitions.add(1, {"transition": transition.label})
+        if transition.phase != d.phase:
+            log.info(
+                "deployment %s: %s%s",
+                deployment_id,
+                transition.label,
+                f" ({transition.deployment.error})" if transition.deployment.error else "",
+            )
+        if transition.events:
+            await self.events.publish(*transition.events)
+        return transition
+
+    def transaction(self, transition: Transition) -> Txn:
+        """The transition as one batch. Build it right after deciding (no await in between): each write
+        expects the revision the decision read, so any change since refuses the whole batch."""
+        assert self.writer is not None
+        txn = self.writer.txn(transition.label)
+        for msg in transition.creates:
+            txn.create(msg)
+        for msg in transition.puts:
+            txn.put(msg)
+        for key in transition.deletes:
+            txn.delete(key)
+        txn.put(transition.deployment)
+        return txn
+
+    def seconds_until_due(self) -> float | None:
+        """Until the earliest deadline the last pass had not reached yet: one that passed since (while the
+        pass ran) is due at once; one the pass already saw was acted on, so it cannot cause a spin."""
+        deadlines = (wake_at(self.view, d, self.timers) for d in self.live_deployments())
+        upcoming = [t for t in deadlines if t is not None and t > self._pass_started_at]
+        return max(0.0, min(upcoming) - self.clock.now()) if upcoming else None

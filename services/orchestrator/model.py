@@ -1,0 +1,310 @@
+"""What every phase decision shares: timers, the transition a decision produces, the replica sets
+(green, blue, old) recomputed from the view on every decision, and the two failure exits.
+
+A decision is pure: it reads a :class:`~shared.view.StateView` and the time, and returns a
+:class:`Transition` (or None: nothing to do yet). The loop commits a transition as ONE fenced atomic
+batch; every transition also writes the deployment itself (a phase change, or an unchanged re-write),
+so any concurrent change to the deployment (an operator's cancel, another leader) refuses the whole
+batch and the decision is taken again on fresh state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
+from zattera.v1 import types_pb2 as pb
+
+from services.scheduler.replicas import with_desired
+from shared import keys as K
+from shared.events import ERROR, WARNING, make_event
+from shared.settings import Settings
+from shared.view import StateView
+
+P = pb.DeploymentPhase
+RUN = pb.ASSIGNMENT_DESIRED_RUN
+STOP = pb.ASSIGNMENT_DESIRED_STOP
+
+# Exact failure strings of the reference (deployment.error and the deploy.failed event message).
+ENV_NOT_FOUND = "environment not found"
+RELEASE_NOT_FOUND = "release not found"
+NO_IMAGE = "release has no image ref"
+BUILD_NOT_FOUND = "build not found"
+BUILD_PRODUCED_NO_IMAGE = "build produced no image"
+BUILD_FAILED = "build failed: "
+GREEN_FAILED_TO_START = "a green instance failed to start"
+GREEN_UNHEALTHY = "a green instance became unhealthy"
+GREEN_NOT_HEALTHY_IN_TIME = "green instances did not become healthy in time"
+SUPERSEDED = "superseded by a newer deployment"
+NO_NODE_FOR_STATEFUL = "no node available for the stateful instance: "
+NEW_INSTANCE_FAILED_TO_START = "the new instance failed to start"
+NEW_INSTANCE_UNHEALTHY = "the new instance became unhealthy"
+NEW_INSTANCE_NOT_HEALTHY_IN_TIME = "the new instance did not become healthy in time"
+
+MAINTENANCE_START = "stateful update: stopping the current instance (brief downtime)"
+MAINTENANCE_END = "stateful update: new instance healthy and promoted"
+RESTARTED_PREVIOUS = "stateful update failed; restarted the previous instance"
+
+# Nodes whose replicas receive no traffic (the route builder skips them): a green there is lost.
+LOST_NODE_STATUSES = frozenset({pb.NODE_STATUS_DOWN, pb.NODE_STATUS_DRAINED})
+
+UP_STATES = frozenset({pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY})
+GONE_STATES = frozenset({pb.INSTANCE_STATE_STOPPED, pb.INSTANCE_STATE_FAILED, pb.INSTANCE_STATE_UNSPECIFIED})
+
+
+@dataclass(frozen=True, slots=True)
+class Timers:
+    """Every duration the phase machine waits on, in seconds."""
+
+    drain_window: float = 600.0
+    health_default_grace: float = 60.0
+    health_deadline_extra: float = 60.0
+    building_timeout: float = 1800.0
+    placing_timeout: float = 600.0
+    starting_timeout: float = 600.0
+    stopping_old_timeout: float = 300.0
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> Timers:
+        return cls(
+            drain_window=s.drain_window,
+            health_default_grace=s.health_default_grace,
+            health_deadline_extra=s.health_deadline_extra,
+            building_timeout=s.building_timeout,
+            placing_timeout=s.placing_timeout,
+            starting_timeout=s.starting_timeout,
+            stopping_old_timeout=s.stopping_old_timeout,
+        )
+
+    def health_deadline(self, release: pb.Release) -> float:
+        """2 x grace + extra, grace = the release's healthcheck grace period, else the default."""
+        grace_field = release.service.healthcheck.grace_period
+        grace = grace_field.seconds + grace_field.nanos / 1e9
+        if grace <= 0:
+            grace = self.health_default_grace
+        return 2 * grace + self.health_deadline_extra
+
+    def phase_timeout(self, phase: int) -> float | None:
+        """How long a waiting phase may last before the deployment fails (None: not a timed wait)."""
+        timeouts: dict[int, float] = {
+            pb.DEPLOYMENT_PHASE_BUILDING: self.building_timeout,
+            pb.DEPLOYMENT_PHASE_PLACING: self.placing_timeout,
+            pb.DEPLOYMENT_PHASE_STARTING: self.starting_timeout,
+            pb.DEPLOYMENT_PHASE_STOPPING_OLD: self.stopping_old_timeout,
+        }
+        return timeouts.get(phase)
+
+
+@dataclass
+class Transition:
+    """One decision, committed as one fenced atomic batch.
+
+    ``deployment`` is always written (the new phase, or the unchanged deployment as a fence).
+    ``creates`` must not exist yet, ``puts`` and ``deletes`` expect the revision the decision read.
+    Events are published after the commit (they are a log, not state).
+    """
+
+    deployment: pb.Deployment
+    label: str
+    creates: list[Message] = field(default_factory=list)
+    puts: list[Message] = field(default_factory=list)
+    deletes: list[str] = field(default_factory=list)
+    events: list[pb.Event] = field(default_factory=list)
+
+    @property
+    def phase(self) -> int:
+        return self.deployment.phase
+
+
+# ---------------------------------------------------------------------- time
+
+
+def timestamp(now: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(round(now * 1e9))
+    return ts
+
+
+def seconds(ts: Timestamp) -> float:
+    return ts.ToNanoseconds() / 1e9
+
+
+def phase_entered_at(d: pb.Deployment) -> float | None:
+    """When the current phase began (meta.updated_at); None when never stamped (no timer runs)."""
+    return seconds(d.meta.updated_at) if d.meta.HasField("updated_at") else None
+
+
+def timed_out(d: pb.Deployment, now: float, limit: float | None) -> bool:
+    """Strictly after phase entry + limit (the reference's comparison for deadlines)."""
+    entered = phase_entered_at(d)
+    return limit is not None and entered is not None and now > entered + limit
+
+
+def format_duration(secs: float) -> str:
+    """90 -> "1m30s", 600 -> "10m", 1.5 -> "1.5s"."""
+    if secs < 60:
+        return f"{secs:g}s"
+    minutes, rest = divmod(round(secs), 60)
+    return f"{minutes}m{rest}s" if rest else f"{minutes}m"
+
+
+def timeout_reason(phase: int, limit: float, cause: str) -> str:
+    return f"{phase_label(phase)} timed out after {format_duration(limit)}: {cause}"
+
+
+def state_name(state: int) -> str:
+    return pb.InstanceState.Name(state).removeprefix("INSTANCE_STATE_")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- replica sets
+
+
+def tagged(view: StateView, d: pb.Deployment) -> list[pb.Assignment]:
+    """Every assignment this deployment created, whatever its desired state."""
+    return [a for a in view.assignments(d.environment_id) if a.deployment_id == d.meta.id]
+
+
+def green(view: StateView, d: pb.Deployment) -> list[pb.Assignment]:
+    """green(d): this deployment's desired-RUN assignments."""
+    return [a for a in tagged(view, d) if a.desired == RUN]
+
+
+def old_instances(view: StateView, d: pb.Deployment) -> list[pb.Assignment]:
+    """old(d): the previous release's assignments not created by d, any desired state."""
+    if not d.previous_release_id:
+        return []
+    return [
+        a
+        for a in view.assignments(d.environment_id)
+        if a.release_id == d.previous_release_id and a.deployment_id != d.meta.id and not a.job_id
+    ]
+
+
+def blue(view: StateView, d: pb.Deployment) -> list[pb.Assignment]:
+    """blue(d): the previous release's desired-RUN replicas not created by d (by release, not by tag)."""
+    return [a for a in old_instances(view, d) if a.desired == RUN]
+
+
+def node_lost(view: StateView, node_id: str) -> bool:
+    node = view.node(node_id)
+    return node is None or node.status in LOST_NODE_STATUSES
+
+
+def on_live_nodes(
+    view: StateView, assignments: Iterable[pb.Assignment]
+) -> tuple[list[pb.Assignment], list[pb.Assignment]]:
+    """(live, lost): split by whether the replica's node can still serve traffic."""
+    live: list[pb.Assignment] = []
+    lost: list[pb.Assignment] = []
+    for a in assignments:
+        (lost if node_lost(view, a.node_id) else live).append(a)
+    return live, lost
+
+
+def observed_summary(assignments: Sequence[pb.Assignment]) -> str:
+    """'2 PULLING, 1 unreported' — for timeout reasons."""
+    counts: dict[str, int] = {}
+    for a in assignments:
+        name = state_name(a.observed.state) if a.observed.state else "unreported"
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
+
+
+# ---------------------------------------------------------------------- building transitions
+
+
+M = TypeVar("M", bound=Message)
+
+
+def copy_of(msg: M) -> M:
+    dup = type(msg)()
+    dup.CopyFrom(msg)
+    return dup
+
+
+def advance(
+    d: pb.Deployment,
+    phase: int,
+    now: float,
+    *,
+    error: str = "",
+    promoted_at: float | None = None,
+    drain_deadline: float | None = None,
+) -> pb.Deployment:
+    """The deployment entering ``phase`` now (meta.updated_at = phase entry; a set error is sticky)."""
+    nxt = copy_of(d)
+    nxt.phase = phase  # type: ignore[assignment]
+    nxt.meta.updated_at.CopyFrom(timestamp(now))
+    if error:
+        nxt.error = error
+    if promoted_at is not None:
+        nxt.promoted_at.CopyFrom(timestamp(promoted_at))
+    if drain_deadline is not None:
+        nxt.drain_deadline.CopyFrom(timestamp(drain_deadline))
+    return nxt
+
+
+def phase_label(phase: int) -> str:
+    return P.Name(phase).removeprefix("DEPLOYMENT_PHASE_")  # type: ignore[arg-type]
+
+
+def move(d: pb.Deployment, phase: int, now: float, **kw: float | str | None) -> Transition:
+    """A transition into ``phase``; callers add the writes that go with it."""
+    return Transition(advance(d, phase, now, **kw), f"{phase_label(d.phase)}->{phase_label(phase)}")  # type: ignore[arg-type]
+
+
+def stay(d: pb.Deployment, why: str) -> Transition:
+    """A transition that keeps the phase: the deployment is re-written unchanged to fence the batch."""
+    return Transition(copy_of(d), f"{phase_label(d.phase)}: {why}")
+
+
+def promoted_env(env: pb.Environment, release_id: str) -> pb.Environment:
+    """The env with the traffic switched: active release set and route generation bumped together."""
+    nxt = pb.Environment()
+    nxt.CopyFrom(env)
+    nxt.active_release_id = release_id
+    nxt.route_generation = env.route_generation + 1
+    return nxt
+
+
+def deploy_event(d: pb.Deployment, kind: str, message: str, severity: str, now: float) -> pb.Event:
+    event = make_event(
+        kind,
+        message,
+        severity=severity,
+        project_id=d.project_id,
+        app_id=d.app_id,
+        environment_id=d.environment_id,
+        fields={"deployment_id": d.meta.id},
+    )
+    event.meta.created_at.CopyFrom(timestamp(now))
+    return event
+
+
+def abort(view: StateView, d: pb.Deployment, reason: str, now: float) -> Transition:
+    """The red/green failure exit, ONE write: delete everything d created and set FAILED with the reason.
+
+    Traffic never moved and blue is untouched. (The reference wrote these separately; a crash between
+    them left an empty green set that then passed as ready and got promoted.)
+    """
+    t = move(d, pb.DEPLOYMENT_PHASE_FAILED, now, error=reason)
+    t.deletes = [K.assignment(a.node_id, a.meta.id) for a in tagged(view, d)]
+    t.events = [deploy_event(d, "deploy.failed", reason, ERROR, now)]
+    return t
+
+
+def stateful_fail(view: StateView, d: pb.Deployment, reason: str, now: float) -> Transition:
+    """The stateful failure exit, ONE write: delete the new instance, restart the old one, set FAILED.
+
+    Deleting the new instance and restarting the old one in the same batch keeps at most one
+    desired-RUN instance per volume at every committed state.
+    """
+    t = abort(view, d, reason, now)
+    restarted = [with_desired(a, RUN, now=now) for a in old_instances(view, d) if a.desired != RUN]
+    t.puts = list(restarted)
+    if restarted:
+        t.events.insert(0, deploy_event(d, "deploy.rolled_back", RESTARTED_PREVIOUS, WARNING, now))
+    return t

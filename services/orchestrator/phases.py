@@ -1,0 +1,324 @@
+"""The deployment phase machine as pure decisions: ``decide(view, deployment, now, timers)``.
+
+Each call advances one deployment by at most one step and returns the :class:`Transition` to commit
+(or None). Guards first (terminal, env/release missing, superseded, operator cancel), then the
+stateful arm (:mod:`services.orchestrator.stateful`) or the red/green arm below:
+
+    PENDING -+-(build_id, no image)-> BUILDING -(build ok)-> PLACING
+             +-(rollback, warm)------------------------------------> PROMOTING
+             +---------------------------------------------------> PLACING -> STARTING -> HEALTHCHECKING -> PROMOTING
+    PROMOTING -> DRAINING_OLD -> SUCCEEDED
+
+Fixes of the reference's hazards, each pinned by a test:
+* abort, promotion, placement+phase, stamp+phase are each ONE write (no crash leaves half a transition);
+* an empty or short green set is never "ready" when the target count is above zero;
+* every waiting phase has a timeout (BUILDING, PLACING, STARTING, STOPPING_OLD) naming phase and cause;
+* a green replica on a lost node (DOWN, DRAINED, deleted) is deleted and re-placed before promotion;
+* placement does not exclude nodes already holding green: the placer's spread score already prefers
+  nodes with fewer replicas of the env, and excluding them could leave PLACING stuck on small clusters;
+* draining a deployment whose target is its own previous release (a rollback to the active release, a
+  redeploy) never stops below the target count of live replicas.
+"""
+
+from __future__ import annotations
+
+from zattera.v1 import types_pb2 as pb
+
+from services.orchestrator.model import (
+    BUILD_FAILED,
+    BUILD_NOT_FOUND,
+    BUILD_PRODUCED_NO_IMAGE,
+    ENV_NOT_FOUND,
+    GREEN_FAILED_TO_START,
+    GREEN_NOT_HEALTHY_IN_TIME,
+    GREEN_UNHEALTHY,
+    NO_IMAGE,
+    RELEASE_NOT_FOUND,
+    RUN,
+    STOP,
+    SUPERSEDED,
+    UP_STATES,
+    Timers,
+    Transition,
+    abort,
+    blue,
+    copy_of,
+    green,
+    move,
+    observed_summary,
+    on_live_nodes,
+    phase_entered_at,
+    promoted_env,
+    seconds,
+    stateful_fail,
+    stay,
+    tagged,
+    timed_out,
+    timeout_reason,
+)
+from services.orchestrator.stateful import decide_stateful
+from services.scheduler.placement import place
+from services.scheduler.replicas import deploy_replicas, new_assignment, with_desired
+from shared import keys as K
+from shared.deploy import CANCELED_BY_OPERATOR, cancel_requested
+from shared.deployments import is_terminal
+from shared.view import StateView
+
+PENDING = pb.DEPLOYMENT_PHASE_PENDING
+BUILDING = pb.DEPLOYMENT_PHASE_BUILDING
+PLACING = pb.DEPLOYMENT_PHASE_PLACING
+STARTING = pb.DEPLOYMENT_PHASE_STARTING
+HEALTHCHECKING = pb.DEPLOYMENT_PHASE_HEALTHCHECKING
+PROMOTING = pb.DEPLOYMENT_PHASE_PROMOTING
+DRAINING_OLD = pb.DEPLOYMENT_PHASE_DRAINING_OLD
+STOPPING_OLD = pb.DEPLOYMENT_PHASE_STOPPING_OLD
+
+# A strict "now > deadline" becomes true just after the deadline: wake a hair later.
+STRICT_WAKE_EPSILON = 0.001
+
+
+def decide(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Transition | None:
+    """The next step of deployment ``d`` (None: nothing to do until something changes)."""
+    if is_terminal(d.phase):
+        return None
+    env = view.env(d.environment_id)
+    if env is None:
+        return abort(view, d, ENV_NOT_FOUND, now)
+    release = view.release(d.release_id)
+    if release is None:
+        return abort(view, d, RELEASE_NOT_FOUND, now)
+    if superseded(view, d):
+        return supersede(view, d, now)
+    stateful = release.service.stateful
+    if cancel_requested(d) and d.phase != DRAINING_OLD:
+        if stateful and d.phase not in (PENDING, BUILDING):
+            return stateful_fail(view, d, CANCELED_BY_OPERATOR, now)
+        return abort(view, d, CANCELED_BY_OPERATOR, now)
+    if d.phase == PENDING:
+        return pending(view, d, env, release, now, first_step=STOPPING_OLD if stateful else PLACING)
+    if d.phase == BUILDING:
+        return building(view, d, release, now, timers, next_phase=STOPPING_OLD if stateful else PLACING)
+    if stateful:
+        return decide_stateful(view, d, env, release, now, timers)
+    return decide_red_green(view, d, env, release, now, timers)
+
+
+# ---------------------------------------------------------------------- guards
+
+
+def newer(a: pb.Deployment, b: pb.Deployment) -> bool:
+    """deploymentNewer: later created_at, ties (including both unset) broken by the larger id."""
+    ta, tb = a.meta.created_at.ToNanoseconds(), b.meta.created_at.ToNanoseconds()
+    if ta != tb:
+        return ta > tb
+    return a.meta.id > b.meta.id
+
+
+def superseded(view: StateView, d: pb.Deployment) -> bool:
+    return any(
+        o.meta.id != d.meta.id and not is_terminal(o.phase) and newer(o, d) for o in view.deployments(d.environment_id)
+    )
+
+
+def supersede(view: StateView, d: pb.Deployment, now: float) -> Transition:
+    """A newer deployment owns the env. A promoted one just completes: its green is the live release and
+    its blue stays warm (the newer one may be a rollback to exactly that release)."""
+    if d.phase == DRAINING_OLD:
+        return move(d, pb.DEPLOYMENT_PHASE_SUCCEEDED, now)
+    t = move(d, pb.DEPLOYMENT_PHASE_SUPERSEDED, now, error=SUPERSEDED)
+    t.deletes = [K.assignment(a.node_id, a.meta.id) for a in tagged(view, d)]
+    return t
+
+
+# ---------------------------------------------------------------------- shared by both machines
+
+
+def pending(
+    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, *, first_step: int
+) -> Transition:
+    if d.build_id and not release.image_ref:
+        return move(d, BUILDING, now)
+    if not release.image_ref:
+        return abort(view, d, NO_IMAGE, now)
+    if first_step == PLACING and d.is_rollback and warm_enough(view, env, release):
+        return move(d, PROMOTING, now)
+    return move(d, first_step, now)
+
+
+def warm_enough(view: StateView, env: pb.Environment, release: pb.Release) -> bool:
+    """A rollback may promote at once when enough healthy replicas of its target still run (any tag)."""
+    want = deploy_replicas(env, release)
+    if want <= 0:
+        return False
+    warm = [
+        a
+        for a in view.assignments(env.meta.id)
+        if a.release_id == release.meta.id and a.desired == RUN and a.observed.state == pb.INSTANCE_STATE_HEALTHY
+    ]
+    live, _ = on_live_nodes(view, warm)
+    return len(live) >= want
+
+
+def building(
+    view: StateView, d: pb.Deployment, release: pb.Release, now: float, timers: Timers, *, next_phase: int
+) -> Transition | None:
+    build = view.build(d.build_id)
+    if build is None:
+        return abort(view, d, BUILD_NOT_FOUND, now)
+    if build.status == pb.BUILD_STATUS_SUCCEEDED:
+        if not build.image_ref:
+            return abort(view, d, BUILD_PRODUCED_NO_IMAGE, now)
+        t = move(d, next_phase, now)
+        if release.image_ref != build.image_ref:
+            stamped = copy_of(release)
+            stamped.image_ref = build.image_ref
+            stamped.platforms[:] = list(build.platforms)
+            t.puts = [stamped]
+        return t
+    if build.status in (pb.BUILD_STATUS_FAILED, pb.BUILD_STATUS_CANCELED):
+        return abort(view, d, BUILD_FAILED + build.error, now)
+    limit = timers.building_timeout
+    if timed_out(d, now, limit):
+        status = pb.BuildStatus.Name(build.status).removeprefix("BUILD_STATUS_")
+        return abort(view, d, timeout_reason(d.phase, limit, f"build {build.meta.id} is still {status}"), now)
+    return None
+
+
+# ---------------------------------------------------------------------- red/green
+
+
+def decide_red_green(
+    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+) -> Transition | None:
+    if d.phase == PLACING:
+        return placing(view, d, env, release, now, timers)
+    if d.phase == STARTING:
+        return starting(view, d, env, release, now, timers)
+    if d.phase == HEALTHCHECKING:
+        return healthchecking(view, d, env, release, now, timers)
+    if d.phase == PROMOTING:
+        return promote(d, env, now, timers)
+    if d.phase == DRAINING_OLD:
+        return drain(view, d, env, release, now)
+    return None
+
+
+def placing(
+    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+) -> Transition | None:
+    """Place the missing green replicas; STARTING in the same write once the set is complete."""
+    target = deploy_replicas(env, release)
+    live, lost = on_live_nodes(view, green(view, d))
+    drop = [K.assignment(a.node_id, a.meta.id) for a in lost]
+    need = target - len(live)
+    if need <= 0:
+        t = move(d, STARTING, now)
+        t.deletes = drop
+        return t
+    picks, error = place(view, release, env.meta.id, need)
+    limit = timers.placing_timeout
+    if timed_out(d, now, limit):
+        cause = f"placed {len(live)} of {target} green replicas: {error or 'no capacity'}"
+        return abort(view, d, timeout_reason(d.phase, limit, cause), now)
+    if not picks and not drop:
+        return None
+    if len(picks) == need:
+        t = move(d, STARTING, now)
+    else:
+        t = stay(d, f"placed {len(live) + len(picks)} of {target} green replicas")
+    t.creates = [new_assignment(env, release, node_id, now=now, deployment_id=d.meta.id) for node_id in picks]
+    t.deletes = drop
+    return t
+
+
+def back_to_placing(view: StateView, d: pb.Deployment, lost: list[pb.Assignment], now: float) -> Transition:
+    """The green set shrank (node lost, external stop) or the target grew: re-place before promoting."""
+    t = move(d, PLACING, now)
+    t.deletes = [K.assignment(a.node_id, a.meta.id) for a in lost]
+    return t
+
+
+def starting(
+    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+) -> Transition | None:
+    instances = green(view, d)
+    if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
+        return abort(view, d, GREEN_FAILED_TO_START, now)
+    live, lost = on_live_nodes(view, instances)
+    if lost or len(live) < deploy_replicas(env, release):
+        return back_to_placing(view, d, lost, now)
+    if all(a.observed.state in UP_STATES for a in live):
+        return move(d, HEALTHCHECKING, now)
+    limit = timers.starting_timeout
+    if timed_out(d, now, limit):
+        waiting = [a for a in live if a.observed.state not in UP_STATES]
+        cause = f"{len(waiting)} of {len(live)} green instances not running ({observed_summary(waiting)})"
+        return abort(view, d, timeout_reason(d.phase, limit, cause), now)
+    return None
+
+
+def healthchecking(
+    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+) -> Transition | None:
+    instances = green(view, d)
+    if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
+        return abort(view, d, GREEN_UNHEALTHY, now)
+    live, lost = on_live_nodes(view, instances)
+    if lost or len(live) < deploy_replicas(env, release):
+        return back_to_placing(view, d, lost, now)
+    if all(a.observed.state == pb.INSTANCE_STATE_HEALTHY for a in live):
+        return move(d, PROMOTING, now)
+    entered = phase_entered_at(d)
+    if entered is not None and now > entered + timers.health_deadline(release):
+        return abort(view, d, GREEN_NOT_HEALTHY_IN_TIME, now)
+    return None
+
+
+def promote(d: pb.Deployment, env: pb.Environment, now: float, timers: Timers) -> Transition:
+    """ONE write: active release + route generation, DRAINING_OLD with promoted_at and drain_deadline."""
+    t = move(d, DRAINING_OLD, now, promoted_at=now, drain_deadline=now + timers.drain_window)
+    t.puts = [promoted_env(env, d.release_id)]
+    return t
+
+
+def drain(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float) -> Transition | None:
+    """After the drain window: stop blue and succeed, in one write. Green is never touched."""
+    if d.HasField("drain_deadline") and now < seconds(d.drain_deadline):
+        return None
+    t = move(d, pb.DEPLOYMENT_PHASE_SUCCEEDED, now)
+    t.puts = [with_desired(a, STOP, now=now) for a in blue_to_stop(view, d, env, release)]
+    return t
+
+
+def blue_to_stop(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release) -> list[pb.Assignment]:
+    """blue(d), except when the target is the previous release itself (a rollback to the active release,
+    a redeploy): then blue is the live set, so keep the target count running — d's own replicas first,
+    then the newest others — and stop only the oldest surplus."""
+    candidates = blue(view, d)
+    if d.release_id != d.previous_release_id:
+        return candidates
+    own = sum(1 for a in green(view, d) if a.release_id == d.release_id)
+    keep = max(0, deploy_replicas(env, release) - own)
+    surplus = len(candidates) - keep
+    return candidates[: max(0, surplus)]
+
+
+# ---------------------------------------------------------------------- timers
+
+
+def wake_at(view: StateView, d: pb.Deployment, timers: Timers) -> float | None:
+    """The instant at which time alone can change ``decide`` for ``d`` (None: only a change can)."""
+    if is_terminal(d.phase):
+        return None
+    if d.phase == DRAINING_OLD:
+        return seconds(d.drain_deadline) if d.HasField("drain_deadline") else None
+    entered = phase_entered_at(d)
+    if entered is None:
+        return None
+    if d.phase == HEALTHCHECKING:
+        release = view.release(d.release_id)
+        if release is None:
+            return None
+        return entered + timers.health_deadline(release) + STRICT_WAKE_EPSILON
+    limit = timers.phase_timeout(d.phase)
+    return None if limit is None else entered + limit + STRICT_WAKE_EPSILON

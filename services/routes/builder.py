@@ -1,0 +1,452 @@
+"""RouteBuilder: the routing table as a pure function of the state view (spec A1).
+
+Construction follows the reference rule by rule (routes-snapshots.md A1.2–A1.10): per environment
+(sorted by id) whose app exists, one HTTP route per explicit domain of the env's project attached to
+it (domain id order), then the implicit ``<app>-<env>.<domain>`` route; L4 routes for ports with a
+public port; an internal service when the env holds a VIP; endpoints are the active release's RUN
+replicas observed HEALTHY with a bound mesh port on a node that is present and not DOWN/DRAINED.
+
+Incremental: the snapshot is kept as per-environment fragments, each already serialized, and the
+snapshot bytes are their concatenation. Protobuf's wire format makes this exact: a message's
+deterministic encoding is its fields in number order, a repeated field being its elements' encodings
+back to back, so ``version`` + every env's ``http_routes`` + every env's ``l4_routes`` + every env's
+``internal_services`` + ``cert_hosts`` is byte for byte ``SerializeToString(deterministic=True)`` of
+the whole snapshot. A change rebuilds only the environments whose inputs it touches:
+
+* env, vip → that env;  app, project → the envs of that app / project;
+* domain → the env it is attached to now and the one it was attached to before;
+* assignment (the view also reports observed reports joined into it) → its env, old and new;
+* node (status, mesh IP) → every env with an assignment on that node.
+
+Fixes over the reference: App and Project changes are watched (D-A4: renames reached routes only on
+the 15 s tick), and the build is atomic (it runs between two view updates, never across one).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from shared import keys as K
+from shared.view import Change, StateView
+
+RELEVANT_KINDS = frozenset({K.ENV, K.APP, K.PROJECT, K.DOMAIN, K.ASSIGNMENT, K.OBSERVED, K.NODE, K.VIP})
+"""Every kind the snapshot reads; the snapshot version is the newest revision among them."""
+
+L4_PROTOCOL = "tcp"  # the reference hard-codes "tcp" for L4 and internal ports, even for UDP (D-A8)
+DEFAULT_HTTP_PORT = "http"
+FALLBACK_HOST = "127.0.0.1"
+_UNROUTABLE_NODE_STATUSES = frozenset({pb.NODE_STATUS_DOWN, pb.NODE_STATUS_DRAINED})
+_RUN = pb.ASSIGNMENT_DESIRED_RUN
+_HEALTHY = pb.INSTANCE_STATE_HEALTHY
+_HTTP_PROTOCOLS = frozenset({pb.PROTOCOL_HTTP, pb.PROTOCOL_UNSPECIFIED})
+
+
+def http_port_name(spec: pb.ServiceSpec) -> str:
+    """First HTTP (or unspecified) port; else the first port whatever its protocol; else ``"http"``."""
+    for port in spec.ports:
+        if port.protocol in _HTTP_PROTOCOLS:
+            return port.name
+    if spec.ports:
+        return spec.ports[0].name
+    return DEFAULT_HTTP_PORT
+
+
+def implicit_hostname(app_name: str, env_name: str, domain: str) -> str:
+    """``<app>-<env>.<domain>``, verbatim (no sanitizing or lowercasing, as the reference)."""
+    return f"{app_name}-{env_name}.{domain}"
+
+
+def internal_fqdn(app_name: str, env_name: str, project_name: str) -> str:
+    """``<app>.<env>.<project>.internal.`` with the trailing dot."""
+    return f"{app_name}.{env_name}.{project_name}.internal."
+
+
+def bound_port(assignment: pb.Assignment, port_name: str) -> int:
+    """The published mesh port of ``port_name``: the agent's observed report first, then the desired record."""
+    return assignment.observed.mesh_port_bindings.get(port_name, 0) or assignment.mesh_port_bindings.get(port_name, 0)
+
+
+def routable_host(node: pb.Node | None) -> str | None:
+    """The address endpoints on ``node`` use (mesh IP, else 127.0.0.1); None when the node is missing,
+    DOWN or DRAINED (SUSPECT and DRAINING keep their endpoints, D-A6)."""
+    if node is None or node.status in _UNROUTABLE_NODE_STATUSES:
+        return None
+    return node.mesh_ip or FALLBACK_HOST
+
+
+NodeHosts = Mapping[str, str | None]
+"""node id -> :func:`routable_host` of that node (a missing id is a missing node)."""
+
+
+def node_hosts(view: StateView) -> dict[str, str | None]:
+    return {node.meta.id: routable_host(node) for node in view.nodes()}
+
+
+def routable_replicas(view: StateView, env: pb.Environment, hosts: NodeHosts) -> list[tuple[pb.Assignment, str]]:
+    """(assignment, host) of the env's assignments, by id, that may carry traffic (A1.6 rules 1, 2, 3, 5):
+    the active release only, desired RUN, observed HEALTHY exactly, on a routable node. Rule 4 (a bound
+    port) depends on the port: see :class:`_Endpoints`."""
+    active = env.active_release_id
+    if not active:
+        return []
+    replicas = []
+    for assignment in view.assignments(env.meta.id):
+        if (
+            assignment.release_id == active
+            and assignment.desired == _RUN
+            and assignment.observed.state == _HEALTHY
+            and (host := hosts.get(assignment.node_id))
+        ):
+            replicas.append((assignment, host))
+    return replicas
+
+
+class _Endpoints:
+    """Fills a route's endpoints for a port; each port's list is built once and copied to later routes."""
+
+    def __init__(self, replicas: list[tuple[pb.Assignment, str]]) -> None:
+        self._replicas = replicas
+        self._built: dict[str, RepeatedCompositeFieldContainer[cpb.Endpoint]] = {}
+
+    def fill(self, target: RepeatedCompositeFieldContainer[cpb.Endpoint], port_name: str) -> None:
+        if not self._replicas:
+            return
+        built = self._built.get(port_name)
+        if built is not None:
+            target.MergeFrom(built)
+            return
+        for assignment, host in self._replicas:
+            port = bound_port(assignment, port_name)
+            if port:
+                target.add(
+                    assignment_id=assignment.meta.id, node_id=assignment.node_id, addr=f"{host}:{port}", healthy=True
+                )
+        self._built[port_name] = target
+
+
+@dataclass(frozen=True, slots=True)
+class EnvRoutes:
+    """One environment's share of the snapshot, each section already in its wire encoding."""
+
+    http: bytes
+    l4: bytes
+    internal: bytes
+    hostnames: tuple[str, ...]
+
+
+def build_env_sections(
+    view: StateView, env: pb.Environment, domain: str, hosts: NodeHosts | None = None
+) -> cpb.RouteSnapshot | None:
+    """One environment's routes as a version-less snapshot without cert_hosts; None when its app is
+    missing (the whole env is skipped, D-A13). ``hosts`` defaults to :func:`node_hosts` of the view."""
+    app = view.app(env.app_id)
+    if app is None:
+        return None
+    env_id, project_id, app_id, env_name, app_name = env.meta.id, env.project_id, env.app_id, env.name, app.name
+    spec = env.service
+    endpoints = _Endpoints(routable_replicas(view, env, node_hosts(view) if hosts is None else hosts))
+    http_port = http_port_name(spec)
+    flags: dict[str, object] = {
+        "scale_to_zero": spec.scale_to_zero,
+        "max_concurrency": spec.max_concurrency,
+        "route_generation": env.route_generation,
+    }
+    if spec.HasField("rate_limit"):
+        flags["rate_limit"] = spec.rate_limit
+    sections = cpb.RouteSnapshot()
+    http_routes = sections.http_routes
+
+    for dom in view.domains(env_id):
+        if dom.project_id == project_id:
+            route = http_routes.add(
+                hostname=dom.hostname,
+                path_prefix=dom.path_prefix,
+                project_id=project_id,
+                app_id=app_id,
+                environment_id=env_id,
+                app_name=app_name,
+                environment_name=env_name,
+                middleware=dom.middleware if dom.HasField("middleware") else None,
+                **flags,
+            )
+            endpoints.fill(route.endpoints, dom.port_name or http_port)
+    if domain:
+        route = http_routes.add(
+            hostname=implicit_hostname(app_name, env_name, domain),
+            project_id=project_id,
+            app_id=app_id,
+            environment_id=env_id,
+            app_name=app_name,
+            environment_name=env_name,
+            **flags,
+        )
+        endpoints.fill(route.endpoints, http_port)
+
+    for port in spec.ports:
+        if port.public_l4_port:
+            l4 = sections.l4_routes.add(public_port=port.public_l4_port, protocol=L4_PROTOCOL, environment_id=env_id)
+            endpoints.fill(l4.endpoints, port.name)
+
+    vip = view.vip(env_id)
+    if vip is not None and vip.vip:
+        project = view.project(project_id)
+        service = sections.internal_services.add(
+            fqdn=internal_fqdn(app_name, env_name, project.name if project is not None else project_id),
+            project_id=project_id,
+            environment_id=env_id,
+            vip=vip.vip,
+        )
+        for port in spec.ports:
+            internal = service.ports.add(name=port.name, port=port.container_port, protocol=L4_PROTOCOL)
+            endpoints.fill(internal.endpoints, port.name)
+    return sections
+
+
+def build_env_routes(view: StateView, env: pb.Environment, domain: str, hosts: NodeHosts) -> EnvRoutes | None:
+    """:func:`build_env_sections` serialized once and cut into its three sections."""
+    sections = build_env_sections(view, env, domain, hosts)
+    if sections is None:
+        return None
+    data = sections.SerializeToString(deterministic=True)
+    hostnames = tuple(route.hostname for route in sections.http_routes)
+    if not sections.l4_routes and not sections.internal_services:
+        return EnvRoutes(data, b"", b"", hostnames)
+    l4_at = field_offset(data, _L4_FIELD)
+    internal_at = field_offset(data, _INTERNAL_FIELD)
+    return EnvRoutes(data[:l4_at], data[l4_at:internal_at], data[internal_at:], hostnames)
+
+
+_L4_FIELD = cpb.RouteSnapshot.L4_ROUTES_FIELD_NUMBER
+_INTERNAL_FIELD = cpb.RouteSnapshot.INTERNAL_SERVICES_FIELD_NUMBER
+
+
+def field_offset(data: bytes, field_number: int) -> int:
+    """Offset of the first top-level field numbered ``field_number`` or higher in a deterministic
+    encoding of length-delimited fields (fields are in number order); ``len(data)`` when none is."""
+    offset, end = 0, len(data)
+    while offset < end:
+        tag, cursor = _varint(data, offset)
+        if tag >> 3 >= field_number:
+            return offset
+        length, cursor = _varint(data, cursor)
+        offset = cursor + length
+    return end
+
+
+def _varint(data: bytes, offset: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[offset]
+        offset += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, offset
+        shift += 7
+
+
+def encode_snapshot(version: int, content: bytes) -> bytes:
+    """The snapshot bytes: ``version`` (field 1, so first) followed by the version-less content."""
+    return cpb.RouteSnapshot(version=version).SerializeToString(deterministic=True) + content
+
+
+class RouteBuilder:
+    """Keeps the route snapshot of a view up to date, rebuilding only the environments a change touches.
+
+    Call :meth:`rebuild_all` once the view is loaded, then :meth:`apply_changes` with the view's change
+    feed (kinds :data:`RELEVANT_KINDS`). :meth:`content` is the version-less snapshot encoding;
+    :attr:`revision` the state revision it reflects.
+    """
+
+    def __init__(self, view: StateView, *, domain: str) -> None:
+        self.view = view
+        self.domain = domain
+        self.envs_rebuilt = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._routes: dict[str, EnvRoutes] = {}
+        self._order: list[str] = []  # ids of the envs with routes, sorted
+        # Each env's sections, aligned with _order: the snapshot is their concatenation.
+        self._http_parts: list[bytes] = []
+        self._l4_parts: list[bytes] = []
+        self._internal_parts: list[bytes] = []
+        self._node_hosts: dict[str, str | None] = {}
+        self._host_refs: dict[str, int] = {}  # hostname -> number of routes carrying it
+        self._cert_hosts: list[str] = []  # the keys of _host_refs, sorted
+        self._cert_hosts_bytes: bytes | None = None
+        self._content: bytes | None = None
+        # Dependency indexes: which envs a change of a given object affects.
+        self._env_inputs: dict[str, tuple[str, str]] = {}  # env -> (app_id, project_id)
+        self._envs_by_app: dict[str, set[str]] = defaultdict(set)
+        self._envs_by_project: dict[str, set[str]] = defaultdict(set)
+        self._domain_env: dict[str, str] = {}
+        self._assignment_place: dict[str, tuple[str, str]] = {}  # assignment -> (env, node)
+        self._envs_by_node: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def revision(self) -> int:
+        """Newest state revision (put or delete) among the kinds the snapshot reads."""
+        return max(self.view.kind_revision(kind) for kind in RELEVANT_KINDS)
+
+    def content(self) -> bytes:
+        """The snapshot without its version (which :func:`encode_snapshot` prepends)."""
+        if self._content is None:
+            if self._cert_hosts_bytes is None:
+                self._cert_hosts_bytes = cpb.RouteSnapshot(cert_hosts=self._cert_hosts).SerializeToString(
+                    deterministic=True
+                )
+            sections = (self._http_parts, self._l4_parts, self._internal_parts)
+            self._content = b"".join([*(b"".join(parts) for parts in sections), self._cert_hosts_bytes])
+        return self._content
+
+    def snapshot(self, version: int | None = None) -> cpb.RouteSnapshot:
+        """The snapshot as a message (tests, CLI); ``version`` defaults to :attr:`revision`."""
+        snapshot = cpb.RouteSnapshot()
+        snapshot.ParseFromString(encode_snapshot(self.revision if version is None else version, self.content()))
+        return snapshot
+
+    # ------------------------------------------------------------------ building
+
+    def rebuild_all(self) -> None:
+        """Forget everything and build every environment from the view."""
+        self._reset()
+        self._node_hosts = node_hosts(self.view)
+        place, by_node = self._assignment_place, self._envs_by_node
+        for assignment in self.view.assignments():
+            env_id, node_id = assignment.environment_id, assignment.node_id
+            place[assignment.meta.id] = (env_id, node_id)
+            by_node[node_id][env_id] += 1
+        for dom in self.view.domains():
+            self._domain_env[dom.meta.id] = dom.environment_id
+        for env in self.view.envs():
+            env_id = env.meta.id
+            self.envs_rebuilt += 1
+            self._index_env(env_id, env)
+            routes = build_env_routes(self.view, env, self.domain, self._node_hosts)
+            if routes is not None:
+                self._routes[env_id] = routes
+                for host in routes.hostnames:
+                    self._host_refs[host] = self._host_refs.get(host, 0) + 1
+        self._order = sorted(self._routes)
+        ordered = [self._routes[env_id] for env_id in self._order]
+        self._http_parts = [routes.http for routes in ordered]
+        self._l4_parts = [routes.l4 for routes in ordered]
+        self._internal_parts = [routes.internal for routes in ordered]
+        self._cert_hosts = sorted(self._host_refs)
+
+    def apply_changes(self, changes: Iterable[Change]) -> set[str]:
+        """Rebuild the environments affected by ``changes``; returns their ids."""
+        affected: set[str] = set()
+        for kind, ident in changes:
+            if kind in (K.ENV, K.VIP):
+                affected.add(ident)
+            elif kind == K.APP:
+                affected |= self._envs_by_app.get(ident, set())
+            elif kind == K.PROJECT:
+                affected |= self._envs_by_project.get(ident, set())
+            elif kind == K.DOMAIN:
+                affected |= self._move_domain(ident)
+            elif kind in (K.ASSIGNMENT, K.OBSERVED):
+                affected |= self._place_assignment(ident, self.view.assignment(ident))
+            elif kind == K.NODE:
+                host = routable_host(self.view.node(ident))
+                if self._node_hosts.get(ident) != host:
+                    self._node_hosts[ident] = host
+                    affected |= set(self._envs_by_node.get(ident, ()))
+        for env_id in affected:
+            self._rebuild_env(env_id)
+        return affected
+
+    def _move_domain(self, domain_id: str) -> set[str]:
+        affected = set()
+        before = self._domain_env.pop(domain_id, None)
+        if before is not None:
+            affected.add(before)
+        dom = self.view.get(K.DOMAIN, domain_id)
+        if isinstance(dom, pb.Domain):
+            self._domain_env[domain_id] = dom.environment_id
+            affected.add(dom.environment_id)
+        return affected
+
+    def _place_assignment(self, assignment_id: str, assignment: pb.Assignment | None) -> set[str]:
+        affected = set()
+        before = self._assignment_place.pop(assignment_id, None)
+        if before is not None:
+            env_id, node_id = before
+            affected.add(env_id)
+            per_node = self._envs_by_node[node_id]
+            per_node[env_id] -= 1
+            if not per_node[env_id]:
+                del per_node[env_id]
+                if not per_node:
+                    del self._envs_by_node[node_id]
+        if assignment is not None:
+            env_id, node_id = assignment.environment_id, assignment.node_id
+            self._assignment_place[assignment_id] = (env_id, node_id)
+            self._envs_by_node[node_id][env_id] += 1
+            affected.add(env_id)
+        return affected
+
+    def _rebuild_env(self, env_id: str) -> None:
+        self.envs_rebuilt += 1
+        env = self.view.env(env_id)
+        self._index_env(env_id, env)
+        routes = build_env_routes(self.view, env, self.domain, self._node_hosts) if env is not None else None
+        old = self._routes.get(env_id)
+        if routes == old:
+            return
+        self._content = None
+        at = bisect.bisect_left(self._order, env_id)
+        if routes is None:
+            del self._routes[env_id]
+            for sequence in (self._order, self._http_parts, self._l4_parts, self._internal_parts):
+                del sequence[at]
+        else:
+            if old is None:
+                self._order.insert(at, env_id)
+                for parts in (self._http_parts, self._l4_parts, self._internal_parts):
+                    parts.insert(at, b"")
+            self._routes[env_id] = routes
+            self._http_parts[at], self._l4_parts[at], self._internal_parts[at] = routes.http, routes.l4, routes.internal
+        old_hosts = old.hostnames if old is not None else ()
+        new_hosts = routes.hostnames if routes is not None else ()
+        if old_hosts != new_hosts:
+            self._forget_cert_hosts(old_hosts)
+            self._remember_cert_hosts(new_hosts)
+
+    def _index_env(self, env_id: str, env: pb.Environment | None) -> None:
+        before = self._env_inputs.pop(env_id, None)
+        if before is not None:
+            self._envs_by_app[before[0]].discard(env_id)
+            self._envs_by_project[before[1]].discard(env_id)
+        if env is not None:
+            self._env_inputs[env_id] = (env.app_id, env.project_id)
+            self._envs_by_app[env.app_id].add(env_id)
+            self._envs_by_project[env.project_id].add(env_id)
+
+    def _remember_cert_hosts(self, hostnames: Iterable[str]) -> None:
+        for host in hostnames:
+            refs = self._host_refs.get(host, 0)
+            self._host_refs[host] = refs + 1
+            if not refs:
+                bisect.insort(self._cert_hosts, host)
+                self._cert_hosts_bytes = None
+
+    def _forget_cert_hosts(self, hostnames: Iterable[str]) -> None:
+        for host in hostnames:
+            refs = self._host_refs[host] - 1
+            if refs:
+                self._host_refs[host] = refs
+            else:
+                del self._host_refs[host]
+                del self._cert_hosts[bisect.bisect_left(self._cert_hosts, host)]
+                self._cert_hosts_bytes = None

@@ -1,0 +1,76 @@
+"""Node liveness (leader-gated by ``lease.liveness``): ALIVE ⇄ DOWN from the agents' heartbeats.
+
+Agents heartbeat into ``zattera-live`` (every 5 s here; 10 s in the reference). An ALIVE node whose
+latest heartbeat is older than 30 s becomes DOWN (event ``node.down``); a DOWN node that heartbeats
+again becomes ALIVE (``node.up``). DRAINING and DRAINED belong to the operator and are never touched.
+For 45 s after a term starts nothing is marked DOWN: a new leader first gives every agent time to be
+heard (its live view may have just started). A node never heard of counts as seen at the term start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from zattera.v1 import types_pb2 as pb
+
+from services.scheduler.decisions import Writes, commit, event
+from services.scheduler.replicas import seconds
+from shared import keys as K
+from shared.events import INFO, WARNING
+from shared.live import LiveView
+from shared.loop import LeaderLoop
+from shared.view import StateView
+
+TICK = 5.0
+HEARTBEAT_DEADLINE = 30.0
+LEADER_GRACE = 45.0
+
+
+def evaluate_liveness(
+    view: StateView, seen_at: Callable[[str], float | None], now: float, term_started: float
+) -> list[Writes]:
+    """Status flips (one write per node) from each node's last heartbeat time."""
+    result = []
+    grace_over = now - term_started >= LEADER_GRACE
+    for node in view.nodes():
+        node_id = node.meta.id
+        heard = seen_at(node_id)
+        stored = seconds(node.last_heartbeat_at) if node.HasField("last_heartbeat_at") else 0.0
+        last = max(heard or 0.0, stored, term_started)
+        if node.status == pb.NODE_STATUS_ALIVE and grace_over and now - last > HEARTBEAT_DEADLINE:
+            status = pb.NODE_STATUS_DOWN
+            message = f"node {node_id} missed heartbeats for {now - last:.0f}s; marked DOWN"
+            kind, severity = "node.down", WARNING
+        elif node.status == pb.NODE_STATUS_DOWN and heard is not None and now - heard <= HEARTBEAT_DEADLINE:
+            status = pb.NODE_STATUS_ALIVE
+            message = f"node {node_id} is heartbeating again; marked ALIVE"
+            kind, severity = "node.up", INFO
+        else:
+            continue
+        changed = pb.Node()
+        changed.CopyFrom(node)
+        changed.status = status
+        if heard is not None:
+            changed.last_heartbeat_at.FromNanoseconds(int(heard * 1e9))
+        ev = event(kind, message, now, severity=severity, node_id=node_id)
+        result.append(Writes(f"liveness:{node_id}", updates=[changed], events=[ev]))
+    return result
+
+
+class Liveness(LeaderLoop):
+    name = "liveness"
+    kinds = frozenset({K.NODE})
+
+    def __init__(self, *, live: LiveView, tick: float = TICK, **kwargs: Any) -> None:
+        super().__init__(tick=tick, **kwargs)
+        self.live = live
+        self.term_started = self.clock.now()
+
+    def on_term_start(self) -> None:
+        self.term_started = self.clock.now()
+
+    async def run_pass(self) -> None:
+        assert self.writer is not None, "a pass needs a writer (set by run(), or by the test)"
+        writes = evaluate_liveness(self.view, self.live.node_seen_at, self.clock.now(), self.term_started)
+        await commit(self.writer, self.events, writes, loop=self.name)

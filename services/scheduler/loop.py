@@ -1,0 +1,83 @@
+"""The placement loop (reference ``Scheduler``): leader-gated by ``lease.scheduler``.
+
+It runs a full pass at the start of a term, on changes of envs, releases, deployments, nodes,
+assignments (observed reports included) and volumes, coalesced, and every 15 s. A pass has the
+reference's order, each step deciding purely from the view and committing before the next step reads:
+
+1. volumes: auto-create and NODE_LOST / recovered (so placement sees the pins);
+2. envs, in id order: one atomic write per env, all packed into few batches (``commit_many``); the
+   decisions go through one ``PlacementIndex`` so env B is placed seeing env A's picks;
+3. volume fencing leases (a replica placed in step 2 is leased in the same pass);
+4. orphans; 5. drains → DRAINED.
+
+A refused write (a concurrent change) is logged and re-decided on the next pass, which that change
+triggers; a lost lease stops the term. Lease renewals do not wake the loop again (the reference's
+hot loop), and recurring shortfall events are published when they start or change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from services.scheduler.convergence import FailureBackoff, evaluate_envs
+from services.scheduler.decisions import Notices, Writes, commit, event
+from services.scheduler.drain import evaluate_drains
+from services.scheduler.orphans import evaluate_orphans
+from services.scheduler.volumes import evaluate_leases, evaluate_volumes
+from shared import keys as K
+from shared.events import WARNING
+from shared.loop import LeaderLoop
+
+
+class Scheduler(LeaderLoop):
+    name = "scheduler"
+    kinds = frozenset({K.ENV, K.RELEASE, K.DEPLOYMENT, K.NODE, K.ASSIGNMENT, K.VOLUME})
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backoff = FailureBackoff()
+        self.notices = Notices()
+
+    def on_term_start(self) -> None:
+        self.backoff = FailureBackoff()
+        self.notices = Notices()
+
+    def seconds_until_due(self) -> float | None:
+        return self.backoff.seconds_until_next(self.clock.now())
+
+    async def run_pass(self) -> None:
+        now = self.clock.now()
+        view = self.view
+
+        volumes = evaluate_volumes(view, now)
+        await self._commit(volumes.writes)
+        for (env_id, name), homeless in volumes.homeless.items():
+            env = view.env(env_id)
+            if self.notices.due(env_id, f"volume:{name}", homeless) and env is not None and homeless:
+                await self.events.publish(event("volume.no_capacity", homeless, now, severity=WARNING, env=env))
+
+        decisions = evaluate_envs(view, now, backoff=self.backoff)
+        landed = await self._commit([d.writes for d in decisions])
+        for decision, ok in zip(decisions, landed, strict=True):
+            env_id = decision.env.meta.id
+            if ok and decision.replaced_failed:
+                self.backoff.record(env_id, now)
+            shortfall = decision.shortfall
+            condition = f"{shortfall.unplaced} unplaced: {shortfall.reason}" if shortfall is not None else None
+            if self.notices.due(env_id, "schedule", condition) and shortfall is not None:
+                await self.events.publish(
+                    event("schedule.no_capacity", str(shortfall), now, severity=WARNING, env=decision.env)
+                )
+        self.notices.retain(env.meta.id for env in view.envs())
+
+        leases = evaluate_leases(view, now)
+        renewed = await self._commit(list(leases.values()))
+        self.ignore_own_changes((K.VOLUME, vid) for vid, ok in zip(leases, renewed, strict=True) if ok)
+
+        await self._commit(evaluate_orphans(view, now))
+        await self._commit(evaluate_drains(view, now))
+
+    async def _commit(self, writes: Sequence[Writes]) -> list[bool]:
+        assert self.writer is not None, "a pass needs a writer (set by run(), or by the test)"
+        return await commit(self.writer, self.events, writes, loop=self.name)

@@ -1,0 +1,127 @@
+"""Pure replica rules shared by the scheduler and the deployment orchestrator.
+
+* :func:`desired_replicas` is the scheduler's target (reference §3.4): the env's live spec and the
+  scaling loops' ``effective_replicas``; :func:`deploy_replicas` sizes a red/green green set from the
+  release's frozen spec (it ignores scale-to-zero, as in the reference).
+* :func:`new_assignment` and :func:`stopped` build the assignment writes both services make; times come
+  from the caller's injected clock (the reference mixed wall-clock and injected time).
+* :func:`node_is_down` is the reference's broad "down": missing or anything but ALIVE.
+* :func:`stop_is_reapable` is this project's fix for leaked STOP assignments.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from zattera.v1 import types_pb2 as pb
+
+from shared.ids import new_id
+from shared.view import StateView
+
+RUN = pb.ASSIGNMENT_DESIRED_RUN
+STOP = pb.ASSIGNMENT_DESIRED_STOP
+STOPPED = pb.INSTANCE_STATE_STOPPED
+FAILED = pb.INSTANCE_STATE_FAILED
+ALIVE = pb.NODE_STATUS_ALIVE
+
+STOP_REPORT_GRACE = 300.0
+"""A STOP assignment no agent has reported on (or only as FAILED) for this long is deleted."""
+
+
+def desired_replicas(env: pb.Environment) -> int:
+    """How many replicas the scheduler keeps for an env (0 without an active release)."""
+    if not env.active_release_id:
+        return 0
+    if env.service.scale_to_zero:
+        return env.effective_replicas
+    if env.effective_replicas > 0:
+        return env.effective_replicas
+    return env.service.replicas.min
+
+
+def deploy_replicas(env: pb.Environment, release: pb.Release) -> int:
+    """Size of a red/green green set: the scaling loops' count, else the release's own minimum."""
+    if env.effective_replicas > 0:
+        return env.effective_replicas
+    return release.service.replicas.min
+
+
+def _stamp(ts: Timestamp, now: float) -> None:
+    ts.FromNanoseconds(int(now * 1e9))
+
+
+def new_assignment(
+    env: pb.Environment,
+    release: pb.Release,
+    node_id: str,
+    *,
+    now: float,
+    deployment_id: str = "",
+    assignment_id: str | None = None,
+) -> pb.Assignment:
+    """A new RUN replica of ``release`` on ``node_id`` (project and app come from the env)."""
+    a = pb.Assignment(
+        node_id=node_id,
+        project_id=env.project_id,
+        app_id=env.app_id,
+        environment_id=env.meta.id,
+        release_id=release.meta.id,
+        deployment_id=deployment_id,
+        desired=RUN,
+        config_hash=release.config_hash,
+    )
+    a.meta.id = assignment_id or new_id()
+    _stamp(a.meta.created_at, now)
+    _stamp(a.meta.updated_at, now)
+    return a
+
+
+def with_desired(a: pb.Assignment, desired: int, *, now: float) -> pb.Assignment:
+    """A copy of ``a`` with a new desired state; ``updated_at`` marks when it changed (the reference kept it)."""
+    copy = pb.Assignment()
+    copy.CopyFrom(a)
+    copy.ClearField("observed")
+    copy.desired = desired  # type: ignore[assignment]
+    _stamp(copy.meta.updated_at, now)
+    return copy
+
+
+def stopped(a: pb.Assignment, *, now: float) -> pb.Assignment:
+    return with_desired(a, STOP, now=now)
+
+
+def node_is_down(view: StateView, node_id: str) -> bool:
+    """The reference's "down": the node is missing or its status is anything but ALIVE."""
+    node = view.node(node_id)
+    return node is None or node.status != ALIVE
+
+
+def find_volume(view: StateView, project_id: str, env_id: str, name: str) -> pb.Volume | None:
+    """The volume named ``name`` of (project, env); the oldest when duplicates exist."""
+    for volume in view.volumes(env_id):
+        if volume.project_id == project_id and volume.name == name:
+            return volume
+    return None
+
+
+def seconds(ts: Timestamp) -> float:
+    return ts.seconds + ts.nanos / 1e9
+
+
+def stop_is_reapable(view: StateView, a: pb.Assignment, now: float) -> bool:
+    """A STOP assignment that can be deleted (reference: only once observed STOPPED).
+
+    Fix: the reference leaked STOP assignments forever when no agent would ever report STOPPED. Here one
+    is also deleted when its node is DOWN or gone (the agent, if it returns, removes containers that
+    have no assignment), or when for :data:`STOP_REPORT_GRACE` since the flip no agent reported it
+    (or reported it only FAILED: a parked instance has no container to stop).
+    """
+    if a.desired != STOP:
+        return False
+    if a.observed.state == STOPPED:
+        return True
+    node = view.node(a.node_id)
+    if node is None or node.status == pb.NODE_STATUS_DOWN:
+        return True
+    unreported = not a.HasField("observed") or a.observed.state in (pb.INSTANCE_STATE_UNSPECIFIED, FAILED)
+    since = a.meta.updated_at if a.meta.HasField("updated_at") else a.meta.created_at
+    return unreported and now - seconds(since) >= STOP_REPORT_GRACE

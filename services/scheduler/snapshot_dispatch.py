@@ -1,0 +1,428 @@
+"""SnapshotDispatcher: the control side of volume snapshots over NATS (B1.7, B2.7, B2.8).
+
+``start_snapshot`` writes the RUNNING record FIRST, then asks the volume's node on
+``zattera.agent.<node>.snapshot`` and follows its progress messages in the background, ending in
+COMPLETE (manifest key, logical bytes, uploaded bytes = bytes newly stored) or FAILED with the reason.
+Every failure after the record exists (node missing, no agent answering, pre-hook, upload) therefore
+leaves a FAILED record that moves the schedule's baseline on (the reference failed some of them before
+writing any record and wedged the schedule for the rest of the leader term, D-B3).
+
+At most one snapshot of a volume runs at a time (:class:`SnapshotBusy`). Prune is serialized against
+snapshots (a shared/exclusive lock: snapshots share, prune is exclusive, and prune defers while the view
+shows a RUNNING snapshot this dispatcher is not driving), so a running snapshot never loses a chunk it
+deduplicated against; the agent's GC grace period additionally protects chunks it just uploaded.
+
+Network deadlines (first reply, silence between progress messages) are real-time I/O timeouts; record
+ages (``updated_at`` touches for the stuck-record reaper) come from the injected clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from shared.clock import Clock
+from shared.ids import new_id
+from shared.natsio import Connection, agent_subject
+from shared.snapshots.locking import SharedExclusiveLock
+from shared.snapshots.store import MANIFESTS, SnapshotStore
+from shared.telemetry import inject, span
+from shared.txn import Deposed, TxnError, Writer
+from shared.view import StateView
+
+log = logging.getLogger(__name__)
+
+FIRST_REPLY_TIMEOUT = 10.0
+IDLE_TIMEOUT = 60.0  # agents re-send progress every 5 s; a minute of silence means the node is gone
+TOUCH_EVERY = 600.0  # how often a followed RUNNING record's updated_at is refreshed
+PRUNE_TIMEOUT = 900.0
+SNAPSHOT_KEY_ENV = "ZATTERA_SNAPSHOT_KEY"  # hex of the optional 32-byte AES-256-GCM cluster key
+
+
+class SnapshotBusy(Exception):
+    """A snapshot (or restore) of this volume is already running."""
+
+
+class RecordNotWritten(Exception):
+    """The RUNNING record could not be written: nothing was dispatched."""
+
+
+class RestoreRefused(Exception):
+    pass
+
+
+class NodeOperationFailed(Exception):
+    pass
+
+
+def target_from_env() -> cpb.SnapshotTarget:
+    key = os.environ.get(SNAPSHOT_KEY_ENV, "")
+    return cpb.SnapshotTarget(data_key=bytes.fromhex(key) if key else b"")
+
+
+# ---------------------------------------------------------------------------- volume lease helpers (C4.5)
+
+
+def lease_expired(lease: pb.VolumeLease | None, now: float) -> bool:
+    """A lease is expired when absent, without expiry, or ``now >= expires_at``."""
+    if lease is None or not lease.node_id or not lease.HasField("expires_at"):
+        return True
+    return now >= lease.expires_at.ToNanoseconds() / 1e9
+
+
+def lease_held_by_other(lease: pb.VolumeLease | None, node_id: str, now: float) -> bool:
+    return not lease_expired(lease, now) and lease is not None and lease.node_id != node_id
+
+
+def volume_mounted(view: StateView, volume: pb.Volume, now: float) -> bool:
+    """Mounted = its fencing lease is unexpired, or a non-job RUN assignment of its environment sits on
+    its node (the instance holding the data may be up even while the lease lapses)."""
+    if not lease_expired(volume.lease if volume.HasField("lease") else None, now):
+        return True
+    return any(
+        a.environment_id == volume.environment_id and not a.job_id and a.desired == pb.ASSIGNMENT_DESIRED_RUN
+        for a in view.assignments_by_node(volume.node_id)
+    )
+
+
+def holder_assignment(view: StateView, volume: pb.Volume) -> str:
+    """The instance a pre-hook runs in: the lease holder, else the env's lowest-id RUN assignment there."""
+    if volume.HasField("lease") and volume.lease.assignment_id:
+        return volume.lease.assignment_id
+    for a in view.assignments_by_node(volume.node_id):
+        if a.environment_id == volume.environment_id and not a.job_id and a.desired == pb.ASSIGNMENT_DESIRED_RUN:
+            return a.meta.id
+    return ""
+
+
+def _stamp(ts: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(ts * 1e9))
+    return stamp
+
+
+@dataclass
+class _Run:
+    volume_id: str
+    last_progress: float
+    last_touch: float
+
+
+ProgressFn = Callable[[cpb.SnapshotProgress], Awaitable[None]]
+
+
+class SnapshotDispatcher:
+    def __init__(
+        self,
+        conn: Connection,
+        view: StateView,
+        clock: Clock,
+        *,
+        target: cpb.SnapshotTarget | None = None,
+        first_reply_timeout: float = FIRST_REPLY_TIMEOUT,
+        idle_timeout: float = IDLE_TIMEOUT,
+        touch_every: float = TOUCH_EVERY,
+        prune_timeout: float = PRUNE_TIMEOUT,
+    ) -> None:
+        self.conn = conn
+        self.view = view
+        self.clock = clock
+        self.target = target if target is not None else cpb.SnapshotTarget()
+        self.first_reply_timeout = first_reply_timeout
+        self.idle_timeout = idle_timeout
+        self.touch_every = touch_every
+        self.prune_timeout = prune_timeout
+        self.gc_lock = SharedExclusiveLock()
+        self._runs: dict[str, _Run] = {}
+        self._busy_volumes: set[str] = set()
+
+    # ------------------------------------------------------------------ queries
+
+    def volume_busy(self, volume_id: str) -> bool:
+        if volume_id in self._busy_volumes:
+            return True
+        return any(s.volume_id == volume_id and s.status == pb.SNAPSHOT_STATUS_RUNNING for s in self.view.snapshots())
+
+    def last_progress(self, snapshot_id: str) -> float | None:
+        run = self._runs.get(snapshot_id)
+        return run.last_progress if run else None
+
+    # ------------------------------------------------------------------ snapshot
+
+    async def start_snapshot(self, volume: pb.Volume, writer: Writer) -> asyncio.Task[pb.VolumeSnapshot]:
+        """Write the RUNNING record and dispatch; the returned task ends with the final record."""
+        volume_id = volume.meta.id
+        if self.volume_busy(volume_id):
+            raise SnapshotBusy(f"a snapshot of volume {volume_id} is already running")
+        now = self.clock.now()
+        record = pb.VolumeSnapshot(volume_id=volume_id, status=pb.SNAPSHOT_STATUS_RUNNING)
+        record.meta.id = new_id()
+        record.meta.created_at.CopyFrom(_stamp(now))
+        record.meta.updated_at.CopyFrom(_stamp(now))
+        self._busy_volumes.add(volume_id)
+        try:
+            await writer.commit(writer.txn("snapshot.start").create(record))
+        except Deposed:
+            self._busy_volumes.discard(volume_id)
+            raise
+        except TxnError as exc:
+            self._busy_volumes.discard(volume_id)
+            raise RecordNotWritten(f"RUNNING record for volume {volume_id} not written: {exc}") from exc
+        self._runs[record.meta.id] = _Run(volume_id, now, now)
+        return asyncio.create_task(self._complete(volume, record, writer))
+
+    async def snapshot(self, volume: pb.Volume, writer: Writer) -> pb.VolumeSnapshot:
+        """The manual path: dispatch and wait for the final record."""
+        return await (await self.start_snapshot(volume, writer))
+
+    async def _complete(self, volume: pb.Volume, record: pb.VolumeSnapshot, writer: Writer) -> pb.VolumeSnapshot:
+        snapshot_id = record.meta.id
+        final = pb.VolumeSnapshot()
+        final.CopyFrom(record)
+        try:
+            async with self.gc_lock.shared():
+                try:
+                    done = await self._snapshot_on_node(volume, record, writer)
+                    final.status = pb.SNAPSHOT_STATUS_COMPLETE
+                    final.manifest_key = done.manifest_key or snapshot_id
+                    final.logical_size_bytes = done.bytes_total
+                    final.uploaded_bytes = done.bytes_done
+                except Exception as exc:
+                    final.status = pb.SNAPSHOT_STATUS_FAILED
+                    final.error = str(exc) or type(exc).__name__
+                    log.warning("snapshot %s of volume %s failed: %s", snapshot_id, volume.meta.id, final.error)
+                await self._write_final(final, writer)
+        finally:
+            self._runs.pop(snapshot_id, None)
+            self._busy_volumes.discard(volume.meta.id)
+        return final
+
+    async def _snapshot_on_node(
+        self, volume: pb.Volume, record: pb.VolumeSnapshot, writer: Writer
+    ) -> cpb.SnapshotProgress:
+        node_id = volume.node_id
+        if self.view.node(node_id) is None:
+            raise NodeOperationFailed(f"volume node {node_id} not found")
+        request = cpb.SnapshotVolumeRequest(
+            volume=volume,
+            snapshot=record,
+            pre_hook_command=volume.snapshot_policy.pre_hook,
+            pre_hook_container_id=holder_assignment(self.view, volume),
+            target=self.target,
+        )
+
+        async def on_progress(_: cpb.SnapshotProgress) -> None:
+            await self._touch(record.meta.id, writer)
+
+        with span("snapshot.dispatch", volume=volume.meta.id, snapshot=record.meta.id, node=node_id):
+            return await self._follow(agent_subject(node_id, "snapshot"), request.SerializeToString(), on_progress)
+
+    async def _touch(self, snapshot_id: str, writer: Writer) -> None:
+        """Note progress; now and then refresh the record's updated_at so any leader sees it is alive."""
+        run = self._runs.get(snapshot_id)
+        if run is None:
+            return
+        now = self.clock.now()
+        run.last_progress = now
+        if now - run.last_touch < self.touch_every:
+            return
+        current = self.view.snapshot(snapshot_id)
+        if current is None or current.status != pb.SNAPSHOT_STATUS_RUNNING:
+            return
+        touched = pb.VolumeSnapshot()
+        touched.CopyFrom(current)
+        touched.meta.updated_at.CopyFrom(_stamp(now))
+        run.last_touch = now
+        with contextlib.suppress(TxnError):
+            await writer.commit(writer.txn("snapshot.touch").put(touched))
+
+    async def _write_final(self, final: pb.VolumeSnapshot, writer: Writer) -> None:
+        """Write the outcome over whatever the record is now (the reaper may have failed it meanwhile);
+        a record deleted meanwhile stays deleted (its manifest is then an orphan for the next prune)."""
+        for _ in range(5):
+            if self.view.snapshot(final.meta.id) is None:
+                return
+            final.meta.updated_at.CopyFrom(_stamp(self.clock.now()))
+            try:
+                await writer.commit(writer.txn("snapshot.finish").put(final))
+                return
+            except Deposed:
+                raise
+            except TxnError as exc:
+                log.info("final write of snapshot %s retried: %s", final.meta.id, exc)
+        log.error("snapshot %s: final status not recorded; the reaper will fail it", final.meta.id)
+
+    # ------------------------------------------------------------------ progress protocol
+
+    async def _follow(self, subject: str, payload: bytes, on_progress: ProgressFn) -> cpb.SnapshotProgress:
+        """Send one request and read its progress stream until ``done`` (returned) or ``error`` (raised)."""
+        nc = self.conn.nc
+        inbox = nc.new_inbox()
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def receive(msg: Msg) -> None:
+            await queue.put(msg)
+
+        sub = await nc.subscribe(inbox, cb=receive)
+        try:
+            await nc.publish(subject, payload, reply=inbox, headers=inject({}))
+            timeout = self.first_reply_timeout
+            last_seq = 0
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), timeout)
+                except TimeoutError:
+                    what = "did not answer" if not last_seq else "stopped reporting progress"
+                    raise NodeOperationFailed(f"node agent on {subject} {what} within {timeout:.0f}s") from None
+                if msg.headers and msg.headers.get("Status") == "503":
+                    raise NodeOperationFailed(f"no agent answering on {subject}")
+                progress = cpb.SnapshotProgress.FromString(msg.data)
+                timeout = self.idle_timeout
+                if progress.sequence and progress.sequence <= last_seq:
+                    continue  # a heartbeat overtaken by a newer message
+                last_seq = progress.sequence or last_seq + 1
+                if progress.error or progress.phase == "error":
+                    raise NodeOperationFailed(progress.error or "node reported an error")
+                if progress.phase == "done":
+                    return progress
+                await on_progress(progress)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    # ------------------------------------------------------------------ prune
+
+    async def prune(self, volume: pb.Volume, snapshot_ids: list[str]) -> cpb.PruneSnapshotsResponse:
+        """Delete the dead snapshots' manifests and collect unreferenced chunks (global, like the reference).
+
+        Runs exclusively of this dispatcher's snapshots; defers (deleting nothing) while another process's
+        snapshot is RUNNING. Manifests whose record no longer exists (a failed earlier prune, a record
+        deleted while its snapshot finished) are pruned too, so nothing pins chunks forever (D-B8).
+        """
+        async with self.gc_lock.exclusive():
+            await self.view.wait_fresh()
+            # Our own RUNNING snapshots are waiting for the shared lock and have not touched the store yet.
+            foreign = [
+                s.meta.id
+                for s in self.view.snapshots()
+                if s.status == pb.SNAPSHOT_STATUS_RUNNING and s.meta.id not in self._runs
+            ]
+            if foreign:
+                return cpb.PruneSnapshotsResponse(error=f"deferred: snapshots running ({', '.join(foreign)})")
+            dead = sorted(set(snapshot_ids) | await self._orphan_manifests())
+            node_id = self._prune_node(volume)
+            if not node_id:
+                return cpb.PruneSnapshotsResponse(error="no ALIVE node to run the prune")
+            request = cpb.PruneSnapshotsRequest(volume=volume, snapshot_ids=dead, target=self.target)
+            with span("snapshot.prune.dispatch", volume=volume.meta.id, node=node_id, dead=len(dead)):
+                try:
+                    reply = await self.conn.nc.request(
+                        agent_subject(node_id, "prune"),
+                        request.SerializeToString(),
+                        timeout=self.prune_timeout,
+                        headers=inject({}),
+                    )
+                except NoRespondersError:
+                    return cpb.PruneSnapshotsResponse(error=f"no agent answering on node {node_id}")
+                except (NatsTimeoutError, TimeoutError):
+                    return cpb.PruneSnapshotsResponse(error=f"prune on node {node_id} timed out")
+            return cpb.PruneSnapshotsResponse.FromString(reply.data)
+
+    async def _orphan_manifests(self) -> set[str]:
+        store = await SnapshotStore.open(self.conn.js, self.target)
+        cut = len(store.prefix + MANIFESTS)
+        return {m.name[cut:] for m in await store.list(MANIFESTS) if self.view.snapshot(m.name[cut:]) is None}
+
+    def _prune_node(self, volume: pb.Volume) -> str:
+        """The volume's node when ALIVE, else any ALIVE node (the GC is global, not per volume)."""
+        node = self.view.node(volume.node_id)
+        if node is not None and node.status == pb.NODE_STATUS_ALIVE:
+            return volume.node_id
+        alive = [n.meta.id for n in self.view.nodes() if n.status == pb.NODE_STATUS_ALIVE]
+        return alive[0] if alive else ""
+
+    # ------------------------------------------------------------------ restore
+
+    async def restore(self, volume_id: str, snapshot_id: str, writer: Writer) -> None:
+        """Rebuild the volume from a COMPLETE snapshot; refused while the volume is mounted.
+
+        The volume is RESTORING meanwhile, then ACTIVE on success or back to its previous status on
+        failure (the reference forced ACTIVE even onto a NODE_LOST volume).
+        """
+        volume = self.view.volume(volume_id)
+        snapshot = self.view.snapshot(snapshot_id)
+        if volume is None:
+            raise RestoreRefused(f"volume {volume_id} not found")
+        if snapshot is None or snapshot.status != pb.SNAPSHOT_STATUS_COMPLETE:
+            raise RestoreRefused(f"snapshot {snapshot_id} is not COMPLETE")
+        if volume_mounted(self.view, volume, self.clock.now()):
+            raise RestoreRefused(f"volume {volume_id} is mounted; stop its service before restoring")
+        if volume_id in self._busy_volumes:
+            raise SnapshotBusy(f"volume {volume_id} has an operation running")
+        previous = volume.status
+        self._busy_volumes.add(volume_id)
+        try:
+            await self._set_volume_status(volume_id, pb.VOLUME_STATUS_RESTORING, writer)
+            request = cpb.RestoreVolumeRequest(
+                volume=volume,
+                manifest_key=snapshot.manifest_key or snapshot_id,
+                snapshot_id=snapshot_id,
+                target=self.target,
+            )
+            try:
+                async with self.gc_lock.shared():
+
+                    async def ignore(_: cpb.SnapshotProgress) -> None:
+                        return None
+
+                    with span("snapshot.restore.dispatch", volume=volume_id, snapshot=snapshot_id):
+                        await self._follow(
+                            agent_subject(volume.node_id, "restore"), request.SerializeToString(), ignore
+                        )
+            except BaseException:
+                await self._set_volume_status(volume_id, previous, writer)
+                raise
+            await self._set_volume_status(volume_id, pb.VOLUME_STATUS_ACTIVE, writer)
+        finally:
+            self._busy_volumes.discard(volume_id)
+
+    async def _set_volume_status(self, volume_id: str, status: pb.VolumeStatus.ValueType, writer: Writer) -> None:
+        for _ in range(5):  # the scheduler renews the volume's lease concurrently: re-read on conflict
+            current = self.view.volume(volume_id)
+            if current is None:
+                return
+            updated = pb.Volume()
+            updated.CopyFrom(current)
+            updated.status = status
+            try:
+                await writer.commit(writer.txn("volume.restore").put(updated))
+                return
+            except Deposed:
+                raise
+            except TxnError:
+                await asyncio.sleep(0)
+        raise NodeOperationFailed(f"could not set volume {volume_id} to {pb.VolumeStatus.Name(status)}")
+
+
+__all__ = [
+    "NodeOperationFailed",
+    "RecordNotWritten",
+    "RestoreRefused",
+    "SnapshotBusy",
+    "SnapshotDispatcher",
+    "lease_expired",
+    "lease_held_by_other",
+    "target_from_env",
+    "volume_mounted",
+]

@@ -1,0 +1,334 @@
+"""SnapshotScheduler (lease ``snapshots``): scheduled volume snapshots and their retention (B1).
+
+Each pass, for every volume:
+
+- **schedule** (B1.3): 5-field cron in UTC, ``CRON_TZ=``/``TZ=`` prefixes, descriptors (``@daily``…,
+  ``@every <Go duration>``). ``baseline`` = the newest of the volume's creation and all its snapshot
+  records; the slot ``Next(baseline)`` fires once when due. After an outage that is at most one
+  catch-up snapshot, since the catch-up's record becomes the next baseline.
+- **retention** (B1.5): COMPLETE snapshots beyond ``keep_last`` (default 7) are deleted, then pruned.
+
+Fixes of the reference:
+
+- a dispatch that fails before its record exists does not wedge the schedule (D-B3): the dispatcher
+  writes the RUNNING record first, and when even that write fails the slot is re-armed and retried after
+  ``RETRY_AFTER`` seconds;
+- at most one snapshot of a volume at a time (D-B6): a due slot waits while one runs, then fires once;
+- FAILED records are deleted after ``FAILED_KEEP`` (except the volume's newest record, so the baseline
+  never moves back and re-fires an old slot), RUNNING records without progress for ``STUCK_AFTER`` are
+  failed (D-B4); their ids are pruned like expired ones;
+- only record deletions that landed are pruned (D-B8); a deferred or failed prune is retried;
+- RESTORING and NODE_LOST volumes are not snapshotted on schedule (D-B9): the slot fires once when the
+  volume is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime, tzinfo
+from typing import Any, Protocol
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from croniter import croniter
+from croniter.croniter import CroniterBadDateError, CroniterError
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from services.scheduler.snapshot_dispatch import RecordNotWritten, SnapshotBusy
+from shared import keys as K
+from shared.lease import Leadership
+from shared.loop import LeaderLoop
+from shared.txn import Txn, Writer
+
+log = logging.getLogger(__name__)
+
+TICK = 30.0
+DEFAULT_KEEP_LAST = 7
+STUCK_AFTER = 3600.0
+FAILED_KEEP = 24 * 3600.0
+RETRY_AFTER = 30.0
+NO_SLOT_WITHIN_YEARS = 5
+STUCK_ERROR = "no progress for 1h: snapshot abandoned"
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------- cron
+
+
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def parse_go_duration(text: str) -> float:
+    """A Go ``time.ParseDuration`` string (e.g. ``1h30m``, ``90s``) in seconds."""
+    pos, total = 0, 0.0
+    while pos < len(text):
+        match = _DURATION_PART.match(text, pos)
+        if match is None:
+            raise ScheduleError(f"bad duration {text!r}")
+        total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        pos = match.end()
+    if not text:
+        raise ScheduleError("empty duration")
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    cron: str
+    zone: tzinfo
+    every: float = 0.0  # @every interval in whole seconds; 0 = cron
+
+    def next_after(self, ts: float) -> float | None:
+        """The first slot strictly after ``ts`` (second resolution); None when none within 5 years."""
+        if self.every:
+            return float(int(ts) + int(self.every))
+        start = datetime.fromtimestamp(int(ts), self.zone)
+        try:
+            slot: datetime = croniter(self.cron, start, max_years_between_matches=NO_SLOT_WITHIN_YEARS).get_next(
+                datetime
+            )
+        except CroniterBadDateError:
+            return None
+        return slot.timestamp()
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_schedule(text: str) -> Schedule:
+    """Parse a policy schedule the way robfig/cron ``ParseStandard`` does (B1.3, D-B11)."""
+    spec = text.strip()
+    zone: tzinfo = UTC
+    if spec.startswith(("CRON_TZ=", "TZ=")):
+        head, _, spec = spec.partition(" ")
+        name = head.split("=", 1)[1]
+        try:
+            zone = ZoneInfo(name)
+        except (ZoneInfoNotFoundError, ValueError) as exc:
+            raise ScheduleError(f"unknown time zone {name!r}") from exc
+        spec = spec.strip()
+    if spec.startswith("@every"):
+        seconds = parse_go_duration(spec[len("@every") :].strip())
+        return Schedule("", zone, every=float(max(1, int(seconds))))
+    if spec.startswith("@"):
+        if spec not in ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"):
+            raise ScheduleError(f"unknown descriptor {spec!r}")
+    elif len(spec.split()) != 5:
+        raise ScheduleError(f"expected exactly 5 fields (minute hour dom month dow), got {spec!r}")
+    try:
+        croniter(spec, datetime(2000, 1, 1, tzinfo=zone))
+    except (CroniterError, ValueError, KeyError) as exc:
+        raise ScheduleError(f"bad cron expression {spec!r}: {exc}") from exc
+    return Schedule(spec, zone)
+
+
+def _ts(stamp: object) -> float:
+    return stamp.ToNanoseconds() / 1e9  # type: ignore[attr-defined, no-any-return]
+
+
+def snapshot_baseline(volume: pb.Volume, records: Iterable[pb.VolumeSnapshot]) -> float:
+    """The volume's creation or its newest snapshot record of any status, whichever is later."""
+    return max([_ts(volume.meta.created_at), *(_ts(r.meta.created_at) for r in records)])
+
+
+def slot_to_fire(schedule: Schedule, baseline: float, now: float, last_fire: float) -> float | None:
+    """The due slot to fire now, or None (not due yet, none left, or already fired this term)."""
+    due = schedule.next_after(baseline)
+    if due is None or due > now or due <= last_fire:
+        return None
+    return due
+
+
+# ---------------------------------------------------------------------------- retention and reaping
+
+
+def _newest_first(records: Iterable[pb.VolumeSnapshot]) -> list[pb.VolumeSnapshot]:
+    return sorted(records, key=lambda r: (_ts(r.meta.created_at), r.meta.id), reverse=True)
+
+
+def retention_victims(records: Iterable[pb.VolumeSnapshot], keep_last: int) -> list[pb.VolumeSnapshot]:
+    """COMPLETE snapshots beyond the newest ``keep_last`` (0 = the default 7)."""
+    keep = keep_last or DEFAULT_KEEP_LAST
+    complete = [r for r in records if r.status == pb.SNAPSHOT_STATUS_COMPLETE]
+    return _newest_first(complete)[keep:]
+
+
+def expired_failures(records: Iterable[pb.VolumeSnapshot], now: float) -> list[pb.VolumeSnapshot]:
+    """FAILED records older than ``FAILED_KEEP``, except the volume's newest record (the baseline)."""
+    ordered = _newest_first(records)
+    return [r for r in ordered[1:] if r.status == pb.SNAPSHOT_STATUS_FAILED and now - _last_activity(r) >= FAILED_KEEP]
+
+
+def _last_activity(record: pb.VolumeSnapshot) -> float:
+    return max(_ts(record.meta.created_at), _ts(record.meta.updated_at))
+
+
+def stuck_runs(records: Iterable[pb.VolumeSnapshot], now: float, progress: dict[str, float]) -> list[str]:
+    """RUNNING records with no progress (record touch or a followed progress message) for 1 h."""
+    return [
+        r.meta.id
+        for r in records
+        if r.status == pb.SNAPSHOT_STATUS_RUNNING
+        and now - max(_last_activity(r), progress.get(r.meta.id, 0.0)) >= STUCK_AFTER
+    ]
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+class SnapshotOps(Protocol):
+    """What the scheduler needs of the dispatcher (tests substitute a recorder)."""
+
+    def volume_busy(self, volume_id: str) -> bool: ...
+
+    def last_progress(self, snapshot_id: str) -> float | None: ...
+
+    async def start_snapshot(self, volume: pb.Volume, writer: Writer) -> asyncio.Task[pb.VolumeSnapshot]: ...
+
+    async def prune(self, volume: pb.Volume, snapshot_ids: list[str]) -> cpb.PruneSnapshotsResponse: ...
+
+
+class SnapshotScheduler(LeaderLoop):
+    name = "snapshots"
+    kinds = frozenset({K.VOLUME, K.SNAPSHOT})
+
+    def __init__(self, *, dispatcher: SnapshotOps, tick: float = TICK, **kwargs: Any) -> None:
+        super().__init__(tick=tick, **kwargs)
+        self.dispatcher = dispatcher
+        self._last_fire: dict[str, float] = {}
+        self._retry_at: dict[str, float] = {}
+        self._warned: set[tuple[str, str]] = set()
+        self._background: set[asyncio.Task[object]] = set()
+        self._prunes: set[asyncio.Task[object]] = set()
+        self._gc_retry: pb.Volume | None = None
+        self._gc_retry_at = 0.0
+
+    def on_term_start(self) -> None:
+        self._last_fire.clear()
+        self._retry_at.clear()
+        self._warned.clear()
+
+    async def run(self, leadership: Leadership) -> None:
+        try:
+            await super().run(leadership)
+        finally:
+            tasks = self._background | self._prunes
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _track(self, task: asyncio.Task[object], into: set[asyncio.Task[object]]) -> None:
+        into.add(task)
+        task.add_done_callback(into.discard)
+
+    async def run_pass(self) -> None:
+        assert self.writer is not None
+        now = self.clock.now()
+        await self._fail_stuck(now)
+        by_volume: dict[str, list[pb.VolumeSnapshot]] = defaultdict(list)
+        for record in self.view.snapshots():
+            by_volume[record.volume_id].append(record)
+        for volume in self.view.volumes():
+            records = by_volume.get(volume.meta.id, [])
+            await self._maybe_snapshot(volume, records, now)
+            await self._enforce_retention(volume, records, now)
+        if self._gc_retry is not None and not self._prunes and now >= self._gc_retry_at:
+            volume, self._gc_retry = self._gc_retry, None
+            self._spawn_prune(volume, [])
+
+    async def _fail_stuck(self, now: float) -> None:
+        assert self.writer is not None
+        records = self.view.snapshots()
+        progress = {r.meta.id: p for r in records if (p := self.dispatcher.last_progress(r.meta.id)) is not None}
+        txns: list[Txn] = []
+        for snapshot_id in stuck_runs(records, now, progress):
+            current = self.view.snapshot(snapshot_id)
+            if current is None:
+                continue
+            failed = pb.VolumeSnapshot()
+            failed.CopyFrom(current)
+            failed.status = pb.SNAPSHOT_STATUS_FAILED
+            failed.error = STUCK_ERROR
+            txns.append(self.writer.txn("snapshot.stuck").put(failed))
+        if txns:
+            await self.writer.commit_many(txns)
+
+    async def _maybe_snapshot(self, volume: pb.Volume, records: list[pb.VolumeSnapshot], now: float) -> None:
+        assert self.writer is not None
+        volume_id, text = volume.meta.id, volume.snapshot_policy.schedule
+        if not text or volume.status in (pb.VOLUME_STATUS_RESTORING, pb.VOLUME_STATUS_NODE_LOST):
+            return
+        if self.dispatcher.volume_busy(volume_id) or now < self._retry_at.get(volume_id, 0.0):
+            return
+        try:
+            schedule = parse_schedule(text)
+        except ScheduleError as exc:
+            if (volume_id, text) not in self._warned:
+                self._warned.add((volume_id, text))
+                log.warning("volume %s: snapshot schedule ignored: %s", volume_id, exc)
+            return
+        previous = self._last_fire.get(volume_id, 0.0)
+        due = slot_to_fire(schedule, snapshot_baseline(volume, records), now, previous)
+        if due is None:
+            return
+        self._last_fire[volume_id] = due
+        try:
+            task = await self.dispatcher.start_snapshot(volume, self.writer)
+        except SnapshotBusy:
+            self._last_fire[volume_id] = previous
+            return
+        except RecordNotWritten as exc:
+            self._last_fire[volume_id] = previous
+            self._retry_at[volume_id] = now + RETRY_AFTER
+            log.warning("volume %s: scheduled snapshot not started, retrying in %.0fs: %s", volume_id, RETRY_AFTER, exc)
+            return
+        self._track(task, self._background)
+
+    async def _enforce_retention(self, volume: pb.Volume, records: list[pb.VolumeSnapshot], now: float) -> None:
+        assert self.writer is not None
+        victims = retention_victims(records, volume.snapshot_policy.keep_last) + expired_failures(records, now)
+        if not victims:
+            return
+        txns = [self.writer.txn("snapshot.retention").delete(K.snapshot(v.meta.id)) for v in victims]
+        results = await self.writer.commit_many(txns)
+        deleted = [v.meta.id for v, error in zip(victims, results, strict=True) if error is None]
+        if deleted:
+            self._spawn_prune(volume, deleted)
+
+    def _spawn_prune(self, volume: pb.Volume, snapshot_ids: list[str]) -> None:
+        async def prune() -> None:
+            try:
+                response = await self.dispatcher.prune(volume, snapshot_ids)
+            except Exception as exc:
+                response = cpb.PruneSnapshotsResponse(error=str(exc) or type(exc).__name__)
+            if response.error:
+                log.warning("snapshot prune (volume %s) incomplete, will retry: %s", volume.meta.id, response.error)
+                self._gc_retry, self._gc_retry_at = volume, self.clock.now() + RETRY_AFTER
+            else:
+                log.info(
+                    "snapshot prune: %d manifests, %d chunks deleted",
+                    response.deleted_manifests,
+                    response.deleted_chunks,
+                )
+
+        self._track(asyncio.create_task(prune()), self._prunes)
+
+
+__all__ = [
+    "ScheduleError",
+    "SnapshotScheduler",
+    "expired_failures",
+    "parse_schedule",
+    "retention_victims",
+    "slot_to_fire",
+    "snapshot_baseline",
+    "stuck_runs",
+]

@@ -1,0 +1,219 @@
+"""Stateful volumes (reference §3.9): auto-create, NODE_LOST / recovered, and the fencing leases.
+
+**Volumes** (first step of a pass, so pins resolve before placement): a stateful active release's
+missing volume is created on a home node; a volume whose node is not ALIVE goes NODE_LOST (its
+service stays stopped by design: data cannot follow), and back to ACTIVE when the node returns.
+
+**Leases** (after placement, so a replica placed in this pass is leased at once): the lowest-id RUN
+replica on the volume's node holds ``Volume.lease`` = {node, assignment, expires_at = now + 60 s}. A
+lease still valid for another node is never stolen; a down node's lease is left to lapse. The agent
+starts a stateful container only under a valid lease naming its node (the orchestrator's stateful path
+reads the same fields), so two nodes never write the same volume.
+
+Fixes over the reference:
+
+* renewal only when less than half the TTL is left (or the holder changed); the reference rewrote every
+  lease on every pass, and each write re-triggered the pass: a hot loop;
+* a DRAINING or DRAINED node's volume is reported as such, not "node is down";
+* a new volume's home must be able to run the release (arch, labels, role, capacity), and an env's
+  volumes share one home, so Place's pin can always be honoured; the reference picked the least-used
+  ALIVE node blindly and could strand the service;
+* ``volume.no_capacity`` is published when the condition starts or changes (see ``Notices``);
+* a RESTORING volume belongs to the restore in progress and is not touched.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from zattera.v1 import types_pb2 as pb
+
+from services.scheduler.decisions import Writes, event
+from services.scheduler.placement import volume_pin
+from services.scheduler.platforms import supports
+from services.scheduler.replicas import RUN, find_volume, node_is_down, seconds
+from shared.deployments import env_ownership
+from shared.events import INFO, WARNING
+from shared.ids import new_id
+from shared.view import StateView, reservation
+
+LEASE_TTL = 60.0
+RENEW_BELOW = LEASE_TTL / 2
+"""A lease is renewed once less than this much of it is left."""
+
+_DRAIN_STATES = {pb.NODE_STATUS_DRAINING: "draining", pb.NODE_STATUS_DRAINED: "drained"}
+
+
+def lease_expired(lease: pb.VolumeLease | None, now: float) -> bool:
+    """An absent lease, or one without an expiry, counts as expired."""
+    return lease is None or not lease.HasField("expires_at") or now >= seconds(lease.expires_at)
+
+
+def lease_held_by_other(lease: pb.VolumeLease | None, node_id: str, now: float) -> bool:
+    """A still-valid lease naming a different node (which must not be stolen)."""
+    return lease is not None and not lease_expired(lease, now) and lease.node_id != node_id
+
+
+def _lease(volume: pb.Volume) -> pb.VolumeLease | None:
+    return volume.lease if volume.HasField("lease") else None
+
+
+@dataclass
+class VolumeDecision:
+    writes: list[Writes] = field(default_factory=list)
+    homeless: dict[tuple[str, str], str | None] = field(default_factory=dict)
+    """(env id, volume name) → the ``volume.no_capacity`` message, or None once it has a home."""
+
+
+def _home(view: StateView, env: pb.Environment, release: pb.Release, volume_counts: Counter[str]) -> str:
+    """Where a new volume of ``env`` goes ("" = nowhere): the node holding its other volumes, else the
+    eligible node hosting the fewest volumes (all projects), lowest id on ties."""
+    pin, _ = volume_pin(view, release, env.meta.id)
+    if pin:
+        return pin
+    need_cpu, need_mem = reservation(release)
+    constraints = release.service.placement_constraints
+    best = ""
+    for node in view.nodes():
+        if node.status != pb.NODE_STATUS_ALIVE or not node.schedulable or pb.NODE_ROLE_WORKER not in node.roles:
+            continue
+        if not supports(node.os_arch, release.platforms):
+            continue
+        if any(node.labels.get(k, "") != v for k, v in constraints.items()):
+            continue
+        cpu, mem = view.reserved(node.meta.id)
+        cap = node.capacity
+        if (cap.cpu_millis and cpu + need_cpu > cap.cpu_millis) or (cap.memory_mb and mem + need_mem > cap.memory_mb):
+            continue
+        if not best or volume_counts[node.meta.id] < volume_counts[best]:
+            best = node.meta.id
+    return best
+
+
+def _status_change(view: StateView, volume: pb.Volume, now: float) -> tuple[pb.Volume, pb.Event] | None:
+    if volume.status == pb.VOLUME_STATUS_RESTORING or not volume.node_id:
+        return None
+    node = view.node(volume.node_id)
+    changed = pb.Volume()
+    changed.CopyFrom(volume)
+    changed.meta.updated_at.FromNanoseconds(int(now * 1e9))
+    if node is not None and node.status == pb.NODE_STATUS_ALIVE:
+        if volume.status != pb.VOLUME_STATUS_NODE_LOST:
+            return None
+        changed.status = pb.VOLUME_STATUS_ACTIVE
+        message = f'volume "{volume.name}" node {volume.node_id} recovered'
+        kind, severity = "volume.recovered", INFO
+    else:
+        if volume.status == pb.VOLUME_STATUS_NODE_LOST:
+            return None
+        changed.status = pb.VOLUME_STATUS_NODE_LOST
+        drain_state = _DRAIN_STATES.get(node.status) if node is not None else None
+        if drain_state:
+            message = (
+                f'volume "{volume.name}" node {volume.node_id} is {drain_state}; '
+                "stateful service stopped until the node is uncordoned"
+            )
+        else:
+            message = f'volume "{volume.name}" node {volume.node_id} is down; stateful service stopped until it returns'
+        kind, severity = "volume.node_lost", WARNING
+    ev = event(
+        kind,
+        message,
+        now,
+        severity=severity,
+        env=view.env(volume.environment_id),
+        project_id=volume.project_id,
+        environment_id=volume.environment_id,
+    )
+    return changed, ev
+
+
+def evaluate_volumes(view: StateView, now: float) -> VolumeDecision:
+    """Create missing volumes of stateful active releases; track each volume's node (one write per env)."""
+    decision = VolumeDecision()
+    per_env: dict[str, Writes] = {}
+
+    def writes_for(env_id: str) -> Writes:
+        if env_id not in per_env:
+            per_env[env_id] = Writes(f"volumes:{env_id}")
+        return per_env[env_id]
+
+    volume_counts: Counter[str] = Counter(v.node_id for v in view.volumes() if v.node_id)
+    for env in view.envs():
+        release = view.release(env.active_release_id) if env.active_release_id else None
+        if release is None or not release.service.stateful or not release.service.volumes:
+            continue
+        if not env_ownership(view, env.meta.id).scheduler_manages:
+            continue  # a deployment under way creates its own volumes
+        planned: str = ""
+        for mount in release.service.volumes:
+            name = mount.volume_name
+            if find_volume(view, env.project_id, env.meta.id, name) is not None:
+                decision.homeless[(env.meta.id, name)] = None
+                continue
+            home = planned or _home(view, env, release, volume_counts)
+            if not home:
+                decision.homeless[(env.meta.id, name)] = f'no schedulable node for volume "{name}"'
+                continue
+            decision.homeless[(env.meta.id, name)] = None
+            planned = home
+            volume_counts[home] += 1
+            created = pb.Volume(
+                project_id=env.project_id,
+                environment_id=env.meta.id,
+                name=name,
+                node_id=home,
+                status=pb.VOLUME_STATUS_ACTIVE,
+            )
+            created.meta.id = new_id()
+            created.meta.created_at.FromNanoseconds(int(now * 1e9))
+            created.meta.updated_at.CopyFrom(created.meta.created_at)
+            writes_for(env.meta.id).creates.append(created)
+
+    for volume in view.volumes():
+        change = _status_change(view, volume, now)
+        if change is not None:
+            writes = writes_for(volume.environment_id)
+            writes.updates.append(change[0])
+            writes.events.append(change[1])
+    decision.writes = list(per_env.values())
+    return decision
+
+
+def _needs_renewal(lease: pb.VolumeLease | None, node_id: str, holder_id: str, now: float) -> bool:
+    if lease is None or lease_expired(lease, now):
+        return True
+    if lease.node_id != node_id or lease.assignment_id != holder_id:
+        return True
+    return seconds(lease.expires_at) - now < RENEW_BELOW
+
+
+def evaluate_leases(view: StateView, now: float) -> dict[str, Writes]:
+    """Acquire or renew each volume's fencing lease for the replica on its node: one write per volume id."""
+    result: dict[str, Writes] = {}
+    for volume in view.volumes():
+        if not volume.node_id or node_is_down(view, volume.node_id):
+            continue  # let it lapse
+        holder = next(
+            (
+                a
+                for a in view.assignments(volume.environment_id)
+                if a.desired == RUN and not a.job_id and a.node_id == volume.node_id
+            ),
+            None,
+        )
+        if holder is None:
+            continue
+        lease = _lease(volume)
+        if lease_held_by_other(lease, volume.node_id, now):
+            continue
+        if not _needs_renewal(lease, volume.node_id, holder.meta.id, now):
+            continue
+        renewed = pb.Volume()
+        renewed.CopyFrom(volume)
+        renewed.lease.node_id = volume.node_id
+        renewed.lease.assignment_id = holder.meta.id
+        renewed.lease.expires_at.FromNanoseconds(int((now + LEASE_TTL) * 1e9))
+        result[volume.meta.id] = Writes(f"lease:{volume.meta.id}", updates=[renewed])
+    return result

@@ -1,0 +1,198 @@
+"""The build wire contract between the dispatcher and builders, and reading a build's log.
+
+Dispatch (DESIGN §3):
+
+* The dispatcher requests ``zattera.agent.<node_id>.build`` with a serialized ``RunBuildRequest``. The
+  builder answers at once: an empty reply accepts the build; a reply carrying the header
+  ``Zattera-Error`` refuses it (the build fails with ``build stream: <text>``).
+* The builder then publishes ``BuildEvent``\\ s on ``zattera.builds.<build_id>.events`` (stream
+  ``ZATTERA_BUILD_EVENTS``), with :class:`BuildEventPublisher`. The last event has ``done`` set (it
+  replaces the reference's end of stream). Events are durable so a new dispatcher leader replays what
+  it missed during a failover.
+* Cancel: the dispatcher requests ``zattera.agent.<node_id>.build.cancel`` with a ``CancelBuildRequest``;
+  the builder stops the build and may answer a ``CancelBuildResponse``.
+
+Logs: the dispatcher copies every log line of the events into stream ``ZATTERA_BUILD_LOGS``, subject
+``zattera.builds.<build_id>.log`` (capped per build by the stream's ``max_msgs_per_subject``), one line
+per message, each tagged with the events-stream sequence it came from (so a new leader resumes copying
+without duplicates). When the build ends the dispatcher appends an end marker (an empty message with
+header ``Zattera-Build-End: <status>``). :func:`read_build_log` and :func:`follow_build_log` read it from
+any process, whichever dispatcher wrote it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from shared import keys as K
+from shared.natsio import (
+    BUILD_LOGS_STREAM,
+    STATE_PREFIX,
+    STATE_STREAM,
+    Connection,
+    agent_subject,
+    build_events_subject,
+    build_log_subject,
+)
+
+ERROR_HEADER = "Zattera-Error"
+EVENT_SEQ_HEADER = "Zattera-Event-Seq"
+END_HEADER = "Zattera-Build-End"
+
+TERMINAL_STATUSES: frozenset[int] = frozenset(
+    {pb.BUILD_STATUS_SUCCEEDED, pb.BUILD_STATUS_FAILED, pb.BUILD_STATUS_CANCELED}
+)
+
+
+def run_build_subject(node_id: str) -> str:
+    return agent_subject(node_id, "build")
+
+
+def cancel_build_subject(node_id: str) -> str:
+    return agent_subject(node_id, "build.cancel")
+
+
+def build_id_of_events_subject(subject: str) -> str:
+    """``zattera.builds.<id>.events`` → ``<id>``."""
+    return subject.split(".")[2]
+
+
+class BuildEventPublisher:
+    """Builder side: publishes one build's events, numbered, durably (each publish is acknowledged)."""
+
+    def __init__(self, conn: Connection, build_id: str) -> None:
+        self._conn = conn
+        self.build_id = build_id
+        self.subject = build_events_subject(build_id)
+        self._sequence = 0
+
+    async def publish(self, event: cpb.BuildEvent) -> None:
+        self._sequence += 1
+        event.build_id = self.build_id
+        event.sequence = self._sequence
+        await self._conn.js.publish(self.subject, event.SerializeToString(deterministic=True), timeout=5.0)
+
+    async def log(self, line: str) -> None:
+        await self.publish(cpb.BuildEvent(log=pb.LogLine(line=line, stream="build")))
+
+    async def succeeded(self, image_digest: str, platforms: Sequence[str] = ()) -> None:
+        """The success event; the stream still needs :meth:`done` (success is decided at the end)."""
+        await self.publish(
+            cpb.BuildEvent(status=pb.BUILD_STATUS_SUCCEEDED, image_digest=image_digest, platforms=list(platforms))
+        )
+
+    async def failed(self, error: str) -> None:
+        await self.publish(cpb.BuildEvent(status=pb.BUILD_STATUS_FAILED, error=error, done=True))
+
+    async def done(self) -> None:
+        await self.publish(cpb.BuildEvent(done=True))
+
+
+# ---------------------------------------------------------------------------------------- writing the log
+
+
+async def append_log_lines(conn: Connection, build_id: str, lines: Sequence[tuple[int, str]]) -> None:
+    """Append (events-stream sequence, line) pairs to the build's log, in order."""
+    subject = build_log_subject(build_id)
+    for event_seq, line in lines:
+        await conn.js.publish(
+            subject, line.encode(), headers={EVENT_SEQ_HEADER: str(event_seq)}, stream=BUILD_LOGS_STREAM, timeout=5.0
+        )
+
+
+async def close_log(conn: Connection, build_id: str, status: int) -> None:
+    """Mark the end of the build's log so followers stop."""
+    await conn.js.publish(
+        build_log_subject(build_id),
+        b"",
+        headers={END_HEADER: pb.BuildStatus.Name(status)},  # type: ignore[arg-type]
+        stream=BUILD_LOGS_STREAM,
+        timeout=5.0,
+    )
+
+
+async def last_copied_event_seq(conn: Connection, build_id: str) -> int:
+    """Events-stream sequence of the last line already in the log (0 = none): where a new leader resumes."""
+    try:
+        msg = await conn.js.get_last_msg(BUILD_LOGS_STREAM, build_log_subject(build_id))
+    except NotFoundError:
+        return 0
+    headers = msg.headers or {}
+    return int(headers.get(EVENT_SEQ_HEADER, "0") or 0)
+
+
+# ---------------------------------------------------------------------------------------- reading the log
+
+
+async def _build_status(conn: Connection, build_id: str) -> int:
+    try:
+        msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.build(build_id))
+    except NotFoundError:
+        return pb.BUILD_STATUS_UNSPECIFIED
+    if not msg.data:
+        return pb.BUILD_STATUS_UNSPECIFIED
+    return int(pb.Build.FromString(msg.data).status)
+
+
+async def read_build_log(conn: Connection, build_id: str) -> list[str]:
+    """Every line of the build's log that the stream still holds (the oldest beyond the cap are gone)."""
+    lines: list[str] = []
+    async for line in _log_lines(conn, build_id, follow=False):
+        lines.append(line)
+    return lines
+
+
+async def follow_build_log(conn: Connection, build_id: str, *, idle_check: float = 1.0) -> AsyncIterator[str]:
+    """Yield the build's log lines, then new ones as they come, until the build ends.
+
+    Ends at the dispatcher's end marker, or when the build record is terminal and no line came for
+    ``idle_check`` seconds (a build canceled while queued has no dispatcher-written end).
+    """
+    async for line in _log_lines(conn, build_id, follow=True, idle_check=idle_check):
+        yield line
+
+
+async def _log_lines(conn: Connection, build_id: str, *, follow: bool, idle_check: float = 1.0) -> AsyncIterator[str]:
+    subject = build_log_subject(build_id)
+    try:
+        last = await conn.js.get_last_msg(BUILD_LOGS_STREAM, subject)
+        last_seq = int(last.seq or 0)
+    except NotFoundError:
+        last_seq = 0
+    if not follow and last_seq == 0:
+        return
+    sub = await conn.js.subscribe(
+        subject,
+        stream=BUILD_LOGS_STREAM,
+        ordered_consumer=True,
+        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
+    )
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=idle_check)
+            except (NatsTimeoutError, TimeoutError):
+                if not follow:
+                    return
+                if await _build_status(conn, build_id) in TERMINAL_STATUSES:
+                    return
+                continue
+            headers = msg.headers or {}
+            if END_HEADER in headers:
+                if follow:
+                    return
+            else:
+                yield msg.data.decode(errors="replace")
+            if not follow and msg.metadata.sequence.stream >= last_seq:
+                return
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(sub.unsubscribe())

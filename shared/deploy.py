@@ -1,0 +1,361 @@
+"""Creating, rolling back and canceling deployments: the library the CLI, the API and the tests call.
+
+The orchestrator only consumes what this writes. Every operation is ONE fenced write decided on the
+caller's view:
+
+* a new deployment (with its release, and its build for a source deploy) is created in the same
+  batch as an unchanged re-write of its environment, expecting the environment's revision. The
+  environment is the per-env serialization point: of two concurrent deploys one commits, the other is
+  refused, refreshes and decides again — so release versions (1 + the env's highest) are never
+  duplicated and the blocking rule cannot be raced past. The orchestrator's promotion also writes the
+  environment, so ``previous_release_id`` is always the active release at commit time.
+* a cancel re-writes the deployment, expecting its revision. Before promotion it records the request
+  (``error = "canceled by operator"`` on a non-terminal deployment; the orchestrator then fails it and
+  removes its green set in one write); while DRAINING_OLD it moves ``drain_deadline`` to now, so the
+  orchestrator completes the drain at once.
+
+Errors carry the reference's texts; validation errors name the offending field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from zattera.v1 import types_pb2 as pb
+
+from shared import keys as K
+from shared.clock import Clock, RealClock
+from shared.deployments import is_terminal
+from shared.ids import new_id
+from shared.txn import Conflict, Txn, Writer
+from shared.view import StateView
+
+CANCELED_BY_OPERATOR = "canceled by operator"
+DEPLOYMENT_IN_PROGRESS = "a deployment is already in progress for this environment"
+ENVIRONMENT_NOT_FOUND = "environment not found"
+BUILD_NOT_FOUND = "build not found"
+BUILD_HAS_NO_IMAGE = "build has not produced an image yet"
+IMAGE_OR_BUILD_REQUIRED = "either image_ref or build_id is required"
+NO_PREVIOUS_RELEASE = "no previous release to roll back to"
+TARGET_NOT_IN_ENV = "target release not found in this environment"
+DEPLOYMENT_NOT_FOUND = "deployment not found"
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_MAX_IMAGE_REF = 512
+
+
+class DeployError(Exception):
+    """A refused request; ``code`` follows gRPC's names (not_found, failed_precondition, invalid_argument)."""
+
+    code = "unknown"
+
+
+class NotFound(DeployError):
+    code = "not_found"
+
+
+class FailedPrecondition(DeployError):
+    code = "failed_precondition"
+
+
+class InvalidArgument(DeployError):
+    code = "invalid_argument"
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class Contended(DeployError):
+    """The environment kept changing under us; nothing was written."""
+
+    code = "aborted"
+
+
+def cancel_requested(d: pb.Deployment) -> bool:
+    """An operator asked to cancel this not-yet-finished deployment."""
+    return not is_terminal(d.phase) and d.error == CANCELED_BY_OPERATOR
+
+
+def blocking_deployments(view: StateView, env_id: str) -> list[pb.Deployment]:
+    """Deployments that block a new one: not terminal and not already promoted (DRAINING_OLD)."""
+    return [
+        d for d in view.deployments(env_id) if not is_terminal(d.phase) and d.phase != pb.DEPLOYMENT_PHASE_DRAINING_OLD
+    ]
+
+
+def config_hash(spec: pb.ServiceSpec) -> str:
+    """Fingerprint of the frozen service spec (copied verbatim onto assignments)."""
+    return "sha256:" + hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class Created:
+    deployment: pb.Deployment
+    release: pb.Release
+    build: pb.Build | None = None
+
+
+def _timestamp(now: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(round(now * 1e9))
+    return ts
+
+
+def _check_id(field: str, value: str) -> None:
+    if not value:
+        raise InvalidArgument(field, "is required")
+    if not _ID_RE.match(value):
+        raise InvalidArgument(field, "must be 1-128 letters, digits, '-' or '_'")
+
+
+def _check_image_ref(value: str) -> None:
+    if len(value) > _MAX_IMAGE_REF:
+        raise InvalidArgument("image_ref", f"must be at most {_MAX_IMAGE_REF} characters")
+    if any(c.isspace() for c in value):
+        raise InvalidArgument("image_ref", "must not contain whitespace")
+
+
+class Deployer:
+    """Deployment operations on behalf of ``created_by``, through an (unfenced) writer and its view."""
+
+    def __init__(self, writer: Writer, *, clock: Clock | None = None, created_by: str = "", attempts: int = 20) -> None:
+        self._writer = writer
+        self._view = writer.view
+        self._clock = clock or RealClock()
+        self._created_by = created_by
+        self._attempts = attempts
+
+    # ------------------------------------------------------------------ operations
+
+    async def deploy(
+        self, environment_id: str, *, image_ref: str = "", build_id: str = "", platforms: Sequence[str] = ()
+    ) -> Created:
+        """Deploy an image (``platforms``: what the image supports; empty = any node) or a built image."""
+        _check_id("environment_id", environment_id)
+        if image_ref and build_id:
+            raise InvalidArgument("build_id", "give either image_ref or build_id, not both")
+        if not image_ref and not build_id:
+            raise InvalidArgument("image_ref", IMAGE_OR_BUILD_REQUIRED)
+        if image_ref:
+            _check_image_ref(image_ref)
+        else:
+            _check_id("build_id", build_id)
+
+        def decide(env: pb.Environment) -> tuple[Txn, Created]:
+            if build_id:
+                build = self._view.build(build_id)
+                if build is None:
+                    raise NotFound(BUILD_NOT_FOUND)
+                if build.status != pb.BUILD_STATUS_SUCCEEDED or not build.image_ref:
+                    raise FailedPrecondition(BUILD_HAS_NO_IMAGE)
+                release = self._new_release(env, build.image_ref, build.platforms, pb.RELEASE_SOURCE_KIND_BUILD)
+                release.source.build_id = build_id
+            else:
+                release = self._new_release(env, image_ref, platforms, pb.RELEASE_SOURCE_KIND_IMAGE)
+            deployment = self._new_deployment(env, release.meta.id)
+            return self._txn(env, release, deployment), Created(deployment, release)
+
+        return await self._create(environment_id, decide)
+
+    async def deploy_image(self, environment_id: str, image_ref: str, *, platforms: Sequence[str] = ()) -> Created:
+        return await self.deploy(environment_id, image_ref=image_ref, platforms=platforms)
+
+    async def deploy_build(self, environment_id: str, build_id: str) -> Created:
+        return await self.deploy(environment_id, build_id=build_id)
+
+    async def deploy_source(
+        self,
+        environment_id: str,
+        *,
+        tarball_digest: str,
+        build_type: int = pb.BUILD_TYPE_UNSPECIFIED,
+        git_sha: str = "",
+        git_branch: str = "",
+    ) -> Created:
+        """Deploy uploaded source: a QUEUED build, a release without image, a deployment waiting on the build."""
+        _check_id("environment_id", environment_id)
+        if not _DIGEST_RE.match(tarball_digest):
+            raise InvalidArgument("tarball_digest", "must be 'sha256:' followed by 64 lowercase hex digits")
+        if build_type not in pb.BuildType.values():
+            raise InvalidArgument("build_type", f"unknown build type {build_type}")
+
+        def decide(env: pb.Environment) -> tuple[Txn, Created]:
+            now = self._clock.now()
+            app = self._view.app(env.app_id)
+            build = pb.Build(
+                app_id=env.app_id,
+                project_id=env.project_id,
+                environment_id=env.meta.id,
+                type=build_type,  # type: ignore[arg-type]
+                status=pb.BUILD_STATUS_QUEUED,
+                tarball_digest=tarball_digest,
+                git_sha=git_sha,
+                git_branch=git_branch,
+            )
+            build.meta.id = new_id()
+            build.meta.created_at.CopyFrom(_timestamp(now))
+            build.meta.updated_at.CopyFrom(_timestamp(now))
+            if app is not None:
+                build.platforms.extend(app.build.platforms)
+            release = self._new_release(env, "", (), pb.RELEASE_SOURCE_KIND_UPLOAD)
+            release.source.build_id = build.meta.id
+            release.source.tarball_digest = tarball_digest
+            release.source.git_sha = git_sha
+            release.source.git_branch = git_branch
+            deployment = self._new_deployment(env, release.meta.id, build_id=build.meta.id)
+            txn = self._writer.txn("deploy-source").create(build)
+            return self._txn(env, release, deployment, txn), Created(deployment, release, build)
+
+        return await self._create(environment_id, decide)
+
+    async def rollback(self, environment_id: str, *, to_release_id: str = "") -> pb.Deployment:
+        """Roll back to ``to_release_id`` (a release of this env), by default the highest version below
+        the active one that has an image. No release is minted."""
+        _check_id("environment_id", environment_id)
+        if to_release_id:
+            _check_id("to_release_id", to_release_id)
+
+        def decide(env: pb.Environment) -> tuple[Txn, Created]:
+            target = self._rollback_target(env, to_release_id)
+            deployment = self._new_deployment(env, target.meta.id, is_rollback=True)
+            txn = self._writer.txn("rollback").create(deployment)
+            txn.put(env)
+            return txn, Created(deployment, target)
+
+        created = await self._create(environment_id, decide)
+        return created.deployment
+
+    async def cancel(self, deployment_id: str) -> pb.Deployment:
+        """Cancel a running deployment: before promotion it ends FAILED ("canceled by operator") with its
+        green set removed and traffic untouched; while DRAINING_OLD it completes the drain now."""
+        _check_id("deployment_id", deployment_id)
+        key = K.deployment(deployment_id)
+        for _ in range(self._attempts):
+            current = self._view.deployment(deployment_id)
+            if current is None:
+                raise NotFound(DEPLOYMENT_NOT_FOUND)
+            if is_terminal(current.phase):
+                phase = pb.DeploymentPhase.Name(current.phase).removeprefix("DEPLOYMENT_PHASE_")
+                raise FailedPrecondition(f"deployment already finished ({phase})")
+            request = pb.Deployment()
+            request.CopyFrom(current)
+            now = self._clock.now()
+            if current.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD:
+                if current.HasField("drain_deadline") and current.drain_deadline.ToNanoseconds() <= now * 1e9:
+                    return current
+                request.drain_deadline.CopyFrom(_timestamp(now))
+            else:
+                if cancel_requested(current):
+                    return current
+                request.error = CANCELED_BY_OPERATOR
+            rev = self._view.rev(key)
+            try:
+                await self._writer.commit(self._writer.txn("cancel").put(request))
+            except Conflict:
+                await self._await_change(key, rev)
+                continue
+            return request
+        raise Contended(f"deployment {deployment_id} kept changing; try again")
+
+    # ------------------------------------------------------------------ building blocks
+
+    async def _create(self, environment_id: str, decide: Callable[[pb.Environment], tuple[Txn, Created]]) -> Created:
+        """Decide on the view and commit, fenced on the env; on a conflict wait for the view, decide again."""
+        key = K.env(environment_id)
+        for _ in range(self._attempts):
+            env = self._view.env(environment_id)
+            if env is None:
+                raise NotFound(ENVIRONMENT_NOT_FOUND)
+            if blocking_deployments(self._view, environment_id):
+                raise FailedPrecondition(DEPLOYMENT_IN_PROGRESS)
+            rev = self._view.rev(key)
+            txn, created = decide(env)
+            try:
+                await self._writer.commit(txn)
+            except Conflict:
+                await self._await_change(key, rev)
+                continue
+            return created
+        raise Contended(f"environment {environment_id} kept changing; try again")
+
+    def _txn(self, env: pb.Environment, release: pb.Release, deployment: pb.Deployment, txn: Txn | None = None) -> Txn:
+        """Release and deployment, then the env re-write LAST: a view that sees the env's new revision has
+        already applied the rest of the batch (messages arrive in stream order)."""
+        txn = txn or self._writer.txn("deploy")
+        txn.create(release).create(deployment)
+        txn.put(env)
+        return txn
+
+    async def _await_change(self, key: str, rev: int, timeout: float = 2.0) -> None:
+        """After a refused write, wait until our view has seen the write that beat us."""
+        feed = self._view.subscribe({K.parse(key).kind})
+        try:
+            deadline = time.monotonic() + timeout
+            while self._view.rev(key) == rev:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                await feed.wait(remaining)
+        finally:
+            feed.close()
+
+    def _new_release(self, env: pb.Environment, image_ref: str, platforms: Sequence[str], kind: int) -> pb.Release:
+        now = self._clock.now()
+        version = 1 + max((r.version for r in self._view.releases(env.meta.id)), default=0)
+        release = pb.Release(
+            environment_id=env.meta.id,
+            app_id=env.app_id,
+            project_id=env.project_id,
+            version=version,
+            image_ref=image_ref,
+            config_hash=config_hash(env.service),
+        )
+        release.meta.id = new_id()
+        release.meta.created_at.CopyFrom(_timestamp(now))
+        release.meta.updated_at.CopyFrom(_timestamp(now))
+        release.service.CopyFrom(env.service)
+        release.platforms.extend(platforms)
+        release.source.kind = kind  # type: ignore[assignment]
+        return release
+
+    def _new_deployment(
+        self, env: pb.Environment, release_id: str, *, build_id: str = "", is_rollback: bool = False
+    ) -> pb.Deployment:
+        now = self._clock.now()
+        deployment = pb.Deployment(
+            environment_id=env.meta.id,
+            app_id=env.app_id,
+            project_id=env.project_id,
+            release_id=release_id,
+            previous_release_id=env.active_release_id,
+            phase=pb.DEPLOYMENT_PHASE_PENDING,
+            is_rollback=is_rollback,
+            build_id=build_id,
+            created_by_user_id=self._created_by,
+        )
+        deployment.meta.id = new_id()
+        deployment.meta.created_at.CopyFrom(_timestamp(now))
+        deployment.meta.updated_at.CopyFrom(_timestamp(now))
+        return deployment
+
+    def _rollback_target(self, env: pb.Environment, to_release_id: str) -> pb.Release:
+        if to_release_id:
+            target = self._view.release(to_release_id)
+            if target is None or target.environment_id != env.meta.id:
+                raise NotFound(TARGET_NOT_IN_ENV)
+            return target
+        active = self._view.release(env.active_release_id) if env.active_release_id else None
+        if active is None:
+            raise FailedPrecondition(NO_PREVIOUS_RELEASE)
+        older = [r for r in self._view.releases(env.meta.id) if r.version < active.version and r.image_ref]
+        if not older:
+            raise FailedPrecondition(NO_PREVIOUS_RELEASE)
+        return max(older, key=lambda r: r.version)

@@ -1,0 +1,250 @@
+"""The agent side of snapshot dispatch (DESIGN §3): request handlers on ``zattera.agent.<node>.snapshot``,
+``.restore`` and ``.prune``.
+
+Snapshot and restore stream :class:`SnapshotProgress` messages to the request's reply subject, each with a
+per-operation ``sequence``, re-sent at least every ``heartbeat`` seconds so the dispatcher can tell a slow
+operation from a dead one; the last message has phase ``done`` or ``error``. Prune answers with one
+:class:`PruneSnapshotsResponse`.
+
+Volumes live at ``<volumes_root>/<volume id>`` (the volume id, not the reference's 8-char env prefix +
+name, which could collide: D-B16). The pre-hook runs whenever the policy sets one (the reference never
+ran it, D-B1): by default ``/bin/sh -c <command>`` in the volume directory with ``ZATTERA_VOLUME_DIR``
+and ``ZATTERA_ASSIGNMENT_ID`` set; a runtime that execs inside its instances injects ``hook_runner``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from shared.natsio import Connection, agent_subject
+from shared.snapshots.chunking import ChunkParams
+from shared.snapshots.engine import DEFAULT_GC_GRACE, SnapshotEngine
+from shared.snapshots.locking import SharedExclusiveLock
+from shared.snapshots.store import SnapshotStore
+from shared.telemetry import span
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT = 5.0
+HOOK_TIMEOUT = 600.0
+
+HookRunner = Callable[[str, str, Path], Awaitable[None]]
+"""``hook_runner(command, assignment_id, volume_dir)``: raise to abort the snapshot."""
+
+
+class PreHookError(Exception):
+    pass
+
+
+def volume_dir(volumes_root: Path, volume: pb.Volume) -> Path:
+    return volumes_root / volume.meta.id
+
+
+async def run_hook_in_shell(command: str, assignment_id: str, directory: Path) -> None:
+    env = dict(os.environ, ZATTERA_VOLUME_DIR=str(directory), ZATTERA_ASSIGNMENT_ID=assignment_id)
+    proc = await asyncio.create_subprocess_exec(
+        "/bin/sh",
+        "-c",
+        command,
+        cwd=directory,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        code = await asyncio.wait_for(proc.wait(), HOOK_TIMEOUT)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise PreHookError(f"pre-hook timed out after {HOOK_TIMEOUT:.0f}s") from None
+    if code != 0:
+        raise PreHookError(f"pre-hook exited {code}")
+
+
+class _ProgressStream:
+    """Numbered progress messages to one reply subject, with a heartbeat re-sending the latest."""
+
+    def __init__(self, conn: Connection, reply: str, snapshot_id: str, heartbeat: float) -> None:
+        self._conn = conn
+        self._reply = reply
+        self._latest = cpb.SnapshotProgress(snapshot_id=snapshot_id)
+        self._heartbeat = heartbeat
+        self._beat: asyncio.Task[None] | None = None
+
+    async def send(self, phase: str, *, done: int = 0, total: int = 0, error: str = "", manifest_key: str = "") -> None:
+        latest = self._latest
+        latest.phase, latest.bytes_done, latest.bytes_total = phase, done, total
+        latest.error, latest.manifest_key = error, manifest_key
+        latest.sequence += 1
+        if self._reply:
+            await self._conn.nc.publish(self._reply, latest.SerializeToString())
+        if self._beat is None and phase not in ("done", "error"):
+            self._beat = asyncio.create_task(self._beat_forever())
+
+    async def _beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat)
+            self._latest.sequence += 1
+            await self._conn.nc.publish(self._reply, self._latest.SerializeToString())
+
+    async def close(self) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beat
+        with contextlib.suppress(Exception):
+            await self._conn.nc.flush(timeout=5)
+
+
+class SnapshotAgent:
+    """Serves one node's snapshot, restore and prune requests."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        node_id: str,
+        volumes_root: Path,
+        *,
+        params: ChunkParams | None = None,
+        hook_runner: HookRunner = run_hook_in_shell,
+        gc_grace: float = DEFAULT_GC_GRACE,
+        heartbeat: float = HEARTBEAT,
+    ) -> None:
+        self.conn = conn
+        self.node_id = node_id
+        self.volumes_root = volumes_root
+        self.params = params
+        self.hook_runner = hook_runner
+        self.gc_grace = gc_grace
+        self.heartbeat = heartbeat
+        self.gc_lock = SharedExclusiveLock()
+        self._volume_locks: dict[str, asyncio.Lock] = {}
+        self._subs: list[Subscription] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        handlers = {"snapshot": self._on_snapshot, "restore": self._on_restore, "prune": self._on_prune}
+        for verb, handler in handlers.items():
+            self._subs.append(await self.conn.nc.subscribe(agent_subject(self.node_id, verb), cb=self._spawn(handler)))
+        await self.conn.nc.flush()
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, handler: Callable[[Msg], Coroutine[Any, Any, None]]) -> Callable[[Msg], Awaitable[None]]:
+        async def callback(msg: Msg) -> None:
+            task = asyncio.create_task(handler(msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        return callback
+
+    async def _engine(self, target: cpb.SnapshotTarget) -> SnapshotEngine:
+        return SnapshotEngine(await SnapshotStore.open(self.conn.js, target), params=self.params)
+
+    def _volume_lock(self, volume_id: str) -> asyncio.Lock:
+        return self._volume_locks.setdefault(volume_id, asyncio.Lock())
+
+    async def _on_snapshot(self, msg: Msg) -> None:
+        req = cpb.SnapshotVolumeRequest.FromString(msg.data)
+        snapshot_id = req.snapshot.meta.id
+        stream = _ProgressStream(self.conn, msg.reply, snapshot_id, self.heartbeat)
+        directory = volume_dir(self.volumes_root, req.volume)
+        try:
+            with span("snapshot.volume", headers=msg.headers, volume=req.volume.meta.id, snapshot=snapshot_id):
+                await stream.send("scan")
+                async with self._volume_lock(req.volume.meta.id), self.gc_lock.shared():
+                    if req.pre_hook_command:
+                        await stream.send("hooks")
+                        await self.hook_runner(req.pre_hook_command, req.pre_hook_container_id, directory)
+                    engine = await self._engine(req.target)
+
+                    async def uploaded(scanned: int, stored: int) -> None:
+                        await stream.send("upload", done=stored, total=scanned)
+
+                    result = await engine.snapshot(
+                        directory,
+                        snapshot_id,
+                        created_at_unix=req.snapshot.meta.created_at.seconds,
+                        progress=uploaded,
+                    )
+            await stream.send("done", done=result.uploaded_bytes, total=result.tar_bytes, manifest_key=snapshot_id)
+        except Exception as exc:
+            log.warning("snapshot %s of volume %s failed: %s", snapshot_id, req.volume.meta.id, exc)
+            await stream.send("error", error=str(exc) or type(exc).__name__)
+        finally:
+            await stream.close()
+
+    async def _on_restore(self, msg: Msg) -> None:
+        req = cpb.RestoreVolumeRequest.FromString(msg.data)
+        snapshot_id = req.manifest_key or req.snapshot_id
+        stream = _ProgressStream(self.conn, msg.reply, snapshot_id, self.heartbeat)
+        directory = volume_dir(self.volumes_root, req.volume)
+        try:
+            with span("snapshot.restore", headers=msg.headers, volume=req.volume.meta.id, snapshot=snapshot_id):
+                await stream.send("download")
+                async with self._volume_lock(req.volume.meta.id), self.gc_lock.shared():
+                    engine = await self._engine(req.target)
+
+                    async def downloaded(done: int, total: int) -> None:
+                        await stream.send("download", done=done, total=total)
+
+                    size = await engine.restore_replacing(snapshot_id, directory, progress=downloaded)
+            await stream.send("done", done=size, total=size, manifest_key=snapshot_id)
+        except Exception as exc:
+            log.warning("restore of %s into volume %s failed: %s", snapshot_id, req.volume.meta.id, exc)
+            await stream.send("error", error=str(exc) or type(exc).__name__)
+        finally:
+            await stream.close()
+
+    async def _on_prune(self, msg: Msg) -> None:
+        req = cpb.PruneSnapshotsRequest.FromString(msg.data)
+        response = cpb.PruneSnapshotsResponse()
+        try:
+            with span("snapshot.prune", headers=msg.headers, dead=len(req.snapshot_ids)):
+                async with self.gc_lock.exclusive():
+                    engine = await self._engine(req.target)
+                    result = await engine.prune(req.snapshot_ids, grace=self.gc_grace)
+            response.deleted_manifests = result.deleted_manifests
+            response.deleted_chunks = result.deleted_chunks
+        except Exception as exc:
+            log.warning("prune failed: %s", exc)
+            response.error = str(exc) or type(exc).__name__
+        if msg.reply:
+            await self.conn.nc.publish(msg.reply, response.SerializeToString())
+
+
+async def serve_snapshot_requests(
+    conn: Connection,
+    node_id: str,
+    volumes_root: Path,
+    *,
+    params: ChunkParams | None = None,
+    hook_runner: HookRunner = run_hook_in_shell,
+    gc_grace: float = DEFAULT_GC_GRACE,
+) -> None:
+    """Serve this node's snapshot/restore/prune requests until cancelled."""
+    agent = SnapshotAgent(conn, node_id, volumes_root, params=params, hook_runner=hook_runner, gc_grace=gc_grace)
+    await agent.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await agent.stop()

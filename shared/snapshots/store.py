@@ -1,0 +1,142 @@
+"""Object I/O for snapshots over the NATS object store ``zattera-snapshots`` (DESIGN §3, B2.4–B2.6).
+
+Keys: ``<prefix>chunks/<sha256 of the plaintext>`` and ``<prefix>manifests/<snapshot_id>``. Every object
+is zstd-compressed then sealed (:mod:`shared.snapshots.crypto`). Objects are written as a single NATS
+message whenever the server's payload limit allows (chunks are at most 4 MiB), which lets a read fetch
+the one data message directly instead of creating a consumer per object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime
+
+import zstandard
+from nats.js import JetStreamContext
+from nats.js.api import ObjectInfo, ObjectMeta, ObjectMetaOptions
+from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.object_store import ObjectStore
+from zattera.cluster.v1 import cluster_pb2 as cpb
+
+from shared.natsio import SNAPSHOTS_STORE
+from shared.snapshots.crypto import Sealer
+
+CHUNKS = "chunks/"
+MANIFESTS = "manifests/"
+ZSTD_LEVEL = 3
+PAYLOAD_HEADROOM = 64 << 10  # protocol headers of a published message
+SINGLE_MESSAGE_MAX = (4 << 20) + (256 << 10)  # a 4 MiB chunk after the worst zstd + seal expansion
+
+
+class ObjectMissingError(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class StoredObject:
+    name: str
+    size: int
+    mtime: float  # epoch seconds of the upload (the uploader's clock)
+
+
+def _mtime(info: ObjectInfo) -> float:
+    if not info.mtime:
+        return 0.0
+    try:
+        return datetime.fromisoformat(info.mtime.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
+
+
+class SnapshotStore:
+    """Sealed, compressed objects under one prefix of one object store."""
+
+    def __init__(self, js: JetStreamContext, store: ObjectStore, *, bucket: str, prefix: str, sealer: Sealer) -> None:
+        self._js = js
+        self._store = store
+        self._stream = f"OBJ_{bucket}"
+        self._bucket = bucket
+        self.prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+        self.sealer = sealer
+        self._max_message = min(SINGLE_MESSAGE_MAX, max(128 << 10, js._nc.max_payload - PAYLOAD_HEADROOM))
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, target: cpb.SnapshotTarget | None = None) -> SnapshotStore:
+        target = target or cpb.SnapshotTarget()
+        bucket = target.object_store or SNAPSHOTS_STORE
+        store = await js.object_store(bucket)
+        return cls(js, store, bucket=bucket, prefix=target.prefix, sealer=Sealer(target.data_key))
+
+    def chunk_name(self, digest: str) -> str:
+        return f"{self.prefix}{CHUNKS}{digest}"
+
+    def manifest_name(self, snapshot_id: str) -> str:
+        return f"{self.prefix}{MANIFESTS}{snapshot_id}"
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode(self, plaintext: bytes) -> bytes:
+        """zstd then seal: CPU-bound, releases the GIL (call from a worker thread for large data)."""
+        return self.sealer.seal(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(plaintext))
+
+    def decode(self, stored: bytes) -> bytes:
+        return zstandard.ZstdDecompressor().decompress(self.sealer.open(stored))
+
+    # ------------------------------------------------------------------ raw objects
+
+    async def exists(self, name: str) -> bool:
+        try:
+            await self._store.get_info(name)
+        except (ObjectNotFoundError, NotFoundError):
+            return False
+        return True
+
+    async def put(self, name: str, data: bytes) -> None:
+        options = ObjectMetaOptions(max_chunk_size=min(max(len(data), 1), self._max_message))
+        await self._store.put(name, data, meta=ObjectMeta(name=name, options=options))
+
+    async def get(self, name: str) -> bytes:
+        try:
+            info = await self._store.get_info(name)
+        except (ObjectNotFoundError, NotFoundError) as exc:
+            raise ObjectMissingError(name) from exc
+        if info.chunks == 1 and info.nuid:
+            # One data message: read it directly (no per-object consumer), then check the store's digest.
+            msg = await self._js.get_last_msg(self._stream, f"$O.{self._bucket}.C.{info.nuid}")
+            data = msg.data or b""
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+            if info.digest and info.digest.split("=", 1)[-1] != digest:
+                raise ObjectMissingError(f"{name}: stored digest mismatch")
+            return data
+        try:
+            result = await self._store.get(name)
+        except (ObjectNotFoundError, NotFoundError) as exc:
+            raise ObjectMissingError(name) from exc
+        return bytes(result.data or b"")
+
+    async def delete(self, name: str) -> bool:
+        try:
+            await self._store.delete(name)
+        except (ObjectNotFoundError, NotFoundError):
+            return False
+        return True
+
+    async def list(self, under: str) -> list[StoredObject]:
+        """Live objects whose name starts with ``prefix + under``."""
+        start = self.prefix + under
+        try:
+            infos = await self._store.list(ignore_deletes=True)
+        except NotFoundError:
+            return []
+        return [
+            StoredObject(i.name, i.size or 0, _mtime(i)) for i in infos if i.name.startswith(start) and not i.deleted
+        ]
+
+    # ------------------------------------------------------------------ typed helpers
+
+    async def get_decoded(self, name: str) -> bytes:
+        stored = await self.get(name)
+        return await asyncio.to_thread(self.decode, stored)

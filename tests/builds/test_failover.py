@@ -1,0 +1,108 @@
+"""Dispatcher failover on real NATS: a new leader resumes RUNNING builds from the durable events and
+``Build.last_event_at``; no build is dispatched twice and none stays RUNNING forever (spec §3.12, §11.2)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from zattera.v1 import types_pb2 as pb
+
+from services.builds.dispatcher import BuildDispatcher
+from shared.buildlogs import read_build_log
+from shared.clock import FakeClock
+from shared.natsio import Connection, connect
+from shared.txn import Writer
+from shared.view import StateView
+from tests.builds import seed
+from tests.builds.conftest import StartDispatcher, advance_until, stop
+from tests.builds.fake_builder import FakeBuilder, log_event, success
+from tests.builds.test_dispatcher import put, status_is
+from tests.waiting import eventually
+
+
+@pytest.fixture
+async def other_view(nats_url: str) -> AsyncIterator[tuple[Connection, StateView]]:
+    """A second dispatcher process: its own connection and view."""
+    conn = await connect(nats_url, name="dispatcher-b")
+    view = StateView(conn, name="dispatcher-b")
+    await view.start()
+    yield conn, view
+    await view.stop()
+    await conn.close()
+
+
+def current_task_of(dispatcher: BuildDispatcher) -> asyncio.Task[None]:
+    [task] = [t for t in asyncio.all_tasks() if t.get_name() == "leader:builds"]
+    return task
+
+
+async def test_new_leader_resumes_a_running_build_without_losing_events_or_log_lines(
+    conn: Connection,
+    view: StateView,
+    writer: Writer,
+    start_dispatcher: StartDispatcher,
+    other_view: tuple[Connection, StateView],
+) -> None:
+    builder = await FakeBuilder(conn, "builder-a", hold=True).start()
+    await put(writer, seed.builder_node("builder-a"), seed.build("b1"))
+    first = await start_dispatcher()
+    await eventually(lambda: builder.build_ids == ["b1"], 5, "dispatched by the first leader")
+    await builder.emit("b1", log_event("one"), log_event("two"))
+    await eventually(lambda: has_lines(conn, "b1", 2), 5, "first leader copied two lines")
+
+    await stop(current_task_of(first))  # the first leader goes away mid-build
+    await builder.emit("b1", log_event("three"))  # nobody leads: the event waits in the stream
+
+    conn_b, view_b = other_view
+    await start_dispatcher(conn=conn_b, view=view_b)
+    await builder.emit("b1", *success("sha256:abc123"))
+    await eventually(lambda: status_is(view, "b1", pb.BUILD_STATUS_SUCCEEDED), 5, "second leader recorded success")
+    assert await read_build_log(conn, "b1") == ["one", "two", "three"]
+    assert builder.build_ids == ["b1"]  # never dispatched twice
+
+
+async def has_lines(conn: Connection, build_id: str, n: int) -> bool:
+    return len(await read_build_log(conn, build_id)) >= n
+
+
+async def test_new_leader_fails_a_zombie_running_build_after_the_timeout_from_its_last_event(
+    conn: Connection, view: StateView, writer: Writer, clock: FakeClock, start_dispatcher: StartDispatcher
+) -> None:
+    builder = await FakeBuilder(conn, "builder-a", hold=True).start()
+    last_event = clock.now() - 100.0  # a previous leader saw the builder's last event 100 s ago
+    await put(
+        writer,
+        seed.builder_node("builder-a"),
+        seed.build("b1", status=pb.BUILD_STATUS_RUNNING, node_id="builder-a", last_event_at=last_event),
+    )
+    await start_dispatcher()
+    await clock.advance(139.0)
+    assert status_is(view, "b1", pb.BUILD_STATUS_RUNNING)
+    await clock.advance(1.0)
+    await advance_until(clock, lambda: status_is(view, "b1", pb.BUILD_STATUS_FAILED), "zombie failed")
+    b1 = view.build("b1")
+    assert b1 is not None and b1.error == "builder lost"
+    await eventually(lambda: builder.cancels == ["b1"], 5, "builder told to stop")
+    assert builder.requests == []  # resumed, not re-dispatched
+
+
+async def test_contending_dispatchers_dispatch_every_build_exactly_once(
+    conn: Connection,
+    view: StateView,
+    writer: Writer,
+    start_dispatcher: StartDispatcher,
+    other_view: tuple[Connection, StateView],
+) -> None:
+    builders = [await FakeBuilder(conn, f"builder-{i}", script=success()).start() for i in range(3)]
+    await put(writer, *(seed.builder_node(b.node_id) for b in builders))
+    conn_b, view_b = other_view
+    await start_dispatcher()
+    await start_dispatcher(conn=conn_b, view=view_b)
+    await put(writer, *(seed.build(f"b{i:02d}") for i in range(12)))
+    await eventually(
+        lambda: all(status_is(view, f"b{i:02d}", pb.BUILD_STATUS_SUCCEEDED) for i in range(12)), 10, "all built"
+    )
+    dispatched = sorted(bid for b in builders for bid in b.build_ids)
+    assert dispatched == [f"b{i:02d}" for i in range(12)]

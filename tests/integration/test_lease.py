@@ -1,0 +1,146 @@
+"""Leases and leader failover with real processes on a real NATS server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from shared.lease import Lease, run_while_leading
+from shared.view import StateView
+from tests.waiting import eventually
+
+TTL = 1.0
+RENEW = 0.3
+
+
+def spawn(nats_url: str, out: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.contender",
+            "--nats",
+            nats_url,
+            "--out",
+            str(out),
+            "--ttl",
+            str(TTL),
+            "--renew",
+            str(RENEW),
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def events(out: Path) -> list[dict]:
+    if not out.exists():
+        return []
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def leads(out: Path) -> list[dict]:
+    return [e for e in events(out) if e["ev"] == "lead"]
+
+
+async def test_failover_after_sigkill_is_bounded_by_ttl_plus_renew(nats_url, tmp_path):
+    out = tmp_path / "events.jsonl"
+    procs = [spawn(nats_url, out), spawn(nats_url, out)]
+    try:
+        await eventually(lambda: len(leads(out)) == 1, timeout=20, what="a first leader")
+        first = leads(out)[0]
+        leader = next(p for p in procs if p.pid == first["pid"])
+        await eventually(lambda: any(e["ev"] == "write" and e["ok"] for e in events(out)), timeout=10)
+        killed_at = time.time()
+        os.kill(leader.pid, signal.SIGKILL)
+        leader.wait()
+        await eventually(lambda: len(leads(out)) == 2, timeout=20, what="a second leader")
+        second = leads(out)[1]
+        assert second["pid"] != first["pid"]
+        assert second["term"] > first["term"]
+        # TTL + renew interval, plus scheduling slack on a loaded 2-core machine
+        assert second["t"] - killed_at <= TTL + RENEW + 1.5
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+async def test_two_processes_never_lead_in_the_same_term_and_no_deposed_write_lands(nats_url, tmp_path, conn):
+    out = tmp_path / "events.jsonl"
+    procs = [spawn(nats_url, out) for _ in range(2)]
+    try:
+        for round_ in range(2):
+            await eventually(lambda r=round_: len(leads(out)) > r, timeout=20, what="a leader")
+            frozen = leads(out)[-1]["pid"]
+            await eventually(lambda: any(e["ev"] == "write" and e["ok"] for e in events(out)), timeout=10)
+            # Freeze the leader past its TTL; the standby takes over; then the frozen one resumes.
+            os.kill(frozen, signal.SIGSTOP)
+            await eventually(lambda pid=frozen: leads(out)[-1]["pid"] != pid, timeout=20, what="takeover")
+            os.kill(frozen, signal.SIGCONT)
+            await eventually(
+                lambda pid=frozen: any(e["pid"] == pid and e["ev"] == "lost" for e in events(out)),
+                timeout=20,
+                what="the resumed leader steps down",
+            )
+        terms = [e["term"] for e in leads(out)]
+        assert len(set(terms)) == len(terms), f"a term was led twice: {terms}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    # Server-side truth: a term is the revision of its acquiring write, so every write that landed in
+    # term T has a revision between T and the next term's acquisition.
+    view = StateView(conn, name="audit")
+    await view.start()
+    ordered_terms = sorted(set(terms))
+    landed = [(view.rev(f"node.{n.meta.id}"), int(n.name.split(":")[1])) for n in view.nodes()]
+    assert landed, "no write landed at all"
+    for rev, term in landed:
+        later = [t for t in ordered_terms if t > term]
+        assert term < rev, (rev, term)
+        assert not later or rev < later[0], f"write of term {term} landed at {rev}, after term {later[0]} began"
+    await view.stop()
+
+
+async def test_run_while_leading_cancels_the_leader_function_on_loss(conn):
+    started = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def lead(_leadership) -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    runner = asyncio.create_task(run_while_leading(conn, "x", lead, holder="a", ttl=TTL, renew_interval=RENEW))
+    await asyncio.wait_for(started.wait(), 10)
+    # Someone else takes the key (as after expiry): the next renewal is refused.
+    await conn.js.publish("$KV.zattera-state.lease.x", b"", headers={"KV-Operation": "DEL"})
+    thief = Lease(conn, "x", "b", ttl=30)
+    assert await thief.try_acquire()
+    await asyncio.wait_for(cancelled.wait(), 10)
+    runner.cancel()
+    await asyncio.gather(runner, return_exceptions=True)
+
+
+async def test_clean_release_lets_a_standby_take_over_without_waiting_for_the_ttl(conn):
+    first = Lease(conn, "y", "a", ttl=30)
+    assert await first.try_acquire()
+    await first.release()
+    second = Lease(conn, "y", "b", ttl=30)
+    assert await second.try_acquire()
+    assert second.term > first.term

@@ -1,0 +1,50 @@
+"""Provisioning is idempotent; trace context travels in the headers of state writes."""
+
+from __future__ import annotations
+
+import asyncio
+
+from zattera.v1 import types_pb2 as pb
+
+from shared import telemetry
+from shared.natsio import (
+    IMAGES_STORE,
+    LIVE_STREAM,
+    SNAPSHOTS_STORE,
+    SOURCES_STORE,
+    STATE_PREFIX,
+    STATE_STREAM,
+    connect,
+    provision,
+)
+from shared.txn import Writer
+from shared.view import StateView
+
+
+async def test_provisioning_twice_and_concurrently_is_harmless(nats_url):
+    conns = [await connect(nats_url, name=f"p{i}") for i in range(3)]
+    await asyncio.gather(*(provision(c.js) for c in conns))
+    await provision(conns[0].js)
+    info = await conns[0].js.stream_info(STATE_STREAM)
+    assert info.config.allow_atomic and info.config.allow_msg_ttl
+    assert info.config.max_msgs_per_subject == 1
+    live = await conns[0].js.stream_info(LIVE_STREAM)
+    assert live.config.max_age == 60
+    for bucket in (SOURCES_STORE, IMAGES_STORE, SNAPSHOTS_STORE):
+        await conns[0].js.object_store(bucket)
+    for c in conns:
+        await c.close()
+
+
+async def test_state_writes_carry_the_current_trace_context(conn, view: StateView):
+    exporter = telemetry.use_in_memory_exporter()
+    writer = Writer(conn, view)
+    node = pb.Node(name="traced")
+    node.meta.id = "n1"
+    with telemetry.span("deploy.test") as current:
+        trace_id = format(current.get_span_context().trace_id, "032x")
+        await writer.commit(writer.txn().create(node))
+    raw = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + "node.n1", direct=True)
+    assert trace_id in raw.headers["traceparent"]
+    names = {s.name for s in exporter.get_finished_spans()}
+    assert {"deploy.test", "state.write"} <= names

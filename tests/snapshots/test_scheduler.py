@@ -1,0 +1,189 @@
+"""SnapshotScheduler on real NATS with a fake clock (C3 and the fixes of B1/D-B3/D-B4/D-B6).
+
+The C3 cases use a recording dispatcher as the reference tests do (it records snapshot volume ids and
+prune batches and writes nothing); "evaluate" is one pass of the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from services.scheduler.snapshot_dispatch import RecordNotWritten
+from services.scheduler.snapshots import FAILED_KEEP, RETRY_AFTER, STUCK_AFTER, STUCK_ERROR, TICK, SnapshotScheduler
+from shared.clock import FakeClock
+from shared.lease import run_while_leading
+from shared.natsio import Connection
+from shared.txn import Writer
+from shared.view import StateView
+from tests.snapshots.conftest import BASE, snap_volume, snapshot_record
+from tests.waiting import eventually
+
+H = 3600.0
+
+
+class RecordingDispatcher:
+    def __init__(self) -> None:
+        self.snapshots: list[str] = []
+        self.prunes: list[list[str]] = []
+        self.fail_next_start = 0
+        self.busy: set[str] = set()
+
+    def volume_busy(self, volume_id: str) -> bool:
+        return volume_id in self.busy
+
+    def last_progress(self, snapshot_id: str) -> float | None:
+        return None
+
+    async def start_snapshot(self, volume: pb.Volume, writer: Writer) -> asyncio.Task[pb.VolumeSnapshot]:
+        if self.fail_next_start:
+            self.fail_next_start -= 1
+            raise RecordNotWritten("state bucket unavailable")
+        self.snapshots.append(volume.meta.id)
+        return asyncio.create_task(asyncio.sleep(0, pb.VolumeSnapshot()))
+
+    async def prune(self, volume: pb.Volume, snapshot_ids: list[str]) -> cpb.PruneSnapshotsResponse:
+        self.prunes.append(sorted(snapshot_ids))
+        return cpb.PruneSnapshotsResponse()
+
+
+def make_loop(
+    conn: Connection, view: StateView, clock: FakeClock, writer: Writer
+) -> tuple[SnapshotScheduler, RecordingDispatcher]:
+    dispatcher = RecordingDispatcher()
+    loop = SnapshotScheduler(conn=conn, view=view, clock=clock, dispatcher=dispatcher)
+    loop.writer = writer
+    return loop, dispatcher
+
+
+async def test_fires_once_per_due_cron_slot(conn, view, writer, clock: FakeClock) -> None:  # C3.1
+    loop, dispatcher = make_loop(conn, view, clock, writer)
+    await writer.commit(writer.txn().put(snap_volume("vol1", "0 * * * *", 7, BASE)))
+    await loop.pass_once()
+    assert dispatcher.snapshots == []
+    await clock.advance(65 * 60)
+    await loop.pass_once()
+    await loop.pass_once()
+    assert dispatcher.snapshots == ["vol1"]
+    await writer.commit(writer.txn().put(snapshot_record("vol1", clock.now())))
+    await clock.advance(60 * 60)
+    await loop.pass_once()
+    assert dispatcher.snapshots == ["vol1", "vol1"]
+
+
+async def test_manual_only_policy_never_fires(conn, view, writer, clock: FakeClock) -> None:  # C3.2
+    loop, dispatcher = make_loop(conn, view, clock, writer)
+    await writer.commit(writer.txn().put(snap_volume("vol1", "", 7)))
+    await clock.advance(48 * H)
+    await loop.pass_once()
+    assert dispatcher.snapshots == []
+
+
+async def test_keep_last_prunes_the_oldest_beyond_the_limit(conn, view, writer, clock: FakeClock) -> None:  # C3.3
+    loop, dispatcher = make_loop(conn, view, clock, writer)
+    records = [snapshot_record("vol1", BASE + i * H) for i in range(4)]
+    txn = writer.txn().put(snap_volume("vol1", "", 2))
+    for r in records:
+        txn.put(r)
+    await writer.commit(txn)
+    await loop.pass_once()
+    assert [s.meta.id for s in view.snapshots()] == [records[2].meta.id, records[3].meta.id]
+    await eventually(lambda: dispatcher.prunes == [sorted([records[0].meta.id, records[1].meta.id])])
+
+
+async def test_default_keep_last_is_7(conn, view, writer, clock: FakeClock) -> None:  # C3.4
+    loop, dispatcher = make_loop(conn, view, clock, writer)
+    txn = writer.txn().put(snap_volume("vol1", "", 0))
+    for i in range(9):
+        txn.put(snapshot_record("vol1", BASE + i * H))
+    await writer.commit(txn)
+    await loop.pass_once()
+    assert len(view.snapshots()) == 7
+    await eventually(lambda: len(dispatcher.prunes) == 1 and len(dispatcher.prunes[0]) == 2)
+
+
+async def test_bad_schedule_never_fires_but_retention_still_applies(conn, view, writer, clock: FakeClock) -> None:
+    loop, dispatcher = make_loop(conn, view, clock, writer)
+    txn = writer.txn().put(snap_volume("vol1", "0 0 0 * * *", 1))
+    for i in range(3):
+        txn.put(snapshot_record("vol1", BASE + i * H))
+    await writer.commit(txn)
+    await clock.advance(48 * H)
+    await loop.pass_once()
+    assert dispatcher.snapshots == [] and len(view.snapshots()) == 1
+
+
+async def test_outage_gives_one_catch_up_snapshot(conn, view, writer, clock: FakeClock) -> None:
+    loop, dispatcher = make_loop(conn, view, clock, writer)
+    await writer.commit(writer.txn().put(snap_volume("vol1", "0 * * * *", 7, BASE)))
+    await clock.advance(10 * H + 60)  # ten slots missed
+    await loop.pass_once()
+    await writer.commit(writer.txn().put(snapshot_record("vol1", clock.now())))
+    await loop.pass_once()
+    assert dispatcher.snapshots == ["vol1"]
+
+
+async def test_failed_dispatch_before_record_does_not_wedge_schedule(conn, view, writer, clock: FakeClock) -> None:
+    """D-B3: the reference never snapshotted that volume again for the rest of the leader term."""
+    loop, dispatcher = make_loop(conn, view, clock, writer)
+    dispatcher.fail_next_start = 1
+    await writer.commit(writer.txn().put(snap_volume("vol1", "0 * * * *", 7, BASE)))
+    await clock.advance(65 * 60)
+    await loop.pass_once()
+    assert dispatcher.snapshots == []
+    await loop.pass_once()  # not before the retry delay
+    assert dispatcher.snapshots == []
+    await clock.advance(RETRY_AFTER)
+    await loop.pass_once()
+    assert dispatcher.snapshots == ["vol1"]
+
+
+async def test_due_slot_waits_while_a_snapshot_of_the_volume_runs(conn, view, writer, clock: FakeClock) -> None:
+    loop, dispatcher = make_loop(conn, view, clock, writer)
+    await writer.commit(writer.txn().put(snap_volume("vol1", "*/5 * * * *", 7, BASE)))
+    dispatcher.busy.add("vol1")
+    await clock.advance(20 * 60)
+    await loop.pass_once()
+    assert dispatcher.snapshots == []
+    dispatcher.busy.clear()
+    await loop.pass_once()
+    assert dispatcher.snapshots == ["vol1"]
+
+
+async def test_stuck_running_becomes_failed_and_old_failures_are_deleted(conn, view, writer, clock: FakeClock) -> None:
+    loop, dispatcher = make_loop(conn, view, clock, writer)
+    stuck = snapshot_record("vol1", BASE, pb.SNAPSHOT_STATUS_RUNNING)
+    newest = snapshot_record("vol1", BASE + 1, pb.SNAPSHOT_STATUS_COMPLETE)
+    await writer.commit(writer.txn().put(snap_volume("vol1", "", 7)).put(stuck).put(newest))
+    await clock.advance(STUCK_AFTER - 1)
+    await loop.pass_once()
+    assert view.snapshot(stuck.meta.id).status == pb.SNAPSHOT_STATUS_RUNNING  # type: ignore[union-attr]
+    await clock.advance(1)
+    await loop.pass_once()
+    failed = view.snapshot(stuck.meta.id)
+    assert failed is not None and failed.status == pb.SNAPSHOT_STATUS_FAILED and failed.error == STUCK_ERROR
+    await clock.advance(FAILED_KEEP)
+    await loop.pass_once()
+    assert view.snapshot(stuck.meta.id) is None
+    await eventually(lambda: dispatcher.prunes == [[stuck.meta.id]])
+
+
+async def test_loop_fires_on_the_fake_clock_tick_while_leading(conn, view, writer, clock: FakeClock) -> None:
+    """The running loop (not pass_once): the slot fires when the fake clock's tick elapses."""
+    dispatcher = RecordingDispatcher()
+    loop = SnapshotScheduler(conn=conn, view=view, clock=clock, dispatcher=dispatcher, coalesce=0)
+    await writer.commit(writer.txn().put(snap_volume("vol1", "0 * * * *", 7, BASE)))
+    task = asyncio.create_task(run_while_leading(conn, loop.name, loop.run, holder="test"))
+    try:
+        await eventually(lambda: loop.passes >= 1 and clock.sleepers >= 1)
+        assert dispatcher.snapshots == []
+        await clock.advance(H)  # wakes the tick sleeper at +30 s; time then jumps to +1 h
+        await eventually(lambda: clock.sleepers >= 1)
+        assert dispatcher.snapshots == []
+        await clock.advance(TICK)  # the next tick evaluates at 01:00:30: the 01:00 slot is due
+        await eventually(lambda: dispatcher.snapshots == ["vol1"])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
