@@ -1,20 +1,90 @@
-"""The ``zattera`` command line."""
+"""The ``zattera`` command line: the operator interface.
+
+Every read command accepts ``--json``; every write goes through the fenced-write layer.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import Any
 
 import typer
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from typer.core import TyperGroup
+from zattera.v1 import types_pb2 as pb
 
+from cli import render
+from cli.apply import env_path, plan, resolve_env
+from cli.client import OPTIONS, control, err, run
+from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
+from shared import keys as K
+from shared.deploy import Deployer, DeployError
+from shared.deployments import is_terminal
+from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 from shared.settings import settings
+from shared.txn import Conflict
+from shared.view import StateView
 
 app = typer.Typer(no_args_is_help=True, help="Zattera: a self-hosted PaaS control plane on NATS JetStream.")
+nodes_app = typer.Typer(no_args_is_help=True, help="Machines: list, label, cordon, drain.")
+apps_app = typer.Typer(no_args_is_help=True, help="Apps and environments from zattera.toml.")
+
+
+class _DeployGroup(TyperGroup):
+    """``zattera deploy DIR ...`` deploys; ``zattera deploy watch|cancel|list ...`` are subcommands."""
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        if args and args[0] not in self.commands:
+            args = ["run", *args]
+        return super().resolve_command(ctx, args)
+
+
+deploy_app = typer.Typer(
+    cls=_DeployGroup,
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    no_args_is_help=True,
+    help="Deploy a source directory or an image (zattera deploy DIR --env E); watch, cancel or list deployments.",
+)
+builds_app = typer.Typer(no_args_is_help=True, help="Builds and their logs.")
+volumes_app = typer.Typer(no_args_is_help=True, help="Volumes and their snapshots.")
+app.add_typer(deploy_app, name="deploy")
+app.add_typer(nodes_app, name="nodes")
+app.add_typer(apps_app, name="apps")
+app.add_typer(builds_app, name="builds")
+app.add_typer(volumes_app, name="volumes")
+
+JSON = typer.Option(False, "--json", help="machine-readable output")
 
 
 @app.callback()
-def root() -> None:
+def root(
+    nats: str = typer.Option("", "--nats", envvar="ZATTERA_NATS_URL", help="NATS URL(s), comma-separated"),
+) -> None:
     """Zattera: a self-hosted PaaS control plane on NATS JetStream."""
+    OPTIONS.nats_url = nats
+
+
+def _json(flag: bool) -> bool:
+    OPTIONS.json = flag
+    return flag
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    err.print("[red]error:[/] ", end="")
+    err.print(message, markup=False, highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _env_or_fail(view: StateView, ref: str) -> pb.Environment:
+    env = resolve_env(view, ref)
+    if env is None:
+        raise _fail(f"--env: no environment {ref!r} (use an id or project/app/env)")
+    return env
+
+
+# ---------------------------------------------------------------------------------------------- cluster
 
 
 @app.command()
@@ -27,5 +97,549 @@ def up(
     raise typer.Exit(run_up(Cluster(data_dir=directory, port=port)))
 
 
+# ---------------------------------------------------------------------------------------------- nodes
+
+
+@nodes_app.command("list")
+def nodes_list(json: bool = JSON) -> None:
+    """Every registered node with its status, capacity and reservations."""
+    _json(json)
+
+    async def go() -> None:
+        async with control() as c:
+            nodes = c.view.nodes()
+            if render.json_mode():
+                render.messages(nodes)
+                return
+            rows = []
+            for n in nodes:
+                cpu, mem = c.view.reserved(n.meta.id)
+                rows.append(
+                    [
+                        n.meta.id,
+                        n.name,
+                        render.enum_name(pb.NodeStatus, n.status, "NODE_STATUS_"),
+                        "yes" if n.schedulable else "cordoned",
+                        n.os_arch,
+                        f"{cpu}/{n.capacity.cpu_millis or '∞'} m",
+                        f"{mem}/{n.capacity.memory_mb or '∞'} MB",
+                        ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
+                    ]
+                )
+            render.table("nodes", ["id", "name", "status", "schedulable", "platform", "cpu", "memory", "labels"], rows)
+
+    run(go)
+
+
+def _edit_node(node_id: str, change: str, labels: dict[str, str] | None = None) -> None:
+    async def go() -> None:
+        async with control() as c:
+            for _ in range(10):
+                node = c.view.node(node_id)
+                if node is None:
+                    raise _fail(f"node {node_id!r} not found")
+                edited = pb.Node()
+                edited.CopyFrom(node)
+                if change == "cordon":
+                    if node.status in (pb.NODE_STATUS_DRAINING, pb.NODE_STATUS_DRAINED):
+                        err.print(
+                            f"node {node_id} is {render.enum_name(pb.NodeStatus, node.status, 'NODE_STATUS_')}:"
+                            " nothing to do"
+                        )
+                        return
+                    edited.schedulable = False
+                elif change == "uncordon":
+                    if node.status == pb.NODE_STATUS_DOWN:
+                        raise _fail(f"node {node_id} is down: it cannot be uncordoned until it heartbeats again")
+                    edited.status = pb.NODE_STATUS_ALIVE
+                    edited.schedulable = True
+                elif change == "drain":
+                    edited.status = pb.NODE_STATUS_DRAINING
+                    edited.schedulable = False
+                elif change == "label":
+                    for key, value in (labels or {}).items():
+                        if value:
+                            edited.labels[key] = value
+                        else:
+                            edited.labels.pop(key, None)
+                try:
+                    await c.writer.commit(c.writer.txn().put(edited))
+                except Conflict:
+                    await asyncio.sleep(0.05)
+                    continue
+                err.print(f"node {node_id}: {change} done")
+                return
+            raise _fail(f"node {node_id} kept changing; try again")
+
+    run(go)
+
+
+@nodes_app.command("cordon")
+def nodes_cordon(node_id: str) -> None:
+    """Stop placing new replicas on a node (running ones stay)."""
+    _edit_node(node_id, "cordon")
+
+
+@nodes_app.command("uncordon")
+def nodes_uncordon(node_id: str) -> None:
+    """Make a node schedulable again."""
+    _edit_node(node_id, "uncordon")
+
+
+@nodes_app.command("drain")
+def nodes_drain(node_id: str) -> None:
+    """Move every replica off a node, then mark it DRAINED."""
+    _edit_node(node_id, "drain")
+
+
+@nodes_app.command("label")
+def nodes_label(node_id: str, labels: list[str] = typer.Argument(..., help="key=value (key= removes)")) -> None:
+    """Set or remove node labels (used by placement constraints and region spread)."""
+    parsed: dict[str, str] = {}
+    for item in labels:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise _fail(f"labels: {item!r} is not key=value")
+        parsed[key] = value
+    _edit_node(node_id, "label", parsed)
+
+
+# ---------------------------------------------------------------------------------------------- apps
+
+
+@apps_app.command("apply")
+def apps_apply(path: Path = typer.Argument(Path("zattera.toml")), json: bool = JSON) -> None:
+    """Create or update the project, app and environments described by a zattera.toml."""
+    _json(json)
+    try:
+        spec = load(path)
+    except SpecError as exc:
+        raise _fail(str(exc)) from None
+
+    async def go() -> None:
+        async with control() as c:
+            for _ in range(5):
+                try:
+                    txn, result = plan(c.view, c.writer, spec)
+                except ValueError as exc:
+                    raise _fail(str(exc)) from None
+                try:
+                    await c.writer.commit(txn)
+                    break
+                except Conflict:
+                    await asyncio.sleep(0.05)
+            else:
+                raise _fail("the app kept changing while applying; try again")
+            if render.json_mode():
+                render.emit_json(result.__dict__)
+                return
+            for label in result.created:
+                render.out.print(f"[green]created[/] {label}")
+            for label in result.updated:
+                render.out.print(f"[yellow]updated[/] {label}")
+            for label in result.unchanged:
+                render.out.print(f"unchanged {label}")
+            for name, env_id in result.env_ids.items():
+                render.out.print(f"env {spec.project}/{spec.app}/{name} = {env_id}")
+
+    run(go)
+
+
+@apps_app.command("list")
+def apps_list(json: bool = JSON) -> None:
+    """Every environment with its active release and replica counts."""
+    _json(json)
+
+    async def go() -> None:
+        async with control() as c:
+            envs = c.view.envs()
+            if render.json_mode():
+                render.messages(envs)
+                return
+            rows = []
+            for e in envs:
+                release = c.view.release(e.active_release_id)
+                rows.append(
+                    [
+                        env_path(c.view, e),
+                        e.meta.id,
+                        f"v{release.version}" if release else "-",
+                        c.view.env_run_count(e.meta.id),
+                        e.effective_replicas or e.service.replicas.min,
+                    ]
+                )
+            render.table("environments", ["env", "id", "active", "running", "desired"], rows)
+
+    run(go)
+
+
+# ---------------------------------------------------------------------------------------------- deploy
+
+
+@deploy_app.command("run")
+def deploy(
+    source: Path = typer.Argument(None, help="source directory to build and deploy"),
+    env: str = typer.Option(..., "--env", help="environment id or project/app/env"),
+    image: str = typer.Option("", "--image", help="deploy this image instead of building source"),
+    build: str = typer.Option("", "--build", help="deploy the image of a finished build"),
+    watch: bool = typer.Option(True, "--watch/--no-watch", help="follow the deployment until it is live"),
+) -> None:
+    """Deploy: from a source directory (tar, upload, build, deploy), or --image / --build."""
+    from cli.source import pack, upload
+
+    if sum(bool(x) for x in (source, image, build)) != 1:
+        raise _fail("give exactly one of SOURCE, --image or --build")
+
+    async def go() -> str:
+        async with control() as c:
+            target = _env_or_fail(c.view, env)
+            deployer = Deployer(c.writer, created_by="cli")
+            try:
+                if source is not None:
+                    data = pack(source)
+                    digest = await upload(c.conn, data)
+                    err.print(f"uploaded source {digest[:19]}… ({len(data):,} bytes)")
+                    created = await deployer.deploy_source(target.meta.id, tarball_digest=digest)
+                elif image:
+                    created = await deployer.deploy_image(target.meta.id, image)
+                else:
+                    created = await deployer.deploy_build(target.meta.id, build)
+            except (DeployError, ValueError) as exc:
+                raise _fail(str(exc)) from None
+            err.print(
+                f"deployment {created.deployment.meta.id} created: release v{created.release.version}"
+                f" of {env_path(c.view, target)}"
+            )
+            return created.deployment.meta.id
+
+    deployment_id = run(go)
+    if watch:
+        _watch(deployment_id, until_done=False)
+    else:
+        print(deployment_id)
+
+
+@deploy_app.command("watch")
+def deploy_watch(
+    deployment_id: str,
+    until_done: bool = typer.Option(False, "--until-done", help="wait for SUCCEEDED, past the drain window"),
+) -> None:
+    """Follow a deployment's phases (and its build's log) until it is live or has failed."""
+    _watch(deployment_id, until_done=until_done)
+
+
+def _watch(deployment_id: str, *, until_done: bool) -> None:
+    from cli.watch import watch_deployment
+
+    code = run(lambda: watch_deployment(deployment_id, until_done=until_done))
+    raise typer.Exit(code)
+
+
+@deploy_app.command("cancel")
+def deploy_cancel(deployment_id: str) -> None:
+    """Cancel a deployment: before promotion it fails with the green set removed; while draining the
+    old release it finishes the drain now."""
+
+    async def go() -> None:
+        async with control() as c:
+            try:
+                d = await Deployer(c.writer, created_by="cli").cancel(deployment_id)
+            except DeployError as exc:
+                raise _fail(str(exc)) from None
+            err.print(
+                f"deployment {d.meta.id}: cancel requested "
+                f"({render.enum_name(pb.DeploymentPhase, d.phase, 'DEPLOYMENT_PHASE_')})"
+            )
+
+    run(go)
+
+
+@app.command()
+def rollback(
+    env: str = typer.Option(..., "--env", help="environment id or project/app/env"),
+    to: str = typer.Option("", "--to", help="release id (default: the highest version below the active one)"),
+    watch: bool = typer.Option(True, "--watch/--no-watch"),
+) -> None:
+    """Roll an environment back to an earlier release."""
+
+    async def go() -> str:
+        async with control() as c:
+            target = _env_or_fail(c.view, env)
+            try:
+                d = await Deployer(c.writer, created_by="cli").rollback(target.meta.id, to_release_id=to)
+            except DeployError as exc:
+                raise _fail(str(exc)) from None
+            release = c.view.release(d.release_id)
+            err.print(f"rollback {d.meta.id} to v{release.version if release else '?'} created")
+            return d.meta.id
+
+    deployment_id = run(go)
+    if watch:
+        _watch(deployment_id, until_done=False)
+
+
+@app.command()
+def releases(env: str = typer.Option(..., "--env"), json: bool = JSON) -> None:
+    """The releases of an environment, newest first."""
+    _json(json)
+
+    async def go() -> None:
+        async with control() as c:
+            target = _env_or_fail(c.view, env)
+            items = sorted(c.view.releases(target.meta.id), key=lambda r: r.version, reverse=True)
+            if render.json_mode():
+                render.messages(items)
+                return
+            render.table(
+                f"releases of {env_path(c.view, target)}",
+                ["version", "id", "image", "created", "active"],
+                [
+                    [
+                        f"v{r.version}",
+                        r.meta.id,
+                        r.image_ref or "(building)",
+                        render.ts(r.meta.created_at),
+                        "*" if r.meta.id == target.active_release_id else "",
+                    ]
+                    for r in items
+                ],
+            )
+
+    run(go)
+
+
+@deploy_app.command("list")
+def deployments(env: str = typer.Option("", "--env"), json: bool = JSON) -> None:
+    """Deployments (of one environment, or all), newest first."""
+    _json(json)
+
+    async def go() -> None:
+        async with control() as c:
+            target = _env_or_fail(c.view, env) if env else None
+            items = list(reversed(c.view.deployments(target.meta.id if target else None)))
+            if render.json_mode():
+                render.messages(items)
+                return
+            rows = []
+            for d in items:
+                release = c.view.release(d.release_id)
+                e = c.view.env(d.environment_id)
+                rows.append(
+                    [
+                        d.meta.id,
+                        env_path(c.view, e) if e else d.environment_id,
+                        f"v{release.version}" if release else "?",
+                        render.enum_name(pb.DeploymentPhase, d.phase, "DEPLOYMENT_PHASE_"),
+                        "rollback" if d.is_rollback else "",
+                        d.error,
+                    ]
+                )
+            render.table("deployments", ["id", "env", "release", "phase", "kind", "error"], rows)
+
+    run(go)
+
+
+# ---------------------------------------------------------------------------------------------- inspect
+
+
+@app.command()
+def ps(env: str = typer.Option("", "--env"), json: bool = JSON) -> None:
+    """Assignments (replicas) with their desired and observed state."""
+    _json(json)
+
+    async def go() -> None:
+        async with control() as c:
+            target = _env_or_fail(c.view, env) if env else None
+            items = c.view.assignments(target.meta.id if target else None)
+            if render.json_mode():
+                render.messages(items)
+                return
+            rows = []
+            for a in items:
+                e = c.view.env(a.environment_id)
+                release = c.view.release(a.release_id)
+                ports = ",".join(f"{k}:{v}" for k, v in sorted(a.observed.mesh_port_bindings.items()))
+                rows.append(
+                    [
+                        a.meta.id,
+                        env_path(c.view, e) if e else a.environment_id,
+                        f"v{release.version}" if release else "?",
+                        a.node_id,
+                        render.enum_name(pb.AssignmentDesired, a.desired, "ASSIGNMENT_DESIRED_"),
+                        render.enum_name(pb.InstanceState, a.observed.state, "INSTANCE_STATE_"),
+                        ports,
+                        a.observed.message,
+                    ]
+                )
+            render.table(
+                "assignments", ["id", "env", "release", "node", "desired", "observed", "ports", "message"], rows
+            )
+
+    run(go)
+
+
+@app.command()
+def routes(json: bool = JSON) -> None:
+    """The current route snapshot, as the proxies see it."""
+    _json(json)
+    from cli.watch import fetch_routes
+
+    snapshot = run(fetch_routes)
+    if snapshot is None:
+        raise _fail("no route snapshot yet (is the routes service running?)")
+    if render.json_mode():
+        render.emit_json(render.as_dict(snapshot))
+        return
+    rows = []
+    for r in snapshot.http_routes:
+        endpoints = ", ".join(f"{e.addr}" for e in r.endpoints)
+        rows.append([r.hostname, r.path_prefix or "/", r.environment_id, endpoints or "(none)"])
+    render.table(f"routes (version {snapshot.version})", ["host", "path", "env", "endpoints"], rows)
+
+
+@app.command()
+def events(
+    follow: bool = typer.Option(False, "--follow", "-f"),
+    kind: str = typer.Option("", "--kind", help="e.g. deploy.failed or schedule.*"),
+    last: int = typer.Option(50, "--last", help="how many past events to show"),
+    json: bool = JSON,
+) -> None:
+    """Platform events (newest last); --follow keeps streaming."""
+    _json(json)
+
+    async def go() -> None:
+        async with control(view=False) as c:
+            subject = EVENTS_SUBJECT_PREFIX + (kind or ">")
+            info = await c.conn.js.stream_info(EVENTS_STREAM)
+            start = max(1, info.state.last_seq - last + 1)
+            sub = await c.conn.js.subscribe(
+                subject,
+                stream=EVENTS_STREAM,
+                ordered_consumer=True,
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start),
+            )
+            end = info.state.last_seq
+            while follow or end:
+                try:
+                    msg = await sub.next_msg(timeout=None if follow else 1.0)
+                except TimeoutError:
+                    break
+                event = pb.Event.FromString(msg.data)
+                if render.json_mode():
+                    render.emit_json(render.as_dict(event))
+                else:
+                    color = {"warning": "yellow", "error": "red"}.get(event.severity, "white")
+                    render.out.print(f"{render.ts(event.meta.created_at)} [{color}]{event.kind:<26}[/] {event.message}")
+                if not follow and msg.metadata.sequence.stream >= end:
+                    break
+            await sub.unsubscribe()
+
+    run(go)
+
+
+# ---------------------------------------------------------------------------------------------- builds
+
+
+@builds_app.command("list")
+def builds_list(json: bool = JSON) -> None:
+    """Builds, newest first."""
+    _json(json)
+
+    async def go() -> None:
+        async with control() as c:
+            items = list(reversed(c.view.builds()))
+            if render.json_mode():
+                render.messages(items)
+                return
+            render.table(
+                "builds",
+                ["id", "env", "status", "node", "image", "error"],
+                [
+                    [
+                        b.meta.id,
+                        b.environment_id,
+                        render.enum_name(pb.BuildStatus, b.status, "BUILD_STATUS_"),
+                        b.node_id,
+                        b.image_ref,
+                        b.error,
+                    ]
+                    for b in items
+                ],
+            )
+
+    run(go)
+
+
+@builds_app.command("logs")
+def builds_logs(build_id: str, follow: bool = typer.Option(False, "--follow", "-f")) -> None:
+    """A build's log; --follow streams it until the build ends."""
+    from shared.buildlogs import follow_build_log, read_build_log
+
+    async def go() -> None:
+        async with control(view=False) as c:
+            if follow:
+                async for line in follow_build_log(c.conn, build_id):
+                    print(line, flush=True)
+            else:
+                for line in await read_build_log(c.conn, build_id):
+                    print(line)
+
+    run(go)
+
+
+@builds_app.command("cancel")
+def builds_cancel(build_id: str) -> None:
+    """Cancel a QUEUED or RUNNING build (its builder is told to stop)."""
+    from services.builds.cancel import CancelRefused, cancel_build
+    from shared.clock import RealClock
+
+    async def go() -> None:
+        async with control() as c:
+            try:
+                await cancel_build(c.writer, build_id, clock=RealClock())
+            except CancelRefused as exc:
+                raise _fail(str(exc)) from None
+            err.print(f"build {build_id}: canceled")
+
+    run(go)
+
+
+# ---------------------------------------------------------------------------------------------- volumes
+
+
+@volumes_app.command("list")
+def volumes_list(json: bool = JSON) -> None:
+    """Volumes, their pinned node and their snapshots."""
+    _json(json)
+
+    async def go() -> None:
+        async with control() as c:
+            items = c.view.volumes()
+            if render.json_mode():
+                render.messages(items)
+                return
+            snaps = c.view.snapshots()
+            rows = []
+            for v in items:
+                mine = [s for s in snaps if s.volume_id == v.meta.id]
+                rows.append(
+                    [
+                        v.meta.id,
+                        v.name,
+                        v.environment_id,
+                        v.node_id,
+                        render.enum_name(pb.VolumeStatus, v.status, "VOLUME_STATUS_"),
+                        v.snapshot_policy.schedule or "-",
+                        len(mine),
+                    ]
+                )
+            render.table("volumes", ["id", "name", "env", "node", "status", "schedule", "snapshots"], rows)
+
+    run(go)
+
+
 def main() -> None:
     app()
+
+
+__all__ = ["K", "app", "is_terminal", "main"]

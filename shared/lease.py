@@ -30,6 +30,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.ids import new_id
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -264,11 +265,7 @@ async def _lead(lease: Lease, fn: LeaderFn) -> None:
             lease.lost(f"loop crashed: {work.exception()!r}")
             await lease.release()
     finally:
-        for task in (work, lost, renewer):
-            task.cancel()
-        for task in (work, lost, renewer):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(work, lost, renewer)
     if lease.held:
         # fn returned on its own while still leading: hand over.
         await lease.release()

@@ -8,7 +8,6 @@ decision). Its in-memory timers are reset by :meth:`LeaderLoop.on_term_start`, a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -35,9 +34,9 @@ async def wait_change_or_tick(
     try:
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        # Cancel without awaiting: awaiting a cancelled helper inside suppress(CancelledError) would also
+        # swallow a cancellation of this task that lands at the same moment (the loop would keep running).
         sleeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sleeper
 
 
 class LeaderLoop(ABC):
@@ -109,8 +108,6 @@ class LeaderLoop(ABC):
                     await wait_change_or_tick(self.view, waiter, self.clock, wait)
                 finally:
                     waiter.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await waiter
         finally:
             feed.close()
             self._feed = None

@@ -125,6 +125,7 @@ async def connect(urls: str | list[str], name: str = "zattera", *, connect_timeo
     """Connect with unlimited reconnects; the returned connection drains on close."""
     on_reconnect: list[ConnectionListener] = []
     on_disconnect: list[ConnectionListener] = []
+    holder: list[Connection] = []
 
     async def reconnected() -> None:
         log.info("nats reconnected", extra={"client": name})
@@ -132,7 +133,7 @@ async def connect(urls: str | list[str], name: str = "zattera", *, connect_timeo
             await cb()
 
     async def disconnected() -> None:
-        if conn.closing:
+        if holder and holder[0].closing:
             return
         log.warning("nats disconnected", extra={"client": name})
         for cb in list(on_disconnect):
@@ -163,6 +164,7 @@ async def connect(urls: str | list[str], name: str = "zattera", *, connect_timeo
         await nc.close()
         raise ConnectionError(f"no NATS server reachable at {urls}") from None
     conn = Connection(nc=nc, js=nc.jetstream(timeout=10), _on_reconnect=on_reconnect, _on_disconnect=on_disconnect)
+    holder.append(conn)
     return conn
 
 

@@ -99,10 +99,6 @@ class ImageRef:
     tag: str = ""
     digest: str = ""
 
-    @property
-    def pinned(self) -> bool:
-        return bool(self.digest)
-
 
 def parse_ref(ref: str) -> ImageRef:
     """``[registry/]repo[:tag][@digest]``; the registry is a first component with a dot, a colon or

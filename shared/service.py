@@ -24,6 +24,7 @@ from shared.lease import default_holder, run_while_leading
 from shared.loop import LeaderLoop
 from shared.natsio import Connection, connect, provision
 from shared.settings import Settings, settings
+from shared.tasks import cancel_and_wait
 from shared.telemetry import setup as setup_telemetry
 from shared.txn import Writer
 from shared.view import StateView
@@ -134,11 +135,7 @@ async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> i
                 log.error("%s: task failed: %r", name, task.exception())
         stopper.cancel()
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(*tasks)
         await view.stop()
         await conn.close()
         log.info("%s: stopped", name)

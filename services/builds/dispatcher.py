@@ -52,6 +52,7 @@ from shared.buildlogs import (
     cancel_build_subject,
     close_log,
     last_copied_event_seq,
+    read_build_log,
     run_build_subject,
 )
 from shared.events import WARNING, make_event
@@ -339,6 +340,10 @@ class BuildDispatcher(LeaderLoop):
         self._warned.clear()
         self._told_to_stop.clear()
         self._next_deadline = None
+
+    async def build_log(self, build_id: str) -> list[str]:
+        """The reference's ``BuildLog(id)``, read from the durable stream (any leader wrote it)."""
+        return await read_build_log(self.conn, build_id)
 
     def seconds_until_due(self) -> float | None:
         return None if self._next_deadline is None else self._next_deadline - self.clock.now()

@@ -12,8 +12,9 @@ reads the same fields), so two nodes never write the same volume.
 
 Fixes over the reference:
 
-* renewal only when less than half the TTL is left (or the holder changed); the reference rewrote every
-  lease on every pass, and each write re-triggered the pass: a hot loop;
+* renewal only once half the TTL is gone (or the holder changed), and the renewal does not wake the
+  loop again; the reference rewrote every lease on every pass and each write re-triggered the pass: a
+  hot loop;
 * a DRAINING or DRAINED node's volume is reported as such, not "node is down";
 * a new volume's home must be able to run the release (arch, labels, role, capacity), and an env's
   volumes share one home, so Place's pin can always be honoured; the reference picked the least-used
@@ -39,8 +40,8 @@ from shared.ids import new_id
 from shared.view import StateView, reservation
 
 LEASE_TTL = 60.0
-RENEW_BELOW = LEASE_TTL / 2
-"""A lease is renewed once less than this much of it is left."""
+RENEW_AT = LEASE_TTL / 2
+"""A lease is renewed once no more than this much of it is left (with the 15 s tick: every 30 s)."""
 
 _DRAIN_STATES = {pb.NODE_STATUS_DRAINING: "draining", pb.NODE_STATUS_DRAINED: "drained"}
 
@@ -186,7 +187,7 @@ def _needs_renewal(lease: pb.VolumeLease | None, node_id: str, holder_id: str, n
         return True
     if lease.node_id != node_id or lease.assignment_id != holder_id:
         return True
-    return seconds(lease.expires_at) - now < RENEW_BELOW
+    return seconds(lease.expires_at) - now <= RENEW_AT
 
 
 def evaluate_leases(view: StateView, now: float) -> dict[str, Writes]:

@@ -10,6 +10,7 @@ from services.builds import retention
 from services.builds.dispatcher import (
     BUILDER_LOST,
     BuildDispatcherConfig,
+    DispatchPlan,
     StreamProgress,
     Verdict,
     apply_event,
@@ -87,7 +88,9 @@ def test_builder_builds_its_native_platform_and_declared_emulated_ones(
 # ---------------------------------------------------------------------------------------- one pass
 
 
-def plan(builds: list[pb.Build], nodes: list[pb.Node], now: float = T0, seen: dict[str, float] | None = None):  # type: ignore[no-untyped-def]
+def plan(
+    builds: list[pb.Build], nodes: list[pb.Node], now: float = T0, seen: dict[str, float] | None = None
+) -> DispatchPlan:
     return evaluate(builds, nodes, now=now, last_event_seen=seen or {}, cap=2, lost_timeout=240.0)
 
 
@@ -140,12 +143,18 @@ def test_queued_build_without_any_builder_waits_with_the_reference_message() -> 
     [
         ([cpb.BuildEvent(log=pb.LogLine(line="x"))], None),
         ([cpb.BuildEvent(status=SUCCEEDED, image_digest="sha256:abc")], None),  # success is decided at the end
-        ([cpb.BuildEvent(error="fetch source: source fetch: HTTP 404")], Verdict(FAILED, "fetch source: source fetch: HTTP 404")),
+        (
+            [cpb.BuildEvent(error="fetch source: source fetch: HTTP 404")],
+            Verdict(FAILED, "fetch source: source fetch: HTTP 404"),
+        ),
         ([cpb.BuildEvent(status=FAILED)], Verdict(FAILED, "build failed")),
         ([cpb.BuildEvent(done=True)], Verdict(FAILED, "build ended without producing an image")),
         ([cpb.BuildEvent(image_digest="sha256:abc", error="boom")], Verdict(FAILED, "boom")),  # error beats digest
         (
-            [cpb.BuildEvent(status=SUCCEEDED, image_digest="sha256:abc", platforms=["linux/arm64"]), cpb.BuildEvent(done=True)],
+            [
+                cpb.BuildEvent(status=SUCCEEDED, image_digest="sha256:abc", platforms=["linux/arm64"]),
+                cpb.BuildEvent(done=True),
+            ],
             Verdict(SUCCEEDED, digest="sha256:abc", platforms=("linux/arm64",)),
         ),
         (
@@ -166,9 +175,24 @@ def test_events_decide_the_outcome_with_the_reference_texts(
 @pytest.mark.parametrize(
     ("config", "verdict", "image_ref", "platforms"),
     [
-        (BuildDispatcherConfig(registry_addr="ctrl:5000"), Verdict(SUCCEEDED, digest="sha256:abc"), "ctrl:5000/proj1/app1@sha256:abc", ["linux/amd64"]),
-        (BuildDispatcherConfig(), Verdict(SUCCEEDED, digest="sha256:abc", platforms=("linux/arm64",)), "proj1/app1@sha256:abc", ["linux/arm64"]),
-        (BuildDispatcherConfig(registry_addr="host.docker.internal:5001", local_load=True), Verdict(SUCCEEDED, digest="sha256:abc"), "host.docker.internal:5001/proj1/app1:b1", ["linux/amd64"]),
+        (
+            BuildDispatcherConfig(registry_addr="ctrl:5000"),
+            Verdict(SUCCEEDED, digest="sha256:abc"),
+            "ctrl:5000/proj1/app1@sha256:abc",
+            ["linux/amd64"],
+        ),
+        (
+            BuildDispatcherConfig(),
+            Verdict(SUCCEEDED, digest="sha256:abc", platforms=("linux/arm64",)),
+            "proj1/app1@sha256:abc",
+            ["linux/arm64"],
+        ),
+        (
+            BuildDispatcherConfig(registry_addr="host.docker.internal:5001", local_load=True),
+            Verdict(SUCCEEDED, digest="sha256:abc"),
+            "host.docker.internal:5001/proj1/app1:b1",
+            ["linux/amd64"],
+        ),
         (BuildDispatcherConfig(), Verdict(FAILED, BUILDER_LOST), "", ["linux/amd64"]),
     ],
 )
@@ -189,7 +213,9 @@ def test_outcome_records_digest_pinned_ref_local_load_tag_or_error(
 def test_request_carries_source_location_and_a_lower_case_push_ref() -> None:
     build = seed.build("01JABCDEFGHJKMNPQRSTVWXYZ0")
     build.project_id, build.app_id = "01JPROJECT", "01JAPP"
-    request = run_request(build, BuildDispatcherConfig(source_url_base="https://ctrl:8443/internal/blobs/", registry_addr="Ctrl:5000"))
+    request = run_request(
+        build, BuildDispatcherConfig(source_url_base="https://ctrl:8443/internal/blobs/", registry_addr="Ctrl:5000")
+    )
     assert request.source_url == "https://ctrl:8443/internal/blobs/sha256:deadbeef"
     assert request.push_image_ref == "ctrl:5000/01jproject/01japp:01jabcdefghjkmnpqrstvwxyz0"
     assert not request.HasField("git")

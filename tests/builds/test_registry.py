@@ -101,8 +101,12 @@ async def test_multi_arch_index_resolves_platforms_and_untag_frees_all_eight_obj
 async def test_untag_reclaims_what_the_image_solely_kept_alive_and_shared_layers_survive(
     conn: Connection, view: StateView, writer: Writer, clock: FakeClock, blobs: BlobStore, sweeper: RegistrySweeper
 ) -> None:
-    a = await push_image(conn, repo="proj/app", tag="a", images=[PlatformImage("linux/amd64", b"cfgA", [b"shared"])], clock=clock)
-    b = await push_image(conn, repo="proj/app", tag="b", images=[PlatformImage("linux/amd64", b"cfgB", [b"shared"])], clock=clock)
+    a = await push_image(
+        conn, repo="proj/app", tag="a", images=[PlatformImage("linux/amd64", b"cfgA", [b"shared"])], clock=clock
+    )
+    b = await push_image(
+        conn, repo="proj/app", tag="b", images=[PlatformImage("linux/amd64", b"cfgB", [b"shared"])], clock=clock
+    )
     await tagged(view, a)
     await tagged(view, b)
     await clock.advance(GRACE)
@@ -118,7 +122,9 @@ async def test_untag_reclaims_what_the_image_solely_kept_alive_and_shared_layers
 async def test_untag_of_an_unknown_tag_is_a_no_op(
     conn: Connection, view: StateView, writer: Writer, clock: FakeClock, sweeper: RegistrySweeper
 ) -> None:
-    image = await push_image(conn, repo="proj/app", tag="v1", images=[PlatformImage("linux/amd64", b"c", [b"l"])], clock=clock)
+    image = await push_image(
+        conn, repo="proj/app", tag="v1", images=[PlatformImage("linux/amd64", b"c", [b"l"])], clock=clock
+    )
     await tagged(view, image)
     await clock.advance(GRACE)
     assert await sweeper.untag(writer, "proj/other", "v9") is False
@@ -172,15 +178,25 @@ async def test_concurrent_pushes_reusing_old_blobs_during_sweeps_never_lose_a_ta
 ) -> None:
     for round_ in range(6):
         layer = f"layer {round_}".encode()
-        old = await push_image(conn, repo="proj/app", tag=f"old{round_}", images=[PlatformImage("linux/amd64", b"c0", [layer])], clock=clock)
+        old = await push_image(
+            conn,
+            repo="proj/app",
+            tag=f"old{round_}",
+            images=[PlatformImage("linux/amd64", b"c0", [layer])],
+            clock=clock,
+        )
         await tagged(view, old)
         await clock.advance(GRACE)
         await sweeper.untag(writer, "proj/app", f"old{round_}")  # its blobs are now old and unreferenced
 
-        async def push() -> pb.Image:
+        async def push(round_: int = round_, layer: bytes = layer) -> pb.Image:
             await asyncio.sleep(0.001 * round_)  # vary the interleaving with the sweep
             return await push_image(
-                conn, repo="proj/app", tag=f"new{round_}", images=[PlatformImage("linux/amd64", b"c0", [layer])], clock=clock
+                conn,
+                repo="proj/app",
+                tag=f"new{round_}",
+                images=[PlatformImage("linux/amd64", b"c0", [layer])],
+                clock=clock,
             )
 
         new, _ = await asyncio.gather(push(), sweeper.collect())

@@ -79,7 +79,9 @@ async def test_stale_tarballs_are_deleted_unless_fresh_or_needed_by_a_queued_bui
     assert [await sources.has(d) for d in (old, needed, fresh)] == [False, True, True]
 
 
-async def test_reupload_of_an_old_tarball_refreshes_it(conn: Connection, view: StateView, writer: Writer, clock: FakeClock) -> None:
+async def test_reupload_of_an_old_tarball_refreshes_it(
+    conn: Connection, view: StateView, writer: Writer, clock: FakeClock
+) -> None:
     sources = BlobStore(conn, SOURCES_STORE, clock=clock)
     digest = await sources.put(b"same source")
     await clock.advance(25 * HOUR)

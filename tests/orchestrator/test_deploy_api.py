@@ -4,6 +4,7 @@ source deploys, rollback targets, cancel, validation naming the field, and concu
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import pytest
 from zattera.v1 import types_pb2 as pb
@@ -21,6 +22,7 @@ from shared.natsio import Connection, connect
 from shared.txn import Writer
 from shared.view import StateView
 from tests.orchestrator.rig import environment, spec
+from tests.waiting import eventually
 
 ENV = "env-a"
 DIGEST = "sha256:" + "ab" * 32
@@ -64,7 +66,7 @@ async def test_a1_deploy_image_creates_a_pending_deployment_and_release_v1(deplo
 
 async def test_a2_second_deploy_while_the_first_is_pending_is_refused(deployer: Deployer) -> None:
     await deployer.deploy_image(ENV, "nginx:1")
-    with pytest.raises(FailedPrecondition, match="^a deployment is already in progress for this environment$"):
+    with pytest.raises(FailedPrecondition, match=r"^a deployment is already in progress for this environment$"):
         await deployer.deploy_image(ENV, "nginx:2")
 
 
@@ -91,7 +93,7 @@ async def test_a4_rollback_targets_the_previous_version_without_minting_a_releas
 
 
 async def test_a5_cancel_of_an_unknown_deployment_is_not_found(deployer: Deployer) -> None:
-    with pytest.raises(NotFound, match="^deployment not found$"):
+    with pytest.raises(NotFound, match=r"^deployment not found$"):
         await deployer.cancel("01NOPE")
 
 
@@ -100,7 +102,7 @@ async def test_a6_neither_image_nor_build_is_an_invalid_argument_naming_image_re
         await deployer.deploy(ENV)
     assert err.value.field == "image_ref"
     assert str(err.value) == "image_ref: either image_ref or build_id is required"
-    with pytest.raises(NotFound, match="^environment not found$"):
+    with pytest.raises(NotFound, match=r"^environment not found$"):
         await deployer.deploy_image("env-missing", "nginx:1")
 
 
@@ -135,12 +137,12 @@ async def test_a_new_deploy_may_start_while_the_previous_one_drains(deployer: De
 
 
 async def test_deploy_of_a_build_copies_its_image_and_platforms(deployer: Deployer, writer: Writer) -> None:
-    with pytest.raises(NotFound, match="^build not found$"):
+    with pytest.raises(NotFound, match=r"^build not found$"):
         await deployer.deploy_build(ENV, "b1")
     build = pb.Build(environment_id=ENV, status=pb.BUILD_STATUS_RUNNING)
     build.meta.id = "b1"
     await writer.commit(writer.txn().put(build))
-    with pytest.raises(FailedPrecondition, match="^build has not produced an image yet$"):
+    with pytest.raises(FailedPrecondition, match=r"^build has not produced an image yet$"):
         await deployer.deploy_build(ENV, "b1")
     build.status = pb.BUILD_STATUS_SUCCEEDED
     build.image_ref = "reg/app@sha256:1"
@@ -166,13 +168,13 @@ async def test_source_deploy_creates_a_queued_build_an_imageless_release_and_a_g
 
 
 async def test_rollback_preconditions_and_explicit_targets(deployer: Deployer, writer: Writer) -> None:
-    with pytest.raises(FailedPrecondition, match="^no previous release to roll back to$"):
+    with pytest.raises(FailedPrecondition, match=r"^no previous release to roll back to$"):
         await deployer.rollback(ENV)
     first = await deployer.deploy_image(ENV, "nginx:1")
     await finish(writer, first.deployment)
-    with pytest.raises(FailedPrecondition, match="^no previous release to roll back to$"):
+    with pytest.raises(FailedPrecondition, match=r"^no previous release to roll back to$"):
         await deployer.rollback(ENV)
-    with pytest.raises(NotFound, match="^target release not found in this environment$"):
+    with pytest.raises(NotFound, match=r"^target release not found in this environment$"):
         await deployer.rollback(ENV, to_release_id="rel-elsewhere")
     explicit = await deployer.rollback(ENV, to_release_id=first.release.meta.id)
     assert explicit.release_id == first.release.meta.id and explicit.previous_release_id == first.release.meta.id
@@ -203,6 +205,14 @@ async def test_cancel_records_the_request_and_refuses_finished_deployments(
         await deployer.cancel(created.deployment.meta.id)
 
 
+def has_deployment(view: StateView, deployment_id: str) -> bool:
+    return view.deployment(deployment_id) is not None
+
+
+def caught_up(racer_views: list[StateView], view: StateView, deployments: int) -> bool:
+    return all(v.env(ENV) == view.env(ENV) and len(v.deployments(ENV)) == deployments for v in racer_views)
+
+
 async def test_concurrent_deploys_never_duplicate_a_version_or_pass_the_blocking_rule(
     nats_url: str, deployer: Deployer, writer: Writer, view: StateView
 ) -> None:
@@ -215,9 +225,8 @@ async def test_concurrent_deploys_never_duplicate_a_version_or_pass_the_blocking
         racers.append((c, v, Deployer(Writer(c, v))))
     try:
         for round_no in range(1, 5):
-            for _, v, _ in racers:  # every racer has seen the previous round's outcome
-                while v.env(ENV) != view.env(ENV) or len(v.deployments(ENV)) != round_no - 1:
-                    await asyncio.sleep(0.005)
+            racer_views = [v for _, v, _ in racers]
+            await eventually(partial(caught_up, racer_views, view, round_no - 1), what="racers saw the last round")
             outcomes = await asyncio.gather(
                 *(d.deploy_image(ENV, f"nginx:{round_no}-{i}") for i, (_, _, d) in enumerate(racers)),
                 return_exceptions=True,
@@ -226,8 +235,7 @@ async def test_concurrent_deploys_never_duplicate_a_version_or_pass_the_blocking
             losers = [o for o in outcomes if isinstance(o, BaseException)]
             assert len(winners) == 1, outcomes
             assert all(isinstance(o, FailedPrecondition) for o in losers), losers
-            while view.deployment(winners[0].deployment.meta.id) is None:
-                await asyncio.sleep(0.005)
+            await eventually(partial(has_deployment, view, winners[0].deployment.meta.id))
             await finish(writer, winners[0].deployment)
         versions = sorted(r.version for r in view.releases(ENV))
         assert versions == [1, 2, 3, 4]

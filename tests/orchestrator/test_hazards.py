@@ -40,7 +40,7 @@ async def assert_one_batch(conn: Connection, keys: list[str]) -> None:
     one atomic batch, fenced."""
     seqs = sorted([await last_seq(conn, k) for k in keys])
     lease_seq = await last_seq(conn, K.lease("orchestrator"))
-    assert seqs + [lease_seq] == list(range(seqs[0], seqs[0] + len(keys) + 1))
+    assert [*seqs, lease_seq] == list(range(seqs[0], seqs[0] + len(keys) + 1))
 
 
 async def test_abort_is_one_fenced_batch_deleting_green_and_failing(conn: Connection, rig: Rig) -> None:

@@ -125,9 +125,11 @@ async def test_lease_renewal_does_not_wake_the_loop_again_fix_hot_loop(conn: Con
         await asyncio.sleep(0.2)
         assert loop.passes == settled
 
+        acquired = lease_expiry()
         await clock.advance(15)  # the tick: 45 s of lease left, nothing to renew
         await eventually(lambda: loop.passes == settled + 1 and clock.sleepers > 0, what="tick pass")
-        await clock.advance(16)  # 29 s left: renewed, and the renewal does not trigger another pass
+        assert lease_expiry() == acquired
+        await clock.advance(15)  # 30 s left: renewed, and the renewal does not trigger another pass
         await eventually(lambda: lease_expiry() == clock.now() + LEASE_TTL, what="renewed")
         await asyncio.sleep(0.2)
         assert loop.passes == settled + 2
@@ -146,8 +148,12 @@ async def test_service_build_runs_placement_and_liveness_under_their_leases(conn
     try:
         await eventually(lambda: view.env_run_count("env1") == 1, what="placed by the service")
         await eventually(lambda: {view.lease("scheduler") is not None, view.lease("liveness") is not None} == {True})
-        await clock.advance(46)  # past the liveness grace: n1 never heartbeated
-        await eventually(lambda: view.node("n1").status == pb.NODE_STATUS_DOWN, what="liveness ran")
+
+        async def n1_down() -> bool:  # n1 never heartbeats: DOWN once the liveness grace is over
+            await clock.advance(5)
+            return view.node("n1").status == pb.NODE_STATUS_DOWN
+
+        await eventually(n1_down, what="liveness ran")
     finally:
         for task in tasks:
             task.cancel()

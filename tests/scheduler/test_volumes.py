@@ -52,7 +52,7 @@ async def test_lease_is_acquired_for_the_replica_on_the_volume_node(rig: Rig):
     assert expiry(vol) == rig.clock.now() + LEASE_TTL
 
 
-async def test_lease_is_renewed_only_below_half_its_ttl_fix_renewed_every_pass(rig: Rig):
+async def test_lease_is_renewed_only_once_half_its_ttl_is_gone_fix_renewed_every_pass(rig: Rig):
     """Reference: renewed on every pass (15 s later: expiry = new now + 60 s), each write re-triggering it."""
     await stateful_env(rig)
     await rig.pass_()

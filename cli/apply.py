@@ -1,0 +1,158 @@
+"""Apply a validated zattera.toml: create or update the project, app, environments and domains.
+
+Objects are found by name (project), by (project, name) (app) and by (app, name) (environment), so
+applying the same file twice changes nothing. Everything is ONE fenced write: each key expects the
+revision it was read at, so a concurrent edit makes the apply fail cleanly instead of clobbering it.
+Environment fields owned by the control plane (active release, effective replicas, route generation)
+are kept.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from google.protobuf.message import Message
+from zattera.v1 import types_pb2 as pb
+
+from cli.spec import AppSpec, service_spec, to_duration
+from shared import keys as K
+from shared.ids import new_id
+from shared.txn import Txn, Writer
+from shared.view import StateView
+
+
+@dataclass
+class ApplyResult:
+    project_id: str = ""
+    app_id: str = ""
+    env_ids: dict[str, str] = field(default_factory=dict)
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+
+
+def _stamp(meta: pb.Meta, now: float, *, new: bool) -> None:
+    if new:
+        meta.id = new_id()
+        meta.created_at.FromNanoseconds(int(now * 1e9))
+    meta.updated_at.FromNanoseconds(int(now * 1e9))
+
+
+def _copy(msg: Message) -> Message:
+    fresh = type(msg)()
+    fresh.CopyFrom(msg)
+    return fresh
+
+
+def find_project(view: StateView, name: str) -> pb.Project | None:
+    return next((p for p in view.all(K.PROJECT) if p.name == name), None)
+
+
+def find_app(view: StateView, project_id: str, name: str) -> pb.App | None:
+    return next((a for a in view.all(K.APP) if a.project_id == project_id and a.name == name), None)
+
+
+def find_env(view: StateView, app_id: str, name: str) -> pb.Environment | None:
+    return next((e for e in view.envs() if e.app_id == app_id and e.name == name), None)
+
+
+def resolve_env(view: StateView, ref: str) -> pb.Environment | None:
+    """An environment by id or by ``project/app/env`` names."""
+    env = view.env(ref)
+    if env is not None:
+        return env
+    parts = ref.split("/")
+    if len(parts) != 3:
+        return None
+    project = find_project(view, parts[0])
+    app = find_app(view, project.meta.id, parts[1]) if project else None
+    return find_env(view, app.meta.id, parts[2]) if app else None
+
+
+def env_path(view: StateView, env: pb.Environment) -> str:
+    project = view.project(env.project_id)
+    app = view.app(env.app_id)
+    return f"{project.name if project else '?'}/{app.name if app else '?'}/{env.name}"
+
+
+def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = None) -> tuple[Txn, ApplyResult]:
+    now = time.time() if now is None else now
+    txn = writer.txn("apply")
+    result = ApplyResult()
+
+    def record(kind: str, name: str, old: Message | None, new: Message) -> None:
+        label = f"{kind} {name}"
+        if old is None:
+            result.created.append(label)
+            txn.create(new)
+        elif _without_times(old) != _without_times(new):
+            result.updated.append(label)
+            txn.put(new)
+        else:
+            result.unchanged.append(label)
+
+    project = find_project(view, spec.project)
+    new_project = pb.Project(name=spec.project) if project is None else _copy(project)
+    assert isinstance(new_project, pb.Project)
+    _stamp(new_project.meta, now, new=project is None)
+    record("project", spec.project, project, new_project)
+    result.project_id = new_project.meta.id
+
+    app = find_app(view, new_project.meta.id, spec.app) if project else None
+    new_app = pb.App(project_id=new_project.meta.id, name=spec.app) if app is None else _copy(app)
+    assert isinstance(new_app, pb.App)
+    new_app.build.platforms[:] = spec.build.platforms
+    _stamp(new_app.meta, now, new=app is None)
+    record("app", spec.app, app, new_app)
+    result.app_id = new_app.meta.id
+
+    for env_name, env_spec in sorted(spec.env.items()):
+        env = find_env(view, new_app.meta.id, env_name) if app else None
+        new_env = (
+            pb.Environment(
+                app_id=new_app.meta.id, project_id=new_project.meta.id, name=env_name, type=pb.ENVIRONMENT_TYPE_STANDARD
+            )
+            if env is None
+            else _copy(env)
+        )
+        assert isinstance(new_env, pb.Environment)
+        new_env.service.CopyFrom(service_spec(spec, env_spec))
+        if env_spec.idle_timeout:
+            new_env.idle_timeout.CopyFrom(to_duration(env_spec.idle_timeout))
+        else:
+            new_env.ClearField("idle_timeout")
+        if env is None and env_spec.scale_to_zero:
+            new_env.effective_replicas = max(env_spec.replicas.min, 1)
+        _stamp(new_env.meta, now, new=env is None)
+        record("env", env_name, env, new_env)
+        result.env_ids[env_name] = new_env.meta.id
+        _plan_domains(view, txn, result, new_env, env_spec.domains, now)
+    return txn, result
+
+
+def _plan_domains(
+    view: StateView, txn: Txn, result: ApplyResult, env: pb.Environment, hosts: list[str], now: float
+) -> None:
+    existing = {d.hostname: d for d in view.domains(env.meta.id)}
+    for host in hosts:
+        if host in existing:
+            result.unchanged.append(f"domain {host}")
+            continue
+        for other in view.domains():
+            if other.hostname == host and other.environment_id != env.meta.id:
+                raise ValueError(f"domains: {host} is already routed to another environment")
+        domain = pb.Domain(project_id=env.project_id, app_id=env.app_id, environment_id=env.meta.id, hostname=host)
+        _stamp(domain.meta, now, new=True)
+        txn.create(domain)
+        result.created.append(f"domain {host}")
+    for host, domain in existing.items():
+        if host not in hosts:
+            txn.delete(K.domain(domain.meta.id))
+            result.updated.append(f"domain {host} removed")
+
+
+def _without_times(msg: Message) -> bytes:
+    copy = _copy(msg)
+    copy.meta.ClearField("updated_at")  # type: ignore[attr-defined]
+    return copy.SerializeToString(deterministic=True)

@@ -1,0 +1,77 @@
+"""The CLI's connection to the control plane: NATS, a state view and an unfenced writer.
+
+The CLI writes through the same fenced-write layer as the services (every write expects the revision
+it was decided on); it never holds a lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+import typer
+from rich.console import Console
+
+from shared.natsio import Connection, connect, provision
+from shared.settings import settings
+from shared.txn import Writer
+from shared.view import StateView
+
+T = TypeVar("T")
+
+err = Console(stderr=True)
+
+
+@dataclass
+class Control:
+    conn: Connection
+    view: StateView
+    writer: Writer
+
+
+@dataclass
+class Options:
+    nats_url: str = ""
+    json: bool = False
+
+
+OPTIONS = Options()
+
+
+def nats_url() -> str:
+    return OPTIONS.nats_url or settings().nats_url
+
+
+@asynccontextmanager
+async def control(*, view: bool = True) -> AsyncIterator[Control]:
+    url = nats_url()
+    try:
+        conn = await connect(url, name="zattera-cli", connect_timeout=3)
+    except (ConnectionError, OSError) as exc:
+        err.print(
+            f"[red]error:[/] cannot reach NATS at {url}: {exc}. Is the cluster up (`make up`)?",
+            markup=True,
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(2) from exc
+    state = StateView(conn, name="cli")
+    try:
+        cfg = settings()
+        await provision(conn.js, replicas=cfg.replicas, live_ttl=cfg.live_ttl, tombstone_ttl=cfg.tombstone_ttl)
+        if view:
+            await state.start(timeout=30)
+        yield Control(conn, state, Writer(conn, state))
+    finally:
+        await state.stop()
+        await conn.close()
+
+
+def run(fn: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return asyncio.run(fn())  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None

@@ -1,0 +1,263 @@
+"""``zattera.toml``: the app spec an operator applies, validated with pydantic.
+
+Example::
+
+    project = "demo"
+    app = "hello"
+
+    [build]                       # how a builder turns the source into an image (optional)
+    command = "pip install -r requirements.txt"
+    platforms = ["linux/amd64"]
+
+    [run]
+    command = "python app.py"     # start command; the process gets PORT
+
+    [env.production]
+    replicas = { min = 2, max = 4 }
+    resources = { cpu_millis = 250, memory_mb = 128 }
+    ports = [{ name = "http", container_port = 8080 }]
+    healthcheck = { type = "http", path = "/healthz", interval = "2s", grace_period = "5s" }
+    autoscale = { target_cpu_percent = 70 }
+    domains = ["hello.example.com"]
+
+Every error names the field it is about (``env.production.replicas.max: ...``).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from google.protobuf.duration_pb2 import Duration
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from zattera.v1 import types_pb2 as pb
+
+NAME = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)([a-z0-9*]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$")
+
+Name = Annotated[str, Field(pattern=NAME, description="lowercase letters, digits and dashes")]
+
+
+class SpecError(ValueError):
+    """Invalid app spec; the message names every bad field."""
+
+
+def parse_duration(value: str | int | float) -> float:
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError("must not be negative")
+        return float(value)
+    match = _DURATION.match(value)
+    if not match:
+        raise ValueError(f"{value!r} is not a duration like '500ms', '10s', '5m' or '1h'")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def to_duration(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(round(seconds * 1e9))
+    return d
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Replicas(_Model):
+    min: int = Field(default=1, ge=0, le=1000)
+    max: int = Field(default=0, ge=0, le=1000, description="0 = no autoscaling ceiling beyond min")
+
+    @model_validator(mode="after")
+    def _max_not_below_min(self) -> Replicas:
+        if self.max and self.max < self.min:
+            raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
+        return self
+
+
+class Resources(_Model):
+    cpu_millis: int = Field(default=0, ge=0, le=1_000_000)
+    memory_mb: int = Field(default=0, ge=0, le=10_000_000)
+
+
+class Port(_Model):
+    name: Name = "http"
+    container_port: int = Field(default=0, ge=0, le=65535)
+    protocol: Literal["http", "tcp", "udp"] = "http"
+    public_l4_port: int = Field(default=0, ge=0, le=65535)
+
+
+class HealthCheck(_Model):
+    type: Literal["http", "tcp", "exec", "auto"] = "auto"
+    path: str = "/"
+    port: int = Field(default=0, ge=0, le=65535)
+    command: str = ""
+    interval: float = 10.0
+    timeout: float = 5.0
+    grace_period: float = 60.0
+    unhealthy_threshold: int = Field(default=3, ge=1, le=100)
+
+    _durations = field_validator("interval", "timeout", "grace_period", mode="before")(parse_duration)
+
+    @model_validator(mode="after")
+    def _exec_needs_command(self) -> HealthCheck:
+        if self.type == "exec" and not self.command:
+            raise ValueError("command is required for an exec health check")
+        if not self.path.startswith("/"):
+            raise ValueError("path must start with '/'")
+        return self
+
+
+class Autoscale(_Model):
+    target_cpu_percent: int = Field(default=0, ge=0, le=100)
+    target_memory_percent: int = Field(default=0, ge=0, le=100)
+    target_rps_per_replica: int = Field(default=0, ge=0)
+
+
+class Volume(_Model):
+    volume_name: Name
+    mount_path: str = Field(pattern=r"^/")
+    snapshot_schedule: str = ""
+    snapshot_keep_last: int = Field(default=0, ge=0, le=1000)
+
+
+class RateLimit(_Model):
+    requests_per_second: int = Field(ge=1)
+    burst: int = Field(default=0, ge=0)
+
+
+class Env(_Model):
+    replicas: Replicas = Replicas()
+    resources: Resources = Resources()
+    ports: list[Port] = Field(default_factory=lambda: [Port()])
+    healthcheck: HealthCheck | None = None
+    autoscale: Autoscale | None = None
+    scale_to_zero: bool = False
+    idle_timeout: float = 0.0
+    max_concurrency: int = Field(default=0, ge=0, le=100_000)
+    stateful: bool = False
+    volumes: list[Volume] = Field(default_factory=list)
+    placement_constraints: dict[str, str] = Field(default_factory=dict)
+    rate_limit: RateLimit | None = None
+    stop_grace: float = 10.0
+    command: str = ""
+    domains: list[str] = Field(default_factory=list)
+
+    _durations = field_validator("idle_timeout", "stop_grace", mode="before")(parse_duration)
+
+    @field_validator("domains")
+    @classmethod
+    def _hostnames(cls, value: list[str]) -> list[str]:
+        for host in value:
+            if not _HOSTNAME.match(host.lower()):
+                raise ValueError(f"{host!r} is not a valid hostname")
+        return [h.lower() for h in value]
+
+    @model_validator(mode="after")
+    def _coherent(self) -> Env:
+        if self.scale_to_zero and self.stateful:
+            raise ValueError("scale_to_zero and stateful are mutually exclusive")
+        if self.stateful and not self.volumes:
+            raise ValueError("a stateful service needs at least one volume")
+        if self.volumes and not self.stateful:
+            raise ValueError("volumes require stateful = true")
+        names = [p.name for p in self.ports]
+        if len(names) != len(set(names)):
+            raise ValueError("port names must be unique")
+        return self
+
+
+class Build(_Model):
+    command: str = ""
+    platforms: list[str] = Field(default_factory=list)
+
+
+class Run(_Model):
+    command: str = ""
+
+
+class AppSpec(_Model):
+    project: Name
+    app: Name
+    build: Build = Build()
+    run: Run = Run()
+    env: dict[Name, Env] = Field(min_length=1)
+
+
+def load(path: Path) -> AppSpec:
+    """Read and validate a zattera.toml; raises SpecError naming each bad field."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise SpecError(f"{path}: no such file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{path}: not valid TOML: {exc}") from exc
+    return validate(raw, source=str(path))
+
+
+def validate(raw: dict[str, object], source: str = "zattera.toml") -> AppSpec:
+    try:
+        return AppSpec.model_validate(raw)
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error["loc"]) or "(top level)"
+            message = error["msg"]
+            if error["type"] == "string_pattern_mismatch" and error["ctx"].get("pattern") == NAME:
+                message = f"{error['input']!r} must be lowercase letters, digits and dashes (at most 63)"
+            lines.append(f"{source}: {where}: {message}")
+        raise SpecError("\n".join(lines)) from None
+
+
+_PROTOCOLS = {"http": pb.PROTOCOL_HTTP, "tcp": pb.PROTOCOL_TCP, "udp": pb.PROTOCOL_UDP}
+_CHECKS = {
+    "auto": pb.HEALTH_CHECK_TYPE_UNSPECIFIED,
+    "http": pb.HEALTH_CHECK_TYPE_HTTP,
+    "tcp": pb.HEALTH_CHECK_TYPE_TCP,
+    "exec": pb.HEALTH_CHECK_TYPE_EXEC,
+}
+
+
+def service_spec(spec: AppSpec, env: Env) -> pb.ServiceSpec:
+    s = pb.ServiceSpec(
+        scale_to_zero=env.scale_to_zero,
+        max_concurrency=env.max_concurrency,
+        stateful=env.stateful,
+        command=env.command or spec.run.command,
+    )
+    s.replicas.min = env.replicas.min
+    s.replicas.max = env.replicas.max
+    s.resources.cpu_millis = env.resources.cpu_millis
+    s.resources.memory_mb = env.resources.memory_mb
+    for port in env.ports:
+        s.ports.add(
+            name=port.name,
+            container_port=port.container_port,
+            protocol=_PROTOCOLS[port.protocol],
+            public_l4_port=port.public_l4_port,
+        )
+    if env.healthcheck is not None:
+        hc = env.healthcheck
+        s.healthcheck.type = _CHECKS[hc.type]
+        s.healthcheck.path = hc.path
+        s.healthcheck.port = hc.port
+        s.healthcheck.command = hc.command
+        s.healthcheck.interval.CopyFrom(to_duration(hc.interval))
+        s.healthcheck.timeout.CopyFrom(to_duration(hc.timeout))
+        s.healthcheck.grace_period.CopyFrom(to_duration(hc.grace_period))
+        s.healthcheck.unhealthy_threshold = hc.unhealthy_threshold
+    if env.autoscale is not None:
+        s.autoscale.target_cpu_percent = env.autoscale.target_cpu_percent
+        s.autoscale.target_memory_percent = env.autoscale.target_memory_percent
+        s.autoscale.target_rps_per_replica = env.autoscale.target_rps_per_replica
+    for vol in env.volumes:
+        s.volumes.add(volume_name=vol.volume_name, mount_path=vol.mount_path)
+    s.placement_constraints.update(env.placement_constraints)
+    if env.rate_limit is not None:
+        s.rate_limit.requests_per_second = env.rate_limit.requests_per_second
+        s.rate_limit.burst = env.rate_limit.burst
+    s.stop_grace.CopyFrom(to_duration(env.stop_grace))
+    return s

@@ -1,0 +1,1 @@
+"""The node agent (``python -m services.agent``): see ``agent.py``."""

@@ -1,0 +1,108 @@
+"""Entry point: ``python -m services.agent --nats URL --node-id ID --data-dir DIR [--labels k=v,...]
+[--builder] [--roles worker,control] [--mesh-ip IP] [--stop-on-exit]``.
+
+Every flag has a ``ZATTERA_AGENT_*`` setting (``services/agent/settings.py``); the NATS URL and the data
+dir default to ``ZATTERA_NATS_URL`` and ``ZATTERA_DATA_DIR`` (``<data>/agent-<node id>`` then).
+SIGTERM/SIGINT stop the agent; its instances keep running for the next run to adopt unless
+``--stop-on-exit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from services.agent.agent import Agent
+from services.agent.registration import default_node_id
+from services.agent.settings import AgentSettings, parse_labels
+from shared.natsio import provision
+from shared.service import configure_logging, connect_with_retry
+from shared.settings import settings as shared_settings
+from shared.telemetry import setup as setup_telemetry
+
+log = logging.getLogger(__name__)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.agent", description="Zattera node agent")
+    parser.add_argument("--nats", default=None, help="NATS URL(s), comma-separated (default: $ZATTERA_NATS_URL)")
+    parser.add_argument("--node-id", default=None, help="node id (default: $ZATTERA_AGENT_NODE_ID or the host name)")
+    parser.add_argument("--data-dir", type=Path, default=None, help="instances, volumes and builds live here")
+    parser.add_argument("--labels", default=None, help="operator labels, k=v,k2=v2")
+    parser.add_argument("--builder", action="store_true", default=None, help="serve source builds")
+    parser.add_argument("--roles", default=None, help="worker and/or control, comma-separated (default: worker)")
+    parser.add_argument("--mesh-ip", default=None, help="address other nodes reach this node's instances at")
+    parser.add_argument("--stop-on-exit", action="store_true", default=None, help="stop instances on exit")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser.parse_args(argv)
+
+
+def agent_settings(args: argparse.Namespace) -> AgentSettings:
+    """Environment settings overridden by the flags that were given."""
+    overrides: dict[str, object] = {}
+    if args.node_id is not None:
+        overrides["node_id"] = args.node_id
+    if args.labels is not None:
+        overrides["labels"] = parse_labels(args.labels)
+    if args.builder is not None:
+        overrides["builder"] = args.builder
+    if args.roles is not None:
+        overrides["roles"] = [r.strip() for r in args.roles.split(",") if r.strip()]
+    if args.mesh_ip is not None:
+        overrides["mesh_ip"] = args.mesh_ip
+    if args.stop_on_exit is not None:
+        overrides["stop_on_exit"] = args.stop_on_exit
+    cfg = AgentSettings(**overrides)  # type: ignore[arg-type]
+    return cfg if cfg.node_id else cfg.model_copy(update={"node_id": default_node_id()})
+
+
+async def serve(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    setup_telemetry("zattera-agent")
+    try:
+        cfg = agent_settings(args)
+    except (ValidationError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    shared = shared_settings()
+    data_dir: Path = args.data_dir or shared.data_dir / f"agent-{cfg.node_id}"
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    conn = await connect_with_retry(args.nats or shared.nats_url, f"zattera-agent-{cfg.node_id}", stop)
+    if conn is None:
+        return 0
+    try:
+        await provision(conn.js, replicas=shared.replicas, live_ttl=shared.live_ttl, tombstone_ttl=shared.tombstone_ttl)
+        agent_task = asyncio.create_task(Agent(conn, cfg, data_dir.resolve()).run())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({agent_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if agent_task.done() and agent_task.exception() is not None:
+            log.error("agent failed: %r", agent_task.exception())
+            return 1
+        agent_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await agent_task
+    finally:
+        await conn.close()
+    log.info("agent %s: stopped", cfg.node_id)
+    return 0
+
+
+def main() -> None:
+    sys.exit(asyncio.run(serve()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The node agent: registration, the process runtime, heartbeats, and (when asked) builds and volume snapshots.
+
+``Agent.run`` loads a state view, registers ``node.<id>``, then runs until cancelled:
+
+* the observed-state reporter and the process runtime (``runtime.py``), which converge this node's
+  assignments and write only ``observed.<node>.*``;
+* heartbeats into ``zattera-live`` (``heartbeat.py``);
+* the volume snapshot/restore/prune handlers (``shared.snapshots``) over ``<data>/volumes``;
+* with ``builder`` set, the build handler (``builder.py``).
+
+Cancelling it leaves the instances running for the next agent run to adopt, unless ``stop_on_exit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+from zattera.v1 import types_pb2 as pb
+
+from services.agent.builder import Builder
+from services.agent.heartbeat import HeartbeatPublisher
+from services.agent.processes import PortAllocator
+from services.agent.registration import NodeIdentity, register_node
+from services.agent.reporter import ObservedReporter
+from services.agent.runtime import ProcessRuntime, RuntimeContext
+from services.agent.settings import AgentSettings
+from shared.clock import Clock, RealClock
+from shared.natsio import Connection
+from shared.snapshots import serve_snapshot_requests
+from shared.txn import Writer
+from shared.view import StateView
+
+log = logging.getLogger(__name__)
+
+FINAL_FLUSH_TIMEOUT = 5.0
+
+
+class Agent:
+    def __init__(
+        self, conn: Connection, settings: AgentSettings, data_dir: Path, *, clock: Clock | None = None
+    ) -> None:
+        if not settings.node_id:
+            raise ValueError("the agent needs a node id")
+        self.conn = conn
+        self.settings = settings
+        self.node_id = settings.node_id
+        self.data_dir = data_dir
+        self.clock: Clock = clock or RealClock()
+        self.view = StateView(conn, name=f"agent-{self.node_id}")
+        self.writer = Writer(conn, self.view)
+        self.reporter = ObservedReporter(self.writer, self.node_id, retry_delay=settings.report_retry)
+        self.node: pb.Node | None = None
+        self.runtime: ProcessRuntime | None = None
+        self.registered = asyncio.Event()
+
+    @property
+    def volumes_dir(self) -> Path:
+        return self.data_dir / "volumes"
+
+    async def run(self) -> None:
+        settings = self.settings
+        identity = NodeIdentity.from_host(
+            self.node_id,
+            self.data_dir,
+            labels=settings.labels,
+            roles=settings.roles,
+            builder=settings.builder,
+            mesh_ip=settings.mesh_ip,
+        )
+        await self.view.start()
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            self.node = await register_node(self.conn, self.writer, identity, self.clock)
+            self.registered.set()
+            self.runtime = ProcessRuntime(
+                RuntimeContext(
+                    conn=self.conn,
+                    view=self.view,
+                    reporter=self.reporter,
+                    settings=settings,
+                    node_id=self.node_id,
+                    os_arch=identity.os_arch,
+                    instances_dir=self.data_dir / "instances",
+                    volumes_dir=self.volumes_dir,
+                    ports=PortAllocator(),
+                )
+            )
+            heartbeat = HeartbeatPublisher(
+                self.conn,
+                self.node_id,
+                self.data_dir,
+                self.runtime.running,
+                self.clock,
+                interval=settings.heartbeat_interval,
+            )
+            self.volumes_dir.mkdir(parents=True, exist_ok=True)
+            runtime_task = asyncio.create_task(self.runtime.run(), name="runtime")
+            tasks = [
+                asyncio.create_task(self.reporter.run(), name="reporter"),
+                asyncio.create_task(heartbeat.run(), name="heartbeat"),
+                asyncio.create_task(
+                    serve_snapshot_requests(self.conn, self.node_id, self.volumes_dir), name="snapshots"
+                ),
+            ]
+            if settings.builder:
+                builder = Builder(
+                    self.conn,
+                    self.node_id,
+                    self.data_dir / "builds",
+                    os_arch=identity.os_arch,
+                    keepalive=settings.build_keepalive,
+                )
+                tasks.append(asyncio.create_task(builder.serve(), name="builder"))
+            log.info("agent %s: running (data dir %s)", self.node_id, self.data_dir)
+            try:
+                await asyncio.gather(runtime_task, *tasks)
+            finally:
+                runtime_task.cancel()
+                await asyncio.gather(runtime_task, return_exceptions=True)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.reporter.flush(), FINAL_FLUSH_TIMEOUT)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.view.stop()

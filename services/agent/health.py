@@ -1,0 +1,182 @@
+"""Health checks of running instances (``ServiceSpec.healthcheck``) → HEALTHY / UNHEALTHY.
+
+* No healthcheck in the spec: the instance is HEALTHY as soon as its process runs (there is nothing to
+  probe; the supervisor reports it so).
+* HTTP: ``GET <path>`` on the instance's port, healthy on a 2xx/3xx status. TCP: a connection opens.
+  EXEC: the shell command exits 0 (run in the instance's directory with its environment).
+  Type UNSPECIFIED means HTTP when the probed port is an HTTP port, else TCP (reference).
+* The probed port is the declared port whose ``container_port`` equals ``healthcheck.port``, else the
+  first declared port; the process runtime has no port mapping, so the probe targets the host port the
+  instance was given.
+* Defaults: interval 10 s, timeout 5 s, grace 60 s, threshold 3. Within the grace period and until the
+  first success the probe runs every ``startup_interval`` (short), so a fresh instance turns HEALTHY as
+  soon as it answers; afterwards every ``interval``.
+* The first success → HEALTHY. Failures count only once the grace period has passed or after a first
+  success; ``threshold`` consecutive counted failures → UNHEALTHY; a later success → HEALTHY again. An
+  UNHEALTHY process is not restarted (the orchestrator decides what to do with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf.duration_pb2 import Duration
+from zattera.v1 import types_pb2 as pb
+
+DEFAULT_INTERVAL = 10.0
+DEFAULT_TIMEOUT = 5.0
+DEFAULT_GRACE = 60.0
+DEFAULT_THRESHOLD = 3
+HTTP = "http"
+TCP = "tcp"
+EXEC = "exec"
+
+
+def seconds(duration: Duration, default: float) -> float:
+    value = duration.seconds + duration.nanos / 1e9
+    return value if value > 0 else default
+
+
+@dataclass(frozen=True)
+class Probe:
+    kind: str
+    port: int = 0
+    path: str = "/"
+    command: str = ""
+    interval: float = DEFAULT_INTERVAL
+    timeout: float = DEFAULT_TIMEOUT
+    grace: float = DEFAULT_GRACE
+    threshold: int = DEFAULT_THRESHOLD
+
+
+def _probed_port(spec: pb.ServiceSpec, wanted: int) -> pb.PortSpec | None:
+    for port in spec.ports:
+        if wanted and port.container_port == wanted:
+            return port
+    return spec.ports[0] if spec.ports else None
+
+
+def probe_for(spec: pb.ServiceSpec, host_ports: Mapping[str, int]) -> Probe | None:
+    """The probe of a release's spec with the instance's host ports; None when the spec has no healthcheck."""
+    if not spec.HasField("healthcheck"):
+        return None
+    check = spec.healthcheck
+    declared = _probed_port(spec, check.port)
+    port_name = (declared.name or "http") if declared is not None else "http"
+    port = host_ports.get(port_name) or next(iter(host_ports.values()), 0)
+    kind = {pb.HEALTH_CHECK_TYPE_HTTP: HTTP, pb.HEALTH_CHECK_TYPE_TCP: TCP, pb.HEALTH_CHECK_TYPE_EXEC: EXEC}.get(
+        check.type, ""
+    )
+    if not kind:
+        is_http = declared is None or declared.protocol in (pb.PROTOCOL_UNSPECIFIED, pb.PROTOCOL_HTTP)
+        kind = HTTP if is_http else TCP
+    return Probe(
+        kind=kind,
+        port=port,
+        path=check.path or "/",
+        command=check.command,
+        interval=seconds(check.interval, DEFAULT_INTERVAL),
+        timeout=seconds(check.timeout, DEFAULT_TIMEOUT),
+        grace=seconds(check.grace_period, DEFAULT_GRACE),
+        threshold=check.unhealthy_threshold or DEFAULT_THRESHOLD,
+    )
+
+
+async def check_http(port: int, path: str) -> bool:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nUser-Agent: zattera-agent\r\n\r\n".encode())
+        await writer.drain()
+        status_line = await reader.readline()
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    parts = status_line.split()
+    return len(parts) >= 2 and parts[1].isdigit() and 200 <= int(parts[1]) < 400
+
+
+async def check_tcp(port: int) -> bool:
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+async def check_exec(command: str, cwd: Path, env: Mapping[str, str]) -> bool:
+    proc = await asyncio.create_subprocess_exec(
+        "/bin/sh",
+        "-c",
+        command,
+        cwd=cwd,
+        env=dict(env),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        return await proc.wait() == 0
+    except asyncio.CancelledError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise
+
+
+class HealthMonitor:
+    """Probes one instance until cancelled; calls ``on_state`` when its health state changes."""
+
+    def __init__(
+        self,
+        probe: Probe,
+        on_state: Callable[[int], None],
+        *,
+        cwd: Path,
+        env: Mapping[str, str],
+        startup_interval: float,
+    ) -> None:
+        self.probe = probe
+        self._on_state = on_state
+        self._cwd = cwd
+        self._env = env
+        self._startup_interval = min(startup_interval, probe.interval)
+        self.state = pb.INSTANCE_STATE_UNSPECIFIED
+
+    async def check_once(self) -> bool:
+        probe = self.probe
+        try:
+            async with asyncio.timeout(probe.timeout):
+                if probe.kind == EXEC:
+                    return await check_exec(probe.command, self._cwd, self._env)
+                if probe.kind == TCP:
+                    return await check_tcp(probe.port)
+                return await check_http(probe.port, probe.path)
+        except (OSError, TimeoutError, ValueError):
+            return False
+
+    async def run(self) -> None:
+        started = time.monotonic()
+        ever_healthy = False
+        failures = 0
+        while True:
+            in_grace = not ever_healthy and time.monotonic() - started < self.probe.grace
+            if await self.check_once():
+                ever_healthy = True
+                failures = 0
+                self._set(pb.INSTANCE_STATE_HEALTHY)
+            elif not in_grace:
+                failures += 1
+                if failures >= self.probe.threshold:
+                    self._set(pb.INSTANCE_STATE_UNHEALTHY)
+            await asyncio.sleep(self._startup_interval if in_grace else self.probe.interval)
+
+    def _set(self, state: int) -> None:
+        if state != self.state:
+            self.state = state  # type: ignore[assignment]
+            self._on_state(state)

@@ -1,0 +1,92 @@
+"""Node heartbeats into ``zattera-live`` (key ``node.<id>``): one at start, then every ``interval``.
+
+Host figures: CPU % since the previous heartbeat (0–100, host-wide), memory used/total, and the disk of
+the data dir. Per instance (keyed by assignment id): CPU % over the last interval (100 = one core, like
+Docker) and RSS, each summed over the instance's process and its descendants. An instance's first
+sample reads 0 % (psutil needs two readings); a process that cannot be read is left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import psutil
+from zattera.cluster.v1 import cluster_pb2 as cpb
+
+from services.agent.processes import ProcessHandle
+from shared.clock import Clock
+from shared.live import publish_node_heartbeat
+from shared.natsio import Connection
+
+log = logging.getLogger(__name__)
+
+
+class HeartbeatPublisher:
+    def __init__(
+        self,
+        conn: Connection,
+        node_id: str,
+        data_dir: Path,
+        instances: Callable[[], Mapping[str, ProcessHandle]],
+        clock: Clock,
+        *,
+        interval: float = 5.0,
+    ) -> None:
+        self._conn = conn
+        self.node_id = node_id
+        self._data_dir = data_dir
+        self._instances = instances
+        self._clock = clock
+        self.interval = interval
+        # psutil keeps the previous CPU reading in the Process object: reuse one per (pid, create time).
+        self._procs: dict[tuple[int, float], psutil.Process] = {}
+        psutil.cpu_percent(interval=None)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await publish_node_heartbeat(self._conn, self.sample())
+            except Exception as exc:
+                log.warning("heartbeat not published: %s", exc)
+            await asyncio.sleep(self.interval)
+
+    def sample(self) -> cpb.Heartbeat:
+        hb = cpb.Heartbeat(node_id=self.node_id, cpu_percent=psutil.cpu_percent(interval=None))
+        hb.time.FromNanoseconds(int(self._clock.now() * 1e9))
+        memory = psutil.virtual_memory()
+        hb.memory_used_bytes = memory.total - memory.available
+        hb.memory_total_bytes = memory.total
+        with contextlib.suppress(OSError):
+            disk = psutil.disk_usage(str(self._data_dir))
+            hb.disk_used_bytes = disk.used
+            hb.disk_total_bytes = disk.total
+        seen: set[tuple[int, float]] = set()
+        for assignment_id, handle in self._instances().items():
+            sample = self._instance_sample(handle, seen)
+            if sample is not None:
+                hb.instances[assignment_id].CopyFrom(sample)
+        for key in [k for k in self._procs if k not in seen]:
+            del self._procs[key]
+        return hb
+
+    def _instance_sample(self, handle: ProcessHandle, seen: set[tuple[int, float]]) -> cpb.InstanceSample | None:
+        try:
+            root = psutil.Process(handle.pid)
+            members = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return None
+        sample = cpb.InstanceSample()
+        for member in members:
+            try:
+                key = (member.pid, member.create_time())
+                proc = self._procs.setdefault(key, member)
+                sample.cpu_percent += proc.cpu_percent(interval=None)
+                sample.memory_bytes += proc.memory_info().rss
+            except psutil.Error:
+                continue
+            seen.add(key)
+        return sample

@@ -1,0 +1,199 @@
+"""Instance processes: spawning, stopping, adopting after an agent restart, and host ports.
+
+Each instance runs in its own session (``start_new_session``), so signals aimed at the agent never reach
+it and the agent can stop the whole process group (the app and whatever it forked). Its output goes to
+``<instance>/output.log``, never to a pipe, so it survives the agent. A small state file
+``<instance>/state.json`` records the pid, the process's creation time and the config it runs: a
+restarted agent adopts the process only when that pid still is that very process (same creation time,
+per psutil), which rules out a recycled pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+STATE_FILE = "state.json"
+OUTPUT_FILE = "output.log"
+OUTPUT_MAX_BYTES = 10 * 1024 * 1024
+_CREATE_TIME_TOLERANCE = 0.05
+
+
+@dataclass
+class InstanceRecord:
+    """What survives an agent restart about one instance (``<instance>/state.json``); the working directory
+    and environment are kept for exec health checks of an adopted process."""
+
+    assignment_id: str
+    config: str
+    pid: int = 0
+    create_time: float = 0.0
+    container_id: str = ""
+    ports: dict[str, int] = field(default_factory=dict)
+    restarts: int = 0
+    workdir: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+    def save(self, instance_dir: Path) -> None:
+        tmp = instance_dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        tmp.replace(instance_dir / STATE_FILE)
+
+    @classmethod
+    def load(cls, instance_dir: Path) -> InstanceRecord | None:
+        try:
+            doc = json.loads((instance_dir / STATE_FILE).read_text())
+            return cls(
+                assignment_id=str(doc["assignment_id"]),
+                config=str(doc["config"]),
+                pid=int(doc.get("pid", 0)),
+                create_time=float(doc.get("create_time", 0.0)),
+                container_id=str(doc.get("container_id", "")),
+                ports={str(k): int(v) for k, v in (doc.get("ports") or {}).items()},
+                restarts=int(doc.get("restarts", 0)),
+                workdir=str(doc.get("workdir", "")),
+                env={str(k): str(v) for k, v in (doc.get("env") or {}).items()},
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+
+class ProcessHandle:
+    """A running instance process: one this agent spawned, or one adopted from a previous agent run."""
+
+    def __init__(
+        self,
+        pid: int,
+        create_time: float,
+        *,
+        child: asyncio.subprocess.Process | None = None,
+        poll_interval: float = 1.0,
+    ) -> None:
+        self.pid = pid
+        self.create_time = create_time
+        self._child = child
+        self._poll_interval = poll_interval
+        self._ps: psutil.Process | None = None
+        with contextlib.suppress(psutil.Error):
+            self._ps = psutil.Process(pid)
+
+    @property
+    def container_id(self) -> str:
+        """Identifies this process instance (a new one after every restart), as a container id would."""
+        return f"proc-{self.pid}-{int(self.create_time * 1000)}"
+
+    @property
+    def adopted(self) -> bool:
+        return self._child is None
+
+    def alive(self) -> bool:
+        if self._child is not None:
+            return self._child.returncode is None
+        if self._ps is None:
+            return False
+        try:
+            return self._ps.is_running() and self._ps.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    async def wait(self) -> int | None:
+        """The exit code; None for an adopted process (not our child: its exit status is not ours to read)."""
+        if self._child is not None:
+            return await self._child.wait()
+        while self.alive():
+            await asyncio.sleep(self._poll_interval)
+        return None
+
+    def signal(self, sig: int) -> None:
+        """Signal the whole process group (the instance is its session leader), or the pid alone."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(self.pid) == self.pid:
+                os.killpg(self.pid, sig)
+            else:
+                os.kill(self.pid, sig)
+
+    def kill_leftovers(self) -> None:
+        """After the leader exited: kill what it left in its group (a stray child would hold the port)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    async def stop(self, grace: float) -> int | None:
+        """SIGTERM, then SIGKILL after ``grace`` seconds; returns the exit code when known."""
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                code = await asyncio.wait_for(self.wait(), grace)
+            except TimeoutError:
+                self.signal(signal.SIGKILL)
+                code = await self.wait()
+        else:
+            code = await self.wait()
+        self.kill_leftovers()
+        return code
+
+
+def adopt(record: InstanceRecord, *, poll_interval: float) -> ProcessHandle | None:
+    """The recorded process if it still runs (same pid AND same creation time), else None."""
+    if record.pid <= 0:
+        return None
+    try:
+        proc = psutil.Process(record.pid)
+        if abs(proc.create_time() - record.create_time) > _CREATE_TIME_TOLERANCE:
+            return None
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+    except psutil.Error:
+        return None
+    return ProcessHandle(record.pid, record.create_time, poll_interval=poll_interval)
+
+
+async def spawn(command: Sequence[str], *, cwd: Path, env: Mapping[str, str], instance_dir: Path) -> ProcessHandle:
+    """Start ``command`` in its own session with its output appended to ``<instance>/output.log``."""
+    output = instance_dir / OUTPUT_FILE
+    mode = "wb" if output.exists() and output.stat().st_size > OUTPUT_MAX_BYTES else "ab"
+    with open(output, mode) as sink:
+        child = await asyncio.create_subprocess_exec(
+            *command,
+            cwd=cwd,
+            env=dict(env),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=sink,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        create_time = psutil.Process(child.pid).create_time()
+    except psutil.Error:
+        create_time = 0.0  # it already exited; wait() reports how
+    return ProcessHandle(child.pid, create_time, child=child)
+
+
+class PortAllocator:
+    """Free host ports for instances, never the same one twice while it is held."""
+
+    def __init__(self) -> None:
+        self._held: set[int] = set()
+
+    def hold(self, ports: Mapping[str, int]) -> None:
+        self._held.update(ports.values())
+
+    def release(self, ports: Mapping[str, int]) -> None:
+        self._held.difference_update(ports.values())
+
+    def allocate(self) -> int:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("", 0))
+                port = int(sock.getsockname()[1])
+            if port not in self._held:
+                self._held.add(port)
+                return port

@@ -1,0 +1,540 @@
+"""The process runtime: converges this node's ``assignment.<node>.*`` into local processes.
+
+One :class:`InstanceSupervisor` per assignment owns its process and its reports:
+
+* desired RUN: fetch and unpack the release's image (``images.py``) into ``<data>/instances/<id>/``,
+  give the instance a host port per declared port (``PORT`` = the "http" port or the first one,
+  ``PORT_<NAME>`` for each; no declared port = one "http" port) and start its command. Reports go
+  PULLING → RUNNING (ports in ``mesh_port_bindings``) → HEALTHY/UNHEALTHY from the health checks
+  (``health.py``); without a healthcheck an instance is HEALTHY as soon as its process runs.
+* A process that exits is restarted with exponential backoff (reported STARTING with the exit code);
+  after ``max_start_attempts`` failed starts of the same config (release, config hash, image) the
+  assignment is parked FAILED. A run longer than ``stable_after`` resets the count. A config change
+  (drift) stops the process and starts the new config with a fresh count.
+* A stateful release's instance starts only under a valid lease of each of its volumes naming this node
+  and this assignment; until then it is reported PENDING (not FAILED), as is an assignment whose release
+  or image is not there yet. Volumes live at ``<data>/volumes/<volume id>``, passed to the process as
+  ``ZATTERA_VOLUME_<NAME>`` (a process cannot mount them at ``mount_path``).
+* desired STOP: SIGTERM, SIGKILL after ``ServiceSpec.stop_grace`` (default 10 s), then STOPPED (also for an
+  assignment that never ran, so the scheduler can reap it).
+* An assignment that vanished: its process is stopped the same way, its directory removed and its
+  observed key deleted (no STOPPED report: there is nothing left to report on).
+
+On start the runtime first looks at the instance directories a previous run left: a process that still
+runs (verified by pid + creation time) for an assignment still desired RUN with the same config is
+adopted; any other is stopped, and directories of vanished assignments are removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from zattera.v1 import types_pb2 as pb
+
+from services.agent.health import HealthMonitor, probe_for, seconds
+from services.agent.images import ImageError, PreparedImage, prepare_image
+from services.agent.processes import STATE_FILE, InstanceRecord, PortAllocator, ProcessHandle, adopt, spawn
+from services.agent.reporter import ObservedReporter
+from services.agent.settings import AgentSettings
+from shared import keys as K
+from shared.natsio import Connection
+from shared.view import StateView
+
+log = logging.getLogger(__name__)
+
+RUN = pb.ASSIGNMENT_DESIRED_RUN
+PENDING = pb.INSTANCE_STATE_PENDING
+PULLING = pb.INSTANCE_STATE_PULLING
+STARTING = pb.INSTANCE_STATE_STARTING
+RUNNING = pb.INSTANCE_STATE_RUNNING
+HEALTHY = pb.INSTANCE_STATE_HEALTHY
+UNHEALTHY = pb.INSTANCE_STATE_UNHEALTHY
+FAILED = pb.INSTANCE_STATE_FAILED
+STOPPED = pb.INSTANCE_STATE_STOPPED
+_UP_STATES = (RUNNING, HEALTHY, UNHEALTHY)
+
+DEFAULT_PORT_NAME = "http"
+PASSED_THROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
+
+
+def config_of(a: pb.Assignment, release: pb.Release) -> str:
+    """What a running process was started from; any change means recreate it."""
+    return f"{a.release_id}|{a.config_hash or release.config_hash}|{release.image_ref}"
+
+
+def port_names(spec: pb.ServiceSpec) -> list[str]:
+    names = list(dict.fromkeys(p.name or DEFAULT_PORT_NAME for p in spec.ports))
+    return names or [DEFAULT_PORT_NAME]
+
+
+def _env_name(name: str) -> str:
+    return re.sub(r"[^A-Z0-9]", "_", name.upper())
+
+
+def lease_is_ours(volume: pb.Volume, node_id: str, assignment_id: str, now: float) -> bool:
+    if not volume.HasField("lease") or not volume.lease.HasField("expires_at"):
+        return False
+    lease = volume.lease
+    expires = lease.expires_at.seconds + lease.expires_at.nanos / 1e9
+    return lease.node_id == node_id and lease.assignment_id == assignment_id and now < expires
+
+
+def resolve_volumes(
+    view: StateView, a: pb.Assignment, release: pb.Release, volumes_dir: Path, now: float
+) -> tuple[dict[str, Path], str]:
+    """The volume directories of a stateful instance by volume name, or why it cannot start yet."""
+    if not release.service.stateful:
+        return {}, ""
+    paths: dict[str, Path] = {}
+    for mount in release.service.volumes:
+        volume = next(
+            (v for v in view.volumes(a.environment_id) if v.project_id == a.project_id and v.name == mount.volume_name),
+            None,
+        )
+        if volume is None:
+            return {}, f"waiting for volume {mount.volume_name}"
+        if not lease_is_ours(volume, a.node_id, a.meta.id, now):
+            return {}, f"waiting for the lease of volume {mount.volume_name}"
+        paths[mount.volume_name] = volumes_dir / volume.meta.id
+    return paths, ""
+
+
+def instance_env(
+    a: pb.Assignment, image: PreparedImage, ports: Mapping[str, int], volumes: Mapping[str, Path]
+) -> dict[str, str]:
+    env = {k: os.environ[k] for k in PASSED_THROUGH_ENV if k in os.environ}
+    env.update(image.env)
+    env.update(
+        ZATTERA_NODE_ID=a.node_id,
+        ZATTERA_ASSIGNMENT_ID=a.meta.id,
+        ZATTERA_PROJECT_ID=a.project_id,
+        ZATTERA_APP_ID=a.app_id,
+        ZATTERA_ENVIRONMENT_ID=a.environment_id,
+        ZATTERA_RELEASE_ID=a.release_id,
+    )
+    for name, port in ports.items():
+        env[f"PORT_{_env_name(name)}"] = str(port)
+    env["PORT"] = str(ports.get(DEFAULT_PORT_NAME) or next(iter(ports.values())))
+    for name, path in volumes.items():
+        env[f"ZATTERA_VOLUME_{_env_name(name)}"] = str(path)
+    return env
+
+
+@dataclass
+class RuntimeContext:
+    """What every supervisor of this node shares."""
+
+    conn: Connection
+    view: StateView
+    reporter: ObservedReporter
+    settings: AgentSettings
+    node_id: str
+    os_arch: str
+    instances_dir: Path
+    volumes_dir: Path
+    ports: PortAllocator
+
+
+class InstanceSupervisor:
+    """Runs and reports one assignment; see the module docstring."""
+
+    def __init__(
+        self,
+        ctx: RuntimeContext,
+        assignment: pb.Assignment,
+        *,
+        adopted: tuple[ProcessHandle, InstanceRecord] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.assignment = assignment
+        self.assignment_id = assignment.meta.id
+        self.dir = ctx.instances_dir / self.assignment_id
+        self.waiting_on_state = False
+        """Waiting for a release, an image or a volume lease: re-evaluated on any such change."""
+        self._wake = asyncio.Event()
+        self._handle: ProcessHandle | None = None
+        self._exit: asyncio.Task[int | None] | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._started_at = 0.0
+        self._container_id = ""
+        self._config = ""
+        self._ports: dict[str, int] = {}
+        self._workdir = Path()
+        self._env: dict[str, str] = {}
+        self._restarts = 0
+        self._ever_started = False
+        self._failures = 0
+        self._parked = False
+        self._not_before = 0.0
+        self._stop_grace = ctx.settings.default_stop_grace
+        if adopted is not None:
+            handle, record = adopted
+            self._config = record.config
+            self._ports = dict(record.ports)
+            self._restarts = record.restarts
+            self._workdir = Path(record.workdir)
+            self._env = dict(record.env)
+            self._ever_started = True
+            ctx.ports.hold(self._ports)
+            self._attach(handle)
+
+    # ------------------------------------------------------------------ control from the runtime
+
+    @property
+    def handle(self) -> ProcessHandle | None:
+        return self._handle
+
+    def update(self, assignment: pb.Assignment) -> None:
+        """A newer version of the assignment (the view replaces the object on every write)."""
+        if assignment is not self.assignment:
+            self.assignment = assignment
+            self._wake.set()
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        if self._handle is not None and self._monitor is None:
+            self._resume_adopted()
+        while True:
+            await self._step()
+
+    async def remove(self) -> None:
+        """The assignment vanished: stop the process, drop the directory and the observed key."""
+        await self._stop()
+        self.ctx.ports.release(self._ports)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.ctx.reporter.forget(self.assignment_id)
+
+    async def stop_for_exit(self) -> None:
+        """The agent stops and takes its instances with it."""
+        if self._handle is not None:
+            await self._stop()
+            self._report(STOPPED, message="agent stopped")
+
+    # ------------------------------------------------------------------ the convergence step
+
+    async def _step(self) -> None:
+        a = self.assignment
+        release = self.ctx.view.release(a.release_id)
+        if release is not None:
+            self._stop_grace = seconds(release.service.stop_grace, self.ctx.settings.default_stop_grace)
+        if a.desired != RUN:
+            self.waiting_on_state = False
+            await self._stop()
+            self._report(STOPPED)
+            await self._changed()
+            return
+        if self._handle is not None:
+            if release is not None and config_of(a, release) != self._config:
+                log.info("%s: config changed; recreating its process", self.assignment_id)
+                await self._stop()
+                return
+            await self._watch()
+            return
+        if release is None or not release.image_ref:
+            why = f"waiting for release {a.release_id}" if release is None else "waiting for the release's image"
+            await self._wait_on_state(why)
+            return
+        config = config_of(a, release)
+        if config != self._config:
+            self._config = config
+            self._failures = 0
+            self._parked = False
+            self._not_before = 0.0
+        if self._parked:
+            self.waiting_on_state = False
+            await self._changed()
+            return
+        volumes, blocked = resolve_volumes(self.ctx.view, a, release, self.ctx.volumes_dir, time.time())
+        if blocked:
+            await self._wait_on_state(blocked)
+            return
+        self.waiting_on_state = False
+        delay = self._not_before - time.monotonic()
+        if delay > 0:
+            await self._changed(delay)
+            return
+        await self._start(a, release, volumes)
+
+    async def _wait_on_state(self, why: str) -> None:
+        self.waiting_on_state = True
+        self._report(PENDING, message=why)
+        await self._changed()
+
+    async def _changed(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        self._wake.clear()
+
+    async def _start(self, a: pb.Assignment, release: pb.Release, volumes: Mapping[str, Path]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._report(PULLING)
+        try:
+            image = await prepare_image(self.ctx.conn, release.image_ref, self.dir, platform=self.ctx.os_arch)
+        except ImageError as exc:
+            self._failed_attempt(f"image: {exc}", None)
+            return
+        except Exception as exc:  # a NATS error while fetching: the next attempt may work
+            self._failed_attempt(f"image: {type(exc).__name__}: {exc}", None)
+            return
+        command = image.command(release.service.command)
+        if not command:
+            self._failed_attempt("no command: the image has none and the service sets none", None)
+            return
+        if not self._ports:
+            self._ports = {name: self.ctx.ports.allocate() for name in port_names(release.service)}
+        for path in volumes.values():
+            path.mkdir(parents=True, exist_ok=True)
+        env = instance_env(a, image, self._ports, volumes)
+        try:
+            handle = await spawn(command, cwd=image.workdir, env=env, instance_dir=self.dir)
+        except OSError as exc:
+            self._failed_attempt(f"start: {exc}", None)
+            return
+        if self._ever_started:
+            self._restarts += 1
+        self._ever_started = True
+        self._workdir, self._env = image.workdir, env
+        self._attach(handle)
+        InstanceRecord(
+            assignment_id=self.assignment_id,
+            config=self._config,
+            pid=handle.pid,
+            create_time=handle.create_time,
+            container_id=handle.container_id,
+            ports=self._ports,
+            restarts=self._restarts,
+            workdir=str(image.workdir),
+            env=env,
+        ).save(self.dir)
+        log.info("%s: started pid %d (%s) on ports %s", self.assignment_id, handle.pid, command, self._ports)
+        self._start_health(release)
+
+    def _resume_adopted(self) -> None:
+        release = self.ctx.view.release(self.assignment.release_id)
+        assert self._handle is not None
+        log.info("%s: adopted pid %d", self.assignment_id, self._handle.pid)
+        self._start_health(release)
+
+    def _start_health(self, release: pb.Release | None) -> None:
+        probe = probe_for(release.service, self._ports) if release is not None else None
+        if probe is None:
+            self._report(HEALTHY)
+            return
+        self._report(RUNNING)
+        container_id = self._container_id
+
+        def on_state(state: int) -> None:
+            if self._container_id == container_id and self._handle is not None:
+                self._report(state)
+
+        monitor = HealthMonitor(
+            probe,
+            on_state,
+            cwd=self._workdir,
+            env=self._env,
+            startup_interval=self.ctx.settings.startup_probe_interval,
+        )
+        self._monitor = asyncio.create_task(monitor.run(), name=f"health:{self.assignment_id}")
+
+    async def _watch(self) -> None:
+        """Until the process exits or something changes."""
+        assert self._exit is not None
+        waker = asyncio.create_task(self._wake.wait())
+        try:
+            await asyncio.wait({self._exit, waker}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waker.cancel()
+        if self._exit.done():
+            self._on_exit(self._exit.result())
+        else:
+            self._wake.clear()
+
+    def _on_exit(self, code: int | None) -> None:
+        handle = self._handle
+        assert handle is not None
+        ran = time.monotonic() - self._started_at
+        self._detach()
+        handle.kill_leftovers()
+        if ran >= self.ctx.settings.stable_after:
+            self._failures = 0
+        message = f"exited with code {code}" if code is not None else "exited"
+        log.info("%s: pid %d %s after %.1fs", self.assignment_id, handle.pid, message, ran)
+        self._failed_attempt(message, code)
+
+    def _failed_attempt(self, message: str, exit_code: int | None) -> None:
+        settings = self.ctx.settings
+        self._failures += 1
+        if self._failures >= settings.max_start_attempts:
+            self._parked = True
+            log.warning("%s: %s; FAILED after %d failed starts", self.assignment_id, message, self._failures)
+            self._report(
+                FAILED, message=f"{message}; gave up after {self._failures} failed starts", exit_code=exit_code
+            )
+            return
+        delay = min(settings.restart_backoff * 2 ** (self._failures - 1), settings.restart_backoff_max)
+        self._not_before = time.monotonic() + delay
+        self._report(STARTING, message=f"{message}; restarting in {delay:.1f}s", exit_code=exit_code)
+
+    # ------------------------------------------------------------------ process bookkeeping
+
+    def _attach(self, handle: ProcessHandle) -> None:
+        self._handle = handle
+        self._container_id = handle.container_id
+        self._started_at = time.monotonic()
+        self._exit = asyncio.create_task(handle.wait(), name=f"exit:{self.assignment_id}")
+
+    def _detach(self) -> None:
+        for task in (self._monitor, self._exit):
+            if task is not None:
+                task.cancel()
+        self._handle = self._exit = self._monitor = None
+
+    async def _stop(self) -> None:
+        handle = self._handle
+        if handle is None:
+            return
+        if self._monitor is not None:
+            self._monitor.cancel()
+        log.info("%s: stopping pid %d (grace %.1fs)", self.assignment_id, handle.pid, self._stop_grace)
+        await handle.stop(self._stop_grace)
+        self._detach()
+
+    def _report(self, state: int, *, message: str = "", exit_code: int | None = None) -> None:
+        observed = pb.AssignmentObserved(
+            state=state,  # type: ignore[arg-type]
+            container_id=self._container_id,
+            restarts=self._restarts,
+            message=message,
+        )
+        if exit_code is not None:
+            observed.exit_code = exit_code
+        if state in _UP_STATES:
+            observed.mesh_port_bindings.update(self._ports)
+        observed.updated_at.FromNanoseconds(time.time_ns())
+        self.ctx.reporter.report(self.assignment_id, observed)
+
+
+class ProcessRuntime:
+    """Keeps one supervisor per assignment of this node; see the module docstring."""
+
+    def __init__(self, ctx: RuntimeContext) -> None:
+        self.ctx = ctx
+        self._supervisors: dict[str, tuple[InstanceSupervisor, asyncio.Task[None]]] = {}
+        self._removing: dict[str, asyncio.Task[None]] = {}
+
+    def running(self) -> dict[str, ProcessHandle]:
+        """Assignment id → its live process (for the heartbeat's per-instance samples)."""
+        return {aid: sup.handle for aid, (sup, _) in self._supervisors.items() if sup.handle is not None}
+
+    def supervisor(self, assignment_id: str) -> InstanceSupervisor | None:
+        entry = self._supervisors.get(assignment_id)
+        return entry[0] if entry else None
+
+    async def run(self) -> None:
+        ctx = self.ctx
+        feed = ctx.view.subscribe({K.ASSIGNMENT, K.RELEASE, K.VOLUME})
+        try:
+            await self.recover()
+            while True:
+                self.reconcile()
+                await feed.wait(ctx.settings.reconcile_tick)
+        finally:
+            feed.close()
+            await self.shutdown()
+
+    def reconcile(self) -> None:
+        ctx = self.ctx
+        mine = {a.meta.id: a for a in ctx.view.assignments_by_node(ctx.node_id)}
+        for aid, a in mine.items():
+            entry = self._supervisors.get(aid)
+            if entry is not None:
+                entry[0].update(a)
+                if entry[0].waiting_on_state:
+                    entry[0].poke()
+            elif aid not in self._removing:
+                self._launch(InstanceSupervisor(ctx, a))
+        for aid in [aid for aid in self._supervisors if aid not in mine]:
+            sup, task = self._supervisors.pop(aid)
+            self._removing[aid] = asyncio.create_task(self._remove(sup, task), name=f"remove:{aid}")
+        for node_id, aid in ctx.view.observed_keys():
+            if (
+                node_id == ctx.node_id
+                and aid not in mine
+                and aid not in self._supervisors
+                and aid not in self._removing
+            ):
+                ctx.reporter.forget(aid)
+
+    def _launch(self, sup: InstanceSupervisor) -> None:
+        self._supervisors[sup.assignment_id] = (sup, asyncio.create_task(self._supervise(sup), name=sup.assignment_id))
+
+    async def _supervise(self, sup: InstanceSupervisor) -> None:
+        while True:
+            try:
+                await sup.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s: supervisor failed; resuming", sup.assignment_id)
+                await asyncio.sleep(self.ctx.settings.restart_backoff)
+
+    async def _remove(self, sup: InstanceSupervisor, task: asyncio.Task[None]) -> None:
+        try:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            log.info("%s: assignment gone; removing its instance", sup.assignment_id)
+            await sup.remove()
+        finally:
+            self._removing.pop(sup.assignment_id, None)
+
+    async def recover(self) -> None:
+        """Adopt or clean up what a previous run of this agent left in the instances directory."""
+        ctx = self.ctx
+        if not ctx.instances_dir.is_dir():
+            return
+        stops = []
+        for directory in sorted(p for p in ctx.instances_dir.iterdir() if p.is_dir()):
+            aid = directory.name
+            record = InstanceRecord.load(directory)
+            handle = adopt(record, poll_interval=ctx.settings.adopted_poll_interval) if record else None
+            a = ctx.view.assignment(aid)
+            if a is not None and a.node_id != ctx.node_id:
+                a = None
+            release = ctx.view.release(a.release_id) if a is not None else None
+            adoptable = a is not None and a.desired == RUN and release is not None and record is not None
+            if handle is not None and record is not None and adoptable:
+                assert a is not None and release is not None
+                if record.config == config_of(a, release):
+                    self._launch(InstanceSupervisor(ctx, a, adopted=(handle, record)))
+                    continue
+            if handle is not None:
+                default = ctx.settings.default_stop_grace
+                grace = seconds(release.service.stop_grace, default) if release is not None else default
+                log.info("%s: stopping pid %d left by a previous run", aid, handle.pid)
+                stops.append(handle.stop(grace))
+            if a is None:
+                shutil.rmtree(directory, ignore_errors=True)
+            else:
+                (directory / STATE_FILE).unlink(missing_ok=True)
+        await asyncio.gather(*stops)
+
+    async def shutdown(self) -> None:
+        entries = list(self._supervisors.values())
+        tasks = [task for _, task in entries] + list(self._removing.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.ctx.settings.stop_on_exit:
+            await asyncio.gather(*(sup.stop_for_exit() for sup, _ in entries), return_exceptions=True)
+        self._supervisors.clear()

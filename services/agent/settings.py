@@ -1,0 +1,68 @@
+"""Agent settings (environment, prefix ``ZATTERA_AGENT_``), beside the shared ``ZATTERA_*`` ones.
+
+Every timer is a setting so tests and demos can shorten it; the command line overrides the identity ones.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_NODE_ID = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class AgentSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ZATTERA_AGENT_", extra="ignore")
+
+    node_id: str = Field(default="", description="node id; '' = the host name (dots become dashes)")
+    labels: dict[str, str] = Field(default_factory=dict, description="operator labels asserted at registration")
+    builder: bool = Field(default=False, description="serve source builds on zattera.agent.<node>.build")
+    roles: list[str] = Field(default_factory=lambda: ["worker"], description="worker and/or control")
+    mesh_ip: str = Field(default="", description="address other nodes reach this node's instances at")
+
+    heartbeat_interval: float = Field(default=5.0, gt=0)
+    reconcile_tick: float = Field(default=5.0, gt=0, description="safety-net re-evaluation of every assignment")
+    report_retry: float = Field(default=0.5, gt=0, description="delay before re-trying a refused observed write")
+
+    max_start_attempts: int = Field(default=3, ge=1, description="failed starts before an assignment is FAILED")
+    restart_backoff: float = Field(default=1.0, gt=0, description="first restart delay; doubles per failed start")
+    restart_backoff_max: float = Field(default=30.0, gt=0)
+    stable_after: float = Field(default=10.0, gt=0, description="a run this long resets the failed-start count")
+    default_stop_grace: float = Field(default=10.0, gt=0, description="SIGTERM -> SIGKILL when the spec sets none")
+    startup_probe_interval: float = Field(
+        default=0.2, gt=0, description="health probe cadence until the first success (then the spec's interval)"
+    )
+    adopted_poll_interval: float = Field(default=1.0, gt=0, description="exit polling of processes adopted on start")
+    stop_on_exit: bool = Field(default=False, description="stop instances when the agent stops (else they are adopted)")
+
+    build_keepalive: float = Field(default=60.0, gt=0, description="a silent build step logs a line this often")
+
+    @field_validator("node_id")
+    @classmethod
+    def _valid_node_id(cls, value: str) -> str:
+        if value and not _NODE_ID.match(value):
+            raise ValueError("node id may contain only letters, digits, '-' and '_'")
+        return value
+
+    @field_validator("roles")
+    @classmethod
+    def _valid_roles(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - {"worker", "control"})
+        if unknown:
+            raise ValueError(f"unknown role(s) {', '.join(unknown)}: use worker and/or control")
+        return value
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``k=v,k2=v2`` → mapping; a bad item raises ValueError naming it."""
+    labels: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"bad label {item!r}: expected key=value")
+        labels[key.strip()] = value.strip()
+    return labels

@@ -1,0 +1,77 @@
+"""``python -m services.proxy --nats URL --port 8080 --proxy-id ID --node-id ID --cache-dir DIR``.
+
+Settings come from ``ZATTERA_*`` (NATS URL, data dir) and ``ZATTERA_PROXY_*`` (see
+:class:`services.proxy.settings.ProxySettings`); flags override them. SIGTERM/SIGINT stop accepting,
+drain in-flight requests for ``shutdown_grace`` seconds, then exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from services.proxy.server import Proxy
+from services.proxy.settings import ProxySettings
+from shared.service import configure_logging
+from shared.settings import settings
+from shared.telemetry import setup as setup_telemetry
+
+log = logging.getLogger("services.proxy")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.proxy", description="Zattera ingress proxy")
+    parser.add_argument("--nats", default=None, help="NATS URL(s), comma-separated (default: $ZATTERA_NATS_URL)")
+    parser.add_argument("--host", default=None, help="listen address (default: $ZATTERA_PROXY_HOST or 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=None, help="listen port (default: $ZATTERA_PROXY_PORT or 8080)")
+    parser.add_argument("--proxy-id", default=None, help="heartbeat key (default: the host name)")
+    parser.add_argument("--node-id", default=None, help="node this proxy runs on")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="route cache dir (default: <data_dir>/proxy)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser.parse_args(argv)
+
+
+async def run(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    setup_telemetry("zattera-proxy")
+    shared = settings()
+    overrides = {
+        name: value
+        for name, value in (
+            ("host", args.host),
+            ("port", args.port),
+            ("proxy_id", args.proxy_id),
+            ("node_id", args.node_id),
+            ("cache_dir", args.cache_dir),
+        )
+        if value is not None
+    }
+    cfg = ProxySettings(**overrides)
+    cache_dir = cfg.cache_dir or shared.data_dir / "proxy"
+    proxy = Proxy(cfg, nats_url=args.nats or shared.nats_url, cache_dir=cache_dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await proxy.start()
+    try:
+        await stop.wait()
+        log.info("proxy: stopping (draining for up to %.1fs)", cfg.shutdown_grace)
+    finally:
+        await proxy.stop()
+    log.info("proxy: stopped")
+    return 0
+
+
+def main() -> None:
+    sys.exit(asyncio.run(run()))
+
+
+if __name__ == "__main__":
+    main()

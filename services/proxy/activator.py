@@ -1,0 +1,166 @@
+"""Hold-and-activate (reference autoscale.md §4.2–4.3, routes-snapshots.md A2.7).
+
+A request for a scaled-to-zero env with no endpoint (cold), or for an env whose endpoints are all at
+``max_concurrency`` (full), is held here until its ``select`` callback finds an endpoint. Holding:
+
+1. a declared ``Content-Length`` above the body cap (10 MiB) → 503 "request too large during cold
+   start". Bodies are never buffered while held: they wait in the socket under flow control, so a
+   chunked body needs no cap;
+2. more than ``max_held_per_env`` (100) held for the env → 503 + ``Retry-After: 2``;
+3. one activation per env at a time (single flight per proxy), detached from the request;
+4. ``select`` is re-run whenever something that can make it succeed happens — a route snapshot
+   arrives (:meth:`Holds.wake_all`) or a request of the env finishes (:meth:`Holds.wake_env`,
+   capacity freed) — instead of the reference's 25 ms poll;
+5. no endpoint within ``hold_timeout`` (60 s) → 504 "activation timed out".
+
+Fix over the reference: a failed activation (timeout, no responder, "retry" error) is retried with
+backoff while requests are still held, instead of leaving them to wait for the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+
+MAX_HELD_PER_ENV = 100
+HOLD_TIMEOUT = 60.0
+MAX_HELD_BODY_BYTES = 10 * 1024 * 1024
+QUEUE_FULL_RETRY_AFTER = "2"
+ACTIVATE_RETRY_INITIAL = 0.5
+ACTIVATE_RETRY_MAX = 5.0
+
+T = TypeVar("T")
+Activate = Callable[[str], Awaitable[object]]
+"""Asks the control plane to wake an env; raises when the request must be retried."""
+
+
+class HoldRejected(Exception):
+    def __init__(self, status: int, message: str, retry_after: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+class _Signal:
+    """Wakes every task waiting at the time of :meth:`notify` (a missed notify is impossible as long as
+    the waiter checks its condition and calls :meth:`wait` without yielding in between)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+class Holds:
+    def __init__(
+        self,
+        activate: Activate,
+        *,
+        max_held_per_env: int = MAX_HELD_PER_ENV,
+        hold_timeout: float = HOLD_TIMEOUT,
+        max_body_bytes: int = MAX_HELD_BODY_BYTES,
+        retry_initial: float = ACTIVATE_RETRY_INITIAL,
+        retry_max: float = ACTIVATE_RETRY_MAX,
+    ) -> None:
+        self._activate = activate
+        self.max_held_per_env = max_held_per_env
+        self.hold_timeout = hold_timeout
+        self.max_body_bytes = max_body_bytes
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self._held: dict[str, int] = {}
+        self._signals: dict[str, _Signal] = {}
+        self._activations: dict[str, asyncio.Task[None]] = {}
+        self._closed = False
+        self.activations_sent = 0
+        self.completed_holds = 0
+
+    @property
+    def held(self) -> dict[str, int]:
+        """Env id → requests held now (envs with none are absent)."""
+        return self._held
+
+    def wake_all(self) -> None:
+        for signal in self._signals.values():
+            signal.notify()
+
+    def wake_env(self, env_id: str) -> None:
+        signal = self._signals.get(env_id)
+        if signal is not None:
+            signal.notify()
+
+    async def hold(self, env_id: str, content_length: int | None, select: Callable[[], T | None]) -> T:
+        """Wait until ``select()`` returns a value and return it; raises :class:`HoldRejected`."""
+        if self._closed:
+            raise HoldRejected(503, "proxy shutting down", "1")
+        if content_length is not None and content_length > self.max_body_bytes:
+            raise HoldRejected(503, "request too large during cold start")
+        if self._held.get(env_id, 0) >= self.max_held_per_env:
+            raise HoldRejected(503, "activating; queue full, retry shortly", QUEUE_FULL_RETRY_AFTER)
+        self._held[env_id] = self._held.get(env_id, 0) + 1
+        signal = self._signals.setdefault(env_id, _Signal())
+        try:
+            self._trigger(env_id)
+            async with asyncio.timeout(self.hold_timeout):
+                while True:
+                    if self._closed:
+                        raise HoldRejected(503, "proxy shutting down", "1")
+                    chosen = select()
+                    if chosen is not None:
+                        self.completed_holds += 1
+                        return chosen
+                    await signal.wait()
+        except TimeoutError:
+            raise HoldRejected(504, "activation timed out") from None
+        finally:
+            remaining = self._held[env_id] - 1
+            if remaining:
+                self._held[env_id] = remaining
+            else:
+                del self._held[env_id]
+                del self._signals[env_id]
+
+    def _trigger(self, env_id: str) -> None:
+        running = self._activations.get(env_id)
+        if running is None:
+            task = asyncio.create_task(self._activate_while_held(env_id))
+            self._activations[env_id] = task
+            task.add_done_callback(lambda _: self._activations.pop(env_id, None))
+
+    async def _activate_while_held(self, env_id: str) -> None:
+        delay = self.retry_initial
+        while True:
+            self.activations_sent += 1
+            try:
+                await self._activate(env_id)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("activation of env %s failed (%s); retrying in %.1fs while held", env_id, exc, delay)
+            await asyncio.sleep(delay)
+            if not self._held.get(env_id):
+                return
+            delay = min(delay * 2, self.retry_max)
+
+    async def close(self) -> None:
+        """Reject every held request (503) and stop pending activations (shutdown)."""
+        self._closed = True
+        self.wake_all()
+        tasks = list(self._activations.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,35 @@
+"""Proxy settings (environment, prefix ``ZATTERA_PROXY_``), beside the shared ``ZATTERA_*`` ones.
+
+The reference's guardrails are the defaults; every timer is a setting so tests and demos can shorten
+it. The command line overrides the identity and listener ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.proxy.activator import HOLD_TIMEOUT, MAX_HELD_BODY_BYTES, MAX_HELD_PER_ENV
+
+ROUTES_CACHE_FILE = "routes.pb"
+
+
+class ProxySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ZATTERA_PROXY_", extra="ignore")
+
+    host: str = Field(default="0.0.0.0", description="listen address")
+    port: int = Field(default=8080, ge=0, le=65535, description="listen port (0 = any free port)")
+    proxy_id: str = Field(default="", description="key of this proxy's heartbeat; '' = the host name")
+    node_id: str = Field(default="", description="node this proxy runs on (P2C tie-break, Activate requests)")
+    cache_dir: Path | None = Field(default=None, description="route cache directory; unset = <data_dir>/proxy")
+
+    heartbeat_interval: float = Field(default=2.0, gt=0)
+    hold_timeout: float = Field(default=HOLD_TIMEOUT, gt=0, description="longest wait for an endpoint (504)")
+    max_held_per_env: int = Field(default=MAX_HELD_PER_ENV, ge=0, description="more held requests get 503")
+    max_held_body_bytes: int = Field(default=MAX_HELD_BODY_BYTES, ge=0, description="larger held bodies get 503")
+    activate_timeout: float = Field(default=10.0, gt=0, description="one Activate request's timeout")
+    upstream_connect_timeout: float = Field(default=5.0, gt=0)
+    upstream_keepalive: float = Field(default=30.0, gt=0, description="idle upstream connections closed after")
+    shutdown_grace: float = Field(default=5.0, ge=0, description="in-flight requests drained on SIGTERM")

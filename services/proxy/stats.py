@@ -1,0 +1,114 @@
+"""Per-env traffic counters of this proxy and the ``ProxySample`` they produce (reference autoscale.md
+§5.1–5.2; DESIGN §3: a ``ProxyHeartbeat`` every 2 s).
+
+A request counts once an endpoint is chosen: begin → in-flight + 1, last_request_at = now; end →
+in-flight − 1 and (latency, error) appended to a ring of the last :data:`LATENCY_WINDOW` completions.
+Held requests are reported separately in ``held`` (the scaling loops add them to in-flight demand).
+Choices where the reference left a decision open (autoscale.md §7.4):
+
+* ``error_rate`` is over the same last 512 completions as the latency percentiles (the reference's was
+  cumulative since proxy start, so an old burst of errors never faded);
+* an env drops out of the report once it is gone from the route snapshot and has nothing in flight
+  or held (the reference reported every env ever seen, forever).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from zattera.cluster.v1 import cluster_pb2 as cpb
+
+LATENCY_WINDOW = 512
+SERVER_ERROR = 500
+
+
+@dataclass(slots=True)
+class EnvStats:
+    inflight: int = 0
+    started: int = 0
+    """Requests begun since the previous sample (the RPS window)."""
+    last_request_at: float = 0.0
+    completions: deque[tuple[int, bool]] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+    """(latency in whole ms, status ≥ 500) of the most recent completions."""
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def percentiles(latencies_ms: list[int]) -> tuple[float, float]:
+    """(p50, p99) the reference's way: sorted[floor(n·0.5)], sorted[min(floor(n·0.99), n−1)]; 0 if empty."""
+    if not latencies_ms:
+        return 0.0, 0.0
+    ordered = sorted(latencies_ms)
+    n = len(ordered)
+    return float(ordered[n // 2]), float(ordered[min(int(n * 0.99), n - 1)])
+
+
+class ProxyStats:
+    def __init__(self, *, now: Callable[[], float] = time.time) -> None:
+        self._now = now
+        self._envs: dict[str, EnvStats] = {}
+        self._window_start = now()
+
+    def env(self, env_id: str) -> EnvStats:
+        stats = self._envs.get(env_id)
+        if stats is None:
+            stats = self._envs[env_id] = EnvStats()
+        return stats
+
+    def inflight(self, env_id: str) -> int:
+        stats = self._envs.get(env_id)
+        return stats.inflight if stats is not None else 0
+
+    def begin(self, env_id: str) -> None:
+        stats = self.env(env_id)
+        stats.inflight += 1
+        stats.started += 1
+        stats.last_request_at = self._now()
+
+    def end(self, env_id: str, status: int, latency_seconds: float) -> None:
+        stats = self.env(env_id)
+        stats.inflight -= 1
+        stats.completions.append((int(latency_seconds * 1000), status >= SERVER_ERROR))
+
+    def sample(self, held: Mapping[str, int], routed_envs: Collection[str]) -> dict[str, cpb.ProxySample]:
+        """Every reported env's sample; starts a new RPS window. Envs that left the snapshot and are idle
+        are forgotten after this."""
+        now = self._now()
+        elapsed = max(now - self._window_start, 1e-9)
+        self._window_start = now
+        for env_id in held:
+            self.env(env_id)
+        samples: dict[str, cpb.ProxySample] = {}
+        for env_id, stats in list(self._envs.items()):
+            completions = list(stats.completions)
+            p50, p99 = percentiles([latency for latency, _ in completions])
+            errors = sum(1 for _, failed in completions if failed)
+            sample = cpb.ProxySample(
+                inflight=max(stats.inflight, 0),
+                held=held.get(env_id, 0),
+                rps=stats.started / elapsed,
+                error_rate=errors / len(completions) if completions else 0.0,
+                latency_p50_ms=p50,
+                latency_p99_ms=p99,
+            )
+            if stats.last_request_at:
+                sample.last_request_at.CopyFrom(_timestamp(stats.last_request_at))
+            samples[env_id] = sample
+            stats.started = 0
+            if env_id not in routed_envs and stats.inflight <= 0 and not held.get(env_id):
+                del self._envs[env_id]
+        return samples
+
+    def heartbeat(
+        self, proxy_id: str, node_id: str, held: Mapping[str, int], routed_envs: Collection[str]
+    ) -> cpb.ProxyHeartbeat:
+        envs = self.sample(held, routed_envs)
+        return cpb.ProxyHeartbeat(time=_timestamp(self._now()), proxy_id=proxy_id, node_id=node_id, envs=envs)

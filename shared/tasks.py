@@ -1,0 +1,23 @@
+"""Stopping helper tasks without swallowing our own cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+async def cancel_and_wait(*tasks: asyncio.Future[object] | asyncio.Task[object] | None) -> None:
+    """Cancel ``tasks`` and wait until they have finished.
+
+    Awaiting a cancelled task inside ``suppress(CancelledError)`` would also swallow a cancellation of
+    the *current* task that arrives meanwhile; this re-raises it, so a shutdown is never lost.
+    """
+    pending = [t for t in tasks if t is not None]
+    for task in pending:
+        task.cancel()
+    for task in pending:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    current = asyncio.current_task()
+    if current is not None and current.cancelling():
+        raise asyncio.CancelledError

@@ -1,0 +1,179 @@
+"""The zattera command against a real NATS server (the CLI runs its own event loop, so tests are sync)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+from zattera.v1 import types_pb2 as pb
+
+from cli.main import app
+from shared import keys as K
+from shared.events import EventPublisher, make_event
+from shared.natsio import connect, provision
+from shared.txn import Writer
+from shared.view import StateView
+from tests.factories import node
+
+VALID = """
+project = "demo"
+app = "hello"
+
+[run]
+command = "python app.py"
+
+[env.production]
+replicas = { min = 2, max = 4 }
+resources = { cpu_millis = 250, memory_mb = 128 }
+healthcheck = { type = "http", path = "/healthz", interval = "2s", grace_period = "5s" }
+domains = ["hello.example.com"]
+
+[env.staging]
+scale_to_zero = true
+idle_timeout = "10m"
+"""
+
+
+@pytest.fixture
+def cli(nats_url: str):
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(app, ["--nats", nats_url, *args], catch_exceptions=False)
+
+    return invoke
+
+
+def _state(nats_url: str, fn):
+    async def go():
+        conn = await connect(nats_url, name="t")
+        await provision(conn.js)
+        view = StateView(conn, name="t")
+        await view.start()
+        try:
+            return await fn(conn, view, Writer(conn, view))
+        finally:
+            await view.stop()
+            await conn.close()
+
+    return asyncio.run(go())
+
+
+def test_apps_apply_creates_then_leaves_unchanged(cli, nats_url, tmp_path: Path):
+    spec = tmp_path / "zattera.toml"
+    spec.write_text(VALID)
+    first = cli("apps", "apply", str(spec), "--json")
+    assert first.exit_code == 0, first.output
+    created = json.loads(first.stdout)
+    assert {"project demo", "app hello", "env production", "env staging", "domain hello.example.com"} <= set(
+        created["created"]
+    )
+    again = json.loads(cli("apps", "apply", str(spec), "--json").stdout)
+    assert again["created"] == [] and again["updated"] == []
+
+    async def check(conn, view, writer):
+        env = view.env(created["env_ids"]["production"])
+        assert env.service.replicas.min == 2 and env.service.command == "python app.py"
+        assert env.service.healthcheck.interval.seconds == 2
+        staging = view.env(created["env_ids"]["staging"])
+        assert staging.effective_replicas == 1 and staging.idle_timeout.seconds == 600
+        assert [d.hostname for d in view.domains(env.meta.id)] == ["hello.example.com"]
+
+    _state(nats_url, check)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ('project = "Demo"\napp = "a"\n[env.p]\n', "project"),
+        ('project = "d"\napp = "a"\n[env.p]\nreplicas = { min = 3, max = 2 }\n', "env.p.replicas"),
+        ('project = "d"\napp = "a"\n[env.p]\nscale_to_zero = true\nstateful = true\n', "env.p"),
+        ('project = "d"\napp = "a"\n[env.p]\nidle_timeout = "soon"\n', "env.p.idle_timeout"),
+        ('project = "d"\napp = "a"\n[env.p]\nhealthcheck = { type = "exec" }\n', "env.p.healthcheck"),
+        ('project = "d"\napp = "a"\n[env.p]\nbogus = 1\n', "env.p.bogus"),
+        ('project = "d"\napp = "a"\n', "env"),
+    ],
+)
+def test_invalid_spec_is_refused_naming_the_field(cli, tmp_path: Path, body: str, field: str):
+    spec = tmp_path / "zattera.toml"
+    spec.write_text(body)
+    result = cli("apps", "apply", str(spec))
+    assert result.exit_code == 1
+    assert f": {field}:" in result.stderr
+
+
+def test_node_commands_change_the_node(cli, nats_url):
+    async def seed(conn, view, writer):
+        await writer.commit(writer.txn().create(node("n1")))
+
+    _state(nats_url, seed)
+    assert cli("nodes", "cordon", "n1").exit_code == 0
+    assert cli("nodes", "label", "n1", "region=eu", "disk=ssd").exit_code == 0
+    listed = json.loads(cli("nodes", "list", "--json").stdout)
+    assert listed[0]["schedulable"] is False and listed[0]["labels"]["region"] == "eu"
+    assert cli("nodes", "drain", "n1").exit_code == 0
+    assert json.loads(cli("nodes", "list", "--json").stdout)[0]["status"] == "NODE_STATUS_DRAINING"
+    missing = cli("nodes", "cordon", "nope")
+    assert missing.exit_code == 1 and "not found" in missing.stderr
+    bad = cli("nodes", "label", "n1", "novalue")
+    assert bad.exit_code == 1 and "labels:" in bad.stderr
+
+
+def test_deploy_image_then_list_and_cancel(cli, tmp_path: Path):
+    spec = tmp_path / "zattera.toml"
+    spec.write_text(VALID)
+    assert cli("apps", "apply", str(spec)).exit_code == 0
+    result = cli("deploy", "--env", "demo/hello/production", "--image", "registry/hello:1", "--no-watch")
+    assert result.exit_code == 0, result.stderr
+    deployment_id = result.stdout.strip()
+    listed = json.loads(cli("deploy", "list", "--json").stdout)
+    assert [d["meta"]["id"] for d in listed] == [deployment_id]
+    blocked = cli("deploy", "--env", "demo/hello/production", "--image", "registry/hello:2", "--no-watch")
+    assert blocked.exit_code == 1 and "already in progress" in blocked.stderr
+    assert cli("deploy", "cancel", deployment_id).exit_code == 0
+    releases = json.loads(cli("releases", "--env", "demo/hello/production", "--json").stdout)
+    assert releases[0]["version"] == "1"  # uint64 is a string in canonical protobuf JSON
+
+
+def test_unknown_environment_names_the_option(cli):
+    result = cli("deploy", "--env", "no/such/env", "--image", "x:1", "--no-watch")
+    assert result.exit_code == 1 and "--env" in result.stderr
+
+
+def test_rollback_without_previous_release_is_refused(cli, tmp_path: Path):
+    spec = tmp_path / "zattera.toml"
+    spec.write_text(VALID)
+    cli("apps", "apply", str(spec))
+    result = cli("rollback", "--env", "demo/hello/production", "--no-watch")
+    assert result.exit_code == 1 and "no previous release" in result.stderr
+
+
+def test_events_lists_published_events(cli, nats_url):
+    async def publish(conn, view, writer):
+        await EventPublisher(conn).publish(make_event("node.down", "node n1 is down", node_id="n1"))
+
+    _state(nats_url, publish)
+    result = cli("events", "--json", "--last", "5")
+    assert result.exit_code == 0
+    assert '"kind": "node.down"' in result.stdout
+
+
+def test_ps_shows_assignments_with_observed_state(cli, nats_url):
+    async def seed(conn, view, writer):
+        a = pb.Assignment(node_id="n1", environment_id="e1", release_id="r1", desired=pb.ASSIGNMENT_DESIRED_RUN)
+        a.meta.id = "A1"
+        await writer.commit(writer.txn().create(a))
+        await writer.commit(writer.txn().put(pb.AssignmentObserved(state=pb.INSTANCE_STATE_HEALTHY),
+                                             key=K.observed("n1", "A1")))
+
+    _state(nats_url, seed)
+    rows = json.loads(cli("ps", "--json").stdout)
+    assert rows[0]["observed"]["state"] == "INSTANCE_STATE_HEALTHY"
+
+
+def test_cli_reports_unreachable_nats_clearly():
+    result = CliRunner().invoke(app, ["--nats", "nats://127.0.0.1:1", "nodes", "list"])
+    assert result.exit_code == 2 and "cannot reach NATS" in result.stderr
