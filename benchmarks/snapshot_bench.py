@@ -44,7 +44,7 @@ def make_dataset(root: Path, total: int, seed: int = 1) -> None:
                 data = os.urandom(size)
             elif kind == "text":
                 size = min(budget, rng.randint(2, 8) << 20)
-                data = os.urandom(size // 2).hex().encode()
+                data = os.urandom((size + 1) // 2).hex().encode()[:size]
             else:
                 size = min(budget, rng.randint(4, 64) << 10)
                 data = os.urandom(size)
@@ -77,6 +77,14 @@ def disk_read_rate(root: Path) -> float:
     return total / MB / (time.perf_counter() - start)
 
 
+def flip_middle_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 async def measure(work: Path, size: int) -> list[dict[str, object]]:
     data = work / "volume"
     make_dataset(data, size)
@@ -95,12 +103,7 @@ async def measure(work: Path, size: int) -> list[dict[str, object]]:
         unchanged = await engine.snapshot(data, "unchanged")
         unchanged_s = time.perf_counter() - start
 
-        victim = sorted((data / "bin").iterdir())[0]
-        with open(victim, "r+b") as f:
-            f.seek(os.path.getsize(victim) // 2)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        flip_middle_byte(sorted((data / "bin").iterdir())[0])
         one_byte = await engine.snapshot(data, "one-byte")
 
         start = time.perf_counter()

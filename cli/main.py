@@ -17,6 +17,7 @@ from zattera.v1 import types_pb2 as pb
 from cli import render
 from cli.apply import env_path, plan, resolve_env
 from cli.client import OPTIONS, control, err, run
+from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
 from shared import keys as K
@@ -29,6 +30,7 @@ from shared.view import StateView
 
 app = typer.Typer(no_args_is_help=True, help="Zattera: a self-hosted PaaS control plane on NATS JetStream.")
 nodes_app = typer.Typer(no_args_is_help=True, help="Machines: list, label, cordon, drain.")
+nodes_app.command("join-token")(join_token)
 apps_app = typer.Typer(no_args_is_help=True, help="Apps and environments from zattera.toml.")
 
 
@@ -54,6 +56,7 @@ app.add_typer(nodes_app, name="nodes")
 app.add_typer(apps_app, name="apps")
 app.add_typer(builds_app, name="builds")
 app.add_typer(volumes_app, name="volumes")
+app.add_typer(security_app, name="security")
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 
@@ -91,9 +94,13 @@ def _env_or_fail(view: StateView, ref: str) -> pb.Environment:
 def up(
     data_dir: Path = typer.Option(None, help="where NATS data and logs live (default: $ZATTERA_DATA_DIR or .zattera)"),
     port: int = typer.Option(4222, help="NATS client port (a free one is used when busy)"),
+    secure: bool = typer.Option(False, help="NATS accounts and per-role credentials (SECURITY.md)"),
+    tls: bool = typer.Option(False, help="TLS on the NATS listener with a generated local CA (implies --secure)"),
 ) -> None:
     """Start the whole single-machine cluster: embedded NATS and every service, until Ctrl-C."""
     directory = (data_dir or settings().data_dir).resolve()
+    if secure or tls:
+        raise typer.Exit(secure_up(directory, port, tls=tls))
     raise typer.Exit(run_up(Cluster(data_dir=directory, port=port)))
 
 

@@ -24,6 +24,7 @@ from shared.embedded import EmbeddedNats, free_port
 from shared.natsio import connect, provision
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes")
+LOCAL_NODE = "local"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -80,11 +81,17 @@ class Supervised:
 class Cluster:
     data_dir: Path
     port: int = 4222
+    proxy_port: int = 8080
+    with_node: bool = True
     services: list[str] = field(default_factory=available_services)
     extra: list[Supervised] = field(default_factory=list)
     console: Console = field(default_factory=lambda: Console(stderr=True))
     nats: EmbeddedNats | None = None
     children: list[Supervised] = field(default_factory=list)
+    # Secured clusters (cli/security_cmds.py): server auth/TLS config, and the services' credentials.
+    nats_extra_config: str = ""
+    creds: str = ""
+    tls_ca: str = ""
 
     @property
     def url(self) -> str:
@@ -96,12 +103,19 @@ class Cluster:
         if port and not _port_free(port):
             self.console.print(f"[yellow]port {port} is busy; using a free port instead[/]")
             port = free_port()
-        self.nats = EmbeddedNats(data_dir=self.data_dir / "nats", port=port).start()
+        self.nats = EmbeddedNats(
+            data_dir=self.data_dir / "nats", port=port, extra_config=self.nats_extra_config
+        ).start()
 
     def child_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["ZATTERA_NATS_URL"] = self.url
         env["ZATTERA_DATA_DIR"] = str(self.data_dir)
+        env.setdefault("ZATTERA_DOMAIN", "localhost")
+        if self.creds:
+            env["ZATTERA_NATS_CREDS"] = self.creds
+        if self.tls_ca:
+            env["ZATTERA_NATS_TLS_CA"] = self.tls_ca
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
@@ -116,10 +130,65 @@ class Cluster:
             )
             child.start()
             self.children.append(child)
+        if self.with_node:
+            self.children.extend(self._node_processes(env))
         for child in self.extra:
             child.env = {**env, **child.env}
             child.start()
             self.children.append(child)
+
+    def _node_processes(self, env: dict[str, str]) -> list[Supervised]:
+        """The local node: an agent (process runtime + builder) and the ingress proxy."""
+        found = []
+        root = PROJECT_ROOT / "services"
+        if (root / "agent" / "__main__.py").exists():
+            agent = Supervised(
+                "agent",
+                [
+                    sys.executable,
+                    "-m",
+                    "services.agent",
+                    "--nats",
+                    self.url,
+                    "--node-id",
+                    LOCAL_NODE,
+                    "--data-dir",
+                    str(self.data_dir / "agent"),
+                    "--builder",
+                    "--roles",
+                    "worker,control",
+                ],
+                self.data_dir / "logs" / "agent.log",
+                env,
+            )
+            agent.start()
+            found.append(agent)
+        if (root / "proxy" / "__main__.py").exists():
+            port = self.proxy_port if _port_free(self.proxy_port) else free_port()
+            self.proxy_port = port
+            proxy = Supervised(
+                "proxy",
+                [
+                    sys.executable,
+                    "-m",
+                    "services.proxy",
+                    "--nats",
+                    self.url,
+                    "--port",
+                    str(port),
+                    "--node-id",
+                    LOCAL_NODE,
+                    "--proxy-id",
+                    LOCAL_NODE,
+                    "--cache-dir",
+                    str(self.data_dir / "proxy"),
+                ],
+                self.data_dir / "logs" / "proxy.log",
+                env,
+            )
+            proxy.start()
+            found.append(proxy)
+        return found
 
     def supervise_once(self) -> None:
         now = time.monotonic()
@@ -149,6 +218,15 @@ class Cluster:
             self.nats.stop()
 
 
+NEXT_STEPS = """
+Next, in another terminal (ZATTERA_NATS_URL={nats}):
+  .venv/bin/zattera nodes list
+  .venv/bin/zattera apps apply examples/hello/zattera.toml
+  .venv/bin/zattera deploy examples/hello --env demo/hello/production
+  curl -H 'Host: hello.localhost' http://127.0.0.1:{port}/
+"""
+
+
 def _port_free(port: int) -> bool:
     import socket
 
@@ -161,8 +239,8 @@ def _port_free(port: int) -> bool:
     return True
 
 
-async def _provision(url: str) -> None:
-    conn = await connect(url, name="zattera-up")
+async def _provision(url: str, creds: str = "", tls_ca: str = "") -> None:
+    conn = await connect(url, name="zattera-up", creds=creds or None, tls_ca=tls_ca or None)
     try:
         await provision(conn.js)
     finally:
@@ -180,14 +258,15 @@ def run_up(cluster: Cluster, *, hint: str = "") -> int:
     console = cluster.console
     try:
         cluster.start_nats()
-        asyncio.run(_provision(cluster.url))
+        asyncio.run(_provision(cluster.url, cluster.creds, cluster.tls_ca))
         cluster.start_services()
         console.print(f"[bold green]Zattera is up[/] — data in {cluster.data_dir}")
         console.print(f"  NATS:      {cluster.url}")
         for child in cluster.children:
             console.print(f"  {child.name:<10} pid {child.proc.pid if child.proc else '-'}  log {child.log_path}")
-        if hint:
-            console.print(hint)
+        if any(c.name == "proxy" for c in cluster.children):
+            console.print(f"  proxy:     http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")
+        console.print(hint or NEXT_STEPS.format(nats=cluster.url, port=cluster.proxy_port))
         console.print("Press Ctrl-C to stop.")
         while not stop:
             cluster.supervise_once()

@@ -32,7 +32,7 @@ from shared import keys as K
 from shared.clock import Clock, RealClock
 from shared.deployments import is_terminal
 from shared.ids import new_id
-from shared.txn import Conflict, Txn, Writer
+from shared.txn import CommitUnknown, Conflict, Txn, Writer
 from shared.view import StateView
 
 CANCELED_BY_OPERATOR = "canceled by operator"
@@ -262,6 +262,8 @@ class Deployer:
             except Conflict:
                 await self._await_change(key, rev)
                 continue
+            except CommitUnknown:
+                continue  # re-read: the view has caught up with whatever landed
             return request
         raise Contended(f"deployment {deployment_id} kept changing; try again")
 
@@ -282,6 +284,11 @@ class Deployer:
                 await self._writer.commit(txn)
             except Conflict:
                 await self._await_change(key, rev)
+                continue
+            except CommitUnknown:
+                # The writer has caught the view up: if the batch landed, the deployment is there.
+                if self._view.deployment(created.deployment.meta.id) is not None:
+                    return created
                 continue
             return created
         raise Contended(f"environment {environment_id} kept changing; try again")

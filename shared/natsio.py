@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
@@ -121,8 +123,20 @@ class Connection:
             await self.nc.close()
 
 
-async def connect(urls: str | list[str], name: str = "zattera", *, connect_timeout: float = 5.0) -> Connection:
-    """Connect with unlimited reconnects; the returned connection drains on close."""
+async def connect(
+    urls: str | list[str],
+    name: str = "zattera",
+    *,
+    connect_timeout: float = 5.0,
+    creds: str | None = None,
+    tls_ca: str | None = None,
+) -> Connection:
+    """Connect with unlimited reconnects; the returned connection drains on close.
+
+    ``creds``: a NATS credentials file (secured clusters, see SECURITY.md); the connection then uses the
+    private inbox prefix that the role permissions allow. ``tls_ca``: the CA that must have signed the
+    server certificate (TLS listener).
+    """
     on_reconnect: list[ConnectionListener] = []
     on_disconnect: list[ConnectionListener] = []
     holder: list[Connection] = []
@@ -157,6 +171,7 @@ async def connect(urls: str | list[str], name: str = "zattera", *, connect_timeo
         error_cb=error,
         pending_size=64 * 1024 * 1024,
         flush_timeout=10,
+        **_security_options(creds, tls_ca),
     )
     try:
         await asyncio.wait_for(connecting, timeout=connect_timeout * 2)
@@ -166,6 +181,18 @@ async def connect(urls: str | list[str], name: str = "zattera", *, connect_timeo
     conn = Connection(nc=nc, js=nc.jetstream(timeout=10), _on_reconnect=on_reconnect, _on_disconnect=on_disconnect)
     holder.append(conn)
     return conn
+
+
+def _security_options(creds: str | None, tls_ca: str | None) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if creds:
+        from shared.security.creds import inbox_prefix
+
+        options["user_credentials"] = creds
+        options["inbox_prefix"] = inbox_prefix(creds)
+    if tls_ca:
+        options["tls"] = ssl.create_default_context(cafile=tls_ca)
+    return options
 
 
 def state_stream_config(replicas: int, tombstone_ttl: float) -> StreamConfig:

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -30,6 +31,8 @@ from shared.txn import Writer
 from shared.view import StateView
 
 log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE = 10.0
 
 
 @dataclass
@@ -97,7 +100,8 @@ async def connect_with_retry(urls: str, name: str, stop: asyncio.Event) -> Conne
     delay = 0.2
     while not stop.is_set():
         try:
-            return await connect(urls, name=name)
+            cfg = settings()
+            return await connect(urls, name=name, creds=cfg.nats_creds or None, tls_ca=cfg.nats_tls_ca or None)
         except Exception as exc:
             log.warning("%s: NATS at %s unreachable (%s); retrying in %.1fs", name, urls, exc, delay)
             with contextlib.suppress(TimeoutError):
@@ -135,7 +139,12 @@ async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> i
                 log.error("%s: task failed: %r", name, task.exception())
         stopper.cancel()
     finally:
-        await cancel_and_wait(*tasks)
+        try:
+            await asyncio.wait_for(cancel_and_wait(*tasks), SHUTDOWN_GRACE)
+        except TimeoutError:
+            # Every transition is one atomic batch, so nothing is half-written; the leases expire by TTL.
+            log.error("%s: tasks did not stop within %.0fs; exiting anyway", name, SHUTDOWN_GRACE)
+            os._exit(1)
         await view.stop()
         await conn.close()
         log.info("%s: stopped", name)

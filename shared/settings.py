@@ -20,6 +20,8 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default=Path(".zattera"))
     replicas: int = Field(default=1, ge=1, le=5, description="replicas of buckets and streams")
     nats_server_bin: str = Field(default="", description="path of nats-server; empty = the bundled one")
+    nats_creds: str = Field(default="", description="NATS credentials file of this process; empty = no auth")
+    nats_tls_ca: str = Field(default="", description="CA file the NATS server certificate must chain to")
 
     lease_ttl: float = Field(default=3.0, gt=0)
     lease_renew: float = Field(default=1.0, gt=0)

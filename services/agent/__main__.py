@@ -64,6 +64,10 @@ def agent_settings(args: argparse.Namespace) -> AgentSettings:
     return cfg if cfg.node_id else cfg.model_copy(update={"node_id": default_node_id()})
 
 
+def agent_data_dir(given: Path | None, shared_data_dir: Path, node_id: str) -> Path:
+    return (given or shared_data_dir / f"agent-{node_id}").resolve()
+
+
 async def serve(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
@@ -74,7 +78,7 @@ async def serve(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     shared = shared_settings()
-    data_dir: Path = args.data_dir or shared.data_dir / f"agent-{cfg.node_id}"
+    data_dir = agent_data_dir(args.data_dir, shared.data_dir, cfg.node_id)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -84,7 +88,7 @@ async def serve(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         await provision(conn.js, replicas=shared.replicas, live_ttl=shared.live_ttl, tombstone_ttl=shared.tombstone_ttl)
-        agent_task = asyncio.create_task(Agent(conn, cfg, data_dir.resolve()).run())
+        agent_task = asyncio.create_task(Agent(conn, cfg, data_dir).run())
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({agent_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()

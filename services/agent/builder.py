@@ -54,6 +54,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
 from shared.natsio import SOURCES_STORE, Connection
 from shared.registry import BlobStore, PlatformImage, RegistryError, digest_of, parse_ref, push_image
+from shared.telemetry import span
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,8 @@ class Builder:
         self.os_arch = os_arch
         self.keepalive = keepalive
         self._builds: dict[str, asyncio.Task[None]] = {}
+        self.ready = asyncio.Event()
+        """Set once the build subjects are subscribed."""
 
     async def serve(self) -> None:
         nc = self.conn.nc
@@ -165,6 +168,7 @@ class Builder:
             await nc.subscribe(cancel_build_subject(self.node_id), cb=self._on_cancel),
         ]
         await nc.flush()
+        self.ready.set()
         try:
             await asyncio.Event().wait()
         finally:
@@ -213,7 +217,8 @@ class Builder:
         events = BuildEventPublisher(self.conn, build_id)
         scratch = self.work_dir / build_id
         try:
-            digest, platforms = await self._build(request, events, scratch)
+            with span("agent.build", build_id=build_id, node_id=self.node_id):
+                digest, platforms = await self._build(request, events, scratch)
             await events.succeeded(digest, platforms)
             await events.done()
             log.info("build %s: pushed %s", build_id, digest)

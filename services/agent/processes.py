@@ -16,9 +16,11 @@ import json
 import os
 import signal
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import psutil
 
@@ -26,6 +28,7 @@ STATE_FILE = "state.json"
 OUTPUT_FILE = "output.log"
 OUTPUT_MAX_BYTES = 10 * 1024 * 1024
 _CREATE_TIME_TOLERANCE = 0.05
+_GROUP_POLL_INTERVAL = 0.05
 
 
 @dataclass
@@ -98,18 +101,14 @@ class ProcessHandle:
     def alive(self) -> bool:
         if self._child is not None:
             return self._child.returncode is None
-        if self._ps is None:
-            return False
-        try:
-            return self._ps.is_running() and self._ps.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+        return self._ps is not None and _running(self._ps)
 
     async def wait(self) -> int | None:
         """The exit code; None for an adopted process (not our child: its exit status is not ours to read)."""
         if self._child is not None:
             return await self._child.wait()
-        while self.alive():
+        # Not our child: no exit notification exists, so poll.
+        while self.alive():  # noqa: ASYNC110
             await asyncio.sleep(self._poll_interval)
         return None
 
@@ -126,8 +125,23 @@ class ProcessHandle:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
 
+    def _members(self) -> list[psutil.Process]:
+        """The process and its descendants now (the group's other members, as far as they can be found)."""
+        if self._ps is None:
+            return []
+        try:
+            return [self._ps, *self._ps.children(recursive=True)]
+        except psutil.Error:
+            return [self._ps]
+
     async def stop(self, grace: float) -> int | None:
-        """SIGTERM, then SIGKILL after ``grace`` seconds; returns the exit code when known."""
+        """SIGTERM to the group, SIGKILL after ``grace`` seconds; returns the leader's exit code when known.
+
+        The whole group gets the grace, not just the leader: a ``sh -c`` leader dies at once on SIGTERM while
+        the app it started is still shutting down cleanly.
+        """
+        deadline = time.monotonic() + grace
+        members = self._members()
         if self.alive():
             self.signal(signal.SIGTERM)
             try:
@@ -137,8 +151,18 @@ class ProcessHandle:
                 code = await self.wait()
         else:
             code = await self.wait()
+        # The descendants are not our children: no exit notification exists, so poll.
+        while time.monotonic() < deadline and any(_running(m) for m in members[1:]):  # noqa: ASYNC110
+            await asyncio.sleep(_GROUP_POLL_INTERVAL)
         self.kill_leftovers()
         return code
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def adopt(record: InstanceRecord, *, poll_interval: float) -> ProcessHandle | None:
@@ -156,11 +180,17 @@ def adopt(record: InstanceRecord, *, poll_interval: float) -> ProcessHandle | No
     return ProcessHandle(record.pid, record.create_time, poll_interval=poll_interval)
 
 
+def _open_output(instance_dir: Path) -> BinaryIO:
+    """The instance's output file, started afresh once it grew past :data:`OUTPUT_MAX_BYTES`."""
+    output = instance_dir / OUTPUT_FILE
+    if output.exists() and output.stat().st_size > OUTPUT_MAX_BYTES:
+        return open(output, "wb")
+    return open(output, "ab")
+
+
 async def spawn(command: Sequence[str], *, cwd: Path, env: Mapping[str, str], instance_dir: Path) -> ProcessHandle:
     """Start ``command`` in its own session with its output appended to ``<instance>/output.log``."""
-    output = instance_dir / OUTPUT_FILE
-    mode = "wb" if output.exists() and output.stat().st_size > OUTPUT_MAX_BYTES else "ab"
-    with open(output, mode) as sink:
+    with _open_output(instance_dir) as sink:
         child = await asyncio.create_subprocess_exec(
             *command,
             cwd=cwd,

@@ -84,11 +84,12 @@ class ObservedReporter:
                 written.append((assignment_id, report))
         if not txns:
             return False
+        results: list[Exception | None]
         try:
-            results = await self._writer.commit_many(txns)
+            results = list(await self._writer.commit_many(txns))
         except Exception as exc:
             log.warning("observed reports not written (%s); re-trying", exc)
-            results = [exc] * len(txns)  # type: ignore[list-item]
+            results = [exc] * len(txns)
         retry = False
         for (assignment_id, report), result in zip(written, results, strict=True):
             if result is None:

@@ -47,6 +47,7 @@ from services.agent.reporter import ObservedReporter
 from services.agent.settings import AgentSettings
 from shared import keys as K
 from shared.natsio import Connection
+from shared.telemetry import span
 from shared.view import StateView
 
 log = logging.getLogger(__name__)
@@ -296,15 +297,27 @@ class InstanceSupervisor:
         for path in volumes.values():
             path.mkdir(parents=True, exist_ok=True)
         env = instance_env(a, image, self._ports, volumes)
+        # Shielded: once spawned, the process must be attached and recorded even if this task is
+        # cancelled meanwhile (assignment removed, agent stopping), or nobody would ever stop it.
+        launching = asyncio.ensure_future(self._launch(command, image.workdir, env))
         try:
-            handle = await spawn(command, cwd=image.workdir, env=env, instance_dir=self.dir)
+            handle = await asyncio.shield(launching)
+        except asyncio.CancelledError:
+            await asyncio.gather(launching, return_exceptions=True)
+            raise
         except OSError as exc:
             self._failed_attempt(f"start: {exc}", None)
             return
+        log.info("%s: started pid %d (%s) on ports %s", self.assignment_id, handle.pid, command, self._ports)
+        self._start_health(release)
+
+    async def _launch(self, command: list[str], workdir: Path, env: dict[str, str]) -> ProcessHandle:
+        with span("agent.instance.start", assignment_id=self.assignment_id, node_id=self.ctx.node_id):
+            handle = await spawn(command, cwd=workdir, env=env, instance_dir=self.dir)
         if self._ever_started:
             self._restarts += 1
         self._ever_started = True
-        self._workdir, self._env = image.workdir, env
+        self._workdir, self._env = workdir, env
         self._attach(handle)
         InstanceRecord(
             assignment_id=self.assignment_id,
@@ -314,11 +327,10 @@ class InstanceSupervisor:
             container_id=handle.container_id,
             ports=self._ports,
             restarts=self._restarts,
-            workdir=str(image.workdir),
+            workdir=str(workdir),
             env=env,
         ).save(self.dir)
-        log.info("%s: started pid %d (%s) on ports %s", self.assignment_id, handle.pid, command, self._ports)
-        self._start_health(release)
+        return handle
 
     def _resume_adopted(self) -> None:
         release = self.ctx.view.release(self.assignment.release_id)
@@ -407,7 +419,8 @@ class InstanceSupervisor:
         if self._monitor is not None:
             self._monitor.cancel()
         log.info("%s: stopping pid %d (grace %.1fs)", self.assignment_id, handle.pid, self._stop_grace)
-        await handle.stop(self._stop_grace)
+        with span("agent.instance.stop", assignment_id=self.assignment_id, node_id=self.ctx.node_id):
+            await handle.stop(self._stop_grace)
         self._detach()
 
     def _report(self, state: int, *, message: str = "", exit_code: int | None = None) -> None:

@@ -60,6 +60,7 @@ from shared.lease import Leadership
 from shared.loop import LeaderLoop
 from shared.natsio import BUILD_EVENTS_STREAM, build_events_subject, build_log_subject
 from shared.registry import repository
+from shared.tasks import cancel_and_wait
 from shared.txn import CommitUnknown, Conflict, Deposed
 
 log = logging.getLogger(__name__)
@@ -380,11 +381,7 @@ class BuildDispatcher(LeaderLoop):
             self._events_sub = None
         tasks = [f.task for f in self._followers.values() if f.task] + list(self._tasks)
         self._followers.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(*tasks)
         self._tasks.clear()
 
     def _spawn(self, coro: Any) -> None:

@@ -251,9 +251,18 @@ def phase_label(phase: int) -> str:
     return P.Name(phase).removeprefix("DEPLOYMENT_PHASE_")  # type: ignore[arg-type]
 
 
-def move(d: pb.Deployment, phase: int, now: float, **kw: float | str | None) -> Transition:
+def move(
+    d: pb.Deployment,
+    phase: int,
+    now: float,
+    *,
+    error: str = "",
+    promoted_at: float | None = None,
+    drain_deadline: float | None = None,
+) -> Transition:
     """A transition into ``phase``; callers add the writes that go with it."""
-    return Transition(advance(d, phase, now, **kw), f"{phase_label(d.phase)}->{phase_label(phase)}")  # type: ignore[arg-type]
+    entered = advance(d, phase, now, error=error, promoted_at=promoted_at, drain_deadline=drain_deadline)
+    return Transition(entered, f"{phase_label(d.phase)}->{phase_label(phase)}")
 
 
 def stay(d: pb.Deployment, why: str) -> Transition:

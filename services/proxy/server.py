@@ -180,7 +180,9 @@ class Proxy:
 
     async def stop(self) -> None:
         """Stop accepting, reject held requests, drain in-flight ones for ``shutdown_grace``, send a last
-        heartbeat, close."""
+        heartbeat, close. Idempotent."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         await self.holds.close()
         if self._runner is not None:

@@ -11,6 +11,8 @@ from typing import Any
 
 from services.scheduler.liveness import Liveness
 from services.scheduler.loop import Scheduler
+from services.scheduler.snapshot_dispatch import SnapshotDispatcher, target_from_env
+from services.scheduler.snapshots import SnapshotScheduler
 from shared.live import LiveView
 from shared.service import ServiceContext, main
 
@@ -21,6 +23,12 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     return [
         ctx.lead(Scheduler(tick=ctx.settings.loop_tick, **ctx.loop_kwargs())),
         ctx.lead(Liveness(live=live, **ctx.loop_kwargs())),
+        ctx.lead(
+            SnapshotScheduler(
+                dispatcher=SnapshotDispatcher(ctx.conn, ctx.view, ctx.clock, target=target_from_env()),
+                **ctx.loop_kwargs(),
+            )
+        ),
     ]
 
 

@@ -8,6 +8,7 @@ is published when the condition starts or changes, not on every pass (the refere
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -67,7 +68,16 @@ async def commit(writer: Writer, events: EventPublisher, writes: Sequence[Writes
             log.info("%s: %s not written (%s); re-deciding on the next pass", loop, w.label, error)
         elif w.events:
             await events.publish(*w.events)
+    _honour_swallowed_cancellation()
     return landed
+
+
+def _honour_swallowed_cancellation() -> None:
+    """nats-py swallows a CancelledError that lands while a publish waits on its flush queue; the task
+    still counts the request (``cancelling()``). Raise it, or a stopped term would keep running."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def event(

@@ -66,7 +66,6 @@ def encode_jwt(
     subject: str,
     name: str,
     nats: dict[str, Any],
-    expires_at: float | None = None,
 ) -> str:
     """Sign claims with ``issuer``; ``nats`` is the type-specific body (``type`` and ``version`` included)."""
     claims: dict[str, Any] = {
@@ -76,8 +75,6 @@ def encode_jwt(
         "sub": subject,
         "nats": nats,
     }
-    if expires_at is not None:
-        claims["exp"] = int(expires_at)
     # The jti only has to be unique; hashing the claims (as the Go library does) makes it reproducible.
     claims["jti"] = base64.b32encode(hashlib.sha256(json.dumps(claims, sort_keys=True).encode()).digest()).decode()
     signing_input = f"{_b64url(json.dumps(JWT_HEADER).encode())}.{_b64url(json.dumps(claims).encode())}"

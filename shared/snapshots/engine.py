@@ -142,7 +142,9 @@ class SnapshotEngine:
                 name = self.store.chunk_name(digest)
                 if await self.store.exists(name):
                     return
-                await self.store.put(name, await asyncio.to_thread(self.store.encode, data))
+                stored, digest_b64 = await asyncio.to_thread(self.store.encode_with_digest, data)
+                if not await self.store.create(name, stored, digest_b64):
+                    return  # another snapshot stored the same chunk a moment ago
                 counters["uploaded"] += len(data)
                 counters["new"] += 1
                 await report()

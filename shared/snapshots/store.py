@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 import zstandard
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo, ObjectMeta, ObjectMetaOptions
-from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.errors import APIError, NotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
@@ -26,9 +27,10 @@ from shared.snapshots.crypto import Sealer
 
 CHUNKS = "chunks/"
 MANIFESTS = "manifests/"
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = 1  # not the default 3: ~1.7x faster on text, similar ratio; decoding is level-agnostic
 PAYLOAD_HEADROOM = 64 << 10  # protocol headers of a published message
 SINGLE_MESSAGE_MAX = (4 << 20) + (256 << 10)  # a 4 MiB chunk after the worst zstd + seal expansion
+WRONG_LAST_SEQUENCE = 10071
 
 
 class ObjectMissingError(Exception):
@@ -82,6 +84,11 @@ class SnapshotStore:
         """zstd then seal: CPU-bound, releases the GIL (call from a worker thread for large data)."""
         return self.sealer.seal(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(plaintext))
 
+    def encode_with_digest(self, plaintext: bytes) -> tuple[bytes, str]:
+        """:meth:`encode` plus the object store digest of the stored bytes (both off the event loop)."""
+        stored = self.encode(plaintext)
+        return stored, "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(stored).digest()).decode()
+
     def decode(self, stored: bytes) -> bytes:
         return zstandard.ZstdDecompressor().decompress(self.sealer.open(stored))
 
@@ -89,23 +96,74 @@ class SnapshotStore:
 
     async def exists(self, name: str) -> bool:
         try:
-            await self._store.get_info(name)
-        except (ObjectNotFoundError, NotFoundError):
+            meta = await self._js.get_last_msg(self._stream, self._meta_subject(name), direct=True)
+        except NotFoundError:
             return False
-        return True
+        return not json.loads(meta.data or b"{}").get("deleted")
 
     async def put(self, name: str, data: bytes) -> None:
         options = ObjectMetaOptions(max_chunk_size=min(max(len(data), 1), self._max_message))
         await self._store.put(name, data, meta=ObjectMeta(name=name, options=options))
 
+    async def create(self, name: str, data: bytes, digest: str) -> bool:
+        """Store a content-addressed object that should not exist yet; False if it appeared meanwhile.
+
+        The object store layout (ADR-20) written directly: data message(s) on a fresh subject, then the
+        meta message, which the server accepts only if no meta exists (expected sequence 0). Compared
+        with ``ObjectStore.put`` this saves the meta lookup and the copies through a reader, and two
+        snapshots racing to store the same chunk cannot leave unreferenced data behind.
+        """
+        nuid = self._js._nc._nuid.next().decode()
+        chunk_subject = f"$O.{self._bucket}.C.{nuid}"
+        parts = [data[i : i + self._max_message] for i in range(0, len(data), self._max_message)] or [b""]
+        for part in parts:
+            await self._js.publish(chunk_subject, part)
+        info = ObjectInfo(
+            name=name,
+            bucket=self._bucket,
+            nuid=nuid,
+            size=len(data),
+            chunks=len(parts),
+            digest=digest,
+            mtime=datetime.now(UTC).isoformat(),
+            options=ObjectMetaOptions(max_chunk_size=self._max_message),
+        )
+        meta_subject = self._meta_subject(name)
+        meta = json.dumps(info.as_dict()).encode()
+        expected = 0  # no meta yet; a deleted object's tombstone meta is replaced at its sequence
+        for _ in range(3):
+            try:
+                await self._js.publish(
+                    meta_subject,
+                    meta,
+                    headers={"Nats-Rollup": "sub", "Nats-Expected-Last-Subject-Sequence": str(expected)},
+                )
+                return True
+            except APIError as exc:
+                if exc.err_code != WRONG_LAST_SEQUENCE:
+                    await self._js.purge_stream(self._stream, subject=chunk_subject)
+                    raise
+            last = await self._js.get_last_msg(self._stream, meta_subject)
+            if not json.loads(last.data or b"{}").get("deleted"):
+                break
+            expected = last.seq or 0
+        await self._js.purge_stream(self._stream, subject=chunk_subject)
+        return False
+
+    def _meta_subject(self, name: str) -> str:
+        return f"$O.{self._bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+
     async def get(self, name: str) -> bytes:
         try:
-            info = await self._store.get_info(name)
-        except (ObjectNotFoundError, NotFoundError) as exc:
+            meta = await self._js.get_last_msg(self._stream, self._meta_subject(name), direct=True)
+        except NotFoundError as exc:
             raise ObjectMissingError(name) from exc
+        info = ObjectInfo.from_response(json.loads(meta.data or b"{}"))
+        if info.deleted:
+            raise ObjectMissingError(name)
         if info.chunks == 1 and info.nuid:
-            # One data message: read it directly (no per-object consumer), then check the store's digest.
-            msg = await self._js.get_last_msg(self._stream, f"$O.{self._bucket}.C.{info.nuid}")
+            # One data message: a direct get (no per-object consumer), then check the store's digest.
+            msg = await self._js.get_last_msg(self._stream, f"$O.{self._bucket}.C.{info.nuid}", direct=True)
             data = msg.data or b""
             digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
             if info.digest and info.digest.split("=", 1)[-1] != digest:

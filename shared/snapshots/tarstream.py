@@ -171,7 +171,7 @@ def extract(stream: BinaryIO, dest: Path) -> None:
     root = os.path.realpath(dest)
     os.makedirs(root, exist_ok=True)
     dirs: list[tarfile.TarInfo] = []
-    with tarfile.open(fileobj=stream, mode="r|") as archive:
+    with tarfile.open(fileobj=stream, mode="r|", bufsize=READ_SIZE) as archive:
         for member in archive:
             name = member.name.rstrip("/")
             parts = name.split("/")

@@ -36,7 +36,11 @@ async def test_service_starts_and_stops_cleanly_on_sigterm(service, nats_url, tm
     try:
         await eventually(lambda: "running" in log.read_text(), timeout=30, what=f"{service} running")
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=15) == 0, log.read_text()
+        try:
+            code = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{service} did not stop on SIGTERM:\n{log.read_text()}") from None
+        assert code == 0, log.read_text()
         assert "stopped" in log.read_text()
     finally:
         if proc.poll() is None:

@@ -11,12 +11,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
 from services.orchestrator.loop import Orchestrator
-from services.orchestrator.model import Timers, Transition, timestamp
+from services.orchestrator.model import Timers, Transition, copy_of, timestamp
 from shared import keys as K
 from shared.clock import FakeClock
 from shared.lease import Leadership, Lease
@@ -28,6 +29,15 @@ from tests.factories import node
 RUN = pb.ASSIGNMENT_DESIRED_RUN
 STOP = pb.ASSIGNMENT_DESIRED_STOP
 PH = pb.DeploymentPhase
+
+
+M = TypeVar("M", bound=Message)
+
+
+def copied(msg: M | None) -> M:
+    """A mutable copy of a message read from a view (which must exist)."""
+    assert msg is not None
+    return copy_of(msg)
 
 
 def spec(min_replicas: int, *, max_replicas: int = 0, stateful: bool = False, volume: str = "") -> pb.ServiceSpec:

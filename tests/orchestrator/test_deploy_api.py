@@ -9,7 +9,6 @@ from functools import partial
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from services.orchestrator.model import copy_of
 from shared.deploy import (
     Deployer,
     DeployError,
@@ -21,7 +20,7 @@ from shared.deploy import (
 from shared.natsio import Connection, connect
 from shared.txn import Writer
 from shared.view import StateView
-from tests.orchestrator.rig import environment, spec
+from tests.orchestrator.rig import copied, environment, spec
 from tests.waiting import eventually
 
 ENV = "env-a"
@@ -40,12 +39,12 @@ async def deployer(writer: Writer) -> Deployer:
 async def finish(writer: Writer, d: pb.Deployment, phase: int = pb.DEPLOYMENT_PHASE_SUCCEEDED) -> None:
     """Play the orchestrator: the deployment ends in ``phase``; a success makes its release active."""
     view = writer.view
-    done = copy_of(view.deployment(d.meta.id))
+    done = copied(view.deployment(d.meta.id))
     assert done is not None
     done.phase = phase  # type: ignore[assignment]
     txn = writer.txn().put(done)
     if phase in (pb.DEPLOYMENT_PHASE_SUCCEEDED, pb.DEPLOYMENT_PHASE_DRAINING_OLD):
-        env = copy_of(view.env(d.environment_id))
+        env = copied(view.env(d.environment_id))
         assert env is not None
         env.active_release_id = d.release_id
         txn.put(env)

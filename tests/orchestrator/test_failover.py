@@ -5,6 +5,8 @@ I1–I7 hold at every observed state. Two representative kills run by default; t
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,14 +14,13 @@ from pathlib import Path
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from services.orchestrator.model import copy_of
 from shared.deploy import Deployer
-from shared.natsio import Connection
+from shared.natsio import connect, provision
 from shared.txn import Writer
 from tests.agent_sim import AgentSim
 from tests.factories import node
 from tests.orchestrator.failover import InvariantView, Orchestrators, invariant_violations, is_done
-from tests.orchestrator.rig import environment, release, replica, spec
+from tests.orchestrator.rig import copied, environment, release, replica, spec
 from tests.waiting import eventually
 
 PH = pb.DeploymentPhase
@@ -28,7 +29,7 @@ RUNNING = pb.INSTANCE_STATE_RUNNING
 HEALTHY = pb.INSTANCE_STATE_HEALTHY
 WORKERS = ("w1", "w2", "w3")
 
-RED_GREEN_ORDER = [
+RED_GREEN_ORDER: list[int] = [
     PH.DEPLOYMENT_PHASE_PENDING,
     PH.DEPLOYMENT_PHASE_PLACING,
     PH.DEPLOYMENT_PHASE_STARTING,
@@ -37,7 +38,7 @@ RED_GREEN_ORDER = [
     PH.DEPLOYMENT_PHASE_DRAINING_OLD,
     PH.DEPLOYMENT_PHASE_SUCCEEDED,
 ]
-STATEFUL_ORDER = [
+STATEFUL_ORDER: list[int] = [
     PH.DEPLOYMENT_PHASE_PENDING,
     PH.DEPLOYMENT_PHASE_STOPPING_OLD,
     PH.DEPLOYMENT_PHASE_STARTING,
@@ -60,7 +61,7 @@ class Cluster:
             d = self.view.deployment(deployment_id)
             if d is None:
                 return False
-            assert d.phase in order, f"deployment ended {PH.Name(d.phase)}: {d.error}"  # type: ignore[arg-type]
+            assert d.phase in order, f"deployment ended {PH.Name(d.phase)}: {d.error}"
             return order.index(d.phase) >= order.index(phase)
 
         await eventually(reached, timeout, f"phase >= {PH.Name(phase)}")  # type: ignore[arg-type]
@@ -68,7 +69,7 @@ class Cluster:
     async def set_schedulable(self, schedulable: bool) -> None:
         txn = self.writer.txn()
         for w in WORKERS:
-            n = copy_of(self.view.node(w))
+            n = copied(self.view.node(w))
             assert n is not None
             n.schedulable = schedulable
             txn.put(n)
@@ -76,7 +77,9 @@ class Cluster:
 
 
 @pytest.fixture
-async def cluster(nats_url: str, conn: Connection, tmp_path: Path) -> AsyncIterator[Cluster]:
+async def cluster(nats_url: str, tmp_path: Path) -> AsyncIterator[Cluster]:
+    conn = await connect(nats_url, name="failover-test")
+    await provision(conn.js)
     view = InvariantView(conn)
     await view.start()
     writer = Writer(conn, view)
@@ -88,8 +91,10 @@ async def cluster(nats_url: str, conn: Connection, tmp_path: Path) -> AsyncItera
         yield Cluster(view, writer, agent, orchestrators, Deployer(writer))
     finally:
         orchestrators.stop_all()
-        await agent.stop()
-        await view.stop()
+        # Bounded: a teardown step stuck on a connection must not hang the suite.
+        for step in (agent.stop(), view.stop(), conn.close()):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(step, 10)
 
 
 async def seed_red_green(c: Cluster) -> None:
@@ -137,10 +142,11 @@ async def kill_leader_at(c: Cluster, env_id: str, phase: int, order: list[int]) 
 
 def gates_for(c: Cluster, phase: int) -> None:
     """Pause the deployment at the phase to kill in (the reference's gates: none, running, healthy)."""
-    c.agent.green_state = {
+    pausing: dict[int, int | None] = {
         PH.DEPLOYMENT_PHASE_STARTING: None,
         PH.DEPLOYMENT_PHASE_HEALTHCHECKING: RUNNING,
-    }.get(phase, HEALTHY)
+    }
+    c.agent.green_state = pausing.get(phase, HEALTHY)
     c.agent.report_stopped = phase != PH.DEPLOYMENT_PHASE_STOPPING_OLD
 
 
@@ -225,7 +231,7 @@ async def test_losing_a_worker_mid_deploy_leaves_no_run_replica_on_it(cluster: C
     victim = "w1"
     assert victim in {a.node_id for a in cluster.view.assignments("cenv") if a.deployment_id == dep}
     cluster.agent.dead_nodes.add(victim)
-    down = copy_of(cluster.view.node(victim))
+    down = copied(cluster.view.node(victim))
     assert down is not None
     down.status = pb.NODE_STATUS_DOWN
     await cluster.writer.commit(cluster.writer.txn().put(down))
@@ -240,7 +246,7 @@ async def test_an_env_write_during_a_leader_kill_survives_the_promotion(cluster:
     await seed_red_green(cluster)
     gates_for(cluster, PH.DEPLOYMENT_PHASE_STARTING)
     dep = await kill_leader_at(cluster, "cenv", PH.DEPLOYMENT_PHASE_STARTING, RED_GREEN_ORDER)
-    env = copy_of(cluster.view.env("cenv"))
+    env = copied(cluster.view.env("cenv"))
     assert env is not None
     env.service.replicas.max = 7
     await cluster.writer.commit(cluster.writer.txn().put(env))

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from services.orchestrator.model import Timers, copy_of
+from services.orchestrator.model import Timers
 from services.orchestrator.phases import decide
 from shared import keys as K
 from shared.deploy import Deployer
@@ -17,7 +17,7 @@ from shared.deployments import env_ownership
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.txn import Conflict, Writer
 from shared.view import StateView
-from tests.orchestrator.rig import PH, RUN, STOP, Rig, make_rig, seed_deploy_rig
+from tests.orchestrator.rig import PH, RUN, STOP, Rig, copied, make_rig, seed_deploy_rig
 
 HEALTHY = pb.INSTANCE_STATE_HEALTHY
 FAILED = pb.INSTANCE_STATE_FAILED
@@ -32,7 +32,7 @@ async def rig(conn: Connection) -> AsyncIterator[Rig]:
 
 async def last_seq(conn: Connection, key: str) -> int:
     msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + key, direct=True)
-    return int(msg.seq)
+    return int(msg.seq or 0)
 
 
 async def assert_one_batch(conn: Connection, keys: list[str]) -> None:
@@ -76,7 +76,7 @@ async def test_an_abort_refused_by_a_concurrent_change_writes_nothing(conn: Conn
 
     other_view = StateView(conn, name="operator")
     await other_view.start()
-    cancel = copy_of(other_view.deployment("dep1"))
+    cancel = copied(other_view.deployment("dep1"))
     assert cancel is not None
     cancel.error = "canceled by operator"
     await Writer(conn, other_view).commit(Writer(conn, other_view).txn().put(cancel))

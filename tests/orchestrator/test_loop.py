@@ -14,7 +14,7 @@ import pytest
 from zattera.v1 import types_pb2 as pb
 
 from services.orchestrator.loop import Orchestrator
-from services.orchestrator.model import Timers, copy_of
+from services.orchestrator.model import Timers
 from shared.clock import FakeClock
 from shared.deploy import Deployer
 from shared.lease import run_while_leading
@@ -23,7 +23,7 @@ from shared.txn import Writer
 from shared.view import StateView
 from tests.agent_sim import AgentSim
 from tests.factories import node
-from tests.orchestrator.rig import environment, release, replica, spec
+from tests.orchestrator.rig import copied, environment, release, replica, spec
 from tests.waiting import eventually
 
 PH = pb.DeploymentPhase
@@ -107,7 +107,7 @@ async def test_a_finished_build_wakes_the_loop_without_waiting_for_a_tick(runnin
     dep = created.deployment.meta.id
     await running.reaches(dep, PH.DEPLOYMENT_PHASE_BUILDING)
     assert created.build is not None
-    build = copy_of(created.build)
+    build = copied(created.build)
     build.status = pb.BUILD_STATUS_SUCCEEDED
     build.image_ref = "reg/app@sha256:1"
     await running.writer.commit(running.writer.txn().put(build))
@@ -133,7 +133,7 @@ async def test_a_placing_timeout_fails_the_deploy_naming_the_placement_error(run
     for n in ("n1", "n2", "n3"):
         txn.put(node(n, cpu=100, mem=256))  # full: each holds one replica or nothing fits beside blue
     await running.writer.commit(txn)
-    big = copy_of(running.view.env(ENV))
+    big = copied(running.view.env(ENV))
     assert big is not None
     big.service.resources.memory_mb = 512
     await running.writer.commit(running.writer.txn().put(big))

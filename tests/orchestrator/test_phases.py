@@ -5,17 +5,19 @@ Each test pins one rule of the phase machine, in particular the fixes of the ref
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
-from services.orchestrator.model import Timers, Transition, copy_of, timestamp
+from services.orchestrator.model import Timers, Transition, timestamp
 from services.orchestrator.phases import decide, wake_at
 from shared import keys as K
 from shared.deploy import CANCELED_BY_OPERATOR
 from shared.view import StateView
 from tests.factories import node
-from tests.orchestrator.rig import deployment, environment, release, replica, spec
+from tests.orchestrator.rig import copied, deployment, environment, release, replica, spec
 
 PH = pb.DeploymentPhase
 RUN = pb.ASSIGNMENT_DESIRED_RUN
@@ -74,7 +76,7 @@ class Board:
         return [a for a in self.view.assignments(ENV) if a.deployment_id == deployment_id and a.desired == RUN]
 
     def at_phase(self, phase: int, deployment_id: str = "dep1", at: float = T0) -> None:
-        d = copy_of(self.d(deployment_id))
+        d = copied(self.d(deployment_id))
         d.phase = phase  # type: ignore[assignment]
         d.meta.updated_at.CopyFrom(timestamp(at))
         self.put(d)
@@ -141,7 +143,7 @@ def test_missing_release_aborts_with_the_reference_reason() -> None:
 
 def test_release_without_image_and_without_build_aborts() -> None:
     b = red_green_board()
-    rel2 = copy_of(b.view.release("rel2"))
+    rel2 = copied(b.view.release("rel2"))
     assert rel2 is not None
     rel2.image_ref = ""
     b.put(rel2)
@@ -195,7 +197,7 @@ def test_short_green_set_goes_back_to_placing(phase: int) -> None:
 
 
 def _deleting(b: Board, assignments: list[pb.Assignment]) -> Transition:
-    t = Transition(copy_of(b.d()), "external delete")
+    t = Transition(copied(b.d()), "external delete")
     t.deletes = [K.assignment(a.node_id, a.meta.id) for a in assignments]
     return t
 
@@ -230,7 +232,7 @@ def test_unhealthy_green_waits_for_the_health_deadline_instead_of_aborting() -> 
 
 def test_health_deadline_is_twice_the_release_grace_plus_a_minute() -> None:
     b = red_green_board()
-    rel2 = copy_of(b.view.release("rel2"))
+    rel2 = copied(b.view.release("rel2"))
     assert rel2 is not None
     rel2.service.healthcheck.grace_period.seconds = 30
     b.put(rel2)
@@ -317,12 +319,12 @@ def test_green_on_a_down_node_is_not_replaced_once_promoted() -> None:
 
 def _queued_build_board() -> Board:
     b = red_green_board()
-    rel2 = copy_of(b.view.release("rel2"))
+    rel2 = copied(b.view.release("rel2"))
     assert rel2 is not None
     rel2.image_ref = ""
     build = pb.Build(environment_id=ENV, status=pb.BUILD_STATUS_QUEUED)
     build.meta.id = "b1"
-    d = copy_of(b.d())
+    d = copied(b.d())
     d.build_id = "b1"
     b.put(rel2, build, d)
     b.step()
@@ -378,8 +380,10 @@ def _stateful_starting_board() -> Board:
     ],
     ids=["building", "placing", "starting", "stopping_old", "stateful_starting"],
 )
-def test_every_waiting_phase_times_out_with_a_reason_naming_phase_and_cause(make, limit: int, reason: str) -> None:  # type: ignore[no-untyped-def]
-    b: Board = make()
+def test_every_waiting_phase_times_out_with_a_reason_naming_phase_and_cause(
+    make: Callable[[], Board], limit: int, reason: str
+) -> None:
+    b = make()
     assert b.decide(T0 + limit) is None  # strictly after the limit
     t = b.decide(T0 + limit + 0.001)
     assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_FAILED
@@ -405,7 +409,7 @@ def test_timeouts_are_configurable() -> None:
 
 def test_a_deployment_never_stamped_with_a_phase_entry_runs_no_timer() -> None:
     b = _queued_build_board()
-    d = copy_of(b.d())
+    d = copied(b.d())
     d.meta.ClearField("updated_at")
     b.put(d)
     assert b.decide(T0 + 10 * 3600) is None
@@ -519,7 +523,7 @@ def test_redeploy_of_the_same_release_stops_only_the_previous_set() -> None:
 
 
 def _cancel(b: Board, deployment_id: str = "dep1") -> None:
-    d = copy_of(b.d(deployment_id))
+    d = copied(b.d(deployment_id))
     d.error = CANCELED_BY_OPERATOR
     b.put(d)
 

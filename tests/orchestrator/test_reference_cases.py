@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from services.orchestrator.model import copy_of
 from shared import keys as K
 from shared.natsio import Connection
 from tests.factories import node
@@ -17,6 +16,7 @@ from tests.orchestrator.rig import (
     RUN,
     STOP,
     Rig,
+    copied,
     deployment,
     environment,
     make_rig,
@@ -95,7 +95,7 @@ async def test_u2_failing_green_aborts_and_leaves_blue_untouched(deploy_rig: Rig
 
 async def test_u3_rollback_within_the_drain_window_promotes_immediately(deploy_rig: Rig) -> None:
     rig = deploy_rig
-    env = copy_of(rig.env())
+    env = copied(rig.env())
     env.active_release_id = "rel2"
     await rig.put(env)
     await rig.observe(rig.blue(), HEALTHY)
@@ -132,7 +132,7 @@ async def test_u5_newer_deployment_never_reaps_a_promoted_ones_live_green(deploy
 
 async def test_u6_stateful_release_uses_stop_then_start(deploy_rig: Rig) -> None:
     rig = deploy_rig
-    rel2 = copy_of(rig.view.release("rel2"))
+    rel2 = copied(rig.view.release("rel2"))
     assert rel2 is not None
     rel2.service.stateful = True
     await rig.put(rel2)
@@ -179,9 +179,9 @@ async def test_u7_stop_then_start_walks_to_succeeded_without_double_run(stateful
 async def test_u8_first_stateful_deploy_auto_creates_the_volume(stateful_rig: Rig) -> None:
     rig = stateful_rig
     await rig.delete(K.assignment("n1", "blue-0"), K.volume("vol-data"))
-    d = copy_of(rig.deployment())
+    d = copied(rig.deployment())
     d.previous_release_id = ""
-    env = copy_of(rig.env())
+    env = copied(rig.env())
     env.active_release_id = ""
     await rig.put(d, env)
     await step_safe(rig)
@@ -257,7 +257,7 @@ async def test_u11_building_gate_waits_for_the_build_then_stamps_the_image(rig: 
     assert rig.phase("d1") == PH.DEPLOYMENT_PHASE_BUILDING
     await rig.step("d1")
     assert rig.phase("d1") == PH.DEPLOYMENT_PHASE_BUILDING
-    build = copy_of(rig.view.build("b1"))
+    build = copied(rig.view.build("b1"))
     assert build is not None
     build.status = pb.BUILD_STATUS_SUCCEEDED
     build.image_ref = "ctrl:5000/proj1/app1@sha256:abc123"
@@ -273,7 +273,7 @@ async def test_u11_building_gate_waits_for_the_build_then_stamps_the_image(rig: 
 
 async def test_u12_failed_build_fails_the_deployment(rig: Rig) -> None:
     await seed_build_gate(rig, pb.BUILD_STATUS_FAILED, error="compile error")
-    d = copy_of(deployment("d1", rig.env_id, "rel-b", build_id="b1"))
+    d = copied(deployment("d1", rig.env_id, "rel-b", build_id="b1"))
     d.phase = PH.DEPLOYMENT_PHASE_BUILDING
     await rig.put(d)
     await rig.step("d1")

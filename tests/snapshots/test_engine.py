@@ -77,6 +77,19 @@ async def test_prune_leaves_shared_chunks(engine: SnapshotEngine, tmp_path: Path
     assert tar_bytes(tmp_path / "out") != tar_bytes(src)  # s1 = before the flip
 
 
+async def test_chunks_collected_by_gc_are_stored_again_by_a_later_snapshot(
+    engine: SnapshotEngine, tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    write_tree(src, {"f.bin": random.randbytes(64 << 10)})
+    first = await engine.snapshot(src, "s1")
+    assert (await engine.prune(["s1"], grace=0)).deleted_chunks == first.new_chunks
+    again = await engine.snapshot(src, "s2")
+    assert again.new_chunks == first.new_chunks  # deleted objects' tombstones do not count as stored
+    await engine.restore("s2", tmp_path / "out")
+    assert tar_bytes(tmp_path / "out") == tar_bytes(src)
+
+
 async def test_gc_grace_keeps_chunks_of_an_in_flight_snapshot(engine: SnapshotEngine, tmp_path: Path) -> None:
     """The reference GC deleted chunks a running snapshot had uploaded but not yet listed in a manifest."""
     src = tmp_path / "src"

@@ -1,0 +1,105 @@
+"""Security commands: ``zattera up --secure/--tls``, ``zattera nodes join-token`` (registered on the nodes
+group by cli/main.py), ``zattera security creds|revoke``."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from pathlib import Path
+
+import typer
+
+from cli.client import nats_url
+from cli.up import Cluster, Supervised, run_up
+from shared.natsio import connect
+from shared.security.authority import Authority
+from shared.security.join import DEFAULT_TTL, JoinRefused, request_join_token
+from shared.security.permissions import Role
+from shared.security.setup import prepare
+from shared.settings import settings
+
+security_app = typer.Typer(no_args_is_help=True, help="Credentials of a secured cluster (see SECURITY.md).")
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``2h``, ``1d`` → seconds."""
+    match = _DURATION.match(text.strip())
+    if match is None:
+        raise typer.BadParameter(f"{text!r}: expected a duration like 30m, 2h or 1d")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def secure_up(data_dir: Path, port: int, *, tls: bool) -> int:
+    """``zattera up`` with operator-mode auth (and TLS): every service runs with the control credential."""
+    setup = prepare(data_dir / "security", tls=tls)
+    ca = str(setup.tls_ca or "")
+    join = Supervised("join", [sys.executable, "-m", "services.join"], data_dir / "logs" / "join.log", {})
+    cluster = Cluster(
+        data_dir=data_dir,
+        port=port,
+        extra=[join],
+        nats_extra_config=setup.server_config(),
+        creds=str(setup.control_creds),
+        tls_ca=ca,
+    )
+    hint = f"  CLI:       export ZATTERA_NATS_CREDS={setup.operator_creds}"
+    if ca:
+        hint += f" ZATTERA_NATS_TLS_CA={ca}"
+    hint += "\n  Add nodes: zattera nodes join-token  (then start the agent with --join-token)"
+    return run_up(cluster, hint=hint)
+
+
+def join_token(
+    ttl: str = typer.Option("1h", help="how long the token stays valid (e.g. 30m, 2h, 1d; at most 7d)"),
+    node: str = typer.Option("", help="bind the token to this node id (required to re-join an existing node)"),
+    builder: bool = typer.Option(False, help="the node may also run builds and push images"),
+) -> None:
+    """Print a single-use, expiring token for an agent's --join-token."""
+    cfg = settings()
+    seconds = parse_duration(ttl) if ttl else DEFAULT_TTL
+
+    async def issue() -> str:
+        conn = await connect(
+            nats_url(), name="zattera-cli", creds=cfg.nats_creds or None, tls_ca=cfg.nats_tls_ca or None
+        )
+        try:
+            return await request_join_token(conn, ttl=seconds, node_id=node, builder=builder)
+        finally:
+            await conn.close()
+
+    try:
+        typer.echo(asyncio.run(issue()))
+    except JoinRefused as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+@security_app.command("creds")
+def issue_creds(
+    role: Role = typer.Argument(..., help="control, operator, agent, builder or proxy"),
+    name: str = typer.Argument(..., help="the node id of an agent, the proxy id of a proxy, any label otherwise"),
+    data_dir: Path = typer.Option(None, help="holds security/ (default: $ZATTERA_DATA_DIR)"),
+) -> None:
+    """Issue a credentials file signed by the role's scoped key; prints its path."""
+    directory = (data_dir or settings().data_dir).resolve() / "security"
+    if not (directory / "accounts.json").exists():
+        typer.echo(f"error: no security setup in {directory} (run zattera up --secure first)", err=True)
+        raise typer.Exit(1)
+    typer.echo(str(prepare(directory, tls=(directory / "tls").exists()).creds(role, name)))
+
+
+@security_app.command("revoke")
+def revoke(
+    user_public_key: str = typer.Argument(..., help="the U… key of the credential (its JWT 'sub')"),
+    data_dir: Path = typer.Option(None, help="holds security/ (default: $ZATTERA_DATA_DIR)"),
+) -> None:
+    """Revoke a user credential: rewrites the account JWT; restart (or reload) nats-server to apply."""
+    directory = (data_dir or settings().data_dir).resolve() / "security"
+    authority = Authority.load(directory)
+    authority.revoke(user_public_key)
+    authority.save(directory)
+    typer.echo(f"revoked {user_public_key}; apply with: nats-server --signal reload (or restart zattera up)")

@@ -1,0 +1,31 @@
+"""A tiny HTTP app for Zattera's quick start: answers on $PORT, /healthz for the health check."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+VERSION = os.environ.get("HELLO_VERSION", "v1")
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        if self.path == "/healthz":
+            body = b"ok"
+        else:
+            body = json.dumps({"hello": "world", "version": VERSION, "host": socket.gethostname(),
+                               "pid": os.getpid()}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json" if self.path != "/healthz" else "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+if __name__ == "__main__":
+    ThreadingHTTPServer(("127.0.0.1", int(os.environ.get("PORT", "8000"))), Handler).serve_forever()

@@ -1,0 +1,34 @@
+"""``python -m services.join``: run with the control credential and ``ZATTERA_DATA_DIR`` holding ``security/``.
+
+It reads only the agent and builder scoped signing keys: a compromised join service can mint node
+credentials, never control or operator ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from shared.security.authority import RoleIssuer
+from shared.security.join import JoinService
+from shared.security.permissions import Role
+from shared.security.setup import SENTINEL_FILE
+from shared.service import ServiceContext, main
+
+log = logging.getLogger(__name__)
+
+
+async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
+    directory = ctx.settings.data_dir / "security"
+    if not (directory / SENTINEL_FILE).exists():
+        # An unsecured cluster lets agents connect as they are: there is nothing to exchange tokens for.
+        log.warning("join: no security setup in %s (zattera up --secure makes one); idle", directory)
+        return []
+    issuers = {role: RoleIssuer.load(directory, role) for role in (Role.AGENT, Role.BUILDER)}
+    sentinel = (directory / SENTINEL_FILE).read_text().strip()
+    return [JoinService(ctx.conn, issuers, sentinel).run()]
+
+
+if __name__ == "__main__":
+    main("join", build)

@@ -1,0 +1,272 @@
+"""Node join: single-use, expiring tokens exchanged once for a node credential.
+
+``zattera nodes join-token`` asks the join service (``zattera.join.issue``, operator role) for a token. The
+token is ``zjt1.<secret>.<sentinel JWT>``: the secret is 256 random bits, and only its SHA-256 is stored
+(bucket ``zattera-join``, key = the hash) with its expiry, its node binding and, once used, who used it.
+The sentinel is the public bearer credential of the ``JOIN`` account, whose users can do nothing but send
+requests to ``zattera.join`` (imported from ``ZATTERA``) and read their replies.
+
+A joining agent generates its own user nkey and sends only the public key with the secret; the join service
+marks the token used with a compare-and-set on its revision (a second use, even concurrent, loses) and
+answers a user JWT for that key signed by the agent (or builder) scoped key. The seed never leaves the node
+and the reply holds nothing secret, which matters because every JOIN user can read ``_INBOX.>`` there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import hashlib
+import json
+import logging
+import os
+import re
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+from nats.aio.msg import Msg
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+
+from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, split_urls
+from shared.security.authority import RoleIssuer
+from shared.security.creds import creds_text
+from shared.security.nkeyjwt import KeyKind, KeyPair
+from shared.security.permissions import JOIN_BUCKET, JOIN_ISSUE_SUBJECT, JOIN_SUBJECT, Role
+
+log = logging.getLogger(__name__)
+
+TOKEN_PREFIX = "zjt1"
+DEFAULT_TTL = 3600.0
+MAX_TTL = 7 * 24 * 3600.0
+NODE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+USER_PUBLIC_KEY = re.compile(r"^U[A-Z2-7]{55}$")
+
+
+class JoinRefused(Exception):
+    """The join service said no; the message says why (unknown, used, expired, wrong node…)."""
+
+
+@dataclass(frozen=True)
+class JoinToken:
+    secret: str
+    sentinel_jwt: str
+
+    def __str__(self) -> str:
+        return f"{TOKEN_PREFIX}.{self.secret}.{self.sentinel_jwt}"
+
+    @classmethod
+    def parse(cls, text: str) -> JoinToken:
+        prefix, _, rest = text.strip().partition(".")
+        secret, _, sentinel = rest.partition(".")
+        if prefix != TOKEN_PREFIX or not secret or sentinel.count(".") != 2:
+            raise JoinRefused(
+                "malformed join token: expected the whole zjt1.… string printed by zattera nodes join-token"
+            )
+        return cls(secret, sentinel)
+
+
+def token_hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def new_secret() -> str:
+    return base64.b32encode(os.urandom(32)).decode().rstrip("=").lower()
+
+
+def _iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat(timespec="seconds")
+
+
+async def ensure_join_bucket(conn: Connection, replicas: int = 1) -> KeyValue:
+    """Token records; kept two weeks past the longest token life so a late reuse still reads "used"."""
+    try:
+        return await conn.js.key_value(JOIN_BUCKET)
+    except (NotFoundError, nats.js.errors.BucketNotFoundError):
+        pass
+    config = KeyValueConfig(
+        bucket=JOIN_BUCKET, history=1, ttl=MAX_TTL + 14 * 24 * 3600, storage=StorageType.FILE, replicas=replicas
+    )
+    try:
+        return await conn.js.create_key_value(config)
+    except BadRequestError as exc:
+        if exc.err_code != 10058:  # created concurrently by another replica
+            raise
+        return await conn.js.key_value(JOIN_BUCKET)
+
+
+class JoinService:
+    """Answers ``zattera.join.issue`` (new tokens) and ``zattera.join`` (token → node credential)."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        issuers: dict[Role, RoleIssuer],
+        sentinel_jwt: str,
+        *,
+        now: Callable[[], float] = time.time,
+    ) -> None:
+        self._conn = conn
+        self._issuers = issuers
+        self._sentinel_jwt = sentinel_jwt
+        self._now = now
+        self._kv: KeyValue | None = None
+        self.ready = asyncio.Event()
+
+    async def run(self) -> None:
+        self._kv = await ensure_join_bucket(self._conn)
+        subs = [
+            await self._conn.nc.subscribe(JOIN_SUBJECT, queue="join", cb=self._answer(self.join)),
+            await self._conn.nc.subscribe(JOIN_ISSUE_SUBJECT, queue="join", cb=self._answer(self.issue)),
+        ]
+        await self._conn.nc.flush()
+        self.ready.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            for sub in subs:
+                await sub.unsubscribe()
+
+    def _answer(self, handler: Callable[[dict[str, Any]], Any]) -> Callable[[Msg], Any]:
+        async def callback(msg: Msg) -> None:
+            try:
+                request = json.loads(msg.data or b"{}")
+                if not isinstance(request, dict):
+                    raise JoinRefused("bad request: expected a JSON object")
+                reply: dict[str, Any] = await handler(request)
+            except JoinRefused as exc:
+                reply = {"error": str(exc)}
+            except (ValueError, TypeError) as exc:
+                reply = {"error": f"bad request: {exc}"}
+            if msg.reply:
+                await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
+
+        return callback
+
+    @property
+    def kv(self) -> KeyValue:
+        assert self._kv is not None, "JoinService.run() first"
+        return self._kv
+
+    async def issue(self, request: dict[str, Any]) -> dict[str, Any]:
+        ttl = float(request.get("ttl") or DEFAULT_TTL)
+        if not 0 < ttl <= MAX_TTL:
+            raise JoinRefused(f"ttl must be between 1 s and {int(MAX_TTL)} s")
+        node_id = str(request.get("node_id") or "")
+        if node_id and not NODE_ID.match(node_id):
+            raise JoinRefused("node_id may contain only letters, digits, '-' and '_' (at most 64)")
+        role = Role.BUILDER if request.get("builder") else Role.AGENT
+        secret = new_secret()
+        expires_at = self._now() + ttl
+        record = {"expires_at": expires_at, "node_id": node_id, "role": str(role), "created_at": self._now()}
+        await self.kv.create(token_hash(secret), json.dumps(record).encode())
+        log.info("join token issued (node %s, role %s, expires %s)", node_id or "any", role, _iso(expires_at))
+        return {"token": str(JoinToken(secret, self._sentinel_jwt)), "expires_at": expires_at}
+
+    async def join(self, request: dict[str, Any]) -> dict[str, Any]:
+        secret = str(request.get("secret") or "")
+        node_id = str(request.get("node_id") or "")
+        public_key = str(request.get("public_key") or "")
+        if not NODE_ID.match(node_id):
+            raise JoinRefused("node_id may contain only letters, digits, '-' and '_' (at most 64)")
+        if not USER_PUBLIC_KEY.match(public_key):
+            raise JoinRefused("public_key must be a NATS user public key (U…)")
+        key = token_hash(secret)
+        try:
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            raise JoinRefused("unknown join token") from None
+        record = json.loads(entry.value or b"{}")
+        if record.get("used_by"):
+            raise JoinRefused(
+                f"join token already used (node {record['used_by']} joined with it at {_iso(record['used_at'])})"
+            )
+        if self._now() >= float(record["expires_at"]):
+            raise JoinRefused(f"join token expired at {_iso(float(record['expires_at']))}; ask for a new one")
+        bound = str(record.get("node_id") or "")
+        if bound and bound != node_id:
+            raise JoinRefused(f"this join token is for node {bound}, not {node_id}")
+        if not bound and await self._node_registered(node_id):
+            raise JoinRefused(
+                f"node {node_id} is already registered; re-join it with a token bound to it "
+                f"(zattera nodes join-token --node {node_id})"
+            )
+        used = {**record, "used_by": node_id, "used_at": self._now(), "public_key": public_key}
+        try:
+            await self.kv.update(key, json.dumps(used).encode(), last=entry.revision)
+        except KeyWrongLastSequenceError:
+            raise JoinRefused("join token already used") from None
+        role = Role(record.get("role") or Role.AGENT)
+        log.info("node %s joined (role %s, user %s)", node_id, role, public_key)
+        return {"jwt": self._issuers[role].user_jwt(node_id, public_key), "node_id": node_id, "role": str(role)}
+
+    async def _node_registered(self, node_id: str) -> bool:
+        try:
+            msg = await self._conn.js.get_last_msg(STATE_STREAM, f"{STATE_PREFIX}node.{node_id}", direct=True)
+        except NotFoundError:
+            return False
+        headers = msg.headers or {}
+        return headers.get("KV-Operation") not in ("DEL", "PURGE") and "Nats-Marker-Reason" not in headers
+
+
+async def request_join_token(conn: Connection, *, ttl: float, node_id: str = "", builder: bool = False) -> str:
+    """Ask the join service for a token (operator role). Raises :class:`JoinRefused` with its reason."""
+    request = {"ttl": ttl, "node_id": node_id, "builder": builder}
+    try:
+        msg = await conn.nc.request(JOIN_ISSUE_SUBJECT, json.dumps(request).encode(), timeout=10)
+    except nats.errors.NoRespondersError:
+        raise JoinRefused("no join service is running (zattera up --secure starts one)") from None
+    reply = json.loads(msg.data)
+    if "error" in reply:
+        raise JoinRefused(reply["error"])
+    return str(reply["token"])
+
+
+async def join(
+    urls: str | list[str], token: str, node_id: str, *, tls_ca: str | None = None, timeout: float = 10.0
+) -> str:
+    """Exchange ``token`` for this node's credentials (``.creds`` text, to be stored 0600).
+
+    Raises :class:`JoinRefused` when the token is malformed, unknown, used, expired or bound to another node.
+    """
+    parsed = JoinToken.parse(token)
+    user = KeyPair.generate(KeyKind.USER)
+
+    def sentinel() -> bytes:
+        return parsed.sentinel_jwt.encode()
+
+    def no_signature(_nonce: str) -> bytes:
+        return b""  # the sentinel is a bearer JWT: the server does not ask for proof of a key
+
+    tls = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
+    try:
+        nc = await nats.connect(
+            servers=split_urls(urls),
+            name=f"zattera-join-{node_id}",
+            user_jwt_cb=sentinel,
+            signature_cb=no_signature,
+            tls=tls,
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            connect_timeout=max(1, int(timeout)),
+        )
+    except nats.errors.Error as exc:
+        raise JoinRefused(f"the NATS server refused the join credential: {exc}") from exc
+    try:
+        request = {"secret": parsed.secret, "node_id": node_id, "public_key": user.public_key}
+        try:
+            msg = await nc.request(JOIN_SUBJECT, json.dumps(request).encode(), timeout=timeout)
+        except nats.errors.NoRespondersError:
+            raise JoinRefused("no join service is answering on this cluster") from None
+    finally:
+        await nc.close()
+    reply = json.loads(msg.data)
+    if "error" in reply:
+        raise JoinRefused(reply["error"])
+    return creds_text(str(reply["jwt"]), user.seed)

@@ -1,0 +1,235 @@
+"""What each role may publish and subscribe to: the whole authorization model, enforced by nats-server.
+
+Every user of the ``ZATTERA`` account is signed by a *scoped* signing key of its role: the server takes the
+permissions from the scope's template below, never from the user JWT, so whoever holds a role's signing key
+(the join service holds only the agent ones) can mint users of that role and nothing more.
+``{{name()}}`` expands to the user's name (the node id of an agent, the proxy id of a proxy) and
+``{{subject()}}`` to the user's public key, the private inbox prefix of that user.
+
+Reads of the state bucket are limited to keys with the two JetStream API forms that carry the subject in
+the API subject itself, so a subject permission can scope them:
+``$JS.API.DIRECT.GET.<stream>.<subject>`` (get one key) and
+``$JS.API.CONSUMER.CREATE.<stream>.<consumer>.<filter>`` (watch keys; the server refuses a request whose
+body filter differs from the filter in the subject). The forms without a subject in it
+(``$JS.API.STREAM.MSG.GET.<stream>``, ``$JS.API.CONSUMER.CREATE.<stream>``, ``$JS.API.DIRECT.GET.<stream>``)
+would read anything and are never granted on the state bucket to agents or proxies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from shared.natsio import (
+    ACTIVATE_SUBJECT,
+    BUILD_EVENTS_STREAM,
+    BUILD_LOGS_STREAM,
+    EVENTS_STREAM,
+    EVENTS_SUBJECT_PREFIX,
+    IMAGES_STORE,
+    LIVE_PREFIX,
+    LIVE_STREAM,
+    ROUTES_GET_SUBJECT,
+    ROUTES_SNAPSHOT_SUBJECT,
+    ROUTES_STREAM,
+    SNAPSHOTS_STORE,
+    SOURCES_STORE,
+    STATE_PREFIX,
+    STATE_STREAM,
+)
+
+JOIN_SUBJECT = "zattera.join"
+JOIN_ISSUE_SUBJECT = "zattera.join.issue"
+JOIN_BUCKET = "zattera-join"
+JOIN_STREAM = f"KV_{JOIN_BUCKET}"
+
+NAME = "{{name()}}"
+INBOX = "_INBOX.{{subject()}}.>"
+JS = "$JS.API"
+NANOS = 1_000_000_000
+
+
+class Role(StrEnum):
+    CONTROL = "control"
+    OPERATOR = "operator"
+    AGENT = "agent"
+    BUILDER = "builder"  # an agent that also runs builds and pushes their images
+    PROXY = "proxy"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    pub_allow: tuple[str, ...] = ()
+    pub_deny: tuple[str, ...] = ()
+    sub_allow: tuple[str, ...] = ()
+    sub_deny: tuple[str, ...] = ()
+    # Publishing to the reply subject of a request this user received: at most `max` messages within `ttl`.
+    response_max: int = 0
+    response_ttl: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def claims(self) -> dict[str, Any]:
+        """The ``UserPermissionLimits`` JSON of a user JWT or of a scoped signing key template."""
+        body: dict[str, Any] = {
+            "pub": _allow_deny(self.pub_allow, self.pub_deny),
+            "sub": _allow_deny(self.sub_allow, self.sub_deny),
+            "subs": -1,
+            "data": -1,
+            "payload": -1,
+            **self.extra,
+        }
+        if self.response_max:
+            body["resp"] = {"max": self.response_max, "ttl": int(self.response_ttl * NANOS)}
+        return body
+
+    def union(self, other: Permissions) -> Permissions:
+        return Permissions(
+            pub_allow=self.pub_allow + other.pub_allow,
+            pub_deny=self.pub_deny + other.pub_deny,
+            sub_allow=self.sub_allow + other.sub_allow,
+            sub_deny=self.sub_deny + other.sub_deny,
+            response_max=max(self.response_max, other.response_max),
+            response_ttl=max(self.response_ttl, other.response_ttl),
+        )
+
+
+def _allow_deny(allow: tuple[str, ...], deny: tuple[str, ...]) -> dict[str, list[str]]:
+    body: dict[str, list[str]] = {}
+    if allow:
+        body["allow"] = list(allow)
+    if deny:
+        body["deny"] = list(deny)
+    return body
+
+
+def object_stream(store: str) -> str:
+    return f"OBJ_{store}"
+
+
+def read_key(stream: str, subject: str) -> str:
+    """Direct get of the last message of ``subject`` (one KV key, or a wildcard of keys)."""
+    return f"{JS}.DIRECT.GET.{stream}.{subject}"
+
+
+def watch_keys(stream: str, filter_subject: str) -> str:
+    """Create a consumer of any name whose filter is exactly ``filter_subject``."""
+    return f"{JS}.CONSUMER.CREATE.{stream}.*.{filter_subject}"
+
+
+def read_whole_stream(stream: str) -> tuple[str, ...]:
+    """Everything needed to read any message of ``stream`` (for streams a role may read entirely)."""
+    return (
+        f"{JS}.STREAM.INFO.{stream}",
+        f"{JS}.STREAM.MSG.GET.{stream}",
+        f"{JS}.DIRECT.GET.{stream}",
+        f"{JS}.DIRECT.GET.{stream}.>",
+        f"{JS}.CONSUMER.CREATE.{stream}",
+        f"{JS}.CONSUMER.CREATE.{stream}.>",
+        f"{JS}.CONSUMER.INFO.{stream}.*",
+        f"{JS}.CONSUMER.DELETE.{stream}.*",
+        f"$JS.FC.{stream}.>",
+        f"$JS.ACK.{stream}.>",
+    )
+
+
+def write_object_store(store: str) -> tuple[str, ...]:
+    """Put objects: chunk and meta messages, plus the purge of a replaced object's old chunks."""
+    return (f"$O.{store}.C.>", f"$O.{store}.M.>", f"{JS}.STREAM.PURGE.{object_stream(store)}")
+
+
+CONTROL = Permissions(pub_allow=(">",), sub_allow=(">",))
+"""The services: everything in the ZATTERA account, which holds only this project's subjects."""
+
+OPERATOR = Permissions(
+    pub_allow=(
+        f"{STATE_PREFIX}>",
+        f"{EVENTS_SUBJECT_PREFIX}>",
+        ROUTES_GET_SUBJECT,
+        JOIN_ISSUE_SUBJECT,
+        f"{JS}.INFO",
+        f"{JS}.STREAM.NAMES",
+        f"{JS}.STREAM.LIST",
+        *read_whole_stream(STATE_STREAM),
+        *read_whole_stream(LIVE_STREAM),
+        *read_whole_stream(EVENTS_STREAM),
+        *read_whole_stream(ROUTES_STREAM),
+        *read_whole_stream(BUILD_LOGS_STREAM),
+        *read_whole_stream(BUILD_EVENTS_STREAM),
+        *read_whole_stream(object_stream(SOURCES_STORE)),
+        *read_whole_stream(object_stream(IMAGES_STORE)),
+        *read_whole_stream(object_stream(SNAPSHOTS_STORE)),
+        *write_object_store(SOURCES_STORE),
+    ),
+    # Leases fence the leader loops: a lease written by anyone else would depose a leader or forge a term.
+    pub_deny=(f"{STATE_PREFIX}lease.>",),
+    sub_allow=(INBOX, f"{EVENTS_SUBJECT_PREFIX}>", "zattera.builds.>", ROUTES_SNAPSHOT_SUBJECT),
+)
+"""The CLI: desired state, events, logs, routes, sources upload, join tokens. No leases, no stream admin."""
+
+_STATE_OWN = {
+    "assignments": f"{STATE_PREFIX}assignment.{NAME}.*",
+    "observed": f"{STATE_PREFIX}observed.{NAME}.*",
+    "node": f"{STATE_PREFIX}node.{NAME}",
+}
+
+AGENT = Permissions(
+    pub_allow=(
+        _STATE_OWN["observed"],
+        _STATE_OWN["node"],
+        f"{LIVE_PREFIX}node.{NAME}",
+        f"{JS}.INFO",
+        f"{JS}.STREAM.INFO.{STATE_STREAM}",
+        f"{JS}.STREAM.INFO.{LIVE_STREAM}",
+        *(read_key(STATE_STREAM, subject) for subject in _STATE_OWN.values()),
+        *(watch_keys(STATE_STREAM, subject) for subject in _STATE_OWN.values()),
+        f"{JS}.CONSUMER.INFO.{STATE_STREAM}.*",
+        f"$JS.FC.{STATE_STREAM}.>",
+        *read_whole_stream(object_stream(IMAGES_STORE)),
+        *read_whole_stream(object_stream(SOURCES_STORE)),
+        *read_whole_stream(object_stream(SNAPSHOTS_STORE)),
+        f"$O.{SNAPSHOTS_STORE}.C.>",
+        f"$O.{SNAPSHOTS_STORE}.M.>",
+    ),
+    sub_allow=(INBOX, f"zattera.agent.{NAME}.>"),
+    # Snapshot, restore and build requests stream progress to the requester's reply subject for a while.
+    response_max=1_000_000,
+    response_ttl=24 * 3600.0,
+)
+"""A node agent: its own keys only, the stores it runs from, and the requests addressed to its node."""
+
+BUILDER = AGENT.union(
+    Permissions(
+        pub_allow=(
+            "zattera.builds.*.events",
+            "zattera.builds.*.log",
+            f"{STATE_PREFIX}image.*",
+            read_key(STATE_STREAM, f"{STATE_PREFIX}image.*"),
+            *write_object_store(IMAGES_STORE),
+        )
+    )
+)
+"""An agent allowed to build: also build events and logs of any build, and image pushes (blobs and tags)."""
+
+PROXY = Permissions(
+    pub_allow=(
+        ROUTES_GET_SUBJECT,
+        ACTIVATE_SUBJECT,
+        f"{LIVE_PREFIX}proxy.{NAME}",
+        f"{JS}.INFO",
+        *read_whole_stream(ROUTES_STREAM),
+    ),
+    sub_allow=(INBOX, ROUTES_SNAPSHOT_SUBJECT),
+)
+"""An ingress proxy: route snapshots, activation requests, its own heartbeat."""
+
+JOIN = Permissions(pub_allow=(JOIN_SUBJECT,), sub_allow=("_INBOX.>",), extra={"bearer_token": True})
+"""The public join sentinel (account JOIN, which sees nothing of ZATTERA but the imported join service)."""
+
+ROLE_PERMISSIONS: dict[Role, Permissions] = {
+    Role.CONTROL: CONTROL,
+    Role.OPERATOR: OPERATOR,
+    Role.AGENT: AGENT,
+    Role.BUILDER: BUILDER,
+    Role.PROXY: PROXY,
+}

@@ -1,0 +1,60 @@
+"""What ``zattera up --secure`` prepares in ``<data_dir>/security`` (idempotent: a restart reuses it all)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.security import tls as tls_material
+from shared.security.authority import Authority, RoleIssuer
+from shared.security.creds import write_private
+from shared.security.permissions import Role
+
+SENTINEL_FILE = "join-sentinel.jwt"
+
+
+@dataclass(frozen=True)
+class SecureSetup:
+    directory: Path
+    tls: tls_material.TlsFiles | None
+
+    @property
+    def control_creds(self) -> Path:
+        return self.directory / "creds" / "control.creds"
+
+    @property
+    def operator_creds(self) -> Path:
+        return self.directory / "creds" / "operator.creds"
+
+    @property
+    def tls_ca(self) -> Path | None:
+        return self.tls.ca if self.tls else None
+
+    def server_config(self) -> str:
+        """Everything to add to the embedded server's config: operator-mode auth, and TLS when enabled."""
+        config = (self.directory / "nats-auth.conf").read_text()
+        return config + (self.tls.server_config() if self.tls else "")
+
+    def creds(self, role: Role, name: str) -> Path:
+        """A credentials file for ``name`` of ``role`` (kept when it exists: a restart keeps identities)."""
+        path = self.directory / "creds" / f"{role}-{name}.creds"
+        if not path.exists():
+            write_private(path, RoleIssuer.load(self.directory, role).creds(name))
+        return path
+
+    def sentinel_jwt(self) -> str:
+        return (self.directory / SENTINEL_FILE).read_text().strip()
+
+
+def prepare(directory: Path, *, tls: bool = False, hosts: list[str] | None = None) -> SecureSetup:
+    """Create (once) the operator, accounts, role keys, service and CLI credentials, the join sentinel and,
+    with ``tls``, a CA and server certificate; (re)write the server config from the current role tables."""
+    authority = Authority.load_or_create(directory)
+    authority.save(directory)  # account JWTs carry the role templates: regenerate them from this code
+    setup = SecureSetup(directory, tls_material.load_or_generate(directory / "tls", hosts) if tls else None)
+    for role, path in ((Role.CONTROL, setup.control_creds), (Role.OPERATOR, setup.operator_creds)):
+        if not path.exists():
+            write_private(path, authority.issuer(role).creds(str(role)))
+    if not (directory / SENTINEL_FILE).exists():
+        write_private(directory / SENTINEL_FILE, authority.join_sentinel_jwt())
+    return setup

@@ -1,0 +1,120 @@
+"""A local certificate authority and the embedded server's certificate (``zattera up --tls``).
+
+ECDSA P-256: supported by Go's TLS (nats-server) and OpenSSL alike, and cheap to generate on a small machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from shared.security.creds import write_private
+
+CA_DAYS = 3650
+SERVER_DAYS = 825  # the longest validity clients commonly accept for a leaf certificate
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    ca: Path
+    cert: Path
+    key: Path
+
+    def server_config(self) -> str:
+        """The nats-server ``tls`` block: clients must use TLS; they authenticate with credentials, not certs."""
+        return f'tls {{ cert_file: "{self.cert}", key_file: "{self.key}", timeout: 5 }}\n'
+
+
+def default_hosts() -> list[str]:
+    return ["localhost", "127.0.0.1", "::1", socket.gethostname()]
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name(
+        [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Zattera"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    )
+
+
+def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
+    entries: list[x509.GeneralName] = []
+    for host in dict.fromkeys(hosts):
+        try:
+            entries.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            entries.append(x509.DNSName(host))
+    return x509.SubjectAlternativeName(entries)
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> str:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ).decode()
+
+
+def generate(directory: Path, hosts: list[str] | None = None) -> TlsFiles:
+    """Create ``ca.pem`` (+ ``ca-key.pem``) and ``server.pem``/``server-key.pem`` for ``hosts``."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = _name("Zattera local CA")
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server_cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name("zattera-nats"))
+        .issuer_name(ca_name)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=SERVER_DAYS))
+        .add_extension(_san(hosts or default_hosts()), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    files = TlsFiles(ca=directory / "ca.pem", cert=directory / "server.pem", key=directory / "server-key.pem")
+    write_private(directory / "ca-key.pem", _pem_key(ca_key))
+    write_private(files.key, _pem_key(server_key))
+    write_private(files.cert, server_cert.public_bytes(serialization.Encoding.PEM).decode())
+    write_private(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM).decode())
+    return files
+
+
+def load_or_generate(directory: Path, hosts: list[str] | None = None) -> TlsFiles:
+    files = TlsFiles(ca=directory / "ca.pem", cert=directory / "server.pem", key=directory / "server-key.pem")
+    if files.ca.exists() and files.cert.exists() and files.key.exists():
+        return files
+    return generate(directory, hosts)

@@ -1,0 +1,178 @@
+"""Real pieces for the proxy tests: tiny aiohttp upstreams, route snapshots published on the real subject
+with the route client's wire format, and proxies started on a free port with short timers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from services.proxy.server import Proxy
+from services.proxy.settings import ProxySettings
+from shared.natsio import ROUTES_SNAPSHOT_SUBJECT, Connection
+from shared.routeclient import content_digest, encode_messages
+from tests.waiting import eventually
+
+HOST = "app.example.com"
+
+
+@dataclass
+class Backend:
+    """An upstream that answers ``name`` (or echoes the request), counting hits; while ``gate`` is set
+    to an unset event, requests wait on it (to keep them in flight)."""
+
+    name: str
+    gate: asyncio.Event | None = None
+    hits: int = 0
+    inflight: int = 0
+    seen: list[web.Request] = field(default_factory=list)
+    addr: str = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.hits += 1
+        self.seen.append(request)
+        self.inflight += 1
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            if request.path == "/echo":
+                body = await request.read()
+                headers = {f"Seen-{k}": v for k, v in request.headers.items()}
+                return web.Response(body=body, headers=headers)
+            if request.path == "/stream":
+                response = web.StreamResponse(headers={"Connection": "close, X-Hop", "X-Hop": "h"})
+                await response.prepare(request)
+                for index in range(5):
+                    await response.write(f"chunk{index};".encode())
+                await response.write_eof()
+                return response
+            if request.path == "/truncated":
+                response = web.StreamResponse(headers={"Content-Length": "100"})
+                await response.prepare(request)
+                await response.write(b"x" * 10)
+                assert request.transport is not None
+                request.transport.close()
+                return response
+            return web.Response(text=self.name)
+        finally:
+            self.inflight -= 1
+
+
+@contextlib.asynccontextmanager
+async def serving(*backends: Backend) -> AsyncIterator[None]:
+    runners: list[web.AppRunner] = []
+    try:
+        for backend in backends:
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", backend.handle)
+            runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            backend.addr = f"127.0.0.1:{runner.addresses[0][1]}"
+            runners.append(runner)
+        yield
+    finally:
+        for backend in backends:
+            if backend.gate is not None:
+                backend.gate.set()
+        for runner in runners:
+            await runner.cleanup()
+
+
+def endpoint(addr: str, assignment_id: str = "", *, node_id: str = "n1", healthy: bool = True) -> cpb.Endpoint:
+    return cpb.Endpoint(assignment_id=assignment_id or f"a-{addr}", node_id=node_id, addr=addr, healthy=healthy)
+
+
+def http_route(
+    host: str = HOST,
+    env_id: str = "e1",
+    endpoints: Sequence[cpb.Endpoint] = (),
+    *,
+    prefix: str = "",
+    scale_to_zero: bool = False,
+    max_concurrency: int = 0,
+    rate_limit: pb.RateLimit | None = None,
+    middleware: pb.Middleware | None = None,
+) -> cpb.HTTPRoute:
+    route = cpb.HTTPRoute(
+        hostname=host,
+        path_prefix=prefix,
+        environment_id=env_id,
+        endpoints=list(endpoints),
+        scale_to_zero=scale_to_zero,
+        max_concurrency=max_concurrency,
+    )
+    if rate_limit is not None:
+        route.rate_limit.CopyFrom(rate_limit)
+    if middleware is not None:
+        route.middleware.CopyFrom(middleware)
+    return route
+
+
+class Routes:
+    """Publishes snapshots with increasing versions, as a route builder would."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.version = 0
+
+    def snapshot(self, *routes: cpb.HTTPRoute) -> cpb.RouteSnapshot:
+        self.version += 1
+        return cpb.RouteSnapshot(version=self.version, http_routes=list(routes))
+
+    async def publish(self, *routes: cpb.HTTPRoute) -> int:
+        snap = self.snapshot(*routes)
+        data = snap.SerializeToString(deterministic=True)
+        for message in encode_messages(
+            data, version=snap.version, digest=content_digest(data), max_message_bytes=1 << 20
+        ):
+            await self.conn.nc.publish(ROUTES_SNAPSHOT_SUBJECT, message.body, headers=message.headers)
+        await self.conn.nc.flush()
+        return snap.version
+
+    async def serve(self, proxy: Proxy, *routes: cpb.HTTPRoute) -> None:
+        """Publish and wait until ``proxy`` routes with the new snapshot."""
+        version = await self.publish(*routes)
+        try:
+            await eventually(lambda: proxy.table.version == version, 5, f"proxy on routes version {version}")
+        except AssertionError:
+            import sys
+            info = await self.conn.js.stream_info("ZATTERA_ROUTES")
+            print("STREAM", info.state.messages, info.state.last_seq, file=sys.stderr)
+            await self.conn.nc.publish(ROUTES_SNAPSHOT_SUBJECT, b"", headers={"Zattera-Routes-Version": "1"})
+            await self.conn.nc.flush()
+            await proxy.conn.nc.flush()
+            await asyncio.sleep(0.5)
+            print("AFTER", proxy.routes._subscription.delivered, proxy.routes.dropped, file=sys.stderr)
+            print("DEBUG", proxy.routes.version, proxy.routes.applied, proxy.routes.dropped, proxy.table.version, proxy.connected, proxy.routes._subscription.delivered, proxy.routes._subscription.pending_msgs, proxy.routes._subscription._id, proxy.conn.nc._subs.keys(), proxy.conn.nc.is_connected, self.conn.nc.is_connected, file=sys.stderr)
+            raise
+
+
+ProxyFactory = Callable[..., Awaitable[Proxy]]
+
+
+def settings(**overrides: Any) -> ProxySettings:
+    base: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "proxy_id": "p1",
+        "node_id": "n1",
+        "heartbeat_interval": 0.1,
+        "shutdown_grace": 1.0,
+    }
+    return ProxySettings(**{**base, **overrides})
+
+
+async def start_proxy(nats_url: str, cache_dir: Path, *, connected: bool = True, **overrides: Any) -> Proxy:
+    proxy = Proxy(settings(**overrides), nats_url=nats_url, cache_dir=cache_dir)
+    await proxy.start()
+    if connected:
+        await asyncio.wait_for(proxy.wait_connected(), 10)
+    return proxy

@@ -1,0 +1,1 @@
+"""Security: NATS accounts, per-role permissions, node join, TLS (issue 12)."""

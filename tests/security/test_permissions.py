@@ -1,0 +1,143 @@
+"""Each role's rights, checked against a real nats-server: every refusal is the server's own answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import nats
+import pytest
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from shared.natsio import (
+    LIVE_PREFIX,
+    ROUTES_SNAPSHOT_SUBJECT,
+    STATE_PREFIX,
+    STATE_STREAM,
+    Connection,
+    agent_subject,
+    connect,
+)
+from shared.security.permissions import Role
+from tests.security.conftest import ConnectAs, SecureCluster
+
+NODE = "n1"
+
+
+def publish_refused(subject: str) -> str:
+    return f'nats: permissions violation for publish to "{subject.lower()}"'
+
+
+async def test_unauthenticated_client_is_refused(secure: SecureCluster) -> None:
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(secure.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+
+
+async def test_agent_writes_its_own_observed_key_and_reads_its_assignments(
+    secure: SecureCluster, control: Connection
+) -> None:
+    await control.js.publish(f"{STATE_PREFIX}assignment.{NODE}.a1", b"desired-1")
+    await control.js.publish(f"{STATE_PREFIX}assignment.n2.a2", b"not yours")
+    agent = await connect(secure.url, name="agent", creds=secure.creds(Role.AGENT, NODE))
+    try:
+        ack = await agent.js.publish(f"{STATE_PREFIX}observed.{NODE}.a1", b"running")
+        assert ack.stream == STATE_STREAM
+        await agent.js.publish(f"{LIVE_PREFIX}node.{NODE}", b"heartbeat")
+
+        got = await agent.js.get_last_msg(STATE_STREAM, f"{STATE_PREFIX}assignment.{NODE}.a1", direct=True)
+        assert got.data == b"desired-1"
+
+        # A watch of its own assignments: an ordered consumer whose name puts the filter in the API subject.
+        seen: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_entry(msg: nats.aio.msg.Msg) -> None:
+            await seen.put(msg.data)
+
+        sub = await agent.js.subscribe(
+            f"{STATE_PREFIX}assignment.{NODE}.*",
+            stream=STATE_STREAM,
+            cb=on_entry,
+            ordered_consumer=True,
+            config=ConsumerConfig(name=f"agent-{NODE}-watch", deliver_policy=DeliverPolicy.LAST_PER_SUBJECT),
+        )
+        assert await asyncio.wait_for(seen.get(), 5) == b"desired-1"
+        await control.js.publish(f"{STATE_PREFIX}assignment.{NODE}.a3", b"desired-3")
+        assert await asyncio.wait_for(seen.get(), 5) == b"desired-3"
+        await sub.unsubscribe()
+    finally:
+        await agent.close()
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        f"{STATE_PREFIX}observed.n2.a2",  # another node's observed state
+        f"{STATE_PREFIX}assignment.{NODE}.a1",  # desired state, even its own
+        f"{STATE_PREFIX}env.e1",
+        f"{STATE_PREFIX}lease.scheduler",
+        f"{STATE_PREFIX}node.n2",
+        f"{LIVE_PREFIX}node.n2",
+        ROUTES_SNAPSHOT_SUBJECT,
+    ],
+)
+async def test_agent_cannot_write_anything_else(connect_as: ConnectAs, subject: str) -> None:
+    agent = await connect_as(Role.AGENT, NODE)
+    await agent.nc.publish(subject, b"forged")
+    assert await agent.refusal() == publish_refused(subject)
+
+
+async def test_agent_cannot_read_other_keys(connect_as: ConnectAs, control: Connection) -> None:
+    await control.js.publish(f"{STATE_PREFIX}env.e1", b"secret env")
+    agent = await connect_as(Role.AGENT, NODE)
+    js = agent.nc.jetstream(timeout=1)
+
+    other = f"$JS.API.DIRECT.GET.{STATE_STREAM}.{STATE_PREFIX}env.e1"
+    with pytest.raises(nats.errors.TimeoutError):
+        await js.get_last_msg(STATE_STREAM, f"{STATE_PREFIX}env.e1", direct=True)
+    assert await agent.refusal() == publish_refused(other)
+
+    # The forms that do not carry the subject in the API subject would read any key: refused.
+    for api in (f"$JS.API.STREAM.MSG.GET.{STATE_STREAM}", f"$JS.API.CONSUMER.CREATE.{STATE_STREAM}"):
+        await agent.nc.publish(api, b"{}", reply=agent.nc.new_inbox())
+        assert await agent.refusal() == publish_refused(api)
+
+    # Naming its own filter in the subject but asking for everything in the body: JetStream refuses.
+    create = f"$JS.API.CONSUMER.CREATE.{STATE_STREAM}.sneaky.{STATE_PREFIX}assignment.{NODE}.*"
+    body = {"stream_name": STATE_STREAM, "config": {"name": "sneaky", "filter_subject": f"{STATE_PREFIX}>"}}
+    reply = json.loads((await agent.nc.request(create, json.dumps(body).encode(), timeout=2)).data)
+    assert reply["error"]["err_code"] == 10131  # create request did not match filtered subject
+
+
+async def test_agent_answers_only_its_own_node_requests(connect_as: ConnectAs) -> None:
+    agent = await connect_as(Role.AGENT, NODE)
+    await agent.nc.subscribe(agent_subject(NODE, "build"))
+    await agent.nc.subscribe(agent_subject("n2", "build"))
+    assert await agent.refusal() == f'nats: permissions violation for subscription to "{agent_subject("n2", "build")}"'
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [f"{STATE_PREFIX}env.e1", f"{STATE_PREFIX}observed.n1.a1", f"{LIVE_PREFIX}proxy.p2", ROUTES_SNAPSHOT_SUBJECT],
+)
+async def test_proxy_cannot_write_state(connect_as: ConnectAs, subject: str) -> None:
+    proxy = await connect_as(Role.PROXY, "p1")
+    await proxy.nc.publish(subject, b"forged")
+    assert await proxy.refusal() == publish_refused(subject)
+
+
+async def test_proxy_reports_its_traffic_and_follows_route_snapshots(secure: SecureCluster) -> None:
+    proxy = await connect(secure.url, name="proxy", creds=secure.creds(Role.PROXY, "p1"))
+    try:
+        await proxy.js.publish(f"{LIVE_PREFIX}proxy.p1", b"sample")
+        await proxy.nc.subscribe(ROUTES_SNAPSHOT_SUBJECT)
+        await proxy.nc.flush()
+    finally:
+        await proxy.close()
+
+
+async def test_operator_writes_desired_state_but_not_leases(connect_as: ConnectAs) -> None:
+    operator = await connect_as(Role.OPERATOR, "cli")
+    ack = await operator.nc.jetstream().publish(f"{STATE_PREFIX}env.e2", b"desired")
+    assert ack.stream == STATE_STREAM
+    await operator.nc.publish(f"{STATE_PREFIX}lease.scheduler", b"usurper")
+    assert await operator.refusal() == publish_refused(f"{STATE_PREFIX}lease.scheduler")
