@@ -49,7 +49,10 @@ def nats_url() -> str:
 async def control(*, view: bool = True) -> AsyncIterator[Control]:
     url = nats_url()
     try:
-        conn = await connect(url, name="zattera-cli", connect_timeout=3)
+        cfg = settings()
+        conn = await connect(
+            url, name="zattera-cli", connect_timeout=3, creds=cfg.nats_creds or None, tls_ca=cfg.nats_tls_ca or None
+        )
     except (ConnectionError, OSError) as exc:
         err.print(
             f"[red]error:[/] cannot reach NATS at {url}: {exc}. Is the cluster up (`make up`)?",
@@ -60,8 +63,10 @@ async def control(*, view: bool = True) -> AsyncIterator[Control]:
         raise typer.Exit(2) from exc
     state = StateView(conn, name="cli")
     try:
-        cfg = settings()
-        await provision(conn.js, replicas=cfg.replicas, live_ttl=cfg.live_ttl, tombstone_ttl=cfg.tombstone_ttl)
+        if not cfg.nats_creds:
+            # An unsecured cluster may not be provisioned yet (the CLI ran before any service); an operator
+            # credential on a secured one may not create streams, and the services have done it anyway.
+            await provision(conn.js, replicas=cfg.replicas, live_ttl=cfg.live_ttl, tombstone_ttl=cfg.tombstone_ttl)
         if view:
             await state.start(timeout=30)
         yield Control(conn, state, Writer(conn, state))

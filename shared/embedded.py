@@ -93,7 +93,7 @@ class EmbeddedNats:
             lines.append(self.extra_config)
         return "\n".join(lines) + "\n"
 
-    def start(self, wait: float = 15.0) -> EmbeddedNats:
+    def start(self, wait: float = 30.0) -> EmbeddedNats:
         if self._proc and self._proc.poll() is None:
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from shared.clock import Clock
 from shared.events import EventPublisher
 from shared.lease import Leadership
 from shared.natsio import Connection
+from shared.tasks import raise_if_cancelling
 from shared.telemetry import span
 from shared.txn import Deposed, Writer
 from shared.view import Change, ChangeFeed, StateView
@@ -94,9 +95,11 @@ class LeaderLoop(ABC):
         feed = self._feed = self.view.subscribe(set(self.kinds) | set(self.extra_kinds()))
         try:
             while True:
+                raise_if_cancelling()
                 await self.view.wait_fresh()
                 feed.drain()
                 await self.pass_once()
+                raise_if_cancelling()
                 if self.coalesce:
                     await asyncio.sleep(self.coalesce)
                 if feed.pending_count:

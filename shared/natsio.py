@@ -118,7 +118,7 @@ class Connection:
         if self.nc.is_closed:
             return
         try:
-            await asyncio.wait_for(self.nc.drain(), timeout=5)
+            await asyncio.wait_for(self.nc.drain(), timeout=2)
         except (TimeoutError, nats.errors.Error, OSError):
             await self.nc.close()
 

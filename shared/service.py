@@ -19,6 +19,9 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nats.errors import Error as NatsError
+from nats.js.errors import BadRequestError
+
 from shared.clock import Clock, RealClock
 from shared.events import EventPublisher
 from shared.lease import default_holder, run_while_leading
@@ -110,6 +113,24 @@ async def connect_with_retry(urls: str, name: str, stop: asyncio.Event) -> Conne
     return None
 
 
+async def provision_with_retry(conn: Connection, cfg: Settings, name: str, stop: asyncio.Event) -> bool:
+    """Provision, retrying while JetStream cannot answer (a NATS cluster electing a leader, a server
+    restarting): a service started during a NATS fault must wait, not exit. False when stopped first."""
+    delay = 0.2
+    while not stop.is_set():
+        try:
+            await provision(conn.js, replicas=cfg.replicas, live_ttl=cfg.live_ttl, tombstone_ttl=cfg.tombstone_ttl)
+            return True
+        except BadRequestError:
+            raise  # a configuration the server refuses: retrying cannot help
+        except (NatsError, TimeoutError, OSError) as exc:
+            log.warning("%s: provisioning failed (%r); retrying in %.1fs", name, exc, delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, 5.0)
+    return False
+
+
 async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> int:
     args = parse_args(name, argv)
     configure_logging(args.log_level)
@@ -127,7 +148,8 @@ async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> i
     view = StateView(conn, name=name)
     tasks: list[asyncio.Task[None]] = []
     try:
-        await provision(conn.js, replicas=cfg.replicas, live_ttl=cfg.live_ttl, tombstone_ttl=cfg.tombstone_ttl)
+        if not await provision_with_retry(conn, cfg, name, stop):
+            return 0
         await view.start()
         ctx = ServiceContext(name, cfg, conn, view, RealClock(), default_holder(name))
         tasks = [asyncio.create_task(c) for c in await build(ctx)]
@@ -139,16 +161,22 @@ async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> i
                 log.error("%s: task failed: %r", name, task.exception())
         stopper.cancel()
     finally:
+        log.info("%s: stopping (%d tasks)", name, len(tasks))
         try:
-            await asyncio.wait_for(cancel_and_wait(*tasks), SHUTDOWN_GRACE)
+            await asyncio.wait_for(_shutdown(tasks, view, conn), SHUTDOWN_GRACE)
         except TimeoutError:
-            # Every transition is one atomic batch, so nothing is half-written; the leases expire by TTL.
-            log.error("%s: tasks did not stop within %.0fs; exiting anyway", name, SHUTDOWN_GRACE)
+            # Every transition is one atomic batch, so nothing is half-written; leases expire by TTL.
+            log.error("%s: did not stop within %.0fs; exiting anyway", name, SHUTDOWN_GRACE)
+            logging.shutdown()
             os._exit(1)
-        await view.stop()
-        await conn.close()
         log.info("%s: stopped", name)
     return 0
+
+
+async def _shutdown(tasks: list[asyncio.Task[None]], view: StateView, conn: Connection) -> None:
+    await cancel_and_wait(*tasks)
+    await view.stop()
+    await conn.close()
 
 
 def main(name: str, build: Build) -> None:

@@ -21,3 +21,12 @@ async def cancel_and_wait(*tasks: asyncio.Future[object] | asyncio.Task[object] 
     current = asyncio.current_task()
     if current is not None and current.cancelling():
         raise asyncio.CancelledError
+
+
+def raise_if_cancelling() -> None:
+    """Re-raise a cancellation that a library swallowed: nats-py's publish flush absorbs a CancelledError
+    that lands while it waits, but the task still counts the request (``cancelling()``). Without this a
+    stopped leader term, or a shutdown, could keep running."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

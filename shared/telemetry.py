@@ -34,8 +34,12 @@ def setup(service_name: str) -> None:
     if _configured:
         return
     _configured = True
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
+    if exporter_name in ("", "none"):
+        # No exporter: keep the API's no-op tracer. Recording spans nobody exports costs ~80 µs per
+        # state write; incoming trace context is still extracted and passed on.
+        return
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     exporter: SpanExporter | None = None
     if exporter_name == "otlp":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

@@ -37,6 +37,7 @@ from nats.js.errors import APIError
 from shared import keys as K
 from shared.ids import new_id
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+from shared.tasks import raise_if_cancelling
 from shared.telemetry import counter, inject, span
 from shared.view import StateView
 
@@ -184,6 +185,7 @@ class Writer:
         work = [(i, t) for i, t in enumerate(txns) if t]
         for group in self._groups(work):
             await self._commit_group(group, results)
+        raise_if_cancelling()
         return results
 
     # ------------------------------------------------------------------ grouping
@@ -230,7 +232,6 @@ class Writer:
 
     async def _flush_queue(self) -> None:
         while self._queue:
-            await asyncio.sleep(0)  # let concurrent committers join this group
             pending, self._queue = self._queue, []
             txns = [p.txn for p in pending]
             try:

@@ -1,9 +1,9 @@
 """A lease contender process for failover tests.
 
-Campaigns for ``lease.<loop>``; while leading it creates a key (``node.<ulid>`` named ``pid:term``) with a fenced write every
-``--write-every`` seconds, and
-appends one JSON line per event to ``--out``: {"ev": "lead", "term": ..., "t": ...} at the start of a
-term, {"ev": "write", "term": ..., "ok": bool} per write attempt, {"ev": "lost", "term": ...} on loss.
+Campaigns for ``lease.<loop>``; while leading it creates a key (``node.<ulid>`` named ``pid:term``)
+with a fenced write every ``--write-every`` seconds, and appends one JSON line per event to ``--out``:
+{"ev": "lead", "term": ..., "t": ...} at the start of a term, {"ev": "write", "term": ..., "ok": bool}
+per write attempt, {"ev": "lost", "term": ...} on loss.
 """
 
 from __future__ import annotations

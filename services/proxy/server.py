@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import socket
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -32,6 +31,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
+from nats.errors import Error as NatsError
 from yarl import URL
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
@@ -115,14 +115,13 @@ class Proxy:
         *,
         nats_url: str,
         cache_dir: Path,
-        rng: random.Random | None = None,
     ) -> None:
         self.cfg = cfg
         self.nats_url = nats_url
         self.proxy_id = cfg.proxy_id or socket.gethostname()
         self.routes = RouteClient(cache_dir / ROUTES_CACHE_FILE, node_id=cfg.node_id)
         self.table = RouteTable(self.routes.current)
-        self.balancer = Balancer(cfg.node_id, rng)
+        self.balancer = Balancer(cfg.node_id)
         self.limiter = RateLimiter()
         self.stats = ProxyStats()
         self.holds = Holds(
@@ -132,7 +131,6 @@ class Proxy:
             max_body_bytes=cfg.max_held_body_bytes,
         )
         self.conn: Connection | None = None
-        self.heartbeats_sent = 0
         self._connected = asyncio.Event()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -215,7 +213,11 @@ class Proxy:
             return
         self.conn = conn
         await self.routes.start(conn)
-        await conn.nc.flush()  # the snapshot subscription is registered: "connected" means receiving routes
+        # "Connected" means the snapshot subscription is live at the server. nats-py's flush() writes its
+        # PING ahead of still-buffered commands, so only a second round trip is ordered after the SUB.
+        with contextlib.suppress(NatsError, TimeoutError):  # a lost connection resubscribes on reconnect
+            await conn.nc.flush()
+            await conn.nc.flush()
         self._connected.set()
         while True:
             await self._publish_heartbeat()
@@ -227,7 +229,6 @@ class Proxy:
             return  # the control plane is unreachable: nothing to report to (the RPS window restarts)
         try:
             await asyncio.wait_for(publish_proxy_heartbeat(self.conn, heartbeat), self.cfg.heartbeat_interval)
-            self.heartbeats_sent += 1
         except Exception as exc:
             log.debug("proxy heartbeat not published: %s", exc)
 

@@ -8,7 +8,6 @@ is published when the condition starts or changes, not on every pass (the refere
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
 from shared.events import EventPublisher, make_event
+from shared.tasks import raise_if_cancelling
 from shared.txn import Txn, Writer
 
 log = logging.getLogger(__name__)
@@ -68,16 +68,8 @@ async def commit(writer: Writer, events: EventPublisher, writes: Sequence[Writes
             log.info("%s: %s not written (%s); re-deciding on the next pass", loop, w.label, error)
         elif w.events:
             await events.publish(*w.events)
-    _honour_swallowed_cancellation()
+    raise_if_cancelling()
     return landed
-
-
-def _honour_swallowed_cancellation() -> None:
-    """nats-py swallows a CancelledError that lands while a publish waits on its flush queue; the task
-    still counts the request (``cancelling()``). Raise it, or a stopped term would keep running."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def event(

@@ -21,7 +21,7 @@ from zattera.v1 import types_pb2 as pb
 from services.agent.agent import Agent
 from services.agent.settings import AgentSettings
 from shared.ids import new_id
-from shared.natsio import Connection
+from shared.natsio import Connection, connect
 from tests.waiting import eventually
 
 FAST: dict[str, object] = {
@@ -123,6 +123,7 @@ class RunningAgent:
     async def stop(self) -> None:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
+        await self.agent.conn.close()
 
 
 StartAgent = Callable[..., Awaitable[RunningAgent]]
@@ -137,12 +138,14 @@ def _kill_processes_under(root: Path) -> None:
 
 
 @pytest.fixture
-async def start_agent(conn: Connection, tmp_path: Path) -> AsyncIterator[StartAgent]:
+async def start_agent(conn: Connection, nats_url: str, tmp_path: Path) -> AsyncIterator[StartAgent]:
+    """Start agents, each on its own connection as a real agent process would be."""
     running: list[RunningAgent] = []
 
     async def start(node_id: str = "n1", *, data_dir: Path | None = None, **overrides: object) -> RunningAgent:
         settings = AgentSettings(node_id=node_id, **{**FAST, **overrides})  # type: ignore[arg-type]
-        agent = Agent(conn, settings, data_dir or tmp_path / f"agent-{node_id}")
+        agent_conn = await connect(nats_url, name=f"agent-{node_id}")
+        agent = Agent(agent_conn, settings, data_dir or tmp_path / f"agent-{node_id}")
         handle = RunningAgent(agent, asyncio.create_task(agent.run()))
         running.append(handle)
         await eventually(lambda: agent.runtime is not None, what="agent registered")
@@ -162,5 +165,9 @@ async def _debug_leftovers():
     await asyncio.sleep(0.3)
     for t in asyncio.all_tasks():
         if t is not asyncio.current_task():
-            print("FINAL LEFTOVER", t, file=sys.stderr)
+            if "health" in t.get_name():
+                continue
+            frame = t.get_coro().cr_frame
+            client = frame.f_locals.get("self") if frame else None
+            print("FINAL LEFTOVER", t, getattr(client, "options", {}).get("name"), getattr(client, "_status", None), file=sys.stderr)
             t.print_stack(file=sys.stderr)

@@ -140,19 +140,7 @@ class Routes:
     async def serve(self, proxy: Proxy, *routes: cpb.HTTPRoute) -> None:
         """Publish and wait until ``proxy`` routes with the new snapshot."""
         version = await self.publish(*routes)
-        try:
-            await eventually(lambda: proxy.table.version == version, 5, f"proxy on routes version {version}")
-        except AssertionError:
-            import sys
-            info = await self.conn.js.stream_info("ZATTERA_ROUTES")
-            print("STREAM", info.state.messages, info.state.last_seq, file=sys.stderr)
-            await self.conn.nc.publish(ROUTES_SNAPSHOT_SUBJECT, b"", headers={"Zattera-Routes-Version": "1"})
-            await self.conn.nc.flush()
-            await proxy.conn.nc.flush()
-            await asyncio.sleep(0.5)
-            print("AFTER", proxy.routes._subscription.delivered, proxy.routes.dropped, file=sys.stderr)
-            print("DEBUG", proxy.routes.version, proxy.routes.applied, proxy.routes.dropped, proxy.table.version, proxy.connected, proxy.routes._subscription.delivered, proxy.routes._subscription.pending_msgs, proxy.routes._subscription._id, proxy.conn.nc._subs.keys(), proxy.conn.nc.is_connected, self.conn.nc.is_connected, file=sys.stderr)
-            raise
+        await eventually(lambda: proxy.table.version == version, 5, f"proxy on routes version {version}")
 
 
 ProxyFactory = Callable[..., Awaitable[Proxy]]

@@ -35,6 +35,7 @@ class Responder:
             await msg.respond(cpb.ActivateResponse(accepted=True).SerializeToString())
 
         await self.conn.nc.subscribe(ACTIVATE_SUBJECT, cb=on_msg)
+        await self.conn.nc.flush()  # twice: nats-py's first PING can overtake the buffered SUB
         await self.conn.nc.flush()
         return self
 
@@ -43,10 +44,10 @@ def cold_route() -> cpb.HTTPRoute:
     return http_route(COLD_HOST, "e1", scale_to_zero=True)
 
 
-async def request(client: aiohttp.ClientSession, port: int, **kwargs: object) -> tuple[int, dict[str, str], str]:
-    async with client.request(
-        str(kwargs.pop("method", "GET")), f"http://127.0.0.1:{port}/", headers={"Host": COLD_HOST}, **kwargs
-    ) as response:
+async def request(
+    client: aiohttp.ClientSession, port: int, method: str = "GET", data: bytes | None = None
+) -> tuple[int, dict[str, str], str]:
+    async with client.request(method, f"http://127.0.0.1:{port}/", headers={"Host": COLD_HOST}, data=data) as response:
         return response.status, dict(response.headers), await response.text()
 
 

@@ -4,6 +4,7 @@ shutdown (reference routes-snapshots.md A2.6–A2.8, autoscale.md §6.7–6.8)."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -175,7 +176,7 @@ async def test_request_and_response_bodies_stream_through(make_proxy: ProxyFacto
         await routes.serve(proxy, http_route(HOST, endpoints=[endpoint(backend.addr)]))
         payload = bytes(range(256)) * 4096  # 1 MiB
 
-        async def chunks():  # no Content-Length: the proxy forwards it chunked
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: the proxy forwards it chunked
             for start in range(0, len(payload), 65536):
                 yield payload[start : start + 65536]
 
@@ -185,7 +186,8 @@ async def test_request_and_response_bodies_stream_through(make_proxy: ProxyFacto
 
 
 async def test_p2c_prefers_the_less_loaded_endpoint(make_proxy: ProxyFactory, routes: Routes, client) -> None:
-    busy, idle = Backend("busy", gate=asyncio.Event()), Backend("idle")
+    gate = asyncio.Event()
+    busy, idle = Backend("busy", gate=gate), Backend("idle")
     async with serving(busy, idle):
         proxy = await make_proxy()
         await routes.serve(proxy, http_route(HOST, endpoints=[endpoint(busy.addr, "a1"), endpoint(idle.addr, "a2")]))
@@ -197,7 +199,7 @@ async def test_p2c_prefers_the_less_loaded_endpoint(make_proxy: ProxyFactory, ro
         results = [await get(client, proxy.port) for _ in range(20)]
         assert results == [(200, "idle")] * 20
         assert busy.inflight == 1
-        busy.gate.set()
+        gate.set()
         assert {await task for task in parked} <= {(200, "busy"), (200, "idle")}
 
 
@@ -206,7 +208,8 @@ async def test_max_concurrency_caps_each_endpoint_and_holds_the_overflow(
 ) -> None:
     """Reference TestL7ConcurrencyBackpressure: cap 1, one blocked endpoint; a second request is held
     (backpressure), proceeds once the slot frees, and the backend sees both."""
-    backend = Backend("ok", gate=asyncio.Event())
+    gate = asyncio.Event()
+    backend = Backend("ok", gate=gate)
     async with serving(backend):
         proxy = await make_proxy()
         await routes.serve(proxy, http_route(HOST, endpoints=[endpoint(backend.addr)], max_concurrency=1))
@@ -215,7 +218,7 @@ async def test_max_concurrency_caps_each_endpoint_and_holds_the_overflow(
         second = asyncio.create_task(get(client, proxy.port))
         await eventually(lambda: proxy.holds.held.get("e1") == 1, 5)
         assert backend.hits == 1  # the cap kept the second request off the busy endpoint
-        backend.gate.set()
+        gate.set()
         assert await first == (200, "ok")
         assert await second == (200, "ok")
         assert backend.hits == 2
@@ -224,7 +227,8 @@ async def test_max_concurrency_caps_each_endpoint_and_holds_the_overflow(
 async def test_max_concurrency_spreads_load_over_endpoints_under_the_cap(
     make_proxy: ProxyFactory, routes: Routes, client
 ) -> None:
-    a, b = Backend("a", gate=asyncio.Event()), Backend("b", gate=asyncio.Event())
+    gate_a, gate_b = asyncio.Event(), asyncio.Event()
+    a, b = Backend("a", gate=gate_a), Backend("b", gate=gate_b)
     async with serving(a, b):
         proxy = await make_proxy()
         await routes.serve(
@@ -232,8 +236,8 @@ async def test_max_concurrency_spreads_load_over_endpoints_under_the_cap(
         )
         tasks = [asyncio.create_task(get(client, proxy.port)) for _ in range(3)]
         await eventually(lambda: a.inflight == 1 and b.inflight == 1 and proxy.holds.held.get("e1") == 1, 5)
-        b.gate.set()
-        a.gate.set()
+        gate_b.set()
+        gate_a.set()
         assert sorted(await asyncio.gather(*tasks)) in (
             [(200, "a"), (200, "a"), (200, "b")],
             [(200, "a"), (200, "b"), (200, "b")],
@@ -285,7 +289,8 @@ async def test_ip_allowlist_and_declared_body_cap(make_proxy: ProxyFactory, rout
 async def test_heartbeat_reports_inflight_held_rps_latency_and_last_request(
     make_proxy: ProxyFactory, routes: Routes, conn: Connection, client
 ) -> None:
-    backend = Backend("slow", gate=asyncio.Event())
+    gate = asyncio.Event()
+    backend = Backend("slow", gate=gate)
     async with serving(backend):
         proxy = await make_proxy(hold_timeout=30)
         await routes.serve(
@@ -310,7 +315,7 @@ async def test_heartbeat_reports_inflight_held_rps_latency_and_last_request(
         await eventually(reports_busy, 5, "heartbeat with in-flight 1, rps > 0, held 1")
         warm = await sample("e1")
         assert warm is not None and warm.HasField("last_request_at")
-        backend.gate.set()
+        gate.set()
         assert await in_flight == (200, "slow")
 
         async def reports_done() -> bool:
@@ -335,7 +340,9 @@ async def test_keeps_serving_the_last_snapshot_when_nats_goes_away(nats_server, 
             await proxy.routes.flush()
             await conn.close()
             nats_server.stop()
-            await eventually(lambda: not proxy.conn.nc.is_connected, 10, "proxy sees NATS gone")
+            proxy_conn = proxy.conn
+            assert proxy_conn is not None
+            await eventually(lambda: not proxy_conn.nc.is_connected, 10, "proxy sees NATS gone")
             assert await get(client, proxy.port) == (200, "still-here")
         finally:
             await proxy.stop()
@@ -351,7 +358,8 @@ async def test_keeps_serving_the_last_snapshot_when_nats_goes_away(nats_server, 
 async def test_stop_drains_in_flight_requests_and_stops_accepting(
     make_proxy: ProxyFactory, routes: Routes, client
 ) -> None:
-    backend = Backend("drained", gate=asyncio.Event())
+    gate = asyncio.Event()
+    backend = Backend("drained", gate=gate)
     async with serving(backend):
         proxy = await make_proxy(shutdown_grace=5)
         await routes.serve(proxy, http_route(HOST, endpoints=[endpoint(backend.addr)]))
@@ -360,7 +368,7 @@ async def test_stop_drains_in_flight_requests_and_stops_accepting(
         port = proxy.port
         stopping = asyncio.create_task(proxy.stop())
         await eventually(lambda: _refuses(port), 5, "listener closed")
-        backend.gate.set()
+        gate.set()
         assert await in_flight == (200, "drained")
         await stopping
 

@@ -41,13 +41,15 @@ def test_p2c_prefers_lower_in_flight_then_the_local_node_then_the_first_pick() -
     assert balancer.pick([remote, local]) == local  # tie: this node's endpoint
     balancer.acquire("l:1")
     assert balancer.pick([remote, local]) == remote  # lower in-flight wins over locality
-    assert balancer.pick([ep("x:1", "n2"), ep("y:1", "n3")]).addr == "x:1"  # tie, none local: first pick
+    first, other = ep("x:1", "n2"), ep("y:1", "n3")
+    assert balancer.pick([first, other]) == first  # tie, none local: the first pick
 
 
 def test_p2c_skips_unhealthy_endpoints_and_forgets_idle_counters() -> None:
     balancer = Balancer()
     assert balancer.pick([ep("a:1", healthy=False)]) is None
-    assert balancer.pick([ep("a:1", healthy=False), ep("b:1")]).addr == "b:1"
+    healthy = ep("b:1")
+    assert balancer.pick([ep("a:1", healthy=False), healthy]) == healthy
     balancer.acquire("b:1")
     balancer.release("b:1")
     assert balancer._inflight == {}

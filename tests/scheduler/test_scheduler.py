@@ -315,3 +315,23 @@ async def test_other_envs_capacity_use_in_the_same_pass_is_seen(rig: Rig):
     await rig.put(rel_a, rel_b, spec_env("envA", rel_a), spec_env("envB", rel_b))
     await rig.pass_()
     assert rig.run_nodes("envA") == ["n1", "n1", "n2"] and rig.run_nodes("envB") == ["n2"]
+
+
+async def test_replicas_on_other_draining_nodes_do_not_count_as_replacements_fix_loose_readiness(rig: Rig):
+    """Reference: n2's HEALTHY replica counted as n1's replacement although n2 is draining too."""
+    await rig.put(unlimited("n1"), unlimited("n2"), unlimited("n3"))
+    await add_env_release(rig, 1)
+    await rig.put(
+        assignment("n1", "env1", "rel1", assignment_id="a"),
+        assignment("n2", "env1", "rel1", assignment_id="b"),
+    )
+    for aid in ("a", "b"):
+        await rig.observe(aid, pb.INSTANCE_STATE_HEALTHY)
+    for node_id in ("n1", "n2"):
+        await rig.set_node(node_id, pb.NODE_STATUS_DRAINING, schedulable=False)
+    await rig.pass_()
+    assert rig.view.assignment("a").desired == RUN and rig.view.assignment("b").desired == RUN
+    (replacement,) = [a for a in rig.run("env1") if a.node_id == "n3"]
+    await rig.observe(replacement.meta.id, pb.INSTANCE_STATE_HEALTHY)
+    await rig.pass_()
+    assert rig.view.assignment("a").desired == STOP and rig.view.assignment("b").desired == STOP

@@ -129,7 +129,9 @@ def test_lease_held_by_other(value, node_id, held):
 
 async def stateful_update_rig(rig: Rig, phase: int) -> None:
     rel1 = spec_release("rel1", "env-d", min_replicas=1, max_replicas=1, stateful=True, volumes=("data",))
-    rel2 = spec_release("rel2", "env-d", min_replicas=1, max_replicas=1, stateful=True, volumes=("data",), image="db:v2")
+    rel2 = spec_release(
+        "rel2", "env-d", min_replicas=1, max_replicas=1, stateful=True, volumes=("data",), image="db:v2"
+    )
     await rig.put(pnode("n1", cpu=1000, mem=4096), pnode("n2", cpu=1000, mem=4096), rel1, rel2)
     await rig.put(
         spec_env("env-d", rel1, project_id="p1", app_id="a1"),
