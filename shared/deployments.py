@@ -57,6 +57,18 @@ def env_ownership(view: StateView, env_id: str) -> Ownership:
     return Ownership(newest, False, frozenset())
 
 
+def desired_replicas(env: pb.Environment) -> int:
+    """The replica count the scheduler converges an env to (the reference's ``desiredReplicas``): 0
+    without an active release; a scale-to-zero env's ``effective_replicas`` exactly (0 = cold); else
+    ``effective_replicas`` when set, otherwise the env's live ``replicas.min``. The scaling loops read
+    the current count the same way."""
+    if not env.active_release_id:
+        return 0
+    if env.service.scale_to_zero:
+        return env.effective_replicas
+    return env.effective_replicas or env.service.replicas.min
+
+
 def owns_scaling(view: StateView, env_id: str) -> bool:
     """True when a deployment is under way (scaling loops skip the env, as in the reference)."""
     return bool(active_deployments(view, env_id))

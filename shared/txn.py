@@ -26,7 +26,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -105,6 +105,18 @@ class Txn:
 
     def delete(self, key: str, *, expect: int | None = None) -> Txn:
         self._add(Op(key, self.view.rev(key) if expect is None else expect, None))
+        return self
+
+    def extend(
+        self, *, creates: Iterable[Message] = (), puts: Iterable[Message] = (), deletes: Iterable[str] = ()
+    ) -> Txn:
+        """Add a decision's creates, puts and deletes (expectations from the view, as for single ops)."""
+        for msg in creates:
+            self.create(msg)
+        for msg in puts:
+            self.put(msg)
+        for key in deletes:
+            self.delete(key)
         return self
 
     def _add(self, op: Op) -> None:

@@ -24,8 +24,9 @@ from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop, current_replicas
+from services.autoscale.common import ReplicaWrite, ScalingLoop
 from shared import keys as K
+from shared.deployments import desired_replicas as current_replicas
 from shared.deployments import owns_scaling
 from shared.events import event_for_env
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView

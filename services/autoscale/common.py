@@ -35,15 +35,6 @@ log = logging.getLogger(__name__)
 CATCH_UP_TIMEOUT = 2.0
 
 
-def current_replicas(env: pb.Environment) -> int:
-    """The reference's ``desiredReplicas``: the replica count the placement scheduler converges to."""
-    if not env.active_release_id:
-        return 0
-    if env.service.scale_to_zero:
-        return env.effective_replicas
-    return env.effective_replicas or env.service.replicas.min
-
-
 def wake_target(env: pb.Environment) -> int:
     """A woken (or minimum) env runs max(min, 1) replicas, never 0."""
     return max(env.service.replicas.min, 1)

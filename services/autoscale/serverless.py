@@ -27,7 +27,8 @@ from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop, current_replicas, wake_target
+from services.autoscale.common import ReplicaWrite, ScalingLoop, wake_target
+from shared.deployments import desired_replicas as current_replicas
 from shared.deployments import owns_scaling
 from shared.live import LiveView
 from shared.view import StateView

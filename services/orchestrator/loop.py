@@ -87,14 +87,8 @@ class Orchestrator(LeaderLoop):
         expects the revision the decision read, so any change since refuses the whole batch."""
         assert self.writer is not None
         txn = self.writer.txn(transition.label)
-        for msg in transition.creates:
-            txn.create(msg)
-        for msg in transition.puts:
-            txn.put(msg)
-        for key in transition.deletes:
-            txn.delete(key)
-        txn.put(transition.deployment)
-        return txn
+        txn.extend(creates=transition.creates, puts=transition.puts, deletes=transition.deletes)
+        return txn.put(transition.deployment)
 
     def seconds_until_due(self) -> float | None:
         """Until the earliest deadline the last pass had not reached yet: one that passed since (while the

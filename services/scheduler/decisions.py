@@ -43,14 +43,7 @@ class Writes:
 
     def txn(self, writer: Writer) -> Txn:
         """The transaction, expecting the view's current revisions (build it right after deciding)."""
-        txn = writer.txn(self.label)
-        for msg in self.creates:
-            txn.create(msg)
-        for msg in self.updates:
-            txn.put(msg)
-        for key in self.deletes:
-            txn.delete(key)
-        return txn
+        return writer.txn(self.label).extend(creates=self.creates, puts=self.updates, deletes=self.deletes)
 
 
 async def commit(writer: Writer, events: EventPublisher, writes: Sequence[Writes], *, loop: str) -> list[bool]:

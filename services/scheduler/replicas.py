@@ -14,8 +14,11 @@ from __future__ import annotations
 from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
+from shared.deployments import desired_replicas
 from shared.ids import new_id
 from shared.view import StateView
+
+__all__ = ["desired_replicas"]
 
 RUN = pb.ASSIGNMENT_DESIRED_RUN
 STOP = pb.ASSIGNMENT_DESIRED_STOP
@@ -25,17 +28,6 @@ ALIVE = pb.NODE_STATUS_ALIVE
 
 STOP_REPORT_GRACE = 300.0
 """A STOP assignment no agent has reported on (or only as FAILED) for this long is deleted."""
-
-
-def desired_replicas(env: pb.Environment) -> int:
-    """How many replicas the scheduler keeps for an env (0 without an active release)."""
-    if not env.active_release_id:
-        return 0
-    if env.service.scale_to_zero:
-        return env.effective_replicas
-    if env.effective_replicas > 0:
-        return env.effective_replicas
-    return env.service.replicas.min
 
 
 def deploy_replicas(env: pb.Environment, release: pb.Release) -> int:

@@ -40,6 +40,7 @@ from shared.snapshots.store import MANIFESTS, SnapshotStore
 from shared.telemetry import inject, span
 from shared.txn import Deposed, TxnError, Writer
 from shared.view import StateView
+from shared.volumes import lease_expired, lease_held_by_other, lease_of
 
 log = logging.getLogger(__name__)
 
@@ -74,21 +75,10 @@ def target_from_env() -> cpb.SnapshotTarget:
 # ---------------------------------------------------------------------------- volume lease helpers (C4.5)
 
 
-def lease_expired(lease: pb.VolumeLease | None, now: float) -> bool:
-    """A lease is expired when absent, without expiry, or ``now >= expires_at``."""
-    if lease is None or not lease.node_id or not lease.HasField("expires_at"):
-        return True
-    return now >= lease.expires_at.ToNanoseconds() / 1e9
-
-
-def lease_held_by_other(lease: pb.VolumeLease | None, node_id: str, now: float) -> bool:
-    return not lease_expired(lease, now) and lease is not None and lease.node_id != node_id
-
-
 def volume_mounted(view: StateView, volume: pb.Volume, now: float) -> bool:
     """Mounted = its fencing lease is unexpired, or a non-job RUN assignment of its environment sits on
     its node (the instance holding the data may be up even while the lease lapses)."""
-    if not lease_expired(volume.lease if volume.HasField("lease") else None, now):
+    if not lease_expired(lease_of(volume), now):
         return True
     return any(
         a.environment_id == volume.environment_id and not a.job_id and a.desired == pb.ASSIGNMENT_DESIRED_RUN

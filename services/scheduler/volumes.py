@@ -38,26 +38,13 @@ from shared.deployments import env_ownership
 from shared.events import INFO, WARNING
 from shared.ids import new_id
 from shared.view import StateView, reservation
+from shared.volumes import lease_expired, lease_held_by_other, lease_of
 
 LEASE_TTL = 60.0
 RENEW_AT = LEASE_TTL / 2
 """A lease is renewed once no more than this much of it is left (with the 15 s tick: every 30 s)."""
 
 _DRAIN_STATES = {pb.NODE_STATUS_DRAINING: "draining", pb.NODE_STATUS_DRAINED: "drained"}
-
-
-def lease_expired(lease: pb.VolumeLease | None, now: float) -> bool:
-    """An absent lease, or one without an expiry, counts as expired."""
-    return lease is None or not lease.HasField("expires_at") or now >= seconds(lease.expires_at)
-
-
-def lease_held_by_other(lease: pb.VolumeLease | None, node_id: str, now: float) -> bool:
-    """A still-valid lease naming a different node (which must not be stolen)."""
-    return lease is not None and not lease_expired(lease, now) and lease.node_id != node_id
-
-
-def _lease(volume: pb.Volume) -> pb.VolumeLease | None:
-    return volume.lease if volume.HasField("lease") else None
 
 
 @dataclass
@@ -206,7 +193,7 @@ def evaluate_leases(view: StateView, now: float) -> dict[str, Writes]:
         )
         if holder is None:
             continue
-        lease = _lease(volume)
+        lease = lease_of(volume)
         if lease_held_by_other(lease, volume.node_id, now):
             continue
         if not _needs_renewal(lease, volume.node_id, holder.meta.id, now):

@@ -171,3 +171,18 @@ async def _debug_leftovers():
             client = frame.f_locals.get("self") if frame else None
             print("FINAL LEFTOVER", t, getattr(client, "options", {}).get("name"), getattr(client, "_status", None), file=sys.stderr)
             t.print_stack(file=sys.stderr)
+
+
+@pytest.fixture
+async def conn(nats_url: str) -> AsyncIterator[Connection]:
+    import time as _t
+
+    from shared.natsio import provision
+    c = await connect(nats_url, name="test")
+    await provision(c.js, tombstone_ttl=900)
+    try:
+        yield c
+    finally:
+        t0 = _t.monotonic()
+        await c.close()
+        print("CLOSE TOOK", round(_t.monotonic() - t0, 3), c.nc.is_closed, c.nc._status, file=sys.stderr)

@@ -7,8 +7,8 @@ from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
 from services.autoscale import activator, autoscaler, scaletozero, serverless
-from services.autoscale.common import current_replicas
 from shared.clock import FakeClock
+from shared.deployments import desired_replicas as current_replicas
 from tests.autoscale.helpers import (
     MIB,
     base_objects,

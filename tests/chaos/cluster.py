@@ -320,9 +320,11 @@ class FenceAudit:
                 landed.loop = key[len(K.LEASE) + 1 :]
                 landed.term = lease.term
                 landed.holder = lease.holder
-                self.last_lease[landed.loop] = landed
-                if lease.term == 0:
+                if lease.term == 0:  # an acquisition in progress: nobody leads until its second write
                     self.acquired[landed.loop].append((seq, at))
+                    self.last_lease.pop(landed.loop, None)
+                else:
+                    self.last_lease[landed.loop] = landed
         self.landed.append(landed)
 
     def leader_pid(self, loop: str, fresh: float) -> int | None:

@@ -7,7 +7,8 @@ from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.placement import place
 from services.scheduler.replicas import seconds
-from services.scheduler.volumes import LEASE_TTL, lease_expired, lease_held_by_other
+from services.scheduler.volumes import LEASE_TTL
+from shared.volumes import lease_expired, lease_held_by_other
 from tests.factories import assignment
 from tests.scheduler.builders import deployment, pnode, spec_env, spec_release, unlimited, volume
 from tests.scheduler.conftest import Rig

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.snapshot_dispatch import lease_expired, lease_held_by_other
 from services.scheduler.snapshots import (
     ScheduleError,
     expired_failures,
@@ -28,6 +27,7 @@ from shared.snapshots.chunking import TEST_PARAMS, ChunkParams, chunk_lengths
 from shared.snapshots.crypto import Sealer, SealError
 from shared.snapshots.manifest import ChunkRef, Manifest
 from shared.snapshots.tarstream import UnsafeArchiveError, extract, tar_bytes, tree_paths
+from shared.volumes import lease_expired, lease_held_by_other
 from tests.snapshots.conftest import BASE, KEY, snap_volume, snapshot_record, stamp, write_tree
 
 H = 3600.0

@@ -1,0 +1,25 @@
+"""Volume fencing leases (``Volume.lease``): who may mount a stateful volume right now.
+
+The scheduler grants and renews them, the snapshot dispatcher and the agent check them; one definition
+keeps the three in agreement.
+"""
+
+from __future__ import annotations
+
+from zattera.v1 import types_pb2 as pb
+
+
+def lease_of(volume: pb.Volume) -> pb.VolumeLease | None:
+    return volume.lease if volume.HasField("lease") else None
+
+
+def lease_expired(lease: pb.VolumeLease | None, now: float) -> bool:
+    """Expired when absent, naming no node, without an expiry, or ``now >= expires_at``."""
+    if lease is None or not lease.node_id or not lease.HasField("expires_at"):
+        return True
+    return now >= lease.expires_at.seconds + lease.expires_at.nanos / 1e9
+
+
+def lease_held_by_other(lease: pb.VolumeLease | None, node_id: str, now: float) -> bool:
+    """A still-valid lease naming a different node (which must not be stolen)."""
+    return lease is not None and not lease_expired(lease, now) and lease.node_id != node_id
