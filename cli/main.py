@@ -96,12 +96,20 @@ def up(
     port: int = typer.Option(4222, help="NATS client port (a free one is used when busy)"),
     secure: bool = typer.Option(False, help="NATS accounts and per-role credentials (SECURITY.md)"),
     tls: bool = typer.Option(False, help="TLS on the NATS listener with a generated local CA (implies --secure)"),
+    nats_cluster: int = typer.Option(
+        1, "--nats-cluster", min=1, max=5, help="local NATS servers as one JetStream cluster (3: replicas=3)"
+    ),
+    proxy_port: int = typer.Option(8080, help="HTTP port of the local ingress proxy"),
+    node: bool = typer.Option(True, "--node/--no-node", help="also run a local agent and the proxy"),
 ) -> None:
     """Start the whole single-machine cluster: embedded NATS and every service, until Ctrl-C."""
     directory = (data_dir or settings().data_dir).resolve()
+    if (secure or tls) and nats_cluster > 1:
+        raise typer.BadParameter("--secure/--tls run one NATS server; drop --nats-cluster", param_hint="--nats-cluster")
     if secure or tls:
         raise typer.Exit(secure_up(directory, port, tls=tls))
-    raise typer.Exit(run_up(Cluster(data_dir=directory, port=port)))
+    cluster = Cluster(data_dir=directory, port=port, nats_cluster=nats_cluster, proxy_port=proxy_port, with_node=node)
+    raise typer.Exit(run_up(cluster))
 
 
 # ---------------------------------------------------------------------------------------------- nodes

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from shared.embedded import EmbeddedNats, free_port
+from shared.embedded import EmbeddedNats, free_port, start_cluster
 from shared.natsio import connect, provision
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes")
@@ -87,6 +87,9 @@ class Cluster:
     extra: list[Supervised] = field(default_factory=list)
     console: Console = field(default_factory=lambda: Console(stderr=True))
     nats: EmbeddedNats | None = None
+    # ``--nats-cluster N``: N local servers as one JetStream cluster, every bucket and stream at replicas=N.
+    nats_cluster: int = 1
+    cluster_servers: list[EmbeddedNats] = field(default_factory=list)
     children: list[Supervised] = field(default_factory=list)
     # Secured clusters (cli/security_cmds.py): server auth/TLS config, and the services' credentials.
     nats_extra_config: str = ""
@@ -95,10 +98,20 @@ class Cluster:
 
     @property
     def url(self) -> str:
+        if self.cluster_servers:
+            return ",".join(s.url for s in self.cluster_servers)
         assert self.nats is not None
         return self.nats.url
 
+    @property
+    def replicas(self) -> int:
+        return len(self.cluster_servers) or 1
+
     def start_nats(self) -> None:
+        if self.nats_cluster > 1:
+            self.cluster_servers = start_cluster(self.data_dir / "nats-cluster", self.nats_cluster)
+            self.nats = self.cluster_servers[0]
+            return
         port = self.port
         if port and not _port_free(port):
             self.console.print(f"[yellow]port {port} is busy; using a free port instead[/]")
@@ -111,6 +124,8 @@ class Cluster:
         env = dict(os.environ)
         env["ZATTERA_NATS_URL"] = self.url
         env["ZATTERA_DATA_DIR"] = str(self.data_dir)
+        if self.cluster_servers:
+            env["ZATTERA_REPLICAS"] = str(self.replicas)
         env.setdefault("ZATTERA_DOMAIN", "localhost")
         if self.creds:
             env["ZATTERA_NATS_CREDS"] = self.creds
@@ -157,6 +172,9 @@ class Cluster:
                     "--builder",
                     "--roles",
                     "worker,control",
+                    # Ctrl-C leaves no process behind: the app instances stop with the agent, and the next
+                    # `zattera up` starts them again from the same desired state.
+                    "--stop-on-exit",
                 ],
                 self.data_dir / "logs" / "agent.log",
                 env,
@@ -214,6 +232,8 @@ class Cluster:
         deadline = time.monotonic() + grace
         for child in self.children:
             child.wait_or_kill(deadline)
+        for server in self.cluster_servers:
+            server.stop()
         if self.nats is not None:
             self.nats.stop()
 
@@ -239,10 +259,19 @@ def _port_free(port: int) -> bool:
     return True
 
 
-async def _provision(url: str, creds: str = "", tls_ca: str = "") -> None:
+async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int = 1) -> None:
     conn = await connect(url, name="zattera-up", creds=creds or None, tls_ca=tls_ca or None)
     try:
-        await provision(conn.js)
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                await asyncio.wait_for(provision(conn.js, replicas=replicas), 5.0)
+                return
+            except Exception:
+                # a fresh cluster elects its JetStream meta leader first; a single server answers at once
+                if replicas == 1 or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
     finally:
         await conn.close()
 
@@ -258,10 +287,13 @@ def run_up(cluster: Cluster, *, hint: str = "") -> int:
     console = cluster.console
     try:
         cluster.start_nats()
-        asyncio.run(_provision(cluster.url, cluster.creds, cluster.tls_ca))
+        asyncio.run(_provision(cluster.url, cluster.creds, cluster.tls_ca, cluster.replicas))
         cluster.start_services()
         console.print(f"[bold green]Zattera is up[/] — data in {cluster.data_dir}")
-        console.print(f"  NATS:      {cluster.url}")
+        console.print(
+            f"  NATS:      {cluster.url}"
+            + (f"  (cluster, replicas={cluster.replicas})" if cluster.cluster_servers else "")
+        )
         for child in cluster.children:
             console.print(f"  {child.name:<10} pid {child.proc.pid if child.proc else '-'}  log {child.log_path}")
         if any(c.name == "proxy" for c in cluster.children):

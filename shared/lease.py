@@ -30,7 +30,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.ids import new_id
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
-from shared.tasks import cancel_and_wait
+from shared.tasks import cancel_and_wait, raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +237,7 @@ async def run_while_leading(
             except (NatsError, TimeoutError, OSError, APIError) as exc:
                 log.debug("lease %s: acquire attempt failed: %s", loop, exc)
                 acquired = False
+            raise_if_cancelling()
             if not acquired:
                 await asyncio.sleep(renew_interval)
                 continue
@@ -256,6 +257,7 @@ async def _lead(lease: Lease, fn: LeaderFn) -> None:
         while lease.held:
             await asyncio.sleep(lease.renew_interval)
             await lease.renew()
+            raise_if_cancelling()
 
     renewer = asyncio.create_task(renew_forever())
     try:

@@ -30,7 +30,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from shared.clock import Clock
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
 from shared.telemetry import counter
-from shared.view import ChangeFeed
+from shared.view import ChangeFeed, server_delivered
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class LiveView:
             pending_bytes_limit=512 * 1024 * 1024,
         )
         info = await self._sub.consumer_info()
-        if info.num_pending == 0:
+        if info.num_pending == 0 and server_delivered(info) == 0:
             self._ready.set()
 
     def apply(self, key: str, data: bytes | None) -> None:

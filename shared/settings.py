@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     serverless_tick: float = Field(default=5.0, gt=0)
     coalesce_window: float = Field(default=0.005, ge=0, description="delay that merges bursts of changes")
     max_batch: int = Field(default=1000, ge=2, le=1000, description="messages per atomic batch")
+    node_heartbeat_deadline: float = Field(default=30.0, gt=0, description="no heartbeat this long: node DOWN")
+    liveness_grace: float = Field(default=45.0, ge=0, description="a new liveness leader marks nothing DOWN this long")
 
     # Deployment orchestrator timers (seconds).
     drain_window: float = Field(default=600.0, gt=0, description="blue kept warm after promotion")

@@ -291,7 +291,9 @@ class StateView:
             inactive_threshold=300.0,
         )
         info = await self._sub.consumer_info()
-        if info.num_pending == 0 and self._sub.delivered == 0 and not done.done():
+        # Judge emptiness by what the server has sent, not by what this client has processed yet: the
+        # server may have pushed everything (num_pending 0) before the callback ran for the first one.
+        if info.num_pending == 0 and server_delivered(info) == 0 and not done.done():
             done.set_result(None)
         await done
         if generation != self._generation:
@@ -644,6 +646,11 @@ class StateView:
 
     def env_run_count(self, env_id: str) -> int:
         return sum(self._idx.env_node_run.get(env_id, {}).values())
+
+
+def server_delivered(info: Any) -> int:
+    delivered = getattr(info, "delivered", None)
+    return int(getattr(delivered, "consumer_seq", 0) or 0)
 
 
 def _is_delete(msg: Msg) -> bool:

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from services.agent.agent import Agent
 from services.agent.registration import default_node_id
-from services.agent.settings import AgentSettings, parse_labels
+from services.agent.settings import AgentSettings
 from shared.natsio import provision
 from shared.service import configure_logging, connect_with_retry
 from shared.settings import settings as shared_settings
@@ -51,11 +51,11 @@ def agent_settings(args: argparse.Namespace) -> AgentSettings:
     if args.node_id is not None:
         overrides["node_id"] = args.node_id
     if args.labels is not None:
-        overrides["labels"] = parse_labels(args.labels)
+        overrides["labels"] = args.labels
     if args.builder is not None:
         overrides["builder"] = args.builder
     if args.roles is not None:
-        overrides["roles"] = [r.strip() for r in args.roles.split(",") if r.strip()]
+        overrides["roles"] = args.roles
     if args.mesh_ip is not None:
         overrides["mesh_ip"] = args.mesh_ip
     if args.stop_on_exit is not None:

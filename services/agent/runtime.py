@@ -49,6 +49,7 @@ from shared import keys as K
 from shared.natsio import Connection
 from shared.telemetry import span
 from shared.view import StateView
+from shared.volumes import lease_expired, lease_of
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,13 @@ def _env_name(name: str) -> str:
 
 
 def lease_is_ours(volume: pb.Volume, node_id: str, assignment_id: str, now: float) -> bool:
-    if not volume.HasField("lease") or not volume.lease.HasField("expires_at"):
-        return False
-    lease = volume.lease
-    expires = lease.expires_at.seconds + lease.expires_at.nanos / 1e9
-    return lease.node_id == node_id and lease.assignment_id == assignment_id and now < expires
+    lease = lease_of(volume)
+    return (
+        lease is not None
+        and not lease_expired(lease, now)
+        and lease.node_id == node_id
+        and lease.assignment_id == assignment_id
+    )
 
 
 def resolve_volumes(
@@ -204,10 +207,14 @@ class InstanceSupervisor:
         self._wake.set()
 
     async def run(self) -> None:
-        if self._handle is not None and self._monitor is None:
-            self._resume_adopted()
-        while True:
-            await self._step()
+        if self._handle is not None:
+            self._resume_watching()
+        try:
+            while True:
+                await self._step()
+        finally:
+            # The process itself stays (adopted by the next agent run, or stopped by remove/stop_for_exit).
+            self._cancel_watchers()
 
     async def remove(self) -> None:
         """The assignment vanished: stop the process, drop the directory and the observed key."""
@@ -332,11 +339,11 @@ class InstanceSupervisor:
         ).save(self.dir)
         return handle
 
-    def _resume_adopted(self) -> None:
-        release = self.ctx.view.release(self.assignment.release_id)
+    def _resume_watching(self) -> None:
+        """A process this supervisor did not start in this run (adopted): probe it again."""
         assert self._handle is not None
-        log.info("%s: adopted pid %d", self.assignment_id, self._handle.pid)
-        self._start_health(release)
+        log.info("%s: watching pid %d", self.assignment_id, self._handle.pid)
+        self._start_health(self.ctx.view.release(self.assignment.release_id))
 
     def _start_health(self, release: pb.Release | None) -> None:
         probe = probe_for(release.service, self._ports) if release is not None else None
@@ -361,7 +368,9 @@ class InstanceSupervisor:
 
     async def _watch(self) -> None:
         """Until the process exits or something changes."""
-        assert self._exit is not None
+        assert self._handle is not None
+        if self._exit is None:
+            self._exit = asyncio.create_task(self._handle.wait(), name=f"exit:{self.assignment_id}")
         waker = asyncio.create_task(self._wake.wait())
         try:
             await asyncio.wait({self._exit, waker}, return_when=asyncio.FIRST_COMPLETED)
@@ -404,13 +413,16 @@ class InstanceSupervisor:
         self._handle = handle
         self._container_id = handle.container_id
         self._started_at = time.monotonic()
-        self._exit = asyncio.create_task(handle.wait(), name=f"exit:{self.assignment_id}")
 
-    def _detach(self) -> None:
+    def _cancel_watchers(self) -> None:
         for task in (self._monitor, self._exit):
             if task is not None:
                 task.cancel()
-        self._handle = self._exit = self._monitor = None
+        self._exit = self._monitor = None
+
+    def _detach(self) -> None:
+        self._cancel_watchers()
+        self._handle = None
 
     async def _stop(self) -> None:
         handle = self._handle
@@ -529,6 +541,7 @@ class ProcessRuntime:
             if handle is not None and record is not None and adoptable:
                 assert a is not None and release is not None
                 if record.config == config_of(a, release):
+                    log.info("%s: adopting pid %d left by a previous run", aid, handle.pid)
                     self._launch(InstanceSupervisor(ctx, a, adopted=(handle, record)))
                     continue
             if handle is not None:

@@ -6,9 +6,10 @@ Every timer is a setting so tests and demos can shorten it; the command line ove
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _NODE_ID = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -17,9 +18,13 @@ class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ZATTERA_AGENT_", extra="ignore")
 
     node_id: str = Field(default="", description="node id; '' = the host name (dots become dashes)")
-    labels: dict[str, str] = Field(default_factory=dict, description="operator labels asserted at registration")
+    labels: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict, description="operator labels asserted at registration (k=v,k2=v2 in the environment)"
+    )
     builder: bool = Field(default=False, description="serve source builds on zattera.agent.<node>.build")
-    roles: list[str] = Field(default_factory=lambda: ["worker"], description="worker and/or control")
+    roles: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["worker"], description="worker and/or control (comma-separated in the environment)"
+    )
     mesh_ip: str = Field(default="", description="address other nodes reach this node's instances at")
 
     heartbeat_interval: float = Field(default=5.0, gt=0)
@@ -45,6 +50,16 @@ class AgentSettings(BaseSettings):
         if value and not _NODE_ID.match(value):
             raise ValueError("node id may contain only letters, digits, '-' and '_'")
         return value
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _labels_from_text(cls, value: object) -> object:
+        return parse_labels(value) if isinstance(value, str) else value
+
+    @field_validator("roles", mode="before")
+    @classmethod
+    def _roles_from_text(cls, value: object) -> object:
+        return [r.strip() for r in value.split(",") if r.strip()] if isinstance(value, str) else value
 
     @field_validator("roles")
     @classmethod

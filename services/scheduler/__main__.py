@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from services.scheduler.liveness import TICK as LIVENESS_TICK
 from services.scheduler.liveness import Liveness
 from services.scheduler.loop import Scheduler
 from services.scheduler.snapshot_dispatch import SnapshotDispatcher, target_from_env
@@ -22,7 +23,15 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     await live.start()
     return [
         ctx.lead(Scheduler(tick=ctx.settings.loop_tick, **ctx.loop_kwargs())),
-        ctx.lead(Liveness(live=live, **ctx.loop_kwargs())),
+        ctx.lead(
+            Liveness(
+                live=live,
+                tick=min(LIVENESS_TICK, ctx.settings.loop_tick),
+                deadline=ctx.settings.node_heartbeat_deadline,
+                grace=ctx.settings.liveness_grace,
+                **ctx.loop_kwargs(),
+            )
+        ),
         ctx.lead(
             SnapshotScheduler(
                 dispatcher=SnapshotDispatcher(ctx.conn, ctx.view, ctx.clock, target=target_from_env()),

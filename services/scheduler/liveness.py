@@ -5,6 +5,8 @@ latest heartbeat is older than 30 s becomes DOWN (event ``node.down``); a DOWN n
 again becomes ALIVE (``node.up``). DRAINING and DRAINED belong to the operator and are never touched.
 For 45 s after a term starts nothing is marked DOWN: a new leader first gives every agent time to be
 heard (its live view may have just started). A node never heard of counts as seen at the term start.
+Both windows are settings (``ZATTERA_NODE_HEARTBEAT_DEADLINE``, ``ZATTERA_LIVENESS_GRACE``) so tests and
+demos can shorten them; the tick is the shorter of 5 s and ``ZATTERA_LOOP_TICK``.
 """
 
 from __future__ import annotations
@@ -28,21 +30,27 @@ LEADER_GRACE = 45.0
 
 
 def evaluate_liveness(
-    view: StateView, seen_at: Callable[[str], float | None], now: float, term_started: float
+    view: StateView,
+    seen_at: Callable[[str], float | None],
+    now: float,
+    term_started: float,
+    *,
+    deadline: float = HEARTBEAT_DEADLINE,
+    grace: float = LEADER_GRACE,
 ) -> list[Writes]:
     """Status flips (one write per node) from each node's last heartbeat time."""
     result = []
-    grace_over = now - term_started >= LEADER_GRACE
+    grace_over = now - term_started >= grace
     for node in view.nodes():
         node_id = node.meta.id
         heard = seen_at(node_id)
         stored = seconds(node.last_heartbeat_at) if node.HasField("last_heartbeat_at") else 0.0
         last = max(heard or 0.0, stored, term_started)
-        if node.status == pb.NODE_STATUS_ALIVE and grace_over and now - last > HEARTBEAT_DEADLINE:
+        if node.status == pb.NODE_STATUS_ALIVE and grace_over and now - last > deadline:
             status = pb.NODE_STATUS_DOWN
             message = f"node {node_id} missed heartbeats for {now - last:.0f}s; marked DOWN"
             kind, severity = "node.down", WARNING
-        elif node.status == pb.NODE_STATUS_DOWN and heard is not None and now - heard <= HEARTBEAT_DEADLINE:
+        elif node.status == pb.NODE_STATUS_DOWN and heard is not None and now - heard <= deadline:
             status = pb.NODE_STATUS_ALIVE
             message = f"node {node_id} is heartbeating again; marked ALIVE"
             kind, severity = "node.up", INFO
@@ -62,9 +70,19 @@ class Liveness(LeaderLoop):
     name = "liveness"
     kinds = frozenset({K.NODE})
 
-    def __init__(self, *, live: LiveView, tick: float = TICK, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        live: LiveView,
+        tick: float = TICK,
+        deadline: float = HEARTBEAT_DEADLINE,
+        grace: float = LEADER_GRACE,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(tick=tick, **kwargs)
         self.live = live
+        self.deadline = deadline
+        self.grace = grace
         self.term_started = self.clock.now()
 
     def on_term_start(self) -> None:
@@ -72,5 +90,12 @@ class Liveness(LeaderLoop):
 
     async def run_pass(self) -> None:
         assert self.writer is not None, "a pass needs a writer (set by run(), or by the test)"
-        writes = evaluate_liveness(self.view, self.live.node_seen_at, self.clock.now(), self.term_started)
+        writes = evaluate_liveness(
+            self.view,
+            self.live.node_seen_at,
+            self.clock.now(),
+            self.term_started,
+            deadline=self.deadline,
+            grace=self.grace,
+        )
         await commit(self.writer, self.events, writes, loop=self.name)

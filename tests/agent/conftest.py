@@ -129,11 +129,11 @@ class RunningAgent:
 StartAgent = Callable[..., Awaitable[RunningAgent]]
 
 
-def _kill_processes_under(root: Path) -> None:
-    """Safety net: no instance outlives its test."""
-    for proc in psutil.process_iter(["cmdline", "cwd"]):
+def _kill_instances_under(root: Path) -> None:
+    """Safety net: no instance outlives its test (instances carry ZATTERA_ASSIGNMENT_ID and run under root)."""
+    for proc in psutil.process_iter(["cwd"]):
         with contextlib.suppress(psutil.Error):
-            if str(root) in " ".join(proc.info["cmdline"] or []) or str(root) in (proc.info["cwd"] or ""):
+            if (proc.info["cwd"] or "").startswith(str(root)) and "ZATTERA_ASSIGNMENT_ID" in proc.environ():
                 proc.kill()
 
 
@@ -156,33 +156,4 @@ async def start_agent(conn: Connection, nats_url: str, tmp_path: Path) -> AsyncI
     finally:
         for handle in reversed(running):
             await handle.stop()
-        _kill_processes_under(tmp_path)
-
-
-@pytest.fixture(autouse=True)
-async def _debug_leftovers():
-    yield
-    await asyncio.sleep(0.3)
-    for t in asyncio.all_tasks():
-        if t is not asyncio.current_task():
-            if "health" in t.get_name():
-                continue
-            frame = t.get_coro().cr_frame
-            client = frame.f_locals.get("self") if frame else None
-            print("FINAL LEFTOVER", t, getattr(client, "options", {}).get("name"), getattr(client, "_status", None), file=sys.stderr)
-            t.print_stack(file=sys.stderr)
-
-
-@pytest.fixture
-async def conn(nats_url: str) -> AsyncIterator[Connection]:
-    import time as _t
-
-    from shared.natsio import provision
-    c = await connect(nats_url, name="test")
-    await provision(c.js, tombstone_ttl=900)
-    try:
-        yield c
-    finally:
-        t0 = _t.monotonic()
-        await c.close()
-        print("CLOSE TOOK", round(_t.monotonic() - t0, 3), c.nc.is_closed, c.nc._status, file=sys.stderr)
+        _kill_instances_under(tmp_path)

@@ -228,9 +228,7 @@ class Fleet:
         ]
 
     def logs(self, tail: int = 3000) -> str:
-        return "\n".join(
-            f"--- {p.log.name}\n{p.log.read_text(errors='replace')[-tail:]}" for p in self.procs.values()
-        )
+        return "\n".join(f"--- {p.log.name}\n{p.log.read_text(errors='replace')[-tail:]}" for p in self.procs.values())
 
     def stop_all(self) -> None:
         for proc in self.procs.values():

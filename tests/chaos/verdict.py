@@ -14,6 +14,7 @@ async def verdict(run: Run) -> dict[str, object]:
     """Assert every promise of the run; returns the summary (also printed for RELIABILITY.md)."""
     run.collect_refusals()
     lost = await run.lost_acked_writes()
+    view_gaps = await run.fresh_view_disagrees()
     not_terminal = [
         f"{d}: {pb.DeploymentPhase.Name(m.phase) if (m := run.watcher.deployment(d)) else 'missing'}"
         for d in run.deployments
@@ -33,6 +34,7 @@ async def verdict(run: Run) -> dict[str, object]:
         "rollbacks": run.stats.rollbacks,
         "scale_changes": run.stats.scale_changes,
         "drains": run.stats.drains,
+        "drains_completed": run.stats.drained,
         "agent_kills": run.stats.agent_kills,
         "invariant_checks": run.watcher.checks,
         "acked_writes_checked": len(run.acked),
@@ -47,6 +49,7 @@ async def verdict(run: Run) -> dict[str, object]:
     fence = run.audit.violations()
     assert not fence, "a deposed leader's write landed:\n" + "\n".join(fence[:20])
     assert not lost, "acknowledged writes lost:\n" + "\n".join(lost)
+    assert not view_gaps, "a fresh view missed acknowledged writes:\n" + "\n".join(view_gaps[:10])
     assert not not_terminal, "deployments not terminal:\n" + "\n".join(not_terminal)
     assert not run.errors, "\n".join(run.errors)
     assert run.watcher.checks > 0

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nats.js.errors import NotFoundError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
@@ -25,7 +26,7 @@ from shared import keys as K
 from shared.deploy import Deployer, DeployError, FailedPrecondition
 from shared.deployments import is_terminal
 from shared.live import publish_node_heartbeat
-from shared.natsio import Connection, connect
+from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, connect
 from shared.txn import CommitUnknown, Conflict, TxnError, Writer
 from shared.view import StateView
 from tests.agent_sim import AgentSim
@@ -63,6 +64,7 @@ class Stats:
     rollbacks: int = 0
     scale_changes: int = 0
     drains: int = 0
+    drained: int = 0
     agent_kills: int = 0
     failover_seconds: dict[str, list[float]] = field(default_factory=dict)
     nats_leader_kills: int = 0
@@ -285,6 +287,7 @@ class Run:
                 timeout,
                 f"{node_id} drained",
             )
+            self.stats.drained += 1
         await self.set_node(node_id, pb.NODE_STATUS_ALIVE, True)
 
     async def kill_agent(self, node_id: str, down_for: float) -> None:
@@ -387,20 +390,41 @@ class Run:
         )
 
     async def lost_acked_writes(self) -> list[str]:
-        """Every acknowledged workload write, read back through a fresh connection and view."""
+        """Every acknowledged workload write, read back from the stream (direct get of each key's last
+        message) through a fresh connection: it must be there at its acknowledged revision or a later one."""
         conn = await connect(self.nats.urls, name="chaos-verify")
-        view = StateView(conn, name="chaos-verify")
         try:
-            await view.start()
             lost = []
             for key, rev in self.acked.items():
-                now = view.rev(key)
+                now = await self._last_rev(conn, key)
                 if now < rev or (key.startswith(K.PROJECT + ".") and now != rev):
                     lost.append(f"{key}: acknowledged at {rev}, now {now}")
             return lost
         finally:
+            await conn.close()
+
+    async def fresh_view_disagrees(self) -> list[str]:
+        """A fresh StateView must load what the stream holds (the view every service starts with)."""
+        conn = await connect(self.nats.urls, name="chaos-verify-view")
+        view = StateView(conn, name="chaos-verify")
+        try:
+            await view.start()
+            return [f"{k}: view rev {view.rev(k)} < {r}" for k, r in self.acked.items() if view.rev(k) < r]
+        finally:
             await view.stop()
             await conn.close()
+
+    @staticmethod
+    async def _last_rev(conn: Connection, key: str) -> int:
+        for attempt in range(20):
+            try:
+                msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + key, direct=True)
+                return int(msg.seq or 0)
+            except NotFoundError:
+                return 0
+            except Exception:
+                await asyncio.sleep(0.1 * (attempt + 1))
+        return 0
 
     def unknown_loops(self) -> list[str]:
         return [loop for loop in SERVICE_OF if self.watcher.lease(loop) is None]

@@ -58,6 +58,16 @@ def test_liveness_decides_from_heartbeat_age(status, heard_ago, term_age, expect
     assert got == ([] if expected is None else [expected])
 
 
+def test_liveness_windows_are_settable():
+    """Short windows (ZATTERA_NODE_HEARTBEAT_DEADLINE / ZATTERA_LIVENESS_GRACE) for tests and demos."""
+    state = OfflineState(node("n1", status=ALIVE))
+    heard = {"n1": NOW - 4}
+    assert evaluate_liveness(state.view, heard.get, NOW, NOW - 10) == []
+    writes = evaluate_liveness(state.view, heard.get, NOW, NOW - 10, deadline=3, grace=2)
+    assert [w.updates[0].status for w in writes] == [DOWN]  # type: ignore[attr-defined]
+    assert evaluate_liveness(state.view, heard.get, NOW, NOW - 1, deadline=3, grace=2) == []
+
+
 async def heartbeat(conn: Connection, live: LiveView, node_id: str, at: float) -> None:
     hb = cpb.Heartbeat(node_id=node_id)
     hb.time.FromNanoseconds(int(at * 1e9))

@@ -1,0 +1,34 @@
+"""Fixtures of the end-to-end tests: one shared cluster per module, its logs attached to any failure."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import E2ECluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
+    root: Path = tmp_path_factory.mktemp("e2e")
+    c = E2ECluster(root)
+    try:
+        c.start()
+        asyncio.run(c.wait_ready())
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        funcargs = getattr(item, "funcargs", {})
+        c = funcargs.get("cluster") or funcargs.get("lonely")
+        if isinstance(c, E2ECluster) and c.logs.exists():
+            report.sections.append(("cluster logs (last lines)", c.log_tail()))

@@ -1,0 +1,1 @@
+"""Simulated agents at scale (issue 10 item 4)."""
