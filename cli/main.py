@@ -25,6 +25,8 @@ from shared.deploy import Deployer, DeployError
 from shared.deployments import is_terminal
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 from shared.settings import settings
+from shared.telemetry import setup as setup_telemetry
+from shared.telemetry import span
 from shared.txn import Conflict
 from shared.view import StateView
 
@@ -67,6 +69,7 @@ def root(
 ) -> None:
     """Zattera: a self-hosted PaaS control plane on NATS JetStream."""
     OPTIONS.nats_url = nats
+    setup_telemetry("zattera-cli")  # OTEL_TRACES_EXPORTER picks the exporter; unset = no-op
 
 
 def _json(flag: bool) -> bool:
@@ -327,7 +330,11 @@ def deploy(
             )
             return created.deployment.meta.id
 
-    deployment_id = run(go)
+    # The root of the deploy's trace: the writes carry its traceparent, and every service that reacts to
+    # them (builds, orchestrator, scheduler, agents) continues it.
+    with span("cli.deploy", env=env, source=str(source) if source else None, image=image or None) as current:
+        deployment_id = run(go)
+        current.set_attribute("deployment", deployment_id)
     if watch:
         _watch(deployment_id, until_done=False)
     else:
@@ -388,7 +395,9 @@ def rollback(
             err.print(f"rollback {d.meta.id} to v{release.version if release else '?'} created")
             return d.meta.id
 
-    deployment_id = run(go)
+    with span("cli.rollback", env=env) as current:
+        deployment_id = run(go)
+        current.set_attribute("deployment", deployment_id)
     if watch:
         _watch(deployment_id, until_done=False)
 

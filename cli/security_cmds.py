@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 
 from cli.client import nats_url
-from cli.up import Cluster, Supervised, run_up
+from cli.up import LOCAL_NODE, Cluster, Supervised, run_up
 from shared.natsio import connect
 from shared.security.authority import Authority
 from shared.security.join import DEFAULT_TTL, JoinRefused, request_join_token
@@ -34,7 +34,8 @@ def parse_duration(text: str) -> float:
 
 
 def secure_up(data_dir: Path, port: int, *, tls: bool) -> int:
-    """``zattera up`` with operator-mode auth (and TLS): every service runs with the control credential."""
+    """``zattera up`` with operator-mode auth (and TLS): every service runs with the control credential, the
+    local agent with a builder credential and the local proxy with a proxy credential of its own."""
     setup = prepare(data_dir / "security", tls=tls)
     ca = str(setup.tls_ca or "")
     join = Supervised("join", [sys.executable, "-m", "services.join"], data_dir / "logs" / "join.log", {})
@@ -45,6 +46,7 @@ def secure_up(data_dir: Path, port: int, *, tls: bool) -> int:
         nats_extra_config=setup.server_config(),
         creds=str(setup.control_creds),
         tls_ca=ca,
+        node_creds=setup.local_node_creds(LOCAL_NODE),
     )
     hint = f"  CLI:       export ZATTERA_NATS_CREDS={setup.operator_creds}"
     if ca:

@@ -95,6 +95,8 @@ class Cluster:
     nats_extra_config: str = ""
     creds: str = ""
     tls_ca: str = ""
+    # The local node's own credentials ("agent", "proxy" → creds file): never the services' control one.
+    node_creds: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -177,7 +179,7 @@ class Cluster:
                     "--stop-on-exit",
                 ],
                 self.data_dir / "logs" / "agent.log",
-                env,
+                self._node_env(env, "agent"),
             )
             agent.start()
             found.append(agent)
@@ -202,11 +204,15 @@ class Cluster:
                     str(self.data_dir / "proxy"),
                 ],
                 self.data_dir / "logs" / "proxy.log",
-                env,
+                self._node_env(env, "proxy"),
             )
             proxy.start()
             found.append(proxy)
         return found
+
+    def _node_env(self, env: dict[str, str], name: str) -> dict[str, str]:
+        creds = self.node_creds.get(name)
+        return {**env, "ZATTERA_NATS_CREDS": creds} if creds else env
 
     def supervise_once(self) -> None:
         now = time.monotonic()

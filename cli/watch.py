@@ -8,6 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rich.markup import escape
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
@@ -76,7 +77,7 @@ async def _stream_build_log(conn: object, build_id: str) -> None:
     from shared.buildlogs import follow_build_log
 
     async for line in follow_build_log(conn, build_id):  # type: ignore[arg-type]
-        err.print(f"  [dim]build>[/] {line}", highlight=False, markup=False)
+        err.print(f"  [dim]build>[/] {escape(line)}", highlight=False)  # the log line itself stays literal
 
 
 async def fetch_routes(timeout: float = 5.0) -> cpb.RouteSnapshot | None:

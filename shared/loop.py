@@ -3,6 +3,10 @@
 
 A concrete loop implements :meth:`LeaderLoop.run_pass` (feed ``evaluate()`` from the view, commit the
 decision). Its in-memory timers are reset by :meth:`LeaderLoop.on_term_start`, as in the reference.
+
+Tracing: a pass woken by changes continues the trace of the newest triggering write that carried one
+(its ``traceparent``, kept by the view), so a deploy started by the CLI can be followed through every loop
+that reacted to it; a pass woken by the tick alone starts a trace of its own.
 """
 
 from __future__ import annotations
@@ -93,12 +97,14 @@ class LeaderLoop(ABC):
         self.writer = self.fenced_writer(leadership)
         self.on_term_start()
         feed = self._feed = self.view.subscribe(set(self.kinds) | set(self.extra_kinds()))
+        changes: set[Change] = set()
         try:
             while True:
                 raise_if_cancelling()
                 await self.view.wait_fresh()
-                feed.drain()
-                await self.pass_once()
+                changes |= feed.drain()
+                await self.pass_once(changes)
+                changes = set()
                 raise_if_cancelling()
                 if self.coalesce:
                     await asyncio.sleep(self.coalesce)
@@ -110,6 +116,8 @@ class LeaderLoop(ABC):
                     wait = self.tick if due is None else min(self.tick, max(due, 0.0))
                     await wait_change_or_tick(self.view, waiter, self.clock, wait)
                 finally:
+                    if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                        changes = waiter.result()
                     waiter.cancel()
         finally:
             feed.close()
@@ -120,9 +128,23 @@ class LeaderLoop(ABC):
         if self._feed is not None:
             self._feed.discard(changes)
 
-    async def pass_once(self) -> None:
+    def trigger_trace(self, changes: Iterable[Change]) -> dict[str, str]:
+        """The trace context of the newest write among ``changes`` that carried one (empty: none did)."""
+        best_rev, best = 0, {}
+        for kind, ident in changes:
+            key = self.view.key_of(kind, ident)
+            if key is None:
+                continue
+            headers = self.view.trace_headers(key)
+            rev = self.view.rev(key)
+            if headers and rev > best_rev:
+                best_rev, best = rev, headers
+        return best
+
+    async def pass_once(self, changes: Iterable[Change] = ()) -> None:
         self.passes += 1
-        with span(f"{self.name}.pass", loop=self.name, passes=self.passes):
+        parent = self.trigger_trace(changes) or None
+        with span(f"{self.name}.pass", headers=parent, loop=self.name, passes=self.passes):
             try:
                 await self.run_pass()
             except Deposed:

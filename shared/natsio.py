@@ -50,7 +50,8 @@ def _parse_header_lines(raw: bytes) -> dict[str, str]:
     return out
 
 
-if isinstance(NATS.__dict__.get("_parse_header_lines"), staticmethod):
+ORIGINAL_HEADER_PARSER = NATS.__dict__.get("_parse_header_lines")
+if isinstance(ORIGINAL_HEADER_PARSER, staticmethod):
     NATS._parse_header_lines = staticmethod(_parse_header_lines)  # type: ignore[method-assign]
 
 STATE_BUCKET = "zattera-state"

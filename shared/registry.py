@@ -382,8 +382,9 @@ async def push_image(
 
 
 async def lookup_tag(conn: Connection, repo: str, tag: str) -> pb.Image | None:
+    # Direct get: the form a node agent's credential may use (SECURITY.md), keyed by the subject.
     try:
-        msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.image(image_id(repo, tag)))
+        msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.image(image_id(repo, tag)), direct=True)
     except NotFoundError:
         return None
     if not msg.data:

@@ -297,7 +297,7 @@ class Writer:
                 await self._catch_up()
                 raise CommitUnknown(f"no reply for the write of {op.key}") from exc
         _commits.add(1)
-        self._view.apply_local(op.key, ack.seq, op.msg)
+        self._view.apply_local(op.key, ack.seq, op.msg, headers.get("traceparent", ""))
 
     async def _publish_batch(self, ops: list[Op], *, fence: Lease | None) -> None:
         nc = self._conn.nc
@@ -338,7 +338,7 @@ class Writer:
             fence.refreshed(last, sent_at)
         _commits.add(1)
         for i, op in enumerate(ops):
-            self._view.apply_local(op.key, first + i, op.msg)
+            self._view.apply_local(op.key, first + i, op.msg, messages[i][2].get("traceparent", ""))
 
     async def _catch_up(self) -> None:
         """After an unknown outcome, wait until the view has seen everything the stream holds."""

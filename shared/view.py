@@ -18,6 +18,16 @@ Design:
   kind: a loop subscribes to what it reacts to, so its own lease renewals never wake it.
 * On disconnect the view is marked stale; on reconnect it resyncs from scratch (diffing against what
   it had, so subscribers see exactly what changed) before :meth:`wait_fresh` returns again.
+* Optional ``filters`` (key patterns such as ``assignment.<node>.*``, ``release.*``) restrict the view to
+  those keys, for a client whose credential may read only them (a node agent, SECURITY.md): one *named*
+  ordered consumer per filter, created with ``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``, the
+  form a subject permission can scope. The view is in sync once every filter's consumer has delivered its
+  last-per-subject backlog. Order holds per filter, not across them (a release may arrive after the
+  assignment naming it): filters should not overlap. A named ordered consumer cannot be re-created
+  under its name while the old one lives, so each consumer a resync or an ordered-consumer reset creates
+  gets a fresh name; the old ones expire after :data:`FILTERED_INACTIVE_THRESHOLD`. Its
+  :attr:`last_revision` is the newest revision of the filtered keys, so a writer's catch-up after an
+  unknown outcome (:mod:`shared.txn`) ends in a resync of these keys rather than waiting for the stream's.
 
 Messages handed out by the view are shared: callers must not mutate them (copy, then write).
 """
@@ -27,9 +37,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
+import uuid
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,6 +61,9 @@ DEFAULT_CPU_MILLIS = 100
 DEFAULT_MEMORY_MB = 256
 _HEALTH_STATES = (pb.INSTANCE_STATE_HEALTHY, pb.INSTANCE_STATE_UNHEALTHY)
 _DELETE_OPS = ("DEL", "PURGE")
+INACTIVE_THRESHOLD = 300.0
+FILTERED_INACTIVE_THRESHOLD = 60.0
+"""A filtered view's replaced consumers (resync, ordered reset) linger this long after losing interest."""
 
 _skipped_counter = counter("zattera.view.skipped", "state values skipped because they could not be decoded")
 
@@ -167,12 +182,17 @@ _ENV_INDEXED = {
 class StateView:
     """The in-memory view of ``zattera-state``; see the module docstring."""
 
-    def __init__(self, conn: Connection | None = None, *, name: str = "view") -> None:
+    def __init__(self, conn: Connection | None = None, *, name: str = "view", filters: Sequence[str] = ()) -> None:
         self._conn = conn
         self._name = name
+        self._filters = tuple(filters)
+        for pattern in self._filters:
+            if not pattern or pattern.startswith(STATE_PREFIX) or ">" in pattern.split(".")[:-1]:
+                raise ValueError(f"bad view filter {pattern!r}: a key pattern such as 'release.*'")
         self._items: dict[str, dict[str, Entry]] = {kind: {} for kind in K.ALL_KINDS}
         self._key_of: dict[tuple[str, str], str] = {}
         self._revs: dict[str, int] = {}
+        self._traces: dict[str, tuple[int, str]] = {}
         self._observed: dict[tuple[str, str], pb.AssignmentObserved] = {}
         self._idx = _Indexes()
         self._feeds: set[ChangeFeed] = set()
@@ -180,7 +200,8 @@ class StateView:
         self._synced = asyncio.Event()
         self._stale = True
         self._generation = 0
-        self._sub: Any = None
+        self._subs: list[Any] = []
+        self._loading: list[asyncio.Future[None]] = []
         self._resync_task: asyncio.Task[None] | None = None
         self._resync_buffer: dict[str, tuple[int, bytes | None]] | None = None
         self.skipped = 0
@@ -202,10 +223,23 @@ class StateView:
         self._generation += 1
         if self._resync_task:
             self._resync_task.cancel()
-        if self._sub is not None:
+        await self._unsubscribe_all()
+
+    async def _unsubscribe_all(self) -> None:
+        # A resync still loading belongs to an older generation now: let it return instead of waiting forever.
+        loading, self._loading = self._loading, []
+        for done in loading:
+            if not done.done():
+                done.set_result(None)
+        subs, self._subs = self._subs, []
+        for sub in subs:
             with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+                await sub.unsubscribe()
+
+    @property
+    def filters(self) -> tuple[str, ...]:
+        """The key patterns this view is restricted to (empty: the whole bucket)."""
+        return self._filters
 
     @property
     def stale(self) -> bool:
@@ -250,17 +284,42 @@ class StateView:
                 delay = min(delay * 2, 5.0)
 
     async def _resync(self) -> None:
-        """(Re)load every key with a fresh ordered consumer, then apply the difference."""
+        """(Re)load every key with fresh ordered consumers (one per filter), then apply the difference."""
         assert self._conn is not None
         self._mark_stale()
         self._generation += 1
         generation = self._generation
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+        await self._unsubscribe_all()
         self._resync_buffer = {}
-        done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        subjects = [STATE_PREFIX + pattern for pattern in self._filters] or [f"{STATE_PREFIX}>"]
+        loaded: list[asyncio.Future[None]] = [loop.create_future() for _ in subjects]
+        self._loading = loaded
+        for subject, done in zip(subjects, loaded, strict=True):
+            sub = await self._subscribe(subject, generation, done)
+            if generation != self._generation:  # a newer resync (or stop) took over meanwhile
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+                return
+            self._subs.append(sub)
+            info = await sub.consumer_info()
+            # Judge emptiness by what the server has sent, not by what this client has processed yet: the
+            # server may have pushed everything (num_pending 0) before the callback ran for the first one.
+            if info.num_pending == 0 and server_delivered(info) == 0 and not done.done():
+                done.set_result(None)
+        await asyncio.gather(*loaded)
+        if generation != self._generation:
+            return
+        buffer, self._resync_buffer = self._resync_buffer, None
+        self._apply_snapshot(buffer or {})
+        self._stale = False
+        self._synced.set()
+        for feed in list(self._feeds):
+            feed.poke()
+
+    async def _subscribe(self, subject: str, generation: int, done: asyncio.Future[None]) -> Any:
+        """One ordered consumer of ``subject``: last value per key, then every change."""
+        assert self._conn is not None
 
         async def on_msg(msg: Msg) -> None:
             if generation != self._generation:
@@ -273,37 +332,36 @@ class StateView:
                 return
             key = msg.subject[len(STATE_PREFIX) :]
             data = None if _is_delete(msg) else msg.data
+            if msg.headers and "traceparent" in msg.headers:
+                self._note_trace(key, rev, msg.headers["traceparent"])
             if self._resync_buffer is not None:
-                self._resync_buffer[key] = (rev, data)
+                held = self._resync_buffer.get(key)
+                if held is None or rev >= held[0]:
+                    self._resync_buffer[key] = (rev, data)
                 if pending == 0 and not done.done():
                     done.set_result(None)
             else:
                 self._apply_raw(key, rev, data)
 
-        self._sub = await self._conn.js.subscribe(
-            f"{STATE_PREFIX}>",
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+        if self._filters:
+            config.name = self._consumer_name()
+        sub = await self._conn.js.subscribe(
+            subject,
             stream=STATE_STREAM,
             cb=on_msg,
             ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT),
+            config=config,
             pending_msgs_limit=1_000_000,
             pending_bytes_limit=1024 * 1024 * 1024,
-            inactive_threshold=300.0,
+            inactive_threshold=FILTERED_INACTIVE_THRESHOLD if self._filters else INACTIVE_THRESHOLD,
         )
-        info = await self._sub.consumer_info()
-        # Judge emptiness by what the server has sent, not by what this client has processed yet: the
-        # server may have pushed everything (num_pending 0) before the callback ran for the first one.
-        if info.num_pending == 0 and server_delivered(info) == 0 and not done.done():
-            done.set_result(None)
-        await done
-        if generation != self._generation:
-            return
-        buffer, self._resync_buffer = self._resync_buffer, None
-        self._apply_snapshot(buffer or {})
-        self._stale = False
-        self._synced.set()
-        for feed in list(self._feeds):
-            feed.poke()
+        if self._filters:
+            _rename_on_reset(sub, self._consumer_name)
+        return sub
+
+    def _consumer_name(self) -> str:
+        return f"{_NAME_UNSAFE.sub('_', self._name)[:40]}-{uuid.uuid4().hex[:16]}"
 
     def _apply_snapshot(self, snapshot: dict[str, tuple[int, bytes | None]]) -> None:
         present = {key for key, (_, data) in snapshot.items() if data is not None}
@@ -341,10 +399,12 @@ class StateView:
         _skipped_counter.add(1, {"view": self._name})
         log.warning("view %s: skipped undecodable value under %r (rev %d): %s", self._name, key, rev, exc)
 
-    def apply_local(self, key: str, rev: int, msg: Message | None) -> None:
+    def apply_local(self, key: str, rev: int, msg: Message | None, traceparent: str = "") -> None:
         """Apply a write this process just committed (read-your-writes before the watch echo arrives)."""
         if rev <= self._revs.get(key, 0):
             return
+        if traceparent:
+            self._note_trace(key, rev, traceparent)
         self.last_revision = max(self.last_revision, rev)
         k = K.parse(key)
         self._note_kind_revision(k.kind, rev)
@@ -408,6 +468,7 @@ class StateView:
 
     def _remove(self, k: K.Key, key: str) -> None:
         self._revs.pop(key, None)
+        self._traces.pop(key, None)
         if k.kind == K.OBSERVED:
             slot = (k.node_id, k.id)
             if self._observed.pop(slot, None) is not None:
@@ -516,6 +577,23 @@ class StateView:
     def rev(self, key: str) -> int:
         """Revision of the key's last write (0 when absent): the expectation for a fenced write."""
         return self._revs.get(key, 0)
+
+    def _note_trace(self, key: str, rev: int, traceparent: str) -> None:
+        held = self._traces.get(key)
+        if held is None or rev >= held[0]:
+            self._traces[key] = (rev, traceparent)
+
+    def trace_headers(self, key: str) -> dict[str, str]:
+        """The trace context (``traceparent``) of the key's last write, as headers for ``telemetry.span``:
+        a service reacting to a write continues the writer's trace (empty when the write carried none)."""
+        held = self._traces.get(key)
+        if held is None or held[0] != self._revs.get(key):
+            return {}
+        return {"traceparent": held[1]}
+
+    def key_of(self, kind: str, ident: str) -> str | None:
+        """The state key of a (kind, id) the view holds (what a ChangeFeed reports), else None."""
+        return self._key_of.get((kind, ident))
 
     def get(self, kind: str, ident: str) -> Message | None:
         entry = self._items[kind].get(ident)
@@ -646,6 +724,24 @@ class StateView:
 
     def env_run_count(self, env_id: str) -> int:
         return sum(self._idx.env_node_run.get(env_id, {}).values())
+
+
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def _rename_on_reset(sub: Any, new_name: Any) -> None:
+    """Give the consumer that nats-py re-creates on an ordered-consumer reset (a gap, missed heartbeats) a
+    fresh name: under the old one the server would refuse it while the old consumer still exists."""
+    jsi = getattr(getattr(sub, "_sub", None), "_jsi", None)
+    reset = getattr(jsi, "reset_ordered_consumer", None)
+    if jsi is None or reset is None or not hasattr(jsi, "_ccreq"):
+        return
+
+    async def reset_renamed(sseq: int | None) -> bool:
+        jsi._ccreq.name = new_name()
+        return bool(await reset(sseq))
+
+    jsi.reset_ordered_consumer = reset_renamed
 
 
 def server_delivered(info: Any) -> int:

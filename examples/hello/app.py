@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 VERSION = os.environ.get("HELLO_VERSION", "v1")
@@ -15,8 +16,9 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/healthz":
             body = b"ok"
         else:
-            body = json.dumps({"hello": "world", "version": VERSION, "host": socket.gethostname(),
-                               "pid": os.getpid()}).encode()
+            body = json.dumps(
+                {"hello": "world", "version": VERSION, "host": socket.gethostname(), "pid": os.getpid()}
+            ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json" if self.path != "/healthz" else "text/plain")
         self.send_header("Content-Length", str(len(body)))
@@ -28,4 +30,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 if __name__ == "__main__":
-    ThreadingHTTPServer(("127.0.0.1", int(os.environ.get("PORT", "8000"))), Handler).serve_forever()
+    server = ThreadingHTTPServer(("127.0.0.1", int(os.environ.get("PORT", "8000"))), Handler)
+    # The moment it can answer (benchmarks/e2e_bench.py subtracts the app's own start from a cold start).
+    print(f"hello {VERSION} listening on {server.server_port} (ready at {time.time():.6f})", flush=True)
+    server.serve_forever()

@@ -1,10 +1,15 @@
 """Entry point: ``python -m services.agent --nats URL --node-id ID --data-dir DIR [--labels k=v,...]
-[--builder] [--roles worker,control] [--mesh-ip IP] [--stop-on-exit]``.
+[--builder] [--roles worker,control] [--mesh-ip IP] [--stop-on-exit] [--join-token TOKEN]``.
 
 Every flag has a ``ZATTERA_AGENT_*`` setting (``services/agent/settings.py``); the NATS URL and the data
 dir default to ``ZATTERA_NATS_URL`` and ``ZATTERA_DATA_DIR`` (``<data>/agent-<node id>`` then).
 SIGTERM/SIGINT stop the agent; its instances keep running for the next run to adopt unless
 ``--stop-on-exit``.
+
+On a secured cluster the agent connects with its node credential (``credentials.py``: stored by a first
+start with ``--join-token``, or ``ZATTERA_NATS_CREDS``) and verifies the server with
+``ZATTERA_NATS_TLS_CA``. An authenticated agent does not provision streams (its credential may not): it
+waits until the services have. A refused join token exits with status 2 and the join service's reason.
 """
 
 from __future__ import annotations
@@ -18,13 +23,17 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from nats.errors import Error as NatsError
+from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
 from services.agent.agent import Agent
+from services.agent.credentials import CredentialError, node_credentials
 from services.agent.registration import default_node_id
 from services.agent.settings import AgentSettings
-from shared.natsio import provision
-from shared.service import configure_logging, connect_with_retry
+from shared.natsio import STATE_STREAM, Connection, connect, provision
+from shared.security.join import JoinRefused
+from shared.service import configure_logging
 from shared.settings import settings as shared_settings
 from shared.telemetry import setup as setup_telemetry
 
@@ -41,6 +50,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--roles", default=None, help="worker and/or control, comma-separated (default: worker)")
     parser.add_argument("--mesh-ip", default=None, help="address other nodes reach this node's instances at")
     parser.add_argument("--stop-on-exit", action="store_true", default=None, help="stop instances on exit")
+    parser.add_argument(
+        "--join-token", default=None, help="join a secured cluster (once; see SECURITY.md), $ZATTERA_AGENT_JOIN_TOKEN"
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser.parse_args(argv)
 
@@ -60,12 +72,45 @@ def agent_settings(args: argparse.Namespace) -> AgentSettings:
         overrides["mesh_ip"] = args.mesh_ip
     if args.stop_on_exit is not None:
         overrides["stop_on_exit"] = args.stop_on_exit
+    if args.join_token is not None:
+        overrides["join_token"] = args.join_token
     cfg = AgentSettings(**overrides)  # type: ignore[arg-type]
     return cfg if cfg.node_id else cfg.model_copy(update={"node_id": default_node_id()})
 
 
 def agent_data_dir(given: Path | None, shared_data_dir: Path, node_id: str) -> Path:
     return (given or shared_data_dir / f"agent-{node_id}").resolve()
+
+
+async def connect_until_stopped(
+    urls: str, name: str, creds: str | None, tls_ca: str | None, stop: asyncio.Event
+) -> Connection | None:
+    """Connect, retrying with backoff while NATS is unreachable; None once ``stop`` is set."""
+    delay = 0.2
+    while not stop.is_set():
+        try:
+            return await connect(urls, name=name, creds=creds, tls_ca=tls_ca)
+        except Exception as exc:
+            log.warning("%s: NATS at %s unreachable (%s); retrying in %.1fs", name, urls, exc, delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, 5.0)
+    return None
+
+
+async def wait_provisioned(conn: Connection, stop: asyncio.Event) -> bool:
+    """Until the state stream exists (the services provision a secured cluster); False once stopped."""
+    delay = 0.2
+    while not stop.is_set():
+        try:
+            await conn.js.stream_info(STATE_STREAM)
+            return True
+        except (NotFoundError, NatsError, TimeoutError) as exc:
+            log.info("waiting for the control plane to provision %s (%s)", STATE_STREAM, exc or type(exc).__name__)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+        delay = min(delay * 2, 5.0)
+    return False
 
 
 async def serve(argv: Sequence[str] | None = None) -> int:
@@ -83,11 +128,33 @@ async def serve(argv: Sequence[str] | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    conn = await connect_with_retry(args.nats or shared.nats_url, f"zattera-agent-{cfg.node_id}", stop)
+    urls = args.nats or shared.nats_url
+    tls_ca = shared.nats_tls_ca or None
+    try:
+        creds = await node_credentials(
+            urls,
+            cfg.node_id,
+            data_dir,
+            join_token=cfg.join_token,
+            env_creds=shared.nats_creds,
+            tls_ca=shared.nats_tls_ca,
+            stop=stop,
+        )
+    except (JoinRefused, CredentialError) as exc:
+        log.error("agent %s: no NATS credential: %s", cfg.node_id, exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    conn = await connect_until_stopped(urls, f"zattera-agent-{cfg.node_id}", creds, tls_ca, stop)
     if conn is None:
         return 0
     try:
-        await provision(conn.js, replicas=shared.replicas, live_ttl=shared.live_ttl, tombstone_ttl=shared.tombstone_ttl)
+        if creds:
+            if not await wait_provisioned(conn, stop):
+                return 0
+        else:
+            await provision(
+                conn.js, replicas=shared.replicas, live_ttl=shared.live_ttl, tombstone_ttl=shared.tombstone_ttl
+            )
         agent_task = asyncio.create_task(Agent(conn, cfg, data_dir).run())
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({agent_task, stopper}, return_when=asyncio.FIRST_COMPLETED)

@@ -1,6 +1,8 @@
 """The node agent: registration, the process runtime, heartbeats, and (when asked) builds and volume snapshots.
 
-``Agent.run`` loads a state view, registers ``node.<id>``, then runs until cancelled:
+``Agent.run`` loads a state view of the keys it needs (:func:`view_filters`: its own assignments, observed
+reports and node record, every release and volume; exactly what an agent credential may read, SECURITY.md),
+registers ``node.<id>``, then runs until cancelled:
 
 * the observed-state reporter and the process runtime (``runtime.py``), which converge this node's
   assignments and write only ``observed.<node>.*``;
@@ -27,6 +29,7 @@ from services.agent.registration import NodeIdentity, register_node
 from services.agent.reporter import ObservedReporter
 from services.agent.runtime import ProcessRuntime, RuntimeContext
 from services.agent.settings import AgentSettings
+from shared import keys as K
 from shared.clock import Clock, RealClock
 from shared.natsio import Connection
 from shared.snapshots import serve_snapshot_requests
@@ -36,6 +39,17 @@ from shared.view import StateView
 log = logging.getLogger(__name__)
 
 FINAL_FLUSH_TIMEOUT = 5.0
+
+
+def view_filters(node_id: str) -> tuple[str, ...]:
+    """The state keys an agent watches: what it runs and reports, and the release and volumes it runs with."""
+    return (
+        f"{K.ASSIGNMENT}.{node_id}.*",
+        f"{K.OBSERVED}.{node_id}.*",
+        K.node(node_id),
+        f"{K.RELEASE}.*",
+        f"{K.VOLUME}.*",
+    )
 
 
 class Agent:
@@ -49,7 +63,7 @@ class Agent:
         self.node_id = settings.node_id
         self.data_dir = data_dir
         self.clock: Clock = clock or RealClock()
-        self.view = StateView(conn, name=f"agent-{self.node_id}")
+        self.view = StateView(conn, name=f"agent-{self.node_id}", filters=view_filters(self.node_id))
         self.writer = Writer(conn, self.view)
         self.reporter = ObservedReporter(self.writer, self.node_id, retry_delay=settings.report_retry)
         self.node: pb.Node | None = None

@@ -195,7 +195,7 @@ class Builder:
             await self._refuse(msg, "bad request: no build id")
             return
         if build_id not in self._builds:
-            task = asyncio.create_task(self._run(request), name=f"build:{build_id}")
+            task = asyncio.create_task(self._run(request, msg.headers), name=f"build:{build_id}")
             self._builds[build_id] = task
             task.add_done_callback(lambda _: self._builds.pop(build_id, None))
         if msg.reply:
@@ -212,12 +212,13 @@ class Builder:
         if msg.reply:
             await msg.respond(cpb.CancelBuildResponse(canceled=task is not None).SerializeToString())
 
-    async def _run(self, request: cpb.RunBuildRequest) -> None:
+    async def _run(self, request: cpb.RunBuildRequest, headers: Mapping[str, str] | None = None) -> None:
         build_id = request.build.meta.id
         events = BuildEventPublisher(self.conn, build_id)
         scratch = self.work_dir / build_id
         try:
-            with span("agent.build", build_id=build_id, node_id=self.node_id):
+            # A child of the dispatcher's request (its traceparent header), so the build joins the deploy's trace.
+            with span("agent.build", headers=headers or None, build_id=build_id, node_id=self.node_id):
                 digest, platforms = await self._build(request, events, scratch)
             await events.succeeded(digest, platforms)
             await events.done()

@@ -138,7 +138,8 @@ def registered_node(identity: NodeIdentity, existing: pb.Node | None, now: float
 async def _read_node(conn: Connection, node_id: str) -> tuple[pb.Node | None, int]:
     """The stored node and the revision a compare-and-set must expect (a delete marker counts)."""
     try:
-        msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.node(node_id))
+        # Direct get: the read an agent credential may do on its own node key (SECURITY.md).
+        msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.node(node_id), direct=True)
     except NotFoundError:
         return None, 0
     headers = msg.headers or {}

@@ -319,7 +319,9 @@ class InstanceSupervisor:
         self._start_health(release)
 
     async def _launch(self, command: list[str], workdir: Path, env: dict[str, str]) -> ProcessHandle:
-        with span("agent.instance.start", assignment_id=self.assignment_id, node_id=self.ctx.node_id):
+        # A child of the assignment's last write (the orchestrator's or scheduler's transition span).
+        parent = self.ctx.view.trace_headers(K.assignment(self.ctx.node_id, self.assignment_id)) or None
+        with span("agent.instance.start", headers=parent, assignment_id=self.assignment_id, node_id=self.ctx.node_id):
             handle = await spawn(command, cwd=workdir, env=env, instance_dir=self.dir)
         if self._ever_started:
             self._restarts += 1

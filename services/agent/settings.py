@@ -26,6 +26,9 @@ class AgentSettings(BaseSettings):
         default_factory=lambda: ["worker"], description="worker and/or control (comma-separated in the environment)"
     )
     mesh_ip: str = Field(default="", description="address other nodes reach this node's instances at")
+    join_token: str = Field(
+        default="", description="single-use token exchanged for this node's NATS credential on first start"
+    )
 
     heartbeat_interval: float = Field(default=5.0, gt=0)
     reconcile_tick: float = Field(default=5.0, gt=0, description="safety-net re-evaluation of every assignment")

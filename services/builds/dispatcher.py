@@ -61,6 +61,7 @@ from shared.loop import LeaderLoop
 from shared.natsio import BUILD_EVENTS_STREAM, build_events_subject, build_log_subject
 from shared.registry import repository
 from shared.tasks import cancel_and_wait
+from shared.telemetry import inject, span
 from shared.txn import CommitUnknown, Conflict, Deposed
 
 log = logging.getLogger(__name__)
@@ -429,10 +430,12 @@ class BuildDispatcher(LeaderLoop):
         now = self.clock.now()
         claims: list[pb.Build] = []
         txns = []
+        traces: dict[str, dict[str, str]] = {}
         for d in dispatches:
             build = self.view.build(d.build_id)
             if build is None:
                 continue
+            traces[d.build_id] = self.view.trace_headers(K.build(d.build_id))  # the creator's (e.g. the CLI's)
             claimed = claimed_build(build, d.node_id, now)
             claims.append(claimed)
             txns.append(self.writer.txn("claim build").put(claimed))
@@ -445,7 +448,7 @@ class BuildDispatcher(LeaderLoop):
             follower = self._follow(claimed, resumed=False)
             follower.last_event_at = now
             follower.checkpointed_at = now
-            self._spawn(self._send(claimed, follower))
+            self._spawn(self._send(claimed, follower, traces.get(claimed.meta.id) or None))
 
     async def _warn(self, waiting: Sequence[Waiting]) -> None:
         events = []
@@ -472,14 +475,16 @@ class BuildDispatcher(LeaderLoop):
 
     # ------------------------------------------------------------------ contacting builders
 
-    async def _send(self, build: pb.Build, follower: _Follower) -> None:
+    async def _send(self, build: pb.Build, follower: _Follower, trace: dict[str, str] | None = None) -> None:
         request = run_request(build, self.config)
         try:
-            reply = await self.conn.nc.request(
-                run_build_subject(build.node_id),
-                request.SerializeToString(deterministic=True),
-                timeout=self.config.request_timeout,
-            )
+            with span("builds.dispatch", headers=trace, build_id=build.meta.id, node_id=build.node_id):
+                reply = await self.conn.nc.request(
+                    run_build_subject(build.node_id),
+                    request.SerializeToString(deterministic=True),
+                    timeout=self.config.request_timeout,
+                    headers=inject(),
+                )
         except (NatsError, TimeoutError) as exc:
             self._conclude(build.meta.id, Verdict(pb.BUILD_STATUS_FAILED, f"dispatch: {exc}"))
             return

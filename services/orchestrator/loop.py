@@ -54,7 +54,11 @@ class Orchestrator(LeaderLoop):
         d = self.view.deployment(deployment_id)
         if d is None or is_terminal(d.phase):
             return None
-        with span("orchestrator.reconcile", deployment=deployment_id, phase=phase_label(d.phase)) as current:
+        # Continue the trace of the deployment's last write (the CLI's create, then this loop's own steps).
+        parent = self.view.trace_headers(K.deployment(deployment_id)) or None
+        with span(
+            "orchestrator.reconcile", headers=parent, deployment=deployment_id, phase=phase_label(d.phase)
+        ) as current:
             transition = decide(self.view, d, self.clock.now(), self.timers)
             if transition is None:
                 return None

@@ -10,7 +10,11 @@ Deviations from the reference, all deliberate:
 * no TLS listener here, so no HTTPS redirect (the reference's dev mode) and no gzip middleware;
 * basic auth fails closed (401) because no bcrypt implementation is available to verify hashes;
 * a declared body above ``middleware.max_body_bytes`` is refused up front with 413 (the reference
-  cut the body mid-stream and answered 502); an undeclared (chunked) one is still cut at the cap.
+  cut the body mid-stream and answered 502); an undeclared (chunked) one is still cut at the cap;
+* an upstream that refuses the connection (nothing was sent: its process or node just died, and the
+  route snapshot does not say so yet) is retried on another healthy endpoint of the route, each at most
+  once; only when none is left does the client get the 502. Without it, a dead endpoint that P2C's
+  same-node tie-break keeps picking failed every request until the node was marked DOWN.
 
 The route table follows the route client: built from the cached snapshot before any network activity
 (so a restarted proxy serves the last routes with the control plane down), rebuilt on every accepted
@@ -313,20 +317,36 @@ class Proxy:
         status = 502
         try:
             target = request.raw_path if request.raw_path.startswith("/") else request.rel_url.raw_path_qs
-            body: object = None
-            if request.body_exists:
-                body = capped(request.content, body_cap) if body_cap else request.content
-            try:
-                upstream = await self._session.request(
-                    request.method,
-                    URL(f"http://{addr}{target}", encoded=True),
-                    headers=upstream_request_headers(request, request.remote or ""),
-                    data=body,
-                    allow_redirects=False,
-                )
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-                log.debug("upstream %s failed: %r", addr, exc)
-                return error_response(502, "upstream error")
+            tried = {addr}
+            while True:
+                body: object = None
+                if request.body_exists:
+                    body = capped(request.content, body_cap) if body_cap else request.content
+                try:
+                    upstream = await self._session.request(
+                        request.method,
+                        URL(f"http://{addr}{target}", encoded=True),
+                        headers=upstream_request_headers(request, request.remote or ""),
+                        data=body,
+                        allow_redirects=False,
+                    )
+                    break
+                except aiohttp.ClientConnectorError as exc:
+                    # Not connected, so nothing (body included) was sent: another endpoint may take it.
+                    retry = self.balancer.pick(
+                        [e for e in route.endpoints if e.addr not in tried], route.max_concurrency
+                    )
+                    if retry is None:
+                        log.debug("upstream %s refused, no other endpoint: %r", addr, exc)
+                        return error_response(502, "upstream error")
+                    log.debug("upstream %s refused (%r); retrying on %s", addr, exc, retry.addr)
+                    self.balancer.release(addr)
+                    endpoint, addr = retry, retry.addr
+                    self.balancer.acquire(addr)
+                    tried.add(addr)
+                except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                    log.debug("upstream %s failed: %r", addr, exc)
+                    return error_response(502, "upstream error")
             async with upstream:
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
                 response.headers.extend(end_to_end(upstream.headers))

@@ -46,6 +46,7 @@ from shared.routeclient import (
     encode_messages,
     message_version,
 )
+from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.telemetry import counter, span
 from shared.view import Change, ChangeFeed, StateView
 
@@ -135,11 +136,13 @@ class RoutesPublisher:
             with span("routes.build", full=True):
                 self.builder.rebuild_all()
             await self._settle()
+            raise_if_cancelling()
             responder = await nc.subscribe(ROUTES_GET_SUBJECT, queue=QUEUE_GROUP, cb=self._on_get)
             await nc.flush()  # the responder is registered on the server before anyone is told we are ready
             keepalive = asyncio.create_task(self._keep_alive())
             self.ready.set()
             while True:
+                raise_if_cancelling()
                 changes = await self._debounced(feed)
                 await self.view.wait_fresh()
                 with span("routes.build", changes=len(changes)) as build_span:
@@ -148,10 +151,7 @@ class RoutesPublisher:
                 await self._settle()
         finally:
             feed.close()
-            if keepalive is not None:
-                keepalive.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await keepalive
+            await cancel_and_wait(keepalive)
             for sub in (responder, peers):
                 if sub is not None:
                     with contextlib.suppress(Exception):
@@ -211,6 +211,7 @@ class RoutesPublisher:
 
     async def _keep_alive(self) -> None:
         while True:
+            raise_if_cancelling()
             await self.clock.sleep(self.keepalive)
             current = self.current
             if current is not None and current.version >= self.known_version:

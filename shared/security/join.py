@@ -53,6 +53,10 @@ class JoinRefused(Exception):
     """The join service said no; the message says why (unknown, used, expired, wrong node…)."""
 
 
+class JoinUnavailable(JoinRefused):
+    """No answer yet (NATS unreachable, no join service running, a timeout): trying again may work."""
+
+
 @dataclass(frozen=True)
 class JoinToken:
     secret: str
@@ -233,7 +237,8 @@ async def join(
 ) -> str:
     """Exchange ``token`` for this node's credentials (``.creds`` text, to be stored 0600).
 
-    Raises :class:`JoinRefused` when the token is malformed, unknown, used, expired or bound to another node.
+    Raises :class:`JoinRefused` when the token is malformed, unknown, used, expired or bound to another node,
+    :class:`JoinUnavailable` (a subclass) when nobody answered: NATS unreachable, no join service, a timeout.
     """
     parsed = JoinToken.parse(token)
     user = KeyPair.generate(KeyKind.USER)
@@ -256,14 +261,20 @@ async def join(
             max_reconnect_attempts=0,
             connect_timeout=max(1, int(timeout)),
         )
-    except nats.errors.Error as exc:
+    except (nats.errors.AuthorizationError, nats.errors.InvalidUserCredentialsError) as exc:
         raise JoinRefused(f"the NATS server refused the join credential: {exc}") from exc
+    except (nats.errors.Error, OSError, TimeoutError) as exc:
+        if "authorization" in str(exc).lower():
+            raise JoinRefused(f"the NATS server refused the join credential: {exc}") from exc
+        raise JoinUnavailable(f"cannot reach NATS at {urls}: {exc or type(exc).__name__}") from exc
     try:
         request = {"secret": parsed.secret, "node_id": node_id, "public_key": user.public_key}
         try:
             msg = await nc.request(JOIN_SUBJECT, json.dumps(request).encode(), timeout=timeout)
         except nats.errors.NoRespondersError:
-            raise JoinRefused("no join service is answering on this cluster") from None
+            raise JoinUnavailable("no join service is answering on this cluster") from None
+        except (nats.errors.TimeoutError, TimeoutError):
+            raise JoinUnavailable(f"the join service did not answer within {timeout:.0f}s") from None
     finally:
         await nc.close()
     reply = json.loads(msg.data)

@@ -172,6 +172,19 @@ _STATE_OWN = {
     "observed": f"{STATE_PREFIX}observed.{NAME}.*",
     "node": f"{STATE_PREFIX}node.{NAME}",
 }
+AGENT_STATE_READS = {
+    **_STATE_OWN,
+    # What its assignments run: the image ref and service spec (command, ports, health check, volumes)…
+    "releases": f"{STATE_PREFIX}release.*",
+    # …the volumes of its stateful assignments (an instance starts only under a lease naming it)…
+    "volumes": f"{STATE_PREFIX}volume.*",
+}
+"""State keys an agent reads (direct get and filtered watch), all read-only but its observed and node keys.
+
+Releases and volumes are not per-node keys, so an agent reads all of them, not only those of its
+assignments: subject permissions cannot follow a reference, and a per-node copy would have to be kept by
+the control plane. They are specs (image ref, command, ports, health checks, volume mounts, placement,
+provenance; volume pinning and leases), not secrets; SECURITY.md's threat model says what that exposes."""
 
 AGENT = Permissions(
     pub_allow=(
@@ -179,10 +192,13 @@ AGENT = Permissions(
         _STATE_OWN["node"],
         f"{LIVE_PREFIX}node.{NAME}",
         f"{JS}.INFO",
+        f"{JS}.STREAM.NAMES",  # nats-py's object store reads look the stream up by subject (names only)
         f"{JS}.STREAM.INFO.{STATE_STREAM}",
         f"{JS}.STREAM.INFO.{LIVE_STREAM}",
-        *(read_key(STATE_STREAM, subject) for subject in _STATE_OWN.values()),
-        *(watch_keys(STATE_STREAM, subject) for subject in _STATE_OWN.values()),
+        *(read_key(STATE_STREAM, subject) for subject in AGENT_STATE_READS.values()),
+        *(watch_keys(STATE_STREAM, subject) for subject in AGENT_STATE_READS.values()),
+        # …and image tags (tag → digest) to resolve a release's image ref that names a tag.
+        read_key(STATE_STREAM, f"{STATE_PREFIX}image.*"),
         f"{JS}.CONSUMER.INFO.{STATE_STREAM}.*",
         f"$JS.FC.{STATE_STREAM}.>",
         *read_whole_stream(object_stream(IMAGES_STORE)),
@@ -196,7 +212,8 @@ AGENT = Permissions(
     response_max=1_000_000,
     response_ttl=24 * 3600.0,
 )
-"""A node agent: its own keys only, the stores it runs from, and the requests addressed to its node."""
+"""A node agent: writes its own keys only; reads its own keys, the releases and volumes its assignments
+need, image tags, the stores it runs from; answers the requests addressed to its node."""
 
 BUILDER = AGENT.union(
     Permissions(
@@ -204,7 +221,6 @@ BUILDER = AGENT.union(
             "zattera.builds.*.events",
             "zattera.builds.*.log",
             f"{STATE_PREFIX}image.*",
-            read_key(STATE_STREAM, f"{STATE_PREFIX}image.*"),
             *write_object_store(IMAGES_STORE),
         )
     )

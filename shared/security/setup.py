@@ -42,6 +42,14 @@ class SecureSetup:
             write_private(path, RoleIssuer.load(self.directory, role).creds(name))
         return path
 
+    def local_node_creds(self, node_id: str) -> dict[str, str]:
+        """The credentials of the node ``zattera up --secure`` runs itself: its agent (a builder: the local
+        node serves builds) and its proxy (proxy id = node id), each with its own role, never control."""
+        return {
+            "agent": str(self.creds(Role.BUILDER, node_id)),
+            "proxy": str(self.creds(Role.PROXY, node_id)),
+        }
+
     def sentinel_jwt(self) -> str:
         return (self.directory / SENTINEL_FILE).read_text().strip()
 

@@ -279,6 +279,9 @@ class FenceAudit:
         self._sub: object | None = None
         self.acquired: dict[str, list[tuple[int, float]]] = defaultdict(list)  # loop -> [(term, server time)]
         self.last_lease: dict[str, Landed] = {}
+        # loop -> term -> server time of the first message of that term seen (the acquiring write, or the
+        # first re-write when the acquiring one was superseded before delivery)
+        self.term_seen_at: dict[str, dict[int, float]] = defaultdict(dict)
 
     async def start(self) -> FenceAudit:
         self._sub = await self._conn.js.subscribe(
@@ -318,6 +321,7 @@ class FenceAudit:
                 landed.loop = key[len(K.LEASE) + 1 :]
                 landed.term = lease.term
                 landed.holder = lease.holder
+                self.term_seen_at[landed.loop].setdefault(lease.term or seq, at)
                 if lease.term == 0:  # an acquisition in progress: nobody leads until its second write
                     self.acquired[landed.loop].append((seq, at))
                     self.last_lease.pop(landed.loop, None)
@@ -378,7 +382,7 @@ class FenceAudit:
 
     def first_acquisition_after(self, loop: str, t: float) -> float | None:
         """Server time of the first acquisition of ``loop`` at or after epoch time ``t``."""
-        times = [at for _, at in self.acquired[loop] if at >= t]
+        times = [at for at in self.term_seen_at[loop].values() if at >= t]
         return min(times) if times else None
 
 

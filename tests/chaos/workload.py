@@ -14,7 +14,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +33,6 @@ from tests.agent_sim import AgentSim
 from tests.chaos.cluster import (
     DEPLOYMENT_BOUND,
     LOOPS,
-    SERVICE_OF,
     FenceAudit,
     Fleet,
     InvariantWatcher,
@@ -425,13 +424,3 @@ class Run:
             except Exception:
                 await asyncio.sleep(0.1 * (attempt + 1))
         return 0
-
-    def unknown_loops(self) -> list[str]:
-        return [loop for loop in SERVICE_OF if self.watcher.lease(loop) is None]
-
-
-async def with_timeout(what: str, aw: Awaitable[None], timeout: float) -> None:
-    try:
-        await asyncio.wait_for(aw, timeout)
-    except TimeoutError as exc:
-        raise AssertionError(f"{what} did not finish within {timeout}s") from exc

@@ -78,35 +78,40 @@ def cli_argv() -> list[str]:
     return [sys.executable, "-c", "from cli.main import main; main()"]
 
 
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + "/")
+
+
+def _ours(proc: psutil.Process, root: str, token: str) -> bool:
+    """Works under ``root``, or names ``token`` (the cluster's NATS URL, its data dir) as an argument."""
+    cwd = proc.info.get("cwd") or ""
+    argv = proc.info.get("cmdline") or []
+    return _under(cwd, root) or bool(token and any(arg == token or _under(arg, token) for arg in argv))
+
+
 def kill_tree_under(root: Path, *, also_matching: str = "") -> list[int]:
-    """SIGKILL every process working under ``root`` (or whose command line contains ``also_matching``)."""
-    killed: list[int] = []
+    """SIGKILL every process working under ``root`` (or with ``also_matching`` as an argument)."""
+    killed: list[psutil.Process] = []
     me = os.getpid()
     prefix = str(root.resolve())
     for proc in psutil.process_iter(["pid", "cwd", "cmdline"]):
-        if proc.info["pid"] == me:
+        if proc.info["pid"] == me or not _ours(proc, prefix, also_matching):
             continue
-        cwd = proc.info.get("cwd") or ""
-        cmdline = " ".join(proc.info.get("cmdline") or [])
-        if cwd.startswith(prefix) or (also_matching and also_matching in cmdline):
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-                killed.append(proc.info["pid"])
-    psutil.wait_procs([p for p in psutil.process_iter() if p.pid in killed], timeout=5)
-    return killed
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+            killed.append(proc)
+    psutil.wait_procs(killed, timeout=5)
+    return [p.pid for p in killed]
 
 
 def leftovers(root: Path, *, also_matching: str = "") -> list[str]:
-    """Processes still working under ``root`` (or naming ``also_matching``): what a clean stop must leave none of."""
+    """Processes still working under ``root`` (or naming ``also_matching``): a clean stop leaves none."""
     found = []
     prefix = str(root.resolve())
     for proc in psutil.process_iter(["pid", "cwd", "cmdline", "status"]):
-        if proc.info.get("status") == psutil.STATUS_ZOMBIE:
+        if proc.info.get("status") == psutil.STATUS_ZOMBIE or not _ours(proc, prefix, also_matching):
             continue
-        cwd = proc.info.get("cwd") or ""
-        cmdline = " ".join(proc.info.get("cmdline") or [])
-        if cwd.startswith(prefix) or (also_matching and also_matching in cmdline):
-            found.append(f"{proc.info['pid']} {cmdline} (cwd {cwd})")
+        found.append(f"{proc.info['pid']} {' '.join(proc.info.get('cmdline') or [])} (cwd {proc.info.get('cwd')})")
     return found
 
 
@@ -255,11 +260,7 @@ class E2ECluster:
     def instance_pids(self, node: str) -> list[int]:
         """The app processes an agent left under its data dir (by their working directory)."""
         prefix = str((self.root / f"agent-{node}").resolve())
-        pids = []
-        for proc in psutil.process_iter(["pid", "cwd"]):
-            if (proc.info.get("cwd") or "").startswith(prefix):
-                pids.append(proc.info["pid"])
-        return pids
+        return [p.info["pid"] for p in psutil.process_iter(["pid", "cwd"]) if _under(p.info.get("cwd") or "", prefix)]
 
     def log_tail(self, lines: int = 40) -> str:
         """The end of every log (for failure messages)."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,11 +25,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
     outcome = yield
     report = outcome.get_result()
     if report.failed:
         funcargs = getattr(item, "funcargs", {})
-        c = funcargs.get("cluster") or funcargs.get("lonely")
+        c = funcargs.get("cluster")
         if isinstance(c, E2ECluster) and c.logs.exists():
             report.sections.append(("cluster logs (last lines)", c.log_tail()))

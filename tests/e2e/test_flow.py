@@ -104,8 +104,7 @@ async def test_red_green_redeploy_under_load_fails_no_request(cluster: E2ECluste
             env_id = d.environment_id
             # Past the switch: the deployment SUCCEEDED (drain window over) and blue is gone.
             await eventually(
-                lambda: (x := view.deployment(deployment_id)) is not None
-                and x.phase == pb.DEPLOYMENT_PHASE_SUCCEEDED,
+                lambda: (x := view.deployment(deployment_id)) is not None and x.phase == pb.DEPLOYMENT_PHASE_SUCCEEDED,
                 60,
                 "the deployment succeeded",
             )

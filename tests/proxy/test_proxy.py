@@ -90,6 +90,30 @@ async def test_upstream_error_is_502_and_in_flight_returns_to_zero(
     assert proxy.balancer.inflight(dead) == 0
 
 
+async def test_a_refused_connection_is_retried_on_another_endpoint(
+    make_proxy: ProxyFactory, routes: Routes, client
+) -> None:
+    """A dead endpoint the snapshot still lists (its node not DOWN yet) costs no request: nothing was sent to
+    it, so the request goes to another healthy endpoint. Found end to end: the same-node tie-break of P2C
+    picked the dead local endpoint for every request until the node was marked DOWN."""
+    dead = "127.0.0.1:9"  # discard port: nothing listens
+    backend = Backend("alive")
+    async with serving(backend):
+        proxy = await make_proxy()
+        await routes.serve(
+            proxy,
+            http_route(
+                HOST, endpoints=[endpoint(dead, "a1", node_id="n1"), endpoint(backend.addr, "a2", node_id="n2")]
+            ),
+        )
+        results = [await get(client, proxy.port) for _ in range(20)]
+        assert results == [(200, "alive")] * 20
+        post = await client.post(url(proxy.port, "/echo"), data=b"payload", headers={"Host": HOST})
+        assert post.status == 200 and await post.read() == b"payload"  # the body went to the live one whole
+        assert proxy.balancer.inflight(dead) == 0
+        assert proxy.balancer.inflight(backend.addr) == 0
+
+
 async def test_upstream_failing_mid_response_truncates_the_client_response(
     make_proxy: ProxyFactory, routes: Routes, client
 ) -> None:

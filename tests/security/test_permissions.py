@@ -75,6 +75,9 @@ async def test_agent_writes_its_own_observed_key_and_reads_its_assignments(
         f"{STATE_PREFIX}assignment.{NODE}.a1",  # desired state, even its own
         f"{STATE_PREFIX}env.e1",
         f"{STATE_PREFIX}lease.scheduler",
+        f"{STATE_PREFIX}release.r1",  # it reads releases and volumes, never writes them
+        f"{STATE_PREFIX}volume.v1",
+        f"{STATE_PREFIX}image.i1",  # image tags: builders only
         f"{STATE_PREFIX}node.n2",
         f"{LIVE_PREFIX}node.n2",
         ROUTES_SNAPSHOT_SUBJECT,
@@ -84,6 +87,18 @@ async def test_agent_cannot_write_anything_else(connect_as: ConnectAs, subject: 
     agent = await connect_as(Role.AGENT, NODE)
     await agent.nc.publish(subject, b"forged")
     assert await agent.refusal() == publish_refused(subject)
+
+
+async def test_agent_reads_releases_volumes_and_image_tags(secure: SecureCluster, control: Connection) -> None:
+    for key in ("release.r1", "volume.v1", "image.i1"):
+        await control.js.publish(f"{STATE_PREFIX}{key}", f"spec of {key}".encode())
+    agent = await connect(secure.url, name="agent", creds=secure.creds(Role.AGENT, NODE))
+    try:
+        for key in ("release.r1", "volume.v1", "image.i1"):
+            got = await agent.js.get_last_msg(STATE_STREAM, f"{STATE_PREFIX}{key}", direct=True)
+            assert got.data == f"spec of {key}".encode()
+    finally:
+        await agent.close()
 
 
 async def test_agent_cannot_read_other_keys(connect_as: ConnectAs, control: Connection) -> None:
