@@ -15,8 +15,8 @@ Run: ``python -m benchmarks.e2e_bench [--full] [--json]`` (also part of ``make b
    on a 2-replica env while it is redeployed from source (alternating v1/v2) 3 times quick, 10 full, each
    to SUCCEEDED with the blue replicas gone (drain window 1.5 s) before the next. Target 0.
 
-Anchor: the reference documents cold starts as "seconds" (idle-to-first-response), with no split between
-the app's start and the platform's; its red/green has no figure for failed requests under load.
+Anchor: the reference only records the whole hold of a request (count, total, max: autoscale.md), with no
+split between the app's own start and the platform's; it has no figure for failed requests under load.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ async def _measure(quick: bool) -> list[Row]:
         await asyncio.to_thread(cluster.stop)
         shutil.rmtree(root, ignore_errors=True)
     ms = 1000.0
-    anchor = "reference: cold start documented as seconds, platform and app not split"
+    anchor = "reference: records only the whole hold (count/total/max, autoscale.md), no platform/app split"
     return [
         row(
             "cold start: control-plane overhead p50 (held → endpoint in snapshot − app start)",

@@ -67,11 +67,11 @@ def _env(env_id: str, release: pb.Release) -> pb.Environment:
     return e
 
 
-def _cluster_view() -> StateView:
+def _cluster_view(nodes: int = NODES) -> StateView:
     """A connectionless view holding the cluster (Place is pure: no server needed)."""
     view = StateView(None, name="bench")
     rng = random.Random(7)
-    for rev, i in enumerate(range(NODES), start=1):
+    for rev, i in enumerate(range(nodes), start=1):
         n = _node(i, rng)
         view.apply_local(K.key_of(n), rev, n)
     return view
@@ -103,6 +103,7 @@ def _place_rows(quick: bool) -> list[Row]:
         passes.append(time.perf_counter() - started)
     per_pass = statistics.median(passes)
     return [
+        *_growth_rows(rounds),
         row(
             "Place decisions/s (1,000 replicas over 5,000 nodes, 10 regions)",
             1_000 / call,
@@ -118,6 +119,31 @@ def _place_rows(quick: bool) -> list[Row]:
             f"whole pass: {per_pass * 1000:.0f} ms",
         ),
     ]
+
+
+def _growth_rows(rounds: int) -> list[Row]:
+    """How one Place call of 1,000 replicas grows with the cluster: 1k, 5k and 10k nodes."""
+    rows = []
+    for nodes in (1_000, 5_000, 10_000):
+        view = _cluster_view(nodes)
+        release = _release("e00000")
+        view.apply_local(K.key_of(release), nodes + 1, release)
+        place(view, release, "e00000", 1_000)  # the first call after a node change builds the node index
+        samples = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            place(view, release, "e00000", 1_000)
+            samples.append(time.perf_counter() - started)
+        rows.append(
+            row(
+                f"Place call, 1,000 replicas over {nodes:,} nodes",
+                statistics.median(samples) * 1000,
+                "ms",
+                "well under 100 ms",
+                "growth with nodes",
+            )
+        )
+    return rows
 
 
 async def _end_to_end(url: str) -> tuple[float, float, int]:

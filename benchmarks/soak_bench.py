@@ -31,7 +31,7 @@ from benchmarks.common import Row, percentile, print_table, row
 from shared.natsio import connect
 from shared.txn import Writer
 from shared.view import StateView
-from tests.chaos.cluster import LOOPS, ROOT, SERVICES, FenceAudit, Fleet, NatsCluster
+from tests.chaos.cluster import LOOPS, ROOT, SERVICE_OF, SERVICES, FenceAudit, Fleet, NatsCluster
 from tests.orchestrator.rig import environment, release, spec
 
 RUN = pb.ASSIGNMENT_DESIRED_RUN
@@ -122,6 +122,10 @@ async def _run(quick: bool) -> list[Row]:
                 for loops in LOOPS.values():
                     for loop in loops:
                         await _wait(lambda lp=loop: _leader(audit, fleet, lp) is not None, 60, f"{loop} leader")
+                        # a warm standby: every replica of the service has loaded its view and runs its loops
+                        # (else the figure would include a replacement's start-up after the previous kill)
+                        service = SERVICE_OF[loop]
+                        await _wait(lambda sv=service: _standby_ready(fleet, sv), 120, f"{service} replicas ready")
                         proc = _leader(audit, fleet, loop)
                         assert proc is not None
                         killed = time.time()
@@ -156,6 +160,11 @@ async def _run(quick: bool) -> list[Row]:
                     sim.kill()
             nats.stop()
     return rows
+
+
+def _standby_ready(fleet: Fleet, service: str) -> bool:
+    procs = fleet.alive(service)
+    return len(procs) >= 2 and all("running (" in p.log.read_text(errors="replace") for p in procs)
 
 
 def _took(audit: FenceAudit, loop: str, killed: float) -> float | None:

@@ -78,6 +78,8 @@ MAX_SNAPSHOT_BYTES = 1 << 30
 ZSTD_LEVEL = 3
 
 _NO_RESPONDERS = "503"
+VERIFY_RETRY = 0.5
+"""Seconds before asking a route replica again when it answered with an older snapshot than pushed."""
 _rejected = counter("zattera.routes.rejected", "route snapshot messages that could not be decoded")
 
 
@@ -298,6 +300,8 @@ class RouteClient:
         self._stopped = False
         self.applied = 0
         self.dropped = 0
+        self._verify_wanted = False
+        self._last_answer: cpb.RouteSnapshot | None = None
 
     @property
     def current(self) -> cpb.RouteSnapshot:
@@ -314,10 +318,15 @@ class RouteClient:
         self._watchers.add(watcher)
         return watcher
 
-    def apply(self, snapshot: cpb.RouteSnapshot) -> bool:
+    def apply(self, snapshot: cpb.RouteSnapshot, *, authoritative: bool = False) -> bool:
         """Take ``snapshot`` if it is newer than the current one (True); stale and duplicate ones are
-        dropped (False). An accepted snapshot is served at once and persisted in the background."""
-        if snapshot.version <= self._current.version:
+        dropped (False). An accepted snapshot is served at once and persisted in the background.
+
+        ``authoritative``: a route service's own answer that it confirmed (see :meth:`_verify`), taken
+        even when older, so a forged snapshot with a huge version cannot pin the client."""
+        if snapshot.version == self._current.version or (
+            snapshot.version < self._current.version and not authoritative
+        ):
             self.dropped += 1
             return False
         self._current = snapshot
@@ -394,8 +403,9 @@ class RouteClient:
             _rejected.add(1)
             log.warning("route snapshot message rejected: %s", exc)
             return
-        if snapshot is not None:
-            self.apply(snapshot)
+        if snapshot is not None and self.apply(snapshot):
+            self._verify_wanted = True
+            self._sync_wanted.set()
 
     async def _sync_loop(self) -> None:
         delay = self.retry_initial
@@ -404,10 +414,41 @@ class RouteClient:
             self._sync_wanted.clear()
             if await self.fetch():
                 delay = self.retry_initial
+                if self._verify_wanted:
+                    self._verify_wanted = False
+                    await self._verify()
                 continue
             self._sync_wanted.set()
             await self.clock.sleep(delay)
             delay = min(delay * 2, self.retry_max)
+
+    async def _verify(self) -> None:
+        """Check a pushed snapshot against a route service's own answer.
+
+        Anyone allowed to publish on the snapshot subject could push a snapshot with a huge version, which
+        would make every later real snapshot look stale. After each pushed snapshot the client asks a route
+        replica; when the replica holds an older version, it asks once more after a short pause (a replica
+        may simply lag by a debounce), and if the answer is still older it takes the replica's snapshot."""
+        answer = await self._get()
+        if answer is None or answer.version >= self._current.version:
+            return
+        await asyncio.sleep(VERIFY_RETRY)
+        answer = await self._get()
+        if answer is None or answer.version >= self._current.version:
+            return
+        log.warning(
+            "route snapshot %d is unknown to the route service (which has %d): replacing it",
+            self._current.version,
+            answer.version,
+        )
+        self.apply(answer, authoritative=True)
+
+    async def _get(self) -> cpb.RouteSnapshot | None:
+        """A replica's snapshot when it differs from ours (None: unchanged or no answer)."""
+        self._last_answer = None
+        if not await self.fetch():
+            return None
+        return self._last_answer
 
     async def fetch(self) -> bool:
         """One ``zattera.routes.get`` round trip; True when a replica answered (unchanged or a snapshot)."""
@@ -429,9 +470,11 @@ class RouteClient:
                 if headers.get("Status") == _NO_RESPONDERS:
                     return False
                 if headers.get(UNCHANGED_HEADER) == "true":
+                    self._last_answer = None
                     return True
                 snapshot = assembler.add(headers, msg.data)
                 if snapshot is not None:
+                    self._last_answer = snapshot
                     self.apply(snapshot)
                     return True
         except SnapshotDecodeError as exc:

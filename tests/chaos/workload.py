@@ -128,17 +128,21 @@ class Run:
     @classmethod
     async def start(cls, base: Path, *, seed: int = 1, replicas: int = 2) -> Run:
         nats = NatsCluster(base / "nats").start()
+        conn: Connection | None = None
         try:
             await nats.provision()
             conn = await connect(nats.urls, name="chaos-workload")
+            watcher = InvariantWatcher(conn)
+            await watcher.start()
+            audit = await FenceAudit(conn).start()
+            writer = Writer(conn, watcher)
+            agent = await AgentSim(conn, name="chaos-agents").start()
         except BaseException:
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(conn.close(), 10)
             nats.stop()
             raise
-        watcher = InvariantWatcher(conn)
-        await watcher.start()
-        audit = await FenceAudit(conn).start()
-        writer = Writer(conn, watcher)
-        agent = await AgentSim(conn, name="chaos-agents").start()
         heartbeats = Heartbeats(conn, WORKERS)
         heartbeats.start()
         fleet = Fleet(nats.urls, base / "logs")

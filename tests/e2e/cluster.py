@@ -25,6 +25,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -135,6 +136,9 @@ class E2ECluster:
     trace: bool = True
     proxy_port: int = 0
     up: _E2EUp | None = None
+    killed: set[str] = field(default_factory=set)
+    _supervisor: threading.Thread | None = None
+    _stopping: threading.Event = field(default_factory=threading.Event)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -170,7 +174,27 @@ class E2ECluster:
         asyncio.run(_provision(up.url))
         up.extra = [self._agent(node) for node in self.nodes] + [self._proxy()]
         up.start_services()
+        self._stopping.clear()
+        self._supervisor = threading.Thread(target=self._supervise, name="e2e-supervisor", daemon=True)
+        self._supervisor.start()
         return self
+
+    def _supervise(self) -> None:
+        """Restart a child that died (as ``zattera up`` does, logged in its log), except one killed on purpose."""
+        while not self._stopping.wait(0.2):
+            up = self.up
+            if up is None:
+                return
+            live = [c for c in up.children if c.name not in self.killed]
+            dead = [c.name for c in live if not c.alive() and c.next_start == 0.0]
+            saved, up.children = up.children, live
+            try:
+                up.supervise_once()
+            finally:
+                up.children = saved
+            for name in dead:
+                with contextlib.suppress(OSError), open(self.logs / f"{name}.log", "a") as log:
+                    log.write(f"e2e harness: {name} exited; restarting it\n")
 
     def _agent(self, node: str) -> Supervised:
         argv = [
@@ -217,6 +241,9 @@ class E2ECluster:
         if self.up is None:
             return
         url = self.up.url if self.up.nats is not None else ""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(5)
         try:
             self.up.stop(grace=10.0)
         finally:
@@ -253,6 +280,7 @@ class E2ECluster:
         """Signal a child (its whole process group) and keep it from being restarted."""
         child = self.child(name)
         assert child.proc is not None
+        self.killed.add(name)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.proc.pid, sig)
         child.proc.wait(10)

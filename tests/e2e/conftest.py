@@ -18,7 +18,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
     c = E2ECluster(root)
     try:
         c.start()
-        asyncio.run(c.wait_ready())
+        try:
+            asyncio.run(c.wait_ready())
+        except (AssertionError, TimeoutError) as exc:
+            raise AssertionError(f"the e2e cluster did not come up: {exc!r}\n{c.log_tail()}") from None
         yield c
     finally:
         c.stop()

@@ -24,7 +24,7 @@ from tests.e2e.cluster import (
 )
 from tests.waiting import eventually
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 PROD = "demo/hello/production"
 PROD_HOST = "hello.localhost"

@@ -17,7 +17,7 @@ from zattera.v1 import types_pb2 as pb
 from tests.e2e.cluster import EXAMPLE, E2ECluster, Load, healthy, running
 from tests.waiting import eventually
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 HOST = "hello.localhost"
 
