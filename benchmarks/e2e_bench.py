@@ -102,9 +102,12 @@ async def _cold_starts(cluster: E2ECluster, conn: Connection, view: StateView, s
                     "cooled to zero",
                 )
                 await eventually(
-                    lambda: not any(r.environment_id == env_id and r.endpoints for r in routes.current.http_routes),
+                    lambda: (
+                        not any(r.environment_id == env_id and r.endpoints for r in routes.current.http_routes)
+                        and cluster.proxy_routes_version() >= routes.version
+                    ),
                     60,
-                    "no endpoint left in the snapshot",
+                    "no endpoint left in the snapshot, the proxy's included",
                 )
                 seen_at.clear()
                 sent = time.monotonic()

@@ -39,9 +39,10 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from cli.up import Cluster, Supervised
+from services.proxy.settings import ROUTES_CACHE_FILE
 from shared.embedded import free_port
 from shared.natsio import Connection, connect
-from shared.routeclient import RouteClient
+from shared.routeclient import RouteClient, load_cached
 from shared.view import StateView
 from tests.waiting import eventually
 
@@ -330,8 +331,11 @@ class E2ECluster:
             await view.start()
             yield conn, view
         finally:
-            await view.stop()
-            await conn.close()
+            # Bounded: a test failing inside must report its own error, not hang in the client's teardown.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(view.stop(), 10)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(conn.close(), 10)
 
     async def get(self, host: str, path: str = "/", timeout: float = 10.0) -> tuple[int, str]:
         async with (
@@ -339,6 +343,10 @@ class E2ECluster:
             session.get(f"http://127.0.0.1:{self.proxy_port}{path}", headers={"Host": host}) as response,
         ):
             return response.status, await response.text()
+
+    def proxy_routes_version(self) -> int:
+        """The route snapshot version the proxy holds (its cache file, written as it accepts a snapshot)."""
+        return load_cached(self.root / "proxy" / ROUTES_CACHE_FILE).version
 
     def spans(self) -> list[dict[str, Any]]:
         if not self.trace_file.exists():

@@ -182,8 +182,14 @@ async def test_scale_to_zero_after_idle_and_wake_on_request(cluster: E2ECluster,
         async def no_endpoint() -> bool:
             snapshot = await route_snapshot(conn)
             routes = [r for r in (snapshot.http_routes if snapshot else []) if r.environment_id == env_id]
-            seen[:] = [f"{snapshot.version if snapshot else None}: {[(r.hostname, len(r.endpoints)) for r in routes]}"]
-            return bool(routes) and all(not r.endpoints for r in routes)
+            seen[:] = [
+                f"{snapshot.version if snapshot else None}: {[(r.hostname, len(r.endpoints)) for r in routes]}",
+                f"proxy at version {cluster.proxy_routes_version()}",
+            ]
+            if snapshot is not None and routes and all(not r.endpoints for r in routes):
+                # ... and the proxy has it too: else the request may still reach the instance being stopped.
+                return cluster.proxy_routes_version() >= snapshot.version
+            return False
 
         try:
             await eventually(no_endpoint, 30, "the route has no endpoint left")
@@ -192,8 +198,9 @@ async def test_scale_to_zero_after_idle_and_wake_on_request(cluster: E2ECluster,
         status, body = await cluster.get(host, timeout=40)  # held, activated, then forwarded
         assert status == 200, body
         assert version_of(body) == "v1"
-        e = view.env(env_id)
-        assert e is not None and e.effective_replicas >= 1
+        await eventually(
+            lambda: (e := view.env(env_id)) is not None and e.effective_replicas >= 1, 10, "woken: replicas back"
+        )
 
 
 async def test_autoscale_up_under_load(cluster: E2ECluster, sources: dict[str, Path]) -> None:
