@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+RECANCEL_AFTER = 0.5
+"""Seconds after which a task that is still running is cancelled again."""
+
 
 async def cancel_and_wait(*tasks: asyncio.Future[object] | asyncio.Task[object] | None) -> None:
     """Cancel ``tasks`` and wait until they have finished.
@@ -12,12 +15,16 @@ async def cancel_and_wait(*tasks: asyncio.Future[object] | asyncio.Task[object] 
     Awaiting a cancelled task inside ``suppress(CancelledError)`` would also swallow a cancellation of
     the *current* task that arrives meanwhile; this re-raises it, so a shutdown is never lost.
     """
-    pending = [t for t in tasks if t is not None]
-    for task in pending:
-        task.cancel()
-    for task in pending:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+    pending = {t for t in tasks if t is not None and not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        # A task that swallowed its cancellation (nats-py does, inside a publish) gets it again.
+        _, pending = await asyncio.wait(pending, timeout=RECANCEL_AFTER)
+    for finished in tasks:
+        if finished is not None and finished.done() and not finished.cancelled():
+            with contextlib.suppress(Exception):
+                finished.exception()
     current = asyncio.current_task()
     if current is not None and current.cancelling():
         raise asyncio.CancelledError

@@ -166,8 +166,9 @@ def test_ps_shows_assignments_with_observed_state(cli, nats_url):
         a = pb.Assignment(node_id="n1", environment_id="e1", release_id="r1", desired=pb.ASSIGNMENT_DESIRED_RUN)
         a.meta.id = "A1"
         await writer.commit(writer.txn().create(a))
-        await writer.commit(writer.txn().put(pb.AssignmentObserved(state=pb.INSTANCE_STATE_HEALTHY),
-                                             key=K.observed("n1", "A1")))
+        await writer.commit(
+            writer.txn().put(pb.AssignmentObserved(state=pb.INSTANCE_STATE_HEALTHY), key=K.observed("n1", "A1"))
+        )
 
     _state(nats_url, seed)
     rows = json.loads(cli("ps", "--json").stdout)
