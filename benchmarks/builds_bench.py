@@ -6,7 +6,6 @@ queued builds over 20 instant builders, on an embedded nats-server with the real
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import time
@@ -15,7 +14,7 @@ from collections.abc import Callable
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from benchmarks.common import Row, embedded_server, median, percentile, print_table, row
+from benchmarks.common import Row, bench_main, embedded_server, median, percentile, row
 from services.builds.dispatcher import BuildDispatcher, BuildDispatcherConfig
 from shared import keys as K
 from shared.clock import RealClock
@@ -148,10 +147,7 @@ def run(quick: bool = True) -> list[Row]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--full", action="store_true", help="1,000 latency samples instead of 100")
-    args = parser.parse_args()
-    print_table("build dispatch", run(quick=not args.full))
+    bench_main("Build dispatch", run, __doc__, "1,000 latency samples instead of 100")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import statistics
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +69,16 @@ def print_table(title: str, rows: Sequence[Row]) -> None:
             r["figure"], f"{format_value(float(r['value']))} {r['unit']}", r.get("target", ""), r.get("anchor", "")
         )
     Console().print(table)
+
+
+def bench_main(title: str, run: Callable[[bool], list[Row]], doc: str | None, full_help: str) -> None:
+    """The command line every benchmark shares: ``[--full] [--json]``, then one table."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help=full_help)
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args()
+    rows = run(not args.full)
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+    else:
+        print_table(title + (" (full)" if args.full else " (quick)"), rows)

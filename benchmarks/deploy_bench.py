@@ -22,17 +22,15 @@ Anchor: the reference notices a finished build and every deadline on its 15 s ti
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
 
 from zattera.v1 import types_pb2 as pb
 
-from benchmarks.common import Row, embedded_server, median, percentile, print_table, row
+from benchmarks.common import Row, bench_main, embedded_server, median, percentile, row
 from services.orchestrator.loop import Orchestrator
 from services.orchestrator.model import Timers, copy_of
 from shared import keys as K
@@ -216,15 +214,7 @@ def run(quick: bool = True) -> list[dict[str, object]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="100 deploys instead of 20")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args()
-    rows = run(quick=not args.full)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print_table("Deployments" + (" (full)" if args.full else " (quick)"), rows)
+    bench_main("Deployments", run, __doc__, "100 deploys instead of 20")
 
 
 if __name__ == "__main__":

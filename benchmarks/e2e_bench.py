@@ -21,7 +21,6 @@ split between the app's own start and the platform's; it has no figure for faile
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -33,7 +32,7 @@ from pathlib import Path
 
 from zattera.v1 import types_pb2 as pb
 
-from benchmarks.common import Row, median, percentile, print_table, row
+from benchmarks.common import Row, bench_main, median, percentile, row
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.view import StateView
@@ -207,15 +206,7 @@ def run(quick: bool = True) -> list[Row]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="15 cold starts and 10 red/green deploys")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args()
-    rows = run(quick=not args.full)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print_table("End to end" + (" (full)" if args.full else " (quick)"), rows)
+    bench_main("End to end", run, __doc__, "15 cold starts and 10 red/green deploys")
 
 
 if __name__ == "__main__":

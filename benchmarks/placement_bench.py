@@ -15,16 +15,14 @@ Anchor: Nomad's million-container challenge scheduled 3,750 containers/s with 5 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
 
 from zattera.v1 import types_pb2 as pb
 
-from benchmarks.common import Row, embedded_server, print_table, row
+from benchmarks.common import Row, bench_main, embedded_server, row
 from services.scheduler.loop import Scheduler
 from services.scheduler.placement import PlacementIndex, place
 from shared import keys as K
@@ -210,15 +208,7 @@ def run(quick: bool = True) -> list[Row]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="more rounds (quick mode is the default)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args()
-    rows = run(quick=not args.full)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print_table("Placement" + (" (full)" if args.full else " (quick)"), rows)
+    bench_main("Placement", run, __doc__, "more rounds")
 
 
 if __name__ == "__main__":

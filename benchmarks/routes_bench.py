@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from zattera.v1 import types_pb2 as pb
 
+from benchmarks.common import bench_main
 from services.routes.builder import RouteBuilder
 from services.routes.publisher import RoutesPublisher
 from shared import keys as K
@@ -234,15 +234,7 @@ def run(quick: bool = True) -> list[dict[str, object]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--full", action="store_true", help="more repetitions (slower, steadier)")
-    args = parser.parse_args()
-    rows = run(quick=not args.full)
-    width = max(len(str(row["figure"])) for row in rows)
-    print(f"{'figure':<{width}}  {'value':>10}  unit  {'target':<9} anchor")
-    for row in rows:
-        figure, value, unit, target = (str(row[k]) for k in ("figure", "value", "unit", "target"))
-        print(f"{figure:<{width}}  {value:>10}  {unit:<4}  {target:<9} {row['anchor']}")
+    bench_main("Routes", run, __doc__, "more repetitions")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Run: ``python -m benchmarks.scaling_bench`` (quick) or ``--full`` (more samples)
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -31,6 +30,7 @@ from pathlib import Path
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from benchmarks.common import bench_main
 from services.autoscale.activator import request_activation
 from shared import keys as K
 from shared.embedded import EmbeddedNats
@@ -261,13 +261,7 @@ def run(quick: bool = True) -> list[dict[str, object]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--full", action="store_true", help="more samples (slower)")
-    args = parser.parse_args()
-    rows = run(quick=not args.full)
-    print(f"{'figure':<28} {'value':>9} {'unit':<4} {'target':<8} anchor")
-    for row in rows:
-        print(f"{row['figure']!s:<28} {row['value']!s:>9} {row['unit']!s:<4} {row['target']!s:<8} {row['anchor']}")
+    bench_main("Scaling", run, __doc__, "more samples")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ and scales the time target; ``--full`` uses 1 GiB.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from benchmarks.common import bench_main
 from shared.embedded import EmbeddedNats
 from shared.natsio import connect, provision
 from shared.snapshots import SnapshotEngine, SnapshotStore
@@ -140,15 +140,7 @@ def run(quick: bool = True) -> list[dict[str, object]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--full", action="store_true", help="1 GiB dataset (default: 256 MiB)")
-    rows = run(quick=not parser.parse_args().full)
-    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in ("figure", "value", "unit", "target")}
-    header = "  ".join(k.ljust(w) for k, w in widths.items()) + "  anchor"
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print("  ".join(str(row[k]).ljust(w) for k, w in widths.items()) + f"  {row['anchor']}")
+    bench_main("Volume snapshots", run, __doc__, "1 GiB dataset (default: 256 MiB)")
 
 
 if __name__ == "__main__":

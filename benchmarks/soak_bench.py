@@ -13,10 +13,8 @@ Quick (default, < 3 min): 500 nodes, 200 envs, 1,000 replicas, one kill per loop
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -27,7 +25,7 @@ from pathlib import Path
 import psutil
 from zattera.v1 import types_pb2 as pb
 
-from benchmarks.common import Row, percentile, print_table, row
+from benchmarks.common import Row, bench_main, percentile, row
 from shared.natsio import connect
 from shared.txn import Writer
 from shared.view import StateView
@@ -192,12 +190,7 @@ def run(quick: bool = True) -> list[Row]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--full", action="store_true")
-    args = parser.parse_args()
-    rows = run(quick=not args.full)
-    print_table("soak and size" + (" (full)" if args.full else " (quick)"), rows)
-    print(json.dumps(rows))
+    bench_main("Soak and size", run, __doc__, "5,000 nodes, 2,000 envs, 10,000 replicas, 200 kills")
 
 
 if __name__ == "__main__":
