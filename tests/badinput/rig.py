@@ -124,6 +124,7 @@ class Rig:
 
         async def close() -> None:
             await self.routes.stop()
+            await self.live.stop()
             await self.view.stop()
             await self.conn.close()
 
