@@ -16,7 +16,7 @@ from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.apply import env_path, plan, resolve_env
-from cli.client import OPTIONS, control, err, run
+from cli.client import OPTIONS, Control, control, err, run
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
@@ -658,6 +658,53 @@ def volumes_list(json: bool = JSON) -> None:
                     ]
                 )
             render.table("volumes", ["id", "name", "env", "node", "status", "schedule", "snapshots"], rows)
+
+    run(go)
+
+
+def _snapshot_dispatcher(c: Control) -> Any:
+    from services.scheduler.snapshot_dispatch import SnapshotDispatcher, target_from_env
+    from shared.clock import RealClock
+
+    return SnapshotDispatcher(c.conn, c.view, RealClock(), target=target_from_env())
+
+
+@volumes_app.command("snapshot")
+def volumes_snapshot(volume_id: str) -> None:
+    """Snapshot a volume now (on its node), and wait for the result."""
+
+    async def go() -> None:
+        async with control() as c:
+            volume = c.view.volume(volume_id)
+            if volume is None:
+                raise _fail(f"volume {volume_id!r} not found")
+            err.print(f"snapshotting volume {volume.name} on node {volume.node_id} …")
+            try:
+                record = await _snapshot_dispatcher(c).snapshot(volume, c.writer)
+            except Exception as exc:
+                raise _fail(f"snapshot failed: {exc}") from None
+            status = render.enum_name(pb.SnapshotStatus, record.status, "SNAPSHOT_STATUS_")
+            err.print(
+                f"snapshot {record.meta.id}: {status}, {record.logical_size_bytes:,} bytes, "
+                f"{record.uploaded_bytes:,} uploaded {record.error}"
+            )
+            if record.status != pb.SNAPSHOT_STATUS_COMPLETE:
+                raise typer.Exit(1)
+
+    run(go)
+
+
+@volumes_app.command("restore")
+def volumes_restore(volume_id: str, snapshot_id: str) -> None:
+    """Rebuild a volume from a COMPLETE snapshot (refused while the volume is mounted)."""
+
+    async def go() -> None:
+        async with control() as c:
+            try:
+                await _snapshot_dispatcher(c).restore(volume_id, snapshot_id, c.writer)
+            except Exception as exc:
+                raise _fail(f"restore refused or failed: {exc}") from None
+            err.print(f"volume {volume_id} restored from snapshot {snapshot_id}")
 
     run(go)
 

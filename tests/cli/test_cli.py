@@ -178,3 +178,10 @@ def test_ps_shows_assignments_with_observed_state(cli, nats_url):
 def test_cli_reports_unreachable_nats_clearly():
     result = CliRunner().invoke(app, ["--nats", "nats://127.0.0.1:1", "nodes", "list"])
     assert result.exit_code == 2 and "cannot reach NATS" in result.stderr
+
+
+def test_volume_commands_name_the_missing_volume_or_snapshot(cli):
+    missing = cli("volumes", "snapshot", "nope")
+    assert missing.exit_code == 1 and "volume 'nope' not found" in missing.stderr
+    refused = cli("volumes", "restore", "nope", "snap")
+    assert refused.exit_code == 1 and "restore refused or failed" in refused.stderr
