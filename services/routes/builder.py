@@ -6,8 +6,9 @@ it (domain id order), then the implicit ``<app>-<env>.<domain>`` route; L4 route
 public port; an internal service when the env holds a VIP; endpoints are the active release's RUN
 replicas observed HEALTHY with a bound mesh port on a node that is present and not DOWN/DRAINED.
 
-Incremental: the snapshot is kept as per-environment fragments, each already serialized, and the
-snapshot bytes are their concatenation. Protobuf's wire format makes this exact: a message's
+Incremental: the snapshot is kept as per-environment fragments, each already in wire encoding
+(written by hand, :mod:`services.routes.wire`, several times cheaper than building message objects),
+and the snapshot bytes are their concatenation. Protobuf's wire format makes this exact: a message's
 deterministic encoding is its fields in number order, a repeated field being its elements' encodings
 back to back, so ``version`` + every env's ``http_routes`` + every env's ``l4_routes`` + every env's
 ``internal_services`` + ``cert_hosts`` is byte for byte ``SerializeToString(deterministic=True)`` of
@@ -29,10 +30,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.routes.wire import LEN, VARINT, bool_field, len_field, message_field, string_field, tag, uint_field
 from shared import keys as K
 from shared.view import Change, StateView
 
@@ -68,9 +69,9 @@ def internal_fqdn(app_name: str, env_name: str, project_name: str) -> str:
     return f"{app_name}.{env_name}.{project_name}.internal."
 
 
-def bound_port(assignment: pb.Assignment, port_name: str) -> int:
+def bound_port(assignment: pb.Assignment, observed: pb.AssignmentObserved, port_name: str) -> int:
     """The published mesh port of ``port_name``: the agent's observed report first, then the desired record."""
-    return assignment.observed.mesh_port_bindings.get(port_name, 0) or assignment.mesh_port_bindings.get(port_name, 0)
+    return observed.mesh_port_bindings.get(port_name, 0) or assignment.mesh_port_bindings.get(port_name, 0)
 
 
 def routable_host(node: pb.Node | None) -> str | None:
@@ -89,51 +90,96 @@ def node_hosts(view: StateView) -> dict[str, str | None]:
     return {node.meta.id: routable_host(node) for node in view.nodes()}
 
 
-def routable_replicas(view: StateView, env: pb.Environment, hosts: NodeHosts) -> list[tuple[pb.Assignment, str]]:
-    """(assignment, host) of the env's assignments, by id, that may carry traffic (A1.6 rules 1, 2, 3, 5):
-    the active release only, desired RUN, observed HEALTHY exactly, on a routable node. Rule 4 (a bound
-    port) depends on the port: see :class:`_Endpoints`."""
+Replica = tuple[pb.Assignment, pb.AssignmentObserved, str]
+"""A replica that may carry traffic: its assignment, the observed report joined into it, its host."""
+
+
+def routable_replicas(view: StateView, env: pb.Environment, hosts: NodeHosts) -> list[Replica]:
+    """The env's assignments, by id, that may carry traffic (A1.6 rules 1, 2, 3, 5): the active release
+    only, desired RUN, observed HEALTHY exactly, on a routable node. Rule 4 (a bound port) depends on the
+    port: see :class:`_Endpoints`."""
     active = env.active_release_id
     if not active:
         return []
     replicas = []
     for assignment in view.assignments(env.meta.id):
-        if (
-            assignment.release_id == active
-            and assignment.desired == _RUN
-            and assignment.observed.state == _HEALTHY
-            and (host := hosts.get(assignment.node_id))
-        ):
-            replicas.append((assignment, host))
+        if assignment.release_id == active and assignment.desired == _RUN:
+            observed = assignment.observed
+            if observed.state == _HEALTHY and (host := hosts.get(assignment.node_id)):
+                replicas.append((assignment, observed, host))
     return replicas
 
 
+# Field keys of the route messages (cluster.proto), for the hand-written encoding (see services/routes/wire.py).
+_HTTP_ROUTE = tag(cpb.RouteSnapshot.HTTP_ROUTES_FIELD_NUMBER, LEN)
+_L4_ROUTE = tag(cpb.RouteSnapshot.L4_ROUTES_FIELD_NUMBER, LEN)
+_INTERNAL_SERVICE = tag(cpb.RouteSnapshot.INTERNAL_SERVICES_FIELD_NUMBER, LEN)
+_ENDPOINT_ASSIGNMENT = tag(cpb.Endpoint.ASSIGNMENT_ID_FIELD_NUMBER, LEN)
+_ENDPOINT_NODE = tag(cpb.Endpoint.NODE_ID_FIELD_NUMBER, LEN)
+_ENDPOINT_ADDR = tag(cpb.Endpoint.ADDR_FIELD_NUMBER, LEN)
+_ENDPOINT_HEALTHY = tag(cpb.Endpoint.HEALTHY_FIELD_NUMBER, VARINT)
+_ROUTE_HOSTNAME = tag(cpb.HTTPRoute.HOSTNAME_FIELD_NUMBER, LEN)
+_ROUTE_PATH_PREFIX = tag(cpb.HTTPRoute.PATH_PREFIX_FIELD_NUMBER, LEN)
+_ROUTE_PROJECT = tag(cpb.HTTPRoute.PROJECT_ID_FIELD_NUMBER, LEN)
+_ROUTE_APP = tag(cpb.HTTPRoute.APP_ID_FIELD_NUMBER, LEN)
+_ROUTE_ENV = tag(cpb.HTTPRoute.ENVIRONMENT_ID_FIELD_NUMBER, LEN)
+_ROUTE_APP_NAME = tag(cpb.HTTPRoute.APP_NAME_FIELD_NUMBER, LEN)
+_ROUTE_ENV_NAME = tag(cpb.HTTPRoute.ENVIRONMENT_NAME_FIELD_NUMBER, LEN)
+_ROUTE_MIDDLEWARE = tag(cpb.HTTPRoute.MIDDLEWARE_FIELD_NUMBER, LEN)
+_ROUTE_ENDPOINT = tag(cpb.HTTPRoute.ENDPOINTS_FIELD_NUMBER, LEN)
+_ROUTE_SCALE_TO_ZERO = tag(cpb.HTTPRoute.SCALE_TO_ZERO_FIELD_NUMBER, VARINT)
+_ROUTE_MAX_CONCURRENCY = tag(cpb.HTTPRoute.MAX_CONCURRENCY_FIELD_NUMBER, VARINT)
+_ROUTE_GENERATION = tag(cpb.HTTPRoute.ROUTE_GENERATION_FIELD_NUMBER, VARINT)
+_ROUTE_RATE_LIMIT = tag(cpb.HTTPRoute.RATE_LIMIT_FIELD_NUMBER, LEN)
+_L4_PUBLIC_PORT = tag(cpb.L4Route.PUBLIC_PORT_FIELD_NUMBER, VARINT)
+_L4_PROTOCOL = tag(cpb.L4Route.PROTOCOL_FIELD_NUMBER, LEN)
+_L4_ENV = tag(cpb.L4Route.ENVIRONMENT_ID_FIELD_NUMBER, LEN)
+_L4_ENDPOINT = tag(cpb.L4Route.ENDPOINTS_FIELD_NUMBER, LEN)
+_SERVICE_FQDN = tag(cpb.InternalService.FQDN_FIELD_NUMBER, LEN)
+_SERVICE_PROJECT = tag(cpb.InternalService.PROJECT_ID_FIELD_NUMBER, LEN)
+_SERVICE_ENV = tag(cpb.InternalService.ENVIRONMENT_ID_FIELD_NUMBER, LEN)
+_SERVICE_VIP = tag(cpb.InternalService.VIP_FIELD_NUMBER, LEN)
+_SERVICE_PORT = tag(cpb.InternalService.PORTS_FIELD_NUMBER, LEN)
+_PORT_NAME = tag(cpb.InternalPort.NAME_FIELD_NUMBER, LEN)
+_PORT_NUMBER = tag(cpb.InternalPort.PORT_FIELD_NUMBER, VARINT)
+_PORT_PROTOCOL = tag(cpb.InternalPort.PROTOCOL_FIELD_NUMBER, LEN)
+_PORT_ENDPOINT = tag(cpb.InternalPort.ENDPOINTS_FIELD_NUMBER, LEN)
+_HEALTHY_TRUE = bool_field(_ENDPOINT_HEALTHY, True)
+_L4_TCP = string_field(_L4_PROTOCOL, L4_PROTOCOL)
+_PORT_TCP = string_field(_PORT_PROTOCOL, L4_PROTOCOL)
+
+
 class _Endpoints:
-    """Fills a route's endpoints for a port; each port's list is built once and copied to later routes."""
+    """A route's encoded endpoints for a port: each replica's endpoint is encoded once per port, then
+    framed as elements of whichever repeated field carries it."""
 
-    def __init__(self, replicas: list[tuple[pb.Assignment, str]]) -> None:
+    def __init__(self, replicas: list[Replica]) -> None:
         self._replicas = replicas
-        self._built: dict[str, RepeatedCompositeFieldContainer[cpb.Endpoint]] = {}
+        self._payloads: dict[str, list[bytes]] = {}
 
-    def fill(self, target: RepeatedCompositeFieldContainer[cpb.Endpoint], port_name: str) -> None:
+    def encoded(self, port_name: str, field_tag: bytes) -> bytes:
+        """The endpoints of ``port_name`` as elements of the repeated field keyed ``field_tag``."""
         if not self._replicas:
-            return
-        built = self._built.get(port_name)
-        if built is not None:
-            target.MergeFrom(built)
-            return
-        for assignment, host in self._replicas:
-            port = bound_port(assignment, port_name)
-            if port:
-                target.add(
-                    assignment_id=assignment.meta.id, node_id=assignment.node_id, addr=f"{host}:{port}", healthy=True
-                )
-        self._built[port_name] = target
+            return b""
+        payloads = self._payloads.get(port_name)
+        if payloads is None:
+            payloads = self._payloads[port_name] = []
+            for assignment, observed, host in self._replicas:
+                port = bound_port(assignment, observed, port_name)
+                if port:
+                    payloads.append(
+                        string_field(_ENDPOINT_ASSIGNMENT, assignment.meta.id)
+                        + string_field(_ENDPOINT_NODE, assignment.node_id)
+                        + string_field(_ENDPOINT_ADDR, f"{host}:{port}")
+                        + _HEALTHY_TRUE
+                    )
+        return b"".join([len_field(field_tag, payload) for payload in payloads])
 
 
 @dataclass(frozen=True, slots=True)
 class EnvRoutes:
-    """One environment's share of the snapshot, each section already in its wire encoding."""
+    """One environment's share of the snapshot, each section already in its wire encoding: the env's
+    ``http_routes``, ``l4_routes`` and ``internal_services`` elements as they appear in a RouteSnapshot."""
 
     http: bytes
     l4: bytes
@@ -141,114 +187,97 @@ class EnvRoutes:
     hostnames: tuple[str, ...]
 
 
-def build_env_sections(
-    view: StateView, env: pb.Environment, domain: str, hosts: NodeHosts | None = None
-) -> cpb.RouteSnapshot | None:
-    """One environment's routes as a version-less snapshot without cert_hosts; None when its app is
-    missing (the whole env is skipped, D-A13). ``hosts`` defaults to :func:`node_hosts` of the view."""
+def build_env_routes(view: StateView, env: pb.Environment, domain: str, hosts: NodeHosts) -> EnvRoutes | None:
+    """One environment's routes (A1.2–A1.10), encoded; None when its app is missing (the whole env is
+    skipped, D-A13). ``hosts``: :func:`node_hosts` of the view, kept up to date by the caller."""
     app = view.app(env.app_id)
     if app is None:
         return None
     env_id, project_id, app_id, env_name, app_name = env.meta.id, env.project_id, env.app_id, env.name, app.name
     spec = env.service
-    endpoints = _Endpoints(routable_replicas(view, env, node_hosts(view) if hosts is None else hosts))
+    endpoints = _Endpoints(routable_replicas(view, env, hosts))
     http_port = http_port_name(spec)
-    flags: dict[str, object] = {
-        "scale_to_zero": spec.scale_to_zero,
-        "max_concurrency": spec.max_concurrency,
-        "route_generation": env.route_generation,
-    }
-    if spec.HasField("rate_limit"):
-        flags["rate_limit"] = spec.rate_limit
-    sections = cpb.RouteSnapshot()
-    http_routes = sections.http_routes
+    # Fields 3–7 and 10–13 are the same on every HTTP route of the env.
+    route_ids = b"".join(
+        (
+            string_field(_ROUTE_PROJECT, project_id),
+            string_field(_ROUTE_APP, app_id),
+            string_field(_ROUTE_ENV, env_id),
+            string_field(_ROUTE_APP_NAME, app_name),
+            string_field(_ROUTE_ENV_NAME, env_name),
+        )
+    )
+    route_flags = b"".join(
+        (
+            bool_field(_ROUTE_SCALE_TO_ZERO, spec.scale_to_zero),
+            uint_field(_ROUTE_MAX_CONCURRENCY, spec.max_concurrency),
+            uint_field(_ROUTE_GENERATION, env.route_generation),
+            message_field(_ROUTE_RATE_LIMIT, spec.rate_limit if spec.HasField("rate_limit") else None),
+        )
+    )
+    http: list[bytes] = []
+    hostnames: list[str] = []
+
+    def add_http_route(hostname: str, path_prefix: str, middleware: pb.Middleware | None, port_name: str) -> None:
+        route = b"".join(
+            (
+                string_field(_ROUTE_HOSTNAME, hostname),
+                string_field(_ROUTE_PATH_PREFIX, path_prefix),
+                route_ids,
+                message_field(_ROUTE_MIDDLEWARE, middleware),
+                endpoints.encoded(port_name, _ROUTE_ENDPOINT),
+                route_flags,
+            )
+        )
+        http.append(len_field(_HTTP_ROUTE, route))
+        hostnames.append(hostname)
 
     for dom in view.domains(env_id):
         if dom.project_id == project_id:
-            route = http_routes.add(
-                hostname=dom.hostname,
-                path_prefix=dom.path_prefix,
-                project_id=project_id,
-                app_id=app_id,
-                environment_id=env_id,
-                app_name=app_name,
-                environment_name=env_name,
-                middleware=dom.middleware if dom.HasField("middleware") else None,
-                **flags,
-            )
-            endpoints.fill(route.endpoints, dom.port_name or http_port)
+            middleware = dom.middleware if dom.HasField("middleware") else None
+            add_http_route(dom.hostname, dom.path_prefix, middleware, dom.port_name or http_port)
     if domain:
-        route = http_routes.add(
-            hostname=implicit_hostname(app_name, env_name, domain),
-            project_id=project_id,
-            app_id=app_id,
-            environment_id=env_id,
-            app_name=app_name,
-            environment_name=env_name,
-            **flags,
+        add_http_route(implicit_hostname(app_name, env_name, domain), "", None, http_port)
+
+    l4 = [
+        len_field(
+            _L4_ROUTE,
+            b"".join(
+                (
+                    uint_field(_L4_PUBLIC_PORT, port.public_l4_port),
+                    _L4_TCP,
+                    string_field(_L4_ENV, env_id),
+                    endpoints.encoded(port.name, _L4_ENDPOINT),
+                )
+            ),
         )
-        endpoints.fill(route.endpoints, http_port)
+        for port in spec.ports
+        if port.public_l4_port
+    ]
 
-    for port in spec.ports:
-        if port.public_l4_port:
-            l4 = sections.l4_routes.add(public_port=port.public_l4_port, protocol=L4_PROTOCOL, environment_id=env_id)
-            endpoints.fill(l4.endpoints, port.name)
-
+    internal = b""
     vip = view.vip(env_id)
     if vip is not None and vip.vip:
         project = view.project(project_id)
-        service = sections.internal_services.add(
-            fqdn=internal_fqdn(app_name, env_name, project.name if project is not None else project_id),
-            project_id=project_id,
-            environment_id=env_id,
-            vip=vip.vip,
-        )
+        fqdn = internal_fqdn(app_name, env_name, project.name if project is not None else project_id)
+        service = [
+            string_field(_SERVICE_FQDN, fqdn),
+            string_field(_SERVICE_PROJECT, project_id),
+            string_field(_SERVICE_ENV, env_id),
+            string_field(_SERVICE_VIP, vip.vip),
+        ]
         for port in spec.ports:
-            internal = service.ports.add(name=port.name, port=port.container_port, protocol=L4_PROTOCOL)
-            endpoints.fill(internal.endpoints, port.name)
-    return sections
-
-
-def build_env_routes(view: StateView, env: pb.Environment, domain: str, hosts: NodeHosts) -> EnvRoutes | None:
-    """:func:`build_env_sections` serialized once and cut into its three sections."""
-    sections = build_env_sections(view, env, domain, hosts)
-    if sections is None:
-        return None
-    data = sections.SerializeToString(deterministic=True)
-    hostnames = tuple(route.hostname for route in sections.http_routes)
-    if not sections.l4_routes and not sections.internal_services:
-        return EnvRoutes(data, b"", b"", hostnames)
-    l4_at = field_offset(data, _L4_FIELD)
-    internal_at = field_offset(data, _INTERNAL_FIELD)
-    return EnvRoutes(data[:l4_at], data[l4_at:internal_at], data[internal_at:], hostnames)
-
-
-_L4_FIELD = cpb.RouteSnapshot.L4_ROUTES_FIELD_NUMBER
-_INTERNAL_FIELD = cpb.RouteSnapshot.INTERNAL_SERVICES_FIELD_NUMBER
-
-
-def field_offset(data: bytes, field_number: int) -> int:
-    """Offset of the first top-level field numbered ``field_number`` or higher in a deterministic
-    encoding of length-delimited fields (fields are in number order); ``len(data)`` when none is."""
-    offset, end = 0, len(data)
-    while offset < end:
-        tag, cursor = _varint(data, offset)
-        if tag >> 3 >= field_number:
-            return offset
-        length, cursor = _varint(data, cursor)
-        offset = cursor + length
-    return end
-
-
-def _varint(data: bytes, offset: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[offset]
-        offset += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, offset
-        shift += 7
+            internal_port = b"".join(
+                (
+                    string_field(_PORT_NAME, port.name),
+                    uint_field(_PORT_NUMBER, port.container_port),
+                    _PORT_TCP,
+                    endpoints.encoded(port.name, _PORT_ENDPOINT),
+                )
+            )
+            service.append(len_field(_SERVICE_PORT, internal_port))
+        internal = len_field(_INTERNAL_SERVICE, b"".join(service))
+    return EnvRoutes(b"".join(http), b"".join(l4), internal, tuple(hostnames))
 
 
 def encode_snapshot(version: int, content: bytes) -> bytes:
@@ -287,8 +316,8 @@ class RouteBuilder:
         self._envs_by_app: dict[str, set[str]] = defaultdict(set)
         self._envs_by_project: dict[str, set[str]] = defaultdict(set)
         self._domain_env: dict[str, str] = {}
-        self._assignment_place: dict[str, tuple[str, str]] = {}  # assignment -> (env, node)
-        self._envs_by_node: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        # assignment -> env, to find the env of an assignment the view no longer holds
+        self._assignment_env: dict[str, str] = {}
 
     # ------------------------------------------------------------------ reading
 
@@ -320,11 +349,7 @@ class RouteBuilder:
         """Forget everything and build every environment from the view."""
         self._reset()
         self._node_hosts = node_hosts(self.view)
-        place, by_node = self._assignment_place, self._envs_by_node
-        for assignment in self.view.assignments():
-            env_id, node_id = assignment.environment_id, assignment.node_id
-            place[assignment.meta.id] = (env_id, node_id)
-            by_node[node_id][env_id] += 1
+        self._assignment_env = {a.meta.id: a.environment_id for a in self.view.assignments()}
         for dom in self.view.domains():
             self._domain_env[dom.meta.id] = dom.environment_id
         for env in self.view.envs():
@@ -361,7 +386,7 @@ class RouteBuilder:
                 host = routable_host(self.view.node(ident))
                 if self._node_hosts.get(ident) != host:
                     self._node_hosts[ident] = host
-                    affected |= set(self._envs_by_node.get(ident, ()))
+                    affected |= {a.environment_id for a in self.view.assignments_by_node(ident)}
         for env_id in affected:
             self._rebuild_env(env_id)
         return affected
@@ -379,21 +404,12 @@ class RouteBuilder:
 
     def _place_assignment(self, assignment_id: str, assignment: pb.Assignment | None) -> set[str]:
         affected = set()
-        before = self._assignment_place.pop(assignment_id, None)
+        before = self._assignment_env.pop(assignment_id, None)
         if before is not None:
-            env_id, node_id = before
-            affected.add(env_id)
-            per_node = self._envs_by_node[node_id]
-            per_node[env_id] -= 1
-            if not per_node[env_id]:
-                del per_node[env_id]
-                if not per_node:
-                    del self._envs_by_node[node_id]
+            affected.add(before)
         if assignment is not None:
-            env_id, node_id = assignment.environment_id, assignment.node_id
-            self._assignment_place[assignment_id] = (env_id, node_id)
-            self._envs_by_node[node_id][env_id] += 1
-            affected.add(env_id)
+            self._assignment_env[assignment_id] = assignment.environment_id
+            affected.add(assignment.environment_id)
         return affected
 
     def _rebuild_env(self, env_id: str) -> None:

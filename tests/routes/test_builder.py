@@ -15,7 +15,6 @@ from services.routes.builder import (
     RELEVANT_KINDS,
     RouteBuilder,
     encode_snapshot,
-    field_offset,
     http_port_name,
 )
 from shared import keys as K
@@ -324,13 +323,3 @@ def test_unrelated_writes_do_not_move_the_revision() -> None:
     routes.write((K.domain("gone"), None))
     assert routes.builder.revision == routes.state.revision
 
-
-def test_field_offset_cuts_sections_at_field_boundaries() -> None:
-    snapshot = cpb.RouteSnapshot(
-        http_routes=[cpb.HTTPRoute(hostname="h" * 200)],
-        internal_services=[cpb.InternalService(fqdn="f")],
-    )
-    data = snapshot.SerializeToString(deterministic=True)
-    http_only = cpb.RouteSnapshot(http_routes=snapshot.http_routes).SerializeToString(deterministic=True)
-    assert field_offset(data, 3) == field_offset(data, 4) == len(http_only)
-    assert field_offset(data, 5) == len(data)
