@@ -110,7 +110,7 @@ def up(
     if (secure or tls) and nats_cluster > 1:
         raise typer.BadParameter("--secure/--tls run one NATS server; drop --nats-cluster", param_hint="--nats-cluster")
     if secure or tls:
-        raise typer.Exit(secure_up(directory, port, tls=tls))
+        raise typer.Exit(secure_up(directory, port, tls=tls, proxy_port=proxy_port, with_node=node))
     cluster = Cluster(data_dir=directory, port=port, nats_cluster=nats_cluster, proxy_port=proxy_port, with_node=node)
     raise typer.Exit(run_up(cluster))
 

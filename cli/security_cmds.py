@@ -33,7 +33,7 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
-def secure_up(data_dir: Path, port: int, *, tls: bool) -> int:
+def secure_up(data_dir: Path, port: int, *, tls: bool, proxy_port: int = 8080, with_node: bool = True) -> int:
     """``zattera up`` with operator-mode auth (and TLS): every service runs with the control credential, the
     local agent with a builder credential and the local proxy with a proxy credential of its own."""
     setup = prepare(data_dir / "security", tls=tls)
@@ -47,6 +47,8 @@ def secure_up(data_dir: Path, port: int, *, tls: bool) -> int:
         creds=str(setup.control_creds),
         tls_ca=ca,
         node_creds=setup.local_node_creds(LOCAL_NODE),
+        proxy_port=proxy_port,
+        with_node=with_node,
     )
     hint = f"  CLI:       export ZATTERA_NATS_CREDS={setup.operator_creds}"
     if ca:
