@@ -33,7 +33,18 @@ from dataclasses import dataclass
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.routes.wire import LEN, VARINT, bool_field, len_field, message_field, string_field, tag, uint_field
+from services.routes.wire import (
+    LEN,
+    VARINT,
+    bool_field,
+    len_field,
+    message_field,
+    repeated_field,
+    sized,
+    string_field,
+    tag,
+    uint_field,
+)
 from shared import keys as K
 from shared.view import Change, StateView
 
@@ -155,25 +166,26 @@ class _Endpoints:
 
     def __init__(self, replicas: list[Replica]) -> None:
         self._replicas = replicas
-        self._payloads: dict[str, list[bytes]] = {}
+        self._sized: dict[str, list[bytes]] = {}
 
     def encoded(self, port_name: str, field_tag: bytes) -> bytes:
         """The endpoints of ``port_name`` as elements of the repeated field keyed ``field_tag``."""
         if not self._replicas:
             return b""
-        payloads = self._payloads.get(port_name)
-        if payloads is None:
-            payloads = self._payloads[port_name] = []
+        elements = self._sized.get(port_name)
+        if elements is None:
+            elements = self._sized[port_name] = []
             for assignment, observed, host in self._replicas:
                 port = bound_port(assignment, observed, port_name)
                 if port:
-                    payloads.append(
+                    endpoint = (
                         string_field(_ENDPOINT_ASSIGNMENT, assignment.meta.id)
                         + string_field(_ENDPOINT_NODE, assignment.node_id)
                         + string_field(_ENDPOINT_ADDR, f"{host}:{port}")
                         + _HEALTHY_TRUE
                     )
-        return b"".join([len_field(field_tag, payload) for payload in payloads])
+                    elements.append(sized(endpoint))
+        return repeated_field(field_tag, elements)
 
 
 @dataclass(frozen=True, slots=True)

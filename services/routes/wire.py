@@ -22,6 +22,8 @@ def varint(value: int) -> bytes:
     """Base-128 varint of a non-negative integer."""
     if value < 0x80:
         return bytes((value,))
+    if value < 0x4000:
+        return bytes((value & 0x7F | 0x80, value >> 7))
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -43,6 +45,18 @@ def len_field(field_tag: bytes, payload: bytes) -> bytes:
     present even when ``payload`` is empty, as a set sub-message or a repeated element is."""
     size = len(payload)
     return field_tag + (_ONE_BYTE[size] if size < 0x80 else varint(size)) + payload
+
+
+def sized(payload: bytes) -> bytes:
+    """``payload`` after its length prefix: a length-delimited field's value without its key, so that
+    elements of one repeated field are ``key + key.join(sized values)``."""
+    size = len(payload)
+    return (_ONE_BYTE[size] if size < 0x80 else varint(size)) + payload
+
+
+def repeated_field(field_tag: bytes, sized_elements: list[bytes]) -> bytes:
+    """The elements of a repeated length-delimited field, each given by :func:`sized`."""
+    return field_tag + field_tag.join(sized_elements) if sized_elements else b""
 
 
 def string_field(field_tag: bytes, value: str) -> bytes:
