@@ -4,6 +4,8 @@
 
 * full build of N envs × 3 healthy endpoints, each env with an implicit HTTP route and an internal
   service (a VIP, as every env with a port gets one), N = 1k / 5k / 10k (target at 10k: ≤ 200 ms);
+* the same 10k snapshot built from protobuf message objects and serialized by protobuf (the builder's
+  reference in the tests), side by side with the hand-written encoding;
 * incremental rebuild at 10k after one replica's observed state changes (target ≤ 10 ms): the
   affected env rebuilt plus the new snapshot bytes assembled;
 * the 10k-env snapshot on the wire: serialized size, zstd size, messages;
@@ -32,6 +34,7 @@ from shared.natsio import connect, provision
 from shared.routeclient import HEADER_ROOM, RouteClient, content_digest, encode_messages
 from shared.txn import Writer
 from shared.view import StateView
+from tests.routes.reference import reference_content
 
 DOMAIN = "apps.example.com"
 NODES = 50
@@ -109,6 +112,16 @@ def build_figures(quick: bool) -> list[Row]:
         rows.append(_row(f"full build, {envs:,} envs × 3 endpoints + VIP", ms, "ms", target, ""))
         if envs == 10_000:
             view10k = view
+            ms = timed(lambda view=view: reference_content(view, DOMAIN), 3 if quick else 7)
+            rows.append(
+                _row(
+                    "same 10,000-env snapshot built from protobuf message objects",
+                    ms,
+                    "ms",
+                    "",
+                    "the encoding before services/routes/wire.py (tests' reference)",
+                )
+            )
     assert view10k is not None
     builder = RouteBuilder(view10k, domain=DOMAIN)
     builder.rebuild_all()

@@ -322,4 +322,3 @@ def test_unrelated_writes_do_not_move_the_revision() -> None:
     assert routes.builder.revision == before
     routes.write((K.domain("gone"), None))
     assert routes.builder.revision == routes.state.revision
-
