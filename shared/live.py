@@ -147,7 +147,7 @@ class LiveView:
         """Apply one live value (None = removed). Undecodable values are logged, counted and skipped."""
         kind, _, ident = key.partition(".")
         if kind not in (NODE, PROXY) or not ident:
-            self._skip(key, "unknown key")
+            self._skip(key, "unknown", "unknown key")
             return
         store: dict[str, Any] = self._nodes if kind == NODE else self._proxies
         msg: cpb.Heartbeat | cpb.ProxyHeartbeat | None = None
@@ -156,8 +156,9 @@ class LiveView:
                 msg = cpb.Heartbeat() if kind == NODE else cpb.ProxyHeartbeat()
                 msg.ParseFromString(data)
             except (DecodeError, ValueError, RuntimeError) as exc:
-                self._skip(key, str(exc))
-                return
+                # Garbage replaces the previous sample: serve nothing rather than a stale heartbeat.
+                self._skip(key, kind, str(exc))
+                msg = None
         old = store.pop(ident, None)
         if msg is not None:
             store[ident] = msg
@@ -225,9 +226,9 @@ class LiveView:
                 for ident in idents:
                     feed._offer(kind, ident)
 
-    def _skip(self, key: str, why: str) -> None:
+    def _skip(self, key: str, kind: str, why: str) -> None:
         self.skipped += 1
-        _skipped_counter.add(1)
+        _skipped_counter.add(1, {"kind": kind})
         log.warning("live: skipped value under %r: %s", key, why)
 
     def subscribe(self, kinds: Iterable[str] = ()) -> ChangeFeed:

@@ -147,6 +147,7 @@ async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> i
         return 0
     view = StateView(conn, name=name)
     tasks: list[asyncio.Task[None]] = []
+    exit_code = 0
     try:
         if not await provision_with_retry(conn, cfg, name, stop):
             return 0
@@ -157,8 +158,14 @@ async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> i
         stopper = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({stopper, *tasks}, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
-            if task is not stopper and not task.cancelled() and task.exception() is not None:
-                log.error("%s: task failed: %r", name, task.exception())
+            if task is stopper or task.cancelled():
+                continue
+            failure = task.exception()
+            if failure is not None:
+                log.error("%s: task failed: %r", name, failure)
+            else:
+                log.error("%s: a task ended on its own", name)
+            exit_code = 1  # a supervisor restarts the process; exiting 0 would read as a clean stop
         stopper.cancel()
     finally:
         log.info("%s: stopping (%d tasks)", name, len(tasks))
@@ -170,7 +177,7 @@ async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> i
             logging.shutdown()
             os._exit(1)
         log.info("%s: stopped", name)
-    return 0
+    return exit_code
 
 
 async def _shutdown(tasks: list[asyncio.Task[None]], view: StateView, conn: Connection) -> None:

@@ -4,7 +4,9 @@ Design:
 
 * One JetStream ordered consumer over ``$KV.zattera-state.>`` (last value per subject, then every
   change). Each message is decoded by kind (:mod:`shared.keys`); an undecodable value or key is
-  logged with its key, counted in :attr:`StateView.skipped` and skipped; the view keeps working.
+  logged with its key, counted in :attr:`StateView.skipped` (per kind in ``skipped_by_kind`` and the
+  ``zattera.view.skipped`` metric) and skipped; the view keeps working. Garbage written over a valid
+  value removes that value, so the view agrees with one started afterwards.
 * ``observed.<node>.<id>`` is joined into the matching assignment, so readers see
   ``Assignment.observed`` filled (the Kubernetes spec/status split). A RUNNING report does not
   downgrade HEALTHY/UNHEALTHY of the same container (the reference's merge rule).
@@ -40,7 +42,7 @@ import logging
 import re
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -65,6 +67,8 @@ INACTIVE_THRESHOLD = 300.0
 FILTERED_INACTIVE_THRESHOLD = 60.0
 """A filtered view's replaced consumers (resync, ordered reset) linger this long after losing interest."""
 
+UNKNOWN_KIND = "unknown"
+"""The kind :attr:`StateView.skipped_by_kind` counts keys under that name no known kind."""
 _skipped_counter = counter("zattera.view.skipped", "state values skipped because they could not be decoded")
 
 
@@ -205,6 +209,8 @@ class StateView:
         self._resync_task: asyncio.Task[None] | None = None
         self._resync_buffer: dict[str, tuple[int, bytes | None]] | None = None
         self.skipped = 0
+        self.skipped_by_kind: Counter[str] = Counter()
+        """Skipped values per key kind (:data:`UNKNOWN_KIND` for keys that name no kind)."""
         self.applied = 0
         self.last_revision = 0
         self._kind_revisions: dict[str, int] = {}
@@ -379,7 +385,7 @@ class StateView:
         try:
             k = K.parse(key)
         except K.BadKey as exc:
-            self._skip(key, rev, exc)
+            self._skip(key, rev, exc, kind=UNKNOWN_KIND)
             return
         self._note_kind_revision(k.kind, rev)
         if data is None:
@@ -388,15 +394,19 @@ class StateView:
         try:
             msg = K.decode(k.kind, data)
         except (DecodeError, ValueError, RuntimeError) as exc:
-            self._skip(key, rev, exc)
+            # The key's value is now garbage: forget the previous one, as a view started now would
+            # never have seen it, and keep the revision so that a fenced write can replace it.
+            self._remove(k, key)
+            self._skip(key, rev, exc, kind=k.kind)
             return
         self._revs[key] = rev
         self._put(k, key, msg, rev)
 
-    def _skip(self, key: str, rev: int, exc: Exception) -> None:
+    def _skip(self, key: str, rev: int, exc: Exception, *, kind: str) -> None:
         self.skipped += 1
+        self.skipped_by_kind[kind] += 1
         self._revs[key] = rev
-        _skipped_counter.add(1, {"view": self._name})
+        _skipped_counter.add(1, {"view": self._name, "kind": kind})
         log.warning("view %s: skipped undecodable value under %r (rev %d): %s", self._name, key, rev, exc)
 
     def apply_local(self, key: str, rev: int, msg: Message | None, traceparent: str = "") -> None:

@@ -75,3 +75,12 @@ async def test_derived_changes_name_only_what_changed_and_only_for_feeds_that_as
     assert derived.drain() == set()  # a refresh with the same samples
     apply(live, node_beat(now + 2, "n1", instances={"a1": (5.0, 1)}, proxy={"e2": traffic()}))
     assert derived.drain() == {(ENV_TRAFFIC, "e1"), (ENV_TRAFFIC, "e2"), (INSTANCE, "a1")}
+
+
+async def test_garbage_over_a_heartbeat_drops_the_stale_sample_and_is_counted():
+    clock = FakeClock()
+    live = offline_live(clock, proxy_beat(clock.now(), "p1", {"e1": traffic(inflight=2)}))
+    live.apply(proxy_key("p1"), b"\xff\xfe\x00garbage")
+    assert live.skipped == 1
+    assert live.env_traffic("e1").inflight == 0
+    assert not live.has_fresh_traffic_data()

@@ -6,19 +6,48 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import pytest
+from nats.js.errors import NotFoundError
 
+from shared import keys as K
 from shared.embedded import EmbeddedNats, free_port
+from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+from shared.service import ServiceContext, serve
 from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = sorted(p.parent.name for p in (ROOT / "services").glob("*/__main__.py"))
 
 
-def start(service: str, url: str, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "ZATTERA_LEASE_TTL": "1", "ZATTERA_LEASE_RENEW": "0.3"}
+LOOPS_OF = {
+    "scheduler": {"scheduler", "liveness", "snapshots"},
+    "orchestrator": {"orchestrator"},
+    "autoscale": {"autoscaler", "scaletozero", "serverless"},
+    "builds": {"builds", "retention"},
+    "routes": {"vips"},
+    "join": set(),
+}
+
+
+async def held_leases(conn: Connection, loops: set[str]) -> set[str]:
+    """The loops among ``loops`` whose lease key currently holds a lease (a released one is deleted)."""
+    held = set()
+    for loop in loops:
+        try:
+            msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.lease(loop))
+        except NotFoundError:
+            continue
+        if msg.data:
+            held.add(loop)
+    return held
+
+
+def start(service: str, url: str, log: Path, lease_ttl: float = 1) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "ZATTERA_LEASE_TTL": str(lease_ttl), "ZATTERA_LEASE_RENEW": "0.3"}
     with open(log, "wb") as fh:
         return subprocess.Popen(
             [sys.executable, "-m", f"services.{service}", "--nats", url],
@@ -30,11 +59,19 @@ def start(service: str, url: str, log: Path) -> subprocess.Popen[bytes]:
 
 
 @pytest.mark.parametrize("service", [s for s in SERVICES if s not in ("agent", "proxy")])
-async def test_service_starts_and_stops_cleanly_on_sigterm(service, nats_url, tmp_path):
+async def test_service_starts_and_stops_cleanly_on_sigterm(service, nats_url, tmp_path, conn):
     log = tmp_path / f"{service}.log"
-    proc = start(service, nats_url, log)
+    # A TTL far longer than the test, so a lease still there was not released (expiry cannot hide it).
+    proc = start(service, nats_url, log, lease_ttl=120)
     try:
         await eventually(lambda: "running" in log.read_text(), timeout=30, what=f"{service} running")
+        loops = LOOPS_OF[service]
+        if loops:
+
+            async def leading_every_loop() -> bool:
+                return await held_leases(conn, loops) == loops
+
+            await eventually(leading_every_loop, timeout=30, what=f"{service} leading {sorted(loops)}")
         proc.send_signal(signal.SIGTERM)
         try:
             code = proc.wait(timeout=30)
@@ -42,6 +79,7 @@ async def test_service_starts_and_stops_cleanly_on_sigterm(service, nats_url, tm
             raise AssertionError(f"{service} did not stop on SIGTERM:\n{log.read_text()}") from None
         assert code == 0, log.read_text()
         assert "stopped" in log.read_text()
+        assert await held_leases(conn, loops) == set(), "leases released on SIGTERM, not left to expire"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -66,3 +104,13 @@ async def test_service_waits_for_nats_and_connects_when_it_appears(tmp_path):
             proc.wait()
         if server:
             server.stop()
+
+
+async def test_a_task_that_fails_makes_the_process_exit_non_zero(nats_url):
+    async def build(ctx: ServiceContext) -> list[Coroutine[Any, Any, None]]:
+        async def crash() -> None:
+            raise RuntimeError("boom")
+
+        return [crash()]
+
+    assert await serve("crashy", build, ["--nats", nats_url]) == 1

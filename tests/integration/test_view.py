@@ -134,3 +134,21 @@ async def test_view_converges_after_server_restart_and_resyncs(tmp_path):
     await view.stop()
     await c.close()
     server.stop()
+
+
+async def test_garbage_over_a_valid_value_removes_it_as_a_fresh_view_would(conn, view: StateView, writer: Writer):
+    await writer.commit(writer.txn().create(node("n1")))
+    await eventually(lambda: view.node("n1") is not None, what="the node")
+    await conn.js.publish(STATE_PREFIX + K.node("n1"), b"\xff\xfe\x00garbage")
+    await eventually(lambda: view.skipped == 1, what="garbage counted")
+    assert view.node("n1") is None
+    assert view.skipped_by_kind == {K.NODE: 1}
+    fresh = StateView(conn, name="fresh")
+    await fresh.start()
+    try:
+        assert fresh.node("n1") is None
+        assert fresh.rev(K.node("n1")) == view.rev(K.node("n1"))
+    finally:
+        await fresh.stop()
+    await writer.commit(writer.txn().put(node("n1")))
+    await eventually(lambda: view.node("n1") is not None, what="a fenced write replaces the garbage")
