@@ -34,7 +34,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.run
 
 chaos: $(STAMP)
-	$(PY) -m pytest -m chaos tests/chaos -q
+	$(PY) -m pytest -m chaos tests/chaos tests/orchestrator/test_failover.py -q
 
 proto: $(STAMP)
 	PYTHON=$(PY) proto/generate.sh

@@ -8,7 +8,8 @@
   reference in the tests), side by side with the hand-written encoding;
 * incremental rebuild at 10k after one replica's observed state changes (target ≤ 10 ms): the
   affected env rebuilt plus the new snapshot bytes assembled;
-* the 10k-env snapshot on the wire: serialized size, zstd size, messages;
+* the 10k-env snapshot on the wire: serialized size, zstd size, messages; and through a real
+  nats-server to a :class:`RouteClient` (zstd in one message, and uncompressed in 256 KiB chunks);
 * propagation at 1k envs through a real nats-server: from an assignment's observed HEALTHY write to a
   subscribed :class:`RouteClient` holding a snapshot with that endpoint (targets p50 ≤ 100 ms, p99 ≤ 250 ms;
   the reference waits a fixed 200 ms debounce, and its 15 s tick for anything it missed).
@@ -25,13 +26,13 @@ from pathlib import Path
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import bench_main
-from services.routes.builder import RouteBuilder
+from services.routes.builder import RouteBuilder, encode_snapshot
 from services.routes.publisher import RoutesPublisher
 from shared import keys as K
 from shared.clock import RealClock
 from shared.embedded import MAX_PAYLOAD, EmbeddedNats
-from shared.natsio import connect, provision
-from shared.routeclient import HEADER_ROOM, RouteClient, content_digest, encode_messages
+from shared.natsio import ROUTES_SNAPSHOT_SUBJECT, connect, provision
+from shared.routeclient import COMPRESS_ABOVE, HEADER_ROOM, RouteClient, content_digest, encode_messages
 from shared.txn import Writer
 from shared.view import StateView
 from tests.routes.reference import reference_content
@@ -39,6 +40,7 @@ from tests.routes.reference import reference_content
 DOMAIN = "apps.example.com"
 NODES = 50
 REPLICAS = 3
+ENVS_10K = 10_000
 
 Row = dict[str, object]
 
@@ -96,7 +98,7 @@ def timed(fn: object, repeat: int) -> float:
     return statistics.median(samples)
 
 
-def build_figures(quick: bool) -> list[Row]:
+def build_figures(quick: bool) -> tuple[list[Row], bytes]:
     rows: list[Row] = []
     view10k: StateView | None = None
     for envs in (1000, 5000, 10_000):
@@ -160,6 +162,54 @@ def build_figures(quick: bool) -> list[Row]:
         )
     )
     rows.append(_row("10,000-env snapshot, digest + compress", encode_ms, "ms", "", ""))
+    return rows, content
+
+
+async def through_nats(content: bytes) -> list[Row]:
+    """The 10,000-env snapshot published through a real nats-server and rebuilt by a RouteClient: once as
+    the builders send it (zstd, one message), once uncompressed in 256 KiB chunks."""
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        server = EmbeddedNats(data_dir=Path(tmp) / "nats").start()
+        try:
+            conn = await connect(server.url, name="bench-wire")
+            await provision(conn.js)
+            client = RouteClient(Path(tmp) / "routes.pb")
+            updates = client.updates()
+            await client.start(conn)
+            try:
+                for version, label, limit, compress_above in (
+                    (1, "zstd, one message", MAX_PAYLOAD - HEADER_ROOM, COMPRESS_ABOVE),
+                    (2, "plain, 256 KiB chunks", 256 * 1024, 1 << 40),
+                ):
+                    messages = encode_messages(
+                        encode_snapshot(version, content),
+                        version=version,
+                        digest=content_digest(content),
+                        max_message_bytes=limit,
+                        compress_above=compress_above,
+                    )
+                    start = time.perf_counter()
+                    for message in messages:
+                        await conn.nc.publish(ROUTES_SNAPSHOT_SUBJECT, message.body, headers=message.headers)
+                    while (await asyncio.wait_for(updates.get(), 30)).version < version:
+                        pass
+                    ms = (time.perf_counter() - start) * 1000
+                    assert len(client.current.http_routes) == ENVS_10K, "every route arrived"
+                    rows.append(
+                        _row(
+                            f"10,000-env snapshot through nats-server to a RouteClient ({label})",
+                            ms,
+                            "ms",
+                            "",
+                            f"{len(messages)} message(s), decoded: {ENVS_10K:,} HTTP routes",
+                        )
+                    )
+            finally:
+                await client.stop()
+                await conn.close()
+        finally:
+            server.stop()
     return rows
 
 
@@ -241,7 +291,8 @@ def _row(figure: str, value: float, unit: str, target: str, anchor: str) -> Row:
 
 
 def run(quick: bool = True) -> list[dict[str, object]]:
-    rows = build_figures(quick)
+    rows, content = build_figures(quick)
+    rows += asyncio.run(through_nats(content))
     rows += asyncio.run(propagation(30 if quick else 200))
     return rows
 

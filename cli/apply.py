@@ -5,6 +5,11 @@ applying the same file twice changes nothing. Everything is ONE fenced write: ea
 revision it was read at, so a concurrent edit makes the apply fail cleanly instead of clobbering it.
 Environment fields owned by the control plane (active release, effective replicas, route generation)
 are kept.
+
+A volume's ``snapshot_*`` keys are written onto its ``Volume.snapshot_policy`` when the volume exists
+(the first deploy of a stateful env creates it, and the wire contract has no place to carry a policy
+from the env to the volume): in the same write, through :func:`with_policy`, the code behind
+``zattera volumes policy``. Volumes not created yet are reported as pending.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass, field
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
-from cli.spec import AppSpec, service_spec, to_duration
+from cli.spec import AppSpec, PolicyChange, service_spec, to_duration
 from shared import keys as K
 from shared.ids import new_id
 from shared.txn import Txn, Writer
@@ -30,6 +35,8 @@ class ApplyResult:
     created: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
+    """Volumes whose snapshot policy waits for the volume to exist (apply again after the first deploy)."""
 
 
 def _stamp(meta: pb.Meta, now: float, *, new: bool) -> None:
@@ -68,6 +75,31 @@ def resolve_env(view: StateView, ref: str) -> pb.Environment | None:
     project = find_project(view, parts[0])
     app = find_app(view, project.meta.id, parts[1]) if project else None
     return find_env(view, app.meta.id, parts[2]) if app else None
+
+
+def find_volume(view: StateView, env: pb.Environment, name: str) -> pb.Volume | None:
+    """The env's volume called ``name`` (the oldest if duplicated), as the scheduler resolves it."""
+    return next((v for v in view.volumes(env.meta.id) if v.project_id == env.project_id and v.name == name), None)
+
+
+def with_policy(volume: pb.Volume, change: PolicyChange, now: float) -> pb.Volume | None:
+    """``volume`` with ``change`` applied to its snapshot policy (``updated_at`` stamped), or None when it
+    would change nothing. Shared by ``zattera apps apply`` and ``zattera volumes policy``."""
+    policy = pb.SnapshotPolicy()
+    policy.CopyFrom(volume.snapshot_policy)
+    if change.schedule is not None:
+        policy.schedule = change.schedule
+    if change.keep_last is not None:
+        policy.keep_last = change.keep_last
+    if change.pre_hook is not None:
+        policy.pre_hook = change.pre_hook
+    if policy == volume.snapshot_policy:
+        return None
+    updated = pb.Volume()
+    updated.CopyFrom(volume)
+    updated.snapshot_policy.CopyFrom(policy)
+    updated.meta.updated_at.FromNanoseconds(int(now * 1e9))
+    return updated
 
 
 def env_path(view: StateView, env: pb.Environment) -> str:
@@ -128,6 +160,21 @@ def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = Non
         record("env", env_name, env, new_env)
         result.env_ids[env_name] = new_env.meta.id
         _plan_domains(view, txn, result, new_env, env_spec.domains, now)
+        for vol in env_spec.volumes:
+            change = vol.policy_change()
+            if not change:
+                continue
+            label = f"volume {env_name}/{vol.volume_name} snapshot policy"
+            volume = find_volume(view, new_env, vol.volume_name) if env is not None else None
+            if volume is None:
+                result.pending.append(label)
+                continue
+            updated = with_policy(volume, change, now)
+            if updated is None:
+                result.unchanged.append(label)
+            else:
+                txn.put(updated)
+                result.updated.append(label)
     return txn, result
 
 

@@ -6,6 +6,7 @@ Every read command accepts ``--json``; every write goes through the fenced-write
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,21 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
     err.print("[red]error:[/] ", end="")
     err.print(message, markup=False, highlight=False, soft_wrap=True)
     return typer.Exit(code)
+
+
+def _refused(exc: DeployError, given: dict[str, str]) -> typer.Exit:
+    """A refused deploy or rollback, naming the option it is about when there is one (``given``: each option
+    typed → its value), e.g. ``--to '01J…': target release not found in this environment``."""
+    from shared.deploy import BUILD_NOT_FOUND, TARGET_NOT_IN_ENV, InvalidArgument
+
+    fields = {"image_ref": "--image", "build_id": "--build", "to_release_id": "--to"}
+    if isinstance(exc, InvalidArgument) and exc.field in fields:
+        option, problem = fields[exc.field], exc.problem
+    else:
+        option, problem = {BUILD_NOT_FOUND: "--build", TARGET_NOT_IN_ENV: "--to"}.get(str(exc), ""), str(exc)
+    if option not in given:
+        return _fail(str(exc))
+    return _fail(f"{option} {given[option]!r}: {problem}")
 
 
 def _env_or_fail(view: StateView, ref: str) -> pb.Environment:
@@ -233,6 +249,8 @@ def apps_apply(path: Path = typer.Argument(Path("zattera.toml")), json: bool = J
         spec = load(path)
     except SpecError as exc:
         raise _fail(str(exc)) from None
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, an unreadable file, not UTF-8
+        raise _fail(f"{path}: cannot read it: {getattr(exc, 'strerror', None) or exc}") from None
 
     async def go() -> None:
         async with control() as c:
@@ -257,6 +275,11 @@ def apps_apply(path: Path = typer.Argument(Path("zattera.toml")), json: bool = J
                 render.out.print(f"[yellow]updated[/] {label}")
             for label in result.unchanged:
                 render.out.print(f"unchanged {label}")
+            for label in result.pending:
+                render.out.print(
+                    f"[yellow]pending[/] {label}: the volume does not exist yet; apply again after the first deploy"
+                    " (or use `zattera volumes policy`)"
+                )
             for name, env_id in result.env_ids.items():
                 render.out.print(f"env {spec.project}/{spec.app}/{name} = {env_id}")
 
@@ -322,7 +345,9 @@ def deploy(
                     created = await deployer.deploy_image(target.meta.id, image)
                 else:
                     created = await deployer.deploy_build(target.meta.id, build)
-            except (DeployError, ValueError) as exc:
+            except DeployError as exc:
+                raise _refused(exc, {o: v for o, v in (("--image", image), ("--build", build)) if v}) from None
+            except ValueError as exc:
                 raise _fail(str(exc)) from None
             err.print(
                 f"deployment {created.deployment.meta.id} created: release v{created.release.version}"
@@ -390,7 +415,7 @@ def rollback(
             try:
                 d = await Deployer(c.writer, created_by="cli").rollback(target.meta.id, to_release_id=to)
             except DeployError as exc:
-                raise _fail(str(exc)) from None
+                raise _refused(exc, {"--to": to} if to else {}) from None
             release = c.view.release(d.release_id)
             err.print(f"rollback {d.meta.id} to v{release.version if release else '?'} created")
             return d.meta.id
@@ -597,10 +622,27 @@ def builds_list(json: bool = JSON) -> None:
 @builds_app.command("logs")
 def builds_logs(build_id: str, follow: bool = typer.Option(False, "--follow", "-f")) -> None:
     """A build's log; --follow streams it until the build ends."""
+    from nats.js.errors import NotFoundError
+
     from shared.buildlogs import follow_build_log, read_build_log
+    from shared.ids import is_safe_id
+    from shared.natsio import STATE_PREFIX, STATE_STREAM
+
+    if not is_safe_id(build_id):
+        raise _fail(f"build id {build_id!r}: must be 1-128 letters, digits, '-' or '_' (see `zattera builds list`)")
+
+    async def recorded(c: Control) -> bool:
+        try:
+            msg = await c.conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.build(build_id))
+        except NotFoundError:
+            return False
+        return bool(msg.data)  # a deleted record leaves an empty marker
 
     async def go() -> None:
         async with control(view=False) as c:
+            # No record and no stored line: an unknown id (a follow would wait for it forever).
+            if not await recorded(c) and (follow or not await read_build_log(c.conn, build_id)):
+                raise _fail(f"build {build_id!r} not found (see `zattera builds list`)")
             if follow:
                 async for line in follow_build_log(c.conn, build_id):
                     print(line, flush=True)
@@ -662,11 +704,106 @@ def volumes_list(json: bool = JSON) -> None:
     run(go)
 
 
+@volumes_app.command("policy")
+def volumes_policy(
+    volume_id: str = typer.Argument(..., help="volume id (see `zattera volumes list`)"),
+    schedule: str | None = typer.Option(
+        None, "--schedule", help='cron, 5 fields in UTC (CRON_TZ=Zone prefix, @daily, @every 6h); "" = manual only'
+    ),
+    keep_last: int | None = typer.Option(None, "--keep-last", min=0, max=1000, help="COMPLETE snapshots kept; 0 = 7"),
+    pre_hook: str | None = typer.Option(
+        None, "--pre-hook", help='shell command run in the instance before each snapshot; "" = none'
+    ),
+    json: bool = JSON,
+) -> None:
+    """Set a volume's snapshot policy (only the options given change; `apps apply` uses the same code)."""
+    from cli.apply import with_policy
+    from cli.spec import PolicyChange, validate_schedule
+
+    _json(json)
+    if schedule is not None:
+        try:
+            schedule = validate_schedule(schedule)
+        except ValueError as exc:
+            raise _fail(f"--schedule: {exc}") from None
+    change = PolicyChange(schedule=schedule, keep_last=keep_last, pre_hook=pre_hook)
+    if not change:
+        raise _fail("give at least one of --schedule, --keep-last or --pre-hook")
+
+    async def go() -> None:
+        async with control() as c:
+            for _ in range(10):
+                volume = c.view.volume(volume_id)
+                if volume is None:
+                    raise _fail(f"volume {volume_id!r} not found")
+                updated = with_policy(volume, change, time.time())
+                if updated is None:
+                    break
+                try:
+                    await c.writer.commit(c.writer.txn("volume.policy").put(updated))
+                    volume = updated
+                    break
+                except Conflict:  # the scheduler renews the volume's lease concurrently: re-read
+                    await asyncio.sleep(0.05)
+            else:
+                raise _fail(f"volume {volume_id} kept changing; try again")
+            policy = volume.snapshot_policy
+            if render.json_mode():
+                render.emit_json(render.as_dict(policy))
+                return
+            err.print(
+                f"volume {volume.name} ({volume_id}): schedule {policy.schedule or '(manual only)'}, "
+                f"keep last {policy.keep_last or 7}, pre-hook {policy.pre_hook or '(none)'}",
+                markup=False,
+                highlight=False,
+            )
+
+    run(go)
+
+
+@volumes_app.command("snapshots")
+def volumes_snapshots(
+    volume_id: str = typer.Argument(..., help="volume id (see `zattera volumes list`)"), json: bool = JSON
+) -> None:
+    """A volume's snapshot records, newest first: the ids `zattera volumes restore` takes."""
+    _json(json)
+
+    async def go() -> None:
+        async with control() as c:
+            volume = c.view.volume(volume_id)
+            records = [s for s in c.view.snapshots() if s.volume_id == volume_id]
+            if volume is None and not records:
+                raise _fail(f"volume {volume_id!r} not found")
+            records.sort(key=lambda s: (s.meta.created_at.ToNanoseconds(), s.meta.id), reverse=True)
+            if render.json_mode():
+                render.messages(records)
+                return
+            render.table(
+                f"snapshots of volume {volume.name if volume else '(deleted)'} ({volume_id})",
+                ["id", "state", "created", "size", "uploaded", "error"],
+                [
+                    [
+                        s.meta.id,
+                        render.enum_name(pb.SnapshotStatus, s.status, "SNAPSHOT_STATUS_"),
+                        render.ts(s.meta.created_at),
+                        f"{s.logical_size_bytes:,} B",
+                        f"{s.uploaded_bytes:,} B",
+                        s.error,
+                    ]
+                    for s in records
+                ],
+            )
+
+    run(go)
+
+
 def _snapshot_dispatcher(c: Control) -> Any:
-    from services.scheduler.snapshot_dispatch import SnapshotDispatcher, target_from_env
+    from services.scheduler.snapshot_dispatch import TOUCH_EVERY, SnapshotDispatcher, target_from_env
     from shared.clock import RealClock
 
-    return SnapshotDispatcher(c.conn, c.view, RealClock(), target=target_from_env())
+    # A restore touches its RESTORING volume at least thrice per reaper timeout, so a live one is never reaped.
+    touch_every = min(TOUCH_EVERY, settings().restore_timeout / 3)
+    return SnapshotDispatcher(c.conn, c.view, RealClock(), target=target_from_env(), touch_every=touch_every)
 
 
 @volumes_app.command("snapshot")
@@ -696,7 +833,7 @@ def volumes_snapshot(volume_id: str) -> None:
 
 @volumes_app.command("restore")
 def volumes_restore(volume_id: str, snapshot_id: str) -> None:
-    """Rebuild a volume from a COMPLETE snapshot (refused while the volume is mounted)."""
+    """Rebuild a volume from a COMPLETE snapshot (ids: `volumes snapshots VOL`); not while mounted or restoring."""
 
     async def go() -> None:
         async with control() as c:

@@ -20,6 +20,19 @@ Example::
     autoscale = { target_cpu_percent = 70 }
     domains = ["hello.example.com"]
 
+    [env.db]
+    stateful = true               # one instance pinned to its volumes' node
+    [[env.db.volumes]]
+    volume_name = "data"
+    mount_path = "/data"
+    snapshot_schedule = "0 3 * * *"   # cron (UTC; CRON_TZ=..., @daily, @every 6h); "" = manual only
+    snapshot_keep_last = 14           # COMPLETE snapshots kept (0 = 7)
+    snapshot_pre_hook = "sqlite3 /data/app.db 'PRAGMA wal_checkpoint'"
+
+A volume's ``snapshot_*`` keys become its ``Volume.snapshot_policy`` when ``zattera apps apply`` finds
+the volume (the first deploy creates it: apply again afterwards). A key present in the file sets that
+field; an absent key leaves it as it is (e.g. as ``zattera volumes policy`` set it).
+
 Every error names the field it is about (``env.production.replicas.max: ...``).
 """
 
@@ -27,6 +40,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -117,11 +131,48 @@ class Autoscale(_Model):
     target_rps_per_replica: int = Field(default=0, ge=0)
 
 
+def validate_schedule(value: str) -> str:
+    """A snapshot schedule as the snapshot scheduler reads it ("" = manual only); ValueError if it never could."""
+    from services.scheduler.snapshots import ScheduleError, parse_schedule
+
+    text = value.strip()
+    if text:
+        try:
+            parse_schedule(text)
+        except ScheduleError as exc:
+            raise ValueError(str(exc)) from None
+    return text
+
+
+@dataclass(frozen=True)
+class PolicyChange:
+    """Fields of a volume's ``snapshot_policy`` to set; None leaves a field as it is."""
+
+    schedule: str | None = None
+    keep_last: int | None = None
+    pre_hook: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.schedule is not None or self.keep_last is not None or self.pre_hook is not None
+
+
 class Volume(_Model):
     volume_name: Name
     mount_path: str = Field(pattern=r"^/")
-    snapshot_schedule: str = ""
-    snapshot_keep_last: int = Field(default=0, ge=0, le=1000)
+    snapshot_schedule: str = Field(default="", description='5-field cron (UTC), CRON_TZ=, @daily…; "" = manual')
+    snapshot_keep_last: int = Field(default=0, ge=0, le=1000, description="COMPLETE snapshots kept; 0 = 7")
+    snapshot_pre_hook: str = Field(default="", description="shell command run in the instance before a snapshot")
+
+    _schedule = field_validator("snapshot_schedule")(validate_schedule)
+
+    def policy_change(self) -> PolicyChange:
+        """The snapshot policy fields this file sets (the keys present in it)."""
+        given = self.model_fields_set
+        return PolicyChange(
+            schedule=self.snapshot_schedule if "snapshot_schedule" in given else None,
+            keep_last=self.snapshot_keep_last if "snapshot_keep_last" in given else None,
+            pre_hook=self.snapshot_pre_hook if "snapshot_pre_hook" in given else None,
+        )
 
 
 class RateLimit(_Model):

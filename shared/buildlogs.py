@@ -13,17 +13,20 @@ Dispatch (DESIGN §3):
   the builder stops the build and may answer a ``CancelBuildResponse``.
 
 Logs: the dispatcher copies every log line of the events into stream ``ZATTERA_BUILD_LOGS``, subject
-``zattera.builds.<build_id>.log`` (capped per build by the stream's ``max_msgs_per_subject``), one line
-per message, each tagged with the events-stream sequence it came from (so a new leader resumes copying
-without duplicates). When the build ends the dispatcher appends an end marker (an empty message with
-header ``Zattera-Build-End: <status>``). :func:`read_build_log` and :func:`follow_build_log` read it from
-any process, whichever dispatcher wrote it.
+``zattera.builds.<build_id>.log``, one line per message, each tagged with the events-stream sequence it
+came from (so a new leader resumes copying without duplicates). When the build ends the dispatcher
+appends an end marker (an empty message with header ``Zattera-Build-End: <status>``). The cap per build
+(default 10,000 lines) counts log lines only: the stream's ``max_msgs_per_subject`` is the cap plus the
+marker's slot, so an ended build keeps exactly its newest ``cap`` lines and the marker; while a build
+runs, that slot may hold one older line, which readers leave out. :func:`read_build_log` and
+:func:`follow_build_log` read the log from any process, whichever dispatcher wrote it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -34,6 +37,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.natsio import (
+    BUILD_LOG_END_SLOTS,
     BUILD_LOGS_STREAM,
     STATE_PREFIX,
     STATE_STREAM,
@@ -160,7 +164,16 @@ async def follow_build_log(conn: Connection, build_id: str, *, idle_check: float
         yield line
 
 
+async def lines_per_build(conn: Connection) -> int | None:
+    """The build-log cap in lines: the stream's per-subject limit less the end marker's slot (None: no cap)."""
+    info = await conn.js.stream_info(BUILD_LOGS_STREAM)
+    per_subject = info.config.max_msgs_per_subject or -1
+    return per_subject - BUILD_LOG_END_SLOTS if per_subject > BUILD_LOG_END_SLOTS else None
+
+
 async def _log_lines(conn: Connection, build_id: str, *, follow: bool, idle_check: float = 1.0) -> AsyncIterator[str]:
+    """The lines already stored (the backlog, up to the newest when this starts) come out at once, trimmed to
+    the newest ``lines_per_build``; with ``follow``, later lines then come as they are stored."""
     subject = build_log_subject(build_id)
     try:
         last = await conn.js.get_last_msg(BUILD_LOGS_STREAM, subject)
@@ -169,6 +182,8 @@ async def _log_lines(conn: Connection, build_id: str, *, follow: bool, idle_chec
         last_seq = 0
     if not follow and last_seq == 0:
         return
+    backlog: deque[str] = deque(maxlen=await lines_per_build(conn))
+    in_backlog = last_seq > 0
     sub = await conn.js.subscribe(
         subject,
         stream=BUILD_LOGS_STREAM,
@@ -180,18 +195,29 @@ async def _log_lines(conn: Connection, build_id: str, *, follow: bool, idle_chec
             try:
                 msg = await sub.next_msg(timeout=idle_check)
             except (NatsTimeoutError, TimeoutError):
+                while backlog:  # the backlog's last message vanished (purged): what was read is all there is
+                    yield backlog.popleft()
+                in_backlog = False
                 if not follow:
                     return
                 if await _build_status(conn, build_id) in TERMINAL_STATUSES:
                     return
                 continue
-            headers = msg.headers or {}
-            if END_HEADER in headers:
-                if follow:
-                    return
-            else:
-                yield msg.data.decode(errors="replace")
-            if not follow and msg.metadata.sequence.stream >= last_seq:
+            seq = msg.metadata.sequence.stream
+            ended = END_HEADER in (msg.headers or {})
+            if not ended:
+                line = msg.data.decode(errors="replace")
+                if in_backlog:
+                    backlog.append(line)
+                else:
+                    yield line
+            if in_backlog and (seq >= last_seq or (ended and follow)):
+                in_backlog = False
+                while backlog:
+                    yield backlog.popleft()
+            if ended and follow:
+                return
+            if not follow and seq >= last_seq:
                 return
     finally:
         with contextlib.suppress(Exception):

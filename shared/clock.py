@@ -1,8 +1,9 @@
 """Injected time.
 
-Loops never read the wall clock directly: they take a :class:`Clock`. Production uses
-:class:`RealClock`; tests use :class:`FakeClock`, whose time moves only when the test calls
-:meth:`FakeClock.advance`, so timer semantics are tested without sleeping on real time.
+Loops never read the wall clock directly: they take a :class:`Clock` (now, sleep, timers; :func:`ticker`
+for fixed-rate ticks). Production uses :class:`RealClock`; tests use :class:`FakeClock`, whose time moves
+only when the test calls :meth:`FakeClock.advance`, so timer semantics are tested without sleeping on
+real time.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import heapq
 import itertools
 import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -21,6 +23,27 @@ class Clock(Protocol):
         ...
 
     async def sleep(self, seconds: float) -> None: ...
+
+    def timer(self, seconds: float) -> asyncio.Future[None]:
+        """A future that completes ``seconds`` from now; cancelling it cancels the timer. Unlike a
+        ``sleep`` wrapped in a task, it can be raced against other futures and dropped without a task
+        to reap."""
+        ...
+
+
+async def ticker(clock: Clock, interval: float) -> AsyncIterator[float]:
+    """Yield ``clock.now()`` every ``interval`` seconds at a fixed rate (ticks at start + k·interval, so
+    the time spent by the consumer does not drift the schedule); ticks missed while the consumer was
+    busy are skipped, not bunched."""
+    if interval <= 0:
+        raise ValueError(f"ticker interval must be positive, got {interval}")
+    next_tick = clock.now() + interval
+    while True:
+        await clock.sleep(next_tick - clock.now())
+        now = clock.now()
+        yield now
+        missed = (now - next_tick) // interval
+        next_tick += (missed + 1) * interval
 
 
 def to_datetime(ts: float) -> datetime:
@@ -33,6 +56,18 @@ class RealClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))
+
+    def timer(self, seconds: float) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        handle = loop.call_later(max(0.0, seconds), _resolve, fut)
+        fut.add_done_callback(lambda _: handle.cancel())
+        return fut
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class FakeClock:
@@ -55,9 +90,15 @@ class FakeClock:
         if seconds <= 0:
             await asyncio.sleep(0)
             return
+        await self.timer(seconds)
+
+    def timer(self, seconds: float) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if seconds <= 0:
+            fut.set_result(None)
+            return fut
         heapq.heappush(self._sleepers, (self._now + seconds, next(self._seq), fut))
-        await fut
+        return fut
 
     @property
     def sleepers(self) -> int:

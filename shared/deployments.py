@@ -4,7 +4,10 @@ orchestrator and the scaling loops.
 Reference rule: any non-terminal deployment owns its env; the scheduler and scaling loops leave it alone.
 This project's fix: once a deployment is promoted (DRAINING_OLD), the scheduler owns the **active**
 release's replicas again (node-loss replacement, scaling); only the blue set (the deployment's
-``previous_release_id``) is held warm by the deployment until the drain completes.
+``previous_release_id``) is held warm by the deployment until the drain completes. When a deployment
+targets its own previous release (a redeploy, a rollback to the active release), blue and green share
+that release: blue is then the release's replicas *not* tagged with the deployment, and the scheduler
+counts only the green ones until the drain decides which of the others to keep.
 """
 
 from __future__ import annotations
@@ -44,6 +47,22 @@ class Ownership:
     deployment: pb.Deployment | None
     scheduler_manages: bool
     held_release_ids: frozenset[str]
+    """Releases whose replicas are blue: held by a draining deployment, not the scheduler's."""
+    redeploy_ids: frozenset[str] = frozenset()
+    """Draining deployments that target their own previous release."""
+    redeploy_started_ns: int = 0
+    """When the first of them was created: that release's replicas from before it, not tagged with one of
+    them, are blue (replicas the scheduler created since, e.g. to replace a lost node, are not)."""
+
+    def is_blue(self, assignment: pb.Assignment) -> bool:
+        if assignment.release_id not in self.held_release_ids:
+            return False
+        if not self.redeploy_ids:
+            return True
+        return (
+            assignment.deployment_id not in self.redeploy_ids
+            and assignment.meta.created_at.ToNanoseconds() < self.redeploy_started_ns
+        )
 
 
 def env_ownership(view: StateView, env_id: str) -> Ownership:
@@ -53,7 +72,9 @@ def env_ownership(view: StateView, env_id: str) -> Ownership:
     newest = live[-1]
     if all(d.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD for d in live):
         held = frozenset(d.previous_release_id for d in live if d.previous_release_id)
-        return Ownership(newest, True, held)
+        redeploys = [d for d in live if d.previous_release_id == d.release_id]
+        started = min((d.meta.created_at.ToNanoseconds() for d in redeploys), default=0)
+        return Ownership(newest, True, held, frozenset(d.meta.id for d in redeploys), started)
     return Ownership(newest, False, frozenset())
 
 

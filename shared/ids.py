@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 from ulid import ULID
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 _lock = threading.Lock()
 _last = ULID()
@@ -19,3 +22,13 @@ def new_id() -> str:
             candidate = ULID.from_int(int(_last) + 1)
         _last = candidate
         return str(candidate)
+
+
+def is_safe_id(value: str) -> bool:
+    """1-128 letters, digits, '-' or '_': usable as one path component and one NATS subject token.
+
+    Every id the control plane mints is a ULID. A handler that turns an id from a request into a path (the
+    agent's snapshot, restore and build handlers) refuses any other: ``..``, ``/`` or an absolute path would
+    reach outside its data directory.
+    """
+    return _SAFE_ID.fullmatch(value) is not None

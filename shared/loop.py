@@ -32,16 +32,14 @@ async def wait_change_or_tick(
     view: StateView, feed_wait: asyncio.Future[set[Change]] | None, clock: Clock, tick: float
 ) -> None:
     """Return when the feed fires or the tick elapses (whichever first)."""
-    sleeper = asyncio.ensure_future(clock.sleep(tick))
-    waiters: set[asyncio.Future[object]] = {sleeper}  # type: ignore[arg-type]
+    timer = clock.timer(tick)
+    waiters: set[asyncio.Future[object]] = {timer}  # type: ignore[arg-type]
     if feed_wait is not None:
         waiters.add(feed_wait)  # type: ignore[arg-type]
     try:
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        # Cancel without awaiting: awaiting a cancelled helper inside suppress(CancelledError) would also
-        # swallow a cancellation of this task that lands at the same moment (the loop would keep running).
-        sleeper.cancel()
+        timer.cancel()
 
 
 class LeaderLoop(ABC):

@@ -7,7 +7,7 @@ import logging
 import re
 import ssl
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import nats
@@ -107,6 +107,10 @@ class Connection:
     _on_reconnect: list[ConnectionListener]
     _on_disconnect: list[ConnectionListener]
     closing: bool = False
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the connection closed for good without :meth:`close` (e.g. the server dropped it over a
+    protocol error: nats-py then never reconnects). A process left like that is alive but deaf; its
+    entry point exits instead, so that a supervisor restarts it."""
 
     def on_reconnect(self, cb: ConnectionListener) -> None:
         self._on_reconnect.append(cb)
@@ -157,6 +161,11 @@ async def connect(
     async def error(exc: Exception) -> None:
         log.debug("nats error: %s", exc)
 
+    async def closed() -> None:
+        if holder and not holder[0].closing:
+            log.error("nats connection closed for good", extra={"client": name})
+            holder[0].lost.set()
+
     nc = NATS()
     # nats-py retries the initial connect forever when reconnects are unlimited: bound it here and let
     # the caller decide how to back off.
@@ -169,6 +178,7 @@ async def connect(
         allow_reconnect=True,
         reconnected_cb=reconnected,
         disconnected_cb=disconnected,
+        closed_cb=closed,
         error_cb=error,
         pending_size=64 * 1024 * 1024,
         flush_timeout=10,
@@ -255,11 +265,17 @@ def routes_stream_config(replicas: int) -> StreamConfig:
     )
 
 
+BUILD_LOG_END_SLOTS = 1
+"""Messages of a build's log subject that are not log lines: the dispatcher's end marker."""
+
+
 def build_logs_stream_config(replicas: int, lines_per_build: int = 10_000) -> StreamConfig:
+    """``lines_per_build`` log lines per build are kept, plus the end marker (its own slot, so a long
+    build still keeps exactly ``lines_per_build`` lines once it has ended)."""
     return StreamConfig(
         name=BUILD_LOGS_STREAM,
         subjects=["zattera.builds.*.log"],
-        max_msgs_per_subject=lines_per_build,
+        max_msgs_per_subject=lines_per_build + BUILD_LOG_END_SLOTS,
         max_age=30 * DAY,
         storage=StorageType.FILE,
         num_replicas=replicas,

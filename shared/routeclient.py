@@ -57,6 +57,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.clock import Clock, RealClock
 from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, Connection
+from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.telemetry import counter
 
 log = logging.getLogger(__name__)
@@ -377,10 +378,7 @@ class RouteClient:
 
     async def stop(self) -> None:
         self._stopped = True
-        if self._sync_task is not None:
-            self._sync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sync_task
+        await cancel_and_wait(self._sync_task)
         if self._subscription is not None:
             with contextlib.suppress(Exception):
                 await self._subscription.unsubscribe()
@@ -410,6 +408,7 @@ class RouteClient:
     async def _sync_loop(self) -> None:
         delay = self.retry_initial
         while True:
+            raise_if_cancelling()  # nats-py can swallow a cancellation inside fetch's publish
             await self._sync_wanted.wait()
             self._sync_wanted.clear()
             if await self.fetch():

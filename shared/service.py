@@ -156,9 +156,14 @@ async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> i
         tasks = [asyncio.create_task(c) for c in await build(ctx)]
         log.info("%s: running (%d tasks) against %s", name, len(tasks), urls)
         stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({stopper, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+        lost = asyncio.create_task(conn.lost.wait())
+        done, _ = await asyncio.wait({stopper, lost, *tasks}, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             if task is stopper or task.cancelled():
+                continue
+            if task is lost:
+                log.error("%s: lost its NATS connection for good; exiting so that it is restarted", name)
+                exit_code = 1
                 continue
             failure = task.exception()
             if failure is not None:
@@ -167,6 +172,7 @@ async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> i
                 log.error("%s: a task ended on its own", name)
             exit_code = 1  # a supervisor restarts the process; exiting 0 would read as a clean stop
         stopper.cancel()
+        lost.cancel()
     finally:
         log.info("%s: stopping (%d tasks)", name, len(tasks))
         try:

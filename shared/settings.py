@@ -29,6 +29,12 @@ class Settings(BaseSettings):
     live_ttl: float = Field(default=60.0, gt=0)
     loop_tick: float = Field(default=15.0, gt=0)
     serverless_tick: float = Field(default=5.0, gt=0)
+    serverless_scale_down_window: float = Field(
+        default=30.0, ge=0, description="serverless: demand stays below the replica count this long before scale-down"
+    )
+    scale_to_zero_idle_timeout: float = Field(
+        default=900.0, gt=0, description="idle window of a scale_to_zero env that sets no idle_timeout"
+    )
     coalesce_window: float = Field(default=0.005, ge=0, description="delay that merges bursts of changes")
     max_batch: int = Field(default=1000, ge=2, le=1000, description="messages per atomic batch")
     node_heartbeat_deadline: float = Field(default=30.0, gt=0, description="no heartbeat this long: node DOWN")
@@ -42,6 +48,11 @@ class Settings(BaseSettings):
     placing_timeout: float = Field(default=600.0, gt=0)
     starting_timeout: float = Field(default=600.0, gt=0)
     stopping_old_timeout: float = Field(default=300.0, gt=0)
+
+    # Volume snapshots (seconds).
+    restore_timeout: float = Field(
+        default=3600.0, gt=0, description="a RESTORING volume without progress this long is given up by the reaper"
+    )
 
 
 @lru_cache(maxsize=1)

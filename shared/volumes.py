@@ -1,10 +1,13 @@
 """Volume fencing leases (``Volume.lease``): who may mount a stateful volume right now.
 
 The scheduler grants and renews them, the snapshot dispatcher and the agent check them; one definition
-keeps the three in agreement.
+keeps the three in agreement. A RESTORING volume belongs to its restore: no replica is placed on it and no
+lease is granted until the restore ends (or the snapshot scheduler's reaper gives up on it).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from zattera.v1 import types_pb2 as pb
 
@@ -23,3 +26,8 @@ def lease_expired(lease: pb.VolumeLease | None, now: float) -> bool:
 def lease_held_by_other(lease: pb.VolumeLease | None, node_id: str, now: float) -> bool:
     """A still-valid lease naming a different node (which must not be stolen)."""
     return lease is not None and not lease_expired(lease, now) and lease.node_id != node_id
+
+
+def restoring_volume(volumes: Iterable[pb.Volume]) -> pb.Volume | None:
+    """The first of ``volumes`` a restore holds (status RESTORING): nothing may place, lease or start on it."""
+    return next((v for v in volumes if v.status == pb.VOLUME_STATUS_RESTORING), None)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import tarfile
+
 from zattera.v1 import types_pb2 as pb
 
 from shared.ids import new_id
@@ -58,3 +61,15 @@ def assignment(
     a = pb.Assignment(node_id=node_id, environment_id=env_id, release_id=release_id, desired=desired)  # type: ignore[arg-type]
     a.meta.id = assignment_id or new_id()
     return a
+
+
+def source_tarball(files: dict[str, str]) -> bytes:
+    """A gzipped source tarball holding ``files`` (name -> text), as `zattera deploy` uploads."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        for name, text in files.items():
+            body = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    return raw.getvalue()

@@ -157,10 +157,18 @@ async def serve(argv: Sequence[str] | None = None) -> int:
             )
         agent_task = asyncio.create_task(Agent(conn, cfg, data_dir).run())
         stopper = asyncio.create_task(stop.wait())
-        await asyncio.wait({agent_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        lost = asyncio.create_task(conn.lost.wait())
+        await asyncio.wait({agent_task, stopper, lost}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
+        lost.cancel()
         if agent_task.done() and agent_task.exception() is not None:
             log.error("agent failed: %r", agent_task.exception())
+            return 1
+        if conn.lost.is_set():
+            log.error("agent %s: lost its NATS connection for good; exiting so that it is restarted", cfg.node_id)
+            agent_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await agent_task
             return 1
         agent_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

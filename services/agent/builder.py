@@ -1,7 +1,8 @@
 """Source builds on this node (``--builder``): the builder side of ``shared/buildlogs.py``'s contract.
 
 * ``zattera.agent.<node>.build`` carries a ``RunBuildRequest``. The reply comes at once: empty = accepted,
-  header ``Zattera-Error`` = refused (undecodable request, no build id). A request for a build already
+  header ``Zattera-Error`` = refused (undecodable request, no build id, or one that is not a safe path
+  component: it names the build's scratch directory). A request for a build already
   running here is accepted again without starting it twice (a dispatcher retry).
 * The build then streams ``BuildEvent``\\ s on ``zattera.builds.<build_id>.events`` with
   :class:`BuildEventPublisher`: log lines, the success event (digest + platforms) and ``done``, or one
@@ -52,8 +53,10 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
+from shared.ids import is_safe_id
 from shared.natsio import SOURCES_STORE, Connection
 from shared.registry import BlobStore, PlatformImage, RegistryError, digest_of, parse_ref, push_image
+from shared.tasks import cancel_and_wait
 from shared.telemetry import span
 
 log = logging.getLogger(__name__)
@@ -158,6 +161,7 @@ class Builder:
         self.os_arch = os_arch
         self.keepalive = keepalive
         self._builds: dict[str, asyncio.Task[None]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
         self.ready = asyncio.Event()
         """Set once the build subjects are subscribed."""
 
@@ -194,6 +198,9 @@ class Builder:
         if not build_id:
             await self._refuse(msg, "bad request: no build id")
             return
+        if not is_safe_id(build_id):  # it names the scratch directory, removed after the build
+            await self._refuse(msg, f"bad request: build id {build_id[:64]!r} is not 1-128 letters, digits, '-' or '_'")
+            return
         if build_id not in self._builds:
             task = asyncio.create_task(self._run(request, msg.headers), name=f"build:{build_id}")
             self._builds[build_id] = task
@@ -208,7 +215,11 @@ class Builder:
             build_id = ""
         task = self._builds.get(build_id)
         if task is not None:
-            task.cancel()
+            # Not a bare task.cancel(): a cancellation landing while the build awaits an event's publish ack
+            # is swallowed by nats-py, and the build ran on to the end. cancel_and_wait cancels again.
+            stopper = asyncio.create_task(cancel_and_wait(task))
+            self._stopping.add(stopper)
+            stopper.add_done_callback(self._stopping.discard)
         if msg.reply:
             await msg.respond(cpb.CancelBuildResponse(canceled=task is not None).SerializeToString())
 

@@ -216,17 +216,19 @@ class ScalingLoop(LeaderLoop):
         """Wait for a change or the tick; returns (tick due, the changes received)."""
         if until_tick <= 0:
             return True, set()
-        sleeper = asyncio.ensure_future(self.clock.sleep(until_tick))
+        timer = self.clock.timer(until_tick)
         waiters = [asyncio.ensure_future(view_feed.wait()), asyncio.ensure_future(live_feed.wait())]
         try:
-            await asyncio.wait([sleeper, *waiters], return_when=asyncio.FIRST_COMPLETED)
+            racing: list[asyncio.Future[Any]] = [timer, *waiters]
+            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (sleeper, *waiters):
+            tick_due = timer.done() and not timer.cancelled()
+            timer.cancel()
+            for task in waiters:
                 task.cancel()
             results = await asyncio.gather(*waiters, return_exceptions=True)
-            await asyncio.gather(sleeper, return_exceptions=True)
         changes: set[Change] = set()
         for result in results:
             if isinstance(result, set):
                 changes |= result
-        return sleeper.done() and not sleeper.cancelled(), changes
+        return tick_due, changes

@@ -10,8 +10,9 @@ a full idle window. Idle for ``idle_timeout`` → cool, event ``scaletozero.cool
 at all (an ingress blackout) freezes every decision.
 
 Fixes over the reference:
-* ``scale_to_zero`` without ``idle_timeout`` cools after :data:`DEFAULT_IDLE_TIMEOUT` (the reference
-  silently never cooled).
+* ``scale_to_zero`` without ``idle_timeout`` cools after the cluster default: setting
+  ``ZATTERA_SCALE_TO_ZERO_IDLE_TIMEOUT``, default :data:`DEFAULT_IDLE_TIMEOUT` (the reference silently
+  never cooled).
 * Held requests count as activity: a woken env is not cooled while requests wait for it.
 * Only samples younger than 30 s count, and only proxy data counts as data (a worker-only heartbeat
   no longer lets envs cool while the ingress is silent).
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 ACTOR = "system:scaletozero"
 EVENT_COOLED = "scaletozero.cooled"
 DEFAULT_IDLE_TIMEOUT = 900.0
-"""15 minutes when ``scale_to_zero`` is set without ``idle_timeout``. Cooling too early costs users a
+"""15 minutes when ``scale_to_zero`` is set without ``idle_timeout``: the default of the setting
+``scale_to_zero_idle_timeout`` (``ZATTERA_SCALE_TO_ZERO_IDLE_TIMEOUT``). Cooling too early costs users a
 cold start (seconds of latency on the next request); cooling late only costs an idle replica, so the
 default leans long. 15 min is the value the reference documents and tests with (``idle_timeout =
 "15m"``), so an operator following those docs sees the same behaviour with or without the field."""
@@ -52,14 +54,21 @@ class Decision:
     reason: str
 
 
-def idle_timeout(env: pb.Environment) -> float:
-    """The env's idle window in seconds (the documented default when unset or not positive)."""
+def idle_timeout(env: pb.Environment, default: float = DEFAULT_IDLE_TIMEOUT) -> float:
+    """The env's idle window in seconds (``default`` when unset or not positive)."""
     seconds = env.idle_timeout.seconds + env.idle_timeout.nanos / 1e9
-    return seconds if seconds > 0 else DEFAULT_IDLE_TIMEOUT
+    return seconds if seconds > 0 else default
 
 
 def evaluate(
-    view: StateView, live: LiveView, env: pb.Environment, revision: int, now: float, last_active: float | None
+    view: StateView,
+    live: LiveView,
+    env: pb.Environment,
+    revision: int,
+    now: float,
+    last_active: float | None,
+    *,
+    default_idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
 ) -> Decision:
     """Decide for one env from the view, fresh proxy samples, ``now`` and its last-active time."""
     spec = env.service
@@ -77,7 +86,7 @@ def evaluate(
         seen = now
     elif traffic.last_request_at > seen:
         seen = traffic.last_request_at
-    if now - seen < idle_timeout(env):
+    if now - seen < idle_timeout(env, default_idle_timeout):
         return Decision(None, seen, "active within the idle window")
     return Decision(ReplicaWrite(env, revision, env.effective_replicas, 0), seen, "idle")
 
@@ -85,15 +94,24 @@ def evaluate(
 class ScaleToZero(ScalingLoop):
     name = "scaletozero"
 
-    def __init__(self, *, live: LiveView, **kwargs: Any) -> None:
+    def __init__(self, *, live: LiveView, default_idle_timeout: float = DEFAULT_IDLE_TIMEOUT, **kwargs: Any) -> None:
         super().__init__(live=live, **kwargs)
+        self.default_idle_timeout = default_idle_timeout
         self.last_active: dict[str, float] = {}
 
     def on_term_start(self) -> None:
         self.last_active = {}
 
     def decide(self, env: pb.Environment, revision: int, now: float) -> ReplicaWrite | None:
-        decision = evaluate(self.view, self.live, env, revision, now, self.last_active.get(env.meta.id))
+        decision = evaluate(
+            self.view,
+            self.live,
+            env,
+            revision,
+            now,
+            self.last_active.get(env.meta.id),
+            default_idle_timeout=self.default_idle_timeout,
+        )
         if decision.last_active is None:
             self.last_active.pop(env.meta.id, None)
         else:

@@ -10,9 +10,10 @@ Fixes over the reference:
   and load queued behind the per-replica cap drives scale-up (in-flight alone can never exceed
   replicas × cap, §7.3.1).
 * Scale up at once; scale down only after demand has stayed below the current count for
-  ``scale_down_window`` (default :data:`SCALE_DOWN_WINDOW`), and then only to the highest count
-  demand asked for during that window (the reference dropped to the floor on the first quiet sample,
-  so gappy traffic cold-started over and over).
+  ``scale_down_window`` (setting ``ZATTERA_SERVERLESS_SCALE_DOWN_WINDOW``, default
+  :data:`SCALE_DOWN_WINDOW` = 30 s), and then only to the highest count demand asked for during that
+  window (the reference dropped to the floor on the first quiet sample, so gappy traffic cold-started
+  over and over).
 * The ceiling is never below the wake target: ``min = 0`` without ``max`` no longer pins a
   scale-to-zero env at 0, undoing every wake (§7.2 footgun 11).
 * Only samples younger than 30 s count; the write is fenced on the env's revision.
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 ACTOR = "system:serverless"
 SCALE_DOWN_WINDOW = 30.0
+"""The default of ``Settings.serverless_scale_down_window`` (``ZATTERA_SERVERLESS_SCALE_DOWN_WINDOW``)."""
 
 
 @dataclass(frozen=True, slots=True)

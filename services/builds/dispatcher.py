@@ -14,9 +14,11 @@ Fixed here:
   ``os_arch`` plus whatever its ``zattera.dev/build-platforms`` label lists (comma separated, emulation).
 * Builder events are durable (stream ``ZATTERA_BUILD_EVENTS``). A new leader replays them for every
   RUNNING build, so an outcome reported during the failover is not lost, and applies the builder-lost
-  timeout from the last event: the one it saw, or ``Build.last_event_at`` (written at most every
-  ``checkpoint_interval`` while events flow, so a new leader may time out up to that much early). No build
-  stays RUNNING forever (§3.12).
+  timeout from the last event: a live event counts when it arrives; a replayed one counts at its own
+  stream timestamp (when JetStream stored it, from the message metadata; never later than now), so the
+  timeout runs from the builder's real last event and not from ``Build.last_event_at``, which is only
+  checkpointed every ``checkpoint_interval`` (a floor when the replay holds no event). No build stays
+  RUNNING forever (§3.12).
 * Log lines go to the durable build-log stream (shared/buildlogs.py), readable after a failover.
 * Cancel: an operator writes CANCELED (services/builds/cancel.py); the dispatcher tells the builder to
   stop on ``zattera.agent.<node>.build.cancel`` — also when a builder keeps streaming for a build that
@@ -150,6 +152,11 @@ class DispatchPlan:
     """QUEUED builds no builder node can take at all (not merely busy ones)."""
     lost: tuple[str, ...] = ()
     next_deadline: float | None = None
+
+
+def stored_at(msg: Msg) -> float:
+    """When JetStream stored the message (its stream timestamp, from the delivery metadata), in epoch seconds."""
+    return msg.metadata.timestamp.timestamp()
 
 
 def last_event_time(build: pb.Build, seen: Mapping[str, float]) -> float:
@@ -535,8 +542,10 @@ class BuildDispatcher(LeaderLoop):
                 if live and build is not None and build.status in TERMINAL_STATUSES and not event.done:
                     self._stop_stray_builder(build)
                 return
-        if live:
-            follower.last_event_at = self.clock.now()
+        now = self.clock.now()
+        # A replayed event (stored before this term began) counts when the stream stored it, not now.
+        at = now if live else min(stored_at(msg), now)
+        follower.last_event_at = max(follower.last_event_at, at)
         follower.queue.put_nowait((seq, event))
 
     def _stop_stray_builder(self, build: pb.Build) -> None:

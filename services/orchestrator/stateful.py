@@ -4,6 +4,8 @@ PENDING -> [BUILDING] -> STOPPING_OLD -> STARTING -> HEALTHCHECKING -> PROMOTING
 There is exactly one instance, and at every committed state at most one desired-RUN assignment holds
 the volume: the old instance is flipped to STOP and must be observed gone before the new one is
 placed; any failure after that deletes the new instance and restarts the old one in the same write.
+While a volume of the env is RESTORING the new instance is not placed: STARTING waits (within its
+timeout) for the restore to end, so the instance never starts on a directory being replaced.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from services.scheduler.replicas import new_assignment, with_desired
 from shared.events import INFO, WARNING
 from shared.ids import new_id
 from shared.view import StateView
+from shared.volumes import restoring_volume
 
 PH = pb.DeploymentPhase
 
@@ -83,6 +86,13 @@ def start_new(
 ) -> Transition | None:
     instances = green(view, d)
     if not instances:
+        restoring = restoring_volume(view.volumes(env.meta.id))
+        if restoring is not None:
+            limit = timers.starting_timeout
+            if timed_out(d, now, limit):
+                cause = f'volume "{restoring.name}" is still being restored'
+                return stateful_fail(view, d, timeout_reason(d.phase, limit, cause), now)
+            return None  # placed on the first pass after the restore ends (the loop ticks)
         picks, error = place(view, release, env.meta.id, 1)
         if not picks:
             return stateful_fail(view, d, NO_NODE_FOR_STATEFUL + (str(error) if error else "unknown"), now)

@@ -34,7 +34,7 @@ from nats.js.errors import Error as JetStreamError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.routes.builder import RELEVANT_KINDS, RouteBuilder, encode_snapshot
-from shared.clock import Clock
+from shared.clock import Clock, ticker
 from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, ROUTES_STREAM, Connection
 from shared.routeclient import (
     COMPRESS_ABOVE,
@@ -210,9 +210,8 @@ class RoutesPublisher:
             )
 
     async def _keep_alive(self) -> None:
-        while True:
+        async for _ in ticker(self.clock, self.keepalive):
             raise_if_cancelling()
-            await self.clock.sleep(self.keepalive)
             current = self.current
             if current is not None and current.version >= self.known_version:
                 await self._publish(current)

@@ -35,6 +35,7 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
         ctx.lead(
             SnapshotScheduler(
                 dispatcher=SnapshotDispatcher(ctx.conn, ctx.view, ctx.clock, target=target_from_env()),
+                restore_timeout=ctx.settings.restore_timeout,
                 **ctx.loop_kwargs(),
             )
         ),

@@ -11,6 +11,8 @@ Fixes over the reference (each pinned by a test):
 * STOP assignments that no agent will ever report STOPPED are reaped (:func:`stop_is_reapable`).
 * A promoted deployment (DRAINING_OLD) no longer freezes the env: the active release is managed as
   usual; only the blue release it keeps warm is left alone (``shared.deployments.env_ownership``).
+* No replica of a stateful env is placed while one of its volumes is RESTORING (the reference could
+  start one while the restore was replacing the directory); placement resumes when the restore ends.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from shared import keys as K
 from shared.deployments import env_ownership
 from shared.events import WARNING
 from shared.view import StateView, reservation
+from shared.volumes import restoring_volume
 
 BACKOFF_FIRST = 10.0
 BACKOFF_MAX = 300.0
@@ -117,11 +120,10 @@ def evaluate_env(
             if stop_is_reapable(view, a, now):
                 deletes.append(a)
             continue
-        if a.desired != RUN:
+        if a.desired != RUN or ownership.is_blue(a):
             continue
         if a.release_id != release_id:
-            if a.release_id not in ownership.held_release_ids:
-                stale.append(a)
+            stale.append(a)
             continue
         node = view.node(a.node_id)
         status = node.status if node is not None else pb.NODE_STATUS_UNSPECIFIED
@@ -146,7 +148,8 @@ def evaluate_env(
             index.reserve(node_id, env_id, cpu, mem)
 
     missing = desired - len(good)
-    if missing > 0 and release is not None:
+    restoring = release is not None and release.service.stateful and restoring_volume(view.volumes(env_id)) is not None
+    if missing > 0 and release is not None and not restoring:
         picks, error = index.place(release, env_id, missing)
         add_replicas(picks)
         decision.shortfall = error

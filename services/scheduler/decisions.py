@@ -18,6 +18,7 @@ from zattera.v1 import types_pb2 as pb
 from shared.events import EventPublisher, make_event
 from shared.tasks import raise_if_cancelling
 from shared.txn import Txn, Writer
+from shared.view import StateView
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,22 @@ def event(
     )
     ev.meta.created_at.FromNanoseconds(int(now * 1e9))
     return ev
+
+
+def volume_event(
+    view: StateView, volume: pb.Volume, kind: str, message: str, now: float, *, severity: str, node_id: str = ""
+) -> pb.Event:
+    """An event about ``volume``, scoped to its env (or its project when the env is gone)."""
+    return event(
+        kind,
+        message,
+        now,
+        severity=severity,
+        env=view.env(volume.environment_id),
+        project_id=volume.project_id,
+        environment_id=volume.environment_id,
+        node_id=node_id,
+    )
 
 
 class Notices:

@@ -345,10 +345,13 @@ class SnapshotDispatcher:
     # ------------------------------------------------------------------ restore
 
     async def restore(self, volume_id: str, snapshot_id: str, writer: Writer) -> None:
-        """Rebuild the volume from a COMPLETE snapshot; refused while the volume is mounted.
+        """Rebuild the volume from a COMPLETE snapshot; refused while the volume is mounted or restoring.
 
-        The volume is RESTORING meanwhile, then ACTIVE on success or back to its previous status on
-        failure (the reference forced ACTIVE even onto a NODE_LOST volume).
+        The volume is RESTORING meanwhile (``updated_at`` = when it entered RESTORING, refreshed every
+        ``touch_every`` while the node reports progress), then ACTIVE on success or back to its previous
+        status on failure (the reference forced ACTIVE even onto a NODE_LOST volume). While RESTORING no
+        replica is placed on it and no lease is granted; if this process dies mid-restore, the snapshot
+        scheduler's reaper ends the RESTORING state after ``restore_timeout`` without a touch.
         """
         volume = self.view.volume(volume_id)
         snapshot = self.view.snapshot(snapshot_id)
@@ -356,30 +359,31 @@ class SnapshotDispatcher:
             raise RestoreRefused(f"volume {volume_id} not found")
         if snapshot is None or snapshot.status != pb.SNAPSHOT_STATUS_COMPLETE:
             raise RestoreRefused(f"snapshot {snapshot_id} is not COMPLETE")
-        if volume_mounted(self.view, volume, self.clock.now()):
-            raise RestoreRefused(f"volume {volume_id} is mounted; stop its service before restoring")
         if volume_id in self._busy_volumes:
             raise SnapshotBusy(f"volume {volume_id} has an operation running")
-        previous = volume.status
         self._busy_volumes.add(volume_id)
         try:
-            await self._set_volume_status(volume_id, pb.VOLUME_STATUS_RESTORING, writer)
+            volume = await self._enter_restoring(volume_id, writer)
+            previous = volume.status
             request = cpb.RestoreVolumeRequest(
                 volume=volume,
                 manifest_key=snapshot.manifest_key or snapshot_id,
                 snapshot_id=snapshot_id,
                 target=self.target,
             )
+            last_touch = self.clock.now()
+
+            async def touch(_: cpb.SnapshotProgress) -> None:
+                nonlocal last_touch
+                now = self.clock.now()
+                if now - last_touch >= self.touch_every:
+                    last_touch = now
+                    await self._touch_restoring(volume_id, writer)
+
             try:
                 async with self.gc_lock.shared():
-
-                    async def ignore(_: cpb.SnapshotProgress) -> None:
-                        return None
-
                     with span("snapshot.restore.dispatch", volume=volume_id, snapshot=snapshot_id):
-                        await self._follow(
-                            agent_subject(volume.node_id, "restore"), request.SerializeToString(), ignore
-                        )
+                        await self._follow(agent_subject(volume.node_id, "restore"), request.SerializeToString(), touch)
             except BaseException:
                 await self._set_volume_status(volume_id, previous, writer)
                 raise
@@ -387,14 +391,51 @@ class SnapshotDispatcher:
         finally:
             self._busy_volumes.discard(volume_id)
 
+    async def _enter_restoring(self, volume_id: str, writer: Writer) -> pb.Volume:
+        """Set RESTORING (stamped now) after re-checking, on the revision written, that the volume is neither
+        mounted nor already restoring; returns the volume as it was before."""
+        for _ in range(5):
+            current = self.view.volume(volume_id)
+            if current is None:
+                raise RestoreRefused(f"volume {volume_id} not found")
+            if current.status == pb.VOLUME_STATUS_RESTORING:
+                raise SnapshotBusy(f"volume {volume_id} is already being restored")
+            now = self.clock.now()
+            if volume_mounted(self.view, current, now):
+                raise RestoreRefused(f"volume {volume_id} is mounted; stop its service before restoring")
+            restoring = pb.Volume()
+            restoring.CopyFrom(current)
+            restoring.status = pb.VOLUME_STATUS_RESTORING
+            restoring.meta.updated_at.CopyFrom(_stamp(now))
+            try:
+                await writer.commit(writer.txn("volume.restore").put(restoring))
+                return current
+            except Deposed:
+                raise
+            except TxnError:
+                await self.view.wait_fresh()
+        raise NodeOperationFailed(f"could not set volume {volume_id} to RESTORING: it kept changing")
+
+    async def _touch_restoring(self, volume_id: str, writer: Writer) -> None:
+        """Refresh a RESTORING volume's ``updated_at``: the restore is alive, the reaper must wait."""
+        current = self.view.volume(volume_id)
+        if current is None or current.status != pb.VOLUME_STATUS_RESTORING:
+            return
+        touched = pb.Volume()
+        touched.CopyFrom(current)
+        touched.meta.updated_at.CopyFrom(_stamp(self.clock.now()))
+        with contextlib.suppress(TxnError):
+            await writer.commit(writer.txn("volume.restore.touch").put(touched))
+
     async def _set_volume_status(self, volume_id: str, status: pb.VolumeStatus.ValueType, writer: Writer) -> None:
-        for _ in range(5):  # the scheduler renews the volume's lease concurrently: re-read on conflict
+        for _ in range(5):  # a concurrent write (a policy change, the reaper) may land first: re-read on conflict
             current = self.view.volume(volume_id)
             if current is None:
                 return
             updated = pb.Volume()
             updated.CopyFrom(current)
             updated.status = status
+            updated.meta.updated_at.CopyFrom(_stamp(self.clock.now()))
             try:
                 await writer.commit(writer.txn("volume.restore").put(updated))
                 return

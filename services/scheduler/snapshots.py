@@ -20,6 +20,13 @@ Fixes of the reference:
 - only record deletions that landed are pruned (D-B8); a deferred or failed prune is retried;
 - RESTORING and NODE_LOST volumes are not snapshotted on schedule (D-B9): the slot fires once when the
   volume is back.
+
+And a reaper for restores whose driver died: the restore runs in the process that asked for it (the CLI),
+which sets the volume RESTORING and touches its ``updated_at`` while the node reports progress. A volume
+RESTORING with no such sign of life for ``restore_timeout`` (``ZATTERA_RESTORE_TIMEOUT``, 1 h) is put back
+to a usable state, ACTIVE when its node is ALIVE, NODE_LOST otherwise (the status it had before the
+restore was known only to the dead process; these are the two a restore starts from), with a
+``volume.restore_failed`` event, so its service can be placed and leased again.
 """
 
 from __future__ import annotations
@@ -40,11 +47,14 @@ from croniter.croniter import CroniterBadDateError, CroniterError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.scheduler.decisions import Writes, commit, volume_event
 from services.scheduler.snapshot_dispatch import RecordNotWritten, SnapshotBusy
 from shared import keys as K
+from shared.events import WARNING
 from shared.lease import Leadership
 from shared.loop import LeaderLoop
 from shared.txn import Txn, Writer
+from shared.view import StateView
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +65,7 @@ FAILED_KEEP = 24 * 3600.0
 RETRY_AFTER = 30.0
 NO_SLOT_WITHIN_YEARS = 5
 STUCK_ERROR = "no progress for 1h: snapshot abandoned"
+RESTORE_TIMEOUT = 3600.0
 
 
 class ScheduleError(ValueError):
@@ -171,6 +182,31 @@ def _last_activity(record: pb.VolumeSnapshot) -> float:
     return max(_ts(record.meta.created_at), _ts(record.meta.updated_at))
 
 
+def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Writes]:
+    """RESTORING volumes untouched for ``timeout``: back to ACTIVE (node ALIVE) or NODE_LOST, one write each."""
+    result: list[Writes] = []
+    for volume in view.volumes():
+        if volume.status != pb.VOLUME_STATUS_RESTORING:
+            continue
+        quiet = now - max(_ts(volume.meta.created_at), _ts(volume.meta.updated_at))
+        if quiet < timeout:
+            continue
+        node = view.node(volume.node_id)
+        alive = node is not None and node.status == pb.NODE_STATUS_ALIVE
+        reset = pb.Volume()
+        reset.CopyFrom(volume)
+        reset.status = pb.VOLUME_STATUS_ACTIVE if alive else pb.VOLUME_STATUS_NODE_LOST
+        reset.meta.updated_at.FromNanoseconds(int(now * 1e9))
+        back = "active" if alive else f"node_lost (node {volume.node_id} is not alive)"
+        message = (
+            f'restore of volume "{volume.name}" abandoned: no progress for {quiet:.0f}s '
+            f"(the process running it is gone); volume back to {back}"
+        )
+        ev = volume_event(view, volume, "volume.restore_failed", message, now, severity=WARNING, node_id=volume.node_id)
+        result.append(Writes(f"restore.abandoned:{volume.meta.id}", updates=[reset], events=[ev]))
+    return result
+
+
 def stuck_runs(records: Iterable[pb.VolumeSnapshot], now: float, progress: dict[str, float]) -> list[str]:
     """RUNNING records with no progress (record touch or a followed progress message) for 1 h."""
     return [
@@ -200,9 +236,12 @@ class SnapshotScheduler(LeaderLoop):
     name = "snapshots"
     kinds = frozenset({K.VOLUME, K.SNAPSHOT})
 
-    def __init__(self, *, dispatcher: SnapshotOps, tick: float = TICK, **kwargs: Any) -> None:
+    def __init__(
+        self, *, dispatcher: SnapshotOps, tick: float = TICK, restore_timeout: float = RESTORE_TIMEOUT, **kwargs: Any
+    ) -> None:
         super().__init__(tick=tick, **kwargs)
         self.dispatcher = dispatcher
+        self.restore_timeout = restore_timeout
         self._last_fire: dict[str, float] = {}
         self._retry_at: dict[str, float] = {}
         self._warned: set[tuple[str, str]] = set()
@@ -232,6 +271,7 @@ class SnapshotScheduler(LeaderLoop):
     async def run_pass(self) -> None:
         assert self.writer is not None
         now = self.clock.now()
+        await commit(self.writer, self.events, abandoned_restores(self.view, now, self.restore_timeout), loop=self.name)
         await self._fail_stuck(now)
         by_volume: dict[str, list[pb.VolumeSnapshot]] = defaultdict(list)
         for record in self.view.snapshots():
@@ -325,6 +365,7 @@ class SnapshotScheduler(LeaderLoop):
 __all__ = [
     "ScheduleError",
     "SnapshotScheduler",
+    "abandoned_restores",
     "expired_failures",
     "parse_schedule",
     "retention_victims",

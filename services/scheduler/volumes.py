@@ -20,7 +20,9 @@ Fixes over the reference:
   volumes share one home, so Place's pin can always be honoured; the reference picked the least-used
   ALIVE node blindly and could strand the service;
 * ``volume.no_capacity`` is published when the condition starts or changes (see ``Notices``);
-* a RESTORING volume belongs to the restore in progress and is not touched.
+* a RESTORING volume belongs to the restore in progress and is not touched: no status change and no
+  lease (neither granted nor renewed), so no replica can start while its directory is being replaced;
+  convergence places no new replica of its env meanwhile (``convergence.evaluate_env``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import Writes, event
+from services.scheduler.decisions import Writes, volume_event
 from services.scheduler.placement import volume_pin
 from services.scheduler.platforms import supports
 from services.scheduler.replicas import RUN, find_volume, node_is_down, seconds
@@ -105,16 +107,7 @@ def _status_change(view: StateView, volume: pb.Volume, now: float) -> tuple[pb.V
         else:
             message = f'volume "{volume.name}" node {volume.node_id} is down; stateful service stopped until it returns'
         kind, severity = "volume.node_lost", WARNING
-    ev = event(
-        kind,
-        message,
-        now,
-        severity=severity,
-        env=view.env(volume.environment_id),
-        project_id=volume.project_id,
-        environment_id=volume.environment_id,
-    )
-    return changed, ev
+    return changed, volume_event(view, volume, kind, message, now, severity=severity)
 
 
 def evaluate_volumes(view: StateView, now: float) -> VolumeDecision:
@@ -181,6 +174,8 @@ def evaluate_leases(view: StateView, now: float) -> dict[str, Writes]:
     """Acquire or renew each volume's fencing lease for the replica on its node: one write per volume id."""
     result: dict[str, Writes] = {}
     for volume in view.volumes():
+        if volume.status == pb.VOLUME_STATUS_RESTORING:
+            continue  # the restore owns it: no replica may mount it until the restore ends
         if not volume.node_id or node_is_down(view, volume.node_id):
             continue  # let it lapse
         holder = next(

@@ -159,7 +159,10 @@ class JoinService:
         return self._kv
 
     async def issue(self, request: dict[str, Any]) -> dict[str, Any]:
-        ttl = float(request.get("ttl") or DEFAULT_TTL)
+        try:
+            ttl = float(request.get("ttl") or DEFAULT_TTL)
+        except (OverflowError, ValueError, TypeError):
+            ttl = float("nan")  # refused below, with the same message
         if not 0 < ttl <= MAX_TTL:
             raise JoinRefused(f"ttl must be between 1 s and {int(MAX_TTL)} s")
         node_id = str(request.get("node_id") or "")

@@ -37,6 +37,7 @@ from shared.natsio import (
     SOURCES_STORE,
     STATE_PREFIX,
     STATE_STREAM,
+    agent_subject,
 )
 
 JOIN_SUBJECT = "zattera.join"
@@ -147,6 +148,9 @@ OPERATOR = Permissions(
         f"{EVENTS_SUBJECT_PREFIX}>",
         ROUTES_GET_SUBJECT,
         JOIN_ISSUE_SUBJECT,
+        # `zattera volumes snapshot` / `restore` ask the volume's node directly (progress comes to the inbox).
+        agent_subject("*", "snapshot"),
+        agent_subject("*", "restore"),
         f"{JS}.INFO",
         f"{JS}.STREAM.NAMES",
         f"{JS}.STREAM.LIST",
@@ -165,7 +169,8 @@ OPERATOR = Permissions(
     pub_deny=(f"{STATE_PREFIX}lease.>",),
     sub_allow=(INBOX, f"{EVENTS_SUBJECT_PREFIX}>", "zattera.builds.>", ROUTES_SNAPSHOT_SUBJECT),
 )
-"""The CLI: desired state, events, logs, routes, sources upload, join tokens. No leases, no stream admin."""
+"""The CLI: desired state, events, logs, routes, sources upload, join tokens, volume snapshot and restore
+requests to agents. No leases, no stream admin, no build or prune requests."""
 
 _STATE_OWN = {
     "assignments": f"{STATE_PREFIX}assignment.{NAME}.*",
@@ -204,8 +209,10 @@ AGENT = Permissions(
         *read_whole_stream(object_stream(IMAGES_STORE)),
         *read_whole_stream(object_stream(SOURCES_STORE)),
         *read_whole_stream(object_stream(SNAPSHOTS_STORE)),
-        f"$O.{SNAPSHOTS_STORE}.C.>",
-        f"$O.{SNAPSHOTS_STORE}.M.>",
+        # Snapshot chunks and manifests; the purge is nats-py's object delete (prune, GC) and the clean-up of
+        # a chunk upload that lost a race. It could purge the whole store, which its rollup rights on every
+        # chunk and manifest subject could already destroy (SECURITY.md, threat model).
+        *write_object_store(SNAPSHOTS_STORE),
     ),
     sub_allow=(INBOX, f"zattera.agent.{NAME}.>"),
     # Snapshot, restore and build requests stream progress to the requester's reply subject for a while.

@@ -7,9 +7,16 @@ operation from a dead one; the last message has phase ``done`` or ``error``. Pru
 :class:`PruneSnapshotsResponse`.
 
 Volumes live at ``<volumes_root>/<volume id>`` (the volume id, not the reference's 8-char env prefix +
-name, which could collide: D-B16). The pre-hook runs whenever the policy sets one (the reference never
-ran it, D-B1): by default ``/bin/sh -c <command>`` in the volume directory with ``ZATTERA_VOLUME_DIR``
-and ``ZATTERA_ASSIGNMENT_ID`` set; a runtime that execs inside its instances injects ``hook_runner``.
+name, which could collide: D-B16). A request whose volume or snapshot ids are not plain ids
+(:func:`shared.ids.is_safe_id`: no ``..``, ``/`` or absolute path), whose target names an impossible
+bucket or a prefix over :data:`MAX_PREFIX` bytes, or that does not decode, is refused before any file or
+object is touched: snapshot and restore answer one ``error`` progress message, prune a response with
+``error`` set. (Ids, bucket and prefix end up in NATS subjects: unbounded, one request could push a
+subject past the server's 4 KiB control line, and the server then drops the agent's connection.)
+
+The pre-hook runs whenever the policy sets one (the reference never ran it, D-B1): by default
+``/bin/sh -c <command>`` in the volume directory with ``ZATTERA_VOLUME_DIR`` and ``ZATTERA_ASSIGNMENT_ID``
+set; a runtime that execs inside its instances injects ``hook_runner``.
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from google.protobuf.message import DecodeError, Message
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from shared.ids import is_safe_id
 from shared.natsio import Connection, agent_subject
 from shared.snapshots.chunking import ChunkParams
 from shared.snapshots.engine import DEFAULT_GC_GRACE, SnapshotEngine
@@ -38,7 +47,9 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT = 5.0
 HOOK_TIMEOUT = 600.0
+MAX_PREFIX = 256
 
+M = TypeVar("M", bound=Message)
 HookRunner = Callable[[str, str, Path], Awaitable[None]]
 """``hook_runner(command, assignment_id, volume_dir)``: raise to abort the snapshot."""
 
@@ -47,8 +58,35 @@ class PreHookError(Exception):
     pass
 
 
+class BadRequest(ValueError):
+    """A request the agent refuses before touching anything: undecodable, or an id that is not a plain id."""
+
+
+def decode(cls: type[M], data: bytes) -> M:
+    try:
+        return cls.FromString(data)
+    except DecodeError as exc:
+        raise BadRequest(f"bad request: {exc}") from None
+
+
+def checked_id(what: str, value: str) -> str:
+    if not is_safe_id(value):
+        raise BadRequest(f"bad request: {what} {value[:64]!r} is not 1-128 letters, digits, '-' or '_'")
+    return value
+
+
+def checked_target(target: cpb.SnapshotTarget) -> cpb.SnapshotTarget:
+    """The target, if its bucket name is one NATS could hold and its prefix is bounded."""
+    if target.object_store and not is_safe_id(target.object_store):
+        raise BadRequest(f"bad request: object store {target.object_store[:64]!r} is not a bucket name")
+    if len(target.prefix.encode()) > MAX_PREFIX:
+        raise BadRequest(f"bad request: prefix is longer than {MAX_PREFIX} bytes")
+    return target
+
+
 def volume_dir(volumes_root: Path, volume: pb.Volume) -> Path:
-    return volumes_root / volume.meta.id
+    """``<volumes_root>/<volume id>``; :class:`BadRequest` when the id could name a path outside it."""
+    return volumes_root / checked_id("volume id", volume.meta.id)
 
 
 async def run_hook_in_shell(command: str, assignment_id: str, directory: Path) -> None:
@@ -163,11 +201,22 @@ class SnapshotAgent:
     def _volume_lock(self, volume_id: str) -> asyncio.Lock:
         return self._volume_locks.setdefault(volume_id, asyncio.Lock())
 
+    async def _refuse(self, msg: Msg, error: str) -> None:
+        log.warning("refused a request on %s: %s", msg.subject, error)
+        if msg.reply:
+            progress = cpb.SnapshotProgress(phase="error", error=error, sequence=1)
+            await self.conn.nc.publish(msg.reply, progress.SerializeToString())
+
     async def _on_snapshot(self, msg: Msg) -> None:
-        req = cpb.SnapshotVolumeRequest.FromString(msg.data)
-        snapshot_id = req.snapshot.meta.id
+        try:
+            req = decode(cpb.SnapshotVolumeRequest, msg.data)
+            snapshot_id = checked_id("snapshot id", req.snapshot.meta.id)
+            directory = volume_dir(self.volumes_root, req.volume)
+            checked_target(req.target)
+        except BadRequest as exc:
+            await self._refuse(msg, str(exc))
+            return
         stream = _ProgressStream(self.conn, msg.reply, snapshot_id, self.heartbeat)
-        directory = volume_dir(self.volumes_root, req.volume)
         try:
             with span("snapshot.volume", headers=msg.headers, volume=req.volume.meta.id, snapshot=snapshot_id):
                 await stream.send("scan")
@@ -194,10 +243,16 @@ class SnapshotAgent:
             await stream.close()
 
     async def _on_restore(self, msg: Msg) -> None:
-        req = cpb.RestoreVolumeRequest.FromString(msg.data)
-        snapshot_id = req.manifest_key or req.snapshot_id
+        try:
+            req = decode(cpb.RestoreVolumeRequest, msg.data)
+            # The snapshot id names the staging and retired directories beside the volume: checked like it.
+            snapshot_id = checked_id("snapshot id", req.manifest_key or req.snapshot_id)
+            directory = volume_dir(self.volumes_root, req.volume)
+            checked_target(req.target)
+        except BadRequest as exc:
+            await self._refuse(msg, str(exc))
+            return
         stream = _ProgressStream(self.conn, msg.reply, snapshot_id, self.heartbeat)
-        directory = volume_dir(self.volumes_root, req.volume)
         try:
             with span("snapshot.restore", headers=msg.headers, volume=req.volume.meta.id, snapshot=snapshot_id):
                 await stream.send("download")
@@ -216,9 +271,12 @@ class SnapshotAgent:
             await stream.close()
 
     async def _on_prune(self, msg: Msg) -> None:
-        req = cpb.PruneSnapshotsRequest.FromString(msg.data)
         response = cpb.PruneSnapshotsResponse()
         try:
+            req = decode(cpb.PruneSnapshotsRequest, msg.data)
+            checked_target(req.target)
+            for dead in req.snapshot_ids:
+                checked_id("snapshot id", dead)
             with span("snapshot.prune", headers=msg.headers, dead=len(req.snapshot_ids)):
                 async with self.gc_lock.exclusive():
                     engine = await self._engine(req.target)

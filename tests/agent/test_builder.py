@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import sys
-import tarfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,18 +22,8 @@ from shared.txn import Writer
 from shared.view import StateView
 from tests.agent.conftest import APP, StartAgent, assignment, release
 from tests.agent.test_runtime import answers, seed, state_of
+from tests.factories import source_tarball
 from tests.waiting import eventually
-
-
-def source_tarball(files: dict[str, str]) -> bytes:
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w:gz") as tar:
-        for name, text in files.items():
-            data = text.encode()
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return raw.getvalue()
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from zattera.v1 import types_pb2 as pb
 
 from services.builds.cancel import cancel_build
 from services.builds.dispatcher import WAITING_KIND, WAITING_MESSAGE, BuildDispatcherConfig
-from shared.buildlogs import follow_build_log, read_build_log
+from shared.buildlogs import END_HEADER, follow_build_log, read_build_log
 from shared.clock import FakeClock
-from shared.natsio import EVENTS_STREAM, Connection, provision
+from shared.natsio import BUILD_LOGS_STREAM, EVENTS_STREAM, Connection, build_log_subject, provision
 from shared.txn import Writer
 from shared.view import StateView
 from tests.builds import seed
@@ -281,4 +281,56 @@ async def test_log_keeps_the_newest_lines_up_to_the_per_build_cap(
     await put(writer, seed.builder_node("builder-a"), seed.build("b1"))
     await start_dispatcher()
     await eventually(lambda: status_is(view, "b1", SUCCEEDED), 5, "b1 SUCCEEDED")
-    assert await read_build_log(conn, "b1") == lines[-4:]  # the 5th kept message is the end marker
+    await eventually(lambda: log_ended(conn, "b1"), 5, "end marker appended")
+    assert await read_build_log(conn, "b1") == lines[-5:]  # the cap counts lines; the marker has its own slot
+    assert await stored_log_messages(conn, "b1") == 5 + 1
+
+
+async def test_a_running_builds_log_shows_at_most_the_cap(
+    conn: Connection, view: StateView, writer: Writer, start_dispatcher: StartDispatcher
+) -> None:
+    # Until the end marker lands, its reserved slot holds one line more than the cap: readers leave it out.
+    await provision(conn.js, build_log_lines=5)
+    lines = [f"line {i}" for i in range(8)]
+    builder = await FakeBuilder(conn, "builder-a", hold=True).start()
+    await put(writer, seed.builder_node("builder-a"), seed.build("b1"))
+    await start_dispatcher()
+    await eventually(lambda: builder.build_ids == ["b1"], 5, "request received")
+    await builder.emit("b1", *(log_event(x) for x in lines))
+    await eventually(lambda: last_stored_line_is(conn, "b1", "line 7"), 5, "every line copied")
+    assert await stored_log_messages(conn, "b1") == 5 + 1  # the marker's slot holds one more line meanwhile
+    assert await read_build_log(conn, "b1") == lines[-5:]
+    seen: list[str] = []
+
+    async def follow() -> None:
+        async for line in follow_build_log(conn, "b1", idle_check=5.0):
+            seen.append(line)
+
+    follower = asyncio.create_task(follow())
+    await eventually(lambda: seen == lines[-5:], 5, "backlog followed, trimmed to the cap")
+    await builder.emit("b1", log_event("last"), *success())
+    await asyncio.wait_for(follower, 5)
+    assert seen == [*lines[-5:], "last"]
+    assert await read_build_log(conn, "b1") == [*lines[-4:], "last"]
+
+
+async def log_ended(conn: Connection, build_id: str) -> bool:
+    try:
+        msg = await conn.js.get_last_msg(BUILD_LOGS_STREAM, build_log_subject(build_id))
+    except NotFoundError:
+        return False
+    return END_HEADER in (msg.headers or {})
+
+
+async def stored_log_messages(conn: Connection, build_id: str) -> int:
+    subject = build_log_subject(build_id)
+    info = await conn.js.stream_info(BUILD_LOGS_STREAM, subjects_filter=subject)
+    return (info.state.subjects or {}).get(subject, 0)
+
+
+async def last_stored_line_is(conn: Connection, build_id: str, line: str) -> bool:
+    try:
+        msg = await conn.js.get_last_msg(BUILD_LOGS_STREAM, build_log_subject(build_id))
+    except NotFoundError:
+        return False
+    return msg.data == line.encode()

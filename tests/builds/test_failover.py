@@ -12,7 +12,7 @@ from zattera.v1 import types_pb2 as pb
 from services.builds.dispatcher import BuildDispatcher
 from shared.buildlogs import read_build_log
 from shared.clock import FakeClock
-from shared.natsio import Connection, connect
+from shared.natsio import BUILD_EVENTS_STREAM, Connection, build_events_subject, connect
 from shared.txn import Writer
 from shared.view import StateView
 from tests.builds import seed
@@ -86,6 +86,49 @@ async def test_new_leader_fails_a_zombie_running_build_after_the_timeout_from_it
     assert b1 is not None and b1.error == "builder lost"
     await eventually(lambda: builder.cancels == ["b1"], 5, "builder told to stop")
     assert builder.requests == []  # resumed, not re-dispatched
+
+
+async def test_new_leader_times_out_from_the_replayed_events_stream_time_not_the_older_checkpoint(
+    conn: Connection, view: StateView, writer: Writer, clock: FakeClock, start_dispatcher: StartDispatcher
+) -> None:
+    # Build.last_event_at is only checkpointed every 15 s; the builder's last event (stored in the events
+    # stream while no dispatcher led) is 14 s newer. The new leader must time out from that event.
+    lost_after = 240.0
+    builder = await FakeBuilder(conn, "builder-a", hold=True).start()
+    await builder.emit("b1", log_event("still working"))
+    stored = await conn.js.get_last_msg(BUILD_EVENTS_STREAM, build_events_subject("b1"))
+    assert stored.time is not None
+    event_at = stored.time.timestamp()  # the server's wall clock, as in the replayed message's metadata
+    clock.set(event_at + 1.0)  # the new leader takes over a second after that event
+    checkpoint = event_at - 14.0
+    await put(
+        writer,
+        seed.builder_node("builder-a"),
+        seed.build("b1", status=pb.BUILD_STATUS_RUNNING, node_id="builder-a", last_event_at=checkpoint),
+    )
+    # A tick longer than the timeout: between passes the loop sleeps exactly until its own next deadline.
+    dispatcher = await start_dispatcher(tick=10 * lost_after)
+    await eventually(lambda: has_lines(conn, "b1", 1), 5, "the replayed event was handled")
+    await eventually(lambda: clock.sleepers > 0, 5, "the dispatcher waits for its next deadline")
+
+    def deadline_from_the_event() -> bool:
+        due = dispatcher.seconds_until_due()
+        return due is not None and clock.now() + due == pytest.approx(event_at + lost_after, abs=1e-3)
+
+    await clock.advance(checkpoint + lost_after + 1.0 - clock.now())  # past the checkpoint's deadline
+    await eventually(
+        lambda: not status_is(view, "b1", pb.BUILD_STATUS_RUNNING) or deadline_from_the_event(),
+        5,
+        "a pass after the checkpoint's deadline",
+    )
+    assert status_is(view, "b1", pb.BUILD_STATUS_RUNNING), "timed out from the checkpoint, not the last event"
+
+    await clock.advance(event_at + lost_after - clock.now())
+    await advance_until(clock, lambda: status_is(view, "b1", pb.BUILD_STATUS_FAILED), "lost from the last event")
+    b1 = view.build("b1")
+    assert b1 is not None and b1.error == "builder lost"
+    await eventually(lambda: builder.cancels == ["b1"], 5, "builder told to stop")
+    assert builder.requests == []
 
 
 async def test_contending_dispatchers_dispatch_every_build_exactly_once(

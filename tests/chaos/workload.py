@@ -161,24 +161,29 @@ class Run:
 
     # ------------------------------------------------------------------ writes the workload makes
 
-    async def write(self, build: Callable[[], pb.Node | pb.Environment | pb.Project], attempts: int = 30) -> None:
-        """A single-key write decided on the current view; refused or unknown outcomes are re-decided."""
-        for _ in range(attempts):
+    async def write(self, build: Callable[[], pb.Node | pb.Environment | pb.Project], within: float = 60.0) -> None:
+        """A single-key write decided on the current view; refused or unknown outcomes are re-decided until
+        ``within`` seconds have passed (a stream-leader election after a NATS kill alone takes ~5 s)."""
+        deadline = time.monotonic() + within
+        last: Exception | None = None
+        while time.monotonic() < deadline:
             await self.watcher.wait_fresh(30)
             msg = build()
             try:
                 await self.writer.commit(self.writer.txn("workload").put(msg))
-            except (Conflict, CommitUnknown, TxnError):
+            except (Conflict, CommitUnknown, TxnError) as exc:
+                last = exc
                 await asyncio.sleep(0.1)
                 continue
             except Exception as exc:  # connection trouble while a NATS server is down
+                last = exc
                 log.info("workload write retried: %r", exc)
                 await asyncio.sleep(0.2)
                 continue
             key = K.key_of(msg)
             self.acked[key] = self.watcher.rev(key)
             return
-        raise AssertionError(f"workload write never landed: {build()}")
+        raise AssertionError(f"workload write never landed within {within:.0f}s (last: {last!r}): {build()}")
 
     async def marker(self) -> None:
         """An acknowledged write no service ever touches: it must survive every fault."""

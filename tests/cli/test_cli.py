@@ -185,3 +185,120 @@ def test_volume_commands_name_the_missing_volume_or_snapshot(cli):
     assert missing.exit_code == 1 and "volume 'nope' not found" in missing.stderr
     refused = cli("volumes", "restore", "nope", "snap")
     assert refused.exit_code == 1 and "restore refused or failed" in refused.stderr
+
+
+STATEFUL = """
+project = "demo"
+app = "db"
+
+[env.production]
+stateful = true
+
+[[env.production.volumes]]
+volume_name = "data"
+mount_path = "/data"
+snapshot_schedule = "0 3 * * *"
+snapshot_keep_last = 14
+"""
+
+
+def _seed_volume(nats_url: str, env_id: str, project_id: str, volume_id: str = "VOL1") -> None:
+    async def seed(conn, view, writer):
+        volume = pb.Volume(project_id=project_id, environment_id=env_id, name="data", node_id="n1")
+        volume.status = pb.VOLUME_STATUS_ACTIVE
+        volume.meta.id = volume_id
+        await writer.commit(writer.txn().create(volume))
+
+    _state(nats_url, seed)
+
+
+def _policy(nats_url: str, volume_id: str = "VOL1") -> pb.SnapshotPolicy:
+    async def read(conn, view, writer):
+        return view.volume(volume_id).snapshot_policy
+
+    return _state(nats_url, read)
+
+
+def test_apply_writes_the_snapshot_policy_onto_the_env_volumes(cli, nats_url, tmp_path: Path):
+    """Before: zattera.toml's snapshot_schedule / snapshot_keep_last were validated, then dropped."""
+    spec = tmp_path / "zattera.toml"
+    spec.write_text(STATEFUL)
+    first = json.loads(cli("apps", "apply", str(spec), "--json").stdout)
+    assert first["pending"] == ["volume production/data snapshot policy"]  # the first deploy creates it
+    _seed_volume(nats_url, first["env_ids"]["production"], first["project_id"])
+
+    human = cli("apps", "apply", str(spec))
+    assert human.exit_code == 0 and "updated volume production/data snapshot policy" in human.stdout
+    policy = _policy(nats_url)
+    assert (policy.schedule, policy.keep_last, policy.pre_hook) == ("0 3 * * *", 14, "")
+
+    # A key absent from the file leaves the field as `zattera volumes policy` set it.
+    assert cli("volumes", "policy", "VOL1", "--pre-hook", "sync").exit_code == 0
+    again = json.loads(cli("apps", "apply", str(spec), "--json").stdout)
+    assert again["updated"] == [] and "volume production/data snapshot policy" in again["unchanged"]
+    assert _policy(nats_url).pre_hook == "sync"
+    spec.write_text(STATEFUL.replace('"0 3 * * *"', '"@every 6h"'))
+    assert cli("apps", "apply", str(spec)).exit_code == 0
+    policy = _policy(nats_url)
+    assert (policy.schedule, policy.keep_last, policy.pre_hook) == ("@every 6h", 14, "sync")
+
+
+def test_volumes_policy_sets_only_the_given_fields_and_validates_them(cli, nats_url):
+    _seed_volume(nats_url, "e1", "p1")
+    result = cli("volumes", "policy", "VOL1", "--schedule", "CRON_TZ=Europe/Rome 30 2 * * *", "--keep-last", "3")
+    assert result.exit_code == 0, result.stderr
+    assert "keep last 3" in result.stderr
+    hooked = json.loads(cli("volumes", "policy", "VOL1", "--pre-hook", "pg_dump db > dump.sql", "--json").stdout)
+    assert hooked == {"schedule": "CRON_TZ=Europe/Rome 30 2 * * *", "pre_hook": "pg_dump db > dump.sql", "keep_last": 3}
+    manual = json.loads(cli("volumes", "policy", "VOL1", "--schedule", "", "--json").stdout)
+    assert manual["schedule"] == "" and manual["keep_last"] == 3
+    listed = json.loads(cli("volumes", "list", "--json").stdout)
+    assert listed[0]["snapshot_policy"]["pre_hook"] == "pg_dump db > dump.sql"
+
+    bad = cli("volumes", "policy", "VOL1", "--schedule", "every day")
+    assert bad.exit_code == 1 and "--schedule: expected exactly 5 fields" in bad.stderr
+    nothing = cli("volumes", "policy", "VOL1")
+    assert nothing.exit_code == 1 and "at least one of" in nothing.stderr
+    missing = cli("volumes", "policy", "nope", "--keep-last", "1")
+    assert missing.exit_code == 1 and "volume 'nope' not found" in missing.stderr
+
+
+def test_bad_snapshot_schedule_in_the_spec_is_refused_naming_the_field(cli, tmp_path: Path):
+    spec = tmp_path / "zattera.toml"
+    spec.write_text(STATEFUL.replace('"0 3 * * *"', '"0 0 3 * * *"'))  # 6 fields (seconds): not accepted
+    result = cli("apps", "apply", str(spec))
+    assert result.exit_code == 1
+    assert ": env.production.volumes.0.snapshot_schedule: " in result.stderr
+
+
+def test_volumes_snapshots_lists_the_ids_restore_takes_newest_first(cli, nats_url):
+    """Before: `volumes list` showed only a count, so `volumes restore VOL SNAPSHOT` had no id to use."""
+
+    async def seed(conn, view, writer):
+        txn = writer.txn()
+        for snapshot_id, volume_id, at, status in [
+            ("SNAPOLD", "VOL1", 100, pb.SNAPSHOT_STATUS_COMPLETE),
+            ("SNAPNEW", "VOL1", 300, pb.SNAPSHOT_STATUS_FAILED),
+            ("SNAPMID", "VOL1", 200, pb.SNAPSHOT_STATUS_COMPLETE),
+            ("SNAPOTHER", "VOL2", 400, pb.SNAPSHOT_STATUS_COMPLETE),
+        ]:
+            record = pb.VolumeSnapshot(volume_id=volume_id, status=status, logical_size_bytes=4096, uploaded_bytes=1024)
+            record.meta.id = snapshot_id
+            record.meta.created_at.FromSeconds(1_700_000_000 + at)
+            if status == pb.SNAPSHOT_STATUS_FAILED:
+                record.error = "pre-hook exited 3"
+            txn.create(record)
+        await writer.commit(txn)
+
+    _seed_volume(nats_url, "e1", "p1")
+    _state(nats_url, seed)
+    rows = json.loads(cli("volumes", "snapshots", "VOL1", "--json").stdout)
+    assert [r["meta"]["id"] for r in rows] == ["SNAPNEW", "SNAPMID", "SNAPOLD"]
+    assert rows[0]["status"] == "SNAPSHOT_STATUS_FAILED" and rows[1]["logical_size_bytes"] == "4096"
+    table = cli("volumes", "snapshots", "VOL1")
+    assert table.exit_code == 0
+    for text in ("SNAPNEW", "SNAPMID", "SNAPOLD", "complete", "failed", "4,096 B", "pre-hook"):
+        assert text in table.stdout
+    assert "SNAPOTHER" not in table.stdout
+    missing = cli("volumes", "snapshots", "nope")
+    assert missing.exit_code == 1 and "volume 'nope' not found" in missing.stderr

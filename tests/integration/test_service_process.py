@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -114,3 +115,17 @@ async def test_a_task_that_fails_makes_the_process_exit_non_zero(nats_url):
         return [crash()]
 
     assert await serve("crashy", build, ["--nats", nats_url]) == 1
+
+
+async def test_a_connection_closed_for_good_makes_the_process_exit_non_zero(nats_url):
+    """nats-py never reconnects a connection the server dropped over a protocol error: a process left with
+    it is alive but deaf, so it exits (and its supervisor restarts it)."""
+
+    async def build(ctx: ServiceContext) -> list[Coroutine[Any, Any, None]]:
+        async def deaf() -> None:
+            await ctx.conn.nc.close()  # as nats-py does after such a drop: closed, not by Connection.close()
+            await asyncio.Event().wait()
+
+        return [deaf()]
+
+    assert await serve("deaf", build, ["--nats", nats_url]) == 1

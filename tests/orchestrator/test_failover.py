@@ -120,8 +120,14 @@ async def seed_stateful(c: Cluster) -> None:
     await c.writer.commit(txn)
 
 
+TRANSIENT_PHASES = {PH.DEPLOYMENT_PHASE_PROMOTING}
+"""Phases no gate can hold (one write leads out of them): the kill lands in them or just after."""
+
+
 async def kill_leader_at(c: Cluster, env_id: str, phase: int, order: list[int]) -> str:
-    """Create a deployment, SIGKILL the leading orchestrator once it is at ``phase``, return the deployment id."""
+    """Create a deployment, SIGKILL the leading orchestrator once it is at ``phase``, return the deployment id.
+    Asserts the deployment was in ``phase`` when the leader died (or, for a transient phase, at most one
+    step past it), so a kill that missed its phase cannot pass silently."""
     leader = await c.orchestrators.wait_leader(c.view)
     if phase == PH.DEPLOYMENT_PHASE_PENDING:
         c.orchestrators.freeze(leader)  # a frozen leader cannot act: the deployment is PENDING when it dies
@@ -133,7 +139,11 @@ async def kill_leader_at(c: Cluster, env_id: str, phase: int, order: list[int]) 
     else:
         created = await c.deployer.deploy_image(env_id, "app:v2")
         await c.reach_at_least(created.deployment.meta.id, phase, order)
+    at_kill = c.view.deployment(created.deployment.meta.id)
     c.orchestrators.kill(leader)
+    assert at_kill is not None
+    allowed = {phase, order[order.index(phase) + 1]} if phase in TRANSIENT_PHASES else {phase}
+    assert at_kill.phase in allowed, f"killed in {PH.Name(at_kill.phase)}, not {PH.Name(phase)}"
     await c.orchestrators.wait_leader(c.view, other_than=leader)
     if phase == PH.DEPLOYMENT_PHASE_PLACING:
         await c.set_schedulable(True)

@@ -566,6 +566,41 @@ def test_stateful_start_with_no_node_for_the_volume_fails_at_once_and_restarts_o
     assert [a.desired for a in b.view.assignments(ENV) if a.meta.id == "blue-0"] == [RUN]
 
 
+def test_stateful_start_waits_while_the_volume_is_restoring_then_places_on_its_node() -> None:
+    """Before: the new instance was placed (and started once leased) while a restore replaced the volume."""
+    b = stateful_board()
+    b.step()
+    b.step()
+    b.observe([a for a in b.view.assignments(ENV) if a.meta.id == "blue-0"], STOPPED)
+    b.step()
+    assert b.d().phase == PH.DEPLOYMENT_PHASE_STARTING
+    volume = copied(b.view.volume("vol-data"))
+    volume.status = pb.VOLUME_STATUS_RESTORING
+    b.put(volume)
+    assert b.step(T0 + 1) is None and b.green() == []
+    volume = copied(volume)
+    volume.status = pb.VOLUME_STATUS_ACTIVE
+    b.put(volume)
+    t = b.step(T0 + 2)
+    assert t is not None and [a.node_id for a in b.green()] == ["n1"]
+
+
+def test_stateful_start_waiting_for_a_restore_times_out_and_restarts_old() -> None:
+    b = stateful_board()
+    b.step()
+    b.step()
+    b.observe([a for a in b.view.assignments(ENV) if a.meta.id == "blue-0"], STOPPED)
+    b.step()
+    volume = copied(b.view.volume("vol-data"))
+    volume.status = pb.VOLUME_STATUS_RESTORING
+    b.put(volume)
+    assert b.decide(T0 + 600) is None
+    t = b.step(T0 + 600.001)
+    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_FAILED
+    assert t.deployment.error == 'STARTING timed out after 10m: volume "data" is still being restored'
+    assert [a.desired for a in b.view.assignments(ENV) if a.meta.id == "blue-0"] == [RUN]
+
+
 def test_stateful_health_requires_a_non_empty_healthy_set() -> None:
     b = stateful_board()
     b.at_phase(PH.DEPLOYMENT_PHASE_HEALTHCHECKING)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
@@ -122,7 +123,15 @@ async def test_routes_get_answers_unchanged_or_the_snapshot(
     publisher = await replica()
     version = current(publisher).version
     request = cpb.WatchRoutesRequest(have_version=version)
-    reply = await conn.nc.request(ROUTES_GET_SUBJECT, request.SerializeToString(), timeout=5)
+    replies: list[Msg] = []
+
+    async def answered() -> bool:  # as RouteClient.fetch does, ask again while no responder is seen yet
+        with contextlib.suppress(NoRespondersError):
+            replies.append(await conn.nc.request(ROUTES_GET_SUBJECT, request.SerializeToString(), timeout=5))
+        return bool(replies)
+
+    await eventually(answered, 5, "a route replica answers routes.get")
+    reply = replies[0]
     assert (reply.headers or {}).get(UNCHANGED_HEADER) == "true" and reply.data == b""
     client = RouteClient(tmp_path / "routes.pb")
     await client.start(conn)

@@ -166,6 +166,33 @@ async def test_promoted_deployment_lets_the_scheduler_replace_active_replicas_fi
     assert {a.meta.id for a in rig.run("env1") if a.release_id == "rel1"} == {"blue-0", "blue-1"}
 
 
+async def test_redeploy_of_the_active_release_keeps_its_new_replicas_while_draining(rig: Rig):
+    """A deployment whose target is its previous release (a redeploy, a rollback to the active release):
+    blue and green share the release. The scheduler must count only green at DRAINING_OLD, or it stops
+    the new replicas (the newest) as surplus and the drain is left with the old ones."""
+    await rig.put(unlimited("n1"), unlimited("n2"), unlimited("n3"))
+    rel = spec_release("rel1", "env1", min_replicas=2)
+    await rig.put(rel, spec_env("env1", rel))
+    old = [assignment(n, "env1", "rel1", assignment_id=f"old-{n}") for n in ("n1", "n2")]
+    for a in old:
+        a.meta.created_at.FromSeconds(int(rig.clock.now()) - 600)
+    dep = deployment("dep1", "env1", "rel1", "rel1", pb.DEPLOYMENT_PHASE_DRAINING_OLD)
+    dep.meta.created_at.FromSeconds(int(rig.clock.now()) - 60)
+    new = [assignment(n, "env1", "rel1", assignment_id=f"new-{n}") for n in ("n2", "n3")]
+    for a in new:
+        a.deployment_id = "dep1"
+        a.meta.created_at.FromSeconds(int(rig.clock.now()) - 30)
+    await rig.put(*old, *new, dep)
+    await rig.pass_()
+    assert {a.meta.id for a in rig.run("env1")} == {"old-n1", "old-n2", "new-n2", "new-n3"}
+
+    await rig.set_node("n3", pb.NODE_STATUS_DOWN)
+    await rig.pass_()
+    await rig.pass_()
+    replacements = [a for a in rig.run("env1") if a.meta.id not in {"old-n1", "old-n2", "new-n2"}]
+    assert len(replacements) == 1, "the lost green replica is replaced once, not on every pass"
+
+
 async def test_failed_replica_is_replaced_on_another_node_fix_failed_never_replaced(rig: Rig):
     """Reference: FAILED replicas count as good; nothing is written."""
     await rig.put(unlimited("n1"), unlimited("n2"), unlimited("n3"))

@@ -238,3 +238,46 @@ async def test_volume_without_a_home_is_announced_once_fix_every_pass(rig: Rig):
     homeless = [e.message for e in rig.events if e.kind == "volume.no_capacity"]
     assert homeless == ['no schedulable node for volume "data"']
     assert rig.view.volumes("env1") == []
+
+
+# ---------------------------------------------------------------- a volume being restored
+
+
+async def restoring(rig: Rig, vol: pb.Volume) -> None:
+    changed = pb.Volume()
+    changed.CopyFrom(vol)
+    changed.status = pb.VOLUME_STATUS_RESTORING
+    await rig.put(changed)
+
+
+async def test_lease_is_not_renewed_while_the_volume_is_restoring(rig: Rig):
+    """Before: the renewal ignored RESTORING, so the replica kept (or got) its lease during the restore."""
+    await stateful_env(rig)
+    await rig.pass_()
+    granted = expiry(only_volume(rig))
+    await restoring(rig, only_volume(rig))
+    await rig.clock.advance(LEASE_TTL / 2 + 1)  # renewal due
+    await rig.pass_()
+    assert expiry(only_volume(rig)) == granted
+    await rig.clock.advance(LEASE_TTL)
+    await rig.pass_()
+    vol = only_volume(rig)
+    assert vol.status == pb.VOLUME_STATUS_RESTORING and lease_expired(vol.lease, rig.clock.now())
+
+
+async def test_no_replica_is_placed_or_leased_on_a_restoring_volume_until_the_restore_ends(rig: Rig):
+    """Before: the scheduler placed the env's replica on the volume's node and leased it mid-restore."""
+    await stateful_env(rig)
+    await rig.put(volume("v1", "env1", "data", "n1", status=pb.VOLUME_STATUS_RESTORING))
+    await rig.pass_()
+    await rig.pass_()
+    assert rig.run("env1") == []
+    assert not only_volume(rig).HasField("lease")
+    ended = pb.Volume()
+    ended.CopyFrom(only_volume(rig))
+    ended.status = pb.VOLUME_STATUS_ACTIVE
+    await rig.put(ended)
+    await rig.pass_()
+    (replica,) = rig.run("env1")
+    vol = only_volume(rig)
+    assert replica.node_id == "n1" and (vol.lease.node_id, vol.lease.assignment_id) == ("n1", replica.meta.id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import nats
@@ -156,3 +157,25 @@ async def test_operator_writes_desired_state_but_not_leases(connect_as: ConnectA
     assert ack.stream == STATE_STREAM
     await operator.nc.publish(f"{STATE_PREFIX}lease.scheduler", b"usurper")
     assert await operator.refusal() == publish_refused(f"{STATE_PREFIX}lease.scheduler")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open (SECURITY.md, 'Open: reply and deliver subjects'): nats-server sends a JetStream API reply "
+    "to whatever reply subject the requester names, within the same account, without checking the "
+    "requester's publish rights; closing it needs agents and proxies in accounts of their own",
+)
+async def test_an_agent_cannot_write_another_nodes_key_through_a_reply_subject(
+    connect_as: ConnectAs, control: Connection
+) -> None:
+    agent = await connect_as(Role.AGENT, NODE)
+    own = f"{STATE_PREFIX}observed.{NODE}.redirect"
+    victim = f"{STATE_PREFIX}assignment.n2.redirect"
+    await agent.nc.jetstream().publish(own, b"forged")
+    await agent.nc.publish(f"$JS.API.DIRECT.GET.{STATE_STREAM}.{own}", b"", reply=victim)
+    await agent.nc.flush()
+    for _ in range(50):
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            stored = await control.js.get_last_msg(STATE_STREAM, victim)
+            pytest.fail(f"the agent wrote {victim!r}: {stored.data!r}")
+        await asyncio.sleep(0.02)

@@ -8,6 +8,9 @@ import random
 from pathlib import Path
 
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
+from nats.aio.msg import Msg
+from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.snapshot_dispatch import RestoreRefused, SnapshotBusy, SnapshotDispatcher
@@ -20,7 +23,7 @@ from shared.snapshots.tarstream import tar_bytes
 from shared.txn import Writer
 from shared.view import StateView
 from tests import factories
-from tests.snapshots.conftest import BASE, snap_volume, stamp, write_tree
+from tests.snapshots.conftest import BASE, snap_volume, snapshot_record, stamp, write_tree
 from tests.waiting import eventually
 
 
@@ -177,3 +180,49 @@ async def test_scheduler_snapshots_and_prunes_end_to_end(conn, view, writer, clo
     keep = complete()[0].meta.id
     await eventually(lambda: not loop._prunes)
     assert [m.name for m in await store.list("manifests/")] == [f"manifests/{keep}"]
+
+
+def _at(ts: Timestamp) -> float:
+    return ts.ToNanoseconds() / 1e9
+
+
+async def test_restore_refused_while_another_restore_holds_the_volume(dispatcher, writer) -> None:
+    """Before: only this process's own restores were excluded; a second CLI restored over a running one."""
+    volume = snap_volume("vol1")
+    volume.status = pb.VOLUME_STATUS_RESTORING
+    snapshot = snapshot_record("vol1", BASE)
+    await writer.commit(writer.txn().put(factories.node("n1")).put(volume).put(snapshot))
+    with pytest.raises(SnapshotBusy, match="already being restored"):
+        await dispatcher.restore("vol1", snapshot.meta.id, writer)
+
+
+async def test_restoring_volume_is_stamped_then_touched_while_the_node_reports_progress(
+    conn, view, writer, clock
+) -> None:
+    """The reaper measures a RESTORING volume's silence from ``updated_at``: set when the restore starts,
+    refreshed every ``touch_every`` of progress, so only a restore whose driver died is given up."""
+    dispatcher = SnapshotDispatcher(conn, view, clock, first_reply_timeout=5.0, idle_timeout=5.0, touch_every=600)
+    snapshot = snapshot_record("vol1", BASE)
+    await writer.commit(writer.txn().put(factories.node("n1")).put(snap_volume("vol1")).put(snapshot))
+    requests: asyncio.Queue[Msg] = asyncio.Queue()
+    sub = await conn.nc.subscribe("zattera.agent.n1.restore", cb=requests.put)  # the node, played by the test
+    await clock.advance(30)
+    restore = asyncio.create_task(dispatcher.restore("vol1", snapshot.meta.id, writer))
+    request = await asyncio.wait_for(requests.get(), 5)
+    restoring = view.volume("vol1")
+    assert restoring is not None and restoring.status == pb.VOLUME_STATUS_RESTORING
+    assert _at(restoring.meta.updated_at) == BASE + 30
+
+    async def report(sequence: int, phase: str) -> None:
+        progress = cpb.SnapshotProgress(snapshot_id=snapshot.meta.id, sequence=sequence, phase=phase)
+        await conn.nc.publish(request.reply, progress.SerializeToString())
+
+    await clock.advance(599)
+    await report(1, "download")  # within touch_every of the start: no write
+    await clock.advance(1)
+    await report(2, "download")
+    await eventually(lambda: _at(view.volume("vol1").meta.updated_at) == BASE + 630)  # type: ignore[union-attr]
+    await report(3, "done")
+    await restore
+    assert view.volume("vol1").status == pb.VOLUME_STATUS_ACTIVE  # type: ignore[union-attr]
+    await sub.unsubscribe()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
@@ -15,10 +16,11 @@ from services.scheduler.snapshot_dispatch import RecordNotWritten
 from services.scheduler.snapshots import FAILED_KEEP, RETRY_AFTER, STUCK_AFTER, STUCK_ERROR, TICK, SnapshotScheduler
 from shared.clock import FakeClock
 from shared.lease import run_while_leading
-from shared.natsio import Connection
+from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection
 from shared.txn import Writer
 from shared.view import StateView
-from tests.snapshots.conftest import BASE, snap_volume, snapshot_record
+from tests import factories
+from tests.snapshots.conftest import BASE, snap_volume, snapshot_record, stamp
 from tests.waiting import eventually
 
 H = 3600.0
@@ -188,3 +190,44 @@ async def test_loop_fires_on_the_fake_clock_tick_while_leading(conn, view, write
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_restore_whose_driver_died_is_reaped_back_to_a_usable_state(conn, view, writer, clock: FakeClock) -> None:
+    """Before: a RESTORING volume whose restoring process (the CLI) died stayed RESTORING forever, so its
+    service was never placed or leased again. Now the reaper gives up after ``restore_timeout``."""
+    dispatcher = RecordingDispatcher()
+    loop = SnapshotScheduler(conn=conn, view=view, clock=clock, dispatcher=dispatcher, restore_timeout=H)
+    loop.writer = writer
+    events: list[pb.Event] = []
+
+    async def on_event(msg: Msg) -> None:
+        events.append(pb.Event.FromString(msg.data))
+
+    sub = await conn.nc.subscribe(EVENTS_SUBJECT_PREFIX + "volume.>", cb=on_event)
+    on_alive, on_down = snap_volume("vol1"), snap_volume("vol2", node_id="n2")
+    txn = writer.txn().put(factories.node("n1")).put(factories.node("n2", status=pb.NODE_STATUS_DOWN))
+    for volume in (on_alive, on_down):
+        volume.status = pb.VOLUME_STATUS_RESTORING
+        volume.meta.updated_at.CopyFrom(stamp(BASE + 60))  # entered RESTORING (or last touched) at BASE + 60
+        txn.put(volume)
+    await writer.commit(txn)
+
+    await clock.advance(H)  # 59 min 0 s without a sign of life: the restore may still be running
+    await loop.pass_once()
+    assert {v.status for v in view.volumes()} == {pb.VOLUME_STATUS_RESTORING}
+    await clock.advance(60)
+    await loop.pass_once()
+    assert view.volume("vol1").status == pb.VOLUME_STATUS_ACTIVE  # type: ignore[union-attr]
+    assert view.volume("vol2").status == pb.VOLUME_STATUS_NODE_LOST  # type: ignore[union-attr]
+    await eventually(lambda: len(events) == 2)
+    await sub.unsubscribe()
+    by_volume = {e.node_id: e for e in events}
+    assert {e.kind for e in events} == {"volume.restore_failed"} and {e.severity for e in events} == {"warning"}
+    assert by_volume["n1"].message == (
+        'restore of volume "data" abandoned: no progress for 3600s (the process running it is gone); '
+        "volume back to active"
+    )
+    assert by_volume["n2"].message.endswith("volume back to node_lost (node n2 is not alive)")
+    await loop.pass_once()  # nothing more to reap
+    await conn.nc.flush()
+    assert len(events) == 2

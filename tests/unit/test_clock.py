@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.clock import FakeClock
+import pytest
+
+from shared.clock import FakeClock, RealClock, ticker
+from tests.waiting import eventually
 
 
 async def test_fake_clock_does_not_move_by_itself():
@@ -48,3 +51,49 @@ async def test_cancelled_sleeper_is_skipped():
     await clock.advance(10)
     assert clock.now() == 10.0
     assert task.cancelled()
+
+
+async def test_timer_completes_at_its_deadline_and_can_be_cancelled():
+    clock = FakeClock()
+    fires, cancelled = clock.timer(5), clock.timer(5)
+    cancelled.cancel()
+    await clock.advance(4.9)
+    assert not fires.done()
+    await clock.advance(0.1)
+    assert fires.done() and fires.result() is None
+    assert cancelled.cancelled()
+    assert clock.timer(0).done()
+
+
+async def test_real_timer_fires_and_a_cancelled_one_never_does():
+    clock = RealClock()
+    fires, cancelled = clock.timer(0.01), clock.timer(0.01)
+    cancelled.cancel()
+    await asyncio.wait_for(fires, 5)
+    assert cancelled.cancelled()
+
+
+async def test_ticker_keeps_a_fixed_rate_and_skips_ticks_missed_by_a_slow_consumer():
+    clock = FakeClock()
+    start = clock.now()
+    ticks: list[float] = []
+
+    async def consume() -> None:
+        async for now in ticker(clock, 10):
+            ticks.append(now - start)
+            if len(ticks) == 2:
+                await clock.sleep(25)  # busy through the ticks at 30 and 40
+
+    task = asyncio.create_task(consume())
+    await eventually(lambda: clock.sleepers == 1, what="the ticker waiting for its first tick")
+    for _ in range(8):
+        await clock.advance(5)
+    await clock.advance(20)
+    task.cancel()
+    # The ticks of 30 and 40 fell while it was busy: one is delivered late (45), then back on the grid.
+    assert ticks == [10, 20, 45, 50, 60]
+
+
+async def test_ticker_refuses_a_non_positive_interval():
+    with pytest.raises(ValueError, match="interval"):
+        await anext(ticker(FakeClock(), 0))

@@ -1,0 +1,118 @@
+"""Volume snapshots under ``--secure``: the CLI (operator credential) snapshots and restores through a node
+agent holding only its agent credential, and the scheduler's prune runs on that agent, all against a real
+secured nats-server. Before the fix the operator could not publish ``zattera.agent.<node>.snapshot`` /
+``.restore`` and the agent could not purge object-store chunks (nats-py's object delete)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from zattera.v1 import types_pb2 as pb
+
+from services.scheduler.snapshot_dispatch import SnapshotDispatcher
+from shared.clock import FakeClock
+from shared.natsio import Connection, agent_subject, connect
+from shared.security.permissions import Role
+from shared.snapshots import SnapshotAgent, SnapshotStore
+from shared.snapshots.chunking import TEST_PARAMS
+from shared.snapshots.tarstream import tar_bytes
+from shared.txn import Writer
+from shared.view import StateView
+from tests import factories
+from tests.security.conftest import ConnectAs, SecureCluster
+from tests.snapshots.conftest import BASE, snap_volume, write_tree
+
+NODE = "snap-node"
+
+
+@dataclass
+class Side:
+    """One role's connection with its own state view and (unfenced) writer."""
+
+    conn: Connection
+    view: StateView
+    writer: Writer
+
+
+async def _side(secure: SecureCluster, role: Role, name: str) -> Side:
+    conn = await connect(secure.url, name=f"test-{name}", creds=secure.creds(role, name))
+    view = StateView(conn, name=name)
+    await view.start(timeout=10)
+    return Side(conn, view, Writer(conn, view))
+
+
+@pytest.fixture
+async def sides(secure: SecureCluster) -> AsyncIterator[tuple[Side, Side]]:
+    """(control, operator): the scheduler's credential and the CLI's."""
+    control = await _side(secure, Role.CONTROL, "control")
+    operator = await _side(secure, Role.OPERATOR, "cli")
+    try:
+        yield control, operator
+    finally:
+        for side in (operator, control):
+            await side.view.stop()
+            await side.conn.close()
+
+
+@pytest.fixture
+async def node_agent(secure: SecureCluster, tmp_path: Path) -> AsyncIterator[SnapshotAgent]:
+    """The node's snapshot service on the node's own agent credential (name = node id), no GC grace."""
+    conn = await connect(secure.url, name="test-agent", creds=secure.creds(Role.AGENT, NODE))
+    agent = SnapshotAgent(conn, NODE, tmp_path / "volumes", params=TEST_PARAMS, heartbeat=0.2, gc_grace=0)
+    await agent.start()
+    try:
+        yield agent
+    finally:
+        await agent.stop()
+        await conn.close()
+
+
+async def test_operator_snapshots_and_restores_and_the_agent_prunes_on_a_secured_cluster(
+    sides: tuple[Side, Side], node_agent: SnapshotAgent, tmp_path: Path
+) -> None:
+    control, operator = sides
+    clock = FakeClock(BASE)
+    volume = snap_volume("secvol", node_id=NODE)
+    await control.writer.commit(control.writer.txn().put(factories.node(NODE)).put(volume))
+    root = node_agent.volumes_root / volume.meta.id
+    write_tree(root, {"db": random.randbytes(96 << 10), "conf": b"v1"})
+    expected = tar_bytes(root)
+    await operator.view.wait_fresh()
+
+    # `zattera volumes snapshot` with the operator credential: the agent answers on the node's subject.
+    cli = SnapshotDispatcher(operator.conn, operator.view, clock, first_reply_timeout=3.0, idle_timeout=10.0)
+    first = await cli.snapshot(volume, operator.writer)
+    assert first.status == pb.SNAPSHOT_STATUS_COMPLETE, first.error
+    write_tree(root, {"db": random.randbytes(96 << 10), "conf": b"v2"})
+    second = await cli.snapshot(volume, operator.writer)
+    assert second.status == pb.SNAPSHOT_STATUS_COMPLETE, second.error
+
+    # `zattera volumes restore` with the operator credential rebuilds the first one.
+    await operator.view.wait_fresh()
+    await cli.restore(volume.meta.id, first.meta.id, operator.writer)
+    assert tar_bytes(root) == expected
+    assert operator.view.volume(volume.meta.id).status == pb.VOLUME_STATUS_ACTIVE  # type: ignore[union-attr]
+
+    # Retention drops the first snapshot; the scheduler (control) prunes it on the node's agent, which deletes
+    # its manifest and the chunks only it referenced (nats-py's object delete purges the object's chunks).
+    await control.writer.commit(control.writer.txn().delete(f"snapshot.{first.meta.id}"))
+    await control.view.wait_fresh()
+    scheduler = SnapshotDispatcher(control.conn, control.view, clock)
+    pruned = await scheduler.prune(volume, [first.meta.id])
+    assert pruned.error == ""
+    assert pruned.deleted_manifests == 1 and pruned.deleted_chunks > 0
+    store = await SnapshotStore.open(control.conn.js)
+    assert [m.name for m in await store.list("manifests/")] == [f"manifests/{second.meta.id}"]
+
+
+@pytest.mark.parametrize("verb", ["build", "prune"])
+async def test_operator_may_not_ask_a_node_to_build_or_prune(connect_as: ConnectAs, verb: str) -> None:
+    """Only snapshot and restore were opened to the CLI: builds are dispatched and prunes run by the services."""
+    operator = await connect_as(Role.OPERATOR, "cli")
+    subject = agent_subject(NODE, verb)
+    await operator.nc.publish(subject, b"", reply=operator.nc.new_inbox())
+    assert await operator.refusal() == f'nats: permissions violation for publish to "{subject}"'
