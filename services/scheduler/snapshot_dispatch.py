@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -65,6 +66,20 @@ class RestoreRefused(Exception):
 
 class NodeOperationFailed(Exception):
     pass
+
+
+class SnapshotKeyMismatch(RestoreRefused):
+    """The store's snapshots are sealed with another key (or none) than this process's: refused, because
+    chunks are shared by every snapshot and a mixed store cannot be restored or garbage-collected."""
+
+
+def key_fingerprint(target: cpb.SnapshotTarget) -> str:
+    """What ``VolumeSnapshot.key_fingerprint`` records for snapshots taken with ``target``."""
+    return hashlib.sha256(target.data_key).hexdigest()[:16] if target.data_key else ""
+
+
+def _describe(fingerprint: str) -> str:
+    return f"the key {fingerprint}" if fingerprint else "no key"
 
 
 def target_from_env() -> cpb.SnapshotTarget:
@@ -155,8 +170,11 @@ class SnapshotDispatcher:
         volume_id = volume.meta.id
         if self.volume_busy(volume_id):
             raise SnapshotBusy(f"a snapshot of volume {volume_id} is already running")
+        self._check_key_matches_store()
         now = self.clock.now()
-        record = pb.VolumeSnapshot(volume_id=volume_id, status=pb.SNAPSHOT_STATUS_RUNNING)
+        record = pb.VolumeSnapshot(
+            volume_id=volume_id, status=pb.SNAPSHOT_STATUS_RUNNING, key_fingerprint=key_fingerprint(self.target)
+        )
         record.meta.id = new_id()
         record.meta.created_at.CopyFrom(_stamp(now))
         record.meta.updated_at.CopyFrom(_stamp(now))
@@ -171,6 +189,19 @@ class SnapshotDispatcher:
             raise RecordNotWritten(f"RUNNING record for volume {volume_id} not written: {exc}") from exc
         self._runs[record.meta.id] = _Run(volume_id, now, now)
         return asyncio.create_task(self._complete(volume, record, writer))
+
+    def _check_key_matches_store(self) -> None:
+        """Refuse a snapshot sealed differently from the newest COMPLETE one of any volume (they share chunks)."""
+        complete = [r for r in self.view.snapshots() if r.status == pb.SNAPSHOT_STATUS_COMPLETE]
+        if not complete:
+            return
+        newest = max(complete, key=lambda r: (r.meta.created_at.ToNanoseconds(), r.meta.id))
+        ours = key_fingerprint(self.target)
+        if newest.key_fingerprint != ours:
+            raise SnapshotKeyMismatch(
+                f"the snapshot store is sealed with {_describe(newest.key_fingerprint)} (snapshot {newest.meta.id}) "
+                f"but this process has {_describe(ours)}: set {SNAPSHOT_KEY_ENV} to the cluster's snapshot key"
+            )
 
     async def snapshot(self, volume: pb.Volume, writer: Writer) -> pb.VolumeSnapshot:
         """The manual path: dispatch and wait for the final record."""
@@ -359,6 +390,11 @@ class SnapshotDispatcher:
             raise RestoreRefused(f"volume {volume_id} not found")
         if snapshot is None or snapshot.status != pb.SNAPSHOT_STATUS_COMPLETE:
             raise RestoreRefused(f"snapshot {snapshot_id} is not COMPLETE")
+        if snapshot.key_fingerprint != key_fingerprint(self.target):
+            raise SnapshotKeyMismatch(
+                f"snapshot {snapshot_id} is sealed with {_describe(snapshot.key_fingerprint)} but this process has "
+                f"{_describe(key_fingerprint(self.target))}: set {SNAPSHOT_KEY_ENV} to the key it was taken with"
+            )
         if volume_id in self._busy_volumes:
             raise SnapshotBusy(f"volume {volume_id} has an operation running")
         self._busy_volumes.add(volume_id)

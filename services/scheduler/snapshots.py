@@ -48,7 +48,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.decisions import Writes, commit, volume_event
-from services.scheduler.snapshot_dispatch import RecordNotWritten, SnapshotBusy
+from services.scheduler.snapshot_dispatch import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
 from shared import keys as K
 from shared.events import WARNING
 from shared.lease import Leadership
@@ -325,7 +325,7 @@ class SnapshotScheduler(LeaderLoop):
         except SnapshotBusy:
             self._last_fire[volume_id] = previous
             return
-        except RecordNotWritten as exc:
+        except (RecordNotWritten, SnapshotKeyMismatch) as exc:
             self._last_fire[volume_id] = previous
             self._retry_at[volume_id] = now + RETRY_AFTER
             log.warning("volume %s: scheduled snapshot not started, retrying in %.0fs: %s", volume_id, RETRY_AFTER, exc)

@@ -13,7 +13,13 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.snapshot_dispatch import RestoreRefused, SnapshotBusy, SnapshotDispatcher
+from services.scheduler.snapshot_dispatch import (
+    RestoreRefused,
+    SnapshotBusy,
+    SnapshotDispatcher,
+    SnapshotKeyMismatch,
+    key_fingerprint,
+)
 from services.scheduler.snapshots import SnapshotScheduler
 from shared.clock import FakeClock
 from shared.natsio import Connection
@@ -226,3 +232,24 @@ async def test_restoring_volume_is_stamped_then_touched_while_the_node_reports_p
     await restore
     assert view.volume("vol1").status == pb.VOLUME_STATUS_ACTIVE  # type: ignore[union-attr]
     await sub.unsubscribe()
+
+
+async def test_a_snapshot_or_restore_with_another_key_than_the_store_is_refused(
+    conn, view, clock, agent, writer
+) -> None:
+    """Chunks are shared by every snapshot: one taken without the store's key (a CLI without
+    ZATTERA_SNAPSHOT_KEY) would reference sealed chunks it cannot read, and block GC."""
+    sealed = SnapshotDispatcher(conn, view, clock, target=cpb.SnapshotTarget(data_key=bytes(range(32))))
+    unsealed = SnapshotDispatcher(conn, view, clock)
+    volume = snap_volume("vol1")
+    await add_volume(writer, agent, volume, {"a.bin": random.randbytes(10 << 10)})
+    first = await sealed.snapshot(volume, writer)
+    assert first.status == pb.SNAPSHOT_STATUS_COMPLETE, first.error
+    assert first.key_fingerprint == key_fingerprint(sealed.target) != ""
+    await eventually(lambda: view.snapshot(first.meta.id) == first, what="the record in the view")
+
+    with pytest.raises(SnapshotKeyMismatch, match="ZATTERA_SNAPSHOT_KEY"):
+        await unsealed.snapshot(volume, writer)
+    with pytest.raises(SnapshotKeyMismatch, match="ZATTERA_SNAPSHOT_KEY"):
+        await unsealed.restore(volume.meta.id, first.meta.id, writer)
+    assert [r.meta.id for r in view.snapshots()] == [first.meta.id], "nothing written for the refused snapshot"

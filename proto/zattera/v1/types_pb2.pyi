@@ -1798,6 +1798,7 @@ class VolumeSnapshot(_message.Message):
     UPLOADED_BYTES_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    KEY_FINGERPRINT_FIELD_NUMBER: _builtins.int
     volume_id: _builtins.str
     manifest_key: _builtins.str
     """the bare snapshot id"""
@@ -1805,6 +1806,10 @@ class VolumeSnapshot(_message.Message):
     uploaded_bytes: _builtins.int
     status: Global___SnapshotStatus.ValueType
     error: _builtins.str
+    key_fingerprint: _builtins.str
+    """"" = stored unsealed; else the first 16 hex digits of SHA-256 of the sealing key (ZATTERA_SNAPSHOT_KEY).
+    Chunks are shared by every snapshot (dedup), so a snapshot sealed differently from the store is refused.
+    """
     @_builtins.property
     def meta(self) -> Global___Meta: ...
     def __init__(
@@ -1817,10 +1822,11 @@ class VolumeSnapshot(_message.Message):
         uploaded_bytes: _builtins.int = ...,
         status: Global___SnapshotStatus.ValueType = ...,
         error: _builtins.str = ...,
+        key_fingerprint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "logical_size_bytes", b"logical_size_bytes", "manifest_key", b"manifest_key", "meta", b"meta", "status", b"status", "uploaded_bytes", b"uploaded_bytes", "volume_id", b"volume_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "key_fingerprint", b"key_fingerprint", "logical_size_bytes", b"logical_size_bytes", "manifest_key", b"manifest_key", "meta", b"meta", "status", b"status", "uploaded_bytes", b"uploaded_bytes", "volume_id", b"volume_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
