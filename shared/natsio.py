@@ -12,6 +12,7 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
@@ -87,6 +88,19 @@ def build_events_subject(build_id: str) -> str:
 
 def agent_subject(node_id: str, verb: str) -> str:
     return f"zattera.agent.{node_id}.{verb}"
+
+
+INBOX_PREFIX = "_INBOX."
+
+
+def is_direct_request(msg: Msg) -> bool:
+    """True when ``msg`` was published by a client as a request (reply to one of its inboxes).
+
+    nats-server delivers JetStream API replies and consumer deliveries to whatever subject the requester
+    names, without checking that requester's publish rights (SECURITY.md, "Open"): such a redirected
+    message arrives with no reply subject (an API reply) or a ``$JS.ACK`` one (a delivery). Handlers that
+    act on requests (an agent's snapshot, restore, prune and build subjects) only act on direct ones."""
+    return msg.reply.startswith(INBOX_PREFIX)
 
 
 def split_urls(urls: str | list[str]) -> list[str]:

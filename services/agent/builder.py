@@ -54,7 +54,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
 from shared.ids import is_safe_id
-from shared.natsio import SOURCES_STORE, Connection
+from shared.natsio import SOURCES_STORE, Connection, is_direct_request
 from shared.registry import BlobStore, PlatformImage, RegistryError, digest_of, parse_ref, push_image
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
@@ -189,6 +189,9 @@ class Builder:
             await self.conn.nc.publish(msg.reply, b"", headers={ERROR_HEADER: why})
 
     async def _on_request(self, msg: Msg) -> None:
+        if not is_direct_request(msg):
+            log.warning("ignored a build message that is not a direct request (reply %r)", msg.reply)
+            return
         try:
             request = cpb.RunBuildRequest.FromString(msg.data)
         except DecodeError as exc:
@@ -209,6 +212,9 @@ class Builder:
             await msg.respond(b"")
 
     async def _on_cancel(self, msg: Msg) -> None:
+        if not is_direct_request(msg):
+            log.warning("ignored a build cancel that is not a direct request (reply %r)", msg.reply)
+            return
         try:
             build_id = cpb.CancelBuildRequest.FromString(msg.data).build_id
         except DecodeError:

@@ -36,7 +36,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared.ids import is_safe_id
-from shared.natsio import Connection, agent_subject
+from shared.natsio import Connection, agent_subject, is_direct_request
 from shared.snapshots.chunking import ChunkParams
 from shared.snapshots.engine import DEFAULT_GC_GRACE, SnapshotEngine
 from shared.snapshots.locking import SharedExclusiveLock
@@ -189,6 +189,9 @@ class SnapshotAgent:
 
     def _spawn(self, handler: Callable[[Msg], Coroutine[Any, Any, None]]) -> Callable[[Msg], Awaitable[None]]:
         async def callback(msg: Msg) -> None:
+            if not is_direct_request(msg):
+                log.warning("ignored a message on %s that is not a direct request (reply %r)", msg.subject, msg.reply)
+                return
             task = asyncio.create_task(handler(msg))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

@@ -5,17 +5,19 @@ secured nats-server. Before the fix the operator could not publish ``zattera.age
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.snapshot_dispatch import SnapshotDispatcher
 from shared.clock import FakeClock
-from shared.natsio import Connection, agent_subject, connect
+from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, agent_subject, connect
 from shared.security.permissions import Role
 from shared.snapshots import SnapshotAgent, SnapshotStore
 from shared.snapshots.chunking import TEST_PARAMS
@@ -116,3 +118,29 @@ async def test_operator_may_not_ask_a_node_to_build_or_prune(connect_as: Connect
     subject = agent_subject(NODE, verb)
     await operator.nc.publish(subject, b"", reply=operator.nc.new_inbox())
     assert await operator.refusal() == f'nats: permissions violation for publish to "{subject}"'
+
+
+async def test_a_request_redirected_through_a_jetstream_reply_is_not_acted_on(
+    secure: SecureCluster, control: Connection, connect_as: ConnectAs, tmp_path: Path
+) -> None:
+    """The open reply-subject hole (SECURITY.md) lets agent n1 make the server deliver bytes it wrote onto
+    n2's snapshot subject; n2 acts only on direct requests, so the pre-hook in those bytes never runs."""
+    victim = SnapshotAgent(control, "n2", tmp_path / "volumes", params=TEST_PARAMS, heartbeat=0.2)
+    await victim.start()
+    try:
+        volume = snap_volume("vol-redirect", node_id="n2")
+        write_tree(tmp_path / "volumes" / volume.meta.id, {"f": b"x"})
+        marker = tmp_path / "pwned"
+        forged = cpb.SnapshotVolumeRequest(volume=volume, pre_hook_command=f"touch {marker}")
+        forged.snapshot.meta.id = "forged"
+        attacker = await connect_as(Role.AGENT, "n1")
+        own = f"{STATE_PREFIX}observed.n1.redirect-hook"
+        await attacker.nc.jetstream().publish(own, forged.SerializeToString())
+        direct_get = f"$JS.API.DIRECT.GET.{STATE_STREAM}.{own}"
+        await attacker.nc.publish(direct_get, b"", reply=agent_subject("n2", "snapshot"))
+        await attacker.nc.flush()
+        for _ in range(50):
+            assert not marker.exists(), "a redirected message ran the pre-hook"
+            await asyncio.sleep(0.02)
+    finally:
+        await victim.stop()
