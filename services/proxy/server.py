@@ -212,20 +212,29 @@ class Proxy:
             updates.close()
 
     async def _connect_and_report(self) -> None:
-        conn = await connect_with_retry(self.nats_url, f"zattera-proxy-{self.proxy_id}", self._stop)
-        if conn is None:
-            return
-        self.conn = conn
-        await self.routes.start(conn)
-        # "Connected" means the snapshot subscription is live at the server. nats-py's flush() writes its
-        # PING ahead of still-buffered commands, so only a second round trip is ordered after the SUB.
-        with contextlib.suppress(NatsError, TimeoutError):  # a lost connection resubscribes on reconnect
-            await conn.nc.flush()
-            await conn.nc.flush()
-        self._connected.set()
-        while True:
-            await self._publish_heartbeat()
-            await asyncio.sleep(self.cfg.heartbeat_interval)
+        """Connect, follow routes and heartbeat; when the connection is closed for good (nats-py never
+        reconnects a connection the server dropped over a protocol error) connect anew, serving the last
+        routes meanwhile."""
+        while not self._stop.is_set():
+            conn = await connect_with_retry(self.nats_url, f"zattera-proxy-{self.proxy_id}", self._stop)
+            if conn is None:
+                return
+            self.conn = conn
+            await self.routes.start(conn)
+            # "Connected" means the snapshot subscription is live at the server. nats-py's flush() writes its
+            # PING ahead of still-buffered commands, so only a second round trip is ordered after the SUB.
+            with contextlib.suppress(NatsError, TimeoutError):  # a lost connection resubscribes on reconnect
+                await conn.nc.flush()
+                await conn.nc.flush()
+            self._connected.set()
+            while not conn.lost.is_set():
+                await self._publish_heartbeat()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(conn.lost.wait(), self.cfg.heartbeat_interval)
+            log.error("proxy %s: NATS connection closed for good; connecting anew", self.proxy_id)
+            self._connected.clear()
+            await self.routes.stop()
+            self.conn = None
 
     async def _publish_heartbeat(self) -> None:
         heartbeat = self.stats.heartbeat(self.proxy_id, self.cfg.node_id, self.holds.held, self.table.env_ids)

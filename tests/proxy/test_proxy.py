@@ -402,3 +402,21 @@ def _refuses(port: int) -> bool:
 
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) != 0
+
+
+async def test_a_connection_closed_for_good_is_replaced_while_routes_keep_being_served(
+    make_proxy: ProxyFactory, routes: Routes, client
+) -> None:
+    """nats-py never reconnects a connection the server dropped over a protocol error: the proxy keeps
+    serving its last routes and connects anew, then follows route snapshots again."""
+    old, new = Backend("old"), Backend("new")
+    async with serving(old, new):
+        proxy = await make_proxy()
+        await routes.serve(proxy, http_route(HOST, endpoints=[endpoint(old.addr)]))
+        dropped = proxy.conn
+        assert dropped is not None
+        await dropped.nc.close()  # closed, not through Connection.close(): as after such a drop
+        assert await get(client, proxy.port) == (200, "old")
+        await eventually(lambda: proxy.conn not in (None, dropped) and proxy.connected, 10, "a new connection")
+        await routes.serve(proxy, http_route(HOST, endpoints=[endpoint(new.addr)]))
+        assert await get(client, proxy.port) == (200, "new")
