@@ -48,6 +48,14 @@ def _assignment(i: int) -> pb.Assignment:
     return a
 
 
+async def sequential_rate(writer: Writer, count: int) -> float:
+    """Single-key writes of one node record per second, one at a time."""
+    start = time.perf_counter()
+    for _ in range(count):
+        await writer.commit(writer.txn().put(_node(0)))
+    return count / (time.perf_counter() - start)
+
+
 async def _writes(url: str, quick: bool) -> list[Row]:
     conn = await connect(url, name="bench")
     await provision(conn.js)
@@ -59,14 +67,10 @@ async def _writes(url: str, quick: bool) -> list[Row]:
     # Fenced single-key transition, the non-leader path (CLI, agents): KV update with expected revision.
     plain = Writer(conn, view)
     await plain.commit(plain.txn().create(_node(0)))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        await plain.commit(plain.txn().put(_node(0)))
-    rate = n / (time.perf_counter() - t0)
     rows.append(
         row(
             "fenced single-key transitions/s, sequential (expected-revision write)",
-            rate,
+            await sequential_rate(plain, n),
             "/s",
             ">= 2,000",
             "DESIGN: ~3,200/s sequential KV put",
@@ -78,15 +82,10 @@ async def _writes(url: str, quick: bool) -> list[Row]:
     fenced = Writer(conn, view, lease=lease)
 
     # Leader-fenced single-key transitions one at a time: key + lease fence = an atomic batch of 2.
-    singles = 100 if quick else 500
-    t0 = time.perf_counter()
-    for _ in range(singles):
-        await fenced.commit(fenced.txn().put(_node(0)))
-    rate = singles / (time.perf_counter() - t0)
     rows.append(
         row(
             "leader-fenced single-key transitions/s, sequential",
-            rate,
+            await sequential_rate(fenced, 100 if quick else 500),
             "/s",
             ">= 2,000",
             "an atomic batch (key + lease fence): the server's per-batch cost",

@@ -25,6 +25,7 @@ from shared import keys as K
 from shared.ids import new_id
 from shared.txn import Txn, Writer
 from shared.view import StateView
+from shared.volumes import find_volume
 
 
 @dataclass
@@ -75,11 +76,6 @@ def resolve_env(view: StateView, ref: str) -> pb.Environment | None:
     project = find_project(view, parts[0])
     app = find_app(view, project.meta.id, parts[1]) if project else None
     return find_env(view, app.meta.id, parts[2]) if app else None
-
-
-def find_volume(view: StateView, env: pb.Environment, name: str) -> pb.Volume | None:
-    """The env's volume called ``name`` (the oldest if duplicated), as the scheduler resolves it."""
-    return next((v for v in view.volumes(env.meta.id) if v.project_id == env.project_id and v.name == name), None)
 
 
 def with_policy(volume: pb.Volume, change: PolicyChange, now: float) -> pb.Volume | None:
@@ -165,7 +161,7 @@ def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = Non
             if not change:
                 continue
             label = f"volume {env_name}/{vol.volume_name} snapshot policy"
-            volume = find_volume(view, new_env, vol.volume_name) if env is not None else None
+            volume = find_volume(view, new_env.project_id, new_env.meta.id, vol.volume_name)
             if volume is None:
                 result.pending.append(label)
                 continue

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import typer
+from google.protobuf.message import Message
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from typer.core import TyperGroup
 from zattera.v1 import types_pb2 as pb
@@ -84,19 +86,16 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+_OPTION_OF_FIELD = {"image_ref": "--image", "build_id": "--build", "to_release_id": "--to"}
+
+
 def _refused(exc: DeployError, given: dict[str, str]) -> typer.Exit:
     """A refused deploy or rollback, naming the option it is about when there is one (``given``: each option
     typed → its value), e.g. ``--to '01J…': target release not found in this environment``."""
-    from shared.deploy import BUILD_NOT_FOUND, TARGET_NOT_IN_ENV, InvalidArgument
-
-    fields = {"image_ref": "--image", "build_id": "--build", "to_release_id": "--to"}
-    if isinstance(exc, InvalidArgument) and exc.field in fields:
-        option, problem = fields[exc.field], exc.problem
-    else:
-        option, problem = {BUILD_NOT_FOUND: "--build", TARGET_NOT_IN_ENV: "--to"}.get(str(exc), ""), str(exc)
+    option = _OPTION_OF_FIELD.get(exc.field, "")
     if option not in given:
         return _fail(str(exc))
-    return _fail(f"{option} {given[option]!r}: {problem}")
+    return _fail(f"{option} {given[option]!r}: {exc.problem}")
 
 
 def _env_or_fail(view: StateView, ref: str) -> pb.Environment:
@@ -165,10 +164,27 @@ def nodes_list(json: bool = JSON) -> None:
     run(go)
 
 
+async def _commit_edit(c: Control, what: str, edit: Callable[[], Message | None]) -> Message | None:
+    """Commit ``edit()`` — a record decided on the current view, None when there is nothing to write — and
+    decide again when a concurrent write won (the scheduler renews leases and heartbeats land meanwhile).
+    Returns what was written."""
+    for _ in range(10):
+        edited = edit()
+        if edited is None:
+            return None
+        try:
+            await c.writer.commit(c.writer.txn().put(edited))
+            return edited
+        except Conflict:
+            await asyncio.sleep(0.05)
+    raise _fail(f"{what} kept changing; try again")
+
+
 def _edit_node(node_id: str, change: str, labels: dict[str, str] | None = None) -> None:
     async def go() -> None:
         async with control() as c:
-            for _ in range(10):
+
+            def edit() -> pb.Node | None:
                 node = c.view.node(node_id)
                 if node is None:
                     raise _fail(f"node {node_id!r} not found")
@@ -180,7 +196,7 @@ def _edit_node(node_id: str, change: str, labels: dict[str, str] | None = None) 
                             f"node {node_id} is {render.enum_name(pb.NodeStatus, node.status, 'NODE_STATUS_')}:"
                             " nothing to do"
                         )
-                        return
+                        return None
                     edited.schedulable = False
                 elif change == "uncordon":
                     if node.status == pb.NODE_STATUS_DOWN:
@@ -196,14 +212,10 @@ def _edit_node(node_id: str, change: str, labels: dict[str, str] | None = None) 
                             edited.labels[key] = value
                         else:
                             edited.labels.pop(key, None)
-                try:
-                    await c.writer.commit(c.writer.txn().put(edited))
-                except Conflict:
-                    await asyncio.sleep(0.05)
-                    continue
+                return edited
+
+            if await _commit_edit(c, f"node {node_id}", edit) is not None:
                 err.print(f"node {node_id}: {change} done")
-                return
-            raise _fail(f"node {node_id} kept changing; try again")
 
     run(go)
 
@@ -625,11 +637,11 @@ def builds_logs(build_id: str, follow: bool = typer.Option(False, "--follow", "-
     from nats.js.errors import NotFoundError
 
     from shared.buildlogs import follow_build_log, read_build_log
-    from shared.ids import is_safe_id
+    from shared.ids import is_safe_id, unsafe_id
     from shared.natsio import STATE_PREFIX, STATE_STREAM
 
     if not is_safe_id(build_id):
-        raise _fail(f"build id {build_id!r}: must be 1-128 letters, digits, '-' or '_' (see `zattera builds list`)")
+        raise _fail(f"{unsafe_id('build id', build_id)} (see `zattera builds list`)")
 
     async def recorded(c: Control) -> bool:
         try:
@@ -732,21 +744,16 @@ def volumes_policy(
 
     async def go() -> None:
         async with control() as c:
-            for _ in range(10):
+
+            def edit() -> pb.Volume | None:
                 volume = c.view.volume(volume_id)
                 if volume is None:
                     raise _fail(f"volume {volume_id!r} not found")
-                updated = with_policy(volume, change, time.time())
-                if updated is None:
-                    break
-                try:
-                    await c.writer.commit(c.writer.txn("volume.policy").put(updated))
-                    volume = updated
-                    break
-                except Conflict:  # the scheduler renews the volume's lease concurrently: re-read
-                    await asyncio.sleep(0.05)
-            else:
-                raise _fail(f"volume {volume_id} kept changing; try again")
+                return with_policy(volume, change, time.time())
+
+            await _commit_edit(c, f"volume {volume_id}", edit)
+            volume = c.view.volume(volume_id)
+            assert volume is not None
             policy = volume.snapshot_policy
             if render.json_mode():
                 render.emit_json(render.as_dict(policy))

@@ -31,7 +31,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.clock import Clock, RealClock
 from shared.deployments import is_terminal
-from shared.ids import new_id
+from shared.ids import SAFE_ID_RULE, is_safe_id, new_id
 from shared.txn import CommitUnknown, Conflict, Txn, Writer
 from shared.view import StateView
 
@@ -45,15 +45,20 @@ NO_PREVIOUS_RELEASE = "no previous release to roll back to"
 TARGET_NOT_IN_ENV = "target release not found in this environment"
 DEPLOYMENT_NOT_FOUND = "deployment not found"
 
-_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _MAX_IMAGE_REF = 512
 
 
 class DeployError(Exception):
-    """A refused request; ``code`` follows gRPC's names (not_found, failed_precondition, invalid_argument)."""
+    """A refused request; ``code`` follows gRPC's names (not_found, failed_precondition, invalid_argument).
+    ``field``: the request field it is about ("" when none), ``problem``: what is wrong with it."""
 
     code = "unknown"
+
+    def __init__(self, problem: str, *, field: str = "", message: str = "") -> None:
+        super().__init__(message or problem)
+        self.field = field
+        self.problem = problem
 
 
 class NotFound(DeployError):
@@ -68,9 +73,7 @@ class InvalidArgument(DeployError):
     code = "invalid_argument"
 
     def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
-        self.field = field
-        self.problem = problem
+        super().__init__(problem, field=field, message=f"{field}: {problem}")
 
 
 class Contended(DeployError):
@@ -112,8 +115,8 @@ def _timestamp(now: float) -> Timestamp:
 def _check_id(field: str, value: str) -> None:
     if not value:
         raise InvalidArgument(field, "is required")
-    if not _ID_RE.match(value):
-        raise InvalidArgument(field, "must be 1-128 letters, digits, '-' or '_'")
+    if not is_safe_id(value):
+        raise InvalidArgument(field, f"must be {SAFE_ID_RULE}")
 
 
 def _check_image_ref(value: str) -> None:
@@ -153,7 +156,7 @@ class Deployer:
             if build_id:
                 build = self._view.build(build_id)
                 if build is None:
-                    raise NotFound(BUILD_NOT_FOUND)
+                    raise NotFound(BUILD_NOT_FOUND, field="build_id")
                 if build.status != pb.BUILD_STATUS_SUCCEEDED or not build.image_ref:
                     raise FailedPrecondition(BUILD_HAS_NO_IMAGE)
                 release = self._new_release(env, build.image_ref, build.platforms, pb.RELEASE_SOURCE_KIND_BUILD)
@@ -357,7 +360,7 @@ class Deployer:
         if to_release_id:
             target = self._view.release(to_release_id)
             if target is None or target.environment_id != env.meta.id:
-                raise NotFound(TARGET_NOT_IN_ENV)
+                raise NotFound(TARGET_NOT_IN_ENV, field="to_release_id")
             return target
         active = self._view.release(env.active_release_id) if env.active_release_id else None
         if active is None:

@@ -32,3 +32,11 @@ def is_safe_id(value: str) -> bool:
     reach outside its data directory.
     """
     return _SAFE_ID.fullmatch(value) is not None
+
+
+SAFE_ID_RULE = "1-128 letters, digits, '-' or '_'"
+
+
+def unsafe_id(what: str, value: str) -> str:
+    """The refusal message for an id that fails :func:`is_safe_id`."""
+    return f"{what} {value[:64]!r} is not {SAFE_ID_RULE}"

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 from zattera.v1 import types_pb2 as pb
 
+from shared.view import StateView
+
 
 def lease_of(volume: pb.Volume) -> pb.VolumeLease | None:
     return volume.lease if volume.HasField("lease") else None
@@ -31,3 +33,12 @@ def lease_held_by_other(lease: pb.VolumeLease | None, node_id: str, now: float) 
 def restoring_volume(volumes: Iterable[pb.Volume]) -> pb.Volume | None:
     """The first of ``volumes`` a restore holds (status RESTORING): nothing may place, lease or start on it."""
     return next((v for v in volumes if v.status == pb.VOLUME_STATUS_RESTORING), None)
+
+
+def find_volume(view: StateView, project_id: str, env_id: str, name: str) -> pb.Volume | None:
+    """The volume named ``name`` of (project, env); the oldest when duplicates exist (how the scheduler
+    pins a stateful env and how ``zattera apps apply`` finds a volume's policy target)."""
+    for volume in view.volumes(env_id):
+        if volume.project_id == project_id and volume.name == name:
+            return volume
+    return None

@@ -53,7 +53,7 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
-from shared.ids import is_safe_id
+from shared.ids import is_safe_id, unsafe_id
 from shared.natsio import SOURCES_STORE, Connection, is_direct_request
 from shared.registry import BlobStore, PlatformImage, RegistryError, digest_of, parse_ref, push_image
 from shared.tasks import cancel_and_wait
@@ -202,7 +202,7 @@ class Builder:
             await self._refuse(msg, "bad request: no build id")
             return
         if not is_safe_id(build_id):  # it names the scratch directory, removed after the build
-            await self._refuse(msg, f"bad request: build id {build_id[:64]!r} is not 1-128 letters, digits, '-' or '_'")
+            await self._refuse(msg, f"bad request: {unsafe_id('build id', build_id)}")
             return
         if build_id not in self._builds:
             task = asyncio.create_task(self._run(request, msg.headers), name=f"build:{build_id}")

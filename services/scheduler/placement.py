@@ -36,8 +36,8 @@ from weakref import WeakKeyDictionary
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.platforms import loose_platform, normalize_platform, platform_set, supports
-from services.scheduler.replicas import find_volume
 from shared.view import StateView, reservation
+from shared.volumes import find_volume
 
 __all__ = [
     "PlacementError",

@@ -87,14 +87,6 @@ def node_is_down(view: StateView, node_id: str) -> bool:
     return node is None or node.status != ALIVE
 
 
-def find_volume(view: StateView, project_id: str, env_id: str, name: str) -> pb.Volume | None:
-    """The volume named ``name`` of (project, env); the oldest when duplicates exist."""
-    for volume in view.volumes(env_id):
-        if volume.project_id == project_id and volume.name == name:
-            return volume
-    return None
-
-
 def seconds(ts: Timestamp) -> float:
     return ts.seconds + ts.nanos / 1e9
 

@@ -428,29 +428,20 @@ class SnapshotDispatcher:
             self._busy_volumes.discard(volume_id)
 
     async def _enter_restoring(self, volume_id: str, writer: Writer) -> pb.Volume:
-        """Set RESTORING (stamped now) after re-checking, on the revision written, that the volume is neither
-        mounted nor already restoring; returns the volume as it was before."""
-        for _ in range(5):
-            current = self.view.volume(volume_id)
-            if current is None:
-                raise RestoreRefused(f"volume {volume_id} not found")
-            if current.status == pb.VOLUME_STATUS_RESTORING:
+        """Set RESTORING after re-checking, on the revision written, that the volume is neither mounted nor
+        already restoring; returns the volume as it was before."""
+
+        def to_restoring(volume: pb.Volume, now: float) -> None:
+            if volume.status == pb.VOLUME_STATUS_RESTORING:
                 raise SnapshotBusy(f"volume {volume_id} is already being restored")
-            now = self.clock.now()
-            if volume_mounted(self.view, current, now):
+            if volume_mounted(self.view, volume, now):
                 raise RestoreRefused(f"volume {volume_id} is mounted; stop its service before restoring")
-            restoring = pb.Volume()
-            restoring.CopyFrom(current)
-            restoring.status = pb.VOLUME_STATUS_RESTORING
-            restoring.meta.updated_at.CopyFrom(_stamp(now))
-            try:
-                await writer.commit(writer.txn("volume.restore").put(restoring))
-                return current
-            except Deposed:
-                raise
-            except TxnError:
-                await self.view.wait_fresh()
-        raise NodeOperationFailed(f"could not set volume {volume_id} to RESTORING: it kept changing")
+            volume.status = pb.VOLUME_STATUS_RESTORING
+
+        before = await self._update_volume(volume_id, to_restoring, writer)
+        if before is None:
+            raise RestoreRefused(f"volume {volume_id} not found")
+        return before
 
     async def _touch_restoring(self, volume_id: str, writer: Writer) -> None:
         """Refresh a RESTORING volume's ``updated_at``: the restore is alive, the reaper must wait."""
@@ -464,22 +455,34 @@ class SnapshotDispatcher:
             await writer.commit(writer.txn("volume.restore.touch").put(touched))
 
     async def _set_volume_status(self, volume_id: str, status: pb.VolumeStatus.ValueType, writer: Writer) -> None:
-        for _ in range(5):  # a concurrent write (a policy change, the reaper) may land first: re-read on conflict
+        def set_status(volume: pb.Volume, _: float) -> None:
+            volume.status = status
+
+        await self._update_volume(volume_id, set_status, writer)
+
+    async def _update_volume(
+        self, volume_id: str, change: Callable[[pb.Volume, float], None], writer: Writer
+    ) -> pb.Volume | None:
+        """Write ``change`` (which may refuse by raising) applied to the volume as the view has it now, stamped
+        now; re-read and decide again when a concurrent write (the scheduler's lease renewal, a policy change,
+        the reaper) lands first. Returns the volume as it was before; None when it does not exist."""
+        for _ in range(5):
             current = self.view.volume(volume_id)
             if current is None:
-                return
+                return None
+            now = self.clock.now()
             updated = pb.Volume()
             updated.CopyFrom(current)
-            updated.status = status
-            updated.meta.updated_at.CopyFrom(_stamp(self.clock.now()))
+            change(updated, now)
+            updated.meta.updated_at.CopyFrom(_stamp(now))
             try:
                 await writer.commit(writer.txn("volume.restore").put(updated))
-                return
+                return current
             except Deposed:
                 raise
             except TxnError:
-                await asyncio.sleep(0)
-        raise NodeOperationFailed(f"could not set volume {volume_id} to {pb.VolumeStatus.Name(status)}")
+                await self.view.wait_fresh()
+        raise NodeOperationFailed(f"volume {volume_id} kept changing; its status was not written")
 
 
 __all__ = [

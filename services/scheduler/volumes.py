@@ -35,12 +35,12 @@ from zattera.v1 import types_pb2 as pb
 from services.scheduler.decisions import Writes, volume_event
 from services.scheduler.placement import volume_pin
 from services.scheduler.platforms import supports
-from services.scheduler.replicas import RUN, find_volume, node_is_down, seconds
+from services.scheduler.replicas import RUN, node_is_down, seconds
 from shared.deployments import env_ownership
 from shared.events import INFO, WARNING
 from shared.ids import new_id
 from shared.view import StateView, reservation
-from shared.volumes import lease_expired, lease_held_by_other, lease_of
+from shared.volumes import find_volume, lease_expired, lease_held_by_other, lease_of
 
 LEASE_TTL = 60.0
 RENEW_AT = LEASE_TTL / 2

@@ -35,7 +35,7 @@ from nats.aio.subscription import Subscription
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from shared.ids import is_safe_id
+from shared.ids import is_safe_id, unsafe_id
 from shared.natsio import Connection, agent_subject, is_direct_request
 from shared.snapshots.chunking import ChunkParams
 from shared.snapshots.engine import DEFAULT_GC_GRACE, SnapshotEngine
@@ -71,7 +71,7 @@ def decode(cls: type[M], data: bytes) -> M:
 
 def checked_id(what: str, value: str) -> str:
     if not is_safe_id(value):
-        raise BadRequest(f"bad request: {what} {value[:64]!r} is not 1-128 letters, digits, '-' or '_'")
+        raise BadRequest(f"bad request: {unsafe_id(what, value)}")
     return value
 
 
