@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
-from cli.spec import AppSpec, PolicyChange, service_spec, to_duration
+from cli.spec import AppSpec, PolicyChange, middleware, service_spec, to_duration
 from shared import keys as K
 from shared.ids import new_id
 from shared.txn import Txn, Writer
@@ -150,6 +150,11 @@ def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = Non
             new_env.idle_timeout.CopyFrom(to_duration(env_spec.idle_timeout))
         else:
             new_env.ClearField("idle_timeout")
+        env_middleware = middleware(env_spec)
+        if env_middleware is None:
+            new_env.ClearField("middleware")
+        else:
+            new_env.middleware.CopyFrom(env_middleware)
         if env is None and env_spec.scale_to_zero:
             new_env.effective_replicas = max(env_spec.replicas.min, 1)
         _stamp(new_env.meta, now, new=env is None)

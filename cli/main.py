@@ -23,6 +23,8 @@ from cli.client import OPTIONS, Control, control, err, run
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
+from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
+from services.proxy.settings import split_listen
 from shared import keys as K
 from shared.deploy import Deployer, DeployError
 from shared.deployments import is_terminal
@@ -118,15 +120,36 @@ def up(
         1, "--nats-cluster", min=1, max=5, help="local NATS servers as one JetStream cluster (3: replicas=3)"
     ),
     proxy_port: int = typer.Option(8080, help="HTTP port of the local ingress proxy"),
+    proxy_listen: str = typer.Option(
+        "",
+        "--proxy-listen",
+        envvar="ZATTERA_PROXY_LISTEN",
+        help="HOST:PORT of the local ingress proxy (default 0.0.0.0:<proxy-port>: every interface)",
+    ),
     node: bool = typer.Option(True, "--node/--no-node", help="also run a local agent and the proxy"),
 ) -> None:
     """Start the whole single-machine cluster: embedded NATS and every service, until Ctrl-C."""
     directory = (data_dir or settings().data_dir).resolve()
+    proxy_host = DEFAULT_PROXY_HOST
+    if proxy_listen:
+        try:
+            proxy_host, proxy_port = split_listen(proxy_listen)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--proxy-listen") from None
     if (secure or tls) and nats_cluster > 1:
         raise typer.BadParameter("--secure/--tls run one NATS server; drop --nats-cluster", param_hint="--nats-cluster")
     if secure or tls:
-        raise typer.Exit(secure_up(directory, port, tls=tls, proxy_port=proxy_port, with_node=node))
-    cluster = Cluster(data_dir=directory, port=port, nats_cluster=nats_cluster, proxy_port=proxy_port, with_node=node)
+        raise typer.Exit(
+            secure_up(directory, port, tls=tls, proxy_port=proxy_port, proxy_host=proxy_host, with_node=node)
+        )
+    cluster = Cluster(
+        data_dir=directory,
+        port=port,
+        nats_cluster=nats_cluster,
+        proxy_port=proxy_port,
+        proxy_host=proxy_host,
+        with_node=node,
+    )
     raise typer.Exit(run_up(cluster))
 
 

@@ -12,6 +12,7 @@ import typer
 
 from cli.client import nats_url
 from cli.up import LOCAL_NODE, Cluster, Supervised, run_up
+from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.natsio import connect
 from shared.security.authority import Authority
 from shared.security.join import DEFAULT_TTL, JoinRefused, request_join_token
@@ -33,7 +34,15 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
-def secure_up(data_dir: Path, port: int, *, tls: bool, proxy_port: int = 8080, with_node: bool = True) -> int:
+def secure_up(
+    data_dir: Path,
+    port: int,
+    *,
+    tls: bool,
+    proxy_port: int = 8080,
+    proxy_host: str = DEFAULT_PROXY_HOST,
+    with_node: bool = True,
+) -> int:
     """``zattera up`` with operator-mode auth (and TLS): every service runs with the control credential, the
     local agent with a builder credential and the local proxy with a proxy credential of its own."""
     setup = prepare(data_dir / "security", tls=tls)
@@ -48,6 +57,7 @@ def secure_up(data_dir: Path, port: int, *, tls: bool, proxy_port: int = 8080, w
         tls_ca=ca,
         node_creds=setup.local_node_creds(LOCAL_NODE),
         proxy_port=proxy_port,
+        proxy_host=proxy_host,
         with_node=with_node,
     )
     hint = f"  CLI:       export ZATTERA_NATS_CREDS={setup.operator_creds}"

@@ -13,12 +13,19 @@ Example::
     command = "python app.py"     # start command; the process gets PORT
 
     [env.production]
-    replicas = { min = 2, max = 4 }
+    replicas = { min = 2, max = 4 }   # or replicas = 2: a fixed count
     resources = { cpu_millis = 250, memory_mb = 128 }
     ports = [{ name = "http", container_port = 8080 }]
     healthcheck = { type = "http", path = "/healthz", interval = "2s", grace_period = "5s" }
     autoscale = { target_cpu_percent = 70 }
     domains = ["hello.example.com"]
+    rate_limit = { requests_per_second = 50, burst = 100 }
+    [env.production.middleware]   # what the proxy enforces on every route of the env
+    ip_allowlist = ["10.0.0.0/8"]
+    basic_auth = [{ username = "ops", password_hash = "$2b$12$..." }]
+    max_body = "10MB"
+    sticky_sessions = true
+    redirect_https = true
 
     [env.db]
     stateful = true               # one instance pinned to its volumes' node
@@ -33,11 +40,13 @@ A volume's ``snapshot_*`` keys become its ``Volume.snapshot_policy`` when ``zatt
 the volume (the first deploy creates it: apply again afterwards). A key present in the file sets that
 field; an absent key leaves it as it is (e.g. as ``zattera volumes policy`` set it).
 
-Every error names the field it is about (``env.production.replicas.max: ...``).
+Every error names the field it is about (``env.production.replicas.max: ...``). The reference of every
+key is docs/zattera-toml.md.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import tomllib
 from dataclasses import dataclass
@@ -180,6 +189,67 @@ class RateLimit(_Model):
     burst: int = Field(default=0, ge=0)
 
 
+_BCRYPT_HASH = re.compile(r"^\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}$")
+_SIZE = re.compile(r"^\s*(\d+)\s*(b|kb|kib|mb|mib|gb|gib)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from ``1048576``, ``"512KiB"``, ``"10MB"`` or ``"1GiB"``."""
+    if isinstance(value, bool):
+        raise ValueError("must be a size like 1048576, '512KiB' or '10MB'")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("must not be negative")
+        return value
+    match = _SIZE.match(value)
+    if not match:
+        raise ValueError(f"{value!r} is not a size like 1048576, '512KiB' or '10MB'")
+    return int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "b").lower()]
+
+
+class BasicAuthUser(_Model):
+    username: str = Field(min_length=1, max_length=256, pattern=r"^[^:\s]+$", description="no ':' nor spaces")
+    password_hash: str = Field(description="bcrypt hash ($2b$...), e.g. from `htpasswd -nbB user password`")
+
+    @field_validator("password_hash")
+    @classmethod
+    def _bcrypt(cls, value: str) -> str:
+        if not _BCRYPT_HASH.match(value):
+            raise ValueError("must be a bcrypt hash ($2a$/$2b$/$2y$, 60 characters), never a plain password")
+        return value
+
+
+class Middleware(_Model):
+    """What the proxy enforces on every HTTP route of the env (docs/zattera-toml.md, "middleware")."""
+
+    ip_allowlist: list[str] = Field(default_factory=list, description="CIDRs or addresses; empty = everyone")
+    basic_auth: list[BasicAuthUser] = Field(default_factory=list, description="users let in; empty = no auth")
+    max_body: int = Field(default=0, ge=0, description="request body cap in bytes (or '10MB'); 0 = none")
+    sticky_sessions: bool = False
+    redirect_https: bool = False
+
+    _size = field_validator("max_body", mode="before")(parse_size)
+
+    @field_validator("ip_allowlist")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry.strip(), strict=False)
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an IP address or CIDR") from None
+        return [entry.strip() for entry in value]
+
+    @field_validator("basic_auth")
+    @classmethod
+    def _unique_users(cls, value: list[BasicAuthUser]) -> list[BasicAuthUser]:
+        names = [user.username for user in value]
+        if len(names) != len(set(names)):
+            raise ValueError("usernames must be unique")
+        return value
+
+
 class Env(_Model):
     replicas: Replicas = Replicas()
     resources: Resources = Resources()
@@ -196,8 +266,19 @@ class Env(_Model):
     stop_grace: float = 10.0
     command: str = ""
     domains: list[str] = Field(default_factory=list)
+    middleware: Middleware | None = None
 
     _durations = field_validator("idle_timeout", "stop_grace", mode="before")(parse_duration)
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _replicas_shorthand(cls, value: object) -> object:
+        """``replicas = 2`` is ``replicas = { min = 2 }``: a fixed count."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return {"min": value}
+        if not isinstance(value, dict | Replicas):
+            raise ValueError("must be a number (replicas = 2) or a table (replicas = { min = 2, max = 4 })")
+        return value
 
     @field_validator("domains")
     @classmethod
@@ -256,7 +337,9 @@ def validate(raw: dict[str, object], source: str = "zattera.toml") -> AppSpec:
         lines = []
         for error in exc.errors():
             where = ".".join(str(p) for p in error["loc"]) or "(top level)"
-            message = error["msg"]
+            message = error["msg"].removeprefix("Value error, ")
+            if error["type"] == "extra_forbidden":
+                message = "unknown key (docs/zattera-toml.md lists every key)"
             if error["type"] == "string_pattern_mismatch" and error["ctx"].get("pattern") == NAME:
                 message = f"{error['input']!r} must be lowercase letters, digits and dashes (at most 63)"
             lines.append(f"{source}: {where}: {message}")
@@ -312,3 +395,19 @@ def service_spec(spec: AppSpec, env: Env) -> pb.ServiceSpec:
         s.rate_limit.burst = env.rate_limit.burst
     s.stop_grace.CopyFrom(to_duration(env.stop_grace))
     return s
+
+
+def middleware(env: Env) -> pb.Middleware | None:
+    """The env's ``Environment.middleware``; None when the file sets none."""
+    if env.middleware is None:
+        return None
+    m = env.middleware
+    out = pb.Middleware(
+        ip_allowlist=m.ip_allowlist,
+        max_body_bytes=m.max_body,
+        sticky_sessions=m.sticky_sessions,
+        redirect_https=m.redirect_https,
+    )
+    for user in m.basic_auth:
+        out.basic_auth_users.add(username=user.username, password_hash=user.password_hash)
+    return out

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.embedded import EmbeddedNats, free_port, start_cluster
 from shared.natsio import connect, provision
 
@@ -82,6 +83,7 @@ class Cluster:
     data_dir: Path
     port: int = 4222
     proxy_port: int = 8080
+    proxy_host: str = DEFAULT_PROXY_HOST
     with_node: bool = True
     services: list[str] = field(default_factory=available_services)
     extra: list[Supervised] = field(default_factory=list)
@@ -194,6 +196,8 @@ class Cluster:
                     "services.proxy",
                     "--nats",
                     self.url,
+                    "--host",
+                    self.proxy_host,
                     "--port",
                     str(port),
                     "--node-id",
@@ -253,6 +257,14 @@ Next, in another terminal (ZATTERA_NATS_URL={nats}):
 """
 
 
+def proxy_listen_text(host: str, port: int) -> str:
+    """Where the proxy listens, and what that means for who can reach it."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if host in ("0.0.0.0", "::"):
+        return f"{address} (every interface; --proxy-listen 127.0.0.1:{port} keeps it on this machine)"
+    return address
+
+
 def _port_free(port: int) -> bool:
     import socket
 
@@ -303,7 +315,8 @@ def run_up(cluster: Cluster, *, hint: str = "") -> int:
         for child in cluster.children:
             console.print(f"  {child.name:<10} pid {child.proc.pid if child.proc else '-'}  log {child.log_path}")
         if any(c.name == "proxy" for c in cluster.children):
-            console.print(f"  proxy:     http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")
+            console.print(f"  proxy:     listening on {proxy_listen_text(cluster.proxy_host, cluster.proxy_port)}")
+            console.print(f"             http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")
         console.print(hint or NEXT_STEPS.format(nats=cluster.url, port=cluster.proxy_port))
         console.print("Press Ctrl-C to stop.")
         while not stop:

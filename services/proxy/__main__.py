@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
 from shared.service import configure_logging
@@ -27,6 +29,9 @@ log = logging.getLogger("services.proxy")
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.proxy", description="Zattera ingress proxy")
     parser.add_argument("--nats", default=None, help="NATS URL(s), comma-separated (default: $ZATTERA_NATS_URL)")
+    parser.add_argument(
+        "--listen", default=None, help="HOST:PORT to listen on (default: $ZATTERA_PROXY_LISTEN or 0.0.0.0:8080)"
+    )
     parser.add_argument("--host", default=None, help="listen address (default: $ZATTERA_PROXY_HOST or 0.0.0.0)")
     parser.add_argument("--port", type=int, default=None, help="listen port (default: $ZATTERA_PROXY_PORT or 8080)")
     parser.add_argument("--proxy-id", default=None, help="heartbeat key (default: the host name)")
@@ -44,6 +49,7 @@ async def run(argv: Sequence[str] | None = None) -> int:
     overrides = {
         name: value
         for name, value in (
+            ("listen", args.listen),
             ("host", args.host),
             ("port", args.port),
             ("proxy_id", args.proxy_id),
@@ -52,7 +58,15 @@ async def run(argv: Sequence[str] | None = None) -> int:
         )
         if value is not None
     }
-    cfg = ProxySettings(**overrides)
+    if args.listen is None and (args.host is not None or args.port is not None):
+        overrides["listen"] = ""  # --host/--port given: they beat $ZATTERA_PROXY_LISTEN
+    try:
+        cfg = ProxySettings(**overrides)
+    except ValidationError as exc:
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error["loc"]) or "listen"
+            log.error("proxy: %s: %s", where, error["msg"].removeprefix("Value error, "))
+        return 2
     cache_dir = cfg.cache_dir or shared.data_dir / "proxy"
     proxy = Proxy(cfg, nats_url=args.nats or shared.nats_url, cache_dir=cache_dir)
     stop = asyncio.Event()

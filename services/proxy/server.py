@@ -1,14 +1,16 @@
 """The proxy process's core: HTTP server, request pipeline, upstream forwarding, heartbeats.
 
 Request pipeline (reference routes-snapshots.md A2.6, in its order): route match (404) → IP allowlist
-(403) → per-client rate limit (429) → basic auth (401) → body cap (413) → endpoint choice (sticky, then
-P2C under the cap) → hold-and-activate when cold or full (503/504), else 502 → forward with in-flight
-accounting (502 on upstream error). Every error body is ``{"error": "<msg>"}`` as JSON.
+(403) → HTTPS redirect (308, when the route asks for it) → per-client rate limit (429) → basic auth
+(401, bcrypt: :mod:`services.proxy.auth`) → body cap (413) → endpoint choice (sticky, then P2C under the
+cap) → hold-and-activate when cold or full (503/504), else 502 → forward with in-flight accounting (502
+on upstream error). Every error body is ``{"error": "<msg>"}`` as JSON.
 
 Deviations from the reference, all deliberate:
 
-* no TLS listener here, so no HTTPS redirect (the reference's dev mode) and no gzip middleware;
-* basic auth fails closed (401) because no bcrypt implementation is available to verify hashes;
+* no TLS listener here: a route without middleware is not redirected (the reference's dev mode), one with
+  ``redirect_https`` is, unless ``X-Forwarded-Proto: https`` says a TLS terminator in front already did
+  TLS; no gzip middleware;
 * a declared body above ``middleware.max_body_bytes`` is refused up front with 413 (the reference
   cut the body mid-stream and answered 502); an undeclared (chunked) one is still cut at the cap;
 * an upstream that refuses the connection (nothing was sent: its process or node just died, and the
@@ -41,6 +43,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.autoscale.activator import INVALID_ARGUMENT, NOT_FOUND, ActivateError, request_activation
 from services.proxy.activator import HoldRejected, Holds
+from services.proxy.auth import BasicAuth, https_location, is_https, route_users
 from services.proxy.balancer import STICKY_COOKIE, Balancer, sticky_endpoint, sticky_value
 from services.proxy.ratelimit import RateLimiter
 from services.proxy.routing import RouteEntry, RouteTable, request_host
@@ -127,6 +130,7 @@ class Proxy:
         self.table = RouteTable(self.routes.current)
         self.balancer = Balancer(cfg.node_id)
         self.limiter = RateLimiter()
+        self.basic_auth = BasicAuth()
         self.stats = ProxyStats()
         self.holds = Holds(
             self._activate,
@@ -278,12 +282,20 @@ class Proxy:
         client_ip = request.remote or ""
         if not entry.admits(client_ip):
             return error_response(403, "forbidden")
+        middleware = route.middleware if route.HasField("middleware") else None
+        if (
+            middleware is not None
+            and middleware.redirect_https
+            and not is_https(request.scheme, request.headers.get("X-Forwarded-Proto", ""))
+        ):
+            location = https_location(request.headers.get(hdrs.HOST, host), request.path_qs)
+            return web.Response(status=308, headers={hdrs.LOCATION: location})
         if route.HasField("rate_limit") and route.rate_limit.requests_per_second > 0:
             rps = route.rate_limit.requests_per_second
             if not self.limiter.allow(f"{route.environment_id}|{client_ip}", rps, route.rate_limit.burst or rps):
                 return error_response(429, "rate limit exceeded", {"Retry-After": RATE_LIMIT_RETRY_AFTER})
-        middleware = route.middleware if route.HasField("middleware") else None
-        if middleware is not None and middleware.basic_auth_username:
+        users = route_users(middleware) if middleware is not None else {}
+        if users and not await self.basic_auth.admits(users, request.headers.get(hdrs.AUTHORIZATION, "")):
             return error_response(401, "unauthorized", {"WWW-Authenticate": 'Basic realm="zattera"'})
         body_cap = middleware.max_body_bytes if middleware is not None else 0
         if body_cap and request.content_length is not None and request.content_length > body_cap:

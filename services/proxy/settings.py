@@ -1,14 +1,15 @@
 """Proxy settings (environment, prefix ``ZATTERA_PROXY_``), beside the shared ``ZATTERA_*`` ones.
 
 The reference's guardrails are the defaults; every timer is a setting so tests and demos can shorten
-it. The command line overrides the identity and listener ones.
+it. The command line overrides the identity and listener ones. The listen address is ``ZATTERA_PROXY_LISTEN``
+(``HOST:PORT``) or ``ZATTERA_PROXY_HOST`` / ``ZATTERA_PROXY_PORT``, default ``0.0.0.0:8080``: every interface.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.proxy.activator import HOLD_TIMEOUT, MAX_HELD_BODY_BYTES, MAX_HELD_PER_ENV
@@ -16,11 +17,27 @@ from services.proxy.activator import HOLD_TIMEOUT, MAX_HELD_BODY_BYTES, MAX_HELD
 ROUTES_CACHE_FILE = "routes.pb"
 
 
+DEFAULT_HOST = "0.0.0.0"
+"""An ingress listens on every interface unless told otherwise (``--listen 127.0.0.1:8080`` keeps it local)."""
+DEFAULT_PORT = 8080
+
+
+def split_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:8080`` for IPv6; ``:8080`` = every interface) → (host, port); ValueError naming
+    what is wrong."""
+    host, sep, port_text = value.strip().rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"{value!r} is not HOST:PORT (e.g. 0.0.0.0:8080 or 127.0.0.1:8080)")
+    host = host.removeprefix("[").removesuffix("]") or DEFAULT_HOST
+    return host, int(port_text)
+
+
 class ProxySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ZATTERA_PROXY_", extra="ignore")
 
-    host: str = Field(default="0.0.0.0", description="listen address")
-    port: int = Field(default=8080, ge=0, le=65535, description="listen port (0 = any free port)")
+    host: str = Field(default=DEFAULT_HOST, description="listen address (default: every interface)")
+    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535, description="listen port (0 = any free port)")
+    listen: str = Field(default="", description="HOST:PORT; when set, replaces host and port")
     proxy_id: str = Field(default="", description="key of this proxy's heartbeat; '' = the host name")
     node_id: str = Field(default="", description="node this proxy runs on (P2C tie-break, Activate requests)")
     cache_dir: Path | None = Field(default=None, description="route cache directory; unset = <data_dir>/proxy")
@@ -33,3 +50,9 @@ class ProxySettings(BaseSettings):
     upstream_connect_timeout: float = Field(default=5.0, gt=0)
     upstream_keepalive: float = Field(default=30.0, gt=0, description="idle upstream connections closed after")
     shutdown_grace: float = Field(default=5.0, ge=0, description="in-flight requests drained on SIGTERM")
+
+    @model_validator(mode="after")
+    def _listen(self) -> ProxySettings:
+        if self.listen:
+            self.host, self.port = split_listen(self.listen)
+        return self

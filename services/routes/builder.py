@@ -244,12 +244,16 @@ def build_env_routes(view: StateView, env: pb.Environment, domain: str, hosts: N
         http.append(len_field(_HTTP_ROUTE, route))
         hostnames.append(hostname)
 
+    # The env's middleware covers every hostname of the env, the implicit one too (else an allowlist or
+    # basic auth set in zattera.toml could be walked around through <app>-<env>.<domain>); a domain's own
+    # middleware, when it has one, replaces it for that domain.
+    env_middleware = env.middleware if env.HasField("middleware") else None
     for dom in view.domains(env_id):
         if dom.project_id == project_id:
-            middleware = dom.middleware if dom.HasField("middleware") else None
+            middleware = dom.middleware if dom.HasField("middleware") else env_middleware
             add_http_route(dom.hostname, dom.path_prefix, middleware, dom.port_name or http_port)
     if domain:
-        add_http_route(implicit_hostname(app_name, env_name, domain), "", None, http_port)
+        add_http_route(implicit_hostname(app_name, env_name, domain), "", env_middleware, http_port)
 
     l4 = [
         len_field(

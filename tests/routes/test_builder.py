@@ -232,6 +232,28 @@ def test_domain_fields_middleware_port_override_and_ordering() -> None:
     assert list(snapshot.cert_hosts) == ["Admin.Example.com", "api-production.apps.example.com", "api.example.com"]
 
 
+def test_env_middleware_covers_its_domains_and_implicit_host_unless_a_domain_has_its_own() -> None:
+    env_key, env = S.env()
+    assert isinstance(env, pb.Environment)
+    env.middleware.ip_allowlist.append("10.0.0.0/8")
+    env.middleware.basic_auth_users.add(username="ops", password_hash="$2b$04$" + "a" * 53)
+    own = pb.Middleware(sticky_sessions=True)
+    routes = Routes(
+        *S.seed_route_env(),
+        (env_key, env),
+        S.domain("dom1", "api.example.com"),
+        S.domain("dom2", "own.example.com", middleware=own),
+    )
+    assert routes.route("api.example.com").middleware == env.middleware
+    assert routes.route(IMPLICIT).middleware == env.middleware  # no way around it through the implicit host
+    assert routes.route("own.example.com").middleware == own
+    cleared = pb.Environment()
+    cleared.CopyFrom(env)
+    cleared.ClearField("middleware")
+    routes.write((env_key, cleared))
+    assert not routes.route(IMPLICIT).HasField("middleware")
+
+
 def test_no_cluster_domain_means_no_implicit_route() -> None:
     routes = Routes(*S.seed_route_env(), S.domain(), domain="")
     assert [r.hostname for r in routes.snapshot().http_routes] == ["api.example.com"]

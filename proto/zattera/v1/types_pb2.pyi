@@ -5,7 +5,7 @@ Zattera durable data model (package zattera.v1).
 
 Values of the `zattera-state` KV bucket (DESIGN.md §2) and the objects that
 travel inside cluster messages. Names and numbers follow the reference Go
-protos (zatterav1) as described in /work/shared/spec/reference/*.md.
+protos (zatterav1); the contract is docs/wire-contract.md.
 
 Numbering provenance, per message (see proto/FIELDS.md for the full table):
   - "numbers stated by the reference spec": enum values given as NAME=N.
@@ -849,6 +849,7 @@ class Environment(_message.Message):
     PREVIEW_PR_NUMBER_FIELD_NUMBER: _builtins.int
     PREVIEW_EXPIRES_AT_FIELD_NUMBER: _builtins.int
     IDLE_TIMEOUT_FIELD_NUMBER: _builtins.int
+    MIDDLEWARE_FIELD_NUMBER: _builtins.int
     app_id: _builtins.str
     project_id: _builtins.str
     active_release_id: _builtins.str
@@ -874,6 +875,13 @@ class Environment(_message.Message):
     def idle_timeout(self) -> _duration_pb2.Duration:
         """Scale-to-zero idle window; unset/0 = never cools."""
 
+    @_builtins.property
+    def middleware(self) -> Global___Middleware:
+        """This project's own: the proxy middleware of every HTTP route of the env
+        (implicit hostnames included) unless a Domain carries its own; set from
+        zattera.toml [env.<name>.middleware]. Unset = none.
+        """
+
     def __init__(
         self,
         *,
@@ -890,10 +898,11 @@ class Environment(_message.Message):
         preview_pr_number: _builtins.int = ...,
         preview_expires_at: _timestamp_pb2.Timestamp | None = ...,
         idle_timeout: _duration_pb2.Duration | None = ...,
+        middleware: Global___Middleware | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["idle_timeout", b"idle_timeout", "meta", b"meta", "preview_expires_at", b"preview_expires_at", "service", b"service"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["idle_timeout", b"idle_timeout", "meta", b"meta", "middleware", b"middleware", "preview_expires_at", b"preview_expires_at", "service", b"service"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_release_id", b"active_release_id", "app_id", b"app_id", "effective_replicas", b"effective_replicas", "idle_timeout", b"idle_timeout", "meta", b"meta", "name", b"name", "preview_branch", b"preview_branch", "preview_expires_at", b"preview_expires_at", "preview_pr_number", b"preview_pr_number", "project_id", b"project_id", "route_generation", b"route_generation", "service", b"service", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_release_id", b"active_release_id", "app_id", b"app_id", "effective_replicas", b"effective_replicas", "idle_timeout", b"idle_timeout", "meta", b"meta", "middleware", b"middleware", "name", b"name", "preview_branch", b"preview_branch", "preview_expires_at", b"preview_expires_at", "preview_pr_number", b"preview_pr_number", "project_id", b"project_id", "route_generation", b"route_generation", "service", b"service", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1852,6 +1861,7 @@ class Middleware(_message.Message):
     MAX_BODY_BYTES_FIELD_NUMBER: _builtins.int
     STICKY_SESSIONS_FIELD_NUMBER: _builtins.int
     COMPRESS_FIELD_NUMBER: _builtins.int
+    BASIC_AUTH_USERS_FIELD_NUMBER: _builtins.int
     redirect_https: _builtins.bool
     basic_auth_username: _builtins.str
     """"" = no basic auth"""
@@ -1867,6 +1877,12 @@ class Middleware(_message.Message):
     def ip_allowlist(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """CIDRs or bare IPs"""
 
+    @_builtins.property
+    def basic_auth_users(self) -> _containers.RepeatedCompositeFieldContainer[Global___BasicAuthUser]:
+        """This project's own: more basic-auth users (any one of them, or the
+        username/hash pair above, is let in).
+        """
+
     def __init__(
         self,
         *,
@@ -1877,14 +1893,40 @@ class Middleware(_message.Message):
         max_body_bytes: _builtins.int = ...,
         sticky_sessions: _builtins.bool = ...,
         compress: _builtins.bool = ...,
+        basic_auth_users: _abc.Iterable[Global___BasicAuthUser] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["basic_auth_password_hash", b"basic_auth_password_hash", "basic_auth_username", b"basic_auth_username", "compress", b"compress", "ip_allowlist", b"ip_allowlist", "max_body_bytes", b"max_body_bytes", "redirect_https", b"redirect_https", "sticky_sessions", b"sticky_sessions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["basic_auth_password_hash", b"basic_auth_password_hash", "basic_auth_username", b"basic_auth_username", "basic_auth_users", b"basic_auth_users", "compress", b"compress", "ip_allowlist", b"ip_allowlist", "max_body_bytes", b"max_body_bytes", "redirect_https", b"redirect_https", "sticky_sessions", b"sticky_sessions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Middleware: _TypeAlias = Middleware  # noqa: Y015
+
+@_typing.final
+class BasicAuthUser(_message.Message):
+    """BasicAuthUser is one user of a route's basic auth. This project's own."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    USERNAME_FIELD_NUMBER: _builtins.int
+    PASSWORD_HASH_FIELD_NUMBER: _builtins.int
+    username: _builtins.str
+    password_hash: _builtins.str
+    """bcrypt ($2a$, $2b$ or $2y$)"""
+    def __init__(
+        self,
+        *,
+        username: _builtins.str = ...,
+        password_hash: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["password_hash", b"password_hash", "username", b"username"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BasicAuthUser: _TypeAlias = BasicAuthUser  # noqa: Y015
 
 @_typing.final
 class Domain(_message.Message):

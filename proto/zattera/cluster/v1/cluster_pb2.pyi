@@ -6,7 +6,7 @@ Zattera cluster wire messages (package zattera.cluster.v1).
 What agents, proxies and services exchange over NATS (DESIGN.md §3):
 heartbeats in KV `zattera-live`, route snapshots, activation, build dispatch,
 volume snapshot dispatch. Names and numbers follow the reference Go protos
-(clusterv1) as described in /work/shared/spec/reference/*.md; where the spec
+(clusterv1) (contract: docs/wire-contract.md); where the reference spec
 names fields without numbers, the numbers were taken from the public
 reference repository (zattera-dev/zattera, api/proto/zattera/cluster/v1/
 {agent,routes}.proto). Messages marked "this project's own" are new.
