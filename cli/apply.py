@@ -15,8 +15,10 @@ from the env to the volume): in the same write, through :func:`with_policy`, the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
+from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
@@ -26,6 +28,31 @@ from shared.ids import new_id
 from shared.txn import Txn, Writer
 from shared.view import StateView
 from shared.volumes import find_volume
+
+CREATE, UPDATE, DELETE, UNCHANGED, PENDING = "create", "update", "delete", "unchanged", "pending"
+SENSITIVE_FIELDS = frozenset({"password_hash", "basic_auth_password_hash"})
+"""Fields whose values a plan never prints (it says that they change, not what to)."""
+
+
+@dataclass(frozen=True)
+class FieldChange:
+    field: str
+    old: Any
+    new: Any
+    sensitive: bool = False
+    """A value never shown (``old`` and ``new`` are then None): the plan only says that it changes."""
+
+
+@dataclass
+class PlanItem:
+    """One object of the plan: what ``apps apply`` does (or, with ``--dry-run``, would do) to it."""
+
+    action: str
+    kind: str
+    name: str
+    """Qualified by names: ``demo``, ``demo/hello``, ``demo/hello/production``, a hostname, ``…/db:data``."""
+    changes: list[FieldChange] = field(default_factory=list)
+    note: str = ""
 
 
 @dataclass
@@ -38,6 +65,61 @@ class ApplyResult:
     unchanged: list[str] = field(default_factory=list)
     pending: list[str] = field(default_factory=list)
     """Volumes whose snapshot policy waits for the volume to exist (apply again after the first deploy)."""
+    items: list[PlanItem] = field(default_factory=list)
+
+    def add(self, item: PlanItem, label: str) -> None:
+        self.items.append(item)
+        bucket = {CREATE: self.created, UPDATE: self.updated, DELETE: self.updated, PENDING: self.pending}
+        bucket.get(item.action, self.unchanged).append(label)
+
+    def counts(self) -> dict[str, int]:
+        return {action: sum(1 for i in self.items if i.action == action) for action in (CREATE, UPDATE, DELETE)} | {
+            UNCHANGED: sum(1 for i in self.items if i.action == UNCHANGED)
+        }
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "items"} | {
+            "plan": [asdict(item) for item in self.items],
+            "summary": self.counts(),
+        }
+
+
+def _flatten(value: Any, path: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict) and value:
+        for key, inner in value.items():
+            _flatten(inner, f"{path}.{key}" if path else str(key), out)
+    elif isinstance(value, list) and any(isinstance(v, dict) for v in value):
+        for index, inner in enumerate(value):
+            _flatten(inner, f"{path}.{index}", out)
+    elif value != {}:
+        out[path] = value
+
+
+def _fields(msg: Message | None) -> dict[str, Any]:
+    """Set fields of ``msg`` as dotted paths (``service.replicas.min``), without the generated ``meta``."""
+    if msg is None:
+        return {}
+    flat: dict[str, Any] = {}
+    _flatten(MessageToDict(msg, preserving_proto_field_name=True), "", flat)
+    # meta (id, times) and the *_id references are generated or follow from the names: a plan shows neither
+    return {
+        path: value
+        for path, value in flat.items()
+        if not path.startswith("meta.") and not path.rsplit(".", 1)[-1].endswith("_id")
+    }
+
+
+def field_changes(old: Message | None, new: Message | None) -> list[FieldChange]:
+    """Every field that differs between ``old`` and ``new`` (None = absent), sensitive values hidden."""
+    before, after = _fields(old), _fields(new)
+    changes = []
+    for path in sorted(before.keys() | after.keys()):
+        if before.get(path) != after.get(path):
+            if path.rsplit(".", 1)[-1] in SENSITIVE_FIELDS:
+                changes.append(FieldChange(path, None, None, sensitive=True))
+            else:
+                changes.append(FieldChange(path, before.get(path), after.get(path)))
+    return changes
 
 
 def _stamp(meta: pb.Meta, now: float, *, new: bool) -> None:
@@ -109,22 +191,22 @@ def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = Non
     txn = writer.txn("apply")
     result = ApplyResult()
 
-    def record(kind: str, name: str, old: Message | None, new: Message) -> None:
+    def record(kind: str, name: str, qualified: str, old: Message | None, new: Message) -> None:
         label = f"{kind} {name}"
         if old is None:
-            result.created.append(label)
+            result.add(PlanItem(CREATE, kind, qualified, field_changes(None, new)), label)
             txn.create(new)
         elif _without_times(old) != _without_times(new):
-            result.updated.append(label)
+            result.add(PlanItem(UPDATE, kind, qualified, field_changes(old, new)), label)
             txn.put(new)
         else:
-            result.unchanged.append(label)
+            result.add(PlanItem(UNCHANGED, kind, qualified), label)
 
     project = find_project(view, spec.project)
     new_project = pb.Project(name=spec.project) if project is None else _copy(project)
     assert isinstance(new_project, pb.Project)
     _stamp(new_project.meta, now, new=project is None)
-    record("project", spec.project, project, new_project)
+    record("project", spec.project, spec.project, project, new_project)
     result.project_id = new_project.meta.id
 
     app = find_app(view, new_project.meta.id, spec.app) if project else None
@@ -132,7 +214,7 @@ def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = Non
     assert isinstance(new_app, pb.App)
     new_app.build.platforms[:] = spec.build.platforms
     _stamp(new_app.meta, now, new=app is None)
-    record("app", spec.app, app, new_app)
+    record("app", spec.app, f"{spec.project}/{spec.app}", app, new_app)
     result.app_id = new_app.meta.id
 
     for env_name, env_spec in sorted(spec.env.items()):
@@ -158,34 +240,39 @@ def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = Non
         if env is None and env_spec.scale_to_zero:
             new_env.effective_replicas = max(env_spec.replicas.min, 1)
         _stamp(new_env.meta, now, new=env is None)
-        record("env", env_name, env, new_env)
+        path = f"{spec.project}/{spec.app}/{env_name}"
+        record("env", env_name, path, env, new_env)
         result.env_ids[env_name] = new_env.meta.id
-        _plan_domains(view, txn, result, new_env, env_spec.domains, now)
+        _plan_domains(view, txn, result, new_env, path, env_spec.domains, now)
         for vol in env_spec.volumes:
             change = vol.policy_change()
             if not change:
                 continue
             label = f"volume {env_name}/{vol.volume_name} snapshot policy"
+            qualified = f"{path}:{vol.volume_name}"
             volume = find_volume(view, new_env.project_id, new_env.meta.id, vol.volume_name)
             if volume is None:
-                result.pending.append(label)
+                note = "the volume does not exist yet: apply again after the first deploy"
+                result.add(PlanItem(PENDING, "volume policy", qualified, note=note), label)
                 continue
             updated = with_policy(volume, change, now)
             if updated is None:
-                result.unchanged.append(label)
+                result.add(PlanItem(UNCHANGED, "volume policy", qualified), label)
             else:
                 txn.put(updated)
-                result.updated.append(label)
+                changes = field_changes(volume.snapshot_policy, updated.snapshot_policy)
+                result.add(PlanItem(UPDATE, "volume policy", qualified, changes), label)
     return txn, result
 
 
 def _plan_domains(
-    view: StateView, txn: Txn, result: ApplyResult, env: pb.Environment, hosts: list[str], now: float
+    view: StateView, txn: Txn, result: ApplyResult, env: pb.Environment, env_path: str, hosts: list[str], now: float
 ) -> None:
     existing = {d.hostname: d for d in view.domains(env.meta.id)}
+    routed_to = f"routed to {env_path}"
     for host in hosts:
         if host in existing:
-            result.unchanged.append(f"domain {host}")
+            result.add(PlanItem(UNCHANGED, "domain", host, note=routed_to), f"domain {host}")
             continue
         for other in view.domains():
             if other.hostname == host and other.environment_id != env.meta.id:
@@ -193,11 +280,11 @@ def _plan_domains(
         domain = pb.Domain(project_id=env.project_id, app_id=env.app_id, environment_id=env.meta.id, hostname=host)
         _stamp(domain.meta, now, new=True)
         txn.create(domain)
-        result.created.append(f"domain {host}")
+        result.add(PlanItem(CREATE, "domain", host, note=routed_to), f"domain {host}")
     for host, domain in existing.items():
         if host not in hosts:
             txn.delete(K.domain(domain.meta.id))
-            result.updated.append(f"domain {host} removed")
+            result.add(PlanItem(DELETE, "domain", host, note=f"no longer {routed_to}"), f"domain {host} removed")
 
 
 def _without_times(msg: Message) -> bytes:

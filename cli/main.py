@@ -20,6 +20,7 @@ from zattera.v1 import types_pb2 as pb
 from cli import render
 from cli.apply import env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
+from cli.plan_view import print_plan
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
@@ -277,8 +278,12 @@ def nodes_label(node_id: str, labels: list[str] = typer.Argument(..., help="key=
 
 
 @apps_app.command("apply")
-def apps_apply(path: Path = typer.Argument(Path("zattera.toml")), json: bool = JSON) -> None:
-    """Create or update the project, app and environments described by a zattera.toml."""
+def apps_apply(
+    path: Path = typer.Argument(Path("zattera.toml")),
+    json: bool = JSON,
+    dry_run: bool = typer.Option(False, "--dry-run", help="print what would change, field by field; write nothing"),
+) -> None:
+    """Create or update the project, app and environments described by a zattera.toml (docs/zattera-toml.md)."""
     _json(json)
     try:
         spec = load(path)
@@ -294,6 +299,8 @@ def apps_apply(path: Path = typer.Argument(Path("zattera.toml")), json: bool = J
                     txn, result = plan(c.view, c.writer, spec)
                 except ValueError as exc:
                     raise _fail(str(exc)) from None
+                if dry_run:
+                    break
                 try:
                     await c.writer.commit(txn)
                     break
@@ -302,7 +309,10 @@ def apps_apply(path: Path = typer.Argument(Path("zattera.toml")), json: bool = J
             else:
                 raise _fail("the app kept changing while applying; try again")
             if render.json_mode():
-                render.emit_json(result.__dict__)
+                render.emit_json(result.as_json() | {"dry_run": dry_run})
+                return
+            if dry_run:
+                print_plan(result, dry_run=True)
                 return
             for label in result.created:
                 render.out.print(f"[green]created[/] {label}")
