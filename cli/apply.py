@@ -186,6 +186,12 @@ def env_path(view: StateView, env: pb.Environment) -> str:
     return f"{project.name if project else '?'}/{app.name if app else '?'}/{env.name}"
 
 
+def env_label(view: StateView, env_id: str) -> str:
+    """``project/app/env`` of an environment id; the id itself when the environment is gone."""
+    env = view.env(env_id)
+    return env_path(view, env) if env is not None else env_id
+
+
 def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = None) -> tuple[Txn, ApplyResult]:
     now = time.time() if now is None else now
     txn = writer.txn("apply")

@@ -36,6 +36,7 @@ class Control:
 class Options:
     nats_url: str = ""
     json: bool = False
+    wide: bool = False
 
 
 OPTIONS = Options()

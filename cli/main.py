@@ -18,9 +18,10 @@ from typer.core import TyperGroup
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.apply import env_path, plan, resolve_env
+from cli.apply import env_label, env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
 from cli.plan_view import print_plan
+from cli.render import Col
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
@@ -67,6 +68,7 @@ app.add_typer(volumes_app, name="volumes")
 app.add_typer(security_app, name="security")
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
+WIDE = typer.Option(False, "--wide", help="every column, ids included")
 
 
 @app.callback()
@@ -78,8 +80,9 @@ def root(
     setup_telemetry("zattera-cli")  # OTEL_TRACES_EXPORTER picks the exporter; unset = no-op
 
 
-def _json(flag: bool) -> bool:
+def _json(flag: bool, wide: bool = False) -> bool:
     OPTIONS.json = flag
+    OPTIONS.wide = wide
     return flag
 
 
@@ -158,9 +161,9 @@ def up(
 
 
 @nodes_app.command("list")
-def nodes_list(json: bool = JSON) -> None:
+def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
     """Every registered node with its status, capacity and reservations."""
-    _json(json)
+    _json(json, wide)
 
     async def go() -> None:
         async with control() as c:
@@ -183,7 +186,11 @@ def nodes_list(json: bool = JSON) -> None:
                         ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
                     ]
                 )
-            render.table("nodes", ["id", "name", "status", "schedulable", "platform", "cpu", "memory", "labels"], rows)
+            render.table(
+                "nodes",
+                ["id", "name", "status", "schedulable", "platform", "cpu", "memory", Col("labels", wrap=True)],
+                rows,
+            )
 
     run(go)
 
@@ -332,9 +339,9 @@ def apps_apply(
 
 
 @apps_app.command("list")
-def apps_list(json: bool = JSON) -> None:
+def apps_list(json: bool = JSON, wide: bool = WIDE) -> None:
     """Every environment with its active release and replica counts."""
-    _json(json)
+    _json(json, wide)
 
     async def go() -> None:
         async with control() as c:
@@ -354,7 +361,7 @@ def apps_list(json: bool = JSON) -> None:
                         e.effective_replicas or e.service.replicas.min,
                     ]
                 )
-            render.table("environments", ["env", "id", "active", "running", "desired"], rows)
+            render.table("environments", ["env", Col("id", wide=True), "active", "running", "desired"], rows)
 
     run(go)
 
@@ -473,9 +480,9 @@ def rollback(
 
 
 @app.command()
-def releases(env: str = typer.Option(..., "--env"), json: bool = JSON) -> None:
+def releases(env: str = typer.Option(..., "--env"), json: bool = JSON, wide: bool = WIDE) -> None:
     """The releases of an environment, newest first."""
-    _json(json)
+    _json(json, wide)
 
     async def go() -> None:
         async with control() as c:
@@ -503,9 +510,9 @@ def releases(env: str = typer.Option(..., "--env"), json: bool = JSON) -> None:
 
 
 @deploy_app.command("list")
-def deployments(env: str = typer.Option("", "--env"), json: bool = JSON) -> None:
+def deployments(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WIDE) -> None:
     """Deployments (of one environment, or all), newest first."""
-    _json(json)
+    _json(json, wide)
 
     async def go() -> None:
         async with control() as c:
@@ -517,18 +524,17 @@ def deployments(env: str = typer.Option("", "--env"), json: bool = JSON) -> None
             rows = []
             for d in items:
                 release = c.view.release(d.release_id)
-                e = c.view.env(d.environment_id)
                 rows.append(
                     [
                         d.meta.id,
-                        env_path(c.view, e) if e else d.environment_id,
+                        env_label(c.view, d.environment_id),
                         f"v{release.version}" if release else "?",
                         render.enum_name(pb.DeploymentPhase, d.phase, "DEPLOYMENT_PHASE_"),
                         "rollback" if d.is_rollback else "",
                         d.error,
                     ]
                 )
-            render.table("deployments", ["id", "env", "release", "phase", "kind", "error"], rows)
+            render.table("deployments", ["id", "env", "release", "phase", "kind", Col("error", wrap=True)], rows)
 
     run(go)
 
@@ -537,9 +543,9 @@ def deployments(env: str = typer.Option("", "--env"), json: bool = JSON) -> None
 
 
 @app.command()
-def ps(env: str = typer.Option("", "--env"), json: bool = JSON) -> None:
+def ps(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WIDE) -> None:
     """Assignments (replicas) with their desired and observed state."""
-    _json(json)
+    _json(json, wide)
 
     async def go() -> None:
         async with control() as c:
@@ -550,13 +556,12 @@ def ps(env: str = typer.Option("", "--env"), json: bool = JSON) -> None:
                 return
             rows = []
             for a in items:
-                e = c.view.env(a.environment_id)
                 release = c.view.release(a.release_id)
                 ports = ",".join(f"{k}:{v}" for k, v in sorted(a.observed.mesh_port_bindings.items()))
                 rows.append(
                     [
                         a.meta.id,
-                        env_path(c.view, e) if e else a.environment_id,
+                        env_label(c.view, a.environment_id),
                         f"v{release.version}" if release else "?",
                         a.node_id,
                         render.enum_name(pb.AssignmentDesired, a.desired, "ASSIGNMENT_DESIRED_"),
@@ -566,16 +571,27 @@ def ps(env: str = typer.Option("", "--env"), json: bool = JSON) -> None:
                     ]
                 )
             render.table(
-                "assignments", ["id", "env", "release", "node", "desired", "observed", "ports", "message"], rows
+                "assignments",
+                [
+                    Col("id", wide=True),
+                    "env",
+                    "release",
+                    "node",
+                    "desired",
+                    "observed",
+                    "ports",
+                    Col("message", wrap=True),
+                ],
+                rows,
             )
 
     run(go)
 
 
 @app.command()
-def routes(json: bool = JSON) -> None:
+def routes(json: bool = JSON, wide: bool = WIDE) -> None:
     """The current route snapshot, as the proxies see it."""
-    _json(json)
+    _json(json, wide)
     from cli.watch import fetch_routes
 
     snapshot = run(fetch_routes)
@@ -584,11 +600,23 @@ def routes(json: bool = JSON) -> None:
     if render.json_mode():
         render.emit_json(render.as_dict(snapshot))
         return
+    projects = run(_project_names)
     rows = []
     for r in snapshot.http_routes:
         endpoints = ", ".join(f"{e.addr}" for e in r.endpoints)
-        rows.append([r.hostname, r.path_prefix or "/", r.environment_id, endpoints or "(none)"])
-    render.table(f"routes (version {snapshot.version})", ["host", "path", "env", "endpoints"], rows)
+        replicas = ", ".join(f"{e.node_id}/{e.assignment_id}" for e in r.endpoints)
+        env_name = f"{projects.get(r.project_id, r.project_id)}/{r.app_name}/{r.environment_name}"
+        rows.append([r.hostname, r.path_prefix or "/", env_name, endpoints or "(none)", r.environment_id, replicas])
+    render.table(
+        f"routes (version {snapshot.version})",
+        ["host", "path", "env", "endpoints", Col("env id", wide=True), Col("replicas", wide=True)],
+        rows,
+    )
+
+
+async def _project_names() -> dict[str, str]:
+    async with control() as c:
+        return {p.meta.id: p.name for p in c.view.all(K.PROJECT) if isinstance(p, pb.Project)}
 
 
 @app.command()
@@ -635,9 +663,9 @@ def events(
 
 
 @builds_app.command("list")
-def builds_list(json: bool = JSON) -> None:
+def builds_list(json: bool = JSON, wide: bool = WIDE) -> None:
     """Builds, newest first."""
-    _json(json)
+    _json(json, wide)
 
     async def go() -> None:
         async with control() as c:
@@ -647,11 +675,11 @@ def builds_list(json: bool = JSON) -> None:
                 return
             render.table(
                 "builds",
-                ["id", "env", "status", "node", "image", "error"],
+                ["id", "env", "status", "node", "image", Col("error", wrap=True)],
                 [
                     [
                         b.meta.id,
-                        b.environment_id,
+                        env_label(c.view, b.environment_id),
                         render.enum_name(pb.BuildStatus, b.status, "BUILD_STATUS_"),
                         b.node_id,
                         b.image_ref,
@@ -719,9 +747,9 @@ def builds_cancel(build_id: str) -> None:
 
 
 @volumes_app.command("list")
-def volumes_list(json: bool = JSON) -> None:
+def volumes_list(json: bool = JSON, wide: bool = WIDE) -> None:
     """Volumes, their pinned node and their snapshots."""
-    _json(json)
+    _json(json, wide)
 
     async def go() -> None:
         async with control() as c:
@@ -737,7 +765,7 @@ def volumes_list(json: bool = JSON) -> None:
                     [
                         v.meta.id,
                         v.name,
-                        v.environment_id,
+                        env_label(c.view, v.environment_id),
                         v.node_id,
                         render.enum_name(pb.VolumeStatus, v.status, "VOLUME_STATUS_"),
                         v.snapshot_policy.schedule or "-",
@@ -803,10 +831,12 @@ def volumes_policy(
 
 @volumes_app.command("snapshots")
 def volumes_snapshots(
-    volume_id: str = typer.Argument(..., help="volume id (see `zattera volumes list`)"), json: bool = JSON
+    volume_id: str = typer.Argument(..., help="volume id (see `zattera volumes list`)"),
+    json: bool = JSON,
+    wide: bool = WIDE,
 ) -> None:
     """A volume's snapshot records, newest first: the ids `zattera volumes restore` takes."""
-    _json(json)
+    _json(json, wide)
 
     async def go() -> None:
         async with control() as c:
@@ -820,7 +850,7 @@ def volumes_snapshots(
                 return
             render.table(
                 f"snapshots of volume {volume.name if volume else '(deleted)'} ({volume_id})",
-                ["id", "state", "created", "size", "uploaded", "error"],
+                ["id", "state", "created", "size", "uploaded", Col("error", wrap=True)],
                 [
                     [
                         s.meta.id,

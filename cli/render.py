@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -11,6 +12,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from cli.client import OPTIONS
@@ -30,13 +32,40 @@ def messages(items: Iterable[Message]) -> None:
     emit_json([as_dict(m) for m in items])
 
 
-def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+@dataclass(frozen=True)
+class Col:
+    """A table column. Ids and names are never wrapped nor cut; ``wrap`` marks free text (messages, errors)
+    that may wrap in a narrow terminal; ``wide`` columns are shown only with ``--wide``."""
+
+    header: str
+    wrap: bool = False
+    wide: bool = False
+
+
+FREE_TEXT_WIDTH = 60
+"""Widest a free-text column gets in a terminal before it wraps (never in a pipe or a file)."""
+UNBOUNDED = 1_000_000
+
+
+def table(title: str, columns: Sequence[str | Col], rows: Iterable[Sequence[Any]]) -> None:
+    """Every row in full: a table wider than the terminal (or any table written to a pipe or a file, which
+    rich would cut at 80 columns) is printed at its natural width, so an id is never wrapped or cut."""
+    cols = [c if isinstance(c, Col) else Col(c) for c in columns]
+    shown = [i for i, c in enumerate(cols) if OPTIONS.wide or not c.wide]
     t = Table(title=title, title_justify="left")
-    for c in columns:
-        t.add_column(c, overflow="fold")
+    for i in shown:
+        c = cols[i]
+        narrow = c.wrap and out.is_terminal
+        t.add_column(c.header, no_wrap=not narrow, overflow="fold", max_width=FREE_TEXT_WIDTH if narrow else None)
     for r in rows:
-        t.add_row(*[str(v) for v in r])
-    out.print(t)
+        t.add_row(*[str(r[i]) for i in shown])
+    natural = Measurement.get(out, out.options.update_width(UNBOUNDED), t).maximum
+    width = out.width
+    out.width = max(width, natural)
+    try:
+        out.print(t)
+    finally:
+        out.width = width
 
 
 def json_mode() -> bool:

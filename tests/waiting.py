@@ -18,3 +18,12 @@ async def eventually(cond: Callable[[], bool | Awaitable[bool]], timeout: float 
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s: {what or cond}")
         await asyncio.sleep(0.01)
+
+
+def eventually_sync(cond: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """:func:`eventually` for synchronous tests (e.g. ones driving the CLI, which runs its own event loop)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {what or cond}")
+        time.sleep(0.05)
