@@ -14,7 +14,7 @@ from typing import Any
 import typer
 from google.protobuf.message import Message
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
@@ -43,13 +43,54 @@ nodes_app.command("join-token")(join_token)
 apps_app = typer.Typer(no_args_is_help=True, help="Apps and environments from zattera.toml.")
 
 
+def _deploy_usage(ctx: Any) -> str:
+    prog = ctx.command_path
+    return (
+        f"Usage: {prog} DIR --env E [OPTIONS]\n"
+        f"       {prog} --env E (--image REF | --build ID) [OPTIONS]\n"
+        f"       {prog} (watch | cancel | list) [ARGS]..."
+    )
+
+
+class _DeployContext(typer.Context):
+    @property
+    def command_path(self) -> str:
+        return super().command_path.removesuffix(" run")
+
+
+class _DeployCommand(TyperCommand):
+    """The deploy itself, reached as ``zattera deploy DIR --env E``: its name ``run`` is an internal detail
+    that neither its usage nor its error hints show."""
+
+    context_class = _DeployContext
+
+    def get_usage(self, ctx: Any) -> str:
+        return _deploy_usage(ctx)
+
+
+class _DeployHelp(TyperGroup):
+    def get_usage(self, ctx: Any) -> str:
+        return _deploy_usage(ctx)
+
+
 class _DeployGroup(TyperGroup):
-    """``zattera deploy DIR ...`` deploys; ``zattera deploy watch|cancel|list ...`` are subcommands."""
+    """``zattera deploy DIR ...`` deploys; ``zattera deploy watch|cancel|list ...`` are subcommands. The help
+    shows the deploy's own arguments and options first, then those subcommands."""
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         if args and args[0] not in self.commands:
             args = ["run", *args]
         return super().resolve_command(ctx, args)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        run = self.commands["run"]
+        _DeployHelp(
+            name=self.name,
+            commands={name: command for name, command in self.commands.items() if name != "run"},
+            params=[*run.params, *self.get_params(ctx)],
+            help=self.help,
+            rich_markup_mode=self.rich_markup_mode,
+        ).format_help(ctx, formatter)
 
 
 deploy_app = typer.Typer(
@@ -369,9 +410,9 @@ def apps_list(json: bool = JSON, wide: bool = WIDE) -> None:
 # ---------------------------------------------------------------------------------------------- deploy
 
 
-@deploy_app.command("run")
+@deploy_app.command("run", cls=_DeployCommand, hidden=True)
 def deploy(
-    source: Path = typer.Argument(None, help="source directory to build and deploy"),
+    source: Path = typer.Argument(None, metavar="DIR", help="source directory to build and deploy"),
     env: str = typer.Option(..., "--env", help="environment id or project/app/env"),
     image: str = typer.Option("", "--image", help="deploy this image instead of building source"),
     build: str = typer.Option("", "--build", help="deploy the image of a finished build"),
