@@ -87,9 +87,15 @@ def end_to_end(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     return CIMultiDict((name, value) for name, value in headers.items() if name.lower() not in dropped)
 
 
-def upstream_request_headers(request: web.BaseRequest, client_ip: str) -> CIMultiDict[str]:
-    """End-to-end headers (Host preserved) plus ``X-Forwarded-For`` (appended), ``-Proto`` and ``-Host``."""
+def upstream_request_headers(
+    request: web.BaseRequest, client_ip: str, *, drop_authorization: bool = False
+) -> CIMultiDict[str]:
+    """End-to-end headers (Host preserved) plus ``X-Forwarded-For`` (appended), ``-Proto`` and ``-Host``.
+    ``drop_authorization``: the proxy checked the credentials itself (the route's basic auth), so the app
+    never sees the password."""
     headers = end_to_end(request.headers)
+    if drop_authorization:
+        headers.popall(hdrs.AUTHORIZATION, None)
     prior = request.headers.get("X-Forwarded-For")
     headers["X-Forwarded-For"] = f"{prior}, {client_ip}" if prior else client_ip
     headers["X-Forwarded-Proto"] = request.scheme
@@ -331,6 +337,7 @@ class Proxy:
         self, request: web.BaseRequest, route: cpb.HTTPRoute, endpoint: cpb.Endpoint, body_cap: int, pin_cookie: bool
     ) -> web.StreamResponse:
         env_id, addr = route.environment_id, endpoint.addr
+        checked = route.HasField("middleware") and bool(route_users(route.middleware))
         assert self._session is not None
         self.balancer.acquire(addr)
         self.stats.begin(env_id)
@@ -347,7 +354,7 @@ class Proxy:
                     upstream = await self._session.request(
                         request.method,
                         URL(f"http://{addr}{target}", encoded=True),
-                        headers=upstream_request_headers(request, request.remote or ""),
+                        headers=upstream_request_headers(request, request.remote or "", drop_authorization=checked),
                         data=body,
                         allow_redirects=False,
                     )

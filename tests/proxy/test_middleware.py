@@ -38,6 +38,7 @@ async def test_basic_auth_lets_in_each_listed_user_and_nobody_else(
         for username, password in [("alice", "wonderland"), ("bob", "builder"), ("legacy", "old")]:
             assert await status(client, proxy.port, {"Authorization": basic(username, password)}) == 200
         assert await status(client, proxy.port, {"Authorization": basic("alice", "wonderland")}) == 200  # remembered
+        assert backend.seen and all("Authorization" not in r.headers for r in backend.seen)  # never the password
         for refused in [{}, {"Authorization": basic("alice", "builder")}, {"Authorization": basic("eve", "x")}]:
             async with client.get(f"http://127.0.0.1:{proxy.port}/", headers={"Host": HOST, **refused}) as response:
                 assert response.status == 401
