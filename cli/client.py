@@ -22,7 +22,7 @@ from shared.view import StateView
 
 T = TypeVar("T")
 
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # messages are never cut at 80 columns in a pipe
 
 
 @dataclass

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from cli.client import OPTIONS
 
-out = Console()
+out = Console(soft_wrap=True)  # a long line (an event, an id) is never cut into two in a pipe
 
 
 def as_dict(msg: Message) -> dict[str, Any]:

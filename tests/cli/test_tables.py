@@ -12,6 +12,7 @@ from pathlib import Path
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.events import EventPublisher, make_event
 from tests.cli.test_cli import _state, cli  # noqa: F401  (cli is a fixture)
 from tests.factories import assignment, node, release
 from tests.waiting import eventually_sync
@@ -96,3 +97,14 @@ def test_routes_shows_project_app_and_env_names(cli, nats_url, tmp_path: Path) -
     finally:
         routes.terminate()
         routes.wait(10)
+
+
+def test_a_long_event_line_is_not_cut_in_a_pipe(cli, nats_url) -> None:  # noqa: F811
+    message = "deployment 01JABCDEFGHJKMNPQRSTVWXYZ0 of demo/hello/production failed: " + "x" * 80
+
+    async def publish(conn, view, writer):
+        await EventPublisher(conn).publish(make_event("deploy.failed", message))
+
+    _state(nats_url, publish)
+    out = cli("events", "--last", "5").stdout
+    assert any(line.endswith(message) for line in out.splitlines()), out
