@@ -14,6 +14,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from cli.client import OPTIONS
 
@@ -58,7 +59,7 @@ def table(title: str, columns: Sequence[str | Col], rows: Iterable[Sequence[Any]
         narrow = c.wrap and out.is_terminal
         t.add_column(c.header, no_wrap=not narrow, overflow="fold", max_width=FREE_TEXT_WIDTH if narrow else None)
     for r in rows:
-        t.add_row(*[str(r[i]) for i in shown])
+        t.add_row(*[Text(str(r[i])) for i in shown])  # Text: a value is never read as rich markup
     natural = Measurement.get(out, out.options.update_width(UNBOUNDED), t).maximum
     width = out.width
     out.width = max(width, natural)
