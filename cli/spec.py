@@ -408,6 +408,10 @@ def middleware(env: Env) -> pb.Middleware | None:
         sticky_sessions=m.sticky_sessions,
         redirect_https=m.redirect_https,
     )
-    for user in m.basic_auth:
+    # The first user goes in the single-user fields a proxy of any version knows (one that predates
+    # basic_auth_users then refuses everyone: it fails closed); the others in basic_auth_users.
+    if m.basic_auth:
+        out.basic_auth_username, out.basic_auth_password_hash = m.basic_auth[0].username, m.basic_auth[0].password_hash
+    for user in m.basic_auth[1:]:
         out.basic_auth_users.add(username=user.username, password_hash=user.password_hash)
     return out

@@ -56,7 +56,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(cli, nats_url, tmp_path: Pat
     assert any(line.startswith("~ env demo/hello/production") and "update" in line for line in lines)
     assert "      service.replicas.min: 2 → 3" in lines
     assert "      middleware.redirect_https: (none) → true" in lines
-    assert "      middleware.basic_auth_users.0.password_hash: (hidden value changed)" in lines
+    assert "      middleware.basic_auth_password_hash: (hidden value changed)" in lines
     assert "$2b$" not in out  # a hash is never printed
     assert any(line.startswith("+ env demo/hello/staging") for line in lines)
     assert any(line.startswith("+ domain www.example.com") and "demo/hello/production" in line for line in lines)
@@ -69,7 +69,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(cli, nats_url, tmp_path: Pat
     assert as_json["summary"] == {"create": 2, "update": 1, "delete": 1, "unchanged": 3}
     env = next(i for i in as_json["plan"] if i["name"] == "demo/hello/production")
     assert {"field": "service.replicas.min", "old": 2, "new": 3, "sensitive": False} in env["changes"]
-    hidden = {"field": "middleware.basic_auth_users.0.password_hash", "old": None, "new": None, "sensitive": True}
+    hidden = {"field": "middleware.basic_auth_password_hash", "old": None, "new": None, "sensitive": True}
     assert hidden in env["changes"]
     assert _last_sequence(nats_url) == before
 
