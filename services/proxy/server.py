@@ -53,6 +53,7 @@ from shared.live import publish_proxy_heartbeat
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.service import connect_with_retry
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -199,11 +200,9 @@ class Proxy:
         await self.holds.close()
         if self._runner is not None:
             await self._runner.cleanup()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Cancelled again until done: nats-py swallows a cancellation that lands inside its connect, which
+        # left a proxy stopped right after start waiting for its background task forever.
+        await cancel_and_wait(*self._tasks)
         await self.routes.stop()
         if self.conn is not None:
             await self._publish_heartbeat()

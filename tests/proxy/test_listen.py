@@ -70,8 +70,14 @@ async def test_process_listens_where_told_and_refuses_a_bad_address(nats_url: st
             async with aiohttp.ClientSession() as client, client.get(f"http://127.0.0.1:{port}/") as response:
                 assert response.status == 404  # served: no route for that host
         finally:
-            process.terminate()
-            await process.wait()
+            process.terminate()  # right after start, NATS maybe still connecting: it must still stop
+            try:
+                code = await asyncio.wait_for(process.wait(), 15)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+                raise
+        assert code == 0, log.read_text()
 
     bad = await asyncio.create_subprocess_exec(
         sys.executable,
