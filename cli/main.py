@@ -359,20 +359,11 @@ def apps_apply(
             if render.json_mode():
                 render.emit_json(result.as_json() | {"dry_run": dry_run})
                 return
+            print_plan(result, dry_run=dry_run)
             if dry_run:
-                print_plan(result, dry_run=True)
                 return
-            for label in result.created:
-                render.out.print(f"[green]created[/] {label}")
-            for label in result.updated:
-                render.out.print(f"[yellow]updated[/] {label}")
-            for label in result.unchanged:
-                render.out.print(f"unchanged {label}")
-            for label in result.pending:
-                render.out.print(
-                    f"[yellow]pending[/] {label}: the volume does not exist yet; apply again after the first deploy"
-                    " (or use `zattera volumes policy`)"
-                )
+            if result.pending:
+                render.out.print("(or set a pending volume's policy now with `zattera volumes policy`)")
             for name, env_id in result.env_ids.items():
                 render.out.print(f"env {spec.project}/{spec.app}/{name} = {env_id}")
 

@@ -1,5 +1,6 @@
-"""How ``zattera apps apply`` shows its plan: one line per object (``+`` create, ``~`` change, ``-`` remove,
-``!`` pending, blank unchanged) and, under each, the fields that change — like ``terraform plan``."""
+"""How ``zattera apps apply`` shows its plan (what it would do with ``--dry-run``, what it did without): one
+line per object (``+`` create, ``~`` change, ``-`` remove, ``!`` pending, blank unchanged) and, under each,
+the fields that change — like ``terraform plan``."""
 
 from __future__ import annotations
 
@@ -37,8 +38,14 @@ def print_plan(result: ApplyResult, *, dry_run: bool) -> None:
                 text = f"{change.field}: {_value(change.old)} → {_value(change.new)}"
             render.out.print(f"      {escape(text)}", soft_wrap=True, highlight=False)
     counts = result.counts()
-    summary = (
-        f"Plan: {counts[CREATE]} to create, {counts[UPDATE]} to change, {counts[DELETE]} to remove,"
-        f" {counts[UNCHANGED]} unchanged."
-    )
-    render.out.print(summary + (" Nothing was written (--dry-run)." if dry_run else ""), soft_wrap=True)
+    if dry_run:
+        summary = (
+            f"Plan: {counts[CREATE]} to create, {counts[UPDATE]} to change, {counts[DELETE]} to remove,"
+            f" {counts[UNCHANGED]} unchanged. Nothing was written (--dry-run)."
+        )
+    else:
+        summary = (
+            f"Applied: {counts[CREATE]} created, {counts[UPDATE]} changed, {counts[DELETE]} removed,"
+            f" {counts[UNCHANGED]} unchanged."
+        )
+    render.out.print(summary, soft_wrap=True)

@@ -73,9 +73,12 @@ def test_dry_run_prints_the_plan_and_writes_nothing(cli, nats_url, tmp_path: Pat
     assert hidden in env["changes"]
     assert _last_sequence(nats_url) == before
 
-    applied = json.loads(cli("apps", "apply", str(spec), "--json").stdout)  # the plan is what apply then does
-    assert applied["dry_run"] is False and applied["summary"] == as_json["summary"]
+    applied = cli("apps", "apply", str(spec))  # the plan is what apply then does, and shows
+    assert "      service.replicas.min: 2 → 3" in applied.stdout.splitlines()
+    assert "Applied: 2 created, 1 changed, 1 removed, 3 unchanged." in applied.stdout
     assert _last_sequence(nats_url) > before
+    again = json.loads(cli("apps", "apply", str(spec), "--json").stdout)
+    assert again["dry_run"] is False and again["summary"] == {"create": 0, "update": 0, "delete": 0, "unchanged": 6}
 
 
 def test_dry_run_on_an_empty_cluster_lists_creations_only(cli, nats_url, tmp_path: Path) -> None:  # noqa: F811

@@ -228,7 +228,9 @@ def test_apply_writes_the_snapshot_policy_onto_the_env_volumes(cli, nats_url, tm
     _seed_volume(nats_url, first["env_ids"]["production"], first["project_id"])
 
     human = cli("apps", "apply", str(spec))
-    assert human.exit_code == 0 and "updated volume production/data snapshot policy" in human.stdout
+    assert human.exit_code == 0
+    assert any(line.startswith("~ volume policy demo/db/production:data") for line in human.stdout.splitlines())
+    assert '      schedule: (none) → "0 3 * * *"' in human.stdout.splitlines()
     policy = _policy(nats_url)
     assert (policy.schedule, policy.keep_last, policy.pre_hook) == ("0 3 * * *", 14, "")
 
