@@ -10,6 +10,10 @@ A volume's ``snapshot_*`` keys are written onto its ``Volume.snapshot_policy`` w
 (the first deploy of a stateful env creates it, and the wire contract has no place to carry a policy
 from the env to the volume): in the same write, through :func:`with_policy`, the code behind
 ``zattera volumes policy``. Volumes not created yet are reported as pending.
+
+The result is also the plan that ``zattera apps apply`` prints (and, with ``--dry-run``, only prints):
+one :class:`PlanItem` per object with the fields that change (:func:`field_changes`, password hashes
+hidden).
 """
 
 from __future__ import annotations
@@ -73,9 +77,7 @@ class ApplyResult:
         bucket.get(item.action, self.unchanged).append(label)
 
     def counts(self) -> dict[str, int]:
-        return {action: sum(1 for i in self.items if i.action == action) for action in (CREATE, UPDATE, DELETE)} | {
-            UNCHANGED: sum(1 for i in self.items if i.action == UNCHANGED)
-        }
+        return {action: sum(i.action == action for i in self.items) for action in (CREATE, UPDATE, DELETE, UNCHANGED)}
 
     def as_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k != "items"} | {
