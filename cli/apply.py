@@ -284,7 +284,8 @@ def _plan_domains(
             continue
         for other in view.domains():
             if other.hostname == host and other.environment_id != env.meta.id:
-                raise ValueError(f"domains: {host} is already routed to another environment")
+                where = env_label(view, other.environment_id)
+                raise ValueError(f"env.{env.name}.domains: {host} is already routed to {where}")
         domain = pb.Domain(project_id=env.project_id, app_id=env.app_id, environment_id=env.meta.id, hostname=host)
         _stamp(domain.meta, now, new=True)
         txn.create(domain)

@@ -95,3 +95,18 @@ def test_bad_values_are_refused_naming_the_field_and_nothing_is_written(
         assert view.envs() == []
 
     _state(nats_url, nothing)
+
+
+def test_a_domain_of_another_env_is_refused_naming_the_field_and_that_env(cli, nats_url, tmp_path: Path) -> None:  # noqa: F811
+    first, second = tmp_path / "a.toml", tmp_path / "b.toml"
+    first.write_text('project = "demo"\napp = "a"\n[env.prod]\ndomains = ["shop.example.com"]\n')
+    second.write_text('project = "demo"\napp = "b"\n[env.prod]\ndomains = ["shop.example.com"]\n')
+    assert cli("apps", "apply", str(first)).exit_code == 0
+    refused = cli("apps", "apply", str(second))
+    assert refused.exit_code == 1
+    assert "env.prod.domains: shop.example.com is already routed to demo/a/prod" in refused.stderr
+
+    async def only_the_first(conn, view, writer):
+        assert [a.name for a in view.all("app")] == ["a"]
+
+    _state(nats_url, only_the_first)
