@@ -2,7 +2,7 @@
 (reference §1).
 
 Per env, in the reference's eligibility order: a target > 0 and an active release; not serverless
-(``max_concurrency == 0``); no deployment under way; room to scale (``max > max(min, 1)``); fresh
+(``max_concurrency == 0``); no deployment under way before its promotion; room to scale (``max > max(min, 1)``); fresh
 observations of at least one running replica (else freeze). The candidate per signal is
 ``ceil(replicas × observed / (target × band))`` (RPS: ``ceil(total_rps / (target × band))``), the
 max of the candidates clamped to ``[max(min, 1), max]``. Scale up at once; scale down only when even the
