@@ -20,6 +20,7 @@ from zattera.v1 import types_pb2 as pb
 from cli import render
 from cli.apply import env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
+from cli.env_cmds import apps_delete, envs_app, projects_app
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
@@ -62,6 +63,9 @@ app.add_typer(apps_app, name="apps")
 app.add_typer(builds_app, name="builds")
 app.add_typer(volumes_app, name="volumes")
 app.add_typer(security_app, name="security")
+app.add_typer(envs_app, name="envs")
+app.add_typer(projects_app, name="projects")
+apps_app.command("delete")(apps_delete)
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 

@@ -1,0 +1,168 @@
+"""Operating environments: ``zattera apps|envs|projects delete``, ``zattera scale`` and ``zattera status``.
+
+Deletions are planned by :mod:`cli.deletion` and committed as one fenced batch; a concurrent write to
+anything the plan read refuses it whole, and it is decided again on fresh state. A deletion needs
+``--yes``, or a confirmation typed at a terminal: without a terminal (scripts, CI) it is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+
+import typer
+from zattera.v1 import types_pb2 as pb
+
+from cli import render
+from cli.apply import env_path, find_app, find_project, resolve_env
+from cli.client import control, err, run
+from cli.deletion import Deletion, deletion_events, deletion_txn, plan_deletion
+from shared.events import EventPublisher
+from shared.txn import Conflict
+from shared.view import StateView
+
+envs_app = typer.Typer(no_args_is_help=True, help="Environments: delete.")
+projects_app = typer.Typer(no_args_is_help=True, help="Projects: delete.")
+
+JSON = typer.Option(False, "--json", help="machine-readable output")
+YES = typer.Option(False, "--yes", "-y", help="do not ask for confirmation (required without a terminal)")
+VOLUMES = typer.Option(False, "--volumes", help="also delete the volumes and their snapshots (kept by default)")
+ATTEMPTS = 10
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    err.print("[red]error:[/] ", end="")
+    err.print(message, markup=False, highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+# ---------------------------------------------------------------------------------------------- delete
+
+
+def _find_app(view: StateView, ref: str) -> pb.App | None:
+    """An app by id or by ``project/app`` names."""
+    found = view.app(ref)
+    if found is not None:
+        return found
+    project_name, sep, app_name = ref.partition("/")
+    project = find_project(view, project_name) if sep else None
+    return find_app(view, project.meta.id, app_name) if project else None
+
+
+def _find_project(view: StateView, ref: str) -> pb.Project | None:
+    return view.project(ref) or find_project(view, ref)
+
+
+def _describe(plan: Deletion) -> str:
+    parts = [
+        f"{len(plan.envs)} environment(s)",
+        f"{len(plan.stops)} running replica(s)",
+        f"{len(plan.domains)} domain(s)",
+    ]
+    if plan.volumes:
+        parts.append(f"{len(plan.volumes)} volume(s) and {len(plan.snapshots)} snapshot(s)")
+    text = f"{plan.what}: " + ", ".join(parts)
+    if plan.kept_volumes:
+        text += f"; keeps {len(plan.kept_volumes)} volume(s) and their snapshots (--volumes deletes them)"
+    return text
+
+
+def confirm(plan: Deletion, yes: bool) -> None:
+    """Go on with ``--yes`` or a typed confirmation; refuse without a terminal to ask at."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise fail(f"deleting {plan.what} needs confirmation: pass --yes (no terminal to ask at)", code=2)
+    err.print(f"about to delete {_describe(plan)}")
+    if not typer.confirm(f"Delete {plan.what}?", default=False, err=True):
+        raise fail("not deleted", code=1)
+
+
+def _delete(what: str, decide: Callable[[StateView, float], Deletion | None], *, yes: bool, as_json: bool) -> None:
+    """Decide on the view, confirm, commit as one fenced batch (deciding again after a conflict), publish
+    the events and report."""
+
+    async def go() -> None:
+        async with control() as c:
+            plan = decide(c.view, time.time())
+            if plan is None:
+                raise fail(f"{what}: not found")
+            confirm(plan, yes)
+            for _ in range(ATTEMPTS):
+                try:
+                    await c.writer.commit(deletion_txn(c.writer, plan))
+                    break
+                except Conflict:
+                    await asyncio.sleep(0.05)
+                    fresh = decide(c.view, time.time())
+                    if fresh is None:
+                        raise fail(f"{what}: deleted meanwhile by someone else") from None
+                    plan = fresh
+            else:
+                raise fail(f"{what} kept changing while deleting; try again")
+            await EventPublisher(c.conn).publish(*deletion_events(plan))
+            if as_json:
+                render.emit_json({"deleted": plan.what, **plan.summary()})
+                return
+            err.print(f"deleted {_describe(plan)}")
+
+    run(go)
+
+
+def apps_delete(
+    app: str = typer.Argument(..., help="app id or project/app"),
+    yes: bool = YES,
+    volumes: bool = VOLUMES,
+    json: bool = JSON,
+) -> None:
+    """Delete an app and its environments: stops every replica, removes routes and domains; releases and
+    images go through retention. Volumes and snapshots are kept unless --volumes."""
+
+    def decide(view: StateView, now: float) -> Deletion | None:
+        found = _find_app(view, app)
+        if found is None:
+            return None
+        project = view.project(found.project_id)
+        label = f"app {project.name if project else '?'}/{found.name}"
+        return plan_deletion(view, label, apps=[found], volumes=volumes, now=now)
+
+    _delete(f"app {app!r}", decide, yes=yes, as_json=json)
+
+
+@envs_app.command("delete")
+def envs_delete(
+    env: str = typer.Argument(..., help="environment id or project/app/env"),
+    yes: bool = YES,
+    volumes: bool = VOLUMES,
+    json: bool = JSON,
+) -> None:
+    """Delete an environment: stops every replica, removes its routes and domains; releases and images go
+    through retention. Volumes and snapshots are kept unless --volumes."""
+
+    def decide(view: StateView, now: float) -> Deletion | None:
+        found = resolve_env(view, env)
+        if found is None:
+            return None
+        return plan_deletion(view, f"env {env_path(view, found)}", envs=[found], volumes=volumes, now=now)
+
+    _delete(f"env {env!r}", decide, yes=yes, as_json=json)
+
+
+@projects_app.command("delete")
+def projects_delete(
+    project: str = typer.Argument(..., help="project id or name"),
+    yes: bool = YES,
+    volumes: bool = VOLUMES,
+    json: bool = JSON,
+) -> None:
+    """Delete a project with all its apps and environments (see `zattera apps delete`)."""
+
+    def decide(view: StateView, now: float) -> Deletion | None:
+        found = _find_project(view, project)
+        if found is None:
+            return None
+        return plan_deletion(view, f"project {found.name}", projects=[found], volumes=volumes, now=now)
+
+    _delete(f"project {project!r}", decide, yes=yes, as_json=json)
