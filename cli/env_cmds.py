@@ -11,15 +11,19 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import typer
+from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.apply import env_path, find_app, find_project, resolve_env
 from cli.client import control, err, run
 from cli.deletion import Deletion, deletion_events, deletion_txn, plan_deletion
-from shared.events import EventPublisher
+from shared.deployments import desired_replicas, is_terminal
+from shared.events import EventPublisher, event_for_env
 from shared.txn import Conflict
 from shared.view import StateView
 
@@ -166,3 +170,199 @@ def projects_delete(
         return plan_deletion(view, f"project {found.name}", projects=[found], volumes=volumes, now=now)
 
     _delete(f"project {project!r}", decide, yes=yes, as_json=json)
+
+
+# ---------------------------------------------------------------------------------------------- scale
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleRequest:
+    """What ``zattera scale`` was asked (None: not given)."""
+
+    replicas: int | None
+    minimum: int | None
+    maximum: int | None
+
+    def check(self) -> None:
+        """Refuse a bad request naming the option, before anything is read or written."""
+        if self.replicas is None and self.minimum is None and self.maximum is None:
+            raise fail("give REPLICAS (a fixed count) or --min/--max (the autoscaling bounds)")
+        for option, value in (("REPLICAS", self.replicas), ("--min", self.minimum), ("--max", self.maximum)):
+            if value is not None and value < 0:
+                raise fail(f"{option} {value}: must be 0 or more")
+
+
+def scaled(env: pb.Environment, request: ScaleRequest) -> pb.Environment:
+    """The env with its replica bounds and count set as asked; raises ValueError naming the option.
+
+    REPLICAS alone is a fixed count (min = max = N: the autoscaler has no room); --min/--max set the
+    bounds the autoscaler moves within (with REPLICAS: the count to start from, inside them), and the
+    current count is brought inside them. A cold
+    scale-to-zero env stays cold (its next request wakes it within the new bounds); REPLICAS 0 on one
+    cools it now without touching its bounds.
+    """
+    new = pb.Environment()
+    new.CopyFrom(env)
+    spec = new.service.replicas
+    cold_s2z = env.service.scale_to_zero and env.effective_replicas == 0
+    if request.replicas == 0 and env.service.scale_to_zero and request.minimum is None and request.maximum is None:
+        new.effective_replicas = 0
+        return new
+    fixed = request.minimum is None and request.maximum is None
+    if fixed:
+        spec.min = spec.max = request.replicas or 0
+    if request.minimum is not None:
+        spec.min = request.minimum
+    if request.maximum is not None:
+        spec.max = request.maximum
+    if spec.max < spec.min:
+        which = "--max" if request.maximum is not None else "--min"
+        raise ValueError(f"{which}: max {spec.max} is below min {spec.min}")
+    if request.replicas is not None and not spec.min <= request.replicas <= spec.max:
+        raise ValueError(f"REPLICAS {request.replicas}: outside --min {spec.min} / --max {spec.max}")
+    if cold_s2z:
+        return new
+    current = request.replicas if request.replicas is not None else desired_replicas(env)
+    new.effective_replicas = min(max(current, spec.min), spec.max)
+    return new
+
+
+def scale(
+    replicas: int | None = typer.Argument(None, help="a fixed replica count (min = max = REPLICAS)"),
+    env: str = typer.Option(..., "--env", help="environment id or project/app/env"),
+    minimum: int | None = typer.Option(None, "--min", help="lower bound the autoscaler keeps"),
+    maximum: int | None = typer.Option(None, "--max", help="upper bound the autoscaler keeps"),
+    json: bool = JSON,
+) -> None:
+    """Set an environment's replica count (REPLICAS) or its autoscaling bounds (--min/--max). The next
+    `zattera apps apply` sets the bounds from zattera.toml again."""
+    request = ScaleRequest(replicas, minimum, maximum)
+    request.check()
+
+    async def go() -> None:
+        async with control() as c:
+            for _ in range(ATTEMPTS):
+                target = resolve_env(c.view, env)
+                if target is None:
+                    raise fail(f"--env: no environment {env!r} (use an id or project/app/env)")
+                try:
+                    new = scaled(target, request)
+                except ValueError as exc:
+                    raise fail(str(exc)) from None
+                new.meta.updated_at.FromNanoseconds(time.time_ns())
+                try:
+                    await c.writer.commit(c.writer.txn("scale").put(new))
+                    break
+                except Conflict:
+                    await asyncio.sleep(0.05)
+            else:
+                raise fail(f"env {env} kept changing while scaling; try again")
+            path = env_path(c.view, new)
+            bounds = f"min {new.service.replicas.min}, max {new.service.replicas.max}"
+            message = f"scaled {path} to {new.effective_replicas} replica(s) ({bounds})"
+            await EventPublisher(c.conn).publish(event_for_env(new, "env.scaled", message, fields={"actor": "cli"}))
+            if json:
+                render.emit_json(
+                    {
+                        "env": path,
+                        "replicas": new.effective_replicas,
+                        "min": new.service.replicas.min,
+                        "max": new.service.replicas.max,
+                    }
+                )
+                return
+            err.print(message)
+
+    run(go)
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+UP_STATES = frozenset({pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY, pb.INSTANCE_STATE_UNHEALTHY})
+
+
+def env_status(view: StateView, env: pb.Environment, routes: cpb.RouteSnapshot | None) -> dict[str, Any]:
+    """One env's overview: where it answers, what runs, whether it is warm, how its last deploy went."""
+    release = view.release(env.active_release_id) if env.active_release_id else None
+    replicas = [a for a in view.assignments(env.meta.id) if a.desired == pb.ASSIGNMENT_DESIRED_RUN and not a.job_id]
+    desired = desired_replicas(env)
+    deployments = view.deployments(env.meta.id)
+    last = max(deployments, key=lambda d: (d.meta.created_at.ToNanoseconds(), d.meta.id), default=None)
+    urls = sorted(
+        {
+            f"http://{r.hostname}{r.path_prefix}"
+            for r in (routes.http_routes if routes else [])
+            if r.environment_id == env.meta.id
+        }
+    )
+    if not env.active_release_id:
+        state = "not deployed"
+    elif desired == 0:
+        state = "cold"
+    else:
+        state = "warm"
+    last_deploy: dict[str, str] | None = None
+    if last is not None:
+        last_release = view.release(last.release_id)
+        last_deploy = {
+            "id": last.meta.id,
+            "release": f"v{last_release.version}" if last_release else "?",
+            "phase": render.enum_name(pb.DeploymentPhase, last.phase, "DEPLOYMENT_PHASE_"),
+            "created_at": render.ts(last.meta.created_at),
+            "error": last.error,
+        }
+    return {
+        "env": env_path(view, env),
+        "id": env.meta.id,
+        "urls": urls,
+        "active_release": f"v{release.version}" if release else "",
+        "active_release_id": env.active_release_id,
+        "desired": desired,
+        "running": sum(1 for a in replicas if a.observed.state in UP_STATES),
+        "healthy": sum(1 for a in replicas if a.observed.state == pb.INSTANCE_STATE_HEALTHY),
+        "state": state,
+        "deploying": any(not is_terminal(d.phase) for d in deployments),
+        "last_deploy": last_deploy,
+    }
+
+
+def status(
+    env: str = typer.Option("", "--env", help="only this environment (id or project/app/env)"), json: bool = JSON
+) -> None:
+    """Per environment: its URLs, active release, replicas desired/running/healthy, cold or warm, and
+    its last deploy."""
+    from cli.watch import route_snapshot
+
+    async def go() -> list[dict[str, Any]]:
+        async with control() as c:
+            if env:
+                target = resolve_env(c.view, env)
+                if target is None:
+                    raise fail(f"--env: no environment {env!r} (use an id or project/app/env)")
+                envs = [target]
+            else:
+                envs = c.view.envs()
+            routes = await route_snapshot(c.conn, timeout=2.0)
+            return [env_status(c.view, e, routes) for e in envs]
+
+    rows = run(go)
+    if json:
+        render.emit_json(rows)
+        return
+    table = []
+    for row in rows:
+        last = row["last_deploy"]
+        table.append(
+            [
+                row["env"],
+                "\n".join(row["urls"]) or "-",
+                row["active_release"] or "-",
+                row["desired"],
+                row["running"],
+                row["healthy"],
+                row["state"],
+                f"{last['release']} {last['phase']} {last['created_at']}" if last else "-",
+            ]
+        )
+    render.table("status", ["env", "url", "active", "desired", "running", "healthy", "state", "last deploy"], table)

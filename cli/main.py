@@ -20,13 +20,13 @@ from zattera.v1 import types_pb2 as pb
 from cli import render
 from cli.apply import env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
-from cli.env_cmds import apps_delete, envs_app, projects_app
+from cli.env_cmds import apps_delete, envs_app, projects_app, scale, status
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
 from shared import keys as K
 from shared.deploy import Deployer, DeployError
-from shared.deployments import is_terminal
+from shared.deployments import desired_replicas, is_terminal
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 from shared.settings import settings
 from shared.telemetry import setup as setup_telemetry
@@ -66,6 +66,8 @@ app.add_typer(security_app, name="security")
 app.add_typer(envs_app, name="envs")
 app.add_typer(projects_app, name="projects")
 apps_app.command("delete")(apps_delete)
+app.command("scale")(scale)
+app.command("status")(status)
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 
@@ -322,7 +324,7 @@ def apps_list(json: bool = JSON) -> None:
                         e.meta.id,
                         f"v{release.version}" if release else "-",
                         c.view.env_run_count(e.meta.id),
-                        e.effective_replicas or e.service.replicas.min,
+                        desired_replicas(e),  # what the scheduler converges to: 0 for a cooled env
                     ]
                 )
             render.table("environments", ["env", "id", "active", "running", "desired"], rows)

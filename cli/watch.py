@@ -16,6 +16,7 @@ from cli.client import control, err
 from cli.render import enum_name
 from shared import keys as K
 from shared.deployments import is_terminal
+from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.view import StateView
 
@@ -82,15 +83,20 @@ async def _stream_build_log(conn: object, build_id: str) -> None:
 
 async def fetch_routes(timeout: float = 5.0) -> cpb.RouteSnapshot | None:
     async with control(view=False) as c:
-        with tempfile.TemporaryDirectory() as tmp:
-            client = RouteClient(Path(tmp) / "routes.pb")
-            await client.start(c.conn)
-            try:
-                deadline = time.monotonic() + timeout
-                while client.version == 0 and time.monotonic() < deadline:
-                    if await client.fetch():
-                        break
-                    await asyncio.sleep(0.1)
-                return client.current if client.version else None
-            finally:
-                await client.stop()
+        return await route_snapshot(c.conn, timeout)
+
+
+async def route_snapshot(conn: Connection, timeout: float = 5.0) -> cpb.RouteSnapshot | None:
+    """The current route snapshot, fetched as a proxy does (None: none published within ``timeout``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        client = RouteClient(Path(tmp) / "routes.pb")
+        await client.start(conn)
+        try:
+            deadline = time.monotonic() + timeout
+            while client.version == 0 and time.monotonic() < deadline:
+                if await client.fetch():
+                    break
+                await asyncio.sleep(0.1)
+            return client.current if client.version else None
+        finally:
+            await client.stop()

@@ -127,3 +127,73 @@ def test_app_delete_is_one_fenced_batch_refused_whole_by_a_concurrent_deploy(nat
 
     envs, domains = _state(nats_url, race)
     assert envs == 2 and domains == 1
+
+
+# ---------------------------------------------------------------------------------------------- scale
+
+
+def _env(*, lo: int, hi: int, effective: int = 0, s2z: bool = False) -> pb.Environment:
+    e = pb.Environment(effective_replicas=effective, active_release_id="rel1")
+    e.service.replicas.min, e.service.replicas.max = lo, hi
+    e.service.scale_to_zero = s2z
+    return e
+
+
+@pytest.mark.parametrize(
+    ("env", "request_", "expected"),
+    [
+        pytest.param(_env(lo=2, hi=4), (3, None, None), (3, 3, 3), id="fixed_count"),
+        pytest.param(_env(lo=2, hi=4, effective=3), (None, 1, 6), (1, 6, 3), id="bounds_keep_the_count"),
+        pytest.param(_env(lo=2, hi=4, effective=4), (None, None, 2), (2, 2, 2), id="count_clamped_into_bounds"),
+        pytest.param(_env(lo=1, hi=3), (None, 2, None), (2, 3, 2), id="raising_min_raises_the_count"),
+        pytest.param(_env(lo=1, hi=2, effective=1, s2z=True), (0, None, None), (1, 2, 0), id="s2z_zero_cools_now"),
+        pytest.param(_env(lo=1, hi=2, s2z=True), (None, 1, 5), (1, 5, 0), id="cold_s2z_stays_cold"),
+        pytest.param(_env(lo=2, hi=4), (0, None, None), (0, 0, 0), id="zero_stops_a_plain_env"),
+    ],
+)
+def test_scale_sets_bounds_and_count(env: pb.Environment, request_, expected) -> None:
+    from cli.env_cmds import ScaleRequest, scaled
+
+    new = scaled(env, ScaleRequest(*request_))
+    assert (new.service.replicas.min, new.service.replicas.max, new.effective_replicas) == expected
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--min", "3", "--max", "2"), "--max: max 2 is below min 3"),
+        (("5", "--max", "3"), "REPLICAS 5: outside --min 2 / --max 3"),
+        (("--min", "-1"), "--min -1: must be 0 or more"),
+        ((), "give REPLICAS"),
+    ],
+)
+def test_scale_refuses_bad_requests_naming_the_option(cli, applied, args, message):  # noqa: F811
+    refused = cli("scale", "--env", PROD, *args)
+    assert refused.exit_code != 0 and message in refused.stderr, refused.stderr
+
+
+def test_scale_then_status_and_apps_list_show_the_effective_count(cli, nats_url, applied):  # noqa: F811
+    done = cli("scale", "--env", PROD, "3", "--json")
+    assert done.exit_code == 0, done.stderr
+    assert json.loads(done.stdout) == {"env": PROD, "replicas": 3, "min": 3, "max": 3}
+    prod = _read(nats_url, lambda v: v.env(applied["production"]))
+    assert (prod.service.replicas.min, prod.service.replicas.max, prod.effective_replicas) == (3, 3, 3)
+    assert "scaled demo/hello/production to 3 replica(s)" in cli("events", "--json", "--kind", "env.scaled").stdout
+
+    async def deploy_and_cool_staging(conn, view: StateView, writer):
+        staging = pb.Environment()
+        staging.CopyFrom(view.env(applied["staging"]))
+        staging.active_release_id, staging.effective_replicas = "rel-s", 0  # deployed, then cooled to zero
+        await writer.commit(writer.txn().put(staging))
+
+    _state(nats_url, deploy_and_cool_staging)
+    listed = cli("apps", "list")
+    staging_row = next(line for line in listed.stdout.splitlines() if "staging" in line)
+    assert staging_row.split("│")[-2].strip() == "0", listed.stdout  # desired 0, not replicas.min 1
+
+    rows = {r["env"]: r for r in json.loads(cli("status", "--json").stdout)}
+    assert rows[PROD]["desired"] == 0 and rows[PROD]["state"] == "not deployed"
+    staging = rows["demo/hello/staging"]
+    assert (staging["desired"], staging["running"], staging["state"]) == (0, 0, "cold")
+    table = cli("status")
+    assert table.exit_code == 0 and "cold" in table.stdout
