@@ -283,9 +283,12 @@ UP_STATES = frozenset({pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY, pb.
 
 
 def env_status(view: StateView, env: pb.Environment, routes: cpb.RouteSnapshot | None) -> dict[str, Any]:
-    """One env's overview: where it answers, what runs, whether it is warm, how its last deploy went."""
+    """One env's overview: where it answers, what runs, whether it is warm, how its last deploy went.
+    Running and healthy count the active release's replicas; ``kept_warm``: other releases' replicas
+    still running (a previous release kept warm during a drain window)."""
     release = view.release(env.active_release_id) if env.active_release_id else None
-    replicas = [a for a in view.assignments(env.meta.id) if a.desired == pb.ASSIGNMENT_DESIRED_RUN and not a.job_id]
+    runs = [a for a in view.assignments(env.meta.id) if a.desired == pb.ASSIGNMENT_DESIRED_RUN and not a.job_id]
+    replicas = [a for a in runs if a.release_id == env.active_release_id]
     desired = desired_replicas(env)
     deployments = view.deployments(env.meta.id)
     last = max(deployments, key=lambda d: (d.meta.created_at.ToNanoseconds(), d.meta.id), default=None)
@@ -322,6 +325,7 @@ def env_status(view: StateView, env: pb.Environment, routes: cpb.RouteSnapshot |
         "running": sum(1 for a in replicas if a.observed.state in UP_STATES),
         "healthy": sum(1 for a in replicas if a.observed.state == pb.INSTANCE_STATE_HEALTHY),
         "state": state,
+        "kept_warm": len(runs) - len(replicas),
         "deploying": any(not is_terminal(d.phase) for d in deployments),
         "last_deploy": last_deploy,
     }
