@@ -246,12 +246,16 @@ class Retention(LeaderLoop):
         for kind, ident in changes:
             if kind == K.ENV and self.view.env(ident) is None:
                 return True
-            if kind == K.ASSIGNMENT and self.view.assignment(ident) is None and self._deleted_env_releases():
+            if kind == K.ASSIGNMENT and self.view.assignment(ident) is None and self._prunable_deleted_env_release():
                 return True
         return False
 
-    def _deleted_env_releases(self) -> bool:
-        return any(self.view.env(r.environment_id) is None for r in self.view.releases())
+    def _prunable_deleted_env_release(self) -> bool:
+        """A release of a deleted env that no assignment names any more (its last replica was reaped)."""
+        return any(
+            self.view.env(r.environment_id) is None and not self.view.assignment_ids_by_release(r.meta.id)
+            for r in self.view.releases()
+        )
 
     async def run_pass(self) -> None:
         await self.prune_releases()
