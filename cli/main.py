@@ -63,11 +63,6 @@ app.add_typer(apps_app, name="apps")
 app.add_typer(builds_app, name="builds")
 app.add_typer(volumes_app, name="volumes")
 app.add_typer(security_app, name="security")
-app.add_typer(envs_app, name="envs")
-app.add_typer(projects_app, name="projects")
-apps_app.command("delete")(apps_delete)
-app.command("scale")(scale)
-app.command("status")(status)
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 
@@ -857,6 +852,14 @@ def volumes_restore(volume_id: str, snapshot_id: str) -> None:
             err.print(f"volume {volume_id} restored from snapshot {snapshot_id}")
 
     run(go)
+
+
+# Issue 21: operating environments (cli/env_cmds.py).
+app.command("status")(status)
+app.command("scale")(scale)
+apps_app.command("delete")(apps_delete)
+app.add_typer(envs_app, name="envs")
+app.add_typer(projects_app, name="projects")
 
 
 def main() -> None:
