@@ -237,7 +237,8 @@ class Retention(LeaderLoop):
                 racing: list[asyncio.Future[Any]] = [timer, waiter]
                 await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
-                if waiter.done() and not waiter.cancelled() and self._cleanup_due(waiter.result()):
+                [changes] = await asyncio.gather(waiter, return_exceptions=True)
+                if isinstance(changes, set) and self._cleanup_due(changes):
                     return
         finally:
             timer.cancel()
