@@ -1,15 +1,16 @@
 """Deleting a project, an app or an environment: what goes, decided on the view, written as ONE fenced batch.
 
-The batch deletes the scope's records (project, apps, environments) and their domains, and flips every
-desired-RUN replica of the scope to STOP. Each key expects the revision the decision read, so a
+The batch deletes the scope's records (project, apps, environments) and their domains, flips every
+desired-RUN replica of the scope to STOP and ends every deployment under way (a promoted one SUCCEEDED,
+any other FAILED "environment deleted"). Each key expects the revision the decision read, so a
 concurrent deploy (which re-writes its environment), promotion, scaling write or domain edit refuses the
 whole batch and the deletion is decided again on fresh state; nothing is ever half-deleted.
 
 What follows from the environment being gone, in the services that own it: routes lose its hostnames at
 once (the route builder reads environments); the scheduler reaps the STOPped replicas (and stops any a
-racing writer created: orphans) once their agents report them stopped; the orchestrator fails a
-deployment still under way ("environment not found"); the VIP loop frees its VIP; retention prunes its
-releases, their images and its finished deployments and builds once no replica uses them.
+racing writer created: orphans) once their agents report them stopped; the VIP loop frees its VIP;
+retention prunes its releases, their images and its finished deployments and builds once no replica uses
+them.
 
 Volumes and their snapshots are kept unless asked (``volumes=True``): a volume outlives its app so that
 a mistaken delete loses no data (the records stay; ``zattera volumes list`` shows them).
@@ -23,9 +24,12 @@ from dataclasses import dataclass, field
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.deployments import is_terminal
 from shared.events import make_event
 from shared.txn import Txn, Writer
 from shared.view import StateView
+
+ENVIRONMENT_DELETED = "environment deleted"
 
 
 @dataclass
@@ -39,6 +43,8 @@ class Deletion:
     envs: list[pb.Environment] = field(default_factory=list)
     domains: list[pb.Domain] = field(default_factory=list)
     stops: list[pb.Assignment] = field(default_factory=list)
+    ended: list[pb.Deployment] = field(default_factory=list)
+    """Deployments under way, ended in the same write (a draining one SUCCEEDED, others FAILED)."""
     volumes: list[pb.Volume] = field(default_factory=list)
     snapshots: list[pb.VolumeSnapshot] = field(default_factory=list)
     kept_volumes: list[pb.Volume] = field(default_factory=list)
@@ -54,6 +60,7 @@ class Deletion:
             "environments": len(self.envs),
             "domains": len(self.domains),
             "replicas_stopped": len(self.stops),
+            "deployments_ended": len(self.ended),
             "volumes_deleted": len(self.volumes),
             "snapshots_deleted": len(self.snapshots),
             "volumes_kept": len(self.kept_volumes),
@@ -87,6 +94,7 @@ def plan_deletion(
     for env_id in sorted(env_ids):
         plan.domains.extend(view.domains(env_id))
         plan.stops.extend(_stopped(a, now) for a in view.assignments(env_id) if a.desired == pb.ASSIGNMENT_DESIRED_RUN)
+        plan.ended.extend(_ended(d, now) for d in view.deployments(env_id) if not is_terminal(d.phase))
         (plan.volumes if volumes else plan.kept_volumes).extend(view.volumes(env_id))
     # Domains and volumes of the project itself (not tied to an env of it) go with a project.
     plan.domains.extend(d for d in view.domains() if d.project_id in project_ids and d.environment_id not in env_ids)
@@ -105,11 +113,25 @@ def _stopped(a: pb.Assignment, now: float) -> pb.Assignment:
     return copy
 
 
+def _ended(d: pb.Deployment, now: float) -> pb.Deployment:
+    """A deployment of a deleted env, ended: a promoted one has done its job (its blue stops with the env),
+    any other fails. Ending it in the deletion's write also fences it against the orchestrator's next step."""
+    copy = pb.Deployment()
+    copy.CopyFrom(d)
+    if d.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD:
+        copy.phase = pb.DEPLOYMENT_PHASE_SUCCEEDED
+    else:
+        copy.phase = pb.DEPLOYMENT_PHASE_FAILED
+        copy.error = ENVIRONMENT_DELETED
+    copy.meta.updated_at.FromNanoseconds(int(now * 1e9))
+    return copy
+
+
 def deletion_txn(writer: Writer, plan: Deletion) -> Txn:
     """The plan as one batch, every key expecting the revision the plan was decided on."""
     txn = writer.txn(f"delete {plan.what}")
-    for a in plan.stops:
-        txn.put(a)
+    for msg in [*plan.stops, *plan.ended]:
+        txn.put(msg)
     keys = [K.domain(d.meta.id) for d in plan.domains]
     keys += [K.snapshot(s.meta.id) for s in plan.snapshots]
     keys += [K.volume(v.meta.id) for v in plan.volumes]

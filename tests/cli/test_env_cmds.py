@@ -36,6 +36,9 @@ def _seed_replicas_and_volume(nats_url: str, env_id: str) -> None:
         snapshot = pb.VolumeSnapshot(volume_id="vol1", status=pb.SNAPSHOT_STATUS_COMPLETE)
         snapshot.meta.id = "snap1"
         txn.create(volume).create(snapshot)
+        placing = pb.Deployment(environment_id=env_id, release_id="rel2", phase=pb.DEPLOYMENT_PHASE_PLACING)
+        placing.meta.id = "dep-placing"
+        txn.create(placing)
         await writer.commit(txn)
 
     _state(nats_url, seed)
@@ -70,6 +73,7 @@ def test_env_delete_stops_replicas_removes_domains_keeps_volumes_and_records_an_
     assert done.exit_code == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["environments"] == 1 and summary["replicas_stopped"] == 2 and summary["volumes_kept"] == 1
+    assert summary["deployments_ended"] == 1
 
     def after(view: StateView):
         return (
@@ -79,9 +83,11 @@ def test_env_delete_stops_replicas_removes_domains_keeps_volumes_and_records_an_
             [v.meta.id for v in view.volumes()],
             [s.meta.id for s in view.snapshots()],
             view.env(applied["staging"]) is not None,
+            view.deployment("dep-placing"),
         )
 
-    env, domains, desired, volumes, snapshots, staging_kept = _read(nats_url, after)
+    env, domains, desired, volumes, snapshots, staging_kept, ended = _read(nats_url, after)
+    assert (ended.phase, ended.error) == (pb.DEPLOYMENT_PHASE_FAILED, "environment deleted")
     assert env is None and domains == []
     assert desired == [pb.ASSIGNMENT_DESIRED_STOP] * 2  # the scheduler reaps them once stopped
     assert volumes == ["vol1"] and snapshots == ["snap1"]

@@ -214,7 +214,12 @@ async def test_delete_refuses_without_yes_then_leaves_no_replica_route_or_domain
 
         await eventually(no_route, 30, "no route to the deleted envs")
         await eventually(lambda: not [r for r in view.releases() if r.environment_id in env_ids], 30, "releases pruned")
+        await eventually(
+            lambda: not [d for d in view.deployments() if d.environment_id in env_ids], 30, "deployments cleaned up"
+        )
     status, _ = await cluster.get(HOST)
     assert status == 404
     events = await cluster.acli("events", "--json", "--kind", "env.deleted")
     assert events.stdout.count('"kind": "env.deleted"') == 2
+    failed = await cluster.acli("events", "--json", "--kind", "deploy.failed")
+    assert '"kind"' not in failed.stdout, "the draining deployment ended with the env, not as a failure"
