@@ -11,8 +11,9 @@ whose build the benchmark marks SUCCEEDED once the deployment waits in BUILDING.
 Times are taken when an observing view applies each write (the moment any other service could see
 it). Reaction = phase write seen − the change that unblocked it:
 
-* PENDING->PLACING: the deployment's creation; PLACING->STARTING, PROMOTING->DRAINING_OLD: the previous
-  phase write (the loop's own cascade);
+* PENDING->PLACING: the deployment's creation; PLACING->STARTING, PROMOTING->DRAINING_OLD (or ->SUCCEEDED
+  when there is nothing to drain, as for the first deploy): the previous phase write (the loop's own
+  cascade);
 * STARTING->HEALTHCHECKING / HEALTHCHECKING->PROMOTING: the later of the phase entry and the agent report
   that made the last green replica up / healthy;
 * BUILDING->PLACING: the build's SUCCEEDED write; DRAINING_OLD->SUCCEEDED: the drain deadline.
@@ -154,7 +155,9 @@ async def _measure(quick: bool) -> list[Row]:
                 up = _last_report(agent, green, frozenset({pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY}))
                 healthy = _last_report(agent, green, frozenset({pb.INSTANCE_STATE_HEALTHY}))
                 starting, checking = t[PH.DEPLOYMENT_PHASE_STARTING], t[PH.DEPLOYMENT_PHASE_HEALTHCHECKING]
-                promoting, draining = t[PH.DEPLOYMENT_PHASE_PROMOTING], t[PH.DEPLOYMENT_PHASE_DRAINING_OLD]
+                # The promotion's write: DRAINING_OLD, or SUCCEEDED when there was nothing to drain (the first).
+                promoting = t[PH.DEPLOYMENT_PHASE_PROMOTING]
+                draining = t.get(PH.DEPLOYMENT_PHASE_DRAINING_OLD, t[PH.DEPLOYMENT_PHASE_SUCCEEDED])
                 placing = t[PH.DEPLOYMENT_PHASE_PLACING]
                 if from_source:
                     reactions["build"].append(placing - built_at)
@@ -167,9 +170,10 @@ async def _measure(quick: bool) -> list[Row]:
                     promoting - max(checking, healthy),
                     draining - promoting,
                 ]
-                # The drain deadline is wall-clock time; the recorder's times are perf_counter.
-                lateness = time.time() - (time.perf_counter() - t[PH.DEPLOYMENT_PHASE_SUCCEEDED])
-                reactions["drain"].append(lateness - d.drain_deadline.ToNanoseconds() / 1e9)
+                if d.HasField("drain_deadline"):
+                    # The drain deadline is wall-clock time; the recorder's times are perf_counter.
+                    lateness = time.time() - (time.perf_counter() - t[PH.DEPLOYMENT_PHASE_SUCCEEDED])
+                    reactions["drain"].append(lateness - d.drain_deadline.ToNanoseconds() / 1e9)
         finally:
             leader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

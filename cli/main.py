@@ -22,6 +22,7 @@ from cli.apply import env_label, env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
 from cli.plan_view import print_plan
 from cli.render import Col
+from cli.env_cmds import apps_delete, envs_app, projects_app, scale, status
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
@@ -29,7 +30,7 @@ from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.settings import split_listen
 from shared import keys as K
 from shared.deploy import Deployer, DeployError
-from shared.deployments import is_terminal
+from shared.deployments import desired_replicas, is_terminal
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 from shared.settings import settings
 from shared.telemetry import setup as setup_telemetry
@@ -390,7 +391,7 @@ def apps_list(json: bool = JSON, wide: bool = WIDE) -> None:
                         e.meta.id,
                         f"v{release.version}" if release else "-",
                         c.view.env_run_count(e.meta.id),
-                        e.effective_replicas or e.service.replicas.min,
+                        desired_replicas(e),  # what the scheduler converges to: 0 for a cooled env
                     ]
                 )
             render.table("environments", ["env", Col("id", wide=True), "active", "running", "desired"], rows)
@@ -946,6 +947,14 @@ def volumes_restore(volume_id: str, snapshot_id: str) -> None:
             err.print(f"volume {volume_id} restored from snapshot {snapshot_id}")
 
     run(go)
+
+
+# Issue 21: operating environments (cli/env_cmds.py).
+app.command("status")(status)
+app.command("scale")(scale)
+apps_app.command("delete")(apps_delete)
+app.add_typer(envs_app, name="envs")
+app.add_typer(projects_app, name="projects")
 
 
 def main() -> None:

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.markup import escape
@@ -15,11 +17,18 @@ from zattera.v1 import types_pb2 as pb
 from cli.client import control, err
 from cli.render import enum_name
 from shared import keys as K
-from shared.deployments import is_terminal
+from shared.clock import RealClock
+from shared.deployments import desired_replicas, is_terminal
+from shared.live import LiveView
+from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.view import StateView
 
 _LIVE = (pb.DEPLOYMENT_PHASE_DRAINING_OLD, pb.DEPLOYMENT_PHASE_SUCCEEDED)
+SERVE_TIMEOUT = 60.0
+"""How long ``zattera deploy`` waits, after promotion, for the proxies to route to the new release."""
+SERVE_POLL = 0.25
+"""Proxy reports arrive on their own schedule (every 2 s): re-check at least this often."""
 
 
 def _phase(d: pb.Deployment) -> str:
@@ -62,8 +71,7 @@ async def watch_deployment(deployment_id: str, *, until_done: bool) -> int:
                     err.print(f"[red]deployment {_phase(d).lower()}[/]: {d.error or 'no reason recorded'}")
                     return 1
                 if d.phase == pb.DEPLOYMENT_PHASE_SUCCEEDED or (d.phase in _LIVE and not until_done):
-                    err.print(f"[green]live[/]: release {d.release_id} serves traffic")
-                    return 0
+                    return await until_served(c.conn, c.view, d, started)
                 await feed.wait(timeout=5.0)
         finally:
             feed.close()
@@ -71,6 +79,82 @@ async def watch_deployment(deployment_id: str, *, until_done: bool) -> int:
                 log_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await log_task
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """Whether the proxies route an env's active release; if not, what that waits for."""
+
+    live: bool
+    detail: str
+    routes_version: int = 0
+    """The first route snapshot version that routes to the release (0: none yet)."""
+
+
+def serving(
+    env: pb.Environment, snapshot: cpb.RouteSnapshot | None, proxies: Sequence[cpb.ProxyHeartbeat], routes_version: int
+) -> Serving:
+    """Decide from the newest route snapshot and the proxies' fresh reports. ``routes_version``: the
+    version already found to route to the release (0: look for it in ``snapshot``)."""
+    if not routes_version:
+        if snapshot is None:
+            return Serving(False, "the first route snapshot")
+        routes = [r for r in snapshot.http_routes if r.environment_id == env.meta.id]
+        if not routes:
+            return Serving(True, "the environment has no HTTP route (no domain)")
+        behind = [r for r in routes if r.route_generation < env.route_generation]
+        if behind:
+            return Serving(False, f"the route snapshot to switch {behind[0].hostname} to the new release")
+        if desired_replicas(env) > 0 and not any(r.endpoints for r in routes):
+            return Serving(False, "a healthy replica of the release in the routes")
+        routes_version = snapshot.version
+    if not proxies:
+        return Serving(True, f"no proxy is reporting; route version {routes_version} is published", routes_version)
+    lagging = sorted(f"{p.proxy_id} (at {p.routes_version})" for p in proxies if p.routes_version < routes_version)
+    if lagging:
+        return Serving(False, f"proxies {', '.join(lagging)} to load route version {routes_version}", routes_version)
+    return Serving(True, f"served by {len(proxies)} proxy(ies) at route version {routes_version}", routes_version)
+
+
+async def until_served(conn: Connection, view: StateView, d: pb.Deployment, started: float) -> int:
+    """After promotion: "live" once every reporting proxy routes to the release; meanwhile say what it
+    waits for; give up after :data:`SERVE_TIMEOUT` (exit 1: promoted, but not served everywhere)."""
+    release = view.release(d.release_id)
+    label = f"release v{release.version}" if release else f"release {d.release_id}"
+    live = LiveView(conn, RealClock())
+    await live.start()
+    cache = tempfile.TemporaryDirectory()
+    routes = RouteClient(Path(cache.name) / "routes.pb")
+    await routes.start(conn)
+    updates = routes.updates()
+    found, said = 0, ""
+    try:
+        deadline = time.monotonic() + SERVE_TIMEOUT
+        while True:
+            env = view.env(d.environment_id)
+            if env is None:
+                err.print("[red]error:[/] the environment was deleted")
+                return 1
+            if routes.version == 0:
+                await routes.fetch()
+            state = serving(env, routes.current if routes.version else None, live.fresh_proxy_heartbeats(), found)
+            found = state.routes_version
+            if state.live:
+                err.print(f"[green]live[/]: {label} serves traffic ({state.detail})")
+                return 0
+            if state.detail != said:
+                err.print(f"[{time.monotonic() - started:6.1f}s] promoted; waiting for {state.detail}")
+                said = state.detail
+            if time.monotonic() > deadline:
+                err.print(f"[yellow]not live yet[/]: {label} is active, still waiting for {state.detail}")
+                return 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(updates.get(), SERVE_POLL)
+    finally:
+        updates.close()
+        await routes.stop()
+        await live.stop()
+        cache.cleanup()
 
 
 async def _stream_build_log(conn: object, build_id: str) -> None:
@@ -82,15 +166,20 @@ async def _stream_build_log(conn: object, build_id: str) -> None:
 
 async def fetch_routes(timeout: float = 5.0) -> cpb.RouteSnapshot | None:
     async with control(view=False) as c:
-        with tempfile.TemporaryDirectory() as tmp:
-            client = RouteClient(Path(tmp) / "routes.pb")
-            await client.start(c.conn)
-            try:
-                deadline = time.monotonic() + timeout
-                while client.version == 0 and time.monotonic() < deadline:
-                    if await client.fetch():
-                        break
-                    await asyncio.sleep(0.1)
-                return client.current if client.version else None
-            finally:
-                await client.stop()
+        return await route_snapshot(c.conn, timeout)
+
+
+async def route_snapshot(conn: Connection, timeout: float = 5.0) -> cpb.RouteSnapshot | None:
+    """The current route snapshot, fetched as a proxy does (None: none published within ``timeout``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        client = RouteClient(Path(tmp) / "routes.pb")
+        await client.start(conn)
+        try:
+            deadline = time.monotonic() + timeout
+            while client.version == 0 and time.monotonic() < deadline:
+                if await client.fetch():
+                    break
+                await asyncio.sleep(0.1)
+            return client.current if client.version else None
+        finally:
+            await client.stop()

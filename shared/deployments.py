@@ -3,7 +3,7 @@ orchestrator and the scaling loops.
 
 Reference rule: any non-terminal deployment owns its env; the scheduler and scaling loops leave it alone.
 This project's fix: once a deployment is promoted (DRAINING_OLD), the scheduler owns the **active**
-release's replicas again (node-loss replacement, scaling); only the blue set (the deployment's
+release's replicas again (node-loss replacement, scaling, cooling); only the blue set (the deployment's
 ``previous_release_id``) is held warm by the deployment until the drain completes. When a deployment
 targets its own previous release (a redeploy, a rollback to the active release), blue and green share
 that release: blue is then the release's replicas *not* tagged with the deployment, and the scheduler
@@ -91,5 +91,7 @@ def desired_replicas(env: pb.Environment) -> int:
 
 
 def owns_scaling(view: StateView, env_id: str) -> bool:
-    """True when a deployment is under way (scaling loops skip the env, as in the reference)."""
-    return bool(active_deployments(view, env_id))
+    """True while a deployment that is not yet promoted holds the env (the scaling loops skip it). Once
+    every live deployment of the env is promoted (DRAINING_OLD: only its blue is held warm), scaling and
+    cooling proceed — the reference skipped the env for the whole drain window."""
+    return not env_ownership(view, env_id).scheduler_manages

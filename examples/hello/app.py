@@ -1,4 +1,5 @@
-"""A tiny HTTP app for Zattera's quick start: answers on $PORT, /healthz for the health check."""
+"""A tiny HTTP app for Zattera's quick start: answers on $ZATTERA_BIND_ADDR:$PORT (the node's mesh address
+and the port the agent gave it), /healthz for the health check."""
 
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ class Handler(BaseHTTPRequestHandler):
             body = b"ok"
         else:
             body = json.dumps(
-                {"hello": "world", "version": VERSION, "host": socket.gethostname(), "pid": os.getpid()}
+                {
+                    "hello": "world",
+                    "version": VERSION,
+                    "host": socket.gethostname(),
+                    "node": os.environ.get("ZATTERA_NODE_ID", ""),
+                    "pid": os.getpid(),
+                }
             ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json" if self.path != "/healthz" else "text/plain")
@@ -30,7 +37,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 if __name__ == "__main__":
-    server = ThreadingHTTPServer(("127.0.0.1", int(os.environ.get("PORT", "8000"))), Handler)
+    bind = os.environ.get("ZATTERA_BIND_ADDR", "127.0.0.1")  # where the routes send requests for this replica
+    server = ThreadingHTTPServer((bind, int(os.environ.get("PORT", "8000"))), Handler)
     # The moment it can answer (benchmarks/e2e_bench.py subtracts the app's own start from a cold start).
     print(f"hello {VERSION} listening on {server.server_port} (ready at {time.time():.6f})", flush=True)
     server.serve_forever()

@@ -35,6 +35,7 @@ DEFAULT_THRESHOLD = 3
 HTTP = "http"
 TCP = "tcp"
 EXEC = "exec"
+LOOPBACK = "127.0.0.1"
 
 
 def seconds(duration: Duration, default: float) -> float:
@@ -46,6 +47,8 @@ def seconds(duration: Duration, default: float) -> float:
 class Probe:
     kind: str
     port: int = 0
+    host: str = LOOPBACK
+    """Where the instance listens: the node's bind address (``ZATTERA_BIND_ADDR``)."""
     path: str = "/"
     command: str = ""
     interval: float = DEFAULT_INTERVAL
@@ -61,8 +64,9 @@ def _probed_port(spec: pb.ServiceSpec, wanted: int) -> pb.PortSpec | None:
     return spec.ports[0] if spec.ports else None
 
 
-def probe_for(spec: pb.ServiceSpec, host_ports: Mapping[str, int]) -> Probe | None:
-    """The probe of a release's spec with the instance's host ports; None when the spec has no healthcheck."""
+def probe_for(spec: pb.ServiceSpec, host_ports: Mapping[str, int], *, host: str = LOOPBACK) -> Probe | None:
+    """The probe of a release's spec with the instance's host ports on ``host`` (the address the instance
+    was told to bind); None when the spec has no healthcheck."""
     if not spec.HasField("healthcheck"):
         return None
     check = spec.healthcheck
@@ -78,6 +82,7 @@ def probe_for(spec: pb.ServiceSpec, host_ports: Mapping[str, int]) -> Probe | No
     return Probe(
         kind=kind,
         port=port,
+        host=host,
         path=check.path or "/",
         command=check.command,
         interval=seconds(check.interval, DEFAULT_INTERVAL),
@@ -87,10 +92,10 @@ def probe_for(spec: pb.ServiceSpec, host_ports: Mapping[str, int]) -> Probe | No
     )
 
 
-async def check_http(port: int, path: str) -> bool:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def check_http(host: str, port: int, path: str) -> bool:
+    reader, writer = await asyncio.open_connection(host, port)
     try:
-        writer.write(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nUser-Agent: zattera-agent\r\n\r\n".encode())
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}:{port}\r\nUser-Agent: zattera-agent\r\n\r\n".encode())
         await writer.drain()
         status_line = await reader.readline()
     finally:
@@ -101,8 +106,8 @@ async def check_http(port: int, path: str) -> bool:
     return len(parts) >= 2 and parts[1].isdigit() and 200 <= int(parts[1]) < 400
 
 
-async def check_tcp(port: int) -> bool:
-    _, writer = await asyncio.open_connection("127.0.0.1", port)
+async def check_tcp(host: str, port: int) -> bool:
+    _, writer = await asyncio.open_connection(host, port)
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
@@ -155,8 +160,8 @@ class HealthMonitor:
                 if probe.kind == EXEC:
                     return await check_exec(probe.command, self._cwd, self._env)
                 if probe.kind == TCP:
-                    return await check_tcp(probe.port)
-                return await check_http(probe.port, probe.path)
+                    return await check_tcp(probe.host, probe.port)
+                return await check_http(probe.host, probe.port, probe.path)
         except (OSError, TimeoutError, ValueError):
             return False
 

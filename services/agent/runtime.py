@@ -4,7 +4,9 @@ One :class:`InstanceSupervisor` per assignment owns its process and its reports:
 
 * desired RUN: fetch and unpack the release's image (``images.py``) into ``<data>/instances/<id>/``,
   give the instance a host port per declared port (``PORT`` = the "http" port or the first one,
-  ``PORT_<NAME>`` for each; no declared port = one "http" port) and start its command. Reports go
+  ``PORT_<NAME>`` for each; no declared port = one "http" port), tell it where to listen
+  (``ZATTERA_BIND_ADDR`` and ``HOST`` = the node's mesh address, else 127.0.0.1: the address routes list
+  for its replicas; health checks probe it there) and start its command. Reports go
   PULLING → RUNNING (ports in ``mesh_port_bindings``) → HEALTHY/UNHEALTHY from the health checks
   (``health.py``); without a healthcheck an instance is HEALTHY as soon as its process runs.
 * A process that exits is restarted with exponential backoff (reported STARTING with the exit code);
@@ -40,7 +42,7 @@ from pathlib import Path
 
 from zattera.v1 import types_pb2 as pb
 
-from services.agent.health import HealthMonitor, probe_for, seconds
+from services.agent.health import LOOPBACK, HealthMonitor, probe_for, seconds
 from services.agent.images import ImageError, PreparedImage, prepare_image
 from services.agent.processes import STATE_FILE, InstanceRecord, PortAllocator, ProcessHandle, adopt, spawn
 from services.agent.reporter import ObservedReporter
@@ -112,11 +114,26 @@ def resolve_volumes(
     return paths, ""
 
 
+def bind_address(settings: AgentSettings) -> str:
+    """Where this node's instances listen: its mesh address (what routes list for its replicas, and what
+    other nodes' proxies connect to), else loopback for a single machine."""
+    return settings.mesh_ip or LOOPBACK
+
+
 def instance_env(
-    a: pb.Assignment, image: PreparedImage, ports: Mapping[str, int], volumes: Mapping[str, Path]
+    a: pb.Assignment,
+    image: PreparedImage,
+    ports: Mapping[str, int],
+    volumes: Mapping[str, Path],
+    *,
+    bind: str = LOOPBACK,
 ) -> dict[str, str]:
     env = {k: os.environ[k] for k in PASSED_THROUGH_ENV if k in os.environ}
     env.update(image.env)
+    # Where to listen, with PORT: the node's mesh address. HOST too (what many frameworks read), unless
+    # the image sets its own.
+    env.setdefault("HOST", bind)
+    env["ZATTERA_BIND_ADDR"] = bind
     env.update(
         ZATTERA_NODE_ID=a.node_id,
         ZATTERA_ASSIGNMENT_ID=a.meta.id,
@@ -303,7 +320,7 @@ class InstanceSupervisor:
             self._ports = {name: self.ctx.ports.allocate() for name in port_names(release.service)}
         for path in volumes.values():
             path.mkdir(parents=True, exist_ok=True)
-        env = instance_env(a, image, self._ports, volumes)
+        env = instance_env(a, image, self._ports, volumes, bind=bind_address(self.ctx.settings))
         # Shielded: once spawned, the process must be attached and recorded even if this task is
         # cancelled meanwhile (assignment removed, agent stopping), or nobody would ever stop it.
         launching = asyncio.ensure_future(self._launch(command, image.workdir, env))
@@ -348,7 +365,8 @@ class InstanceSupervisor:
         self._start_health(self.ctx.view.release(self.assignment.release_id))
 
     def _start_health(self, release: pb.Release | None) -> None:
-        probe = probe_for(release.service, self._ports) if release is not None else None
+        bind = bind_address(self.ctx.settings)
+        probe = probe_for(release.service, self._ports, host=bind) if release is not None else None
         if probe is None:
             self._report(HEALTHY)
             return

@@ -2,12 +2,13 @@
 (reference §1).
 
 Per env, in the reference's eligibility order: a target > 0 and an active release; not serverless
-(``max_concurrency == 0``); no deployment under way; room to scale (``max > max(min, 1)``); fresh
-observations of at least one running replica (else freeze). The candidate per signal is
-``ceil(replicas × observed / (target × band))`` (RPS: ``ceil(total_rps / (target × band))``), the
-max of the candidates clamped to ``[max(min, 1), max]``. Scale up at once; scale down only when even the
-0.8 band says so for 5 continuous minutes; 3 minutes of cooldown after any write, both ways. The hold
-and cooldown timers live in memory and reset at every term.
+(``max_concurrency == 0``); no deployment under way before its promotion (a draining one holds only its
+blue); room to scale (``max > max(min, 1)``); fresh observations of at least one running replica (else
+freeze). The candidate per signal is ``ceil(replicas × observed / (target × band))`` (RPS:
+``ceil(total_rps / (target × band))``), the max of the candidates clamped to ``[max(min, 1), max]``.
+Scale up at once; scale down only when even the 0.8 band says so for 5 continuous minutes; 3 minutes of
+cooldown after any write, both ways. The hold and cooldown timers live in memory and reset at every
+term.
 
 Fixes over the reference: only samples younger than 30 s count (a dead node's last sample no longer
 counts forever); cooldown and events are recorded only for a write that landed; the write is fenced on

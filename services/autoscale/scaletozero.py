@@ -1,13 +1,14 @@
 """ScaleToZero (``lease.scaletozero``): cools an idle ``scale_to_zero`` env to ``effective_replicas = 0``
 (reference §2). Waking it again is the activator's job.
 
-Per env: skip (timer untouched) unless scale-to-zero, not stateful, an active release and not
-serverless (``max_concurrency > 0``: the serverless loop owns cooling); skip and forget the env's
-activity (so the next eligible look grants a full window) while it is already cold or a deployment is
-under way. Activity comes from fresh proxy samples: requests in flight or held at a proxy mark the env
-active now; otherwise the newest ``last_request_at`` counts. The first sight of an env in a term grants
-a full idle window. Idle for ``idle_timeout`` → cool, event ``scaletozero.cooled``. No fresh proxy data
-at all (an ingress blackout) freezes every decision.
+Per env: skip (timer untouched) unless scale-to-zero, not stateful, an active release and not serverless
+(``max_concurrency > 0``: the serverless loop owns cooling); skip and forget the env's activity (so the
+next eligible look grants a full window) while it is already cold or a deployment is under way and not
+yet promoted (a promoted one keeps only its blue warm: cooling proceeds, and the orchestrator then stops
+that blue too). Activity comes from fresh proxy samples: requests in flight or held at a proxy mark the
+env active now; otherwise the newest ``last_request_at`` counts. The first sight of an env in a term
+grants a full idle window. Idle for ``idle_timeout`` → cool, event ``scaletozero.cooled``. No fresh
+proxy data at all (an ingress blackout) freezes every decision.
 
 Fixes over the reference:
 * ``scale_to_zero`` without ``idle_timeout`` cools after the cluster default: setting
@@ -77,7 +78,7 @@ def evaluate(
     if env.effective_replicas == 0:
         return Decision(None, None, "already cold")
     if owns_scaling(view, env.meta.id):
-        return Decision(None, None, "deployment under way")
+        return Decision(None, None, "deployment under way (not promoted yet)")
     if not live.has_fresh_traffic_data():
         return Decision(None, last_active, "no fresh proxy data (frozen)")
     traffic = live.env_traffic(env.meta.id)

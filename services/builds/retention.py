@@ -3,8 +3,7 @@ sweep the registry. Runs at the start of a term and then an hour after each swee
 
 Reference rules kept (spec §7): per environment keep the 10 newest releases, the active one, the
 previous one (highest version below the active) and the release and previous release of every
-non-terminal deployment; an environment without a record is skipped. Source tarballs written more than
-24 h ago are deleted.
+non-terminal deployment. Source tarballs written more than 24 h ago are deleted.
 
 Fixed here:
 
@@ -17,10 +16,15 @@ Fixed here:
   only logged). One failed prune does not abort the others nor the tarball cleanup (§11.12).
 * A tarball needed by a QUEUED or RUNNING build is never deleted (§11.10), and re-uploading the same
   source refreshes its written-at time (shared/registry.py ``BlobStore.put``).
+* A deleted environment (``zattera envs|apps|projects delete``; the reference skipped envs without a
+  record forever) loses every release no replica uses any more, with its images; once none is left,
+  its finished deployments and builds go too. An env deletion wakes the loop, so this does not wait for
+  the next hourly sweep.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -36,6 +40,7 @@ from shared.lease import Leadership
 from shared.loop import LeaderLoop
 from shared.natsio import DAY, SOURCES_STORE
 from shared.registry import BlobInfo, BlobStore, parse_ref, repository
+from shared.view import Change, ChangeFeed
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +121,10 @@ def evaluate(
     deployments: Sequence[pb.Deployment],
     images: Sequence[pb.Image],
     keep: int = KEEP_RELEASES,
+    in_use: frozenset[str] = frozenset(),
 ) -> list[Prune]:
-    """Which releases to delete (newest first per env) and which tags go with each."""
+    """Which releases to delete (newest first per env) and which tags go with each. ``in_use``: release
+    ids some assignment still names (a deleted env's releases wait until its replicas are reaped)."""
     releases_by_env: dict[str, list[pb.Release]] = defaultdict(list)
     for r in releases:
         releases_by_env[r.environment_id].append(r)
@@ -130,10 +137,11 @@ def evaluate(
     pruned: list[pb.Release] = []
     for env_id in sorted(releases_by_env):
         env = envs.get(env_id)
-        if env is None:
-            continue
         rels = sorted(releases_by_env[env_id], key=lambda r: (r.version, r.meta.id), reverse=True)
-        kept = kept_release_ids(env, rels, deployments_by_env.get(env_id, []), keep)
+        if env is None:
+            kept = {r.meta.id for r in rels if r.meta.id in in_use}
+        else:
+            kept = kept_release_ids(env, rels, deployments_by_env.get(env_id, []), keep)
         pruned.extend(r for r in rels if r.meta.id not in kept)
 
     pruned_ids = {r.meta.id for r in pruned}
@@ -157,6 +165,24 @@ def evaluate(
             image_ids.append(image.meta.id)
         prunes.append(Prune(release.meta.id, release.environment_id, release.version, tuple(image_ids)))
     return prunes
+
+
+def deleted_env_leftovers(
+    envs: Mapping[str, pb.Environment],
+    releases: Sequence[pb.Release],
+    deployments: Sequence[pb.Deployment],
+    builds: Sequence[pb.Build],
+) -> list[str]:
+    """Keys of the finished deployments and builds of deleted envs that have no release left (their
+    images are gone with the releases; a deployment or build still under way waits until it ends)."""
+    with_releases = {r.environment_id for r in releases}
+
+    def gone(env_id: str) -> bool:
+        return bool(env_id) and env_id not in envs and env_id not in with_releases
+
+    keys = [K.deployment(d.meta.id) for d in deployments if gone(d.environment_id) and is_terminal(d.phase)]
+    keys += [K.build(b.meta.id) for b in builds if gone(b.environment_id) and b.status not in LIVE_BUILD_STATUSES]
+    return keys
 
 
 def stale_sources(
@@ -188,16 +214,53 @@ class Retention(LeaderLoop):
         self.sweeps = 0
 
     async def run(self, leadership: Leadership) -> None:
-        """Sweep at once, then ``interval`` after each sweep finished (not on state changes)."""
+        """Sweep at once, then ``interval`` after each sweep finished, or as soon as an env is deleted."""
         self.writer = self.fenced_writer(leadership)
         self.on_term_start()
-        while True:
-            await self.view.wait_fresh()
-            await self.pass_once()
-            await self.clock.sleep(self.interval)
+        feed = self.view.subscribe({K.ENV, K.ASSIGNMENT})
+        try:
+            while True:
+                await self.view.wait_fresh()
+                feed.drain()
+                await self.pass_once()
+                await self._until_due(feed)
+        finally:
+            feed.close()
+
+    async def _until_due(self, feed: ChangeFeed) -> None:
+        """Wait for the interval, or for a deleted env to clean up (an env deleted, or the last replica of a
+        deleted env reaped)."""
+        timer = self.clock.timer(self.interval)
+        try:
+            while not timer.done():
+                waiter = asyncio.ensure_future(feed.wait())
+                racing: list[asyncio.Future[Any]] = [timer, waiter]
+                await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                [changes] = await asyncio.gather(waiter, return_exceptions=True)
+                if isinstance(changes, set) and self._cleanup_due(changes):
+                    return
+        finally:
+            timer.cancel()
+
+    def _cleanup_due(self, changes: set[Change]) -> bool:
+        for kind, ident in changes:
+            if kind == K.ENV and self.view.env(ident) is None:
+                return True
+            if kind == K.ASSIGNMENT and self.view.assignment(ident) is None and self._prunable_deleted_env_release():
+                return True
+        return False
+
+    def _prunable_deleted_env_release(self) -> bool:
+        """A release of a deleted env that no assignment names any more (its last replica was reaped)."""
+        return any(
+            self.view.env(r.environment_id) is None and not self.view.assignment_ids_by_release(r.meta.id)
+            for r in self.view.releases()
+        )
 
     async def run_pass(self) -> None:
         await self.prune_releases()
+        await self.delete_deleted_env_leftovers()
         await self.delete_stale_sources()
         if self.sweeper is not None:
             await self.sweeper.collect()
@@ -211,6 +274,7 @@ class Retention(LeaderLoop):
             deployments=self.view.deployments(),
             images=self.view.images(),
             keep=self.keep,
+            in_use=frozenset(a.release_id for a in self.view.assignments()),
         )
         txns = []
         for prune in prunes:
@@ -233,6 +297,17 @@ class Retention(LeaderLoop):
                 )
             else:
                 log.warning("release %s not pruned this time: %s", prune.release_id, result)
+        return done
+
+    async def delete_deleted_env_leftovers(self) -> list[str]:
+        assert self.writer is not None
+        keys = deleted_env_leftovers(
+            {e.meta.id: e for e in self.view.envs()}, self.view.releases(), self.view.deployments(), self.view.builds()
+        )
+        results = await self.writer.commit_many([self.writer.txn("deleted env leftover").delete(k) for k in keys])
+        done = [k for k, result in zip(keys, results, strict=True) if result is None]
+        if done:
+            log.info("deleted %d finished deployments and builds of deleted environments", len(done))
         return done
 
     async def delete_stale_sources(self) -> list[str]:

@@ -7,7 +7,7 @@ stateful arm (:mod:`services.orchestrator.stateful`) or the red/green arm below:
     PENDING -+-(build_id, no image)-> BUILDING -(build ok)-> PLACING
              +-(rollback, warm)------------------------------------> PROMOTING
              +---------------------------------------------------> PLACING -> STARTING -> HEALTHCHECKING -> PROMOTING
-    PROMOTING -> DRAINING_OLD -> SUCCEEDED
+    PROMOTING -> DRAINING_OLD -> SUCCEEDED   (PROMOTING -> SUCCEEDED when there is nothing to drain)
 
 Fixes of the reference's hazards, each pinned by a test:
 * abort, promotion, placement+phase, stamp+phase are each ONE write (no crash leaves half a transition);
@@ -197,7 +197,7 @@ def decide_red_green(
     if d.phase == HEALTHCHECKING:
         return healthchecking(view, d, env, release, now, timers)
     if d.phase == PROMOTING:
-        return promote(d, env, now, timers)
+        return promote(view, d, env, release, now, timers)
     if d.phase == DRAINING_OLD:
         return drain(view, d, env, release, now)
     return None
@@ -274,16 +274,34 @@ def healthchecking(
     return None
 
 
-def promote(d: pb.Deployment, env: pb.Environment, now: float, timers: Timers) -> Transition:
-    """ONE write: active release + route generation, DRAINING_OLD with promoted_at and drain_deadline."""
-    t = move(d, DRAINING_OLD, now, promoted_at=now, drain_deadline=now + timers.drain_window)
+def promote(
+    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+) -> Transition:
+    """ONE write: active release + route generation, and DRAINING_OLD with promoted_at and drain_deadline
+    — or SUCCEEDED at once when there is nothing to drain (a first deploy, a cold env): no blue is held,
+    so nothing waits on the window."""
+    if nothing_to_drain(view, d, env, release):
+        t = move(d, pb.DEPLOYMENT_PHASE_SUCCEEDED, now, promoted_at=now)
+    else:
+        t = move(d, DRAINING_OLD, now, promoted_at=now, drain_deadline=now + timers.drain_window)
     t.puts = [promoted_env(env, d.release_id)]
     return t
 
 
+def nothing_to_drain(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release) -> bool:
+    """No blue replica to keep warm, or the env is cold (cooled to zero: its blue stops with it)."""
+    return not blue_to_stop(view, d, env, release) or env_is_cold(env)
+
+
+def env_is_cold(env: pb.Environment) -> bool:
+    return env.service.scale_to_zero and env.effective_replicas == 0
+
+
 def drain(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float) -> Transition | None:
-    """After the drain window: stop blue and succeed, in one write. Green is never touched."""
-    if d.HasField("drain_deadline") and now < seconds(d.drain_deadline):
+    """Stop blue and succeed, in one write: after the drain window, or as soon as there is nothing left to
+    keep warm (blue gone) or the env cooled to zero (its warm blue cools with it). Green is never touched."""
+    window_open = d.HasField("drain_deadline") and now < seconds(d.drain_deadline)
+    if window_open and not nothing_to_drain(view, d, env, release):
         return None
     t = move(d, pb.DEPLOYMENT_PHASE_SUCCEEDED, now)
     t.puts = [with_desired(a, STOP, now=now) for a in blue_to_stop(view, d, env, release)]

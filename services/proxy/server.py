@@ -247,6 +247,7 @@ class Proxy:
 
     async def _publish_heartbeat(self) -> None:
         heartbeat = self.stats.heartbeat(self.proxy_id, self.cfg.node_id, self.holds.held, self.table.env_ids)
+        heartbeat.routes_version = self.table.version  # what it routes by now (zattera deploy waits on it)
         if self.conn is None or not self.conn.nc.is_connected:
             return  # the control plane is unreachable: nothing to report to (the RPS window restarts)
         try:

@@ -64,7 +64,7 @@ signal.signal(signal.SIGTERM, on_sigterm)
 volume = os.environ.get("ZATTERA_VOLUME_DATA")
 if volume:
     pathlib.Path(volume, "written-by-app").write_text(ASSIGNMENT)
-http.server.HTTPServer(("127.0.0.1", int(os.environ["PORT"])), Handler).serve_forever()
+http.server.HTTPServer((os.environ["ZATTERA_BIND_ADDR"], int(os.environ["PORT"])), Handler).serve_forever()
 """
 
 

@@ -29,8 +29,8 @@ def state_of(view: StateView, node_id: str, assignment_id: str) -> int:
     return observed.state if observed is not None else pb.INSTANCE_STATE_UNSPECIFIED
 
 
-async def http_get(port: int) -> str:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def http_get(port: int, host: str = "127.0.0.1") -> str:
+    reader, writer = await asyncio.open_connection(host, port)
     writer.write(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
     await writer.drain()
     response = await reader.read()
@@ -88,6 +88,23 @@ async def test_run_becomes_healthy_reports_port_and_samples_then_stops_with_sigt
     assert (app_dir / f"sigterm-{a.meta.id}").read_text() == "SIGTERM"
     stopped = view.observed("n1", a.meta.id)
     assert stopped is not None and not stopped.mesh_port_bindings
+
+
+async def test_the_instance_is_told_to_bind_the_nodes_mesh_address_and_probed_there(
+    start_agent: StartAgent, view: StateView, writer: Writer, app_dir: Path
+) -> None:
+    """Issue 21: a second node on the same machine (mesh 127.0.0.2) runs its replicas at the address its
+    routes list; the health check reaches them there."""
+    await start_agent("n2", mesh_ip="127.0.0.2")
+    rel = release(app_ref(app_dir))
+    a = assignment("n2", rel)
+    await seed(writer, rel, a)
+    await eventually(lambda: state_of(view, "n2", a.meta.id) == HEALTHY, what="HEALTHY, probed at 127.0.0.2")
+    observed = view.observed("n2", a.meta.id)
+    assert observed is not None
+    port = observed.mesh_port_bindings["http"]
+    assert f"hello from {a.meta.id}" in await http_get(port, "127.0.0.2")
+    assert not await answers(port), "bound to the mesh address only, not to 127.0.0.1"
 
 
 async def test_vanished_assignment_is_removed_with_its_observed_key(

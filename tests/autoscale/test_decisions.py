@@ -79,6 +79,12 @@ def test_autoscaler_skips_keep_the_hold_timer(env, extra, kw, reason):
     assert decision.low_since == NOW - 10
 
 
+def test_autoscaler_scales_while_a_promoted_deployment_keeps_its_blue_warm():
+    draining = deployment("d1", phase=pb.DEPLOYMENT_PHASE_DRAINING_OLD)
+    decision = autoscale_decision(scaled_env(cpu=50, max_replicas=10), draining)
+    assert decision.write is not None and decision.write.target == 4
+
+
 def test_autoscaler_does_not_skip_stateful_or_scale_to_zero_envs():
     decision = autoscale_decision(scaled_env(cpu=50, stateful=True, scale_to_zero=True, effective=2))
     assert decision.write is not None and decision.write.target == 4

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from zattera.v1 import types_pb2 as pb
+
 from services.autoscale.scaletozero import DEFAULT_IDLE_TIMEOUT, ScaleToZero
 from shared.natsio import EVENTS_STREAM
 from tests.autoscale.conftest import Harness
@@ -201,6 +203,28 @@ async def test_loop_cools_on_its_tick_when_the_window_ends(h: Harness):
         await h.beat(proxy_beat(h.clock.now() + 15))
         await h.tick(loop, 15)
         await eventually(lambda: h.env().effective_replicas == 0, what="cooled on the tick")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_promoted_deployment_keeping_blue_warm_does_not_hold_off_cooling(h: Harness):
+    """Issue 21: after a deploy the env cools within idle timeout + one tick, drain window or not."""
+    idle, tick = 60.0, 15.0
+    draining = deployment("d1", phase=pb.DEPLOYMENT_PHASE_DRAINING_OLD)
+    await h.seed(*base_objects(s2z_env(idle_timeout=idle), running(1)), draining)
+    loop = ScaleToZero(conn=h.conn, view=h.view, clock=h.clock, live=h.live, tick=tick)
+    task = asyncio.create_task(loop.run(await h.leadership(loop.name)))
+    try:
+        await h.started(loop)
+        await h.beat(proxy_beat(h.clock.now()))
+        await h.tick(loop, tick)  # first sight with data: the idle window starts here
+        window_start = h.clock.now()
+        while h.env().effective_replicas and h.clock.now() < window_start + idle + tick:
+            await h.beat(proxy_beat(h.clock.now() + tick))
+            await h.tick(loop, tick)
+        await eventually(lambda: h.env().effective_replicas == 0, what="cooled while the blue is kept warm")
+        assert h.clock.now() <= window_start + idle + tick
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

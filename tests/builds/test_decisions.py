@@ -281,9 +281,25 @@ def test_retention_keeps_an_image_a_remaining_release_still_deploys() -> None:
     assert (prune.release_id, prune.image_ids) == ("rel-1", ())
 
 
-def test_retention_skips_environments_without_a_record() -> None:
+def test_retention_prunes_a_deleted_environments_releases_except_those_replicas_still_use() -> None:
     releases = [seed.release(i) for i in range(1, 15)]
-    assert retention.evaluate(envs={}, releases=releases, deployments=[], images=[]) == []
+    prunes = retention.evaluate(envs={}, releases=releases, deployments=[], images=[], in_use=frozenset({"rel-14"}))
+    assert [p.release_id for p in prunes] == [f"rel-{i}" for i in range(13, 0, -1)]
+
+
+def test_a_deleted_environments_finished_deployments_and_builds_go_after_its_last_release() -> None:
+    done = seed.deployment("d-1", "rel-1", pb.DEPLOYMENT_PHASE_SUCCEEDED)
+    live = seed.deployment("d-2", "rel-2", pb.DEPLOYMENT_PHASE_PLACING)
+    finished, running = (
+        seed.build("b-1", status=pb.BUILD_STATUS_FAILED),
+        seed.build("b-2", status=pb.BUILD_STATUS_RUNNING),
+    )
+    for b in (finished, running):
+        b.environment_id = "env"
+    everything = ([done, live], [finished, running])
+    assert retention.deleted_env_leftovers({}, [seed.release(1)], *everything) == []
+    assert retention.deleted_env_leftovers({"env": env()}, [], *everything) == []
+    assert retention.deleted_env_leftovers({}, [], *everything) == ["deployment.d-1", "build.b-1"]
 
 
 def blob(digest: str, written_at: float) -> BlobInfo:

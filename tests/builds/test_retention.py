@@ -137,3 +137,35 @@ async def test_retention_sweeps_at_term_start_then_an_hour_after_each_sweep(
     assert loop.sweeps == 1
     await clock.advance(1)
     await eventually(lambda: loop.sweeps == 2, 5, "second sweep an hour later")
+
+
+async def test_a_deleted_envs_releases_images_deployments_and_builds_go_once_no_replica_uses_them(
+    conn: Connection,
+    view: StateView,
+    writer: Writer,
+    clock: FakeClock,
+    leading: Callable[[Connection, Retention, str], asyncio.Task[None]],
+) -> None:
+    """Issue 21: `zattera envs delete` leaves releases and images to retention; it wakes on the deletion
+    and on the reaping of the env's last replica, not an hour later."""
+    from shared import keys as K
+    from tests.factories import assignment
+
+    build = seed.build("build-2", status=pb.BUILD_STATUS_SUCCEEDED)
+    build.environment_id = "env"
+    running = assignment("n1", "env", "rel-2", assignment_id="a-2")
+    await put(writer, env("rel-2"), *(seed.release(i) for i in (1, 2)), *(tag_record(i) for i in (1, 2)))
+    await put(writer, seed.deployment("d-2", "rel-2", pb.DEPLOYMENT_PHASE_SUCCEEDED), build, running)
+    loop = Retention(conn=conn, view=view, clock=clock)
+    leading(conn, loop, "retention-test")
+    await eventually(lambda: loop.sweeps == 1 and clock.sleepers == 1, 5, "first sweep at term start")
+    assert release_ids(view) == {"rel-1", "rel-2"}
+
+    await writer.commit(writer.txn().delete(K.env("env")))
+    await eventually(lambda: release_ids(view) == {"rel-2"}, 5, "the unused release pruned at once")
+    assert tags(view) == {"build-2"} and view.deployment("d-2") is not None
+
+    await writer.commit(writer.txn().delete(K.assignment("n1", "a-2")))  # the scheduler reaped the replica
+    await eventually(lambda: not release_ids(view) and not tags(view), 5, "the last release and its image")
+    await eventually(lambda: view.deployment("d-2") is None and view.build("build-2") is None, 5, "leftovers")
+    await eventually(lambda: loop.sweeps == 3, 5, "three sweeps, the clock never advanced")

@@ -134,6 +134,8 @@ class E2ECluster:
     nodes: tuple[str, ...] = NODES
     builder: str = BUILDER
     timers: Mapping[str, str] = field(default_factory=dict)
+    mesh_ips: Mapping[str, str] = field(default_factory=dict)
+    """node -> its agent's ``--mesh-ip`` (unset: none, i.e. 127.0.0.1)."""
     trace: bool = True
     proxy_port: int = 0
     up: _E2EUp | None = None
@@ -212,6 +214,8 @@ class E2ECluster:
         ]
         if node == self.builder:
             argv.append("--builder")
+        if node in self.mesh_ips:
+            argv += ["--mesh-ip", self.mesh_ips[node]]
         return Supervised(f"agent-{node}", argv, self.logs / f"agent-{node}.log", {})
 
     def _proxy(self) -> Supervised:
@@ -308,6 +312,7 @@ class E2ECluster:
             [*cli_argv(), *args],
             cwd=ROOT,
             env=env,
+            stdin=subprocess.DEVNULL,  # no terminal, as in a script: confirmations need --yes
             capture_output=True,
             text=True,
             timeout=timeout,

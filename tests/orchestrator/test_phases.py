@@ -494,12 +494,12 @@ def test_rollback_to_the_active_release_never_stops_the_live_replicas() -> None:
     b.observe([a for a in b.view.assignments(ENV) if a.release_id == "rel1"], HEALTHY)
     b.put(deployment("roll1", ENV, "rel1", previous="rel1", now=T0 + 1, is_rollback=True))
     b.at_phase(PH.DEPLOYMENT_PHASE_SUPERSEDED)
-    for _ in range(3):
-        b.step(T0 + 1, deployment_id="roll1")
-    assert b.d("roll1").phase == PH.DEPLOYMENT_PHASE_DRAINING_OLD
-    t = b.step(T0 + 1000, deployment_id="roll1")
+    b.step(T0 + 1, deployment_id="roll1")
+    assert b.d("roll1").phase == PH.DEPLOYMENT_PHASE_PROMOTING  # warm: no new replicas
+    t = b.step(T0 + 1, deployment_id="roll1")
+    # Nothing to drain (the live replicas are the target): it succeeds at promotion, stopping nothing.
     assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
-    assert t.puts == []
+    assert [type(m).__name__ for m in t.puts] == ["Environment"]
     assert len([a for a in b.view.assignments(ENV) if a.desired == RUN]) == 2
 
 
@@ -640,3 +640,76 @@ def test_wake_at_is_the_instant_time_alone_changes_the_decision(phase: int, due:
     assert (got is None) == (due is None)
     if due is not None:
         assert got == pytest.approx(T0 + due)
+
+
+# ---------------------------------------------------------------------- drain: nothing locked out
+
+
+def _promote(b: Board) -> Transition:
+    """Place green, see it healthy, and promote; returns the promotion."""
+    b.observe(place_green(b), HEALTHY)
+    b.step()  # STARTING -> HEALTHCHECKING
+    b.step()  # -> PROMOTING
+    t = b.step()
+    assert t is not None and t.label.startswith("PROMOTING->")
+    return t
+
+
+def test_a_first_deploy_has_nothing_to_drain_and_succeeds_at_promotion() -> None:
+    b = Board()
+    s = spec(2)
+    b.put(
+        node("n1", cpu=1000, mem=4096),
+        node("n2", cpu=1000, mem=4096),
+        release("rel1", ENV, "app:v1", s),
+        environment(ENV, s),
+        deployment("dep1", ENV, "rel1", now=T0),
+    )
+    t = _promote(b)
+    assert t.phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
+    assert t.deployment.HasField("promoted_at") and not t.deployment.HasField("drain_deadline")
+    env = b.view.env(ENV)
+    assert env is not None and env.active_release_id == "rel1"
+    assert wake_at(b.view, b.d(), TIMERS) is None  # no timer left running
+
+
+def test_a_deploy_whose_blue_is_already_gone_succeeds_at_promotion() -> None:
+    b = red_green_board()
+    b.put(*(copied_with_desired(a, STOP) for a in b.view.assignments(ENV) if a.release_id == "rel1"))
+    assert _promote(b).phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
+
+
+def copied_with_desired(a: pb.Assignment, desired: int) -> pb.Assignment:
+    c = copied(a)
+    c.desired = desired  # type: ignore[assignment]
+    return c
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (lambda b: b.put(_cooled(b)), "the env cooled to zero: its warm blue cools with it"),
+        (
+            lambda b: b.put(*(copied_with_desired(a, STOP) for a in b.view.assignments(ENV) if a.release_id == "rel1")),
+            "blue stopped by someone else: nothing left to keep warm",
+        ),
+    ],
+)
+def test_the_drain_ends_before_its_window_when_nothing_is_left_to_keep_warm(
+    change: Callable[[Board], None], why: str
+) -> None:
+    b = red_green_board()
+    t = _promote(b)
+    assert t.phase == PH.DEPLOYMENT_PHASE_DRAINING_OLD
+    assert b.step(T0 + 1) is None, "the window is open and blue is warm"
+    change(b)
+    done = b.step(T0 + 1)
+    assert done is not None and done.phase == PH.DEPLOYMENT_PHASE_SUCCEEDED, why
+    assert all(a.desired == STOP for a in b.view.assignments(ENV) if a.release_id == "rel1")
+
+
+def _cooled(b: Board) -> pb.Environment:
+    env = copied(b.view.env(ENV))
+    env.service.scale_to_zero = True
+    env.effective_replicas = 0
+    return env

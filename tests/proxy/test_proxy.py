@@ -337,6 +337,8 @@ async def test_heartbeat_reports_inflight_held_rps_latency_and_last_request(
             return bool(warm and cold and warm.inflight == 1 and warm.rps > 0 and cold.held == 1)
 
         await eventually(reports_busy, 5, "heartbeat with in-flight 1, rps > 0, held 1")
+        beat = cpb.ProxyHeartbeat.FromString((await live.get(proxy_key("p1"))).value or b"")
+        assert beat.routes_version == routes.version  # the routes it serves (zattera deploy waits on it)
         warm = await sample("e1")
         assert warm is not None and warm.HasField("last_request_at")
         gate.set()

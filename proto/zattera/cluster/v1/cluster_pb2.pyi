@@ -254,8 +254,13 @@ class ProxyHeartbeat(_message.Message):
     PROXY_ID_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
     ENVS_FIELD_NUMBER: _builtins.int
+    ROUTES_VERSION_FIELD_NUMBER: _builtins.int
     proxy_id: _builtins.str
     node_id: _builtins.str
+    routes_version: _builtins.int
+    """This project (issue 21): the route snapshot version the proxy serves (its routing table), so
+    `zattera deploy` can say "live" only once every proxy routes to the new release.
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -269,10 +274,11 @@ class ProxyHeartbeat(_message.Message):
         proxy_id: _builtins.str = ...,
         node_id: _builtins.str = ...,
         envs: _abc.Mapping[_builtins.str, Global___ProxySample] | None = ...,
+        routes_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "node_id", b"node_id", "proxy_id", b"proxy_id", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "node_id", b"node_id", "proxy_id", b"proxy_id", "routes_version", b"routes_version", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,372 @@
+"""Operating environments: ``zattera apps|envs|projects delete``, ``zattera scale`` and ``zattera status``.
+
+Deletions are planned by :mod:`cli.deletion` and committed as one fenced batch; a concurrent write to
+anything the plan read refuses it whole, and it is decided again on fresh state. A deletion needs
+``--yes``, or a confirmation typed at a terminal: without a terminal (scripts, CI) it is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import typer
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from cli import render
+from cli.apply import env_path, find_app, find_project, resolve_env
+from cli.client import control, err, run
+from cli.deletion import Deletion, deletion_events, deletion_txn, plan_deletion
+from shared.deployments import desired_replicas, is_terminal
+from shared.events import EventPublisher, event_for_env
+from shared.txn import Conflict
+from shared.view import StateView
+
+envs_app = typer.Typer(no_args_is_help=True, help="Environments: delete.")
+projects_app = typer.Typer(no_args_is_help=True, help="Projects: delete.")
+
+JSON = typer.Option(False, "--json", help="machine-readable output")
+YES = typer.Option(False, "--yes", "-y", help="do not ask for confirmation (required without a terminal)")
+VOLUMES = typer.Option(False, "--volumes", help="also delete the volumes and their snapshots (kept by default)")
+ATTEMPTS = 10
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    err.print("[red]error:[/] ", end="")
+    err.print(message, markup=False, highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+# ---------------------------------------------------------------------------------------------- delete
+
+
+def _find_app(view: StateView, ref: str) -> pb.App | None:
+    """An app by id or by ``project/app`` names."""
+    found = view.app(ref)
+    if found is not None:
+        return found
+    project_name, sep, app_name = ref.partition("/")
+    project = find_project(view, project_name) if sep else None
+    return find_app(view, project.meta.id, app_name) if project else None
+
+
+def _find_project(view: StateView, ref: str) -> pb.Project | None:
+    return view.project(ref) or find_project(view, ref)
+
+
+def _describe(plan: Deletion) -> str:
+    parts = [
+        f"{len(plan.envs)} environment(s)",
+        f"{len(plan.stops)} running replica(s)",
+        f"{len(plan.domains)} domain(s)",
+    ]
+    if plan.volumes:
+        parts.append(f"{len(plan.volumes)} volume(s) and {len(plan.snapshots)} snapshot(s)")
+    text = f"{plan.what}: " + ", ".join(parts)
+    if plan.kept_volumes:
+        text += f"; keeps {len(plan.kept_volumes)} volume(s) and their snapshots (--volumes deletes them)"
+    return text
+
+
+def confirm(plan: Deletion, yes: bool) -> None:
+    """Go on with ``--yes`` or a typed confirmation; refuse without a terminal to ask at."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise fail(f"deleting {plan.what} needs confirmation: pass --yes (no terminal to ask at)", code=2)
+    err.print(f"about to delete {_describe(plan)}")
+    if not typer.confirm(f"Delete {plan.what}?", default=False, err=True):
+        raise fail("not deleted", code=1)
+
+
+def _delete(what: str, decide: Callable[[StateView, float], Deletion | None], *, yes: bool, as_json: bool) -> None:
+    """Decide on the view, confirm, commit as one fenced batch (deciding again after a conflict), publish
+    the events and report."""
+
+    async def go() -> None:
+        async with control() as c:
+            plan = decide(c.view, time.time())
+            if plan is None:
+                raise fail(f"{what}: not found")
+            confirm(plan, yes)
+            for _ in range(ATTEMPTS):
+                try:
+                    await c.writer.commit(deletion_txn(c.writer, plan))
+                    break
+                except Conflict:
+                    await asyncio.sleep(0.05)
+                    fresh = decide(c.view, time.time())
+                    if fresh is None:
+                        raise fail(f"{what}: deleted meanwhile by someone else") from None
+                    plan = fresh
+            else:
+                raise fail(f"{what} kept changing while deleting; try again")
+            await EventPublisher(c.conn).publish(*deletion_events(plan))
+            if as_json:
+                render.emit_json({"deleted": plan.what, **plan.summary()})
+                return
+            err.print(f"deleted {_describe(plan)}")
+
+    run(go)
+
+
+def apps_delete(
+    app: str = typer.Argument(..., help="app id or project/app"),
+    yes: bool = YES,
+    volumes: bool = VOLUMES,
+    json: bool = JSON,
+) -> None:
+    """Delete an app and its environments: stops every replica, removes routes and domains; releases and
+    images go through retention. Volumes and snapshots are kept unless --volumes."""
+
+    def decide(view: StateView, now: float) -> Deletion | None:
+        found = _find_app(view, app)
+        if found is None:
+            return None
+        project = view.project(found.project_id)
+        label = f"app {project.name if project else '?'}/{found.name}"
+        return plan_deletion(view, label, apps=[found], volumes=volumes, now=now)
+
+    _delete(f"app {app!r}", decide, yes=yes, as_json=json)
+
+
+@envs_app.command("delete")
+def envs_delete(
+    env: str = typer.Argument(..., help="environment id or project/app/env"),
+    yes: bool = YES,
+    volumes: bool = VOLUMES,
+    json: bool = JSON,
+) -> None:
+    """Delete an environment: stops every replica, removes its routes and domains; releases and images go
+    through retention. Volumes and snapshots are kept unless --volumes."""
+
+    def decide(view: StateView, now: float) -> Deletion | None:
+        found = resolve_env(view, env)
+        if found is None:
+            return None
+        return plan_deletion(view, f"env {env_path(view, found)}", envs=[found], volumes=volumes, now=now)
+
+    _delete(f"env {env!r}", decide, yes=yes, as_json=json)
+
+
+@projects_app.command("delete")
+def projects_delete(
+    project: str = typer.Argument(..., help="project id or name"),
+    yes: bool = YES,
+    volumes: bool = VOLUMES,
+    json: bool = JSON,
+) -> None:
+    """Delete a project with all its apps and environments (see `zattera apps delete`)."""
+
+    def decide(view: StateView, now: float) -> Deletion | None:
+        found = _find_project(view, project)
+        if found is None:
+            return None
+        return plan_deletion(view, f"project {found.name}", projects=[found], volumes=volumes, now=now)
+
+    _delete(f"project {project!r}", decide, yes=yes, as_json=json)
+
+
+# ---------------------------------------------------------------------------------------------- scale
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleRequest:
+    """What ``zattera scale`` was asked (None: not given)."""
+
+    replicas: int | None
+    minimum: int | None
+    maximum: int | None
+
+    def check(self) -> None:
+        """Refuse a bad request naming the option, before anything is read or written."""
+        if self.replicas is None and self.minimum is None and self.maximum is None:
+            raise fail("give REPLICAS (a fixed count) or --min/--max (the autoscaling bounds)")
+        for option, value in (("REPLICAS", self.replicas), ("--min", self.minimum), ("--max", self.maximum)):
+            if value is not None and value < 0:
+                raise fail(f"{option} {value}: must be 0 or more")
+
+
+def scaled(env: pb.Environment, request: ScaleRequest) -> pb.Environment:
+    """The env with its replica bounds and count set as asked; raises ValueError naming the option.
+
+    REPLICAS alone is a fixed count (min = max = N: the autoscaler has no room); --min/--max set the
+    bounds the autoscaler moves within (with REPLICAS: the count to start from, inside them), and the
+    current count is brought inside them. A cold
+    scale-to-zero env stays cold (its next request wakes it within the new bounds); REPLICAS 0 on one
+    cools it now without touching its bounds.
+    """
+    new = pb.Environment()
+    new.CopyFrom(env)
+    spec = new.service.replicas
+    cold_s2z = env.service.scale_to_zero and env.effective_replicas == 0
+    if request.replicas == 0 and env.service.scale_to_zero and request.minimum is None and request.maximum is None:
+        new.effective_replicas = 0
+        return new
+    fixed = request.minimum is None and request.maximum is None
+    if fixed:
+        spec.min = spec.max = request.replicas or 0
+    if request.minimum is not None:
+        spec.min = request.minimum
+    if request.maximum is not None:
+        spec.max = request.maximum
+    if spec.max < spec.min:
+        which = "--max" if request.maximum is not None else "--min"
+        raise ValueError(f"{which}: max {spec.max} is below min {spec.min}")
+    if request.replicas is not None and not spec.min <= request.replicas <= spec.max:
+        raise ValueError(f"REPLICAS {request.replicas}: outside --min {spec.min} / --max {spec.max}")
+    if cold_s2z:
+        return new
+    current = request.replicas if request.replicas is not None else desired_replicas(env)
+    new.effective_replicas = min(max(current, spec.min), spec.max)
+    return new
+
+
+def scale(
+    replicas: int | None = typer.Argument(None, help="a fixed replica count (min = max = REPLICAS)"),
+    env: str = typer.Option(..., "--env", help="environment id or project/app/env"),
+    minimum: int | None = typer.Option(None, "--min", help="lower bound the autoscaler keeps"),
+    maximum: int | None = typer.Option(None, "--max", help="upper bound the autoscaler keeps"),
+    json: bool = JSON,
+) -> None:
+    """Set an environment's replica count (REPLICAS) or its autoscaling bounds (--min/--max). The next
+    `zattera apps apply` sets the bounds from zattera.toml again."""
+    request = ScaleRequest(replicas, minimum, maximum)
+    request.check()
+
+    async def go() -> None:
+        async with control() as c:
+            for _ in range(ATTEMPTS):
+                target = resolve_env(c.view, env)
+                if target is None:
+                    raise fail(f"--env: no environment {env!r} (use an id or project/app/env)")
+                try:
+                    new = scaled(target, request)
+                except ValueError as exc:
+                    raise fail(str(exc)) from None
+                new.meta.updated_at.FromNanoseconds(time.time_ns())
+                try:
+                    await c.writer.commit(c.writer.txn("scale").put(new))
+                    break
+                except Conflict:
+                    await asyncio.sleep(0.05)
+            else:
+                raise fail(f"env {env} kept changing while scaling; try again")
+            path = env_path(c.view, new)
+            bounds = f"min {new.service.replicas.min}, max {new.service.replicas.max}"
+            message = f"scaled {path} to {new.effective_replicas} replica(s) ({bounds})"
+            await EventPublisher(c.conn).publish(event_for_env(new, "env.scaled", message, fields={"actor": "cli"}))
+            if json:
+                render.emit_json(
+                    {
+                        "env": path,
+                        "replicas": new.effective_replicas,
+                        "min": new.service.replicas.min,
+                        "max": new.service.replicas.max,
+                    }
+                )
+                return
+            err.print(message)
+
+    run(go)
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+UP_STATES = frozenset({pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY, pb.INSTANCE_STATE_UNHEALTHY})
+
+
+def env_status(view: StateView, env: pb.Environment, routes: cpb.RouteSnapshot | None) -> dict[str, Any]:
+    """One env's overview: where it answers, what runs, whether it is warm, how its last deploy went.
+    Running and healthy count the active release's replicas; ``kept_warm``: other releases' replicas
+    still running (a previous release kept warm during a drain window)."""
+    release = view.release(env.active_release_id) if env.active_release_id else None
+    runs = [a for a in view.assignments(env.meta.id) if a.desired == pb.ASSIGNMENT_DESIRED_RUN and not a.job_id]
+    replicas = [a for a in runs if a.release_id == env.active_release_id]
+    desired = desired_replicas(env)
+    deployments = view.deployments(env.meta.id)
+    last = max(deployments, key=lambda d: (d.meta.created_at.ToNanoseconds(), d.meta.id), default=None)
+    urls = sorted(
+        {
+            f"http://{r.hostname}{r.path_prefix}"
+            for r in (routes.http_routes if routes else [])
+            if r.environment_id == env.meta.id
+        }
+    )
+    if not env.active_release_id:
+        state = "not deployed"
+    elif desired == 0:
+        state = "cold"
+    else:
+        state = "warm"
+    last_deploy: dict[str, str] | None = None
+    if last is not None:
+        last_release = view.release(last.release_id)
+        last_deploy = {
+            "id": last.meta.id,
+            "release": f"v{last_release.version}" if last_release else "?",
+            "phase": render.enum_name(pb.DeploymentPhase, last.phase, "DEPLOYMENT_PHASE_"),
+            "created_at": render.ts(last.meta.created_at),
+            "error": last.error,
+        }
+    return {
+        "env": env_path(view, env),
+        "id": env.meta.id,
+        "urls": urls,
+        "active_release": f"v{release.version}" if release else "",
+        "active_release_id": env.active_release_id,
+        "desired": desired,
+        "running": sum(1 for a in replicas if a.observed.state in UP_STATES),
+        "healthy": sum(1 for a in replicas if a.observed.state == pb.INSTANCE_STATE_HEALTHY),
+        "state": state,
+        "kept_warm": len(runs) - len(replicas),
+        "deploying": any(not is_terminal(d.phase) for d in deployments),
+        "last_deploy": last_deploy,
+    }
+
+
+def status(
+    env: str = typer.Option("", "--env", help="only this environment (id or project/app/env)"), json: bool = JSON
+) -> None:
+    """Per environment: its URLs, active release, replicas desired/running/healthy, cold or warm, and
+    its last deploy."""
+    from cli.watch import route_snapshot
+
+    async def go() -> list[dict[str, Any]]:
+        async with control() as c:
+            if env:
+                target = resolve_env(c.view, env)
+                if target is None:
+                    raise fail(f"--env: no environment {env!r} (use an id or project/app/env)")
+                envs = [target]
+            else:
+                envs = c.view.envs()
+            routes = await route_snapshot(c.conn, timeout=2.0)
+            return [env_status(c.view, e, routes) for e in envs]
+
+    rows = run(go)
+    if json:
+        render.emit_json(rows)
+        return
+    table = []
+    for row in rows:
+        last = row["last_deploy"]
+        table.append(
+            [
+                row["env"],
+                "\n".join(row["urls"]) or "-",
+                row["active_release"] or "-",
+                row["desired"],
+                row["running"],
+                row["healthy"],
+                row["state"],
+                f"{last['release']} {last['phase']} {last['created_at']}" if last else "-",
+            ]
+        )
+    render.table("status", ["env", "url", "active", "desired", "running", "healthy", "state", "last deploy"], table)

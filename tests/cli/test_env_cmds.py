@@ -1,0 +1,205 @@
+"""``zattera apps|envs|projects delete``, ``zattera scale`` and ``zattera status`` against a real NATS server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from zattera.v1 import types_pb2 as pb
+
+from shared import keys as K
+from shared.txn import Conflict
+from shared.view import StateView
+from tests.cli.test_cli import VALID, _state, cli  # noqa: F401 - the fixture
+from tests.factories import assignment
+
+PROD = "demo/hello/production"
+
+
+@pytest.fixture
+def applied(cli, tmp_path: Path) -> dict[str, str]:  # noqa: F811 - the fixture
+    """The VALID spec applied: env name -> id."""
+    spec = tmp_path / "zattera.toml"
+    spec.write_text(VALID)
+    assert cli("apps", "apply", str(spec)).exit_code == 0
+    return {e["name"]: e["meta"]["id"] for e in json.loads(cli("apps", "list", "--json").stdout)}
+
+
+def _seed_replicas_and_volume(nats_url: str, env_id: str) -> None:
+    async def seed(conn, view, writer):
+        txn = writer.txn()
+        for i in range(2):
+            txn.create(assignment(f"n{i}", env_id, "rel1", assignment_id=f"run-{i}"))
+        volume = pb.Volume(project_id=view.env(env_id).project_id, environment_id=env_id, name="data", node_id="n0")
+        volume.meta.id = "vol1"
+        snapshot = pb.VolumeSnapshot(volume_id="vol1", status=pb.SNAPSHOT_STATUS_COMPLETE)
+        snapshot.meta.id = "snap1"
+        txn.create(volume).create(snapshot)
+        placing = pb.Deployment(environment_id=env_id, release_id="rel2", phase=pb.DEPLOYMENT_PHASE_PLACING)
+        placing.meta.id = "dep-placing"
+        txn.create(placing)
+        await writer.commit(txn)
+
+    _state(nats_url, seed)
+
+
+def _read(nats_url: str, fn):
+    async def go(conn, view: StateView, writer):
+        return fn(view)
+
+    return _state(nats_url, go)
+
+
+def test_delete_refuses_without_yes_when_there_is_no_terminal(cli, nats_url, applied):  # noqa: F811
+    _seed_replicas_and_volume(nats_url, applied["production"])
+    for args in (("envs", "delete", PROD), ("apps", "delete", "demo/hello"), ("projects", "delete", "demo")):
+        refused = cli(*args)
+        assert refused.exit_code == 2, refused.stderr
+        assert "needs confirmation: pass --yes" in refused.stderr
+    still = _read(nats_url, lambda v: (v.env(applied["production"]), [a.desired for a in v.assignments()]))
+    assert still[0] is not None and still[1] == [pb.ASSIGNMENT_DESIRED_RUN] * 2
+
+
+def test_env_delete_stops_replicas_removes_domains_keeps_volumes_and_records_an_event(
+    cli,  # noqa: F811
+    nats_url,
+    applied,
+):
+    prod = applied["production"]
+    _seed_replicas_and_volume(nats_url, prod)
+    assert _read(nats_url, lambda v: len(v.domains(prod))) == 1
+    done = cli("envs", "delete", PROD, "--yes", "--json")
+    assert done.exit_code == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["environments"] == 1 and summary["replicas_stopped"] == 2 and summary["volumes_kept"] == 1
+    assert summary["deployments_ended"] == 1
+
+    def after(view: StateView):
+        return (
+            view.env(prod),
+            view.domains(),
+            [a.desired for a in view.assignments(prod)],
+            [v.meta.id for v in view.volumes()],
+            [s.meta.id for s in view.snapshots()],
+            view.env(applied["staging"]) is not None,
+            view.deployment("dep-placing"),
+        )
+
+    env, domains, desired, volumes, snapshots, staging_kept, ended = _read(nats_url, after)
+    assert (ended.phase, ended.error) == (pb.DEPLOYMENT_PHASE_FAILED, "environment deleted")
+    assert env is None and domains == []
+    assert desired == [pb.ASSIGNMENT_DESIRED_STOP] * 2  # the scheduler reaps them once stopped
+    assert volumes == ["vol1"] and snapshots == ["snap1"]
+    assert staging_kept
+    events = cli("events", "--json", "--kind", "env.deleted")
+    assert "environment production deleted: 2 replica(s) stopped, 1 volume(s) kept" in events.stdout
+    missing = cli("envs", "delete", PROD, "--yes")
+    assert missing.exit_code == 1 and "not found" in missing.stderr
+
+
+def test_project_delete_with_volumes_removes_everything_under_it(cli, nats_url, applied):  # noqa: F811
+    _seed_replicas_and_volume(nats_url, applied["production"])
+    assert cli("projects", "delete", "demo", "--yes", "--volumes").exit_code == 0
+
+    def left(view: StateView):
+        kinds = (K.PROJECT, K.APP, K.ENV, K.DOMAIN, K.VOLUME, K.SNAPSHOT)
+        return {kind: len(view.all(kind)) for kind in kinds}, [a.desired for a in view.assignments()]
+
+    counts, desired = _read(nats_url, left)
+    assert counts == dict.fromkeys(counts, 0)
+    assert desired == [pb.ASSIGNMENT_DESIRED_STOP] * 2
+
+
+def test_app_delete_is_one_fenced_batch_refused_whole_by_a_concurrent_deploy(nats_url, applied):
+    """A deploy re-writes its env; the deletion decided before it must not commit (nothing deleted)."""
+    from cli.deletion import deletion_txn, plan_deletion
+    from shared.txn import Writer
+
+    async def race(conn, view: StateView, writer: Writer):
+        app = next(a for a in view.all(K.APP) if a.name == "hello")
+        plan = plan_deletion(view, "app demo/hello", apps=[app], now=0.0)
+        txn = deletion_txn(writer, plan)
+        other = StateView(conn, name="deployer")
+        await other.start()
+        env = pb.Environment()
+        env.CopyFrom(other.env(applied["production"]))
+        env.effective_replicas = 3  # any write to the env: a deploy, a promotion, a scaling decision
+        await Writer(conn, other).commit(Writer(conn, other).txn().put(env))
+        await other.stop()
+        with pytest.raises(Conflict):
+            await writer.commit(txn)
+        return len(view.envs()), len(view.domains())
+
+    envs, domains = _state(nats_url, race)
+    assert envs == 2 and domains == 1
+
+
+# ---------------------------------------------------------------------------------------------- scale
+
+
+def _env(*, lo: int, hi: int, effective: int = 0, s2z: bool = False) -> pb.Environment:
+    e = pb.Environment(effective_replicas=effective, active_release_id="rel1")
+    e.service.replicas.min, e.service.replicas.max = lo, hi
+    e.service.scale_to_zero = s2z
+    return e
+
+
+@pytest.mark.parametrize(
+    ("env", "request_", "expected"),
+    [
+        pytest.param(_env(lo=2, hi=4), (3, None, None), (3, 3, 3), id="fixed_count"),
+        pytest.param(_env(lo=2, hi=4, effective=3), (None, 1, 6), (1, 6, 3), id="bounds_keep_the_count"),
+        pytest.param(_env(lo=2, hi=4, effective=4), (None, None, 2), (2, 2, 2), id="count_clamped_into_bounds"),
+        pytest.param(_env(lo=1, hi=3), (None, 2, None), (2, 3, 2), id="raising_min_raises_the_count"),
+        pytest.param(_env(lo=1, hi=2, effective=1, s2z=True), (0, None, None), (1, 2, 0), id="s2z_zero_cools_now"),
+        pytest.param(_env(lo=1, hi=2, s2z=True), (None, 1, 5), (1, 5, 0), id="cold_s2z_stays_cold"),
+        pytest.param(_env(lo=2, hi=4), (0, None, None), (0, 0, 0), id="zero_stops_a_plain_env"),
+    ],
+)
+def test_scale_sets_bounds_and_count(env: pb.Environment, request_, expected) -> None:
+    from cli.env_cmds import ScaleRequest, scaled
+
+    new = scaled(env, ScaleRequest(*request_))
+    assert (new.service.replicas.min, new.service.replicas.max, new.effective_replicas) == expected
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--min", "3", "--max", "2"), "--max: max 2 is below min 3"),
+        (("5", "--max", "3"), "REPLICAS 5: outside --min 2 / --max 3"),
+        (("--min", "-1"), "--min -1: must be 0 or more"),
+        ((), "give REPLICAS"),
+    ],
+)
+def test_scale_refuses_bad_requests_naming_the_option(cli, applied, args, message):  # noqa: F811
+    refused = cli("scale", "--env", PROD, *args)
+    assert refused.exit_code != 0 and message in refused.stderr, refused.stderr
+
+
+def test_scale_then_status_and_apps_list_show_the_effective_count(cli, nats_url, applied):  # noqa: F811
+    done = cli("scale", "--env", PROD, "3", "--json")
+    assert done.exit_code == 0, done.stderr
+    assert json.loads(done.stdout) == {"env": PROD, "replicas": 3, "min": 3, "max": 3}
+    prod = _read(nats_url, lambda v: v.env(applied["production"]))
+    assert (prod.service.replicas.min, prod.service.replicas.max, prod.effective_replicas) == (3, 3, 3)
+    assert "scaled demo/hello/production to 3 replica(s)" in cli("events", "--json", "--kind", "env.scaled").stdout
+
+    async def deploy_and_cool_staging(conn, view: StateView, writer):
+        staging = pb.Environment()
+        staging.CopyFrom(view.env(applied["staging"]))
+        staging.active_release_id, staging.effective_replicas = "rel-s", 0  # deployed, then cooled to zero
+        await writer.commit(writer.txn().put(staging))
+
+    _state(nats_url, deploy_and_cool_staging)
+    listed = cli("apps", "list")
+    staging_row = next(line for line in listed.stdout.splitlines() if "staging" in line)
+    assert staging_row.split("│")[-2].strip() == "0", listed.stdout  # desired 0, not replicas.min 1
+
+    rows = {r["env"]: r for r in json.loads(cli("status", "--json").stdout)}
+    assert rows[PROD]["desired"] == 0 and rows[PROD]["state"] == "not deployed"
+    staging = rows["demo/hello/staging"]
+    assert (staging["desired"], staging["running"], staging["state"]) == (0, 0, "cold")
+    table = cli("status")
+    assert table.exit_code == 0 and "cold" in table.stdout
