@@ -20,6 +20,9 @@ Example::
     autoscale = { target_cpu_percent = 70 }
     domains = ["hello.example.com"]
 
+    [env.production.vars]         # plain environment variables (secrets: `zattera secrets set`)
+    LOG_LEVEL = "info"
+
     [env.db]
     stateful = true               # one instance pinned to its volumes' node
     [[env.db.volumes]]
@@ -47,6 +50,8 @@ from typing import Annotated, Literal
 from google.protobuf.duration_pb2 import Duration
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from zattera.v1 import types_pb2 as pb
+
+from shared.appconfig import ConfigError, check_env_size, check_var
 
 NAME = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
@@ -196,8 +201,20 @@ class Env(_Model):
     stop_grace: float = 10.0
     command: str = ""
     domains: list[str] = Field(default_factory=list)
+    vars: dict[str, str] = Field(default_factory=dict, description="plain environment variables (not secrets)")
 
     _durations = field_validator("idle_timeout", "stop_grace", mode="before")(parse_duration)
+
+    @field_validator("vars")
+    @classmethod
+    def _posix_vars(cls, value: dict[str, str]) -> dict[str, str]:
+        try:
+            for name, text in value.items():
+                check_var(name, text)
+            check_env_size(value, {})
+        except ConfigError as exc:
+            raise ValueError(exc.problem) from None
+        return value
 
     @field_validator("domains")
     @classmethod
