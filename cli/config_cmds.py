@@ -42,6 +42,10 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+def say(message: str) -> None:
+    err.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
 def target_env(view: StateView, ref: str) -> pb.Environment:
     from cli.apply import resolve_env
 
@@ -66,13 +70,13 @@ async def reconfigure(c: Control, env: pb.Environment, what: str, edit: ConfigEd
     path = env_path(c.view, done.environment)
     version = done.environment.service.config_version
     if done.deployment is not None and done.release is not None:
-        err.print(
+        say(
             f"{what}: config v{version} of {path}; release v{done.release.version} rolling out"
             f" (deployment {done.deployment.meta.id})"
         )
         return done.deployment.meta.id
     staged = "staged for the next deploy" if env.active_release_id else "used by the first deploy"
-    err.print(f"{what}: config v{version} of {path}, {staged}")
+    say(f"{what}: config v{version} of {path}, {staged}")
     return ""
 
 

@@ -19,8 +19,8 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import control, err, run
-from cli.config_cmds import ENV, JSON, NO_DEPLOY, WATCH, fail, follow, reconfigure, running_release, target_env
+from cli.client import control, run
+from cli.config_cmds import ENV, JSON, NO_DEPLOY, WATCH, fail, follow, reconfigure, running_release, say, target_env
 from shared import keys as K
 from shared.appconfig import (
     ConfigError,
