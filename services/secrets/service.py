@@ -101,6 +101,8 @@ class SecretsService:
         self._keyring: Keyring | None = None
         self._rotating = asyncio.Lock()
         self._handling: set[asyncio.Task[None]] = set()
+        self.serving = asyncio.Event()
+        """Set once the key is loaded (or found missing) and requests are answered."""
 
     @property
     def keyring(self) -> Keyring | None:
@@ -331,6 +333,7 @@ class SecretsService:
             await nc.subscribe(open_subject("*"), queue=SECRETS_QUEUE, cb=self._concurrently(self._on_open)),
             await nc.subscribe(ROTATE_SUBJECT, queue=SECRETS_QUEUE, cb=self._concurrently(self._on_rotate)),
         ]
+        self.serving.set()
         try:
             await asyncio.Event().wait()
         finally:
