@@ -120,6 +120,8 @@ def unreferenced_secrets(
 def check_secret_value(name: str, value: bytes) -> str:
     """A secret's value as the process will see it (UTF-8 text without NUL); errors never quote it."""
     field = f"secrets.{name}"
+    if not value:
+        raise ConfigError(field, "the value is empty (give it on stdin, at the prompt or with --from-file)")
     check_value_size(field, len(value))
     try:
         text = value.decode()

@@ -224,6 +224,7 @@ BIG = "x" * (MAX_VALUE_BYTES + 1)
         (("secrets", "set", "--env", ENV, "9LIVES"), "v", "secrets.9LIVES"),
         (("secrets", "set", "--env", ENV, "ZATTERA_TOKEN"), "v", "secrets.ZATTERA_TOKEN"),
         (("secrets", "set", "--env", ENV, "HUGE"), BIG, "secrets.HUGE"),
+        (("secrets", "set", "--env", ENV, "EMPTY"), "", "secrets.EMPTY: the value is empty"),
         (("secrets", "set", "--env", "nope", "API_KEY"), "v", "--env"),
         (("secrets", "unset", "--env", ENV, "API_KEY"), None, "secrets.API_KEY: not set"),
     ],
@@ -257,3 +258,17 @@ def test_a_name_cannot_be_both_a_variable_and_a_secret(cli: Invoke, nats_url: st
     assert cli("secrets", "set", "--env", ENV, "TOKEN", input="x").exit_code == 0
     done = cli("config", "set", "--env", ENV, "TOKEN=y")
     assert done.exit_code != 0 and "vars.TOKEN: is a secret" in done.output
+
+
+def test_an_env_close_to_the_limit_is_written_and_rolls_out(cli: Invoke, nats_url: str, applied: Path) -> None:
+    deploy_release(nats_url)
+    big = [f"V{i}={chr(65 + i) * 60_000}" for i in range(17)]  # ~1,000,000 bytes, under 1 MiB
+    done = cli("config", "set", "--env", ENV, *big, "--no-watch")
+    assert done.exit_code == 0, done.output[-500:]
+    assert "rolling out" in done.output
+
+    async def check(conn: Any, view: StateView, writer: Writer) -> None:
+        newest = max(view.releases(the_env(view).meta.id), key=lambda r: r.version)
+        assert len(newest.service.vars) == 18
+
+    state(nats_url, check)
