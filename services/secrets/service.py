@@ -32,7 +32,8 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.natsio import Connection
+from shared.events import WARNING, EventPublisher, make_event
+from shared.natsio import Connection, is_direct_request
 from shared.secrets import (
     CLUSTER_KEY,
     ROTATE_SUBJECT,
@@ -93,6 +94,7 @@ class SecretsService:
         open_wait: float = 3.0,
     ) -> None:
         self._conn = conn
+        self._events = EventPublisher(conn)
         self._view = view
         self._writer = writer
         self._path = keyring_path
@@ -204,6 +206,14 @@ class SecretsService:
         decision = await self._authorize_when_fresh(node_id, request)
         if isinstance(decision, str):
             log.warning("secrets: refused node %s assignment %s: %s", node_id, request.assignment_id, decision)
+            refused = make_event(
+                "secrets.refused",
+                f"node {node_id} was refused the secrets of assignment {request.assignment_id}: {decision}",
+                severity=WARNING,
+                node_id=node_id,
+                fields={"assignment_id": request.assignment_id},
+            )
+            await self._events.publish(refused)
             return cpb.OpenSecretsResponse(error=decision)
         release, node = decision
         values = self.open_values(release)
@@ -234,6 +244,8 @@ class SecretsService:
             feed.close()
 
     async def _on_open(self, msg: Msg) -> None:
+        if not is_direct_request(msg):
+            return  # a JetStream reply or delivery redirected here (SECURITY.md, "Open"): not a request
         node_id = msg.subject.split(".")[2]
         try:
             request = cpb.OpenSecretsRequest.FromString(msg.data)
@@ -316,6 +328,8 @@ class SecretsService:
             yield record, key
 
     async def _on_rotate(self, msg: Msg) -> None:
+        if not is_direct_request(msg):
+            return
         with span("secrets.rotate"):
             try:
                 response = await self.rotate()

@@ -22,7 +22,7 @@ from zattera.v1 import types_pb2 as pb
 from services.secrets.service import NO_KEY, SecretsService
 from shared import keys as K
 from shared.ids import new_id
-from shared.natsio import Connection, connect
+from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection, connect
 from shared.secrets import (
     CLUSTER_KEY,
     ROTATE_SUBJECT,
@@ -111,8 +111,12 @@ async def test_the_node_running_an_assignment_opens_its_secrets_and_no_other_nod
         values = await fetch_secrets(conn, "n1", placed.keys["n1"], placed.assignment_id)
         assert values == {"API_TOKEN": VALUE}  # only secrets: plain vars travel in the release
 
+        events = await conn.nc.subscribe(EVENTS_SUBJECT_PREFIX + "secrets.refused")
         with pytest.raises(SecretsUnavailable, match="assignment A1 is not placed on node n2"):
             await fetch_secrets(conn, "n2", placed.keys["n2"], placed.assignment_id)
+        event = pb.Event.FromString((await events.next_msg(timeout=5)).data)
+        assert event.node_id == "n2" and event.severity == "warning" and "A1" in event.message
+        assert VALUE not in event.message
         # A request for n1 with any other key than n1's registered one (e.g. a stolen credential).
         with pytest.raises(SecretsUnavailable, match="not the one registered"):
             await fetch_secrets(conn, "n1", PrivateKey.generate(), placed.assignment_id)
