@@ -272,3 +272,26 @@ def test_an_env_close_to_the_limit_is_written_and_rolls_out(cli: Invoke, nats_ur
         assert len(newest.service.vars) == 18
 
     state(nats_url, check)
+
+
+def test_a_value_sealed_to_a_key_that_was_just_rotated_is_refused(nats_url: str, cluster_key: PrivateKey) -> None:
+    """The write of a sealed value expects the revision of the key record it was sealed to."""
+    from cli.secrets_cmds import _set_edit
+    from shared.txn import Conflict
+
+    async def race(conn: Any, view: StateView, writer: Writer) -> None:
+        env = pb.Environment()
+        env.CopyFrom(the_env(view))
+        txn = writer.txn()
+        _set_edit(view, "API_TOKEN", "v")(env, txn)
+        txn.put(env)
+        rotated = pb.SecretsKey()
+        rotated.CopyFrom(view.get(K.SECRETS_KEY, CLUSTER_KEY))  # type: ignore[arg-type]
+        new_key = PrivateKey.generate()
+        rotated.public_key, rotated.key_id = bytes(new_key.public_key), key_id(bytes(new_key.public_key))
+        await writer.commit(writer.txn().put(rotated))
+        with pytest.raises(Conflict):
+            await writer.commit(txn)
+        assert view.secrets(env.meta.id) == []
+
+    state(nats_url, race)

@@ -204,3 +204,27 @@ async def test_a_seed_key_from_the_environment_is_the_cluster_key(
         await eventually(lambda: view.get(K.SECRETS_KEY, CLUSTER_KEY) is not None, 10)
         published = view.get(K.SECRETS_KEY, CLUSTER_KEY)
         assert isinstance(published, pb.SecretsKey) and published.public_key == public_bytes(seed)
+
+
+async def test_replicas_sharing_the_key_file_both_answer_after_a_rotation(
+    nats_url: str, conn: Connection, view: StateView, writer: Writer, tmp_path: Path
+) -> None:
+    path = tmp_path / "cluster.key"
+    async with secrets_service(nats_url, path) as first, secrets_service(nats_url, path) as second:
+        placed = await place_with_secret(view, writer)
+        rotated = await first.service.rotate()
+        assert not rotated.error and rotated.resealed == 1
+        await eventually(lambda: view.secrets(placed.env_id)[0].key_id == rotated.key_id, 10, "re-sealed")
+        # The second replica still holds only the old key in memory: it re-reads the shared file.
+        await eventually(
+            lambda: (
+                second.service._view.get(K.SECRET, view.secrets(placed.env_id)[0].meta.id).key_id  # type: ignore[union-attr]
+                == rotated.key_id
+            ),
+            10,
+            "the second replica's view has the re-sealed version",
+        )
+        release = view.release("R1")
+        assert release is not None
+        assert second.service.open_values(release) == {"API_TOKEN": VALUE}
+        assert first.service.open_values(release) == {"API_TOKEN": VALUE}
