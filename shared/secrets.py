@@ -99,17 +99,38 @@ def load_keyring(path: Path) -> Keyring | None:
     return Keyring(keys)
 
 
-def save_keyring(path: Path, keyring: Keyring) -> None:
-    """Atomically, readable by the owner only (0600 from creation: never briefly world-readable)."""
+def _write_private(path: Path, keyring: Keyring) -> Path:
+    """The keyring in a fresh temporary file beside ``path``, 0600 from creation (never briefly readable)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"keys": [bytes(k).hex() for k in keyring.keys]}, f)
         f.flush()
         os.fsync(f.fileno())
-    tmp.replace(path)
+    return tmp
+
+
+def save_keyring(path: Path, keyring: Keyring) -> None:
+    """Replace the keyring file atomically."""
+    _write_private(path, keyring).replace(path)
+
+
+def create_keyring(path: Path, keyring: Keyring) -> Keyring:
+    """Write the first keyring unless the file exists; returns the keyring on disk (ours, or the one another
+    replica sharing the file created first: two replicas starting together never each make a key)."""
+    tmp = _write_private(path, keyring)
+    try:
+        os.link(tmp, path)  # atomic, and fails rather than replace an existing file
+    except FileExistsError:
+        existing = load_keyring(path)
+        if existing is None:
+            raise KeyMaterialError(f"{path}: vanished while being created") from None
+        return existing
+    finally:
+        tmp.unlink(missing_ok=True)
+    return keyring
 
 
 async def fetch_secrets(

@@ -40,6 +40,7 @@ from shared.secrets import (
     SECRETS_QUEUE,
     KeyMaterialError,
     Keyring,
+    create_keyring,
     key_id,
     load_keyring,
     open_subject,
@@ -119,12 +120,10 @@ class SecretsService:
         """The keyring from the file, else from the seed, else a new one when the cluster has none yet."""
         keyring = load_keyring(self._path)
         if keyring is None and self._seed_key:
-            keyring = Keyring([private_key_from_hex(self._seed_key)])
-            save_keyring(self._path, keyring)
+            keyring = create_keyring(self._path, Keyring([private_key_from_hex(self._seed_key)]))
         if keyring is None and self._published() is None:
-            keyring = Keyring([PrivateKey.generate()])
-            save_keyring(self._path, keyring)
-            log.info("made the cluster secrets key %s in %s", key_id(public_bytes(keyring.current)), self._path)
+            keyring = create_keyring(self._path, Keyring([PrivateKey.generate()]))
+            log.info("cluster secrets key %s in %s", key_id(public_bytes(keyring.current)), self._path)
         self._keyring = keyring
 
     async def start(self) -> None:
@@ -143,18 +142,26 @@ class SecretsService:
             log.error("secrets: %s does not hold the published cluster key %s", self._path, published.key_id)
             self._keyring = None
             return
-        await self._publish(keyring.current)
+        if not await self._publish(keyring.current):
+            self._keyring = None
+            return
         if len(keyring.keys) > 1:
             log.info("secrets: finishing an interrupted key rotation")
             await self._finish_rotation()
 
-    async def _publish(self, key: PrivateKey) -> None:
+    async def _publish(self, key: PrivateKey) -> bool:
+        """Publish ``key`` as the cluster key, replacing only a key of our own keyring (a rotation); False when
+        another replica published a key this one does not hold (e.g. both started on a fresh cluster)."""
         public = public_bytes(key)
         ident = key_id(public)
         for _ in range(RESEAL_ROUNDS):
             current = self._published()
             if current is not None and current.key_id == ident:
-                return
+                return True
+            keyring = self._keyring
+            if current is not None and (keyring is None or keyring.by_id(current.key_id) is None):
+                log.error("secrets: the published cluster key %s is not in %s", current.key_id, self._path)
+                return False
             record = pb.SecretsKey(key_id=ident, public_key=public)
             record.meta.id = CLUSTER_KEY
             record.meta.created_at.FromNanoseconds(time.time_ns())
@@ -165,7 +172,7 @@ class SecretsService:
                 await asyncio.sleep(0.05)
                 continue
             log.info("secrets: published cluster key %s", ident)
-            return
+            return True
         raise RuntimeError("could not publish the cluster secrets key: it kept changing")
 
     def _reload_if_unknown(self, ident: str) -> PrivateKey | None:
@@ -268,7 +275,8 @@ class SecretsService:
             keyring = Keyring([fresh, *keyring.keys])
             save_keyring(self._path, keyring)  # before anything is sealed to it
             self._keyring = keyring
-            await self._publish(fresh)
+            if not await self._publish(fresh):
+                return cpb.RotateSecretsKeyResponse(error="the published cluster key is not this service's")
             resealed = await self._finish_rotation()
             new_id = key_id(public_bytes(fresh))
             log.info("secrets: rotated the cluster key %s -> %s (%d secret(s) re-sealed)", previous, new_id, resealed)
