@@ -267,9 +267,10 @@ class SecretsService:
 
     async def rotate(self) -> cpb.RotateSecretsKeyResponse:
         async with self._rotating:
-            keyring = self._reload_current()
-            if keyring is None:
+            if self._keyring is None:
                 return cpb.RotateSecretsKeyResponse(error=NO_KEY)
+            keyring = self._reload_current()  # another replica sharing the file may have rotated meanwhile
+            assert keyring is not None
             previous = key_id(public_bytes(keyring.current))
             fresh = PrivateKey.generate()
             keyring = Keyring([fresh, *keyring.keys])
