@@ -22,5 +22,9 @@ class SecretsSettings(BaseSettings):
         default=3.0, gt=0, description="how long a request waits for the view to show its node key or assignment"
     )
 
+    gc_grace: float = Field(
+        default=600.0, gt=0, description="an unused secret version is deleted once it is at least this old"
+    )
+
     def keyring_path(self, data_dir: Path) -> Path:
         return self.key_file or data_dir / "secrets" / "cluster.key"

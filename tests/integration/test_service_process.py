@@ -31,7 +31,7 @@ LOOPS_OF = {
     "builds": {"builds", "retention"},
     "routes": {"vips"},
     "join": set(),
-    "secrets": set(),
+    "secrets": {"secrets-gc"},
 }
 
 
