@@ -226,6 +226,7 @@ BIG = "x" * (MAX_VALUE_BYTES + 1)
         (("secrets", "set", "--env", ENV, "HUGE"), BIG, "secrets.HUGE"),
         (("secrets", "set", "--env", ENV, "EMPTY"), "", "secrets.EMPTY: the value is empty"),
         (("secrets", "set", "--env", "nope", "API_KEY"), "v", "--env"),
+        (("secrets", "set", "--env", ENV, "API_KEY", "--from-file", "/nonexistent/key"), None, "--from-file"),
         (("secrets", "unset", "--env", ENV, "API_KEY"), None, "secrets.API_KEY: not set"),
     ],
 )
