@@ -107,7 +107,7 @@ def _vars_edit(view: StateView, change: Mapping[str, str | None]) -> ConfigEdit:
 
 @config_app.command("set")
 def config_set(
-    assignments: list[str] = typer.Argument(..., metavar="KEY=VALUE...", help="variables to set"),
+    assignments: list[str] = typer.Argument(..., metavar="KEY=VALUE", help="variables to set"),
     env: str = ENV,
     no_deploy: bool = NO_DEPLOY,
     watch: bool = WATCH,
@@ -131,7 +131,7 @@ def config_set(
 
 @config_app.command("unset")
 def config_unset(
-    names: list[str] = typer.Argument(..., metavar="KEY...", help="variables to remove"),
+    names: list[str] = typer.Argument(..., metavar="KEY", help="variables to remove"),
     env: str = ENV,
     no_deploy: bool = NO_DEPLOY,
     watch: bool = WATCH,

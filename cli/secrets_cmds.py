@@ -143,7 +143,7 @@ def secrets_set(
 
 @secrets_app.command("unset")
 def secrets_unset(
-    names: list[str] = typer.Argument(..., metavar="NAME...", help="secrets to remove"),
+    names: list[str] = typer.Argument(..., metavar="NAME", help="secrets to remove"),
     env: str = ENV,
     no_deploy: bool = NO_DEPLOY,
     watch: bool = WATCH,
