@@ -26,8 +26,9 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
-from cli.spec import AppSpec, PolicyChange, middleware, service_spec, to_duration
+from cli.spec import AppSpec, Env, PolicyChange, middleware, service_spec, to_duration
 from shared import keys as K
+from shared.appconfig import ConfigError, check_env_size, secret_sizes, with_vars
 from shared.ids import new_id
 from shared.txn import Txn, Writer
 from shared.view import StateView
@@ -236,6 +237,7 @@ def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = Non
         )
         assert isinstance(new_env, pb.Environment)
         new_env.service.CopyFrom(service_spec(spec, env_spec))
+        _plan_config(view, new_env, env, env_spec, f"env.{env_name}.vars")
         if env_spec.idle_timeout:
             new_env.idle_timeout.CopyFrom(to_duration(env_spec.idle_timeout))
         else:
@@ -271,6 +273,26 @@ def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = Non
                 changes = field_changes(volume.snapshot_policy, updated.snapshot_policy)
                 result.add(PlanItem(UPDATE, "volume policy", qualified, changes), label)
     return txn, result
+
+
+def _plan_config(
+    view: StateView, new_env: pb.Environment, env: pb.Environment | None, env_spec: Env, field: str
+) -> None:
+    """Variables, secrets and the config version are the env's own (``zattera config``/``secrets``): kept, except
+    that a file with a ``vars`` table makes the variables exactly that table (staged for the next deploy)."""
+    if env is not None:
+        new_env.service.vars.update(env.service.vars)
+        for name, ref in env.service.secrets.items():
+            new_env.service.secrets[name].CopyFrom(ref)
+        new_env.service.config_version = env.service.config_version
+    if "vars" not in env_spec.model_fields_set:
+        return
+    clash = sorted(set(env_spec.vars) & set(new_env.service.secrets))
+    if clash:
+        raise ConfigError(f"{field}.{clash[0]}", "is a secret of this environment; `zattera secrets unset` it first")
+    sizes = secret_sizes(new_env.service, view.secrets(new_env.meta.id)) if env is not None else {}
+    check_env_size(env_spec.vars, sizes, field=field)
+    with_vars(new_env.service, env_spec.vars)
 
 
 def _plan_domains(

@@ -20,9 +20,11 @@ from zattera.v1 import types_pb2 as pb
 from cli import render
 from cli.apply import env_label, env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
+from cli.config_cmds import config_app
+from cli.env_cmds import apps_delete, envs_app, projects_app, scale, status
 from cli.plan_view import print_plan
 from cli.render import Col
-from cli.env_cmds import apps_delete, envs_app, projects_app, scale, status
+from cli.secrets_cmds import secrets_app
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
@@ -108,6 +110,8 @@ app.add_typer(apps_app, name="apps")
 app.add_typer(builds_app, name="builds")
 app.add_typer(volumes_app, name="volumes")
 app.add_typer(security_app, name="security")
+app.add_typer(config_app, name="config")
+app.add_typer(secrets_app, name="secrets")
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 WIDE = typer.Option(False, "--wide", help="every column, ids included")
@@ -526,12 +530,13 @@ def releases(env: str = typer.Option(..., "--env"), json: bool = JSON, wide: boo
                 return
             render.table(
                 f"releases of {env_path(c.view, target)}",
-                ["version", "id", "image", "created", "active"],
+                ["version", "id", "image", "config", "created", "active"],
                 [
                     [
                         f"v{r.version}",
                         r.meta.id,
                         r.image_ref or "(building)",
+                        f"v{r.service.config_version}",
                         render.ts(r.meta.created_at),
                         "*" if r.meta.id == target.active_release_id else "",
                     ]

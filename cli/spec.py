@@ -27,6 +27,9 @@ Example::
     sticky_sessions = true
     redirect_https = true
 
+    [env.production.vars]         # plain environment variables (secrets: `zattera secrets set`)
+    LOG_LEVEL = "info"
+
     [env.db]
     stateful = true               # one instance pinned to its volumes' node
     [[env.db.volumes]]
@@ -56,6 +59,8 @@ from typing import Annotated, Literal
 from google.protobuf.duration_pb2 import Duration
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from zattera.v1 import types_pb2 as pb
+
+from shared.appconfig import ConfigError, check_env_size, check_var
 
 NAME = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
@@ -267,8 +272,20 @@ class Env(_Model):
     command: str = ""
     domains: list[str] = Field(default_factory=list)
     middleware: Middleware | None = None
+    vars: dict[str, str] = Field(default_factory=dict, description="plain environment variables (not secrets)")
 
     _durations = field_validator("idle_timeout", "stop_grace", mode="before")(parse_duration)
+
+    @field_validator("vars")
+    @classmethod
+    def _posix_vars(cls, value: dict[str, str]) -> dict[str, str]:
+        try:
+            for name, text in value.items():
+                check_var(name, text)
+            check_env_size(value, {})
+        except ConfigError as exc:
+            raise ValueError(exc.problem) from None
+        return value
 
     @field_validator("replicas", mode="before")
     @classmethod

@@ -24,7 +24,7 @@ from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.embedded import EmbeddedNats, free_port, start_cluster
 from shared.natsio import connect, provision
 
-SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes")
+SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets")
 LOCAL_NODE = "local"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 

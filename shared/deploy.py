@@ -99,6 +99,20 @@ def config_hash(spec: pb.ServiceSpec) -> str:
     return "sha256:" + hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()[:32]
 
 
+ConfigEdit = Callable[[pb.Environment, Txn], None]
+"""Changes an environment copy's configuration (``service.vars``/``secrets``, ``config_version`` bumped) and
+adds the records that go with it (sealed secrets) to the transaction; raises to refuse."""
+
+STAGE_HINT = "; use --no-deploy to stage the change for the next deploy"
+
+
+@dataclass(frozen=True, slots=True)
+class Reconfigured:
+    environment: pb.Environment
+    deployment: pb.Deployment | None = None
+    release: pb.Release | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Created:
     deployment: pb.Deployment
@@ -218,6 +232,50 @@ class Deployer:
             return self._txn(env, release, deployment, txn), Created(deployment, release, build)
 
         return await self._create(environment_id, decide)
+
+    async def reconfigure(self, environment_id: str, edit: ConfigEdit, *, deploy: bool = True) -> Reconfigured:
+        """Change an environment's configuration in ONE fenced write. With ``deploy`` and a live release, the
+        write also makes a new release (the live image, the env's new spec) and its deployment, which rolls
+        out red/green like any deploy; otherwise the change is staged for the next deploy."""
+        _check_id("environment_id", environment_id)
+        key = K.env(environment_id)
+        for _ in range(self._attempts):
+            env = self._view.env(environment_id)
+            if env is None:
+                raise NotFound(ENVIRONMENT_NOT_FOUND)
+            active = self._view.release(env.active_release_id) if env.active_release_id else None
+            rolling = deploy and active is not None and bool(active.image_ref)
+            if rolling and blocking_deployments(self._view, environment_id):
+                raise FailedPrecondition(DEPLOYMENT_IN_PROGRESS + STAGE_HINT)
+            rev = self._view.rev(key)
+            txn = self._writer.txn("reconfigure")
+            updated = pb.Environment()
+            updated.CopyFrom(env)
+            edit(updated, txn)
+            updated.meta.updated_at.CopyFrom(_timestamp(self._clock.now()))
+            result = Reconfigured(updated)
+            if rolling:
+                assert active is not None
+                release = self._new_release(updated, active.image_ref, active.platforms, active.source.kind)
+                release.source.CopyFrom(active.source)
+                deployment = self._new_deployment(updated, release.meta.id)
+                txn = self._txn(updated, release, deployment, txn)
+                result = Reconfigured(updated, deployment, release)
+            else:
+                txn.put(updated)
+            try:
+                await self._writer.commit(txn)
+            except Conflict:
+                await self._await_change(key, rev)
+                continue
+            except CommitUnknown:
+                if self._view.rev(key) != rev:
+                    current = self._view.env(environment_id)
+                    if current is not None and current.meta.updated_at == updated.meta.updated_at:
+                        return result
+                continue
+            return result
+        raise Contended(f"environment {environment_id} kept changing; try again")
 
     async def rollback(self, environment_id: str, *, to_release_id: str = "") -> pb.Deployment:
         """Roll back to ``to_release_id`` (a release of this env), by default the highest version below

@@ -26,6 +26,8 @@ SNAPSHOT = "snapshot"
 IMAGE = "image"
 VIP = "vip"
 LEASE = "lease"
+SECRET = "secret"
+SECRETS_KEY = "secretskey"
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     NODE: pb.Node,
@@ -43,6 +45,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     IMAGE: pb.Image,
     VIP: pb.ServiceVIP,
     LEASE: pb.Lease,
+    SECRET: pb.SealedSecret,
+    SECRETS_KEY: pb.SecretsKey,
 }
 
 PER_NODE_KINDS = frozenset({ASSIGNMENT, OBSERVED})
@@ -137,6 +141,14 @@ def vip(env_id: str) -> str:
 
 def lease(loop: str) -> str:
     return f"{LEASE}.{loop}"
+
+
+def secret(secret_id: str) -> str:
+    return f"{SECRET}.{secret_id}"
+
+
+def secrets_key(key_name: str) -> str:
+    return f"{SECRETS_KEY}.{key_name}"
 
 
 def key_of(msg: Message) -> str:

@@ -180,6 +180,7 @@ _ENV_INDEXED = {
     K.VOLUME: "environment_id",
     K.BUILD: "environment_id",
     K.DOMAIN: "environment_id",
+    K.SECRET: "environment_id",
 }
 
 
@@ -708,6 +709,10 @@ class StateView:
 
     def domains(self, env_id: str | None = None) -> list[pb.Domain]:
         return self.all(K.DOMAIN) if env_id is None else self._env_list(env_id, K.DOMAIN)
+
+    def secrets(self, env_id: str) -> list[pb.SealedSecret]:
+        """Every sealed secret version of an environment (ciphertexts only)."""
+        return self._env_list(env_id, K.SECRET)
 
     def images(self) -> list[pb.Image]:
         return self.all(K.IMAGE)

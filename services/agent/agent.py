@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import replace
 from pathlib import Path
 
+from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
@@ -69,6 +71,9 @@ class Agent:
         self.node: pb.Node | None = None
         self.runtime: ProcessRuntime | None = None
         self.registered = asyncio.Event()
+        # Instance secrets come sealed to this key: a fresh pair per registration (re-registering rotates it),
+        # the private half never leaves this process (docs/secrets.md).
+        self.secrets_key = PrivateKey.generate()
 
     @property
     def volumes_dir(self) -> Path:
@@ -84,6 +89,7 @@ class Agent:
             builder=settings.builder,
             mesh_ip=settings.mesh_ip,
         )
+        identity = replace(identity, secrets_public_key=bytes(self.secrets_key.public_key))
         await self.view.start()
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -100,6 +106,7 @@ class Agent:
                     instances_dir=self.data_dir / "instances",
                     volumes_dir=self.volumes_dir,
                     ports=PortAllocator(),
+                    secrets_key=self.secrets_key,
                 )
             )
             heartbeat = HeartbeatPublisher(

@@ -77,6 +77,8 @@ class NodeIdentity:
     name: str = ""
     mesh_ip: str = ""
     version: str = ""
+    secrets_public_key: bytes = b""
+    """The public half of the key pair the agent made for this registration (private half in memory only)."""
 
     @classmethod
     def from_host(
@@ -125,6 +127,7 @@ def registered_node(identity: NodeIdentity, existing: pb.Node | None, now: float
     node.name = identity.name
     node.mesh_ip = identity.mesh_ip
     node.binary_version = identity.version
+    node.secrets_public_key = identity.secrets_public_key
     node.labels.update(identity.labels)
     node.labels[OS_ARCH_LABEL] = identity.os_arch
     if identity.builder:

@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.health import LOOPBACK, HealthMonitor, probe_for, seconds
@@ -49,6 +50,7 @@ from services.agent.reporter import ObservedReporter
 from services.agent.settings import AgentSettings
 from shared import keys as K
 from shared.natsio import Connection
+from shared.secrets import SecretsUnavailable, fetch_secrets
 from shared.telemetry import span
 from shared.view import StateView
 from shared.volumes import lease_expired, lease_of
@@ -125,11 +127,15 @@ def instance_env(
     image: PreparedImage,
     ports: Mapping[str, int],
     volumes: Mapping[str, Path],
+    config: Mapping[str, str] = {},
     *,
     bind: str = LOOPBACK,
 ) -> dict[str, str]:
+    """The process environment: the image's, then the env's variables and secrets (``config``), then what the
+    platform sets (PORT, PORT_*, ZATTERA_*: reserved names, so config cannot shadow them anyway)."""
     env = {k: os.environ[k] for k in PASSED_THROUGH_ENV if k in os.environ}
     env.update(image.env)
+    env.update(config)
     # Where to listen, with PORT: the node's mesh address. HOST too (what many frameworks read), unless
     # the image sets its own.
     env.setdefault("HOST", bind)
@@ -163,6 +169,8 @@ class RuntimeContext:
     instances_dir: Path
     volumes_dir: Path
     ports: PortAllocator
+    secrets_key: PrivateKey | None = None
+    """This registration's node key; instance secrets are sealed to its public half (None: no secrets)."""
 
 
 class InstanceSupervisor:
@@ -191,6 +199,7 @@ class InstanceSupervisor:
         self._ports: dict[str, int] = {}
         self._workdir = Path()
         self._env: dict[str, str] = {}
+        self._secret_names: frozenset[str] = frozenset()
         self._restarts = 0
         self._ever_started = False
         self._failures = 0
@@ -320,7 +329,15 @@ class InstanceSupervisor:
             self._ports = {name: self.ctx.ports.allocate() for name in port_names(release.service)}
         for path in volumes.values():
             path.mkdir(parents=True, exist_ok=True)
-        env = instance_env(a, image, self._ports, volumes, bind=bind_address(self.ctx.settings))
+        try:
+            secrets = await self._secrets(a, release)
+        except SecretsUnavailable as exc:
+            self._failed_attempt(f"secrets: {exc}", None)
+            return
+        env = instance_env(
+            a, image, self._ports, volumes, {**release.service.vars, **secrets}, bind=bind_address(self.ctx.settings)
+        )
+        self._secret_names = frozenset(secrets)
         # Shielded: once spawned, the process must be attached and recorded even if this task is
         # cancelled meanwhile (assignment removed, agent stopping), or nobody would ever stop it.
         launching = asyncio.ensure_future(self._launch(command, image.workdir, env))
@@ -334,6 +351,14 @@ class InstanceSupervisor:
             return
         log.info("%s: started pid %d (%s) on ports %s", self.assignment_id, handle.pid, command, self._ports)
         self._start_health(release)
+
+    async def _secrets(self, a: pb.Assignment, release: pb.Release) -> dict[str, str]:
+        """The release's secret values, fetched sealed to this node at each start and held in memory only."""
+        if not release.service.secrets:
+            return {}
+        if self.ctx.secrets_key is None:
+            raise SecretsUnavailable("this agent has no node key")
+        return await fetch_secrets(self.ctx.conn, self.ctx.node_id, self.ctx.secrets_key, a.meta.id)
 
     async def _launch(self, command: list[str], workdir: Path, env: dict[str, str]) -> ProcessHandle:
         # A child of the assignment's last write (the orchestrator's or scheduler's transition span).
@@ -354,7 +379,8 @@ class InstanceSupervisor:
             ports=self._ports,
             restarts=self._restarts,
             workdir=str(workdir),
-            env=env,
+            # Never a secret on disk: an adopted process's exec health checks run without them.
+            env={k: v for k, v in env.items() if k not in self._secret_names},
         ).save(self.dir)
         return handle
 

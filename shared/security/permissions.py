@@ -39,6 +39,7 @@ from shared.natsio import (
     STATE_STREAM,
     agent_subject,
 )
+from shared.secrets import ROTATE_SUBJECT, open_subject
 
 JOIN_SUBJECT = "zattera.join"
 JOIN_ISSUE_SUBJECT = "zattera.join.issue"
@@ -148,6 +149,7 @@ OPERATOR = Permissions(
         f"{EVENTS_SUBJECT_PREFIX}>",
         ROUTES_GET_SUBJECT,
         JOIN_ISSUE_SUBJECT,
+        ROTATE_SUBJECT,  # `zattera secrets rotate-key`
         # `zattera volumes snapshot` / `restore` ask the volume's node directly (progress comes to the inbox).
         agent_subject("*", "snapshot"),
         agent_subject("*", "restore"),
@@ -196,6 +198,8 @@ AGENT = Permissions(
         _STATE_OWN["observed"],
         _STATE_OWN["node"],
         f"{LIVE_PREFIX}node.{NAME}",
+        # Its instances' secrets, sealed to its own key; the subject names the node, so no other may ask.
+        open_subject(NAME),
         f"{JS}.INFO",
         f"{JS}.STREAM.NAMES",  # nats-py's object store reads look the stream up by subject (names only)
         f"{JS}.STREAM.INFO.{STATE_STREAM}",

@@ -31,6 +31,7 @@ LOOPS_OF = {
     "builds": {"builds", "retention"},
     "routes": {"vips"},
     "join": set(),
+    "secrets": {"secrets-gc"},
 }
 
 
@@ -48,7 +49,12 @@ async def held_leases(conn: Connection, loops: set[str]) -> set[str]:
 
 
 def start(service: str, url: str, log: Path, lease_ttl: float = 1) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "ZATTERA_LEASE_TTL": str(lease_ttl), "ZATTERA_LEASE_RENEW": "0.3"}
+    env = {
+        **os.environ,
+        "ZATTERA_LEASE_TTL": str(lease_ttl),
+        "ZATTERA_LEASE_RENEW": "0.3",
+        "ZATTERA_DATA_DIR": str(log.parent),  # the secrets service makes its key file there
+    }
     with open(log, "wb") as fh:
         return subprocess.Popen(
             [sys.executable, "-m", f"services.{service}", "--nats", url],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from typing import Any
 
 import nats
 import pytest
@@ -19,6 +20,7 @@ from shared.natsio import (
     agent_subject,
     connect,
 )
+from shared.secrets import ROTATE_SUBJECT, open_subject
 from shared.security.permissions import Role
 from tests.security.conftest import ConnectAs, SecureCluster
 
@@ -179,3 +181,22 @@ async def test_an_agent_cannot_write_another_nodes_key_through_a_reply_subject(
             stored = await control.js.get_last_msg(STATE_STREAM, victim)
             pytest.fail(f"the agent wrote {victim!r}: {stored.data!r}")
         await asyncio.sleep(0.02)
+
+
+async def test_an_agent_asks_for_secrets_only_on_its_own_node_subject(
+    connect_as: ConnectAs, control: Connection
+) -> None:
+    """The secrets service trusts the node named by the subject: only that node's credential may publish there."""
+
+    async def answer(msg: Any) -> None:
+        await msg.respond(b"sealed to n1")
+
+    await control.nc.subscribe(open_subject("*"), cb=answer)
+    await control.nc.flush()
+    agent = await connect_as(Role.AGENT, NODE)
+    reply = await agent.nc.request(open_subject(NODE), b"", timeout=2)
+    assert reply.data == b"sealed to n1"
+    await agent.nc.publish(open_subject("n2"), b"")
+    assert await agent.refusal() == publish_refused(open_subject("n2"))
+    await agent.nc.publish(ROTATE_SUBJECT, b"")
+    assert await agent.refusal() == publish_refused(ROTATE_SUBJECT)

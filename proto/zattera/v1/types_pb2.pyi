@@ -636,6 +636,7 @@ class Node(_message.Message):
     AUTOPROVISIONED_FIELD_NUMBER: _builtins.int
     BINARY_VERSION_FIELD_NUMBER: _builtins.int
     LAST_HEARTBEAT_AT_FIELD_NUMBER: _builtins.int
+    SECRETS_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     status: Global___NodeStatus.ValueType
     schedulable: _builtins.bool
     """false = cordoned"""
@@ -648,6 +649,11 @@ class Node(_message.Message):
     capacity_disk_mb: _builtins.int
     autoprovisioned: _builtins.bool
     binary_version: _builtins.str
+    secrets_public_key: _builtins.bytes
+    """X25519 public key (32 bytes) the control plane seals this node's instance secrets to; the agent
+    makes a fresh pair at every registration and keeps the private half in memory only (docs/secrets.md).
+    invented (issue 17)
+    """
     @_builtins.property
     def meta(self) -> Global___Meta: ...
     @_builtins.property
@@ -686,10 +692,11 @@ class Node(_message.Message):
         autoprovisioned: _builtins.bool = ...,
         binary_version: _builtins.str = ...,
         last_heartbeat_at: _timestamp_pb2.Timestamp | None = ...,
+        secrets_public_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "last_heartbeat_at", b"last_heartbeat_at", "meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoprovisioned", b"autoprovisioned", "binary_version", b"binary_version", "capacity", b"capacity", "capacity_disk_mb", b"capacity_disk_mb", "labels", b"labels", "last_heartbeat_at", b"last_heartbeat_at", "mesh_ip", b"mesh_ip", "meta", b"meta", "name", b"name", "os_arch", b"os_arch", "public_endpoints", b"public_endpoints", "roles", b"roles", "schedulable", b"schedulable", "status", b"status", "wireguard_public_key", b"wireguard_public_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoprovisioned", b"autoprovisioned", "binary_version", b"binary_version", "capacity", b"capacity", "capacity_disk_mb", b"capacity_disk_mb", "labels", b"labels", "last_heartbeat_at", b"last_heartbeat_at", "mesh_ip", b"mesh_ip", "meta", b"meta", "name", b"name", "os_arch", b"os_arch", "public_endpoints", b"public_endpoints", "roles", b"roles", "schedulable", b"schedulable", "secrets_public_key", b"secrets_public_key", "status", b"status", "wireguard_public_key", b"wireguard_public_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -941,6 +948,47 @@ class ServiceSpec(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class VarsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SecretsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___SecretRef: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___SecretRef | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     REPLICAS_FIELD_NUMBER: _builtins.int
     AUTOSCALE_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
@@ -955,6 +1003,9 @@ class ServiceSpec(_message.Message):
     COMMAND_FIELD_NUMBER: _builtins.int
     PLACEMENT_CONSTRAINTS_FIELD_NUMBER: _builtins.int
     RATE_LIMIT_FIELD_NUMBER: _builtins.int
+    VARS_FIELD_NUMBER: _builtins.int
+    SECRETS_FIELD_NUMBER: _builtins.int
+    CONFIG_VERSION_FIELD_NUMBER: _builtins.int
     scale_to_zero: _builtins.bool
     """mutually exclusive with stateful"""
     max_concurrency: _builtins.int
@@ -963,6 +1014,8 @@ class ServiceSpec(_message.Message):
     """volume-pinned, stop-then-start deploys"""
     command: _builtins.str
     """override image CMD (shell form)"""
+    config_version: _builtins.int
+    """+1 on every change of vars or secrets"""
     @_builtins.property
     def replicas(self) -> Global___ReplicaRange: ...
     @_builtins.property
@@ -991,6 +1044,16 @@ class ServiceSpec(_message.Message):
     def rate_limit(self) -> Global___RateLimit:
         """per ingress node; unset = off"""
 
+    @_builtins.property
+    def vars(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """--- invented (issue 17, docs/secrets.md) ---
+        plain environment variables (not secret)
+        """
+
+    @_builtins.property
+    def secrets(self) -> _containers.MessageMap[_builtins.str, Global___SecretRef]:
+        """secret name -> the sealed version this spec uses"""
+
     def __init__(
         self,
         *,
@@ -1008,14 +1071,48 @@ class ServiceSpec(_message.Message):
         command: _builtins.str = ...,
         placement_constraints: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         rate_limit: Global___RateLimit | None = ...,
+        vars: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        secrets: _abc.Mapping[_builtins.str, Global___SecretRef] | None = ...,
+        config_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "healthcheck", b"healthcheck", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "stateful", b"stateful", "stop_grace", b"stop_grace", "volumes", b"volumes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServiceSpec: _TypeAlias = ServiceSpec  # noqa: Y015
+
+@_typing.final
+class SecretRef(_message.Message):
+    """SecretRef names one version of a sealed secret (key `secret.<secret_id>`).
+    invented (issue 17): names and versions are not secret, values are.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SECRET_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_FIELD_NUMBER: _builtins.int
+    secret_id: _builtins.str
+    version: _builtins.int
+    """per (env, name) monotonic"""
+    @_builtins.property
+    def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        secret_id: _builtins.str = ...,
+        version: _builtins.int = ...,
+        updated_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["updated_at", b"updated_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["secret_id", b"secret_id", "updated_at", b"updated_at", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecretRef: _TypeAlias = SecretRef  # noqa: Y015
 
 @_typing.final
 class RateLimit(_message.Message):
@@ -2114,3 +2211,80 @@ class Image(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Image: _TypeAlias = Image  # noqa: Y015
+
+@_typing.final
+class SealedSecret(_message.Message):
+    """SealedSecret is one version of one secret of an environment (key `secret.<id>`): its value sealed
+    (NaCl SealedBox, X25519 + XSalsa20-Poly1305) to the cluster secrets key `key_id`. Never plaintext.
+    invented (issue 17)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    CIPHERTEXT_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    project_id: _builtins.str
+    name: _builtins.str
+    version: _builtins.int
+    ciphertext: _builtins.bytes
+    key_id: _builtins.str
+    """SecretsKey.key_id the value is sealed to"""
+    @_builtins.property
+    def meta(self) -> Global___Meta: ...
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        environment_id: _builtins.str = ...,
+        project_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        version: _builtins.int = ...,
+        ciphertext: _builtins.bytes = ...,
+        key_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ciphertext", b"ciphertext", "environment_id", b"environment_id", "key_id", b"key_id", "meta", b"meta", "name", b"name", "project_id", b"project_id", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SealedSecret: _TypeAlias = SealedSecret  # noqa: Y015
+
+@_typing.final
+class SecretsKey(_message.Message):
+    """SecretsKey publishes the public half of the cluster secrets key (key `secretskey.cluster`,
+    meta.id = "cluster"); the private half lives only with the secrets service.
+    invented (issue 17)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    key_id: _builtins.str
+    """first 16 hex digits of SHA-256 of public_key"""
+    public_key: _builtins.bytes
+    """X25519, 32 bytes"""
+    @_builtins.property
+    def meta(self) -> Global___Meta: ...
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        key_id: _builtins.str = ...,
+        public_key: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_id", b"key_id", "meta", b"meta", "public_key", b"public_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecretsKey: _TypeAlias = SecretsKey  # noqa: Y015

@@ -1087,3 +1087,157 @@ class PruneSnapshotsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PruneSnapshotsResponse: _TypeAlias = PruneSnapshotsResponse  # noqa: Y015
+
+@_typing.final
+class OpenSecretsRequest(_message.Message):
+    """---------------------------------------------------------------------------
+    Secrets (issue 17, docs/secrets.md). Invented: this project's own messages.
+    ---------------------------------------------------------------------------
+
+    OpenSecretsRequest asks the secrets service for the secrets of one assignment of the requesting
+    node (subject zattera.secrets.<node_id>.open).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    ASSIGNMENT_ID_FIELD_NUMBER: _builtins.int
+    NODE_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    assignment_id: _builtins.str
+    node_public_key: _builtins.bytes
+    """the key the agent holds; must equal Node.secrets_public_key"""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        assignment_id: _builtins.str = ...,
+        node_public_key: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment_id", b"assignment_id", "node_id", b"node_id", "node_public_key", b"node_public_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenSecretsRequest: _TypeAlias = OpenSecretsRequest  # noqa: Y015
+
+@_typing.final
+class OpenSecretsResponse(_message.Message):
+    """OpenSecretsResponse carries SecretValues sealed to the node's key, or why it was refused."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEALED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    sealed: _builtins.bytes
+    """SealedBox(SecretValues) to Node.secrets_public_key"""
+    error: _builtins.str
+    """"" = success; never contains a value"""
+    def __init__(
+        self,
+        *,
+        sealed: _builtins.bytes = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "sealed", b"sealed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenSecretsResponse: _TypeAlias = OpenSecretsResponse  # noqa: Y015
+
+@_typing.final
+class SecretValues(_message.Message):
+    """SecretValues is the plaintext inside OpenSecretsResponse.sealed (never sent unsealed)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    VALUES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def values(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        values: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecretValues: _TypeAlias = SecretValues  # noqa: Y015
+
+@_typing.final
+class RotateSecretsKeyRequest(_message.Message):
+    """RotateSecretsKeyRequest asks the secrets service to make a new cluster key and re-seal every
+    secret under it (subject zattera.secrets.rotate).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RotateSecretsKeyRequest: _TypeAlias = RotateSecretsKeyRequest  # noqa: Y015
+
+@_typing.final
+class RotateSecretsKeyResponse(_message.Message):
+    """RotateSecretsKeyResponse reports a rotation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    PREVIOUS_KEY_ID_FIELD_NUMBER: _builtins.int
+    RESEALED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    key_id: _builtins.str
+    """the new key"""
+    previous_key_id: _builtins.str
+    resealed: _builtins.int
+    """SealedSecret records re-sealed"""
+    error: _builtins.str
+    """"" = success"""
+    def __init__(
+        self,
+        *,
+        key_id: _builtins.str = ...,
+        previous_key_id: _builtins.str = ...,
+        resealed: _builtins.int = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "key_id", b"key_id", "previous_key_id", b"previous_key_id", "resealed", b"resealed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RotateSecretsKeyResponse: _TypeAlias = RotateSecretsKeyResponse  # noqa: Y015

@@ -1,0 +1,239 @@
+"""``zattera secrets set|unset|list|rotate-key``: sealed secrets of an environment (docs/secrets.md).
+
+The CLI seals a value to the cluster key's public half (``secretskey.cluster``) and writes only the
+ciphertext, as a new version, in the same fenced write as the environment (and, when it runs a release,
+the new release and its red/green deployment). That write also expects the cluster key record's
+revision: a value sealed to a key that a rotation has just replaced is refused and sealed again. The value
+is never printed, logged, traced or put in an error; ``list`` shows names, versions and dates.
+"""
+
+from __future__ import annotations
+
+import getpass
+import sys
+import time
+from pathlib import Path
+
+import typer
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from cli import render
+from cli.client import control, run
+from cli.config_cmds import ENV, JSON, NO_DEPLOY, WATCH, fail, follow, reconfigure, running_release, say, target_env
+from shared import keys as K
+from shared.appconfig import (
+    ConfigError,
+    check_env_size,
+    check_name,
+    check_secret_value,
+    secret_sizes,
+    unreferenced_secrets,
+)
+from shared.deploy import ConfigEdit
+from shared.ids import new_id
+from shared.secrets import CLUSTER_KEY, ROTATE_SUBJECT, seal
+from shared.telemetry import span
+from shared.txn import Txn
+from shared.view import StateView
+
+secrets_app = typer.Typer(no_args_is_help=True, help="Sealed secrets of an environment (values never shown).")
+
+NO_CLUSTER_KEY = (
+    "no cluster secrets key is configured: run the secrets service (`zattera up` does) with its key file"
+    " or ZATTERA_SECRETS_KEY (docs/secrets.md)"
+)
+ROTATE_TIMEOUT = 120.0
+
+
+def _read_value(name: str, from_file: Path | None) -> bytes:
+    if from_file is not None:
+        try:
+            return from_file.read_bytes()
+        except OSError as exc:
+            raise fail(f"--from-file {str(from_file)!r}: cannot read it: {exc.strerror or exc}") from None
+    if sys.stdin.isatty():
+        first = getpass.getpass(f"value of {name}: ")
+        if getpass.getpass(f"value of {name} (again): ") != first:
+            raise fail(f"secrets.{name}: the two values differ; nothing was changed")
+        return first.encode()
+    data = sys.stdin.buffer.read()
+    return data[:-1] if data.endswith(b"\n") else data  # `echo value |` adds one newline
+
+
+def _prune(view: StateView, env: pb.Environment, txn: Txn) -> None:
+    """Versions no release and not the staged spec use any more go in the same write."""
+    for secret_id in unreferenced_secrets(view.secrets(env.meta.id), env, view.releases(env.meta.id)):
+        txn.delete(K.secret(secret_id))
+
+
+def _set_edit(view: StateView, name: str, value: str) -> ConfigEdit:
+    def edit(env: pb.Environment, txn: Txn) -> None:
+        key = view.get(K.SECRETS_KEY, CLUSTER_KEY)
+        if not isinstance(key, pb.SecretsKey) or not key.public_key:
+            raise ConfigError(f"secrets.{name}", NO_CLUSTER_KEY)
+        if name in env.service.vars:
+            raise ConfigError(
+                f"secrets.{name}", "is a plain variable of this environment; `zattera config unset` it first"
+            )
+        existing = view.secrets(env.meta.id)
+        sizes = secret_sizes(env.service, existing)
+        sizes[name] = len(value.encode())
+        check_env_size(env.service.vars, sizes, field=f"secrets.{name}")
+        now = time.time_ns()
+        record = pb.SealedSecret(
+            environment_id=env.meta.id,
+            project_id=env.project_id,
+            name=name,
+            version=1 + max((s.version for s in existing if s.name == name), default=0),
+            ciphertext=seal(key.public_key, value.encode()),
+            key_id=key.key_id,
+        )
+        record.meta.id = new_id()
+        record.meta.created_at.FromNanoseconds(now)
+        record.meta.updated_at.FromNanoseconds(now)
+        ref = env.service.secrets[name]
+        ref.secret_id, ref.version = record.meta.id, record.version
+        ref.updated_at.FromNanoseconds(now)
+        env.service.config_version += 1
+        txn.create(record)
+        txn.put(key)  # unchanged: fences the write on the key it was sealed to (a rotation refuses it)
+        _prune(view, env, txn)
+
+    return edit
+
+
+def _unset_edit(view: StateView, names: list[str]) -> ConfigEdit:
+    def edit(env: pb.Environment, txn: Txn) -> None:
+        for name in names:
+            if name not in env.service.secrets:
+                raise ConfigError(f"secrets.{name}", "not set on this environment")
+            del env.service.secrets[name]
+        env.service.config_version += 1
+        _prune(view, env, txn)
+
+    return edit
+
+
+@secrets_app.command("set")
+def secrets_set(
+    name: str = typer.Argument(..., help="the secret's name (a POSIX environment variable name)"),
+    env: str = ENV,
+    from_file: Path = typer.Option(None, "--from-file", help="read the value from this file (else stdin or a prompt)"),
+    no_deploy: bool = NO_DEPLOY,
+    watch: bool = WATCH,
+) -> None:
+    """Set a secret: the value comes from --from-file, stdin, or a prompt; it is sealed before it leaves."""
+    try:
+        check_name(f"secrets.{name}", name)
+        value = check_secret_value(name, _read_value(name, from_file))
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+
+    async def go() -> str:
+        async with control() as c:
+            target = target_env(c.view, env)
+            return await reconfigure(
+                c, target, f"secret {name} set", _set_edit(c.view, name, value), deploy=not no_deploy
+            )
+
+    with span("cli.secrets.set", env=env, secret=name):
+        follow(run(go), watch)
+
+
+@secrets_app.command("unset")
+def secrets_unset(
+    names: list[str] = typer.Argument(..., metavar="NAME", help="secrets to remove"),
+    env: str = ENV,
+    no_deploy: bool = NO_DEPLOY,
+    watch: bool = WATCH,
+) -> None:
+    """Remove secrets (their old versions stay while a release still uses them, for rollbacks)."""
+    for name in names:
+        try:
+            check_name(f"secrets.{name}", name)
+        except ConfigError as exc:
+            raise fail(str(exc)) from None
+
+    async def go() -> str:
+        async with control() as c:
+            target = target_env(c.view, env)
+            return await reconfigure(
+                c, target, f"secret {', '.join(names)} unset", _unset_edit(c.view, names), deploy=not no_deploy
+            )
+
+    with span("cli.secrets.unset", env=env, names=",".join(names)):
+        follow(run(go), watch)
+
+
+@secrets_app.command("list")
+def secrets_list(env: str = ENV, json: bool = JSON) -> None:
+    """Names, versions and update times of an environment's secrets (never values)."""
+
+    async def go() -> None:
+        from cli.apply import env_path
+
+        async with control() as c:
+            target = target_env(c.view, env)
+            running = running_release(c.view, target)
+            running_refs = running.service.secrets if running else {}
+            rows = [
+                {
+                    "name": name,
+                    "version": ref.version,
+                    "updated_at": render.ts(ref.updated_at),
+                    "running_version": running_refs[name].version if name in running_refs else None,
+                }
+                for name, ref in sorted(target.service.secrets.items())
+            ]
+            if json:
+                render.emit_json(
+                    {
+                        "environment_id": target.meta.id,
+                        "config_version": target.service.config_version,
+                        "running_config_version": running.service.config_version if running else None,
+                        "secrets": rows,
+                    }
+                )
+                return
+            render.table(
+                f"secrets of {env_path(c.view, target)} (config v{target.service.config_version})",
+                ["name", "version", "updated", "running"],
+                [
+                    [
+                        r["name"],
+                        f"v{r['version']}",
+                        r["updated_at"],
+                        f"v{r['running_version']}" if r["running_version"] else "-",
+                    ]
+                    for r in rows
+                ],
+            )
+
+    run(go)
+
+
+@secrets_app.command("rotate-key")
+def secrets_rotate_key(json: bool = JSON) -> None:
+    """Make a new cluster secrets key and re-seal every secret under it; apps keep running."""
+
+    async def go() -> cpb.RotateSecretsKeyResponse:
+        async with control(view=False) as c:
+            try:
+                msg = await c.conn.nc.request(
+                    ROTATE_SUBJECT, cpb.RotateSecretsKeyRequest().SerializeToString(), timeout=ROTATE_TIMEOUT
+                )
+            except Exception as exc:
+                raise fail(f"the secrets service did not answer ({type(exc).__name__}): is it running?") from None
+            return cpb.RotateSecretsKeyResponse.FromString(msg.data)
+
+    with span("cli.secrets.rotate_key"):
+        response = run(go)
+    if response.error:
+        raise fail(response.error)
+    if json:
+        render.emit_json(render.as_dict(response))
+        return
+    say(
+        f"cluster key {response.previous_key_id} -> {response.key_id}: {response.resealed} secret version(s) re-sealed"
+    )

@@ -1,0 +1,30 @@
+"""Secrets service settings (environment, prefix ``ZATTERA_SECRETS_``), beside the shared ``ZATTERA_*`` ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SecretsSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ZATTERA_SECRETS_", extra="ignore")
+
+    key: SecretStr = Field(
+        default=SecretStr(""),
+        description="the cluster key's private half, 64 hex digits; seeds the key file when there is none",
+    )
+    key_file: Path | None = Field(
+        default=None, description="the keyring file; default <ZATTERA_DATA_DIR>/secrets/cluster.key"
+    )
+    open_wait: float = Field(
+        default=3.0, gt=0, description="how long a request waits for the view to show its node key or assignment"
+    )
+
+    gc_grace: float = Field(
+        default=600.0, gt=0, description="an unused secret version is deleted once it is at least this old"
+    )
+
+    def keyring_path(self, data_dir: Path) -> Path:
+        return self.key_file or data_dir / "secrets" / "cluster.key"
