@@ -20,6 +20,7 @@ from zattera.v1 import types_pb2 as pb
 from cli import render
 from cli.apply import env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
+from cli.logs_cmds import logs
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
@@ -62,6 +63,7 @@ app.add_typer(apps_app, name="apps")
 app.add_typer(builds_app, name="builds")
 app.add_typer(volumes_app, name="volumes")
 app.add_typer(security_app, name="security")
+app.command("logs")(logs)
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 
@@ -632,8 +634,8 @@ def builds_list(json: bool = JSON) -> None:
 
 
 @builds_app.command("logs")
-def builds_logs(build_id: str, follow: bool = typer.Option(False, "--follow", "-f")) -> None:
-    """A build's log; --follow streams it until the build ends."""
+def builds_logs(build_id: str, follow: bool = typer.Option(False, "--follow", "-f"), json: bool = JSON) -> None:
+    """A build's log; --follow streams it until the build ends; --json prints one object per line."""
     from nats.js.errors import NotFoundError
 
     from shared.buildlogs import follow_build_log, read_build_log
@@ -657,12 +659,18 @@ def builds_logs(build_id: str, follow: bool = typer.Option(False, "--follow", "-
                 raise _fail(f"build {build_id!r} not found (see `zattera builds list`)")
             if follow:
                 async for line in follow_build_log(c.conn, build_id):
-                    print(line, flush=True)
+                    print(build_log_line(build_id, line, json), flush=True)
             else:
                 for line in await read_build_log(c.conn, build_id):
-                    print(line)
+                    print(build_log_line(build_id, line, json))
 
     run(go)
+
+
+def build_log_line(build_id: str, line: str, as_json: bool) -> str:
+    import json as json_lib
+
+    return json_lib.dumps({"build_id": build_id, "line": line}) if as_json else line
 
 
 @builds_app.command("cancel")

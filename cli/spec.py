@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from google.protobuf.duration_pb2 import Duration
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 from zattera.v1 import types_pb2 as pb
 
 NAME = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
@@ -180,6 +180,22 @@ class RateLimit(_Model):
     burst: int = Field(default=0, ge=0)
 
 
+class Logs(_Model):
+    """``[env.<name>.logs]``: this env's log retention; absent keys = the cluster defaults (docs/logs.md)."""
+
+    max_bytes: ByteSize = Field(default=ByteSize(0), description="e.g. 64MiB; at least 1MiB")
+    max_age: float = Field(default=0.0, description="e.g. 72h")
+
+    _durations = field_validator("max_age", mode="before")(parse_duration)
+
+    @field_validator("max_bytes")
+    @classmethod
+    def _at_least_a_mebibyte(cls, value: ByteSize) -> ByteSize:
+        if value and value < 1024 * 1024:
+            raise ValueError(f"{value} bytes is below the 1MiB minimum")
+        return value
+
+
 class Env(_Model):
     replicas: Replicas = Replicas()
     resources: Resources = Resources()
@@ -196,6 +212,7 @@ class Env(_Model):
     stop_grace: float = 10.0
     command: str = ""
     domains: list[str] = Field(default_factory=list)
+    logs: Logs = Logs()
 
     _durations = field_validator("idle_timeout", "stop_grace", mode="before")(parse_duration)
 
