@@ -25,6 +25,7 @@ from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
 from shared import keys as K
+from shared.applogs import describe_exit
 from shared.deploy import Deployer, DeployError
 from shared.deployments import is_terminal
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
@@ -530,13 +531,14 @@ def ps(env: str = typer.Option("", "--env"), json: bool = JSON) -> None:
                         a.node_id,
                         render.enum_name(pb.AssignmentDesired, a.desired, "ASSIGNMENT_DESIRED_"),
                         render.enum_name(pb.InstanceState, a.observed.state, "INSTANCE_STATE_"),
+                        a.observed.restarts,
+                        describe_exit(a.observed.last_exit) if a.observed.HasField("last_exit") else "",
                         ports,
                         a.observed.message,
                     ]
                 )
-            render.table(
-                "assignments", ["id", "env", "release", "node", "desired", "observed", "ports", "message"], rows
-            )
+            columns = ["id", "env", "release", "node", "desired", "observed", "restarts", "last exit", "ports"]
+            render.table("assignments", [*columns, "message"], rows)
 
     run(go)
 

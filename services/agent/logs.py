@@ -226,8 +226,10 @@ class InstanceLogShipper:
         if self._pending is None and not self._lock.locked():
             self._read(final=True)
 
-    def reset_if_shipped(self) -> None:
-        """Before the process starts again: empty the files when everything in them was shipped."""
+    def process_starting(self) -> None:
+        """Before the process starts (again): its stderr tail starts afresh, and the files are emptied when
+        everything in them was shipped."""
+        self._stderr_tail.clear()
         if self._pending is not None or any(s.size() > s.offset for s in self._sources):
             return
         for source in self._sources:

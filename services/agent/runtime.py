@@ -348,7 +348,7 @@ class InstanceSupervisor:
     async def _launch(self, command: list[str], workdir: Path, env: dict[str, str]) -> ProcessHandle:
         # A child of the assignment's last write (the orchestrator's or scheduler's transition span).
         parent = self.ctx.view.trace_headers(K.assignment(self.ctx.node_id, self.assignment_id)) or None
-        self._logs.reset_if_shipped()
+        self._logs.process_starting()
         self._logs.release_id = self.assignment.release_id
         with span("agent.instance.start", headers=parent, assignment_id=self.assignment_id, node_id=self.ctx.node_id):
             handle = await spawn(command, cwd=workdir, env=env, instance_dir=self.dir)

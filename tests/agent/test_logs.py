@@ -9,6 +9,7 @@ from urllib.parse import quote
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.logs import STREAM_FILES, InstanceLogShipper, ShipperSettings
+from services.orchestrator.model import GREEN_FAILED_TO_START, failed_instance_reason
 from shared.applogs import STDERR, STDOUT, AppLogLine, LogLimits, app_logs_stream_config, read_app_logs
 from shared.natsio import Connection, ensure_stream
 from shared.txn import Writer
@@ -121,7 +122,7 @@ async def test_agent_restart_loses_no_line_and_adopted_output_continues(
 
 
 async def test_crash_reports_exit_code_and_last_stderr_lines(
-    start_agent: StartAgent, conn: Connection, view: StateView, writer: Writer
+    start_agent: StartAgent, conn: Connection, view: StateView, writer: Writer, tmp_path: Path
 ) -> None:
     await env_stream(conn)
     await start_agent("n1")
@@ -136,8 +137,17 @@ async def test_crash_reports_exit_code_and_last_stderr_lines(
     assert observed.last_exit.code_known and observed.last_exit.code == 3
     assert observed.last_exit.stderr_tail[-1] == "fatal: DATABASE_URL not set"
     assert "exit code 3" in observed.message
+    kept = tmp_path / "agent-n1" / "instances" / a.meta.id / STREAM_FILES[STDERR]
+    assert b"fatal: DATABASE_URL not set" in kept.read_bytes()  # the directory stays while the assignment does
     lines = await read(conn)
     assert [line.line for line in lines if line.stream == STDERR] == ["fatal: DATABASE_URL not set"] * 3
+    # What the orchestrator makes of this report when the instance is green.
+    reported = view.assignment(a.meta.id)
+    assert reported is not None
+    assert failed_instance_reason(GREEN_FAILED_TO_START, [reported]) == (
+        f"a green instance failed to start: instance {a.meta.id} on n1: exit code 3; "
+        "last stderr: fatal: DATABASE_URL not set"
+    )
 
 
 async def test_a_flood_beyond_the_backlog_bound_is_dropped_and_counted(conn: Connection, tmp_path: Path) -> None:

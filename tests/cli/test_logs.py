@@ -136,3 +136,28 @@ def test_builds_logs_json_prints_one_object_per_line(nats_url: str) -> None:
         {"build_id": "b1", "line": "step 1/2"},
         {"build_id": "b1", "line": "step 2/2"},
     ]
+
+
+def test_ps_shows_restarts_and_the_last_exit(nats_url: str) -> None:
+    async def seed(conn: Connection) -> None:
+        from shared import keys as K
+        from shared.view import StateView
+
+        view = StateView(conn, name="seed")
+        await view.start()
+        try:
+            writer = Writer(conn, view)
+            a = pb.Assignment(node_id="n1", environment_id="E1", release_id="R1", desired=pb.ASSIGNMENT_DESIRED_RUN)
+            a.meta.id = "A1"
+            observed = pb.AssignmentObserved(state=pb.INSTANCE_STATE_STARTING, restarts=2)
+            observed.last_exit.signal = 9
+            observed.last_exit.oom_suspected = True
+            await writer.commit(writer.txn().create(a).put(observed, key=K.observed("n1", "A1")))
+        finally:
+            await view.stop()
+
+    with_conn(nats_url, seed)
+    result = CliRunner().invoke(app, ["--nats", nats_url, "ps"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if "A1" in line)
+    assert "│ 2 " in row and "killed by SIGKILL (likely out of memory)" in row
