@@ -39,6 +39,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.applogs import STDERR, STDOUT, app_log_subject, app_logs_stream
 from shared.natsio import Connection
+from shared.tasks import raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ _READ_CHUNK = 1024 * 1024
 class ShipperSettings:
     poll_interval: float = 0.05
     max_backlog: int = 8 * 1024 * 1024
-    batch_bytes: int = 256 * 1024
+    batch_bytes: int = 512 * 1024
+    batch_lines: int = 8192
     max_line: int = 16 * 1024
     stderr_tail: int = 20
     retry: float = 1.0
@@ -92,9 +94,15 @@ def open_output_files(directory: Path) -> dict[str, int]:
     }
 
 
-def split_lines(data: bytes, *, final: bool, max_line: int) -> tuple[list[bytes], int]:
+def split_lines(data: bytes, *, final: bool, max_line: int, max_lines: int) -> tuple[list[bytes], int]:
     """Complete lines of ``data`` (without their newline) and how many bytes they used. A line longer than
-    ``max_line`` is cut into pieces; with ``final`` (the process is gone) a last unterminated line counts."""
+    ``max_line`` is cut into pieces; with ``final`` (the process is gone) a last unterminated line counts.
+    At most ``max_lines`` lines (a message must stay under the NATS payload limit however short they are)."""
+    if data.count(b"\n") > max_lines:
+        end = -1
+        for _ in range(max_lines):
+            end = data.find(b"\n", end + 1)
+        data, final = data[: end + 1], False
     lines: list[bytes] = []
     used = 0
     end = data.rfind(b"\n") + 1
@@ -207,9 +215,11 @@ class InstanceLogShipper:
                 try:
                     shipped = await self.pump(final=False)
                 except (nats.errors.Error, JetStreamError, TimeoutError) as exc:
+                    raise_if_cancelling()
                     log.debug("%s: shipping logs failed (%s); retrying", self._subject, exc)
                     await asyncio.sleep(self.settings.retry)
                     continue
+                raise_if_cancelling()  # nats-py's publish may have absorbed our cancellation
                 if not shipped:
                     await asyncio.sleep(self.settings.poll_interval)
         finally:
@@ -279,8 +289,13 @@ class InstanceLogShipper:
         batch.CopyFrom(self._tags)
         batch.release_id = self.release_id
         offsets = dict(self._cursor.offsets)
-        budget = self.settings.batch_bytes // len(self._sources)  # each stream its share: no starving
-        for source in self._sources:
+        budget_used = 0
+        # stderr first, up to half a batch; stdout gets the rest: neither starves the other.
+        cfg = self.settings
+        budget, lines_left = cfg.batch_bytes // 2, cfg.batch_lines // 2
+        for source in reversed(self._sources):
+            if source.stream == STDOUT:
+                budget, lines_left = cfg.batch_bytes - budget_used, cfg.batch_lines - len(batch.lines)
             size = source.size()
             offset = offsets[source.stream]
             if size < offset:  # emptied under us (a new generation): start over
@@ -291,7 +306,7 @@ class InstanceLogShipper:
                 offsets[source.stream] = offset
                 continue
             data = os.pread(source.fd, min(budget, size - offset), offset)
-            lines, used = split_lines(data, final=final, max_line=self.settings.max_line)
+            lines, used = split_lines(data, final=final, max_line=self.settings.max_line, max_lines=lines_left)
             if lines:
                 stamp = self._now()
                 add = batch.lines.add
@@ -300,6 +315,7 @@ class InstanceLogShipper:
                 if source.stream == STDERR:
                     self._stderr_tail.extend(line.decode("utf-8", "replace") for line in lines[-self._tail_len :])
             offsets[source.stream] = offset + used
+            budget_used += used
         if not batch.lines:
             self._cursor.offsets = offsets  # only skipped/cut bytes: nothing to publish
             return False

@@ -53,6 +53,7 @@ from services.agent.settings import AgentSettings
 from shared import keys as K
 from shared.applogs import describe_exit, instance_exit
 from shared.natsio import Connection
+from shared.tasks import cancel_and_wait
 from shared.telemetry import span
 from shared.view import StateView
 from shared.volumes import lease_expired, lease_of
@@ -238,8 +239,7 @@ class InstanceSupervisor:
             # The process itself stays (adopted by the next agent run, or stopped by remove/stop_for_exit),
             # and so do its unshipped lines (the next run resumes from the cursor).
             self._cancel_watchers()
-            self._logs_task.cancel()
-            await asyncio.gather(self._logs_task, return_exceptions=True)
+            await cancel_and_wait(self._logs_task)
 
     async def remove(self) -> None:
         """The assignment vanished: stop the process, ship its last lines, drop the directory and the observed
@@ -490,6 +490,7 @@ def shipper_settings(settings: AgentSettings) -> ShipperSettings:
         poll_interval=settings.log_poll_interval,
         max_backlog=settings.log_max_backlog,
         batch_bytes=settings.log_batch_bytes,
+        batch_lines=settings.log_batch_lines,
         stderr_tail=settings.log_stderr_tail,
     )
 

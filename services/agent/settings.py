@@ -49,7 +49,8 @@ class AgentSettings(BaseSettings):
     log_max_backlog: int = Field(
         default=8 * 1024 * 1024, ge=4096, description="unshipped bytes per output file before old lines are dropped"
     )
-    log_batch_bytes: int = Field(default=256 * 1024, ge=1024, le=900 * 1024, description="bytes of lines per message")
+    log_batch_bytes: int = Field(default=512 * 1024, ge=1024, le=640 * 1024, description="bytes of lines per message")
+    log_batch_lines: int = Field(default=8192, ge=2, le=10_000, description="lines per message")
     log_stderr_tail: int = Field(default=20, ge=0, description="last stderr lines kept for crash reports")
     log_drain_timeout: float = Field(default=5.0, gt=0, description="shipping the last lines of an exited instance")
 

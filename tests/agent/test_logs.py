@@ -6,9 +6,10 @@ import sys
 from pathlib import Path
 from urllib.parse import quote
 
+import pytest
 from zattera.v1 import types_pb2 as pb
 
-from services.agent.logs import STREAM_FILES, InstanceLogShipper, ShipperSettings
+from services.agent.logs import STREAM_FILES, InstanceLogShipper, ShipperSettings, split_lines
 from services.orchestrator.model import GREEN_FAILED_TO_START, failed_instance_reason
 from shared.applogs import STDERR, STDOUT, AppLogLine, LogLimits, app_logs_stream_config, read_app_logs
 from shared.natsio import Connection, ensure_stream
@@ -45,6 +46,21 @@ async def env_stream(conn: Connection) -> None:
 
 async def read(conn: Connection, *, last: int = 1_000_000, instance: str = "") -> list[AppLogLine]:
     return [line async for line in read_app_logs(conn.js, ENV, last=last, instance=instance, idle=0.5)]
+
+
+@pytest.mark.parametrize(
+    ("data", "final", "lines", "used"),
+    [
+        (b"a\nb\npa", False, [b"a", b"b"], 4),
+        (b"a\nb\nend", True, [b"a", b"b", b"end"], 7),
+        (b"\n" * 10, False, [b""] * 3, 3),  # at most max_lines
+        (b"x" * 10 + b"\nyy", False, [b"xxxx", b"xxxx", b"xx"], 11),  # a long line is cut
+        (b"y" * 5, False, [b"yyyy", b"y"], 5),  # an unterminated one too, once longer than max_line
+        (b"", True, [], 0),
+    ],
+)
+def test_split_lines(data: bytes, final: bool, lines: list[bytes], used: int) -> None:
+    assert split_lines(data, final=final, max_line=4, max_lines=3) == (lines, used)
 
 
 async def test_stdout_and_stderr_are_tagged_and_kept_in_order(
