@@ -255,6 +255,7 @@ class InstanceSupervisor:
         if self._handle is not None:
             await self._stop()
             self._report(STOPPED, message="agent stopped")
+            await self._logs.drain(self.ctx.settings.log_drain_timeout)
 
     # ------------------------------------------------------------------ the convergence step
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from pathlib import Path
 
 from google.protobuf.timestamp_pb2 import Timestamp
 from typer.testing import CliRunner
@@ -161,3 +162,50 @@ def test_ps_shows_restarts_and_the_last_exit(nats_url: str) -> None:
     assert result.exit_code == 0, result.output
     row = next(line for line in result.stdout.splitlines() if "A1" in line)
     assert "│ 2 " in row and "killed by SIGKILL (likely out of memory)" in row
+
+
+def test_since_keeps_only_the_newer_lines(nats_url: str) -> None:
+    import time
+
+    now_ms = int(time.time() * 1000) - BASE_NS // 1_000_000
+
+    async def seed(conn: Connection) -> None:
+        await seed_env(conn)
+        await publish(conn, "I1", (now_ms - 3_600_000, "stdout", "an hour ago"), (now_ms - 1000, "stdout", "just now"))
+
+    with_conn(nats_url, seed)
+    result = CliRunner().invoke(app, ["--nats", nats_url, "logs", "--env", "E1", "--since", "10m", "--json"])
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["line"] for line in result.stdout.splitlines()] == ["just now"]
+
+
+def test_apply_writes_the_env_log_retention(nats_url: str, tmp_path: Path) -> None:
+    spec = tmp_path / "zattera.toml"
+    spec.write_text(
+        'project = "demo"\napp = "hello"\n[env.production]\n[env.production.logs]\n'
+        'max_bytes = "64MiB"\nmax_age = "72h"\n'
+    )
+    runner = CliRunner()
+    applied = runner.invoke(app, ["--nats", nats_url, "apps", "apply", str(spec)])
+    assert applied.exit_code == 0, applied.output
+
+    async def stored(conn: Connection) -> pb.Environment:
+        from cli.apply import resolve_env
+        from shared.view import StateView
+
+        view = StateView(conn, name="check")
+        await view.start()
+        try:
+            env_ = resolve_env(view, "demo/hello/production")
+            assert env_ is not None
+            return env_
+        finally:
+            await view.stop()
+
+    env_ = with_conn(nats_url, stored)
+    assert env_.logs.max_bytes == 64 * 1024 * 1024 and env_.logs.max_age.seconds == 72 * 3600
+
+    spec.write_text('project = "demo"\napp = "hello"\n[env.production.logs]\nmax_bytes = "10KB"\n')
+    refused = runner.invoke(app, ["--nats", nats_url, "apps", "apply", str(spec)])
+    assert refused.exit_code != 0
+    assert "env.production.logs.max_bytes" in refused.output and "below the 1MiB minimum" in refused.output
