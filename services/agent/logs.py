@@ -146,10 +146,9 @@ def punch_hole(fd: int, length: int) -> bool:
 class _Source:
     """One output file being tailed."""
 
-    def __init__(self, stream: str, path: Path, offset: int) -> None:
+    def __init__(self, stream: str, path: Path) -> None:
         self.stream = stream
         self.path = path
-        self.offset = offset
         self.punched = 0
         self.fd = -1
 
@@ -196,7 +195,7 @@ class InstanceLogShipper:
         self._stream = app_logs_stream(environment_id)
         self._tags = cpb.InstanceLogBatch(environment_id=environment_id, instance_id=instance_id, node_id=node_id)
         self._cursor = Cursor.load(directory)
-        self._sources = [_Source(s, directory / f, self._cursor.offsets[s]) for s, f in STREAM_FILES.items()]
+        self._sources = [_Source(s, directory / f) for s, f in STREAM_FILES.items()]
         self._pending: cpb.InstanceLogBatch | None = None
         self._pending_offsets: dict[str, int] = {}
         self._lock = asyncio.Lock()
@@ -240,12 +239,12 @@ class InstanceLogShipper:
         """Before the process starts (again): its stderr tail starts afresh, and the files are emptied when
         everything in them was shipped."""
         self._stderr_tail.clear()
-        if self._pending is not None or any(s.size() > s.offset for s in self._sources):
+        if self._pending is not None or any(s.size() > self._cursor.offsets[s.stream] for s in self._sources):
             return
         for source in self._sources:
             if source.open():
                 os.ftruncate(source.fd, 0)
-            source.offset = source.punched = 0
+            source.punched = 0
         self._cursor = Cursor(generation=self._cursor.generation + 1)
         self._cursor.save(self.directory)
 
@@ -352,7 +351,7 @@ class InstanceLogShipper:
     def _seed_stderr_tail(self) -> None:
         """After an agent restart: the stderr lines shipped just before it, for a crash report."""
         source = next(s for s in self._sources if s.stream == STDERR)
-        end = source.offset
+        end = self._cursor.offsets[STDERR]
         if end <= 0 or not source.open():
             return
         start = max(0, end - min(TAIL_KEPT, 8192))

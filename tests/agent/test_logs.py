@@ -188,3 +188,30 @@ async def test_a_flood_beyond_the_backlog_bound_is_dropped_and_counted(conn: Con
     assert notices[0].dropped + len(shipped) == total
     assert shipped[-1] == f"flood line {total - 1:06d}"  # the newest lines are the ones kept
     assert shipper.dropped_total == notices[0].dropped
+
+
+async def test_shipped_files_are_emptied_before_the_next_start_and_shipping_goes_on(
+    conn: Connection, tmp_path: Path
+) -> None:
+    await env_stream(conn)
+    shipper = InstanceLogShipper(
+        conn, tmp_path, environment_id=ENV, instance_id="I1", node_id="n1", settings=ShipperSettings()
+    )
+    out = tmp_path / STREAM_FILES[STDOUT]
+    out.write_bytes(b"first run\n")
+    assert await shipper.pump(final=False)
+    shipper.process_starting()
+    assert out.stat().st_size == 0
+    out.write_bytes(b"second run\n")  # offset 0 again: a new generation, so not taken for a duplicate
+    assert await shipper.pump(final=False)
+    assert [line.line for line in await read(conn)] == ["first run", "second run"]
+
+    resumed = InstanceLogShipper(
+        conn, tmp_path, environment_id=ENV, instance_id="I1", node_id="n1", settings=ShipperSettings()
+    )
+    with out.open("ab") as sink:
+        sink.write(b"after an agent restart\n")
+    assert await resumed.pump(final=False)
+    assert not await resumed.pump(final=False)
+    assert [line.line for line in await read(conn)][-1] == "after an agent restart"
+    assert len(await read(conn)) == 3
