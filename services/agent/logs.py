@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,9 @@ log = logging.getLogger(__name__)
 STREAM_FILES = {STDOUT: "stdout.log", STDERR: "stderr.log"}
 CURSOR_FILE = "logs.cursor"
 TAIL_KEPT = 64 * 1024
-"""Bytes before the cursor never punched out: the stderr tail a restarted agent re-reads for diagnostics."""
+"""Bytes before the cursor never punched out: the stderr tail stays readable for a crash report."""
+TAIL_READ = 16 * 1024
+"""Bytes read back from the end of stderr for a crash report."""
 _PUNCH_STEP = 1024 * 1024
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -66,14 +67,17 @@ class ShipperSettings:
 
 @dataclass
 class Cursor:
-    """Shipped bytes per stream file; ``generation`` changes whenever the files are emptied."""
+    """Shipped bytes per stream file; ``generation`` changes whenever the files are emptied;
+    ``stderr_run_start`` is where the current run of the process began writing stderr."""
 
     generation: int = 0
     offsets: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STREAM_FILES, 0))
+    stderr_run_start: int = 0
 
     def save(self, directory: Path) -> None:
         tmp = directory / (CURSOR_FILE + ".tmp")
-        tmp.write_text(json.dumps({"generation": self.generation, "offsets": self.offsets}))
+        doc = {"generation": self.generation, "offsets": self.offsets, "stderr_run_start": self.stderr_run_start}
+        tmp.write_text(json.dumps(doc))
         tmp.replace(directory / CURSOR_FILE)
 
     @classmethod
@@ -81,7 +85,11 @@ class Cursor:
         try:
             doc = json.loads((directory / CURSOR_FILE).read_text())
             offsets = {name: int(doc["offsets"].get(name, 0)) for name in STREAM_FILES}
-            return cls(generation=int(doc["generation"]), offsets=offsets)
+            return cls(
+                generation=int(doc["generation"]),
+                offsets=offsets,
+                stderr_run_start=int(doc.get("stderr_run_start", 0)),
+            )
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return cls()
 
@@ -199,13 +207,22 @@ class InstanceLogShipper:
         self._pending: cpb.InstanceLogBatch | None = None
         self._pending_offsets: dict[str, int] = {}
         self._lock = asyncio.Lock()
-        self._stderr_tail: deque[str] = deque(maxlen=settings.stderr_tail)
-        self._seed_stderr_tail()
 
     # ------------------------------------------------------------------ what the supervisor uses
 
     def stderr_tail(self) -> list[str]:
-        return list(self._stderr_tail)
+        """The last stderr lines of the current run of the process, read from the file itself: they are
+        there whether or not they could be shipped (NATS away, no stream yet)."""
+        source = next(s for s in self._sources if s.stream == STDERR)
+        size = source.size()
+        start = max(self._cursor.stderr_run_start, size - TAIL_READ)
+        if size <= start:
+            return []
+        lines = os.pread(source.fd, size - start, start).split(b"\n")
+        if start > self._cursor.stderr_run_start:
+            lines = lines[1:]  # the first one is cut
+        text = [line.decode("utf-8", "replace") for line in lines if line.strip(b"\0")]
+        return text[len(text) - self.settings.stderr_tail :] if self.settings.stderr_tail else []
 
     async def run(self) -> None:
         """Ship until cancelled; a failed publish is retried (the unread bytes wait in the files)."""
@@ -231,21 +248,18 @@ class InstanceLogShipper:
             async with asyncio.timeout(timeout):
                 while await self.pump(final=True):
                     pass
-        # Read even when shipping failed: the crash report needs the stderr tail.
-        if self._pending is None and not self._lock.locked():
-            self._read(final=True)
 
     def process_starting(self) -> None:
         """Before the process starts (again): its stderr tail starts afresh, and the files are emptied when
         everything in them was shipped."""
-        self._stderr_tail.clear()
-        if self._pending is not None or any(s.size() > self._cursor.offsets[s.stream] for s in self._sources):
-            return
-        for source in self._sources:
-            if source.open():
-                os.ftruncate(source.fd, 0)
-            source.punched = 0
-        self._cursor = Cursor(generation=self._cursor.generation + 1)
+        if self._pending is None and all(s.size() <= self._cursor.offsets[s.stream] for s in self._sources):
+            for source in self._sources:
+                if source.open():
+                    os.ftruncate(source.fd, 0)
+                source.punched = 0
+            self._cursor = Cursor(generation=self._cursor.generation + 1)
+        self._cursor.stderr_run_start = next(s for s in self._sources if s.stream == STDERR).size()
+        self.directory.mkdir(parents=True, exist_ok=True)
         self._cursor.save(self.directory)
 
     # ------------------------------------------------------------------ reading and shipping
@@ -311,8 +325,6 @@ class InstanceLogShipper:
                 add = batch.lines.add
                 for raw in lines:
                     add(time=stamp, line=raw.decode("utf-8", "replace"), stream=source.stream)
-                if source.stream == STDERR:
-                    self._stderr_tail.extend(line.decode("utf-8", "replace") for line in lines[-self._tail_len :])
             offsets[source.stream] = offset + used
             budget_used += used
         if not batch.lines:
@@ -320,10 +332,6 @@ class InstanceLogShipper:
             return False
         self._pending, self._pending_offsets = batch, offsets
         return True
-
-    @property
-    def _tail_len(self) -> int:
-        return self.settings.stderr_tail
 
     def _skip(self, source: _Source, offset: int, size: int, batch: cpb.InstanceLogBatch) -> int:
         """Drop the oldest unread bytes down to half the backlog bound, at a line start; count the lines."""
@@ -347,17 +355,3 @@ class InstanceLogShipper:
                     source.punched = 1 << 62  # not supported here: the file is emptied between runs only
                     reason = errno.errorcode.get(ctypes.get_errno())
                     log.debug("%s: hole punching unsupported (%s)", source.path, reason)
-
-    def _seed_stderr_tail(self) -> None:
-        """After an agent restart: the stderr lines shipped just before it, for a crash report."""
-        source = next(s for s in self._sources if s.stream == STDERR)
-        end = self._cursor.offsets[STDERR]
-        if end <= 0 or not source.open():
-            return
-        start = max(0, end - min(TAIL_KEPT, 8192))
-        data = os.pread(source.fd, end - start, start)
-        lines = data.split(b"\n")
-        if start > 0:
-            lines = lines[1:]  # the first one is cut
-        text = [line.decode("utf-8", "replace") for line in lines if line.strip(b"\0")]
-        self._stderr_tail.extend(text[-self._tail_len :])
