@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from datetime import UTC, datetime
@@ -58,7 +59,13 @@ def logs(
     start_ns = since_ns(since, time.time()) if since else 0
 
     def emit(line: AppLogLine) -> None:
-        sys.stdout.write((json.dumps(line.as_json()) if json_output else render_line(line)) + "\n")
+        try:
+            sys.stdout.write((json.dumps(line.as_json()) if json_output else render_line(line)) + "\n")
+            if follow:
+                sys.stdout.flush()
+        except BrokenPipeError:  # the reader went away (`zattera logs -f | head`): a normal end
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(0) from None
 
     async def go() -> None:
         async with control() as c:
@@ -71,8 +78,6 @@ def logs(
                         c.conn.js, target.meta.id, instance=instance, last=lines, since_ns=start_ns, follow=follow
                     ):
                         emit(line)
-                        if follow:
-                            sys.stdout.flush()
                     return
                 except UnknownLogStream:
                     if not follow:

@@ -209,3 +209,43 @@ def test_apply_writes_the_env_log_retention(nats_url: str, tmp_path: Path) -> No
     refused = runner.invoke(app, ["--nats", nats_url, "apps", "apply", str(spec)])
     assert refused.exit_code != 0
     assert "env.production.logs.max_bytes" in refused.output and "below the 1MiB minimum" in refused.output
+
+
+def test_an_env_without_logs_yet_says_so(nats_url: str) -> None:
+    async def seed(conn: Connection) -> None:
+        from shared.view import StateView
+
+        view = StateView(conn, name="seed")
+        await view.start()
+        try:
+            await Writer(conn, view).commit(Writer(conn, view).txn().put(env("E9")))
+        finally:
+            await view.stop()
+
+    with_conn(nats_url, seed)
+    result = CliRunner().invoke(app, ["--nats", nats_url, "logs", "--env", "E9"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "" and result.stderr.strip() == "no logs for E9 yet"
+
+
+async def test_follow_into_a_closed_pipe_ends_quietly(nats_url: str, conn: Connection) -> None:
+    await seed_env(conn)
+    await publish(conn, "I1", (0, "stdout", "line 0"))
+    shell = f"{' '.join(zattera_command())} --nats {nats_url} logs --env E1 -f | head -1"
+    proc = await asyncio.create_subprocess_shell(
+        shell,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=REPO_ROOT,
+        env={**os.environ, "OTEL_TRACES_EXPORTER": "none"},
+    )
+    ended = asyncio.ensure_future(proc.communicate())
+    n = 0
+    while not ended.done() and n < 300:  # keep lines coming until the follower has written into the closed pipe
+        n += 1
+        await publish(conn, "I1", (n, "stdout", f"line {n}"))
+        await asyncio.wait([ended], timeout=0.1)
+    assert ended.done(), "the follower did not end on a closed pipe"
+    out, errors = ended.result()
+    assert out.decode().endswith("I1 out line 0\n")
+    assert b"Traceback" not in errors, errors.decode()
