@@ -224,10 +224,6 @@ class InstanceSupervisor:
     def poke(self) -> None:
         self._wake.set()
 
-    @property
-    def logs(self) -> InstanceLogShipper:
-        return self._logs
-
     async def run(self) -> None:
         self._logs_task = asyncio.create_task(self._logs.run(), name=f"logs:{self.assignment_id}")
         if self._handle is not None:

@@ -643,7 +643,7 @@ class InstanceExit(_message.Message):
     STDERR_TAIL_FIELD_NUMBER: _builtins.int
     AT_FIELD_NUMBER: _builtins.int
     code_known: _builtins.bool
-    """false: an adopted process (not the agent's child)"""
+    """`code` is the exit status (false: killed by a signal, or an adopted process)"""
     code: _builtins.int
     """exit status when it exited on its own"""
     signal: _builtins.int
