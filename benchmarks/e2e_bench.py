@@ -64,7 +64,7 @@ def _instance_start(cluster: E2ECluster, a: pb.Assignment) -> float:
     """The app's own start: process creation → listening (from the instance's files)."""
     instance = cluster.root / f"agent-{a.node_id}" / "instances" / a.meta.id
     record = json.loads((instance / "state.json").read_text())
-    found = READY.findall((instance / "output.log").read_text())
+    found = READY.findall((instance / "stdout.log").read_text(errors="replace"))
     return float(found[-1]) - _started_at(int(record["pid"]))
 
 

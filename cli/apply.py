@@ -247,6 +247,11 @@ def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = Non
             new_env.ClearField("middleware")
         else:
             new_env.middleware.CopyFrom(env_middleware)
+        new_env.ClearField("logs")
+        if env_spec.logs.max_bytes:
+            new_env.logs.max_bytes = int(env_spec.logs.max_bytes)
+        if env_spec.logs.max_age:
+            new_env.logs.max_age.CopyFrom(to_duration(env_spec.logs.max_age))
         if env is None and env_spec.scale_to_zero:
             new_env.effective_replicas = max(env_spec.replicas.min, 1)
         _stamp(new_env.meta, now, new=env is None)

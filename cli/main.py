@@ -22,6 +22,7 @@ from cli.apply import env_label, env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
 from cli.config_cmds import config_app
 from cli.env_cmds import apps_delete, envs_app, projects_app, scale, status
+from cli.logs_cmds import logs
 from cli.plan_view import print_plan
 from cli.render import Col
 from cli.secrets_cmds import secrets_app
@@ -31,6 +32,7 @@ from cli.up import Cluster, run_up
 from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.settings import split_listen
 from shared import keys as K
+from shared.applogs import describe_exit
 from shared.deploy import Deployer, DeployError
 from shared.deployments import desired_replicas, is_terminal
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
@@ -112,6 +114,7 @@ app.add_typer(volumes_app, name="volumes")
 app.add_typer(security_app, name="security")
 app.add_typer(config_app, name="config")
 app.add_typer(secrets_app, name="secrets")
+app.command("logs")(logs)
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 WIDE = typer.Option(False, "--wide", help="every column, ids included")
@@ -604,6 +607,8 @@ def ps(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WID
                         a.node_id,
                         render.enum_name(pb.AssignmentDesired, a.desired, "ASSIGNMENT_DESIRED_"),
                         render.enum_name(pb.InstanceState, a.observed.state, "INSTANCE_STATE_"),
+                        a.observed.restarts,
+                        describe_exit(a.observed.last_exit) if a.observed.HasField("last_exit") else "",
                         ports,
                         a.observed.message,
                     ]
@@ -617,6 +622,8 @@ def ps(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WID
                     "node",
                     "desired",
                     "observed",
+                    "restarts",
+                    "last exit",
                     "ports",
                     Col("message", wrap=True),
                 ],
@@ -731,8 +738,8 @@ def builds_list(json: bool = JSON, wide: bool = WIDE) -> None:
 
 
 @builds_app.command("logs")
-def builds_logs(build_id: str, follow: bool = typer.Option(False, "--follow", "-f")) -> None:
-    """A build's log; --follow streams it until the build ends."""
+def builds_logs(build_id: str, follow: bool = typer.Option(False, "--follow", "-f"), json: bool = JSON) -> None:
+    """A build's log; --follow streams it until the build ends; --json prints one object per line."""
     from nats.js.errors import NotFoundError
 
     from shared.buildlogs import follow_build_log, read_build_log
@@ -756,12 +763,18 @@ def builds_logs(build_id: str, follow: bool = typer.Option(False, "--follow", "-
                 raise _fail(f"build {build_id!r} not found (see `zattera builds list`)")
             if follow:
                 async for line in follow_build_log(c.conn, build_id):
-                    print(line, flush=True)
+                    print(build_log_line(build_id, line, json), flush=True)
             else:
                 for line in await read_build_log(c.conn, build_id):
-                    print(line)
+                    print(build_log_line(build_id, line, json))
 
     run(go)
+
+
+def build_log_line(build_id: str, line: str, as_json: bool) -> str:
+    import json as json_lib
+
+    return json_lib.dumps({"build_id": build_id, "line": line}) if as_json else line
 
 
 @builds_app.command("cancel")

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from google.protobuf.duration_pb2 import Duration
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 from zattera.v1 import types_pb2 as pb
 
 from shared.appconfig import ConfigError, check_env_size, check_var
@@ -255,6 +255,22 @@ class Middleware(_Model):
         return value
 
 
+class Logs(_Model):
+    """``[env.<name>.logs]``: this env's log retention; absent keys = the cluster defaults (docs/logs.md)."""
+
+    max_bytes: ByteSize = Field(default=ByteSize(0), description="e.g. 64MiB; at least 1MiB")
+    max_age: float = Field(default=0.0, description="e.g. 72h")
+
+    _durations = field_validator("max_age", mode="before")(parse_duration)
+
+    @field_validator("max_bytes")
+    @classmethod
+    def _at_least_a_mebibyte(cls, value: ByteSize) -> ByteSize:
+        if value and value < 1024 * 1024:
+            raise ValueError(f"{value} bytes is below the 1MiB minimum")
+        return value
+
+
 class Env(_Model):
     replicas: Replicas = Replicas()
     resources: Resources = Resources()
@@ -273,6 +289,7 @@ class Env(_Model):
     domains: list[str] = Field(default_factory=list)
     middleware: Middleware | None = None
     vars: dict[str, str] = Field(default_factory=dict, description="plain environment variables (not secrets)")
+    logs: Logs = Logs()
 
     _durations = field_validator("idle_timeout", "stop_grace", mode="before")(parse_duration)
 

@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     starting_timeout: float = Field(default=600.0, gt=0)
     stopping_old_timeout: float = Field(default=300.0, gt=0)
 
+    # Instance logs: each environment's stream limits unless its [env.<name>.logs] sets them (docs/logs.md).
+    logs_max_bytes: int = Field(default=128 * 1024 * 1024, ge=1024 * 1024, description="log bytes kept per env")
+    logs_max_age: float = Field(default=7 * 24 * 3600.0, gt=0, description="seconds a log line is kept")
+
     # Volume snapshots (seconds).
     restore_timeout: float = Field(
         default=3600.0, gt=0, description="a RESTORING volume without progress this long is given up by the reaper"

@@ -1,8 +1,9 @@
 """Instance processes: spawning, stopping, adopting after an agent restart, and host ports.
 
 Each instance runs in its own session (``start_new_session``), so signals aimed at the agent never reach
-it and the agent can stop the whole process group (the app and whatever it forked). Its output goes to
-``<instance>/output.log``, never to a pipe, so it survives the agent. A small state file
+it and the agent can stop the whole process group (the app and whatever it forked). Its stdout and stderr
+go to ``<instance>/stdout.log`` and ``<instance>/stderr.log``, never to a pipe, so they survive the agent
+(``logs.py`` ships them). A small state file
 ``<instance>/state.json`` records the pid, the process's creation time and the config it runs: a
 restarted agent adopts the process only when that pid still is that very process (same creation time,
 per psutil), which rules out a recycled pid.
@@ -20,13 +21,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 import psutil
 
+from services.agent.logs import open_output_files
+from shared.applogs import STDERR, STDOUT
+
 STATE_FILE = "state.json"
-OUTPUT_FILE = "output.log"
-OUTPUT_MAX_BYTES = 10 * 1024 * 1024
 _CREATE_TIME_TOLERANCE = 0.05
 _GROUP_POLL_INTERVAL = 0.05
 
@@ -180,26 +181,22 @@ def adopt(record: InstanceRecord, *, poll_interval: float) -> ProcessHandle | No
     return ProcessHandle(record.pid, record.create_time, poll_interval=poll_interval)
 
 
-def _open_output(instance_dir: Path) -> BinaryIO:
-    """The instance's output file, started afresh once it grew past :data:`OUTPUT_MAX_BYTES`."""
-    output = instance_dir / OUTPUT_FILE
-    if output.exists() and output.stat().st_size > OUTPUT_MAX_BYTES:
-        return open(output, "wb")
-    return open(output, "ab")
-
-
 async def spawn(command: Sequence[str], *, cwd: Path, env: Mapping[str, str], instance_dir: Path) -> ProcessHandle:
-    """Start ``command`` in its own session with its output appended to ``<instance>/output.log``."""
-    with _open_output(instance_dir) as sink:
+    """Start ``command`` in its own session, its stdout and stderr appended to the instance's output files."""
+    sinks = open_output_files(instance_dir)
+    try:
         child = await asyncio.create_subprocess_exec(
             *command,
             cwd=cwd,
             env=dict(env),
             stdin=asyncio.subprocess.DEVNULL,
-            stdout=sink,
-            stderr=asyncio.subprocess.STDOUT,
+            stdout=sinks[STDOUT],
+            stderr=sinks[STDERR],
             start_new_session=True,
         )
+    finally:
+        for fd in sinks.values():
+            os.close(fd)
     try:
         create_time = psutil.Process(child.pid).create_time()
     except psutil.Error:

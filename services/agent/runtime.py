@@ -9,6 +9,9 @@ One :class:`InstanceSupervisor` per assignment owns its process and its reports:
   for its replicas; health checks probe it there) and start its command. Reports go
   PULLING → RUNNING (ports in ``mesh_port_bindings``) → HEALTHY/UNHEALTHY from the health checks
   (``health.py``); without a healthcheck an instance is HEALTHY as soon as its process runs.
+* The process's stdout and stderr are shipped to the env's log stream (``logs.py``). A process that exits
+  has its last lines shipped and its exit (code or signal, last stderr lines) reported in
+  ``observed.last_exit``, kept across restarts until the assignment goes;
 * A process that exits is restarted with exponential backoff (reported STARTING with the exit code);
   after ``max_start_attempts`` failed starts of the same config (release, config hash, image) the
   assignment is parked FAILED. A run longer than ``stable_after`` resets the count. A config change
@@ -19,7 +22,8 @@ One :class:`InstanceSupervisor` per assignment owns its process and its reports:
   ``ZATTERA_VOLUME_<NAME>`` (a process cannot mount them at ``mount_path``).
 * desired STOP: SIGTERM, SIGKILL after ``ServiceSpec.stop_grace`` (default 10 s), then STOPPED (also for an
   assignment that never ran, so the scheduler can reap it).
-* An assignment that vanished: its process is stopped the same way, its directory removed and its
+* An assignment that vanished: its process is stopped the same way, its last output shipped, its directory
+  (kept until then, also for a FAILED instance, for inspection) removed and its
   observed key deleted (no STOPPED report: there is nothing left to report on).
 
 On start the runtime first looks at the instance directories a previous run left: a process that still
@@ -45,12 +49,15 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.health import LOOPBACK, HealthMonitor, probe_for, seconds
 from services.agent.images import ImageError, PreparedImage, prepare_image
+from services.agent.logs import InstanceLogShipper, ShipperSettings
 from services.agent.processes import STATE_FILE, InstanceRecord, PortAllocator, ProcessHandle, adopt, spawn
 from services.agent.reporter import ObservedReporter
 from services.agent.settings import AgentSettings
 from shared import keys as K
+from shared.applogs import describe_exit, instance_exit
 from shared.natsio import Connection
 from shared.secrets import SecretsUnavailable, fetch_secrets
+from shared.tasks import cancel_and_wait
 from shared.telemetry import span
 from shared.view import StateView
 from shared.volumes import lease_expired, lease_of
@@ -206,6 +213,17 @@ class InstanceSupervisor:
         self._parked = False
         self._not_before = 0.0
         self._stop_grace = ctx.settings.default_stop_grace
+        self._last_exit: pb.InstanceExit | None = None
+        self._logs = InstanceLogShipper(
+            ctx.conn,
+            self.dir,
+            environment_id=assignment.environment_id,
+            instance_id=self.assignment_id,
+            node_id=ctx.node_id,
+            settings=shipper_settings(ctx.settings),
+        )
+        self._logs.release_id = assignment.release_id
+        self._logs_task: asyncio.Task[None] | None = None
         if adopted is not None:
             handle, record = adopted
             self._config = record.config
@@ -233,19 +251,24 @@ class InstanceSupervisor:
         self._wake.set()
 
     async def run(self) -> None:
+        self._logs_task = asyncio.create_task(self._logs.run(), name=f"logs:{self.assignment_id}")
         if self._handle is not None:
             self._resume_watching()
         try:
             while True:
                 await self._step()
         finally:
-            # The process itself stays (adopted by the next agent run, or stopped by remove/stop_for_exit).
+            # The process itself stays (adopted by the next agent run, or stopped by remove/stop_for_exit),
+            # and so do its unshipped lines (the next run resumes from the cursor).
             self._cancel_watchers()
+            await cancel_and_wait(self._logs_task)
 
     async def remove(self) -> None:
-        """The assignment vanished: stop the process, drop the directory and the observed key."""
+        """The assignment vanished: stop the process, ship its last lines, drop the directory and the observed
+        key."""
         await self._stop()
         self.ctx.ports.release(self._ports)
+        await self._logs.drain(self.ctx.settings.log_drain_timeout)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.ctx.reporter.forget(self.assignment_id)
 
@@ -254,6 +277,7 @@ class InstanceSupervisor:
         if self._handle is not None:
             await self._stop()
             self._report(STOPPED, message="agent stopped")
+            await self._logs.drain(self.ctx.settings.log_drain_timeout)
 
     # ------------------------------------------------------------------ the convergence step
 
@@ -363,6 +387,8 @@ class InstanceSupervisor:
     async def _launch(self, command: list[str], workdir: Path, env: dict[str, str]) -> ProcessHandle:
         # A child of the assignment's last write (the orchestrator's or scheduler's transition span).
         parent = self.ctx.view.trace_headers(K.assignment(self.ctx.node_id, self.assignment_id)) or None
+        self._logs.process_starting()
+        self._logs.release_id = self.assignment.release_id
         with span("agent.instance.start", headers=parent, assignment_id=self.assignment_id, node_id=self.ctx.node_id):
             handle = await spawn(command, cwd=workdir, env=env, instance_dir=self.dir)
         if self._ever_started:
@@ -423,11 +449,11 @@ class InstanceSupervisor:
         finally:
             waker.cancel()
         if self._exit.done():
-            self._on_exit(self._exit.result())
+            await self._on_exit(self._exit.result())
         else:
             self._wake.clear()
 
-    def _on_exit(self, code: int | None) -> None:
+    async def _on_exit(self, code: int | None) -> None:
         handle = self._handle
         assert handle is not None
         ran = time.monotonic() - self._started_at
@@ -435,7 +461,9 @@ class InstanceSupervisor:
         handle.kill_leftovers()
         if ran >= self.ctx.settings.stable_after:
             self._failures = 0
-        message = f"exited with code {code}" if code is not None else "exited"
+        await self._logs.drain(self.ctx.settings.log_drain_timeout)
+        self._last_exit = instance_exit(code, self._logs.stderr_tail(), now_ns=time.time_ns())
+        message = f"exited ({describe_exit(self._last_exit)})"
         log.info("%s: pid %d %s after %.1fs", self.assignment_id, handle.pid, message, ran)
         self._failed_attempt(message, code)
 
@@ -490,10 +518,22 @@ class InstanceSupervisor:
         )
         if exit_code is not None:
             observed.exit_code = exit_code
+        if self._last_exit is not None:
+            observed.last_exit.CopyFrom(self._last_exit)
         if state in _UP_STATES:
             observed.mesh_port_bindings.update(self._ports)
         observed.updated_at.FromNanoseconds(time.time_ns())
         self.ctx.reporter.report(self.assignment_id, observed)
+
+
+def shipper_settings(settings: AgentSettings) -> ShipperSettings:
+    return ShipperSettings(
+        poll_interval=settings.log_poll_interval,
+        max_backlog=settings.log_max_backlog,
+        batch_bytes=settings.log_batch_bytes,
+        batch_lines=settings.log_batch_lines,
+        stderr_tail=settings.log_stderr_tail,
+    )
 
 
 class ProcessRuntime:

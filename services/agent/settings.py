@@ -45,6 +45,15 @@ class AgentSettings(BaseSettings):
     adopted_poll_interval: float = Field(default=1.0, gt=0, description="exit polling of processes adopted on start")
     stop_on_exit: bool = Field(default=False, description="stop instances when the agent stops (else they are adopted)")
 
+    log_poll_interval: float = Field(default=0.05, gt=0, description="how often instance output files are read")
+    log_max_backlog: int = Field(
+        default=8 * 1024 * 1024, ge=4096, description="unshipped bytes per output file before old lines are dropped"
+    )
+    log_batch_bytes: int = Field(default=512 * 1024, ge=1024, le=640 * 1024, description="bytes of lines per message")
+    log_batch_lines: int = Field(default=8192, ge=2, le=10_000, description="lines per message")
+    log_stderr_tail: int = Field(default=20, ge=0, description="last stderr lines kept for crash reports")
+    log_drain_timeout: float = Field(default=5.0, gt=0, description="shipping the last lines of an exited instance")
+
     build_keepalive: float = Field(default=60.0, gt=0, description="a silent build step logs a line this often")
 
     @field_validator("node_id")

@@ -1,5 +1,5 @@
-"""Entry point: `python -m services.builds [--nats URL]`: build dispatcher and retention (with the
-registry sweeper), each under its own lease."""
+"""Entry point: `python -m services.builds [--nats URL]`: build dispatcher, retention (with the
+registry sweeper) and the instance-log streams, each under its own lease."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from services.builds.dispatcher import BuildDispatcher, BuildDispatcherConfig
+from services.builds.logstreams import LogStreams
 from services.builds.registry import RegistrySweeper
 from services.builds.retention import Retention
 from services.builds.settings import BuildsSettings
+from shared.applogs import LogLimits
 from shared.service import ServiceContext, main
 
 
@@ -34,7 +36,13 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
         source_max_age=cfg.source_max_age,
         **ctx.loop_kwargs(),
     )
-    return [ctx.lead(dispatcher), ctx.lead(retention)]
+    log_streams = LogStreams(
+        default=LogLimits(ctx.settings.logs_max_bytes, ctx.settings.logs_max_age),
+        replicas=ctx.settings.replicas,
+        tick=ctx.settings.loop_tick,
+        **ctx.loop_kwargs(),
+    )
+    return [ctx.lead(dispatcher), ctx.lead(retention), ctx.lead(log_streams)]
 
 
 if __name__ == "__main__":

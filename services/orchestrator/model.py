@@ -20,6 +20,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.replicas import with_desired
 from shared import keys as K
+from shared.applogs import describe_exit
 from shared.events import ERROR, WARNING, make_event
 from shared.settings import Settings
 from shared.view import StateView
@@ -211,6 +212,30 @@ def observed_summary(assignments: Sequence[pb.Assignment]) -> str:
         name = state_name(a.observed.state) if a.observed.state else "unreported"
         counts[name] = counts.get(name, 0) + 1
     return ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
+
+
+CRASH_LINES = 5
+CRASH_LINE_CHARS = 200
+
+
+def failed_instance_reason(reason: str, instances: Sequence[pb.Assignment]) -> str:
+    """``reason`` naming the first FAILED instance, how its process last ended and its last stderr lines, e.g.
+    ``a green instance failed to start: instance 01J… on n1: exit code 3; last stderr: fatal: X not set``.
+    The bare reference string when the agent reported nothing more."""
+    failed = next((a for a in instances if a.observed.state == pb.INSTANCE_STATE_FAILED), None)
+    if failed is None:
+        return reason
+    observed = failed.observed
+    if observed.HasField("last_exit"):
+        detail = describe_exit(observed.last_exit)
+        tail = [line[:CRASH_LINE_CHARS] for line in observed.last_exit.stderr_tail[-CRASH_LINES:]]
+        if tail:
+            detail += "; last stderr: " + " | ".join(tail)
+    elif observed.message:
+        detail = observed.message
+    else:
+        return reason
+    return f"{reason}: instance {failed.meta.id} on {failed.node_id}: {detail}"
 
 
 # ---------------------------------------------------------------------- building transitions

@@ -43,6 +43,7 @@ from services.orchestrator.model import (
     abort,
     blue,
     copy_of,
+    failed_instance_reason,
     green,
     move,
     observed_summary,
@@ -243,7 +244,7 @@ def starting(
 ) -> Transition | None:
     instances = green(view, d)
     if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
-        return abort(view, d, GREEN_FAILED_TO_START, now)
+        return abort(view, d, failed_instance_reason(GREEN_FAILED_TO_START, instances), now)
     live, lost = on_live_nodes(view, instances)
     if lost or len(live) < deploy_replicas(env, release):
         return back_to_placing(view, d, lost, now)
@@ -262,7 +263,7 @@ def healthchecking(
 ) -> Transition | None:
     instances = green(view, d)
     if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
-        return abort(view, d, GREEN_UNHEALTHY, now)
+        return abort(view, d, failed_instance_reason(GREEN_UNHEALTHY, instances), now)
     live, lost = on_live_nodes(view, instances)
     if lost or len(live) < deploy_replicas(env, release):
         return back_to_placing(view, d, lost, now)

@@ -25,6 +25,7 @@ from services.orchestrator.model import (
     Timers,
     Transition,
     deploy_event,
+    failed_instance_reason,
     green,
     move,
     old_instances,
@@ -104,7 +105,7 @@ def start_new(
         ]
         return t
     if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
-        return stateful_fail(view, d, NEW_INSTANCE_FAILED_TO_START, now)
+        return stateful_fail(view, d, failed_instance_reason(NEW_INSTANCE_FAILED_TO_START, instances), now)
     if all(a.observed.state in UP_STATES for a in instances):
         return move(d, pb.DEPLOYMENT_PHASE_HEALTHCHECKING, now)
     limit = timers.starting_timeout
@@ -121,7 +122,7 @@ def check_health(
 ) -> Transition | None:
     instances = green(view, d)
     if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
-        return stateful_fail(view, d, NEW_INSTANCE_UNHEALTHY, now)
+        return stateful_fail(view, d, failed_instance_reason(NEW_INSTANCE_UNHEALTHY, instances), now)
     if instances and all(a.observed.state == pb.INSTANCE_STATE_HEALTHY for a in instances):
         return move(d, pb.DEPLOYMENT_PHASE_PROMOTING, now)
     entered = phase_entered_at(d)

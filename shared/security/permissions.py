@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from shared.applogs import APP_LOGS_SUBJECT_PREFIX
 from shared.natsio import (
     ACTIVATE_SUBJECT,
     BUILD_EVENTS_STREAM,
@@ -166,6 +167,10 @@ OPERATOR = Permissions(
         *read_whole_stream(object_stream(IMAGES_STORE)),
         *read_whole_stream(object_stream(SNAPSHOTS_STORE)),
         *write_object_store(SOURCES_STORE),
+        # `zattera logs`: instance logs are one stream per environment (ZATTERA_LOGS_<env>, docs/logs.md) and a
+        # permission cannot match a name prefix, so the operator reads every stream of the account (it reads
+        # each of the others whole already).
+        *read_whole_stream("*"),
     ),
     # Leases fence the leader loops: a lease written by anyone else would depose a leader or forge a term.
     pub_deny=(f"{STATE_PREFIX}lease.>",),
@@ -200,6 +205,8 @@ AGENT = Permissions(
         f"{LIVE_PREFIX}node.{NAME}",
         # Its instances' secrets, sealed to its own key; the subject names the node, so no other may ask.
         open_subject(NAME),
+        # Its instances' output (docs/logs.md); the subject names the env, which a permission cannot follow.
+        f"{APP_LOGS_SUBJECT_PREFIX}*.*",
         f"{JS}.INFO",
         f"{JS}.STREAM.NAMES",  # nats-py's object store reads look the stream up by subject (names only)
         f"{JS}.STREAM.INFO.{STATE_STREAM}",

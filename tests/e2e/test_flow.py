@@ -6,6 +6,7 @@ under load, roll back, follow the deploy's trace, then scale-to-zero and autosca
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,13 @@ async def test_deploy_from_source_is_served_through_the_proxy(cluster: E2ECluste
 
     ps = await cluster.acli("ps", "--env", PROD, "--json")
     assert ps.stdout.count('"HEALTHY"') + ps.stdout.count("INSTANCE_STATE_HEALTHY") >= 2, ps.stdout
+
+    async def both_replicas_logged() -> bool:
+        logs = await cluster.acli("logs", "--env", PROD, "--json")
+        started = [json.loads(line) for line in logs.stdout.splitlines() if "listening on" in line]
+        return {doc["instance"] for doc in started} == {a.meta.id for a in live}
+
+    await eventually(both_replicas_logged, 30, "zattera logs shows both replicas starting")
 
 
 async def test_red_green_redeploy_under_load_fails_no_request(cluster: E2ECluster, sources: dict[str, Path]) -> None:

@@ -571,9 +571,15 @@ class LogLine(_message.Message):
     TIME_FIELD_NUMBER: _builtins.int
     LINE_FIELD_NUMBER: _builtins.int
     STREAM_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
     line: _builtins.str
     stream: _builtins.str
     """invented: "stdout" | "stderr" | "build" """
+    dropped: _builtins.int
+    """Instance logs: not a line of the app but the notice that this many lines
+    of `stream` were dropped under pressure (`line` = "N lines dropped").
+    invented (issue 16)
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """invented"""
@@ -584,14 +590,89 @@ class LogLine(_message.Message):
         time: _timestamp_pb2.Timestamp | None = ...,
         line: _builtins.str = ...,
         stream: _builtins.str = ...,
+        dropped: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["line", b"line", "stream", b"stream", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "line", b"line", "stream", b"stream", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LogLine: _TypeAlias = LogLine  # noqa: Y015
+
+@_typing.final
+class LogRetention(_message.Message):
+    """LogRetention bounds an environment's instance-log stream (docs/logs.md);
+    unset/0 fields fall back to the cluster defaults (ZATTERA_LOGS_MAX_*).
+    invented (issue 16)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_AGE_FIELD_NUMBER: _builtins.int
+    max_bytes: _builtins.int
+    @_builtins.property
+    def max_age(self) -> _duration_pb2.Duration: ...
+    def __init__(
+        self,
+        *,
+        max_bytes: _builtins.int = ...,
+        max_age: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["max_age", b"max_age"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_age", b"max_age", "max_bytes", b"max_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogRetention: _TypeAlias = LogRetention  # noqa: Y015
+
+@_typing.final
+class InstanceExit(_message.Message):
+    """InstanceExit is how an instance's process last ended (crash diagnostics).
+    invented (issue 16)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_KNOWN_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    SIGNAL_FIELD_NUMBER: _builtins.int
+    OOM_SUSPECTED_FIELD_NUMBER: _builtins.int
+    STDERR_TAIL_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    code_known: _builtins.bool
+    """`code` is the exit status (false: killed by a signal, or an adopted process)"""
+    code: _builtins.int
+    """exit status when it exited on its own"""
+    signal: _builtins.int
+    """killing signal (0 = none)"""
+    oom_suspected: _builtins.bool
+    """SIGKILL the agent did not send: likely the OOM killer"""
+    @_builtins.property
+    def stderr_tail(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """its last stderr lines, oldest first"""
+
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        code_known: _builtins.bool = ...,
+        code: _builtins.int = ...,
+        signal: _builtins.int = ...,
+        oom_suspected: _builtins.bool = ...,
+        stderr_tail: _abc.Iterable[_builtins.str] | None = ...,
+        at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "code", b"code", "code_known", b"code_known", "oom_suspected", b"oom_suspected", "signal", b"signal", "stderr_tail", b"stderr_tail"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceExit: _TypeAlias = InstanceExit  # noqa: Y015
 
 @_typing.final
 class Node(_message.Message):
@@ -857,6 +938,7 @@ class Environment(_message.Message):
     PREVIEW_EXPIRES_AT_FIELD_NUMBER: _builtins.int
     IDLE_TIMEOUT_FIELD_NUMBER: _builtins.int
     MIDDLEWARE_FIELD_NUMBER: _builtins.int
+    LOGS_FIELD_NUMBER: _builtins.int
     app_id: _builtins.str
     project_id: _builtins.str
     active_release_id: _builtins.str
@@ -889,6 +971,10 @@ class Environment(_message.Message):
         zattera.toml [env.<name>.middleware]. Unset = none.
         """
 
+    @_builtins.property
+    def logs(self) -> Global___LogRetention:
+        """invented (issue 16): unset = cluster defaults"""
+
     def __init__(
         self,
         *,
@@ -906,10 +992,11 @@ class Environment(_message.Message):
         preview_expires_at: _timestamp_pb2.Timestamp | None = ...,
         idle_timeout: _duration_pb2.Duration | None = ...,
         middleware: Global___Middleware | None = ...,
+        logs: Global___LogRetention | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["idle_timeout", b"idle_timeout", "meta", b"meta", "middleware", b"middleware", "preview_expires_at", b"preview_expires_at", "service", b"service"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["idle_timeout", b"idle_timeout", "logs", b"logs", "meta", b"meta", "middleware", b"middleware", "preview_expires_at", b"preview_expires_at", "service", b"service"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_release_id", b"active_release_id", "app_id", b"app_id", "effective_replicas", b"effective_replicas", "idle_timeout", b"idle_timeout", "meta", b"meta", "middleware", b"middleware", "name", b"name", "preview_branch", b"preview_branch", "preview_expires_at", b"preview_expires_at", "preview_pr_number", b"preview_pr_number", "project_id", b"project_id", "route_generation", b"route_generation", "service", b"service", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_release_id", b"active_release_id", "app_id", b"app_id", "effective_replicas", b"effective_replicas", "idle_timeout", b"idle_timeout", "logs", b"logs", "meta", b"meta", "middleware", b"middleware", "name", b"name", "preview_branch", b"preview_branch", "preview_expires_at", b"preview_expires_at", "preview_pr_number", b"preview_pr_number", "project_id", b"project_id", "route_generation", b"route_generation", "service", b"service", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1657,6 +1744,7 @@ class AssignmentObserved(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     MESH_PORT_BINDINGS_FIELD_NUMBER: _builtins.int
+    LAST_EXIT_FIELD_NUMBER: _builtins.int
     state: Global___InstanceState.ValueType
     container_id: _builtins.str
     restarts: _builtins.int
@@ -1668,6 +1756,12 @@ class AssignmentObserved(_message.Message):
     def mesh_port_bindings(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """port name -> published mesh port (0 / absent = not published)"""
 
+    @_builtins.property
+    def last_exit(self) -> Global___InstanceExit:
+        """The last exit of this assignment's process (kept across restarts).
+        invented (issue 16)
+        """
+
     def __init__(
         self,
         *,
@@ -1678,10 +1772,11 @@ class AssignmentObserved(_message.Message):
         message: _builtins.str = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         mesh_port_bindings: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        last_exit: Global___InstanceExit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_exit", b"last_exit", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_id", b"container_id", "exit_code", b"exit_code", "mesh_port_bindings", b"mesh_port_bindings", "message", b"message", "restarts", b"restarts", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_id", b"container_id", "exit_code", b"exit_code", "last_exit", b"last_exit", "mesh_port_bindings", b"mesh_port_bindings", "message", b"message", "restarts", b"restarts", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1241,3 +1241,43 @@ class RotateSecretsKeyResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RotateSecretsKeyResponse: _TypeAlias = RotateSecretsKeyResponse  # noqa: Y015
+
+@_typing.final
+class InstanceLogBatch(_message.Message):
+    """InstanceLogBatch is one message of an environment's instance-log stream
+    (subject `zattera.logs.<env>.<instance>`, docs/logs.md): consecutive lines of
+    one instance, each tagged with its time and stream ("stdout" | "stderr"); the
+    instance, node and release tags are common to the batch.
+    invented (issue 16)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    RELEASE_ID_FIELD_NUMBER: _builtins.int
+    LINES_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    instance_id: _builtins.str
+    """the assignment id"""
+    node_id: _builtins.str
+    release_id: _builtins.str
+    @_builtins.property
+    def lines(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.LogLine]: ...
+    def __init__(
+        self,
+        *,
+        environment_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        node_id: _builtins.str = ...,
+        release_id: _builtins.str = ...,
+        lines: _abc.Iterable[_types_pb2.LogLine] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id", "instance_id", b"instance_id", "lines", b"lines", "node_id", b"node_id", "release_id", b"release_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceLogBatch: _TypeAlias = InstanceLogBatch  # noqa: Y015

@@ -1,0 +1,308 @@
+"""Instance logs benchmark: a real agent process on an embedded nats-server, real app processes.
+
+* **throughput**: one instance writes lines as fast as it can (Python, buffered stdout); lines/s that reach
+  the env's log stream (counted by a subscriber, first to last batch) and the agent's CPU (psutil, over
+  the same window) per 10,000 lines/s. Lines the agent had to drop (backlog bound) are reported apart.
+* **delay**: an instance writes one line carrying its write time every 10 ms; ``zattera logs -f --json``
+  (the real CLI, a subprocess) prints them; delay = print time - write time, p50 and p99.
+* **app slowdown**: the same writer, the same number of lines, its own timing: stdout to /dev/null
+  (run directly) versus under the agent (stdout shipped), alternately, median of the rounds.
+
+``python -m benchmarks.logs_bench`` (quick, < 30 s) or ``--full`` (more lines and rounds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from benchmarks.common import Row, bench_main, embedded_server, median, percentile, row
+from services.agent.runtime import PASSED_THROUGH_ENV
+from shared import keys as K
+from shared.applogs import LogLimits, app_log_subject, app_logs_stream_config
+from shared.natsio import Connection, connect, ensure_stream, provision
+from shared.txn import Writer
+from shared.view import StateView
+from tests.agent.conftest import assignment, process_ref, release
+
+ENV = "BENCHENV"
+NODE = "bench"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+WRITER = """
+import sys, time
+from pathlib import Path
+
+mode = sys.argv[1]
+if mode == "flood":  # count lines, `work` empty loop turns of "real work" before each
+    count, work, result = int(sys.argv[2]), range(int(sys.argv[3])), sys.argv[4]
+    write = sys.stdout.write
+    started, cpu = time.perf_counter(), time.process_time()
+    for i in range(count):
+        for _ in work:
+            pass
+        write(f"flood line {i} of the logs benchmark, with some text to look like a real log line\\n")
+    sys.stdout.flush()
+    Path(result).write_text(f"{time.perf_counter() - started} {time.process_time() - cpu}")
+else:
+    interval = float(sys.argv[2])
+    while True:
+        print(f"{time.time():.6f}", flush=True)
+        time.sleep(interval)
+time.sleep(3600)
+"""
+
+
+@dataclass(frozen=True)
+class App:
+    label: str
+    lines: int
+    work: int
+    """Empty loop turns before each line (0 = nothing but logging)."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    flood_lines: int
+    delay_seconds: float
+    apps: tuple[App, ...]
+    slowdown_rounds: int
+
+
+QUICK = Sizes(
+    flood_lines=2_000_000,
+    delay_seconds=3.0,
+    apps=(App("app only logging", 600_000, 0), App("app working between lines", 100_000, 200)),
+    slowdown_rounds=4,
+)
+FULL = Sizes(
+    flood_lines=10_000_000,
+    delay_seconds=20.0,
+    apps=(App("app only logging", 3_000_000, 0), App("app working between lines", 500_000, 200)),
+    slowdown_rounds=7,
+)
+
+
+class Rig:
+    def __init__(self, url: str, root: Path) -> None:
+        self.url = url
+        self.root = root
+        self.app = root / "app"
+        self.app.mkdir()
+        (self.app / "writer.py").write_text(WRITER)
+        self.agent: asyncio.subprocess.Process | None = None
+
+    async def __aenter__(self) -> Rig:
+        self.conn = await connect(self.url, name="logs-bench")
+        await provision(self.conn.js)
+        await ensure_stream(self.conn.js, app_logs_stream_config(ENV, LogLimits(4 << 30, 3600.0), 1))
+        self.view = StateView(self.conn, name="logs-bench")
+        await self.view.start()
+        self.writer = Writer(self.conn, self.view)
+        env = pb.Environment(name="bench")
+        env.meta.id = ENV
+        await self.writer.commit(self.writer.txn().put(env))
+        self.agent = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "services.agent", "--nats", self.url, "--node-id", NODE, "--stop-on-exit"),
+            *("--data-dir", str(self.root / "agent"), "--log-level", "WARNING"),
+            cwd=REPO_ROOT,
+            env={**os.environ, "OTEL_TRACES_EXPORTER": "none", "ZATTERA_AGENT_RECONCILE_TICK": "0.5"},
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.agent is not None:
+            self.agent.terminate()
+            await self.agent.wait()
+        await self.view.stop()
+        await self.conn.close()
+
+    def instance(self, command: str) -> tuple[pb.Release, pb.Assignment]:
+        rel = release(process_ref(self.app, command), env_id=ENV, healthcheck=False)
+        return rel, assignment(NODE, rel)
+
+    async def start(self, rel: pb.Release, a: pb.Assignment) -> None:
+        await self.writer.commit(self.writer.txn().put(rel).put(a))
+
+    async def run_instance(self, command: str) -> pb.Assignment:
+        rel, a = self.instance(command)
+        await self.start(rel, a)
+        return a
+
+    async def remove(self, a: pb.Assignment) -> None:
+        await self.writer.commit(self.writer.txn().delete(K.assignment(NODE, a.meta.id)))
+        while self.view.observed(NODE, a.meta.id) is not None:  # noqa: ASYNC110 (the agent removes it)
+            await asyncio.sleep(0.05)
+
+    def agent_cpu(self) -> float:
+        assert self.agent is not None
+        times = psutil.Process(self.agent.pid).cpu_times()
+        return float(times.user + times.system)
+
+
+@contextlib.asynccontextmanager
+async def counting(conn: Connection, instance: str) -> AsyncIterator[dict[str, float]]:
+    """Counts the lines (and dropped-line notices) of one instance as the stream stores them."""
+    seen: dict[str, float] = {"lines": 0, "dropped": 0, "first": 0.0, "last": 0.0}
+
+    async def on_batch(msg: object) -> None:
+        batch = cpb.InstanceLogBatch.FromString(msg.data)  # type: ignore[attr-defined]
+        now = time.perf_counter()
+        seen["first"] = seen["first"] or now
+        seen["last"] = now
+        dropped = sum(line.dropped for line in batch.lines if line.dropped)
+        seen["dropped"] += dropped
+        seen["lines"] += len(batch.lines) - (1 if dropped else 0)
+
+    sub = await conn.nc.subscribe(app_log_subject(ENV, instance), cb=on_batch)
+    try:
+        yield seen
+    finally:
+        await sub.unsubscribe()
+
+
+async def throughput(rig: Rig, sizes: Sizes) -> list[Row]:
+    rel, a = rig.instance(f"{sys.executable} writer.py flood {sizes.flood_lines} 0 {rig.root / 'flood-result'}")
+    async with counting(rig.conn, a.meta.id) as seen:
+        await rig.start(rel, a)
+        while not seen["first"]:  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+        cpu_start = rig.agent_cpu()
+        while seen["lines"] + seen["dropped"] < sizes.flood_lines:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        cpu = rig.agent_cpu() - cpu_start
+    await rig.remove(a)
+    window = max(seen["last"] - seen["first"], 1e-6)
+    rate = seen["lines"] / window
+    return [
+        row("logs: lines/s delivered to the stream (one instance flooding)", rate, "lines/s", "≥ 50,000", "issue 16"),
+        row("logs: agent CPU per 10,000 lines/s", cpu / window / (rate / 10_000) * 100, "% of a core", "", "issue 16"),
+        row("logs: lines dropped by the backlog bound during the flood", seen["dropped"], "lines", "", "by design"),
+    ]
+
+
+async def delay(rig: Rig, sizes: Sizes) -> list[Row]:
+    a = await rig.run_instance(f"{sys.executable} writer.py paced 0.01")
+    follower = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "import sys; from cli.main import main; sys.argv[0] = 'zattera'; main()",
+        "--nats",
+        rig.url,
+        "logs",
+        "--env",
+        ENV,
+        "-f",
+        "-n",
+        "0",
+        "--json",
+        stdout=asyncio.subprocess.PIPE,
+        cwd=REPO_ROOT,
+        env={**os.environ, "OTEL_TRACES_EXPORTER": "none"},
+    )
+    assert follower.stdout is not None
+    delays: list[float] = []
+    started = 0.0
+    try:
+        while not started or time.time() < started + sizes.delay_seconds:
+            line = await asyncio.wait_for(follower.stdout.readline(), 30)
+            received = time.time()
+            written = float(json.loads(line)["line"])
+            started = started or received  # the CLI follows: lines written from now on are measured
+            if written >= started:
+                delays.append((received - written) * 1000)
+    finally:
+        follower.kill()
+        await follower.wait()
+    await rig.remove(a)
+    return [
+        row("logs: zattera logs -f delay p50", median(delays), "ms", "", "issue 16"),
+        row("logs: zattera logs -f delay p99", percentile(delays, 99), "ms", "≤ 500 ms", "issue 16"),
+    ]
+
+
+async def slowdown(rig: Rig, app: App, rounds: int) -> list[Row]:
+    direct: list[tuple[float, float]] = []
+    shipped: list[tuple[float, float]] = []
+    command = f"{sys.executable} writer.py flood {app.lines} {app.work}"
+
+    async def to_devnull(round_: int) -> None:
+        result = rig.root / f"devnull-{app.work}-{round_}"
+        await _direct(rig, f"{command} {result}", result)
+        direct.append(elapsed(result))
+
+    async def under_the_agent(round_: int) -> None:
+        result = rig.root / f"agent-{app.work}-{round_}"
+        a = await rig.run_instance(f"{command} {result}")
+        await until_written(result)
+        shipped.append(elapsed(result))
+        await rig.remove(a)
+
+    for round_ in range(rounds):  # alternately first: neither side always runs on a warmer machine
+        pair = (to_devnull, under_the_agent) if round_ % 2 == 0 else (under_the_agent, to_devnull)
+        for measure_one in pair:
+            await measure_one(round_)
+    # Best of the rounds: on a shared machine the noise only ever adds time.
+    wall, wall_shipped = min(w for w, _ in direct), min(w for w, _ in shipped)
+    cpu, cpu_shipped = min(c for _, c in direct), min(c for _, c in shipped)
+    return [
+        row(f"logs: {app.label}: lines/s to /dev/null", app.lines / wall, "lines/s", "", "best of rounds"),
+        row(f"logs: {app.label}: lines/s shipped by the agent", app.lines / wall_shipped, "lines/s", "", ""),
+        row(f"logs: {app.label}: slowed (wall time)", (wall_shipped / wall - 1) * 100, "%", "≤ 5 %", "issue 16"),
+        row(f"logs: {app.label}: slowed (its CPU time)", (cpu_shipped / cpu - 1) * 100, "%", "≤ 5 %", "issue 16"),
+    ]
+
+
+def elapsed(result: Path) -> tuple[float, float]:
+    """The writer's own timing: wall and CPU seconds ((0, 0) = not written yet)."""
+    with contextlib.suppress(OSError, ValueError):
+        wall, cpu = result.read_text().split()
+        return float(wall), float(cpu)
+    return 0.0, 0.0
+
+
+async def until_written(result: Path) -> None:
+    while not elapsed(result)[0]:  # noqa: ASYNC110 (another process writes it)
+        await asyncio.sleep(0.01)
+
+
+async def _direct(rig: Rig, command: str, result: Path) -> None:
+    """The writer on its own with stdout to /dev/null (a process like the instance, with no reader at all)."""
+    proc = await asyncio.create_subprocess_exec(
+        *command.split(),
+        cwd=rig.app,
+        stdout=asyncio.subprocess.DEVNULL,
+        env={k: os.environ[k] for k in PASSED_THROUGH_ENV if k in os.environ},  # as an instance gets it
+    )
+    await until_written(result)
+    proc.kill()
+    await proc.wait()
+
+
+async def measure(sizes: Sizes) -> list[Row]:
+    with embedded_server() as server, tempfile.TemporaryDirectory(prefix="zattera-logs-bench-") as tmp:
+        async with Rig(server.url, Path(tmp)) as rig:
+            rows = [*await throughput(rig, sizes), *await delay(rig, sizes)]
+            for app in sizes.apps:
+                rows += await slowdown(rig, app, sizes.slowdown_rounds)
+            return rows
+
+
+def run(quick: bool = True) -> list[Row]:
+    return asyncio.run(measure(QUICK if quick else FULL))
+
+
+if __name__ == "__main__":
+    bench_main("Instance logs", run, __doc__, "10M lines flooded, 20 s of delay samples, 7 slowdown rounds")

@@ -1,0 +1,50 @@
+"""A real agent runs a crashing app for a real orchestrator: the deployment's error quotes the app's stderr."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from urllib.parse import quote
+
+from zattera.v1 import types_pb2 as pb
+
+from services.orchestrator.loop import Orchestrator
+from services.orchestrator.model import Timers
+from shared.clock import FakeClock
+from shared.deploy import Deployer
+from shared.lease import run_while_leading
+from shared.natsio import Connection
+from shared.txn import Writer
+from shared.view import StateView
+from tests.agent.conftest import StartAgent
+from tests.orchestrator.rig import environment, spec
+from tests.waiting import eventually
+
+
+async def test_a_crashing_apps_stderr_is_in_the_deployment_error(
+    start_agent: StartAgent, conn: Connection, view: StateView, writer: Writer
+) -> None:
+    await writer.commit(writer.txn().put(environment("E1", spec(1))))
+    await start_agent("n1")
+    orchestrator = Orchestrator(conn=conn, view=view, clock=FakeClock(), timers=Timers(), tick=3600.0)
+    leader = asyncio.create_task(
+        run_while_leading(conn, "orchestrator", orchestrator.run, holder="test", ttl=5, renew_interval=1)
+    )
+    try:
+        command = "echo 'fatal: DATABASE_URL not set' >&2; exit 3"
+        created = await Deployer(writer).deploy_image("E1", "exec:" + quote(command, safe=""))
+        deployment_id = created.deployment.meta.id
+
+        def failed() -> bool:
+            d = view.deployment(deployment_id)
+            return d is not None and d.phase == pb.DEPLOYMENT_PHASE_FAILED
+
+        await eventually(failed, timeout=20, what="the deployment FAILED")
+        d = view.deployment(deployment_id)
+        assert d is not None
+        assert d.error.startswith("a green instance failed to start: instance ")
+        assert d.error.endswith(" on n1: exit code 3; last stderr: fatal: DATABASE_URL not set")
+    finally:
+        leader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await leader
