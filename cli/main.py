@@ -13,20 +13,19 @@ from typing import Any
 
 import typer
 from google.protobuf.message import Message
-from nats.js.api import ConsumerConfig, DeliverPolicy
 from typer.core import TyperGroup
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.apply import env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
+from cli.events_cmds import events, publish_node_change
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
 from shared import keys as K
 from shared.deploy import Deployer, DeployError
 from shared.deployments import is_terminal
-from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 from shared.settings import settings
 from shared.telemetry import setup as setup_telemetry
 from shared.telemetry import span
@@ -62,6 +61,7 @@ app.add_typer(apps_app, name="apps")
 app.add_typer(builds_app, name="builds")
 app.add_typer(volumes_app, name="volumes")
 app.add_typer(security_app, name="security")
+app.command()(events)
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 
@@ -183,11 +183,13 @@ async def _commit_edit(c: Control, what: str, edit: Callable[[], Message | None]
 def _edit_node(node_id: str, change: str, labels: dict[str, str] | None = None) -> None:
     async def go() -> None:
         async with control() as c:
+            decided_on: list[tuple[pb.Node, int]] = []
 
             def edit() -> pb.Node | None:
                 node = c.view.node(node_id)
                 if node is None:
                     raise _fail(f"node {node_id!r} not found")
+                decided_on[:] = [(node, c.view.rev(K.node(node_id)))]
                 edited = pb.Node()
                 edited.CopyFrom(node)
                 if change == "cordon":
@@ -214,7 +216,9 @@ def _edit_node(node_id: str, change: str, labels: dict[str, str] | None = None) 
                             edited.labels.pop(key, None)
                 return edited
 
-            if await _commit_edit(c, f"node {node_id}", edit) is not None:
+            edited = await _commit_edit(c, f"node {node_id}", edit)
+            if isinstance(edited, pb.Node):
+                await publish_node_change(c.conn, *decided_on[0], edited)
                 err.print(f"node {node_id}: {change} done")
 
     run(go)
@@ -556,46 +560,6 @@ def routes(json: bool = JSON) -> None:
         endpoints = ", ".join(f"{e.addr}" for e in r.endpoints)
         rows.append([r.hostname, r.path_prefix or "/", r.environment_id, endpoints or "(none)"])
     render.table(f"routes (version {snapshot.version})", ["host", "path", "env", "endpoints"], rows)
-
-
-@app.command()
-def events(
-    follow: bool = typer.Option(False, "--follow", "-f"),
-    kind: str = typer.Option("", "--kind", help="e.g. deploy.failed or schedule.*"),
-    last: int = typer.Option(50, "--last", help="how many past events to show"),
-    json: bool = JSON,
-) -> None:
-    """Platform events (newest last); --follow keeps streaming."""
-    _json(json)
-
-    async def go() -> None:
-        async with control(view=False) as c:
-            subject = EVENTS_SUBJECT_PREFIX + (kind or ">")
-            info = await c.conn.js.stream_info(EVENTS_STREAM)
-            start = max(1, info.state.last_seq - last + 1)
-            sub = await c.conn.js.subscribe(
-                subject,
-                stream=EVENTS_STREAM,
-                ordered_consumer=True,
-                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start),
-            )
-            end = info.state.last_seq
-            while follow or end:
-                try:
-                    msg = await sub.next_msg(timeout=None if follow else 1.0)
-                except TimeoutError:
-                    break
-                event = pb.Event.FromString(msg.data)
-                if render.json_mode():
-                    render.emit_json(render.as_dict(event))
-                else:
-                    color = {"warning": "yellow", "error": "red"}.get(event.severity, "white")
-                    render.out.print(f"{render.ts(event.meta.created_at)} [{color}]{event.kind:<26}[/] {event.message}")
-                if not follow and msg.metadata.sequence.stream >= end:
-                    break
-            await sub.unsubscribe()
-
-    run(go)
 
 
 # ---------------------------------------------------------------------------------------------- builds

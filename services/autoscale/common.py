@@ -22,6 +22,7 @@ from typing import Any
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.events import event_for_env, transition_id
 from shared.lease import Leadership
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.loop import LeaderLoop
@@ -52,6 +53,27 @@ class ReplicaWrite:
     @property
     def env_id(self) -> str:
         return self.env.meta.id
+
+
+EVENT_COOLED = "scaletozero.cooled"
+EVENT_WOKEN = "scaletozero.woken"
+
+
+def scale_event(write: ReplicaWrite, kind: str, actor: str, message: str, now: float) -> pb.Event:
+    """The event of a landed ``effective_replicas`` write: who decided, from → to. Going to 0 is a cool
+    and leaving 0 a wake, whichever loop decided; ``kind`` names every other change."""
+    if write.target == 0:
+        kind = EVENT_COOLED
+    elif write.current == 0:
+        kind = EVENT_WOKEN
+    return event_for_env(
+        write.env,
+        kind,
+        message,
+        at=now,
+        fields={"actor": actor, "from": str(write.current), "to": str(write.target)},
+        transition=transition_id(K.env(write.env_id), write.revision, kind),
+    )
 
 
 def effective_txn(writer: Writer, write: ReplicaWrite, now: float) -> Txn:
