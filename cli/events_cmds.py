@@ -20,7 +20,9 @@ from zattera.v1 import types_pb2 as pb
 from cli import render
 from cli.apply import env_path, resolve_env
 from cli.client import OPTIONS, control, err, run
-from shared.events import EventPublisher, node_change_event
+from shared import keys as K
+from shared.deployments import desired_replicas
+from shared.events import EVENT_SCALED, EventPublisher, node_change_event, scale_event
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
 from shared.view import StateView
 
@@ -141,3 +143,24 @@ async def publish_node_change(conn: Connection, before: pb.Node, revision: int, 
     event = node_change_event(before, after, time.time(), actor=OPERATOR, revision=revision)
     if event is not None:
         await EventPublisher(conn).publish(event)
+
+
+def replica_counts(view: StateView) -> dict[str, tuple[int, int]]:
+    """Each env's replica count and revision, read before an operator's edit."""
+    return {env.meta.id: (desired_replicas(env), view.rev(K.env(env.meta.id))) for env in view.envs()}
+
+
+async def announce_scale_changes(conn: Connection, before: dict[str, tuple[int, int]], view: StateView) -> None:
+    """After an operator's committed edit (``zattera apps apply``): a scale event per env whose count moved."""
+    changes = []
+    for env_id, (count, revision) in before.items():
+        env = view.env(env_id)
+        if env is None or (target := desired_replicas(env)) == count:
+            continue
+        message = f"{env.name}: replicas set from {count} to {target} by the operator"
+        changes.append(
+            scale_event(
+                env, revision, count, target, kind=EVENT_SCALED, actor=OPERATOR, message=message, now=time.time()
+            )
+        )
+    await EventPublisher(conn).publish(*changes)

@@ -19,7 +19,7 @@ from zattera.v1 import types_pb2 as pb
 from cli import render
 from cli.apply import env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
-from cli.events_cmds import events, publish_node_change
+from cli.events_cmds import announce_scale_changes, events, publish_node_change, replica_counts
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
@@ -271,12 +271,14 @@ def apps_apply(path: Path = typer.Argument(Path("zattera.toml")), json: bool = J
     async def go() -> None:
         async with control() as c:
             for _ in range(5):
+                counts = replica_counts(c.view)
                 try:
                     txn, result = plan(c.view, c.writer, spec)
                 except ValueError as exc:
                     raise _fail(str(exc)) from None
                 try:
                     await c.writer.commit(txn)
+                    await announce_scale_changes(c.conn, counts, c.view)
                     break
                 except Conflict:
                     await asyncio.sleep(0.05)

@@ -109,6 +109,30 @@ def node_change_event(
     )
 
 
+EVENT_SCALED = "scale.changed"
+EVENT_COOLED = "scaletozero.cooled"
+EVENT_WOKEN = "scaletozero.woken"
+
+
+def scale_event(
+    env: pb.Environment, revision: int, current: int, target: int, *, kind: str, actor: str, message: str, now: float
+) -> pb.Event:
+    """The event of a committed replica-count change of ``env`` (decided at ``revision``): who decided and
+    from → to. Going to 0 is a cool and leaving 0 a wake, whoever decided; ``kind`` names any other change."""
+    if target == 0:
+        kind = EVENT_COOLED
+    elif current == 0:
+        kind = EVENT_WOKEN
+    return event_for_env(
+        env,
+        kind,
+        message,
+        at=now,
+        fields={"actor": actor, "from": str(current), "to": str(target)},
+        transition=transition_id(K.env(env.meta.id), revision, kind),
+    )
+
+
 def event_for_env(env: pb.Environment, kind: str, message: str, **kw: object) -> pb.Event:
     return make_event(kind, message, project_id=env.project_id, app_id=env.app_id, environment_id=env.meta.id, **kw)  # type: ignore[arg-type]
 

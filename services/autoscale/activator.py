@@ -30,10 +30,10 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import EVENT_WOKEN, ReplicaWrite, catch_up, effective_txn, scale_event, wake_target
+from services.autoscale.common import ReplicaWrite, catch_up, effective_txn, scale_event, wake_target
 from shared import keys as K
 from shared.clock import Clock
-from shared.events import EventPublisher
+from shared.events import EVENT_WOKEN, EventPublisher
 from shared.natsio import ACTIVATE_SUBJECT, Connection
 from shared.telemetry import span
 from shared.txn import CommitUnknown, Conflict, TxnError, Writer

@@ -22,7 +22,7 @@ from typing import Any
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.events import event_for_env, transition_id
+from shared.events import scale_event as shared_scale_event
 from shared.lease import Leadership
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.loop import LeaderLoop
@@ -55,24 +55,10 @@ class ReplicaWrite:
         return self.env.meta.id
 
 
-EVENT_COOLED = "scaletozero.cooled"
-EVENT_WOKEN = "scaletozero.woken"
-
-
 def scale_event(write: ReplicaWrite, kind: str, actor: str, message: str, now: float) -> pb.Event:
-    """The event of a landed ``effective_replicas`` write: who decided, from → to. Going to 0 is a cool
-    and leaving 0 a wake, whichever loop decided; ``kind`` names every other change."""
-    if write.target == 0:
-        kind = EVENT_COOLED
-    elif write.current == 0:
-        kind = EVENT_WOKEN
-    return event_for_env(
-        write.env,
-        kind,
-        message,
-        at=now,
-        fields={"actor": actor, "from": str(write.current), "to": str(write.target)},
-        transition=transition_id(K.env(write.env_id), write.revision, kind),
+    """The event of a landed ``effective_replicas`` write (see :func:`shared.events.scale_event`)."""
+    return shared_scale_event(
+        write.env, write.revision, write.current, write.target, kind=kind, actor=actor, message=message, now=now
     )
 
 

@@ -27,8 +27,9 @@ from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import EVENT_COOLED, ReplicaWrite, ScalingLoop, scale_event
+from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event
 from shared.deployments import owns_scaling
+from shared.events import EVENT_COOLED
 from shared.live import LiveView
 from shared.view import StateView
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -119,3 +120,36 @@ def test_operator_node_edits_are_announced(cli: Invoke, nats_url: str) -> None:
         ("node.uncordoned", "operator", "ALIVE", "ALIVE"),
         ("node.draining", "operator", "ALIVE", "DRAINING"),
     ]
+
+
+APP_SPEC = """
+project = "shop"
+app = "web"
+
+[run]
+command = "python app.py"
+
+[env.production]
+replicas = {{ min = {replicas}, max = 8 }}
+"""
+
+
+def test_an_operator_replica_change_is_announced(cli: Invoke, nats_url: str, tmp_path: Path) -> None:
+    toml = tmp_path / "zattera.toml"
+    toml.write_text(APP_SPEC.format(replicas=2))
+    env_id = json.loads(cli("apps", "apply", str(toml), "--json").stdout)["env_ids"]["production"]
+
+    async def go_live(conn: Connection, writer: Writer) -> None:
+        env = writer.view.env(env_id)
+        assert env is not None
+        live = pb.Environment()
+        live.CopyFrom(env)
+        live.active_release_id = "r1"
+        await writer.commit(writer.txn().put(live))
+
+    in_state(nats_url, go_live)
+    toml.write_text(APP_SPEC.format(replicas=3))
+    assert cli("apps", "apply", str(toml)).exit_code == 0
+    [scaled] = [json.loads(line) for line in cli("events", "--json").stdout.splitlines()]
+    assert scaled["kind"] == "scale.changed" and scaled["environment_id"] == env_id
+    assert (scaled["fields"]["actor"], scaled["fields"]["from"], scaled["fields"]["to"]) == ("operator", "2", "3")
