@@ -22,7 +22,7 @@ from cli.client import OPTIONS, Control, control, err, run
 from cli.events_cmds import announce_scale_changes, events, publish_node_change, replica_counts
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
-from cli.up import Cluster, run_up
+from cli.up import DEFAULT_METRICS_PORT, Cluster, run_up
 from shared import keys as K
 from shared.deploy import Deployer, DeployError
 from shared.deployments import is_terminal
@@ -119,6 +119,9 @@ def up(
     ),
     proxy_port: int = typer.Option(8080, help="HTTP port of the local ingress proxy"),
     node: bool = typer.Option(True, "--node/--no-node", help="also run a local agent and the proxy"),
+    metrics_port: int = typer.Option(
+        DEFAULT_METRICS_PORT, min=0, max=65535, help="Prometheus metrics from this port up, one per process; 0 = off"
+    ),
 ) -> None:
     """Start the whole single-machine cluster: embedded NATS and every service, until Ctrl-C."""
     directory = (data_dir or settings().data_dir).resolve()
@@ -126,7 +129,14 @@ def up(
         raise typer.BadParameter("--secure/--tls run one NATS server; drop --nats-cluster", param_hint="--nats-cluster")
     if secure or tls:
         raise typer.Exit(secure_up(directory, port, tls=tls, proxy_port=proxy_port, with_node=node))
-    cluster = Cluster(data_dir=directory, port=port, nats_cluster=nats_cluster, proxy_port=proxy_port, with_node=node)
+    cluster = Cluster(
+        data_dir=directory,
+        port=port,
+        nats_cluster=nats_cluster,
+        proxy_port=proxy_port,
+        with_node=node,
+        metrics_port=metrics_port,
+    )
     raise typer.Exit(run_up(cluster))
 
 

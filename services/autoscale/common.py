@@ -161,7 +161,7 @@ class ScalingLoop(LeaderLoop):
 
     async def pass_envs(self, env_ids: set[str]) -> None:
         self.passes += 1
-        with span(f"{self.name}.pass", loop=self.name, passes=self.passes, envs=len(env_ids)):
+        with span(f"{self.name}.pass", loop=self.name, passes=self.passes, envs=len(env_ids)), self.timed_pass():
             try:
                 await self.reconcile(env_ids)
             except (Deposed, asyncio.CancelledError):
