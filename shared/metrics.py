@@ -16,11 +16,15 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +111,17 @@ def serve_metrics(service_name: str, port: int, host: str = "127.0.0.1") -> int 
     _serving = port
     log.info("%s: metrics on http://%s:%d/metrics", service_name, host, port)
     return port
+
+
+def use_in_memory_reader() -> InMemoryMetricReader:
+    """For tests: a provider whose metrics are read in process (no endpoint); once per process."""
+    global _serving
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    _serving = 0
+    return reader
 
 
 def metrics_port(argument: int | None, setting: int) -> int:
