@@ -47,7 +47,7 @@ from services.proxy.routing import RouteEntry, RouteTable, request_host
 from services.proxy.settings import ROUTES_CACHE_FILE, ProxySettings
 from services.proxy.stats import ProxyStats
 from shared.live import publish_proxy_heartbeat
-from shared.metrics import NO_ENV, proxy_request_duration, status_class
+from shared.metrics import RequestSeries
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.service import connect_with_retry
@@ -126,6 +126,7 @@ class Proxy:
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
+        self._requests = RequestSeries()
         self.nats_url = nats_url
         self.proxy_id = cfg.proxy_id or socket.gethostname()
         self.routes = RouteClient(cache_dir / ROUTES_CACHE_FILE, node_id=cfg.node_id)
@@ -283,8 +284,7 @@ class Proxy:
             status = response.status
             return response
         finally:
-            labels = {"env": request.get(ENV_KEY) or NO_ENV, "status_class": status_class(status)}
-            proxy_request_duration.record(time.perf_counter() - started, labels)
+            self._requests.observe(request.get(ENV_KEY, ""), status, time.perf_counter() - started)
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         host = request_host(request.headers.get(hdrs.HOST, ""))
