@@ -128,7 +128,9 @@ def up(
     if (secure or tls) and nats_cluster > 1:
         raise typer.BadParameter("--secure/--tls run one NATS server; drop --nats-cluster", param_hint="--nats-cluster")
     if secure or tls:
-        raise typer.Exit(secure_up(directory, port, tls=tls, proxy_port=proxy_port, with_node=node))
+        raise typer.Exit(
+            secure_up(directory, port, tls=tls, proxy_port=proxy_port, with_node=node, metrics_port=metrics_port)
+        )
     cluster = Cluster(
         data_dir=directory,
         port=port,

@@ -33,7 +33,9 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
-def secure_up(data_dir: Path, port: int, *, tls: bool, proxy_port: int = 8080, with_node: bool = True) -> int:
+def secure_up(
+    data_dir: Path, port: int, *, tls: bool, proxy_port: int = 8080, with_node: bool = True, metrics_port: int = 0
+) -> int:
     """``zattera up`` with operator-mode auth (and TLS): every service runs with the control credential, the
     local agent with a builder credential and the local proxy with a proxy credential of its own."""
     setup = prepare(data_dir / "security", tls=tls)
@@ -49,6 +51,7 @@ def secure_up(data_dir: Path, port: int, *, tls: bool, proxy_port: int = 8080, w
         node_creds=setup.local_node_creds(LOCAL_NODE),
         proxy_port=proxy_port,
         with_node=with_node,
+        metrics_port=metrics_port,
     )
     hint = f"  CLI:       export ZATTERA_NATS_CREDS={setup.operator_creds}"
     if ca:
