@@ -77,3 +77,18 @@ async def test_an_idle_env_cools_and_a_request_wakes_it(h: Harness) -> None:
     # Already warm: no write, no event.
     await activator.activate("env1")
     assert await stored_kinds(h.conn) == ["scaletozero.cooled", "scaletozero.woken"]
+
+
+async def test_serverless_demand_on_a_cold_env_is_a_wake(h: Harness) -> None:
+    env = scaled_env(max_concurrency=10, min_replicas=0, max_replicas=5, scale_to_zero=True, effective=0)
+    await h.seed(*base_objects(env))
+    loop = await h.loop(Serverless)
+    await h.beat(node_beat(h.clock.now(), proxy={"env1": traffic(held=4)}))
+    await loop.pass_once()
+    [woken] = await stored_events(h.conn)
+    assert (woken.kind, woken.fields["actor"], woken.fields["from"], woken.fields["to"]) == (
+        "scaletozero.woken",
+        "system:serverless",
+        "0",
+        "1",
+    )
