@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -153,3 +155,27 @@ def test_an_operator_replica_change_is_announced(cli: Invoke, nats_url: str, tmp
     [scaled] = [json.loads(line) for line in cli("events", "--json").stdout.splitlines()]
     assert scaled["kind"] == "scale.changed" and scaled["environment_id"] == env_id
     assert (scaled["fields"]["actor"], scaled["fields"]["from"], scaled["fields"]["to"]) == ("operator", "2", "3")
+
+
+def test_follow_streams_new_events_as_they_come(nats_url: str) -> None:
+    seed(nats_url)
+    argv = [sys.executable, "-c", "from cli.main import main; main()", "--nats", nats_url]
+    follower = subprocess.Popen(
+        [*argv, "events", "--follow", "--last", "1", "--kind", "deploy", "--json"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert follower.stdout is not None
+        assert json.loads(follower.stdout.readline())["kind"] == "deploy.failed"  # the backlog: the last one
+
+        async def publish(conn: Connection, writer: Writer) -> None:
+            await EventPublisher(conn).publish(make_event("node.up", "not a deploy", node_id="n1"))
+            await EventPublisher(conn).publish(make_event("deploy.succeeded", "later", environment_id="e1"))
+
+        in_state(nats_url, publish)
+        assert json.loads(follower.stdout.readline())["kind"] == "deploy.succeeded"
+    finally:
+        follower.terminate()
+        follower.wait(10)
