@@ -332,7 +332,10 @@ def outcome_events(d: pb.Deployment, after: pb.Deployment, now: float) -> list[p
     if rollback and d.phase == pb.DEPLOYMENT_PHASE_PROMOTING and after.phase == pb.DEPLOYMENT_PHASE_SUCCEEDED:
         switched = copy_of(after)
         switched.phase = pb.DEPLOYMENT_PHASE_DRAINING_OLD
-        return [*outcome_events(d, switched, now), *outcome_events(switched, after, now)]
+        both = [*outcome_events(d, switched, now), *outcome_events(switched, after, now)]
+        for event in both:
+            event.fields.update(from_phase=phase_label(d.phase), to_phase=phase_label(after.phase))
+        return both
     if after.phase == pb.DEPLOYMENT_PHASE_FAILED and after.error == CANCELED_BY_OPERATOR:
         kind, message, severity = "deploy.canceled", CANCELED_BY_OPERATOR, WARNING
     elif after.phase == pb.DEPLOYMENT_PHASE_FAILED:
