@@ -9,6 +9,7 @@ carries it as ``Nats-Msg-Id``, so the stream stores a transition once even when 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 
@@ -142,21 +143,25 @@ class EventPublisher:
         self._conn = conn
 
     async def publish(self, *events: pb.Event) -> None:
-        """Publish after the commit; failures are logged. An event with a transition id is retried once
-        after a timeout (the stream drops the copy if the first attempt landed after all)."""
-        for event in events:
-            subject = EVENTS_SUBJECT_PREFIX + event.kind
-            headers = inject()
-            if event.transition:
-                headers[MSG_ID_HEADER] = event.transition
-            attempts = 2 if event.transition else 1
-            for attempt in range(1, attempts + 1):
-                try:
-                    await self._conn.js.publish(
-                        subject, event.SerializeToString(deterministic=True), headers=headers, timeout=PUBLISH_TIMEOUT
-                    )
-                    break
-                except (NatsError, TimeoutError) as exc:
-                    if attempt == attempts or not isinstance(exc, TimeoutError):
-                        log.warning("event %s not published: %s", event.kind, exc)
-                        break
+        """Publish after the commit; failures are logged, never raised. The events go out together (sent
+        in order on the connection, acknowledged concurrently), so a pass that announces many changes
+        waits for one round trip — at most two timeouts when JetStream does not answer — not one each."""
+        await asyncio.gather(*(self._publish_one(event) for event in events))
+
+    async def _publish_one(self, event: pb.Event) -> None:
+        """One event; with a transition id it is retried once after a timeout (the stream drops the copy
+        if the first attempt landed after all)."""
+        subject = EVENTS_SUBJECT_PREFIX + event.kind
+        headers = inject()
+        if event.transition:
+            headers[MSG_ID_HEADER] = event.transition
+        data = event.SerializeToString(deterministic=True)
+        attempts = 2 if event.transition else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                await self._conn.js.publish(subject, data, headers=headers, timeout=PUBLISH_TIMEOUT)
+                return
+            except (NatsError, TimeoutError) as exc:
+                if attempt == attempts or not isinstance(exc, TimeoutError):
+                    log.warning("event %s not published: %s", event.kind, exc)
+                    return

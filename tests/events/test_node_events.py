@@ -1,5 +1,6 @@
 """Node events on real NATS with a fake clock: liveness (DOWN and back, by the liveness loop), a drain
-(DRAINING by the operator, DRAINED by the scheduler once empty), each with who decided and from → to."""
+(DRAINING by the operator, DRAINED by the scheduler once empty), each with who decided and from → to;
+and the events of one publish call stored in their order."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from services.scheduler.liveness import Liveness
 from services.scheduler.loop import Scheduler
 from shared import keys as K
 from shared.clock import FakeClock
+from shared.events import EventPublisher, make_event
 from shared.live import LiveView, publish_node_heartbeat
 from shared.natsio import Connection
 from shared.txn import Writer
@@ -56,3 +58,9 @@ async def test_a_drained_node_is_announced_by_the_scheduler(conn: Connection, vi
     drained = view.node("n1")
     assert drained is not None and drained.status == pb.NODE_STATUS_DRAINED
     assert summary(await stored_events(conn)) == [("node.drained", "n1", "system:drain", "DRAINING", "DRAINED")]
+
+
+async def test_events_of_one_call_are_stored_in_order(conn: Connection) -> None:
+    batch = [make_event(f"test.e{i}", str(i), transition=f"t@{i}:e") for i in range(50)]
+    await EventPublisher(conn).publish(*batch)
+    assert [e.message for e in await stored_events(conn)] == [str(i) for i in range(50)]
