@@ -37,6 +37,7 @@ class HeartbeatPublisher:
         clock: Clock,
         *,
         interval: float = 5.0,
+        env_of: Callable[[str], str] = lambda assignment_id: "",
     ) -> None:
         self._conn = conn
         self.node_id = node_id
@@ -44,6 +45,7 @@ class HeartbeatPublisher:
         self._instances = instances
         self._clock = clock
         self.interval = interval
+        self._env_of = env_of
         # psutil keeps the previous CPU reading in the Process object: reuse one per (pid, create time).
         self._procs: dict[tuple[int, float], psutil.Process] = {}
         self.last: cpb.Heartbeat | None = None
@@ -63,10 +65,14 @@ class HeartbeatPublisher:
             )
 
     def _instance_figures(self, figure: Callable[[cpb.InstanceSample], float]) -> list[tuple[float, dict[str, str]]]:
-        """The last heartbeat's figure per instance, labelled by assignment id (bounded: this node's)."""
+        """The last heartbeat's figure per instance, labelled by assignment id and env id (bounded: the
+        instances of this node)."""
         if self.last is None:
             return []
-        return [(figure(s), {"instance": aid, "node": self.node_id}) for aid, s in self.last.instances.items()]
+        return [
+            (figure(s), {"instance": aid, "env": self._env_of(aid), "node": self.node_id})
+            for aid, s in self.last.instances.items()
+        ]
 
     async def run(self) -> None:
         while True:

@@ -112,7 +112,7 @@ async def test_a_deploy_moves_decisions_proxy_requests_and_instance_figures(
 
         async def sampled(instance: str = instance, node: str = node) -> bool:
             agent = await scrape(cluster, f"agent-{node}")
-            memory = value(agent, "zattera_agent_instance_memory_bytes", instance=instance)
+            memory = value(agent, "zattera_agent_instance_memory_bytes", instance=instance, env=env_id)
             cpu = [v for (n, labels), v in agent.items() if n == "zattera_agent_instance_cpu_percent"]
             return memory > 0 and bool(cpu)
 
