@@ -21,6 +21,7 @@ from cli import render
 from cli.apply import env_label, env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
 from cli.config_cmds import config_app
+from cli.events_cmds import announce_scale_changes, events, publish_node_change, replica_counts
 from cli.env_cmds import apps_delete, envs_app, projects_app, scale, status
 from cli.logs_cmds import logs
 from cli.plan_view import print_plan
@@ -28,7 +29,7 @@ from cli.render import Col
 from cli.secrets_cmds import secrets_app
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
-from cli.up import Cluster, run_up
+from cli.up import DEFAULT_METRICS_PORT, Cluster, run_up
 from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.settings import split_listen
 from shared import keys as K
@@ -115,6 +116,7 @@ app.add_typer(security_app, name="security")
 app.add_typer(config_app, name="config")
 app.add_typer(secrets_app, name="secrets")
 app.command("logs")(logs)
+app.command()(events)
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 WIDE = typer.Option(False, "--wide", help="every column, ids included")
@@ -180,6 +182,9 @@ def up(
         help="HOST:PORT of the local ingress proxy (default 0.0.0.0:<proxy-port>: every interface)",
     ),
     node: bool = typer.Option(True, "--node/--no-node", help="also run a local agent and the proxy"),
+    metrics_port: int = typer.Option(
+        DEFAULT_METRICS_PORT, min=0, max=65535, help="Prometheus metrics from this port up, one per process; 0 = off"
+    ),
 ) -> None:
     """Start the whole single-machine cluster: embedded NATS and every service, until Ctrl-C."""
     directory = (data_dir or settings().data_dir).resolve()
@@ -193,7 +198,15 @@ def up(
         raise typer.BadParameter("--secure/--tls run one NATS server; drop --nats-cluster", param_hint="--nats-cluster")
     if secure or tls:
         raise typer.Exit(
-            secure_up(directory, port, tls=tls, proxy_port=proxy_port, proxy_host=proxy_host, with_node=node)
+            secure_up(
+                directory,
+                port,
+                tls=tls,
+                proxy_port=proxy_port,
+                proxy_host=proxy_host,
+                with_node=node,
+                metrics_port=metrics_port,
+            )
         )
     cluster = Cluster(
         data_dir=directory,
@@ -202,6 +215,7 @@ def up(
         proxy_port=proxy_port,
         proxy_host=proxy_host,
         with_node=node,
+        metrics_port=metrics_port,
     )
     raise typer.Exit(run_up(cluster))
 
@@ -263,11 +277,13 @@ async def _commit_edit(c: Control, what: str, edit: Callable[[], Message | None]
 def _edit_node(node_id: str, change: str, labels: dict[str, str] | None = None) -> None:
     async def go() -> None:
         async with control() as c:
+            decided_on: list[tuple[pb.Node, int]] = []
 
             def edit() -> pb.Node | None:
                 node = c.view.node(node_id)
                 if node is None:
                     raise _fail(f"node {node_id!r} not found")
+                decided_on[:] = [(node, c.view.rev(K.node(node_id)))]
                 edited = pb.Node()
                 edited.CopyFrom(node)
                 if change == "cordon":
@@ -294,7 +310,9 @@ def _edit_node(node_id: str, change: str, labels: dict[str, str] | None = None) 
                             edited.labels.pop(key, None)
                 return edited
 
-            if await _commit_edit(c, f"node {node_id}", edit) is not None:
+            edited = await _commit_edit(c, f"node {node_id}", edit)
+            if isinstance(edited, pb.Node):
+                await publish_node_change(c.conn, *decided_on[0], edited)
                 err.print(f"node {node_id}: {change} done")
 
     run(go)
@@ -351,6 +369,7 @@ def apps_apply(
     async def go() -> None:
         async with control() as c:
             for _ in range(5):
+                counts = replica_counts(c.view)
                 try:
                     txn, result = plan(c.view, c.writer, spec)
                 except ValueError as exc:
@@ -359,6 +378,7 @@ def apps_apply(
                     break
                 try:
                     await c.writer.commit(txn)
+                    await announce_scale_changes(c.conn, counts, c.view)
                     break
                 except Conflict:
                     await asyncio.sleep(0.05)
@@ -662,46 +682,6 @@ def routes(json: bool = JSON, wide: bool = WIDE) -> None:
 async def _project_names() -> dict[str, str]:
     async with control() as c:
         return {p.meta.id: p.name for p in c.view.all(K.PROJECT) if isinstance(p, pb.Project)}
-
-
-@app.command()
-def events(
-    follow: bool = typer.Option(False, "--follow", "-f"),
-    kind: str = typer.Option("", "--kind", help="e.g. deploy.failed or schedule.*"),
-    last: int = typer.Option(50, "--last", help="how many past events to show"),
-    json: bool = JSON,
-) -> None:
-    """Platform events (newest last); --follow keeps streaming."""
-    _json(json)
-
-    async def go() -> None:
-        async with control(view=False) as c:
-            subject = EVENTS_SUBJECT_PREFIX + (kind or ">")
-            info = await c.conn.js.stream_info(EVENTS_STREAM)
-            start = max(1, info.state.last_seq - last + 1)
-            sub = await c.conn.js.subscribe(
-                subject,
-                stream=EVENTS_STREAM,
-                ordered_consumer=True,
-                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start),
-            )
-            end = info.state.last_seq
-            while follow or end:
-                try:
-                    msg = await sub.next_msg(timeout=None if follow else 1.0)
-                except TimeoutError:
-                    break
-                event = pb.Event.FromString(msg.data)
-                if render.json_mode():
-                    render.emit_json(render.as_dict(event))
-                else:
-                    color = {"warning": "yellow", "error": "red"}.get(event.severity, "white")
-                    render.out.print(f"{render.ts(event.meta.created_at)} [{color}]{event.kind:<26}[/] {event.message}")
-                if not follow and msg.metadata.sequence.stream >= end:
-                    break
-            await sub.unsubscribe()
-
-    run(go)
 
 
 # ---------------------------------------------------------------------------------------------- builds

@@ -42,6 +42,7 @@ def secure_up(
     proxy_port: int = 8080,
     proxy_host: str = DEFAULT_PROXY_HOST,
     with_node: bool = True,
+    metrics_port: int = 0,
 ) -> int:
     """``zattera up`` with operator-mode auth (and TLS): every service runs with the control credential, the
     local agent with a builder credential and the local proxy with a proxy credential of its own."""
@@ -59,6 +60,7 @@ def secure_up(
         proxy_port=proxy_port,
         proxy_host=proxy_host,
         with_node=with_node,
+        metrics_port=metrics_port,
     )
     hint = f"  CLI:       export ZATTERA_NATS_CREDS={setup.operator_creds}"
     if ca:

@@ -26,6 +26,8 @@ from shared.natsio import connect, provision
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets")
 LOCAL_NODE = "local"
+DEFAULT_METRICS_PORT = 9400
+"""``zattera up``'s first metrics port: scheduler 9400, orchestrator 9401, … in start order."""
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -99,6 +101,20 @@ class Cluster:
     tls_ca: str = ""
     # The local node's own credentials ("agent", "proxy" → creds file): never the services' control one.
     node_creds: dict[str, str] = field(default_factory=dict)
+    # ``--metrics-port BASE``: each process serves Prometheus metrics on the next port from BASE (a busy one
+    # is replaced by a free one); 0 = off. ``metrics_ports`` maps each process name to its port.
+    metrics_port: int = 0
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+
+    def metrics_args(self, name: str) -> list[str]:
+        """``--metrics-port N`` for process ``name`` (nothing when metrics are off)."""
+        if not self.metrics_port:
+            return []
+        if name not in self.metrics_ports:
+            wanted = self.metrics_port + len(self.metrics_ports)
+            taken = set(self.metrics_ports.values())
+            self.metrics_ports[name] = wanted if wanted not in taken and _port_free(wanted) else free_port()
+        return ["--metrics-port", str(self.metrics_ports[name])]
 
     @property
     def url(self) -> str:
@@ -143,7 +159,7 @@ class Cluster:
         for name in self.services:
             child = Supervised(
                 name,
-                [sys.executable, "-m", f"services.{name}", "--nats", self.url],
+                [sys.executable, "-m", f"services.{name}", "--nats", self.url, *self.metrics_args(name)],
                 self.data_dir / "logs" / f"{name}.log",
                 env,
             )
@@ -179,6 +195,7 @@ class Cluster:
                     # Ctrl-C leaves no process behind: the app instances stop with the agent, and the next
                     # `zattera up` starts them again from the same desired state.
                     "--stop-on-exit",
+                    *self.metrics_args("agent"),
                 ],
                 self.data_dir / "logs" / "agent.log",
                 self._node_env(env, "agent"),
@@ -206,6 +223,7 @@ class Cluster:
                     LOCAL_NODE,
                     "--cache-dir",
                     str(self.data_dir / "proxy"),
+                    *self.metrics_args("proxy"),
                 ],
                 self.data_dir / "logs" / "proxy.log",
                 self._node_env(env, "proxy"),
@@ -313,7 +331,10 @@ def run_up(cluster: Cluster, *, hint: str = "") -> int:
             + (f"  (cluster, replicas={cluster.replicas})" if cluster.cluster_servers else "")
         )
         for child in cluster.children:
-            console.print(f"  {child.name:<10} pid {child.proc.pid if child.proc else '-'}  log {child.log_path}")
+            metrics = cluster.metrics_ports.get(child.name)
+            where = f"  metrics http://127.0.0.1:{metrics}/metrics" if metrics else ""
+            pid = child.proc.pid if child.proc else "-"
+            console.print(f"  {child.name:<10} pid {pid}  log {child.log_path}{where}")
         if any(c.name == "proxy" for c in cluster.children):
             console.print(f"  proxy:     listening on {proxy_listen_text(cluster.proxy_host, cluster.proxy_port)}")
             console.print(f"             http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")

@@ -1,16 +1,22 @@
 """Platform events: ``zattera.v1.Event`` published on ``zattera.events.<kind>`` (stream ZATTERA_EVENTS).
 
-Events are a log for operators, not state: publishing one never blocks or fails a transition.
+Events are a log for operators, not state: they are published only after the transition they announce
+has been committed, and a failed publish is logged, never raised. An event that names its transition
+(``Event.transition``, e.g. ``env.E@42:scaled``: the key, the revision the decision read, what changed)
+carries it as ``Nats-Msg-Id``, so the stream stores a transition once even when it is published again
+(a retried publish whose first ack was lost); the catalogue of kinds is in docs/observability.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 
 from nats.errors import Error as NatsError
 from zattera.v1 import types_pb2 as pb
 
+from shared import keys as K
 from shared.clock import Clock, RealClock
 from shared.ids import new_id
 from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection
@@ -22,20 +28,26 @@ INFO = "info"
 WARNING = "warning"
 ERROR = "error"
 
+MSG_ID_HEADER = "Nats-Msg-Id"
+PUBLISH_TIMEOUT = 2.0
+
 
 def make_event(
     kind: str,
     message: str,
     *,
     clock: Clock | None = None,
+    at: float | None = None,
     severity: str = INFO,
     project_id: str = "",
     app_id: str = "",
     environment_id: str = "",
     node_id: str = "",
     fields: Mapping[str, str] | None = None,
+    transition: str = "",
 ) -> pb.Event:
     event = pb.Event(
+        transition=transition,
         kind=kind,
         severity=severity,
         message=message,
@@ -45,10 +57,81 @@ def make_event(
         node_id=node_id,
     )
     event.meta.id = new_id()
-    event.meta.created_at.FromNanoseconds(int((clock or RealClock()).now() * 1e9))
+    when = at if at is not None else (clock or RealClock()).now()
+    event.meta.created_at.FromNanoseconds(int(when * 1e9))
     if fields:
         event.fields.update(fields)
     return event
+
+
+def transition_id(key: str, revision: int, what: str) -> str:
+    """The dedup id of the transition of ``key`` decided at ``revision``: ``<key>@<revision>:<what>``."""
+    return f"{key}@{revision}:{what}"
+
+
+def node_status_name(status: int) -> str:
+    return pb.NodeStatus.Name(status).removeprefix("NODE_STATUS_")  # type: ignore[arg-type]
+
+
+_NODE_STATUS_KINDS = {
+    pb.NODE_STATUS_ALIVE: ("node.up", INFO),
+    pb.NODE_STATUS_SUSPECT: ("node.suspect", WARNING),
+    pb.NODE_STATUS_DOWN: ("node.down", WARNING),
+    pb.NODE_STATUS_DRAINING: ("node.draining", INFO),
+    pb.NODE_STATUS_DRAINED: ("node.drained", INFO),
+}
+
+
+def node_change_event(
+    before: pb.Node, after: pb.Node, now: float, *, actor: str, revision: int, message: str = ""
+) -> pb.Event | None:
+    """The event for a node's status or schedulability change (None when neither changed).
+
+    A cordon or uncordon is named as such even when the status moves with it (uncordoning a DRAINED
+    node makes it ALIVE); ``revision`` is the node's revision the change was decided on."""
+    was, now_status = node_status_name(before.status), node_status_name(after.status)
+    if after.status != before.status and after.status == pb.NODE_STATUS_DRAINING:
+        kind, severity = _NODE_STATUS_KINDS[pb.NODE_STATUS_DRAINING]
+    elif after.schedulable != before.schedulable:
+        kind, severity = ("node.uncordoned" if after.schedulable else "node.cordoned"), INFO
+    elif after.status != before.status and after.status in _NODE_STATUS_KINDS:
+        kind, severity = _NODE_STATUS_KINDS[after.status]
+    else:
+        return None
+    node_id = after.meta.id
+    return make_event(
+        kind,
+        message or f"node {after.name or node_id}: {kind.removeprefix('node.')} ({was} -> {now_status})",
+        at=now,
+        severity=severity,
+        node_id=node_id,
+        fields={"actor": actor, "from": was, "to": now_status, "schedulable": str(after.schedulable).lower()},
+        transition=transition_id(K.node(node_id), revision, kind),
+    )
+
+
+EVENT_SCALED = "scale.changed"
+EVENT_COOLED = "scaletozero.cooled"
+EVENT_WOKEN = "scaletozero.woken"
+
+
+def scale_event(
+    env: pb.Environment, revision: int, current: int, target: int, *, kind: str, actor: str, message: str, now: float
+) -> pb.Event:
+    """The event of a committed replica-count change of ``env`` (decided at ``revision``): who decided and
+    from → to. Going to 0 is a cool and leaving 0 a wake, whoever decided; ``kind`` names any other change."""
+    if target == 0:
+        kind = EVENT_COOLED
+    elif current == 0:
+        kind = EVENT_WOKEN
+    return event_for_env(
+        env,
+        kind,
+        message,
+        at=now,
+        fields={"actor": actor, "from": str(current), "to": str(target)},
+        transition=transition_id(K.env(env.meta.id), revision, kind),
+    )
 
 
 def event_for_env(env: pb.Environment, kind: str, message: str, **kw: object) -> pb.Event:
@@ -60,11 +143,25 @@ class EventPublisher:
         self._conn = conn
 
     async def publish(self, *events: pb.Event) -> None:
-        for event in events:
-            subject = EVENTS_SUBJECT_PREFIX + event.kind
+        """Publish after the commit; failures are logged, never raised. The events go out together (sent
+        in order on the connection, acknowledged concurrently), so a pass that announces many changes
+        waits for one round trip — at most two timeouts when JetStream does not answer — not one each."""
+        await asyncio.gather(*(self._publish_one(event) for event in events))
+
+    async def _publish_one(self, event: pb.Event) -> None:
+        """One event; with a transition id it is retried once after a timeout (the stream drops the copy
+        if the first attempt landed after all)."""
+        subject = EVENTS_SUBJECT_PREFIX + event.kind
+        headers = inject()
+        if event.transition:
+            headers[MSG_ID_HEADER] = event.transition
+        data = event.SerializeToString(deterministic=True)
+        attempts = 2 if event.transition else 1
+        for attempt in range(1, attempts + 1):
             try:
-                await self._conn.js.publish(
-                    subject, event.SerializeToString(deterministic=True), headers=inject(), timeout=2.0
-                )
+                await self._conn.js.publish(subject, data, headers=headers, timeout=PUBLISH_TIMEOUT)
+                return
             except (NatsError, TimeoutError) as exc:
-                log.warning("event %s not published: %s", event.kind, exc)
+                if attempt == attempts or not isinstance(exc, TimeoutError):
+                    log.warning("event %s not published: %s", event.kind, exc)
+                    return

@@ -29,6 +29,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.ids import new_id
+from shared.metrics import lease_terms, leases_held
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.tasks import cancel_and_wait, raise_if_cancelling
 
@@ -250,6 +251,16 @@ async def run_while_leading(
 
 
 async def _lead(lease: Lease, fn: LeaderFn) -> None:
+    labels = {"loop": lease.loop}
+    lease_terms.add(1, labels)
+    leases_held.add(1, labels)
+    try:
+        await _lead_term(lease, fn)
+    finally:
+        leases_held.add(-1, labels)
+
+
+async def _lead_term(lease: Lease, fn: LeaderFn) -> None:
     work: asyncio.Task[None] = asyncio.create_task(fn(Leadership(lease)), name=f"leader:{lease.loop}")
     lost = asyncio.create_task(lease.wait_lost())
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from shared.clock import Clock
 from shared.events import EventPublisher
 from shared.lease import Leadership
+from shared.metrics import loop_pass_duration
 from shared.natsio import Connection
 from shared.tasks import raise_if_cancelling
 from shared.telemetry import span
@@ -121,6 +124,15 @@ class LeaderLoop(ABC):
             feed.close()
             self._feed = None
 
+    @contextmanager
+    def timed_pass(self) -> Iterator[None]:
+        """Record the pass's wall-clock duration (``zattera.loop.pass.duration``, label ``loop``)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            loop_pass_duration.record(time.perf_counter() - started, {"loop": self.name})
+
     def ignore_own_changes(self, changes: Iterable[Change]) -> None:
         """Keep this loop's own writes of ``changes`` from waking it again (e.g. lease renewals)."""
         if self._feed is not None:
@@ -142,7 +154,7 @@ class LeaderLoop(ABC):
     async def pass_once(self, changes: Iterable[Change] = ()) -> None:
         self.passes += 1
         parent = self.trigger_trace(changes) or None
-        with span(f"{self.name}.pass", headers=parent, loop=self.name, passes=self.passes):
+        with span(f"{self.name}.pass", headers=parent, loop=self.name, passes=self.passes), self.timed_pass():
             try:
                 await self.run_pass()
             except Deposed:

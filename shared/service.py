@@ -26,6 +26,7 @@ from shared.clock import Clock, RealClock
 from shared.events import EventPublisher
 from shared.lease import default_holder, run_while_leading
 from shared.loop import LeaderLoop
+from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
 from shared.natsio import Connection, connect, provision
 from shared.settings import Settings, settings
 from shared.tasks import cancel_and_wait
@@ -88,6 +89,7 @@ def parse_args(name: str, argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=f"Zattera {name} service")
     parser.add_argument("--nats", default=None, help="NATS URL(s), comma-separated (default: $ZATTERA_NATS_URL)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_metrics_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -136,6 +138,7 @@ async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> i
     configure_logging(args.log_level)
     setup_telemetry(f"zattera-{name}")
     cfg = settings()
+    serve_metrics(f"zattera-{name}", metrics_port(args.metrics_port, cfg.metrics_port), cfg.metrics_host)
     urls = args.nats or cfg.nats_url
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -58,6 +58,10 @@ class Settings(BaseSettings):
         default=3600.0, gt=0, description="a RESTORING volume without progress this long is given up by the reaper"
     )
 
+    # Metrics (docs/observability.md): each process serves Prometheus metrics on this port; 0 = off.
+    metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus /metrics port; 0 = off")
+    metrics_host: str = Field(default="127.0.0.1", description="address the metrics endpoint listens on")
+
 
 @lru_cache(maxsize=1)
 def settings() -> Settings:

@@ -36,9 +36,10 @@ from nats.js.errors import APIError
 
 from shared import keys as K
 from shared.ids import new_id
+from shared.metrics import commit_conflicts, decisions, writer_label
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.tasks import raise_if_cancelling
-from shared.telemetry import counter, inject, span
+from shared.telemetry import inject, span
 from shared.view import StateView
 
 if TYPE_CHECKING:
@@ -47,9 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WRONG_LAST_SEQUENCE = 10071
-
-_conflicts = counter("zattera.txn.conflicts", "transactions refused because a key or the lease changed")
-_commits = counter("zattera.txn.commits", "transactions committed")
 
 
 class TxnError(Exception):
@@ -165,6 +163,7 @@ class Writer:
         self._timeout = commit_timeout
         self._queue: list[_Pending] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._labels = writer_label(lease.loop if lease is not None else "")
 
     @property
     def view(self) -> StateView:
@@ -230,9 +229,11 @@ class Writer:
         try:
             await self._commit_ops([op for _, t in group for op in t.ops], label=group[0][1].label)
         except Deposed:
+            commit_conflicts.add(len(group), self._labels)
             raise
         except Conflict as exc:
             if len(group) == 1:
+                commit_conflicts.add(1, self._labels)
                 results[group[0][0]] = exc
                 return
             mid = len(group) // 2
@@ -241,6 +242,8 @@ class Writer:
         except CommitUnknown as exc:
             for i, _ in group:
                 results[i] = exc
+        else:
+            decisions.add(len(group), self._labels)
 
     async def _flush_queue(self) -> None:
         while self._queue:
@@ -290,13 +293,11 @@ class Writer:
                 ack = await self._conn.js.publish(subject, data, headers=headers, stream=STATE_STREAM)
             except APIError as exc:
                 if exc.err_code == WRONG_LAST_SEQUENCE:
-                    _conflicts.add(1)
                     raise Conflict(f"{op.key}: {exc.description}") from exc
                 raise TxnError(f"write of {op.key} refused: {exc.description}") from exc
             except (NatsTimeoutError, TimeoutError) as exc:
                 await self._catch_up()
                 raise CommitUnknown(f"no reply for the write of {op.key}") from exc
-        _commits.add(1)
         self._view.apply_local(op.key, ack.seq, op.msg, headers.get("traceparent", ""))
 
     async def _publish_batch(self, ops: list[Op], *, fence: Lease | None) -> None:
@@ -326,7 +327,6 @@ class Writer:
             if error:
                 current.set_attribute("error", str(error.get("description")))
                 if error.get("err_code") == WRONG_LAST_SEQUENCE:
-                    _conflicts.add(1)
                     if fence is not None and not await fence.still_ours():
                         fence.lost("a fenced write found the lease taken")
                         raise Deposed(f"lease {fence.loop} lost: {error.get('description')}")
@@ -336,7 +336,6 @@ class Writer:
         first = last - count + 1
         if fence is not None:
             fence.refreshed(last, sent_at)
-        _commits.add(1)
         for i, op in enumerate(ops):
             self._view.apply_local(op.key, first + i, op.msg, messages[i][2].get("traceparent", ""))
 

@@ -31,6 +31,7 @@ from services.agent.agent import Agent
 from services.agent.credentials import CredentialError, node_credentials
 from services.agent.registration import default_node_id
 from services.agent.settings import AgentSettings
+from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
 from shared.natsio import STATE_STREAM, Connection, connect, provision
 from shared.security.join import JoinRefused
 from shared.service import configure_logging
@@ -54,6 +55,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--join-token", default=None, help="join a secured cluster (once; see SECURITY.md), $ZATTERA_AGENT_JOIN_TOKEN"
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_metrics_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -123,6 +125,7 @@ async def serve(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     shared = shared_settings()
+    serve_metrics("zattera-agent", metrics_port(args.metrics_port, shared.metrics_port), shared.metrics_host)
     data_dir = agent_data_dir(args.data_dir, shared.data_dir, cfg.node_id)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -79,6 +79,11 @@ class Agent:
     def volumes_dir(self) -> Path:
         return self.data_dir / "volumes"
 
+    def env_of(self, assignment_id: str) -> str:
+        """The env id of one of this node's assignments ("" once it is gone): a metrics label."""
+        assignment = self.view.assignment(assignment_id)
+        return assignment.environment_id if assignment is not None else ""
+
     async def run(self) -> None:
         settings = self.settings
         identity = NodeIdentity.from_host(
@@ -116,6 +121,7 @@ class Agent:
                 self.runtime.running,
                 self.clock,
                 interval=settings.heartbeat_interval,
+                env_of=self.env_of,
             )
             self.volumes_dir.mkdir(parents=True, exist_ok=True)
             runtime_task = asyncio.create_task(self.runtime.run(), name="runtime")

@@ -20,6 +20,8 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from services.agent.processes import ProcessHandle
 from shared.clock import Clock
 from shared.live import publish_node_heartbeat
+from shared.metrics import enabled as metrics_enabled
+from shared.metrics import observe_gauges
 from shared.natsio import Connection
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ class HeartbeatPublisher:
         clock: Clock,
         *,
         interval: float = 5.0,
+        env_of: Callable[[str], str] = lambda assignment_id: "",
     ) -> None:
         self._conn = conn
         self.node_id = node_id
@@ -42,9 +45,34 @@ class HeartbeatPublisher:
         self._instances = instances
         self._clock = clock
         self.interval = interval
+        self._env_of = env_of
         # psutil keeps the previous CPU reading in the Process object: reuse one per (pid, create time).
         self._procs: dict[tuple[int, float], psutil.Process] = {}
+        self.last: cpb.Heartbeat | None = None
         psutil.cpu_percent(interval=None)
+        if metrics_enabled():
+            observe_gauges(
+                "zattera.agent.instance.cpu",
+                "%",
+                "CPU of each instance on this node over the last heartbeat interval (100 = one core)",
+                lambda: self._instance_figures(lambda s: s.cpu_percent),
+            )
+            observe_gauges(
+                "zattera.agent.instance.memory",
+                "By",
+                "resident memory of each instance on this node (its processes summed)",
+                lambda: self._instance_figures(lambda s: float(s.memory_bytes)),
+            )
+
+    def _instance_figures(self, figure: Callable[[cpb.InstanceSample], float]) -> list[tuple[float, dict[str, str]]]:
+        """The last heartbeat's figure per instance, labelled by assignment id and env id (bounded: the
+        instances of this node)."""
+        if self.last is None:
+            return []
+        return [
+            (figure(s), {"instance": aid, "env": self._env_of(aid), "node": self.node_id})
+            for aid, s in self.last.instances.items()
+        ]
 
     async def run(self) -> None:
         while True:
@@ -71,6 +99,7 @@ class HeartbeatPublisher:
                 hb.instances[assignment_id].CopyFrom(sample)
         for key in [k for k in self._procs if k not in seen]:
             del self._procs[key]
+        self.last = hb
         return hb
 
     def _instance_sample(self, handle: ProcessHandle, seen: set[tuple[int, float]]) -> cpb.InstanceSample | None:

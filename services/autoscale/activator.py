@@ -30,9 +30,10 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, catch_up, effective_txn, wake_target
+from services.autoscale.common import ReplicaWrite, catch_up, effective_txn, scale_event, wake_target
 from shared import keys as K
 from shared.clock import Clock
+from shared.events import EVENT_WOKEN, EventPublisher
 from shared.natsio import ACTIVATE_SUBJECT, Connection
 from shared.telemetry import span
 from shared.txn import CommitUnknown, Conflict, TxnError, Writer
@@ -85,6 +86,7 @@ class Activator:
         self.writer = writer
         self.clock = clock
         self.wakes = 0
+        self.events = EventPublisher(conn)
         self._handlers: set[asyncio.Task[None]] = set()
 
     async def activate(self, environment_id: str, node_id: str = "") -> cpb.ActivateResponse:
@@ -108,13 +110,12 @@ class Activator:
             except TxnError as exc:
                 raise ActivateError(INTERNAL, f"wake of {environment_id!r} failed: {exc}") from exc
             self.wakes += 1
-            log.info(
-                "activated env %s to %d replicas (by node %r, %s)",
-                environment_id,
-                decision.write.target,
-                node_id,
-                ACTOR,
-            )
+            message = f"woke {env.name} to {decision.write.target} replicas on a request"
+            log.info("%s (env %s, by node %r, %s)", message, environment_id, node_id, ACTOR)
+            woken = scale_event(decision.write, EVENT_WOKEN, ACTOR, message, self.clock.now())
+            if node_id:
+                woken.fields["requested_by_node"] = node_id
+            await self.events.publish(woken)
             return cpb.ActivateResponse(accepted=True)
         raise ActivateError(ABORTED, f"environment {environment_id!r} kept changing; retry")
 

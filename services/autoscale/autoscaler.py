@@ -25,11 +25,10 @@ from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop
+from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event
 from shared import keys as K
 from shared.deployments import desired_replicas as current_replicas
 from shared.deployments import owns_scaling
-from shared.events import event_for_env
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.view import RUN, StateView
 
@@ -193,10 +192,4 @@ class Autoscaler(ScalingLoop):
         self.timers.low_since.pop(write.env_id, None)
         message = f"autoscaled {write.env.name} from {write.current} to {write.target} replicas"
         log.info("%s (env %s, %s)", message, write.env_id, ACTOR)
-        return event_for_env(
-            write.env,
-            EVENT_SCALED,
-            message,
-            clock=self.clock,
-            fields={"actor": ACTOR, "from": str(write.current), "to": str(write.target)},
-        )
+        return scale_event(write, EVENT_SCALED, ACTOR, message, now)

@@ -22,6 +22,7 @@ from typing import Any
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.events import scale_event as shared_scale_event
 from shared.lease import Leadership
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.loop import LeaderLoop
@@ -52,6 +53,13 @@ class ReplicaWrite:
     @property
     def env_id(self) -> str:
         return self.env.meta.id
+
+
+def scale_event(write: ReplicaWrite, kind: str, actor: str, message: str, now: float) -> pb.Event:
+    """The event of a landed ``effective_replicas`` write (see :func:`shared.events.scale_event`)."""
+    return shared_scale_event(
+        write.env, write.revision, write.current, write.target, kind=kind, actor=actor, message=message, now=now
+    )
 
 
 def effective_txn(writer: Writer, write: ReplicaWrite, now: float) -> Txn:
@@ -153,7 +161,7 @@ class ScalingLoop(LeaderLoop):
 
     async def pass_envs(self, env_ids: set[str]) -> None:
         self.passes += 1
-        with span(f"{self.name}.pass", loop=self.name, passes=self.passes, envs=len(env_ids)):
+        with span(f"{self.name}.pass", loop=self.name, passes=self.passes, envs=len(env_ids)), self.timed_pass():
             try:
                 await self.reconcile(env_ids)
             except (Deposed, asyncio.CancelledError):

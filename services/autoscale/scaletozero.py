@@ -28,16 +28,15 @@ from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop
+from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event
 from shared.deployments import owns_scaling
-from shared.events import event_for_env
+from shared.events import EVENT_COOLED
 from shared.live import LiveView
 from shared.view import StateView
 
 log = logging.getLogger(__name__)
 
 ACTOR = "system:scaletozero"
-EVENT_COOLED = "scaletozero.cooled"
 DEFAULT_IDLE_TIMEOUT = 900.0
 """15 minutes when ``scale_to_zero`` is set without ``idle_timeout``: the default of the setting
 ``scale_to_zero_idle_timeout`` (``ZATTERA_SCALE_TO_ZERO_IDLE_TIMEOUT``). Cooling too early costs users a
@@ -123,4 +122,4 @@ class ScaleToZero(ScalingLoop):
         self.last_active.pop(write.env_id, None)
         message = f"scaled {write.env.name} to zero after idle"
         log.info("%s (env %s, %s)", message, write.env_id, ACTOR)
-        return event_for_env(write.env, EVENT_COOLED, message, clock=self.clock, fields={"actor": ACTOR})
+        return scale_event(write, EVENT_COOLED, ACTOR, message, now)

@@ -28,7 +28,7 @@ from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop, wake_target
+from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, wake_target
 from shared.deployments import desired_replicas as current_replicas
 from shared.deployments import owns_scaling
 from shared.live import LiveView
@@ -37,6 +37,7 @@ from shared.view import StateView
 log = logging.getLogger(__name__)
 
 ACTOR = "system:serverless"
+EVENT_SCALED = "serverless.scaled"
 SCALE_DOWN_WINDOW = 30.0
 """The default of ``Settings.serverless_scale_down_window`` (``ZATTERA_SERVERLESS_SCALE_DOWN_WINDOW``)."""
 
@@ -122,13 +123,8 @@ class Serverless(ScalingLoop):
             self.low[env.meta.id] = decision.low
         return decision.write
 
-    def committed(self, write: ReplicaWrite, now: float) -> None:
+    def committed(self, write: ReplicaWrite, now: float) -> pb.Event:
         self.low.pop(write.env_id, None)
-        log.info(
-            "serverless scaled %s from %d to %d replicas (env %s, %s)",
-            write.env.name,
-            write.current,
-            write.target,
-            write.env_id,
-            ACTOR,
-        )
+        message = f"serverless scaled {write.env.name} from {write.current} to {write.target} replicas"
+        log.info("%s (env %s, %s)", message, write.env_id, ACTOR)
+        return scale_event(write, EVENT_SCALED, ACTOR, message, now)

@@ -74,7 +74,7 @@ class Orchestrator(LeaderLoop):
                 _refused.add(1)
                 log.debug("deployment %s: %s not committed: %s", deployment_id, transition.label, exc)
                 return None
-        _transitions.add(1, {"transition": transition.label})
+        _transitions.add(1, {"to_phase": phase_label(transition.phase)})
         if transition.phase != d.phase:
             log.info(
                 "deployment %s: %s%s",

@@ -21,7 +21,8 @@ from zattera.v1 import types_pb2 as pb
 from services.scheduler.replicas import with_desired
 from shared import keys as K
 from shared.applogs import describe_exit
-from shared.events import ERROR, WARNING, make_event
+from shared.deploy import CANCELED_BY_OPERATOR
+from shared.events import ERROR, INFO, WARNING, make_event, transition_id
 from shared.settings import Settings
 from shared.view import StateView
 
@@ -48,6 +49,7 @@ NEW_INSTANCE_NOT_HEALTHY_IN_TIME = "the new instance did not become healthy in t
 MAINTENANCE_START = "stateful update: stopping the current instance (brief downtime)"
 MAINTENANCE_END = "stateful update: new instance healthy and promoted"
 RESTARTED_PREVIOUS = "stateful update failed; restarted the previous instance"
+OPERATOR = "operator"
 
 # Nodes whose replicas receive no traffic (the route builder skips them): a green there is lost.
 LOST_NODE_STATUSES = frozenset({pb.NODE_STATUS_DOWN, pb.NODE_STATUS_DRAINED})
@@ -326,7 +328,6 @@ def abort(view: StateView, d: pb.Deployment, reason: str, now: float) -> Transit
     """
     t = move(d, pb.DEPLOYMENT_PHASE_FAILED, now, error=reason)
     t.deletes = [K.assignment(a.node_id, a.meta.id) for a in tagged(view, d)]
-    t.events = [deploy_event(d, "deploy.failed", reason, ERROR, now)]
     return t
 
 
@@ -340,5 +341,59 @@ def stateful_fail(view: StateView, d: pb.Deployment, reason: str, now: float) ->
     restarted = [with_desired(a, RUN, now=now) for a in old_instances(view, d) if a.desired != RUN]
     t.puts = list(restarted)
     if restarted:
-        t.events.insert(0, deploy_event(d, "deploy.rolled_back", RESTARTED_PREVIOUS, WARNING, now))
+        rolled_back = deploy_event(d, "deploy.rolled_back", RESTARTED_PREVIOUS, WARNING, now)
+        rolled_back.fields["trigger"] = "automatic"
+        t.events.insert(0, rolled_back)
     return t
+
+
+def outcome_events(d: pb.Deployment, after: pb.Deployment, now: float) -> list[pb.Event]:
+    """The events a phase change announces: every outcome (succeeded, failed with its reason, canceled,
+    superseded) and the traffic switch (promoted, or rolled back for a rollback deployment; a stateful
+    one switches and succeeds in the same step)."""
+    if after.phase == d.phase:
+        return []
+    rollback = d.is_rollback
+    if rollback and d.phase == pb.DEPLOYMENT_PHASE_PROMOTING and after.phase == pb.DEPLOYMENT_PHASE_SUCCEEDED:
+        switched = copy_of(after)
+        switched.phase = pb.DEPLOYMENT_PHASE_DRAINING_OLD
+        both = [*outcome_events(d, switched, now), *outcome_events(switched, after, now)]
+        for event in both:
+            event.fields.update(from_phase=phase_label(d.phase), to_phase=phase_label(after.phase))
+        return both
+    if after.phase == pb.DEPLOYMENT_PHASE_FAILED and after.error == CANCELED_BY_OPERATOR:
+        kind, message, severity = "deploy.canceled", CANCELED_BY_OPERATOR, WARNING
+    elif after.phase == pb.DEPLOYMENT_PHASE_FAILED:
+        kind, message, severity = "deploy.failed", after.error, ERROR
+    elif after.phase == pb.DEPLOYMENT_PHASE_SUPERSEDED:
+        kind, message, severity = "deploy.superseded", SUPERSEDED, WARNING
+    elif after.phase == pb.DEPLOYMENT_PHASE_SUCCEEDED:
+        what = "rollback" if rollback else "deployment"
+        kind, message, severity = "deploy.succeeded", f"{what} of release {d.release_id} succeeded", INFO
+    elif after.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD and rollback:
+        kind, message, severity = "deploy.rolled_back", f"traffic rolled back to release {d.release_id}", WARNING
+    elif after.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD:
+        kind, message, severity = "deploy.promoted", f"traffic switched to release {d.release_id}", INFO
+    else:
+        return []
+    event = deploy_event(d, kind, message, severity, now)
+    event.fields.update(
+        {
+            "from_phase": phase_label(d.phase),
+            "to_phase": phase_label(after.phase),
+            "release_id": d.release_id,
+            "previous_release_id": d.previous_release_id,
+            "rollback": str(rollback).lower(),
+        }
+    )
+    if after.error:
+        event.fields["reason"] = after.error
+    if kind == "deploy.rolled_back":
+        event.fields["trigger"] = OPERATOR
+    return [event]
+
+
+def with_transition_ids(d: pb.Deployment, events: list[pb.Event], revision: int) -> None:
+    """Name each event after the deployment's revision the step was decided on (its Nats-Msg-Id)."""
+    for event in events:
+        event.transition = transition_id(K.deployment(d.meta.id), revision, event.kind)

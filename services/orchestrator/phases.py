@@ -48,6 +48,7 @@ from services.orchestrator.model import (
     move,
     observed_summary,
     on_live_nodes,
+    outcome_events,
     phase_entered_at,
     promoted_env,
     seconds,
@@ -56,6 +57,7 @@ from services.orchestrator.model import (
     tagged,
     timed_out,
     timeout_reason,
+    with_transition_ids,
 )
 from services.orchestrator.stateful import decide_stateful
 from services.scheduler.placement import place
@@ -79,7 +81,16 @@ STRICT_WAKE_EPSILON = 0.001
 
 
 def decide(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Transition | None:
-    """The next step of deployment ``d`` (None: nothing to do until something changes)."""
+    """The next step of deployment ``d`` (None: nothing to do until something changes), with the events
+    it announces, each named after the deployment's revision the step was decided on."""
+    t = next_step(view, d, now, timers)
+    if t is not None:
+        t.events.extend(outcome_events(d, t.deployment, now))
+        with_transition_ids(d, t.events, view.rev(K.deployment(d.meta.id)))
+    return t
+
+
+def next_step(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Transition | None:
     if is_terminal(d.phase):
         return None
     env = view.env(d.environment_id)

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
+from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
 from shared.service import configure_logging
 from shared.settings import settings
 from shared.telemetry import setup as setup_telemetry
@@ -38,6 +39,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--node-id", default=None, help="node this proxy runs on")
     parser.add_argument("--cache-dir", type=Path, default=None, help="route cache dir (default: <data_dir>/proxy)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_metrics_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -46,6 +48,8 @@ async def run(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level)
     setup_telemetry("zattera-proxy")
     shared = settings()
+    port = metrics_port(args.metrics_port, shared.metrics_port)
+    metrics_on = serve_metrics("zattera-proxy", port, shared.metrics_host) is not None
     overrides = {
         name: value
         for name, value in (
@@ -68,7 +72,7 @@ async def run(argv: Sequence[str] | None = None) -> int:
             log.error("proxy: %s: %s", where, error["msg"].removeprefix("Value error, "))
         return 2
     cache_dir = cfg.cache_dir or shared.data_dir / "proxy"
-    proxy = Proxy(cfg, nats_url=args.nats or shared.nats_url, cache_dir=cache_dir)
+    proxy = Proxy(cfg, nats_url=args.nats or shared.nats_url, cache_dir=cache_dir, metrics=metrics_on)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

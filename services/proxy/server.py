@@ -50,6 +50,7 @@ from services.proxy.routing import RouteEntry, RouteTable, request_host
 from services.proxy.settings import ROUTES_CACHE_FILE, ProxySettings
 from services.proxy.stats import ProxyStats
 from shared.live import publish_proxy_heartbeat
+from shared.metrics import RequestSeries
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.service import connect_with_retry
@@ -71,6 +72,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 RATE_LIMIT_RETRY_AFTER = "1"
+ENV_KEY = web.RequestKey("zattera.env", str)
+"""Where :meth:`Proxy._handle` leaves the matched env id on the request, for the metrics."""
 
 
 def error_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -129,8 +132,11 @@ class Proxy:
         *,
         nats_url: str,
         cache_dir: Path,
+        metrics: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.metrics = metrics
+        self._requests = RequestSeries()
         self.nats_url = nats_url
         self.proxy_id = cfg.proxy_id or socket.gethostname()
         self.routes = RouteClient(cache_dir / ROUTES_CACHE_FILE, node_id=cfg.node_id)
@@ -172,7 +178,8 @@ class Proxy:
             cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=(hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING, hdrs.CONTENT_TYPE),
         )
-        server = web.Server(self._handle, handler_cancellation=True, access_log=None)
+        handler = self._measured if self.metrics else self._handle
+        server = web.Server(handler, handler_cancellation=True, access_log=None)
         self._runner = web.ServerRunner(server, shutdown_timeout=self.cfg.shutdown_grace)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.cfg.host, self.cfg.port).start()
@@ -278,6 +285,17 @@ class Proxy:
         endpoint = self.balancer.pick(entry.route.endpoints, entry.route.max_concurrency)
         return Choice(entry, endpoint) if endpoint is not None else None
 
+    async def _measured(self, request: web.BaseRequest) -> web.StreamResponse:
+        """:meth:`_handle`, recording the request in ``zattera.proxy.request.duration`` (env id, status class)."""
+        started = time.perf_counter()
+        status = 500
+        try:
+            response = await self._handle(request)
+            status = response.status
+            return response
+        finally:
+            self._requests.observe(request.get(ENV_KEY, ""), status, time.perf_counter() - started)
+
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         host = request_host(request.headers.get(hdrs.HOST, ""))
         path = request.path
@@ -285,6 +303,7 @@ class Proxy:
         if entry is None:
             return error_response(404, "no route for host")
         route = entry.route
+        request[ENV_KEY] = route.environment_id
         client_ip = request.remote or ""
         if not entry.admits(client_ip):
             return error_response(403, "forbidden")

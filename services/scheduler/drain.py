@@ -17,9 +17,10 @@ from zattera.v1 import types_pb2 as pb
 from services.scheduler.decisions import Writes, event
 from services.scheduler.replicas import RUN, STOP, desired_replicas, stop_is_reapable, stopped
 from shared import keys as K
-from shared.events import WARNING
+from shared.events import WARNING, node_change_event
 from shared.view import StateView
 
+ACTOR = "system:drain"
 _SERVING = (pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY)
 
 
@@ -77,6 +78,8 @@ def evaluate_drains(view: StateView, now: float) -> list[Writes]:
             drained.CopyFrom(node)
             drained.status = pb.NODE_STATUS_DRAINED
             writes.updates.append(drained)
+            change = node_change_event(node, drained, now, actor=ACTOR, revision=view.rev(K.node(node.meta.id)))
+            writes.events.extend([change] if change else [])
         if writes:
             result.append(writes)
     return result

@@ -16,10 +16,10 @@ from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import Writes, commit, event
+from services.scheduler.decisions import Writes, commit
 from services.scheduler.replicas import seconds
 from shared import keys as K
-from shared.events import INFO, WARNING
+from shared.events import node_change_event
 from shared.live import LiveView
 from shared.loop import LeaderLoop
 from shared.view import StateView
@@ -27,6 +27,7 @@ from shared.view import StateView
 TICK = 5.0
 HEARTBEAT_DEADLINE = 30.0
 LEADER_GRACE = 45.0
+ACTOR = "system:liveness"
 
 
 def evaluate_liveness(
@@ -49,11 +50,9 @@ def evaluate_liveness(
         if node.status == pb.NODE_STATUS_ALIVE and grace_over and now - last > deadline:
             status = pb.NODE_STATUS_DOWN
             message = f"node {node_id} missed heartbeats for {now - last:.0f}s; marked DOWN"
-            kind, severity = "node.down", WARNING
         elif node.status == pb.NODE_STATUS_DOWN and heard is not None and now - heard <= deadline:
             status = pb.NODE_STATUS_ALIVE
             message = f"node {node_id} is heartbeating again; marked ALIVE"
-            kind, severity = "node.up", INFO
         else:
             continue
         changed = pb.Node()
@@ -61,8 +60,8 @@ def evaluate_liveness(
         changed.status = status
         if heard is not None:
             changed.last_heartbeat_at.FromNanoseconds(int(heard * 1e9))
-        ev = event(kind, message, now, severity=severity, node_id=node_id)
-        result.append(Writes(f"liveness:{node_id}", updates=[changed], events=[ev]))
+        ev = node_change_event(node, changed, now, actor=ACTOR, revision=view.rev(K.node(node_id)), message=message)
+        result.append(Writes(f"liveness:{node_id}", updates=[changed], events=[ev] if ev else []))
     return result
 
 

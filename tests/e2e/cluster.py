@@ -138,6 +138,8 @@ class E2ECluster:
     """node -> its agent's ``--mesh-ip`` (unset: none, i.e. 127.0.0.1)."""
     trace: bool = True
     proxy_port: int = 0
+    metrics: bool = False
+    """Every process serves Prometheus metrics (ports in ``up.metrics_ports``, by process name)."""
     up: _E2EUp | None = None
     killed: set[str] = field(default_factory=set)
     _supervisor: threading.Thread | None = None
@@ -170,7 +172,7 @@ class E2ECluster:
     def start(self) -> E2ECluster:
         self.root.mkdir(parents=True, exist_ok=True)
         self.proxy_port = self.proxy_port or free_port()
-        up = _E2EUp(data_dir=self.root, port=0, with_node=False)
+        up = _E2EUp(data_dir=self.root, port=0, with_node=False, metrics_port=free_port() if self.metrics else 0)
         up.overrides = self.env()
         self.up = up
         up.start_nats()
@@ -216,6 +218,8 @@ class E2ECluster:
             argv.append("--builder")
         if node in self.mesh_ips:
             argv += ["--mesh-ip", self.mesh_ips[node]]
+        assert self.up is not None
+        argv += self.up.metrics_args(f"agent-{node}")
         return Supervised(f"agent-{node}", argv, self.logs / f"agent-{node}.log", {})
 
     def _proxy(self) -> Supervised:
@@ -236,6 +240,8 @@ class E2ECluster:
             "--cache-dir",
             str(self.root / "proxy"),
         ]
+        assert self.up is not None
+        argv += self.up.metrics_args("proxy")
         return Supervised("proxy", argv, self.logs / "proxy.log", {})
 
     def child(self, name: str) -> Supervised:

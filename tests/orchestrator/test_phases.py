@@ -614,7 +614,7 @@ def test_stateful_promotion_switches_traffic_and_succeeds_in_one_transition() ->
     assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
     [env] = t.puts
     assert isinstance(env, pb.Environment) and env.active_release_id == "rel2" and env.route_generation == 1
-    assert [e.kind for e in t.events] == ["deploy.maintenance_end"]
+    assert [e.kind for e in t.events] == ["deploy.maintenance_end", "deploy.succeeded"]
 
 
 # ---------------------------------------------------------------------- wake-ups

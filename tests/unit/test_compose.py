@@ -27,9 +27,12 @@ def test_every_service_folder_has_a_container():
     assert folders <= set(services), "a service has no container in compose.yaml"
 
 
+NOT_ZATTERA = ("nats", "prometheus")
+
+
 def test_every_container_command_resolves_to_an_entry_point():
     for name, svc in compose()["services"].items():
-        if name == "nats":
+        if name in NOT_ZATTERA:
             continue
         command = svc["command"]
         assert command[:2] == ["python", "-m"], name
@@ -38,3 +41,30 @@ def test_every_container_command_resolves_to_an_entry_point():
         result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, timeout=60)
         assert result.returncode == 0, f"{name}: {result.stderr.decode()}"
         assert "--nats" in result.stdout.decode()
+        assert "--metrics-port" in result.stdout.decode(), f"{name}: no metrics port"
+
+
+def scraped_targets() -> dict[str, set[str]]:
+    """deploy/prometheus.yml: each job's targets as host:port (static or DNS discovered names)."""
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    jobs: dict[str, set[str]] = {}
+    for job in config["scrape_configs"]:
+        targets = jobs.setdefault(job["job_name"], set())
+        for static in job.get("static_configs", []):
+            targets.update(static["targets"])
+        for dns in job.get("dns_sd_configs", []):
+            targets.update(f"{name}:{dns['port']}" for name in dns["names"])
+    return jobs
+
+
+def test_prometheus_scrapes_every_process_on_its_metrics_port():
+    services = compose()["services"]
+    prometheus = services["prometheus"]
+    assert any(v.startswith("./deploy/prometheus.yml:") for v in prometheus["volumes"])
+    targets = set().union(*scraped_targets().values())
+    for name, svc in services.items():
+        if name in NOT_ZATTERA:
+            continue
+        port = svc["environment"]["ZATTERA_METRICS_PORT"]
+        assert svc["environment"]["ZATTERA_METRICS_HOST"] == "0.0.0.0", f"{name}: metrics unreachable from prometheus"
+        assert f"{name}:{port}" in targets, f"{name}: its metrics ({name}:{port}) are not scraped"

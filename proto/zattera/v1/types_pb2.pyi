@@ -525,6 +525,7 @@ class Event(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     FIELDS_FIELD_NUMBER: _builtins.int
+    TRANSITION_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     severity: _builtins.str
     """"info" | "warning" | "error" """
@@ -533,6 +534,10 @@ class Event(_message.Message):
     environment_id: _builtins.str
     node_id: _builtins.str
     message: _builtins.str
+    transition: _builtins.str
+    """The transition the event announces ("<key>@<revision read>:<what>"), sent as Nats-Msg-Id: the same
+    transition published twice (a retried publish, a replay) is stored once. Empty: no dedup.
+    """
     @_builtins.property
     def meta(self) -> Global___Meta: ...
     @_builtins.property
@@ -549,10 +554,11 @@ class Event(_message.Message):
         node_id: _builtins.str = ...,
         message: _builtins.str = ...,
         fields: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        transition: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "environment_id", b"environment_id", "fields", b"fields", "kind", b"kind", "message", b"message", "meta", b"meta", "node_id", b"node_id", "project_id", b"project_id", "severity", b"severity"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "environment_id", b"environment_id", "fields", b"fields", "kind", b"kind", "message", b"message", "meta", b"meta", "node_id", b"node_id", "project_id", b"project_id", "severity", b"severity", "transition", b"transition"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

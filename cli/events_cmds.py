@@ -1,0 +1,166 @@
+"""``zattera events [--follow] [--kind K] [--env E] [--last N] [--json]``: the platform's event log, and the
+events the CLI itself announces (an operator's node changes).
+
+Events live in the ``ZATTERA_EVENTS`` stream on ``zattera.events.<kind>``; ``--kind`` narrows the subject
+(``deploy`` = every ``deploy.*`` kind, ``deploy.failed`` exactly, NATS wildcards pass through). The env
+is not in the subject, so ``--env`` filters on the client among the newest :data:`SCAN_WINDOW` events.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+
+import typer
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from rich.markup import escape
+from zattera.v1 import types_pb2 as pb
+
+from cli import render
+from cli.apply import env_path, resolve_env
+from cli.client import OPTIONS, control, err, run
+from shared import keys as K
+from shared.deployments import desired_replicas
+from shared.events import EVENT_SCALED, EventPublisher, node_change_event, scale_event
+from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
+from shared.view import StateView
+
+OPERATOR = "operator"
+SCAN_WINDOW = 20_000
+"""How many of the newest events a filtered listing looks through for its ``--last`` matches."""
+
+_COLORS = {"warning": "yellow", "error": "red"}
+# Fields shown inline after the message, in this order (the rest only in --json).
+_INLINE_FIELDS = ("actor", "reason", "deployment_id", "release_id")
+
+
+def kind_subject(kind: str) -> str:
+    """``deploy`` → ``zattera.events.deploy.>``; ``deploy.failed`` exact; empty → every kind."""
+    kind = kind.strip()
+    if not kind:
+        return EVENTS_SUBJECT_PREFIX + ">"
+    if "." not in kind and kind not in ("*", ">"):
+        return f"{EVENTS_SUBJECT_PREFIX}{kind}.>"
+    return EVENTS_SUBJECT_PREFIX + kind
+
+
+def describe(event: pb.Event, view: StateView | None) -> str:
+    """One readable line: time, kind, scope (env path or node), message, from → to and who decided."""
+    scope = ""
+    if event.environment_id:
+        env = view.env(event.environment_id) if view is not None else None
+        scope = env_path(view, env) if view is not None and env is not None else event.environment_id
+    elif event.node_id:
+        scope = f"node {event.node_id}"
+    fields = event.fields
+    details = []
+    if "from" in fields and "to" in fields:
+        details.append(f"{fields['from']} → {fields['to']}")
+    details.extend(f"{name}={fields[name]}" for name in _INLINE_FIELDS if fields.get(name))
+    color = _COLORS.get(event.severity, "white")
+    suffix = f" [dim]({', '.join(details)})[/]" if details else ""
+    return (
+        f"{render.ts(event.meta.created_at)} [{color}]{event.kind:<22}[/] {escape(scope):<24} "
+        f"{escape(event.message)}{suffix}"
+    )
+
+
+def events(
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep streaming new events"),
+    kind: str = typer.Option("", "--kind", help="deploy, deploy.failed, node, autoscale.scaled, scaletozero …"),
+    env: str = typer.Option("", "--env", help="only this environment (id or project/app/env)"),
+    last: int = typer.Option(50, "--last", help="how many past events to show"),
+    json_out: bool = typer.Option(False, "--json", help="one JSON object per line"),
+) -> None:
+    """Platform events, newest last: deployments, rollbacks, scaling, wakes and cools, nodes."""
+    OPTIONS.json = json_out
+    if last < 0:
+        err.print("[red]error:[/] --last must be 0 or more")
+        raise typer.Exit(2)
+
+    async def go() -> None:
+        async with control(view=bool(env) or not json_out) as c:
+            env_id = ""
+            if env:
+                found = resolve_env(c.view, env)
+                if found is None:
+                    err.print(f"[red]error:[/] --env: no environment {env!r} (use an id or project/app/env)")
+                    raise typer.Exit(1)
+                env_id = found.meta.id
+            info = await c.conn.js.stream_info(EVENTS_STREAM)
+            end = info.state.last_seq
+            window = last if not (env_id or kind) else max(last, SCAN_WINDOW)
+            start = end + 1 if last == 0 else max(1, end - window + 1)
+            sub = await c.conn.js.subscribe(
+                kind_subject(kind),
+                stream=EVENTS_STREAM,
+                ordered_consumer=True,
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start),
+            )
+            view = None if json_out else c.view
+
+            def show(event: pb.Event) -> None:
+                if json_out:
+                    print(json.dumps(render.as_dict(event), sort_keys=True), flush=True)
+                else:
+                    render.out.print(describe(event, view), highlight=False, soft_wrap=True)
+
+            # The newest ``last`` matches are shown once the stored ones have all been read, then the new ones.
+            backlog: deque[pb.Event] = deque(maxlen=last)
+            caught_up = start > end
+
+            def catch_up() -> bool:
+                for event in backlog:
+                    show(event)
+                backlog.clear()
+                return True
+
+            try:
+                while not caught_up or follow:
+                    try:
+                        msg = await sub.next_msg(timeout=None if caught_up else 1.0)
+                    except TimeoutError:
+                        caught_up = catch_up()  # no more stored events of the kind
+                        continue
+                    event = pb.Event.FromString(msg.data)
+                    if env_id and event.environment_id != env_id:
+                        pass
+                    elif caught_up:
+                        show(event)
+                    else:
+                        backlog.append(event)
+                    if not caught_up and (msg.metadata.num_pending == 0 or msg.metadata.sequence.stream >= end):
+                        caught_up = catch_up()
+            finally:
+                await sub.unsubscribe()
+
+    run(go)
+
+
+async def publish_node_change(conn: Connection, before: pb.Node, revision: int, after: pb.Node) -> None:
+    """Announce an operator's committed node edit (cordon, uncordon, drain); labels announce nothing."""
+    event = node_change_event(before, after, time.time(), actor=OPERATOR, revision=revision)
+    if event is not None:
+        await EventPublisher(conn).publish(event)
+
+
+def replica_counts(view: StateView) -> dict[str, tuple[int, int]]:
+    """Each env's replica count and revision, read before an operator's edit."""
+    return {env.meta.id: (desired_replicas(env), view.rev(K.env(env.meta.id))) for env in view.envs()}
+
+
+async def announce_scale_changes(conn: Connection, before: dict[str, tuple[int, int]], view: StateView) -> None:
+    """After an operator's committed edit (``zattera apps apply``): a scale event per env whose count moved."""
+    changes = []
+    for env_id, (count, revision) in before.items():
+        env = view.env(env_id)
+        if env is None or (target := desired_replicas(env)) == count:
+            continue
+        message = f"{env.name}: replicas set from {count} to {target} by the operator"
+        changes.append(
+            scale_event(
+                env, revision, count, target, kind=EVENT_SCALED, actor=OPERATOR, message=message, now=time.time()
+            )
+        )
+    await EventPublisher(conn).publish(*changes)
