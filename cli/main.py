@@ -13,7 +13,6 @@ from typing import Any
 
 import typer
 from google.protobuf.message import Message
-from nats.js.api import ConsumerConfig, DeliverPolicy
 from typer.core import TyperCommand, TyperGroup
 from zattera.v1 import types_pb2 as pb
 
@@ -21,8 +20,8 @@ from cli import render
 from cli.apply import env_label, env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
 from cli.config_cmds import config_app
-from cli.events_cmds import announce_scale_changes, events, publish_node_change, replica_counts
 from cli.env_cmds import apps_delete, envs_app, projects_app, scale, status
+from cli.events_cmds import announce_scale_changes, events, publish_node_change, replica_counts
 from cli.logs_cmds import logs
 from cli.plan_view import print_plan
 from cli.render import Col
@@ -36,7 +35,6 @@ from shared import keys as K
 from shared.applogs import describe_exit
 from shared.deploy import Deployer, DeployError
 from shared.deployments import desired_replicas, is_terminal
-from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 from shared.settings import settings
 from shared.telemetry import setup as setup_telemetry
 from shared.telemetry import span
