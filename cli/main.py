@@ -20,6 +20,8 @@ from zattera.v1 import types_pb2 as pb
 from cli import render
 from cli.apply import env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
+from cli.cluster_cmds import cluster_app
+from cli.context_cmds import context_app
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import Cluster, run_up
@@ -62,6 +64,8 @@ app.add_typer(apps_app, name="apps")
 app.add_typer(builds_app, name="builds")
 app.add_typer(volumes_app, name="volumes")
 app.add_typer(security_app, name="security")
+app.add_typer(cluster_app, name="cluster")
+app.add_typer(context_app, name="context")
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 
