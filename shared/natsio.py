@@ -117,6 +117,7 @@ ConnectionListener = Callable[[], Awaitable[None]]
 
 JS_API_PREFIX = "$JS.API."
 RETRY_PAUSE = 0.25
+FIRST_ATTEMPT_TIMEOUT = 1.0
 
 
 class ClusterUnavailable(ConnectionError):
@@ -138,8 +139,10 @@ class PatientClient(NATS):
     """A client whose JetStream API requests ride out the loss of a server: a request that times out, finds
     no responder or gets ``503`` (a leader election), or whose server drops the connection while it waits,
     is sent again — to whichever server the client has reconnected to — until ``request_deadline``
-    seconds have passed; then :class:`ClusterUnavailable`. Publishes (writes) are never repeated: a write
-    whose reply was lost is the caller's to check (``shared.txn.CommitUnknown``)."""
+    seconds have passed; then :class:`ClusterUnavailable`. A request to a stream whose leader just died gets
+    no answer at all, so attempts wait 1 s, then 2 s, 4 s … (a slow but live answer still arrives).
+    Publishes (writes) are never repeated: a write whose reply was lost is the caller's to check
+    (``shared.txn.CommitUnknown``)."""
 
     def __init__(self, request_deadline: float) -> None:
         super().__init__()
@@ -159,6 +162,7 @@ class PatientClient(NATS):
         deadline = loop.time() + max(self.request_deadline, timeout)
         tried: list[str] = []
         last = "no attempt"
+        attempt_timeout = FIRST_ATTEMPT_TIMEOUT
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -172,8 +176,9 @@ class PatientClient(NATS):
                 tried.append(server.netloc)
             reconnects = self.stats["reconnects"]
             attempt = asyncio.ensure_future(
-                super().request(subject, payload, min(timeout, remaining), old_style, headers)
+                super().request(subject, payload, min(timeout, attempt_timeout, remaining), old_style, headers)
             )
+            attempt_timeout *= 2
             try:
                 msg = await self._unless_reconnected(attempt, reconnects)
             except (nats.errors.TimeoutError, TimeoutError):

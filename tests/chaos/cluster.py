@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +127,24 @@ class NatsCluster:
         info = await conn.js.stream_info(stream)
         assert info.cluster is not None and info.cluster.leader, f"{stream} has no leader"
         return self.index_of(info.cluster.leader)
+
+    def meta_leader(self) -> int:
+        """The server leading the JetStream meta group (``/jsz`` of any live server)."""
+        for server in self.servers:
+            if server.pid is None:
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(f"http://{server.host}:{server.http_port}/jsz", timeout=2) as resp:
+                    leader = json.loads(resp.read()).get("meta_cluster", {}).get("leader", "")
+                if leader:
+                    return self.index_of(leader)
+        raise RuntimeError("no JetStream meta leader")
+
+    def connected_to(self, conn: Connection) -> int:
+        """The server a client is connected to."""
+        url = conn.nc.connected_url
+        assert url is not None, "not connected"
+        return next(i for i, s in enumerate(self.servers) if s.port == url.port)
 
     def kill(self, index: int) -> None:
         self.servers[index].kill()
