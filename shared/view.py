@@ -66,6 +66,10 @@ _DELETE_OPS = ("DEL", "PURGE")
 INACTIVE_THRESHOLD = 300.0
 FILTERED_INACTIVE_THRESHOLD = 60.0
 """A filtered view's replaced consumers (resync, ordered reset) linger this long after losing interest."""
+CONSUMER_HEARTBEAT = 1.0
+"""Idle heartbeat of the view's ordered consumer: two missed (its server or its stream's leader lost) and
+nats-py re-creates the consumer, every two beats until the stream answers (default 5 s: a view went deaf
+for 10-20 s after a NATS server loss)."""
 
 UNKNOWN_KIND = "unknown"
 """The kind :attr:`StateView.skipped_by_kind` counts keys under that name no known kind."""
@@ -361,9 +365,9 @@ class StateView:
             pending_msgs_limit=1_000_000,
             pending_bytes_limit=1024 * 1024 * 1024,
             inactive_threshold=FILTERED_INACTIVE_THRESHOLD if self._filters else INACTIVE_THRESHOLD,
+            idle_heartbeat=CONSUMER_HEARTBEAT,
         )
-        if self._filters:
-            _rename_on_reset(sub, self._consumer_name)
+        _guard_reset(sub, self._consumer_name if self._filters else None)
         return sub
 
     def _consumer_name(self) -> str:
@@ -739,19 +743,27 @@ class StateView:
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
-def _rename_on_reset(sub: Any, new_name: Any) -> None:
-    """Give the consumer that nats-py re-creates on an ordered-consumer reset (a gap, missed heartbeats) a
-    fresh name: under the old one the server would refuse it while the old consumer still exists."""
+def _guard_reset(sub: Any, new_name: Any) -> None:
+    """Keep nats-py's ordered-consumer reset (a gap, missed heartbeats) alive through a NATS fault: an error
+    raised by it (the connection reconnecting) would end the task that watches the heartbeats, and the view
+    would never hear from the stream again; it is logged instead, and the next missed beats retry. With
+    ``new_name`` (a named consumer) the re-created consumer gets a fresh name: under the old one the server
+    would refuse it while the old consumer still exists."""
     jsi = getattr(getattr(sub, "_sub", None), "_jsi", None)
     reset = getattr(jsi, "reset_ordered_consumer", None)
     if jsi is None or reset is None or not hasattr(jsi, "_ccreq"):
         return
 
-    async def reset_renamed(sseq: int | None) -> bool:
-        jsi._ccreq.name = new_name()
-        return bool(await reset(sseq))
+    async def guarded_reset(sseq: int | None) -> bool:
+        if new_name is not None:
+            jsi._ccreq.name = new_name()
+        try:
+            return bool(await reset(sseq))
+        except Exception as exc:
+            log.warning("view consumer reset failed (retried at the next missed heartbeats): %r", exc)
+            return False
 
-    jsi.reset_ordered_consumer = reset_renamed
+    jsi.reset_ordered_consumer = guarded_reset
 
 
 def server_delivered(info: Any) -> int:
