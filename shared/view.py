@@ -367,7 +367,7 @@ class StateView:
             inactive_threshold=FILTERED_INACTIVE_THRESHOLD if self._filters else INACTIVE_THRESHOLD,
             idle_heartbeat=CONSUMER_HEARTBEAT,
         )
-        _guard_reset(sub, self._consumer_name if self._filters else None)
+        guard_ordered_consumer(sub, self._consumer_name if self._filters else None)
         return sub
 
     def _consumer_name(self) -> str:
@@ -743,7 +743,7 @@ class StateView:
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
-def _guard_reset(sub: Any, new_name: Any) -> None:
+def guard_ordered_consumer(sub: Any, new_name: Any) -> None:
     """Keep nats-py's ordered-consumer reset (a gap, missed heartbeats) alive through a NATS fault: an error
     raised by it (the connection reconnecting) would end the task that watches the heartbeats, and the view
     would never hear from the stream again; it is logged instead, and the next missed beats retry. With
