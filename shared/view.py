@@ -66,6 +66,8 @@ _DELETE_OPS = ("DEL", "PURGE")
 INACTIVE_THRESHOLD = 300.0
 FILTERED_INACTIVE_THRESHOLD = 60.0
 """A filtered view's replaced consumers (resync, ordered reset) linger this long after losing interest."""
+LOAD_STALL = 10.0
+"""A view load that receives nothing this long is started again (see :meth:`StateView._until_loaded`)."""
 CONSUMER_HEARTBEAT = 1.0
 """Idle heartbeat of the view's ordered consumer: two missed (its server or its stream's leader lost) and
 nats-py re-creates the consumer, every two beats until the stream answers (default 5 s: a view went deaf
@@ -212,6 +214,7 @@ class StateView:
         self._loading: list[asyncio.Future[None]] = []
         self._resync_task: asyncio.Task[None] | None = None
         self._resync_buffer: dict[str, tuple[int, bytes | None]] | None = None
+        self._load_progress = 0.0
         self.skipped = 0
         self.skipped_by_kind: Counter[str] = Counter()
         """Skipped values per key kind (:data:`UNKNOWN_KIND` for keys that name no kind)."""
@@ -317,7 +320,7 @@ class StateView:
             # server may have pushed everything (num_pending 0) before the callback ran for the first one.
             if info.num_pending == 0 and server_delivered(info) == 0 and not done.done():
                 done.set_result(None)
-        await asyncio.gather(*loaded)
+        await self._until_loaded(loaded)
         if generation != self._generation:
             return
         buffer, self._resync_buffer = self._resync_buffer, None
@@ -326,6 +329,19 @@ class StateView:
         self._synced.set()
         for feed in list(self._feeds):
             feed.poke()
+
+    async def _until_loaded(self, loaded: list[asyncio.Future[None]]) -> None:
+        """Wait for every consumer's initial load; a load that receives nothing for ``LOAD_STALL`` seconds
+        (its consumer lost with a NATS server mid-load) raises, and the caller resyncs from scratch — a
+        large view still loading keeps receiving, so it is never cut short."""
+        self._load_progress = time.monotonic()
+        all_loaded = asyncio.gather(*loaded)
+        while not all_loaded.done():
+            await asyncio.wait({all_loaded}, timeout=1.0)
+            if not all_loaded.done() and time.monotonic() - self._load_progress > LOAD_STALL:
+                all_loaded.cancel()
+                raise TimeoutError(f"view {self._name}: load stalled for {LOAD_STALL:.0f}s")
+        all_loaded.result()
 
     async def _subscribe(self, subject: str, generation: int, done: asyncio.Future[None]) -> Any:
         """One ordered consumer of ``subject``: last value per key, then every change."""
@@ -345,6 +361,7 @@ class StateView:
             if msg.headers and "traceparent" in msg.headers:
                 self._note_trace(key, rev, msg.headers["traceparent"])
             if self._resync_buffer is not None:
+                self._load_progress = time.monotonic()
                 held = self._resync_buffer.get(key)
                 if held is None or rev >= held[0]:
                     self._resync_buffer[key] = (rev, data)
