@@ -66,6 +66,7 @@ from shared.registry import repository
 from shared.tasks import cancel_and_wait
 from shared.telemetry import inject, span
 from shared.txn import CommitUnknown, Conflict, Deposed
+from shared.view import CONSUMER_HEARTBEAT, guard_ordered_consumer
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +386,9 @@ class BuildDispatcher(LeaderLoop):
             cb=self._on_event_msg,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
             pending_msgs_limit=1_000_000,
+            idle_heartbeat=CONSUMER_HEARTBEAT,  # a consumer lost with a NATS server is re-created within ~2 s
         )
+        guard_ordered_consumer(self._events_sub, None)
 
     async def _stop_following(self) -> None:
         if self._events_sub is not None:
