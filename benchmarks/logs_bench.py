@@ -32,7 +32,7 @@ from benchmarks.common import Row, bench_main, embedded_server, median, percenti
 from services.agent.runtime import PASSED_THROUGH_ENV
 from shared import keys as K
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream_config
-from shared.natsio import Connection, connect, ensure_stream, provision
+from shared.natsio import Connection, connect, create_or_update_stream, provision
 from shared.txn import Writer
 from shared.view import StateView
 from tests.agent.conftest import assignment, process_ref, release
@@ -107,7 +107,7 @@ class Rig:
     async def __aenter__(self) -> Rig:
         self.conn = await connect(self.url, name="logs-bench")
         await provision(self.conn.js)
-        await ensure_stream(self.conn.js, app_logs_stream_config(ENV, LogLimits(4 << 30, 3600.0), 1))
+        await create_or_update_stream(self.conn.js, app_logs_stream_config(ENV, LogLimits(4 << 30, 3600.0), 1))
         self.view = StateView(self.conn, name="logs-bench")
         await self.view.start()
         self.writer = Writer(self.conn, self.view)

@@ -1,7 +1,10 @@
 """The CLI's connection to the control plane: NATS, a state view and an unfenced writer.
 
 The CLI writes through the same fenced-write layer as the services (every write expects the revision
-it was decided on); it never holds a lease.
+it was decided on); it never holds a lease, and it never creates or changes a stream (``zattera cluster
+init`` does, once). The connection comes from ``--nats``/``ZATTERA_NATS_URL``, else the saved context
+(``zattera context use``). Its JetStream requests are retried across servers for a bounded wait; what
+still fails is one line on stderr with a documented exit code (``ExitCode``), never a traceback.
 """
 
 from __future__ import annotations
@@ -10,19 +13,41 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import TypeVar
 
+import nats.errors
 import typer
+from nats.js.errors import APIError, NotFoundError
 from rich.console import Console
 
-from shared.natsio import Connection, connect, provision
+from cli import contexts
+from shared.natsio import STATE_STREAM, ClusterUnavailable, Connection, connect
 from shared.settings import settings
-from shared.txn import Writer
+from shared.txn import CommitUnknown, Writer
 from shared.view import StateView
 
 T = TypeVar("T")
 
 err = Console(stderr=True, soft_wrap=True)  # messages are never cut at 80 columns in a pipe
+
+REQUEST_DEADLINE = 15.0
+"""How long a CLI request waits for JetStream across a server loss and a leader election."""
+
+
+class ExitCode(IntEnum):
+    """Exit codes of every ``zattera`` command (README, docs/cluster.md)."""
+
+    OK = 0
+    FAILED = 1  # refused, invalid input, not found
+    USAGE = 2  # a bad option or argument (typer)
+    UNAVAILABLE = 3  # no NATS server reachable, or no answer within the bounded wait
+    NOT_INITIALISED = 4  # the cluster has no streams yet: `zattera cluster init`
+    INTERRUPTED = 130
+
+
+class ClusterNotInitialised(Exception):
+    pass
 
 
 @dataclass
@@ -42,42 +67,97 @@ class Options:
 OPTIONS = Options()
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where the CLI connects: URLs, credentials file, TLS CA."""
+
+    urls: str
+    creds: str = ""
+    tls_ca: str = ""
+
+
+def target() -> Target:
+    """``--nats``/``ZATTERA_NATS_URL`` when given, else the context in use, else the local default;
+    ``ZATTERA_NATS_CREDS``/``ZATTERA_NATS_TLS_CA`` override the context's files."""
+    cfg = settings()
+    saved = None if OPTIONS.nats_url else contexts.current()
+    if saved is None:
+        return Target(OPTIONS.nats_url or cfg.nats_url, cfg.nats_creds, cfg.nats_tls_ca)
+    return Target(saved.nats, cfg.nats_creds or saved.creds, cfg.nats_tls_ca or saved.tls_ca)
+
+
 def nats_url() -> str:
-    return OPTIONS.nats_url or settings().nats_url
+    return target().urls
+
+
+async def connect_cli(name: str = "zattera-cli") -> Connection:
+    where = target()
+    try:
+        return await connect(
+            where.urls,
+            name=name,
+            connect_timeout=3,
+            creds=where.creds or None,
+            tls_ca=where.tls_ca or None,
+            request_deadline=REQUEST_DEADLINE,
+        )
+    except (ConnectionError, OSError, nats.errors.Error) as exc:
+        raise ClusterUnavailable(
+            f"cannot reach NATS at {where.urls} ({exc or type(exc).__name__}). Is the cluster up (`make up`)?"
+        ) from None
 
 
 @asynccontextmanager
 async def control(*, view: bool = True) -> AsyncIterator[Control]:
-    url = nats_url()
-    try:
-        cfg = settings()
-        conn = await connect(
-            url, name="zattera-cli", connect_timeout=3, creds=cfg.nats_creds or None, tls_ca=cfg.nats_tls_ca or None
-        )
-    except (ConnectionError, OSError) as exc:
-        err.print(
-            f"[red]error:[/] cannot reach NATS at {url}: {exc}. Is the cluster up (`make up`)?",
-            markup=True,
-            highlight=False,
-            soft_wrap=True,
-        )
-        raise typer.Exit(2) from exc
+    conn = await connect_cli()
     state = StateView(conn, name="cli")
     try:
-        if not cfg.nats_creds:
-            # An unsecured cluster may not be provisioned yet (the CLI ran before any service); an operator
-            # credential on a secured one may not create streams, and the services have done it anyway.
-            await provision(conn.js, replicas=cfg.replicas, live_ttl=cfg.live_ttl, tombstone_ttl=cfg.tombstone_ttl)
+        try:
+            await conn.js.stream_info(STATE_STREAM)
+        except NotFoundError:
+            raise ClusterNotInitialised(
+                f"the cluster at {nats_url()} is not initialised: run `zattera cluster init`"
+            ) from None
         if view:
-            await state.start(timeout=30)
+            try:
+                await state.start(timeout=REQUEST_DEADLINE)
+            except TimeoutError:
+                raise ClusterUnavailable(
+                    f"the state view did not load within {REQUEST_DEADLINE:.0f}s; servers: {nats_url()}"
+                ) from None
         yield Control(conn, state, Writer(conn, state))
     finally:
         await state.stop()
         await conn.close()
 
 
+def fail(message: str, code: int = ExitCode.FAILED) -> typer.Exit:
+    err.print("[red]error:[/] ", end="")
+    err.print(message, markup=False, highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
 def run(fn: Callable[[], Awaitable[T]]) -> T:
+    """Run one command's coroutine; a cluster fault becomes one line and its exit code."""
     try:
         return asyncio.run(fn())  # type: ignore[arg-type]
     except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+        raise typer.Exit(ExitCode.INTERRUPTED) from None
+    except ClusterNotInitialised as exc:
+        raise fail(str(exc), ExitCode.NOT_INITIALISED) from None
+    except ClusterUnavailable as exc:
+        raise fail(str(exc), ExitCode.UNAVAILABLE) from None
+    except CommitUnknown as exc:
+        raise fail(
+            f"{exc}: the write may or may not have been applied (NATS did not confirm it); "
+            f"check before retrying. Servers: {nats_url()}",
+            ExitCode.UNAVAILABLE,
+        ) from None
+    except APIError as exc:
+        raise fail(f"NATS refused the request: {exc.description} (code {exc.err_code})") from None
+    except (nats.errors.Error, TimeoutError, ConnectionError) as exc:
+        raise fail(
+            f"NATS did not answer ({exc or type(exc).__name__}); servers: {nats_url()}", ExitCode.UNAVAILABLE
+        ) from None
+    except contexts.ContextError as exc:
+        raise fail(str(exc)) from None

@@ -3,17 +3,15 @@ group by cli/main.py), ``zattera security creds|revoke``."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import sys
 from pathlib import Path
 
 import typer
 
-from cli.client import nats_url
+from cli.client import connect_cli, run
 from cli.up import LOCAL_NODE, Cluster, Supervised, run_up
 from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
-from shared.natsio import connect
 from shared.security.authority import Authority
 from shared.security.join import DEFAULT_TTL, JoinRefused, request_join_token
 from shared.security.permissions import Role
@@ -75,20 +73,17 @@ def join_token(
     builder: bool = typer.Option(False, help="the node may also run builds and push images"),
 ) -> None:
     """Print a single-use, expiring token for an agent's --join-token."""
-    cfg = settings()
     seconds = parse_duration(ttl) if ttl else DEFAULT_TTL
 
     async def issue() -> str:
-        conn = await connect(
-            nats_url(), name="zattera-cli", creds=cfg.nats_creds or None, tls_ca=cfg.nats_tls_ca or None
-        )
+        conn = await connect_cli()
         try:
             return await request_join_token(conn, ttl=seconds, node_id=node, builder=builder)
         finally:
             await conn.close()
 
     try:
-        typer.echo(asyncio.run(issue()))
+        typer.echo(run(issue))
     except JoinRefused as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

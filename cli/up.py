@@ -1,8 +1,8 @@
 """``zattera up``: the whole single-machine cluster on the embedded NATS server.
 
 Starts nats-server (JetStream, data under ``<data_dir>/nats``), provisions the buckets and streams,
-then every service as its own process (logs under ``<data_dir>/logs``), restarts a service that dies
-(with backoff), and on Ctrl-C / SIGTERM stops the services (SIGTERM, then SIGKILL after a grace) and
+then every service as its own process (logs under ``<data_dir>/logs``), restarts a service or a NATS
+server that dies (with backoff), and on Ctrl-C / SIGTERM stops the services (SIGTERM, then SIGKILL after a grace) and
 then NATS, leaving no process behind. Running it again resumes the same cluster from its data dir.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 
 from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
-from shared.embedded import EmbeddedNats, free_port, start_cluster
+from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
 from shared.natsio import connect, provision
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets")
@@ -95,6 +95,8 @@ class Cluster:
     nats_cluster: int = 1
     cluster_servers: list[EmbeddedNats] = field(default_factory=list)
     children: list[Supervised] = field(default_factory=list)
+    nats_restarts: dict[str, int] = field(default_factory=dict)
+    nats_next_start: dict[str, float] = field(default_factory=dict)
     # Secured clusters (cli/security_cmds.py): server auth/TLS config, and the services' credentials.
     nats_extra_config: str = ""
     creds: str = ""
@@ -236,7 +238,29 @@ class Cluster:
         creds = self.node_creds.get(name)
         return {**env, "ZATTERA_NATS_CREDS": creds} if creds else env
 
+    def supervise_nats(self) -> None:
+        """Restart a NATS server that died (same ports, same store: it rejoins the cluster and catches up),
+        with the services' backoff."""
+        now = time.monotonic()
+        for server in self.cluster_servers or ([self.nats] if self.nats is not None else []):
+            code = server.exited()
+            if code is None or now < self.nats_next_start.get(server.name, 0.0):
+                continue
+            attempts = self.nats_restarts.get(server.name, 0)
+            self.console.print(f"[red]NATS server {server.name} exited ({code}); restarting[/]")
+            try:
+                server.start(wait=15.0)
+                self.nats_restarts[server.name] = 0
+            except EmbeddedNatsError as exc:
+                backoff = min(30.0, 0.5 * 2 ** min(attempts, 6))
+                self.nats_restarts[server.name] = attempts + 1
+                self.nats_next_start[server.name] = now + backoff
+                self.console.print(
+                    f"[red]NATS server {server.name} did not restart ({exc}); again in {backoff:.1f}s[/]"
+                )
+
     def supervise_once(self) -> None:
+        self.supervise_nats()
         now = time.monotonic()
         for child in self.children:
             if child.alive():

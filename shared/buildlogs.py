@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.errors import NoStreamResponseError, NotFoundError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
@@ -69,6 +69,10 @@ def build_id_of_events_subject(subject: str) -> str:
     return subject.split(".")[2]
 
 
+PUBLISH_RETRY_WINDOW = 30.0
+"""How long a builder keeps publishing one event while the build-events stream elects a leader."""
+
+
 class BuildEventPublisher:
     """Builder side: publishes one build's events, numbered, durably (each publish is acknowledged)."""
 
@@ -79,10 +83,26 @@ class BuildEventPublisher:
         self._sequence = 0
 
     async def publish(self, event: cpb.BuildEvent) -> None:
+        """Publish the next event; retried for ``PUBLISH_RETRY_WINDOW`` while the stream cannot answer (its
+        leader lost with a NATS server), under a message id so that a retry of a publish that did land is
+        dropped by the stream's duplicate window."""
         self._sequence += 1
         event.build_id = self.build_id
         event.sequence = self._sequence
-        await self._conn.js.publish(self.subject, event.SerializeToString(deterministic=True), timeout=5.0)
+        data = event.SerializeToString(deterministic=True)
+        headers = {"Nats-Msg-Id": f"{self.build_id}.{self._sequence}"}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PUBLISH_RETRY_WINDOW
+        delay = 0.25
+        while True:
+            try:
+                await self._conn.js.publish(self.subject, data, timeout=5.0, headers=headers)
+                return
+            except (NatsTimeoutError, TimeoutError, NoStreamResponseError):
+                if loop.time() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     async def log(self, line: str) -> None:
         await self.publish(cpb.BuildEvent(log=pb.LogLine(line=line, stream="build")))

@@ -117,6 +117,10 @@ class EmbeddedNats:
         self.wait_healthy(wait)
         return self
 
+    def exited(self) -> int | None:
+        """The exit code of a server that died on its own (None while it runs, or once stopped/killed here)."""
+        return self._proc.poll() if self._proc is not None else None
+
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         url = f"http://{self.host}:{self.http_port}/healthz?js-enabled-only=true"

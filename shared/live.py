@@ -30,7 +30,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from shared.clock import Clock
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
 from shared.telemetry import counter
-from shared.view import ChangeFeed, server_delivered
+from shared.view import CONSUMER_HEARTBEAT, ChangeFeed, guard_ordered_consumer, server_delivered
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class LiveView:
         self._traffic_report_times: dict[str, float] = {}
         self._latest_traffic_report = 0.0
         self._sub: Any = None
+        self._resubscribing: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self.skipped = 0
 
@@ -108,15 +109,33 @@ class LiveView:
         await asyncio.wait_for(self._ready.wait(), timeout)
 
     async def stop(self) -> None:
+        if self._resubscribing is not None:
+            self._resubscribing.cancel()
+        await self._unsubscribe()
+
+    async def _unsubscribe(self) -> None:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
             self._sub = None
 
     async def _resubscribe(self) -> None:
-        await self.stop()
-        with contextlib.suppress(Exception):
-            await self._subscribe()
+        if self._resubscribing is None or self._resubscribing.done():
+            self._resubscribing = asyncio.create_task(self._resubscribe_until_done())
+
+    async def _resubscribe_until_done(self) -> None:
+        """After a reconnect, subscribe again — retried while JetStream cannot answer (a stream electing its
+        leader after a server loss): a single failed try left the view deaf for good."""
+        await self._unsubscribe()
+        delay = 0.1
+        while self._conn is not None and not self._conn.closing:
+            try:
+                await self._subscribe()
+                return
+            except Exception as exc:
+                log.warning("live view: subscribing again failed, retrying in %.1fs: %r", delay, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def _subscribe(self) -> None:
         assert self._conn is not None
@@ -138,7 +157,9 @@ class LiveView:
             config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT),
             pending_msgs_limit=1_000_000,
             pending_bytes_limit=512 * 1024 * 1024,
+            idle_heartbeat=CONSUMER_HEARTBEAT,
         )
+        guard_ordered_consumer(self._sub, None)
         info = await self._sub.consumer_info()
         if info.num_pending == 0 and server_delivered(info) == 0:
             self._ready.set()

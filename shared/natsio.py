@@ -1,14 +1,18 @@
-"""NATS connection and idempotent provisioning of every bucket, stream and object store (DESIGN §2–§3)."""
+"""NATS connection and provisioning of every bucket, stream and object store (DESIGN §2–§3): created when
+missing from the configuration recorded in the cluster, never updated (docs/cluster.md)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import re
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, Protocol
 
 import nats
 from nats.aio.client import Client as NATS
@@ -111,6 +115,104 @@ def split_urls(urls: str | list[str]) -> list[str]:
 
 ConnectionListener = Callable[[], Awaitable[None]]
 
+JS_API_PREFIX = "$JS.API."
+RETRY_PAUSE = 0.25
+FIRST_ATTEMPT_TIMEOUT = 1.0
+
+
+class ClusterUnavailable(ConnectionError):
+    """JetStream did not answer a request within the bounded wait: the message names what was waited for
+    and the servers tried."""
+
+
+def _unavailable_reply(msg: Msg) -> bool:
+    """A JetStream API reply of ``503`` (no stream/meta leader yet: an election is under way)."""
+    if b'"code":503' not in msg.data:
+        return False
+    try:
+        return int(json.loads(msg.data).get("error", {}).get("code", 0)) == 503
+    except (ValueError, AttributeError):
+        return False
+
+
+class PatientClient(NATS):
+    """A client whose JetStream API requests ride out the loss of a server: a request that times out, finds
+    no responder or gets ``503`` (a leader election), or whose server drops the connection while it waits,
+    is sent again — to whichever server the client has reconnected to — until ``request_deadline``
+    seconds have passed; then :class:`ClusterUnavailable`. A request to a stream whose leader just died gets
+    no answer at all, so attempts wait 1 s, then 2 s, 4 s … (a slow but live answer still arrives).
+    Publishes (writes) are never repeated: a write whose reply was lost is the caller's to check
+    (``shared.txn.CommitUnknown``)."""
+
+    def __init__(self, request_deadline: float) -> None:
+        super().__init__()
+        self.request_deadline = request_deadline
+
+    async def request(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        timeout: float = 0.5,
+        old_style: bool = False,
+        headers: dict[str, Any] | None = None,
+    ) -> Msg:
+        if not subject.startswith(JS_API_PREFIX):
+            return await super().request(subject, payload, timeout, old_style, headers)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(self.request_deadline, timeout)
+        tried: list[str] = []
+        last = "no attempt"
+        attempt_timeout = FIRST_ATTEMPT_TIMEOUT
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                what = subject[len(JS_API_PREFIX) :]
+                raise ClusterUnavailable(
+                    f"no answer from JetStream to {what} within {self.request_deadline:.0f}s ({last}); "
+                    f"servers tried: {', '.join(tried) or 'none'}"
+                )
+            server = self.connected_url
+            if server is not None and server.netloc not in tried:
+                tried.append(server.netloc)
+            reconnects = self.stats["reconnects"]
+            attempt = asyncio.ensure_future(
+                super().request(subject, payload, min(timeout, attempt_timeout, remaining), old_style, headers)
+            )
+            attempt_timeout *= 2
+            try:
+                msg = await self._unless_reconnected(attempt, reconnects)
+            except (nats.errors.TimeoutError, TimeoutError):
+                last = "timed out"
+                continue
+            except (
+                nats.errors.NoRespondersError,
+                nats.errors.ConnectionReconnectingError,
+                nats.errors.StaleConnectionError,
+                nats.errors.OutboundBufferLimitError,
+            ) as exc:
+                last = str(exc) or type(exc).__name__
+            else:
+                if msg is None:
+                    last = "connection lost"
+                    continue
+                if not _unavailable_reply(msg):
+                    return msg
+                last = "JetStream unavailable (503)"
+            await asyncio.sleep(min(RETRY_PAUSE, max(0.0, deadline - loop.time())))
+
+    async def _unless_reconnected(self, attempt: asyncio.Future[Msg], reconnects: int) -> Msg | None:
+        """The attempt's reply, or None as soon as the client has reconnected (the reply, if any, went to
+        the server that was lost)."""
+        while True:
+            done, _ = await asyncio.wait({attempt}, timeout=0.1)
+            if done:
+                return attempt.result()
+            if self.stats["reconnects"] != reconnects:
+                attempt.cancel()
+                with contextlib.suppress(asyncio.CancelledError, nats.errors.Error, TimeoutError):
+                    await attempt
+                return None
+
 
 @dataclass
 class Connection:
@@ -149,12 +251,14 @@ async def connect(
     connect_timeout: float = 5.0,
     creds: str | None = None,
     tls_ca: str | None = None,
+    request_deadline: float = 0.0,
 ) -> Connection:
     """Connect with unlimited reconnects; the returned connection drains on close.
 
     ``creds``: a NATS credentials file (secured clusters, see SECURITY.md); the connection then uses the
     private inbox prefix that the role permissions allow. ``tls_ca``: the CA that must have signed the
-    server certificate (TLS listener).
+    server certificate (TLS listener). ``request_deadline`` > 0: JetStream API requests are retried across
+    servers that long (:class:`PatientClient`).
     """
     on_reconnect: list[ConnectionListener] = []
     on_disconnect: list[ConnectionListener] = []
@@ -180,7 +284,7 @@ async def connect(
             log.error("nats connection closed for good", extra={"client": name})
             holder[0].lost.set()
 
-    nc = NATS()
+    nc = PatientClient(request_deadline) if request_deadline > 0 else NATS()
     # nats-py retries the initial connect forever when reconnects are unlimited: bound it here and let
     # the caller decide how to back off.
     connecting = nc.connect(
@@ -311,8 +415,172 @@ def build_events_stream_config(replicas: int) -> StreamConfig:
     )
 
 
-async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
-    """Create the stream, or update it in place when it exists (idempotent, safe from many processes)."""
+CONFIG_METADATA_PREFIX = "zattera."
+"""The cluster configuration is recorded in the state stream's metadata (keys ``zattera.<field>``): it is
+created with the stream, atomically, by the one init that wins; nothing ever rewrites it."""
+
+STREAM_FIELDS_CHECKED = (
+    "num_replicas",
+    "storage",
+    "subjects",
+    "max_msgs_per_subject",
+    "max_age",
+    "allow_atomic",
+    "allow_msg_ttl",
+    "subject_delete_marker_ttl",
+)
+
+
+def default_replicas(cluster_size: int) -> int:
+    """Three copies on a cluster of three servers or more, one otherwise (R2 survives no loss either)."""
+    return 3 if cluster_size >= 3 else 1
+
+
+def cluster_size(nc: NATS) -> int:
+    """Servers of the cluster the connection is on: the client URLs its server advertises (INFO
+    ``connect_urls`` lists every member's, its own included); 1 for a lone server."""
+    info = nc._server_info
+    if not info.get("cluster"):
+        return 1
+    return max(1, len(info.get("connect_urls") or []))
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What every stream, bucket and object store is created with: chosen once, by the init."""
+
+    replicas: int = 1
+    live_ttl: float = 60.0
+    tombstone_ttl: float = 900.0
+    build_log_lines: int = 10_000
+    initialized_at: str = ""
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            f"{CONFIG_METADATA_PREFIX}replicas": str(self.replicas),
+            f"{CONFIG_METADATA_PREFIX}live_ttl": repr(self.live_ttl),
+            f"{CONFIG_METADATA_PREFIX}tombstone_ttl": repr(self.tombstone_ttl),
+            f"{CONFIG_METADATA_PREFIX}build_log_lines": str(self.build_log_lines),
+            f"{CONFIG_METADATA_PREFIX}initialized_at": self.initialized_at,
+        }
+
+    @classmethod
+    def recorded(cls, state: StreamConfig) -> ClusterConfig:
+        """The configuration recorded on the state stream; a cluster provisioned before it was recorded
+        (no metadata) is described by its state stream as it is."""
+        meta = state.metadata or {}
+        if f"{CONFIG_METADATA_PREFIX}replicas" not in meta:
+            return cls(replicas=state.num_replicas or 1, tombstone_ttl=state.subject_delete_marker_ttl or 900.0)
+
+        def get(name: str) -> str:
+            return meta.get(f"{CONFIG_METADATA_PREFIX}{name}", "")
+
+        return cls(
+            replicas=int(get("replicas")),
+            live_ttl=float(get("live_ttl") or 60.0),
+            tombstone_ttl=float(get("tombstone_ttl") or 900.0),
+            build_log_lines=int(get("build_log_lines") or 10_000),
+            initialized_at=get("initialized_at"),
+        )
+
+    def stream_configs(self) -> list[StreamConfig]:
+        state = state_stream_config(self.replicas, self.tombstone_ttl)
+        state.metadata = self.metadata()
+        return [
+            state,
+            live_stream_config(self.replicas, self.live_ttl),
+            event_stream_config(self.replicas),
+            routes_stream_config(self.replicas),
+            build_logs_stream_config(self.replicas, self.build_log_lines),
+            build_events_stream_config(self.replicas),
+        ]
+
+
+OBJECT_STORES = (SOURCES_STORE, IMAGES_STORE, SNAPSHOTS_STORE)
+
+
+def object_store_stream(bucket: str) -> str:
+    return f"OBJ_{bucket}"
+
+
+@dataclass
+class ProvisionReport:
+    """What :func:`provision` found: the recorded configuration, what it created, and every difference
+    between an existing stream and that configuration (reported, never applied)."""
+
+    config: ClusterConfig
+    created: list[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+    initialized: bool = False
+
+
+def _normalised(cfg: StreamConfig, name: str) -> object:
+    value = getattr(cfg, name)
+    if name in ("max_age", "subject_delete_marker_ttl"):
+        return round(float(value or 0), 3)
+    if name in ("allow_atomic", "allow_msg_ttl"):
+        return bool(value)
+    if name == "storage":
+        return str(getattr(value, "value", value) or "file")
+    return value
+
+
+def stream_mismatches(want: StreamConfig, have: StreamConfig) -> list[str]:
+    """``"<stream>: <field> is <have>, recorded <want>"`` for each checked field that differs."""
+    return [
+        f"{want.name}: {name} is {_normalised(have, name)}, recorded {_normalised(want, name)}"
+        for name in STREAM_FIELDS_CHECKED
+        if _normalised(have, name) != _normalised(want, name)
+    ]
+
+
+async def _stream_config(js: JetStreamContext, name: str) -> StreamConfig | None:
+    try:
+        return (await js.stream_info(name)).config
+    except NotFoundError:
+        return None
+
+
+async def create_stream_if_missing(js: JetStreamContext, cfg: StreamConfig) -> tuple[StreamConfig, bool]:
+    """The stream's configuration, creating it from ``cfg`` when it does not exist; True when created here.
+    An existing stream is never updated (safe from many processes: a concurrent creator wins)."""
+    assert cfg.name is not None
+    existing = await _stream_config(js, cfg.name)
+    if existing is not None:
+        return existing, False
+    try:
+        await js.add_stream(cfg)
+        return cfg, True
+    except BadRequestError as exc:
+        if exc.err_code != 10058:  # created concurrently, with another configuration: that one stands
+            raise
+    existing = await _stream_config(js, cfg.name)
+    if existing is None:
+        raise NotFoundError(description=f"stream {cfg.name} vanished while being created")
+    return existing, False
+
+
+async def create_object_store_if_missing(js: JetStreamContext, bucket: str, replicas: int) -> tuple[int, bool]:
+    """The object store's replica count, creating the store when it does not exist; True when created here."""
+    existing = await _stream_config(js, object_store_stream(bucket))
+    if existing is not None:
+        return existing.num_replicas or 1, False
+    try:
+        await js.create_object_store(
+            bucket, ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE, replicas=replicas)
+        )
+        return replicas, True
+    except BadRequestError as exc:
+        if exc.err_code != 10058:
+            raise
+    existing = await _stream_config(js, object_store_stream(bucket))
+    return (existing.num_replicas or 1) if existing else replicas, False
+
+
+async def create_or_update_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    """Create the stream, or update it in place when it exists. Only for streams one leader loop owns and
+    sizes (an env's instance-log stream, whose retention follows its spec); the cluster's own streams go
+    through :func:`provision`, which never changes what exists."""
     assert cfg.name is not None
     try:
         await js.stream_info(cfg.name)
@@ -326,33 +594,115 @@ async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
     await js.update_stream(cfg)
 
 
-async def ensure_object_store(js: JetStreamContext, bucket: str, replicas: int) -> None:
-    try:
-        await js.object_store(bucket)
-    except (NotFoundError, nats.js.errors.BucketNotFoundError):
-        try:
-            await js.create_object_store(
-                bucket, ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE, replicas=replicas)
-            )
-        except BadRequestError as exc:
-            if exc.err_code != 10058:
-                raise
+async def recorded_replicas(js: JetStreamContext) -> int:
+    """The replica count the cluster's init recorded (what streams created later must use)."""
+    state = await _stream_config(js, STATE_STREAM)
+    return ClusterConfig.recorded(state).replicas if state is not None else 1
 
 
 async def provision(
     js: JetStreamContext,
     *,
-    replicas: int = 1,
+    replicas: int | None = None,
     live_ttl: float = 60.0,
     tombstone_ttl: float = 900.0,
     build_log_lines: int = 10_000,
-) -> None:
-    """Create or update everything of DESIGN §2–§3. Idempotent; every service calls it at start."""
-    await ensure_stream(js, state_stream_config(replicas, tombstone_ttl))
-    await ensure_stream(js, live_stream_config(replicas, live_ttl))
-    await ensure_stream(js, event_stream_config(replicas))
-    await ensure_stream(js, routes_stream_config(replicas))
-    await ensure_stream(js, build_logs_stream_config(replicas, build_log_lines))
-    await ensure_stream(js, build_events_stream_config(replicas))
-    for bucket in (SOURCES_STORE, IMAGES_STORE, SNAPSHOTS_STORE):
-        await ensure_object_store(js, bucket, replicas)
+) -> ProvisionReport:
+    """Create what is missing of DESIGN §2–§3, never changing what exists. Idempotent; safe from many
+    processes at once.
+
+    On an uninitialised cluster (no state stream) this is the init: the configuration — ``replicas``, or
+    :func:`default_replicas` of the cluster's size when None, and the TTLs given — is recorded on the
+    state stream as it is created. Everything else is then created from the RECORDED configuration, so a
+    caller with other settings (another replica count, TTLs) creates the same streams and changes none;
+    each difference between an existing stream and the recorded configuration is returned and logged.
+    """
+    size = cluster_size(js._nc)
+    wanted = ClusterConfig(
+        replicas=replicas or default_replicas(size),
+        live_ttl=live_ttl,
+        tombstone_ttl=tombstone_ttl,
+        build_log_lines=build_log_lines,
+        initialized_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    state, created = await create_stream_if_missing(js, wanted.stream_configs()[0])
+    config = ClusterConfig.recorded(state)
+    report = ProvisionReport(config=config, initialized=created)
+    if created:
+        report.created.append(STATE_STREAM)
+        log.info("cluster initialised: replicas=%d (cluster of %d servers)", config.replicas, size)
+    elif replicas is not None and replicas != config.replicas:
+        report.mismatches.append(f"replicas {replicas} requested, recorded {config.replicas}: not applied")
+    for want in config.stream_configs():
+        have, made = await create_stream_if_missing(js, want)
+        if made and want.name != STATE_STREAM:
+            report.created.append(str(want.name))
+        want.metadata = None
+        report.mismatches.extend(stream_mismatches(want, have))
+    for bucket in OBJECT_STORES:
+        have_replicas, made = await create_object_store_if_missing(js, bucket, config.replicas)
+        if made:
+            report.created.append(object_store_stream(bucket))
+        if have_replicas != config.replicas:
+            report.mismatches.append(
+                f"{object_store_stream(bucket)}: num_replicas is {have_replicas}, recorded {config.replicas}"
+            )
+    for mismatch in report.mismatches:
+        log.warning("cluster configuration mismatch (not applied): %s", mismatch)
+    return report
+
+
+class ProvisionSettings(Protocol):
+    replicas: int
+    live_ttl: float
+    tombstone_ttl: float
+
+
+def provision_options(cfg: ProvisionSettings) -> dict[str, Any]:
+    """:func:`provision` arguments from a process's settings: they only matter to an uninitialised cluster
+    (``ZATTERA_REPLICAS=0``, the default, derives the replica count from the cluster's size)."""
+    return {"replicas": cfg.replicas or None, "live_ttl": cfg.live_ttl, "tombstone_ttl": cfg.tombstone_ttl}
+
+
+@dataclass
+class StreamStatus:
+    """One stream (or object store's stream) as ``zattera cluster status`` shows it."""
+
+    name: str
+    exists: bool
+    replicas: int = 0
+    leader: str = ""
+    peers: list[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+
+
+async def inspect_cluster(js: JetStreamContext) -> tuple[ClusterConfig | None, list[StreamStatus]]:
+    """The recorded configuration (None: not initialised) and every stream against it; read-only."""
+    state = await _stream_config(js, STATE_STREAM)
+    if state is None:
+        return None, []
+    config = ClusterConfig.recorded(state)
+    wanted: dict[str, StreamConfig | None] = {str(c.name): c for c in config.stream_configs()}
+    wanted.update({object_store_stream(bucket): None for bucket in OBJECT_STORES})
+    found = []
+    for name, want in wanted.items():
+        try:
+            info = await js.stream_info(name)
+        except NotFoundError:
+            found.append(StreamStatus(name, exists=False, mismatches=[f"{name}: missing"]))
+            continue
+        replicas = info.config.num_replicas or 1
+        if want is not None:
+            want.metadata = None
+            mismatches = stream_mismatches(want, info.config)
+        elif replicas != config.replicas:  # an object store: only its replica count is ours
+            mismatches = [f"{name}: num_replicas is {replicas}, recorded {config.replicas}"]
+        else:
+            mismatches = []
+        cluster = info.cluster
+        peers = (
+            [f"{p.name}{'' if p.current else ' (catching up)'}" for p in (cluster.replicas or [])] if cluster else []
+        )
+        leader = (cluster.leader or "") if cluster else ""
+        found.append(StreamStatus(name, True, replicas, leader, peers, mismatches))
+    return config, found

@@ -1,6 +1,7 @@
 """The process shell every service shares: ``python -m services.<name> [--nats URL]``.
 
-It connects (retrying with backoff while NATS is unreachable), provisions the buckets and streams,
+It connects (retrying with backoff while NATS is unreachable), creates the buckets and streams that are
+missing (never changing existing ones),
 loads the state view, runs the service's tasks (leader loops through :func:`run_while_leading`), and on
 SIGTERM/SIGINT cancels them (leases released, no half-written state: every transition is one atomic
 batch), then drains the connection.
@@ -27,7 +28,7 @@ from shared.events import EventPublisher
 from shared.lease import default_holder, run_while_leading
 from shared.loop import LeaderLoop
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
-from shared.natsio import Connection, connect, provision
+from shared.natsio import Connection, connect, provision, provision_options
 from shared.settings import Settings, settings
 from shared.tasks import cancel_and_wait
 from shared.telemetry import setup as setup_telemetry
@@ -116,12 +117,13 @@ async def connect_with_retry(urls: str, name: str, stop: asyncio.Event) -> Conne
 
 
 async def provision_with_retry(conn: Connection, cfg: Settings, name: str, stop: asyncio.Event) -> bool:
-    """Provision, retrying while JetStream cannot answer (a NATS cluster electing a leader, a server
-    restarting): a service started during a NATS fault must wait, not exit. False when stopped first."""
+    """Create what is missing (the recorded configuration decides how), retrying while JetStream cannot
+    answer (a NATS cluster electing a leader, a server restarting): a service started during a NATS fault
+    must wait, not exit. False when stopped first."""
     delay = 0.2
     while not stop.is_set():
         try:
-            await provision(conn.js, replicas=cfg.replicas, live_ttl=cfg.live_ttl, tombstone_ttl=cfg.tombstone_ttl)
+            await provision(conn.js, **provision_options(cfg))
             return True
         except BadRequestError:
             raise  # a configuration the server refuses: retrying cannot help

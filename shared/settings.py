@@ -18,7 +18,9 @@ class Settings(BaseSettings):
     nats_url: str = Field(default="nats://127.0.0.1:4222", description="comma-separated for a cluster")
     domain: str = Field(default="", description="cluster app domain for implicit routes; empty = none")
     data_dir: Path = Field(default=Path(".zattera"))
-    replicas: int = Field(default=1, ge=1, le=5, description="replicas of buckets and streams")
+    replicas: int = Field(
+        default=0, ge=0, le=5, description="replicas of a cluster's first init; 0 = from its size (docs/cluster.md)"
+    )
     nats_server_bin: str = Field(default="", description="path of nats-server; empty = the bundled one")
     nats_creds: str = Field(default="", description="NATS credentials file of this process; empty = no auth")
     nats_tls_ca: str = Field(default="", description="CA file the NATS server certificate must chain to")

@@ -66,6 +66,12 @@ _DELETE_OPS = ("DEL", "PURGE")
 INACTIVE_THRESHOLD = 300.0
 FILTERED_INACTIVE_THRESHOLD = 60.0
 """A filtered view's replaced consumers (resync, ordered reset) linger this long after losing interest."""
+LOAD_STALL = 10.0
+"""A view load that receives nothing this long is started again (see :meth:`StateView._until_loaded`)."""
+CONSUMER_HEARTBEAT = 1.0
+"""Idle heartbeat of the view's ordered consumer: two missed (its server or its stream's leader lost) and
+nats-py re-creates the consumer, every two beats until the stream answers (default 5 s: a view went deaf
+for 10-20 s after a NATS server loss)."""
 
 UNKNOWN_KIND = "unknown"
 """The kind :attr:`StateView.skipped_by_kind` counts keys under that name no known kind."""
@@ -209,6 +215,7 @@ class StateView:
         self._loading: list[asyncio.Future[None]] = []
         self._resync_task: asyncio.Task[None] | None = None
         self._resync_buffer: dict[str, tuple[int, bytes | None]] | None = None
+        self._load_progress = 0.0
         self.skipped = 0
         self.skipped_by_kind: Counter[str] = Counter()
         """Skipped values per key kind (:data:`UNKNOWN_KIND` for keys that name no kind)."""
@@ -314,7 +321,7 @@ class StateView:
             # server may have pushed everything (num_pending 0) before the callback ran for the first one.
             if info.num_pending == 0 and server_delivered(info) == 0 and not done.done():
                 done.set_result(None)
-        await asyncio.gather(*loaded)
+        await self._until_loaded(loaded)
         if generation != self._generation:
             return
         buffer, self._resync_buffer = self._resync_buffer, None
@@ -323,6 +330,19 @@ class StateView:
         self._synced.set()
         for feed in list(self._feeds):
             feed.poke()
+
+    async def _until_loaded(self, loaded: list[asyncio.Future[None]]) -> None:
+        """Wait for every consumer's initial load; a load that receives nothing for ``LOAD_STALL`` seconds
+        (its consumer lost with a NATS server mid-load) raises, and the caller resyncs from scratch — a
+        large view still loading keeps receiving, so it is never cut short."""
+        self._load_progress = time.monotonic()
+        all_loaded = asyncio.gather(*loaded)
+        while not all_loaded.done():
+            await asyncio.wait({all_loaded}, timeout=1.0)
+            if not all_loaded.done() and time.monotonic() - self._load_progress > LOAD_STALL:
+                all_loaded.cancel()
+                raise TimeoutError(f"view {self._name}: load stalled for {LOAD_STALL:.0f}s")
+        all_loaded.result()
 
     async def _subscribe(self, subject: str, generation: int, done: asyncio.Future[None]) -> Any:
         """One ordered consumer of ``subject``: last value per key, then every change."""
@@ -342,6 +362,7 @@ class StateView:
             if msg.headers and "traceparent" in msg.headers:
                 self._note_trace(key, rev, msg.headers["traceparent"])
             if self._resync_buffer is not None:
+                self._load_progress = time.monotonic()
                 held = self._resync_buffer.get(key)
                 if held is None or rev >= held[0]:
                     self._resync_buffer[key] = (rev, data)
@@ -362,9 +383,9 @@ class StateView:
             pending_msgs_limit=1_000_000,
             pending_bytes_limit=1024 * 1024 * 1024,
             inactive_threshold=FILTERED_INACTIVE_THRESHOLD if self._filters else INACTIVE_THRESHOLD,
+            idle_heartbeat=CONSUMER_HEARTBEAT,
         )
-        if self._filters:
-            _rename_on_reset(sub, self._consumer_name)
+        guard_ordered_consumer(sub, self._consumer_name if self._filters else None)
         return sub
 
     def _consumer_name(self) -> str:
@@ -744,19 +765,27 @@ class StateView:
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
-def _rename_on_reset(sub: Any, new_name: Any) -> None:
-    """Give the consumer that nats-py re-creates on an ordered-consumer reset (a gap, missed heartbeats) a
-    fresh name: under the old one the server would refuse it while the old consumer still exists."""
+def guard_ordered_consumer(sub: Any, new_name: Any) -> None:
+    """Keep nats-py's ordered-consumer reset (a gap, missed heartbeats) alive through a NATS fault: an error
+    raised by it (the connection reconnecting) would end the task that watches the heartbeats, and the view
+    would never hear from the stream again; it is logged instead, and the next missed beats retry. With
+    ``new_name`` (a named consumer) the re-created consumer gets a fresh name: under the old one the server
+    would refuse it while the old consumer still exists."""
     jsi = getattr(getattr(sub, "_sub", None), "_jsi", None)
     reset = getattr(jsi, "reset_ordered_consumer", None)
     if jsi is None or reset is None or not hasattr(jsi, "_ccreq"):
         return
 
-    async def reset_renamed(sseq: int | None) -> bool:
-        jsi._ccreq.name = new_name()
-        return bool(await reset(sseq))
+    async def guarded_reset(sseq: int | None) -> bool:
+        if new_name is not None:
+            jsi._ccreq.name = new_name()
+        try:
+            return bool(await reset(sseq))
+        except Exception as exc:
+            log.warning("view consumer reset failed (retried at the next missed heartbeats): %r", exc)
+            return False
 
-    jsi.reset_ordered_consumer = reset_renamed
+    jsi.reset_ordered_consumer = guarded_reset
 
 
 def server_delivered(info: Any) -> int:

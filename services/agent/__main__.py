@@ -32,7 +32,7 @@ from services.agent.credentials import CredentialError, node_credentials
 from services.agent.registration import default_node_id
 from services.agent.settings import AgentSettings
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
-from shared.natsio import STATE_STREAM, Connection, connect, provision
+from shared.natsio import STATE_STREAM, Connection, connect, provision, provision_options
 from shared.security.join import JoinRefused
 from shared.service import configure_logging
 from shared.settings import settings as shared_settings
@@ -155,9 +155,7 @@ async def serve(argv: Sequence[str] | None = None) -> int:
             if not await wait_provisioned(conn, stop):
                 return 0
         else:
-            await provision(
-                conn.js, replicas=shared.replicas, live_ttl=shared.live_ttl, tombstone_ttl=shared.tombstone_ttl
-            )
+            await provision(conn.js, **provision_options(shared))
         agent_task = asyncio.create_task(Agent(conn, cfg, data_dir).run())
         stopper = asyncio.create_task(stop.wait())
         lost = asyncio.create_task(conn.lost.wait())

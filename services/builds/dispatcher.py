@@ -41,6 +41,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
@@ -65,8 +66,13 @@ from shared.registry import repository
 from shared.tasks import cancel_and_wait
 from shared.telemetry import inject, span
 from shared.txn import CommitUnknown, Conflict, Deposed
+from shared.view import CONSUMER_HEARTBEAT, guard_ordered_consumer
 
 log = logging.getLogger(__name__)
+
+NO_RESPONDERS_GRACE = 3.0
+"""How long a RunBuild request nobody received is sent again (a builder reconnecting to another server)."""
+NO_RESPONDERS_PAUSE = 0.25
 
 WAITING_KIND = "build.waiting_for_builder"
 WAITING_MESSAGE = "no schedulable builder node (cordoned, down, or builder=false); the build stays queued"
@@ -380,7 +386,9 @@ class BuildDispatcher(LeaderLoop):
             cb=self._on_event_msg,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
             pending_msgs_limit=1_000_000,
+            idle_heartbeat=CONSUMER_HEARTBEAT,  # a consumer lost with a NATS server is re-created within ~2 s
         )
+        guard_ordered_consumer(self._events_sub, None)
 
     async def _stop_following(self) -> None:
         if self._events_sub is not None:
@@ -486,18 +494,28 @@ class BuildDispatcher(LeaderLoop):
         request = run_request(build, self.config)
         try:
             with span("builds.dispatch", headers=trace, build_id=build.meta.id, node_id=build.node_id):
-                reply = await self.conn.nc.request(
-                    run_build_subject(build.node_id),
-                    request.SerializeToString(deterministic=True),
-                    timeout=self.config.request_timeout,
-                    headers=inject(),
-                )
+                reply = await self._request_build(build.node_id, request.SerializeToString(deterministic=True))
         except (NatsError, TimeoutError) as exc:
             self._conclude(build.meta.id, Verdict(pb.BUILD_STATUS_FAILED, f"dispatch: {exc}"))
             return
         refused = (reply.headers or {}).get(ERROR_HEADER)
         if refused:
             self._conclude(build.meta.id, Verdict(pb.BUILD_STATUS_FAILED, f"build stream: {refused}"))
+
+    async def _request_build(self, node_id: str, data: bytes) -> Msg:
+        """The builder's reply. "No responders" means nobody received the request — the builder is
+        reconnecting after its NATS server was lost — so it is sent again for ``NO_RESPONDERS_GRACE``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + NO_RESPONDERS_GRACE
+        while True:
+            try:
+                return await self.conn.nc.request(
+                    run_build_subject(node_id), data, timeout=self.config.request_timeout, headers=inject()
+                )
+            except NoRespondersError:
+                if loop.time() >= deadline:
+                    raise
+            await asyncio.sleep(NO_RESPONDERS_PAUSE)
 
     async def _tell_builder_to_stop(self, node_id: str, build_id: str) -> None:
         try:

@@ -19,7 +19,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.applogs import LogLimits, app_logs_stream, app_logs_stream_config, env_of_stream, retention_of
 from shared.loop import LeaderLoop
-from shared.natsio import ensure_stream
+from shared.natsio import create_or_update_stream, recorded_replicas
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,12 @@ class LogStreams(LeaderLoop):
         return found
 
     async def run_pass(self) -> None:
+        if not self.replicas:  # ZATTERA_REPLICAS=0 (the default): what the cluster's init recorded
+            self.replicas = await recorded_replicas(self.conn.js)
         plan = plan_log_streams(self.view.envs(), await self.existing(), self.default)
         for env_id, retention in plan.upserts.items():
             log.info("log stream of %s: max %d bytes, %.0f s", env_id, retention.max_bytes, retention.max_age)
-            await ensure_stream(self.conn.js, app_logs_stream_config(env_id, retention, self.replicas))
+            await create_or_update_stream(self.conn.js, app_logs_stream_config(env_id, retention, self.replicas))
         for env_id in plan.deletes:
             log.info("log stream of %s: environment gone; deleting", env_id)
             try:

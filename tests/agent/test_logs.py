@@ -12,7 +12,7 @@ from zattera.v1 import types_pb2 as pb
 from services.agent.logs import STREAM_FILES, InstanceLogShipper, ShipperSettings, split_lines
 from services.orchestrator.model import GREEN_FAILED_TO_START, failed_instance_reason
 from shared.applogs import STDERR, STDOUT, AppLogLine, LogLimits, app_logs_stream_config, read_app_logs
-from shared.natsio import Connection, ensure_stream
+from shared.natsio import Connection, create_or_update_stream
 from shared.txn import Writer
 from shared.view import StateView
 from tests.agent.conftest import StartAgent, assignment, process_ref, release
@@ -41,7 +41,7 @@ def writer_ref(directory: Path, count: int, pause: float = 0.0) -> str:
 
 
 async def env_stream(conn: Connection) -> None:
-    await ensure_stream(conn.js, app_logs_stream_config(ENV, LogLimits(64 * 1024 * 1024, 3600.0), 1))
+    await create_or_update_stream(conn.js, app_logs_stream_config(ENV, LogLimits(64 * 1024 * 1024, 3600.0), 1))
 
 
 async def read(conn: Connection, *, last: int = 1_000_000, instance: str = "") -> list[AppLogLine]:

@@ -12,7 +12,7 @@ from services.builds.cancel import cancel_build
 from services.builds.dispatcher import WAITING_KIND, WAITING_MESSAGE, BuildDispatcherConfig
 from shared.buildlogs import END_HEADER, follow_build_log, read_build_log
 from shared.clock import FakeClock
-from shared.natsio import BUILD_LOGS_STREAM, EVENTS_STREAM, Connection, build_log_subject, provision
+from shared.natsio import BUILD_LOGS_STREAM, EVENTS_STREAM, Connection, build_log_subject, build_logs_stream_config
 from shared.txn import Writer
 from shared.view import StateView
 from tests.builds import seed
@@ -275,7 +275,7 @@ async def test_follow_streams_lines_as_they_come_until_the_build_ends(
 async def test_log_keeps_the_newest_lines_up_to_the_per_build_cap(
     conn: Connection, view: StateView, writer: Writer, start_dispatcher: StartDispatcher
 ) -> None:
-    await provision(conn.js, build_log_lines=5)
+    await conn.js.update_stream(build_logs_stream_config(1, lines_per_build=5))  # a test-only cap
     lines = [f"line {i}" for i in range(8)]
     await FakeBuilder(conn, "builder-a", script=[*(log_event(x) for x in lines), *success()]).start()
     await put(writer, seed.builder_node("builder-a"), seed.build("b1"))
@@ -290,7 +290,7 @@ async def test_a_running_builds_log_shows_at_most_the_cap(
     conn: Connection, view: StateView, writer: Writer, start_dispatcher: StartDispatcher
 ) -> None:
     # Until the end marker lands, its reserved slot holds one line more than the cap: readers leave it out.
-    await provision(conn.js, build_log_lines=5)
+    await conn.js.update_stream(build_logs_stream_config(1, lines_per_build=5))  # a test-only cap
     lines = [f"line {i}" for i in range(8)]
     builder = await FakeBuilder(conn, "builder-a", hold=True).start()
     await put(writer, seed.builder_node("builder-a"), seed.build("b1"))

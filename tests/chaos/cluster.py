@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +39,16 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.deployments import is_terminal
 from shared.embedded import EmbeddedNats, start_cluster
-from shared.natsio import LIVE_STREAM, STATE_PREFIX, STATE_STREAM, Connection, connect, provision
+from shared.natsio import (
+    BUILD_EVENTS_STREAM,
+    LIVE_STREAM,
+    ROUTES_STREAM,
+    STATE_PREFIX,
+    STATE_STREAM,
+    Connection,
+    connect,
+    provision,
+)
 from shared.view import StateView
 from tests.orchestrator.failover import invariant_violations
 
@@ -75,6 +86,19 @@ DEPLOYMENT_BOUND = 60.0
 
 
 # ---------------------------------------------------------------------------------------------- NATS
+
+META_LEADER = "meta leader"
+CONNECTED_SERVER = "connected server"
+NATS_ROLES = (
+    META_LEADER,
+    f"{STATE_STREAM} leader",
+    f"{LIVE_STREAM} leader",
+    f"{ROUTES_STREAM} leader",
+    f"{BUILD_EVENTS_STREAM} leader",
+    CONNECTED_SERVER,
+)
+"""The servers whose loss issue 26 asks to survive: the JetStream meta leader, each stream's leader, and the
+server a client is connected to."""
 
 
 class NatsCluster:
@@ -125,6 +149,32 @@ class NatsCluster:
         info = await conn.js.stream_info(stream)
         assert info.cluster is not None and info.cluster.leader, f"{stream} has no leader"
         return self.index_of(info.cluster.leader)
+
+    def meta_leader(self) -> int:
+        """The server leading the JetStream meta group (``/jsz`` of any live server)."""
+        for server in self.servers:
+            if server.pid is None:
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(f"http://{server.host}:{server.http_port}/jsz", timeout=2) as resp:
+                    leader = json.loads(resp.read()).get("meta_cluster", {}).get("leader", "")
+                if leader:
+                    return self.index_of(leader)
+        raise RuntimeError("no JetStream meta leader")
+
+    def connected_to(self, conn: Connection) -> int:
+        """The server a client is connected to."""
+        url = conn.nc.connected_url
+        assert url is not None, "not connected"
+        return next(i for i, s in enumerate(self.servers) if s.port == url.port)
+
+    async def server_in_role(self, conn: Connection, role: str) -> int:
+        """The server playing ``role`` (one of :data:`NATS_ROLES`) right now."""
+        if role == META_LEADER:
+            return self.meta_leader()
+        if role == CONNECTED_SERVER:
+            return self.connected_to(conn)
+        return await self.stream_leader(conn, role.removesuffix(" leader"))
 
     def kill(self, index: int) -> None:
         self.servers[index].kill()

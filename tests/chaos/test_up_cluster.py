@@ -1,8 +1,10 @@
 """``zattera up --nats-cluster 3``: three local servers as one JetStream cluster, everything at replicas=3,
-children told every URL and the replica count."""
+children told every URL and the replica count; a server that dies is restarted and rejoins."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -10,6 +12,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from cli.up import Cluster, _provision
 from shared.natsio import EVENTS_STREAM, LIVE_STREAM, STATE_STREAM, connect
+from tests.waiting import eventually
 
 
 async def test_nats_cluster_option_provisions_everything_at_three_replicas(tmp_path: Path) -> None:
@@ -38,3 +41,30 @@ def test_nats_cluster_with_secure_is_refused_naming_the_option(tmp_path: Path) -
     result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--secure", "--nats-cluster", "3"])
     assert result.exit_code != 0
     assert "--nats-cluster" in result.output
+
+
+async def test_a_nats_server_that_dies_is_restarted_and_rejoins(tmp_path: Path) -> None:
+    cluster = Cluster(data_dir=tmp_path, nats_cluster=3, services=[], with_node=False)
+    try:
+        cluster.start_nats()
+        await _provision(cluster.url, replicas=cluster.replicas)
+        victim = cluster.cluster_servers[1]
+        port, pid = victim.port, victim.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await eventually(lambda: victim.exited() is not None, 10, "the server's death noticed")
+        cluster.supervise_once()
+        assert victim.pid not in (None, pid) and victim.port == port and victim.exited() is None
+        conn = await connect(victim.url, name="rejoin-check")
+        try:
+
+            async def state_replicas_current() -> bool:
+                info = await conn.js.stream_info(STATE_STREAM)
+                peers = info.cluster.replicas if info.cluster else None
+                return bool(peers) and all(p.current for p in peers or [])
+
+            await eventually(state_replicas_current, 30, "the restarted server caught up")
+        finally:
+            await conn.close()
+    finally:
+        cluster.stop()

@@ -40,6 +40,7 @@ idle_timeout = "10m"
 @pytest.fixture
 def cli(nats_url: str):
     runner = CliRunner()
+    assert runner.invoke(app, ["--nats", nats_url, "cluster", "init"]).exit_code == 0
 
     def invoke(*args: str):
         return runner.invoke(app, ["--nats", nats_url, *args], catch_exceptions=False)
@@ -177,7 +178,7 @@ def test_ps_shows_assignments_with_observed_state(cli, nats_url):
 
 def test_cli_reports_unreachable_nats_clearly():
     result = CliRunner().invoke(app, ["--nats", "nats://127.0.0.1:1", "nodes", "list"])
-    assert result.exit_code == 2 and "cannot reach NATS" in result.stderr
+    assert result.exit_code == 3 and "cannot reach NATS" in result.stderr
 
 
 def test_volume_commands_name_the_missing_volume_or_snapshot(cli):

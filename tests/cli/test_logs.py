@@ -16,7 +16,7 @@ from zattera.v1 import types_pb2 as pb
 from cli.main import app
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream_config
 from shared.buildlogs import close_log
-from shared.natsio import Connection, ensure_stream
+from shared.natsio import Connection, create_or_update_stream
 from shared.txn import Writer
 from tests.cli.test_builds_logs import READ_TIMEOUT, REPO_ROOT, seed_running, store_lines, with_conn, zattera_command
 from tests.factories import env
@@ -44,7 +44,7 @@ async def seed_env(conn: Connection) -> None:
         await writer.commit(writer.txn("seed").put(env("E1")))
     finally:
         await view.stop()
-    await ensure_stream(conn.js, app_logs_stream_config("E1", LogLimits(1 << 24, 3600.0), 1))
+    await create_or_update_stream(conn.js, app_logs_stream_config("E1", LogLimits(1 << 24, 3600.0), 1))
 
 
 def test_backfill_merges_replicas_in_time_order_with_json_and_instance_filter(nats_url: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream, app_logs_stream_config, read_app_logs
-from shared.natsio import Connection, connect, ensure_stream
+from shared.natsio import Connection, connect, create_or_update_stream
 from shared.security.permissions import Role
 from tests.security.conftest import SecureCluster
 
@@ -13,7 +13,7 @@ NODE = "n1"
 
 
 async def test_agent_ships_and_operator_reads_instance_logs(secure: SecureCluster, control: Connection) -> None:
-    await ensure_stream(control.js, app_logs_stream_config("E1", LogLimits(1 << 20, 60.0), 1))
+    await create_or_update_stream(control.js, app_logs_stream_config("E1", LogLimits(1 << 20, 60.0), 1))
     agent = await connect(secure.url, name="agent", creds=secure.creds(Role.AGENT, NODE))
     operator = await connect(secure.url, name="operator", creds=secure.creds(Role.OPERATOR, "ops"))
     try:
