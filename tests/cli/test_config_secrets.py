@@ -46,6 +46,7 @@ Invoke = Callable[..., Result]
 @pytest.fixture
 def cli(nats_url: str) -> Invoke:
     runner = CliRunner()
+    assert runner.invoke(app, ["--nats", nats_url, "cluster", "init"]).exit_code == 0
 
     def invoke(*args: str, input: str | bytes | None = None) -> Result:
         return runner.invoke(app, ["--nats", nats_url, *args], input=input, catch_exceptions=False)

@@ -158,7 +158,7 @@ def test_ps_shows_restarts_and_the_last_exit(nats_url: str) -> None:
             await view.stop()
 
     with_conn(nats_url, seed)
-    result = CliRunner().invoke(app, ["--nats", nats_url, "ps"], env={"COLUMNS": "300"})
+    result = CliRunner().invoke(app, ["--nats", nats_url, "ps", "--wide"], env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output
     row = next(line for line in result.stdout.splitlines() if "A1" in line)
     assert "│ 2 " in row and "killed by SIGKILL (likely out of memory)" in row
@@ -186,6 +186,7 @@ def test_apply_writes_the_env_log_retention(nats_url: str, tmp_path: Path) -> No
         'max_bytes = "64MiB"\nmax_age = "72h"\n'
     )
     runner = CliRunner()
+    assert runner.invoke(app, ["--nats", nats_url, "cluster", "init"]).exit_code == 0
     applied = runner.invoke(app, ["--nats", nats_url, "apps", "apply", str(spec)])
     assert applied.exit_code == 0, applied.output
 

@@ -29,6 +29,7 @@ Invoke = Callable[..., Any]
 @pytest.fixture
 def cli(nats_url: str) -> Invoke:
     runner = CliRunner()
+    assert runner.invoke(app, ["--nats", nats_url, "cluster", "init"]).exit_code == 0
 
     def invoke(*args: str) -> Any:
         return runner.invoke(app, ["--nats", nats_url, *args], catch_exceptions=False)
