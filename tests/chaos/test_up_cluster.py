@@ -59,7 +59,10 @@ async def test_a_nats_server_that_dies_is_restarted_and_rejoins(tmp_path: Path) 
         try:
 
             async def state_replicas_current() -> bool:
-                info = await conn.js.stream_info(STATE_STREAM)
+                try:
+                    info = await conn.js.stream_info(STATE_STREAM)
+                except Exception:  # the rejoining server may not answer for JetStream yet: ask again
+                    return False
                 peers = info.cluster.replicas if info.cluster else None
                 return bool(peers) and all(p.current for p in peers or [])
 
