@@ -4,7 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test lint typecheck pytest bench chaos proto clean install
+.PHONY: up test lint typecheck pytest bench chaos proto clean install system-packages
+
+# Debian packages the data plane and runtimes use (one line per feature, so additions merge cleanly).
+SYSTEM_PACKAGES :=
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +19,10 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
-up: $(STAMP)
+system-packages:
+	@deploy/system-packages.sh $(SYSTEM_PACKAGES)
+
+up: $(STAMP) system-packages
 	$(VENV)/bin/zattera up
 
 test: lint typecheck pytest
@@ -27,10 +33,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy shared services cli
 
-pytest: $(STAMP)
+pytest: $(STAMP) system-packages
 	$(PY) -m pytest
 
-bench: $(STAMP)
+bench: $(STAMP) system-packages
 	$(PY) -m benchmarks.run
 
 chaos: $(STAMP)
