@@ -8,7 +8,8 @@ for values that are.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import typer
 from zattera.v1 import types_pb2 as pb
@@ -87,6 +88,35 @@ def follow(deployment_id: str, watch: bool) -> None:
         raise typer.Exit(run(lambda: watch_deployment(deployment_id, until_done=False)))
 
 
+def roll_out(
+    env: str,
+    what: str,
+    make_edit: Callable[[StateView], ConfigEdit],
+    *,
+    deploy: bool,
+    watch: bool,
+    span_name: str,
+    **attributes: Any,
+) -> None:
+    """Commit the edit ``make_edit`` builds on the current view to ``env``, then follow its rollout."""
+
+    async def go() -> str:
+        async with control() as c:
+            return await reconfigure(c, target_env(c.view, env), what, make_edit(c.view), deploy=deploy)
+
+    with span(span_name, env=env, **attributes):
+        follow(run(go), watch)
+
+
+def check_names(field: str, names: list[str]) -> None:
+    """Every name a POSIX environment name, else the CLI fails naming ``<field>.<name>``."""
+    for name in names:
+        try:
+            check_name(f"{field}.{name}", name)
+        except ConfigError as exc:
+            raise fail(str(exc)) from None
+
+
 def _vars_edit(view: StateView, change: Mapping[str, str | None]) -> ConfigEdit:
     """Set (value) or remove (None) variables; refuses a name that is also a secret, and an env over 1 MiB."""
 
@@ -94,7 +124,8 @@ def _vars_edit(view: StateView, change: Mapping[str, str | None]) -> ConfigEdit:
         merged = dict(env.service.vars)
         for name, value in change.items():
             if value is None:
-                merged.pop(name, None)
+                if merged.pop(name, None) is None:
+                    raise ConfigError(f"vars.{name}", "not set on this environment")
             elif name in env.service.secrets:
                 raise ConfigError(f"vars.{name}", "is a secret of this environment; `zattera secrets unset` it first")
             else:
@@ -117,16 +148,15 @@ def config_set(
         values = parse_assignments(assignments)
     except ConfigError as exc:
         raise fail(str(exc)) from None
-
-    async def go() -> str:
-        async with control() as c:
-            target = target_env(c.view, env)
-            return await reconfigure(
-                c, target, f"set {', '.join(values)}", _vars_edit(c.view, values), deploy=not no_deploy
-            )
-
-    with span("cli.config.set", env=env, names=",".join(values)):
-        follow(run(go), watch)
+    roll_out(
+        env,
+        f"set {', '.join(values)}",
+        lambda view: _vars_edit(view, values),
+        deploy=not no_deploy,
+        watch=watch,
+        span_name="cli.config.set",
+        names=",".join(values),
+    )
 
 
 @config_app.command("unset")
@@ -137,25 +167,17 @@ def config_unset(
     watch: bool = WATCH,
 ) -> None:
     """Remove environment variables."""
-
-    async def go() -> str:
-        async with control() as c:
-            target = target_env(c.view, env)
-            missing = [n for n in names if n not in target.service.vars]
-            if missing:
-                raise fail(f"vars.{missing[0]}: not set on this environment")
-            change: dict[str, str | None] = dict.fromkeys(names)
-            return await reconfigure(
-                c, target, f"unset {', '.join(names)}", _vars_edit(c.view, change), deploy=not no_deploy
-            )
-
-    for name in names:
-        try:
-            check_name(f"vars.{name}", name)
-        except ConfigError as exc:
-            raise fail(str(exc)) from None
-    with span("cli.config.unset", env=env, names=",".join(names)):
-        follow(run(go), watch)
+    check_names("vars", names)
+    change: dict[str, str | None] = dict.fromkeys(names)
+    roll_out(
+        env,
+        f"unset {', '.join(names)}",
+        lambda view: _vars_edit(view, change),
+        deploy=not no_deploy,
+        watch=watch,
+        span_name="cli.config.unset",
+        names=",".join(names),
+    )
 
 
 @config_app.command("list")

@@ -20,7 +20,18 @@ from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.client import control, run
-from cli.config_cmds import ENV, JSON, NO_DEPLOY, WATCH, fail, follow, reconfigure, running_release, say, target_env
+from cli.config_cmds import (
+    ENV,
+    JSON,
+    NO_DEPLOY,
+    WATCH,
+    check_names,
+    fail,
+    roll_out,
+    running_release,
+    say,
+    target_env,
+)
 from shared import keys as K
 from shared.appconfig import (
     ConfigError,
@@ -130,15 +141,15 @@ def secrets_set(
     except ConfigError as exc:
         raise fail(str(exc)) from None
 
-    async def go() -> str:
-        async with control() as c:
-            target = target_env(c.view, env)
-            return await reconfigure(
-                c, target, f"secret {name} set", _set_edit(c.view, name, value), deploy=not no_deploy
-            )
-
-    with span("cli.secrets.set", env=env, secret=name):
-        follow(run(go), watch)
+    roll_out(
+        env,
+        f"secret {name} set",
+        lambda view: _set_edit(view, name, value),
+        deploy=not no_deploy,
+        watch=watch,
+        span_name="cli.secrets.set",
+        secret=name,
+    )
 
 
 @secrets_app.command("unset")
@@ -149,21 +160,16 @@ def secrets_unset(
     watch: bool = WATCH,
 ) -> None:
     """Remove secrets (their old versions stay while a release still uses them, for rollbacks)."""
-    for name in names:
-        try:
-            check_name(f"secrets.{name}", name)
-        except ConfigError as exc:
-            raise fail(str(exc)) from None
-
-    async def go() -> str:
-        async with control() as c:
-            target = target_env(c.view, env)
-            return await reconfigure(
-                c, target, f"secret {', '.join(names)} unset", _unset_edit(c.view, names), deploy=not no_deploy
-            )
-
-    with span("cli.secrets.unset", env=env, names=",".join(names)):
-        follow(run(go), watch)
+    check_names("secrets", names)
+    roll_out(
+        env,
+        f"secret {', '.join(names)} unset",
+        lambda view: _unset_edit(view, names),
+        deploy=not no_deploy,
+        watch=watch,
+        span_name="cli.secrets.unset",
+        names=",".join(names),
+    )
 
 
 @secrets_app.command("list")
