@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from shared.natsio import STATE_STREAM
-from tests.cli.test_cli import _state, cli  # noqa: F401  (cli is a fixture)
+from tests.cli.rig import state
 
 BASE = """
 project = "demo"
@@ -38,10 +38,10 @@ def _last_sequence(nats_url: str) -> int:
     async def read(conn, view, writer) -> int:
         return (await conn.js.stream_info(STATE_STREAM)).state.last_seq
 
-    return _state(nats_url, read)
+    return state(nats_url, read)
 
 
-def test_dry_run_prints_the_plan_and_writes_nothing(cli, nats_url, tmp_path: Path) -> None:  # noqa: F811
+def test_dry_run_prints_the_plan_and_writes_nothing(cli, nats_url, tmp_path: Path) -> None:
     spec = tmp_path / "zattera.toml"
     spec.write_text(BASE)
     assert cli("apps", "apply", str(spec)).exit_code == 0
@@ -81,7 +81,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(cli, nats_url, tmp_path: Pat
     assert again["dry_run"] is False and again["summary"] == {"create": 0, "update": 0, "delete": 0, "unchanged": 6}
 
 
-def test_dry_run_on_an_empty_cluster_lists_creations_only(cli, nats_url, tmp_path: Path) -> None:  # noqa: F811
+def test_dry_run_on_an_empty_cluster_lists_creations_only(cli, nats_url, tmp_path: Path) -> None:
     spec = tmp_path / "zattera.toml"
     spec.write_text(BASE)
     before = _last_sequence(nats_url)
@@ -102,4 +102,4 @@ def test_dry_run_on_an_empty_cluster_lists_creations_only(cli, nats_url, tmp_pat
     async def nothing(conn, view, writer):
         assert view.envs() == [] and view.all("project") == []
 
-    _state(nats_url, nothing)
+    state(nats_url, nothing)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -13,9 +12,7 @@ from zattera.v1 import types_pb2 as pb
 from cli.main import app
 from shared import keys as K
 from shared.events import EventPublisher, make_event
-from shared.natsio import connect, provision
-from shared.txn import Writer
-from shared.view import StateView
+from tests.cli.rig import state
 from tests.factories import node
 
 VALID = """
@@ -35,32 +32,6 @@ domains = ["hello.example.com"]
 scale_to_zero = true
 idle_timeout = "10m"
 """
-
-
-@pytest.fixture
-def cli(nats_url: str):
-    runner = CliRunner()
-    assert runner.invoke(app, ["--nats", nats_url, "cluster", "init"]).exit_code == 0
-
-    def invoke(*args: str):
-        return runner.invoke(app, ["--nats", nats_url, *args], catch_exceptions=False)
-
-    return invoke
-
-
-def _state(nats_url: str, fn):
-    async def go():
-        conn = await connect(nats_url, name="t")
-        await provision(conn.js)
-        view = StateView(conn, name="t")
-        await view.start()
-        try:
-            return await fn(conn, view, Writer(conn, view))
-        finally:
-            await view.stop()
-            await conn.close()
-
-    return asyncio.run(go())
 
 
 def test_apps_apply_creates_then_leaves_unchanged(cli, nats_url, tmp_path: Path):
@@ -83,7 +54,7 @@ def test_apps_apply_creates_then_leaves_unchanged(cli, nats_url, tmp_path: Path)
         assert staging.effective_replicas == 1 and staging.idle_timeout.seconds == 600
         assert [d.hostname for d in view.domains(env.meta.id)] == ["hello.example.com"]
 
-    _state(nats_url, check)
+    state(nats_url, check)
 
 
 @pytest.mark.parametrize(
@@ -110,7 +81,7 @@ def test_node_commands_change_the_node(cli, nats_url):
     async def seed(conn, view, writer):
         await writer.commit(writer.txn().create(node("n1")))
 
-    _state(nats_url, seed)
+    state(nats_url, seed)
     assert cli("nodes", "cordon", "n1").exit_code == 0
     assert cli("nodes", "label", "n1", "region=eu", "disk=ssd").exit_code == 0
     listed = json.loads(cli("nodes", "list", "--json").stdout)
@@ -156,7 +127,7 @@ def test_events_lists_published_events(cli, nats_url):
     async def publish(conn, view, writer):
         await EventPublisher(conn).publish(make_event("node.down", "node n1 is down", node_id="n1"))
 
-    _state(nats_url, publish)
+    state(nats_url, publish)
     result = cli("events", "--json", "--last", "5")
     assert result.exit_code == 0
     assert '"kind": "node.down"' in result.stdout
@@ -171,7 +142,7 @@ def test_ps_shows_assignments_with_observed_state(cli, nats_url):
             writer.txn().put(pb.AssignmentObserved(state=pb.INSTANCE_STATE_HEALTHY), key=K.observed("n1", "A1"))
         )
 
-    _state(nats_url, seed)
+    state(nats_url, seed)
     rows = json.loads(cli("ps", "--json").stdout)
     assert rows[0]["observed"]["state"] == "INSTANCE_STATE_HEALTHY"
 
@@ -210,14 +181,14 @@ def _seed_volume(nats_url: str, env_id: str, project_id: str, volume_id: str = "
         volume.meta.id = volume_id
         await writer.commit(writer.txn().create(volume))
 
-    _state(nats_url, seed)
+    state(nats_url, seed)
 
 
 def _policy(nats_url: str, volume_id: str = "VOL1") -> pb.SnapshotPolicy:
     async def read(conn, view, writer):
         return view.volume(volume_id).snapshot_policy
 
-    return _state(nats_url, read)
+    return state(nats_url, read)
 
 
 def test_apply_writes_the_snapshot_policy_onto_the_env_volumes(cli, nats_url, tmp_path: Path):
@@ -294,7 +265,7 @@ def test_volumes_snapshots_lists_the_ids_restore_takes_newest_first(cli, nats_ur
         await writer.commit(txn)
 
     _seed_volume(nats_url, "e1", "p1")
-    _state(nats_url, seed)
+    state(nats_url, seed)
     rows = json.loads(cli("volumes", "snapshots", "VOL1", "--json").stdout)
     assert [r["meta"]["id"] for r in rows] == ["SNAPNEW", "SNAPMID", "SNAPOLD"]
     assert rows[0]["status"] == "SNAPSHOT_STATUS_FAILED" and rows[1]["logical_size_bytes"] == "4096"

@@ -7,25 +7,21 @@ appears in no output.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets as pysecrets
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from nacl.public import PrivateKey
-from typer.testing import CliRunner, Result
 from zattera.v1 import types_pb2 as pb
 
-from cli.main import app
 from shared import keys as K
 from shared.appconfig import MAX_VALUE_BYTES
-from shared.natsio import connect, provision
 from shared.secrets import CLUSTER_KEY, key_id, unseal
 from shared.txn import Writer
 from shared.view import StateView
+from tests.cli.rig import Invoke, state
 
 SPEC = """
 project = "demo"
@@ -39,34 +35,6 @@ command = "python app.py"
 GREETING = "hi"
 """
 ENV = "demo/hello/production"
-
-Invoke = Callable[..., Result]
-
-
-@pytest.fixture
-def cli(nats_url: str) -> Invoke:
-    runner = CliRunner()
-    assert runner.invoke(app, ["--nats", nats_url, "cluster", "init"]).exit_code == 0
-
-    def invoke(*args: str, input: str | bytes | None = None) -> Result:
-        return runner.invoke(app, ["--nats", nats_url, *args], input=input, catch_exceptions=False)
-
-    return invoke
-
-
-def state(nats_url: str, fn: Callable[[Any, StateView, Writer], Any]) -> Any:
-    async def go() -> Any:
-        conn = await connect(nats_url, name="t")
-        await provision(conn.js)
-        view = StateView(conn, name="t")
-        await view.start()
-        try:
-            return await fn(conn, view, Writer(conn, view))
-        finally:
-            await view.stop()
-            await conn.close()
-
-    return asyncio.run(go())
 
 
 def the_env(view: StateView) -> pb.Environment:

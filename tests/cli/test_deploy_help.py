@@ -9,7 +9,6 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from cli.main import app
-from tests.cli.test_cli import cli  # noqa: F401  (a fixture)
 
 USAGE = "Usage: zattera deploy DIR --env E [OPTIONS]"
 
@@ -34,7 +33,7 @@ def test_a_usage_error_points_at_deploy_help_not_run(tmp_path: Path) -> None:
     assert "--env" in result.output
 
 
-def test_deploy_and_its_subcommands_still_work(cli, tmp_path: Path) -> None:  # noqa: F811
+def test_deploy_and_its_subcommands_still_work(cli, tmp_path: Path) -> None:
     spec = tmp_path / "zattera.toml"
     spec.write_text('project = "demo"\napp = "hello"\n[env.production]\nreplicas = 1\n')
     assert cli("apps", "apply", str(spec)).exit_code == 0

@@ -11,14 +11,15 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.txn import Conflict
 from shared.view import StateView
-from tests.cli.test_cli import VALID, _state, cli  # noqa: F401 - the fixture
+from tests.cli.rig import state
+from tests.cli.test_cli import VALID
 from tests.factories import assignment
 
 PROD = "demo/hello/production"
 
 
 @pytest.fixture
-def applied(cli, tmp_path: Path) -> dict[str, str]:  # noqa: F811 - the fixture
+def applied(cli, tmp_path: Path) -> dict[str, str]:
     """The VALID spec applied: env name -> id."""
     spec = tmp_path / "zattera.toml"
     spec.write_text(VALID)
@@ -41,17 +42,17 @@ def _seed_replicas_and_volume(nats_url: str, env_id: str) -> None:
         txn.create(placing)
         await writer.commit(txn)
 
-    _state(nats_url, seed)
+    state(nats_url, seed)
 
 
 def _read(nats_url: str, fn):
     async def go(conn, view: StateView, writer):
         return fn(view)
 
-    return _state(nats_url, go)
+    return state(nats_url, go)
 
 
-def test_delete_refuses_without_yes_when_there_is_no_terminal(cli, nats_url, applied):  # noqa: F811
+def test_delete_refuses_without_yes_when_there_is_no_terminal(cli, nats_url, applied):
     _seed_replicas_and_volume(nats_url, applied["production"])
     for args in (("envs", "delete", PROD), ("apps", "delete", "demo/hello"), ("projects", "delete", "demo")):
         refused = cli(*args)
@@ -62,7 +63,7 @@ def test_delete_refuses_without_yes_when_there_is_no_terminal(cli, nats_url, app
 
 
 def test_env_delete_stops_replicas_removes_domains_keeps_volumes_and_records_an_event(
-    cli,  # noqa: F811
+    cli,
     nats_url,
     applied,
 ):
@@ -98,7 +99,7 @@ def test_env_delete_stops_replicas_removes_domains_keeps_volumes_and_records_an_
     assert missing.exit_code == 1 and "not found" in missing.stderr
 
 
-def test_project_delete_with_volumes_removes_everything_under_it(cli, nats_url, applied):  # noqa: F811
+def test_project_delete_with_volumes_removes_everything_under_it(cli, nats_url, applied):
     _seed_replicas_and_volume(nats_url, applied["production"])
     assert cli("projects", "delete", "demo", "--yes", "--volumes").exit_code == 0
 
@@ -131,7 +132,7 @@ def test_app_delete_is_one_fenced_batch_refused_whole_by_a_concurrent_deploy(nat
             await writer.commit(txn)
         return len(view.envs()), len(view.domains())
 
-    envs, domains = _state(nats_url, race)
+    envs, domains = state(nats_url, race)
     assert envs == 2 and domains == 1
 
 
@@ -173,12 +174,12 @@ def test_scale_sets_bounds_and_count(env: pb.Environment, request_, expected) ->
         ((), "give REPLICAS"),
     ],
 )
-def test_scale_refuses_bad_requests_naming_the_option(cli, applied, args, message):  # noqa: F811
+def test_scale_refuses_bad_requests_naming_the_option(cli, applied, args, message):
     refused = cli("scale", "--env", PROD, *args)
     assert refused.exit_code != 0 and message in refused.stderr, refused.stderr
 
 
-def test_scale_then_status_and_apps_list_show_the_effective_count(cli, nats_url, applied):  # noqa: F811
+def test_scale_then_status_and_apps_list_show_the_effective_count(cli, nats_url, applied):
     done = cli("scale", "--env", PROD, "3", "--json")
     assert done.exit_code == 0, done.stderr
     assert json.loads(done.stdout) == {"env": PROD, "replicas": 3, "min": 3, "max": 3}
@@ -192,7 +193,7 @@ def test_scale_then_status_and_apps_list_show_the_effective_count(cli, nats_url,
         staging.active_release_id, staging.effective_replicas = "rel-s", 0  # deployed, then cooled to zero
         await writer.commit(writer.txn().put(staging))
 
-    _state(nats_url, deploy_and_cool_staging)
+    state(nats_url, deploy_and_cool_staging)
     listed = cli("apps", "list")
     staging_row = next(line for line in listed.stdout.splitlines() if "staging" in line)
     assert staging_row.split("│")[-2].strip() == "0", listed.stdout  # desired 0, not replicas.min 1

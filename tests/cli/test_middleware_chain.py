@@ -18,7 +18,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.embedded import free_port
-from tests.cli.test_cli import _state, cli  # noqa: F401  (cli is a fixture)
+from tests.cli.rig import state
 from tests.factories import assignment, node, release
 from tests.waiting import eventually_sync
 
@@ -76,7 +76,7 @@ def _get(port: int, headers: dict[str, str]) -> int:
 
 
 def test_middleware_applied_from_the_toml_is_enforced_by_the_proxy(
-    cli,  # noqa: F811
+    cli,
     nats_url: str,
     tmp_path: Path,
     backend: int,
@@ -98,7 +98,7 @@ def test_middleware_applied_from_the_toml_is_enforced_by_the_proxy(
         observed.mesh_port_bindings["http"] = backend
         await writer.commit(writer.txn().put(observed, key=K.observed("n1", a.meta.id)))
 
-    _state(nats_url, seed)
+    state(nats_url, seed)
     proxy_port = free_port()
     env = {"PATH": "/usr/bin:/bin", "ZATTERA_DOMAIN": ""}
     processes = [

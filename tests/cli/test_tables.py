@@ -13,7 +13,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.events import EventPublisher, make_event
-from tests.cli.test_cli import _state, cli  # noqa: F401  (cli is a fixture)
+from tests.cli.rig import state
 from tests.factories import assignment, node, release
 from tests.waiting import eventually_sync
 
@@ -29,7 +29,7 @@ domains = ["hello.example.com"]
 """
 
 
-def _seed_a_healthy_replica(cli, nats_url: str, tmp_path: Path) -> tuple[str, str]:  # noqa: F811
+def _seed_a_healthy_replica(cli, nats_url: str, tmp_path: Path) -> tuple[str, str]:
     spec = tmp_path / "zattera.toml"
     spec.write_text(SPEC)
     env_id = json.loads(cli("apps", "apply", str(spec), "--json").stdout)["env_ids"]["production"]
@@ -49,10 +49,10 @@ def _seed_a_healthy_replica(cli, nats_url: str, tmp_path: Path) -> tuple[str, st
         await writer.commit(writer.txn().put(observed, key=K.observed(LONG_NODE, a.meta.id)))
         return a.meta.id
 
-    return env_id, _state(nats_url, seed)
+    return env_id, state(nats_url, seed)
 
 
-def test_ps_in_a_pipe_keeps_every_row_whole_and_wide_adds_ids(cli, nats_url, tmp_path: Path) -> None:  # noqa: F811
+def test_ps_in_a_pipe_keeps_every_row_whole_and_wide_adds_ids(cli, nats_url, tmp_path: Path) -> None:
     env_id, assignment_id = _seed_a_healthy_replica(cli, nats_url, tmp_path)
     out = cli("ps").stdout
     row = next(line for line in out.splitlines() if LONG_NODE in line)
@@ -69,7 +69,7 @@ def test_ps_in_a_pipe_keeps_every_row_whole_and_wide_adds_ids(cli, nats_url, tmp
     )
 
 
-def test_routes_shows_project_app_and_env_names(cli, nats_url, tmp_path: Path) -> None:  # noqa: F811
+def test_routes_shows_project_app_and_env_names(cli, nats_url, tmp_path: Path) -> None:
     env_id, assignment_id = _seed_a_healthy_replica(cli, nats_url, tmp_path)
     routes = subprocess.Popen(
         [sys.executable, "-m", "services.routes", "--nats", nats_url],
@@ -99,12 +99,12 @@ def test_routes_shows_project_app_and_env_names(cli, nats_url, tmp_path: Path) -
         routes.wait(10)
 
 
-def test_a_long_event_line_is_not_cut_in_a_pipe(cli, nats_url) -> None:  # noqa: F811
+def test_a_long_event_line_is_not_cut_in_a_pipe(cli, nats_url) -> None:
     message = "deployment 01JABCDEFGHJKMNPQRSTVWXYZ0 of demo/hello/production failed: " + "x" * 80
 
     async def publish(conn, view, writer):
         await EventPublisher(conn).publish(make_event("deploy.failed", message))
 
-    _state(nats_url, publish)
+    state(nats_url, publish)
     out = cli("events", "--last", "5").stdout
     assert any(line.endswith(message) for line in out.splitlines()), out

@@ -9,7 +9,7 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from tests.cli.test_cli import _state, cli  # noqa: F401  (cli is a fixture)
+from tests.cli.rig import state
 
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
 
@@ -31,7 +31,7 @@ redirect_https = true
 """
 
 
-def test_replicas_shorthand_and_middleware_are_written_to_the_env(cli, nats_url, tmp_path: Path) -> None:  # noqa: F811
+def test_replicas_shorthand_and_middleware_are_written_to_the_env(cli, nats_url, tmp_path: Path) -> None:
     spec = tmp_path / "zattera.toml"
     spec.write_text(SPEC)
     result = cli("apps", "apply", str(spec), "--json")
@@ -48,7 +48,7 @@ def test_replicas_shorthand_and_middleware_are_written_to_the_env(cli, nats_url,
         assert (m.max_body_bytes, m.sticky_sessions, m.redirect_https) == (1024 * 1024, True, True)
         assert (env.service.rate_limit.requests_per_second, env.service.rate_limit.burst) == (20, 40)
 
-    _state(nats_url, check)
+    state(nats_url, check)
     again = json.loads(cli("apps", "apply", str(spec), "--json").stdout)
     assert again["updated"] == [] and again["created"] == []
 
@@ -58,7 +58,7 @@ def test_replicas_shorthand_and_middleware_are_written_to_the_env(cli, nats_url,
     async def cleared(conn, view, writer):
         assert not view.env(env_id).HasField("middleware")
 
-    _state(nats_url, cleared)
+    state(nats_url, cleared)
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ def test_replicas_shorthand_and_middleware_are_written_to_the_env(cli, nats_url,
     ],
 )
 def test_bad_values_are_refused_naming_the_field_and_nothing_is_written(
-    cli,  # noqa: F811
+    cli,
     nats_url,
     tmp_path: Path,
     body: str,
@@ -94,10 +94,10 @@ def test_bad_values_are_refused_naming_the_field_and_nothing_is_written(
     async def nothing(conn, view, writer):
         assert view.envs() == []
 
-    _state(nats_url, nothing)
+    state(nats_url, nothing)
 
 
-def test_a_domain_of_another_env_is_refused_naming_the_field_and_that_env(cli, nats_url, tmp_path: Path) -> None:  # noqa: F811
+def test_a_domain_of_another_env_is_refused_naming_the_field_and_that_env(cli, nats_url, tmp_path: Path) -> None:
     first, second = tmp_path / "a.toml", tmp_path / "b.toml"
     first.write_text('project = "demo"\napp = "a"\n[env.prod]\ndomains = ["shop.example.com"]\n')
     second.write_text('project = "demo"\napp = "b"\n[env.prod]\ndomains = ["shop.example.com"]\n')
@@ -109,4 +109,4 @@ def test_a_domain_of_another_env_is_refused_naming_the_field_and_that_env(cli, n
     async def only_the_first(conn, view, writer):
         assert [a.name for a in view.all("app")] == ["a"]
 
-    _state(nats_url, only_the_first)
+    state(nats_url, only_the_first)

@@ -9,32 +9,22 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 from zattera.v1 import types_pb2 as pb
 
-from cli.main import app
 from shared.events import EventPublisher, make_event
 from shared.natsio import Connection, connect, provision
 from shared.txn import Writer
 from shared.view import StateView
+from tests.cli.rig import Invoke, initialised_cli
 from tests.factories import node
 from tests.orchestrator.rig import environment, spec
-
-Invoke = Callable[..., Any]
 
 
 @pytest.fixture
 def cli(nats_url: str) -> Invoke:
-    runner = CliRunner()
-    assert runner.invoke(app, ["--nats", nats_url, "cluster", "init"]).exit_code == 0
-
-    def invoke(*args: str) -> Any:
-        return runner.invoke(app, ["--nats", nats_url, *args], catch_exceptions=False)
-
-    return invoke
+    return initialised_cli(nats_url)
 
 
 def in_state(nats_url: str, fn: Callable[[Connection, Writer], Awaitable[None]]) -> None:
