@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from cli.main import app as cli_app
 from shared.buildplan import PlanError, detect, poetry_requirements, read_source, requirement_names
 
 FLASK_APP = "from flask import Flask\n\napp = Flask(__name__)\n"
@@ -68,7 +70,11 @@ CASES: list[tuple[str, dict[str, str], list[str]]] = [
     ),
     (
         "uv.lock",
-        {"pyproject.toml": '[project]\nname="a"\nversion="1"\ndependencies=["fastapi"]\n', "uv.lock": "", "main.py": FASTAPI_APP},
+        {
+            "pyproject.toml": '[project]\nname="a"\nversion="1"\ndependencies=["fastapi"]\n',
+            "uv.lock": "",
+            "main.py": FASTAPI_APP,
+        },
         [
             "plan: provider python (pyproject.toml + uv.lock)",
             "plan: install  uv export --frozen --no-dev --no-emit-project --no-hashes -o .zattera/requirements.txt"
@@ -103,7 +109,11 @@ CASES: list[tuple[str, dict[str, str], list[str]]] = [
     ),
     (
         "procfile overrides inference",
-        {"app.py": FLASK_APP, "requirements.txt": "flask\ngunicorn\n", "Procfile": "worker: x\nweb: gunicorn -w 2 app:app\n"},
+        {
+            "app.py": FLASK_APP,
+            "requirements.txt": "flask\ngunicorn\n",
+            "Procfile": "worker: x\nweb: gunicorn -w 2 app:app\n",
+        },
         [
             "plan: provider python (requirements.txt)",
             "plan: install  uv pip install --target .zattera/python -r requirements.txt",
@@ -238,7 +248,13 @@ def test_malformed_files_are_named(files: dict[str, str], message: str) -> None:
 
 
 def test_requirement_names_skip_options_and_comments() -> None:
-    lines = ["-r base.txt", "--index-url x", "# c", "Django_Rest.Framework>=3 ; python_version>'3'", "uvicorn[standard]"]
+    lines = [
+        "-r base.txt",
+        "--index-url x",
+        "# c",
+        "Django_Rest.Framework>=3 ; python_version>'3'",
+        "uvicorn[standard]",
+    ]
     assert requirement_names(lines) == {"django-rest-framework", "uvicorn"}
     assert poetry_requirements("") == ""
 
@@ -250,3 +266,26 @@ def test_read_source_collects_the_files_detect_reads(tmp_path: Path) -> None:
     (tmp_path / "other.py").write_text("")
     (tmp_path / "requirements.txt").write_text("django\n")
     assert sorted(read_source(tmp_path)) == ["manage.py", "proj/wsgi.py", "requirements.txt"]
+
+
+def test_build_plan_command(tmp_path: Path) -> None:
+    (tmp_path / "app.py").write_text(FLASK_APP)
+    (tmp_path / "requirements.txt").write_text("flask\ngunicorn\n")
+    (tmp_path / "Procfile").write_text("web: gunicorn app:app --bind 0.0.0.0:$PORT --workers 2\n")
+    runner = CliRunner()
+    result = runner.invoke(cli_app, ["build", "plan", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert (
+        result.output.splitlines()[3]
+        == "plan: start    gunicorn app:app --bind 0.0.0.0:$PORT --workers 2  (Procfile web:)"
+    )
+    as_json = json.loads(runner.invoke(cli_app, ["build", "plan", str(tmp_path), "--json"]).output)
+    assert as_json["provider"] == "python" and as_json["dependency_files"] == ["requirements.txt"]
+    (tmp_path / "Procfile").unlink()
+    (tmp_path / "app.py").unlink()
+    failed = runner.invoke(cli_app, ["build", "plan", str(tmp_path)])
+    assert failed.exit_code == 1 and "plan: error    no start command" in failed.output
+    (tmp_path / "package.json").write_text("{")
+    (tmp_path / "requirements.txt").unlink()
+    broken = runner.invoke(cli_app, ["build", "plan", str(tmp_path)])
+    assert broken.exit_code == 1 and "package.json: " in broken.output and "Traceback" not in broken.output
