@@ -101,7 +101,7 @@ async def test_failing_build_command_fails_the_build_with_its_output_logged(buil
 
     assert "oops" in [e.log.line for e in events]
     assert events[-1].done and events[-1].status == pb.BUILD_STATUS_FAILED
-    assert events[-1].error == "builder: build command exited with code 7"
+    assert events[-1].error == "builder: build command exited with code 7: oops"
     assert not any(e.image_digest for e in events)
 
 
