@@ -147,7 +147,7 @@ def image_config(platform: str, plan: BuildPlan, diff_ids: Sequence[str], build_
         "config": {
             "Entrypoint": RUN_ENTRYPOINT if plan.dependency_dir else [],
             "Cmd": ["/bin/sh", "-c", plan.start] if plan.start else [],
-            "Env": ["PYTHONUNBUFFERED=1"] if plan.provider == "python" else [],
+            "Env": ["PYTHONUNBUFFERED=1", "PYTHONNOUSERSITE=1"] if plan.provider == "python" else [],
             "WorkingDir": "/",
             "Labels": {"dev.zattera.build-id": build_id, "dev.zattera.build-provider": plan.provider},
         },

@@ -14,6 +14,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
+from shared.applogs import describe_exit
 from shared.natsio import Connection
 from shared.txn import Writer
 from shared.view import StateView
@@ -187,3 +188,27 @@ async def test_a_broken_requirement_fails_the_build_with_the_installers_message(
 async def test_a_stack_without_a_start_command_asks_for_one(builder: Builder, conn: Connection) -> None:
     events = await run_build(conn, {"package.json": json.dumps({"name": "x"})})
     assert events[-1].error.startswith("builder: no start command for this node app: add a Procfile line")
+
+
+async def test_an_app_missing_a_module_says_which(
+    builder: Builder, conn: Connection, view: StateView, writer: Writer, start_agent: StartAgent
+) -> None:
+    files = {
+        "requirements.txt": "gunicorn>=22\n",
+        "Procfile": "web: python app.py\n",
+        "app.py": "import forgotten_dep\n",
+    }
+    events = await run_build(conn, files)
+    await start_agent("n1")
+    rel = release(image_of(events), healthcheck=False)
+    a = assignment("n1", rel)
+    await seed(writer, rel, a)
+
+    def crashed() -> bool:
+        observed = view.observed("n1", a.meta.id)
+        return observed is not None and observed.HasField("last_exit") and observed.last_exit.code_known
+
+    await eventually(crashed, what="the crash reported", timeout=30)
+    observed = view.observed("n1", a.meta.id)
+    assert observed is not None
+    assert "missing module 'forgotten_dep'" in describe_exit(observed.last_exit)
