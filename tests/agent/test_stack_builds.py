@@ -1,6 +1,7 @@
-"""Real apps built unchanged: the builder detects the stack, installs real packages from PyPI and npm, and the
-process runtime runs the image. The package managers' download caches are shared by the whole session (as on a
-builder node), so only the first build of a stack downloads anything."""
+"""Real apps built unchanged: the builder detects the stack, installs real packages from PyPI, and the process
+runtime runs the image (FastAPI, Express and static sites: tests/e2e/test_stack_deploys.py). The package
+managers' download caches are shared by the whole session (as on a builder node), so only the first build of a
+stack downloads anything."""
 
 from __future__ import annotations
 
@@ -24,24 +25,6 @@ from tests.agent.test_runtime import http_get, seed, state_of
 from tests.waiting import eventually
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-FASTAPI_APP = """
-from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
-
-api = FastAPI()
-
-
-@api.get("/", response_class=PlainTextResponse)
-def index() -> str:
-    return "hello from fastapi"
-"""
-FASTAPI_PYPROJECT = """
-[project]
-name = "hello-fastapi"
-version = "1.0.0"
-requires-python = ">=3.10"
-dependencies = ["fastapi>=0.110", "uvicorn>=0.30"]
-"""
 
 
 def example(name: str) -> dict[str, str]:
@@ -147,30 +130,6 @@ async def test_a_builder_without_the_layer_takes_it_from_the_cluster_registry(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert any(line.startswith("dependencies: cached layer ") and "(cluster registry)" in line for line in lines)
-
-
-async def test_fastapi_pyproject_app_is_inferred_and_runs(
-    builder: Builder, conn: Connection, view: StateView, writer: Writer, start_agent: StartAgent
-) -> None:
-    events = await run_build(conn, {"pyproject.toml": FASTAPI_PYPROJECT, "main.py": FASTAPI_APP})
-    assert "plan: start    uvicorn main:api --host 0.0.0.0 --port $PORT  (inferred (FastAPI))" in log_lines(events)
-    assert "hello from fastapi" in await serve_and_get(image_of(events), view, writer, start_agent)
-
-
-async def test_express_app_with_lockfile_runs(
-    builder: Builder, conn: Connection, view: StateView, writer: Writer, start_agent: StartAgent
-) -> None:
-    events = await run_build(conn, example("express"))
-    assert "plan: install  npm ci" in log_lines(events)
-    assert "hello from express" in await serve_and_get(image_of(events), view, writer, start_agent)
-
-
-async def test_static_site_is_served(
-    builder: Builder, conn: Connection, view: StateView, writer: Writer, start_agent: StartAgent
-) -> None:
-    events = await run_build(conn, {"index.html": "<h1>hello from a static site</h1>\n"})
-    assert "plan: provider static (index.html)" in log_lines(events)
-    assert "hello from a static site" in await serve_and_get(image_of(events), view, writer, start_agent)
 
 
 async def test_a_broken_requirement_fails_the_build_with_the_installers_message(
