@@ -372,7 +372,11 @@ class Builder:
             "UV_LINK_MODE": "copy",
             "UV_PYTHON_DOWNLOADS": "never",
             "UV_NO_PROGRESS": "1",
-            "UV_SYSTEM_CERTS": "1",  # the node's CA store: a TLS-inspecting proxy's CA is trusted as for pip
+            "UV_SYSTEM_CERTS": "1",
+            # Bytecode compiled at build time, so no instance compiles it at start; hash-checked .pyc files
+            # (SOURCE_DATE_EPOCH), as the layer's files carry no modification times.
+            "UV_COMPILE_BYTECODE": "1",
+            "SOURCE_DATE_EPOCH": "0",  # the node's CA store: a TLS-inspecting proxy's CA is trusted as for pip
             "npm_config_cache": str(caches / "npm"),
             "npm_config_update_notifier": "false",
             "npm_config_fund": "false",
