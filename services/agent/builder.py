@@ -301,7 +301,9 @@ class Builder:
             await self._run_command(plan.build, src, env, events, step="build")
         elif not layers:
             await events.log("no install or build step: packing the source as is")
-        layers.append(await asyncio.to_thread(pack_directory, src, exclude=plan.dependency_dir))
+        # Without a dependency layer (install skipped), a committed node_modules stays in the app layer.
+        app_exclude = plan.dependency_dir if layers else ""
+        layers.append(await asyncio.to_thread(pack_directory, src, exclude=app_exclude))
         platforms = sorted(set(build.platforms)) or [self.os_arch]
         tag = ref.tag or build.meta.id.lower()
         size = sum(len(layer) for layer, _ in layers)
@@ -340,8 +342,8 @@ class Builder:
             platform += f" {interpreter}"
         elif plan.provider == "node":
             platform += f" node {await self._node_version(env)}"
-        key = dependency_key(plan, src, platform)
-        cached = self.layers.get(key)
+        key = await asyncio.to_thread(dependency_key, plan, src, platform)
+        cached = await asyncio.to_thread(self.layers.get, key)
         if cached is not None:
             await events.log(f"dependencies: cached layer {key[:12]} (this builder)")
             if await lookup_tag(self.conn, repo, cache_tag(key)) is None:  # a registry reset, or another repo

@@ -5,7 +5,6 @@ stack downloads anything."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from shared.natsio import Connection
 from shared.txn import Writer
 from shared.view import StateView
 from tests.agent.conftest import StartAgent, assignment, release
-from tests.agent.test_builder import run_build
+from tests.agent.test_builder import run_build, serving
 from tests.agent.test_runtime import http_get, seed, state_of
 from tests.waiting import eventually
 
@@ -41,14 +40,8 @@ def builder_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 async def builder(conn: Connection, tmp_path: Path, builder_cache: Path) -> AsyncIterator[Builder]:
     """A builder whose caches (layers, downloads) outlive the test: builds in later tests reuse them."""
-    b = Builder(conn, "b1", tmp_path / "builds", os_arch="linux/amd64", cache_dir=builder_cache)
-    task = asyncio.create_task(b.serve())
-    await asyncio.wait_for(b.ready.wait(), 5)
-    try:
+    async with serving(Builder(conn, "b1", tmp_path / "builds", os_arch="linux/amd64", cache_dir=builder_cache)) as b:
         yield b
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 def log_lines(events: list[cpb.BuildEvent]) -> list[str]:
@@ -112,23 +105,13 @@ async def test_flask_app_builds_unchanged_runs_and_reuses_its_dependency_layer(
 async def test_a_builder_without_the_layer_takes_it_from_the_cluster_registry(
     conn: Connection, tmp_path: Path, builder_cache: Path
 ) -> None:
-    first = Builder(conn, "b1", tmp_path / "one", os_arch="linux/amd64", cache_dir=builder_cache)
-    task = asyncio.create_task(first.serve())
-    await asyncio.wait_for(first.ready.wait(), 5)
     files = example("flask")
-    await run_build(conn, files)
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-
+    async with serving(Builder(conn, "b1", tmp_path / "one", os_arch="linux/amd64", cache_dir=builder_cache)):
+        await run_build(conn, files)
     # Same node id (the test's request goes to b1), but an empty layer cache: a fresh builder machine.
-    second = Builder(conn, "b1", tmp_path / "two", os_arch="linux/amd64", cache_dir=tmp_path / "empty-cache")
-    task = asyncio.create_task(second.serve())
-    await asyncio.wait_for(second.ready.wait(), 5)
-    try:
+    fresh = Builder(conn, "b1", tmp_path / "two", os_arch="linux/amd64", cache_dir=tmp_path / "empty-cache")
+    async with serving(fresh):
         lines = log_lines(await run_build(conn, files))
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
     assert any(line.startswith("dependencies: cached layer ") and "(cluster registry)" in line for line in lines)
 
 
