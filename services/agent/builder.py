@@ -16,15 +16,19 @@ Steps (reference §4.1–4.2, for the process runtime instead of BuildKit):
    (checked against its digest) or an ``http(s)://`` URL. Errors: ``fetch source: …``.
 2. Unpack it into a scratch directory (entries escaping it, devices and links out of it are refused;
    more than 512 MiB declared → error).
-3. The build recipe, from the source: ``zattera.toml`` ``[build] command`` (or ``[app.build] command``), run
-   with ``/bin/sh -c`` in the source directory, its output streamed as log lines (``build_env`` and
-   ``build_args`` become its environment); the start command from ``zattera.toml`` ``[run] command`` or a
-   ``Procfile`` ``web:`` line (optional: ``ServiceSpec.command`` can give it at run time).
-4. Pack the directory as one deterministic gzip'd tar layer with an OCI image config (``Cmd`` =
-   ``sh -c <start command>``, ``WorkingDir`` = ``/``): the format ``images.py`` runs. Push it with
-   ``shared.registry.push_image`` under ``push_image_ref``'s repo and tag, one manifest per requested
-   platform (default: this node's), all sharing the layer: the process image is platform-neutral.
-5. Report the digest (``succeeded``) and ``done``.
+3. The plan (``shared/buildplan.py``): the stack detected from the source, with ``zattera.toml`` ``[build]
+   install``/``command`` and ``[run] command`` and the ``Procfile`` ``web:`` line overriding its steps. Its
+   lines open the build log; a plan with an error (no start command, a Dockerfile) fails the build.
+4. The install step (Python: ``uv pip install --target .zattera/python``; Node: ``npm ci`` or the lockfile's
+   tool) writes the dependency layer, or it comes from the cache (``depcache.py``: this builder's, else the
+   cluster registry's ``<repo>:deps-<key>``); then the build step. Steps run with ``/bin/sh -c`` in the
+   source directory, their output streamed as log lines (``build_env`` and ``build_args`` become their
+   environment, plus the node's proxy/CA settings and the package managers' per-node download caches).
+5. Pack the rest of the directory as the app layer (deterministic gzip'd tar) with an OCI image config
+   (``Entrypoint`` putting the dependency layer on ``PATH``/``PYTHONPATH``, ``Cmd`` = ``sh -c <start>``,
+   ``WorkingDir`` = ``/``): the format ``images.py`` runs. Push it with ``shared.registry.push_image`` under
+   ``push_image_ref``'s repo and tag, one manifest per requested platform (default: this node's).
+6. Report the digest (``succeeded``) and ``done``.
 
 A step silent for ``keepalive`` seconds logs a line, so the dispatcher does not take the builder for lost.
 """
