@@ -4,7 +4,8 @@
 matter, :func:`read_source`) and returns a :class:`BuildPlan`. First match wins:
 
 1. ``Dockerfile`` → provider ``dockerfile``: a container build (``BUILD_TYPE_DOCKERFILE``), which this
-   process builder does not do: the plan carries an error saying so.
+   process builder does not do: the plan carries an error saying so. Not when ``zattera.toml`` gives a
+   build, install or start command: that source is meant for this builder.
 2. Python: ``requirements.txt``, or ``pyproject.toml`` (with ``uv.lock``, ``poetry.lock`` or neither: pip
    semantics). Dependencies go into ``.zattera/python`` with ``uv pip install --target``.
 3. Node: ``package.json``; ``npm ci`` with ``package-lock.json``, yarn or pnpm with theirs, else ``npm
@@ -301,8 +302,8 @@ def _node(files: SourceFiles) -> BuildPlan:
     )
 
 
-def _detected(files: SourceFiles) -> BuildPlan:
-    if "Dockerfile" in files:
+def _detected(files: SourceFiles, *, use_dockerfile: bool) -> BuildPlan:
+    if "Dockerfile" in files and use_dockerfile:
         return BuildPlan(
             provider="dockerfile",
             reason="Dockerfile",
@@ -332,7 +333,10 @@ def detect(files: SourceFiles) -> BuildPlan:
     manifest = _toml(files, "zattera.toml")
     build_table = _table(manifest, "build") or _table(manifest, "app", "build")
     run_table = _table(manifest, "run")
-    plan = _detected(files)
+    # A zattera.toml giving any step asks for this builder: a Dockerfile next to it is then not the recipe.
+    configured = any(isinstance(t.get(k), str) for t, k in ((build_table, "install"), (build_table, "command")))
+    configured = configured or bool(str(run_table.get("command") or "").strip())
+    plan = _detected(files, use_dockerfile=not configured)
     changes: dict[str, Any] = {}
     if isinstance(build_table.get("install"), str):
         changes["install"] = build_table["install"].strip()

@@ -203,6 +203,16 @@ CASES: list[tuple[str, dict[str, str], list[str]]] = [
         ["plan: provider none", "plan: install  (none)", "plan: build    (none)", "plan: start    (none)"],
     ),
     (
+        "a Dockerfile beside a zattera.toml that gives a command is not the recipe",
+        {"Dockerfile": "FROM scratch\n", "index.html": "", "zattera.toml": '[run]\ncommand = "./serve"\n'},
+        [
+            "plan: provider static (index.html)",
+            "plan: install  (none)",
+            "plan: build    (none)",
+            "plan: start    ./serve  (zattera.toml [run] command)",
+        ],
+    ),
+    (
         "dockerfile",
         {"Dockerfile": "FROM scratch\n", "requirements.txt": "flask\n"},
         [
