@@ -18,6 +18,7 @@ from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.apply import env_label, env_path, plan, resolve_env
+from cli.build_cmds import build_app
 from cli.client import OPTIONS, Control, control, err, run
 from cli.cluster_cmds import cluster_app
 from cli.config_cmds import config_app
@@ -111,6 +112,7 @@ app.add_typer(deploy_app, name="deploy")
 app.add_typer(nodes_app, name="nodes")
 app.add_typer(apps_app, name="apps")
 app.add_typer(builds_app, name="builds")
+app.add_typer(build_app, name="build")
 app.add_typer(volumes_app, name="volumes")
 app.add_typer(security_app, name="security")
 app.add_typer(config_app, name="config")

@@ -337,6 +337,7 @@ class Env(_Model):
 
 
 class Build(_Model):
+    install: str = ""  # replaces the detected install step (shared/buildplan.py); read by the builder
     command: str = ""
     platforms: list[str] = Field(default_factory=list)
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -201,8 +202,31 @@ def instance_exit(code: int | None, stderr_tail: list[str], *, now_ns: int) -> p
     return exit_
 
 
+# Python's ImportError and Node's require() failure, as they print it.
+_MISSING_MODULE = (re.compile(r"No module named '([^']+)'"), re.compile(r"Cannot find module '([^']+)'"))
+
+
+def missing_module(stderr_tail: Sequence[str]) -> str:
+    """The module an app could not import, from its last stderr lines ("" when none is named)."""
+    for line in reversed(stderr_tail):
+        for pattern in _MISSING_MODULE:
+            match = pattern.search(line)
+            if match:
+                return match.group(1)
+    return ""
+
+
 def describe_exit(exit_: pb.InstanceExit) -> str:
-    """``exit code 3``, ``killed by SIGKILL (likely out of memory)``, ``exit status unknown``."""
+    """``exit code 3``, ``killed by SIGKILL (likely out of memory)``, ``exit status unknown``; an app that
+    failed importing a module says which: ``exit code 1, missing module 'flask' (...)``."""
+    missing = missing_module(exit_.stderr_tail)
+    described = _describe_status(exit_)
+    if missing:
+        described += f", missing module {missing!r} (is it in the app's requirements or package.json?)"
+    return described
+
+
+def _describe_status(exit_: pb.InstanceExit) -> str:
     if exit_.signal:
         try:
             name = signal.Signals(exit_.signal).name

@@ -16,15 +16,19 @@ Steps (reference §4.1–4.2, for the process runtime instead of BuildKit):
    (checked against its digest) or an ``http(s)://`` URL. Errors: ``fetch source: …``.
 2. Unpack it into a scratch directory (entries escaping it, devices and links out of it are refused;
    more than 512 MiB declared → error).
-3. The build recipe, from the source: ``zattera.toml`` ``[build] command`` (or ``[app.build] command``), run
-   with ``/bin/sh -c`` in the source directory, its output streamed as log lines (``build_env`` and
-   ``build_args`` become its environment); the start command from ``zattera.toml`` ``[run] command`` or a
-   ``Procfile`` ``web:`` line (optional: ``ServiceSpec.command`` can give it at run time).
-4. Pack the directory as one deterministic gzip'd tar layer with an OCI image config (``Cmd`` =
-   ``sh -c <start command>``, ``WorkingDir`` = ``/``): the format ``images.py`` runs. Push it with
-   ``shared.registry.push_image`` under ``push_image_ref``'s repo and tag, one manifest per requested
-   platform (default: this node's), all sharing the layer: the process image is platform-neutral.
-5. Report the digest (``succeeded``) and ``done``.
+3. The plan (``shared/buildplan.py``): the stack detected from the source, with ``zattera.toml`` ``[build]
+   install``/``command`` and ``[run] command`` and the ``Procfile`` ``web:`` line overriding its steps. Its
+   lines open the build log; a plan with an error (no start command, a Dockerfile) fails the build.
+4. The install step (Python: ``uv pip install --target .zattera/python``; Node: ``npm ci`` or the lockfile's
+   tool) writes the dependency layer, or it comes from the cache (``depcache.py``: this builder's, else the
+   cluster registry's ``<repo>:deps-<key>``); then the build step. Steps run with ``/bin/sh -c`` in the
+   source directory, their output streamed as log lines (``build_env`` and ``build_args`` become their
+   environment, plus the node's proxy/CA settings and the package managers' per-node download caches).
+5. Pack the rest of the directory as the app layer (deterministic gzip'd tar) with an OCI image config
+   (``Entrypoint`` putting the dependency layer on ``PATH``/``PYTHONPATH``, ``Cmd`` = ``sh -c <start>``,
+   ``WorkingDir`` = ``/``): the format ``images.py`` runs. Push it with ``shared.registry.push_image`` under
+   ``push_image_ref``'s repo and tag, one manifest per requested platform (default: this node's).
+6. Report the digest (``succeeded``) and ``done``.
 
 A step silent for ``keepalive`` seconds logs a line, so the dispatcher does not take the builder for lost.
 """
@@ -32,30 +36,42 @@ A step silent for ``keepalive`` seconds logs a line, so the dispatcher does not 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gzip
 import io
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
+import sys
 import tarfile
-import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 from google.protobuf.message import DecodeError
 from nats.aio.msg import Msg
+from uv import find_uv_bin
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from services.agent.depcache import LayerCache, cache_tag, dependency_key
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
+from shared.buildplan import BuildPlan, PlanError, detect, read_source
 from shared.ids import is_safe_id, unsafe_id
 from shared.natsio import SOURCES_STORE, Connection, is_direct_request
-from shared.registry import BlobStore, PlatformImage, RegistryError, digest_of, parse_ref, push_image
+from shared.registry import (
+    BlobStore,
+    PlatformImage,
+    RegistryError,
+    digest_of,
+    fetch_image,
+    lookup_tag,
+    parse_ref,
+    push_image,
+)
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
 
@@ -64,44 +80,18 @@ log = logging.getLogger(__name__)
 MAX_CONTEXT_BYTES = 512 * 1024 * 1024
 SOURCE_FETCH_TIMEOUT = 600.0
 PASSED_THROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
+# What the package managers need to reach their registries from this node (proxies, a CA bundle, mirrors).
+NETWORK_ENV = (
+    *("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy"),
+    *("SSL_CERT_FILE", "SSL_CERT_DIR", "NODE_EXTRA_CA_CERTS"),
+    *("UV_INDEX_URL", "UV_DEFAULT_INDEX", "UV_EXTRA_INDEX_URL", "npm_config_registry"),
+)
+ERROR_TAIL_LINES = 6
+ERROR_TAIL_CHARS = 800
 
 
 class BuildError(Exception):
     """A build step failed; the message is the build's error."""
-
-
-@dataclass(frozen=True)
-class Recipe:
-    build_command: str = ""
-    start_command: str = ""
-
-
-def _lookup(doc: Mapping[str, Any], *path: str) -> str:
-    node: Any = doc
-    for part in path:
-        if not isinstance(node, Mapping):
-            return ""
-        node = node.get(part)
-    return node if isinstance(node, str) else ""
-
-
-def read_recipe(src: Path) -> Recipe:
-    build = start = ""
-    manifest = src / "zattera.toml"
-    if manifest.is_file():
-        try:
-            doc = tomllib.loads(manifest.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise BuildError(f"builder: zattera.toml: {exc}") from exc
-        build = _lookup(doc, "build", "command") or _lookup(doc, "app", "build", "command")
-        start = _lookup(doc, "run", "command")
-    procfile = src / "Procfile"
-    if not start and procfile.is_file():
-        for line in procfile.read_text(errors="replace").splitlines():
-            if line.startswith("web:"):
-                start = line[len("web:") :].strip()
-                break
-    return Recipe(build_command=build.strip(), start_command=start)
 
 
 def unpack_source(data: bytes, dest: Path) -> None:
@@ -117,12 +107,18 @@ def unpack_source(data: bytes, dest: Path) -> None:
         raise BuildError(f"builder: tar: {exc}") from exc
 
 
-def pack_directory(src: Path) -> tuple[bytes, str]:
-    """A deterministic gzip'd tar of ``src`` (sorted, zero times and owners) and its uncompressed digest."""
+def pack_directory(src: Path, *, only: str = "", exclude: str = "") -> tuple[bytes, str]:
+    """A deterministic gzip'd tar of ``src`` (sorted, zero times and owners) and its uncompressed digest.
+
+    ``only``/``exclude`` name one top-level entry: the dependency layer is ``only=<dir>``, the app layer the
+    rest (``exclude=<dir>``)."""
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for path in sorted(src.rglob("*")):
-            info = tar.gettarinfo(str(path), arcname=path.relative_to(src).as_posix())
+            relative = path.relative_to(src)
+            if (only and relative.parts[0] != only) or (exclude and relative.parts[0] == exclude):
+                continue
+            info = tar.gettarinfo(str(path), arcname=relative.as_posix())
             info.mtime = 0
             info.uid = info.gid = 0
             info.uname = info.gname = ""
@@ -135,29 +131,53 @@ def pack_directory(src: Path) -> tuple[bytes, str]:
     return gzip.compress(data, mtime=0), digest_of(data)
 
 
-def image_config(platform: str, recipe: Recipe, diff_id: str, build_id: str) -> bytes:
+# The dependency layer's programs and modules, found from the directory the image is unpacked in (the runtime
+# unpacks it under each instance's own directory: no absolute path can be baked in). An entrypoint, so a
+# service's own command (which replaces only Cmd) gets them too.
+RUN_ENTRYPOINT = [
+    "/bin/sh",
+    "-c",
+    'd="$PWD"; export PATH="$d/.zattera/bin:$d/.zattera/python/bin:$d/node_modules/.bin:$PATH"'
+    ' PYTHONPATH="$d/.zattera/python${PYTHONPATH:+:$PYTHONPATH}"; exec "$@"',
+    "zattera-run",
+]
+
+
+def image_config(platform: str, plan: BuildPlan, diff_ids: Sequence[str], build_id: str) -> bytes:
     os_name, _, arch = platform.partition("/")
     doc = {
         "architecture": arch,
         "os": os_name,
         "config": {
-            "Cmd": ["/bin/sh", "-c", recipe.start_command] if recipe.start_command else [],
-            "Env": [],
+            "Entrypoint": RUN_ENTRYPOINT if plan.dependency_dir else [],
+            "Cmd": ["/bin/sh", "-c", plan.start] if plan.start else [],
+            "Env": ["PYTHONUNBUFFERED=1", "PYTHONNOUSERSITE=1"] if plan.provider == "python" else [],
             "WorkingDir": "/",
-            "Labels": {"dev.zattera.build-id": build_id},
+            "Labels": {"dev.zattera.build-id": build_id, "dev.zattera.build-provider": plan.provider},
         },
-        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+        "rootfs": {"type": "layers", "diff_ids": list(diff_ids)},
     }
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
 class Builder:
     def __init__(
-        self, conn: Connection, node_id: str, work_dir: Path, *, os_arch: str, keepalive: float = 60.0
+        self,
+        conn: Connection,
+        node_id: str,
+        work_dir: Path,
+        *,
+        os_arch: str,
+        keepalive: float = 60.0,
+        cache_dir: Path | None = None,
     ) -> None:
         self.conn = conn
         self.node_id = node_id
         self.work_dir = work_dir
+        # Beside the scratch directories (named by build ids), kept across builds and restarts.
+        self.cache_dir = cache_dir or work_dir.with_name(f"{work_dir.name}-cache")
+        self.layers = LayerCache(self.cache_dir / "layers")
+        self.node_python = os.path.realpath(sys.executable)
         self.os_arch = os_arch
         self.keepalive = keepalive
         self._builds: dict[str, asyncio.Task[None]] = {}
@@ -263,32 +283,167 @@ class Builder:
         shutil.rmtree(scratch, ignore_errors=True)
         src.mkdir(parents=True)
         await asyncio.to_thread(unpack_source, source, src)
-        recipe = read_recipe(src)
-        if recipe.build_command:
-            env = {k: os.environ[k] for k in PASSED_THROUGH_ENV if k in os.environ}
-            env.update(request.build_args)
-            env.update(request.build_env)
-            env["ZATTERA_BUILD_ID"] = build.meta.id
-            await self._run_command(recipe.build_command, src, env, events)
-        else:
-            await events.log("no build command: packing the source as is")
-        layer, diff_id = await asyncio.to_thread(pack_directory, src)
-        platforms = sorted(set(build.platforms)) or [self.os_arch]
+        try:
+            plan = detect(read_source(src))
+        except PlanError as exc:
+            raise BuildError(f"builder: {exc}") from exc
+        for line in plan.lines():
+            await events.log(line)
+        if plan.error:
+            raise BuildError(f"builder: {plan.error}")
         ref = parse_ref(request.push_image_ref)
         if not ref.repo:
             raise BuildError("builder: the request has no image ref to push to")
-        await events.log(f"pushing {ref.repo}:{ref.tag or build.meta.id.lower()} ({len(layer)} bytes)")
+        env = {k: os.environ[k] for k in PASSED_THROUGH_ENV if k in os.environ}
+        env.update(request.build_args)
+        env.update(request.build_env)
+        env["ZATTERA_BUILD_ID"] = build.meta.id
+        layers: list[tuple[bytes, str]] = []
+        if plan.dependency_dir and plan.install:
+            layers.append(await self._dependency_layer(plan, src, env, events, ref.repo))
+        if plan.build:
+            await self._run_command(plan.build, src, env, events, step="build")
+        elif not layers:
+            await events.log("no install or build step: packing the source as is")
+        # Without a dependency layer (install skipped), a committed node_modules stays in the app layer.
+        app_exclude = plan.dependency_dir if layers else ""
+        layers.append(await asyncio.to_thread(pack_directory, src, exclude=app_exclude))
+        platforms = sorted(set(build.platforms)) or [self.os_arch]
+        tag = ref.tag or build.meta.id.lower()
+        size = sum(len(layer) for layer, _ in layers)
+        await events.log(f"pushing {ref.repo}:{tag} ({len(layers)} layers, {size} bytes)")
+        diff_ids = [diff_id for _, diff_id in layers]
         try:
             image = await push_image(
                 self.conn,
                 repo=ref.repo,
-                tag=ref.tag or build.meta.id.lower(),
-                images=[PlatformImage(p, image_config(p, recipe, diff_id, build.meta.id), [layer]) for p in platforms],
+                tag=tag,
+                images=[
+                    PlatformImage(p, image_config(p, plan, diff_ids, build.meta.id), [layer for layer, _ in layers])
+                    for p in platforms
+                ],
                 build_id=build.meta.id,
             )
         except RegistryError as exc:
             raise BuildError(f"builder: push: {exc}") from exc
         return image.digest, platforms
+
+    async def _dependency_layer(
+        self, plan: BuildPlan, src: Path, env: dict[str, str], events: BuildEventPublisher, repo: str
+    ) -> tuple[bytes, str]:
+        """The layer holding what ``plan.install`` writes: from this builder's cache, else the registry's, else
+        installed (with the package managers' download caches of this node) and cached in both."""
+        deps = src / plan.dependency_dir
+        shutil.rmtree(deps, ignore_errors=True)  # a committed node_modules or .zattera is replaced
+        for name, text in plan.generated.items():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            (src / name).write_text(text)
+        env.update(self._tool_env())
+        platform = self.os_arch
+        if plan.provider == "python":
+            interpreter = await self._interpreter(plan.python, env, events)
+            env["UV_PYTHON"] = interpreter
+            platform += f" {interpreter}"
+        elif plan.provider == "node":
+            platform += f" node {await self._node_version(env)}"
+        key = await asyncio.to_thread(dependency_key, plan, src, platform)
+        cached = await asyncio.to_thread(self.layers.get, key)
+        if cached is not None:
+            await events.log(f"dependencies: cached layer {key[:12]} (this builder)")
+            if await lookup_tag(self.conn, repo, cache_tag(key)) is None:  # a registry reset, or another repo
+                await self._push_cached_layer(repo, key, cached, events)
+        else:
+            cached = await self._registry_layer(repo, key)
+            if cached is not None:
+                await events.log(f"dependencies: cached layer {key[:12]} (cluster registry)")
+                await asyncio.to_thread(self.layers.put, key, *cached)
+        if cached is not None:
+            if plan.build:  # the build step may need them (npm run build)
+                await asyncio.to_thread(unpack_layer, cached[0], src)
+            return cached
+        await self._run_command(plan.install, src, env, events, step="install")
+        if plan.provider == "python":
+            write_interpreter_shims(deps / "bin", env["UV_PYTHON"])
+        layer = await asyncio.to_thread(pack_directory, src, only=plan.dependency_dir)
+        await asyncio.to_thread(self.layers.put, key, *layer)
+        await self._push_cached_layer(repo, key, layer, events)
+        return layer
+
+    def _tool_env(self) -> dict[str, str]:
+        """uv on PATH; the package managers' download caches kept per builder node."""
+        caches = self.cache_dir / "downloads"
+        return {k: os.environ[k] for k in NETWORK_ENV if k in os.environ} | {
+            "PATH": f"{Path(find_uv_bin()).parent}{os.pathsep}{os.environ.get('PATH', os.defpath)}",
+            "UV_CACHE_DIR": str(caches / "uv"),
+            "UV_LINK_MODE": "copy",
+            "UV_PYTHON_DOWNLOADS": "never",
+            "UV_NO_PROGRESS": "1",
+            "UV_SYSTEM_CERTS": "1",
+            # Bytecode compiled at build time, so no instance compiles it at start; hash-checked .pyc files
+            # (SOURCE_DATE_EPOCH), as the layer's files carry no modification times.
+            "UV_COMPILE_BYTECODE": "1",
+            "SOURCE_DATE_EPOCH": "0",  # the node's CA store: a TLS-inspecting proxy's CA is trusted as for pip
+            "npm_config_cache": str(caches / "npm"),
+            "npm_config_update_notifier": "false",
+            "npm_config_fund": "false",
+            "npm_config_audit": "false",
+            "YARN_CACHE_FOLDER": str(caches / "yarn"),
+            "npm_config_store_dir": str(caches / "pnpm"),
+        }
+
+    async def _interpreter(self, request: str, env: Mapping[str, str], events: BuildEventPublisher) -> str:
+        """The Python the app asks for when this node has it, else the node's own (the one the agent runs on,
+        so every node of the platform has it)."""
+        own = self.node_python
+        own_version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        if not request or request == own_version:
+            return own
+        found = await self._output([find_uv_bin(), "python", "find", "--system", "--no-project", request], env)
+        if found:
+            return await asyncio.to_thread(os.path.realpath, found)
+        await events.log(f"python {request} is not installed on this builder: using its Python {own_version}")
+        return own
+
+    async def _node_version(self, env: Mapping[str, str]) -> str:
+        version = await self._output(["node", "--version"], env)
+        if not version:
+            raise BuildError("builder: node is not installed on this builder (Debian: apt-get install nodejs npm)")
+        return version
+
+    @staticmethod
+    async def _output(argv: Sequence[str], env: Mapping[str, str]) -> str:
+        """The first line a short command prints, or "" when it fails or is missing."""
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, env=dict(env), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+            )
+        except OSError:
+            return ""
+        out, _ = await proc.communicate()
+        lines = out.decode(errors="replace").strip().splitlines()
+        return lines[0].strip() if proc.returncode == 0 and lines else ""
+
+    async def _registry_layer(self, repo: str, key: str) -> tuple[bytes, str] | None:
+        try:
+            image = await fetch_image(self.conn, f"{repo}:{cache_tag(key)}", platform=self.os_arch)
+            diff_ids = json.loads(image.config)["rootfs"]["diff_ids"]
+            return image.layers[0], str(diff_ids[0])
+        except (RegistryError, ValueError, KeyError, IndexError):
+            return None
+
+    async def _push_cached_layer(
+        self, repo: str, key: str, layer: tuple[bytes, str], events: BuildEventPublisher
+    ) -> None:
+        config = json.dumps(
+            {"os": "", "architecture": "", "config": {}, "rootfs": {"type": "layers", "diff_ids": [layer[1]]}},
+            sort_keys=True,
+        ).encode()
+        try:
+            await push_image(
+                self.conn, repo=repo, tag=cache_tag(key), images=[PlatformImage(self.os_arch, config, [layer[0]])]
+            )
+        except RegistryError as exc:  # only a cache: the build goes on
+            await events.log(f"dependencies: not cached in the registry: {exc}")
 
     async def _fetch_source(self, request: cpb.RunBuildRequest) -> bytes:
         url = request.source_url
@@ -310,7 +465,11 @@ class Builder:
             raise BuildError("fetch source: git sources are not supported by this builder")
         raise BuildError(f"fetch source: unsupported source url {url!r}")
 
-    async def _run_command(self, command: str, cwd: Path, env: Mapping[str, str], events: BuildEventPublisher) -> None:
+    async def _run_command(
+        self, command: str, cwd: Path, env: Mapping[str, str], events: BuildEventPublisher, *, step: str
+    ) -> None:
+        """Run one plan step, its output streamed as log lines; a failure's error ends with the last lines it
+        printed (the package manager's own message), so the deploy output shows why."""
         await events.log(f"$ {command}")
         proc = await asyncio.create_subprocess_exec(
             "/bin/sh",
@@ -324,6 +483,7 @@ class Builder:
             start_new_session=True,
         )
         assert proc.stdout is not None
+        last_lines: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
         try:
             silent_for = 0.0
             while True:
@@ -339,6 +499,7 @@ class Builder:
                 text = line.decode(errors="replace").rstrip("\r\n")
                 if text:
                     await events.log(text)
+                    last_lines.append(" ".join(text.split()))
             code = await proc.wait()
         except asyncio.CancelledError:
             with contextlib.suppress(ProcessLookupError):
@@ -346,4 +507,19 @@ class Builder:
             await proc.wait()
             raise
         if code != 0:
-            raise BuildError(f"builder: build command exited with code {code}")
+            said = " / ".join(line for line in last_lines if line)[-ERROR_TAIL_CHARS:]
+            raise BuildError(f"builder: {step} command exited with code {code}" + (f": {said}" if said else ""))
+
+
+def unpack_layer(layer: bytes, dest: Path) -> None:
+    with tarfile.open(fileobj=io.BytesIO(layer), mode="r:gz") as tar:
+        tar.extractall(dest, filter="data")
+
+
+def write_interpreter_shims(bin_dir: Path, interpreter: str) -> None:
+    """``python``/``python3`` for the app's commands: the interpreter the packages were installed for."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("python", "python3"):
+        shim = bin_dir / name
+        shim.write_text(f'#!/bin/sh\nexec {shlex.quote(interpreter)} "$@"\n')
+        shim.chmod(0o755)

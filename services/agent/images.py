@@ -7,7 +7,8 @@ Image refs the agent understands:
   image config, of which the process runtime reads ``config.Entrypoint``, ``config.Cmd``, ``config.Env``
   (``["K=V", ...]``) and ``config.WorkingDir``; its layers are gzip'd tars applied in order into
   ``<instance>/rootfs``. There is no chroot: ``WorkingDir`` is taken relative to that rootfs and the
-  command runs there. The agent's builder produces exactly this (one layer: the app directory).
+  command runs there. The agent's builder produces exactly this (the app directory; for a Python or Node app a
+  dependency layer first).
 * ``process://<absolute dir>?cmd=<percent-encoded shell command>`` (local development and tests): run the
   command in that directory as it is; nothing is copied.
 * ``exec:<percent-encoded shell command>``: run the command in an empty directory of the instance.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,16 +27,22 @@ from tests.factories import source_tarball
 from tests.waiting import eventually
 
 
-@pytest.fixture
-async def builder(conn: Connection, tmp_path: Path) -> AsyncIterator[Builder]:
-    b = Builder(conn, "b1", tmp_path / "builds", os_arch="linux/amd64")
-    task = asyncio.create_task(b.serve())
-    await asyncio.wait_for(b.ready.wait(), 5)
+@contextlib.asynccontextmanager
+async def serving(builder: Builder) -> AsyncIterator[Builder]:
+    """``builder`` answering build requests until the block ends."""
+    task = asyncio.create_task(builder.serve())
+    await asyncio.wait_for(builder.ready.wait(), 5)
     try:
-        yield b
+        yield builder
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.fixture
+async def builder(conn: Connection, tmp_path: Path) -> AsyncIterator[Builder]:
+    async with serving(Builder(conn, "b1", tmp_path / "builds", os_arch="linux/amd64")) as b:
+        yield b
 
 
 async def start_build(conn: Connection, files: dict[str, str]) -> tuple[str, Any]:
@@ -101,7 +108,7 @@ async def test_failing_build_command_fails_the_build_with_its_output_logged(buil
 
     assert "oops" in [e.log.line for e in events]
     assert events[-1].done and events[-1].status == pb.BUILD_STATUS_FAILED
-    assert events[-1].error == "builder: build command exited with code 7"
+    assert events[-1].error == "builder: build command exited with code 7: oops"
     assert not any(e.image_digest for e in events)
 
 
