@@ -1,0 +1,302 @@
+"""``zattera run`` and ``zattera jobs list/show/cancel``: one-off commands and cron runs (docs/jobs.md).
+
+``zattera run --env E -- CMD…`` writes a PENDING ``job.<id>``; the jobs loop places it on the env's active
+release and the agent runs it once. Without ``--detach`` the command's output is printed live from the
+env's log stream (instance = the attempt's assignment), Ctrl-C asks the job to stop (a second one leaves
+at once), and ``zattera run`` exits with the command's exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shlex
+import signal
+import sys
+import time
+
+import typer
+from zattera.v1 import types_pb2 as pb
+
+from cli import render
+from cli.apply import env_path, resolve_env
+from cli.client import OPTIONS, Control, ExitCode, control, err, fail, run
+from shared import jobs as J
+from shared import keys as K
+from shared.applogs import STDERR, AppLogLine, UnknownLogStream, read_app_logs
+from shared.ids import is_safe_id, unsafe_id
+from shared.view import StateView
+
+jobs_app = typer.Typer(
+    help="Job runs: cron entries' slots and `zattera run` commands (docs/jobs.md).", no_args_is_help=True
+)
+
+LOG_STREAM_WAIT = 0.5
+"""How often a following ``zattera run`` looks again for a log stream that does not exist yet."""
+DRAIN_IDLE = 0.5
+"""After the job ended: how long its last lines may take to arrive before ``zattera run`` leaves."""
+_EXIT_CANCELED = ExitCode.INTERRUPTED
+
+
+def _seconds(ts: object) -> float:
+    return ts.ToNanoseconds() / 1e9  # type: ignore[attr-defined, no-any-return]
+
+
+def duration(job: pb.Job) -> str:
+    if not job.HasField("started_at") or not job.HasField("finished_at"):
+        return "-"
+    return f"{max(0.0, _seconds(job.finished_at) - _seconds(job.started_at)):.1f}s"
+
+
+def exit_text(job: pb.Job) -> str:
+    return str(job.exit_code) if job.exit_code_known else "-"
+
+
+def _env_of(view: StateView, env: str) -> pb.Environment:
+    found = resolve_env(view, env)
+    if found is None:
+        raise fail(f"--env: no environment {env!r} (use an id or project/app/env)")
+    return found
+
+
+def _job(view: StateView, job_id: str) -> pb.Job:
+    if not is_safe_id(job_id):
+        raise fail(f"JOB_ID: {unsafe_id('job id', job_id)}")
+    job = view.get(K.JOB, job_id)
+    if not isinstance(job, pb.Job):
+        raise fail(f"JOB_ID: no job {job_id!r} (see `zattera jobs list`)")
+    return job
+
+
+# ---------------------------------------------------------------------------- zattera run
+
+
+def run_command(
+    command: list[str] = typer.Argument(..., help="the command and its arguments, after --"),
+    env: str = typer.Option(..., "--env", help="the environment: project/app/env or its id"),
+    detach: bool = typer.Option(False, "--detach", "-d", help="print the job id and return at once"),
+    json_output: bool = typer.Option(False, "--json", help="with --detach: the job as JSON"),
+) -> None:
+    """Run a command once with the env's release, config and secrets; print its output; exit with its code."""
+    OPTIONS.json = json_output
+    text = shlex.join(command) if len(command) > 1 else command[0]
+    try:
+        J.check_command(text)
+    except J.CommandError as exc:
+        raise fail(f"command: {exc}") from None
+
+    async def go() -> int:
+        async with control() as c:
+            target = _env_of(c.view, env)
+            if not target.active_release_id:
+                raise fail(f"--env: {env_path(c.view, target)} has no active release yet (`zattera deploy` first)")
+            job = J.one_off_job(target, text, now=time.time())
+            await c.writer.commit(c.writer.txn("run").create(job))
+            if detach:
+                if json_output:
+                    render.emit_json(render.as_dict(job))
+                else:
+                    render.out.print(job.meta.id, highlight=False)
+                return 0
+            err.print(f"job {job.meta.id} started ({env_path(c.view, target)}); Ctrl-C cancels it", highlight=False)
+            return await _follow(c, job.meta.id, target.meta.id)
+
+    code = run(go)
+    if code:
+        raise typer.Exit(code)
+
+
+async def _follow(c: Control, job_id: str, env_id: str) -> int:
+    """Print the job's output until it ended; its exit code (130 when canceled)."""
+    interrupted = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, interrupted.set)
+    feed = c.view.subscribe({K.JOB})
+    printer: asyncio.Task[None] | None = None
+    following = ""
+    try:
+        while True:
+            job = c.view.get(K.JOB, job_id)
+            if not isinstance(job, pb.Job):
+                raise fail(f"job {job_id} vanished")
+            if job.assignment_id and job.assignment_id != following:
+                if printer is not None:
+                    await _stop_printing(printer)
+                following = job.assignment_id
+                printer = asyncio.create_task(_print_output(c, env_id, following))
+            if not J.is_active(job):
+                break
+            if interrupted.is_set() and not job.cancel_requested:
+                err.print(f"canceling job {job_id} (Ctrl-C again leaves without waiting)", highlight=False)
+                loop.add_signal_handler(signal.SIGINT, _leave)
+                await _request_cancel(c, job_id)
+                continue
+            waiter = asyncio.ensure_future(feed.wait())
+            stop = asyncio.ensure_future(interrupted.wait())
+            try:
+                await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+                stop.cancel()
+        if printer is not None:
+            await _stop_printing(printer, drain=True)
+    finally:
+        feed.close()
+        loop.remove_signal_handler(signal.SIGINT)
+        if printer is not None and not printer.done():
+            printer.cancel()
+    return _outcome(job)
+
+
+def _leave() -> None:
+    raise SystemExit(_EXIT_CANCELED)
+
+
+def _outcome(job: pb.Job) -> int:
+    if job.status == J.SUCCEEDED:
+        return 0
+    if job.status == J.CANCELED:
+        err.print(f"job {job.meta.id} canceled", highlight=False)
+        return _EXIT_CANCELED
+    err.print(f"job {job.meta.id} {J.status_name(job.status)}: {job.message}", markup=False, highlight=False)
+    if job.status == J.FAILED and job.exit_code_known and job.exit_code:
+        return job.exit_code
+    return ExitCode.FAILED
+
+
+async def _print_output(c: Control, env_id: str, instance: str) -> None:
+    """Every line of one attempt (the instance's subject of the env's log stream), as it is stored."""
+    while True:
+        try:
+            async for line in read_app_logs(c.conn.js, env_id, instance=instance, last=1_000_000, follow=True):
+                _emit(line)
+            return
+        except UnknownLogStream:
+            await asyncio.sleep(LOG_STREAM_WAIT)
+
+
+async def _stop_printing(printer: asyncio.Task[None], *, drain: bool = False) -> None:
+    """The agent ships a job's last lines before it reports the end: give them a moment to be delivered."""
+    if drain:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(printer), DRAIN_IDLE)
+    printer.cancel()
+    await asyncio.gather(printer, return_exceptions=True)
+
+
+def _emit(line: AppLogLine) -> None:
+    target = sys.stderr if line.stream == STDERR else sys.stdout
+    target.write(line.line + "\n")
+    target.flush()
+
+
+async def _request_cancel(c: Control, job_id: str) -> pb.Job:
+    current = c.view.get(K.JOB, job_id)
+    assert isinstance(current, pb.Job)
+    canceling = pb.Job()
+    canceling.CopyFrom(current)
+    canceling.cancel_requested = True
+    canceling.message = "canceled by the operator"
+    canceling.meta.updated_at.FromNanoseconds(time.time_ns())
+    await c.writer.commit(c.writer.txn("jobs.cancel").put(canceling))
+    return canceling
+
+
+# ---------------------------------------------------------------------------- zattera jobs
+
+
+@jobs_app.command("list")
+def list_jobs(
+    env: str = typer.Option("", "--env", help="only this environment (project/app/env or id)"),
+    cron: str = typer.Option("", "--cron", help="only this cron entry's runs (its history)"),
+    json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Job runs, newest first: cron slots (entry, slot) and one-off commands, with status and exit code."""
+    OPTIONS.json = json_output
+
+    async def go() -> None:
+        async with control() as c:
+            env_id = _env_of(c.view, env).meta.id if env else None
+            found = [j for j in c.view.jobs(env_id) if not cron or j.cron_name == cron]
+            found.sort(key=lambda j: (_seconds(j.slot_at), j.meta.id), reverse=True)
+            if json_output:
+                render.messages(found)
+                return
+            render.table(
+                "jobs",
+                ["ID", "ENV", "CRON", "SLOT", "STATUS", "ATTEMPT", "EXIT", "DURATION", render.Col("NODE", wide=True)],
+                [
+                    (
+                        j.meta.id,
+                        _env_label(c.view, j.environment_id),
+                        j.cron_name or "(run)",
+                        render.ts(j.slot_at),
+                        J.status_name(j.status),
+                        j.attempt,
+                        exit_text(j),
+                        duration(j),
+                        j.node_id or "-",
+                    )
+                    for j in found
+                ],
+            )
+
+    run(go)
+
+
+def _env_label(view: StateView, env_id: str) -> str:
+    env = view.env(env_id)
+    return env_path(view, env) if env is not None else env_id
+
+
+@jobs_app.command("show")
+def show_job(
+    job_id: str = typer.Argument(..., help="the job id (`zattera jobs list`)"),
+    json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """One run: status, attempt, node, times, exit code, message and its last output lines."""
+    OPTIONS.json = json_output
+
+    async def go() -> None:
+        async with control() as c:
+            job = _job(c.view, job_id)
+            if json_output:
+                render.emit_json(render.as_dict(job))
+                return
+            rows = [
+                ("env", _env_label(c.view, job.environment_id)),
+                ("cron", job.cron_name or "(zattera run)"),
+                ("slot", render.ts(job.slot_at)),
+                ("command", job.command),
+                ("status", J.status_name(job.status) + (" (cancel requested)" if job.cancel_requested else "")),
+                ("attempt", f"{job.attempt} of {1 + job.max_retries}"),
+                ("node", job.node_id or "-"),
+                ("release", job.release_id or "-"),
+                ("started", render.ts(job.started_at)),
+                ("finished", render.ts(job.finished_at)),
+                ("duration", duration(job)),
+                ("exit code", exit_text(job)),
+                ("message", job.message or "-"),
+            ]
+            render.table(f"job {job.meta.id}", ["FIELD", render.Col("VALUE", wrap=True)], rows)
+            if job.output_tail:
+                render.out.print("last output lines:", highlight=False)
+                for line in job.output_tail:
+                    render.out.print(f"  {line}", markup=False, highlight=False)
+
+    run(go)
+
+
+@jobs_app.command("cancel")
+def cancel_job(job_id: str = typer.Argument(..., help="the job id (`zattera jobs list`)")) -> None:
+    """Stop a pending or running job (its process gets SIGTERM, then SIGKILL after the stop grace)."""
+
+    async def go() -> None:
+        async with control() as c:
+            job = _job(c.view, job_id)
+            if not J.is_active(job):
+                raise fail(f"JOB_ID: job {job_id} already ended ({J.status_name(job.status)})")
+            await _request_cancel(c, job_id)
+            render.out.print(f"job {job_id}: cancel requested", highlight=False)
+
+    run(go)
