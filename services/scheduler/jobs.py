@@ -23,6 +23,7 @@ and per one-off job:
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -66,11 +67,21 @@ def _copy(job: pb.Job, now: float) -> pb.Job:
     return out
 
 
+@functools.lru_cache(maxsize=65536)
+def next_slot(schedule: Schedule, after: float) -> float | None:
+    """``schedule.next_after`` remembered: an entry's baseline moves once per run, and a croniter
+    evaluation costs ~0.3 ms, too much to repeat for 1,000 entries on every pass."""
+    return schedule.next_after(after)
+
+
 def latest_due_slot(schedule: Schedule, after: float, now: float) -> float | None:
     """The newest slot in ``(after, now]`` (None: none due yet). Slots skipped before it are not run."""
-    first = schedule.next_after(after)
+    first = next_slot(schedule, after)
     if first is None or first > now:
         return None
+    following = next_slot(schedule, first)
+    if following is None or following > now:
+        return first
     if schedule.every:
         base = float(int(after))
         return base + schedule.every * ((now - base) // schedule.every)
@@ -150,9 +161,11 @@ class _Decider:
         baseline = max([seconds(since), *(seconds(j.slot_at) for j in runs)])
         slot = latest_due_slot(schedule, baseline, self.now)
         if slot is None:
-            upcoming = schedule.next_after(max(baseline, self.now))
-            if upcoming is not None and (self.result.next_slot is None or upcoming < self.result.next_slot):
-                self.result.next_slot = upcoming
+            upcoming = next_slot(schedule, baseline)
+            if upcoming is not None:
+                next_slot(schedule, upcoming)  # computed now, off the slot's critical path
+                if self.result.next_slot is None or upcoming < self.result.next_slot:
+                    self.result.next_slot = upcoming
             return
         job = self._cron_job(env, entry, slot)
         late = self.now - slot
