@@ -117,9 +117,8 @@ class _Decider:
         for job in self.view.jobs():
             by_env[job.environment_id].append(job)
         for env_id, jobs in sorted(by_env.items()):
-            if self.view.env(env_id) is None:
-                gone = Writes(f"jobs:{env_id}:gone", deletes=[K.job(j.meta.id) for j in jobs if not J.is_active(j)])
-                self._add(gone)
+            if self.view.env(env_id) is None:  # its assignments are reaped as orphans
+                self._add(Writes(f"jobs:{env_id}:gone", deletes=[K.job(j.meta.id) for j in jobs]))
         for env in self.view.envs():
             self._env(env, by_env.get(env.meta.id, []))
         return self.result
@@ -168,9 +167,9 @@ class _Decider:
                     self.result.next_slot = upcoming
             return
         job = self._cron_job(env, entry, slot)
-        late = self.now - slot
         active = [j for j in runs if J.is_active(j)]
-        if late > job.deadline.ToNanoseconds() / 1e9:
+        if self._late(job):
+            late = self.now - slot
             self._finish(env, job, J.MISSED, f"not started within its deadline ({late:.0f}s late)", writes)
         elif active and entry.concurrency in (pb.CONCURRENCY_POLICY_FORBID, pb.CONCURRENCY_POLICY_UNSPECIFIED):
             self._finish(env, job, J.SKIPPED, f"run {active[0].meta.id} still active (concurrency forbid)", writes)
@@ -255,6 +254,8 @@ class _Decider:
                 writes.updates.append(updated)
                 return updated
             return self._attempt_failed(env, job, a, observed.message or "failed", writes)
+        if job.status == J.PENDING and observed.state not in _STARTED and self._late(job):
+            return self._attempt_failed(env, job, a, f"not started within its deadline ({observed.message})", writes)
         if observed.state in _STARTED and job.status == J.PENDING:
             updated = _copy(job, self.now)
             updated.status = J.RUNNING
@@ -279,7 +280,6 @@ class _Decider:
             message = f"attempt {job.attempt} failed: {why}; retrying"
             updated.attempt += 1
             updated.status = J.PENDING
-            updated.ClearField("finished_at")
             updated.node_id = updated.assignment_id = ""
             updated.message = message
             text = f"{self._describe(job)}: {message}"
@@ -330,7 +330,7 @@ class _Decider:
             self._finish(env, job, J.FAILED, "the environment has no active release to run it with", writes)
             return
         job.release_id = release_id
-        if self.now - seconds(job.slot_at) > job.deadline.ToNanoseconds() / 1e9:
+        if self._late(job):
             self._finish(env, job, J.FAILED, f"not placed within its deadline: {job.message}", writes)
             return
         shaped = pb.Release()
@@ -351,6 +351,11 @@ class _Decider:
         job.node_id, job.assignment_id = node_id, a.meta.id
         if job.message.startswith(WAITING):
             job.message = ""
+
+    def _late(self, job: pb.Job) -> bool:
+        """Past the start deadline, counted from the slot (a retry: from its previous attempt's end)."""
+        since = max(seconds(job.slot_at), seconds(job.finished_at))
+        return self.now - since > job.deadline.ToNanoseconds() / 1e9
 
     # ------------------------------------------------------------------ history and events
 

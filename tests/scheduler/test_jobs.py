@@ -13,7 +13,9 @@ from services.scheduler.jobs import JobsLoop, evaluate_jobs, latest_due_slot
 from services.scheduler.snapshots import parse_schedule
 from shared import jobs as J
 from shared import keys as K
-from shared.txn import Conflict
+from shared.lease import Lease
+from shared.natsio import STATE_PREFIX, STATE_STREAM
+from shared.txn import Conflict, Writer
 from tests import factories as f
 from tests.scheduler.conftest import Rig
 
@@ -149,6 +151,28 @@ async def test_one_run_per_slot_when_two_leaders_decide_the_same_slot(jobs: Jobs
     assert len([a for a in jobs.rig.view.assignments(ENV) if a.job_id]) == 1
 
 
+async def test_a_leader_deposed_mid_slot_cannot_add_a_second_run(jobs: JobsRig) -> None:
+    """Leader A decides the slot, loses its lease before committing (killed, partitioned); B takes over and
+    runs the slot; A's late write is refused whole: one run, one assignment."""
+    rig = jobs.rig
+    await rig.put(cron_env())
+    first = Lease(rig.conn, "jobs", "a", ttl=3)
+    assert await first.try_acquire()
+    rig.clock.set(SLOT1 + 1)
+    stale = evaluate_jobs(rig.view, SLOT1 + 1).writes
+    await rig.conn.js.publish(STATE_PREFIX + first.key, b"", headers={"KV-Operation": "DEL"}, stream=STATE_STREAM)
+    second = Lease(rig.conn, "jobs", "b", ttl=3)
+    assert await second.try_acquire()
+    successor = JobsLoop(conn=rig.conn, view=rig.view, clock=rig.clock)
+    successor.writer = Writer(rig.conn, rig.view, lease=second)
+    await successor.pass_once()
+    deposed = Writer(rig.conn, rig.view, lease=first)
+    with pytest.raises(Conflict):  # Deposed is a Conflict
+        await deposed.commit(stale[0].txn(deposed))
+    assert [j.meta.id for j in jobs.jobs()] == [J.cron_job_id(ENV, "nightly", SLOT1)]
+    assert len([a for a in rig.view.assignments(ENV) if a.job_id]) == 1
+
+
 # ---------------------------------------------------------------------------- concurrency policies
 
 
@@ -238,6 +262,38 @@ async def test_a_slot_missed_while_down_runs_once_within_its_deadline_else_is_mi
     missed = jobs.job(J.cron_job_id(ENV, "nightly", first_slot + 3 * hour))
     assert missed.status == J.MISSED and not missed.assignment_id
     assert "job.missed" in await jobs.rig.kinds()
+
+
+async def test_a_retry_after_a_long_run_is_not_refused_by_the_start_deadline(jobs: JobsRig) -> None:
+    await jobs.rig.put(cron_env(max_retries=1))  # deadline 600 s
+    await jobs.at(SLOT1)
+    [job] = jobs.jobs()
+    await jobs.report(job, pb.INSTANCE_STATE_RUNNING)
+    await jobs.at(SLOT1 + 5000)  # ran for longer than the deadline, then failed
+    await jobs.report(jobs.job(job.meta.id), pb.INSTANCE_STATE_FAILED, code=1)
+    await jobs.pass_()
+    retried = jobs.job(job.meta.id)
+    assert (retried.status, retried.attempt, retried.node_id) == (J.PENDING, 2, "n1")
+
+
+async def test_a_placed_run_that_never_starts_fails_at_its_deadline(jobs: JobsRig) -> None:
+    await jobs.rig.put(cron_env())
+    await jobs.at(SLOT1)
+    [job] = jobs.jobs()
+    await jobs.report(job, pb.INSTANCE_STATE_PENDING)
+    await jobs.at(SLOT1 + 601)
+    failed = jobs.job(job.meta.id)
+    assert failed.status == J.FAILED and "not started within its deadline" in failed.message
+    assert jobs.rig.view.assignment(job.assignment_id) is None
+
+
+async def test_the_jobs_of_a_deleted_env_go(jobs: JobsRig) -> None:
+    await jobs.rig.put(cron_env())
+    await jobs.at(SLOT1)
+    assert len(jobs.jobs()) == 1
+    await jobs.rig.delete(K.env(ENV))
+    await jobs.pass_()
+    assert jobs.rig.view.jobs() == []
 
 
 async def test_no_node_fits_stays_pending_with_the_reason_then_fails_at_the_deadline(jobs: JobsRig) -> None:
