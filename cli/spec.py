@@ -30,6 +30,14 @@ Example::
     [env.production.vars]         # plain environment variables (secrets: `zattera secrets set`)
     LOG_LEVEL = "info"
 
+    [[env.production.cron]]       # a scheduled command (docs/jobs.md)
+    name = "nightly-report"
+    schedule = "CRON_TZ=Europe/Rome 30 2 * * *"   # or @daily, @every 10m
+    command = "python manage.py nightly_report"
+    concurrency = "forbid"        # forbid | replace | allow
+    max_retries = 2
+    deadline = "30m"
+
     [env.db]
     stateful = true               # one instance pinned to its volumes' node
     [[env.db.volumes]]
