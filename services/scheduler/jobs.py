@@ -253,7 +253,9 @@ class _Decider:
                 self._finish(env, updated, J.SUCCEEDED, "exit code 0", writes, assignment=a)
                 writes.updates.append(updated)
                 return updated
-            return self._attempt_failed(env, job, a, observed.message or "failed", writes)
+            stopped_by_us = a.desired != RUN  # a drain of its node stopped it
+            why = f"stopped on node {a.node_id} (drained)" if stopped_by_us else observed.message or "failed"
+            return self._attempt_failed(env, job, a, why, writes)
         if job.status == J.PENDING and observed.state not in _STARTED and self._late(job):
             return self._attempt_failed(env, job, a, f"not started within its deadline ({observed.message})", writes)
         if observed.state in _STARTED and job.status == J.PENDING:

@@ -25,7 +25,7 @@ from shared.lease import run_while_leading
 from shared.natsio import Connection, create_or_update_stream
 from shared.txn import Writer
 from shared.view import StateView
-from tests.agent.conftest import StartAgent, process_ref, release
+from tests.agent.conftest import StartAgent, assignment, process_ref, release
 from tests.cli.test_builds_logs import REPO_ROOT, zattera_command
 from tests.factories import env as make_env
 from tests.waiting import eventually
@@ -110,3 +110,32 @@ async def test_ctrl_c_cancels_the_job(cluster: pb.Environment, nats_url: str, vi
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+
+
+async def test_an_ended_job_is_not_run_again_by_a_restarted_agent(
+    start_agent: StartAgent, view: StateView, writer: Writer, tmp_path: Path
+) -> None:
+    """No jobs loop here: the ended job's assignment stays, as when the control plane is down."""
+    rel = release(process_ref(tmp_path, f"{sys.executable} -c pass"), healthcheck=False)
+    a = assignment("n1", rel)
+    a.job_id, a.job_command = "J1", f"echo ran >> {tmp_path / 'runs'}"
+    await writer.commit(writer.txn().put(rel).put(a))
+    data_dir = tmp_path / "agent-n1"
+    first = await start_agent("n1", data_dir=data_dir)
+
+    def ended() -> bool:
+        found = view.assignment(a.meta.id)
+        return found is not None and found.observed.state == pb.INSTANCE_STATE_STOPPED
+
+    await eventually(ended, timeout=TIMEOUT, what="job ended")
+    await first.stop()
+    second = await start_agent("n1", data_dir=data_dir)
+    runtime = second.agent.runtime
+    assert runtime is not None
+
+    def parked() -> bool:
+        supervisor = runtime.supervisor(a.meta.id)
+        return supervisor is not None and supervisor._parked
+
+    await eventually(parked, timeout=TIMEOUT, what="the restarted agent parked the ended job")
+    assert (tmp_path / "runs").read_text() == "ran\n"
