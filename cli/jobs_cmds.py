@@ -113,7 +113,7 @@ async def _follow(c: Control, job_id: str, env_id: str) -> int:
     loop.add_signal_handler(signal.SIGINT, interrupted.set)
     feed = c.view.subscribe({K.JOB})
     printer: asyncio.Task[None] | None = None
-    following = ""
+    following = said = ""
     try:
         while True:
             job = c.view.get(K.JOB, job_id)
@@ -126,6 +126,9 @@ async def _follow(c: Control, job_id: str, env_id: str) -> int:
                 printer = asyncio.create_task(_print_output(c, env_id, following))
             if not J.is_active(job):
                 break
+            if job.status == J.PENDING and job.message and job.message != said:
+                said = job.message  # e.g. waiting for a node, or retrying after a failed attempt
+                err.print(f"job {job_id}: {said}", markup=False, highlight=False)
             if interrupted.is_set() and not job.cancel_requested:
                 err.print(f"canceling job {job_id} (Ctrl-C again leaves without waiting)", highlight=False)
                 loop.add_signal_handler(signal.SIGINT, _leave)
