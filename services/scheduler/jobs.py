@@ -145,8 +145,8 @@ class _Decider:
             entry = entries.get(name)
             if entry is not None and env.active_release_id:
                 self._slot(env, entry, runs, writes)
-            history = self._history("", runs)
-            writes.deletes.extend(history.deletes)
+            touched = {K.job(m.meta.id) for m in writes.updates if isinstance(m, pb.Job)}
+            writes.deletes.extend(key for key in self._history("", runs).deletes if key not in touched)
             self._add(writes)
 
     # ------------------------------------------------------------------ cron slots
@@ -207,6 +207,8 @@ class _Decider:
 
     def _cancel(self, job: pb.Job, why: str, writes: Writes) -> None:
         """Ask ``job`` (already a copy in ``writes``, or from the view) to stop."""
+        if job.cancel_requested:
+            return  # asked already: this pass's advance stops its assignment
         updated = next((w for w in writes.updates if isinstance(w, pb.Job) and w.meta.id == job.meta.id), None)
         if updated is None:
             updated = _copy(job, self.now)

@@ -203,6 +203,20 @@ async def test_replace_stops_the_previous_run(jobs: JobsRig) -> None:
     assert jobs.rig.view.assignment(first.assignment_id) is None
 
 
+async def test_replace_when_the_previous_run_is_being_canceled_already(jobs: JobsRig) -> None:
+    await jobs.rig.put(cron_env(policy=pb.CONCURRENCY_POLICY_REPLACE))
+    await jobs.at(SLOT1)
+    [first] = jobs.jobs()
+    await jobs.report(first, pb.INSTANCE_STATE_RUNNING)
+    canceling = pb.Job()
+    canceling.CopyFrom(jobs.job(first.meta.id))
+    canceling.cancel_requested = True
+    await jobs.rig.put(canceling)
+    await jobs.at(SLOT1 + 300)  # the cancel and the next slot in one pass
+    assert _assignment(jobs, first).desired == pb.ASSIGNMENT_DESIRED_STOP
+    assert jobs.job(J.cron_job_id(ENV, "nightly", SLOT1 + 300)).assignment_id
+
+
 async def test_allow_overlaps(jobs: JobsRig) -> None:
     await jobs.rig.put(cron_env(policy=pb.CONCURRENCY_POLICY_ALLOW))
     await jobs.at(SLOT1)
