@@ -405,4 +405,10 @@ class JobsLoop(LeaderLoop):
         assert self.writer is not None
         decided = evaluate_jobs(self.view, self.clock.now())
         self._next_slot = decided.next_slot
-        await commit(self.writer, self.events, decided.writes, loop=self.name)
+        # The events of every landed write go out together: a slot of 1,000 entries is one round trip,
+        # not 1,000 (commit() publishes per write).
+        announced = [w.events for w in decided.writes]
+        for w in decided.writes:
+            w.events = []
+        landed = await commit(self.writer, self.events, decided.writes, loop=self.name)
+        await self.events.publish(*(e for ok, events in zip(landed, announced, strict=True) if ok for e in events))
