@@ -24,6 +24,7 @@ and per one-off job:
 from __future__ import annotations
 
 import functools
+import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from shared import keys as K
 from shared.events import INFO, WARNING
 from shared.loop import LeaderLoop
 from shared.view import StateView, reservation
+
+log = logging.getLogger(__name__)
 
 RUN = pb.ASSIGNMENT_DESIRED_RUN
 WAITING = "waiting for a node"
@@ -144,7 +147,10 @@ class _Decider:
             runs = [self._advance(env, job, writes) if J.is_active(job) else job for job in by_entry.get(name, [])]
             entry = entries.get(name)
             if entry is not None and env.active_release_id:
-                self._slot(env, entry, runs, writes)
+                try:
+                    self._slot(env, entry, runs, writes)
+                except (ValueError, OverflowError, OSError) as exc:  # a time no calendar holds: skip, not stall
+                    log.warning("env %s: cron entry %s skipped: %s", env.meta.id, name, exc)
             touched = {K.job(m.meta.id) for m in writes.updates if isinstance(m, pb.Job)}
             writes.deletes.extend(key for key in self._history("", runs).deletes if key not in touched)
             self._add(writes)
