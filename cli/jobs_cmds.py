@@ -25,6 +25,7 @@ from shared import jobs as J
 from shared import keys as K
 from shared.applogs import STDERR, AppLogLine, UnknownLogStream, read_app_logs
 from shared.ids import is_safe_id, unsafe_id
+from shared.txn import Conflict
 from shared.view import StateView
 
 jobs_app = typer.Typer(
@@ -36,6 +37,8 @@ LOG_STREAM_WAIT = 0.5
 DRAIN_IDLE = 0.5
 """After the job ended: how long its last lines may take to arrive before ``zattera run`` leaves."""
 _EXIT_CANCELED = ExitCode.INTERRUPTED
+CANCEL_ATTEMPTS = 10
+CANCEL_RETRY_WAIT = 1.0
 
 
 def _seconds(ts: object) -> float:
@@ -193,16 +196,28 @@ def _emit(line: AppLogLine) -> None:
     target.flush()
 
 
-async def _request_cancel(c: Control, job_id: str) -> pb.Job:
-    current = c.view.get(K.JOB, job_id)
-    assert isinstance(current, pb.Job)
-    canceling = pb.Job()
-    canceling.CopyFrom(current)
-    canceling.cancel_requested = True
-    canceling.message = "canceled by the operator"
-    canceling.meta.updated_at.FromNanoseconds(time.time_ns())
-    await c.writer.commit(c.writer.txn("jobs.cancel").put(canceling))
-    return canceling
+async def _request_cancel(c: Control, job_id: str) -> None:
+    """Set ``cancel_requested`` (nothing to do once the job ended); a write that crossed one of the jobs
+    loop's updates is made again on the newer version."""
+    feed = c.view.subscribe({K.JOB})
+    try:
+        for _ in range(CANCEL_ATTEMPTS):
+            current = c.view.get(K.JOB, job_id)
+            if not isinstance(current, pb.Job) or not J.is_active(current) or current.cancel_requested:
+                return
+            canceling = pb.Job()
+            canceling.CopyFrom(current)
+            canceling.cancel_requested = True
+            canceling.message = "canceled by the operator"
+            canceling.meta.updated_at.FromNanoseconds(time.time_ns())
+            try:
+                await c.writer.commit(c.writer.txn("jobs.cancel").put(canceling))
+                return
+            except Conflict:
+                await feed.wait(CANCEL_RETRY_WAIT)  # the newer version is on its way to the view
+    finally:
+        feed.close()
+    raise fail(f"job {job_id}: the cancel kept crossing the job's updates; run `zattera jobs cancel {job_id}` again")
 
 
 # ---------------------------------------------------------------------------- zattera jobs

@@ -101,8 +101,8 @@ async def test_ctrl_c_cancels_the_job(cluster: pb.Environment, nats_url: str, vi
         assert proc.stdout is not None
         assert await asyncio.wait_for(proc.stdout.readline(), TIMEOUT) == b"started\n"
         proc.send_signal(signal.SIGINT)
-        await asyncio.wait_for(proc.wait(), TIMEOUT)
-        assert proc.returncode == 130
+        _, errors = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+        assert proc.returncode == 130, errors.decode()
         [job] = view.jobs("E1")
         assert (job.status, job.cancel_requested) == (J.CANCELED, True)
     finally:
