@@ -14,6 +14,7 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import typer
 from zattera.v1 import types_pb2 as pb
@@ -34,8 +35,6 @@ jobs_app = typer.Typer(
 
 LOG_STREAM_WAIT = 0.5
 """How often a following ``zattera run`` looks again for a log stream that does not exist yet."""
-DRAIN_IDLE = 0.5
-"""After the job ended: how long its last lines may take to arrive before ``zattera run`` leaves."""
 _EXIT_CANCELED = ExitCode.INTERRUPTED
 CANCEL_ATTEMPTS = 10
 CANCEL_RETRY_WAIT = 1.0
@@ -115,7 +114,7 @@ async def _follow(c: Control, job_id: str, env_id: str) -> int:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, interrupted.set)
     feed = c.view.subscribe({K.JOB})
-    printer: asyncio.Task[None] | None = None
+    printer: _Printer | None = None
     following = said = ""
     try:
         while True:
@@ -124,15 +123,16 @@ async def _follow(c: Control, job_id: str, env_id: str) -> int:
                 raise fail(f"job {job_id} vanished")
             if job.assignment_id and job.assignment_id != following:
                 if printer is not None:
-                    await _stop_printing(printer)
+                    await printer.finish()
                 following = job.assignment_id
-                printer = asyncio.create_task(_print_output(c, env_id, following))
+                printer = _Printer(c, env_id, following)
             if not J.is_active(job):
                 break
             if job.status == J.PENDING and job.message and job.message != said:
                 said = job.message  # e.g. waiting for a node, or retrying after a failed attempt
                 err.print(f"job {job_id}: {said}", markup=False, highlight=False)
-            if interrupted.is_set() and not job.cancel_requested:
+            if interrupted.is_set():
+                interrupted.clear()
                 err.print(f"canceling job {job_id} (Ctrl-C again leaves without waiting)", highlight=False)
                 loop.add_signal_handler(signal.SIGINT, _leave)
                 await _request_cancel(c, job_id)
@@ -145,12 +145,12 @@ async def _follow(c: Control, job_id: str, env_id: str) -> int:
                 waiter.cancel()
                 stop.cancel()
         if printer is not None:
-            await _stop_printing(printer, drain=True)
+            await printer.finish()
     finally:
         feed.close()
         loop.remove_signal_handler(signal.SIGINT)
-        if printer is not None and not printer.done():
-            printer.cancel()
+        if printer is not None:
+            printer.task.cancel()
     return _outcome(job)
 
 
@@ -170,24 +170,41 @@ def _outcome(job: pb.Job) -> int:
     return ExitCode.FAILED
 
 
-async def _print_output(c: Control, env_id: str, instance: str) -> None:
-    """Every line of one attempt (the instance's subject of the env's log stream), as it is stored."""
-    while True:
-        try:
-            async for line in read_app_logs(c.conn.js, env_id, instance=instance, last=1_000_000, follow=True):
-                _emit(line)
-            return
-        except UnknownLogStream:
-            await asyncio.sleep(LOG_STREAM_WAIT)
+class _Printer:
+    """Prints one attempt's lines (its instance's subject of the env's log stream) as they are stored."""
 
+    def __init__(self, c: Control, env_id: str, instance: str) -> None:
+        self.c, self.env_id, self.instance = c, env_id, instance
+        self.printed = 0
+        self.task = asyncio.create_task(self._follow())
 
-async def _stop_printing(printer: asyncio.Task[None], *, drain: bool = False) -> None:
-    """The agent ships a job's last lines before it reports the end: give them a moment to be delivered."""
-    if drain:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(printer), DRAIN_IDLE)
-    printer.cancel()
-    await asyncio.gather(printer, return_exceptions=True)
+    async def _follow(self) -> None:
+        while True:
+            try:
+                async for line in self._read(follow=True):
+                    self._print(line)
+                return
+            except UnknownLogStream:
+                await asyncio.sleep(LOG_STREAM_WAIT)
+
+    def _read(self, *, follow: bool) -> AsyncIterator[AppLogLine]:
+        return read_app_logs(self.c.conn.js, self.env_id, instance=self.instance, last=1_000_000, follow=follow)
+
+    def _print(self, line: AppLogLine) -> None:
+        self.printed += 1
+        _emit(line)
+
+    async def finish(self) -> None:
+        """The attempt ended: the agent stored its last lines before it reported the end, so whatever the
+        follower has not printed yet is read back once, in order, after it."""
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        seen = 0
+        with contextlib.suppress(UnknownLogStream):
+            async for line in self._read(follow=False):
+                seen += 1
+                if seen > self.printed:
+                    self._print(line)
 
 
 def _emit(line: AppLogLine) -> None:
