@@ -176,11 +176,17 @@ async def test_a_leader_deposed_mid_slot_cannot_add_a_second_run(jobs: JobsRig) 
 # ---------------------------------------------------------------------------- concurrency policies
 
 
-async def test_forbid_skips_a_slot_while_the_previous_run_goes_on(jobs: JobsRig) -> None:
-    await jobs.rig.put(cron_env(policy=pb.CONCURRENCY_POLICY_FORBID))
+async def running_first_slot(jobs: JobsRig, policy: pb.ConcurrencyPolicy.ValueType) -> pb.Job:
+    """The entry with ``policy``, its first slot's run placed and reported running."""
+    await jobs.rig.put(cron_env(policy=policy))
     await jobs.at(SLOT1)
     [first] = jobs.jobs()
     await jobs.report(first, pb.INSTANCE_STATE_RUNNING)
+    return first
+
+
+async def test_forbid_skips_a_slot_while_the_previous_run_goes_on(jobs: JobsRig) -> None:
+    first = await running_first_slot(jobs, pb.CONCURRENCY_POLICY_FORBID)
     await jobs.at(SLOT1 + 300)
     statuses = {j.meta.id: j.status for j in jobs.jobs()}
     assert statuses == {first.meta.id: J.RUNNING, J.cron_job_id(ENV, "nightly", SLOT1 + 300): J.SKIPPED}
@@ -188,10 +194,7 @@ async def test_forbid_skips_a_slot_while_the_previous_run_goes_on(jobs: JobsRig)
 
 
 async def test_replace_stops_the_previous_run(jobs: JobsRig) -> None:
-    await jobs.rig.put(cron_env(policy=pb.CONCURRENCY_POLICY_REPLACE))
-    await jobs.at(SLOT1)
-    [first] = jobs.jobs()
-    await jobs.report(first, pb.INSTANCE_STATE_RUNNING)
+    first = await running_first_slot(jobs, pb.CONCURRENCY_POLICY_REPLACE)
     await jobs.at(SLOT1 + 300)
     assert jobs.job(first.meta.id).cancel_requested
     assert _assignment(jobs, first).desired == pb.ASSIGNMENT_DESIRED_STOP
@@ -204,10 +207,7 @@ async def test_replace_stops_the_previous_run(jobs: JobsRig) -> None:
 
 
 async def test_replace_when_the_previous_run_is_being_canceled_already(jobs: JobsRig) -> None:
-    await jobs.rig.put(cron_env(policy=pb.CONCURRENCY_POLICY_REPLACE))
-    await jobs.at(SLOT1)
-    [first] = jobs.jobs()
-    await jobs.report(first, pb.INSTANCE_STATE_RUNNING)
+    first = await running_first_slot(jobs, pb.CONCURRENCY_POLICY_REPLACE)
     canceling = pb.Job()
     canceling.CopyFrom(jobs.job(first.meta.id))
     canceling.cancel_requested = True
@@ -218,10 +218,7 @@ async def test_replace_when_the_previous_run_is_being_canceled_already(jobs: Job
 
 
 async def test_allow_overlaps(jobs: JobsRig) -> None:
-    await jobs.rig.put(cron_env(policy=pb.CONCURRENCY_POLICY_ALLOW))
-    await jobs.at(SLOT1)
-    [first] = jobs.jobs()
-    await jobs.report(first, pb.INSTANCE_STATE_RUNNING)
+    await running_first_slot(jobs, pb.CONCURRENCY_POLICY_ALLOW)
     await jobs.at(SLOT1 + 300)
     assert sorted(j.status for j in jobs.jobs()) == [J.PENDING, J.RUNNING]
     assert len([a for a in jobs.rig.view.assignments(ENV) if a.job_id and a.desired == 1]) == 2
