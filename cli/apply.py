@@ -237,6 +237,7 @@ def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = Non
         )
         assert isinstance(new_env, pb.Environment)
         new_env.service.CopyFrom(service_spec(spec, env_spec))
+        _keep_cron_starts(new_env.service, env, now)
         _plan_config(view, new_env, env, env_spec, f"env.{env_name}.vars")
         if env_spec.idle_timeout:
             new_env.idle_timeout.CopyFrom(to_duration(env_spec.idle_timeout))
@@ -278,6 +279,18 @@ def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = Non
                 changes = field_changes(volume.snapshot_policy, updated.snapshot_policy)
                 result.add(PlanItem(UPDATE, "volume policy", qualified, changes), label)
     return txn, result
+
+
+def _keep_cron_starts(service: pb.ServiceSpec, env: pb.Environment | None, now: float) -> None:
+    """A cron entry's first slot comes after ``since``: kept while its schedule stays, else now (a new or
+    rescheduled entry does not run the slots it was not there for)."""
+    before = {c.name: c for c in env.service.cron} if env is not None else {}
+    for entry in service.cron:
+        old = before.get(entry.name)
+        if old is not None and old.schedule == entry.schedule and old.HasField("since"):
+            entry.since.CopyFrom(old.since)
+        else:
+            entry.since.FromNanoseconds(int(now * 1e9))
 
 
 def _plan_config(

@@ -30,6 +30,14 @@ Example::
     [env.production.vars]         # plain environment variables (secrets: `zattera secrets set`)
     LOG_LEVEL = "info"
 
+    [[env.production.cron]]       # a scheduled command (docs/jobs.md)
+    name = "nightly-report"
+    schedule = "CRON_TZ=Europe/Rome 30 2 * * *"   # or @daily, @every 10m
+    command = "python manage.py nightly_report"
+    concurrency = "forbid"        # forbid | replace | allow
+    max_retries = 2
+    deadline = "30m"
+
     [env.db]
     stateful = true               # one instance pinned to its volumes' node
     [[env.db.volumes]]
@@ -61,6 +69,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, fi
 from zattera.v1 import types_pb2 as pb
 
 from shared.appconfig import ConfigError, check_env_size, check_var
+from shared.jobs import DEFAULT_DEADLINE, MAX_RETRIES, POLICIES, CommandError, check_command
 
 NAME = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
@@ -189,6 +198,40 @@ class Volume(_Model):
         )
 
 
+class CronEntry(_Model):
+    """``[[env.<name>.cron]]``: a command run on a schedule (docs/jobs.md)."""
+
+    name: Name
+    schedule: str = Field(description="5-field cron (UTC), CRON_TZ=Zone prefix, @daily…, @every 10m")
+    command: str
+    resources: Resources | None = None
+    concurrency: Literal["forbid", "replace", "allow"] = "forbid"
+    max_retries: int = Field(default=0, ge=0, le=MAX_RETRIES)
+    deadline: float = Field(default=DEFAULT_DEADLINE, gt=0, description="how late a slot may still start")
+
+    _durations = field_validator("deadline", mode="before")(parse_duration)
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return validate_schedule(value)
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: str) -> str:
+        try:
+            return check_command(value)
+        except CommandError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("concurrency", mode="before")
+    @classmethod
+    def _lowercase(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+
 class RateLimit(_Model):
     requests_per_second: int = Field(ge=1)
     burst: int = Field(default=0, ge=0)
@@ -290,8 +333,18 @@ class Env(_Model):
     middleware: Middleware | None = None
     vars: dict[str, str] = Field(default_factory=dict, description="plain environment variables (not secrets)")
     logs: Logs = Logs()
+    cron: list[CronEntry] = Field(default_factory=list)
 
     _durations = field_validator("idle_timeout", "stop_grace", mode="before")(parse_duration)
+
+    @field_validator("cron")
+    @classmethod
+    def _unique_cron_names(cls, value: list[CronEntry]) -> list[CronEntry]:
+        names = [entry.name for entry in value]
+        duplicate = next((name for name in names if names.count(name) > 1), None)
+        if duplicate is not None:
+            raise ValueError(f"cron entry names must be unique ({duplicate!r} is used twice)")
+        return value
 
     @field_validator("vars")
     @classmethod
@@ -429,6 +482,18 @@ def service_spec(spec: AppSpec, env: Env) -> pb.ServiceSpec:
         s.rate_limit.requests_per_second = env.rate_limit.requests_per_second
         s.rate_limit.burst = env.rate_limit.burst
     s.stop_grace.CopyFrom(to_duration(env.stop_grace))
+    for entry in env.cron:
+        cron = s.cron.add(
+            name=entry.name,
+            schedule=entry.schedule,
+            command=entry.command,
+            concurrency=POLICIES[entry.concurrency],
+            max_retries=entry.max_retries,
+        )
+        cron.deadline.CopyFrom(to_duration(entry.deadline))
+        if entry.resources is not None:
+            cron.resources.cpu_millis = entry.resources.cpu_millis
+            cron.resources.memory_mb = entry.resources.memory_mb
     return s
 
 

@@ -28,6 +28,7 @@ VIP = "vip"
 LEASE = "lease"
 SECRET = "secret"
 SECRETS_KEY = "secretskey"
+JOB = "job"
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     NODE: pb.Node,
@@ -47,6 +48,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     LEASE: pb.Lease,
     SECRET: pb.SealedSecret,
     SECRETS_KEY: pb.SecretsKey,
+    JOB: pb.Job,
 }
 
 PER_NODE_KINDS = frozenset({ASSIGNMENT, OBSERVED})
@@ -149,6 +151,10 @@ def secret(secret_id: str) -> str:
 
 def secrets_key(key_name: str) -> str:
     return f"{SECRETS_KEY}.{key_name}"
+
+
+def job(job_id: str) -> str:
+    return f"{JOB}.{job_id}"
 
 
 def key_of(msg: Message) -> str:

@@ -187,6 +187,7 @@ _ENV_INDEXED = {
     K.BUILD: "environment_id",
     K.DOMAIN: "environment_id",
     K.SECRET: "environment_id",
+    K.JOB: "environment_id",
 }
 
 
@@ -730,6 +731,10 @@ class StateView:
 
     def domains(self, env_id: str | None = None) -> list[pb.Domain]:
         return self.all(K.DOMAIN) if env_id is None else self._env_list(env_id, K.DOMAIN)
+
+    def jobs(self, env_id: str | None = None) -> list[pb.Job]:
+        """Job runs (cron slots and one-off commands), sorted by id."""
+        return self.all(K.JOB) if env_id is None else self._env_list(env_id, K.JOB)
 
     def secrets(self, env_id: str) -> list[pb.SealedSecret]:
         """Every sealed secret version of an environment (ciphertexts only)."""

@@ -12,7 +12,10 @@ One :class:`InstanceSupervisor` per assignment owns its process and its reports:
 * The process's stdout and stderr are shipped to the env's log stream (``logs.py``). A process that exits
   has its last lines shipped and its exit (code or signal, last stderr lines) reported in
   ``observed.last_exit``, kept across restarts until the assignment goes;
-* A process that exits is restarted with exponential backoff (reported STARTING with the exit code);
+* A job's assignment (``job_id`` set) runs ``job_command`` once, without health checks: its exit is reported
+  STOPPED (code 0) or FAILED with the code, ``started_at`` and the last output lines, and it is never
+  restarted, not even by a later agent run (docs/jobs.md). Any other process that exits is restarted
+  with exponential backoff (reported STARTING with the exit code);
   after ``max_start_attempts`` failed starts of the same config (release, config hash, image) the
   assignment is parked FAILED. A run longer than ``stable_after`` resets the count. A config change
   (drift) stops the process and starts the new config with a fresh count.
@@ -49,12 +52,12 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.health import LOOPBACK, HealthMonitor, probe_for, seconds
 from services.agent.images import ImageError, PreparedImage, prepare_image
-from services.agent.logs import InstanceLogShipper, ShipperSettings
+from services.agent.logs import STREAM_FILES, TAIL_READ, InstanceLogShipper, ShipperSettings
 from services.agent.processes import STATE_FILE, InstanceRecord, PortAllocator, ProcessHandle, adopt, spawn
 from services.agent.reporter import ObservedReporter
 from services.agent.settings import AgentSettings
 from shared import keys as K
-from shared.applogs import describe_exit, instance_exit
+from shared.applogs import STDOUT, describe_exit, instance_exit
 from shared.natsio import Connection
 from shared.secrets import SecretsUnavailable, fetch_secrets
 from shared.tasks import cancel_and_wait
@@ -82,6 +85,21 @@ PASSED_THROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", 
 def config_of(a: pb.Assignment, release: pb.Release) -> str:
     """What a running process was started from; any change means recreate it."""
     return f"{a.release_id}|{a.config_hash or release.config_hash}|{release.image_ref}"
+
+
+def read_tail(path: Path, lines: int) -> list[str]:
+    """The last ``lines`` complete lines of a file (at most its last 16 KiB); [] when it is not there."""
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - TAIL_READ))
+            data = f.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", "replace").splitlines()
+    if size > TAIL_READ:
+        text = text[1:]  # the first one is cut
+    return text[-lines:] if lines else []
 
 
 def port_names(spec: pb.ServiceSpec) -> list[str]:
@@ -201,6 +219,7 @@ class InstanceSupervisor:
         self._exit: asyncio.Task[int | None] | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._started_at = 0.0
+        self._started_ns = 0
         self._container_id = ""
         self._config = ""
         self._ports: dict[str, int] = {}
@@ -309,6 +328,8 @@ class InstanceSupervisor:
             self._failures = 0
             self._parked = False
             self._not_before = 0.0
+        if a.job_id and not self._ever_started and a.observed.state in (STOPPED, FAILED):
+            self._parked = True  # the job ended under a previous agent run: it runs once
         if self._parked:
             self.waiting_on_state = False
             await self._changed()
@@ -345,7 +366,7 @@ class InstanceSupervisor:
         except Exception as exc:  # a NATS error while fetching: the next attempt may work
             self._failed_attempt(f"image: {type(exc).__name__}: {exc}", None)
             return
-        command = image.command(release.service.command)
+        command = image.command(a.job_command or release.service.command)
         if not command:
             self._failed_attempt("no command: the image has none and the service sets none", None)
             return
@@ -417,6 +438,9 @@ class InstanceSupervisor:
         self._start_health(self.ctx.view.release(self.assignment.release_id))
 
     def _start_health(self, release: pb.Release | None) -> None:
+        if self.assignment.job_id:
+            self._report(RUNNING)  # a job has no health: it runs until it exits
+            return
         bind = bind_address(self.ctx.settings)
         probe = probe_for(release.service, self._ports, host=bind) if release is not None else None
         if probe is None:
@@ -465,7 +489,16 @@ class InstanceSupervisor:
         self._last_exit = instance_exit(code, self._logs.stderr_tail(), now_ns=time.time_ns())
         message = f"exited ({describe_exit(self._last_exit)})"
         log.info("%s: pid %d %s after %.1fs", self.assignment_id, handle.pid, message, ran)
+        if self.assignment.job_id:
+            self._parked = True
+            self._report(STOPPED if code == 0 else FAILED, message=message, exit_code=code, output=self._output_tail())
+            return
         self._failed_attempt(message, code)
+
+    def _output_tail(self) -> list[str]:
+        """A job's last stdout lines, then its last stderr lines (what ``zattera jobs show`` prints)."""
+        stdout = read_tail(self.dir / STREAM_FILES[STDOUT], self.ctx.settings.log_stderr_tail)
+        return stdout + (self._last_exit.stderr_tail[:] if self._last_exit is not None else [])
 
     def _failed_attempt(self, message: str, exit_code: int | None) -> None:
         settings = self.ctx.settings
@@ -487,6 +520,7 @@ class InstanceSupervisor:
         self._handle = handle
         self._container_id = handle.container_id
         self._started_at = time.monotonic()
+        self._started_ns = time.time_ns()
 
     def _cancel_watchers(self) -> None:
         for task in (self._monitor, self._exit):
@@ -509,7 +543,9 @@ class InstanceSupervisor:
             await handle.stop(self._stop_grace)
         self._detach()
 
-    def _report(self, state: int, *, message: str = "", exit_code: int | None = None) -> None:
+    def _report(
+        self, state: int, *, message: str = "", exit_code: int | None = None, output: list[str] | None = None
+    ) -> None:
         observed = pb.AssignmentObserved(
             state=state,  # type: ignore[arg-type]
             container_id=self._container_id,
@@ -522,6 +558,9 @@ class InstanceSupervisor:
             observed.last_exit.CopyFrom(self._last_exit)
         if state in _UP_STATES:
             observed.mesh_port_bindings.update(self._ports)
+        if self.assignment.job_id and self._started_ns:
+            observed.started_at.FromNanoseconds(self._started_ns)
+        observed.output_tail.extend(output or ())
         observed.updated_at.FromNanoseconds(time.time_ns())
         self.ctx.reporter.report(self.assignment_id, observed)
 

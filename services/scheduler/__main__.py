@@ -1,7 +1,7 @@
 """Entry point: `python -m services.scheduler [--nats URL]`.
 
-Runs the placement loop (``lease.scheduler``) and node liveness (``lease.liveness``), each only while
-this replica holds its lease.
+Runs the placement loop (``lease.scheduler``), node liveness (``lease.liveness``), the snapshot scheduler
+(``lease.snapshots``) and the jobs loop (``lease.jobs``), each only while this replica holds its lease.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from services.scheduler.jobs import JobsLoop
 from services.scheduler.liveness import TICK as LIVENESS_TICK
 from services.scheduler.liveness import Liveness
 from services.scheduler.loop import Scheduler
@@ -32,6 +33,7 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
                 **ctx.loop_kwargs(),
             )
         ),
+        ctx.lead(JobsLoop(tick=ctx.settings.loop_tick, **ctx.loop_kwargs())),
         ctx.lead(
             SnapshotScheduler(
                 dispatcher=SnapshotDispatcher(ctx.conn, ctx.view, ctx.clock, target=target_from_env()),

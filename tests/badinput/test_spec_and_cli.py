@@ -135,6 +135,12 @@ CLI_CASES: list[tuple[list[str], list[str]]] = [
     (["apps", "apply", "{dir}/broken.toml"], ["broken.toml", "not valid TOML", "line 2"]),
     (["apps", "apply", "{dir}/a-directory.toml"], ["a-directory.toml", "cannot read"]),
     (["apps", "apply", "{dir}/latin1.toml"], ["latin1.toml", "cannot read"]),
+    (["run", "--env", "no-such-env", "--", "true"], ["--env", "'no-such-env'"]),
+    (["run", "--env", ENV, "--", "true"], ["--env", ENV, "no active release"]),
+    (["run", "--env", ENV, "--", "x" * 5000], ["command", "4096-byte limit"]),
+    (["jobs", "show", "a.b*"], ["job id", "'a.b*'"]),
+    (["jobs", "cancel", "01JNOSUCHJOB00000000000000"], ["JOB_ID", "no job '01JNOSUCHJOB00000000000000'"]),
+    (["jobs", "list", "--env", "no-such-env"], ["--env", "'no-such-env'"]),
 ]
 
 

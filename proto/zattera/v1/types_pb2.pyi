@@ -209,6 +209,48 @@ CONCURRENCY_POLICY_REPLACE: ConcurrencyPolicy.ValueType  # 2
 CONCURRENCY_POLICY_ALLOW: ConcurrencyPolicy.ValueType  # 3
 Global___ConcurrencyPolicy: _TypeAlias = ConcurrencyPolicy  # noqa: Y015
 
+class _JobStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _JobStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    JOB_STATUS_UNSPECIFIED: _JobStatus.ValueType  # 0
+    JOB_STATUS_PENDING: _JobStatus.ValueType  # 1
+    """created, not placed or not started yet"""
+    JOB_STATUS_RUNNING: _JobStatus.ValueType  # 2
+    """its process runs"""
+    JOB_STATUS_SUCCEEDED: _JobStatus.ValueType  # 3
+    """exit code 0"""
+    JOB_STATUS_FAILED: _JobStatus.ValueType  # 4
+    """non-zero exit (retries exhausted), node lost, never placed"""
+    JOB_STATUS_CANCELED: _JobStatus.ValueType  # 5
+    """`zattera jobs cancel`, Ctrl-C of `zattera run`, or replaced (REPLACE)"""
+    JOB_STATUS_MISSED: _JobStatus.ValueType  # 6
+    """the slot passed its deadline before it could start (cluster down)"""
+    JOB_STATUS_SKIPPED: _JobStatus.ValueType  # 7
+    """FORBID: the previous run of the entry still ran"""
+
+class JobStatus(_JobStatus, metaclass=_JobStatusEnumTypeWrapper):
+    """JobStatus is the lifecycle of one job run (invented, issue 23)."""
+
+JOB_STATUS_UNSPECIFIED: JobStatus.ValueType  # 0
+JOB_STATUS_PENDING: JobStatus.ValueType  # 1
+"""created, not placed or not started yet"""
+JOB_STATUS_RUNNING: JobStatus.ValueType  # 2
+"""its process runs"""
+JOB_STATUS_SUCCEEDED: JobStatus.ValueType  # 3
+"""exit code 0"""
+JOB_STATUS_FAILED: JobStatus.ValueType  # 4
+"""non-zero exit (retries exhausted), node lost, never placed"""
+JOB_STATUS_CANCELED: JobStatus.ValueType  # 5
+"""`zattera jobs cancel`, Ctrl-C of `zattera run`, or replaced (REPLACE)"""
+JOB_STATUS_MISSED: JobStatus.ValueType  # 6
+"""the slot passed its deadline before it could start (cluster down)"""
+JOB_STATUS_SKIPPED: JobStatus.ValueType  # 7
+"""FORBID: the previous run of the entry still ran"""
+Global___JobStatus: _TypeAlias = JobStatus  # noqa: Y015
+
 class _ReleaseSourceKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -1421,12 +1463,29 @@ class CronSpec(_message.Message):
     COMMAND_FIELD_NUMBER: _builtins.int
     CONCURRENCY_FIELD_NUMBER: _builtins.int
     MAX_RETRIES_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     schedule: _builtins.str
     """5-field cron expression"""
     command: _builtins.str
     concurrency: Global___ConcurrencyPolicy.ValueType
     max_retries: _builtins.int
+    @_builtins.property
+    def resources(self) -> Global___ResourceLimits:
+        """--- invented (issue 23, docs/jobs.md) ---
+        per-run reservation; unset = the service's
+        """
+
+    @_builtins.property
+    def deadline(self) -> _duration_pb2.Duration:
+        """a slot may start this late at most (else MISSED); unset = 1 h"""
+
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """first slot considered: set by apply when the entry appears"""
+
     def __init__(
         self,
         *,
@@ -1435,14 +1494,124 @@ class CronSpec(_message.Message):
         command: _builtins.str = ...,
         concurrency: Global___ConcurrencyPolicy.ValueType = ...,
         max_retries: _builtins.int = ...,
+        resources: Global___ResourceLimits | None = ...,
+        deadline: _duration_pb2.Duration | None = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "resources", b"resources", "since", b"since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "concurrency", b"concurrency", "max_retries", b"max_retries", "name", b"name", "schedule", b"schedule"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "concurrency", b"concurrency", "deadline", b"deadline", "max_retries", b"max_retries", "name", b"name", "resources", b"resources", "schedule", b"schedule", "since", b"since"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CronSpec: _TypeAlias = CronSpec  # noqa: Y015
+
+@_typing.final
+class Job(_message.Message):
+    """Job is one run of a cron entry's slot or one `zattera run` command (key `job.<id>`; invented,
+    issue 23). A cron run's id is derived from (env, entry, slot): a second leader's create of the same
+    slot conflicts, so each slot runs once.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    APP_ID_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    CRON_NAME_FIELD_NUMBER: _builtins.int
+    SLOT_AT_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    RELEASE_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    MAX_RETRIES_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    ASSIGNMENT_ID_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_KNOWN_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    FINISHED_AT_FIELD_NUMBER: _builtins.int
+    OUTPUT_TAIL_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    CANCEL_REQUESTED_FIELD_NUMBER: _builtins.int
+    project_id: _builtins.str
+    app_id: _builtins.str
+    environment_id: _builtins.str
+    cron_name: _builtins.str
+    """"" = one-off (`zattera run`)"""
+    command: _builtins.str
+    """shell form"""
+    release_id: _builtins.str
+    """the env's active release when the run was created"""
+    status: Global___JobStatus.ValueType
+    attempt: _builtins.int
+    """1 = first run; retries add one"""
+    max_retries: _builtins.int
+    node_id: _builtins.str
+    """node of the current attempt ("" = not placed)"""
+    assignment_id: _builtins.str
+    """assignment of the current attempt"""
+    exit_code_known: _builtins.bool
+    exit_code: _builtins.int
+    message: _builtins.str
+    """why (failures, skips, misses, cancels)"""
+    cancel_requested: _builtins.bool
+    @_builtins.property
+    def meta(self) -> Global___Meta: ...
+    @_builtins.property
+    def slot_at(self) -> _timestamp_pb2.Timestamp:
+        """the cron slot (one-off: the request time)"""
+
+    @_builtins.property
+    def deadline(self) -> _duration_pb2.Duration:
+        """start deadline counted from slot_at"""
+
+    @_builtins.property
+    def resources(self) -> Global___ResourceLimits: ...
+    @_builtins.property
+    def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def finished_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def output_tail(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """last output lines of the last attempt, oldest first"""
+
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        project_id: _builtins.str = ...,
+        app_id: _builtins.str = ...,
+        environment_id: _builtins.str = ...,
+        cron_name: _builtins.str = ...,
+        slot_at: _timestamp_pb2.Timestamp | None = ...,
+        command: _builtins.str = ...,
+        release_id: _builtins.str = ...,
+        status: Global___JobStatus.ValueType = ...,
+        attempt: _builtins.int = ...,
+        max_retries: _builtins.int = ...,
+        deadline: _duration_pb2.Duration | None = ...,
+        resources: Global___ResourceLimits | None = ...,
+        node_id: _builtins.str = ...,
+        assignment_id: _builtins.str = ...,
+        exit_code_known: _builtins.bool = ...,
+        exit_code: _builtins.int = ...,
+        started_at: _timestamp_pb2.Timestamp | None = ...,
+        finished_at: _timestamp_pb2.Timestamp | None = ...,
+        output_tail: _abc.Iterable[_builtins.str] | None = ...,
+        message: _builtins.str = ...,
+        cancel_requested: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "finished_at", b"finished_at", "meta", b"meta", "resources", b"resources", "slot_at", b"slot_at", "started_at", b"started_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "assignment_id", b"assignment_id", "attempt", b"attempt", "cancel_requested", b"cancel_requested", "command", b"command", "cron_name", b"cron_name", "deadline", b"deadline", "environment_id", b"environment_id", "exit_code", b"exit_code", "exit_code_known", b"exit_code_known", "finished_at", b"finished_at", "max_retries", b"max_retries", "message", b"message", "meta", b"meta", "node_id", b"node_id", "output_tail", b"output_tail", "project_id", b"project_id", "release_id", b"release_id", "resources", b"resources", "slot_at", b"slot_at", "started_at", b"started_at", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Job: _TypeAlias = Job  # noqa: Y015
 
 @_typing.final
 class ReleaseSource(_message.Message):
@@ -1751,6 +1920,8 @@ class AssignmentObserved(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     MESH_PORT_BINDINGS_FIELD_NUMBER: _builtins.int
     LAST_EXIT_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    OUTPUT_TAIL_FIELD_NUMBER: _builtins.int
     state: Global___InstanceState.ValueType
     container_id: _builtins.str
     restarts: _builtins.int
@@ -1768,6 +1939,16 @@ class AssignmentObserved(_message.Message):
         invented (issue 16)
         """
 
+    @_builtins.property
+    def started_at(self) -> _timestamp_pb2.Timestamp:
+        """--- invented (issue 23): job runs ---
+        when the current process started
+        """
+
+    @_builtins.property
+    def output_tail(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """last output lines (stdout and stderr) of an ended job"""
+
     def __init__(
         self,
         *,
@@ -1779,10 +1960,12 @@ class AssignmentObserved(_message.Message):
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         mesh_port_bindings: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         last_exit: Global___InstanceExit | None = ...,
+        started_at: _timestamp_pb2.Timestamp | None = ...,
+        output_tail: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_exit", b"last_exit", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_exit", b"last_exit", "started_at", b"started_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_id", b"container_id", "exit_code", b"exit_code", "last_exit", b"last_exit", "mesh_port_bindings", b"mesh_port_bindings", "message", b"message", "restarts", b"restarts", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_id", b"container_id", "exit_code", b"exit_code", "last_exit", b"last_exit", "mesh_port_bindings", b"mesh_port_bindings", "message", b"message", "output_tail", b"output_tail", "restarts", b"restarts", "started_at", b"started_at", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1830,6 +2013,7 @@ class Assignment(_message.Message):
     MESH_PORT_BINDINGS_FIELD_NUMBER: _builtins.int
     OBSERVED_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
+    JOB_COMMAND_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     project_id: _builtins.str
     app_id: _builtins.str
@@ -1841,6 +2025,8 @@ class Assignment(_message.Message):
     config_hash: _builtins.str
     job_id: _builtins.str
     """non-empty = one-shot job run (excluded from replica math)"""
+    job_command: _builtins.str
+    """invented (issue 23): the job's shell command (instead of the service's)"""
     @_builtins.property
     def meta(self) -> Global___Meta: ...
     @_builtins.property
@@ -1864,10 +2050,11 @@ class Assignment(_message.Message):
         mesh_port_bindings: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         observed: Global___AssignmentObserved | None = ...,
         job_id: _builtins.str = ...,
+        job_command: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "observed", b"observed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "config_hash", b"config_hash", "deployment_id", b"deployment_id", "desired", b"desired", "environment_id", b"environment_id", "job_id", b"job_id", "mesh_port_bindings", b"mesh_port_bindings", "meta", b"meta", "node_id", b"node_id", "observed", b"observed", "project_id", b"project_id", "release_id", b"release_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "config_hash", b"config_hash", "deployment_id", b"deployment_id", "desired", b"desired", "environment_id", b"environment_id", "job_command", b"job_command", "job_id", b"job_id", "mesh_port_bindings", b"mesh_port_bindings", "meta", b"meta", "node_id", b"node_id", "observed", b"observed", "project_id", b"project_id", "release_id", b"release_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,337 @@
+"""``zattera run`` and ``zattera jobs list/show/cancel``: one-off commands and cron runs (docs/jobs.md).
+
+``zattera run --env E -- CMD…`` writes a PENDING ``job.<id>``; the jobs loop places it on the env's active
+release and the agent runs it once. Without ``--detach`` the command's output is printed live from the
+env's log stream (instance = the attempt's assignment), Ctrl-C asks the job to stop (a second one leaves
+at once), and ``zattera run`` exits with the command's exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shlex
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import typer
+from zattera.v1 import types_pb2 as pb
+
+from cli import render
+from cli.apply import env_path, resolve_env
+from cli.client import OPTIONS, Control, ExitCode, control, err, fail, run
+from shared import jobs as J
+from shared import keys as K
+from shared.applogs import STDERR, AppLogLine, UnknownLogStream, read_app_logs
+from shared.ids import is_safe_id, unsafe_id
+from shared.txn import Conflict
+from shared.view import StateView
+
+jobs_app = typer.Typer(
+    help="Job runs: cron entries' slots and `zattera run` commands (docs/jobs.md).", no_args_is_help=True
+)
+
+LOG_STREAM_WAIT = 0.5
+"""How often a following ``zattera run`` looks again for a log stream that does not exist yet."""
+_EXIT_CANCELED = ExitCode.INTERRUPTED
+CANCEL_ATTEMPTS = 10
+CANCEL_RETRY_WAIT = 1.0
+
+
+def _seconds(ts: object) -> float:
+    return ts.ToNanoseconds() / 1e9  # type: ignore[attr-defined, no-any-return]
+
+
+def duration(job: pb.Job) -> str:
+    if not job.HasField("started_at") or not job.HasField("finished_at"):
+        return "-"
+    return f"{max(0.0, _seconds(job.finished_at) - _seconds(job.started_at)):.1f}s"
+
+
+def exit_text(job: pb.Job) -> str:
+    return str(job.exit_code) if job.exit_code_known else "-"
+
+
+def _env_of(view: StateView, env: str) -> pb.Environment:
+    found = resolve_env(view, env)
+    if found is None:
+        raise fail(f"--env: no environment {env!r} (use an id or project/app/env)")
+    return found
+
+
+def _job(view: StateView, job_id: str) -> pb.Job:
+    if not is_safe_id(job_id):
+        raise fail(f"JOB_ID: {unsafe_id('job id', job_id)}")
+    job = view.get(K.JOB, job_id)
+    if not isinstance(job, pb.Job):
+        raise fail(f"JOB_ID: no job {job_id!r} (see `zattera jobs list`)")
+    return job
+
+
+# ---------------------------------------------------------------------------- zattera run
+
+
+def run_command(
+    command: list[str] = typer.Argument(..., help="the command and its arguments, after --"),
+    env: str = typer.Option(..., "--env", help="the environment: project/app/env or its id"),
+    detach: bool = typer.Option(False, "--detach", "-d", help="print the job id and return at once"),
+    json_output: bool = typer.Option(False, "--json", help="with --detach: the job as JSON"),
+) -> None:
+    """Run a command once with the env's release, config and secrets; print its output; exit with its code."""
+    OPTIONS.json = json_output
+    text = shlex.join(command) if len(command) > 1 else command[0]
+    try:
+        J.check_command(text)
+    except J.CommandError as exc:
+        raise fail(f"command: {exc}") from None
+
+    async def go() -> int:
+        async with control() as c:
+            target = _env_of(c.view, env)
+            if not target.active_release_id:
+                raise fail(f"--env: {env_path(c.view, target)} has no active release yet (`zattera deploy` first)")
+            job = J.one_off_job(target, text, now=time.time())
+            await c.writer.commit(c.writer.txn("run").create(job))
+            if detach:
+                if json_output:
+                    render.emit_json(render.as_dict(job))
+                else:
+                    render.out.print(job.meta.id, highlight=False)
+                return 0
+            err.print(f"job {job.meta.id} started ({env_path(c.view, target)}); Ctrl-C cancels it", highlight=False)
+            return await _follow(c, job.meta.id, target.meta.id)
+
+    code = run(go)
+    if code:
+        raise typer.Exit(code)
+
+
+async def _follow(c: Control, job_id: str, env_id: str) -> int:
+    """Print the job's output until it ended; its exit code (130 when canceled)."""
+    interrupted = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, interrupted.set)
+    feed = c.view.subscribe({K.JOB})
+    printer: _Printer | None = None
+    following = said = ""
+    try:
+        while True:
+            job = c.view.get(K.JOB, job_id)
+            if not isinstance(job, pb.Job):
+                raise fail(f"job {job_id} vanished")
+            if job.assignment_id and job.assignment_id != following:
+                if printer is not None:
+                    await printer.finish()
+                following = job.assignment_id
+                printer = _Printer(c, env_id, following)
+            if not J.is_active(job):
+                break
+            if job.status == J.PENDING and job.message and job.message != said:
+                said = job.message  # e.g. waiting for a node, or retrying after a failed attempt
+                err.print(f"job {job_id}: {said}", markup=False, highlight=False)
+            if interrupted.is_set():
+                interrupted.clear()
+                err.print(f"canceling job {job_id} (Ctrl-C again leaves without waiting)", highlight=False)
+                loop.add_signal_handler(signal.SIGINT, _leave)
+                await _request_cancel(c, job_id)
+                continue
+            waiter = asyncio.ensure_future(feed.wait())
+            stop = asyncio.ensure_future(interrupted.wait())
+            try:
+                await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+                stop.cancel()
+        if printer is not None:
+            await printer.finish()
+    finally:
+        feed.close()
+        loop.remove_signal_handler(signal.SIGINT)
+        if printer is not None:
+            printer.task.cancel()
+    return _outcome(job)
+
+
+def _leave() -> None:
+    raise SystemExit(_EXIT_CANCELED)
+
+
+def _outcome(job: pb.Job) -> int:
+    if job.status == J.SUCCEEDED:
+        return 0
+    if job.status == J.CANCELED:
+        err.print(f"job {job.meta.id} canceled", highlight=False)
+        return _EXIT_CANCELED
+    err.print(f"job {job.meta.id} {J.status_name(job.status)}: {job.message}", markup=False, highlight=False)
+    if job.status == J.FAILED and job.exit_code_known and job.exit_code:
+        return job.exit_code
+    return ExitCode.FAILED
+
+
+class _Printer:
+    """Prints one attempt's lines (its instance's subject of the env's log stream) as they are stored."""
+
+    def __init__(self, c: Control, env_id: str, instance: str) -> None:
+        self.c, self.env_id, self.instance = c, env_id, instance
+        self.printed = 0
+        self.task = asyncio.create_task(self._follow())
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                async for line in self._read(follow=True):
+                    self._print(line)
+                return
+            except UnknownLogStream:
+                await asyncio.sleep(LOG_STREAM_WAIT)
+
+    def _read(self, *, follow: bool) -> AsyncIterator[AppLogLine]:
+        return read_app_logs(self.c.conn.js, self.env_id, instance=self.instance, last=1_000_000, follow=follow)
+
+    def _print(self, line: AppLogLine) -> None:
+        self.printed += 1
+        _emit(line)
+
+    async def finish(self) -> None:
+        """The attempt ended: the agent stored its last lines before it reported the end, so whatever the
+        follower has not printed yet is read back once, in order, after it."""
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        seen = 0
+        with contextlib.suppress(UnknownLogStream):
+            async for line in self._read(follow=False):
+                seen += 1
+                if seen > self.printed:
+                    self._print(line)
+
+
+def _emit(line: AppLogLine) -> None:
+    target = sys.stderr if line.stream == STDERR else sys.stdout
+    target.write(line.line + "\n")
+    target.flush()
+
+
+async def _request_cancel(c: Control, job_id: str) -> None:
+    """Set ``cancel_requested`` (nothing to do once the job ended); a write that crossed one of the jobs
+    loop's updates is made again on the newer version."""
+    feed = c.view.subscribe({K.JOB})
+    try:
+        for _ in range(CANCEL_ATTEMPTS):
+            current = c.view.get(K.JOB, job_id)
+            if not isinstance(current, pb.Job) or not J.is_active(current) or current.cancel_requested:
+                return
+            canceling = pb.Job()
+            canceling.CopyFrom(current)
+            canceling.cancel_requested = True
+            canceling.message = "canceled by the operator"
+            canceling.meta.updated_at.FromNanoseconds(time.time_ns())
+            try:
+                await c.writer.commit(c.writer.txn("jobs.cancel").put(canceling))
+                return
+            except Conflict:
+                await feed.wait(CANCEL_RETRY_WAIT)  # the newer version is on its way to the view
+    finally:
+        feed.close()
+    raise fail(f"job {job_id}: the cancel kept crossing the job's updates; run `zattera jobs cancel {job_id}` again")
+
+
+# ---------------------------------------------------------------------------- zattera jobs
+
+
+@jobs_app.command("list")
+def list_jobs(
+    env: str = typer.Option("", "--env", help="only this environment (project/app/env or id)"),
+    cron: str = typer.Option("", "--cron", help="only this cron entry's runs (its history)"),
+    json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Job runs, newest first: cron slots (entry, slot) and one-off commands, with status and exit code."""
+    OPTIONS.json = json_output
+
+    async def go() -> None:
+        async with control() as c:
+            env_id = _env_of(c.view, env).meta.id if env else None
+            found = [j for j in c.view.jobs(env_id) if not cron or j.cron_name == cron]
+            found.sort(key=lambda j: (_seconds(j.slot_at), j.meta.id), reverse=True)
+            if json_output:
+                render.messages(found)
+                return
+            render.table(
+                "jobs",
+                ["ID", "ENV", "CRON", "SLOT", "STATUS", "ATTEMPT", "EXIT", "DURATION", render.Col("NODE", wide=True)],
+                [
+                    (
+                        j.meta.id,
+                        _env_label(c.view, j.environment_id),
+                        j.cron_name or "(run)",
+                        render.ts(j.slot_at),
+                        J.status_name(j.status),
+                        j.attempt,
+                        exit_text(j),
+                        duration(j),
+                        j.node_id or "-",
+                    )
+                    for j in found
+                ],
+            )
+
+    run(go)
+
+
+def _env_label(view: StateView, env_id: str) -> str:
+    env = view.env(env_id)
+    return env_path(view, env) if env is not None else env_id
+
+
+@jobs_app.command("show")
+def show_job(
+    job_id: str = typer.Argument(..., help="the job id (`zattera jobs list`)"),
+    json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """One run: status, attempt, node, times, exit code, message and its last output lines."""
+    OPTIONS.json = json_output
+
+    async def go() -> None:
+        async with control() as c:
+            job = _job(c.view, job_id)
+            if json_output:
+                render.emit_json(render.as_dict(job))
+                return
+            rows = [
+                ("env", _env_label(c.view, job.environment_id)),
+                ("cron", job.cron_name or "(zattera run)"),
+                ("slot", render.ts(job.slot_at)),
+                ("command", job.command),
+                ("status", J.status_name(job.status) + (" (cancel requested)" if job.cancel_requested else "")),
+                ("attempt", f"{job.attempt} of {1 + job.max_retries}"),
+                ("node", job.node_id or "-"),
+                ("release", job.release_id or "-"),
+                ("started", render.ts(job.started_at)),
+                ("finished", render.ts(job.finished_at)),
+                ("duration", duration(job)),
+                ("exit code", exit_text(job)),
+                ("message", job.message or "-"),
+            ]
+            render.table(f"job {job.meta.id}", ["FIELD", render.Col("VALUE", wrap=True)], rows)
+            if job.output_tail:
+                render.out.print("last output lines:", highlight=False)
+                for line in job.output_tail:
+                    render.out.print(f"  {line}", markup=False, highlight=False)
+
+    run(go)
+
+
+@jobs_app.command("cancel")
+def cancel_job(job_id: str = typer.Argument(..., help="the job id (`zattera jobs list`)")) -> None:
+    """Stop a pending or running job (its process gets SIGTERM, then SIGKILL after the stop grace)."""
+
+    async def go() -> None:
+        async with control() as c:
+            job = _job(c.view, job_id)
+            if not J.is_active(job):
+                raise fail(f"JOB_ID: job {job_id} already ended ({J.status_name(job.status)})")
+            await _request_cancel(c, job_id)
+            render.out.print(f"job {job_id}: cancel requested", highlight=False)
+
+    run(go)
