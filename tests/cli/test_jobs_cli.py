@@ -11,7 +11,7 @@ from zattera.v1 import types_pb2 as pb
 
 from cli.spec import SpecError, validate
 from shared import jobs as J
-from tests.cli.test_cli import _state, cli  # noqa: F401  (cli is a fixture)
+from tests.cli.rig import state
 
 BASE = {"project": "d", "app": "a"}
 GOOD = {"name": "nightly", "schedule": "CRON_TZ=Europe/Rome 30 2 * * *", "command": "python task.py"}
@@ -67,7 +67,7 @@ def test_cron_entry_names_are_unique() -> None:
 
 
 def test_apply_writes_cron_entries_and_keeps_their_start_while_the_schedule_stays(
-    cli,  # noqa: F811
+    cli,
     nats_url: str,
     tmp_path: Path,
 ) -> None:
@@ -81,7 +81,7 @@ def test_apply_writes_cron_entries_and_keeps_their_start_while_the_schedule_stay
         [cron] = view.env(env_id).service.cron
         return cron
 
-    first = _state(nats_url, entry)
+    first = state(nats_url, entry)
     assert (first.name, first.schedule, first.concurrency, first.max_retries) == (
         "nightly",
         "@every 1h",
@@ -96,7 +96,7 @@ def test_apply_writes_cron_entries_and_keeps_their_start_while_the_schedule_stay
     assert "env production" in json.loads(cli("apps", "apply", str(spec), "--json").stdout)["updated"]
 
 
-def test_a_bad_cron_entry_writes_nothing(cli, nats_url: str, tmp_path: Path) -> None:  # noqa: F811
+def test_a_bad_cron_entry_writes_nothing(cli, nats_url: str, tmp_path: Path) -> None:
     spec = tmp_path / "zattera.toml"
     spec.write_text(CRON_TOML.format(schedule="CRON_TZ=Nowhere/Land 0 3 * * *"))
     result = cli("apps", "apply", str(spec))
@@ -106,10 +106,10 @@ def test_a_bad_cron_entry_writes_nothing(cli, nats_url: str, tmp_path: Path) -> 
     async def nothing(conn, view, writer) -> None:
         assert view.envs() == []
 
-    _state(nats_url, nothing)
+    state(nats_url, nothing)
 
 
-def test_jobs_list_show_and_cancel(cli, nats_url: str) -> None:  # noqa: F811
+def test_jobs_list_show_and_cancel(cli, nats_url: str) -> None:
     env = pb.Environment(project_id="P1", app_id="A1", name="production")
     env.meta.id = "E1"
     running = J.one_off_job(env, "python manage.py migrate", now=1_900_000_000)
@@ -121,7 +121,7 @@ def test_jobs_list_show_and_cancel(cli, nats_url: str) -> None:  # noqa: F811
     async def seed(conn, view, writer) -> None:
         await writer.commit(writer.txn().put(env).create(running).create(done))
 
-    _state(nats_url, seed)
+    state(nats_url, seed)
     listed = json.loads(cli("jobs", "list", "--json").stdout)
     assert [j["meta"]["id"] for j in listed] == [done.meta.id, running.meta.id]  # newest first
     history = json.loads(cli("jobs", "list", "--env", "E1", "--cron", "nightly", "--json").stdout)
@@ -141,4 +141,4 @@ def test_jobs_list_show_and_cancel(cli, nats_url: str) -> None:  # noqa: F811
     async def canceled(conn, view, writer) -> None:
         assert view.get("job", running.meta.id).cancel_requested
 
-    _state(nats_url, canceled)
+    state(nats_url, canceled)
