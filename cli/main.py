@@ -184,6 +184,9 @@ def up(
         help="HOST:PORT of the local ingress proxy (default 0.0.0.0:<proxy-port>: every interface)",
     ),
     node: bool = typer.Option(True, "--node/--no-node", help="also run a local agent and the proxy"),
+    all_in_one: bool = typer.Option(
+        True, "--all-in-one/--separate", help="the control plane in one process, or one process per service"
+    ),
     metrics_port: int = typer.Option(
         DEFAULT_METRICS_PORT, min=0, max=65535, help="Prometheus metrics from this port up, one per process; 0 = off"
     ),
@@ -208,6 +211,7 @@ def up(
                 proxy_host=proxy_host,
                 with_node=node,
                 metrics_port=metrics_port,
+                all_in_one=all_in_one,
             )
         )
     cluster = Cluster(
@@ -218,6 +222,7 @@ def up(
         proxy_host=proxy_host,
         with_node=node,
         metrics_port=metrics_port,
+        all_in_one=all_in_one,
     )
     raise typer.Exit(run_up(cluster))
 

@@ -1,7 +1,8 @@
 """``zattera up``: the whole single-machine cluster on the embedded NATS server.
 
 Starts nats-server (JetStream, data under ``<data_dir>/nats``), provisions the buckets and streams,
-then every service as its own process (logs under ``<data_dir>/logs``), restarts a service or a NATS
+then the control plane — every service in one process (``services.allinone``, the default), or each service
+as its own process (``--separate``) — and the local node (logs under ``<data_dir>/logs``), restarts a service or a NATS
 server that dies (with backoff), and on Ctrl-C / SIGTERM stops the services (SIGTERM, then SIGKILL after a grace) and
 then NATS, leaving no process behind. Running it again resumes the same cluster from its data dir.
 """
@@ -25,6 +26,9 @@ from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cl
 from shared.natsio import connect, provision
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets")
+ALL_IN_ONE = "control-plane"
+"""The process that runs every service of ``services.allinone`` (``join`` included: idle unless secured)."""
+ALL_IN_ONE_SERVICES = frozenset((*SERVICES, "join"))
 LOCAL_NODE = "local"
 DEFAULT_METRICS_PORT = 9400
 """``zattera up``'s first metrics port: scheduler 9400, orchestrator 9401, … in start order."""
@@ -88,6 +92,8 @@ class Cluster:
     proxy_host: str = DEFAULT_PROXY_HOST
     with_node: bool = True
     services: list[str] = field(default_factory=available_services)
+    # The control plane as one process (``services.allinone``); False: one process per service.
+    all_in_one: bool = True
     extra: list[Supervised] = field(default_factory=list)
     console: Console = field(default_factory=lambda: Console(stderr=True))
     nats: EmbeddedNats | None = None
@@ -156,12 +162,18 @@ class Cluster:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
+    def control_plane(self) -> list[tuple[str, str]]:
+        """(process name, module) of each control-plane process."""
+        if self.all_in_one and self.services:
+            return [(ALL_IN_ONE, "services.allinone")]
+        return [(name, f"services.{name}") for name in self.services]
+
     def start_services(self) -> None:
         env = self.child_env()
-        for name in self.services:
+        for name, module in self.control_plane():
             child = Supervised(
                 name,
-                [sys.executable, "-m", f"services.{name}", "--nats", self.url, *self.metrics_args(name)],
+                [sys.executable, "-m", module, "--nats", self.url, *self.metrics_args(name)],
                 self.data_dir / "logs" / f"{name}.log",
                 env,
             )
@@ -170,6 +182,8 @@ class Cluster:
         if self.with_node:
             self.children.extend(self._node_processes(env))
         for child in self.extra:
+            if self.all_in_one and self.services and child.name in ALL_IN_ONE_SERVICES:
+                continue  # the all-in-one process runs it already
             child.env = {**env, **child.env}
             child.start()
             self.children.append(child)

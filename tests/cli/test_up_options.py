@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 import cli.main
 import cli.security_cmds
 from cli.main import app
-from cli.up import Cluster
+from cli.up import SERVICES, Cluster
 from shared.embedded import free_port
 
 
@@ -49,3 +49,19 @@ def test_up_gives_each_process_its_own_metrics_port(tmp_path: Path, monkeypatch:
     assert len(set(ports.values())) == 4, ports
     assert cluster.metrics_args("scheduler") == ["--metrics-port", str(ports["scheduler"])]  # stable on restart
     assert Cluster(data_dir=tmp_path).metrics_args("scheduler") == []  # off unless asked (tests, embedders)
+
+
+def test_up_runs_the_control_plane_in_one_process_unless_separate(tmp_path: Path) -> None:
+    assert Cluster(data_dir=tmp_path).control_plane() == [("control-plane", "services.allinone")]
+    separate = Cluster(data_dir=tmp_path, all_in_one=False).control_plane()
+    assert [module for _, module in separate] == [f"services.{name}" for name in SERVICES]
+    assert Cluster(data_dir=tmp_path, services=[]).control_plane() == []  # NATS only (chaos tests)
+
+
+@pytest.mark.parametrize("flag", ["--all-in-one", "--separate"])
+def test_up_flag_chooses_the_control_plane_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
+    started: list[Cluster] = []
+    monkeypatch.setattr(cli.main, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), flag])
+    assert result.exit_code == 0, result.output
+    assert started[0].all_in_one is (flag == "--all-in-one")
