@@ -18,11 +18,11 @@ from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.replicas import with_desired
 from shared import keys as K
 from shared.applogs import describe_exit
 from shared.deploy import CANCELED_BY_OPERATOR
 from shared.events import ERROR, INFO, WARNING, make_event, transition_id
+from shared.placement.replicas import with_desired
 from shared.settings import Settings
 from shared.view import StateView
 

@@ -60,11 +60,11 @@ from services.orchestrator.model import (
     with_transition_ids,
 )
 from services.orchestrator.stateful import decide_stateful
-from services.scheduler.placement import place
-from services.scheduler.replicas import deploy_replicas, new_assignment, with_desired
 from shared import keys as K
 from shared.deploy import CANCELED_BY_OPERATOR, cancel_requested
 from shared.deployments import is_terminal
+from shared.placement.placement import place
+from shared.placement.replicas import deploy_replicas, new_assignment, with_desired
 from shared.view import StateView
 
 PENDING = pb.DEPLOYMENT_PHASE_PENDING

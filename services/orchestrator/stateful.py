@@ -38,10 +38,10 @@ from services.orchestrator.model import (
     timeout_reason,
     timestamp,
 )
-from services.scheduler.placement import place
-from services.scheduler.replicas import new_assignment, with_desired
 from shared.events import INFO, WARNING
 from shared.ids import new_id
+from shared.placement.placement import place
+from shared.placement.replicas import new_assignment, with_desired
 from shared.view import StateView
 from shared.volumes import restoring_volume
 

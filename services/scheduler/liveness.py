@@ -17,11 +17,11 @@ from typing import Any
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.decisions import Writes, commit
-from services.scheduler.replicas import seconds
 from shared import keys as K
 from shared.events import node_change_event
 from shared.live import LiveView
 from shared.loop import LeaderLoop
+from shared.placement.replicas import seconds
 from shared.view import StateView
 
 TICK = 5.0

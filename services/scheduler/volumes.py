@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.decisions import Writes, volume_event
-from services.scheduler.placement import volume_pin
-from services.scheduler.platforms import supports
-from services.scheduler.replicas import RUN, node_is_down, seconds
 from shared.deployments import env_ownership
 from shared.events import INFO, WARNING
 from shared.ids import new_id
+from shared.placement.placement import volume_pin
+from shared.placement.platforms import supports
+from shared.placement.replicas import RUN, node_is_down, seconds
 from shared.view import StateView, reservation
 from shared.volumes import find_volume, lease_expired, lease_held_by_other, lease_of
 

@@ -12,11 +12,11 @@ from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.__main__ import build
 from services.scheduler.loop import Scheduler
-from services.scheduler.replicas import seconds
 from services.scheduler.volumes import LEASE_TTL
 from shared.clock import FakeClock
 from shared.lease import Leadership, Lease, run_while_leading
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+from shared.placement.replicas import seconds
 from shared.service import ServiceContext
 from shared.settings import Settings
 from shared.txn import Writer

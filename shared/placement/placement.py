@@ -35,7 +35,7 @@ from weakref import WeakKeyDictionary
 
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.platforms import loose_platform, normalize_platform, platform_set, supports
+from shared.placement.platforms import loose_platform, normalize_platform, platform_set, supports
 from shared.view import StateView, reservation
 from shared.volumes import find_volume
 
