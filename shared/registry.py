@@ -31,7 +31,7 @@ from nats.js.errors import APIError, NotFoundError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.clock import Clock, RealClock
+from shared.clock import Clock, RealClock, stamp
 from shared.natsio import IMAGES_STORE, STATE_PREFIX, STATE_STREAM, Connection
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -376,7 +376,7 @@ async def push_image(
         build_id=build_id,
     )
     record.meta.id = image_id(repo, tag)
-    record.meta.created_at.FromNanoseconds(int(blobs.clock.now() * 1e9))
+    stamp(record.meta.created_at, blobs.clock.now())
     await put_image_record(conn, record)
     return record
 

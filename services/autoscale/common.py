@@ -22,6 +22,7 @@ from typing import Any
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.clock import stamp
 from shared.events import scale_event as shared_scale_event
 from shared.lease import Leadership
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
@@ -67,7 +68,7 @@ def effective_txn(writer: Writer, write: ReplicaWrite, now: float) -> Txn:
     env = pb.Environment()
     env.CopyFrom(write.env)
     env.effective_replicas = write.target
-    env.meta.updated_at.FromNanoseconds(int(now * 1e9))
+    stamp(env.meta.updated_at, now)
     return writer.txn(label="effective_replicas").put(env, expect=write.revision)
 
 

@@ -49,6 +49,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.decisions import Writes, commit, volume_event
 from shared import keys as K
+from shared.clock import from_timestamp, stamp
 from shared.events import WARNING
 from shared.lease import Leadership
 from shared.loop import LeaderLoop
@@ -141,13 +142,9 @@ def parse_schedule(text: str) -> Schedule:
     return Schedule(spec, zone)
 
 
-def _ts(stamp: object) -> float:
-    return stamp.ToNanoseconds() / 1e9  # type: ignore[attr-defined, no-any-return]
-
-
 def snapshot_baseline(volume: pb.Volume, records: Iterable[pb.VolumeSnapshot]) -> float:
     """The volume's creation or its newest snapshot record of any status, whichever is later."""
-    return max([_ts(volume.meta.created_at), *(_ts(r.meta.created_at) for r in records)])
+    return max([from_timestamp(volume.meta.created_at), *(from_timestamp(r.meta.created_at) for r in records)])
 
 
 def slot_to_fire(schedule: Schedule, baseline: float, now: float, last_fire: float) -> float | None:
@@ -162,7 +159,7 @@ def slot_to_fire(schedule: Schedule, baseline: float, now: float, last_fire: flo
 
 
 def _newest_first(records: Iterable[pb.VolumeSnapshot]) -> list[pb.VolumeSnapshot]:
-    return sorted(records, key=lambda r: (_ts(r.meta.created_at), r.meta.id), reverse=True)
+    return sorted(records, key=lambda r: (from_timestamp(r.meta.created_at), r.meta.id), reverse=True)
 
 
 def retention_victims(records: Iterable[pb.VolumeSnapshot], keep_last: int) -> list[pb.VolumeSnapshot]:
@@ -179,7 +176,7 @@ def expired_failures(records: Iterable[pb.VolumeSnapshot], now: float) -> list[p
 
 
 def _last_activity(record: pb.VolumeSnapshot) -> float:
-    return max(_ts(record.meta.created_at), _ts(record.meta.updated_at))
+    return max(from_timestamp(record.meta.created_at), from_timestamp(record.meta.updated_at))
 
 
 def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Writes]:
@@ -188,7 +185,7 @@ def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Writ
     for volume in view.volumes():
         if volume.status != pb.VOLUME_STATUS_RESTORING:
             continue
-        quiet = now - max(_ts(volume.meta.created_at), _ts(volume.meta.updated_at))
+        quiet = now - max(from_timestamp(volume.meta.created_at), from_timestamp(volume.meta.updated_at))
         if quiet < timeout:
             continue
         node = view.node(volume.node_id)
@@ -196,7 +193,7 @@ def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Writ
         reset = pb.Volume()
         reset.CopyFrom(volume)
         reset.status = pb.VOLUME_STATUS_ACTIVE if alive else pb.VOLUME_STATUS_NODE_LOST
-        reset.meta.updated_at.FromNanoseconds(int(now * 1e9))
+        stamp(reset.meta.updated_at, now)
         back = "active" if alive else f"node_lost (node {volume.node_id} is not alive)"
         message = (
             f'restore of volume "{volume.name}" abandoned: no progress for {quiet:.0f}s '

@@ -26,14 +26,13 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from google.protobuf.timestamp_pb2 import Timestamp
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from shared.clock import Clock
+from shared.clock import Clock, stamp
 from shared.ids import new_id
 from shared.natsio import Connection, agent_subject
 from shared.snapshots.locking import SharedExclusiveLock
@@ -111,12 +110,6 @@ def holder_assignment(view: StateView, volume: pb.Volume) -> str:
     return ""
 
 
-def _stamp(ts: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(ts * 1e9))
-    return stamp
-
-
 @dataclass
 class _Run:
     volume_id: str
@@ -176,8 +169,8 @@ class SnapshotDispatcher:
             volume_id=volume_id, status=pb.SNAPSHOT_STATUS_RUNNING, key_fingerprint=key_fingerprint(self.target)
         )
         record.meta.id = new_id()
-        record.meta.created_at.CopyFrom(_stamp(now))
-        record.meta.updated_at.CopyFrom(_stamp(now))
+        stamp(record.meta.created_at, now)
+        stamp(record.meta.updated_at, now)
         self._busy_volumes.add(volume_id)
         try:
             await writer.commit(writer.txn("snapshot.start").create(record))
@@ -263,7 +256,7 @@ class SnapshotDispatcher:
             return
         touched = pb.VolumeSnapshot()
         touched.CopyFrom(current)
-        touched.meta.updated_at.CopyFrom(_stamp(now))
+        stamp(touched.meta.updated_at, now)
         run.last_touch = now
         with contextlib.suppress(TxnError):
             await writer.commit(writer.txn("snapshot.touch").put(touched))
@@ -274,7 +267,7 @@ class SnapshotDispatcher:
         for _ in range(5):
             if self.view.snapshot(final.meta.id) is None:
                 return
-            final.meta.updated_at.CopyFrom(_stamp(self.clock.now()))
+            stamp(final.meta.updated_at, self.clock.now())
             try:
                 await writer.commit(writer.txn("snapshot.finish").put(final))
                 return
@@ -450,7 +443,7 @@ class SnapshotDispatcher:
             return
         touched = pb.Volume()
         touched.CopyFrom(current)
-        touched.meta.updated_at.CopyFrom(_stamp(self.clock.now()))
+        stamp(touched.meta.updated_at, self.clock.now())
         with contextlib.suppress(TxnError):
             await writer.commit(writer.txn("volume.restore.touch").put(touched))
 
@@ -474,7 +467,7 @@ class SnapshotDispatcher:
             updated = pb.Volume()
             updated.CopyFrom(current)
             change(updated, now)
-            updated.meta.updated_at.CopyFrom(_stamp(now))
+            stamp(updated.meta.updated_at, now)
             try:
                 await writer.commit(writer.txn("volume.restore").put(updated))
                 return current
