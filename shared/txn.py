@@ -36,6 +36,7 @@ from nats.js.errors import APIError
 
 from shared import keys as K
 from shared.ids import new_id
+from shared.jetstream import WRONG_LAST_SEQUENCE
 from shared.metrics import commit_conflicts, decisions, writer_label
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.tasks import raise_if_cancelling
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
     from shared.lease import Lease
 
 log = logging.getLogger(__name__)
-
-WRONG_LAST_SEQUENCE = 10071
 
 
 class TxnError(Exception):
