@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.errors import ZatteraError
 from shared.natsio import ACTIVATE_SUBJECT, Connection
 
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
@@ -22,7 +23,7 @@ INTERNAL = 500
 UNAVAILABLE = 503
 
 
-class ActivateError(Exception):
+class ActivateError(ZatteraError):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code

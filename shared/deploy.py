@@ -30,6 +30,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.clock import Clock, RealClock, stamp
 from shared.deployments import is_terminal
+from shared.errors import ZatteraError
 from shared.ids import SAFE_ID_RULE, is_safe_id, new_id
 from shared.txn import CommitUnknown, Conflict, Txn, Writer
 from shared.view import StateView
@@ -48,7 +49,7 @@ _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _MAX_IMAGE_REF = 512
 
 
-class DeployError(Exception):
+class DeployError(ZatteraError):
     """A refused request; ``code`` follows gRPC's names (not_found, failed_precondition, invalid_argument).
     ``field``: the request field it is about ("" when none), ``problem``: what is wrong with it."""
 

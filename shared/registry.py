@@ -32,6 +32,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.clock import Clock, RealClock, stamp
+from shared.errors import ZatteraError
 from shared.jetstream import WRONG_LAST_SEQUENCE
 from shared.natsio import IMAGES_STORE, STATE_PREFIX, STATE_STREAM, Connection
 
@@ -47,7 +48,7 @@ WRITTEN_AT_HEADER = "Zattera-Written-At"
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-fA-F]{64}$")
 
 
-class RegistryError(Exception):
+class RegistryError(ZatteraError):
     pass
 
 

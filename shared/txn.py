@@ -35,6 +35,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError
 
 from shared import keys as K
+from shared.errors import ZatteraError
 from shared.ids import new_id
 from shared.jetstream import WRONG_LAST_SEQUENCE
 from shared.metrics import commit_conflicts, decisions, writer_label
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class TxnError(Exception):
+class TxnError(ZatteraError):
     pass
 
 

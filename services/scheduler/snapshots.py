@@ -50,6 +50,7 @@ from zattera.v1 import types_pb2 as pb
 from services.scheduler.decisions import Writes, commit, volume_event
 from shared import keys as K
 from shared.clock import from_timestamp, stamp
+from shared.errors import ZatteraError
 from shared.events import WARNING
 from shared.lease import Leadership
 from shared.loop import LeaderLoop
@@ -69,7 +70,7 @@ STUCK_ERROR = "no progress for 1h: snapshot abandoned"
 RESTORE_TIMEOUT = 3600.0
 
 
-class ScheduleError(ValueError):
+class ScheduleError(ZatteraError, ValueError):
     pass
 
 

@@ -35,6 +35,7 @@ from weakref import WeakKeyDictionary
 
 from zattera.v1 import types_pb2 as pb
 
+from shared.errors import ZatteraError
 from shared.placement.platforms import loose_platform, normalize_platform, platform_set, supports
 from shared.view import StateView, reservation
 from shared.volumes import find_volume
@@ -54,7 +55,7 @@ _WORKER = pb.NODE_ROLE_WORKER
 _ALIVE = pb.NODE_STATUS_ALIVE
 
 
-class PlacementError(Exception):
+class PlacementError(ZatteraError):
     """Why Place could not pick all ``n`` nodes; the message is the reference's text.
 
     ``unplaced`` is how many of the requested replicas got no node; ``reason`` names the blocker

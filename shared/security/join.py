@@ -34,6 +34,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
+from shared.errors import ZatteraError
 from shared.jetstream import is_delete_marker
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, split_urls
 from shared.security.authority import RoleIssuer
@@ -50,7 +51,7 @@ NODE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 USER_PUBLIC_KEY = re.compile(r"^U[A-Z2-7]{55}$")
 
 
-class JoinRefused(Exception):
+class JoinRefused(ZatteraError):
     """The join service said no; the message says why (unknown, used, expired, wrong node…)."""
 
 

@@ -33,6 +33,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared.clock import Clock, stamp
+from shared.errors import ZatteraError
 from shared.ids import new_id
 from shared.natsio import Connection, agent_subject
 from shared.snapshots.locking import SharedExclusiveLock
@@ -51,19 +52,19 @@ PRUNE_TIMEOUT = 900.0
 SNAPSHOT_KEY_ENV = "ZATTERA_SNAPSHOT_KEY"  # hex of the optional 32-byte AES-256-GCM cluster key
 
 
-class SnapshotBusy(Exception):
+class SnapshotBusy(ZatteraError):
     """A snapshot (or restore) of this volume is already running."""
 
 
-class RecordNotWritten(Exception):
+class RecordNotWritten(ZatteraError):
     """The RUNNING record could not be written: nothing was dispatched."""
 
 
-class RestoreRefused(Exception):
+class RestoreRefused(ZatteraError):
     pass
 
 
-class NodeOperationFailed(Exception):
+class NodeOperationFailed(ZatteraError):
     pass
 
 
