@@ -156,8 +156,9 @@ def run(quick: bool = True) -> list[Row]:
                 "before: 6 services + supervisor ≈ 400 MB",
             )
         )
-        for group in ("control plane", "node", "nats-server"):
-            rows.append(row(f"idle RSS, {group}, {mode}", rss[group], "MB"))
+        for group in ("supervisor", "control plane", "node", "nats-server"):
+            label = "control-plane services" if group == "control plane" else group
+            rows.append(row(f"idle RSS, {label}, {mode}", rss[group], "MB"))
         rows.append(row(f"idle RSS, whole `zattera up`, {mode}", sum(rss.values()), "MB", "", "issue 22: 475 MB"))
         rows.append(
             row(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from typer.testing import CliRunner
 import cli.main
 import cli.security_cmds
 from cli.main import app
-from cli.up import SERVICES, Cluster
+from cli.up import SERVICES, Cluster, Supervised
 from shared.embedded import free_port
 
 
@@ -65,3 +66,21 @@ def test_up_flag_chooses_the_control_plane_shape(tmp_path: Path, monkeypatch: py
     result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), flag])
     assert result.exit_code == 0, result.output
     assert started[0].all_in_one is (flag == "--all-in-one")
+
+
+def test_the_supervisor_gets_the_cluster_it_was_asked_for(tmp_path: Path) -> None:
+    """``run_up`` execs a lean supervisor and hands it the cluster as JSON: nothing asked for is lost."""
+    join = Supervised("join", ["python", "-m", "services.join"], tmp_path / "logs" / "join.log", {"A": "1"})
+    asked = Cluster(
+        data_dir=tmp_path,
+        port=4333,
+        extra=[join],
+        creds="/x/control.creds",
+        node_creds={"agent": "/x/agent.creds"},
+        all_in_one=False,
+        metrics_port=9500,
+        nats_extra_config="authorization {}",
+    )
+    given = Cluster.from_config(json.loads(json.dumps(asked.config())))
+    assert given.config() == asked.config()
+    assert given.extra == [join] and given.data_dir == tmp_path
