@@ -22,7 +22,7 @@ from cli.client import OPTIONS, Control, control, err, run
 from cli.cluster_cmds import cluster_app
 from cli.config_cmds import config_app
 from cli.context_cmds import context_app
-from cli.env_cmds import apps_delete, envs_app, projects_app, scale, status
+from cli.env_cmds import apps_delete, envs_app, placement_status, print_unplaced, projects_app, scale, status
 from cli.events_cmds import announce_scale_changes, events, publish_node_change, replica_counts
 from cli.logs_cmds import logs
 from cli.plan_view import print_plan
@@ -655,6 +655,10 @@ def ps(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WID
                     Col("message", wrap=True),
                 ],
                 rows,
+            )
+            envs = [target] if target else c.view.envs()
+            print_unplaced(
+                [{"env": env_label(c.view, e.meta.id), "placement": placement_status(c.view, e)} for e in envs]
             )
 
     run(go)
