@@ -306,9 +306,10 @@ class PlacementIndex:
         label_rejected: list[str] = []
         by_region: dict[str, list[tuple[int, str]]] = {}
         for info in self._nodes.values():
-            if not info.platform_ok(wanted):
+            # _Node.platform_ok and labels_ok, inlined: once per node for every new filter signature
+            if wanted and info.arch not in wanted:
                 arch_rejected.append(info.id)
-            elif not info.labels_ok(constraints):
+            elif constraints and any(info.labels.get(k, "") != v for k, v in constraints):
                 label_rejected.append(info.id)
             else:
                 members.add(info.id)
