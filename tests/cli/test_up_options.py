@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 import cli.main
 import cli.security_cmds
 from cli.main import app
-from cli.up import SERVICES, Cluster, Supervised
+from cli.up import ALL_IN_ONE_SERVICES, SERVICES, Cluster, Supervised
 from shared.embedded import free_port
 
 
@@ -84,3 +84,9 @@ def test_the_supervisor_gets_the_cluster_it_was_asked_for(tmp_path: Path) -> Non
     given = Cluster.from_config(json.loads(json.dumps(asked.config())))
     assert given.config() == asked.config()
     assert given.extra == [join] and given.data_dir == tmp_path
+
+
+def test_up_and_the_all_in_one_process_agree_on_the_services() -> None:
+    from services.allinone.__main__ import BUILDS
+
+    assert set(BUILDS) == ALL_IN_ONE_SERVICES  # extra processes of these names are not started twice
