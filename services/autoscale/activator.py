@@ -154,4 +154,3 @@ class Activator:
                 await sub.unsubscribe()
             for task in list(self._handlers):
                 task.cancel()
-
