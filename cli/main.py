@@ -23,7 +23,7 @@ from cli.client import OPTIONS, Control, control, err, run
 from cli.cluster_cmds import cluster_app
 from cli.config_cmds import config_app
 from cli.context_cmds import context_app
-from cli.env_cmds import apps_delete, envs_app, projects_app, scale, status
+from cli.env_cmds import apps_delete, envs_app, placement_status, print_unplaced, projects_app, scale, status
 from cli.events_cmds import announce_scale_changes, events, publish_node_change, replica_counts
 from cli.jobs_cmds import jobs_app, run_command
 from cli.logs_cmds import logs
@@ -189,6 +189,9 @@ def up(
         help="HOST:PORT of the local ingress proxy (default 0.0.0.0:<proxy-port>: every interface)",
     ),
     node: bool = typer.Option(True, "--node/--no-node", help="also run a local agent and the proxy"),
+    all_in_one: bool = typer.Option(
+        True, "--all-in-one/--separate", help="the control plane in one process, or one process per service"
+    ),
     metrics_port: int = typer.Option(
         DEFAULT_METRICS_PORT, min=0, max=65535, help="Prometheus metrics from this port up, one per process; 0 = off"
     ),
@@ -213,6 +216,7 @@ def up(
                 proxy_host=proxy_host,
                 with_node=node,
                 metrics_port=metrics_port,
+                all_in_one=all_in_one,
             )
         )
     cluster = Cluster(
@@ -223,6 +227,7 @@ def up(
         proxy_host=proxy_host,
         with_node=node,
         metrics_port=metrics_port,
+        all_in_one=all_in_one,
     )
     raise typer.Exit(run_up(cluster))
 
@@ -656,6 +661,10 @@ def ps(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WID
                 ],
                 rows,
             )
+            envs = [target] if target else c.view.envs()
+            print_unplaced(
+                [{"env": env_label(c.view, e.meta.id), "placement": placement_status(c.view, e)} for e in envs]
+            )
 
     run(go)
 
@@ -767,7 +776,7 @@ def build_log_line(build_id: str, line: str, as_json: bool) -> str:
 @builds_app.command("cancel")
 def builds_cancel(build_id: str) -> None:
     """Cancel a QUEUED or RUNNING build (its builder is told to stop)."""
-    from services.builds.cancel import CancelRefused, cancel_build
+    from shared.buildcancel import CancelRefused, cancel_build
     from shared.clock import RealClock
 
     async def go() -> None:
@@ -906,8 +915,8 @@ def volumes_snapshots(
 
 
 def _snapshot_dispatcher(c: Control) -> Any:
-    from services.scheduler.snapshot_dispatch import TOUCH_EVERY, SnapshotDispatcher, target_from_env
     from shared.clock import RealClock
+    from shared.snapshots.dispatch import TOUCH_EVERY, SnapshotDispatcher, target_from_env
 
     # A restore touches its RESTORING volume at least thrice per reaper timeout, so a live one is never reaped.
     touch_every = min(TOUCH_EVERY, settings().restore_timeout / 3)

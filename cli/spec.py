@@ -156,7 +156,7 @@ class Autoscale(_Model):
 
 def validate_schedule(value: str) -> str:
     """A snapshot schedule as the snapshot scheduler reads it ("" = manual only); ValueError if it never could."""
-    from services.scheduler.snapshots import ScheduleError, parse_schedule
+    from shared.schedule import ScheduleError, parse_schedule
 
     text = value.strip()
     if text:

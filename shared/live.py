@@ -28,6 +28,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.clock import Clock
+from shared.jetstream import is_delete_marker
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
 from shared.telemetry import counter
 from shared.view import CONSUMER_HEARTBEAT, ChangeFeed, guard_ordered_consumer, server_delivered
@@ -142,9 +143,7 @@ class LiveView:
 
         async def on_msg(msg: Msg) -> None:
             key = msg.subject[len(LIVE_PREFIX) :]
-            headers = msg.headers or {}
-            deleted = headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers
-            self.apply(key, None if deleted else msg.data)
+            self.apply(key, None if is_delete_marker(msg.headers) else msg.data)
             with contextlib.suppress(Exception):
                 if msg.metadata.num_pending == 0:
                     self._ready.set()

@@ -22,6 +22,7 @@ from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey, PublicKey, SealedBox
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.errors import ZatteraError
 from shared.natsio import Connection
 
 CLUSTER_KEY = "cluster"
@@ -35,7 +36,7 @@ def open_subject(node_id: str) -> str:
     return f"zattera.secrets.{node_id}.open"
 
 
-class SecretsUnavailable(Exception):
+class SecretsUnavailable(ZatteraError):
     """An agent could not get an instance's secrets (the reason never contains a value)."""
 
 
@@ -56,7 +57,7 @@ def public_bytes(private_key: PrivateKey) -> bytes:
     return bytes(private_key.public_key)
 
 
-class KeyMaterialError(ValueError):
+class KeyMaterialError(ZatteraError, ValueError):
     """The cluster key material is unusable (bad file, bad ZATTERA_SECRETS_KEY)."""
 
 

@@ -41,7 +41,6 @@ from nats.errors import Error as NatsError
 from yarl import URL
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from services.autoscale.activator import INVALID_ARGUMENT, NOT_FOUND, ActivateError, request_activation
 from services.proxy.activator import HoldRejected, Holds
 from services.proxy.auth import BasicAuth, https_location, is_https, route_users
 from services.proxy.balancer import STICKY_COOKIE, Balancer, sticky_endpoint, sticky_value
@@ -49,6 +48,7 @@ from services.proxy.ratelimit import RateLimiter
 from services.proxy.routing import RouteEntry, RouteTable, request_host
 from services.proxy.settings import ROUTES_CACHE_FILE, ProxySettings
 from services.proxy.stats import ProxyStats
+from shared.activation import INVALID_ARGUMENT, NOT_FOUND, ActivateError, request_activation
 from shared.live import publish_proxy_heartbeat
 from shared.metrics import RequestSeries
 from shared.natsio import Connection
