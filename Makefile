@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 
 # Debian packages the data plane and runtimes use (one line per feature, so additions merge cleanly).
 SYSTEM_PACKAGES :=
+SYSTEM_PACKAGES += pebble  # ACME test CA (pebble, pebble-challtestsrv) for the certificate tests
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -28,6 +28,8 @@ VIP = "vip"
 LEASE = "lease"
 SECRET = "secret"
 SECRETS_KEY = "secretskey"
+CERT = "cert"
+ACME_ACCOUNT = "acmeaccount"
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     NODE: pb.Node,
@@ -47,6 +49,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     LEASE: pb.Lease,
     SECRET: pb.SealedSecret,
     SECRETS_KEY: pb.SecretsKey,
+    CERT: pb.Certificate,
+    ACME_ACCOUNT: pb.AcmeAccount,
 }
 
 PER_NODE_KINDS = frozenset({ASSIGNMENT, OBSERVED})
@@ -149,6 +153,19 @@ def secret(secret_id: str) -> str:
 
 def secrets_key(key_name: str) -> str:
     return f"{SECRETS_KEY}.{key_name}"
+
+
+def cert_id(hostname: str) -> str:
+    """A hostname as a key token (a hostname holds no '_', a key token no '.')."""
+    return hostname.replace(".", "_")
+
+
+def cert(hostname: str) -> str:
+    return f"{CERT}.{cert_id(hostname)}"
+
+
+def acme_account(name: str) -> str:
+    return f"{ACME_ACCOUNT}.{name}"
 
 
 def key_of(msg: Message) -> str:

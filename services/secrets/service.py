@@ -31,7 +31,9 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.secrets import certkeys
 from shared import keys as K
+from shared.certs import ACCOUNT_OPEN_SUBJECT, KEYS_OPEN_SUBJECT
 from shared.events import WARNING, EventPublisher, make_event
 from shared.natsio import Connection, is_direct_request
 from shared.secrets import (
@@ -263,6 +265,23 @@ class SecretsService:
                 response = await self.answer_open(node_id, request)
         await msg.respond(response.SerializeToString())
 
+    # ------------------------------------------------------------------ certificate keys
+
+    async def _on_open_cert_keys(self, msg: Msg) -> None:
+        if is_direct_request(msg):
+            with span("secrets.open_cert_keys"):
+                response = certkeys.answer(msg.data, lambda: certkeys.certificate_bundle(self._view, self._key_for))
+            await msg.respond(response.SerializeToString())
+
+    async def _on_open_account(self, msg: Msg) -> None:
+        if is_direct_request(msg):
+            with span("secrets.open_account"):
+                response = certkeys.answer(msg.data, lambda: certkeys.account_bundle(self._view, self._key_for))
+            await msg.respond(response.SerializeToString())
+
+    def _key_for(self, ident: str) -> PrivateKey | None:
+        return self._reload_if_unknown(ident) if self._keyring is not None else None
+
     # ------------------------------------------------------------------ rotate
 
     async def rotate(self) -> cpb.RotateSecretsKeyResponse:
@@ -355,6 +374,8 @@ class SecretsService:
         subs = [
             await nc.subscribe(open_subject("*"), queue=SECRETS_QUEUE, cb=self._concurrently(self._on_open)),
             await nc.subscribe(ROTATE_SUBJECT, queue=SECRETS_QUEUE, cb=self._concurrently(self._on_rotate)),
+            await nc.subscribe(KEYS_OPEN_SUBJECT, queue=SECRETS_QUEUE, cb=self._on_open_cert_keys),
+            await nc.subscribe(ACCOUNT_OPEN_SUBJECT, queue=SECRETS_QUEUE, cb=self._on_open_account),
         ]
         self.serving.set()
         try:

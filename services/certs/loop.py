@@ -1,0 +1,182 @@
+"""The certificate loop (lease ``certs``): one certificate per hostname that wants TLS, renewed in time.
+
+Each pass reads the wanted hostnames (every ``Domain``'s, plus the route snapshot's ``cert_hosts`` when the
+service follows routes) and the ``Certificate`` records, asks :func:`shared.certs.plan` what to do, and
+commits: new hostnames get a PENDING record and stale records are deleted in one write; then each due
+order runs (only the lease holder orders, so a name is never ordered twice at once across replicas) and
+its outcome — the new chain and sealed key, or the CA's reason and the backoff — is one fenced write.
+Events ``certificate.issued``, ``certificate.renewed``, ``certificate.failed`` follow the write.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from zattera.v1 import types_pb2 as pb
+
+from services.certs.issuer import Account, AcmeIssuer, OrderFailed
+from shared import keys as K
+from shared.acmechallenge import publish_answer, withdraw_answer
+from shared.certclient import CertsUnavailable, open_bundle
+from shared.certs import (
+    ACCOUNT_NAME,
+    ACCOUNT_OPEN_SUBJECT,
+    CHANGED_SUBJECT,
+    LOCAL_ISSUER,
+    Issued,
+    Order,
+    after_failure,
+    after_success,
+    is_local_host,
+    pending_record,
+    plan,
+)
+from shared.events import WARNING, make_event
+from shared.loop import LeaderLoop
+from shared.secrets import CLUSTER_KEY, seal
+from shared.txn import Conflict
+
+log = logging.getLogger(__name__)
+
+NO_DIRECTORY = "no ACME directory is configured (ZATTERA_CERTS_ACME_DIRECTORY, docs/certificates.md)"
+NO_LOCAL_CA = "no local CA is configured for *.localhost hosts"
+NO_CLUSTER_KEY = "no cluster secrets key is published: run the secrets service (docs/secrets.md)"
+
+class CertificateLoop(LeaderLoop):
+    name = "certs"
+    kinds = frozenset({K.DOMAIN, K.CERT, K.ACME_ACCOUNT, K.SECRETS_KEY})
+
+    def __init__(
+        self,
+        *,
+        acme: AcmeIssuer | None = None,
+        extra_hosts: Callable[[], Iterable[str]] = tuple,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.acme = acme
+        self.extra_hosts = extra_hosts
+        self._account: Account | None = None
+        self._next_due: float | None = None
+
+    def on_term_start(self) -> None:
+        self._next_due = None
+
+    def seconds_until_due(self) -> float | None:
+        return None if self._next_due is None else self._next_due - self.clock.now()
+
+    def wanted(self) -> set[str]:
+        hosts = {d.hostname.lower() for d in self.view.domains() if d.hostname}
+        hosts.update(h.lower() for h in self.extra_hosts())
+        return hosts
+
+    def issuer_of(self, hostname: str) -> str:
+        if is_local_host(hostname):
+            return LOCAL_ISSUER
+        return self.acme.directory_url if self.acme is not None else ""
+
+    async def run_pass(self) -> None:
+        certs = {c.hostname: c for c in self.view.all(K.CERT) if isinstance(c, pb.Certificate)}
+        decided = plan(self.wanted(), certs, self.clock.now())
+        self._next_due = decided.next_due
+        writer = self.writer
+        assert writer is not None
+        if decided.create or decided.forget:
+            txn = writer.txn("certs")
+            for host in decided.create:
+                txn.create(pending_record(host, self.issuer_of(host)))
+            for host in decided.forget:
+                txn.delete(K.cert(host))
+            await writer.commit(txn)
+            if decided.forget:
+                await self.conn.nc.publish(CHANGED_SUBJECT, b"")
+        for order in decided.orders:
+            await self._order(order)
+
+    async def _order(self, order: Order) -> None:
+        current = self.view.get(K.CERT, K.cert_id(order.hostname))
+        if not isinstance(current, pb.Certificate):
+            return
+        issuer = self.issuer_of(order.hostname)
+        now = self.clock.now()
+        try:
+            issued = await self._obtain(order.hostname)
+        except OrderFailed as exc:
+            updated = after_failure(current, exc.reason, exc.retry_after, now)
+            event = make_event(
+                "certificate.failed",
+                f"certificate for {order.hostname} not obtained: {exc.reason}",
+                severity=WARNING,
+                clock=self.clock,
+                fields={"hostname": order.hostname, "failures": str(updated.failures)},
+            )
+        else:
+            updated = after_success(current, issued, issuer)
+            kind = "certificate.renewed" if order.renewal else "certificate.issued"
+            event = make_event(
+                kind,
+                f"certificate for {order.hostname} {kind.split('.')[1]}, valid until "
+                f"{updated.not_after.ToJsonString()}",
+                clock=self.clock,
+                fields={"hostname": order.hostname, "issuer": issuer},
+            )
+        assert self.writer is not None
+        try:
+            await self.writer.commit(self.writer.txn("certs").put(updated))
+        except Conflict:
+            log.info("certs: %s changed meanwhile; deciding again", order.hostname)
+            return
+        await self.events.publish(event)
+        if updated.chain_pem != current.chain_pem:
+            await self.conn.nc.publish(CHANGED_SUBJECT, b"")
+
+    async def _obtain(self, hostname: str) -> Issued:
+        cluster_key = self.view.get(K.SECRETS_KEY, CLUSTER_KEY)
+        if not isinstance(cluster_key, pb.SecretsKey):
+            raise OrderFailed(NO_CLUSTER_KEY)
+        if is_local_host(hostname):
+            raise OrderFailed(NO_LOCAL_CA)
+        if self.acme is None:
+            raise OrderFailed(NO_DIRECTORY)
+        account = await self._account_for(self.acme, cluster_key)
+        conn = self.conn
+
+        async def publish(token: str, validation: str) -> None:
+            await publish_answer(conn, token, validation)
+
+        async def withdraw(token: str) -> None:
+            await withdraw_answer(conn, token)
+
+        chain, key_pem = await self.acme.issue(hostname, account, publish, withdraw)
+        return Issued(chain, seal(cluster_key.public_key, key_pem), cluster_key.key_id)
+
+    async def _account_for(self, acme: AcmeIssuer, cluster_key: pb.SecretsKey) -> Account:
+        """The ACME account: held in memory, else opened by the secrets service, else registered and stored
+        sealed (one fenced write)."""
+        stored = self.view.get(K.ACME_ACCOUNT, ACCOUNT_NAME)
+        usable = isinstance(stored, pb.AcmeAccount) and stored.directory_url == acme.directory_url
+        if self._account is not None and usable:
+            assert isinstance(stored, pb.AcmeAccount)
+            if stored.uri == self._account.uri:
+                return self._account
+        if isinstance(stored, pb.AcmeAccount) and usable:
+            try:
+                bundle = await open_bundle(self.conn, ACCOUNT_OPEN_SUBJECT)
+            except CertsUnavailable as exc:
+                raise OrderFailed(f"the ACME account key could not be opened: {exc}") from None
+            self._account = Account(bundle.account_key_pem.encode(), stored.uri)
+            return self._account
+        account = await acme.register()
+        record = pb.AcmeAccount(
+            directory_url=acme.directory_url,
+            email=acme.email,
+            uri=account.uri,
+            sealed_key=seal(cluster_key.public_key, account.key_pem),
+            key_id=cluster_key.key_id,
+        )
+        record.meta.id = ACCOUNT_NAME
+        assert self.writer is not None
+        await self.writer.commit(self.writer.txn("certs").put(record))
+        self._account = account
+        return account

@@ -1,0 +1,84 @@
+"""HTTP-01 challenge answers: published in NATS by the certificate loop, answered by every proxy.
+
+While an order is pending, the certificate loop puts ``acme.<token>`` → key authorization in the live
+bucket (``zattera-live``, whose message age limit also bounds a forgotten answer) and deletes it when the
+order ends. :class:`ChallengeAnswers` follows those keys, so any proxy the name's DNS points at answers
+``GET /.well-known/acme-challenge/<token>`` before route matching (docs/certificates.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from shared.live import ACME_CHALLENGE
+from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
+from shared.view import CONSUMER_HEARTBEAT, guard_ordered_consumer
+
+log = logging.getLogger(__name__)
+
+PATH_PREFIX = "/.well-known/acme-challenge/"
+TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+"""RFC 8555 §8.3: a token is base64url; anything else is never looked up (nor a valid key)."""
+
+
+def challenge_key(token: str) -> str:
+    return f"{LIVE_PREFIX}{ACME_CHALLENGE}.{token}"
+
+
+def valid_token(token: str) -> bool:
+    return 0 < len(token) <= 256 and set(token) <= TOKEN_CHARS
+
+
+async def publish_answer(conn: Connection, token: str, key_authorization: str) -> None:
+    await conn.js.publish(challenge_key(token), key_authorization.encode(), stream=LIVE_STREAM)
+
+
+async def withdraw_answer(conn: Connection, token: str) -> None:
+    with contextlib.suppress(Exception):  # the bucket's age limit removes it anyway
+        await conn.js.publish(challenge_key(token), b"", stream=LIVE_STREAM, headers={"KV-Operation": "DEL"})
+
+
+class ChallengeAnswers:
+    """token → key authorization, followed from the live bucket; :meth:`answer` for a request path."""
+
+    def __init__(self) -> None:
+        self._answers: dict[str, str] = {}
+        self._sub: Subscription | None = None
+
+    def answer(self, path: str) -> str | None:
+        """The body to serve for ``path`` (``/.well-known/acme-challenge/<token>``), None when unknown."""
+        token = path[len(PATH_PREFIX) :] if path.startswith(PATH_PREFIX) else ""
+        return self._answers.get(token) if valid_token(token) else None
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+    async def start(self, conn: Connection) -> None:
+        async def on_msg(msg: Msg) -> None:
+            token = msg.subject[len(challenge_key("")) :]
+            headers = msg.headers or {}
+            if headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers or not msg.data:
+                self._answers.pop(token, None)
+            else:
+                self._answers[token] = msg.data.decode()
+
+        self._sub = await conn.js.subscribe(
+            challenge_key("*"),
+            stream=LIVE_STREAM,
+            cb=on_msg,
+            ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT),
+            idle_heartbeat=CONSUMER_HEARTBEAT,
+        )
+        guard_ordered_consumer(self._sub, None)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
