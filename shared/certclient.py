@@ -69,9 +69,7 @@ async def open_bundle(conn: Connection, subject: str, *, timeout: float = 5.0) -
 
 
 def bundle_certs(bundle: cpb.CertBundle) -> dict[str, ServedCert]:
-    return {
-        e.hostname: ServedCert(e.hostname, e.chain_pem, e.key_pem, seconds(e.not_after)) for e in bundle.certs
-    }
+    return {e.hostname: ServedCert(e.hostname, e.chain_pem, e.key_pem, seconds(e.not_after)) for e in bundle.certs}
 
 
 def write_private_json(path: Path, doc: object) -> None:

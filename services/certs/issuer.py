@@ -75,9 +75,7 @@ WithdrawAnswer = Callable[[str], Awaitable[None]]
 class AcmeIssuer:
     """One ACME directory and account; :meth:`issue` obtains a certificate for one hostname."""
 
-    def __init__(
-        self, directory_url: str, email: str, *, ca_bundle: str = "", order_timeout: float = 45.0
-    ) -> None:
+    def __init__(self, directory_url: str, email: str, *, ca_bundle: str = "", order_timeout: float = 45.0) -> None:
         self.directory_url = directory_url
         self.email = email
         self.ca_bundle = ca_bundle

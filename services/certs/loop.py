@@ -43,6 +43,7 @@ NO_DIRECTORY = "no ACME directory is configured (ZATTERA_CERTS_ACME_DIRECTORY, d
 NO_LOCAL_CA = "no local CA is configured for *.localhost hosts"
 NO_CLUSTER_KEY = "no cluster secrets key is published: run the secrets service (docs/secrets.md)"
 
+
 class CertificateLoop(LeaderLoop):
     name = "certs"
     kinds = frozenset({K.DOMAIN, K.CERT, K.ACME_ACCOUNT, K.SECRETS_KEY})
