@@ -171,3 +171,56 @@ def state_name(cert: pb.Certificate, now: float) -> str:
     if cert.state == VALID and cert.chain_pem and seconds(cert.renew_at) <= now:
         return "renewing"
     return STATE_NAMES.get(cert.state, "unknown")
+
+
+MAX_HOSTNAME = 253
+_LABEL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
+
+
+def hostname_problem(hostname: str) -> str | None:
+    """Why ``hostname`` cannot have a certificate (None: it can): a lower-case DNS name of at least two
+    labels (or ``localhost``), no wildcard (HTTP-01 cannot validate one), labels of 1-63 letters, digits
+    and inner hyphens, at most 253 characters."""
+    if not hostname:
+        return "is empty"
+    if hostname != hostname.lower():
+        return f"{hostname!r} is not lower case"
+    if len(hostname) > MAX_HOSTNAME:
+        return f"is {len(hostname)} characters; at most {MAX_HOSTNAME}"
+    if hostname.startswith("*."):
+        return f"{hostname!r} is a wildcard: HTTP-01 validates single names only"
+    labels = hostname.split(".")
+    if len(labels) < 2 and hostname != "localhost":
+        return f"{hostname!r} is not a fully qualified name (expected e.g. www.example.com)"
+    for label in labels:
+        if not 1 <= len(label) <= 63 or not set(label) <= _LABEL_CHARS or label[0] == "-" or label[-1] == "-":
+            return f"{hostname!r}: label {label!r} is not 1-63 letters, digits or inner hyphens"
+    return None
+
+
+@dataclass(frozen=True)
+class DomainRow:
+    """One line of ``zattera domains list``."""
+
+    hostname: str
+    environment: str  # project/app/env, "" for a hostname only the routes want (an implicit one)
+    state: str
+    valid_until: float | None
+    renew_at: float | None
+    issuer: str
+    error: str
+
+
+def domain_row(hostname: str, environment: str, cert: pb.Certificate | None, now: float) -> DomainRow:
+    if cert is None:
+        return DomainRow(hostname, environment, "pending", None, None, "", "")
+    has_cert = bool(cert.chain_pem)
+    return DomainRow(
+        hostname,
+        environment,
+        state_name(cert, now),
+        seconds(cert.not_after) if has_cert else None,
+        seconds(cert.renew_at) if has_cert else None,
+        cert.issuer,
+        cert.last_error,
+    )
