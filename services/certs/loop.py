@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from zattera.v1 import types_pb2 as pb
 
 from services.certs.issuer import Account, AcmeIssuer, OrderFailed
+from services.certs.localca import LocalCA
 from shared import keys as K
 from shared.acmechallenge import publish_answer, withdraw_answer
 from shared.certclient import CertsUnavailable, open_bundle
@@ -40,7 +41,7 @@ from shared.txn import Conflict
 log = logging.getLogger(__name__)
 
 NO_DIRECTORY = "no ACME directory is configured (ZATTERA_CERTS_ACME_DIRECTORY, docs/certificates.md)"
-NO_LOCAL_CA = "no local CA is configured for *.localhost hosts"
+NO_LOCAL_CA = "the local CA for *.localhost hosts is off (ZATTERA_CERTS_LOCAL_CA=false)"
 NO_CLUSTER_KEY = "no cluster secrets key is published: run the secrets service (docs/secrets.md)"
 
 
@@ -52,11 +53,13 @@ class CertificateLoop(LeaderLoop):
         self,
         *,
         acme: AcmeIssuer | None = None,
+        local_ca: LocalCA | None = None,
         extra_hosts: Callable[[], Iterable[str]] = tuple,
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.acme = acme
+        self.local_ca = local_ca
         self.extra_hosts = extra_hosts
         self._account: Account | None = None
         self._next_due: float | None = None
@@ -137,7 +140,10 @@ class CertificateLoop(LeaderLoop):
         if not isinstance(cluster_key, pb.SecretsKey):
             raise OrderFailed(NO_CLUSTER_KEY)
         if is_local_host(hostname):
-            raise OrderFailed(NO_LOCAL_CA)
+            if self.local_ca is None:
+                raise OrderFailed(NO_LOCAL_CA)
+            chain, key_pem = self.local_ca.issue(hostname, self.clock.now())
+            return Issued(chain, seal(cluster_key.public_key, key_pem), cluster_key.key_id)
         if self.acme is None:
             raise OrderFailed(NO_DIRECTORY)
         account = await self._account_for(self.acme, cluster_key)

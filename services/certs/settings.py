@@ -17,4 +17,5 @@ class CertsSettings(BaseSettings):
     acme_ca_bundle: str = Field(
         default="", description="a PEM bundle to verify the directory's TLS with (a private CA); empty: the system's"
     )
+    local_ca: bool = Field(default=True, description="issue *.localhost certificates from the cluster's local CA")
     order_timeout: float = Field(default=45.0, gt=0, description="seconds an order may take to validate")

@@ -32,6 +32,7 @@ LOOPS_OF = {
     "routes": {"vips"},
     "join": set(),
     "secrets": {"secrets-gc"},
+    "certs": {"certs"},
 }
 
 
