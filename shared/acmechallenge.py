@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -28,6 +29,10 @@ TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 
 def challenge_key(token: str) -> str:
     return f"{LIVE_PREFIX}{ACME_CHALLENGE}.{token}"
+
+
+def consumer_name() -> str:
+    return f"acme-answers-{uuid.uuid4().hex[:16]}"
 
 
 def valid_token(token: str) -> bool:
@@ -49,16 +54,34 @@ class ChallengeAnswers:
     def __init__(self) -> None:
         self._answers: dict[str, str] = {}
         self._sub: Subscription | None = None
+        self._conn: Connection | None = None
 
     def answer(self, path: str) -> str | None:
-        """The body to serve for ``path`` (``/.well-known/acme-challenge/<token>``), None when unknown."""
+        """The body to serve for ``path`` (``/.well-known/acme-challenge/<token>``) as followed so far."""
         token = path[len(PATH_PREFIX) :] if path.startswith(PATH_PREFIX) else ""
         return self._answers.get(token) if valid_token(token) else None
+
+    async def lookup(self, path: str) -> str | None:
+        """:meth:`answer`, else the key read directly: the loop publishes an answer (acknowledged) before it
+        tells the CA to validate, so a validation that outruns this proxy's watch still finds it."""
+        found = self.answer(path)
+        token = path[len(PATH_PREFIX) :] if path.startswith(PATH_PREFIX) else ""
+        if found is not None or not valid_token(token) or self._conn is None:
+            return found
+        try:
+            msg = await self._conn.js.get_last_msg(LIVE_STREAM, challenge_key(token), direct=True)
+        except Exception:  # not there (or NATS unreachable): nothing to answer
+            return None
+        headers = msg.headers or {}
+        if not msg.data or headers.get("KV-Operation") in ("DEL", "PURGE"):
+            return None
+        return bytes(msg.data).decode()
 
     def __len__(self) -> int:
         return len(self._answers)
 
     async def start(self, conn: Connection) -> None:
+        self._conn = conn
         async def on_msg(msg: Msg) -> None:
             token = msg.subject[len(challenge_key("")) :]
             headers = msg.headers or {}
@@ -67,17 +90,19 @@ class ChallengeAnswers:
             else:
                 self._answers[token] = msg.data.decode()
 
+        # A named consumer filtered on exactly these keys: what a proxy's credential may create (permissions.py).
         self._sub = await conn.js.subscribe(
             challenge_key("*"),
             stream=LIVE_STREAM,
             cb=on_msg,
             ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT),
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, name=consumer_name()),
             idle_heartbeat=CONSUMER_HEARTBEAT,
         )
-        guard_ordered_consumer(self._sub, None)
+        guard_ordered_consumer(self._sub, consumer_name)
 
     async def stop(self) -> None:
+        self._conn = None
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()

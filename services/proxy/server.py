@@ -304,7 +304,7 @@ class Proxy:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         host = request_host(request.headers.get(hdrs.HOST, ""))
         path = request.path
-        if path.startswith(CHALLENGE_PATH) and (answer := self.challenges.answer(path)) is not None:
+        if path.startswith(CHALLENGE_PATH) and (answer := await self.challenges.lookup(path)) is not None:
             return web.Response(text=answer, content_type="application/octet-stream")  # ACME HTTP-01
         entry = self.table.match(host, path)
         if entry is None:
