@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 NO_DIRECTORY = "no ACME directory is configured (ZATTERA_CERTS_ACME_DIRECTORY, docs/certificates.md)"
 NO_LOCAL_CA = "the local CA for *.localhost hosts is off (ZATTERA_CERTS_LOCAL_CA=false)"
+SEAL_ATTEMPTS = 3
 NO_CLUSTER_KEY = "no cluster secrets key is published: run the secrets service (docs/secrets.md)"
 
 
@@ -102,21 +103,43 @@ class CertificateLoop(LeaderLoop):
         current = self.view.get(K.CERT, K.cert_id(order.hostname))
         if not isinstance(current, pb.Certificate):
             return
-        issuer = self.issuer_of(order.hostname)
-        now = self.clock.now()
         try:
-            issued = await self._obtain(order.hostname)
+            chain, key_pem = await self._obtain(order.hostname)
         except OrderFailed as exc:
-            updated = after_failure(current, exc.reason, exc.retry_after, now)
+            failed = after_failure(current, exc.reason, exc.retry_after, self.clock.now())
             event = make_event(
                 "certificate.failed",
                 f"certificate for {order.hostname} not obtained: {exc.reason}",
                 severity=WARNING,
                 clock=self.clock,
-                fields={"hostname": order.hostname, "failures": str(updated.failures)},
+                fields={"hostname": order.hostname, "failures": str(failed.failures)},
             )
-        else:
-            updated = after_success(current, issued, issuer)
+            assert self.writer is not None
+            try:
+                await self.writer.commit(self.writer.txn("certs").put(failed))
+            except Conflict:
+                log.info("certs: %s changed meanwhile; deciding again", order.hostname)
+                return
+            await self.events.publish(event)
+            return
+        await self._store(order, chain, key_pem)
+
+    async def _store(self, order: Order, chain: str, key_pem: bytes) -> None:
+        """Seal the new key to the published cluster key and store it, fenced on that key's record: a key
+        rotated meanwhile (its re-sealing pass would miss this write) makes it seal again."""
+        issuer = self.issuer_of(order.hostname)
+        assert self.writer is not None
+        for _ in range(SEAL_ATTEMPTS):
+            current = self.view.get(K.CERT, K.cert_id(order.hostname))
+            cluster_key = self.view.get(K.SECRETS_KEY, CLUSTER_KEY)
+            if not isinstance(current, pb.Certificate) or not isinstance(cluster_key, pb.SecretsKey):
+                return  # no longer wanted (or the key is gone): the next pass decides again
+            sealed = Issued(chain, seal(cluster_key.public_key, key_pem), cluster_key.key_id)
+            updated = after_success(current, sealed, issuer)
+            try:
+                await self.writer.commit(self.writer.txn("certs").put(updated).put(cluster_key))
+            except Conflict:
+                continue
             kind = "certificate.renewed" if order.renewal else "certificate.issued"
             event = make_event(
                 kind,
@@ -125,25 +148,20 @@ class CertificateLoop(LeaderLoop):
                 clock=self.clock,
                 fields={"hostname": order.hostname, "issuer": issuer},
             )
-        assert self.writer is not None
-        try:
-            await self.writer.commit(self.writer.txn("certs").put(updated))
-        except Conflict:
-            log.info("certs: %s changed meanwhile; deciding again", order.hostname)
-            return
-        await self.events.publish(event)
-        if updated.chain_pem != current.chain_pem:
+            await self.events.publish(event)
             await self.conn.nc.publish(CHANGED_SUBJECT, b"")
+            return
+        log.warning("certs: %s kept changing while storing its certificate; ordering again later", order.hostname)
 
-    async def _obtain(self, hostname: str) -> Issued:
+    async def _obtain(self, hostname: str) -> tuple[str, bytes]:
+        """(chain PEM, private key PEM) from the local CA or the ACME directory; raises OrderFailed."""
         cluster_key = self.view.get(K.SECRETS_KEY, CLUSTER_KEY)
         if not isinstance(cluster_key, pb.SecretsKey):
             raise OrderFailed(NO_CLUSTER_KEY)
         if is_local_host(hostname):
             if self.local_ca is None:
                 raise OrderFailed(NO_LOCAL_CA)
-            chain, key_pem = self.local_ca.issue(hostname, self.clock.now())
-            return Issued(chain, seal(cluster_key.public_key, key_pem), cluster_key.key_id)
+            return self.local_ca.issue(hostname, self.clock.now())
         if self.acme is None:
             raise OrderFailed(NO_DIRECTORY)
         account = await self._account_for(self.acme, cluster_key)
@@ -155,8 +173,7 @@ class CertificateLoop(LeaderLoop):
         async def withdraw(token: str) -> None:
             await withdraw_answer(conn, token)
 
-        chain, key_pem = await self.acme.issue(hostname, account, publish, withdraw)
-        return Issued(chain, seal(cluster_key.public_key, key_pem), cluster_key.key_id)
+        return await self.acme.issue(hostname, account, publish, withdraw)
 
     async def _account_for(self, acme: AcmeIssuer, cluster_key: pb.SecretsKey) -> Account:
         """The ACME account: held in memory, else opened by the secrets service, else registered and stored
@@ -184,6 +201,9 @@ class CertificateLoop(LeaderLoop):
         )
         record.meta.id = ACCOUNT_NAME
         assert self.writer is not None
-        await self.writer.commit(self.writer.txn("certs").put(record))
+        try:  # fenced on the cluster key it is sealed to, like a certificate's key
+            await self.writer.commit(self.writer.txn("certs").put(record).put(cluster_key))
+        except Conflict:
+            raise OrderFailed("the cluster secrets key changed while the ACME account was stored") from None
         self._account = account
         return account

@@ -67,6 +67,16 @@ async def test_the_service_issues_localhost_certificates_from_a_ca_it_makes_once
     cert = view.get(K.CERT, K.cert_id(HOST))
     assert isinstance(cert, pb.Certificate) and cert.issuer == C.LOCAL_ISSUER
 
+    # Rotating the cluster secrets key re-seals certificate keys too: proxies still get them.
+    rotated = await secrets_service.rotate()
+    assert rotated.resealed == 1 and not rotated.error
+
+    def resealed() -> bool:
+        again = view.get(K.CERT, K.cert_id(HOST))
+        return isinstance(again, pb.Certificate) and again.key_id == rotated.key_id
+
+    await eventually(resealed, 10, "the certificate key re-sealed")
+
     client = CertClient(tmp_path / "proxy" / CACHE_FILE)
     await client.start(conn)
     try:
