@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.certs import CHANGED_SUBJECT, KEYS_OPEN_SUBJECT, seconds
 from shared.natsio import Connection
-from shared.secrets import public_bytes, unseal
+from shared.secrets import private_temp_file, public_bytes, unseal
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -74,15 +73,7 @@ def bundle_certs(bundle: cpb.CertBundle) -> dict[str, ServedCert]:
 
 def write_private_json(path: Path, doc: object) -> None:
     """Replace ``path`` atomically with ``doc``; the file is 0600 from creation, never briefly readable."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    private_temp_file(path, json.dumps(doc).encode()).replace(path)
 
 
 def load_cache(path: Path) -> dict[str, ServedCert]:

@@ -5,8 +5,6 @@ keep it fast and deterministic."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import shutil
 import ssl
@@ -19,12 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
-
 from shared.embedded import free_port
+from shared.security.tls import generate
 
 PEBBLE = shutil.which("pebble") or "/usr/bin/pebble"
 CHALLTESTSRV = shutil.which("pebble-challtestsrv") or "/usr/bin/pebble-challtestsrv"
@@ -51,34 +45,6 @@ class Pebble:
             pass
 
 
-def self_signed_localhost(directory: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1/localhost (pebble's listener); it is its own CA bundle."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pebble test listener")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "listener.pem", directory / "listener.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return cert_path, key_path
-
-
 def _wait_listening(url: str, context: ssl.SSLContext | None, proc: subprocess.Popen[bytes], what: str) -> None:
     deadline = time.monotonic() + 15
     while True:
@@ -96,14 +62,14 @@ def _wait_listening(url: str, context: ssl.SSLContext | None, proc: subprocess.P
 @contextmanager
 def running_pebble(directory: Path, http_port: int) -> Iterator[Pebble]:
     directory.mkdir(parents=True, exist_ok=True)
-    cert_path, key_path = self_signed_localhost(directory)
+    listener = generate(directory / "listener", ["localhost", "127.0.0.1"])  # pebble's own TLS
     dns_port, dns_mgmt, acme_port, mgmt_port, tls_port = (free_port() for _ in range(5))
     config = {
         "pebble": {
             "listenAddress": f"127.0.0.1:{acme_port}",
             "managementListenAddress": f"127.0.0.1:{mgmt_port}",
-            "certificate": str(cert_path),
-            "privateKey": str(key_path),
+            "certificate": str(listener.cert),
+            "privateKey": str(listener.key),
             "httpPort": http_port,
             "tlsPort": tls_port,
             "ocspResponderURL": "",
@@ -134,12 +100,12 @@ def running_pebble(directory: Path, http_port: int) -> Iterator[Pebble]:
         env=env,
     )
     try:
-        context = ssl.create_default_context(cafile=str(cert_path))
+        context = ssl.create_default_context(cafile=str(listener.ca))
         _wait_listening(f"https://127.0.0.1:{acme_port}/dir", context, ca, "pebble")
         _wait_listening(f"http://127.0.0.1:{dns_mgmt}/", None, dns, "pebble-challtestsrv")
         yield Pebble(
             f"https://127.0.0.1:{acme_port}/dir",
-            cert_path,
+            listener.ca,
             f"https://127.0.0.1:{mgmt_port}",
             f"http://127.0.0.1:{dns_mgmt}",
         )
