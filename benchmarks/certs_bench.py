@@ -28,7 +28,6 @@ from services.certs.localca import load_or_create
 from services.certs.loop import CertificateLoop
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
-from services.secrets.service import SecretsService
 from shared import certs as C
 from shared import keys as K
 from shared.certclient import CACHE_FILE, CertClient, open_bundle
@@ -42,6 +41,7 @@ from shared.secrets import CLUSTER_KEY, seal
 from shared.txn import Writer
 from shared.view import StateView
 from tests.certs.pebble import running_pebble
+from tests.secrets.test_service import secrets_service
 from tests.waiting import eventually
 
 
@@ -121,25 +121,16 @@ async def _footprint(conn: Connection, view: StateView, writer: Writer, tmp: Pat
 async def _bench(url: str, tmp: Path, domains: int, certificates: int) -> list[Row]:
     conn = await connect(url, name="bench")
     await provision(conn.js)
-    svc_conn = await connect(url, name="bench-secrets")
-    svc_view = StateView(svc_conn, name="secrets")
-    await svc_view.start()
-    service = SecretsService(svc_conn, svc_view, Writer(svc_conn, svc_view), keyring_path=tmp / "cluster.key")
-    task = asyncio.create_task(service.run())
     view = StateView(conn, name="bench")
     await view.start()
     writer = Writer(conn, view)
     try:
-        await service.serving.wait()
-        await eventually(lambda: view.get(K.SECRETS_KEY, CLUSTER_KEY) is not None, 10, "the cluster key published")
-        rows = await _issuance(conn, view, writer, tmp, url, domains)
-        rows += await _footprint(conn, view, writer, tmp, certificates)
+        async with secrets_service(url, tmp / "cluster.key"):
+            await eventually(lambda: view.get(K.SECRETS_KEY, CLUSTER_KEY) is not None, 10, "the cluster key")
+            rows = await _issuance(conn, view, writer, tmp, url, domains)
+            rows += await _footprint(conn, view, writer, tmp, certificates)
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         await view.stop()
-        await svc_view.stop()
-        await svc_conn.close()
         await conn.close()
     return rows
 

@@ -19,11 +19,12 @@ from shared import keys as K
 from shared.clock import FakeClock
 from shared.embedded import free_port
 from shared.live import proxy_key
-from shared.natsio import LIVE_BUCKET, Connection, connect
+from shared.natsio import LIVE_BUCKET, Connection
 from shared.secrets import CLUSTER_KEY
 from shared.txn import Writer
 from shared.view import StateView
 from tests.certs.pebble import Pebble, running_pebble
+from tests.secrets.test_service import secrets_service as running_secrets_service
 from tests.waiting import eventually
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -42,22 +43,9 @@ def pebble(tmp_path: Path, proxy_port: int) -> Iterator[Pebble]:
 
 @pytest.fixture
 async def secrets_service(nats_url: str, view: StateView, tmp_path: Path) -> AsyncIterator[SecretsService]:
-    conn = await connect(nats_url, name="secrets-under-test")
-    own_view = StateView(conn, name="secrets")
-    await own_view.start()
-    service = SecretsService(
-        conn, own_view, Writer(conn, own_view), keyring_path=tmp_path / "cluster.key", seed_key="", open_wait=0.3
-    )
-    task = asyncio.create_task(service.run())
-    try:
-        await eventually(lambda: service.serving.is_set() or task.done(), 10, "the secrets service is serving")
+    async with running_secrets_service(nats_url, tmp_path / "cluster.key") as running:
         await eventually(lambda: view.get(K.SECRETS_KEY, CLUSTER_KEY) is not None, 10, "the cluster key")
-        yield service
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await own_view.stop()
-        await conn.close()
+        yield running.service
 
 
 @pytest.fixture

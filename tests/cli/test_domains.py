@@ -14,17 +14,7 @@ from shared import keys as K
 from shared.txn import Writer
 from shared.view import StateView
 from tests.cli.rig import Invoke, state
-
-SPEC = """
-project = "demo"
-app = "hello"
-
-[run]
-command = "python app.py"
-
-[env.production]
-"""
-ENV = "demo/hello/production"
+from tests.cli.test_config_secrets import ENV, SPEC
 
 
 def test_add_list_remove_with_certificate_states(cli: Invoke, nats_url: str, tmp_path: Path) -> None:
