@@ -8,6 +8,7 @@ order ends. :class:`ChallengeAnswers` follows those keys, so any proxy the name'
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import uuid
@@ -18,11 +19,14 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared.live import ACME_CHALLENGE
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
+from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.view import CONSUMER_HEARTBEAT, guard_ordered_consumer
 
 log = logging.getLogger(__name__)
 
 PATH_PREFIX = "/.well-known/acme-challenge/"
+RETRY_INITIAL = 0.5
+RETRY_MAX = 30.0
 TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 """RFC 8555 §8.3: a token is base64url; anything else is never looked up (nor a valid key)."""
 
@@ -55,6 +59,7 @@ class ChallengeAnswers:
         self._answers: dict[str, str] = {}
         self._sub: Subscription | None = None
         self._conn: Connection | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def answer(self, path: str) -> str | None:
         """The body to serve for ``path`` (``/.well-known/acme-challenge/<token>``) as followed so far."""
@@ -81,7 +86,12 @@ class ChallengeAnswers:
         return len(self._answers)
 
     async def start(self, conn: Connection) -> None:
+        """Follow the answers in the background (never raises: until the watch is up — a cluster not
+        provisioned yet, a server that refuses — answers are read directly)."""
         self._conn = conn
+        self._task = asyncio.create_task(self._watch(conn))
+
+    async def _watch(self, conn: Connection) -> None:
         async def on_msg(msg: Msg) -> None:
             token = msg.subject[len(challenge_key("")) :]
             headers = msg.headers or {}
@@ -90,19 +100,30 @@ class ChallengeAnswers:
             else:
                 self._answers[token] = msg.data.decode()
 
-        # A named consumer filtered on exactly these keys: what a proxy's credential may create (permissions.py).
-        self._sub = await conn.js.subscribe(
-            challenge_key("*"),
-            stream=LIVE_STREAM,
-            cb=on_msg,
-            ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, name=consumer_name()),
-            idle_heartbeat=CONSUMER_HEARTBEAT,
-        )
+        wait = RETRY_INITIAL
+        while self._sub is None:
+            try:
+                # A named consumer filtered on exactly these keys: what a proxy's credential may create.
+                self._sub = await conn.js.subscribe(
+                    challenge_key("*"),
+                    stream=LIVE_STREAM,
+                    cb=on_msg,
+                    ordered_consumer=True,
+                    config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, name=consumer_name()),
+                    idle_heartbeat=CONSUMER_HEARTBEAT,
+                )
+            except Exception as exc:
+                raise_if_cancelling()
+                log.warning("acme answers: not watched yet (%s); retrying in %.0fs", type(exc).__name__, wait)
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, RETRY_MAX)
         guard_ordered_consumer(self._sub, consumer_name)
 
     async def stop(self) -> None:
         self._conn = None
+        if self._task is not None:
+            await cancel_and_wait(self._task)
+            self._task = None
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()

@@ -29,6 +29,7 @@ from shared.certs import (
     Order,
     after_failure,
     after_success,
+    hostname_problem,
     is_local_host,
     pending_record,
     plan,
@@ -72,9 +73,12 @@ class CertificateLoop(LeaderLoop):
         return None if self._next_due is None else self._next_due - self.clock.now()
 
     def wanted(self) -> set[str]:
-        hosts = {d.hostname.lower() for d in self.view.domains() if d.hostname}
+        """Every routed hostname that can have a certificate (a name that is not a DNS name — e.g. an
+        implicit ``<app>-<env>.<domain>`` with an underscore — is skipped: no CA issues for it, and its
+        record key could collide with another name's)."""
+        hosts = {d.hostname.lower() for d in self.view.domains()}
         hosts.update(h.lower() for h in self.extra_hosts())
-        return hosts
+        return {h for h in hosts if hostname_problem(h) is None}
 
     def issuer_of(self, hostname: str) -> str:
         if is_local_host(hostname):

@@ -19,7 +19,7 @@ from shared import certs as C
 from shared.certclient import CACHE_FILE, CertClient, ServedCert
 from shared.embedded import free_port
 from tests.certs.conftest import Rig
-from tests.eventlog import wait_for_kinds
+from tests.eventlog import stored_events, wait_for_kinds
 from tests.waiting import eventually
 
 HOSTS = ("one.example.com", "two.example.com")
@@ -74,6 +74,16 @@ async def test_issue_renew_distribute_and_survive_a_ca_outage(rig: Rig, tmp_path
             ).value.get_values_for_type(x509.DNSName)
         assert stat.S_IMODE((tmp_path / "proxy" / CACHE_FILE).stat().st_mode) == 0o600
         first = client.current[HOSTS[0]]
+
+        # A second proxy serves the very same certificates: no new order.
+        second = CertClient(tmp_path / "proxy-2" / CACHE_FILE)
+        await second.start(rig.conn)
+        try:
+            await eventually(lambda: dict(second.current) == dict(client.current), 10, "the second proxy's set")
+        finally:
+            await second.stop()
+        issued = [e for e in await stored_events(rig.conn) if e.kind == "certificate.issued"]
+        assert len(issued) == len(HOSTS) and all(rig.cert(h).renewals == 0 for h in HOSTS)
 
         # Renewal, driven by the fake clock: due at 2/3 of the lifetime (less jitter).
         rig.clock.set(C.seconds(rig.cert(HOSTS[0]).renew_at) + 1)
