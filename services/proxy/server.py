@@ -214,6 +214,7 @@ class Proxy:
         # left a proxy stopped right after start waiting for its background task forever.
         await cancel_and_wait(*self._tasks)
         await self.routes.stop()
+        await self.challenges.stop()
         if self.conn is not None:
             await self._publish_heartbeat()
             await self.conn.close()
