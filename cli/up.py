@@ -359,6 +359,9 @@ def run_up(cluster: Cluster, *, hint: str = "") -> int:
             where = f"  metrics http://127.0.0.1:{metrics}/metrics" if metrics else ""
             pid = child.proc.pid if child.proc else "-"
             console.print(f"  {child.name:<10} pid {pid}  log {child.log_path}{where}")
+        if any(c.name == "certs" for c in cluster.children):
+            local_ca = cluster.data_dir / "certs" / "local-ca.pem"
+            console.print(f"  HTTPS:     *.localhost certificates from a local CA: trust {local_ca}")
         if any(c.name == "proxy" for c in cluster.children):
             console.print(f"  proxy:     listening on {proxy_listen_text(cluster.proxy_host, cluster.proxy_port)}")
             console.print(f"             http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")
