@@ -13,10 +13,12 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
+import pytest
 from cryptography import x509
 
 from shared import certs as C
-from shared.certclient import CACHE_FILE, CertClient, ServedCert
+from shared.certclient import CACHE_FILE, CertClient, ServedCert, bundle_certs, open_bundle
+from shared.certs import KEYS_OPEN_SUBJECT
 from shared.embedded import free_port
 from tests.certs.conftest import Rig
 from tests.eventlog import stored_events, wait_for_kinds
@@ -58,6 +60,9 @@ async def test_issue_renew_distribute_and_survive_a_ca_outage(rig: Rig, tmp_path
         cert = rig.cert(host)
         assert C.state_name(cert, rig.clock.now()) == "valid", cert.last_error
         assert b"PRIVATE KEY" not in cert.sealed_key and cert.key_id
+    earliest = min(C.seconds(rig.cert(h).renew_at) for h in HOSTS)
+    await loop.pass_once()  # what the records' change wakes it for: nothing due, a wake-up planned
+    assert loop.seconds_until_due() == pytest.approx(earliest - rig.clock.now())  # the loop wakes then
     events = await wait_for_kinds(rig.conn, "certificate.issued")
     assert {e.fields["hostname"] for e in events if e.kind == "certificate.issued"} == set(HOSTS)
 
@@ -112,6 +117,8 @@ async def test_issue_renew_distribute_and_survive_a_ca_outage(rig: Rig, tmp_path
     assert C.seconds(failed.retry_at) == rig.clock.now() + C.BACKOFF_BASE
     assert C.plan(HOSTS, {h: rig.cert(h) for h in HOSTS}, rig.clock.now()).orders == ()
     await wait_for_kinds(rig.conn, "certificate.failed")
+    still = bundle_certs(await open_bundle(rig.conn, KEYS_OPEN_SUBJECT))
+    assert still[HOSTS[1]].chain_pem == served.chain_pem  # proxies keep getting the old one
 
     # A proxy starting while the control plane is down serves its cache.
     offline = CertClient(tmp_path / "proxy" / CACHE_FILE)
