@@ -34,16 +34,17 @@ from shared.certs import (
     pending_record,
     plan,
 )
-from shared.events import WARNING, make_event
+from shared.events import INFO, WARNING, make_event
 from shared.loop import LeaderLoop
 from shared.secrets import CLUSTER_KEY, seal
 from shared.txn import Conflict
 
 log = logging.getLogger(__name__)
 
+SEAL_ATTEMPTS = 3
+
 NO_DIRECTORY = "no ACME directory is configured (ZATTERA_CERTS_ACME_DIRECTORY, docs/certificates.md)"
 NO_LOCAL_CA = "the local CA for *.localhost hosts is off (ZATTERA_CERTS_LOCAL_CA=false)"
-SEAL_ATTEMPTS = 3
 NO_CLUSTER_KEY = "no cluster secrets key is published: run the secrets service (docs/secrets.md)"
 
 
@@ -80,6 +81,20 @@ class CertificateLoop(LeaderLoop):
         hosts.update(h.lower() for h in self.extra_hosts())
         return {h for h in hosts if hostname_problem(h) is None}
 
+    def event(self, kind: str, hostname: str, message: str, fields: dict[str, str], severity: str = INFO) -> pb.Event:
+        """An event scoped to the environment a Domain routes ``hostname`` to (``zattera events --env``)."""
+        domain = next((d for d in self.view.domains() if d.hostname.lower() == hostname), pb.Domain())
+        return make_event(
+            kind,
+            message,
+            severity=severity,
+            clock=self.clock,
+            project_id=domain.project_id,
+            app_id=domain.app_id,
+            environment_id=domain.environment_id,
+            fields={"hostname": hostname, **fields},
+        )
+
     def issuer_of(self, hostname: str) -> str:
         if is_local_host(hostname):
             return LOCAL_ISSUER
@@ -111,12 +126,12 @@ class CertificateLoop(LeaderLoop):
             chain, key_pem = await self._obtain(order.hostname)
         except OrderFailed as exc:
             failed = after_failure(current, exc.reason, exc.retry_after, self.clock.now())
-            event = make_event(
+            event = self.event(
                 "certificate.failed",
+                order.hostname,
                 f"certificate for {order.hostname} not obtained: {exc.reason}",
-                severity=WARNING,
-                clock=self.clock,
-                fields={"hostname": order.hostname, "failures": str(failed.failures)},
+                {"failures": str(failed.failures)},
+                WARNING,
             )
             assert self.writer is not None
             try:
@@ -145,12 +160,12 @@ class CertificateLoop(LeaderLoop):
             except Conflict:
                 continue
             kind = "certificate.renewed" if order.renewal else "certificate.issued"
-            event = make_event(
+            event = self.event(
                 kind,
+                order.hostname,
                 f"certificate for {order.hostname} {kind.split('.')[1]}, valid until "
                 f"{updated.not_after.ToJsonString()}",
-                clock=self.clock,
-                fields={"hostname": order.hostname, "issuer": issuer},
+                {"issuer": issuer},
             )
             await self.events.publish(event)
             await self.conn.nc.publish(CHANGED_SUBJECT, b"")

@@ -134,4 +134,4 @@ async def test_a_failed_challenge_is_reported_with_the_cas_error(rig: Rig) -> No
     assert cert.state == C.FAILED and cert.failures == 1
     assert cert.last_error.startswith(f"{host}: connection:"), cert.last_error
     events = await wait_for_kinds(rig.conn, "certificate.failed")
-    assert host in events[-1].message
+    assert host in events[-1].message and events[-1].environment_id == "env-certs"
