@@ -20,6 +20,7 @@ from shared.txn import Writer
 from shared.view import StateView
 from tests.certs.conftest import PROJECT_ROOT
 from tests.certs.test_pebble import handshake
+from tests.eventlog import stored_events, wait_for_kinds
 from tests.waiting import eventually
 
 HOST = "hello-production.localhost"
@@ -52,7 +53,8 @@ async def test_the_service_issues_localhost_certificates_from_a_ca_it_makes_once
     domain.meta.id = "d1"
     await writer.commit(writer.txn().create(domain))
     data_dir = tmp_path / "control"
-    process = await start_certs_service(nats_url, data_dir)
+    # Two replicas sharing the data dir: one CA between them, one order (the lease), also across the handover.
+    replicas = [await start_certs_service(nats_url, data_dir) for _ in range(2)]
     try:
 
         def issued() -> bool:
@@ -60,8 +62,11 @@ async def test_the_service_issues_localhost_certificates_from_a_ca_it_makes_once
             return isinstance(cert, pb.Certificate) and cert.state == C.VALID
 
         await eventually(issued, 30, "a local certificate")
+        await wait_for_kinds(conn, "certificate.issued")
     finally:
-        await stop(process)
+        for process in replicas:
+            await stop(process)
+    assert [e.fields["hostname"] for e in await stored_events(conn) if e.kind == "certificate.issued"] == [HOST]
     ca_pem = (data_dir / "certs" / "local-ca.pem").read_text()
     assert stat.S_IMODE((data_dir / "certs" / "local-ca.key").stat().st_mode) == 0o600
     cert = view.get(K.CERT, K.cert_id(HOST))
