@@ -50,16 +50,20 @@ def _create_once(path: Path, data: bytes) -> None:
 
 
 def load_or_create(directory: Path) -> LocalCA:
-    """The local CA of ``directory``, made there the first time."""
-    cert_path, key_path = directory / CA_CERT_FILE, directory / CA_KEY_FILE
+    """The local CA of ``directory``, made there the first time. The key file holds the key and the
+    certificate together (created in one step, so a replica never pairs one CA's key with another's
+    certificate); ``local-ca.pem`` is the public copy of the certificate, rewritten when it differs."""
+    key_path = directory / CA_KEY_FILE
     if not key_path.exists():
         cert, key = new_ca(CA_NAME, datetime.datetime.now(datetime.UTC), permitted_dns="localhost")
-        key_pem = pem_key(key).encode()
-        _create_once(key_path, key_pem)
-        if key_path.read_bytes() == key_pem:  # ours won: its certificate goes with it
-            cert_path.unlink(missing_ok=True)
-            _create_once(cert_path, pem_cert(cert).encode())
-            cert_path.chmod(0o644)  # public: what users trust
-    ca_key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        _create_once(key_path, (pem_key(key) + pem_cert(cert)).encode())
+    material = key_path.read_bytes()
+    ca_key = serialization.load_pem_private_key(material, password=None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
-    return LocalCA(x509.load_pem_x509_certificate(cert_path.read_bytes()), ca_key)
+    cert_pem = pem_cert(x509.load_pem_x509_certificate(material))
+    cert_path = directory / CA_CERT_FILE
+    if not cert_path.exists() or cert_path.read_text() != cert_pem:
+        tmp = private_temp_file(cert_path, cert_pem.encode())
+        tmp.chmod(0o644)  # public: what users trust
+        tmp.replace(cert_path)
+    return LocalCA(x509.load_pem_x509_certificate(cert_pem.encode()), ca_key)
