@@ -19,7 +19,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared.live import ACME_CHALLENGE
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
-from shared.tasks import cancel_and_wait, raise_if_cancelling
+from shared.tasks import raise_if_cancelling, stop_following
 from shared.view import CONSUMER_HEARTBEAT, guard_ordered_consumer
 
 log = logging.getLogger(__name__)
@@ -121,10 +121,5 @@ class ChallengeAnswers:
 
     async def stop(self) -> None:
         self._conn = None
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+        await stop_following(self._task, self._sub)
+        self._task, self._sub = None, None

@@ -26,7 +26,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from shared.certs import CHANGED_SUBJECT, KEYS_OPEN_SUBJECT, seconds
 from shared.natsio import Connection
 from shared.secrets import private_temp_file, public_bytes, unseal
-from shared.tasks import cancel_and_wait
+from shared.tasks import stop_following
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +110,8 @@ class CertClient:
         self._task = asyncio.create_task(self._follow())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+        await stop_following(self._task, self._sub)
+        self._task, self._sub = None, None
         self._conn = None
 
     async def fetch(self) -> bool:
