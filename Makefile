@@ -10,6 +10,8 @@ STAMP := $(VENV)/.installed
 SYSTEM_PACKAGES :=
 SYSTEM_PACKAGES += nodejs npm  # builds of Node apps (npm ci, npm run build) and running them (npm start); issue 27
 
+SYSTEM_PACKAGES += pebble  # ACME test CA (pebble, pebble-challtestsrv) for the certificate tests
+
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 

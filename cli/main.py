@@ -23,6 +23,7 @@ from cli.client import OPTIONS, Control, control, err, run
 from cli.cluster_cmds import cluster_app
 from cli.config_cmds import config_app
 from cli.context_cmds import context_app
+from cli.domains_cmds import domains_app
 from cli.env_cmds import apps_delete, envs_app, placement_status, print_unplaced, projects_app, scale, status
 from cli.events_cmds import announce_scale_changes, events, publish_node_change, replica_counts
 from cli.jobs_cmds import jobs_app, run_command
@@ -118,6 +119,7 @@ app.add_typer(volumes_app, name="volumes")
 app.add_typer(security_app, name="security")
 app.add_typer(config_app, name="config")
 app.add_typer(secrets_app, name="secrets")
+app.add_typer(domains_app, name="domains")
 app.command("logs")(logs)
 app.command()(events)
 app.add_typer(cluster_app, name="cluster")

@@ -27,7 +27,7 @@ from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
 from shared.natsio import connect, provision
 
-SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets")
+SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs")
 ALL_IN_ONE = "control-plane"
 """The process that runs every service of ``services.allinone`` (``join`` included: idle unless secured)."""
 ALL_IN_ONE_SERVICES = frozenset((*SERVICES, "join"))
@@ -423,6 +423,9 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
             where = f"  metrics http://127.0.0.1:{metrics}/metrics" if metrics else ""
             pid = child.proc.pid if child.proc else "-"
             console.print(f"  {child.name:<13} pid {pid}  log {child.log_path}{where}")
+        if any(c.name in ("certs", ALL_IN_ONE) for c in cluster.children):
+            local_ca = cluster.data_dir / "certs" / "local-ca.pem"
+            console.print(f"  HTTPS:     *.localhost certificates from a local CA: trust {local_ca}")
         if any(c.name == "proxy" for c in cluster.children):
             console.print(f"  proxy:     listening on {proxy_listen_text(cluster.proxy_host, cluster.proxy_port)}")
             console.print(f"             http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 FRESH_FOR = 30.0
 NODE = "node"
 PROXY = "proxy"
+ACME_CHALLENGE = "acme"
 ENV_TRAFFIC = "env"
 """Derived change kind: a reporter's traffic sample for this env id changed (only for feeds that ask)."""
 INSTANCE = "instance"
@@ -166,6 +167,8 @@ class LiveView:
     def apply(self, key: str, data: bytes | None) -> None:
         """Apply one live value (None = removed). Undecodable values are logged, counted and skipped."""
         kind, _, ident = key.partition(".")
+        if kind == ACME_CHALLENGE:
+            return  # HTTP-01 answers share the bucket (shared/acmechallenge.py), not samples
         if kind not in (NODE, PROXY) or not ident:
             self._skip(key, "unknown", "unknown key")
             return

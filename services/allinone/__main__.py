@@ -17,6 +17,7 @@ import sys
 
 from services.autoscale.__main__ import build as autoscale
 from services.builds.__main__ import build as builds
+from services.certs.__main__ import build as certs
 from services.join.__main__ import build as join
 from services.orchestrator.__main__ import build as orchestrator
 from services.routes.__main__ import build as routes
@@ -32,6 +33,7 @@ BUILDS: dict[str, Build] = {
     "builds": builds,
     "routes": routes,
     "secrets": secrets,
+    "certs": certs,
     "join": join,
 }
 """The services it runs, by name (the name each one's leases and logs carry)."""

@@ -33,6 +33,7 @@ LOOPS_OF = {
     "routes": {"vips"},
     "join": set(),
     "secrets": {"secrets-gc"},
+    "certs": {"certs"},
 }
 LOOPS_OF["allinone"] = set().union(*LOOPS_OF.values())
 SERVICE_OF_LOOP = {loop: service for service, loops in LOOPS_OF.items() if service != "allinone" for loop in loops}
