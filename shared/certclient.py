@@ -24,6 +24,7 @@ from nats.aio.subscription import Subscription
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.certs import CHANGED_SUBJECT, KEYS_OPEN_SUBJECT, seconds
+from shared.errors import ZatteraError
 from shared.natsio import Connection
 from shared.secrets import private_temp_file, public_bytes, unseal
 from shared.tasks import stop_following
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 CACHE_FILE = "certificates.json"
 
 
-class CertsUnavailable(Exception):
+class CertsUnavailable(ZatteraError):
     """The secrets service did not hand out certificate keys (the reason never holds key material)."""
 
 

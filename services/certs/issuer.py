@@ -21,6 +21,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from josepy.jwa import ES256
 from josepy.jwk import JWK, JWKEC
 
+from shared.errors import ZatteraError
+
 log = logging.getLogger(__name__)
 logging.getLogger("acme").setLevel(logging.WARNING)  # its debug log echoes every request and response
 
@@ -30,7 +32,7 @@ USER_AGENT = "zattera-certs"
 NETWORK_TIMEOUT = 30
 
 
-class OrderFailed(Exception):
+class OrderFailed(ZatteraError):
     """An order failed; ``reason`` is the CA's own words where it gave some; ``retry_after`` in seconds."""
 
     def __init__(self, reason: str, retry_after: float | None = None) -> None:

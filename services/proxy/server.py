@@ -48,10 +48,9 @@ from services.proxy.ratelimit import RateLimiter
 from services.proxy.routing import RouteEntry, RouteTable, request_host
 from services.proxy.settings import ROUTES_CACHE_FILE, ProxySettings
 from services.proxy.stats import ProxyStats
-from shared.activation import INVALID_ARGUMENT, NOT_FOUND, ActivateError, request_activation
-
 from shared.acmechallenge import PATH_PREFIX as CHALLENGE_PATH
 from shared.acmechallenge import ChallengeAnswers
+from shared.activation import INVALID_ARGUMENT, NOT_FOUND, ActivateError, request_activation
 from shared.live import publish_proxy_heartbeat
 from shared.metrics import RequestSeries
 from shared.natsio import Connection
