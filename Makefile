@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 
 # Debian packages the data plane and runtimes use (one line per feature, so additions merge cleanly).
 SYSTEM_PACKAGES :=
+SYSTEM_PACKAGES += docker.io busybox-static  # the docker runtime (issue 20): its tests start their own dockerd; busybox is their base image
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

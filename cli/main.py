@@ -246,6 +246,7 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                         render.enum_name(pb.NodeStatus, n.status, "NODE_STATUS_"),
                         "yes" if n.schedulable else "cordoned",
                         n.os_arch,
+                        n.runtime or "process",
                         f"{cpu}/{n.capacity.cpu_millis or '∞'} m",
                         f"{mem}/{n.capacity.memory_mb or '∞'} MB",
                         ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
@@ -253,7 +254,17 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                 )
             render.table(
                 "nodes",
-                ["id", "name", "status", "schedulable", "platform", "cpu", "memory", Col("labels", wrap=True)],
+                [
+                    "id",
+                    "name",
+                    "status",
+                    "schedulable",
+                    "platform",
+                    "runtime",
+                    "cpu",
+                    "memory",
+                    Col("labels", wrap=True),
+                ],
                 rows,
             )
 

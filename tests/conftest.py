@@ -20,6 +20,10 @@ from shared.natsio import Connection, connect, provision
 from shared.txn import Writer
 from shared.view import StateView
 
+# Agents the tests start run bare processes (their images are process:// refs) unless a test asks for docker,
+# whatever daemon the machine runs.
+os.environ.setdefault("ZATTERA_AGENT_RUNTIME", "process")
+
 
 def _docker_nats() -> Iterator[str] | None:
     if os.environ.get("ZATTERA_TEST_DOCKER") != "1":

@@ -25,6 +25,7 @@ from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
+from services.agent.docker_runtime import choose_launcher
 from services.agent.heartbeat import HeartbeatPublisher
 from services.agent.processes import PortAllocator
 from services.agent.registration import NodeIdentity, register_node
@@ -94,7 +95,8 @@ class Agent:
             builder=settings.builder,
             mesh_ip=settings.mesh_ip,
         )
-        identity = replace(identity, secrets_public_key=bytes(self.secrets_key.public_key))
+        launcher = await choose_launcher(settings)
+        identity = replace(identity, secrets_public_key=bytes(self.secrets_key.public_key), runtime=launcher.name)
         await self.view.start()
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -112,6 +114,7 @@ class Agent:
                     volumes_dir=self.volumes_dir,
                     ports=PortAllocator(),
                     secrets_key=self.secrets_key,
+                    launcher=launcher,
                 )
             )
             heartbeat = HeartbeatPublisher(
@@ -154,3 +157,4 @@ class Agent:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.view.stop()
+            await launcher.close()

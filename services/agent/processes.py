@@ -74,6 +74,9 @@ class InstanceRecord:
 class ProcessHandle:
     """A running instance process: one this agent spawned, or one adopted from a previous agent run."""
 
+    oom_killed = False
+    """Never known for a bare process (a SIGKILL only makes an OOM kill likely)."""
+
     def __init__(
         self,
         pid: int,
