@@ -135,6 +135,9 @@ def container_config(
     """The Engine API ``ContainerCreate`` body of one instance (see the module docstring)."""
     host: dict[str, Any] = {
         "NetworkMode": "host",
+        # tini as pid 1: signals reach the app (the kernel ignores an unhandled SIGTERM sent to a pid 1) and
+        # orphans are reaped.
+        "Init": True,
         "CapDrop": ["ALL"],
         "SecurityOpt": ["no-new-privileges"],
         "ReadonlyRootfs": plan.read_only_root,
@@ -441,7 +444,7 @@ class DockerLauncher:
     async def prune_images(self) -> None:
         """Derived images no container uses (the daemon refuses to remove one in use anyway)."""
         used = {c["ImageID"] for c in await self.docker.containers.list(all=True) if "ImageID" in c._container}
-        for image in await self.docker.images.list(filters=json.dumps({"label": [f"{LABEL_MANAGED}=true"]})):
+        for image in await self.docker.images.list(filters={"label": [f"{LABEL_MANAGED}=true"]}):
             if image["Id"] not in used:
                 with contextlib.suppress(aiodocker.DockerError):
                     await self.docker.images.delete(image["Id"], force=False)
