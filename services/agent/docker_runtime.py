@@ -227,7 +227,9 @@ class ContainerHandle:
             asyncio.create_task(self._follow(stream), name=f"docker-logs:{self.id[:12]}:{stream}")
             for stream in self._files
         ]
-        self._ended: asyncio.Task[int | None] | None = None
+        self._ended: asyncio.Future[int | None] | None = None
+        self._usage: tuple[float, int] | None = None
+        self._stats = asyncio.create_task(self._follow_stats(), name=f"docker-stats:{self.id[:12]}")
 
     @property
     def container_id(self) -> str:
@@ -262,6 +264,7 @@ class ContainerHandle:
         with contextlib.suppress(aiodocker.DockerError):
             await self._container.wait()
         self._running = False
+        self._stats.cancel()
         # The followers end with the container's output; what they append must be in the files before the
         # supervisor ships the last lines.
         await asyncio.wait(self._followers, timeout=5.0)
@@ -289,16 +292,31 @@ class ContainerHandle:
     def kill_leftovers(self) -> None:
         """Nothing: a container's processes all end with it (its pid namespace)."""
 
+    def usage(self) -> tuple[float, int] | None:
+        """The daemon's latest figures (streamed about every second); (0, 0) until the first arrives."""
+        return self._usage or (0.0, 0)
+
+    async def _follow_stats(self) -> None:
+        with contextlib.suppress(aiodocker.DockerError, OSError, ValueError):
+            async for doc in self._container.stats(stream=True):
+                self._usage = cpu_percent(doc), resident_bytes(doc)
+
     async def stats(self) -> tuple[float, int]:
-        """(CPU percent of one core, memory in use in bytes) from the daemon's one-shot stats."""
+        """(CPU percent of one core, resident bytes) from the daemon's one-shot stats (two readings ~1 s
+        apart)."""
         raw = await asyncio.wait_for(self._container.stats(stream=False), _STATS_TIMEOUT)
         doc = raw[0] if isinstance(raw, list) else raw
-        return cpu_percent(doc), int((doc.get("memory_stats") or {}).get("usage") or 0)
+        return cpu_percent(doc), resident_bytes(doc)
 
-    async def cancel_followers(self) -> None:
-        for task in self._followers:
-            task.cancel()
-        await asyncio.gather(*self._followers, return_exceptions=True)
+
+
+def resident_bytes(stats: Mapping[str, Any]) -> int:
+    """Memory in use without the page cache (cgroup v1 ``rss``, else usage minus inactive file pages)."""
+    memory = stats.get("memory_stats") or {}
+    detail = memory.get("stats") or {}
+    if "rss" in detail:
+        return int(detail["rss"])
+    return max(0, int(memory.get("usage") or 0) - int(detail.get("inactive_file") or 0))
 
 
 def cpu_percent(stats: Mapping[str, Any]) -> float:

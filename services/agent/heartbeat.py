@@ -103,6 +103,9 @@ class HeartbeatPublisher:
         return hb
 
     def _instance_sample(self, handle: InstanceHandle, seen: set[tuple[int, float]]) -> cpb.InstanceSample | None:
+        usage = handle.usage()
+        if usage is not None:  # a container: the daemon's figures
+            return cpb.InstanceSample(cpu_percent=usage[0], memory_bytes=usage[1])
         try:
             root = psutil.Process(handle.pid)
             members = [root, *root.children(recursive=True)]

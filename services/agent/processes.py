@@ -98,6 +98,10 @@ class ProcessHandle:
         """Identifies this process instance (a new one after every restart), as a container id would."""
         return f"proc-{self.pid}-{int(self.create_time * 1000)}"
 
+    def usage(self) -> tuple[float, int] | None:
+        """None: the heartbeat samples the process tree itself (psutil)."""
+        return None
+
     @property
     def adopted(self) -> bool:
         return self._child is None

@@ -14,11 +14,13 @@ from pathlib import Path
 from urllib.parse import quote
 
 import aiodocker
+from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.docker_runtime import ContainerHandle
 from shared import keys as K
-from shared.natsio import Connection
+from shared.live import node_key
+from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
 from shared.registry import PlatformImage, push_image
 from shared.txn import Writer
 from shared.view import StateView
@@ -149,7 +151,7 @@ async def test_fork_bomb_stops_at_the_pids_limit(
 
 
 async def test_cpu_spinner_is_held_to_its_quota(
-    start_agent: StartAgent, docker_host: str, view: StateView, writer: Writer
+    start_agent: StartAgent, docker_host: str, conn: Connection, view: StateView, writer: Writer
 ) -> None:
     running = await start_docker_agent(start_agent, docker_host)
     rel = docker_release("while :; do :; done", healthcheck=False, cpu_millis=200)
@@ -163,6 +165,13 @@ async def test_cpu_spinner_is_held_to_its_quota(
     cpu, memory = await handle.stats()
     assert 0 < cpu <= 30, f"{cpu:.1f}% of a core for a 200 millicore quota"
     assert memory > 0
+
+    async def heartbeat_has_daemon_figures() -> bool:
+        msg = await conn.js.get_last_msg(LIVE_STREAM, LIVE_PREFIX + node_key("d1"))
+        sample = cpb.Heartbeat.FromString(msg.data or b"").instances[a.meta.id]
+        return 0 < sample.cpu_percent <= 30 and sample.memory_bytes > 0
+
+    await eventually(heartbeat_has_daemon_figures, what="a heartbeat with the daemon's figures")
 
 
 async def test_volume_written_by_one_release_is_there_in_the_next(
