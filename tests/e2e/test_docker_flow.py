@@ -36,7 +36,7 @@ domains = ["web.localhost"]
 
 def httpd_image(version: str) -> str:
     serve = (
-        f"mkdir -p /tmp/www && echo '{{\"version\": \"{version}\"}}' > /tmp/www/index.html && "
+        f'mkdir -p /tmp/www && echo \'{{"version": "{version}"}}\' > /tmp/www/index.html && '
         "echo ok > /tmp/www/healthz && exec httpd -f -p $ZATTERA_BIND_ADDR:$PORT -h /tmp/www"
     )
     return "exec:" + quote(serve, safe="")
