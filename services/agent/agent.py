@@ -142,6 +142,7 @@ class Agent:
                     self.data_dir / "builds",
                     os_arch=identity.os_arch,
                     keepalive=settings.build_keepalive,
+                    docker_host=settings.docker_host,
                 )
                 tasks.append(asyncio.create_task(builder.serve(), name="builder"))
             log.info("agent %s: running (data dir %s)", self.node_id, self.data_dir)

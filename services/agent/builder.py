@@ -26,6 +26,11 @@ Steps (reference §4.1–4.2, for the process runtime instead of BuildKit):
    platform (default: this node's), all sharing the layer: the process image is platform-neutral.
 5. Report the digest (``succeeded``) and ``done``.
 
+A ``BUILD_TYPE_DOCKERFILE`` build (the build's type or the app's ``BuildConfig.type``) replaces steps 3-4:
+the node's Docker daemon builds ``BuildConfig.dockerfile`` in ``BuildConfig.context_dir`` with the
+``build_args``, its output streamed as log lines, and the resulting image (its whole root filesystem) is
+pushed for this node's platform (``dockerbuild.py``).
+
 A step silent for ``keepalive`` seconds logs a line, so the dispatcher does not take the builder for lost.
 """
 
@@ -51,7 +56,9 @@ import aiohttp
 from google.protobuf.message import DecodeError
 from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
 
+from services.agent.dockerbuild import DEFAULT_DOCKERFILE, DockerBuildError, build_context_dir, build_dockerfile
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
 from shared.ids import is_safe_id, unsafe_id
 from shared.natsio import SOURCES_STORE, Connection, is_direct_request
@@ -153,8 +160,16 @@ def image_config(platform: str, recipe: Recipe, diff_id: str, build_id: str) -> 
 
 class Builder:
     def __init__(
-        self, conn: Connection, node_id: str, work_dir: Path, *, os_arch: str, keepalive: float = 60.0
+        self,
+        conn: Connection,
+        node_id: str,
+        work_dir: Path,
+        *,
+        os_arch: str,
+        keepalive: float = 60.0,
+        docker_host: str = "",
     ) -> None:
+        self.docker_host = docker_host
         self.conn = conn
         self.node_id = node_id
         self.work_dir = work_dir
@@ -263,6 +278,8 @@ class Builder:
         shutil.rmtree(scratch, ignore_errors=True)
         src.mkdir(parents=True)
         await asyncio.to_thread(unpack_source, source, src)
+        if build.type == pb.BUILD_TYPE_DOCKERFILE or request.build_config.type == pb.BUILD_TYPE_DOCKERFILE:
+            return await self._build_dockerfile(request, events, src)
         recipe = read_recipe(src)
         if recipe.build_command:
             env = {k: os.environ[k] for k in PASSED_THROUGH_ENV if k in os.environ}
@@ -274,21 +291,48 @@ class Builder:
             await events.log("no build command: packing the source as is")
         layer, diff_id = await asyncio.to_thread(pack_directory, src)
         platforms = sorted(set(build.platforms)) or [self.os_arch]
+        images = [PlatformImage(p, image_config(p, recipe, diff_id, build.meta.id), [layer]) for p in platforms]
+        return await self._push(request, events, images)
+
+    async def _push(
+        self, request: cpb.RunBuildRequest, events: BuildEventPublisher, images: list[PlatformImage]
+    ) -> tuple[str, list[str]]:
+        build = request.build
         ref = parse_ref(request.push_image_ref)
         if not ref.repo:
             raise BuildError("builder: the request has no image ref to push to")
-        await events.log(f"pushing {ref.repo}:{ref.tag or build.meta.id.lower()} ({len(layer)} bytes)")
+        size = sum(len(layer) for image in images for layer in image.layers)
+        await events.log(f"pushing {ref.repo}:{ref.tag or build.meta.id.lower()} ({size} bytes)")
         try:
             image = await push_image(
-                self.conn,
-                repo=ref.repo,
-                tag=ref.tag or build.meta.id.lower(),
-                images=[PlatformImage(p, image_config(p, recipe, diff_id, build.meta.id), [layer]) for p in platforms],
-                build_id=build.meta.id,
+                self.conn, repo=ref.repo, tag=ref.tag or build.meta.id.lower(), images=images, build_id=build.meta.id
             )
         except RegistryError as exc:
             raise BuildError(f"builder: push: {exc}") from exc
-        return image.digest, platforms
+        return image.digest, [i.platform for i in images]
+
+    async def _build_dockerfile(
+        self, request: cpb.RunBuildRequest, events: BuildEventPublisher, src: Path
+    ) -> tuple[str, list[str]]:
+        """A Dockerfile build through this node's Docker daemon (``dockerbuild.py``): one platform, this
+        node's."""
+        config = request.build_config
+        try:
+            context_dir = build_context_dir(src, config.context_dir)
+            layer, _ = await asyncio.to_thread(pack_directory, context_dir)
+            await events.log(f"docker build ({config.dockerfile or DEFAULT_DOCKERFILE} in {config.context_dir or '.'})")
+            built = await build_dockerfile(
+                self.docker_host,
+                layer,
+                tag=f"zattera-build/{request.build.meta.id.lower()}",
+                dockerfile=config.dockerfile,
+                build_args=request.build_args,
+                log=events.log,
+                platform=self.os_arch,
+            )
+        except DockerBuildError as exc:
+            raise BuildError(f"builder: {exc}") from exc
+        return await self._push(request, events, [PlatformImage(built.platform, built.config, built.layers)])
 
     async def _fetch_source(self, request: cpb.RunBuildRequest) -> bytes:
         url = request.source_url

@@ -123,6 +123,32 @@ def build_context(base: str, layers: Sequence[bytes], labels: Mapping[str, str])
     return buffer.getvalue()
 
 
+def managed(config: bytes) -> bytes:
+    """The image config labelled as ours, so :meth:`DockerLauncher.prune_images` may remove it."""
+    doc = json.loads(config)
+    run = doc.get("config") or {}
+    run["Labels"] = {**(run.get("Labels") or {}), LABEL_MANAGED: "true"}
+    doc["config"] = run
+    return json.dumps(doc).encode()
+
+
+def docker_archive(tag: str, config: bytes, layers: Sequence[bytes]) -> bytes:
+    """A ``docker load`` tarball of one image (its layers may stay gzip'd: the daemon decompresses)."""
+    files = {"config.json": config}
+    for index, layer in enumerate(layers):
+        files[f"{index}/layer.tar"] = layer
+    manifest = [{"Config": "config.json", "RepoTags": [tag], "Layers": [f"{i}/layer.tar" for i in range(len(layers))]}]
+    files["manifest.json"] = json.dumps(manifest).encode()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
 def container_config(
     command: Sequence[str],
     *,
@@ -309,7 +335,6 @@ class ContainerHandle:
         return cpu_percent(doc), resident_bytes(doc)
 
 
-
 def resident_bytes(stats: Mapping[str, Any]) -> int:
     """Memory in use without the page cache (cgroup v1 ``rss``, else usage minus inactive file pages)."""
     memory = stats.get("memory_stats") or {}
@@ -364,7 +389,7 @@ class DockerLauncher:
             raise ImageError(f"{ref}: bad image config: {exc}") from exc
         tag = derived_tag(digest_of(fetched.config + b"".join(digest_of(layer).encode() for layer in fetched.layers)))
         full = (run.get("Labels") or {}).get(LABEL_ROOTFS) == "full"
-        await self._load(tag, "scratch" if full else self.base_image, fetched.layers)
+        await self._load(tag, fetched.config if full else None, fetched.layers)
         return ContainerImage(
             ref,
             Path(str(run.get("WorkingDir") or "/")),
@@ -375,8 +400,10 @@ class DockerLauncher:
             user=str(run.get("User") or ""),
         )
 
-    async def _load(self, tag: str, base: str, layers: Sequence[bytes]) -> None:
-        """Build the derived image once (concurrent starts of the same image wait for the first)."""
+    async def _load(self, tag: str, full_config: bytes | None, layers: Sequence[bytes]) -> None:
+        """Put the image into the daemon once (concurrent starts of the same image wait for the first): an
+        image with its own root filesystem (``full_config``) as it is (``docker load``), any other built
+        ``FROM`` the base image."""
         pending = self._loading.get(tag)
         if pending is not None:
             await asyncio.shield(pending)
@@ -387,8 +414,13 @@ class DockerLauncher:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._loading[tag] = future
         try:
-            context = build_context(base, layers, {LABEL_MANAGED: "true"})
-            await self.docker.images.build(fileobj=io.BytesIO(context), encoding="gzip", tag=tag, rm=True, forcerm=True)
+            if full_config is not None:
+                await self.docker.images.import_image(docker_archive(tag, managed(full_config), layers))
+            else:
+                context = build_context(self.base_image, layers, {LABEL_MANAGED: "true"})
+                await self.docker.images.build(
+                    fileobj=io.BytesIO(context), encoding="gzip", tag=tag, rm=True, forcerm=True
+                )
             future.set_result(None)
         except aiodocker.DockerError as exc:
             future.set_exception(ImageError(f"loading into docker: {exc.message}"))
