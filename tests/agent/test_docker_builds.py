@@ -65,7 +65,7 @@ async def test_a_dockerfile_build_is_pushed_and_deploys_on_the_docker_runtime(
     files = {"web/build.Dockerfile": DOCKERFILE, "web/site/health": "ok\n", "README": "outside the context"}
     events = await dockerfile_build(conn, files, dockerfile="build.Dockerfile", context_dir="web")
     lines = [e.log.line for e in events if e.log.line]
-    assert any("built" == line.strip() for line in lines), lines
+    assert any(line.strip() == "built" for line in lines), lines
     success = [e for e in events if e.status == pb.BUILD_STATUS_SUCCEEDED]
     assert len(success) == 1 and not any(e.error for e in events), [e.error for e in events]
 
