@@ -24,6 +24,7 @@ from cli.config_cmds import config_app
 from cli.context_cmds import context_app
 from cli.env_cmds import apps_delete, envs_app, projects_app, scale, status
 from cli.events_cmds import announce_scale_changes, events, publish_node_change, replica_counts
+from cli.images_cmds import images_app
 from cli.logs_cmds import logs
 from cli.plan_view import print_plan
 from cli.render import Col
@@ -119,6 +120,7 @@ app.command("logs")(logs)
 app.command()(events)
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(context_app, name="context")
+app.add_typer(images_app, name="images")
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 WIDE = typer.Option(False, "--wide", help="every column, ids included")

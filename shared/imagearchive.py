@@ -51,8 +51,8 @@ def _members(data: bytes) -> dict[str, bytes]:
                 if extracted is not None:
                     files[member.name.removeprefix("./")] = extracted.read()
             return files
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise ImageArchiveError(f"not a tar archive: {exc}") from exc
+    except (tarfile.TarError, EOFError, OSError):
+        raise ImageArchiveError("not a tar archive (a `docker save` tarball or an OCI layout)") from None
 
 
 def _json(files: dict[str, bytes], name: str) -> Any:

@@ -4,6 +4,10 @@ root filesystem) deployed on the docker runtime."""
 from __future__ import annotations
 
 import asyncio
+import gzip
+import io
+import json
+import tarfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,13 +16,16 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
+from shared.imagearchive import read_image_archive
 from shared.natsio import Connection
+from shared.registry import PlatformImage, digest_of, push_image
 from shared.txn import Writer
 from shared.view import StateView
 from tests.agent.conftest import StartAgent, assignment, release
 from tests.agent.test_builder import next_event, start_build
 from tests.agent.test_docker_runtime import output_of, start_docker_agent
 from tests.agent.test_runtime import http_get, seed, state_of
+from tests.dockerd import base_rootfs_tar
 from tests.waiting import eventually
 
 DOCKERFILE = """
@@ -89,3 +96,61 @@ async def test_a_failing_dockerfile_fails_the_build_with_its_output(docker_build
 async def test_a_context_dir_leaving_the_source_is_refused(docker_builder: Builder, conn: Connection) -> None:
     events = await dockerfile_build(conn, {"Dockerfile": "FROM scratch\n"}, context_dir="../..")
     assert events[-1].error == "builder: context_dir '../..' leaves the source"
+
+
+def oci_layout(rootfs: bytes, cmd: list[str]) -> bytes:
+    """An OCI image layout tarball of one image: ``rootfs`` as its only (gzip'd) layer."""
+    layer = gzip.compress(rootfs)
+    config = json.dumps(
+        {
+            "os": "linux",
+            "architecture": "amd64",
+            "config": {"Cmd": cmd, "User": "65534"},
+            "rootfs": {"type": "layers", "diff_ids": [digest_of(rootfs)]},
+        }
+    ).encode()
+    manifest = json.dumps(
+        {
+            "schemaVersion": 2,
+            "config": {"digest": digest_of(config), "size": len(config)},
+            "layers": [{"digest": digest_of(layer), "size": len(layer)}],
+        }
+    ).encode()
+    index = json.dumps({"schemaVersion": 2, "manifests": [{"digest": digest_of(manifest)}]}).encode()
+    files = {"oci-layout": b'{"imageLayoutVersion": "1.0.0"}', "index.json": index}
+    for blob in (layer, config, manifest):
+        files[f"blobs/sha256/{digest_of(blob).removeprefix('sha256:')}"] = blob
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+async def test_an_imported_oci_layout_runs_as_it_is_on_the_docker_runtime(
+    docker_host: str, conn: Connection, view: StateView, writer: Writer, start_agent: StartAgent
+) -> None:
+    """Its own root filesystem (no base image under it), its own user."""
+    serve = (
+        "mkdir -p /tmp/www && echo oci > /tmp/www/index.html && exec httpd -f -p $ZATTERA_BIND_ADDR:$PORT -h /tmp/www"
+    )
+    image = read_image_archive(oci_layout(base_rootfs_tar(), ["sh", "-c", serve]))
+    record = await push_image(
+        conn, repo="p1/a1", tag="oci", images=[PlatformImage(image.platform, image.config, image.layers)]
+    )
+    await start_docker_agent(start_agent, docker_host)
+    rel = release(f"{record.repo}@{record.digest}", healthcheck=False)
+    a = assignment("d1", rel)
+    await seed(writer, rel, a)
+    await eventually(lambda: state_of(view, "d1", a.meta.id) == pb.INSTANCE_STATE_HEALTHY, what="HEALTHY", timeout=30)
+    port = view.observed("d1", a.meta.id).mesh_port_bindings["http"]  # type: ignore[union-attr]
+    await eventually(lambda: _serves(port, "oci"), what="it serves")
+
+
+async def _serves(port: int, text: str) -> bool:
+    try:
+        return text in await http_get(port)
+    except OSError:
+        return False
