@@ -5,8 +5,9 @@
   into the daemon as a derived image: ``FROM`` the node's base image (``docker_base_image``; ``scratch``
   for an image that carries its own root filesystem, label ``dev.zattera.rootfs=full``, as
   ``zattera images import`` writes), then its layers ``ADD``ed in order. It is tagged
-  ``zattera-local/<digest>`` and reused while the daemon keeps it. ``exec:<command>`` runs the command in
-  the base image (tests, demos); ``process://`` refs need the process runtime.
+  ``zattera-local/<digest>`` and reused while the daemon keeps it. ``docker://<name>`` is an image of the
+  daemon (pulled by it when missing: from a registry the daemon can reach). ``exec:<command>`` runs the
+  command in the base image (tests, demos); ``process://`` refs need the process runtime.
 * **Isolation.** Host network (the allocated ``PORT`` env as for processes), its own pid namespace, the
   image's user or else ``nobody`` (65534), ``no-new-privileges``, every capability dropped, a read-only
   root filesystem (with a ``/tmp`` tmpfs) when the release sets ``read_only_root``; volumes bind-mounted
@@ -59,6 +60,7 @@ LABEL_ASSIGNMENT = "dev.zattera.assignment"
 LABEL_ROOTFS = "dev.zattera.rootfs"
 """On a registry image config: ``full`` = its layers are a whole root filesystem (no base image under it)."""
 LOCAL_REPO = "zattera-local"
+DOCKER_SCHEME = "docker://"
 NOBODY = "65534:65534"
 LOG_CURSOR_FILE = "docker-logs.json"
 _CURSOR_SAVE_INTERVAL = 0.5
@@ -96,6 +98,23 @@ class ContainerImage(PreparedImage):
 
     tag: str = ""
     user: str = ""
+
+
+def container_image(ref: str, tag: str, run: Mapping[str, Any]) -> ContainerImage:
+    """What an image config's ``config`` section says about running it."""
+    return ContainerImage(
+        ref,
+        Path(str(run.get("WorkingDir") or "/")),
+        entrypoint=[str(x) for x in run.get("Entrypoint") or []],
+        cmd=[str(x) for x in run.get("Cmd") or []],
+        env=dict(item.split("=", 1) for item in run.get("Env") or [] if "=" in item),
+        tag=tag,
+        user=str(run.get("User") or ""),
+    )
+
+
+def _first_line(message: object) -> str:
+    return str(message).strip().splitlines()[0] if str(message).strip() else "failed"
 
 
 def derived_tag(digest: str) -> str:
@@ -318,6 +337,17 @@ class ContainerHandle:
     def kill_leftovers(self) -> None:
         """Nothing: a container's processes all end with it (its pid namespace)."""
 
+    async def exec_check(self, command: str) -> bool:
+        """An exec health check inside the container (its user, environment and limits): exit status 0."""
+        try:
+            run = await self._container.exec(["/bin/sh", "-c", command], stdout=True, stderr=True)
+            async with run.start(detach=False) as stream:
+                while await stream.read_out() is not None:
+                    pass
+            return (await run.inspect()).get("ExitCode") == 0
+        except aiodocker.DockerError:
+            return False
+
     def usage(self) -> tuple[float, int] | None:
         """The daemon's latest figures (streamed about every second); (0, 0) until the first arrives."""
         return self._usage or (0.0, 0)
@@ -375,6 +405,8 @@ class DockerLauncher:
             raise ImageError("the release has no image yet")
         if ref.startswith(PROCESS_SCHEME):
             raise ImageError(f"{ref}: process:// images need the process runtime")
+        if ref.startswith(DOCKER_SCHEME):
+            return await self._daemon_image(ref)
         if ref.startswith(EXEC_SCHEME):
             return ContainerImage(
                 ref, Path("/"), cmd=shell_command(unquote(ref[len(EXEC_SCHEME) :])), tag=self.base_image
@@ -390,15 +422,20 @@ class DockerLauncher:
         tag = derived_tag(digest_of(fetched.config + b"".join(digest_of(layer).encode() for layer in fetched.layers)))
         full = (run.get("Labels") or {}).get(LABEL_ROOTFS) == "full"
         await self._load(tag, fetched.config if full else None, fetched.layers)
-        return ContainerImage(
-            ref,
-            Path(str(run.get("WorkingDir") or "/")),
-            entrypoint=[str(x) for x in run.get("Entrypoint") or []],
-            cmd=[str(x) for x in run.get("Cmd") or []],
-            env=dict(item.split("=", 1) for item in run.get("Env") or [] if "=" in item),
-            tag=tag,
-            user=str(run.get("User") or ""),
-        )
+        return container_image(ref, tag, run)
+
+    async def _daemon_image(self, ref: str) -> ContainerImage:
+        """A ``docker://`` ref: the daemon's image by that name, pulled when it does not have it."""
+        name = ref[len(DOCKER_SCHEME) :]
+        try:
+            info = await self.docker.images.inspect(name)
+        except aiodocker.DockerError:
+            try:
+                await self.docker.images.pull(name)
+                info = await self.docker.images.inspect(name)
+            except aiodocker.DockerError as exc:
+                raise ImageError(f"{ref}: pull: {_first_line(exc.message)}") from exc
+        return container_image(ref, name, info.get("Config") or {})
 
     async def _load(self, tag: str, full_config: bytes | None, layers: Sequence[bytes]) -> None:
         """Put the image into the daemon once (concurrent starts of the same image wait for the first): an

@@ -7,7 +7,7 @@ chosen by ``--runtime`` (docs/containers.md).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -44,6 +44,11 @@ class InstanceHandle(Protocol):
     def container_id(self) -> str: ...
     @property
     def oom_killed(self) -> bool: ...
+    @property
+    def exec_check(self) -> Callable[[str], Awaitable[bool]] | None:
+        """Runs an exec health check where the instance runs (None: on the host, in its directory)."""
+        ...
+
     def alive(self) -> bool: ...
     def usage(self) -> tuple[float, int] | None:
         """(CPU percent of one core, resident bytes) as the runtime measures it; None: sample the pid."""

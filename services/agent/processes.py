@@ -76,6 +76,8 @@ class ProcessHandle:
 
     oom_killed = False
     """Never known for a bare process (a SIGKILL only makes an OOM kill likely)."""
+    exec_check = None
+    """Exec health checks run on the host, in the instance's directory (``health.check_exec``)."""
 
     def __init__(
         self,

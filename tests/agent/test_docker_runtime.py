@@ -233,3 +233,24 @@ async def test_restarted_agent_adopts_its_container_and_removes_the_rest(
     finally:
         await docker.close()
     assert container_id in ids and dropped_id not in ids
+
+
+async def test_a_daemon_image_runs_with_an_exec_health_check_inside_the_container(
+    start_agent: StartAgent, docker_host: str, view: StateView, writer: Writer
+) -> None:
+    """``docker://`` names an image of the daemon; the exec check sees the container's files, not the host's."""
+    await start_docker_agent(start_agent, docker_host)
+    rel = release("docker://zattera/base:latest", healthcheck=False)
+    rel.service.command = SERVE
+    check = rel.service.healthcheck
+    check.type = pb.HEALTH_CHECK_TYPE_EXEC
+    check.command = "test -f /tmp/www/health && test ! -d /work"
+    check.interval.FromMilliseconds(200)
+    check.timeout.FromMilliseconds(2000)
+    check.grace_period.FromSeconds(10)
+    check.unhealthy_threshold = 2
+    a = assignment("d1", rel)
+    await seed(writer, rel, a)
+    await eventually(lambda: state_of(view, "d1", a.meta.id) == HEALTHY, what="HEALTHY by its exec check", timeout=30)
+    port = view.observed("d1", a.meta.id).mesh_port_bindings["http"]  # type: ignore[union-attr]
+    assert f"hello from {a.meta.id}" in await http_get(port)
