@@ -290,6 +290,7 @@ class Env(_Model):
     middleware: Middleware | None = None
     vars: dict[str, str] = Field(default_factory=dict, description="plain environment variables (not secrets)")
     logs: Logs = Logs()
+    read_only_root: bool = Field(default=False, description="docker runtime: a read-only root filesystem")
 
     _durations = field_validator("idle_timeout", "stop_grace", mode="before")(parse_duration)
 
@@ -339,6 +340,9 @@ class Env(_Model):
 class Build(_Model):
     command: str = ""
     platforms: list[str] = Field(default_factory=list)
+    dockerfile: str = Field(default="", description="build with this Dockerfile on a builder's Docker daemon")
+    context_dir: str = Field(default="", description="the Docker build context inside the source ('' = its root)")
+    build_args: dict[str, str] = Field(default_factory=dict, description="Docker --build-arg values (not secret)")
 
 
 class Run(_Model):
@@ -395,6 +399,7 @@ def service_spec(spec: AppSpec, env: Env) -> pb.ServiceSpec:
         max_concurrency=env.max_concurrency,
         stateful=env.stateful,
         command=env.command or spec.run.command,
+        read_only_root=env.read_only_root,
     )
     s.replicas.min = env.replicas.min
     s.replicas.max = env.replicas.max

@@ -235,16 +235,18 @@ async def test_restarted_agent_adopts_its_container_and_removes_the_rest(
     assert container_id in ids and dropped_id not in ids
 
 
-async def test_a_daemon_image_runs_with_an_exec_health_check_inside_the_container(
+async def test_a_daemon_image_runs_read_only_with_an_exec_health_check_inside_the_container(
     start_agent: StartAgent, docker_host: str, view: StateView, writer: Writer
 ) -> None:
-    """``docker://`` names an image of the daemon; the exec check sees the container's files, not the host's."""
+    """``docker://`` names an image of the daemon; the exec check sees the container's files, not the host's,
+    on its read-only root filesystem."""
     await start_docker_agent(start_agent, docker_host)
     rel = release("docker://zattera/base:latest", healthcheck=False)
     rel.service.command = SERVE
     check = rel.service.healthcheck
     check.type = pb.HEALTH_CHECK_TYPE_EXEC
-    check.command = "test -f /tmp/www/health && test ! -d /work"
+    check.command = "test -f /tmp/www/health && test ! -d /work && ! (echo x > /etc/probe) 2>/dev/null"
+    rel.service.read_only_root = True  # /tmp stays writable (a tmpfs); /etc does not
     check.interval.FromMilliseconds(200)
     check.timeout.FromMilliseconds(2000)
     check.grace_period.FromSeconds(10)
