@@ -1,5 +1,6 @@
 """Entry point: ``python -m services.agent --nats URL --node-id ID --data-dir DIR [--labels k=v,...]
-[--builder] [--roles worker,control] [--mesh-ip IP] [--stop-on-exit] [--join-token TOKEN]``.
+[--builder] [--roles worker,control] [--mesh-ip IP] [--runtime process|docker] [--stop-on-exit]
+[--join-token TOKEN]``.
 
 Every flag has a ``ZATTERA_AGENT_*`` setting (``services/agent/settings.py``); the NATS URL and the data
 dir default to ``ZATTERA_NATS_URL`` and ``ZATTERA_DATA_DIR`` (``<data>/agent-<node id>`` then).

@@ -4,7 +4,8 @@
 reports and node record, every release and volume; exactly what an agent credential may read, SECURITY.md),
 registers ``node.<id>``, then runs until cancelled:
 
-* the observed-state reporter and the process runtime (``runtime.py``), which converge this node's
+* the observed-state reporter and the runtime (``runtime.py``; processes or containers: ``launchers.py``,
+  ``docker_runtime.py``, chosen at start by ``docker_runtime.choose_launcher``), which converge this node's
   assignments and write only ``observed.<node>.*``;
 * heartbeats into ``zattera-live`` (``heartbeat.py``);
 * the volume snapshot/restore/prune handlers (``shared.snapshots``) over ``<data>/volumes``;
