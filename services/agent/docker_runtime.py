@@ -400,6 +400,13 @@ class DockerLauncher:
     async def close(self) -> None:
         await self.docker.close()
 
+    async def has_image(self, name: str) -> bool:
+        try:
+            await self.docker.images.inspect(name)
+            return True
+        except aiodocker.DockerError:
+            return False
+
     async def prepare(self, conn: Connection, ref: str, instance_dir: Path, *, platform: str) -> PreparedImage:
         if not ref:
             raise ImageError("the release has no image yet")
@@ -547,23 +554,30 @@ def _give_to(path: Path, user: str) -> None:
 
 
 async def choose_launcher(settings: AgentSettings) -> Launcher:
-    """The node's runtime: as ``settings.runtime`` says, or docker when a daemon answers, else processes (with
-    a warning: bare processes are neither isolated nor limited)."""
+    """The node's runtime: as ``settings.runtime`` says; unset, docker when a daemon answers and holds the base
+    image, else processes with a warning (bare processes are neither isolated nor limited)."""
+    process = ProcessLauncher(adopted_poll_interval=settings.adopted_poll_interval)
     if settings.runtime == PROCESS:
-        return ProcessLauncher(adopted_poll_interval=settings.adopted_poll_interval)
+        return process
+    url = docker_url(settings.docker_host)
     answers = await daemon_answers(settings.docker_host)
     if not answers and settings.runtime == DOCKER:
-        raise DockerUnavailable(f"runtime docker: no Docker daemon answers at {docker_url(settings.docker_host)}")
-    if not answers:
-        log.warning(
-            "no Docker daemon answers at %s: instances run as bare processes, without isolation or limits "
-            "(--runtime process to say so, or start Docker)",
-            docker_url(settings.docker_host),
-        )
-        return ProcessLauncher(adopted_poll_interval=settings.adopted_poll_interval)
-    return DockerLauncher(
+        raise DockerUnavailable(f"runtime docker: no Docker daemon answers at {url}")
+    docker = DockerLauncher(
         settings.docker_host,
         node_id=settings.node_id,
         base_image=settings.docker_base_image,
         pids_limit=settings.pids_limit,
     )
+    if settings.runtime == DOCKER:
+        return docker
+    why = f"no Docker daemon answers at {url}"
+    if answers:
+        if await docker.has_image(settings.docker_base_image):
+            return docker
+        await docker.close()
+        why = f"the Docker daemon at {url} has no base image {settings.docker_base_image} (docs/containers.md)"
+    else:
+        await docker.close()
+    log.warning("%s: instances run as bare processes, without isolation or limits (--runtime to choose)", why)
+    return process

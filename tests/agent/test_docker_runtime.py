@@ -14,10 +14,12 @@ from pathlib import Path
 from urllib.parse import quote
 
 import aiodocker
+import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.agent.docker_runtime import ContainerHandle
+from services.agent.docker_runtime import ContainerHandle, DockerUnavailable, choose_launcher
+from services.agent.settings import AgentSettings
 from shared import keys as K
 from shared.live import node_key
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
@@ -256,3 +258,21 @@ async def test_a_daemon_image_runs_read_only_with_an_exec_health_check_inside_th
     await eventually(lambda: state_of(view, "d1", a.meta.id) == HEALTHY, what="HEALTHY by its exec check", timeout=30)
     port = view.observed("d1", a.meta.id).mesh_port_bindings["http"]  # type: ignore[union-attr]
     assert f"hello from {a.meta.id}" in await http_get(port)
+
+
+async def test_the_runtime_is_docker_only_when_a_daemon_with_the_base_image_answers(
+    docker_host: str, tmp_path: Path
+) -> None:
+    missing = f"unix://{tmp_path}/no.sock"
+
+    async def chosen(**settings: object) -> str:
+        launcher = await choose_launcher(AgentSettings(node_id="x", **settings))  # type: ignore[arg-type]
+        await launcher.close()
+        return launcher.name
+
+    assert await chosen(runtime="", docker_host=docker_host) == "docker"
+    assert await chosen(runtime="", docker_host=docker_host, docker_base_image="zattera/none:1") == "process"
+    assert await chosen(runtime="", docker_host=missing) == "process"
+    assert await chosen(runtime="process", docker_host=docker_host) == "process"
+    with pytest.raises(DockerUnavailable, match=f"runtime docker: no Docker daemon answers at {missing}"):
+        await chosen(runtime="docker", docker_host=missing)
