@@ -33,6 +33,7 @@ import math
 import os
 import tarfile
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -334,6 +335,13 @@ class ContainerHandle:
             await self._container.stop(t=max(1, math.ceil(grace)))
         return await self.wait()
 
+    async def detach(self) -> None:
+        """Stop following the container (output and stats) without touching it."""
+        tasks = [*self._followers, self._stats]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def kill_leftovers(self) -> None:
         """Nothing: a container's processes all end with it (its pid namespace)."""
 
@@ -396,9 +404,16 @@ class DockerLauncher:
         self.base_image = base_image
         self.pids_limit = pids_limit
         self._loading: dict[str, asyncio.Future[None]] = {}
+        self._handles: weakref.WeakSet[ContainerHandle] = weakref.WeakSet()
 
     async def close(self) -> None:
+        """The agent stops: its followers stop copying (the next run resumes them); containers keep running."""
+        await asyncio.gather(*(handle.detach() for handle in list(self._handles)), return_exceptions=True)
         await self.docker.close()
+
+    def _track(self, handle: ContainerHandle) -> ContainerHandle:
+        self._handles.add(handle)
+        return handle
 
     async def has_image(self, name: str) -> bool:
         try:
@@ -502,7 +517,7 @@ class DockerLauncher:
             state = (await container.show()).get("State", {})
         except aiodocker.DockerError as exc:
             raise OSError(f"docker: {exc.message}") from exc
-        return ContainerHandle(container, state, instance_dir)
+        return self._track(ContainerHandle(container, state, instance_dir))
 
     async def adopt(self, record: InstanceRecord, instance_dir: Path) -> InstanceHandle | None:
         """The recorded container if it still runs and is this node's instance of that assignment."""
@@ -521,7 +536,7 @@ class DockerLauncher:
             with contextlib.suppress(aiodocker.DockerError):
                 await container.delete(force=True)
             return None
-        return ContainerHandle(container, state, instance_dir)
+        return self._track(ContainerHandle(container, state, instance_dir))
 
     async def sweep(self, keep: set[str]) -> None:
         """Remove this node's containers not in ``keep`` (ids) and the derived images no container uses."""
