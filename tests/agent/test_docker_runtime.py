@@ -205,10 +205,12 @@ async def test_volume_written_by_one_release_is_there_in_the_next(
 
 
 async def test_restarted_agent_adopts_its_container_and_removes_the_rest(
-    start_agent: StartAgent, docker_host: str, view: StateView, writer: Writer
+    start_agent: StartAgent, docker_host: str, view: StateView, writer: Writer, tmp_path: Path
 ) -> None:
+    """No restart of the adopted one; its output copied on from where the first agent stopped, once."""
     first = await start_docker_agent(start_agent, docker_host, stop_on_exit=False)
-    rel = docker_release(SERVE)
+    counter = "(i=0; while :; do echo line $i; i=$((i+1)); sleep 0.02; done) & "
+    rel = docker_release(counter + SERVE)
     kept, dropped = assignment("d1", rel), assignment("d1", rel)
     await seed(writer, rel, kept, dropped)
     await eventually(
@@ -218,6 +220,7 @@ async def test_restarted_agent_adopts_its_container_and_removes_the_rest(
     )
     container_id = view.observed("d1", kept.meta.id).container_id  # type: ignore[union-attr]
     dropped_id = view.observed("d1", dropped.meta.id).container_id  # type: ignore[union-attr]
+    await eventually(lambda: "line 20" in output_of(tmp_path, "d1", kept.meta.id), what="output copied")
     await first.stop()
     await writer.commit(writer.txn().delete(K.assignment("d1", dropped.meta.id)))
 
@@ -235,6 +238,14 @@ async def test_restarted_agent_adopts_its_container_and_removes_the_rest(
     finally:
         await docker.close()
     assert container_id in ids and dropped_id not in ids
+
+    def copied() -> list[int]:
+        return [int(line.split()[1]) for line in output_of(tmp_path, "d1", kept.meta.id).splitlines()]
+
+    before = len(copied())
+    await eventually(lambda: len(copied()) > before + 20, what="output copied after the adoption")
+    numbers = copied()
+    assert numbers == list(range(len(numbers))), "every line once, in order, across the restart"
 
 
 async def test_a_daemon_image_runs_read_only_with_an_exec_health_check_inside_the_container(
