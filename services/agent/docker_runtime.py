@@ -404,6 +404,7 @@ class DockerLauncher:
         self.base_image = base_image
         self.pids_limit = pids_limit
         self._loading: dict[str, asyncio.Future[None]] = {}
+        """Images being put into the daemon, by tag."""
         self._handles: weakref.WeakSet[ContainerHandle] = weakref.WeakSet()
 
     async def close(self) -> None:
@@ -460,18 +461,19 @@ class DockerLauncher:
         return container_image(ref, name, info.get("Config") or {})
 
     async def _load(self, tag: str, full_config: bytes | None, layers: Sequence[bytes]) -> None:
-        """Put the image into the daemon once (concurrent starts of the same image wait for the first): an
-        image with its own root filesystem (``full_config``) as it is (``docker load``), any other built
-        ``FROM`` the base image."""
-        pending = self._loading.get(tag)
-        if pending is not None:
-            await asyncio.shield(pending)
+        """Put the image into the daemon once (concurrent starts of the same image share one load, which a
+        cancelled start does not interrupt): an image with its own root filesystem (``full_config``) as it is
+        (``docker load``), any other built ``FROM`` the base image."""
+        if await self.has_image(tag):
             return
-        with contextlib.suppress(aiodocker.DockerError):
-            await self.docker.images.inspect(tag)
-            return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._loading[tag] = future
+        loading = self._loading.get(tag)
+        if loading is None:
+            loading = asyncio.ensure_future(self._put(tag, full_config, layers))
+            self._loading[tag] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(tag, None))
+        await asyncio.shield(loading)
+
+    async def _put(self, tag: str, full_config: bytes | None, layers: Sequence[bytes]) -> None:
         try:
             if full_config is not None:
                 await self.docker.images.import_image(docker_archive(tag, managed(full_config), layers))
@@ -480,14 +482,8 @@ class DockerLauncher:
                 await self.docker.images.build(
                     fileobj=io.BytesIO(context), encoding="gzip", tag=tag, rm=True, forcerm=True
                 )
-            future.set_result(None)
         except aiodocker.DockerError as exc:
-            future.set_exception(ImageError(f"loading into docker: {exc.message}"))
-            raise ImageError(f"loading into docker: {exc.message}") from exc
-        finally:
-            self._loading.pop(tag, None)
-            if future.done() and future.exception() is not None:
-                future.exception()  # retrieved: the waiters raised it
+            raise ImageError(f"loading into docker: {_first_line(exc.message)}") from exc
 
     async def spawn(
         self,
@@ -513,10 +509,15 @@ class DockerLauncher:
         )
         try:
             container = await self.docker.containers.create(config)
+        except aiodocker.DockerError as exc:
+            raise OSError(f"docker: {_first_line(exc.message)}") from exc
+        try:
             await container.start()
             state = (await container.show()).get("State", {})
         except aiodocker.DockerError as exc:
-            raise OSError(f"docker: {exc.message}") from exc
+            with contextlib.suppress(aiodocker.DockerError):
+                await container.delete(force=True)  # created, never ran: nobody would remove it
+            raise OSError(f"docker: {_first_line(exc.message)}") from exc
         return self._track(ContainerHandle(container, state, instance_dir))
 
     async def adopt(self, record: InstanceRecord, instance_dir: Path) -> InstanceHandle | None:
