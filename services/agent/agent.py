@@ -146,7 +146,7 @@ class Agent:
                     docker_host=settings.docker_host,
                 )
                 tasks.append(asyncio.create_task(builder.serve(), name="builder"))
-            log.info("agent %s: running (data dir %s)", self.node_id, self.data_dir)
+            log.info("agent %s: running (data dir %s, %s runtime)", self.node_id, self.data_dir, launcher.name)
             try:
                 await asyncio.gather(runtime_task, *tasks)
             finally:
