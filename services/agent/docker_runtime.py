@@ -296,6 +296,8 @@ class ContainerHandle:
                     follow=True, stdout=stream == "stdout", stderr=stream == "stderr", **params
                 ):
                     stamp, _, text = chunk.partition(" ")
+                    if not text:  # nothing decodable (undecodable bytes are dropped by the client)
+                        continue
                     sink.write(text.encode())
                     sink.flush()
                     last = stamp
