@@ -12,6 +12,8 @@ SYSTEM_PACKAGES += nodejs npm  # builds of Node apps (npm ci, npm run build) and
 
 SYSTEM_PACKAGES += pebble  # ACME test CA (pebble, pebble-challtestsrv) for the certificate tests
 
+SYSTEM_PACKAGES += docker.io busybox-static  # the docker runtime (issue 20): its tests start their own dockerd; busybox is their base image
+
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 

@@ -27,6 +27,8 @@ from cli.domains_cmds import domains_app
 from cli.env_cmds import apps_delete, envs_app, placement_status, print_unplaced, projects_app, scale, status
 from cli.events_cmds import announce_scale_changes, events, publish_node_change, replica_counts
 from cli.jobs_cmds import jobs_app, run_command
+
+from cli.images_cmds import images_app
 from cli.logs_cmds import logs
 from cli.plan_view import print_plan
 from cli.render import Col
@@ -126,6 +128,8 @@ app.add_typer(cluster_app, name="cluster")
 app.add_typer(context_app, name="context")
 app.add_typer(jobs_app, name="jobs")
 app.command("run", context_settings={"allow_interspersed_args": False})(run_command)
+
+app.add_typer(images_app, name="images")
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 WIDE = typer.Option(False, "--wide", help="every column, ids included")
@@ -258,6 +262,7 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                         render.enum_name(pb.NodeStatus, n.status, "NODE_STATUS_"),
                         "yes" if n.schedulable else "cordoned",
                         n.os_arch,
+                        n.runtime or "process",
                         f"{cpu}/{n.capacity.cpu_millis or '∞'} m",
                         f"{mem}/{n.capacity.memory_mb or '∞'} MB",
                         ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
@@ -265,7 +270,17 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                 )
             render.table(
                 "nodes",
-                ["id", "name", "status", "schedulable", "platform", "cpu", "memory", Col("labels", wrap=True)],
+                [
+                    "id",
+                    "name",
+                    "status",
+                    "schedulable",
+                    "platform",
+                    "runtime",
+                    "cpu",
+                    "memory",
+                    Col("labels", wrap=True),
+                ],
                 rows,
             )
 

@@ -310,8 +310,9 @@ def _detected(files: SourceFiles, *, use_dockerfile: bool) -> BuildPlan:
             provider="dockerfile",
             reason="Dockerfile",
             error=(
-                "a Dockerfile build needs the container builder (BUILD_TYPE_DOCKERFILE), which this builder "
-                "does not have: deploy a built image with --image, or remove the Dockerfile to use stack detection"
+                "a Dockerfile build needs a builder with a Docker daemon (the docker runtime, docs/containers.md), "
+                "which this builder does not have: deploy a built image with --image, or remove the Dockerfile to "
+                "use stack detection"
             ),
         )
     if "requirements.txt" in files or "pyproject.toml" in files:

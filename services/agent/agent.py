@@ -4,7 +4,8 @@
 reports and node record, every release and volume; exactly what an agent credential may read, SECURITY.md),
 registers ``node.<id>``, then runs until cancelled:
 
-* the observed-state reporter and the process runtime (``runtime.py``), which converge this node's
+* the observed-state reporter and the runtime (``runtime.py``; processes or containers: ``launchers.py``,
+  ``docker_runtime.py``, chosen at start by ``docker_runtime.choose_launcher``), which converge this node's
   assignments and write only ``observed.<node>.*``;
 * heartbeats into ``zattera-live`` (``heartbeat.py``);
 * the volume snapshot/restore/prune handlers (``shared.snapshots``) over ``<data>/volumes``;
@@ -25,6 +26,7 @@ from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
+from services.agent.docker_runtime import choose_launcher
 from services.agent.heartbeat import HeartbeatPublisher
 from services.agent.processes import PortAllocator
 from services.agent.registration import NodeIdentity, register_node
@@ -94,7 +96,8 @@ class Agent:
             builder=settings.builder,
             mesh_ip=settings.mesh_ip,
         )
-        identity = replace(identity, secrets_public_key=bytes(self.secrets_key.public_key))
+        launcher = await choose_launcher(settings)
+        identity = replace(identity, secrets_public_key=bytes(self.secrets_key.public_key), runtime=launcher.name)
         await self.view.start()
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -112,6 +115,7 @@ class Agent:
                     volumes_dir=self.volumes_dir,
                     ports=PortAllocator(),
                     secrets_key=self.secrets_key,
+                    launcher=launcher,
                 )
             )
             heartbeat = HeartbeatPublisher(
@@ -139,9 +143,10 @@ class Agent:
                     self.data_dir / "builds",
                     os_arch=identity.os_arch,
                     keepalive=settings.build_keepalive,
+                    docker_host=settings.docker_host,
                 )
                 tasks.append(asyncio.create_task(builder.serve(), name="builder"))
-            log.info("agent %s: running (data dir %s)", self.node_id, self.data_dir)
+            log.info("agent %s: running (data dir %s, %s runtime)", self.node_id, self.data_dir, launcher.name)
             try:
                 await asyncio.gather(runtime_task, *tasks)
             finally:
@@ -154,3 +159,4 @@ class Agent:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.view.stop()
+            await launcher.close()

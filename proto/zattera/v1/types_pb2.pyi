@@ -722,6 +722,7 @@ class InstanceExit(_message.Message):
     OOM_SUSPECTED_FIELD_NUMBER: _builtins.int
     STDERR_TAIL_FIELD_NUMBER: _builtins.int
     AT_FIELD_NUMBER: _builtins.int
+    OOM_KILLED_FIELD_NUMBER: _builtins.int
     code_known: _builtins.bool
     """`code` is the exit status (false: killed by a signal, or an adopted process)"""
     code: _builtins.int
@@ -730,6 +731,8 @@ class InstanceExit(_message.Message):
     """killing signal (0 = none)"""
     oom_suspected: _builtins.bool
     """SIGKILL the agent did not send: likely the OOM killer"""
+    oom_killed: _builtins.bool
+    """the container runtime says the kernel's OOM killer ended it (issue 20)"""
     @_builtins.property
     def stderr_tail(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """its last stderr lines, oldest first"""
@@ -745,10 +748,11 @@ class InstanceExit(_message.Message):
         oom_suspected: _builtins.bool = ...,
         stderr_tail: _abc.Iterable[_builtins.str] | None = ...,
         at: _timestamp_pb2.Timestamp | None = ...,
+        oom_killed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "code", b"code", "code_known", b"code_known", "oom_suspected", b"oom_suspected", "signal", b"signal", "stderr_tail", b"stderr_tail"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "code", b"code", "code_known", b"code_known", "oom_killed", b"oom_killed", "oom_suspected", b"oom_suspected", "signal", b"signal", "stderr_tail", b"stderr_tail"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -798,6 +802,7 @@ class Node(_message.Message):
     BINARY_VERSION_FIELD_NUMBER: _builtins.int
     LAST_HEARTBEAT_AT_FIELD_NUMBER: _builtins.int
     SECRETS_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    RUNTIME_FIELD_NUMBER: _builtins.int
     status: Global___NodeStatus.ValueType
     schedulable: _builtins.bool
     """false = cordoned"""
@@ -815,6 +820,8 @@ class Node(_message.Message):
     makes a fresh pair at every registration and keeps the private half in memory only (docs/secrets.md).
     invented (issue 17)
     """
+    runtime: _builtins.str
+    """How this node's agent runs instances: "process" or "docker" (issue 20, docs/containers.md)."""
     @_builtins.property
     def meta(self) -> Global___Meta: ...
     @_builtins.property
@@ -854,10 +861,11 @@ class Node(_message.Message):
         binary_version: _builtins.str = ...,
         last_heartbeat_at: _timestamp_pb2.Timestamp | None = ...,
         secrets_public_key: _builtins.bytes = ...,
+        runtime: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "last_heartbeat_at", b"last_heartbeat_at", "meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoprovisioned", b"autoprovisioned", "binary_version", b"binary_version", "capacity", b"capacity", "capacity_disk_mb", b"capacity_disk_mb", "labels", b"labels", "last_heartbeat_at", b"last_heartbeat_at", "mesh_ip", b"mesh_ip", "meta", b"meta", "name", b"name", "os_arch", b"os_arch", "public_endpoints", b"public_endpoints", "roles", b"roles", "schedulable", b"schedulable", "secrets_public_key", b"secrets_public_key", "status", b"status", "wireguard_public_key", b"wireguard_public_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoprovisioned", b"autoprovisioned", "binary_version", b"binary_version", "capacity", b"capacity", "capacity_disk_mb", b"capacity_disk_mb", "labels", b"labels", "last_heartbeat_at", b"last_heartbeat_at", "mesh_ip", b"mesh_ip", "meta", b"meta", "name", b"name", "os_arch", b"os_arch", "public_endpoints", b"public_endpoints", "roles", b"roles", "runtime", b"runtime", "schedulable", b"schedulable", "secrets_public_key", b"secrets_public_key", "status", b"status", "wireguard_public_key", b"wireguard_public_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1173,6 +1181,7 @@ class ServiceSpec(_message.Message):
     VARS_FIELD_NUMBER: _builtins.int
     SECRETS_FIELD_NUMBER: _builtins.int
     CONFIG_VERSION_FIELD_NUMBER: _builtins.int
+    READ_ONLY_ROOT_FIELD_NUMBER: _builtins.int
     scale_to_zero: _builtins.bool
     """mutually exclusive with stateful"""
     max_concurrency: _builtins.int
@@ -1183,6 +1192,10 @@ class ServiceSpec(_message.Message):
     """override image CMD (shell form)"""
     config_version: _builtins.int
     """+1 on every change of vars or secrets"""
+    read_only_root: _builtins.bool
+    """--- invented (issue 20, docs/containers.md) ---
+    docker runtime: the container's root filesystem is read-only
+    """
     @_builtins.property
     def replicas(self) -> Global___ReplicaRange: ...
     @_builtins.property
@@ -1241,10 +1254,11 @@ class ServiceSpec(_message.Message):
         vars: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         secrets: _abc.Mapping[_builtins.str, Global___SecretRef] | None = ...,
         config_version: _builtins.int = ...,
+        read_only_root: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "healthcheck", b"healthcheck", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "read_only_root", b"read_only_root", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

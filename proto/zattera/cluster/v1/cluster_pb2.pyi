@@ -717,6 +717,7 @@ class RunBuildRequest(_message.Message):
     REGISTRY_PASSWORD_FIELD_NUMBER: _builtins.int
     BUILD_ARGS_FIELD_NUMBER: _builtins.int
     BUILD_ENV_FIELD_NUMBER: _builtins.int
+    BUILD_CONFIG_FIELD_NUMBER: _builtins.int
     source_url: _builtins.str
     """where to fetch the source tarball (URL, or object name "sha256:<hex>" in zattera-sources)"""
     push_image_ref: _builtins.str
@@ -731,6 +732,10 @@ class RunBuildRequest(_message.Message):
     def build_args(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
     def build_env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def build_config(self) -> _types_pb2.BuildConfig:
+        """The app's build settings (issue 20): a Dockerfile build reads dockerfile and context_dir from it."""
+
     def __init__(
         self,
         *,
@@ -742,10 +747,11 @@ class RunBuildRequest(_message.Message):
         registry_password: _builtins.str = ...,
         build_args: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         build_env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        build_config: _types_pb2.BuildConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["build", b"build", "git", b"git"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["build", b"build", "build_config", b"build_config", "git", b"git"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["build", b"build", "build_args", b"build_args", "build_env", b"build_env", "git", b"git", "push_image_ref", b"push_image_ref", "registry_password", b"registry_password", "registry_username", b"registry_username", "source_url", b"source_url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["build", b"build", "build_args", b"build_args", "build_config", b"build_config", "build_env", b"build_env", "git", b"git", "push_image_ref", b"push_image_ref", "registry_password", b"registry_password", "registry_username", b"registry_username", "source_url", b"source_url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
