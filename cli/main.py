@@ -26,9 +26,8 @@ from cli.context_cmds import context_app
 from cli.domains_cmds import domains_app
 from cli.env_cmds import apps_delete, envs_app, placement_status, print_unplaced, projects_app, scale, status
 from cli.events_cmds import announce_scale_changes, events, publish_node_change, replica_counts
-from cli.jobs_cmds import jobs_app, run_command
-
 from cli.images_cmds import images_app
+from cli.jobs_cmds import jobs_app, run_command
 from cli.logs_cmds import logs
 from cli.plan_view import print_plan
 from cli.render import Col
