@@ -20,12 +20,14 @@ import tarfile
 from dataclasses import dataclass
 from typing import Any
 
+from shared.errors import ZatteraError
+
 ROOTFS_LABEL = "dev.zattera.rootfs"
 _GZIP_MAGIC = b"\x1f\x8b"
 _MAX_ARCHIVE_BYTES = 2 * 1024 * 1024 * 1024
 
 
-class ImageArchiveError(Exception):
+class ImageArchiveError(ZatteraError):
     """The archive is neither a ``docker save`` tarball nor an OCI layout, or is inconsistent."""
 
 

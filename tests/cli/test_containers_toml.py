@@ -8,7 +8,7 @@ from pathlib import Path
 
 from zattera.v1 import types_pb2 as pb
 
-from tests.cli.test_cli import _state, cli  # noqa: F401  (cli is a fixture)
+from tests.cli.rig import state
 
 SPEC = """
 project = "demo"
@@ -24,7 +24,7 @@ read_only_root = true
 """
 
 
-def test_dockerfile_build_and_read_only_root_are_applied(cli, nats_url, tmp_path: Path) -> None:  # noqa: F811
+def test_dockerfile_build_and_read_only_root_are_applied(cli, nats_url, tmp_path: Path) -> None:
     spec = tmp_path / "zattera.toml"
     spec.write_text(SPEC)
     result = cli("apps", "apply", str(spec), "--json")
@@ -38,7 +38,7 @@ def test_dockerfile_build_and_read_only_root_are_applied(cli, nats_url, tmp_path
         assert dict(app.build.build_args) == {"VERSION": "1.2"}
         assert view.env(applied["env_ids"]["production"]).service.read_only_root
 
-    _state(nats_url, check)
+    state(nats_url, check)
 
     spec.write_text(SPEC.replace('dockerfile = "deploy/web.Dockerfile"\n', ""))
     assert cli("apps", "apply", str(spec), "--json").exit_code == 0
@@ -46,4 +46,4 @@ def test_dockerfile_build_and_read_only_root_are_applied(cli, nats_url, tmp_path
     async def plain(conn, view, writer):
         assert view.app(applied["app_id"]).build.type == pb.BUILD_TYPE_UNSPECIFIED
 
-    _state(nats_url, plain)
+    state(nats_url, plain)
