@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 
 # Debian packages the data plane and runtimes use (one line per feature, so additions merge cleanly).
 SYSTEM_PACKAGES :=
+SYSTEM_PACKAGES += chromium  # the web console's browser tests (Playwright drives the system browser)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

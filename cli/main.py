@@ -21,6 +21,7 @@ from cli.apply import env_label, env_path, plan, resolve_env
 from cli.client import OPTIONS, Control, control, err, run
 from cli.cluster_cmds import cluster_app
 from cli.config_cmds import config_app
+from cli.console_cmds import console_app
 from cli.context_cmds import context_app
 from cli.env_cmds import apps_delete, envs_app, projects_app, scale, status
 from cli.events_cmds import announce_scale_changes, events, publish_node_change, replica_counts
@@ -119,6 +120,7 @@ app.command("logs")(logs)
 app.command()(events)
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(context_app, name="context")
+app.add_typer(console_app, name="console")
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 WIDE = typer.Option(False, "--wide", help="every column, ids included")

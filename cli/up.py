@@ -24,7 +24,7 @@ from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
 from shared.natsio import connect, provision
 
-SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets")
+SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "console")
 LOCAL_NODE = "local"
 DEFAULT_METRICS_PORT = 9400
 """``zattera up``'s first metrics port: scheduler 9400, orchestrator 9401, … in start order."""

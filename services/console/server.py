@@ -1,0 +1,62 @@
+"""Runs the console's HTTP server for as long as the service runs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from aiohttp import web
+
+from services.console.actions import Actions
+from services.console.auth import LoginLimiter, Sessions
+from services.console.settings import ConsoleSettings
+from services.console.web import Console, make_app
+from shared.clock import Clock
+from shared.natsio import Connection
+from shared.routeclient import RouteClient
+from shared.txn import Writer
+from shared.view import StateView
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT = 2.0
+"""Open SSE streams end when the console stops; they are not waited for longer than this."""
+
+
+def build_console(
+    conn: Connection, view: StateView, writer: Writer, clock: Clock, cfg: ConsoleSettings, routes: RouteClient
+) -> Console:
+    return Console(
+        conn=conn,
+        view=view,
+        actions=Actions(conn, view, writer),
+        sessions=Sessions(clock, cfg.session_ttl),
+        limiter=LoginLimiter(clock, cfg.login_failures, cfg.login_window),
+        clock=clock,
+        routes=lambda: routes.current if routes.version else None,
+        secure_cookies=cfg.secure_cookies,
+    )
+
+
+async def start_site(console: Console, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve ``console`` on host:port (0 = a free port); returns the runner and the bound port."""
+    runner = web.AppRunner(make_app(console), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, shutdown_timeout=SHUTDOWN_TIMEOUT)
+    await site.start()
+    return runner, int(runner.addresses[0][1])
+
+
+async def serve_console(
+    conn: Connection, view: StateView, writer: Writer, clock: Clock, cfg: ConsoleSettings, cache_dir: Path
+) -> None:
+    routes = RouteClient(cache_dir / "routes.pb")
+    await routes.start(conn)
+    runner, port = await start_site(build_console(conn, view, writer, clock, cfg, routes), cfg.host, cfg.port)
+    log.info("console: serving on http://%s:%d", cfg.host, port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        await routes.stop()
