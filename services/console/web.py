@@ -163,7 +163,8 @@ async def require_session(
 
 
 async def login_page(request: web.Request) -> web.Response:
-    token = secrets.token_urlsafe(24)
+    # Kept while the browser has one: a second tab (or a redirected favicon request) must not void the first form.
+    token = request.cookies.get(LOGIN_COOKIE, "") or secrets.token_urlsafe(24)
     response = render(request, "login.html", login_token=token, error="")
     _set_cookie(request, response, LOGIN_COOKIE, token, path="/login")
     return response
