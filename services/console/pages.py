@@ -82,10 +82,28 @@ def env_summary(view: StateView, env: pb.Environment, urls: list[str]) -> dict[s
     }
 
 
-def overview(view: StateView, routes: cpb.RouteSnapshot | None) -> list[dict[str, Any]]:
+def overview(view: StateView, routes: cpb.RouteSnapshot | None, only: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """Every env's row; with ``only``, the rows of those env ids (a live update of a few rows)."""
     urls = urls_by_env(routes)
-    rows = [env_summary(view, env, urls.get(env.meta.id, [])) for env in view.envs()]
+    envs = [e for e in (view.env(env_id) for env_id in only) if e is not None] if only else view.envs()
+    rows = [env_summary(view, env, urls.get(env.meta.id, [])) for env in envs]
     return sorted(rows, key=lambda row: row["path"])
+
+
+def changed_envs(view: StateView, changes: Iterable[tuple[str, str]]) -> list[str] | None:
+    """The env ids a batch of view changes touches; None when one of them is not an env's (a project or
+    app renamed, an object already gone): the whole page must be fetched again."""
+    found: set[str] = set()
+    for kind, ident in changes:
+        if kind == K.ENV:
+            found.add(ident)
+            continue
+        message = view.get(kind, ident)
+        env_id = getattr(message, "environment_id", "") if message is not None else ""
+        if not env_id:
+            return None
+        found.add(env_id)
+    return sorted(found)
 
 
 def env_detail(view: StateView, env: pb.Environment, urls: list[str]) -> dict[str, Any]:

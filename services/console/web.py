@@ -45,6 +45,7 @@ HEARTBEAT = 15.0
 EVENTS_BACKLOG = 100
 LOG_BACKLOG = 100
 LOG_STREAM_RETRY = 1.0
+LIVE_HEADER = "X-Console-Live"
 
 STATE: web.AppKey[Console] = web.AppKey("console")
 SESSION = web.RequestKey("session", Session)
@@ -93,7 +94,9 @@ def _address(request: web.Request) -> str:
 def render(request: web.Request, template: str, status: int = 200, **context: Any) -> web.Response:
     console = _console(request)
     session = request.get(SESSION)
-    notice = console.flash.pop(session.csrf, "") if session is not None else ""
+    # A live refresh (the page fetching itself) must not take the notice meant for the next page shown.
+    live_refresh = LIVE_HEADER in request.headers
+    notice = console.flash.pop(session.csrf, "") if session is not None and not live_refresh else ""
     html = console.templates.get_template(template).render(
         session=session, notice=notice, path=request.path, revision=console.view.last_revision, **context
     )
@@ -238,7 +241,9 @@ def _env_or_404(console: Console, env_id: str) -> pb.Environment:
 
 async def overview_page(request: web.Request) -> web.Response:
     console = _console(request)
-    return render(request, "overview.html", page="overview", envs=pages.overview(console.view, console.routes()))
+    only = [env_id for env_id in request.query.get("only", "").split(",") if env_id]
+    envs = pages.overview(console.view, console.routes(), only)
+    return render(request, "overview.html", page="overview", envs=envs)
 
 
 async def overview_api(request: web.Request) -> web.Response:
@@ -408,8 +413,8 @@ async def live(request: web.Request) -> web.StreamResponse:
         feed = console.view.subscribe(kinds)
         try:
             while True:
-                await feed.wait()
-                yield "change", str(console.view.last_revision)
+                changed = pages.changed_envs(console.view, await feed.wait())
+                yield "change", json.dumps({"revision": console.view.last_revision, "envs": changed})
         finally:
             feed.close()
 

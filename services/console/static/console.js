@@ -6,9 +6,10 @@
 (function () {
   const body = document.body;
 
-  function swapLiveRegions(html) {
+  // Swap the regions matching `selector` whose content differs; a focused region is left alone.
+  function swapLiveRegions(html, selector) {
     const fresh = new DOMParser().parseFromString(html, "text/html");
-    for (const next of fresh.querySelectorAll("[data-live][id]")) {
+    for (const next of fresh.querySelectorAll(selector)) {
       const current = document.getElementById(next.id);
       if (current && current.innerHTML !== next.innerHTML && !current.contains(document.activeElement)) {
         current.innerHTML = next.innerHTML;
@@ -17,26 +18,37 @@
     body.dataset.revision = fresh.body.dataset.revision || body.dataset.revision;
   }
 
+  // A change names the rows it touches (`envs`) when it can: only those rows are fetched and swapped,
+  // so a page of a thousand environments updates as fast as a page of one. Otherwise the whole page.
   function followChanges(page) {
     let fetching = false;
-    let again = false;
+    let whole = false;
+    const rows = new Set();
     async function refresh() {
-      if (fetching) { again = true; return; }
+      if (fetching) { return; }
       fetching = true;
       try {
-        do {
-          again = false;
-          const response = await fetch(location.href, { credentials: "same-origin", cache: "no-store" });
+        while (whole || rows.size) {
+          const partial = !whole && [...rows].every((id) => document.getElementById("env-" + id));
+          const url = new URL(location.href);
+          if (partial) { url.searchParams.set("only", [...rows].join(",")); }
+          whole = false;
+          rows.clear();
+          const response = await fetch(url, { credentials: "same-origin", cache: "no-store", headers: { "X-Console-Live": "1" } });
           if (response.redirected || !response.ok) { return; }
-          swapLiveRegions(await response.text());
-        } while (again);
+          swapLiveRegions(await response.text(), partial ? "[data-row][id]" : "[data-live][id]:not([data-row])");
+        }
       } finally {
         fetching = false;
       }
     }
     const source = new EventSource("/live?page=" + encodeURIComponent(page));
-    source.addEventListener("change", refresh);
-    source.addEventListener("open", refresh);  // a reconnect may have missed changes
+    source.addEventListener("change", (event) => {
+      const change = JSON.parse(event.data);
+      if (page === "overview" && change.envs) { change.envs.forEach((id) => rows.add(id)); } else { whole = true; }
+      refresh();
+    });
+    source.addEventListener("open", () => { whole = true; refresh(); });  // a reconnect may have missed changes
   }
 
   function followLines(element) {
