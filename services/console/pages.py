@@ -249,3 +249,8 @@ def kinds_of_page(page: str) -> Iterable[str]:
         "builds": (K.BUILD,),
         "volumes": (K.VOLUME, K.SNAPSHOT),
     }.get(page, ())
+
+
+def page_revision(view: StateView, page: str) -> int:
+    """The newest revision of what ``page`` shows (writes of other kinds, lease renewals, do not move it)."""
+    return max((view.kind_revision(kind) for kind in kinds_of_page(page)), default=0)

@@ -98,7 +98,11 @@ def render(request: web.Request, template: str, status: int = 200, **context: An
     live_refresh = LIVE_HEADER in request.headers
     notice = console.flash.pop(session.csrf, "") if session is not None and not live_refresh else ""
     html = console.templates.get_template(template).render(
-        session=session, notice=notice, path=request.path, revision=console.view.last_revision, **context
+        session=session,
+        notice=notice,
+        path=request.path,
+        revision=pages.page_revision(console.view, context.get("page", "")),
+        **context,
     )
     return web.Response(text=html, status=status, content_type="text/html")
 
@@ -405,16 +409,19 @@ async def _sse(request: web.Request, messages: AsyncIterator[tuple[str, str]]) -
 
 async def live(request: web.Request) -> web.StreamResponse:
     console = _console(request)
-    kinds = pages.kinds_of_page(request.query.get("page", ""))
+    page = request.query.get("page", "")
+    kinds = pages.kinds_of_page(page)
     if not kinds:
         raise web.HTTPNotFound(text="page: unknown")
 
     async def changes() -> AsyncIterator[tuple[str, str]]:
         feed = console.view.subscribe(kinds)
         try:
+            # The page compares this with the revision it was rendered at: a change in between refreshes it.
+            yield "hello", json.dumps({"revision": pages.page_revision(console.view, page)})
             while True:
                 changed = pages.changed_envs(console.view, await feed.wait())
-                yield "change", json.dumps({"revision": console.view.last_revision, "envs": changed})
+                yield "change", json.dumps({"envs": changed})
         finally:
             feed.close()
 

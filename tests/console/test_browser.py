@@ -82,9 +82,9 @@ async def test_operator_rolls_back_watches_it_live_tails_logs_and_sets_a_secret(
         page.on("dialog", lambda dialog: dialog.accept())
         await _log_in(page, console.url, ADMIN_USER)
 
-        row = page.get_by_role("row").filter(has_text="shop/web/production")
+        row = page.get_by_role("listitem").filter(has_text="shop/web/production")
         await expect(row).to_contain_text("v2")
-        await expect(row).to_contain_text("2 / 0 / 0")
+        await expect(row).to_contain_text("2 desired / 0 running / 0 healthy")
         await page.screenshot(path=ARTIFACTS / "overview.png", full_page=True)
 
         await row.get_by_role("link").click()

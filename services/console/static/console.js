@@ -48,7 +48,10 @@
       if (page === "overview" && change.envs) { change.envs.forEach((id) => rows.add(id)); } else { whole = true; }
       refresh();
     });
-    source.addEventListener("open", () => { whole = true; refresh(); });  // a reconnect may have missed changes
+    // Each (re)connection starts with the current revision: changes missed meanwhile refresh the page.
+    source.addEventListener("hello", (event) => {
+      if (String(JSON.parse(event.data).revision) !== body.dataset.revision) { whole = true; refresh(); }
+    });
   }
 
   function followLines(element) {
