@@ -48,15 +48,20 @@ async def seed(writer: Writer) -> None:
     env.name = "production"
     env.service.replicas.max = 4
     env.service.vars["GREETING"] = "hello"
-    key = PrivateKey.generate().public_key
-    record = pb.SecretsKey(key_id=key_id(bytes(key)), public_key=bytes(key))
-    record.meta.id = CLUSTER_KEY
     node = factories.node("n1")
     node.name = "node-one"
     txn = writer.txn()
-    for message in (project, app, env, release(1), release(2), record, node):
+    for message in (project, app, env, release(1), release(2), cluster_key(), node):
         txn.create(message)
     await writer.commit(txn)
+
+
+def cluster_key() -> pb.SecretsKey:
+    """The cluster secrets key's record as the secrets service publishes it (its private half is not needed)."""
+    key = PrivateKey.generate().public_key
+    record = pb.SecretsKey(key_id=key_id(bytes(key)), public_key=bytes(key))
+    record.meta.id = CLUSTER_KEY
+    return record
 
 
 async def add_users(conn: Connection) -> None:
