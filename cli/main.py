@@ -903,8 +903,8 @@ def volumes_snapshots(
 
 
 def _snapshot_dispatcher(c: Control) -> Any:
-    from services.scheduler.snapshot_dispatch import TOUCH_EVERY, SnapshotDispatcher, target_from_env
     from shared.clock import RealClock
+    from shared.snapshots.dispatch import TOUCH_EVERY, SnapshotDispatcher, target_from_env
 
     # A restore touches its RESTORING volume at least thrice per reaper timeout, so a live one is never reaped.
     touch_every = min(TOUCH_EVERY, settings().restore_timeout / 3)

@@ -48,11 +48,11 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.decisions import Writes, commit, volume_event
-from services.scheduler.snapshot_dispatch import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
 from shared import keys as K
 from shared.events import WARNING
 from shared.lease import Leadership
 from shared.loop import LeaderLoop
+from shared.snapshots.dispatch import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
 from shared.txn import Txn, Writer
 from shared.view import StateView
 
