@@ -904,11 +904,9 @@ def volumes_snapshots(
 
 def _snapshot_dispatcher(c: Control) -> Any:
     from shared.clock import RealClock
-    from shared.snapshots.dispatch import TOUCH_EVERY, SnapshotDispatcher, target_from_env
+    from shared.snapshots.dispatch import operator_dispatcher
 
-    # A restore touches its RESTORING volume at least thrice per reaper timeout, so a live one is never reaped.
-    touch_every = min(TOUCH_EVERY, settings().restore_timeout / 3)
-    return SnapshotDispatcher(c.conn, c.view, RealClock(), target=target_from_env(), touch_every=touch_every)
+    return operator_dispatcher(c.conn, c.view, RealClock(), settings().restore_timeout)
 
 
 @volumes_app.command("snapshot")

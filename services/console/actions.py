@@ -5,6 +5,7 @@ again. Every refusal is an :class:`ActionRefused` whose message names the bad fi
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -18,10 +19,22 @@ from shared.events import EventPublisher, event_for_env, node_change_event
 from shared.natsio import Connection
 from shared.scaling import ScaleRequest, scaled
 from shared.secret_edits import set_secret_edit
+from shared.snapshots.dispatch import (
+    NodeOperationFailed,
+    RecordNotWritten,
+    RestoreRefused,
+    SnapshotBusy,
+    SnapshotDispatcher,
+)
+from shared.tasks import cancel_and_wait
 from shared.txn import Conflict, Writer
 from shared.view import StateView
 
+log = logging.getLogger(__name__)
+
 ATTEMPTS = 10
+QUICK_ANSWER = 1.0
+"""How long a restore is waited for before the answer is "started" (its refusals come sooner than this)."""
 NODE_CHANGES = ("cordon", "uncordon", "drain")
 
 
@@ -30,11 +43,26 @@ class ActionRefused(Exception):
 
 
 class Actions:
-    def __init__(self, conn: Connection, view: StateView, writer: Writer) -> None:
+    def __init__(self, conn: Connection, view: StateView, writer: Writer, snapshots: SnapshotDispatcher) -> None:
         self._conn = conn
         self._view = view
         self._writer = writer
         self._events = EventPublisher(conn)
+        self._snapshots = snapshots
+        self._background: set[asyncio.Task[object]] = set()
+
+    async def close(self) -> None:
+        """End the snapshots and restores still followed (their records say where they stopped)."""
+        await cancel_and_wait(*self._background)
+
+    def _follow(self, task: asyncio.Task[object], what: str) -> None:
+        def done(finished: asyncio.Task[object]) -> None:
+            self._background.discard(finished)
+            if not finished.cancelled() and finished.exception() is not None:
+                log.warning("console: %s failed: %s", what, finished.exception())
+
+        self._background.add(task)
+        task.add_done_callback(done)
 
     def _deployer(self, user: str) -> Deployer:
         return Deployer(self._writer, created_by=f"console:{user}")
@@ -126,3 +154,33 @@ class Actions:
         except (ConfigError, DeployError) as exc:
             raise ActionRefused(str(exc)) from None
         return done.deployment.meta.id if done.deployment is not None else ""
+
+    async def take_snapshot(self, user: str, volume_id: str) -> str:
+        """Start a snapshot of the volume on its node (the RUNNING record is written first); returns its id.
+        The record moves to COMPLETE or FAILED in the background."""
+        volume = self._view.volume(volume_id)
+        if volume is None:
+            raise ActionRefused(f"volume {volume_id!r} not found")
+        try:
+            task = await self._snapshots.start_snapshot(volume, self._writer)
+        except (SnapshotBusy, RecordNotWritten, RestoreRefused) as exc:
+            raise ActionRefused(str(exc)) from None
+        self._follow(task, f"snapshot of volume {volume_id} (by {user})")
+        running = [
+            s for s in self._view.snapshots() if s.volume_id == volume_id and s.status == pb.SNAPSHOT_STATUS_RUNNING
+        ]
+        return running[-1].meta.id if running else ""
+
+    async def restore(self, user: str, volume_id: str, snapshot_id: str) -> bool:
+        """Rebuild the volume from a COMPLETE snapshot; True when it finished within :data:`QUICK_ANSWER`,
+        False when it goes on in the background (the volume shows RESTORING meanwhile)."""
+        task = asyncio.create_task(self._snapshots.restore(volume_id, snapshot_id, self._writer))
+        done, _ = await asyncio.wait({task}, timeout=QUICK_ANSWER)
+        if not done:
+            self._follow(task, f"restore of volume {volume_id} from {snapshot_id} (by {user})")
+            return False
+        try:
+            task.result()
+        except (RestoreRefused, SnapshotBusy, NodeOperationFailed) as exc:
+            raise ActionRefused(str(exc)) from None
+        return True

@@ -15,6 +15,8 @@ from services.console.web import Console, make_app
 from shared.clock import Clock
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
+from shared.settings import settings
+from shared.snapshots.dispatch import operator_dispatcher
 from shared.txn import Writer
 from shared.view import StateView
 
@@ -30,7 +32,7 @@ def build_console(
     return Console(
         conn=conn,
         view=view,
-        actions=Actions(conn, view, writer),
+        actions=Actions(conn, view, writer, operator_dispatcher(conn, view, clock, settings().restore_timeout)),
         sessions=Sessions(clock, cfg.session_ttl),
         limiter=LoginLimiter(clock, cfg.login_failures, cfg.login_window),
         clock=clock,
@@ -53,10 +55,12 @@ async def serve_console(
 ) -> None:
     routes = RouteClient(cache_dir / "routes.pb")
     await routes.start(conn)
-    runner, port = await start_site(build_console(conn, view, writer, clock, cfg, routes), cfg.host, cfg.port)
+    console = build_console(conn, view, writer, clock, cfg, routes)
+    runner, port = await start_site(console, cfg.host, cfg.port)
     log.info("console: serving on http://%s:%d", cfg.host, port)
     try:
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
+        await console.actions.close()
         await routes.stop()

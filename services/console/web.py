@@ -372,6 +372,28 @@ async def node_action(request: web.Request) -> web.StreamResponse:
     return _done(request, "/nodes", f"node {node_id}: {change} {'done' if edited else 'had nothing to do'}")
 
 
+async def snapshot_action(request: web.Request) -> web.StreamResponse:
+    console = _console(request)
+    volume_id = request.match_info["volume_id"]
+    try:
+        snapshot_id = await console.actions.take_snapshot(_session(request).user, volume_id)
+    except ActionRefused as exc:
+        return refuse(request, 409, str(exc))
+    return _done(request, "/volumes", f"snapshot {snapshot_id} of volume {volume_id} started", snapshot_id=snapshot_id)
+
+
+async def restore_action(request: web.Request) -> web.StreamResponse:
+    console = _console(request)
+    volume_id = request.match_info["volume_id"]
+    snapshot_id = (await _form(request)).get("snapshot_id", "")
+    try:
+        finished = await console.actions.restore(_session(request).user, volume_id, snapshot_id)
+    except ActionRefused as exc:
+        return refuse(request, 409, str(exc))
+    notice = "restored" if finished else "restoring (the volume shows RESTORING until it is done)"
+    return _done(request, "/volumes", f"volume {volume_id} from snapshot {snapshot_id}: {notice}", finished=finished)
+
+
 # ------------------------------------------------------------------------------------------------- SSE
 
 
@@ -513,6 +535,8 @@ def make_app(console: Console) -> web.Application:
     app.router.add_get("/builds/{build_id}", build_page)
     app.router.add_get("/builds/{build_id}/logs", build_logs)
     app.router.add_get("/volumes", volumes_page)
+    app.router.add_post("/volumes/{volume_id}/snapshot", snapshot_action)
+    app.router.add_post("/volumes/{volume_id}/restore", restore_action)
     app.router.add_get("/events", events_page)
     app.router.add_get("/events/stream", events_stream)
     app.router.add_get("/live", live)

@@ -20,6 +20,7 @@ from shared.clock import FakeClock
 from shared.console_users import ADMIN, VIEWER, new_user, save_user
 from shared.natsio import Connection
 from shared.secrets import CLUSTER_KEY, key_id
+from shared.snapshots.dispatch import SnapshotDispatcher
 from shared.txn import Writer
 from shared.view import StateView
 from tests import factories
@@ -84,7 +85,7 @@ async def running_console(
     console = Console(
         conn=conn,
         view=view,
-        actions=Actions(conn, view, writer),
+        actions=Actions(conn, view, writer, SnapshotDispatcher(conn, view, clock, first_reply_timeout=2.0)),
         sessions=Sessions(clock, 3600.0),
         limiter=LoginLimiter(clock, LOGIN_FAILURES, 300.0),
         clock=clock,
@@ -97,6 +98,7 @@ async def running_console(
         yield Running(console, f"http://127.0.0.1:{port}", clock)
     finally:
         await runner.cleanup()
+        await console.actions.close()
 
 
 def random_secret() -> str:

@@ -36,11 +36,11 @@ async def console(conn: Connection, view: StateView, writer: Writer) -> AsyncIte
         yield running
 
 
-def _client() -> aiohttp.ClientSession:
+def client() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
 
 
-async def _login(http: aiohttp.ClientSession, url: str, user: str, password: str = PASSWORD) -> aiohttp.ClientResponse:
+async def log_in(http: aiohttp.ClientSession, url: str, user: str, password: str = PASSWORD) -> aiohttp.ClientResponse:
     async with http.get(f"{url}/login") as page:
         token = re.search(r'name="login_token" value="([^"]+)"', await page.text())
     assert token is not None
@@ -48,7 +48,7 @@ async def _login(http: aiohttp.ClientSession, url: str, user: str, password: str
     return await http.post(f"{url}/login", data=form, allow_redirects=False)
 
 
-async def _csrf(http: aiohttp.ClientSession, url: str) -> str:
+async def csrf_of(http: aiohttp.ClientSession, url: str) -> str:
     async with http.get(f"{url}/") as page:
         found = re.search(r'name="csrf-token" content="([^"]+)"', await page.text())
     assert found is not None
@@ -56,7 +56,7 @@ async def _csrf(http: aiohttp.ClientSession, url: str) -> str:
 
 
 async def test_pages_need_a_session(console: Running) -> None:
-    async with _client() as http:
+    async with client() as http:
         async with http.get(f"{console.url}/", allow_redirects=False) as page:
             assert page.status == 303 and page.headers["Location"] == "/login"
         async with http.get(f"{console.url}/api/overview") as api:
@@ -66,10 +66,10 @@ async def test_pages_need_a_session(console: Running) -> None:
 
 
 async def test_login_sets_a_strict_httponly_session_cookie_and_a_wrong_password_is_refused(console: Running) -> None:
-    async with _client() as http:
-        wrong = await _login(http, console.url, ADMIN_USER, "not the password")
+    async with client() as http:
+        wrong = await log_in(http, console.url, ADMIN_USER, "not the password")
         assert wrong.status == 401
-        done = await _login(http, console.url, ADMIN_USER)
+        done = await log_in(http, console.url, ADMIN_USER)
         assert done.status == 303
         cookie = done.headers.getall("Set-Cookie")
         session = next(c for c in cookie if c.startswith("zattera_session="))
@@ -83,7 +83,7 @@ async def test_cookies_are_secure_when_configured(conn: Connection, view: StateV
     await add_users(conn)
     async with (
         running_console(conn, view, writer, secure_cookies=True) as running,
-        _client() as http,
+        client() as http,
         http.get(f"{running.url}/login") as page,
     ):
         assert "Secure" in page.headers["Set-Cookie"]
@@ -92,15 +92,15 @@ async def test_cookies_are_secure_when_configured(conn: Connection, view: StateV
 async def test_an_action_without_the_csrf_token_is_refused_and_writes_nothing(
     console: Running, view: StateView
 ) -> None:
-    async with _client() as http:
-        await _login(http, console.url, ADMIN_USER)
+    async with client() as http:
+        await log_in(http, console.url, ADMIN_USER)
         async with http.post(f"{console.url}/env/{ENV_ID}/rollback", data={"release_id": "01REL1"}) as refused:
             assert refused.status == 403 and "CSRF" in await refused.text()
         wrong = {"release_id": "01REL1", "csrf": "forged"}
         async with http.post(f"{console.url}/env/{ENV_ID}/rollback", data=wrong) as refused:
             assert refused.status == 403
         assert view.deployments(ENV_ID) == []
-        csrf = await _csrf(http, console.url)
+        csrf = await csrf_of(http, console.url)
         headers = {"X-CSRF-Token": csrf, "Accept": "application/json"}
         async with http.post(f"{console.url}/env/{ENV_ID}/rollback", data={}, headers=headers) as done:
             assert done.status == 200, await done.text()
@@ -108,9 +108,9 @@ async def test_an_action_without_the_csrf_token_is_refused_and_writes_nothing(
 
 
 async def test_a_viewer_sees_but_cannot_act(console: Running, view: StateView) -> None:
-    async with _client() as http:
-        await _login(http, console.url, VIEWER_USER)
-        csrf = await _csrf(http, console.url)
+    async with client() as http:
+        await log_in(http, console.url, VIEWER_USER)
+        csrf = await csrf_of(http, console.url)
         async with http.post(f"{console.url}/nodes/n1/cordon", data={"csrf": csrf}) as refused:
             assert refused.status == 403 and "viewer role" in await refused.text()
         node = view.node("n1")
@@ -118,18 +118,18 @@ async def test_a_viewer_sees_but_cannot_act(console: Running, view: StateView) -
 
 
 async def test_failed_logins_are_limited_per_name_until_the_window_passes(console: Running) -> None:
-    async with _client() as http:
+    async with client() as http:
         for _ in range(LOGIN_FAILURES):
-            assert (await _login(http, console.url, ADMIN_USER, "wrong password!")).status == 401
-        limited = await _login(http, console.url, ADMIN_USER)  # even the right password waits
+            assert (await log_in(http, console.url, ADMIN_USER, "wrong password!")).status == 401
+        limited = await log_in(http, console.url, ADMIN_USER)  # even the right password waits
         assert limited.status == 429 and int(limited.headers["Retry-After"]) > 0
         await console.clock.advance(301)
-        assert (await _login(http, console.url, ADMIN_USER)).status == 303
+        assert (await log_in(http, console.url, ADMIN_USER)).status == 303
 
 
 async def test_a_removed_user_is_logged_out(console: Running, conn: Connection) -> None:
-    async with _client() as http:
-        await _login(http, console.url, VIEWER_USER)
+    async with client() as http:
+        await log_in(http, console.url, VIEWER_USER)
         async with http.get(f"{console.url}/api/overview") as api:
             assert api.status == 200
         assert await remove_user(conn.js, VIEWER_USER)
@@ -139,9 +139,9 @@ async def test_a_removed_user_is_logged_out(console: Running, conn: Connection) 
 
 async def test_a_secret_set_is_sealed_and_its_value_never_comes_back(console: Running, view: StateView) -> None:
     value = random_secret()
-    async with _client() as http:
-        await _login(http, console.url, ADMIN_USER)
-        csrf = await _csrf(http, console.url)
+    async with client() as http:
+        await log_in(http, console.url, ADMIN_USER)
+        csrf = await csrf_of(http, console.url)
         form = {"csrf": csrf, "name": "API_TOKEN", "value": value}
         async with http.post(f"{console.url}/env/{ENV_ID}/secrets", data=form) as done:
             page = await done.text()
