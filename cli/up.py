@@ -86,6 +86,7 @@ class Cluster:
     port: int = 4222
     proxy_port: int = 8080
     proxy_host: str = DEFAULT_PROXY_HOST
+    console_port: int = 8090  # the web console's (docs/console.md); a free one when busy
     with_node: bool = True
     services: list[str] = field(default_factory=available_services)
     extra: list[Supervised] = field(default_factory=list)
@@ -156,6 +157,14 @@ class Cluster:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
+    def console_env(self) -> dict[str, str]:
+        """The console's port: ``ZATTERA_CONSOLE_PORT`` when set, else :attr:`console_port` or a free one."""
+        if "ZATTERA_CONSOLE_PORT" in os.environ:
+            self.console_port = int(os.environ["ZATTERA_CONSOLE_PORT"])
+        elif not _port_free(self.console_port):
+            self.console_port = free_port()
+        return {"ZATTERA_CONSOLE_PORT": str(self.console_port)}
+
     def start_services(self) -> None:
         env = self.child_env()
         for name in self.services:
@@ -163,7 +172,7 @@ class Cluster:
                 name,
                 [sys.executable, "-m", f"services.{name}", "--nats", self.url, *self.metrics_args(name)],
                 self.data_dir / "logs" / f"{name}.log",
-                env,
+                {**env, **self.console_env()} if name == "console" else env,
             )
             child.start()
             self.children.append(child)
@@ -362,6 +371,10 @@ def run_up(cluster: Cluster, *, hint: str = "") -> int:
         if any(c.name == "proxy" for c in cluster.children):
             console.print(f"  proxy:     listening on {proxy_listen_text(cluster.proxy_host, cluster.proxy_port)}")
             console.print(f"             http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")
+        if any(c.name == "console" for c in cluster.children):
+            console.print(
+                f"  console:   http://127.0.0.1:{cluster.console_port}  (users: `zattera console add-user NAME`)"
+            )
         console.print(hint or NEXT_STEPS.format(nats=cluster.url, port=cluster.proxy_port))
         console.print("Press Ctrl-C to stop.")
         while not stop:
