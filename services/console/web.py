@@ -432,6 +432,7 @@ async def _sse(request: web.Request, messages: AsyncIterator[tuple[str, str]]) -
 async def live(request: web.Request) -> web.StreamResponse:
     console = _console(request)
     page = request.query.get("page", "")
+    only_env = request.query.get("env", "")
     kinds = pages.kinds_of_page(page)
     if not kinds:
         raise web.HTTPNotFound(text="page: unknown")
@@ -443,6 +444,8 @@ async def live(request: web.Request) -> web.StreamResponse:
             yield "hello", json.dumps({"revision": pages.page_revision(console.view, page)})
             while True:
                 changed = pages.changed_envs(console.view, await feed.wait())
+                if only_env and changed is not None and only_env not in changed:
+                    continue  # another env's change: not on this env's page
                 yield "change", json.dumps({"envs": changed})
         finally:
             feed.close()

@@ -42,7 +42,8 @@
         fetching = false;
       }
     }
-    const source = new EventSource("/live?page=" + encodeURIComponent(page));
+    const only = body.dataset.liveEnv ? "&env=" + encodeURIComponent(body.dataset.liveEnv) : "";
+    const source = new EventSource("/live?page=" + encodeURIComponent(page) + only);
     source.addEventListener("change", (event) => {
       const change = JSON.parse(event.data);
       if (page === "overview" && change.envs) { change.envs.forEach((id) => rows.add(id)); } else { whole = true; }
