@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
 
 import aiohttp
-import pytest
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
@@ -24,16 +22,7 @@ from tests.console.rig import (
     add_users,
     random_secret,
     running_console,
-    seed,
 )
-
-
-@pytest.fixture
-async def console(conn: Connection, view: StateView, writer: Writer) -> AsyncIterator[Running]:
-    await seed(writer)
-    await add_users(conn)
-    async with running_console(conn, view, writer) as running:
-        yield running
 
 
 def client() -> aiohttp.ClientSession:

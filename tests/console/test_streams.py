@@ -16,19 +16,11 @@ from shared.events import EventPublisher, make_event
 from shared.natsio import EVENTS_STREAM, Connection
 from shared.txn import Writer
 from shared.view import StateView
-from tests.console.rig import ADMIN_USER, ENV_ID, Running, add_users, running_console, seed
+from tests.console.rig import ADMIN_USER, ENV_ID, Running
 from tests.console.test_auth import client, csrf_of, log_in
 from tests.waiting import eventually
 
 Message = tuple[str, str]
-
-
-@pytest.fixture
-async def console(conn: Connection, view: StateView, writer: Writer) -> AsyncIterator[Running]:
-    await seed(writer)
-    await add_users(conn)
-    async with running_console(conn, view, writer) as running:
-        yield running
 
 
 @pytest.fixture
