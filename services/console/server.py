@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from pathlib import Path
 
 from aiohttp import web
@@ -41,11 +42,14 @@ def build_console(
     )
 
 
-async def start_site(console: Console, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve ``console`` on host:port (0 = a free port); returns the runner and the bound port."""
+async def start_site(
+    console: Console, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+) -> tuple[web.AppRunner, int]:
+    """Serve ``console`` on host:port (0 = a free port), HTTPS with ``ssl_context``; returns the runner and the
+    bound port."""
     runner = web.AppRunner(make_app(console), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, shutdown_timeout=SHUTDOWN_TIMEOUT)
+    site = web.TCPSite(runner, host, port, shutdown_timeout=SHUTDOWN_TIMEOUT, ssl_context=ssl_context)
     await site.start()
     return runner, int(runner.addresses[0][1])
 
@@ -56,8 +60,9 @@ async def serve_console(
     routes = RouteClient(cache_dir / "routes.pb")
     await routes.start(conn)
     console = build_console(conn, view, writer, clock, cfg, routes)
-    runner, port = await start_site(console, cfg.host, cfg.port)
-    log.info("console: serving on http://%s:%d", cfg.host, port)
+    tls = cfg.ssl_context()
+    runner, port = await start_site(console, cfg.host, cfg.port, tls)
+    log.info("console: serving on %s://%s:%d", "https" if tls else "http", cfg.host, port)
     try:
         await asyncio.Event().wait()
     finally:

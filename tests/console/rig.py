@@ -4,6 +4,7 @@ node, the cluster secrets key), users, and the aiohttp server on a free port in 
 from __future__ import annotations
 
 import secrets
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -79,7 +80,12 @@ class Running:
 
 @asynccontextmanager
 async def running_console(
-    conn: Connection, view: StateView, writer: Writer, *, secure_cookies: bool = False
+    conn: Connection,
+    view: StateView,
+    writer: Writer,
+    *,
+    secure_cookies: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> AsyncIterator[Running]:
     clock = FakeClock(1_780_000_000.0)
     console = Console(
@@ -93,9 +99,9 @@ async def running_console(
         secure_cookies=secure_cookies,
     )
     runner: web.AppRunner
-    runner, port = await start_site(console, "127.0.0.1", 0)
+    runner, port = await start_site(console, "127.0.0.1", 0, ssl_context)
     try:
-        yield Running(console, f"http://127.0.0.1:{port}", clock)
+        yield Running(console, f"{'https' if ssl_context else 'http'}://127.0.0.1:{port}", clock)
     finally:
         await runner.cleanup()
         await console.actions.close()

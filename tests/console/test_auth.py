@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import re
+import ssl
+from pathlib import Path
 
 import aiohttp
 from zattera.v1 import types_pb2 as pb
 
+from services.console.settings import server_ssl_context
 from shared import keys as K
 from shared.console_users import remove_user
 from shared.natsio import Connection
+from shared.security.tls import generate
 from shared.txn import Writer
 from shared.view import StateView
 from tests.console.rig import (
@@ -76,6 +80,24 @@ async def test_cookies_are_secure_when_configured(conn: Connection, view: StateV
         http.get(f"{running.url}/login") as page,
     ):
         assert "Secure" in page.headers["Set-Cookie"]
+
+
+async def test_under_https_the_session_cookie_is_secure(
+    conn: Connection, view: StateView, writer: Writer, tmp_path: Path
+) -> None:
+    await add_users(conn)
+    files = generate(tmp_path, ["127.0.0.1"])
+    trust = ssl.create_default_context(cafile=str(files.ca))
+    async with (
+        running_console(conn, view, writer, ssl_context=server_ssl_context(files.cert, files.key)) as running,
+        aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=trust), cookie_jar=aiohttp.CookieJar(unsafe=True)
+        ) as http,
+    ):
+        assert running.url.startswith("https://")
+        done = await log_in(http, running.url, ADMIN_USER)
+        session = next(c for c in done.headers.getall("Set-Cookie") if c.startswith("zattera_session="))
+        assert "Secure" in session and "HttpOnly" in session and "SameSite=Strict" in session
 
 
 async def test_an_action_without_the_csrf_token_is_refused_and_writes_nothing(
