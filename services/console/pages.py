@@ -47,9 +47,25 @@ def urls_by_env(routes: cpb.RouteSnapshot | None) -> dict[str, list[str]]:
     return {env_id: sorted(urls) for env_id, urls in found.items()}
 
 
+PHASE_ORDER = (
+    pb.DEPLOYMENT_PHASE_PENDING,
+    pb.DEPLOYMENT_PHASE_BUILDING,
+    pb.DEPLOYMENT_PHASE_PLACING,
+    pb.DEPLOYMENT_PHASE_STOPPING_OLD,  # stateful deploys only: the old instance stops before the new starts
+    pb.DEPLOYMENT_PHASE_STARTING,
+    pb.DEPLOYMENT_PHASE_HEALTHCHECKING,
+    pb.DEPLOYMENT_PHASE_PROMOTING,
+    pb.DEPLOYMENT_PHASE_DRAINING_OLD,
+    pb.DEPLOYMENT_PHASE_SUCCEEDED,
+)
+"""The way a deployment goes; its progress is the position of its phase along it."""
+
+
 def _deployment(view: StateView, d: pb.Deployment) -> dict[str, Any]:
     release = view.release(d.release_id)
     return {
+        "step": PHASE_ORDER.index(d.phase) + 1 if d.phase in PHASE_ORDER else 0,
+        "steps": len(PHASE_ORDER),
         "id": d.meta.id,
         "release": f"v{release.version}" if release else "?",
         "phase": enum_name(pb.DeploymentPhase, d.phase, "DEPLOYMENT_PHASE_"),
