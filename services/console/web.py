@@ -46,6 +46,7 @@ EVENTS_BACKLOG = 100
 LOG_BACKLOG = 100
 LOG_STREAM_RETRY = 1.0
 LIVE_HEADER = "X-Console-Live"
+STREAM_CHUNK = 16 * 1024
 
 STATE: web.AppKey[Console] = web.AppKey("console")
 SESSION = web.RequestKey("session", Session)
@@ -91,20 +92,38 @@ def _address(request: web.Request) -> str:
     return request.remote or "?"
 
 
-def render(request: web.Request, template: str, status: int = 200, **context: Any) -> web.Response:
+def _page(request: web.Request, template: str, context: dict[str, Any]) -> tuple[jinja2.Template, dict[str, Any]]:
     console = _console(request)
     session = request.get(SESSION)
     # A live refresh (the page fetching itself) must not take the notice meant for the next page shown.
     live_refresh = LIVE_HEADER in request.headers
     notice = console.flash.pop(session.csrf, "") if session is not None and not live_refresh else ""
-    html = console.templates.get_template(template).render(
-        session=session,
-        notice=notice,
-        path=request.path,
-        revision=pages.page_revision(console.view, context.get("page", "")),
-        **context,
-    )
-    return web.Response(text=html, status=status, content_type="text/html")
+    revision = pages.page_revision(console.view, context.get("page", ""))
+    full = {"session": session, "notice": notice, "path": request.path, "revision": revision, **context}
+    return console.templates.get_template(template), full
+
+
+def render(request: web.Request, template: str, status: int = 200, **context: Any) -> web.Response:
+    page, full = _page(request, template, context)
+    return web.Response(text=page.render(full), status=status, content_type="text/html")
+
+
+async def render_streamed(request: web.Request, template: str, **context: Any) -> web.StreamResponse:
+    """A long page sent as it is rendered: the browser paints the top while the rest is still coming."""
+    page, full = _page(request, template, context)
+    response = web.StreamResponse(headers={"Content-Type": "text/html; charset=utf-8"})
+    await response.prepare(request)
+    pending: list[str] = []
+    size = 0
+    for piece in page.generate(full):
+        pending.append(piece)
+        size += len(piece)
+        if size >= STREAM_CHUNK:
+            await response.write("".join(pending).encode())
+            pending, size = [], 0
+    await response.write("".join(pending).encode())
+    await response.write_eof()
+    return response
 
 
 def refuse(request: web.Request, status: int, message: str) -> web.Response:
@@ -116,11 +135,8 @@ def refuse(request: web.Request, status: int, message: str) -> web.Response:
 PUBLIC = ("/login", "/static/")
 
 
-@web.middleware
-async def security_headers(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    response = await handler(request)
+async def security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """On every response, streamed ones included (set as it is prepared)."""
     response.headers["Content-Security-Policy"] = (
         "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
         "frame-ancestors 'none'; form-action 'self'; base-uri 'none'"
@@ -130,7 +146,6 @@ async def security_headers(
     response.headers["X-Frame-Options"] = "DENY"
     if not request.path.startswith("/static/"):
         response.headers["Cache-Control"] = "no-store"
-    return response
 
 
 @web.middleware
@@ -243,11 +258,11 @@ def _env_or_404(console: Console, env_id: str) -> pb.Environment:
     return env
 
 
-async def overview_page(request: web.Request) -> web.Response:
+async def overview_page(request: web.Request) -> web.StreamResponse:
     console = _console(request)
     only = [env_id for env_id in request.query.get("only", "").split(",") if env_id]
     envs = pages.overview(console.view, console.routes(), only)
-    return render(request, "overview.html", page="overview", envs=envs)
+    return await render_streamed(request, "overview.html", page="overview", envs=envs)
 
 
 async def overview_api(request: web.Request) -> web.Response:
@@ -519,7 +534,8 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
 
 
 def make_app(console: Console) -> web.Application:
-    app = web.Application(middlewares=[security_headers, require_session], client_max_size=256 * 1024)
+    app = web.Application(middlewares=[require_session], client_max_size=256 * 1024)
+    app.on_response_prepare.append(security_headers)
     app[STATE] = console
     app.router.add_get("/login", login_page)
     app.router.add_post("/login", login)

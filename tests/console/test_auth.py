@@ -67,6 +67,10 @@ async def test_login_sets_a_strict_httponly_session_cookie_and_a_wrong_password_
         cookie = done.headers.getall("Set-Cookie")
         session = next(c for c in cookie if c.startswith("zattera_session="))
         assert "HttpOnly" in session and "SameSite=Strict" in session and "Secure" not in session
+        async with http.get(f"{console.url}/") as page:  # streamed as rendered: the headers still apply
+            assert "default-src 'self'" in page.headers["Content-Security-Policy"]
+            assert page.headers["Cache-Control"] == "no-store" and page.headers["X-Frame-Options"] == "DENY"
+            assert "shop/web/production" in await page.text()
         async with http.get(f"{console.url}/api/overview") as api:
             rows = (await api.json())["environments"]
         assert [(r["path"], r["active_release"], r["desired"]) for r in rows] == [("shop/web/production", "v2", 2)]
