@@ -88,6 +88,11 @@ def _secure(request: web.Request, console: Console) -> bool:
     return console.secure_cookies or request.secure
 
 
+def _redirect(where: str) -> web.Response:
+    """303 See Other: after a form's POST the browser GETs ``where``."""
+    return web.Response(status=303, headers={"Location": where})
+
+
 def _address(request: web.Request) -> str:
     return request.remote or "?"
 
@@ -234,18 +239,18 @@ async def login(request: web.Request) -> web.StreamResponse:
         )
     console.limiter.succeeded(name)
     token, _ = console.sessions.open(user.name, user.role)
-    response = web.HTTPSeeOther("/")
+    response = _redirect("/")
     _set_cookie(request, response, SESSION_COOKIE, token)
     response.del_cookie(LOGIN_COOKIE, path="/login")
     log.info("console: %s logged in (%s)", user.name, user.role)
-    raise response
+    return response
 
 
 async def logout(request: web.Request) -> web.StreamResponse:
     _console(request).sessions.close(request.cookies.get(SESSION_COOKIE, ""))
-    response = web.HTTPSeeOther("/login")
+    response = _redirect("/login")
     response.del_cookie(SESSION_COOKIE, path="/")
-    raise response
+    return response
 
 
 # ------------------------------------------------------------------------------------------------- pages
@@ -317,7 +322,7 @@ def _done(request: web.Request, where: str, notice: str, **payload: Any) -> web.
     if _is_api(request):
         return web.json_response({"ok": True, "message": notice, **payload})
     _console(request).flash[_session(request).csrf] = notice
-    raise web.HTTPSeeOther(where)
+    return _redirect(where)
 
 
 async def _form(request: web.Request) -> dict[str, str]:
@@ -434,8 +439,8 @@ async def _sse(request: web.Request, messages: AsyncIterator[tuple[str, str]]) -
             pending = None
             payload = "".join(f"data: {line}\n" for line in data.split("\n"))
             await response.write(f"event: {event}\n{payload}\n".encode())
-    except (ConnectionResetError, asyncio.CancelledError):
-        pass
+    except ConnectionResetError:
+        pass  # the browser left
     finally:
         if pending is not None:
             pending.cancel()
