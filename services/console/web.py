@@ -173,13 +173,13 @@ async def require_session(
     if session is None:
         if _is_api(request) or request.method != "GET":
             return web.json_response({"error": "not logged in"}, status=401)
-        raise web.HTTPSeeOther("/login")
+        return _redirect("/login")
     request[SESSION] = session
     if request.method == "POST":
-        token = request.headers.get("X-CSRF-Token", "")
-        if not token and request.content_type == "application/x-www-form-urlencoded":
-            token = str((await request.post()).get("csrf", ""))
-        if not tokens_equal(token, session.csrf):
+        csrf = request.headers.get("X-CSRF-Token", "")
+        if not csrf and request.content_type == "application/x-www-form-urlencoded":
+            csrf = str((await request.post()).get("csrf", ""))
+        if not tokens_equal(csrf, session.csrf):
             return refuse(request, 403, "refused: the form's CSRF token is missing or wrong (reload the page)")
         if session.role != ADMIN and request.path != "/logout":
             return refuse(request, 403, f"refused: user {session.user} has the {session.role} role, which cannot act")
