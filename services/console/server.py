@@ -36,7 +36,6 @@ def build_console(
         actions=Actions(conn, view, writer, operator_dispatcher(conn, view, clock, settings().restore_timeout)),
         sessions=Sessions(clock, cfg.session_ttl),
         limiter=LoginLimiter(clock, cfg.login_failures, cfg.login_window),
-        clock=clock,
         routes=lambda: routes.current if routes.version else None,
         secure_cookies=cfg.secure_cookies,
     )

@@ -31,7 +31,6 @@ from services.console.actions import NODE_CHANGES, ActionRefused, Actions
 from services.console.auth import LOGIN_COOKIE, SESSION_COOKIE, LoginLimiter, Session, Sessions, tokens_equal
 from shared.applogs import AppLogLine, UnknownLogStream, read_app_logs
 from shared.buildlogs import follow_build_log
-from shared.clock import Clock
 from shared.console_users import ADMIN, burn_check, load_user, password_matches
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
 from shared.scaling import ScaleRequest
@@ -59,7 +58,6 @@ class Console:
     actions: Actions
     sessions: Sessions
     limiter: LoginLimiter
-    clock: Clock
     routes: Callable[[], cpb.RouteSnapshot | None]
     secure_cookies: bool = False
 
@@ -327,7 +325,10 @@ def _done(request: web.Request, where: str, notice: str, **payload: Any) -> web.
 
 async def _form(request: web.Request) -> dict[str, str]:
     if request.content_type == "application/json":
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError:
+            raise web.HTTPBadRequest(text="body: not valid JSON") from None
         return {str(k): str(v) for k, v in body.items()} if isinstance(body, dict) else {}
     return {k: str(v) for k, v in (await request.post()).items()}
 

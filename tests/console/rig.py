@@ -94,7 +94,6 @@ async def running_console(
         actions=Actions(conn, view, writer, SnapshotDispatcher(conn, view, clock, first_reply_timeout=2.0)),
         sessions=Sessions(clock, 3600.0),
         limiter=LoginLimiter(clock, LOGIN_FAILURES, 300.0),
-        clock=clock,
         routes=lambda: None,
         secure_cookies=secure_cookies,
     )

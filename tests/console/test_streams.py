@@ -124,5 +124,7 @@ async def test_scale_and_cordon_write_what_the_cli_writes_and_refusals_name_the_
         assert drained.status == 200
     node = view.node("n1")
     assert node is not None and node.status == pb.NODE_STATUS_DRAINING and not node.schedulable
+    async with http.post(scale, data=b"{not json", headers=headers | {"Content-Type": "application/json"}) as bad_body:
+        assert bad_body.status == 400 and await bad_body.text() == "body: not valid JSON"
     async with http.post(f"{console.url}/nodes/n9/cordon", headers=headers) as missing:
         assert missing.status == 409 and await missing.json() == {"error": "node 'n9' not found"}
