@@ -21,7 +21,7 @@ import aiohttp
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, bench_main, embedded_server, median, percentile, row
-from shared.console_users import ADMIN, new_user, save_user
+from shared.console_users import ADMIN, new_user, save_user, users_bucket
 from shared.natsio import connect, provision
 from shared.txn import Writer
 from shared.view import StateView
@@ -124,6 +124,7 @@ async def _bench(url: str, envs: int, loads: int, paints: int, changes: int, *, 
     writer = Writer(conn, view)
     try:
         env_ids = await _seed(writer, envs)
+        await users_bucket(conn.js, create=True)  # as the console does when it starts
         await save_user(conn.js, new_user("bench", ADMIN, PASSWORD, rounds=4))
         async with running_console(conn, view, writer) as console:
             server = await _server_times(console.url, loads)

@@ -13,7 +13,16 @@ import typer
 
 from cli import render
 from cli.client import control, err, fail, run
-from shared.console_users import ADMIN, ROLES, UserError, list_users, new_user, remove_user, save_user
+from shared.console_users import (
+    ADMIN,
+    ROLES,
+    NoUsersBucket,
+    UserError,
+    list_users,
+    new_user,
+    remove_user,
+    save_user,
+)
 
 console_app = typer.Typer(no_args_is_help=True, help="Web console users (`python -m services.console`).")
 
@@ -41,7 +50,10 @@ def add_user(
 
     async def go() -> None:
         async with control(view=False) as c:
-            await save_user(c.conn.js, user)
+            try:
+                await save_user(c.conn.js, user)
+            except NoUsersBucket as exc:
+                raise fail(str(exc)) from None
 
     run(go)
     err.print(f"console user {name} saved ({role})", markup=False, highlight=False)

@@ -86,9 +86,16 @@ async def users_bucket(js: JetStreamContext, *, create: bool) -> KeyValue | None
     return await js.create_key_value(bucket=USERS_BUCKET, history=1, replicas=await recorded_replicas(js))
 
 
+class NoUsersBucket(Exception):
+    """The console has not run yet: it creates the bucket (an operator's credential may not create streams)."""
+
+
 async def save_user(js: JetStreamContext, user: ConsoleUser) -> None:
-    kv = await users_bucket(js, create=True)
-    assert kv is not None
+    kv = await users_bucket(js, create=False)
+    if kv is None:
+        raise NoUsersBucket(
+            f"no {USERS_BUCKET} bucket yet: start the console once (`zattera up` does; docs/console.md)"
+        )
     doc = {"name": user.name, "role": user.role, "password_bcrypt": user.password_bcrypt, "created_at": user.created_at}
     await kv.put(user_key(user.name), json.dumps(doc).encode())
 

@@ -14,6 +14,7 @@ from services.console.auth import LoginLimiter, Sessions
 from services.console.settings import ConsoleSettings
 from services.console.web import Console, make_app
 from shared.clock import Clock
+from shared.console_users import users_bucket
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.settings import settings
@@ -56,6 +57,7 @@ async def start_site(
 async def serve_console(
     conn: Connection, view: StateView, writer: Writer, clock: Clock, cfg: ConsoleSettings, cache_dir: Path
 ) -> None:
+    await users_bucket(conn.js, create=True)  # `zattera console add-user` writes into it
     routes = RouteClient(cache_dir / "routes.pb")
     await routes.start(conn)
     console = build_console(conn, view, writer, clock, cfg, routes)

@@ -22,6 +22,7 @@ from enum import StrEnum
 from typing import Any
 
 from shared.applogs import APP_LOGS_SUBJECT_PREFIX
+from shared.console_users import USERS_BUCKET
 from shared.natsio import (
     ACTIVATE_SUBJECT,
     BUILD_EVENTS_STREAM,
@@ -151,6 +152,7 @@ OPERATOR = Permissions(
         ROUTES_GET_SUBJECT,
         JOIN_ISSUE_SUBJECT,
         ROTATE_SUBJECT,  # `zattera secrets rotate-key`
+        f"$KV.{USERS_BUCKET}.>",  # `zattera console add-user|remove-user` (the console creates the bucket)
         # `zattera volumes snapshot` / `restore` ask the volume's node directly (progress comes to the inbox).
         agent_subject("*", "snapshot"),
         agent_subject("*", "restore"),

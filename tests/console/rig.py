@@ -18,7 +18,7 @@ from services.console.auth import LoginLimiter, Sessions
 from services.console.server import start_site
 from services.console.web import Console
 from shared.clock import FakeClock
-from shared.console_users import ADMIN, VIEWER, new_user, save_user
+from shared.console_users import ADMIN, VIEWER, new_user, save_user, users_bucket
 from shared.natsio import Connection
 from shared.secrets import CLUSTER_KEY, key_id
 from shared.snapshots.dispatch import SnapshotDispatcher
@@ -67,6 +67,7 @@ def cluster_key() -> pb.SecretsKey:
 
 
 async def add_users(conn: Connection) -> None:
+    await users_bucket(conn.js, create=True)  # as the console does when it starts
     for name, role in ((ADMIN_USER, ADMIN), (VIEWER_USER, VIEWER)):
         await save_user(conn.js, new_user(name, role, PASSWORD, rounds=4))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shared.console_users import load_user, password_matches
+from shared.console_users import load_user, password_matches, users_bucket
 from shared.txn import Writer
 from shared.view import StateView
 from tests.cli.rig import Invoke, initialised_cli, state
@@ -13,8 +13,18 @@ from tests.cli.rig import Invoke, initialised_cli, state
 PASSWORD = "a long enough password"
 
 
+def _console_started(nats_url: str) -> None:
+    async def create(conn: Any, view: StateView, writer: Writer) -> None:
+        await users_bucket(conn.js, create=True)
+
+    state(nats_url, create)
+
+
 def test_add_user_stores_only_a_bcrypt_hash_and_lists_names_and_roles(nats_url: str) -> None:
     cli: Invoke = initialised_cli(nats_url)
+    early = cli("console", "add-user", "vic", input=PASSWORD + "\n")
+    assert early.exit_code == 1 and "no zattera-console bucket yet: start the console once" in early.output
+    _console_started(nats_url)
     added = cli("console", "add-user", "vic", "--role", "viewer", input=PASSWORD + "\n")
     assert added.exit_code == 0, added.output
     assert PASSWORD not in added.output
@@ -36,6 +46,7 @@ def test_add_user_stores_only_a_bcrypt_hash_and_lists_names_and_roles(nats_url: 
 
 def test_bad_input_is_refused_naming_the_field_and_nothing_is_written(nats_url: str) -> None:
     cli: Invoke = initialised_cli(nats_url)
+    _console_started(nats_url)
     short = cli("console", "add-user", "ada", input="short\n")
     assert short.exit_code == 1 and "password: must be 10 to 72 bytes long" in short.output
     role = cli("console", "add-user", "ada", "--role", "root", input=PASSWORD + "\n")
