@@ -32,6 +32,7 @@ LOOPS_OF = {
     "routes": {"vips"},
     "join": set(),
     "secrets": {"secrets-gc"},
+    "console": set(),
 }
 
 
@@ -54,6 +55,7 @@ def start(service: str, url: str, log: Path, lease_ttl: float = 1) -> subprocess
         "ZATTERA_LEASE_TTL": str(lease_ttl),
         "ZATTERA_LEASE_RENEW": "0.3",
         "ZATTERA_DATA_DIR": str(log.parent),  # the secrets service makes its key file there
+        "ZATTERA_CONSOLE_PORT": "0",  # a free one
     }
     with open(log, "wb") as fh:
         return subprocess.Popen(
