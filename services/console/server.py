@@ -43,13 +43,17 @@ def build_console(
 
 
 async def start_site(
-    console: Console, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+    console: Console,
+    host: str,
+    port: int,
+    ssl_context: ssl.SSLContext | None = None,
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT,
 ) -> tuple[web.AppRunner, int]:
     """Serve ``console`` on host:port (0 = a free port), HTTPS with ``ssl_context``; returns the runner and the
     bound port."""
     runner = web.AppRunner(make_app(console), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, shutdown_timeout=SHUTDOWN_TIMEOUT, ssl_context=ssl_context)
+    site = web.TCPSite(runner, host, port, shutdown_timeout=shutdown_timeout, ssl_context=ssl_context)
     await site.start()
     return runner, int(runner.addresses[0][1])
 

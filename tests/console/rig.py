@@ -99,7 +99,7 @@ async def running_console(
         secure_cookies=secure_cookies,
     )
     runner: web.AppRunner
-    runner, port = await start_site(console, "127.0.0.1", 0, ssl_context)
+    runner, port = await start_site(console, "127.0.0.1", 0, ssl_context, shutdown_timeout=0.1)
     try:
         yield Running(console, f"{'https' if ssl_context else 'http'}://127.0.0.1:{port}", clock)
     finally:
