@@ -510,7 +510,9 @@ async def build_logs(request: web.Request) -> web.StreamResponse:
 
 
 async def events_stream(request: web.Request) -> web.StreamResponse:
+    """The last events (of one env with ``?env=ID``), then new ones as they are published."""
     console = _console(request)
+    only_env = request.query.get("env", "")
 
     async def lines() -> AsyncIterator[tuple[str, str]]:
         js = console.conn.js
@@ -526,7 +528,10 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
         try:
             while True:
                 msg = await sub.next_msg(timeout=None)
-                event = pages.event_line(console.view, pb.Event.FromString(msg.data))
+                decoded = pb.Event.FromString(msg.data)
+                if only_env and decoded.environment_id != only_env:
+                    continue
+                event = pages.event_line(console.view, decoded)
                 text = f"{event['at']} {event['kind']} {event['scope']} {event['message']}"
                 yield "line", json.dumps({"text": text, "error": event["severity"] != "info"})
         finally:

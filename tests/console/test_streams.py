@@ -100,6 +100,11 @@ async def test_events_stream_the_recent_ones_then_new_ones(
         await publisher.publish(make_event("node.down", "node n1 is down", severity="error", node_id="n1"))
         second = await _next(messages, "line")
         assert "node.down node n1 node n1 is down" in str(second["text"]) and second["error"]
+    async with http.get(f"{console.url}/events/stream?env={ENV_ID}") as of_the_env:  # the env page's
+        messages = _messages(of_the_env)
+        assert "v2 is live" in str((await _next(messages, "line"))["text"])
+        await publisher.publish(make_event("deploy.failed", "v3 failed", environment_id=ENV_ID))
+        assert "v3 failed" in str((await _next(messages, "line"))["text"])  # the node's event is left out
 
 
 async def _stored(conn: Connection, count: int) -> bool:
