@@ -13,6 +13,7 @@ SYSTEM_PACKAGES += nodejs npm  # builds of Node apps (npm ci, npm run build) and
 SYSTEM_PACKAGES += pebble  # ACME test CA (pebble, pebble-challtestsrv) for the certificate tests
 
 SYSTEM_PACKAGES += docker.io busybox-static  # the docker runtime (issue 20): its tests start their own dockerd; busybox is their base image
+SYSTEM_PACKAGES += chromium  # the web console's browser tests (Playwright drives the system browser)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -11,7 +11,6 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import typer
@@ -25,6 +24,7 @@ from cli.deletion import Deletion, deletion_events, deletion_txn, plan_deletion
 from shared.deployments import desired_replicas, is_terminal
 from shared.events import EventPublisher, event_for_env
 from shared.placement.placement import explain
+from shared.scaling import ScaleRequest, scaled
 from shared.txn import Conflict
 from shared.view import StateView
 
@@ -176,58 +176,6 @@ def projects_delete(
 # ---------------------------------------------------------------------------------------------- scale
 
 
-@dataclass(frozen=True, slots=True)
-class ScaleRequest:
-    """What ``zattera scale`` was asked (None: not given)."""
-
-    replicas: int | None
-    minimum: int | None
-    maximum: int | None
-
-    def check(self) -> None:
-        """Refuse a bad request naming the option, before anything is read or written."""
-        if self.replicas is None and self.minimum is None and self.maximum is None:
-            raise fail("give REPLICAS (a fixed count) or --min/--max (the autoscaling bounds)")
-        for option, value in (("REPLICAS", self.replicas), ("--min", self.minimum), ("--max", self.maximum)):
-            if value is not None and value < 0:
-                raise fail(f"{option} {value}: must be 0 or more")
-
-
-def scaled(env: pb.Environment, request: ScaleRequest) -> pb.Environment:
-    """The env with its replica bounds and count set as asked; raises ValueError naming the option.
-
-    REPLICAS alone is a fixed count (min = max = N: the autoscaler has no room); --min/--max set the
-    bounds the autoscaler moves within (with REPLICAS: the count to start from, inside them), and the
-    current count is brought inside them. A cold
-    scale-to-zero env stays cold (its next request wakes it within the new bounds); REPLICAS 0 on one
-    cools it now without touching its bounds.
-    """
-    new = pb.Environment()
-    new.CopyFrom(env)
-    spec = new.service.replicas
-    cold_s2z = env.service.scale_to_zero and env.effective_replicas == 0
-    if request.replicas == 0 and env.service.scale_to_zero and request.minimum is None and request.maximum is None:
-        new.effective_replicas = 0
-        return new
-    fixed = request.minimum is None and request.maximum is None
-    if fixed:
-        spec.min = spec.max = request.replicas or 0
-    if request.minimum is not None:
-        spec.min = request.minimum
-    if request.maximum is not None:
-        spec.max = request.maximum
-    if spec.max < spec.min:
-        which = "--max" if request.maximum is not None else "--min"
-        raise ValueError(f"{which}: max {spec.max} is below min {spec.min}")
-    if request.replicas is not None and not spec.min <= request.replicas <= spec.max:
-        raise ValueError(f"REPLICAS {request.replicas}: outside --min {spec.min} / --max {spec.max}")
-    if cold_s2z:
-        return new
-    current = request.replicas if request.replicas is not None else desired_replicas(env)
-    new.effective_replicas = min(max(current, spec.min), spec.max)
-    return new
-
-
 def scale(
     replicas: int | None = typer.Argument(None, help="a fixed replica count (min = max = REPLICAS)"),
     env: str = typer.Option(..., "--env", help="environment id or project/app/env"),
@@ -238,7 +186,9 @@ def scale(
     """Set an environment's replica count (REPLICAS) or its autoscaling bounds (--min/--max). The next
     `zattera apps apply` sets the bounds from zattera.toml again."""
     request = ScaleRequest(replicas, minimum, maximum)
-    request.check()
+    problem = request.problem()
+    if problem:
+        raise fail(problem)
 
     async def go() -> None:
         async with control() as c:

@@ -22,6 +22,7 @@ from cli.build_cmds import build_app
 from cli.client import OPTIONS, Control, control, err, run
 from cli.cluster_cmds import cluster_app
 from cli.config_cmds import config_app
+from cli.console_cmds import console_app
 from cli.context_cmds import context_app
 from cli.domains_cmds import domains_app
 from cli.env_cmds import apps_delete, envs_app, placement_status, print_unplaced, projects_app, scale, status
@@ -129,6 +130,7 @@ app.add_typer(jobs_app, name="jobs")
 app.command("run", context_settings={"allow_interspersed_args": False})(run_command)
 
 app.add_typer(images_app, name="images")
+app.add_typer(console_app, name="console")
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 WIDE = typer.Option(False, "--wide", help="every column, ids included")
@@ -932,11 +934,9 @@ def volumes_snapshots(
 
 def _snapshot_dispatcher(c: Control) -> Any:
     from shared.clock import RealClock
-    from shared.snapshots.dispatch import TOUCH_EVERY, SnapshotDispatcher, target_from_env
+    from shared.snapshots.dispatch import operator_dispatcher
 
-    # A restore touches its RESTORING volume at least thrice per reaper timeout, so a live one is never reaped.
-    touch_every = min(TOUCH_EVERY, settings().restore_timeout / 3)
-    return SnapshotDispatcher(c.conn, c.view, RealClock(), target=target_from_env(), touch_every=touch_every)
+    return operator_dispatcher(c.conn, c.view, RealClock(), settings().restore_timeout)
 
 
 @volumes_app.command("snapshot")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import getpass
 import sys
-import time
 from pathlib import Path
 
 import typer
@@ -32,28 +31,20 @@ from cli.config_cmds import (
     say,
     target_env,
 )
-from shared import keys as K
 from shared.appconfig import (
     ConfigError,
-    check_env_size,
     check_name,
     check_secret_value,
-    secret_sizes,
-    unreferenced_secrets,
 )
 from shared.deploy import ConfigEdit
-from shared.ids import new_id
-from shared.secrets import CLUSTER_KEY, ROTATE_SUBJECT, seal
+from shared.secret_edits import prune_secrets, set_secret_edit
+from shared.secrets import ROTATE_SUBJECT
 from shared.telemetry import span
 from shared.txn import Txn
 from shared.view import StateView
 
 secrets_app = typer.Typer(no_args_is_help=True, help="Sealed secrets of an environment (values never shown).")
 
-NO_CLUSTER_KEY = (
-    "no cluster secrets key is configured: run the secrets service (`zattera up` does) with its key file"
-    " or ZATTERA_SECRETS_KEY (docs/secrets.md)"
-)
 ROTATE_TIMEOUT = 120.0
 
 
@@ -72,48 +63,6 @@ def _read_value(name: str, from_file: Path | None) -> bytes:
     return data[:-1] if data.endswith(b"\n") else data  # `echo value |` adds one newline
 
 
-def _prune(view: StateView, env: pb.Environment, txn: Txn) -> None:
-    """Versions no release and not the staged spec use any more go in the same write."""
-    for secret_id in unreferenced_secrets(view.secrets(env.meta.id), env, view.releases(env.meta.id)):
-        txn.delete(K.secret(secret_id))
-
-
-def _set_edit(view: StateView, name: str, value: str) -> ConfigEdit:
-    def edit(env: pb.Environment, txn: Txn) -> None:
-        key = view.get(K.SECRETS_KEY, CLUSTER_KEY)
-        if not isinstance(key, pb.SecretsKey) or not key.public_key:
-            raise ConfigError(f"secrets.{name}", NO_CLUSTER_KEY)
-        if name in env.service.vars:
-            raise ConfigError(
-                f"secrets.{name}", "is a plain variable of this environment; `zattera config unset` it first"
-            )
-        existing = view.secrets(env.meta.id)
-        sizes = secret_sizes(env.service, existing)
-        sizes[name] = len(value.encode())
-        check_env_size(env.service.vars, sizes, field=f"secrets.{name}")
-        now = time.time_ns()
-        record = pb.SealedSecret(
-            environment_id=env.meta.id,
-            project_id=env.project_id,
-            name=name,
-            version=1 + max((s.version for s in existing if s.name == name), default=0),
-            ciphertext=seal(key.public_key, value.encode()),
-            key_id=key.key_id,
-        )
-        record.meta.id = new_id()
-        record.meta.created_at.FromNanoseconds(now)
-        record.meta.updated_at.FromNanoseconds(now)
-        ref = env.service.secrets[name]
-        ref.secret_id, ref.version = record.meta.id, record.version
-        ref.updated_at.FromNanoseconds(now)
-        env.service.config_version += 1
-        txn.create(record)
-        txn.put(key)  # unchanged: fences the write on the key it was sealed to (a rotation refuses it)
-        _prune(view, env, txn)
-
-    return edit
-
-
 def _unset_edit(view: StateView, names: list[str]) -> ConfigEdit:
     def edit(env: pb.Environment, txn: Txn) -> None:
         for name in names:
@@ -121,7 +70,7 @@ def _unset_edit(view: StateView, names: list[str]) -> ConfigEdit:
                 raise ConfigError(f"secrets.{name}", "not set on this environment")
             del env.service.secrets[name]
         env.service.config_version += 1
-        _prune(view, env, txn)
+        prune_secrets(view, env, txn)
 
     return edit
 
@@ -144,7 +93,7 @@ def secrets_set(
     roll_out(
         env,
         f"secret {name} set",
-        lambda view: _set_edit(view, name, value),
+        lambda view: set_secret_edit(view, name, value),
         deploy=not no_deploy,
         watch=watch,
         span_name="cli.secrets.set",

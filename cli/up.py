@@ -27,7 +27,7 @@ from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
 from shared.natsio import connect, provision
 
-SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs")
+SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs", "console")
 ALL_IN_ONE = "control-plane"
 """The process that runs every service of ``services.allinone`` (``join`` included: idle unless secured)."""
 ALL_IN_ONE_SERVICES = frozenset((*SERVICES, "join"))
@@ -92,6 +92,7 @@ class Cluster:
     port: int = 4222
     proxy_port: int = 8080
     proxy_host: str = DEFAULT_PROXY_HOST
+    console_port: int = 8090  # the web console's (docs/console.md); a free one when busy
     with_node: bool = True
     services: list[str] = field(default_factory=available_services)
     # The control plane as one process (``services.allinone``); False: one process per service.
@@ -182,6 +183,14 @@ class Cluster:
             return [(ALL_IN_ONE, "services.allinone")]
         return [(name, f"services.{name}") for name in self.services]
 
+    def console_env(self) -> dict[str, str]:
+        """The console's port: ``ZATTERA_CONSOLE_PORT`` when set, else :attr:`console_port` or a free one."""
+        if "ZATTERA_CONSOLE_PORT" in os.environ:
+            self.console_port = int(os.environ["ZATTERA_CONSOLE_PORT"])
+        elif not _port_free(self.console_port):
+            self.console_port = free_port()
+        return {"ZATTERA_CONSOLE_PORT": str(self.console_port)}
+
     def start_services(self) -> None:
         env = self.child_env()
         for name, module in self.control_plane():
@@ -189,7 +198,7 @@ class Cluster:
                 name,
                 [sys.executable, "-m", module, "--nats", self.url, *self.metrics_args(name)],
                 self.data_dir / "logs" / f"{name}.log",
-                env,
+                {**env, **self.console_env()} if name in ("console", ALL_IN_ONE) else env,
             )
             child.start()
             self.children.append(child)
@@ -429,6 +438,10 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
         if any(c.name == "proxy" for c in cluster.children):
             console.print(f"  proxy:     listening on {proxy_listen_text(cluster.proxy_host, cluster.proxy_port)}")
             console.print(f"             http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")
+        if any(c.name in ("console", ALL_IN_ONE) for c in cluster.children):
+            console.print(
+                f"  console:   http://127.0.0.1:{cluster.console_port}  (users: `zattera console add-user NAME`)"
+            )
         console.print(hint or NEXT_STEPS.format(nats=cluster.url, port=cluster.proxy_port))
         console.print("Press Ctrl-C to stop.")
         while not stop:

@@ -18,6 +18,7 @@ import sys
 from services.autoscale.__main__ import build as autoscale
 from services.builds.__main__ import build as builds
 from services.certs.__main__ import build as certs
+from services.console.__main__ import build as console
 from services.join.__main__ import build as join
 from services.orchestrator.__main__ import build as orchestrator
 from services.routes.__main__ import build as routes
@@ -34,6 +35,7 @@ BUILDS: dict[str, Build] = {
     "routes": routes,
     "secrets": secrets,
     "certs": certs,
+    "console": console,
     "join": join,
 }
 """The services it runs, by name (the name each one's leases and logs carry)."""

@@ -24,6 +24,7 @@ from typing import Any
 from shared.applogs import APP_LOGS_SUBJECT_PREFIX
 from shared.certs import CHANGED_SUBJECT as CERTS_CHANGED_SUBJECT
 from shared.certs import KEYS_OPEN_SUBJECT as CERT_KEYS_OPEN_SUBJECT
+from shared.console_users import USERS_BUCKET
 from shared.natsio import (
     ACTIVATE_SUBJECT,
     BUILD_EVENTS_STREAM,
@@ -153,6 +154,7 @@ OPERATOR = Permissions(
         ROUTES_GET_SUBJECT,
         JOIN_ISSUE_SUBJECT,
         ROTATE_SUBJECT,  # `zattera secrets rotate-key`
+        f"$KV.{USERS_BUCKET}.>",  # `zattera console add-user|remove-user` (the console creates the bucket)
         # `zattera volumes snapshot` / `restore` ask the volume's node directly (progress comes to the inbox).
         agent_subject("*", "snapshot"),
         agent_subject("*", "restore"),

@@ -1,6 +1,8 @@
 """Volume snapshots, node side: deterministic tar → FastCDC chunks → SHA-256 names → zstd → optional
 AES-256-GCM, stored in the ``zattera-snapshots`` object store with dedup across all volumes; restore
-and a grace-period GC; and :func:`serve_snapshot_requests`, the agent's NATS handler.
+and a grace-period GC; and :func:`serve_snapshot_requests`, the agent's NATS handler. The control side
+(records, dispatch to the volume's node, restore guards) is ``shared.snapshots.dispatch``: the scheduler,
+the CLI and the web console drive snapshots through it.
 """
 
 from shared.snapshots.agent import SnapshotAgent, serve_snapshot_requests, volume_dir

@@ -490,3 +490,11 @@ __all__ = [
     "target_from_env",
     "volume_mounted",
 ]
+
+
+def operator_dispatcher(conn: Connection, view: StateView, clock: Clock, restore_timeout: float) -> SnapshotDispatcher:
+    """The dispatcher of an operator's snapshots and restores (CLI, web console): the cluster's snapshot key
+    from the environment; a restore touches its RESTORING volume at least thrice per reaper timeout
+    (``restore_timeout``), so a live one is never reaped."""
+    touch_every = min(TOUCH_EVERY, restore_timeout / 3)
+    return SnapshotDispatcher(conn, view, clock, target=target_from_env(), touch_every=touch_every)

@@ -159,7 +159,7 @@ def _env(*, lo: int, hi: int, effective: int = 0, s2z: bool = False) -> pb.Envir
     ],
 )
 def test_scale_sets_bounds_and_count(env: pb.Environment, request_, expected) -> None:
-    from cli.env_cmds import ScaleRequest, scaled
+    from shared.scaling import ScaleRequest, scaled
 
     new = scaled(env, ScaleRequest(*request_))
     assert (new.service.replicas.min, new.service.replicas.max, new.effective_replicas) == expected

@@ -34,6 +34,7 @@ LOOPS_OF = {
     "join": set(),
     "secrets": {"secrets-gc"},
     "certs": {"certs"},
+    "console": set(),
 }
 LOOPS_OF["allinone"] = set().union(*LOOPS_OF.values())
 SERVICE_OF_LOOP = {loop: service for service, loops in LOOPS_OF.items() if service != "allinone" for loop in loops}
@@ -63,6 +64,7 @@ def start(service: str, url: str, log: Path, lease_ttl: float = 1) -> subprocess
         "ZATTERA_LEASE_TTL": str(lease_ttl),
         "ZATTERA_LEASE_RENEW": "0.3",
         "ZATTERA_DATA_DIR": str(log.parent),  # the secrets service makes its key file there
+        "ZATTERA_CONSOLE_PORT": "0",  # a free one
     }
     with open(log, "wb") as fh:
         return subprocess.Popen(

@@ -1,0 +1,175 @@
+"""Web console benchmark: the overview of 1,000 environments and the delay of a live update.
+
+``python -m benchmarks.console_bench [--full]``. A real nats-server, the console in-process on a free port,
+1,000 environments (each with a project, an app, an active release; 3,000 full):
+
+* overview server time: ``GET /`` rendered from the state view (20 loads quick, 50 full; target ≤ 300 ms);
+* time to first render in Debian's chromium driven by Playwright: the page's first contentful paint
+  (10 loads quick, 20 full; target ≤ 300 ms), and when the whole page is parsed (DOMContentLoaded);
+* live update delay: an environment's replica count is committed, and the time until the overview open in
+  the browser shows it (SSE change → fetch → swap), p50/p99 (30 changes quick, 100 full; target p99 ≤ 500 ms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import aiohttp
+from zattera.v1 import types_pb2 as pb
+
+from benchmarks.common import Row, bench_main, embedded_server, median, percentile, row
+from shared.console_users import ADMIN, new_user, save_user, users_bucket
+from shared.natsio import connect, provision
+from shared.txn import Writer
+from shared.view import StateView
+from tests.console.rig import running_console
+
+CHROMIUM = Path("/usr/bin/chromium")
+PASSWORD = "benchmark password"
+
+
+async def _seed(writer: Writer, envs: int) -> list[str]:
+    project = pb.Project(name="bench")
+    project.meta.id = "01BENCHPROJ"
+    txns = [writer.txn().create(project)]
+    env_ids = []
+    for i in range(envs):
+        app = pb.App(project_id=project.meta.id, name=f"app{i:05d}")
+        app.meta.id = f"01BENCHAPP{i:05d}"
+        env = pb.Environment(project_id=project.meta.id, app_id=app.meta.id, name="production")
+        env.meta.id = f"01BENCHENV{i:05d}"
+        env.service.replicas.min, env.service.replicas.max = 1, 10
+        release = pb.Release(environment_id=env.meta.id, app_id=app.meta.id, project_id=project.meta.id, version=1)
+        release.meta.id = f"01BENCHREL{i:05d}"
+        release.image_ref = "demo/web@sha256:" + "a" * 64
+        env.active_release_id = release.meta.id
+        txns.append(writer.txn().create(app).create(env).create(release))
+        env_ids.append(env.meta.id)
+    failures = [r for r in await writer.commit_many(txns) if r is not None]
+    assert not failures, failures[:3]
+    return env_ids
+
+
+async def _server_times(url: str, loads: int) -> list[float]:
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+        async with http.get(f"{url}/login") as page:
+            token = re.search(r'name="login_token" value="([^"]+)"', await page.text())
+        assert token is not None
+        form = {"username": "bench", "password": PASSWORD, "login_token": token.group(1)}
+        async with http.post(f"{url}/login", data=form) as done:
+            assert done.status == 200
+        times = []
+        for _ in range(loads):
+            started = time.perf_counter()
+            async with http.get(f"{url}/") as page:
+                await page.read()
+            times.append((time.perf_counter() - started) * 1000)
+        return times
+
+
+async def _browser(
+    url: str, view: StateView, writer: Writer, env_ids: list[str], loads: int, changes: int
+) -> tuple[list[tuple[float, float]], list[float]]:
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        page = await browser.new_page()
+        await page.goto(f"{url}/login")
+        await page.get_by_label("User name").fill("bench")
+        await page.get_by_label("Password").fill(PASSWORD)
+        await page.get_by_role("button", name="Log in").click()
+        await page.wait_for_selector("#overview")
+        paints = []
+        for _ in range(loads):
+            await page.goto(f"{url}/")
+            paint = await page.evaluate(
+                "() => new Promise(done => { const seen = () => {"
+                " const p = performance.getEntriesByName('first-contentful-paint');"
+                " const n = performance.getEntriesByType('navigation')[0];"
+                " if (p.length && n.domContentLoadedEventEnd) done([p[0].startTime, n.domContentLoadedEventEnd]);"
+                " else setTimeout(seen, 10); }; seen(); })"
+            )
+            paints.append((float(paint[0]), float(paint[1])))
+        await page.wait_for_timeout(300)  # the SSE stream attached
+        delays = []
+        for i in range(changes):
+            env_id = env_ids[(i * 37) % len(env_ids)]
+            env = pb.Environment()
+            env.CopyFrom(view.env(env_id))  # type: ignore[arg-type]
+            env.effective_replicas = 2 + i % 7
+            shown = f"{env.effective_replicas} desired"
+            started = time.perf_counter()
+            await writer.commit(writer.txn().put(env))
+            await page.wait_for_function(
+                "([id, shown]) => { const cell = document.querySelector(`#env-${id} .replicas`);"
+                " return cell !== null && cell.textContent.startsWith(shown); }",
+                arg=[env_id, shown],
+                polling="raf",
+                timeout=10_000,
+            )
+            delays.append((time.perf_counter() - started) * 1000)
+        await browser.close()
+        return paints, delays
+
+
+async def _bench(url: str, envs: int, loads: int, paints: int, changes: int, *, chromium: bool) -> list[Row]:
+    conn = await connect(url, name="bench")
+    await provision(conn.js)
+    view = StateView(conn, name="bench")
+    await view.start()
+    writer = Writer(conn, view)
+    try:
+        env_ids = await _seed(writer, envs)
+        await users_bucket(conn.js, create=True)  # as the console does when it starts
+        await save_user(conn.js, new_user("bench", ADMIN, PASSWORD, rounds=4))
+        async with running_console(conn, view, writer) as console:
+            server = await _server_times(console.url, loads)
+            rows = [
+                row(f"console: overview of {envs:,} envs, server time (p50)", median(server), "ms", "≤ 300 ms"),
+                row(f"console: overview of {envs:,} envs, server time (p99)", percentile(server, 99), "ms", "≤ 300 ms"),
+            ]
+            if not chromium:
+                return rows
+            first_paints, delays = await _browser(console.url, view, writer, env_ids, paints, changes)
+        return [
+            *rows,
+            row(
+                f"console: overview of {envs:,} envs, first render in chromium (p50)",
+                median([paint for paint, _ in first_paints]),
+                "ms",
+                "≤ 300 ms",
+                "first contentful paint",
+            ),
+            row(
+                f"console: overview of {envs:,} envs, page parsed in chromium (p50)",
+                median([parsed for _, parsed in first_paints]),
+                "ms",
+                "",
+                "DOMContentLoaded: every env in the DOM",
+            ),
+            row("console: live update delay, commit → visible (p50)", median(delays), "ms", "", "SSE, fetch, swap"),
+            row(
+                "console: live update delay, commit → visible (p99)",
+                percentile(delays, 99),
+                "ms",
+                "p99 ≤ 500 ms",
+                "SSE, fetch, swap",
+            ),
+        ]
+    finally:
+        await view.stop()
+        await conn.close()
+
+
+def run(quick: bool = True) -> list[Row]:
+    envs, loads, paints, changes = (1_000, 20, 10, 30) if quick else (3_000, 50, 20, 100)
+    with embedded_server("zattera-console-bench-") as server:
+        return asyncio.run(_bench(server.url, envs, loads, paints, changes, chromium=CHROMIUM.exists()))
+
+
+if __name__ == "__main__":
+    bench_main("Console", run, __doc__, "3,000 envs, 50 loads, 20 paints, 100 changes")

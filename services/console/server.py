@@ -1,0 +1,76 @@
+"""Runs the console's HTTP server for as long as the service runs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from pathlib import Path
+
+from aiohttp import web
+
+from services.console.actions import Actions
+from services.console.auth import LoginLimiter, Sessions
+from services.console.settings import ConsoleSettings
+from services.console.web import Console, make_app
+from shared.clock import Clock
+from shared.console_users import users_bucket
+from shared.natsio import Connection
+from shared.routeclient import RouteClient
+from shared.settings import settings
+from shared.snapshots.dispatch import operator_dispatcher
+from shared.txn import Writer
+from shared.view import StateView
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT = 2.0
+"""Open SSE streams end when the console stops; they are not waited for longer than this."""
+
+
+def build_console(
+    conn: Connection, view: StateView, writer: Writer, clock: Clock, cfg: ConsoleSettings, routes: RouteClient
+) -> Console:
+    return Console(
+        conn=conn,
+        view=view,
+        actions=Actions(conn, view, writer, operator_dispatcher(conn, view, clock, settings().restore_timeout)),
+        sessions=Sessions(clock, cfg.session_ttl),
+        limiter=LoginLimiter(clock, cfg.login_failures, cfg.login_window),
+        routes=lambda: routes.current if routes.version else None,
+        secure_cookies=cfg.secure_cookies,
+    )
+
+
+async def start_site(
+    console: Console,
+    host: str,
+    port: int,
+    ssl_context: ssl.SSLContext | None = None,
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT,
+) -> tuple[web.AppRunner, int]:
+    """Serve ``console`` on host:port (0 = a free port), HTTPS with ``ssl_context``; returns the runner and the
+    bound port."""
+    runner = web.AppRunner(make_app(console), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, shutdown_timeout=shutdown_timeout, ssl_context=ssl_context)
+    await site.start()
+    return runner, int(runner.addresses[0][1])
+
+
+async def serve_console(
+    conn: Connection, view: StateView, writer: Writer, clock: Clock, cfg: ConsoleSettings, cache_dir: Path
+) -> None:
+    await users_bucket(conn.js, create=True)  # `zattera console add-user` writes into it
+    routes = RouteClient(cache_dir / "routes.pb")
+    await routes.start(conn)
+    console = build_console(conn, view, writer, clock, cfg, routes)
+    tls = cfg.ssl_context()
+    runner, port = await start_site(console, cfg.host, cfg.port, tls)
+    log.info("console: serving on %s://%s:%d", "https" if tls else "http", cfg.host, port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        await console.actions.close()
+        await routes.stop()
