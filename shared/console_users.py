@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
+from shared.errors import ZatteraError
 from shared.natsio import recorded_replicas
 
 USERS_BUCKET = "zattera-console"
@@ -28,7 +29,7 @@ MAX_PASSWORD = 72  # bcrypt uses the first 72 bytes only: longer would silently 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 
 
-class UserError(ValueError):
+class UserError(ZatteraError, ValueError):
     """A refused user name, role or password; the message names the field."""
 
 
@@ -86,7 +87,7 @@ async def users_bucket(js: JetStreamContext, *, create: bool) -> KeyValue | None
     return await js.create_key_value(bucket=USERS_BUCKET, history=1, replicas=await recorded_replicas(js))
 
 
-class NoUsersBucket(Exception):
+class NoUsersBucket(ZatteraError):
     """The console has not run yet: it creates the bucket (an operator's credential may not create streams)."""
 
 

@@ -15,6 +15,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.appconfig import ConfigError, check_name, check_secret_value
 from shared.deploy import Deployer, DeployError
+from shared.errors import ZatteraError
 from shared.events import EventPublisher, event_for_env, node_change_event
 from shared.natsio import Connection
 from shared.scaling import ScaleRequest, scaled
@@ -38,7 +39,7 @@ QUICK_ANSWER = 1.0
 NODE_CHANGES = ("cordon", "uncordon", "drain")
 
 
-class ActionRefused(Exception):
+class ActionRefused(ZatteraError):
     pass
 
 
