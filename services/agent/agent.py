@@ -22,9 +22,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from nacl.public import PrivateKey
+from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
+from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
 from services.agent.processes import PortAllocator
 from services.agent.registration import NodeIdentity, register_node
@@ -33,7 +35,8 @@ from services.agent.runtime import ProcessRuntime, RuntimeContext
 from services.agent.settings import AgentSettings
 from shared import keys as K
 from shared.clock import Clock, RealClock
-from shared.natsio import Connection
+from shared.natsio import ACTIVATE_SUBJECT, Connection
+from shared.routeclient import RouteClient
 from shared.snapshots import serve_snapshot_requests
 from shared.txn import Writer
 from shared.view import StateView
@@ -41,6 +44,8 @@ from shared.view import StateView
 log = logging.getLogger(__name__)
 
 FINAL_FLUSH_TIMEOUT = 5.0
+ACTIVATE_TIMEOUT = 10.0
+ACTIVATE_ERROR_HEADER = "Nats-Service-Error-Code"
 
 
 def view_filters(node_id: str) -> tuple[str, ...]:
@@ -74,6 +79,13 @@ class Agent:
         # Instance secrets come sealed to this key: a fresh pair per registration (re-registering rotates it),
         # the private half never leaves this process (docs/secrets.md).
         self.secrets_key = PrivateKey.generate()
+        self.forwarder: Forwarder | None = None
+        if settings.private_network:
+            self.forwarder = Forwarder(
+                activate=self._activate,
+                dns_port=settings.dns_port,
+                state_path=data_dir / "forwarder" / "consumers.json",
+            )
 
     @property
     def volumes_dir(self) -> Path:
@@ -83,6 +95,30 @@ class Agent:
         """The env id of one of this node's assignments ("" once it is gone): a metrics label."""
         assignment = self.view.assignment(assignment_id)
         return assignment.environment_id if assignment is not None else ""
+
+    async def _activate(self, env_id: str) -> None:
+        """Ask the activator to wake a scale-to-zero env a held connection waits for."""
+        request = cpb.ActivateRequest(environment_id=env_id, node_id=self.node_id)
+        reply = await self.conn.nc.request(
+            ACTIVATE_SUBJECT, request.SerializeToString(deterministic=True), timeout=ACTIVATE_TIMEOUT
+        )
+        code = (reply.headers or {}).get(ACTIVATE_ERROR_HEADER)
+        if code is not None:
+            raise RuntimeError(f"activator answered error {code}")
+
+    async def _forward(self, forwarder: Forwarder) -> None:
+        """The forwarder follows the route snapshots, as the proxies do."""
+        routes = RouteClient(self.data_dir / "forwarder" / "routes.pb", node_id=self.node_id)
+        await routes.start(self.conn)
+        updates = routes.updates()
+        try:
+            await forwarder.run(
+                updates, lambda: {a.environment_id for a in self.view.assignments_by_node(self.node_id)}
+            )
+        finally:
+            updates.close()
+            await routes.stop()
+            await forwarder.close()
 
     async def run(self) -> None:
         settings = self.settings
@@ -112,6 +148,7 @@ class Agent:
                     volumes_dir=self.volumes_dir,
                     ports=PortAllocator(),
                     secrets_key=self.secrets_key,
+                    network_env=self.forwarder.instance_env if self.forwarder is not None else None,
                 )
             )
             heartbeat = HeartbeatPublisher(
@@ -132,6 +169,8 @@ class Agent:
                     serve_snapshot_requests(self.conn, self.node_id, self.volumes_dir), name="snapshots"
                 ),
             ]
+            if self.forwarder is not None:
+                tasks.append(asyncio.create_task(self._forward(self.forwarder), name="forwarder"))
             if settings.builder:
                 builder = Builder(
                     self.conn,

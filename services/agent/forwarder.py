@@ -318,9 +318,7 @@ def _load_consumers(path: Path | None) -> dict[int, Consumer]:
         return {}
     try:
         data = json.loads(path.read_bytes())
-        return {
-            int(slot): Consumer(c["env_id"], c["project_id"], frozenset(c["allow"])) for slot, c in data.items()
-        }
+        return {int(slot): Consumer(c["env_id"], c["project_id"], frozenset(c["allow"])) for slot, c in data.items()}
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -9,7 +9,7 @@ import socket
 from collections.abc import AsyncIterator
 
 import pytest
-from dnslib import QTYPE, RCODE, DNSRecord
+from dnslib import RCODE, DNSRecord
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
