@@ -135,8 +135,8 @@ async def _propagation(samples: int) -> list[float]:
                     data, version=version, digest=content_digest(data), max_message_bytes=1 << 20
                 ):
                     await conn.nc.publish(ROUTES_SNAPSHOT_SUBJECT, message.body, headers=message.headers)
-                while forwarder._endpoints.get(("db-env", "db")) != [f"127.0.0.1:{10_000 + version}"]:
-                    await asyncio.sleep(0.0005)
+                while forwarder.endpoints("db-env", "db") != [f"127.0.0.1:{10_000 + version}"]:
+                    await forwarder.changed()
                 delays.append(time.perf_counter() - started)
         finally:
             task.cancel()

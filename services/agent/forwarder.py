@@ -123,6 +123,14 @@ class Forwarder:
         self._changed.notify()
         await self._sync()
 
+    def endpoints(self, env_id: str, port_name: str) -> list[str]:
+        """The addresses new connections to that port of the env go to now."""
+        return self._endpoints.get((env_id, port_name), [])
+
+    async def changed(self) -> None:
+        """Returns at the next applied snapshot."""
+        await self._changed.wait()
+
     async def instance_env(self, assignment: pb.Assignment, release: pb.Release) -> dict[str, str]:
         """The variables an instance of ``assignment`` is started with; its listeners are bound first."""
         consumer = consumer_of(assignment, release)

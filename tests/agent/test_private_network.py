@@ -146,7 +146,7 @@ async def test_web_env_reaches_its_database_by_name_and_address_across_a_move(
         (K.release(web_release.meta.id), web_release),
         (K.assignment("n1", first.meta.id), first),
     )
-    await eventually(lambda: bool(forwarder._endpoints.get(("db-env", DB_PORT_NAME))), what="db endpoint routed")
+    await eventually(lambda: bool(forwarder.endpoints("db-env", DB_PORT_NAME)), what="db endpoint routed")
 
     web = replica("n1", web_release)
     await S.commit(writer, (K.assignment("n1", web.meta.id), web))
