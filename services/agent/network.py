@@ -26,6 +26,7 @@ MAX_SLOTS = 126
 CONSUMER_BASE = 128  # consumer c's addresses are 127.(128 + c).a.b
 RESOLVER_HOST = (0, 1)  # 127.(128 + c).0.1: never a VIP (VIP hosts are .2-.254)
 HTTP_PORT = "http"
+HTTP_DEFAULT_PORT = 80  # an "http" port declared without container_port (the zattera.toml default) is served on 80
 _ENV_NAME = re.compile(r"[^A-Z0-9]")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
@@ -66,7 +67,8 @@ def fqdn_path(fqdn: str) -> str:
 
 def targets_of(snapshot: cpb.RouteSnapshot) -> list[Target]:
     """The snapshot's internal services as targets (a service with a malformed name or VIP is skipped).
-    A port named "http" is told as an ``http://`` URL (internal ports carry "tcp" whatever they declare)."""
+    A port named "http" is told as an ``http://`` URL (internal ports carry "tcp" whatever they declare) and,
+    declared without a number, is served on port 80; another port without a number is not served."""
     targets = []
     for service in snapshot.internal_services:
         try:
@@ -74,7 +76,11 @@ def targets_of(snapshot: cpb.RouteSnapshot) -> list[Target]:
             vip_octets(service.vip)
         except NetworkError:
             continue
-        ports = tuple((port.name, port.port, port.name == HTTP_PORT) for port in service.ports if port.port)
+        ports = tuple(
+            (port.name, number, port.name == HTTP_PORT)
+            for port in service.ports
+            if (number := port.port or (HTTP_DEFAULT_PORT if port.name == HTTP_PORT else 0))
+        )
         targets.append(
             Target(service.environment_id, service.project_id, path, service.vip, ports, service.scale_to_zero)
         )

@@ -138,6 +138,15 @@ def test_targets_of_skips_malformed_services() -> None:
     assert [t.env_id for t in targets_of(snapshot)] == ["ok"]
 
 
+def test_an_http_port_without_a_number_is_served_on_80_and_another_is_not() -> None:
+    service = cpb.InternalService(fqdn="web.production.shop.internal.", environment_id="e", vip="10.97.0.3")
+    service.ports.add(name="http", port=0)
+    service.ports.add(name="metrics", port=0)
+    service.ports.add(name="db", port=5432)
+    (target,) = targets_of(cpb.RouteSnapshot(internal_services=[service]))
+    assert target.ports == (("http", 80, True), ("db", 5432, False))
+
+
 def _toml(network: dict[str, object]) -> dict[str, object]:
     return {"project": "shop", "app": "web", "env": {"production": {"network": network}}}
 
