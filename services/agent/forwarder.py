@@ -123,6 +123,10 @@ class Forwarder:
         self._changed.notify()
         await self._sync()
 
+    def target(self, env_id: str) -> Target | None:
+        """The env as the newest snapshot has it (None: no VIP or not in it)."""
+        return self._by_env.get(env_id)
+
     def endpoints(self, env_id: str, port_name: str) -> list[str]:
         """The addresses new connections to that port of the env go to now."""
         return self._endpoints.get((env_id, port_name), [])

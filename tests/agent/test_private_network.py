@@ -9,9 +9,12 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from nats.aio.msg import Msg
+from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.routes.publisher import RoutesPublisher
@@ -19,7 +22,7 @@ from shared import keys as K
 from shared.clock import RealClock
 from shared.embedded import free_port
 from shared.ids import new_id
-from shared.natsio import Connection, connect
+from shared.natsio import ACTIVATE_SUBJECT, Connection, connect
 from shared.txn import Writer
 from shared.view import StateView
 from tests.agent.conftest import StartAgent, process_ref
@@ -59,7 +62,7 @@ while True:
         query = DNSRecord.question("db.production.shop.internal")
         reply = DNSRecord.parse(query.send(dns_host, int(dns_port), timeout=1))
         by_name = str(reply.rr[0].rdata)
-        with socket.create_connection((by_name, port), timeout=2) as s:
+        with socket.create_connection((by_name, port), timeout=10) as s:
             s.sendall(b"ping")
             answer = s.recv(1024).decode()
         pathlib.Path("answer.tmp").write_text(f"{by_name} {host} {answer}")
@@ -115,48 +118,103 @@ def replica(node_id: str, rel: pb.Release) -> pb.Assignment:
     return a
 
 
-async def test_web_env_reaches_its_database_by_name_and_address_across_a_move(
-    start_agent: StartAgent, conn: Connection, routes: RoutesPublisher, tmp_path: Path
-) -> None:
-    writer = Writer(conn, StateView(conn, name="test-writer"))
+@dataclass
+class Shop:
+    """Project "shop": a database-like env (db/production, a TCP echo) and a web env, on node n1."""
+
+    writer: Writer
+    db: pb.Release
+    web: pb.Release
+    web_dir: Path
+
+    @property
+    def answer(self) -> Path:
+        return self.web_dir / "answer.txt"
+
+    async def seed(self, *, scale_to_zero: bool = False) -> None:
+        _, db_env = S.env("db-env", app_id="db-app", project_id="shop-id", active_release_id=self.db.meta.id)
+        assert isinstance(db_env, pb.Environment)
+        db_env.service.CopyFrom(self.db.service)
+        db_env.service.scale_to_zero = scale_to_zero
+        await S.commit(
+            self.writer,
+            S.project("shop-id", "shop"),
+            S.app("db-app", "db", "shop-id"),
+            S.app("web-app", "web", "shop-id"),
+            (K.env("db-env"), db_env),
+            S.vip("db-env", "10.97.0.9"),
+            (K.release(self.db.meta.id), self.db),
+            (K.release(self.web.meta.id), self.web),
+        )
+
+    async def run(self, rel: pb.Release) -> pb.Assignment:
+        a = replica("n1", rel)
+        await S.commit(self.writer, (K.assignment("n1", a.meta.id), a))
+        return a
+
+
+@pytest.fixture
+def shop(conn: Connection, tmp_path: Path) -> Shop:
     db_dir, web_dir = tmp_path / "db", tmp_path / "web"
     db_dir.mkdir()
     web_dir.mkdir()
-    db_release = release("db-env", "db-app", db_dir, DB)
-    db_release.service.ports.add(name=DB_PORT_NAME, container_port=free_port(), protocol=pb.PROTOCOL_TCP)
-    db_release.service.healthcheck.type = pb.HEALTH_CHECK_TYPE_TCP
-    db_release.service.healthcheck.interval.FromMilliseconds(200)
-    web_release = release("web-env", "web-app", web_dir, WEB)
+    db = release("db-env", "db-app", db_dir, DB)
+    db.service.ports.add(name=DB_PORT_NAME, container_port=free_port(), protocol=pb.PROTOCOL_TCP)
+    db.service.healthcheck.type = pb.HEALTH_CHECK_TYPE_TCP
+    db.service.healthcheck.interval.FromMilliseconds(200)
+    web = release("web-env", "web-app", web_dir, WEB)
+    return Shop(Writer(conn, StateView(conn, name="test-writer")), db, web, web_dir)
+
+
+async def test_web_env_reaches_its_database_by_name_and_address_across_a_move(
+    start_agent: StartAgent, routes: RoutesPublisher, shop: Shop
+) -> None:
     running = await start_agent("n1", dns_port=free_port())
     forwarder = running.agent.forwarder
     assert forwarder is not None
-
-    first = replica("n1", db_release)
-    _, db_env = S.env("db-env", app_id="db-app", project_id="shop-id", active_release_id=db_release.meta.id)
-    assert isinstance(db_env, pb.Environment)
-    db_env.service.CopyFrom(db_release.service)
-    await S.commit(
-        writer,
-        S.project("shop-id", "shop"),
-        S.app("db-app", "db", "shop-id"),
-        S.app("web-app", "web", "shop-id"),
-        (K.env("db-env"), db_env),
-        S.vip("db-env", "10.97.0.9"),
-        (K.release(db_release.meta.id), db_release),
-        (K.release(web_release.meta.id), web_release),
-        (K.assignment("n1", first.meta.id), first),
-    )
+    await shop.seed()
+    first = await shop.run(shop.db)
     await eventually(lambda: bool(forwarder.endpoints("db-env", DB_PORT_NAME)), what="db endpoint routed")
 
-    web = replica("n1", web_release)
-    await S.commit(writer, (K.assignment("n1", web.meta.id), web))
-    answer = web_dir / "answer.txt"
+    await shop.run(shop.web)
+    answer = shop.answer
     await eventually(lambda: answer.exists() and first.meta.id in answer.read_text(), timeout=20, what="web → db")
     by_name, address, echoed = answer.read_text().split(" ")
     assert by_name == address and address.endswith(".0.9") and echoed == f"{first.meta.id}:ping"
 
     # The database moves to a new replica (another host port); the web instance is not restarted.
-    second = replica("n1", db_release)
-    await S.commit(writer, (K.assignment("n1", second.meta.id), second), (K.assignment("n1", first.meta.id), None))
+    second = replica("n1", shop.db)
+    await S.commit(shop.writer, (K.assignment("n1", second.meta.id), second), (K.assignment("n1", first.meta.id), None))
     await eventually(lambda: second.meta.id in answer.read_text(), timeout=20, what="web → the new db replica")
     assert answer.read_text().split(" ")[1] == address
+
+
+async def test_a_cold_database_is_woken_by_the_web_envs_first_connection(
+    start_agent: StartAgent, routes: RoutesPublisher, shop: Shop, conn: Connection
+) -> None:
+    """The activator's part (placing a replica of the woken env) is played by a responder on
+    ``zattera.activate`` that writes the assignment, as the activator and scheduler would."""
+    woken: list[pb.Assignment] = []
+
+    async def activator(msg: Msg) -> None:
+        request = cpb.ActivateRequest.FromString(msg.data)
+        if request.environment_id == "db-env" and not woken:
+            woken.append(await shop.run(shop.db))
+        await msg.respond(cpb.ActivateResponse().SerializeToString())
+
+    subscription = await conn.nc.subscribe(ACTIVATE_SUBJECT, cb=activator)
+    try:
+        running = await start_agent("n1", dns_port=free_port())
+        forwarder = running.agent.forwarder
+        assert forwarder is not None
+        await shop.seed(scale_to_zero=True)
+        await eventually(lambda: forwarder.target("db-env") is not None, what="cold db known")
+        assert forwarder.endpoints("db-env", DB_PORT_NAME) == []
+        await shop.run(shop.web)
+        await eventually(lambda: bool(woken), timeout=20, what="activation asked")
+        await eventually(
+            lambda: shop.answer.exists() and woken[0].meta.id in shop.answer.read_text(), timeout=20, what="woken"
+        )
+        assert forwarder.activations_sent == 1
+    finally:
+        await subscription.unsubscribe()
