@@ -191,7 +191,7 @@ class Forwarder:
 
     async def _connect(self, route: tuple[str, str]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         """An open connection to an endpoint of ``route``, holding while a scale-to-zero env wakes."""
-        addresses = self._endpoints.get(route) or await self._hold(route[0])
+        addresses = self._endpoints.get(route) or await self._hold(route)
         start = next(self._turn)
         for i in range(len(addresses)):
             host, _, port = addresses[(start + i) % len(addresses)].rpartition(":")
@@ -201,7 +201,8 @@ class Forwarder:
                 log.debug("forwarder: endpoint %s:%s refused (%s), trying the next", host, port, exc)
         return None
 
-    async def _hold(self, env_id: str) -> list[str]:
+    async def _hold(self, route: tuple[str, str]) -> list[str]:
+        env_id = route[0]
         target = self._by_env.get(env_id)
         if target is None or not target.scale_to_zero or self._activate is None:
             return []
@@ -212,11 +213,9 @@ class Forwarder:
                 self._activations[env_id] = task
                 task.add_done_callback(lambda _: self._activations.pop(env_id, None))
             async with asyncio.timeout(self.hold_timeout):
-                while True:
-                    ready = [addrs for (env, _), addrs in self._endpoints.items() if env == env_id and addrs]
-                    if ready:
-                        return ready[0]
+                while not (addresses := self._endpoints.get(route)):
                     await self._changed.wait()
+                return addresses
         except TimeoutError:
             log.warning("forwarder: env %s not woken within %.0fs; connection closed", env_id, self.hold_timeout)
             return []
