@@ -9,7 +9,8 @@ healthy endpoints of those envs, following the route snapshots; and each consume
 * Drain: a connection keeps its endpoint until either side closes, whatever later snapshots say; only new
   connections follow them (the agent stops a replica only after the drain window).
 * Wake on connect: a scale-to-zero env with no endpoint holds the connection (nothing read from it) and
-  asks the activator, retrying while held, until an endpoint appears or ``hold_timeout`` passes.
+  asks the activator, retrying while held, until an endpoint appears or ``hold_timeout`` passes; beyond
+  ``max_held_per_env`` waiting connections, more are closed at once.
 * Consumers are kept in ``state_path`` so an agent restarted with adopted instances serves the addresses
   those instances were given.
 """
@@ -47,6 +48,7 @@ from shared.routeclient import write_atomic
 log = logging.getLogger(__name__)
 
 HOLD_TIMEOUT = 60.0
+MAX_HELD_PER_ENV = 100  # as the proxies: more connections waiting for one cold env are closed at once
 CONNECT_TIMEOUT = 5.0
 ACTIVATE_RETRY_INITIAL = 0.5
 ACTIVATE_RETRY_MAX = 5.0
@@ -79,12 +81,14 @@ class Forwarder:
         dns_port: int = 0,
         state_path: Path | None = None,
         hold_timeout: float = HOLD_TIMEOUT,
+        max_held_per_env: int = MAX_HELD_PER_ENV,
         connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
         self._activate = activate
         self.dns_port = dns_port
         self.state_path = state_path
         self.hold_timeout = hold_timeout
+        self.max_held_per_env = max_held_per_env
         self.connect_timeout = connect_timeout
         self.slots = SlotTable(_load_consumers(state_path))
         self.version = 0
@@ -205,6 +209,9 @@ class Forwarder:
         env_id = route[0]
         target = self._by_env.get(env_id)
         if target is None or not target.scale_to_zero or self._activate is None:
+            return []
+        if self._held.get(env_id, 0) >= self.max_held_per_env:
+            log.warning("forwarder: %d connections already wait for env %s; closing one", self.max_held_per_env, env_id)
             return []
         self._held[env_id] = self._held.get(env_id, 0) + 1
         try:

@@ -179,6 +179,30 @@ async def test_a_cold_env_is_woken_by_the_first_connection(forwarder: Forwarder)
     await db.stop()
 
 
+async def test_connections_beyond_the_hold_cap_are_closed_at_once() -> None:
+    db_port = free_port()
+    asked = asyncio.Event()
+
+    async def activate(env_id: str) -> None:
+        asked.set()
+
+    forwarder = Forwarder(activate=activate, max_held_per_env=1, hold_timeout=10)
+    try:
+        await forwarder.apply(snapshot(1, service(db_port, scale_to_zero=True)))
+        env = await forwarder.instance_env(*consumer("web-env", "shop-id"))
+        host = env["ZATTERA_SERVICE_DB_PRODUCTION_HOST"]
+        _, held = await asyncio.open_connection(host, db_port)
+        await asyncio.wait_for(asked.wait(), 5)
+        try:
+            assert await exchange(host, db_port, b"x") == b""
+        except ConnectionResetError:
+            pass
+        assert forwarder.refused == 1
+        held.close()
+    finally:
+        await forwarder.close()
+
+
 async def test_no_endpoint_and_not_scale_to_zero_closes_the_connection(forwarder: Forwarder) -> None:
     db_port = free_port()
     await forwarder.apply(snapshot(1, service(db_port)))
