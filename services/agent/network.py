@@ -79,12 +79,17 @@ def targets_of(snapshot: cpb.RouteSnapshot) -> list[Target]:
         ports = tuple(
             (port.name, number, port.name == HTTP_PORT)
             for port in service.ports
-            if (number := port.port or (HTTP_DEFAULT_PORT if port.name == HTTP_PORT else 0))
+            if (number := served_port(port.name, port.port))
         )
         targets.append(
             Target(service.environment_id, service.project_id, path, service.vip, ports, service.scale_to_zero)
         )
     return targets
+
+
+def served_port(name: str, number: int) -> int:
+    """The port an env's declared port is reached on (0: not served)."""
+    return number or (HTTP_DEFAULT_PORT if name == HTTP_PORT else 0)
 
 
 def vip_octets(vip: str) -> tuple[int, int]:
