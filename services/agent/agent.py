@@ -107,14 +107,17 @@ class Agent:
             raise RuntimeError(f"activator answered error {code}")
 
     async def _forward(self, forwarder: Forwarder) -> None:
-        """The forwarder follows the route snapshots, as the proxies do."""
+        """The forwarder follows the route snapshots, as the proxies do. Its failure is logged and leaves the
+        rest of the agent running: the apps keep running, only private networking stops on this node."""
         routes = RouteClient(self.data_dir / "forwarder" / "routes.pb", node_id=self.node_id)
-        await routes.start(self.conn)
         updates = routes.updates()
         try:
+            await routes.start(self.conn)
             await forwarder.run(
                 updates, lambda: {a.environment_id for a in self.view.assignments_by_node(self.node_id)}
             )
+        except Exception as exc:
+            log.error("agent %s: private networking stopped: %s: %s", self.node_id, type(exc).__name__, exc)
         finally:
             updates.close()
             await routes.stop()
