@@ -22,6 +22,7 @@ import functools
 import itertools
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import cast
@@ -52,7 +53,6 @@ MAX_HELD_PER_ENV = 100  # as the proxies: more connections waiting for one cold 
 CONNECT_TIMEOUT = 5.0
 ACTIVATE_RETRY_INITIAL = 0.5
 ACTIVATE_RETRY_MAX = 5.0
-COPY_CHUNK = 64 * 1024
 DNS_TTL = 5
 
 Activate = Callable[[str], Awaitable[object]]
@@ -103,7 +103,8 @@ class Forwarder:
         self._changed = _Signal()
         self._activations: dict[str, asyncio.Task[None]] = {}
         self._held: dict[str, int] = {}
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: set[asyncio.Task[None]] = set()  # being joined to an endpoint
+        self._pipes: weakref.WeakSet[_Pipe] = weakref.WeakSet()  # accepted, open or not yet collected
         self.activations_sent = 0
         self.refused = 0
 
@@ -153,6 +154,7 @@ class Forwarder:
 
     async def _sync(self) -> None:
         """Bind what :func:`listeners` wants and close what it no longer does (open connections stay)."""
+        loop = asyncio.get_running_loop()
         async with self._sync_lock:
             wanted = listeners(self.slots.consumers, self._targets)
             self._routes = wanted
@@ -161,7 +163,7 @@ class Forwarder:
             for listen in wanted:
                 if listen not in self._servers:
                     try:
-                        self._servers[listen] = await asyncio.start_server(
+                        self._servers[listen] = await loop.create_server(
                             functools.partial(self._accept, listen), listen[0], listen[1]
                         )
                     except OSError as exc:
@@ -171,36 +173,39 @@ class Forwarder:
 
     # ------------------------------------------------------------------ connections
 
-    def _accept(self, listen: Listen, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.create_task(self._serve(listen, reader, writer))
+    def _accept(self, listen: Listen) -> _Pipe:
+        """A new connection on ``listen``: not read from until it is joined to an endpoint."""
+        inbound = _Pipe(functools.partial(self._start_join, listen))
+        self._pipes.add(inbound)
+        return inbound
+
+    def _start_join(self, listen: Listen, inbound: _Pipe) -> None:
+        task = asyncio.create_task(self._join(listen, inbound))
         self._connections.add(task)
         task.add_done_callback(self._connections.discard)
 
-    async def _serve(self, listen: Listen, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            route = self._routes.get(listen)
-            upstream = await self._connect(route) if route is not None else None
-            if upstream is None:
-                self.refused += 1
-                return
-            up_reader, up_writer = upstream
-            try:
-                await asyncio.gather(_copy(reader, up_writer), _copy(up_reader, writer))
-            finally:
-                up_writer.close()
-        except (OSError, TimeoutError):
-            pass
-        finally:
-            writer.close()
+    async def _join(self, listen: Listen, inbound: _Pipe) -> None:
+        route = self._routes.get(listen)
+        outbound = await self._connect(route) if route is not None else None
+        if outbound is None or inbound.lost:
+            self.refused += outbound is None
+            inbound.close()
+            if outbound is not None:
+                outbound.close()
+            return
+        inbound.join(outbound)
 
-    async def _connect(self, route: tuple[str, str]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
-        """An open connection to an endpoint of ``route``, holding while a scale-to-zero env wakes."""
+    async def _connect(self, route: tuple[str, str]) -> _Pipe | None:
+        """A connection to an endpoint of ``route``, holding while a scale-to-zero env wakes."""
         addresses = self._endpoints.get(route) or await self._hold(route)
+        loop = asyncio.get_running_loop()
         start = next(self._turn)
         for i in range(len(addresses)):
             host, _, port = addresses[(start + i) % len(addresses)].rpartition(":")
             try:
-                return await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.connect_timeout)
+                async with asyncio.timeout(self.connect_timeout):
+                    _, pipe = await loop.create_connection(_Pipe, host, int(port))
+                return pipe
             except (OSError, TimeoutError, ValueError) as exc:
                 log.debug("forwarder: endpoint %s:%s refused (%s), trying the next", host, port, exc)
         return None
@@ -299,6 +304,8 @@ class Forwarder:
             transport.close()
         self._servers.clear()
         self._resolvers.clear()
+        for pipe in list(self._pipes):
+            pipe.close()
         for task in [*self._activations.values(), *self._connections]:
             task.cancel()
         await asyncio.gather(*self._activations.values(), *self._connections, return_exceptions=True)
@@ -319,16 +326,62 @@ class _Resolver(asyncio.DatagramProtocol):
             self.transport.sendto(reply, addr)
 
 
-async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """One direction of a connection; the end of input is passed on as a half close."""
-    try:
-        while chunk := await reader.read(COPY_CHUNK):
-            writer.write(chunk)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-    except OSError:
-        writer.close()
+class _Pipe(asyncio.Protocol):
+    """One side of a forwarded connection: what it receives is written to its peer, with the peer's flow
+    control (a full peer pauses reading here); an end of input is passed on as a half close, and the
+    connection is closed once both sides ended or either is lost."""
+
+    def __init__(self, on_made: Callable[[_Pipe], None] | None = None) -> None:
+        self.on_made = on_made
+        self.transport: asyncio.Transport | None = None
+        self.peer: _Pipe | None = None
+        self.ended = False
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        if self.peer is None:
+            self.transport.pause_reading()  # until joined: a held connection is not read
+        if self.on_made is not None:
+            self.on_made(self)
+
+    def join(self, peer: _Pipe) -> None:
+        self.peer, peer.peer = peer, self
+        for pipe in (self, peer):
+            if pipe.transport is not None:
+                pipe.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.write(data)
+
+    def eof_received(self) -> bool:
+        self.ended = True
+        peer = self.peer
+        if peer is None or peer.transport is None or peer.ended or not peer.transport.can_write_eof():
+            self.close()
+            return False
+        peer.transport.write_eof()
+        return True  # the other direction may still carry data
+
+    def pause_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.peer is not None:
+            self.peer.close()
+
+    def close(self) -> None:
+        """Close both sides (what was written is flushed first)."""
+        for pipe in (self, self.peer):
+            if pipe is not None and pipe.transport is not None:
+                pipe.transport.close()
 
 
 def _load_consumers(path: Path | None) -> dict[int, Consumer]:
