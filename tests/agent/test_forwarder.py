@@ -261,3 +261,30 @@ async def test_consumers_survive_an_agent_restart(tmp_path: object) -> None:
     assert again.slots.consumers == first.slots.consumers
     assert (await again.instance_env(*consumer("web-env", "shop-id"))) == env
     await again.close()
+
+
+async def test_a_large_transfer_keeps_flow_control_and_a_half_close_is_passed_on(forwarder: Forwarder) -> None:
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.close()  # after the client's half close: everything was echoed
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    db_port = free_port()
+    await forwarder.apply(snapshot(1, service(db_port, f"127.0.0.1:{server.sockets[0].getsockname()[1]}")))
+    env = await forwarder.instance_env(*consumer("web-env", "shop-id"))
+    reader, writer = await asyncio.open_connection(env["ZATTERA_SERVICE_DB_PRODUCTION_HOST"], db_port)
+    payload = bytes(range(256)) * (16 * 1024)  # 4 MiB: far above every socket buffer on the way
+
+    async def send() -> None:
+        writer.write(payload)
+        await writer.drain()
+        writer.write_eof()
+
+    sending = asyncio.create_task(send())
+    received = await asyncio.wait_for(reader.read(), 20)  # until the end of stream
+    await sending
+    writer.close()
+    server.close()
+    assert received == payload
