@@ -11,6 +11,10 @@ SYSTEM_PACKAGES :=
 SYSTEM_PACKAGES += iproute2  # ip netns: the cross-node private-networking test (tests/agent/test_network_netns.py); issue 24
 SYSTEM_PACKAGES += nodejs npm  # builds of Node apps (npm ci, npm run build) and running them (npm start); issue 27
 
+SYSTEM_PACKAGES += pebble  # ACME test CA (pebble, pebble-challtestsrv) for the certificate tests
+
+SYSTEM_PACKAGES += docker.io busybox-static  # the docker runtime (issue 20): its tests start their own dockerd; busybox is their base image
+
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 

@@ -24,11 +24,11 @@ from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, bench_main, embedded_server, row
 from services.scheduler.loop import Scheduler
-from services.scheduler.placement import PlacementIndex, place
 from shared import keys as K
 from shared.clock import RealClock
 from shared.lease import run_while_leading
 from shared.natsio import connect, provision
+from shared.placement.placement import PlacementIndex, place
 from shared.txn import Writer
 from shared.view import StateView, reservation
 

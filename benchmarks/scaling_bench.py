@@ -36,8 +36,8 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import bench_main
-from services.autoscale.activator import request_activation
 from shared import keys as K
+from shared.activation import request_activation
 from shared.embedded import EmbeddedNats
 from shared.live import publish_node_heartbeat, publish_proxy_heartbeat
 from shared.natsio import Connection, connect, provision

@@ -26,7 +26,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
-from cli.spec import AppSpec, Env, PolicyChange, middleware, service_spec, to_duration
+from cli.spec import AppSpec, Build, Env, PolicyChange, middleware, service_spec, to_duration
 from shared import keys as K
 from shared.appconfig import ConfigError, check_env_size, secret_sizes, with_vars
 from shared.ids import new_id
@@ -222,6 +222,7 @@ def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = Non
     new_app = pb.App(project_id=new_project.meta.id, name=spec.app) if app is None else _copy(app)
     assert isinstance(new_app, pb.App)
     new_app.build.platforms[:] = spec.build.platforms
+    set_dockerfile_build(new_app.build, spec.build)
     _stamp(new_app.meta, now, new=app is None)
     record("app", spec.app, f"{spec.project}/{spec.app}", app, new_app)
     result.app_id = new_app.meta.id
@@ -340,3 +341,15 @@ def _without_times(msg: Message) -> bytes:
     copy = _copy(msg)
     copy.meta.ClearField("updated_at")  # type: ignore[attr-defined]
     return copy.SerializeToString(deterministic=True)
+
+
+def set_dockerfile_build(config: pb.BuildConfig, build: Build) -> None:
+    """``[build] dockerfile`` makes the app's builds Dockerfile builds (docs/containers.md)."""
+    config.dockerfile = build.dockerfile
+    config.context_dir = build.context_dir
+    config.build_args.clear()
+    config.build_args.update(build.build_args)
+    if build.dockerfile:
+        config.type = pb.BUILD_TYPE_DOCKERFILE
+    elif config.type == pb.BUILD_TYPE_DOCKERFILE:
+        config.type = pb.BUILD_TYPE_UNSPECIFIED

@@ -22,6 +22,7 @@ from nats.js.errors import APIError, NotFoundError
 from rich.console import Console
 
 from cli import contexts
+from shared.errors import ZatteraError
 from shared.natsio import STATE_STREAM, ClusterUnavailable, Connection, connect
 from shared.settings import settings
 from shared.txn import CommitUnknown, Writer
@@ -159,5 +160,5 @@ def run(fn: Callable[[], Awaitable[T]]) -> T:
         raise fail(
             f"NATS did not answer ({exc or type(exc).__name__}); servers: {nats_url()}", ExitCode.UNAVAILABLE
         ) from None
-    except contexts.ContextError as exc:
+    except ZatteraError as exc:  # an expected failure (a bad context, a refused request…): one line, no traceback
         raise fail(str(exc)) from None

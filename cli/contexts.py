@@ -13,11 +13,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
+from shared.errors import ZatteraError
+
 CONFIG_DIR_ENV = "ZATTERA_CONFIG_DIR"
 FILE_NAME = "contexts.json"
 
 
-class ContextError(ValueError):
+class ContextError(ZatteraError, ValueError):
     """A bad context name or value, or an unreadable contexts file: the message names which."""
 
 

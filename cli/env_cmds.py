@@ -24,6 +24,7 @@ from cli.client import control, err, run
 from cli.deletion import Deletion, deletion_events, deletion_txn, plan_deletion
 from shared.deployments import desired_replicas, is_terminal
 from shared.events import EventPublisher, event_for_env
+from shared.placement.placement import explain
 from shared.txn import Conflict
 from shared.view import StateView
 
@@ -318,6 +319,7 @@ def env_status(view: StateView, env: pb.Environment, routes: cpb.RouteSnapshot |
     return {
         "env": env_path(view, env),
         "id": env.meta.id,
+        "placement": placement_status(view, env),
         "urls": urls,
         "active_release": f"v{release.version}" if release else "",
         "active_release_id": env.active_release_id,
@@ -331,11 +333,46 @@ def env_status(view: StateView, env: pb.Environment, routes: cpb.RouteSnapshot |
     }
 
 
+def placement_status(view: StateView, env: pb.Environment) -> dict[str, Any] | None:
+    """Why replicas of the active release have no node (None: none is missing): every node counted under
+    the first named placement filter it fails (shared/placement/placement.py ``FILTERS``), as the
+    scheduler sees it."""
+    release = view.release(env.active_release_id) if env.active_release_id else None
+    if release is None:
+        return None
+    placed = sum(
+        1
+        for a in view.assignments(env.meta.id)
+        if a.desired == pb.ASSIGNMENT_DESIRED_RUN and not a.job_id and a.release_id == release.meta.id
+    )
+    unplaced = desired_replicas(env) - placed
+    if unplaced <= 0:
+        return None
+    why = explain(view, release, env.meta.id)
+    return {
+        "unplaced": unplaced,
+        "nodes": why.nodes,
+        "filtered": why.filtered,
+        "with_room": why.fit,
+        "why": why.summary(),
+    }
+
+
+def print_unplaced(statuses: list[dict[str, Any]]) -> None:
+    """One line per env short of replicas: how many, and why."""
+    for row in statuses:
+        placement = row["placement"]
+        if placement is not None:
+            count = placement["unplaced"]
+            text = f"{row['env']}: {count} replica{'s' * (count != 1)} unplaced — {placement['why']}"
+            render.out.print(text, markup=False, highlight=False)
+
+
 def status(
     env: str = typer.Option("", "--env", help="only this environment (id or project/app/env)"), json: bool = JSON
 ) -> None:
-    """Per environment: its URLs, active release, replicas desired/running/healthy, cold or warm, and
-    its last deploy."""
+    """Per environment: its URLs, active release, replicas desired/running/healthy, cold or warm, its
+    last deploy, and why replicas that found no node are unplaced."""
     from cli.watch import route_snapshot
 
     async def go() -> list[dict[str, Any]]:
@@ -370,3 +407,4 @@ def status(
             ]
         )
     render.table("status", ["env", "url", "active", "desired", "running", "healthy", "state", "last deploy"], table)
+    print_unplaced(rows)

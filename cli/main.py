@@ -23,8 +23,10 @@ from cli.client import OPTIONS, Control, control, err, run
 from cli.cluster_cmds import cluster_app
 from cli.config_cmds import config_app
 from cli.context_cmds import context_app
-from cli.env_cmds import apps_delete, envs_app, projects_app, scale, status
+from cli.domains_cmds import domains_app
+from cli.env_cmds import apps_delete, envs_app, placement_status, print_unplaced, projects_app, scale, status
 from cli.events_cmds import announce_scale_changes, events, publish_node_change, replica_counts
+from cli.images_cmds import images_app
 from cli.jobs_cmds import jobs_app, run_command
 from cli.logs_cmds import logs
 from cli.network_cmds import network
@@ -119,6 +121,7 @@ app.add_typer(volumes_app, name="volumes")
 app.add_typer(security_app, name="security")
 app.add_typer(config_app, name="config")
 app.add_typer(secrets_app, name="secrets")
+app.add_typer(domains_app, name="domains")
 app.command("logs")(logs)
 app.command()(events)
 app.add_typer(cluster_app, name="cluster")
@@ -126,6 +129,8 @@ app.add_typer(context_app, name="context")
 app.add_typer(jobs_app, name="jobs")
 app.command("network")(network)
 app.command("run", context_settings={"allow_interspersed_args": False})(run_command)
+
+app.add_typer(images_app, name="images")
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 WIDE = typer.Option(False, "--wide", help="every column, ids included")
@@ -191,6 +196,9 @@ def up(
         help="HOST:PORT of the local ingress proxy (default 0.0.0.0:<proxy-port>: every interface)",
     ),
     node: bool = typer.Option(True, "--node/--no-node", help="also run a local agent and the proxy"),
+    all_in_one: bool = typer.Option(
+        True, "--all-in-one/--separate", help="the control plane in one process, or one process per service"
+    ),
     metrics_port: int = typer.Option(
         DEFAULT_METRICS_PORT, min=0, max=65535, help="Prometheus metrics from this port up, one per process; 0 = off"
     ),
@@ -215,6 +223,7 @@ def up(
                 proxy_host=proxy_host,
                 with_node=node,
                 metrics_port=metrics_port,
+                all_in_one=all_in_one,
             )
         )
     cluster = Cluster(
@@ -225,6 +234,7 @@ def up(
         proxy_host=proxy_host,
         with_node=node,
         metrics_port=metrics_port,
+        all_in_one=all_in_one,
     )
     raise typer.Exit(run_up(cluster))
 
@@ -253,6 +263,7 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                         render.enum_name(pb.NodeStatus, n.status, "NODE_STATUS_"),
                         "yes" if n.schedulable else "cordoned",
                         n.os_arch,
+                        n.runtime or "process",
                         f"{cpu}/{n.capacity.cpu_millis or '∞'} m",
                         f"{mem}/{n.capacity.memory_mb or '∞'} MB",
                         ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
@@ -260,7 +271,17 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                 )
             render.table(
                 "nodes",
-                ["id", "name", "status", "schedulable", "platform", "cpu", "memory", Col("labels", wrap=True)],
+                [
+                    "id",
+                    "name",
+                    "status",
+                    "schedulable",
+                    "platform",
+                    "runtime",
+                    "cpu",
+                    "memory",
+                    Col("labels", wrap=True),
+                ],
                 rows,
             )
 
@@ -658,6 +679,10 @@ def ps(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WID
                 ],
                 rows,
             )
+            envs = [target] if target else c.view.envs()
+            print_unplaced(
+                [{"env": env_label(c.view, e.meta.id), "placement": placement_status(c.view, e)} for e in envs]
+            )
 
     run(go)
 
@@ -769,7 +794,7 @@ def build_log_line(build_id: str, line: str, as_json: bool) -> str:
 @builds_app.command("cancel")
 def builds_cancel(build_id: str) -> None:
     """Cancel a QUEUED or RUNNING build (its builder is told to stop)."""
-    from services.builds.cancel import CancelRefused, cancel_build
+    from shared.buildcancel import CancelRefused, cancel_build
     from shared.clock import RealClock
 
     async def go() -> None:
@@ -908,8 +933,8 @@ def volumes_snapshots(
 
 
 def _snapshot_dispatcher(c: Control) -> Any:
-    from services.scheduler.snapshot_dispatch import TOUCH_EVERY, SnapshotDispatcher, target_from_env
     from shared.clock import RealClock
+    from shared.snapshots.dispatch import TOUCH_EVERY, SnapshotDispatcher, target_from_env
 
     # A restore touches its RESTORING volume at least thrice per reaper timeout, so a live one is never reaped.
     touch_every = min(TOUCH_EVERY, settings().restore_timeout / 3)

@@ -41,6 +41,7 @@ def secure_up(
     proxy_host: str = DEFAULT_PROXY_HOST,
     with_node: bool = True,
     metrics_port: int = 0,
+    all_in_one: bool = True,
 ) -> int:
     """``zattera up`` with operator-mode auth (and TLS): every service runs with the control credential, the
     local agent with a builder credential and the local proxy with a proxy credential of its own."""
@@ -59,6 +60,7 @@ def secure_up(
         proxy_host=proxy_host,
         with_node=with_node,
         metrics_port=metrics_port,
+        all_in_one=all_in_one,
     )
     hint = f"  CLI:       export ZATTERA_NATS_CREDS={setup.operator_creds}"
     if ca:

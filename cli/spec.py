@@ -156,7 +156,7 @@ class Autoscale(_Model):
 
 def validate_schedule(value: str) -> str:
     """A snapshot schedule as the snapshot scheduler reads it ("" = manual only); ValueError if it never could."""
-    from services.scheduler.snapshots import ScheduleError, parse_schedule
+    from shared.schedule import ScheduleError, parse_schedule
 
     text = value.strip()
     if text:
@@ -351,6 +351,8 @@ class Env(_Model):
     network: Network = Network()
     cron: list[CronEntry] = Field(default_factory=list)
 
+    read_only_root: bool = Field(default=False, description="docker runtime: a read-only root filesystem")
+
     _durations = field_validator("idle_timeout", "stop_grace", mode="before")(parse_duration)
 
     @field_validator("cron")
@@ -409,6 +411,9 @@ class Build(_Model):
     install: str = ""  # replaces the detected install step (shared/buildplan.py); read by the builder
     command: str = ""
     platforms: list[str] = Field(default_factory=list)
+    dockerfile: str = Field(default="", description="build with this Dockerfile on a builder's Docker daemon")
+    context_dir: str = Field(default="", description="the Docker build context inside the source ('' = its root)")
+    build_args: dict[str, str] = Field(default_factory=dict, description="Docker --build-arg values (not secret)")
 
 
 class Run(_Model):
@@ -465,6 +470,7 @@ def service_spec(spec: AppSpec, env: Env) -> pb.ServiceSpec:
         max_concurrency=env.max_concurrency,
         stateful=env.stateful,
         command=env.command or spec.run.command,
+        read_only_root=env.read_only_root,
     )
     s.replicas.min = env.replicas.min
     s.replicas.max = env.replicas.max

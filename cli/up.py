@@ -1,7 +1,8 @@
 """``zattera up``: the whole single-machine cluster on the embedded NATS server.
 
 Starts nats-server (JetStream, data under ``<data_dir>/nats``), provisions the buckets and streams,
-then every service as its own process (logs under ``<data_dir>/logs``), restarts a service or a NATS
+then the control plane — every service in one process (``services.allinone``, the default), or each service
+as its own process (``--separate``) — and the local node (logs under ``<data_dir>/logs``), restarts a service or a NATS
 server that dies (with backoff), and on Ctrl-C / SIGTERM stops the services (SIGTERM, then SIGKILL after a grace) and
 then NATS, leaving no process behind. Running it again resumes the same cluster from its data dir.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NoReturn
 
 from rich.console import Console
 
@@ -24,7 +27,10 @@ from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
 from shared.natsio import connect, provision
 
-SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets")
+SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs")
+ALL_IN_ONE = "control-plane"
+"""The process that runs every service of ``services.allinone`` (``join`` included: idle unless secured)."""
+ALL_IN_ONE_SERVICES = frozenset((*SERVICES, "join"))
 LOCAL_NODE = "local"
 DEFAULT_METRICS_PORT = 9400
 """``zattera up``'s first metrics port: scheduler 9400, orchestrator 9401, … in start order."""
@@ -88,6 +94,8 @@ class Cluster:
     proxy_host: str = DEFAULT_PROXY_HOST
     with_node: bool = True
     services: list[str] = field(default_factory=available_services)
+    # The control plane as one process (``services.allinone``); False: one process per service.
+    all_in_one: bool = True
     extra: list[Supervised] = field(default_factory=list)
     console: Console = field(default_factory=lambda: Console(stderr=True))
     nats: EmbeddedNats | None = None
@@ -107,6 +115,18 @@ class Cluster:
     # is replaced by a free one); 0 = off. ``metrics_ports`` maps each process name to its port.
     metrics_port: int = 0
     metrics_ports: dict[str, int] = field(default_factory=dict)
+
+    def config(self) -> dict[str, Any]:
+        """What the cluster was asked to be (not what runs), as JSON values: :meth:`from_config` reads it."""
+        extra = [{"name": c.name, "argv": c.argv, "log_path": str(c.log_path), "env": c.env} for c in self.extra]
+        given = {name: getattr(self, name) for name in CONFIG_FIELDS}
+        return {**given, "data_dir": str(self.data_dir), "extra": extra}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Cluster:
+        extra = [Supervised(e["name"], e["argv"], Path(e["log_path"]), e["env"]) for e in config["extra"]]
+        given = {name: config[name] for name in CONFIG_FIELDS}
+        return cls(data_dir=Path(config["data_dir"]), extra=extra, **given)
 
     def metrics_args(self, name: str) -> list[str]:
         """``--metrics-port N`` for process ``name`` (nothing when metrics are off)."""
@@ -156,12 +176,18 @@ class Cluster:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
+    def control_plane(self) -> list[tuple[str, str]]:
+        """(process name, module) of each control-plane process."""
+        if self.all_in_one and self.services:
+            return [(ALL_IN_ONE, "services.allinone")]
+        return [(name, f"services.{name}") for name in self.services]
+
     def start_services(self) -> None:
         env = self.child_env()
-        for name in self.services:
+        for name, module in self.control_plane():
             child = Supervised(
                 name,
-                [sys.executable, "-m", f"services.{name}", "--nats", self.url, *self.metrics_args(name)],
+                [sys.executable, "-m", module, "--nats", self.url, *self.metrics_args(name)],
                 self.data_dir / "logs" / f"{name}.log",
                 env,
             )
@@ -170,6 +196,8 @@ class Cluster:
         if self.with_node:
             self.children.extend(self._node_processes(env))
         for child in self.extra:
+            if self.all_in_one and self.services and child.name in ALL_IN_ONE_SERVICES:
+                continue  # the all-in-one process runs it already
             child.env = {**env, **child.env}
             child.start()
             self.children.append(child)
@@ -290,6 +318,23 @@ class Cluster:
             self.nats.stop()
 
 
+CONFIG_FIELDS = (
+    "port",
+    "proxy_port",
+    "proxy_host",
+    "with_node",
+    "services",
+    "all_in_one",
+    "nats_cluster",
+    "nats_extra_config",
+    "creds",
+    "tls_ca",
+    "node_creds",
+    "metrics_port",
+)
+"""The :class:`Cluster` fields besides ``data_dir`` and ``extra`` that say what to run (the others are
+what runs)."""
+
 NEXT_STEPS = """
 Next, in another terminal (ZATTERA_NATS_URL={nats}):
   .venv/bin/zattera nodes list
@@ -336,7 +381,26 @@ async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int 
         await conn.close()
 
 
-def run_up(cluster: Cluster, *, hint: str = "") -> int:
+CLUSTER_ENV = "ZATTERA_UP_CLUSTER"
+"""How :func:`run_up` hands the cluster to the supervisor it execs (the environment: never on a command
+line, where other users could read the NATS server configuration)."""
+
+
+def run_up(cluster: Cluster, *, hint: str = "") -> NoReturn:
+    """Supervise ``cluster`` until Ctrl-C, in a fresh interpreter that imports only what supervising needs.
+
+    This process replaces itself (``exec``: same pid, terminal and signals, so Ctrl-C and the exit status
+    are the caller's) with ``python -m cli.up``: the CLI's command modules, loaded to parse the options,
+    would otherwise stay resident for as long as the cluster runs (~20 MB of a single machine's control
+    plane, PERFORMANCE.md "footprint").
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    env = {**os.environ, CLUSTER_ENV: json.dumps({"cluster": cluster.config(), "hint": hint})}
+    os.execve(sys.executable, [sys.executable, "-m", "cli.up"], env)
+
+
+def supervise(cluster: Cluster, *, hint: str = "") -> int:
     stop = False
 
     def on_signal(_sig: int, _frame: object) -> None:
@@ -358,7 +422,10 @@ def run_up(cluster: Cluster, *, hint: str = "") -> int:
             metrics = cluster.metrics_ports.get(child.name)
             where = f"  metrics http://127.0.0.1:{metrics}/metrics" if metrics else ""
             pid = child.proc.pid if child.proc else "-"
-            console.print(f"  {child.name:<10} pid {pid}  log {child.log_path}{where}")
+            console.print(f"  {child.name:<13} pid {pid}  log {child.log_path}{where}")
+        if any(c.name in ("certs", ALL_IN_ONE) for c in cluster.children):
+            local_ca = cluster.data_dir / "certs" / "local-ca.pem"
+            console.print(f"  HTTPS:     *.localhost certificates from a local CA: trust {local_ca}")
         if any(c.name == "proxy" for c in cluster.children):
             console.print(f"  proxy:     listening on {proxy_listen_text(cluster.proxy_host, cluster.proxy_port)}")
             console.print(f"             http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")
@@ -374,3 +441,13 @@ def run_up(cluster: Cluster, *, hint: str = "") -> int:
             signal.signal(sig, handler)
         console.print("stopped.")
     return 0
+
+
+def main() -> None:
+    """``python -m cli.up``, as :func:`run_up` execs it."""
+    given = json.loads(os.environ.pop(CLUSTER_ENV))
+    sys.exit(supervise(Cluster.from_config(given["cluster"]), hint=given["hint"]))
+
+
+if __name__ == "__main__":
+    main()

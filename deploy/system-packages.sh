@@ -4,7 +4,10 @@
 set -euo pipefail
 missing=()
 for package in "$@"; do
-  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
+  # Installed as a Debian package, or its command is there from elsewhere (e.g. npm bundled with NodeSource's nodejs).
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" && continue
+  command -v "$package" >/dev/null 2>&1 && continue
+  missing+=("$package")
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ]; then

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 
 from zattera.v1 import types_pb2 as pb
 
+from shared.errors import ZatteraError
+
 MAX_VALUE_BYTES = 64 * 1024
 """One variable's or secret's value, UTF-8 encoded."""
 MAX_ENV_BYTES = 1024 * 1024
@@ -26,7 +28,7 @@ RESERVED_NAMES = frozenset({"PORT"})
 RESERVED_PREFIXES = ("PORT_", "ZATTERA_")
 
 
-class ConfigError(ValueError):
+class ConfigError(ZatteraError, ValueError):
     """A refused configuration change; ``field`` is what it is about (``vars.FOO``, ``secrets.BAR``…)."""
 
     def __init__(self, field: str, problem: str) -> None:

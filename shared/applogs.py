@@ -232,6 +232,8 @@ def _describe_status(exit_: pb.InstanceExit) -> str:
             name = signal.Signals(exit_.signal).name
         except ValueError:
             name = f"signal {exit_.signal}"
+        if exit_.oom_killed:
+            return f"killed by {name} (out of memory: its memory limit)"
         return f"killed by {name}" + (" (likely out of memory)" if exit_.oom_suspected else "")
     if exit_.code_known:
         return f"exit code {exit_.code}"

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from shared.errors import ZatteraError
+
 SourceFiles = Mapping[str, str]
 """Relative POSIX path → text, for the files :func:`read_source` collects (presence matters too)."""
 
@@ -59,7 +61,7 @@ _NODE_ENTRY_FILES = ("server.js", "index.js", "app.js", "main.js")
 _MAX_READ = 256 * 1024
 
 
-class PlanError(Exception):
+class PlanError(ZatteraError):
     """A file the detector reads is malformed (the message names it)."""
 
 
@@ -308,8 +310,9 @@ def _detected(files: SourceFiles, *, use_dockerfile: bool) -> BuildPlan:
             provider="dockerfile",
             reason="Dockerfile",
             error=(
-                "a Dockerfile build needs the container builder (BUILD_TYPE_DOCKERFILE), which this builder "
-                "does not have: deploy a built image with --image, or remove the Dockerfile to use stack detection"
+                "a Dockerfile build needs a builder with a Docker daemon (the docker runtime, docs/containers.md), "
+                "which this builder does not have: deploy a built image with --image, or remove the Dockerfile to "
+                "use stack detection"
             ),
         )
     if "requirements.txt" in files or "pyproject.toml" in files:

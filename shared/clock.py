@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Protocol
 
+from google.protobuf.timestamp_pb2 import Timestamp
+
 
 class Clock(Protocol):
     def now(self) -> float:
@@ -48,6 +50,23 @@ async def ticker(clock: Clock, interval: float) -> AsyncIterator[float]:
 
 def to_datetime(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=UTC)
+
+
+def stamp(field: Timestamp, epoch: float) -> Timestamp:
+    """Set the protobuf ``field`` to ``epoch`` seconds, to the nearest nanosecond (truncating would turn
+    ``1.000000003`` into ``…002``: floats rarely hold a decimal exactly), and return it."""
+    field.FromNanoseconds(round(epoch * 1e9))
+    return field
+
+
+def to_timestamp(epoch: float) -> Timestamp:
+    """A new protobuf timestamp of ``epoch`` seconds (see :func:`stamp`)."""
+    return stamp(Timestamp(), epoch)
+
+
+def from_timestamp(field: Timestamp) -> float:
+    """Epoch seconds of a protobuf timestamp (an unset one is 0.0)."""
+    return field.ToNanoseconds() / 1e9
 
 
 class RealClock:

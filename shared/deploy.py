@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.clock import Clock, RealClock
+from shared.clock import Clock, RealClock, stamp
 from shared.deployments import is_terminal
+from shared.errors import ZatteraError
 from shared.ids import SAFE_ID_RULE, is_safe_id, new_id
 from shared.txn import CommitUnknown, Conflict, Txn, Writer
 from shared.view import StateView
@@ -49,7 +49,7 @@ _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _MAX_IMAGE_REF = 512
 
 
-class DeployError(Exception):
+class DeployError(ZatteraError):
     """A refused request; ``code`` follows gRPC's names (not_found, failed_precondition, invalid_argument).
     ``field``: the request field it is about ("" when none), ``problem``: what is wrong with it."""
 
@@ -118,12 +118,6 @@ class Created:
     deployment: pb.Deployment
     release: pb.Release
     build: pb.Build | None = None
-
-
-def _timestamp(now: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(round(now * 1e9))
-    return ts
 
 
 def _check_id(field: str, value: str) -> None:
@@ -218,8 +212,8 @@ class Deployer:
                 git_branch=git_branch,
             )
             build.meta.id = new_id()
-            build.meta.created_at.CopyFrom(_timestamp(now))
-            build.meta.updated_at.CopyFrom(_timestamp(now))
+            stamp(build.meta.created_at, now)
+            stamp(build.meta.updated_at, now)
             if app is not None:
                 build.platforms.extend(app.build.platforms)
             release = self._new_release(env, "", (), pb.RELEASE_SOURCE_KIND_UPLOAD)
@@ -252,7 +246,7 @@ class Deployer:
             updated = pb.Environment()
             updated.CopyFrom(env)
             edit(updated, txn)
-            updated.meta.updated_at.CopyFrom(_timestamp(self._clock.now()))
+            stamp(updated.meta.updated_at, self._clock.now())
             result = Reconfigured(updated)
             if rolling:
                 assert active is not None
@@ -312,7 +306,7 @@ class Deployer:
             if current.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD:
                 if current.HasField("drain_deadline") and current.drain_deadline.ToNanoseconds() <= now * 1e9:
                     return current
-                request.drain_deadline.CopyFrom(_timestamp(now))
+                stamp(request.drain_deadline, now)
             else:
                 if cancel_requested(current):
                     return current
@@ -387,8 +381,8 @@ class Deployer:
             config_hash=config_hash(env.service),
         )
         release.meta.id = new_id()
-        release.meta.created_at.CopyFrom(_timestamp(now))
-        release.meta.updated_at.CopyFrom(_timestamp(now))
+        stamp(release.meta.created_at, now)
+        stamp(release.meta.updated_at, now)
         release.service.CopyFrom(env.service)
         release.platforms.extend(platforms)
         release.source.kind = kind  # type: ignore[assignment]
@@ -410,8 +404,8 @@ class Deployer:
             created_by_user_id=self._created_by,
         )
         deployment.meta.id = new_id()
-        deployment.meta.created_at.CopyFrom(_timestamp(now))
-        deployment.meta.updated_at.CopyFrom(_timestamp(now))
+        stamp(deployment.meta.created_at, now)
+        stamp(deployment.meta.updated_at, now)
         return deployment
 
     def _rollback_target(self, env: pb.Environment, to_release_id: str) -> pb.Release:

@@ -21,10 +21,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.errors import ZatteraError
+
 MAX_PAYLOAD = 8 * 1024 * 1024
 
 
-class EmbeddedNatsError(RuntimeError):
+class EmbeddedNatsError(ZatteraError, RuntimeError):
     pass
 
 

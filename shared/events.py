@@ -17,7 +17,7 @@ from nats.errors import Error as NatsError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.clock import Clock, RealClock
+from shared.clock import Clock, RealClock, stamp
 from shared.ids import new_id
 from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection
 from shared.telemetry import inject
@@ -58,7 +58,7 @@ def make_event(
     )
     event.meta.id = new_id()
     when = at if at is not None else (clock or RealClock()).now()
-    event.meta.created_at.FromNanoseconds(int(when * 1e9))
+    stamp(event.meta.created_at, when)
     if fields:
         event.fields.update(fields)
     return event

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from zattera.v1 import types_pb2 as pb
 
+from shared.errors import ZatteraError
 from shared.ids import new_id
 
 MAX_COMMAND_BYTES = 4096
@@ -36,7 +37,7 @@ POLICIES = {
 }
 
 
-class CommandError(ValueError):
+class CommandError(ZatteraError, ValueError):
     """A job command the platform refuses (the message says why)."""
 
 

@@ -30,6 +30,9 @@ SECRET = "secret"
 SECRETS_KEY = "secretskey"
 JOB = "job"
 
+CERT = "cert"
+ACME_ACCOUNT = "acmeaccount"
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     NODE: pb.Node,
     PROJECT: pb.Project,
@@ -49,6 +52,9 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     SECRET: pb.SealedSecret,
     SECRETS_KEY: pb.SecretsKey,
     JOB: pb.Job,
+
+    CERT: pb.Certificate,
+    ACME_ACCOUNT: pb.AcmeAccount,
 }
 
 PER_NODE_KINDS = frozenset({ASSIGNMENT, OBSERVED})
@@ -155,6 +161,19 @@ def secrets_key(key_name: str) -> str:
 
 def job(job_id: str) -> str:
     return f"{JOB}.{job_id}"
+
+
+def cert_id(hostname: str) -> str:
+    """A hostname as a key token (a hostname holds no '_', a key token no '.')."""
+    return hostname.replace(".", "_")
+
+
+def cert(hostname: str) -> str:
+    return f"{CERT}.{cert_id(hostname)}"
+
+
+def acme_account(name: str) -> str:
+    return f"{ACME_ACCOUNT}.{name}"
 
 
 def key_of(msg: Message) -> str:

@@ -28,6 +28,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.clock import Clock
+from shared.jetstream import is_delete_marker
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
 from shared.telemetry import counter
 from shared.view import CONSUMER_HEARTBEAT, ChangeFeed, guard_ordered_consumer, server_delivered
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 FRESH_FOR = 30.0
 NODE = "node"
 PROXY = "proxy"
+ACME_CHALLENGE = "acme"
 ENV_TRAFFIC = "env"
 """Derived change kind: a reporter's traffic sample for this env id changed (only for feeds that ask)."""
 INSTANCE = "instance"
@@ -142,9 +144,7 @@ class LiveView:
 
         async def on_msg(msg: Msg) -> None:
             key = msg.subject[len(LIVE_PREFIX) :]
-            headers = msg.headers or {}
-            deleted = headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers
-            self.apply(key, None if deleted else msg.data)
+            self.apply(key, None if is_delete_marker(msg.headers) else msg.data)
             with contextlib.suppress(Exception):
                 if msg.metadata.num_pending == 0:
                     self._ready.set()
@@ -167,6 +167,8 @@ class LiveView:
     def apply(self, key: str, data: bytes | None) -> None:
         """Apply one live value (None = removed). Undecodable values are logged, counted and skipped."""
         kind, _, ident = key.partition(".")
+        if kind == ACME_CHALLENGE:
+            return  # HTTP-01 answers share the bucket (shared/acmechallenge.py), not samples
         if kind not in (NODE, PROXY) or not ident:
             self._skip(key, "unknown", "unknown key")
             return

@@ -31,7 +31,9 @@ from nats.js.errors import APIError, NotFoundError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.clock import Clock, RealClock
+from shared.clock import Clock, RealClock, stamp
+from shared.errors import ZatteraError
+from shared.jetstream import WRONG_LAST_SEQUENCE
 from shared.natsio import IMAGES_STORE, STATE_PREFIX, STATE_STREAM, Connection
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -43,11 +45,10 @@ BLOB_GRACE = 15 * 60.0
 """A blob written or touched within this many seconds is never collected."""
 
 WRITTEN_AT_HEADER = "Zattera-Written-At"
-_WRONG_LAST_SEQUENCE = 10071
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-fA-F]{64}$")
 
 
-class RegistryError(Exception):
+class RegistryError(ZatteraError):
     pass
 
 
@@ -217,7 +218,7 @@ class BlobStore:
                 self._meta_subject(info.digest), json.dumps(meta).encode(), headers=headers, stream=self._stream
             )
         except APIError as exc:
-            if exc.err_code == _WRONG_LAST_SEQUENCE:
+            if exc.err_code == WRONG_LAST_SEQUENCE:
                 return False
             raise
         return True
@@ -376,7 +377,7 @@ async def push_image(
         build_id=build_id,
     )
     record.meta.id = image_id(repo, tag)
-    record.meta.created_at.FromNanoseconds(int(blobs.clock.now() * 1e9))
+    stamp(record.meta.created_at, blobs.clock.now())
     await put_image_record(conn, record)
     return record
 

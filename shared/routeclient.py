@@ -56,6 +56,7 @@ from nats.errors import Error as NatsError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.clock import Clock, RealClock
+from shared.errors import ZatteraError
 from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, Connection
 from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.telemetry import counter
@@ -84,7 +85,7 @@ VERIFY_RETRY = 0.5
 _rejected = counter("zattera.routes.rejected", "route snapshot messages that could not be decoded")
 
 
-class SnapshotDecodeError(ValueError):
+class SnapshotDecodeError(ZatteraError, ValueError):
     """A snapshot message that cannot be decoded (bad header, chunk, compression or protobuf)."""
 
 

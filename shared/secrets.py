@@ -22,6 +22,7 @@ from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey, PublicKey, SealedBox
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.errors import ZatteraError
 from shared.natsio import Connection
 
 CLUSTER_KEY = "cluster"
@@ -35,7 +36,7 @@ def open_subject(node_id: str) -> str:
     return f"zattera.secrets.{node_id}.open"
 
 
-class SecretsUnavailable(Exception):
+class SecretsUnavailable(ZatteraError):
     """An agent could not get an instance's secrets (the reason never contains a value)."""
 
 
@@ -56,7 +57,7 @@ def public_bytes(private_key: PrivateKey) -> bytes:
     return bytes(private_key.public_key)
 
 
-class KeyMaterialError(ValueError):
+class KeyMaterialError(ZatteraError, ValueError):
     """The cluster key material is unusable (bad file, bad ZATTERA_SECRETS_KEY)."""
 
 
@@ -99,17 +100,23 @@ def load_keyring(path: Path) -> Keyring | None:
     return Keyring(keys)
 
 
-def _write_private(path: Path, keyring: Keyring) -> Path:
-    """The keyring in a fresh temporary file beside ``path``, 0600 from creation (never briefly readable)."""
+def private_temp_file(path: Path, data: bytes) -> Path:
+    """``data`` in a fresh temporary file beside ``path``, 0600 from creation (never briefly readable) and
+    synced; the caller renames or links it into place."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"keys": [bytes(k).hex() for k in keyring.keys]}, f)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     return tmp
+
+
+def _write_private(path: Path, keyring: Keyring) -> Path:
+    """The keyring in a fresh temporary file beside ``path`` (see :func:`private_temp_file`)."""
+    return private_temp_file(path, json.dumps({"keys": [bytes(k).hex() for k in keyring.keys]}).encode())
 
 
 def save_keyring(path: Path, keyring: Keyring) -> None:

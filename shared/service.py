@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +136,13 @@ async def provision_with_retry(conn: Connection, cfg: Settings, name: str, stop:
 
 
 async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> int:
+    return await serve_all(name, {name: build}, argv)
+
+
+async def serve_all(name: str, builds: Mapping[str, Build], argv: Sequence[str] | None = None) -> int:
+    """One process ``name`` running the tasks of every service in ``builds``: one connection and one view,
+    each service with its own context (its name, its lease holder), so its loops lead, fence and write as
+    they would in a process of their own."""
     args = parse_args(name, argv)
     configure_logging(args.log_level)
     setup_telemetry(f"zattera-{name}")
@@ -157,8 +164,10 @@ async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> i
         if not await provision_with_retry(conn, cfg, name, stop):
             return 0
         await view.start()
-        ctx = ServiceContext(name, cfg, conn, view, RealClock(), default_holder(name))
-        tasks = [asyncio.create_task(c) for c in await build(ctx)]
+        clock = RealClock()
+        for service, build in builds.items():
+            ctx = ServiceContext(service, cfg, conn, view, clock, default_holder(service))
+            tasks += [asyncio.create_task(c) for c in await build(ctx)]
         log.info("%s: running (%d tasks) against %s", name, len(tasks), urls)
         stopper = asyncio.create_task(stop.wait())
         lost = asyncio.create_task(conn.lost.wait())

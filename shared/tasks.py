@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 RECANCEL_AFTER = 0.5
 """Seconds after which a task that is still running is cancelled again."""
@@ -37,3 +38,11 @@ def raise_if_cancelling() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+async def stop_following(task: asyncio.Task[None] | None, subscription: Any | None) -> None:
+    """End a follower: cancel its task, then drop its NATS subscription (already gone with a lost connection)."""
+    await cancel_and_wait(task)
+    if subscription is not None:
+        with contextlib.suppress(Exception):
+            await subscription.unsubscribe()

@@ -35,7 +35,9 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError
 
 from shared import keys as K
+from shared.errors import ZatteraError
 from shared.ids import new_id
+from shared.jetstream import WRONG_LAST_SEQUENCE
 from shared.metrics import commit_conflicts, decisions, writer_label
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.tasks import raise_if_cancelling
@@ -47,10 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WRONG_LAST_SEQUENCE = 10071
 
-
-class TxnError(Exception):
+class TxnError(ZatteraError):
     pass
 
 

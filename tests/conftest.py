@@ -20,6 +20,10 @@ from shared.natsio import Connection, connect, provision
 from shared.txn import Writer
 from shared.view import StateView
 
+# Agents the tests start run bare processes (their images are process:// refs) unless a test asks for docker,
+# whatever daemon the machine runs.
+os.environ.setdefault("ZATTERA_AGENT_RUNTIME", "process")
+
 
 def _docker_nats() -> Iterator[str] | None:
     if os.environ.get("ZATTERA_TEST_DOCKER") != "1":
@@ -102,3 +106,16 @@ async def view(conn: Connection) -> AsyncIterator[StateView]:
 @pytest.fixture
 def writer(conn: Connection, view: StateView) -> Writer:
     return Writer(conn, view)
+
+
+@pytest.fixture(scope="session")
+def docker_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The ``unix://`` address of a private dockerd this session started (``tests/dockerd.py``), with the
+    busybox base image imported; one per session (vfs storage is slow to start many)."""
+    from tests.dockerd import DockerUnavailableForTests, private_dockerd
+
+    try:
+        with private_dockerd(tmp_path_factory.mktemp("dockerd")) as url:
+            yield url
+    except DockerUnavailableForTests as exc:
+        pytest.skip(f"docker runtime tests need a Docker daemon: {exc} (make system-packages installs it)")

@@ -1,5 +1,6 @@
 """Entry point: ``python -m services.agent --nats URL --node-id ID --data-dir DIR [--labels k=v,...]
-[--builder] [--roles worker,control] [--mesh-ip IP] [--stop-on-exit] [--join-token TOKEN]``.
+[--builder] [--roles worker,control] [--mesh-ip IP] [--runtime process|docker] [--stop-on-exit]
+[--join-token TOKEN]``.
 
 Every flag has a ``ZATTERA_AGENT_*`` setting (``services/agent/settings.py``); the NATS URL and the data
 dir default to ``ZATTERA_NATS_URL`` and ``ZATTERA_DATA_DIR`` (``<data>/agent-<node id>`` then).
@@ -50,6 +51,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--builder", action="store_true", default=None, help="serve source builds")
     parser.add_argument("--roles", default=None, help="worker and/or control, comma-separated (default: worker)")
     parser.add_argument("--mesh-ip", default=None, help="address other nodes reach this node's instances at")
+    parser.add_argument(
+        "--runtime", default=None, help="process or docker (default: docker when a Docker daemon answers)"
+    )
     parser.add_argument("--stop-on-exit", action="store_true", default=None, help="stop instances on exit")
     parser.add_argument(
         "--join-token", default=None, help="join a secured cluster (once; see SECURITY.md), $ZATTERA_AGENT_JOIN_TOKEN"
@@ -72,6 +76,8 @@ def agent_settings(args: argparse.Namespace) -> AgentSettings:
         overrides["roles"] = args.roles
     if args.mesh_ip is not None:
         overrides["mesh_ip"] = args.mesh_ip
+    if args.runtime is not None:
+        overrides["runtime"] = args.runtime
     if args.stop_on_exit is not None:
         overrides["stop_on_exit"] = args.stop_on_exit
     if args.join_token is not None:

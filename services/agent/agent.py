@@ -4,7 +4,8 @@
 reports and node record, every release and volume; exactly what an agent credential may read, SECURITY.md),
 registers ``node.<id>``, then runs until cancelled:
 
-* the observed-state reporter and the process runtime (``runtime.py``), which converge this node's
+* the observed-state reporter and the runtime (``runtime.py``; processes or containers: ``launchers.py``,
+  ``docker_runtime.py``, chosen at start by ``docker_runtime.choose_launcher``), which converge this node's
   assignments and write only ``observed.<node>.*``;
 * heartbeats into ``zattera-live`` (``heartbeat.py``);
 * the volume snapshot/restore/prune handlers (``shared.snapshots``) over ``<data>/volumes``;
@@ -22,10 +23,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from nacl.public import PrivateKey
-from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
+from services.agent.docker_runtime import choose_launcher
 from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
 from services.agent.processes import PortAllocator
@@ -34,8 +35,9 @@ from services.agent.reporter import ObservedReporter
 from services.agent.runtime import ProcessRuntime, RuntimeContext
 from services.agent.settings import AgentSettings
 from shared import keys as K
+from shared.activation import request_activation
 from shared.clock import Clock, RealClock
-from shared.natsio import ACTIVATE_SUBJECT, Connection
+from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.snapshots import serve_snapshot_requests
 from shared.txn import Writer
@@ -45,7 +47,6 @@ log = logging.getLogger(__name__)
 
 FINAL_FLUSH_TIMEOUT = 5.0
 ACTIVATE_TIMEOUT = 10.0
-ACTIVATE_ERROR_HEADER = "Nats-Service-Error-Code"
 
 
 def view_filters(node_id: str) -> tuple[str, ...]:
@@ -98,13 +99,7 @@ class Agent:
 
     async def _activate(self, env_id: str) -> None:
         """Ask the activator to wake a scale-to-zero env a held connection waits for."""
-        request = cpb.ActivateRequest(environment_id=env_id, node_id=self.node_id)
-        reply = await self.conn.nc.request(
-            ACTIVATE_SUBJECT, request.SerializeToString(deterministic=True), timeout=ACTIVATE_TIMEOUT
-        )
-        code = (reply.headers or {}).get(ACTIVATE_ERROR_HEADER)
-        if code is not None:
-            raise RuntimeError(f"activator answered error {code}")
+        await request_activation(self.conn, env_id, self.node_id, timeout=ACTIVATE_TIMEOUT)
 
     async def _forward(self, forwarder: Forwarder) -> None:
         """The forwarder follows the route snapshots, as the proxies do. Its failure is logged and leaves the
@@ -133,7 +128,8 @@ class Agent:
             builder=settings.builder,
             mesh_ip=settings.mesh_ip,
         )
-        identity = replace(identity, secrets_public_key=bytes(self.secrets_key.public_key))
+        launcher = await choose_launcher(settings)
+        identity = replace(identity, secrets_public_key=bytes(self.secrets_key.public_key), runtime=launcher.name)
         await self.view.start()
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -152,6 +148,7 @@ class Agent:
                     ports=PortAllocator(),
                     secrets_key=self.secrets_key,
                     network_env=self.forwarder.instance_env if self.forwarder is not None else None,
+                    launcher=launcher,
                 )
             )
             heartbeat = HeartbeatPublisher(
@@ -181,9 +178,10 @@ class Agent:
                     self.data_dir / "builds",
                     os_arch=identity.os_arch,
                     keepalive=settings.build_keepalive,
+                    docker_host=settings.docker_host,
                 )
                 tasks.append(asyncio.create_task(builder.serve(), name="builder"))
-            log.info("agent %s: running (data dir %s)", self.node_id, self.data_dir)
+            log.info("agent %s: running (data dir %s, %s runtime)", self.node_id, self.data_dir, launcher.name)
             try:
                 await asyncio.gather(runtime_task, *tasks)
             finally:
@@ -196,3 +194,4 @@ class Agent:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.view.stop()
+            await launcher.close()

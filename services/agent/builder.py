@@ -30,6 +30,11 @@ Steps (reference §4.1–4.2, for the process runtime instead of BuildKit):
    ``push_image_ref``'s repo and tag, one manifest per requested platform (default: this node's).
 6. Report the digest (``succeeded``) and ``done``.
 
+A ``BUILD_TYPE_DOCKERFILE`` build (the build's type or the app's ``BuildConfig.type``) replaces steps 3-4:
+the node's Docker daemon builds ``BuildConfig.dockerfile`` in ``BuildConfig.context_dir`` with the
+``build_args``, its output streamed as log lines, and the resulting image (its whole root filesystem) is
+pushed for this node's platform (``dockerbuild.py``).
+
 A step silent for ``keepalive`` seconds logs a line, so the dispatcher does not take the builder for lost.
 """
 
@@ -56,8 +61,10 @@ from google.protobuf.message import DecodeError
 from nats.aio.msg import Msg
 from uv import find_uv_bin
 from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
 
 from services.agent.depcache import LayerCache, cache_tag, dependency_key
+from services.agent.dockerbuild import DEFAULT_DOCKERFILE, DockerBuildError, build_context_dir, build_dockerfile
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
 from shared.buildplan import BuildPlan, PlanError, detect, read_source
 from shared.ids import is_safe_id, unsafe_id
@@ -170,7 +177,9 @@ class Builder:
         os_arch: str,
         keepalive: float = 60.0,
         cache_dir: Path | None = None,
+        docker_host: str = "",
     ) -> None:
+        self.docker_host = docker_host
         self.conn = conn
         self.node_id = node_id
         self.work_dir = work_dir
@@ -283,10 +292,15 @@ class Builder:
         shutil.rmtree(scratch, ignore_errors=True)
         src.mkdir(parents=True)
         await asyncio.to_thread(unpack_source, source, src)
+        if build.type == pb.BUILD_TYPE_DOCKERFILE or request.build_config.type == pb.BUILD_TYPE_DOCKERFILE:
+            return await self._build_dockerfile(request, events, src)
         try:
             plan = detect(read_source(src))
         except PlanError as exc:
             raise BuildError(f"builder: {exc}") from exc
+        if plan.provider == "dockerfile" and self.docker_host:
+            await events.log("plan: a Dockerfile build on this builder's Docker daemon (docs/containers.md)")
+            return await self._build_dockerfile(request, events, src)
         for line in plan.lines():
             await events.log(line)
         if plan.error:
@@ -309,24 +323,53 @@ class Builder:
         app_exclude = plan.dependency_dir if layers else ""
         layers.append(await asyncio.to_thread(pack_directory, src, exclude=app_exclude))
         platforms = sorted(set(build.platforms)) or [self.os_arch]
-        tag = ref.tag or build.meta.id.lower()
-        size = sum(len(layer) for layer, _ in layers)
-        await events.log(f"pushing {ref.repo}:{tag} ({len(layers)} layers, {size} bytes)")
         diff_ids = [diff_id for _, diff_id in layers]
+        images = [
+            PlatformImage(p, image_config(p, plan, diff_ids, build.meta.id), [layer for layer, _ in layers])
+            for p in platforms
+        ]
+        return await self._push(request, events, images)
+
+    async def _push(
+        self, request: cpb.RunBuildRequest, events: BuildEventPublisher, images: list[PlatformImage]
+    ) -> tuple[str, list[str]]:
+        build = request.build
+        ref = parse_ref(request.push_image_ref)
+        if not ref.repo:
+            raise BuildError("builder: the request has no image ref to push to")
+        size = sum(len(layer) for image in images for layer in image.layers)
+        layers = len(images[0].layers)
+        await events.log(f"pushing {ref.repo}:{ref.tag or build.meta.id.lower()} ({layers} layers, {size} bytes)")
         try:
             image = await push_image(
-                self.conn,
-                repo=ref.repo,
-                tag=tag,
-                images=[
-                    PlatformImage(p, image_config(p, plan, diff_ids, build.meta.id), [layer for layer, _ in layers])
-                    for p in platforms
-                ],
-                build_id=build.meta.id,
+                self.conn, repo=ref.repo, tag=ref.tag or build.meta.id.lower(), images=images, build_id=build.meta.id
             )
         except RegistryError as exc:
             raise BuildError(f"builder: push: {exc}") from exc
-        return image.digest, platforms
+        return image.digest, [i.platform for i in images]
+
+    async def _build_dockerfile(
+        self, request: cpb.RunBuildRequest, events: BuildEventPublisher, src: Path
+    ) -> tuple[str, list[str]]:
+        """A Dockerfile build through this node's Docker daemon (``dockerbuild.py``): one platform, this
+        node's."""
+        config = request.build_config
+        try:
+            context_dir = build_context_dir(src, config.context_dir)
+            layer, _ = await asyncio.to_thread(pack_directory, context_dir)
+            await events.log(f"docker build ({config.dockerfile or DEFAULT_DOCKERFILE} in {config.context_dir or '.'})")
+            built = await build_dockerfile(
+                self.docker_host,
+                layer,
+                tag=f"zattera-build/{request.build.meta.id.lower()}",
+                dockerfile=config.dockerfile,
+                build_args=request.build_args,
+                log=events.log,
+                platform=self.os_arch,
+            )
+        except DockerBuildError as exc:
+            raise BuildError(f"builder: {exc}") from exc
+        return await self._push(request, events, [PlatformImage(built.platform, built.config, built.layers)])
 
     async def _dependency_layer(
         self, plan: BuildPlan, src: Path, env: dict[str, str], events: BuildEventPublisher, repo: str

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,8 +145,10 @@ class HealthMonitor:
         cwd: Path,
         env: Mapping[str, str],
         startup_interval: float,
+        exec_check: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self.probe = probe
+        self._exec_check = exec_check
         self._on_state = on_state
         self._cwd = cwd
         self._env = env
@@ -157,6 +159,8 @@ class HealthMonitor:
         probe = self.probe
         try:
             async with asyncio.timeout(probe.timeout):
+                if probe.kind == EXEC and self._exec_check is not None:
+                    return await self._exec_check(probe.command)
                 if probe.kind == EXEC:
                     return await check_exec(probe.command, self._cwd, self._env)
                 if probe.kind == TCP:

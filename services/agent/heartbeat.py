@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from services.agent.processes import ProcessHandle
+from services.agent.launchers import InstanceHandle
 from shared.clock import Clock
 from shared.live import publish_node_heartbeat
 from shared.metrics import enabled as metrics_enabled
@@ -33,7 +33,7 @@ class HeartbeatPublisher:
         conn: Connection,
         node_id: str,
         data_dir: Path,
-        instances: Callable[[], Mapping[str, ProcessHandle]],
+        instances: Callable[[], Mapping[str, InstanceHandle]],
         clock: Clock,
         *,
         interval: float = 5.0,
@@ -102,7 +102,10 @@ class HeartbeatPublisher:
         self.last = hb
         return hb
 
-    def _instance_sample(self, handle: ProcessHandle, seen: set[tuple[int, float]]) -> cpb.InstanceSample | None:
+    def _instance_sample(self, handle: InstanceHandle, seen: set[tuple[int, float]]) -> cpb.InstanceSample | None:
+        usage = handle.usage()
+        if usage is not None:  # a container: the daemon's figures
+            return cpb.InstanceSample(cpu_percent=usage[0], memory_bytes=usage[1])
         try:
             root = psutil.Process(handle.pid)
             members = [root, *root.children(recursive=True)]

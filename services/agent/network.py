@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from shared.errors import ZatteraError
+
 MAX_SLOTS = 126
 CONSUMER_BASE = 128  # consumer c's addresses are 127.(128 + c).a.b
 RESOLVER_HOST = (0, 1)  # 127.(128 + c).0.1: never a VIP (VIP hosts are .2-.254)
@@ -31,8 +33,8 @@ _ENV_NAME = re.compile(r"[^A-Z0-9]")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
 
-class NetworkError(ValueError):
-    pass
+class NetworkError(ZatteraError, ValueError):
+    """A malformed name or address in private networking."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,11 @@ class InstanceRecord:
 class ProcessHandle:
     """A running instance process: one this agent spawned, or one adopted from a previous agent run."""
 
+    oom_killed = False
+    """Never known for a bare process (a SIGKILL only makes an OOM kill likely)."""
+    exec_check = None
+    """Exec health checks run on the host, in the instance's directory (``health.check_exec``)."""
+
     def __init__(
         self,
         pid: int,
@@ -94,6 +99,10 @@ class ProcessHandle:
     def container_id(self) -> str:
         """Identifies this process instance (a new one after every restart), as a container id would."""
         return f"proc-{self.pid}-{int(self.create_time * 1000)}"
+
+    def usage(self) -> tuple[float, int] | None:
+        """None: the heartbeat samples the process tree itself (psutil)."""
+        return None
 
     @property
     def adopted(self) -> bool:

@@ -77,6 +77,8 @@ class NodeIdentity:
     name: str = ""
     mesh_ip: str = ""
     version: str = ""
+    runtime: str = "process"
+    """How instances run here: process or docker (``launchers.py``)."""
     secrets_public_key: bytes = b""
     """The public half of the key pair the agent made for this registration (private half in memory only)."""
 
@@ -128,6 +130,7 @@ def registered_node(identity: NodeIdentity, existing: pb.Node | None, now: float
     node.mesh_ip = identity.mesh_ip
     node.binary_version = identity.version
     node.secrets_public_key = identity.secrets_public_key
+    node.runtime = identity.runtime
     node.labels.update(identity.labels)
     node.labels[OS_ARCH_LABEL] = identity.os_arch
     if identity.builder:

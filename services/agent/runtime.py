@@ -44,16 +44,17 @@ import re
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.health import LOOPBACK, HealthMonitor, probe_for, seconds
-from services.agent.images import ImageError, PreparedImage, prepare_image
+from services.agent.images import ImageError, PreparedImage
+from services.agent.launchers import InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
 from services.agent.logs import STREAM_FILES, TAIL_READ, InstanceLogShipper, ShipperSettings
-from services.agent.processes import STATE_FILE, InstanceRecord, PortAllocator, ProcessHandle, adopt, spawn
+from services.agent.processes import STATE_FILE, InstanceRecord, PortAllocator
 from services.agent.reporter import ObservedReporter
 from services.agent.settings import AgentSettings
 from shared import keys as K
@@ -109,6 +110,10 @@ def port_names(spec: pb.ServiceSpec) -> list[str]:
 
 def _env_name(name: str) -> str:
     return re.sub(r"[^A-Z0-9]", "_", name.upper())
+
+
+def volume_env_name(volume_name: str) -> str:
+    return f"ZATTERA_VOLUME_{_env_name(volume_name)}"
 
 
 def lease_is_ours(volume: pb.Volume, node_id: str, assignment_id: str, now: float) -> bool:
@@ -177,7 +182,7 @@ def instance_env(
         env[f"PORT_{_env_name(name)}"] = str(port)
     env["PORT"] = str(ports.get(DEFAULT_PORT_NAME) or next(iter(ports.values())))
     for name, path in volumes.items():
-        env[f"ZATTERA_VOLUME_{_env_name(name)}"] = str(path)
+        env[volume_env_name(name)] = str(path)
     return env
 
 
@@ -198,6 +203,18 @@ class RuntimeContext:
     """This registration's node key; instance secrets are sealed to its public half (None: no secrets)."""
     network_env: Callable[[pb.Assignment, pb.Release], Awaitable[Mapping[str, str]]] | None = None
     """The node forwarder's variables for an instance (None: private networking off)."""
+    launcher: Launcher = field(default_factory=ProcessLauncher)
+    """The node's runtime: bare processes or containers (``launchers.py``)."""
+
+
+def launch_plan(release: pb.Release, volumes: Mapping[str, Path]) -> LaunchPlan:
+    mount_paths = {m.volume_name: m.mount_path for m in release.service.volumes}
+    return LaunchPlan(
+        memory_mb=release.service.resources.memory_mb,
+        cpu_millis=release.service.resources.cpu_millis,
+        read_only_root=release.service.read_only_root,
+        volumes={name: (path, mount_paths.get(name) or f"/volumes/{name}") for name, path in volumes.items()},
+    )
 
 
 class InstanceSupervisor:
@@ -208,7 +225,7 @@ class InstanceSupervisor:
         ctx: RuntimeContext,
         assignment: pb.Assignment,
         *,
-        adopted: tuple[ProcessHandle, InstanceRecord] | None = None,
+        adopted: tuple[InstanceHandle, InstanceRecord] | None = None,
     ) -> None:
         self.ctx = ctx
         self.assignment = assignment
@@ -217,7 +234,7 @@ class InstanceSupervisor:
         self.waiting_on_state = False
         """Waiting for a release, an image or a volume lease: re-evaluated on any such change."""
         self._wake = asyncio.Event()
-        self._handle: ProcessHandle | None = None
+        self._handle: InstanceHandle | None = None
         self._exit: asyncio.Task[int | None] | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._started_at = 0.0
@@ -259,7 +276,7 @@ class InstanceSupervisor:
     # ------------------------------------------------------------------ control from the runtime
 
     @property
-    def handle(self) -> ProcessHandle | None:
+    def handle(self) -> InstanceHandle | None:
         return self._handle
 
     def update(self, assignment: pb.Assignment) -> None:
@@ -361,7 +378,9 @@ class InstanceSupervisor:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._report(PULLING)
         try:
-            image = await prepare_image(self.ctx.conn, release.image_ref, self.dir, platform=self.ctx.os_arch)
+            image = await self.ctx.launcher.prepare(
+                self.ctx.conn, release.image_ref, self.dir, platform=self.ctx.os_arch
+            )
         except ImageError as exc:
             self._failed_attempt(f"image: {exc}", None)
             return
@@ -389,7 +408,7 @@ class InstanceSupervisor:
         self._secret_names = frozenset(secrets)
         # Shielded: once spawned, the process must be attached and recorded even if this task is
         # cancelled meanwhile (assignment removed, agent stopping), or nobody would ever stop it.
-        launching = asyncio.ensure_future(self._launch(command, image.workdir, env))
+        launching = asyncio.ensure_future(self._launch(command, image, env, launch_plan(release, volumes)))
         try:
             handle = await asyncio.shield(launching)
         except asyncio.CancelledError:
@@ -409,17 +428,26 @@ class InstanceSupervisor:
             raise SecretsUnavailable("this agent has no node key")
         return await fetch_secrets(self.ctx.conn, self.ctx.node_id, self.ctx.secrets_key, a.meta.id)
 
-    async def _launch(self, command: list[str], workdir: Path, env: dict[str, str]) -> ProcessHandle:
+    async def _launch(
+        self, command: list[str], image: PreparedImage, env: dict[str, str], plan: LaunchPlan
+    ) -> InstanceHandle:
         # A child of the assignment's last write (the orchestrator's or scheduler's transition span).
         parent = self.ctx.view.trace_headers(K.assignment(self.ctx.node_id, self.assignment_id)) or None
         self._logs.process_starting()
         self._logs.release_id = self.assignment.release_id
         with span("agent.instance.start", headers=parent, assignment_id=self.assignment_id, node_id=self.ctx.node_id):
-            handle = await spawn(command, cwd=workdir, env=env, instance_dir=self.dir)
+            handle = await self.ctx.launcher.spawn(
+                command,
+                image=image,
+                env=env,
+                instance_dir=self.dir,
+                plan=plan,
+                labels={"dev.zattera.assignment": self.assignment_id},
+            )
         if self._ever_started:
             self._restarts += 1
         self._ever_started = True
-        self._workdir, self._env = workdir, env
+        self._workdir, self._env = image.workdir, env
         self._attach(handle)
         InstanceRecord(
             assignment_id=self.assignment_id,
@@ -429,7 +457,7 @@ class InstanceSupervisor:
             container_id=handle.container_id,
             ports=self._ports,
             restarts=self._restarts,
-            workdir=str(workdir),
+            workdir=str(image.workdir),
             # Never a secret on disk: an adopted process's exec health checks run without them.
             env={k: v for k, v in env.items() if k not in self._secret_names},
         ).save(self.dir)
@@ -463,6 +491,7 @@ class InstanceSupervisor:
             cwd=self._workdir,
             env=self._env,
             startup_interval=self.ctx.settings.startup_probe_interval,
+            exec_check=self._handle.exec_check if self._handle is not None else None,
         )
         self._monitor = asyncio.create_task(monitor.run(), name=f"health:{self.assignment_id}")
 
@@ -491,6 +520,7 @@ class InstanceSupervisor:
             self._failures = 0
         await self._logs.drain(self.ctx.settings.log_drain_timeout)
         self._last_exit = instance_exit(code, self._logs.stderr_tail(), now_ns=time.time_ns())
+        self._last_exit.oom_killed = handle.oom_killed
         message = f"exited ({describe_exit(self._last_exit)})"
         log.info("%s: pid %d %s after %.1fs", self.assignment_id, handle.pid, message, ran)
         if self.assignment.job_id:
@@ -520,7 +550,7 @@ class InstanceSupervisor:
 
     # ------------------------------------------------------------------ process bookkeeping
 
-    def _attach(self, handle: ProcessHandle) -> None:
+    def _attach(self, handle: InstanceHandle) -> None:
         self._handle = handle
         self._container_id = handle.container_id
         self._started_at = time.monotonic()
@@ -587,7 +617,7 @@ class ProcessRuntime:
         self._supervisors: dict[str, tuple[InstanceSupervisor, asyncio.Task[None]]] = {}
         self._removing: dict[str, asyncio.Task[None]] = {}
 
-    def running(self) -> dict[str, ProcessHandle]:
+    def running(self) -> dict[str, InstanceHandle]:
         """Assignment id → its live process (for the heartbeat's per-instance samples)."""
         return {aid: sup.handle for aid, (sup, _) in self._supervisors.items() if sup.handle is not None}
 
@@ -649,6 +679,7 @@ class ProcessRuntime:
             await asyncio.gather(task, return_exceptions=True)
             log.info("%s: assignment gone; removing its instance", sup.assignment_id)
             await sup.remove()
+            await self.ctx.launcher.prune_images()
         finally:
             self._removing.pop(sup.assignment_id, None)
 
@@ -661,7 +692,7 @@ class ProcessRuntime:
         for directory in sorted(p for p in ctx.instances_dir.iterdir() if p.is_dir()):
             aid = directory.name
             record = InstanceRecord.load(directory)
-            handle = adopt(record, poll_interval=ctx.settings.adopted_poll_interval) if record else None
+            handle = await ctx.launcher.adopt(record, directory) if record else None
             a = ctx.view.assignment(aid)
             if a is not None and a.node_id != ctx.node_id:
                 a = None
@@ -683,6 +714,7 @@ class ProcessRuntime:
             else:
                 (directory / STATE_FILE).unlink(missing_ok=True)
         await asyncio.gather(*stops)
+        await ctx.launcher.sweep({sup.handle.container_id for sup, _ in self._supervisors.values() if sup.handle})
 
     async def shutdown(self) -> None:
         entries = list(self._supervisors.values())

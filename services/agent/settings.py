@@ -58,6 +58,15 @@ class AgentSettings(BaseSettings):
         default=True, description="node forwarder and resolver for VIPs and *.internal names (docs/networking.md)"
     )
     dns_port: int = Field(default=53, ge=0, le=65535, description="port of the per-env *.internal resolvers (0 = none)")
+    runtime: str = Field(
+        default="", description="process or docker; '' = docker when a Docker daemon answers, else process"
+    )
+    docker_host: str = Field(default="", description="Docker daemon address; '' = $DOCKER_HOST or the standard socket")
+    docker_base_image: str = Field(
+        default="zattera/base:latest", description="what registry images without a root filesystem run on"
+    )
+    pids_limit: int = Field(default=512, ge=0, description="docker runtime: processes per instance (0 = unlimited)")
+
     build_keepalive: float = Field(default=60.0, gt=0, description="a silent build step logs a line this often")
 
     @field_validator("node_id")
@@ -65,6 +74,13 @@ class AgentSettings(BaseSettings):
     def _valid_node_id(cls, value: str) -> str:
         if value and not _NODE_ID.match(value):
             raise ValueError("node id may contain only letters, digits, '-' and '_'")
+        return value
+
+    @field_validator("runtime")
+    @classmethod
+    def _known_runtime(cls, value: str) -> str:
+        if value and value not in ("process", "docker"):
+            raise ValueError(f"unknown runtime {value!r}: use process or docker")
         return value
 
     @field_validator("labels", mode="before")

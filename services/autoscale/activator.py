@@ -1,8 +1,7 @@
 """Activator: wakes a scaled-to-zero env on request (``zattera.activate``, reference §4.1).
 
-Served by every autoscale replica in one queue group (not leader-gated). A request body is an
-``ActivateRequest``; the reply is an ``ActivateResponse``, or an error reply: empty body with the NATS
-micro service headers ``Nats-Service-Error-Code`` (the code) and ``Nats-Service-Error`` (the message).
+Served by every autoscale replica in one queue group (not leader-gated). The request, the reply, the
+error reply and the client are in :mod:`shared.activation`.
 
 Semantics (reference): unknown env → error 404; not ``scale_to_zero`` → ``accepted=false``; target
 ``max(min, 1)``; already at or above the target → ``accepted=true`` without a write (idempotent).
@@ -32,6 +31,16 @@ from zattera.v1 import types_pb2 as pb
 
 from services.autoscale.common import ReplicaWrite, catch_up, effective_txn, scale_event, wake_target
 from shared import keys as K
+from shared.activation import (
+    ABORTED,
+    ERROR_CODE_HEADER,
+    ERROR_HEADER,
+    INTERNAL,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    UNAVAILABLE,
+    ActivateError,
+)
 from shared.clock import Clock
 from shared.events import EVENT_WOKEN, EventPublisher
 from shared.natsio import ACTIVATE_SUBJECT, Connection
@@ -44,21 +53,6 @@ log = logging.getLogger(__name__)
 ACTOR = "system:activator"
 QUEUE_GROUP = "zattera-activator"
 MAX_ATTEMPTS = 3
-ERROR_CODE_HEADER = "Nats-Service-Error-Code"
-ERROR_HEADER = "Nats-Service-Error"
-
-INVALID_ARGUMENT = 400
-NOT_FOUND = 404
-ABORTED = 409
-INTERNAL = 500
-UNAVAILABLE = 503
-
-
-class ActivateError(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,15 +154,3 @@ class Activator:
                 await sub.unsubscribe()
             for task in list(self._handlers):
                 task.cancel()
-
-
-async def request_activation(
-    conn: Connection, environment_id: str, node_id: str = "", *, timeout: float = 10.0
-) -> cpb.ActivateResponse:
-    """The client side (what a proxy calls): raises :class:`ActivateError` on an error reply."""
-    request = cpb.ActivateRequest(environment_id=environment_id, node_id=node_id)
-    reply = await conn.nc.request(ACTIVATE_SUBJECT, request.SerializeToString(deterministic=True), timeout=timeout)
-    headers = reply.headers or {}
-    if ERROR_CODE_HEADER in headers:
-        raise ActivateError(int(headers[ERROR_CODE_HEADER]), headers.get(ERROR_HEADER, ""))
-    return cpb.ActivateResponse.FromString(reply.data)

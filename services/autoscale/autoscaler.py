@@ -25,10 +25,9 @@ from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event
+from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused
 from shared import keys as K
 from shared.deployments import desired_replicas as current_replicas
-from shared.deployments import owns_scaling
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.view import RUN, StateView
 
@@ -129,8 +128,9 @@ def evaluate(
         return Decision(None, low_since, "no autoscale target or no active release")
     if spec.max_concurrency > 0:
         return Decision(None, low_since, "serverless env (the serverless loop owns it)")
-    if owns_scaling(view, env_id):
-        return Decision(None, low_since, "deployment under way")
+    pause = scaling_paused(view, live, env_id, from_proxy_data=False)
+    if pause is not None:
+        return Decision(None, low_since, pause.reason)  # its low spell is kept through a pause
     min_rep = max(spec.replicas.min, 1)
     max_rep = spec.replicas.max
     if max_rep <= min_rep:

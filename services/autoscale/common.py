@@ -22,6 +22,8 @@ from typing import Any
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.clock import stamp
+from shared.deployments import owns_scaling
 from shared.events import scale_event as shared_scale_event
 from shared.lease import Leadership
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
@@ -34,6 +36,31 @@ from shared.view import Change, ChangeFeed, StateView
 log = logging.getLogger(__name__)
 
 CATCH_UP_TIMEOUT = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Why the scaling loops leave an env alone this pass, whatever its load says."""
+
+    reason: str
+    restarts_spell: bool
+    """True: the loop's timing state for the env (low spell, last activity) starts afresh after the pause,
+    so the next look grants a full window; False: it is kept (missing data must not read as idle)."""
+
+
+DEPLOYMENT_UNDER_WAY = Pause("deployment under way (not promoted yet)", restarts_spell=True)
+NO_FRESH_PROXY_DATA = Pause("no fresh proxy data (frozen)", restarts_spell=False)
+
+
+def scaling_paused(view: StateView, live: LiveView, env_id: str, *, from_proxy_data: bool) -> Pause | None:
+    """The guards every scaling loop applies (None: it may decide): a deployment owns the env's replicas
+    until it promotes (a draining one holds only its blue), and a loop driven by proxy traffic waits
+    while no proxy reports (no data is not zero traffic)."""
+    if owns_scaling(view, env_id):
+        return DEPLOYMENT_UNDER_WAY
+    if from_proxy_data and not live.has_fresh_traffic_data():
+        return NO_FRESH_PROXY_DATA
+    return None
 
 
 def wake_target(env: pb.Environment) -> int:
@@ -67,7 +94,7 @@ def effective_txn(writer: Writer, write: ReplicaWrite, now: float) -> Txn:
     env = pb.Environment()
     env.CopyFrom(write.env)
     env.effective_replicas = write.target
-    env.meta.updated_at.FromNanoseconds(int(now * 1e9))
+    stamp(env.meta.updated_at, now)
     return writer.txn(label="effective_replicas").put(env, expect=write.revision)
 
 

@@ -28,8 +28,7 @@ from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event
-from shared.deployments import owns_scaling
+from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused
 from shared.events import EVENT_COOLED
 from shared.live import LiveView
 from shared.view import StateView
@@ -76,10 +75,9 @@ def evaluate(
         return Decision(None, last_active, "not a scale-to-zero env this loop owns")
     if env.effective_replicas == 0:
         return Decision(None, None, "already cold")
-    if owns_scaling(view, env.meta.id):
-        return Decision(None, None, "deployment under way (not promoted yet)")
-    if not live.has_fresh_traffic_data():
-        return Decision(None, last_active, "no fresh proxy data (frozen)")
+    pause = scaling_paused(view, live, env.meta.id, from_proxy_data=True)
+    if pause is not None:
+        return Decision(None, None if pause.restarts_spell else last_active, pause.reason)
     traffic = live.env_traffic(env.meta.id)
     seen = now if last_active is None else last_active
     if traffic.inflight + traffic.held > 0:

@@ -28,9 +28,8 @@ from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, wake_target
+from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused, wake_target
 from shared.deployments import desired_replicas as current_replicas
-from shared.deployments import owns_scaling
 from shared.live import LiveView
 from shared.view import StateView
 
@@ -82,10 +81,9 @@ def evaluate(
     spec = env.service
     if spec.max_concurrency == 0 or not env.active_release_id:
         return Decision(None, low, "not a serverless env")
-    if owns_scaling(view, env.meta.id):
-        return Decision(None, None, "deployment under way")
-    if not live.has_fresh_traffic_data():
-        return Decision(None, low, "no fresh proxy data (frozen)")
+    pause = scaling_paused(view, live, env.meta.id, from_proxy_data=True)
+    if pause is not None:
+        return Decision(None, None if pause.restarts_spell else low, pause.reason)
     traffic = live.env_traffic(env.meta.id)
     floor, ceiling = replica_bounds(env)
     desired = desired_replicas(traffic.inflight + traffic.held, spec.max_concurrency, floor, ceiling)

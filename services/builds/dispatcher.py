@@ -20,7 +20,7 @@ Fixed here:
   checkpointed every ``checkpoint_interval`` (a floor when the replay holds no event). No build stays
   RUNNING forever (§3.12).
 * Log lines go to the durable build-log stream (shared/buildlogs.py), readable after a failover.
-* Cancel: an operator writes CANCELED (services/builds/cancel.py); the dispatcher tells the builder to
+* Cancel: an operator writes CANCELED (shared/buildcancel.py); the dispatcher tells the builder to
   stop on ``zattera.agent.<node>.build.cancel`` — also when a builder keeps streaming for a build that
   already ended (canceled, or failed as lost).
 
@@ -295,8 +295,11 @@ def finished_build(build: pb.Build, verdict: Verdict, config: BuildDispatcherCon
     return b
 
 
-def run_request(build: pb.Build, config: BuildDispatcherConfig) -> cpb.RunBuildRequest:
+def run_request(build: pb.Build, config: BuildDispatcherConfig, app: pb.App | None = None) -> cpb.RunBuildRequest:
     request = cpb.RunBuildRequest(build=build, push_image_ref=push_ref(build, config))
+    if app is not None:
+        request.build_config.CopyFrom(app.build)
+        request.build_args.update(app.build.build_args)
     if build.tarball_digest:
         request.source_url = config.source_url_base + build.tarball_digest
     if build.git_clone_url:
@@ -491,7 +494,7 @@ class BuildDispatcher(LeaderLoop):
     # ------------------------------------------------------------------ contacting builders
 
     async def _send(self, build: pb.Build, follower: _Follower, trace: dict[str, str] | None = None) -> None:
-        request = run_request(build, self.config)
+        request = run_request(build, self.config, self.view.app(build.app_id))
         try:
             with span("builds.dispatch", headers=trace, build_id=build.meta.id, node_id=build.node_id):
                 reply = await self._request_build(build.node_id, request.SerializeToString(deterministic=True))

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from google.protobuf.message import Message
-from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.replicas import with_desired
 from shared import keys as K
 from shared.applogs import describe_exit
+from shared.clock import from_timestamp, stamp
 from shared.deploy import CANCELED_BY_OPERATOR
 from shared.events import ERROR, INFO, WARNING, make_event, transition_id
+from shared.placement.replicas import with_desired
 from shared.settings import Settings
 from shared.view import StateView
 
@@ -125,19 +125,9 @@ class Transition:
 # ---------------------------------------------------------------------- time
 
 
-def timestamp(now: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(round(now * 1e9))
-    return ts
-
-
-def seconds(ts: Timestamp) -> float:
-    return ts.ToNanoseconds() / 1e9
-
-
 def phase_entered_at(d: pb.Deployment) -> float | None:
     """When the current phase began (meta.updated_at); None when never stamped (no timer runs)."""
-    return seconds(d.meta.updated_at) if d.meta.HasField("updated_at") else None
+    return from_timestamp(d.meta.updated_at) if d.meta.HasField("updated_at") else None
 
 
 def timed_out(d: pb.Deployment, now: float, limit: float | None) -> bool:
@@ -264,13 +254,13 @@ def advance(
     """The deployment entering ``phase`` now (meta.updated_at = phase entry; a set error is sticky)."""
     nxt = copy_of(d)
     nxt.phase = phase  # type: ignore[assignment]
-    nxt.meta.updated_at.CopyFrom(timestamp(now))
+    stamp(nxt.meta.updated_at, now)
     if error:
         nxt.error = error
     if promoted_at is not None:
-        nxt.promoted_at.CopyFrom(timestamp(promoted_at))
+        stamp(nxt.promoted_at, promoted_at)
     if drain_deadline is not None:
-        nxt.drain_deadline.CopyFrom(timestamp(drain_deadline))
+        stamp(nxt.drain_deadline, drain_deadline)
     return nxt
 
 
@@ -316,7 +306,7 @@ def deploy_event(d: pb.Deployment, kind: str, message: str, severity: str, now: 
         environment_id=d.environment_id,
         fields={"deployment_id": d.meta.id},
     )
-    event.meta.created_at.CopyFrom(timestamp(now))
+    stamp(event.meta.created_at, now)
     return event
 
 

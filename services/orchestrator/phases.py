@@ -51,7 +51,6 @@ from services.orchestrator.model import (
     outcome_events,
     phase_entered_at,
     promoted_env,
-    seconds,
     stateful_fail,
     stay,
     tagged,
@@ -60,11 +59,12 @@ from services.orchestrator.model import (
     with_transition_ids,
 )
 from services.orchestrator.stateful import decide_stateful
-from services.scheduler.placement import place
-from services.scheduler.replicas import deploy_replicas, new_assignment, with_desired
 from shared import keys as K
+from shared.clock import from_timestamp
 from shared.deploy import CANCELED_BY_OPERATOR, cancel_requested
 from shared.deployments import is_terminal
+from shared.placement.placement import place
+from shared.placement.replicas import deploy_replicas, new_assignment, with_desired
 from shared.view import StateView
 
 PENDING = pb.DEPLOYMENT_PHASE_PENDING
@@ -312,7 +312,7 @@ def env_is_cold(env: pb.Environment) -> bool:
 def drain(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float) -> Transition | None:
     """Stop blue and succeed, in one write: after the drain window, or as soon as there is nothing left to
     keep warm (blue gone) or the env cooled to zero (its warm blue cools with it). Green is never touched."""
-    window_open = d.HasField("drain_deadline") and now < seconds(d.drain_deadline)
+    window_open = d.HasField("drain_deadline") and now < from_timestamp(d.drain_deadline)
     if window_open and not nothing_to_drain(view, d, env, release):
         return None
     t = move(d, pb.DEPLOYMENT_PHASE_SUCCEEDED, now)
@@ -341,7 +341,7 @@ def wake_at(view: StateView, d: pb.Deployment, timers: Timers) -> float | None:
     if is_terminal(d.phase):
         return None
     if d.phase == DRAINING_OLD:
-        return seconds(d.drain_deadline) if d.HasField("drain_deadline") else None
+        return from_timestamp(d.drain_deadline) if d.HasField("drain_deadline") else None
     entered = phase_entered_at(d)
     if entered is None:
         return None

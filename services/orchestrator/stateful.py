@@ -36,12 +36,12 @@ from services.orchestrator.model import (
     stay,
     timed_out,
     timeout_reason,
-    timestamp,
 )
-from services.scheduler.placement import place
-from services.scheduler.replicas import new_assignment, with_desired
+from shared.clock import stamp
 from shared.events import INFO, WARNING
 from shared.ids import new_id
+from shared.placement.placement import place
+from shared.placement.replicas import new_assignment, with_desired
 from shared.view import StateView
 from shared.volumes import restoring_volume
 
@@ -157,7 +157,7 @@ def missing_volumes(
             status=pb.VOLUME_STATUS_ACTIVE,
         )
         volume.meta.id = new_id()
-        volume.meta.created_at.CopyFrom(timestamp(now))
-        volume.meta.updated_at.CopyFrom(timestamp(now))
+        stamp(volume.meta.created_at, now)
+        stamp(volume.meta.updated_at, now)
         created.append(volume)
     return created

@@ -41,7 +41,6 @@ from nats.errors import Error as NatsError
 from yarl import URL
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from services.autoscale.activator import INVALID_ARGUMENT, NOT_FOUND, ActivateError, request_activation
 from services.proxy.activator import HoldRejected, Holds
 from services.proxy.auth import BasicAuth, https_location, is_https, route_users
 from services.proxy.balancer import STICKY_COOKIE, Balancer, sticky_endpoint, sticky_value
@@ -49,6 +48,9 @@ from services.proxy.ratelimit import RateLimiter
 from services.proxy.routing import RouteEntry, RouteTable, request_host
 from services.proxy.settings import ROUTES_CACHE_FILE, ProxySettings
 from services.proxy.stats import ProxyStats
+from shared.acmechallenge import PATH_PREFIX as CHALLENGE_PATH
+from shared.acmechallenge import ChallengeAnswers
+from shared.activation import INVALID_ARGUMENT, NOT_FOUND, ActivateError, request_activation
 from shared.live import publish_proxy_heartbeat
 from shared.metrics import RequestSeries
 from shared.natsio import Connection
@@ -151,6 +153,7 @@ class Proxy:
             hold_timeout=cfg.hold_timeout,
             max_body_bytes=cfg.max_held_body_bytes,
         )
+        self.challenges = ChallengeAnswers()
         self.conn: Connection | None = None
         self._connected = asyncio.Event()
         self._stop = asyncio.Event()
@@ -211,6 +214,7 @@ class Proxy:
         # left a proxy stopped right after start waiting for its background task forever.
         await cancel_and_wait(*self._tasks)
         await self.routes.stop()
+        await self.challenges.stop()
         if self.conn is not None:
             await self._publish_heartbeat()
             await self.conn.close()
@@ -237,6 +241,7 @@ class Proxy:
                 return
             self.conn = conn
             await self.routes.start(conn)
+            await self.challenges.start(conn)
             # "Connected" means the snapshot subscription is live at the server. nats-py's flush() writes its
             # PING ahead of still-buffered commands, so only a second round trip is ordered after the SUB.
             with contextlib.suppress(NatsError, TimeoutError):  # a lost connection resubscribes on reconnect
@@ -250,6 +255,7 @@ class Proxy:
             log.error("proxy %s: NATS connection closed for good; connecting anew", self.proxy_id)
             self._connected.clear()
             await self.routes.stop()
+            await self.challenges.stop()
             self.conn = None
 
     async def _publish_heartbeat(self) -> None:
@@ -299,6 +305,8 @@ class Proxy:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         host = request_host(request.headers.get(hdrs.HOST, ""))
         path = request.path
+        if path.startswith(CHALLENGE_PATH) and (answer := await self.challenges.lookup(path)) is not None:
+            return web.Response(text=answer, content_type="application/octet-stream")  # ACME HTTP-01
         entry = self.table.match(host, path)
         if entry is None:
             return error_response(404, "no route for host")

@@ -1,7 +1,7 @@
 """Zattera scheduler service: what runs where.
 
-``placement`` (Place, pure) · ``replicas`` (pure rules shared with the orchestrator) · ``convergence``
-(per-env replica decisions) · ``volumes`` (stateful volumes and fencing leases) · ``orphans`` ·
-``drain`` · ``loop`` (the placement loop, ``lease.scheduler``) · ``liveness`` (``lease.liveness``) ·
-``snapshots`` (scheduled volume snapshots).
+``convergence`` (per-env replica decisions, with the placement rules of ``shared/placement/``) ·
+``volumes`` (stateful volumes and fencing leases) · ``orphans`` · ``drain`` · ``loop`` (the placement
+loop, ``lease.scheduler``) · ``liveness`` (``lease.liveness``) · ``snapshots`` (scheduled volume
+snapshots, dispatched through ``shared/snapshots/dispatch.py``).
 """

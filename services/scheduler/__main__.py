@@ -13,10 +13,10 @@ from services.scheduler.jobs import JobsLoop
 from services.scheduler.liveness import TICK as LIVENESS_TICK
 from services.scheduler.liveness import Liveness
 from services.scheduler.loop import Scheduler
-from services.scheduler.snapshot_dispatch import SnapshotDispatcher, target_from_env
 from services.scheduler.snapshots import SnapshotScheduler
 from shared.live import LiveView
 from shared.service import ServiceContext, main
+from shared.snapshots.dispatch import SnapshotDispatcher, target_from_env
 
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:

@@ -23,8 +23,11 @@ from dataclasses import dataclass, field
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.decisions import Writes, event
-from services.scheduler.placement import PlacementError, PlacementIndex
-from services.scheduler.replicas import (
+from shared import keys as K
+from shared.deployments import env_ownership
+from shared.events import WARNING
+from shared.placement.placement import PlacementError, PlacementIndex
+from shared.placement.replicas import (
     FAILED,
     RUN,
     STOP,
@@ -33,9 +36,6 @@ from services.scheduler.replicas import (
     stop_is_reapable,
     stopped,
 )
-from shared import keys as K
-from shared.deployments import env_ownership
-from shared.events import WARNING
 from shared.view import StateView, reservation
 from shared.volumes import restoring_volume
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
+from shared.clock import stamp
 from shared.events import EventPublisher, make_event
 from shared.tasks import raise_if_cancelling
 from shared.txn import Txn, Writer
@@ -89,7 +90,7 @@ def event(
         environment_id=environment_id,
         node_id=node_id,
     )
-    ev.meta.created_at.FromNanoseconds(int(now * 1e9))
+    stamp(ev.meta.created_at, now)
     return ev
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.decisions import Writes, event
-from services.scheduler.replicas import RUN, STOP, desired_replicas, stop_is_reapable, stopped
 from shared import keys as K
 from shared.events import WARNING, node_change_event
+from shared.placement.replicas import RUN, STOP, desired_replicas, stop_is_reapable, stopped
 from shared.view import StateView
 
 ACTOR = "system:drain"

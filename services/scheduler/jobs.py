@@ -35,13 +35,15 @@ from croniter import croniter
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.decisions import Writes, commit, event
-from services.scheduler.placement import PlacementIndex
-from services.scheduler.replicas import new_assignment, node_is_down, seconds, stopped
-from services.scheduler.snapshots import Schedule, ScheduleError, parse_schedule
 from shared import jobs as J
 from shared import keys as K
+from shared.clock import from_timestamp as seconds
+from shared.clock import stamp
 from shared.events import INFO, WARNING
 from shared.loop import LeaderLoop
+from shared.placement.placement import PlacementIndex
+from shared.placement.replicas import new_assignment, node_is_down, stopped
+from shared.schedule import Schedule, ScheduleError, parse_schedule
 from shared.view import StateView, reservation
 
 log = logging.getLogger(__name__)
@@ -59,14 +61,10 @@ _FINISHED_EVENTS = {
 }
 
 
-def _stamp(ts: Any, now: float) -> None:
-    ts.FromNanoseconds(int(now * 1e9))
-
-
 def _copy(job: pb.Job, now: float) -> pb.Job:
     out = pb.Job()
     out.CopyFrom(job)
-    _stamp(out.meta.updated_at, now)
+    stamp(out.meta.updated_at, now)
     return out
 
 
@@ -200,9 +198,9 @@ class _Decider:
             max_retries=entry.max_retries,
         )
         job.meta.id = J.cron_job_id(env.meta.id, entry.name, slot)
-        _stamp(job.meta.created_at, self.now)
-        _stamp(job.meta.updated_at, self.now)
-        _stamp(job.slot_at, slot)
+        stamp(job.meta.created_at, self.now)
+        stamp(job.meta.updated_at, self.now)
+        stamp(job.slot_at, slot)
         if entry.HasField("deadline"):
             job.deadline.CopyFrom(entry.deadline)
         else:
@@ -273,7 +271,7 @@ class _Decider:
             if observed.HasField("started_at"):
                 updated.started_at.CopyFrom(observed.started_at)
             else:
-                _stamp(updated.started_at, self.now)
+                stamp(updated.started_at, self.now)
             writes.events.append(self._event(env, updated, "job.started", f"{self._describe(updated)} started", INFO))
             writes.updates.append(updated)
             return updated
@@ -302,7 +300,7 @@ class _Decider:
 
     def _record_end(self, job: pb.Job, a: pb.Assignment | None) -> None:
         """The attempt's outcome from the agent's report (exit, start, output tail)."""
-        _stamp(job.finished_at, self.now)
+        stamp(job.finished_at, self.now)
         if a is None:
             return
         observed = a.observed
@@ -325,7 +323,7 @@ class _Decider:
     ) -> None:
         job.status = status
         job.message = message
-        _stamp(job.finished_at, self.now)
+        stamp(job.finished_at, self.now)
         if assignment is not None:
             writes.deletes.append(K.assignment(assignment.node_id, assignment.meta.id))
         kind, severity = _FINISHED_EVENTS[status]

@@ -17,8 +17,8 @@ from typing import Any
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.decisions import Writes, commit
-from services.scheduler.replicas import seconds
 from shared import keys as K
+from shared.clock import from_timestamp, stamp
 from shared.events import node_change_event
 from shared.live import LiveView
 from shared.loop import LeaderLoop
@@ -45,7 +45,7 @@ def evaluate_liveness(
     for node in view.nodes():
         node_id = node.meta.id
         heard = seen_at(node_id)
-        stored = seconds(node.last_heartbeat_at) if node.HasField("last_heartbeat_at") else 0.0
+        stored = from_timestamp(node.last_heartbeat_at) if node.HasField("last_heartbeat_at") else 0.0
         last = max(heard or 0.0, stored, term_started)
         if node.status == pb.NODE_STATUS_ALIVE and grace_over and now - last > deadline:
             status = pb.NODE_STATUS_DOWN
@@ -59,7 +59,7 @@ def evaluate_liveness(
         changed.CopyFrom(node)
         changed.status = status
         if heard is not None:
-            changed.last_heartbeat_at.FromNanoseconds(int(heard * 1e9))
+            stamp(changed.last_heartbeat_at, heard)
         ev = node_change_event(node, changed, now, actor=ACTOR, revision=view.rev(K.node(node_id)), message=message)
         result.append(Writes(f"liveness:{node_id}", updates=[changed], events=[ev] if ev else []))
     return result

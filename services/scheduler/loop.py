@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from zattera.v1 import types_pb2 as pb
+
 from services.scheduler.convergence import FailureBackoff, evaluate_envs
 from services.scheduler.decisions import Notices, Writes, commit, event
 from services.scheduler.drain import evaluate_drains
@@ -28,6 +30,8 @@ from services.scheduler.volumes import evaluate_leases, evaluate_volumes
 from shared import keys as K
 from shared.events import WARNING
 from shared.loop import LeaderLoop
+from shared.placement.placement import PlacementError, explain
+from shared.view import StateView
 
 
 class Scheduler(LeaderLoop):
@@ -66,9 +70,7 @@ class Scheduler(LeaderLoop):
             shortfall = decision.shortfall
             condition = f"{shortfall.unplaced} unplaced: {shortfall.reason}" if shortfall is not None else None
             if self.notices.due(env_id, "schedule", condition) and shortfall is not None:
-                await self.events.publish(
-                    event("schedule.no_capacity", str(shortfall), now, severity=WARNING, env=decision.env)
-                )
+                await self.events.publish(no_capacity_event(view, decision.env, shortfall, now))
         self.notices.retain(env.meta.id for env in view.envs())
 
         leases = evaluate_leases(view, now)
@@ -81,3 +83,17 @@ class Scheduler(LeaderLoop):
     async def _commit(self, writes: Sequence[Writes]) -> list[bool]:
         assert self.writer is not None, "a pass needs a writer (set by run(), or by the test)"
         return await commit(self.writer, self.events, writes, loop=self.name)
+
+
+def no_capacity_event(view: StateView, env: pb.Environment, shortfall: PlacementError, now: float) -> pb.Event:
+    """The shortfall with why, per named filter, the other nodes take no more replicas (after this pass's
+    picks): "placement: only 2 of 3 …; 5 nodes: 3 filtered by arch, 2 by memory"."""
+    message = str(shortfall)
+    release = view.release(env.active_release_id)
+    why = explain(view, release, env.meta.id) if release is not None else None
+    if why is not None:
+        message += f"; {why.summary()}"
+    ev = event("schedule.no_capacity", message, now, severity=WARNING, env=env)
+    for name, count in why.filtered.items() if why is not None else ():
+        ev.fields[f"filtered_by_{name.replace(' ', '_')}"] = str(count)
+    return ev

@@ -8,8 +8,8 @@ project's fix, a STOP orphan that no agent will ever report STOPPED is reaped to
 from __future__ import annotations
 
 from services.scheduler.decisions import MAX_TXN_WRITES, Writes
-from services.scheduler.replicas import RUN, stop_is_reapable, stopped
 from shared import keys as K
+from shared.placement.replicas import RUN, stop_is_reapable, stopped
 from shared.view import StateView
 
 

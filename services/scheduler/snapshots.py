@@ -32,27 +32,22 @@ restore was known only to the dead process; these are the two a restore starts f
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import re
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
-from datetime import UTC, datetime, tzinfo
 from typing import Any, Protocol
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
-from croniter.croniter import CroniterBadDateError, CroniterError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.decisions import Writes, commit, volume_event
-from services.scheduler.snapshot_dispatch import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
 from shared import keys as K
+from shared.clock import from_timestamp, stamp
 from shared.events import WARNING
 from shared.lease import Leadership
 from shared.loop import LeaderLoop
+from shared.schedule import Schedule, ScheduleError, parse_schedule
+from shared.snapshots.dispatch import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
 from shared.txn import Txn, Writer
 from shared.view import StateView
 
@@ -63,91 +58,13 @@ DEFAULT_KEEP_LAST = 7
 STUCK_AFTER = 3600.0
 FAILED_KEEP = 24 * 3600.0
 RETRY_AFTER = 30.0
-NO_SLOT_WITHIN_YEARS = 5
 STUCK_ERROR = "no progress for 1h: snapshot abandoned"
 RESTORE_TIMEOUT = 3600.0
 
 
-class ScheduleError(ValueError):
-    pass
-
-
-# ---------------------------------------------------------------------------- cron
-
-
-_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-
-
-def parse_go_duration(text: str) -> float:
-    """A Go ``time.ParseDuration`` string (e.g. ``1h30m``, ``90s``) in seconds."""
-    pos, total = 0, 0.0
-    while pos < len(text):
-        match = _DURATION_PART.match(text, pos)
-        if match is None:
-            raise ScheduleError(f"bad duration {text!r}")
-        total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-        pos = match.end()
-    if not text:
-        raise ScheduleError("empty duration")
-    return total
-
-
-@dataclass(frozen=True, slots=True)
-class Schedule:
-    cron: str
-    zone: tzinfo
-    every: float = 0.0  # @every interval in whole seconds; 0 = cron
-
-    def next_after(self, ts: float) -> float | None:
-        """The first slot strictly after ``ts`` (second resolution); None when none within 5 years."""
-        if self.every:
-            return float(int(ts) + int(self.every))
-        start = datetime.fromtimestamp(int(ts), self.zone)
-        try:
-            slot: datetime = croniter(self.cron, start, max_years_between_matches=NO_SLOT_WITHIN_YEARS).get_next(
-                datetime
-            )
-        except CroniterBadDateError:
-            return None
-        return slot.timestamp()
-
-
-@functools.lru_cache(maxsize=4096)
-def parse_schedule(text: str) -> Schedule:
-    """Parse a policy schedule the way robfig/cron ``ParseStandard`` does (B1.3, D-B11)."""
-    spec = text.strip()
-    zone: tzinfo = UTC
-    if spec.startswith(("CRON_TZ=", "TZ=")):
-        head, _, spec = spec.partition(" ")
-        name = head.split("=", 1)[1]
-        try:
-            zone = ZoneInfo(name)
-        except (ZoneInfoNotFoundError, ValueError) as exc:
-            raise ScheduleError(f"unknown time zone {name!r}") from exc
-        spec = spec.strip()
-    if spec.startswith("@every"):
-        seconds = parse_go_duration(spec[len("@every") :].strip())
-        return Schedule("", zone, every=float(max(1, int(seconds))))
-    if spec.startswith("@"):
-        if spec not in ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"):
-            raise ScheduleError(f"unknown descriptor {spec!r}")
-    elif len(spec.split()) != 5:
-        raise ScheduleError(f"expected exactly 5 fields (minute hour dom month dow), got {spec!r}")
-    try:
-        croniter(spec, datetime(2000, 1, 1, tzinfo=zone))
-    except (CroniterError, ValueError, KeyError) as exc:
-        raise ScheduleError(f"bad cron expression {spec!r}: {exc}") from exc
-    return Schedule(spec, zone)
-
-
-def _ts(stamp: object) -> float:
-    return stamp.ToNanoseconds() / 1e9  # type: ignore[attr-defined, no-any-return]
-
-
 def snapshot_baseline(volume: pb.Volume, records: Iterable[pb.VolumeSnapshot]) -> float:
     """The volume's creation or its newest snapshot record of any status, whichever is later."""
-    return max([_ts(volume.meta.created_at), *(_ts(r.meta.created_at) for r in records)])
+    return max([from_timestamp(volume.meta.created_at), *(from_timestamp(r.meta.created_at) for r in records)])
 
 
 def slot_to_fire(schedule: Schedule, baseline: float, now: float, last_fire: float) -> float | None:
@@ -162,7 +79,7 @@ def slot_to_fire(schedule: Schedule, baseline: float, now: float, last_fire: flo
 
 
 def _newest_first(records: Iterable[pb.VolumeSnapshot]) -> list[pb.VolumeSnapshot]:
-    return sorted(records, key=lambda r: (_ts(r.meta.created_at), r.meta.id), reverse=True)
+    return sorted(records, key=lambda r: (from_timestamp(r.meta.created_at), r.meta.id), reverse=True)
 
 
 def retention_victims(records: Iterable[pb.VolumeSnapshot], keep_last: int) -> list[pb.VolumeSnapshot]:
@@ -179,7 +96,7 @@ def expired_failures(records: Iterable[pb.VolumeSnapshot], now: float) -> list[p
 
 
 def _last_activity(record: pb.VolumeSnapshot) -> float:
-    return max(_ts(record.meta.created_at), _ts(record.meta.updated_at))
+    return max(from_timestamp(record.meta.created_at), from_timestamp(record.meta.updated_at))
 
 
 def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Writes]:
@@ -188,7 +105,7 @@ def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Writ
     for volume in view.volumes():
         if volume.status != pb.VOLUME_STATUS_RESTORING:
             continue
-        quiet = now - max(_ts(volume.meta.created_at), _ts(volume.meta.updated_at))
+        quiet = now - max(from_timestamp(volume.meta.created_at), from_timestamp(volume.meta.updated_at))
         if quiet < timeout:
             continue
         node = view.node(volume.node_id)
@@ -196,7 +113,7 @@ def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Writ
         reset = pb.Volume()
         reset.CopyFrom(volume)
         reset.status = pb.VOLUME_STATUS_ACTIVE if alive else pb.VOLUME_STATUS_NODE_LOST
-        reset.meta.updated_at.FromNanoseconds(int(now * 1e9))
+        stamp(reset.meta.updated_at, now)
         back = "active" if alive else f"node_lost (node {volume.node_id} is not alive)"
         message = (
             f'restore of volume "{volume.name}" abandoned: no progress for {quiet:.0f}s '
@@ -363,11 +280,9 @@ class SnapshotScheduler(LeaderLoop):
 
 
 __all__ = [
-    "ScheduleError",
     "SnapshotScheduler",
     "abandoned_restores",
     "expired_failures",
-    "parse_schedule",
     "retention_victims",
     "slot_to_fire",
     "snapshot_baseline",

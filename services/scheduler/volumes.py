@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.decisions import Writes, volume_event
-from services.scheduler.placement import volume_pin
-from services.scheduler.platforms import supports
-from services.scheduler.replicas import RUN, node_is_down, seconds
+from shared.clock import from_timestamp, stamp
 from shared.deployments import env_ownership
 from shared.events import INFO, WARNING
 from shared.ids import new_id
+from shared.placement.placement import volume_pin
+from shared.placement.platforms import supports
+from shared.placement.replicas import RUN, node_is_down
 from shared.view import StateView, reservation
 from shared.volumes import find_volume, lease_expired, lease_held_by_other, lease_of
 
@@ -87,7 +88,7 @@ def _status_change(view: StateView, volume: pb.Volume, now: float) -> tuple[pb.V
     node = view.node(volume.node_id)
     changed = pb.Volume()
     changed.CopyFrom(volume)
-    changed.meta.updated_at.FromNanoseconds(int(now * 1e9))
+    stamp(changed.meta.updated_at, now)
     if node is not None and node.status == pb.NODE_STATUS_ALIVE:
         if volume.status != pb.VOLUME_STATUS_NODE_LOST:
             return None
@@ -148,7 +149,7 @@ def evaluate_volumes(view: StateView, now: float) -> VolumeDecision:
                 status=pb.VOLUME_STATUS_ACTIVE,
             )
             created.meta.id = new_id()
-            created.meta.created_at.FromNanoseconds(int(now * 1e9))
+            stamp(created.meta.created_at, now)
             created.meta.updated_at.CopyFrom(created.meta.created_at)
             writes_for(env.meta.id).creates.append(created)
 
@@ -167,7 +168,7 @@ def _needs_renewal(lease: pb.VolumeLease | None, node_id: str, holder_id: str, n
         return True
     if lease.node_id != node_id or lease.assignment_id != holder_id:
         return True
-    return seconds(lease.expires_at) - now <= RENEW_AT
+    return from_timestamp(lease.expires_at) - now <= RENEW_AT
 
 
 def evaluate_leases(view: StateView, now: float) -> dict[str, Writes]:
@@ -197,6 +198,6 @@ def evaluate_leases(view: StateView, now: float) -> dict[str, Writes]:
         renewed.CopyFrom(volume)
         renewed.lease.node_id = volume.node_id
         renewed.lease.assignment_id = holder.meta.id
-        renewed.lease.expires_at.FromNanoseconds(int((now + LEASE_TTL) * 1e9))
+        stamp(renewed.lease.expires_at, now + LEASE_TTL)
         result[volume.meta.id] = Writes(f"lease:{volume.meta.id}", updates=[renewed])
     return result

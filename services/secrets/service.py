@@ -25,13 +25,16 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.message import Message
 from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey
 from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.secrets import certkeys
 from shared import keys as K
+from shared.certs import ACCOUNT_OPEN_SUBJECT, KEYS_OPEN_SUBJECT
 from shared.events import WARNING, EventPublisher, make_event
 from shared.natsio import Connection, is_direct_request
 from shared.secrets import (
@@ -59,6 +62,8 @@ log = logging.getLogger(__name__)
 
 NO_KEY = "the secrets service holds no cluster secrets key (see docs/secrets.md)"
 RESEAL_ROUNDS = 20
+SEALED_FIELDS = {K.SECRET: "ciphertext", K.CERT: "sealed_key", K.ACME_ACCOUNT: "sealed_key"}
+"""Each kind holding a value sealed to the cluster key, and the field holding it (re-sealed on rotation)."""
 
 
 def authorize(view: StateView, node_id: str, request: cpb.OpenSecretsRequest) -> tuple[pb.Release, pb.Node] | str:
@@ -263,6 +268,23 @@ class SecretsService:
                 response = await self.answer_open(node_id, request)
         await msg.respond(response.SerializeToString())
 
+    # ------------------------------------------------------------------ certificate keys
+
+    async def _on_open_cert_keys(self, msg: Msg) -> None:
+        if is_direct_request(msg):
+            with span("secrets.open_cert_keys"):
+                response = certkeys.answer(msg.data, lambda: certkeys.certificate_bundle(self._view, self._key_for))
+            await msg.respond(response.SerializeToString())
+
+    async def _on_open_account(self, msg: Msg) -> None:
+        if is_direct_request(msg):
+            with span("secrets.open_account"):
+                response = certkeys.answer(msg.data, lambda: certkeys.account_bundle(self._view, self._key_for))
+            await msg.respond(response.SerializeToString())
+
+    def _key_for(self, ident: str) -> PrivateKey | None:
+        return self._reload_if_unknown(ident) if self._keyring is not None else None
+
     # ------------------------------------------------------------------ rotate
 
     async def rotate(self) -> cpb.RotateSecretsKeyResponse:
@@ -311,30 +333,28 @@ class SecretsService:
             if not stale:
                 return done
             txns = []
-            for record, key in stale:
-                updated = pb.SealedSecret()
+            for record, key, field in stale:
+                updated = type(record)()
                 updated.CopyFrom(record)
-                updated.ciphertext = seal(public, unseal(key, record.ciphertext))
-                updated.key_id = ident
+                setattr(updated, field, seal(public, unseal(key, getattr(record, field))))
+                updated.key_id = ident  # type: ignore[attr-defined]
                 txns.append(self._writer.txn("secrets-reseal").put(updated))
             results = await self._writer.commit_many(txns)
             done += sum(1 for r in results if r is None)
         raise RuntimeError("secrets kept changing while re-sealing; rotate again")
 
-    def _stale(self, keyring: Keyring, ident: str) -> Iterable[tuple[pb.SealedSecret, PrivateKey]]:
-        for record in self._view.all(K.SECRET):
-            if record.key_id == ident:
-                continue
-            key = keyring.by_id(record.key_id)
-            if key is None:
-                log.error(
-                    "secrets: secret %s of env %s is sealed to unknown key %s",
-                    record.name,
-                    record.environment_id,
-                    record.key_id,
-                )
-                continue
-            yield record, key
+    def _stale(self, keyring: Keyring, ident: str) -> Iterable[tuple[Message, PrivateKey, str]]:
+        """Every sealed value (secrets, certificate keys, the ACME account key) not sealed to ``ident``."""
+        for kind, field in SEALED_FIELDS.items():
+            for record in self._view.all(kind):
+                sealed_to: str = record.key_id
+                if sealed_to == ident or not getattr(record, field):
+                    continue
+                key = keyring.by_id(sealed_to)
+                if key is None:
+                    log.error("secrets: %s is sealed to unknown key %s", K.key_of(record), sealed_to)
+                    continue
+                yield record, key, field
 
     async def _on_rotate(self, msg: Msg) -> None:
         if not is_direct_request(msg):
@@ -355,6 +375,8 @@ class SecretsService:
         subs = [
             await nc.subscribe(open_subject("*"), queue=SECRETS_QUEUE, cb=self._concurrently(self._on_open)),
             await nc.subscribe(ROTATE_SUBJECT, queue=SECRETS_QUEUE, cb=self._concurrently(self._on_rotate)),
+            await nc.subscribe(KEYS_OPEN_SUBJECT, queue=SECRETS_QUEUE, cb=self._on_open_cert_keys),
+            await nc.subscribe(ACCOUNT_OPEN_SUBJECT, queue=SECRETS_QUEUE, cb=self._on_open_account),
         ]
         self.serving.set()
         try:

@@ -34,6 +34,8 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
+from shared.errors import ZatteraError
+from shared.jetstream import is_delete_marker
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, split_urls
 from shared.security.authority import RoleIssuer
 from shared.security.creds import creds_text
@@ -49,7 +51,7 @@ NODE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 USER_PUBLIC_KEY = re.compile(r"^U[A-Z2-7]{55}$")
 
 
-class JoinRefused(Exception):
+class JoinRefused(ZatteraError):
     """The join service said no; the message says why (unknown, used, expired, wrong node…)."""
 
 
@@ -218,8 +220,7 @@ class JoinService:
             msg = await self._conn.js.get_last_msg(STATE_STREAM, f"{STATE_PREFIX}node.{node_id}", direct=True)
         except NotFoundError:
             return False
-        headers = msg.headers or {}
-        return headers.get("KV-Operation") not in ("DEL", "PURGE") and "Nats-Marker-Reason" not in headers
+        return not is_delete_marker(msg.headers)
 
 
 async def request_join_token(conn: Connection, *, ttl: float, node_id: str = "", builder: bool = False) -> str:

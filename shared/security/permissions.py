@@ -22,6 +22,8 @@ from enum import StrEnum
 from typing import Any
 
 from shared.applogs import APP_LOGS_SUBJECT_PREFIX
+from shared.certs import CHANGED_SUBJECT as CERTS_CHANGED_SUBJECT
+from shared.certs import KEYS_OPEN_SUBJECT as CERT_KEYS_OPEN_SUBJECT
 from shared.natsio import (
     ACTIVATE_SUBJECT,
     BUILD_EVENTS_STREAM,
@@ -255,10 +257,18 @@ PROXY = Permissions(
         f"{LIVE_PREFIX}proxy.{NAME}",
         f"{JS}.INFO",
         *read_whole_stream(ROUTES_STREAM),
+        # Certificates (docs/certificates.md): every servable key, sealed to the proxy's in-memory key…
+        CERT_KEYS_OPEN_SUBJECT,
+        # …and the HTTP-01 answers it serves (a consumer filtered on exactly those live keys).
+        watch_keys(LIVE_STREAM, f"{LIVE_PREFIX}acme.*"),
+        read_key(LIVE_STREAM, f"{LIVE_PREFIX}acme.*"),
+        f"{JS}.CONSUMER.INFO.{LIVE_STREAM}.*",
+        f"$JS.FC.{LIVE_STREAM}.>",
     ),
-    sub_allow=(INBOX, ROUTES_SNAPSHOT_SUBJECT),
+    sub_allow=(INBOX, ROUTES_SNAPSHOT_SUBJECT, CERTS_CHANGED_SUBJECT),
 )
-"""An ingress proxy: route snapshots, activation requests, its own heartbeat."""
+"""An ingress proxy: route snapshots, activation requests, its own heartbeat, certificates and HTTP-01
+answers (never the ACME account key)."""
 
 JOIN = Permissions(pub_allow=(JOIN_SUBJECT,), sub_allow=("_INBOX.>",), extra={"bearer_token": True})
 """The public join sentinel (account JOIN, which sees nothing of ZATTERA but the imported join service)."""

@@ -53,25 +53,24 @@ def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(entries)
 
 
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> str:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    ).decode()
+BACKDATE = datetime.timedelta(minutes=5)  # the clocks of the machines that check a certificate may lag a little
 
 
-def generate(directory: Path, hosts: list[str] | None = None) -> TlsFiles:
-    """Create ``ca.pem`` (+ ``ca-key.pem``) and ``server.pem``/``server-key.pem`` for ``hosts``."""
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = _name("Zattera local CA")
-    ca_cert = (
+def new_ca(
+    common_name: str, now: datetime.datetime, *, days: int = CA_DAYS, permitted_dns: str = ""
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A self-signed CA (may sign leaves only); ``permitted_dns`` constrains it to that domain and its
+    subdomains (browsers trust a private root only that far)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = _name(common_name)
+    builder = (
         x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
@@ -87,29 +86,63 @@ def generate(directory: Path, hosts: list[str] | None = None) -> TlsFiles:
             ),
             critical=True,
         )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
     )
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server_cert = (
+    if permitted_dns:
+        builder = builder.add_extension(
+            x509.NameConstraints(permitted_subtrees=[x509.DNSName(permitted_dns)], excluded_subtrees=None),
+            critical=True,
+        )
+    return builder.sign(key, hashes.SHA256()), key
+
+
+def new_leaf(
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    common_name: str,
+    hosts: list[str],
+    now: datetime.datetime,
+    days: int = SERVER_DAYS,
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A server certificate for ``hosts`` (DNS names or IP addresses) signed by ``ca_cert``."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
         x509.CertificateBuilder()
-        .subject_name(_name("zattera-nats"))
-        .issuer_name(ca_name)
-        .public_key(server_key.public_key())
+        .subject_name(_name(common_name))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=SERVER_DAYS))
-        .add_extension(_san(hosts or default_hosts()), critical=False)
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(_san(hosts), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
+    return cert, key
+
+
+def pem_key(key: ec.EllipticCurvePrivateKey) -> str:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ).decode()
+
+
+def pem_cert(cert: x509.Certificate) -> str:
+    return cert.public_bytes(serialization.Encoding.PEM).decode()
+
+
+def generate(directory: Path, hosts: list[str] | None = None) -> TlsFiles:
+    """Create ``ca.pem`` (+ ``ca-key.pem``) and ``server.pem``/``server-key.pem`` for ``hosts``."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_cert, ca_key = new_ca("Zattera local CA", now)
+    server_cert, server_key = new_leaf(ca_cert, ca_key, "zattera-nats", hosts or default_hosts(), now)
     files = TlsFiles(ca=directory / "ca.pem", cert=directory / "server.pem", key=directory / "server-key.pem")
-    write_private(directory / "ca-key.pem", _pem_key(ca_key))
-    write_private(files.key, _pem_key(server_key))
-    write_private(files.cert, server_cert.public_bytes(serialization.Encoding.PEM).decode())
-    write_private(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM).decode())
+    write_private(directory / "ca-key.pem", pem_key(ca_key))
+    write_private(files.key, pem_key(server_key))
+    write_private(files.cert, pem_cert(server_cert))
+    write_private(files.ca, pem_cert(ca_cert))
     return files
 
 

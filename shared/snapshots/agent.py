@@ -35,6 +35,7 @@ from nats.aio.subscription import Subscription
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from shared.errors import ZatteraError
 from shared.ids import is_safe_id, unsafe_id
 from shared.natsio import Connection, agent_subject, is_direct_request
 from shared.snapshots.chunking import ChunkParams
@@ -54,11 +55,11 @@ HookRunner = Callable[[str, str, Path], Awaitable[None]]
 """``hook_runner(command, assignment_id, volume_dir)``: raise to abort the snapshot."""
 
 
-class PreHookError(Exception):
+class PreHookError(ZatteraError):
     pass
 
 
-class BadRequest(ValueError):
+class BadRequest(ZatteraError, ValueError):
     """A request the agent refuses before touching anything: undecodable, or an id that is not a plain id."""
 
 

@@ -12,11 +12,13 @@ import os
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from shared.errors import ZatteraError
+
 KEY_BYTES = 32
 NONCE_BYTES = 12
 
 
-class SealError(Exception):
+class SealError(ZatteraError):
     """Wrong key, or the object was damaged."""
 
 

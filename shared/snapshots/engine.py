@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+from shared.errors import ZatteraError
 from shared.snapshots.chunking import ChunkParams, chunks
 from shared.snapshots.manifest import ChunkRef, Manifest
 from shared.snapshots.store import CHUNKS, MANIFESTS, ObjectMissingError, SnapshotStore
@@ -39,7 +40,7 @@ Progress = Callable[[int, int], Awaitable[None]]
 """``progress(bytes_scanned, bytes_uploaded)``: tar bytes read so far, plaintext bytes newly stored."""
 
 
-class SnapshotError(Exception):
+class SnapshotError(ZatteraError):
     pass
 
 

@@ -22,6 +22,8 @@ from nats.js.errors import APIError, NotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.errors import ZatteraError
+from shared.jetstream import WRONG_LAST_SEQUENCE
 from shared.natsio import SNAPSHOTS_STORE
 from shared.snapshots.crypto import Sealer
 
@@ -30,10 +32,9 @@ MANIFESTS = "manifests/"
 ZSTD_LEVEL = 1  # not the default 3: ~1.7x faster on text, similar ratio; decoding is level-agnostic
 PAYLOAD_HEADROOM = 64 << 10  # protocol headers of a published message
 SINGLE_MESSAGE_MAX = (4 << 20) + (256 << 10)  # a 4 MiB chunk after the worst zstd + seal expansion
-WRONG_LAST_SEQUENCE = 10071
 
 
-class ObjectMissingError(Exception):
+class ObjectMissingError(ZatteraError):
     pass
 
 

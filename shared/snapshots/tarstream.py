@@ -24,11 +24,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from shared.errors import ZatteraError
+
 BLOCK = tarfile.BLOCKSIZE
 READ_SIZE = 1 << 20
 
 
-class UnsafeArchiveError(Exception):
+class UnsafeArchiveError(ZatteraError):
     """An archive member would land outside the restore root (tar-slip) or is malformed."""
 
 

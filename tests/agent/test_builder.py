@@ -45,12 +45,17 @@ async def builder(conn: Connection, tmp_path: Path) -> AsyncIterator[Builder]:
         yield b
 
 
-async def start_build(conn: Connection, files: dict[str, str]) -> tuple[str, Any]:
+async def start_build(
+    conn: Connection, files: dict[str, str], *, build_config: pb.BuildConfig | None = None
+) -> tuple[str, Any]:
     """Dispatch a build of ``files`` to builder b1; returns its id and a subscription to its events."""
     digest = await BlobStore(conn, SOURCES_STORE).put(source_tarball(files))
     build = pb.Build(project_id="P1", app_id="A1", environment_id="E1", tarball_digest=digest)
     build.meta.id = new_id()
     request = cpb.RunBuildRequest(build=build, source_url=digest, push_image_ref=f"p1/a1:{build.meta.id.lower()}")
+    if build_config is not None:
+        request.build_config.CopyFrom(build_config)
+        request.build_args.update(build_config.build_args)
     events = await conn.js.subscribe(
         build_events_subject(build.meta.id),
         stream=BUILD_EVENTS_STREAM,

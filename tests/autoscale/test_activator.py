@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.autoscale.activator import NOT_FOUND, ActivateError, Activator, request_activation
+from services.autoscale.activator import Activator
+from shared.activation import NOT_FOUND, ActivateError, request_activation
 from shared.clock import FakeClock
 from shared.natsio import ACTIVATE_SUBJECT, Connection
 from shared.txn import Writer

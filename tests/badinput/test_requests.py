@@ -31,8 +31,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.activator import ERROR_CODE_HEADER
 from shared import keys as K
+from shared.activation import ERROR_CODE_HEADER
 from shared.buildlogs import ERROR_HEADER, read_build_log
 from shared.ids import new_id
 from shared.natsio import (

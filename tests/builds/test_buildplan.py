@@ -220,9 +220,9 @@ CASES: list[tuple[str, dict[str, str], list[str]]] = [
             "plan: install  (none)",
             "plan: build    (none)",
             "plan: start    (none)",
-            "plan: error    a Dockerfile build needs the container builder (BUILD_TYPE_DOCKERFILE), which this "
-            "builder does not have: deploy a built image with --image, or remove the Dockerfile to use stack "
-            "detection",
+            "plan: error    a Dockerfile build needs a builder with a Docker daemon (the docker runtime, "
+            "docs/containers.md), which this builder does not have: deploy a built image with --image, or remove "
+            "the Dockerfile to use stack detection",
         ],
     ),
 ]

@@ -13,7 +13,7 @@ from shared.txn import Conflict
 from shared.view import StateView
 from tests.cli.rig import state
 from tests.cli.test_cli import VALID
-from tests.factories import assignment
+from tests.factories import assignment, node
 
 PROD = "demo/hello/production"
 
@@ -204,3 +204,31 @@ def test_scale_then_status_and_apps_list_show_the_effective_count(cli, nats_url,
     assert (staging["desired"], staging["running"], staging["state"]) == (0, 0, "cold")
     table = cli("status")
     assert table.exit_code == 0 and "cold" in table.stdout
+
+
+def test_status_and_ps_say_why_replicas_have_no_node(cli, nats_url, applied):
+    async def seed(conn, view: StateView, writer):
+        env = pb.Environment()
+        env.CopyFrom(view.env(applied["production"]))
+        env.active_release_id, env.effective_replicas = "rel-arm", 2
+        release = pb.Release(environment_id=env.meta.id, version=1, platforms=["linux/arm64"])
+        release.meta.id = "rel-arm"
+        release.service.resources.memory_mb = 512
+        txn = writer.txn().put(env).create(release)
+        txn.create(node("amd1", os_arch="linux/amd64")).create(node("amd2", os_arch="linux/amd64"))
+        txn.create(node("arm-small", os_arch="linux/arm64", mem=256))
+        await writer.commit(txn)
+
+    state(nats_url, seed)
+    rows = {r["env"]: r for r in json.loads(cli("status", "--json").stdout)}
+    assert rows[PROD]["placement"] == {
+        "unplaced": 2,
+        "nodes": 3,
+        "filtered": {"arch": 2, "memory": 1},
+        "with_room": 0,
+        "why": "3 nodes: 2 filtered by arch, 1 by memory",
+    }
+    assert rows["demo/hello/staging"]["placement"] is None  # not deployed: nothing to place
+    why = "demo/hello/production: 2 replicas unplaced — 3 nodes: 2 filtered by arch, 1 by memory"
+    assert why in cli("status").stdout
+    assert why in cli("ps", "--env", PROD).stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from typer.testing import CliRunner
 import cli.main
 import cli.security_cmds
 from cli.main import app
-from cli.up import Cluster
+from cli.up import ALL_IN_ONE_SERVICES, SERVICES, Cluster, Supervised
 from shared.embedded import free_port
 
 
@@ -49,3 +50,43 @@ def test_up_gives_each_process_its_own_metrics_port(tmp_path: Path, monkeypatch:
     assert len(set(ports.values())) == 4, ports
     assert cluster.metrics_args("scheduler") == ["--metrics-port", str(ports["scheduler"])]  # stable on restart
     assert Cluster(data_dir=tmp_path).metrics_args("scheduler") == []  # off unless asked (tests, embedders)
+
+
+def test_up_runs_the_control_plane_in_one_process_unless_separate(tmp_path: Path) -> None:
+    assert Cluster(data_dir=tmp_path).control_plane() == [("control-plane", "services.allinone")]
+    separate = Cluster(data_dir=tmp_path, all_in_one=False).control_plane()
+    assert [module for _, module in separate] == [f"services.{name}" for name in SERVICES]
+    assert Cluster(data_dir=tmp_path, services=[]).control_plane() == []  # NATS only (chaos tests)
+
+
+@pytest.mark.parametrize("flag", ["--all-in-one", "--separate"])
+def test_up_flag_chooses_the_control_plane_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
+    started: list[Cluster] = []
+    monkeypatch.setattr(cli.main, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), flag])
+    assert result.exit_code == 0, result.output
+    assert started[0].all_in_one is (flag == "--all-in-one")
+
+
+def test_the_supervisor_gets_the_cluster_it_was_asked_for(tmp_path: Path) -> None:
+    """``run_up`` execs a lean supervisor and hands it the cluster as JSON: nothing asked for is lost."""
+    join = Supervised("join", ["python", "-m", "services.join"], tmp_path / "logs" / "join.log", {"A": "1"})
+    asked = Cluster(
+        data_dir=tmp_path,
+        port=4333,
+        extra=[join],
+        creds="/x/control.creds",
+        node_creds={"agent": "/x/agent.creds"},
+        all_in_one=False,
+        metrics_port=9500,
+        nats_extra_config="authorization {}",
+    )
+    given = Cluster.from_config(json.loads(json.dumps(asked.config())))
+    assert given.config() == asked.config()
+    assert given.extra == [join] and given.data_dir == tmp_path
+
+
+def test_up_and_the_all_in_one_process_agree_on_the_services() -> None:
+    from services.allinone.__main__ import BUILDS
+
+    assert set(BUILDS) == ALL_IN_ONE_SERVICES  # extra processes of these names are not started twice

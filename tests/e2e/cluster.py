@@ -172,7 +172,15 @@ class E2ECluster:
     def start(self) -> E2ECluster:
         self.root.mkdir(parents=True, exist_ok=True)
         self.proxy_port = self.proxy_port or free_port()
-        up = _E2EUp(data_dir=self.root, port=0, with_node=False, metrics_port=free_port() if self.metrics else 0)
+        # One process per service: tests scrape and kill services one by one (tests/e2e/test_up.py runs the
+        # all-in-one default through the real `zattera up`).
+        up = _E2EUp(
+            data_dir=self.root,
+            port=0,
+            with_node=False,
+            metrics_port=free_port() if self.metrics else 0,
+            all_in_one=False,
+        )
         up.overrides = self.env()
         self.up = up
         up.start_nats()

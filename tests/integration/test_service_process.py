@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from nats.js.errors import NotFoundError
+from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.embedded import EmbeddedNats, free_port
@@ -32,20 +33,28 @@ LOOPS_OF = {
     "routes": {"vips"},
     "join": set(),
     "secrets": {"secrets-gc"},
+    "certs": {"certs"},
 }
+LOOPS_OF["allinone"] = set().union(*LOOPS_OF.values())
+SERVICE_OF_LOOP = {loop: service for service, loops in LOOPS_OF.items() if service != "allinone" for loop in loops}
 
 
-async def held_leases(conn: Connection, loops: set[str]) -> set[str]:
-    """The loops among ``loops`` whose lease key currently holds a lease (a released one is deleted)."""
-    held = set()
+async def lease_holders(conn: Connection, loops: set[str]) -> dict[str, str]:
+    """The holder of each loop among ``loops`` whose lease key currently holds a lease (a released one is
+    deleted)."""
+    holders = {}
     for loop in loops:
         try:
             msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.lease(loop))
         except NotFoundError:
             continue
         if msg.data:
-            held.add(loop)
-    return held
+            holders[loop] = pb.Lease.FromString(msg.data).holder
+    return holders
+
+
+async def held_leases(conn: Connection, loops: set[str]) -> set[str]:
+    return set(await lease_holders(conn, loops))
 
 
 def start(service: str, url: str, log: Path, lease_ttl: float = 1) -> subprocess.Popen[bytes]:
@@ -79,6 +88,11 @@ async def test_service_starts_and_stops_cleanly_on_sigterm(service, nats_url, tm
                 return await held_leases(conn, loops) == loops
 
             await eventually(leading_every_loop, timeout=30, what=f"{service} leading {sorted(loops)}")
+            # Each loop leads under the name of the service it belongs to, in the all-in-one process too.
+            holders = await lease_holders(conn, loops)
+            assert {loop: h.split("@")[0] for loop, h in holders.items()} == {
+                loop: SERVICE_OF_LOOP[loop] for loop in loops
+            }
         proc.send_signal(signal.SIGTERM)
         try:
             code = proc.wait(timeout=30)

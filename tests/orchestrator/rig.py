@@ -17,9 +17,9 @@ from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
 from services.orchestrator.loop import Orchestrator
-from services.orchestrator.model import Timers, Transition, copy_of, timestamp
+from services.orchestrator.model import Timers, Transition, copy_of
 from shared import keys as K
-from shared.clock import FakeClock
+from shared.clock import FakeClock, stamp
 from shared.lease import Leadership, Lease
 from shared.natsio import Connection
 from shared.txn import Writer
@@ -102,8 +102,8 @@ def deployment(
     )
     d.meta.id = deployment_id
     if now is not None:
-        d.meta.created_at.CopyFrom(timestamp(now))
-        d.meta.updated_at.CopyFrom(timestamp(now))
+        stamp(d.meta.created_at, now)
+        stamp(d.meta.updated_at, now)
     return d
 
 

@@ -11,9 +11,10 @@ import pytest
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
-from services.orchestrator.model import Timers, Transition, timestamp
+from services.orchestrator.model import Timers, Transition
 from services.orchestrator.phases import decide, wake_at
 from shared import keys as K
+from shared.clock import stamp
 from shared.deploy import CANCELED_BY_OPERATOR
 from shared.view import StateView
 from tests.factories import node
@@ -78,7 +79,7 @@ class Board:
     def at_phase(self, phase: int, deployment_id: str = "dep1", at: float = T0) -> None:
         d = copied(self.d(deployment_id))
         d.phase = phase  # type: ignore[assignment]
-        d.meta.updated_at.CopyFrom(timestamp(at))
+        stamp(d.meta.updated_at, at)
         self.put(d)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Collection
 
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.placement import (
+from shared.placement.placement import (
     UNLIMITED_FREE,
     PlacementError,
     arch_error,
@@ -19,7 +19,7 @@ from services.scheduler.placement import (
     shortfall_error,
     split_pin_error,
 )
-from services.scheduler.platforms import supports
+from shared.placement.platforms import supports
 from shared.view import StateView
 
 

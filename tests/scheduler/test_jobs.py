@@ -10,11 +10,11 @@ import pytest
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.jobs import JobsLoop, evaluate_jobs, latest_due_slot
-from services.scheduler.snapshots import parse_schedule
 from shared import jobs as J
 from shared import keys as K
 from shared.lease import Lease
 from shared.natsio import STATE_PREFIX, STATE_STREAM
+from shared.schedule import parse_schedule
 from shared.txn import Conflict, Writer
 from tests import factories as f
 from tests.scheduler.conftest import Rig

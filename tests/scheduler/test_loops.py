@@ -12,9 +12,8 @@ from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.__main__ import build
 from services.scheduler.loop import Scheduler
-from services.scheduler.replicas import seconds
 from services.scheduler.volumes import LEASE_TTL
-from shared.clock import FakeClock
+from shared.clock import FakeClock, from_timestamp
 from shared.lease import Leadership, Lease, run_while_leading
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.service import ServiceContext
@@ -116,7 +115,7 @@ async def test_lease_renewal_does_not_wake_the_loop_again_fix_hot_loop(conn: Con
 
     def lease_expiry() -> float:
         vols = view.volumes("env1")
-        return seconds(vols[0].lease.expires_at) if vols and vols[0].HasField("lease") else 0.0
+        return from_timestamp(vols[0].lease.expires_at) if vols and vols[0].HasField("lease") else 0.0
 
     async with leading(conn, loop):
         await eventually(lambda: lease_expiry() > 0, what="lease acquired")

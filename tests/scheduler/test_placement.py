@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.placement import PlacementIndex, place
-from services.scheduler.platforms import PlatformError, local_platform, normalize_platform, supports
+from shared.placement.placement import PlacementIndex, place
+from shared.placement.platforms import PlatformError, local_platform, normalize_platform, supports
 from tests.factories import assignment, node
 from tests.scheduler.builders import pnode, spec_env, spec_release, volume
 from tests.scheduler.offline import OfflineState

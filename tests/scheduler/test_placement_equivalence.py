@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.placement import PlacementIndex, place
+from shared.placement.placement import PlacementIndex, place
 from shared.view import reservation
 from tests.factories import assignment, node
 from tests.scheduler.builders import spec_env, spec_release, volume

@@ -324,14 +324,15 @@ async def test_no_capacity_event_is_published_when_the_shortfall_starts_or_chang
     await rig.settle_events()
     shortfalls = [e for e in rig.events if e.kind == "schedule.no_capacity"]
     assert [e.message for e in shortfalls] == [
-        "placement: only 2 of 3 replicas placeable for env env1 (constraints/capacity)"
+        "placement: only 2 of 3 replicas placeable for env env1 (constraints/capacity); 1 node: 1 filtered by memory"
     ]
     assert shortfalls[0].severity == "warning" and shortfalls[0].environment_id == "env1"
+    assert dict(shortfalls[0].fields) == {"filtered_by_memory": "1"}
     await rig.put(spec_env("env1", rel, min_replicas=4))
     await rig.pass_()
     await rig.settle_events()
     assert [e.message for e in rig.events if e.kind == "schedule.no_capacity"][-1] == (
-        "placement: only 0 of 2 replicas placeable for env env1 (constraints/capacity)"
+        "placement: only 0 of 2 replicas placeable for env env1 (constraints/capacity); 1 node: 1 filtered by memory"
     )
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.placement import place
-from services.scheduler.replicas import seconds
 from services.scheduler.volumes import LEASE_TTL
+from shared.clock import from_timestamp
+from shared.placement.placement import place
 from shared.volumes import lease_expired, lease_held_by_other
 from tests.factories import assignment
 from tests.scheduler.builders import deployment, pnode, spec_env, spec_release, unlimited, volume
@@ -30,7 +30,7 @@ def only_volume(rig: Rig) -> pb.Volume:
 
 
 def expiry(vol: pb.Volume) -> float:
-    return seconds(vol.lease.expires_at)
+    return from_timestamp(vol.lease.expires_at)
 
 
 # ---------------------------------------------------------------- §4.9 volumes_test.go

@@ -15,12 +15,12 @@ import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.snapshot_dispatch import SnapshotDispatcher
 from shared.clock import FakeClock
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, agent_subject, connect
 from shared.security.permissions import Role
 from shared.snapshots import SnapshotAgent, SnapshotStore
 from shared.snapshots.chunking import TEST_PARAMS
+from shared.snapshots.dispatch import SnapshotDispatcher
 from shared.snapshots.tarstream import tar_bytes
 from shared.txn import Writer
 from shared.view import StateView

@@ -13,18 +13,18 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.snapshot_dispatch import (
+from services.scheduler.snapshots import SnapshotScheduler
+from shared.clock import FakeClock
+from shared.natsio import Connection
+from shared.snapshots import SnapshotAgent, SnapshotEngine, SnapshotStore
+from shared.snapshots.chunking import TEST_PARAMS
+from shared.snapshots.dispatch import (
     RestoreRefused,
     SnapshotBusy,
     SnapshotDispatcher,
     SnapshotKeyMismatch,
     key_fingerprint,
 )
-from services.scheduler.snapshots import SnapshotScheduler
-from shared.clock import FakeClock
-from shared.natsio import Connection
-from shared.snapshots import SnapshotAgent, SnapshotEngine, SnapshotStore
-from shared.snapshots.chunking import TEST_PARAMS
 from shared.snapshots.tarstream import tar_bytes
 from shared.txn import Writer
 from shared.view import StateView

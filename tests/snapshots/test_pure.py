@@ -14,15 +14,13 @@ import pytest
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.snapshots import (
-    ScheduleError,
     expired_failures,
-    parse_go_duration,
-    parse_schedule,
     retention_victims,
     slot_to_fire,
     snapshot_baseline,
     stuck_runs,
 )
+from shared.schedule import ScheduleError, parse_go_duration, parse_schedule
 from shared.snapshots.chunking import TEST_PARAMS, ChunkParams, chunk_lengths
 from shared.snapshots.crypto import Sealer, SealError
 from shared.snapshots.manifest import ChunkRef, Manifest

@@ -12,11 +12,11 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.snapshot_dispatch import RecordNotWritten
 from services.scheduler.snapshots import FAILED_KEEP, RETRY_AFTER, STUCK_AFTER, STUCK_ERROR, TICK, SnapshotScheduler
 from shared.clock import FakeClock
 from shared.lease import run_while_leading
 from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection
+from shared.snapshots.dispatch import RecordNotWritten
 from shared.txn import Writer
 from shared.view import StateView
 from tests import factories

@@ -3,8 +3,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 
-from shared.clock import FakeClock, RealClock, ticker
+from shared.clock import FakeClock, RealClock, from_timestamp, stamp, ticker, to_timestamp
 from tests.waiting import eventually
 
 
@@ -97,3 +98,11 @@ async def test_ticker_keeps_a_fixed_rate_and_skips_ticks_missed_by_a_slow_consum
 async def test_ticker_refuses_a_non_positive_interval():
     with pytest.raises(ValueError, match="interval"):
         await anext(ticker(FakeClock(), 0))
+
+
+@pytest.mark.parametrize("epoch", [0.0, 1.001, 1.000000003, 1_764_000_000.123456789, 1_764_000_000.5, 2.0 - 1e-9])
+def test_timestamps_round_trip_to_the_nearest_nanosecond(epoch: float) -> None:
+    ts = to_timestamp(epoch)
+    assert ts.ToNanoseconds() == round(epoch * 1e9)  # int() would give 1000999999 for 1.001
+    assert from_timestamp(ts) == pytest.approx(epoch, abs=1e-9)
+    assert stamp(Timestamp(), epoch) == ts

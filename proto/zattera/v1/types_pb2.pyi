@@ -462,6 +462,38 @@ SNAPSHOT_STATUS_COMPLETE: SnapshotStatus.ValueType  # 2
 SNAPSHOT_STATUS_FAILED: SnapshotStatus.ValueType  # 3
 Global___SnapshotStatus: _TypeAlias = SnapshotStatus  # noqa: Y015
 
+class _CertificateState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CertificateStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CertificateState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CERTIFICATE_STATE_UNSPECIFIED: _CertificateState.ValueType  # 0
+    CERTIFICATE_STATE_PENDING: _CertificateState.ValueType  # 1
+    """wanted, no certificate yet (first order due or in flight)"""
+    CERTIFICATE_STATE_VALID: _CertificateState.ValueType  # 2
+    """a certificate is stored; renewal not due yet"""
+    CERTIFICATE_STATE_RENEWING: _CertificateState.ValueType  # 3
+    """a certificate is stored and its renewal is due (last_error: why it failed)"""
+    CERTIFICATE_STATE_FAILED: _CertificateState.ValueType  # 4
+    """no usable certificate: the last order failed (last_error: the CA's reason)"""
+
+class CertificateState(_CertificateState, metaclass=_CertificateStateEnumTypeWrapper):
+    """CertificateState is where a hostname's certificate stands (docs/certificates.md).
+    invented (issue 19)
+    """
+
+CERTIFICATE_STATE_UNSPECIFIED: CertificateState.ValueType  # 0
+CERTIFICATE_STATE_PENDING: CertificateState.ValueType  # 1
+"""wanted, no certificate yet (first order due or in flight)"""
+CERTIFICATE_STATE_VALID: CertificateState.ValueType  # 2
+"""a certificate is stored; renewal not due yet"""
+CERTIFICATE_STATE_RENEWING: CertificateState.ValueType  # 3
+"""a certificate is stored and its renewal is due (last_error: why it failed)"""
+CERTIFICATE_STATE_FAILED: CertificateState.ValueType  # 4
+"""no usable certificate: the last order failed (last_error: the CA's reason)"""
+Global___CertificateState: _TypeAlias = CertificateState  # noqa: Y015
+
 @_typing.final
 class Meta(_message.Message):
     """---------------------------------------------------------------------------
@@ -690,6 +722,7 @@ class InstanceExit(_message.Message):
     OOM_SUSPECTED_FIELD_NUMBER: _builtins.int
     STDERR_TAIL_FIELD_NUMBER: _builtins.int
     AT_FIELD_NUMBER: _builtins.int
+    OOM_KILLED_FIELD_NUMBER: _builtins.int
     code_known: _builtins.bool
     """`code` is the exit status (false: killed by a signal, or an adopted process)"""
     code: _builtins.int
@@ -698,6 +731,8 @@ class InstanceExit(_message.Message):
     """killing signal (0 = none)"""
     oom_suspected: _builtins.bool
     """SIGKILL the agent did not send: likely the OOM killer"""
+    oom_killed: _builtins.bool
+    """the container runtime says the kernel's OOM killer ended it (issue 20)"""
     @_builtins.property
     def stderr_tail(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """its last stderr lines, oldest first"""
@@ -713,10 +748,11 @@ class InstanceExit(_message.Message):
         oom_suspected: _builtins.bool = ...,
         stderr_tail: _abc.Iterable[_builtins.str] | None = ...,
         at: _timestamp_pb2.Timestamp | None = ...,
+        oom_killed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "code", b"code", "code_known", b"code_known", "oom_suspected", b"oom_suspected", "signal", b"signal", "stderr_tail", b"stderr_tail"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "code", b"code", "code_known", b"code_known", "oom_killed", b"oom_killed", "oom_suspected", b"oom_suspected", "signal", b"signal", "stderr_tail", b"stderr_tail"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -766,6 +802,7 @@ class Node(_message.Message):
     BINARY_VERSION_FIELD_NUMBER: _builtins.int
     LAST_HEARTBEAT_AT_FIELD_NUMBER: _builtins.int
     SECRETS_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    RUNTIME_FIELD_NUMBER: _builtins.int
     status: Global___NodeStatus.ValueType
     schedulable: _builtins.bool
     """false = cordoned"""
@@ -783,6 +820,8 @@ class Node(_message.Message):
     makes a fresh pair at every registration and keeps the private half in memory only (docs/secrets.md).
     invented (issue 17)
     """
+    runtime: _builtins.str
+    """How this node's agent runs instances: "process" or "docker" (issue 20, docs/containers.md)."""
     @_builtins.property
     def meta(self) -> Global___Meta: ...
     @_builtins.property
@@ -822,10 +861,11 @@ class Node(_message.Message):
         binary_version: _builtins.str = ...,
         last_heartbeat_at: _timestamp_pb2.Timestamp | None = ...,
         secrets_public_key: _builtins.bytes = ...,
+        runtime: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "last_heartbeat_at", b"last_heartbeat_at", "meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoprovisioned", b"autoprovisioned", "binary_version", b"binary_version", "capacity", b"capacity", "capacity_disk_mb", b"capacity_disk_mb", "labels", b"labels", "last_heartbeat_at", b"last_heartbeat_at", "mesh_ip", b"mesh_ip", "meta", b"meta", "name", b"name", "os_arch", b"os_arch", "public_endpoints", b"public_endpoints", "roles", b"roles", "schedulable", b"schedulable", "secrets_public_key", b"secrets_public_key", "status", b"status", "wireguard_public_key", b"wireguard_public_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoprovisioned", b"autoprovisioned", "binary_version", b"binary_version", "capacity", b"capacity", "capacity_disk_mb", b"capacity_disk_mb", "labels", b"labels", "last_heartbeat_at", b"last_heartbeat_at", "mesh_ip", b"mesh_ip", "meta", b"meta", "name", b"name", "os_arch", b"os_arch", "public_endpoints", b"public_endpoints", "roles", b"roles", "runtime", b"runtime", "schedulable", b"schedulable", "secrets_public_key", b"secrets_public_key", "status", b"status", "wireguard_public_key", b"wireguard_public_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1141,6 +1181,7 @@ class ServiceSpec(_message.Message):
     VARS_FIELD_NUMBER: _builtins.int
     SECRETS_FIELD_NUMBER: _builtins.int
     CONFIG_VERSION_FIELD_NUMBER: _builtins.int
+    READ_ONLY_ROOT_FIELD_NUMBER: _builtins.int
     NETWORK_FIELD_NUMBER: _builtins.int
     scale_to_zero: _builtins.bool
     """mutually exclusive with stateful"""
@@ -1152,6 +1193,10 @@ class ServiceSpec(_message.Message):
     """override image CMD (shell form)"""
     config_version: _builtins.int
     """+1 on every change of vars or secrets"""
+    read_only_root: _builtins.bool
+    """--- invented (issue 20, docs/containers.md) ---
+    docker runtime: the container's root filesystem is read-only
+    """
     @_builtins.property
     def replicas(self) -> Global___ReplicaRange: ...
     @_builtins.property
@@ -1216,11 +1261,12 @@ class ServiceSpec(_message.Message):
         vars: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         secrets: _abc.Mapping[_builtins.str, Global___SecretRef] | None = ...,
         config_version: _builtins.int = ...,
+        read_only_root: _builtins.bool = ...,
         network: Global___NetworkPolicy | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "healthcheck", b"healthcheck", "network", b"network", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "network", b"network", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "network", b"network", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "read_only_root", b"read_only_root", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2610,3 +2656,124 @@ class SecretsKey(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SecretsKey: _TypeAlias = SecretsKey  # noqa: Y015
+
+@_typing.final
+class Certificate(_message.Message):
+    """Certificate is one hostname's TLS certificate (key `cert.<hostname with '.' as '_'>`): the chain in
+    the clear, the private key sealed (NaCl SealedBox) to the cluster secrets key `key_id`.
+    invented (issue 19)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    HOSTNAME_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    CHAIN_PEM_FIELD_NUMBER: _builtins.int
+    SEALED_KEY_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    NOT_BEFORE_FIELD_NUMBER: _builtins.int
+    NOT_AFTER_FIELD_NUMBER: _builtins.int
+    RENEW_AT_FIELD_NUMBER: _builtins.int
+    RETRY_AT_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    ISSUER_FIELD_NUMBER: _builtins.int
+    RENEWALS_FIELD_NUMBER: _builtins.int
+    hostname: _builtins.str
+    state: Global___CertificateState.ValueType
+    chain_pem: _builtins.str
+    """leaf first, then intermediates"""
+    sealed_key: _builtins.bytes
+    """PKCS#8 PEM private key, SealedBox to the cluster key"""
+    key_id: _builtins.str
+    """SecretsKey.key_id sealed_key is sealed to"""
+    failures: _builtins.int
+    """consecutive failed orders"""
+    last_error: _builtins.str
+    """the CA's reason for the last failure ("" = none)"""
+    issuer: _builtins.str
+    """the ACME directory URL, or "local" (the cluster's local CA)"""
+    renewals: _builtins.int
+    """certificates issued for this hostname after the first"""
+    @_builtins.property
+    def meta(self) -> Global___Meta: ...
+    @_builtins.property
+    def not_before(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def not_after(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def renew_at(self) -> _timestamp_pb2.Timestamp:
+        """2/3 of the lifetime less a per-certificate jitter"""
+
+    @_builtins.property
+    def retry_at(self) -> _timestamp_pb2.Timestamp:
+        """no order before this (backoff, the CA's Retry-After)"""
+
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        hostname: _builtins.str = ...,
+        state: Global___CertificateState.ValueType = ...,
+        chain_pem: _builtins.str = ...,
+        sealed_key: _builtins.bytes = ...,
+        key_id: _builtins.str = ...,
+        not_before: _timestamp_pb2.Timestamp | None = ...,
+        not_after: _timestamp_pb2.Timestamp | None = ...,
+        renew_at: _timestamp_pb2.Timestamp | None = ...,
+        retry_at: _timestamp_pb2.Timestamp | None = ...,
+        failures: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+        issuer: _builtins.str = ...,
+        renewals: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "not_after", b"not_after", "not_before", b"not_before", "renew_at", b"renew_at", "retry_at", b"retry_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain_pem", b"chain_pem", "failures", b"failures", "hostname", b"hostname", "issuer", b"issuer", "key_id", b"key_id", "last_error", b"last_error", "meta", b"meta", "not_after", b"not_after", "not_before", b"not_before", "renew_at", b"renew_at", "renewals", b"renewals", "retry_at", b"retry_at", "sealed_key", b"sealed_key", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Certificate: _TypeAlias = Certificate  # noqa: Y015
+
+@_typing.final
+class AcmeAccount(_message.Message):
+    """AcmeAccount is the cluster's ACME account at one directory (key `acmeaccount.default`).
+    invented (issue 19)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    DIRECTORY_URL_FIELD_NUMBER: _builtins.int
+    EMAIL_FIELD_NUMBER: _builtins.int
+    URI_FIELD_NUMBER: _builtins.int
+    SEALED_KEY_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    directory_url: _builtins.str
+    email: _builtins.str
+    uri: _builtins.str
+    """the account URL (kid) the CA gave"""
+    sealed_key: _builtins.bytes
+    """the account key (PKCS#8 PEM), SealedBox to the cluster key"""
+    key_id: _builtins.str
+    """SecretsKey.key_id sealed_key is sealed to"""
+    @_builtins.property
+    def meta(self) -> Global___Meta: ...
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        directory_url: _builtins.str = ...,
+        email: _builtins.str = ...,
+        uri: _builtins.str = ...,
+        sealed_key: _builtins.bytes = ...,
+        key_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["directory_url", b"directory_url", "email", b"email", "key_id", b"key_id", "meta", b"meta", "sealed_key", b"sealed_key", "uri", b"uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AcmeAccount: _TypeAlias = AcmeAccount  # noqa: Y015

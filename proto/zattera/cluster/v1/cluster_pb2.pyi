@@ -721,6 +721,7 @@ class RunBuildRequest(_message.Message):
     REGISTRY_PASSWORD_FIELD_NUMBER: _builtins.int
     BUILD_ARGS_FIELD_NUMBER: _builtins.int
     BUILD_ENV_FIELD_NUMBER: _builtins.int
+    BUILD_CONFIG_FIELD_NUMBER: _builtins.int
     source_url: _builtins.str
     """where to fetch the source tarball (URL, or object name "sha256:<hex>" in zattera-sources)"""
     push_image_ref: _builtins.str
@@ -735,6 +736,10 @@ class RunBuildRequest(_message.Message):
     def build_args(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
     def build_env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def build_config(self) -> _types_pb2.BuildConfig:
+        """The app's build settings (issue 20): a Dockerfile build reads dockerfile and context_dir from it."""
+
     def __init__(
         self,
         *,
@@ -746,10 +751,11 @@ class RunBuildRequest(_message.Message):
         registry_password: _builtins.str = ...,
         build_args: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         build_env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        build_config: _types_pb2.BuildConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["build", b"build", "git", b"git"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["build", b"build", "build_config", b"build_config", "git", b"git"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["build", b"build", "build_args", b"build_args", "build_env", b"build_env", "git", b"git", "push_image_ref", b"push_image_ref", "registry_password", b"registry_password", "registry_username", b"registry_username", "source_url", b"source_url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["build", b"build", "build_args", b"build_args", "build_config", b"build_config", "build_env", b"build_env", "git", b"git", "push_image_ref", b"push_image_ref", "registry_password", b"registry_password", "registry_username", b"registry_username", "source_url", b"source_url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1285,3 +1291,110 @@ class InstanceLogBatch(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InstanceLogBatch: _TypeAlias = InstanceLogBatch  # noqa: Y015
+
+@_typing.final
+class OpenCertKeysRequest(_message.Message):
+    """OpenCertKeysRequest asks the secrets service for certificate private keys (zattera.certs.keys.open,
+    proxies) or the ACME account key (zattera.certs.account.open, the certificate service), sealed to
+    the requester's fresh key. invented (issue 19)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    public_key: _builtins.bytes
+    """X25519; the answer is sealed to it"""
+    def __init__(
+        self,
+        *,
+        public_key: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["public_key", b"public_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenCertKeysRequest: _TypeAlias = OpenCertKeysRequest  # noqa: Y015
+
+@_typing.final
+class OpenCertKeysResponse(_message.Message):
+    """OpenCertKeysResponse carries a CertBundle sealed to the request's key, or why it was refused."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEALED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    sealed: _builtins.bytes
+    error: _builtins.str
+    """never contains key material"""
+    def __init__(
+        self,
+        *,
+        sealed: _builtins.bytes = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "sealed", b"sealed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenCertKeysResponse: _TypeAlias = OpenCertKeysResponse  # noqa: Y015
+
+@_typing.final
+class CertBundle(_message.Message):
+    """CertBundle is the plaintext inside OpenCertKeysResponse.sealed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CERTS_FIELD_NUMBER: _builtins.int
+    ACCOUNT_KEY_PEM_FIELD_NUMBER: _builtins.int
+    account_key_pem: _builtins.str
+    """only on zattera.certs.account.open"""
+    @_builtins.property
+    def certs(self) -> _containers.RepeatedCompositeFieldContainer[Global___CertEntry]: ...
+    def __init__(
+        self,
+        *,
+        certs: _abc.Iterable[Global___CertEntry] | None = ...,
+        account_key_pem: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_key_pem", b"account_key_pem", "certs", b"certs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CertBundle: _TypeAlias = CertBundle  # noqa: Y015
+
+@_typing.final
+class CertEntry(_message.Message):
+    """CertEntry is one servable certificate: hostname, chain and private key (PEM)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOSTNAME_FIELD_NUMBER: _builtins.int
+    CHAIN_PEM_FIELD_NUMBER: _builtins.int
+    KEY_PEM_FIELD_NUMBER: _builtins.int
+    NOT_AFTER_FIELD_NUMBER: _builtins.int
+    hostname: _builtins.str
+    chain_pem: _builtins.str
+    key_pem: _builtins.str
+    @_builtins.property
+    def not_after(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        hostname: _builtins.str = ...,
+        chain_pem: _builtins.str = ...,
+        key_pem: _builtins.str = ...,
+        not_after: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["not_after", b"not_after"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain_pem", b"chain_pem", "hostname", b"hostname", "key_pem", b"key_pem", "not_after", b"not_after"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CertEntry: _TypeAlias = CertEntry  # noqa: Y015

@@ -11,24 +11,25 @@ import asyncio
 
 from zattera.v1 import types_pb2 as pb
 
-from services.builds.dispatcher import copy_build, timestamp
 from shared import keys as K
 from shared.buildlogs import TERMINAL_STATUSES
-from shared.clock import Clock
+from shared.clock import Clock, stamp
+from shared.errors import ZatteraError
 from shared.txn import CommitUnknown, Conflict, Writer
 
 CANCELED_ERROR = "canceled"
 
 
-class CancelRefused(Exception):
+class CancelRefused(ZatteraError):
     pass
 
 
 def canceled_build(build: pb.Build, now: float) -> pb.Build:
-    b = copy_build(build)
+    b = pb.Build()
+    b.CopyFrom(build)
     b.status = pb.BUILD_STATUS_CANCELED
     b.error = CANCELED_ERROR
-    b.finished_at.CopyFrom(timestamp(now))
+    stamp(b.finished_at, now)
     return b
 
 

@@ -26,14 +26,14 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from google.protobuf.timestamp_pb2 import Timestamp
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from shared.clock import Clock
+from shared.clock import Clock, stamp
+from shared.errors import ZatteraError
 from shared.ids import new_id
 from shared.natsio import Connection, agent_subject
 from shared.snapshots.locking import SharedExclusiveLock
@@ -52,19 +52,19 @@ PRUNE_TIMEOUT = 900.0
 SNAPSHOT_KEY_ENV = "ZATTERA_SNAPSHOT_KEY"  # hex of the optional 32-byte AES-256-GCM cluster key
 
 
-class SnapshotBusy(Exception):
+class SnapshotBusy(ZatteraError):
     """A snapshot (or restore) of this volume is already running."""
 
 
-class RecordNotWritten(Exception):
+class RecordNotWritten(ZatteraError):
     """The RUNNING record could not be written: nothing was dispatched."""
 
 
-class RestoreRefused(Exception):
+class RestoreRefused(ZatteraError):
     pass
 
 
-class NodeOperationFailed(Exception):
+class NodeOperationFailed(ZatteraError):
     pass
 
 
@@ -109,12 +109,6 @@ def holder_assignment(view: StateView, volume: pb.Volume) -> str:
         if a.environment_id == volume.environment_id and not a.job_id and a.desired == pb.ASSIGNMENT_DESIRED_RUN:
             return a.meta.id
     return ""
-
-
-def _stamp(ts: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(ts * 1e9))
-    return stamp
 
 
 @dataclass
@@ -176,8 +170,8 @@ class SnapshotDispatcher:
             volume_id=volume_id, status=pb.SNAPSHOT_STATUS_RUNNING, key_fingerprint=key_fingerprint(self.target)
         )
         record.meta.id = new_id()
-        record.meta.created_at.CopyFrom(_stamp(now))
-        record.meta.updated_at.CopyFrom(_stamp(now))
+        stamp(record.meta.created_at, now)
+        stamp(record.meta.updated_at, now)
         self._busy_volumes.add(volume_id)
         try:
             await writer.commit(writer.txn("snapshot.start").create(record))
@@ -263,7 +257,7 @@ class SnapshotDispatcher:
             return
         touched = pb.VolumeSnapshot()
         touched.CopyFrom(current)
-        touched.meta.updated_at.CopyFrom(_stamp(now))
+        stamp(touched.meta.updated_at, now)
         run.last_touch = now
         with contextlib.suppress(TxnError):
             await writer.commit(writer.txn("snapshot.touch").put(touched))
@@ -274,7 +268,7 @@ class SnapshotDispatcher:
         for _ in range(5):
             if self.view.snapshot(final.meta.id) is None:
                 return
-            final.meta.updated_at.CopyFrom(_stamp(self.clock.now()))
+            stamp(final.meta.updated_at, self.clock.now())
             try:
                 await writer.commit(writer.txn("snapshot.finish").put(final))
                 return
@@ -450,7 +444,7 @@ class SnapshotDispatcher:
             return
         touched = pb.Volume()
         touched.CopyFrom(current)
-        touched.meta.updated_at.CopyFrom(_stamp(self.clock.now()))
+        stamp(touched.meta.updated_at, self.clock.now())
         with contextlib.suppress(TxnError):
             await writer.commit(writer.txn("volume.restore.touch").put(touched))
 
@@ -474,7 +468,7 @@ class SnapshotDispatcher:
             updated = pb.Volume()
             updated.CopyFrom(current)
             change(updated, now)
-            updated.meta.updated_at.CopyFrom(_stamp(now))
+            stamp(updated.meta.updated_at, now)
             try:
                 await writer.commit(writer.txn("volume.restore").put(updated))
                 return current

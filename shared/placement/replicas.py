@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
-from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
+from shared.clock import from_timestamp, stamp
 from shared.deployments import desired_replicas
 from shared.ids import new_id
 from shared.view import StateView
@@ -37,10 +37,6 @@ def deploy_replicas(env: pb.Environment, release: pb.Release) -> int:
     return release.service.replicas.min
 
 
-def _stamp(ts: Timestamp, now: float) -> None:
-    ts.FromNanoseconds(int(now * 1e9))
-
-
 def new_assignment(
     env: pb.Environment,
     release: pb.Release,
@@ -62,8 +58,8 @@ def new_assignment(
         config_hash=release.config_hash,
     )
     a.meta.id = assignment_id or new_id()
-    _stamp(a.meta.created_at, now)
-    _stamp(a.meta.updated_at, now)
+    stamp(a.meta.created_at, now)
+    stamp(a.meta.updated_at, now)
     return a
 
 
@@ -73,7 +69,7 @@ def with_desired(a: pb.Assignment, desired: int, *, now: float) -> pb.Assignment
     copy.CopyFrom(a)
     copy.ClearField("observed")
     copy.desired = desired  # type: ignore[assignment]
-    _stamp(copy.meta.updated_at, now)
+    stamp(copy.meta.updated_at, now)
     return copy
 
 
@@ -85,10 +81,6 @@ def node_is_down(view: StateView, node_id: str) -> bool:
     """The reference's "down": the node is missing or its status is anything but ALIVE."""
     node = view.node(node_id)
     return node is None or node.status != ALIVE
-
-
-def seconds(ts: Timestamp) -> float:
-    return ts.seconds + ts.nanos / 1e9
 
 
 def stop_is_reapable(view: StateView, a: pb.Assignment, now: float) -> bool:
@@ -108,4 +100,4 @@ def stop_is_reapable(view: StateView, a: pb.Assignment, now: float) -> bool:
         return True
     unreported = not a.HasField("observed") or a.observed.state in (pb.INSTANCE_STATE_UNSPECIFIED, FAILED)
     since = a.meta.updated_at if a.meta.HasField("updated_at") else a.meta.created_at
-    return unreported and now - seconds(since) >= STOP_REPORT_GRACE
+    return unreported and now - from_timestamp(since) >= STOP_REPORT_GRACE

@@ -12,6 +12,8 @@ import platform as _host
 from collections.abc import Iterable
 from functools import lru_cache
 
+from shared.errors import ZatteraError
+
 KNOWN_OS = frozenset({"linux", "darwin", "windows", "freebsd"})
 KNOWN_ARCH = frozenset({"amd64", "arm64", "arm", "386", "riscv64", "ppc64le", "s390x"})
 ARCH_ALIASES = {
@@ -24,7 +26,7 @@ ARCH_ALIASES = {
 }
 
 
-class PlatformError(ValueError):
+class PlatformError(ZatteraError, ValueError):
     pass
 
 

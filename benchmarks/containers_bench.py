@@ -1,0 +1,214 @@
+"""The docker runtime against the process runtime, on a private dockerd (``tests/dockerd.py``: vfs storage,
+no bridge) with the busybox base image; the app is busybox ``httpd`` in both runtimes.
+
+Run: ``python -m benchmarks.containers_bench [--full] [--json]`` (also part of ``make bench``).
+
+1. **Start → listening.** The agent's launcher starts the app (process: ``spawn``; docker: create + start
+   of a container with every limit and the host network) and the time until its port accepts a connection
+   is measured; the two runtimes alternate in the same run. 10 samples each quick, 40 full.
+2. **Scale-to-zero cold start on docker.** The whole product (e2e harness, agents with ``--runtime
+   docker``), an env with ``scale_to_zero`` (idle 2 s) cooled to zero; one request through the proxy.
+   Measured: request sent → the first route snapshot with a healthy endpoint, and → the answer. The
+   control-plane overhead is that first figure minus the container's own start → listening (1., p50):
+   activation → scale write → placement → agent (image ready, container create/start) → first health probe →
+   observed write → route build → snapshot. 3 samples quick, 10 full. Target p50 ≤ 300 ms.
+
+Anchor: the process runtime in the same run (1.) and benchmarks/e2e_bench.py's cold start (process runtime).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+from benchmarks.common import Row, bench_main, median, percentile, row
+from services.agent.docker_runtime import ContainerImage, DockerLauncher
+from services.agent.images import PreparedImage
+from services.agent.launchers import InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
+from shared.embedded import free_port
+from tests.dockerd import BASE_IMAGE, BUSYBOX, private_dockerd
+from tests.e2e.cluster import E2ECluster, env_by_name, healthy, running
+from tests.waiting import eventually
+
+COLD_TOML = """
+project = "demo"
+app = "web"
+
+[env.cold]
+replicas = { min = 1, max = 1 }
+scale_to_zero = true
+idle_timeout = "2s"
+healthcheck = { type = "http", path = "/healthz", interval = "1s", timeout = "1s", grace_period = "10s" }
+"""
+SERVE = (
+    "mkdir -p /tmp/www && echo ok > /tmp/www/healthz && echo hi > /tmp/www/index.html && "
+    "exec httpd -f -p $ZATTERA_BIND_ADDR:$PORT -h /tmp/www"
+)
+_POLL = 0.002
+
+
+async def _listening(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {port}") from None
+            await asyncio.sleep(_POLL)
+
+
+async def _start_once(launcher: Launcher, image: PreparedImage, workdir: Path) -> float:
+    port = free_port()
+    command = [str(BUSYBOX), "httpd", "-f", "-p", f"127.0.0.1:{port}", "-h", str(workdir)]
+    if isinstance(launcher, DockerLauncher):
+        command = ["httpd", "-f", "-p", f"127.0.0.1:{port}", "-h", "/tmp"]
+    instance = workdir / f"instance-{port}"
+    instance.mkdir()
+    started = time.monotonic()
+    handle: InstanceHandle = await launcher.spawn(
+        command,
+        image=image,
+        env={"PORT": str(port)},
+        instance_dir=instance,
+        plan=LaunchPlan(memory_mb=64, cpu_millis=500),
+        labels={"dev.zattera.assignment": f"bench-{port}"},
+    )
+    await _listening(port)
+    elapsed = time.monotonic() - started
+    await handle.stop(1.0)
+    return elapsed
+
+
+async def _start_to_listening(docker_host: str, samples: int, workdir: Path) -> dict[str, list[float]]:
+    docker = DockerLauncher(docker_host, node_id="bench", base_image=BASE_IMAGE, pids_limit=256)
+    process = ProcessLauncher()
+    try:
+        docker_image = ContainerImage("bench", Path("/"), tag=BASE_IMAGE)
+        process_image = PreparedImage("bench", workdir)
+        out: dict[str, list[float]] = {"docker": [], "process": []}
+        for _ in range(samples):
+            out["process"].append(await _start_once(process, process_image, workdir))
+            out["docker"].append(await _start_once(docker, docker_image, workdir))
+        return out
+    finally:
+        await docker.close()
+
+
+async def _cold_starts(docker_host: str, root: Path, samples: int) -> dict[str, list[float]]:
+    from shared.routeclient import RouteClient
+
+    cluster = E2ECluster(
+        root / "cluster",
+        trace=False,
+        timers={"ZATTERA_AGENT_RUNTIME": "docker", "ZATTERA_AGENT_DOCKER_HOST": docker_host},
+    )
+    out: dict[str, list[float]] = {"endpoint": [], "response": []}
+    try:
+        await asyncio.to_thread(cluster.start)
+        await cluster.wait_ready()
+        toml = root / "zattera.toml"
+        toml.write_text(COLD_TOML)
+        await cluster.acli("apps", "apply", str(toml))
+        await cluster.acli("deploy", "--image", "exec:" + quote(SERVE, safe=""), "--env", "demo/web/cold")
+        async with cluster.state() as (conn, view):
+            env = env_by_name(view, "cold")
+            assert env is not None
+            env_id = env.meta.id
+            routes = RouteClient(root / "routes.pb")
+            await routes.start(conn)
+            seen_at: dict[int, float] = {}
+
+            async def follow() -> None:
+                updates = routes.updates()
+                try:
+                    async for snapshot in updates:
+                        if any(
+                            r.environment_id == env_id and any(e.healthy for e in r.endpoints)
+                            for r in snapshot.http_routes
+                        ):
+                            seen_at.setdefault(snapshot.version, time.monotonic())
+                finally:
+                    updates.close()
+
+            follower = asyncio.create_task(follow())
+            try:
+                for _ in range(samples):
+                    await eventually(
+                        lambda: (
+                            (e := view.env(env_id)) is not None
+                            and e.effective_replicas == 0
+                            and not running(view, env_id)
+                        ),
+                        120,
+                        "cooled to zero",
+                    )
+                    await eventually(
+                        lambda: (
+                            not any(r.environment_id == env_id and r.endpoints for r in routes.current.http_routes)
+                            and cluster.proxy_routes_version() >= routes.version
+                        ),
+                        60,
+                        "no endpoint left in the snapshot, the proxy's included",
+                    )
+                    seen_at.clear()
+                    sent = time.monotonic()
+                    status, body = await cluster.get("web-cold.localhost", timeout=60)
+                    answered = time.monotonic()
+                    assert status == 200, body
+                    await eventually(lambda: bool(seen_at), 10, "endpoint snapshot seen")
+                    await eventually(lambda: bool(healthy(view, env_id)), 10, "the woken replica in the view")
+                    out["endpoint"].append(min(seen_at.values()) - sent)
+                    out["response"].append(answered - sent)
+            finally:
+                follower.cancel()
+                await routes.stop()
+    finally:
+        await asyncio.to_thread(cluster.stop)
+    return out
+
+
+def run(quick: bool = True) -> list[Row]:
+    starts, colds = (10, 3) if quick else (40, 10)
+    root = Path(tempfile.mkdtemp(prefix="zattera-containers-bench-"))
+    try:
+        with private_dockerd(root / "dockerd") as docker_host:
+            workdir = root / "work"
+            workdir.mkdir()
+            started = asyncio.run(_start_to_listening(docker_host, starts, workdir))
+            cold = asyncio.run(_cold_starts(docker_host, root, colds))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ms = 1000.0
+    container_start = median(started["docker"])
+    overhead = [endpoint - container_start for endpoint in cold["endpoint"]]
+    same_run = "process runtime, same run"
+    return [
+        row("process: start → listening p50", median(started["process"]) * ms, "ms", "", "anchor for the docker rows"),
+        row("process: start → listening p99", percentile(started["process"], 99) * ms, "ms", "", ""),
+        row("docker: start → listening p50 (create + start + listen)", container_start * ms, "ms", "", same_run),
+        row("docker: start → listening p99", percentile(started["docker"], 99) * ms, "ms", "", same_run),
+        row(
+            "docker cold start: control-plane overhead p50 (held → endpoint − container start)",
+            median(overhead) * ms,
+            "ms",
+            "≤ 300 ms",
+            "e2e_bench cold start (process runtime)",
+        ),
+        row("docker cold start: held → endpoint in snapshot p50", median(cold["endpoint"]) * ms, "ms", "", ""),
+        row("docker cold start: held request answered p50", median(cold["response"]) * ms, "ms", "", ""),
+    ]
+
+
+def main() -> None:
+    bench_main("Containers", run, __doc__, "40 start samples per runtime and 10 cold starts")
+
+
+if __name__ == "__main__":
+    main()

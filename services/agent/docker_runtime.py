@@ -1,0 +1,601 @@
+"""The docker runtime: each instance is a container of a local Docker daemon, driven through the Engine API
+(``aiodocker``). See docs/containers.md.
+
+* **Images.** A registry image (``<project>/<app>:<tag>``) is fetched from the cluster registry and loaded
+  into the daemon as a derived image: ``FROM`` the node's base image (``docker_base_image``; ``scratch``
+  for an image that carries its own root filesystem, label ``dev.zattera.rootfs=full``, as
+  ``zattera images import`` writes), then its layers ``ADD``ed in order. It is tagged
+  ``zattera-local/<digest>`` and reused while the daemon keeps it. ``docker://<name>`` is an image of the
+  daemon (pulled by it when missing: from a registry the daemon can reach). ``exec:<command>`` runs the
+  command in the base image (tests, demos); ``process://`` refs need the process runtime.
+* **Isolation.** Host network (the allocated ``PORT`` env as for processes), its own pid namespace, the
+  image's user or else ``nobody`` (65534), ``no-new-privileges``, every capability dropped, a read-only
+  root filesystem (with a ``/tmp`` tmpfs) when the release sets ``read_only_root``; volumes bind-mounted
+  at their ``mount_path``. Nothing of the agent's data directory is visible inside.
+* **Limits.** ``memory_mb`` (no swap beyond it; an OOM kill is reported as such), ``cpu_millis``
+  (``NanoCpus``) and the node's ``pids_limit``.
+* **Output.** The daemon keeps the container's output (json-file); a follower per stream appends it to the
+  instance's ``stdout.log``/``stderr.log``, which ``logs.py`` ships as for processes. The follower resumes
+  from the last shipped timestamp (``docker-logs.json``) after an agent restart.
+* **Lifecycle.** Containers carry the labels ``dev.zattera.node`` and ``dev.zattera.assignment``; a restarted
+  agent adopts a running one its record names (no restart); :func:`DockerLauncher.sweep` removes containers
+  of this node nobody references and derived images no container uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+import tarfile
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import aiodocker
+from aiodocker.containers import DockerContainer
+
+from services.agent.images import EXEC_SCHEME, PROCESS_SCHEME, ImageError, PreparedImage, shell_command
+from services.agent.launchers import DOCKER, PROCESS, InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
+from services.agent.logs import STREAM_FILES
+from services.agent.processes import InstanceRecord
+from services.agent.runtime import PASSED_THROUGH_ENV, volume_env_name
+from services.agent.settings import AgentSettings
+from shared.natsio import Connection
+from shared.registry import RegistryError, digest_of, fetch_image
+
+log = logging.getLogger(__name__)
+
+LABEL_MANAGED = "dev.zattera.managed"
+LABEL_NODE = "dev.zattera.node"
+LABEL_ASSIGNMENT = "dev.zattera.assignment"
+LABEL_ROOTFS = "dev.zattera.rootfs"
+"""On a registry image config: ``full`` = its layers are a whole root filesystem (no base image under it)."""
+LOCAL_REPO = "zattera-local"
+DOCKER_SCHEME = "docker://"
+NOBODY = "65534:65534"
+LOG_CURSOR_FILE = "docker-logs.json"
+_CURSOR_SAVE_INTERVAL = 0.5
+_STATS_TIMEOUT = 5.0
+
+
+class DockerUnavailable(Exception):
+    """No Docker daemon answers at the configured address."""
+
+
+def docker_url(host: str) -> str:
+    """The daemon address aiodocker takes: ``unix:///path`` or ``tcp://…`` (default: ``$DOCKER_HOST`` or the
+    standard socket)."""
+    return host or os.environ.get("DOCKER_HOST", "") or "unix:///var/run/docker.sock"
+
+
+async def daemon_answers(host: str, timeout: float = 2.0) -> bool:
+    """Whether a Docker daemon answers at ``host`` within ``timeout`` seconds."""
+    try:
+        docker = aiodocker.Docker(url=docker_url(host))
+    except (ValueError, OSError):
+        return False
+    try:
+        await asyncio.wait_for(docker.version(), timeout)
+        return True
+    except (TimeoutError, aiodocker.DockerError, OSError, ValueError):
+        return False
+    finally:
+        await docker.close()
+
+
+@dataclass(frozen=True)
+class ContainerImage(PreparedImage):
+    """A prepared image loaded into the daemon: ``workdir`` is a path inside the container."""
+
+    tag: str = ""
+    user: str = ""
+
+
+def container_image(ref: str, tag: str, run: Mapping[str, Any]) -> ContainerImage:
+    """What an image config's ``config`` section says about running it."""
+    return ContainerImage(
+        ref,
+        Path(str(run.get("WorkingDir") or "/")),
+        entrypoint=[str(x) for x in run.get("Entrypoint") or []],
+        cmd=[str(x) for x in run.get("Cmd") or []],
+        env=dict(item.split("=", 1) for item in run.get("Env") or [] if "=" in item),
+        tag=tag,
+        user=str(run.get("User") or ""),
+    )
+
+
+def _first_line(message: object) -> str:
+    return str(message).strip().splitlines()[0] if str(message).strip() else "failed"
+
+
+def derived_tag(digest: str) -> str:
+    return f"{LOCAL_REPO}:{digest.removeprefix('sha256:')[:32]}"
+
+
+def build_context(base: str, layers: Sequence[bytes], labels: Mapping[str, str]) -> bytes:
+    """A gzip'd build context: a Dockerfile ``FROM base`` that ``ADD``s each layer (Docker unpacks a local tar
+    it ``ADD``s), and the layers themselves."""
+    lines = [f"FROM {base}"]
+    lines += [f"LABEL {json.dumps(k)}={json.dumps(v)}" for k, v in labels.items()]
+    files = {"Dockerfile": b""}
+    for index, layer in enumerate(layers):
+        name = f"layer{index}.tar.gz"
+        files[name] = layer
+        lines.append(f"ADD {name} /")
+    files["Dockerfile"] = ("\n".join(lines) + "\n").encode()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def managed(config: bytes) -> bytes:
+    """The image config labelled as ours, so :meth:`DockerLauncher.prune_images` may remove it."""
+    doc = json.loads(config)
+    run = doc.get("config") or {}
+    run["Labels"] = {**(run.get("Labels") or {}), LABEL_MANAGED: "true"}
+    doc["config"] = run
+    return json.dumps(doc).encode()
+
+
+def docker_archive(tag: str, config: bytes, layers: Sequence[bytes]) -> bytes:
+    """A ``docker load`` tarball of one image (its layers may stay gzip'd: the daemon decompresses)."""
+    files = {"config.json": config}
+    for index, layer in enumerate(layers):
+        files[f"{index}/layer.tar"] = layer
+    manifest = [{"Config": "config.json", "RepoTags": [tag], "Layers": [f"{i}/layer.tar" for i in range(len(layers))]}]
+    files["manifest.json"] = json.dumps(manifest).encode()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def container_config(
+    command: Sequence[str],
+    *,
+    image: ContainerImage,
+    env: Mapping[str, str],
+    plan: LaunchPlan,
+    labels: Mapping[str, str],
+    pids_limit: int,
+) -> dict[str, Any]:
+    """The Engine API ``ContainerCreate`` body of one instance (see the module docstring)."""
+    host: dict[str, Any] = {
+        "NetworkMode": "host",
+        # tini as pid 1: signals reach the app (the kernel ignores an unhandled SIGTERM sent to a pid 1) and
+        # orphans are reaped.
+        "Init": True,
+        "CapDrop": ["ALL"],
+        "SecurityOpt": ["no-new-privileges"],
+        "ReadonlyRootfs": plan.read_only_root,
+        "LogConfig": {"Type": "json-file", "Config": {"max-size": "10m", "max-file": "2"}},
+        "Binds": [f"{path}:{mount_path}" for path, mount_path in plan.volumes.values()],
+    }
+    if plan.read_only_root:
+        host["Tmpfs"] = {"/tmp": "rw,nosuid,nodev,size=64m"}
+    if plan.memory_mb:
+        host["Memory"] = host["MemorySwap"] = plan.memory_mb * 1024 * 1024
+    if plan.cpu_millis:
+        host["NanoCpus"] = plan.cpu_millis * 1_000_000
+    if pids_limit:
+        host["PidsLimit"] = pids_limit
+    return {
+        "Image": image.tag,
+        "Entrypoint": list(command[:1]),
+        "Cmd": list(command[1:]),
+        "Env": [f"{k}={v}" for k, v in env.items()],
+        "WorkingDir": str(image.workdir),
+        "User": image.user or NOBODY,
+        "Labels": dict(labels),
+        "HostConfig": host,
+    }
+
+
+def container_env(env: Mapping[str, str], image: PreparedImage, plan: LaunchPlan) -> dict[str, str]:
+    """The instance environment for a container: none of the agent's own variables (PATH and the like come
+    from the image), and volumes named by where they are mounted."""
+    result = {k: v for k, v in env.items() if k not in PASSED_THROUGH_ENV or k in image.env}
+    for name, (_, mount_path) in plan.volumes.items():
+        result[volume_env_name(name)] = mount_path
+    return result
+
+
+def exit_of(state: Mapping[str, Any]) -> tuple[int | None, bool]:
+    """(exit code as the supervisor reads it, OOM-killed) from a container's ``State``: an OOM kill is
+    SIGKILL (a negative code, as asyncio reports signals)."""
+    oom = bool(state.get("OOMKilled"))
+    if oom:
+        return -9, True
+    code = state.get("ExitCode")
+    return (int(code) if code is not None else None), False
+
+
+def _parse_time(text: str) -> float:
+    """Docker's RFC 3339 timestamps (nanoseconds) → epoch seconds."""
+    head, _, frac = text.rstrip("Z").partition(".")
+    seconds = datetime.fromisoformat(head + "+00:00").timestamp()
+    return seconds + (float("0." + frac) if frac else 0.0)
+
+
+class _LogCursor:
+    """The last timestamp of each stream appended to the instance's output files, kept on disk."""
+
+    def __init__(self, instance_dir: Path) -> None:
+        self.path = instance_dir / LOG_CURSOR_FILE
+        try:
+            self.since: dict[str, str] = {str(k): str(v) for k, v in json.loads(self.path.read_text()).items()}
+        except (OSError, ValueError, AttributeError):
+            self.since = {}
+        self._saved_at = 0.0
+
+    def advance(self, stream: str, timestamp: str, *, force: bool = False) -> None:
+        self.since[stream] = timestamp
+        now = time.monotonic()
+        if force or now - self._saved_at >= _CURSOR_SAVE_INTERVAL:
+            self._saved_at = now
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.since))
+            tmp.replace(self.path)
+
+
+class ContainerHandle:
+    """One instance container: its exit, stop, output followers and daemon stats."""
+
+    def __init__(self, container: DockerContainer, state: Mapping[str, Any], instance_dir: Path) -> None:
+        self._container = container
+        self.id: str = container.id
+        self.pid = int(state.get("Pid") or 0)
+        self.create_time = _parse_time(str(state.get("StartedAt") or "1970-01-01T00:00:00Z"))
+        self.oom_killed = False
+        self._running = bool(state.get("Running"))
+        self._cursor = _LogCursor(instance_dir)
+        self._files = {name: instance_dir / filename for name, filename in STREAM_FILES.items()}
+        self._followers = [
+            asyncio.create_task(self._follow(stream), name=f"docker-logs:{self.id[:12]}:{stream}")
+            for stream in self._files
+        ]
+        self._ended: asyncio.Future[int | None] | None = None
+        self._usage: tuple[float, int] | None = None
+        self._stats = asyncio.create_task(self._follow_stats(), name=f"docker-stats:{self.id[:12]}")
+
+    @property
+    def container_id(self) -> str:
+        return self.id
+
+    def alive(self) -> bool:
+        return self._running
+
+    async def _follow(self, stream: str) -> None:
+        since = self._cursor.since.get(stream)
+        params: dict[str, Any] = {"timestamps": True}
+        if since:
+            params["since"] = f"{_parse_time(since) + 1e-6:.6f}"
+        last = ""
+        try:
+            with self._files[stream].open("ab") as sink:
+                async for chunk in self._container.log(
+                    follow=True, stdout=stream == "stdout", stderr=stream == "stderr", **params
+                ):
+                    stamp, _, text = chunk.partition(" ")
+                    if not text:  # nothing decodable (undecodable bytes are dropped by the client)
+                        continue
+                    sink.write(text.encode())
+                    sink.flush()
+                    last = stamp
+                    self._cursor.advance(stream, stamp)
+        except (aiodocker.DockerError, OSError) as exc:
+            log.debug("%s: log follower for %s ended: %s", self.id[:12], stream, exc)
+        finally:
+            if last:
+                self._cursor.advance(stream, last, force=True)
+
+    async def _wait_end(self) -> int | None:
+        with contextlib.suppress(aiodocker.DockerError):
+            await self._container.wait()
+        self._running = False
+        self._stats.cancel()
+        # The followers end with the container's output; what they append must be in the files before the
+        # supervisor ships the last lines.
+        await asyncio.wait(self._followers, timeout=5.0)
+        try:
+            state = (await self._container.show()).get("State", {})
+        except aiodocker.DockerError:
+            return None
+        code, self.oom_killed = exit_of(state)
+        with contextlib.suppress(aiodocker.DockerError):
+            await self._container.delete(force=True)
+        return code
+
+    async def wait(self) -> int | None:
+        """The exit code (negative: the killing signal); the container is removed once it has ended."""
+        if self._ended is None:
+            self._ended = asyncio.ensure_future(self._wait_end())
+        return await asyncio.shield(self._ended)
+
+    async def stop(self, grace: float) -> int | None:
+        """The image's stop signal (SIGTERM), SIGKILL after ``grace`` seconds (the daemon does both)."""
+        with contextlib.suppress(aiodocker.DockerError):
+            await self._container.stop(t=max(1, math.ceil(grace)))
+        return await self.wait()
+
+    async def detach(self) -> None:
+        """Stop following the container (output and stats) without touching it."""
+        tasks = [*self._followers, self._stats]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def kill_leftovers(self) -> None:
+        """Nothing: a container's processes all end with it (its pid namespace)."""
+
+    async def exec_check(self, command: str) -> bool:
+        """An exec health check inside the container (its user, environment and limits): exit status 0."""
+        try:
+            run = await self._container.exec(["/bin/sh", "-c", command], stdout=True, stderr=True)
+            async with run.start(detach=False) as stream:
+                while await stream.read_out() is not None:
+                    pass
+            return (await run.inspect()).get("ExitCode") == 0
+        except aiodocker.DockerError:
+            return False
+
+    def usage(self) -> tuple[float, int] | None:
+        """The daemon's latest figures (streamed about every second); (0, 0) until the first arrives."""
+        return self._usage or (0.0, 0)
+
+    async def _follow_stats(self) -> None:
+        with contextlib.suppress(aiodocker.DockerError, OSError, ValueError):
+            async for doc in self._container.stats(stream=True):
+                self._usage = cpu_percent(doc), resident_bytes(doc)
+
+    async def stats(self) -> tuple[float, int]:
+        """(CPU percent of one core, resident bytes) from the daemon's one-shot stats (two readings ~1 s
+        apart)."""
+        raw = await asyncio.wait_for(self._container.stats(stream=False), _STATS_TIMEOUT)
+        doc = raw[0] if isinstance(raw, list) else raw
+        return cpu_percent(doc), resident_bytes(doc)
+
+
+def resident_bytes(stats: Mapping[str, Any]) -> int:
+    """Memory in use without the page cache (cgroup v1 ``rss``, else usage minus inactive file pages)."""
+    memory = stats.get("memory_stats") or {}
+    detail = memory.get("stats") or {}
+    if "rss" in detail:
+        return int(detail["rss"])
+    return max(0, int(memory.get("usage") or 0) - int(detail.get("inactive_file") or 0))
+
+
+def cpu_percent(stats: Mapping[str, Any]) -> float:
+    """CPU use between the two samples of one stats document, in percent of one core."""
+    now, before = stats.get("cpu_stats") or {}, stats.get("precpu_stats") or {}
+    used = (now.get("cpu_usage") or {}).get("total_usage", 0) - (before.get("cpu_usage") or {}).get("total_usage", 0)
+    system = now.get("system_cpu_usage", 0) - before.get("system_cpu_usage", 0)
+    cpus = now.get("online_cpus") or len((now.get("cpu_usage") or {}).get("percpu_usage") or []) or 1
+    if used <= 0 or system <= 0:
+        return 0.0
+    return float(used) / float(system) * cpus * 100.0
+
+
+class DockerLauncher:
+    """Instances as containers of one Docker daemon (see the module docstring)."""
+
+    name = DOCKER
+
+    def __init__(self, host: str, *, node_id: str, base_image: str, pids_limit: int) -> None:
+        self.docker = aiodocker.Docker(url=docker_url(host))
+        self.node_id = node_id
+        self.base_image = base_image
+        self.pids_limit = pids_limit
+        self._loading: dict[str, asyncio.Future[None]] = {}
+        """Images being put into the daemon, by tag."""
+        self._handles: weakref.WeakSet[ContainerHandle] = weakref.WeakSet()
+
+    async def close(self) -> None:
+        """The agent stops: its followers stop copying (the next run resumes them); containers keep running."""
+        await asyncio.gather(*(handle.detach() for handle in list(self._handles)), return_exceptions=True)
+        await self.docker.close()
+
+    def _track(self, handle: ContainerHandle) -> ContainerHandle:
+        self._handles.add(handle)
+        return handle
+
+    async def has_image(self, name: str) -> bool:
+        try:
+            await self.docker.images.inspect(name)
+            return True
+        except aiodocker.DockerError:
+            return False
+
+    async def prepare(self, conn: Connection, ref: str, instance_dir: Path, *, platform: str) -> PreparedImage:
+        if not ref:
+            raise ImageError("the release has no image yet")
+        if ref.startswith(PROCESS_SCHEME):
+            raise ImageError(f"{ref}: process:// images need the process runtime")
+        if ref.startswith(DOCKER_SCHEME):
+            return await self._daemon_image(ref)
+        if ref.startswith(EXEC_SCHEME):
+            return ContainerImage(
+                ref, Path("/"), cmd=shell_command(unquote(ref[len(EXEC_SCHEME) :])), tag=self.base_image
+            )
+        try:
+            fetched = await fetch_image(conn, ref, platform=platform)
+        except (RegistryError, KeyError, ValueError) as exc:
+            raise ImageError(f"{ref}: {exc}") from exc
+        try:
+            run = (json.loads(fetched.config or b"{}").get("config")) or {}
+        except (ValueError, AttributeError) as exc:
+            raise ImageError(f"{ref}: bad image config: {exc}") from exc
+        tag = derived_tag(digest_of(fetched.config + b"".join(digest_of(layer).encode() for layer in fetched.layers)))
+        full = (run.get("Labels") or {}).get(LABEL_ROOTFS) == "full"
+        await self._load(tag, fetched.config if full else None, fetched.layers)
+        return container_image(ref, tag, run)
+
+    async def _daemon_image(self, ref: str) -> ContainerImage:
+        """A ``docker://`` ref: the daemon's image by that name, pulled when it does not have it."""
+        name = ref[len(DOCKER_SCHEME) :]
+        try:
+            info = await self.docker.images.inspect(name)
+        except aiodocker.DockerError:
+            try:
+                await self.docker.images.pull(name)
+                info = await self.docker.images.inspect(name)
+            except aiodocker.DockerError as exc:
+                raise ImageError(f"{ref}: pull: {_first_line(exc.message)}") from exc
+        return container_image(ref, name, info.get("Config") or {})
+
+    async def _load(self, tag: str, full_config: bytes | None, layers: Sequence[bytes]) -> None:
+        """Put the image into the daemon once (concurrent starts of the same image share one load, which a
+        cancelled start does not interrupt): an image with its own root filesystem (``full_config``) as it is
+        (``docker load``), any other built ``FROM`` the base image."""
+        if await self.has_image(tag):
+            return
+        loading = self._loading.get(tag)
+        if loading is None:
+            loading = asyncio.ensure_future(self._put(tag, full_config, layers))
+            self._loading[tag] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(tag, None))
+        await asyncio.shield(loading)
+
+    async def _put(self, tag: str, full_config: bytes | None, layers: Sequence[bytes]) -> None:
+        try:
+            if full_config is not None:
+                await self.docker.images.import_image(docker_archive(tag, managed(full_config), layers))
+            else:
+                context = build_context(self.base_image, layers, {LABEL_MANAGED: "true"})
+                await self.docker.images.build(
+                    fileobj=io.BytesIO(context), encoding="gzip", tag=tag, rm=True, forcerm=True
+                )
+        except aiodocker.DockerError as exc:
+            raise ImageError(f"loading into docker: {_first_line(exc.message)}") from exc
+
+    async def spawn(
+        self,
+        command: Sequence[str],
+        *,
+        image: PreparedImage,
+        env: Mapping[str, str],
+        instance_dir: Path,
+        plan: LaunchPlan,
+        labels: Mapping[str, str],
+    ) -> InstanceHandle:
+        assert isinstance(image, ContainerImage)
+        user = image.user or NOBODY
+        for path, _ in plan.volumes.values():
+            _give_to(path, user)
+        config = container_config(
+            command,
+            image=image,
+            env=container_env(env, image, plan),
+            plan=plan,
+            labels={**labels, LABEL_MANAGED: "true", LABEL_NODE: self.node_id},
+            pids_limit=self.pids_limit,
+        )
+        try:
+            container = await self.docker.containers.create(config)
+        except aiodocker.DockerError as exc:
+            raise OSError(f"docker: {_first_line(exc.message)}") from exc
+        try:
+            await container.start()
+            state = (await container.show()).get("State", {})
+        except aiodocker.DockerError as exc:
+            with contextlib.suppress(aiodocker.DockerError):
+                await container.delete(force=True)  # created, never ran: nobody would remove it
+            raise OSError(f"docker: {_first_line(exc.message)}") from exc
+        return self._track(ContainerHandle(container, state, instance_dir))
+
+    async def adopt(self, record: InstanceRecord, instance_dir: Path) -> InstanceHandle | None:
+        """The recorded container if it still runs and is this node's instance of that assignment."""
+        if not record.container_id:
+            return None
+        try:
+            container = self.docker.containers.container(record.container_id)
+            info = await container.show()
+        except aiodocker.DockerError:
+            return None
+        labels = (info.get("Config") or {}).get("Labels") or {}
+        state = info.get("State") or {}
+        if labels.get(LABEL_NODE) != self.node_id or labels.get(LABEL_ASSIGNMENT) != record.assignment_id:
+            return None
+        if not state.get("Running"):
+            with contextlib.suppress(aiodocker.DockerError):
+                await container.delete(force=True)
+            return None
+        return self._track(ContainerHandle(container, state, instance_dir))
+
+    async def sweep(self, keep: set[str]) -> None:
+        """Remove this node's containers not in ``keep`` (ids) and the derived images no container uses."""
+        containers = await self.docker.containers.list(
+            all=True, filters=json.dumps({"label": [f"{LABEL_NODE}={self.node_id}"]})
+        )
+        for container in containers:
+            if container.id not in keep:
+                log.info("removing container %s nobody references", container.id[:12])
+                with contextlib.suppress(aiodocker.DockerError):
+                    await container.delete(force=True)
+        await self.prune_images()
+
+    async def prune_images(self) -> None:
+        """Derived images no container uses (the daemon refuses to remove one in use anyway)."""
+        used = {c["ImageID"] for c in await self.docker.containers.list(all=True) if "ImageID" in c._container}
+        for image in await self.docker.images.list(filters={"label": [f"{LABEL_MANAGED}=true"]}):
+            if image["Id"] not in used:
+                with contextlib.suppress(aiodocker.DockerError):
+                    await self.docker.images.delete(image["Id"], force=False)
+
+
+def _give_to(path: Path, user: str) -> None:
+    """A volume directory belongs to the container's user (numeric ``uid[:gid]``), when the agent may chown."""
+    uid_text, _, gid_text = user.partition(":")
+    if not uid_text.isdigit() or os.geteuid() != 0:
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    os.chown(path, int(uid_text), int(gid_text) if gid_text.isdigit() else int(uid_text))
+
+
+async def choose_launcher(settings: AgentSettings) -> Launcher:
+    """The node's runtime: as ``settings.runtime`` says; unset, docker when a daemon answers and holds the base
+    image, else processes with a warning (bare processes are neither isolated nor limited)."""
+    process = ProcessLauncher(adopted_poll_interval=settings.adopted_poll_interval)
+    if settings.runtime == PROCESS:
+        return process
+    url = docker_url(settings.docker_host)
+    answers = await daemon_answers(settings.docker_host)
+    if not answers and settings.runtime == DOCKER:
+        raise DockerUnavailable(f"runtime docker: no Docker daemon answers at {url}")
+    docker = DockerLauncher(
+        settings.docker_host,
+        node_id=settings.node_id,
+        base_image=settings.docker_base_image,
+        pids_limit=settings.pids_limit,
+    )
+    if settings.runtime == DOCKER:
+        return docker
+    why = f"no Docker daemon answers at {url}"
+    if answers:
+        if await docker.has_image(settings.docker_base_image):
+            return docker
+        await docker.close()
+        why = f"the Docker daemon at {url} has no base image {settings.docker_base_image} (docs/containers.md)"
+    else:
+        await docker.close()
+    log.warning("%s: instances run as bare processes, without isolation or limits (--runtime to choose)", why)
+    return process

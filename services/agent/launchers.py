@@ -1,0 +1,125 @@
+"""How an instance is launched on this node: the runtime interface the supervisors use (``runtime.py``).
+
+Two runtimes implement it: ``process`` (a bare process of the agent's user, ``processes.py``/``images.py``)
+and ``docker`` (a container through the Docker Engine API, ``docker_runtime.py``). A node runs one of them,
+chosen by ``--runtime`` (docs/containers.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from services.agent.images import PreparedImage, prepare_image
+from services.agent.processes import InstanceRecord, adopt, spawn
+from shared.natsio import Connection
+
+PROCESS = "process"
+DOCKER = "docker"
+RUNTIMES = (PROCESS, DOCKER)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What the release asks of the instance beyond its command and environment (the docker runtime enforces
+    it; the process runtime only reserves it at placement)."""
+
+    memory_mb: int = 0
+    cpu_millis: int = 0
+    read_only_root: bool = False
+    volumes: Mapping[str, tuple[Path, str]] = field(default_factory=dict)
+    """Volume name → (its directory on this node, where the release mounts it)."""
+
+
+class InstanceHandle(Protocol):
+    """A running instance, spawned in this agent run or adopted from a previous one."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def create_time(self) -> float: ...
+    @property
+    def container_id(self) -> str: ...
+    @property
+    def oom_killed(self) -> bool: ...
+    @property
+    def exec_check(self) -> Callable[[str], Awaitable[bool]] | None:
+        """Runs an exec health check where the instance runs (None: on the host, in its directory)."""
+        ...
+
+    def alive(self) -> bool: ...
+    def usage(self) -> tuple[float, int] | None:
+        """(CPU percent of one core, resident bytes) as the runtime measures it; None: sample the pid."""
+        ...
+
+    async def wait(self) -> int | None: ...
+    async def stop(self, grace: float) -> int | None: ...
+    def kill_leftovers(self) -> None: ...
+
+
+class Launcher(Protocol):
+    name: str
+
+    async def prepare(self, conn: Connection, ref: str, instance_dir: Path, *, platform: str) -> PreparedImage: ...
+
+    async def spawn(
+        self,
+        command: Sequence[str],
+        *,
+        image: PreparedImage,
+        env: Mapping[str, str],
+        instance_dir: Path,
+        plan: LaunchPlan,
+        labels: Mapping[str, str],
+    ) -> InstanceHandle: ...
+
+    async def adopt(self, record: InstanceRecord, instance_dir: Path) -> InstanceHandle | None: ...
+
+    async def sweep(self, keep: set[str]) -> None:
+        """After adoption: remove what this node's runtime left that no instance in ``keep`` (container ids)
+        uses."""
+        ...
+
+    async def prune_images(self) -> None:
+        """Remove the runtime's images no instance uses any more."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class ProcessLauncher:
+    """Bare processes of the agent's user (no limits, no isolation: see ``images.py``)."""
+
+    name = PROCESS
+
+    def __init__(self, *, adopted_poll_interval: float = 1.0) -> None:
+        self._poll_interval = adopted_poll_interval
+
+    async def prepare(self, conn: Connection, ref: str, instance_dir: Path, *, platform: str) -> PreparedImage:
+        return await prepare_image(conn, ref, instance_dir, platform=platform)
+
+    async def spawn(
+        self,
+        command: Sequence[str],
+        *,
+        image: PreparedImage,
+        env: Mapping[str, str],
+        instance_dir: Path,
+        plan: LaunchPlan,
+        labels: Mapping[str, str],
+    ) -> InstanceHandle:
+        return await spawn(command, cwd=image.workdir, env=env, instance_dir=instance_dir)
+
+    async def adopt(self, record: InstanceRecord, instance_dir: Path) -> InstanceHandle | None:
+        return adopt(record, poll_interval=self._poll_interval)
+
+    async def sweep(self, keep: set[str]) -> None:
+        return None  # a process leaves nothing behind but its instance directory (the runtime's own)
+
+    async def prune_images(self) -> None:
+        return None  # unpacked images live in the instance directories
+
+    async def close(self) -> None:
+        return None

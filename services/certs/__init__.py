@@ -1,0 +1,1 @@
+"""The certificate service: automatic HTTPS over ACME (docs/certificates.md)."""

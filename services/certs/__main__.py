@@ -1,0 +1,49 @@
+"""Entry point: `python -m services.certs [--nats URL]`.
+
+The certificate loop runs in the holder of ``lease.certs``; it follows route snapshots for the hostnames
+that want TLS (``RouteSnapshot.cert_hosts``) besides the ``Domain`` records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from services.certs.issuer import AcmeIssuer
+from services.certs.localca import load_or_create
+from services.certs.loop import CertificateLoop
+from services.certs.settings import CertsSettings
+from shared.routeclient import RouteClient
+from shared.service import ServiceContext, main
+
+
+async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
+    cfg = CertsSettings()
+    acme = (
+        AcmeIssuer(cfg.acme_directory, cfg.acme_email, ca_bundle=cfg.acme_ca_bundle, order_timeout=cfg.order_timeout)
+        if cfg.acme_directory
+        else None
+    )
+    local_ca = load_or_create(ctx.settings.data_dir / "certs") if cfg.local_ca else None
+    routes = RouteClient(ctx.settings.data_dir / "certs" / "routes.cache")
+    await routes.start(ctx.conn)
+    loop = CertificateLoop(
+        **ctx.loop_kwargs(),
+        tick=ctx.settings.loop_tick,
+        acme=acme,
+        local_ca=local_ca,
+        extra_hosts=lambda: routes.current.cert_hosts,
+    )
+
+    async def follow_routes() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await routes.stop()
+
+    return [ctx.lead(loop), follow_routes()]
+
+
+if __name__ == "__main__":
+    main("certs", build)

@@ -1,0 +1,228 @@
+"""The certificate loop (lease ``certs``): one certificate per hostname that wants TLS, renewed in time.
+
+Each pass reads the wanted hostnames (every ``Domain``'s, plus the route snapshot's ``cert_hosts`` when the
+service follows routes) and the ``Certificate`` records, asks :func:`shared.certs.plan` what to do, and
+commits: new hostnames get a PENDING record and stale records are deleted in one write; then each due
+order runs (only the lease holder orders, so a name is never ordered twice at once across replicas) and
+its outcome — the new chain and sealed key, or the CA's reason and the backoff — is one fenced write.
+Events ``certificate.issued``, ``certificate.renewed``, ``certificate.failed`` follow the write.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from zattera.v1 import types_pb2 as pb
+
+from services.certs.issuer import Account, AcmeIssuer, OrderFailed
+from services.certs.localca import LocalCA
+from shared import keys as K
+from shared.acmechallenge import publish_answer, withdraw_answer
+from shared.certclient import CertsUnavailable, open_bundle
+from shared.certs import (
+    ACCOUNT_NAME,
+    ACCOUNT_OPEN_SUBJECT,
+    CHANGED_SUBJECT,
+    LOCAL_ISSUER,
+    Issued,
+    Order,
+    after_failure,
+    after_success,
+    hostname_problem,
+    is_local_host,
+    pending_record,
+    plan,
+)
+from shared.events import INFO, WARNING, make_event
+from shared.loop import LeaderLoop
+from shared.secrets import CLUSTER_KEY, seal
+from shared.txn import Conflict
+
+log = logging.getLogger(__name__)
+
+SEAL_ATTEMPTS = 3
+
+NO_DIRECTORY = "no ACME directory is configured (ZATTERA_CERTS_ACME_DIRECTORY, docs/certificates.md)"
+NO_LOCAL_CA = "the local CA for *.localhost hosts is off (ZATTERA_CERTS_LOCAL_CA=false)"
+NO_CLUSTER_KEY = "no cluster secrets key is published: run the secrets service (docs/secrets.md)"
+
+
+class CertificateLoop(LeaderLoop):
+    name = "certs"
+    kinds = frozenset({K.DOMAIN, K.CERT, K.ACME_ACCOUNT, K.SECRETS_KEY})
+
+    def __init__(
+        self,
+        *,
+        acme: AcmeIssuer | None = None,
+        local_ca: LocalCA | None = None,
+        extra_hosts: Callable[[], Iterable[str]] = tuple,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.acme = acme
+        self.local_ca = local_ca
+        self.extra_hosts = extra_hosts
+        self._account: Account | None = None
+        self._next_due: float | None = None
+
+    def on_term_start(self) -> None:
+        self._next_due = None
+
+    def seconds_until_due(self) -> float | None:
+        return None if self._next_due is None else self._next_due - self.clock.now()
+
+    def wanted(self) -> set[str]:
+        """Every routed hostname that can have a certificate (a name that is not a DNS name — e.g. an
+        implicit ``<app>-<env>.<domain>`` with an underscore — is skipped: no CA issues for it, and its
+        record key could collide with another name's)."""
+        hosts = {d.hostname.lower() for d in self.view.domains()}
+        hosts.update(h.lower() for h in self.extra_hosts())
+        return {h for h in hosts if hostname_problem(h) is None}
+
+    def event(self, kind: str, hostname: str, message: str, fields: dict[str, str], severity: str = INFO) -> pb.Event:
+        """An event scoped to the environment a Domain routes ``hostname`` to (``zattera events --env``)."""
+        domain = next((d for d in self.view.domains() if d.hostname.lower() == hostname), pb.Domain())
+        return make_event(
+            kind,
+            message,
+            severity=severity,
+            clock=self.clock,
+            project_id=domain.project_id,
+            app_id=domain.app_id,
+            environment_id=domain.environment_id,
+            fields={"hostname": hostname, **fields},
+        )
+
+    def issuer_of(self, hostname: str) -> str:
+        if is_local_host(hostname):
+            return LOCAL_ISSUER
+        return self.acme.directory_url if self.acme is not None else ""
+
+    async def run_pass(self) -> None:
+        certs = {c.hostname: c for c in self.view.all(K.CERT) if isinstance(c, pb.Certificate)}
+        decided = plan(self.wanted(), certs, self.clock.now())
+        self._next_due = decided.next_due
+        writer = self.writer
+        assert writer is not None
+        if decided.create or decided.forget:
+            txn = writer.txn("certs")
+            for host in decided.create:
+                txn.create(pending_record(host, self.issuer_of(host)))
+            for host in decided.forget:
+                txn.delete(K.cert(host))
+            await writer.commit(txn)
+            if decided.forget:
+                await self.conn.nc.publish(CHANGED_SUBJECT, b"")
+        for order in decided.orders:
+            await self._order(order)
+
+    async def _order(self, order: Order) -> None:
+        current = self.view.get(K.CERT, K.cert_id(order.hostname))
+        if not isinstance(current, pb.Certificate):
+            return
+        try:
+            chain, key_pem = await self._obtain(order.hostname)
+        except OrderFailed as exc:
+            failed = after_failure(current, exc.reason, exc.retry_after, self.clock.now())
+            event = self.event(
+                "certificate.failed",
+                order.hostname,
+                f"certificate for {order.hostname} not obtained: {exc.reason}",
+                {"failures": str(failed.failures)},
+                WARNING,
+            )
+            assert self.writer is not None
+            try:
+                await self.writer.commit(self.writer.txn("certs").put(failed))
+            except Conflict:
+                log.info("certs: %s changed meanwhile; deciding again", order.hostname)
+                return
+            await self.events.publish(event)
+            return
+        await self._store(order, chain, key_pem)
+
+    async def _store(self, order: Order, chain: str, key_pem: bytes) -> None:
+        """Seal the new key to the published cluster key and store it, fenced on that key's record: a key
+        rotated meanwhile (its re-sealing pass would miss this write) makes it seal again."""
+        issuer = self.issuer_of(order.hostname)
+        assert self.writer is not None
+        for _ in range(SEAL_ATTEMPTS):
+            current = self.view.get(K.CERT, K.cert_id(order.hostname))
+            cluster_key = self.view.get(K.SECRETS_KEY, CLUSTER_KEY)
+            if not isinstance(current, pb.Certificate) or not isinstance(cluster_key, pb.SecretsKey):
+                return  # no longer wanted (or the key is gone): the next pass decides again
+            sealed = Issued(chain, seal(cluster_key.public_key, key_pem), cluster_key.key_id)
+            updated = after_success(current, sealed, issuer)
+            try:
+                await self.writer.commit(self.writer.txn("certs").put(updated).put(cluster_key))
+            except Conflict:
+                continue
+            kind = "certificate.renewed" if order.renewal else "certificate.issued"
+            event = self.event(
+                kind,
+                order.hostname,
+                f"certificate for {order.hostname} {kind.split('.')[1]}, valid until "
+                f"{updated.not_after.ToJsonString()}",
+                {"issuer": issuer},
+            )
+            await self.events.publish(event)
+            await self.conn.nc.publish(CHANGED_SUBJECT, b"")
+            return
+        log.warning("certs: %s kept changing while storing its certificate; ordering again later", order.hostname)
+
+    async def _obtain(self, hostname: str) -> tuple[str, bytes]:
+        """(chain PEM, private key PEM) from the local CA or the ACME directory; raises OrderFailed."""
+        cluster_key = self.view.get(K.SECRETS_KEY, CLUSTER_KEY)
+        if not isinstance(cluster_key, pb.SecretsKey):
+            raise OrderFailed(NO_CLUSTER_KEY)
+        if is_local_host(hostname):
+            if self.local_ca is None:
+                raise OrderFailed(NO_LOCAL_CA)
+            return self.local_ca.issue(hostname, self.clock.now())
+        if self.acme is None:
+            raise OrderFailed(NO_DIRECTORY)
+        account = await self._account_for(self.acme, cluster_key)
+        conn = self.conn
+
+        async def publish(token: str, validation: str) -> None:
+            await publish_answer(conn, token, validation)
+
+        async def withdraw(token: str) -> None:
+            await withdraw_answer(conn, token)
+
+        return await self.acme.issue(hostname, account, publish, withdraw)
+
+    async def _account_for(self, acme: AcmeIssuer, cluster_key: pb.SecretsKey) -> Account:
+        """The ACME account: held in memory, else opened by the secrets service, else registered and stored
+        sealed (one fenced write)."""
+        stored = self.view.get(K.ACME_ACCOUNT, ACCOUNT_NAME)
+        usable = isinstance(stored, pb.AcmeAccount) and stored.directory_url == acme.directory_url
+        if self._account is not None and usable:
+            assert isinstance(stored, pb.AcmeAccount)
+            if stored.uri == self._account.uri:
+                return self._account
+        if isinstance(stored, pb.AcmeAccount) and usable:
+            try:
+                bundle = await open_bundle(self.conn, ACCOUNT_OPEN_SUBJECT)
+            except CertsUnavailable as exc:
+                raise OrderFailed(f"the ACME account key could not be opened: {exc}") from None
+            self._account = Account(bundle.account_key_pem.encode(), stored.uri)
+            return self._account
+        account = await acme.register()
+        record = pb.AcmeAccount(
+            directory_url=acme.directory_url,
+            email=acme.email,
+            uri=account.uri,
+            sealed_key=seal(cluster_key.public_key, account.key_pem),
+            key_id=cluster_key.key_id,
+        )
+        record.meta.id = ACCOUNT_NAME
+        assert self.writer is not None
+        try:  # fenced on the cluster key it is sealed to, like a certificate's key
+            await self.writer.commit(self.writer.txn("certs").put(record).put(cluster_key))
+        except Conflict:
+            raise OrderFailed("the cluster secrets key changed while the ACME account was stored") from None
+        self._account = account
+        return account

@@ -1,0 +1,95 @@
+"""Out of the box: the certificate service process makes a local CA once and issues ``*.localhost``
+certificates from it; a proxy's client receives them and they validate against ``local-ca.pem``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import sys
+from pathlib import Path
+
+from zattera.v1 import types_pb2 as pb
+
+from services.secrets.service import SecretsService
+from shared import certs as C
+from shared import keys as K
+from shared.certclient import CACHE_FILE, CertClient
+from shared.natsio import Connection
+from shared.txn import Writer
+from shared.view import StateView
+from tests.certs.conftest import PROJECT_ROOT
+from tests.certs.test_pebble import handshake
+from tests.eventlog import stored_events, wait_for_kinds
+from tests.waiting import eventually
+
+HOST = "hello-production.localhost"
+
+
+async def start_certs_service(nats_url: str, data_dir: Path) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.certs",
+        "--nats",
+        nats_url,
+        cwd=PROJECT_ROOT,
+        env={**os.environ, "ZATTERA_DATA_DIR": str(data_dir), "ZATTERA_LEASE_TTL": "1", "ZATTERA_LEASE_RENEW": "0.3"},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+
+
+async def stop(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        process.terminate()
+        await asyncio.wait_for(process.wait(), 20)
+
+
+async def test_the_service_issues_localhost_certificates_from_a_ca_it_makes_once(
+    nats_url: str, conn: Connection, view: StateView, writer: Writer, secrets_service: SecretsService, tmp_path: Path
+) -> None:
+    domain = pb.Domain(hostname=HOST, environment_id="env-local", project_id="p")
+    domain.meta.id = "d1"
+    await writer.commit(writer.txn().create(domain))
+    data_dir = tmp_path / "control"
+    # Two replicas sharing the data dir: one CA between them, one order (the lease), also across the handover.
+    replicas = [await start_certs_service(nats_url, data_dir) for _ in range(2)]
+    try:
+
+        def issued() -> bool:
+            cert = view.get(K.CERT, K.cert_id(HOST))
+            return isinstance(cert, pb.Certificate) and cert.state == C.VALID
+
+        await eventually(issued, 30, "a local certificate")
+        await wait_for_kinds(conn, "certificate.issued")
+    finally:
+        for process in replicas:
+            await stop(process)
+    assert [e.fields["hostname"] for e in await stored_events(conn) if e.kind == "certificate.issued"] == [HOST]
+    ca_pem = (data_dir / "certs" / "local-ca.pem").read_text()
+    assert stat.S_IMODE((data_dir / "certs" / "local-ca.key").stat().st_mode) == 0o600
+    cert = view.get(K.CERT, K.cert_id(HOST))
+    assert isinstance(cert, pb.Certificate) and cert.issuer == C.LOCAL_ISSUER
+
+    # Rotating the cluster secrets key re-seals certificate keys too: proxies still get them.
+    rotated = await secrets_service.rotate()
+    assert rotated.resealed == 1 and not rotated.error
+
+    def resealed() -> bool:
+        again = view.get(K.CERT, K.cert_id(HOST))
+        return isinstance(again, pb.Certificate) and again.key_id == rotated.key_id
+
+    await eventually(resealed, 10, "the certificate key re-sealed")
+
+    client = CertClient(tmp_path / "proxy" / CACHE_FILE)
+    await client.start(conn)
+    try:
+        await eventually(lambda: HOST in client.current, 10, "the certificate reaches the proxy")
+        await handshake(client.current[HOST], ca_pem, tmp_path)
+    finally:
+        await client.stop()
+
+    again = await start_certs_service(nats_url, data_dir)  # a restart keeps the CA it made
+    await stop(again)
+    assert (data_dir / "certs" / "local-ca.pem").read_text() == ca_pem

@@ -1,0 +1,145 @@
+"""A private Docker daemon for tests and benchmarks, and the tiny base image its containers run on.
+
+The daemon runs with the flags our machines allow (no iptables, no bridge, vfs storage) and its own data
+root, exec root and socket under a temporary directory, so it never touches a daemon the machine may run.
+No image registry is reachable: the base image is ``docker import``ed from a root filesystem holding the
+static busybox of Debian's ``busybox-static`` (a shell, ``httpd``, ``nc``), ``/etc/passwd`` with
+``nobody`` and a world-writable ``/tmp``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import aiodocker
+
+from services.agent.docker_runtime import build_context
+
+BASE_IMAGE = "zattera/base:latest"
+BUSYBOX = Path("/bin/busybox")
+APPLETS = (
+    "sh",
+    "httpd",
+    "nc",
+    "cat",
+    "ls",
+    "sleep",
+    "ps",
+    "id",
+    "echo",
+    "mkdir",
+    "dd",
+    "head",
+    "tr",
+    "grep",
+    "wc",
+    "wget",
+)
+_START_TIMEOUT = 30.0
+
+
+class DockerUnavailableForTests(Exception):
+    """dockerd or busybox-static is missing (``make system-packages`` installs them as root)."""
+
+
+def base_rootfs_tar() -> bytes:
+    """The base image's root filesystem as a tar: static busybox and its applets, passwd, /tmp."""
+    if not BUSYBOX.is_file():
+        raise DockerUnavailableForTests("busybox-static is not installed")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, mode in (("bin", 0o755), ("etc", 0o755), ("tmp", 0o1777), ("proc", 0o755), ("sys", 0o755)):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = tarfile.DIRTYPE, mode
+            tar.addfile(info)
+        tar.add(BUSYBOX, "bin/busybox")
+        for applet in APPLETS:
+            link = tarfile.TarInfo(f"bin/{applet}")
+            link.type, link.linkname = tarfile.SYMTYPE, "busybox"
+            tar.addfile(link)
+        passwd = b"root:x:0:0::/:/bin/sh\nnobody:x:65534:65534::/:/bin/sh\n"
+        info = tarfile.TarInfo("etc/passwd")
+        info.size, info.mode = len(passwd), 0o644
+        tar.addfile(info, io.BytesIO(passwd))
+    return buffer.getvalue()
+
+
+async def import_base_image(url: str, tag: str = BASE_IMAGE) -> None:
+    docker = aiodocker.Docker(url=url)
+    try:
+        context = build_context("scratch", [base_rootfs_tar()], {})
+        await docker.images.build(fileobj=io.BytesIO(context), encoding="gzip", tag=tag)
+    finally:
+        await docker.close()
+
+
+async def _answers(url: str) -> bool:
+    docker = aiodocker.Docker(url=url)
+    try:
+        await docker.version()
+        return True
+    except (aiodocker.DockerError, OSError):
+        return False
+    finally:
+        await docker.close()
+
+
+@contextmanager
+def private_dockerd(root: Path) -> Iterator[str]:
+    """Start ``dockerd`` under ``root`` with the base image imported; yields its ``unix://`` address."""
+    dockerd = shutil.which("dockerd")
+    if dockerd is None:
+        raise DockerUnavailableForTests("dockerd is not installed (Debian package docker.io)")
+    if os.geteuid() != 0:
+        raise DockerUnavailableForTests("dockerd needs root")
+    root.mkdir(parents=True, exist_ok=True)
+    url = f"unix://{root}/docker.sock"
+    command = [
+        dockerd,
+        "--iptables=false",
+        "--ip6tables=false",
+        "--bridge=none",
+        "--storage-driver=vfs",
+        f"--data-root={root}/data",
+        f"--exec-root={root}/exec",
+        f"--pidfile={root}/docker.pid",
+        "-H",
+        url,
+    ]
+    with (root / "dockerd.log").open("ab") as log:
+        daemon = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + _START_TIMEOUT
+        while not asyncio.run(_answers(url)):
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise DockerUnavailableForTests(f"dockerd did not start; see {root}/dockerd.log")
+            time.sleep(0.1)
+        asyncio.run(import_base_image(url))
+        yield url
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+        _unmount_under(root)
+
+
+def _unmount_under(root: Path) -> None:
+    """What the daemon left mounted under its directories (network namespaces, overlays), deepest first, so
+    the temporary directory can be removed."""
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    for point in sorted((p for p in points if p.startswith(f"{root}/")), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], check=False, capture_output=True)

@@ -1,0 +1,99 @@
+"""The docker runtime end to end: the whole control plane, two agents running containers on the session's
+private dockerd, the proxy, the real CLI. A red/green redeploy under load fails no request.
+
+The app is busybox ``httpd`` on the base image (``exec:`` image refs: no build), answering ``/`` with its
+version as the example app does, and ``/healthz``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from zattera.v1 import types_pb2 as pb
+
+from tests.e2e.cluster import E2ECluster, Load, healthy
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+PROD = "demo/web/production"
+HOST = "web.localhost"
+TOML = """
+project = "demo"
+app = "web"
+
+[env.production]
+replicas = { min = 2, max = 2 }
+resources = { cpu_millis = 100, memory_mb = 32 }
+healthcheck = { type = "http", path = "/healthz", interval = "1s", timeout = "1s", grace_period = "10s" }
+domains = ["web.localhost"]
+"""
+
+
+def httpd_image(version: str) -> str:
+    serve = (
+        f'mkdir -p /tmp/www && echo \'{{"version": "{version}"}}\' > /tmp/www/index.html && '
+        "echo ok > /tmp/www/healthz && exec httpd -f -p $ZATTERA_BIND_ADDR:$PORT -h /tmp/www"
+    )
+    return "exec:" + quote(serve, safe="")
+
+
+@pytest.fixture(scope="module")
+def docker_cluster(tmp_path_factory: pytest.TempPathFactory, docker_host: str) -> Iterator[E2ECluster]:
+    root: Path = tmp_path_factory.mktemp("e2e-docker")
+    c = E2ECluster(
+        root,
+        trace=False,
+        timers={"ZATTERA_AGENT_RUNTIME": "docker", "ZATTERA_AGENT_DOCKER_HOST": docker_host},
+    )
+    try:
+        c.start()
+        try:
+            asyncio.run(c.wait_ready())
+        except (AssertionError, TimeoutError) as exc:
+            raise AssertionError(f"the e2e cluster did not come up: {exc!r}\n{c.log_tail()}") from None
+        yield c
+    finally:
+        c.stop()
+
+
+async def test_red_green_on_the_docker_runtime_fails_no_request(docker_cluster: E2ECluster, tmp_path: Path) -> None:
+    cluster = docker_cluster
+    toml = tmp_path / "zattera.toml"
+    toml.write_text(TOML)
+    await cluster.acli("apps", "apply", str(toml))
+    nodes = await cluster.acli("nodes", "list", "--json")
+    assert nodes.stdout.count('"docker"') == 2, nodes.stdout
+
+    await cluster.acli("deploy", "--image", httpd_image("v1"), "--env", PROD)
+
+    async def served(version: str) -> bool:
+        status, body = await cluster.get(HOST)
+        return status == 200 and version in body
+
+    await eventually(lambda: served("v1"), 30, "v1 answers through the proxy")
+    load = Load(cluster.proxy_port, HOST, rate=40).start()
+    try:
+        await eventually(lambda: load.ok >= 20, 30, "load is flowing")
+        await cluster.acli("deploy", "--image", httpd_image("v2"), "--env", PROD)
+        await eventually(lambda: load.versions["v2"] >= 20, 60, "v2 serves")
+        async with cluster.state() as (_, view):
+            env = next(e for e in view.envs() if e.name == "production")
+            await eventually(
+                lambda: {a.release_id for a in view.assignments(env.meta.id)} == {env.active_release_id},
+                60,
+                "blue replicas removed",
+            )
+            live = healthy(view, env.meta.id, env.active_release_id)
+            assert len(live) == 2 and all(a.observed.container_id for a in live)
+            assert all(a.observed.state == pb.INSTANCE_STATE_HEALTHY for a in live)
+        seen = load.versions["v2"]
+        await eventually(lambda: load.versions["v2"] >= seen + 20, 30, "v2 keeps serving after blue is gone")
+    finally:
+        await load.stop()
+    assert load.versions["v1"] > 0 and load.versions["v2"] > 0, load.summary()
+    assert load.failures == [], load.summary()
