@@ -114,9 +114,9 @@ class Agent:
         except Exception as exc:
             log.error("agent %s: private networking stopped: %s: %s", self.node_id, type(exc).__name__, exc)
         finally:
+            forwarder.stop()  # first and without awaiting: this task may be cancelled again while cleaning up
             updates.close()
             await routes.stop()
-            await forwarder.close()
 
     async def run(self) -> None:
         settings = self.settings

@@ -297,7 +297,9 @@ class Forwarder:
         }
         write_atomic(self.state_path, json.dumps(data, sort_keys=True).encode())
 
-    async def close(self) -> None:
+    def stop(self) -> None:
+        """Close every listener, resolver and connection and cancel the pending work, at once (no await: it
+        also runs when the caller is being cancelled again, as on an agent shutdown)."""
         for server in self._servers.values():
             server.close()
         for transport in self._resolvers.values():
@@ -308,7 +310,12 @@ class Forwarder:
             pipe.close()
         for task in [*self._activations.values(), *self._connections]:
             task.cancel()
-        await asyncio.gather(*self._activations.values(), *self._connections, return_exceptions=True)
+
+    async def close(self) -> None:
+        """:meth:`stop`, then wait for the cancelled work to end."""
+        pending = [*self._activations.values(), *self._connections]
+        self.stop()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 class _Resolver(asyncio.DatagramProtocol):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.agent.network import resolver_address
 from services.routes.publisher import RoutesPublisher
 from shared import keys as K
 from shared.clock import RealClock
@@ -187,6 +189,13 @@ async def test_web_env_reaches_its_database_by_name_and_address_across_a_move(
     await S.commit(shop.writer, (K.assignment("n1", second.meta.id), second), (K.assignment("n1", first.meta.id), None))
     await eventually(lambda: second.meta.id in answer.read_text(), timeout=20, what="web → the new db replica")
     assert answer.read_text().split(" ")[1] == address
+
+    # A stopped agent leaves no address bound: a restarted one serves them again (its instances were adopted).
+    resolver = (resolver_address(next(iter(forwarder.slots.consumers))), forwarder.dns_port)
+    await running.stop()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, socket.socket() as tcp:
+        udp.bind(resolver)
+        tcp.bind((address, shop.db.service.ports[0].container_port))
 
 
 async def test_a_cold_database_is_woken_by_the_web_envs_first_connection(
