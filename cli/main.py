@@ -30,6 +30,7 @@ from cli.events_cmds import announce_scale_changes, events, publish_node_change,
 from cli.images_cmds import images_app
 from cli.jobs_cmds import jobs_app, run_command
 from cli.logs_cmds import logs
+from cli.network_cmds import network
 from cli.plan_view import print_plan
 from cli.render import Col
 from cli.secrets_cmds import secrets_app
@@ -127,6 +128,7 @@ app.command()(events)
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(context_app, name="context")
 app.add_typer(jobs_app, name="jobs")
+app.command("network")(network)
 app.command("run", context_settings={"allow_interspersed_args": False})(run_command)
 
 app.add_typer(images_app, name="images")

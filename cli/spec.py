@@ -314,6 +314,21 @@ class Logs(_Model):
         return value
 
 
+class Network(_Model):
+    """``[env.<name>.network]``: the envs of other projects this env may reach (docs/networking.md)."""
+
+    allow: list[str] = Field(default_factory=list, description='"project/app/env" names; own project always')
+
+    @field_validator("allow")
+    @classmethod
+    def _env_paths(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            parts = entry.split("/")
+            if len(parts) != 3 or not all(re.fullmatch(NAME, part) for part in parts):
+                raise ValueError(f"{entry!r} is not project/app/env (lowercase letters, digits and dashes)")
+        return list(dict.fromkeys(value))
+
+
 class Env(_Model):
     replicas: Replicas = Replicas()
     resources: Resources = Resources()
@@ -333,6 +348,7 @@ class Env(_Model):
     middleware: Middleware | None = None
     vars: dict[str, str] = Field(default_factory=dict, description="plain environment variables (not secrets)")
     logs: Logs = Logs()
+    network: Network = Network()
     cron: list[CronEntry] = Field(default_factory=list)
 
     read_only_root: bool = Field(default=False, description="docker runtime: a read-only root filesystem")
@@ -488,6 +504,8 @@ def service_spec(spec: AppSpec, env: Env) -> pb.ServiceSpec:
         s.rate_limit.requests_per_second = env.rate_limit.requests_per_second
         s.rate_limit.burst = env.rate_limit.burst
     s.stop_grace.CopyFrom(to_duration(env.stop_grace))
+    if env.network.allow:
+        s.network.allow.extend(env.network.allow)
     for entry in env.cron:
         cron = s.cron.add(
             name=entry.name,

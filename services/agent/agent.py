@@ -27,6 +27,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
 from services.agent.docker_runtime import choose_launcher
+from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
 from services.agent.processes import PortAllocator
 from services.agent.registration import NodeIdentity, register_node
@@ -34,8 +35,10 @@ from services.agent.reporter import ObservedReporter
 from services.agent.runtime import ProcessRuntime, RuntimeContext
 from services.agent.settings import AgentSettings
 from shared import keys as K
+from shared.activation import request_activation
 from shared.clock import Clock, RealClock
 from shared.natsio import Connection
+from shared.routeclient import RouteClient
 from shared.snapshots import serve_snapshot_requests
 from shared.txn import Writer
 from shared.view import StateView
@@ -43,6 +46,7 @@ from shared.view import StateView
 log = logging.getLogger(__name__)
 
 FINAL_FLUSH_TIMEOUT = 5.0
+ACTIVATE_TIMEOUT = 10.0
 
 
 def view_filters(node_id: str) -> tuple[str, ...]:
@@ -76,6 +80,13 @@ class Agent:
         # Instance secrets come sealed to this key: a fresh pair per registration (re-registering rotates it),
         # the private half never leaves this process (docs/secrets.md).
         self.secrets_key = PrivateKey.generate()
+        self.forwarder: Forwarder | None = None
+        if settings.private_network:
+            self.forwarder = Forwarder(
+                activate=self._activate,
+                dns_port=settings.dns_port,
+                state_path=data_dir / "forwarder" / "consumers.json",
+            )
 
     @property
     def volumes_dir(self) -> Path:
@@ -85,6 +96,27 @@ class Agent:
         """The env id of one of this node's assignments ("" once it is gone): a metrics label."""
         assignment = self.view.assignment(assignment_id)
         return assignment.environment_id if assignment is not None else ""
+
+    async def _activate(self, env_id: str) -> None:
+        """Ask the activator to wake a scale-to-zero env a held connection waits for."""
+        await request_activation(self.conn, env_id, self.node_id, timeout=ACTIVATE_TIMEOUT)
+
+    async def _forward(self, forwarder: Forwarder) -> None:
+        """The forwarder follows the route snapshots, as the proxies do. Its failure is logged and leaves the
+        rest of the agent running: the apps keep running, only private networking stops on this node."""
+        routes = RouteClient(self.data_dir / "forwarder" / "routes.pb", node_id=self.node_id)
+        updates = routes.updates()
+        try:
+            await routes.start(self.conn)
+            await forwarder.run(
+                updates, lambda: {a.environment_id for a in self.view.assignments_by_node(self.node_id)}
+            )
+        except Exception as exc:
+            log.error("agent %s: private networking stopped: %s: %s", self.node_id, type(exc).__name__, exc)
+        finally:
+            forwarder.stop()  # first and without awaiting: this task may be cancelled again while cleaning up
+            updates.close()
+            await routes.stop()
 
     async def run(self) -> None:
         settings = self.settings
@@ -115,6 +147,7 @@ class Agent:
                     volumes_dir=self.volumes_dir,
                     ports=PortAllocator(),
                     secrets_key=self.secrets_key,
+                    network_env=self.forwarder.instance_env if self.forwarder is not None else None,
                     launcher=launcher,
                 )
             )
@@ -136,6 +169,8 @@ class Agent:
                     serve_snapshot_requests(self.conn, self.node_id, self.volumes_dir), name="snapshots"
                 ),
             ]
+            if self.forwarder is not None:
+                tasks.append(asyncio.create_task(self._forward(self.forwarder), name="forwarder"))
             if settings.builder:
                 builder = Builder(
                     self.conn,

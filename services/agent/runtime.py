@@ -43,7 +43,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,6 +201,8 @@ class RuntimeContext:
     ports: PortAllocator
     secrets_key: PrivateKey | None = None
     """This registration's node key; instance secrets are sealed to its public half (None: no secrets)."""
+    network_env: Callable[[pb.Assignment, pb.Release], Awaitable[Mapping[str, str]]] | None = None
+    """The node forwarder's variables for an instance (None: private networking off)."""
     launcher: Launcher = field(default_factory=ProcessLauncher)
     """The node's runtime: bare processes or containers (``launchers.py``)."""
 
@@ -401,6 +403,8 @@ class InstanceSupervisor:
         env = instance_env(
             a, image, self._ports, volumes, {**release.service.vars, **secrets}, bind=bind_address(self.ctx.settings)
         )
+        if self.ctx.network_env is not None:  # private networking: ZATTERA_DNS, ZATTERA_SERVICE_* (docs/networking.md)
+            env.update(await self.ctx.network_env(a, release))
         self._secret_names = frozenset(secrets)
         # Shielded: once spawned, the process must be attached and recorded even if this task is
         # cancelled meanwhile (assignment removed, agent stopping), or nobody would ever stop it.

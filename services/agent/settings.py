@@ -54,6 +54,10 @@ class AgentSettings(BaseSettings):
     log_stderr_tail: int = Field(default=20, ge=0, description="last stderr lines kept for crash reports")
     log_drain_timeout: float = Field(default=5.0, gt=0, description="shipping the last lines of an exited instance")
 
+    private_network: bool = Field(
+        default=True, description="node forwarder and resolver for VIPs and *.internal names (docs/networking.md)"
+    )
+    dns_port: int = Field(default=53, ge=0, le=65535, description="port of the per-env *.internal resolvers (0 = none)")
     runtime: str = Field(
         default="", description="process or docker; '' = docker when a Docker daemon answers, else process"
     )

@@ -228,8 +228,11 @@ AGENT = Permissions(
         # a chunk upload that lost a race. It could purge the whole store, which its rollup rights on every
         # chunk and manifest subject could already destroy (SECURITY.md, threat model).
         *write_object_store(SNAPSHOTS_STORE),
+        # Its private-network forwarder follows the routes and wakes cold envs, as a proxy (docs/networking.md).
+        ROUTES_GET_SUBJECT,
+        ACTIVATE_SUBJECT,
     ),
-    sub_allow=(INBOX, f"zattera.agent.{NAME}.>"),
+    sub_allow=(INBOX, f"zattera.agent.{NAME}.>", ROUTES_SNAPSHOT_SUBJECT),
     # Snapshot, restore and build requests stream progress to the requester's reply subject for a while.
     response_max=1_000_000,
     response_ttl=24 * 3600.0,

@@ -101,6 +101,7 @@ def reference_env(
             project_id=project_id,
             environment_id=env_id,
             vip=vip.vip,
+            scale_to_zero=spec.scale_to_zero,
         )
         for port in spec.ports:
             service.ports.add(

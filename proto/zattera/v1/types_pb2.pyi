@@ -1182,6 +1182,7 @@ class ServiceSpec(_message.Message):
     SECRETS_FIELD_NUMBER: _builtins.int
     CONFIG_VERSION_FIELD_NUMBER: _builtins.int
     READ_ONLY_ROOT_FIELD_NUMBER: _builtins.int
+    NETWORK_FIELD_NUMBER: _builtins.int
     scale_to_zero: _builtins.bool
     """mutually exclusive with stateful"""
     max_concurrency: _builtins.int
@@ -1234,6 +1235,12 @@ class ServiceSpec(_message.Message):
     def secrets(self) -> _containers.MessageMap[_builtins.str, Global___SecretRef]:
         """secret name -> the sealed version this spec uses"""
 
+    @_builtins.property
+    def network(self) -> Global___NetworkPolicy:
+        """invented (issue 24, docs/networking.md): which envs of other projects this env may reach through
+        the node forwarder; unset = its own project's envs only.
+        """
+
     def __init__(
         self,
         *,
@@ -1255,14 +1262,41 @@ class ServiceSpec(_message.Message):
         secrets: _abc.Mapping[_builtins.str, Global___SecretRef] | None = ...,
         config_version: _builtins.int = ...,
         read_only_root: _builtins.bool = ...,
+        network: Global___NetworkPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "healthcheck", b"healthcheck", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "stop_grace", b"stop_grace"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "healthcheck", b"healthcheck", "network", b"network", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "read_only_root", b"read_only_root", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "network", b"network", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "read_only_root", b"read_only_root", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServiceSpec: _TypeAlias = ServiceSpec  # noqa: Y015
+
+@_typing.final
+class NetworkPolicy(_message.Message):
+    """NetworkPolicy opens private networking to envs of other projects (docs/networking.md).
+    invented (issue 24)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALLOW_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def allow(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"project/app/env" names, validated at apply"""
+
+    def __init__(
+        self,
+        *,
+        allow: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow", b"allow"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NetworkPolicy: _TypeAlias = NetworkPolicy  # noqa: Y015
 
 @_typing.final
 class SecretRef(_message.Message):

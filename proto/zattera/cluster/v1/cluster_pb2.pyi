@@ -512,12 +512,15 @@ class InternalService(_message.Message):
     ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
     VIP_FIELD_NUMBER: _builtins.int
     PORTS_FIELD_NUMBER: _builtins.int
+    SCALE_TO_ZERO_FIELD_NUMBER: _builtins.int
     fqdn: _builtins.str
     """"<app>.<env>.<project>.internal." (trailing dot)"""
     project_id: _builtins.str
     environment_id: _builtins.str
     vip: _builtins.str
     """10.97.0.0/16"""
+    scale_to_zero: _builtins.bool
+    """invented (issue 24): a connection finding no endpoint is held while the env is woken"""
     @_builtins.property
     def ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___InternalPort]: ...
     def __init__(
@@ -528,10 +531,11 @@ class InternalService(_message.Message):
         environment_id: _builtins.str = ...,
         vip: _builtins.str = ...,
         ports: _abc.Iterable[Global___InternalPort] | None = ...,
+        scale_to_zero: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id", "fqdn", b"fqdn", "ports", b"ports", "project_id", b"project_id", "vip", b"vip"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id", "fqdn", b"fqdn", "ports", b"ports", "project_id", b"project_id", "scale_to_zero", b"scale_to_zero", "vip", b"vip"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
