@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 
 # Debian packages the data plane and runtimes use (one line per feature, so additions merge cleanly).
 SYSTEM_PACKAGES :=
+SYSTEM_PACKAGES += haproxy  # the ingress data plane (issue 18: services/proxy --engine haproxy)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -8,6 +8,7 @@ it. The command line overrides the identity and listener ones. The listen addres
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -41,6 +42,9 @@ class ProxySettings(BaseSettings):
     proxy_id: str = Field(default="", description="key of this proxy's heartbeat; '' = the host name")
     node_id: str = Field(default="", description="node this proxy runs on (P2C tie-break, Activate requests)")
     cache_dir: Path | None = Field(default=None, description="route cache directory; unset = <data_dir>/proxy")
+    engine: Literal["", "python", "haproxy"] = Field(
+        default="", description="data plane: haproxy (default when installed) or python; '' = pick"
+    )
 
     heartbeat_interval: float = Field(default=2.0, gt=0)
     hold_timeout: float = Field(default=HOLD_TIMEOUT, gt=0, description="longest wait for an endpoint (504)")
