@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from services.proxy.haproxy_engine import choose_engine
 from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
 from shared.natsio import connect, provision
@@ -299,6 +300,13 @@ Next, in another terminal (ZATTERA_NATS_URL={nats}):
 """
 
 
+def data_plane_text() -> str:
+    """Which data plane the proxy runs (the choice ``python -m services.proxy`` makes without ``--engine``)."""
+    if choose_engine(os.environ.get("ZATTERA_PROXY_ENGINE", "")) == "haproxy":
+        return "haproxy (cold and basic-auth requests through the Python handler; docs/ingress.md)"
+    return "python (haproxy not installed: make system-packages installs it; docs/ingress.md)"
+
+
 def proxy_listen_text(host: str, port: int) -> str:
     """Where the proxy listens, and what that means for who can reach it."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -361,6 +369,7 @@ def run_up(cluster: Cluster, *, hint: str = "") -> int:
             console.print(f"  {child.name:<10} pid {pid}  log {child.log_path}{where}")
         if any(c.name == "proxy" for c in cluster.children):
             console.print(f"  proxy:     listening on {proxy_listen_text(cluster.proxy_host, cluster.proxy_port)}")
+            console.print(f"             data plane: {data_plane_text()}")
             console.print(f"             http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")
         console.print(hint or NEXT_STEPS.format(nats=cluster.url, port=cluster.proxy_port))
         console.print("Press Ctrl-C to stop.")
