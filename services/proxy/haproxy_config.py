@@ -204,13 +204,6 @@ def _servers(route: cpb.HTTPRoute, node_id: str) -> tuple[Server, ...]:
     return tuple(servers[name] for name in sorted(servers))
 
 
-def goes_to_python(route: cpb.HTTPRoute) -> bool:
-    """Cold (no healthy endpoint) and basic-auth routes are served by the Python handler."""
-    if route.HasField("middleware") and route_users(route.middleware):
-        return True
-    return not any(e.healthy and e.addr for e in route.endpoints)
-
-
 def path_key(hostname: str, prefix: str) -> str | None:
     """The ``paths.map`` key of a route (None: a prefix not starting with ``/`` never matches a path)."""
     if not prefix:
@@ -218,18 +211,19 @@ def path_key(hostname: str, prefix: str) -> str | None:
     return hostname + prefix if prefix.startswith("/") else None
 
 
-RouteCache = dict[bytes, Backend | None]
-"""Serialized route → its backend (None: the hold backend); routes that did not change between two
-snapshots are not planned again, and their Backend objects stay identical (cheap comparisons)."""
+RouteCache = dict[bytes, tuple[Backend | None, bool]]
+"""Serialized route → (its backend, whether the Python handler serves it); routes that did not change
+between two snapshots are not planned again, and their Backend objects stay identical (cheap comparisons)."""
 
 
-def _route_backend(route: cpb.HTTPRoute, node_id: str, hold_timeout: float) -> Backend | None:
-    if goes_to_python(route):
-        return None
+def _route_backend(route: cpb.HTTPRoute, node_id: str, hold_timeout: float) -> tuple[Backend | None, bool]:
+    """A cold route keeps its (empty) backend, so going cold and warming up again are runtime changes."""
+    if route.HasField("middleware") and route_users(route.middleware):
+        return None, True
     sticky = route.HasField("middleware") and route.middleware.sticky_sessions
-    return Backend(
-        backend_name(route), route.environment_id, backend_rules(route, hold_timeout), sticky, _servers(route, node_id)
-    )
+    servers = _servers(route, node_id)
+    backend = Backend(backend_name(route), route.environment_id, backend_rules(route, hold_timeout), sticky, servers)
+    return backend, not servers
 
 
 def plan(snapshot: cpb.RouteSnapshot, *, node_id: str, hold_timeout: float, cache: RouteCache | None = None) -> Plan:
@@ -242,14 +236,13 @@ def plan(snapshot: cpb.RouteSnapshot, *, node_id: str, hold_timeout: float, cach
     for route in snapshot.http_routes:
         hostname = route.hostname.lower()
         key = route.SerializeToString(deterministic=True)
-        backend = previous[key] if key in previous else _route_backend(route, node_id, hold_timeout)
+        planned = previous.get(key) or _route_backend(route, node_id, hold_timeout)
         if cache is not None:
-            cache[key] = backend
-        if backend is None:
-            targets.append((hostname, route.path_prefix, HOLD_BACKEND))
-            continue
-        backends.setdefault(backend.name, backend)
-        targets.append((hostname, route.path_prefix, backend.name))
+            cache[key] = planned
+        backend, to_python = planned
+        if backend is not None:
+            backends.setdefault(backend.name, backend)
+        targets.append((hostname, route.path_prefix, HOLD_BACKEND if to_python or backend is None else backend.name))
     prefixed = {hostname for hostname, prefix, _ in targets if prefix}
     hosts: dict[str, str] = {}
     paths: list[tuple[str, str, int]] = []

@@ -334,6 +334,7 @@ class HAProxyIngress:
         self._applied = snapshot.version
         self.proxy.snapshot_listeners.append(lambda _: self._changed.set())
         self.proxy.sample_sources.append(self.engine.samples)
+        self.proxy.served_version = lambda: min(self._applied, self.proxy.table.version)
         self._follower = asyncio.create_task(self._follow())
 
     async def _follow(self) -> None:

@@ -145,6 +145,8 @@ class Proxy:
         self.snapshot_listeners: list[Callable[[cpb.RouteSnapshot], None]] = []
         self.sample_sources: list[Callable[[], Awaitable[dict[str, cpb.ProxySample]]]] = []
         """Other data paths' per-env samples, merged into this proxy's heartbeat."""
+        self.served_version: Callable[[], int] = lambda: self.table.version
+        """The routes version the data plane serves (an engine in front may lag the Python table)."""
         self.metrics = metrics
         self._requests = RequestSeries()
         self.nats_url = nats_url
@@ -266,7 +268,7 @@ class Proxy:
 
     async def _publish_heartbeat(self) -> None:
         heartbeat = self.stats.heartbeat(self.proxy_id, self.cfg.node_id, self.holds.held, self.table.env_ids)
-        heartbeat.routes_version = self.table.version  # what it routes by now (zattera deploy waits on it)
+        heartbeat.routes_version = self.served_version()  # what it routes by now (zattera deploy waits on it)
         if self.sample_sources:
             merged = merge_samples(heartbeat.envs, *[await source() for source in self.sample_sources])
             heartbeat.ClearField("envs")

@@ -53,7 +53,7 @@ async def make_ingress(nats_url: str, tmp_path: Path) -> AsyncIterator[IngressFa
 
 async def serve(routes: Routes, ingress: HAProxyIngress, *route: cpb.HTTPRoute) -> None:
     version = await routes.publish(*route)
-    await eventually(lambda: ingress.version == version, 10, f"haproxy on routes version {version}")
+    await eventually(lambda: ingress.version == version, 30, f"haproxy on routes version {version}")
 
 
 def url(ingress: HAProxyIngress, path: str = "/") -> str:
@@ -127,6 +127,7 @@ async def test_cold_env_is_held_by_python_and_activated(
     async with serving(backend):
         ingress = await make_ingress()
         await serve(routes, ingress, http_route(HOST, "e1", scale_to_zero=True))
+        reloads = ingress.engine.reloads
         held = asyncio.create_task(get(fresh, ingress))
         await eventually(lambda: ingress.proxy.holds.held.get("e1") == 1, 5, "request held by the Python handler")
         await eventually(lambda: len(responder.requests) == 1, 5, "one Activate request")
@@ -135,6 +136,7 @@ async def test_cold_env_is_held_by_python_and_activated(
         await eventually(lambda: ingress.version == routes.version, 5, "warm routes in haproxy")
         assert await get(fresh, ingress) == (200, "awake")
         assert ingress.proxy.holds.completed_holds == 1  # the warm request did not pass through Python
+        assert ingress.engine.reloads == reloads  # warming up is a runtime change (the backend was kept)
 
 
 async def test_heartbeat_carries_haproxy_samples(
