@@ -109,6 +109,11 @@ class Layout:
     client_timeout: float = 30.0
     server_timeout: float = 300.0
     shutdown_grace: float = 5.0
+    header_timeout: float = 10.0
+    """A client must send a request's whole head within this (slow clients get 408 and are closed)."""
+    old_worker_lifetime: float = 600.0
+    """After a reload, the old worker keeps its open connections (WebSockets) at most this long: the drain
+    window, so a connection open during a red/green deploy lives as long as its old replica may."""
 
     @property
     def config_file(self) -> Path:
@@ -285,7 +290,7 @@ def render(plan_: Plan, layout: Layout) -> str:
         f"    stats socket {layout.stats_socket} mode 600 level admin expose-fd listeners",
         "    stats timeout 30s",
         "    nbthread 1",
-        f"    hard-stop-after {ms(max(layout.shutdown_grace, 1.0) + layout.server_timeout)}",
+        f"    hard-stop-after {ms(max(layout.shutdown_grace, 1.0) + layout.old_worker_lifetime)}",
         "    tune.bufsize 32768",
         "defaults",
         "    mode http",
@@ -294,7 +299,7 @@ def render(plan_: Plan, layout: Layout) -> str:
         f"    timeout connect {ms(layout.connect_timeout)}",
         f"    timeout client {ms(layout.client_timeout)}",
         f"    timeout server {ms(layout.server_timeout)}",
-        "    timeout http-request 10s",
+        f"    timeout http-request {ms(layout.header_timeout)}",
         "    timeout http-keep-alive 30s",
         "    timeout tunnel 1h",
         "    timeout client-fin 5s",

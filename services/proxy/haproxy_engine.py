@@ -34,6 +34,7 @@ from services.proxy.haproxy_stats import HAProxySampler
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
 from shared.embedded import free_port
+from shared.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -383,5 +384,7 @@ def haproxy_ingress(cfg: ProxySettings, *, nats_url: str, cache_dir: Path, metri
         hold_timeout=cfg.hold_timeout,
         connect_timeout=cfg.upstream_connect_timeout,
         shutdown_grace=cfg.shutdown_grace,
+        header_timeout=cfg.header_timeout,
+        old_worker_lifetime=settings().drain_window,
     )
     return HAProxyIngress(proxy, layout)

@@ -54,6 +54,9 @@ class ProxySettings(BaseSettings):
     upstream_connect_timeout: float = Field(default=5.0, gt=0)
     upstream_keepalive: float = Field(default=30.0, gt=0, description="idle upstream connections closed after")
     shutdown_grace: float = Field(default=5.0, ge=0, description="in-flight requests drained on SIGTERM")
+    header_timeout: float = Field(
+        default=10.0, gt=0, description="haproxy engine: a request head must arrive within this (slow clients: 408)"
+    )
 
     @model_validator(mode="after")
     def _listen(self) -> ProxySettings:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -14,6 +15,7 @@ from typing import Any
 import aiohttp
 import bcrypt
 import pytest
+from aiohttp import web
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
@@ -234,3 +236,79 @@ async def test_middleware(make_ingress: IngressFactory, routes: Routes, fresh: a
         assert all("Authorization" not in request.headers for request in one.seen + two.seen)
 
         assert [await get(fresh, ingress, "retry.example.com") for _ in range(4)] == [(200, "one")] * 4
+
+
+NAME = web.AppKey("name", str)
+
+
+async def _echo(request: web.Request) -> web.WebSocketResponse:
+    socket = web.WebSocketResponse()
+    await socket.prepare(request)
+    async for message in socket:
+        await socket.send_str(f"{request.app[NAME]}:{message.data}")
+    return socket
+
+
+@contextlib.asynccontextmanager
+async def echo_server(name: str) -> AsyncIterator[tuple[str, web.AppRunner]]:
+    app = web.Application()
+    app[NAME] = name
+    app.router.add_get("/ws", _echo)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"127.0.0.1:{runner.addresses[0][1]}", runner
+    finally:
+        await runner.cleanup()
+
+
+async def test_websocket_survives_red_green_and_closes_with_its_replica(
+    make_ingress: IngressFactory, routes: Routes, fresh: aiohttp.ClientSession
+) -> None:
+    async with echo_server("blue") as (blue, blue_runner), echo_server("green") as (green, _):
+        ingress = await make_ingress()
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(blue, "a-blue")]))
+        socket = await fresh.ws_connect(url(ingress, "/ws"), headers={"Host": HOST})
+        await socket.send_str("1")
+        assert (await socket.receive_str(timeout=5)) == "blue:1"
+        # Promote green (runtime change: blue to maintenance) and add an env (a reload: a new worker).
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(green, "a-green")]))
+        await serve(
+            routes,
+            ingress,
+            http_route(HOST, "e1", [endpoint(green, "a-green")]),
+            http_route("other.example.com", "e2", [endpoint(green, "a-other")]),
+        )
+        assert ingress.engine.reloads >= 1
+        await socket.send_str("2")
+        assert (await socket.receive_str(timeout=5)) == "blue:2"  # the open WebSocket stays on blue
+        newcomer = await fresh.ws_connect(url(ingress, "/ws"), headers={"Host": HOST})
+        await newcomer.send_str("3")
+        assert (await newcomer.receive_str(timeout=5)) == "green:3"
+        await blue_runner.cleanup()  # blue stops after the drain window: its WebSockets are closed cleanly
+        closing = await socket.receive(timeout=5)
+        assert closing.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+        await newcomer.close()
+        await socket.close()
+
+
+async def test_bad_input_does_not_affect_other_clients(
+    make_ingress: IngressFactory, routes: Routes, fresh: aiohttp.ClientSession
+) -> None:
+    backend = Backend("fine")
+    async with serving(backend):
+        ingress = await make_ingress(header_timeout=1.0)
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(backend.addr)]))
+        port = int(ingress.layout.bind.rpartition(":")[2])
+        # A slowloris-style client: a request head that never ends.
+        slow_reader, slow_writer = await asyncio.open_connection("127.0.0.1", port)
+        slow_writer.write(f"GET / HTTP/1.1\r\nHost: {HOST}\r\nX-Slow: ".encode())
+        await slow_writer.drain()
+        assert await get(fresh, ingress, "bad host with spaces") == (404, '{"error":"no route for host"}')
+        async with fresh.get(url(ingress), headers={"Host": HOST, "X-Big": "x" * 40_000}) as response:
+            assert response.status in (400, 431)
+        assert await get(fresh, ingress) == (200, "fine")  # others are served meanwhile
+        answer = await asyncio.wait_for(slow_reader.read(), 10)  # closed after the header timeout
+        assert answer.startswith(b"HTTP/1.1 408") and backend.hits == 1
+        slow_writer.close()
