@@ -111,6 +111,8 @@ class Layout:
     shutdown_grace: float = 5.0
     header_timeout: float = 10.0
     """A client must send a request's whole head within this (slow clients get 408 and are closed)."""
+    tls_bind: str = ""
+    """``HOST:PORT`` of the TLS listener (SNI over the crt-list, ALPN h2 and http/1.1); '' = none."""
     old_worker_lifetime: float = 600.0
     """After a reload, the old worker keeps its open connections (WebSockets) at most this long: the drain
     window, so a connection open during a red/green deploy lives as long as its old replica may."""
@@ -126,6 +128,20 @@ class Layout:
     @property
     def paths_map(self) -> Path:
         return self.directory / "paths.map"
+
+    @property
+    def certs_dir(self) -> Path:
+        """One ``<name>.pem`` (chain + key) per installed certificate."""
+        return self.directory / "certs"
+
+    @property
+    def crt_list(self) -> Path:
+        return self.directory / "certs.list"
+
+    @property
+    def default_cert(self) -> Path:
+        """Served when no certificate matches the SNI (a self-signed one made at first start)."""
+        return self.directory / "default.pem"
 
     @property
     def stats_socket(self) -> Path:
@@ -306,6 +322,11 @@ def render(plan_: Plan, layout: Layout) -> str:
         "",
         "frontend ingress",
         f"    bind {layout.bind}",
+        *(
+            [f"    bind {layout.tls_bind} ssl crt {layout.default_cert} crt-list {layout.crt_list} alpn h2,http/1.1"]
+            if layout.tls_bind
+            else []
+        ),
         # As the Python proxy: HTTPS to this listener, or a TLS terminator in front saying so.
         "    http-request set-var(txn.https) bool(1) if { ssl_fc } || "
         "{ req.hdr(x-forwarded-proto,1),lower -m str https }",

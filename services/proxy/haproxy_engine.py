@@ -24,16 +24,19 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from services.proxy.haproxy_certs import changes, crt_list_text, ensure_fallback, installed
 from services.proxy.haproxy_config import Layout, Plan, RouteCache, map_text, plan, render, server_line
 from services.proxy.haproxy_runtime import RuntimeAPIError, command, execute, parse_stat_csv, send
 from services.proxy.haproxy_stats import HAProxySampler
 from services.proxy.server import Proxy
-from services.proxy.settings import ProxySettings
+from services.proxy.settings import ProxySettings, split_listen
 from shared.embedded import free_port
+from shared.security.creds import write_private
 from shared.settings import settings
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,8 @@ class HAProxyEngine:
         self._started = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._sampler = HAProxySampler(time.time())
+        self._certificates: dict[str, str] = {}
+        """name → digest of the certificates HAProxy holds."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -115,6 +120,9 @@ class HAProxyEngine:
             await process.wait()
 
     def _write_files(self, target: Plan) -> None:
+        if self.layout.tls_bind:
+            ensure_fallback(self.layout.default_cert)
+            _write_atomically(self.layout.crt_list, crt_list_text(self.layout.certs_dir))
         _write_atomically(self.layout.hosts_map, map_text(sorted(target.hosts.items())))
         _write_atomically(self.layout.paths_map, map_text(target.paths))
         _write_atomically(self.layout.config_file, render(target, self.layout))
@@ -144,6 +152,7 @@ class HAProxyEngine:
             output.close()
         await self._wait_ready(None)
         self.running = target
+        self._certificates = installed(self.layout.certs_dir)
         self._draining.clear()
         log.info(
             "haproxy: pid %d serving %d hosts, %d backends", self._process.pid, len(target.hosts), len(target.backends)
@@ -286,6 +295,34 @@ class HAProxyEngine:
                 with contextlib.suppress(OSError, TimeoutError, RuntimeAPIError):
                     await self._delete_drained()
 
+    # ------------------------------------------------------------------ certificates
+
+    @property
+    def certificates(self) -> Mapping[str, str]:
+        """name → digest of the certificates HAProxy serves."""
+        return self._certificates
+
+    async def set_certificates(self, pems: Mapping[str, str]) -> None:
+        """Serve exactly ``pems`` (name → PEM of chain + key) on the TLS listener: new and changed ones are
+        loaded and swapped in through the runtime API (open connections keep theirs, new handshakes get
+        the new one), missing ones removed. Files are written first, so a restart or reload loads them."""
+        async with self._lock:
+            commands, to_write, gone = changes(pems, self._certificates, self.layout.certs_dir, self.layout.crt_list)
+            if not commands:
+                return
+            for name, pem in to_write.items():
+                temporary = self.layout.certs_dir / f"{name}.pem.tmp"
+                write_private(temporary, pem)
+                os.replace(temporary, self.layout.certs_dir / f"{name}.pem")
+            for name in gone:
+                (self.layout.certs_dir / f"{name}.pem").unlink(missing_ok=True)
+            _write_atomically(self.layout.crt_list, crt_list_text(self.layout.certs_dir))
+            answers = await execute(self.layout.stats_socket, commands)
+            failures = [c.split(" <<", 1)[0] + f": {a}" for c, a in zip(commands, answers, strict=True) if _failed(a)]
+            if failures:
+                log.warning("haproxy certificate changes refused (%d): %s", len(failures), "; ".join(failures[:3]))
+            self._certificates = installed(self.layout.certs_dir)
+
     # ------------------------------------------------------------------ stats
 
     async def samples(self) -> dict[str, cpb.ProxySample]:
@@ -295,6 +332,14 @@ class HAProxyEngine:
         except (OSError, TimeoutError, RuntimeAPIError):
             return {}
         return self._sampler.sample(parse_stat_csv(text), self.running.env_of_backend, time.time())
+
+
+def _stamps(directory: Path) -> dict[str, float]:
+    return {p.name: p.stat().st_mtime for p in directory.glob("*.pem")} if directory.is_dir() else {}
+
+
+def _read_pems(directory: Path, names: Mapping[str, float]) -> dict[str, str]:
+    return {Path(name).stem: (directory / name).read_text() for name in sorted(names)}
 
 
 def _host(addr: str) -> str:
@@ -315,12 +360,17 @@ class HAProxyIngress:
     :class:`Proxy` on loopback as the hold handler (cold and basic-auth routes), the route client, NATS
     and the heartbeat (HAProxy's per-env samples merged in)."""
 
-    def __init__(self, proxy: Proxy, layout: Layout) -> None:
+    def __init__(
+        self, proxy: Proxy, layout: Layout, *, certs_dir: Path | None = None, certs_poll_interval: float = 1.0
+    ) -> None:
         self.proxy = proxy
         self.layout = layout
+        self.certs_dir = certs_dir
+        self.certs_poll_interval = certs_poll_interval
         self.engine = HAProxyEngine(layout, node_id=proxy.cfg.node_id)
         self._changed = asyncio.Event()
         self._follower: asyncio.Task[None] | None = None
+        self._certs_watcher: asyncio.Task[None] | None = None
         self._applied = 0
 
     @property
@@ -337,6 +387,21 @@ class HAProxyIngress:
         self.proxy.sample_sources.append(self.engine.samples)
         self.proxy.served_version = lambda: min(self._applied, self.proxy.table.version)
         self._follower = asyncio.create_task(self._follow())
+        if self.certs_dir is not None and self.layout.tls_bind:
+            self._certs_watcher = asyncio.create_task(self._watch_certificates(self.certs_dir))
+
+    async def _watch_certificates(self, directory: Path) -> None:
+        """Serve the ``*.pem`` files the controller keeps in ``directory``; changes are applied in place."""
+        seen: dict[str, float] = {}
+        while True:
+            try:
+                stamps = await asyncio.to_thread(_stamps, directory)
+                if stamps != seen:
+                    await self.engine.set_certificates(await asyncio.to_thread(_read_pems, directory, stamps))
+                    seen = stamps
+            except (OSError, TimeoutError, RuntimeAPIError) as exc:
+                log.error("haproxy: certificates in %s not applied: %s", directory, exc)
+            await asyncio.sleep(self.certs_poll_interval)
 
     async def _follow(self) -> None:
         while True:
@@ -353,10 +418,11 @@ class HAProxyIngress:
                 self._changed.set()
 
     async def stop(self) -> None:
-        if self._follower is not None:
-            self._follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._follower
+        for task in (self._follower, self._certs_watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.engine.stop()
         await self.proxy.stop()
 
@@ -375,6 +441,11 @@ def haproxy_ingress(cfg: ProxySettings, *, nats_url: str, cache_dir: Path, metri
     """HAProxy on ``cfg.host:cfg.port`` (port 0: a free one), the Python hold handler on a loopback port."""
     port = cfg.port or free_port()
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    tls_bind = ""
+    if cfg.tls_listen:
+        tls_host, tls_port = split_listen(cfg.tls_listen)
+        tls_bind = f"[{tls_host}]" if ":" in tls_host else tls_host
+        tls_bind += f":{tls_port or free_port()}"
     hold_cfg = cfg.model_copy(update={"host": "127.0.0.1", "port": free_port(), "listen": ""})
     proxy = Proxy(hold_cfg, nats_url=nats_url, cache_dir=cache_dir, metrics=metrics, behind_engine=True)
     layout = Layout(
@@ -385,6 +456,7 @@ def haproxy_ingress(cfg: ProxySettings, *, nats_url: str, cache_dir: Path, metri
         connect_timeout=cfg.upstream_connect_timeout,
         shutdown_grace=cfg.shutdown_grace,
         header_timeout=cfg.header_timeout,
+        tls_bind=tls_bind,
         old_worker_lifetime=settings().drain_window,
     )
-    return HAProxyIngress(proxy, layout)
+    return HAProxyIngress(proxy, layout, certs_dir=cfg.certs_dir, certs_poll_interval=cfg.certs_poll_interval)

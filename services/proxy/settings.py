@@ -54,6 +54,13 @@ class ProxySettings(BaseSettings):
     upstream_connect_timeout: float = Field(default=5.0, gt=0)
     upstream_keepalive: float = Field(default=30.0, gt=0, description="idle upstream connections closed after")
     shutdown_grace: float = Field(default=5.0, ge=0, description="in-flight requests drained on SIGTERM")
+    tls_listen: str = Field(
+        default="", description="haproxy engine: HOST:PORT of the TLS listener (SNI, h2); '' = none; port 0 = free"
+    )
+    certs_dir: Path | None = Field(
+        default=None, description="haproxy engine: directory of <name>.pem (chain + key) the TLS listener serves"
+    )
+    certs_poll_interval: float = Field(default=1.0, gt=0, description="how often certs_dir is read for changes")
     header_timeout: float = Field(
         default=10.0, gt=0, description="haproxy engine: a request head must arrive within this (slow clients: 408)"
     )

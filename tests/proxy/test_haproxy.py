@@ -6,16 +6,24 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import datetime
 import os
 import signal
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import bcrypt
+import h2.connection
+import h2.events
 import pytest
 from aiohttp import web
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
@@ -312,3 +320,174 @@ async def test_bad_input_does_not_affect_other_clients(
         answer = await asyncio.wait_for(slow_reader.read(), 10)  # closed after the header timeout
         assert answer.startswith(b"HTTP/1.1 408") and backend.hits == 1
         slow_writer.close()
+
+
+class ThrowAwayCA:
+    """A certificate authority for one test, issuing leaf certificates (chain + key PEM) for a host."""
+
+    def __init__(self) -> None:
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        self.name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test CA")])
+        self.cert = (
+            self._builder(self.name, self.key.public_key())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
+        self.pem = self.cert.public_bytes(serialization.Encoding.PEM).decode()
+
+    def _builder(self, subject: x509.Name, public_key: ec.EllipticCurvePublicKey) -> x509.CertificateBuilder:
+        now = datetime.datetime.now(datetime.UTC)
+        return (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(self.name)
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+
+    def issue(self, host: str) -> tuple[str, int]:
+        """(PEM of the certificate and its key, its serial number)."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+        cert = (
+            self._builder(subject, key.public_key())
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
+            .sign(self.key, hashes.SHA256())
+        )
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        return cert.public_bytes(serialization.Encoding.PEM).decode() + key_pem.decode(), cert.serial_number
+
+
+def tls_port(ingress: HAProxyIngress) -> int:
+    return int(ingress.layout.tls_bind.rpartition(":")[2])
+
+
+def client_context(ca: ThrowAwayCA, alpn: list[str] | None = None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cadata=ca.pem)
+    if alpn:
+        context.set_alpn_protocols(alpn)
+    return context
+
+
+async def https_get(ingress: HAProxyIngress, host: str, context: ssl.SSLContext) -> tuple[int, str, int]:
+    """(status, body, serial of the certificate the server showed) over a new TLS connection with SNI."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", tls_port(ingress), ssl=context, server_hostname=host)
+    try:
+        peer = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        writer.write(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        data = await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body.decode(), x509.load_der_x509_certificate(peer).serial_number
+
+
+async def h2_get(ingress: HAProxyIngress, host: str, context: ssl.SSLContext) -> tuple[str, int, str]:
+    """(negotiated ALPN protocol, status, body) of one HTTP/2 GET."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", tls_port(ingress), ssl=context, server_hostname=host)
+    protocol = writer.get_extra_info("ssl_object").selected_alpn_protocol()
+    connection = h2.connection.H2Connection()
+    connection.initiate_connection()
+    headers = [(":method", "GET"), (":path", "/"), (":authority", host), (":scheme", "https")]
+    connection.send_headers(1, headers, end_stream=True)
+    writer.write(connection.data_to_send())
+    status, body = 0, b""
+    try:
+        while True:
+            chunk = await asyncio.wait_for(reader.read(65536), 5)
+            if not chunk:
+                break
+            for event in connection.receive_data(chunk):
+                if isinstance(event, h2.events.ResponseReceived):
+                    status = int(dict(event.headers)[b":status"])
+                elif isinstance(event, h2.events.DataReceived):
+                    body += event.data
+                    connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded):
+                    return protocol, status, body.decode()
+            writer.write(connection.data_to_send())
+    finally:
+        writer.close()
+    return protocol, status, body.decode()
+
+
+async def test_tls_with_sni_for_two_hosts_h2_and_redirect(
+    make_ingress: IngressFactory, routes: Routes, tmp_path: Path, fresh: aiohttp.ClientSession
+) -> None:
+    ca = ThrowAwayCA()
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    (certs / "a.pem").write_text((a_pem := ca.issue("a.example.com"))[0])
+    (certs / "b.pem").write_text((b_pem := ca.issue("b.example.com"))[0])
+    backend_a, backend_b = Backend("A"), Backend("B")
+    async with serving(backend_a, backend_b):
+        ingress = await make_ingress(tls_listen="127.0.0.1:0", certs_dir=certs, certs_poll_interval=0.05)
+        secure = pb.Middleware(redirect_https=True)
+        await serve(
+            routes,
+            ingress,
+            http_route("a.example.com", "e1", [endpoint(backend_a.addr)]),
+            http_route("b.example.com", "e2", [endpoint(backend_b.addr)], middleware=secure),
+        )
+        context = client_context(ca)
+
+        async def both_served() -> bool:
+            try:
+                return (await https_get(ingress, "b.example.com", context))[0] == 200
+            except (ssl.SSLError, OSError):
+                return False
+
+        await eventually(both_served, 10, "certificates installed")
+        assert await https_get(ingress, "a.example.com", context) == (200, "A", a_pem[1])
+        assert await https_get(ingress, "b.example.com", context) == (200, "B", b_pem[1])  # TLS: no redirect
+        async with fresh.get(url(ingress), headers={"Host": "b.example.com"}, allow_redirects=False) as response:
+            assert response.status == 308  # the same route over plain HTTP is redirected
+        assert await h2_get(ingress, "a.example.com", client_context(ca, ["h2", "http/1.1"])) == ("h2", 200, "A")
+        assert backend_a.seen[-1].headers["X-Forwarded-Proto"] == "https"
+
+
+async def test_certificate_replaced_under_load_without_a_failed_request(
+    make_ingress: IngressFactory, routes: Routes, tmp_path: Path
+) -> None:
+    ca = ThrowAwayCA()
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    first_pem, first_serial = ca.issue("a.example.com")
+    (certs / "a.pem").write_text(first_pem)
+    backend = Backend("A")
+    async with serving(backend):
+        ingress = await make_ingress(tls_listen="127.0.0.1:0", certs_dir=certs, certs_poll_interval=0.05)
+        await serve(routes, ingress, http_route("a.example.com", "e1", [endpoint(backend.addr)]))
+        context = client_context(ca)
+        await eventually(lambda: "a" in ingress.engine.certificates, 10, "certificate installed")
+        serials: list[int] = []
+        failures: list[BaseException | int] = []
+        stop = asyncio.Event()
+
+        async def client() -> None:
+            while not stop.is_set():
+                try:
+                    status, _, serial = await https_get(ingress, "a.example.com", context)
+                except (ssl.SSLError, OSError, TimeoutError) as exc:
+                    failures.append(exc)
+                    continue
+                if status != 200:
+                    failures.append(status)
+                serials.append(serial)
+
+        clients = [asyncio.create_task(client()) for _ in range(4)]
+        await eventually(lambda: len(serials) >= 10, 10, "requests under way")
+        reloads = ingress.engine.reloads
+        second_pem, second_serial = ca.issue("a.example.com")
+        (certs / "a.pem.new").write_text(second_pem)
+        os.replace(certs / "a.pem.new", certs / "a.pem")
+        await eventually(lambda: second_serial in serials[-4:], 10, "the new certificate served")
+        stop.set()
+        await asyncio.gather(*clients)
+        assert failures == []
+        assert first_serial in serials
+        assert ingress.engine.reloads == reloads  # replaced in place, through the runtime API
