@@ -25,9 +25,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from benchmarks.common import Row, bench_main, percentile, row
+from benchmarks.common import Row, bench_main, median, percentile, row
+from services.proxy.haproxy_certs import self_signed_pem
 from services.proxy.haproxy_config import Layout
 from services.proxy.haproxy_engine import HAProxyEngine
 from shared.embedded import free_port
@@ -40,8 +42,9 @@ def install() -> None:
     subprocess.run([str(ROOT / "deploy" / "system-packages.sh"), *PACKAGES], check=True)
 
 
-def wrk(port: int, host: str, seconds: float) -> tuple[float, float, int]:
-    """(requests/s, p50 ms, failed requests) of one wrk run."""
+def wrk(port: int, host: str, seconds: float, scheme: str = "http", close: bool = False) -> tuple[float, float, int]:
+    """(requests/s, p50 ms, failed requests) of one wrk run; ``close``: a new connection per request."""
+    extra = ["-H", "Connection: close"] if close else []
     out = subprocess.run(
         [
             "wrk",
@@ -51,7 +54,8 @@ def wrk(port: int, host: str, seconds: float) -> tuple[float, float, int]:
             "--latency",
             "-H",
             f"Host: {host}",
-            f"http://127.0.0.1:{port}/",
+            *extra,
+            f"{scheme}://127.0.0.1:{port}/",
         ],
         capture_output=True,
         text=True,
@@ -99,7 +103,7 @@ def hosts(count: int) -> list[str]:
 
 async def measure(quick: bool) -> list[Row]:
     install()
-    seconds = 2.0 if quick else 8.0
+    seconds = 1.0 if quick else 8.0
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="zattera-ingress-") as tmp:
         root = Path(tmp)
@@ -134,6 +138,7 @@ async def measure(quick: bool) -> list[Row]:
                     row(f"  route change applied → served p99 ({count} envs)", ours["change_p99"], "ms", "≤ 250")
                 )
                 rows.append(row(f"  failed requests during route changes ({count} envs)", ours["failed"], "", "0"))
+            rows += await tls_and_websockets(root / "tls", backend_addr, seconds)
     return rows
 
 
@@ -172,9 +177,7 @@ def snapshot(names: list[str], addr_of_last: str, other: str, version: int) -> c
     routes = []
     for index, name in enumerate(names):
         addr = addr_of_last if index == len(names) - 1 else other
-        endpoint = cpb.Endpoint(
-            assignment_id=f"a{index}-{addr.rpartition(':')[2]}", node_id="n1", addr=addr, healthy=True
-        )
+        endpoint = _endpoint(f"a{index}-{addr.rpartition(':')[2]}", addr)
         routes.append(cpb.HTTPRoute(hostname=name, environment_id=f"e{index}", endpoints=[endpoint]))
     return cpb.RouteSnapshot(version=version, http_routes=routes)
 
@@ -213,6 +216,65 @@ async def our_ingress(
                 delays.append(1000 * (time.perf_counter() - started))
         _, _, failed = await load
     return {"rps": rps, "p50": p50, "change_p99": percentile(delays, 99), "failed": float(failed)}
+
+
+async def _ws_echo(request: web.Request) -> web.WebSocketResponse:
+    socket = web.WebSocketResponse()
+    await socket.prepare(request)
+    async for message in socket:
+        await socket.send_str(message.data)
+    return socket
+
+
+async def ws_round_trip_ms(client: aiohttp.ClientSession, ws_url: str, host: str, count: int) -> float:
+    """Median WebSocket echo round trip (ms) over one connection."""
+    samples: list[float] = []
+    async with client.ws_connect(ws_url, headers={"Host": host}) as socket:
+        for _ in range(count):
+            started = time.perf_counter()
+            await socket.send_str("ping")
+            await socket.receive_str()
+            samples.append(1000 * (time.perf_counter() - started))
+    return median(samples)
+
+
+async def tls_and_websockets(directory: Path, backend_addr: str, seconds: float) -> list[Row]:
+    """Our ingress with one env over TLS (keep-alive, and a new handshake per request) and a WebSocket
+    echo round trip through it against the backend directly."""
+    port, tls = free_port(), free_port()
+    app = web.Application()
+    app.router.add_get("/ws", _ws_echo)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    ws_addr = f"127.0.0.1:{runner.addresses[0][1]}"
+    layout = Layout(directory / "haproxy", f"127.0.0.1:{port}", "127.0.0.1:1", 60, 5, tls_bind=f"127.0.0.1:{tls}")
+    engine = HAProxyEngine(layout, node_id="n1")
+    routes = [
+        cpb.HTTPRoute(hostname="h0.bench", environment_id="e0", endpoints=[_endpoint("a0", backend_addr)]),
+        cpb.HTTPRoute(hostname="ws.bench", environment_id="ews", endpoints=[_endpoint("aws", ws_addr)]),
+    ]
+    rows: list[Row] = []
+    try:
+        await engine.start(cpb.RouteSnapshot(version=1, http_routes=routes))
+        await engine.set_certificates({"bench": self_signed_pem("h0.bench")})
+        keepalive = await asyncio.to_thread(wrk, tls, "h0.bench", seconds, "https")
+        handshakes = await asyncio.to_thread(wrk, tls, "h0.bench", seconds, "https", True)
+        rows.append(row("our ingress over TLS, keep-alive (1 env)", keepalive[0], "req/s"))
+        rows.append(row("our ingress over TLS, new handshake per request (1 env)", handshakes[0], "handshakes/s"))
+        async with aiohttp.ClientSession() as client:
+            direct = await ws_round_trip_ms(client, f"http://{ws_addr}/ws", "ws.bench", 200)
+            through = await ws_round_trip_ms(client, f"http://127.0.0.1:{port}/ws", "ws.bench", 200)
+        rows.append(row("WebSocket echo round trip, backend directly", direct, "ms"))
+        rows.append(row("WebSocket echo round trip through our ingress", through, "ms"))
+    finally:
+        await engine.stop()
+        await runner.cleanup()
+    return rows
+
+
+def _endpoint(assignment_id: str, addr: str) -> cpb.Endpoint:
+    return cpb.Endpoint(assignment_id=assignment_id, node_id="n1", addr=addr, healthy=True)
 
 
 def run(quick: bool = True) -> list[Row]:
