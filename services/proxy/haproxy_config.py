@@ -182,7 +182,7 @@ def backend_rules(route: cpb.HTTPRoute, hold_timeout: float) -> tuple[str, ...]:
         "balance random(2)",
         "option redispatch 1",
         "retries 3",
-        "retry-on conn-failure empty-response",
+        "retry-on conn-failure",
         f"timeout queue {ms(hold_timeout)}",
     ]
     if middleware.ip_allowlist:
@@ -307,7 +307,6 @@ def render(plan_: Plan, layout: Layout) -> str:
         "    stats timeout 30s",
         "    nbthread 1",
         f"    hard-stop-after {ms(max(layout.shutdown_grace, 1.0) + layout.old_worker_lifetime)}",
-        "    tune.bufsize 32768",
         "defaults",
         "    mode http",
         "    option http-keep-alive",
