@@ -232,38 +232,45 @@ def path_key(hostname: str, prefix: str) -> str | None:
     return hostname + prefix if prefix.startswith("/") else None
 
 
-RouteCache = dict[bytes, tuple[Backend | None, bool]]
-"""Serialized route → (its backend, whether the Python handler serves it); routes that did not change
-between two snapshots are not planned again, and their Backend objects stay identical (cheap comparisons)."""
+RouteCache = dict[bytes, tuple[str, str, "Backend | None", "Backend | None"]]
+"""Serialized route → (lowercased hostname, path prefix, the backend serving it — None: the Python
+handler —, the backend kept for it). Routes that did
+not change between two snapshots are not planned again, and their Backend objects stay identical (cheap
+comparisons): a snapshot of 10,000 routes with one changed costs one serialization per route."""
 
 
-def _route_backend(route: cpb.HTTPRoute, node_id: str, hold_timeout: float) -> tuple[Backend | None, bool]:
-    """A cold route keeps its (empty) backend, so going cold and warming up again are runtime changes."""
+def _plan_route(
+    route: cpb.HTTPRoute, node_id: str, hold_timeout: float
+) -> tuple[str, str, Backend | None, Backend | None]:
+    """(hostname, prefix, the backend requests go to — None: the Python handler —, the backend to keep). A
+    cold route keeps its (empty) backend, so going cold and warming up again are runtime changes."""
+    hostname, prefix = route.hostname.lower(), route.path_prefix
     if route.HasField("middleware") and route_users(route.middleware):
-        return None, True
+        return hostname, prefix, None, None
     sticky = route.HasField("middleware") and route.middleware.sticky_sessions
     servers = _servers(route, node_id)
     backend = Backend(backend_name(route), route.environment_id, backend_rules(route, hold_timeout), sticky, servers)
-    return backend, not servers
+    return hostname, prefix, backend if servers else None, backend
 
 
 def plan(snapshot: cpb.RouteSnapshot, *, node_id: str, hold_timeout: float, cache: RouteCache | None = None) -> Plan:
     """The plan of a snapshot. ``cache`` (optional) is read and replaced by this snapshot's routes."""
-    previous = dict(cache) if cache is not None else {}
-    if cache is not None:
-        cache.clear()
+    previous = cache.copy() if cache is not None else {}
+    current: RouteCache = {}
     backends: dict[str, Backend] = {}
     targets: list[tuple[str, str, str]] = []  # (hostname, prefix, backend)
+    hold = HOLD_BACKEND
     for route in snapshot.http_routes:
-        hostname = route.hostname.lower()
         key = route.SerializeToString(deterministic=True)
-        planned = previous.get(key) or _route_backend(route, node_id, hold_timeout)
-        if cache is not None:
-            cache[key] = planned
-        backend, to_python = planned
-        if backend is not None:
-            backends.setdefault(backend.name, backend)
-        targets.append((hostname, route.path_prefix, HOLD_BACKEND if to_python or backend is None else backend.name))
+        planned = previous.get(key) or _plan_route(route, node_id, hold_timeout)
+        current[key] = planned
+        hostname, prefix, serving, kept = planned
+        if kept is not None and kept.name not in backends:
+            backends[kept.name] = kept
+        targets.append((hostname, prefix, serving.name if serving is not None else hold))
+    if cache is not None:
+        cache.clear()
+        cache.update(current)
     prefixed = {hostname for hostname, prefix, _ in targets if prefix}
     hosts: dict[str, str] = {}
     paths: list[tuple[str, str, int]] = []
