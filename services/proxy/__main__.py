@@ -45,6 +45,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="data plane (default: $ZATTERA_PROXY_ENGINE, else haproxy when installed, else python)",
     )
+    parser.add_argument("--tls-listen", default=None, help="haproxy engine: HOST:PORT of the TLS listener (SNI, h2)")
+    parser.add_argument(
+        "--certs-dir", type=Path, default=None, help="haproxy engine: directory of <name>.pem (chain + key) to serve"
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_metrics_argument(parser)
     return parser.parse_args(argv)
@@ -67,6 +71,8 @@ async def run(argv: Sequence[str] | None = None) -> int:
             ("node_id", args.node_id),
             ("cache_dir", args.cache_dir),
             ("engine", args.engine),
+            ("tls_listen", args.tls_listen),
+            ("certs_dir", args.certs_dir),
         )
         if value is not None
     }

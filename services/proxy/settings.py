@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.proxy.activator import HOLD_TIMEOUT, MAX_HELD_BODY_BYTES, MAX_HELD_PER_ENV
@@ -70,3 +70,10 @@ class ProxySettings(BaseSettings):
         if self.listen:
             self.host, self.port = split_listen(self.listen)
         return self
+
+    @field_validator("tls_listen")
+    @classmethod
+    def _tls_listen(cls, value: str) -> str:
+        if value:
+            split_listen(value)
+        return value
