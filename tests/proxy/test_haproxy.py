@@ -386,13 +386,19 @@ async def https_get(ingress: HAProxyIngress, host: str, context: ssl.SSLContext)
     return int(head.split(b" ", 2)[1]), body.decode(), x509.load_der_x509_certificate(peer).serial_number
 
 
-async def h2_get(ingress: HAProxyIngress, host: str, context: ssl.SSLContext) -> tuple[str, int, str]:
-    """(negotiated ALPN protocol, status, body) of one HTTP/2 GET."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", tls_port(ingress), ssl=context, server_hostname=host)
-    protocol = writer.get_extra_info("ssl_object").selected_alpn_protocol()
+async def h2_get(ingress: HAProxyIngress, host: str, context: ssl.SSLContext | None) -> tuple[str, int, str]:
+    """(negotiated ALPN protocol, status, body) of one HTTP/2 GET; ``context`` None: h2c with prior
+    knowledge on the plain listener."""
+    if context is None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(ingress.layout.bind.rpartition(":")[2]))
+        protocol = "h2c"
+    else:
+        port = tls_port(ingress)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context, server_hostname=host)
+        protocol = writer.get_extra_info("ssl_object").selected_alpn_protocol()
     connection = h2.connection.H2Connection()
     connection.initiate_connection()
-    headers = [(":method", "GET"), (":path", "/"), (":authority", host), (":scheme", "https")]
+    headers = [(":method", "GET"), (":path", "/"), (":authority", host), (":scheme", "https" if context else "http")]
     connection.send_headers(1, headers, end_stream=True)
     writer.write(connection.data_to_send())
     status, body = 0, b""
@@ -448,6 +454,7 @@ async def test_tls_with_sni_for_two_hosts_h2_and_redirect(
             assert response.status == 308  # the same route over plain HTTP is redirected
         assert await h2_get(ingress, "a.example.com", client_context(ca, ["h2", "http/1.1"])) == ("h2", 200, "A")
         assert backend_a.seen[-1].headers["X-Forwarded-Proto"] == "https"
+        assert await h2_get(ingress, "a.example.com", None) == ("h2c", 200, "A")
 
 
 async def test_certificate_replaced_under_load_without_a_failed_request(
