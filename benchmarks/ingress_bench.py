@@ -4,6 +4,7 @@ against one nginx backend answering a fixed 200, at 1 and 10,000 envs:
 * the backend directly;
 * HAProxy hand-configured (1 thread, ``use_backend`` through an N-host map, keep-alive to one server);
 * nginx (1 worker, ``map $host``, keep-alive upstream);
+* the Python proxy (``--engine python``, the fallback; 1 env);
 * our ingress: HAProxy driven by :class:`services.proxy.haproxy_engine.HAProxyEngine` (N envs, N backends);
 
 then, on our ingress at N envs: route change applied (``apply`` called → the new endpoint served) p99 over
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -32,6 +34,7 @@ from benchmarks.common import Row, bench_main, median, percentile, row
 from services.proxy.haproxy_certs import self_signed_pem
 from services.proxy.haproxy_config import Layout
 from services.proxy.haproxy_engine import HAProxyEngine
+from services.proxy.settings import ROUTES_CACHE_FILE
 from shared.embedded import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +127,14 @@ async def measure(quick: bool) -> list[Row]:
                 rows.append(row(f"HAProxy by hand, req/s ({count} envs)", hand[0], "req/s", "", "57,800 (issue)"))
                 nginx = nginx_proxy(root / f"nginx{count}", names, backend_addr, seconds)
                 rows.append(row(f"nginx proxy, req/s ({count} envs)", nginx[0], "req/s", "", "54,500 (issue)"))
+                if count == 1:
+                    python = python_proxy(root / "python", names, backend_addr, seconds)
+                    rows.append(
+                        row("Python proxy (--engine python), req/s (1 env)", python[0], "req/s", "", "7,000 (issue)")
+                    )
+                    rows.append(
+                        row("Python proxy, added p50 (1 env)", python[1] - direct[1], "ms", "", "5.0 ms p50 (issue)")
+                    )
                 ours = await our_ingress(root / f"ours{count}", names, backend_ports, seconds, quick)
                 rows.append(
                     row(
@@ -169,6 +180,19 @@ def nginx_proxy(directory: Path, names: list[str], backend_addr: str, seconds: f
         f'  proxy_pass http://be; proxy_http_version 1.1; proxy_set_header Connection ""; }} }}',
     )
     with daemon(["nginx", "-c", str(conf)], port):
+        rps, p50, _ = wrk(port, names[-1], seconds)
+    return rps, p50
+
+
+def python_proxy(directory: Path, names: list[str], backend_addr: str, seconds: float) -> tuple[float, float]:
+    """The fallback engine, serving its cached routes (the control plane is not needed for that)."""
+    cache = directory / "cache"
+    cache.mkdir(parents=True)
+    (cache / ROUTES_CACHE_FILE).write_bytes(snapshot(names, backend_addr, backend_addr, 1).SerializeToString())
+    port = free_port()
+    argv = [sys.executable, "-m", "services.proxy", "--engine", "python", "--nats", "nats://127.0.0.1:1"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--cache-dir", str(cache), "--log-level", "ERROR"]
+    with daemon(argv, port):
         rps, p50, _ = wrk(port, names[-1], seconds)
     return rps, p50
 

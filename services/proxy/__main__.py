@@ -100,7 +100,12 @@ async def run(argv: Sequence[str] | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await service.start()
+    try:
+        await service.start()
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        log.error("proxy: the %s data plane did not start: %s", engine, exc)
+        await service.stop()
+        return 1
     try:
         await stop.wait()
         log.info("proxy: stopping (draining for up to %.1fs)", cfg.shutdown_grace)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import re
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ LOCAL_WEIGHT = 101
 REMOTE_WEIGHT = 100
 RATE_TABLE_SIZE = "32k"
 RATE_TABLE_EXPIRE = "120s"
+SOCKET_DIR_MAX = 70
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -144,12 +146,21 @@ class Layout:
         return self.directory / "default.pem"
 
     @property
+    def socket_dir(self) -> Path:
+        """``directory``, or a short private one under the temp dir when a socket path there would pass the
+        unix limit (108 bytes, and HAProxy binds ``<path>.<pid>.tmp`` first)."""
+        if len(str(self.directory)) <= SOCKET_DIR_MAX:
+            return self.directory
+        digest = hashlib.sha256(str(self.directory).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"zattera-haproxy-{digest}"
+
+    @property
     def stats_socket(self) -> Path:
-        return self.directory / "stats.sock"
+        return self.socket_dir / "stats.sock"
 
     @property
     def master_socket(self) -> Path:
-        return self.directory / "master.sock"
+        return self.socket_dir / "master.sock"
 
 
 def backend_name(route: cpb.HTTPRoute) -> str:

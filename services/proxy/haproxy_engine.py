@@ -58,6 +58,14 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _private_dir(path: Path) -> None:
+    """A directory only this user can enter (it holds the admin sockets); refuses one someone else owns."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to another user: not keeping the haproxy sockets there")
+    path.chmod(0o700)
+
+
 def _write_atomically(path: Path, text: str) -> None:
     temporary = path.with_suffix(path.suffix + ".tmp")
     temporary.write_text(text)
@@ -94,6 +102,7 @@ class HAProxyEngine:
     async def start(self, snapshot: cpb.RouteSnapshot) -> None:
         """Serve ``snapshot`` (the cached routes at process start); returns once HAProxy answers."""
         self.layout.directory.mkdir(parents=True, exist_ok=True)
+        _private_dir(self.layout.socket_dir)
         self._snapshot = snapshot
         async with self._lock:
             await self._spawn()
@@ -108,16 +117,17 @@ class HAProxyEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         process = self._process
-        if process is None or process.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGUSR1)
-        try:
-            await asyncio.wait_for(process.wait(), self.layout.shutdown_grace + 1)
-        except TimeoutError:
+        if process is not None and process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
+                process.send_signal(signal.SIGUSR1)
+            try:
+                await asyncio.wait_for(process.wait(), self.layout.shutdown_grace + 1)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        if self.layout.socket_dir != self.layout.directory:
+            shutil.rmtree(self.layout.socket_dir, ignore_errors=True)
 
     def _write_files(self, target: Plan) -> None:
         if self.layout.tls_bind:
