@@ -498,3 +498,27 @@ async def test_certificate_replaced_under_load_without_a_failed_request(
         assert failures == []
         assert first_serial in serials
         assert ingress.engine.reloads == reloads  # replaced in place, through the runtime API
+
+
+async def test_full_env_requests_queue_in_haproxy_and_count_as_held(
+    make_ingress: IngressFactory, routes: Routes, conn: Connection, fresh: aiohttp.ClientSession
+) -> None:
+    """At ``max_concurrency`` the next request waits in HAProxy's queue (reported as held), then proceeds."""
+    gate = asyncio.Event()
+    backend = Backend("busy", gate=gate)
+    async with serving(backend):
+        ingress = await make_ingress()
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(backend.addr)], max_concurrency=1))
+        first = asyncio.create_task(get(fresh, ingress))
+        await eventually(lambda: backend.inflight == 1, 5, "one request at the replica")
+        second = asyncio.create_task(get(fresh, ingress))
+        live = await conn.js.key_value(LIVE_BUCKET)
+
+        async def queued() -> bool:
+            entry = await live.get(proxy_key("p1"))
+            sample = cpb.ProxyHeartbeat.FromString(entry.value or b"").envs.get("e1")
+            return bool(sample and sample.held == 1 and backend.inflight == 1)
+
+        await eventually(queued, 10, "the second request held in HAProxy's queue")
+        gate.set()
+        assert await asyncio.wait_for(asyncio.gather(first, second), 5) == [(200, "busy")] * 2
