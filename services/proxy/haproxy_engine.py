@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import shutil
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
@@ -56,6 +57,19 @@ def haproxy_binary() -> str | None:
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the proxy process dies, so no HAProxy outlives it."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Planning 10,000 routes allocates enough to trigger full collections of the cached plan: 20-40 ms
+    became 250-500 ms, on the route change path. The loop creates no cycles, so none is missed."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _private_dir(path: Path) -> None:
@@ -214,7 +228,8 @@ class HAProxyEngine:
     # ------------------------------------------------------------------ route changes
 
     def _plan(self, snapshot: cpb.RouteSnapshot) -> Plan:
-        return plan(snapshot, node_id=self.node_id, hold_timeout=self.layout.hold_timeout, cache=self._route_cache)
+        with _gc_paused():
+            return plan(snapshot, node_id=self.node_id, hold_timeout=self.layout.hold_timeout, cache=self._route_cache)
 
     async def apply(self, snapshot: cpb.RouteSnapshot) -> None:
         """Make HAProxy serve ``snapshot``: runtime changes, or a reload for a structure change."""
