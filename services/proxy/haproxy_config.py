@@ -347,8 +347,7 @@ def render(plan_: Plan, layout: Layout) -> str:
         # As the Python proxy: HTTPS to this listener, or a TLS terminator in front saying so.
         "    http-request set-var(txn.https) bool(1) if { ssl_fc } || "
         "{ req.hdr(x-forwarded-proto,1),lower -m str https }",
-        "    http-request set-header X-Forwarded-Proto https if { ssl_fc }",
-        "    http-request set-header X-Forwarded-Proto http if !{ ssl_fc }",
+        "    http-request set-header X-Forwarded-Proto %[ssl_fc,iif(https,http)]",
         "    http-request set-header X-Forwarded-Host %[req.hdr(host)]",
         "    http-request set-var(txn.host) req.hdr(host),field(1,:),lower",
         "    http-request set-var(txn.path) path",
