@@ -37,6 +37,7 @@ from services.proxy.haproxy_stats import HAProxySampler
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings, split_listen
 from shared.embedded import free_port
+from shared.metrics import RequestSeries
 from shared.security.creds import write_private
 from shared.settings import settings
 
@@ -87,8 +88,12 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 class HAProxyEngine:
-    def __init__(self, layout: Layout, *, node_id: str, binary: str | None = None) -> None:
+    def __init__(
+        self, layout: Layout, *, node_id: str, binary: str | None = None, requests: RequestSeries | None = None
+    ) -> None:
         self.layout = layout
+        self.requests = requests
+        """Where HAProxy's answered requests are counted (``zattera.proxy.request.duration``), if metrics are on."""
         self.node_id = node_id
         self.binary = binary or haproxy_binary() or HAPROXY
         self.running = Plan({}, (), {})
@@ -353,10 +358,15 @@ class HAProxyEngine:
     async def samples(self) -> dict[str, cpb.ProxySample]:
         """Per-env samples since the previous call; empty when HAProxy does not answer (restarting)."""
         try:
-            text = await command(self.layout.stats_socket, "show stat -1 2 -1", timeout=2)
+            text = await command(self.layout.stats_socket, "show stat -1 3 -1", timeout=2)  # frontends, backends
         except (OSError, TimeoutError, RuntimeAPIError):
             return {}
-        return self._sampler.sample(parse_stat_csv(text), self.running.env_of_backend, time.time())
+        samples = self._sampler.sample(parse_stat_csv(text), self.running.env_of_backend, time.time())
+        if self.requests is not None:
+            for answered in self._sampler.responses:
+                for _ in range(answered.count):
+                    self.requests.observe(answered.env_id, answered.status_class * 100, answered.seconds)
+        return samples
 
 
 def _stamps(directory: Path) -> dict[str, float]:
@@ -392,7 +402,9 @@ class HAProxyIngress:
         self.layout = layout
         self.certs_dir = certs_dir
         self.certs_poll_interval = certs_poll_interval
-        self.engine = HAProxyEngine(layout, node_id=proxy.cfg.node_id)
+        self.engine = HAProxyEngine(
+            layout, node_id=proxy.cfg.node_id, requests=RequestSeries() if proxy.metrics else None
+        )
         self._changed = asyncio.Event()
         self._follower: asyncio.Task[None] | None = None
         self._certs_watcher: asyncio.Task[None] | None = None

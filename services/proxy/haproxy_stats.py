@@ -22,16 +22,51 @@ def _int(row: Mapping[str, str], name: str) -> int:
     return int(value) if value.lstrip("-").isdigit() else 0
 
 
-@dataclass(slots=True)
+STATUS_CLASSES = (1, 2, 3, 4, 5)
+
+
+@dataclass(frozen=True, slots=True)
 class _Counters:
     requests: int
-    errors: int
+    by_class: tuple[int, ...]
+    """hrsp_1xx … hrsp_5xx."""
+
+    @classmethod
+    def of(cls, row: Mapping[str, str]) -> _Counters:
+        return cls(_int(row, "stot"), tuple(_int(row, f"hrsp_{c}xx") for c in STATUS_CLASSES))
+
+    def since(self, before: _Counters | None) -> _Counters:
+        """The increase since ``before``; everything when a counter went down (a reload or restart)."""
+        if (
+            before is None
+            or self.requests < before.requests
+            or any(now < then for now, then in zip(self.by_class, before.by_class, strict=True))
+        ):
+            return self
+        return _Counters(
+            self.requests - before.requests,
+            tuple(now - then for now, then in zip(self.by_class, before.by_class, strict=True)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Responses:
+    """Responses of one env (``""``: no route) and status class since the previous sample, for the
+    request metrics; ``seconds`` is the backend's average total time (HAProxy keeps no histogram)."""
+
+    env_id: str
+    status_class: int
+    count: int
+    seconds: float
 
 
 class HAProxySampler:
     def __init__(self, now: float) -> None:
-        self._previous: dict[str, _Counters] = {}
+        self._previous: dict[tuple[str, str], _Counters] = {}
         self._at = now
+        self.responses: list[Responses] = []
+        """Filled by :meth:`sample`: what was answered since the previous one (hold backend excluded:
+        the Python handler measures its own requests)."""
 
     def sample(
         self, rows: Sequence[Mapping[str, str]], env_of_backend: Mapping[str, str], now: float
@@ -41,19 +76,29 @@ class HAProxySampler:
         samples: dict[str, cpb.ProxySample] = {}
         weights: dict[str, int] = {}
         previous, self._previous = self._previous, {}
+        self.responses = []
+        answered_by_backends = [0] * len(STATUS_CLASSES)
+        answered_by_frontend = [0] * len(STATUS_CLASSES)
         for row in rows:
-            if row.get("svname") != "BACKEND":
+            key = (row.get("pxname", ""), row.get("svname", ""))
+            if key[1] not in ("BACKEND", "FRONTEND"):
                 continue
-            backend = row["pxname"]
-            env_id = env_of_backend.get(backend)
+            counters = _Counters.of(row)
+            self._previous[key] = counters
+            delta = counters.since(previous.get(key))
+            total_by_class = answered_by_frontend if key[1] == "FRONTEND" else answered_by_backends
+            for index, count in enumerate(delta.by_class):
+                total_by_class[index] += count
+            env_id = env_of_backend.get(key[0]) if key[1] == "BACKEND" else None
             if env_id is None:
                 continue
-            counters = _Counters(_int(row, "stot"), _int(row, "hrsp_5xx"))
-            self._previous[backend] = counters
-            before = previous.get(backend, _Counters(0, 0))
-            if counters.requests < before.requests:  # restarted or reloaded: counters start over
-                before = _Counters(0, 0)
-            requests, errors = counters.requests - before.requests, counters.errors - before.errors
+            average_ms = float(_int(row, "ttime"))
+            self.responses += [
+                Responses(env_id, status_class, count, average_ms / 1000)
+                for status_class, count in zip(STATUS_CLASSES, delta.by_class, strict=True)
+                if count
+            ]
+            requests, errors = delta.requests, delta.by_class[-1]
             sample = samples.setdefault(env_id, cpb.ProxySample())
             sample.inflight += _int(row, "scur")
             sample.held += _int(row, "qcur")
@@ -62,9 +107,8 @@ class HAProxySampler:
             if total:
                 sample.error_rate = (sample.error_rate * weights.get(env_id, 0) + errors) / total
             weights[env_id] = total
-            average = float(_int(row, "ttime"))
-            sample.latency_p50_ms = max(sample.latency_p50_ms, average)
-            sample.latency_p99_ms = max(sample.latency_p99_ms, average)
+            sample.latency_p50_ms = max(sample.latency_p50_ms, average_ms)
+            sample.latency_p99_ms = max(sample.latency_p99_ms, average_ms)
             idle = _int(row, "lastsess") if row.get("lastsess", "") not in ("", "-1") else -1
             if idle >= 0:
                 at = Timestamp()
@@ -74,6 +118,12 @@ class HAProxySampler:
                     or at.ToNanoseconds() > sample.last_request_at.ToNanoseconds()
                 ):
                     sample.last_request_at.CopyFrom(at)
+        # Answered by the frontend itself (no route: the 404): what no backend answered.
+        for status_class, by_frontend, by_backends in zip(
+            STATUS_CLASSES, answered_by_frontend, answered_by_backends, strict=True
+        ):
+            if by_frontend > by_backends:
+                self.responses.append(Responses("", status_class, by_frontend - by_backends, 0.0))
         return samples
 
 

@@ -132,3 +132,14 @@ def test_certificate_changes() -> None:
         "del ssl crt-list /l /c/old.pem",
         "del ssl cert /c/old.pem",
     ]
+
+
+def test_sampler_counts_responses_per_env_and_status_class_for_the_metrics() -> None:
+    sampler = HAProxySampler(now=0.0)
+    backend = {**row("b1", 3), "hrsp_2xx": "3"}
+    hold = {**row("hold", 2), "hrsp_2xx": "2"}
+    frontend = {"pxname": "ingress", "svname": "FRONTEND", "stot": "9", "hrsp_2xx": "5", "hrsp_4xx": "1"}
+    sampler.sample([frontend, backend, hold], {"b1": "e1"}, 1.0)
+    assert {(r.env_id, r.status_class, r.count) for r in sampler.responses} == {("e1", 2, 3), ("", 4, 1)}
+    sampler.sample([frontend, backend, hold], {"b1": "e1"}, 2.0)
+    assert sampler.responses == []  # nothing new
