@@ -157,7 +157,7 @@ async def measure(quick: bool) -> list[Row]:
                     )
                 )
                 rows.append(row(f"  failed requests during route changes ({count} envs)", ours["failed"], "", "0"))
-            rows += await tls_and_websockets(root / "tls", backend_addr, seconds)
+            rows += await tls_and_websockets(root / "tls", backend_addr, seconds, 300 if quick else 3000)
     return rows
 
 
@@ -286,7 +286,7 @@ async def ws_round_trip_ms(client: aiohttp.ClientSession, ws_url: str, host: str
     return median(samples)
 
 
-async def tls_and_websockets(directory: Path, backend_addr: str, seconds: float) -> list[Row]:
+async def tls_and_websockets(directory: Path, backend_addr: str, seconds: float, certificates: int) -> list[Row]:
     """Our ingress with one env over TLS (keep-alive, and a new handshake per request) and a WebSocket
     echo round trip through it against the backend directly."""
     port, tls = free_port(), free_port()
@@ -315,10 +315,27 @@ async def tls_and_websockets(directory: Path, backend_addr: str, seconds: float)
             through = await ws_round_trip_ms(client, f"http://127.0.0.1:{port}/ws", "ws.bench", 200)
         rows.append(row("WebSocket echo round trip, backend directly", direct, "ms"))
         rows.append(row("WebSocket echo round trip through our ingress", through, "ms"))
+        rows += await many_certificates(engine, certificates)
     finally:
         await engine.stop()
         await runner.cleanup()
     return rows
+
+
+async def many_certificates(engine: HAProxyEngine, count: int) -> list[Row]:
+    """Install ``count`` certificates at run time (no reload), then replace one of them."""
+    pems = {f"site{i}": self_signed_pem(f"site{i}.bench") for i in range(count)}
+    started = time.perf_counter()
+    await engine.set_certificates(pems)
+    installed = time.perf_counter() - started
+    pems["site0"] = self_signed_pem("site0.bench")
+    started = time.perf_counter()
+    await engine.set_certificates(pems)
+    replaced = time.perf_counter() - started
+    return [
+        row(f"install {count} certificates at run time (no reload)", installed, "s"),
+        row(f"replace one certificate among {count}", 1000 * replaced, "ms"),
+    ]
 
 
 def _endpoint(assignment_id: str, addr: str) -> cpb.Endpoint:

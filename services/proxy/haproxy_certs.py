@@ -26,6 +26,7 @@ from shared.security.creds import write_private
 FALLBACK_NAME = "zattera-ingress"
 FALLBACK_DAYS = 3650
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_PRIVATE_KEY = re.compile(rb"-----BEGIN ([A-Z ]*)PRIVATE KEY-----.*?-----END \1PRIVATE KEY-----", re.DOTALL)
 
 
 def safe_name(name: str) -> str:
@@ -55,6 +56,29 @@ def self_signed_pem(common_name: str = FALLBACK_NAME) -> str:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     return cert.public_bytes(serialization.Encoding.PEM).decode() + key_pem.decode()
+
+
+def pem_problem(pem: str) -> str | None:
+    """Why HAProxy would refuse ``pem`` (no certificate, no private key, a key that does not match), or
+    None. Checked before anything is written: a bad file in the crt-list would stop HAProxy from starting."""
+    data = pem.encode()
+    try:
+        certificates = x509.load_pem_x509_certificates(data)
+    except ValueError:
+        return "no PEM certificate in it"
+    block = _PRIVATE_KEY.search(data)
+    if block is None:
+        return "no PEM private key in it"
+    try:
+        key = serialization.load_pem_private_key(block.group(0), password=None)
+    except (ValueError, TypeError):
+        return "its private key cannot be read (encrypted or malformed)"
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(serialization.Encoding.PEM, public) != certificates[0].public_key().public_bytes(
+        serialization.Encoding.PEM, public
+    ):
+        return "its private key does not match its first certificate"
+    return None
 
 
 def ensure_fallback(path: Path) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from services.proxy.haproxy_certs import changes, crt_list_text, ensure_fallback, installed
+from services.proxy.haproxy_certs import changes, crt_list_text, digest, ensure_fallback, installed, pem_problem
 from services.proxy.haproxy_config import Layout, Plan, RouteCache, map_text, plan, render, server_line
 from services.proxy.haproxy_runtime import RuntimeAPIError, command, execute, parse_stat_csv, send
 from services.proxy.haproxy_stats import HAProxySampler
@@ -336,6 +336,14 @@ class HAProxyEngine:
         """Serve exactly ``pems`` (name → PEM of chain + key) on the TLS listener: new and changed ones are
         loaded and swapped in through the runtime API (open connections keep theirs, new handshakes get
         the new one), missing ones removed. Files are written first, so a restart or reload loads them."""
+        usable = {}
+        for name, pem in pems.items():
+            problem = pem_problem(pem)
+            if problem is None:
+                usable[name] = pem
+            else:
+                log.warning("haproxy: certificate %s not served: %s", name, problem)
+        pems = usable
         async with self._lock:
             commands, to_write, gone = changes(pems, self._certificates, self.layout.certs_dir, self.layout.crt_list)
             if not commands:
@@ -351,7 +359,10 @@ class HAProxyEngine:
             failures = [c.split(" <<", 1)[0] + f": {a}" for c, a in zip(commands, answers, strict=True) if _failed(a)]
             if failures:
                 log.warning("haproxy certificate changes refused (%d): %s", len(failures), "; ".join(failures[:3]))
-            self._certificates = installed(self.layout.certs_dir)
+            for name, pem in to_write.items():
+                self._certificates[name] = digest(pem)
+            for name in gone:
+                self._certificates.pop(name, None)
 
     # ------------------------------------------------------------------ stats
 

@@ -9,7 +9,7 @@ import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.proxy.haproxy_certs import changes, digest
+from services.proxy.haproxy_certs import changes, digest, pem_problem, self_signed_pem
 from services.proxy.haproxy_config import HOLD_BACKEND, Layout, backend_name, backend_rules, plan, render
 from services.proxy.haproxy_stats import HAProxySampler, merge_samples
 from tests.proxy.harness import endpoint, http_route
@@ -143,3 +143,13 @@ def test_sampler_counts_responses_per_env_and_status_class_for_the_metrics() -> 
     assert {(r.env_id, r.status_class, r.count) for r in sampler.responses} == {("e1", 2, 3), ("", 4, 1)}
     sampler.sample([frontend, backend, hold], {"b1": "e1"}, 2.0)
     assert sampler.responses == []  # nothing new
+
+
+def test_pem_problems_are_named_before_anything_is_written() -> None:
+    good = self_signed_pem("a.example.com")
+    other_key = self_signed_pem("b.example.com").split("-----END CERTIFICATE-----\n", 1)[1]
+    certificate_only = good.split("-----END CERTIFICATE-----\n", 1)[0] + "-----END CERTIFICATE-----\n"
+    assert pem_problem(good) is None
+    assert pem_problem("garbage") == "no PEM certificate in it"
+    assert pem_problem(certificate_only) == "no PEM private key in it"
+    assert pem_problem(certificate_only + other_key) == "its private key does not match its first certificate"
