@@ -243,10 +243,18 @@ class HAProxyEngine:
             if snapshot is not self._snapshot:
                 return  # a newer one came meanwhile: the call that brought it applies it
             target = self._plan(snapshot)
+            started = time.monotonic()
             if not target.same_structure(self.running):
                 await self._reload(target)
+                log.info(
+                    "haproxy: reloaded for routes version %d (%d backends) in %.2fs",
+                    snapshot.version,
+                    len(target.backends),
+                    time.monotonic() - started,
+                )
             else:
                 await self._change_at_runtime(target)
+                log.debug("haproxy: routes version %d applied in %.3fs", snapshot.version, time.monotonic() - started)
 
     async def _reload(self, target: Plan) -> None:
         old_worker = await self._worker_pid()
