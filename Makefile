@@ -10,11 +10,10 @@ STAMP := $(VENV)/.installed
 SYSTEM_PACKAGES :=
 SYSTEM_PACKAGES += iproute2  # ip netns: the cross-node private-networking test (tests/agent/test_network_netns.py); issue 24
 SYSTEM_PACKAGES += nodejs npm  # builds of Node apps (npm ci, npm run build) and running them (npm start); issue 27
-
 SYSTEM_PACKAGES += pebble  # ACME test CA (pebble, pebble-challtestsrv) for the certificate tests
-
 SYSTEM_PACKAGES += docker.io busybox-static  # the docker runtime (issue 20): its tests start their own dockerd; busybox is their base image
 SYSTEM_PACKAGES += chromium  # the web console's browser tests (Playwright drives the system browser)
+SYSTEM_PACKAGES += haproxy  # the ingress data plane (issue 18: services/proxy --engine haproxy)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 
+from services.proxy.haproxy_engine import choose_engine
 from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
 from shared.natsio import connect, provision
@@ -353,6 +354,13 @@ Next, in another terminal (ZATTERA_NATS_URL={nats}):
 """
 
 
+def data_plane_text() -> str:
+    """Which data plane the proxy runs (the choice ``python -m services.proxy`` makes without ``--engine``)."""
+    if choose_engine(os.environ.get("ZATTERA_PROXY_ENGINE", "")) == "haproxy":
+        return "haproxy (cold and basic-auth requests through the Python handler; docs/ingress.md)"
+    return "python (haproxy not installed: make system-packages installs it; docs/ingress.md)"
+
+
 def proxy_listen_text(host: str, port: int) -> str:
     """Where the proxy listens, and what that means for who can reach it."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -437,6 +445,7 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
             console.print(f"  HTTPS:     *.localhost certificates from a local CA: trust {local_ca}")
         if any(c.name == "proxy" for c in cluster.children):
             console.print(f"  proxy:     listening on {proxy_listen_text(cluster.proxy_host, cluster.proxy_port)}")
+            console.print(f"             data plane: {data_plane_text()}")
             console.print(f"             http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")
         if any(c.name in ("console", ALL_IN_ONE) for c in cluster.children):
             console.print(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from services.proxy.haproxy_engine import HAProxyIngress, choose_engine, haproxy_ingress
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
@@ -38,6 +39,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--proxy-id", default=None, help="heartbeat key (default: the host name)")
     parser.add_argument("--node-id", default=None, help="node this proxy runs on")
     parser.add_argument("--cache-dir", type=Path, default=None, help="route cache dir (default: <data_dir>/proxy)")
+    parser.add_argument(
+        "--engine",
+        choices=["python", "haproxy"],
+        default=None,
+        help="data plane (default: $ZATTERA_PROXY_ENGINE, else haproxy when installed, else python)",
+    )
+    parser.add_argument("--tls-listen", default=None, help="haproxy engine: HOST:PORT of the TLS listener (SNI, h2)")
+    parser.add_argument(
+        "--certs-dir", type=Path, default=None, help="haproxy engine: directory of <name>.pem (chain + key) to serve"
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_metrics_argument(parser)
     return parser.parse_args(argv)
@@ -59,6 +70,9 @@ async def run(argv: Sequence[str] | None = None) -> int:
             ("proxy_id", args.proxy_id),
             ("node_id", args.node_id),
             ("cache_dir", args.cache_dir),
+            ("engine", args.engine),
+            ("tls_listen", args.tls_listen),
+            ("certs_dir", args.certs_dir),
         )
         if value is not None
     }
@@ -72,17 +86,31 @@ async def run(argv: Sequence[str] | None = None) -> int:
             log.error("proxy: %s: %s", where, error["msg"].removeprefix("Value error, "))
         return 2
     cache_dir = cfg.cache_dir or shared.data_dir / "proxy"
-    proxy = Proxy(cfg, nats_url=args.nats or shared.nats_url, cache_dir=cache_dir, metrics=metrics_on)
+    engine = choose_engine(cfg.engine)
+    if engine is None:
+        log.error("proxy: --engine haproxy: haproxy is not installed (make system-packages installs it)")
+        return 2
+    service: Proxy | HAProxyIngress
+    if engine == "haproxy":
+        service = haproxy_ingress(cfg, nats_url=args.nats or shared.nats_url, cache_dir=cache_dir, metrics=metrics_on)
+    else:
+        service = Proxy(cfg, nats_url=args.nats or shared.nats_url, cache_dir=cache_dir, metrics=metrics_on)
+    log.info("proxy: data plane %s", engine)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await proxy.start()
+    try:
+        await service.start()
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        log.error("proxy: the %s data plane did not start: %s", engine, exc)
+        await service.stop()
+        return 1
     try:
         await stop.wait()
         log.info("proxy: stopping (draining for up to %.1fs)", cfg.shutdown_grace)
     finally:
-        await proxy.stop()
+        await service.stop()
     log.info("proxy: stopped")
     return 0
 

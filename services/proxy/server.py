@@ -30,7 +30,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +44,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from services.proxy.activator import HoldRejected, Holds
 from services.proxy.auth import BasicAuth, https_location, is_https, route_users
 from services.proxy.balancer import STICKY_COOKIE, Balancer, sticky_endpoint, sticky_value
+from services.proxy.haproxy_stats import merge_samples
 from services.proxy.ratelimit import RateLimiter
 from services.proxy.routing import RouteEntry, RouteTable, request_host
 from services.proxy.settings import ROUTES_CACHE_FILE, ProxySettings
@@ -94,14 +95,17 @@ def end_to_end(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
 
 
 def upstream_request_headers(
-    request: web.BaseRequest, client_ip: str, *, drop_authorization: bool = False
+    request: web.BaseRequest, client_ip: str | None, *, drop_authorization: bool = False
 ) -> CIMultiDict[str]:
     """End-to-end headers (Host preserved) plus ``X-Forwarded-For`` (appended), ``-Proto`` and ``-Host``.
+    ``client_ip`` None: an engine in front already set the forwarded headers (kept as they are).
     ``drop_authorization``: the proxy checked the credentials itself (the route's basic auth), so the app
     never sees the password."""
     headers = end_to_end(request.headers)
     if drop_authorization:
         headers.popall(hdrs.AUTHORIZATION, None)
+    if client_ip is None:
+        return headers
     prior = request.headers.get("X-Forwarded-For")
     headers["X-Forwarded-For"] = f"{prior}, {client_ip}" if prior else client_ip
     headers["X-Forwarded-Proto"] = request.scheme
@@ -135,8 +139,16 @@ class Proxy:
         nats_url: str,
         cache_dir: Path,
         metrics: bool = False,
+        behind_engine: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.behind_engine = behind_engine
+        """Serving for an engine in front (HAProxy): the client is the last ``X-Forwarded-For`` value."""
+        self.snapshot_listeners: list[Callable[[cpb.RouteSnapshot], None]] = []
+        self.sample_sources: list[Callable[[], Awaitable[dict[str, cpb.ProxySample]]]] = []
+        """Other data paths' per-env samples, merged into this proxy's heartbeat."""
+        self.served_version: Callable[[], int] = lambda: self.table.version
+        """The routes version the data plane serves (an engine in front may lag the Python table)."""
         self.metrics = metrics
         self._requests = RequestSeries()
         self.nats_url = nats_url
@@ -228,6 +240,8 @@ class Proxy:
                 if snapshot.version != self.table.version:
                     self.table = RouteTable(snapshot)
                     self.holds.wake_all()
+                    for listener in self.snapshot_listeners:
+                        listener(snapshot)
         finally:
             updates.close()
 
@@ -260,7 +274,12 @@ class Proxy:
 
     async def _publish_heartbeat(self) -> None:
         heartbeat = self.stats.heartbeat(self.proxy_id, self.cfg.node_id, self.holds.held, self.table.env_ids)
-        heartbeat.routes_version = self.table.version  # what it routes by now (zattera deploy waits on it)
+        heartbeat.routes_version = self.served_version()  # what it routes by now (zattera deploy waits on it)
+        if self.sample_sources:
+            merged = merge_samples(heartbeat.envs, *[await source() for source in self.sample_sources])
+            heartbeat.ClearField("envs")
+            for env_id, sample in merged.items():
+                heartbeat.envs[env_id].CopyFrom(sample)
         if self.conn is None or not self.conn.nc.is_connected:
             return  # the control plane is unreachable: nothing to report to (the RPS window restarts)
         try:
@@ -282,6 +301,13 @@ class Proxy:
             log.info("activation of env %s not accepted (not a scale-to-zero env)", env_id)
 
     # ------------------------------------------------------------------ requests
+
+    def _client_ip(self, request: web.BaseRequest) -> str:
+        if self.behind_engine:
+            forwarded = request.headers.getall("X-Forwarded-For", ())
+            if forwarded:
+                return forwarded[-1].rsplit(",", 1)[-1].strip()
+        return request.remote or ""
 
     def _choose(self, host: str, path: str) -> Choice | None:
         """Re-match and re-pick for a held request: None = keep waiting."""
@@ -312,7 +338,7 @@ class Proxy:
             return error_response(404, "no route for host")
         route = entry.route
         request[ENV_KEY] = route.environment_id
-        client_ip = request.remote or ""
+        client_ip = self._client_ip(request)
         if not entry.admits(client_ip):
             return error_response(403, "forbidden")
         middleware = route.middleware if route.HasField("middleware") else None
@@ -381,7 +407,9 @@ class Proxy:
                     upstream = await self._session.request(
                         request.method,
                         URL(f"http://{addr}{target}", encoded=True),
-                        headers=upstream_request_headers(request, request.remote or "", drop_authorization=checked),
+                        headers=upstream_request_headers(
+                            request, None if self.behind_engine else request.remote or "", drop_authorization=checked
+                        ),
                         data=body,
                         allow_redirects=False,
                     )

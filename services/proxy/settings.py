@@ -8,8 +8,9 @@ it. The command line overrides the identity and listener ones. The listen addres
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.proxy.activator import HOLD_TIMEOUT, MAX_HELD_BODY_BYTES, MAX_HELD_PER_ENV
@@ -41,6 +42,9 @@ class ProxySettings(BaseSettings):
     proxy_id: str = Field(default="", description="key of this proxy's heartbeat; '' = the host name")
     node_id: str = Field(default="", description="node this proxy runs on (P2C tie-break, Activate requests)")
     cache_dir: Path | None = Field(default=None, description="route cache directory; unset = <data_dir>/proxy")
+    engine: Literal["", "python", "haproxy"] = Field(
+        default="", description="data plane: haproxy (default when installed) or python; '' = pick"
+    )
 
     heartbeat_interval: float = Field(default=2.0, gt=0)
     hold_timeout: float = Field(default=HOLD_TIMEOUT, gt=0, description="longest wait for an endpoint (504)")
@@ -50,9 +54,26 @@ class ProxySettings(BaseSettings):
     upstream_connect_timeout: float = Field(default=5.0, gt=0)
     upstream_keepalive: float = Field(default=30.0, gt=0, description="idle upstream connections closed after")
     shutdown_grace: float = Field(default=5.0, ge=0, description="in-flight requests drained on SIGTERM")
+    tls_listen: str = Field(
+        default="", description="haproxy engine: HOST:PORT of the TLS listener (SNI, h2); '' = none; port 0 = free"
+    )
+    certs_dir: Path | None = Field(
+        default=None, description="haproxy engine: directory of <name>.pem (chain + key) the TLS listener serves"
+    )
+    certs_poll_interval: float = Field(default=1.0, gt=0, description="how often certs_dir is read for changes")
+    header_timeout: float = Field(
+        default=10.0, gt=0, description="haproxy engine: a request head must arrive within this (slow clients: 408)"
+    )
 
     @model_validator(mode="after")
     def _listen(self) -> ProxySettings:
         if self.listen:
             self.host, self.port = split_listen(self.listen)
         return self
+
+    @field_validator("tls_listen")
+    @classmethod
+    def _tls_listen(cls, value: str) -> str:
+        if value:
+            split_listen(value)
+        return value

@@ -1,0 +1,370 @@
+"""What HAProxy should run for one route table (pure): the :class:`Plan` and the configuration text.
+
+A plan has three parts, changed at run time in different ways (:mod:`services.proxy.haproxy_engine`):
+
+* ``hosts`` — the Host map (``hosts.map``: lowercased hostname → backend name), an O(log n) tree
+  lookup per request; changed entry by entry with ``set map``/``add map``/``del map``;
+* ``paths`` — hostname + path prefix → backend name for hosts that have path-prefixed routes, longest
+  prefix first (``map_beg`` keeps file order); small, rewritten whole with ``prepare map``/``commit map``;
+* ``backends`` — one per (env, middleware, rate limit, concurrency cap) with its servers. Servers of
+  non-sticky backends are added/removed at run time (``add server``/``del server``); anything else that
+  differs (a new backend, changed middleware, the servers of a sticky backend: HAProxy 2.6 refuses
+  ``cookie`` on dynamic servers) is a *structure* change: a new configuration and a hitless reload.
+
+Routes that HAProxy does not serve itself go to the ``hold`` backend, whose one server is the Python
+handler (:class:`services.proxy.server.Proxy` on loopback): routes with no healthy endpoint (cold:
+hold-and-activate, or the 502 "no healthy endpoint") and routes with basic auth (HAProxy 2.6 checks
+bcrypt hashes with crypt(3) on its single event loop, without caching: ~0.1 s of a stalled data plane
+per request; the Python handler checks in a thread and remembers logins).
+
+Middleware, in the Python proxy's order: IP allowlist (403) → HTTPS redirect (308) → rate limit (429) →
+body cap (413, declared ``Content-Length``) → sticky cookie → ``balance random(2)`` (power of two
+choices; the same-node tie-break is a weight of 101 against 100: HAProxy compares load per weight) with
+``maxconn`` = ``max_concurrency`` and ``timeout queue`` = the hold timeout (a full env's requests queue
+in HAProxy), ``retry-on conn-failure`` + ``option redispatch`` (a refused connection is retried on
+another server).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import re
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from services.proxy.auth import route_users
+from services.proxy.balancer import STICKY_COOKIE, sticky_value
+
+HOLD_BACKEND = "hold"
+LOCAL_WEIGHT = 101
+REMOTE_WEIGHT = 100
+RATE_TABLE_SIZE = "32k"
+RATE_TABLE_EXPIRE = "120s"
+SOCKET_DIR_MAX = 70
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def _json_return(status: int, message: str, *headers: str) -> str:
+    extra = "".join(f" hdr {name} {value}" for name, value in (h.split(":", 1) for h in headers))
+    return (
+        f'http-request return status {status} content-type application/json string \'{{"error":"{message}"}}\'{extra}'
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    name: str
+    addr: str
+    weight: int
+    maxconn: int
+    cookie: str
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    name: str
+    env_id: str
+    rules: tuple[str, ...]
+    """Configuration lines of the backend besides its servers (middleware, balance, timeouts)."""
+    sticky: bool
+    servers: tuple[Server, ...]
+
+    def structure(self) -> tuple[object, ...]:
+        """What only a reload can change."""
+        return (self.name, self.rules, self.servers if self.sticky else ())
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    hosts: dict[str, str]
+    paths: tuple[tuple[str, str], ...]
+    backends: dict[str, Backend]
+    env_of_backend: dict[str, str] = field(default_factory=dict)
+
+    def same_structure(self, other: Plan) -> bool:
+        """Whether ``other`` can be reached from this plan by runtime changes alone."""
+        if self.backends.keys() != other.backends.keys():
+            return False
+        return all(
+            mine is other.backends[name] or mine.structure() == other.backends[name].structure()
+            for name, mine in self.backends.items()
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where HAProxy listens and keeps its files, and the timers it gets."""
+
+    directory: Path
+    bind: str
+    """``HOST:PORT`` of the public listener."""
+    hold_addr: str
+    """``HOST:PORT`` of the Python hold handler."""
+    hold_timeout: float
+    connect_timeout: float
+    client_timeout: float = 30.0
+    server_timeout: float = 300.0
+    shutdown_grace: float = 5.0
+    header_timeout: float = 10.0
+    """A client must send a request's whole head within this (slow clients get 408 and are closed)."""
+    tls_bind: str = ""
+    """``HOST:PORT`` of the TLS listener (SNI over the crt-list, ALPN h2 and http/1.1); '' = none."""
+    old_worker_lifetime: float = 600.0
+    """After a reload, the old worker keeps its open connections (WebSockets) at most this long: the drain
+    window, so a connection open during a red/green deploy lives as long as its old replica may."""
+
+    @property
+    def config_file(self) -> Path:
+        return self.directory / "haproxy.cfg"
+
+    @property
+    def hosts_map(self) -> Path:
+        return self.directory / "hosts.map"
+
+    @property
+    def paths_map(self) -> Path:
+        return self.directory / "paths.map"
+
+    @property
+    def certs_dir(self) -> Path:
+        """One ``<name>.pem`` (chain + key) per installed certificate."""
+        return self.directory / "certs"
+
+    @property
+    def crt_list(self) -> Path:
+        return self.directory / "certs.list"
+
+    @property
+    def default_cert(self) -> Path:
+        """Served when no certificate matches the SNI (a self-signed one made at first start)."""
+        return self.directory / "default.pem"
+
+    @property
+    def socket_dir(self) -> Path:
+        """``directory``, or a short private one under the temp dir when a socket path there would pass the
+        unix limit (108 bytes, and HAProxy binds ``<path>.<pid>.tmp`` first)."""
+        if len(str(self.directory)) <= SOCKET_DIR_MAX:
+            return self.directory
+        digest = hashlib.sha256(str(self.directory).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"zattera-haproxy-{digest}"
+
+    @property
+    def stats_socket(self) -> Path:
+        return self.socket_dir / "stats.sock"
+
+    @property
+    def master_socket(self) -> Path:
+        return self.socket_dir / "master.sock"
+
+
+def backend_name(route: cpb.HTTPRoute) -> str:
+    """Stable per (env, middleware, rate limit, cap): equal routes share a backend across snapshots."""
+    signature = hashlib.sha1(usedforsecurity=False)
+    for part in (route.middleware, route.rate_limit):
+        signature.update(part.SerializeToString(deterministic=True))
+        signature.update(b"|")
+    signature.update(str(route.max_concurrency).encode())
+    return f"env_{_UNSAFE.sub('_', route.environment_id)}_{signature.hexdigest()[:10]}"
+
+
+def server_name(endpoint: cpb.Endpoint) -> str:
+    return "s_" + _UNSAFE.sub("_", endpoint.assignment_id or endpoint.addr)
+
+
+def _allowlist(entries: Iterable[str]) -> list[str]:
+    networks: list[str] = []
+    for entry in entries:
+        try:
+            networks.append(str(ipaddress.ip_network(entry.strip(), strict=False)))
+        except ValueError:
+            continue  # invalid entries are dropped, as the Python proxy does
+    return networks
+
+
+def backend_rules(route: cpb.HTTPRoute, hold_timeout: float) -> tuple[str, ...]:
+    middleware = route.middleware if route.HasField("middleware") else pb.Middleware()
+    rules = [
+        "balance random(2)",
+        "option redispatch 1",
+        "retries 3",
+        "retry-on conn-failure",
+        f"timeout queue {ms(hold_timeout)}",
+    ]
+    if middleware.ip_allowlist:
+        networks = _allowlist(middleware.ip_allowlist)
+        condition = f" unless {{ src {' '.join(networks)} }}" if networks else ""
+        rules.append(_json_return(403, "forbidden") + condition)
+    if middleware.redirect_https:
+        rules.append("http-request redirect scheme https code 308 unless { var(txn.https) -m bool }")
+    if route.HasField("rate_limit") and route.rate_limit.requests_per_second > 0:
+        allowed = max(route.rate_limit.burst, route.rate_limit.requests_per_second)
+        rules += [
+            f"stick-table type ipv6 size {RATE_TABLE_SIZE} expire {RATE_TABLE_EXPIRE} store http_req_rate(1s)",
+            "http-request track-sc0 src",
+            _json_return(429, "rate limit exceeded", "Retry-After:1") + f" if {{ sc_http_req_rate(0) gt {allowed} }}",
+        ]
+    if middleware.max_body_bytes:
+        rules.append(
+            _json_return(413, "request body too large")
+            + f" if {{ req.hdr_val(content-length) gt {middleware.max_body_bytes} }}"
+        )
+    if middleware.sticky_sessions:
+        rules.append(f"cookie {STICKY_COOKIE} insert indirect nocache httponly attr SameSite=Lax")
+    if middleware.compress:
+        rules.append("compression algo gzip")
+    return tuple(rules)
+
+
+def _servers(route: cpb.HTTPRoute, node_id: str) -> tuple[Server, ...]:
+    servers = {
+        server_name(e): Server(
+            name=server_name(e),
+            addr=e.addr,
+            weight=LOCAL_WEIGHT if node_id and e.node_id == node_id else REMOTE_WEIGHT,
+            maxconn=route.max_concurrency,
+            cookie=sticky_value(e),
+        )
+        for e in route.endpoints
+        if e.healthy and e.addr
+    }
+    return tuple(servers[name] for name in sorted(servers))
+
+
+def path_key(hostname: str, prefix: str) -> str | None:
+    """The ``paths.map`` key of a route (None: a prefix not starting with ``/`` never matches a path)."""
+    if not prefix:
+        return hostname + "/"
+    return hostname + prefix if prefix.startswith("/") else None
+
+
+RouteCache = dict[bytes, tuple[str, str, "Backend | None", "Backend | None"]]
+"""Serialized route → (lowercased hostname, path prefix, the backend serving it — None: the Python
+handler —, the backend kept for it). Routes that did
+not change between two snapshots are not planned again, and their Backend objects stay identical (cheap
+comparisons): a snapshot of 10,000 routes with one changed costs one serialization per route."""
+
+
+def _plan_route(
+    route: cpb.HTTPRoute, node_id: str, hold_timeout: float
+) -> tuple[str, str, Backend | None, Backend | None]:
+    """(hostname, prefix, the backend requests go to — None: the Python handler —, the backend to keep). A
+    cold route keeps its (empty) backend, so going cold and warming up again are runtime changes."""
+    hostname, prefix = route.hostname.lower(), route.path_prefix
+    if route.HasField("middleware") and route_users(route.middleware):
+        return hostname, prefix, None, None
+    sticky = route.HasField("middleware") and route.middleware.sticky_sessions
+    servers = _servers(route, node_id)
+    backend = Backend(backend_name(route), route.environment_id, backend_rules(route, hold_timeout), sticky, servers)
+    return hostname, prefix, backend if servers else None, backend
+
+
+def plan(snapshot: cpb.RouteSnapshot, *, node_id: str, hold_timeout: float, cache: RouteCache | None = None) -> Plan:
+    """The plan of a snapshot. ``cache`` (optional) is read and replaced by this snapshot's routes."""
+    previous = cache.copy() if cache is not None else {}
+    current: RouteCache = {}
+    backends: dict[str, Backend] = {}
+    targets: list[tuple[str, str, str]] = []  # (hostname, prefix, backend)
+    hold = HOLD_BACKEND
+    for route in snapshot.http_routes:
+        key = route.SerializeToString(deterministic=True)
+        planned = previous.get(key) or _plan_route(route, node_id, hold_timeout)
+        current[key] = planned
+        hostname, prefix, serving, kept = planned
+        if kept is not None and kept.name not in backends:
+            backends[kept.name] = kept
+        targets.append((hostname, prefix, serving.name if serving is not None else hold))
+    if cache is not None:
+        cache.clear()
+        cache.update(current)
+    prefixed = {hostname for hostname, prefix, _ in targets if prefix}
+    hosts: dict[str, str] = {}
+    paths: list[tuple[str, str, int]] = []
+    for order, (hostname, prefix, name) in enumerate(targets):
+        if hostname not in prefixed:
+            hosts.setdefault(hostname, name)
+            continue
+        path = path_key(hostname, prefix)
+        if path is not None:
+            paths.append((path, name, order))
+    paths.sort(key=lambda entry: (-len(entry[0]), entry[2]))  # longest first, snapshot order on ties
+    ordered: dict[str, str] = {}
+    for path, name, _ in paths:
+        ordered.setdefault(path, name)
+    return Plan(hosts, tuple(ordered.items()), backends, {name: b.env_id for name, b in backends.items()})
+
+
+def server_line(server: Server, *, sticky: bool) -> str:
+    line = f"server {server.name} {server.addr} weight {server.weight}"
+    if server.maxconn:
+        line += f" maxconn {server.maxconn}"
+    if sticky:
+        line += f" cookie {server.cookie}"
+    return line
+
+
+def ms(seconds: float) -> str:
+    return f"{int(seconds * 1000)}ms"
+
+
+def map_text(entries: Iterable[tuple[str, str]]) -> str:
+    return "".join(f"{key} {value}\n" for key, value in entries)
+
+
+def render(plan_: Plan, layout: Layout) -> str:
+    """The whole configuration: global, defaults, the frontend, the hold backend and every backend with
+    its current servers (so a fresh or reloaded HAProxy starts with all routes, before any runtime call)."""
+    lines = [
+        "global",
+        f"    stats socket {layout.stats_socket} mode 600 level admin expose-fd listeners",
+        "    stats timeout 30s",
+        "    nbthread 1",
+        f"    hard-stop-after {ms(max(layout.shutdown_grace, 1.0) + layout.old_worker_lifetime)}",
+        "defaults",
+        "    mode http",
+        "    option http-keep-alive",
+        "    option forwardfor",
+        f"    timeout connect {ms(layout.connect_timeout)}",
+        f"    timeout client {ms(layout.client_timeout)}",
+        f"    timeout server {ms(layout.server_timeout)}",
+        f"    timeout http-request {ms(layout.header_timeout)}",
+        "    timeout http-keep-alive 30s",
+        "    timeout tunnel 1h",
+        "    timeout client-fin 5s",
+        "",
+        "frontend ingress",
+        f"    bind {layout.bind}",
+        *(
+            [f"    bind {layout.tls_bind} ssl crt {layout.default_cert} crt-list {layout.crt_list} alpn h2,http/1.1"]
+            if layout.tls_bind
+            else []
+        ),
+        # As the Python proxy: HTTPS to this listener, or a TLS terminator in front saying so.
+        "    http-request set-var(txn.https) bool(1) if { ssl_fc } || "
+        "{ req.hdr(x-forwarded-proto,1),lower -m str https }",
+        "    http-request set-header X-Forwarded-Proto %[ssl_fc,iif(https,http)]",
+        "    http-request set-header X-Forwarded-Host %[req.hdr(host)]",
+        "    http-request set-var(txn.host) req.hdr(host),field(1,:),lower",
+        "    http-request set-var(txn.path) path",
+        "    http-request set-var(txn.hostpath) var(txn.host),concat(,txn.path,)",
+        f"    http-request set-var(txn.backend) var(txn.hostpath),map_beg({layout.paths_map})",
+        f"    http-request set-var(txn.backend) var(txn.host),map({layout.hosts_map}) "
+        "unless { var(txn.backend) -m found }",
+        "    " + _json_return(404, "no route for host") + " unless { var(txn.backend) -m found }",
+        "    use_backend %[var(txn.backend)]",
+        "",
+        f"backend {HOLD_BACKEND}",
+        "    timeout server " + ms(layout.hold_timeout + layout.server_timeout),
+        f"    server python {layout.hold_addr}",
+    ]
+    for name in sorted(plan_.backends):
+        backend = plan_.backends[name]
+        lines += ["", f"backend {name}"]
+        lines += [f"    {rule}" for rule in backend.rules]
+        lines += [f"    {server_line(s, sticky=backend.sticky)}" for s in backend.servers]
+    return "\n".join(lines) + "\n"

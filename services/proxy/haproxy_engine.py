@@ -1,0 +1,518 @@
+"""HAProxy in the data path, run and driven by the proxy process (``--engine haproxy``).
+
+:class:`HAProxyEngine` supervises one HAProxy in master-worker mode (``haproxy -W -S master.sock``):
+started from a configuration rendered from the current routes, restarted (with the routes it has now,
+so from the route cache when the control plane is down) whenever it exits without being asked to, and
+soft-stopped on shutdown (in-flight requests finish).
+
+Route changes (:meth:`HAProxyEngine.apply`, serialized, the newest snapshot wins) go through the runtime
+API when they can, so nothing is dropped and nothing is re-parsed: Host map entries, the path map, and
+servers of non-sticky backends. A server that leaves is put in maintenance at once (no new requests;
+the ones in flight finish) and deleted once HAProxy accepts it (no connection left). Anything else is a
+structure change (:mod:`services.proxy.haproxy_config`): the configuration is rewritten and the master
+told to ``reload``; the new worker takes the listening sockets over (``expose-fd listeners``), the old one
+finishes its in-flight requests and WebSockets (bounded by ``hard-stop-after``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import gc
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from zattera.cluster.v1 import cluster_pb2 as cpb
+
+from services.proxy.haproxy_certs import changes, crt_list_text, digest, ensure_fallback, installed, pem_problem
+from services.proxy.haproxy_config import Layout, Plan, RouteCache, map_text, plan, render, server_line
+from services.proxy.haproxy_runtime import RuntimeAPIError, command, execute, parse_stat_csv, send
+from services.proxy.haproxy_stats import HAProxySampler
+from services.proxy.server import Proxy
+from services.proxy.settings import ProxySettings, split_listen
+from shared.embedded import free_port
+from shared.metrics import RequestSeries
+from shared.security.creds import write_private
+from shared.settings import settings
+
+log = logging.getLogger(__name__)
+
+HAPROXY = "haproxy"
+READY_TIMEOUT = 30.0
+RESTART_BACKOFF_MAX = 5.0
+SWEEP_INTERVAL = 1.0
+PR_SET_PDEATHSIG = 1
+
+
+def haproxy_binary() -> str | None:
+    """The ``haproxy`` executable, or None when it is not installed."""
+    return shutil.which(HAPROXY)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the proxy process dies, so no HAProxy outlives it."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Planning 10,000 routes allocates enough to trigger full collections of the cached plan: 20-40 ms
+    became 250-500 ms, on the route change path. The loop creates no cycles, so none is missed."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _private_dir(path: Path) -> None:
+    """A directory only this user can enter (it holds the admin sockets); refuses one someone else owns."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to another user: not keeping the haproxy sockets there")
+    path.chmod(0o700)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+class HAProxyEngine:
+    def __init__(
+        self, layout: Layout, *, node_id: str, binary: str | None = None, requests: RequestSeries | None = None
+    ) -> None:
+        self.layout = layout
+        self.requests = requests
+        """Where HAProxy's answered requests are counted (``zattera.proxy.request.duration``), if metrics are on."""
+        self.node_id = node_id
+        self.binary = binary or haproxy_binary() or HAPROXY
+        self.running = Plan({}, (), {})
+        """What HAProxy serves now (configuration plus runtime changes)."""
+        self.restarts = 0
+        self.reloads = 0
+        self._snapshot = cpb.RouteSnapshot()
+        self._route_cache: RouteCache = {}
+        self._lock = asyncio.Lock()
+        self._draining: set[tuple[str, str]] = set()
+        self._process: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._started = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sampler = HAProxySampler(time.time())
+        self._certificates: dict[str, str] = {}
+        """name → digest of the certificates HAProxy holds."""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def start(self, snapshot: cpb.RouteSnapshot) -> None:
+        """Serve ``snapshot`` (the cached routes at process start); returns once HAProxy answers."""
+        self.layout.directory.mkdir(parents=True, exist_ok=True)
+        _private_dir(self.layout.socket_dir)
+        self._snapshot = snapshot
+        async with self._lock:
+            await self._spawn()
+        self._tasks = [asyncio.create_task(self._supervise()), asyncio.create_task(self._sweep())]
+
+    async def stop(self) -> None:
+        """Soft stop: the listeners close, in-flight requests finish within the shutdown grace."""
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        process = self._process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGUSR1)
+            try:
+                await asyncio.wait_for(process.wait(), self.layout.shutdown_grace + 1)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        if self.layout.socket_dir != self.layout.directory:
+            shutil.rmtree(self.layout.socket_dir, ignore_errors=True)
+
+    def _write_files(self, target: Plan) -> None:
+        if self.layout.tls_bind:
+            ensure_fallback(self.layout.default_cert)
+            _write_atomically(self.layout.crt_list, crt_list_text(self.layout.certs_dir))
+        _write_atomically(self.layout.hosts_map, map_text(sorted(target.hosts.items())))
+        _write_atomically(self.layout.paths_map, map_text(target.paths))
+        _write_atomically(self.layout.config_file, render(target, self.layout))
+
+    async def _spawn(self) -> None:
+        target = self._plan(self._snapshot)
+        self._write_files(target)
+        for stale in (self.layout.master_socket, self.layout.stats_socket):
+            stale.unlink(missing_ok=True)  # never mistake a previous HAProxy's socket for this one's
+        output = open(self.layout.directory / "haproxy.log", "ab")  # noqa: SIM115, ASYNC230 - the child keeps it
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                self.binary,
+                "-W",
+                "-db",
+                "-f",
+                str(self.layout.config_file),
+                "-S",
+                f"{self.layout.master_socket},mode,600",
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=output,
+                stderr=output,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            output.close()
+        await self._wait_ready(None)
+        self.running = target
+        self._certificates = installed(self.layout.certs_dir)
+        self._draining.clear()
+        log.info(
+            "haproxy: pid %d serving %d hosts, %d backends", self._process.pid, len(target.hosts), len(target.backends)
+        )
+
+    async def _worker_pid(self) -> int | None:
+        try:
+            info = await command(self.layout.stats_socket, "show info", timeout=2)
+        except (OSError, TimeoutError, RuntimeAPIError):
+            return None
+        for line in info.splitlines():
+            if line.startswith("Pid:"):
+                return int(line.split(":", 1)[1])
+        return None
+
+    async def _wait_ready(self, old_worker: int | None) -> None:
+        """Until a worker other than ``old_worker`` answers on the stats socket."""
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            process = self._process
+            if process is not None and process.returncode is not None:
+                raise RuntimeError(f"haproxy exited with {process.returncode}; see {self.layout.directory}/haproxy.log")
+            pid = await self._worker_pid()
+            if pid is not None and pid != old_worker:
+                return
+            await asyncio.sleep(0.02)
+        raise TimeoutError(f"haproxy did not answer within {READY_TIMEOUT:.0f}s")
+
+    async def _supervise(self) -> None:
+        """Restart HAProxy whenever it exits on its own, with the current routes."""
+        backoff = 0.1
+        while True:
+            process = self._process
+            assert process is not None
+            code = await process.wait()
+            if self._stopping:
+                return
+            log.error("haproxy exited (%s); restarting with routes version %d", code, self._snapshot.version)
+            async with self._lock:
+                try:
+                    await self._spawn()
+                    self.restarts += 1
+                    backoff = 0.1
+                except (OSError, RuntimeError, TimeoutError) as exc:
+                    log.error("haproxy restart failed: %s; retrying in %.1fs", exc, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, RESTART_BACKOFF_MAX)
+
+    # ------------------------------------------------------------------ route changes
+
+    def _plan(self, snapshot: cpb.RouteSnapshot) -> Plan:
+        with _gc_paused():
+            return plan(snapshot, node_id=self.node_id, hold_timeout=self.layout.hold_timeout, cache=self._route_cache)
+
+    async def apply(self, snapshot: cpb.RouteSnapshot) -> None:
+        """Make HAProxy serve ``snapshot``: runtime changes, or a reload for a structure change."""
+        self._snapshot = snapshot
+        async with self._lock:
+            if snapshot is not self._snapshot:
+                return  # a newer one came meanwhile: the call that brought it applies it
+            target = self._plan(snapshot)
+            started = time.monotonic()
+            if not target.same_structure(self.running):
+                await self._reload(target)
+                log.info(
+                    "haproxy: reloaded for routes version %d (%d backends) in %.2fs",
+                    snapshot.version,
+                    len(target.backends),
+                    time.monotonic() - started,
+                )
+            else:
+                await self._change_at_runtime(target)
+                log.debug("haproxy: routes version %d applied in %.3fs", snapshot.version, time.monotonic() - started)
+
+    async def _reload(self, target: Plan) -> None:
+        old_worker = await self._worker_pid()
+        self._write_files(target)
+        await send(self.layout.master_socket, "reload")  # the master re-executes: no answer comes
+        await self._wait_ready(old_worker)
+        self.running = target
+        self._draining.clear()
+        self.reloads += 1
+
+    async def _change_at_runtime(self, target: Plan) -> None:
+        running = self.running
+        hosts_map, _paths_map = self.layout.hosts_map, self.layout.paths_map
+        commands: list[str] = []
+        for backend_name, backend in target.backends.items():
+            if backend.sticky or backend is running.backends[backend_name]:
+                continue  # its servers are part of the structure
+            have = {s.name: s for s in running.backends[backend_name].servers}
+            for server in backend.servers:
+                before = have.pop(server.name, None)
+                where = f"{backend_name}/{server.name}"
+                if before is None and (backend_name, server.name) in self._draining:
+                    self._draining.discard((backend_name, server.name))
+                    commands += [f"set server {where} addr {_host(server.addr)} port {_port(server.addr)}"]
+                    commands += [f"set server {where} weight {server.weight}", f"enable server {where}"]
+                elif before is None:
+                    commands += [f"add server {where} {server_line(server, sticky=False).split(' ', 2)[2]}"]
+                    commands += [f"enable server {where}"]
+                elif before != server:
+                    if before.addr != server.addr:
+                        commands += [f"set server {where} addr {_host(server.addr)} port {_port(server.addr)}"]
+                    commands += [f"set server {where} weight {server.weight}"]
+            for gone in have.values():
+                commands.append(f"disable server {backend_name}/{gone.name}")
+                self._draining.add((backend_name, gone.name))
+        for host, backend_name in target.hosts.items():
+            before_backend = running.hosts.get(host)
+            if before_backend is None:
+                commands.append(f"add map {hosts_map} {host} {backend_name}")
+            elif before_backend != backend_name:
+                commands.append(f"set map {hosts_map} {host} {backend_name}")
+        commands += [f"del map {hosts_map} {host}" for host in running.hosts.keys() - target.hosts.keys()]
+        if target.paths != running.paths:
+            commands += await self._path_map_commands(target)
+        if commands:
+            answers = await execute(self.layout.stats_socket, commands)
+            failures = [f"{c!r}: {a}" for c, a in zip(commands, answers, strict=True) if _failed(a)]
+            if failures:
+                log.warning("haproxy runtime changes refused (%d): %s", len(failures), "; ".join(failures[:3]))
+        self.running = target
+        await self._delete_drained()
+
+    async def _path_map_commands(self, target: Plan) -> list[str]:
+        """An atomic rewrite of the small path map: a new version filled, then committed."""
+        answer = await command(self.layout.stats_socket, f"prepare map {self.layout.paths_map}")
+        version = answer.rsplit(":", 1)[-1].strip()
+        if not version.isdigit():
+            raise RuntimeAPIError(f"prepare map: {answer}")
+        commands = [f"add map @{version} {self.layout.paths_map} {key} {name}" for key, name in target.paths]
+        return [*commands, f"commit map @{version} {self.layout.paths_map}"]
+
+    async def _delete_drained(self) -> None:
+        if not self._draining:
+            return
+        pending = sorted(self._draining)
+        answers = await execute(self.layout.stats_socket, [f"del server {b}/{s}" for b, s in pending])
+        for key, answer in zip(pending, answers, strict=True):
+            if "deleted" in answer.lower() or "no such" in answer.lower():
+                self._draining.discard(key)
+
+    async def _sweep(self) -> None:
+        """Delete servers left in maintenance once their last connection is gone."""
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL)
+            async with self._lock:
+                with contextlib.suppress(OSError, TimeoutError, RuntimeAPIError):
+                    await self._delete_drained()
+
+    # ------------------------------------------------------------------ certificates
+
+    @property
+    def certificates(self) -> Mapping[str, str]:
+        """name → digest of the certificates HAProxy serves."""
+        return self._certificates
+
+    async def set_certificates(self, pems: Mapping[str, str]) -> None:
+        """Serve exactly ``pems`` (name → PEM of chain + key) on the TLS listener: new and changed ones are
+        loaded and swapped in through the runtime API (open connections keep theirs, new handshakes get
+        the new one), missing ones removed. Files are written first, so a restart or reload loads them."""
+        usable = {}
+        for name, pem in pems.items():
+            problem = pem_problem(pem)
+            if problem is None:
+                usable[name] = pem
+            else:
+                log.warning("haproxy: certificate %s not served: %s", name, problem)
+        pems = usable
+        async with self._lock:
+            commands, to_write, gone = changes(pems, self._certificates, self.layout.certs_dir, self.layout.crt_list)
+            if not commands:
+                return
+            for name, pem in to_write.items():
+                temporary = self.layout.certs_dir / f"{name}.pem.tmp"
+                write_private(temporary, pem)
+                os.replace(temporary, self.layout.certs_dir / f"{name}.pem")
+            for name in gone:
+                (self.layout.certs_dir / f"{name}.pem").unlink(missing_ok=True)
+            _write_atomically(self.layout.crt_list, crt_list_text(self.layout.certs_dir))
+            answers = await execute(self.layout.stats_socket, commands)
+            failures = [c.split(" <<", 1)[0] + f": {a}" for c, a in zip(commands, answers, strict=True) if _failed(a)]
+            if failures:
+                log.warning("haproxy certificate changes refused (%d): %s", len(failures), "; ".join(failures[:3]))
+            for name, pem in to_write.items():
+                self._certificates[name] = digest(pem)
+            for name in gone:
+                self._certificates.pop(name, None)
+
+    # ------------------------------------------------------------------ stats
+
+    async def samples(self) -> dict[str, cpb.ProxySample]:
+        """Per-env samples since the previous call; empty when HAProxy does not answer (restarting)."""
+        try:
+            text = await command(self.layout.stats_socket, "show stat -1 3 -1", timeout=2)  # frontends, backends
+        except (OSError, TimeoutError, RuntimeAPIError):
+            return {}
+        samples = self._sampler.sample(parse_stat_csv(text), self.running.env_of_backend, time.time())
+        if self.requests is not None:
+            for answered in self._sampler.responses:
+                for _ in range(answered.count):
+                    self.requests.observe(answered.env_id, answered.status_class * 100, answered.seconds)
+        return samples
+
+
+def _stamps(directory: Path) -> dict[str, float]:
+    return {p.name: p.stat().st_mtime for p in directory.glob("*.pem")} if directory.is_dir() else {}
+
+
+def _read_pems(directory: Path, names: Mapping[str, float]) -> dict[str, str]:
+    return {Path(name).stem: (directory / name).read_text() for name in sorted(names)}
+
+
+def _host(addr: str) -> str:
+    return addr.rpartition(":")[0].removeprefix("[").removesuffix("]")
+
+
+def _port(addr: str) -> str:
+    return addr.rpartition(":")[2]
+
+
+def _failed(answer: str) -> bool:
+    lowered = answer.lower()
+    return any(word in lowered for word in ("unknown", "error", "not ", "no such", "invalid", "require", "cannot"))
+
+
+class HAProxyIngress:
+    """The proxy process with ``--engine haproxy``: HAProxy on the public listener, the Python
+    :class:`Proxy` on loopback as the hold handler (cold and basic-auth routes), the route client, NATS
+    and the heartbeat (HAProxy's per-env samples merged in)."""
+
+    def __init__(
+        self, proxy: Proxy, layout: Layout, *, certs_dir: Path | None = None, certs_poll_interval: float = 1.0
+    ) -> None:
+        self.proxy = proxy
+        self.layout = layout
+        self.certs_dir = certs_dir
+        self.certs_poll_interval = certs_poll_interval
+        self.engine = HAProxyEngine(
+            layout, node_id=proxy.cfg.node_id, requests=RequestSeries() if proxy.metrics else None
+        )
+        self._changed = asyncio.Event()
+        self._follower: asyncio.Task[None] | None = None
+        self._certs_watcher: asyncio.Task[None] | None = None
+        self._applied = 0
+
+    @property
+    def version(self) -> int:
+        """The routes version HAProxy serves."""
+        return self._applied
+
+    async def start(self) -> None:
+        await self.proxy.start()
+        snapshot = self.proxy.routes.current
+        await self.engine.start(snapshot)
+        self._applied = snapshot.version
+        self.proxy.snapshot_listeners.append(lambda _: self._changed.set())
+        self.proxy.sample_sources.append(self.engine.samples)
+        self.proxy.served_version = lambda: min(self._applied, self.proxy.table.version)
+        self._follower = asyncio.create_task(self._follow())
+        if self.certs_dir is not None and self.layout.tls_bind:
+            self._certs_watcher = asyncio.create_task(self._watch_certificates(self.certs_dir))
+
+    async def _watch_certificates(self, directory: Path) -> None:
+        """Serve the ``*.pem`` files the controller keeps in ``directory``; changes are applied in place."""
+        seen: dict[str, float] = {}
+        while True:
+            try:
+                stamps = await asyncio.to_thread(_stamps, directory)
+                if stamps != seen:
+                    await self.engine.set_certificates(await asyncio.to_thread(_read_pems, directory, stamps))
+                    seen = stamps
+            except (OSError, TimeoutError, RuntimeAPIError) as exc:
+                log.error("haproxy: certificates in %s not applied: %s", directory, exc)
+            await asyncio.sleep(self.certs_poll_interval)
+
+    async def _follow(self) -> None:
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            snapshot = self.proxy.routes.current
+            try:
+                await self.engine.apply(snapshot)
+                self._applied = snapshot.version
+            except (OSError, TimeoutError, RuntimeError, RuntimeAPIError) as exc:
+                # HAProxy is restarting (the supervisor renders the newest routes) or refused the change.
+                log.error("haproxy: routes version %d not applied: %s", snapshot.version, exc)
+                await asyncio.sleep(SWEEP_INTERVAL)
+                self._changed.set()
+
+    async def stop(self) -> None:
+        for task in (self._follower, self._certs_watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self.engine.stop()
+        await self.proxy.stop()
+
+
+def choose_engine(asked: str) -> str | None:
+    """The data plane to run: the one asked for, else haproxy when installed, else python; None when
+    haproxy is asked for and not installed."""
+    if asked == "python":
+        return "python"
+    if haproxy_binary() is not None:
+        return "haproxy"
+    return None if asked == "haproxy" else "python"
+
+
+def haproxy_ingress(cfg: ProxySettings, *, nats_url: str, cache_dir: Path, metrics: bool = False) -> HAProxyIngress:
+    """HAProxy on ``cfg.host:cfg.port`` (port 0: a free one), the Python hold handler on a loopback port."""
+    port = cfg.port or free_port()
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    tls_bind = ""
+    if cfg.tls_listen:
+        tls_host, tls_port = split_listen(cfg.tls_listen)
+        tls_bind = f"[{tls_host}]" if ":" in tls_host else tls_host
+        tls_bind += f":{tls_port or free_port()}"
+    hold_cfg = cfg.model_copy(update={"host": "127.0.0.1", "port": free_port(), "listen": ""})
+    proxy = Proxy(hold_cfg, nats_url=nats_url, cache_dir=cache_dir, metrics=metrics, behind_engine=True)
+    layout = Layout(
+        directory=cache_dir / "haproxy",
+        bind=f"{host}:{port}",
+        hold_addr=f"127.0.0.1:{hold_cfg.port}",
+        hold_timeout=cfg.hold_timeout,
+        connect_timeout=cfg.upstream_connect_timeout,
+        shutdown_grace=cfg.shutdown_grace,
+        header_timeout=cfg.header_timeout,
+        tls_bind=tls_bind,
+        old_worker_lifetime=settings().drain_window,
+    )
+    return HAProxyIngress(proxy, layout, certs_dir=cfg.certs_dir, certs_poll_interval=cfg.certs_poll_interval)

@@ -1,0 +1,154 @@
+"""Per-env ``ProxySample`` from HAProxy's ``show stat`` backend rows (pure, for the autoscaler).
+
+``scur`` (current streams) is in-flight, ``qcur`` (requests queued for a server under ``maxconn``: a full
+env) is held, RPS and the error rate come from the deltas of ``stot`` (one stream per HTTP request) and
+``hrsp_5xx`` between two samples (a reload or restart zeroes them: a smaller value starts over), latency is
+``ttime``: HAProxy's average total time over the backend's last 1024 requests (HAProxy keeps no
+percentiles; p50 and p99 both carry the average). ``lastsess`` (seconds since the last request) gives
+``last_request_at``. Several backends of one env (different middleware per domain) are summed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from zattera.cluster.v1 import cluster_pb2 as cpb
+
+
+def _int(row: Mapping[str, str], name: str) -> int:
+    value = row.get(name, "")
+    return int(value) if value.lstrip("-").isdigit() else 0
+
+
+STATUS_CLASSES = (1, 2, 3, 4, 5)
+
+
+@dataclass(frozen=True, slots=True)
+class _Counters:
+    requests: int
+    by_class: tuple[int, ...]
+    """hrsp_1xx … hrsp_5xx."""
+
+    @classmethod
+    def of(cls, row: Mapping[str, str]) -> _Counters:
+        return cls(_int(row, "stot"), tuple(_int(row, f"hrsp_{c}xx") for c in STATUS_CLASSES))
+
+    def since(self, before: _Counters | None) -> _Counters:
+        """The increase since ``before``; everything when a counter went down (a reload or restart)."""
+        if (
+            before is None
+            or self.requests < before.requests
+            or any(now < then for now, then in zip(self.by_class, before.by_class, strict=True))
+        ):
+            return self
+        return _Counters(
+            self.requests - before.requests,
+            tuple(now - then for now, then in zip(self.by_class, before.by_class, strict=True)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Responses:
+    """Responses of one env (``""``: no route) and status class since the previous sample, for the
+    request metrics; ``seconds`` is the backend's average total time (HAProxy keeps no histogram)."""
+
+    env_id: str
+    status_class: int
+    count: int
+    seconds: float
+
+
+class HAProxySampler:
+    def __init__(self, now: float) -> None:
+        self._previous: dict[tuple[str, str], _Counters] = {}
+        self._at = now
+        self.responses: list[Responses] = []
+        """Filled by :meth:`sample`: what was answered since the previous one (hold backend excluded:
+        the Python handler measures its own requests)."""
+
+    def sample(
+        self, rows: Sequence[Mapping[str, str]], env_of_backend: Mapping[str, str], now: float
+    ) -> dict[str, cpb.ProxySample]:
+        elapsed = max(now - self._at, 1e-9)
+        self._at = now
+        samples: dict[str, cpb.ProxySample] = {}
+        weights: dict[str, int] = {}
+        previous, self._previous = self._previous, {}
+        self.responses = []
+        answered_by_backends = [0] * len(STATUS_CLASSES)
+        answered_by_frontend = [0] * len(STATUS_CLASSES)
+        for row in rows:
+            key = (row.get("pxname", ""), row.get("svname", ""))
+            if key[1] not in ("BACKEND", "FRONTEND"):
+                continue
+            counters = _Counters.of(row)
+            self._previous[key] = counters
+            delta = counters.since(previous.get(key))
+            total_by_class = answered_by_frontend if key[1] == "FRONTEND" else answered_by_backends
+            for index, count in enumerate(delta.by_class):
+                total_by_class[index] += count
+            env_id = env_of_backend.get(key[0]) if key[1] == "BACKEND" else None
+            if env_id is None:
+                continue
+            average_ms = float(_int(row, "ttime"))
+            self.responses += [
+                Responses(env_id, status_class, count, average_ms / 1000)
+                for status_class, count in zip(STATUS_CLASSES, delta.by_class, strict=True)
+                if count
+            ]
+            requests, errors = delta.requests, delta.by_class[-1]
+            sample = samples.setdefault(env_id, cpb.ProxySample())
+            sample.inflight += _int(row, "scur")
+            sample.held += _int(row, "qcur")
+            sample.rps += requests / elapsed
+            total = weights.get(env_id, 0) + requests
+            if total:
+                sample.error_rate = (sample.error_rate * weights.get(env_id, 0) + errors) / total
+            weights[env_id] = total
+            sample.latency_p50_ms = max(sample.latency_p50_ms, average_ms)
+            sample.latency_p99_ms = max(sample.latency_p99_ms, average_ms)
+            idle = _int(row, "lastsess") if row.get("lastsess", "") not in ("", "-1") else -1
+            if idle >= 0:
+                at = Timestamp()
+                at.FromNanoseconds(int((now - idle) * 1e9))
+                if (
+                    not sample.HasField("last_request_at")
+                    or at.ToNanoseconds() > sample.last_request_at.ToNanoseconds()
+                ):
+                    sample.last_request_at.CopyFrom(at)
+        # Answered by the frontend itself (no route: the 404): what no backend answered.
+        for status_class, by_frontend, by_backends in zip(
+            STATUS_CLASSES, answered_by_frontend, answered_by_backends, strict=True
+        ):
+            if by_frontend > by_backends:
+                self.responses.append(Responses("", status_class, by_frontend - by_backends, 0.0))
+        return samples
+
+
+def merge_samples(*sources: Mapping[str, cpb.ProxySample]) -> dict[str, cpb.ProxySample]:
+    """One sample per env from several data paths (HAProxy, the Python hold handler): counts add up,
+    the error rate is RPS-weighted, latency and the last request time take the larger value."""
+    merged: dict[str, cpb.ProxySample] = {}
+    for source in sources:
+        for env_id, sample in source.items():
+            into = merged.get(env_id)
+            if into is None:
+                merged[env_id] = into = cpb.ProxySample()
+                into.CopyFrom(sample)
+                continue
+            total_rps = into.rps + sample.rps
+            if total_rps > 0:
+                into.error_rate = (into.error_rate * into.rps + sample.error_rate * sample.rps) / total_rps
+            into.rps = total_rps
+            into.inflight += sample.inflight
+            into.held += sample.held
+            into.latency_p50_ms = max(into.latency_p50_ms, sample.latency_p50_ms)
+            into.latency_p99_ms = max(into.latency_p99_ms, sample.latency_p99_ms)
+            if sample.HasField("last_request_at") and (
+                not into.HasField("last_request_at")
+                or sample.last_request_at.ToNanoseconds() > into.last_request_at.ToNanoseconds()
+            ):
+                into.last_request_at.CopyFrom(sample.last_request_at)
+    return merged

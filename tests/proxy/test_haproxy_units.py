@@ -1,0 +1,155 @@
+"""Pure parts of the HAProxy engine: the plan of a snapshot, backend rules, stats samples, certificate
+changes (table tests, no processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from services.proxy.haproxy_certs import changes, digest, pem_problem, self_signed_pem
+from services.proxy.haproxy_config import HOLD_BACKEND, Layout, backend_name, backend_rules, plan, render
+from services.proxy.haproxy_stats import HAProxySampler, merge_samples
+from tests.proxy.harness import endpoint, http_route
+
+
+def planned(*routes: cpb.HTTPRoute, cache: dict | None = None):  # type: ignore[type-arg]
+    return plan(cpb.RouteSnapshot(http_routes=list(routes)), node_id="n1", hold_timeout=60, cache=cache)
+
+
+def test_hosts_paths_and_the_python_handler() -> None:
+    warm = http_route("A.example.com", "e1", [endpoint("10.0.0.1:80", "a1")])
+    result = planned(
+        warm,
+        http_route("cold.example.com", "e2", scale_to_zero=True),
+        http_route(
+            "auth.example.com",
+            "e3",
+            [endpoint("10.0.0.2:80")],
+            middleware=pb.Middleware(basic_auth_username="u", basic_auth_password_hash="$2b$04$x"),
+        ),
+        http_route("p.example.com", "e4", [endpoint("10.0.0.3:80")]),
+        http_route("p.example.com", "e5", [endpoint("10.0.0.4:80")], prefix="/api"),
+        http_route("p.example.com", "e6", [endpoint("10.0.0.5:80")], prefix="nope"),
+    )
+    assert result.hosts == {
+        "a.example.com": backend_name(warm),
+        "cold.example.com": HOLD_BACKEND,
+        "auth.example.com": HOLD_BACKEND,
+    }
+    assert [key for key, _ in result.paths] == ["p.example.com/api", "p.example.com/"]  # longest first
+    assert {b.env_id for b in result.backends.values()} == {"e1", "e2", "e4", "e5", "e6"}  # cold keeps one; auth none
+    assert result.backends[backend_name(warm)].servers[0].weight == 101  # same node: the tie-break weight
+
+
+def test_going_cold_and_warm_is_a_runtime_change_but_sticky_servers_are_structure() -> None:
+    cache: dict = {}  # type: ignore[type-arg]
+    cold = planned(http_route("h", "e1", scale_to_zero=True), cache=cache)
+    warm = planned(http_route("h", "e1", [endpoint("10.0.0.1:80")], scale_to_zero=True), cache=cache)
+    assert warm.same_structure(cold) and warm.hosts["h"] != HOLD_BACKEND
+    sticky = pb.Middleware(sticky_sessions=True)
+    one = planned(http_route("h", "e1", [endpoint("10.0.0.1:80")], middleware=sticky))
+    two = planned(http_route("h", "e1", [endpoint("10.0.0.2:80")], middleware=sticky))
+    assert not one.same_structure(two)
+    assert not warm.same_structure(planned(http_route("h", "e1", [endpoint("10.0.0.1:80")], max_concurrency=3)))
+
+
+@pytest.mark.parametrize(
+    ("route", "expected"),
+    [
+        (http_route(middleware=pb.Middleware(ip_allowlist=["bad"])), "return status 403"),
+        (http_route(middleware=pb.Middleware(ip_allowlist=["10.0.0.0/8"])), "unless { src 10.0.0.0/8 }"),
+        (http_route(middleware=pb.Middleware(redirect_https=True)), "redirect scheme https code 308"),
+        (http_route(rate_limit=pb.RateLimit(requests_per_second=5, burst=8)), "sc_http_req_rate(0) gt 8"),
+        (http_route(middleware=pb.Middleware(max_body_bytes=10)), "req.hdr_val(content-length) gt 10"),
+        (http_route(middleware=pb.Middleware(sticky_sessions=True)), "cookie zt_sticky insert"),
+        (http_route(middleware=pb.Middleware(compress=True)), "compression algo gzip"),
+        (http_route(max_concurrency=4), "timeout queue 60000ms"),
+    ],
+)
+def test_backend_rules(route: cpb.HTTPRoute, expected: str) -> None:
+    assert any(expected in rule for rule in backend_rules(route, 60))
+
+
+def test_render_has_every_backend_and_the_tls_listener(tmp_path: Path) -> None:
+    layout = Layout(tmp_path, "0.0.0.0:8080", "127.0.0.1:9", 60, 5, tls_bind="0.0.0.0:8443")
+    text = render(planned(http_route("h", "e1", [endpoint("10.0.0.1:80", "a1")], max_concurrency=2)), layout)
+    assert "bind 0.0.0.0:8443 ssl crt" in text and "alpn h2,http/1.1" in text
+    assert "server s_a1 10.0.0.1:80 weight 101 maxconn 2" in text
+    assert "server python 127.0.0.1:9" in text
+
+
+def row(backend: str, stot: int, errors: int = 0, scur: int = 0, qcur: int = 0, lastsess: int = -1) -> dict[str, str]:
+    return {
+        "pxname": backend,
+        "svname": "BACKEND",
+        "stot": str(stot),
+        "hrsp_5xx": str(errors),
+        "scur": str(scur),
+        "qcur": str(qcur),
+        "ttime": "7",
+        "lastsess": str(lastsess),
+    }
+
+
+def test_sampler_deltas_resets_and_several_backends_of_one_env() -> None:
+    sampler = HAProxySampler(now=100.0)
+    envs = {"b1": "e1", "b2": "e1"}
+    first = sampler.sample([row("b1", 10, scur=2, lastsess=1), row("b2", 10, errors=5, qcur=3)], envs, 102.0)
+    assert (first["e1"].inflight, first["e1"].held, first["e1"].rps) == (2, 3, 10.0)
+    assert first["e1"].error_rate == 0.25 and first["e1"].latency_p50_ms == 7
+    assert first["e1"].last_request_at.seconds == 101
+    after_reload = sampler.sample([row("b1", 4), row("b2", 10, errors=5)], envs, 104.0)
+    assert after_reload["e1"].rps == 2.0  # b1 restarted from zero: its 4 count; b2 did nothing
+
+
+def test_merge_samples_adds_counts_and_weights_errors() -> None:
+    haproxy = {"e1": cpb.ProxySample(inflight=2, rps=30, error_rate=0.0, latency_p50_ms=3)}
+    python = {"e1": cpb.ProxySample(held=4, rps=10, error_rate=1.0), "e2": cpb.ProxySample(held=1)}
+    merged = merge_samples(haproxy, python)
+    assert (merged["e1"].inflight, merged["e1"].held, merged["e1"].rps) == (2, 4, 40)
+    assert merged["e1"].error_rate == 0.25 and merged["e1"].latency_p50_ms == 3 and merged["e2"].held == 1
+
+
+def test_certificate_changes() -> None:
+    certs, crt_list = Path("/c"), Path("/l")
+    commands, written, gone = changes(
+        {"new": "N", "same": "S", "changed": "C2"},
+        {"same": digest("S"), "changed": digest("C1"), "old": digest("O")},
+        certs,
+        crt_list,
+    )
+    assert written == {"changed": "C2", "new": "N"} and gone == ["old"]
+    assert commands == [
+        "set ssl cert /c/changed.pem <<\nC2\n\n",
+        "commit ssl cert /c/changed.pem",
+        "new ssl cert /c/new.pem",
+        "set ssl cert /c/new.pem <<\nN\n\n",
+        "commit ssl cert /c/new.pem",
+        "add ssl crt-list /l /c/new.pem",
+        "del ssl crt-list /l /c/old.pem",
+        "del ssl cert /c/old.pem",
+    ]
+
+
+def test_sampler_counts_responses_per_env_and_status_class_for_the_metrics() -> None:
+    sampler = HAProxySampler(now=0.0)
+    backend = {**row("b1", 3), "hrsp_2xx": "3"}
+    hold = {**row("hold", 2), "hrsp_2xx": "2"}
+    frontend = {"pxname": "ingress", "svname": "FRONTEND", "stot": "9", "hrsp_2xx": "5", "hrsp_4xx": "1"}
+    sampler.sample([frontend, backend, hold], {"b1": "e1"}, 1.0)
+    assert {(r.env_id, r.status_class, r.count) for r in sampler.responses} == {("e1", 2, 3), ("", 4, 1)}
+    sampler.sample([frontend, backend, hold], {"b1": "e1"}, 2.0)
+    assert sampler.responses == []  # nothing new
+
+
+def test_pem_problems_are_named_before_anything_is_written() -> None:
+    good = self_signed_pem("a.example.com")
+    other_key = self_signed_pem("b.example.com").split("-----END CERTIFICATE-----\n", 1)[1]
+    certificate_only = good.split("-----END CERTIFICATE-----\n", 1)[0] + "-----END CERTIFICATE-----\n"
+    assert pem_problem(good) is None
+    assert pem_problem("garbage") == "no PEM certificate in it"
+    assert pem_problem(certificate_only) == "no PEM private key in it"
+    assert pem_problem(certificate_only + other_key) == "its private key does not match its first certificate"
