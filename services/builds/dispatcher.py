@@ -42,6 +42,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
@@ -73,6 +74,10 @@ log = logging.getLogger(__name__)
 NO_RESPONDERS_GRACE = 3.0
 """How long a RunBuild request nobody received is sent again (a builder reconnecting to another server)."""
 NO_RESPONDERS_PAUSE = 0.25
+REQUEST_ATTEMPT = 1.0
+"""A builder accepts a RunBuild at once; an attempt unanswered this long is sent again (its NATS server lost
+with the request or the reply in flight). Builders accept a build id they run or ran again without starting
+it twice, so a resent request is safe."""
 
 WAITING_KIND = "build.waiting_for_builder"
 WAITING_MESSAGE = "no schedulable builder node (cordoned, down, or builder=false); the build stays queued"
@@ -504,18 +509,27 @@ class BuildDispatcher(LeaderLoop):
 
     async def _request_build(self, node_id: str, data: bytes) -> Msg:
         """The builder's reply. "No responders" means nobody received the request — the builder is
-        reconnecting after its NATS server was lost — so it is sent again for ``NO_RESPONDERS_GRACE``."""
+        reconnecting after its NATS server was lost — so it is sent again for ``NO_RESPONDERS_GRACE``; an
+        attempt with no reply (the request or the reply lost with a server) is sent again every
+        ``REQUEST_ATTEMPT`` until ``request_timeout`` has passed."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + NO_RESPONDERS_GRACE
+        started = loop.time()
         while True:
+            unanswered_for = loop.time() - started
             try:
                 return await self.conn.nc.request(
-                    run_build_subject(node_id), data, timeout=self.config.request_timeout, headers=inject()
+                    run_build_subject(node_id),
+                    data,
+                    timeout=max(0.1, min(REQUEST_ATTEMPT, self.config.request_timeout - unanswered_for)),
+                    headers=inject(),
                 )
             except NoRespondersError:
-                if loop.time() >= deadline:
+                if loop.time() - started >= NO_RESPONDERS_GRACE:
                     raise
-            await asyncio.sleep(NO_RESPONDERS_PAUSE)
+                await asyncio.sleep(NO_RESPONDERS_PAUSE)
+            except NatsTimeoutError:
+                if loop.time() - started >= self.config.request_timeout:
+                    raise
 
     async def _tell_builder_to_stop(self, node_id: str, build_id: str) -> None:
         try:

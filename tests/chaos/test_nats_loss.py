@@ -121,11 +121,6 @@ async def lose_a_server_mid_operation(run: Run, i: int, role: str) -> None:
     await run.marker()
 
 
-@pytest.mark.xfail(
-    reason="known gap (RELIABILITY.md, issue 26): a RunBuild request in flight on a connection whose server "
-    "dies times out and fails the build; resending it could start the build twice",
-    strict=False,
-)
 @pytest.mark.timeout(1200)
 async def test_losing_any_nats_server_mid_operation_is_survivable(tmp_path: Path) -> None:
     run = await Run.start(tmp_path)
