@@ -63,7 +63,8 @@ async def _first_writes_after(conn: Connection, killed: float) -> dict[str, floa
         for msg in msgs:
             headers = msg.headers or {}
             loop = headers.get("Nats-Subject", "")[len(LEASES) :]
-            if loop not in ALL_LOOPS or loop in first or not msg.data or "KV-Operation" in headers or "Nats-Marker-Reason" in headers:
+            deleted = "KV-Operation" in headers or "Nats-Marker-Reason" in headers
+            if loop not in ALL_LOOPS or loop in first or not msg.data or deleted:
                 continue
             at = _server_time(headers.get("Nats-Time-Stamp", ""))
             if at >= killed:
