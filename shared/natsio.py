@@ -118,6 +118,9 @@ ConnectionListener = Callable[[], Awaitable[None]]
 JS_API_PREFIX = "$JS.API."
 RETRY_PAUSE = 0.25
 FIRST_ATTEMPT_TIMEOUT = 1.0
+LONGEST_ATTEMPT_TIMEOUT = 2.0
+"""Attempts wait 1 s, then 2 s each: a request sent during a leader election is never answered, so an
+attempt waiting longer only delays the first one sent after the election (up to 9 s after the loss)."""
 
 
 class ClusterUnavailable(ConnectionError):
@@ -140,7 +143,8 @@ class PatientClient(NATS):
     no responder or gets ``503`` (a leader election), or whose server drops the connection while it waits,
     is sent again — to whichever server the client has reconnected to — until ``request_deadline``
     seconds have passed; then :class:`ClusterUnavailable`. A request to a stream whose leader just died gets
-    no answer at all, so attempts wait 1 s, then 2 s, 4 s … (a slow but live answer still arrives).
+    no answer at all, even after the election, so attempts are short — 1 s, then 2 s each (a slow but live
+    answer still arrives) — and the first one sent after the election is answered.
     Publishes (writes) are never repeated: a write whose reply was lost is the caller's to check
     (``shared.txn.CommitUnknown``)."""
 
@@ -178,7 +182,7 @@ class PatientClient(NATS):
             attempt = asyncio.ensure_future(
                 super().request(subject, payload, min(timeout, attempt_timeout, remaining), old_style, headers)
             )
-            attempt_timeout *= 2
+            attempt_timeout = min(attempt_timeout * 2, LONGEST_ATTEMPT_TIMEOUT)
             try:
                 msg = await self._unless_reconnected(attempt, reconnects)
             except (nats.errors.TimeoutError, TimeoutError):
