@@ -10,8 +10,8 @@
   alternating pairs A/B, B/A, A/B …; the figure is the median of the pairs' B/A − 1, with their spread.
   The app is pinned to one core and the agent and nats-server to the other (``sched_setaffinity``), so the
   capture's work does not compete with the app for a core; other jobs on the machine still can. Three
-  apps: one that only logs, one that works a little between lines, one that logs one line per unit of
-  work of ~0.1 ms (a request-serving app logging each request).
+  apps: one that only logs, and two that do a unit of work (200 or 1,000 empty loop turns, a few µs or
+  ~0.1 ms on a quiet core) per line they log, as an app logging each request it serves.
 
 ``python -m benchmarks.logs_bench`` (quick, < 30 s) or ``--full`` (more lines and rounds).
 """
@@ -89,24 +89,24 @@ class Sizes:
 
 
 QUICK = Sizes(
-    flood_lines=2_000_000,
+    flood_lines=1_000_000,
     delay_seconds=3.0,
     apps=(
-        App("app only logging", 600_000, 0),
-        App("app working a little between lines", 100_000, 200),
-        App("app logging one line per ~0.1 ms of work", 10_000, 5_000),
+        App("app only logging", 300_000, 0),
+        App("app working 200 loop turns per line", 50_000, 200),
+        App("app working 1,000 loop turns per line", 5_000, 1_000),
     ),
-    slowdown_rounds=6,
+    slowdown_rounds=4,
 )
 FULL = Sizes(
     flood_lines=10_000_000,
     delay_seconds=20.0,
     apps=(
-        App("app only logging", 3_000_000, 0),
-        App("app working a little between lines", 500_000, 200),
-        App("app logging one line per ~0.1 ms of work", 50_000, 5_000),
+        App("app only logging", 2_000_000, 0),
+        App("app working 200 loop turns per line", 200_000, 200),
+        App("app working 1,000 loop turns per line", 20_000, 1_000),
     ),
-    slowdown_rounds=12,
+    slowdown_rounds=10,
 )
 
 APP_CPU, CAPTURE_CPU = (0, 1) if len(os.sched_getaffinity(0)) >= 2 and {0, 1} <= os.sched_getaffinity(0) else (-1, -1)
@@ -333,4 +333,4 @@ def run(quick: bool = True) -> list[Row]:
 
 
 if __name__ == "__main__":
-    bench_main("Instance logs", run, __doc__, "10M lines flooded, 20 s of delay samples, 7 slowdown rounds")
+    bench_main("Instance logs", run, __doc__, "10M lines flooded, 20 s of delay samples, 10 slowdown pairs")
