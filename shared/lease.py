@@ -90,10 +90,10 @@ class Lease:
     def _ttl_header(self) -> str:
         return f"{math.ceil(self.ttl)}s"
 
-    def _value(self) -> bytes:
-        return pb.Lease(holder=self.holder, term=self.term, acquired_at=self._acquired_at).SerializeToString(
-            deterministic=True
-        )
+    def _value(self, term: int | None = None) -> bytes:
+        """This lease's value in its term (``term``: another, e.g. 0 for an acquiring write)."""
+        lease = pb.Lease(holder=self.holder, term=self.term if term is None else term, acquired_at=self._acquired_at)
+        return lease.SerializeToString(deterministic=True)
 
     def fence_message(self) -> tuple[str, bytes, dict[str, str]]:
         """The lease re-write that fences a batch (the caller holds :attr:`lock`)."""
@@ -142,10 +142,13 @@ class Lease:
             return 0, None
 
     def _ours(self, value: bytes) -> bool:
+        """The key holds this object's own last term (or its acquiring write, term 0, whose second write
+        was not confirmed): no other process, nor another loop object of this one, can have led since."""
         try:
-            return pb.Lease.FromString(value).holder == self.holder
+            lease = pb.Lease.FromString(value)
         except DecodeError:
             return False
+        return lease.holder == self.holder and lease.term in (self.term, 0)
 
     async def try_acquire(self) -> bool:
         """One attempt to take the lease (free, or still holding this process's own lapsed term); True when
@@ -156,10 +159,9 @@ class Lease:
             if value is not None and not self._ours(value):
                 return False
             self._acquired_at.GetCurrentTime()
-            self.term = 0
             sent_at = self._now()
             try:
-                created = await self._publish(self._value(), rev)
+                created = await self._publish(self._value(term=0), rev)
             except APIError as exc:
                 if exc.err_code == WRONG_LAST_SEQUENCE:
                     return False
@@ -189,7 +191,7 @@ class Lease:
                 self.rev = await self._publish(self._value(), self.rev)
             except APIError as exc:
                 if exc.err_code == WRONG_LAST_SEQUENCE:
-                    return await self._recognise_landed(sent_at)
+                    return await self._recognise_landed()
                 self._check_expiry()
                 return False
             except (NatsError, TimeoutError, OSError) as exc:
@@ -199,7 +201,7 @@ class Lease:
             self._last_refresh = sent_at
             return True
 
-    async def _recognise_landed(self, sent_at: float) -> bool:
+    async def _recognise_landed(self) -> bool:
         """A renewal refused because the key moved on: when its last value is exactly this term's lease, an
         earlier write of ours landed whose acknowledgement was lost (a renewal, or a fenced batch's lease
         re-write): adopt its revision and go on; otherwise the lease changed hands."""
@@ -210,7 +212,7 @@ class Lease:
             self._check_expiry()
             return False
         if value == self._value() and rev > self.rev:
-            self.refreshed(rev, sent_at)
+            self.rev = rev  # its refresh time stays that of the last confirmed write: the TTL is not stretched
             return True
         self.lost("renewal refused: the lease changed hands")
         return False
