@@ -114,8 +114,12 @@ APP_CPU, CAPTURE_CPU = (0, 1) if len(os.sched_getaffinity(0)) >= 2 and {0, 1} <=
 
 
 def pin(pid: int, cpu: int) -> None:
-    if cpu >= 0:
-        os.sched_setaffinity(pid, {cpu})
+    """Every thread of ``pid`` (nats-server's Go threads too: the affinity is per thread) onto ``cpu``."""
+    if cpu < 0:
+        return
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(thread), {cpu})
 
 
 class Rig:
@@ -143,7 +147,6 @@ class Rig:
             cwd=REPO_ROOT,
             env={**os.environ, "OTEL_TRACES_EXPORTER": "none", "ZATTERA_AGENT_RECONCILE_TICK": "0.5"},
         )
-        pin(self.agent.pid, CAPTURE_CPU)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -319,12 +322,15 @@ async def _direct(rig: Rig, command: str, result: Path) -> None:
 
 async def measure(sizes: Sizes) -> list[Row]:
     with embedded_server() as server, tempfile.TemporaryDirectory(prefix="zattera-logs-bench-") as tmp:
-        assert server.pid is not None
-        pin(server.pid, CAPTURE_CPU)
         async with Rig(server.url, Path(tmp)) as rig:
             rows = [*await throughput(rig, sizes), *await delay(rig, sizes)]
+            assert server.pid is not None and rig.agent is not None
+            pin(server.pid, CAPTURE_CPU)  # from here on only: the flood above may use every core
+            pin(rig.agent.pid, CAPTURE_CPU)
             for app in sizes.apps:
                 rows += await slowdown(rig, app, sizes.slowdown_rounds)
+            load = os.getloadavg()[0]
+            rows.append(row("logs: machine load average (1 min) at the end", load, "", "", "other jobs share it"))
             return rows
 
 
