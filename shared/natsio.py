@@ -208,7 +208,11 @@ class PatientClient(NATS):
         """The attempt's reply, or None as soon as the client has reconnected (the reply, if any, went to
         the server that was lost)."""
         while True:
-            done, _ = await asyncio.wait({attempt}, timeout=0.1)
+            try:
+                done, _ = await asyncio.wait({attempt}, timeout=0.1)
+            except asyncio.CancelledError:  # the caller gave up (e.g. the CLI's snapshot answered first)
+                attempt.cancel()
+                raise
             if done:
                 return attempt.result()
             if self.stats["reconnects"] != reconnects:
