@@ -13,7 +13,7 @@ stream's leader, the server the observer is connected to — in turn, then measu
   kill, with its bounded retry across servers; a failed attempt is retried and counted in the figure).
 
 The server is restarted and caught up (its replicas current) before the next round.
-Quick (default, ~40 s): 1 kill (the meta leader). ``--full``: 10 kills.
+Quick (default, ~15–30 s): 1 kill (the meta leader). ``--full``: 10 kills.
 
     .venv/bin/python -m benchmarks.nats_loss_bench [--full]
 """
