@@ -74,6 +74,11 @@ log = logging.getLogger(__name__)
 NO_RESPONDERS_GRACE = 3.0
 """How long a RunBuild request nobody received is sent again (a builder reconnecting to another server)."""
 NO_RESPONDERS_PAUSE = 0.25
+CLAIM_IN_FLIGHT = 12.0
+"""A RUNNING build resumed by a new term (or a new leader) within this many seconds of its claim is sent its
+RunBuild again: its claimer may have been deposed between the claim landing (its reply lost with a NATS
+server) and sending the request. Longer than a claim's commit timeout (10 s); the builder accepts a build id
+it already has without running it twice. Older resumed builds are only followed (a silent one is lost)."""
 REQUEST_ATTEMPT = 1.0
 """A builder accepts a RunBuild at once; an attempt unanswered this long is sent again (its NATS server lost
 with the request or the reply in flight). Builders accept a build id they run or ran again without starting
@@ -547,7 +552,22 @@ class BuildDispatcher(LeaderLoop):
         follower = _Follower(build.meta.id, build.node_id, resumed, checkpointed_at=seconds(build.last_event_at))
         self._followers[build.meta.id] = follower
         follower.task = asyncio.create_task(self._run_follower(follower), name=f"build:{build.meta.id}")
+        if resumed and self.clock.now() - seconds(build.started_at) < CLAIM_IN_FLIGHT:
+            self._spawn(self._resend(build))
         return follower
+
+    async def _resend(self, build: pb.Build) -> None:
+        """The RunBuild of a build claimed moments ago, perhaps never sent (see ``CLAIM_IN_FLIGHT``); a
+        builder that cannot be reached now is left to the lost timeout, as for any resumed build."""
+        request = run_request(build, self.config).SerializeToString(deterministic=True)
+        try:
+            reply = await self._request_build(build.node_id, request)
+        except (NatsError, TimeoutError) as exc:
+            log.info("build %s: RunBuild sent again on resume got no answer: %s", build.meta.id, exc)
+            return
+        refused = (reply.headers or {}).get(ERROR_HEADER)
+        if refused:
+            self._conclude(build.meta.id, Verdict(pb.BUILD_STATUS_FAILED, f"build stream: {refused}"))
 
     def _conclude(self, build_id: str, verdict: Verdict, *, stop_builder: bool = False) -> None:
         follower = self._followers.get(build_id)
