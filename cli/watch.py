@@ -48,7 +48,7 @@ def _replicas(view: StateView, d: pb.Deployment) -> str:
 
 
 async def watch_deployment(deployment_id: str, *, until_done: bool) -> int:
-    async with control() as c:
+    async with control(follow=True) as c:
         feed = c.view.subscribe({K.DEPLOYMENT, K.ASSIGNMENT, K.BUILD})
         started = time.monotonic()
         last = ""

@@ -8,6 +8,13 @@ acquisition, so two processes can never believe they lead in the same term.
 
 The holder steps down at once when a renewal or a fenced write is refused, or when it could not renew
 for longer than the TTL (the server has expired the key by then). Standbys retry every renew interval.
+
+Through a NATS server loss (docs/cluster.md): the state stream answers nothing while it elects a leader
+(4–9 s, longer than the TTL), so its leaders step down. Every request of a lease is short (``REQUEST_TIMEOUT``)
+and one that failed for want of an answer is asked again after ``RETRY_PAUSE``, not a renew interval later; and
+a process whose own lease is still the key's last value re-acquires it at once, with an acquiring write that
+expects that value's revision, instead of waiting for the new stream leader to expire it: nobody else can have
+led in between, or the key's revision would have moved.
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 from nats.errors import Error as NatsError
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NotFoundError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
@@ -36,6 +44,11 @@ from shared.tasks import cancel_and_wait, raise_if_cancelling
 log = logging.getLogger(__name__)
 
 WRONG_LAST_SEQUENCE = 10071
+REQUEST_TIMEOUT = 1.0
+"""A lease write or read not answered within this is asked again (a request sent to a stream during its
+leader election is never answered, even after the election)."""
+RETRY_PAUSE = 0.25
+"""Pause before asking again after a request failed for want of an answer (no responders, timeout)."""
 
 
 def default_holder(service: str) -> str:
@@ -71,15 +84,16 @@ class Lease:
         self._last_refresh = 0.0
         self._lost = asyncio.Event()
         self.lost_reason = ""
+        self._js = conn.nc.jetstream(timeout=REQUEST_TIMEOUT)
 
     @property
     def _ttl_header(self) -> str:
         return f"{math.ceil(self.ttl)}s"
 
-    def _value(self) -> bytes:
-        return pb.Lease(holder=self.holder, term=self.term, acquired_at=self._acquired_at).SerializeToString(
-            deterministic=True
-        )
+    def _value(self, term: int | None = None) -> bytes:
+        """This lease's value in its term (``term``: another, e.g. 0 for an acquiring write)."""
+        lease = pb.Lease(holder=self.holder, term=self.term if term is None else term, acquired_at=self._acquired_at)
+        return lease.SerializeToString(deterministic=True)
 
     def fence_message(self) -> tuple[str, bytes, dict[str, str]]:
         """The lease re-write that fences a batch (the caller holds :attr:`lock`)."""
@@ -105,33 +119,49 @@ class Lease:
 
     async def _publish(self, data: bytes, expect: int) -> int:
         headers = {"Nats-Expected-Last-Subject-Sequence": str(expect), "Nats-TTL": self._ttl_header}
-        ack = await self._conn.js.publish(self.subject, data, headers=headers, stream=STATE_STREAM, timeout=2.0)
+        ack = await self._js.publish(self.subject, data, headers=headers, stream=STATE_STREAM)
         return int(ack.seq)
 
-    async def _last_entry(self) -> tuple[int, bytes | None]:
-        """(revision, value) of the lease key; value None when deleted or expired (a marker)."""
+    async def _read_last(self) -> tuple[int, bytes | None]:
+        """(revision, value) of the lease key; value None when deleted or expired (a marker) or never
+        written. Raises when NATS gave no answer."""
         try:
-            msg = await self._conn.js.get_last_msg(STATE_STREAM, self.subject, direct=True)
-        except NatsError:
-            return 0, None
-        except APIError:
+            msg = await self._js.get_last_msg(STATE_STREAM, self.subject, direct=True)
+        except NotFoundError:
             return 0, None
         headers = msg.headers or {}
         if headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
             return int(msg.seq or 0), None
         return int(msg.seq or 0), msg.data or b""
 
+    async def _last_entry(self) -> tuple[int, bytes | None]:
+        """:meth:`_read_last`, reading no answer as no lease."""
+        try:
+            return await self._read_last()
+        except (NatsError, APIError):
+            return 0, None
+
+    def _ours(self, value: bytes) -> bool:
+        """The key holds this object's own last term (or its acquiring write, term 0, whose second write
+        was not confirmed): no other process, nor another loop object of this one, can have led since."""
+        try:
+            lease = pb.Lease.FromString(value)
+        except DecodeError:
+            return False
+        return lease.holder == self.holder and lease.term in (self.term, 0)
+
     async def try_acquire(self) -> bool:
-        """One attempt to take the lease; True when this process now holds it."""
+        """One attempt to take the lease (free, or still holding this process's own lapsed term); True when
+        this process now holds it. Raises the request's error when NATS gave no answer (worth asking again
+        soon, unlike a lease held by another)."""
         async with self.lock:
-            rev, value = await self._last_entry()
-            if value is not None:
+            rev, value = await self._read_last()
+            if value is not None and not self._ours(value):
                 return False
             self._acquired_at.GetCurrentTime()
-            self.term = 0
             sent_at = self._now()
             try:
-                created = await self._publish(self._value(), rev)
+                created = await self._publish(self._value(term=0), rev)
             except APIError as exc:
                 if exc.err_code == WRONG_LAST_SEQUENCE:
                     return False
@@ -152,6 +182,7 @@ class Lease:
             return True
 
     async def renew(self) -> bool:
+        """One renewal; True when it landed (False: not held, lost, or no answer — asked again soon)."""
         async with self.lock:
             if not self.held:
                 return False
@@ -160,16 +191,31 @@ class Lease:
                 self.rev = await self._publish(self._value(), self.rev)
             except APIError as exc:
                 if exc.err_code == WRONG_LAST_SEQUENCE:
-                    self.lost("renewal refused: the lease changed hands")
-                    return False
+                    return await self._recognise_landed()
                 self._check_expiry()
-                return self.held
+                return False
             except (NatsError, TimeoutError, OSError) as exc:
                 log.debug("lease %s renewal failed: %s", self.loop, exc)
                 self._check_expiry()
-                return self.held
+                return False
             self._last_refresh = sent_at
             return True
+
+    async def _recognise_landed(self) -> bool:
+        """A renewal refused because the key moved on: when its last value is exactly this term's lease, an
+        earlier write of ours landed whose acknowledgement was lost (a renewal, or a fenced batch's lease
+        re-write): adopt its revision and go on; otherwise the lease changed hands."""
+        try:
+            rev, value = await self._read_last()
+        except (NatsError, APIError) as exc:
+            log.debug("lease %s: could not read the key after a refused renewal: %s", self.loop, exc)
+            self._check_expiry()
+            return False
+        if value == self._value() and rev > self.rev:
+            self.rev = rev  # its refresh time stays that of the last confirmed write: the TTL is not stretched
+            return True
+        self.lost("renewal refused: the lease changed hands")
+        return False
 
     def _check_expiry(self) -> None:
         if self._now() - self._last_refresh >= self.ttl - 0.2:
@@ -237,7 +283,8 @@ async def run_while_leading(
                 acquired = await lease.try_acquire()
             except (NatsError, TimeoutError, OSError, APIError) as exc:
                 log.debug("lease %s: acquire attempt failed: %s", loop, exc)
-                acquired = False
+                await asyncio.sleep(min(RETRY_PAUSE, renew_interval))
+                continue
             raise_if_cancelling()
             if not acquired:
                 await asyncio.sleep(renew_interval)
@@ -265,9 +312,10 @@ async def _lead_term(lease: Lease, fn: LeaderFn) -> None:
     lost = asyncio.create_task(lease.wait_lost())
 
     async def renew_forever() -> None:
+        renewed = True
         while lease.held:
-            await asyncio.sleep(lease.renew_interval)
-            await lease.renew()
+            await asyncio.sleep(lease.renew_interval if renewed else min(RETRY_PAUSE, lease.renew_interval))
+            renewed = await lease.renew()
             raise_if_cancelling()
 
     renewer = asyncio.create_task(renew_forever())

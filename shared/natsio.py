@@ -118,6 +118,9 @@ ConnectionListener = Callable[[], Awaitable[None]]
 JS_API_PREFIX = "$JS.API."
 RETRY_PAUSE = 0.25
 FIRST_ATTEMPT_TIMEOUT = 1.0
+LONGEST_ATTEMPT_TIMEOUT = 2.0
+"""Attempts wait 1 s, then 2 s each: a request sent during a leader election is never answered, so an
+attempt waiting longer only delays the first one sent after the election (up to 9 s after the loss)."""
 
 
 class ClusterUnavailable(ConnectionError):
@@ -140,7 +143,8 @@ class PatientClient(NATS):
     no responder or gets ``503`` (a leader election), or whose server drops the connection while it waits,
     is sent again — to whichever server the client has reconnected to — until ``request_deadline``
     seconds have passed; then :class:`ClusterUnavailable`. A request to a stream whose leader just died gets
-    no answer at all, so attempts wait 1 s, then 2 s, 4 s … (a slow but live answer still arrives).
+    no answer at all, even after the election, so attempts are short — 1 s, then 2 s each (a slow but live
+    answer still arrives) — and the first one sent after the election is answered.
     Publishes (writes) are never repeated: a write whose reply was lost is the caller's to check
     (``shared.txn.CommitUnknown``)."""
 
@@ -178,7 +182,7 @@ class PatientClient(NATS):
             attempt = asyncio.ensure_future(
                 super().request(subject, payload, min(timeout, attempt_timeout, remaining), old_style, headers)
             )
-            attempt_timeout *= 2
+            attempt_timeout = min(attempt_timeout * 2, LONGEST_ATTEMPT_TIMEOUT)
             try:
                 msg = await self._unless_reconnected(attempt, reconnects)
             except (nats.errors.TimeoutError, TimeoutError):
@@ -204,7 +208,11 @@ class PatientClient(NATS):
         """The attempt's reply, or None as soon as the client has reconnected (the reply, if any, went to
         the server that was lost)."""
         while True:
-            done, _ = await asyncio.wait({attempt}, timeout=0.1)
+            try:
+                done, _ = await asyncio.wait({attempt}, timeout=0.1)
+            except asyncio.CancelledError:  # the caller gave up (e.g. the CLI's snapshot answered first)
+                attempt.cancel()
+                raise
             if done:
                 return attempt.result()
             if self.stats["reconnects"] != reconnects:
@@ -706,3 +714,50 @@ async def inspect_cluster(js: JetStreamContext) -> tuple[ClusterConfig | None, l
         leader = (cluster.leader or "") if cluster else ""
         found.append(StreamStatus(name, True, replicas, leader, peers, mismatches))
     return config, found
+
+
+DIRECT_GET_PREFIX = f"{JS_API_PREFIX}DIRECT.GET."
+DIRECT_GET_STATUS = "Status"
+END_OF_BATCH = "204"
+NO_RESULTS = "404"
+TOO_MANY_RESULTS = "413"
+
+
+class TooManySubjects(Exception):
+    """More subjects than the server returns in one ``multi_last`` direct get (1,024 in nats-server)."""
+
+
+async def last_per_subject(nc: NATS, stream: str, subjects: str, timeout: float) -> list[Msg]:
+    """The last message of every subject matching ``subjects`` (deletes and markers included), read with ONE
+    ``DIRECT.GET`` batch request (``multi_last``): answered by any current replica of a stream that allows
+    direct reads, so without a consumer and without its leader — it works while the stream elects one.
+    The reply is one point in the stream's history. Raises :class:`TimeoutError` when no message arrives
+    within ``timeout`` of the last, ``nats.errors.NoRespondersError`` / :class:`ClusterUnavailable` when
+    nobody answers (no replica: an election's first instants, or no such stream), :class:`TooManySubjects`."""
+    inbox = nc.new_inbox()
+    replies: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def collect(msg: Msg) -> None:
+        replies.put_nowait(msg)
+
+    sub = await nc.subscribe(inbox, cb=collect)
+    try:
+        request = json.dumps({"multi_last": [subjects]}).encode()
+        await nc.publish(DIRECT_GET_PREFIX + stream, request, reply=inbox)
+        found: list[Msg] = []
+        while True:
+            msg = await asyncio.wait_for(replies.get(), timeout)
+            status = (msg.headers or {}).get(DIRECT_GET_STATUS)
+            if status is None:
+                found.append(msg)
+            elif status in (END_OF_BATCH, NO_RESULTS):
+                return found
+            elif status == TOO_MANY_RESULTS:
+                raise TooManySubjects(f"{stream}: more subjects than one direct get returns")
+            elif status == "503" and not found:
+                raise nats.errors.NoRespondersError
+            else:
+                raise ClusterUnavailable(f"direct get of {stream} answered {status} {msg.headers}")
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()

@@ -183,7 +183,11 @@ class Writer:
         self._queue.append(_Pending(txn, fut))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_queue())
-        await fut
+        try:
+            await fut
+        except Conflict:
+            await self._view.refresh_snapshot()  # the caller re-decides on what won
+            raise
 
     async def commit_many(self, txns: Sequence[Txn]) -> list[TxnError | None]:
         """Commit many independent transactions in few batches; one result per transaction (None = ok).

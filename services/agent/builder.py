@@ -3,7 +3,8 @@
 * ``zattera.agent.<node>.build`` carries a ``RunBuildRequest``. The reply comes at once: empty = accepted,
   header ``Zattera-Error`` = refused (undecodable request, no build id, or one that is not a safe path
   component: it names the build's scratch directory). A request for a build already
-  running here is accepted again without starting it twice (a dispatcher retry).
+  running here, or among the last ``FINISHED_REMEMBERED`` finished here, is accepted again without starting
+  it twice (a dispatcher resending a request whose reply was lost with a NATS server).
 * The build then streams ``BuildEvent``\\ s on ``zattera.builds.<build_id>.events`` with
   :class:`BuildEventPublisher`: log lines, the success event (digest + platforms) and ``done``, or one
   ``failed`` event (which ends the stream). The dispatcher copies the lines into the build log stream.
@@ -53,6 +54,7 @@ import shutil
 import signal
 import sys
 import tarfile
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -86,6 +88,8 @@ log = logging.getLogger(__name__)
 
 MAX_CONTEXT_BYTES = 512 * 1024 * 1024
 SOURCE_FETCH_TIMEOUT = 600.0
+FINISHED_REMEMBERED = 256
+"""Finished build ids kept to recognise a resent RunBuild (a build id is never dispatched again)."""
 PASSED_THROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
 # What the package managers need to reach their registries from this node (proxies, a CA bundle, mirrors).
 NETWORK_ENV = (
@@ -190,6 +194,7 @@ class Builder:
         self.os_arch = os_arch
         self.keepalive = keepalive
         self._builds: dict[str, asyncio.Task[None]] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
         self._stopping: set[asyncio.Task[None]] = set()
         self.ready = asyncio.Event()
         """Set once the build subjects are subscribed."""
@@ -233,12 +238,18 @@ class Builder:
         if not is_safe_id(build_id):  # it names the scratch directory, removed after the build
             await self._refuse(msg, f"bad request: {unsafe_id('build id', build_id)}")
             return
-        if build_id not in self._builds:
+        if build_id not in self._builds and build_id not in self._finished:
             task = asyncio.create_task(self._run(request, msg.headers), name=f"build:{build_id}")
             self._builds[build_id] = task
-            task.add_done_callback(lambda _: self._builds.pop(build_id, None))
+            task.add_done_callback(lambda _: self._remember_finished(build_id))
         if msg.reply:
             await msg.respond(b"")
+
+    def _remember_finished(self, build_id: str) -> None:
+        self._builds.pop(build_id, None)
+        self._finished[build_id] = None
+        while len(self._finished) > FINISHED_REMEMBERED:
+            self._finished.popitem(last=False)
 
     async def _on_cancel(self, msg: Msg) -> None:
         if not is_direct_request(msg):

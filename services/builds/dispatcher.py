@@ -42,6 +42,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
@@ -73,6 +74,15 @@ log = logging.getLogger(__name__)
 NO_RESPONDERS_GRACE = 3.0
 """How long a RunBuild request nobody received is sent again (a builder reconnecting to another server)."""
 NO_RESPONDERS_PAUSE = 0.25
+CLAIM_IN_FLIGHT = 12.0
+"""A RUNNING build resumed by a new term (or a new leader) within this many seconds of its claim is sent its
+RunBuild again: its claimer may have been deposed between the claim landing (its reply lost with a NATS
+server) and sending the request. Longer than a claim's commit timeout (10 s); the builder accepts a build id
+it already has without running it twice. Older resumed builds are only followed (a silent one is lost)."""
+REQUEST_ATTEMPT = 1.0
+"""A builder accepts a RunBuild at once; an attempt unanswered this long is sent again (its NATS server lost
+with the request or the reply in flight). Builders accept a build id they run or ran again without starting
+it twice, so a resent request is safe."""
 
 WAITING_KIND = "build.waiting_for_builder"
 WAITING_MESSAGE = "no schedulable builder node (cordoned, down, or builder=false); the build stays queued"
@@ -507,18 +517,27 @@ class BuildDispatcher(LeaderLoop):
 
     async def _request_build(self, node_id: str, data: bytes) -> Msg:
         """The builder's reply. "No responders" means nobody received the request — the builder is
-        reconnecting after its NATS server was lost — so it is sent again for ``NO_RESPONDERS_GRACE``."""
+        reconnecting after its NATS server was lost — so it is sent again for ``NO_RESPONDERS_GRACE``; an
+        attempt with no reply (the request or the reply lost with a server) is sent again every
+        ``REQUEST_ATTEMPT`` until ``request_timeout`` has passed."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + NO_RESPONDERS_GRACE
+        started = loop.time()
         while True:
+            unanswered_for = loop.time() - started
             try:
                 return await self.conn.nc.request(
-                    run_build_subject(node_id), data, timeout=self.config.request_timeout, headers=inject()
+                    run_build_subject(node_id),
+                    data,
+                    timeout=max(0.1, min(REQUEST_ATTEMPT, self.config.request_timeout - unanswered_for)),
+                    headers=inject(),
                 )
             except NoRespondersError:
-                if loop.time() >= deadline:
+                if loop.time() - started >= NO_RESPONDERS_GRACE:
                     raise
-            await asyncio.sleep(NO_RESPONDERS_PAUSE)
+                await asyncio.sleep(NO_RESPONDERS_PAUSE)
+            except NatsTimeoutError:
+                if loop.time() - started >= self.config.request_timeout:
+                    raise
 
     async def _tell_builder_to_stop(self, node_id: str, build_id: str) -> None:
         try:
@@ -536,7 +555,22 @@ class BuildDispatcher(LeaderLoop):
         follower = _Follower(build.meta.id, build.node_id, resumed, checkpointed_at=seconds(build.last_event_at))
         self._followers[build.meta.id] = follower
         follower.task = asyncio.create_task(self._run_follower(follower), name=f"build:{build.meta.id}")
+        if resumed and self.clock.now() - seconds(build.started_at) < CLAIM_IN_FLIGHT:
+            self._spawn(self._resend(build))
         return follower
+
+    async def _resend(self, build: pb.Build) -> None:
+        """The RunBuild of a build claimed moments ago, perhaps never sent (see ``CLAIM_IN_FLIGHT``); a
+        builder that cannot be reached now is left to the lost timeout, as for any resumed build."""
+        request = run_request(build, self.config).SerializeToString(deterministic=True)
+        try:
+            reply = await self._request_build(build.node_id, request)
+        except (NatsError, TimeoutError) as exc:
+            log.info("build %s: RunBuild sent again on resume got no answer: %s", build.meta.id, exc)
+            return
+        refused = (reply.headers or {}).get(ERROR_HEADER)
+        if refused:
+            self._conclude(build.meta.id, Verdict(pb.BUILD_STATUS_FAILED, f"build stream: {refused}"))
 
     def _conclude(self, build_id: str, verdict: Verdict, *, stop_builder: bool = False) -> None:
         follower = self._followers.get(build_id)

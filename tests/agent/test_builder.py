@@ -128,3 +128,27 @@ async def test_cancel_stops_a_running_build(builder: Builder, conn: Connection) 
     assert cpb.CancelBuildResponse.FromString(reply.data).canceled
     last = await next_event(events)
     assert last.done and last.status == pb.BUILD_STATUS_FAILED and last.error == "build canceled"
+
+
+async def test_a_resent_request_for_a_finished_build_is_accepted_without_running_it_again(
+    builder: Builder, conn: Connection
+) -> None:
+    build = pb.Build(project_id="P1", app_id="A1", environment_id="E1", tarball_digest="sha256:" + "0" * 64)
+    build.meta.id = new_id()
+    request = cpb.RunBuildRequest(build=build, source_url=build.tarball_digest, push_image_ref="p1/a1:x")
+    events = await conn.js.subscribe(
+        build_events_subject(build.meta.id),
+        stream=BUILD_EVENTS_STREAM,
+        ordered_consumer=True,
+        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
+    )
+    await conn.nc.request(run_build_subject("b1"), request.SerializeToString(), timeout=5)
+    while not (await next_event(events)).done:  # fails at once: no such source
+        pass
+    await eventually(lambda: build.meta.id not in builder._builds, 5, "build finished")
+
+    reply = await conn.nc.request(run_build_subject("b1"), request.SerializeToString(), timeout=5)
+
+    assert not (reply.headers or {}).get(ERROR_HEADER)
+    assert build.meta.id not in builder._builds, "a finished build was started again"
+    await events.unsubscribe()

@@ -3,6 +3,8 @@ streams ``BuildEvent``\\ s on the build's events subject (the contract in shared
 
 By default it plays a script right after accepting; with ``hold=True`` it accepts and stays silent
 until the test calls :meth:`FakeBuilder.emit` (a long or a lost build). ``refuse`` answers with an error.
+``unanswered=N`` leaves the first N requests without a reply (lost with a NATS server). A build id requested
+again is accepted without being run twice, as the agent's builder does.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class FakeBuilder:
         hold: bool = False,
         refuse: str = "",
         on_request: Callable[[cpb.RunBuildRequest], None] | None = None,
+        unanswered: int = 0,
     ) -> None:
         self.conn = conn
         self.node_id = node_id
@@ -54,6 +57,8 @@ class FakeBuilder:
         self.hold = hold
         self.refuse = refuse
         self.on_request = on_request
+        self.unanswered = unanswered
+        self.received = 0
         self.requests: list[cpb.RunBuildRequest] = []
         self.cancels: list[str] = []
         self._publishers: dict[str, BuildEventPublisher] = {}
@@ -91,6 +96,12 @@ class FakeBuilder:
 
     async def _on_build(self, msg: Msg) -> None:
         request = cpb.RunBuildRequest.FromString(msg.data)
+        self.received += 1
+        if self.received <= self.unanswered:
+            return
+        if request.build.meta.id in self.build_ids:  # a resent request: accepted again, not run twice
+            await msg.respond(b"")
+            return
         self.requests.append(request)
         if self.on_request is not None:
             self.on_request(request)

@@ -165,6 +165,16 @@ async def test_unreachable_builder_fails_with_dispatch_error(
     assert b1 is not None and b1.error.startswith("dispatch: ") and b1.node_id == "builder-a"
 
 
+async def test_a_run_build_request_whose_reply_was_lost_is_sent_again_and_the_build_runs_once(
+    conn: Connection, view: StateView, writer: Writer, start_dispatcher: StartDispatcher
+) -> None:
+    builder = await FakeBuilder(conn, "builder-a", script=success(), unanswered=2).start()
+    await put(writer, seed.builder_node("builder-a"), seed.build("b1"))
+    await start_dispatcher()
+    await eventually(lambda: status_is(view, "b1", SUCCEEDED), 10, "b1 SUCCEEDED")
+    assert builder.received == 3 and builder.build_ids == ["b1"]
+
+
 async def test_builder_refusing_the_request_fails_with_build_stream_error(
     conn: Connection, view: StateView, writer: Writer, start_dispatcher: StartDispatcher
 ) -> None:

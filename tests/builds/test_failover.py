@@ -149,3 +149,19 @@ async def test_contending_dispatchers_dispatch_every_build_exactly_once(
     )
     dispatched = sorted(bid for b in builders for bid in b.build_ids)
     assert dispatched == [f"b{i:02d}" for i in range(12)]
+
+
+async def test_a_build_claimed_moments_ago_by_a_deposed_leader_is_sent_again_and_runs_once(
+    conn: Connection, view: StateView, writer: Writer, clock: FakeClock, start_dispatcher: StartDispatcher
+) -> None:
+    # The previous leader's claim landed (its reply lost with a NATS server) and it was deposed before
+    # sending the RunBuild: the builder never heard of b1.
+    builder = await FakeBuilder(conn, "builder-a", script=success()).start()
+    await put(
+        writer,
+        seed.builder_node("builder-a"),
+        seed.build("b1", status=pb.BUILD_STATUS_RUNNING, node_id="builder-a", last_event_at=clock.now() - 2.0),
+    )
+    await start_dispatcher()
+    await eventually(lambda: status_is(view, "b1", pb.BUILD_STATUS_SUCCEEDED), 10, "b1 SUCCEEDED")
+    assert builder.build_ids == ["b1"]

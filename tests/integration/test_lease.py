@@ -144,3 +144,30 @@ async def test_clean_release_lets_a_standby_take_over_without_waiting_for_the_tt
     second = Lease(conn, "y", "b", ttl=30)
     assert await second.try_acquire()
     assert second.term > first.term
+
+
+async def test_a_lapsed_lease_still_ours_is_re_acquired_at_once_and_never_by_another(conn):
+    mine = Lease(conn, "z", "a", ttl=30)
+    assert await mine.try_acquire()
+    first_term = mine.term
+    mine.lost("could not renew within the TTL")  # as through a stream election longer than the TTL
+    other = Lease(conn, "z", "b", ttl=30)
+    assert not await other.try_acquire(), "the key still holds a's lease: nobody else may take it"
+    assert await mine.try_acquire()
+    assert mine.held and mine.term > first_term
+    assert await mine.renew()
+
+
+async def test_a_refused_renewal_whose_write_had_landed_is_recognised_not_taken_for_a_loss(conn):
+    lease = Lease(conn, "w", "a", ttl=30)
+    assert await lease.try_acquire()
+    # A renewal that landed but whose acknowledgement was lost: the key moved on with our own value.
+    subject, value, headers = lease.fence_message()
+    landed = (await conn.js.publish(subject, value, headers=headers)).seq
+    assert await lease.renew()
+    assert lease.held and lease.rev == landed  # adopted, not written twice
+    assert await lease.renew() and lease.rev > landed
+    # Someone else's write is not ours: the renewal is refused and the lease lost.
+    await conn.js.publish(subject, b"", headers={"KV-Operation": "DEL"})
+    assert not await lease.renew()
+    assert not lease.held
