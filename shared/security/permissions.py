@@ -46,6 +46,8 @@ JOIN_SUBJECT = "zattera.join"
 JOIN_ISSUE_SUBJECT = "zattera.join.issue"
 JOIN_BUCKET = "zattera-join"
 JOIN_STREAM = f"KV_{JOIN_BUCKET}"
+VIEW_OPEN_SUBJECT = "zattera.view.open"
+"""An agent asks control to (re)create its view consumer; control reads the node from ``Nats-Request-Info``."""
 
 NAME = "{{name()}}"
 INBOX = "_INBOX.{{subject()}}.>"
@@ -115,11 +117,6 @@ def read_key(stream: str, subject: str) -> str:
     return f"{JS}.DIRECT.GET.{stream}.{subject}"
 
 
-def watch_keys(stream: str, filter_subject: str) -> str:
-    """Create a consumer of any name whose filter is exactly ``filter_subject``."""
-    return f"{JS}.CONSUMER.CREATE.{stream}.*.{filter_subject}"
-
-
 def read_whole_stream(stream: str) -> tuple[str, ...]:
     """Everything needed to read any message of ``stream`` (for streams a role may read entirely)."""
     return (
@@ -134,6 +131,23 @@ def read_whole_stream(stream: str) -> tuple[str, ...]:
         f"$JS.FC.{stream}.>",
         f"$JS.ACK.{stream}.>",
     )
+
+
+def read_object_store(store: str) -> tuple[str, ...]:
+    """Read objects with direct gets only (``shared.objects.read_object``): no consumer, so no deliver
+    subject to steer, and nothing but this store's messages."""
+    stream = object_stream(store)
+    return (f"{JS}.STREAM.INFO.{stream}", f"{JS}.DIRECT.GET.{stream}", f"{JS}.DIRECT.GET.{stream}.>")
+
+
+def view_consumer(node: str) -> str:
+    """The durable pull consumer of an agent's state keys, created by control (``zattera.view.open``)."""
+    return f"view-{node}"
+
+
+def pull(stream: str, consumer: str) -> str:
+    """Fetch messages of a consumer someone else created (the pull request names it in the subject)."""
+    return f"{JS}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
 
 
 def write_object_store(store: str) -> tuple[str, ...]:
@@ -212,14 +226,15 @@ AGENT = Permissions(
         f"{JS}.STREAM.INFO.{STATE_STREAM}",
         f"{JS}.STREAM.INFO.{LIVE_STREAM}",
         *(read_key(STATE_STREAM, subject) for subject in AGENT_STATE_READS.values()),
-        *(watch_keys(STATE_STREAM, subject) for subject in AGENT_STATE_READS.values()),
         # …and image tags (tag → digest) to resolve a release's image ref that names a tag.
         read_key(STATE_STREAM, f"{STATE_PREFIX}image.*"),
-        f"{JS}.CONSUMER.INFO.{STATE_STREAM}.*",
-        f"$JS.FC.{STATE_STREAM}.>",
-        *read_whole_stream(object_stream(IMAGES_STORE)),
-        *read_whole_stream(object_stream(SOURCES_STORE)),
-        *read_whole_stream(object_stream(SNAPSHOTS_STORE)),
+        # Its watch: pulls from the consumer control created for it (no consumer of its own: a consumer's
+        # deliver subject could point anywhere in the ZATTERA account).
+        VIEW_OPEN_SUBJECT,
+        pull(STATE_STREAM, view_consumer(NAME)),
+        *read_object_store(IMAGES_STORE),
+        *read_object_store(SOURCES_STORE),
+        *read_object_store(SNAPSHOTS_STORE),
         # Snapshot chunks and manifests; the purge is nats-py's object delete (prune, GC) and the clean-up of
         # a chunk upload that lost a race. It could purge the whole store, which its rollup rights on every
         # chunk and manifest subject could already destroy (SECURITY.md, threat model).
@@ -251,7 +266,6 @@ PROXY = Permissions(
         ACTIVATE_SUBJECT,
         f"{LIVE_PREFIX}proxy.{NAME}",
         f"{JS}.INFO",
-        *read_whole_stream(ROUTES_STREAM),
     ),
     sub_allow=(INBOX, ROUTES_SNAPSHOT_SUBJECT),
 )
