@@ -114,9 +114,7 @@ def service_export(subject: str) -> dict[str, Any]:
 def zattera_exports() -> list[dict[str, Any]]:
     services = minimal([s for account in ROLE_ACCOUNTS for s in service_imports(account)])
     streams = minimal([s for account in ROLE_ACCOUNTS for s in stream_imports(account)])
-    return [service_export(s) for s in services] + [
-        {"name": s, "subject": s, "type": "stream"} for s in streams
-    ]
+    return [service_export(s) for s in services] + [{"name": s, "subject": s, "type": "stream"} for s in streams]
 
 
 def role_account_imports(account: Account, keys: dict[Account, str]) -> list[dict[str, Any]]:
@@ -137,11 +135,8 @@ def role_account_imports(account: Account, keys: dict[Account, str]) -> list[dic
 
 def zattera_imports(keys: dict[Account, str]) -> list[dict[str, Any]]:
     """Control services ask the agents (snapshots, restores, builds, prunes)."""
-    return [
-        {"name": AGENT_REQUESTS, "subject": AGENT_REQUESTS, "account": keys[Account.AGENTS], "type": "service"}
-    ]
+    return [{"name": AGENT_REQUESTS, "subject": AGENT_REQUESTS, "account": keys[Account.AGENTS], "type": "service"}]
 
 
 def agents_exports() -> list[dict[str, Any]]:
     return [service_export(AGENT_REQUESTS)]
-

@@ -36,9 +36,11 @@ from nats.js.kv import KeyValue
 
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, split_urls
 from shared.security.authority import RoleIssuer
+from shared.security.callers import answerable
 from shared.security.creds import creds_text
 from shared.security.nkeyjwt import KeyKind, KeyPair
-from shared.security.permissions import JOIN_BUCKET, JOIN_ISSUE_SUBJECT, JOIN_SUBJECT, Role
+from shared.security.permissions import JOIN_BUCKET, JOIN_ISSUE_SUBJECT, JOIN_SUBJECT, VIEW_OPEN_SUBJECT, Role
+from shared.security.views import view_open_handler
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +108,8 @@ async def ensure_join_bucket(conn: Connection, replicas: int = 1) -> KeyValue:
 
 
 class JoinService:
-    """Answers ``zattera.join.issue`` (new tokens) and ``zattera.join`` (token → node credential)."""
+    """Answers ``zattera.join.issue`` (new tokens), ``zattera.join`` (token → node credential) and
+    ``zattera.view.open`` (an agent's view consumer, :mod:`shared.security.views`)."""
 
     def __init__(
         self,
@@ -128,6 +131,7 @@ class JoinService:
         subs = [
             await self._conn.nc.subscribe(JOIN_SUBJECT, queue="join", cb=self._answer(self.join)),
             await self._conn.nc.subscribe(JOIN_ISSUE_SUBJECT, queue="join", cb=self._answer(self.issue)),
+            await self._conn.nc.subscribe(VIEW_OPEN_SUBJECT, queue="join", cb=self._view_open()),
         ]
         await self._conn.nc.flush()
         self.ready.set()
@@ -137,8 +141,17 @@ class JoinService:
             for sub in subs:
                 await sub.unsubscribe()
 
+    def _view_open(self) -> Callable[[Msg], Any]:
+        agents = {issuer.account_public_key for issuer in self._issuers.values()}
+        if len(agents) != 1:
+            raise ValueError("the agent and builder role keys must belong to one account (AGENTS)")
+        issuers = {issuer.signing_key.public_key for issuer in self._issuers.values()}
+        return view_open_handler(self._conn, agents_account=agents.pop(), agent_issuers=issuers)
+
     def _answer(self, handler: Callable[[dict[str, Any]], Any]) -> Callable[[Msg], Any]:
         async def callback(msg: Msg) -> None:
+            if not answerable(msg):
+                return  # a reply steered at some other subject: nobody to answer
             try:
                 request = json.loads(msg.data or b"{}")
                 if not isinstance(request, dict):
@@ -148,8 +161,7 @@ class JoinService:
                 reply = {"error": str(exc)}
             except (ValueError, TypeError) as exc:
                 reply = {"error": f"bad request: {exc}"}
-            if msg.reply:
-                await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
+            await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
 
         return callback
 
