@@ -103,8 +103,9 @@ def is_direct_request(msg: Msg) -> bool:
     nats-server delivers JetStream API replies and consumer deliveries to whatever subject the requester
     names, without checking that requester's publish rights (SECURITY.md, "Open"): such a redirected
     message arrives with no reply subject (an API reply) or a ``$JS.ACK`` one (a delivery). Handlers that
-    act on requests (an agent's snapshot, restore, prune and build subjects) only act on direct ones."""
-    return msg.reply.startswith(INBOX_PREFIX)
+    act on requests (an agent's snapshot, restore, prune and build subjects) only act on direct ones.
+    A request that crossed an account import (SECURITY.md, role accounts) has a server-made ``_R_.`` reply."""
+    return msg.reply.startswith((INBOX_PREFIX, "_R_."))
 
 
 def split_urls(urls: str | list[str]) -> list[str]:

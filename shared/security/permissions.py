@@ -134,10 +134,15 @@ def read_whole_stream(stream: str) -> tuple[str, ...]:
 
 
 def read_object_store(store: str) -> tuple[str, ...]:
-    """Read objects with direct gets only (``shared.objects.read_object``): no consumer, so no deliver
-    subject to steer, and nothing but this store's messages."""
+    """Read objects with message gets only (``shared.objects``; nats-py's put and delete look the meta up with
+    ``STREAM.MSG.GET``): no consumer, so no deliver subject to steer, nothing but this store's messages."""
     stream = object_stream(store)
-    return (f"{JS}.STREAM.INFO.{stream}", f"{JS}.DIRECT.GET.{stream}", f"{JS}.DIRECT.GET.{stream}.>")
+    return (
+        f"{JS}.STREAM.INFO.{stream}",
+        f"{JS}.STREAM.MSG.GET.{stream}",
+        f"{JS}.DIRECT.GET.{stream}",
+        f"{JS}.DIRECT.GET.{stream}.>",
+    )
 
 
 def view_consumer(node: str) -> str:
