@@ -351,7 +351,8 @@ def live_stream_config(replicas: int, ttl: float) -> StreamConfig:
         discard=DiscardPolicy.NEW,
         storage=StorageType.MEMORY,
         num_replicas=replicas,
-        allow_rollup_hdrs=True,
+        # Agents and proxies write here (their own keys): a rollup header from one would wipe every key.
+        allow_rollup_hdrs=False,
         deny_delete=True,
         allow_direct=True,
         max_age=ttl,

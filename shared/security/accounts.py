@@ -18,12 +18,18 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
+from shared.natsio import STATE_PREFIX
 from shared.security.permissions import (
     INBOX,
     JS,
     ROLE_PERMISSIONS,
     Role,
 )
+
+RELAY_PREFIX = "zattera.relay."
+"""Agents' state-bucket writes arrive in ``ZATTERA`` under this prefix (the import renames them), where the
+relay (:mod:`shared.security.relay`) republishes them without the headers that could act beyond the key:
+the state stream must accept rollups (``subject_delete_marker_ttl`` forces it), an agent's may not."""
 
 AGENT_REQUESTS = "zattera.agent.>"
 """Requests addressed to a node's agent: served in ``AGENTS``, asked from ``ZATTERA`` and ``OPERATORS``."""
@@ -107,12 +113,21 @@ def response_type(subject: str) -> str:
     return "Stream" if subject.startswith(STREAM_RESPONSES) else "Singleton"
 
 
+def relayed(account: Account, subject: str) -> bool:
+    return account is Account.AGENTS and subject.startswith(STATE_PREFIX)
+
+
+def exported_as(account: Account, subject: str) -> str:
+    """The subject ``ZATTERA`` exports for an import of ``subject`` by ``account``."""
+    return RELAY_PREFIX + subject if relayed(account, subject) else subject
+
+
 def service_export(subject: str) -> dict[str, Any]:
     return {"name": subject, "subject": subject, "type": "service", "response_type": response_type(subject)}
 
 
 def zattera_exports() -> list[dict[str, Any]]:
-    services = minimal([s for account in ROLE_ACCOUNTS for s in service_imports(account)])
+    services = minimal([exported_as(a, s) for a in ROLE_ACCOUNTS for s in service_imports(a)])
     streams = minimal([s for account in ROLE_ACCOUNTS for s in stream_imports(account)])
     return [service_export(s) for s in services] + [{"name": s, "subject": s, "type": "stream"} for s in streams]
 
@@ -122,7 +137,8 @@ def role_account_imports(account: Account, keys: dict[Account, str]) -> list[dic
     identity (``Nats-Request-Info``, set by the server) so control handlers know who asks."""
     zattera = keys[Account.ZATTERA]
     imports: list[dict[str, Any]] = [
-        {"name": s, "subject": s, "account": zattera, "type": "service", "share": True}
+        {"name": s, "subject": exported_as(account, s), "account": zattera, "type": "service", "share": True}
+        | ({"local_subject": s} if relayed(account, s) else {})
         for s in service_imports(account)
     ]
     imports += [

@@ -35,11 +35,13 @@ from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequen
 from nats.js.kv import KeyValue
 
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, split_urls
+from shared.security.accounts import RELAY_PREFIX
 from shared.security.authority import RoleIssuer
 from shared.security.callers import answerable
 from shared.security.creds import creds_text
 from shared.security.nkeyjwt import KeyKind, KeyPair
 from shared.security.permissions import JOIN_BUCKET, JOIN_ISSUE_SUBJECT, JOIN_SUBJECT, VIEW_OPEN_SUBJECT, Role
+from shared.security.relay import relay_handler
 from shared.security.views import view_open_handler
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,8 @@ async def ensure_join_bucket(conn: Connection, replicas: int = 1) -> KeyValue:
 
 class JoinService:
     """Answers ``zattera.join.issue`` (new tokens), ``zattera.join`` (token → node credential) and
-    ``zattera.view.open`` (an agent's view consumer, :mod:`shared.security.views`)."""
+    ``zattera.view.open`` (an agent's view consumer, :mod:`shared.security.views`), and relays the agents'
+    state writes (:mod:`shared.security.relay`): the control side of the agents' account."""
 
     def __init__(
         self,
@@ -132,6 +135,7 @@ class JoinService:
             await self._conn.nc.subscribe(JOIN_SUBJECT, queue="join", cb=self._answer(self.join)),
             await self._conn.nc.subscribe(JOIN_ISSUE_SUBJECT, queue="join", cb=self._answer(self.issue)),
             await self._conn.nc.subscribe(VIEW_OPEN_SUBJECT, queue="join", cb=self._view_open()),
+            await self._conn.nc.subscribe(f"{RELAY_PREFIX}>", queue="relay", cb=relay_handler(self._conn)),
         ]
         await self._conn.nc.flush()
         self.ready.set()

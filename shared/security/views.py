@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 
 import nats
 from nats.aio.msg import Msg
@@ -60,7 +60,7 @@ async def open_view_consumer(conn: Connection, node_id: str) -> str:
 
 def view_open_handler(
     conn: Connection, *, agents_account: str, agent_issuers: Collection[str]
-) -> Callable[[Msg], object]:
+) -> Callable[[Msg], Awaitable[None]]:
     """Answers ``zattera.view.open`` for agents only: the caller's account must be ``AGENTS`` and its
     credential issued by an agent or builder role key; the node is the credential's name."""
 

@@ -19,6 +19,7 @@ from shared.natsio import (
     connect,
 )
 from shared.secrets import ROTATE_SUBJECT, open_subject
+from shared.security.join import JoinService
 from shared.security.permissions import Role
 from tests.security.conftest import ConnectAs, SecureCluster
 
@@ -35,7 +36,7 @@ async def test_unauthenticated_client_is_refused(secure: SecureCluster) -> None:
 
 
 async def test_agent_writes_its_own_observed_key_and_reads_its_assignments(
-    secure: SecureCluster, control: Connection
+    secure: SecureCluster, control: Connection, join_service: JoinService
 ) -> None:
     await control.js.publish(f"{STATE_PREFIX}assignment.{NODE}.a1", b"desired-1")
     await control.js.publish(f"{STATE_PREFIX}assignment.n2.a2", b"not yours")
@@ -158,7 +159,7 @@ async def test_operator_writes_desired_state_but_not_leases(connect_as: ConnectA
 
 
 async def test_an_agent_cannot_write_another_nodes_key_through_a_reply_subject(
-    connect_as: ConnectAs, control: Connection
+    connect_as: ConnectAs, control: Connection, join_service: JoinService
 ) -> None:
     agent = await connect_as(Role.AGENT, NODE)
     own = f"{STATE_PREFIX}observed.{NODE}.redirect"
