@@ -50,7 +50,6 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import nats
 from google.protobuf.message import DecodeError, Message
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -58,6 +57,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+from shared.pull import PullFeed, PullLost
 from shared.telemetry import counter
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,6 @@ CONSUMER_HEARTBEAT = 1.0
 """Idle heartbeat of the view's ordered consumer: two missed (its server or its stream's leader lost) and
 nats-py re-creates the consumer, every two beats until the stream answers (default 5 s: a view went deaf
 for 10-20 s after a NATS server loss)."""
-
-PULL_BATCH = 1024
-PULL_WAIT = 5.0
-"""A pulled view (``open_consumer``) waits this long per pull for a change before asking again."""
 
 UNKNOWN_KIND = "unknown"
 """The kind :attr:`StateView.skipped_by_kind` counts keys under that name no known kind."""
@@ -201,14 +197,14 @@ _ENV_INDEXED = {
 
 @dataclass
 class _PullLoop:
-    """A pulled view's subscription and the task pulling from it."""
+    """The task pulling a pulled view's consumer (:class:`shared.pull.PullFeed`)."""
 
-    sub: Any
     task: asyncio.Task[None]
 
     async def unsubscribe(self) -> None:
         self.task.cancel()
-        await self.sub.unsubscribe()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
 
 
 class StateView:
@@ -382,29 +378,23 @@ class StateView:
         """Pull from the consumer control opened for this view (secured agents, :mod:`shared.security.views`)."""
         assert self._conn is not None and self._open_consumer is not None
         consumer = await self._open_consumer()
-        sub = await self._conn.js.pull_subscribe_bind(consumer, stream=STATE_STREAM)
-        on_msg = self._on_message(generation, done)
+
+        def caught_up() -> None:
+            if not done.done():
+                done.set_result(None)  # nothing (more) to load
+
+        feed = PullFeed(self._conn.nc, STATE_STREAM, consumer, self._on_message(generation, done), caught_up)
 
         async def pull_forever() -> None:
-            while generation == self._generation:
-                try:
-                    msgs = await sub.fetch(PULL_BATCH, timeout=PULL_WAIT)
-                except nats.errors.TimeoutError:
-                    if not done.done():
-                        done.set_result(None)  # nothing (more) to load
-                    continue
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # its consumer expired or was replaced, the connection was lost
-                    if generation == self._generation:
-                        log.warning("view %s: pull failed, resyncing: %s", self._name, exc)
-                        self._mark_stale()
-                        self._resync_task = asyncio.create_task(self._resync_with_retry())
-                    return
-                for msg in msgs:
-                    await on_msg(msg)
+            try:
+                await feed.run()
+            except PullLost as exc:  # its consumer expired or was replaced, the server or connection was lost
+                if generation == self._generation:
+                    log.warning("view %s: pull stopped, resyncing: %s", self._name, exc)
+                    self._mark_stale()
+                    self._resync_task = asyncio.create_task(self._resync_with_retry())
 
-        return _PullLoop(sub, asyncio.create_task(pull_forever()))
+        return _PullLoop(asyncio.create_task(pull_forever()))
 
     async def _subscribe(self, subject: str, generation: int, done: asyncio.Future[None]) -> Any:
         """One ordered consumer of ``subject``: last value per key, then every change."""
