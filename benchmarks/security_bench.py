@@ -102,15 +102,17 @@ async def _agent(mode: Mode, node: str) -> tuple[Connection, AgentSim]:
 
 
 async def _start_agent(mode: Mode, node: str) -> tuple[Connection, AgentSim]:
+    failure: Exception | None = None
     for _ in range(100):  # the join service (view consumers) may still be starting
         conn, sim = await _agent(mode, node)
         try:
             await sim.start()
             return conn, sim
-        except Exception:
+        except Exception as exc:
+            failure = exc
             await conn.close()
             await asyncio.sleep(0.2)
-    raise TimeoutError(f"agent {node} could not start its view")
+    raise TimeoutError(f"{mode.name}: agent {node} could not start its view: {failure!r}")
 
 
 def _assignment(node: str, index: int) -> pb.Assignment:
