@@ -4,12 +4,13 @@ Each mode gets its own embedded nats-server (secured: operator mode with the rol
 ``zattera up --secure`` and the join service as its own process, which opens the agents' view consumers and
 relays their state writes). Figures per mode:
 
-* **converge**: 500 simulated agents (quick: 100), each on its own connection — its own agent credential
-  when secured — with the product's agent view (filtered ordered consumers when open; the pulled consumer
-  control opens when secured) and the product's writer: control writes 1,000 RUN assignments (2 per node;
-  quick: 200) in batches; the time until every one of them has its ``observed`` HEALTHY report stored (each
-  agent sees its assignments through its view and reports through its writer, i.e. through the relay
-  when secured). Placement and the control loops are the same code in both modes and not part of it.
+* **converge**: 500 simulated agents (quick: 100) in 4 worker processes, each on its own connection — its
+  own agent credential when secured — with the product's agent view (filtered ordered consumers when open;
+  the pulled consumer control opens when secured) and the product's writer. Control writes 1,000 RUN
+  assignments (2 per node; quick: 200) in batches; the figure is the time until every one has its
+  ``observed`` HEALTHY report stored (each agent sees its assignments through its view and reports through
+  its writer, i.e. through the relay when secured). Placement and the control loops are the same code in
+  both modes and not part of it.
 * **route propagation**: 20 proxies (their own proxy credentials when secured, through the ``PROXIES``
   account's stream import) subscribed to ``zattera.routes.snapshot``; 200 snapshots of 2 KB published by
   control, one every 10 ms; the time from publish to receipt at each proxy, p50 and p99.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +46,7 @@ from shared.view import StateView
 from tests.agent_sim import AgentSim
 
 ROOT = Path(__file__).resolve().parents[1]
+WORKERS = 4
 PROXIES = 20
 SNAPSHOTS = 200
 SNAPSHOT_BYTES = 2048
@@ -94,17 +97,18 @@ def _join_service(url: str, setup: SecureSetup, base: Path) -> Supervised:
     return join
 
 
-async def _agent(mode: Mode, node: str) -> tuple[Connection, AgentSim]:
-    conn = await connect(mode.server.url, name=f"sim-{node}", creds=mode.creds(Role.AGENT, node))
-    opener = partial(request_view, conn) if mode.secure else None
+async def _agent(url: str, setup: SecureSetup | None, node: str) -> tuple[Connection, AgentSim]:
+    creds = str(setup.creds(Role.AGENT, node)) if setup else None
+    conn = await connect(url, name=f"sim-{node}", creds=creds)
+    opener = partial(request_view, conn) if setup else None
     view = StateView(conn, name=f"agent-{node}", filters=view_filters(node), open_consumer=opener)
     return conn, AgentSim(conn, view=view)
 
 
-async def _start_agent(mode: Mode, node: str) -> tuple[Connection, AgentSim]:
+async def _start_agent(url: str, setup: SecureSetup | None, node: str) -> tuple[Connection, AgentSim]:
     failure: Exception | None = None
     for _ in range(100):  # the join service (view consumers) may still be starting
-        conn, sim = await _agent(mode, node)
+        conn, sim = await _agent(url, setup, node)
         try:
             await sim.start()
             return conn, sim
@@ -112,7 +116,43 @@ async def _start_agent(mode: Mode, node: str) -> tuple[Connection, AgentSim]:
             failure = exc
             await conn.close()
             await asyncio.sleep(0.2)
-    raise TimeoutError(f"{mode.name}: agent {node} could not start its view: {failure!r}")
+    raise TimeoutError(f"agent {node} could not start its view: {failure!r}")
+
+
+async def _agents_worker(url: str, security: str, names: list[str]) -> None:
+    """A worker process's share of the simulated agents (one Python process cannot serve 500 views and keep
+    up with their heartbeats): start them, say READY, run until stdin closes."""
+    setup = SecureSetup(Path(security), None) if security else None
+    agents = []
+    for start in range(0, len(names), 25):
+        agents += await asyncio.gather(*(_start_agent(url, setup, n) for n in names[start : start + 25]))
+    print("READY", flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    for conn, sim in agents:
+        await sim.stop()
+        await conn.close()
+
+
+def _spawn_workers(mode: Mode, names: list[str]) -> list[subprocess.Popen[bytes]]:
+    security = str(mode.setup.directory) if mode.setup else ""
+    share = -(-len(names) // WORKERS)
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.security_bench",
+                "--agents",
+                mode.server.url,
+                security,
+                ",".join(names[i : i + share]),
+            ],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        for i in range(0, len(names), share)
+    ]
 
 
 def _assignment(node: str, index: int) -> pb.Assignment:
@@ -124,9 +164,11 @@ def _assignment(node: str, index: int) -> pb.Assignment:
 
 async def _converge(mode: Mode, nodes: int, replicas: int) -> float:
     names = [f"n{i:04d}" for i in range(nodes)]
-    agents = []
-    for start in range(0, nodes, 50):
-        agents += await asyncio.gather(*(_start_agent(mode, n) for n in names[start : start + 50]))
+    workers = _spawn_workers(mode, names)
+    for worker in workers:
+        assert worker.stdout is not None
+        ready = await asyncio.to_thread(worker.stdout.readline)
+        assert ready.startswith(b"READY"), f"{mode.name}: an agents worker failed to start"
     control = await connect(mode.server.url, name="bench-control", creds=mode.control_creds())
     view = StateView(control, name="bench-control")
     await view.start()
@@ -153,9 +195,11 @@ async def _converge(mode: Mode, nodes: int, replicas: int) -> float:
     finally:
         await view.stop()
         await control.close()
-        for conn, sim in agents:
-            await sim.stop()
-            await conn.close()
+        for worker in workers:
+            assert worker.stdin is not None
+            worker.stdin.close()
+        for worker in workers:
+            await asyncio.to_thread(worker.wait, 30)
 
 
 async def _route_propagation(mode: Mode) -> list[float]:
@@ -222,6 +266,10 @@ def run(quick: bool = True) -> list[Row]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--agents"]:
+        url, security, names = sys.argv[2:5]
+        asyncio.run(_agents_worker(url, security, names.split(",")))
+        return
     bench_main("Cost of --secure", run, __doc__, "500 nodes, 1,000 replicas")
 
 
