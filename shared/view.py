@@ -345,7 +345,7 @@ class StateView:
                 return
             self._subs.append(sub)
             if pulled:
-                continue  # the pull loop itself tells an empty load (its first fetch times out)
+                continue  # the pull loop tells an empty load itself (its first, no-wait pull answers 404)
             info = await sub.consumer_info()
             # Judge emptiness by what the server has sent, not by what this client has processed yet: the
             # server may have pushed everything (num_pending 0) before the callback ran for the first one.
