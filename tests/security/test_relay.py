@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from shared.ids import new_id
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, connect
+from shared.natsio import LIVE_PREFIX, LIVE_STREAM, STATE_PREFIX, STATE_STREAM, Connection, connect
 from shared.security.join import JoinService
 from shared.security.permissions import Role
 from shared.security.relay import relayed_write
@@ -87,3 +87,19 @@ async def test_nothing_is_stored_for_a_write_nobody_relays(secure: SecureCluster
             await control.js.get_last_msg(STATE_STREAM, f"{STATE_PREFIX}observed.{NODE}.unrelayed")
     finally:
         await agent.close()
+
+
+@pytest.mark.parametrize(("role", "name", "own"), [(Role.PROXY, "p1", "proxy.p1"), (Role.AGENT, NODE, f"node.{NODE}")])
+async def test_a_rollup_on_the_live_bucket_is_refused_and_every_other_key_stays(
+    secure: SecureCluster, control: Connection, role: Role, name: str, own: str
+) -> None:
+    other = f"{LIVE_PREFIX}node.someone-else"
+    await control.js.publish(other, b"intact", stream=LIVE_STREAM)
+    client = await connect(secure.url, name="live-writer", creds=secure.creds(role, name))
+    try:
+        with pytest.raises(APIError) as refused:
+            await client.js.publish(f"{LIVE_PREFIX}{own}", b"x", headers={"Nats-Rollup": "all"})
+        assert refused.value.err_code == 10111  # rollups not permitted on this stream
+        assert (await control.js.get_last_msg(LIVE_STREAM, other)).data == b"intact"
+    finally:
+        await client.close()
