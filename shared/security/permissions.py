@@ -1,18 +1,18 @@
 """What each role may publish and subscribe to: the whole authorization model, enforced by nats-server.
 
-Every user of the ``ZATTERA`` account is signed by a *scoped* signing key of its role: the server takes the
-permissions from the scope's template below, never from the user JWT, so whoever holds a role's signing key
-(the join service holds only the agent ones) can mint users of that role and nothing more.
-``{{name()}}`` expands to the user's name (the node id of an agent, the proxy id of a proxy) and
-``{{subject()}}`` to the user's public key, the private inbox prefix of that user.
+Every user is signed by a *scoped* signing key of its role, held by its role's account (``ZATTERA`` for
+control, ``AGENTS``, ``PROXIES``, ``OPERATORS``: :mod:`shared.security.accounts`, which also derives each
+account's imports from these tables): the server takes the permissions from the scope's template below,
+never from the user JWT, so whoever holds a role's signing key (the join service holds only the agent ones)
+can mint users of that role and nothing more. ``{{name()}}`` expands to the user's name (the node id of an
+agent, the proxy id of a proxy) and ``{{subject()}}`` to the user's public key, the private inbox prefix.
 
-Reads of the state bucket are limited to keys with the two JetStream API forms that carry the subject in
-the API subject itself, so a subject permission can scope them:
-``$JS.API.DIRECT.GET.<stream>.<subject>`` (get one key) and
-``$JS.API.CONSUMER.CREATE.<stream>.<consumer>.<filter>`` (watch keys; the server refuses a request whose
-body filter differs from the filter in the subject). The forms without a subject in it
-(``$JS.API.STREAM.MSG.GET.<stream>``, ``$JS.API.CONSUMER.CREATE.<stream>``, ``$JS.API.DIRECT.GET.<stream>``)
-would read anything and are never granted on the state bucket to agents or proxies.
+Reads of the state bucket by agents are direct gets of the form that carries the subject in the API subject
+itself, ``$JS.API.DIRECT.GET.<stream>.<subject>``, so a subject permission scopes them, plus pulls of the one
+consumer control opens for the agent (``view-<node>``). The forms without a subject in it
+(``$JS.API.STREAM.MSG.GET.<stream>``, ``$JS.API.DIRECT.GET.<stream>``) would read anything and are never
+granted on the state bucket to agents or proxies; no role but control creates or deletes consumers (a
+consumer's deliver subject could name any subject of ``ZATTERA``).
 """
 
 from __future__ import annotations
