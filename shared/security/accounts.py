@@ -27,9 +27,9 @@ from shared.security.permissions import (
 )
 
 RELAY_PREFIX = "zattera.relay."
-"""Agents' state-bucket writes arrive in ``ZATTERA`` under this prefix (the import renames them), where the
-relay (:mod:`shared.security.relay`) republishes them without the headers that could act beyond the key:
-the state stream must accept rollups (``subject_delete_marker_ttl`` forces it), an agent's may not."""
+"""Agents' and operators' state-bucket writes arrive in ``ZATTERA`` under this prefix (their import renames
+them), where the relay (:mod:`shared.security.relay`) republishes them without the headers that could act
+beyond the key: the state stream must accept rollups (``subject_delete_marker_ttl`` forces it), they may not."""
 
 AGENT_REQUESTS = "zattera.agent.>"
 """Requests addressed to a node's agent: served in ``AGENTS``, asked from ``ZATTERA`` and ``OPERATORS``."""
@@ -114,7 +114,8 @@ def response_type(subject: str) -> str:
 
 
 def relayed(account: Account, subject: str) -> bool:
-    return account is Account.AGENTS and subject.startswith(STATE_PREFIX)
+    """State-bucket writes of agents and operators go through the relay (no rollup, no batch of others')."""
+    return account in (Account.AGENTS, Account.OPERATORS) and subject.startswith(STATE_PREFIX)
 
 
 def exported_as(account: Account, subject: str) -> str:

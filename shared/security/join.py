@@ -135,7 +135,7 @@ class JoinService:
             await self._conn.nc.subscribe(JOIN_SUBJECT, queue="join", cb=self._answer(self.join)),
             await self._conn.nc.subscribe(JOIN_ISSUE_SUBJECT, queue="join", cb=self._answer(self.issue)),
             await self._conn.nc.subscribe(VIEW_OPEN_SUBJECT, queue="join", cb=self._view_open()),
-            await self._conn.nc.subscribe(f"{RELAY_PREFIX}>", queue="relay", cb=relay_handler(self._conn)),
+            await self._conn.nc.subscribe(f"{RELAY_PREFIX}>", queue="relay", cb=self._relay()),
         ]
         await self._conn.nc.flush()
         self.ready.set()
@@ -145,12 +145,18 @@ class JoinService:
             for sub in subs:
                 await sub.unsubscribe()
 
-    def _view_open(self) -> Callable[[Msg], Any]:
+    def _agents_account(self) -> str:
         agents = {issuer.account_public_key for issuer in self._issuers.values()}
         if len(agents) != 1:
             raise ValueError("the agent and builder role keys must belong to one account (AGENTS)")
+        return agents.pop()
+
+    def _view_open(self) -> Callable[[Msg], Any]:
         issuers = {issuer.signing_key.public_key for issuer in self._issuers.values()}
-        return view_open_handler(self._conn, agents_account=agents.pop(), agent_issuers=issuers)
+        return view_open_handler(self._conn, agents_account=self._agents_account(), agent_issuers=issuers)
+
+    def _relay(self) -> Callable[[Msg], Any]:
+        return relay_handler(self._conn, self._agents_account())
 
     def _answer(self, handler: Callable[[dict[str, Any]], Any]) -> Callable[[Msg], Any]:
         async def callback(msg: Msg) -> None:

@@ -1,12 +1,13 @@
-"""The relay of agents' state-bucket writes (secured clusters, SECURITY.md).
+"""The relay of agents' and operators' state-bucket writes (secured clusters, SECURITY.md).
 
-The state stream accepts rollup headers (its ``subject_delete_marker_ttl`` forces ``allow_rollup_hdrs``), so
-a publish with ``Nats-Rollup: all`` on an agent's own key would erase every key. Agents' writes therefore do
-not reach the stream directly: the ``AGENTS`` account's import renames ``$KV.zattera-state.<key>`` to
+The state stream accepts rollup headers (its ``subject_delete_marker_ttl`` forces ``allow_rollup_hdrs``),
+so a publish with ``Nats-Rollup: all`` on one's own key would erase every key. Agents' and operators' writes
+therefore do not reach the stream directly: their account's import renames ``$KV.zattera-state.<key>`` to
 ``zattera.relay.$KV.zattera-state.<key>`` in ``ZATTERA``, where this relay (run by the join service, control
 credential) republishes the value with only the headers a key write needs, and returns the stream's answer
-(ack or error) to the agent unchanged. The key must belong to the caller's node (``Nats-Request-Info``);
-the permissions already say so, this checks it once more.
+(ack or error) unchanged. An agent's ``observed``/``node`` key must be its own node's
+(``Nats-Request-Info``), and nobody but the services writes a lease: the permissions already say so, this
+checks it once more.
 """
 
 from __future__ import annotations
@@ -49,13 +50,18 @@ def _refusal(description: str) -> bytes:
     return json.dumps({"error": {"code": 400, "err_code": 0, "description": description}}).encode()
 
 
-def relayed_write(subject: str, headers: dict[str, str], node: str) -> tuple[str, dict[str, str]] | str:
-    """The state subject and headers to publish for a relayed message, or why it is refused."""
+def relayed_write(
+    subject: str, headers: dict[str, str], node: str, *, agent: bool = True
+) -> tuple[str, dict[str, str]] | str:
+    """The state subject and headers to publish for a relayed message, or why it is refused. ``node``: the
+    caller's name; ``agent``: the caller is an agent (its ``observed``/``node`` keys must be its own)."""
     key_subject = subject[len(RELAY_PREFIX) :]
     if not subject.startswith(RELAY_PREFIX) or not key_subject.startswith(STATE_PREFIX):
         return f"not a state key: {subject}"
     tokens = key_subject[len(STATE_PREFIX) :].split(".")
-    if tokens[0] in OWN_NODE_KINDS and (len(tokens) < 2 or tokens[1] != node):
+    if tokens[0] == "lease":
+        return f"{key_subject}: leases are written by the services only"
+    if agent and tokens[0] in OWN_NODE_KINDS and (len(tokens) < 2 or tokens[1] != node):
         return f"{key_subject} is not a key of node {node or '(unknown)'}"
     kept = {name: value for name, value in headers.items() if name in RELAYED_HEADERS}
     if kept.get("KV-Operation", "DEL") != "DEL":
@@ -63,12 +69,13 @@ def relayed_write(subject: str, headers: dict[str, str], node: str) -> tuple[str
     return key_subject, kept
 
 
-def relay_handler(conn: Connection) -> Callable[[Msg], Awaitable[None]]:
+def relay_handler(conn: Connection, agents_account: str) -> Callable[[Msg], Awaitable[None]]:
     pending: set[asyncio.Task[None]] = set()
 
     async def on_write(msg: Msg) -> None:
         who = caller(msg)
-        outcome = relayed_write(msg.subject, dict(msg.headers or {}), who.name if who else "")
+        is_agent = who is None or who.account == agents_account  # no identity: treated as the narrowest
+        outcome = relayed_write(msg.subject, dict(msg.headers or {}), who.name if who else "", agent=is_agent)
         if isinstance(outcome, str):
             log.warning("relay: refused a write of %s: %s", who.name if who else "control", outcome)
             if answerable(msg):

@@ -150,7 +150,7 @@ async def test_proxy_reports_its_traffic_and_follows_route_snapshots(secure: Sec
         await proxy.close()
 
 
-async def test_operator_writes_desired_state_but_not_leases(connect_as: ConnectAs) -> None:
+async def test_operator_writes_desired_state_but_not_leases(connect_as: ConnectAs, join_service: JoinService) -> None:
     operator = await connect_as(Role.OPERATOR, "cli")
     ack = await operator.nc.jetstream().publish(f"{STATE_PREFIX}env.e2", b"desired")
     assert ack.stream == STATE_STREAM

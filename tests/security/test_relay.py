@@ -62,6 +62,7 @@ async def test_an_agents_atomic_batch_and_compare_and_set_pass_the_relay(
         (f"{STATE_PREFIX}node.n2", {}, "not a key of node n1"),
         (f"{STATE_PREFIX}observed.n1.a1", {"KV-Operation": "PURGE"}, "only DEL"),
         ("$KV.zattera-live.node.n1", {}, "not a state key"),
+        (f"{STATE_PREFIX}lease.scheduler", {}, "leases are written by the services only"),
     ],
 )
 def test_the_relay_refuses_what_is_not_the_callers_key_write(
@@ -69,6 +70,36 @@ def test_the_relay_refuses_what_is_not_the_callers_key_write(
 ) -> None:
     outcome = relayed_write("zattera.relay." + subject, headers, "n1")
     assert isinstance(outcome, str) and refusal in outcome
+
+
+def test_an_operator_may_write_any_nodes_keys_but_no_lease() -> None:
+    assert relayed_write(f"zattera.relay.{STATE_PREFIX}node.n2", {}, "cli", agent=False) == (
+        f"{STATE_PREFIX}node.n2",
+        {},
+    )
+    refused = relayed_write(f"zattera.relay.{STATE_PREFIX}lease.x", {}, "cli", agent=False)
+    assert isinstance(refused, str) and "leases" in refused
+
+
+async def test_an_operators_rollup_is_stripped_and_its_batches_pass(
+    secure: SecureCluster, control: Connection, join_service: JoinService
+) -> None:
+    keep = f"{STATE_PREFIX}assignment.n2.operator-keep"
+    await control.js.publish(keep, b"intact")
+    operator = await connect(secure.url, name="cli", creds=str(secure.setup.operator_creds))
+    try:
+        own = f"{STATE_PREFIX}env.operator-rollup"
+        ack = await operator.js.publish(own, b"desired", headers={"Nats-Rollup": "all"})
+        assert ack.stream == STATE_STREAM
+        assert (await control.js.get_last_msg(STATE_STREAM, keep)).data == b"intact"
+        batch = new_id()
+        first, second = f"{STATE_PREFIX}env.op-b1", f"{STATE_PREFIX}env.op-b2"
+        await operator.nc.publish(first, b"one", headers={"Nats-Batch-Id": batch, "Nats-Batch-Sequence": "1"})
+        commit = {"Nats-Batch-Id": batch, "Nats-Batch-Sequence": "2", "Nats-Batch-Commit": "1"}
+        reply = json.loads((await operator.nc.request(second, b"two", headers=commit, timeout=5)).data)
+        assert reply.get("count") == 2, reply
+    finally:
+        await operator.close()
 
 
 def test_the_relay_keeps_only_the_headers_of_a_key_write() -> None:

@@ -75,7 +75,7 @@ async def node_agent(secure: SecureCluster, tmp_path: Path) -> AsyncIterator[Sna
 
 
 async def test_operator_snapshots_and_restores_and_the_agent_prunes_on_a_secured_cluster(
-    sides: tuple[Side, Side], node_agent: SnapshotAgent, tmp_path: Path
+    sides: tuple[Side, Side], node_agent: SnapshotAgent, join_service: JoinService, tmp_path: Path
 ) -> None:
     control, operator = sides
     clock = FakeClock(BASE)
