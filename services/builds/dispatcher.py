@@ -63,7 +63,6 @@ from shared.lease import Leadership
 from shared.loop import LeaderLoop
 from shared.natsio import BUILD_EVENTS_STREAM, build_events_subject, build_log_subject
 from shared.registry import repository
-from shared.security.callers import caller
 from shared.tasks import cancel_and_wait
 from shared.telemetry import inject, span
 from shared.txn import CommitUnknown, Conflict, Deposed
@@ -561,13 +560,6 @@ class BuildDispatcher(LeaderLoop):
                 if live and build is not None and build.status in TERMINAL_STATUSES and not event.done:
                     self._stop_stray_builder(build)
                 return
-        sender = caller(msg)
-        if sender is not None and sender.name != follower.node_id:
-            # A builder credential may publish on every build's subject; only the build's own node counts.
-            log.warning(
-                "build %s: ignored an event from node %s (built on %s)", build_id, sender.name, follower.node_id
-            )
-            return
         now = self.clock.now()
         # A replayed event (stored before this term began) counts when the stream stored it, not now.
         at = now if live else min(stored_at(msg), now)
