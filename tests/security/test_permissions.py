@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from typing import Any
 
 import nats
 import pytest
 
 from shared.natsio import (
-    BUILD_EVENTS_STREAM,
     LIVE_PREFIX,
     ROUTES_SNAPSHOT_SUBJECT,
     STATE_PREFIX,
     STATE_STREAM,
     Connection,
     agent_subject,
-    build_events_subject,
     connect,
 )
 from shared.secrets import ROTATE_SUBJECT, open_subject
@@ -194,4 +191,3 @@ async def test_an_agent_asks_for_secrets_only_on_its_own_node_subject(
     assert await agent.refusal() == publish_refused(open_subject("n2"))
     await agent.nc.publish(ROTATE_SUBJECT, b"")
     assert await agent.refusal() == publish_refused(ROTATE_SUBJECT)
-
