@@ -103,8 +103,9 @@ def is_direct_request(msg: Msg) -> bool:
     nats-server delivers JetStream API replies and consumer deliveries to whatever subject the requester
     names, without checking that requester's publish rights (SECURITY.md, "Open"): such a redirected
     message arrives with no reply subject (an API reply) or a ``$JS.ACK`` one (a delivery). Handlers that
-    act on requests (an agent's snapshot, restore, prune and build subjects) only act on direct ones."""
-    return msg.reply.startswith(INBOX_PREFIX)
+    act on requests (an agent's snapshot, restore, prune and build subjects) only act on direct ones.
+    A request that crossed an account import (SECURITY.md, role accounts) has a server-made ``_R_.`` reply."""
+    return msg.reply.startswith((INBOX_PREFIX, "_R_."))
 
 
 def split_urls(urls: str | list[str]) -> list[str]:
@@ -358,7 +359,8 @@ def live_stream_config(replicas: int, ttl: float) -> StreamConfig:
         discard=DiscardPolicy.NEW,
         storage=StorageType.MEMORY,
         num_replicas=replicas,
-        allow_rollup_hdrs=True,
+        # Agents and proxies write here (their own keys): a rollup header from one would wipe every key.
+        allow_rollup_hdrs=False,
         deny_delete=True,
         allow_direct=True,
         max_age=ttl,

@@ -35,6 +35,7 @@ from shared.clock import Clock, RealClock, stamp
 from shared.errors import ZatteraError
 from shared.jetstream import WRONG_LAST_SEQUENCE
 from shared.natsio import IMAGES_STORE, STATE_PREFIX, STATE_STREAM, Connection
+from shared.objects import ObjectCorrupt, list_objects, read_object
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -224,20 +225,17 @@ class BlobStore:
         return True
 
     async def get(self, digest: str) -> bytes:
-        store = await self._conn.js.object_store(self.bucket)
         try:
-            result = await store.get(parse_digest(digest))
-        except NotFoundError as exc:
-            raise BlobUnknown(f"blob unknown: {digest}") from exc
-        return result.data or b""
+            data = await read_object(self._conn.js, self.bucket, parse_digest(digest))
+        except ObjectCorrupt as exc:
+            raise BlobUnknown(f"blob unreadable: {exc}") from exc
+        if data is None:
+            raise BlobUnknown(f"blob unknown: {digest}")
+        return data
 
     async def list(self) -> list[BlobInfo]:
         """Every present blob (written-at as listed; :meth:`stat` again before acting on one)."""
-        store = await self._conn.js.object_store(self.bucket)
-        try:
-            infos = await store.list(ignore_deletes=True)
-        except NotFoundError:
-            return []
+        infos = await list_objects(self._conn.js, self.bucket)
         blobs = []
         for info in infos:
             meta = {"headers": info.headers or {}, "mtime": info.mtime}

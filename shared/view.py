@@ -30,6 +30,9 @@ Design:
   gets a fresh name; the old ones expire after :data:`FILTERED_INACTIVE_THRESHOLD`. Its
   :attr:`last_revision` is the newest revision of the filtered keys, so a writer's catch-up after an
   unknown outcome (:mod:`shared.txn`) ends in a resync of these keys rather than waiting for the stream's.
+* With ``open_consumer`` (a secured agent, which may not create consumers: SECURITY.md) the view instead
+  asks that callable for a consumer control created for it (last value per key of its filters, then every
+  change) and pulls from it; each resync opens it anew.
 
 Messages handed out by the view are shared: callers must not mutate them (copy, then write).
 """
@@ -43,7 +46,7 @@ import re
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,6 +58,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, last_per_subject
+from shared.pull import PullFeed, PullLost
 from shared.telemetry import counter
 
 log = logging.getLogger(__name__)
@@ -196,11 +200,31 @@ _ENV_INDEXED = {
 }
 
 
+@dataclass
+class _PullLoop:
+    """The task pulling a pulled view's consumer (:class:`shared.pull.PullFeed`)."""
+
+    task: asyncio.Task[None]
+
+    async def unsubscribe(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
 class StateView:
     """The in-memory view of ``zattera-state``; see the module docstring."""
 
-    def __init__(self, conn: Connection | None = None, *, name: str = "view", filters: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        conn: Connection | None = None,
+        *,
+        name: str = "view",
+        filters: Sequence[str] = (),
+        open_consumer: Callable[[], Awaitable[str]] | None = None,
+    ) -> None:
         self._conn = conn
+        self._open_consumer = open_consumer
         self._name = name
         self._filters = tuple(filters)
         for pattern in self._filters:
@@ -350,15 +374,20 @@ class StateView:
         self._resync_buffer = {}
         loop = asyncio.get_running_loop()
         subjects = [STATE_PREFIX + pattern for pattern in self._filters] or [f"{STATE_PREFIX}>"]
+        pulled = self._open_consumer is not None
+        if pulled:
+            subjects = [STATE_STREAM]  # one consumer, opened by control, covers every filter
         loaded: list[asyncio.Future[None]] = [loop.create_future() for _ in subjects]
         self._loading = loaded
         for subject, done in zip(subjects, loaded, strict=True):
-            sub = await self._subscribe(subject, generation, done)
+            sub: Any = await (self._pull(generation, done) if pulled else self._subscribe(subject, generation, done))
             if generation != self._generation:  # a newer resync (or stop) took over meanwhile
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
                 return
             self._subs.append(sub)
+            if pulled:
+                continue  # the pull loop tells an empty load itself (its first, no-wait pull answers 404)
             info = await sub.consumer_info()
             # Judge emptiness by what the server has sent, not by what this client has processed yet: the
             # server may have pushed everything (num_pending 0) before the callback ran for the first one.
@@ -387,9 +416,51 @@ class StateView:
                 raise TimeoutError(f"view {self._name}: load stalled for {LOAD_STALL:.0f}s")
         all_loaded.result()
 
+    async def _pull(self, generation: int, done: asyncio.Future[None]) -> _PullLoop:
+        """Pull from the consumer control opened for this view (secured agents, :mod:`shared.security.views`)."""
+        assert self._conn is not None and self._open_consumer is not None
+        consumer = await self._open_consumer()
+
+        def caught_up() -> None:
+            if not done.done():
+                done.set_result(None)  # nothing (more) to load
+
+        feed = PullFeed(self._conn.nc, STATE_STREAM, consumer, self._on_message(generation, done), caught_up)
+
+        async def pull_forever() -> None:
+            try:
+                await feed.run()
+            except PullLost as exc:  # its consumer expired or was replaced, the server or connection was lost
+                if generation == self._generation:
+                    log.warning("view %s: pull stopped, resyncing: %s", self._name, exc)
+                    self._mark_stale()
+                    self._resync_task = asyncio.create_task(self._resync_with_retry())
+
+        return _PullLoop(asyncio.create_task(pull_forever()))
+
     async def _subscribe(self, subject: str, generation: int, done: asyncio.Future[None]) -> Any:
         """One ordered consumer of ``subject``: last value per key, then every change."""
         assert self._conn is not None
+        on_msg = self._on_message(generation, done)
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+        if self._filters:
+            config.name = self._consumer_name()
+        sub = await self._conn.js.subscribe(
+            subject,
+            stream=STATE_STREAM,
+            cb=on_msg,
+            ordered_consumer=True,
+            config=config,
+            pending_msgs_limit=1_000_000,
+            pending_bytes_limit=1024 * 1024 * 1024,
+            inactive_threshold=FILTERED_INACTIVE_THRESHOLD if self._filters else INACTIVE_THRESHOLD,
+            idle_heartbeat=CONSUMER_HEARTBEAT,
+        )
+        guard_ordered_consumer(sub, self._consumer_name if self._filters else None)
+        return sub
+
+    def _on_message(self, generation: int, done: asyncio.Future[None]) -> Callable[[Msg], Awaitable[None]]:
+        """The handler of one delivered key: buffered while (re)loading, applied afterwards."""
 
         async def on_msg(msg: Msg) -> None:
             if generation != self._generation:
@@ -414,22 +485,7 @@ class StateView:
             else:
                 self._apply_raw(key, rev, data)
 
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
-        if self._filters:
-            config.name = self._consumer_name()
-        sub = await self._conn.js.subscribe(
-            subject,
-            stream=STATE_STREAM,
-            cb=on_msg,
-            ordered_consumer=True,
-            config=config,
-            pending_msgs_limit=1_000_000,
-            pending_bytes_limit=1024 * 1024 * 1024,
-            inactive_threshold=FILTERED_INACTIVE_THRESHOLD if self._filters else INACTIVE_THRESHOLD,
-            idle_heartbeat=CONSUMER_HEARTBEAT,
-        )
-        guard_ordered_consumer(sub, self._consumer_name if self._filters else None)
-        return sub
+        return on_msg
 
     def _consumer_name(self) -> str:
         return f"{_NAME_UNSAFE.sub('_', self._name)[:40]}-{uuid.uuid4().hex[:16]}"

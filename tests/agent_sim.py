@@ -41,8 +41,9 @@ class Report:
 
 
 class AgentSim:
-    def __init__(self, conn: Connection, *, name: str = "agent-sim") -> None:
-        self.view = StateView(conn, name=name)
+    def __init__(self, conn: Connection, *, name: str = "agent-sim", view: StateView | None = None) -> None:
+        """``view``: one node's own (filtered, or pulled on a secured cluster) instead of the whole bucket."""
+        self.view = view or StateView(conn, name=name)
         self.writer = Writer(conn, self.view)
         self.green_state: int | None = HEALTHY
         self.other_state: int | None = HEALTHY

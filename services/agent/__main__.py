@@ -162,7 +162,7 @@ async def serve(argv: Sequence[str] | None = None) -> int:
                 return 0
         else:
             await provision(conn.js, **provision_options(shared))
-        agent_task = asyncio.create_task(Agent(conn, cfg, data_dir).run())
+        agent_task = asyncio.create_task(Agent(conn, cfg, data_dir, secured=bool(creds)).run())
         stopper = asyncio.create_task(stop.wait())
         lost = asyncio.create_task(conn.lost.wait())
         await asyncio.wait({agent_task, stopper, lost}, return_when=asyncio.FIRST_COMPLETED)

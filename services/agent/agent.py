@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from nacl.public import PrivateKey
@@ -39,6 +40,7 @@ from shared.activation import request_activation
 from shared.clock import Clock, RealClock
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
+from shared.security.views import request_view
 from shared.snapshots import serve_snapshot_requests
 from shared.txn import Writer
 from shared.view import StateView
@@ -62,8 +64,16 @@ def view_filters(node_id: str) -> tuple[str, ...]:
 
 class Agent:
     def __init__(
-        self, conn: Connection, settings: AgentSettings, data_dir: Path, *, clock: Clock | None = None
+        self,
+        conn: Connection,
+        settings: AgentSettings,
+        data_dir: Path,
+        *,
+        clock: Clock | None = None,
+        secured: bool = False,
     ) -> None:
+        """``secured``: the agent runs with a node credential, which may not create consumers: its view pulls
+        from the one control opens for it (:mod:`shared.security.views`)."""
         if not settings.node_id:
             raise ValueError("the agent needs a node id")
         self.conn = conn
@@ -71,7 +81,12 @@ class Agent:
         self.node_id = settings.node_id
         self.data_dir = data_dir
         self.clock: Clock = clock or RealClock()
-        self.view = StateView(conn, name=f"agent-{self.node_id}", filters=view_filters(self.node_id))
+        self.view = StateView(
+            conn,
+            name=f"agent-{self.node_id}",
+            filters=view_filters(self.node_id),
+            open_consumer=partial(request_view, conn) if secured else None,
+        )
         self.writer = Writer(conn, self.view)
         self.reporter = ObservedReporter(self.writer, self.node_id, retry_delay=settings.report_retry)
         self.node: pb.Node | None = None

@@ -43,7 +43,7 @@ from shared.activation import (
 )
 from shared.clock import Clock
 from shared.events import EVENT_WOKEN, EventPublisher
-from shared.natsio import ACTIVATE_SUBJECT, Connection
+from shared.natsio import ACTIVATE_SUBJECT, Connection, is_direct_request
 from shared.telemetry import span
 from shared.txn import CommitUnknown, Conflict, TxnError, Writer
 from shared.view import StateView
@@ -114,6 +114,8 @@ class Activator:
         raise ActivateError(ABORTED, f"environment {environment_id!r} kept changing; retry")
 
     async def handle(self, msg: Msg) -> None:
+        if not is_direct_request(msg):
+            return  # a reply steered at a subject no requester owns: nobody to answer, nothing to wake for
         with span("activator.activate", headers=msg.headers) as current:
             try:
                 request = cpb.ActivateRequest.FromString(msg.data)
@@ -133,7 +135,7 @@ class Activator:
             await msg.respond(response.SerializeToString(deterministic=True))
 
     async def _reply_error(self, msg: Msg, error: ActivateError) -> None:
-        if msg.reply:
+        if is_direct_request(msg):
             headers = {ERROR_CODE_HEADER: str(error.code), ERROR_HEADER: error.message}
             await self.conn.nc.publish(msg.reply, b"", headers=headers)
 

@@ -435,11 +435,12 @@ class HAProxyIngress:
         return self._applied
 
     async def start(self) -> None:
+        # Listen before anything can arrive: a snapshot taken while HAProxy starts is applied right after.
+        self.proxy.snapshot_listeners.append(lambda _: self._changed.set())
         await self.proxy.start()
         snapshot = self.proxy.routes.current
         await self.engine.start(snapshot)
         self._applied = snapshot.version
-        self.proxy.snapshot_listeners.append(lambda _: self._changed.set())
         self.proxy.sample_sources.append(self.engine.samples)
         self.proxy.served_version = lambda: min(self._applied, self.proxy.table.version)
         self._follower = asyncio.create_task(self._follow())

@@ -35,7 +35,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.routes.builder import RELEVANT_KINDS, RouteBuilder, encode_snapshot
 from shared.clock import Clock, ticker
-from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, ROUTES_STREAM, Connection
+from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, ROUTES_STREAM, Connection, is_direct_request
 from shared.routeclient import (
     COMPRESS_ABOVE,
     DIGEST_HEADER,
@@ -242,8 +242,8 @@ class RoutesPublisher:
 
     async def _on_get(self, msg: Msg) -> None:
         current = self.current
-        if current is None or not msg.reply:
-            return
+        if current is None or not is_direct_request(msg):
+            return  # no reply, or one steered at a subject no requester owns
         request = cpb.WatchRoutesRequest()
         try:
             request.ParseFromString(msg.data)

@@ -53,6 +53,7 @@ from shared.secrets import (
     seal,
     unseal,
 )
+from shared.security.callers import caller
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
 from shared.txn import CommitUnknown, Conflict, Writer
@@ -257,8 +258,14 @@ class SecretsService:
 
     async def _on_open(self, msg: Msg) -> None:
         if not is_direct_request(msg):
-            return  # a JetStream reply or delivery redirected here (SECURITY.md, "Open"): not a request
+            return  # a reply steered here, not a request (SECURITY.md): nobody to answer
         node_id = msg.subject.split(".")[2]
+        sender = caller(msg)
+        if sender is not None and sender.name != node_id:
+            # The permissions tie the subject to the node's credential; the server-set identity says so again.
+            refused = cpb.OpenSecretsResponse(error=f"node {sender.name or '(unknown)'} may not open for {node_id}")
+            await msg.respond(refused.SerializeToString())
+            return
         try:
             request = cpb.OpenSecretsRequest.FromString(msg.data)
         except Exception:

@@ -10,9 +10,12 @@ Layout of the security directory (``<data_dir>/security`` for ``zattera up --sec
 - ``nats-auth.conf``: the server fragment (operator JWT, memory resolver with the account JWTs preloaded);
 - ``creds/``: issued credentials.
 
-Accounts: ``SYS`` (the server's system account), ``ZATTERA`` (JetStream on; every bucket, stream and
-subject of the project) and ``JOIN`` (no JetStream, a few connections; its only reach into ZATTERA is the
-imported ``zattera.join`` service).
+Accounts, one per *role* (SECURITY.md): ``SYS`` (the server's system account), ``ZATTERA`` (JetStream on;
+every bucket, stream and the control services), ``AGENTS``, ``PROXIES`` and ``OPERATORS`` (no JetStream; each
+imports from ``ZATTERA`` only the subjects its roles publish, see :mod:`shared.security.accounts`) and
+``JOIN`` (no JetStream, a few connections; its only reach into ZATTERA is the imported ``zattera.join``
+service). A role account has no stream: a reply or acknowledgement it steers to any subject lands in the
+role account (replies to imported services travel back through ``_R_`` mappings), never in a bucket.
 """
 
 from __future__ import annotations
@@ -23,6 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.security.accounts import (
+    ROLE_ACCOUNT,
+    ROLE_ACCOUNTS,
+    Account,
+    agents_exports,
+    role_account_imports,
+    zattera_exports,
+    zattera_imports,
+)
 from shared.security.creds import creds_text, write_private
 from shared.security.nkeyjwt import KeyKind, KeyPair, encode_jwt
 from shared.security.permissions import JOIN, JOIN_SUBJECT, ROLE_PERMISSIONS, Role
@@ -90,7 +102,14 @@ class RoleIssuer:
     def load(cls, directory: Path, role: Role) -> RoleIssuer:
         publics = json.loads((directory / "accounts.json").read_text())
         seed = (directory / "keys" / f"role-{role}.nk").read_text()
-        return cls(role, KeyPair.from_seed(seed), publics["zattera"])
+        return cls(role, KeyPair.from_seed(seed), publics[str(ROLE_ACCOUNT[role])])
+
+
+def _account_key(path: Path) -> KeyPair:
+    """An account added by a later version (the role accounts) is created on the next ``prepare``."""
+    if path.exists():
+        return KeyPair.from_seed(path.read_text())
+    return KeyPair.generate(KeyKind.ACCOUNT)
 
 
 @dataclass
@@ -100,6 +119,7 @@ class Authority:
     zattera: KeyPair
     join: KeyPair
     role_keys: dict[Role, KeyPair]
+    role_accounts: dict[Account, KeyPair]
     # user public key -> epoch seconds: the server refuses that user's JWTs issued before that time.
     revocations: dict[str, int] = field(default_factory=dict)
 
@@ -111,6 +131,7 @@ class Authority:
             zattera=KeyPair.generate(KeyKind.ACCOUNT),
             join=KeyPair.generate(KeyKind.ACCOUNT),
             role_keys={role: KeyPair.generate(KeyKind.ACCOUNT) for role in SIGNED_ROLES},
+            role_accounts={account: KeyPair.generate(KeyKind.ACCOUNT) for account in ROLE_ACCOUNTS},
         )
 
     @classmethod
@@ -123,6 +144,7 @@ class Authority:
             zattera=KeyPair.from_seed((keys / "zattera.nk").read_text()),
             join=KeyPair.from_seed((keys / "join.nk").read_text()),
             role_keys={role: _role_key(keys / f"role-{role}.nk") for role in SIGNED_ROLES},
+            role_accounts={account: _account_key(keys / f"{account}.nk") for account in ROLE_ACCOUNTS},
             revocations={str(k): int(v) for k, v in publics.get("revocations", {}).items()},
         )
 
@@ -142,18 +164,26 @@ class Authority:
         write_private(keys / "join.nk", self.join.seed)
         for role, pair in self.role_keys.items():
             write_private(keys / f"role-{role}.nk", pair.seed)
+        for account, pair in self.role_accounts.items():
+            write_private(keys / f"{account}.nk", pair.seed)
         publics = {
             "operator": self.operator.public_key,
             "system": self.system.public_key,
-            "zattera": self.zattera.public_key,
             "join": self.join.public_key,
+            **{str(account): key for account, key in self.account_keys().items()},
             "revocations": self.revocations,
         }
         write_private(directory / "accounts.json", json.dumps(publics, indent=2))
         write_private(directory / "nats-auth.conf", self.server_config())
 
+    def account_keys(self) -> dict[Account, str]:
+        return {
+            Account.ZATTERA: self.zattera.public_key,
+            **{account: pair.public_key for account, pair in self.role_accounts.items()},
+        }
+
     def issuer(self, role: Role) -> RoleIssuer:
-        return RoleIssuer(role, self.role_keys[role], self.zattera.public_key)
+        return RoleIssuer(role, self.role_keys[role], self.account_keys()[ROLE_ACCOUNT[role]])
 
     def revoke(self, user_public_key: str) -> None:
         """Refuse every JWT of that user issued until now (takes effect when the server reloads the config)."""
@@ -172,8 +202,9 @@ class Authority:
     def system_account_jwt(self) -> str:
         return self._account_jwt(self.system, "SYS", {"limits": {**UNLIMITED_ACCOUNT, **JETSTREAM_OFF}})
 
-    def zattera_account_jwt(self) -> str:
-        scopes = [
+    def _scopes(self, account: Account) -> list[dict[str, Any]]:
+        """The scoped signing keys of the roles living in ``account``: the server applies the template."""
+        return [
             {
                 "kind": "user_scope",
                 "key": self.role_keys[role].public_key,
@@ -182,17 +213,34 @@ class Authority:
                 "description": f"users of role {role}",
             }
             for role in SIGNED_ROLES
+            if ROLE_ACCOUNT[role] is account
         ]
+
+    def _account_body(self, account: Account, limits: dict[str, Any]) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "limits": {**UNLIMITED_ACCOUNT, **JETSTREAM_UNLIMITED},
-            "signing_keys": scopes,
-            "exports": [{"name": "join", "subject": JOIN_SUBJECT, "type": "service", "response_type": "Singleton"}],
+            "limits": limits,
+            "signing_keys": self._scopes(account),
             # A user JWT signed by the account key itself (never done here) would get nothing.
             "default_permissions": {"pub": {"deny": [">"]}, "sub": {"deny": [">"]}},
         }
         if self.revocations:
             body["revocations"] = self.revocations
+        return body
+
+    def zattera_account_jwt(self) -> str:
+        body = self._account_body(Account.ZATTERA, {**UNLIMITED_ACCOUNT, **JETSTREAM_UNLIMITED})
+        join_export = {"name": "join", "subject": JOIN_SUBJECT, "type": "service", "response_type": "Singleton"}
+        body["exports"] = [join_export, *zattera_exports()]
+        body["imports"] = zattera_imports(self.account_keys())
         return self._account_jwt(self.zattera, "ZATTERA", body)
+
+    def role_account_jwt(self, account: Account) -> str:
+        """A role account: no JetStream, so nothing a reply lands on there is ever stored."""
+        body = self._account_body(account, {**UNLIMITED_ACCOUNT, **JETSTREAM_OFF})
+        body["imports"] = role_account_imports(account, self.account_keys())
+        if account is Account.AGENTS:
+            body["exports"] = agents_exports()
+        return self._account_jwt(self.role_accounts[account], account.upper(), body)
 
     def join_account_jwt(self) -> str:
         imports = [
@@ -219,11 +267,12 @@ class Authority:
         )
 
     def server_config(self) -> str:
-        """The nats-server fragment: operator mode with the three account JWTs preloaded (no resolver service)."""
+        """The nats-server fragment: operator mode with every account JWT preloaded (no resolver service)."""
         preload = {
             self.system.public_key: self.system_account_jwt(),
             self.zattera.public_key: self.zattera_account_jwt(),
             self.join.public_key: self.join_account_jwt(),
+            **{pair.public_key: self.role_account_jwt(account) for account, pair in self.role_accounts.items()},
         }
         lines = [
             f'operator: "{self.operator_jwt()}"',

@@ -37,10 +37,14 @@ from nats.js.kv import KeyValue
 from shared.errors import ZatteraError
 from shared.jetstream import is_delete_marker
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, split_urls
+from shared.security.accounts import RELAY_PREFIX
 from shared.security.authority import RoleIssuer
+from shared.security.callers import answerable
 from shared.security.creds import creds_text
 from shared.security.nkeyjwt import KeyKind, KeyPair
-from shared.security.permissions import JOIN_BUCKET, JOIN_ISSUE_SUBJECT, JOIN_SUBJECT, Role
+from shared.security.permissions import JOIN_BUCKET, JOIN_ISSUE_SUBJECT, JOIN_SUBJECT, VIEW_OPEN_SUBJECT, Role
+from shared.security.relay import relay_handler
+from shared.security.views import view_open_handler
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +112,9 @@ async def ensure_join_bucket(conn: Connection, replicas: int = 1) -> KeyValue:
 
 
 class JoinService:
-    """Answers ``zattera.join.issue`` (new tokens) and ``zattera.join`` (token → node credential)."""
+    """Answers ``zattera.join.issue`` (new tokens), ``zattera.join`` (token → node credential) and
+    ``zattera.view.open`` (an agent's view consumer, :mod:`shared.security.views`), and relays the agents'
+    state writes (:mod:`shared.security.relay`): the control side of the agents' account."""
 
     def __init__(
         self,
@@ -130,6 +136,8 @@ class JoinService:
         subs = [
             await self._conn.nc.subscribe(JOIN_SUBJECT, queue="join", cb=self._answer(self.join)),
             await self._conn.nc.subscribe(JOIN_ISSUE_SUBJECT, queue="join", cb=self._answer(self.issue)),
+            await self._conn.nc.subscribe(VIEW_OPEN_SUBJECT, queue="join", cb=self._view_open()),
+            await self._conn.nc.subscribe(f"{RELAY_PREFIX}>", queue="relay", cb=self._relay()),
         ]
         await self._conn.nc.flush()
         self.ready.set()
@@ -139,8 +147,23 @@ class JoinService:
             for sub in subs:
                 await sub.unsubscribe()
 
+    def _agents_account(self) -> str:
+        agents = {issuer.account_public_key for issuer in self._issuers.values()}
+        if len(agents) != 1:
+            raise ValueError("the agent and builder role keys must belong to one account (AGENTS)")
+        return agents.pop()
+
+    def _view_open(self) -> Callable[[Msg], Any]:
+        issuers = {issuer.signing_key.public_key for issuer in self._issuers.values()}
+        return view_open_handler(self._conn, agents_account=self._agents_account(), agent_issuers=issuers)
+
+    def _relay(self) -> Callable[[Msg], Any]:
+        return relay_handler(self._conn, self._agents_account())
+
     def _answer(self, handler: Callable[[dict[str, Any]], Any]) -> Callable[[Msg], Any]:
         async def callback(msg: Msg) -> None:
+            if not answerable(msg):
+                return  # a reply steered at some other subject: nobody to answer
             try:
                 request = json.loads(msg.data or b"{}")
                 if not isinstance(request, dict):
@@ -150,8 +173,7 @@ class JoinService:
                 reply = {"error": str(exc)}
             except (ValueError, TypeError) as exc:
                 reply = {"error": f"bad request: {exc}"}
-            if msg.reply:
-                await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
+            await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
 
         return callback
 

@@ -1,18 +1,18 @@
 """What each role may publish and subscribe to: the whole authorization model, enforced by nats-server.
 
-Every user of the ``ZATTERA`` account is signed by a *scoped* signing key of its role: the server takes the
-permissions from the scope's template below, never from the user JWT, so whoever holds a role's signing key
-(the join service holds only the agent ones) can mint users of that role and nothing more.
-``{{name()}}`` expands to the user's name (the node id of an agent, the proxy id of a proxy) and
-``{{subject()}}`` to the user's public key, the private inbox prefix of that user.
+Every user is signed by a *scoped* signing key of its role, held by its role's account (``ZATTERA`` for
+control, ``AGENTS``, ``PROXIES``, ``OPERATORS``: :mod:`shared.security.accounts`, which also derives each
+account's imports from these tables): the server takes the permissions from the scope's template below,
+never from the user JWT, so whoever holds a role's signing key (the join service holds only the agent ones)
+can mint users of that role and nothing more. ``{{name()}}`` expands to the user's name (the node id of an
+agent, the proxy id of a proxy) and ``{{subject()}}`` to the user's public key, the private inbox prefix.
 
-Reads of the state bucket are limited to keys with the two JetStream API forms that carry the subject in
-the API subject itself, so a subject permission can scope them:
-``$JS.API.DIRECT.GET.<stream>.<subject>`` (get one key) and
-``$JS.API.CONSUMER.CREATE.<stream>.<consumer>.<filter>`` (watch keys; the server refuses a request whose
-body filter differs from the filter in the subject). The forms without a subject in it
-(``$JS.API.STREAM.MSG.GET.<stream>``, ``$JS.API.CONSUMER.CREATE.<stream>``, ``$JS.API.DIRECT.GET.<stream>``)
-would read anything and are never granted on the state bucket to agents or proxies.
+Reads of the state bucket by agents are direct gets of the form that carries the subject in the API subject
+itself, ``$JS.API.DIRECT.GET.<stream>.<subject>``, so a subject permission scopes them, plus pulls of the one
+consumer control opens for the agent (``view-<node>``). The forms without a subject in it
+(``$JS.API.STREAM.MSG.GET.<stream>``, ``$JS.API.DIRECT.GET.<stream>``) would read anything and are never
+granted on the state bucket to agents or proxies; no role but control creates or deletes consumers (a
+consumer's deliver subject could name any subject of ``ZATTERA``).
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ JOIN_SUBJECT = "zattera.join"
 JOIN_ISSUE_SUBJECT = "zattera.join.issue"
 JOIN_BUCKET = "zattera-join"
 JOIN_STREAM = f"KV_{JOIN_BUCKET}"
+VIEW_OPEN_SUBJECT = "zattera.view.open"
+"""An agent asks control to (re)create its view consumer; control reads the node from ``Nats-Request-Info``."""
 
 NAME = "{{name()}}"
 INBOX = "_INBOX.{{subject()}}.>"
@@ -118,11 +120,6 @@ def read_key(stream: str, subject: str) -> str:
     return f"{JS}.DIRECT.GET.{stream}.{subject}"
 
 
-def watch_keys(stream: str, filter_subject: str) -> str:
-    """Create a consumer of any name whose filter is exactly ``filter_subject``."""
-    return f"{JS}.CONSUMER.CREATE.{stream}.*.{filter_subject}"
-
-
 def read_whole_stream(stream: str) -> tuple[str, ...]:
     """Everything needed to read any message of ``stream`` (for streams a role may read entirely)."""
     return (
@@ -137,6 +134,28 @@ def read_whole_stream(stream: str) -> tuple[str, ...]:
         f"$JS.FC.{stream}.>",
         f"$JS.ACK.{stream}.>",
     )
+
+
+def read_object_store(store: str) -> tuple[str, ...]:
+    """Read objects with message gets only (``shared.objects``; nats-py's put and delete look the meta up with
+    ``STREAM.MSG.GET``): no consumer, so no deliver subject to steer, nothing but this store's messages."""
+    stream = object_stream(store)
+    return (
+        f"{JS}.STREAM.INFO.{stream}",
+        f"{JS}.STREAM.MSG.GET.{stream}",
+        f"{JS}.DIRECT.GET.{stream}",
+        f"{JS}.DIRECT.GET.{stream}.>",
+    )
+
+
+def view_consumer(node: str) -> str:
+    """The durable pull consumer of an agent's state keys, created by control (``zattera.view.open``)."""
+    return f"view-{node}"
+
+
+def pull(stream: str, consumer: str) -> str:
+    """Fetch messages of a consumer someone else created (the pull request names it in the subject)."""
+    return f"{JS}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
 
 
 def write_object_store(store: str) -> tuple[str, ...]:
@@ -216,14 +235,15 @@ AGENT = Permissions(
         f"{JS}.STREAM.INFO.{STATE_STREAM}",
         f"{JS}.STREAM.INFO.{LIVE_STREAM}",
         *(read_key(STATE_STREAM, subject) for subject in AGENT_STATE_READS.values()),
-        *(watch_keys(STATE_STREAM, subject) for subject in AGENT_STATE_READS.values()),
         # …and image tags (tag → digest) to resolve a release's image ref that names a tag.
         read_key(STATE_STREAM, f"{STATE_PREFIX}image.*"),
-        f"{JS}.CONSUMER.INFO.{STATE_STREAM}.*",
-        f"$JS.FC.{STATE_STREAM}.>",
-        *read_whole_stream(object_stream(IMAGES_STORE)),
-        *read_whole_stream(object_stream(SOURCES_STORE)),
-        *read_whole_stream(object_stream(SNAPSHOTS_STORE)),
+        # Its watch: pulls from the consumer control created for it (no consumer of its own: a consumer's
+        # deliver subject could point anywhere in the ZATTERA account).
+        VIEW_OPEN_SUBJECT,
+        pull(STATE_STREAM, view_consumer(NAME)),
+        *read_object_store(IMAGES_STORE),
+        *read_object_store(SOURCES_STORE),
+        *read_object_store(SNAPSHOTS_STORE),
         # Snapshot chunks and manifests; the purge is nats-py's object delete (prune, GC) and the clean-up of
         # a chunk upload that lost a race. It could purge the whole store, which its rollup rights on every
         # chunk and manifest subject could already destroy (SECURITY.md, threat model).
@@ -258,14 +278,10 @@ PROXY = Permissions(
         ACTIVATE_SUBJECT,
         f"{LIVE_PREFIX}proxy.{NAME}",
         f"{JS}.INFO",
-        *read_whole_stream(ROUTES_STREAM),
         # Certificates (docs/certificates.md): every servable key, sealed to the proxy's in-memory key…
         CERT_KEYS_OPEN_SUBJECT,
-        # …and the HTTP-01 answers it serves (a consumer filtered on exactly those live keys).
-        watch_keys(LIVE_STREAM, f"{LIVE_PREFIX}acme.*"),
+        # …and the HTTP-01 answers it serves, read by direct get (a proxy creates no consumer).
         read_key(LIVE_STREAM, f"{LIVE_PREFIX}acme.*"),
-        f"{JS}.CONSUMER.INFO.{LIVE_STREAM}.*",
-        f"$JS.FC.{LIVE_STREAM}.>",
     ),
     sub_allow=(INBOX, ROUTES_SNAPSHOT_SUBJECT, CERTS_CHANGED_SUBJECT),
 )

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from shared.security import tls as tls_material
 from shared.security.authority import Authority, RoleIssuer
-from shared.security.creds import write_private
+from shared.security.creds import read_user_jwt, write_private
+from shared.security.nkeyjwt import decode_claims
 from shared.security.permissions import Role
 
 SENTINEL_FILE = "join-sentinel.jwt"
@@ -38,8 +39,10 @@ class SecureSetup:
     def creds(self, role: Role, name: str) -> Path:
         """A credentials file for ``name`` of ``role`` (kept when it exists: a restart keeps identities)."""
         path = self.directory / "creds" / f"{role}-{name}.creds"
-        if not path.exists():
-            write_private(path, RoleIssuer.load(self.directory, role).creds(name))
+        issuer = RoleIssuer.load(self.directory, role)
+        if not path.exists() or _issuer_account(path) != issuer.account_public_key:
+            # New, or issued in the account the role lived in before the role accounts: issue it again.
+            write_private(path, issuer.creds(name))
         return path
 
     def local_node_creds(self, node_id: str) -> dict[str, str]:
@@ -54,6 +57,10 @@ class SecureSetup:
         return (self.directory / SENTINEL_FILE).read_text().strip()
 
 
+def _issuer_account(creds: Path) -> str:
+    return str(decode_claims(read_user_jwt(creds)).get("nats", {}).get("issuer_account", ""))
+
+
 def prepare(directory: Path, *, tls: bool = False, hosts: list[str] | None = None) -> SecureSetup:
     """Create (once) the operator, accounts, role keys, service and CLI credentials, the join sentinel and,
     with ``tls``, a CA and server certificate; (re)write the server config from the current role tables."""
@@ -61,7 +68,7 @@ def prepare(directory: Path, *, tls: bool = False, hosts: list[str] | None = Non
     authority.save(directory)  # account JWTs carry the role templates: regenerate them from this code
     setup = SecureSetup(directory, tls_material.load_or_generate(directory / "tls", hosts) if tls else None)
     for role, path in ((Role.CONTROL, setup.control_creds), (Role.OPERATOR, setup.operator_creds)):
-        if not path.exists():
+        if not path.exists() or _issuer_account(path) != authority.issuer(role).account_public_key:
             write_private(path, authority.issuer(role).creds(str(role)))
     if not (directory / SENTINEL_FILE).exists():
         write_private(directory / SENTINEL_FILE, authority.join_sentinel_jwt())

@@ -25,6 +25,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from shared.errors import ZatteraError
 from shared.jetstream import WRONG_LAST_SEQUENCE
 from shared.natsio import SNAPSHOTS_STORE
+from shared.objects import ObjectCorrupt, list_objects, read_object
 from shared.snapshots.crypto import Sealer
 
 CHUNKS = "chunks/"
@@ -155,26 +156,14 @@ class SnapshotStore:
         return f"$O.{self._bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
 
     async def get(self, name: str) -> bytes:
+        """Direct gets of the meta and each chunk (no per-object consumer), checked against the digest."""
         try:
-            meta = await self._js.get_last_msg(self._stream, self._meta_subject(name), direct=True)
-        except NotFoundError as exc:
-            raise ObjectMissingError(name) from exc
-        info = ObjectInfo.from_response(json.loads(meta.data or b"{}"))
-        if info.deleted:
+            data = await read_object(self._js, self._bucket, name)
+        except ObjectCorrupt as exc:
+            raise ObjectMissingError(str(exc)) from exc
+        if data is None:
             raise ObjectMissingError(name)
-        if info.chunks == 1 and info.nuid:
-            # One data message: a direct get (no per-object consumer), then check the store's digest.
-            msg = await self._js.get_last_msg(self._stream, f"$O.{self._bucket}.C.{info.nuid}", direct=True)
-            data = msg.data or b""
-            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
-            if info.digest and info.digest.split("=", 1)[-1] != digest:
-                raise ObjectMissingError(f"{name}: stored digest mismatch")
-            return data
-        try:
-            result = await self._store.get(name)
-        except (ObjectNotFoundError, NotFoundError) as exc:
-            raise ObjectMissingError(name) from exc
-        return bytes(result.data or b"")
+        return data
 
     async def delete(self, name: str) -> bool:
         try:
@@ -186,10 +175,7 @@ class SnapshotStore:
     async def list(self, under: str) -> list[StoredObject]:
         """Live objects whose name starts with ``prefix + under``."""
         start = self.prefix + under
-        try:
-            infos = await self._store.list(ignore_deletes=True)
-        except NotFoundError:
-            return []
+        infos = await list_objects(self._js, self._bucket)
         return [
             StoredObject(i.name, i.size or 0, _mtime(i)) for i in infos if i.name.startswith(start) and not i.deleted
         ]

@@ -43,6 +43,8 @@ from services.proxy.settings import ROUTES_CACHE_FILE
 from shared.embedded import free_port
 from shared.natsio import Connection, connect
 from shared.routeclient import RouteClient, load_cached
+from shared.security.permissions import Role
+from shared.security.setup import SecureSetup, prepare
 from shared.view import StateView
 from tests.waiting import eventually
 
@@ -140,6 +142,9 @@ class E2ECluster:
     proxy_port: int = 0
     metrics: bool = False
     """Every process serves Prometheus metrics (ports in ``up.metrics_ports``, by process name)."""
+    secure: bool = False
+    """As ``zattera up --secure``: role accounts, the join service, each process with its own credential."""
+    security: SecureSetup | None = None
     up: _E2EUp | None = None
     killed: set[str] = field(default_factory=set)
     _supervisor: threading.Thread | None = None
@@ -181,11 +186,17 @@ class E2ECluster:
             metrics_port=free_port() if self.metrics else 0,
             all_in_one=False,
         )
+        if self.secure:
+            self.security = prepare(self.root / "security")
+            up.nats_extra_config = self.security.server_config()
+            up.creds = str(self.security.control_creds)
         up.overrides = self.env()
         self.up = up
         up.start_nats()
-        asyncio.run(_provision(up.url))
+        asyncio.run(_provision(up.url, up.creds))
         up.extra = [self._agent(node) for node in self.nodes] + [self._proxy()]
+        if self.security is not None:
+            up.extra.append(Supervised("join", [sys.executable, "-m", "services.join"], self.logs / "join.log", {}))
         up.start_services()
         self._stopping.clear()
         self._supervisor = threading.Thread(target=self._supervise, name="e2e-supervisor", daemon=True)
@@ -228,7 +239,16 @@ class E2ECluster:
             argv += ["--mesh-ip", self.mesh_ips[node]]
         assert self.up is not None
         argv += self.up.metrics_args(f"agent-{node}")
-        return Supervised(f"agent-{node}", argv, self.logs / f"agent-{node}.log", {})
+        return Supervised(
+            f"agent-{node}", argv, self.logs / f"agent-{node}.log", self._creds_env(self._role(node), node)
+        )
+
+    def _role(self, node: str) -> Role:
+        return Role.BUILDER if node == self.builder else Role.AGENT
+
+    def _creds_env(self, role: Role, name: str) -> dict[str, str]:
+        """A secured cluster's process of ``role`` gets a credential of its own (never the control one)."""
+        return {"ZATTERA_NATS_CREDS": str(self.security.creds(role, name))} if self.security else {}
 
     def _proxy(self) -> Supervised:
         argv = [
@@ -250,7 +270,7 @@ class E2ECluster:
         ]
         assert self.up is not None
         argv += self.up.metrics_args("proxy")
-        return Supervised("proxy", argv, self.logs / "proxy.log", {})
+        return Supervised("proxy", argv, self.logs / "proxy.log", self._creds_env(Role.PROXY, "p1"))
 
     def child(self, name: str) -> Supervised:
         assert self.up is not None
@@ -322,6 +342,8 @@ class E2ECluster:
     def cli(self, *args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run ``zattera ARGS`` against this cluster (a real subprocess)."""
         env = {**os.environ, **self.env(), "ZATTERA_NATS_URL": self.url, "ZATTERA_DATA_DIR": str(self.root)}
+        if self.security is not None:
+            env["ZATTERA_NATS_CREDS"] = str(self.security.operator_creds)
         done = subprocess.run(
             [*cli_argv(), *args],
             cwd=ROOT,
@@ -344,7 +366,8 @@ class E2ECluster:
 
     @contextlib.asynccontextmanager
     async def state(self) -> AsyncIterator[tuple[Connection, StateView]]:
-        conn = await connect(self.url, name="e2e-test")
+        creds = str(self.security.control_creds) if self.security else None
+        conn = await connect(self.url, name="e2e-test", creds=creds)
         view = StateView(conn, name="e2e")
         try:
             await view.start()
@@ -377,10 +400,10 @@ class E2ECluster:
         return out
 
 
-async def _provision(url: str) -> None:
+async def _provision(url: str, creds: str = "") -> None:
     from shared.natsio import provision
 
-    conn = await connect(url, name="e2e-provision")
+    conn = await connect(url, name="e2e-provision", creds=creds or None)
     try:
         await provision(conn.js)
     finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Generator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,8 +13,11 @@ from tests.e2e.cluster import E2ECluster
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
-    root: Path = tmp_path_factory.mktemp("e2e")
-    c = E2ECluster(root)
+    yield from running(E2ECluster(tmp_path_factory.mktemp("e2e")))
+
+
+def running(c: E2ECluster) -> Iterator[E2ECluster]:
+    """Start ``c``, wait until it serves, yield it, stop it (its logs in the error if it never came up)."""
     try:
         c.start()
         try:

@@ -11,7 +11,9 @@ from nats.aio.client import Client as NATS
 
 from shared.embedded import EmbeddedNats
 from shared.natsio import Connection, connect, provision
+from shared.security.authority import RoleIssuer
 from shared.security.creds import inbox_prefix
+from shared.security.join import JoinService
 from shared.security.permissions import Role
 from shared.security.setup import SecureSetup, prepare
 
@@ -47,6 +49,19 @@ class Client:
 
 
 ConnectAs = Callable[[Role, str], Awaitable[Client]]
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
 
 
 async def _provision(url: str, creds: str) -> None:
@@ -102,3 +117,15 @@ async def connect_as(secure: SecureCluster) -> AsyncIterator[ConnectAs]:
     yield open_client
     for client in clients:
         await client.nc.close()
+
+
+@pytest.fixture
+async def join_service(secure: SecureCluster, control: Connection, clock: ManualClock) -> AsyncIterator[JoinService]:
+    directory = secure.setup.directory
+    issuers = {role: RoleIssuer.load(directory, role) for role in (Role.AGENT, Role.BUILDER)}
+    service = JoinService(control, issuers, secure.setup.sentinel_jwt(), now=clock)
+    task = asyncio.create_task(service.run())
+    await asyncio.wait_for(service.ready.wait(), 10)
+    yield service
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

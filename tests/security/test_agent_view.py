@@ -1,8 +1,10 @@
-"""A filtered StateView on an agent credential: it loads and follows exactly the keys the agent may read."""
+"""An agent's StateView on a secured cluster: it pulls from the consumer control opens for it
+(``zattera.view.open``) and loads and follows exactly the keys the agent may read."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 
 import pytest
 from zattera.v1 import types_pb2 as pb
@@ -11,7 +13,9 @@ from services.agent.agent import view_filters
 from shared import keys as K
 from shared.ids import new_id
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, connect
-from shared.security.permissions import Role
+from shared.security.join import JoinService
+from shared.security.permissions import Role, view_consumer
+from shared.security.views import ViewRefused, node_view_filters, request_view
 from shared.view import StateView
 from tests.security.conftest import SecureCluster
 from tests.waiting import eventually
@@ -49,8 +53,8 @@ async def delete(conn: Connection, key: str) -> None:
     await conn.js.publish(STATE_PREFIX + key, b"", headers={"KV-Operation": "DEL"}, stream=STATE_STREAM)
 
 
-async def test_a_filtered_view_syncs_follows_and_resyncs_on_an_agent_credential(
-    control: Connection, agent_conn: Connection
+async def test_a_pulled_view_syncs_follows_and_resyncs_on_an_agent_credential(
+    control: Connection, agent_conn: Connection, join_service: JoinService
 ) -> None:
     rel = release()
     mine, theirs = assignment(NODE, rel.meta.id), assignment("someone-else", rel.meta.id)
@@ -61,7 +65,7 @@ async def test_a_filtered_view_syncs_follows_and_resyncs_on_an_agent_credential(
     for msg in (rel, mine, theirs, volume, env):
         await put(control, msg)
 
-    view = StateView(agent_conn, name=f"agent-{NODE}", filters=view_filters(NODE))
+    view = pulled_view(agent_conn)
     await view.start(timeout=10)
     try:
         assert view.assignment(mine.meta.id) is not None
@@ -70,14 +74,14 @@ async def test_a_filtered_view_syncs_follows_and_resyncs_on_an_agent_credential(
         assert view.assignment(theirs.meta.id) is None and view.env(env.meta.id) is None
         assert [a.meta.id for a in view.assignments_by_node(NODE)] == [mine.meta.id]
 
-        # Changes arrive on each filter's consumer; a delete removes.
+        # Changes arrive through the pulls; a delete removes.
         second = assignment(NODE, rel.meta.id)
         await put(control, second)
         await delete(control, K.release(rel.meta.id))
-        await eventually(lambda: view.assignment(second.meta.id) is not None, 5, "a new assignment")
-        await eventually(lambda: view.release(rel.meta.id) is None, 5, "a deleted release")
+        await eventually(lambda: view.assignment(second.meta.id) is not None, 10, "a new assignment")
+        await eventually(lambda: view.release(rel.meta.id) is None, 10, "a deleted release")
 
-        # A resync creates new named consumers (the old names may still exist) and diffs.
+        # A resync opens the consumer anew (last value per key) and diffs.
         feed = view.subscribe({K.ASSIGNMENT})
         await delete(control, K.assignment(NODE, mine.meta.id))
         await view.force_resync()
@@ -85,23 +89,48 @@ async def test_a_filtered_view_syncs_follows_and_resyncs_on_an_agent_credential(
         assert view.assignment(mine.meta.id) is None and view.assignment(second.meta.id) is not None
         assert (K.ASSIGNMENT, mine.meta.id) in await feed.wait(5)
 
-        # An ordered-consumer reset (what nats-py does on a gap or missed heartbeats) re-creates the
-        # consumer under a new name: under the old one the server would refuse it.
-        sub = view._subs[0]
-        before = sub._consumer
-        await sub._sub._jsi.reset_ordered_consumer(view.last_revision + 1)
-        await eventually(lambda: sub._consumer != before, 5, "the consumer re-created")
+        # Its consumer gone (expired after the agent was away, deleted by an operator): the view reopens it.
+        await control.js.delete_consumer(STATE_STREAM, view_consumer(NODE))
         third = assignment(NODE, rel.meta.id)
         await put(control, third)
-        await eventually(lambda: view.assignment(third.meta.id) is not None, 5, "a change after the reset")
+        await eventually(lambda: view.assignment(third.meta.id) is not None, 15, "a change after the loss")
     finally:
         await view.stop()
 
 
-async def test_a_filtered_view_with_nothing_to_load_is_fresh_at_once(agent_conn: Connection) -> None:
-    view = StateView(agent_conn, name="empty", filters=(f"{K.ASSIGNMENT}.{NODE}.nothing-here",))
-    await view.start(timeout=5)
-    await view.stop()
+def pulled_view(conn: Connection, node: str = NODE) -> StateView:
+    return StateView(conn, name=f"agent-{node}", filters=view_filters(node), open_consumer=partial(request_view, conn))
+
+
+async def test_a_pulled_view_with_nothing_to_load_is_fresh_at_once(
+    secure: SecureCluster, join_service: JoinService
+) -> None:
+    conn = await connect(secure.url, name="agent-empty", creds=secure.creds(Role.AGENT, "empty-node"))
+    view = pulled_view(conn, "empty-node")
+    try:
+        await view.start(timeout=10)
+        assert view.assignments_by_node("empty-node") == []
+    finally:
+        await view.stop()
+        await conn.close()
+
+
+def test_control_opens_the_consumer_the_agent_role_may_read() -> None:
+    assert node_view_filters(NODE) == [STATE_PREFIX + pattern for pattern in view_filters(NODE)]
+
+
+async def test_only_an_agent_credential_opens_a_view(
+    secure: SecureCluster, control: Connection, join_service: JoinService
+) -> None:
+    with pytest.raises(ViewRefused, match="only an agent"):
+        await request_view(control)  # no server-set caller identity: not an agent
+    for role, name in ((Role.PROXY, "p1"), (Role.OPERATOR, "ops")):
+        conn = await connect(secure.url, name=f"{role}-view", creds=secure.creds(role, name))
+        try:
+            with pytest.raises(ViewRefused, match="no view service answered"):
+                await request_view(conn, timeout=1)  # its account does not import the service
+        finally:
+            await conn.close()
 
 
 def test_view_filters_are_key_patterns() -> None:

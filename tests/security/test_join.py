@@ -10,37 +10,10 @@ import nats
 import pytest
 
 from shared.natsio import STATE_PREFIX, Connection, connect
-from shared.security.authority import RoleIssuer
 from shared.security.creds import read_user_jwt, write_private
 from shared.security.join import JoinRefused, JoinService, JoinToken, join, request_join_token
 from shared.security.nkeyjwt import decode_claims
-from shared.security.permissions import Role
-from tests.security.conftest import SecureCluster
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
-async def join_service(secure: SecureCluster, control: Connection, clock: ManualClock) -> AsyncIterator[JoinService]:
-    directory = secure.setup.directory
-    issuers = {role: RoleIssuer.load(directory, role) for role in (Role.AGENT, Role.BUILDER)}
-    service = JoinService(control, issuers, secure.setup.sentinel_jwt(), now=clock)
-    task = asyncio.create_task(service.run())
-    await asyncio.wait_for(service.ready.wait(), 10)
-    yield service
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+from tests.security.conftest import ManualClock, SecureCluster
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -32,7 +32,6 @@ from shared.ids import new_id
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, ROUTES_GET_SUBJECT, STATE_PREFIX, STATE_STREAM, Connection
 from shared.registry import PlatformImage, push_image
 from shared.routeclient import content_digest, encode_messages
-from shared.security.authority import RoleIssuer
 from shared.security.join import JoinService, join, request_join_token
 from shared.security.permissions import Role
 from tests.proxy.harness import Backend, Routes, endpoint, http_route, serving
@@ -88,18 +87,6 @@ def processes(tmp_path: Path) -> Iterator[list[NodeProcess]]:
         with contextlib.suppress(psutil.Error):
             if (proc.info["cwd"] or "").startswith(str(tmp_path)) and "ZATTERA_ASSIGNMENT_ID" in proc.environ():
                 proc.kill()
-
-
-@pytest.fixture
-async def join_service(secure: SecureCluster, control: Connection) -> AsyncIterator[JoinService]:
-    directory = secure.setup.directory
-    issuers = {role: RoleIssuer.load(directory, role) for role in (Role.AGENT, Role.BUILDER)}
-    service = JoinService(control, issuers, secure.setup.sentinel_jwt())
-    task = asyncio.create_task(service.run())
-    await asyncio.wait_for(service.ready.wait(), 10)
-    yield service
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
 
 
 async def put(conn: Connection, msg: pb.Node | pb.Release | pb.Assignment | pb.Volume, key: str = "") -> None:
@@ -210,7 +197,8 @@ async def test_an_agent_joins_runs_its_assignments_and_restarts_from_its_stored_
     live = await control.js.get_last_msg(LIVE_STREAM, f"{LIVE_PREFIX}node.{NODE}", direct=True)
     assert live.data
 
-    assert agent.stop() == 0
+    # In a thread: the relay of its last reports runs on this event loop (the join service fixture).
+    assert await asyncio.to_thread(agent.stop) == 0
     stopped = await observed(control, NODE, plain.meta.id)
     assert stopped is not None and stopped.state == pb.INSTANCE_STATE_STOPPED
 
@@ -220,7 +208,7 @@ async def test_an_agent_joins_runs_its_assignments_and_restarts_from_its_stored_
     second = await wait_state(control, plain.meta.id, pb.INSTANCE_STATE_HEALTHY, again)
     assert second.container_id != first.container_id
     assert "already joined" in again.output()
-    assert again.stop() == 0
+    assert await asyncio.to_thread(again.stop) == 0
     assert "permissions violation" not in agent.output() + again.output()
 
 

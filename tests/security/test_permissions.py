@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from typing import Any
 
 import nats
 import pytest
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared.natsio import (
     LIVE_PREFIX,
@@ -21,6 +19,7 @@ from shared.natsio import (
     connect,
 )
 from shared.secrets import ROTATE_SUBJECT, open_subject
+from shared.security.join import JoinService
 from shared.security.permissions import Role
 from tests.security.conftest import ConnectAs, SecureCluster
 
@@ -37,7 +36,7 @@ async def test_unauthenticated_client_is_refused(secure: SecureCluster) -> None:
 
 
 async def test_agent_writes_its_own_observed_key_and_reads_its_assignments(
-    secure: SecureCluster, control: Connection
+    secure: SecureCluster, control: Connection, join_service: JoinService
 ) -> None:
     await control.js.publish(f"{STATE_PREFIX}assignment.{NODE}.a1", b"desired-1")
     await control.js.publish(f"{STATE_PREFIX}assignment.n2.a2", b"not yours")
@@ -50,23 +49,6 @@ async def test_agent_writes_its_own_observed_key_and_reads_its_assignments(
         got = await agent.js.get_last_msg(STATE_STREAM, f"{STATE_PREFIX}assignment.{NODE}.a1", direct=True)
         assert got.data == b"desired-1"
 
-        # A watch of its own assignments: an ordered consumer whose name puts the filter in the API subject.
-        seen: asyncio.Queue[bytes] = asyncio.Queue()
-
-        async def on_entry(msg: nats.aio.msg.Msg) -> None:
-            await seen.put(msg.data)
-
-        sub = await agent.js.subscribe(
-            f"{STATE_PREFIX}assignment.{NODE}.*",
-            stream=STATE_STREAM,
-            cb=on_entry,
-            ordered_consumer=True,
-            config=ConsumerConfig(name=f"agent-{NODE}-watch", deliver_policy=DeliverPolicy.LAST_PER_SUBJECT),
-        )
-        assert await asyncio.wait_for(seen.get(), 5) == b"desired-1"
-        await control.js.publish(f"{STATE_PREFIX}assignment.{NODE}.a3", b"desired-3")
-        assert await asyncio.wait_for(seen.get(), 5) == b"desired-3"
-        await sub.unsubscribe()
     finally:
         await agent.close()
 
@@ -115,15 +97,30 @@ async def test_agent_cannot_read_other_keys(connect_as: ConnectAs, control: Conn
     assert await agent.refusal() == publish_refused(other)
 
     # The forms that do not carry the subject in the API subject would read any key: refused.
-    for api in (f"$JS.API.STREAM.MSG.GET.{STATE_STREAM}", f"$JS.API.CONSUMER.CREATE.{STATE_STREAM}"):
+    for api in (f"$JS.API.STREAM.MSG.GET.{STATE_STREAM}", f"$JS.API.DIRECT.GET.{STATE_STREAM}"):
         await agent.nc.publish(api, b"{}", reply=agent.nc.new_inbox())
         assert await agent.refusal() == publish_refused(api)
 
-    # Naming its own filter in the subject but asking for everything in the body: JetStream refuses.
-    create = f"$JS.API.CONSUMER.CREATE.{STATE_STREAM}.sneaky.{STATE_PREFIX}assignment.{NODE}.*"
-    body = {"stream_name": STATE_STREAM, "config": {"name": "sneaky", "filter_subject": f"{STATE_PREFIX}>"}}
-    reply = json.loads((await agent.nc.request(create, json.dumps(body).encode(), timeout=2)).data)
-    assert reply["error"]["err_code"] == 10131  # create request did not match filtered subject
+
+@pytest.mark.parametrize("role", [Role.AGENT, Role.BUILDER, Role.PROXY])
+@pytest.mark.parametrize(
+    "api",
+    [
+        f"$JS.API.CONSUMER.CREATE.{STATE_STREAM}",
+        f"$JS.API.CONSUMER.CREATE.{STATE_STREAM}.mine.{STATE_PREFIX}assignment.{NODE}.*",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{STATE_STREAM}.view-{NODE}",
+        "$JS.API.CONSUMER.CREATE.OBJ_zattera-images",
+        "$JS.API.CONSUMER.CREATE.OBJ_zattera-snapshots.x.$O.zattera-snapshots.M.>",
+        f"$JS.API.CONSUMER.DELETE.{STATE_STREAM}.view-{NODE}",
+    ],
+)
+async def test_no_consumer_is_created_or_deleted_by_agents_or_proxies(
+    connect_as: ConnectAs, role: Role, api: str
+) -> None:
+    """A consumer's deliver subject could name any subject of ZATTERA: only control creates consumers."""
+    client = await connect_as(role, NODE)
+    await client.nc.publish(api, b"{}", reply=client.nc.new_inbox())
+    assert await client.refusal() == publish_refused(api)
 
 
 async def test_agent_answers_only_its_own_node_requests(connect_as: ConnectAs) -> None:
@@ -153,7 +150,7 @@ async def test_proxy_reports_its_traffic_and_follows_route_snapshots(secure: Sec
         await proxy.close()
 
 
-async def test_operator_writes_desired_state_but_not_leases(connect_as: ConnectAs) -> None:
+async def test_operator_writes_desired_state_but_not_leases(connect_as: ConnectAs, join_service: JoinService) -> None:
     operator = await connect_as(Role.OPERATOR, "cli")
     ack = await operator.nc.jetstream().publish(f"{STATE_PREFIX}env.e2", b"desired")
     assert ack.stream == STATE_STREAM
@@ -161,14 +158,8 @@ async def test_operator_writes_desired_state_but_not_leases(connect_as: ConnectA
     assert await operator.refusal() == publish_refused(f"{STATE_PREFIX}lease.scheduler")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (SECURITY.md, 'Open: reply and deliver subjects'): nats-server sends a JetStream API reply "
-    "to whatever reply subject the requester names, within the same account, without checking the "
-    "requester's publish rights; closing it needs agents and proxies in accounts of their own",
-)
 async def test_an_agent_cannot_write_another_nodes_key_through_a_reply_subject(
-    connect_as: ConnectAs, control: Connection
+    connect_as: ConnectAs, control: Connection, join_service: JoinService
 ) -> None:
     agent = await connect_as(Role.AGENT, NODE)
     own = f"{STATE_PREFIX}observed.{NODE}.redirect"

@@ -17,6 +17,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared.clock import FakeClock
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, agent_subject, connect
+from shared.security.join import JoinService
 from shared.security.permissions import Role
 from shared.snapshots import SnapshotAgent, SnapshotStore
 from shared.snapshots.chunking import TEST_PARAMS
@@ -74,7 +75,7 @@ async def node_agent(secure: SecureCluster, tmp_path: Path) -> AsyncIterator[Sna
 
 
 async def test_operator_snapshots_and_restores_and_the_agent_prunes_on_a_secured_cluster(
-    sides: tuple[Side, Side], node_agent: SnapshotAgent, tmp_path: Path
+    sides: tuple[Side, Side], node_agent: SnapshotAgent, join_service: JoinService, tmp_path: Path
 ) -> None:
     control, operator = sides
     clock = FakeClock(BASE)
@@ -121,11 +122,13 @@ async def test_operator_may_not_ask_a_node_to_build_or_prune(connect_as: Connect
 
 
 async def test_a_request_redirected_through_a_jetstream_reply_is_not_acted_on(
-    secure: SecureCluster, control: Connection, connect_as: ConnectAs, tmp_path: Path
+    secure: SecureCluster, connect_as: ConnectAs, join_service: JoinService, tmp_path: Path
 ) -> None:
-    """The open reply-subject hole (SECURITY.md) lets agent n1 make the server deliver bytes it wrote onto
-    n2's snapshot subject; n2 acts only on direct requests, so the pre-hook in those bytes never runs."""
-    victim = SnapshotAgent(control, "n2", tmp_path / "volumes", params=TEST_PARAMS, heartbeat=0.2)
+    """Agent n1 names n2's snapshot subject as the reply of its direct get: the answer comes back through the
+    import into AGENTS, where n2 listens — as a message without a reply subject, which n2 does not act on,
+    so the pre-hook in those bytes never runs."""
+    victim_conn = await connect(secure.url, name="victim", creds=secure.creds(Role.AGENT, "n2"))
+    victim = SnapshotAgent(victim_conn, "n2", tmp_path / "volumes", params=TEST_PARAMS, heartbeat=0.2)
     await victim.start()
     try:
         volume = snap_volume("vol-redirect", node_id="n2")
@@ -144,3 +147,4 @@ async def test_a_request_redirected_through_a_jetstream_reply_is_not_acted_on(
             await asyncio.sleep(0.02)
     finally:
         await victim.stop()
+        await victim_conn.close()
