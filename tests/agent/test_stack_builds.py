@@ -1,5 +1,6 @@
-"""Real apps built unchanged: the builder detects the stack, installs real packages from PyPI, and the process
-runtime runs the image (FastAPI, Express and static sites: tests/e2e/test_stack_deploys.py). The package
+"""Real apps built unchanged: the builder detects the stack, installs real packages from PyPI, and both runtimes
+run the image: the process runtime, and the docker runtime on the Python base image it makes from the node's
+interpreter (FastAPI, Express and static sites: tests/e2e/test_stack_deploys.py). The package
 managers' download caches are shared by the whole session (as on a builder node), so only the first build of a
 stack downloads anything."""
 
@@ -44,6 +45,14 @@ async def builder(conn: Connection, tmp_path: Path, builder_cache: Path) -> Asyn
         yield b
 
 
+@pytest.fixture(params=["process", "docker"])
+def runtime(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The agent settings of each runtime (the docker one on the session's private daemon)."""
+    if request.param == "process":
+        return {"runtime": "process"}
+    return {"runtime": "docker", "docker_host": request.getfixturevalue("docker_host")}
+
+
 def log_lines(events: list[cpb.BuildEvent]) -> list[str]:
     return [e.log.line for e in events if e.log.line]
 
@@ -54,9 +63,11 @@ def image_of(events: list[cpb.BuildEvent]) -> str:
     return f"p1/a1@{digest}"
 
 
-async def serve_and_get(image_ref: str, view: StateView, writer: Writer, start_agent: StartAgent) -> str:
-    """Run the image on an agent and return what GET / answers."""
-    await start_agent("n1")
+async def serve_and_get(
+    image_ref: str, view: StateView, writer: Writer, start_agent: StartAgent, **settings: str
+) -> str:
+    """Run the image on an agent (of these settings) and return what GET / answers."""
+    await start_agent("n1", **settings)
     rel = release(image_ref, healthcheck=False)
     a = assignment("n1", rel)
     await seed(writer, rel, a)
@@ -82,7 +93,12 @@ async def serve_and_get(image_ref: str, view: StateView, writer: Writer, start_a
 
 
 async def test_flask_app_builds_unchanged_runs_and_reuses_its_dependency_layer(
-    builder: Builder, conn: Connection, view: StateView, writer: Writer, start_agent: StartAgent
+    builder: Builder,
+    conn: Connection,
+    view: StateView,
+    writer: Writer,
+    start_agent: StartAgent,
+    runtime: dict[str, str],
 ) -> None:
     files = example("flask")
     events = await run_build(conn, files)
@@ -93,7 +109,7 @@ async def test_flask_app_builds_unchanged_runs_and_reuses_its_dependency_layer(
         "plan: build    (none)",
         "plan: start    gunicorn app:app --bind 0.0.0.0:$PORT  (Procfile web:)",
     ]
-    assert "hello from flask" in await serve_and_get(image_of(events), view, writer, start_agent)
+    assert "hello from flask" in await serve_and_get(image_of(events), view, writer, start_agent, **runtime)
 
     # A code change only: the dependency layer is reused, nothing is installed.
     files["app.py"] = files["app.py"].replace("hello from flask", "hello again from flask")
@@ -133,7 +149,12 @@ async def test_a_stack_without_a_start_command_asks_for_one(builder: Builder, co
 
 
 async def test_an_app_missing_a_module_says_which(
-    builder: Builder, conn: Connection, view: StateView, writer: Writer, start_agent: StartAgent
+    builder: Builder,
+    conn: Connection,
+    view: StateView,
+    writer: Writer,
+    start_agent: StartAgent,
+    runtime: dict[str, str],
 ) -> None:
     files = {
         "requirements.txt": "gunicorn>=22\n",
@@ -141,7 +162,7 @@ async def test_an_app_missing_a_module_says_which(
         "app.py": "import forgotten_dep\n",
     }
     events = await run_build(conn, files)
-    await start_agent("n1")
+    await start_agent("n1", **runtime)
     rel = release(image_of(events), healthcheck=False)
     a = assignment("n1", rel)
     await seed(writer, rel, a)
