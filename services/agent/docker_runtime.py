@@ -448,7 +448,7 @@ class DockerLauncher:
         tag = derived_tag(digest_of(fetched.config + b"".join(digest_of(layer).encode() for layer in fetched.layers)))
         labels = run.get("Labels") or {}
         full = labels.get(LABEL_ROOTFS) == "full"
-        base = await self._python_base(python_of(labels)) if python_of(labels) and not full else self.base_image
+        base = await self.python_base(python_of(labels)) if python_of(labels) and not full else self.base_image
         await self._load(tag, fetched.config if full else None, fetched.layers, base=base)
         return container_image(ref, tag, run)
 
@@ -465,7 +465,7 @@ class DockerLauncher:
                 raise ImageError(f"{ref}: pull: {_first_line(exc.message)}") from exc
         return container_image(ref, name, info.get("Config") or {})
 
-    async def _python_base(self, interpreter: str) -> str:
+    async def python_base(self, interpreter: str) -> str:
         """The base image holding ``interpreter`` (what a Python app's packages were built for), made from
         this node's copy of it the first time an image needs it (``pythonbase.py``)."""
         try:
