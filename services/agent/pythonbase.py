@@ -25,10 +25,14 @@ import io
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import tarfile
+import tempfile
+import zipfile
 from dataclasses import dataclass
+from pathlib import Path
 
 PYTHON_LABEL = "dev.zattera.python"
 """Image config label: the absolute path of the interpreter the app's packages were installed for."""
@@ -43,7 +47,8 @@ PASSWD = b"root:x:0:0::/:/bin/sh\nnobody:x:65534:65534::/:/bin/sh\n"
 _PROBE = (
     "import json, os, ssl, sys, sysconfig; p = ssl.get_default_verify_paths(); print(json.dumps({"
     "'version': sys.version.split()[0], 'stdlib': sysconfig.get_path('stdlib'),"
-    "'platstdlib': sysconfig.get_path('platstdlib'), 'executable': os.path.realpath(sys.executable),"
+    "'platstdlib': sysconfig.get_path('platstdlib'), 'zip': [p for p in sys.path if p.endswith('.zip')][:1],"
+    "'cache_tag': sys.implementation.cache_tag,"
     "'cafiles': [f for f in (p.cafile, p.openssl_cafile) if f]}))"
 )
 _LDD_PATH = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x")
@@ -61,6 +66,9 @@ class Interpreter:
     version: str
     stdlib: tuple[str, ...]
     cafiles: tuple[str, ...]
+    zip_path: str
+    """Where the interpreter looks for its standard library as a zip archive first (``python3XX.zip``)."""
+    cache_tag: str
 
     @property
     def tag(self) -> str:
@@ -82,6 +90,8 @@ def inspect_interpreter(path: str) -> Interpreter:
         version=str(doc["version"]),
         stdlib=tuple(dict.fromkeys([str(doc["stdlib"]), str(doc["platstdlib"])])),
         cafiles=tuple(str(f) for f in doc["cafiles"]),
+        zip_path=str(doc["zip"][0]) if doc["zip"] else "",
+        cache_tag=str(doc["cache_tag"]),
     )
 
 
@@ -101,9 +111,11 @@ def shared_libraries(binaries: list[str]) -> list[str]:
 class _RootFs:
     """A tar of host paths at their own places, symlinks kept as symlinks."""
 
-    def __init__(self, tar: tarfile.TarFile) -> None:
+    def __init__(self, tar: tarfile.TarFile, scratch: str) -> None:
         self.tar = tar
         self._added: set[str] = set()
+        self._strip = shutil.which("strip")
+        self._scratch = scratch
 
     def add(self, path: str) -> None:
         """``path``, its parent directories and, for a symlink, what it points at."""
@@ -119,6 +131,7 @@ class _RootFs:
             return
         st = os.lstat(entry)
         info = tarfile.TarInfo(entry.lstrip("/"))
+        info.mtime = int(st.st_mtime)  # a module's bytecode is used only while its source has the recorded time
         if stat.S_ISLNK(st.st_mode):
             info.type, info.linkname = tarfile.SYMTYPE, os.readlink(entry)
             self.tar.addfile(info)
@@ -127,10 +140,21 @@ class _RootFs:
             info.type, info.mode = tarfile.DIRTYPE, 0o755
             self.tar.addfile(info)
         elif stat.S_ISREG(st.st_mode):
-            info.size = st.st_size
             info.mode = 0o755 if st.st_mode & 0o111 else 0o644
-            with open(entry, "rb") as fh:
+            source = self._stripped(entry)
+            info.size = os.path.getsize(source)
+            with open(source, "rb") as fh:
                 self.tar.addfile(info, fh)
+
+    def _stripped(self, path: str) -> str:
+        """A copy of an ELF file without its symbols when binutils' ``strip`` is here (an interpreter built
+        from source keeps them: tens of MB every container would copy), else the file itself."""
+        with open(path, "rb") as fh:
+            if not self._strip or fh.read(4) != b"\x7fELF":
+                return path
+        copy = os.path.join(self._scratch, str(len(self._added)))
+        done = subprocess.run([self._strip, "--strip-unneeded", "-o", copy, path], capture_output=True, check=False)
+        return copy if done.returncode == 0 else path
 
     def add_file(self, name: str, data: bytes, mode: int = 0o644) -> None:
         info = tarfile.TarInfo(name.lstrip("/"))
@@ -161,16 +185,58 @@ def _stdlib_files(root: str) -> list[str]:
     return files
 
 
+def _unchecked(pyc: bytes) -> bytes:
+    """Bytecode marked hash-based and unchecked (PEP 552): used as it is, whatever its source's time in the
+    zip archive (zip times are local and of 2 s resolution)."""
+    return pyc[:4] + (1).to_bytes(4, "little") + bytes(8) + pyc[16:]
+
+
+def stdlib_zip(interpreter: Interpreter, files: list[str]) -> tuple[bytes, list[str]]:
+    """The pure-Python modules of ``files`` as the interpreter's ``python3XX.zip`` (each source with its
+    bytecode, so tracebacks still show stdlib lines), and the files that stay files (extension modules, data,
+    ``os.py``: the landmark by which the interpreter finds its prefix)."""
+    buffer = io.BytesIO()
+    rest: list[str] = []
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as archive:
+        for path in files:
+            root = next(r for r in interpreter.stdlib if path.startswith(r + os.sep))
+            relative = os.path.relpath(path, root)
+            if not path.endswith(".py") or relative == "os.py":
+                if not (path.endswith(".pyc") and "__pycache__" in relative):
+                    rest.append(path)
+                if relative != "os.py":
+                    continue
+            archive.writestr(_entry(relative), Path(path).read_bytes())
+            directory, name = os.path.split(path)
+            cached = os.path.join(directory, "__pycache__", f"{name[:-3]}.{interpreter.cache_tag}.pyc")
+            if os.path.isfile(cached):
+                archive.writestr(_entry(relative[:-3] + ".pyc"), _unchecked(Path(cached).read_bytes()))
+    return buffer.getvalue(), rest
+
+
+def _entry(name: str) -> zipfile.ZipInfo:
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_DEFLATED
+    return info
+
+
 def python_rootfs_tar(interpreter: Interpreter) -> bytes:
     """The base image's root filesystem for ``interpreter`` as a tar (see the module docstring)."""
     files = [f for root in interpreter.stdlib for f in _stdlib_files(root)]
+    archive = b""
+    if interpreter.zip_path and os.path.isdir(os.path.dirname(interpreter.zip_path)):
+        archive, files = stdlib_zip(interpreter, files)
     binaries = [interpreter.path, SHELL, *(f for f in files if f.endswith(".so"))]
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        rootfs = _RootFs(tar)
+    with tempfile.TemporaryDirectory() as scratch, tarfile.open(fileobj=buffer, mode="w") as tar:
+        rootfs = _RootFs(tar, scratch)
         for path in [*binaries, *files, *shared_libraries(binaries), *interpreter.cafiles]:
             if os.path.lexists(path):
                 rootfs.add(path)
+        if archive:
+            directory, name = os.path.split(interpreter.zip_path)
+            rootfs.add(directory)
+            rootfs.add_file(os.path.join(os.path.realpath(directory), name), archive)
         rootfs.add_dir("tmp", 0o1777)
         rootfs.add_dir("proc", 0o755)
         rootfs.add_dir("sys", 0o755)

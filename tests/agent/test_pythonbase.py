@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import tarfile
+import zipfile
 
 import pytest
 
@@ -56,7 +57,7 @@ def test_the_interpreter_its_libraries_a_shell_and_certificates_are_where_the_no
     assert resolve(rootfs, "/usr/local/bin/python3").isfile()
     for library in shared_libraries([NODE_PYTHON, "/bin/sh"]):  # the loader, libc and the like
         assert resolve(rootfs, library).isfile(), library
-    assert resolve(rootfs, os.path.join(interpreter.stdlib[0], "json", "__init__.py")).isfile()
+    assert resolve(rootfs, os.path.join(interpreter.stdlib[0], "os.py")).isfile()  # the prefix's landmark
     assert any(resolve(rootfs, f).isfile() for f in interpreter.cafiles if os.path.exists(f))
     assert rootfs["/tmp"].mode == 0o1777
     with tarfile.open(fileobj=io.BytesIO(rootfs_tar)) as tar:
@@ -64,13 +65,28 @@ def test_the_interpreter_its_libraries_a_shell_and_certificates_are_where_the_no
         assert passwd is not None and b"nobody:x:65534:65534" in passwd.read()
 
 
+def test_pure_python_modules_are_one_zip_of_sources_and_unchecked_bytecode(
+    rootfs: dict[str, tarfile.TarInfo], rootfs_tar: bytes
+) -> None:
+    """One file instead of thousands (vfs copies each container's root filesystem file by file)."""
+    interpreter = inspect_interpreter(NODE_PYTHON)
+    with tarfile.open(fileobj=io.BytesIO(rootfs_tar)) as tar:
+        member = tar.extractfile(resolve(rootfs, interpreter.zip_path))
+        assert member is not None
+        archive = zipfile.ZipFile(io.BytesIO(member.read()))
+    names = set(archive.namelist())
+    assert {"json/__init__.py", "json/__init__.pyc", "encodings/utf_8.py"} <= names
+    assert int.from_bytes(archive.read("json/__init__.pyc")[4:8], "little") == 1  # hash-based, unchecked
+    sources = {name for name in rootfs if name.endswith(".py") and name.startswith(interpreter.stdlib[0])}
+    assert sources == {os.path.join(interpreter.stdlib[0], "os.py")}
+
+
 def test_what_an_app_does_not_need_is_left_out_and_everything_is_readable_by_nobody(
     rootfs: dict[str, tarfile.TarInfo],
 ) -> None:
     stdlib = inspect_interpreter(NODE_PYTHON).stdlib[0]
-    for left_out in ("site-packages", "test", "tkinter", "idlelib", "ensurepip"):
+    for left_out in ("site-packages", "test", "tkinter", "idlelib", "ensurepip", "__pycache__"):
         assert not any(name.startswith(f"{stdlib}/{left_out}/") for name in rootfs), left_out
-    assert not any(".opt-" in name for name in rootfs)
     assert all(m.mode & 0o005 == 0o005 for m in rootfs.values() if m.isdir())
     assert all(m.mode & 0o004 for m in rootfs.values() if m.isfile())
 
