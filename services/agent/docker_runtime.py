@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import subprocess
 import tarfile
 import time
 import weakref
@@ -484,7 +485,10 @@ class DockerLauncher:
 
     async def _make_python_base(self, interpreter: Interpreter) -> None:
         log.info("making the python base image %s from %s", interpreter.tag, interpreter.path)
-        rootfs = await asyncio.to_thread(python_rootfs_tar, interpreter)
+        try:
+            rootfs = await asyncio.to_thread(python_rootfs_tar, interpreter)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise ImageError(f"python base image from {interpreter.path}: {exc}") from exc
         await self._put(interpreter.tag, None, [rootfs], "scratch")
 
     async def _load(self, tag: str, full_config: bytes | None, layers: Sequence[bytes], *, base: str) -> None:

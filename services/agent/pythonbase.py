@@ -129,6 +129,8 @@ class _RootFs:
         if entry != path:
             self.add(entry)  # written at its real place; the symlinked parents are in the tar
             return
+        if not os.path.lexists(entry):  # a dangling symlink's target: the link alone is kept
+            return
         st = os.lstat(entry)
         info = tarfile.TarInfo(entry.lstrip("/"))
         info.mtime = int(st.st_mtime)  # a module's bytecode is used only while its source has the recorded time
