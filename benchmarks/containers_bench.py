@@ -10,7 +10,7 @@ Run: ``python -m benchmarks.containers_bench [--full] [--json]`` (also part of `
    against a container on the Python base image the docker runtime makes from that interpreter
    (``services/agent/pythonbase.py``: what a source-built Python app runs on). Also measured once: making
    that base image (root filesystem tar + import into the daemon) and the bytes of its files (each container
-   copies them on vfs storage). 5 samples each quick, 20 full.
+   copies them on vfs storage). 3 samples each quick, 20 full.
 3. **Scale-to-zero cold start on docker.** The whole product (e2e harness, agents with ``--runtime
    docker``), an env with ``scale_to_zero`` (idle 2 s) cooled to zero; one request through the proxy.
    Measured: request sent → the first route snapshot with a healthy endpoint, and → the answer. The
@@ -214,7 +214,7 @@ async def _cold_starts(docker_host: str, root: Path, samples: int) -> dict[str, 
 
 
 def run(quick: bool = True) -> list[Row]:
-    starts, python_starts, colds = (10, 5, 3) if quick else (40, 20, 10)
+    starts, python_starts, colds = (10, 3, 3) if quick else (40, 20, 10)
     root = Path(tempfile.mkdtemp(prefix="zattera-containers-bench-"))
     try:
         with private_dockerd(root / "dockerd") as docker_host:
