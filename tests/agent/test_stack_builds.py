@@ -1,6 +1,7 @@
-"""Real apps built unchanged: the builder detects the stack, installs real packages from PyPI, and both runtimes
-run the image: the process runtime, and the docker runtime on the Python base image it makes from the node's
-interpreter (FastAPI, Express and static sites: tests/e2e/test_stack_deploys.py). The package
+"""Real apps built unchanged: the builder detects the stack, installs real packages from PyPI, and the process
+runtime runs the image (FastAPI, Express and static sites: tests/e2e/test_stack_deploys.py; examples/flask on
+the docker runtime, through the proxy: tests/e2e/test_docker_flow.py). A missing module is reported on both
+runtimes (the docker one on the Python base image it makes from the node's interpreter). The package
 managers' download caches are shared by the whole session (as on a builder node), so only the first build of a
 stack downloads anything."""
 
@@ -63,11 +64,9 @@ def image_of(events: list[cpb.BuildEvent]) -> str:
     return f"p1/a1@{digest}"
 
 
-async def serve_and_get(
-    image_ref: str, view: StateView, writer: Writer, start_agent: StartAgent, **settings: str
-) -> str:
-    """Run the image on an agent (of these settings) and return what GET / answers."""
-    await start_agent("n1", **settings)
+async def serve_and_get(image_ref: str, view: StateView, writer: Writer, start_agent: StartAgent) -> str:
+    """Run the image on an agent and return what GET / answers."""
+    await start_agent("n1")
     rel = release(image_ref, healthcheck=False)
     a = assignment("n1", rel)
     await seed(writer, rel, a)
@@ -93,12 +92,7 @@ async def serve_and_get(
 
 
 async def test_flask_app_builds_unchanged_runs_and_reuses_its_dependency_layer(
-    builder: Builder,
-    conn: Connection,
-    view: StateView,
-    writer: Writer,
-    start_agent: StartAgent,
-    runtime: dict[str, str],
+    builder: Builder, conn: Connection, view: StateView, writer: Writer, start_agent: StartAgent
 ) -> None:
     files = example("flask")
     events = await run_build(conn, files)
@@ -109,7 +103,7 @@ async def test_flask_app_builds_unchanged_runs_and_reuses_its_dependency_layer(
         "plan: build    (none)",
         "plan: start    gunicorn app:app --bind 0.0.0.0:$PORT  (Procfile web:)",
     ]
-    assert "hello from flask" in await serve_and_get(image_of(events), view, writer, start_agent, **runtime)
+    assert "hello from flask" in await serve_and_get(image_of(events), view, writer, start_agent)
 
     # A code change only: the dependency layer is reused, nothing is installed.
     files["app.py"] = files["app.py"].replace("hello from flask", "hello again from flask")
