@@ -28,6 +28,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
 import tempfile
 import zipfile
@@ -264,8 +265,6 @@ def tar_size(data: bytes) -> int:
 
 def main() -> None:
     """``python -m services.agent.pythonbase [interpreter]``: the root filesystem's size (PERFORMANCE.md)."""
-    import sys
-
     interpreter = inspect_interpreter(sys.argv[1] if len(sys.argv) > 1 else os.path.realpath(sys.executable))
     data = python_rootfs_tar(interpreter)
     print(f"{interpreter.tag}: {tar_size(data) / 1e6:.1f} MB of files, tar {len(data) / 1e6:.1f} MB")
