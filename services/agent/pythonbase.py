@@ -6,8 +6,10 @@ node runs the platform on that same interpreter, so the docker runtime needs no 
 interpreter into a minimal root filesystem, exactly where the node has it:
 
 * the interpreter and its standard library (without ``site-packages``, tests, Tk, IDLE, ``ensurepip``,
-  ``lib2to3``, ``pydoc_data``, the static library and optimised bytecode: a container copies the whole root
-  filesystem on vfs storage), its extension modules and every shared library ``ldd`` lists for them (the loader too);
+  ``lib2to3``, ``pydoc_data``, the static library and optimised bytecode), its pure-Python modules as one
+  file, the interpreter's own ``python3XX.zip`` (:func:`stdlib_zip`), its extension modules and every shared
+  library ``ldd`` lists for them (the loader too), ELF files stripped when ``strip`` is here. Small and few
+  files on purpose: vfs storage copies the whole root filesystem, file by file, into every container;
 * ``/bin/sh`` (the images' entrypoint and commands are shell lines; exec health checks);
 * the node's CA bundle where OpenSSL looks for it, an ``/etc/passwd`` with ``root`` and ``nobody``, a
   world-writable ``/tmp``, and ``python``/``python3`` in ``/usr/local/bin``.
@@ -48,7 +50,7 @@ PASSWD = b"root:x:0:0::/:/bin/sh\nnobody:x:65534:65534::/:/bin/sh\n"
 _PROBE = (
     "import json, os, ssl, sys, sysconfig; p = ssl.get_default_verify_paths(); print(json.dumps({"
     "'version': sys.version.split()[0], 'stdlib': sysconfig.get_path('stdlib'),"
-    "'platstdlib': sysconfig.get_path('platstdlib'), 'zip': [p for p in sys.path if p.endswith('.zip')][:1],"
+    "'platstdlib': sysconfig.get_path('platstdlib'), 'zip': [e for e in sys.path if e.endswith('.zip')][:1],"
     "'cache_tag': sys.implementation.cache_tag,"
     "'cafiles': [f for f in (p.cafile, p.openssl_cafile) if f]}))"
 )
