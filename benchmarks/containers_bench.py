@@ -6,7 +6,12 @@ Run: ``python -m benchmarks.containers_bench [--full] [--json]`` (also part of `
 1. **Start → listening.** The agent's launcher starts the app (process: ``spawn``; docker: create + start
    of a container with every limit and the host network) and the time until its port accepts a connection
    is measured; the two runtimes alternate in the same run. 10 samples each quick, 40 full.
-2. **Scale-to-zero cold start on docker.** The whole product (e2e harness, agents with ``--runtime
+2. **A Python app (stdlib ``http.server``) start → listening**: a bare process of the node's interpreter
+   against a container on the Python base image the docker runtime makes from that interpreter
+   (``services/agent/pythonbase.py``: what a source-built Python app runs on). Also measured once: making
+   that base image (root filesystem tar + import into the daemon) and the bytes of its files (each container
+   copies them on vfs storage). 3 samples each quick, 20 full.
+3. **Scale-to-zero cold start on docker.** The whole product (e2e harness, agents with ``--runtime
    docker``), an env with ``scale_to_zero`` (idle 2 s) cooled to zero; one request through the proxy.
    Measured: request sent → the first route snapshot with a healthy endpoint, and → the answer. The
    control-plane overhead is that first figure minus the container's own start → listening (1., p50):
@@ -19,9 +24,12 @@ Anchor: the process runtime in the same run (1.) and benchmarks/e2e_bench.py's c
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -29,6 +37,7 @@ from benchmarks.common import Row, bench_main, median, percentile, row
 from services.agent.docker_runtime import ContainerImage, DockerLauncher
 from services.agent.images import PreparedImage
 from services.agent.launchers import InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
+from services.agent.pythonbase import inspect_interpreter, python_rootfs_tar, tar_size
 from shared.embedded import free_port
 from tests.dockerd import BASE_IMAGE, BUSYBOX, private_dockerd
 from tests.e2e.cluster import E2ECluster, env_by_name, healthy, running
@@ -49,6 +58,8 @@ SERVE = (
     "exec httpd -f -p $ZATTERA_BIND_ADDR:$PORT -h /tmp/www"
 )
 _POLL = 0.002
+NODE_PYTHON = os.path.realpath(sys.executable)
+"""The interpreter the builder installs Python apps for (and the agent runs on)."""
 
 
 async def _listening(port: int, timeout: float = 30.0) -> None:
@@ -64,11 +75,21 @@ async def _listening(port: int, timeout: float = 30.0) -> None:
             await asyncio.sleep(_POLL)
 
 
-async def _start_once(launcher: Launcher, image: PreparedImage, workdir: Path) -> float:
-    port = free_port()
-    command = [str(BUSYBOX), "httpd", "-f", "-p", f"127.0.0.1:{port}", "-h", str(workdir)]
+def _busybox_httpd(launcher: Launcher, port: int, workdir: Path) -> list[str]:
     if isinstance(launcher, DockerLauncher):
-        command = ["httpd", "-f", "-p", f"127.0.0.1:{port}", "-h", "/tmp"]
+        return ["httpd", "-f", "-p", f"127.0.0.1:{port}", "-h", "/tmp"]
+    return [str(BUSYBOX), "httpd", "-f", "-p", f"127.0.0.1:{port}", "-h", str(workdir)]
+
+
+def _python_http_server(launcher: Launcher, port: int, workdir: Path) -> list[str]:
+    return [NODE_PYTHON, "-I", "-m", "http.server", "--bind", "127.0.0.1", str(port)]
+
+
+async def _start_once(
+    launcher: Launcher, image: PreparedImage, workdir: Path, app: Callable[[Launcher, int, Path], list[str]]
+) -> float:
+    port = free_port()
+    command = app(launcher, port, workdir)
     instance = workdir / f"instance-{port}"
     instance.mkdir()
     started = time.monotonic()
@@ -94,8 +115,26 @@ async def _start_to_listening(docker_host: str, samples: int, workdir: Path) -> 
         process_image = PreparedImage("bench", workdir)
         out: dict[str, list[float]] = {"docker": [], "process": []}
         for _ in range(samples):
-            out["process"].append(await _start_once(process, process_image, workdir))
-            out["docker"].append(await _start_once(docker, docker_image, workdir))
+            out["process"].append(await _start_once(process, process_image, workdir, _busybox_httpd))
+            out["docker"].append(await _start_once(docker, docker_image, workdir, _busybox_httpd))
+        return out
+    finally:
+        await docker.close()
+
+
+async def _python_starts(docker_host: str, samples: int, workdir: Path) -> dict[str, list[float]]:
+    """The Python base image made once (timed), then a stdlib HTTP server started on both runtimes."""
+    docker = DockerLauncher(docker_host, node_id="bench", base_image=BASE_IMAGE, pids_limit=256)
+    process = ProcessLauncher()
+    try:
+        made = time.monotonic()
+        tag = await docker.python_base(NODE_PYTHON)
+        out: dict[str, list[float]] = {"base": [time.monotonic() - made], "docker": [], "process": []}
+        docker_image = ContainerImage("bench-python", Path("/tmp"), tag=tag)
+        process_image = PreparedImage("bench-python", workdir)
+        for _ in range(samples):
+            out["process"].append(await _start_once(process, process_image, workdir, _python_http_server))
+            out["docker"].append(await _start_once(docker, docker_image, workdir, _python_http_server))
         return out
     finally:
         await docker.close()
@@ -175,13 +214,14 @@ async def _cold_starts(docker_host: str, root: Path, samples: int) -> dict[str, 
 
 
 def run(quick: bool = True) -> list[Row]:
-    starts, colds = (10, 3) if quick else (40, 10)
+    starts, python_starts, colds = (10, 3, 3) if quick else (40, 20, 10)
     root = Path(tempfile.mkdtemp(prefix="zattera-containers-bench-"))
     try:
         with private_dockerd(root / "dockerd") as docker_host:
             workdir = root / "work"
             workdir.mkdir()
             started = asyncio.run(_start_to_listening(docker_host, starts, workdir))
+            python = asyncio.run(_python_starts(docker_host, python_starts, workdir))
             cold = asyncio.run(_cold_starts(docker_host, root, colds))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -194,6 +234,11 @@ def run(quick: bool = True) -> list[Row]:
         row("process: start → listening p99", percentile(started["process"], 99) * ms, "ms", "", ""),
         row("docker: start → listening p50 (create + start + listen)", container_start * ms, "ms", "", same_run),
         row("docker: start → listening p99", percentile(started["docker"], 99) * ms, "ms", "", same_run),
+        row("python app: process start → listening p50", median(python["process"]) * ms, "ms", "", "anchor"),
+        row("python app: docker start → listening p50", median(python["docker"]) * ms, "ms", "", same_run),
+        row("python app: docker start → listening p99", percentile(python["docker"], 99) * ms, "ms", "", same_run),
+        row("python base image: made and imported (once per daemon)", python["base"][0] * ms, "ms", "", ""),
+        row("python base image: bytes of its files", _python_base_megabytes(), "MB", "", ""),
         row(
             "docker cold start: control-plane overhead p50 (held → endpoint − container start)",
             median(overhead) * ms,
@@ -204,6 +249,10 @@ def run(quick: bool = True) -> list[Row]:
         row("docker cold start: held → endpoint in snapshot p50", median(cold["endpoint"]) * ms, "ms", "", ""),
         row("docker cold start: held request answered p50", median(cold["response"]) * ms, "ms", "", ""),
     ]
+
+
+def _python_base_megabytes() -> float:
+    return tar_size(python_rootfs_tar(inspect_interpreter(NODE_PYTHON))) / 1e6
 
 
 def main() -> None:

@@ -67,6 +67,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.depcache import LayerCache, cache_tag, dependency_key
 from services.agent.dockerbuild import DEFAULT_DOCKERFILE, DockerBuildError, build_context_dir, build_dockerfile
+from services.agent.pythonbase import PYTHON_LABEL
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
 from shared.buildplan import BuildPlan, PlanError, detect, read_source
 from shared.ids import is_safe_id, unsafe_id
@@ -154,8 +155,13 @@ RUN_ENTRYPOINT = [
 ]
 
 
-def image_config(platform: str, plan: BuildPlan, diff_ids: Sequence[str], build_id: str) -> bytes:
+def image_config(platform: str, plan: BuildPlan, diff_ids: Sequence[str], build_id: str, *, python: str = "") -> bytes:
+    """``python``: the interpreter a Python app runs on (label ``dev.zattera.python``: the docker runtime runs
+    the image on a base image made from it, ``pythonbase.py``)."""
     os_name, _, arch = platform.partition("/")
+    labels = {"dev.zattera.build-id": build_id, "dev.zattera.build-provider": plan.provider}
+    if python:
+        labels[PYTHON_LABEL] = python
     doc = {
         "architecture": arch,
         "os": os_name,
@@ -164,7 +170,7 @@ def image_config(platform: str, plan: BuildPlan, diff_ids: Sequence[str], build_
             "Cmd": ["/bin/sh", "-c", plan.start] if plan.start else [],
             "Env": ["PYTHONUNBUFFERED=1", "PYTHONNOUSERSITE=1"] if plan.provider == "python" else [],
             "WorkingDir": "/",
-            "Labels": {"dev.zattera.build-id": build_id, "dev.zattera.build-provider": plan.provider},
+            "Labels": labels,
         },
         "rootfs": {"type": "layers", "diff_ids": list(diff_ids)},
     }
@@ -323,6 +329,10 @@ class Builder:
         env.update(request.build_args)
         env.update(request.build_env)
         env["ZATTERA_BUILD_ID"] = build.meta.id
+        env.update(self._tool_env())
+        python = await self._interpreter(plan.python, env, events) if plan.provider == "python" else ""
+        if python:
+            env["UV_PYTHON"] = python
         layers: list[tuple[bytes, str]] = []
         if plan.dependency_dir and plan.install:
             layers.append(await self._dependency_layer(plan, src, env, events, ref.repo))
@@ -336,7 +346,9 @@ class Builder:
         platforms = sorted(set(build.platforms)) or [self.os_arch]
         diff_ids = [diff_id for _, diff_id in layers]
         images = [
-            PlatformImage(p, image_config(p, plan, diff_ids, build.meta.id), [layer for layer, _ in layers])
+            PlatformImage(
+                p, image_config(p, plan, diff_ids, build.meta.id, python=python), [layer for layer, _ in layers]
+            )
             for p in platforms
         ]
         return await self._push(request, events, images)
@@ -392,12 +404,9 @@ class Builder:
         for name, text in plan.generated.items():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             (src / name).write_text(text)
-        env.update(self._tool_env())
         platform = self.os_arch
         if plan.provider == "python":
-            interpreter = await self._interpreter(plan.python, env, events)
-            env["UV_PYTHON"] = interpreter
-            platform += f" {interpreter}"
+            platform += f" {env['UV_PYTHON']}"
         elif plan.provider == "node":
             platform += f" node {await self._node_version(env)}"
         key = await asyncio.to_thread(dependency_key, plan, src, platform)

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import subprocess
 import tarfile
 import time
 import weakref
@@ -48,6 +49,7 @@ from services.agent.images import EXEC_SCHEME, PROCESS_SCHEME, ImageError, Prepa
 from services.agent.launchers import DOCKER, PROCESS, InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
 from services.agent.logs import STREAM_FILES
 from services.agent.processes import InstanceRecord
+from services.agent.pythonbase import Interpreter, PythonBaseError, inspect_interpreter, python_of, python_rootfs_tar
 from services.agent.runtime import PASSED_THROUGH_ENV, volume_env_name
 from services.agent.settings import AgentSettings
 from shared.natsio import Connection
@@ -445,8 +447,10 @@ class DockerLauncher:
         except (ValueError, AttributeError) as exc:
             raise ImageError(f"{ref}: bad image config: {exc}") from exc
         tag = derived_tag(digest_of(fetched.config + b"".join(digest_of(layer).encode() for layer in fetched.layers)))
-        full = (run.get("Labels") or {}).get(LABEL_ROOTFS) == "full"
-        await self._load(tag, fetched.config if full else None, fetched.layers)
+        labels = run.get("Labels") or {}
+        full = labels.get(LABEL_ROOTFS) == "full"
+        base = await self.python_base(python_of(labels)) if python_of(labels) and not full else self.base_image
+        await self._load(tag, fetched.config if full else None, fetched.layers, base=base)
         return container_image(ref, tag, run)
 
     async def _daemon_image(self, ref: str) -> ContainerImage:
@@ -462,25 +466,52 @@ class DockerLauncher:
                 raise ImageError(f"{ref}: pull: {_first_line(exc.message)}") from exc
         return container_image(ref, name, info.get("Config") or {})
 
-    async def _load(self, tag: str, full_config: bytes | None, layers: Sequence[bytes]) -> None:
+    async def python_base(self, interpreter: str) -> str:
+        """The base image holding ``interpreter`` (what a Python app's packages were built for), made from
+        this node's copy of it the first time an image needs it (``pythonbase.py``)."""
+        try:
+            found = await asyncio.to_thread(inspect_interpreter, interpreter)
+        except PythonBaseError as exc:
+            raise ImageError(str(exc)) from exc
+        if await self.has_image(found.tag):
+            return found.tag
+        loading = self._loading.get(found.tag)
+        if loading is None:
+            loading = asyncio.ensure_future(self._make_python_base(found))
+            self._loading[found.tag] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(found.tag, None))
+        await asyncio.shield(loading)
+        return found.tag
+
+    async def _make_python_base(self, interpreter: Interpreter) -> None:
+        log.info("making the python base image %s from %s", interpreter.tag, interpreter.path)
+        try:
+            rootfs = await asyncio.to_thread(python_rootfs_tar, interpreter)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise ImageError(f"python base image from {interpreter.path}: {exc}") from exc
+        await self._put(interpreter.tag, None, [rootfs], "scratch")
+
+    async def _load(self, tag: str, full_config: bytes | None, layers: Sequence[bytes], *, base: str) -> None:
         """Put the image into the daemon once (concurrent starts of the same image share one load, which a
         cancelled start does not interrupt): an image with its own root filesystem (``full_config``) as it is
-        (``docker load``), any other built ``FROM`` the base image."""
+        (``docker load``), any other built ``FROM`` ``base``."""
         if await self.has_image(tag):
             return
         loading = self._loading.get(tag)
         if loading is None:
-            loading = asyncio.ensure_future(self._put(tag, full_config, layers))
+            loading = asyncio.ensure_future(self._put(tag, full_config, layers, base))
             self._loading[tag] = loading
             loading.add_done_callback(lambda _: self._loading.pop(tag, None))
         await asyncio.shield(loading)
 
-    async def _put(self, tag: str, full_config: bytes | None, layers: Sequence[bytes]) -> None:
+    async def _put(self, tag: str, full_config: bytes | None, layers: Sequence[bytes], base: str) -> None:
         try:
             if full_config is not None:
                 await self.docker.images.import_image(docker_archive(tag, managed(full_config), layers))
             else:
-                context = build_context(self.base_image, layers, {LABEL_MANAGED: "true"})
+                # A base image is not ours to prune: every later Python image of the node runs on it.
+                labels = {LABEL_MANAGED: "true"} if base != "scratch" else {}
+                context = build_context(base, layers, labels)
                 await self.docker.images.build(
                     fileobj=io.BytesIO(context), encoding="gzip", tag=tag, rm=True, forcerm=True
                 )

@@ -1,5 +1,7 @@
 """Real apps built unchanged: the builder detects the stack, installs real packages from PyPI, and the process
-runtime runs the image (FastAPI, Express and static sites: tests/e2e/test_stack_deploys.py). The package
+runtime runs the image (FastAPI, Express and static sites: tests/e2e/test_stack_deploys.py; examples/flask on
+the docker runtime, through the proxy: tests/e2e/test_docker_flow.py). A missing module is reported on both
+runtimes (the docker one on the Python base image it makes from the node's interpreter). The package
 managers' download caches are shared by the whole session (as on a builder node), so only the first build of a
 stack downloads anything."""
 
@@ -42,6 +44,14 @@ async def builder(conn: Connection, tmp_path: Path, builder_cache: Path) -> Asyn
     """A builder whose caches (layers, downloads) outlive the test: builds in later tests reuse them."""
     async with serving(Builder(conn, "b1", tmp_path / "builds", os_arch="linux/amd64", cache_dir=builder_cache)) as b:
         yield b
+
+
+@pytest.fixture(params=["process", "docker"])
+def runtime(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The agent settings of each runtime (the docker one on the session's private daemon)."""
+    if request.param == "process":
+        return {"runtime": "process"}
+    return {"runtime": "docker", "docker_host": request.getfixturevalue("docker_host")}
 
 
 def log_lines(events: list[cpb.BuildEvent]) -> list[str]:
@@ -133,7 +143,12 @@ async def test_a_stack_without_a_start_command_asks_for_one(builder: Builder, co
 
 
 async def test_an_app_missing_a_module_says_which(
-    builder: Builder, conn: Connection, view: StateView, writer: Writer, start_agent: StartAgent
+    builder: Builder,
+    conn: Connection,
+    view: StateView,
+    writer: Writer,
+    start_agent: StartAgent,
+    runtime: dict[str, str],
 ) -> None:
     files = {
         "requirements.txt": "gunicorn>=22\n",
@@ -141,7 +156,7 @@ async def test_an_app_missing_a_module_says_which(
         "app.py": "import forgotten_dep\n",
     }
     events = await run_build(conn, files)
-    await start_agent("n1")
+    await start_agent("n1", **runtime)
     rel = release(image_of(events), healthcheck=False)
     a = assignment("n1", rel)
     await seed(writer, rel, a)

@@ -1,8 +1,10 @@
 """The docker runtime end to end: the whole control plane, two agents running containers on the session's
-private dockerd, the proxy, the real CLI. A red/green redeploy under load fails no request.
+private dockerd, the proxy, the real CLI. A red/green redeploy under load fails no request; examples/flask,
+built from source by the stack builder with real PyPI packages, answers through the proxy from a container
+on the Python base image its node made from its own interpreter.
 
-The app is busybox ``httpd`` on the base image (``exec:`` image refs: no build), answering ``/`` with its
-version as the example app does, and ``/healthz``.
+The red/green app is busybox ``httpd`` on the base image (``exec:`` image refs: no build), answering ``/``
+with its version as the example app does, and ``/healthz``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 from zattera.v1 import types_pb2 as pb
 
 from tests.e2e.cluster import E2ECluster, Load, healthy
+from tests.e2e.test_stack_deploys import deploy, served, source
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -97,3 +100,15 @@ async def test_red_green_on_the_docker_runtime_fails_no_request(docker_cluster: 
         await load.stop()
     assert load.versions["v1"] > 0 and load.versions["v2"] > 0, load.summary()
     assert load.failures == [], load.summary()
+
+
+async def test_flask_built_from_source_answers_through_the_proxy_from_a_container(
+    docker_cluster: E2ECluster, tmp_path: Path
+) -> None:
+    output = await deploy(docker_cluster, source(tmp_path, "flask", {}, example="flask"))
+    assert "live: release" in output, output
+    await served(docker_cluster, "flask.localhost", "hello from flask")
+    async with docker_cluster.state() as (_, view):
+        env = next(e for e in view.envs() if (app := view.app(e.app_id)) is not None and app.name == "flask")
+        live = healthy(view, env.meta.id, env.active_release_id)
+        assert live and all(a.observed.container_id for a in live)
