@@ -450,6 +450,8 @@ class HAProxyIngress:
         self.proxy.sample_sources.append(self.engine.samples)
         self.proxy.served_version = lambda: min(self._applied, self.proxy.table.version)
         self._follower = asyncio.create_task(self._follow())
+        if self.proxy.routes.current.version != self._applied:
+            self._changed.set()  # a snapshot came while HAProxy started, before the listener above existed
         if self.certs_dir is not None and self.layout.tls_bind:
             self._certs_watcher = asyncio.create_task(self._watch_certificates(self.certs_dir))
         elif self.proxy.certificates is not None and self.layout.tls_bind:
