@@ -11,6 +11,7 @@ import shutil
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -112,7 +113,7 @@ async def test_issued_through_haproxy_served_renewed_shared_and_cached(
             assert C.state_name(rig.cert(host), rig.clock.now()) == "valid", rig.cert(host).last_error
         root = rig.pebble.root_pem()
         for host in HOSTS:
-            await eventually(lambda h=host: serves(edge.tls_port, h, root), 15, f"HTTPS for {host}")
+            await eventually(partial(serves, edge.tls_port, host, root), 15, f"HTTPS for {host}")
         url = f"http://127.0.0.1:{edge.http_port}/"
         async with client.get(url, headers={"Host": HOSTS[0]}, allow_redirects=False) as response:
             assert (response.status, response.headers["Location"]) == (308, f"https://{HOSTS[0]}/")
@@ -156,6 +157,4 @@ async def test_issued_through_haproxy_served_renewed_shared_and_cached(
         async with offline:
             expected = {HOSTS[0]: renewed, HOSTS[1]: serials[HOSTS[1]]}
             for host in HOSTS:
-                await eventually(
-                    lambda h=host: serves(offline_tls, h, root, expected[h]), 15, f"{host}'s cached certificate"
-                )
+                await eventually(partial(serves, offline_tls, host, root, expected[host]), 15, f"{host}'s cache")
