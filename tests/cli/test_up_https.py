@@ -15,7 +15,12 @@ from cli.up import Cluster, https_text
 
 def started_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *flags: str) -> tuple[int, str, list[Cluster]]:
     started: list[Cluster] = []
-    monkeypatch.setattr(cli.main, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+
+    def run_up(cluster: Cluster, *, hint: str = "") -> int:
+        started.append(cluster)
+        return 0
+
+    monkeypatch.setattr(cli.main, "run_up", run_up)
     result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), *flags])
     return result.exit_code, result.output, started
 
