@@ -235,6 +235,7 @@ def up(
                 tls=tls,
                 proxy_port=proxy_port,
                 proxy_host=proxy_host,
+                proxy_tls_listen=proxy_tls_listen,
                 with_node=node,
                 metrics_port=metrics_port,
                 all_in_one=all_in_one,

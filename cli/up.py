@@ -25,7 +25,6 @@ from rich.console import Console
 
 from services.proxy.haproxy_engine import choose_engine
 from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
-from services.proxy.settings import DEFAULT_TLS_LISTEN as DEFAULT_PROXY_TLS_LISTEN
 from services.proxy.settings import split_listen
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
 from shared.natsio import connect, provision
@@ -95,8 +94,9 @@ class Cluster:
     port: int = 4222
     proxy_port: int = 8080
     proxy_host: str = DEFAULT_PROXY_HOST
-    # HOST:PORT of the proxy's TLS listener (haproxy engine; '' = none); a free port when busy.
-    proxy_tls_listen: str = DEFAULT_PROXY_TLS_LISTEN
+    # HOST:PORT of the proxy's TLS listener (haproxy engine; a free port when busy); '' = none, unless asked
+    # (tests, embedders): `zattera up` asks for DEFAULT_PROXY_TLS_LISTEN.
+    proxy_tls_listen: str = ""
     console_port: int = 8090  # the web console's (docs/console.md); a free one when busy
     with_node: bool = True
     services: list[str] = field(default_factory=available_services)

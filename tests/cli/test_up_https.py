@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from typer.testing import CliRunner
 
 import cli.main
+import cli.security_cmds
 import cli.up
 from cli.main import app
 from cli.up import Cluster, https_text
 
 
-def started_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *flags: str) -> tuple[int, str, list[Cluster]]:
+def started_cluster(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *flags: str, runs_up: ModuleType = cli.main
+) -> tuple[int, str, list[Cluster]]:
+    """``zattera up FLAGS`` with ``runs_up.run_up`` replaced: the exit code, the output, the cluster it got."""
     started: list[Cluster] = []
 
     def run_up(cluster: Cluster, *, hint: str = "") -> int:
         started.append(cluster)
         return 0
 
-    monkeypatch.setattr(cli.main, "run_up", run_up)
+    monkeypatch.setattr(runs_up, "run_up", run_up)
     result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), *flags])
     return result.exit_code, result.output, started
 
@@ -40,6 +45,14 @@ def test_up_passes_the_tls_listener(
     code, output, started = started_cluster(monkeypatch, tmp_path, *flags)
     assert code == 0, output
     assert started[0].proxy_tls_listen == listen
+    assert Cluster(data_dir=tmp_path).proxy_tls_listen == ""  # off unless asked (tests, embedders)
+
+
+def test_secure_up_passes_the_tls_listener(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = ("--secure", "--no-node", "--proxy-tls-listen", "127.0.0.1:9443")
+    code, output, started = started_cluster(monkeypatch, tmp_path, *flags, runs_up=cli.security_cmds)
+    assert code == 0, output
+    assert started[0].proxy_tls_listen == "127.0.0.1:9443"
 
 
 def test_a_bad_tls_listener_is_refused_naming_the_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
