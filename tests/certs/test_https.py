@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import shutil
 import ssl
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
@@ -23,7 +24,7 @@ from services.proxy.haproxy_engine import haproxy_binary
 from shared import certs as C
 from shared.embedded import free_port
 from shared.natsio import Connection
-from tests.certs.conftest import Rig, running_proxy
+from tests.certs.conftest import PROJECT_ROOT, Rig, running_proxy
 from tests.eventlog import stored_events
 from tests.proxy.harness import Backend, Routes, endpoint, http_route, serving
 from tests.waiting import eventually
@@ -158,3 +159,19 @@ async def test_issued_through_haproxy_served_renewed_shared_and_cached(
             expected = {HOSTS[0]: renewed, HOSTS[1]: serials[HOSTS[1]]}
             for host in HOSTS:
                 await eventually(partial(serves, offline_tls, host, root, expected[host]), 15, f"{host}'s cache")
+
+
+async def test_the_python_engine_says_tls_needs_haproxy(nats_url: str, tmp_path: Path) -> None:
+    log = tmp_path / "proxy.log"
+    with log.open("wb") as sink:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.proxy", "--nats", nats_url, "--engine", "python",
+            "--listen", f"127.0.0.1:{free_port()}", "--tls-listen", "127.0.0.1:0", "--cache-dir", str(tmp_path / "c"),
+            cwd=PROJECT_ROOT, env={"PATH": "/usr/bin:/bin"}, stdout=sink, stderr=sink,
+        )  # fmt: skip
+        try:
+            await eventually(lambda: "listening on" in log.read_text(), 15, "the proxy serves HTTP")
+            assert "no TLS listener on 127.0.0.1:0: TLS needs the haproxy engine (HTTP only)" in log.read_text()
+        finally:
+            process.terminate()
+            await process.wait()
