@@ -222,9 +222,12 @@ def up(
             raise typer.BadParameter(str(exc), param_hint="--proxy-listen") from None
     if proxy_tls_listen:
         try:
-            split_listen(proxy_tls_listen)
+            tls_host, tls_port = split_listen(proxy_tls_listen)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--proxy-tls-listen") from None
+        if proxy_tls_listen == DEFAULT_PROXY_TLS_LISTEN and proxy_host != tls_host:
+            # --proxy-listen 127.0.0.1:… keeps the proxy on this machine: HTTPS too, unless told otherwise.
+            proxy_tls_listen = f"[{proxy_host}]:{tls_port}" if ":" in proxy_host else f"{proxy_host}:{tls_port}"
     if (secure or tls) and nats_cluster > 1:
         raise typer.BadParameter("--secure/--tls run one NATS server; drop --nats-cluster", param_hint="--nats-cluster")
     if secure or tls:

@@ -36,6 +36,8 @@ def started_cluster(
         ((), "0.0.0.0:8443"),
         (("--proxy-tls-listen", "127.0.0.1:9443"), "127.0.0.1:9443"),
         (("--proxy-tls-listen", ""), ""),
+        (("--proxy-listen", "127.0.0.1:8080"), "127.0.0.1:8443"),  # kept on this machine, as HTTP is
+        (("--proxy-listen", "127.0.0.1:8080", "--proxy-tls-listen", "0.0.0.0:9443"), "0.0.0.0:9443"),
     ],
 )
 def test_up_passes_the_tls_listener(
