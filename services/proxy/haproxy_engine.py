@@ -460,7 +460,8 @@ class HAProxyIngress:
     async def _serve_issued_certificates(self, client: CertClient) -> None:
         """The control plane's certificates (docs/certificates.md): the client's 0600 cache at once (so a
         proxy starting with the control plane down serves them), then every set it hands out, swapped in
-        through the runtime API. A set HAProxy refuses (restarting) is tried again until a newer one comes."""
+        through the runtime API. When HAProxy does not take a set (restarting), the client's newest set is
+        tried again every second."""
         async for certs in client.updates():
             while True:
                 try:
@@ -469,6 +470,7 @@ class HAProxyIngress:
                 except (OSError, TimeoutError, RuntimeAPIError) as exc:
                     log.error("haproxy: %d issued certificate(s) not applied yet: %s", len(certs), exc)
                     await asyncio.sleep(SWEEP_INTERVAL)
+                    certs = client.current
 
     async def _watch_certificates(self, directory: Path) -> None:
         """Serve the ``*.pem`` files the controller keeps in ``directory``; changes are applied in place."""
