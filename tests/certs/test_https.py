@@ -20,8 +20,9 @@ import pytest
 from cryptography import x509
 from zattera.v1 import types_pb2 as pb
 
-from services.proxy.haproxy_engine import haproxy_binary
+from services.proxy.haproxy_engine import haproxy_binary, servable
 from shared import certs as C
+from shared.certclient import ServedCert
 from shared.embedded import free_port
 from shared.natsio import Connection
 from tests.certs.conftest import PROJECT_ROOT, Rig, running_proxy
@@ -175,3 +176,8 @@ async def test_the_python_engine_says_tls_needs_haproxy(nats_url: str, tmp_path:
         finally:
             process.terminate()
             await process.wait()
+
+
+def test_only_unexpired_certificates_are_handed_to_haproxy() -> None:
+    fresh, stale = ServedCert("a.example.com", "CHAIN\n", "KEY\n", 200.0), ServedCert("b.example.com", "C", "K", 100.0)
+    assert servable({fresh.hostname: fresh, stale.hostname: stale}, now=150.0) == {"a.example.com": "CHAIN\nKEY\n"}
