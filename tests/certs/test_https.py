@@ -144,9 +144,11 @@ async def test_issued_through_haproxy_served_renewed_shared_and_cached(
         rig.clock.set(C.seconds(rig.cert(HOSTS[0]).renew_at) + 1)
         await rig.loop().pass_once()
         assert rig.cert(HOSTS[0]).renewals == 1
-        renewed = x509.load_pem_x509_certificates(rig.cert(HOSTS[0]).chain_pem.encode())[0].serial_number
+        stored = {h: x509.load_pem_x509_certificates(rig.cert(h).chain_pem.encode())[0].serial_number for h in HOSTS}
+        renewed = stored[HOSTS[0]]  # (the other may have fallen due as well: jitter)
         assert renewed != serials[HOSTS[0]]
-        await eventually(lambda: serves(edge.tls_port, HOSTS[0], root, renewed), 15, "the renewed certificate served")
+        for host in HOSTS:
+            await eventually(partial(serves, edge.tls_port, host, root, stored[host]), 15, f"{host}'s newest served")
         assert edge.process.returncode is None
 
         # Restarted with NATS down (and HAProxy's own certificate files gone): the client's cache is served,
@@ -157,9 +159,8 @@ async def test_issued_through_haproxy_served_renewed_shared_and_cached(
         offline_tls, dead_nats = free_port(), f"nats://127.0.0.1:{free_port()}"
         offline = running_proxy(dead_nats, free_port(), edge.cache_dir, *haproxy_args(offline_tls), path=WITH_HAPROXY)
         async with offline:
-            expected = {HOSTS[0]: renewed, HOSTS[1]: serials[HOSTS[1]]}
             for host in HOSTS:
-                await eventually(partial(serves, offline_tls, host, root, expected[host]), 15, f"{host}'s cache")
+                await eventually(partial(serves, offline_tls, host, root, stored[host]), 15, f"{host}'s cache")
 
 
 async def test_the_python_engine_says_tls_needs_haproxy(nats_url: str, tmp_path: Path) -> None:
