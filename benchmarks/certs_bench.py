@@ -1,12 +1,14 @@
 """Certificates benchmark: how long a new domain waits for its certificate, and what certificates cost a proxy.
 
 ``python -m benchmarks.certs_bench [--full]``. Against a real nats-server, Debian's ``pebble`` ACME server on
-loopback (``PEBBLE_VA_NOSLEEP=1``), the secrets service and a real proxy in-process (it answers HTTP-01),
-and the certificate loop under its lease with the real clock:
+loopback (``PEBBLE_VA_NOSLEEP=1``), the secrets service and a real proxy in-process (it answers HTTP-01; the
+HAProxy engine with a TLS listener when haproxy is installed), and the certificate loop under its lease with
+the real clock:
 
 * ``domains add`` → certificate stored: the ``Domain`` write (what the command does) until the view shows
   the ``Certificate`` VALID — account (first only), order, HTTP-01 through the proxy, finalize, seal, fenced
-  write; and → delivered: until the proxy's ``CertClient`` holds it (5 domains quick, 20 full). The
+  write; → delivered: until the proxy's ``CertClient`` holds it; → served: until ``GET /`` over the proxy's
+  HAProxy TLS listener (SNI, pebble's root trusted) answers the app's 200 (5 domains quick, 20 full). The
   ``acme`` library polls an authorization once a second, which bounds the figure from below;
 * memory of 1,000 certificates (5,000 full) held by a proxy's ``CertClient`` (tracemalloc of the set it
   keeps, P-256 keys and a one-certificate chain each), and the time of one fetch of them all.
@@ -18,6 +20,7 @@ import asyncio
 import tempfile
 import time
 import tracemalloc
+from functools import partial
 from pathlib import Path
 
 from zattera.v1 import types_pb2 as pb
@@ -26,6 +29,7 @@ from benchmarks.common import Row, bench_main, embedded_server, percentile, row
 from services.certs.issuer import AcmeIssuer
 from services.certs.localca import load_or_create
 from services.certs.loop import CertificateLoop
+from services.proxy.haproxy_engine import HAProxyIngress, haproxy_binary, haproxy_ingress
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
 from shared import certs as C
@@ -41,49 +45,81 @@ from shared.secrets import CLUSTER_KEY, seal
 from shared.txn import Writer
 from shared.view import StateView
 from tests.certs.pebble import running_pebble
+from tests.certs.test_https import serves
+from tests.proxy.harness import Backend, Routes, endpoint, http_route, serving
 from tests.secrets.test_service import secrets_service
 from tests.waiting import eventually
 
 
 async def _issuance(conn: Connection, view: StateView, writer: Writer, tmp: Path, url: str, domains: int) -> list[Row]:
     port = free_port()
+    hosts = [f"bench-{i}.example.com" for i in range(domains)]
+    app = Backend("app")
     with running_pebble(tmp / "pebble", port) as pebble:
-        proxy = Proxy(ProxySettings(host="127.0.0.1", port=port, proxy_id="bench"), nats_url=url, cache_dir=tmp / "p")
-        await proxy.start()
+        cfg = ProxySettings(host="127.0.0.1", port=port, proxy_id="bench", tls_listen="127.0.0.1:0")
+        ingress: Proxy | HAProxyIngress
+        if haproxy_binary() is not None:
+            ingress = haproxy_ingress(cfg, nats_url=url, cache_dir=tmp / "p")
+        else:  # HTTP-01 answered, no TLS listener: the HTTPS row is left out
+            ingress = Proxy(cfg, nats_url=url, cache_dir=tmp / "p")
+        await ingress.start()
+        proxy = ingress.proxy if isinstance(ingress, HAProxyIngress) else ingress
         await proxy.wait_connected()
         acme = AcmeIssuer(pebble.directory_url, "bench@example.com", ca_bundle=str(pebble.ca_bundle))
         loop = CertificateLoop(conn=conn, view=view, clock=RealClock(), acme=acme, coalesce=0.001)
         leading = asyncio.create_task(run_while_leading(conn, loop.name, loop.run, holder="bench"))
         client = CertClient(tmp / "client" / CACHE_FILE)
         await client.start(conn)
-        stored, delivered = [], []
+        stored, delivered, served = [], [], []
         try:
-            for i in range(domains):
-                host = f"bench-{i}.example.com"
-                domain = pb.Domain(hostname=host, environment_id="E1", project_id="P1")
-                domain.meta.id = new_id()
-                started = time.perf_counter()
-                await writer.commit(writer.txn().create(domain))
+            async with serving(app):
+                version = await Routes(conn).publish(*(http_route(h, "E1", [endpoint(app.addr)]) for h in hosts))
+                await eventually(lambda: proxy.table.version == version, 10, "the routes")
+                root = pebble.root_pem()
+                for host in hosts:
+                    domain = pb.Domain(hostname=host, environment_id="E1", project_id="P1")
+                    domain.meta.id = new_id()
+                    started = time.perf_counter()
+                    await writer.commit(writer.txn().create(domain))
 
-                def valid(h: str = host) -> bool:
-                    cert = view.get(K.CERT, K.cert_id(h))
-                    return isinstance(cert, pb.Certificate) and cert.state == C.VALID
+                    def valid(h: str = host) -> bool:
+                        cert = view.get(K.CERT, K.cert_id(h))
+                        return isinstance(cert, pb.Certificate) and cert.state == C.VALID
 
-                await eventually(valid, 60, f"certificate for {host}")
-                stored.append((time.perf_counter() - started) * 1000)
-                await eventually(lambda h=host: h in client.current, 30, f"{host} delivered")  # type: ignore[misc]
-                delivered.append((time.perf_counter() - started) * 1000)
+                    await eventually(valid, 60, f"certificate for {host}")
+                    stored.append((time.perf_counter() - started) * 1000)
+                    await eventually(partial(holds, client, host), 30, f"{host} delivered")
+                    delivered.append((time.perf_counter() - started) * 1000)
+                    if isinstance(ingress, HAProxyIngress):
+                        tls_port = int(ingress.layout.tls_bind.rpartition(":")[2])
+                        await eventually(partial(serves, tls_port, host, root), 30, f"HTTPS for {host}")
+                        served.append((time.perf_counter() - started) * 1000)
         finally:
             await client.stop()
             leading.cancel()
             await asyncio.gather(leading, return_exceptions=True)
-            await proxy.stop()
+            await ingress.stop()
     anchor = f"{domains} domains, pebble on loopback; the acme library polls once a second"
-    return [
+    rows = [
         row("certs: domains add → certificate stored (p50)", percentile(stored, 50), "ms", "", anchor),
         row("certs: domains add → certificate stored (max)", max(stored), "ms", "", "the first also registers"),
         row("certs: domains add → certificate at the proxy (p50)", percentile(delivered, 50), "ms", "≤ 10 s", ""),
     ]
+    if served:
+        rows.append(
+            row(
+                "certs: domains add → first HTTPS 200 through the proxy (p50)",
+                percentile(served, 50),
+                "ms",
+                "≤ 10 s",
+                "HAProxy TLS listener, pebble's root, SNI",
+            )
+        )
+    return rows
+
+
+def holds(client: CertClient, host: str) -> bool:
+    return host in client.current
 
 
 async def _footprint(conn: Connection, view: StateView, writer: Writer, tmp: Path, count: int) -> list[Row]:

@@ -38,6 +38,7 @@ from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import DEFAULT_METRICS_PORT, Cluster, run_up
 from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
+from services.proxy.settings import DEFAULT_TLS_LISTEN as DEFAULT_PROXY_TLS_LISTEN
 from services.proxy.settings import split_listen
 from shared import keys as K
 from shared.applogs import describe_exit
@@ -197,6 +198,12 @@ def up(
         envvar="ZATTERA_PROXY_LISTEN",
         help="HOST:PORT of the local ingress proxy (default 0.0.0.0:<proxy-port>: every interface)",
     ),
+    proxy_tls_listen: str = typer.Option(
+        DEFAULT_PROXY_TLS_LISTEN,
+        "--proxy-tls-listen",
+        envvar="ZATTERA_PROXY_TLS_LISTEN",
+        help="HOST:PORT of the proxy's HTTPS listener (haproxy engine; certificates: docs/certificates.md); '' = none",
+    ),
     node: bool = typer.Option(True, "--node/--no-node", help="also run a local agent and the proxy"),
     all_in_one: bool = typer.Option(
         True, "--all-in-one/--separate", help="the control plane in one process, or one process per service"
@@ -213,6 +220,14 @@ def up(
             proxy_host, proxy_port = split_listen(proxy_listen)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--proxy-listen") from None
+    if proxy_tls_listen:
+        try:
+            tls_host, tls_port = split_listen(proxy_tls_listen)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--proxy-tls-listen") from None
+        if proxy_tls_listen == DEFAULT_PROXY_TLS_LISTEN and proxy_host != tls_host:
+            # --proxy-listen 127.0.0.1:… keeps the proxy on this machine: HTTPS too, unless told otherwise.
+            proxy_tls_listen = f"[{proxy_host}]:{tls_port}" if ":" in proxy_host else f"{proxy_host}:{tls_port}"
     if (secure or tls) and nats_cluster > 1:
         raise typer.BadParameter("--secure/--tls run one NATS server; drop --nats-cluster", param_hint="--nats-cluster")
     if secure or tls:
@@ -223,6 +238,7 @@ def up(
                 tls=tls,
                 proxy_port=proxy_port,
                 proxy_host=proxy_host,
+                proxy_tls_listen=proxy_tls_listen,
                 with_node=node,
                 metrics_port=metrics_port,
                 all_in_one=all_in_one,
@@ -234,6 +250,7 @@ def up(
         nats_cluster=nats_cluster,
         proxy_port=proxy_port,
         proxy_host=proxy_host,
+        proxy_tls_listen=proxy_tls_listen,
         with_node=node,
         metrics_port=metrics_port,
         all_in_one=all_in_one,

@@ -25,6 +25,7 @@ from rich.console import Console
 
 from services.proxy.haproxy_engine import choose_engine
 from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
+from services.proxy.settings import split_listen
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
 from shared.natsio import connect, provision
 
@@ -93,6 +94,9 @@ class Cluster:
     port: int = 4222
     proxy_port: int = 8080
     proxy_host: str = DEFAULT_PROXY_HOST
+    # HOST:PORT of the proxy's TLS listener (haproxy engine; a free port when busy); '' = none, unless asked
+    # (tests, embedders): `zattera up` asks for DEFAULT_PROXY_TLS_LISTEN.
+    proxy_tls_listen: str = ""
     console_port: int = 8090  # the web console's (docs/console.md); a free one when busy
     with_node: bool = True
     services: list[str] = field(default_factory=available_services)
@@ -245,6 +249,10 @@ class Cluster:
         if (root / "proxy" / "__main__.py").exists():
             port = self.proxy_port if _port_free(self.proxy_port) else free_port()
             self.proxy_port = port
+            if self.proxy_tls_listen:
+                tls_host, tls_port = split_listen(self.proxy_tls_listen)
+                tls_port = tls_port if tls_port and _port_free(tls_port) else free_port()
+                self.proxy_tls_listen = f"[{tls_host}]:{tls_port}" if ":" in tls_host else f"{tls_host}:{tls_port}"
             proxy = Supervised(
                 "proxy",
                 [
@@ -263,6 +271,7 @@ class Cluster:
                     LOCAL_NODE,
                     "--cache-dir",
                     str(self.data_dir / "proxy"),
+                    *(["--tls-listen", self.proxy_tls_listen] if self.proxy_tls_listen else []),
                     *self.metrics_args("proxy"),
                 ],
                 self.data_dir / "logs" / "proxy.log",
@@ -332,6 +341,7 @@ CONFIG_FIELDS = (
     "port",
     "proxy_port",
     "proxy_host",
+    "proxy_tls_listen",
     "with_node",
     "services",
     "all_in_one",
@@ -359,6 +369,16 @@ def data_plane_text() -> str:
     if choose_engine(os.environ.get("ZATTERA_PROXY_ENGINE", "")) == "haproxy":
         return "haproxy (cold and basic-auth requests through the Python handler; docs/ingress.md)"
     return "python (haproxy not installed: make system-packages installs it; docs/ingress.md)"
+
+
+def https_text(tls_listen: str, local_ca: Path) -> str:
+    """Where the proxy serves HTTPS (the haproxy engine only), and how to trust its local certificates."""
+    if not tls_listen:
+        return "off (--proxy-tls-listen HOST:PORT turns it on)"
+    if choose_engine(os.environ.get("ZATTERA_PROXY_ENGINE", "")) != "haproxy":
+        return "off: TLS needs the haproxy engine (make system-packages installs it; docs/certificates.md)"
+    port = split_listen(tls_listen)[1]
+    return f"https://<app>-<env>.localhost:{port}  (curl --cacert {local_ca} …)"
 
 
 def proxy_listen_text(host: str, port: int) -> str:
@@ -447,6 +467,8 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
             console.print(f"  proxy:     listening on {proxy_listen_text(cluster.proxy_host, cluster.proxy_port)}")
             console.print(f"             data plane: {data_plane_text()}")
             console.print(f"             http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")
+            local_ca = cluster.data_dir / "certs" / "local-ca.pem"
+            console.print(f"             HTTPS: {https_text(cluster.proxy_tls_listen, local_ca)}")
         if any(c.name in ("console", ALL_IN_ONE) for c in cluster.children):
             console.print(
                 f"  console:   http://127.0.0.1:{cluster.console_port}  (users: `zattera console add-user NAME`)"

@@ -45,9 +45,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="data plane (default: $ZATTERA_PROXY_ENGINE, else haproxy when installed, else python)",
     )
-    parser.add_argument("--tls-listen", default=None, help="haproxy engine: HOST:PORT of the TLS listener (SNI, h2)")
     parser.add_argument(
-        "--certs-dir", type=Path, default=None, help="haproxy engine: directory of <name>.pem (chain + key) to serve"
+        "--tls-listen",
+        default=None,
+        help="haproxy engine: HOST:PORT of the TLS listener (SNI, h2); it serves the control plane's certificates "
+        "(ACME, local CA) unless --certs-dir is given",
+    )
+    parser.add_argument(
+        "--certs-dir",
+        type=Path,
+        default=None,
+        help="haproxy engine: serve the <name>.pem files (chain + key) of this directory instead",
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_metrics_argument(parser)
@@ -94,6 +102,8 @@ async def run(argv: Sequence[str] | None = None) -> int:
     if engine == "haproxy":
         service = haproxy_ingress(cfg, nats_url=args.nats or shared.nats_url, cache_dir=cache_dir, metrics=metrics_on)
     else:
+        if cfg.tls_listen:
+            log.warning("proxy: no TLS listener on %s: TLS needs the haproxy engine (HTTP only)", cfg.tls_listen)
         service = Proxy(cfg, nats_url=args.nats or shared.nats_url, cache_dir=cache_dir, metrics=metrics_on)
     log.info("proxy: data plane %s", engine)
     stop = asyncio.Event()

@@ -40,6 +40,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.proxy.auth import route_users
 from services.proxy.balancer import STICKY_COOKIE, sticky_value
+from shared.acmechallenge import PATH_PREFIX as CHALLENGE_PATH
 
 HOLD_BACKEND = "hold"
 LOCAL_WEIGHT = 101
@@ -355,6 +356,9 @@ def render(plan_: Plan, layout: Layout) -> str:
         f"    http-request set-var(txn.backend) var(txn.hostpath),map_beg({layout.paths_map})",
         f"    http-request set-var(txn.backend) var(txn.host),map({layout.hosts_map}) "
         "unless { var(txn.backend) -m found }",
+        # ACME HTTP-01 answers (any host, known or not) are the Python side's, before host matching and
+        # before any backend's middleware (an HTTPS redirect must never meet a CA's validation request).
+        f"    http-request set-var(txn.backend) str({HOLD_BACKEND}) if {{ path_beg {CHALLENGE_PATH} }}",
         "    " + _json_return(404, "no route for host") + " unless { var(txn.backend) -m found }",
         "    use_backend %[var(txn.backend)]",
         "",

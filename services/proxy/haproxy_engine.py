@@ -36,6 +36,8 @@ from services.proxy.haproxy_runtime import RuntimeAPIError, command, execute, pa
 from services.proxy.haproxy_stats import HAProxySampler
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings, split_listen
+from shared.certclient import CACHE_FILE as CERTS_CACHE_FILE
+from shared.certclient import CertClient, ServedCert
 from shared.embedded import free_port
 from shared.metrics import RequestSeries
 from shared.security.creds import write_private
@@ -388,6 +390,11 @@ class HAProxyEngine:
         return samples
 
 
+def servable(certs: Mapping[str, ServedCert], now: float) -> dict[str, str]:
+    """hostname → PEM (chain + key) of the certificates not expired at ``now``."""
+    return {host: cert.pem for host, cert in certs.items() if cert.not_after > now}
+
+
 def _stamps(directory: Path) -> dict[str, float]:
     return {p.name: p.stat().st_mtime for p in directory.glob("*.pem")} if directory.is_dir() else {}
 
@@ -446,6 +453,23 @@ class HAProxyIngress:
         self._follower = asyncio.create_task(self._follow())
         if self.certs_dir is not None and self.layout.tls_bind:
             self._certs_watcher = asyncio.create_task(self._watch_certificates(self.certs_dir))
+        elif self.proxy.certificates is not None and self.layout.tls_bind:
+            self._certs_watcher = asyncio.create_task(self._serve_issued_certificates(self.proxy.certificates))
+
+    async def _serve_issued_certificates(self, client: CertClient) -> None:
+        """The control plane's certificates (docs/certificates.md): the client's 0600 cache at once (so a
+        proxy starting with the control plane down serves them), then every set it hands out, swapped in
+        through the runtime API. When HAProxy does not take a set (restarting), the client's newest set is
+        tried again every second."""
+        async for certs in client.updates():
+            while True:
+                try:
+                    await self.engine.set_certificates(servable(certs, time.time()))
+                    break
+                except (OSError, TimeoutError, RuntimeAPIError) as exc:
+                    log.error("haproxy: %d issued certificate(s) not applied yet: %s", len(certs), exc)
+                    await asyncio.sleep(SWEEP_INTERVAL)
+                    certs = client.current
 
     async def _watch_certificates(self, directory: Path) -> None:
         """Serve the ``*.pem`` files the controller keeps in ``directory``; changes are applied in place."""
@@ -505,6 +529,8 @@ def haproxy_ingress(cfg: ProxySettings, *, nats_url: str, cache_dir: Path, metri
         tls_bind += f":{tls_port or free_port()}"
     hold_cfg = cfg.model_copy(update={"host": "127.0.0.1", "port": free_port(), "listen": ""})
     proxy = Proxy(hold_cfg, nats_url=nats_url, cache_dir=cache_dir, metrics=metrics, behind_engine=True)
+    if tls_bind and cfg.certs_dir is None:
+        proxy.certificates = CertClient(cache_dir / CERTS_CACHE_FILE)
     layout = Layout(
         directory=cache_dir / "haproxy",
         bind=f"{host}:{port}",

@@ -52,6 +52,7 @@ from services.proxy.stats import ProxyStats
 from shared.acmechallenge import PATH_PREFIX as CHALLENGE_PATH
 from shared.acmechallenge import ChallengeAnswers
 from shared.activation import INVALID_ARGUMENT, NOT_FOUND, ActivateError, request_activation
+from shared.certclient import CertClient
 from shared.live import publish_proxy_heartbeat
 from shared.metrics import RequestSeries
 from shared.natsio import Connection
@@ -166,6 +167,8 @@ class Proxy:
             max_body_bytes=cfg.max_held_body_bytes,
         )
         self.challenges = ChallengeAnswers()
+        self.certificates: CertClient | None = None
+        """Set by a TLS engine in front: followed on every connection, like the routes."""
         self.conn: Connection | None = None
         self._connected = asyncio.Event()
         self._stop = asyncio.Event()
@@ -225,8 +228,7 @@ class Proxy:
         # Cancelled again until done: nats-py swallows a cancellation that lands inside its connect, which
         # left a proxy stopped right after start waiting for its background task forever.
         await cancel_and_wait(*self._tasks)
-        await self.routes.stop()
-        await self.challenges.stop()
+        await self._stop_following()
         if self.conn is not None:
             await self._publish_heartbeat()
             await self.conn.close()
@@ -256,6 +258,8 @@ class Proxy:
             self.conn = conn
             await self.routes.start(conn)
             await self.challenges.start(conn)
+            if self.certificates is not None:
+                await self.certificates.start(conn)
             # "Connected" means the snapshot subscription is live at the server. nats-py's flush() writes its
             # PING ahead of still-buffered commands, so only a second round trip is ordered after the SUB.
             with contextlib.suppress(NatsError, TimeoutError):  # a lost connection resubscribes on reconnect
@@ -268,9 +272,14 @@ class Proxy:
                     await asyncio.wait_for(conn.lost.wait(), self.cfg.heartbeat_interval)
             log.error("proxy %s: NATS connection closed for good; connecting anew", self.proxy_id)
             self._connected.clear()
-            await self.routes.stop()
-            await self.challenges.stop()
+            await self._stop_following()
             self.conn = None
+
+    async def _stop_following(self) -> None:
+        await self.routes.stop()
+        await self.challenges.stop()
+        if self.certificates is not None:
+            await self.certificates.stop()
 
     async def _publish_heartbeat(self) -> None:
         heartbeat = self.stats.heartbeat(self.proxy_id, self.cfg.node_id, self.holds.held, self.table.env_ids)
@@ -345,6 +354,7 @@ class Proxy:
         if (
             middleware is not None
             and middleware.redirect_https
+            and not path.startswith(CHALLENGE_PATH)  # an app answering its own challenges: CAs ask over HTTP
             and not is_https(request.scheme, request.headers.get("X-Forwarded-Proto", ""))
         ):
             location = https_location(request.headers.get(hdrs.HOST, host), request.path_qs)

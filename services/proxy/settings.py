@@ -21,6 +21,8 @@ ROUTES_CACHE_FILE = "routes.pb"
 DEFAULT_HOST = "0.0.0.0"
 """An ingress listens on every interface unless told otherwise (``--listen 127.0.0.1:8080`` keeps it local)."""
 DEFAULT_PORT = 8080
+DEFAULT_TLS_LISTEN = "0.0.0.0:8443"
+"""Where ``zattera up`` puts the proxy's TLS listener (the proxy process itself has none unless told)."""
 
 
 def split_listen(value: str) -> tuple[str, int]:

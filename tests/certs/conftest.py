@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -48,9 +49,19 @@ async def secrets_service(nats_url: str, view: StateView, tmp_path: Path) -> Asy
         yield running.service
 
 
-@pytest.fixture
-async def proxy_process(nats_url: str, conn: Connection, proxy_port: int, tmp_path: Path) -> AsyncIterator[int]:
-    """A real proxy on 127.0.0.1:``proxy_port`` (pebble's HTTP-01 port); yields its port once it answers."""
+@contextlib.asynccontextmanager
+async def running_proxy(
+    nats_url: str,
+    http_port: int,
+    cache_dir: Path,
+    *extra: str,
+    conn: Connection | None = None,
+    proxy_id: str = "certs-test",
+    path: str = "/usr/bin:/bin",
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A real proxy process on 127.0.0.1:``http_port``; yields once it listens and, given ``conn``, once it
+    is connected (its first heartbeat follows the challenge subscription). ``path`` without ``/usr/sbin``
+    keeps it on the Python engine."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -60,36 +71,29 @@ async def proxy_process(nats_url: str, conn: Connection, proxy_port: int, tmp_pa
         "--host",
         "127.0.0.1",
         "--port",
-        str(proxy_port),
+        str(http_port),
         "--proxy-id",
-        "certs-test",
+        proxy_id,
         "--cache-dir",
-        str(tmp_path / "proxy-cache"),
+        str(cache_dir),
+        *extra,
         cwd=PROJECT_ROOT,
-        env={"PATH": "/usr/bin:/bin"},
+        env={"PATH": path},
     )
 
-    async def listening() -> bool:
+    async def connected() -> bool:
+        assert conn is not None
         try:
-            _, writer = await asyncio.open_connection("127.0.0.1", proxy_port)
-        except OSError:
-            return False
-        writer.close()
-        return True
-
-    live = await conn.js.key_value(LIVE_BUCKET)
-
-    async def connected() -> bool:  # its first heartbeat follows the challenge subscription
-        try:
-            await live.get(proxy_key("certs-test"))
+            await (await conn.js.key_value(LIVE_BUCKET)).get(proxy_key(proxy_id))
         except Exception:
             return False
         return True
 
     try:
-        await eventually(listening, 15, "the proxy process listens")
-        await eventually(connected, 15, "the proxy process is connected")
-        yield proxy_port
+        await eventually(lambda: listening(http_port), 15, "the proxy process listens")
+        if conn is not None:
+            await eventually(connected, 15, "the proxy process is connected")
+        yield process
     finally:
         if process.returncode is None:
             process.terminate()
@@ -98,6 +102,22 @@ async def proxy_process(nats_url: str, conn: Connection, proxy_port: int, tmp_pa
             except TimeoutError:
                 process.kill()
                 await process.wait()
+
+
+async def listening(port: int) -> bool:
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return False
+    writer.close()
+    return True
+
+
+@pytest.fixture
+async def proxy_process(nats_url: str, conn: Connection, proxy_port: int, tmp_path: Path) -> AsyncIterator[int]:
+    """A real proxy on 127.0.0.1:``proxy_port`` (pebble's HTTP-01 port); yields its port once it answers."""
+    async with running_proxy(nats_url, proxy_port, tmp_path / "proxy-cache", conn=conn):
+        yield proxy_port
 
 
 @dataclass

@@ -79,6 +79,8 @@ def test_render_has_every_backend_and_the_tls_listener(tmp_path: Path) -> None:
     assert "bind 0.0.0.0:8443 ssl crt" in text and "alpn h2,http/1.1" in text
     assert "server s_a1 10.0.0.1:80 weight 101 maxconn 2" in text
     assert "server python 127.0.0.1:9" in text
+    challenge = text.index("str(hold) if { path_beg /.well-known/acme-challenge/ }")  # to the Python answerer
+    assert text.index("map(") < challenge < text.index("no route for host")  # after host matching's var, before 404
 
 
 def row(backend: str, stot: int, errors: int = 0, scur: int = 0, qcur: int = 0, lastsess: int = -1) -> dict[str, str]:
