@@ -35,9 +35,10 @@ from urllib.parse import quote
 
 from benchmarks.common import Row, bench_main, median, percentile, row
 from services.agent.docker_runtime import ContainerImage, DockerLauncher
+from services.agent.hostbase import tar_size
 from services.agent.images import PreparedImage
 from services.agent.launchers import InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
-from services.agent.pythonbase import inspect_interpreter, python_rootfs_tar, tar_size
+from services.agent.pythonbase import inspect_interpreter, python_rootfs_tar
 from shared.embedded import free_port
 from tests.dockerd import BASE_IMAGE, BUSYBOX, private_dockerd
 from tests.e2e.cluster import E2ECluster, env_by_name, healthy, running
