@@ -161,7 +161,7 @@ def image_config(
     platform: str, plan: BuildPlan, diff_ids: Sequence[str], build_id: str, *, python: str = "", node: str = ""
 ) -> bytes:
     """``python``: the interpreter a Python app (or a static site's server) runs on, label
-    ``dev.zattera.python``; ``node``: the ``node`` a Node app runs on, label ``dev.zattera.node``. The docker
+    ``dev.zattera.python``; ``node``: the ``node`` a Node app runs on, label ``dev.zattera.nodejs``. The docker
     runtime runs the image on a base image made from that program (``hostbase.py``, ``pythonbase.py``)."""
     os_name, _, arch = platform.partition("/")
     labels = {"dev.zattera.build-id": build_id, "dev.zattera.build-provider": plan.provider}
@@ -487,7 +487,7 @@ class Builder:
 
     @staticmethod
     async def _node_path(env: Mapping[str, str]) -> str:
-        """The absolute path of the ``node`` the build runs (label ``dev.zattera.node``)."""
+        """The absolute path of the ``node`` the build runs (label ``dev.zattera.nodejs``)."""
         found = shutil.which("node", path=env.get("PATH"))
         if not found:
             raise BuildError(NO_NODE)

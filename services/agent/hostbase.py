@@ -17,7 +17,7 @@ Paths keep the node's symlinks (``/lib`` → ``usr/lib`` on merged-``/usr`` syst
 readable by every user (the container runs as ``nobody``, the program may live under ``/root``). A base is
 tagged ``zattera/<program>:<version>-<path digest>``: an upgrade or another path makes another tag.
 
-This module is the Node base (label ``dev.zattera.node``: :func:`inspect_node`, :func:`node_rootfs_tar`) and
+This module is the Node base (label ``dev.zattera.nodejs``: :func:`inspect_node`, :func:`node_rootfs_tar`) and
 the machinery the Python base (``pythonbase.py``: the standard library as one zip on top) shares.
 """
 
@@ -37,8 +37,9 @@ import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-NODE_LABEL = "dev.zattera.node"
-"""Image config label: the absolute path of the ``node`` binary the app's modules were installed with."""
+NODE_LABEL = "dev.zattera.nodejs"
+"""Image config label: the absolute path of the ``node`` binary the app's modules were installed with (not
+``dev.zattera.node``: containers carry that one, with the id of the node running them)."""
 SHELL = "/bin/sh"
 LOCAL_BIN = "/usr/local/bin"
 PASSWD = b"root:x:0:0::/:/bin/sh\nnobody:x:65534:65534::/:/bin/sh\n"

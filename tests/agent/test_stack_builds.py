@@ -9,6 +9,9 @@ stack downloads anything."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import sys
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
@@ -17,8 +20,11 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
+from services.agent.hostbase import NODE_LABEL
+from services.agent.pythonbase import PYTHON_LABEL
 from shared.applogs import describe_exit
 from shared.natsio import Connection
+from shared.registry import fetch_image
 from shared.txn import Writer
 from shared.view import StateView
 from tests.agent.conftest import StartAgent, assignment, release
@@ -117,10 +123,22 @@ async def test_flask_app_builds_unchanged_runs_and_reuses_its_dependency_layer(
 
 
 @pytest.mark.parametrize(
-    ("files", "provider", "answer"),
+    ("files", "provider", "label", "program", "answer"),
     [
-        (example("express"), "node", "hello from express"),
-        ({"index.html": "<h1>hello static</h1>\n"}, "static", "hello static"),
+        (
+            example("express"),
+            "node",
+            NODE_LABEL,
+            os.path.realpath(shutil.which("node") or "node"),
+            "hello from express",
+        ),
+        (
+            {"index.html": "<h1>hello static</h1>\n"},
+            "static",
+            PYTHON_LABEL,
+            os.path.realpath(sys.executable),
+            "hello static",
+        ),
     ],
     ids=["express", "static"],
 )
@@ -133,12 +151,16 @@ async def test_express_and_a_static_site_run_under_the_docker_runtime(
     docker_host: str,
     files: dict[str, str],
     provider: str,
+    label: str,
+    program: str,
     answer: str,
 ) -> None:
     """On the base image made from the node's own ``node`` (no npm: the start script runs as it is) or, for
     the static site's ``python3 -m http.server``, its own interpreter."""
     events = await run_build(conn, files)
     assert f"plan: provider {provider}" in log_lines(events)[1]
+    config = json.loads((await fetch_image(conn, image_of(events))).config)
+    assert config["config"]["Labels"][label] == program  # the program the base image is made from
     docker = {"runtime": "docker", "docker_host": docker_host}
     assert answer in await serve_and_get(image_of(events), view, writer, start_agent, docker)
 
