@@ -10,7 +10,8 @@ Run: ``python -m benchmarks.containers_bench [--full] [--json]`` (also part of `
    against a container on the Python base image the docker runtime makes from that interpreter
    (``services/agent/pythonbase.py``: what a source-built Python app runs on). Also measured once: making
    that base image (root filesystem tar + import into the daemon) and the bytes of its files (each container
-   copies them on vfs storage). 3 samples each quick, 20 full.
+   copies them on vfs storage), and the bytes of the Node base's files (``services/agent/hostbase.py``).
+   3 samples each quick, 20 full.
 3. **Scale-to-zero cold start on docker.** The whole product (e2e harness, agents with ``--runtime
    docker``), an env with ``scale_to_zero`` (idle 2 s) cooled to zero; one request through the proxy.
    Measured: request sent → the first route snapshot with a healthy endpoint, and → the answer. The
@@ -35,9 +36,10 @@ from urllib.parse import quote
 
 from benchmarks.common import Row, bench_main, median, percentile, row
 from services.agent.docker_runtime import ContainerImage, DockerLauncher
+from services.agent.hostbase import inspect_node, node_rootfs_tar, tar_size
 from services.agent.images import PreparedImage
 from services.agent.launchers import InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
-from services.agent.pythonbase import inspect_interpreter, python_rootfs_tar, tar_size
+from services.agent.pythonbase import PYTHON_LABEL, inspect_interpreter, python_rootfs_tar
 from shared.embedded import free_port
 from tests.dockerd import BASE_IMAGE, BUSYBOX, private_dockerd
 from tests.e2e.cluster import E2ECluster, env_by_name, healthy, running
@@ -128,7 +130,7 @@ async def _python_starts(docker_host: str, samples: int, workdir: Path) -> dict[
     process = ProcessLauncher()
     try:
         made = time.monotonic()
-        tag = await docker.python_base(NODE_PYTHON)
+        tag = await docker.program_base({PYTHON_LABEL: NODE_PYTHON})
         out: dict[str, list[float]] = {"base": [time.monotonic() - made], "docker": [], "process": []}
         docker_image = ContainerImage("bench-python", Path("/tmp"), tag=tag)
         process_image = PreparedImage("bench-python", workdir)
@@ -239,6 +241,7 @@ def run(quick: bool = True) -> list[Row]:
         row("python app: docker start → listening p99", percentile(python["docker"], 99) * ms, "ms", "", same_run),
         row("python base image: made and imported (once per daemon)", python["base"][0] * ms, "ms", "", ""),
         row("python base image: bytes of its files", _python_base_megabytes(), "MB", "", ""),
+        row("node base image: bytes of its files", _node_base_megabytes(), "MB", "", ""),
         row(
             "docker cold start: control-plane overhead p50 (held → endpoint − container start)",
             median(overhead) * ms,
@@ -253,6 +256,11 @@ def run(quick: bool = True) -> list[Row]:
 
 def _python_base_megabytes() -> float:
     return tar_size(python_rootfs_tar(inspect_interpreter(NODE_PYTHON))) / 1e6
+
+
+def _node_base_megabytes() -> float:
+    """What a source-built Node app runs on (``services/agent/hostbase.py``)."""
+    return tar_size(node_rootfs_tar(inspect_node(os.path.realpath(shutil.which("node") or "node")))) / 1e6
 
 
 def main() -> None:

@@ -9,7 +9,8 @@ matter, :func:`read_source`) and returns a :class:`BuildPlan`. First match wins:
 2. Python: ``requirements.txt``, or ``pyproject.toml`` (with ``uv.lock``, ``poetry.lock`` or neither: pip
    semantics). Dependencies go into ``.zattera/python`` with ``uv pip install --target``.
 3. Node: ``package.json``; ``npm ci`` with ``package-lock.json``, yarn or pnpm with theirs, else ``npm
-   install``; ``npm run build`` when the ``build`` script exists.
+   install``; ``npm run build`` when the ``build`` script exists; started with the ``start`` script's own
+   command (after ``prestart``'s), not through ``npm start``.
 4. Static: ``index.html`` served by ``python3 -m http.server`` on ``$PORT``.
 5. Only a ``Procfile``: packed as is, started with its ``web:`` line.
 
@@ -286,8 +287,11 @@ def _node(files: SourceFiles) -> BuildPlan:
         lock, install, reason = "", "npm install", "package.json"
     main = package.get("main") if isinstance(package.get("main"), str) else ""
     entry = next((f for f in _NODE_ENTRY_FILES if f in files), "")
-    if "start" in scripts:
-        start, source = "npm start", "inferred (package.json start script)"
+    if isinstance(scripts.get("start"), str) and scripts["start"].strip():
+        # The script itself, not ``npm start``: no npm process per instance, and no npm in the docker runtime's
+        # Node base image (node_modules/.bin is on PATH through the image's entrypoint, as npm would put it).
+        steps = [str(scripts[name]).strip() for name in ("prestart", "start") if isinstance(scripts.get(name), str)]
+        start, source = " && ".join(step for step in steps if step), "inferred (package.json scripts.start)"
     elif main or entry:
         start, source = f"node {main or entry}", "inferred (Node entry file)"
     else:

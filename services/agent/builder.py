@@ -67,6 +67,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.depcache import LayerCache, cache_tag, dependency_key
 from services.agent.dockerbuild import DEFAULT_DOCKERFILE, DockerBuildError, build_context_dir, build_dockerfile
+from services.agent.hostbase import NODE_LABEL
 from services.agent.pythonbase import PYTHON_LABEL
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
 from shared.buildplan import BuildPlan, PlanError, detect, read_source
@@ -99,6 +100,7 @@ NETWORK_ENV = (
     *("UV_INDEX_URL", "UV_DEFAULT_INDEX", "UV_EXTRA_INDEX_URL", "npm_config_registry"),
 )
 ERROR_TAIL_LINES = 6
+NO_NODE = "builder: node is not installed on this builder (Debian: apt-get install nodejs npm)"
 ERROR_TAIL_CHARS = 800
 
 
@@ -155,20 +157,25 @@ RUN_ENTRYPOINT = [
 ]
 
 
-def image_config(platform: str, plan: BuildPlan, diff_ids: Sequence[str], build_id: str, *, python: str = "") -> bytes:
-    """``python``: the interpreter a Python app runs on (label ``dev.zattera.python``: the docker runtime runs
-    the image on a base image made from it, ``pythonbase.py``)."""
+def image_config(
+    platform: str, plan: BuildPlan, diff_ids: Sequence[str], build_id: str, *, python: str = "", node: str = ""
+) -> bytes:
+    """``python``: the interpreter a Python app (or a static site's server) runs on, label
+    ``dev.zattera.python``; ``node``: the ``node`` a Node app runs on, label ``dev.zattera.nodejs``. The docker
+    runtime runs the image on a base image made from that program (``hostbase.py``, ``pythonbase.py``)."""
     os_name, _, arch = platform.partition("/")
     labels = {"dev.zattera.build-id": build_id, "dev.zattera.build-provider": plan.provider}
     if python:
         labels[PYTHON_LABEL] = python
+    if node:
+        labels[NODE_LABEL] = node
     doc = {
         "architecture": arch,
         "os": os_name,
         "config": {
             "Entrypoint": RUN_ENTRYPOINT if plan.dependency_dir else [],
             "Cmd": ["/bin/sh", "-c", plan.start] if plan.start else [],
-            "Env": ["PYTHONUNBUFFERED=1", "PYTHONNOUSERSITE=1"] if plan.provider == "python" else [],
+            "Env": ["PYTHONUNBUFFERED=1", "PYTHONNOUSERSITE=1"] if python else [],
             "WorkingDir": "/",
             "Labels": labels,
         },
@@ -333,6 +340,9 @@ class Builder:
         python = await self._interpreter(plan.python, env, events) if plan.provider == "python" else ""
         if python:
             env["UV_PYTHON"] = python
+        if plan.provider == "static":  # python3 -m http.server: the node's own interpreter
+            python = self.node_python
+        node = await self._node_path(env) if plan.provider == "node" else ""
         layers: list[tuple[bytes, str]] = []
         if plan.dependency_dir and plan.install:
             layers.append(await self._dependency_layer(plan, src, env, events, ref.repo))
@@ -347,7 +357,9 @@ class Builder:
         diff_ids = [diff_id for _, diff_id in layers]
         images = [
             PlatformImage(
-                p, image_config(p, plan, diff_ids, build.meta.id, python=python), [layer for layer, _ in layers]
+                p,
+                image_config(p, plan, diff_ids, build.meta.id, python=python, node=node),
+                [layer for layer, _ in layers],
             )
             for p in platforms
         ]
@@ -470,8 +482,16 @@ class Builder:
     async def _node_version(self, env: Mapping[str, str]) -> str:
         version = await self._output(["node", "--version"], env)
         if not version:
-            raise BuildError("builder: node is not installed on this builder (Debian: apt-get install nodejs npm)")
+            raise BuildError(NO_NODE)
         return version
+
+    @staticmethod
+    async def _node_path(env: Mapping[str, str]) -> str:
+        """The absolute path of the ``node`` the build runs (label ``dev.zattera.nodejs``)."""
+        found = shutil.which("node", path=env.get("PATH"))
+        if not found:
+            raise BuildError(NO_NODE)
+        return await asyncio.to_thread(os.path.realpath, found)
 
     @staticmethod
     async def _output(argv: Sequence[str], env: Mapping[str, str]) -> str:

@@ -35,9 +35,10 @@ import subprocess
 import tarfile
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -45,11 +46,12 @@ from urllib.parse import unquote
 import aiodocker
 from aiodocker.containers import DockerContainer
 
+from services.agent.hostbase import BaseImageError, inspect_node, node_of, node_rootfs_tar
 from services.agent.images import EXEC_SCHEME, PROCESS_SCHEME, ImageError, PreparedImage, shell_command
 from services.agent.launchers import DOCKER, PROCESS, InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
 from services.agent.logs import STREAM_FILES
 from services.agent.processes import InstanceRecord
-from services.agent.pythonbase import Interpreter, PythonBaseError, inspect_interpreter, python_of, python_rootfs_tar
+from services.agent.pythonbase import inspect_interpreter, python_of, python_rootfs_tar
 from services.agent.runtime import PASSED_THROUGH_ENV, volume_env_name
 from services.agent.settings import AgentSettings
 from shared.natsio import Connection
@@ -449,7 +451,7 @@ class DockerLauncher:
         tag = derived_tag(digest_of(fetched.config + b"".join(digest_of(layer).encode() for layer in fetched.layers)))
         labels = run.get("Labels") or {}
         full = labels.get(LABEL_ROOTFS) == "full"
-        base = await self.python_base(python_of(labels)) if python_of(labels) and not full else self.base_image
+        base = "scratch" if full else await self.program_base(labels)
         await self._load(tag, fetched.config if full else None, fetched.layers, base=base)
         return container_image(ref, tag, run)
 
@@ -466,30 +468,39 @@ class DockerLauncher:
                 raise ImageError(f"{ref}: pull: {_first_line(exc.message)}") from exc
         return container_image(ref, name, info.get("Config") or {})
 
-    async def python_base(self, interpreter: str) -> str:
-        """The base image holding ``interpreter`` (what a Python app's packages were built for), made from
-        this node's copy of it the first time an image needs it (``pythonbase.py``)."""
+    async def program_base(self, labels: Mapping[str, str]) -> str:
+        """The base image a built image runs on: one holding the program its labels name (the interpreter a
+        Python app's packages were installed for, the ``node`` of a Node app), made from this node's copy of
+        it the first time an image needs it (``hostbase.py``, ``pythonbase.py``); else the node's base
+        image."""
         try:
-            found = await asyncio.to_thread(inspect_interpreter, interpreter)
-        except PythonBaseError as exc:
+            if python_of(labels):
+                interpreter = await asyncio.to_thread(inspect_interpreter, python_of(labels))
+                tag, program, rootfs = interpreter.tag, interpreter.path, partial(python_rootfs_tar, interpreter)
+            elif node_of(labels):
+                node = await asyncio.to_thread(inspect_node, node_of(labels))
+                tag, program, rootfs = node.tag, node.path, partial(node_rootfs_tar, node)
+            else:
+                return self.base_image
+        except BaseImageError as exc:
             raise ImageError(str(exc)) from exc
-        if await self.has_image(found.tag):
-            return found.tag
-        loading = self._loading.get(found.tag)
+        if await self.has_image(tag):
+            return tag
+        loading = self._loading.get(tag)
         if loading is None:
-            loading = asyncio.ensure_future(self._make_python_base(found))
-            self._loading[found.tag] = loading
-            loading.add_done_callback(lambda _: self._loading.pop(found.tag, None))
+            loading = asyncio.ensure_future(self._make_program_base(tag, program, rootfs))
+            self._loading[tag] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(tag, None))
         await asyncio.shield(loading)
-        return found.tag
+        return tag
 
-    async def _make_python_base(self, interpreter: Interpreter) -> None:
-        log.info("making the python base image %s from %s", interpreter.tag, interpreter.path)
+    async def _make_program_base(self, tag: str, program: str, rootfs: Callable[[], bytes]) -> None:
+        log.info("making the base image %s from %s", tag, program)
         try:
-            rootfs = await asyncio.to_thread(python_rootfs_tar, interpreter)
+            data = await asyncio.to_thread(rootfs)
         except (OSError, subprocess.SubprocessError) as exc:
-            raise ImageError(f"python base image from {interpreter.path}: {exc}") from exc
-        await self._put(interpreter.tag, None, [rootfs], "scratch")
+            raise ImageError(f"base image from {program}: {exc}") from exc
+        await self._put(tag, None, [data], "scratch")
 
     async def _load(self, tag: str, full_config: bytes | None, layers: Sequence[bytes], *, base: str) -> None:
         """Put the image into the daemon once (concurrent starts of the same image share one load, which a
@@ -509,7 +520,7 @@ class DockerLauncher:
             if full_config is not None:
                 await self.docker.images.import_image(docker_archive(tag, managed(full_config), layers))
             else:
-                # A base image is not ours to prune: every later Python image of the node runs on it.
+                # A base image is not ours to prune: every later Python or Node image of the node runs on it.
                 labels = {LABEL_MANAGED: "true"} if base != "scratch" else {}
                 context = build_context(base, layers, labels)
                 await self.docker.images.build(

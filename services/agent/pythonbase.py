@@ -3,7 +3,7 @@
 The source builder installs a Python app's packages for one interpreter of the builder node (its absolute
 path is the first line of the installed scripts, and the image config's label ``dev.zattera.python``). Every
 node runs the platform on that same interpreter, so the docker runtime needs no registry image: it copies the
-interpreter into a minimal root filesystem, exactly where the node has it:
+interpreter into a minimal root filesystem, exactly where the node has it (``hostbase.py``'s machinery):
 
 * the interpreter and its standard library (without ``site-packages``, tests, Tk, IDLE, ``ensurepip``,
   ``lib2to3``, ``pydoc_data``, the static library and optimised bytecode), its pure-Python modules as one
@@ -22,31 +22,24 @@ or another interpreter path makes another tag.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
-import re
-import shutil
-import stat
 import subprocess
 import sys
-import tarfile
-import tempfile
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.agent.hostbase import BaseImageError, RootFs, base_tag, program_rootfs_tar, tar_size
+
 PYTHON_LABEL = "dev.zattera.python"
 """Image config label: the absolute path of the interpreter the app's packages were installed for."""
-BASE_REPO = "zattera/python"
 SKIPPED_STDLIB = frozenset(
     {"site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data"}
 )
 SKIPPED_EXTENSIONS = ("_tkinter", "_test", "_ctypes_test", "_xx", "xx")
-SHELL = "/bin/sh"
-LOCAL_BIN = "/usr/local/bin"
-PASSWD = b"root:x:0:0::/:/bin/sh\nnobody:x:65534:65534::/:/bin/sh\n"
 _PROBE = (
     "import json, os, ssl, sys, sysconfig; p = ssl.get_default_verify_paths(); print(json.dumps({"
     "'version': sys.version.split()[0], 'stdlib': sysconfig.get_path('stdlib'),"
@@ -54,10 +47,9 @@ _PROBE = (
     "'cache_tag': sys.implementation.cache_tag,"
     "'cafiles': [f for f in (p.cafile, p.openssl_cafile) if f]}))"
 )
-_LDD_PATH = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x")
 
 
-class PythonBaseError(Exception):
+class PythonBaseError(BaseImageError):
     """The interpreter an image needs is not usable on this node."""
 
 
@@ -75,8 +67,7 @@ class Interpreter:
 
     @property
     def tag(self) -> str:
-        digest = hashlib.sha256(self.path.encode()).hexdigest()[:8]
-        return f"{BASE_REPO}:{self.version}-{digest}"
+        return base_tag("python", self.version, self.path)
 
 
 def inspect_interpreter(path: str) -> Interpreter:
@@ -96,85 +87,6 @@ def inspect_interpreter(path: str) -> Interpreter:
         zip_path=str(doc["zip"][0]) if doc["zip"] else "",
         cache_tag=str(doc["cache_tag"]),
     )
-
-
-def shared_libraries(binaries: list[str]) -> list[str]:
-    """Every library (and the loader) ``ldd`` resolves for ``binaries``."""
-    if not binaries:
-        return []
-    result = subprocess.run(["ldd", *binaries], capture_output=True, text=True, check=False, timeout=60)
-    found: dict[str, None] = {}
-    for line in result.stdout.splitlines():
-        match = _LDD_PATH.search(line)
-        if match and not line.rstrip().endswith(":"):
-            found[match.group(1)] = None
-    return list(found)
-
-
-class _RootFs:
-    """A tar of host paths at their own places, symlinks kept as symlinks."""
-
-    def __init__(self, tar: tarfile.TarFile, scratch: str) -> None:
-        self.tar = tar
-        self._added: set[str] = set()
-        self._strip = shutil.which("strip")
-        self._scratch = scratch
-
-    def add(self, path: str) -> None:
-        """``path``, its parent directories and, for a symlink, what it points at."""
-        path = os.path.normpath(path)
-        if path == "/" or path in self._added:
-            return
-        self._added.add(path)
-        parent, name = os.path.split(path)
-        self.add(parent)
-        entry = os.path.join(os.path.realpath(parent), name)
-        if entry != path:
-            self.add(entry)  # written at its real place; the symlinked parents are in the tar
-            return
-        if not os.path.lexists(entry):  # a dangling symlink's target: the link alone is kept
-            return
-        st = os.lstat(entry)
-        info = tarfile.TarInfo(entry.lstrip("/"))
-        info.mtime = int(st.st_mtime)  # a module's bytecode is used only while its source has the recorded time
-        if stat.S_ISLNK(st.st_mode):
-            info.type, info.linkname = tarfile.SYMTYPE, os.readlink(entry)
-            self.tar.addfile(info)
-            self.add(os.path.join(parent, info.linkname))
-        elif stat.S_ISDIR(st.st_mode):
-            info.type, info.mode = tarfile.DIRTYPE, 0o755
-            self.tar.addfile(info)
-        elif stat.S_ISREG(st.st_mode):
-            info.mode = 0o755 if st.st_mode & 0o111 else 0o644
-            source = self._stripped(entry)
-            info.size = os.path.getsize(source)
-            with open(source, "rb") as fh:
-                self.tar.addfile(info, fh)
-
-    def _stripped(self, path: str) -> str:
-        """A copy of an ELF file without its symbols when binutils' ``strip`` is here (an interpreter built
-        from source keeps them: tens of MB every container would copy), else the file itself."""
-        with open(path, "rb") as fh:
-            if not self._strip or fh.read(4) != b"\x7fELF":
-                return path
-        copy = os.path.join(self._scratch, str(len(self._added)))
-        done = subprocess.run([self._strip, "--strip-unneeded", "-o", copy, path], capture_output=True, check=False)
-        return copy if done.returncode == 0 else path
-
-    def add_file(self, name: str, data: bytes, mode: int = 0o644) -> None:
-        info = tarfile.TarInfo(name.lstrip("/"))
-        info.size, info.mode = len(data), mode
-        self.tar.addfile(info, io.BytesIO(data))
-
-    def add_dir(self, name: str, mode: int) -> None:
-        info = tarfile.TarInfo(name.lstrip("/"))
-        info.type, info.mode = tarfile.DIRTYPE, mode
-        self.tar.addfile(info)
-
-    def add_symlink(self, name: str, target: str) -> None:
-        info = tarfile.TarInfo(name.lstrip("/"))
-        info.type, info.linkname = tarfile.SYMTYPE, target
-        self.tar.addfile(info)
 
 
 def _stdlib_files(root: str) -> list[str]:
@@ -231,38 +143,26 @@ def python_rootfs_tar(interpreter: Interpreter) -> bytes:
     archive = b""
     if interpreter.zip_path and os.path.isdir(os.path.dirname(interpreter.zip_path)):
         archive, files = stdlib_zip(interpreter, files)
-    binaries = [interpreter.path, SHELL, *(f for f in files if f.endswith(".so"))]
-    buffer = io.BytesIO()
-    with tempfile.TemporaryDirectory() as scratch, tarfile.open(fileobj=buffer, mode="w") as tar:
-        rootfs = _RootFs(tar, scratch)
-        for path in [*binaries, *files, *shared_libraries(binaries), *interpreter.cafiles]:
-            if os.path.lexists(path):
-                rootfs.add(path)
+
+    def add_zip(rootfs: RootFs) -> None:
         if archive:
             directory, name = os.path.split(interpreter.zip_path)
             rootfs.add(directory)
             rootfs.add_file(os.path.join(os.path.realpath(directory), name), archive)
-        rootfs.add_dir("tmp", 0o1777)
-        rootfs.add_dir("proc", 0o755)
-        rootfs.add_dir("sys", 0o755)
-        rootfs.add_file("etc/passwd", PASSWD)
-        if os.path.isdir(LOCAL_BIN):  # Debian has it: its symlinks say where it really is
-            rootfs.add(LOCAL_BIN)
-            for name in ("python", "python3"):
-                if interpreter.path != os.path.join(LOCAL_BIN, name):
-                    rootfs.add_symlink(os.path.join(os.path.realpath(LOCAL_BIN), name), interpreter.path)
-    return buffer.getvalue()
+
+    return program_rootfs_tar(
+        interpreter.path,
+        ["python", "python3"],
+        files=files,
+        loaded=[f for f in files if f.endswith(".so")],
+        cafiles=interpreter.cafiles,
+        extra=add_zip,
+    )
 
 
-def python_of(labels: dict[str, str]) -> str:
+def python_of(labels: Mapping[str, str]) -> str:
     """The interpreter an image config's labels say it needs ("" = none)."""
     return labels.get(PYTHON_LABEL, "")
-
-
-def tar_size(data: bytes) -> int:
-    """The bytes the files of a tar hold (what each container's copy of the root filesystem costs)."""
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        return sum(m.size for m in tar.getmembers() if m.isfile())
 
 
 def main() -> None:

@@ -12,12 +12,8 @@ import zipfile
 
 import pytest
 
-from services.agent.pythonbase import (
-    PythonBaseError,
-    inspect_interpreter,
-    python_rootfs_tar,
-    shared_libraries,
-)
+from services.agent.hostbase import shared_libraries
+from services.agent.pythonbase import PythonBaseError, inspect_interpreter, python_rootfs_tar
 
 NODE_PYTHON = os.path.realpath(sys.executable)
 

@@ -1,14 +1,18 @@
 """Real apps built unchanged: the builder detects the stack, installs real packages from PyPI, and the process
 runtime runs the image (FastAPI, Express and static sites: tests/e2e/test_stack_deploys.py; examples/flask on
 the docker runtime, through the proxy: tests/e2e/test_docker_flow.py). A missing module is reported on both
-runtimes (the docker one on the Python base image it makes from the node's interpreter). The package
+runtimes (the docker one on the Python base image it makes from the node's interpreter). Express and a static
+site run under the docker runtime on the Node and Python base images it makes from the node's own programs. The package
 managers' download caches are shared by the whole session (as on a builder node), so only the first build of a
 stack downloads anything."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import os
+import shutil
+import sys
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -16,8 +20,11 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
+from services.agent.hostbase import NODE_LABEL
+from services.agent.pythonbase import PYTHON_LABEL
 from shared.applogs import describe_exit
 from shared.natsio import Connection
+from shared.registry import fetch_image
 from shared.txn import Writer
 from shared.view import StateView
 from tests.agent.conftest import StartAgent, assignment, release
@@ -64,9 +71,12 @@ def image_of(events: list[cpb.BuildEvent]) -> str:
     return f"p1/a1@{digest}"
 
 
-async def serve_and_get(image_ref: str, view: StateView, writer: Writer, start_agent: StartAgent) -> str:
-    """Run the image on an agent and return what GET / answers."""
-    await start_agent("n1")
+async def serve_and_get(
+    image_ref: str, view: StateView, writer: Writer, start_agent: StartAgent, runtime: Mapping[str, str] | None = None
+) -> str:
+    """Run the image on an agent (of ``runtime``'s settings, else the process runtime) and return what GET /
+    answers."""
+    await start_agent("n1", **(runtime or {}))
     rel = release(image_ref, healthcheck=False)
     a = assignment("n1", rel)
     await seed(writer, rel, a)
@@ -110,6 +120,49 @@ async def test_flask_app_builds_unchanged_runs_and_reuses_its_dependency_layer(
     again = log_lines(await run_build(conn, files))
     assert any(line.startswith("dependencies: cached layer ") for line in again)
     assert not any(line.startswith("$ uv pip install") for line in again)
+
+
+@pytest.mark.parametrize(
+    ("files", "provider", "label", "program", "answer"),
+    [
+        (
+            example("express"),
+            "node",
+            NODE_LABEL,
+            os.path.realpath(shutil.which("node") or "node"),
+            "hello from express",
+        ),
+        (
+            {"index.html": "<h1>hello static</h1>\n"},
+            "static",
+            PYTHON_LABEL,
+            os.path.realpath(sys.executable),
+            "hello static",
+        ),
+    ],
+    ids=["express", "static"],
+)
+async def test_express_and_a_static_site_run_under_the_docker_runtime(
+    builder: Builder,
+    conn: Connection,
+    view: StateView,
+    writer: Writer,
+    start_agent: StartAgent,
+    docker_host: str,
+    files: dict[str, str],
+    provider: str,
+    label: str,
+    program: str,
+    answer: str,
+) -> None:
+    """On the base image made from the node's own ``node`` (no npm: the start script runs as it is) or, for
+    the static site's ``python3 -m http.server``, its own interpreter."""
+    events = await run_build(conn, files)
+    assert f"plan: provider {provider}" in log_lines(events)[1]
+    config = json.loads((await fetch_image(conn, image_of(events))).config)
+    assert config["config"]["Labels"][label] == program  # the program the base image is made from
+    docker = {"runtime": "docker", "docker_host": docker_host}
+    assert answer in await serve_and_get(image_of(events), view, writer, start_agent, docker)
 
 
 async def test_a_builder_without_the_layer_takes_it_from_the_cluster_registry(

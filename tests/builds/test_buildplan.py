@@ -154,7 +154,17 @@ CASES: list[tuple[str, dict[str, str], list[str]]] = [
             "plan: provider node (package.json + package-lock.json)",
             "plan: install  npm ci",
             "plan: build    npm run build",
-            "plan: start    npm start  (inferred (package.json start script))",
+            "plan: start    node server.js  (inferred (package.json scripts.start))",
+        ],
+    ),
+    (
+        "a prestart script runs first (as npm start would run it)",
+        {"package.json": json.dumps({"scripts": {"prestart": "node migrate.js", "start": "node server.js"}})},
+        [
+            "plan: provider node (package.json)",
+            "plan: install  npm install",
+            "plan: build    (none)",
+            "plan: start    node migrate.js && node server.js  (inferred (package.json scripts.start))",
         ],
     ),
     (
