@@ -1,7 +1,8 @@
 """Web console benchmark: the overview of 1,000 environments and the delay of a live update.
 
 ``python -m benchmarks.console_bench [--full]``. A real nats-server, the console in-process on a free port,
-1,000 environments (each with a project, an app, an active release; 3,000 full):
+1,000 environments (each with a project, an app, an active release, a domain and its valid certificate;
+3,000 full):
 
 * overview server time: ``GET /`` rendered from the state view (20 loads quick, 50 full; target ≤ 300 ms);
 * time to first render in Debian's chromium driven by Playwright: the page's first contentful paint
@@ -21,6 +22,7 @@ import aiohttp
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, bench_main, embedded_server, median, percentile, row
+from shared.certs import VALID, pending_record
 from shared.console_users import ADMIN, new_user, save_user, users_bucket
 from shared.natsio import connect, provision
 from shared.txn import Writer
@@ -46,7 +48,15 @@ async def _seed(writer: Writer, envs: int) -> list[str]:
         release.meta.id = f"01BENCHREL{i:05d}"
         release.image_ref = "demo/web@sha256:" + "a" * 64
         env.active_release_id = release.meta.id
-        txns.append(writer.txn().create(app).create(env).create(release))
+        hostname = f"app{i:05d}.bench.example.com"
+        domain = pb.Domain(project_id=project.meta.id, app_id=app.meta.id, environment_id=env.meta.id)
+        domain.hostname = hostname
+        domain.meta.id = f"01BENCHDOM{i:05d}"
+        cert = pending_record(hostname, "local")
+        cert.state, cert.chain_pem = VALID, "-----BEGIN CERTIFICATE-----"
+        cert.not_after.FromSeconds(4_102_444_800)
+        cert.renew_at.FromSeconds(4_102_444_800 - 86_400)
+        txns.append(writer.txn().create(app).create(env).create(release).create(domain).create(cert))
         env_ids.append(env.meta.id)
     failures = [r for r in await writer.commit_many(txns) if r is not None]
     assert not failures, failures[:3]

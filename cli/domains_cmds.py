@@ -18,16 +18,12 @@ from cli import render
 from cli.client import control, run
 from cli.config_cmds import ENV, JSON, fail, say, target_env
 from shared import keys as K
-from shared.certs import DomainRow, domain_row, hostname_problem
+from shared.certs import DomainRow, domain_rows, hostname_problem, utc_text
 from shared.ids import new_id
 
 domains_app = typer.Typer(no_args_is_help=True, help="Hostnames routed to environments, and their certificates.")
 
 HOSTNAME = typer.Argument(..., help="the hostname, e.g. www.example.com")
-
-
-def _when(at: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)) if at is not None else "-"
 
 
 def _check(hostname: str) -> str:
@@ -90,13 +86,7 @@ def domains_list(json: bool = JSON) -> None:
         from cli.apply import env_label
 
         async with control() as c:
-            certs = {c2.hostname: c2 for c2 in c.view.all(K.CERT) if isinstance(c2, pb.Certificate)}
-            routed = {d.hostname: env_label(c.view, d.environment_id) for d in c.view.domains()}
-            now = time.time()
-            return [
-                domain_row(host, routed.get(host, ""), certs.get(host), now)
-                for host in sorted(routed.keys() | certs.keys())
-            ]
+            return domain_rows(c.view, time.time(), lambda env_id: env_label(c.view, env_id))
 
     rows = run(go)
     if json:
@@ -110,8 +100,8 @@ def domains_list(json: bool = JSON) -> None:
                 r.hostname,
                 r.environment or "-",
                 r.state,
-                _when(r.valid_until),
-                _when(r.renew_at),
+                utc_text(r.valid_until),
+                utc_text(r.renew_at),
                 r.issuer or "-",
                 r.error or "-",
             ]

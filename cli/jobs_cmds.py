@@ -26,7 +26,6 @@ from shared import jobs as J
 from shared import keys as K
 from shared.applogs import STDERR, AppLogLine, UnknownLogStream, read_app_logs
 from shared.ids import is_safe_id, unsafe_id
-from shared.txn import Conflict
 from shared.view import StateView
 
 jobs_app = typer.Typer(
@@ -36,22 +35,6 @@ jobs_app = typer.Typer(
 LOG_STREAM_WAIT = 0.5
 """How often a following ``zattera run`` looks again for a log stream that does not exist yet."""
 _EXIT_CANCELED = ExitCode.INTERRUPTED
-CANCEL_ATTEMPTS = 10
-CANCEL_RETRY_WAIT = 1.0
-
-
-def _seconds(ts: object) -> float:
-    return ts.ToNanoseconds() / 1e9  # type: ignore[attr-defined, no-any-return]
-
-
-def duration(job: pb.Job) -> str:
-    if not job.HasField("started_at") or not job.HasField("finished_at"):
-        return "-"
-    return f"{max(0.0, _seconds(job.finished_at) - _seconds(job.started_at)):.1f}s"
-
-
-def exit_text(job: pb.Job) -> str:
-    return str(job.exit_code) if job.exit_code_known else "-"
 
 
 def _env_of(view: StateView, env: str) -> pb.Environment:
@@ -214,27 +197,12 @@ def _emit(line: AppLogLine) -> None:
 
 
 async def _request_cancel(c: Control, job_id: str) -> None:
-    """Set ``cancel_requested`` (nothing to do once the job ended); a write that crossed one of the jobs
-    loop's updates is made again on the newer version."""
-    feed = c.view.subscribe({K.JOB})
     try:
-        for _ in range(CANCEL_ATTEMPTS):
-            current = c.view.get(K.JOB, job_id)
-            if not isinstance(current, pb.Job) or not J.is_active(current) or current.cancel_requested:
-                return
-            canceling = pb.Job()
-            canceling.CopyFrom(current)
-            canceling.cancel_requested = True
-            canceling.message = "canceled by the operator"
-            canceling.meta.updated_at.FromNanoseconds(time.time_ns())
-            try:
-                await c.writer.commit(c.writer.txn("jobs.cancel").put(canceling))
-                return
-            except Conflict:
-                await feed.wait(CANCEL_RETRY_WAIT)  # the newer version is on its way to the view
-    finally:
-        feed.close()
-    raise fail(f"job {job_id}: the cancel kept crossing the job's updates; run `zattera jobs cancel {job_id}` again")
+        await J.request_cancel(c.view, c.writer, job_id, "canceled by the operator")
+    except J.CancelCrossed:
+        raise fail(
+            f"job {job_id}: the cancel kept crossing the job's updates; run `zattera jobs cancel {job_id}` again"
+        ) from None
 
 
 # ---------------------------------------------------------------------------- zattera jobs
@@ -252,8 +220,7 @@ def list_jobs(
     async def go() -> None:
         async with control() as c:
             env_id = _env_of(c.view, env).meta.id if env else None
-            found = [j for j in c.view.jobs(env_id) if not cron or j.cron_name == cron]
-            found.sort(key=lambda j: (_seconds(j.slot_at), j.meta.id), reverse=True)
+            found = J.newest_first([j for j in c.view.jobs(env_id) if not cron or j.cron_name == cron])
             if json_output:
                 render.messages(found)
                 return
@@ -268,8 +235,8 @@ def list_jobs(
                         render.ts(j.slot_at),
                         J.status_name(j.status),
                         j.attempt,
-                        exit_text(j),
-                        duration(j),
+                        J.exit_text(j),
+                        J.duration(j),
                         j.node_id or "-",
                     )
                     for j in found
@@ -309,8 +276,8 @@ def show_job(
                 ("release", job.release_id or "-"),
                 ("started", render.ts(job.started_at)),
                 ("finished", render.ts(job.finished_at)),
-                ("duration", duration(job)),
-                ("exit code", exit_text(job)),
+                ("duration", J.duration(job)),
+                ("exit code", J.exit_text(job)),
                 ("message", job.message or "-"),
             ]
             render.table(f"job {job.meta.id}", ["FIELD", render.Col("VALUE", wrap=True)], rows)

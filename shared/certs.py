@@ -10,7 +10,8 @@ and commits what they return.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -18,6 +19,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.view import StateView
 
 KEYS_OPEN_SUBJECT = "zattera.certs.keys.open"
 """Request/reply (secrets service): every servable certificate with its key, sealed to the proxy's key."""
@@ -204,6 +206,7 @@ class DomainRow:
 
     hostname: str
     environment: str  # project/app/env, "" for a hostname only the routes want (an implicit one)
+    environment_id: str  # "" when no Domain routes it (and the caller's routes do not say)
     state: str
     valid_until: float | None
     renew_at: float | None
@@ -211,16 +214,51 @@ class DomainRow:
     error: str
 
 
-def domain_row(hostname: str, environment: str, cert: pb.Certificate | None, now: float) -> DomainRow:
+def domain_row(
+    hostname: str, environment: str, cert: pb.Certificate | None, now: float, environment_id: str = ""
+) -> DomainRow:
     if cert is None:
-        return DomainRow(hostname, environment, "pending", None, None, "", "")
+        return DomainRow(hostname, environment, environment_id, "pending", None, None, "", "")
     has_cert = bool(cert.chain_pem)
     return DomainRow(
         hostname,
         environment,
+        environment_id,
         state_name(cert, now),
         seconds(cert.not_after) if has_cert else None,
         seconds(cert.renew_at) if has_cert else None,
         cert.issuer,
         cert.last_error,
     )
+
+
+def domain_rows(
+    view: StateView, now: float, env_label: Callable[[str], str], routed_envs: Mapping[str, str] | None = None
+) -> list[DomainRow]:
+    """Every hostname with a domain or a certificate, by hostname (``zattera domains list``, the console).
+    A Domain names the hostname's env; else ``routed_envs`` (hostname → env id, from the routes) may."""
+    certs = {c.hostname: c for c in view.all(K.CERT) if isinstance(c, pb.Certificate)}
+    envs = dict(routed_envs or {})
+    routed = {d.hostname: d.environment_id for d in view.domains()}
+    envs.update(routed)
+    rows = []
+    for host in sorted(routed.keys() | certs.keys()):
+        env_id = envs.get(host, "")
+        rows.append(domain_row(host, env_label(env_id) if host in routed else "", certs.get(host), now, env_id))
+    return rows
+
+
+def utc_text(at: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)) if at is not None else "-"
+
+
+def certificate_text(row: DomainRow) -> str:
+    """One line for a hostname's certificate: pending, valid until …, renewing (…), or failed: the CA's reason."""
+    if row.state == "valid":
+        return f"valid until {utc_text(row.valid_until)} UTC"
+    if row.state == "renewing":
+        reason = f"; last try: {row.error}" if row.error else ""
+        return f"renewing (valid until {utc_text(row.valid_until)} UTC{reason})"
+    if row.state == "failed":
+        return f"failed: {row.error}" if row.error else "failed"
+    return row.state

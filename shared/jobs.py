@@ -7,10 +7,16 @@ assignment (``Assignment.job_id``) is run to completion by the node's agent, nev
 
 from __future__ import annotations
 
+import time
+
+from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
+from shared import keys as K
 from shared.errors import ZatteraError
 from shared.ids import new_id
+from shared.txn import Conflict, Writer
+from shared.view import StateView
 
 MAX_COMMAND_BYTES = 4096
 """A job's shell command at most (UTF-8): it travels on the assignment every agent pass reads."""
@@ -37,8 +43,16 @@ POLICIES = {
 }
 
 
+CANCEL_ATTEMPTS = 10
+CANCEL_RETRY_WAIT = 1.0
+
+
 class CommandError(ZatteraError, ValueError):
     """A job command the platform refuses (the message says why)."""
+
+
+class CancelCrossed(ZatteraError):
+    """A cancel kept crossing the jobs loop's updates of the job (the message says what to do)."""
 
 
 def check_command(command: str) -> str:
@@ -83,3 +97,47 @@ def one_off_job(env: pb.Environment, command: str, *, now: float) -> pb.Job:
     job.slot_at.FromNanoseconds(stamp)
     job.deadline.FromSeconds(int(DEFAULT_DEADLINE))
     return job
+
+
+def _seconds(ts: Timestamp) -> float:
+    return ts.ToNanoseconds() / 1e9
+
+
+def duration(job: pb.Job) -> str:
+    """How long the run took ("-" until it started and finished)."""
+    if not job.HasField("started_at") or not job.HasField("finished_at"):
+        return "-"
+    return f"{max(0.0, _seconds(job.finished_at) - _seconds(job.started_at)):.1f}s"
+
+
+def exit_text(job: pb.Job) -> str:
+    return str(job.exit_code) if job.exit_code_known else "-"
+
+
+def newest_first(jobs: list[pb.Job]) -> list[pb.Job]:
+    return sorted(jobs, key=lambda j: (_seconds(j.slot_at), j.meta.id), reverse=True)
+
+
+async def request_cancel(view: StateView, writer: Writer, job_id: str, message: str) -> None:
+    """Set ``cancel_requested`` (nothing to do once the job ended; the jobs loop and the agent stop it); a
+    write that crossed one of the jobs loop's updates is made again on the newer version. ``zattera jobs
+    cancel`` and the console's cancel button both come here."""
+    feed = view.subscribe({K.JOB})
+    try:
+        for _ in range(CANCEL_ATTEMPTS):
+            current = view.get(K.JOB, job_id)
+            if not isinstance(current, pb.Job) or not is_active(current) or current.cancel_requested:
+                return
+            canceling = pb.Job()
+            canceling.CopyFrom(current)
+            canceling.cancel_requested = True
+            canceling.message = message
+            canceling.meta.updated_at.FromNanoseconds(time.time_ns())
+            try:
+                await writer.commit(writer.txn("jobs.cancel").put(canceling))
+                return
+            except Conflict:
+                await feed.wait(CANCEL_RETRY_WAIT)  # the newer version is on its way to the view
+    finally:
+        feed.close()
+    raise CancelCrossed(f"job {job_id}: the cancel kept crossing the job's updates; cancel it again")

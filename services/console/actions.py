@@ -12,6 +12,7 @@ from collections.abc import Callable
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
+from shared import jobs as J
 from shared import keys as K
 from shared.appconfig import ConfigError, check_name, check_secret_value
 from shared.deploy import Deployer, DeployError
@@ -155,6 +156,18 @@ class Actions:
         except (ConfigError, DeployError) as exc:
             raise ActionRefused(str(exc)) from None
         return done.deployment.meta.id if done.deployment is not None else ""
+
+    async def cancel_job(self, user: str, env_id: str, job_id: str) -> None:
+        """Ask a pending or running job of the env to stop, as ``zattera jobs cancel`` does."""
+        job = self._view.get(K.JOB, job_id)
+        if not isinstance(job, pb.Job) or job.environment_id != env_id:
+            raise ActionRefused(f"job {job_id!r} not found in env {env_id}")
+        if not J.is_active(job):
+            raise ActionRefused(f"job {job_id} already ended ({J.status_name(job.status)})")
+        try:
+            await J.request_cancel(self._view, self._writer, job_id, f"canceled by console:{user}")
+        except J.CancelCrossed as exc:
+            raise ActionRefused(str(exc)) from None
 
     async def take_snapshot(self, user: str, volume_id: str) -> str:
         """Start a snapshot of the volume on its node (the RUNNING record is written first); returns its id.

@@ -6,7 +6,8 @@ read here: an environment's secrets appear as names, versions and dates only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -14,7 +15,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from shared import jobs as J
 from shared import keys as K
+from shared.certs import certificate_text, domain_rows
 from shared.deployments import desired_replicas, is_terminal
 from shared.view import StateView
 
@@ -38,6 +41,21 @@ def env_path(view: StateView, env: pb.Environment) -> str:
     project = view.project(env.project_id)
     app = view.app(env.app_id)
     return f"{project.name if project else '?'}/{app.name if app else '?'}/{env.name or env.meta.id}"
+
+
+def routed_envs(routes: cpb.RouteSnapshot | None) -> dict[str, str]:
+    """hostname → env id of the routes (the implicit hostnames' env: no Domain record names it)."""
+    return {r.hostname: r.environment_id for r in (routes.http_routes if routes else [])}
+
+
+def certificates_by_env(view: StateView, routes: cpb.RouteSnapshot | None) -> dict[str, list[dict[str, str]]]:
+    """Each env's hostnames with their certificate's state, worded as ``zattera domains list`` words it."""
+    found: dict[str, list[dict[str, str]]] = {}
+    for row in domain_rows(view, time.time(), lambda env_id: env_id, routed_envs(routes)):
+        if row.environment_id:
+            entry = {"hostname": row.hostname, "state": row.state, "text": certificate_text(row)}
+            found.setdefault(row.environment_id, []).append(entry)
+    return found
 
 
 def urls_by_env(routes: cpb.RouteSnapshot | None) -> dict[str, list[str]]:
@@ -76,8 +94,10 @@ def _deployment(view: StateView, d: pb.Deployment) -> dict[str, Any]:
     }
 
 
-def env_summary(view: StateView, env: pb.Environment, urls: list[str]) -> dict[str, Any]:
-    """One overview row: where it answers, what runs, warm or cold, how the last deploy went."""
+def env_summary(
+    view: StateView, env: pb.Environment, urls: list[str], certificates: list[dict[str, str]]
+) -> dict[str, Any]:
+    """One overview row: where it answers (and its certificates), what runs, warm or cold, the last deploy."""
     env_id = env.meta.id
     release = view.release(env.active_release_id) if env.active_release_id else None
     runs = [a for a in view.assignments(env_id) if a.desired == pb.ASSIGNMENT_DESIRED_RUN and not a.job_id]
@@ -89,6 +109,7 @@ def env_summary(view: StateView, env: pb.Environment, urls: list[str]) -> dict[s
         "id": env_id,
         "path": env_path(view, env),
         "urls": urls,
+        "certificates": certificates,
         "active_release": f"v{release.version}" if release else "",
         "desired": desired,
         "running": sum(1 for a in active if a.observed.state in UP_STATES),
@@ -101,20 +122,28 @@ def env_summary(view: StateView, env: pb.Environment, urls: list[str]) -> dict[s
 def overview(view: StateView, routes: cpb.RouteSnapshot | None, only: Iterable[str] = ()) -> list[dict[str, Any]]:
     """Every env's row; with ``only``, the rows of those env ids (a live update of a few rows)."""
     urls = urls_by_env(routes)
+    certificates = certificates_by_env(view, routes)
     envs = [e for e in (view.env(env_id) for env_id in only) if e is not None] if only else view.envs()
-    rows = [env_summary(view, env, urls.get(env.meta.id, [])) for env in envs]
+    rows = [env_summary(view, env, urls.get(env.meta.id, []), certificates.get(env.meta.id, [])) for env in envs]
     return sorted(rows, key=lambda row: row["path"])
 
 
-def changed_envs(view: StateView, changes: Iterable[tuple[str, str]]) -> list[str] | None:
+def changed_envs(
+    view: StateView, changes: Iterable[tuple[str, str]], routed: Mapping[str, str] | None = None
+) -> list[str] | None:
     """The env ids a batch of view changes touches; None when one of them is not an env's (a project or
-    app renamed, an object already gone): the whole page must be fetched again."""
+    app renamed, an object already gone): the whole page must be fetched again. A certificate is its
+    hostname's env's (its Domain's, else ``routed``: hostname → env id); one of no env touches none."""
     found: set[str] = set()
     for kind, ident in changes:
         if kind == K.ENV:
             found.add(ident)
             continue
         message = view.get(kind, ident)
+        if isinstance(message, pb.Certificate):
+            owners = {d.environment_id for d in view.domains() if d.hostname == message.hostname}
+            found.update(owners or ({routed[message.hostname]} if routed and message.hostname in routed else set()))
+            continue
         env_id = getattr(message, "environment_id", "") if message is not None else ""
         if not env_id:
             return None
@@ -122,13 +151,52 @@ def changed_envs(view: StateView, changes: Iterable[tuple[str, str]]) -> list[st
     return sorted(found)
 
 
-def env_detail(view: StateView, env: pb.Environment, urls: list[str]) -> dict[str, Any]:
+def _job_run(job: pb.Job) -> dict[str, Any]:
+    return {
+        "id": job.meta.id,
+        "status": J.status_name(job.status) + (" (cancel requested)" if job.cancel_requested else ""),
+        "exit_code": J.exit_text(job),
+        "duration": J.duration(job),
+        "started_at": when(job.started_at) or "-",
+        "slot_at": when(job.slot_at),
+        "command": job.command,
+        "attempt": job.attempt,
+        "message": job.message,
+        "can_cancel": J.is_active(job) and not job.cancel_requested,
+    }
+
+
+CRON_RUNS_SHOWN = 5
+ONE_OFF_RUNS_SHOWN = 20
+
+
+def env_jobs(view: StateView, env: pb.Environment) -> dict[str, Any]:
+    """The env's cron entries with their last runs, and its one-off (``zattera run``) runs, newest first. An
+    entry removed from the spec keeps showing while runs of it are kept."""
+    runs = J.newest_first(view.jobs(env.meta.id))
+    entries = {c.name: {"name": c.name, "schedule": c.schedule, "command": c.command} for c in env.service.cron}
+    for job in runs:
+        if job.cron_name and job.cron_name not in entries:
+            entries[job.cron_name] = {"name": job.cron_name, "schedule": "(removed)", "command": job.command}
+    return {
+        "cron": [
+            {**entry, "runs": [_job_run(j) for j in runs if j.cron_name == name][:CRON_RUNS_SHOWN]}
+            for name, entry in sorted(entries.items())
+        ],
+        "one_off": [_job_run(j) for j in runs if not j.cron_name][:ONE_OFF_RUNS_SHOWN],
+    }
+
+
+def env_detail(
+    view: StateView, env: pb.Environment, urls: list[str], certificates: list[dict[str, str]]
+) -> dict[str, Any]:
     env_id = env.meta.id
     releases = sorted(view.releases(env_id), key=lambda r: r.version, reverse=True)
     active = view.release(env.active_release_id) if env.active_release_id else None
     spec = env.service
     return {
-        "summary": env_summary(view, env, urls),
+        "summary": env_summary(view, env, urls, certificates),
+        "jobs": env_jobs(view, env),
         "releases": [
             {
                 "id": r.meta.id,
@@ -259,8 +327,8 @@ def event_line(view: StateView, event: pb.Event) -> dict[str, str]:
 def kinds_of_page(page: str) -> Iterable[str]:
     """The view kinds whose changes refresh a page."""
     return {
-        "overview": (K.ENV, K.RELEASE, K.DEPLOYMENT, K.ASSIGNMENT, K.OBSERVED, K.PROJECT, K.APP),
-        "env": (K.ENV, K.RELEASE, K.DEPLOYMENT, K.ASSIGNMENT, K.OBSERVED),
+        "overview": (K.ENV, K.RELEASE, K.DEPLOYMENT, K.ASSIGNMENT, K.OBSERVED, K.PROJECT, K.APP, K.DOMAIN, K.CERT),
+        "env": (K.ENV, K.RELEASE, K.DEPLOYMENT, K.ASSIGNMENT, K.OBSERVED, K.DOMAIN, K.CERT, K.JOB),
         "nodes": (K.NODE, K.ASSIGNMENT),
         "builds": (K.BUILD,),
         "volumes": (K.VOLUME, K.SNAPSHOT),

@@ -29,6 +29,7 @@ from zattera.v1 import types_pb2 as pb
 from services.console import pages
 from services.console.actions import NODE_CHANGES, ActionRefused, Actions
 from services.console.auth import LOGIN_COOKIE, SESSION_COOKIE, LoginLimiter, Session, Sessions, tokens_equal
+from shared import keys as K
 from shared.applogs import AppLogLine, UnknownLogStream, read_app_logs
 from shared.buildlogs import follow_build_log
 from shared.console_users import ADMIN, burn_check, load_user, password_matches
@@ -275,8 +276,10 @@ async def overview_api(request: web.Request) -> web.Response:
 
 def _env_detail(console: Console, env_id: str) -> dict[str, Any]:
     env = _env_or_404(console, env_id)
-    urls = pages.urls_by_env(console.routes()).get(env_id, [])
-    return pages.env_detail(console.view, env, urls)
+    routes = console.routes()
+    urls = pages.urls_by_env(routes).get(env_id, [])
+    certificates = pages.certificates_by_env(console.view, routes).get(env_id, [])
+    return pages.env_detail(console.view, env, urls, certificates)
 
 
 async def env_page(request: web.Request) -> web.Response:
@@ -381,6 +384,16 @@ async def secret_action(request: web.Request) -> web.StreamResponse:
     return _done(request, f"/env/{env_id}", f"secret {name} set{rollout}", deployment_id=deployment_id)
 
 
+async def cancel_job_action(request: web.Request) -> web.StreamResponse:
+    console = _console(request)
+    env_id, job_id = request.match_info["env_id"], request.match_info["job_id"]
+    try:
+        await console.actions.cancel_job(_session(request).user, env_id, job_id)
+    except ActionRefused as exc:
+        return refuse(request, 409, str(exc))
+    return _done(request, f"/env/{env_id}", f"job {job_id}: cancel requested")
+
+
 async def node_action(request: web.Request) -> web.StreamResponse:
     console = _console(request)
     node_id, change = request.match_info["node_id"], request.match_info["change"]
@@ -464,7 +477,9 @@ async def live(request: web.Request) -> web.StreamResponse:
             # The page compares this with the revision it was rendered at: a change in between refreshes it.
             yield "hello", json.dumps({"revision": pages.page_revision(console.view, page)})
             while True:
-                changed = pages.changed_envs(console.view, await feed.wait())
+                changes = await feed.wait()
+                routed = pages.routed_envs(console.routes()) if any(k == K.CERT for k, _ in changes) else None
+                changed = pages.changed_envs(console.view, changes, routed)
                 if only_env and changed is not None and only_env not in changed:
                     continue  # another env's change: not on this env's page
                 yield "change", json.dumps({"envs": changed})
@@ -559,6 +574,7 @@ def make_app(console: Console) -> web.Application:
     app.router.add_post("/env/{env_id}/rollback", rollback_action)
     app.router.add_post("/env/{env_id}/scale", scale_action)
     app.router.add_post("/env/{env_id}/secrets", secret_action)
+    app.router.add_post("/env/{env_id}/jobs/{job_id}/cancel", cancel_job_action)
     app.router.add_get("/nodes", nodes_page)
     app.router.add_post("/nodes/{node_id}/{change}", node_action)
     app.router.add_get("/builds", builds_page)

@@ -15,12 +15,14 @@ import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from shared import certs as C
 from shared import keys as K
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream_config
 from shared.natsio import Connection
 from shared.txn import Writer
 from shared.view import StateView
 from tests.console.rig import ADMIN_USER, PASSWORD, VIEWER_USER, add_users, cluster_key, random_secret, running_console
+from tests.console.test_certs_jobs import certificate, domain
 from tests.orchestrator.rig import Rig, make_rig, seed_deploy_rig
 from tests.waiting import eventually
 
@@ -88,6 +90,13 @@ async def test_operator_watches_a_deploy_rolls_back_tails_logs_and_sets_a_secret
         card = page.get_by_role("listitem").filter(has_text="shop/web/env-d")
         await expect(card).to_contain_text("v1")
         await expect(card).to_contain_text("2 desired / 2 running / 2 healthy")
+        # A certificate obtained for the env's domain shows on its card without a reload.
+        await writer.commit(
+            writer.txn()
+            .create(domain("shop.example.com", rig.env_id))
+            .create(certificate("shop.example.com", C.VALID, chain=True))
+        )
+        await expect(card).to_contain_text("shop.example.com valid until 2100-01-01 00:00:00 UTC")
         await page.screenshot(path=ARTIFACTS / "overview.png", full_page=True)
 
         # The orchestrator walks dep1 through its phases; each one shows without a reload.

@@ -44,7 +44,7 @@ async def test_env_detail_offers_rollback_to_older_releases_and_never_secret_val
     await seed(writer)
     env = view.env(ENV_ID)
     assert env is not None
-    detail = pages.env_detail(view, env, [])
+    detail = pages.env_detail(view, env, [], [])
     assert [(r["version"], r["active"], r["can_roll_back_to"]) for r in detail["releases"]] == [
         (2, True, False),
         (1, False, True),
