@@ -71,7 +71,7 @@ def run_command(
         raise fail(f"command: {exc}") from None
 
     async def go() -> int:
-        async with control() as c:
+        async with control(follow=not detach) as c:  # following the run needs a view kept up to date
             target = _env_of(c.view, env)
             if not target.active_release_id:
                 raise fail(f"--env: {env_path(c.view, target)} has no active release yet (`zattera deploy` first)")

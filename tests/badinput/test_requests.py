@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -304,7 +305,9 @@ def running_build(build_id: str) -> pb.Build:
     b = pb.Build(project_id="bad-proj", app_id="bad-app", environment_id="bad-env", status=pb.BUILD_STATUS_RUNNING)
     b.meta.id = build_id
     b.node_id = AGENT_NODE
-    b.started_at.GetCurrentTime()
+    # Claimed a minute ago: a build claimed moments ago is sent its RunBuild again by a dispatcher that
+    # resumes it (dispatcher.CLAIM_IN_FLIGHT), and this one has no source for the builder to fetch.
+    b.started_at.FromSeconds(int(time.time()) - 60)
     b.last_event_at.GetCurrentTime()
     return b
 
