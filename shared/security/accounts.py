@@ -51,8 +51,9 @@ ROLE_ACCOUNT: dict[Role, Account] = {
 }
 ROLE_ACCOUNTS = (Account.AGENTS, Account.PROXIES, Account.OPERATORS)
 
-STREAM_RESPONSES = (f"{JS}.CONSUMER.MSG.NEXT.", AGENT_REQUESTS[:-1])
-"""Exports whose one request gets many answers (a pull's messages, a snapshot's progress)."""
+STREAM_RESPONSES = (f"{JS}.CONSUMER.MSG.NEXT.", f"{JS}.DIRECT.GET.", AGENT_REQUESTS[:-1])
+"""Exports whose one request gets many answers (a pull's messages, a batch direct get such as the CLI's
+``multi_last`` snapshot read, a snapshot's progress)."""
 
 
 def account_pattern(pattern: str) -> str:
