@@ -11,7 +11,6 @@ from acme import messages
 
 from services.certs.issuer import problem_text, retry_after
 
-
 IN_ONE_HOUR = "<an HTTP date one hour from now>"
 
 
