@@ -26,6 +26,8 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, NotFoundError
 
+from shared.errors import ZatteraError
+
 log = logging.getLogger(__name__)
 
 _CRLF = b"\r\n"
@@ -725,7 +727,7 @@ NO_RESULTS = "404"
 TOO_MANY_RESULTS = "413"
 
 
-class TooManySubjects(Exception):
+class TooManySubjects(ZatteraError):
     """More subjects than the server returns in one ``multi_last`` direct get (1,024 in nats-server)."""
 
 

@@ -17,8 +17,10 @@ from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo
 from nats.js.errors import NotFoundError
 
+from shared.errors import ZatteraError
 
-class ObjectCorrupt(Exception):
+
+class ObjectCorrupt(ZatteraError):
     """The chunks read do not match the object's recorded size or digest."""
 
 

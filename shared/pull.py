@@ -18,12 +18,14 @@ from collections.abc import Awaitable, Callable
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from shared.errors import ZatteraError
+
 STATUS_HEADER = "Status"
 HEARTBEAT, NO_MESSAGES, REQUEST_TIMEOUT = "100", "404", "408"
 NANOS = 1_000_000_000
 
 
-class PullLost(Exception):
+class PullLost(ZatteraError):
     """The consumer stopped answering or said it is gone."""
 
 

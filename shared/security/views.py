@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from shared.errors import ZatteraError
 from shared.natsio import STATE_STREAM, Connection
 from shared.security.callers import answerable, caller
 from shared.security.permissions import AGENT_STATE_READS, NAME, VIEW_OPEN_SUBJECT, view_consumer
@@ -30,7 +31,7 @@ VIEW_INACTIVE_THRESHOLD = 3600.0
 """A node gone for an hour loses its consumer (a returning agent opens a new one)."""
 
 
-class ViewRefused(Exception):
+class ViewRefused(ZatteraError):
     """The view service said no (the caller is not an agent) or nobody answered."""
 
 
