@@ -38,7 +38,7 @@ from services.proxy.settings import ROUTES_CACHE_FILE
 from shared.embedded import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("wrk", "nginx", "haproxy")
+PACKAGES = ("wrk", "nginx", "haproxy", "nghttp2-client")  # nghttp2-client: h2load
 
 
 def install() -> None:
@@ -72,6 +72,30 @@ def wrk(port: int, host: str, seconds: float, scheme: str = "http", close: bool 
     if errors:
         failed += sum(int(n) for n in errors.groups())
     return rps, p50, failed
+
+
+def h2load(port: int, authority: str, seconds: float) -> tuple[float, int]:
+    """(requests/s, failed requests) of one h2load run over TLS (ALPN h2): 1 thread, 32 connections, 10
+    concurrent streams each (h2load does not check the certificate; SNI is the URL's host)."""
+    out = subprocess.run(
+        [
+            "h2load",
+            "-t1",
+            "-c32",
+            "-m10",
+            f"-D{max(1, round(seconds))}",
+            "-H",
+            f":authority: {authority}",
+            f"https://127.0.0.1:{port}/",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rps = float(re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out).group(1))  # type: ignore[union-attr]
+    done = re.search(r"requests: \d+ total, \d+ started, \d+ done, \d+ succeeded, (\d+) failed, (\d+) errored", out)
+    failed = sum(int(n) for n in done.groups()) if done else 0
+    return rps, failed
 
 
 @contextlib.contextmanager
@@ -310,6 +334,9 @@ async def tls_and_websockets(directory: Path, backend_addr: str, seconds: float,
         handshakes = await asyncio.to_thread(wrk, tls, "h0.bench", seconds, "https", True)
         rows.append(row("our ingress over TLS, keep-alive (1 env)", keepalive[0], "req/s"))
         rows.append(row("our ingress over TLS, new handshake per request (1 env)", handshakes[0], "handshakes/s"))
+        h2_rps, h2_failed = await asyncio.to_thread(h2load, tls, "h0.bench", seconds)
+        h2_figure = f"our ingress, HTTP/2 over TLS (h2load, 32 connections x 10 streams; {h2_failed} failed)"
+        rows.append(row(h2_figure, h2_rps, "req/s"))
         async with aiohttp.ClientSession() as client:
             direct = await ws_round_trip_ms(client, f"http://{ws_addr}/ws", "ws.bench", 200)
             through = await ws_round_trip_ms(client, f"http://127.0.0.1:{port}/ws", "ws.bench", 200)

@@ -450,11 +450,14 @@ def default_replicas(cluster_size: int) -> int:
 
 def cluster_size(nc: NATS) -> int:
     """Servers of the cluster the connection is on: the client URLs its server advertises (INFO
-    ``connect_urls`` lists every member's, its own included); 1 for a lone server."""
+    ``connect_urls`` lists every member's, its own included), or the servers the caller named, whichever
+    is more (right after a cluster starts, a server's first INFO may not list peers whose routes are still
+    connecting); 1 for a lone server."""
     info = nc._server_info
     if not info.get("cluster"):
         return 1
-    return max(1, len(info.get("connect_urls") or []))
+    named = {(srv.uri.hostname, srv.uri.port) for srv in nc._server_pool if not srv.discovered}
+    return max(1, len(info.get("connect_urls") or []), len(named))
 
 
 @dataclass(frozen=True)
