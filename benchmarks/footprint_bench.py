@@ -32,7 +32,7 @@ from tests.e2e.cluster import ROOT, cli_argv, kill_tree_under
 
 MODES = {"all-in-one": "--all-in-one", "separate": "--separate"}
 GROUPS = ("supervisor", "control plane", "node", "nats-server")
-NODE_MODULES = ("services.agent", "services.proxy")
+NODE_MODULES = ("services.agent", "services.proxy", "haproxy")  # HAProxy: the proxy's data plane
 
 
 def group_of(proc: psutil.Process, supervisor_pid: int) -> str:
