@@ -1,7 +1,7 @@
 """``zattera up``: the whole single-machine cluster on the embedded NATS server.
 
 Starts nats-server (JetStream, data under ``<data_dir>/nats``), provisions the buckets and streams,
-then the control plane — every service in one process (``services.allinone``, the default), or each service
+then the control plane — every service in one process (``cli.control_plane``, the default), or each service
 as its own process (``--separate``) — and the local node (logs under ``<data_dir>/logs``), restarts a service or a NATS
 server that dies (with backoff), and on Ctrl-C / SIGTERM stops the services (SIGTERM, then SIGKILL after a grace) and
 then NATS, leaving no process behind. Running it again resumes the same cluster from its data dir.
@@ -31,7 +31,7 @@ from shared.natsio import connect, provision
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs", "console")
 ALL_IN_ONE = "control-plane"
-"""The process that runs every service of ``services.allinone`` (``join`` included: idle unless secured)."""
+"""The process that runs every service of ``cli.control_plane`` (``join`` included: idle unless secured)."""
 ALL_IN_ONE_SERVICES = frozenset((*SERVICES, "join"))
 LOCAL_NODE = "local"
 DEFAULT_METRICS_PORT = 9400
@@ -100,7 +100,7 @@ class Cluster:
     console_port: int = 8090  # the web console's (docs/console.md); a free one when busy
     with_node: bool = True
     services: list[str] = field(default_factory=available_services)
-    # The control plane as one process (``services.allinone``); False: one process per service.
+    # The control plane as one process (``cli.control_plane``); False: one process per service.
     all_in_one: bool = True
     extra: list[Supervised] = field(default_factory=list)
     console: Console = field(default_factory=lambda: Console(stderr=True))
@@ -185,7 +185,7 @@ class Cluster:
     def control_plane(self) -> list[tuple[str, str]]:
         """(process name, module) of each control-plane process."""
         if self.all_in_one and self.services:
-            return [(ALL_IN_ONE, "services.allinone")]
+            return [(ALL_IN_ONE, "cli.control_plane")]
         return [(name, f"services.{name}") for name in self.services]
 
     def console_env(self) -> dict[str, str]:

@@ -53,7 +53,7 @@ def test_up_gives_each_process_its_own_metrics_port(tmp_path: Path, monkeypatch:
 
 
 def test_up_runs_the_control_plane_in_one_process_unless_separate(tmp_path: Path) -> None:
-    assert Cluster(data_dir=tmp_path).control_plane() == [("control-plane", "services.allinone")]
+    assert Cluster(data_dir=tmp_path).control_plane() == [("control-plane", "cli.control_plane")]
     separate = Cluster(data_dir=tmp_path, all_in_one=False).control_plane()
     assert [module for _, module in separate] == [f"services.{name}" for name in SERVICES]
     assert Cluster(data_dir=tmp_path, services=[]).control_plane() == []  # NATS only (chaos tests)
@@ -87,6 +87,6 @@ def test_the_supervisor_gets_the_cluster_it_was_asked_for(tmp_path: Path) -> Non
 
 
 def test_up_and_the_all_in_one_process_agree_on_the_services() -> None:
-    from services.allinone.__main__ import BUILDS
+    from cli.control_plane import BUILDS
 
     assert set(BUILDS) == ALL_IN_ONE_SERVICES  # extra processes of these names are not started twice

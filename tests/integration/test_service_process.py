@@ -22,7 +22,8 @@ from shared.service import ServiceContext, serve
 from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = sorted(p.parent.name for p in (ROOT / "services").glob("*/__main__.py"))
+SERVICES = [*sorted(p.parent.name for p in (ROOT / "services").glob("*/__main__.py")), "allinone"]
+MODULES = {"allinone": "cli.control_plane"}  # every service in one process (zattera up's default)
 
 
 LOOPS_OF = {
@@ -68,7 +69,7 @@ def start(service: str, url: str, log: Path, lease_ttl: float = 1) -> subprocess
     }
     with open(log, "wb") as fh:
         return subprocess.Popen(
-            [sys.executable, "-m", f"services.{service}", "--nats", url],
+            [sys.executable, "-m", MODULES.get(service, f"services.{service}"), "--nats", url],
             cwd=ROOT,
             env=env,
             stdout=fh,

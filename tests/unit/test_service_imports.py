@@ -1,5 +1,5 @@
 """Services stand alone: no ``services.X`` module imports ``services.Y`` (shared code lives in shared/), and
-shared/ imports no service. The all-in-one process, which runs every service, is the one exception."""
+shared/ imports no service. The all-in-one process, which runs every service, is composed in cli/control_plane.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ALLOWED_TO_IMPORT_EVERY_SERVICE = {"allinone"}
 
 
 def imported_modules(source: str, package: tuple[str, ...]) -> list[str]:
@@ -29,8 +28,6 @@ def service_imports() -> list[str]:
     for path in sorted((ROOT / "services").rglob("*.py")) + sorted((ROOT / "shared").rglob("*.py")):
         parts = path.relative_to(ROOT).parts
         own = parts[1] if parts[0] == "services" and len(parts) > 2 else None
-        if own in ALLOWED_TO_IMPORT_EVERY_SERVICE:
-            continue
         package = path.relative_to(ROOT).parts[:-1]
         for module in imported_modules(path.read_text(), package):
             target = module.split(".")

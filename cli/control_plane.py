@@ -1,4 +1,4 @@
-"""Entry point: ``python -m services.allinone [--nats URL]``: the whole control plane in one process.
+"""Entry point: ``python -m cli.control_plane [--nats URL]``: the whole control plane in one process.
 
 Each service's own ``build`` runs here unchanged, with a context of its own (its name, its lease holder):
 the same loops under the same leases, the same fenced writes, as when each runs as
@@ -7,7 +7,8 @@ single service already share; a second replica of any service (all-in-one or not
 this one as usual. One interpreter instead of six is what brings a single machine's control plane from
 six Python processes to one (PERFORMANCE.md, "Footprint").
 
-This is the one module under ``services/`` that imports the others (tests/unit/test_service_imports.py).
+It composes the services, so it lives with the other composition of them (``zattera up``) in ``cli/``, not
+under ``services/``, whose packages never import each other (tests/unit/test_service_imports.py).
 """
 
 from __future__ import annotations

@@ -1,1 +1,0 @@
-"""Every control-plane service in one process, for a single machine (``zattera up``'s default)."""
