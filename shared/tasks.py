@@ -46,3 +46,18 @@ async def stop_following(task: asyncio.Task[None] | None, subscription: Any | No
     if subscription is not None:
         with contextlib.suppress(Exception):
             await subscription.unsubscribe()
+
+
+class Signal:
+    """Wakes every task waiting at the time of :meth:`notify` (a missed notify is impossible as long as
+    the waiter checks its condition and calls :meth:`wait` without yielding in between)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()

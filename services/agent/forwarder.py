@@ -45,6 +45,7 @@ from services.agent.network import (
     targets_of,
 )
 from shared.routeclient import write_atomic
+from shared.tasks import Signal
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +60,6 @@ Activate = Callable[[str], Awaitable[object]]
 """Asks the control plane to wake an env; raises when it must be asked again."""
 
 
-class _Signal:
-    """Wakes every task waiting at the time of :meth:`notify`."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def notify(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def wait(self) -> None:
-        await self._event.wait()
 
 
 class Forwarder:
@@ -100,7 +89,7 @@ class Forwarder:
         self._servers: dict[Listen, asyncio.Server] = {}
         self._resolvers: dict[int, asyncio.DatagramTransport] = {}
         self._sync_lock = asyncio.Lock()
-        self._changed = _Signal()
+        self._changed = Signal()
         self._activations: dict[str, asyncio.Task[None]] = {}
         self._held: dict[str, int] = {}
         self._connections: set[asyncio.Task[None]] = set()  # being joined to an endpoint

@@ -25,6 +25,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from shared.tasks import Signal
+
 log = logging.getLogger(__name__)
 
 MAX_HELD_PER_ENV = 100
@@ -47,19 +49,6 @@ class HoldRejected(Exception):
         self.retry_after = retry_after
 
 
-class _Signal:
-    """Wakes every task waiting at the time of :meth:`notify` (a missed notify is impossible as long as
-    the waiter checks its condition and calls :meth:`wait` without yielding in between)."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def notify(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def wait(self) -> None:
-        await self._event.wait()
 
 
 class Holds:
@@ -80,7 +69,7 @@ class Holds:
         self.retry_initial = retry_initial
         self.retry_max = retry_max
         self._held: dict[str, int] = {}
-        self._signals: dict[str, _Signal] = {}
+        self._signals: dict[str, Signal] = {}
         self._activations: dict[str, asyncio.Task[None]] = {}
         self._closed = False
         self.activations_sent = 0
@@ -109,7 +98,7 @@ class Holds:
         if self._held.get(env_id, 0) >= self.max_held_per_env:
             raise HoldRejected(503, "activating; queue full, retry shortly", QUEUE_FULL_RETRY_AFTER)
         self._held[env_id] = self._held.get(env_id, 0) + 1
-        signal = self._signals.setdefault(env_id, _Signal())
+        signal = self._signals.setdefault(env_id, Signal())
         try:
             self._trigger(env_id)
             async with asyncio.timeout(self.hold_timeout):
