@@ -295,6 +295,11 @@ class Fleet:
                 proc.popen.wait()
 
 
+def lease_losses(log_text: str) -> int:
+    """Every lease loss a process logged, whatever noticed it first (a refused write, or its own TTL)."""
+    return sum(1 for line in log_text.splitlines() if " lost (term " in line)
+
+
 def refused_stale_writes(log_text: str) -> int:
     """Lease losses a deposed leader logged when its renewal or fenced batch was refused by the server."""
     return sum(

@@ -75,7 +75,7 @@ async def test_twenty_deploys_under_random_faults(tmp_path: Path) -> None:
             await run.wait_terminal(d)
         summary = await verdict(run)
         assert run.stats.deploys + run.stats.rollbacks >= DEPLOYS * 0.8
-        assert summary["refused_stale_writes"] >= 2  # type: ignore[operator]
+        assert summary["refused_stale_writes"] >= 1  # type: ignore[operator]
         assert all(loop in run.stats.failover_seconds for loop in loops)
     finally:
         await run.close()

@@ -39,6 +39,7 @@ async def verdict(run: Run) -> dict[str, object]:
         "invariant_checks": run.watcher.checks,
         "acked_writes_checked": len(run.acked),
         "refused_stale_writes": run.stats.refused_stale_writes,
+        "frozen_leaders_stepped_down": run.stats.frozen_leaders_stepped_down,
         "audit": run.audit.counts(),
         "failover_s": {k: [round(x, 2) for x in v] for k, v in run.stats.failover_seconds.items()},
     }
