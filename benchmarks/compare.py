@@ -12,6 +12,7 @@ Each figure's median over the rounds is printed with the change in per cent.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,6 +28,18 @@ from rich.table import Table
 from benchmarks.common import format_value, median
 
 HERE = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Compared:
+    figure: str
+    before: float
+    after: float
+    unit: str
+
+    @property
+    def change_pct(self) -> float:
+        return (self.after - self.before) / self.before * 100 if self.before else float("nan")
 
 
 @contextmanager
@@ -70,26 +83,22 @@ def main() -> None:
                 for figure, (value, unit) in run_benchmarks(tree, args.only).items():
                     samples.setdefault(figure, []).append(value)
                     units[figure] = unit
-    rows = []
-    for figure in after:
-        old_value = median(before.get(figure, []))
-        new_value = median(after[figure])
-        change = (new_value - old_value) / old_value * 100 if old_value else float("nan")
-        rows.append(
-            {"figure": figure, "before": old_value, "after": new_value, "unit": units[figure], "change_pct": change}
-        )
+    rows = [
+        Compared(figure, median(before.get(figure, [])), median(values), units[figure])
+        for figure, values in after.items()
+    ]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([dataclasses.asdict(r) | {"change_pct": r.change_pct} for r in rows], indent=2))
         return
     table = Table(title=f"{args.before} → working tree, median of {args.rounds} rounds")
     for column in ("figure", "before", "after", "change"):
         table.add_column(column, overflow="fold")
     for r in rows:
         table.add_row(
-            r["figure"],
-            f"{format_value(r['before'])} {r['unit']}",
-            f"{format_value(r['after'])} {r['unit']}",
-            f"{r['change_pct']:+.1f} %",
+            r.figure,
+            f"{format_value(r.before)} {r.unit}",
+            f"{format_value(r.after)} {r.unit}",
+            f"{r.change_pct:+.1f} %",
         )
     Console().print(table)
 
