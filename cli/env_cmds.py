@@ -101,11 +101,8 @@ def _delete(what: str, decide: Callable[[StateView, float], Deletion | None], *,
                     raise fail(f"{what}: deleted meanwhile by someone else")
                 return Attempt(deletion_txn(c.writer, fresh), fresh)
 
-            def landed(_: Deletion) -> bool:
-                return decide(c.view, time.time()) is None
-
             try:
-                plan = await commit_with_retry(c.writer, attempt, clock=RealClock(), contended=what, landed=landed)
+                plan = await commit_with_retry(c.writer, attempt, clock=RealClock(), contended=what)
             except RetriesExhausted:
                 raise fail(f"{what} kept changing while deleting; try again") from None
             await EventPublisher(c.conn).publish(*deletion_events(plan))

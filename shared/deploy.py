@@ -32,7 +32,7 @@ from shared.clock import Clock, RealClock, stamp
 from shared.deployments import is_terminal
 from shared.errors import ZatteraError
 from shared.ids import SAFE_ID_RULE, is_safe_id, new_id
-from shared.retry import Attempt, Decide, RetriesExhausted, commit_with_retry
+from shared.retry import Attempt, Decide, RetriesExhausted, commit_with_retry, decide_again
 from shared.txn import Txn, Writer
 from shared.view import StateView
 
@@ -310,7 +310,7 @@ class Deployer:
             return Attempt(self._writer.txn("cancel").put(request), request)
 
         # After an unknown outcome the next decision finds the request recorded (or makes it again).
-        return await self._commit(decide, f"deployment {deployment_id}")
+        return await self._commit(decide, f"deployment {deployment_id}", decide_again)
 
     # ------------------------------------------------------------------ building blocks
 

@@ -6,9 +6,11 @@ returns an :class:`Attempt` (the transaction, expectations captured as it was bu
 back); the helper commits it. A :class:`~shared.txn.Conflict` means nothing was written and someone else
 won: the helper waits until the view has seen that write, then decides again — at once the first time, then
 after a jittered, growing pause on the injected clock (several writers contending back off apart). A
-:class:`~shared.txn.CommitUnknown` has already caught the view up: ``landed`` recognises a write that did
-land, otherwise the caller decides again on what is there. :class:`~shared.txn.Deposed` and any other
-refusal propagate. When the attempts run out, :class:`RetriesExhausted` says what kept changing.
+:class:`~shared.txn.CommitUnknown` has already caught the view up: a caller that passes ``landed`` has it
+recognise a write that did land, and otherwise decides again on what is there (:func:`decide_again` when the
+re-read alone tells); without ``landed`` it propagates, to be reported (the CLI's "may or may not have been
+applied"). :class:`~shared.txn.Deposed` and any other refusal propagate. When the attempts run out,
+:class:`RetriesExhausted` says what kept changing.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ async def commit_with_retry(
 ) -> T:
     """Decide and commit until a decision lands; ``decide`` refuses by raising. ``contended`` names what
     kept changing (the :class:`RetriesExhausted` message); ``landed`` tells, after an unknown outcome, from
-    the caught-up view whether the write is there (without it the caller decides again)."""
+    the caught-up view whether the write is there (False: decide again; None: the outcome propagates)."""
     for attempt in range(1, policy.attempts + 1):
         decided = decide()
         chosen = await decided if inspect.isawaitable(decided) else decided
@@ -95,11 +97,20 @@ async def commit_with_retry(
             await clock.sleep(policy.backoff(attempt, _jitter))
             continue
         except CommitUnknown:
-            if landed is not None and landed(chosen.result):
+            if landed is None:
+                raise
+            if landed(chosen.result):
                 return chosen.result
             continue
         return chosen.result
     raise RetriesExhausted(f"{contended} kept changing; try again")
+
+
+def decide_again(_: object) -> bool:
+    """``landed`` for a decision that can simply be taken again after an unknown outcome: the caught-up
+    re-read shows whatever landed, and deciding on it does not repeat the write (a cancel already recorded,
+    a status already set)."""
+    return False
 
 
 async def _await_winner(view: StateView, txn: Txn) -> None:

@@ -44,7 +44,7 @@ from shared.activation import (
 from shared.clock import Clock
 from shared.events import EVENT_WOKEN, EventPublisher
 from shared.natsio import ACTIVATE_SUBJECT, Connection, is_direct_request
-from shared.retry import Attempt, RetriesExhausted, commit_with_retry
+from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
 from shared.telemetry import span
 from shared.txn import TxnError, Writer
 from shared.view import StateView
@@ -99,7 +99,7 @@ class Activator:
 
         try:
             decision = await commit_with_retry(
-                self.writer, decide, clock=self.clock, contended=f"environment {environment_id!r}"
+                self.writer, decide, clock=self.clock, contended=f"environment {environment_id!r}", landed=decide_again
             )
         except RetriesExhausted:
             raise ActivateError(ABORTED, f"environment {environment_id!r} kept changing; retry") from None

@@ -159,11 +159,8 @@ class CertificateLoop(LeaderLoop):
             updated = after_success(current, sealed, issuer)
             return Attempt(writer.txn("certs").put(updated).put(cluster_key), updated)
 
-        def landed(updated: pb.Certificate | None) -> bool:
-            return self.view.get(K.CERT, K.cert_id(order.hostname)) == updated
-
         try:
-            updated = await commit_with_retry(writer, decide, clock=self.clock, contended=order.hostname, landed=landed)
+            updated = await commit_with_retry(writer, decide, clock=self.clock, contended=order.hostname)
         except RetriesExhausted:
             log.warning("certs: %s kept changing while storing its certificate; ordering again later", order.hostname)
             return

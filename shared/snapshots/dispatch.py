@@ -36,7 +36,7 @@ from shared.clock import Clock, stamp
 from shared.errors import ZatteraError
 from shared.ids import new_id
 from shared.natsio import Connection, agent_subject
-from shared.retry import Attempt, RetriesExhausted, commit_with_retry
+from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
 from shared.snapshots.locking import SharedExclusiveLock
 from shared.snapshots.store import MANIFESTS, SnapshotStore
 from shared.telemetry import inject, span
@@ -274,7 +274,9 @@ class SnapshotDispatcher:
             return Attempt(writer.txn("snapshot.finish").put(final), None)
 
         try:
-            await commit_with_retry(writer, decide, clock=self.clock, contended=f"snapshot {final.meta.id}")
+            await commit_with_retry(
+                writer, decide, clock=self.clock, contended=f"snapshot {final.meta.id}", landed=decide_again
+            )
         except Deposed:
             raise
         except TxnError as exc:
@@ -475,7 +477,9 @@ class SnapshotDispatcher:
             return Attempt(writer.txn("volume.restore").put(updated), current)
 
         try:
-            return await commit_with_retry(writer, decide, clock=self.clock, contended=f"volume {volume_id}")
+            return await commit_with_retry(
+                writer, decide, clock=self.clock, contended=f"volume {volume_id}", landed=decide_again
+            )
         except RetriesExhausted:
             raise NodeOperationFailed(f"volume {volume_id} kept changing; its status was not written") from None
 

@@ -10,7 +10,7 @@ import pytest
 from shared.clock import FakeClock
 from shared.lease import Lease
 from shared.natsio import STATE_PREFIX, Connection, connect
-from shared.retry import RETRY, Attempt, RetriesExhausted, RetryPolicy, commit_with_retry
+from shared.retry import RETRY, Attempt, RetriesExhausted, RetryPolicy, commit_with_retry, decide_again
 from shared.txn import CommitUnknown, Deposed, Txn, Writer
 from shared.view import StateView
 from tests.factories import node
@@ -105,11 +105,15 @@ class LosesFirstReply(Writer):
             raise CommitUnknown("no reply (lost on purpose)")
 
 
-@pytest.mark.parametrize(("recognise", "expected"), [(True, [2]), (False, [2, 3])])
+@pytest.mark.parametrize(
+    ("landed", "expected"),
+    [("recognise", [2]), ("decide again", [2, 3]), ("report", [2])],
+)
 async def test_an_unknown_outcome_is_recognised_from_the_caught_up_view(
-    conn: Connection, view: StateView, recognise: bool, expected: list[int]
+    conn: Connection, view: StateView, landed: str, expected: list[int]
 ) -> None:
-    """With ``landed`` the write that did land is recognised; without it the caller decides again."""
+    """``landed`` recognises the write that did land; :func:`decide_again` decides on the caught-up view;
+    without ``landed`` the unknown outcome is the caller's to report."""
     writer = LosesFirstReply(conn, view)
     await Writer(conn, view).commit(writer.txn().create(node("n1", cpu=1)))
     decisions: list[int] = []
@@ -117,14 +121,17 @@ async def test_an_unknown_outcome_is_recognised_from_the_caught_up_view(
     def there(cpu: int) -> bool:
         return view.node("n1").capacity.cpu_millis == cpu
 
-    result = await commit_with_retry(
-        writer,
-        lambda: bumped(view, writer, decisions),
-        clock=FakeClock(),
-        contended="node n1",
-        landed=there if recognise else None,
+    check = {"recognise": there, "decide again": decide_again, "report": None}[landed]
+    attempt = commit_with_retry(
+        writer, lambda: bumped(view, writer, decisions), clock=FakeClock(), contended="node n1", landed=check
     )
-    assert decisions == expected and result == expected[-1]
+    if check is None:
+        with pytest.raises(CommitUnknown):
+            await attempt
+    else:
+        assert await attempt == expected[-1]
+    assert decisions == expected
+    assert view.node("n1").capacity.cpu_millis == expected[-1]
 
 
 async def test_a_deposed_writer_is_not_retried(conn: Connection, view: StateView) -> None:
