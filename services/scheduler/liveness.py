@@ -16,9 +16,10 @@ from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import Writes, commit
+from services.scheduler.decisions import commit
 from shared import keys as K
 from shared.clock import from_timestamp, stamp
+from shared.decision import Decision
 from shared.events import node_change_event
 from shared.live import LiveView
 from shared.loop import LeaderLoop
@@ -38,7 +39,7 @@ def evaluate_liveness(
     *,
     deadline: float = HEARTBEAT_DEADLINE,
     grace: float = LEADER_GRACE,
-) -> list[Writes]:
+) -> list[Decision]:
     """Status flips (one write per node) from each node's last heartbeat time."""
     result = []
     grace_over = now - term_started >= grace
@@ -61,7 +62,7 @@ def evaluate_liveness(
         if heard is not None:
             stamp(changed.last_heartbeat_at, heard)
         ev = node_change_event(node, changed, now, actor=ACTOR, revision=view.rev(K.node(node_id)), message=message)
-        result.append(Writes(f"liveness:{node_id}", updates=[changed], events=[ev] if ev else []))
+        result.append(Decision(f"liveness:{node_id}", puts=[changed], events=[ev] if ev else []))
     return result
 
 

@@ -23,11 +23,12 @@ from typing import Any
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.convergence import FailureBackoff, evaluate_envs
-from services.scheduler.decisions import Notices, Writes, commit, event
+from services.scheduler.decisions import Notices, commit, event
 from services.scheduler.drain import evaluate_drains
 from services.scheduler.orphans import evaluate_orphans
 from services.scheduler.volumes import evaluate_leases, evaluate_volumes
 from shared import keys as K
+from shared.decision import Decision
 from shared.events import WARNING
 from shared.loop import LeaderLoop
 from shared.placement.placement import PlacementError, explain
@@ -80,7 +81,7 @@ class Scheduler(LeaderLoop):
         await self._commit(evaluate_orphans(view, now))
         await self._commit(evaluate_drains(view, now))
 
-    async def _commit(self, writes: Sequence[Writes]) -> list[bool]:
+    async def _commit(self, writes: Sequence[Decision]) -> list[bool]:
         assert self.writer is not None, "a pass needs a writer (set by run(), or by the test)"
         return await commit(self.writer, self.events, writes, loop=self.name)
 

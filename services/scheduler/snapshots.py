@@ -40,9 +40,10 @@ from typing import Any, Protocol
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import Writes, commit, volume_event
+from services.scheduler.decisions import commit, volume_event
 from shared import keys as K
 from shared.clock import from_timestamp, stamp
+from shared.decision import Decision
 from shared.events import WARNING
 from shared.lease import Leadership
 from shared.loop import LeaderLoop
@@ -99,9 +100,9 @@ def _last_activity(record: pb.VolumeSnapshot) -> float:
     return max(from_timestamp(record.meta.created_at), from_timestamp(record.meta.updated_at))
 
 
-def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Writes]:
+def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Decision]:
     """RESTORING volumes untouched for ``timeout``: back to ACTIVE (node ALIVE) or NODE_LOST, one write each."""
-    result: list[Writes] = []
+    result: list[Decision] = []
     for volume in view.volumes():
         if volume.status != pb.VOLUME_STATUS_RESTORING:
             continue
@@ -120,7 +121,7 @@ def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Writ
             f"(the process running it is gone); volume back to {back}"
         )
         ev = volume_event(view, volume, "volume.restore_failed", message, now, severity=WARNING, node_id=volume.node_id)
-        result.append(Writes(f"restore.abandoned:{volume.meta.id}", updates=[reset], events=[ev]))
+        result.append(Decision(f"restore.abandoned:{volume.meta.id}", puts=[reset], events=[ev]))
     return result
 
 

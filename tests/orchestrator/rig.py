@@ -17,9 +17,10 @@ from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
 from services.orchestrator.loop import Orchestrator
-from services.orchestrator.model import Timers, Transition, copy_of
+from services.orchestrator.model import Timers, copy_of
 from shared import keys as K
 from shared.clock import FakeClock, stamp
+from shared.decision import Decision
 from shared.lease import Leadership, Lease
 from shared.natsio import Connection
 from shared.txn import Writer
@@ -137,7 +138,7 @@ class Rig:
             txn.put(observed, key=K.observed(a.node_id, a.meta.id))
         await self.writer.commit(txn)
 
-    async def step(self, deployment_id: str = "dep1") -> Transition | None:
+    async def step(self, deployment_id: str = "dep1") -> Decision | None:
         return await self.orchestrator.reconcile(deployment_id)
 
     async def steps(self, n: int, deployment_id: str = "dep1") -> None:

@@ -54,7 +54,7 @@ def test_liveness_decides_from_heartbeat_age(status, heard_ago, term_age, expect
     state = OfflineState(node("n1", status=status))
     heard = {} if heard_ago is None else {"n1": NOW - heard_ago}
     writes = evaluate_liveness(state.view, heard.get, NOW, NOW - term_age)
-    got = [w.updates[0].status for w in writes]  # type: ignore[attr-defined]
+    got = [w.puts[0].status for w in writes]  # type: ignore[attr-defined]
     assert got == ([] if expected is None else [expected])
 
 
@@ -64,7 +64,7 @@ def test_liveness_windows_are_settable():
     heard = {"n1": NOW - 4}
     assert evaluate_liveness(state.view, heard.get, NOW, NOW - 10) == []
     writes = evaluate_liveness(state.view, heard.get, NOW, NOW - 10, deadline=3, grace=2)
-    assert [w.updates[0].status for w in writes] == [DOWN]  # type: ignore[attr-defined]
+    assert [w.puts[0].status for w in writes] == [DOWN]  # type: ignore[attr-defined]
     assert evaluate_liveness(state.view, heard.get, NOW, NOW - 1, deadline=3, grace=2) == []
 
 
