@@ -37,9 +37,9 @@ from cli.secrets_cmds import secrets_app
 from cli.security_cmds import join_token, secure_up, security_app
 from cli.spec import SpecError, load
 from cli.up import DEFAULT_METRICS_PORT, Cluster, run_up
-from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
-from services.proxy.settings import DEFAULT_TLS_LISTEN as DEFAULT_PROXY_TLS_LISTEN
-from services.proxy.settings import split_listen
+from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
+from services.proxy.launch import DEFAULT_TLS_LISTEN as DEFAULT_PROXY_TLS_LISTEN
+from services.proxy.launch import split_listen
 from shared import keys as K
 from shared.applogs import describe_exit
 from shared.deploy import Deployer, DeployError

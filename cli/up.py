@@ -23,9 +23,8 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 
-from services.proxy.haproxy_engine import choose_engine
-from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
-from services.proxy.settings import split_listen
+from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
+from services.proxy.launch import choose_engine, split_listen
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
 from shared.natsio import connect, provision
 
