@@ -70,7 +70,6 @@ def root(
     setup_telemetry("zattera-cli")  # OTEL_TRACES_EXPORTER picks the exporter; unset = no-op
 
 
-
 # ---------------------------------------------------------------------------------------------- cluster
 
 
@@ -148,7 +147,6 @@ def up(
         all_in_one=all_in_one,
     )
     raise typer.Exit(run_up(cluster))
-
 
 
 # The order of registration is the order of `zattera --help`.

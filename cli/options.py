@@ -14,12 +14,14 @@ WIDE = typer.Option(False, "--wide", help="every column, ids included")
 
 
 def set_output(flag: bool, wide: bool = False) -> bool:
+    """Record ``--json`` and ``--wide`` for :mod:`cli.render`; returns ``--json``."""
     OPTIONS.json = flag
     OPTIONS.wide = wide
     return flag
 
 
 def env_or_fail(view: StateView, ref: str) -> pb.Environment:
+    """The environment ``--env`` names (an id or project/app/env), else a one-line failure."""
     env = resolve_env(view, ref)
     if env is None:
         raise fail(f"--env: no environment {ref!r} (use an id or project/app/env)")
