@@ -1,5 +1,5 @@
 """Security commands: ``zattera up --secure/--tls``, ``zattera nodes join-token`` (registered on the nodes
-group by cli/main.py), ``zattera security creds|revoke``."""
+group by cli/nodes_cmds.py), ``zattera security creds|revoke``."""
 
 from __future__ import annotations
 
