@@ -17,7 +17,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from services.proxy.haproxy_engine import HAProxyIngress, choose_engine, haproxy_ingress
+from services.proxy.haproxy_engine import HAProxyIngress, haproxy_ingress
+from services.proxy.launch import choose_engine
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
