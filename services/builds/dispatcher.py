@@ -60,7 +60,6 @@ from shared.buildlogs import (
     run_build_subject,
 )
 from shared.events import WARNING, make_event
-from shared.lease import Leadership
 from shared.loop import LeaderLoop
 from shared.natsio import BUILD_EVENTS_STREAM, build_events_subject, build_log_subject
 from shared.registry import repository
@@ -376,16 +375,7 @@ class BuildDispatcher(LeaderLoop):
     def seconds_until_due(self) -> float | None:
         return None if self._next_deadline is None else self._next_deadline - self.clock.now()
 
-    async def run(self, leadership: Leadership) -> None:
-        self.writer = self.fenced_writer(leadership)
-        try:
-            await self.view.wait_fresh()
-            await self._start_following()
-            await super().run(leadership)
-        finally:
-            await self._stop_following()
-
-    async def _start_following(self) -> None:
+    async def begin_term(self) -> None:
         """Resume every RUNNING build, then replay the durable events (what a previous leader missed)."""
         info = await self.conn.js.stream_info(BUILD_EVENTS_STREAM)
         self._replay_until = info.state.last_seq
@@ -403,7 +393,7 @@ class BuildDispatcher(LeaderLoop):
         )
         guard_ordered_consumer(self._events_sub, None)
 
-    async def _stop_following(self) -> None:
+    async def end_term(self) -> None:
         if self._events_sub is not None:
             with contextlib.suppress(Exception):
                 await self._events_sub.unsubscribe()

@@ -44,7 +44,6 @@ from services.scheduler.decisions import Writes, commit, volume_event
 from shared import keys as K
 from shared.clock import from_timestamp, stamp
 from shared.events import WARNING
-from shared.lease import Leadership
 from shared.loop import LeaderLoop
 from shared.schedule import Schedule, ScheduleError, parse_schedule
 from shared.snapshots.dispatch import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
@@ -172,14 +171,12 @@ class SnapshotScheduler(LeaderLoop):
         self._retry_at.clear()
         self._warned.clear()
 
-    async def run(self, leadership: Leadership) -> None:
-        try:
-            await super().run(leadership)
-        finally:
-            tasks = self._background | self._prunes
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    async def end_term(self) -> None:
+        """The snapshots and prunes this term started stop with it."""
+        tasks = self._background | self._prunes
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _track(self, task: asyncio.Task[object], into: set[asyncio.Task[object]]) -> None:
         into.add(task)
