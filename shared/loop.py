@@ -26,6 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from shared.clock import Clock
@@ -69,38 +70,46 @@ async def wait_for_changes(feeds: Sequence[ChangeFeed], clock: Clock, timeout: f
     return changes
 
 
+@dataclass(frozen=True, slots=True)
+class LoopDeps:
+    """What every leader loop receives from its service (``ServiceContext.loop_deps``; tests build one)."""
+
+    conn: Connection
+    view: StateView
+    clock: Clock
+    coalesce: float = 0.005
+    """Seconds a loop waits after a pass so that a burst of changes wakes one pass, not many."""
+    max_batch: int = 1000
+    """Most writes in one atomic batch of the fenced writer."""
+    tombstone_ttl: float = 900.0
+    """Seconds a delete marker outlives the key it deleted."""
+
+
 class LeaderLoop(ABC):
     """Base of the leader-gated loops. Subclasses set :attr:`name` (the lease) and :attr:`kinds`."""
 
     name: str = ""
     kinds: frozenset[str] = frozenset()
 
-    def __init__(
-        self,
-        *,
-        conn: Connection,
-        view: StateView,
-        clock: Clock,
-        tick: float = 15.0,
-        coalesce: float = 0.005,
-        max_batch: int = 1000,
-        tombstone_ttl: float = 900.0,
-    ) -> None:
-        self.conn = conn
-        self.view = view
-        self.clock = clock
+    def __init__(self, deps: LoopDeps, *, tick: float = 15.0) -> None:
+        self.deps = deps
+        self.conn = deps.conn
+        self.view = deps.view
+        self.clock = deps.clock
         self.tick = tick
-        self.coalesce = coalesce
-        self.events = EventPublisher(conn)
-        self._max_batch = max_batch
-        self._tombstone_ttl = tombstone_ttl
+        self.coalesce = deps.coalesce
+        self.events = EventPublisher(deps.conn)
         self.writer: Writer | None = None
         self.passes = 0
         self._feeds: list[ChangeFeed] = []
 
     def fenced_writer(self, leadership: Leadership) -> Writer:
         return Writer(
-            self.conn, self.view, lease=leadership.lease, max_batch=self._max_batch, tombstone_ttl=self._tombstone_ttl
+            self.conn,
+            self.view,
+            lease=leadership.lease,
+            max_batch=self.deps.max_batch,
+            tombstone_ttl=self.deps.tombstone_ttl,
         )
 
     # ------------------------------------------------------------------ hooks

@@ -26,7 +26,7 @@ from nats.js.errors import BadRequestError
 from shared.clock import Clock, RealClock
 from shared.events import EventPublisher
 from shared.lease import default_holder, run_while_leading
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
 from shared.natsio import Connection, connect, provision, provision_options
 from shared.settings import Settings, settings
@@ -62,15 +62,17 @@ class ServiceContext:
             tombstone_ttl=self.settings.tombstone_ttl,
         )
 
-    def loop_kwargs(self) -> dict[str, Any]:
-        return {
-            "conn": self.conn,
-            "view": self.view,
-            "clock": self.clock,
-            "coalesce": self.settings.coalesce_window,
-            "max_batch": self.settings.max_batch,
-            "tombstone_ttl": self.settings.tombstone_ttl,
-        }
+    @property
+    def loop_deps(self) -> LoopDeps:
+        """What the service's leader loops receive."""
+        return LoopDeps(
+            self.conn,
+            self.view,
+            self.clock,
+            coalesce=self.settings.coalesce_window,
+            max_batch=self.settings.max_batch,
+            tombstone_ttl=self.settings.tombstone_ttl,
+        )
 
     def lead(self, loop: LeaderLoop) -> Coroutine[Any, Any, None]:
         return run_while_leading(

@@ -16,7 +16,6 @@ import time
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
@@ -25,7 +24,7 @@ from shared.clock import stamp
 from shared.deployments import owns_scaling
 from shared.events import scale_event as shared_scale_event
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
-from shared.loop import FULL, LeaderLoop, Scope
+from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
 from shared.natsio import STATE_STREAM, Connection
 from shared.txn import CommitUnknown, Conflict, Txn, Writer
 from shared.view import Change, ChangeFeed, StateView
@@ -121,8 +120,8 @@ class ScalingLoop(LeaderLoop):
     kinds = frozenset({K.ENV, K.DEPLOYMENT})
     live_kinds: frozenset[str] = frozenset({ENV_TRAFFIC})
 
-    def __init__(self, *, live: LiveView, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, deps: LoopDeps, *, live: LiveView, tick: float = 15.0) -> None:
+        super().__init__(deps, tick=tick)
         self.live = live
         self.writes = 0
         self.conflicts = 0

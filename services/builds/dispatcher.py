@@ -60,7 +60,7 @@ from shared.buildlogs import (
     run_build_subject,
 )
 from shared.events import WARNING, make_event
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.natsio import BUILD_EVENTS_STREAM, build_events_subject, build_log_subject
 from shared.registry import repository
 from shared.tasks import cancel_and_wait
@@ -350,8 +350,8 @@ class BuildDispatcher(LeaderLoop):
     name = "builds"
     kinds = frozenset({K.BUILD, K.NODE})
 
-    def __init__(self, *, config: BuildDispatcherConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, deps: LoopDeps, *, config: BuildDispatcherConfig | None = None, tick: float = 15.0) -> None:
+        super().__init__(deps, tick=tick)
         self.config = config or BuildDispatcherConfig()
         self._followers: dict[str, _Follower] = {}
         self._warned: set[str] = set()

@@ -28,14 +28,13 @@ import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
 from services.builds.registry import RegistrySweeper
 from shared import keys as K
 from shared.deployments import is_terminal
-from shared.loop import FULL, LeaderLoop, Scope
+from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
 from shared.natsio import DAY, SOURCES_STORE
 from shared.registry import BlobInfo, BlobStore, parse_ref, repository
 from shared.view import Change
@@ -199,14 +198,14 @@ class Retention(LeaderLoop):
 
     def __init__(
         self,
+        deps: LoopDeps,
         *,
         sweeper: RegistrySweeper | None = None,
         interval: float = RETENTION_INTERVAL,
         keep: int = KEEP_RELEASES,
         source_max_age: float = SOURCE_MAX_AGE,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(tick=interval, **kwargs)
+        super().__init__(deps, tick=interval)
         self.sweeper = sweeper
         self.keep = keep
         self.source_max_age = source_max_age

@@ -35,7 +35,7 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
@@ -44,7 +44,7 @@ from services.scheduler.decisions import Writes, commit, volume_event
 from shared import keys as K
 from shared.clock import from_timestamp, stamp
 from shared.events import WARNING
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.schedule import Schedule, ScheduleError, parse_schedule
 from shared.snapshots.dispatch import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
 from shared.txn import Txn, Writer
@@ -153,9 +153,9 @@ class SnapshotScheduler(LeaderLoop):
     kinds = frozenset({K.VOLUME, K.SNAPSHOT})
 
     def __init__(
-        self, *, dispatcher: SnapshotOps, tick: float = TICK, restore_timeout: float = RESTORE_TIMEOUT, **kwargs: Any
+        self, deps: LoopDeps, *, dispatcher: SnapshotOps, tick: float = TICK, restore_timeout: float = RESTORE_TIMEOUT
     ) -> None:
-        super().__init__(tick=tick, **kwargs)
+        super().__init__(deps, tick=tick)
         self.dispatcher = dispatcher
         self.restore_timeout = restore_timeout
         self._last_fire: dict[str, float] = {}
