@@ -15,7 +15,8 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, bench_main, embedded_server, median, percentile, row
-from services.builds.dispatcher import BuildDispatcher, BuildDispatcherConfig
+from services.builds.dispatcher import BuildDispatcher
+from services.builds.planning import BuildDispatcherConfig
 from shared import keys as K
 from shared.clock import RealClock
 from shared.ids import new_id

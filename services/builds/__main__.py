@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from services.builds.dispatcher import BuildDispatcher, BuildDispatcherConfig
+from services.builds.dispatcher import BuildDispatcher
 from services.builds.logstreams import LogStreams
+from services.builds.planning import BuildDispatcherConfig
 from services.builds.registry import RegistrySweeper
 from services.builds.retention import Retention
 from services.builds.settings import BuildsSettings

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from services.builds.dispatcher import BuildDispatcher, BuildDispatcherConfig
+from services.builds.dispatcher import BuildDispatcher
+from services.builds.planning import BuildDispatcherConfig
 from shared.clock import FakeClock
 from shared.lease import run_while_leading
 from shared.loop import LeaderLoop, LoopDeps
