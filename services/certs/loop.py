@@ -35,7 +35,7 @@ from shared.certs import (
     plan,
 )
 from shared.events import INFO, WARNING, make_event
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.secrets import CLUSTER_KEY, seal
 from shared.txn import Conflict
@@ -54,13 +54,14 @@ class CertificateLoop(LeaderLoop):
 
     def __init__(
         self,
+        deps: LoopDeps,
         *,
         acme: AcmeIssuer | None = None,
         local_ca: LocalCA | None = None,
         extra_hosts: Callable[[], Iterable[str]] = tuple,
-        **kwargs: object,
+        tick: float = 15.0,
     ) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+        super().__init__(deps, tick=tick)
         self.acme = acme
         self.local_ca = local_ca
         self.extra_hosts = extra_hosts

@@ -13,7 +13,6 @@ them.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
@@ -22,7 +21,7 @@ from services.orchestrator.phases import decide, wake_at
 from shared import keys as K
 from shared.decision import Decision
 from shared.deployments import is_terminal
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.telemetry import counter, span
 from shared.txn import CommitUnknown, Conflict, Deposed
 
@@ -36,8 +35,8 @@ class Orchestrator(LeaderLoop):
     name = "orchestrator"
     kinds = frozenset({K.DEPLOYMENT, K.ASSIGNMENT, K.BUILD, K.ENV, K.NODE, K.RELEASE})
 
-    def __init__(self, *, timers: Timers | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, deps: LoopDeps, *, timers: Timers | None = None, tick: float = 15.0) -> None:
+        super().__init__(deps, tick=tick)
         self.timers = timers or Timers()
         self._pass_started_at = float("-inf")
 

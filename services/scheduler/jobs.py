@@ -29,7 +29,6 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from croniter import croniter
 from zattera.v1 import types_pb2 as pb
@@ -41,7 +40,7 @@ from shared.clock import from_timestamp as seconds
 from shared.clock import stamp
 from shared.decision import Decision
 from shared.events import INFO, WARNING
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.placement.placement import PlacementIndex
 from shared.placement.replicas import new_assignment, node_is_down, stopped
 from shared.schedule import Schedule, ScheduleError, parse_schedule
@@ -399,8 +398,8 @@ class JobsLoop(LeaderLoop):
     name = "jobs"
     kinds = frozenset({K.ENV, K.RELEASE, K.NODE, K.ASSIGNMENT, K.OBSERVED, K.JOB})
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, deps: LoopDeps, *, tick: float = 15.0) -> None:
+        super().__init__(deps, tick=tick)
         self._next_slot: float | None = None
 
     def seconds_until_due(self) -> float | None:

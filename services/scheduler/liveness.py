@@ -12,7 +12,6 @@ demos can shorten them; the tick is the shorter of 5 s and ``ZATTERA_LOOP_TICK``
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
@@ -22,7 +21,7 @@ from shared.clock import from_timestamp, stamp
 from shared.decision import Decision
 from shared.events import node_change_event
 from shared.live import LiveView
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.view import StateView
 
 TICK = 5.0
@@ -72,14 +71,14 @@ class Liveness(LeaderLoop):
 
     def __init__(
         self,
+        deps: LoopDeps,
         *,
         live: LiveView,
         tick: float = TICK,
         deadline: float = HEARTBEAT_DEADLINE,
         grace: float = LEADER_GRACE,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(tick=tick, **kwargs)
+        super().__init__(deps, tick=tick)
         self.live = live
         self.deadline = deadline
         self.grace = grace

@@ -18,7 +18,6 @@ hot loop), and recurring shortfall events are published when they start or chang
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
@@ -30,7 +29,7 @@ from services.scheduler.volumes import evaluate_leases, evaluate_volumes
 from shared import keys as K
 from shared.decision import Decision
 from shared.events import WARNING
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.placement.placement import PlacementError, explain
 from shared.view import StateView
 
@@ -39,8 +38,8 @@ class Scheduler(LeaderLoop):
     name = "scheduler"
     kinds = frozenset({K.ENV, K.RELEASE, K.DEPLOYMENT, K.NODE, K.ASSIGNMENT, K.VOLUME})
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, deps: LoopDeps, *, tick: float = 15.0) -> None:
+        super().__init__(deps, tick=tick)
         self.backoff = FailureBackoff()
         self.notices = Notices()
 

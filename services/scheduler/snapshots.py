@@ -35,7 +35,7 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
@@ -45,8 +45,7 @@ from shared import keys as K
 from shared.clock import from_timestamp, stamp
 from shared.decision import Decision
 from shared.events import WARNING
-from shared.lease import Leadership
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.schedule import Schedule, ScheduleError, parse_schedule
 from shared.snapshots.dispatch import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
 from shared.txn import Txn, Writer
@@ -155,9 +154,9 @@ class SnapshotScheduler(LeaderLoop):
     kinds = frozenset({K.VOLUME, K.SNAPSHOT})
 
     def __init__(
-        self, *, dispatcher: SnapshotOps, tick: float = TICK, restore_timeout: float = RESTORE_TIMEOUT, **kwargs: Any
+        self, deps: LoopDeps, *, dispatcher: SnapshotOps, tick: float = TICK, restore_timeout: float = RESTORE_TIMEOUT
     ) -> None:
-        super().__init__(tick=tick, **kwargs)
+        super().__init__(deps, tick=tick)
         self.dispatcher = dispatcher
         self.restore_timeout = restore_timeout
         self._last_fire: dict[str, float] = {}
@@ -173,14 +172,12 @@ class SnapshotScheduler(LeaderLoop):
         self._retry_at.clear()
         self._warned.clear()
 
-    async def run(self, leadership: Leadership) -> None:
-        try:
-            await super().run(leadership)
-        finally:
-            tasks = self._background | self._prunes
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    async def end_term(self) -> None:
+        """The snapshots and prunes this term started stop with it."""
+        tasks = self._background | self._prunes
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _track(self, task: asyncio.Task[object], into: set[asyncio.Task[object]]) -> None:
         into.add(task)

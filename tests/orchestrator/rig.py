@@ -22,6 +22,7 @@ from shared import keys as K
 from shared.clock import FakeClock, stamp
 from shared.decision import Decision
 from shared.lease import Leadership, Lease
+from shared.loop import LoopDeps
 from shared.natsio import Connection
 from shared.txn import Writer
 from shared.view import StateView
@@ -177,7 +178,7 @@ async def make_rig(conn: Connection, *, timers: Timers | None = None) -> AsyncIt
     view = StateView(conn, name="rig")
     await view.start()
     clock = FakeClock()
-    orchestrator = Orchestrator(conn=conn, view=view, clock=clock, timers=timers or Timers())
+    orchestrator = Orchestrator(LoopDeps(conn, view, clock), timers=timers or Timers())
     lease = Lease(conn, "orchestrator", "rig", ttl=60)
     assert await lease.try_acquire()
     orchestrator.writer = orchestrator.fenced_writer(Leadership(lease))

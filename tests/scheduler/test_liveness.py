@@ -9,6 +9,7 @@ from zattera.v1 import types_pb2 as pb
 from services.scheduler.liveness import Liveness, evaluate_liveness
 from shared.clock import FakeClock
 from shared.live import LiveView, publish_node_heartbeat
+from shared.loop import LoopDeps
 from shared.natsio import Connection
 from shared.txn import Writer
 from shared.view import StateView
@@ -80,7 +81,7 @@ async def test_silent_node_goes_down_and_comes_back_with_events(conn: Connection
     live = LiveView(conn, clock)
     await live.start()
     await writer.commit(writer.txn().create(node("n1")).create(node("n2", status=DRAINING)))
-    loop = Liveness(conn=conn, view=view, clock=clock, live=live)
+    loop = Liveness(LoopDeps(conn, view, clock), live=live)
     loop.writer = writer
     loop.on_term_start()
     events: list[pb.Event] = []
