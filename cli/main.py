@@ -32,6 +32,7 @@ from cli.jobs_cmds import jobs_app, run_command
 from cli.logs_cmds import logs
 from cli.network_cmds import network
 from cli.plan_view import print_plan
+from cli.registry_cmds import registry_app
 from cli.render import Col
 from cli.secrets_cmds import secrets_app
 from cli.security_cmds import join_token, secure_up, security_app
@@ -134,6 +135,7 @@ app.command("run", context_settings={"allow_interspersed_args": False})(run_comm
 
 app.add_typer(images_app, name="images")
 app.add_typer(console_app, name="console")
+app.add_typer(registry_app, name="registry")
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 WIDE = typer.Option(False, "--wide", help="every column, ids included")

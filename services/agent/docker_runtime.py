@@ -56,6 +56,7 @@ from services.agent.runtime import PASSED_THROUGH_ENV, volume_env_name
 from services.agent.settings import AgentSettings
 from shared.natsio import Connection
 from shared.registry import RegistryError, digest_of, fetch_image
+from shared.registryauth import auth_for
 
 log = logging.getLogger(__name__)
 
@@ -429,13 +430,21 @@ class DockerLauncher:
         except aiodocker.DockerError:
             return False
 
-    async def prepare(self, conn: Connection, ref: str, instance_dir: Path, *, platform: str) -> PreparedImage:
+    async def prepare(
+        self,
+        conn: Connection,
+        ref: str,
+        instance_dir: Path,
+        *,
+        platform: str,
+        registry_auth: Mapping[str, str] | None = None,
+    ) -> PreparedImage:
         if not ref:
             raise ImageError("the release has no image yet")
         if ref.startswith(PROCESS_SCHEME):
             raise ImageError(f"{ref}: process:// images need the process runtime")
         if ref.startswith(DOCKER_SCHEME):
-            return await self._daemon_image(ref)
+            return await self._daemon_image(ref, registry_auth)
         if ref.startswith(EXEC_SCHEME):
             return ContainerImage(
                 ref, Path("/"), cmd=shell_command(unquote(ref[len(EXEC_SCHEME) :])), tag=self.base_image
@@ -455,14 +464,15 @@ class DockerLauncher:
         await self._load(tag, fetched.config if full else None, fetched.layers, base=base)
         return container_image(ref, tag, run)
 
-    async def _daemon_image(self, ref: str) -> ContainerImage:
-        """A ``docker://`` ref: the daemon's image by that name, pulled when it does not have it."""
+    async def _daemon_image(self, ref: str, registry_auth: Mapping[str, str] | None) -> ContainerImage:
+        """A ``docker://`` ref: the daemon's image by that name, pulled when it does not have it (with the
+        environment's registry credentials when they are for that image's registry: ``X-Registry-Auth``)."""
         name = ref[len(DOCKER_SCHEME) :]
         try:
             info = await self.docker.images.inspect(name)
         except aiodocker.DockerError:
             try:
-                await self.docker.images.pull(name)
+                await self.docker.images.pull(name, auth=auth_for(name, registry_auth))
                 info = await self.docker.images.inspect(name)
             except aiodocker.DockerError as exc:
                 raise ImageError(f"{ref}: pull: {_first_line(exc.message)}") from exc
