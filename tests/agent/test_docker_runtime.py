@@ -287,3 +287,29 @@ async def test_the_runtime_is_docker_only_when_a_daemon_with_the_base_image_answ
     assert await chosen(runtime="process", docker_host=docker_host) == "process"
     with pytest.raises(DockerUnavailable, match=f"runtime docker: no Docker daemon answers at {missing}"):
         await chosen(runtime="docker", docker_host=missing)
+
+
+async def test_a_bridged_instance_has_its_own_network_and_is_published_at_its_port(
+    start_agent: StartAgent, docker_host: str, view: StateView, writer: Writer
+) -> None:
+    """``docker_network = "bridge"`` (the daemon makes bridge networks even with ``--iptables=false``: the
+    userland proxy publishes): the instance joins the network ``zattera``, listens on every interface of its
+    own network namespace, and its port is published at the node's address, where the HTTP health check and
+    clients reach it as on the host network."""
+    await start_docker_agent(start_agent, docker_host, docker_network="bridge")
+    rel = docker_release(SERVE)
+    a = assignment("d1", rel)
+    await seed(writer, rel, a)
+    await eventually(lambda: state_of(view, "d1", a.meta.id) == HEALTHY, what="HEALTHY through the published port")
+    observed = view.observed("d1", a.meta.id)
+    assert observed is not None
+    port = observed.mesh_port_bindings["http"]
+    assert f"hello from {a.meta.id}" in await http_get(port)
+    docker = aiodocker.Docker(url=docker_host)
+    try:
+        shown = await (await docker.containers.get(observed.container_id)).show()
+    finally:
+        await docker.close()
+    assert shown["HostConfig"]["NetworkMode"] == "zattera"
+    assert shown["HostConfig"]["PortBindings"] == {f"{port}/tcp": [{"HostIp": "127.0.0.1", "HostPort": str(port)}]}
+    assert "ZATTERA_BIND_ADDR=0.0.0.0" in shown["Config"]["Env"]
