@@ -111,19 +111,26 @@ def answers(address: str) -> bool:
         return False
 
 
-async def test_the_daemon_pulls_a_private_image_only_with_the_credentials_for_its_registry(
-    docker_host: str, registry: str, tmp_path: Path
-) -> None:
+async def push_private_image(docker_host: str, registry: str) -> str:
+    """The base image pushed to ``registry`` as ``acme/private:1`` and untagged from the daemon (which must
+    then pull it, with the credentials); its name."""
     await eventually(lambda: asyncio.to_thread(answers, registry), 15, "the registry answers")
-    auth = {"serveraddress": registry, "username": USER, "password": PASSWORD}
     name = f"{registry}/acme/private:1"
     docker = aiodocker.Docker(url=docker_host)
     try:
         await docker.images.tag(BASE_IMAGE, f"{registry}/acme/private", tag="1")
-        await docker.images.push(name, auth=auth)
-        await docker.images.delete(name)  # the daemon must pull it back
+        await docker.images.push(name, auth={"serveraddress": registry, "username": USER, "password": PASSWORD})
+        await docker.images.delete(name)
     finally:
         await docker.close()
+    return name
+
+
+async def test_the_daemon_pulls_a_private_image_only_with_the_credentials_for_its_registry(
+    docker_host: str, registry: str, tmp_path: Path
+) -> None:
+    name = await push_private_image(docker_host, registry)
+    auth = {"serveraddress": registry, "username": USER, "password": PASSWORD}
 
     launcher = DockerLauncher(docker_host, node_id="reg", base_image=BASE_IMAGE, pids_limit=64)
     try:

@@ -21,8 +21,7 @@ import pytest
 from zattera.v1 import types_pb2 as pb
 
 from shared.registryauth import REGISTRY_AUTH_SECRET
-from tests.agent.test_registry_auth import PASSWORD, USER, answers, registry
-from tests.dockerd import BASE_IMAGE
+from tests.agent.test_registry_auth import PASSWORD, USER, push_private_image, registry
 from tests.e2e.cluster import E2ECluster, Load, cli_argv, healthy
 from tests.e2e.test_stack_deploys import deploy, served, source
 from tests.waiting import eventually
@@ -146,15 +145,7 @@ async def test_a_private_registry_image_deploys_with_the_envs_registry_credentia
     (``X-Registry-Auth``) from a registry that refuses anonymous pulls; they are in no container's
     environment and in no file the cluster wrote (its NATS store, logs, traces, agents' data)."""
     cluster = docker_cluster
-    await eventually(lambda: asyncio.to_thread(answers, registry), 15, "the registry answers")
-    name = f"{registry}/acme/private:1"
-    docker = aiodocker.Docker(url=docker_host)
-    try:
-        await docker.images.tag(BASE_IMAGE, f"{registry}/acme/private", tag="1")
-        await docker.images.push(name, auth={"serveraddress": registry, "username": USER, "password": PASSWORD})
-        await docker.images.delete(name)  # the agents' daemon must pull it, with the credentials
-    finally:
-        await docker.close()
+    name = await push_private_image(docker_host, registry)
     toml = tmp_path / "zattera.toml"
     toml.write_text(PRIVATE_TOML)
     await cluster.acli("apps", "apply", str(toml))
