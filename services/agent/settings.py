@@ -6,7 +6,7 @@ Every timer is a setting so tests and demos can shorten it; the command line ove
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -66,6 +66,11 @@ class AgentSettings(BaseSettings):
         default="zattera/base:latest", description="what registry images without a root filesystem run on"
     )
     pids_limit: int = Field(default=512, ge=0, description="docker runtime: processes per instance (0 = unlimited)")
+    docker_network: Literal["host", "bridge", "auto"] = Field(
+        default="host",
+        description="docker runtime: host network, or the daemon's bridge network 'zattera' with published ports "
+        "('auto': bridge when the daemon makes one and the mesh address is not loopback)",
+    )
 
     build_keepalive: float = Field(default=60.0, gt=0, description="a silent build step logs a line this often")
 
