@@ -31,8 +31,8 @@ from shared import keys as K
 from shared.clock import FakeClock
 from shared.lease import run_while_leading
 from shared.natsio import connect, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests import factories as f
 from tests.agent_sim import RUNNING, AgentSim
 

@@ -22,8 +22,8 @@ from shared import keys as K
 from shared.ids import new_id
 from shared.lease import Lease
 from shared.natsio import connect, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 
 
 def _node(i: int) -> pb.Node:

@@ -30,8 +30,8 @@ from cli.spec import AppSpec, Build, Env, PolicyChange, middleware, service_spec
 from shared import keys as K
 from shared.appconfig import ConfigError, check_env_size, secret_sizes, with_vars
 from shared.ids import new_id
+from shared.state.feed import StateView
 from shared.txn import Txn, Writer
-from shared.view import StateView
 from shared.volumes import find_volume
 
 CREATE, UPDATE, DELETE, UNCHANGED, PENDING = "create", "update", "delete", "unchanged", "pending"

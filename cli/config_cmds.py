@@ -25,9 +25,9 @@ from shared.appconfig import (
     with_vars,
 )
 from shared.deploy import ConfigEdit, Deployer, DeployError
+from shared.state.feed import StateView
 from shared.telemetry import span
 from shared.txn import Txn
-from shared.view import StateView
 
 config_app = typer.Typer(no_args_is_help=True, help="Plain environment variables of an environment.")
 

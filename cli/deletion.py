@@ -26,8 +26,8 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.deployments import is_terminal
 from shared.events import make_event
+from shared.state.feed import StateView
 from shared.txn import Txn, Writer
-from shared.view import StateView
 
 ENVIRONMENT_DELETED = "environment deleted"
 

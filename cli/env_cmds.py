@@ -25,8 +25,8 @@ from shared.deployments import desired_replicas, is_terminal
 from shared.events import EventPublisher, event_for_env
 from shared.placement.placement import explain
 from shared.scaling import ScaleRequest, scaled
+from shared.state.feed import StateView
 from shared.txn import Conflict
-from shared.view import StateView
 
 envs_app = typer.Typer(no_args_is_help=True, help="Environments: delete.")
 projects_app = typer.Typer(no_args_is_help=True, help="Projects: delete.")

@@ -24,7 +24,7 @@ from shared import keys as K
 from shared.deployments import desired_replicas
 from shared.events import EVENT_SCALED, EventPublisher, node_change_event, scale_event
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
-from shared.view import StateView
+from shared.state.feed import StateView
 
 OPERATOR = "operator"
 SCAN_WINDOW = 20_000

@@ -26,7 +26,7 @@ from shared import jobs as J
 from shared import keys as K
 from shared.applogs import STDERR, AppLogLine, UnknownLogStream, read_app_logs
 from shared.ids import is_safe_id, unsafe_id
-from shared.view import StateView
+from shared.state.feed import StateView
 
 jobs_app = typer.Typer(
     help="Job runs: cron entries' slots and `zattera run` commands (docs/jobs.md).", no_args_is_help=True

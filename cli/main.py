@@ -45,10 +45,10 @@ from shared.applogs import describe_exit
 from shared.deploy import Deployer, DeployError
 from shared.deployments import desired_replicas, is_terminal
 from shared.settings import settings
+from shared.state.feed import StateView
 from shared.telemetry import setup as setup_telemetry
 from shared.telemetry import span
 from shared.txn import Conflict
-from shared.view import StateView
 
 app = typer.Typer(no_args_is_help=True, help="Zattera: a self-hosted PaaS control plane on NATS JetStream.")
 nodes_app = typer.Typer(no_args_is_help=True, help="Machines: list, label, cordon, drain.")

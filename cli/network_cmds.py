@@ -12,7 +12,7 @@ from cli import render
 from cli.apply import env_path, resolve_env
 from cli.client import OPTIONS, control, fail, run
 from services.agent.network import served_port
-from shared.view import StateView
+from shared.state.feed import StateView
 
 
 def _entry(view: StateView, env: pb.Environment, vip: str) -> dict[str, Any]:

@@ -39,9 +39,9 @@ from shared.appconfig import (
 from shared.deploy import ConfigEdit
 from shared.secret_edits import prune_secrets, set_secret_edit
 from shared.secrets import ROTATE_SUBJECT
+from shared.state.feed import StateView
 from shared.telemetry import span
 from shared.txn import Txn
-from shared.view import StateView
 
 secrets_app = typer.Typer(no_args_is_help=True, help="Sealed secrets of an environment (values never shown).")
 

@@ -22,7 +22,7 @@ from shared.deployments import desired_replicas, is_terminal
 from shared.live import LiveView
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
-from shared.view import StateView
+from shared.state.feed import StateView
 
 _LIVE = (pb.DEPLOYMENT_PHASE_DRAINING_OLD, pb.DEPLOYMENT_PHASE_SUCCEEDED)
 SERVE_TIMEOUT = 60.0

@@ -19,7 +19,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.view import StateView
+from shared.state.feed import StateView
 
 KEYS_OPEN_SUBJECT = "zattera.certs.keys.open"
 """Request/reply (secrets service): every servable certificate with its key, sealed to the proxy's key."""

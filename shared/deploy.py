@@ -32,8 +32,8 @@ from shared.clock import Clock, RealClock, stamp
 from shared.deployments import is_terminal
 from shared.errors import ZatteraError
 from shared.ids import SAFE_ID_RULE, is_safe_id, new_id
+from shared.state.feed import StateView
 from shared.txn import CommitUnknown, Conflict, Txn, Writer
-from shared.view import StateView
 
 CANCELED_BY_OPERATOR = "canceled by operator"
 DEPLOYMENT_IN_PROGRESS = "a deployment is already in progress for this environment"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from zattera.v1 import types_pb2 as pb
 
-from shared.view import StateView
+from shared.state.feed import StateView
 
 P = pb.DeploymentPhase
 

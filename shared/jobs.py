@@ -15,8 +15,8 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.errors import ZatteraError
 from shared.ids import new_id
+from shared.state.feed import StateView
 from shared.txn import Conflict, Writer
-from shared.view import StateView
 
 MAX_COMMAND_BYTES = 4096
 """A job's shell command at most (UTF-8): it travels on the assignment every agent pass reads."""

@@ -16,8 +16,8 @@ from shared.appconfig import ConfigError, check_env_size, secret_sizes, unrefere
 from shared.deploy import ConfigEdit
 from shared.ids import new_id
 from shared.secrets import CLUSTER_KEY, seal
+from shared.state.feed import StateView
 from shared.txn import Txn
-from shared.view import StateView
 
 NO_CLUSTER_KEY = (
     "no cluster secrets key is configured: run the secrets service (`zattera up` does) with its key file"

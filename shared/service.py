@@ -30,10 +30,10 @@ from shared.loop import LeaderLoop
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
 from shared.natsio import Connection, connect, provision, provision_options
 from shared.settings import Settings, settings
+from shared.state.feed import StateView
 from shared.tasks import cancel_and_wait
 from shared.telemetry import setup as setup_telemetry
 from shared.txn import Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from zattera.v1 import types_pb2 as pb
 
-from shared.view import StateView
+from shared.state.feed import StateView
 
 
 def lease_of(volume: pb.Volume) -> pb.VolumeLease | None:

@@ -61,9 +61,9 @@ from shared import keys as K
 from shared.applogs import STDOUT, describe_exit, instance_exit
 from shared.natsio import Connection
 from shared.secrets import SecretsUnavailable, fetch_secrets
+from shared.state.feed import StateView
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
-from shared.view import StateView
 from shared.volumes import lease_expired, lease_of
 
 log = logging.getLogger(__name__)

@@ -44,9 +44,9 @@ from shared.activation import (
 from shared.clock import Clock
 from shared.events import EVENT_WOKEN, EventPublisher
 from shared.natsio import ACTIVATE_SUBJECT, Connection, is_direct_request
+from shared.state.feed import StateView
 from shared.telemetry import span
 from shared.txn import CommitUnknown, Conflict, TxnError, Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 

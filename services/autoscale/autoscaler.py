@@ -29,7 +29,8 @@ from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, sc
 from shared import keys as K
 from shared.deployments import desired_replicas as current_replicas
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
-from shared.view import RUN, StateView
+from shared.state.feed import StateView
+from shared.state.store import RUN
 
 log = logging.getLogger(__name__)
 

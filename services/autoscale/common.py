@@ -29,9 +29,10 @@ from shared.lease import Leadership
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.loop import LeaderLoop
 from shared.natsio import STATE_STREAM, Connection
+from shared.state.changes import Change, ChangeFeed
+from shared.state.feed import StateView
 from shared.telemetry import span
 from shared.txn import CommitUnknown, Conflict, Deposed, Txn, Writer
-from shared.view import Change, ChangeFeed, StateView
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from zattera.v1 import types_pb2 as pb
 from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused, wake_target
 from shared.deployments import desired_replicas as current_replicas
 from shared.live import LiveView
-from shared.view import StateView
+from shared.state.feed import StateView
 
 log = logging.getLogger(__name__)
 

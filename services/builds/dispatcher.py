@@ -64,10 +64,10 @@ from shared.lease import Leadership
 from shared.loop import LeaderLoop
 from shared.natsio import BUILD_EVENTS_STREAM, build_events_subject, build_log_subject
 from shared.registry import repository
+from shared.state.feed import CONSUMER_HEARTBEAT, guard_ordered_consumer
 from shared.tasks import cancel_and_wait
 from shared.telemetry import inject, span
 from shared.txn import CommitUnknown, Conflict, Deposed
-from shared.view import CONSUMER_HEARTBEAT, guard_ordered_consumer
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from shared import keys as K
 from shared.clock import Clock
 from shared.natsio import IMAGES_STORE, STATE_STREAM, Connection
 from shared.registry import BLOB_GRACE, BlobInfo, BlobStore, image_id
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 

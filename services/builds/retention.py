@@ -40,7 +40,7 @@ from shared.lease import Leadership
 from shared.loop import LeaderLoop
 from shared.natsio import DAY, SOURCES_STORE
 from shared.registry import BlobInfo, BlobStore, parse_ref, repository
-from shared.view import Change, ChangeFeed
+from shared.state.changes import Change, ChangeFeed
 
 log = logging.getLogger(__name__)
 

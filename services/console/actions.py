@@ -28,9 +28,9 @@ from shared.snapshots.dispatch import (
     SnapshotBusy,
     SnapshotDispatcher,
 )
+from shared.state.feed import StateView
 from shared.tasks import cancel_and_wait
 from shared.txn import Conflict, Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from shared import jobs as J
 from shared import keys as K
 from shared.certs import certificate_text, domain_rows
 from shared.deployments import desired_replicas, is_terminal
-from shared.view import StateView
+from shared.state.feed import StateView
 
 UP_STATES = frozenset({pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY, pb.INSTANCE_STATE_UNHEALTHY})
 

@@ -1,7 +1,7 @@
 """What every phase decision shares: timers, the transition a decision produces, the replica sets
 (green, blue, old) recomputed from the view on every decision, and the two failure exits.
 
-A decision is pure: it reads a :class:`~shared.view.StateView` and the time, and returns a
+A decision is pure: it reads a :class:`~shared.state.reader.StateReader` and the time, and returns a
 :class:`Transition` (or None: nothing to do yet). The loop commits a transition as ONE fenced atomic
 batch; every transition also writes the deployment itself (a phase change, or an unchanged re-write),
 so any concurrent change to the deployment (an operator's cancel, another leader) refuses the whole
@@ -24,7 +24,7 @@ from shared.deploy import CANCELED_BY_OPERATOR
 from shared.events import ERROR, INFO, WARNING, make_event, transition_id
 from shared.placement.replicas import with_desired
 from shared.settings import Settings
-from shared.view import StateView
+from shared.state.feed import StateView
 
 P = pb.DeploymentPhase
 RUN = pb.ASSIGNMENT_DESIRED_RUN

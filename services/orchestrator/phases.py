@@ -65,7 +65,7 @@ from shared.deploy import CANCELED_BY_OPERATOR, cancel_requested
 from shared.deployments import is_terminal
 from shared.placement.placement import place
 from shared.placement.replicas import deploy_replicas, new_assignment, with_desired
-from shared.view import StateView
+from shared.state.feed import StateView
 
 PENDING = pb.DEPLOYMENT_PHASE_PENDING
 BUILDING = pb.DEPLOYMENT_PHASE_BUILDING

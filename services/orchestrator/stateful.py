@@ -42,7 +42,7 @@ from shared.events import INFO, WARNING
 from shared.ids import new_id
 from shared.placement.placement import place
 from shared.placement.replicas import new_assignment, with_desired
-from shared.view import StateView
+from shared.state.feed import StateView
 from shared.volumes import restoring_volume
 
 PH = pb.DeploymentPhase

@@ -46,7 +46,8 @@ from services.routes.wire import (
     uint_field,
 )
 from shared import keys as K
-from shared.view import Change, StateView
+from shared.state.changes import Change
+from shared.state.feed import StateView
 
 RELEVANT_KINDS = frozenset({K.ENV, K.APP, K.PROJECT, K.DOMAIN, K.ASSIGNMENT, K.OBSERVED, K.NODE, K.VIP})
 """Every kind the snapshot reads; the snapshot version is the newest revision among them."""

@@ -36,7 +36,8 @@ from shared.placement.replicas import (
     stop_is_reapable,
     stopped,
 )
-from shared.view import StateView, reservation
+from shared.state.feed import StateView
+from shared.state.store import reservation
 from shared.volumes import restoring_volume
 
 BACKOFF_FIRST = 10.0

@@ -17,9 +17,9 @@ from zattera.v1 import types_pb2 as pb
 
 from shared.clock import stamp
 from shared.events import EventPublisher, make_event
+from shared.state.feed import StateView
 from shared.tasks import raise_if_cancelling
 from shared.txn import Txn, Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from services.scheduler.decisions import Writes, event
 from shared import keys as K
 from shared.events import WARNING, node_change_event
 from shared.placement.replicas import RUN, STOP, desired_replicas, stop_is_reapable, stopped
-from shared.view import StateView
+from shared.state.feed import StateView
 
 ACTOR = "system:drain"
 _SERVING = (pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY)

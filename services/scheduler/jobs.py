@@ -44,7 +44,8 @@ from shared.loop import LeaderLoop
 from shared.placement.placement import PlacementIndex
 from shared.placement.replicas import new_assignment, node_is_down, stopped
 from shared.schedule import Schedule, ScheduleError, parse_schedule
-from shared.view import StateView, reservation
+from shared.state.feed import StateView
+from shared.state.store import reservation
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from shared.clock import from_timestamp, stamp
 from shared.events import node_change_event
 from shared.live import LiveView
 from shared.loop import LeaderLoop
-from shared.view import StateView
+from shared.state.feed import StateView
 
 TICK = 5.0
 HEARTBEAT_DEADLINE = 30.0

@@ -31,7 +31,7 @@ from shared import keys as K
 from shared.events import WARNING
 from shared.loop import LeaderLoop
 from shared.placement.placement import PlacementError, explain
-from shared.view import StateView
+from shared.state.feed import StateView
 
 
 class Scheduler(LeaderLoop):

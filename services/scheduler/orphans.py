@@ -10,7 +10,7 @@ from __future__ import annotations
 from services.scheduler.decisions import MAX_TXN_WRITES, Writes
 from shared import keys as K
 from shared.placement.replicas import RUN, stop_is_reapable, stopped
-from shared.view import StateView
+from shared.state.feed import StateView
 
 
 def evaluate_orphans(view: StateView, now: float) -> list[Writes]:

@@ -48,8 +48,8 @@ from shared.lease import Leadership
 from shared.loop import LeaderLoop
 from shared.schedule import Schedule, ScheduleError, parse_schedule
 from shared.snapshots.dispatch import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
+from shared.state.feed import StateView
 from shared.txn import Txn, Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,8 @@ from shared.ids import new_id
 from shared.placement.placement import volume_pin
 from shared.placement.platforms import supports
 from shared.placement.replicas import RUN, node_is_down
-from shared.view import StateView, reservation
+from shared.state.feed import StateView
+from shared.state.store import reservation
 from shared.volumes import find_volume, lease_expired, lease_held_by_other, lease_of
 
 LEASE_TTL = 60.0

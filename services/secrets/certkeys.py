@@ -19,7 +19,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.certs import ACCOUNT_NAME
 from shared.secrets import seal, unseal
-from shared.view import StateView
+from shared.state.feed import StateView
 
 log = logging.getLogger(__name__)
 

@@ -54,10 +54,10 @@ from shared.secrets import (
     unseal,
 )
 from shared.security.callers import caller
+from shared.state.feed import StateView
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
 from shared.txn import CommitUnknown, Conflict, Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 

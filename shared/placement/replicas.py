@@ -16,7 +16,7 @@ from zattera.v1 import types_pb2 as pb
 from shared.clock import from_timestamp, stamp
 from shared.deployments import desired_replicas
 from shared.ids import new_id
-from shared.view import StateView
+from shared.state.feed import StateView
 
 __all__ = ["desired_replicas"]
 

@@ -38,9 +38,9 @@ from shared.ids import new_id
 from shared.natsio import Connection, agent_subject
 from shared.snapshots.locking import SharedExclusiveLock
 from shared.snapshots.store import MANIFESTS, SnapshotStore
+from shared.state.feed import StateView
 from shared.telemetry import inject, span
 from shared.txn import Deposed, TxnError, Writer
-from shared.view import StateView
 from shared.volumes import lease_expired, lease_held_by_other, lease_of
 
 log = logging.getLogger(__name__)

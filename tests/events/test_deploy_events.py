@@ -13,7 +13,7 @@ from services.orchestrator.loop import Orchestrator
 from shared.events import EventPublisher
 from shared.lease import run_while_leading
 from shared.natsio import Connection
-from shared.view import StateView
+from shared.state.feed import StateView
 from tests.eventlog import one, stored_events, stored_kinds, wait_for_kinds
 from tests.orchestrator.rig import deployment
 from tests.orchestrator.test_loop import ENV, HOUR, PH, TIMERS, Running

@@ -10,8 +10,8 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.embedded import EmbeddedNats
 from shared.natsio import STATE_PREFIX, connect, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.factories import assignment, env, node, release
 from tests.waiting import eventually
 

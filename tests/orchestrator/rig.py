@@ -22,8 +22,8 @@ from shared import keys as K
 from shared.clock import FakeClock, stamp
 from shared.lease import Leadership, Lease
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.factories import node
 
 RUN = pb.ASSIGNMENT_DESIRED_RUN

@@ -18,8 +18,8 @@ from shared.lease import Leadership, Lease, run_while_leading
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.service import ServiceContext
 from shared.settings import Settings
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.scheduler.builders import spec_env, spec_release, unlimited
 from tests.waiting import eventually
 

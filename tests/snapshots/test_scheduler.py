@@ -17,8 +17,8 @@ from shared.clock import FakeClock
 from shared.lease import run_while_leading
 from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection
 from shared.snapshots.dispatch import RecordNotWritten
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests import factories
 from tests.snapshots.conftest import BASE, snap_volume, snapshot_record, stamp
 from tests.waiting import eventually
