@@ -26,7 +26,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.deployments import is_terminal
 from shared.events import make_event
-from shared.state.feed import StateView
+from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
 
 ENVIRONMENT_DELETED = "environment deleted"
@@ -68,7 +68,7 @@ class Deletion:
 
 
 def plan_deletion(
-    view: StateView,
+    view: StateReader,
     what: str,
     *,
     projects: Sequence[pb.Project] = (),

@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, catch_up, effective_txn, scale_event, wake_target
+from services.autoscale.common import CATCH_UP_TIMEOUT, ReplicaWrite, effective_txn, scale_event, wake_target
 from shared import keys as K
 from shared.activation import (
     ABORTED,
@@ -97,7 +97,7 @@ class Activator:
             try:
                 await self.writer.commit(effective_txn(self.writer, decision.write, self.clock.now()))
             except Conflict:
-                await catch_up(self.conn, self.view)
+                await self.view.catch_up(CATCH_UP_TIMEOUT)
                 continue
             except CommitUnknown:
                 continue  # the writer's view has caught up: re-read and re-decide

@@ -31,7 +31,7 @@ from zattera.v1 import types_pb2 as pb
 from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused, wake_target
 from shared.deployments import desired_replicas as current_replicas
 from shared.live import LiveView
-from shared.state.feed import StateView
+from shared.state.reader import StateReader
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def desired_replicas(demand: int, max_concurrency: int, floor: int, ceiling: int
 
 
 def evaluate(
-    view: StateView,
+    view: StateReader,
     live: LiveView,
     env: pb.Environment,
     revision: int,

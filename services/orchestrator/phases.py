@@ -65,7 +65,7 @@ from shared.deploy import CANCELED_BY_OPERATOR, cancel_requested
 from shared.deployments import is_terminal
 from shared.placement.placement import place
 from shared.placement.replicas import deploy_replicas, new_assignment, with_desired
-from shared.state.feed import StateView
+from shared.state.reader import StateReader
 
 PENDING = pb.DEPLOYMENT_PHASE_PENDING
 BUILDING = pb.DEPLOYMENT_PHASE_BUILDING
@@ -80,7 +80,7 @@ STOPPING_OLD = pb.DEPLOYMENT_PHASE_STOPPING_OLD
 STRICT_WAKE_EPSILON = 0.001
 
 
-def decide(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Transition | None:
+def decide(view: StateReader, d: pb.Deployment, now: float, timers: Timers) -> Transition | None:
     """The next step of deployment ``d`` (None: nothing to do until something changes), with the events
     it announces, each named after the deployment's revision the step was decided on."""
     t = next_step(view, d, now, timers)
@@ -90,7 +90,7 @@ def decide(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Tra
     return t
 
 
-def next_step(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Transition | None:
+def next_step(view: StateReader, d: pb.Deployment, now: float, timers: Timers) -> Transition | None:
     if is_terminal(d.phase):
         return None
     env = view.env(d.environment_id)
@@ -126,13 +126,13 @@ def newer(a: pb.Deployment, b: pb.Deployment) -> bool:
     return a.meta.id > b.meta.id
 
 
-def superseded(view: StateView, d: pb.Deployment) -> bool:
+def superseded(view: StateReader, d: pb.Deployment) -> bool:
     return any(
         o.meta.id != d.meta.id and not is_terminal(o.phase) and newer(o, d) for o in view.deployments(d.environment_id)
     )
 
 
-def supersede(view: StateView, d: pb.Deployment, now: float) -> Transition:
+def supersede(view: StateReader, d: pb.Deployment, now: float) -> Transition:
     """A newer deployment owns the env. A promoted one just completes: its green is the live release and
     its blue stays warm (the newer one may be a rollback to exactly that release)."""
     if d.phase == DRAINING_OLD:
@@ -146,7 +146,7 @@ def supersede(view: StateView, d: pb.Deployment, now: float) -> Transition:
 
 
 def pending(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, *, first_step: int
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, *, first_step: int
 ) -> Transition:
     if d.build_id and not release.image_ref:
         return move(d, BUILDING, now)
@@ -157,7 +157,7 @@ def pending(
     return move(d, first_step, now)
 
 
-def warm_enough(view: StateView, env: pb.Environment, release: pb.Release) -> bool:
+def warm_enough(view: StateReader, env: pb.Environment, release: pb.Release) -> bool:
     """A rollback may promote at once when enough healthy replicas of its target still run (any tag)."""
     want = deploy_replicas(env, release)
     if want <= 0:
@@ -172,7 +172,7 @@ def warm_enough(view: StateView, env: pb.Environment, release: pb.Release) -> bo
 
 
 def building(
-    view: StateView, d: pb.Deployment, release: pb.Release, now: float, timers: Timers, *, next_phase: int
+    view: StateReader, d: pb.Deployment, release: pb.Release, now: float, timers: Timers, *, next_phase: int
 ) -> Transition | None:
     build = view.build(d.build_id)
     if build is None:
@@ -200,7 +200,7 @@ def building(
 
 
 def decide_red_green(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Transition | None:
     if d.phase == PLACING:
         return placing(view, d, env, release, now, timers)
@@ -216,7 +216,7 @@ def decide_red_green(
 
 
 def placing(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Transition | None:
     """Place the missing green replicas; STARTING in the same write once the set is complete."""
     target = deploy_replicas(env, release)
@@ -243,7 +243,7 @@ def placing(
     return t
 
 
-def back_to_placing(view: StateView, d: pb.Deployment, lost: list[pb.Assignment], now: float) -> Transition:
+def back_to_placing(view: StateReader, d: pb.Deployment, lost: list[pb.Assignment], now: float) -> Transition:
     """The green set shrank (node lost, external stop) or the target grew: re-place before promoting."""
     t = move(d, PLACING, now)
     t.deletes = [K.assignment(a.node_id, a.meta.id) for a in lost]
@@ -251,7 +251,7 @@ def back_to_placing(view: StateView, d: pb.Deployment, lost: list[pb.Assignment]
 
 
 def starting(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Transition | None:
     instances = green(view, d)
     if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
@@ -270,7 +270,7 @@ def starting(
 
 
 def healthchecking(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Transition | None:
     instances = green(view, d)
     if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
@@ -287,7 +287,7 @@ def healthchecking(
 
 
 def promote(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Transition:
     """ONE write: active release + route generation, and DRAINING_OLD with promoted_at and drain_deadline
     — or SUCCEEDED at once when there is nothing to drain (a first deploy, a cold env): no blue is held,
@@ -300,7 +300,7 @@ def promote(
     return t
 
 
-def nothing_to_drain(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release) -> bool:
+def nothing_to_drain(view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release) -> bool:
     """No blue replica to keep warm, or the env is cold (cooled to zero: its blue stops with it)."""
     return not blue_to_stop(view, d, env, release) or env_is_cold(env)
 
@@ -309,7 +309,9 @@ def env_is_cold(env: pb.Environment) -> bool:
     return env.service.scale_to_zero and env.effective_replicas == 0
 
 
-def drain(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float) -> Transition | None:
+def drain(
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float
+) -> Transition | None:
     """Stop blue and succeed, in one write: after the drain window, or as soon as there is nothing left to
     keep warm (blue gone) or the env cooled to zero (its warm blue cools with it). Green is never touched."""
     window_open = d.HasField("drain_deadline") and now < from_timestamp(d.drain_deadline)
@@ -320,7 +322,7 @@ def drain(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Re
     return t
 
 
-def blue_to_stop(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release) -> list[pb.Assignment]:
+def blue_to_stop(view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release) -> list[pb.Assignment]:
     """blue(d), except when the target is the previous release itself (a rollback to the active release,
     a redeploy): then blue is the live set, so keep the target count running — d's own replicas first,
     then the newest others — and stop only the oldest surplus."""
@@ -336,7 +338,7 @@ def blue_to_stop(view: StateView, d: pb.Deployment, env: pb.Environment, release
 # ---------------------------------------------------------------------- timers
 
 
-def wake_at(view: StateView, d: pb.Deployment, timers: Timers) -> float | None:
+def wake_at(view: StateReader, d: pb.Deployment, timers: Timers) -> float | None:
     """The instant at which time alone can change ``decide`` for ``d`` (None: only a change can)."""
     if is_terminal(d.phase):
         return None

@@ -10,10 +10,10 @@ from __future__ import annotations
 from services.scheduler.decisions import MAX_TXN_WRITES, Writes
 from shared import keys as K
 from shared.placement.replicas import RUN, stop_is_reapable, stopped
-from shared.state.feed import StateView
+from shared.state.reader import StateReader
 
 
-def evaluate_orphans(view: StateView, now: float) -> list[Writes]:
+def evaluate_orphans(view: StateReader, now: float) -> list[Writes]:
     """Stops and deletes of orphans, in id order, in writes of at most :data:`MAX_TXN_WRITES`."""
     result: list[Writes] = []
     current = Writes("orphans")
