@@ -19,8 +19,9 @@ The NATS side of the state (the store itself is pure):
 * With ``open_consumer`` (a secured agent, which may not create consumers: SECURITY.md) the view instead
   asks that callable for a consumer control created for it (last value per key of its filters, then every
   change) and pulls from it; each resync opens it anew.
-* :meth:`StateView.catch_up` (and :meth:`StateView.wait_for_revision`): the one way to wait until the view
-  has seen a write, e.g. after a conflict, so that a re-read sees the write that won.
+* :meth:`StateView.catch_up`: the one way to wait until the view has seen every write the stream holds
+  (after a conflict, so that a re-read sees the write that won), on the store's
+  :meth:`~shared.state.store.StateStore.wait_for_revision`.
 """
 
 from __future__ import annotations
@@ -59,9 +60,6 @@ CONSUMER_HEARTBEAT = 1.0
 """Idle heartbeat of the view's ordered consumer: two missed (its server or its stream's leader lost) and
 nats-py re-creates the consumer, every two beats until the stream answers (default 5 s: a view went deaf
 for 10-20 s after a NATS server loss)."""
-CATCH_UP_SLICE = 0.05
-"""Longest wait between two looks at :attr:`StateView.last_revision` while catching up: a write the view
-already applied locally, or the deletion of a key it never held, moves it without waking a change feed."""
 
 
 @dataclass
@@ -194,21 +192,6 @@ class StateView(StateStore):
         the stream's last revision: it waits the whole ``timeout``."""
         info = await self._conn.js.stream_info(STATE_STREAM)
         return await self.wait_for_revision(info.state.last_seq, timeout)
-
-    async def wait_for_revision(self, revision: int, timeout: float) -> bool:
-        """Wait until the view has seen every write up to ``revision`` (a state stream sequence); False when
-        ``timeout`` passes first."""
-        if self.last_revision >= revision:
-            return True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        feed = self.subscribe()
-        try:
-            while self.last_revision < revision and (remaining := deadline - loop.time()) > 0:
-                await feed.wait(min(remaining, CATCH_UP_SLICE))
-        finally:
-            feed.close()
-        return self.last_revision >= revision
 
     def _mark_stale(self) -> None:
         self._synced.clear()

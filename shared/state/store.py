@@ -25,6 +25,8 @@ Messages handed out by the store are shared: callers must not mutate them (copy,
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
@@ -169,6 +171,7 @@ class StateStore:
         """Skipped values per key kind (:data:`UNKNOWN_KIND` for keys that name no kind)."""
         self.applied = 0
         self.last_revision = 0
+        self._revision_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._kind_revisions: dict[str, int] = {}
 
     # ------------------------------------------------------------------ applying changes
@@ -191,7 +194,10 @@ class StateStore:
     def _apply_raw(self, key: str, rev: int, data: bytes | None, *, force: bool = False) -> None:
         if not force and rev <= self._revs.get(key, 0) and data is not None:
             return
-        self.last_revision = max(self.last_revision, rev)
+        if rev > self.last_revision:
+            self.last_revision = rev
+            if self._revision_waiters:
+                self._release_revision_waiters()
         try:
             k = K.parse(key)
         except K.BadKey as exc:
@@ -225,7 +231,10 @@ class StateStore:
             return
         if traceparent:
             self._note_trace(key, rev, traceparent)
-        self.last_revision = max(self.last_revision, rev)
+        if rev > self.last_revision:
+            self.last_revision = rev
+            if self._revision_waiters:
+                self._release_revision_waiters()
         k = K.parse(key)
         self._note_kind_revision(k.kind, rev)
         if msg is None:
@@ -239,6 +248,33 @@ class StateStore:
             decoded.ClearField("observed")
             msg = decoded
         self._put(k, key, msg, rev)
+
+    def _release_revision_waiters(self) -> None:
+        waiting = []
+        for revision, reached in self._revision_waiters:
+            if revision <= self.last_revision:
+                if not reached.done():
+                    reached.set_result(None)
+            else:
+                waiting.append((revision, reached))
+        self._revision_waiters = waiting
+
+    async def wait_for_revision(self, revision: int, timeout: float) -> bool:
+        """Wait until the store has applied every write up to ``revision`` (a state stream sequence, which
+        also moves on writes that change nothing the store holds); False when ``timeout`` passes first."""
+        if self.last_revision >= revision:
+            return True
+        reached = asyncio.get_running_loop().create_future()
+        entry = (revision, reached)
+        self._revision_waiters.append(entry)
+        try:
+            await asyncio.wait_for(reached, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            with contextlib.suppress(ValueError):
+                self._revision_waiters.remove(entry)
 
     def _note_kind_revision(self, kind: str, rev: int) -> None:
         if rev > self._kind_revisions.get(kind, 0):

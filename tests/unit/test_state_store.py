@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
@@ -47,3 +49,14 @@ def test_the_key_of_a_change_and_the_typed_reads() -> None:
     assert reader.reserved("n1") == (100, 256) and reader.env_run_count("e1") == 1
     state.delete(K.assignment("n1", a.meta.id))
     assert reader.assignments() == [] and reader.reserved("n1") == (0, 0)
+
+
+async def test_a_revision_waiter_is_released_by_any_write_reaching_it_even_one_that_changes_nothing() -> None:
+    store = StateStore(name="t")
+    waiting = asyncio.ensure_future(store.wait_for_revision(2, timeout=10))
+    store.apply_raw(K.node("n1"), 1, node("n1").SerializeToString())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    store.apply_raw(K.node("gone"), 2, None)  # deleting a key it never held: nothing a change feed reports
+    assert await waiting
+    assert not await store.wait_for_revision(3, timeout=0)
