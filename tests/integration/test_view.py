@@ -162,8 +162,3 @@ async def test_catch_up_waits_until_the_view_has_seen_every_stored_write(conn, v
     assert await other_view.catch_up(timeout=10)
     assert other_view.count(K.NODE) == 20
     await other_view.stop()
-
-
-async def test_waiting_for_a_revision_never_written_gives_up_at_the_timeout(view: StateView):
-    assert await view.wait_for_revision(view.last_revision, timeout=0)
-    assert not await view.wait_for_revision(view.last_revision + 1, timeout=0.1)
