@@ -45,7 +45,7 @@ from shared.applogs import describe_exit
 from shared.deploy import Deployer, DeployError
 from shared.deployments import desired_replicas, is_terminal
 from shared.settings import settings
-from shared.state.feed import StateView
+from shared.state.reader import StateReader
 from shared.telemetry import setup as setup_telemetry
 from shared.telemetry import span
 from shared.txn import Conflict
@@ -172,7 +172,7 @@ def _refused(exc: DeployError, given: dict[str, str]) -> typer.Exit:
     return _fail(f"{option} {given[option]!r}: {exc.problem}")
 
 
-def _env_or_fail(view: StateView, ref: str) -> pb.Environment:
+def _env_or_fail(view: StateReader, ref: str) -> pb.Environment:
     env = resolve_env(view, ref)
     if env is None:
         raise _fail(f"--env: no environment {ref!r} (use an id or project/app/env)")
