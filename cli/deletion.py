@@ -26,8 +26,8 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.deployments import is_terminal
 from shared.events import make_event
+from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
-from shared.view import StateView
 
 ENVIRONMENT_DELETED = "environment deleted"
 
@@ -68,7 +68,7 @@ class Deletion:
 
 
 def plan_deletion(
-    view: StateView,
+    view: StateReader,
     what: str,
     *,
     projects: Sequence[pb.Project] = (),

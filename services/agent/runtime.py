@@ -62,9 +62,10 @@ from shared.applogs import STDOUT, describe_exit, instance_exit
 from shared.natsio import Connection
 from shared.registryauth import split_registry_auth
 from shared.secrets import SecretsUnavailable, fetch_secrets
+from shared.state.feed import StateView
+from shared.state.reader import StateReader
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
-from shared.view import StateView
 from shared.volumes import lease_expired, lease_of
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ def lease_is_ours(volume: pb.Volume, node_id: str, assignment_id: str, now: floa
 
 
 def resolve_volumes(
-    view: StateView, a: pb.Assignment, release: pb.Release, volumes_dir: Path, now: float
+    view: StateReader, a: pb.Assignment, release: pb.Release, volumes_dir: Path, now: float
 ) -> tuple[dict[str, Path], str]:
     """The volume directories of a stateful instance by volume name, or why it cannot start yet."""
     if not release.service.stateful:

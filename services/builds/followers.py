@@ -58,10 +58,10 @@ from shared.buildlogs import (
 from shared.clock import Clock
 from shared.natsio import BUILD_EVENTS_STREAM, Connection, build_events_subject
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
+from shared.state.feed import CONSUMER_HEARTBEAT, StateView, guard_ordered_consumer
 from shared.tasks import cancel_and_wait
 from shared.telemetry import inject, span
 from shared.txn import Deposed, Writer
-from shared.view import CONSUMER_HEARTBEAT, StateView, guard_ordered_consumer
 
 log = logging.getLogger(__name__)
 

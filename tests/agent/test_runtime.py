@@ -13,8 +13,8 @@ from services.agent.processes import InstanceRecord
 from shared import keys as K
 from shared.live import node_key
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent.conftest import StartAgent, app_ref, assignment, release
 from tests.waiting import eventually
 
