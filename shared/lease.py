@@ -80,6 +80,8 @@ class Lease:
         self.rev = 0
         self.term = 0
         self.held = False
+        self._unconfirmed = False  # an acquiring write landed, its confirming write not known to: a shutdown
+        # then releases whichever of the two the key holds
         self._acquired_at = Timestamp()
         self._last_refresh = 0.0
         self._lost = asyncio.Event()
@@ -160,9 +162,11 @@ class Lease:
                 return False
             self._acquired_at.GetCurrentTime()
             sent_at = self._now()
+            self._unconfirmed = True  # until both writes are answered (a cancel may come in between)
             try:
                 created = await self._publish(self._value(term=0), rev)
             except APIError as exc:
+                self._unconfirmed = False
                 if exc.err_code == WRONG_LAST_SEQUENCE:
                     return False
                 raise
@@ -173,7 +177,9 @@ class Lease:
             try:
                 self.rev = await self._publish(self._value(), created)
             except APIError:
+                self._unconfirmed = False
                 return False
+            self._unconfirmed = False
             self._last_refresh = sent_at
             self.held = True
             self._lost = asyncio.Event()
@@ -233,19 +239,29 @@ class Lease:
     async def release(self) -> None:
         """Give the lease up (clean shutdown), so a standby takes over without waiting for the TTL."""
         async with self.lock:
+            if self._unconfirmed:  # cancelled while confirming an acquisition
+                self._unconfirmed = False
+                with contextlib.suppress(Exception):
+                    rev, value = await self._read_last()
+                    if value is not None and self._ours(value):
+                        await self._delete(rev)
+                return
             if not self.held:
                 return
             self.held = False
             self._lost.set()
             self.lost_reason = "released"
             with contextlib.suppress(Exception):
-                await self._conn.js.publish(
-                    self.subject,
-                    b"",
-                    headers={"Nats-Expected-Last-Subject-Sequence": str(self.rev), "KV-Operation": "DEL"},
-                    stream=STATE_STREAM,
-                    timeout=2.0,
-                )
+                await self._delete(self.rev)
+
+    async def _delete(self, rev: int) -> None:
+        await self._conn.js.publish(
+            self.subject,
+            b"",
+            headers={"Nats-Expected-Last-Subject-Sequence": str(rev), "KV-Operation": "DEL"},
+            stream=STATE_STREAM,
+            timeout=2.0,
+        )
 
 
 @dataclass

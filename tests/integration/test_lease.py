@@ -171,3 +171,27 @@ async def test_a_refused_renewal_whose_write_had_landed_is_recognised_not_taken_
     await conn.js.publish(subject, b"", headers={"KV-Operation": "DEL"})
     assert not await lease.renew()
     assert not lease.held
+
+
+async def test_an_acquisition_cancelled_between_its_two_writes_is_still_released(conn):
+    """A shutdown that cancels try_acquire after its acquiring write landed must not leave the key held
+    until the TTL (the service-process test saw such a lease left behind under load)."""
+    lease = Lease(conn, "v", "a", ttl=30)
+    publish = lease._publish
+    confirming = asyncio.Event()
+
+    async def never_answered_confirmation(data: bytes, expect: int) -> int:
+        if expect:  # the confirming write expects the acquiring write's revision
+            confirming.set()
+            await asyncio.Event().wait()
+        return await publish(data, expect)
+
+    lease._publish = never_answered_confirmation  # type: ignore[method-assign]
+    acquiring = asyncio.create_task(lease.try_acquire())
+    await asyncio.wait_for(confirming.wait(), 5)
+    acquiring.cancel()
+    await asyncio.gather(acquiring, return_exceptions=True)
+    assert not lease.held
+    await lease.release()
+    other = Lease(conn, "v", "b", ttl=30)
+    assert await other.try_acquire(), "the half-taken lease was released, not left to expire"
