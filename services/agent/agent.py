@@ -164,6 +164,7 @@ class Agent:
                     secrets_key=self.secrets_key,
                     network_env=self.forwarder.instance_env if self.forwarder is not None else None,
                     launcher=launcher,
+                    clock=self.clock,
                 )
             )
             heartbeat = HeartbeatPublisher(
