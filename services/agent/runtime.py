@@ -18,7 +18,8 @@ One :class:`InstanceSupervisor` per assignment owns its process and its reports:
   with exponential backoff (reported STARTING with the exit code);
   after ``max_start_attempts`` failed starts of the same config (release, config hash, image) the
   assignment is parked FAILED. A run longer than ``stable_after`` resets the count. A config change
-  (drift) stops the process and starts the new config with a fresh count.
+  (drift) stops the process and starts the new config with a fresh count. These rules are
+  ``restart_policy.py`` (pure, on the injected clock); what an instance starts with is ``instance_env.py``.
 * A stateful release's instance starts only under a valid lease of each of its volumes naming this node
   and this assignment; until then it is reported PENDING (not FAILED), as is an assignment whose release
   or image is not there yet. Volumes live at ``<data>/volumes/<volume id>``, passed to the process as
