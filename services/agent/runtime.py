@@ -399,6 +399,7 @@ class InstanceSupervisor:
             cwd=self._workdir,
             env=self._env,
             startup_interval=self.ctx.settings.startup_probe_interval,
+            clock=self.ctx.clock,
             exec_check=self._handle.exec_check if self._handle is not None else None,
         )
         self._monitor = asyncio.create_task(monitor.run(), name=f"health:{self.assignment_id}")
