@@ -201,7 +201,10 @@ class Agent:
             try:
                 await asyncio.gather(runtime_task, *tasks)
             finally:
-                runtime_task.cancel()
+                # Cancelled already when the gather was: a second cancel would cut its shutdown (stopping the
+                # instances with stop_on_exit, reporting them STOPPED) short.
+                if not runtime_task.cancelling():
+                    runtime_task.cancel()
                 await asyncio.gather(runtime_task, return_exceptions=True)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.reporter.flush(), FINAL_FLUSH_TIMEOUT)
