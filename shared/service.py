@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -23,12 +22,13 @@ from typing import Any
 from nats.errors import Error as NatsError
 from nats.js.errors import BadRequestError
 
+from shared.backoff import retry_until_done
 from shared.clock import Clock, RealClock
 from shared.events import EventPublisher
 from shared.lease import default_holder, run_while_leading
 from shared.loop import LeaderLoop
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
-from shared.natsio import Connection, connect, provision, provision_options
+from shared.natsio import Connection, connect_until_stopped, provision, provision_options
 from shared.settings import Settings, settings
 from shared.tasks import cancel_and_wait
 from shared.telemetry import setup as setup_telemetry
@@ -103,36 +103,21 @@ def configure_logging(level: str) -> None:
 
 
 async def connect_with_retry(urls: str, name: str, stop: asyncio.Event) -> Connection | None:
-    delay = 0.2
-    while not stop.is_set():
-        try:
-            cfg = settings()
-            return await connect(urls, name=name, creds=cfg.nats_creds or None, tls_ca=cfg.nats_tls_ca or None)
-        except Exception as exc:
-            log.warning("%s: NATS at %s unreachable (%s); retrying in %.1fs", name, urls, exc, delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-            delay = min(delay * 2, 5.0)
-    return None
+    cfg = settings()
+    return await connect_until_stopped(urls, name, stop, creds=cfg.nats_creds or None, tls_ca=cfg.nats_tls_ca or None)
 
 
 async def provision_with_retry(conn: Connection, cfg: Settings, name: str, stop: asyncio.Event) -> bool:
     """Create what is missing (the recorded configuration decides how), retrying while JetStream cannot
     answer (a NATS cluster electing a leader, a server restarting): a service started during a NATS fault
     must wait, not exit. False when stopped first."""
-    delay = 0.2
-    while not stop.is_set():
-        try:
-            await provision(conn.js, **provision_options(cfg))
-            return True
-        except BadRequestError:
-            raise  # a configuration the server refuses: retrying cannot help
-        except (NatsError, TimeoutError, OSError) as exc:
-            log.warning("%s: provisioning failed (%r); retrying in %.1fs", name, exc, delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-            delay = min(delay * 2, 5.0)
-    return False
+    return await retry_until_done(
+        lambda: provision(conn.js, **provision_options(cfg)),
+        stop,
+        what=f"{name}: provisioning failed",
+        retry_on=(NatsError, TimeoutError, OSError),
+        never_on=(BadRequestError,),  # a configuration the server refuses: retrying cannot help
+    )
 
 
 async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> int:

@@ -32,8 +32,9 @@ from services.agent.agent import Agent
 from services.agent.credentials import CredentialError, node_credentials
 from services.agent.registration import default_node_id
 from services.agent.settings import AgentSettings
+from shared.backoff import retry_until_done
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
-from shared.natsio import STATE_STREAM, Connection, connect, provision, provision_options
+from shared.natsio import STATE_STREAM, Connection, connect_until_stopped, provision, provision_options
 from shared.security.join import JoinRefused
 from shared.service import configure_logging
 from shared.settings import settings as shared_settings
@@ -90,35 +91,16 @@ def agent_data_dir(given: Path | None, shared_data_dir: Path, node_id: str) -> P
     return (given or shared_data_dir / f"agent-{node_id}").resolve()
 
 
-async def connect_until_stopped(
-    urls: str, name: str, creds: str | None, tls_ca: str | None, stop: asyncio.Event
-) -> Connection | None:
-    """Connect, retrying with backoff while NATS is unreachable; None once ``stop`` is set."""
-    delay = 0.2
-    while not stop.is_set():
-        try:
-            return await connect(urls, name=name, creds=creds, tls_ca=tls_ca)
-        except Exception as exc:
-            log.warning("%s: NATS at %s unreachable (%s); retrying in %.1fs", name, urls, exc, delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-            delay = min(delay * 2, 5.0)
-    return None
-
-
 async def wait_provisioned(conn: Connection, stop: asyncio.Event) -> bool:
     """Until the state stream exists (the services provision a secured cluster); False once stopped."""
-    delay = 0.2
-    while not stop.is_set():
-        try:
-            await conn.js.stream_info(STATE_STREAM)
-            return True
-        except (NotFoundError, NatsError, TimeoutError) as exc:
-            log.info("waiting for the control plane to provision %s (%s)", STATE_STREAM, exc or type(exc).__name__)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
-        delay = min(delay * 2, 5.0)
-    return False
+
+    return await retry_until_done(
+        lambda: conn.js.stream_info(STATE_STREAM),
+        stop,
+        what=f"waiting for the control plane to provision {STATE_STREAM}",
+        retry_on=(NotFoundError, NatsError, TimeoutError),
+        level=logging.INFO,
+    )
 
 
 async def serve(argv: Sequence[str] | None = None) -> int:
@@ -153,7 +135,7 @@ async def serve(argv: Sequence[str] | None = None) -> int:
         log.error("agent %s: no NATS credential: %s", cfg.node_id, exc)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    conn = await connect_until_stopped(urls, f"zattera-agent-{cfg.node_id}", creds, tls_ca, stop)
+    conn = await connect_until_stopped(urls, f"zattera-agent-{cfg.node_id}", stop, creds=creds, tls_ca=tls_ca)
     if conn is None:
         return 0
     try:

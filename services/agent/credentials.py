@@ -18,10 +18,10 @@ Which credential an agent connects with, first match wins:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from pathlib import Path
 
+from shared.backoff import retry_until_stopped
 from shared.security.creds import read_user_jwt, write_private
 from shared.security.join import JoinUnavailable, join
 from shared.security.nkeyjwt import decode_claims
@@ -79,16 +79,11 @@ async def node_credentials(
 async def _join_with_retry(
     urls: str, token: str, node_id: str, *, tls_ca: str, stop: asyncio.Event | None
 ) -> str | None:
-    delay = 0.5
-    while stop is None or not stop.is_set():
-        try:
-            return await join(urls, token, node_id, tls_ca=tls_ca or None)
-        except JoinUnavailable as exc:
-            log.warning("node %s: join not answered (%s); retrying in %.1fs", node_id, exc, delay)
-        if stop is None:
-            await asyncio.sleep(delay)
-        else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-        delay = min(delay * 2, 10.0)
-    return None
+    return await retry_until_stopped(
+        lambda: join(urls, token, node_id, tls_ca=tls_ca or None),
+        stop,
+        what=f"node {node_id}: join not answered",
+        retry_on=(JoinUnavailable,),
+        first=0.5,
+        most=10.0,
+    )
