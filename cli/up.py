@@ -28,6 +28,7 @@ from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.settings import split_listen
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
 from shared.natsio import connect, provision
+from shared.subprocesses import spawn_logged
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs", "console")
 ALL_IN_ONE = "control-plane"
@@ -56,16 +57,7 @@ class Supervised:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=PROJECT_ROOT,
-                env=self.env,
-                start_new_session=True,
-            )
+        self.proc = spawn_logged(self.argv, self.log_path, cwd=PROJECT_ROOT, env=self.env)
         self.started_at = time.monotonic()
 
     def alive(self) -> bool:

@@ -28,6 +28,7 @@ from google.protobuf.duration_pb2 import Duration
 from zattera.v1 import types_pb2 as pb
 
 from shared.clock import Clock
+from shared.subprocesses import run_shell
 
 DEFAULT_INTERVAL = 10.0
 DEFAULT_TIMEOUT = 5.0
@@ -116,23 +117,7 @@ async def check_tcp(host: str, port: int) -> bool:
 
 
 async def check_exec(command: str, cwd: Path, env: Mapping[str, str]) -> bool:
-    proc = await asyncio.create_subprocess_exec(
-        "/bin/sh",
-        "-c",
-        command,
-        cwd=cwd,
-        env=dict(env),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    try:
-        return await proc.wait() == 0
-    except asyncio.CancelledError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        raise
+    return await run_shell(command, cwd=cwd, env=env) == 0
 
 
 class HealthMonitor:
