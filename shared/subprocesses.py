@@ -28,19 +28,34 @@ def spawn_logged(
         )
 
 
-async def run_shell(command: str, *, cwd: Path, env: Mapping[str, str], timeout: float | None = None) -> int:
-    """The exit status of ``/bin/sh -c command``, run with no input and its output discarded. On a timeout
-    (:class:`TimeoutError`) or a cancellation the process is killed and reaped before the error propagates."""
-    proc = await asyncio.create_subprocess_exec(
+async def start_shell(
+    command: str,
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    stdout: int = asyncio.subprocess.DEVNULL,
+    stderr: int = asyncio.subprocess.DEVNULL,
+    own_session: bool = False,
+) -> asyncio.subprocess.Process:
+    """``/bin/sh -c command`` started with no input, in ``cwd`` with exactly ``env``; ``own_session``: in a
+    session (and process group) of its own, so that the whole group can be signalled."""
+    return await asyncio.create_subprocess_exec(
         "/bin/sh",
         "-c",
         command,
         cwd=cwd,
         env=dict(env),
         stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=own_session,
     )
+
+
+async def run_shell(command: str, *, cwd: Path, env: Mapping[str, str], timeout: float | None = None) -> int:
+    """The exit status of ``/bin/sh -c command``, run with no input and its output discarded. On a timeout
+    (:class:`TimeoutError`) or a cancellation the process is killed and reaped before the error propagates."""
+    proc = await start_shell(command, cwd=cwd, env=env)
     try:
         async with asyncio.timeout(timeout):
             return await proc.wait()

@@ -83,6 +83,7 @@ from shared.registry import (
     parse_ref,
     push_image,
 )
+from shared.subprocesses import start_shell
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
 
@@ -554,16 +555,13 @@ class Builder:
         """Run one plan step, its output streamed as log lines; a failure's error ends with the last lines it
         printed (the package manager's own message), so the deploy output shows why."""
         await events.log(f"$ {command}")
-        proc = await asyncio.create_subprocess_exec(
-            "/bin/sh",
-            "-c",
+        proc = await start_shell(
             command,
             cwd=cwd,
-            env=dict(env),
-            stdin=asyncio.subprocess.DEVNULL,
+            env=env,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
+            own_session=True,  # cancelling kills its whole group
         )
         assert proc.stdout is not None
         last_lines: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
