@@ -30,7 +30,7 @@ from nats.js.errors import NotFoundError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.clock import Clock
+from shared.clock import Clock, stamp
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.txn import Conflict, Writer
 
@@ -116,9 +116,9 @@ def registered_node(identity: NodeIdentity, existing: pb.Node | None, now: float
         node.CopyFrom(existing)
     else:
         node.meta.id = identity.node_id
-        node.meta.created_at.FromNanoseconds(int(now * 1e9))
+        stamp(node.meta.created_at, now)
         node.schedulable = True
-    node.meta.updated_at.FromNanoseconds(int(now * 1e9))
+    stamp(node.meta.updated_at, now)
     node.status = pb.NODE_STATUS_ALIVE
     node.os_arch = identity.os_arch
     node.capacity.cpu_millis = identity.cpu_millis
