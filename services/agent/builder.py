@@ -71,6 +71,7 @@ from services.agent.hostbase import NODE_LABEL
 from services.agent.pythonbase import PYTHON_LABEL
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
 from shared.buildplan import BuildPlan, PlanError, detect, read_source
+from shared.errors import ZatteraError
 from shared.ids import is_safe_id, unsafe_id
 from shared.natsio import SOURCES_STORE, Connection, is_direct_request
 from shared.registry import (
@@ -105,7 +106,7 @@ NO_NODE = "builder: node is not installed on this builder (Debian: apt-get insta
 ERROR_TAIL_CHARS = 800
 
 
-class BuildError(Exception):
+class BuildError(ZatteraError):
     """A build step failed; the message is the build's error."""
 
 

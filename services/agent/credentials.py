@@ -22,6 +22,7 @@ import logging
 from pathlib import Path
 
 from shared.backoff import retry_until_stopped
+from shared.errors import ZatteraError
 from shared.security.creds import read_user_jwt, write_private
 from shared.security.join import JoinUnavailable, join
 from shared.security.nkeyjwt import decode_claims
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 CREDS_FILE = "node.creds"
 
 
-class CredentialError(Exception):
+class CredentialError(ZatteraError):
     """The agent cannot get a usable credential (join refused, stored credential for another node)."""
 
 

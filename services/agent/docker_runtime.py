@@ -54,6 +54,7 @@ from services.agent.logs import STREAM_FILES
 from services.agent.processes import InstanceRecord
 from services.agent.pythonbase import inspect_interpreter, python_of, python_rootfs_tar
 from services.agent.settings import AgentSettings
+from shared.errors import ZatteraError
 from shared.natsio import Connection
 from shared.registry import RegistryError, digest_of, fetch_image
 
@@ -72,7 +73,7 @@ _CURSOR_SAVE_INTERVAL = 0.5
 _STATS_TIMEOUT = 5.0
 
 
-class DockerUnavailable(Exception):
+class DockerUnavailable(ZatteraError):
     """No Docker daemon answers at the configured address."""
 
 
