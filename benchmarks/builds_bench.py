@@ -15,11 +15,13 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, bench_main, embedded_server, median, percentile, row
-from services.builds.dispatcher import BuildDispatcher, BuildDispatcherConfig
+from services.builds.dispatcher import BuildDispatcher
+from services.builds.planning import BuildDispatcherConfig
 from shared import keys as K
 from shared.clock import RealClock
 from shared.ids import new_id
 from shared.lease import run_while_leading
+from shared.loop import LoopDeps
 from shared.natsio import Connection, connect, provision
 from shared.txn import Writer
 from shared.view import StateView
@@ -76,7 +78,7 @@ class Bench:
             await builder.start()
         await writer.commit(txn)
         conn, view = await self.view("bench-dispatcher")
-        dispatcher = BuildDispatcher(config=BuildDispatcherConfig(), conn=conn, view=view, clock=RealClock())
+        dispatcher = BuildDispatcher(LoopDeps(conn, view, RealClock()), config=BuildDispatcherConfig())
         self.tasks.append(asyncio.create_task(run_while_leading(conn, "builds", dispatcher.run, holder="bench")))
         await until(view, K.LEASE, lambda: view.lease("builds") is not None)
         return writer

@@ -40,6 +40,7 @@ from shared.clock import RealClock
 from shared.embedded import free_port
 from shared.ids import new_id
 from shared.lease import run_while_leading
+from shared.loop import LoopDeps
 from shared.natsio import Connection, connect, provision
 from shared.secrets import CLUSTER_KEY, seal
 from shared.txn import Writer
@@ -66,7 +67,7 @@ async def _issuance(conn: Connection, view: StateView, writer: Writer, tmp: Path
         proxy = ingress.proxy if isinstance(ingress, HAProxyIngress) else ingress
         await proxy.wait_connected()
         acme = AcmeIssuer(pebble.directory_url, "bench@example.com", ca_bundle=str(pebble.ca_bundle))
-        loop = CertificateLoop(conn=conn, view=view, clock=RealClock(), acme=acme, coalesce=0.001)
+        loop = CertificateLoop(LoopDeps(conn, view, RealClock(), coalesce=0.001), acme=acme)
         leading = asyncio.create_task(run_while_leading(conn, loop.name, loop.run, holder="bench"))
         client = CertClient(tmp / "client" / CACHE_FILE)
         await client.start(conn)

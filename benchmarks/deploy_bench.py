@@ -38,6 +38,7 @@ from shared import keys as K
 from shared.clock import RealClock
 from shared.deploy import Deployer
 from shared.lease import run_while_leading
+from shared.loop import LoopDeps
 from shared.natsio import Connection, connect, provision
 from shared.txn import Writer
 from shared.view import StateView
@@ -122,7 +123,7 @@ async def _measure(quick: bool) -> list[Row]:
         orch_view = StateView(conn, name="bench-orchestrator")
         await orch_view.start()
         orchestrator = Orchestrator(
-            conn=conn, view=orch_view, clock=RealClock(), timers=Timers(drain_window=DRAIN_WINDOW), tick=15.0
+            LoopDeps(conn, orch_view, RealClock()), timers=Timers(drain_window=DRAIN_WINDOW), tick=15.0
         )
         leader = asyncio.create_task(
             run_while_leading(conn, "orchestrator", orchestrator.run, holder="bench", ttl=3, renew_interval=1)

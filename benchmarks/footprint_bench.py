@@ -56,9 +56,12 @@ class UpRun:
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ZATTERA_")}
-        env |= {"PYTHONUNBUFFERED": "1", "OTEL_TRACES_EXPORTER": "none"}
+        # Every port its own: both modes start at once, and two `zattera up`s that each find the default
+        # console or HTTPS port free would both take it (the loser restarting in a loop).
+        env |= {"PYTHONUNBUFFERED": "1", "OTEL_TRACES_EXPORTER": "none", "ZATTERA_CONSOLE_PORT": str(free_port())}
         argv = [*cli_argv(), "up", MODES[self.mode], "--data-dir", str(self.data_dir)]
         argv += ["--port", str(free_port()), "--proxy-port", str(free_port()), "--metrics-port", "0"]
+        argv += ["--proxy-tls-listen", f"0.0.0.0:{free_port()}"]
         with open(self.data_dir.parent / f"{self.mode}.out", "wb") as sink:
             self.proc = subprocess.Popen(
                 argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True

@@ -30,6 +30,7 @@ from shared import jobs as J
 from shared import keys as K
 from shared.clock import FakeClock
 from shared.lease import run_while_leading
+from shared.loop import LoopDeps
 from shared.natsio import connect, provision
 from shared.txn import Writer
 from shared.view import StateView
@@ -60,7 +61,7 @@ async def _one_slot(nats_url: str, slot: float) -> list[float]:
     agents = await AgentSim(conn, name="agents").start()
     agents.other_state = RUNNING
     clock = FakeClock(start=slot - 1)
-    loop = JobsLoop(conn=conn, view=view, clock=clock, tick=3600)
+    loop = JobsLoop(LoopDeps(conn, view, clock), tick=3600)
     leading: asyncio.Task[None] | None = None
     try:
         writer = Writer(conn, view)
@@ -106,7 +107,7 @@ async def _real_agent_slot(nats_url: str, entries: int) -> list[float]:
     now = time.time()
     slot = float(int(now) // 60 * 60 + 60)
     clock = FakeClock(start=slot - 1)
-    loop = JobsLoop(conn=conn, view=view, clock=clock, tick=3600)
+    loop = JobsLoop(LoopDeps(conn, view, clock), tick=3600)
     leading: asyncio.Task[None] | None = None
     agent_task: asyncio.Task[None] | None = None
     agent_conn = await connect(nats_url, name="jobs-bench-agent")

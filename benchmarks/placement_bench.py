@@ -27,6 +27,7 @@ from services.scheduler.loop import Scheduler
 from shared import keys as K
 from shared.clock import RealClock
 from shared.lease import run_while_leading
+from shared.loop import LoopDeps
 from shared.natsio import connect, provision
 from shared.placement.placement import PlacementIndex, place
 from shared.txn import Writer
@@ -156,7 +157,7 @@ async def _end_to_end(url: str) -> tuple[float, float, int]:
     conn = await connect(url, name="bench-scheduler")
     view = StateView(conn, name="scheduler")
     await view.start()
-    loop = Scheduler(conn=conn, view=view, clock=RealClock())
+    loop = Scheduler(LoopDeps(conn, view, RealClock()))
     leases = view.subscribe({K.LEASE})
     assignments = view.subscribe({K.ASSIGNMENT})
     leader = asyncio.create_task(run_while_leading(conn, loop.name, loop.run, holder="bench", ttl=3, renew_interval=1))

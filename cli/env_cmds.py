@@ -7,7 +7,6 @@ anything the plan read refuses it whole, and it is decided again on fresh state.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
 from collections.abc import Callable
@@ -21,11 +20,12 @@ from cli import render
 from cli.apply import env_path, find_app, find_project, resolve_env
 from cli.client import control, err, run
 from cli.deletion import Deletion, deletion_events, deletion_txn, plan_deletion
+from shared.clock import RealClock
 from shared.deployments import desired_replicas, is_terminal
 from shared.events import EventPublisher, event_for_env
 from shared.placement.placement import explain
+from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.scaling import ScaleRequest, scaled
-from shared.txn import Conflict
 from shared.view import StateView
 
 envs_app = typer.Typer(no_args_is_help=True, help="Environments: delete.")
@@ -34,7 +34,6 @@ projects_app = typer.Typer(no_args_is_help=True, help="Projects: delete.")
 JSON = typer.Option(False, "--json", help="machine-readable output")
 YES = typer.Option(False, "--yes", "-y", help="do not ask for confirmation (required without a terminal)")
 VOLUMES = typer.Option(False, "--volumes", help="also delete the volumes and their snapshots (kept by default)")
-ATTEMPTS = 10
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
@@ -95,18 +94,17 @@ def _delete(what: str, decide: Callable[[StateView, float], Deletion | None], *,
             if plan is None:
                 raise fail(f"{what}: not found")
             confirm(plan, yes)
-            for _ in range(ATTEMPTS):
-                try:
-                    await c.writer.commit(deletion_txn(c.writer, plan))
-                    break
-                except Conflict:
-                    await asyncio.sleep(0.05)
-                    fresh = decide(c.view, time.time())
-                    if fresh is None:
-                        raise fail(f"{what}: deleted meanwhile by someone else") from None
-                    plan = fresh
-            else:
-                raise fail(f"{what} kept changing while deleting; try again")
+
+            def attempt() -> Attempt[Deletion]:
+                fresh = decide(c.view, time.time())
+                if fresh is None:
+                    raise fail(f"{what}: deleted meanwhile by someone else")
+                return Attempt(deletion_txn(c.writer, fresh), fresh)
+
+            try:
+                plan = await commit_with_retry(c.writer, attempt, clock=RealClock(), contended=what)
+            except RetriesExhausted:
+                raise fail(f"{what} kept changing while deleting; try again") from None
             await EventPublisher(c.conn).publish(*deletion_events(plan))
             if as_json:
                 render.emit_json({"deleted": plan.what, **plan.summary()})
@@ -192,7 +190,8 @@ def scale(
 
     async def go() -> None:
         async with control() as c:
-            for _ in range(ATTEMPTS):
+
+            def attempt() -> Attempt[pb.Environment]:
                 target = resolve_env(c.view, env)
                 if target is None:
                     raise fail(f"--env: no environment {env!r} (use an id or project/app/env)")
@@ -201,13 +200,12 @@ def scale(
                 except ValueError as exc:
                     raise fail(str(exc)) from None
                 new.meta.updated_at.FromNanoseconds(time.time_ns())
-                try:
-                    await c.writer.commit(c.writer.txn("scale").put(new))
-                    break
-                except Conflict:
-                    await asyncio.sleep(0.05)
-            else:
-                raise fail(f"env {env} kept changing while scaling; try again")
+                return Attempt(c.writer.txn("scale").put(new), new)
+
+            try:
+                new = await commit_with_retry(c.writer, attempt, clock=RealClock(), contended=f"env {env}")
+            except RetriesExhausted:
+                raise fail(f"env {env} kept changing while scaling; try again") from None
             path = env_path(c.view, new)
             bounds = f"min {new.service.replicas.min}, max {new.service.replicas.max}"
             message = f"scaled {path} to {new.effective_replicas} replica(s) ({bounds})"

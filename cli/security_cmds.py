@@ -1,5 +1,5 @@
 """Security commands: ``zattera up --secure/--tls``, ``zattera nodes join-token`` (registered on the nodes
-group by cli/main.py), ``zattera security creds|revoke``."""
+group by cli/nodes_cmds.py), ``zattera security creds|revoke``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import typer
 
 from cli.client import connect_cli, run
 from cli.up import LOCAL_NODE, Cluster, Supervised, run_up
-from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
+from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.security.authority import Authority
 from shared.security.join import DEFAULT_TTL, JoinRefused, request_join_token
 from shared.security.permissions import Role

@@ -9,7 +9,6 @@ then NATS, leaving no process behind. Running it again resumes the same cluster 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -23,11 +22,9 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 
-from services.proxy.haproxy_engine import choose_engine
-from services.proxy.settings import DEFAULT_HOST as DEFAULT_PROXY_HOST
-from services.proxy.settings import split_listen
+from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
+from services.proxy.launch import choose_engine, split_listen
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
-from shared.natsio import connect, provision
 from shared.subprocesses import spawn_logged
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs", "console")
@@ -394,6 +391,10 @@ def _port_free(port: int) -> bool:
 
 
 async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int = 1) -> None:
+    import asyncio
+
+    from shared.natsio import connect, provision
+
     conn = await connect(url, name="zattera-up", creds=creds or None, tls_ca=tls_ca or None)
     try:
         deadline = time.monotonic() + 60.0
@@ -408,6 +409,22 @@ async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int 
                 await asyncio.sleep(0.5)
     finally:
         await conn.close()
+
+
+PROVISION_ENV = "ZATTERA_UP_PROVISION"
+"""How :func:`provision_in_child` hands what to provision (URL, credentials file, CA file, replicas) to it."""
+
+
+def provision_in_child(cluster: Cluster) -> None:
+    """Provision ``cluster`` from a short-lived interpreter (``python -m cli.up`` with :data:`PROVISION_ENV`):
+    nats-py and asyncio, loaded here once, would stay resident in the supervisor for as long as the cluster
+    runs (~15 MB of a single machine's control plane, PERFORMANCE.md "footprint"). Its error, if any, is on
+    stderr; SystemExit here then stops the cluster."""
+    given = {"url": cluster.url, "creds": cluster.creds, "tls_ca": cluster.tls_ca, "replicas": cluster.replicas}
+    env = {**os.environ, PROVISION_ENV: json.dumps(given)}
+    done = subprocess.run([sys.executable, "-m", "cli.up"], env=env, cwd=PROJECT_ROOT, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"provisioning the streams and buckets at {cluster.url} failed (exit {done.returncode})")
 
 
 CLUSTER_ENV = "ZATTERA_UP_CLUSTER"
@@ -440,7 +457,7 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
     console = cluster.console
     try:
         cluster.start_nats()
-        asyncio.run(_provision(cluster.url, cluster.creds, cluster.tls_ca, cluster.replicas))
+        provision_in_child(cluster)
         cluster.start_services()
         console.print(f"[bold green]Zattera is up[/] — data in {cluster.data_dir}")
         console.print(
@@ -480,7 +497,12 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
 
 
 def main() -> None:
-    """``python -m cli.up``, as :func:`run_up` execs it."""
+    """``python -m cli.up``, as :func:`run_up` execs it (and :func:`provision_in_child` runs it)."""
+    if PROVISION_ENV in os.environ:
+        import asyncio
+
+        asyncio.run(_provision(**json.loads(os.environ.pop(PROVISION_ENV))))
+        return
     given = json.loads(os.environ.pop(CLUSTER_ENV))
     sys.exit(supervise(Cluster.from_config(given["cluster"]), hint=given["hint"]))
 

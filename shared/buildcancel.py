@@ -7,15 +7,13 @@ dispatcher recorded meanwhile. The dispatcher sees the CANCELED build and tells 
 
 from __future__ import annotations
 
-import asyncio
-
 from zattera.v1 import types_pb2 as pb
 
-from shared import keys as K
 from shared.buildlogs import TERMINAL_STATUSES
 from shared.clock import Clock, stamp
 from shared.errors import ZatteraError
-from shared.txn import CommitUnknown, Conflict, Writer
+from shared.retry import Attempt, RetriesExhausted, commit_with_retry
+from shared.txn import Writer
 
 CANCELED_ERROR = "canceled"
 
@@ -33,23 +31,23 @@ def canceled_build(build: pb.Build, now: float) -> pb.Build:
     return b
 
 
-async def cancel_build(writer: Writer, build_id: str, *, clock: Clock, attempts: int = 10) -> pb.Build:
+async def cancel_build(writer: Writer, build_id: str, *, clock: Clock) -> pb.Build:
     """Cancel a build; raises :class:`CancelRefused` when it does not exist or already ended."""
     view = writer.view
-    for _ in range(attempts):
+
+    def decide() -> Attempt[pb.Build]:
         build = view.build(build_id)
         if build is None:
             raise CancelRefused(f"build {build_id} not found")
         if build.status in TERMINAL_STATUSES:
             raise CancelRefused(f"build {build_id} already ended ({pb.BuildStatus.Name(build.status)})")
         canceled = canceled_build(build, clock.now())
-        rev = view.rev(K.build(build_id))
-        try:
-            await writer.commit(writer.txn("cancel build").put(canceled))
-            return canceled
-        except (Conflict, CommitUnknown):
-            for _ in range(200):
-                if view.rev(K.build(build_id)) != rev:
-                    break
-                await asyncio.sleep(0.01)
-    raise CancelRefused(f"build {build_id} kept changing; try again")
+        return Attempt(writer.txn("cancel build").put(canceled), canceled)
+
+    def landed(canceled: pb.Build) -> bool:
+        return view.build(build_id) == canceled
+
+    try:
+        return await commit_with_retry(writer, decide, clock=clock, contended=f"build {build_id}", landed=landed)
+    except RetriesExhausted as exc:
+        raise CancelRefused(str(exc)) from None

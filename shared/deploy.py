@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from zattera.v1 import types_pb2 as pb
 
@@ -32,7 +32,8 @@ from shared.clock import Clock, RealClock, stamp
 from shared.deployments import is_terminal
 from shared.errors import ZatteraError
 from shared.ids import SAFE_ID_RULE, is_safe_id, new_id
-from shared.txn import CommitUnknown, Conflict, Txn, Writer
+from shared.retry import Attempt, Decide, RetriesExhausted, commit_with_retry, decide_again
+from shared.txn import Txn, Writer
 from shared.view import StateView
 
 CANCELED_BY_OPERATOR = "canceled by operator"
@@ -47,6 +48,8 @@ DEPLOYMENT_NOT_FOUND = "deployment not found"
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _MAX_IMAGE_REF = 512
+
+T = TypeVar("T")
 
 
 class DeployError(ZatteraError):
@@ -137,12 +140,11 @@ def _check_image_ref(value: str) -> None:
 class Deployer:
     """Deployment operations on behalf of ``created_by``, through an (unfenced) writer and its view."""
 
-    def __init__(self, writer: Writer, *, clock: Clock | None = None, created_by: str = "", attempts: int = 20) -> None:
+    def __init__(self, writer: Writer, *, clock: Clock | None = None, created_by: str = "") -> None:
         self._writer = writer
         self._view = writer.view
         self._clock = clock or RealClock()
         self._created_by = created_by
-        self._attempts = attempts
 
     # ------------------------------------------------------------------ operations
 
@@ -232,8 +234,11 @@ class Deployer:
         write also makes a new release (the live image, the env's new spec) and its deployment, which rolls
         out red/green like any deploy; otherwise the change is staged for the next deploy."""
         _check_id("environment_id", environment_id)
-        key = K.env(environment_id)
-        for _ in range(self._attempts):
+        read_at = 0  # the env revision the last decision read
+
+        def decide() -> Attempt[Reconfigured]:
+            nonlocal read_at
+            read_at = self._view.rev(K.env(environment_id))
             env = self._view.env(environment_id)
             if env is None:
                 raise NotFound(ENVIRONMENT_NOT_FOUND)
@@ -241,35 +246,26 @@ class Deployer:
             rolling = deploy and active is not None and bool(active.image_ref)
             if rolling and blocking_deployments(self._view, environment_id):
                 raise FailedPrecondition(DEPLOYMENT_IN_PROGRESS + STAGE_HINT)
-            rev = self._view.rev(key)
             txn = self._writer.txn("reconfigure")
             updated = pb.Environment()
             updated.CopyFrom(env)
             edit(updated, txn)
             stamp(updated.meta.updated_at, self._clock.now())
-            result = Reconfigured(updated)
-            if rolling:
-                assert active is not None
-                release = self._new_release(updated, active.image_ref, active.platforms, active.source.kind)
-                release.source.CopyFrom(active.source)
-                deployment = self._new_deployment(updated, release.meta.id)
-                txn = self._txn(updated, release, deployment, txn)
-                result = Reconfigured(updated, deployment, release)
-            else:
-                txn.put(updated)
-            try:
-                await self._writer.commit(txn)
-            except Conflict:
-                await self._await_change(key, rev)
-                continue
-            except CommitUnknown:
-                if self._view.rev(key) != rev:
-                    current = self._view.env(environment_id)
-                    if current is not None and current.meta.updated_at == updated.meta.updated_at:
-                        return result
-                continue
-            return result
-        raise Contended(f"environment {environment_id} kept changing; try again")
+            if not rolling:
+                return Attempt(txn.put(updated), Reconfigured(updated))
+            assert active is not None
+            release = self._new_release(updated, active.image_ref, active.platforms, active.source.kind)
+            release.source.CopyFrom(active.source)
+            deployment = self._new_deployment(updated, release.meta.id)
+            return Attempt(self._txn(updated, release, deployment, txn), Reconfigured(updated, deployment, release))
+
+        def landed(result: Reconfigured) -> bool:
+            if self._view.rev(K.env(environment_id)) == read_at:
+                return False
+            current = self._view.env(environment_id)
+            return current is not None and current.meta.updated_at == result.environment.meta.updated_at
+
+        return await self._commit(decide, f"environment {environment_id}", landed)
 
     async def rollback(self, environment_id: str, *, to_release_id: str = "") -> pb.Deployment:
         """Roll back to ``to_release_id`` (a release of this env), by default the highest version below
@@ -292,8 +288,8 @@ class Deployer:
         """Cancel a running deployment: before promotion it ends FAILED ("canceled by operator") with its
         green set removed and traffic untouched; while DRAINING_OLD it completes the drain now."""
         _check_id("deployment_id", deployment_id)
-        key = K.deployment(deployment_id)
-        for _ in range(self._attempts):
+
+        def decide() -> Attempt[pb.Deployment]:
             current = self._view.deployment(deployment_id)
             if current is None:
                 raise NotFound(DEPLOYMENT_NOT_FOUND)
@@ -305,48 +301,41 @@ class Deployer:
             now = self._clock.now()
             if current.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD:
                 if current.HasField("drain_deadline") and current.drain_deadline.ToNanoseconds() <= now * 1e9:
-                    return current
+                    return Attempt(None, current)
                 stamp(request.drain_deadline, now)
+            elif cancel_requested(current):
+                return Attempt(None, current)
             else:
-                if cancel_requested(current):
-                    return current
                 request.error = CANCELED_BY_OPERATOR
-            rev = self._view.rev(key)
-            try:
-                await self._writer.commit(self._writer.txn("cancel").put(request))
-            except Conflict:
-                await self._await_change(key, rev)
-                continue
-            except CommitUnknown:
-                continue  # re-read: the view has caught up with whatever landed
-            return request
-        raise Contended(f"deployment {deployment_id} kept changing; try again")
+            return Attempt(self._writer.txn("cancel").put(request), request)
+
+        # After an unknown outcome the next decision finds the request recorded (or makes it again).
+        return await self._commit(decide, f"deployment {deployment_id}", decide_again)
 
     # ------------------------------------------------------------------ building blocks
 
     async def _create(self, environment_id: str, decide: Callable[[pb.Environment], tuple[Txn, Created]]) -> Created:
         """Decide on the view and commit, fenced on the env; on a conflict wait for the view, decide again."""
-        key = K.env(environment_id)
-        for _ in range(self._attempts):
+
+        def attempt() -> Attempt[Created]:
             env = self._view.env(environment_id)
             if env is None:
                 raise NotFound(ENVIRONMENT_NOT_FOUND)
             if blocking_deployments(self._view, environment_id):
                 raise FailedPrecondition(DEPLOYMENT_IN_PROGRESS)
-            rev = self._view.rev(key)
             txn, created = decide(env)
-            try:
-                await self._writer.commit(txn)
-            except Conflict:
-                await self._await_change(key, rev)
-                continue
-            except CommitUnknown:
-                # The writer has caught the view up: if the batch landed, the deployment is there.
-                if self._view.deployment(created.deployment.meta.id) is not None:
-                    return created
-                continue
-            return created
-        raise Contended(f"environment {environment_id} kept changing; try again")
+            return Attempt(txn, created)
+
+        def landed(created: Created) -> bool:
+            return self._view.deployment(created.deployment.meta.id) is not None
+
+        return await self._commit(attempt, f"environment {environment_id}", landed)
+
+    async def _commit(self, decide: Decide[T], contended: str, landed: Callable[[T], bool] | None = None) -> T:
+        try:
+            return await commit_with_retry(self._writer, decide, clock=self._clock, contended=contended, landed=landed)
+        except RetriesExhausted as exc:
+            raise Contended(str(exc)) from None
 
     def _txn(self, env: pb.Environment, release: pb.Release, deployment: pb.Deployment, txn: Txn | None = None) -> Txn:
         """Release and deployment, then the env re-write LAST: a view that sees the env's new revision has
@@ -355,19 +344,6 @@ class Deployer:
         txn.create(release).create(deployment)
         txn.put(env)
         return txn
-
-    async def _await_change(self, key: str, rev: int, timeout: float = 2.0) -> None:
-        """After a refused write, wait until our view has seen the write that beat us."""
-        feed = self._view.subscribe({K.parse(key).kind})
-        try:
-            deadline = time.monotonic() + timeout
-            while self._view.rev(key) == rev:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return
-                await feed.wait(remaining)
-        finally:
-            feed.close()
 
     def _new_release(self, env: pb.Environment, image_ref: str, platforms: Sequence[str], kind: int) -> pb.Release:
         now = self._clock.now()

@@ -7,15 +7,15 @@ assignment (``Assignment.job_id``) is run to completion by the node's agent, nev
 
 from __future__ import annotations
 
-import time
-
 from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.clock import Clock, RealClock, stamp
 from shared.errors import ZatteraError
 from shared.ids import new_id
-from shared.txn import Conflict, Writer
+from shared.retry import Attempt, RetriesExhausted, commit_with_retry
+from shared.txn import Writer
 from shared.view import StateView
 
 MAX_COMMAND_BYTES = 4096
@@ -41,10 +41,6 @@ POLICIES = {
     "replace": pb.CONCURRENCY_POLICY_REPLACE,
     "allow": pb.CONCURRENCY_POLICY_ALLOW,
 }
-
-
-CANCEL_ATTEMPTS = 10
-CANCEL_RETRY_WAIT = 1.0
 
 
 class CommandError(ZatteraError, ValueError):
@@ -118,26 +114,26 @@ def newest_first(jobs: list[pb.Job]) -> list[pb.Job]:
     return sorted(jobs, key=lambda j: (_seconds(j.slot_at), j.meta.id), reverse=True)
 
 
-async def request_cancel(view: StateView, writer: Writer, job_id: str, message: str) -> None:
+async def request_cancel(
+    view: StateView, writer: Writer, job_id: str, message: str, *, clock: Clock | None = None
+) -> None:
     """Set ``cancel_requested`` (nothing to do once the job ended; the jobs loop and the agent stop it); a
     write that crossed one of the jobs loop's updates is made again on the newer version. ``zattera jobs
     cancel`` and the console's cancel button both come here."""
-    feed = view.subscribe({K.JOB})
+    clock = clock or RealClock()
+
+    def decide() -> Attempt[None]:
+        current = view.get(K.JOB, job_id)
+        if not isinstance(current, pb.Job) or not is_active(current) or current.cancel_requested:
+            return Attempt(None, None)
+        canceling = pb.Job()
+        canceling.CopyFrom(current)
+        canceling.cancel_requested = True
+        canceling.message = message
+        stamp(canceling.meta.updated_at, clock.now())
+        return Attempt(writer.txn("jobs.cancel").put(canceling), None)
+
     try:
-        for _ in range(CANCEL_ATTEMPTS):
-            current = view.get(K.JOB, job_id)
-            if not isinstance(current, pb.Job) or not is_active(current) or current.cancel_requested:
-                return
-            canceling = pb.Job()
-            canceling.CopyFrom(current)
-            canceling.cancel_requested = True
-            canceling.message = message
-            canceling.meta.updated_at.FromNanoseconds(time.time_ns())
-            try:
-                await writer.commit(writer.txn("jobs.cancel").put(canceling))
-                return
-            except Conflict:
-                await feed.wait(CANCEL_RETRY_WAIT)  # the newer version is on its way to the view
-    finally:
-        feed.close()
-    raise CancelCrossed(f"job {job_id}: the cancel kept crossing the job's updates; cancel it again")
+        await commit_with_retry(writer, decide, clock=clock, contended=f"job {job_id}")
+    except RetriesExhausted:
+        raise CancelCrossed(f"job {job_id}: the cancel kept crossing the job's updates; cancel it again") from None

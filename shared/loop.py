@@ -1,8 +1,17 @@
-"""The shape every leader loop shares: evaluate at the start of a term, on relevant view changes
-(coalesced) and on a tick; write through a writer fenced by the term's lease.
+"""The shape every leader loop shares: a full pass at the start of a term, on relevant changes
+(coalesced), at the loop's own deadlines and at least every tick; writes go through a writer fenced by
+the term's lease.
 
 A concrete loop implements :meth:`LeaderLoop.run_pass` (feed ``evaluate()`` from the view, commit the
-decision). Its in-memory timers are reset by :meth:`LeaderLoop.on_term_start`, as in the reference.
+decision) and may refine the term through hooks, never by overriding :meth:`LeaderLoop.run`:
+
+* :attr:`kinds` / :meth:`extra_kinds`: the view kinds that wake it; :meth:`extra_feeds`: further change
+  feeds (e.g. live samples) subscribed for the term;
+* :meth:`scope_of`: what a change-woken pass must look at (everything, some ids for
+  :meth:`run_partial_pass`, or nothing: keep waiting);
+* :meth:`seconds_until_due`: a deadline of the loop's own (a timer of the injected clock, as the tick);
+* :meth:`on_term_start` resets in-memory timers (as in the reference); :meth:`begin_term` /
+  :meth:`end_term` start and stop what the loop runs beside its passes for one term.
 
 Tracing: a pass woken by changes continues the trace of the newest triggering write that carried one
 (its ``traceparent``, kept by the view), so a deploy started by the CLI can be followed through every loop
@@ -15,8 +24,10 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 from shared.clock import Clock
 from shared.events import EventPublisher
@@ -30,19 +41,48 @@ from shared.view import Change, ChangeFeed, StateView
 
 log = logging.getLogger(__name__)
 
+Scope = frozenset[str] | None
+"""What a change-woken pass looks at: None = everything (a full pass), ids = only those, empty = nothing."""
+FULL: Scope = None
 
-async def wait_change_or_tick(
-    view: StateView, feed_wait: asyncio.Future[set[Change]] | None, clock: Clock, tick: float
-) -> None:
-    """Return when the feed fires or the tick elapses (whichever first)."""
-    timer = clock.timer(tick)
-    waiters: set[asyncio.Future[object]] = {timer}  # type: ignore[arg-type]
-    if feed_wait is not None:
-        waiters.add(feed_wait)  # type: ignore[arg-type]
+
+async def wait_for_changes(feeds: Sequence[ChangeFeed], clock: Clock, timeout: float) -> set[Change] | None:
+    """The changes of whichever feeds fire first (an empty set: a feed was poked), or None when
+    ``timeout`` of ``clock`` elapses first."""
+    if timeout <= 0:
+        return None
+    timer = clock.timer(timeout)
+    waiters = [asyncio.ensure_future(feed.wait()) for feed in feeds]
     try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        racing: list[asyncio.Future[Any]] = [timer, *waiters]
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
     finally:
         timer.cancel()
+        for waiter in waiters:
+            waiter.cancel()
+        results = await asyncio.gather(*waiters, return_exceptions=True)
+    received = [result for result in results if isinstance(result, set)]
+    if not received:
+        return None
+    changes: set[Change] = set()
+    for batch in received:
+        changes |= batch
+    return changes
+
+
+@dataclass(frozen=True, slots=True)
+class LoopDeps:
+    """What every leader loop receives from its service (``ServiceContext.loop_deps``; tests build one)."""
+
+    conn: Connection
+    view: StateView
+    clock: Clock
+    coalesce: float = 0.005
+    """Seconds a loop waits after a pass so that a burst of changes wakes one pass, not many."""
+    max_batch: int = 1000
+    """Most writes in one atomic batch of the fenced writer."""
+    tombstone_ttl: float = 900.0
+    """Seconds a delete marker outlives the key it deleted."""
 
 
 class LeaderLoop(ABC):
@@ -51,39 +91,48 @@ class LeaderLoop(ABC):
     name: str = ""
     kinds: frozenset[str] = frozenset()
 
-    def __init__(
-        self,
-        *,
-        conn: Connection,
-        view: StateView,
-        clock: Clock,
-        tick: float = 15.0,
-        coalesce: float = 0.005,
-        max_batch: int = 1000,
-        tombstone_ttl: float = 900.0,
-    ) -> None:
-        self.conn = conn
-        self.view = view
-        self.clock = clock
+    def __init__(self, deps: LoopDeps, *, tick: float = 15.0) -> None:
+        self.deps = deps
+        self.conn = deps.conn
+        self.view = deps.view
+        self.clock = deps.clock
         self.tick = tick
-        self.coalesce = coalesce
-        self.events = EventPublisher(conn)
-        self._max_batch = max_batch
-        self._tombstone_ttl = tombstone_ttl
+        self.coalesce = deps.coalesce
+        self.events = EventPublisher(deps.conn)
         self.writer: Writer | None = None
         self.passes = 0
-        self._feed: ChangeFeed | None = None
+        self._feeds: list[ChangeFeed] = []
 
     def fenced_writer(self, leadership: Leadership) -> Writer:
         return Writer(
-            self.conn, self.view, lease=leadership.lease, max_batch=self._max_batch, tombstone_ttl=self._tombstone_ttl
+            self.conn,
+            self.view,
+            lease=leadership.lease,
+            max_batch=self.deps.max_batch,
+            tombstone_ttl=self.deps.tombstone_ttl,
         )
+
+    # ------------------------------------------------------------------ hooks
 
     def on_term_start(self) -> None:
         """Reset in-memory timers (a new term starts from durable state only)."""
 
+    async def begin_term(self) -> None:
+        """Start what runs beside the passes for this term (the view is fresh; before the first pass)."""
+
+    async def end_term(self) -> None:
+        """Stop what :meth:`begin_term` or the passes started (the term is over: lost, or cancelled)."""
+
     def extra_kinds(self) -> Iterable[str]:
         return ()
+
+    def extra_feeds(self) -> Sequence[ChangeFeed]:
+        """Change feeds besides the view's (subscribed at the start of each term, closed at its end)."""
+        return ()
+
+    def scope_of(self, changes: set[Change]) -> Scope:
+        """What a pass woken by ``changes`` must look at (default: everything)."""
+        return FULL
 
     def seconds_until_due(self) -> float | None:
         """Seconds until a deadline of the loop's own falls due, to wake before the tick (None: no deadline)."""
@@ -93,36 +142,68 @@ class LeaderLoop(ABC):
     async def run_pass(self) -> None:
         """One evaluation: read the view, decide, commit."""
 
+    async def run_partial_pass(self, scope: frozenset[str]) -> None:
+        """A pass over only what :meth:`scope_of` named (loops whose scope is never partial need none)."""
+        raise NotImplementedError(f"{type(self).__name__} names a partial scope but runs no partial pass")
+
+    # ------------------------------------------------------------------ the term
+
     async def run(self, leadership: Leadership) -> None:
-        """Run for one leadership term (cancelled when the lease is lost)."""
+        """Run for one leadership term (cancelled when the lease is lost): a full pass now, then one on
+        every relevant change, deadline or tick; a partial pass when :meth:`scope_of` narrows a change."""
         self.writer = self.fenced_writer(leadership)
         self.on_term_start()
-        feed = self._feed = self.view.subscribe(set(self.kinds) | set(self.extra_kinds()))
-        changes: set[Change] = set()
+        self._feeds = [self.view.subscribe(set(self.kinds) | set(self.extra_kinds())), *self.extra_feeds()]
         try:
+            await self.view.wait_fresh()
+            await self.begin_term()
+            full = True
+            changes: set[Change] = set()
             while True:
                 raise_if_cancelling()
                 await self.view.wait_fresh()
-                changes |= feed.drain()
-                await self.pass_once(changes)
-                changes = set()
+                changes |= self._drain()
+                scope = FULL if full else self.scope_of(changes)  # the changes since the wake-up count too
+                if scope is FULL:
+                    await self.pass_once(changes)
+                    next_full = self.clock.now() + self.tick
+                elif scope:
+                    await self.partial_pass_once(scope)
                 raise_if_cancelling()
                 if self.coalesce:
                     await asyncio.sleep(self.coalesce)
-                if feed.pending_count:
-                    continue
-                waiter = asyncio.ensure_future(feed.wait())
-                try:
-                    due = self.seconds_until_due()
-                    wait = self.tick if due is None else min(self.tick, max(due, 0.0))
-                    await wait_change_or_tick(self.view, waiter, self.clock, wait)
-                finally:
-                    if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                        changes = waiter.result()
-                    waiter.cancel()
+                full, changes = await self._next_wake(next_full)
         finally:
-            feed.close()
-            self._feed = None
+            for feed in self._feeds:
+                feed.close()
+            self._feeds = []
+            await self.end_term()
+
+    def _drain(self) -> set[Change]:
+        changes: set[Change] = set()
+        for feed in self._feeds:
+            changes |= feed.drain()
+        return changes
+
+    async def _next_wake(self, next_full: float) -> tuple[bool, set[Change]]:
+        """Wait for the next pass: (True, nothing) when the tick or the loop's deadline is due (a full
+        pass), (False, the changes) for changes :meth:`scope_of` does not ignore."""
+        while True:
+            if any(feed.pending_count for feed in self._feeds):
+                changes: set[Change] | None = self._drain()
+            else:
+                due = next_full - self.clock.now()
+                own = self.seconds_until_due()
+                if own is not None:
+                    due = min(due, max(own, 0.0))
+                changes = await wait_for_changes(self._feeds, self.clock, due)
+            if changes is None:
+                return True, set()
+            scope = self.scope_of(changes)
+            if scope is FULL or scope:
+                return False, changes
+
+    # ------------------------------------------------------------------ passes
 
     @contextmanager
     def timed_pass(self) -> Iterator[None]:
@@ -135,8 +216,9 @@ class LeaderLoop(ABC):
 
     def ignore_own_changes(self, changes: Iterable[Change]) -> None:
         """Keep this loop's own writes of ``changes`` from waking it again (e.g. lease renewals)."""
-        if self._feed is not None:
-            self._feed.discard(changes)
+        changes = set(changes)
+        for feed in self._feeds:
+            feed.discard(changes)
 
     def trigger_trace(self, changes: Iterable[Change]) -> dict[str, str]:
         """The trace context of the newest write among ``changes`` that carried one (empty: none did)."""
@@ -155,11 +237,20 @@ class LeaderLoop(ABC):
         self.passes += 1
         parent = self.trigger_trace(changes) or None
         with span(f"{self.name}.pass", headers=parent, loop=self.name, passes=self.passes), self.timed_pass():
-            try:
-                await self.run_pass()
-            except Deposed:
-                raise
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("%s: pass failed; will retry on the next change or tick", self.name)
+            await self._guarded(self.run_pass())
+
+    async def partial_pass_once(self, scope: frozenset[str]) -> None:
+        self.passes += 1
+        with span(f"{self.name}.pass", loop=self.name, passes=self.passes, scope=len(scope)), self.timed_pass():
+            await self._guarded(self.run_partial_pass(scope))
+
+    async def _guarded(self, evaluation: Awaitable[None]) -> None:
+        """Run a pass; a failure is logged and retried by the next wake-up (a lost lease ends the term)."""
+        try:
+            await evaluation
+        except Deposed:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s: pass failed; will retry on the next change or tick", self.name)

@@ -26,7 +26,6 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, NotFoundError
 
-from shared.backoff import retry_until_stopped
 from shared.errors import ZatteraError
 
 log = logging.getLogger(__name__)
@@ -322,15 +321,6 @@ async def connect(
     conn = Connection(nc=nc, js=nc.jetstream(timeout=10), _on_reconnect=on_reconnect, _on_disconnect=on_disconnect)
     holder.append(conn)
     return conn
-
-
-async def connect_until_stopped(
-    urls: str, name: str, stop: asyncio.Event, *, creds: str | None = None, tls_ca: str | None = None
-) -> Connection | None:
-    """:func:`connect`, retried with backoff while NATS is unreachable; None once ``stop`` is set."""
-    return await retry_until_stopped(
-        lambda: connect(urls, name=name, creds=creds, tls_ca=tls_ca), stop, what=f"{name}: NATS at {urls} unreachable"
-    )
 
 
 def _security_options(creds: str | None, tls_ca: str | None) -> dict[str, Any]:

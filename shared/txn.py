@@ -9,9 +9,9 @@ leader's batch is refused by the server, whole.
 
 On success the writer applies the writes to its view before returning (read-your-writes). On a conflict
 nothing was written; :class:`Conflict` is raised and the caller refreshes and re-decides (never a blind
-retry). When the outcome is unknown (the commit reply was lost), the writer first waits until its view
-has caught up with the stream, then raises :class:`CommitUnknown`, so the caller's next decision sees
-whatever did land.
+retry: :func:`shared.retry.commit_with_retry` is that loop). When the outcome is unknown (the commit reply
+was lost), the writer first waits until its view has caught up with the stream, then raises
+:class:`CommitUnknown`, so the caller's next decision sees whatever did land.
 
 Throughput: an R1 file-backed atomic batch costs a disk flush on the server (~5–15 ms here) whatever
 its size, so :meth:`Writer.commit_many` packs many transactions into few batches (up to 1,000

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,20 +30,15 @@ from services.agent.agent import Agent
 from services.agent.credentials import CredentialError, node_credentials
 from services.agent.registration import default_node_id
 from services.agent.settings import AgentSettings
-from shared.backoff import retry_until_done
-from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
-from shared.natsio import STATE_STREAM, Connection, connect_until_stopped, provision, provision_options
+from shared.natsio import STATE_STREAM, provision, provision_options
+from shared.process import Process, run_process
 from shared.security.join import JoinRefused
-from shared.service import configure_logging
-from shared.settings import settings as shared_settings
-from shared.telemetry import setup as setup_telemetry
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m services.agent", description="Zattera node agent")
-    parser.add_argument("--nats", default=None, help="NATS URL(s), comma-separated (default: $ZATTERA_NATS_URL)")
+def agent_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-id", default=None, help="node id (default: $ZATTERA_AGENT_NODE_ID or the host name)")
     parser.add_argument("--data-dir", type=Path, default=None, help="instances, volumes and builds live here")
     parser.add_argument("--labels", default=None, help="operator labels, k=v,k2=v2")
@@ -59,9 +52,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--join-token", default=None, help="join a secured cluster (once; see SECURITY.md), $ZATTERA_AGENT_JOIN_TOKEN"
     )
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    add_metrics_argument(parser)
-    return parser.parse_args(argv)
 
 
 def agent_settings(args: argparse.Namespace) -> AgentSettings:
@@ -91,81 +81,66 @@ def agent_data_dir(given: Path | None, shared_data_dir: Path, node_id: str) -> P
     return (given or shared_data_dir / f"agent-{node_id}").resolve()
 
 
-async def wait_provisioned(conn: Connection, stop: asyncio.Event) -> bool:
-    """Until the state stream exists (the services provision a secured cluster); False once stopped."""
-
-    return await retry_until_done(
-        lambda: conn.js.stream_info(STATE_STREAM),
-        stop,
-        what=f"waiting for the control plane to provision {STATE_STREAM}",
-        retry_on=(NotFoundError, NatsError, TimeoutError),
-        level=logging.INFO,
-    )
-
-
-async def serve(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.log_level)
-    setup_telemetry("zattera-agent")
+async def run_agent(process: Process) -> int:
     try:
-        cfg = agent_settings(args)
+        cfg = agent_settings(process.args)
     except (ValidationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    shared = shared_settings()
-    serve_metrics("zattera-agent", metrics_port(args.metrics_port, shared.metrics_port), shared.metrics_host)
-    data_dir = agent_data_dir(args.data_dir, shared.data_dir, cfg.node_id)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    urls = args.nats or shared.nats_url
-    tls_ca = shared.nats_tls_ca or None
+    shared = process.settings
+    data_dir = agent_data_dir(process.args.data_dir, shared.data_dir, cfg.node_id)
     try:
         creds = await node_credentials(
-            urls,
+            process.nats_url,
             cfg.node_id,
             data_dir,
             join_token=cfg.join_token,
             env_creds=shared.nats_creds,
             tls_ca=shared.nats_tls_ca,
-            stop=stop,
+            stop=process.stop,
         )
     except (JoinRefused, CredentialError) as exc:
         log.error("agent %s: no NATS credential: %s", cfg.node_id, exc)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    conn = await connect_until_stopped(urls, f"zattera-agent-{cfg.node_id}", stop, creds=creds, tls_ca=tls_ca)
+    conn = await process.connect(f"zattera-agent-{cfg.node_id}", creds=creds)
     if conn is None:
         return 0
+    tasks: list[asyncio.Task[None]] = []
+
+    async def shutdown() -> None:
+        await cancel_and_wait(*tasks)
+        await conn.close()
+
     try:
         if creds:
-            if not await wait_provisioned(conn, stop):
+            # An authenticated agent does not provision (its credential may not): it waits for the services.
+            ready = await process.retry(
+                lambda: conn.js.stream_info(STATE_STREAM),
+                what=f"waiting for the control plane to provision {STATE_STREAM}",
+                retry_on=(NotFoundError, NatsError, TimeoutError),
+                level=logging.INFO,
+            )
+            if ready is None:
                 return 0
         else:
             await provision(conn.js, **provision_options(shared))
-        agent_task = asyncio.create_task(Agent(conn, cfg, data_dir, secured=bool(creds)).run())
-        stopper = asyncio.create_task(stop.wait())
-        lost = asyncio.create_task(conn.lost.wait())
-        await asyncio.wait({agent_task, stopper, lost}, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
-        lost.cancel()
-        if agent_task.done() and agent_task.exception() is not None:
-            log.error("agent failed: %r", agent_task.exception())
-            return 1
-        if conn.lost.is_set():
-            log.error("agent %s: lost its NATS connection for good; exiting so that it is restarted", cfg.node_id)
-            agent_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await agent_task
-            return 1
-        agent_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await agent_task
+        tasks.append(asyncio.create_task(Agent(conn, cfg, data_dir, secured=bool(creds)).run()))
+        return await process.supervise(tasks, conn)
     finally:
-        await conn.close()
-    log.info("agent %s: stopped", cfg.node_id)
-    return 0
+        # No grace: stopping instances (--stop-on-exit) and the final report take what they take.
+        await process.shut_down(shutdown, grace=None)
+
+
+async def serve(argv: Sequence[str] | None = None) -> int:
+    return await run_process(
+        "agent",
+        run_agent,
+        argv,
+        prog="python -m services.agent",
+        description="Zattera node agent",
+        arguments=agent_arguments,
+    )
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from shared.backoff import retry_until_stopped
+from shared.process import retry_until_stopped
 from shared.errors import ZatteraError
 from shared.security.creds import read_user_jwt, write_private
 from shared.security.join import JoinUnavailable, join
@@ -53,7 +53,7 @@ async def node_credentials(
     join_token: str = "",
     env_creds: str = "",
     tls_ca: str = "",
-    stop: asyncio.Event | None = None,
+    stop: asyncio.Event,
 ) -> str | None:
     """The credentials file to connect with, or None (unauthenticated); see the module docstring.
 
@@ -77,14 +77,12 @@ async def node_credentials(
     return env_creds or None
 
 
-async def _join_with_retry(
-    urls: str, token: str, node_id: str, *, tls_ca: str, stop: asyncio.Event | None
-) -> str | None:
+async def _join_with_retry(urls: str, token: str, node_id: str, *, tls_ca: str, stop: asyncio.Event) -> str | None:
     return await retry_until_stopped(
-        lambda: join(urls, token, node_id, tls_ca=tls_ca or None),
         stop,
+        lambda: join(urls, token, node_id, tls_ca=tls_ca or None),
         what=f"node {node_id}: join not answered",
         retry_on=(JoinUnavailable,),
         first=0.5,
-        most=10.0,
+        last=10.0,
     )

@@ -32,14 +32,14 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.clock import Clock, stamp
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
-from shared.txn import Conflict, Writer
+from shared.retry import Attempt, RetriesExhausted, commit_with_retry
+from shared.txn import Writer
 
 log = logging.getLogger(__name__)
 
 OS_ARCH_LABEL = "zattera.dev/os-arch"
 BUILDER_LABEL = "builder"
 ROLE_NAMES: Mapping[str, int] = {"worker": pb.NODE_ROLE_WORKER, "control": pb.NODE_ROLE_CONTROL}
-MAX_ATTEMPTS = 20
 
 _ARCH_ALIASES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64", "armv7l": "arm"}
 
@@ -157,21 +157,22 @@ async def _read_node(conn: Connection, node_id: str) -> tuple[pb.Node | None, in
 
 async def register_node(conn: Connection, writer: Writer, identity: NodeIdentity, clock: Clock) -> pb.Node:
     """Create or refresh ``node.<id>``; returns what was written."""
-    for _ in range(MAX_ATTEMPTS):
+
+    async def decide() -> Attempt[pb.Node]:
         existing, revision = await _read_node(conn, identity.node_id)
         node = registered_node(identity, existing, clock.now())
-        try:
-            await writer.commit(writer.txn("register").put(node, expect=revision))
-        except Conflict:
-            log.info("node %s changed while registering; re-reading", identity.node_id)
-            continue
-        log.info(
-            "registered node %s (%s, %d mCPU, %d MB, labels %s)",
-            identity.node_id,
-            identity.os_arch,
-            identity.cpu_millis,
-            identity.memory_mb,
-            dict(node.labels),
-        )
-        return node
-    raise RuntimeError(f"could not register node {identity.node_id}: it kept changing")
+        return Attempt(writer.txn("register").put(node, expect=revision), node)
+
+    try:
+        node = await commit_with_retry(writer, decide, clock=clock, contended=f"node {identity.node_id}")
+    except RetriesExhausted:
+        raise RuntimeError(f"could not register node {identity.node_id}: it kept changing") from None
+    log.info(
+        "registered node %s (%s, %d mCPU, %d MB, labels %s)",
+        identity.node_id,
+        identity.os_arch,
+        identity.cpu_millis,
+        identity.memory_mb,
+        dict(node.labels),
+    )
+    return node

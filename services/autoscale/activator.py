@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, catch_up, effective_txn, scale_event, wake_target
+from services.autoscale.common import ReplicaWrite, effective_txn, scale_event, wake_target
 from shared import keys as K
 from shared.activation import (
     ABORTED,
@@ -44,15 +44,15 @@ from shared.activation import (
 from shared.clock import Clock
 from shared.events import EVENT_WOKEN, EventPublisher
 from shared.natsio import ACTIVATE_SUBJECT, Connection, is_direct_request
+from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
 from shared.telemetry import span
-from shared.txn import CommitUnknown, Conflict, TxnError, Writer
+from shared.txn import TxnError, Writer
 from shared.view import StateView
 
 log = logging.getLogger(__name__)
 
 ACTOR = "system:activator"
 QUEUE_GROUP = "zattera-activator"
-MAX_ATTEMPTS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +85,8 @@ class Activator:
 
     async def activate(self, environment_id: str, node_id: str = "") -> cpb.ActivateResponse:
         """Wake the env if needed; raises :class:`ActivateError` with the reference's error codes."""
-        for _ in range(MAX_ATTEMPTS):
+
+        def decide() -> Attempt[Decision]:
             if self.view.stale:
                 raise ActivateError(UNAVAILABLE, "state view is not in sync; retry shortly")
             env = self.view.env(environment_id)
@@ -93,25 +94,27 @@ class Activator:
                 raise ActivateError(NOT_FOUND, f"environment {environment_id!r} not found")
             decision = evaluate(env, self.view.rev(K.env(environment_id)))
             if decision.write is None:
-                return cpb.ActivateResponse(accepted=decision.accepted)
-            try:
-                await self.writer.commit(effective_txn(self.writer, decision.write, self.clock.now()))
-            except Conflict:
-                await catch_up(self.conn, self.view)
-                continue
-            except CommitUnknown:
-                continue  # the writer's view has caught up: re-read and re-decide
-            except TxnError as exc:
-                raise ActivateError(INTERNAL, f"wake of {environment_id!r} failed: {exc}") from exc
-            self.wakes += 1
-            message = f"woke {env.name} to {decision.write.target} replicas on a request"
-            log.info("%s (env %s, by node %r, %s)", message, environment_id, node_id, ACTOR)
-            woken = scale_event(decision.write, EVENT_WOKEN, ACTOR, message, self.clock.now())
-            if node_id:
-                woken.fields["requested_by_node"] = node_id
-            await self.events.publish(woken)
-            return cpb.ActivateResponse(accepted=True)
-        raise ActivateError(ABORTED, f"environment {environment_id!r} kept changing; retry")
+                return Attempt(None, decision)
+            return Attempt(effective_txn(self.writer, decision.write, self.clock.now()), decision)
+
+        try:
+            decision = await commit_with_retry(
+                self.writer, decide, clock=self.clock, contended=f"environment {environment_id!r}", landed=decide_again
+            )
+        except RetriesExhausted:
+            raise ActivateError(ABORTED, f"environment {environment_id!r} kept changing; retry") from None
+        except TxnError as exc:
+            raise ActivateError(INTERNAL, f"wake of {environment_id!r} failed: {exc}") from exc
+        if decision.write is None:
+            return cpb.ActivateResponse(accepted=decision.accepted)
+        self.wakes += 1
+        message = f"woke {decision.write.env.name} to {decision.write.target} replicas on a request"
+        log.info("%s (env %s, by node %r, %s)", message, environment_id, node_id, ACTOR)
+        woken = scale_event(decision.write, EVENT_WOKEN, ACTOR, message, self.clock.now())
+        if node_id:
+            woken.fields["requested_by_node"] = node_id
+        await self.events.publish(woken)
+        return cpb.ActivateResponse(accepted=True)
 
     async def handle(self, msg: Msg) -> None:
         if not is_direct_request(msg):

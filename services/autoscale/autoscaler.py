@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
@@ -29,6 +28,7 @@ from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, sc
 from shared import keys as K
 from shared.deployments import desired_replicas as current_replicas
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
+from shared.loop import LoopDeps
 from shared.view import RUN, StateView
 
 log = logging.getLogger(__name__)
@@ -166,9 +166,15 @@ class Autoscaler(ScalingLoop):
     live_kinds = frozenset({ENV_TRAFFIC, INSTANCE})
 
     def __init__(
-        self, *, live: LiveView, hold: float = SCALE_DOWN_HOLD, cooldown: float = COOLDOWN, **kwargs: Any
+        self,
+        deps: LoopDeps,
+        *,
+        live: LiveView,
+        hold: float = SCALE_DOWN_HOLD,
+        cooldown: float = COOLDOWN,
+        tick: float = 15.0,
     ) -> None:
-        super().__init__(live=live, **kwargs)
+        super().__init__(deps, live=live, tick=tick)
         self.hold = hold
         self.cooldown = cooldown
         self.timers = Timers()

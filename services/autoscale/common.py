@@ -11,13 +11,11 @@ recorded both even after a failed write, §7.3.5).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from abc import abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
@@ -25,12 +23,10 @@ from shared import keys as K
 from shared.clock import stamp
 from shared.deployments import owns_scaling
 from shared.events import scale_event as shared_scale_event
-from shared.lease import Leadership
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
-from shared.loop import LeaderLoop
+from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
 from shared.natsio import STATE_STREAM, Connection
-from shared.telemetry import span
-from shared.txn import CommitUnknown, Conflict, Deposed, Txn, Writer
+from shared.txn import CommitUnknown, Conflict, Txn, Writer
 from shared.view import Change, ChangeFeed, StateView
 
 log = logging.getLogger(__name__)
@@ -124,8 +120,8 @@ class ScalingLoop(LeaderLoop):
     kinds = frozenset({K.ENV, K.DEPLOYMENT})
     live_kinds: frozenset[str] = frozenset({ENV_TRAFFIC})
 
-    def __init__(self, *, live: LiveView, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, deps: LoopDeps, *, live: LiveView, tick: float = 15.0) -> None:
+        super().__init__(deps, tick=tick)
         self.live = live
         self.writes = 0
         self.conflicts = 0
@@ -186,17 +182,18 @@ class ScalingLoop(LeaderLoop):
             await self.events.publish(*events)
         return retry
 
-    async def pass_envs(self, env_ids: set[str]) -> None:
-        self.passes += 1
-        with span(f"{self.name}.pass", loop=self.name, passes=self.passes, envs=len(env_ids)), self.timed_pass():
-            try:
-                await self.reconcile(env_ids)
-            except (Deposed, asyncio.CancelledError):
-                raise
-            except Exception:
-                log.exception("%s: pass failed; will retry on the next change or tick", self.name)
-
     # ------------------------------------------------------------------ the term
+
+    def extra_feeds(self) -> Sequence[ChangeFeed]:
+        return [self.live.subscribe(self.live_kinds)]
+
+    def scope_of(self, changes: set[Change]) -> Scope:
+        """Only the envs the changes touched (a full pass when one cannot be told)."""
+        touched = self.affected_envs(changes)
+        return FULL if touched is None else frozenset(touched)
+
+    async def run_partial_pass(self, scope: frozenset[str]) -> None:
+        await self.reconcile(scope)
 
     def affected_envs(self, changes: set[Change]) -> set[str] | None:
         """Env ids touched by state or live changes; None when one cannot be mapped (a full pass)."""
@@ -216,54 +213,3 @@ class ScalingLoop(LeaderLoop):
             elif kind in self.kinds:
                 return None  # a deleted assignment/deployment: its env is unknown here
         return envs
-
-    async def run(self, leadership: Leadership) -> None:
-        """One term: a full pass now and every ``tick``; touched envs re-evaluated on every change."""
-        self.writer = self.fenced_writer(leadership)
-        self.on_term_start()
-        view_feed = self.view.subscribe(set(self.kinds) | set(self.extra_kinds()))
-        live_feed = self.live.subscribe(self.live_kinds)
-        try:
-            full = True
-            changes: set[Change] = set()
-            next_full = self.clock.now()
-            while True:
-                await self.view.wait_fresh()
-                changes |= view_feed.drain() | live_feed.drain()
-                touched = None if full else self.affected_envs(changes)
-                changes = set()
-                if touched is None:
-                    await self.pass_once()
-                    next_full = self.clock.now() + self.tick
-                elif touched:
-                    await self.pass_envs(touched)
-                if self.coalesce:
-                    await asyncio.sleep(self.coalesce)
-                full = False
-                if view_feed.pending_count or live_feed.pending_count:
-                    continue
-                full, changes = await self._wait(view_feed, live_feed, next_full - self.clock.now())
-        finally:
-            view_feed.close()
-            live_feed.close()
-
-    async def _wait(self, view_feed: ChangeFeed, live_feed: ChangeFeed, until_tick: float) -> tuple[bool, set[Change]]:
-        """Wait for a change or the tick; returns (tick due, the changes received)."""
-        if until_tick <= 0:
-            return True, set()
-        timer = self.clock.timer(until_tick)
-        waiters = [asyncio.ensure_future(view_feed.wait()), asyncio.ensure_future(live_feed.wait())]
-        try:
-            racing: list[asyncio.Future[Any]] = [timer, *waiters]
-            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            tick_due = timer.done() and not timer.cancelled()
-            timer.cancel()
-            for task in waiters:
-                task.cancel()
-            results = await asyncio.gather(*waiters, return_exceptions=True)
-        changes: set[Change] = set()
-        for result in results:
-            if isinstance(result, set):
-                changes |= result
-        return tick_due, changes

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
 from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused
 from shared.events import EVENT_COOLED
 from shared.live import LiveView
+from shared.loop import LoopDeps
 from shared.view import StateView
 
 log = logging.getLogger(__name__)
@@ -92,8 +92,10 @@ def evaluate(
 class ScaleToZero(ScalingLoop):
     name = "scaletozero"
 
-    def __init__(self, *, live: LiveView, default_idle_timeout: float = DEFAULT_IDLE_TIMEOUT, **kwargs: Any) -> None:
-        super().__init__(live=live, **kwargs)
+    def __init__(
+        self, deps: LoopDeps, *, live: LiveView, default_idle_timeout: float = DEFAULT_IDLE_TIMEOUT, tick: float = 15.0
+    ) -> None:
+        super().__init__(deps, live=live, tick=tick)
         self.default_idle_timeout = default_idle_timeout
         self.last_active: dict[str, float] = {}
 

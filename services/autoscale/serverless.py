@@ -24,13 +24,13 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
 from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused, wake_target
 from shared.deployments import desired_replicas as current_replicas
 from shared.live import LiveView
+from shared.loop import LoopDeps
 from shared.view import StateView
 
 log = logging.getLogger(__name__)
@@ -104,9 +104,10 @@ def evaluate(
 class Serverless(ScalingLoop):
     name = "serverless"
 
-    def __init__(self, *, live: LiveView, scale_down_window: float = SCALE_DOWN_WINDOW, **kwargs: Any) -> None:
-        kwargs.setdefault("tick", 5.0)
-        super().__init__(live=live, **kwargs)
+    def __init__(
+        self, deps: LoopDeps, *, live: LiveView, scale_down_window: float = SCALE_DOWN_WINDOW, tick: float = 5.0
+    ) -> None:
+        super().__init__(deps, live=live, tick=tick)
         self.window = scale_down_window
         self.low: dict[str, LowSpell] = {}
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from services.builds.dispatcher import BuildDispatcher, BuildDispatcherConfig
+from services.builds.dispatcher import BuildDispatcher
 from services.builds.logstreams import LogStreams
+from services.builds.planning import BuildDispatcherConfig
 from services.builds.registry import RegistrySweeper
 from services.builds.retention import Retention
 from services.builds.settings import BuildsSettings
@@ -18,6 +19,7 @@ from shared.service import ServiceContext, main
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     cfg = BuildsSettings()
     dispatcher = BuildDispatcher(
+        ctx.loop_deps,
         config=BuildDispatcherConfig(
             source_url_base=cfg.source_url_base,
             registry_addr=cfg.registry_addr,
@@ -27,20 +29,19 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
             checkpoint_interval=cfg.checkpoint_interval,
         ),
         tick=ctx.settings.loop_tick,
-        **ctx.loop_kwargs(),
     )
     retention = Retention(
+        ctx.loop_deps,
         sweeper=RegistrySweeper(ctx.conn, ctx.view, ctx.clock, grace=cfg.blob_grace),
         interval=cfg.retention_interval,
         keep=cfg.keep_releases,
         source_max_age=cfg.source_max_age,
-        **ctx.loop_kwargs(),
     )
     log_streams = LogStreams(
+        ctx.loop_deps,
         default=LogLimits(ctx.settings.logs_max_bytes, ctx.settings.logs_max_age),
         replicas=ctx.settings.replicas,
         tick=ctx.settings.loop_tick,
-        **ctx.loop_kwargs(),
     )
     return [ctx.lead(dispatcher), ctx.lead(retention), ctx.lead(log_streams)]
 

@@ -18,7 +18,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.applogs import LogLimits, app_logs_stream, app_logs_stream_config, env_of_stream, retention_of
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.natsio import create_or_update_stream, recorded_replicas
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,8 @@ class LogStreams(LeaderLoop):
     name = "logstreams"
     kinds = frozenset({K.ENV})
 
-    def __init__(self, *, default: LogLimits, replicas: int, tick: float = 60.0, **kwargs: object) -> None:
-        super().__init__(tick=tick, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, deps: LoopDeps, *, default: LogLimits, replicas: int, tick: float = 60.0) -> None:
+        super().__init__(deps, tick=tick)
         self.default = default
         self.replicas = replicas
 

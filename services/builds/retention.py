@@ -24,23 +24,20 @@ Fixed here:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
 from services.builds.registry import RegistrySweeper
 from shared import keys as K
 from shared.deployments import is_terminal
-from shared.lease import Leadership
-from shared.loop import LeaderLoop
+from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
 from shared.natsio import DAY, SOURCES_STORE
 from shared.registry import BlobInfo, BlobStore, parse_ref, repository
-from shared.view import Change, ChangeFeed
+from shared.view import Change
 
 log = logging.getLogger(__name__)
 
@@ -194,54 +191,31 @@ def stale_sources(
 
 
 class Retention(LeaderLoop):
+    """Sweeps at once, then ``interval`` after each sweep finished (its tick), or as soon as an env is deleted."""
+
     name = "retention"
+    kinds = frozenset({K.ENV, K.ASSIGNMENT})
 
     def __init__(
         self,
+        deps: LoopDeps,
         *,
         sweeper: RegistrySweeper | None = None,
         interval: float = RETENTION_INTERVAL,
         keep: int = KEEP_RELEASES,
         source_max_age: float = SOURCE_MAX_AGE,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(deps, tick=interval)
         self.sweeper = sweeper
-        self.interval = interval
         self.keep = keep
         self.source_max_age = source_max_age
         self._sources = BlobStore(self.conn, SOURCES_STORE, clock=self.clock)
         self.sweeps = 0
 
-    async def run(self, leadership: Leadership) -> None:
-        """Sweep at once, then ``interval`` after each sweep finished, or as soon as an env is deleted."""
-        self.writer = self.fenced_writer(leadership)
-        self.on_term_start()
-        feed = self.view.subscribe({K.ENV, K.ASSIGNMENT})
-        try:
-            while True:
-                await self.view.wait_fresh()
-                feed.drain()
-                await self.pass_once()
-                await self._until_due(feed)
-        finally:
-            feed.close()
-
-    async def _until_due(self, feed: ChangeFeed) -> None:
-        """Wait for the interval, or for a deleted env to clean up (an env deleted, or the last replica of a
-        deleted env reaped)."""
-        timer = self.clock.timer(self.interval)
-        try:
-            while not timer.done():
-                waiter = asyncio.ensure_future(feed.wait())
-                racing: list[asyncio.Future[Any]] = [timer, waiter]
-                await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                [changes] = await asyncio.gather(waiter, return_exceptions=True)
-                if isinstance(changes, set) and self._cleanup_due(changes):
-                    return
-        finally:
-            timer.cancel()
+    def scope_of(self, changes: set[Change]) -> Scope:
+        """A deleted env to clean up wakes a full pass at once (an env deleted, or the last replica of a
+        deleted env reaped); any other change waits for the interval."""
+        return FULL if self._cleanup_due(changes) else frozenset()
 
     def _cleanup_due(self, changes: set[Change]) -> bool:
         for kind, ident in changes:

@@ -29,7 +29,7 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     routes = RouteClient(ctx.settings.data_dir / "certs" / "routes.cache")
     await routes.start(ctx.conn)
     loop = CertificateLoop(
-        **ctx.loop_kwargs(),
+        ctx.loop_deps,
         tick=ctx.settings.loop_tick,
         acme=acme,
         local_ca=local_ca,

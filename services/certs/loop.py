@@ -35,13 +35,13 @@ from shared.certs import (
     plan,
 )
 from shared.events import INFO, WARNING, make_event
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
+from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.secrets import CLUSTER_KEY, seal
 from shared.txn import Conflict
 
 log = logging.getLogger(__name__)
 
-SEAL_ATTEMPTS = 3
 
 NO_DIRECTORY = "no ACME directory is configured (ZATTERA_CERTS_ACME_DIRECTORY, docs/certificates.md)"
 NO_LOCAL_CA = "the local CA for *.localhost hosts is off (ZATTERA_CERTS_LOCAL_CA=false)"
@@ -54,13 +54,14 @@ class CertificateLoop(LeaderLoop):
 
     def __init__(
         self,
+        deps: LoopDeps,
         *,
         acme: AcmeIssuer | None = None,
         local_ca: LocalCA | None = None,
         extra_hosts: Callable[[], Iterable[str]] = tuple,
-        **kwargs: object,
+        tick: float = 15.0,
     ) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+        super().__init__(deps, tick=tick)
         self.acme = acme
         self.local_ca = local_ca
         self.extra_hosts = extra_hosts
@@ -148,29 +149,33 @@ class CertificateLoop(LeaderLoop):
         rotated meanwhile (its re-sealing pass would miss this write) makes it seal again."""
         issuer = self.issuer_of(order.hostname)
         assert self.writer is not None
-        for _ in range(SEAL_ATTEMPTS):
+        writer = self.writer
+
+        def decide() -> Attempt[pb.Certificate | None]:
             current = self.view.get(K.CERT, K.cert_id(order.hostname))
             cluster_key = self.view.get(K.SECRETS_KEY, CLUSTER_KEY)
             if not isinstance(current, pb.Certificate) or not isinstance(cluster_key, pb.SecretsKey):
-                return  # no longer wanted (or the key is gone): the next pass decides again
+                return Attempt(None, None)  # no longer wanted (or the key is gone): the next pass decides again
             sealed = Issued(chain, seal(cluster_key.public_key, key_pem), cluster_key.key_id)
             updated = after_success(current, sealed, issuer)
-            try:
-                await self.writer.commit(self.writer.txn("certs").put(updated).put(cluster_key))
-            except Conflict:
-                continue
-            kind = "certificate.renewed" if order.renewal else "certificate.issued"
-            event = self.event(
-                kind,
-                order.hostname,
-                f"certificate for {order.hostname} {kind.split('.')[1]}, valid until "
-                f"{updated.not_after.ToJsonString()}",
-                {"issuer": issuer},
-            )
-            await self.events.publish(event)
-            await self.conn.nc.publish(CHANGED_SUBJECT, b"")
+            return Attempt(writer.txn("certs").put(updated).put(cluster_key), updated)
+
+        try:
+            updated = await commit_with_retry(writer, decide, clock=self.clock, contended=order.hostname)
+        except RetriesExhausted:
+            log.warning("certs: %s kept changing while storing its certificate; ordering again later", order.hostname)
             return
-        log.warning("certs: %s kept changing while storing its certificate; ordering again later", order.hostname)
+        if updated is None:
+            return
+        kind = "certificate.renewed" if order.renewal else "certificate.issued"
+        event = self.event(
+            kind,
+            order.hostname,
+            f"certificate for {order.hostname} {kind.split('.')[1]}, valid until {updated.not_after.ToJsonString()}",
+            {"issuer": issuer},
+        )
+        await self.events.publish(event)
+        await self.conn.nc.publish(CHANGED_SUBJECT, b"")
 
     async def _obtain(self, hostname: str) -> tuple[str, bytes]:
         """(chain PEM, private key PEM) from the local CA or the ACME directory; raises OrderFailed."""

@@ -15,10 +15,12 @@ from zattera.v1 import types_pb2 as pb
 from shared import jobs as J
 from shared import keys as K
 from shared.appconfig import ConfigError, check_name, check_secret_value
+from shared.clock import RealClock
 from shared.deploy import Deployer, DeployError
 from shared.errors import ZatteraError
 from shared.events import EventPublisher, event_for_env, node_change_event
 from shared.natsio import Connection
+from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.scaling import ScaleRequest, scaled
 from shared.secret_edits import set_secret_edit
 from shared.snapshots.dispatch import (
@@ -29,12 +31,11 @@ from shared.snapshots.dispatch import (
     SnapshotDispatcher,
 )
 from shared.tasks import cancel_and_wait
-from shared.txn import Conflict, Writer
+from shared.txn import Writer
 from shared.view import StateView
 
 log = logging.getLogger(__name__)
 
-ATTEMPTS = 10
 QUICK_ANSWER = 1.0
 """How long a restore is waited for before the answer is "started" (its refusals come sooner than this)."""
 NODE_CHANGES = ("cordon", "uncordon", "drain")
@@ -70,16 +71,14 @@ class Actions:
         return Deployer(self._writer, created_by=f"console:{user}")
 
     async def _commit_edit(self, what: str, edit: Callable[[], Message | None]) -> Message | None:
-        for _ in range(ATTEMPTS):
+        def decide() -> Attempt[Message | None]:
             edited = edit()
-            if edited is None:
-                return None
-            try:
-                await self._writer.commit(self._writer.txn().put(edited))
-                return edited
-            except Conflict:
-                await asyncio.sleep(0.05)
-        raise ActionRefused(f"{what} kept changing; try again")
+            return Attempt(None if edited is None else self._writer.txn().put(edited), edited)
+
+        try:
+            return await commit_with_retry(self._writer, decide, clock=RealClock(), contended=what)
+        except RetriesExhausted as exc:
+            raise ActionRefused(str(exc)) from None
 
     async def rollback(self, user: str, env_id: str, to_release_id: str) -> pb.Deployment:
         try:

@@ -11,7 +11,7 @@ from shared.service import ServiceContext, main
 
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
-    loop = Orchestrator(timers=Timers.from_settings(ctx.settings), tick=ctx.settings.loop_tick, **ctx.loop_kwargs())
+    loop = Orchestrator(ctx.loop_deps, timers=Timers.from_settings(ctx.settings), tick=ctx.settings.loop_tick)
     return [ctx.lead(loop)]
 
 

@@ -1,7 +1,7 @@
 """The orchestrator leader loop (``lease.orchestrator``): drives every non-terminal deployment.
 
 A pass reconciles the non-terminal deployments oldest id first (so a supersession resolves in the same
-pass); each reconcile commits at most one :class:`~services.orchestrator.model.Transition` as one
+pass); each reconcile commits at most one :class:`~shared.decision.Decision` as one
 fenced atomic batch. The loop wakes on deployment, assignment (and observed state), build, env, node
 and release changes — a finished build or a node loss is acted on at once, not on the next tick — and
 at the next deadline of any deployment (phase timeouts, health deadline, drain deadline), so timers
@@ -13,17 +13,17 @@ them.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
-from services.orchestrator.model import Timers, Transition, phase_label
+from services.orchestrator.model import Timers, deployment_of, phase_label
 from services.orchestrator.phases import decide, wake_at
 from shared import keys as K
+from shared.decision import Decision
 from shared.deployments import is_terminal
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.telemetry import counter, span
-from shared.txn import CommitUnknown, Conflict, Deposed, Txn
+from shared.txn import CommitUnknown, Conflict, Deposed
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ class Orchestrator(LeaderLoop):
     name = "orchestrator"
     kinds = frozenset({K.DEPLOYMENT, K.ASSIGNMENT, K.BUILD, K.ENV, K.NODE, K.RELEASE})
 
-    def __init__(self, *, timers: Timers | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, deps: LoopDeps, *, timers: Timers | None = None, tick: float = 15.0) -> None:
+        super().__init__(deps, tick=tick)
         self.timers = timers or Timers()
         self._pass_started_at = float("-inf")
 
@@ -48,7 +48,7 @@ class Orchestrator(LeaderLoop):
         for d in self.live_deployments():
             await self.reconcile(d.meta.id)
 
-    async def reconcile(self, deployment_id: str) -> Transition | None:
+    async def reconcile(self, deployment_id: str) -> Decision | None:
         """Decide one step for a deployment and commit it; None when nothing was written."""
         assert self.writer is not None, "reconcile needs the term's fenced writer"
         d = self.view.deployment(deployment_id)
@@ -63,7 +63,7 @@ class Orchestrator(LeaderLoop):
             if transition is None:
                 return None
             current.set_attribute("transition", transition.label)
-            txn = self.transaction(transition)
+            txn = transition.txn(self.writer)  # right after deciding: it expects the revisions just read
             try:
                 await self.writer.commit(txn)
             except Deposed:
@@ -74,25 +74,15 @@ class Orchestrator(LeaderLoop):
                 _refused.add(1)
                 log.debug("deployment %s: %s not committed: %s", deployment_id, transition.label, exc)
                 return None
-        _transitions.add(1, {"to_phase": phase_label(transition.phase)})
-        if transition.phase != d.phase:
+        entered = deployment_of(transition)
+        _transitions.add(1, {"to_phase": phase_label(entered.phase)})
+        if entered.phase != d.phase:
             log.info(
-                "deployment %s: %s%s",
-                deployment_id,
-                transition.label,
-                f" ({transition.deployment.error})" if transition.deployment.error else "",
+                "deployment %s: %s%s", deployment_id, transition.label, f" ({entered.error})" if entered.error else ""
             )
         if transition.events:
             await self.events.publish(*transition.events)
         return transition
-
-    def transaction(self, transition: Transition) -> Txn:
-        """The transition as one batch. Build it right after deciding (no await in between): each write
-        expects the revision the decision read, so any change since refuses the whole batch."""
-        assert self.writer is not None
-        txn = self.writer.txn(transition.label)
-        txn.extend(creates=transition.creates, puts=transition.puts, deletes=transition.deletes)
-        return txn.put(transition.deployment)
 
     def seconds_until_due(self) -> float | None:
         """Until the earliest deadline the last pass had not reached yet: one that passed since (while the

@@ -1,17 +1,17 @@
-"""What every phase decision shares: timers, the transition a decision produces, the replica sets
+"""What every phase decision shares: timers, the transitions a decision produces, the replica sets
 (green, blue, old) recomputed from the view on every decision, and the two failure exits.
 
 A decision is pure: it reads a :class:`~shared.view.StateView` and the time, and returns a
-:class:`Transition` (or None: nothing to do yet). The loop commits a transition as ONE fenced atomic
-batch; every transition also writes the deployment itself (a phase change, or an unchanged re-write),
-so any concurrent change to the deployment (an operator's cancel, another leader) refuses the whole
-batch and the decision is taken again on fresh state.
+:class:`~shared.decision.Decision` (or None: nothing to do yet). The loop commits it as ONE fenced atomic
+batch; every decision fences on the deployment itself (a phase change, or an unchanged re-write), so
+any concurrent change to the deployment (an operator's cancel, another leader) refuses the whole batch
+and the decision is taken again on fresh state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from google.protobuf.message import Message
@@ -20,6 +20,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.applogs import describe_exit
 from shared.clock import from_timestamp, stamp
+from shared.decision import Decision
 from shared.deploy import CANCELED_BY_OPERATOR
 from shared.events import ERROR, INFO, WARNING, make_event, transition_id
 from shared.placement.replicas import with_desired
@@ -99,27 +100,6 @@ class Timers:
             pb.DEPLOYMENT_PHASE_STOPPING_OLD: self.stopping_old_timeout,
         }
         return timeouts.get(phase)
-
-
-@dataclass
-class Transition:
-    """One decision, committed as one fenced atomic batch.
-
-    ``deployment`` is always written (the new phase, or the unchanged deployment as a fence).
-    ``creates`` must not exist yet, ``puts`` and ``deletes`` expect the revision the decision read.
-    Events are published after the commit (they are a log, not state).
-    """
-
-    deployment: pb.Deployment
-    label: str
-    creates: list[Message] = field(default_factory=list)
-    puts: list[Message] = field(default_factory=list)
-    deletes: list[str] = field(default_factory=list)
-    events: list[pb.Event] = field(default_factory=list)
-
-    @property
-    def phase(self) -> int:
-        return self.deployment.phase
 
 
 # ---------------------------------------------------------------------- time
@@ -276,15 +256,21 @@ def move(
     error: str = "",
     promoted_at: float | None = None,
     drain_deadline: float | None = None,
-) -> Transition:
+) -> Decision:
     """A transition into ``phase``; callers add the writes that go with it."""
     entered = advance(d, phase, now, error=error, promoted_at=promoted_at, drain_deadline=drain_deadline)
-    return Transition(entered, f"{phase_label(d.phase)}->{phase_label(phase)}")
+    return Decision(f"{phase_label(d.phase)}->{phase_label(phase)}", fence=entered)
 
 
-def stay(d: pb.Deployment, why: str) -> Transition:
+def deployment_of(t: Decision) -> pb.Deployment:
+    """The deployment a decision writes (every one made by :func:`move` or :func:`stay` fences on it)."""
+    assert isinstance(t.fence, pb.Deployment), f"{t.label}: an orchestrator decision fences on its deployment"
+    return t.fence
+
+
+def stay(d: pb.Deployment, why: str) -> Decision:
     """A transition that keeps the phase: the deployment is re-written unchanged to fence the batch."""
-    return Transition(copy_of(d), f"{phase_label(d.phase)}: {why}")
+    return Decision(f"{phase_label(d.phase)}: {why}", fence=copy_of(d))
 
 
 def promoted_env(env: pb.Environment, release_id: str) -> pb.Environment:
@@ -310,7 +296,7 @@ def deploy_event(d: pb.Deployment, kind: str, message: str, severity: str, now: 
     return event
 
 
-def abort(view: StateView, d: pb.Deployment, reason: str, now: float) -> Transition:
+def abort(view: StateView, d: pb.Deployment, reason: str, now: float) -> Decision:
     """The red/green failure exit, ONE write: delete everything d created and set FAILED with the reason.
 
     Traffic never moved and blue is untouched. (The reference wrote these separately; a crash between
@@ -321,7 +307,7 @@ def abort(view: StateView, d: pb.Deployment, reason: str, now: float) -> Transit
     return t
 
 
-def stateful_fail(view: StateView, d: pb.Deployment, reason: str, now: float) -> Transition:
+def stateful_fail(view: StateView, d: pb.Deployment, reason: str, now: float) -> Decision:
     """The stateful failure exit, ONE write: delete the new instance, restart the old one, set FAILED.
 
     Deleting the new instance and restarting the old one in the same batch keeps at most one

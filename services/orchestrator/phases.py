@@ -1,6 +1,6 @@
 """The deployment phase machine as pure decisions: ``decide(view, deployment, now, timers)``.
 
-Each call advances one deployment by at most one step and returns the :class:`Transition` to commit
+Each call advances one deployment by at most one step and returns the :class:`Decision` to commit
 (or None). Guards first (terminal, env/release missing, superseded, operator cancel), then the
 stateful arm (:mod:`services.orchestrator.stateful`) or the red/green arm below:
 
@@ -39,10 +39,10 @@ from services.orchestrator.model import (
     SUPERSEDED,
     UP_STATES,
     Timers,
-    Transition,
     abort,
     blue,
     copy_of,
+    deployment_of,
     failed_instance_reason,
     green,
     move,
@@ -61,6 +61,7 @@ from services.orchestrator.model import (
 from services.orchestrator.stateful import decide_stateful
 from shared import keys as K
 from shared.clock import from_timestamp
+from shared.decision import Decision
 from shared.deploy import CANCELED_BY_OPERATOR, cancel_requested
 from shared.deployments import is_terminal
 from shared.placement.placement import place
@@ -80,17 +81,17 @@ STOPPING_OLD = pb.DEPLOYMENT_PHASE_STOPPING_OLD
 STRICT_WAKE_EPSILON = 0.001
 
 
-def decide(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Transition | None:
+def decide(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Decision | None:
     """The next step of deployment ``d`` (None: nothing to do until something changes), with the events
     it announces, each named after the deployment's revision the step was decided on."""
     t = next_step(view, d, now, timers)
     if t is not None:
-        t.events.extend(outcome_events(d, t.deployment, now))
+        t.events.extend(outcome_events(d, deployment_of(t), now))
         with_transition_ids(d, t.events, view.rev(K.deployment(d.meta.id)))
     return t
 
 
-def next_step(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Transition | None:
+def next_step(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Decision | None:
     if is_terminal(d.phase):
         return None
     env = view.env(d.environment_id)
@@ -132,7 +133,7 @@ def superseded(view: StateView, d: pb.Deployment) -> bool:
     )
 
 
-def supersede(view: StateView, d: pb.Deployment, now: float) -> Transition:
+def supersede(view: StateView, d: pb.Deployment, now: float) -> Decision:
     """A newer deployment owns the env. A promoted one just completes: its green is the live release and
     its blue stays warm (the newer one may be a rollback to exactly that release)."""
     if d.phase == DRAINING_OLD:
@@ -147,7 +148,7 @@ def supersede(view: StateView, d: pb.Deployment, now: float) -> Transition:
 
 def pending(
     view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, *, first_step: int
-) -> Transition:
+) -> Decision:
     if d.build_id and not release.image_ref:
         return move(d, BUILDING, now)
     if not release.image_ref:
@@ -173,7 +174,7 @@ def warm_enough(view: StateView, env: pb.Environment, release: pb.Release) -> bo
 
 def building(
     view: StateView, d: pb.Deployment, release: pb.Release, now: float, timers: Timers, *, next_phase: int
-) -> Transition | None:
+) -> Decision | None:
     build = view.build(d.build_id)
     if build is None:
         return abort(view, d, BUILD_NOT_FOUND, now)
@@ -201,7 +202,7 @@ def building(
 
 def decide_red_green(
     view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
-) -> Transition | None:
+) -> Decision | None:
     if d.phase == PLACING:
         return placing(view, d, env, release, now, timers)
     if d.phase == STARTING:
@@ -217,7 +218,7 @@ def decide_red_green(
 
 def placing(
     view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
-) -> Transition | None:
+) -> Decision | None:
     """Place the missing green replicas; STARTING in the same write once the set is complete."""
     target = deploy_replicas(env, release)
     live, lost = on_live_nodes(view, green(view, d))
@@ -243,7 +244,7 @@ def placing(
     return t
 
 
-def back_to_placing(view: StateView, d: pb.Deployment, lost: list[pb.Assignment], now: float) -> Transition:
+def back_to_placing(view: StateView, d: pb.Deployment, lost: list[pb.Assignment], now: float) -> Decision:
     """The green set shrank (node lost, external stop) or the target grew: re-place before promoting."""
     t = move(d, PLACING, now)
     t.deletes = [K.assignment(a.node_id, a.meta.id) for a in lost]
@@ -252,7 +253,7 @@ def back_to_placing(view: StateView, d: pb.Deployment, lost: list[pb.Assignment]
 
 def starting(
     view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
-) -> Transition | None:
+) -> Decision | None:
     instances = green(view, d)
     if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
         return abort(view, d, failed_instance_reason(GREEN_FAILED_TO_START, instances), now)
@@ -271,7 +272,7 @@ def starting(
 
 def healthchecking(
     view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
-) -> Transition | None:
+) -> Decision | None:
     instances = green(view, d)
     if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
         return abort(view, d, failed_instance_reason(GREEN_UNHEALTHY, instances), now)
@@ -288,7 +289,7 @@ def healthchecking(
 
 def promote(
     view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
-) -> Transition:
+) -> Decision:
     """ONE write: active release + route generation, and DRAINING_OLD with promoted_at and drain_deadline
     — or SUCCEEDED at once when there is nothing to drain (a first deploy, a cold env): no blue is held,
     so nothing waits on the window."""
@@ -309,7 +310,7 @@ def env_is_cold(env: pb.Environment) -> bool:
     return env.service.scale_to_zero and env.effective_replicas == 0
 
 
-def drain(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float) -> Transition | None:
+def drain(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float) -> Decision | None:
     """Stop blue and succeed, in one write: after the drain window, or as soon as there is nothing left to
     keep warm (blue gone) or the env cooled to zero (its warm blue cools with it). Green is never touched."""
     window_open = d.HasField("drain_deadline") and now < from_timestamp(d.drain_deadline)

@@ -23,7 +23,6 @@ from services.orchestrator.model import (
     STOP,
     UP_STATES,
     Timers,
-    Transition,
     deploy_event,
     failed_instance_reason,
     green,
@@ -38,6 +37,7 @@ from services.orchestrator.model import (
     timeout_reason,
 )
 from shared.clock import stamp
+from shared.decision import Decision
 from shared.events import INFO, WARNING
 from shared.ids import new_id
 from shared.placement.placement import place
@@ -50,7 +50,7 @@ PH = pb.DeploymentPhase
 
 def decide_stateful(
     view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
-) -> Transition | None:
+) -> Decision | None:
     """The stateful arm for phases after PENDING/BUILDING (those are shared with red/green)."""
     if d.phase == pb.DEPLOYMENT_PHASE_STOPPING_OLD:
         return stop_old(view, d, now, timers)
@@ -63,7 +63,7 @@ def decide_stateful(
     return None
 
 
-def stop_old(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Transition | None:
+def stop_old(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Decision | None:
     old = old_instances(view, d)
     running = [a for a in old if a.desired != STOP]
     if running:
@@ -84,7 +84,7 @@ def stop_old(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> T
 
 def start_new(
     view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
-) -> Transition | None:
+) -> Decision | None:
     instances = green(view, d)
     if not instances:
         restoring = restoring_volume(view.volumes(env.meta.id))
@@ -117,9 +117,7 @@ def start_new(
     return None
 
 
-def check_health(
-    view: StateView, d: pb.Deployment, release: pb.Release, now: float, timers: Timers
-) -> Transition | None:
+def check_health(view: StateView, d: pb.Deployment, release: pb.Release, now: float, timers: Timers) -> Decision | None:
     instances = green(view, d)
     if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
         return stateful_fail(view, d, failed_instance_reason(NEW_INSTANCE_UNHEALTHY, instances), now)
@@ -131,7 +129,7 @@ def check_health(
     return None
 
 
-def promote_and_finish(d: pb.Deployment, env: pb.Environment, now: float) -> Transition:
+def promote_and_finish(d: pb.Deployment, env: pb.Environment, now: float) -> Decision:
     """Traffic switch and SUCCEEDED in ONE write (no drain window: the old instance is already gone)."""
     t = move(d, pb.DEPLOYMENT_PHASE_SUCCEEDED, now)
     t.puts = [promoted_env(env, d.release_id)]

@@ -10,27 +10,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from services.proxy.haproxy_engine import HAProxyIngress, choose_engine, haproxy_ingress
+from services.proxy.haproxy_engine import HAProxyIngress, haproxy_ingress
+from services.proxy.launch import choose_engine
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
-from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
-from shared.service import configure_logging
-from shared.settings import settings
-from shared.telemetry import setup as setup_telemetry
+from shared.process import Process, run_process
 
 log = logging.getLogger("services.proxy")
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m services.proxy", description="Zattera ingress proxy")
-    parser.add_argument("--nats", default=None, help="NATS URL(s), comma-separated (default: $ZATTERA_NATS_URL)")
+def proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--listen", default=None, help="HOST:PORT to listen on (default: $ZATTERA_PROXY_LISTEN or 0.0.0.0:8080)"
     )
@@ -57,18 +52,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="haproxy engine: serve the <name>.pem files (chain + key) of this directory instead",
     )
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    add_metrics_argument(parser)
-    return parser.parse_args(argv)
 
 
-async def run(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.log_level)
-    setup_telemetry("zattera-proxy")
-    shared = settings()
-    port = metrics_port(args.metrics_port, shared.metrics_port)
-    metrics_on = serve_metrics("zattera-proxy", port, shared.metrics_host) is not None
+async def run_proxy(process: Process) -> int:
+    args = process.args
     overrides = {
         name: value
         for name, value in (
@@ -93,23 +80,19 @@ async def run(argv: Sequence[str] | None = None) -> int:
             where = ".".join(str(p) for p in error["loc"]) or "listen"
             log.error("proxy: %s: %s", where, error["msg"].removeprefix("Value error, "))
         return 2
-    cache_dir = cfg.cache_dir or shared.data_dir / "proxy"
+    cache_dir = cfg.cache_dir or process.settings.data_dir / "proxy"
     engine = choose_engine(cfg.engine)
     if engine is None:
         log.error("proxy: --engine haproxy: haproxy is not installed (make system-packages installs it)")
         return 2
     service: Proxy | HAProxyIngress
     if engine == "haproxy":
-        service = haproxy_ingress(cfg, nats_url=args.nats or shared.nats_url, cache_dir=cache_dir, metrics=metrics_on)
+        service = haproxy_ingress(cfg, nats_url=process.nats_url, cache_dir=cache_dir, metrics=process.metrics)
     else:
         if cfg.tls_listen:
             log.warning("proxy: no TLS listener on %s: TLS needs the haproxy engine (HTTP only)", cfg.tls_listen)
-        service = Proxy(cfg, nats_url=args.nats or shared.nats_url, cache_dir=cache_dir, metrics=metrics_on)
+        service = Proxy(cfg, nats_url=process.nats_url, cache_dir=cache_dir, metrics=process.metrics)
     log.info("proxy: data plane %s", engine)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
         await service.start()
     except (OSError, RuntimeError, TimeoutError) as exc:
@@ -117,12 +100,22 @@ async def run(argv: Sequence[str] | None = None) -> int:
         await service.stop()
         return 1
     try:
-        await stop.wait()
-        log.info("proxy: stopping (draining for up to %.1fs)", cfg.shutdown_grace)
+        await process.supervise([])  # the data plane keeps its own connection: only a signal stops it
+        log.info("proxy: draining for up to %.1fs", cfg.shutdown_grace)
     finally:
-        await service.stop()
-    log.info("proxy: stopped")
+        await process.shut_down(service.stop, grace=None)  # the drain is bounded by shutdown_grace
     return 0
+
+
+async def run(argv: Sequence[str] | None = None) -> int:
+    return await run_process(
+        "proxy",
+        run_proxy,
+        argv,
+        prog="python -m services.proxy",
+        description="Zattera ingress proxy",
+        arguments=proxy_arguments,
+    )
 
 
 def main() -> None:

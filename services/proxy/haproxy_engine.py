@@ -34,8 +34,9 @@ from services.proxy.haproxy_certs import changes, crt_list_text, digest, ensure_
 from services.proxy.haproxy_config import Layout, Plan, RouteCache, map_text, plan, render, server_line
 from services.proxy.haproxy_runtime import RuntimeAPIError, command, execute, parse_stat_csv, send
 from services.proxy.haproxy_stats import HAProxySampler
+from services.proxy.launch import HAPROXY, haproxy_binary, split_listen
 from services.proxy.server import Proxy
-from services.proxy.settings import ProxySettings, split_listen
+from services.proxy.settings import ProxySettings
 from shared.certclient import CACHE_FILE as CERTS_CACHE_FILE
 from shared.certclient import CertClient, ServedCert
 from shared.embedded import free_port
@@ -45,16 +46,10 @@ from shared.settings import settings
 
 log = logging.getLogger(__name__)
 
-HAPROXY = "haproxy"
 READY_TIMEOUT = 30.0
 RESTART_BACKOFF_MAX = 5.0
 SWEEP_INTERVAL = 1.0
 PR_SET_PDEATHSIG = 1
-
-
-def haproxy_binary() -> str | None:
-    """The ``haproxy`` executable, or None when it is not installed."""
-    return shutil.which(HAPROXY)
 
 
 def _die_with_parent() -> None:
@@ -506,16 +501,6 @@ class HAProxyIngress:
                     await task
         await self.engine.stop()
         await self.proxy.stop()
-
-
-def choose_engine(asked: str) -> str | None:
-    """The data plane to run: the one asked for, else haproxy when installed, else python; None when
-    haproxy is asked for and not installed."""
-    if asked == "python":
-        return "python"
-    if haproxy_binary() is not None:
-        return "haproxy"
-    return None if asked == "haproxy" else "python"
 
 
 def haproxy_ingress(cfg: ProxySettings, *, nats_url: str, cache_dir: Path, metrics: bool = False) -> HAProxyIngress:

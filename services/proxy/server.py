@@ -56,8 +56,8 @@ from shared.certclient import CertClient
 from shared.live import publish_proxy_heartbeat
 from shared.metrics import RequestSeries
 from shared.natsio import Connection
+from shared.process import connect_with_retry
 from shared.routeclient import RouteClient
-from shared.service import connect_with_retry
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)

@@ -14,25 +14,9 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.proxy.activator import HOLD_TIMEOUT, MAX_HELD_BODY_BYTES, MAX_HELD_PER_ENV
+from services.proxy.launch import DEFAULT_HOST, DEFAULT_PORT, split_listen
 
 ROUTES_CACHE_FILE = "routes.pb"
-
-
-DEFAULT_HOST = "0.0.0.0"
-"""An ingress listens on every interface unless told otherwise (``--listen 127.0.0.1:8080`` keeps it local)."""
-DEFAULT_PORT = 8080
-DEFAULT_TLS_LISTEN = "0.0.0.0:8443"
-"""Where ``zattera up`` puts the proxy's TLS listener (the proxy process itself has none unless told)."""
-
-
-def split_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:8080`` for IPv6; ``:8080`` = every interface) → (host, port); ValueError naming
-    what is wrong."""
-    host, sep, port_text = value.strip().rpartition(":")
-    if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"{value!r} is not HOST:PORT (e.g. 0.0.0.0:8080 or 127.0.0.1:8080)")
-    host = host.removeprefix("[").removesuffix("]") or DEFAULT_HOST
-    return host, int(port_text)
 
 
 class ProxySettings(BaseSettings):

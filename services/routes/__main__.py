@@ -16,7 +16,7 @@ from shared.service import ServiceContext, main
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     publisher = RoutesPublisher(ctx.conn, ctx.view, domain=ctx.settings.domain, clock=ctx.clock)
-    vips = VipAllocator(**ctx.loop_kwargs(), tick=ctx.settings.loop_tick)
+    vips = VipAllocator(ctx.loop_deps, tick=ctx.settings.loop_tick)
     return [publisher.run(), ctx.lead(vips)]
 
 

@@ -23,22 +23,22 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     live = LiveView(ctx.conn, ctx.clock)
     await live.start()
     return [
-        ctx.lead(Scheduler(tick=ctx.settings.loop_tick, **ctx.loop_kwargs())),
+        ctx.lead(Scheduler(ctx.loop_deps, tick=ctx.settings.loop_tick)),
         ctx.lead(
             Liveness(
+                ctx.loop_deps,
                 live=live,
                 tick=min(LIVENESS_TICK, ctx.settings.loop_tick),
                 deadline=ctx.settings.node_heartbeat_deadline,
                 grace=ctx.settings.liveness_grace,
-                **ctx.loop_kwargs(),
             )
         ),
-        ctx.lead(JobsLoop(tick=ctx.settings.loop_tick, **ctx.loop_kwargs())),
+        ctx.lead(JobsLoop(ctx.loop_deps, tick=ctx.settings.loop_tick)),
         ctx.lead(
             SnapshotScheduler(
+                ctx.loop_deps,
                 dispatcher=SnapshotDispatcher(ctx.conn, ctx.view, ctx.clock, target=target_from_env()),
                 restore_timeout=ctx.settings.restore_timeout,
-                **ctx.loop_kwargs(),
             )
         ),
     ]

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import Writes, event
+from services.scheduler.decisions import event
 from shared import keys as K
 from shared.backoff import exponential
+from shared.decision import Decision
 from shared.deployments import env_ownership
 from shared.events import WARNING
 from shared.placement.placement import PlacementError, PlacementIndex
@@ -87,7 +88,7 @@ class FailureBackoff:
 @dataclass
 class EnvDecision:
     env: pb.Environment
-    writes: Writes
+    writes: Decision
     shortfall: PlacementError | None = None
     """Why the env stays short of replicas after this pass (None: no shortfall)."""
     replaced_failed: list[pb.Assignment] = field(default_factory=list)
@@ -137,7 +138,7 @@ def evaluate_env(
         else:
             deletes.append(a)
 
-    decision = EnvDecision(env, Writes(f"env:{env_id}"))
+    decision = EnvDecision(env, Decision(f"env:{env_id}"))
     writes = decision.writes
     stops: list[pb.Assignment] = list(stale)
 
@@ -181,7 +182,7 @@ def evaluate_env(
         backoff.settle(env_id, now)
 
     for a in stops:
-        writes.updates.append(stopped(a, now=now))
+        writes.puts.append(stopped(a, now=now))
     writes.deletes.extend(_key(a) for a in deletes)
     for a in (*stops, *(a for a in deletes if a.desired == RUN)):
         cpu, mem = reservation(view.release(a.release_id))

@@ -1,8 +1,8 @@
-"""What the scheduler's pure ``evaluate`` functions return, and the in-memory memory of a term.
+"""Committing what the scheduler's pure ``evaluate`` functions return, and the in-memory memory of a term.
 
-A :class:`Writes` is one atomic transaction (creates, overwrites, deletes) plus the events to publish
-once it has landed. :class:`Notices` remembers the last message of a recurring condition so its event
-is published when the condition starts or changes, not on every pass (the reference re-emitted
+They return :class:`~shared.decision.Decision` values (one atomic transaction and the events to publish
+once it has landed). :class:`Notices` remembers the last message of a recurring condition so its event is
+published when the condition starts or changes, not on every pass (the reference re-emitted
 ``schedule.no_capacity`` and ``volume.no_capacity`` each pass).
 """
 
@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
-from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
 from shared.clock import stamp
+from shared.decision import Decision
 from shared.events import EventPublisher, make_event
 from shared.tasks import raise_if_cancelling
-from shared.txn import Txn, Writer
+from shared.txn import Writer
 from shared.view import StateView
 
 log = logging.getLogger(__name__)
@@ -27,29 +26,8 @@ MAX_TXN_WRITES = 500
 """Split point for cluster-wide decisions (orphans): an atomic batch holds at most 1,000 messages."""
 
 
-@dataclass
-class Writes:
-    """One atomic transaction's worth of changes and the events it announces."""
-
-    label: str
-    creates: list[Message] = field(default_factory=list)
-    updates: list[Message] = field(default_factory=list)
-    deletes: list[str] = field(default_factory=list)
-    events: list[pb.Event] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.creates or self.updates or self.deletes)
-
-    def __len__(self) -> int:
-        return len(self.creates) + len(self.updates) + len(self.deletes)
-
-    def txn(self, writer: Writer) -> Txn:
-        """The transaction, expecting the view's current revisions (build it right after deciding)."""
-        return writer.txn(self.label).extend(creates=self.creates, puts=self.updates, deletes=self.deletes)
-
-
-async def commit(writer: Writer, events: EventPublisher, writes: Sequence[Writes], *, loop: str) -> list[bool]:
-    """Commit each non-empty :class:`Writes` atomically (packed into few batches) and publish the events of
+async def commit(writer: Writer, events: EventPublisher, writes: Sequence[Decision], *, loop: str) -> list[bool]:
+    """Commit each non-empty :class:`Decision` atomically (packed into few batches) and publish the events of
     those that landed. One bool per input (an empty one counts as landed). A refused write is re-decided
     on the next pass, which the conflicting change triggers; :class:`shared.txn.Deposed` propagates."""
     pending = [(i, w) for i, w in enumerate(writes) if w]

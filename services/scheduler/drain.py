@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import Writes, event
+from services.scheduler.decisions import event
 from shared import keys as K
+from shared.decision import Decision
 from shared.events import WARNING, node_change_event
 from shared.placement.replicas import RUN, STOP, desired_replicas, stop_is_reapable, stopped
 from shared.view import StateView
@@ -45,13 +46,13 @@ def replacement_ready(view: StateView, a: pb.Assignment) -> bool:
     return serving >= want
 
 
-def evaluate_drains(view: StateView, now: float) -> list[Writes]:
+def evaluate_drains(view: StateView, now: float) -> list[Decision]:
     """One write per draining node: its stops and deletes, and DRAINED once it is empty."""
     result = []
     for node in view.nodes():
         if node.status != pb.NODE_STATUS_DRAINING:
             continue
-        writes = Writes(f"drain:{node.meta.id}")
+        writes = Decision(f"drain:{node.meta.id}")
         occupied = 0
         stateful_stopped = 0
         for a in view.assignments_by_node(node.meta.id):
@@ -64,10 +65,10 @@ def evaluate_drains(view: StateView, now: float) -> list[Writes]:
                 occupied += 1
                 release = view.release(a.release_id)
                 if release is None or release.service.stateful:
-                    writes.updates.append(stopped(a, now=now))
+                    writes.puts.append(stopped(a, now=now))
                     stateful_stopped += 1
                 elif replacement_ready(view, a):
-                    writes.updates.append(stopped(a, now=now))
+                    writes.puts.append(stopped(a, now=now))
         if stateful_stopped:
             message = f"stopped {stateful_stopped} stateful service(s) on the draining node (volumes are pinned here)"
             writes.events.append(
@@ -77,7 +78,7 @@ def evaluate_drains(view: StateView, now: float) -> list[Writes]:
             drained = pb.Node()
             drained.CopyFrom(node)
             drained.status = pb.NODE_STATUS_DRAINED
-            writes.updates.append(drained)
+            writes.puts.append(drained)
             change = node_change_event(node, drained, now, actor=ACTOR, revision=view.rev(K.node(node.meta.id)))
             writes.events.extend([change] if change else [])
         if writes:

@@ -29,18 +29,18 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from croniter import croniter
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import Writes, commit, event
+from services.scheduler.decisions import commit, event
 from shared import jobs as J
 from shared import keys as K
 from shared.clock import from_timestamp as seconds
 from shared.clock import stamp
+from shared.decision import Decision
 from shared.events import INFO, WARNING
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.placement.placement import PlacementIndex
 from shared.placement.replicas import new_assignment, node_is_down, stopped
 from shared.schedule import Schedule, ScheduleError, parse_schedule
@@ -98,12 +98,12 @@ def job_label(job: pb.Job) -> str:
 class JobsPass:
     """The writes of one pass and the soonest future slot (to wake for it before the tick)."""
 
-    writes: list[Writes] = field(default_factory=list)
+    writes: list[Decision] = field(default_factory=list)
     next_slot: float | None = None
 
 
 class _Decider:
-    """One pass's decisions; every change of an entry or a one-off job goes into that one's :class:`Writes`."""
+    """One pass's decisions; every change of an entry or a one-off job goes into that one's :class:`Decision`."""
 
     def __init__(self, view: StateView, now: float) -> None:
         self.view = view
@@ -119,12 +119,12 @@ class _Decider:
             by_env[job.environment_id].append(job)
         for env_id, jobs in sorted(by_env.items()):
             if self.view.env(env_id) is None:  # its assignments are reaped as orphans
-                self._add(Writes(f"jobs:{env_id}:gone", deletes=[K.job(j.meta.id) for j in jobs]))
+                self._add(Decision(f"jobs:{env_id}:gone", deletes=[K.job(j.meta.id) for j in jobs]))
         for env in self.view.envs():
             self._env(env, by_env.get(env.meta.id, []))
         return self.result
 
-    def _add(self, writes: Writes) -> None:
+    def _add(self, writes: Decision) -> None:
         if writes:
             self.result.writes.append(writes)
 
@@ -134,14 +134,14 @@ class _Decider:
             by_entry[job.cron_name].append(job)
         one_offs = by_entry.pop("", [])
         for job in one_offs:
-            writes = Writes(f"job:{job.meta.id}")
+            writes = Decision(f"job:{job.meta.id}")
             if J.is_active(job):
                 self._advance(env, job, writes)
             self._add(writes)
         self._add(self._history(f"jobs:{env.meta.id}:history", one_offs))
         entries = {entry.name: entry for entry in env.service.cron}
         for name in sorted(set(entries) | set(by_entry)):
-            writes = Writes(f"cron:{env.meta.id}:{name}")
+            writes = Decision(f"cron:{env.meta.id}:{name}")
             runs = [self._advance(env, job, writes) if J.is_active(job) else job for job in by_entry.get(name, [])]
             entry = entries.get(name)
             if entry is not None and env.active_release_id:
@@ -149,13 +149,13 @@ class _Decider:
                     self._slot(env, entry, runs, writes)
                 except (ValueError, OverflowError, OSError) as exc:  # a time no calendar holds: skip, not stall
                     log.warning("env %s: cron entry %s skipped: %s", env.meta.id, name, exc)
-            touched = {K.job(m.meta.id) for m in writes.updates if isinstance(m, pb.Job)}
+            touched = {K.job(m.meta.id) for m in writes.puts if isinstance(m, pb.Job)}
             writes.deletes.extend(key for key in self._history("", runs).deletes if key not in touched)
             self._add(writes)
 
     # ------------------------------------------------------------------ cron slots
 
-    def _slot(self, env: pb.Environment, entry: pb.CronSpec, runs: list[pb.Job], writes: Writes) -> None:
+    def _slot(self, env: pb.Environment, entry: pb.CronSpec, runs: list[pb.Job], writes: Decision) -> None:
         try:
             schedule = parse_schedule(entry.schedule)
         except ScheduleError:
@@ -209,41 +209,41 @@ class _Decider:
             job.resources.CopyFrom(entry.resources)
         return job
 
-    def _cancel(self, job: pb.Job, why: str, writes: Writes) -> None:
+    def _cancel(self, job: pb.Job, why: str, writes: Decision) -> None:
         """Ask ``job`` (already a copy in ``writes``, or from the view) to stop."""
         if job.cancel_requested:
             return  # asked already: this pass's advance stops its assignment
-        updated = next((w for w in writes.updates if isinstance(w, pb.Job) and w.meta.id == job.meta.id), None)
+        updated = next((w for w in writes.puts if isinstance(w, pb.Job) and w.meta.id == job.meta.id), None)
         if updated is None:
             updated = _copy(job, self.now)
-            writes.updates.append(updated)
+            writes.puts.append(updated)
         updated.cancel_requested = True
         updated.message = why
         a = self.view.assignment(updated.assignment_id) if updated.assignment_id else None
         if a is not None and a.desired == RUN:
-            writes.updates.append(stopped(a, now=self.now))
+            writes.puts.append(stopped(a, now=self.now))
 
     # ------------------------------------------------------------------ one run's progress
 
-    def _advance(self, env: pb.Environment, job: pb.Job, writes: Writes) -> pb.Job:
+    def _advance(self, env: pb.Environment, job: pb.Job, writes: Decision) -> pb.Job:
         """The job's next state (its copy is written when it changes); returns what the pass sees of it."""
         a = self.view.assignment(job.assignment_id) if job.assignment_id else None
         if job.cancel_requested:
             if a is not None and a.desired == RUN:
-                writes.updates.append(stopped(a, now=self.now))
+                writes.puts.append(stopped(a, now=self.now))
                 return job
             if a is None or a.observed.state in _ENDED or node_is_down(self.view, a.node_id):
                 updated = _copy(job, self.now)
                 self._record_end(updated, a)
                 self._finish(env, updated, J.CANCELED, job.message or "canceled", writes, assignment=a)
-                writes.updates.append(updated)
+                writes.puts.append(updated)
                 return updated
             return job
         if not job.assignment_id:
             updated = _copy(job, self.now)
             self._place(env, updated, writes)
             if _changed(job, updated):
-                writes.updates.append(updated)
+                writes.puts.append(updated)
                 return updated
             return job
         if a is None:
@@ -257,7 +257,7 @@ class _Decider:
                 updated = _copy(job, self.now)
                 self._record_end(updated, a)
                 self._finish(env, updated, J.SUCCEEDED, "exit code 0", writes, assignment=a)
-                writes.updates.append(updated)
+                writes.puts.append(updated)
                 return updated
             stopped_by_us = a.desired != RUN  # a drain of its node stopped it
             why = f"stopped on node {a.node_id} (drained)" if stopped_by_us else observed.message or "failed"
@@ -273,12 +273,12 @@ class _Decider:
             else:
                 stamp(updated.started_at, self.now)
             writes.events.append(self._event(env, updated, "job.started", f"{self._describe(updated)} started", INFO))
-            writes.updates.append(updated)
+            writes.puts.append(updated)
             return updated
         return job
 
     def _attempt_failed(
-        self, env: pb.Environment, job: pb.Job, a: pb.Assignment | None, why: str, writes: Writes
+        self, env: pb.Environment, job: pb.Job, a: pb.Assignment | None, why: str, writes: Decision
     ) -> pb.Job:
         updated = _copy(job, self.now)
         self._record_end(updated, a)
@@ -295,7 +295,7 @@ class _Decider:
             self._place(env, updated, writes)
         else:
             self._finish(env, updated, J.FAILED, why, writes)
-        writes.updates.append(updated)
+        writes.puts.append(updated)
         return updated
 
     def _record_end(self, job: pb.Job, a: pb.Assignment | None) -> None:
@@ -317,7 +317,7 @@ class _Decider:
         job: pb.Job,
         status: pb.JobStatus.ValueType,
         message: str,
-        writes: Writes,
+        writes: Decision,
         *,
         assignment: pb.Assignment | None = None,
     ) -> None:
@@ -330,7 +330,7 @@ class _Decider:
         text = f"{self._describe(job)} {J.status_name(status)}: {message}"
         writes.events.append(self._event(env, job, kind, text, severity))
 
-    def _place(self, env: pb.Environment, job: pb.Job, writes: Writes) -> None:
+    def _place(self, env: pb.Environment, job: pb.Job, writes: Decision) -> None:
         """Place a PENDING job's current attempt (the assignment goes into ``writes``), or say why not."""
         release_id = job.release_id or env.active_release_id
         release = self.view.release(release_id) if release_id else None
@@ -367,11 +367,11 @@ class _Decider:
 
     # ------------------------------------------------------------------ history and events
 
-    def _history(self, label: str, jobs: Iterable[pb.Job]) -> Writes:
+    def _history(self, label: str, jobs: Iterable[pb.Job]) -> Decision:
         finished = sorted((j for j in jobs if not J.is_active(j)), key=lambda j: (seconds(j.slot_at), j.meta.id))
         # The newest record stays whatever its age: it is the entry's baseline.
         old = finished[: max(0, len(finished) - J.HISTORY_PER_ENTRY)]
-        return Writes(label, deletes=[K.job(j.meta.id) for j in old])
+        return Decision(label, deletes=[K.job(j.meta.id) for j in old])
 
     def _describe(self, job: pb.Job) -> str:
         return f"job {job.meta.id} ({job_label(job)}, attempt {job.attempt})"
@@ -398,8 +398,8 @@ class JobsLoop(LeaderLoop):
     name = "jobs"
     kinds = frozenset({K.ENV, K.RELEASE, K.NODE, K.ASSIGNMENT, K.OBSERVED, K.JOB})
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, deps: LoopDeps, *, tick: float = 15.0) -> None:
+        super().__init__(deps, tick=tick)
         self._next_slot: float | None = None
 
     def seconds_until_due(self) -> float | None:

@@ -12,16 +12,16 @@ demos can shorten them; the tick is the shorter of 5 s and ``ZATTERA_LOOP_TICK``
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import Writes, commit
+from services.scheduler.decisions import commit
 from shared import keys as K
 from shared.clock import from_timestamp, stamp
+from shared.decision import Decision
 from shared.events import node_change_event
 from shared.live import LiveView
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.view import StateView
 
 TICK = 5.0
@@ -38,7 +38,7 @@ def evaluate_liveness(
     *,
     deadline: float = HEARTBEAT_DEADLINE,
     grace: float = LEADER_GRACE,
-) -> list[Writes]:
+) -> list[Decision]:
     """Status flips (one write per node) from each node's last heartbeat time."""
     result = []
     grace_over = now - term_started >= grace
@@ -61,7 +61,7 @@ def evaluate_liveness(
         if heard is not None:
             stamp(changed.last_heartbeat_at, heard)
         ev = node_change_event(node, changed, now, actor=ACTOR, revision=view.rev(K.node(node_id)), message=message)
-        result.append(Writes(f"liveness:{node_id}", updates=[changed], events=[ev] if ev else []))
+        result.append(Decision(f"liveness:{node_id}", puts=[changed], events=[ev] if ev else []))
     return result
 
 
@@ -71,14 +71,14 @@ class Liveness(LeaderLoop):
 
     def __init__(
         self,
+        deps: LoopDeps,
         *,
         live: LiveView,
         tick: float = TICK,
         deadline: float = HEARTBEAT_DEADLINE,
         grace: float = LEADER_GRACE,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(tick=tick, **kwargs)
+        super().__init__(deps, tick=tick)
         self.live = live
         self.deadline = deadline
         self.grace = grace

@@ -18,18 +18,18 @@ hot loop), and recurring shortfall events are published when they start or chang
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.convergence import FailureBackoff, evaluate_envs
-from services.scheduler.decisions import Notices, Writes, commit, event
+from services.scheduler.decisions import Notices, commit, event
 from services.scheduler.drain import evaluate_drains
 from services.scheduler.orphans import evaluate_orphans
 from services.scheduler.volumes import evaluate_leases, evaluate_volumes
 from shared import keys as K
+from shared.decision import Decision
 from shared.events import WARNING
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.placement.placement import PlacementError, explain
 from shared.view import StateView
 
@@ -38,8 +38,8 @@ class Scheduler(LeaderLoop):
     name = "scheduler"
     kinds = frozenset({K.ENV, K.RELEASE, K.DEPLOYMENT, K.NODE, K.ASSIGNMENT, K.VOLUME})
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, deps: LoopDeps, *, tick: float = 15.0) -> None:
+        super().__init__(deps, tick=tick)
         self.backoff = FailureBackoff()
         self.notices = Notices()
 
@@ -80,7 +80,7 @@ class Scheduler(LeaderLoop):
         await self._commit(evaluate_orphans(view, now))
         await self._commit(evaluate_drains(view, now))
 
-    async def _commit(self, writes: Sequence[Writes]) -> list[bool]:
+    async def _commit(self, writes: Sequence[Decision]) -> list[bool]:
         assert self.writer is not None, "a pass needs a writer (set by run(), or by the test)"
         return await commit(self.writer, self.events, writes, loop=self.name)
 

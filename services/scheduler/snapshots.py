@@ -35,17 +35,17 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import Writes, commit, volume_event
+from services.scheduler.decisions import commit, volume_event
 from shared import keys as K
 from shared.clock import from_timestamp, stamp
+from shared.decision import Decision
 from shared.events import WARNING
-from shared.lease import Leadership
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.schedule import Schedule, ScheduleError, parse_schedule
 from shared.snapshots.dispatch import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
 from shared.txn import Txn, Writer
@@ -99,9 +99,9 @@ def _last_activity(record: pb.VolumeSnapshot) -> float:
     return max(from_timestamp(record.meta.created_at), from_timestamp(record.meta.updated_at))
 
 
-def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Writes]:
+def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Decision]:
     """RESTORING volumes untouched for ``timeout``: back to ACTIVE (node ALIVE) or NODE_LOST, one write each."""
-    result: list[Writes] = []
+    result: list[Decision] = []
     for volume in view.volumes():
         if volume.status != pb.VOLUME_STATUS_RESTORING:
             continue
@@ -120,7 +120,7 @@ def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Writ
             f"(the process running it is gone); volume back to {back}"
         )
         ev = volume_event(view, volume, "volume.restore_failed", message, now, severity=WARNING, node_id=volume.node_id)
-        result.append(Writes(f"restore.abandoned:{volume.meta.id}", updates=[reset], events=[ev]))
+        result.append(Decision(f"restore.abandoned:{volume.meta.id}", puts=[reset], events=[ev]))
     return result
 
 
@@ -154,9 +154,9 @@ class SnapshotScheduler(LeaderLoop):
     kinds = frozenset({K.VOLUME, K.SNAPSHOT})
 
     def __init__(
-        self, *, dispatcher: SnapshotOps, tick: float = TICK, restore_timeout: float = RESTORE_TIMEOUT, **kwargs: Any
+        self, deps: LoopDeps, *, dispatcher: SnapshotOps, tick: float = TICK, restore_timeout: float = RESTORE_TIMEOUT
     ) -> None:
-        super().__init__(tick=tick, **kwargs)
+        super().__init__(deps, tick=tick)
         self.dispatcher = dispatcher
         self.restore_timeout = restore_timeout
         self._last_fire: dict[str, float] = {}
@@ -172,14 +172,12 @@ class SnapshotScheduler(LeaderLoop):
         self._retry_at.clear()
         self._warned.clear()
 
-    async def run(self, leadership: Leadership) -> None:
-        try:
-            await super().run(leadership)
-        finally:
-            tasks = self._background | self._prunes
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    async def end_term(self) -> None:
+        """The snapshots and prunes this term started stop with it."""
+        tasks = self._background | self._prunes
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _track(self, task: asyncio.Task[object], into: set[asyncio.Task[object]]) -> None:
         into.add(task)

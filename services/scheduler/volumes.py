@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import Writes, volume_event
+from services.scheduler.decisions import volume_event
 from shared.clock import from_timestamp, stamp
+from shared.decision import Decision
 from shared.deployments import env_ownership
 from shared.events import INFO, WARNING
 from shared.ids import new_id
@@ -52,7 +53,7 @@ _DRAIN_STATES = {pb.NODE_STATUS_DRAINING: "draining", pb.NODE_STATUS_DRAINED: "d
 
 @dataclass
 class VolumeDecision:
-    writes: list[Writes] = field(default_factory=list)
+    writes: list[Decision] = field(default_factory=list)
     homeless: dict[tuple[str, str], str | None] = field(default_factory=dict)
     """(env id, volume name) → the ``volume.no_capacity`` message, or None once it has a home."""
 
@@ -114,11 +115,11 @@ def _status_change(view: StateView, volume: pb.Volume, now: float) -> tuple[pb.V
 def evaluate_volumes(view: StateView, now: float) -> VolumeDecision:
     """Create missing volumes of stateful active releases; track each volume's node (one write per env)."""
     decision = VolumeDecision()
-    per_env: dict[str, Writes] = {}
+    per_env: dict[str, Decision] = {}
 
-    def writes_for(env_id: str) -> Writes:
+    def writes_for(env_id: str) -> Decision:
         if env_id not in per_env:
-            per_env[env_id] = Writes(f"volumes:{env_id}")
+            per_env[env_id] = Decision(f"volumes:{env_id}")
         return per_env[env_id]
 
     volume_counts: Counter[str] = Counter(v.node_id for v in view.volumes() if v.node_id)
@@ -157,7 +158,7 @@ def evaluate_volumes(view: StateView, now: float) -> VolumeDecision:
         change = _status_change(view, volume, now)
         if change is not None:
             writes = writes_for(volume.environment_id)
-            writes.updates.append(change[0])
+            writes.puts.append(change[0])
             writes.events.append(change[1])
     decision.writes = list(per_env.values())
     return decision
@@ -171,9 +172,9 @@ def _needs_renewal(lease: pb.VolumeLease | None, node_id: str, holder_id: str, n
     return from_timestamp(lease.expires_at) - now <= RENEW_AT
 
 
-def evaluate_leases(view: StateView, now: float) -> dict[str, Writes]:
+def evaluate_leases(view: StateView, now: float) -> dict[str, Decision]:
     """Acquire or renew each volume's fencing lease for the replica on its node: one write per volume id."""
-    result: dict[str, Writes] = {}
+    result: dict[str, Decision] = {}
     for volume in view.volumes():
         if volume.status == pb.VOLUME_STATUS_RESTORING:
             continue  # the restore owns it: no replica may mount it until the restore ends
@@ -199,5 +200,5 @@ def evaluate_leases(view: StateView, now: float) -> dict[str, Writes]:
         renewed.lease.node_id = volume.node_id
         renewed.lease.assignment_id = holder.meta.id
         stamp(renewed.lease.expires_at, now + LEASE_TTL)
-        result[volume.meta.id] = Writes(f"lease:{volume.meta.id}", updates=[renewed])
+        result[volume.meta.id] = Decision(f"lease:{volume.meta.id}", puts=[renewed])
     return result

@@ -25,7 +25,7 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
         seed_key=cfg.key.get_secret_value(),
         open_wait=cfg.open_wait,
     )
-    collector = SecretsCollector(**ctx.loop_kwargs(), tick=ctx.settings.loop_tick, grace=cfg.gc_grace)
+    collector = SecretsCollector(ctx.loop_deps, tick=ctx.settings.loop_tick, grace=cfg.gc_grace)
     return [service.run(), ctx.lead(collector)]
 
 

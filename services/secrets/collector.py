@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ class SecretsCollector(LeaderLoop):
     name = "secrets-gc"
     kinds = frozenset({K.SECRET, K.RELEASE, K.ENV})
 
-    def __init__(self, *, grace: float = DEFAULT_GRACE, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, deps: LoopDeps, *, grace: float = DEFAULT_GRACE, tick: float = 15.0) -> None:
+        super().__init__(deps, tick=tick)
         self.grace = grace
 
     async def run_pass(self) -> None:

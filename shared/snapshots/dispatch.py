@@ -36,6 +36,7 @@ from shared.clock import Clock, stamp
 from shared.errors import ZatteraError
 from shared.ids import new_id
 from shared.natsio import Connection, agent_subject
+from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
 from shared.snapshots.locking import SharedExclusiveLock
 from shared.snapshots.store import MANIFESTS, SnapshotStore
 from shared.telemetry import inject, span
@@ -265,18 +266,21 @@ class SnapshotDispatcher:
     async def _write_final(self, final: pb.VolumeSnapshot, writer: Writer) -> None:
         """Write the outcome over whatever the record is now (the reaper may have failed it meanwhile);
         a record deleted meanwhile stays deleted (its manifest is then an orphan for the next prune)."""
-        for _ in range(5):
+
+        def decide() -> Attempt[None]:
             if self.view.snapshot(final.meta.id) is None:
-                return
+                return Attempt(None, None)
             stamp(final.meta.updated_at, self.clock.now())
-            try:
-                await writer.commit(writer.txn("snapshot.finish").put(final))
-                return
-            except Deposed:
-                raise
-            except TxnError as exc:
-                log.info("final write of snapshot %s retried: %s", final.meta.id, exc)
-        log.error("snapshot %s: final status not recorded; the reaper will fail it", final.meta.id)
+            return Attempt(writer.txn("snapshot.finish").put(final), None)
+
+        try:
+            await commit_with_retry(
+                writer, decide, clock=self.clock, contended=f"snapshot {final.meta.id}", landed=decide_again
+            )
+        except Deposed:
+            raise
+        except TxnError as exc:
+            log.error("snapshot %s: final status not recorded (%s); the reaper will fail it", final.meta.id, exc)
 
     # ------------------------------------------------------------------ progress protocol
 
@@ -460,23 +464,24 @@ class SnapshotDispatcher:
         """Write ``change`` (which may refuse by raising) applied to the volume as the view has it now, stamped
         now; re-read and decide again when a concurrent write (the scheduler's lease renewal, a policy change,
         the reaper) lands first. Returns the volume as it was before; None when it does not exist."""
-        for _ in range(5):
+
+        def decide() -> Attempt[pb.Volume | None]:
             current = self.view.volume(volume_id)
             if current is None:
-                return None
+                return Attempt(None, None)
             now = self.clock.now()
             updated = pb.Volume()
             updated.CopyFrom(current)
             change(updated, now)
             stamp(updated.meta.updated_at, now)
-            try:
-                await writer.commit(writer.txn("volume.restore").put(updated))
-                return current
-            except Deposed:
-                raise
-            except TxnError:
-                await self.view.wait_fresh()
-        raise NodeOperationFailed(f"volume {volume_id} kept changing; its status was not written")
+            return Attempt(writer.txn("volume.restore").put(updated), current)
+
+        try:
+            return await commit_with_retry(
+                writer, decide, clock=self.clock, contended=f"volume {volume_id}", landed=decide_again
+            )
+        except RetriesExhausted:
+            raise NodeOperationFailed(f"volume {volume_id} kept changing; its status was not written") from None
 
 
 __all__ = [

@@ -13,6 +13,7 @@ from services.orchestrator.model import Timers
 from shared.clock import FakeClock
 from shared.deploy import Deployer
 from shared.lease import run_while_leading
+from shared.loop import LoopDeps
 from shared.natsio import Connection
 from shared.txn import Writer
 from shared.view import StateView
@@ -26,7 +27,7 @@ async def test_a_crashing_apps_stderr_is_in_the_deployment_error(
 ) -> None:
     await writer.commit(writer.txn().put(environment("E1", spec(1))))
     await start_agent("n1")
-    orchestrator = Orchestrator(conn=conn, view=view, clock=FakeClock(), timers=Timers(), tick=3600.0)
+    orchestrator = Orchestrator(LoopDeps(conn, view, FakeClock()), timers=Timers(), tick=3600.0)
     leader = asyncio.create_task(
         run_while_leading(conn, "orchestrator", orchestrator.run, holder="test", ttl=5, renew_interval=1)
     )

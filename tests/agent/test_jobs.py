@@ -22,6 +22,7 @@ from shared import keys as K
 from shared.applogs import LogLimits, app_logs_stream_config
 from shared.clock import FakeClock
 from shared.lease import run_while_leading
+from shared.loop import LoopDeps
 from shared.natsio import Connection, create_or_update_stream
 from shared.txn import Writer
 from shared.view import StateView
@@ -44,7 +45,7 @@ async def cluster(
     await create_or_update_stream(conn.js, app_logs_stream_config("E1", LogLimits(1 << 24, 3600.0), 1))
     await start_agent("n1")
     await eventually(lambda: view.node("n1") is not None, what="node registered")
-    loop = JobsLoop(conn=conn, view=view, clock=FakeClock())
+    loop = JobsLoop(LoopDeps(conn, view, FakeClock()))
     leading = asyncio.create_task(run_while_leading(conn, loop.name, loop.run, holder="t", ttl=3, renew_interval=0.5))
     try:
         yield env

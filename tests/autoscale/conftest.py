@@ -16,6 +16,7 @@ from services.autoscale.common import ScalingLoop
 from shared.clock import FakeClock
 from shared.lease import Leadership, Lease
 from shared.live import LiveView, publish_node_heartbeat, publish_proxy_heartbeat
+from shared.loop import LoopDeps
 from shared.natsio import Connection
 from shared.txn import Txn, TxnError, Writer
 from shared.view import StateView
@@ -92,7 +93,7 @@ class Harness:
     ) -> L:
         """A loop with a writer fenced by a freshly acquired lease (long TTL: no renewer runs);
         ``before_commit`` runs once between its first decision and that decision's commit."""
-        loop = cls(conn=self.conn, view=self.view, clock=self.clock, live=self.live, **kwargs)
+        loop = cls(LoopDeps(self.conn, self.view, self.clock), live=self.live, **kwargs)
         leadership = await self.leadership(loop.name)
         if before_commit is None:
             loop.writer = loop.fenced_writer(leadership)

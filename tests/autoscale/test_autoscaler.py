@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from services.autoscale.autoscaler import COOLDOWN, SCALE_DOWN_HOLD, Autoscaler
+from shared.loop import LoopDeps
 from shared.natsio import EVENTS_STREAM
 from tests.autoscale.conftest import Harness
 from tests.autoscale.helpers import ENV, base_objects, running, scaled_env, usage_beat
@@ -145,7 +146,7 @@ async def test_new_term_clears_the_cooldown_and_restarts_the_hold(h: Harness):
 async def test_reacts_to_a_sample_as_it_arrives_and_scales_down_when_the_tick_passes_the_hold(h: Harness):
     runs = running(2)
     await h.seed(*base_objects(scaled_env(cpu=50, max_replicas=5), runs))
-    loop = Autoscaler(conn=h.conn, view=h.view, clock=h.clock, live=h.live, tick=15.0)
+    loop = Autoscaler(LoopDeps(h.conn, h.view, h.clock), live=h.live, tick=15.0)
     task = asyncio.create_task(loop.run(await h.leadership(loop.name)))
     try:
         await h.started(loop)

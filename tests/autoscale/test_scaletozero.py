@@ -8,6 +8,7 @@ import asyncio
 from zattera.v1 import types_pb2 as pb
 
 from services.autoscale.scaletozero import DEFAULT_IDLE_TIMEOUT, ScaleToZero
+from shared.loop import LoopDeps
 from shared.natsio import EVENTS_STREAM
 from tests.autoscale.conftest import Harness
 from tests.autoscale.helpers import (
@@ -190,7 +191,7 @@ async def test_new_term_grants_a_full_window(h: Harness):
 
 async def test_loop_cools_on_its_tick_when_the_window_ends(h: Harness):
     await h.seed(*base_objects(s2z_env(idle_timeout=60.0), running(1)))
-    loop = ScaleToZero(conn=h.conn, view=h.view, clock=h.clock, live=h.live, tick=15.0)
+    loop = ScaleToZero(LoopDeps(h.conn, h.view, h.clock), live=h.live, tick=15.0)
     task = asyncio.create_task(loop.run(await h.leadership(loop.name)))
     try:
         await h.started(loop)
@@ -213,7 +214,7 @@ async def test_a_promoted_deployment_keeping_blue_warm_does_not_hold_off_cooling
     idle, tick = 60.0, 15.0
     draining = deployment("d1", phase=pb.DEPLOYMENT_PHASE_DRAINING_OLD)
     await h.seed(*base_objects(s2z_env(idle_timeout=idle), running(1)), draining)
-    loop = ScaleToZero(conn=h.conn, view=h.view, clock=h.clock, live=h.live, tick=tick)
+    loop = ScaleToZero(LoopDeps(h.conn, h.view, h.clock), live=h.live, tick=tick)
     task = asyncio.create_task(loop.run(await h.leadership(loop.name)))
     try:
         await h.started(loop)

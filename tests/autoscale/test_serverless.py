@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from services.autoscale.serverless import SCALE_DOWN_WINDOW, Serverless
+from shared.loop import LoopDeps
 from tests.autoscale.conftest import Harness
 from tests.autoscale.helpers import base_objects, deployment, node_beat, proxy_beat, scaled_env, traffic
 from tests.waiting import eventually
@@ -141,7 +142,7 @@ async def test_stale_inflight_of_a_dead_proxy_does_not_pin_the_env_up(h: Harness
 
 async def test_loop_scales_up_as_soon_as_a_proxy_reports_load(h: Harness):
     await h.seed(*base_objects(serverless_env(10, 1, 5)))
-    loop = Serverless(conn=h.conn, view=h.view, clock=h.clock, live=h.live)
+    loop = Serverless(LoopDeps(h.conn, h.view, h.clock), live=h.live)
     task = asyncio.create_task(loop.run(await h.leadership(loop.name)))
     try:
         await h.started(loop)

@@ -11,6 +11,7 @@ from services.autoscale.autoscaler import Autoscaler
 from services.autoscale.common import ScalingLoop
 from services.autoscale.scaletozero import DEFAULT_IDLE_TIMEOUT, ScaleToZero
 from services.autoscale.serverless import SCALE_DOWN_WINDOW, Serverless
+from shared.loop import LoopDeps
 from shared.settings import Settings
 from tests.autoscale.conftest import Harness
 from tests.autoscale.helpers import base_objects, node_beat, running, scaled_env, traffic
@@ -20,7 +21,7 @@ IDLE_ENV = "ZATTERA_SCALE_TO_ZERO_IDLE_TIMEOUT"
 
 
 def loops_from(h: Harness, cfg: Settings) -> tuple[Autoscaler, ScaleToZero, Serverless]:
-    return scaling_loops(cfg, h.live, conn=h.conn, view=h.view, clock=h.clock, coalesce=0.0)
+    return scaling_loops(cfg, h.live, LoopDeps(h.conn, h.view, h.clock, coalesce=0.0))
 
 
 async def lead(h: Harness, loop: ScalingLoop) -> None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 import pytest
 
-from services.builds.dispatcher import BuildDispatcher, BuildDispatcherConfig
+from services.builds.dispatcher import BuildDispatcher
+from services.builds.planning import BuildDispatcherConfig
 from shared.clock import FakeClock
 from shared.lease import run_while_leading
-from shared.loop import LeaderLoop
+from shared.loop import LeaderLoop, LoopDeps
 from shared.natsio import Connection
 from shared.view import StateView
 from tests.waiting import eventually
@@ -56,11 +56,16 @@ async def stop(task: asyncio.Task[None]) -> None:
 def start_dispatcher(
     conn: Connection, view: StateView, clock: FakeClock, leading: Callable[..., asyncio.Task[None]]
 ) -> StartDispatcher:
-    async def start(config: BuildDispatcherConfig | None = None, **overrides: Any) -> BuildDispatcher:
-        kwargs: dict[str, Any] = {"conn": conn, "view": view, "clock": clock, "tick": 15.0, "coalesce": 0.0}
-        kwargs.update(overrides)
-        dispatcher = BuildDispatcher(config=config, **kwargs)
-        leading(kwargs["conn"], dispatcher, f"dispatcher-{id(dispatcher)}")
+    async def start(
+        config: BuildDispatcherConfig | None = None,
+        *,
+        conn: Connection = conn,
+        view: StateView = view,
+        tick: float = 15.0,
+    ) -> BuildDispatcher:
+        deps = LoopDeps(conn, view, clock, coalesce=0.0)
+        dispatcher = BuildDispatcher(deps, config=config, tick=tick)
+        leading(deps.conn, dispatcher, f"dispatcher-{id(dispatcher)}")
         return dispatcher
 
     return start

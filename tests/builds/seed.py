@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from zattera.v1 import types_pb2 as pb
 
-from services.builds.dispatcher import timestamp
+from services.builds.planning import timestamp
 from tests import factories
 
 

@@ -7,18 +7,27 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.builds import retention
-from services.builds.dispatcher import (
+from services.builds.planning import (
     BUILDER_LOST,
+    CLAIM_IN_FLIGHT,
     BuildDispatcherConfig,
     DispatchPlan,
+    EventRoute,
+    Followed,
+    FollowPlan,
     StreamProgress,
     Verdict,
     apply_event,
     can_build,
+    checkpoint_due,
     evaluate,
+    event_time,
     finished_build,
     is_builder,
     pick_builder,
+    plan_following,
+    resend_on_resume,
+    route_unfollowed_event,
     run_request,
 )
 from services.builds.registry import collectable, referenced_blobs
@@ -226,6 +235,63 @@ def test_git_build_request_carries_the_clone_source_instead_of_a_bogus_url() -> 
     build.git_clone_url, build.git_sha = "https://github.com/o/r.git", "abc"
     request = run_request(build, BuildDispatcherConfig(source_url_base="https://ctrl:8443/internal/blobs/"))
     assert (request.source_url, request.git.clone_url, request.git.ref) == ("", "https://github.com/o/r.git", "abc")
+
+
+# ---------------------------------------------------------------------------------------- following builds
+
+
+def test_following_resumes_running_builds_and_lets_go_of_ended_or_moved_ones() -> None:
+    builds = {
+        "ran": seed.build("ran", status=RUNNING, node_id="a"),
+        "moved": seed.build("moved", status=RUNNING, node_id="b"),
+        "canceled": seed.build("canceled", status=pb.BUILD_STATUS_CANCELED, node_id="a"),
+        "concluding": seed.build("concluding", status=pb.BUILD_STATUS_CANCELED, node_id="a"),
+        "new": seed.build("new", status=RUNNING, node_id="a"),
+        "unplaced": seed.build("unplaced", status=RUNNING),
+    }
+    followed = {
+        "ran": Followed("a", concluding=False),
+        "moved": Followed("a", concluding=False),
+        "canceled": Followed("a", concluding=False),
+        "concluding": Followed("a", concluding=True),  # finishes itself
+        "gone": Followed("a", concluding=False),
+    }
+    result = plan_following(builds.values(), builds.get, followed)
+    assert result == FollowPlan(
+        let_go=("moved", "canceled", "gone"),
+        wrap_up=(("canceled", pb.BUILD_STATUS_CANCELED),),
+        follow=("moved", "new"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("status", "node_id", "live", "done", "route"),
+    [
+        (RUNNING, "a", False, False, EventRoute.FOLLOW),
+        (RUNNING, "", True, False, EventRoute.IGNORE),  # not placed: nobody to follow
+        (pb.BUILD_STATUS_CANCELED, "a", True, False, EventRoute.STOP_BUILDER),
+        (FAILED, "a", True, False, EventRoute.STOP_BUILDER),
+        (FAILED, "a", False, False, EventRoute.IGNORE),  # replayed: the builder may be long done
+        (FAILED, "a", True, True, EventRoute.IGNORE),  # its last word
+        (None, "", True, False, EventRoute.IGNORE),  # unknown build
+    ],
+)
+def test_an_event_of_a_build_nobody_follows_is_followed_stops_the_builder_or_is_dropped(
+    status: int | None, node_id: str, live: bool, done: bool, route: EventRoute
+) -> None:
+    build = None if status is None else seed.build("b1", status=status, node_id=node_id)
+    assert route_unfollowed_event(build, cpb.BuildEvent(done=done), live=live) is route
+
+
+def test_event_time_checkpoints_and_resend_on_resume_follow_the_clock() -> None:
+    assert event_time(live=True, stored_at=T0 - 50, now=T0) == T0
+    assert event_time(live=False, stored_at=T0 - 50, now=T0) == T0 - 50
+    assert event_time(live=False, stored_at=T0 + 5, now=T0) == T0  # a server clock ahead: never later than now
+    assert not checkpoint_due(T0 + 14.9, T0, 15.0)
+    assert checkpoint_due(T0 + 15.0, T0, 15.0)
+    claimed = seed.build("b1", status=RUNNING, node_id="a", last_event_at=T0)
+    assert resend_on_resume(claimed, T0 + CLAIM_IN_FLIGHT - 0.1)
+    assert not resend_on_resume(claimed, T0 + CLAIM_IN_FLIGHT)
 
 
 # ---------------------------------------------------------------------------------------- retention

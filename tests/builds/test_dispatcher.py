@@ -8,7 +8,7 @@ from nats.js.errors import NotFoundError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.builds.dispatcher import WAITING_KIND, WAITING_MESSAGE, BuildDispatcherConfig
+from services.builds.planning import WAITING_KIND, WAITING_MESSAGE, BuildDispatcherConfig
 from shared.buildcancel import cancel_build
 from shared.buildlogs import END_HEADER, follow_build_log, read_build_log
 from shared.clock import FakeClock

@@ -13,6 +13,7 @@ from services.builds.logstreams import LogStreams, plan_log_streams
 from shared import keys as K
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream
 from shared.clock import FakeClock
+from shared.loop import LoopDeps
 from shared.natsio import Connection
 from shared.txn import Writer
 from shared.view import StateView
@@ -52,7 +53,7 @@ async def test_streams_follow_the_envs_and_the_byte_limit_is_enforced(
 ) -> None:
     small = with_logs(env("E2"), max_bytes=1024 * 1024, max_age=600.0)
     await writer.commit(writer.txn().put(env("E1")).put(small))
-    loop = LogStreams(default=DEFAULT, replicas=1, conn=conn, view=view, clock=FakeClock())
+    loop = LogStreams(LoopDeps(conn, view, FakeClock()), default=DEFAULT, replicas=1)
     await loop.pass_once()
 
     first = await conn.js.stream_info(app_logs_stream("E1"))

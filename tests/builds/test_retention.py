@@ -11,6 +11,7 @@ from zattera.v1 import types_pb2 as pb
 from services.builds.registry import RegistrySweeper
 from services.builds.retention import Retention
 from shared.clock import FakeClock
+from shared.loop import LoopDeps
 from shared.natsio import IMAGES_STORE, SOURCES_STORE, Connection
 from shared.registry import BlobStore, PlatformImage, image_id, push_image
 from shared.txn import Writer
@@ -23,7 +24,7 @@ HOUR = 3600.0
 
 
 def retention(conn: Connection, view: StateView, clock: FakeClock, writer: Writer, **kw: Any) -> Retention:
-    loop = Retention(conn=conn, view=view, clock=clock, **kw)
+    loop = Retention(LoopDeps(conn, view, clock), **kw)
     loop.writer = writer
     return loop
 
@@ -130,7 +131,7 @@ async def test_retention_sweeps_at_term_start_then_an_hour_after_each_sweep(
     clock: FakeClock,
     leading: Callable[[Connection, Retention, str], asyncio.Task[None]],
 ) -> None:
-    loop = Retention(conn=conn, view=view, clock=clock)
+    loop = Retention(LoopDeps(conn, view, clock))
     leading(conn, loop, "retention-test")
     await eventually(lambda: loop.sweeps == 1 and clock.sleepers == 1, 5, "first sweep at term start")
     await clock.advance(HOUR - 1)
@@ -156,7 +157,7 @@ async def test_a_deleted_envs_releases_images_deployments_and_builds_go_once_no_
     running = assignment("n1", "env", "rel-2", assignment_id="a-2")
     await put(writer, env("rel-2"), *(seed.release(i) for i in (1, 2)), *(tag_record(i) for i in (1, 2)))
     await put(writer, seed.deployment("d-2", "rel-2", pb.DEPLOYMENT_PHASE_SUCCEEDED), build, running)
-    loop = Retention(conn=conn, view=view, clock=clock)
+    loop = Retention(LoopDeps(conn, view, clock))
     leading(conn, loop, "retention-test")
     await eventually(lambda: loop.sweeps == 1 and clock.sleepers == 1, 5, "first sweep at term start")
     assert release_ids(view) == {"rel-1", "rel-2"}

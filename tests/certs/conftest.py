@@ -20,6 +20,7 @@ from shared import keys as K
 from shared.clock import FakeClock
 from shared.embedded import free_port
 from shared.live import proxy_key
+from shared.loop import LoopDeps
 from shared.natsio import LIVE_BUCKET, Connection
 from shared.secrets import CLUSTER_KEY
 from shared.txn import Writer
@@ -135,7 +136,7 @@ class Rig:
             ca_bundle=str(self.pebble.ca_bundle),
             order_timeout=20,
         )
-        loop = CertificateLoop(conn=self.conn, view=self.view, clock=self.clock, acme=acme, coalesce=0)
+        loop = CertificateLoop(LoopDeps(self.conn, self.view, self.clock, coalesce=0), acme=acme)
         loop.writer = self.writer
         return loop
 

@@ -12,6 +12,7 @@ from zattera.v1 import types_pb2 as pb
 from services.orchestrator.loop import Orchestrator
 from shared.events import EventPublisher
 from shared.lease import run_while_leading
+from shared.loop import LoopDeps
 from shared.natsio import Connection
 from shared.view import StateView
 from tests.eventlog import one, stored_events, stored_kinds, wait_for_kinds
@@ -99,7 +100,7 @@ async def test_a_transition_is_stored_once_whoever_publishes_it_again(running: R
     # A new leader resuming from durable state re-announces nothing that already happened.
     view = StateView(conn, name="second-leader")
     await view.start()
-    successor = Orchestrator(conn=conn, view=view, clock=running.clock, timers=TIMERS, tick=HOUR)
+    successor = Orchestrator(LoopDeps(conn, view, running.clock), timers=TIMERS, tick=HOUR)
     standby = asyncio.create_task(
         run_while_leading(conn, "orchestrator", successor.run, holder="second", ttl=5, renew_interval=1)
     )

@@ -13,6 +13,7 @@ from shared import keys as K
 from shared.clock import FakeClock
 from shared.events import EventPublisher, make_event
 from shared.live import LiveView, publish_node_heartbeat
+from shared.loop import LoopDeps
 from shared.natsio import Connection
 from shared.txn import Writer
 from shared.view import StateView
@@ -30,7 +31,7 @@ async def test_a_silent_node_goes_down_and_comes_back(conn: Connection, view: St
     live = LiveView(conn, clock)
     await live.start()
     await writer.commit(writer.txn().create(node("n1")))
-    loop = Liveness(conn=conn, view=view, clock=clock, live=live, grace=0, deadline=30)
+    loop = Liveness(LoopDeps(conn, view, clock), live=live, grace=0, deadline=30)
     loop.writer = writer
     loop.on_term_start()
     down_revision = view.rev(K.node("n1"))
@@ -52,7 +53,7 @@ async def test_a_silent_node_goes_down_and_comes_back(conn: Connection, view: St
 
 async def test_a_drained_node_is_announced_by_the_scheduler(conn: Connection, view: StateView, writer: Writer) -> None:
     await writer.commit(writer.txn().create(node("n1", status=pb.NODE_STATUS_DRAINING, schedulable=False)))
-    scheduler = Scheduler(conn=conn, view=view, clock=FakeClock())
+    scheduler = Scheduler(LoopDeps(conn, view, FakeClock()))
     scheduler.writer = writer
     await scheduler.pass_once()
     drained = view.node("n1")

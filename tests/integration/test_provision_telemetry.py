@@ -54,7 +54,7 @@ async def test_views_keep_the_trace_of_each_write_and_loops_continue_it(conn, vi
     """A service reacting to a write continues its trace: the view keeps each key's ``traceparent`` (from the
     watch, and for its own writes from what it sent), and a loop pass woken by the write is its child."""
     from shared import keys as K
-    from shared.loop import LeaderLoop
+    from shared.loop import LeaderLoop, LoopDeps
 
     exporter = telemetry.use_in_memory_exporter()
     writer = Writer(conn, view)
@@ -88,7 +88,7 @@ async def test_views_keep_the_trace_of_each_write_and_loops_continue_it(conn, vi
 
         with telemetry.span("cli.deploy.again"):
             await writer.commit(writer.txn().put(node))
-        probe = Probe(conn=conn, view=view, clock=None)  # type: ignore[arg-type]
+        probe = Probe(LoopDeps(conn, view, None))  # type: ignore[arg-type]
         parent = probe.trigger_trace({(K.NODE, "n2")})
         await probe.pass_once({(K.NODE, "n2")})
         passes = [s for s in exporter.get_finished_spans() if s.name == "probe.pass"]

@@ -17,10 +17,12 @@ from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
 from services.orchestrator.loop import Orchestrator
-from services.orchestrator.model import Timers, Transition, copy_of
+from services.orchestrator.model import Timers, copy_of
 from shared import keys as K
 from shared.clock import FakeClock, stamp
+from shared.decision import Decision
 from shared.lease import Leadership, Lease
+from shared.loop import LoopDeps
 from shared.natsio import Connection
 from shared.txn import Writer
 from shared.view import StateView
@@ -137,7 +139,7 @@ class Rig:
             txn.put(observed, key=K.observed(a.node_id, a.meta.id))
         await self.writer.commit(txn)
 
-    async def step(self, deployment_id: str = "dep1") -> Transition | None:
+    async def step(self, deployment_id: str = "dep1") -> Decision | None:
         return await self.orchestrator.reconcile(deployment_id)
 
     async def steps(self, n: int, deployment_id: str = "dep1") -> None:
@@ -176,7 +178,7 @@ async def make_rig(conn: Connection, *, timers: Timers | None = None) -> AsyncIt
     view = StateView(conn, name="rig")
     await view.start()
     clock = FakeClock()
-    orchestrator = Orchestrator(conn=conn, view=view, clock=clock, timers=timers or Timers())
+    orchestrator = Orchestrator(LoopDeps(conn, view, clock), timers=timers or Timers())
     lease = Lease(conn, "orchestrator", "rig", ttl=60)
     assert await lease.try_acquire()
     orchestrator.writer = orchestrator.fenced_writer(Leadership(lease))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from zattera.v1 import types_pb2 as pb
 
-from services.orchestrator.model import failed_instance_reason
+from services.orchestrator.model import deployment_of, failed_instance_reason
 from shared import keys as K
 from tests.orchestrator.test_phases import T0, place_green, red_green_board
 
@@ -29,8 +29,8 @@ def test_the_deployment_error_carries_the_exit_and_the_stderr_tail() -> None:
     failed = crashed(green[1], tail=("starting", "fatal: DATABASE_URL not set"))
     b.view.apply_local(K.observed(failed.node_id, failed.meta.id), 10_000, failed.observed)
     t = b.decide(T0 + 5)
-    assert t is not None and t.phase == pb.DEPLOYMENT_PHASE_FAILED
-    assert t.deployment.error == (
+    assert t is not None and deployment_of(t).phase == pb.DEPLOYMENT_PHASE_FAILED
+    assert deployment_of(t).error == (
         f"a green instance failed to start: instance {failed.meta.id} on {failed.node_id}: exit code 3; "
         "last stderr: starting | fatal: DATABASE_URL not set"
     )

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from services.orchestrator.model import Timers
+from services.orchestrator.model import Timers, deployment_of
 from services.orchestrator.phases import decide
 from shared import keys as K
 from shared.deploy import Deployer
@@ -71,8 +71,8 @@ async def test_an_abort_refused_by_a_concurrent_change_writes_nothing(conn: Conn
     green = rig.green()
     await rig.observe(green[:1], FAILED)
     transition = decide(rig.view, rig.deployment(), rig.clock.now(), Timers())
-    assert transition is not None and transition.phase == PH.DEPLOYMENT_PHASE_FAILED
-    txn = rig.orchestrator.transaction(transition)
+    assert transition is not None and deployment_of(transition).phase == PH.DEPLOYMENT_PHASE_FAILED
+    txn = transition.txn(rig.writer)
 
     other_view = StateView(conn, name="operator")
     await other_view.start()

@@ -18,6 +18,7 @@ from services.orchestrator.model import Timers
 from shared.clock import FakeClock
 from shared.deploy import Deployer
 from shared.lease import run_while_leading
+from shared.loop import LoopDeps
 from shared.natsio import Connection
 from shared.txn import Writer
 from shared.view import StateView
@@ -72,7 +73,7 @@ async def running(conn: Connection) -> AsyncIterator[Running]:
     clock = FakeClock()
     orch_view = StateView(conn, name="orchestrator")
     await orch_view.start()
-    orchestrator = Orchestrator(conn=conn, view=orch_view, clock=clock, timers=TIMERS, tick=HOUR)
+    orchestrator = Orchestrator(LoopDeps(conn, orch_view, clock), timers=TIMERS, tick=HOUR)
     leader = asyncio.create_task(
         run_while_leading(conn, "orchestrator", orchestrator.run, holder="test-orchestrator", ttl=5, renew_interval=1)
     )

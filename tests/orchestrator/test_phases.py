@@ -11,10 +11,11 @@ import pytest
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
-from services.orchestrator.model import Timers, Transition
+from services.orchestrator.model import Timers, deployment_of
 from services.orchestrator.phases import decide, wake_at
 from shared import keys as K
 from shared.clock import stamp
+from shared.decision import Decision
 from shared.deploy import CANCELED_BY_OPERATOR
 from shared.view import StateView
 from tests.factories import node
@@ -50,24 +51,24 @@ class Board:
             observed = pb.AssignmentObserved(state=state, container_id=f"c-{a.meta.id}")  # type: ignore[arg-type]
             self.view.apply_local(K.observed(a.node_id, a.meta.id), self._rev, observed)
 
-    def apply(self, t: Transition) -> None:
+    def apply(self, t: Decision) -> None:
         """Commit a transition to the board as the loop would."""
         for msg in [*t.creates, *t.puts]:
             self.put(msg)
         for key in t.deletes:
             self._rev += 1
             self.view.apply_local(key, self._rev, None)
-        self.put(t.deployment)
+        self.put(deployment_of(t))
 
     def d(self, deployment_id: str = "dep1") -> pb.Deployment:
         found = self.view.deployment(deployment_id)
         assert found is not None
         return found
 
-    def decide(self, now: float = T0, deployment_id: str = "dep1", timers: Timers = TIMERS) -> Transition | None:
+    def decide(self, now: float = T0, deployment_id: str = "dep1", timers: Timers = TIMERS) -> Decision | None:
         return decide(self.view, self.d(deployment_id), now, timers)
 
-    def step(self, now: float = T0, deployment_id: str = "dep1", timers: Timers = TIMERS) -> Transition | None:
+    def step(self, now: float = T0, deployment_id: str = "dep1", timers: Timers = TIMERS) -> Decision | None:
         t = self.decide(now, deployment_id, timers)
         if t is not None:
             self.apply(t)
@@ -132,14 +133,18 @@ def test_missing_environment_aborts_with_the_reference_reason() -> None:
     b = Board()
     b.put(deployment("dep1", ENV, "rel2", now=T0))
     t = b.decide()
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_FAILED and t.deployment.error == "environment not found"
+    assert (
+        t is not None
+        and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_FAILED
+        and deployment_of(t).error == "environment not found"
+    )
 
 
 def test_missing_release_aborts_with_the_reference_reason() -> None:
     b = Board()
     b.put(environment(ENV, spec(1)), deployment("dep1", ENV, "rel2", now=T0))
     t = b.decide()
-    assert t is not None and t.deployment.error == "release not found"
+    assert t is not None and deployment_of(t).error == "release not found"
 
 
 def test_release_without_image_and_without_build_aborts() -> None:
@@ -149,7 +154,7 @@ def test_release_without_image_and_without_build_aborts() -> None:
     rel2.image_ref = ""
     b.put(rel2)
     t = b.decide()
-    assert t is not None and t.deployment.error == "release has no image ref"
+    assert t is not None and deployment_of(t).error == "release has no image ref"
 
 
 def test_terminal_deployments_are_never_revisited() -> None:
@@ -163,7 +168,7 @@ def test_superseding_a_pre_promotion_deployment_deletes_its_green_in_the_same_wr
     green = place_green(b)
     b.put(deployment("dep2", ENV, "rel2", previous="rel1", now=T0 + 1))
     t = b.decide()
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_SUPERSEDED
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_SUPERSEDED
     assert sorted(t.deletes) == sorted(K.assignment(a.node_id, a.meta.id) for a in green)
 
 
@@ -171,8 +176,8 @@ def test_same_created_at_breaks_the_newer_tie_by_id() -> None:
     b = red_green_board()
     b.put(deployment("dep2", ENV, "rel2", previous="rel1", now=T0))
     t1, t2 = b.decide(deployment_id="dep1"), b.decide(deployment_id="dep2")
-    assert t1 is not None and t1.phase == PH.DEPLOYMENT_PHASE_SUPERSEDED
-    assert t2 is not None and t2.phase == PH.DEPLOYMENT_PHASE_PLACING
+    assert t1 is not None and deployment_of(t1).phase == PH.DEPLOYMENT_PHASE_SUPERSEDED
+    assert t2 is not None and deployment_of(t2).phase == PH.DEPLOYMENT_PHASE_PLACING
 
 
 # ---------------------------------------------------------------------- readiness of the green set
@@ -183,7 +188,7 @@ def test_empty_green_set_is_not_ready_when_the_target_is_above_zero(phase: int) 
     b = red_green_board()
     b.at_phase(phase)
     t = b.decide()
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_PLACING
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_PLACING
 
 
 @pytest.mark.parametrize("phase", [PH.DEPLOYMENT_PHASE_STARTING, PH.DEPLOYMENT_PHASE_HEALTHCHECKING])
@@ -194,11 +199,11 @@ def test_short_green_set_goes_back_to_placing(phase: int) -> None:
     b.apply(_deleting(b, green[:1]))
     b.at_phase(phase)
     t = b.decide()
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_PLACING
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_PLACING
 
 
-def _deleting(b: Board, assignments: list[pb.Assignment]) -> Transition:
-    t = Transition(copied(b.d()), "external delete")
+def _deleting(b: Board, assignments: list[pb.Assignment]) -> Decision:
+    t = Decision("external delete", fence=copied(b.d()))
     t.deletes = [K.assignment(a.node_id, a.meta.id) for a in assignments]
     return t
 
@@ -209,7 +214,7 @@ def test_zero_target_passes_through_to_promotion_without_green() -> None:
     for _ in range(5):
         t = b.step()
         assert t is not None
-        phases.append(t.phase)
+        phases.append(deployment_of(t).phase)
     assert phases == [
         PH.DEPLOYMENT_PHASE_PLACING,
         PH.DEPLOYMENT_PHASE_STARTING,
@@ -228,7 +233,7 @@ def test_unhealthy_green_waits_for_the_health_deadline_instead_of_aborting() -> 
     b.observe(green[:1], UNHEALTHY)
     assert b.decide(T0 + 100) is None
     t = b.decide(T0 + 180.001)
-    assert t is not None and t.deployment.error == "green instances did not become healthy in time"
+    assert t is not None and deployment_of(t).error == "green instances did not become healthy in time"
 
 
 def test_health_deadline_is_twice_the_release_grace_plus_a_minute() -> None:
@@ -242,7 +247,7 @@ def test_health_deadline_is_twice_the_release_grace_plus_a_minute() -> None:
     b.step()
     assert b.decide(T0 + 120) is None
     t = b.decide(T0 + 120.001)
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_FAILED
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_FAILED
 
 
 # ---------------------------------------------------------------------- placement
@@ -252,7 +257,7 @@ def test_placing_and_entering_starting_are_one_write() -> None:
     b = red_green_board()
     b.step()
     t = b.decide()
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_STARTING
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_STARTING
     assert [a.node_id for a in t.creates if isinstance(a, pb.Assignment)] == ["n1", "n2"]
     assert all(a.deployment_id == "dep1" and a.config_hash == "hash-rel2" for a in t.creates)  # type: ignore[attr-defined]
 
@@ -262,9 +267,9 @@ def test_partial_placement_stays_in_placing_and_fences_the_unchanged_deployment(
     b.put(node("n1", cpu=1000, mem=768))  # blue-0 reserves 256 MB: room for two greens
     b.step()
     t = b.decide()
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_PLACING
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_PLACING
     assert len(t.creates) == 2
-    assert t.deployment == b.d()
+    assert deployment_of(t) == b.d()
 
 
 def test_top_ups_may_use_nodes_already_holding_green() -> None:
@@ -275,7 +280,7 @@ def test_top_ups_may_use_nodes_already_holding_green() -> None:
     assert len(b.green()) == 1
     b.put(node("n1", cpu=1000, mem=4096))  # capacity grows on the same node
     t = b.step()
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_STARTING
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_STARTING
     assert [a.node_id for a in b.green()] == ["n1", "n1"]
 
 
@@ -295,10 +300,10 @@ def test_green_on_a_down_node_is_deleted_and_replaced_before_promotion(phase: in
     lost = green[0]
     b.put(node(lost.node_id, status=pb.NODE_STATUS_DOWN))
     t = b.step()
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_PLACING
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_PLACING
     assert t.deletes == [K.assignment(lost.node_id, lost.meta.id)]
     t = b.step()
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_STARTING
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_STARTING
     [replacement] = t.creates
     assert isinstance(replacement, pb.Assignment) and replacement.node_id != lost.node_id
     assert lost.node_id not in {a.node_id for a in b.green()}
@@ -387,8 +392,8 @@ def test_every_waiting_phase_times_out_with_a_reason_naming_phase_and_cause(
     b = make()
     assert b.decide(T0 + limit) is None  # strictly after the limit
     t = b.decide(T0 + limit + 0.001)
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_FAILED
-    assert t.deployment.error == reason
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_FAILED
+    assert deployment_of(t).error == reason
     assert [e.kind for e in t.events][-1] == "deploy.failed"
 
 
@@ -405,7 +410,7 @@ def test_timeouts_are_configurable() -> None:
     short = Timers(placing_timeout=30)
     assert b.decide(T0 + 30, timers=short) is None
     t = b.decide(T0 + 31, timers=short)
-    assert t is not None and t.deployment.error.startswith("PLACING timed out after 30s: ")
+    assert t is not None and deployment_of(t).error.startswith("PLACING timed out after 30s: ")
 
 
 def test_a_deployment_never_stamped_with_a_phase_entry_runs_no_timer() -> None:
@@ -426,7 +431,10 @@ def test_abort_deletes_the_green_set_and_fails_in_one_transition() -> None:
     b.observe(green[1:], pb.INSTANCE_STATE_FAILED)
     t = b.decide(T0 + 5)
     assert t is not None
-    assert t.phase == PH.DEPLOYMENT_PHASE_FAILED and t.deployment.error == "a green instance failed to start"
+    assert (
+        deployment_of(t).phase == PH.DEPLOYMENT_PHASE_FAILED
+        and deployment_of(t).error == "a green instance failed to start"
+    )
     assert sorted(t.deletes) == sorted(K.assignment(a.node_id, a.meta.id) for a in green)
     assert t.puts == [] and t.creates == []
 
@@ -439,12 +447,12 @@ def test_promotion_switches_traffic_and_enters_draining_old_in_one_transition() 
     b.step()
     assert b.d().phase == PH.DEPLOYMENT_PHASE_PROMOTING
     t = b.decide(T0 + 7)
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_DRAINING_OLD
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_DRAINING_OLD
     [env] = t.puts
     assert isinstance(env, pb.Environment)
     assert env.active_release_id == "rel2" and env.route_generation == 1
-    assert t.deployment.promoted_at.ToSeconds() == T0 + 7
-    assert t.deployment.drain_deadline.ToSeconds() == T0 + 7 + 600
+    assert deployment_of(t).promoted_at.ToSeconds() == T0 + 7
+    assert deployment_of(t).drain_deadline.ToSeconds() == T0 + 7 + 600
 
 
 def test_drain_waits_for_its_deadline_and_completes_exactly_at_it() -> None:
@@ -457,7 +465,7 @@ def test_drain_waits_for_its_deadline_and_completes_exactly_at_it() -> None:
     assert wake_at(b.view, b.d(), TIMERS) == T0 + 600
     assert b.decide(T0 + 599.999) is None
     t = b.decide(T0 + 600)
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
     assert sorted((a.meta.id, a.desired) for a in t.puts) == [("blue-0", STOP), ("blue-1", STOP)]  # type: ignore[attr-defined]
 
 
@@ -479,7 +487,7 @@ def test_warm_rollback_promotes_without_placing() -> None:
     b = _promoted_rel2_board()
     b.put(deployment("roll1", ENV, "rel1", previous="rel2", now=T0 + 60, is_rollback=True))
     t = b.decide(T0 + 60, deployment_id="roll1")
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_PROMOTING
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_PROMOTING
 
 
 def test_rollback_is_not_warm_when_a_replica_sits_on_a_lost_node() -> None:
@@ -487,7 +495,7 @@ def test_rollback_is_not_warm_when_a_replica_sits_on_a_lost_node() -> None:
     b.put(node("n1", status=pb.NODE_STATUS_DOWN))
     b.put(deployment("roll1", ENV, "rel1", previous="rel2", now=T0 + 60, is_rollback=True))
     t = b.decide(T0 + 60, deployment_id="roll1")
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_PLACING
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_PLACING
 
 
 def test_rollback_to_the_active_release_never_stops_the_live_replicas() -> None:
@@ -499,7 +507,7 @@ def test_rollback_to_the_active_release_never_stops_the_live_replicas() -> None:
     assert b.d("roll1").phase == PH.DEPLOYMENT_PHASE_PROMOTING  # warm: no new replicas
     t = b.step(T0 + 1, deployment_id="roll1")
     # Nothing to drain (the live replicas are the target): it succeeds at promotion, stopping nothing.
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
     assert [type(m).__name__ for m in t.puts] == ["Environment"]
     assert len([a for a in b.view.assignments(ENV) if a.desired == RUN]) == 2
 
@@ -516,7 +524,7 @@ def test_redeploy_of_the_same_release_stops_only_the_previous_set() -> None:
     for _ in range(3):
         b.step(T0 + 1, deployment_id="dep2")
     t = b.step(T0 + 1000, deployment_id="dep2")
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
     assert sorted(a.meta.id for a in t.puts) == ["blue-0", "blue-1"]  # type: ignore[attr-defined]
 
 
@@ -534,8 +542,8 @@ def test_cancel_before_promotion_fails_and_removes_green_leaving_traffic_alone()
     green = place_green(b)
     _cancel(b)
     t = b.step()
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_FAILED
-    assert t.deployment.error == "canceled by operator"
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_FAILED
+    assert deployment_of(t).error == "canceled by operator"
     assert sorted(t.deletes) == sorted(K.assignment(a.node_id, a.meta.id) for a in green)
     assert t.puts == []
     env = b.view.env(ENV)
@@ -546,7 +554,7 @@ def test_cancel_of_a_stateful_deployment_after_the_stop_restarts_the_old_instanc
     b = _stateful_starting_board()
     _cancel(b)
     t = b.step()
-    assert t is not None and t.deployment.error == "canceled by operator"
+    assert t is not None and deployment_of(t).error == "canceled by operator"
     assert b.green() == []
     assert [a.desired for a in b.view.assignments(ENV) if a.meta.id == "blue-0"] == [RUN]
 
@@ -562,8 +570,8 @@ def test_stateful_start_with_no_node_for_the_volume_fails_at_once_and_restarts_o
     b.step()
     b.put(node("n1", status=pb.NODE_STATUS_DOWN))
     t = b.step()
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_FAILED
-    assert t.deployment.error.startswith("no node available for the stateful instance: placement: ")
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_FAILED
+    assert deployment_of(t).error.startswith("no node available for the stateful instance: placement: ")
     assert [a.desired for a in b.view.assignments(ENV) if a.meta.id == "blue-0"] == [RUN]
 
 
@@ -597,8 +605,8 @@ def test_stateful_start_waiting_for_a_restore_times_out_and_restarts_old() -> No
     b.put(volume)
     assert b.decide(T0 + 600) is None
     t = b.step(T0 + 600.001)
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_FAILED
-    assert t.deployment.error == 'STARTING timed out after 10m: volume "data" is still being restored'
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_FAILED
+    assert deployment_of(t).error == 'STARTING timed out after 10m: volume "data" is still being restored'
     assert [a.desired for a in b.view.assignments(ENV) if a.meta.id == "blue-0"] == [RUN]
 
 
@@ -612,7 +620,7 @@ def test_stateful_promotion_switches_traffic_and_succeeds_in_one_transition() ->
     b = stateful_board()
     b.at_phase(PH.DEPLOYMENT_PHASE_PROMOTING)
     t = b.decide()
-    assert t is not None and t.phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
+    assert t is not None and deployment_of(t).phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
     [env] = t.puts
     assert isinstance(env, pb.Environment) and env.active_release_id == "rel2" and env.route_generation == 1
     assert [e.kind for e in t.events] == ["deploy.maintenance_end", "deploy.succeeded"]
@@ -646,7 +654,7 @@ def test_wake_at_is_the_instant_time_alone_changes_the_decision(phase: int, due:
 # ---------------------------------------------------------------------- drain: nothing locked out
 
 
-def _promote(b: Board) -> Transition:
+def _promote(b: Board) -> Decision:
     """Place green, see it healthy, and promote; returns the promotion."""
     b.observe(place_green(b), HEALTHY)
     b.step()  # STARTING -> HEALTHCHECKING
@@ -667,8 +675,8 @@ def test_a_first_deploy_has_nothing_to_drain_and_succeeds_at_promotion() -> None
         deployment("dep1", ENV, "rel1", now=T0),
     )
     t = _promote(b)
-    assert t.phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
-    assert t.deployment.HasField("promoted_at") and not t.deployment.HasField("drain_deadline")
+    assert deployment_of(t).phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
+    assert deployment_of(t).HasField("promoted_at") and not deployment_of(t).HasField("drain_deadline")
     env = b.view.env(ENV)
     assert env is not None and env.active_release_id == "rel1"
     assert wake_at(b.view, b.d(), TIMERS) is None  # no timer left running
@@ -677,7 +685,7 @@ def test_a_first_deploy_has_nothing_to_drain_and_succeeds_at_promotion() -> None
 def test_a_deploy_whose_blue_is_already_gone_succeeds_at_promotion() -> None:
     b = red_green_board()
     b.put(*(copied_with_desired(a, STOP) for a in b.view.assignments(ENV) if a.release_id == "rel1"))
-    assert _promote(b).phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
+    assert deployment_of(_promote(b)).phase == PH.DEPLOYMENT_PHASE_SUCCEEDED
 
 
 def copied_with_desired(a: pb.Assignment, desired: int) -> pb.Assignment:
@@ -701,11 +709,11 @@ def test_the_drain_ends_before_its_window_when_nothing_is_left_to_keep_warm(
 ) -> None:
     b = red_green_board()
     t = _promote(b)
-    assert t.phase == PH.DEPLOYMENT_PHASE_DRAINING_OLD
+    assert deployment_of(t).phase == PH.DEPLOYMENT_PHASE_DRAINING_OLD
     assert b.step(T0 + 1) is None, "the window is open and blue is warm"
     change(b)
     done = b.step(T0 + 1)
-    assert done is not None and done.phase == PH.DEPLOYMENT_PHASE_SUCCEEDED, why
+    assert done is not None and deployment_of(done).phase == PH.DEPLOYMENT_PHASE_SUCCEEDED, why
     assert all(a.desired == STOP for a in b.view.assignments(ENV) if a.release_id == "rel1")
 
 

@@ -7,6 +7,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.routes.vips import VipAllocator, plan_vips, vip_pool
 from shared.clock import FakeClock
+from shared.loop import LoopDeps
 from shared.natsio import Connection
 from shared.txn import Writer
 from shared.view import StateView
@@ -69,7 +70,7 @@ def test_exhausted_pool_skips_the_env() -> None:
 async def test_allocate_and_free(conn: Connection, view: StateView, writer: Writer) -> None:
     await S.commit(writer, S.env("e1", ports=[S.http_port()]), S.env("e2", ports=[S.http_port(), S.http_port("b")]))
     await S.commit(writer, S.env("e3", ports=[]))
-    loop = VipAllocator(conn=conn, view=view, clock=FakeClock())
+    loop = VipAllocator(LoopDeps(conn, view, FakeClock()))
     loop.writer = writer
     await loop.pass_once()
     e1, e2 = view.vip("e1"), view.vip("e2")

@@ -13,6 +13,7 @@ from zattera.v1 import types_pb2 as pb
 from services.scheduler.loop import Scheduler
 from shared import keys as K
 from shared.clock import FakeClock
+from shared.loop import LoopDeps
 from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection
 from shared.txn import Writer
 from shared.view import StateView
@@ -89,7 +90,7 @@ class Rig:
 @pytest.fixture
 async def rig(conn: Connection, view: StateView, writer: Writer) -> AsyncIterator[Rig]:
     clock = FakeClock()
-    scheduler = Scheduler(conn=conn, view=view, clock=clock)
+    scheduler = Scheduler(LoopDeps(conn, view, clock))
     scheduler.writer = writer
     r = Rig(conn, view, writer, clock, scheduler)
 

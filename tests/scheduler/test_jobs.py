@@ -13,6 +13,7 @@ from services.scheduler.jobs import JobsLoop, evaluate_jobs, latest_due_slot
 from shared import jobs as J
 from shared import keys as K
 from shared.lease import Lease
+from shared.loop import LoopDeps
 from shared.natsio import STATE_PREFIX, STATE_STREAM
 from shared.schedule import parse_schedule
 from shared.txn import Conflict, Writer
@@ -76,7 +77,7 @@ def cron_env(
 @pytest.fixture
 async def jobs(rig: Rig) -> AsyncIterator[JobsRig]:
     rig.clock.set(T0)
-    loop = JobsLoop(conn=rig.conn, view=rig.view, clock=rig.clock)
+    loop = JobsLoop(LoopDeps(rig.conn, rig.view, rig.clock))
     loop.writer = rig.writer
     await rig.put(f.node("n1"), f.release("r1", ENV))
     yield JobsRig(rig, loop)
@@ -144,7 +145,7 @@ async def test_one_run_per_slot_when_two_leaders_decide_the_same_slot(jobs: Jobs
     await jobs.rig.writer.commit(first[0].txn(jobs.rig.writer))
     with pytest.raises(Conflict):
         await jobs.rig.writer.commit(second[0].txn(jobs.rig.writer))
-    fresh = JobsLoop(conn=jobs.rig.conn, view=jobs.rig.view, clock=jobs.rig.clock)
+    fresh = JobsLoop(LoopDeps(jobs.rig.conn, jobs.rig.view, jobs.rig.clock))
     fresh.writer = jobs.rig.writer
     await fresh.pass_once()  # the next leader sees the run: nothing new
     assert len(jobs.jobs()) == 1
@@ -163,7 +164,7 @@ async def test_a_leader_deposed_mid_slot_cannot_add_a_second_run(jobs: JobsRig) 
     await rig.conn.js.publish(STATE_PREFIX + first.key, b"", headers={"KV-Operation": "DEL"}, stream=STATE_STREAM)
     second = Lease(rig.conn, "jobs", "b", ttl=3)
     assert await second.try_acquire()
-    successor = JobsLoop(conn=rig.conn, view=rig.view, clock=rig.clock)
+    successor = JobsLoop(LoopDeps(rig.conn, rig.view, rig.clock))
     successor.writer = Writer(rig.conn, rig.view, lease=second)
     await successor.pass_once()
     deposed = Writer(rig.conn, rig.view, lease=first)

@@ -9,6 +9,7 @@ from zattera.v1 import types_pb2 as pb
 from services.scheduler.liveness import Liveness, evaluate_liveness
 from shared.clock import FakeClock
 from shared.live import LiveView, publish_node_heartbeat
+from shared.loop import LoopDeps
 from shared.natsio import Connection
 from shared.txn import Writer
 from shared.view import StateView
@@ -54,7 +55,7 @@ def test_liveness_decides_from_heartbeat_age(status, heard_ago, term_age, expect
     state = OfflineState(node("n1", status=status))
     heard = {} if heard_ago is None else {"n1": NOW - heard_ago}
     writes = evaluate_liveness(state.view, heard.get, NOW, NOW - term_age)
-    got = [w.updates[0].status for w in writes]  # type: ignore[attr-defined]
+    got = [w.puts[0].status for w in writes]  # type: ignore[attr-defined]
     assert got == ([] if expected is None else [expected])
 
 
@@ -64,7 +65,7 @@ def test_liveness_windows_are_settable():
     heard = {"n1": NOW - 4}
     assert evaluate_liveness(state.view, heard.get, NOW, NOW - 10) == []
     writes = evaluate_liveness(state.view, heard.get, NOW, NOW - 10, deadline=3, grace=2)
-    assert [w.updates[0].status for w in writes] == [DOWN]  # type: ignore[attr-defined]
+    assert [w.puts[0].status for w in writes] == [DOWN]  # type: ignore[attr-defined]
     assert evaluate_liveness(state.view, heard.get, NOW, NOW - 1, deadline=3, grace=2) == []
 
 
@@ -80,7 +81,7 @@ async def test_silent_node_goes_down_and_comes_back_with_events(conn: Connection
     live = LiveView(conn, clock)
     await live.start()
     await writer.commit(writer.txn().create(node("n1")).create(node("n2", status=DRAINING)))
-    loop = Liveness(conn=conn, view=view, clock=clock, live=live)
+    loop = Liveness(LoopDeps(conn, view, clock), live=live)
     loop.writer = writer
     loop.on_term_start()
     events: list[pb.Event] = []

@@ -15,6 +15,7 @@ from services.scheduler.loop import Scheduler
 from services.scheduler.volumes import LEASE_TTL
 from shared.clock import FakeClock, from_timestamp
 from shared.lease import Leadership, Lease, run_while_leading
+from shared.loop import LoopDeps
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.service import ServiceContext
 from shared.settings import Settings
@@ -60,7 +61,7 @@ async def take_lease_away(conn: Connection, rival: Lease) -> None:
 
 
 async def test_loop_runs_only_while_leading(conn: Connection, view: StateView):
-    loop = CountingScheduler(conn=conn, view=view, clock=FakeClock())
+    loop = CountingScheduler(LoopDeps(conn, view, FakeClock()))
     rival = Lease(conn, "scheduler", "rival", ttl=3)
     assert await rival.try_acquire()
     async with leading(conn, loop) as task:
@@ -81,7 +82,7 @@ async def test_loop_runs_only_while_leading(conn: Connection, view: StateView):
 
 
 async def test_cancel_while_never_leading_returns_promptly(conn: Connection, view: StateView):
-    loop = CountingScheduler(conn=conn, view=view, clock=FakeClock())
+    loop = CountingScheduler(LoopDeps(conn, view, FakeClock()))
     rival = Lease(conn, "scheduler", "rival", ttl=3)
     assert await rival.try_acquire()
     async with leading(conn, loop) as task:
@@ -95,7 +96,7 @@ async def test_cancel_while_never_leading_returns_promptly(conn: Connection, vie
 
 
 async def test_new_env_is_placed_on_the_change_without_waiting_for_the_tick(conn: Connection, view: StateView):
-    loop = Scheduler(conn=conn, view=view, clock=FakeClock())
+    loop = Scheduler(LoopDeps(conn, view, FakeClock()))
     api = Writer(conn, StateView(None))  # another process's writes arrive through the watch
     rel = spec_release("rel1", "env1", min_replicas=2)
     await api.commit(api.txn().create(unlimited("n1")).create(unlimited("n2")).create(rel))
@@ -108,7 +109,7 @@ async def test_new_env_is_placed_on_the_change_without_waiting_for_the_tick(conn
 async def test_lease_renewal_does_not_wake_the_loop_again_fix_hot_loop(conn: Connection, view: StateView):
     """Reference: every pass rewrote the lease, a watched Volume change, so the loop spun at apply speed."""
     clock = FakeClock()
-    loop = Scheduler(conn=conn, view=view, clock=clock)
+    loop = Scheduler(LoopDeps(conn, view, clock))
     api = Writer(conn, StateView(None))
     rel = spec_release("rel1", "env1", stateful=True, volumes=("data",))
     await api.commit(api.txn().create(unlimited("n1")).create(rel).create(spec_env("env1", rel, project_id="p1")))

@@ -7,6 +7,7 @@ from zattera.v1 import types_pb2 as pb
 from services.secrets.collector import SecretsCollector, collectable
 from shared import keys as K
 from shared.clock import FakeClock
+from shared.loop import LoopDeps
 from shared.natsio import Connection
 from shared.txn import Writer
 from shared.view import StateView
@@ -55,7 +56,7 @@ async def test_a_pass_deletes_the_unused_versions(conn: Connection, view: StateV
         txn.create(msg)
     await writer.commit(txn)
     clock = FakeClock(NOW)
-    loop = SecretsCollector(conn=conn, view=view, clock=clock, grace=GRACE)
+    loop = SecretsCollector(LoopDeps(conn, view, clock), grace=GRACE)
     loop.writer = writer
     await loop.pass_once()
     assert sorted(s.meta.id for s in view.all(K.SECRET)) == ["RELEASED", "STAGED", "YOUNG"]

@@ -15,6 +15,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.snapshots import SnapshotScheduler
 from shared.clock import FakeClock
+from shared.loop import LoopDeps
 from shared.natsio import Connection
 from shared.snapshots import SnapshotAgent, SnapshotEngine, SnapshotStore
 from shared.snapshots.chunking import TEST_PARAMS
@@ -167,7 +168,7 @@ async def test_restore_refused_while_mounted_then_rebuilds(dispatcher, agent, wr
 
 async def test_scheduler_snapshots_and_prunes_end_to_end(conn, view, writer, clock, agent) -> None:
     dispatcher = SnapshotDispatcher(conn, view, clock)
-    loop = SnapshotScheduler(conn=conn, view=view, clock=clock, dispatcher=dispatcher)
+    loop = SnapshotScheduler(LoopDeps(conn, view, clock), dispatcher=dispatcher)
     loop.writer = writer
     volume = snap_volume("vol1", "@hourly", keep_last=1, created_at=BASE)
     await add_volume(writer, agent, volume, {"a": random.randbytes(32 << 10)})

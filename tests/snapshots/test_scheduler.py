@@ -15,6 +15,7 @@ from zattera.v1 import types_pb2 as pb
 from services.scheduler.snapshots import FAILED_KEEP, RETRY_AFTER, STUCK_AFTER, STUCK_ERROR, TICK, SnapshotScheduler
 from shared.clock import FakeClock
 from shared.lease import run_while_leading
+from shared.loop import LoopDeps
 from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection
 from shared.snapshots.dispatch import RecordNotWritten
 from shared.txn import Writer
@@ -55,7 +56,7 @@ def make_loop(
     conn: Connection, view: StateView, clock: FakeClock, writer: Writer
 ) -> tuple[SnapshotScheduler, RecordingDispatcher]:
     dispatcher = RecordingDispatcher()
-    loop = SnapshotScheduler(conn=conn, view=view, clock=clock, dispatcher=dispatcher)
+    loop = SnapshotScheduler(LoopDeps(conn, view, clock), dispatcher=dispatcher)
     loop.writer = writer
     return loop, dispatcher
 
@@ -175,7 +176,7 @@ async def test_stuck_running_becomes_failed_and_old_failures_are_deleted(conn, v
 async def test_loop_fires_on_the_fake_clock_tick_while_leading(conn, view, writer, clock: FakeClock) -> None:
     """The running loop (not pass_once): the slot fires when the fake clock's tick elapses."""
     dispatcher = RecordingDispatcher()
-    loop = SnapshotScheduler(conn=conn, view=view, clock=clock, dispatcher=dispatcher, coalesce=0)
+    loop = SnapshotScheduler(LoopDeps(conn, view, clock, coalesce=0), dispatcher=dispatcher)
     await writer.commit(writer.txn().put(snap_volume("vol1", "0 * * * *", 7, BASE)))
     task = asyncio.create_task(run_while_leading(conn, loop.name, loop.run, holder="test"))
     try:
@@ -196,7 +197,7 @@ async def test_restore_whose_driver_died_is_reaped_back_to_a_usable_state(conn, 
     """Before: a RESTORING volume whose restoring process (the CLI) died stayed RESTORING forever, so its
     service was never placed or leased again. Now the reaper gives up after ``restore_timeout``."""
     dispatcher = RecordingDispatcher()
-    loop = SnapshotScheduler(conn=conn, view=view, clock=clock, dispatcher=dispatcher, restore_timeout=H)
+    loop = SnapshotScheduler(LoopDeps(conn, view, clock), dispatcher=dispatcher, restore_timeout=H)
     loop.writer = writer
     events: list[pb.Event] = []
 

@@ -1,0 +1,100 @@
+"""``zattera apps apply|list|delete``: apps and environments from zattera.toml."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import typer
+
+from cli import render
+from cli.apply import env_path, plan
+from cli.client import control, fail, run
+from cli.env_cmds import apps_delete
+from cli.events_cmds import announce_scale_changes, replica_counts
+from cli.options import JSON, WIDE, set_output
+from cli.plan_view import print_plan
+from cli.render import Col
+from cli.spec import SpecError, load
+from shared.deployments import desired_replicas
+from shared.txn import Conflict
+
+apps_app = typer.Typer(no_args_is_help=True, help="Apps and environments from zattera.toml.")
+
+
+@apps_app.command("apply")
+def apps_apply(
+    path: Path = typer.Argument(Path("zattera.toml")),
+    json: bool = JSON,
+    dry_run: bool = typer.Option(False, "--dry-run", help="print what would change, field by field; write nothing"),
+) -> None:
+    """Create or update the project, app and environments described by a zattera.toml (docs/zattera-toml.md)."""
+    set_output(json)
+    try:
+        spec = load(path)
+    except SpecError as exc:
+        raise fail(str(exc)) from None
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, an unreadable file, not UTF-8
+        raise fail(f"{path}: cannot read it: {getattr(exc, 'strerror', None) or exc}") from None
+
+    async def go() -> None:
+        async with control() as c:
+            for _ in range(5):
+                counts = replica_counts(c.view)
+                try:
+                    txn, result = plan(c.view, c.writer, spec)
+                except ValueError as exc:
+                    raise fail(str(exc)) from None
+                if dry_run:
+                    break
+                try:
+                    await c.writer.commit(txn)
+                    await announce_scale_changes(c.conn, counts, c.view)
+                    break
+                except Conflict:
+                    await asyncio.sleep(0.05)
+            else:
+                raise fail("the app kept changing while applying; try again")
+            if render.json_mode():
+                render.emit_json(result.as_json() | {"dry_run": dry_run})
+                return
+            print_plan(result, dry_run=dry_run)
+            if dry_run:
+                return
+            if result.pending:
+                render.out.print("(or set a pending volume's policy now with `zattera volumes policy`)")
+            for name, env_id in result.env_ids.items():
+                render.out.print(f"env {spec.project}/{spec.app}/{name} = {env_id}")
+
+    run(go)
+
+
+@apps_app.command("list")
+def apps_list(json: bool = JSON, wide: bool = WIDE) -> None:
+    """Every environment with its active release and replica counts."""
+    set_output(json, wide)
+
+    async def go() -> None:
+        async with control() as c:
+            envs = c.view.envs()
+            if render.json_mode():
+                render.messages(envs)
+                return
+            rows = []
+            for e in envs:
+                release = c.view.release(e.active_release_id)
+                rows.append(
+                    [
+                        env_path(c.view, e),
+                        e.meta.id,
+                        f"v{release.version}" if release else "-",
+                        c.view.env_run_count(e.meta.id),
+                        desired_replicas(e),  # what the scheduler converges to: 0 for a cooled env
+                    ]
+                )
+            render.table("environments", ["env", Col("id", wide=True), "active", "running", "desired"], rows)
+
+    run(go)
+
+
+apps_app.command("delete")(apps_delete)

@@ -1,0 +1,102 @@
+"""``zattera builds list|logs|cancel``: builds and their logs."""
+
+from __future__ import annotations
+
+import typer
+from zattera.v1 import types_pb2 as pb
+
+from cli import render
+from cli.apply import env_label
+from cli.client import Control, control, err, fail, run
+from cli.options import JSON, WIDE, set_output
+from cli.render import Col
+from shared import keys as K
+
+builds_app = typer.Typer(no_args_is_help=True, help="Builds and their logs.")
+
+
+@builds_app.command("list")
+def builds_list(json: bool = JSON, wide: bool = WIDE) -> None:
+    """Builds, newest first."""
+    set_output(json, wide)
+
+    async def go() -> None:
+        async with control() as c:
+            items = list(reversed(c.view.builds()))
+            if render.json_mode():
+                render.messages(items)
+                return
+            render.table(
+                "builds",
+                ["id", "env", "status", "node", "image", Col("error", wrap=True)],
+                [
+                    [
+                        b.meta.id,
+                        env_label(c.view, b.environment_id),
+                        render.enum_name(pb.BuildStatus, b.status, "BUILD_STATUS_"),
+                        b.node_id,
+                        b.image_ref,
+                        b.error,
+                    ]
+                    for b in items
+                ],
+            )
+
+    run(go)
+
+
+@builds_app.command("logs")
+def builds_logs(build_id: str, follow: bool = typer.Option(False, "--follow", "-f"), json: bool = JSON) -> None:
+    """A build's log; --follow streams it until the build ends; --json prints one object per line."""
+    from nats.js.errors import NotFoundError
+
+    from shared.buildlogs import follow_build_log, read_build_log
+    from shared.ids import is_safe_id, unsafe_id
+    from shared.natsio import STATE_PREFIX, STATE_STREAM
+
+    if not is_safe_id(build_id):
+        raise fail(f"{unsafe_id('build id', build_id)} (see `zattera builds list`)")
+
+    async def recorded(c: Control) -> bool:
+        try:
+            msg = await c.conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.build(build_id))
+        except NotFoundError:
+            return False
+        return bool(msg.data)  # a deleted record leaves an empty marker
+
+    async def go() -> None:
+        async with control(view=False) as c:
+            # No record and no stored line: an unknown id (a follow would wait for it forever).
+            if not await recorded(c) and (follow or not await read_build_log(c.conn, build_id)):
+                raise fail(f"build {build_id!r} not found (see `zattera builds list`)")
+            if follow:
+                async for line in follow_build_log(c.conn, build_id):
+                    print(build_log_line(build_id, line, json), flush=True)
+            else:
+                for line in await read_build_log(c.conn, build_id):
+                    print(build_log_line(build_id, line, json))
+
+    run(go)
+
+
+def build_log_line(build_id: str, line: str, as_json: bool) -> str:
+    import json as json_lib
+
+    return json_lib.dumps({"build_id": build_id, "line": line}) if as_json else line
+
+
+@builds_app.command("cancel")
+def builds_cancel(build_id: str) -> None:
+    """Cancel a QUEUED or RUNNING build (its builder is told to stop)."""
+    from shared.buildcancel import CancelRefused, cancel_build
+    from shared.clock import RealClock
+
+    async def go() -> None:
+        async with control() as c:
+            try:
+                await cancel_build(c.writer, build_id, clock=RealClock())
+            except CancelRefused as exc:
+                raise fail(str(exc)) from None
+            err.print(f"build {build_id}: canceled")
+
+    run(go)

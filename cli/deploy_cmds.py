@@ -1,0 +1,258 @@
+"""``zattera deploy DIR|watch|cancel|list``, ``zattera rollback`` and ``zattera releases``: releases and
+the deployments that roll them out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+from zattera.v1 import types_pb2 as pb
+
+from cli import render
+from cli.apply import env_label, env_path
+from cli.client import control, err, fail, run
+from cli.options import JSON, WIDE, env_or_fail, set_output
+from cli.render import Col
+from shared.deploy import Deployer, DeployError
+from shared.telemetry import span
+
+
+def _deploy_usage(ctx: Any) -> str:
+    prog = ctx.command_path
+    return (
+        f"Usage: {prog} DIR --env E [OPTIONS]\n"
+        f"       {prog} --env E (--image REF | --build ID) [OPTIONS]\n"
+        f"       {prog} (watch | cancel | list) [ARGS]..."
+    )
+
+
+class _DeployContext(typer.Context):
+    @property
+    def command_path(self) -> str:
+        return super().command_path.removesuffix(" run")
+
+
+class _DeployCommand(TyperCommand):
+    """The deploy itself, reached as ``zattera deploy DIR --env E``: its name ``run`` is an internal detail
+    that neither its usage nor its error hints show."""
+
+    context_class = _DeployContext
+
+    def get_usage(self, ctx: Any) -> str:
+        return _deploy_usage(ctx)
+
+
+class _DeployHelp(TyperGroup):
+    def get_usage(self, ctx: Any) -> str:
+        return _deploy_usage(ctx)
+
+
+class _DeployGroup(TyperGroup):
+    """``zattera deploy DIR ...`` deploys; ``zattera deploy watch|cancel|list ...`` are subcommands. The help
+    shows the deploy's own arguments and options first, then those subcommands."""
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        if args and args[0] not in self.commands:
+            args = ["run", *args]
+        return super().resolve_command(ctx, args)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        run = self.commands["run"]
+        _DeployHelp(
+            name=self.name,
+            commands={name: command for name, command in self.commands.items() if name != "run"},
+            params=[*run.params, *self.get_params(ctx)],
+            help=self.help,
+            rich_markup_mode=self.rich_markup_mode,
+        ).format_help(ctx, formatter)
+
+
+deploy_app = typer.Typer(
+    cls=_DeployGroup,
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    no_args_is_help=True,
+    help="Deploy a source directory or an image (zattera deploy DIR --env E); watch, cancel or list deployments.",
+)
+
+
+_OPTION_OF_FIELD = {"image_ref": "--image", "build_id": "--build", "to_release_id": "--to"}
+
+
+def _refused(exc: DeployError, given: dict[str, str]) -> typer.Exit:
+    """A refused deploy or rollback, naming the option it is about when there is one (``given``: each option
+    typed → its value), e.g. ``--to '01J…': target release not found in this environment``."""
+    option = _OPTION_OF_FIELD.get(exc.field, "")
+    if option not in given:
+        return fail(str(exc))
+    return fail(f"{option} {given[option]!r}: {exc.problem}")
+
+
+@deploy_app.command("run", cls=_DeployCommand, hidden=True)
+def deploy(
+    source: Path = typer.Argument(None, metavar="DIR", help="source directory to build and deploy"),
+    env: str = typer.Option(..., "--env", help="environment id or project/app/env"),
+    image: str = typer.Option("", "--image", help="deploy this image instead of building source"),
+    build: str = typer.Option("", "--build", help="deploy the image of a finished build"),
+    watch: bool = typer.Option(True, "--watch/--no-watch", help="follow the deployment until it is live"),
+) -> None:
+    """Deploy: from a source directory (tar, upload, build, deploy), or --image / --build."""
+    from cli.source import pack, upload
+
+    if sum(bool(x) for x in (source, image, build)) != 1:
+        raise fail("give exactly one of SOURCE, --image or --build")
+
+    async def go() -> str:
+        async with control() as c:
+            target = env_or_fail(c.view, env)
+            deployer = Deployer(c.writer, created_by="cli")
+            try:
+                if source is not None:
+                    data = pack(source)
+                    digest = await upload(c.conn, data)
+                    err.print(f"uploaded source {digest[:19]}… ({len(data):,} bytes)")
+                    created = await deployer.deploy_source(target.meta.id, tarball_digest=digest)
+                elif image:
+                    created = await deployer.deploy_image(target.meta.id, image)
+                else:
+                    created = await deployer.deploy_build(target.meta.id, build)
+            except DeployError as exc:
+                raise _refused(exc, {o: v for o, v in (("--image", image), ("--build", build)) if v}) from None
+            except ValueError as exc:
+                raise fail(str(exc)) from None
+            err.print(
+                f"deployment {created.deployment.meta.id} created: release v{created.release.version}"
+                f" of {env_path(c.view, target)}"
+            )
+            return created.deployment.meta.id
+
+    # The root of the deploy's trace: the writes carry its traceparent, and every service that reacts to
+    # them (builds, orchestrator, scheduler, agents) continues it.
+    with span("cli.deploy", env=env, source=str(source) if source else None, image=image or None) as current:
+        deployment_id = run(go)
+        current.set_attribute("deployment", deployment_id)
+    if watch:
+        _watch(deployment_id, until_done=False)
+    else:
+        print(deployment_id)
+
+
+@deploy_app.command("watch")
+def deploy_watch(
+    deployment_id: str,
+    until_done: bool = typer.Option(False, "--until-done", help="wait for SUCCEEDED, past the drain window"),
+) -> None:
+    """Follow a deployment's phases (and its build's log) until it is live or has failed."""
+    _watch(deployment_id, until_done=until_done)
+
+
+def _watch(deployment_id: str, *, until_done: bool) -> None:
+    from cli.watch import watch_deployment
+
+    code = run(lambda: watch_deployment(deployment_id, until_done=until_done))
+    raise typer.Exit(code)
+
+
+@deploy_app.command("cancel")
+def deploy_cancel(deployment_id: str) -> None:
+    """Cancel a deployment: before promotion it fails with the green set removed; while draining the
+    old release it finishes the drain now."""
+
+    async def go() -> None:
+        async with control() as c:
+            try:
+                d = await Deployer(c.writer, created_by="cli").cancel(deployment_id)
+            except DeployError as exc:
+                raise fail(str(exc)) from None
+            err.print(
+                f"deployment {d.meta.id}: cancel requested "
+                f"({render.enum_name(pb.DeploymentPhase, d.phase, 'DEPLOYMENT_PHASE_')})"
+            )
+
+    run(go)
+
+
+def rollback(
+    env: str = typer.Option(..., "--env", help="environment id or project/app/env"),
+    to: str = typer.Option("", "--to", help="release id (default: the highest version below the active one)"),
+    watch: bool = typer.Option(True, "--watch/--no-watch"),
+) -> None:
+    """Roll an environment back to an earlier release."""
+
+    async def go() -> str:
+        async with control() as c:
+            target = env_or_fail(c.view, env)
+            try:
+                d = await Deployer(c.writer, created_by="cli").rollback(target.meta.id, to_release_id=to)
+            except DeployError as exc:
+                raise _refused(exc, {"--to": to} if to else {}) from None
+            release = c.view.release(d.release_id)
+            err.print(f"rollback {d.meta.id} to v{release.version if release else '?'} created")
+            return d.meta.id
+
+    with span("cli.rollback", env=env) as current:
+        deployment_id = run(go)
+        current.set_attribute("deployment", deployment_id)
+    if watch:
+        _watch(deployment_id, until_done=False)
+
+
+def releases(env: str = typer.Option(..., "--env"), json: bool = JSON, wide: bool = WIDE) -> None:
+    """The releases of an environment, newest first."""
+    set_output(json, wide)
+
+    async def go() -> None:
+        async with control() as c:
+            target = env_or_fail(c.view, env)
+            items = sorted(c.view.releases(target.meta.id), key=lambda r: r.version, reverse=True)
+            if render.json_mode():
+                render.messages(items)
+                return
+            render.table(
+                f"releases of {env_path(c.view, target)}",
+                ["version", "id", "image", "config", "created", "active"],
+                [
+                    [
+                        f"v{r.version}",
+                        r.meta.id,
+                        r.image_ref or "(building)",
+                        f"v{r.service.config_version}",
+                        render.ts(r.meta.created_at),
+                        "*" if r.meta.id == target.active_release_id else "",
+                    ]
+                    for r in items
+                ],
+            )
+
+    run(go)
+
+
+@deploy_app.command("list")
+def deployments(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WIDE) -> None:
+    """Deployments (of one environment, or all), newest first."""
+    set_output(json, wide)
+
+    async def go() -> None:
+        async with control() as c:
+            target = env_or_fail(c.view, env) if env else None
+            items = list(reversed(c.view.deployments(target.meta.id if target else None)))
+            if render.json_mode():
+                render.messages(items)
+                return
+            rows = []
+            for d in items:
+                release = c.view.release(d.release_id)
+                rows.append(
+                    [
+                        d.meta.id,
+                        env_label(c.view, d.environment_id),
+                        f"v{release.version}" if release else "?",
+                        render.enum_name(pb.DeploymentPhase, d.phase, "DEPLOYMENT_PHASE_"),
+                        "rollback" if d.is_rollback else "",
+                        d.error,
+                    ]
+                )
+            render.table("deployments", ["id", "env", "release", "phase", "kind", Col("error", wrap=True)], rows)
+
+    run(go)

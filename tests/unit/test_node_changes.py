@@ -1,0 +1,68 @@
+"""An operator's node changes (shared/node_changes.py): the record each one writes, as a table."""
+
+from __future__ import annotations
+
+import pytest
+from zattera.v1 import types_pb2 as pb
+
+from shared.node_changes import NodeChange, NodeChangeRefused, change_node
+
+ALIVE, DOWN = pb.NODE_STATUS_ALIVE, pb.NODE_STATUS_DOWN
+DRAINING, DRAINED = pb.NODE_STATUS_DRAINING, pb.NODE_STATUS_DRAINED
+
+
+def node(status: int, schedulable: bool, **labels: str) -> pb.Node:
+    found = pb.Node(name="n1", status=status, schedulable=schedulable, labels=labels)
+    found.meta.id = "n1"
+    return found
+
+
+@pytest.mark.parametrize(
+    ("status", "schedulable", "change", "after"),
+    [
+        # (status, schedulable) before → after; None: nothing to write
+        (ALIVE, True, NodeChange.CORDON, (ALIVE, False)),
+        (ALIVE, False, NodeChange.CORDON, (ALIVE, False)),  # written again: harmless, and announces nothing
+        (DOWN, True, NodeChange.CORDON, (DOWN, False)),
+        (DRAINING, False, NodeChange.CORDON, None),  # unschedulable already
+        (DRAINED, False, NodeChange.CORDON, None),
+        (ALIVE, False, NodeChange.UNCORDON, (ALIVE, True)),
+        (DRAINING, False, NodeChange.UNCORDON, (ALIVE, True)),  # ends the drain
+        (DRAINED, False, NodeChange.UNCORDON, (ALIVE, True)),
+        (ALIVE, True, NodeChange.DRAIN, (DRAINING, False)),
+        (DOWN, True, NodeChange.DRAIN, (DRAINING, False)),
+        (DRAINED, False, NodeChange.DRAIN, (DRAINING, False)),  # again: the scheduler re-checks it is empty
+        (ALIVE, True, NodeChange.LABEL, (ALIVE, True)),
+        (DOWN, False, NodeChange.LABEL, (DOWN, False)),
+    ],
+)
+def test_each_change_writes(status: int, schedulable: bool, change: NodeChange, after: tuple[int, bool] | None) -> None:
+    before = node(status, schedulable)
+    edited = change_node(before, change)
+    written = (edited.status, edited.schedulable) if edited else None
+    assert written == after
+    assert (before.status, before.schedulable) == (status, schedulable), "the view's record is never mutated"
+
+
+def test_uncordon_of_a_down_node_is_refused_naming_it() -> None:
+    with pytest.raises(NodeChangeRefused, match="node n1 is down: it cannot be uncordoned until it heartbeats"):
+        change_node(node(DOWN, False), NodeChange.UNCORDON)
+
+
+@pytest.mark.parametrize(
+    ("given", "after"),
+    [
+        ({"zone": "b"}, {"zone": "b", "disk": "ssd"}),  # set
+        ({"gpu": "yes"}, {"zone": "a", "disk": "ssd", "gpu": "yes"}),  # add
+        ({"zone": ""}, {"disk": "ssd"}),  # key= removes
+        ({"absent": ""}, {"zone": "a", "disk": "ssd"}),  # removing an absent key is no error
+        ({}, {"zone": "a", "disk": "ssd"}),
+    ],
+)
+def test_labels_set_and_remove(given: dict[str, str], after: dict[str, str]) -> None:
+    edited = change_node(node(ALIVE, True, zone="a", disk="ssd"), NodeChange.LABEL, given)
+    assert edited is not None and dict(edited.labels) == after
+
+
+def test_the_change_names_are_the_commands() -> None:
+    assert [str(c) for c in NodeChange] == ["cordon", "uncordon", "drain", "label"]

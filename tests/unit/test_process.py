@@ -1,0 +1,83 @@
+"""The one process shell (shared/process.py): retries until stopped, fatal errors propagate, exit statuses
+of supervision, and the agent and the proxy start in it (a real agent process, SIGTERM while NATS is away)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shared.process
+from shared.embedded import free_port
+from shared.process import Process
+from shared.settings import Settings
+from tests.waiting import eventually
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def process() -> Process:
+    return Process("probe", argparse.Namespace(nats=None), Settings(), asyncio.Event(), metrics=False)
+
+
+async def test_retry_retries_what_it_may_and_raises_what_is_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shared.process, "FIRST_RETRY", 0.001)
+    shell = process()
+    attempts: list[int] = []
+
+    async def flaky() -> str:
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise OSError("not yet")
+        return "ok"
+
+    assert await shell.retry(flaky, what="flaky", retry_on=(OSError,)) == "ok"
+    assert len(attempts) == 3
+
+    async def refused() -> None:
+        raise PermissionError("refused")
+
+    with pytest.raises(PermissionError):
+        await shell.retry(refused, what="refused", retry_on=(OSError,), fatal=(PermissionError,))
+    shell.stop.set()
+    assert await shell.retry(flaky, what="stopped") is None
+
+
+async def test_supervise_exits_0_when_stopped_and_1_when_a_task_ends_or_fails() -> None:
+    shell = process()
+    forever = asyncio.create_task(asyncio.Event().wait())
+    shell.stop.set()
+    assert await shell.supervise([forever]) == 0
+    forever.cancel()
+
+    async def boom() -> None:
+        raise RuntimeError("boom")
+
+    async def done() -> None:
+        return None
+
+    assert await process().supervise([asyncio.create_task(boom())]) == 1
+    assert await process().supervise([asyncio.create_task(done())]) == 1
+
+
+def test_an_agent_waiting_for_nats_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    log = tmp_path / "agent.log"
+    nats = f"nats://127.0.0.1:{free_port()}"  # nobody listens: the shell keeps retrying
+    argv = [sys.executable, "-m", "services.agent", "--nats", nats, "--node-id", "n1", "--data-dir", str(tmp_path)]
+    env = {**os.environ, "ZATTERA_AGENT_RUNTIME": "process"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            asyncio.run(eventually(lambda: "unreachable" in log.read_text(), timeout=20, what="retrying"))
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=20) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
