@@ -21,8 +21,8 @@ import asyncio
 import logging
 from pathlib import Path
 
-from shared.process import retry_until_stopped
 from shared.errors import ZatteraError
+from shared.process import retry_until_stopped
 from shared.security.creds import read_user_jwt, write_private
 from shared.security.join import JoinUnavailable, join
 from shared.security.nkeyjwt import decode_claims
