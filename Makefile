@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 
 # Debian packages the data plane and runtimes use (one line per feature, so additions merge cleanly).
 SYSTEM_PACKAGES :=
+SYSTEM_PACKAGES += docker-compose docker-registry  # compose.yaml run for real on the tests' daemon (tests/e2e/test_compose_stack.py); a local registry for the pull-credentials test (tests/agent/test_registry_auth.py); issue 20
 SYSTEM_PACKAGES += iproute2  # ip netns: the cross-node private-networking test (tests/agent/test_network_netns.py); issue 24
 SYSTEM_PACKAGES += nodejs npm  # builds of Node apps (npm ci, npm run build) and running them (npm start); issue 27
 SYSTEM_PACKAGES += pebble  # ACME test CA (pebble, pebble-challtestsrv) for the certificate tests

@@ -28,6 +28,7 @@ from cli.jobs_cmds import jobs_app, run_command
 from cli.logs_cmds import logs
 from cli.network_cmds import network
 from cli.nodes_cmds import nodes_app
+from cli.registry_cmds import registry_app
 from cli.secrets_cmds import secrets_app
 from cli.security_cmds import secure_up, security_app
 from cli.up import DEFAULT_METRICS_PORT, Cluster, run_up
@@ -59,6 +60,7 @@ app.command("run", context_settings={"allow_interspersed_args": False})(run_comm
 
 app.add_typer(images_app, name="images")
 app.add_typer(console_app, name="console")
+app.add_typer(registry_app, name="registry")
 
 
 @app.callback()

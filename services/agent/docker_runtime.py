@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import ipaddress
 import json
 import logging
 import math
@@ -57,6 +58,7 @@ from services.agent.settings import AgentSettings
 from shared.errors import ZatteraError
 from shared.natsio import Connection
 from shared.registry import RegistryError, digest_of, fetch_image
+from shared.registryauth import auth_for
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,12 @@ LABEL_ROOTFS = "dev.zattera.rootfs"
 LOCAL_REPO = "zattera-local"
 DOCKER_SCHEME = "docker://"
 NOBODY = "65534:65534"
+HOST_NETWORK = "host"
+BRIDGE_NETWORK = "zattera"
+"""The daemon's bridge network instances join when the node runs them bridged (``docker_network``)."""
+BIND_ENV = "ZATTERA_BIND_ADDR"
+ANY_ADDRESS = "0.0.0.0"
+LOOPBACK = "127.0.0.1"
 LOG_CURSOR_FILE = "docker-logs.json"
 _CURSOR_SAVE_INTERVAL = 0.5
 _STATS_TIMEOUT = 5.0
@@ -182,10 +190,17 @@ def container_config(
     plan: LaunchPlan,
     labels: Mapping[str, str],
     pids_limit: int,
+    network: str = HOST_NETWORK,
 ) -> dict[str, Any]:
-    """The Engine API ``ContainerCreate`` body of one instance (see the module docstring)."""
+    """The Engine API ``ContainerCreate`` body of one instance (see the module docstring). On a bridge
+    ``network`` the instance listens on every interface of its own network namespace, and each of its ports
+    is published at the same number on the node's bind address, where the proxy and health checks reach it
+    as on the host network."""
+    exposed: dict[str, Any] = {}
+    if network != HOST_NETWORK:
+        env, exposed = _bridged(env)
     host: dict[str, Any] = {
-        "NetworkMode": "host",
+        "NetworkMode": network,
         # tini as pid 1: signals reach the app (the kernel ignores an unhandled SIGTERM sent to a pid 1) and
         # orphans are reaped.
         "Init": True,
@@ -203,8 +218,11 @@ def container_config(
         host["NanoCpus"] = plan.cpu_millis * 1_000_000
     if pids_limit:
         host["PidsLimit"] = pids_limit
+    if exposed:
+        host["PortBindings"] = exposed
     return {
         "Image": image.tag,
+        "ExposedPorts": {port: {} for port in exposed},
         "Entrypoint": list(command[:1]),
         "Cmd": list(command[1:]),
         "Env": [f"{k}={v}" for k, v in env.items()],
@@ -213,6 +231,21 @@ def container_config(
         "Labels": dict(labels),
         "HostConfig": host,
     }
+
+
+def _bridged(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
+    """(the environment of an instance on a bridge network, its port bindings)."""
+    bind = env.get(BIND_ENV, LOOPBACK)
+    try:
+        published_at = str(ipaddress.ip_address(bind))
+    except ValueError:  # a host name: the daemon publishes at addresses only
+        published_at = ANY_ADDRESS
+    ports = sorted({v for k, v in env.items() if (k == "PORT" or k.startswith("PORT_")) and v.isdigit()})
+    bindings = {f"{port}/tcp": [{"HostIp": published_at, "HostPort": port}] for port in ports}
+    inside = {**env, BIND_ENV: ANY_ADDRESS}
+    if inside.get("HOST") == bind:
+        inside["HOST"] = ANY_ADDRESS
+    return inside, bindings
 
 
 def container_env(env: Mapping[str, str], image: PreparedImage, plan: LaunchPlan) -> dict[str, str]:
@@ -405,9 +438,12 @@ class DockerLauncher:
 
     name = DOCKER
 
-    def __init__(self, host: str, *, node_id: str, base_image: str, pids_limit: int) -> None:
+    def __init__(
+        self, host: str, *, node_id: str, base_image: str, pids_limit: int, network: str = HOST_NETWORK
+    ) -> None:
         self.docker = aiodocker.Docker(url=docker_url(host))
         self.node_id = node_id
+        self.network = network
         self.base_image = base_image
         self.pids_limit = pids_limit
         self._loading: dict[str, asyncio.Future[None]] = {}
@@ -423,6 +459,21 @@ class DockerLauncher:
         self._handles.add(handle)
         return handle
 
+    async def use_bridge(self) -> str:
+        """Join instances to the bridge network ``zattera`` (made when missing): "" when done, else why the
+        daemon cannot (a daemon without bridge support, e.g. no bridge module in the kernel)."""
+        try:
+            try:
+                await self.docker.networks.get(BRIDGE_NETWORK)
+            except aiodocker.DockerError:
+                await self.docker.networks.create(
+                    {"Name": BRIDGE_NETWORK, "Driver": "bridge", "Labels": {LABEL_MANAGED: "true"}}
+                )
+        except aiodocker.DockerError as exc:
+            return _first_line(exc.message)
+        self.network = BRIDGE_NETWORK
+        return ""
+
     async def has_image(self, name: str) -> bool:
         try:
             await self.docker.images.inspect(name)
@@ -430,13 +481,21 @@ class DockerLauncher:
         except aiodocker.DockerError:
             return False
 
-    async def prepare(self, conn: Connection, ref: str, instance_dir: Path, *, platform: str) -> PreparedImage:
+    async def prepare(
+        self,
+        conn: Connection,
+        ref: str,
+        instance_dir: Path,
+        *,
+        platform: str,
+        registry_auth: Mapping[str, str] | None = None,
+    ) -> PreparedImage:
         if not ref:
             raise ImageError("the release has no image yet")
         if ref.startswith(PROCESS_SCHEME):
             raise ImageError(f"{ref}: process:// images need the process runtime")
         if ref.startswith(DOCKER_SCHEME):
-            return await self._daemon_image(ref)
+            return await self._daemon_image(ref, registry_auth)
         if ref.startswith(EXEC_SCHEME):
             return ContainerImage(
                 ref, Path("/"), cmd=shell_command(unquote(ref[len(EXEC_SCHEME) :])), tag=self.base_image
@@ -456,14 +515,15 @@ class DockerLauncher:
         await self._load(tag, fetched.config if full else None, fetched.layers, base=base)
         return container_image(ref, tag, run)
 
-    async def _daemon_image(self, ref: str) -> ContainerImage:
-        """A ``docker://`` ref: the daemon's image by that name, pulled when it does not have it."""
+    async def _daemon_image(self, ref: str, registry_auth: Mapping[str, str] | None) -> ContainerImage:
+        """A ``docker://`` ref: the daemon's image by that name, pulled when it does not have it (with the
+        environment's registry credentials when they are for that image's registry: ``X-Registry-Auth``)."""
         name = ref[len(DOCKER_SCHEME) :]
         try:
             info = await self.docker.images.inspect(name)
         except aiodocker.DockerError:
             try:
-                await self.docker.images.pull(name)
+                await self.docker.images.pull(name, auth=auth_for(name, registry_auth))
                 info = await self.docker.images.inspect(name)
             except aiodocker.DockerError as exc:
                 raise ImageError(f"{ref}: pull: {_first_line(exc.message)}") from exc
@@ -551,6 +611,7 @@ class DockerLauncher:
             plan=plan,
             labels={**labels, LABEL_MANAGED: "true", LABEL_NODE: self.node_id},
             pids_limit=self.pids_limit,
+            network=self.network,
         )
         try:
             container = await self.docker.containers.create(config)
@@ -631,14 +692,39 @@ async def choose_launcher(settings: AgentSettings) -> Launcher:
         pids_limit=settings.pids_limit,
     )
     if settings.runtime == DOCKER:
-        return docker
+        return await _networked(docker, settings)
     why = f"no Docker daemon answers at {url}"
     if answers:
         if await docker.has_image(settings.docker_base_image):
-            return docker
+            return await _networked(docker, settings)
         await docker.close()
         why = f"the Docker daemon at {url} has no base image {settings.docker_base_image} (docs/containers.md)"
     else:
         await docker.close()
     log.warning("%s: instances run as bare processes, without isolation or limits (--runtime to choose)", why)
     return process
+
+
+async def _networked(docker: DockerLauncher, settings: AgentSettings) -> DockerLauncher:
+    """``docker`` on the network ``settings.docker_network`` asks for: ``bridge`` stops the agent with one line
+    when the daemon makes no bridge network; ``auto`` bridges only when it can and the instances' address is
+    not a loopback one (published there, a bridged instance could not reach the node's loopback services),
+    else stays on the host network."""
+    mode = settings.docker_network
+    if mode == "auto" and _on_loopback(settings.mesh_ip):
+        return docker
+    if mode in ("bridge", "auto"):
+        refused = await docker.use_bridge()
+        if refused and mode == "bridge":
+            await docker.close()
+            raise DockerUnavailable(f"docker_network bridge: the daemon makes no bridge network: {refused}")
+        if refused:
+            log.warning("the Docker daemon makes no bridge network (%s): instances use the host network", refused)
+    return docker
+
+
+def _on_loopback(mesh_ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(mesh_ip or LOOPBACK).is_loopback
+    except ValueError:  # a host name
+        return mesh_ip == "localhost"

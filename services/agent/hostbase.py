@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import os
 import re
 import shutil
@@ -84,6 +85,8 @@ class RootFs:
         self._added: set[str] = set()
         self._strip = shutil.which("strip")
         self._scratch = scratch
+        self._copies = itertools.count()
+        self._made_dirs: set[str] = set()
 
     def add(self, path: str) -> None:
         """``path``, its parent directories and, for a symlink, what it points at."""
@@ -122,18 +125,37 @@ class RootFs:
         with open(path, "rb") as fh:
             if not self._strip or fh.read(4) != b"\x7fELF":
                 return path
-        copy = os.path.join(self._scratch, str(len(self._added)))
+        copy = os.path.join(self._scratch, str(next(self._copies)))
         done = subprocess.run([self._strip, "--strip-unneeded", "-o", copy, path], capture_output=True, check=False)
         return copy if done.returncode == 0 else path
+
+    def add_copy(self, source: str, name: str) -> None:
+        """The host file ``source`` written at ``name`` (stripped like :meth:`add`'s), with its mode and time,
+        and its parent directories (readable by all: the daemon would make missing ones private)."""
+        self._parents(name)
+        st = os.stat(source)
+        info = tarfile.TarInfo(name.lstrip("/"))
+        info.mtime, info.mode = int(st.st_mtime), 0o755 if st.st_mode & 0o111 else 0o644
+        stripped = self._stripped(source)
+        info.size = os.path.getsize(stripped)
+        with open(stripped, "rb") as fh:
+            self.tar.addfile(info, fh)
+
+    def _parents(self, name: str) -> None:
+        parent = os.path.dirname(name.strip("/"))
+        if parent and parent not in self._made_dirs:
+            self._parents(parent)
+            self._made_dirs.add(parent)
+            self.add_dir(parent, 0o755)
 
     def add_file(self, name: str, data: bytes, mode: int = 0o644) -> None:
         info = tarfile.TarInfo(name.lstrip("/"))
         info.size, info.mode = len(data), mode
         self.tar.addfile(info, io.BytesIO(data))
 
-    def add_dir(self, name: str, mode: int) -> None:
+    def add_dir(self, name: str, mode: int, owner: int = 0) -> None:
         info = tarfile.TarInfo(name.lstrip("/"))
-        info.type, info.mode = tarfile.DIRTYPE, mode
+        info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, mode, owner, owner
         self.tar.addfile(info)
 
     def add_symlink(self, name: str, target: str) -> None:

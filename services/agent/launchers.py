@@ -62,7 +62,18 @@ class InstanceHandle(Protocol):
 class Launcher(Protocol):
     name: str
 
-    async def prepare(self, conn: Connection, ref: str, instance_dir: Path, *, platform: str) -> PreparedImage: ...
+    async def prepare(
+        self,
+        conn: Connection,
+        ref: str,
+        instance_dir: Path,
+        *,
+        platform: str,
+        registry_auth: Mapping[str, str] | None = None,
+    ) -> PreparedImage:
+        """The image ``ref`` ready to run; ``registry_auth``: the environment's registry credentials
+        (shared/registryauth.py), for a pull by a Docker daemon."""
+        ...
 
     async def spawn(
         self,
@@ -97,7 +108,15 @@ class ProcessLauncher:
     def __init__(self, *, adopted_poll_interval: float = 1.0) -> None:
         self._poll_interval = adopted_poll_interval
 
-    async def prepare(self, conn: Connection, ref: str, instance_dir: Path, *, platform: str) -> PreparedImage:
+    async def prepare(
+        self,
+        conn: Connection,
+        ref: str,
+        instance_dir: Path,
+        *,
+        platform: str,
+        registry_auth: Mapping[str, str] | None = None,
+    ) -> PreparedImage:
         return await prepare_image(conn, ref, instance_dir, platform=platform)
 
     async def spawn(

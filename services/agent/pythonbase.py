@@ -28,11 +28,18 @@ import os
 import subprocess
 import sys
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.agent.hostbase import BaseImageError, RootFs, base_tag, program_rootfs_tar, tar_size
+from services.agent.hostbase import (
+    BaseImageError,
+    RootFs,
+    base_tag,
+    program_rootfs_tar,
+    shared_libraries,
+    tar_size,
+)
 
 PYTHON_LABEL = "dev.zattera.python"
 """Image config label: the absolute path of the interpreter the app's packages were installed for."""
@@ -137,26 +144,43 @@ def _entry(name: str) -> zipfile.ZipInfo:
     return info
 
 
-def python_rootfs_tar(interpreter: Interpreter) -> bytes:
-    """The base image's root filesystem for ``interpreter`` as a tar (see the module docstring)."""
+def python_rootfs_tar(
+    interpreter: Interpreter,
+    packages: Mapping[str, str] | None = None,
+    extra: Callable[[RootFs], None] | None = None,
+) -> bytes:
+    """The base image's root filesystem for ``interpreter`` as a tar (see the module docstring), with
+    ``packages`` (image path → file of this node: installed packages), the libraries their extension
+    modules load, and what ``extra`` adds."""
+    packages = packages or {}
     files = [f for root in interpreter.stdlib for f in _stdlib_files(root)]
     archive = b""
     if interpreter.zip_path and os.path.isdir(os.path.dirname(interpreter.zip_path)):
         archive, files = stdlib_zip(interpreter, files)
+    package_roots = tuple({os.path.dirname(source) for source in packages.values()})
+    package_libraries = [
+        library
+        for library in shared_libraries([source for source in packages.values() if ".so" in os.path.basename(source)])
+        if not library.startswith(package_roots)  # a wheel's own bundled libraries come with its files
+    ]
 
-    def add_zip(rootfs: RootFs) -> None:
+    def add_zip_and_packages(rootfs: RootFs) -> None:
         if archive:
             directory, name = os.path.split(interpreter.zip_path)
             rootfs.add(directory)
             rootfs.add_file(os.path.join(os.path.realpath(directory), name), archive)
+        for name, source in packages.items():
+            rootfs.add_copy(source, name)
+        if extra is not None:
+            extra(rootfs)
 
     return program_rootfs_tar(
         interpreter.path,
         ["python", "python3"],
-        files=files,
+        files=[*files, *package_libraries],
         loaded=[f for f in files if f.endswith(".so")],
         cafiles=interpreter.cafiles,
-        extra=add_zip,
+        extra=add_zip_and_packages,
     )
 
 

@@ -61,6 +61,7 @@ from shared import keys as K
 from shared.applogs import STDOUT, describe_exit, instance_exit
 from shared.clock import Clock, RealClock, stamp, wait_or_timer
 from shared.natsio import Connection
+from shared.registryauth import split_registry_auth
 from shared.secrets import SecretsUnavailable, fetch_secrets
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
@@ -285,9 +286,14 @@ class InstanceSupervisor:
     async def _start(self, a: pb.Assignment, release: pb.Release, volumes: Mapping[str, Path]) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._report(PULLING)
+        try:  # first: a pull may need the environment's registry credentials (one of its sealed secrets)
+            secrets, registry_auth = split_registry_auth(await self._secrets(a, release))
+        except SecretsUnavailable as exc:
+            self._failed_attempt(f"secrets: {exc}", None)
+            return
         try:
             image = await self.ctx.launcher.prepare(
-                self.ctx.conn, release.image_ref, self.dir, platform=self.ctx.os_arch
+                self.ctx.conn, release.image_ref, self.dir, platform=self.ctx.os_arch, registry_auth=registry_auth
             )
         except ImageError as exc:
             self._failed_attempt(f"image: {exc}", None)
@@ -303,11 +309,6 @@ class InstanceSupervisor:
             self._ports = {name: self.ctx.ports.allocate() for name in port_names(release.service)}
         for path in volumes.values():
             path.mkdir(parents=True, exist_ok=True)
-        try:
-            secrets = await self._secrets(a, release)
-        except SecretsUnavailable as exc:
-            self._failed_attempt(f"secrets: {exc}", None)
-            return
         env = instance_env(
             a, image, self._ports, volumes, {**release.service.vars, **secrets}, bind=bind_address(self.ctx.settings)
         )

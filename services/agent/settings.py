@@ -7,7 +7,7 @@ Fields are grouped by concern, each with its docstring (its description), as in 
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -89,6 +89,9 @@ class AgentSettings(BaseSettings):
     """What registry images without a root filesystem of their own run on."""
     pids_limit: int = Field(default=512, ge=0)
     """Docker runtime: processes per instance (0 = unlimited)."""
+    docker_network: Literal["host", "bridge", "auto"] = "host"
+    """Docker runtime: host network, or the daemon's bridge network 'zattera' with published ports ('auto':
+    bridge when the daemon makes one and the mesh address is not loopback)."""
 
     # ---------------------------------------------------------------- builds (builder.py)
     build_keepalive: float = Field(default=60.0, gt=0)

@@ -18,7 +18,15 @@ import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.agent.docker_runtime import ContainerHandle, DockerUnavailable, choose_launcher
+from services.agent.docker_runtime import (
+    ContainerHandle,
+    ContainerImage,
+    DockerLauncher,
+    DockerUnavailable,
+    choose_launcher,
+    container_config,
+)
+from services.agent.launchers import LaunchPlan
 from services.agent.settings import AgentSettings
 from shared import keys as K
 from shared.live import node_key
@@ -287,3 +295,68 @@ async def test_the_runtime_is_docker_only_when_a_daemon_with_the_base_image_answ
     assert await chosen(runtime="process", docker_host=docker_host) == "process"
     with pytest.raises(DockerUnavailable, match=f"runtime docker: no Docker daemon answers at {missing}"):
         await chosen(runtime="docker", docker_host=missing)
+
+
+async def test_a_bridged_instance_has_its_own_network_and_is_published_at_its_port(
+    start_agent: StartAgent, docker_host: str, view: StateView, writer: Writer
+) -> None:
+    """``docker_network = "bridge"`` (the daemon makes bridge networks even with ``--iptables=false``: the
+    userland proxy publishes): the instance joins the network ``zattera``, listens on every interface of its
+    own network namespace, and its port is published at the node's address, where the HTTP health check and
+    clients reach it as on the host network."""
+    await start_docker_agent(start_agent, docker_host, docker_network="bridge")
+    rel = docker_release(SERVE)
+    a = assignment("d1", rel)
+    await seed(writer, rel, a)
+    await eventually(lambda: state_of(view, "d1", a.meta.id) == HEALTHY, what="HEALTHY through the published port")
+    observed = view.observed("d1", a.meta.id)
+    assert observed is not None
+    port = observed.mesh_port_bindings["http"]
+    assert f"hello from {a.meta.id}" in await http_get(port)
+    docker = aiodocker.Docker(url=docker_host)
+    try:
+        shown = await (await docker.containers.get(observed.container_id)).show()
+    finally:
+        await docker.close()
+    assert shown["HostConfig"]["NetworkMode"] == "zattera"
+    assert shown["HostConfig"]["PortBindings"] == {f"{port}/tcp": [{"HostIp": "127.0.0.1", "HostPort": str(port)}]}
+    assert "ZATTERA_BIND_ADDR=0.0.0.0" in shown["Config"]["Env"]
+
+
+@pytest.mark.parametrize(
+    ("bind", "published_at"), [("127.0.0.1", "127.0.0.1"), ("10.0.0.5", "10.0.0.5"), ("agent", "0.0.0.0")]
+)
+def test_a_bridged_container_listens_everywhere_inside_and_is_published_at_the_bind_address(
+    bind: str, published_at: str
+) -> None:
+    env = {"PORT": "4000", "PORT_ADMIN": "4001", "ZATTERA_BIND_ADDR": bind, "HOST": bind, "PORTAL": "x"}
+    image = ContainerImage("docker://x", Path("/"), tag="x")
+    bridged = container_config(
+        ["sh"], image=image, env=env, plan=LaunchPlan(), labels={}, pids_limit=0, network="zattera"
+    )
+    assert bridged["HostConfig"]["NetworkMode"] == "zattera"
+    assert bridged["ExposedPorts"] == {"4000/tcp": {}, "4001/tcp": {}}
+    assert bridged["HostConfig"]["PortBindings"]["4001/tcp"] == [{"HostIp": published_at, "HostPort": "4001"}]
+    assert {"ZATTERA_BIND_ADDR=0.0.0.0", "HOST=0.0.0.0", "PORT=4000"} <= set(bridged["Env"])
+    on_host = container_config(["sh"], image=image, env=env, plan=LaunchPlan(), labels={}, pids_limit=0)
+    assert on_host["HostConfig"]["NetworkMode"] == "host" and "PortBindings" not in on_host["HostConfig"]
+    assert f"ZATTERA_BIND_ADDR={bind}" in on_host["Env"]
+
+
+async def test_auto_networking_bridges_only_off_loopback(docker_host: str) -> None:
+    """``auto`` keeps the host network for a loopback mesh address (a bridged instance could not reach the
+    node's loopback services) and bridges otherwise, on a daemon that makes bridge networks."""
+    on_loopback = await choose_launcher(
+        AgentSettings(node_id="a1", runtime="docker", docker_host=docker_host, docker_network="auto")
+    )
+    meshed = await choose_launcher(
+        AgentSettings(
+            node_id="a2", runtime="docker", docker_host=docker_host, docker_network="auto", mesh_ip="10.0.0.5"
+        )
+    )
+    try:
+        assert isinstance(on_loopback, DockerLauncher) and on_loopback.network == "host"
+        assert isinstance(meshed, DockerLauncher) and meshed.network == "zattera"
+    finally:
+        await on_loopback.close()
+        await meshed.close()

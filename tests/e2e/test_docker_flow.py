@@ -10,18 +10,24 @@ with its version as the example app does, and ``/healthz``.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
+import aiodocker
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from tests.e2e.cluster import E2ECluster, Load, healthy
+from shared.registryauth import REGISTRY_AUTH_SECRET
+from tests.agent.test_registry_auth import PASSWORD, USER, push_private_image, registry
+from tests.e2e.cluster import E2ECluster, Load, cli_argv, healthy
 from tests.e2e.test_stack_deploys import deploy, served, source
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+__all__ = ["registry"]  # the fixture the private-registry test uses
 
 PROD = "demo/web/production"
 HOST = "web.localhost"
@@ -112,3 +118,61 @@ async def test_flask_built_from_source_answers_through_the_proxy_from_a_containe
         env = next(e for e in view.envs() if (app := view.app(e.app_id)) is not None and app.name == "flask")
         live = healthy(view, env.meta.id, env.active_release_id)
         assert live and all(a.observed.container_id for a in live)
+
+
+SERVE_PRIVATE = (
+    "mkdir -p /tmp/www && echo private-ok > /tmp/www/index.html && echo ok > /tmp/www/healthz && "
+    "exec httpd -f -p $ZATTERA_BIND_ADDR:$PORT -h /tmp/www"
+)
+PRIVATE_TOML = """
+project = "demo"
+app = "private"
+
+[run]
+command = 'SERVE'
+
+[env.production]
+replicas = { min = 1, max = 1 }
+healthcheck = { type = "http", path = "/healthz", interval = "1s", timeout = "1s", grace_period = "10s" }
+domains = ["private.localhost"]
+""".replace("SERVE", SERVE_PRIVATE)
+
+
+async def test_a_private_registry_image_deploys_with_the_envs_registry_credentials(
+    docker_cluster: E2ECluster, docker_host: str, registry: str, tmp_path: Path
+) -> None:
+    """``zattera registry login`` seals the credentials; the agent opens them at start and pulls with them
+    (``X-Registry-Auth``) from a registry that refuses anonymous pulls; they are in no container's
+    environment and in no file the cluster wrote (its NATS store, logs, traces, agents' data)."""
+    cluster = docker_cluster
+    name = await push_private_image(docker_host, registry)
+    toml = tmp_path / "zattera.toml"
+    toml.write_text(PRIVATE_TOML)
+    await cluster.acli("apps", "apply", str(toml))
+    env = "demo/private/production"
+    login = await asyncio.to_thread(
+        subprocess.run,
+        [*cli_argv(), "registry", "login", registry, "--env", env, "--username", USER],
+        input=PASSWORD,
+        env={**os.environ, **cluster.env(), "ZATTERA_NATS_URL": cluster.url, "ZATTERA_DATA_DIR": str(cluster.root)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert login.returncode == 0 and PASSWORD not in login.stdout + login.stderr, login.stderr
+    deployed = await cluster.acli("deploy", "--image", f"docker://{name}", "--env", env)
+    assert PASSWORD not in deployed.stdout + deployed.stderr
+
+    await served(cluster, "private.localhost", "private-ok")
+    async with cluster.state() as (_, view):
+        e = next(e for e in view.envs() if (app := view.app(e.app_id)) is not None and app.name == "private")
+        live = healthy(view, e.meta.id, e.active_release_id)
+    docker = aiodocker.Docker(url=docker_host)
+    try:
+        for a in live:
+            shown = await (await docker.containers.get(a.observed.container_id)).show()
+            assert not any(REGISTRY_AUTH_SECRET in v or PASSWORD in v for v in shown["Config"]["Env"])
+    finally:
+        await docker.close()
+    leaks = [p for p in cluster.root.rglob("*") if p.is_file() and PASSWORD.encode() in p.read_bytes()]
+    assert not leaks, leaks
