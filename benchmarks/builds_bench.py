@@ -23,8 +23,8 @@ from shared.ids import new_id
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
 from shared.natsio import Connection, connect, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.builds import seed
 from tests.builds.fake_builder import FakeBuilder, instant_success
 

@@ -43,8 +43,8 @@ from shared.lease import run_while_leading
 from shared.loop import LoopDeps
 from shared.natsio import Connection, connect, provision
 from shared.secrets import CLUSTER_KEY, seal
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.certs.pebble import running_pebble
 from tests.certs.test_https import serves
 from tests.proxy.harness import Backend, Routes, endpoint, http_route, serving

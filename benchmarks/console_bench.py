@@ -25,8 +25,8 @@ from benchmarks.common import Row, bench_main, embedded_server, median, percenti
 from shared.certs import VALID, pending_record
 from shared.console_users import ADMIN, new_user, save_user, users_bucket
 from shared.natsio import connect, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.console.rig import running_console
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -40,8 +40,8 @@ from shared.deploy import Deployer
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
 from shared.natsio import Connection, connect, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent_sim import AgentSim
 
 PH = pb.DeploymentPhase

@@ -35,7 +35,7 @@ from zattera.v1 import types_pb2 as pb
 from benchmarks.common import Row, bench_main, median, percentile, row
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
-from shared.view import StateView
+from shared.state.feed import StateView
 from tests.e2e.cluster import E2ECluster, Load, app_source, env_by_name, healthy, running
 from tests.waiting import eventually
 

@@ -32,8 +32,8 @@ from shared.clock import FakeClock
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
 from shared.natsio import connect, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests import factories as f
 from tests.agent_sim import RUNNING, AgentSim
 

@@ -38,8 +38,8 @@ from services.agent.instance_env import PASSED_THROUGH_ENV
 from shared import keys as K
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream_config
 from shared.natsio import Connection, connect, create_or_update_stream, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent.conftest import assignment, process_ref, release
 
 ENV = "BENCHENV"

@@ -30,8 +30,9 @@ from shared.lease import run_while_leading
 from shared.loop import LoopDeps
 from shared.natsio import connect, provision
 from shared.placement.placement import PlacementIndex, place
+from shared.state.feed import StateView
+from shared.state.store import StateStore, reservation
 from shared.txn import Writer
-from shared.view import StateView, reservation
 
 NODES = 5_000
 REGIONS = 10
@@ -66,9 +67,9 @@ def _env(env_id: str, release: pb.Release) -> pb.Environment:
     return e
 
 
-def _cluster_view(nodes: int = NODES) -> StateView:
+def _cluster_view(nodes: int = NODES) -> StateStore:
     """A connectionless view holding the cluster (Place is pure: no server needed)."""
-    view = StateView(None, name="bench")
+    view = StateStore(name="bench")
     rng = random.Random(7)
     for rev, i in enumerate(range(nodes), start=1):
         n = _node(i, rng)
@@ -149,7 +150,7 @@ async def _end_to_end(url: str) -> tuple[float, float, int]:
     """(seconds from creation start to 10,000 durable assignments, seconds to write the envs, loop passes)."""
     api_conn = await connect(url, name="bench-api")
     await provision(api_conn.js)
-    api = Writer(api_conn, StateView(None, name="api"))
+    api = Writer(api_conn, StateView(api_conn, name="api"))
     rng = random.Random(7)
     node_txns = [api.txn().create(_node(i, rng)) for i in range(NODES)]
     assert all(r is None for r in await api.commit_many(node_txns))

@@ -33,8 +33,9 @@ from shared.clock import RealClock
 from shared.embedded import MAX_PAYLOAD, EmbeddedNats
 from shared.natsio import ROUTES_SNAPSHOT_SUBJECT, connect, provision
 from shared.routeclient import COMPRESS_ABOVE, HEADER_ROOM, RouteClient, content_digest, encode_messages
+from shared.state.feed import StateView
+from shared.state.store import StateStore
 from shared.txn import Writer
-from shared.view import StateView
 from tests.routes.reference import reference_content
 
 DOMAIN = "apps.example.com"
@@ -81,8 +82,8 @@ def cluster_writes(envs: int) -> list[tuple[str, object]]:
     return writes
 
 
-def local_view(envs: int) -> StateView:
-    view = StateView(None)
+def local_view(envs: int) -> StateStore:
+    view = StateStore()
     for revision, (key, msg) in enumerate(cluster_writes(envs), start=1):
         view.apply_local(key, revision, msg)  # type: ignore[arg-type]
     return view
@@ -100,7 +101,7 @@ def timed(fn: object, repeat: int) -> float:
 
 def build_figures(quick: bool) -> tuple[list[Row], bytes]:
     rows: list[Row] = []
-    view10k: StateView | None = None
+    view10k: StateStore | None = None
     for envs in (1000, 5000, 10_000):
         view = local_view(envs)
         builder = RouteBuilder(view, domain=DOMAIN)

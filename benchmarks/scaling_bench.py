@@ -41,8 +41,9 @@ from shared.activation import request_activation
 from shared.embedded import EmbeddedNats
 from shared.live import publish_node_heartbeat, publish_proxy_heartbeat
 from shared.natsio import Connection, connect, provision
+from shared.state.changes import ChangeFeed
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import ChangeFeed, StateView
 
 ENVS = 1000
 SERVERLESS_ENVS = 500

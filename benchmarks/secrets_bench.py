@@ -27,8 +27,8 @@ from shared import keys as K
 from shared.ids import new_id
 from shared.natsio import connect, provision
 from shared.secrets import CLUSTER_KEY, ROTATE_SUBJECT, fetch_secrets, public_bytes, seal
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.waiting import eventually
 
 SECRETS_PER_RELEASE = 10

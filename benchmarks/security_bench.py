@@ -41,8 +41,8 @@ from shared.natsio import ROUTES_SNAPSHOT_SUBJECT, Connection, connect, provisio
 from shared.security.permissions import Role
 from shared.security.setup import SecureSetup, prepare
 from shared.security.views import request_view
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent_sim import AgentSim
 
 ROOT = Path(__file__).resolve().parents[1]

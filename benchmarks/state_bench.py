@@ -22,8 +22,8 @@ from shared import keys as K
 from shared.ids import new_id
 from shared.lease import Lease
 from shared.natsio import connect, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 
 
 def _node(i: int) -> pb.Node:
@@ -192,8 +192,7 @@ async def _follow_live(url: str, changes: int) -> dict[str, float]:
     me = psutil.Process()
     cpu0 = sum(me.cpu_times()[:2])
     t0 = time.perf_counter()
-    while view.last_revision < target:  # noqa: ASYNC110 - polling a counter, no event to wait on
-        await asyncio.sleep(0.002)
+    assert await view.wait_for_revision(target, timeout=3600)
     elapsed = time.perf_counter() - t0
     cpu = sum(me.cpu_times()[:2]) - cpu0
     await view.stop()

@@ -19,7 +19,7 @@ from benchmarks.common import Row, embedded_server, print_table, row
 from benchmarks.state_bench import _fill
 from shared import natsio
 from shared.natsio import connect
-from shared.view import StateView
+from shared.state.feed import StateView
 
 ORIGINAL_PARSER = natsio.ORIGINAL_HEADER_PARSER
 

@@ -31,8 +31,8 @@ from shared import keys as K
 from shared.appconfig import ConfigError, check_env_size, secret_sizes, with_vars
 from shared.clock import stamp
 from shared.ids import new_id
+from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
-from shared.view import StateView
 from shared.volumes import find_volume
 
 CREATE, UPDATE, DELETE, UNCHANGED, PENDING = "create", "update", "delete", "unchanged", "pending"
@@ -139,19 +139,19 @@ def _copy(msg: Message) -> Message:
     return fresh
 
 
-def find_project(view: StateView, name: str) -> pb.Project | None:
+def find_project(view: StateReader, name: str) -> pb.Project | None:
     return next((p for p in view.all(K.PROJECT) if p.name == name), None)
 
 
-def find_app(view: StateView, project_id: str, name: str) -> pb.App | None:
+def find_app(view: StateReader, project_id: str, name: str) -> pb.App | None:
     return next((a for a in view.all(K.APP) if a.project_id == project_id and a.name == name), None)
 
 
-def find_env(view: StateView, app_id: str, name: str) -> pb.Environment | None:
+def find_env(view: StateReader, app_id: str, name: str) -> pb.Environment | None:
     return next((e for e in view.envs() if e.app_id == app_id and e.name == name), None)
 
 
-def resolve_env(view: StateView, ref: str) -> pb.Environment | None:
+def resolve_env(view: StateReader, ref: str) -> pb.Environment | None:
     """An environment by id or by ``project/app/env`` names."""
     env = view.env(ref)
     if env is not None:
@@ -184,19 +184,19 @@ def with_policy(volume: pb.Volume, change: PolicyChange, now: float) -> pb.Volum
     return updated
 
 
-def env_path(view: StateView, env: pb.Environment) -> str:
+def env_path(view: StateReader, env: pb.Environment) -> str:
     project = view.project(env.project_id)
     app = view.app(env.app_id)
     return f"{project.name if project else '?'}/{app.name if app else '?'}/{env.name}"
 
 
-def env_label(view: StateView, env_id: str) -> str:
+def env_label(view: StateReader, env_id: str) -> str:
     """``project/app/env`` of an environment id; the id itself when the environment is gone."""
     env = view.env(env_id)
     return env_path(view, env) if env is not None else env_id
 
 
-def plan(view: StateView, writer: Writer, spec: AppSpec, now: float | None = None) -> tuple[Txn, ApplyResult]:
+def plan(view: StateReader, writer: Writer, spec: AppSpec, now: float | None = None) -> tuple[Txn, ApplyResult]:
     now = time.time() if now is None else now
     txn = writer.txn("apply")
     result = ApplyResult()
@@ -296,7 +296,7 @@ def _keep_cron_starts(service: pb.ServiceSpec, env: pb.Environment | None, now: 
 
 
 def _plan_config(
-    view: StateView, new_env: pb.Environment, env: pb.Environment | None, env_spec: Env, field: str
+    view: StateReader, new_env: pb.Environment, env: pb.Environment | None, env_spec: Env, field: str
 ) -> None:
     """Variables, secrets and the config version are the env's own (``zattera config``/``secrets``): kept, except
     that a file with a ``vars`` table makes the variables exactly that table (staged for the next deploy)."""
@@ -316,7 +316,7 @@ def _plan_config(
 
 
 def _plan_domains(
-    view: StateView, txn: Txn, result: ApplyResult, env: pb.Environment, env_path: str, hosts: list[str], now: float
+    view: StateReader, txn: Txn, result: ApplyResult, env: pb.Environment, env_path: str, hosts: list[str], now: float
 ) -> None:
     existing = {d.hostname: d for d in view.domains(env.meta.id)}
     routed_to = f"routed to {env_path}"

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import typer
 
 from cli import render
-from cli.apply import env_path, plan
+from cli.apply import ApplyResult, env_path, plan
 from cli.client import control, fail, run
 from cli.env_cmds import apps_delete
 from cli.events_cmds import announce_scale_changes, replica_counts
@@ -16,8 +15,9 @@ from cli.options import JSON, WIDE, set_output
 from cli.plan_view import print_plan
 from cli.render import Col
 from cli.spec import SpecError, load
+from shared.clock import RealClock
 from shared.deployments import desired_replicas
-from shared.txn import Conflict
+from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 
 apps_app = typer.Typer(no_args_is_help=True, help="Apps and environments from zattera.toml.")
 
@@ -39,22 +39,23 @@ def apps_apply(
 
     async def go() -> None:
         async with control() as c:
-            for _ in range(5):
-                counts = replica_counts(c.view)
+
+            def attempt() -> Attempt[tuple[ApplyResult, dict[str, tuple[int, int]]]]:
+                counts = replica_counts(c.view)  # read with the decision: the scale events compare against it
                 try:
                     txn, result = plan(c.view, c.writer, spec)
                 except ValueError as exc:
                     raise fail(str(exc)) from None
-                if dry_run:
-                    break
-                try:
-                    await c.writer.commit(txn)
-                    await announce_scale_changes(c.conn, counts, c.view)
-                    break
-                except Conflict:
-                    await asyncio.sleep(0.05)
-            else:
-                raise fail("the app kept changing while applying; try again")
+                return Attempt(None if dry_run else txn, (result, counts))
+
+            try:
+                result, counts = await commit_with_retry(
+                    c.writer, attempt, clock=RealClock(), contended=f"app {spec.app}"
+                )
+            except RetriesExhausted:
+                raise fail("the app kept changing while applying; try again") from None
+            if not dry_run:
+                await announce_scale_changes(c.conn, counts, c.view)
             if render.json_mode():
                 render.emit_json(result.as_json() | {"dry_run": dry_run})
                 return

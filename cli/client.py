@@ -26,8 +26,8 @@ from cli import contexts
 from shared.errors import ZatteraError
 from shared.natsio import STATE_STREAM, ClusterUnavailable, Connection, TooManySubjects, connect
 from shared.settings import settings
+from shared.state.feed import StateView
 from shared.txn import CommitUnknown, Writer
-from shared.view import StateView
 
 T = TypeVar("T")
 

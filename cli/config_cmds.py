@@ -25,9 +25,9 @@ from shared.appconfig import (
     with_vars,
 )
 from shared.deploy import ConfigEdit, Deployer, DeployError
+from shared.state.reader import StateReader
 from shared.telemetry import span
 from shared.txn import Txn
-from shared.view import StateView
 
 config_app = typer.Typer(no_args_is_help=True, help="Plain environment variables of an environment.")
 
@@ -47,7 +47,7 @@ def say(message: str) -> None:
     err.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
-def target_env(view: StateView, ref: str) -> pb.Environment:
+def target_env(view: StateReader, ref: str) -> pb.Environment:
     from cli.apply import resolve_env
 
     env = resolve_env(view, ref)
@@ -56,7 +56,7 @@ def target_env(view: StateView, ref: str) -> pb.Environment:
     return env
 
 
-def running_release(view: StateView, env: pb.Environment) -> pb.Release | None:
+def running_release(view: StateReader, env: pb.Environment) -> pb.Release | None:
     return view.release(env.active_release_id) if env.active_release_id else None
 
 
@@ -91,7 +91,7 @@ def follow(deployment_id: str, watch: bool) -> None:
 def roll_out(
     env: str,
     what: str,
-    make_edit: Callable[[StateView], ConfigEdit],
+    make_edit: Callable[[StateReader], ConfigEdit],
     *,
     deploy: bool,
     watch: bool,
@@ -117,7 +117,7 @@ def check_names(field: str, names: list[str]) -> None:
             raise fail(str(exc)) from None
 
 
-def _vars_edit(view: StateView, change: Mapping[str, str | None]) -> ConfigEdit:
+def _vars_edit(view: StateReader, change: Mapping[str, str | None]) -> ConfigEdit:
     """Set (value) or remove (None) variables; refuses a name that is also a secret, and an env over 1 MiB."""
 
     def edit(env: pb.Environment, _txn: Txn) -> None:

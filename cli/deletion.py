@@ -27,8 +27,8 @@ from shared import keys as K
 from shared.clock import stamp
 from shared.deployments import is_terminal
 from shared.events import make_event
+from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
-from shared.view import StateView
 
 ENVIRONMENT_DELETED = "environment deleted"
 
@@ -69,7 +69,7 @@ class Deletion:
 
 
 def plan_deletion(
-    view: StateView,
+    view: StateReader,
     what: str,
     *,
     projects: Sequence[pb.Project] = (),

@@ -26,7 +26,7 @@ from shared.events import EventPublisher, event_for_env
 from shared.placement.placement import explain
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.scaling import ScaleRequest, scaled
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 envs_app = typer.Typer(no_args_is_help=True, help="Environments: delete.")
 projects_app = typer.Typer(no_args_is_help=True, help="Projects: delete.")
@@ -45,7 +45,7 @@ def fail(message: str, code: int = 1) -> typer.Exit:
 # ---------------------------------------------------------------------------------------------- delete
 
 
-def _find_app(view: StateView, ref: str) -> pb.App | None:
+def _find_app(view: StateReader, ref: str) -> pb.App | None:
     """An app by id or by ``project/app`` names."""
     found = view.app(ref)
     if found is not None:
@@ -55,7 +55,7 @@ def _find_app(view: StateView, ref: str) -> pb.App | None:
     return find_app(view, project.meta.id, app_name) if project else None
 
 
-def _find_project(view: StateView, ref: str) -> pb.Project | None:
+def _find_project(view: StateReader, ref: str) -> pb.Project | None:
     return view.project(ref) or find_project(view, ref)
 
 
@@ -84,7 +84,7 @@ def confirm(plan: Deletion, yes: bool) -> None:
         raise fail("not deleted", code=1)
 
 
-def _delete(what: str, decide: Callable[[StateView, float], Deletion | None], *, yes: bool, as_json: bool) -> None:
+def _delete(what: str, decide: Callable[[StateReader, float], Deletion | None], *, yes: bool, as_json: bool) -> None:
     """Decide on the view, confirm, commit as one fenced batch (deciding again after a conflict), publish
     the events and report."""
 
@@ -123,7 +123,7 @@ def apps_delete(
     """Delete an app and its environments: stops every replica, removes routes and domains; releases and
     images go through retention. Volumes and snapshots are kept unless --volumes."""
 
-    def decide(view: StateView, now: float) -> Deletion | None:
+    def decide(view: StateReader, now: float) -> Deletion | None:
         found = _find_app(view, app)
         if found is None:
             return None
@@ -144,7 +144,7 @@ def envs_delete(
     """Delete an environment: stops every replica, removes its routes and domains; releases and images go
     through retention. Volumes and snapshots are kept unless --volumes."""
 
-    def decide(view: StateView, now: float) -> Deletion | None:
+    def decide(view: StateReader, now: float) -> Deletion | None:
         found = resolve_env(view, env)
         if found is None:
             return None
@@ -162,7 +162,7 @@ def projects_delete(
 ) -> None:
     """Delete a project with all its apps and environments (see `zattera apps delete`)."""
 
-    def decide(view: StateView, now: float) -> Deletion | None:
+    def decide(view: StateReader, now: float) -> Deletion | None:
         found = _find_project(view, project)
         if found is None:
             return None
@@ -231,7 +231,7 @@ def scale(
 UP_STATES = frozenset({pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY, pb.INSTANCE_STATE_UNHEALTHY})
 
 
-def env_status(view: StateView, env: pb.Environment, routes: cpb.RouteSnapshot | None) -> dict[str, Any]:
+def env_status(view: StateReader, env: pb.Environment, routes: cpb.RouteSnapshot | None) -> dict[str, Any]:
     """One env's overview: where it answers, what runs, whether it is warm, how its last deploy went.
     Running and healthy count the active release's replicas; ``kept_warm``: other releases' replicas
     still running (a previous release kept warm during a drain window)."""
@@ -281,7 +281,7 @@ def env_status(view: StateView, env: pb.Environment, routes: cpb.RouteSnapshot |
     }
 
 
-def placement_status(view: StateView, env: pb.Environment) -> dict[str, Any] | None:
+def placement_status(view: StateReader, env: pb.Environment) -> dict[str, Any] | None:
     """Why replicas of the active release have no node (None: none is missing): every node counted under
     the first named placement filter it fails (shared/placement/placement.py ``FILTERS``), as the
     scheduler sees it."""

@@ -24,7 +24,8 @@ from shared import keys as K
 from shared.deployments import desired_replicas
 from shared.events import EVENT_SCALED, EventPublisher, node_change_event, scale_event
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
-from shared.view import StateView
+from shared.state.feed import StateView
+from shared.state.reader import StateReader
 
 OPERATOR = "operator"
 SCAN_WINDOW = 20_000
@@ -45,7 +46,7 @@ def kind_subject(kind: str) -> str:
     return EVENTS_SUBJECT_PREFIX + kind
 
 
-def describe(event: pb.Event, view: StateView | None) -> str:
+def describe(event: pb.Event, view: StateReader | None) -> str:
     """One readable line: time, kind, scope (env path or node), message, from → to and who decided."""
     scope = ""
     if event.environment_id:
@@ -145,7 +146,7 @@ async def publish_node_change(conn: Connection, before: pb.Node, revision: int, 
         await EventPublisher(conn).publish(event)
 
 
-def replica_counts(view: StateView) -> dict[str, tuple[int, int]]:
+def replica_counts(view: StateReader) -> dict[str, tuple[int, int]]:
     """Each env's replica count and revision, read before an operator's edit."""
     return {env.meta.id: (desired_replicas(env), view.rev(K.env(env.meta.id))) for env in view.envs()}
 

@@ -26,7 +26,7 @@ from shared import jobs as J
 from shared import keys as K
 from shared.applogs import STDERR, AppLogLine, UnknownLogStream, read_app_logs
 from shared.ids import is_safe_id, unsafe_id
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 jobs_app = typer.Typer(
     help="Job runs: cron entries' slots and `zattera run` commands (docs/jobs.md).", no_args_is_help=True
@@ -37,14 +37,14 @@ LOG_STREAM_WAIT = 0.5
 _EXIT_CANCELED = ExitCode.INTERRUPTED
 
 
-def _env_of(view: StateView, env: str) -> pb.Environment:
+def _env_of(view: StateReader, env: str) -> pb.Environment:
     found = resolve_env(view, env)
     if found is None:
         raise fail(f"--env: no environment {env!r} (use an id or project/app/env)")
     return found
 
 
-def _job(view: StateView, job_id: str) -> pb.Job:
+def _job(view: StateReader, job_id: str) -> pb.Job:
     if not is_safe_id(job_id):
         raise fail(f"JOB_ID: {unsafe_id('job id', job_id)}")
     job = view.get(K.JOB, job_id)
@@ -246,7 +246,7 @@ def list_jobs(
     run(go)
 
 
-def _env_label(view: StateView, env_id: str) -> str:
+def _env_label(view: StateReader, env_id: str) -> str:
     env = view.env(env_id)
     return env_path(view, env) if env is not None else env_id
 

@@ -12,10 +12,10 @@ from cli import render
 from cli.apply import env_path, resolve_env
 from cli.client import OPTIONS, control, fail, run
 from services.agent.network import served_port
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 
-def _entry(view: StateView, env: pb.Environment, vip: str) -> dict[str, Any]:
+def _entry(view: StateReader, env: pb.Environment, vip: str) -> dict[str, Any]:
     project, app, name = env_path(view, env).split("/")
     return {
         "env": f"{project}/{app}/{name}",

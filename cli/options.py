@@ -7,7 +7,7 @@ from zattera.v1 import types_pb2 as pb
 
 from cli.apply import resolve_env
 from cli.client import OPTIONS, fail
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 WIDE = typer.Option(False, "--wide", help="every column, ids included")
@@ -20,7 +20,7 @@ def set_output(flag: bool, wide: bool = False) -> bool:
     return flag
 
 
-def env_or_fail(view: StateView, ref: str) -> pb.Environment:
+def env_or_fail(view: StateReader, ref: str) -> pb.Environment:
     """The environment ``--env`` names (an id or project/app/env), else a one-line failure."""
     env = resolve_env(view, ref)
     if env is None:

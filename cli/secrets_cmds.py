@@ -39,9 +39,9 @@ from shared.appconfig import (
 from shared.deploy import ConfigEdit
 from shared.secret_edits import prune_secrets, set_secret_edit
 from shared.secrets import ROTATE_SUBJECT
+from shared.state.reader import StateReader
 from shared.telemetry import span
 from shared.txn import Txn
-from shared.view import StateView
 
 secrets_app = typer.Typer(no_args_is_help=True, help="Sealed secrets of an environment (values never shown).")
 
@@ -63,7 +63,7 @@ def _read_value(name: str, from_file: Path | None) -> bytes:
     return data[:-1] if data.endswith(b"\n") else data  # `echo value |` adds one newline
 
 
-def _unset_edit(view: StateView, names: list[str]) -> ConfigEdit:
+def _unset_edit(view: StateReader, names: list[str]) -> ConfigEdit:
     def edit(env: pb.Environment, txn: Txn) -> None:
         for name in names:
             if name not in env.service.secrets:

@@ -22,7 +22,8 @@ from shared.deployments import desired_replicas, is_terminal
 from shared.live import LiveView
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
-from shared.view import StateView
+from shared.state.feed import StateView
+from shared.state.reader import StateReader
 
 _LIVE = (pb.DEPLOYMENT_PHASE_DRAINING_OLD, pb.DEPLOYMENT_PHASE_SUCCEEDED)
 SERVE_TIMEOUT = 60.0
@@ -35,7 +36,7 @@ def _phase(d: pb.Deployment) -> str:
     return enum_name(pb.DeploymentPhase, d.phase, "DEPLOYMENT_PHASE_").upper()
 
 
-def _replicas(view: StateView, d: pb.Deployment) -> str:
+def _replicas(view: StateReader, d: pb.Deployment) -> str:
     mine = [
         a
         for a in view.assignments(d.environment_id)

@@ -20,7 +20,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.backoff import exponential
 from shared.clock import from_timestamp, to_timestamp
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 KEYS_OPEN_SUBJECT = "zattera.certs.keys.open"
 """Request/reply (secrets service): every servable certificate with its key, sealed to the proxy's key."""
@@ -224,7 +224,7 @@ def domain_row(
 
 
 def domain_rows(
-    view: StateView, now: float, env_label: Callable[[str], str], routed_envs: Mapping[str, str] | None = None
+    view: StateReader, now: float, env_label: Callable[[str], str], routed_envs: Mapping[str, str] | None = None
 ) -> list[DomainRow]:
     """Every hostname with a domain or a certificate, by hostname (``zattera domains list``, the console).
     A Domain names the hostname's env; else ``routed_envs`` (hostname → env id, from the routes) may."""

@@ -33,8 +33,8 @@ from shared.deployments import is_terminal
 from shared.errors import ZatteraError
 from shared.ids import SAFE_ID_RULE, is_safe_id, new_id
 from shared.retry import Attempt, Decide, RetriesExhausted, commit_with_retry, decide_again
+from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
-from shared.view import StateView
 
 CANCELED_BY_OPERATOR = "canceled by operator"
 DEPLOYMENT_IN_PROGRESS = "a deployment is already in progress for this environment"
@@ -90,7 +90,7 @@ def cancel_requested(d: pb.Deployment) -> bool:
     return not is_terminal(d.phase) and d.error == CANCELED_BY_OPERATOR
 
 
-def blocking_deployments(view: StateView, env_id: str) -> list[pb.Deployment]:
+def blocking_deployments(view: StateReader, env_id: str) -> list[pb.Deployment]:
     """Deployments that block a new one: not terminal and not already promoted (DRAINING_OLD)."""
     return [
         d for d in view.deployments(env_id) if not is_terminal(d.phase) and d.phase != pb.DEPLOYMENT_PHASE_DRAINING_OLD

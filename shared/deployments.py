@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from zattera.v1 import types_pb2 as pb
 
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 P = pb.DeploymentPhase
 
@@ -35,7 +35,7 @@ def is_terminal(phase: int) -> bool:
     return phase in TERMINAL_PHASES
 
 
-def active_deployments(view: StateView, env_id: str) -> list[pb.Deployment]:
+def active_deployments(view: StateReader, env_id: str) -> list[pb.Deployment]:
     """Non-terminal deployments of an env, oldest first."""
     return [d for d in view.deployments(env_id) if not is_terminal(d.phase)]
 
@@ -65,7 +65,7 @@ class Ownership:
         )
 
 
-def env_ownership(view: StateView, env_id: str) -> Ownership:
+def env_ownership(view: StateReader, env_id: str) -> Ownership:
     live = active_deployments(view, env_id)
     if not live:
         return Ownership(None, True, frozenset())
@@ -90,7 +90,7 @@ def desired_replicas(env: pb.Environment) -> int:
     return env.effective_replicas or env.service.replicas.min
 
 
-def owns_scaling(view: StateView, env_id: str) -> bool:
+def owns_scaling(view: StateReader, env_id: str) -> bool:
     """True while a deployment that is not yet promoted holds the env (the scaling loops skip it). Once
     every live deployment of the env is promoted (DRAINING_OLD: only its blue is held warm), scaling and
     cooling proceed — the reference skipped the env for the whole drain window."""

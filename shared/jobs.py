@@ -15,8 +15,8 @@ from shared.clock import Clock, RealClock, stamp
 from shared.errors import ZatteraError
 from shared.ids import new_id
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 
 MAX_COMMAND_BYTES = 4096
 """A job's shell command at most (UTF-8): it travels on the assignment every agent pass reads."""

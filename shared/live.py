@@ -30,8 +30,9 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from shared.clock import Clock
 from shared.jetstream import is_delete_marker
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
+from shared.state.changes import ChangeFeed
+from shared.state.feed import CONSUMER_HEARTBEAT, guard_ordered_consumer, server_delivered
 from shared.telemetry import counter
-from shared.view import CONSUMER_HEARTBEAT, ChangeFeed, guard_ordered_consumer, server_delivered
 
 log = logging.getLogger(__name__)
 

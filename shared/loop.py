@@ -34,10 +34,11 @@ from shared.events import EventPublisher
 from shared.lease import Leadership
 from shared.metrics import loop_pass_duration
 from shared.natsio import Connection
+from shared.state.changes import Change, ChangeFeed
+from shared.state.feed import StateView
 from shared.tasks import raise_if_cancelling
 from shared.telemetry import span
 from shared.txn import Deposed, Writer
-from shared.view import Change, ChangeFeed, StateView
 
 log = logging.getLogger(__name__)
 

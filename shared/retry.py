@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from shared.clock import Clock
+from shared.state.feed import StateView
 from shared.txn import CommitUnknown, Conflict, Deposed, Txn, TxnError, Writer
-from shared.view import StateView
 
 T = TypeVar("T")
 

@@ -16,8 +16,8 @@ from shared.appconfig import ConfigError, check_env_size, secret_sizes, unrefere
 from shared.deploy import ConfigEdit
 from shared.ids import new_id
 from shared.secrets import CLUSTER_KEY, seal
+from shared.state.reader import StateReader
 from shared.txn import Txn
-from shared.view import StateView
 
 NO_CLUSTER_KEY = (
     "no cluster secrets key is configured: run the secrets service (`zattera up` does) with its key file"
@@ -25,13 +25,13 @@ NO_CLUSTER_KEY = (
 )
 
 
-def prune_secrets(view: StateView, env: pb.Environment, txn: Txn) -> None:
+def prune_secrets(view: StateReader, env: pb.Environment, txn: Txn) -> None:
     """Versions no release and not the staged spec use any more go in the same write."""
     for secret_id in unreferenced_secrets(view.secrets(env.meta.id), env, view.releases(env.meta.id)):
         txn.delete(K.secret(secret_id))
 
 
-def set_secret_edit(view: StateView, name: str, value: str) -> ConfigEdit:
+def set_secret_edit(view: StateReader, name: str, value: str) -> ConfigEdit:
     def edit(env: pb.Environment, txn: Txn) -> None:
         key = view.get(K.SECRETS_KEY, CLUSTER_KEY)
         if not isinstance(key, pb.SecretsKey) or not key.public_key:

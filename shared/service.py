@@ -25,9 +25,9 @@ from shared.loop import LeaderLoop, LoopDeps
 from shared.natsio import Connection, provision, provision_options
 from shared.process import Process, run_process
 from shared.settings import Settings
+from shared.state.feed import StateView
 from shared.tasks import cancel_and_wait
 from shared.txn import Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 

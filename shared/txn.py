@@ -40,9 +40,9 @@ from shared.ids import new_id
 from shared.jetstream import WRONG_LAST_SEQUENCE
 from shared.metrics import commit_conflicts, decisions, writer_label
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+from shared.state.feed import StateView
 from shared.tasks import raise_if_cancelling
 from shared.telemetry import inject, span
-from shared.view import StateView
 
 if TYPE_CHECKING:
     from shared.lease import Lease

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from zattera.v1 import types_pb2 as pb
 
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 
 def lease_of(volume: pb.Volume) -> pb.VolumeLease | None:
@@ -35,7 +35,7 @@ def restoring_volume(volumes: Iterable[pb.Volume]) -> pb.Volume | None:
     return next((v for v in volumes if v.status == pb.VOLUME_STATUS_RESTORING), None)
 
 
-def find_volume(view: StateView, project_id: str, env_id: str, name: str) -> pb.Volume | None:
+def find_volume(view: StateReader, project_id: str, env_id: str, name: str) -> pb.Volume | None:
     """The volume named ``name`` of (project, env); the oldest when duplicates exist (how the scheduler
     pins a stateful env and how ``zattera apps apply`` finds a volume's policy target)."""
     for volume in view.volumes(env_id):

@@ -24,8 +24,9 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.natsio import Connection
+from shared.state.changes import ChangeFeed
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import ChangeFeed, StateView
 
 HEALTHY = pb.INSTANCE_STATE_HEALTHY
 RUNNING = pb.INSTANCE_STATE_RUNNING

@@ -17,8 +17,8 @@ import pytest
 
 from shared.embedded import EmbeddedNats
 from shared.natsio import Connection, connect, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 
 # Agents the tests start run bare processes (their images are process:// refs) unless a test asks for docker,
 # whatever daemon the machine runs.

@@ -19,8 +19,8 @@ from zattera.v1 import types_pb2 as pb
 from shared.ids import new_id
 from shared.lease import Leadership, run_while_leading
 from shared.natsio import connect, provision
+from shared.state.feed import StateView
 from shared.txn import Conflict, Writer
-from shared.view import StateView
 
 
 def main() -> None:

@@ -42,8 +42,8 @@ from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.security.views import request_view
 from shared.snapshots import serve_snapshot_requests
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 

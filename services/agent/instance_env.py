@@ -17,7 +17,7 @@ from services.agent.health import LOOPBACK
 from services.agent.images import PreparedImage
 from services.agent.launchers import LaunchPlan
 from services.agent.settings import AgentSettings
-from shared.view import StateView
+from shared.state.reader import StateReader
 from shared.volumes import lease_expired, lease_of
 
 DEFAULT_PORT_NAME = "http"
@@ -53,7 +53,7 @@ def lease_is_ours(volume: pb.Volume, node_id: str, assignment_id: str, now: floa
 
 
 def resolve_volumes(
-    view: StateView, a: pb.Assignment, release: pb.Release, volumes_dir: Path, now: float
+    view: StateReader, a: pb.Assignment, release: pb.Release, volumes_dir: Path, now: float
 ) -> tuple[dict[str, Path], str]:
     """The volume directories of a stateful instance by volume name, or why it cannot start yet."""
     if not release.service.stateful:

@@ -1,7 +1,7 @@
 """Observed reports: the agent's only writes to assignments, ``observed.<node>.<assignment_id>``.
 
 Supervisors hand in the latest report per assignment; the reporter coalesces them (latest wins), applies
-the merge rule (``shared.view.merge_observed``: a RUNNING report never downgrades HEALTHY/UNHEALTHY of the
+the merge rule (``shared.state.store.merge_observed``: a RUNNING report never downgrades HEALTHY/UNHEALTHY of the
 same container), skips reports equal to what is stored (``updated_at`` aside), and commits each pass in
 few batches. A refused or unknown write is re-queued (unless a newer report replaced it) and re-tried
 after ``retry_delay``, against the view's fresh revision. ``forget`` deletes the key of an assignment
@@ -16,8 +16,9 @@ import logging
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.state.feed import StateView
+from shared.state.store import merge_observed
 from shared.txn import Txn, Writer
-from shared.view import StateView, merge_observed
 
 log = logging.getLogger(__name__)
 

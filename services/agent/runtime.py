@@ -63,9 +63,9 @@ from shared.clock import Clock, RealClock, stamp, wait_or_timer
 from shared.natsio import Connection
 from shared.registryauth import split_registry_auth
 from shared.secrets import SecretsUnavailable, fetch_secrets
+from shared.state.feed import StateView
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,9 @@ from shared.clock import Clock
 from shared.events import EVENT_WOKEN, EventPublisher
 from shared.natsio import ACTIVATE_SUBJECT, Connection, is_direct_request
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
+from shared.state.feed import StateView
 from shared.telemetry import span
 from shared.txn import TxnError, Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 

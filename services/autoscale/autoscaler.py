@@ -29,7 +29,8 @@ from shared import keys as K
 from shared.deployments import desired_replicas as current_replicas
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.loop import LoopDeps
-from shared.view import RUN, StateView
+from shared.state.reader import StateReader
+from shared.state.store import RUN
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class Decision:
     reason: str
 
 
-def observe(view: StateView, live: LiveView, env: pb.Environment) -> Observation | None:
+def observe(view: StateReader, live: LiveView, env: pb.Environment) -> Observation | None:
     """Fresh samples of the env's running replicas (any release, RUN, not a job); None = freeze."""
     mem_limit = env.service.resources.memory_mb * MIB
     replicas = 0
@@ -110,7 +111,7 @@ def has_targets(targets: pb.Autoscale) -> bool:
 
 
 def evaluate(
-    view: StateView,
+    view: StateReader,
     live: LiveView,
     env: pb.Environment,
     revision: int,

@@ -12,7 +12,6 @@ recorded both even after a failed write, §7.3.5).
 from __future__ import annotations
 
 import logging
-import time
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -25,13 +24,14 @@ from shared.deployments import owns_scaling
 from shared.events import scale_event as shared_scale_event
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
-from shared.natsio import STATE_STREAM, Connection
+from shared.state.changes import Change, ChangeFeed
+from shared.state.reader import StateReader
 from shared.txn import CommitUnknown, Conflict, Txn, Writer
-from shared.view import Change, ChangeFeed, StateView
 
 log = logging.getLogger(__name__)
 
 CATCH_UP_TIMEOUT = 2.0
+"""How long a scaling write that conflicted waits for the view to see the write that won."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +48,7 @@ DEPLOYMENT_UNDER_WAY = Pause("deployment under way (not promoted yet)", restarts
 NO_FRESH_PROXY_DATA = Pause("no fresh proxy data (frozen)", restarts_spell=False)
 
 
-def scaling_paused(view: StateView, live: LiveView, env_id: str, *, from_proxy_data: bool) -> Pause | None:
+def scaling_paused(view: StateReader, live: LiveView, env_id: str, *, from_proxy_data: bool) -> Pause | None:
     """The guards every scaling loop applies (None: it may decide): a deployment owns the env's replicas
     until it promotes (a draining one holds only its blue), and a loop driven by proxy traffic waits
     while no proxy reports (no data is not zero traffic)."""
@@ -94,21 +94,6 @@ def effective_txn(writer: Writer, write: ReplicaWrite, now: float) -> Txn:
     return writer.txn(label="effective_replicas").put(env, expect=write.revision)
 
 
-async def catch_up(conn: Connection, view: StateView, timeout: float = CATCH_UP_TIMEOUT) -> None:
-    """Wait until the view has seen every state write the server holds (so a re-read sees the write
-    that made ours conflict)."""
-    info = await conn.js.stream_info(STATE_STREAM)
-    target = info.state.last_seq
-    deadline = time.monotonic() + timeout
-    feed = view.subscribe()
-    try:
-        while view.last_revision < target and (remaining := deadline - time.monotonic()) > 0:
-            # Short slices: a write the view already applied locally is not announced again.
-            await feed.wait(min(remaining, 0.05))
-    finally:
-        feed.close()
-
-
 class ScalingLoop(LeaderLoop):
     """A scaling loop: full passes at term start and on every tick; in between, re-evaluates only the
     envs that a state change or a fresh live sample touched, as soon as it arrives.
@@ -145,7 +130,7 @@ class ScalingLoop(LeaderLoop):
         envs = self.view.envs() if env_ids is None else [e for i in sorted(env_ids) if (e := self.view.env(i))]
         retry = await self._commit(self._decide_all(envs, now), now)
         if retry:
-            await catch_up(self.conn, self.view)
+            await self.view.catch_up(CATCH_UP_TIMEOUT)
             again = [e for i in sorted(retry) if (e := self.view.env(i))]
             # A second conflict is left to the change feed: the conflicting write wakes this loop again.
             await self._commit(self._decide_all(again, now), now)

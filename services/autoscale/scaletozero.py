@@ -31,7 +31,7 @@ from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, sc
 from shared.events import EVENT_COOLED
 from shared.live import LiveView
 from shared.loop import LoopDeps
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def idle_timeout(env: pb.Environment, default: float = DEFAULT_IDLE_TIMEOUT) -> 
 
 
 def evaluate(
-    view: StateView,
+    view: StateReader,
     live: LiveView,
     env: pb.Environment,
     revision: int,

@@ -31,7 +31,7 @@ from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, sc
 from shared.deployments import desired_replicas as current_replicas
 from shared.live import LiveView
 from shared.loop import LoopDeps
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def desired_replicas(demand: int, max_concurrency: int, floor: int, ceiling: int
 
 
 def evaluate(
-    view: StateView,
+    view: StateReader,
     live: LiveView,
     env: pb.Environment,
     revision: int,

@@ -44,7 +44,6 @@ from services.builds.planning import (
     route_unfollowed_event,
     run_request,
 )
-from shared import keys as K
 from shared.buildlogs import (
     ERROR_HEADER,
     append_log_lines,
@@ -56,10 +55,11 @@ from shared.buildlogs import (
 )
 from shared.clock import Clock, from_timestamp, to_timestamp
 from shared.natsio import BUILD_EVENTS_STREAM, Connection, build_events_subject
+from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
+from shared.state.feed import CONSUMER_HEARTBEAT, StateView, guard_ordered_consumer
 from shared.tasks import cancel_and_wait
 from shared.telemetry import inject, span
-from shared.txn import CommitUnknown, Conflict, Deposed, Writer
-from shared.view import CONSUMER_HEARTBEAT, StateView, guard_ordered_consumer
+from shared.txn import Deposed, Writer
 
 log = logging.getLogger(__name__)
 
@@ -355,31 +355,18 @@ class BuildFollowers:
     async def _record(self, follower: _Follower, change: Callable[[pb.Build], pb.Build]) -> bool:
         """Write a change of a build this leader runs; False once it is no longer RUNNING on that node."""
         assert self._writer is not None, "start() sets the term's writer"
-        key = K.build(follower.build_id)
-        for _ in range(10):
+        writer = self._writer
+
+        def attempt() -> Attempt[bool]:
             build = self.view.build(follower.build_id)
             if build is None or build.status != RUNNING or build.node_id != follower.node_id:
-                return False
-            rev = self.view.rev(key)
-            try:
-                await self._writer.commit(self._writer.txn("build").put(change(build)))
-                return True
-            except Deposed:
-                raise
-            except Conflict:
-                await self._await_newer(key, rev)
-            except CommitUnknown:
-                continue
-        log.warning("build %s: gave up writing after repeated conflicts", follower.build_id)
-        return False
+                return Attempt(None, False)
+            return Attempt(writer.txn("build").put(change(build)), True)
 
-    async def _await_newer(self, key: str, rev: int, timeout: float = 2.0) -> None:
-        """After a refused write, wait until the view shows the newer revision of ``key``."""
-        feed = self.view.subscribe({K.BUILD})
         try:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
-            while self.view.rev(key) == rev and loop.time() < deadline:
-                await feed.wait(timeout=deadline - loop.time())
-        finally:
-            feed.close()
+            return await commit_with_retry(
+                writer, attempt, clock=self.clock, contended=f"build {follower.build_id}", landed=decide_again
+            )
+        except RetriesExhausted:
+            log.warning("build %s: gave up writing after repeated conflicts", follower.build_id)
+            return False

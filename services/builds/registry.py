@@ -14,7 +14,6 @@ grace period (a push is allowed as much between its touches and its tag).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,12 +22,15 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.clock import Clock
-from shared.natsio import IMAGES_STORE, STATE_STREAM, Connection
+from shared.natsio import IMAGES_STORE, Connection
 from shared.registry import BLOB_GRACE, BlobInfo, BlobStore, image_id
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
+
+MARK_CATCH_UP = 5.0
+"""How long a sweep waits for the view to see every image tag written before it starts."""
 
 
 def referenced_blobs(images: Iterable[pb.Image]) -> frozenset[str]:
@@ -64,7 +66,6 @@ class RegistrySweeper:
         grace: float = BLOB_GRACE,
         bucket: str = IMAGES_STORE,
     ) -> None:
-        self._conn = conn
         self._view = view
         self._clock = clock
         self.grace = grace
@@ -84,7 +85,7 @@ class RegistrySweeper:
 
     async def collect(self) -> SweepReport:
         """Delete every unreferenced blob older than the grace period."""
-        await self._catch_up()
+        await self._view.catch_up(MARK_CATCH_UP)  # marks must include every tag written before the sweep
         marked_at = self._clock.now()
         referenced = referenced_blobs(self._view.images())
         listed = await self._blobs.list()
@@ -109,16 +110,3 @@ class RegistrySweeper:
         if deleted:
             log.info("registry sweep: deleted %d blobs (%d bytes)", len(deleted), freed)
         return SweepReport(tuple(deleted), recent, freed)
-
-    async def _catch_up(self, timeout: float = 5.0) -> None:
-        """Marks must include every tag written before the sweep started."""
-        info = await self._conn.js.stream_info(STATE_STREAM)
-        target = info.state.last_seq
-        feed = self._view.subscribe({K.IMAGE})
-        try:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
-            while self._view.last_revision < target and loop.time() < deadline:
-                await feed.wait(timeout=min(0.05, deadline - loop.time()))
-        finally:
-            feed.close()

@@ -37,7 +37,7 @@ from shared.deployments import is_terminal
 from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
 from shared.natsio import DAY, SOURCES_STORE
 from shared.registry import BlobInfo, BlobStore, parse_ref, repository
-from shared.view import Change
+from shared.state.changes import Change
 
 log = logging.getLogger(__name__)
 

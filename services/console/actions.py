@@ -30,9 +30,9 @@ from shared.snapshots.dispatch import (
     SnapshotBusy,
     SnapshotDispatcher,
 )
+from shared.state.feed import StateView
 from shared.tasks import cancel_and_wait
 from shared.txn import Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from shared import jobs as J
 from shared import keys as K
 from shared.certs import certificate_text, domain_rows
 from shared.deployments import desired_replicas, is_terminal
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 UP_STATES = frozenset({pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY, pb.INSTANCE_STATE_UNHEALTHY})
 
@@ -37,7 +37,7 @@ def when(ts: Timestamp) -> str:
     return datetime.fromtimestamp(ts.seconds, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def env_path(view: StateView, env: pb.Environment) -> str:
+def env_path(view: StateReader, env: pb.Environment) -> str:
     project = view.project(env.project_id)
     app = view.app(env.app_id)
     return f"{project.name if project else '?'}/{app.name if app else '?'}/{env.name or env.meta.id}"
@@ -48,7 +48,7 @@ def routed_envs(routes: cpb.RouteSnapshot | None) -> dict[str, str]:
     return {r.hostname: r.environment_id for r in (routes.http_routes if routes else [])}
 
 
-def certificates_by_env(view: StateView, routes: cpb.RouteSnapshot | None) -> dict[str, list[dict[str, str]]]:
+def certificates_by_env(view: StateReader, routes: cpb.RouteSnapshot | None) -> dict[str, list[dict[str, str]]]:
     """Each env's hostnames with their certificate's state, worded as ``zattera domains list`` words it."""
     found: dict[str, list[dict[str, str]]] = {}
     for row in domain_rows(view, time.time(), lambda env_id: env_id, routed_envs(routes)):
@@ -79,7 +79,7 @@ PHASE_ORDER = (
 """The way a deployment goes; its progress is the position of its phase along it."""
 
 
-def _deployment(view: StateView, d: pb.Deployment) -> dict[str, Any]:
+def _deployment(view: StateReader, d: pb.Deployment) -> dict[str, Any]:
     release = view.release(d.release_id)
     return {
         "step": PHASE_ORDER.index(d.phase) + 1 if d.phase in PHASE_ORDER else 0,
@@ -95,7 +95,7 @@ def _deployment(view: StateView, d: pb.Deployment) -> dict[str, Any]:
 
 
 def env_summary(
-    view: StateView, env: pb.Environment, urls: list[str], certificates: list[dict[str, str]]
+    view: StateReader, env: pb.Environment, urls: list[str], certificates: list[dict[str, str]]
 ) -> dict[str, Any]:
     """One overview row: where it answers (and its certificates), what runs, warm or cold, the last deploy."""
     env_id = env.meta.id
@@ -119,7 +119,7 @@ def env_summary(
     }
 
 
-def overview(view: StateView, routes: cpb.RouteSnapshot | None, only: Iterable[str] = ()) -> list[dict[str, Any]]:
+def overview(view: StateReader, routes: cpb.RouteSnapshot | None, only: Iterable[str] = ()) -> list[dict[str, Any]]:
     """Every env's row; with ``only``, the rows of those env ids (a live update of a few rows)."""
     urls = urls_by_env(routes)
     certificates = certificates_by_env(view, routes)
@@ -129,7 +129,7 @@ def overview(view: StateView, routes: cpb.RouteSnapshot | None, only: Iterable[s
 
 
 def changed_envs(
-    view: StateView, changes: Iterable[tuple[str, str]], routed: Mapping[str, str] | None = None
+    view: StateReader, changes: Iterable[tuple[str, str]], routed: Mapping[str, str] | None = None
 ) -> list[str] | None:
     """The env ids a batch of view changes touches; None when one of them is not an env's (a project or
     app renamed, an object already gone): the whole page must be fetched again. A certificate is its
@@ -170,7 +170,7 @@ CRON_RUNS_SHOWN = 5
 ONE_OFF_RUNS_SHOWN = 20
 
 
-def env_jobs(view: StateView, env: pb.Environment) -> dict[str, Any]:
+def env_jobs(view: StateReader, env: pb.Environment) -> dict[str, Any]:
     """The env's cron entries with their last runs, and its one-off (``zattera run``) runs, newest first. An
     entry removed from the spec keeps showing while runs of it are kept."""
     runs = J.newest_first(view.jobs(env.meta.id))
@@ -188,7 +188,7 @@ def env_jobs(view: StateView, env: pb.Environment) -> dict[str, Any]:
 
 
 def env_detail(
-    view: StateView, env: pb.Environment, urls: list[str], certificates: list[dict[str, str]]
+    view: StateReader, env: pb.Environment, urls: list[str], certificates: list[dict[str, str]]
 ) -> dict[str, Any]:
     env_id = env.meta.id
     releases = sorted(view.releases(env_id), key=lambda r: r.version, reverse=True)
@@ -238,7 +238,7 @@ def env_detail(
     }
 
 
-def nodes(view: StateView) -> list[dict[str, Any]]:
+def nodes(view: StateReader) -> list[dict[str, Any]]:
     rows = []
     for n in view.nodes():
         cpu, mem = view.reserved(n.meta.id)
@@ -261,12 +261,12 @@ def nodes(view: StateView) -> list[dict[str, Any]]:
     return rows
 
 
-def _env_label(view: StateView, env_id: str) -> str:
+def _env_label(view: StateReader, env_id: str) -> str:
     env = view.env(env_id)
     return env_path(view, env) if env is not None else env_id
 
 
-def builds(view: StateView, limit: int = 100) -> list[dict[str, Any]]:
+def builds(view: StateReader, limit: int = 100) -> list[dict[str, Any]]:
     return [
         {
             "id": b.meta.id,
@@ -281,7 +281,7 @@ def builds(view: StateView, limit: int = 100) -> list[dict[str, Any]]:
     ]
 
 
-def volumes(view: StateView) -> list[dict[str, Any]]:
+def volumes(view: StateReader) -> list[dict[str, Any]]:
     snapshots: dict[str, list[pb.VolumeSnapshot]] = {}
     for s in view.snapshots():
         snapshots.setdefault(s.volume_id, []).append(s)
@@ -311,7 +311,7 @@ def volumes(view: StateView) -> list[dict[str, Any]]:
     return rows
 
 
-def event_line(view: StateView, event: pb.Event) -> dict[str, str]:
+def event_line(view: StateReader, event: pb.Event) -> dict[str, str]:
     scope = _env_label(view, event.environment_id) if event.environment_id else ""
     if not scope and event.node_id:
         scope = f"node {event.node_id}"
@@ -335,6 +335,6 @@ def kinds_of_page(page: str) -> Iterable[str]:
     }.get(page, ())
 
 
-def page_revision(view: StateView, page: str) -> int:
+def page_revision(view: StateReader, page: str) -> int:
     """The newest revision of what ``page`` shows (writes of other kinds, lease renewals, do not move it)."""
     return max((view.kind_revision(kind) for kind in kinds_of_page(page)), default=0)

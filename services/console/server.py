@@ -19,8 +19,8 @@ from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.settings import settings
 from shared.snapshots.dispatch import operator_dispatcher
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 

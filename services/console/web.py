@@ -35,7 +35,7 @@ from shared.buildlogs import follow_build_log
 from shared.console_users import ADMIN, burn_check, load_user, password_matches
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
 from shared.scaling import ScaleRequest
-from shared.view import StateView
+from shared.state.feed import StateView
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What every phase decision shares: timers, the transitions a decision produces, the replica sets
 (green, blue, old) recomputed from the view on every decision, and the two failure exits.
 
-A decision is pure: it reads a :class:`~shared.view.StateView` and the time, and returns a
+A decision is pure: it reads a :class:`~shared.state.reader.StateReader` and the time, and returns a
 :class:`~shared.decision.Decision` (or None: nothing to do yet). The loop commits it as ONE fenced atomic
 batch; every decision fences on the deployment itself (a phase change, or an unchanged re-write), so
 any concurrent change to the deployment (an operator's cancel, another leader) refuses the whole batch
@@ -25,7 +25,7 @@ from shared.deploy import CANCELED_BY_OPERATOR
 from shared.events import ERROR, INFO, WARNING, make_event, transition_id
 from shared.placement.replicas import with_desired
 from shared.settings import Settings
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 P = pb.DeploymentPhase
 RUN = pb.ASSIGNMENT_DESIRED_RUN
@@ -135,17 +135,17 @@ def state_name(state: int) -> str:
 # ---------------------------------------------------------------------- replica sets
 
 
-def tagged(view: StateView, d: pb.Deployment) -> list[pb.Assignment]:
+def tagged(view: StateReader, d: pb.Deployment) -> list[pb.Assignment]:
     """Every assignment this deployment created, whatever its desired state."""
     return [a for a in view.assignments(d.environment_id) if a.deployment_id == d.meta.id]
 
 
-def green(view: StateView, d: pb.Deployment) -> list[pb.Assignment]:
+def green(view: StateReader, d: pb.Deployment) -> list[pb.Assignment]:
     """green(d): this deployment's desired-RUN assignments."""
     return [a for a in tagged(view, d) if a.desired == RUN]
 
 
-def old_instances(view: StateView, d: pb.Deployment) -> list[pb.Assignment]:
+def old_instances(view: StateReader, d: pb.Deployment) -> list[pb.Assignment]:
     """old(d): the previous release's assignments not created by d, any desired state."""
     if not d.previous_release_id:
         return []
@@ -156,18 +156,18 @@ def old_instances(view: StateView, d: pb.Deployment) -> list[pb.Assignment]:
     ]
 
 
-def blue(view: StateView, d: pb.Deployment) -> list[pb.Assignment]:
+def blue(view: StateReader, d: pb.Deployment) -> list[pb.Assignment]:
     """blue(d): the previous release's desired-RUN replicas not created by d (by release, not by tag)."""
     return [a for a in old_instances(view, d) if a.desired == RUN]
 
 
-def node_lost(view: StateView, node_id: str) -> bool:
+def node_lost(view: StateReader, node_id: str) -> bool:
     node = view.node(node_id)
     return node is None or node.status in LOST_NODE_STATUSES
 
 
 def on_live_nodes(
-    view: StateView, assignments: Iterable[pb.Assignment]
+    view: StateReader, assignments: Iterable[pb.Assignment]
 ) -> tuple[list[pb.Assignment], list[pb.Assignment]]:
     """(live, lost): split by whether the replica's node can still serve traffic."""
     live: list[pb.Assignment] = []
@@ -296,7 +296,7 @@ def deploy_event(d: pb.Deployment, kind: str, message: str, severity: str, now: 
     return event
 
 
-def abort(view: StateView, d: pb.Deployment, reason: str, now: float) -> Decision:
+def abort(view: StateReader, d: pb.Deployment, reason: str, now: float) -> Decision:
     """The red/green failure exit, ONE write: delete everything d created and set FAILED with the reason.
 
     Traffic never moved and blue is untouched. (The reference wrote these separately; a crash between
@@ -307,7 +307,7 @@ def abort(view: StateView, d: pb.Deployment, reason: str, now: float) -> Decisio
     return t
 
 
-def stateful_fail(view: StateView, d: pb.Deployment, reason: str, now: float) -> Decision:
+def stateful_fail(view: StateReader, d: pb.Deployment, reason: str, now: float) -> Decision:
     """The stateful failure exit, ONE write: delete the new instance, restart the old one, set FAILED.
 
     Deleting the new instance and restarting the old one in the same batch keeps at most one

@@ -66,7 +66,7 @@ from shared.deploy import CANCELED_BY_OPERATOR, cancel_requested
 from shared.deployments import is_terminal
 from shared.placement.placement import place
 from shared.placement.replicas import deploy_replicas, new_assignment, with_desired
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 PENDING = pb.DEPLOYMENT_PHASE_PENDING
 BUILDING = pb.DEPLOYMENT_PHASE_BUILDING
@@ -81,7 +81,7 @@ STOPPING_OLD = pb.DEPLOYMENT_PHASE_STOPPING_OLD
 STRICT_WAKE_EPSILON = 0.001
 
 
-def decide(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Decision | None:
+def decide(view: StateReader, d: pb.Deployment, now: float, timers: Timers) -> Decision | None:
     """The next step of deployment ``d`` (None: nothing to do until something changes), with the events
     it announces, each named after the deployment's revision the step was decided on."""
     t = next_step(view, d, now, timers)
@@ -91,7 +91,7 @@ def decide(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Dec
     return t
 
 
-def next_step(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Decision | None:
+def next_step(view: StateReader, d: pb.Deployment, now: float, timers: Timers) -> Decision | None:
     if is_terminal(d.phase):
         return None
     env = view.env(d.environment_id)
@@ -127,13 +127,13 @@ def newer(a: pb.Deployment, b: pb.Deployment) -> bool:
     return a.meta.id > b.meta.id
 
 
-def superseded(view: StateView, d: pb.Deployment) -> bool:
+def superseded(view: StateReader, d: pb.Deployment) -> bool:
     return any(
         o.meta.id != d.meta.id and not is_terminal(o.phase) and newer(o, d) for o in view.deployments(d.environment_id)
     )
 
 
-def supersede(view: StateView, d: pb.Deployment, now: float) -> Decision:
+def supersede(view: StateReader, d: pb.Deployment, now: float) -> Decision:
     """A newer deployment owns the env. A promoted one just completes: its green is the live release and
     its blue stays warm (the newer one may be a rollback to exactly that release)."""
     if d.phase == DRAINING_OLD:
@@ -147,7 +147,7 @@ def supersede(view: StateView, d: pb.Deployment, now: float) -> Decision:
 
 
 def pending(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, *, first_step: int
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, *, first_step: int
 ) -> Decision:
     if d.build_id and not release.image_ref:
         return move(d, BUILDING, now)
@@ -158,7 +158,7 @@ def pending(
     return move(d, first_step, now)
 
 
-def warm_enough(view: StateView, env: pb.Environment, release: pb.Release) -> bool:
+def warm_enough(view: StateReader, env: pb.Environment, release: pb.Release) -> bool:
     """A rollback may promote at once when enough healthy replicas of its target still run (any tag)."""
     want = deploy_replicas(env, release)
     if want <= 0:
@@ -173,7 +173,7 @@ def warm_enough(view: StateView, env: pb.Environment, release: pb.Release) -> bo
 
 
 def building(
-    view: StateView, d: pb.Deployment, release: pb.Release, now: float, timers: Timers, *, next_phase: int
+    view: StateReader, d: pb.Deployment, release: pb.Release, now: float, timers: Timers, *, next_phase: int
 ) -> Decision | None:
     build = view.build(d.build_id)
     if build is None:
@@ -201,7 +201,7 @@ def building(
 
 
 def decide_red_green(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Decision | None:
     if d.phase == PLACING:
         return placing(view, d, env, release, now, timers)
@@ -217,7 +217,7 @@ def decide_red_green(
 
 
 def placing(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Decision | None:
     """Place the missing green replicas; STARTING in the same write once the set is complete."""
     target = deploy_replicas(env, release)
@@ -244,7 +244,7 @@ def placing(
     return t
 
 
-def back_to_placing(view: StateView, d: pb.Deployment, lost: list[pb.Assignment], now: float) -> Decision:
+def back_to_placing(view: StateReader, d: pb.Deployment, lost: list[pb.Assignment], now: float) -> Decision:
     """The green set shrank (node lost, external stop) or the target grew: re-place before promoting."""
     t = move(d, PLACING, now)
     t.deletes = [K.assignment(a.node_id, a.meta.id) for a in lost]
@@ -252,7 +252,7 @@ def back_to_placing(view: StateView, d: pb.Deployment, lost: list[pb.Assignment]
 
 
 def starting(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Decision | None:
     instances = green(view, d)
     if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
@@ -271,7 +271,7 @@ def starting(
 
 
 def healthchecking(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Decision | None:
     instances = green(view, d)
     if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
@@ -288,7 +288,7 @@ def healthchecking(
 
 
 def promote(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Decision:
     """ONE write: active release + route generation, and DRAINING_OLD with promoted_at and drain_deadline
     — or SUCCEEDED at once when there is nothing to drain (a first deploy, a cold env): no blue is held,
@@ -301,7 +301,7 @@ def promote(
     return t
 
 
-def nothing_to_drain(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release) -> bool:
+def nothing_to_drain(view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release) -> bool:
     """No blue replica to keep warm, or the env is cold (cooled to zero: its blue stops with it)."""
     return not blue_to_stop(view, d, env, release) or env_is_cold(env)
 
@@ -310,7 +310,9 @@ def env_is_cold(env: pb.Environment) -> bool:
     return env.service.scale_to_zero and env.effective_replicas == 0
 
 
-def drain(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float) -> Decision | None:
+def drain(
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float
+) -> Decision | None:
     """Stop blue and succeed, in one write: after the drain window, or as soon as there is nothing left to
     keep warm (blue gone) or the env cooled to zero (its warm blue cools with it). Green is never touched."""
     window_open = d.HasField("drain_deadline") and now < from_timestamp(d.drain_deadline)
@@ -321,7 +323,7 @@ def drain(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Re
     return t
 
 
-def blue_to_stop(view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release) -> list[pb.Assignment]:
+def blue_to_stop(view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release) -> list[pb.Assignment]:
     """blue(d), except when the target is the previous release itself (a rollback to the active release,
     a redeploy): then blue is the live set, so keep the target count running — d's own replicas first,
     then the newest others — and stop only the oldest surplus."""
@@ -337,7 +339,7 @@ def blue_to_stop(view: StateView, d: pb.Deployment, env: pb.Environment, release
 # ---------------------------------------------------------------------- timers
 
 
-def wake_at(view: StateView, d: pb.Deployment, timers: Timers) -> float | None:
+def wake_at(view: StateReader, d: pb.Deployment, timers: Timers) -> float | None:
     """The instant at which time alone can change ``decide`` for ``d`` (None: only a change can)."""
     if is_terminal(d.phase):
         return None

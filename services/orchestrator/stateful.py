@@ -42,14 +42,14 @@ from shared.events import INFO, WARNING
 from shared.ids import new_id
 from shared.placement.placement import place
 from shared.placement.replicas import new_assignment, with_desired
-from shared.view import StateView
+from shared.state.reader import StateReader
 from shared.volumes import restoring_volume
 
 PH = pb.DeploymentPhase
 
 
 def decide_stateful(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Decision | None:
     """The stateful arm for phases after PENDING/BUILDING (those are shared with red/green)."""
     if d.phase == pb.DEPLOYMENT_PHASE_STOPPING_OLD:
@@ -63,7 +63,7 @@ def decide_stateful(
     return None
 
 
-def stop_old(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> Decision | None:
+def stop_old(view: StateReader, d: pb.Deployment, now: float, timers: Timers) -> Decision | None:
     old = old_instances(view, d)
     running = [a for a in old if a.desired != STOP]
     if running:
@@ -83,7 +83,7 @@ def stop_old(view: StateView, d: pb.Deployment, now: float, timers: Timers) -> D
 
 
 def start_new(
-    view: StateView, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Decision | None:
     instances = green(view, d)
     if not instances:
@@ -117,7 +117,9 @@ def start_new(
     return None
 
 
-def check_health(view: StateView, d: pb.Deployment, release: pb.Release, now: float, timers: Timers) -> Decision | None:
+def check_health(
+    view: StateReader, d: pb.Deployment, release: pb.Release, now: float, timers: Timers
+) -> Decision | None:
     instances = green(view, d)
     if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
         return stateful_fail(view, d, failed_instance_reason(NEW_INSTANCE_UNHEALTHY, instances), now)
@@ -138,7 +140,7 @@ def promote_and_finish(d: pb.Deployment, env: pb.Environment, now: float) -> Dec
 
 
 def missing_volumes(
-    view: StateView, env: pb.Environment, release: pb.Release, node_id: str, now: float
+    view: StateReader, env: pb.Environment, release: pb.Release, node_id: str, now: float
 ) -> list[pb.Volume]:
     """Declared volumes that do not exist yet in (project, env), created pinned to the chosen node."""
     existing = {v.name for v in view.volumes(env.meta.id) if v.project_id == env.project_id}

@@ -46,7 +46,8 @@ from services.routes.wire import (
     uint_field,
 )
 from shared import keys as K
-from shared.view import Change, StateView
+from shared.state.changes import Change
+from shared.state.reader import StateReader
 
 RELEVANT_KINDS = frozenset({K.ENV, K.APP, K.PROJECT, K.DOMAIN, K.ASSIGNMENT, K.OBSERVED, K.NODE, K.VIP})
 """Every kind the snapshot reads; the snapshot version is the newest revision among them."""
@@ -97,7 +98,7 @@ NodeHosts = Mapping[str, str | None]
 """node id -> :func:`routable_host` of that node (a missing id is a missing node)."""
 
 
-def node_hosts(view: StateView) -> dict[str, str | None]:
+def node_hosts(view: StateReader) -> dict[str, str | None]:
     return {node.meta.id: routable_host(node) for node in view.nodes()}
 
 
@@ -105,7 +106,7 @@ Replica = tuple[pb.Assignment, pb.AssignmentObserved, str]
 """A replica that may carry traffic: its assignment, the observed report joined into it, its host."""
 
 
-def routable_replicas(view: StateView, env: pb.Environment, hosts: NodeHosts) -> list[Replica]:
+def routable_replicas(view: StateReader, env: pb.Environment, hosts: NodeHosts) -> list[Replica]:
     """The env's assignments, by id, that may carry traffic (A1.6 rules 1, 2, 3, 5): the active release
     only, desired RUN, observed HEALTHY exactly, on a routable node. Rule 4 (a bound port) depends on the
     port: see :class:`_Endpoints`."""
@@ -200,7 +201,7 @@ class EnvRoutes:
     hostnames: tuple[str, ...]
 
 
-def build_env_routes(view: StateView, env: pb.Environment, domain: str, hosts: NodeHosts) -> EnvRoutes | None:
+def build_env_routes(view: StateReader, env: pb.Environment, domain: str, hosts: NodeHosts) -> EnvRoutes | None:
     """One environment's routes (A1.2–A1.10), encoded; None when its app is missing (the whole env is
     skipped, D-A13). ``hosts``: :func:`node_hosts` of the view, kept up to date by the caller."""
     app = view.app(env.app_id)
@@ -311,7 +312,7 @@ class RouteBuilder:
     :attr:`revision` the state revision it reflects.
     """
 
-    def __init__(self, view: StateView, *, domain: str) -> None:
+    def __init__(self, view: StateReader, *, domain: str) -> None:
         self.view = view
         self.domain = domain
         self.envs_rebuilt = 0

@@ -46,9 +46,10 @@ from shared.routeclient import (
     encode_messages,
     message_version,
 )
+from shared.state.changes import Change, ChangeFeed
+from shared.state.feed import StateView
 from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.telemetry import counter, span
-from shared.view import Change, ChangeFeed, StateView
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,8 @@ from shared.placement.replicas import (
     stop_is_reapable,
     stopped,
 )
-from shared.view import StateView, reservation
+from shared.state.reader import StateReader
+from shared.state.store import reservation
 from shared.volumes import restoring_volume
 
 BACKOFF_FIRST = 10.0
@@ -99,7 +100,7 @@ def _key(a: pb.Assignment) -> str:
 
 
 def evaluate_env(
-    view: StateView, env: pb.Environment, now: float, *, index: PlacementIndex, backoff: FailureBackoff
+    view: StateReader, env: pb.Environment, now: float, *, index: PlacementIndex, backoff: FailureBackoff
 ) -> EnvDecision | None:
     """The env's changes (None: the scheduler leaves it alone). Decisions are accounted in ``index``."""
     env_id = env.meta.id
@@ -190,7 +191,7 @@ def evaluate_env(
     return decision
 
 
-def evaluate_envs(view: StateView, now: float, *, backoff: FailureBackoff) -> list[EnvDecision]:
+def evaluate_envs(view: StateReader, now: float, *, backoff: FailureBackoff) -> list[EnvDecision]:
     """Every env in id order, each seeing the reservations decided for the envs before it."""
     index = PlacementIndex(view)
     decisions = []

@@ -16,9 +16,9 @@ from zattera.v1 import types_pb2 as pb
 from shared.clock import stamp
 from shared.decision import Decision
 from shared.events import EventPublisher, make_event
+from shared.state.reader import StateReader
 from shared.tasks import raise_if_cancelling
 from shared.txn import Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def event(
 
 
 def volume_event(
-    view: StateView, volume: pb.Volume, kind: str, message: str, now: float, *, severity: str, node_id: str = ""
+    view: StateReader, volume: pb.Volume, kind: str, message: str, now: float, *, severity: str, node_id: str = ""
 ) -> pb.Event:
     """An event about ``volume``, scoped to its env (or its project when the env is gone)."""
     return event(

@@ -19,13 +19,13 @@ from shared import keys as K
 from shared.decision import Decision
 from shared.events import WARNING, node_change_event
 from shared.placement.replicas import RUN, STOP, desired_replicas, stop_is_reapable, stopped
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 ACTOR = "system:drain"
 _SERVING = (pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY)
 
 
-def replacement_ready(view: StateView, a: pb.Assignment) -> bool:
+def replacement_ready(view: StateReader, a: pb.Assignment) -> bool:
     """True when the env no longer needs ``a``: enough same-release replicas serve on other ALIVE nodes."""
     env = view.env(a.environment_id)
     if env is None:
@@ -46,7 +46,7 @@ def replacement_ready(view: StateView, a: pb.Assignment) -> bool:
     return serving >= want
 
 
-def evaluate_drains(view: StateView, now: float) -> list[Decision]:
+def evaluate_drains(view: StateReader, now: float) -> list[Decision]:
     """One write per draining node: its stops and deletes, and DRAINED once it is empty."""
     result = []
     for node in view.nodes():

@@ -44,7 +44,8 @@ from shared.loop import LeaderLoop, LoopDeps
 from shared.placement.placement import PlacementIndex
 from shared.placement.replicas import new_assignment, node_is_down, stopped
 from shared.schedule import Schedule, ScheduleError, parse_schedule
-from shared.view import StateView, reservation
+from shared.state.reader import StateReader
+from shared.state.store import reservation
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class JobsPass:
 class _Decider:
     """One pass's decisions; every change of an entry or a one-off job goes into that one's :class:`Decision`."""
 
-    def __init__(self, view: StateView, now: float) -> None:
+    def __init__(self, view: StateReader, now: float) -> None:
         self.view = view
         self.now = now
         self.index = PlacementIndex(view)
@@ -389,7 +390,7 @@ def _changed(before: pb.Job, after: pb.Job) -> bool:
     return (before.status, before.assignment_id, before.message) != (after.status, after.assignment_id, after.message)
 
 
-def evaluate_jobs(view: StateView, now: float) -> JobsPass:
+def evaluate_jobs(view: StateReader, now: float) -> JobsPass:
     """Every job write of this pass (see the module docstring); pure over the view."""
     return _Decider(view, now).evaluate()
 

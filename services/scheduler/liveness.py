@@ -22,7 +22,7 @@ from shared.decision import Decision
 from shared.events import node_change_event
 from shared.live import LiveView
 from shared.loop import LeaderLoop, LoopDeps
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 TICK = 5.0
 HEARTBEAT_DEADLINE = 30.0
@@ -31,7 +31,7 @@ ACTOR = "system:liveness"
 
 
 def evaluate_liveness(
-    view: StateView,
+    view: StateReader,
     seen_at: Callable[[str], float | None],
     now: float,
     term_started: float,

@@ -31,7 +31,7 @@ from shared.decision import Decision
 from shared.events import WARNING
 from shared.loop import LeaderLoop, LoopDeps
 from shared.placement.placement import PlacementError, explain
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 
 class Scheduler(LeaderLoop):
@@ -85,7 +85,7 @@ class Scheduler(LeaderLoop):
         return await commit(self.writer, self.events, writes, loop=self.name)
 
 
-def no_capacity_event(view: StateView, env: pb.Environment, shortfall: PlacementError, now: float) -> pb.Event:
+def no_capacity_event(view: StateReader, env: pb.Environment, shortfall: PlacementError, now: float) -> pb.Event:
     """The shortfall with why, per named filter, the other nodes take no more replicas (after this pass's
     picks): "placement: only 2 of 3 …; 5 nodes: 3 filtered by arch, 2 by memory"."""
     message = str(shortfall)

@@ -11,10 +11,10 @@ from services.scheduler.decisions import MAX_TXN_WRITES
 from shared import keys as K
 from shared.decision import Decision
 from shared.placement.replicas import RUN, stop_is_reapable, stopped
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 
-def evaluate_orphans(view: StateView, now: float) -> list[Decision]:
+def evaluate_orphans(view: StateReader, now: float) -> list[Decision]:
     """Stops and deletes of orphans, in id order, in writes of at most :data:`MAX_TXN_WRITES`."""
     result: list[Decision] = []
     current = Decision("orphans")

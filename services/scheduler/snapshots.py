@@ -48,8 +48,8 @@ from shared.events import WARNING
 from shared.loop import LeaderLoop, LoopDeps
 from shared.schedule import Schedule, ScheduleError, parse_schedule
 from shared.snapshots.dispatch import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
+from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def _last_activity(record: pb.VolumeSnapshot) -> float:
     return max(from_timestamp(record.meta.created_at), from_timestamp(record.meta.updated_at))
 
 
-def abandoned_restores(view: StateView, now: float, timeout: float) -> list[Decision]:
+def abandoned_restores(view: StateReader, now: float, timeout: float) -> list[Decision]:
     """RESTORING volumes untouched for ``timeout``: back to ACTIVE (node ALIVE) or NODE_LOST, one write each."""
     result: list[Decision] = []
     for volume in view.volumes():

@@ -41,7 +41,8 @@ from shared.ids import new_id
 from shared.placement.placement import volume_pin
 from shared.placement.platforms import supports
 from shared.placement.replicas import RUN, node_is_down
-from shared.view import StateView, reservation
+from shared.state.reader import StateReader
+from shared.state.store import reservation
 from shared.volumes import find_volume, lease_expired, lease_held_by_other, lease_of
 
 LEASE_TTL = 60.0
@@ -58,7 +59,7 @@ class VolumeDecision:
     """(env id, volume name) → the ``volume.no_capacity`` message, or None once it has a home."""
 
 
-def _home(view: StateView, env: pb.Environment, release: pb.Release, volume_counts: Counter[str]) -> str:
+def _home(view: StateReader, env: pb.Environment, release: pb.Release, volume_counts: Counter[str]) -> str:
     """Where a new volume of ``env`` goes ("" = nowhere): the node holding its other volumes, else the
     eligible node hosting the fewest volumes (all projects), lowest id on ties."""
     pin, _ = volume_pin(view, release, env.meta.id)
@@ -83,7 +84,7 @@ def _home(view: StateView, env: pb.Environment, release: pb.Release, volume_coun
     return best
 
 
-def _status_change(view: StateView, volume: pb.Volume, now: float) -> tuple[pb.Volume, pb.Event] | None:
+def _status_change(view: StateReader, volume: pb.Volume, now: float) -> tuple[pb.Volume, pb.Event] | None:
     if volume.status == pb.VOLUME_STATUS_RESTORING or not volume.node_id:
         return None
     node = view.node(volume.node_id)
@@ -112,7 +113,7 @@ def _status_change(view: StateView, volume: pb.Volume, now: float) -> tuple[pb.V
     return changed, volume_event(view, volume, kind, message, now, severity=severity)
 
 
-def evaluate_volumes(view: StateView, now: float) -> VolumeDecision:
+def evaluate_volumes(view: StateReader, now: float) -> VolumeDecision:
     """Create missing volumes of stateful active releases; track each volume's node (one write per env)."""
     decision = VolumeDecision()
     per_env: dict[str, Decision] = {}
@@ -172,7 +173,7 @@ def _needs_renewal(lease: pb.VolumeLease | None, node_id: str, holder_id: str, n
     return from_timestamp(lease.expires_at) - now <= RENEW_AT
 
 
-def evaluate_leases(view: StateView, now: float) -> dict[str, Decision]:
+def evaluate_leases(view: StateReader, now: float) -> dict[str, Decision]:
     """Acquire or renew each volume's fencing lease for the replica on its node: one write per volume id."""
     result: dict[str, Decision] = {}
     for volume in view.volumes():

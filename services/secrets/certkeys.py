@@ -19,7 +19,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.certs import ACCOUNT_NAME
 from shared.secrets import seal, unseal
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def open_sealed(key_for: KeyById, key_id: str, ciphertext: bytes) -> str | None:
         return None
 
 
-def certificate_bundle(view: StateView, key_for: KeyById) -> cpb.CertBundle:
+def certificate_bundle(view: StateReader, key_for: KeyById) -> cpb.CertBundle:
     """Every stored certificate whose key opens (one that does not is left out and logged by hostname)."""
     bundle = cpb.CertBundle()
     for cert in view.all(K.CERT):
@@ -52,7 +52,7 @@ def certificate_bundle(view: StateView, key_for: KeyById) -> cpb.CertBundle:
     return bundle
 
 
-def account_bundle(view: StateView, key_for: KeyById) -> cpb.CertBundle | str:
+def account_bundle(view: StateReader, key_for: KeyById) -> cpb.CertBundle | str:
     account = view.get(K.ACME_ACCOUNT, ACCOUNT_NAME)
     if not isinstance(account, pb.AcmeAccount):
         return "no ACME account is stored"

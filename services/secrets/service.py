@@ -54,10 +54,11 @@ from shared.secrets import (
     unseal,
 )
 from shared.security.callers import caller
+from shared.state.feed import StateView
+from shared.state.reader import StateReader
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
 from shared.txn import CommitUnknown, Conflict, Writer
-from shared.view import StateView
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ SEALED_FIELDS = {K.SECRET: "ciphertext", K.CERT: "sealed_key", K.ACME_ACCOUNT: "
 """Each kind holding a value sealed to the cluster key, and the field holding it (re-sealed on rotation)."""
 
 
-def authorize(view: StateView, node_id: str, request: cpb.OpenSecretsRequest) -> tuple[pb.Release, pb.Node] | str:
+def authorize(view: StateReader, node_id: str, request: cpb.OpenSecretsRequest) -> tuple[pb.Release, pb.Node] | str:
     """The release whose secrets ``node_id`` may open for ``request``, with the node; else why not."""
     if request.node_id != node_id:
         return f"the request names node {request.node_id!r} but came on node {node_id}'s subject"

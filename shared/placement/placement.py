@@ -41,7 +41,8 @@ from zattera.v1 import types_pb2 as pb
 
 from shared.errors import ZatteraError
 from shared.placement.platforms import loose_platform, normalize_platform, platform_set, supports
-from shared.view import StateView, reservation
+from shared.state.reader import StateReader
+from shared.state.store import reservation
 from shared.volumes import find_volume
 
 __all__ = [
@@ -112,7 +113,7 @@ def split_pin_error(pins: list[tuple[str, str]], env_id: str, n: int) -> Placeme
     return PlacementError(message, reason="pins", unplaced=n)
 
 
-def volume_pin(view: StateView, release: pb.Release, env_id: str, n: int = 1) -> tuple[str, PlacementError | None]:
+def volume_pin(view: StateReader, release: pb.Release, env_id: str, n: int = 1) -> tuple[str, PlacementError | None]:
     """The node a stateful release is pinned to by its env's existing volumes ("" = no pin)."""
     spec = release.service
     if not spec.stateful or not spec.volumes:
@@ -165,10 +166,10 @@ class _Node:
         return -max(self.cap_mem - mem, 0)
 
 
-_placeable_cache: WeakKeyDictionary[StateView, tuple[list[pb.Node], dict[str, _Node]]] = WeakKeyDictionary()
+_placeable_cache: WeakKeyDictionary[StateReader, tuple[list[pb.Node], dict[str, _Node]]] = WeakKeyDictionary()
 
 
-def _placeable_nodes(view: StateView) -> dict[str, _Node]:
+def _placeable_nodes(view: StateReader) -> dict[str, _Node]:
     """Placeable nodes by id, in id order; recomputed only when the view's nodes changed (the view hands
     out the same sorted list object until then)."""
     nodes = view.nodes()
@@ -236,7 +237,7 @@ class PlacementIndex:
     Use it synchronously (no await between the view read and the decision), as one pass does.
     """
 
-    def __init__(self, view: StateView) -> None:
+    def __init__(self, view: StateReader) -> None:
         self.view = view
         self._nodes = _placeable_nodes(view)
         self._pools: dict[_Signature, _Pool] = {}
@@ -433,7 +434,7 @@ class PlacementIndex:
 
 
 def place(
-    view: StateView,
+    view: StateReader,
     release: pb.Release,
     env_id: str,
     n: int,
@@ -474,7 +475,7 @@ class Explanation:
         return f"{self.nodes} node{'s' * (self.nodes != 1)}: " + ", ".join(parts)
 
 
-def explain(view: StateView, release: pb.Release, env_id: str, exclude: Collection[str] = frozenset()) -> Explanation:
+def explain(view: StateReader, release: pb.Release, env_id: str, exclude: Collection[str] = frozenset()) -> Explanation:
     """Count, per named filter, the nodes of the view it removes for one more replica of ``release``.
 
     The same rules as :func:`place` over the view as it is (without the reservations of a pass in
@@ -511,7 +512,7 @@ class _Wants:
     cpu: int
     mem: int
 
-    def first_filter(self, node: pb.Node, view: StateView) -> str | None:
+    def first_filter(self, node: pb.Node, view: StateReader) -> str | None:
         """The name of the first filter ``node`` fails (None: it takes the replica)."""
         status = _status_filter(node)
         if status is not None:

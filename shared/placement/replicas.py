@@ -16,7 +16,7 @@ from zattera.v1 import types_pb2 as pb
 from shared.clock import from_timestamp, stamp
 from shared.deployments import desired_replicas
 from shared.ids import new_id
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 __all__ = ["desired_replicas"]
 
@@ -77,13 +77,13 @@ def stopped(a: pb.Assignment, *, now: float) -> pb.Assignment:
     return with_desired(a, STOP, now=now)
 
 
-def node_is_down(view: StateView, node_id: str) -> bool:
+def node_is_down(view: StateReader, node_id: str) -> bool:
     """The reference's "down": the node is missing or its status is anything but ALIVE."""
     node = view.node(node_id)
     return node is None or node.status != ALIVE
 
 
-def stop_is_reapable(view: StateView, a: pb.Assignment, now: float) -> bool:
+def stop_is_reapable(view: StateReader, a: pb.Assignment, now: float) -> bool:
     """A STOP assignment that can be deleted (reference: only once observed STOPPED).
 
     Fix: the reference leaked STOP assignments forever when no agent would ever report STOPPED. Here one

@@ -39,9 +39,10 @@ from shared.natsio import Connection, agent_subject
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
 from shared.snapshots.locking import SharedExclusiveLock
 from shared.snapshots.store import MANIFESTS, SnapshotStore
+from shared.state.feed import StateView
+from shared.state.reader import StateReader
 from shared.telemetry import inject, span
 from shared.txn import Deposed, TxnError, Writer
-from shared.view import StateView
 from shared.volumes import lease_expired, lease_held_by_other, lease_of
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def target_from_env() -> cpb.SnapshotTarget:
 # ---------------------------------------------------------------------------- volume lease helpers (C4.5)
 
 
-def volume_mounted(view: StateView, volume: pb.Volume, now: float) -> bool:
+def volume_mounted(view: StateReader, volume: pb.Volume, now: float) -> bool:
     """Mounted = its fencing lease is unexpired, or a non-job RUN assignment of its environment sits on
     its node (the instance holding the data may be up even while the lease lapses)."""
     if not lease_expired(lease_of(volume), now):
@@ -102,7 +103,7 @@ def volume_mounted(view: StateView, volume: pb.Volume, now: float) -> bool:
     )
 
 
-def holder_assignment(view: StateView, volume: pb.Volume) -> str:
+def holder_assignment(view: StateReader, volume: pb.Volume) -> str:
     """The instance a pre-hook runs in: the lease holder, else the env's lowest-id RUN assignment there."""
     if volume.HasField("lease") and volume.lease.assignment_id:
         return volume.lease.assignment_id

@@ -19,8 +19,8 @@ from shared.buildlogs import ERROR_HEADER, cancel_build_subject, run_build_subje
 from shared.ids import new_id
 from shared.natsio import BUILD_EVENTS_STREAM, SOURCES_STORE, Connection, build_events_subject
 from shared.registry import BlobStore, fetch_image
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent.conftest import APP, StartAgent, assignment, release
 from tests.agent.test_runtime import answers, seed, state_of
 from tests.factories import source_tarball

@@ -15,8 +15,8 @@ from shared.deploy import Deployer
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent.conftest import StartAgent
 from tests.orchestrator.rig import environment, spec
 from tests.waiting import eventually

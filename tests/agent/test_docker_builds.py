@@ -19,8 +19,8 @@ from services.agent.builder import Builder
 from shared.imagearchive import read_image_archive
 from shared.natsio import Connection
 from shared.registry import PlatformImage, digest_of, push_image
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent.conftest import StartAgent, assignment, release
 from tests.agent.test_builder import next_event, start_build
 from tests.agent.test_docker_runtime import output_of, start_docker_agent

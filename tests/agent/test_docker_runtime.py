@@ -32,8 +32,8 @@ from shared import keys as K
 from shared.live import node_key
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
 from shared.registry import PlatformImage, push_image
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent.conftest import RunningAgent, StartAgent, assignment, release
 from tests.agent.test_runtime import http_get, seed, set_desired, state_of
 from tests.waiting import eventually

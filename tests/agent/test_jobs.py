@@ -24,8 +24,8 @@ from shared.clock import FakeClock
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
 from shared.natsio import Connection, create_or_update_stream
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent.conftest import StartAgent, assignment, process_ref, release
 from tests.cli.test_builds_logs import REPO_ROOT, zattera_command
 from tests.factories import env as make_env

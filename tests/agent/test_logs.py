@@ -13,8 +13,8 @@ from services.agent.logs import STREAM_FILES, InstanceLogShipper, ShipperSetting
 from services.orchestrator.model import GREEN_FAILED_TO_START, failed_instance_reason
 from shared.applogs import STDERR, STDOUT, AppLogLine, LogLimits, app_logs_stream_config, read_app_logs
 from shared.natsio import Connection, create_or_update_stream
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent.conftest import StartAgent, assignment, process_ref, release
 from tests.agent.test_runtime import seed, state_of
 from tests.waiting import eventually

@@ -25,8 +25,8 @@ from shared.clock import RealClock
 from shared.embedded import free_port
 from shared.ids import new_id
 from shared.natsio import ACTIVATE_SUBJECT, Connection, connect
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent.conftest import StartAgent, process_ref
 from tests.routes import state as S
 from tests.waiting import eventually

@@ -14,8 +14,8 @@ from shared import keys as K
 from shared.clock import FakeClock
 from shared.live import node_key
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent.conftest import StartAgent, app_ref, assignment, release
 from tests.waiting import eventually
 

@@ -25,8 +25,8 @@ from services.agent.pythonbase import PYTHON_LABEL
 from shared.applogs import describe_exit
 from shared.natsio import Connection
 from shared.registry import fetch_image
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent.conftest import StartAgent, assignment, release
 from tests.agent.test_builder import run_build, serving
 from tests.agent.test_runtime import http_get, seed, state_of

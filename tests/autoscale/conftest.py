@@ -18,8 +18,8 @@ from shared.lease import Leadership, Lease
 from shared.live import LiveView, publish_node_heartbeat, publish_proxy_heartbeat
 from shared.loop import LoopDeps
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Txn, TxnError, Writer
-from shared.view import StateView
 from tests.waiting import eventually
 
 L = TypeVar("L", bound=ScalingLoop)

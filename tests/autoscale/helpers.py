@@ -7,10 +7,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from shared import keys as K
 from shared.clock import Clock
 from shared.live import LiveView, node_key, proxy_key
-from shared.view import StateView
 from tests.factories import assignment, release
 
 ENV = "env1"
@@ -105,14 +103,6 @@ def proxy_beat(now: float, proxy_id: str = "p1", envs: dict[str, cpb.ProxySample
     for env_id, sample in (envs or {}).items():
         hb.envs[env_id].CopyFrom(sample)
     return hb
-
-
-def offline_view(*msgs: Message) -> StateView:
-    """A view fed directly (no NATS), for the pure decision tables."""
-    view = StateView(None, name="offline")
-    for rev, msg in enumerate(msgs, start=1):
-        view.apply_local(K.key_of(msg), rev, msg)
-    return view
 
 
 def offline_live(clock: Clock, *beats: cpb.Heartbeat | cpb.ProxyHeartbeat) -> LiveView:

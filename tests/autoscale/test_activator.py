@@ -12,8 +12,8 @@ from services.autoscale.activator import Activator
 from shared.activation import NOT_FOUND, ActivateError, request_activation
 from shared.clock import FakeClock
 from shared.natsio import ACTIVATE_SUBJECT, Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.autoscale.conftest import Harness, InterleavingWriter
 from tests.autoscale.helpers import base_objects, scaled_env
 from tests.waiting import eventually

@@ -15,12 +15,12 @@ from tests.autoscale.helpers import (
     deployment,
     node_beat,
     offline_live,
-    offline_view,
     running,
     scaled_env,
     traffic,
     usage_beat,
 )
+from tests.memory_state import MemoryState
 
 NOW = FakeClock().now()
 
@@ -52,7 +52,7 @@ def test_scale_target(targets, observation, lo, hi, band, expected):
 
 def autoscale_decision(env: pb.Environment, *extra: Message, cpu: float | None = 90.0, stale: bool = False):
     runs = running(2)
-    view = offline_view(*base_objects(env, runs), *extra)
+    view = MemoryState(*base_objects(env, runs), *extra).store
     clock = FakeClock()
     beats = [] if cpu is None else [usage_beat(clock.now() - (31 if stale else 0), runs, cpu=cpu)]
     live = offline_live(clock, *beats)
@@ -96,7 +96,7 @@ def test_autoscaler_memory_percent_is_relative_to_the_envs_limit():
     clock = FakeClock()
     live = offline_live(clock, usage_beat(clock.now(), runs, cpu=0, mem=80 * MIB))
     decision = autoscaler.evaluate(
-        offline_view(*base_objects(env, runs)), live, env, 1, clock.now(), autoscaler.Timers()
+        MemoryState(*base_objects(env, runs)).store, live, env, 1, clock.now(), autoscaler.Timers()
     )
     assert decision.write is not None and decision.write.target == 4  # ceil(2 × 80 / 50)
 
@@ -114,7 +114,7 @@ def test_autoscaler_ignores_jobs_stopped_and_unknown_instances():
         instances={a.meta.id: (100.0, 1) for a in runs}
         | {"job-1": (500.0, 1), "stopped-1": (500.0, 1), "x": (500.0, 1)},
     )
-    view = offline_view(*base_objects(env, [*runs, job, stopped]))
+    view = MemoryState(*base_objects(env, [*runs, job, stopped])).store
     decision = autoscaler.evaluate(view, offline_live(clock, beat), env, 1, clock.now(), autoscaler.Timers())
     assert decision.write is not None and decision.write.target == 4
 
@@ -173,7 +173,7 @@ def test_serverless_desired_counts_held_requests(inflight, held, expected):
     env = scaled_env(scale_to_zero=True, min_replicas=0, max_replicas=5, max_concurrency=10)
     clock = FakeClock()
     live = offline_live(clock, node_beat(clock.now(), proxy={env.meta.id: traffic(inflight=inflight, held=held)}))
-    view = offline_view(*base_objects(env))
+    view = MemoryState(*base_objects(env)).store
     decision = serverless.evaluate(view, live, env, 1, clock.now(), None)
     target = decision.write.target if decision.write else current_replicas(env)
     assert target == expected

@@ -27,8 +27,8 @@ from shared.live import LiveView
 from shared.natsio import Connection, connect, provision
 from shared.routeclient import RouteClient
 from shared.security.setup import prepare
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "join")

@@ -14,7 +14,7 @@ from shared.clock import FakeClock
 from shared.lease import run_while_leading
 from shared.loop import LeaderLoop, LoopDeps
 from shared.natsio import Connection
-from shared.view import StateView
+from shared.state.feed import StateView
 from tests.waiting import eventually
 
 StartDispatcher = Callable[..., Awaitable[BuildDispatcher]]

@@ -13,8 +13,8 @@ from shared.buildcancel import cancel_build
 from shared.buildlogs import END_HEADER, follow_build_log, read_build_log
 from shared.clock import FakeClock
 from shared.natsio import BUILD_LOGS_STREAM, EVENTS_STREAM, Connection, build_log_subject, build_logs_stream_config
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.builds import seed
 from tests.builds.conftest import StartDispatcher, advance_until
 from tests.builds.fake_builder import FakeBuilder, log_event, success

@@ -13,8 +13,8 @@ from services.builds.dispatcher import BuildDispatcher
 from shared.buildlogs import read_build_log
 from shared.clock import FakeClock
 from shared.natsio import BUILD_EVENTS_STREAM, Connection, build_events_subject, connect
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.builds import seed
 from tests.builds.conftest import StartDispatcher, advance_until, stop
 from tests.builds.fake_builder import FakeBuilder, log_event, success

@@ -15,8 +15,8 @@ from shared.applogs import LogLimits, app_log_subject, app_logs_stream
 from shared.clock import FakeClock
 from shared.loop import LoopDeps
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.factories import env
 
 DEFAULT = LogLimits(max_bytes=8 * 1024 * 1024, max_age=3600.0)

@@ -27,8 +27,8 @@ from shared.registry import (
     lookup_tag,
     push_image,
 )
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.waiting import eventually
 
 GRACE = 900.0

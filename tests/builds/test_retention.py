@@ -14,8 +14,8 @@ from shared.clock import FakeClock
 from shared.loop import LoopDeps
 from shared.natsio import IMAGES_STORE, SOURCES_STORE, Connection
 from shared.registry import BlobStore, PlatformImage, image_id, push_image
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.builds import seed
 from tests.builds.test_dispatcher import put
 from tests.waiting import eventually

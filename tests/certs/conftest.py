@@ -23,8 +23,8 @@ from shared.live import proxy_key
 from shared.loop import LoopDeps
 from shared.natsio import LIVE_BUCKET, Connection
 from shared.secrets import CLUSTER_KEY
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.certs.pebble import Pebble, running_pebble
 from tests.secrets.test_service import secrets_service as running_secrets_service
 from tests.waiting import eventually

@@ -16,8 +16,8 @@ from shared import certs as C
 from shared import keys as K
 from shared.certclient import CACHE_FILE, CertClient
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.certs.conftest import PROJECT_ROOT
 from tests.certs.test_pebble import handshake
 from tests.eventlog import stored_events, wait_for_kinds

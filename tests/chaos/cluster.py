@@ -49,7 +49,7 @@ from shared.natsio import (
     connect,
     provision,
 )
-from shared.view import StateView
+from shared.state.feed import StateView
 from tests.orchestrator.failover import invariant_violations
 
 ROOT = Path(__file__).resolve().parents[2]

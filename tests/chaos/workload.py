@@ -27,8 +27,8 @@ from shared.deploy import Deployer, DeployError, FailedPrecondition
 from shared.deployments import is_terminal
 from shared.live import publish_node_heartbeat
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, connect
+from shared.state.feed import StateView
 from shared.txn import CommitUnknown, Conflict, TxnError, Writer
-from shared.view import StateView
 from tests.agent_sim import AgentSim
 from tests.chaos.cluster import (
     DEPLOYMENT_BOUND,

@@ -10,8 +10,8 @@ from typer.testing import CliRunner, Result
 
 from cli.main import app
 from shared.natsio import connect, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 
 Invoke = Callable[..., Result]
 

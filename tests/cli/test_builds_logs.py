@@ -16,8 +16,8 @@ from zattera.v1 import types_pb2 as pb
 from cli.main import app
 from shared.buildlogs import append_log_lines, close_log
 from shared.natsio import Connection, connect, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -19,8 +19,8 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.appconfig import MAX_VALUE_BYTES
 from shared.secrets import CLUSTER_KEY, key_id, unseal
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.cli.rig import Invoke, state
 
 SPEC = """

@@ -12,8 +12,8 @@ from zattera.v1 import types_pb2 as pb
 from shared import certs as C
 from shared import keys as K
 from shared.clock import to_timestamp
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.cli.rig import Invoke, state
 from tests.cli.test_config_secrets import ENV, SPEC
 

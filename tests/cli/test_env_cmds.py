@@ -9,8 +9,8 @@ import pytest
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.state.feed import StateView
 from shared.txn import Conflict
-from shared.view import StateView
 from tests.cli.rig import state
 from tests.cli.test_cli import VALID
 from tests.factories import assignment, node

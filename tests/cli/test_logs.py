@@ -35,7 +35,7 @@ async def publish(conn: Connection, instance: str, *lines: tuple[int, str, str])
 
 
 async def seed_env(conn: Connection) -> None:
-    from shared.view import StateView
+    from shared.state.feed import StateView
 
     view = StateView(conn, name="seed")
     await view.start()
@@ -142,7 +142,7 @@ def test_builds_logs_json_prints_one_object_per_line(nats_url: str) -> None:
 def test_ps_shows_restarts_and_the_last_exit(nats_url: str) -> None:
     async def seed(conn: Connection) -> None:
         from shared import keys as K
-        from shared.view import StateView
+        from shared.state.feed import StateView
 
         view = StateView(conn, name="seed")
         await view.start()
@@ -192,7 +192,7 @@ def test_apply_writes_the_env_log_retention(nats_url: str, tmp_path: Path) -> No
 
     async def stored(conn: Connection) -> pb.Environment:
         from cli.apply import resolve_env
-        from shared.view import StateView
+        from shared.state.feed import StateView
 
         view = StateView(conn, name="check")
         await view.start()
@@ -214,7 +214,7 @@ def test_apply_writes_the_env_log_retention(nats_url: str, tmp_path: Path) -> No
 
 def test_an_env_without_logs_yet_says_so(nats_url: str) -> None:
     async def seed(conn: Connection) -> None:
-        from shared.view import StateView
+        from shared.state.feed import StateView
 
         view = StateView(conn, name="seed")
         await view.start()

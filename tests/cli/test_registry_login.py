@@ -13,8 +13,8 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.registryauth import REGISTRY_AUTH_SECRET
 from shared.secrets import unseal
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.cli.rig import Invoke, state
 from tests.cli.test_config_secrets import ENV, applied, cluster_key, the_env
 

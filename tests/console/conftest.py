@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.console.rig import Running, add_users, running_console, seed
 
 

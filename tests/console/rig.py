@@ -22,8 +22,8 @@ from shared.console_users import ADMIN, VIEWER, new_user, save_user, users_bucke
 from shared.natsio import Connection
 from shared.secrets import CLUSTER_KEY, key_id
 from shared.snapshots.dispatch import SnapshotDispatcher
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests import factories
 
 ENV_ID = "01ENVWEB"

@@ -14,8 +14,8 @@ from shared import keys as K
 from shared.console_users import remove_user
 from shared.natsio import Connection
 from shared.security.tls import generate
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.console.rig import (
     ADMIN_USER,
     ENV_ID,

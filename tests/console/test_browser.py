@@ -19,8 +19,8 @@ from shared import certs as C
 from shared import keys as K
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream_config
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.console.rig import ADMIN_USER, PASSWORD, VIEWER_USER, add_users, cluster_key, random_secret, running_console
 from tests.console.test_certs_jobs import certificate, domain
 from tests.orchestrator.rig import Rig, make_rig, seed_deploy_rig

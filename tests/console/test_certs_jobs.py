@@ -13,8 +13,8 @@ from services.console import pages
 from shared import certs as C
 from shared import jobs as J
 from shared import keys as K
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.console.rig import ADMIN_USER, ENV_ID, VIEWER_USER, Running, seed
 from tests.console.test_auth import client, csrf_of, log_in
 from tests.console.test_streams import _messages, _next

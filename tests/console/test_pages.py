@@ -7,8 +7,8 @@ from zattera.v1 import types_pb2 as pb
 
 from services.console import pages
 from shared import keys as K
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests import factories
 from tests.console.rig import ENV_ID, seed
 

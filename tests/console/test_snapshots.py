@@ -13,8 +13,8 @@ from zattera.v1 import types_pb2 as pb
 from shared.natsio import Connection
 from shared.snapshots import SnapshotAgent
 from shared.snapshots.chunking import TEST_PARAMS
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests import factories
 from tests.console.rig import ADMIN_USER, Running, add_users, running_console
 from tests.console.test_auth import client, csrf_of, log_in

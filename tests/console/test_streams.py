@@ -14,8 +14,8 @@ from zattera.v1 import types_pb2 as pb
 from shared.buildlogs import append_log_lines, close_log
 from shared.events import EventPublisher, make_event
 from shared.natsio import EVENTS_STREAM, Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.console.rig import ADMIN_USER, ENV_ID, Running
 from tests.console.test_auth import client, csrf_of, log_in
 from tests.waiting import eventually

@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 from shared.console_users import load_user, password_matches, users_bucket
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.cli.rig import Invoke, initialised_cli, state
 
 PASSWORD = "a long enough password"

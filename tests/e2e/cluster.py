@@ -45,7 +45,7 @@ from shared.natsio import Connection, connect
 from shared.routeclient import RouteClient, load_cached
 from shared.security.permissions import Role
 from shared.security.setup import SecureSetup, prepare
-from shared.view import StateView
+from shared.state.feed import StateView
 from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from shared.events import EventPublisher
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
 from shared.natsio import Connection
-from shared.view import StateView
+from shared.state.feed import StateView
 from tests.eventlog import one, stored_events, stored_kinds, wait_for_kinds
 from tests.orchestrator.rig import deployment
 from tests.orchestrator.test_loop import ENV, HOUR, PH, TIMERS, Running

@@ -15,8 +15,8 @@ from zattera.v1 import types_pb2 as pb
 
 from shared.events import EventPublisher, make_event
 from shared.natsio import Connection, connect, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.cli.rig import Invoke, initialised_cli
 from tests.factories import node
 from tests.orchestrator.rig import environment, spec

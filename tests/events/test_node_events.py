@@ -15,8 +15,8 @@ from shared.events import EventPublisher, make_event
 from shared.live import LiveView, publish_node_heartbeat
 from shared.loop import LoopDeps
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.eventlog import stored_events
 from tests.factories import node
 from tests.waiting import eventually

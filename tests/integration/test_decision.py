@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shared.decision import Decision
+from shared.state.feed import StateView
 from shared.txn import Conflict, Writer
-from shared.view import StateView
 from tests.factories import env, node
 
 

@@ -15,8 +15,9 @@ from shared.clock import FakeClock
 from shared.lease import run_while_leading
 from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
 from shared.natsio import Connection
+from shared.state.changes import Change, ChangeFeed
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import Change, ChangeFeed, StateView
 from tests.factories import env, node
 from tests.waiting import eventually
 

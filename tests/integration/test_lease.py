@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from shared.lease import Lease, run_while_leading
-from shared.view import StateView
+from shared.state.feed import StateView
 from tests.waiting import eventually
 
 TTL = 1.0

@@ -13,8 +13,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from shared.lease import Leadership, run_while_leading
 from shared.metrics import use_in_memory_reader
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Conflict, Writer
-from shared.view import StateView
 from tests.factories import node
 from tests.waiting import eventually
 

@@ -17,8 +17,8 @@ from shared.natsio import (
     connect,
     provision,
 )
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 
 
 async def test_provisioning_twice_and_concurrently_is_harmless(nats_url):

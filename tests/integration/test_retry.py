@@ -11,8 +11,8 @@ from shared.clock import FakeClock
 from shared.lease import Lease
 from shared.natsio import STATE_PREFIX, Connection, connect
 from shared.retry import RETRY, Attempt, RetriesExhausted, RetryPolicy, commit_with_retry, decide_again
+from shared.state.feed import StateView
 from shared.txn import CommitUnknown, Deposed, Txn, Writer
-from shared.view import StateView
 from tests.factories import node
 from tests.waiting import eventually
 

@@ -10,8 +10,8 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.embedded import EmbeddedNats
 from shared.natsio import STATE_PREFIX, connect, provision
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.factories import assignment, env, node, release
 from tests.waiting import eventually
 
@@ -152,3 +152,13 @@ async def test_garbage_over_a_valid_value_removes_it_as_a_fresh_view_would(conn,
         await fresh.stop()
     await writer.commit(writer.txn().put(node("n1")))
     await eventually(lambda: view.node("n1") is not None, what="a fenced write replaces the garbage")
+
+
+async def test_catch_up_waits_until_the_view_has_seen_every_stored_write(conn, view: StateView):
+    other_view = StateView(conn, name="behind")
+    await other_view.start()
+    for i in range(20):
+        await conn.js.publish(STATE_PREFIX + K.node(f"n{i}"), node(f"n{i}").SerializeToString())
+    assert await other_view.catch_up(timeout=10)
+    assert other_view.count(K.NODE) == 20
+    await other_view.stop()

@@ -7,8 +7,8 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Conflict, Writer
-from shared.view import StateView
 
 
 def node(node_id: str, name: str = "") -> pb.Node:

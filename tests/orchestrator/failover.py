@@ -19,7 +19,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.deployments import is_terminal
 from shared.natsio import Connection
-from shared.view import StateView
+from shared.state.feed import StateView
 from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]

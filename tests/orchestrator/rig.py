@@ -24,8 +24,8 @@ from shared.decision import Decision
 from shared.lease import Leadership, Lease
 from shared.loop import LoopDeps
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.factories import node
 
 RUN = pb.ASSIGNMENT_DESIRED_RUN

@@ -6,8 +6,8 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent_sim import AgentSim
 from tests.orchestrator.rig import copied, replica
 from tests.waiting import eventually

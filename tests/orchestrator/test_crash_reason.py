@@ -5,7 +5,6 @@ from __future__ import annotations
 from zattera.v1 import types_pb2 as pb
 
 from services.orchestrator.model import deployment_of, failed_instance_reason
-from shared import keys as K
 from tests.orchestrator.test_phases import T0, place_green, red_green_board
 
 
@@ -27,7 +26,7 @@ def test_the_deployment_error_carries_the_exit_and_the_stderr_tail() -> None:
     b = red_green_board()
     green = place_green(b)
     failed = crashed(green[1], tail=("starting", "fatal: DATABASE_URL not set"))
-    b.view.apply_local(K.observed(failed.node_id, failed.meta.id), 10_000, failed.observed)
+    b.state.observe(failed.node_id, failed.meta.id, failed.observed)
     t = b.decide(T0 + 5)
     assert t is not None and deployment_of(t).phase == pb.DEPLOYMENT_PHASE_FAILED
     assert deployment_of(t).error == (

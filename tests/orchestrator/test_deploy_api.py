@@ -18,8 +18,8 @@ from shared.deploy import (
     config_hash,
 )
 from shared.natsio import Connection, connect
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.orchestrator.rig import copied, environment, spec
 from tests.waiting import eventually
 

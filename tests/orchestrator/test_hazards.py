@@ -15,8 +15,8 @@ from shared import keys as K
 from shared.deploy import Deployer
 from shared.deployments import env_ownership
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+from shared.state.feed import StateView
 from shared.txn import Conflict, Writer
-from shared.view import StateView
 from tests.orchestrator.rig import PH, RUN, STOP, Rig, copied, make_rig, seed_deploy_rig
 
 HEALTHY = pb.INSTANCE_STATE_HEALTHY

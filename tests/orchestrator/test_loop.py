@@ -20,8 +20,8 @@ from shared.deploy import Deployer
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.agent_sim import AgentSim
 from tests.factories import node
 from tests.orchestrator.rig import copied, environment, release, replica, spec

@@ -17,8 +17,8 @@ from shared import keys as K
 from shared.clock import stamp
 from shared.decision import Decision
 from shared.deploy import CANCELED_BY_OPERATOR
-from shared.view import StateView
 from tests.factories import node
+from tests.memory_state import MemoryState
 from tests.orchestrator.rig import copied, deployment, environment, release, replica, spec
 
 PH = pb.DeploymentPhase
@@ -37,28 +37,23 @@ class Board:
     """A view fed directly (what the watch would deliver), for pure decisions."""
 
     def __init__(self) -> None:
-        self.view = StateView(name="board")
-        self._rev = 0
+        self.state = MemoryState(name="board")
+        self.view = self.state.store
 
     def put(self, *msgs: Message) -> None:
-        for msg in msgs:
-            self._rev += 1
-            self.view.apply_local(K.key_of(msg), self._rev, msg)
+        self.state.put(*msgs)
 
     def observe(self, assignments: list[pb.Assignment], state: int) -> None:
         for a in assignments:
-            self._rev += 1
             observed = pb.AssignmentObserved(state=state, container_id=f"c-{a.meta.id}")  # type: ignore[arg-type]
-            self.view.apply_local(K.observed(a.node_id, a.meta.id), self._rev, observed)
+            self.state.observe(a.node_id, a.meta.id, observed)
 
     def apply(self, t: Decision) -> None:
         """Commit a transition to the board as the loop would."""
-        for msg in [*t.creates, *t.puts]:
-            self.put(msg)
+        self.state.put(*t.creates, *t.puts)
         for key in t.deletes:
-            self._rev += 1
-            self.view.apply_local(key, self._rev, None)
-        self.put(deployment_of(t))
+            self.state.delete(key)
+        self.state.put(deployment_of(t))
 
     def d(self, deployment_id: str = "dep1") -> pb.Deployment:
         found = self.view.deployment(deployment_id)

@@ -15,10 +15,10 @@ from services.routes.builder import (
     node_hosts,
     routable_replicas,
 )
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 
-def reference_content(view: StateView, domain: str) -> bytes:
+def reference_content(view: StateReader, domain: str) -> bytes:
     """The version-less snapshot built with message objects, serialized by protobuf."""
     snapshot = cpb.RouteSnapshot()
     hosts = node_hosts(view)
@@ -31,7 +31,7 @@ def reference_content(view: StateView, domain: str) -> bytes:
 
 
 def reference_env(
-    view: StateView, env: pb.Environment, domain: str, hosts: dict[str, str | None]
+    view: StateReader, env: pb.Environment, domain: str, hosts: dict[str, str | None]
 ) -> cpb.RouteSnapshot | None:
     app = view.app(env.app_id)
     if app is None:

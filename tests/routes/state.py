@@ -1,6 +1,6 @@
 """Route test state: the spec's C1 seed (routes-snapshots.md C1) as (key, message) writes.
 
-The same writes feed a connection-less :class:`LocalState` (pure builder tests) or real NATS through a
+The same writes feed a connection-less :func:`write_local` (pure builder tests) or real NATS through a
 :class:`Writer` (:func:`commit`).
 """
 
@@ -13,7 +13,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.txn import Writer
-from shared.view import StateView
+from tests.memory_state import MemoryState
 
 Write = tuple[str, Message | None]  # None = delete
 DOMAIN = "apps.example.com"
@@ -127,19 +127,12 @@ def seed_route_env() -> list[Write]:
     return [project(), app(), env(), node()]
 
 
-class LocalState:
-    """A view without NATS: writes get increasing revisions, as the state stream would give them."""
-
-    def __init__(self) -> None:
-        self.view = StateView(None)
-        self.revision = 0
-
-    def write(self, *writes: Write | list[Write]) -> int:
-        for item in writes:
-            for key, msg in item if isinstance(item, list) else [item]:
-                self.revision += 1
-                self.view.apply_local(key, self.revision, msg)
-        return self.revision
+def write_local(state: MemoryState, *writes: Write | list[Write]) -> int:
+    """Apply writes to a store filled directly (pure builder tests); returns the last revision."""
+    for item in writes:
+        for key, msg in item if isinstance(item, list) else [item]:
+            state.write(key, msg)
+    return state.revision
 
 
 async def commit(writer: Writer, *writes: Write | list[Write]) -> None:

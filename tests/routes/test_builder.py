@@ -18,26 +18,27 @@ from services.routes.builder import (
     http_port_name,
 )
 from shared import keys as K
+from tests.memory_state import MemoryState
 from tests.routes import state as S
-from tests.routes.state import DOMAIN, LocalState, Write
+from tests.routes.state import DOMAIN, Write, write_local
 
 
 class Routes:
     def __init__(self, *writes: Write | list[Write], domain: str = DOMAIN) -> None:
-        self.state = LocalState()
+        self.state = MemoryState()
         self.domain = domain
-        self.builder = RouteBuilder(self.state.view, domain=domain)
-        self.feed = self.state.view.subscribe(RELEVANT_KINDS)
-        self.state.write(*writes)
+        self.builder = RouteBuilder(self.state.store, domain=domain)
+        self.feed = self.state.store.subscribe(RELEVANT_KINDS)
+        write_local(self.state, *writes)
         self.builder.rebuild_all()
         self.feed.drain()
 
     def write(self, *writes: Write | list[Write]) -> set[str]:
-        self.state.write(*writes)
+        write_local(self.state, *writes)
         return self.builder.apply_changes(self.feed.drain())
 
     def snapshot(self) -> cpb.RouteSnapshot:
-        full = RouteBuilder(self.state.view, domain=self.domain)
+        full = RouteBuilder(self.state.store, domain=self.domain)
         full.rebuild_all()
         assert self.builder.content() == full.content(), "incremental build differs from a full build"
         snapshot = self.builder.snapshot()

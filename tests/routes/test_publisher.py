@@ -19,8 +19,8 @@ from shared import keys as K
 from shared.clock import FakeClock
 from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, Connection, connect
 from shared.routeclient import UNCHANGED_HEADER, VERSION_HEADER, RouteClient
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.routes import state as S
 from tests.routes.state import DOMAIN
 from tests.waiting import eventually

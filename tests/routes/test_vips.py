@@ -9,8 +9,8 @@ from services.routes.vips import VipAllocator, plan_vips, vip_pool
 from shared.clock import FakeClock
 from shared.loop import LoopDeps
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.routes import state as S
 
 

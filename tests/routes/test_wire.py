@@ -14,9 +14,10 @@ from zattera.v1 import types_pb2 as pb
 
 from services.routes.builder import RouteBuilder
 from services.routes.wire import LEN, VARINT, len_field, string_field, tag, uint_field
+from tests.memory_state import MemoryState
 from tests.routes import state as S
 from tests.routes.reference import reference_content
-from tests.routes.state import LocalState, Write
+from tests.routes.state import Write, write_local
 
 UINT32 = 2**32 - 1
 UINT64 = 2**64 - 1
@@ -101,11 +102,11 @@ def routing_states(draw: st.DrawFn) -> tuple[list[Write | list[Write]], str]:
 @given(routing_states())
 def test_hand_encoded_snapshot_equals_protobufs_serialization(case: tuple[list[Write | list[Write]], str]) -> None:
     writes, domain = case
-    local = LocalState()
-    local.write(*writes)
-    builder = RouteBuilder(local.view, domain=domain)
+    local = MemoryState()
+    write_local(local, *writes)
+    builder = RouteBuilder(local.store, domain=domain)
     builder.rebuild_all()
-    assert builder.content() == reference_content(local.view, domain)
+    assert builder.content() == reference_content(local.store, domain)
 
 
 @given(st.integers(0, UINT64))

@@ -15,8 +15,8 @@ from shared import keys as K
 from shared.clock import FakeClock
 from shared.loop import LoopDeps
 from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.waiting import eventually
 
 MARKER = "test.marker"

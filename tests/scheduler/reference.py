@@ -20,7 +20,7 @@ from shared.placement.placement import (
     split_pin_error,
 )
 from shared.placement.platforms import supports
-from shared.view import StateView
+from shared.state.reader import StateReader
 
 
 def _need(release: pb.Release | None) -> tuple[int, int]:
@@ -31,7 +31,7 @@ def _need(release: pb.Release | None) -> tuple[int, int]:
 
 
 def reference_place(
-    view: StateView, release: pb.Release, env_id: str, n: int, exclude: Collection[str] = frozenset()
+    view: StateReader, release: pb.Release, env_id: str, n: int, exclude: Collection[str] = frozenset()
 ) -> tuple[list[str], PlacementError | None]:
     if n <= 0:
         return [], None

@@ -6,12 +6,12 @@ from zattera.v1 import types_pb2 as pb
 
 from shared.placement.placement import FILTERS, Explanation, explain, place
 from tests.factories import assignment
+from tests.memory_state import MemoryState
 from tests.scheduler.builders import pnode, spec_env, spec_release
-from tests.scheduler.offline import OfflineState
 
 
-def state_of(release: pb.Release, *objects: object) -> OfflineState:
-    state = OfflineState(release, spec_env("env1", release, project_id="p1"))
+def state_of(release: pb.Release, *objects: object) -> MemoryState:
+    state = MemoryState(release, spec_env("env1", release, project_id="p1"))
     state.put(*objects)  # type: ignore[arg-type]
     return state
 
@@ -34,7 +34,7 @@ def test_every_node_is_counted_under_the_first_filter_it_fails() -> None:
         pnode("room", os_arch="linux/arm64", labels={"disk": "ssd"}, mem=4096),
         pnode("mine", os_arch="linux/arm64", labels={"disk": "ssd"}, mem=4096),
     )
-    explained = explain(state.view, rel, "env1", exclude={"mine"})
+    explained = explain(state.store, rel, "env1", exclude={"mine"})
     assert explained == Explanation(
         nodes=10,
         filtered={
@@ -59,18 +59,18 @@ def test_the_issue_example_and_a_cpu_shortfall() -> None:
     rel = spec_release("rel1", "env1", cpu=500, mem=512, platforms=("linux/arm64",))
     arch = [pnode(f"x{i}", os_arch="linux/amd64") for i in range(3)]
     state = state_of(rel, *arch, pnode("m1", os_arch="linux/arm64", mem=256), pnode("m2", os_arch="linux/arm64", mem=1))
-    assert explain(state.view, rel, "env1").summary() == "5 nodes: 3 filtered by arch, 2 by memory"
+    assert explain(state.store, rel, "env1").summary() == "5 nodes: 3 filtered by arch, 2 by memory"
     cpu_bound = state_of(rel, pnode("c1", os_arch="linux/arm64", cpu=400))
-    assert explain(cpu_bound.view, rel, "env1").summary() == "1 node: 1 filtered by cpu"
-    assert explain(state_of(rel).view, rel, "env1").summary() == "no nodes registered"
+    assert explain(cpu_bound.store, rel, "env1").summary() == "1 node: 1 filtered by cpu"
+    assert explain(state_of(rel).store, rel, "env1").summary() == "no nodes registered"
 
 
 def test_explain_agrees_with_place() -> None:
     """A node explain finds room on is one place can pick; none with room means place fails."""
     rel = spec_release("rel1", "env1", mem=512, constraints={"zone": "a"})
     state = state_of(rel, pnode("n1", labels={"zone": "b"}), pnode("n2", labels={"zone": "a"}, mem=256))
-    picks, error = place(state.view, rel, "env1", 1)
-    assert picks == [] and error is not None and explain(state.view, rel, "env1").fit == 0
+    picks, error = place(state.store, rel, "env1", 1)
+    assert picks == [] and error is not None and explain(state.store, rel, "env1").fit == 0
     state.put(pnode("n3", labels={"zone": "a"}, mem=1024))
-    picks, error = place(state.view, rel, "env1", 1)
-    assert picks == ["n3"] and error is None and explain(state.view, rel, "env1").fit == 1
+    picks, error = place(state.store, rel, "env1", 1)
+    assert picks == ["n3"] and error is None and explain(state.store, rel, "env1").fit == 1

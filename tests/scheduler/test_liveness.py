@@ -11,10 +11,10 @@ from shared.clock import FakeClock
 from shared.live import LiveView, publish_node_heartbeat
 from shared.loop import LoopDeps
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.factories import node
-from tests.scheduler.offline import OfflineState
+from tests.memory_state import MemoryState
 from tests.waiting import eventually
 
 ALIVE, DOWN = pb.NODE_STATUS_ALIVE, pb.NODE_STATUS_DOWN
@@ -52,21 +52,21 @@ NOW = 1_700_000_000.0
     ],
 )
 def test_liveness_decides_from_heartbeat_age(status, heard_ago, term_age, expected):
-    state = OfflineState(node("n1", status=status))
+    state = MemoryState(node("n1", status=status))
     heard = {} if heard_ago is None else {"n1": NOW - heard_ago}
-    writes = evaluate_liveness(state.view, heard.get, NOW, NOW - term_age)
+    writes = evaluate_liveness(state.store, heard.get, NOW, NOW - term_age)
     got = [w.puts[0].status for w in writes]  # type: ignore[attr-defined]
     assert got == ([] if expected is None else [expected])
 
 
 def test_liveness_windows_are_settable():
     """Short windows (ZATTERA_NODE_HEARTBEAT_DEADLINE / ZATTERA_LIVENESS_GRACE) for tests and demos."""
-    state = OfflineState(node("n1", status=ALIVE))
+    state = MemoryState(node("n1", status=ALIVE))
     heard = {"n1": NOW - 4}
-    assert evaluate_liveness(state.view, heard.get, NOW, NOW - 10) == []
-    writes = evaluate_liveness(state.view, heard.get, NOW, NOW - 10, deadline=3, grace=2)
+    assert evaluate_liveness(state.store, heard.get, NOW, NOW - 10) == []
+    writes = evaluate_liveness(state.store, heard.get, NOW, NOW - 10, deadline=3, grace=2)
     assert [w.puts[0].status for w in writes] == [DOWN]  # type: ignore[attr-defined]
-    assert evaluate_liveness(state.view, heard.get, NOW, NOW - 1, deadline=3, grace=2) == []
+    assert evaluate_liveness(state.store, heard.get, NOW, NOW - 1, deadline=3, grace=2) == []
 
 
 async def heartbeat(conn: Connection, live: LiveView, node_id: str, at: float) -> None:

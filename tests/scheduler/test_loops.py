@@ -19,8 +19,8 @@ from shared.loop import LoopDeps
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.service import ServiceContext
 from shared.settings import Settings
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests.scheduler.builders import spec_env, spec_release, unlimited
 from tests.waiting import eventually
 

@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 from zattera.v1 import types_pb2 as pb
 
 from shared.placement.placement import PlacementIndex, place
-from shared.view import reservation
+from shared.state.store import reservation
 from tests.factories import assignment, node
+from tests.memory_state import MemoryState
 from tests.scheduler.builders import spec_env, spec_release, volume
-from tests.scheduler.offline import OfflineState
 from tests.scheduler.reference import reference_place
 
 REGIONS = ["", "eu", "us", "ap"]
@@ -59,11 +59,11 @@ def releases(draw: st.DrawFn, env_id: str) -> pb.Release:
 
 
 @st.composite
-def clusters(draw: st.DrawFn) -> tuple[OfflineState, dict[str, pb.Release]]:
+def clusters(draw: st.DrawFn) -> tuple[MemoryState, dict[str, pb.Release]]:
     node_list = draw(nodes())
     node_ids = [n.meta.id for n in node_list] + ["ghost"]
     rels = {env_id: draw(releases(env_id)) for env_id in ENVS}
-    state = OfflineState(*node_list, *rels.values())
+    state = MemoryState(*node_list, *rels.values())
     state.put(*(spec_env(env_id, rel, project_id="p1") for env_id, rel in rels.items()))
     for i in range(draw(st.integers(0, 12))):
         env_id = draw(st.sampled_from([*ENVS, "other"]))
@@ -82,8 +82,8 @@ def clusters(draw: st.DrawFn) -> tuple[OfflineState, dict[str, pb.Release]]:
 @given(clusters(), st.sampled_from(ENVS), st.integers(0, 9), st.sets(st.sampled_from(["n00", "n01", "n03", "x"])))
 def test_place_equals_the_reference_algorithm(cluster, env_id, n, exclude):
     state, rels = cluster
-    fast = place(state.view, rels[env_id], env_id, n, exclude)
-    slow = reference_place(state.view, rels[env_id], env_id, n, exclude)
+    fast = place(state.store, rels[env_id], env_id, n, exclude)
+    slow = reference_place(state.store, rels[env_id], env_id, n, exclude)
     assert (fast[0], str(fast[1])) == (slow[0], str(slow[1]))
 
 
@@ -91,7 +91,7 @@ def test_place_equals_the_reference_algorithm(cluster, env_id, n, exclude):
 @given(clusters(), st.lists(st.tuples(st.sampled_from(ENVS), st.integers(1, 6)), min_size=1, max_size=5))
 def test_sequential_placement_through_one_index_equals_the_reference_with_writes_applied(cluster, calls):
     state, rels = cluster
-    index = PlacementIndex(state.view)
+    index = PlacementIndex(state.store)
     fast_results = []
     for env_id, n in calls:
         picks, err = index.place(rels[env_id], env_id, n)
@@ -102,7 +102,7 @@ def test_sequential_placement_through_one_index_equals_the_reference_with_writes
     # The same sequence against the literal algorithm, writing each call's picks before the next.
     slow_results = []
     for k, (env_id, n) in enumerate(calls):
-        picks, err = reference_place(state.view, rels[env_id], env_id, n)
+        picks, err = reference_place(state.store, rels[env_id], env_id, n)
         slow_results.append((picks, str(err)))
         state.put(*(assignment(nid, env_id, f"r-{env_id}", assignment_id=f"z{k}-{i}") for i, nid in enumerate(picks)))
     assert fast_results == slow_results

@@ -9,8 +9,8 @@ from shared import keys as K
 from shared.clock import FakeClock
 from shared.loop import LoopDeps
 from shared.natsio import Connection
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests import factories
 
 NOW = 1_700_000_000.0

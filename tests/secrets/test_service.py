@@ -33,8 +33,8 @@ from shared.secrets import (
     seal,
     unseal,
 )
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests import factories
 from tests.waiting import eventually
 

@@ -16,7 +16,7 @@ from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, connect
 from shared.security.join import JoinService
 from shared.security.permissions import Role, view_consumer
 from shared.security.views import ViewRefused, node_view_filters, request_view
-from shared.view import StateView
+from shared.state.feed import StateView
 from tests.security.conftest import SecureCluster
 from tests.waiting import eventually
 
@@ -133,8 +133,8 @@ async def test_only_an_agent_credential_opens_a_view(
             await conn.close()
 
 
-def test_view_filters_are_key_patterns() -> None:
+async def test_view_filters_are_key_patterns(conn: Connection) -> None:
     with pytest.raises(ValueError, match="bad view filter"):
-        StateView(filters=(f"{STATE_PREFIX}release.*",))
+        StateView(conn, filters=(f"{STATE_PREFIX}release.*",))
     with pytest.raises(ValueError, match="bad view filter"):
-        StateView(filters=("",))
+        StateView(conn, filters=("",))

@@ -23,8 +23,8 @@ from shared.snapshots import SnapshotAgent, SnapshotStore
 from shared.snapshots.chunking import TEST_PARAMS
 from shared.snapshots.dispatch import SnapshotDispatcher
 from shared.snapshots.tarstream import tar_bytes
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests import factories
 from tests.security.conftest import ConnectAs, SecureCluster
 from tests.snapshots.conftest import BASE, snap_volume, write_tree

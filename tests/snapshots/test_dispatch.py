@@ -27,8 +27,8 @@ from shared.snapshots.dispatch import (
     key_fingerprint,
 )
 from shared.snapshots.tarstream import tar_bytes
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests import factories
 from tests.snapshots.conftest import BASE, snap_volume, snapshot_record, stamp, write_tree
 from tests.waiting import eventually

@@ -18,8 +18,8 @@ from shared.lease import run_while_leading
 from shared.loop import LoopDeps
 from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection
 from shared.snapshots.dispatch import RecordNotWritten
+from shared.state.feed import StateView
 from shared.txn import Writer
-from shared.view import StateView
 from tests import factories
 from tests.snapshots.conftest import BASE, snap_volume, snapshot_record, stamp
 from tests.waiting import eventually
