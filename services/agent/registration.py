@@ -31,6 +31,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.clock import Clock, stamp
+from shared.jetstream import is_delete_marker
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.txn import Writer
@@ -148,9 +149,7 @@ async def _read_node(conn: Connection, node_id: str) -> tuple[pb.Node | None, in
         msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.node(node_id), direct=True)
     except NotFoundError:
         return None, 0
-    headers = msg.headers or {}
-    deleted = headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers
-    if deleted or not msg.data:
+    if is_delete_marker(msg.headers) or not msg.data:
         return None, int(msg.seq or 0)
     return pb.Node.FromString(msg.data), int(msg.seq or 0)
 
