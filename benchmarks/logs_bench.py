@@ -34,7 +34,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, bench_main, embedded_server, median, percentile, row
-from services.agent.runtime import PASSED_THROUGH_ENV
+from services.agent.instance_env import PASSED_THROUGH_ENV
 from shared import keys as K
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream_config
 from shared.natsio import Connection, connect, create_or_update_stream, provision

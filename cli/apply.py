@@ -29,6 +29,7 @@ from zattera.v1 import types_pb2 as pb
 from cli.spec import AppSpec, Build, Env, PolicyChange, middleware, service_spec, to_duration
 from shared import keys as K
 from shared.appconfig import ConfigError, check_env_size, secret_sizes, with_vars
+from shared.clock import stamp
 from shared.ids import new_id
 from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
@@ -128,8 +129,8 @@ def field_changes(old: Message | None, new: Message | None) -> list[FieldChange]
 def _stamp(meta: pb.Meta, now: float, *, new: bool) -> None:
     if new:
         meta.id = new_id()
-        meta.created_at.FromNanoseconds(int(now * 1e9))
-    meta.updated_at.FromNanoseconds(int(now * 1e9))
+        stamp(meta.created_at, now)
+    stamp(meta.updated_at, now)
 
 
 def _copy(msg: Message) -> Message:
@@ -179,7 +180,7 @@ def with_policy(volume: pb.Volume, change: PolicyChange, now: float) -> pb.Volum
     updated = pb.Volume()
     updated.CopyFrom(volume)
     updated.snapshot_policy.CopyFrom(policy)
-    updated.meta.updated_at.FromNanoseconds(int(now * 1e9))
+    stamp(updated.meta.updated_at, now)
     return updated
 
 
@@ -291,7 +292,7 @@ def _keep_cron_starts(service: pb.ServiceSpec, env: pb.Environment | None, now: 
         if old is not None and old.schedule == entry.schedule and old.HasField("since"):
             entry.since.CopyFrom(old.since)
         else:
-            entry.since.FromNanoseconds(int(now * 1e9))
+            stamp(entry.since, now)
 
 
 def _plan_config(

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.clock import stamp
 from shared.deployments import is_terminal
 from shared.events import make_event
 from shared.state.reader import StateReader
@@ -109,7 +110,7 @@ def _stopped(a: pb.Assignment, now: float) -> pb.Assignment:
     copy.CopyFrom(a)
     copy.ClearField("observed")
     copy.desired = pb.ASSIGNMENT_DESIRED_STOP
-    copy.meta.updated_at.FromNanoseconds(int(now * 1e9))
+    stamp(copy.meta.updated_at, now)
     return copy
 
 
@@ -123,7 +124,7 @@ def _ended(d: pb.Deployment, now: float) -> pb.Deployment:
     else:
         copy.phase = pb.DEPLOYMENT_PHASE_FAILED
         copy.error = ENVIRONMENT_DELETED
-    copy.meta.updated_at.FromNanoseconds(int(now * 1e9))
+    stamp(copy.meta.updated_at, now)
     return copy
 
 

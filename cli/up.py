@@ -25,6 +25,7 @@ from rich.console import Console
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import choose_engine, split_listen
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
+from shared.subprocesses import spawn_logged
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs", "console")
 ALL_IN_ONE = "control-plane"
@@ -53,16 +54,7 @@ class Supervised:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=PROJECT_ROOT,
-                env=self.env,
-                start_new_session=True,
-            )
+        self.proc = spawn_logged(self.argv, self.log_path, cwd=PROJECT_ROOT, env=self.env)
         self.started_at = time.monotonic()
 
     def alive(self) -> bool:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import uuid
 
+from shared.jetstream import is_delete_marker
 from shared.live import ACME_CHALLENGE
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
 
@@ -63,8 +64,7 @@ class ChallengeAnswers:
             msg = await self._conn.js.get_last_msg(LIVE_STREAM, challenge_key(token), direct=True)
         except Exception:  # not there (or NATS unreachable): nothing to answer
             return None
-        headers = msg.headers or {}
-        if not msg.data or headers.get("KV-Operation") in ("DEL", "PURGE"):
+        if not msg.data or is_delete_marker(msg.headers):
             return None
         return bytes(msg.data).decode()
 

@@ -26,6 +26,8 @@ from nats.js.errors import NotFoundError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from shared.errors import ZatteraError
+
 APP_LOGS_SUBJECT_PREFIX = "zattera.logs."
 APP_LOGS_STREAM_PREFIX = "ZATTERA_LOGS_"
 STDOUT = "stdout"
@@ -118,7 +120,7 @@ def lines_of(data: bytes) -> list[AppLogLine]:
     ]
 
 
-class UnknownLogStream(Exception):
+class UnknownLogStream(ZatteraError):
     """The environment has no log stream (yet): nothing was ever logged, or the builds service is not running."""
 
 

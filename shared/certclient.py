@@ -23,7 +23,8 @@ from nacl.public import PrivateKey
 from nats.aio.subscription import Subscription
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from shared.certs import CHANGED_SUBJECT, KEYS_OPEN_SUBJECT, seconds
+from shared.certs import CHANGED_SUBJECT, KEYS_OPEN_SUBJECT
+from shared.clock import from_timestamp
 from shared.errors import ZatteraError
 from shared.natsio import Connection
 from shared.secrets import private_temp_file, public_bytes, unseal
@@ -69,7 +70,9 @@ async def open_bundle(conn: Connection, subject: str, *, timeout: float = 5.0) -
 
 
 def bundle_certs(bundle: cpb.CertBundle) -> dict[str, ServedCert]:
-    return {e.hostname: ServedCert(e.hostname, e.chain_pem, e.key_pem, seconds(e.not_after)) for e in bundle.certs}
+    return {
+        e.hostname: ServedCert(e.hostname, e.chain_pem, e.key_pem, from_timestamp(e.not_after)) for e in bundle.certs
+    }
 
 
 def write_private_json(path: Path, doc: object) -> None:

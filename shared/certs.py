@@ -15,10 +15,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from cryptography import x509
-from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.backoff import exponential
+from shared.clock import from_timestamp, to_timestamp
 from shared.state.reader import StateReader
 
 KEYS_OPEN_SUBJECT = "zattera.certs.keys.open"
@@ -48,16 +49,6 @@ FAILED = pb.CERTIFICATE_STATE_FAILED
 STATE_NAMES = {PENDING: "pending", VALID: "valid", RENEWING: "renewing", FAILED: "failed"}
 
 
-def seconds(ts: Timestamp) -> float:
-    return float(ts.ToNanoseconds()) / 1e9
-
-
-def timestamp(at: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(int(at * 1e9))
-    return ts
-
-
 def is_local_host(hostname: str) -> bool:
     """``localhost`` and its subdomains: no public CA issues for them; the cluster's local CA does."""
     return hostname == "localhost" or hostname.endswith(".localhost")
@@ -75,7 +66,7 @@ def renew_at(hostname: str, not_before: float, not_after: float) -> float:
 def backoff(failures: int, retry_after: float | None) -> float:
     """Seconds before the next order after ``failures`` consecutive failures; the CA's Retry-After wins
     when it asks for longer."""
-    wait: float = min(BACKOFF_BASE * 2.0 ** min(max(failures - 1, 0), 32), BACKOFF_MAX)
+    wait = exponential(BACKOFF_BASE, max(failures, 1), BACKOFF_MAX)
     return max(wait, retry_after or 0.0)
 
 
@@ -97,10 +88,10 @@ class Plan:
 
 def due_at(cert: pb.Certificate) -> float:
     """When ``cert`` next needs an order: its retry time after a failure, else its renewal time."""
-    retry = seconds(cert.retry_at) if cert.HasField("retry_at") else 0.0
+    retry = from_timestamp(cert.retry_at) if cert.HasField("retry_at") else 0.0
     if not cert.chain_pem:
         return retry
-    return max(seconds(cert.renew_at), retry)
+    return max(from_timestamp(cert.renew_at), retry)
 
 
 def plan(wanted: Iterable[str], certs: Mapping[str, pb.Certificate], now: float) -> Plan:
@@ -145,9 +136,9 @@ def after_success(current: pb.Certificate, issued: Issued, issuer: str) -> pb.Ce
     cert.chain_pem = issued.chain_pem
     cert.sealed_key = issued.sealed_key
     cert.key_id = issued.key_id
-    cert.not_before.CopyFrom(timestamp(not_before))
-    cert.not_after.CopyFrom(timestamp(not_after))
-    cert.renew_at.CopyFrom(timestamp(renew_at(current.hostname, not_before, not_after)))
+    cert.not_before.CopyFrom(to_timestamp(not_before))
+    cert.not_after.CopyFrom(to_timestamp(not_after))
+    cert.renew_at.CopyFrom(to_timestamp(renew_at(current.hostname, not_before, not_after)))
     cert.ClearField("retry_at")
     cert.failures = 0
     cert.last_error = ""
@@ -164,13 +155,13 @@ def after_failure(current: pb.Certificate, reason: str, retry_after: float | Non
     cert.failures = current.failures + 1
     cert.last_error = reason
     cert.state = RENEWING if current.chain_pem else FAILED
-    cert.retry_at.CopyFrom(timestamp(now + backoff(cert.failures, retry_after)))
+    cert.retry_at.CopyFrom(to_timestamp(now + backoff(cert.failures, retry_after)))
     return cert
 
 
 def state_name(cert: pb.Certificate, now: float) -> str:
     """The operator's word for a record: a VALID one whose renewal is due reads "renewing"."""
-    if cert.state == VALID and cert.chain_pem and seconds(cert.renew_at) <= now:
+    if cert.state == VALID and cert.chain_pem and from_timestamp(cert.renew_at) <= now:
         return "renewing"
     return STATE_NAMES.get(cert.state, "unknown")
 
@@ -225,8 +216,8 @@ def domain_row(
         environment,
         environment_id,
         state_name(cert, now),
-        seconds(cert.not_after) if has_cert else None,
-        seconds(cert.renew_at) if has_cert else None,
+        from_timestamp(cert.not_after) if has_cert else None,
+        from_timestamp(cert.renew_at) if has_cert else None,
         cert.issuer,
         cert.last_error,
     )

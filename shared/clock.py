@@ -12,9 +12,9 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -139,3 +139,20 @@ class FakeClock:
 
     def set(self, ts: float) -> None:
         self._now = ts
+
+
+async def wait_or_timer(clock: Clock, awaitable: Awaitable[object], seconds: float | None) -> bool:
+    """Wait for ``awaitable`` or until ``seconds`` have passed on ``clock`` (None: no limit), whichever comes
+    first; True when ``awaitable`` finished. What is still pending is cancelled."""
+    waiting: asyncio.Future[object] = asyncio.ensure_future(awaitable)
+    timer = clock.timer(seconds) if seconds is not None else None
+    waiters: set[asyncio.Future[Any]] = {waiting}
+    if timer is not None:
+        waiters.add(timer)
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+        if timer is not None:
+            timer.cancel()
+    return waiting.done() and not waiting.cancelled()

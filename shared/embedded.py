@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.errors import ZatteraError
+from shared.subprocesses import spawn_logged
 
 MAX_PAYLOAD = 8 * 1024 * 1024
 
@@ -105,19 +106,16 @@ class EmbeddedNats:
             self.cluster_port = self.cluster_port or free_port()
         conf = self.data_dir / "nats.conf"
         conf.write_text(self.config_text())
-        log = open(self.log_file or self.data_dir / "nats.log", "ab")  # noqa: SIM115
-        try:
-            self._proc = subprocess.Popen(
-                [nats_server_binary(self.binary), "-c", str(conf)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
+        self._spawn()
         self.wait_healthy(wait)
         return self
+
+    def _spawn(self) -> None:
+        """Start nats-server on the configuration written to ``<data_dir>/nats.conf``."""
+        self._proc = spawn_logged(
+            [nats_server_binary(self.binary), "-c", str(self.data_dir / "nats.conf")],
+            self.log_file or self.data_dir / "nats.log",
+        )
 
     def exited(self) -> int | None:
         """The exit code of a server that died on its own (None while it runs, or once stopped/killed here)."""
@@ -191,17 +189,7 @@ def start_cluster(base_dir: Path, size: int = 3, name: str = "zattera") -> list[
     procs_started: list[EmbeddedNats] = []
     try:
         for server in servers:
-            log = open(server.data_dir / "nats.log", "ab")  # noqa: SIM115
-            try:
-                server._proc = subprocess.Popen(
-                    [nats_server_binary(server.binary), "-c", str(server.data_dir / "nats.conf")],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            finally:
-                log.close()
+            server._spawn()
             procs_started.append(server)
         for server in servers:
             server.wait_healthy(30.0)

@@ -37,13 +37,13 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.ids import new_id
+from shared.jetstream import WRONG_LAST_SEQUENCE, is_delete_marker
 from shared.metrics import lease_terms, leases_held
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.tasks import cancel_and_wait, raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
-WRONG_LAST_SEQUENCE = 10071
 REQUEST_TIMEOUT = 1.0
 """A lease write or read not answered within this is asked again (a request sent to a stream during its
 leader election is never answered, even after the election)."""
@@ -131,8 +131,7 @@ class Lease:
             msg = await self._js.get_last_msg(STATE_STREAM, self.subject, direct=True)
         except NotFoundError:
             return 0, None
-        headers = msg.headers or {}
-        if headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
+        if is_delete_marker(msg.headers):
             return int(msg.seq or 0), None
         return int(msg.seq or 0), msg.data or b""
 

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from shared.backoff import exponential
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
 from shared.natsio import Connection, connect
 from shared.settings import Settings, settings
@@ -57,20 +58,24 @@ async def retry_until_stopped(
     retry_on: tuple[type[BaseException], ...] = (Exception,),
     fatal: tuple[type[BaseException], ...] = (),
     level: int = logging.WARNING,
+    first: float | None = None,
+    last: float | None = None,
 ) -> T | None:
     """``attempt()`` until it returns, with backoff while it raises one of ``retry_on`` (``fatal`` ones
-    propagate: retrying cannot help); None once ``stop`` is set first. ``what`` names the failure logged."""
-    delay = FIRST_RETRY
+    propagate: retrying cannot help); None once ``stop`` is set first. ``what`` names the failure logged.
+    The delays double from ``first`` to ``last`` (default :data:`FIRST_RETRY`, :data:`LAST_RETRY`)."""
+    failures = 0
     while not stop.is_set():
         try:
             return await attempt()
         except fatal:
             raise
         except retry_on as exc:
+            failures += 1
+            delay = exponential(FIRST_RETRY if first is None else first, failures, LAST_RETRY if last is None else last)
             log.log(level, "%s (%s); retrying in %.1fs", what, exc or type(exc).__name__, delay)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), delay)
-        delay = min(delay * 2, LAST_RETRY)
     return None
 
 

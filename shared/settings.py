@@ -1,6 +1,8 @@
 """Settings from the environment (prefix ``ZATTERA_``), shared by every service and the CLI.
 
-Timers live here too so tests and demos can shorten them without code changes.
+Timers live here too so tests and demos can shorten them without code changes. Fields are grouped by
+concern; the docstring under each field is its description (``use_attribute_docstrings``), as in Kopf's
+``configuration.py``. Each service's own settings (``services/<name>/settings.py``) are shaped the same.
 """
 
 from __future__ import annotations
@@ -13,56 +15,86 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ZATTERA_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="ZATTERA_", extra="ignore", use_attribute_docstrings=True)
 
-    nats_url: str = Field(default="nats://127.0.0.1:4222", description="comma-separated for a cluster")
-    domain: str = Field(default="", description="cluster app domain for implicit routes; empty = none")
-    data_dir: Path = Field(default=Path(".zattera"))
-    replicas: int = Field(
-        default=0, ge=0, le=5, description="replicas of a cluster's first init; 0 = from its size (docs/cluster.md)"
-    )
-    nats_server_bin: str = Field(default="", description="path of nats-server; empty = the bundled one")
-    nats_creds: str = Field(default="", description="NATS credentials file of this process; empty = no auth")
-    nats_tls_ca: str = Field(default="", description="CA file the NATS server certificate must chain to")
+    # ---------------------------------------------------------------- NATS connection
+    nats_url: str = "nats://127.0.0.1:4222"
+    """The NATS server(s) to connect to, comma-separated for a cluster."""
+    nats_server_bin: str = ""
+    """Path of nats-server (what ``zattera up`` and the tests start); '' = the bundled one."""
+    nats_creds: str = ""
+    """NATS credentials file of this process; '' = no auth."""
+    nats_tls_ca: str = ""
+    """CA file the NATS server certificate must chain to; '' = plain connections."""
 
-    lease_ttl: float = Field(default=3.0, gt=0)
-    lease_renew: float = Field(default=1.0, gt=0)
-    tombstone_ttl: float = Field(default=900.0, gt=0, description="how long delete markers stay")
+    # ---------------------------------------------------------------- the cluster
+    domain: str = ""
+    """The cluster's app domain for implicit routes; '' = none."""
+    data_dir: Path = Path(".zattera")
+    """Where this machine keeps its state (nats-server's store, agents' instances, caches)."""
+    replicas: int = Field(default=0, ge=0, le=5)
+    """Stream replicas of a cluster's first init; 0 = from its size (docs/cluster.md)."""
+    tombstone_ttl: float = Field(default=900.0, gt=0)
+    """How long delete markers stay in the state stream, seconds."""
     live_ttl: float = Field(default=60.0, gt=0)
+    """How long a live sample (heartbeat, proxy demand) is kept in zattera-live, seconds."""
+    max_batch: int = Field(default=1000, ge=2, le=1000)
+    """Messages per atomic batch (one fenced write)."""
+
+    # ---------------------------------------------------------------- leadership and liveness
+    lease_ttl: float = Field(default=3.0, gt=0)
+    """A leader lease expires this long after its last renewal, seconds."""
+    lease_renew: float = Field(default=1.0, gt=0)
+    """How often a leader renews its lease, seconds."""
+    node_heartbeat_deadline: float = Field(default=30.0, gt=0)
+    """A node without a heartbeat this long (seconds) is DOWN."""
+    liveness_grace: float = Field(default=45.0, ge=0)
+    """A new liveness leader marks nothing DOWN this long (seconds): the heartbeats have to reach it first."""
+
+    # ---------------------------------------------------------------- loops and scaling
     loop_tick: float = Field(default=15.0, gt=0)
+    """Safety-net re-evaluation of every leader loop (changes wake them at once), seconds."""
+    coalesce_window: float = Field(default=0.005, ge=0)
+    """A delay that merges bursts of changes into one evaluation, seconds."""
     serverless_tick: float = Field(default=5.0, gt=0)
-    serverless_scale_down_window: float = Field(
-        default=30.0, ge=0, description="serverless: demand stays below the replica count this long before scale-down"
-    )
-    scale_to_zero_idle_timeout: float = Field(
-        default=900.0, gt=0, description="idle window of a scale_to_zero env that sets no idle_timeout"
-    )
-    coalesce_window: float = Field(default=0.005, ge=0, description="delay that merges bursts of changes")
-    max_batch: int = Field(default=1000, ge=2, le=1000, description="messages per atomic batch")
-    node_heartbeat_deadline: float = Field(default=30.0, gt=0, description="no heartbeat this long: node DOWN")
-    liveness_grace: float = Field(default=45.0, ge=0, description="a new liveness leader marks nothing DOWN this long")
+    """How often the serverless scaler evaluates demand, seconds."""
+    serverless_scale_down_window: float = Field(default=30.0, ge=0)
+    """Serverless: demand stays below the replica count this long (seconds) before a scale-down."""
+    scale_to_zero_idle_timeout: float = Field(default=900.0, gt=0)
+    """The idle window of a scale_to_zero env that sets no idle_timeout, seconds."""
 
-    # Deployment orchestrator timers (seconds).
-    drain_window: float = Field(default=600.0, gt=0, description="blue kept warm after promotion")
-    health_default_grace: float = Field(default=60.0, gt=0, description="grace when the release sets none")
-    health_deadline_extra: float = Field(default=60.0, ge=0, description="health deadline = 2 x grace + this")
+    # ---------------------------------------------------------------- deployment orchestrator (seconds)
+    drain_window: float = Field(default=600.0, gt=0)
+    """How long blue is kept warm after promotion."""
+    health_default_grace: float = Field(default=60.0, gt=0)
+    """The health grace of a release that sets none."""
+    health_deadline_extra: float = Field(default=60.0, ge=0)
+    """The health deadline is 2 x grace + this."""
     building_timeout: float = Field(default=1800.0, gt=0)
+    """A deployment BUILDING longer than this fails."""
     placing_timeout: float = Field(default=600.0, gt=0)
+    """A deployment PLACING longer than this fails."""
     starting_timeout: float = Field(default=600.0, gt=0)
+    """A deployment STARTING longer than this fails."""
     stopping_old_timeout: float = Field(default=300.0, gt=0)
+    """A deployment STOPPING_OLD longer than this fails."""
 
-    # Instance logs: each environment's stream limits unless its [env.<name>.logs] sets them (docs/logs.md).
-    logs_max_bytes: int = Field(default=128 * 1024 * 1024, ge=1024 * 1024, description="log bytes kept per env")
-    logs_max_age: float = Field(default=7 * 24 * 3600.0, gt=0, description="seconds a log line is kept")
+    # ---------------------------------------------------------------- instance logs (docs/logs.md)
+    # Each environment's stream limits, unless its [env.<name>.logs] sets them.
+    logs_max_bytes: int = Field(default=128 * 1024 * 1024, ge=1024 * 1024)
+    """Log bytes kept per env."""
+    logs_max_age: float = Field(default=7 * 24 * 3600.0, gt=0)
+    """How long a log line is kept, seconds."""
 
-    # Volume snapshots (seconds).
-    restore_timeout: float = Field(
-        default=3600.0, gt=0, description="a RESTORING volume without progress this long is given up by the reaper"
-    )
+    # ---------------------------------------------------------------- volume snapshots
+    restore_timeout: float = Field(default=3600.0, gt=0)
+    """A RESTORING volume without progress this long (seconds) is given up by the reaper."""
 
-    # Metrics (docs/observability.md): each process serves Prometheus metrics on this port; 0 = off.
-    metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus /metrics port; 0 = off")
-    metrics_host: str = Field(default="127.0.0.1", description="address the metrics endpoint listens on")
+    # ---------------------------------------------------------------- metrics (docs/observability.md)
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """The port each process serves Prometheus /metrics on; 0 = off."""
+    metrics_host: str = "127.0.0.1"
+    """The address the metrics endpoint listens on."""
 
 
 @lru_cache(maxsize=1)

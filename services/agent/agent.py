@@ -164,6 +164,7 @@ class Agent:
                     secrets_key=self.secrets_key,
                     network_env=self.forwarder.instance_env if self.forwarder is not None else None,
                     launcher=launcher,
+                    clock=self.clock,
                 )
             )
             heartbeat = HeartbeatPublisher(
@@ -200,7 +201,10 @@ class Agent:
             try:
                 await asyncio.gather(runtime_task, *tasks)
             finally:
-                runtime_task.cancel()
+                # Cancelled already when the gather was: a second cancel would cut its shutdown (stopping the
+                # instances with stop_on_exit, reporting them STOPPED) short.
+                if not runtime_task.cancelling():
+                    runtime_task.cancel()
                 await asyncio.gather(runtime_task, return_exceptions=True)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.reporter.flush(), FINAL_FLUSH_TIMEOUT)

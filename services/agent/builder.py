@@ -71,6 +71,7 @@ from services.agent.hostbase import NODE_LABEL
 from services.agent.pythonbase import PYTHON_LABEL
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
 from shared.buildplan import BuildPlan, PlanError, detect, read_source
+from shared.errors import ZatteraError
 from shared.ids import is_safe_id, unsafe_id
 from shared.natsio import SOURCES_STORE, Connection, is_direct_request
 from shared.registry import (
@@ -83,6 +84,7 @@ from shared.registry import (
     parse_ref,
     push_image,
 )
+from shared.subprocesses import start_shell
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
 
@@ -104,7 +106,7 @@ NO_NODE = "builder: node is not installed on this builder (Debian: apt-get insta
 ERROR_TAIL_CHARS = 800
 
 
-class BuildError(Exception):
+class BuildError(ZatteraError):
     """A build step failed; the message is the build's error."""
 
 
@@ -554,16 +556,13 @@ class Builder:
         """Run one plan step, its output streamed as log lines; a failure's error ends with the last lines it
         printed (the package manager's own message), so the deploy output shows why."""
         await events.log(f"$ {command}")
-        proc = await asyncio.create_subprocess_exec(
-            "/bin/sh",
-            "-c",
+        proc = await start_shell(
             command,
             cwd=cwd,
-            env=dict(env),
-            stdin=asyncio.subprocess.DEVNULL,
+            env=env,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
+            own_session=True,  # cancelling kills its whole group
         )
         assert proc.stdout is not None
         last_lines: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)

@@ -18,10 +18,11 @@ Which credential an agent connects with, first match wins:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from pathlib import Path
 
+from shared.errors import ZatteraError
+from shared.process import retry_until_stopped
 from shared.security.creds import read_user_jwt, write_private
 from shared.security.join import JoinUnavailable, join
 from shared.security.nkeyjwt import decode_claims
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 CREDS_FILE = "node.creds"
 
 
-class CredentialError(Exception):
+class CredentialError(ZatteraError):
     """The agent cannot get a usable credential (join refused, stored credential for another node)."""
 
 
@@ -52,7 +53,7 @@ async def node_credentials(
     join_token: str = "",
     env_creds: str = "",
     tls_ca: str = "",
-    stop: asyncio.Event | None = None,
+    stop: asyncio.Event,
 ) -> str | None:
     """The credentials file to connect with, or None (unauthenticated); see the module docstring.
 
@@ -76,19 +77,12 @@ async def node_credentials(
     return env_creds or None
 
 
-async def _join_with_retry(
-    urls: str, token: str, node_id: str, *, tls_ca: str, stop: asyncio.Event | None
-) -> str | None:
-    delay = 0.5
-    while stop is None or not stop.is_set():
-        try:
-            return await join(urls, token, node_id, tls_ca=tls_ca or None)
-        except JoinUnavailable as exc:
-            log.warning("node %s: join not answered (%s); retrying in %.1fs", node_id, exc, delay)
-        if stop is None:
-            await asyncio.sleep(delay)
-        else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-        delay = min(delay * 2, 10.0)
-    return None
+async def _join_with_retry(urls: str, token: str, node_id: str, *, tls_ca: str, stop: asyncio.Event) -> str | None:
+    return await retry_until_stopped(
+        stop,
+        lambda: join(urls, token, node_id, tls_ca=tls_ca or None),
+        what=f"node {node_id}: join not answered",
+        retry_on=(JoinUnavailable,),
+        first=0.5,
+        last=10.0,
+    )

@@ -49,12 +49,13 @@ from aiodocker.containers import DockerContainer
 
 from services.agent.hostbase import BaseImageError, inspect_node, node_of, node_rootfs_tar
 from services.agent.images import EXEC_SCHEME, PROCESS_SCHEME, ImageError, PreparedImage, shell_command
+from services.agent.instance_env import PASSED_THROUGH_ENV, volume_env_name
 from services.agent.launchers import DOCKER, PROCESS, InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
 from services.agent.logs import STREAM_FILES
 from services.agent.processes import InstanceRecord
 from services.agent.pythonbase import inspect_interpreter, python_of, python_rootfs_tar
-from services.agent.runtime import PASSED_THROUGH_ENV, volume_env_name
 from services.agent.settings import AgentSettings
+from shared.errors import ZatteraError
 from shared.natsio import Connection
 from shared.registry import RegistryError, digest_of, fetch_image
 from shared.registryauth import auth_for
@@ -80,7 +81,7 @@ _CURSOR_SAVE_INTERVAL = 0.5
 _STATS_TIMEOUT = 5.0
 
 
-class DockerUnavailable(Exception):
+class DockerUnavailable(ZatteraError):
     """No Docker daemon answers at the configured address."""
 
 

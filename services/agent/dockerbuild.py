@@ -17,12 +17,13 @@ from pathlib import Path
 import aiodocker
 
 from services.agent.docker_runtime import docker_url
+from shared.errors import ZatteraError
 from shared.imagearchive import ArchiveImage, ImageArchiveError, read_image_archive
 
 DEFAULT_DOCKERFILE = "Dockerfile"
 
 
-class DockerBuildError(Exception):
+class DockerBuildError(ZatteraError):
     """The context is unusable, the daemon is unreachable or the Dockerfile failed (one line)."""
 
 

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from google.protobuf.duration_pb2 import Duration
 from zattera.v1 import types_pb2 as pb
+
+from shared.clock import Clock
+from shared.subprocesses import run_shell
 
 DEFAULT_INTERVAL = 10.0
 DEFAULT_TIMEOUT = 5.0
@@ -115,23 +117,7 @@ async def check_tcp(host: str, port: int) -> bool:
 
 
 async def check_exec(command: str, cwd: Path, env: Mapping[str, str]) -> bool:
-    proc = await asyncio.create_subprocess_exec(
-        "/bin/sh",
-        "-c",
-        command,
-        cwd=cwd,
-        env=dict(env),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    try:
-        return await proc.wait() == 0
-    except asyncio.CancelledError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        raise
+    return await run_shell(command, cwd=cwd, env=env) == 0
 
 
 class HealthMonitor:
@@ -145,9 +131,11 @@ class HealthMonitor:
         cwd: Path,
         env: Mapping[str, str],
         startup_interval: float,
+        clock: Clock,
         exec_check: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self.probe = probe
+        self._clock = clock
         self._exec_check = exec_check
         self._on_state = on_state
         self._cwd = cwd
@@ -170,11 +158,11 @@ class HealthMonitor:
             return False
 
     async def run(self) -> None:
-        started = time.monotonic()
+        started = self._clock.now()
         ever_healthy = False
         failures = 0
         while True:
-            in_grace = not ever_healthy and time.monotonic() - started < self.probe.grace
+            in_grace = not ever_healthy and self._clock.now() - started < self.probe.grace
             if await self.check_once():
                 ever_healthy = True
                 failures = 0
@@ -183,7 +171,7 @@ class HealthMonitor:
                 failures += 1
                 if failures >= self.probe.threshold:
                     self._set(pb.INSTANCE_STATE_UNHEALTHY)
-            await asyncio.sleep(self._startup_interval if in_grace else self.probe.interval)
+            await self._clock.sleep(self._startup_interval if in_grace else self.probe.interval)
 
     def _set(self, state: int) -> None:
         if state != self.state:

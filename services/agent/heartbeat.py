@@ -18,7 +18,7 @@ import psutil
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.agent.launchers import InstanceHandle
-from shared.clock import Clock
+from shared.clock import Clock, stamp
 from shared.live import publish_node_heartbeat
 from shared.metrics import enabled as metrics_enabled
 from shared.metrics import observe_gauges
@@ -84,7 +84,7 @@ class HeartbeatPublisher:
 
     def sample(self) -> cpb.Heartbeat:
         hb = cpb.Heartbeat(node_id=self.node_id, cpu_percent=psutil.cpu_percent(interval=None))
-        hb.time.FromNanoseconds(int(self._clock.now() * 1e9))
+        stamp(hb.time, self._clock.now())
         memory = psutil.virtual_memory()
         hb.memory_used_bytes = memory.total - memory.available
         hb.memory_total_bytes = memory.total

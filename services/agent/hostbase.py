@@ -38,6 +38,8 @@ import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from shared.errors import ZatteraError
+
 NODE_LABEL = "dev.zattera.nodejs"
 """Image config label: the absolute path of the ``node`` binary the app's modules were installed with (not
 ``dev.zattera.node``: containers carry that one, with the id of the node running them)."""
@@ -47,7 +49,7 @@ PASSWD = b"root:x:0:0::/:/bin/sh\nnobody:x:65534:65534::/:/bin/sh\n"
 _LDD_PATH = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x")
 
 
-class BaseImageError(Exception):
+class BaseImageError(ZatteraError):
     """The program an image needs is not usable on this node."""
 
 

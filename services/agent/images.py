@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from shared.errors import ZatteraError
 from shared.natsio import Connection
 from shared.registry import RegistryError, fetch_image
 
@@ -37,7 +38,7 @@ SHELL = "/bin/sh"
 _MARKER = "image.json"
 
 
-class ImageError(Exception):
+class ImageError(ZatteraError):
     """The image cannot be resolved, fetched or unpacked (counts as a failed start)."""
 
 

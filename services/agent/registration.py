@@ -30,7 +30,8 @@ from nats.js.errors import NotFoundError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.clock import Clock
+from shared.clock import Clock, stamp
+from shared.jetstream import is_delete_marker
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.txn import Writer
@@ -116,9 +117,9 @@ def registered_node(identity: NodeIdentity, existing: pb.Node | None, now: float
         node.CopyFrom(existing)
     else:
         node.meta.id = identity.node_id
-        node.meta.created_at.FromNanoseconds(int(now * 1e9))
+        stamp(node.meta.created_at, now)
         node.schedulable = True
-    node.meta.updated_at.FromNanoseconds(int(now * 1e9))
+    stamp(node.meta.updated_at, now)
     node.status = pb.NODE_STATUS_ALIVE
     node.os_arch = identity.os_arch
     node.capacity.cpu_millis = identity.cpu_millis
@@ -148,9 +149,7 @@ async def _read_node(conn: Connection, node_id: str) -> tuple[pb.Node | None, in
         msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.node(node_id), direct=True)
     except NotFoundError:
         return None, 0
-    headers = msg.headers or {}
-    deleted = headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers
-    if deleted or not msg.data:
+    if is_delete_marker(msg.headers) or not msg.data:
         return None, int(msg.seq or 0)
     return pb.Node.FromString(msg.data), int(msg.seq or 0)
 

@@ -18,7 +18,8 @@ One :class:`InstanceSupervisor` per assignment owns its process and its reports:
   with exponential backoff (reported STARTING with the exit code);
   after ``max_start_attempts`` failed starts of the same config (release, config hash, image) the
   assignment is parked FAILED. A run longer than ``stable_after`` resets the count. A config change
-  (drift) stops the process and starts the new config with a fresh count.
+  (drift) stops the process and starts the new config with a fresh count. These rules are
+  ``restart_policy.py`` (pure, on the injected clock); what an instance starts with is ``instance_env.py``.
 * A stateful release's instance starts only under a valid lease of each of its volumes naming this node
   and this assignment; until then it is reported PENDING (not FAILED), as is an assignment whose release
   or image is not there yet. Volumes live at ``<data>/volumes/<volume id>``, passed to the process as
@@ -37,12 +38,9 @@ adopted; any other is stopped, and directories of vanished assignments are remov
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import re
 import shutil
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,23 +48,24 @@ from pathlib import Path
 from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
-from services.agent.health import LOOPBACK, HealthMonitor, probe_for, seconds
+from services.agent.health import HealthMonitor, probe_for, seconds
 from services.agent.images import ImageError, PreparedImage
+from services.agent.instance_env import bind_address, config_of, instance_env, launch_plan, port_names, resolve_volumes
 from services.agent.launchers import InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
 from services.agent.logs import STREAM_FILES, TAIL_READ, InstanceLogShipper, ShipperSettings
 from services.agent.processes import STATE_FILE, InstanceRecord, PortAllocator
 from services.agent.reporter import ObservedReporter
+from services.agent.restart_policy import Outcome, RestartPolicy, StartHistory, Step, Verdict
 from services.agent.settings import AgentSettings
 from shared import keys as K
 from shared.applogs import STDOUT, describe_exit, instance_exit
+from shared.clock import Clock, RealClock, stamp, wait_or_timer
 from shared.natsio import Connection
 from shared.registryauth import split_registry_auth
 from shared.secrets import SecretsUnavailable, fetch_secrets
 from shared.state.feed import StateView
-from shared.state.reader import StateReader
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
-from shared.volumes import lease_expired, lease_of
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +79,6 @@ UNHEALTHY = pb.INSTANCE_STATE_UNHEALTHY
 FAILED = pb.INSTANCE_STATE_FAILED
 STOPPED = pb.INSTANCE_STATE_STOPPED
 _UP_STATES = (RUNNING, HEALTHY, UNHEALTHY)
-
-DEFAULT_PORT_NAME = "http"
-PASSED_THROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
-
-
-def config_of(a: pb.Assignment, release: pb.Release) -> str:
-    """What a running process was started from; any change means recreate it."""
-    return f"{a.release_id}|{a.config_hash or release.config_hash}|{release.image_ref}"
 
 
 def read_tail(path: Path, lines: int) -> list[str]:
@@ -103,89 +94,6 @@ def read_tail(path: Path, lines: int) -> list[str]:
     if size > TAIL_READ:
         text = text[1:]  # the first one is cut
     return text[-lines:] if lines else []
-
-
-def port_names(spec: pb.ServiceSpec) -> list[str]:
-    names = list(dict.fromkeys(p.name or DEFAULT_PORT_NAME for p in spec.ports))
-    return names or [DEFAULT_PORT_NAME]
-
-
-def _env_name(name: str) -> str:
-    return re.sub(r"[^A-Z0-9]", "_", name.upper())
-
-
-def volume_env_name(volume_name: str) -> str:
-    return f"ZATTERA_VOLUME_{_env_name(volume_name)}"
-
-
-def lease_is_ours(volume: pb.Volume, node_id: str, assignment_id: str, now: float) -> bool:
-    lease = lease_of(volume)
-    return (
-        lease is not None
-        and not lease_expired(lease, now)
-        and lease.node_id == node_id
-        and lease.assignment_id == assignment_id
-    )
-
-
-def resolve_volumes(
-    view: StateReader, a: pb.Assignment, release: pb.Release, volumes_dir: Path, now: float
-) -> tuple[dict[str, Path], str]:
-    """The volume directories of a stateful instance by volume name, or why it cannot start yet."""
-    if not release.service.stateful:
-        return {}, ""
-    paths: dict[str, Path] = {}
-    for mount in release.service.volumes:
-        volume = next(
-            (v for v in view.volumes(a.environment_id) if v.project_id == a.project_id and v.name == mount.volume_name),
-            None,
-        )
-        if volume is None:
-            return {}, f"waiting for volume {mount.volume_name}"
-        if not lease_is_ours(volume, a.node_id, a.meta.id, now):
-            return {}, f"waiting for the lease of volume {mount.volume_name}"
-        paths[mount.volume_name] = volumes_dir / volume.meta.id
-    return paths, ""
-
-
-def bind_address(settings: AgentSettings) -> str:
-    """Where this node's instances listen: its mesh address (what routes list for its replicas, and what
-    other nodes' proxies connect to), else loopback for a single machine."""
-    return settings.mesh_ip or LOOPBACK
-
-
-def instance_env(
-    a: pb.Assignment,
-    image: PreparedImage,
-    ports: Mapping[str, int],
-    volumes: Mapping[str, Path],
-    config: Mapping[str, str] = {},
-    *,
-    bind: str = LOOPBACK,
-) -> dict[str, str]:
-    """The process environment: the image's, then the env's variables and secrets (``config``), then what the
-    platform sets (PORT, PORT_*, ZATTERA_*: reserved names, so config cannot shadow them anyway)."""
-    env = {k: os.environ[k] for k in PASSED_THROUGH_ENV if k in os.environ}
-    env.update(image.env)
-    env.update(config)
-    # Where to listen, with PORT: the node's mesh address. HOST too (what many frameworks read), unless
-    # the image sets its own.
-    env.setdefault("HOST", bind)
-    env["ZATTERA_BIND_ADDR"] = bind
-    env.update(
-        ZATTERA_NODE_ID=a.node_id,
-        ZATTERA_ASSIGNMENT_ID=a.meta.id,
-        ZATTERA_PROJECT_ID=a.project_id,
-        ZATTERA_APP_ID=a.app_id,
-        ZATTERA_ENVIRONMENT_ID=a.environment_id,
-        ZATTERA_RELEASE_ID=a.release_id,
-    )
-    for name, port in ports.items():
-        env[f"PORT_{_env_name(name)}"] = str(port)
-    env["PORT"] = str(ports.get(DEFAULT_PORT_NAME) or next(iter(ports.values())))
-    for name, path in volumes.items():
-        env[volume_env_name(name)] = str(path)
-    return env
 
 
 @dataclass
@@ -207,15 +115,15 @@ class RuntimeContext:
     """The node forwarder's variables for an instance (None: private networking off)."""
     launcher: Launcher = field(default_factory=ProcessLauncher)
     """The node's runtime: bare processes or containers (``launchers.py``)."""
+    clock: Clock = field(default_factory=RealClock)
 
 
-def launch_plan(release: pb.Release, volumes: Mapping[str, Path]) -> LaunchPlan:
-    mount_paths = {m.volume_name: m.mount_path for m in release.service.volumes}
-    return LaunchPlan(
-        memory_mb=release.service.resources.memory_mb,
-        cpu_millis=release.service.resources.cpu_millis,
-        read_only_root=release.service.read_only_root,
-        volumes={name: (path, mount_paths.get(name) or f"/volumes/{name}") for name, path in volumes.items()},
+def restart_policy(settings: AgentSettings) -> RestartPolicy:
+    return RestartPolicy(
+        max_start_attempts=settings.max_start_attempts,
+        backoff=settings.restart_backoff,
+        backoff_max=settings.restart_backoff_max,
+        stable_after=settings.stable_after,
     )
 
 
@@ -239,19 +147,15 @@ class InstanceSupervisor:
         self._handle: InstanceHandle | None = None
         self._exit: asyncio.Task[int | None] | None = None
         self._monitor: asyncio.Task[None] | None = None
-        self._started_at = 0.0
-        self._started_ns = 0
         self._container_id = ""
-        self._config = ""
+        self._policy = restart_policy(ctx.settings)
+        self._history = StartHistory()
         self._ports: dict[str, int] = {}
         self._workdir = Path()
         self._env: dict[str, str] = {}
         self._secret_names: frozenset[str] = frozenset()
         self._restarts = 0
         self._ever_started = False
-        self._failures = 0
-        self._parked = False
-        self._not_before = 0.0
         self._stop_grace = ctx.settings.default_stop_grace
         self._last_exit: pb.InstanceExit | None = None
         self._logs = InstanceLogShipper(
@@ -266,7 +170,7 @@ class InstanceSupervisor:
         self._logs_task: asyncio.Task[None] | None = None
         if adopted is not None:
             handle, record = adopted
-            self._config = record.config
+            self._history = StartHistory(config=record.config)
             self._ports = dict(record.ports)
             self._restarts = record.restarts
             self._workdir = Path(record.workdir)
@@ -280,6 +184,11 @@ class InstanceSupervisor:
     @property
     def handle(self) -> InstanceHandle | None:
         return self._handle
+
+    @property
+    def parked(self) -> bool:
+        """Given up on (FAILED), or a job that ended: nothing runs until the config changes."""
+        return self._history.parked
 
     def update(self, assignment: pb.Assignment) -> None:
         """A newer version of the assignment (the view replaces the object on every write)."""
@@ -333,7 +242,7 @@ class InstanceSupervisor:
             await self._changed()
             return
         if self._handle is not None:
-            if release is not None and config_of(a, release) != self._config:
+            if release is not None and config_of(a, release) != self._history.config:
                 log.info("%s: config changed; recreating its process", self.assignment_id)
                 await self._stop()
                 return
@@ -343,26 +252,25 @@ class InstanceSupervisor:
             why = f"waiting for release {a.release_id}" if release is None else "waiting for the release's image"
             await self._wait_on_state(why)
             return
-        config = config_of(a, release)
-        if config != self._config:
-            self._config = config
-            self._failures = 0
-            self._parked = False
-            self._not_before = 0.0
-        if a.job_id and not self._ever_started and a.observed.state in (STOPPED, FAILED):
-            self._parked = True  # the job ended under a previous agent run: it runs once
-        if self._parked:
+        now = self.ctx.clock.now()
+        plan = self._policy.before_start(
+            self._history,
+            config_of(a, release),
+            now,
+            job_ended_before=bool(a.job_id) and not self._ever_started and a.observed.state in (STOPPED, FAILED),
+        )
+        self._history = plan.history
+        if plan.step is Step.PARKED:
             self.waiting_on_state = False
             await self._changed()
             return
-        volumes, blocked = resolve_volumes(self.ctx.view, a, release, self.ctx.volumes_dir, time.time())
+        volumes, blocked = resolve_volumes(self.ctx.view, a, release, self.ctx.volumes_dir, now)
         if blocked:
             await self._wait_on_state(blocked)
             return
         self.waiting_on_state = False
-        delay = self._not_before - time.monotonic()
-        if delay > 0:
-            await self._changed(delay)
+        if plan.step is Step.WAIT:
+            await self._changed(plan.wait)
             return
         await self._start(a, release, volumes)
 
@@ -372,8 +280,7 @@ class InstanceSupervisor:
         await self._changed()
 
     async def _changed(self, timeout: float | None = None) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+        await wait_or_timer(self.ctx.clock, self._wake.wait(), timeout)
         self._wake.clear()
 
     async def _start(self, a: pb.Assignment, release: pb.Release, volumes: Mapping[str, Path]) -> None:
@@ -453,7 +360,7 @@ class InstanceSupervisor:
         self._attach(handle)
         InstanceRecord(
             assignment_id=self.assignment_id,
-            config=self._config,
+            config=self._history.config,
             pid=handle.pid,
             create_time=handle.create_time,
             container_id=handle.container_id,
@@ -493,6 +400,7 @@ class InstanceSupervisor:
             cwd=self._workdir,
             env=self._env,
             startup_interval=self.ctx.settings.startup_probe_interval,
+            clock=self.ctx.clock,
             exec_check=self._handle.exec_check if self._handle is not None else None,
         )
         self._monitor = asyncio.create_task(monitor.run(), name=f"health:{self.assignment_id}")
@@ -515,21 +423,19 @@ class InstanceSupervisor:
     async def _on_exit(self, code: int | None) -> None:
         handle = self._handle
         assert handle is not None
-        ran = time.monotonic() - self._started_at
+        outcome = self._policy.after_exit(self._history, self.ctx.clock.now(), job=bool(self.assignment.job_id))
+        self._history = outcome.history
         self._detach()
         handle.kill_leftovers()
-        if ran >= self.ctx.settings.stable_after:
-            self._failures = 0
         await self._logs.drain(self.ctx.settings.log_drain_timeout)
-        self._last_exit = instance_exit(code, self._logs.stderr_tail(), now_ns=time.time_ns())
+        self._last_exit = instance_exit(code, self._logs.stderr_tail(), now_ns=round(self.ctx.clock.now() * 1e9))
         self._last_exit.oom_killed = handle.oom_killed
         message = f"exited ({describe_exit(self._last_exit)})"
-        log.info("%s: pid %d %s after %.1fs", self.assignment_id, handle.pid, message, ran)
-        if self.assignment.job_id:
-            self._parked = True
+        log.info("%s: pid %d %s after %.1fs", self.assignment_id, handle.pid, message, outcome.ran)
+        if outcome.verdict is Verdict.JOB_ENDED:
             self._report(STOPPED if code == 0 else FAILED, message=message, exit_code=code, output=self._output_tail())
             return
-        self._failed_attempt(message, code)
+        self._report_outcome(outcome, message, code)
 
     def _output_tail(self) -> list[str]:
         """A job's last stdout lines, then its last stderr lines (what ``zattera jobs show`` prints)."""
@@ -537,26 +443,24 @@ class InstanceSupervisor:
         return stdout + (self._last_exit.stderr_tail[:] if self._last_exit is not None else [])
 
     def _failed_attempt(self, message: str, exit_code: int | None) -> None:
-        settings = self.ctx.settings
-        self._failures += 1
-        if self._failures >= settings.max_start_attempts:
-            self._parked = True
-            log.warning("%s: %s; FAILED after %d failed starts", self.assignment_id, message, self._failures)
-            self._report(
-                FAILED, message=f"{message}; gave up after {self._failures} failed starts", exit_code=exit_code
-            )
+        outcome = self._policy.after_failed_start(self._history, self.ctx.clock.now())
+        self._history = outcome.history
+        self._report_outcome(outcome, message, exit_code)
+
+    def _report_outcome(self, outcome: Outcome, message: str, exit_code: int | None) -> None:
+        failures = outcome.history.failures
+        if outcome.verdict is Verdict.GIVE_UP:
+            log.warning("%s: %s; FAILED after %d failed starts", self.assignment_id, message, failures)
+            self._report(FAILED, message=f"{message}; gave up after {failures} failed starts", exit_code=exit_code)
             return
-        delay = min(settings.restart_backoff * 2 ** (self._failures - 1), settings.restart_backoff_max)
-        self._not_before = time.monotonic() + delay
-        self._report(STARTING, message=f"{message}; restarting in {delay:.1f}s", exit_code=exit_code)
+        self._report(STARTING, message=f"{message}; restarting in {outcome.delay:.1f}s", exit_code=exit_code)
 
     # ------------------------------------------------------------------ process bookkeeping
 
     def _attach(self, handle: InstanceHandle) -> None:
         self._handle = handle
         self._container_id = handle.container_id
-        self._started_at = time.monotonic()
-        self._started_ns = time.time_ns()
+        self._history = self._policy.started(self._history, self.ctx.clock.now())
 
     def _cancel_watchers(self) -> None:
         for task in (self._monitor, self._exit):
@@ -594,10 +498,10 @@ class InstanceSupervisor:
             observed.last_exit.CopyFrom(self._last_exit)
         if state in _UP_STATES:
             observed.mesh_port_bindings.update(self._ports)
-        if self.assignment.job_id and self._started_ns:
-            observed.started_at.FromNanoseconds(self._started_ns)
+        if self.assignment.job_id and self._history.started_at:
+            stamp(observed.started_at, self._history.started_at)
         observed.output_tail.extend(output or ())
-        observed.updated_at.FromNanoseconds(time.time_ns())
+        stamp(observed.updated_at, self.ctx.clock.now())
         self.ctx.reporter.report(self.assignment_id, observed)
 
 
@@ -634,7 +538,8 @@ class ProcessRuntime:
             await self.recover()
             while True:
                 self.reconcile()
-                await feed.wait(ctx.settings.reconcile_tick)
+                await wait_or_timer(ctx.clock, feed.wait(), ctx.settings.reconcile_tick)
+                feed.drain()
         finally:
             feed.close()
             await self.shutdown()
@@ -673,7 +578,7 @@ class ProcessRuntime:
                 raise
             except Exception:
                 log.exception("%s: supervisor failed; resuming", sup.assignment_id)
-                await asyncio.sleep(self.ctx.settings.restart_backoff)
+                await self.ctx.clock.sleep(self.ctx.settings.restart_backoff)
 
     async def _remove(self, sup: InstanceSupervisor, task: asyncio.Task[None]) -> None:
         try:

@@ -1,6 +1,7 @@
 """Agent settings (environment, prefix ``ZATTERA_AGENT_``), beside the shared ``ZATTERA_*`` ones.
 
 Every timer is a setting so tests and demos can shorten it; the command line overrides the identity ones.
+Fields are grouped by concern, each with its docstring (its description), as in ``shared/settings.py``.
 """
 
 from __future__ import annotations
@@ -15,64 +16,86 @@ _NODE_ID = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 class AgentSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ZATTERA_AGENT_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="ZATTERA_AGENT_", extra="ignore", use_attribute_docstrings=True)
 
-    node_id: str = Field(default="", description="node id; '' = the host name (dots become dashes)")
-    labels: Annotated[dict[str, str], NoDecode] = Field(
-        default_factory=dict, description="operator labels asserted at registration (k=v,k2=v2 in the environment)"
-    )
-    builder: bool = Field(default=False, description="serve source builds on zattera.agent.<node>.build")
-    roles: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: ["worker"], description="worker and/or control (comma-separated in the environment)"
-    )
-    mesh_ip: str = Field(default="", description="address other nodes reach this node's instances at")
-    join_token: str = Field(
-        default="", description="single-use token exchanged for this node's NATS credential on first start"
-    )
+    # ---------------------------------------------------------------- identity: what registration asserts
+    node_id: str = ""
+    """The node id; '' = the host name (dots become dashes)."""
+    labels: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    """Operator labels asserted at registration (k=v,k2=v2 in the environment)."""
+    builder: bool = False
+    """Serve source builds on zattera.agent.<node>.build."""
+    roles: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["worker"])
+    """worker and/or control (comma-separated in the environment)."""
+    mesh_ip: str = ""
+    """The address other nodes reach this node's instances at (instances listen there)."""
+    join_token: str = ""
+    """A single-use token exchanged for this node's NATS credential on first start."""
 
+    # ---------------------------------------------------------------- reporting to the control plane
     heartbeat_interval: float = Field(default=5.0, gt=0)
-    reconcile_tick: float = Field(default=5.0, gt=0, description="safety-net re-evaluation of every assignment")
-    report_retry: float = Field(default=0.5, gt=0, description="delay before re-trying a refused observed write")
+    """Seconds between heartbeats into zattera-live (node liveness and per-instance samples)."""
+    reconcile_tick: float = Field(default=5.0, gt=0)
+    """Safety-net re-evaluation of every assignment, seconds (changes wake it at once)."""
+    report_retry: float = Field(default=0.5, gt=0)
+    """Delay before re-trying a refused observed write, seconds."""
 
-    max_start_attempts: int = Field(default=3, ge=1, description="failed starts before an assignment is FAILED")
-    restart_backoff: float = Field(default=1.0, gt=0, description="first restart delay; doubles per failed start")
+    # ---------------------------------------------------------------- restarts (restart_policy.py)
+    max_start_attempts: int = Field(default=3, ge=1)
+    """Failed starts of one config before its assignment is parked FAILED."""
+    restart_backoff: float = Field(default=1.0, gt=0)
+    """The first restart delay, seconds; it doubles with each failed start."""
     restart_backoff_max: float = Field(default=30.0, gt=0)
-    stable_after: float = Field(default=10.0, gt=0, description="a run this long resets the failed-start count")
-    default_stop_grace: float = Field(default=10.0, gt=0, description="SIGTERM -> SIGKILL when the spec sets none")
-    startup_probe_interval: float = Field(
-        default=0.2, gt=0, description="health probe cadence until the first success (then the spec's interval)"
-    )
-    adopted_poll_interval: float = Field(default=1.0, gt=0, description="exit polling of processes adopted on start")
-    stop_on_exit: bool = Field(default=False, description="stop instances when the agent stops (else they are adopted)")
+    """The longest restart delay, seconds."""
+    stable_after: float = Field(default=10.0, gt=0)
+    """A run this long (seconds) resets the failed-start count."""
 
-    log_poll_interval: float = Field(default=0.05, gt=0, description="how often instance output files are read")
-    log_max_backlog: int = Field(
-        default=8 * 1024 * 1024, ge=4096, description="unshipped bytes per output file before old lines are dropped"
-    )
-    log_batch_bytes: int = Field(default=512 * 1024, ge=1024, le=640 * 1024, description="bytes of lines per message")
-    log_batch_lines: int = Field(default=8192, ge=2, le=10_000, description="lines per message")
-    log_stderr_tail: int = Field(default=20, ge=0, description="last stderr lines kept for crash reports")
-    log_drain_timeout: float = Field(default=5.0, gt=0, description="shipping the last lines of an exited instance")
+    # ---------------------------------------------------------------- instance lifecycle
+    default_stop_grace: float = Field(default=10.0, gt=0)
+    """SIGTERM -> SIGKILL, seconds, when the service spec sets no stop_grace."""
+    startup_probe_interval: float = Field(default=0.2, gt=0)
+    """Health probe cadence until the first success (then the spec's interval), seconds."""
+    adopted_poll_interval: float = Field(default=1.0, gt=0)
+    """Exit polling of processes adopted on start (not our children: no exit notification), seconds."""
+    stop_on_exit: bool = False
+    """Stop the instances when the agent stops (else the next agent run adopts them)."""
 
-    private_network: bool = Field(
-        default=True, description="node forwarder and resolver for VIPs and *.internal names (docs/networking.md)"
-    )
-    dns_port: int = Field(default=53, ge=0, le=65535, description="port of the per-env *.internal resolvers (0 = none)")
-    runtime: str = Field(
-        default="", description="process or docker; '' = docker when a Docker daemon answers, else process"
-    )
-    docker_host: str = Field(default="", description="Docker daemon address; '' = $DOCKER_HOST or the standard socket")
-    docker_base_image: str = Field(
-        default="zattera/base:latest", description="what registry images without a root filesystem run on"
-    )
-    pids_limit: int = Field(default=512, ge=0, description="docker runtime: processes per instance (0 = unlimited)")
-    docker_network: Literal["host", "bridge", "auto"] = Field(
-        default="host",
-        description="docker runtime: host network, or the daemon's bridge network 'zattera' with published ports "
-        "('auto': bridge when the daemon makes one and the mesh address is not loopback)",
-    )
+    # ---------------------------------------------------------------- instance logs (logs.py)
+    log_poll_interval: float = Field(default=0.05, gt=0)
+    """How often instance output files are read, seconds."""
+    log_max_backlog: int = Field(default=8 * 1024 * 1024, ge=4096)
+    """Unshipped bytes per output file before the oldest lines are dropped."""
+    log_batch_bytes: int = Field(default=512 * 1024, ge=1024, le=640 * 1024)
+    """Bytes of lines per log message."""
+    log_batch_lines: int = Field(default=8192, ge=2, le=10_000)
+    """Lines per log message."""
+    log_stderr_tail: int = Field(default=20, ge=0)
+    """Last stderr lines kept for crash reports (observed.last_exit)."""
+    log_drain_timeout: float = Field(default=5.0, gt=0)
+    """How long shipping the last lines of an exited instance may take, seconds."""
 
-    build_keepalive: float = Field(default=60.0, gt=0, description="a silent build step logs a line this often")
+    # ---------------------------------------------------------------- private networking (docs/networking.md)
+    private_network: bool = True
+    """Run the node forwarder and resolver for VIPs and *.internal names."""
+    dns_port: int = Field(default=53, ge=0, le=65535)
+    """Port of the per-env *.internal resolvers (0 = none)."""
+
+    # ---------------------------------------------------------------- container runtime (docs/containers.md)
+    runtime: str = ""
+    """process or docker; '' = docker when a Docker daemon answers (with the base image), else process."""
+    docker_host: str = ""
+    """The Docker daemon address; '' = $DOCKER_HOST or the standard socket."""
+    docker_base_image: str = "zattera/base:latest"
+    """What registry images without a root filesystem of their own run on."""
+    pids_limit: int = Field(default=512, ge=0)
+    """Docker runtime: processes per instance (0 = unlimited)."""
+    docker_network: Literal["host", "bridge", "auto"] = "host"
+    """Docker runtime: host network, or the daemon's bridge network 'zattera' with published ports ('auto':
+    bridge when the daemon makes one and the mesh address is not loopback)."""
+
+    # ---------------------------------------------------------------- builds (builder.py)
+    build_keepalive: float = Field(default=60.0, gt=0)
+    """A build step that prints nothing logs a line this often, seconds."""
 
     @field_validator("node_id")
     @classmethod

@@ -43,8 +43,6 @@ from services.builds.planning import (
     resend_on_resume,
     route_unfollowed_event,
     run_request,
-    seconds,
-    timestamp,
 )
 from shared.buildlogs import (
     ERROR_HEADER,
@@ -55,7 +53,7 @@ from shared.buildlogs import (
     last_copied_event_seq,
     run_build_subject,
 )
-from shared.clock import Clock
+from shared.clock import Clock, from_timestamp, to_timestamp
 from shared.natsio import BUILD_EVENTS_STREAM, Connection, build_events_subject
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
 from shared.state.feed import CONSUMER_HEARTBEAT, StateView, guard_ordered_consumer
@@ -244,7 +242,7 @@ class BuildFollowers:
     # ------------------------------------------------------------------ following events
 
     def _follow(self, build: pb.Build, *, resumed: bool) -> _Follower:
-        follower = _Follower(build.meta.id, build.node_id, resumed, checkpointed_at=seconds(build.last_event_at))
+        follower = _Follower(build.meta.id, build.node_id, resumed, checkpointed_at=from_timestamp(build.last_event_at))
         self._followers[build.meta.id] = follower
         follower.task = asyncio.create_task(self._run_follower(follower), name=f"build:{build.meta.id}")
         if resumed and resend_on_resume(build, self.clock.now()):
@@ -324,7 +322,7 @@ class BuildFollowers:
 
         def change(build: pb.Build) -> pb.Build:
             b = copy_build(build)
-            b.last_event_at.CopyFrom(timestamp(at))
+            b.last_event_at.CopyFrom(to_timestamp(at))
             return b
 
         if await self._record(follower, change):

@@ -14,11 +14,11 @@ import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared.buildlogs import TERMINAL_STATUSES
+from shared.clock import from_timestamp, to_timestamp
 from shared.natsio import build_log_subject
 from shared.registry import repository
 
@@ -58,16 +58,6 @@ class BuildDispatcherConfig:
 
 
 # ---------------------------------------------------------------------------------------- dispatching
-
-
-def seconds(ts: Timestamp) -> float:
-    return ts.seconds + ts.nanos / 1e9
-
-
-def timestamp(at: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(int(at * 1e9))
-    return ts
 
 
 def is_builder(node: pb.Node) -> bool:
@@ -114,7 +104,7 @@ class DispatchPlan:
 
 
 def last_event_time(build: pb.Build, seen: Mapping[str, float]) -> float:
-    return max(seconds(build.last_event_at), seconds(build.started_at), seen.get(build.meta.id, 0.0))
+    return max(from_timestamp(build.last_event_at), from_timestamp(build.started_at), seen.get(build.meta.id, 0.0))
 
 
 def evaluate(
@@ -220,8 +210,8 @@ def claimed_build(build: pb.Build, node_id: str, now: float) -> pb.Build:
     b = copy_build(build)
     b.status = RUNNING
     b.node_id = node_id
-    b.started_at.CopyFrom(timestamp(now))
-    b.last_event_at.CopyFrom(timestamp(now))
+    b.started_at.CopyFrom(to_timestamp(now))
+    b.last_event_at.CopyFrom(to_timestamp(now))
     b.log_subject = build_log_subject(build.meta.id)
     b.error = ""
     return b
@@ -230,7 +220,7 @@ def claimed_build(build: pb.Build, node_id: str, now: float) -> pb.Build:
 def finished_build(build: pb.Build, verdict: Verdict, config: BuildDispatcherConfig, now: float) -> pb.Build:
     b = copy_build(build)
     b.status = verdict.status  # type: ignore[assignment]
-    b.finished_at.CopyFrom(timestamp(now))
+    b.finished_at.CopyFrom(to_timestamp(now))
     if verdict.status == pb.BUILD_STATUS_SUCCEEDED:
         b.image_ref = deploy_ref(build, verdict.digest, config)
         b.image_digest = verdict.digest
@@ -326,4 +316,4 @@ def checkpoint_due(last_event_at: float, checkpointed_at: float, interval: float
 
 def resend_on_resume(build: pb.Build, now: float) -> bool:
     """A resumed build claimed moments ago may never have been sent its RunBuild (``CLAIM_IN_FLIGHT``)."""
-    return now - seconds(build.started_at) < CLAIM_IN_FLIGHT
+    return now - from_timestamp(build.started_at) < CLAIM_IN_FLIGHT

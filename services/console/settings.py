@@ -10,19 +10,27 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class ConsoleSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ZATTERA_CONSOLE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="ZATTERA_CONSOLE_", extra="ignore", use_attribute_docstrings=True)
 
-    host: str = Field(default="127.0.0.1", description="address the web console listens on")
-    port: int = Field(default=8090, ge=0, le=65535, description="its port (0 = a free one)")
-    tls_cert: Path | None = Field(default=None, description="PEM certificate (chain): serve HTTPS")
-    tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert")
-    secure_cookies: bool = Field(
-        default=False,
-        description="mark cookies Secure even on plain HTTP requests (set it behind a TLS-terminating proxy)",
-    )
-    session_ttl: float = Field(default=12 * 3600.0, gt=0, description="a session ends this long after its login")
-    login_failures: int = Field(default=5, ge=1, description="failed logins allowed per window, per address and name")
-    login_window: float = Field(default=300.0, gt=0, description="the window of login_failures, seconds")
+    # ---------------------------------------------------------------- listening
+    host: str = "127.0.0.1"
+    """Address the web console listens on."""
+    port: int = Field(default=8090, ge=0, le=65535)
+    """Its port (0 = a free one)."""
+    tls_cert: Path | None = None
+    """PEM certificate (chain): serve HTTPS."""
+    tls_key: Path | None = None
+    """PEM private key of tls_cert."""
+    secure_cookies: bool = False
+    """Mark cookies Secure even on plain HTTP requests (set it behind a TLS-terminating proxy)."""
+
+    # ---------------------------------------------------------------- sessions and logins
+    session_ttl: float = Field(default=12 * 3600.0, gt=0)
+    """A session ends this long (seconds) after its login."""
+    login_failures: int = Field(default=5, ge=1)
+    """Failed logins allowed per window, per address and name."""
+    login_window: float = Field(default=300.0, gt=0)
+    """The window of login_failures, seconds."""
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """HTTPS when both tls_cert and tls_key are set (cookies are then Secure); None = plain HTTP."""

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from shared.errors import ZatteraError
 from shared.tasks import Signal
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ Activate = Callable[[str], Awaitable[object]]
 """Asks the control plane to wake an env; raises when the request must be retried."""
 
 
-class HoldRejected(Exception):
+class HoldRejected(ZatteraError):
     def __init__(self, status: int, message: str, retry_after: str | None = None) -> None:
         super().__init__(message)
         self.status = status

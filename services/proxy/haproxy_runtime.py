@@ -14,12 +14,14 @@ import io
 from collections.abc import Sequence
 from pathlib import Path
 
+from shared.errors import ZatteraError
+
 PROMPT = b"\n> "
 BATCH = 1000
 """Commands per connection: bounds what HAProxy buffers for one client."""
 
 
-class RuntimeAPIError(Exception):
+class RuntimeAPIError(ZatteraError):
     """A runtime API command answered with an error."""
 
 

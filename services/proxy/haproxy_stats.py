@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.cluster.v1 import cluster_pb2 as cpb
+
+from shared.clock import to_timestamp
 
 
 def _int(row: Mapping[str, str], name: str) -> int:
@@ -111,8 +112,7 @@ class HAProxySampler:
             sample.latency_p99_ms = max(sample.latency_p99_ms, average_ms)
             idle = _int(row, "lastsess") if row.get("lastsess", "") not in ("", "-1") else -1
             if idle >= 0:
-                at = Timestamp()
-                at.FromNanoseconds(int((now - idle) * 1e9))
+                at = to_timestamp(now - idle)
                 if (
                     not sample.HasField("last_request_at")
                     or at.ToNanoseconds() > sample.last_request_at.ToNanoseconds()

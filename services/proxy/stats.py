@@ -19,8 +19,9 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.cluster.v1 import cluster_pb2 as cpb
+
+from shared.clock import stamp, to_timestamp
 
 LATENCY_WINDOW = 512
 SERVER_ERROR = 500
@@ -34,12 +35,6 @@ class EnvStats:
     last_request_at: float = 0.0
     completions: deque[tuple[int, bool]] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
     """(latency in whole ms, status ≥ 500) of the most recent completions."""
-
-
-def _timestamp(seconds: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
 
 
 def percentiles(latencies_ms: list[int]) -> tuple[float, float]:
@@ -100,7 +95,7 @@ class ProxyStats:
                 latency_p99_ms=p99,
             )
             if stats.last_request_at:
-                sample.last_request_at.CopyFrom(_timestamp(stats.last_request_at))
+                stamp(sample.last_request_at, stats.last_request_at)
             samples[env_id] = sample
             stats.started = 0
             if env_id not in routed_envs and stats.inflight <= 0 and not held.get(env_id):
@@ -111,4 +106,4 @@ class ProxyStats:
         self, proxy_id: str, node_id: str, held: Mapping[str, int], routed_envs: Collection[str]
     ) -> cpb.ProxyHeartbeat:
         envs = self.sample(held, routed_envs)
-        return cpb.ProxyHeartbeat(time=_timestamp(self._now()), proxy_id=proxy_id, node_id=node_id, envs=envs)
+        return cpb.ProxyHeartbeat(time=to_timestamp(self._now()), proxy_id=proxy_id, node_id=node_id, envs=envs)

@@ -24,6 +24,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.decisions import event
 from shared import keys as K
+from shared.backoff import exponential
 from shared.decision import Decision
 from shared.deployments import env_ownership
 from shared.events import WARNING
@@ -70,7 +71,7 @@ class FailureBackoff:
         """Note a replacement; returns the delay before the next one is allowed."""
         streak = self._streaks.get(env_id)
         failures = 1 if streak is None else streak.failures + 1
-        delay = min(BACKOFF_FIRST * float(2 ** (failures - 1)), BACKOFF_MAX)
+        delay = exponential(BACKOFF_FIRST, failures, BACKOFF_MAX)
         self._streaks[env_id] = _Streak(failures, now + delay, now)
         return delay
 

@@ -9,22 +9,19 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class SecretsSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ZATTERA_SECRETS_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="ZATTERA_SECRETS_", extra="ignore", use_attribute_docstrings=True)
 
-    key: SecretStr = Field(
-        default=SecretStr(""),
-        description="the cluster key's private half, 64 hex digits; seeds the key file when there is none",
-    )
-    key_file: Path | None = Field(
-        default=None, description="the keyring file; default <ZATTERA_DATA_DIR>/secrets/cluster.key"
-    )
-    open_wait: float = Field(
-        default=3.0, gt=0, description="how long a request waits for the view to show its node key or assignment"
-    )
+    # ---------------------------------------------------------------- the cluster key
+    key: SecretStr = SecretStr("")
+    """The cluster key's private half, 64 hex digits; seeds the key file when there is none."""
+    key_file: Path | None = None
+    """The keyring file; default <ZATTERA_DATA_DIR>/secrets/cluster.key."""
+    open_wait: float = Field(default=3.0, gt=0)
+    """How long a request waits for the view to show its node key or assignment, seconds."""
 
-    gc_grace: float = Field(
-        default=600.0, gt=0, description="an unused secret version is deleted once it is at least this old"
-    )
+    # ---------------------------------------------------------------- garbage collection
+    gc_grace: float = Field(default=600.0, gt=0)
+    """An unused secret version is deleted once it is at least this old, seconds."""
 
     def keyring_path(self, data_dir: Path) -> Path:
         return self.key_file or data_dir / "secrets" / "cluster.key"

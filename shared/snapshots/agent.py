@@ -42,6 +42,7 @@ from shared.snapshots.chunking import ChunkParams
 from shared.snapshots.engine import DEFAULT_GC_GRACE, SnapshotEngine
 from shared.snapshots.locking import SharedExclusiveLock
 from shared.snapshots.store import SnapshotStore
+from shared.subprocesses import run_shell
 from shared.telemetry import span
 
 log = logging.getLogger(__name__)
@@ -92,21 +93,9 @@ def volume_dir(volumes_root: Path, volume: pb.Volume) -> Path:
 
 async def run_hook_in_shell(command: str, assignment_id: str, directory: Path) -> None:
     env = dict(os.environ, ZATTERA_VOLUME_DIR=str(directory), ZATTERA_ASSIGNMENT_ID=assignment_id)
-    proc = await asyncio.create_subprocess_exec(
-        "/bin/sh",
-        "-c",
-        command,
-        cwd=directory,
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
     try:
-        code = await asyncio.wait_for(proc.wait(), HOOK_TIMEOUT)
+        code = await run_shell(command, cwd=directory, env=env, timeout=HOOK_TIMEOUT)
     except TimeoutError:
-        proc.kill()
-        await proc.wait()
         raise PreHookError(f"pre-hook timed out after {HOOK_TIMEOUT:.0f}s") from None
     if code != 0:
         raise PreHookError(f"pre-hook exited {code}")

@@ -20,6 +20,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.agent import Agent
 from services.agent.settings import AgentSettings
+from shared.clock import Clock
 from shared.ids import new_id
 from shared.natsio import Connection, connect
 from tests.waiting import eventually
@@ -142,10 +143,12 @@ async def start_agent(conn: Connection, nats_url: str, tmp_path: Path) -> AsyncI
     """Start agents, each on its own connection as a real agent process would be."""
     running: list[RunningAgent] = []
 
-    async def start(node_id: str = "n1", *, data_dir: Path | None = None, **overrides: object) -> RunningAgent:
+    async def start(
+        node_id: str = "n1", *, data_dir: Path | None = None, clock: Clock | None = None, **overrides: object
+    ) -> RunningAgent:
         settings = AgentSettings(node_id=node_id, **{**FAST, **overrides})  # type: ignore[arg-type]
         agent_conn = await connect(nats_url, name=f"agent-{node_id}")
-        agent = Agent(agent_conn, settings, data_dir or tmp_path / f"agent-{node_id}")
+        agent = Agent(agent_conn, settings, data_dir or tmp_path / f"agent-{node_id}", clock=clock)
         handle = RunningAgent(agent, asyncio.create_task(agent.run()))
         running.append(handle)
         await eventually(lambda: agent.runtime is not None, what="agent registered")

@@ -8,7 +8,7 @@ from pathlib import Path
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.images import PreparedImage
-from services.agent.runtime import instance_env
+from services.agent.instance_env import instance_env
 
 
 def test_config_overrides_the_image_and_the_platform_overrides_config() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.health import EXEC, HTTP, TCP, HealthMonitor, Probe, probe_for
+from shared.clock import Clock, FakeClock, RealClock
 from tests.waiting import eventually
 
 HEALTHY = pb.INSTANCE_STATE_HEALTHY
@@ -32,9 +33,11 @@ def test_probe_follows_the_spec_and_its_defaults() -> None:
 
 
 @contextlib.asynccontextmanager
-async def monitoring(probe: Probe, cwd: Path) -> AsyncIterator[list[int]]:
+async def monitoring(probe: Probe, cwd: Path, clock: Clock | None = None) -> AsyncIterator[list[int]]:
     states: list[int] = []
-    monitor = HealthMonitor(probe, states.append, cwd=cwd, env=dict(os.environ), startup_interval=0.02)
+    monitor = HealthMonitor(
+        probe, states.append, cwd=cwd, env=dict(os.environ), startup_interval=0.02, clock=clock or RealClock()
+    )
     task = asyncio.create_task(monitor.run())
     try:
         yield states
@@ -60,6 +63,24 @@ async def test_failures_within_grace_do_not_count(tmp_path: Path) -> None:
     async with monitoring(failing, tmp_path) as states:
         await eventually(lambda: len(probes.read_text().split()) >= 3, what="several failed probes")
         assert states == []
+
+
+async def test_the_grace_is_measured_on_the_injected_clock(tmp_path: Path) -> None:
+    clock = FakeClock()
+    probes = tmp_path / "probes"
+    probes.touch()
+    failing = Probe(kind=EXEC, command="echo probe >> probes; exit 1", interval=1.0, grace=30.0, threshold=1)
+
+    def probed(times: int) -> bool:
+        return clock.sleepers == 1 and len(probes.read_text().split()) == times
+
+    async with monitoring(failing, tmp_path, clock) as states:
+        await eventually(lambda: probed(1), what="the first probe")
+        await clock.advance(31.0)  # wakes the second probe at 0.02 s: still within the grace
+        await eventually(lambda: probed(2), what="the second probe")
+        assert states == []
+        await clock.advance(0.02)  # the third probe, 31.02 s after the start, counts
+        await eventually(lambda: states == [UNHEALTHY], what="UNHEALTHY once the grace is over")
 
 
 async def test_tcp_probe_passes_once_the_port_listens(tmp_path: Path) -> None:

@@ -136,7 +136,7 @@ async def test_an_ended_job_is_not_run_again_by_a_restarted_agent(
 
     def parked() -> bool:
         supervisor = runtime.supervisor(a.meta.id)
-        return supervisor is not None and supervisor._parked
+        return supervisor is not None and supervisor.parked
 
     await eventually(parked, timeout=TIMEOUT, what="the restarted agent parked the ended job")
     assert (tmp_path / "runs").read_text() == "ran\n"

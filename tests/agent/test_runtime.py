@@ -11,6 +11,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.processes import InstanceRecord
 from shared import keys as K
+from shared.clock import FakeClock
 from shared.live import node_key
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
 from shared.state.feed import StateView
@@ -22,6 +23,7 @@ HEALTHY = pb.INSTANCE_STATE_HEALTHY
 STOPPED = pb.INSTANCE_STATE_STOPPED
 FAILED = pb.INSTANCE_STATE_FAILED
 PENDING = pb.INSTANCE_STATE_PENDING
+STARTING = pb.INSTANCE_STATE_STARTING
 
 
 def state_of(view: StateView, node_id: str, assignment_id: str) -> int:
@@ -142,6 +144,29 @@ async def test_crash_loop_is_failed_after_three_starts(
     assert observed.exit_code == 3
     assert observed.restarts == 2
     assert "gave up after 3 failed starts" in observed.message
+
+
+async def test_restarts_back_off_on_the_agents_clock(start_agent: StartAgent, view: StateView, writer: Writer) -> None:
+    """The backoff is measured on the injected clock: a minute-long backoff passes when the clock is moved."""
+    clock = FakeClock()
+    await start_agent("n1", clock=clock, restart_backoff=60.0, restart_backoff_max=600.0)
+    rel = release("exec:exit%203", healthcheck=False)
+    a = assignment("n1", rel)
+    await seed(writer, rel, a)
+
+    def reported(state: int, restarts: int, message: str) -> bool:
+        observed = view.observed("n1", a.meta.id)
+        return (
+            observed is not None
+            and (observed.state, observed.restarts) == (state, restarts)
+            and message in observed.message
+        )
+
+    await eventually(lambda: reported(STARTING, 0, "restarting in 60.0s"), what="first crash: backing off 60 s")
+    await clock.advance(60.0)
+    await eventually(lambda: reported(STARTING, 1, "restarting in 120.0s"), what="second crash: backing off 120 s")
+    await clock.advance(120.0)
+    await eventually(lambda: reported(FAILED, 2, "gave up after 3 failed starts"), what="FAILED")
 
 
 async def test_config_drift_recreates_the_process(

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from zattera.v1 import types_pb2 as pb
 
-from services.builds.planning import timestamp
+from shared.clock import to_timestamp
 from tests import factories
 
 
@@ -47,8 +47,8 @@ def build(
     )
     b.meta.id = build_id
     if last_event_at is not None:
-        b.started_at.CopyFrom(timestamp(last_event_at))
-        b.last_event_at.CopyFrom(timestamp(last_event_at))
+        b.started_at.CopyFrom(to_timestamp(last_event_at))
+        b.last_event_at.CopyFrom(to_timestamp(last_event_at))
     return b
 
 

@@ -6,6 +6,7 @@ import pytest
 from zattera.v1 import types_pb2 as pb
 
 from shared import certs as C
+from shared.clock import from_timestamp, to_timestamp
 
 NOW = 1_700_000_000.0
 DAY = 86_400.0
@@ -15,9 +16,9 @@ def stored(host: str, *, renew_at: float, retry_at: float | None = None, chain: 
     cert = C.pending_record(host, "https://ca.example/dir")
     cert.state = C.VALID if chain else C.FAILED
     cert.chain_pem = chain
-    cert.renew_at.CopyFrom(C.timestamp(renew_at))
+    cert.renew_at.CopyFrom(to_timestamp(renew_at))
     if retry_at is not None:
-        cert.retry_at.CopyFrom(C.timestamp(retry_at))
+        cert.retry_at.CopyFrom(to_timestamp(retry_at))
     return cert
 
 
@@ -76,9 +77,9 @@ def test_backoff_doubles_to_a_day_and_honours_retry_after(
 def test_a_failed_renewal_keeps_the_certificate_and_a_failed_first_order_fails() -> None:
     renewing = C.after_failure(stored("a.example.com", renew_at=NOW), "rateLimited: too many", 7200.0, NOW)
     assert (renewing.state, renewing.chain_pem, renewing.failures) == (C.RENEWING, "CHAIN", 1)
-    assert C.seconds(renewing.retry_at) == NOW + 7200.0 and renewing.last_error == "rateLimited: too many"
+    assert from_timestamp(renewing.retry_at) == NOW + 7200.0 and renewing.last_error == "rateLimited: too many"
     failed = C.after_failure(C.pending_record("b.example.com", ""), "unauthorized: 404", None, NOW)
-    assert (failed.state, failed.failures, C.seconds(failed.retry_at)) == (C.FAILED, 1, NOW + 60.0)
+    assert (failed.state, failed.failures, from_timestamp(failed.retry_at)) == (C.FAILED, 1, NOW + 60.0)
     assert C.state_name(failed, NOW) == "failed"
 
 

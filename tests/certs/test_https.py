@@ -23,6 +23,7 @@ from zattera.v1 import types_pb2 as pb
 from services.proxy.haproxy_engine import haproxy_binary, servable
 from shared import certs as C
 from shared.certclient import ServedCert
+from shared.clock import from_timestamp
 from shared.embedded import free_port
 from shared.natsio import Connection
 from tests.certs.conftest import PROJECT_ROOT, Rig, running_proxy
@@ -141,7 +142,7 @@ async def test_issued_through_haproxy_served_renewed_shared_and_cached(
         assert len(issued) == len(HOSTS) and all(rig.cert(h).renewals == 0 for h in HOSTS)
 
         # Renewed (fake clock): swapped in by the running proxy, no restart.
-        rig.clock.set(C.seconds(rig.cert(HOSTS[0]).renew_at) + 1)
+        rig.clock.set(from_timestamp(rig.cert(HOSTS[0]).renew_at) + 1)
         await rig.loop().pass_once()
         assert rig.cert(HOSTS[0]).renewals == 1
         stored = {h: x509.load_pem_x509_certificates(rig.cert(h).chain_pem.encode())[0].serial_number for h in HOSTS}

@@ -20,6 +20,7 @@ from shared import certs as C
 from shared import keys as K
 from shared.certclient import CACHE_FILE, CertClient, ServedCert, bundle_certs, open_bundle
 from shared.certs import KEYS_OPEN_SUBJECT
+from shared.clock import from_timestamp
 from shared.embedded import free_port
 from tests.certs.conftest import Rig
 from tests.eventlog import stored_events, wait_for_kinds
@@ -61,7 +62,7 @@ async def test_issue_renew_distribute_and_survive_a_ca_outage(rig: Rig, tmp_path
         cert = rig.cert(host)
         assert C.state_name(cert, rig.clock.now()) == "valid", cert.last_error
         assert b"PRIVATE KEY" not in cert.sealed_key and cert.key_id
-    earliest = min(C.seconds(rig.cert(h).renew_at) for h in HOSTS)
+    earliest = min(from_timestamp(rig.cert(h).renew_at) for h in HOSTS)
     await loop.pass_once()  # what the records' change wakes it for: nothing due, a wake-up planned
     assert loop.seconds_until_due() == pytest.approx(earliest - rig.clock.now())  # the loop wakes then
     events = await wait_for_kinds(rig.conn, "certificate.issued")
@@ -92,7 +93,7 @@ async def test_issue_renew_distribute_and_survive_a_ca_outage(rig: Rig, tmp_path
         assert len(issued) == len(HOSTS) and all(rig.cert(h).renewals == 0 for h in HOSTS)
 
         # Renewal, driven by the fake clock: due at 2/3 of the lifetime (less jitter).
-        rig.clock.set(C.seconds(rig.cert(HOSTS[0]).renew_at) + 1)
+        rig.clock.set(from_timestamp(rig.cert(HOSTS[0]).renew_at) + 1)
         assert C.state_name(rig.cert(HOSTS[0]), rig.clock.now()) == "renewing"
         # A new leader renews: it has the stored account's key opened by the secrets service (no new account).
         account_before = rig.view.get(K.ACME_ACCOUNT, C.ACCOUNT_NAME)
@@ -113,12 +114,12 @@ async def test_issue_renew_distribute_and_survive_a_ca_outage(rig: Rig, tmp_path
     # CA outage: the renewal fails, the old certificate stays stored and served, the next order backs off.
     served = rig.cert(HOSTS[1])
     down = rig.loop(f"https://127.0.0.1:{free_port()}/dir")
-    rig.clock.set(C.seconds(served.renew_at) + 1)
+    rig.clock.set(from_timestamp(served.renew_at) + 1)
     await down.pass_once()
     failed = rig.cert(HOSTS[1])
     assert failed.state == C.RENEWING and failed.chain_pem == served.chain_pem
     assert "unreachable" in failed.last_error and failed.failures == 1
-    assert C.seconds(failed.retry_at) == rig.clock.now() + C.BACKOFF_BASE
+    assert from_timestamp(failed.retry_at) == rig.clock.now() + C.BACKOFF_BASE
     assert C.plan(HOSTS, {h: rig.cert(h) for h in HOSTS}, rig.clock.now()).orders == ()
     await wait_for_kinds(rig.conn, "certificate.failed")
     still = bundle_certs(await open_bundle(rig.conn, KEYS_OPEN_SUBJECT))

@@ -11,6 +11,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import certs as C
 from shared import keys as K
+from shared.clock import to_timestamp
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.cli.rig import Invoke, state
@@ -30,8 +31,8 @@ def test_add_list_remove_with_certificate_states(cli: Invoke, nats_url: str, tmp
         failed = C.after_failure(C.pending_record("api.example.com", "https://ca/dir"), "rateLimited: slow", 60, 1e9)
         valid = C.pending_record("www.example.com", "https://ca/dir")
         valid.state, valid.chain_pem = C.VALID, "CHAIN"
-        valid.not_after.CopyFrom(C.timestamp(4e9))
-        valid.renew_at.CopyFrom(C.timestamp(3e9))
+        valid.not_after.CopyFrom(to_timestamp(4e9))
+        valid.renew_at.CopyFrom(to_timestamp(3e9))
         await writer.commit(writer.txn().create(failed).create(valid))
 
     state(nats_url, failed_and_valid)

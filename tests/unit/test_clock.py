@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from shared.clock import FakeClock, RealClock, from_timestamp, stamp, ticker, to_timestamp
+from shared.clock import FakeClock, RealClock, from_timestamp, stamp, ticker, to_timestamp, wait_or_timer
 from tests.waiting import eventually
 
 
@@ -106,3 +106,34 @@ def test_timestamps_round_trip_to_the_nearest_nanosecond(epoch: float) -> None:
     assert ts.ToNanoseconds() == round(epoch * 1e9)  # int() would give 1000999999 for 1.001
     assert from_timestamp(ts) == pytest.approx(epoch, abs=1e-9)
     assert stamp(Timestamp(), epoch) == ts
+
+
+async def test_wait_or_timer_returns_when_the_awaitable_finishes_first():
+    clock = FakeClock(start=0.0)
+    event = asyncio.Event()
+    waiting = asyncio.create_task(wait_or_timer(clock, event.wait(), 10.0))
+    await asyncio.sleep(0)
+    event.set()
+    assert await waiting is True
+    assert clock.sleepers == 0  # the timer was cancelled
+
+
+async def test_wait_or_timer_returns_when_the_clock_reaches_the_timeout():
+    clock = FakeClock(start=0.0)
+    waiting = asyncio.create_task(wait_or_timer(clock, asyncio.Event().wait(), 10.0))
+    await asyncio.sleep(0)
+    assert clock.sleepers == 1
+    await clock.advance(9.9)
+    assert not waiting.done()
+    await clock.advance(0.1)
+    assert await waiting is False
+
+
+async def test_wait_or_timer_without_a_timeout_waits_for_the_awaitable_only():
+    clock = FakeClock(start=0.0)
+    event = asyncio.Event()
+    waiting = asyncio.create_task(wait_or_timer(clock, event.wait(), None))
+    await clock.advance(3600)
+    assert not waiting.done()
+    event.set()
+    assert await waiting is True
