@@ -24,10 +24,14 @@ from rich.console import Console
 
 from cli import contexts
 from shared.errors import ZatteraError
-from shared.natsio import STATE_STREAM, ClusterUnavailable, Connection, TooManySubjects, connect
+from shared.natsio import STATE_PREFIX, STATE_STREAM, ClusterUnavailable, Connection, TooManySubjects, connect
 from shared.settings import settings
 from shared.txn import CommitUnknown, Writer
 from shared.view import StateView
+from shared.watches import WatchSpec, watch_opener
+
+STATE_WATCH = WatchSpec(STATE_STREAM, (f"{STATE_PREFIX}>",), deliver="last_per_subject")
+"""What a following CLI view pulls: the last value of every key, then every change."""
 
 T = TypeVar("T")
 
@@ -115,7 +119,8 @@ async def control(*, view: bool = True, follow: bool = False) -> AsyncIterator[C
     replica answers (no consumer, no stream leader needed: a NATS server loss costs it ~1.5 s, not an
     election); ``follow``: kept up to date by a consumer instead (a command that watches changes)."""
     conn = await connect_cli()
-    state = StateView(conn, name="cli")
+    # Followed through a watch control opens (the operator credential creates no consumer: SECURITY.md).
+    state = StateView(conn, name="cli", open_consumer=watch_opener(conn, STATE_WATCH))
     try:
         await _load(conn, state, view=view, follow=follow)
         yield Control(conn, state, Writer(conn, state))

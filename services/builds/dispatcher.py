@@ -58,6 +58,7 @@ from shared.buildlogs import (
     last_copied_event_seq,
     read_build_log,
     run_build_subject,
+    sender_of_events_subject,
 )
 from shared.events import WARNING, make_event
 from shared.lease import Leadership
@@ -393,7 +394,7 @@ class BuildDispatcher(LeaderLoop):
             if build.status == RUNNING and build.node_id:
                 self._follow(build, resumed=True)
         self._events_sub = await self.conn.js.subscribe(
-            "zattera.builds.*.events",
+            build_events_subject("*"),
             stream=BUILD_EVENTS_STREAM,
             ordered_consumer=True,
             cb=self._on_event_msg,
@@ -588,7 +589,13 @@ class BuildDispatcher(LeaderLoop):
             log.warning("undecodable build event on %s (seq %d): %s", msg.subject, seq, exc)
             return
         live = seq > self._replay_until
+        sender = sender_of_events_subject(msg.subject)
         follower = self._followers.get(build_id)
+        assigned = follower.node_id if follower is not None else getattr(self.view.build(build_id), "node_id", "")
+        if sender != assigned:
+            # Only the builder the build was assigned to speaks for it (its node id is permission-enforced).
+            log.warning("build %s: ignored an event from node %r (assigned to %r)", build_id, sender, assigned)
+            return
         if follower is None:
             build = self.view.build(build_id)
             if build is not None and build.status == RUNNING and build.node_id:
