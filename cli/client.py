@@ -24,14 +24,11 @@ from rich.console import Console
 
 from cli import contexts
 from shared.errors import ZatteraError
-from shared.natsio import STATE_PREFIX, STATE_STREAM, ClusterUnavailable, Connection, TooManySubjects, connect
+from shared.natsio import STATE_STREAM, ClusterUnavailable, Connection, TooManySubjects, connect
 from shared.settings import settings
 from shared.txn import CommitUnknown, Writer
 from shared.view import StateView
-from shared.watches import WatchSpec, watch_opener
-
-STATE_WATCH = WatchSpec(STATE_STREAM, (f"{STATE_PREFIX}>",), deliver="last_per_subject")
-"""What a following CLI view pulls: the last value of every key, then every change."""
+from shared.watches import STATE_WATCH, watch_opener
 
 T = TypeVar("T")
 

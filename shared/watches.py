@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from shared.errors import ZatteraError
-from shared.natsio import Connection
+from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.pull import PullFeed, PullLost
 from shared.security.callers import answerable
 
@@ -277,10 +277,12 @@ async def follow(
     return await Watch(conn, spec, cb, caught_up=caught_up).start()
 
 
-async def serve_watches(conn: Connection, ready: asyncio.Event | None = None) -> None:
-    """Answer ``zattera.watch.open`` until cancelled (queue group ``watch``: any number of replicas);
-    ``ready`` is set once subscribed."""
-    sub = await conn.nc.subscribe(WATCH_OPEN_SUBJECT, queue="watch", cb=watch_open_handler(conn))
+async def serve(
+    conn: Connection, subject: str, handler: Callable[[Msg], Awaitable[None]], ready: asyncio.Event | None = None
+) -> None:
+    """Answer ``subject`` with ``handler`` until cancelled (queue group named after the subject: any number of
+    replicas share the work); ``ready`` is set once subscribed."""
+    sub = await conn.nc.subscribe(subject, queue=subject, cb=handler)
     await conn.nc.flush()
     if ready is not None:
         ready.set()
@@ -291,7 +293,16 @@ async def serve_watches(conn: Connection, ready: asyncio.Event | None = None) ->
             await sub.unsubscribe()
 
 
-def watch_opener(conn: Connection, spec: WatchSpec) -> Callable[[], Awaitable[str]]:
+async def serve_watches(conn: Connection, ready: asyncio.Event | None = None) -> None:
+    """Answer ``zattera.watch.open`` until cancelled."""
+    await serve(conn, WATCH_OPEN_SUBJECT, watch_open_handler(conn), ready)
+
+
+STATE_WATCH = WatchSpec(STATE_STREAM, (f"{STATE_PREFIX}>",), deliver="last_per_subject")
+"""What a following CLI view pulls: the last value of every key, then every change."""
+
+
+def watch_opener(conn: Connection, spec: WatchSpec = STATE_WATCH) -> Callable[[], Awaitable[str]]:
     """An ``open_consumer`` for :class:`shared.view.StateView`: each resync asks for a new watch."""
 
     async def opener() -> str:
