@@ -59,6 +59,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, last_per_subject
 from shared.pull import PullFeed, PullLost
+from shared.tasks import cancel_and_wait
 from shared.telemetry import counter
 
 log = logging.getLogger(__name__)
@@ -207,9 +208,7 @@ class _PullLoop:
     task: asyncio.Task[None]
 
     async def unsubscribe(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        await cancel_and_wait(self.task)  # re-cancelled until it ends: the pull's wait_for can swallow one
 
 
 class StateView:

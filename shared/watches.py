@@ -33,6 +33,7 @@ from shared.errors import ZatteraError
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.pull import PullFeed, PullLost
 from shared.security.callers import answerable
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -260,10 +261,8 @@ class Watch:
         return got.result() if got.done() and not got.cancelled() else None
 
     async def unsubscribe(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        # Re-cancelled until it ends: asyncio.wait_for (inside the pull) can swallow a cancellation.
+        await cancel_and_wait(self._task)
 
 
 async def follow(

@@ -33,7 +33,9 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
         return [watches, serve(ctx.conn, VIEW_OPEN_SUBJECT, open_cluster_view_handler(ctx.conn))]
     issuers = {role: RoleIssuer.load(directory, role) for role in (Role.AGENT, Role.BUILDER)}
     sentinel = (directory / SENTINEL_FILE).read_text().strip()
-    return [watches, JoinService(ctx.conn, issuers, sentinel).run()]
+    # Keys prepared but the server not secured (no credential of our own): nobody has an identity there.
+    open_cluster = not ctx.settings.nats_creds
+    return [watches, JoinService(ctx.conn, issuers, sentinel, open_cluster=open_cluster).run()]
 
 
 if __name__ == "__main__":
