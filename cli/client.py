@@ -28,6 +28,7 @@ from shared.natsio import STATE_STREAM, ClusterUnavailable, Connection, TooManyS
 from shared.settings import settings
 from shared.state.feed import StateView
 from shared.txn import CommitUnknown, Writer
+from shared.watches import STATE_WATCH, watch_opener
 
 T = TypeVar("T")
 
@@ -115,7 +116,8 @@ async def control(*, view: bool = True, follow: bool = False) -> AsyncIterator[C
     replica answers (no consumer, no stream leader needed: a NATS server loss costs it ~1.5 s, not an
     election); ``follow``: kept up to date by a consumer instead (a command that watches changes)."""
     conn = await connect_cli()
-    state = StateView(conn, name="cli")
+    # Followed through a watch control opens (the operator credential creates no consumer: SECURITY.md).
+    state = StateView(conn, name="cli", open_consumer=watch_opener(conn, STATE_WATCH))
     try:
         await _load(conn, state, view=view, follow=follow)
         yield Control(conn, state, Writer(conn, state))

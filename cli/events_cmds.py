@@ -13,7 +13,6 @@ import time
 from collections import deque
 
 import typer
-from nats.js.api import ConsumerConfig, DeliverPolicy
 from rich.markup import escape
 from zattera.v1 import types_pb2 as pb
 
@@ -26,6 +25,8 @@ from shared.events import EVENT_SCALED, EventPublisher, node_change_event, scale
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
 from shared.state.feed import StateView
 from shared.state.reader import StateReader
+from shared.watches import WatchSpec
+from shared.watches import follow as follow_watch
 
 OPERATOR = "operator"
 SCAN_WINDOW = 20_000
@@ -93,12 +94,8 @@ def events(
             end = info.state.last_seq
             window = last if not (env_id or kind) else max(last, SCAN_WINDOW)
             start = end + 1 if last == 0 else max(1, end - window + 1)
-            sub = await c.conn.js.subscribe(
-                kind_subject(kind),
-                stream=EVENTS_STREAM,
-                ordered_consumer=True,
-                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start),
-            )
+            spec = WatchSpec(EVENTS_STREAM, (kind_subject(kind),), "by_start_sequence", start_seq=start)
+            sub = await follow_watch(c.conn, spec)
             view = None if json_out else c.view
 
             def show(event: pb.Event) -> None:

@@ -171,7 +171,7 @@ class _Printer:
                 await asyncio.sleep(LOG_STREAM_WAIT)
 
     def _read(self, *, follow: bool) -> AsyncIterator[AppLogLine]:
-        return read_app_logs(self.c.conn.js, self.env_id, instance=self.instance, last=1_000_000, follow=follow)
+        return read_app_logs(self.c.conn, self.env_id, instance=self.instance, last=1_000_000, follow=follow)
 
     def _print(self, line: AppLogLine) -> None:
         self.printed += 1

@@ -75,7 +75,7 @@ def logs(
             while True:
                 try:
                     async for line in read_app_logs(
-                        c.conn.js, target.meta.id, instance=instance, last=lines, since_ns=start_ns, follow=follow
+                        c.conn, target.meta.id, instance=instance, last=lines, since_ns=start_ns, follow=follow
                     ):
                         emit(line)
                     return

@@ -122,7 +122,7 @@ async def until_served(conn: Connection, view: StateView, d: pb.Deployment, star
     waits for; give up after :data:`SERVE_TIMEOUT` (exit 1: promoted, but not served everywhere)."""
     release = view.release(d.release_id)
     label = f"release v{release.version}" if release else f"release {d.release_id}"
-    live = LiveView(conn, RealClock())
+    live = LiveView(conn, RealClock(), watched=True)
     await live.start()
     cache = tempfile.TemporaryDirectory()
     routes = RouteClient(Path(cache.name) / "routes.pb")

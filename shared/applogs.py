@@ -17,16 +17,17 @@ import re
 import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
-from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared.errors import ZatteraError
+from shared.natsio import Connection
+from shared.watches import Watch, WatchSpec
+from shared.watches import follow as follow_watch
 
 APP_LOGS_SUBJECT_PREFIX = "zattera.logs."
 APP_LOGS_STREAM_PREFIX = "ZATTERA_LOGS_"
@@ -125,7 +126,7 @@ class UnknownLogStream(ZatteraError):
 
 
 async def read_app_logs(
-    js: JetStreamContext,
+    conn: Connection,
     env_id: str,
     *,
     instance: str = "",
@@ -135,11 +136,12 @@ async def read_app_logs(
     idle: float = 1.0,
 ) -> AsyncIterator[AppLogLine]:
     """The last ``last`` lines (newer than ``since_ns`` when given) across the env's instances in time order;
-    with ``follow``, then every new line as it is stored. Raises :class:`UnknownLogStream`."""
+    with ``follow``, then every new line as it is stored. Raises :class:`UnknownLogStream`. Read through a
+    watch control opens (:mod:`shared.watches`): the operator credential creates no consumer."""
     stream = app_logs_stream(env_id)
     subject = app_log_subject(env_id, instance or "*")
     try:
-        info = await js.stream_info(stream)
+        info = await conn.js.stream_info(stream)
     except NotFoundError:
         raise UnknownLogStream(f"no log stream for environment {env_id} yet") from None
     first, end = int(info.state.first_seq), int(info.state.last_seq)
@@ -147,13 +149,12 @@ async def read_app_logs(
     while True:
         start = max(first, end - window + 1)
         if since_ns:
-            since = datetime.fromtimestamp(since_ns / 1e9, tz=UTC)
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since)
+            spec = WatchSpec(stream, (subject,), "by_start_time", start_time_ns=since_ns)
         else:
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(start, 1))
-        sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, config=config)
+            spec = WatchSpec(stream, (subject,), "by_start_sequence", start_seq=max(start, 1))
+        sub = await follow_watch(conn, spec)
         try:
-            backlog = await _drain_until(sub, end, idle)
+            backlog = await _drain_until(sub, end, idle) if end else []
             enough = since_ns or start <= first or sum(1 for line in backlog if line.time_ns >= since_ns) >= last
             if not enough:
                 window *= 8
@@ -172,16 +173,12 @@ async def read_app_logs(
                 await asyncio.shield(sub.unsubscribe())
 
 
-async def _drain_until(sub: Any, end: int, idle: float) -> list[AppLogLine]:
-    """Every line of the subscription's messages up to stream sequence ``end`` (or none left to read)."""
+async def _drain_until(sub: Watch, end: int, idle: float) -> list[AppLogLine]:
+    """Every line of the watch's messages up to stream sequence ``end`` (or none left to read)."""
     lines: list[AppLogLine] = []
-    info = await sub.consumer_info()
-    if end == 0 or (info.num_pending == 0 and not info.delivered.consumer_seq):
-        return lines  # nothing matches the filter
     while True:
-        try:
-            msg = await sub.next_msg(timeout=idle)
-        except TimeoutError:
+        msg = await sub.next_stored(idle)
+        if msg is None:
             return lines  # nothing (more) matches the filter up to the end
         lines.extend(lines_of(msg.data))
         if msg.metadata.sequence.stream >= end or msg.metadata.num_pending == 0:

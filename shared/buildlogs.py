@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NoStreamResponseError, NotFoundError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
@@ -46,6 +46,8 @@ from shared.natsio import (
     build_events_subject,
     build_log_subject,
 )
+from shared.watches import WatchSpec
+from shared.watches import follow as follow_watch
 
 ERROR_HEADER = "Zattera-Error"
 EVENT_SEQ_HEADER = "Zattera-Event-Seq"
@@ -65,8 +67,14 @@ def cancel_build_subject(node_id: str) -> str:
 
 
 def build_id_of_events_subject(subject: str) -> str:
-    """``zattera.builds.<id>.events`` → ``<id>``."""
+    """``zattera.builds.<id>.events.<node>`` → ``<id>``."""
     return subject.split(".")[2]
+
+
+def sender_of_events_subject(subject: str) -> str:
+    """``zattera.builds.<id>.events.<node>`` → ``<node>``: the builder that sent it (permission-enforced)."""
+    parts = subject.split(".")
+    return parts[4] if len(parts) == 5 else ""
 
 
 PUBLISH_RETRY_WINDOW = 30.0
@@ -76,11 +84,14 @@ PUBLISH_RETRY_WINDOW = 30.0
 class BuildEventPublisher:
     """Builder side: publishes one build's events, numbered, durably (each publish is acknowledged)."""
 
-    def __init__(self, conn: Connection, build_id: str) -> None:
+    def __init__(self, conn: Connection, build_id: str, node_id: str) -> None:
         self._conn = conn
         self.build_id = build_id
-        self.subject = build_events_subject(build_id)
+        self.subject = build_events_subject(build_id, node_id)
         self._sequence = 0
+        # The stream drops duplicates by message id across all subjects: an id nobody else can guess keeps
+        # another builder from pre-empting (and so suppressing) this build's events.
+        self._msg_id_prefix = f"{build_id}.{secrets.token_hex(8)}"
 
     async def publish(self, event: cpb.BuildEvent) -> None:
         """Publish the next event; retried for ``PUBLISH_RETRY_WINDOW`` while the stream cannot answer (its
@@ -90,7 +101,7 @@ class BuildEventPublisher:
         event.build_id = self.build_id
         event.sequence = self._sequence
         data = event.SerializeToString(deterministic=True)
-        headers = {"Nats-Msg-Id": f"{self.build_id}.{self._sequence}"}
+        headers = {"Nats-Msg-Id": f"{self._msg_id_prefix}.{self._sequence}"}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PUBLISH_RETRY_WINDOW
         delay = 0.25
@@ -204,12 +215,7 @@ async def _log_lines(conn: Connection, build_id: str, *, follow: bool, idle_chec
         return
     backlog: deque[str] = deque(maxlen=await lines_per_build(conn))
     in_backlog = last_seq > 0
-    sub = await conn.js.subscribe(
-        subject,
-        stream=BUILD_LOGS_STREAM,
-        ordered_consumer=True,
-        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
-    )
+    sub = await follow_watch(conn, WatchSpec(BUILD_LOGS_STREAM, (subject,)))
     try:
         while True:
             try:

@@ -33,10 +33,13 @@ from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
 from shared.state.changes import ChangeFeed
 from shared.state.feed import CONSUMER_HEARTBEAT, guard_ordered_consumer, server_delivered
 from shared.telemetry import counter
+from shared.watches import WatchSpec
+from shared.watches import follow as follow_watch
 
 log = logging.getLogger(__name__)
 
 FRESH_FOR = 30.0
+LIVE_WATCH = WatchSpec(LIVE_STREAM, (f"{LIVE_PREFIX}>",), deliver="last_per_subject")
 NODE = "node"
 PROXY = "proxy"
 ACME_CHALLENGE = "acme"
@@ -86,8 +89,12 @@ class EnvTraffic:
 
 
 class LiveView:
-    def __init__(self, conn: Connection | None, clock: Clock, *, fresh_for: float = FRESH_FOR) -> None:
+    def __init__(
+        self, conn: Connection | None, clock: Clock, *, fresh_for: float = FRESH_FOR, watched: bool = False
+    ) -> None:
+        """``watched``: follow the bucket through a watch control opens (the CLI, which creates no consumer)."""
         self._conn = conn
+        self._watched = watched
         self._clock = clock
         self.fresh_for = fresh_for
         self._nodes: dict[str, cpb.Heartbeat] = {}
@@ -150,6 +157,9 @@ class LiveView:
                 if msg.metadata.num_pending == 0:
                     self._ready.set()
 
+        if self._watched:
+            self._sub = await follow_watch(self._conn, LIVE_WATCH, on_msg, caught_up=self._ready)
+            return
         self._sub = await self._conn.js.subscribe(
             f"{LIVE_PREFIX}>",
             stream=LIVE_STREAM,

@@ -88,8 +88,11 @@ def build_log_subject(build_id: str) -> str:
     return f"zattera.builds.{build_id}.log"
 
 
-def build_events_subject(build_id: str) -> str:
-    return f"zattera.builds.{build_id}.events"
+def build_events_subject(build_id: str, node_id: str = "*") -> str:
+    """Events of ``build_id`` sent by the builder on ``node_id`` (``*``: from any node). The node token is
+    permission-enforced (a builder may publish only its own, SECURITY.md): the dispatcher accepts a build's
+    events only from the node the build was assigned to."""
+    return f"zattera.builds.{build_id}.events.{node_id}"
 
 
 def agent_subject(node_id: str, verb: str) -> str:
@@ -418,7 +421,7 @@ def build_events_stream_config(replicas: int) -> StreamConfig:
     so a new dispatcher leader replays what it missed during a failover instead of losing a build's result."""
     return StreamConfig(
         name=BUILD_EVENTS_STREAM,
-        subjects=["zattera.builds.*.events"],
+        subjects=[build_events_subject("*")],
         max_msgs_per_subject=50_000,
         max_age=DAY,
         storage=StorageType.FILE,

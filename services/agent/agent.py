@@ -72,8 +72,9 @@ class Agent:
         clock: Clock | None = None,
         secured: bool = False,
     ) -> None:
-        """``secured``: the agent runs with a node credential, which may not create consumers: its view pulls
-        from the one control opens for it (:mod:`shared.security.views`)."""
+        """``secured``: the agent runs with a node credential. Secured or not, its view pulls from the one
+        consumer control opens for it (:mod:`shared.security.views`); only a secured agent may not create it
+        itself when no control service answers."""
         if not settings.node_id:
             raise ValueError("the agent needs a node id")
         self.conn = conn
@@ -85,7 +86,7 @@ class Agent:
             conn,
             name=f"agent-{self.node_id}",
             filters=view_filters(self.node_id),
-            open_consumer=partial(request_view, conn) if secured else None,
+            open_consumer=partial(request_view, conn, settings.node_id, secured=secured),
         )
         self.writer = Writer(conn, self.view)
         self.reporter = ObservedReporter(self.writer, self.node_id, retry_delay=settings.report_retry)

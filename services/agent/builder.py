@@ -286,7 +286,7 @@ class Builder:
 
     async def _run(self, request: cpb.RunBuildRequest, headers: Mapping[str, str] | None = None) -> None:
         build_id = request.build.meta.id
-        events = BuildEventPublisher(self.conn, build_id)
+        events = BuildEventPublisher(self.conn, build_id, self.node_id)
         scratch = self.work_dir / build_id
         try:
             # A child of the dispatcher's request (its traceparent header), so the build joins the deploy's trace.

@@ -52,6 +52,7 @@ from shared.buildlogs import (
     close_log,
     last_copied_event_seq,
     run_build_subject,
+    sender_of_events_subject,
 )
 from shared.clock import Clock, from_timestamp, to_timestamp
 from shared.natsio import BUILD_EVENTS_STREAM, Connection, build_events_subject
@@ -130,7 +131,7 @@ class BuildFollowers:
             if build.status == RUNNING and build.node_id:
                 self._follow(build, resumed=True)
         self._events_sub = await self.conn.js.subscribe(
-            "zattera.builds.*.events",
+            build_events_subject("*"),
             stream=BUILD_EVENTS_STREAM,
             ordered_consumer=True,
             cb=self._on_event_msg,
@@ -271,7 +272,13 @@ class BuildFollowers:
             log.warning("undecodable build event on %s (seq %d): %s", msg.subject, seq, exc)
             return
         live = seq > self._replay_until
+        sender = sender_of_events_subject(msg.subject)
         follower = self._followers.get(build_id)
+        assigned = follower.node_id if follower is not None else getattr(self.view.build(build_id), "node_id", "")
+        if sender != assigned:
+            # Only the builder the build was assigned to speaks for it (its node id is permission-enforced).
+            log.warning("build %s: ignored an event from node %r (assigned to %r)", build_id, sender, assigned)
+            return
         if follower is None:
             build = self.view.build(build_id)
             route = route_unfollowed_event(build, event, live=live)

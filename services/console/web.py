@@ -502,7 +502,7 @@ async def env_logs(request: web.Request) -> web.StreamResponse:
     async def lines() -> AsyncIterator[tuple[str, str]]:
         while True:
             try:
-                async for line in read_app_logs(console.conn.js, env_id, last=LOG_BACKLOG, follow=True, idle=0.2):
+                async for line in read_app_logs(console.conn, env_id, last=LOG_BACKLOG, follow=True, idle=0.2):
                     yield "line", _log_line(line)
                 return
             except UnknownLogStream:

@@ -1,7 +1,8 @@
 """``python -m services.join``: run with the control credential and ``ZATTERA_DATA_DIR`` holding ``security/``.
 
-It reads only the agent and builder scoped signing keys: a compromised join service can mint node
-credentials, never control or operator ones.
+It opens the CLI's watches (``zattera.watch.open``, shared/watches.py) on every cluster, secured or not. It
+reads only the agent and builder scoped signing keys: a compromised join service can mint node credentials,
+never control or operator ones.
 """
 
 from __future__ import annotations
@@ -12,22 +13,29 @@ from typing import Any
 
 from shared.security.authority import RoleIssuer
 from shared.security.join import JoinService
-from shared.security.permissions import Role
+from shared.security.permissions import VIEW_OPEN_SUBJECT, Role
 from shared.security.setup import SENTINEL_FILE
+from shared.security.views import open_cluster_view_handler
 from shared.service import ServiceContext, main
+from shared.watches import serve, serve_watches
 
 log = logging.getLogger(__name__)
 
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     directory = ctx.settings.data_dir / "security"
+    # The CLI's watches are opened here on every cluster, secured or not (shared/watches.py).
+    watches = serve_watches(ctx.conn)
     if not (directory / SENTINEL_FILE).exists():
-        # An unsecured cluster lets agents connect as they are: there is nothing to exchange tokens for.
-        log.warning("join: no security setup in %s (zattera up --secure makes one); idle", directory)
-        return []
+        # An unsecured cluster lets agents connect as they are: no tokens to exchange, no writes to relay; the
+        # agents' views are the same consumers as when secured, for the node each request names.
+        log.warning("join: no security setup in %s (zattera up --secure makes one): watches and views only", directory)
+        return [watches, serve(ctx.conn, VIEW_OPEN_SUBJECT, open_cluster_view_handler(ctx.conn))]
     issuers = {role: RoleIssuer.load(directory, role) for role in (Role.AGENT, Role.BUILDER)}
     sentinel = (directory / SENTINEL_FILE).read_text().strip()
-    return [JoinService(ctx.conn, issuers, sentinel).run()]
+    # Keys prepared but the server not secured (no credential of our own): nobody has an identity there.
+    open_cluster = not ctx.settings.nats_creds
+    return [watches, JoinService(ctx.conn, issuers, sentinel, open_cluster=open_cluster).run()]
 
 
 if __name__ == "__main__":

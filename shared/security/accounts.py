@@ -9,8 +9,8 @@ steered at ``$KV.…`` or another agent's request subject stores nothing and rea
 
 What flows the other way: ``AGENTS`` exports the agents' request subjects (``zattera.agent.<node>.…``) to
 ``ZATTERA`` (control services) and ``OPERATORS`` (volume snapshot/restore); ``ZATTERA`` exports as *streams*
-what operators and proxies subscribe to (events, build events and logs, route snapshots) and, to
-``OPERATORS`` only, its ``_INBOX.>`` deliveries (the CLI's watches are push consumers).
+what operators and proxies subscribe to (events, build events and logs, route snapshots). No role account
+receives consumer deliveries: operators pull the watch consumers control opens for them (shared/watches.py).
 """
 
 from __future__ import annotations
@@ -104,10 +104,7 @@ def stream_imports(account: Account) -> list[str]:
     """What the account's roles subscribe to that is published in ``ZATTERA``."""
     subscribed = [account_pattern(p) for role in _roles(account) for p in ROLE_PERMISSIONS[role].sub_allow]
     own = {account_pattern(INBOX)}
-    wanted = [p for p in subscribed if p not in own and not _served_by_agents(p)]
-    if account is Account.OPERATORS:
-        wanted.append("_INBOX.>")
-    return minimal(wanted)
+    return minimal([p for p in subscribed if p not in own and not _served_by_agents(p)])
 
 
 def response_type(subject: str) -> str:

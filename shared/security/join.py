@@ -44,7 +44,7 @@ from shared.security.creds import creds_text
 from shared.security.nkeyjwt import KeyKind, KeyPair
 from shared.security.permissions import JOIN_BUCKET, JOIN_ISSUE_SUBJECT, JOIN_SUBJECT, VIEW_OPEN_SUBJECT, Role
 from shared.security.relay import relay_handler
-from shared.security.views import view_open_handler
+from shared.security.views import open_cluster_view_handler, view_open_handler
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,12 @@ class JoinService:
         sentinel_jwt: str,
         *,
         now: Callable[[], float] = time.time,
+        open_cluster: bool = False,
     ) -> None:
+        """``open_cluster``: the server authenticates nobody (security keys prepared, server not secured), so
+        no request carries a caller: views are opened for the node a request names, as without keys."""
         self._conn = conn
+        self._open_cluster = open_cluster
         self._issuers = issuers
         self._sentinel_jwt = sentinel_jwt
         self._now = now
@@ -154,6 +158,8 @@ class JoinService:
         return agents.pop()
 
     def _view_open(self) -> Callable[[Msg], Any]:
+        if self._open_cluster:
+            return open_cluster_view_handler(self._conn)
         issuers = {issuer.signing_key.public_key for issuer in self._issuers.values()}
         return view_open_handler(self._conn, agents_account=self._agents_account(), agent_issuers=issuers)
 

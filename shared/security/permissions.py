@@ -42,8 +42,10 @@ from shared.natsio import (
     STATE_PREFIX,
     STATE_STREAM,
     agent_subject,
+    build_events_subject,
 )
 from shared.secrets import ROTATE_SUBJECT, open_subject
+from shared.watches import WATCH_OPEN_SUBJECT
 
 JOIN_SUBJECT = "zattera.join"
 JOIN_ISSUE_SUBJECT = "zattera.join.issue"
@@ -121,18 +123,16 @@ def read_key(stream: str, subject: str) -> str:
 
 
 def read_whole_stream(stream: str) -> tuple[str, ...]:
-    """Everything needed to read any message of ``stream`` (for streams a role may read entirely)."""
+    """Everything needed to read any message of ``stream`` (for streams a role may read entirely): message
+    gets, and pulls of the watch consumers control opens (``zattera.watch.open``, :mod:`shared.watches`) —
+    no consumer of its own (a consumer's deliver subject could name a lease key)."""
     return (
         f"{JS}.STREAM.INFO.{stream}",
         f"{JS}.STREAM.MSG.GET.{stream}",
         f"{JS}.DIRECT.GET.{stream}",
         f"{JS}.DIRECT.GET.{stream}.>",
-        f"{JS}.CONSUMER.CREATE.{stream}",
-        f"{JS}.CONSUMER.CREATE.{stream}.>",
         f"{JS}.CONSUMER.INFO.{stream}.*",
-        f"{JS}.CONSUMER.DELETE.{stream}.*",
-        f"$JS.FC.{stream}.>",
-        f"$JS.ACK.{stream}.>",
+        pull(stream, "*"),
     )
 
 
@@ -172,6 +172,7 @@ OPERATOR = Permissions(
         f"{EVENTS_SUBJECT_PREFIX}>",
         ROUTES_GET_SUBJECT,
         JOIN_ISSUE_SUBJECT,
+        WATCH_OPEN_SUBJECT,  # its watches: pull consumers control creates (it creates none)
         ROTATE_SUBJECT,  # `zattera secrets rotate-key`
         f"$KV.{USERS_BUCKET}.>",  # `zattera console add-user|remove-user` (the console creates the bucket)
         # `zattera volumes snapshot` / `restore` ask the volume's node directly (progress comes to the inbox).
@@ -200,7 +201,7 @@ OPERATOR = Permissions(
     sub_allow=(INBOX, f"{EVENTS_SUBJECT_PREFIX}>", "zattera.builds.>", ROUTES_SNAPSHOT_SUBJECT),
 )
 """The CLI: desired state, events, logs, routes, sources upload, join tokens, volume snapshot and restore
-requests to agents. No leases, no stream admin, no build or prune requests."""
+requests to agents. No leases, no consumers, no stream admin, no build or prune requests."""
 
 _STATE_OWN = {
     "assignments": f"{STATE_PREFIX}assignment.{NAME}.*",
@@ -263,14 +264,15 @@ need, image tags, the stores it runs from; answers the requests addressed to its
 BUILDER = AGENT.union(
     Permissions(
         pub_allow=(
-            "zattera.builds.*.events",
-            "zattera.builds.*.log",
+            # Its own builds' events: the last token names its node, and the dispatcher takes a build's events
+            # only from the node it assigned the build to (the build logs are written by the dispatcher).
+            build_events_subject("*", NAME),
             f"{STATE_PREFIX}image.*",
             *write_object_store(IMAGES_STORE),
         )
     )
 )
-"""An agent allowed to build: also build events and logs of any build, and image pushes (blobs and tags)."""
+"""An agent allowed to build: also build events under its own node id, and image pushes (blobs and tags)."""
 
 PROXY = Permissions(
     pub_allow=(

@@ -7,7 +7,7 @@ therefore do not reach the stream directly: their account's import renames ``$KV
 credential) republishes the value with only the headers a key write needs, and returns the stream's answer
 (ack or error) unchanged. An agent's ``observed``/``node`` key must be its own node's
 (``Nats-Request-Info``), and nobody but the services writes a lease: the permissions already say so, this
-checks it once more.
+checks it once more. A message without caller identity did not come through an import and is refused.
 """
 
 from __future__ import annotations
@@ -74,10 +74,16 @@ def relay_handler(conn: Connection, agents_account: str) -> Callable[[Msg], Awai
 
     async def on_write(msg: Msg) -> None:
         who = caller(msg)
-        is_agent = who is None or who.account == agents_account  # no identity: treated as the narrowest
-        outcome = relayed_write(msg.subject, dict(msg.headers or {}), who.name if who else "", agent=is_agent)
+        outcome: tuple[str, dict[str, str]] | str
+        if who is None:
+            # Every relayed write crossed an agent's or operator's import, which sets the caller. Without one it
+            # was published inside ZATTERA (the services write the stream directly) or steered there: refused.
+            outcome = "no caller identity (Nats-Request-Info): only writes through an import are relayed"
+        else:
+            is_agent = who.account == agents_account
+            outcome = relayed_write(msg.subject, dict(msg.headers or {}), who.name, agent=is_agent)
         if isinstance(outcome, str):
-            log.warning("relay: refused a write of %s: %s", who.name if who else "control", outcome)
+            log.warning("relay: refused a write of %s: %s", who.name if who else "(no caller)", outcome)
             if answerable(msg):
                 await conn.nc.publish(msg.reply, _refusal(outcome))
             return

@@ -7,6 +7,11 @@ e.g. a key of the state bucket: SECURITY.md). So an agent asks ``zattera.view.op
 per key then every change, no acks — and answers its name. The agent then only *pulls* from it
 (``$JS.API.CONSUMER.MSG.NEXT.KV_zattera-state.view-<node>``, the one pull its permissions allow); the
 pulled messages travel back through the import's reply mapping, like every other reply.
+
+An open cluster uses the same consumer and the same pulls (one code path, and one consumer per agent
+instead of one per key pattern): the join service answers ``zattera.view.open`` there too, for the node the
+request names (nobody has an identity on an open cluster); where no join service runs at all, the agent
+creates the same consumer itself.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from shared.errors import ZatteraError
+from shared.ids import is_safe_id
 from shared.natsio import STATE_STREAM, Connection
 from shared.security.callers import answerable, caller
 from shared.security.permissions import AGENT_STATE_READS, NAME, VIEW_OPEN_SUBJECT, view_consumer
@@ -72,21 +78,48 @@ def view_open_handler(
         if who is None or who.account != agents_account or who.issuer_key not in agent_issuers or not who.name:
             reply: dict[str, str] = {"error": "only an agent credential may open a view"}
         else:
-            try:
-                reply = {"consumer": await open_view_consumer(conn, who.name)}
-            except nats.errors.Error as exc:
-                log.warning("view for node %s not opened: %s", who.name, exc)
-                reply = {"error": f"the view consumer could not be created: {exc}"}
+            reply = await _opened(conn, who.name)
         await conn.nc.publish(msg.reply, json.dumps(reply).encode())
 
     return on_request
 
 
-async def request_view(conn: Connection, timeout: float = 5.0) -> str:
-    """Ask control for this agent's view consumer; raises :class:`ViewRefused` on a refusal or no answer."""
+def open_cluster_view_handler(conn: Connection) -> Callable[[Msg], Awaitable[None]]:
+    """Answers ``zattera.view.open`` on an open cluster: for the node the request names (``{"node": id}``)."""
+
+    async def on_request(msg: Msg) -> None:
+        if not answerable(msg):
+            return
+        try:
+            node = str(json.loads(msg.data or b"{}").get("node") or "")
+        except (ValueError, AttributeError):
+            node = ""
+        reply = await _opened(conn, node) if is_safe_id(node) else {"error": "node: a node id"}
+        await conn.nc.publish(msg.reply, json.dumps(reply).encode())
+
+    return on_request
+
+
+async def _opened(conn: Connection, node_id: str) -> dict[str, str]:
     try:
-        msg = await conn.nc.request(VIEW_OPEN_SUBJECT, b"", timeout=timeout)
-    except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+        return {"consumer": await open_view_consumer(conn, node_id)}
+    except nats.errors.Error as exc:
+        log.warning("view for node %s not opened: %s", node_id, exc)
+        return {"error": f"the view consumer could not be created: {exc}"}
+
+
+async def request_view(conn: Connection, node_id: str, *, secured: bool = True, timeout: float = 5.0) -> str:
+    """Ask control for this agent's view consumer (``node_id`` counts only on an open cluster: a secured one
+    takes the caller's credential). Unanswered on an open cluster (no join service), the agent creates it
+    itself. Raises :class:`ViewRefused` on a refusal or no answer."""
+    body = json.dumps({"node": node_id}).encode()
+    try:
+        msg = await conn.nc.request(VIEW_OPEN_SUBJECT, body, timeout=timeout)
+    except nats.errors.NoRespondersError as exc:
+        if not secured:
+            return await open_view_consumer(conn, node_id)
+        raise ViewRefused(f"no view service answered on {VIEW_OPEN_SUBJECT} (the join service serves it)") from exc
+    except nats.errors.TimeoutError as exc:
         raise ViewRefused(f"no view service answered on {VIEW_OPEN_SUBJECT} (the join service serves it)") from exc
     reply = json.loads(msg.data or b"{}")
     if "error" in reply:

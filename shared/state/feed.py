@@ -44,6 +44,7 @@ from shared.jetstream import is_delete_marker
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, last_per_subject
 from shared.pull import PullFeed, PullLost
 from shared.state.store import Snapshot, StateStore
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,7 @@ class _PullLoop:
     task: asyncio.Task[None]
 
     async def unsubscribe(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        await cancel_and_wait(self.task)  # re-cancelled until it ends: the pull's wait_for can swallow one
 
 
 class StateView(StateStore):

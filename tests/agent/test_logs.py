@@ -45,7 +45,7 @@ async def env_stream(conn: Connection) -> None:
 
 
 async def read(conn: Connection, *, last: int = 1_000_000, instance: str = "") -> list[AppLogLine]:
-    return [line async for line in read_app_logs(conn.js, ENV, last=last, instance=instance, idle=0.5)]
+    return [line async for line in read_app_logs(conn, ENV, last=last, instance=instance, idle=0.5)]
 
 
 @pytest.mark.parametrize(

@@ -87,7 +87,7 @@ class FakeBuilder:
 
     def publisher(self, build_id: str) -> BuildEventPublisher:
         if build_id not in self._publishers:
-            self._publishers[build_id] = BuildEventPublisher(self.conn, build_id)
+            self._publishers[build_id] = BuildEventPublisher(self.conn, build_id, self.node_id)
         return self._publishers[build_id]
 
     async def emit(self, build_id: str, *events: cpb.BuildEvent) -> None:

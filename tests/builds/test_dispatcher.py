@@ -249,6 +249,23 @@ async def test_operator_cancel_of_running_build_is_kept_and_the_builder_is_told_
     assert status_is(view, "b1", CANCELED)
 
 
+async def test_events_of_a_build_sent_by_another_builder_are_ignored(
+    conn: Connection, view: StateView, writer: Writer, start_dispatcher: StartDispatcher
+) -> None:
+    """A build's events count only from the node it was assigned to (the subject's last token, which a
+    secured builder cannot forge: tests/security/test_build_events.py)."""
+    builder = await FakeBuilder(conn, "builder-a", hold=True).start()
+    forger = await FakeBuilder(conn, "builder-b", hold=True).start()
+    await put(writer, seed.builder_node("builder-a"), seed.build("b1"))
+    await start_dispatcher()
+    await eventually(lambda: builder.build_ids == ["b1"], 5, "request received")
+
+    await forger.emit("b1", log_event("forged"), cpb.BuildEvent(status=FAILED, error="forged", done=True))
+    await builder.emit("b1", log_event("real"), *success())
+    await eventually(lambda: status_is(view, "b1", SUCCEEDED), 5, "b1 SUCCEEDED from its own builder")
+    assert await read_build_log(conn, "b1") == ["real"]
+
+
 async def test_canceled_queued_build_is_never_dispatched(
     conn: Connection, view: StateView, writer: Writer, clock: FakeClock, start_dispatcher: StartDispatcher
 ) -> None:

@@ -96,7 +96,7 @@ async def test_new_leader_times_out_from_the_replayed_events_stream_time_not_the
     lost_after = 240.0
     builder = await FakeBuilder(conn, "builder-a", hold=True).start()
     await builder.emit("b1", log_event("still working"))
-    stored = await conn.js.get_last_msg(BUILD_EVENTS_STREAM, build_events_subject("b1"))
+    stored = await conn.js.get_last_msg(BUILD_EVENTS_STREAM, build_events_subject("b1", "builder-a"))
     assert stored.time is not None
     event_at = stored.time.timestamp()  # the server's wall clock, as in the replayed message's metadata
     clock.set(event_at + 1.0)  # the new leader takes over a second after that event

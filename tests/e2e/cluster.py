@@ -341,13 +341,10 @@ class E2ECluster:
 
     def cli(self, *args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run ``zattera ARGS`` against this cluster (a real subprocess)."""
-        env = {**os.environ, **self.env(), "ZATTERA_NATS_URL": self.url, "ZATTERA_DATA_DIR": str(self.root)}
-        if self.security is not None:
-            env["ZATTERA_NATS_CREDS"] = str(self.security.operator_creds)
         done = subprocess.run(
             [*cli_argv(), *args],
             cwd=ROOT,
-            env=env,
+            env=self.cli_env(),
             stdin=subprocess.DEVNULL,  # no terminal, as in a script: confirmations need --yes
             capture_output=True,
             text=True,
@@ -359,6 +356,13 @@ class E2ECluster:
                 f"zattera {' '.join(args)} exited {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
             )
         return done
+
+    def cli_env(self) -> dict[str, str]:
+        """The environment of a CLI run against this cluster (the operator credential when secured)."""
+        env = {**os.environ, **self.env(), "ZATTERA_NATS_URL": self.url, "ZATTERA_DATA_DIR": str(self.root)}
+        if self.security is not None:
+            env["ZATTERA_NATS_CREDS"] = str(self.security.operator_creds)
+        return env
 
     async def acli(self, *args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess[str]:
         """:meth:`cli` without blocking the event loop (load generators keep running meanwhile)."""

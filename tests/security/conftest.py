@@ -16,6 +16,7 @@ from shared.security.creds import inbox_prefix
 from shared.security.join import JoinService
 from shared.security.permissions import Role
 from shared.security.setup import SecureSetup, prepare
+from shared.watches import serve_watches
 
 
 @dataclass
@@ -127,5 +128,16 @@ async def join_service(secure: SecureCluster, control: Connection, clock: Manual
     task = asyncio.create_task(service.run())
     await asyncio.wait_for(service.ready.wait(), 10)
     yield service
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.fixture
+async def watches(control: Connection) -> AsyncIterator[None]:
+    """The control side of ``zattera.watch.open`` (the join service's, :mod:`shared.watches`)."""
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve_watches(control, ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    yield
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)

@@ -99,7 +99,9 @@ async def test_a_pulled_view_syncs_follows_and_resyncs_on_an_agent_credential(
 
 
 def pulled_view(conn: Connection, node: str = NODE) -> StateView:
-    return StateView(conn, name=f"agent-{node}", filters=view_filters(node), open_consumer=partial(request_view, conn))
+    return StateView(
+        conn, name=f"agent-{node}", filters=view_filters(node), open_consumer=partial(request_view, conn, node)
+    )
 
 
 async def test_a_pulled_view_with_nothing_to_load_is_fresh_at_once(
@@ -123,14 +125,19 @@ async def test_only_an_agent_credential_opens_a_view(
     secure: SecureCluster, control: Connection, join_service: JoinService
 ) -> None:
     with pytest.raises(ViewRefused, match="only an agent"):
-        await request_view(control)  # no server-set caller identity: not an agent
+        await request_view(control, NODE)  # no server-set caller identity: not an agent
     for role, name in ((Role.PROXY, "p1"), (Role.OPERATOR, "ops")):
         conn = await connect(secure.url, name=f"{role}-view", creds=secure.creds(role, name))
         try:
             with pytest.raises(ViewRefused, match="no view service answered"):
-                await request_view(conn, timeout=1)  # its account does not import the service
+                await request_view(conn, name, timeout=1)  # its account does not import the service
         finally:
             await conn.close()
+    agent = await connect(secure.url, name="agent-asks-for-another", creds=secure.creds(Role.AGENT, NODE))
+    try:  # the node a secured request names does not count: the credential's does
+        assert await request_view(agent, "someone-else") == view_consumer(NODE)
+    finally:
+        await agent.close()
 
 
 async def test_view_filters_are_key_patterns(conn: Connection) -> None:

@@ -12,7 +12,9 @@ from tests.security.conftest import SecureCluster
 NODE = "n1"
 
 
-async def test_agent_ships_and_operator_reads_instance_logs(secure: SecureCluster, control: Connection) -> None:
+async def test_agent_ships_and_operator_reads_instance_logs(
+    secure: SecureCluster, control: Connection, watches: None
+) -> None:
     await create_or_update_stream(control.js, app_logs_stream_config("E1", LogLimits(1 << 20, 60.0), 1))
     agent = await connect(secure.url, name="agent", creds=secure.creds(Role.AGENT, NODE))
     operator = await connect(secure.url, name="operator", creds=secure.creds(Role.OPERATOR, "ops"))
@@ -22,7 +24,7 @@ async def test_agent_ships_and_operator_reads_instance_logs(secure: SecureCluste
         ack = await agent.js.publish(app_log_subject("E1", "I1"), batch.SerializeToString())
         assert ack.stream == app_logs_stream("E1")
 
-        lines = [line async for line in read_app_logs(operator.js, "E1", last=10, idle=2.0)]
+        lines = [line async for line in read_app_logs(operator, "E1", last=10, idle=2.0)]
         assert [(line.line, line.stream, line.instance) for line in lines] == [("hello", "stderr", "I1")]
     finally:
         await agent.close()

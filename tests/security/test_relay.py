@@ -134,3 +134,25 @@ async def test_a_rollup_on_the_live_bucket_is_refused_and_every_other_key_stays(
         assert (await control.js.get_last_msg(LIVE_STREAM, other)).data == b"intact"
     finally:
         await client.close()
+
+
+async def test_a_write_without_caller_identity_is_refused(
+    secure: SecureCluster, control: Connection, join_service: JoinService
+) -> None:
+    """A message on the relay's subject that crossed no import (published inside ZATTERA, or steered there)
+    carries no ``Nats-Request-Info``: the relay refuses it instead of treating it as an agent's."""
+    key = f"{STATE_PREFIX}env.no-caller"
+    for subject in (key, f"{STATE_PREFIX}assignment.n2.no-caller"):
+        reply = await control.nc.request(f"zattera.relay.{subject}", b"forged", timeout=5)
+        assert "no caller identity" in json.loads(reply.data)["error"]["description"]
+    await control.nc.publish(f"zattera.relay.{key}", b"fire and forget")  # no reply: dropped as well
+    await control.nc.flush()
+    probe = f"{STATE_PREFIX}observed.{NODE}.after-no-caller"  # a relayed write after it: the relay went on
+    agent = await connect(secure.url, name="agent", creds=secure.creds(Role.AGENT, NODE))
+    try:
+        await agent.js.publish(probe, b"relayed")
+    finally:
+        await agent.close()
+    for subject in (key, f"{STATE_PREFIX}assignment.n2.no-caller"):
+        with pytest.raises(NotFoundError):
+            await control.js.get_last_msg(STATE_STREAM, subject)

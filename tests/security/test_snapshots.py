@@ -25,6 +25,7 @@ from shared.snapshots.dispatch import SnapshotDispatcher
 from shared.snapshots.tarstream import tar_bytes
 from shared.state.feed import StateView
 from shared.txn import Writer
+from shared.watches import watch_opener
 from tests import factories
 from tests.security.conftest import ConnectAs, SecureCluster
 from tests.snapshots.conftest import BASE, snap_volume, write_tree
@@ -43,13 +44,14 @@ class Side:
 
 async def _side(secure: SecureCluster, role: Role, name: str) -> Side:
     conn = await connect(secure.url, name=f"test-{name}", creds=secure.creds(role, name))
-    view = StateView(conn, name=name)
+    # The operator creates no consumer: it follows a watch control opens, as the CLI does.
+    view = StateView(conn, name=name, open_consumer=watch_opener(conn) if role is Role.OPERATOR else None)
     await view.start(timeout=10)
     return Side(conn, view, Writer(conn, view))
 
 
 @pytest.fixture
-async def sides(secure: SecureCluster) -> AsyncIterator[tuple[Side, Side]]:
+async def sides(secure: SecureCluster, watches: None) -> AsyncIterator[tuple[Side, Side]]:
     """(control, operator): the scheduler's credential and the CLI's."""
     control = await _side(secure, Role.CONTROL, "control")
     operator = await _side(secure, Role.OPERATOR, "cli")

@@ -1,0 +1,310 @@
+"""Watches: a reader follows a stream through a pull consumer that *control* creates for it.
+
+Only control may create consumers on a secured cluster (SECURITY.md): a consumer's deliver subject is in
+the stream's account, so whoever creates one could point its deliveries at a lease key. The CLI's watches
+(deploy progress, ``logs -f``, ``events -f``, build logs) therefore ask ``zattera.watch.open`` with a
+:class:`WatchSpec` (stream, filter subjects, where to start); the join service (control credential) creates
+an ephemeral pull consumer — no deliver subject, no acks, in memory, gone after
+:data:`WATCH_INACTIVE_THRESHOLD` without pulls — and answers its name. The reader then pulls it
+(:class:`Watch`, on :class:`shared.pull.PullFeed`); the pulled messages come back through the reply
+mapping of the operator's import, like every other reply.
+
+The same request is made on an open cluster (one code path); only when no control service answers at all
+(a development cluster running no join service) does the reader create the same consumer itself, which
+an operator credential is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from shared.errors import ZatteraError
+from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+from shared.pull import PullFeed, PullLost
+from shared.security.callers import answerable
+from shared.tasks import cancel_and_wait
+
+log = logging.getLogger(__name__)
+
+WATCH_OPEN_SUBJECT = "zattera.watch.open"
+"""An operator (or any reader) asks control for a watch consumer; the join service answers."""
+WATCH_INACTIVE_THRESHOLD = 30.0
+"""A watch nobody pulls (its reader exited) is removed by the server after this long."""
+WATCH_REQUEST_TIMEOUT = 5.0
+MAX_FILTERS = 64
+_DELIVER = {
+    "all": DeliverPolicy.ALL,
+    "new": DeliverPolicy.NEW,
+    "last_per_subject": DeliverPolicy.LAST_PER_SUBJECT,
+    "by_start_sequence": DeliverPolicy.BY_START_SEQUENCE,
+    "by_start_time": DeliverPolicy.BY_START_TIME,
+}
+
+
+class BadWatch(ZatteraError):
+    """A watch request that names no stream, no subject or an unknown start."""
+
+
+class WatchUnavailable(ZatteraError):
+    """Nobody could open the watch (no control service answered, and this credential may not)."""
+
+
+@dataclass(frozen=True)
+class WatchSpec:
+    """What to follow: ``subjects`` of ``stream`` from ``deliver`` (``start_seq`` / ``start_time_ns`` for the
+    ``by_start_*`` policies)."""
+
+    stream: str
+    subjects: tuple[str, ...]
+    deliver: str = "all"
+    start_seq: int = 0
+    start_time_ns: int = 0
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "stream": self.stream,
+                "subjects": list(self.subjects),
+                "deliver": self.deliver,
+                "start_seq": self.start_seq,
+                "start_time_ns": self.start_time_ns,
+            }
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> WatchSpec:
+        """The spec of a request; raises :class:`BadWatch` naming the bad field."""
+        try:
+            body = json.loads(data or b"{}")
+        except ValueError as exc:
+            raise BadWatch(f"bad watch request: not JSON ({exc})") from None
+        if not isinstance(body, dict):
+            raise BadWatch("bad watch request: expected a JSON object")
+        stream, subjects, deliver = body.get("stream"), body.get("subjects"), body.get("deliver", "all")
+        if not isinstance(stream, str) or not stream or any(c in stream for c in ".*> "):
+            raise BadWatch("stream: a stream name")
+        if (
+            not isinstance(subjects, list)
+            or not 0 < len(subjects) <= MAX_FILTERS
+            or not all(isinstance(s, str) and s and " " not in s for s in subjects)
+        ):
+            raise BadWatch(f"subjects: 1 to {MAX_FILTERS} subjects")
+        if deliver not in _DELIVER:
+            raise BadWatch(f"deliver: one of {', '.join(_DELIVER)}")
+        start_seq, start_time_ns = body.get("start_seq", 0), body.get("start_time_ns", 0)
+        if not isinstance(start_seq, int) or start_seq < 0:
+            raise BadWatch("start_seq: a stream sequence")
+        if not isinstance(start_time_ns, int) or start_time_ns < 0:
+            raise BadWatch("start_time_ns: nanoseconds since the epoch")
+        return cls(stream, tuple(subjects), deliver, start_seq, start_time_ns)
+
+    def consumer_config(self, name: str) -> ConsumerConfig:
+        config = ConsumerConfig(
+            name=name,
+            deliver_policy=_DELIVER[self.deliver],
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=WATCH_INACTIVE_THRESHOLD,
+            mem_storage=True,
+            num_replicas=1,
+        )
+        if len(self.subjects) == 1:
+            config.filter_subject = self.subjects[0]
+        else:
+            config.filter_subjects = list(self.subjects)
+        if self.deliver == "by_start_sequence":
+            config.opt_start_seq = max(self.start_seq, 1)
+        elif self.deliver == "by_start_time":
+            config.opt_start_time = datetime.fromtimestamp(self.start_time_ns / 1e9, tz=UTC)
+        return config
+
+    def resumed_after(self, seq: int) -> WatchSpec:
+        """The same watch continuing after stream sequence ``seq`` (its consumer was lost)."""
+        return WatchSpec(self.stream, self.subjects, "by_start_sequence", seq + 1)
+
+
+async def create_watch_consumer(conn: Connection, spec: WatchSpec) -> str:
+    """Create the pull consumer of ``spec`` (control's side of ``zattera.watch.open``); returns its name."""
+    name = f"watch-{uuid.uuid4().hex[:20]}"
+    await conn.js.add_consumer(spec.stream, spec.consumer_config(name))
+    return name
+
+
+def watch_open_handler(conn: Connection) -> Callable[[Msg], Awaitable[None]]:
+    """Answers ``zattera.watch.open``. Any caller may ask (only operators and control may publish it, and a
+    pull consumer has no deliver subject to steer); answers go only to a requester's reply subject."""
+
+    async def on_request(msg: Msg) -> None:
+        if not answerable(msg):
+            return
+        reply: dict[str, str]
+        try:
+            reply = {"consumer": await create_watch_consumer(conn, WatchSpec.from_json(msg.data))}
+        except BadWatch as exc:
+            reply = {"error": str(exc)}
+        except nats.errors.Error as exc:
+            reply = {"error": f"the watch could not be created: {exc}"}
+        await conn.nc.publish(msg.reply, json.dumps(reply).encode())
+
+    return on_request
+
+
+async def open_watch(conn: Connection, spec: WatchSpec, timeout: float = WATCH_REQUEST_TIMEOUT) -> str:
+    """Ask control for a watch consumer; without any control service (an open development cluster) create
+    it directly. Raises :class:`WatchUnavailable` or :class:`BadWatch`."""
+    try:
+        msg = await conn.nc.request(WATCH_OPEN_SUBJECT, spec.to_json(), timeout=timeout)
+    except nats.errors.NoRespondersError:
+        try:
+            return await create_watch_consumer(conn, spec)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise WatchUnavailable(
+                f"no control service answered {WATCH_OPEN_SUBJECT} (the join service serves it) and this "
+                f"credential may not create the consumer itself ({exc or type(exc).__name__})"
+            ) from None
+    except nats.errors.TimeoutError:
+        raise WatchUnavailable(f"no answer on {WATCH_OPEN_SUBJECT} within {timeout:.0f}s") from None
+    reply = json.loads(msg.data or b"{}")
+    if "error" in reply:
+        raise BadWatch(str(reply["error"]))
+    return str(reply["consumer"])
+
+
+class Watch:
+    """Follows a watch consumer: the part of a nats-py subscription its readers use (:meth:`next_msg`,
+    :meth:`unsubscribe`), or a callback per message. :attr:`caught_up` is set once everything stored when
+    it opened has been delivered. A lost consumer (its server gone, expired) is opened again after the last
+    message delivered, so the reader sees every message once, in order, as with an ordered consumer."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        spec: WatchSpec,
+        cb: Callable[[Msg], Awaitable[None]] | None = None,
+        *,
+        caught_up: asyncio.Event | None = None,
+    ) -> None:
+        self._conn = conn
+        self._spec = spec
+        self._cb = cb
+        self._queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self._last_seq = 0
+        self._task: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
+        self.caught_up = caught_up or asyncio.Event()
+
+    async def start(self) -> Watch:
+        consumer = await open_watch(self._conn, self._spec)
+        self._task = asyncio.create_task(self._follow(consumer))
+        return self
+
+    async def _follow(self, consumer: str) -> None:
+        delay = 0.1
+        while True:
+            feed = PullFeed(self._conn.nc, self._spec.stream, consumer, self._deliver, self.caught_up.set)
+            try:
+                await feed.run()
+            except PullLost as exc:
+                log.info("watch of %s lost (%s): opening it again", self._spec.stream, exc)
+            while True:
+                spec = self._spec.resumed_after(self._last_seq) if self._last_seq else self._spec
+                try:
+                    consumer = await open_watch(self._conn, spec)
+                    break
+                except (WatchUnavailable, BadWatch) as exc:
+                    log.warning("watch of %s not reopened, retrying in %.1fs: %s", self._spec.stream, delay, exc)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+
+    async def _deliver(self, msg: Msg) -> None:
+        try:
+            meta = msg.metadata
+        except Exception:  # not a stream message
+            return
+        if meta.sequence.stream <= self._last_seq:
+            return  # delivered before the consumer was re-opened
+        self._last_seq = meta.sequence.stream
+        if self._cb is not None:
+            await self._cb(msg)
+        else:
+            self._queue.put_nowait(msg)
+        if meta.num_pending == 0:
+            self.caught_up.set()
+
+    async def next_msg(self, timeout: float | None = None) -> Msg:
+        """The next message; raises :class:`TimeoutError` after ``timeout`` seconds without one."""
+        return await asyncio.wait_for(self._queue.get(), timeout)
+
+    async def next_stored(self, timeout: float) -> Msg | None:
+        """The next message stored when the watch opened, or None once there is none left (or none within
+        ``timeout``)."""
+        if self._queue.empty() and self.caught_up.is_set():
+            return None
+        got = asyncio.ensure_future(self._queue.get())
+        done = asyncio.ensure_future(self.caught_up.wait())
+        try:
+            await asyncio.wait({got, done}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            done.cancel()
+            if not got.done():
+                got.cancel()
+        return got.result() if got.done() and not got.cancelled() else None
+
+    async def unsubscribe(self) -> None:
+        # Re-cancelled until it ends: asyncio.wait_for (inside the pull) can swallow a cancellation.
+        await cancel_and_wait(self._task)
+
+
+async def follow(
+    conn: Connection,
+    spec: WatchSpec,
+    cb: Callable[[Msg], Awaitable[None]] | None = None,
+    *,
+    caught_up: asyncio.Event | None = None,
+) -> Watch:
+    """Open a watch and start following it (stop with :meth:`Watch.unsubscribe`)."""
+    return await Watch(conn, spec, cb, caught_up=caught_up).start()
+
+
+async def serve(
+    conn: Connection, subject: str, handler: Callable[[Msg], Awaitable[None]], ready: asyncio.Event | None = None
+) -> None:
+    """Answer ``subject`` with ``handler`` until cancelled (queue group named after the subject: any number of
+    replicas share the work); ``ready`` is set once subscribed."""
+    sub = await conn.nc.subscribe(subject, queue=subject, cb=handler)
+    await conn.nc.flush()
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+async def serve_watches(conn: Connection, ready: asyncio.Event | None = None) -> None:
+    """Answer ``zattera.watch.open`` until cancelled."""
+    await serve(conn, WATCH_OPEN_SUBJECT, watch_open_handler(conn), ready)
+
+
+STATE_WATCH = WatchSpec(STATE_STREAM, (f"{STATE_PREFIX}>",), deliver="last_per_subject")
+"""What a following CLI view pulls: the last value of every key, then every change."""
+
+
+def watch_opener(conn: Connection, spec: WatchSpec = STATE_WATCH) -> Callable[[], Awaitable[str]]:
+    """An ``open_consumer`` for :class:`shared.view.StateView`: each resync asks for a new watch."""
+
+    async def opener() -> str:
+        return await open_watch(conn, spec)
+
+    return opener
