@@ -133,11 +133,13 @@ async def read_app_logs(
     last: int = 100,
     since_ns: int = 0,
     follow: bool = False,
-    idle: float = 1.0,
+    idle: float = 10.0,
 ) -> AsyncIterator[AppLogLine]:
     """The last ``last`` lines (newer than ``since_ns`` when given) across the env's instances in time order;
     with ``follow``, then every new line as it is stored. Raises :class:`UnknownLogStream`. Read through a
-    watch control opens (:mod:`shared.watches`): the operator credential creates no consumer."""
+    watch control opens (:mod:`shared.watches`): the operator credential creates no consumer. The backlog
+    ends when the watch has delivered what was stored at its start; ``idle`` only bounds a wait for the
+    next stored message (a loaded machine took over 1 s and the backlog came back empty)."""
     stream = app_logs_stream(env_id)
     subject = app_log_subject(env_id, instance or "*")
     try:
