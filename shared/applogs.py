@@ -57,9 +57,13 @@ class LogLimits:
 
 
 def retention_of(env: pb.Environment, default: LogLimits) -> LogLimits:
-    """The environment's own limits (``[env.<name>.logs]`` in zattera.toml) over the cluster defaults."""
+    """The environment's own limits (``[env.<name>.logs]`` in zattera.toml) over the cluster defaults; a value
+    that is not positive (never written by ``apps apply``, which refuses it) counts as unset."""
     max_age = env.logs.max_age.ToNanoseconds() / 1e9 if env.logs.HasField("max_age") else 0.0
-    return LogLimits(max_bytes=env.logs.max_bytes or default.max_bytes, max_age=max_age or default.max_age)
+    return LogLimits(
+        max_bytes=env.logs.max_bytes if env.logs.max_bytes > 0 else default.max_bytes,
+        max_age=max_age if max_age > 0 else default.max_age,
+    )
 
 
 def app_logs_stream_config(env_id: str, retention: LogLimits, replicas: int) -> StreamConfig:

@@ -1,14 +1,20 @@
 """Starting the processes the platform itself runs: daemons logging to a file (nats-server, the services
 under ``zattera up``), and short shell commands whose exit status is all that matters (exec health checks,
-snapshot pre-hooks)."""
+snapshot pre-hooks).
+
+asyncio is imported inside the coroutines: ``zattera up``'s lean supervisor uses :func:`spawn_logged` and
+stays without an event loop's imports (about 6 MB), while any caller of a coroutine already has them."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
 
 
 def spawn_logged(
@@ -33,19 +39,21 @@ async def start_shell(
     *,
     cwd: Path,
     env: Mapping[str, str],
-    stdout: int = asyncio.subprocess.DEVNULL,
-    stderr: int = asyncio.subprocess.DEVNULL,
+    stdout: int = subprocess.DEVNULL,
+    stderr: int = subprocess.DEVNULL,
     own_session: bool = False,
 ) -> asyncio.subprocess.Process:
     """``/bin/sh -c command`` started with no input, in ``cwd`` with exactly ``env``; ``own_session``: in a
     session (and process group) of its own, so that the whole group can be signalled."""
+    import asyncio
+
     return await asyncio.create_subprocess_exec(
         "/bin/sh",
         "-c",
         command,
         cwd=cwd,
         env=dict(env),
-        stdin=asyncio.subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
         stdout=stdout,
         stderr=stderr,
         start_new_session=own_session,
@@ -55,6 +63,8 @@ async def start_shell(
 async def run_shell(command: str, *, cwd: Path, env: Mapping[str, str], timeout: float | None = None) -> int:
     """The exit status of ``/bin/sh -c command``, run with no input and its output discarded. On a timeout
     (:class:`TimeoutError`) or a cancellation the process is killed and reaped before the error propagates."""
+    import asyncio
+
     proc = await start_shell(command, cwd=cwd, env=env)
     try:
         async with asyncio.timeout(timeout):

@@ -213,5 +213,7 @@ class Agent:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.view.stop()
-            await launcher.close()
+            try:
+                await launcher.close()  # first: it saves where each container's output was copied up to
+            finally:
+                await self.view.stop()

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
@@ -64,7 +64,10 @@ class LogStreams(LeaderLoop):
         plan = plan_log_streams(self.view.envs(), await self.existing(), self.default)
         for env_id, retention in plan.upserts.items():
             log.info("log stream of %s: max %d bytes, %.0f s", env_id, retention.max_bytes, retention.max_age)
-            await create_or_update_stream(self.conn.js, app_logs_stream_config(env_id, retention, self.replicas))
+            try:
+                await create_or_update_stream(self.conn.js, app_logs_stream_config(env_id, retention, self.replicas))
+            except APIError as exc:  # refused for this env (its limits): the others' streams still follow
+                log.warning("log stream of %s not created: %s", env_id, exc.description or exc)
         for env_id in plan.deletes:
             log.info("log stream of %s: environment gone; deleting", env_id)
             try:

@@ -245,7 +245,12 @@ def advance(
 
 
 def phase_label(phase: int) -> str:
-    return P.Name(phase).removeprefix("DEPLOYMENT_PHASE_")  # type: ignore[arg-type]
+    """The phase's name for logs and spans; a value this build does not know (a newer writer, or garbage)
+    is shown as its number rather than failing the pass that reports it."""
+    try:
+        return P.Name(phase).removeprefix("DEPLOYMENT_PHASE_")  # type: ignore[arg-type]
+    except ValueError:
+        return f"UNKNOWN({phase})"
 
 
 def move(

@@ -344,7 +344,9 @@ async def conclude_with_a_valid_event(rig: Rig, build_id: str) -> pb.Build:
         b = rig.view.build(build_id)
         if b is not None and b.status in terminal:
             return True
-        await rig.conn.js.publish(build_events_subject(build_id), closing_event(build_id).SerializeToString())
+        await rig.conn.js.publish(
+            build_events_subject(build_id, AGENT_NODE), closing_event(build_id).SerializeToString()
+        )
         feed = rig.view.subscribe({K.BUILD})
         try:
             await feed.wait(timeout=0.5)
@@ -381,7 +383,7 @@ def test_random_and_absurd_build_events(rig: Rig, ended_build: str, garbage: byt
     async def go() -> pb.Build:
         await rig.writer.commit(rig.writer.txn("badinput").put(running_build(build_id)))
         for target in (f"stray-{stray}", ended_build, build_id):
-            await rig.conn.js.publish(build_events_subject(target), garbage)
+            await rig.conn.js.publish(build_events_subject(target, AGENT_NODE), garbage)
         return await conclude_with_a_valid_event(rig, build_id)
 
     build = rig.run(go())

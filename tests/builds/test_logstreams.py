@@ -37,8 +37,11 @@ def with_logs(e: pb.Environment, max_bytes: int = 0, max_age: float = 0.0) -> pb
         ([with_logs(env("e1"), 1 << 20)], {"e1": DEFAULT}, {"e1": LogLimits(1 << 20, 3600.0)}, []),
         ([with_logs(env("e1"), max_age=60.0)], {}, {"e1": LogLimits(DEFAULT.max_bytes, 60.0)}, []),
         ([], {"gone": DEFAULT}, {}, ["gone"]),
+        # limits that are not positive (garbage: apps apply refuses them) count as unset, not as a stream
+        # the server refuses ("max age can not be negative") on every pass
+        ([with_logs(env("e1"), max_age=-2.0)], {}, {"e1": DEFAULT}, []),
     ],
-    ids=["new env", "unchanged", "bytes override", "age override", "env gone"],
+    ids=["new env", "unchanged", "bytes override", "age override", "env gone", "negative age is unset"],
 )
 def test_plan(
     envs: list[pb.Environment], existing: dict[str, LogLimits], upserts: dict[str, LogLimits], deletes: list[str]
