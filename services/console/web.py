@@ -26,9 +26,6 @@ from nats.js.errors import NotFoundError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.console import pages
-from services.console.actions import NODE_CHANGES, ActionRefused, Actions
-from services.console.auth import LOGIN_COOKIE, SESSION_COOKIE, LoginLimiter, Session, Sessions, tokens_equal
 from shared import keys as K
 from shared.applogs import AppLogLine, UnknownLogStream, read_app_logs
 from shared.buildlogs import follow_build_log
@@ -36,6 +33,10 @@ from shared.console_users import ADMIN, burn_check, load_user, password_matches
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
 from shared.scaling import ScaleRequest
 from shared.state.feed import StateView
+
+from . import pages
+from .actions import NODE_CHANGES, ActionRefused, Actions
+from .auth import LOGIN_COOKIE, SESSION_COOKIE, LoginLimiter, Session, Sessions, tokens_equal
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,6 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.secrets import certkeys
 from shared import keys as K
 from shared.certs import ACCOUNT_OPEN_SUBJECT, KEYS_OPEN_SUBJECT
 from shared.events import WARNING, EventPublisher, make_event
@@ -59,6 +58,8 @@ from shared.state.reader import StateReader
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
 from shared.txn import CommitUnknown, Conflict, Writer
+
+from . import certkeys
 
 log = logging.getLogger(__name__)
 
