@@ -162,6 +162,18 @@ class NatsCluster:
                     return self.index_of(leader)
         raise RuntimeError("no JetStream meta leader")
 
+    def meta_formed(self) -> bool:
+        """Every server is a current member of the JetStream meta group (before it, placing R3 streams is
+        refused: "no suitable peers for placement")."""
+        for server in self.servers:
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(f"http://{server.host}:{server.http_port}/jsz", timeout=2) as resp:
+                    meta = json.loads(resp.read()).get("meta_cluster", {})
+                peers = meta.get("replicas") or []
+                if meta.get("leader") and len(peers) == len(self.servers) - 1 and all(p.get("current") for p in peers):
+                    return True
+        return False
+
     def connected_to(self, conn: Connection) -> int:
         """The server a client is connected to."""
         url = conn.nc.connected_url

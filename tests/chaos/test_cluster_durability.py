@@ -38,6 +38,7 @@ def zattera(nats: NatsCluster, *args: str) -> tuple[int, str]:
 
 async def initialised(nats: NatsCluster) -> None:
     """``zattera cluster init`` with no --replicas: three copies, from the cluster's size."""
+    await eventually(nats.meta_formed, 60, "all three servers in the JetStream meta group")
     code, out = await asyncio.to_thread(zattera, nats, "cluster", "init", "--json")
     assert code == 0, out
     assert json.loads(out)["config"]["replicas"] == 3
