@@ -12,6 +12,10 @@
   capture's work does not compete with the app for a core; other jobs on the machine still can. Three
   apps: one that only logs, and two that do a unit of work (200 or 1,000 empty loop turns, a few µs or
   ~0.1 ms on a quiet core) per line they log, as an app logging each request it serves.
+* **capture floor**: the app that only logs, with no agent at all, its stdout to /dev/null versus to a
+  file on the agent's disk (what the agent captures into) and versus a pipe (1 MiB) drained every 5 ms by
+  a reader on the other core (the cheapest way to take bytes from a process: no wake-up per write). What
+  the app pays here is the kernel's copy of its bytes, the least any capture that keeps the output costs.
 
 ``python -m benchmarks.logs_bench`` (quick, < 30 s) or ``--full`` (more lines and rounds).
 """
@@ -20,10 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -111,6 +118,10 @@ FULL = Sizes(
 
 APP_CPU, CAPTURE_CPU = (0, 1) if len(os.sched_getaffinity(0)) >= 2 and {0, 1} <= os.sched_getaffinity(0) else (-1, -1)
 """The app's core, and the core of the agent and nats-server (-1: fewer than two cores, nothing pinned)."""
+
+
+INSTANCE_ENV = {k: os.environ[k] for k in PASSED_THROUGH_ENV if k in os.environ}
+"""The environment of the writer run without the agent: what an instance gets from its node."""
 
 
 def pin(pid: int, cpu: int) -> None:
@@ -294,6 +305,76 @@ async def slowdown(rig: Rig, app: App, rounds: int) -> list[Row]:
     return rows
 
 
+def capture_floor(rig: Rig, app: App, rounds: int) -> list[Row]:
+    """The writer with no agent: its CPU time to a file and to a lazily drained pipe, against /dev/null."""
+    command = [sys.executable, "writer.py", "flood", str(app.lines), str(app.work)]
+
+    def timed(stdout: int, label: str, round_: int) -> float:
+        result = rig.root / f"floor-{label}-{round_}"
+        argv = [*command, str(result), str(APP_CPU)]
+        with subprocess.Popen(argv, cwd=rig.app, stdout=stdout, env=INSTANCE_ENV) as proc:
+            while not elapsed(result)[0]:  # the writer then sleeps, as an instance that stays up
+                time.sleep(0.01)
+            proc.kill()
+        return elapsed(result)[1]
+
+    def to_devnull(round_: int) -> float:
+        with open(os.devnull, "wb") as sink:
+            return timed(sink.fileno(), "devnull", round_)
+
+    def to_file(round_: int) -> float:
+        path = rig.root / "floor-output.log"
+        with path.open("wb") as sink:
+            try:
+                return timed(sink.fileno(), "file", round_)
+            finally:
+                path.unlink()
+
+    def to_pipe(round_: int) -> float:
+        read_end, write_end = os.pipe()
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 1 << 20)
+        os.set_blocking(read_end, False)
+
+        def drain() -> None:  # never blocks in read() or poll(): either would make each write wake it
+            if CAPTURE_CPU >= 0:
+                os.sched_setaffinity(0, {CAPTURE_CPU})
+            while True:
+                try:
+                    if not os.read(read_end, 1 << 20):
+                        return
+                except BlockingIOError:
+                    time.sleep(0.005)
+
+        reader = threading.Thread(target=drain)
+        reader.start()
+        try:
+            with os.fdopen(write_end, "wb") as sink:
+                return timed(sink.fileno(), "pipe", round_)
+        finally:
+            reader.join()
+            os.close(read_end)
+
+    sides = {"a file": to_file, "a pipe drained every 5 ms": to_pipe}
+    cpu: dict[str, list[float]] = {"/dev/null": [], **{label: [] for label in sides}}
+    for round_ in range(rounds):  # /dev/null first and last in turn, as in the pairs above
+        order = [("/dev/null", to_devnull), *sides.items()]
+        for label, measure_one in order if round_ % 2 == 0 else reversed(order):
+            cpu[label].append(measure_one(round_))
+    base = median(cpu["/dev/null"])
+    rows = [row(f"logs: floor, no agent: {app.label} to /dev/null, its CPU time", base, "s", "", "")]
+    for label in sides:
+        rows.append(
+            row(
+                f"logs: floor, no agent: {app.label} to {label}, CPU vs /dev/null",
+                (median(cpu[label]) / base - 1) * 100,
+                "%",
+                "≤ 5 %",
+                f"{rounds} rounds, medians {base:.2f} s vs {median(cpu[label]):.2f} s",
+            )
+        )
+    return rows
+
+
 def elapsed(result: Path) -> tuple[float, float]:
     """The writer's own timing: wall and CPU seconds ((0, 0) = not written yet)."""
     with contextlib.suppress(OSError, ValueError):
@@ -313,7 +394,7 @@ async def _direct(rig: Rig, command: str, result: Path) -> None:
         *command.split(),
         cwd=rig.app,
         stdout=asyncio.subprocess.DEVNULL,
-        env={k: os.environ[k] for k in PASSED_THROUGH_ENV if k in os.environ},  # as an instance gets it
+        env=INSTANCE_ENV,
     )
     await until_written(result)
     proc.kill()
@@ -329,6 +410,7 @@ async def measure(sizes: Sizes) -> list[Row]:
             pin(rig.agent.pid, CAPTURE_CPU)
             for app in sizes.apps:
                 rows += await slowdown(rig, app, sizes.slowdown_rounds)
+            rows += await asyncio.to_thread(capture_floor, rig, sizes.apps[0], sizes.slowdown_rounds)
             load = os.getloadavg()[0]
             rows.append(row("logs: machine load average (1 min) at the end", load, "", "", "other jobs share it"))
             return rows

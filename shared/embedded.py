@@ -167,8 +167,12 @@ class EmbeddedNats:
         self.stop()
 
 
-def start_cluster(base_dir: Path, size: int = 3, name: str = "zattera") -> list[EmbeddedNats]:
-    """Start ``size`` local servers forming one JetStream cluster; returns them once all are healthy."""
+def start_cluster(
+    base_dir: Path, size: int = 3, name: str = "zattera", running: int | None = None
+) -> list[EmbeddedNats]:
+    """Start ``size`` local servers forming one JetStream cluster; returns them once all are healthy.
+    ``running``: start only the first so many; the others are configured, to be started later
+    (``start()``), as servers that join a cluster which formed without them."""
     cluster_ports = [free_port() for _ in range(size)]
     servers = [
         EmbeddedNats(
@@ -188,10 +192,10 @@ def start_cluster(base_dir: Path, size: int = 3, name: str = "zattera") -> list[
         conf.write_text(server.config_text())
     procs_started: list[EmbeddedNats] = []
     try:
-        for server in servers:
+        for server in servers[:running]:
             server._spawn()
             procs_started.append(server)
-        for server in servers:
+        for server in procs_started:
             server.wait_healthy(30.0)
     except Exception:
         for server in procs_started:

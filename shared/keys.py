@@ -6,6 +6,7 @@ A key is ``<kind>.<id>``, except the per-node kinds ``assignment.<node>.<id>`` a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from google.protobuf.message import Message
@@ -52,7 +53,6 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     SECRET: pb.SealedSecret,
     SECRETS_KEY: pb.SecretsKey,
     JOB: pb.Job,
-
     CERT: pb.Certificate,
     ACME_ACCOUNT: pb.AcmeAccount,
 }
@@ -77,7 +77,14 @@ class BadKey(ValueError):
     pass
 
 
+NOT_IN_A_SUBJECT = re.compile(r"[\s*>\x00-\x1f\x7f]")
+"""What a key cannot hold, as the tail of a NATS subject: whitespace and control characters (they split or
+end the protocol line, so the write would land under another key or not at all) and the wildcards."""
+
+
 def parse(key: str) -> Key:
+    if bad := NOT_IN_A_SUBJECT.search(key):
+        raise BadKey(f"key {key!r} holds {bad.group()!r}, which no NATS subject may")
     kind, _, rest = key.partition(".")
     if kind not in MESSAGE_TYPES or not rest:
         raise BadKey(f"unknown key {key!r}")
@@ -186,6 +193,15 @@ def key_of(msg: Message) -> str:
         if isinstance(msg, cls) and kind not in (OBSERVED, LEASE, VIP):
             return f"{kind}.{msg.meta.id}"  # type: ignore[attr-defined]
     raise BadKey(f"no key rule for {type(msg).__name__}")
+
+
+def names_another_key(msg: Message, key: str) -> str:
+    """The key ``msg``'s own fields name when it is not ``key`` (a value stored under the wrong key: every
+    reader would act on the id inside it), else ''. Kinds without a rule (observed, lease) name none."""
+    if isinstance(msg, (pb.AssignmentObserved, pb.Lease)):
+        return ""
+    own = key_of(msg)
+    return own if own != key else ""
 
 
 def encode(msg: Message) -> bytes:

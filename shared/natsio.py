@@ -12,7 +12,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
@@ -24,11 +24,13 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 
+from shared.backoff import exponential
 from shared.errors import ZatteraError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _CRLF = b"\r\n"
 _WHITESPACE = re.compile(r"\s")
@@ -559,6 +561,37 @@ async def _stream_config(js: JetStreamContext, name: str) -> StreamConfig | None
         return None
 
 
+NO_PEERS_FOR_PLACEMENT = 10005
+"""JetStream's "no suitable peers for placement": fewer current servers than the replicas asked for."""
+PLACEMENT_PATIENCE = 30.0
+"""How long a stream's creation waits for enough servers: a cluster's servers started together all join
+its meta group within seconds, a server that is down does not (then the refusal stands, named)."""
+
+
+async def until_placed(create: Callable[[], Awaitable[T]], what: str, patience: float = PLACEMENT_PATIENCE) -> T:
+    """``create()``, sent again while JetStream refuses it for want of peers: right after the servers start
+    (``zattera up``, a fresh cluster), the meta group can know fewer of them than the replicas asked for.
+    After ``patience``, :class:`ClusterUnavailable` naming what could not be placed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience
+    attempt = 0
+    while True:
+        try:
+            return await create()
+        except APIError as exc:
+            if exc.err_code != NO_PEERS_FOR_PLACEMENT:
+                raise
+            if loop.time() >= deadline:
+                raise ClusterUnavailable(
+                    f"{what}: {exc.description} after {patience:.0f}s: fewer JetStream servers are up than the "
+                    "copies it needs (`zattera cluster status`; start the missing servers)"
+                ) from exc
+            attempt += 1
+            if attempt == 1:
+                log.info("%s: %s; waiting up to %.0fs for the cluster's servers", what, exc.description, patience)
+        await asyncio.sleep(min(exponential(0.25, attempt, 2.0), max(0.0, deadline - loop.time())))
+
+
 async def create_stream_if_missing(js: JetStreamContext, cfg: StreamConfig) -> tuple[StreamConfig, bool]:
     """The stream's configuration, creating it from ``cfg`` when it does not exist; True when created here.
     An existing stream is never updated (safe from many processes: a concurrent creator wins)."""
@@ -567,7 +600,7 @@ async def create_stream_if_missing(js: JetStreamContext, cfg: StreamConfig) -> t
     if existing is not None:
         return existing, False
     try:
-        await js.add_stream(cfg)
+        await until_placed(lambda: js.add_stream(cfg), cfg.name)
         return cfg, True
     except BadRequestError as exc:
         if exc.err_code != 10058:  # created concurrently, with another configuration: that one stands
@@ -584,9 +617,8 @@ async def create_object_store_if_missing(js: JetStreamContext, bucket: str, repl
     if existing is not None:
         return existing.num_replicas or 1, False
     try:
-        await js.create_object_store(
-            bucket, ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE, replicas=replicas)
-        )
+        config = ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE, replicas=replicas)
+        await until_placed(lambda: js.create_object_store(bucket, config), object_store_stream(bucket))
         return replicas, True
     except BadRequestError as exc:
         if exc.err_code != 10058:

@@ -118,6 +118,7 @@ class Txn:
         return self
 
     def _add(self, op: Op) -> None:
+        K.parse(op.key)  # BadKey: a key that is no subject would be written elsewhere, or break the batch
         for i, existing in enumerate(self.ops):
             if existing.key == op.key:
                 # A later op on the same key supersedes the earlier one but keeps its expectation.

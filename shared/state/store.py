@@ -215,6 +215,10 @@ class StateStore:
             self._remove(k, key)
             self._skip(key, rev, exc, kind=k.kind)
             return
+        if other := K.names_another_key(msg, key):  # garbage too: readers would write under its id
+            self._remove(k, key)
+            self._skip(key, rev, K.BadKey(f"the value's own id names {other!r}"), kind=k.kind)
+            return
         self._revs[key] = rev
         self._put(k, key, msg, rev)
 

@@ -44,12 +44,12 @@ def state_key(kind: str, ident: str, node: str) -> str:
 
 
 def undecodable(key: str, data: bytes) -> bool:
+    """What the view skips: a bad key, bytes that do not decode, or a value whose own id names another key."""
     try:
         k = K.parse(key)
-        K.decode(k.kind, data)
+        return bool(K.names_another_key(K.decode(k.kind, data), key))
     except (K.BadKey, DecodeError, ValueError, RuntimeError):
         return True
-    return False
 
 
 async def publish_state(rig: Rig, key: str, data: bytes) -> int:

@@ -109,8 +109,9 @@ class NatsCluster:
         self.size = size
         self.servers: list[EmbeddedNats] = []
 
-    def start(self) -> NatsCluster:
-        self.servers = start_cluster(self.base_dir, self.size)
+    def start(self, running: int | None = None) -> NatsCluster:
+        """Every server, or only the first ``running`` (``servers[i].start()`` adds the others later)."""
+        self.servers = start_cluster(self.base_dir, self.size, running=running)
         return self
 
     @property

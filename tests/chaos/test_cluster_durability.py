@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -37,8 +38,8 @@ def zattera(nats: NatsCluster, *args: str) -> tuple[int, str]:
 
 
 async def initialised(nats: NatsCluster) -> None:
-    """``zattera cluster init`` with no --replicas: three copies, from the cluster's size."""
-    await eventually(nats.meta_formed, 60, "all three servers in the JetStream meta group")
+    """``zattera cluster init`` with no --replicas, the moment the servers are up: three copies, from the
+    cluster's size (init waits while the servers join the meta group)."""
     code, out = await asyncio.to_thread(zattera, nats, "cluster", "init", "--json")
     assert code == 0, out
     assert json.loads(out)["config"]["replicas"] == 3
@@ -71,6 +72,31 @@ async def test_clients_and_services_with_other_settings_change_nothing(
         await conn.close()
     for server in nats.servers:
         assert "remapping" not in (server.data_dir / "nats.log").read_text(errors="replace"), server.name
+
+
+@pytest.mark.timeout(120)
+async def test_init_waits_for_enough_servers_to_place_its_streams(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two of three servers up (the third not yet joined): three-copy streams cannot be placed, so init
+    waits for the third, rather than failing or creating fewer copies, and completes once it joins."""
+    nats = NatsCluster(tmp_path / "late").start(running=2)
+    try:
+        conn = await connect(",".join(s.url for s in nats.servers[:2]), name="init", request_deadline=CLI_BOUND)
+        try:
+            with caplog.at_level(logging.INFO, logger="shared.natsio"):
+                init = asyncio.create_task(provision(conn.js, replicas=3))
+                await eventually(lambda: "no suitable peers" in caplog.text, 30, "init waiting for a third server")
+                assert not init.done()
+                await asyncio.to_thread(nats.servers[2].start)
+                report = await asyncio.wait_for(init, 60)
+            assert report.initialized and report.config.replicas == 3 and report.mismatches == []
+            info = await conn.js.stream_info(STATE_STREAM)
+            assert info.config.num_replicas == 3
+        finally:
+            await conn.close()
+    finally:
+        nats.stop()
 
 
 async def _read_after_kill(nats: NatsCluster, conn: Connection, victim: int) -> None:

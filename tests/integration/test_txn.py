@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from zattera.v1 import types_pb2 as pb
 
@@ -27,6 +29,20 @@ async def test_batch_with_one_conflicting_key_writes_no_key_at_all(conn, view: S
     assert fresh.node("n2") is None and fresh.env("e1") is None
     assert fresh.node("n1").capacity.cpu_millis == 1
     await fresh.stop()
+
+
+@pytest.mark.parametrize("stray_id", ["", "a b", "a*", ">", "a\r\nPUB x 1"])
+async def test_a_key_that_is_no_subject_is_refused_before_anything_is_sent(
+    conn, view: StateView, writer: Writer, stray_id: str
+):
+    """Unchecked, an empty id (``vip.``) was dropped by the server and left the fenced batch incomplete,
+    a space or line break broke off the batch in the client, and a wildcard became a key no read names."""
+    txn = writer.txn().create(node("n1"))
+    with pytest.raises(K.BadKey, match=re.escape(repr(K.vip(stray_id)))):
+        txn.delete(K.vip(stray_id))
+    await writer.commit(txn)  # the transaction is as it was: n1 only
+    info = await conn.js.stream_info(STATE_STREAM)
+    assert view.node("n1") is not None and info.state.messages == 1
 
 
 async def test_create_of_an_existing_key_conflicts(view: StateView, writer: Writer):

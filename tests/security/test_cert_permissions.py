@@ -13,9 +13,7 @@ from tests.security.conftest import ConnectAs, SecureCluster
 from tests.security.test_permissions import publish_refused
 
 
-async def test_a_proxy_reads_http01_answers_without_a_consumer(
-    secure: SecureCluster, control: Connection
-) -> None:
+async def test_a_proxy_reads_http01_answers_without_a_consumer(secure: SecureCluster, control: Connection) -> None:
     proxy = await connect(secure.url, name="proxy", creds=secure.creds(Role.PROXY, "p1"))
     answers = ChallengeAnswers()
     try:

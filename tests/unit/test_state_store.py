@@ -36,6 +36,17 @@ def test_garbage_is_skipped_counted_and_keeps_its_revision_for_a_fenced_write() 
     assert store.skipped == 2 and store.skipped_by_kind == {K.NODE: 1, "unknown": 1}
 
 
+def test_a_value_whose_own_id_names_another_key_is_garbage_too() -> None:
+    """Readers act on the id inside a value (the VIP loop writes ``vip.<env.meta.id>``): one that disagrees
+    with its key, e.g. random bytes that happen to decode, would have them write under a stray key."""
+    store = StateStore(name="t")
+    store.apply_raw(K.node("n1"), 1, node("n1").SerializeToString())
+    store.apply_raw(K.node("n1"), 2, node("n1 *").SerializeToString())
+    store.apply_raw(K.node("n2"), 3, node("n3").SerializeToString())
+    assert store.nodes() == [] and store.rev(K.node("n1")) == 2 and store.rev(K.node("n2")) == 3
+    assert store.skipped == 2 and store.skipped_by_kind == {K.NODE: 2}
+
+
 def test_the_key_of_a_change_and_the_typed_reads() -> None:
     state = MemoryState(node("n1"), release("r1", "e1"))
     a = assignment("n1", "e1", "r1")
