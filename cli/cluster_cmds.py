@@ -4,17 +4,25 @@ stores and records the cluster configuration, and a read-only check of every str
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 
 import typer
 
 from cli import render
-from cli.client import OPTIONS, ExitCode, connect_cli, fail, nats_url, run
-from shared.natsio import ProvisionReport, cluster_size, inspect_cluster, provision
+from cli.client import OPTIONS, ExitCode, connect_cli, err, fail, nats_url, run
+from shared.natsio import ProvisionReport, cluster_size, inspect_cluster, placement_log, provision
 
 cluster_app = typer.Typer(no_args_is_help=True, help="The cluster's own configuration: init and status.")
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
+
+
+class StderrProgress(logging.Handler):
+    """Shows on stderr that init is waiting (for servers still joining), so a wait is never silent."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        err.print(record.getMessage(), style="dim", markup=False, highlight=False)
 
 
 @cluster_app.command("init")
@@ -35,7 +43,13 @@ def init(
         finally:
             await conn.close()
 
-    report = run(go)
+    progress = StderrProgress()
+    placement_log.addHandler(progress)
+    placement_log.setLevel(logging.INFO)
+    try:
+        report = run(go)
+    finally:
+        placement_log.removeHandler(progress)
     refused = replicas and replicas != report.config.replicas
     if render.json_mode():
         render.emit_json({**asdict(report), "refused": bool(refused)})

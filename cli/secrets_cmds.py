@@ -189,6 +189,4 @@ def secrets_rotate_key(json: bool = JSON) -> None:
     if json:
         render.emit_json(render.as_dict(response))
         return
-    say(
-        f"cluster key {response.previous_key_id} -> {response.key_id}: {response.resealed} secret version(s) re-sealed"
-    )
+    say(f"cluster key {response.previous_key_id} -> {response.key_id}: {response.resealed} secret version(s) re-sealed")

@@ -561,6 +561,8 @@ async def _stream_config(js: JetStreamContext, name: str) -> StreamConfig | None
         return None
 
 
+placement_log = logging.getLogger(f"{__name__}.placement")
+"""Where :func:`until_placed` says it waits (``zattera cluster init`` shows it on stderr)."""
 NO_PEERS_FOR_PLACEMENT = 10005
 """JetStream's "no suitable peers for placement": fewer current servers than the replicas asked for."""
 PLACEMENT_PATIENCE = 30.0
@@ -588,7 +590,9 @@ async def until_placed(create: Callable[[], Awaitable[T]], what: str, patience: 
                 ) from exc
             attempt += 1
             if attempt == 1:
-                log.info("%s: %s; waiting up to %.0fs for the cluster's servers", what, exc.description, patience)
+                placement_log.info(
+                    "%s: %s; waiting up to %.0fs for the cluster's servers", what, exc.description, patience
+                )
         await asyncio.sleep(min(exponential(0.25, attempt, 2.0), max(0.0, deadline - loop.time())))
 
 

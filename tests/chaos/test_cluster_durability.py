@@ -78,19 +78,24 @@ async def test_clients_and_services_with_other_settings_change_nothing(
 async def test_init_waits_for_enough_servers_to_place_its_streams(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Two of three servers up (the third not yet joined): three-copy streams cannot be placed, so init
-    waits for the third, rather than failing or creating fewer copies, and completes once it joins."""
+    """Two of three servers up (the third not yet joined): three-copy streams cannot be placed, so
+    ``zattera cluster init`` says it waits for the third, rather than failing or creating fewer copies,
+    and completes once it joins."""
     nats = NatsCluster(tmp_path / "late").start(running=2)
     try:
-        conn = await connect(",".join(s.url for s in nats.servers[:2]), name="init", request_deadline=CLI_BOUND)
+        with caplog.at_level(logging.INFO, logger="shared.natsio.placement"):
+            command = ["--nats", nats.urls, "cluster", "init", "--json"]  # 3 copies: three servers named
+            init = asyncio.create_task(asyncio.to_thread(CliRunner().invoke, app, command))
+            await eventually(lambda: "no suitable peers" in caplog.text, 30, "init waiting for a third server")
+            assert not init.done()
+            await asyncio.to_thread(nats.servers[2].start)
+            result = await asyncio.wait_for(init, 60)
+        assert result.exit_code == 0, result.output
+        assert "no suitable peers for placement; waiting up to 30s" in result.stderr
+        out = json.loads(result.stdout)
+        assert out["initialized"] and out["config"]["replicas"] == 3 and out["mismatches"] == []
+        conn = await connect(nats.servers[0].url, name="check")
         try:
-            with caplog.at_level(logging.INFO, logger="shared.natsio"):
-                init = asyncio.create_task(provision(conn.js, replicas=3))
-                await eventually(lambda: "no suitable peers" in caplog.text, 30, "init waiting for a third server")
-                assert not init.done()
-                await asyncio.to_thread(nats.servers[2].start)
-                report = await asyncio.wait_for(init, 60)
-            assert report.initialized and report.config.replicas == 3 and report.mismatches == []
             info = await conn.js.stream_info(STATE_STREAM)
             assert info.config.num_replicas == 3
         finally:
