@@ -167,7 +167,7 @@ async def read_app_logs(
                 continue
             backlog = [line for line in backlog if line.time_ns >= since_ns]
             backlog.sort(key=lambda line: line.time_ns)  # stable: one instance's lines keep their order
-            for line in backlog[len(backlog) - last :] if last else []:
+            for line in backlog[max(0, len(backlog) - last) :] if last else []:
                 yield line
             while follow:
                 msg = await sub.next_msg(timeout=None)

@@ -101,6 +101,8 @@ async def test_backfill_takes_the_newest_n_across_two_replicas_in_time_order(
     newest = await read(conn, last=30)
     assert len(newest) == 30
     assert [line.time_ns for line in newest] == sorted(line.time_ns for line in everything)[-30:]
+    a_few_more_than_stored = await read(conn, last=2 * 220 + 3)  # was: the newest 3 only (a negative index)
+    assert a_few_more_than_stored == sorted(everything, key=lambda line: line.time_ns)
     only_first = await read(conn, last=5, instance=first.meta.id)
     assert {line.instance for line in only_first} == {first.meta.id} and len(only_first) == 5
     assert {line.instance for line in everything} == {first.meta.id, second.meta.id}
