@@ -72,7 +72,7 @@ def events(
     follow: bool = typer.Option(False, "--follow", "-f", help="keep streaming new events"),
     kind: str = typer.Option("", "--kind", help="deploy, deploy.failed, node, autoscale.scaled, scaletozero …"),
     env: str = typer.Option("", "--env", help="only this environment (id or project/app/env)"),
-    last: int = typer.Option(50, "--last", help="how many past events to show"),
+    last: int = typer.Option(50, "--last", "-n", help="how many past events to show"),
     json_out: bool = typer.Option(False, "--json", help="one JSON object per line"),
 ) -> None:
     """Platform events, newest last: deployments, rollbacks, scaling, wakes and cools, nodes."""

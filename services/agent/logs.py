@@ -222,7 +222,7 @@ class InstanceLogShipper:
         if start > self._cursor.stderr_run_start:
             lines = lines[1:]  # the first one is cut
         text = [line.decode("utf-8", "replace") for line in lines if line.strip(b"\0")]
-        return text[len(text) - self.settings.stderr_tail :] if self.settings.stderr_tail else []
+        return text[max(0, len(text) - self.settings.stderr_tail) :] if self.settings.stderr_tail else []
 
     async def run(self) -> None:
         """Ship until cancelled; a failed publish is retried (the unread bytes wait in the files)."""
@@ -298,52 +298,62 @@ class InstanceLogShipper:
 
     def _read(self, *, final: bool) -> bool:
         """Fill the pending batch from both files; False when they hold nothing new."""
-        batch = cpb.InstanceLogBatch()
-        batch.CopyFrom(self._tags)
-        batch.release_id = self.release_id
         offsets = dict(self._cursor.offsets)
+        lines: dict[str, list[bytes]] = {STDOUT: [], STDERR: []}
+        dropped: dict[str, int] = {STDOUT: 0, STDERR: 0}
         budget_used = 0
         # stderr first, up to half a batch; stdout gets the rest: neither starves the other.
         cfg = self.settings
         budget, lines_left = cfg.batch_bytes // 2, cfg.batch_lines // 2
         for source in reversed(self._sources):
             if source.stream == STDOUT:
-                budget, lines_left = cfg.batch_bytes - budget_used, cfg.batch_lines - len(batch.lines)
+                budget = cfg.batch_bytes - budget_used
+                lines_left = cfg.batch_lines - len(lines[STDERR]) - bool(dropped[STDERR])
             size = source.size()
             offset = offsets[source.stream]
             if size < offset:  # emptied under us (a new generation): start over
                 offset = 0
             if size - offset > self.settings.max_backlog:
-                offset = self._skip(source, offset, size, batch)
+                offset, dropped[source.stream] = self._skip(source, offset, size)
             if size <= offset:
                 offsets[source.stream] = offset
                 continue
             data = os.pread(source.fd, min(budget, size - offset), offset)
-            lines, used = split_lines(data, final=final, max_line=self.settings.max_line, max_lines=lines_left)
-            if lines:
-                stamp = self._now()
-                add = batch.lines.add
-                for raw in lines:
-                    add(time=stamp, line=raw.decode("utf-8", "replace"), stream=source.stream)
+            taken, used = split_lines(data, final=final, max_line=self.settings.max_line, max_lines=lines_left)
+            lines[source.stream] = taken
             offsets[source.stream] = offset + used
             budget_used += used
-        if not batch.lines:
-            self._cursor.offsets = offsets  # only skipped/cut bytes: nothing to publish
+        if not any(lines.values()) and not any(dropped.values()):
+            self._cursor.offsets = offsets  # only cut bytes: nothing to publish
             return False
+        batch = cpb.InstanceLogBatch()
+        batch.CopyFrom(self._tags)
+        batch.release_id = self.release_id
+        add = batch.lines.add
+        # What one read finds on both streams is stamped stdout first: the order of the two within a poll
+        # is unknown, and an app's buffered stdout was written before what it just put on stderr (a crash
+        # leaves its traceback last, as on a terminal).
+        for stream in (STDOUT, STDERR):
+            if not lines[stream] and not dropped[stream]:
+                continue
+            stamp = self._now()
+            if dropped[stream]:
+                add(time=stamp, line=f"{dropped[stream]} lines dropped", stream=stream, dropped=dropped[stream])
+            for raw in lines[stream]:
+                add(time=stamp, line=raw.decode("utf-8", "replace"), stream=stream)
         self._pending, self._pending_offsets = batch, offsets
         return True
 
-    def _skip(self, source: _Source, offset: int, size: int, batch: cpb.InstanceLogBatch) -> int:
-        """Drop the oldest unread bytes down to half the backlog bound, at a line start; count the lines."""
+    def _skip(self, source: _Source, offset: int, size: int) -> tuple[int, int]:
+        """Drop the oldest unread bytes down to half the backlog bound, at a line start: the new offset, and
+        how many lines were dropped."""
         target = size - self.settings.max_backlog // 2
         head = os.pread(source.fd, min(self.settings.max_line, size - target), target)
         newline = head.find(b"\n")
         target = target + newline + 1 if newline >= 0 else target
         dropped = count_lines(source.fd, offset, target)
-        if dropped:
-            self.dropped_total += dropped
-            batch.lines.add(time=self._now(), line=f"{dropped} lines dropped", stream=source.stream, dropped=dropped)
-        return target
+        self.dropped_total += dropped
+        return target, dropped
 
     def _give_back_space(self) -> None:
         for source in self._sources:

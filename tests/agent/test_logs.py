@@ -217,3 +217,33 @@ async def test_shipped_files_are_emptied_before_the_next_start_and_shipping_goes
     assert not await resumed.pump(final=False)
     assert [line.line for line in await read(conn)][-1] == "after an agent restart"
     assert len(await read(conn)) == 3
+
+
+async def test_what_one_read_finds_on_both_streams_reads_stdout_first(conn: Connection, tmp_path: Path) -> None:
+    """A crash: buffered stdout and the error on stderr land in the files together. The reader's time order
+    puts the error last, as a terminal would (stderr used to come first, before the lines that led to it)."""
+    await env_stream(conn)
+    (tmp_path / STREAM_FILES[STDOUT]).write_bytes(b"starting\nconnecting to the database\n")
+    (tmp_path / STREAM_FILES[STDERR]).write_bytes(b"fatal: DATABASE_URL not set\n")
+    shipper = InstanceLogShipper(
+        conn, tmp_path, environment_id=ENV, instance_id="I1", node_id="n1", settings=ShipperSettings()
+    )
+    assert await shipper.pump(final=True)
+    lines = await read(conn)
+    assert [(line.stream, line.line) for line in lines] == [
+        (STDOUT, "starting"),
+        (STDOUT, "connecting to the database"),
+        (STDERR, "fatal: DATABASE_URL not set"),
+    ]
+    assert lines[0].time_ns < lines[2].time_ns
+
+
+@pytest.mark.parametrize("written", [1, 15, 20, 35])
+async def test_the_stderr_tail_holds_the_last_lines_up_to_its_length(
+    conn: Connection, tmp_path: Path, written: int
+) -> None:
+    (tmp_path / STREAM_FILES[STDERR]).write_bytes(b"".join(b"error %d\n" % i for i in range(written)))
+    shipper = InstanceLogShipper(
+        conn, tmp_path, environment_id=ENV, instance_id="I1", node_id="n1", settings=ShipperSettings(stderr_tail=20)
+    )
+    assert shipper.stderr_tail() == [f"error {i}" for i in range(max(0, written - 20), written)]  # 15: was 5
