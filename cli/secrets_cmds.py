@@ -75,6 +75,18 @@ def _unset_edit(view: StateReader, names: list[str]) -> ConfigEdit:
     return edit
 
 
+def name_without_value(name: str) -> str:
+    """``NAME=value`` typed as a name is refused without showing the value: an error message would print
+    it, a terminal keep it on screen and a CI log forever; the shell's history already holds it."""
+    if "=" not in name:
+        return name
+    given = name.partition("=")[0]
+    raise fail(
+        f"secrets.{given}: give the name only; the value comes from --from-file, stdin or a prompt, never the "
+        "command line (the value typed was not used or shown; your shell's history still holds it)"
+    )
+
+
 @secrets_app.command("set")
 def secrets_set(
     name: str = typer.Argument(..., help="the secret's name (a POSIX environment variable name)"),
@@ -84,6 +96,7 @@ def secrets_set(
     watch: bool = WATCH,
 ) -> None:
     """Set a secret: the value comes from --from-file, stdin, or a prompt; it is sealed before it leaves."""
+    name = name_without_value(name)
     try:
         check_name(f"secrets.{name}", name)
         value = check_secret_value(name, _read_value(name, from_file))
@@ -109,6 +122,7 @@ def secrets_unset(
     watch: bool = WATCH,
 ) -> None:
     """Remove secrets (their old versions stay while a release still uses them, for rollbacks)."""
+    names = [name_without_value(name) for name in names]
     check_names("secrets", names)
     roll_out(
         env,

@@ -197,6 +197,8 @@ BIG = "x" * (MAX_VALUE_BYTES + 1)
         (("secrets", "set", "--env", "nope", "API_KEY"), "v", "--env"),
         (("secrets", "set", "--env", ENV, "API_KEY", "--from-file", "/nonexistent/key"), None, "--from-file"),
         (("secrets", "unset", "--env", ENV, "API_KEY"), None, "secrets.API_KEY: not set"),
+        (("secrets", "set", "--env", ENV, f"API_KEY={BIG}"), "v", "secrets.API_KEY: give the name only"),
+        (("secrets", "unset", "--env", ENV, f"API_KEY={BIG}"), None, "secrets.API_KEY: give the name only"),
     ],
 )
 def test_bad_input_is_refused_naming_the_field_and_writes_nothing(
