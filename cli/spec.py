@@ -449,6 +449,11 @@ def validate(raw: dict[str, object], source: str = "zattera.toml") -> AppSpec:
             message = error["msg"].removeprefix("Value error, ")
             if error["type"] == "extra_forbidden":
                 message = "unknown key (docs/zattera-toml.md lists every key)"
+                if error["loc"][-1] == "secrets":
+                    message = (
+                        "secrets are never in zattera.toml (it is read as plain text and often committed): "
+                        "`zattera secrets set --env E NAME` seals each one (docs/secrets.md)"
+                    )
             if error["type"] == "string_pattern_mismatch" and error["ctx"].get("pattern") == NAME:
                 message = f"{error['input']!r} must be lowercase letters, digits and dashes (at most 63)"
             lines.append(f"{source}: {where}: {message}")

@@ -74,6 +74,7 @@ def test_replicas_shorthand_and_middleware_are_written_to_the_env(cli, nats_url,
         ),
         ('middleware = { max_body = "a lot" }', "env.p.middleware.max_body", "not a size"),
         ("middleware = { gzip = true }", "env.p.middleware.gzip", "unknown key"),
+        ('secrets = { API_KEY = "hunter2" }', "env.p.secrets", "secrets are never in zattera.toml"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field_and_nothing_is_written(
@@ -90,6 +91,7 @@ def test_bad_values_are_refused_naming_the_field_and_nothing_is_written(
     assert result.exit_code == 1
     assert f": {field}: " in result.stderr and says in result.stderr
     assert "Value error" not in result.stderr
+    assert "hunter2" not in result.stderr  # a password or secret put in the file is not printed back
 
     async def nothing(conn, view, writer):
         assert view.envs() == []
