@@ -52,9 +52,11 @@ class Supervised:
     next_start: float = 0.0
     started_at: float = 0.0
 
-    def start(self) -> None:
+    def start(self, *, die_with_parent: bool = False) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = spawn_logged(self.argv, self.log_path, cwd=PROJECT_ROOT, env=self.env)
+        self.proc = spawn_logged(
+            self.argv, self.log_path, cwd=PROJECT_ROOT, env=self.env, die_with_parent=die_with_parent
+        )
         self.started_at = time.monotonic()
 
     def alive(self) -> bool:
@@ -96,6 +98,9 @@ class Cluster:
     nats: EmbeddedNats | None = None
     # ``--nats-cluster N``: N local servers as one JetStream cluster, every bucket and stream at replicas=N.
     nats_cluster: int = 1
+    # Every process started gets SIGTERM when the one that started it dies, however it dies: `zattera up`'s
+    # supervisor (single-threaded) sets it; tests and embedders that start children from threads do not.
+    die_with_parent: bool = False
     cluster_servers: list[EmbeddedNats] = field(default_factory=list)
     children: list[Supervised] = field(default_factory=list)
     nats_restarts: dict[str, int] = field(default_factory=dict)
@@ -146,7 +151,9 @@ class Cluster:
 
     def start_nats(self) -> None:
         if self.nats_cluster > 1:
-            self.cluster_servers = start_cluster(self.data_dir / "nats-cluster", self.nats_cluster)
+            self.cluster_servers = start_cluster(
+                self.data_dir / "nats-cluster", self.nats_cluster, die_with_parent=self.die_with_parent
+            )
             self.nats = self.cluster_servers[0]
             return
         port = self.port
@@ -154,7 +161,10 @@ class Cluster:
             self.console.print(f"[yellow]port {port} is busy; using a free port instead[/]")
             port = free_port()
         self.nats = EmbeddedNats(
-            data_dir=self.data_dir / "nats", port=port, extra_config=self.nats_extra_config
+            data_dir=self.data_dir / "nats",
+            port=port,
+            extra_config=self.nats_extra_config,
+            die_with_parent=self.die_with_parent,
         ).start()
 
     def child_env(self) -> dict[str, str]:
@@ -194,7 +204,7 @@ class Cluster:
                 self.data_dir / "logs" / f"{name}.log",
                 {**env, **self.console_env()} if name in ("console", ALL_IN_ONE) else env,
             )
-            child.start()
+            child.start(die_with_parent=self.die_with_parent)
             self.children.append(child)
         if self.with_node:
             self.children.extend(self._node_processes(env))
@@ -202,7 +212,7 @@ class Cluster:
             if self.all_in_one and self.services and child.name in ALL_IN_ONE_SERVICES:
                 continue  # the all-in-one process runs it already
             child.env = {**env, **child.env}
-            child.start()
+            child.start(die_with_parent=self.die_with_parent)
             self.children.append(child)
 
     def _node_processes(self, env: dict[str, str]) -> list[Supervised]:
@@ -233,7 +243,7 @@ class Cluster:
                 self.data_dir / "logs" / "agent.log",
                 self._node_env(env, "agent"),
             )
-            agent.start()
+            agent.start(die_with_parent=self.die_with_parent)
             found.append(agent)
         if (root / "proxy" / "__main__.py").exists():
             port = self.proxy_port if _port_free(self.proxy_port) else free_port()
@@ -266,7 +276,7 @@ class Cluster:
                 self.data_dir / "logs" / "proxy.log",
                 self._node_env(env, "proxy"),
             )
-            proxy.start()
+            proxy.start(die_with_parent=self.die_with_parent)
             found.append(proxy)
         return found
 
@@ -312,7 +322,7 @@ class Cluster:
             elif now >= child.next_start:
                 child.restarts += 1
                 child.next_start = 0.0
-                child.start()
+                child.start(die_with_parent=self.die_with_parent)
 
     def stop(self, grace: float = 10.0) -> None:
         for child in self.children:
@@ -453,7 +463,9 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
         nonlocal stop
         stop = True
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP: the terminal went away (a closed window, a dropped SSH session) — stop as for Ctrl-C.
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    cluster.die_with_parent = True
     console = cluster.console
     try:
         cluster.start_nats()
@@ -488,11 +500,15 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
             cluster.supervise_once()
             time.sleep(0.2)
     finally:
-        console.print("stopping…")
+        # The terminal or the pipe it printed to may be gone (`zattera up | tee log` and Ctrl-C ends tee
+        # too): saying so must not keep the cluster from stopping.
+        with contextlib.suppress(OSError):
+            console.print("stopping…")
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        console.print("stopped.")
+        with contextlib.suppress(OSError):
+            console.print("stopped.")
     return 0
 
 

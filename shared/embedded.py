@@ -66,6 +66,8 @@ class EmbeddedNats:
     extra_config: str = ""
     binary: str = ""
     log_file: Path | None = None
+    die_with_parent: bool = False
+    """SIGTERM to the server when the process that started it dies (``zattera up``'s supervisor)."""
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -115,6 +117,7 @@ class EmbeddedNats:
         self._proc = spawn_logged(
             [nats_server_binary(self.binary), "-c", str(self.data_dir / "nats.conf")],
             self.log_file or self.data_dir / "nats.log",
+            die_with_parent=self.die_with_parent,
         )
 
     def exited(self) -> int | None:
@@ -168,7 +171,7 @@ class EmbeddedNats:
 
 
 def start_cluster(
-    base_dir: Path, size: int = 3, name: str = "zattera", running: int | None = None
+    base_dir: Path, size: int = 3, name: str = "zattera", running: int | None = None, die_with_parent: bool = False
 ) -> list[EmbeddedNats]:
     """Start ``size`` local servers forming one JetStream cluster; returns them once all are healthy.
     ``running``: start only the first so many; the others are configured, to be started later
@@ -181,6 +184,7 @@ def start_cluster(
             cluster_name=name,
             cluster_port=cluster_ports[i],
             routes=[f"nats://127.0.0.1:{p}" for j, p in enumerate(cluster_ports) if j != i],
+            die_with_parent=die_with_parent,
         )
         for i in range(size)
     ]

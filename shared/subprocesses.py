@@ -8,8 +8,11 @@ stays without an event loop's imports (about 6 MB), while any caller of a corout
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
+import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,11 +20,34 @@ if TYPE_CHECKING:
     import asyncio
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def terminated_with_parent() -> Callable[[], None]:
+    """What a child runs between fork and exec so that it gets SIGTERM when this process dies, however it
+    dies (SIGKILL, a crash): a supervisor that cannot clean up still leaves nothing behind. For a
+    single-threaded parent only: Linux sends the signal when the forking *thread* ends."""
+    parent = os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def in_child() -> None:
+        if prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0 or os.getppid() != parent:
+            os._exit(1)  # no promise possible, or the parent is already gone: do not start at all
+
+    return in_child
+
+
 def spawn_logged(
-    argv: Sequence[str], log_path: Path, *, cwd: Path | None = None, env: Mapping[str, str] | None = None
+    argv: Sequence[str],
+    log_path: Path,
+    *,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    die_with_parent: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start a daemon with no input, its stdout and stderr appended to ``log_path``, in a session of its own
-    (a signal to this process's group, such as a terminal's Ctrl-C, does not reach it)."""
+    (a signal to this process's group, such as a terminal's Ctrl-C, does not reach it). ``die_with_parent``:
+    it gets SIGTERM when this process dies (:func:`terminated_with_parent`)."""
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             list(argv),
@@ -31,6 +57,7 @@ def spawn_logged(
             cwd=cwd,
             env=dict(env) if env is not None else None,
             start_new_session=True,
+            preexec_fn=terminated_with_parent() if die_with_parent else None,  # the supervisor: single-threaded
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -30,7 +31,8 @@ ENV = "demo/hello/production"
 class Up:
     """One ``zattera up`` run as a subprocess (its own process group, as a terminal would start it)."""
 
-    def __init__(self, data_dir: Path, nats_port: int, proxy_port: int) -> None:
+    def __init__(self, data_dir: Path, nats_port: int, proxy_port: int, *, through_tee: bool = False) -> None:
+        """``through_tee``: run as ``zattera up 2>&1 | tee FILE`` in a shell (:meth:`ctrl_c_group`)."""
         self.data_dir = data_dir
         self.nats_port = nats_port
         self.proxy_port = proxy_port
@@ -43,25 +45,25 @@ class Up:
         }
         for name in [k for k in self.env if k.startswith("ZATTERA_")]:
             del self.env[name]
+        ports = ["--port", str(nats_port), "--proxy-port", str(proxy_port)]
+        argv = [*cli_argv(), "up", "--data-dir", str(data_dir), *ports]
+        if through_tee:
+            argv = ["/bin/sh", "-c", f"{shlex.join(argv)} 2>&1 | tee {shlex.quote(str(self.output))}"]
         with open(self.output, "wb") as sink:
             self.proc = subprocess.Popen(
-                [
-                    *cli_argv(),
-                    "up",
-                    "--data-dir",
-                    str(data_dir),
-                    "--port",
-                    str(nats_port),
-                    "--proxy-port",
-                    str(proxy_port),
-                ],
+                argv,
                 cwd=ROOT,
                 env=self.env,
-                stdout=sink,
+                stdout=subprocess.DEVNULL if through_tee else sink,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
+
+    def ctrl_c_group(self, timeout: float = 60.0) -> None:
+        """Ctrl-C as a terminal sends it: to the whole foreground group, tee included."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        self.proc.wait(timeout)
 
     def text(self) -> str:
         return self.output.read_text(errors="replace")
@@ -165,6 +167,32 @@ async def test_make_up_deploy_curl_ctrl_c_and_resume(data_dir: Path) -> None:
     except BaseException:
         print(up.text())
         print(logs_of(data_dir))
+        raise
+    finally:
+        up.kill()
+
+
+async def test_nothing_is_left_running_when_the_terminal_goes_or_the_supervisor_is_killed(data_dir: Path) -> None:
+    """``zattera up | tee log`` then Ctrl-C: tee ends first, so printing "stopping…" failed and the supervisor
+    died before stopping anything. And a supervisor killed outright (SIGKILL, the OOM killer) cannot stop
+    anything itself: every process it started gets SIGTERM from the kernel and stops on its own."""
+    nats_port, proxy_port = free_port(), free_port()
+    up = Up(data_dir, nats_port, proxy_port, through_tee=True)
+    try:
+        await eventually(lambda: "Press Ctrl-C to stop." in up.text(), 60, "zattera up is up")
+        url = up.url
+        up.ctrl_c_group()
+        await eventually(lambda: left_running(data_dir, url) == [], 30, "nothing left after Ctrl-C through tee")
+
+        up = Up(data_dir, nats_port, proxy_port)
+        await eventually(lambda: "Press Ctrl-C to stop." in up.text(), 60, "zattera up is up again")
+        os.kill(up.proc.pid, signal.SIGKILL)  # the supervisor alone, not its children's sessions
+        up.proc.wait(10)
+        await eventually(lambda: left_running(data_dir, url) == [], 30, "nothing left after the supervisor's SIGKILL")
+    except BaseException:
+        print(up.text())
+        print(logs_of(data_dir))
+        print("\n".join(left_running(data_dir, up.url)))
         raise
     finally:
         up.kill()
