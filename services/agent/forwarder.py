@@ -60,8 +60,6 @@ Activate = Callable[[str], Awaitable[object]]
 """Asks the control plane to wake an env; raises when it must be asked again."""
 
 
-
-
 class Forwarder:
     def __init__(
         self,

@@ -328,17 +328,19 @@ def stateful_fail(view: StateReader, d: pb.Deployment, reason: str, now: float) 
     return t
 
 
-def outcome_events(d: pb.Deployment, after: pb.Deployment, now: float) -> list[pb.Event]:
+def outcome_events(d: pb.Deployment, after: pb.Deployment, now: float, release: str = "") -> list[pb.Event]:
     """The events a phase change announces: every outcome (succeeded, failed with its reason, canceled,
     superseded) and the traffic switch (promoted, or rolled back for a rollback deployment; a stateful
-    one switches and succeeds in the same step)."""
+    one switches and succeeds in the same step). ``release``: how the messages name the target release
+    (its version, ``v3``), else its id."""
+    release = release or d.release_id
     if after.phase == d.phase:
         return []
     rollback = d.is_rollback
     if rollback and d.phase == pb.DEPLOYMENT_PHASE_PROMOTING and after.phase == pb.DEPLOYMENT_PHASE_SUCCEEDED:
         switched = copy_of(after)
         switched.phase = pb.DEPLOYMENT_PHASE_DRAINING_OLD
-        both = [*outcome_events(d, switched, now), *outcome_events(switched, after, now)]
+        both = [*outcome_events(d, switched, now, release), *outcome_events(switched, after, now, release)]
         for event in both:
             event.fields.update(from_phase=phase_label(d.phase), to_phase=phase_label(after.phase))
         return both
@@ -350,11 +352,11 @@ def outcome_events(d: pb.Deployment, after: pb.Deployment, now: float) -> list[p
         kind, message, severity = "deploy.superseded", SUPERSEDED, WARNING
     elif after.phase == pb.DEPLOYMENT_PHASE_SUCCEEDED:
         what = "rollback" if rollback else "deployment"
-        kind, message, severity = "deploy.succeeded", f"{what} of release {d.release_id} succeeded", INFO
+        kind, message, severity = "deploy.succeeded", f"{what} of release {release} succeeded", INFO
     elif after.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD and rollback:
-        kind, message, severity = "deploy.rolled_back", f"traffic rolled back to release {d.release_id}", WARNING
+        kind, message, severity = "deploy.rolled_back", f"traffic rolled back to release {release}", WARNING
     elif after.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD:
-        kind, message, severity = "deploy.promoted", f"traffic switched to release {d.release_id}", INFO
+        kind, message, severity = "deploy.promoted", f"traffic switched to release {release}", INFO
     else:
         return []
     event = deploy_event(d, kind, message, severity, now)
@@ -363,6 +365,7 @@ def outcome_events(d: pb.Deployment, after: pb.Deployment, now: float) -> list[p
             "from_phase": phase_label(d.phase),
             "to_phase": phase_label(after.phase),
             "release_id": d.release_id,
+            "release": release,
             "previous_release_id": d.previous_release_id,
             "rollback": str(rollback).lower(),
         }

@@ -86,7 +86,9 @@ def decide(view: StateReader, d: pb.Deployment, now: float, timers: Timers) -> D
     it announces, each named after the deployment's revision the step was decided on."""
     t = next_step(view, d, now, timers)
     if t is not None:
-        t.events.extend(outcome_events(d, deployment_of(t), now))
+        release = view.release(d.release_id)
+        label = f"v{release.version}" if release is not None and release.version else ""
+        t.events.extend(outcome_events(d, deployment_of(t), now, label))
         with_transition_ids(d, t.events, view.rev(K.deployment(d.meta.id)))
     return t
 
@@ -310,9 +312,7 @@ def env_is_cold(env: pb.Environment) -> bool:
     return env.service.scale_to_zero and env.effective_replicas == 0
 
 
-def drain(
-    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float
-) -> Decision | None:
+def drain(view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float) -> Decision | None:
     """Stop blue and succeed, in one write: after the drain window, or as soon as there is nothing left to
     keep warm (blue gone) or the env cooled to zero (its warm blue cools with it). Green is never touched."""
     window_open = d.HasField("drain_deadline") and now < from_timestamp(d.drain_deadline)

@@ -50,8 +50,6 @@ class HoldRejected(ZatteraError):
         self.retry_after = retry_after
 
 
-
-
 class Holds:
     def __init__(
         self,

@@ -31,6 +31,8 @@ async def test_a_deploy_announces_its_promotion_then_its_success(running: Runnin
     assert succeeded.environment_id == ENV and succeeded.severity == "info"
     assert succeeded.fields["deployment_id"] == dep
     assert succeeded.fields["release_id"] == created.release.meta.id
+    version = f"v{created.release.version}"
+    assert succeeded.fields["release"] == version and succeeded.message == f"deployment of release {version} succeeded"
     assert succeeded.fields["previous_release_id"] == "rel1"
     assert (succeeded.fields["from_phase"], succeeded.fields["to_phase"]) == ("DRAINING_OLD", "SUCCEEDED")
     assert succeeded.transition.startswith(f"deployment.{dep}@") and succeeded.transition.endswith(":deploy.succeeded")
