@@ -115,6 +115,11 @@ EVENT_COOLED = "scaletozero.cooled"
 EVENT_WOKEN = "scaletozero.woken"
 
 
+def replica_count(n: int) -> str:
+    """``1 replica``, ``3 replicas``: how event messages count replicas."""
+    return "1 replica" if n == 1 else f"{n} replicas"
+
+
 def scale_event(
     env: pb.Environment, revision: int, current: int, target: int, *, kind: str, actor: str, message: str, now: float
 ) -> pb.Event:

@@ -42,7 +42,7 @@ from shared.activation import (
     ActivateError,
 )
 from shared.clock import Clock
-from shared.events import EVENT_WOKEN, EventPublisher
+from shared.events import EVENT_WOKEN, EventPublisher, replica_count
 from shared.natsio import ACTIVATE_SUBJECT, Connection, is_direct_request
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
 from shared.state.feed import StateView
@@ -108,7 +108,7 @@ class Activator:
         if decision.write is None:
             return cpb.ActivateResponse(accepted=decision.accepted)
         self.wakes += 1
-        message = f"woke {decision.write.env.name} to {decision.write.target} replicas on a request"
+        message = f"woke {decision.write.env.name} to {replica_count(decision.write.target)} on a request"
         log.info("%s (env %s, by node %r, %s)", message, environment_id, node_id, ACTOR)
         woken = scale_event(decision.write, EVENT_WOKEN, ACTOR, message, self.clock.now())
         if node_id:

@@ -27,6 +27,7 @@ from zattera.v1 import types_pb2 as pb
 from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused
 from shared import keys as K
 from shared.deployments import desired_replicas as current_replicas
+from shared.events import replica_count
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.loop import LoopDeps
 from shared.state.reader import StateReader
@@ -197,6 +198,6 @@ class Autoscaler(ScalingLoop):
     def committed(self, write: ReplicaWrite, now: float) -> pb.Event:
         self.timers.last_change[write.env_id] = now
         self.timers.low_since.pop(write.env_id, None)
-        message = f"autoscaled {write.env.name} from {write.current} to {write.target} replicas"
+        message = f"autoscaled {write.env.name} from {write.current} to {replica_count(write.target)}"
         log.info("%s (env %s, %s)", message, write.env_id, ACTOR)
         return scale_event(write, EVENT_SCALED, ACTOR, message, now)

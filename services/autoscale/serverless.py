@@ -29,6 +29,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused, wake_target
 from shared.deployments import desired_replicas as current_replicas
+from shared.events import replica_count
 from shared.live import LiveView
 from shared.loop import LoopDeps
 from shared.state.reader import StateReader
@@ -124,6 +125,6 @@ class Serverless(ScalingLoop):
 
     def committed(self, write: ReplicaWrite, now: float) -> pb.Event:
         self.low.pop(write.env_id, None)
-        message = f"serverless scaled {write.env.name} from {write.current} to {write.target} replicas"
+        message = f"serverless scaled {write.env.name} from {write.current} to {replica_count(write.target)}"
         log.info("%s (env %s, %s)", message, write.env_id, ACTOR)
         return scale_event(write, EVENT_SCALED, ACTOR, message, now)
