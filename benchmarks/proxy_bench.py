@@ -3,6 +3,10 @@ metrics off and on, side by side.
 
 Run: ``python -m benchmarks.proxy_bench [--full] [--json]`` (also part of ``make bench``).
 
+Measured on the Python data plane (``--engine python``), where the proxy's own code records every
+request; under HAProxy (the default where it is installed) the same series are filled from HAProxy's stats
+socket once per heartbeat, with no work per request, so there is nothing to measure on that path.
+
 The proxy's route cache holds one route (``bench.localhost`` → one upstream; an embedded NATS takes its
 heartbeats); the upstream is a minimal aiohttp
 server in its own process answering 2 bytes. The proxy runs as ``python -m services.proxy``, once without
@@ -123,7 +127,8 @@ class Round:
 async def one_round(nats_url: str, cache: Path, upstream: str, *, metrics: bool, seconds: float) -> Round:
     cache_route(cache, upstream)
     port = free_port()
-    argv = [sys.executable, "-m", "services.proxy", "--nats", nats_url, "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "services.proxy", "--engine", "python", "--nats", nats_url, "--host", "127.0.0.1"]
+    argv += ["--port", str(port)]
     argv += ["--proxy-id", "bench", "--node-id", "n1", "--cache-dir", str(cache), "--log-level", "WARNING"]
     metrics_port = free_port()
     if metrics:

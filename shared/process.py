@@ -50,6 +50,27 @@ def configure_logging(level: str) -> None:
     )
 
 
+class _Stopped(Exception):
+    """``stop`` was set while an attempt was under way."""
+
+
+async def _unless_stopped(stop: asyncio.Event, attempt: Awaitable[T]) -> T:
+    """``attempt``'s result, or :class:`_Stopped` (the attempt cancelled) as soon as ``stop`` is set: one
+    attempt can take long (a connect to an unreachable NATS tries for 10 s), and a SIGTERM must not wait
+    for it."""
+    work = asyncio.ensure_future(attempt)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not work.done():
+        work.cancel()
+        await asyncio.wait({work})  # its end, whatever it is, without raising it
+        raise _Stopped
+    return work.result()
+
+
 async def retry_until_stopped(
     stop: asyncio.Event,
     attempt: Callable[[], Awaitable[T]],
@@ -67,7 +88,9 @@ async def retry_until_stopped(
     failures = 0
     while not stop.is_set():
         try:
-            return await attempt()
+            return await _unless_stopped(stop, attempt())
+        except _Stopped:
+            return None
         except fatal:
             raise
         except retry_on as exc:
