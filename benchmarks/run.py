@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -30,6 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     names = [n for n in discover() if not args.only or n in args.only]
     rows: list[Row] = []
+    failed: list[str] = []
     for name in names:
         started = time.perf_counter()
         print(f"running {name} …", flush=True)
@@ -39,10 +41,13 @@ def main() -> None:
         except Exception as exc:
             traceback.print_exc()
             rows.append(row(f"{name} FAILED: {exc}", float("nan"), ""))
+            failed.append(name)
         print(f"  {name} done in {time.perf_counter() - started:.1f}s", flush=True)
     print_table("Zattera benchmarks" + (" (full)" if args.full else " (quick)"), rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2, default=str))
+    if failed:  # the others still ran and are printed; the run as a whole is not a success
+        sys.exit(f"benchmarks that failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
