@@ -38,6 +38,7 @@ from services.proxy.launch import DEFAULT_TLS_LISTEN as DEFAULT_PROXY_TLS_LISTEN
 from services.proxy.launch import split_listen
 from shared.settings import settings
 from shared.telemetry import setup as setup_telemetry
+from shared.version import zattera_version
 
 app = typer.Typer(no_args_is_help=True, help="Zattera: a self-hosted PaaS control plane on NATS JetStream.")
 app.add_typer(deploy_app, name="deploy")
@@ -63,9 +64,18 @@ app.add_typer(console_app, name="console")
 app.add_typer(registry_app, name="registry")
 
 
+def print_version(asked: bool) -> None:
+    if asked:
+        print(f"zattera {zattera_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
 def root(
     nats: str = typer.Option("", "--nats", envvar="ZATTERA_NATS_URL", help="NATS URL(s), comma-separated"),
+    version: bool = typer.Option(
+        False, "--version", callback=print_version, is_eager=True, help="print the installed version and exit"
+    ),
 ) -> None:
     """Zattera: a self-hosted PaaS control plane on NATS JetStream."""
     OPTIONS.nats_url = nats

@@ -22,7 +22,6 @@ import re
 import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 import psutil
@@ -35,6 +34,7 @@ from shared.jetstream import is_delete_marker
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.txn import Writer
+from shared.version import zattera_version
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +54,6 @@ def host_os_arch() -> str:
 def default_node_id() -> str:
     """The short host name, made a valid node id (a key and subject token)."""
     return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0].lower()) or "node"
-
-
-def binary_version() -> str:
-    try:
-        return metadata.version("zattera")
-    except metadata.PackageNotFoundError:
-        return "dev"
 
 
 @dataclass(frozen=True)
@@ -106,7 +99,7 @@ class NodeIdentity:
             builder=builder,
             name=socket.gethostname(),
             mesh_ip=mesh_ip,
-            version=binary_version(),
+            version=zattera_version(),
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -276,3 +277,8 @@ def test_volumes_snapshots_lists_the_ids_restore_takes_newest_first(cli, nats_ur
     assert "SNAPOTHER" not in table.stdout
     missing = cli("volumes", "snapshots", "nope")
     assert missing.exit_code == 1 and "volume 'nope' not found" in missing.stderr
+
+
+def test_version_needs_no_cluster() -> None:
+    result = CliRunner().invoke(app, ["--nats", "nats://127.0.0.1:1", "--version"])
+    assert result.exit_code == 0 and result.stdout == f"zattera {metadata.version('zattera')}\n"
