@@ -50,25 +50,21 @@ def configure_logging(level: str) -> None:
     )
 
 
-class _Stopped(Exception):
-    """``stop`` was set while an attempt was under way."""
-
-
-async def _unless_stopped(stop: asyncio.Event, attempt: Awaitable[T]) -> T:
-    """``attempt``'s result, or :class:`_Stopped` (the attempt cancelled) as soon as ``stop`` is set: one
-    attempt can take long (a connect to an unreachable NATS tries for 10 s), and a SIGTERM must not wait
-    for it."""
+async def _unless_stopped(stop: asyncio.Event, attempt: Awaitable[T]) -> asyncio.Future[T] | None:
+    """``attempt`` run to its end (its result or error read from the future returned), or cancelled as
+    soon as ``stop`` is set (None): one attempt can take long (a connect to an unreachable NATS tries for
+    10 s), and a SIGTERM must not wait for it."""
     work = asyncio.ensure_future(attempt)
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopped.cancel()
-    if not work.done():
-        work.cancel()
-        await asyncio.wait({work})  # its end, whatever it is, without raising it
-        raise _Stopped
-    return work.result()
+    if work.done():
+        return work
+    work.cancel()
+    await asyncio.wait({work})  # its end, whatever it is, without raising it
+    return None
 
 
 async def retry_until_stopped(
@@ -88,9 +84,8 @@ async def retry_until_stopped(
     failures = 0
     while not stop.is_set():
         try:
-            return await _unless_stopped(stop, attempt())
-        except _Stopped:
-            return None
+            finished = await _unless_stopped(stop, attempt())
+            return None if finished is None else finished.result()
         except fatal:
             raise
         except retry_on as exc:

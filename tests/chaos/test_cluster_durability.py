@@ -32,9 +32,11 @@ async def nats(tmp_path: Path) -> AsyncIterator[NatsCluster]:
 
 
 def zattera(nats: NatsCluster, *args: str) -> tuple[int, str]:
+    """Exit code, and stdout on success (what ``--json`` readers parse: progress goes to stderr), else
+    everything printed."""
     result = CliRunner().invoke(app, ["--nats", nats.urls, *args])
     assert "Traceback" not in result.output, result.output
-    return result.exit_code, result.output
+    return result.exit_code, result.stdout if result.exit_code == 0 else result.output
 
 
 async def initialised(nats: NatsCluster) -> None:
