@@ -149,6 +149,9 @@ class Cluster:
     def replicas(self) -> int:
         return len(self.cluster_servers) or 1
 
+    def _launch(self, child: Supervised) -> None:
+        child.start(die_with_parent=self.die_with_parent)
+
     def start_nats(self) -> None:
         if self.nats_cluster > 1:
             self.cluster_servers = start_cluster(
@@ -204,7 +207,7 @@ class Cluster:
                 self.data_dir / "logs" / f"{name}.log",
                 {**env, **self.console_env()} if name in ("console", ALL_IN_ONE) else env,
             )
-            child.start(die_with_parent=self.die_with_parent)
+            self._launch(child)
             self.children.append(child)
         if self.with_node:
             self.children.extend(self._node_processes(env))
@@ -212,7 +215,7 @@ class Cluster:
             if self.all_in_one and self.services and child.name in ALL_IN_ONE_SERVICES:
                 continue  # the all-in-one process runs it already
             child.env = {**env, **child.env}
-            child.start(die_with_parent=self.die_with_parent)
+            self._launch(child)
             self.children.append(child)
 
     def _node_processes(self, env: dict[str, str]) -> list[Supervised]:
@@ -243,7 +246,7 @@ class Cluster:
                 self.data_dir / "logs" / "agent.log",
                 self._node_env(env, "agent"),
             )
-            agent.start(die_with_parent=self.die_with_parent)
+            self._launch(agent)
             found.append(agent)
         if (root / "proxy" / "__main__.py").exists():
             port = self.proxy_port if _port_free(self.proxy_port) else free_port()
@@ -276,7 +279,7 @@ class Cluster:
                 self.data_dir / "logs" / "proxy.log",
                 self._node_env(env, "proxy"),
             )
-            proxy.start(die_with_parent=self.die_with_parent)
+            self._launch(proxy)
             found.append(proxy)
         return found
 
@@ -322,7 +325,7 @@ class Cluster:
             elif now >= child.next_start:
                 child.restarts += 1
                 child.next_start = 0.0
-                child.start(die_with_parent=self.die_with_parent)
+                self._launch(child)
 
     def stop(self, grace: float = 10.0) -> None:
         for child in self.children:

@@ -198,9 +198,10 @@ def key_of(msg: Message) -> str:
 def names_another_key(msg: Message, key: str) -> str:
     """The key ``msg``'s own fields name when it is not ``key`` (a value stored under the wrong key: every
     reader would act on the id inside it), else ''. Kinds without a rule (observed, lease) name none."""
-    if isinstance(msg, (pb.AssignmentObserved, pb.Lease)):
+    try:
+        own = key_of(msg)
+    except BadKey:
         return ""
-    own = key_of(msg)
     return own if own != key else ""
 
 

@@ -28,6 +28,7 @@ from shared.backoff import exponential
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
 from shared.natsio import Connection, connect
 from shared.settings import Settings, settings
+from shared.tasks import cancel_and_wait
 from shared.telemetry import setup as setup_telemetry
 
 log = logging.getLogger(__name__)
@@ -56,15 +57,14 @@ async def _unless_stopped(stop: asyncio.Event, attempt: Awaitable[T]) -> asyncio
     10 s), and a SIGTERM must not wait for it."""
     work = asyncio.ensure_future(attempt)
     stopped = asyncio.ensure_future(stop.wait())
+    finished = False
     try:
         await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finished = work.done()
     finally:
-        stopped.cancel()
-    if work.done():
-        return work
-    work.cancel()
-    await asyncio.wait({work})  # its end, whatever it is, without raising it
-    return None
+        # nats-py's connect can swallow one cancellation: cancel_and_wait repeats it
+        await cancel_and_wait(stopped, None if finished else work)
+    return work if finished else None
 
 
 async def retry_until_stopped(

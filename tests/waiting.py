@@ -27,3 +27,20 @@ def eventually_sync(cond: Callable[[], bool], timeout: float = 10.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s: {what or cond}")
         time.sleep(0.05)
+
+
+class BlocksUntilCancelled:
+    """A coroutine function (any arguments) that waits forever, telling when it started and when it was
+    cancelled: what a test hands to code that must stop work under way."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def __call__(self, *_: object) -> None:
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise

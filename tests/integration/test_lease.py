@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shared.lease import Lease, run_while_leading
 from shared.state.feed import StateView
-from tests.waiting import eventually
+from tests.waiting import BlocksUntilCancelled, eventually
 
 TTL = 1.0
 RENEW = 0.3
@@ -115,24 +115,14 @@ async def test_two_processes_never_lead_in_the_same_term_and_no_deposed_write_la
 
 
 async def test_run_while_leading_cancels_the_leader_function_on_loss(conn):
-    started = asyncio.Event()
-    cancelled = asyncio.Event()
-
-    async def lead(_leadership) -> None:
-        started.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
+    lead = BlocksUntilCancelled()
     runner = asyncio.create_task(run_while_leading(conn, "x", lead, holder="a", ttl=TTL, renew_interval=RENEW))
-    await asyncio.wait_for(started.wait(), 10)
+    await asyncio.wait_for(lead.started.wait(), 10)
     # Someone else takes the key (as after expiry): the next renewal is refused.
     await conn.js.publish("$KV.zattera-state.lease.x", b"", headers={"KV-Operation": "DEL"})
     thief = Lease(conn, "x", "b", ttl=30)
     assert await thief.try_acquire()
-    await asyncio.wait_for(cancelled.wait(), 10)
+    await asyncio.wait_for(lead.cancelled.wait(), 10)
     runner.cancel()
     await asyncio.gather(runner, return_exceptions=True)
 

@@ -17,7 +17,7 @@ import shared.process
 from shared.embedded import free_port
 from shared.process import Process
 from shared.settings import Settings
-from tests.waiting import eventually
+from tests.waiting import BlocksUntilCancelled, eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,22 +53,12 @@ async def test_a_stop_does_not_wait_for_the_attempt_under_way() -> None:
     """A connect to an unreachable NATS takes 10 s per attempt: a SIGTERM meanwhile used to wait for it
     (the ingress and proxy benches' stopped processes outlived their 10 s wait)."""
     shell = process()
-    started, cancelled = asyncio.Event(), asyncio.Event()
-
-    async def hangs() -> str:
-        started.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return "never"
-
+    hangs = BlocksUntilCancelled()
     retrying = asyncio.create_task(shell.retry(hangs, what="hangs"))
-    await started.wait()
+    await hangs.started.wait()
     shell.stop.set()
     assert await asyncio.wait_for(retrying, 5) is None
-    assert cancelled.is_set()
+    assert hangs.cancelled.is_set()
 
 
 async def test_supervise_exits_0_when_stopped_and_1_when_a_task_ends_or_fails() -> None:
