@@ -30,7 +30,7 @@ from cli.network_cmds import network
 from cli.nodes_cmds import nodes_app
 from cli.registry_cmds import registry_app
 from cli.secrets_cmds import secrets_app
-from cli.security_cmds import secure_up, security_app
+from cli.security_cmds import mode_switch_problem, secure_up, security_app
 from cli.up import DEFAULT_METRICS_PORT, Cluster, run_up
 from cli.volumes_cmds import volumes_app
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
@@ -133,6 +133,9 @@ def up(
             proxy_tls_listen = f"[{proxy_host}]:{tls_port}" if ":" in proxy_host else f"{proxy_host}:{tls_port}"
     if (secure or tls) and nats_cluster > 1:
         raise typer.BadParameter("--secure/--tls run one NATS server; drop --nats-cluster", param_hint="--nats-cluster")
+    if nats_cluster == 1 and (problem := mode_switch_problem(directory, secure=secure or tls)):
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(1)
     if secure or tls:
         raise typer.Exit(
             secure_up(

@@ -12,6 +12,7 @@ import typer
 from cli.client import connect_cli, run
 from cli.up import LOCAL_NODE, Cluster, Supervised, run_up
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
+from shared.natsio import STATE_STREAM
 from shared.security.authority import Authority
 from shared.security.join import DEFAULT_TTL, JoinRefused, request_join_token
 from shared.security.permissions import Role
@@ -30,6 +31,48 @@ def parse_duration(text: str) -> float:
     if match is None:
         raise typer.BadParameter(f"{text!r}: expected a duration like 30m, 2h or 1d")
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+OPEN_ACCOUNT = "$G"
+"""The account nats-server puts every client in without operator mode: where an open cluster's streams live."""
+_SYSTEM_ACCOUNT = "$SYS"
+
+
+def cluster_accounts(data_dir: Path) -> set[str]:
+    """The NATS accounts under ``<data_dir>/nats`` that hold a Zattera cluster's state (``$G``: an open one;
+    an account key: a secured one), read from the JetStream store on disk."""
+    store = data_dir / "nats" / "jetstream" / "jetstream"  # nats-server keeps accounts under <store_dir>/jetstream
+    if not store.is_dir():
+        return set()
+    found = {path.parent.parent.name for path in store.glob(f"*/streams/{STATE_STREAM}")}
+    return found - {_SYSTEM_ACCOUNT}
+
+
+def mode_switch_problem(data_dir: Path, *, secure: bool) -> str | None:
+    """Why ``zattera up`` (``secure``: with --secure/--tls) must not start on ``data_dir``: it holds a cluster
+    of the other mode and none of this one, so NATS would start a second, empty cluster beside it (another
+    account, another state stream) while the apps, the proxy's cached routes and the agent's instances
+    belong to the first. None when the data dir is new or already holds a cluster of this mode."""
+    accounts = cluster_accounts(data_dir)
+    has_open = OPEN_ACCOUNT in accounts
+    has_secure = bool(accounts - {OPEN_ACCOUNT}) or (data_dir / "security" / "accounts.json").exists()
+    if secure and has_open and not has_secure:
+        return (
+            f"{data_dir} holds an open cluster (its state is in NATS's global account): started --secure, "
+            "NATS would put the services in accounts of their own and start a second, empty cluster beside it, "
+            "without the open one's apps and routes. Start it as it is (`zattera up`), or start a secure cluster "
+            f"in a new data dir (`zattera up --secure --data-dir DIR`, then apply and deploy the apps there), or "
+            f"move the open cluster aside first (`mv {data_dir} {data_dir}.open`). SECURITY.md, "
+            '"Switching a data dir to --secure".'
+        )
+    if not secure and has_secure and not has_open:
+        return (
+            f"{data_dir} holds a secured cluster (security/ and its accounts): start it with "
+            "`zattera up --secure` (`--tls` if it was started with TLS). Without it NATS would start without "
+            "accounts and a second, empty cluster beside the secured one. SECURITY.md, "
+            '"Switching a data dir to --secure".'
+        )
+    return None
 
 
 def secure_up(

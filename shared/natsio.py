@@ -28,6 +28,7 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shared.backoff import exponential
 from shared.errors import ZatteraError
+from shared.ids import new_id
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -474,6 +475,9 @@ class ClusterConfig:
     tombstone_ttl: float = 900.0
     build_log_lines: int = 10_000
     initialized_at: str = ""
+    cluster_id: str = ""
+    """A ULID chosen by the init that created the state stream: which cluster this is (route snapshots
+    name it, :func:`cluster_identity`); "" for a cluster initialised before ids were recorded."""
 
     def metadata(self) -> dict[str, str]:
         return {
@@ -482,6 +486,7 @@ class ClusterConfig:
             f"{CONFIG_METADATA_PREFIX}tombstone_ttl": repr(self.tombstone_ttl),
             f"{CONFIG_METADATA_PREFIX}build_log_lines": str(self.build_log_lines),
             f"{CONFIG_METADATA_PREFIX}initialized_at": self.initialized_at,
+            f"{CONFIG_METADATA_PREFIX}cluster_id": self.cluster_id,
         }
 
     @classmethod
@@ -501,6 +506,7 @@ class ClusterConfig:
             tombstone_ttl=float(get("tombstone_ttl") or 900.0),
             build_log_lines=int(get("build_log_lines") or 10_000),
             initialized_at=get("initialized_at"),
+            cluster_id=get("cluster_id"),
         )
 
     def stream_configs(self) -> list[StreamConfig]:
@@ -648,6 +654,25 @@ async def create_or_update_stream(js: JetStreamContext, cfg: StreamConfig) -> No
     await js.update_stream(cfg)
 
 
+@dataclass(frozen=True)
+class ClusterIdentity:
+    """Which cluster, and which life of its state stream: ``id`` recorded by the init (:attr:`ClusterConfig.
+    cluster_id`), ``epoch`` the state stream's creation time. State revisions — hence route snapshot
+    versions — are comparable only between equal identities (a data dir started ``--secure`` after an open
+    cluster, a state stream created anew: versions start over)."""
+
+    id: str
+    epoch: str
+
+
+async def cluster_identity(js: JetStreamContext) -> ClusterIdentity:
+    """The identity of the cluster ``js`` is connected to (read from the state stream; NotFoundError when
+    the cluster is not initialised)."""
+    info = await js.stream_info(STATE_STREAM)
+    created = info.created.astimezone(UTC).isoformat() if info.created is not None else ""
+    return ClusterIdentity(ClusterConfig.recorded(info.config).cluster_id, created)
+
+
 async def recorded_replicas(js: JetStreamContext) -> int:
     """The replica count the cluster's init recorded (what streams created later must use)."""
     state = await _stream_config(js, STATE_STREAM)
@@ -678,6 +703,7 @@ async def provision(
         tombstone_ttl=tombstone_ttl,
         build_log_lines=build_log_lines,
         initialized_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        cluster_id=new_id(),
     )
     state, created = await create_stream_if_missing(js, wanted.stream_configs()[0])
     config = ClusterConfig.recorded(state)

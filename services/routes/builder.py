@@ -11,8 +11,8 @@ Incremental: the snapshot is kept as per-environment fragments, each already in 
 and the snapshot bytes are their concatenation. Protobuf's wire format makes this exact: a message's
 deterministic encoding is its fields in number order, a repeated field being its elements' encodings
 back to back, so ``version`` + every env's ``http_routes`` + every env's ``l4_routes`` + every env's
-``internal_services`` + ``cert_hosts`` is byte for byte ``SerializeToString(deterministic=True)`` of
-the whole snapshot. A change rebuilds only the environments whose inputs it touches:
+``internal_services`` + ``cert_hosts`` + ``cluster`` is byte for byte ``SerializeToString(deterministic=True)``
+of the whole snapshot. A change rebuilds only the environments whose inputs it touches:
 
 * env, vip → that env;  app, project → the envs of that app / project;
 * domain → the env it is attached to now and the one it was attached to before;
@@ -312,11 +312,26 @@ class RouteBuilder:
     :attr:`revision` the state revision it reflects.
     """
 
-    def __init__(self, view: StateReader, *, domain: str) -> None:
+    def __init__(self, view: StateReader, *, domain: str, cluster: cpb.ClusterIdentity | None = None) -> None:
         self.view = view
         self.domain = domain
         self.envs_rebuilt = 0
+        self._cluster = b""
         self._reset()
+        if cluster is not None:
+            self.cluster = cluster
+
+    @property
+    def cluster(self) -> cpb.ClusterIdentity:
+        """The cluster the snapshot names (``RouteSnapshot.cluster``, the last field: appended to the content)."""
+        return cpb.RouteSnapshot.FromString(self._cluster).cluster
+
+    @cluster.setter
+    def cluster(self, identity: cpb.ClusterIdentity) -> None:
+        snapshot = cpb.RouteSnapshot()
+        snapshot.cluster.CopyFrom(identity)
+        self._cluster = snapshot.SerializeToString(deterministic=True)
+        self._content: bytes | None = None
 
     def _reset(self) -> None:
         self._routes: dict[str, EnvRoutes] = {}
@@ -329,7 +344,7 @@ class RouteBuilder:
         self._host_refs: dict[str, int] = {}  # hostname -> number of routes carrying it
         self._cert_hosts: list[str] = []  # the keys of _host_refs, sorted
         self._cert_hosts_bytes: bytes | None = None
-        self._content: bytes | None = None
+        self._content = None
         # Dependency indexes: which envs a change of a given object affects.
         self._env_inputs: dict[str, tuple[str, str]] = {}  # env -> (app_id, project_id)
         self._envs_by_app: dict[str, set[str]] = defaultdict(set)
@@ -353,7 +368,9 @@ class RouteBuilder:
                     deterministic=True
                 )
             sections = (self._http_parts, self._l4_parts, self._internal_parts)
-            self._content = b"".join([*(b"".join(parts) for parts in sections), self._cert_hosts_bytes])
+            self._content = b"".join(
+                [*(b"".join(parts) for parts in sections), self._cert_hosts_bytes, self._cluster]
+            )
         return self._content
 
     def snapshot(self, version: int | None = None) -> cpb.RouteSnapshot:

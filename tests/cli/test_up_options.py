@@ -90,3 +90,47 @@ def test_up_and_the_all_in_one_process_agree_on_the_services() -> None:
     from cli.control_plane import BUILDS
 
     assert set(BUILDS) == ALL_IN_ONE_SERVICES  # extra processes of these names are not started twice
+
+
+def test_a_data_dir_holding_an_open_cluster_is_not_started_secure_and_the_refusal_says_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from shared.embedded import EmbeddedNats
+    from shared.natsio import connect, provision
+
+    async def init(url: str) -> None:
+        conn = await connect(url, name="t")
+        try:
+            await provision(conn.js)
+        finally:
+            await conn.close()
+
+    server = EmbeddedNats(data_dir=tmp_path / "nats").start()  # what `zattera up` leaves in its data dir
+    try:
+        asyncio.run(init(server.url))
+    finally:
+        server.stop()
+    started: list[Cluster] = []
+    monkeypatch.setattr(cli.security_cmds, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    monkeypatch.setattr(cli.main, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    for flag in ("--secure", "--tls"):
+        result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), flag, "--no-node"])
+        assert result.exit_code == 1
+        assert "holds an open cluster" in result.output and "zattera up --secure --data-dir DIR" in result.output
+    assert started == [] and not (tmp_path / "security").exists()
+    assert CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--no-node"]).exit_code == 0
+    assert len(started) == 1
+
+
+def test_a_data_dir_holding_a_secured_cluster_is_not_started_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[Cluster] = []
+    monkeypatch.setattr(cli.security_cmds, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    monkeypatch.setattr(cli.main, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    assert CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--secure", "--no-node"]).exit_code == 0
+    result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--no-node"])
+    assert result.exit_code == 1 and "start it with `zattera up --secure`" in result.output
+    assert len(started) == 1
