@@ -24,7 +24,15 @@ from rich.console import Console
 
 from cli import contexts
 from shared.errors import ZatteraError
-from shared.natsio import STATE_STREAM, ClusterUnavailable, Connection, TooManySubjects, connect
+from shared.natsio import (
+    STATE_STREAM,
+    ClusterUnavailable,
+    Connection,
+    NotAuthorized,
+    PermissionDenied,
+    TooManySubjects,
+    connect,
+)
 from shared.settings import settings
 from shared.state.feed import StateView
 from shared.txn import CommitUnknown, Writer
@@ -93,20 +101,34 @@ def nats_url() -> str:
     return target().urls
 
 
+CONNECT_TIMEOUT = 2.0
+"""Seconds one server may take to accept the CLI's connection (a wrong address fails once every server
+was tried: refused at once, unanswered after this)."""
+OPERATOR_CREDENTIAL_HINT = (
+    "the CLI needs the operator credential of a secured cluster: ZATTERA_NATS_CREDS=<data dir>/security/creds/"
+    "operator.creds (printed by `zattera up --secure`), or a context saved with "
+    "`zattera context add NAME --nats URL --creds FILE`"
+)
+
+
 async def connect_cli(name: str = "zattera-cli") -> Connection:
     where = target()
     try:
         return await connect(
             where.urls,
             name=name,
-            connect_timeout=3,
+            connect_timeout=CONNECT_TIMEOUT,
             creds=where.creds or None,
             tls_ca=where.tls_ca or None,
             request_deadline=REQUEST_DEADLINE,
+            fail_fast=True,
         )
+    except NotAuthorized as exc:
+        raise NotAuthorized(f"{exc}; {OPERATOR_CREDENTIAL_HINT}") from None
     except (ConnectionError, OSError, nats.errors.Error) as exc:
+        reason = str(exc).removeprefix(f"no NATS server reachable at {where.urls} ").strip("()") or type(exc).__name__
         raise ClusterUnavailable(
-            f"cannot reach NATS at {where.urls} ({exc or type(exc).__name__}). Is the cluster up (`make up`)?"
+            f"cannot reach NATS at {where.urls} ({reason}). Is the cluster up (`make up`)?"
         ) from None
 
 
@@ -178,6 +200,8 @@ def run(fn: Callable[[], Awaitable[T]]) -> T:
         raise fail(str(exc), ExitCode.NOT_INITIALISED) from None
     except ClusterUnavailable as exc:
         raise fail(str(exc), ExitCode.UNAVAILABLE) from None
+    except PermissionDenied as exc:
+        raise fail(f"{exc}; {OPERATOR_CREDENTIAL_HINT}") from None
     except CommitUnknown as exc:
         raise fail(
             f"{exc}: the write may or may not have been applied (NATS did not confirm it); "
