@@ -7,26 +7,29 @@ anything the plan read refuses it whole, and it is decided again on fresh state.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import typer
-from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.apply import env_path, find_app, find_project, resolve_env
 from cli.client import control, err, run
 from cli.deletion import Deletion, deletion_events, deletion_txn, plan_deletion
+from shared import keys as K
 from shared.clock import RealClock
 from shared.deployments import desired_replicas, is_terminal
 from shared.events import EventPublisher, event_for_env
+from shared.live import proxy_reports
 from shared.placement.placement import explain
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.scaling import ScaleRequest, scaled
 from shared.state.reader import StateReader
+from shared.urls import proxy_listeners, urls_by_env
 
 envs_app = typer.Typer(no_args_is_help=True, help="Environments: delete.")
 projects_app = typer.Typer(no_args_is_help=True, help="Projects: delete.")
@@ -231,23 +234,16 @@ def scale(
 UP_STATES = frozenset({pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY, pb.INSTANCE_STATE_UNHEALTHY})
 
 
-def env_status(view: StateReader, env: pb.Environment, routes: cpb.RouteSnapshot | None) -> dict[str, Any]:
-    """One env's overview: where it answers, what runs, whether it is warm, how its last deploy went.
-    Running and healthy count the active release's replicas; ``kept_warm``: other releases' replicas
-    still running (a previous release kept warm during a drain window)."""
+def env_status(view: StateReader, env: pb.Environment, urls: list[str]) -> dict[str, Any]:
+    """One env's overview: where it answers (``urls``: :func:`shared.urls.urls_by_env`), what runs, whether it
+    is warm, how its last deploy went. Running and healthy count the active release's replicas;
+    ``kept_warm``: other releases' replicas still running (a previous release kept warm during a drain window)."""
     release = view.release(env.active_release_id) if env.active_release_id else None
     runs = [a for a in view.assignments(env.meta.id) if a.desired == pb.ASSIGNMENT_DESIRED_RUN and not a.job_id]
     replicas = [a for a in runs if a.release_id == env.active_release_id]
     desired = desired_replicas(env)
     deployments = view.deployments(env.meta.id)
     last = max(deployments, key=lambda d: (d.meta.created_at.ToNanoseconds(), d.meta.id), default=None)
-    urls = sorted(
-        {
-            f"http://{r.hostname}{r.path_prefix}"
-            for r in (routes.http_routes if routes else [])
-            if r.environment_id == env.meta.id
-        }
-    )
     if not env.active_release_id:
         state = "not deployed"
     elif desired == 0:
@@ -332,8 +328,12 @@ def status(
                 envs = [target]
             else:
                 envs = c.view.envs()
-            routes = await route_snapshot(c.conn, timeout=2.0)
-            return [env_status(c.view, e, routes) for e in envs]
+            routes, proxies = await asyncio.gather(
+                route_snapshot(c.conn, timeout=2.0), proxy_reports(c.conn, time.time())
+            )
+            certificates = {cert.hostname: cert for cert in c.view.all(K.CERT) if isinstance(cert, pb.Certificate)}
+            urls = urls_by_env(routes, proxy_listeners(proxies), certificates, time.time())
+            return [env_status(c.view, e, urls.get(e.meta.id, [])) for e in envs]
 
     rows = run(go)
     if json:
