@@ -2,7 +2,8 @@
 
 Construction follows the reference rule by rule (routes-snapshots.md A1.2–A1.10): per environment
 (sorted by id) whose app exists, one HTTP route per explicit domain of the env's project attached to
-it (domain id order), then the implicit ``<app>-<env>.<domain>`` route; L4 routes for ports with a
+it (domain id order), then the implicit ``<app>-<env>.<domain>`` route — only towards an HTTP port: an env
+whose ports are all TCP/UDP gets no HTTP route (nor a certificate); L4 routes for ports with a
 public port; an internal service when the env holds a VIP; endpoints are the active release's RUN
 replicas observed HEALTHY with a bound mesh port on a node that is present and not DOWN/DRAINED.
 
@@ -62,13 +63,18 @@ _HTTP_PROTOCOLS = frozenset({pb.PROTOCOL_HTTP, pb.PROTOCOL_UNSPECIFIED})
 
 
 def http_port_name(spec: pb.ServiceSpec) -> str:
-    """First HTTP (or unspecified) port; else the first port whatever its protocol; else ``"http"``."""
+    """First HTTP (or unspecified) port; ``"http"`` when the spec declares no port; "" when it declares only
+    TCP/UDP ports: such an env gets no HTTP route (the reference took its first port: a raw TCP service then
+    got an implicit hostname, a certificate and 502s)."""
     for port in spec.ports:
         if port.protocol in _HTTP_PROTOCOLS:
             return port.name
-    if spec.ports:
-        return spec.ports[0].name
-    return DEFAULT_HTTP_PORT
+    return "" if spec.ports else DEFAULT_HTTP_PORT
+
+
+def routes_http(spec: pb.ServiceSpec, port_name: str) -> bool:
+    """Whether an HTTP route may send traffic to ``port_name``: not "" and not a declared TCP/UDP port."""
+    return bool(port_name) and not any(p.name == port_name and p.protocol not in _HTTP_PROTOCOLS for p in spec.ports)
 
 
 def implicit_hostname(app_name: str, env_name: str, domain: str) -> str:
@@ -251,10 +257,10 @@ def build_env_routes(view: StateReader, env: pb.Environment, domain: str, hosts:
     # middleware, when it has one, replaces it for that domain.
     env_middleware = env.middleware if env.HasField("middleware") else None
     for dom in view.domains(env_id):
-        if dom.project_id == project_id:
+        if dom.project_id == project_id and routes_http(spec, dom.port_name or http_port):
             middleware = dom.middleware if dom.HasField("middleware") else env_middleware
             add_http_route(dom.hostname, dom.path_prefix, middleware, dom.port_name or http_port)
-    if domain:
+    if domain and http_port:
         add_http_route(implicit_hostname(app_name, env_name, domain), "", env_middleware, http_port)
 
     l4 = [
@@ -368,9 +374,7 @@ class RouteBuilder:
                     deterministic=True
                 )
             sections = (self._http_parts, self._l4_parts, self._internal_parts)
-            self._content = b"".join(
-                [*(b"".join(parts) for parts in sections), self._cert_hosts_bytes, self._cluster]
-            )
+            self._content = b"".join([*(b"".join(parts) for parts in sections), self._cert_hosts_bytes, self._cluster])
         return self._content
 
     def snapshot(self, version: int | None = None) -> cpb.RouteSnapshot:
