@@ -251,6 +251,12 @@ def _env_label(view: StateReader, env_id: str) -> str:
     return env_path(view, env) if env is not None else env_id
 
 
+def _release_label(view: StateReader, release_id: str) -> str:
+    """``v3``, as operators see releases everywhere else (``--json`` keeps the id); the id when it is gone."""
+    release = view.release(release_id) if release_id else None
+    return f"v{release.version}" if release is not None else release_id or "-"
+
+
 @jobs_app.command("show")
 def show_job(
     job_id: str = typer.Argument(..., help="the job id (`zattera jobs list`)"),
@@ -273,7 +279,7 @@ def show_job(
                 ("status", J.status_name(job.status) + (" (cancel requested)" if job.cancel_requested else "")),
                 ("attempt", f"{job.attempt} of {1 + job.max_retries}"),
                 ("node", job.node_id or "-"),
-                ("release", job.release_id or "-"),
+                ("release", _release_label(c.view, job.release_id)),
                 ("started", render.ts(job.started_at)),
                 ("finished", render.ts(job.finished_at)),
                 ("duration", J.duration(job)),
