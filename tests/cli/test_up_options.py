@@ -134,3 +134,10 @@ def test_a_data_dir_holding_a_secured_cluster_is_not_started_open(
     result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--no-node"])
     assert result.exit_code == 1 and "start it with `zattera up --secure`" in result.output
     assert len(started) == 1
+
+
+def test_the_banner_is_not_wrapped_when_not_on_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    creds = "/srv/" + "a-rather-long-data-directory/" * 4 + "security/creds/operator.creds"
+    line = f"  CLI:       export ZATTERA_NATS_CREDS={creds} ZATTERA_NATS_TLS_CA=/srv/security/tls/ca.pem"
+    Cluster(data_dir=tmp_path).console.print(line)
+    assert line in capsys.readouterr().err.splitlines()  # one line, to copy and paste whole
