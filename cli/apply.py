@@ -31,6 +31,7 @@ from shared import keys as K
 from shared.appconfig import ConfigError, check_env_size, secret_sizes, with_vars
 from shared.clock import stamp
 from shared.ids import new_id
+from shared.names import env_label, env_path, find_app, find_env, find_project, resolve_env
 from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
 from shared.volumes import find_volume
@@ -139,29 +140,12 @@ def _copy(msg: Message) -> Message:
     return fresh
 
 
-def find_project(view: StateReader, name: str) -> pb.Project | None:
-    return next((p for p in view.all(K.PROJECT) if p.name == name), None)
 
 
-def find_app(view: StateReader, project_id: str, name: str) -> pb.App | None:
-    return next((a for a in view.all(K.APP) if a.project_id == project_id and a.name == name), None)
 
 
-def find_env(view: StateReader, app_id: str, name: str) -> pb.Environment | None:
-    return next((e for e in view.envs() if e.app_id == app_id and e.name == name), None)
 
 
-def resolve_env(view: StateReader, ref: str) -> pb.Environment | None:
-    """An environment by id or by ``project/app/env`` names."""
-    env = view.env(ref)
-    if env is not None:
-        return env
-    parts = ref.split("/")
-    if len(parts) != 3:
-        return None
-    project = find_project(view, parts[0])
-    app = find_app(view, project.meta.id, parts[1]) if project else None
-    return find_env(view, app.meta.id, parts[2]) if app else None
 
 
 def with_policy(volume: pb.Volume, change: PolicyChange, now: float) -> pb.Volume | None:
@@ -184,16 +168,8 @@ def with_policy(volume: pb.Volume, change: PolicyChange, now: float) -> pb.Volum
     return updated
 
 
-def env_path(view: StateReader, env: pb.Environment) -> str:
-    project = view.project(env.project_id)
-    app = view.app(env.app_id)
-    return f"{project.name if project else '?'}/{app.name if app else '?'}/{env.name}"
 
 
-def env_label(view: StateReader, env_id: str) -> str:
-    """``project/app/env`` of an environment id; the id itself when the environment is gone."""
-    env = view.env(env_id)
-    return env_path(view, env) if env is not None else env_id
 
 
 def plan(view: StateReader, writer: Writer, spec: AppSpec, now: float | None = None) -> tuple[Txn, ApplyResult]:
@@ -354,3 +330,6 @@ def set_dockerfile_build(config: pb.BuildConfig, build: Build) -> None:
         config.type = pb.BUILD_TYPE_DOCKERFILE
     elif config.type == pb.BUILD_TYPE_DOCKERFILE:
         config.type = pb.BUILD_TYPE_UNSPECIFIED
+
+
+__all__ = ["env_label", "env_path", "find_app", "find_env", "find_project", "resolve_env"]

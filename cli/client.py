@@ -33,7 +33,7 @@ from shared.natsio import (
     TooManySubjects,
     connect,
 )
-from shared.settings import settings
+from shared.natssettings import nats_settings
 from shared.state.feed import StateView
 from shared.txn import CommitUnknown, Writer
 from shared.watches import STATE_WATCH, watch_opener
@@ -90,7 +90,7 @@ class Target:
 def target() -> Target:
     """``--nats``/``ZATTERA_NATS_URL`` when given, else the context in use, else the local default;
     ``ZATTERA_NATS_CREDS``/``ZATTERA_NATS_TLS_CA`` override the context's files."""
-    cfg = settings()
+    cfg = nats_settings()
     saved = None if OPTIONS.nats_url else contexts.current()
     if saved is None:
         return Target(OPTIONS.nats_url or cfg.nats_url, cfg.nats_creds, cfg.nats_tls_ca)

@@ -11,12 +11,12 @@ from typer.core import TyperCommand, TyperGroup
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.apply import env_label, env_path
 from cli.client import control, err, fail, run
 from cli.options import JSON, WIDE, env_or_fail, set_output
 from cli.render import Col
 from shared.deploy import Deployer, DeployError
 from shared.deploysource import SourceRefused, default_env, inspect_source, mismatch
+from shared.names import env_label, env_path
 from shared.state.reader import StateReader
 from shared.telemetry import span
 

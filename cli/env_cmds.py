@@ -11,25 +11,24 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.apply import env_path, find_app, find_project, resolve_env
 from cli.client import control, err, run
-from cli.deletion import Deletion, deletion_events, deletion_txn, plan_deletion
 from shared import keys as K
 from shared.clock import RealClock
 from shared.deployments import desired_replicas, is_terminal
 from shared.events import EventPublisher, event_for_env
 from shared.live import proxy_reports
-from shared.placement.placement import explain
-from shared.retry import Attempt, RetriesExhausted, commit_with_retry
-from shared.scaling import ScaleRequest, scaled
+from shared.names import env_path, find_app, find_project, resolve_env
 from shared.state.reader import StateReader
 from shared.urls import proxy_listeners, urls_by_env
+
+if TYPE_CHECKING:  # the writes' modules load with a write command, not with `zattera status`
+    from cli.deletion import Deletion
 
 envs_app = typer.Typer(no_args_is_help=True, help="Environments: delete.")
 projects_app = typer.Typer(no_args_is_help=True, help="Projects: delete.")
@@ -88,6 +87,9 @@ def confirm(plan: Deletion, yes: bool) -> None:
 
 
 def _delete(what: str, decide: Callable[[StateReader, float], Deletion | None], *, yes: bool, as_json: bool) -> None:
+    from cli.deletion import deletion_events, deletion_txn
+    from shared.retry import Attempt, RetriesExhausted, commit_with_retry
+
     """Decide on the view, confirm, commit as one fenced batch (deciding again after a conflict), publish
     the events and report."""
 
@@ -127,6 +129,8 @@ def apps_delete(
     images go through retention. Volumes and snapshots are kept unless --volumes."""
 
     def decide(view: StateReader, now: float) -> Deletion | None:
+        from cli.deletion import plan_deletion
+
         found = _find_app(view, app)
         if found is None:
             return None
@@ -148,6 +152,8 @@ def envs_delete(
     through retention. Volumes and snapshots are kept unless --volumes."""
 
     def decide(view: StateReader, now: float) -> Deletion | None:
+        from cli.deletion import plan_deletion
+
         found = resolve_env(view, env)
         if found is None:
             return None
@@ -166,6 +172,8 @@ def projects_delete(
     """Delete a project with all its apps and environments (see `zattera apps delete`)."""
 
     def decide(view: StateReader, now: float) -> Deletion | None:
+        from cli.deletion import plan_deletion
+
         found = _find_project(view, project)
         if found is None:
             return None
@@ -186,6 +194,9 @@ def scale(
 ) -> None:
     """Set an environment's replica count (REPLICAS) or its autoscaling bounds (--min/--max). The next
     `zattera apps apply` sets the bounds from zattera.toml again."""
+    from shared.retry import Attempt, RetriesExhausted, commit_with_retry
+    from shared.scaling import ScaleRequest, scaled
+
     request = ScaleRequest(replicas, minimum, maximum)
     problem = request.problem()
     if problem:
@@ -292,6 +303,8 @@ def placement_status(view: StateReader, env: pb.Environment) -> dict[str, Any] |
     unplaced = desired_replicas(env) - placed
     if unplaced <= 0:
         return None
+    from shared.placement.placement import explain  # only for an env short of replicas
+
     why = explain(view, release, env.meta.id)
     return {
         "unplaced": unplaced,

@@ -18,7 +18,6 @@ from rich.markup import escape
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.apply import env_path, resolve_env
 from cli.client import OPTIONS, control, err, fail, run
 from shared import keys as K
 from shared.deployments import desired_replicas
@@ -31,6 +30,7 @@ from shared.events import (
     node_change_event,
     scale_event,
 )
+from shared.names import env_path, resolve_env
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
 from shared.state.feed import StateView
 from shared.state.reader import StateReader

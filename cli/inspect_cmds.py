@@ -6,7 +6,6 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.apply import env_label
 from cli.client import control, fail, run
 from cli.env_cmds import placement_status, print_unplaced
 from cli.options import JSON, WIDE, env_or_fail, set_output
@@ -14,6 +13,7 @@ from cli.render import Col
 from shared import keys as K
 from shared.applogs import describe_exit
 from shared.deployments import replica_role
+from shared.names import env_label
 
 
 def ps(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WIDE) -> None:

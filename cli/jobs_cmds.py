@@ -20,12 +20,12 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.apply import env_path, resolve_env
 from cli.client import OPTIONS, Control, ExitCode, control, err, fail, run
 from shared import jobs as J
 from shared import keys as K
 from shared.applogs import STDERR, AppLogLine, UnknownLogStream, read_app_logs
 from shared.ids import is_safe_id, unsafe_id
+from shared.names import env_path, resolve_env
 from shared.state.reader import StateReader
 
 jobs_app = typer.Typer(

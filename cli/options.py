@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 from zattera.v1 import types_pb2 as pb
 
-from cli.apply import resolve_env
 from cli.client import OPTIONS, fail
+from shared.names import resolve_env
 from shared.state.reader import StateReader
 
 JSON = typer.Option(False, "--json", help="machine-readable output")

@@ -9,11 +9,11 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.apply import env_label
 from cli.client import Control, control, err, fail, run
 from cli.edits import commit_edit
 from cli.options import JSON, WIDE, set_output
 from cli.render import Col
+from shared.names import env_label
 from shared.settings import settings
 
 volumes_app = typer.Typer(no_args_is_help=True, help="Volumes and their snapshots.")

@@ -364,6 +364,7 @@ async def connect(
     on_disconnect: list[ConnectionListener] = []
     holder: list[Connection] = []
     servers = split_urls(urls)
+    _websocket_ready(servers)
     loop = asyncio.get_running_loop()
     refused: asyncio.Future[Exception] = loop.create_future()
     failures: list[str] = []
@@ -442,6 +443,20 @@ async def connect(
     conn = Connection(nc=nc, js=nc.jetstream(timeout=10), _on_reconnect=on_reconnect, _on_disconnect=on_disconnect)
     holder.append(conn)
     return conn
+
+
+def _websocket_ready(servers: list[str]) -> None:
+    """Give nats-py's websocket transport aiohttp when a server URL needs it (the CLI imports nats-py without
+    it: cli/main.py)."""
+    if not any(server.split("://", 1)[0] in ("ws", "wss") for server in servers):
+        return
+    import aiohttp
+    import multidict
+    import nats.aio.transport as transport
+
+    if getattr(transport, "aiohttp", None) is None:
+        setattr(transport, "aiohttp", aiohttp)  # noqa: B010  # the names the transport reads at run time
+        setattr(transport, "multidict", multidict)  # noqa: B010
 
 
 def _security_options(creds: str | None, tls_ca: str | None) -> dict[str, Any]:

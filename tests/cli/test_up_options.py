@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 import cli.main
 import cli.security_cmds
+import cli.up_cmds
 from cli.main import app
 from cli.up import ALL_IN_ONE_SERVICES, SERVICES, Cluster, Supervised
 from shared.embedded import free_port
@@ -41,7 +42,7 @@ def test_up_gives_each_process_its_own_metrics_port(tmp_path: Path, monkeypatch:
         started.append(cluster)
         return 0
 
-    monkeypatch.setattr(cli.main, "run_up", run_up)
+    monkeypatch.setattr(cli.up_cmds, "run_up", run_up)
     base = free_port()
     result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--metrics-port", str(base)])
     assert result.exit_code == 0, result.output
@@ -62,7 +63,7 @@ def test_up_runs_the_control_plane_in_one_process_unless_separate(tmp_path: Path
 @pytest.mark.parametrize("flag", ["--all-in-one", "--separate"])
 def test_up_flag_chooses_the_control_plane_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
     started: list[Cluster] = []
-    monkeypatch.setattr(cli.main, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    monkeypatch.setattr(cli.up_cmds, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
     result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), flag])
     assert result.exit_code == 0, result.output
     assert started[0].all_in_one is (flag == "--all-in-one")
@@ -114,7 +115,7 @@ def test_a_data_dir_holding_an_open_cluster_is_not_started_secure_and_the_refusa
         server.stop()
     started: list[Cluster] = []
     monkeypatch.setattr(cli.security_cmds, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
-    monkeypatch.setattr(cli.main, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    monkeypatch.setattr(cli.up_cmds, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
     for flag in ("--secure", "--tls"):
         result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), flag, "--no-node"])
         assert result.exit_code == 1
@@ -129,7 +130,7 @@ def test_a_data_dir_holding_a_secured_cluster_is_not_started_open(
 ) -> None:
     started: list[Cluster] = []
     monkeypatch.setattr(cli.security_cmds, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
-    monkeypatch.setattr(cli.main, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    monkeypatch.setattr(cli.up_cmds, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
     assert CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--secure", "--no-node"]).exit_code == 0
     result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--no-node"])
     assert result.exit_code == 1 and "start it with `zattera up --secure`" in result.output

@@ -14,8 +14,8 @@ from typer.testing import CliRunner, Result
 from cli.main import app
 from shared.embedded import free_port
 from shared.natsio import STATE_STREAM, NotAuthorized, PermissionDenied, connect
+from shared.natssettings import nats_settings
 from shared.security.permissions import Role
-from shared.settings import settings
 from tests.security.conftest import SecureCluster
 
 PATIENCE = 30.0
@@ -64,11 +64,11 @@ def test_the_cli_says_which_credential_may_not_do_what_and_which_one_it_needs(
 
     def status(creds: str) -> Result:
         monkeypatch.setenv("ZATTERA_NATS_CREDS", creds)
-        settings.cache_clear()
+        nats_settings.cache_clear()
         try:
             return CliRunner().invoke(app, ["--nats", secure.url, "status"])
         finally:
-            settings.cache_clear()
+            nats_settings.cache_clear()
 
     plain = status("")
     assert plain.exit_code == 1
