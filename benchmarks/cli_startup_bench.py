@@ -23,16 +23,15 @@ import json
 import os
 import re
 import resource
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import Row, median, print_table, row
+from benchmarks.common import Row, median, print_table, row, stop_up
 from shared.embedded import free_port
-from tests.e2e.cluster import ROOT, kill_tree_under
+from tests.e2e.cluster import ROOT
 
 COMMANDS = {"status": ["status"], "ps": ["ps"], "--version": ["--version"]}
 TARGET = 0.5
@@ -59,7 +58,10 @@ def timed(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float
 def import_breakdown(root: Path) -> dict[str, float]:
     """Milliseconds of import time (self) by top-level package, for resolving and loading ``status``."""
     code = "import typer, cli.main as m; typer.main.get_command(m.app).get_command(None, 'status')"
-    err = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=root, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    err = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code], cwd=root, env=env, capture_output=True, text=True
+    )
     totals: dict[str, float] = collections.defaultdict(float)
     for line in err.stderr.splitlines():
         match = re.match(r"import time:\s+(\d+) \|\s+\d+ \|\s*(\S+)", line)
@@ -74,7 +76,11 @@ class Up:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.url = f"nats://127.0.0.1:{free_port()}"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ZATTERA_")}
+        # Bytecode is written (as an installed CLI has it): PYTHONDONTWRITEBYTECODE would compile every module
+        # of every run from source.
+        self.env = {
+            k: v for k, v in os.environ.items() if not k.startswith("ZATTERA_") and k != "PYTHONDONTWRITEBYTECODE"
+        }
         self.env |= {"OTEL_TRACES_EXPORTER": "none", "ZATTERA_CONSOLE_PORT": str(free_port())}
         port = self.url.rsplit(":", 1)[1]
         argv = [*cli(ROOT), "up", "--no-node", "--data-dir", str(data_dir), "--port", port, "--metrics-port", "0"]
@@ -94,14 +100,7 @@ class Up:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        kill_tree_under(self.data_dir, also_matching=str(self.data_dir))
+        stop_up(self.proc, self.data_dir)
 
 
 def measure(up: Up, roots: dict[str, Path], rounds: int) -> dict[tuple[str, str], list[tuple[float, float]]]:

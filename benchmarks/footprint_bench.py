@@ -17,7 +17,6 @@ Python processes and 475 MB.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -26,9 +25,9 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.common import Row, bench_main, row
+from benchmarks.common import Row, bench_main, row, stop_up
 from shared.embedded import free_port
-from tests.e2e.cluster import ROOT, cli_argv, kill_tree_under
+from tests.e2e.cluster import ROOT, cli_argv
 
 MODES = {"all-in-one": "--all-in-one", "separate": "--separate"}
 GROUPS = ("supervisor", "control plane", "node", "nats-server")
@@ -80,14 +79,7 @@ class UpRun:
         return [root, *root.children(recursive=True)]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        kill_tree_under(self.data_dir, also_matching=str(self.data_dir))
+        stop_up(self.proc, self.data_dir)
 
 
 def cpu_seconds(procs: list[psutil.Process]) -> dict[int, float]:

@@ -86,6 +86,13 @@ def confirm(plan: Deletion, yes: bool) -> None:
         raise fail("not deleted", code=1)
 
 
+def _plan_deletion(view: StateReader, what: str, **scope: Any) -> Deletion:
+    """:func:`cli.deletion.plan_deletion`, loaded with a delete command (not with `zattera status`)."""
+    from cli.deletion import plan_deletion
+
+    return plan_deletion(view, what, **scope)
+
+
 def _delete(what: str, decide: Callable[[StateReader, float], Deletion | None], *, yes: bool, as_json: bool) -> None:
     from cli.deletion import deletion_events, deletion_txn
     from shared.retry import Attempt, RetriesExhausted, commit_with_retry
@@ -129,14 +136,12 @@ def apps_delete(
     images go through retention. Volumes and snapshots are kept unless --volumes."""
 
     def decide(view: StateReader, now: float) -> Deletion | None:
-        from cli.deletion import plan_deletion
-
         found = _find_app(view, app)
         if found is None:
             return None
         project = view.project(found.project_id)
         label = f"app {project.name if project else '?'}/{found.name}"
-        return plan_deletion(view, label, apps=[found], volumes=volumes, now=now)
+        return _plan_deletion(view, label, apps=[found], volumes=volumes, now=now)
 
     _delete(f"app {app!r}", decide, yes=yes, as_json=json)
 
@@ -152,12 +157,10 @@ def envs_delete(
     through retention. Volumes and snapshots are kept unless --volumes."""
 
     def decide(view: StateReader, now: float) -> Deletion | None:
-        from cli.deletion import plan_deletion
-
         found = resolve_env(view, env)
         if found is None:
             return None
-        return plan_deletion(view, f"env {env_path(view, found)}", envs=[found], volumes=volumes, now=now)
+        return _plan_deletion(view, f"env {env_path(view, found)}", envs=[found], volumes=volumes, now=now)
 
     _delete(f"env {env!r}", decide, yes=yes, as_json=json)
 
@@ -172,12 +175,10 @@ def projects_delete(
     """Delete a project with all its apps and environments (see `zattera apps delete`)."""
 
     def decide(view: StateReader, now: float) -> Deletion | None:
-        from cli.deletion import plan_deletion
-
         found = _find_project(view, project)
         if found is None:
             return None
-        return plan_deletion(view, f"project {found.name}", projects=[found], volumes=volumes, now=now)
+        return _plan_deletion(view, f"project {found.name}", projects=[found], volumes=volumes, now=now)
 
     _delete(f"project {project!r}", decide, yes=yes, as_json=json)
 
