@@ -25,13 +25,14 @@ from cli.events_cmds import events
 from cli.images_cmds import images_app
 from cli.inspect_cmds import ps, routes
 from cli.jobs_cmds import jobs_app, run_command
+from cli.layout import DataLayout
 from cli.logs_cmds import logs
 from cli.network_cmds import network
 from cli.nodes_cmds import nodes_app
 from cli.registry_cmds import registry_app
 from cli.secrets_cmds import secrets_app
 from cli.security_cmds import secure_up, security_app
-from cli.up import DEFAULT_METRICS_PORT, Cluster, run_up
+from cli.up import DEFAULT_METRICS_PORT, LOCAL_NODE, Cluster, run_up
 from cli.volumes_cmds import volumes_app
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import DEFAULT_TLS_LISTEN as DEFAULT_PROXY_TLS_LISTEN
@@ -114,9 +115,23 @@ def up(
     metrics_port: int = typer.Option(
         DEFAULT_METRICS_PORT, min=0, max=65535, help="Prometheus metrics from this port up, one per process; 0 = off"
     ),
+    allow_unisolated_apps: bool = typer.Option(
+        False,
+        "--allow-unisolated-apps",
+        help="with --secure on a machine that cannot sandbox apps: run them anyway, able to read the node's"
+        " files and credential (SECURITY.md)",
+    ),
 ) -> None:
     """Start the whole single-machine cluster: embedded NATS and every service, until Ctrl-C."""
     directory = (data_dir or settings().data_dir).resolve()
+    layout = DataLayout(directory)
+    for line in layout.migrate():
+        typer.echo(f"data dir: {line}", err=True)
+    isolation_text, agent_env = "", {}
+    if node:
+        isolation_text = local_isolation(layout, secured=secure or tls, allow_unisolated=allow_unisolated_apps)
+        if allow_unisolated_apps:
+            agent_env["ZATTERA_AGENT_ALLOW_UNISOLATED"] = "1"
     proxy_host = DEFAULT_PROXY_HOST
     if proxy_listen:
         try:
@@ -145,6 +160,8 @@ def up(
                 with_node=node,
                 metrics_port=metrics_port,
                 all_in_one=all_in_one,
+                isolation_text=isolation_text,
+                agent_env=agent_env,
             )
         )
     cluster = Cluster(
@@ -157,8 +174,32 @@ def up(
         with_node=node,
         metrics_port=metrics_port,
         all_in_one=all_in_one,
+        isolation_text=isolation_text,
+        agent_env=agent_env,
     )
     raise typer.Exit(run_up(cluster))
+
+
+def local_isolation(layout: DataLayout, *, secured: bool, allow_unisolated: bool) -> str:
+    """How the local agent will run apps, decided as the agent decides (``services.agent.agent.node_runtime``);
+    exits with status 2 when it would refuse to (a secured cluster on a machine that cannot sandbox)."""
+    import asyncio
+
+    from services.agent.agent import node_runtime
+    from services.agent.sandbox import IsolationRefused
+    from services.agent.settings import AgentSettings
+
+    async def decide() -> str:
+        cfg = AgentSettings(node_id=LOCAL_NODE, builder=True, allow_unisolated=allow_unisolated)
+        runtime = await node_runtime(cfg, layout.agent, secured=secured)
+        await runtime.launcher.close()
+        return runtime.isolation.describe()
+
+    try:
+        return asyncio.run(decide())
+    except IsolationRefused as exc:
+        typer.echo(f"error: zattera up --secure: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 # The order of registration is the order of `zattera --help`.

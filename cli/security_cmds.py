@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from cli.client import connect_cli, run
+from cli.layout import NODE_CREDS, PROXY_CREDS, DataLayout
 from cli.up import LOCAL_NODE, Cluster, Supervised, run_up
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.security.authority import Authority
@@ -43,12 +44,20 @@ def secure_up(
     with_node: bool = True,
     metrics_port: int = 0,
     all_in_one: bool = True,
+    isolation_text: str = "",
+    agent_env: dict[str, str] | None = None,
 ) -> int:
     """``zattera up`` with operator-mode auth (and TLS): every service runs with the control credential, the
-    local agent with a builder credential and the local proxy with a proxy credential of its own."""
-    setup = prepare(data_dir / "security", tls=tls)
+    local agent with a builder credential and the local proxy with a proxy credential of its own, each kept
+    in its own directory (``cli/layout.py``), not among the control plane's files."""
+    layout = DataLayout(data_dir)
+    setup = prepare(layout.security, tls=tls)
     ca = str(setup.tls_ca or "")
-    join = Supervised("join", [sys.executable, "-m", "services.join"], data_dir / "logs" / "join.log", {})
+    join = Supervised("join", [sys.executable, "-m", "services.join"], layout.logs / "join.log", {})
+    node_creds = {
+        "agent": str(setup.issue(Role.BUILDER, LOCAL_NODE, layout.agent / NODE_CREDS)),
+        "proxy": str(setup.issue(Role.PROXY, LOCAL_NODE, layout.proxy / PROXY_CREDS)),
+    }
     cluster = Cluster(
         data_dir=data_dir,
         port=port,
@@ -56,13 +65,15 @@ def secure_up(
         nats_extra_config=setup.server_config(),
         creds=str(setup.control_creds),
         tls_ca=ca,
-        node_creds=setup.local_node_creds(LOCAL_NODE),
+        node_creds=node_creds,
         proxy_port=proxy_port,
         proxy_host=proxy_host,
         proxy_tls_listen=proxy_tls_listen,
         with_node=with_node,
         metrics_port=metrics_port,
         all_in_one=all_in_one,
+        isolation_text=isolation_text,
+        agent_env=agent_env or {},
     )
     hint = f"  CLI:       export ZATTERA_NATS_CREDS={setup.operator_creds}"
     if ca:
@@ -93,14 +104,22 @@ def join_token(
         raise typer.Exit(1) from None
 
 
+def security_directory(data_dir: Path | None) -> Path:
+    """``<data dir>/control/security`` (``cli/layout.py``), or ``<data dir>/security`` of a data dir no
+    ``zattera up`` has moved to that layout yet."""
+    layout = DataLayout((data_dir or settings().data_dir).resolve())
+    old = layout.root / "security"
+    return old if not layout.security.exists() and old.exists() else layout.security
+
+
 @security_app.command("creds")
 def issue_creds(
     role: Role = typer.Argument(..., help="control, operator, agent, builder or proxy"),
     name: str = typer.Argument(..., help="the node id of an agent, the proxy id of a proxy, any label otherwise"),
-    data_dir: Path = typer.Option(None, help="holds security/ (default: $ZATTERA_DATA_DIR)"),
+    data_dir: Path = typer.Option(None, help="holds control/security/ (default: $ZATTERA_DATA_DIR)"),
 ) -> None:
     """Issue a credentials file signed by the role's scoped key; prints its path."""
-    directory = (data_dir or settings().data_dir).resolve() / "security"
+    directory = security_directory(data_dir)
     if not (directory / "accounts.json").exists():
         typer.echo(f"error: no security setup in {directory} (run zattera up --secure first)", err=True)
         raise typer.Exit(1)
@@ -110,10 +129,10 @@ def issue_creds(
 @security_app.command("revoke")
 def revoke(
     user_public_key: str = typer.Argument(..., help="the U… key of the credential (its JWT 'sub')"),
-    data_dir: Path = typer.Option(None, help="holds security/ (default: $ZATTERA_DATA_DIR)"),
+    data_dir: Path = typer.Option(None, help="holds control/security/ (default: $ZATTERA_DATA_DIR)"),
 ) -> None:
     """Revoke a user credential: rewrites the account JWT; restart (or reload) nats-server to apply."""
-    directory = (data_dir or settings().data_dir).resolve() / "security"
+    directory = security_directory(data_dir)
     authority = Authority.load(directory)
     authority.revoke(user_public_key)
     authority.save(directory)

@@ -1,10 +1,12 @@
 """``zattera up``: the whole single-machine cluster on the embedded NATS server.
 
-Starts nats-server (JetStream, data under ``<data_dir>/nats``), provisions the buckets and streams,
+Starts nats-server (JetStream, data under ``<data_dir>/control/nats``), provisions the buckets and streams,
 then the control plane — every service in one process (``cli.control_plane``, the default), or each service
 as its own process (``--separate``) — and the local node (logs under ``<data_dir>/logs``), restarts a service or a NATS
 server that dies (with backoff), and on Ctrl-C / SIGTERM stops the services (SIGTERM, then SIGKILL after a grace) and
-then NATS, leaving no process behind. Running it again resumes the same cluster from its data dir.
+then NATS, leaving no process behind. Running it again resumes the same cluster from its data dir. The control
+plane, the local agent and the local proxy each keep their files in a directory of their own
+(``cli/layout.py``): the agent is given its own credential, never a path into the control plane's files.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 
+from cli.layout import NATS_CA, DataLayout
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import choose_engine, split_listen
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
@@ -115,6 +118,14 @@ class Cluster:
     # is replaced by a free one); 0 = off. ``metrics_ports`` maps each process name to its port.
     metrics_port: int = 0
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    # What `zattera up` found about isolating apps on this machine (printed; cli/main.py probes it).
+    isolation_text: str = ""
+    # Environment for the local agent only (e.g. ZATTERA_AGENT_ALLOW_UNISOLATED).
+    agent_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def layout(self) -> DataLayout:
+        return DataLayout(self.data_dir)
 
     def config(self) -> dict[str, Any]:
         """What the cluster was asked to be (not what runs), as JSON values: :meth:`from_config` reads it."""
@@ -155,7 +166,7 @@ class Cluster:
     def start_nats(self) -> None:
         if self.nats_cluster > 1:
             self.cluster_servers = start_cluster(
-                self.data_dir / "nats-cluster", self.nats_cluster, die_with_parent=self.die_with_parent
+                self.layout.control / "nats-cluster", self.nats_cluster, die_with_parent=self.die_with_parent
             )
             self.nats = self.cluster_servers[0]
             return
@@ -164,16 +175,17 @@ class Cluster:
             self.console.print(f"[yellow]port {port} is busy; using a free port instead[/]")
             port = free_port()
         self.nats = EmbeddedNats(
-            data_dir=self.data_dir / "nats",
+            data_dir=self.layout.control / "nats",
             port=port,
             extra_config=self.nats_extra_config,
             die_with_parent=self.die_with_parent,
         ).start()
 
     def child_env(self) -> dict[str, str]:
+        """The control plane's environment (the local node's: :meth:`_node_env`)."""
         env = dict(os.environ)
         env["ZATTERA_NATS_URL"] = self.url
-        env["ZATTERA_DATA_DIR"] = str(self.data_dir)
+        env["ZATTERA_DATA_DIR"] = str(self.layout.control)
         if self.cluster_servers:
             env["ZATTERA_REPLICAS"] = str(self.replicas)
         env.setdefault("ZATTERA_DOMAIN", "localhost")
@@ -204,7 +216,7 @@ class Cluster:
             child = Supervised(
                 name,
                 [sys.executable, "-m", module, "--nats", self.url, *self.metrics_args(name)],
-                self.data_dir / "logs" / f"{name}.log",
+                self.layout.logs / f"{name}.log",
                 {**env, **self.console_env()} if name in ("console", ALL_IN_ONE) else env,
             )
             self._launch(child)
@@ -234,7 +246,7 @@ class Cluster:
                     "--node-id",
                     LOCAL_NODE,
                     "--data-dir",
-                    str(self.data_dir / "agent"),
+                    str(self.layout.agent),
                     "--builder",
                     "--roles",
                     "worker,control",
@@ -243,8 +255,8 @@ class Cluster:
                     "--stop-on-exit",
                     *self.metrics_args("agent"),
                 ],
-                self.data_dir / "logs" / "agent.log",
-                self._node_env(env, "agent"),
+                self.layout.logs / "agent.log",
+                {**self._node_env(env, "agent", self.layout.agent), **self.agent_env},
             )
             self._launch(agent)
             found.append(agent)
@@ -272,20 +284,30 @@ class Cluster:
                     "--proxy-id",
                     LOCAL_NODE,
                     "--cache-dir",
-                    str(self.data_dir / "proxy"),
+                    str(self.layout.proxy),
                     *(["--tls-listen", self.proxy_tls_listen] if self.proxy_tls_listen else []),
                     *self.metrics_args("proxy"),
                 ],
-                self.data_dir / "logs" / "proxy.log",
-                self._node_env(env, "proxy"),
+                self.layout.logs / "proxy.log",
+                self._node_env(env, "proxy", self.layout.proxy),
             )
             self._launch(proxy)
             found.append(proxy)
         return found
 
-    def _node_env(self, env: dict[str, str], name: str) -> dict[str, str]:
-        creds = self.node_creds.get(name)
-        return {**env, "ZATTERA_NATS_CREDS": creds} if creds else env
+    def _node_env(self, env: dict[str, str], name: str, directory: Path) -> dict[str, str]:
+        """The local agent's or proxy's environment: its own directory, credential and CA copy, nothing that
+        points into the control plane's directory."""
+        own = {k: v for k, v in env.items() if k not in ("ZATTERA_NATS_CREDS", "ZATTERA_NATS_TLS_CA")}
+        own["ZATTERA_DATA_DIR"] = str(directory)
+        if self.node_creds.get(name):
+            own["ZATTERA_NATS_CREDS"] = self.node_creds[name]
+        if self.tls_ca:
+            copy = directory / NATS_CA
+            directory.mkdir(parents=True, exist_ok=True)
+            copy.write_bytes(Path(self.tls_ca).read_bytes())  # a certificate: public, but the node's own copy
+            own["ZATTERA_NATS_TLS_CA"] = str(copy)
+        return own
 
     def supervise_nats(self) -> None:
         """Restart a NATS server that died (same ports, same store: it rejoins the cluster and catches up),
@@ -353,6 +375,8 @@ CONFIG_FIELDS = (
     "tls_ca",
     "node_creds",
     "metrics_port",
+    "isolation_text",
+    "agent_env",
 )
 """The :class:`Cluster` fields besides ``data_dir`` and ``extra`` that say what to run (the others are
 what runs)."""
@@ -471,6 +495,7 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
     cluster.die_with_parent = True
     console = cluster.console
     try:
+        cluster.layout.make()
         cluster.start_nats()
         provision_in_child(cluster)
         cluster.start_services()
@@ -478,21 +503,24 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
         console.print(
             f"  NATS:      {cluster.url}"
             + (f"  (cluster, replicas={cluster.replicas})" if cluster.cluster_servers else "")
+            + ("" if cluster.creds else "  (no authentication: every local process can use it, apps included;"
+               " --secure before running untrusted apps)")
         )
         for child in cluster.children:
             metrics = cluster.metrics_ports.get(child.name)
             where = f"  metrics http://127.0.0.1:{metrics}/metrics" if metrics else ""
             pid = child.proc.pid if child.proc else "-"
             console.print(f"  {child.name:<13} pid {pid}  log {child.log_path}{where}")
+        if cluster.isolation_text and any(c.name == "agent" for c in cluster.children):
+            console.print(f"  apps:      {cluster.isolation_text}")
         if any(c.name in ("certs", ALL_IN_ONE) for c in cluster.children):
-            local_ca = cluster.data_dir / "certs" / "local-ca.pem"
+            local_ca = cluster.layout.local_ca
             console.print(f"  HTTPS:     *.localhost certificates from a local CA: trust {local_ca}")
         if any(c.name == "proxy" for c in cluster.children):
             console.print(f"  proxy:     listening on {proxy_listen_text(cluster.proxy_host, cluster.proxy_port)}")
             console.print(f"             data plane: {data_plane_text()}")
             console.print(f"             http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")
-            local_ca = cluster.data_dir / "certs" / "local-ca.pem"
-            console.print(f"             HTTPS: {https_text(cluster.proxy_tls_listen, local_ca)}")
+            console.print(f"             HTTPS: {https_text(cluster.proxy_tls_listen, cluster.layout.local_ca)}")
         if any(c.name in ("console", ALL_IN_ONE) for c in cluster.children):
             console.print(
                 f"  console:   http://127.0.0.1:{cluster.console_port}  (users: `zattera console add-user NAME`)"

@@ -119,4 +119,5 @@ def launch_plan(release: pb.Release, volumes: Mapping[str, Path]) -> LaunchPlan:
         cpu_millis=release.service.resources.cpu_millis,
         read_only_root=release.service.read_only_root,
         volumes={name: (path, mount_paths.get(name) or f"/volumes/{name}") for name, path in volumes.items()},
+        tenant=release.environment_id,
     )

@@ -73,6 +73,10 @@ class NodeIdentity:
     version: str = ""
     runtime: str = "process"
     """How instances run here: process or docker (``launchers.py``)."""
+    isolation: str = ""
+    """How they are isolated: sandbox, container or none (``sandbox.py``)."""
+    isolation_problem: str = ""
+    """Why not, for none."""
     secrets_public_key: bytes = b""
     """The public half of the key pair the agent made for this registration (private half in memory only)."""
 
@@ -125,6 +129,8 @@ def registered_node(identity: NodeIdentity, existing: pb.Node | None, now: float
     node.binary_version = identity.version
     node.secrets_public_key = identity.secrets_public_key
     node.runtime = identity.runtime
+    node.isolation = identity.isolation
+    node.isolation_problem = identity.isolation_problem
     node.labels.update(identity.labels)
     node.labels[OS_ARCH_LABEL] = identity.os_arch
     if identity.builder:
