@@ -256,7 +256,12 @@ class Cluster:
                     *self.metrics_args("agent"),
                 ],
                 self.layout.logs / "agent.log",
-                {**self._node_env(env, "agent", self.layout.agent), **self.agent_env},
+                {
+                    **self._node_env(env, "agent", self.layout.agent),
+                    # Should an app's directory contain the data dir: every sandbox shows it empty.
+                    "ZATTERA_AGENT_SANDBOX_HIDDEN": str(self.data_dir),
+                    **self.agent_env,
+                },
             )
             self._launch(agent)
             found.append(agent)

@@ -103,7 +103,8 @@ async def node_runtime(settings: AgentSettings, data_dir: Path, *, secured: bool
     if support.ok and settings.sandbox != "off":
         uids = UidTable(data_dir / "sandbox", base=settings.sandbox_uid_base, count=settings.sandbox_uid_count)
         read_only = [*node_python_paths(), *settings.sandbox_read_only]
-        sandbox = Sandbox(support, uids, read_only=read_only, hidden=(data_dir,))
+        hidden = (data_dir, *(Path(p) for p in settings.sandbox_hidden))
+        sandbox = Sandbox(support, uids, read_only=read_only, hidden=hidden)
         if isinstance(launcher, ProcessLauncher):
             launcher.sandbox = sandbox
     if isolation.kind == NONE:

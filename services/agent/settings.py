@@ -107,6 +107,9 @@ class AgentSettings(BaseSettings):
     sandbox_read_only: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """More directories shown read-only in every sandbox (comma-separated), e.g. another language runtime's
     installation; /usr, /etc and the agent's Python always are."""
+    sandbox_hidden: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Directories covered (empty) in every sandbox besides the agent's data directory, should they lie in a
+    shown one (comma-separated): ``zattera up`` names its whole data directory."""
     sandbox_bwrap: str = "bwrap"
     """The bubblewrap program."""
 
@@ -133,7 +136,7 @@ class AgentSettings(BaseSettings):
     def _labels_from_text(cls, value: object) -> object:
         return parse_labels(value) if isinstance(value, str) else value
 
-    @field_validator("sandbox_read_only", mode="before")
+    @field_validator("sandbox_read_only", "sandbox_hidden", mode="before")
     @classmethod
     def _paths_from_text(cls, value: object) -> object:
         return [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else value

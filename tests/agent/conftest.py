@@ -137,11 +137,14 @@ StartAgent = Callable[..., Awaitable[RunningAgent]]
 
 
 def _kill_instances_under(root: Path) -> None:
-    """Safety net: no instance outlives its test (instances carry ZATTERA_ASSIGNMENT_ID and run under root)."""
+    """Safety net: no instance outlives its test (instances carry ZATTERA_ASSIGNMENT_ID and run under root;
+    a sandboxed one's processes below its bwrap too, which would outlive bwrap's own death)."""
     for proc in psutil.process_iter(["cwd"]):
         with contextlib.suppress(psutil.Error):
             if (proc.info["cwd"] or "").startswith(str(root)) and "ZATTERA_ASSIGNMENT_ID" in proc.environ():
-                proc.kill()
+                for member in [*proc.children(recursive=True), proc]:
+                    with contextlib.suppress(psutil.Error):
+                        member.kill()
 
 
 @pytest.fixture

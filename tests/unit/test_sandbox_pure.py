@@ -171,3 +171,42 @@ def test_an_entry_at_both_places_is_left_alone_and_said_so(tmp_path: Path) -> No
     (tmp_path / "control" / "secrets").mkdir(parents=True)
     done = DataLayout(tmp_path).migrate()
     assert (tmp_path / "secrets").is_dir() and len(done) == 1 and "left in place" in done[0]
+
+
+def test_nodes_list_says_how_each_node_isolates_its_apps() -> None:
+    from zattera.v1 import types_pb2 as pb
+
+    from cli.nodes_cmds import isolation_text
+
+    assert isolation_text(pb.Node(isolation="sandbox")) == "sandbox"
+    assert isolation_text(pb.Node(isolation="none", isolation_problem="bubblewrap is not installed")) == (
+        "none (bubblewrap is not installed)"
+    )
+    assert isolation_text(pb.Node()) == "?"  # an agent from before the field
+
+
+def test_a_volume_whose_id_would_name_a_path_outside_the_volumes_never_starts(tmp_path: Path) -> None:
+    """Its directory would be mounted into the instance (and given to its user): ``../../run`` is the Docker
+    socket's, ``..`` the agent's data."""
+    from zattera.v1 import types_pb2 as pb
+
+    from services.agent.instance_env import resolve_volumes
+    from shared import keys as K
+    from tests.memory_state import MemoryState
+
+    rel = pb.Release(environment_id="E1", project_id="P1")
+    rel.service.stateful = True
+    rel.service.volumes.add(volume_name="data", mount_path="/data")
+    a = pb.Assignment(node_id="n1", environment_id="E1", project_id="P1")
+    a.meta.id = "A1"
+    for volume_id, blocked in (("V1", ""), ("../../run", "volume data: volume id"), ("..", "volume data: volume id")):
+        volume = pb.Volume(project_id="P1", environment_id="E1", name="data", node_id="n1")
+        volume.meta.id = volume_id
+        volume.lease.node_id, volume.lease.assignment_id = "n1", "A1"
+        volume.lease.expires_at.FromSeconds(2_000_000_000)
+        state = MemoryState()
+        state.write(K.volume("V-key"), volume)
+        paths, why = resolve_volumes(state.store, a, rel, tmp_path / "volumes", 1_000_000_000.0)
+        assert why.startswith(blocked) if blocked else paths == {"data": tmp_path / "volumes" / "V1"}, why
+        if blocked:
+            assert paths == {}

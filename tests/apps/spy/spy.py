@@ -12,7 +12,8 @@ It tries to
 and reports its identity (uid, groups, capabilities, ``NoNewPrivs``) and what it saw, as JSON: one line
 ``SPY-REPORT {...}`` on stdout, and on ``GET /`` when it serves (``$PORT`` set). ``--build`` (a build step):
 write the report to ``build-report.json`` in the working directory instead, so the image carries it and
-the running spy serves it too (``GET /build``).
+the running spy serves it too (``GET /build``). The variables may also come from a ``spy.env`` file
+(``NAME=value`` lines) beside it: a build step gets no configuration.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 MAX_FILE = 64 * 1024
 MAX_FILES = 20_000
+MAX_BYTES = 8 * 1024 * 1024
 
 
 def identity() -> dict[str, object]:
@@ -42,18 +44,19 @@ def identity() -> dict[str, object]:
 
 def take_files(roots: list[str]) -> dict[str, object]:
     read: dict[str, str] = {}
-    listed: list[str] = []
+    listed: dict[str, list[str]] = {}
     refused: list[str] = []
-    count = 0
+    count = total = 0
 
     def grab(path: str) -> None:
-        nonlocal count
+        nonlocal count, total
         count += 1
-        if count > MAX_FILES:
+        if count > MAX_FILES or total > MAX_BYTES:
             return
         try:
             with open(path, "rb") as f:
                 read[path] = f.read(MAX_FILE).decode("utf-8", "replace")
+                total += len(read[path])
         except OSError as exc:
             refused.append(f"{path}: {exc.strerror}")
 
@@ -61,8 +64,8 @@ def take_files(roots: list[str]) -> dict[str, object]:
         if os.path.isfile(root) or not os.path.exists(root):
             grab(root)
             continue
-        for directory, _dirs, files in os.walk(root, onerror=lambda exc: refused.append(f"{exc.filename}: {exc}")):
-            listed.append(directory)
+        for directory, dirs, files in os.walk(root, onerror=lambda exc: refused.append(f"{exc.filename}: {exc}")):
+            listed[directory] = sorted(dirs + files)
             for name in files:
                 grab(os.path.join(directory, name))
     return {"read": read, "listed": listed, "refused": refused[:200]}
@@ -119,7 +122,18 @@ def talk_docker(path: str) -> str:
         return f"unreachable: {exc}"
 
 
+def settings() -> None:
+    """``spy.env`` beside the script, for what the environment does not set."""
+    path = Path(__file__).with_name("spy.env")
+    if path.exists():
+        for line in path.read_text().splitlines():
+            name, sep, value = line.partition("=")
+            if sep:
+                os.environ.setdefault(name.strip(), value.strip())
+
+
 def spy() -> dict[str, object]:
+    settings()
     paths = [p for p in os.environ.get("SPY_PATHS", "").split(":") if p]
     nats = [a for a in os.environ.get("SPY_NATS", "").split(",") if a]
     sockets = [s for s in os.environ.get("SPY_SOCKETS", "").split(",") if s]
