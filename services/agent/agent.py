@@ -33,7 +33,7 @@ from services.agent.builder import Builder
 from services.agent.docker_runtime import choose_launcher
 from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
-from services.agent.launchers import PROCESS, Launcher, ProcessLauncher
+from services.agent.launchers import PROCESS, TENANT_KEY, Launcher, ProcessLauncher
 from services.agent.processes import PortAllocator
 from services.agent.registration import NodeIdentity, register_node
 from services.agent.reporter import ObservedReporter
@@ -46,6 +46,7 @@ from services.agent.sandbox import (
     Support,
     UidTable,
     decide_isolation,
+    hook_runner,
     node_python_paths,
     probe,
 )
@@ -57,6 +58,7 @@ from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.security.views import request_view
 from shared.snapshots import serve_snapshot_requests
+from shared.snapshots.agent import HookRunner, run_hook_in_shell
 from shared.state.feed import StateView
 from shared.txn import Writer
 
@@ -192,6 +194,19 @@ class Agent:
         assignment = self.view.assignment(assignment_id)
         return assignment.environment_id if assignment is not None else ""
 
+    def _pre_hooks(self) -> HookRunner:
+        """Snapshot pre-hooks: on a sandboxing node sandboxed as their volume's environment's user, else in
+        a shell on the host."""
+        sandbox = self.node_runtime.sandbox if self.node_runtime is not None else None
+        if sandbox is None:
+            return run_hook_in_shell
+
+        def uid_of(directory: Path) -> int:
+            volume = self.view.volume(directory.name)
+            return sandbox.uid(TENANT_KEY + (volume.environment_id if volume is not None else directory.name))
+
+        return hook_runner(sandbox, uid_of)
+
     async def _activate(self, env_id: str) -> None:
         """Ask the activator to wake a scale-to-zero env a held connection waits for."""
         await request_activation(self.conn, env_id, self.node_id, timeout=ACTIVATE_TIMEOUT)
@@ -272,7 +287,8 @@ class Agent:
                 asyncio.create_task(self.reporter.run(), name="reporter"),
                 asyncio.create_task(heartbeat.run(), name="heartbeat"),
                 asyncio.create_task(
-                    serve_snapshot_requests(self.conn, self.node_id, self.volumes_dir), name="snapshots"
+                    serve_snapshot_requests(self.conn, self.node_id, self.volumes_dir, hook_runner=self._pre_hooks()),
+                    name="snapshots",
                 ),
             ]
             if self.forwarder is not None:

@@ -25,8 +25,9 @@ namespace, so an instance leaves no stray process. Signals go to the processes *
 has no handler and would die at once, losing the exit status): :func:`signal_inside`. The outer bwrap
 reports the command's exit code, or ``128 + signal`` (:func:`exit_status`).
 
-Exec health checks and snapshot pre-hooks join a running instance's namespaces (``nsenter``) and drop to
-its user the same way (:meth:`Sandbox.enter`).
+Exec health checks join a running instance's namespaces (``nsenter``) and drop to its user the same way
+(:meth:`Sandbox.enter`); snapshot pre-hooks run in a sandbox of their own with only their volume
+(:func:`hook_runner`).
 
 Which machines can sandbox (:func:`probe`): the agent runs as root (it switches to other users), ``bwrap``,
 ``setpriv`` and ``nsenter`` are installed, and a trial sandbox starts. No user namespace is needed.
@@ -46,7 +47,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,7 @@ import psutil
 
 from shared.certclient import write_private_json
 from shared.errors import ZatteraError
+from shared.snapshots.agent import HOOK_TIMEOUT, HookRunner, PreHookError
 
 log = logging.getLogger(__name__)
 
@@ -474,6 +476,46 @@ def _identity_files(c: Confinement) -> tuple[int, int]:
         os.lseek(fd, 0, os.SEEK_SET)
         files.append(fd)
     return files[0], files[1]
+
+
+def hook_runner(sandbox: Sandbox, uid_of: Callable[[Path], int]) -> HookRunner:
+    """Snapshot pre-hooks (an operator's command, run in a volume the app wrote) in a sandbox of their own, as
+    the volume's environment's user (``uid_of(volume dir)``), with only that volume: as root on the host, a
+    link the app planted there could lead the command anywhere."""
+
+    async def run(command: str, assignment_id: str, directory: Path) -> None:
+        uid = uid_of(directory)
+        await asyncio.to_thread(give, directory, uid)
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TZ")}
+        env.update(ZATTERA_VOLUME_DIR=str(directory), ZATTERA_ASSIGNMENT_ID=assignment_id)
+        c = Confinement(uid=uid, workdir=directory, writable=(directory,), die_with_parent=True)
+        wrapped = sandbox.wrap(c, ["/bin/sh", "-c", command], env)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *wrapped.argv,
+                env=wrapped.env,
+                pass_fds=wrapped.fds,
+                cwd=directory,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            wrapped.close()
+        try:
+            code = exit_status(await asyncio.wait_for(proc.wait(), HOOK_TIMEOUT))
+        except BaseException as exc:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            if isinstance(exc, TimeoutError):
+                raise PreHookError(f"pre-hook timed out after {HOOK_TIMEOUT:.0f}s") from None
+            raise
+        if code != 0:
+            raise PreHookError(f"pre-hook exited {code}")
+
+    return run
 
 
 # ---------------------------------------------------------------------------------------------- running ones

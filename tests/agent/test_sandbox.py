@@ -4,7 +4,7 @@ The spy (``tests/apps/spy``) runs as a ``process://`` app beside a victim of ano
 process, both holding a secret in their environment; it must get none of it, nor the agent's files. Then
 what else a sandbox must keep working: exec health checks inside it, volumes that are the environment's
 own, exit codes, a secured agent that refuses to run apps unisolated, and build steps: sandboxed as the app's
-build user, and no link they plant is followed by the builder afterwards.
+build user, and no link they plant is followed by the builder afterwards; snapshot pre-hooks sandboxed too.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.agent import node_runtime
 from services.agent.builder import Builder
-from services.agent.sandbox import NONE, SANDBOX, IsolationRefused, Sandbox, UidTable, probe_now
+from services.agent.sandbox import NONE, SANDBOX, IsolationRefused, Sandbox, UidTable, hook_runner, probe_now
 from services.agent.settings import AgentSettings
 from shared.natsio import Connection
+from shared.snapshots.agent import PreHookError
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.agent.conftest import StartAgent, assignment, process_ref, release
@@ -224,3 +225,26 @@ async def test_a_link_the_install_step_plants_is_not_followed_by_the_builder(con
         events = await run_build(conn, {"requirements.txt": "", "zattera.toml": manifest})
     assert not any(e.error for e in events), [e.log.line for e in events]
     assert list(outside.iterdir()) == []
+
+
+async def test_a_snapshot_pre_hook_runs_sandboxed_as_the_volumes_environments_user(tmp_path: Path) -> None:
+    """The operator's command runs in the volume the app wrote: a link the app planted there to the node's
+    credential leads nowhere."""
+    root = tmp_path / "agent"
+    volume = root / "volumes" / "V1"
+    volume.mkdir(parents=True)
+    root.chmod(0o700)
+    (root / "node.creds").write_text("NODE-CREDENTIAL")
+    (volume / "planted").symlink_to(root / "node.creds")
+    sandbox = Sandbox(probe_now(), UidTable(root / "sandbox", base=0x70000000, count=65536), hidden=(root,))
+    run = hook_runner(sandbox, lambda _: sandbox.uid("env:E1"))
+    await run(
+        'cat planted > copied || echo unreadable > copied; id -u > who; echo "$ZATTERA_ASSIGNMENT_ID" > aid',
+        "A1",
+        volume,
+    )
+    assert (volume / "copied").read_text() == "unreadable\n"
+    assert int((volume / "who").read_text()) == sandbox.uid("env:E1") == (volume / "who").stat().st_uid
+    assert (volume / "aid").read_text() == "A1\n"
+    with pytest.raises(PreHookError, match="pre-hook exited 3"):
+        await run("exit 3", "A1", volume)
