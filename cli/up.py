@@ -35,6 +35,9 @@ ALL_IN_ONE = "control-plane"
 """The process that runs every service of ``cli.control_plane`` (``join`` included: idle unless secured)."""
 ALL_IN_ONE_SERVICES = frozenset((*SERVICES, "join"))
 LOCAL_NODE = "local"
+CONTROL_ONLY_SETTINGS = tuple(sorted(f"ZATTERA_{name.upper()}_" for name in ALL_IN_ONE_SERVICES))
+"""The control-plane services' own variables (``ZATTERA_SECRETS_KEY``: the cluster key): never given to the
+local agent or proxy."""
 DEFAULT_METRICS_PORT = 9400
 """``zattera up``'s first metrics port: scheduler 9400, orchestrator 9401, … in start order."""
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -303,7 +306,11 @@ class Cluster:
     def _node_env(self, env: dict[str, str], name: str, directory: Path) -> dict[str, str]:
         """The local agent's or proxy's environment: its own directory, credential and CA copy, nothing that
         points into the control plane's directory."""
-        own = {k: v for k, v in env.items() if k not in ("ZATTERA_NATS_CREDS", "ZATTERA_NATS_TLS_CA")}
+        own = {
+            k: v
+            for k, v in env.items()
+            if k not in ("ZATTERA_NATS_CREDS", "ZATTERA_NATS_TLS_CA") and not k.startswith(CONTROL_ONLY_SETTINGS)
+        }
         own["ZATTERA_DATA_DIR"] = str(directory)
         if self.node_creds.get(name):
             own["ZATTERA_NATS_CREDS"] = self.node_creds[name]

@@ -28,6 +28,7 @@ def test_the_local_node_gets_a_builder_and_a_proxy_credential(tmp_path: Path) ->
         "ZATTERA_NATS_TLS_CA": ca,
         "ZATTERA_DATA_DIR": str(layout.control),
         "ZATTERA_NATS_URL": "nats://x",
+        "ZATTERA_SECRETS_KEY": "00" * 32,  # the cluster key, should an operator seed it from the environment
     }
 
     for process, role, directory in (("agent", Role.BUILDER, layout.agent), ("proxy", Role.PROXY, layout.proxy)):
@@ -36,6 +37,7 @@ def test_the_local_node_gets_a_builder_and_a_proxy_credential(tmp_path: Path) ->
         assert env["ZATTERA_DATA_DIR"] == str(directory)
         for value in env.values():  # nothing names the control plane's directory
             assert str(layout.control) not in value, value
+        assert "ZATTERA_SECRETS_KEY" not in env
         assert Path(env["ZATTERA_NATS_CREDS"]).parent == directory
         assert Path(env["ZATTERA_NATS_TLS_CA"]).read_bytes() == Path(ca).read_bytes()
         claims = decode_claims(read_user_jwt(env["ZATTERA_NATS_CREDS"]))
