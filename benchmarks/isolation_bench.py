@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 import psutil
 
-from benchmarks.common import bench_main, median, percentile, row
+from benchmarks.common import bench_main, listening, median, percentile, row
 from services.agent.instance_env import PASSED_THROUGH_ENV
 from services.agent.launchers import LaunchPlan, ProcessLauncher
 from services.agent.processes import PortAllocator
@@ -61,18 +61,6 @@ def _tree_cpu(pid: int) -> float:
     return total
 
 
-async def _listening(port: int, deadline: float) -> None:
-    while True:
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listens on {port}") from None
-            await asyncio.sleep(0.001)
-
-
 PYTHON = os.path.realpath(sys.executable)
 IMAGE = "exec:" + quote(f'exec {PYTHON} -c "$LISTENER"', safe="")
 
@@ -94,7 +82,7 @@ async def _start_once(
     )
     own = time.process_time() - own_before
     try:
-        await _listening(port, time.monotonic() + 30)
+        await listening(port, poll=0.001)
         elapsed = time.perf_counter() - started
         cpu = _tree_cpu(handle.pid)
     finally:
