@@ -423,7 +423,10 @@ class Builder:
         sandboxed (then each app its own: a build could plant files in a shared cache)."""
         if self.sandbox is None:
             return self.cache_dir
-        return self.cache_dir / "apps" / repo.replace("/", "--")
+        name = repo.replace("/", "--")
+        if not is_safe_id(name.replace(".", "_")) or name.strip(".-") == "":
+            raise BuildError(f"builder: {repo!r} cannot name a cache directory")
+        return self.cache_dir / "apps" / name
 
     def _confinement(self, repo: str, scratch: Path, src: Path) -> Confinement | None:
         """The sandbox of this build's steps (None: they run as the agent's user)."""

@@ -82,7 +82,7 @@ def test_uids_are_derived_from_the_key_kept_across_restarts_and_skip_taken_ones(
 def test_a_uid_the_system_names_or_a_process_runs_as_is_never_handed_out(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="no free uid"):
         UidTable(tmp_path, base=0, count=1).uid("env:E1")  # uid 0: root's, named and running
-    for i in range(50):
+    for i in range(10):
         with pytest.raises(KeyError):
             pwd.getpwuid(UidTable(tmp_path / str(i), base=0, count=70000).uid(f"env:E{i}"))
     busy = 0x7A000000
@@ -210,3 +210,15 @@ def test_a_volume_whose_id_would_name_a_path_outside_the_volumes_never_starts(tm
         assert why.startswith(blocked) if blocked else paths == {"data": tmp_path / "volumes" / "V1"}, why
         if blocked:
             assert paths == {}
+
+
+def test_an_image_whose_working_directory_leaves_its_root_filesystem_is_refused(tmp_path: Path) -> None:
+    """The working directory is what the sandbox shows the app read-write: never the agent's data dir."""
+    from services.agent.images import ImageError, _parse_config
+
+    rootfs = tmp_path / "instances" / "a1" / "rootfs"
+    (rootfs / "app").mkdir(parents=True)
+    assert _parse_config("r", rootfs, json.dumps({"config": {"WorkingDir": "/app"}}).encode()).workdir == rootfs / "app"
+    for escaping in ("../../..", "/app/../../../.."):
+        with pytest.raises(ImageError, match="leaves the image's root filesystem"):
+            _parse_config("r", rootfs, json.dumps({"config": {"WorkingDir": escaping}}).encode())
