@@ -1,11 +1,19 @@
-"""An operator's node changes (shared/node_changes.py): the record each one writes, as a table."""
+"""An operator's node changes (shared/actions/nodes.py): the record each one writes, as a table; committed on
+real NATS, announced with the actor, and a change with nothing to do writes and announces nothing."""
 
 from __future__ import annotations
 
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from shared.node_changes import NodeChange, NodeChangeRefused, change_node
+from shared.actions.context import ActionContext
+from shared.actions.nodes import EditNode, NodeChange, change_node, edit_node
+from shared.actions.refusals import Conflicting, NotFound
+from shared.natsio import Connection
+from shared.txn import Writer
+from tests import factories
+from tests.actions.conftest import ACTOR
+from tests.eventlog import stored_events, wait_for_kinds
 
 ALIVE, DOWN = pb.NODE_STATUS_ALIVE, pb.NODE_STATUS_DOWN
 DRAINING, DRAINED = pb.NODE_STATUS_DRAINING, pb.NODE_STATUS_DRAINED
@@ -45,7 +53,7 @@ def test_each_change_writes(status: int, schedulable: bool, change: NodeChange, 
 
 
 def test_uncordon_of_a_down_node_is_refused_naming_it() -> None:
-    with pytest.raises(NodeChangeRefused, match="node n1 is down: it cannot be uncordoned until it heartbeats"):
+    with pytest.raises(Conflicting, match="node n1 is down: it cannot be uncordoned until it heartbeats"):
         change_node(node(DOWN, False), NodeChange.UNCORDON)
 
 
@@ -66,3 +74,29 @@ def test_labels_set_and_remove(given: dict[str, str], after: dict[str, str]) -> 
 
 def test_the_change_names_are_the_commands() -> None:
     assert [str(c) for c in NodeChange] == ["cordon", "uncordon", "drain", "label"]
+
+
+async def test_edit_node_commits_and_announces_a_status_change_with_the_actor(
+    ctx: ActionContext, conn: Connection, writer: Writer
+) -> None:
+    await writer.commit(writer.txn().create(factories.node("n1")))
+    done = await edit_node(ctx, EditNode("n1", NodeChange.DRAIN))
+    assert (done.written, done.status) == (True, "DRAINING")
+    [event] = [e for e in await wait_for_kinds(conn, "node.draining") if e.kind == "node.draining"]
+    assert (event.node_id, event.fields["actor"], event.fields["from"], event.fields["to"]) == (
+        "n1",
+        ACTOR,
+        "ALIVE",
+        "DRAINING",
+    )
+    again = await edit_node(ctx, EditNode("n1", NodeChange.CORDON))  # a draining node takes no replicas already
+    assert (again.written, again.status) == (False, "DRAINING")
+    labeled = await edit_node(ctx, EditNode("n1", NodeChange.LABEL, {"zone": "b"}))
+    node_now = ctx.view.node("n1")
+    assert labeled.written and node_now is not None and dict(node_now.labels) == {"zone": "b"}
+    assert [e.kind for e in await stored_events(conn)] == ["node.draining"], "labels and no-ops announce nothing"
+
+
+async def test_edit_node_of_an_unknown_node_is_not_found(ctx: ActionContext) -> None:
+    with pytest.raises(NotFound, match=r"^node 'n9' not found$"):
+        await edit_node(ctx, EditNode("n9", NodeChange.CORDON))
