@@ -131,8 +131,6 @@ def up(
         if proxy_tls_listen == DEFAULT_PROXY_TLS_LISTEN and proxy_host != tls_host:
             # --proxy-listen 127.0.0.1:… keeps the proxy on this machine: HTTPS too, unless told otherwise.
             proxy_tls_listen = f"[{proxy_host}]:{tls_port}" if ":" in proxy_host else f"{proxy_host}:{tls_port}"
-    if (secure or tls) and nats_cluster > 1:
-        raise typer.BadParameter("--secure/--tls run one NATS server; drop --nats-cluster", param_hint="--nats-cluster")
     if secure or tls:
         raise typer.Exit(
             secure_up(
@@ -145,6 +143,7 @@ def up(
                 with_node=node,
                 metrics_port=metrics_port,
                 all_in_one=all_in_one,
+                nats_cluster=nats_cluster,
             )
         )
     cluster = Cluster(

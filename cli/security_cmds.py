@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import typer
@@ -12,6 +13,7 @@ import typer
 from cli.client import connect_cli, run
 from cli.up import LOCAL_NODE, Cluster, Supervised, run_up
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
+from shared.embedded import SERVER_DIR
 from shared.security.authority import Authority
 from shared.security.join import DEFAULT_TTL, JoinRefused, request_join_token
 from shared.security.permissions import Role
@@ -43,9 +45,12 @@ def secure_up(
     with_node: bool = True,
     metrics_port: int = 0,
     all_in_one: bool = True,
+    nats_cluster: int = 1,
 ) -> int:
     """``zattera up`` with operator-mode auth (and TLS): every service runs with the control credential, the
-    local agent with a builder credential and the local proxy with a proxy credential of its own."""
+    local agent with a builder credential and the local proxy with a proxy credential of its own. With
+    ``nats_cluster`` > 1 every server of the cluster gets the same accounts and TLS, and their routes are
+    authenticated (and TLS, verified both ways, with ``tls``)."""
     setup = prepare(data_dir / "security", tls=tls)
     ca = str(setup.tls_ca or "")
     join = Supervised("join", [sys.executable, "-m", "services.join"], data_dir / "logs" / "join.log", {})
@@ -53,7 +58,9 @@ def secure_up(
         data_dir=data_dir,
         port=port,
         extra=[join],
-        nats_extra_config=setup.server_config(),
+        nats_extra_config=setup.server_config(resolver_dir=f"{SERVER_DIR}/jwt"),
+        nats_routes=asdict(setup.route_security()) if nats_cluster > 1 else {},
+        nats_cluster=nats_cluster,
         creds=str(setup.control_creds),
         tls_ca=ca,
         node_creds=setup.local_node_creds(LOCAL_NODE),

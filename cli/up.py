@@ -24,7 +24,7 @@ from rich.console import Console
 
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import choose_engine, split_listen
-from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
+from shared.embedded import EmbeddedNats, EmbeddedNatsError, RouteSecurity, free_port, start_cluster
 from shared.subprocesses import spawn_logged
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs", "console")
@@ -107,6 +107,8 @@ class Cluster:
     nats_next_start: dict[str, float] = field(default_factory=dict)
     # Secured clusters (cli/security_cmds.py): server auth/TLS config, and the services' credentials.
     nats_extra_config: str = ""
+    # A secured cluster's route credential and route TLS (``RouteSecurity`` as a dict; empty: open routes).
+    nats_routes: dict[str, str] = field(default_factory=dict)
     creds: str = ""
     tls_ca: str = ""
     # The local node's own credentials ("agent", "proxy" → creds file): never the services' control one.
@@ -155,7 +157,11 @@ class Cluster:
     def start_nats(self) -> None:
         if self.nats_cluster > 1:
             self.cluster_servers = start_cluster(
-                self.data_dir / "nats-cluster", self.nats_cluster, die_with_parent=self.die_with_parent
+                self.data_dir / "nats-cluster",
+                self.nats_cluster,
+                die_with_parent=self.die_with_parent,
+                extra_config=self.nats_extra_config,
+                routes=RouteSecurity(**self.nats_routes) if self.nats_routes else None,
             )
             self.nats = self.cluster_servers[0]
             return
@@ -349,6 +355,7 @@ CONFIG_FIELDS = (
     "all_in_one",
     "nats_cluster",
     "nats_extra_config",
+    "nats_routes",
     "creds",
     "tls_ca",
     "node_creds",

@@ -36,7 +36,7 @@ from nats.js.kv import KeyValue
 
 from shared.errors import ZatteraError
 from shared.jetstream import is_delete_marker
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, split_urls
+from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, recorded_replicas, split_urls
 from shared.security.accounts import RELAY_PREFIX
 from shared.security.authority import RoleIssuer
 from shared.security.callers import answerable
@@ -136,7 +136,7 @@ class JoinService:
         self.ready = asyncio.Event()
 
     async def run(self) -> None:
-        self._kv = await ensure_join_bucket(self._conn)
+        self._kv = await ensure_join_bucket(self._conn, replicas=await recorded_replicas(self._conn.js))
         subs = [
             await self._conn.nc.subscribe(JOIN_SUBJECT, queue="join", cb=self._answer(self.join)),
             await self._conn.nc.subscribe(JOIN_ISSUE_SUBJECT, queue="join", cb=self._answer(self.issue)),

@@ -15,6 +15,8 @@ from shared.security.join import JoinRefused, JoinService, JoinToken, join, requ
 from shared.security.nkeyjwt import decode_claims
 from tests.security.conftest import ManualClock, SecureCluster
 
+CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)
+
 
 @pytest.fixture
 async def operator(secure: SecureCluster) -> AsyncIterator[Connection]:
