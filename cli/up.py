@@ -117,6 +117,10 @@ class Cluster:
     # is replaced by a free one); 0 = off. ``metrics_ports`` maps each process name to its port.
     metrics_port: int = 0
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    # One machine of a cluster of machines (cli/machine.py): its node id, its NATS server (a route member,
+    # or none on a worker, which uses ``machine["servers"]``), the agent's flags and the services' settings.
+    node_id: str = LOCAL_NODE
+    machine: dict[str, Any] = field(default_factory=dict)
 
     def config(self) -> dict[str, Any]:
         """What the cluster was asked to be (not what runs), as JSON values: :meth:`from_config` reads it."""
@@ -144,8 +148,10 @@ class Cluster:
     def url(self) -> str:
         if self.cluster_servers:
             return ",".join(s.url for s in self.cluster_servers)
-        assert self.nats is not None
-        return self.nats.url
+        peers = [u for u in self.machine.get("servers", []) if self.nats is None or u != self.nats.url]
+        if self.nats is None:
+            return ",".join(peers)
+        return ",".join([self.nats.url, *peers])
 
     @property
     def replicas(self) -> int:
@@ -155,6 +161,24 @@ class Cluster:
         child.start(die_with_parent=self.die_with_parent)
 
     def start_nats(self) -> None:
+        if self.machine:
+            if "seats" in self.machine:  # the first server machine: three seats of the JetStream cluster
+                self.cluster_servers = start_cluster(
+                    self.data_dir / "nats-cluster",
+                    die_with_parent=self.die_with_parent,
+                    extra_config=self.nats_extra_config,
+                    routes=RouteSecurity(**self.nats_routes),
+                    **self.machine["seats"],
+                )
+                self.nats = self.cluster_servers[0]
+            elif "nats" in self.machine:
+                self.nats = EmbeddedNats(
+                    data_dir=self.data_dir / "nats",
+                    extra_config=self.nats_extra_config,
+                    die_with_parent=self.die_with_parent,
+                    **self.machine["nats"],
+                ).start(wait=60.0)
+            return
         if self.nats_cluster > 1:
             self.cluster_servers = start_cluster(
                 self.data_dir / "nats-cluster",
@@ -188,7 +212,7 @@ class Cluster:
         if self.tls_ca:
             env["ZATTERA_NATS_TLS_CA"] = self.tls_ca
         env.setdefault("PYTHONUNBUFFERED", "1")
-        return env
+        return {**env, **self.machine.get("env", {})}
 
     def control_plane(self) -> list[tuple[str, str]]:
         """(process name, module) of each control-plane process."""
@@ -238,7 +262,7 @@ class Cluster:
                     "--nats",
                     self.url,
                     "--node-id",
-                    LOCAL_NODE,
+                    self.node_id,
                     "--data-dir",
                     str(self.data_dir / "agent"),
                     "--builder",
@@ -247,6 +271,7 @@ class Cluster:
                     # Ctrl-C leaves no process behind: the app instances stop with the agent, and the next
                     # `zattera up` starts them again from the same desired state.
                     "--stop-on-exit",
+                    *self.machine.get("agent_args", []),
                     *self.metrics_args("agent"),
                 ],
                 self.data_dir / "logs" / "agent.log",
@@ -274,9 +299,9 @@ class Cluster:
                     "--port",
                     str(port),
                     "--node-id",
-                    LOCAL_NODE,
+                    self.node_id,
                     "--proxy-id",
-                    LOCAL_NODE,
+                    self.node_id,
                     "--cache-dir",
                     str(self.data_dir / "proxy"),
                     *(["--tls-listen", self.proxy_tls_listen] if self.proxy_tls_listen else []),
@@ -360,6 +385,8 @@ CONFIG_FIELDS = (
     "tls_ca",
     "node_creds",
     "metrics_port",
+    "node_id",
+    "machine",
 )
 """The :class:`Cluster` fields besides ``data_dir`` and ``extra`` that say what to run (the others are
 what runs)."""

@@ -72,6 +72,8 @@ class EmbeddedNats:
     route_user: str = ""
     route_password: str = ""
     """The credential this server presents on its routes (``nats-route://user:password@host:port``)."""
+    http_host: str = ""
+    """Where the monitoring port binds (default :attr:`host`); unauthenticated, so a machine keeps it local."""
     cluster_host: str = ""
     """Where the route listener binds (default :attr:`host`): a machine's address, for a cluster of machines."""
     binary: str = ""
@@ -93,7 +95,7 @@ class EmbeddedNats:
         lines = [
             f'server_name: "{self.name}"',
             f'listen: "{self.host}:{self.port}"',
-            f'http: "{self.host}:{self.http_port}"',
+            f'http: "{self.http_host or self.host}:{self.http_port}"',
             f"max_payload: {MAX_PAYLOAD}",
             "max_pending: 268435456",
             f'jetstream {{ store_dir: "{store}" }}',
@@ -142,7 +144,7 @@ class EmbeddedNats:
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        url = f"http://{self.host}:{self.http_port}/healthz?js-enabled-only=true"
+        url = f"http://{self.http_host or self.host}:{self.http_port}/healthz?js-enabled-only=true"
         last = ""
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
@@ -205,19 +207,26 @@ def start_cluster(
     *,
     extra_config: str = "",
     routes: RouteSecurity | None = None,
+    host: str = "127.0.0.1",
+    ports: tuple[int, int] | None = None,
+    names: list[str] | None = None,
 ) -> list[EmbeddedNats]:
     """Start ``size`` local servers forming one JetStream cluster; returns them once all are healthy.
     ``running``: start only the first so many; the others are configured, to be started later
     (``start()``), as servers that join a cluster which formed without them. ``extra_config`` and
-    ``routes``: a secured cluster's server configuration (accounts, TLS) and route security."""
-    cluster_ports = [free_port() for _ in range(size)]
+    ``routes``: a secured cluster's server configuration (accounts, TLS) and route security. ``host``: the
+    address the servers listen on (monitoring stays on 127.0.0.1); ``ports``: the first client and route
+    ports (the next servers take the next ports; default: free ports); ``names``: the servers' names."""
+    cluster_ports = [ports[1] + i for i in range(size)] if ports else [free_port() for _ in range(size)]
     servers = [
         EmbeddedNats(
             data_dir=base_dir / f"n{i}",
-            name=f"{name}-n{i}",
+            name=names[i] if names else f"{name}-n{i}",
+            host=host,
+            http_host="127.0.0.1",
             cluster_name=name,
             cluster_port=cluster_ports[i],
-            routes=[f"nats://127.0.0.1:{p}" for j, p in enumerate(cluster_ports) if j != i],
+            routes=[f"nats://{host}:{p}" for j, p in enumerate(cluster_ports) if j != i],
             die_with_parent=die_with_parent,
             extra_config=extra_config,
             cluster_extra=routes.cluster_config if routes else "",
@@ -226,9 +235,9 @@ def start_cluster(
         )
         for i in range(size)
     ]
-    for server in servers:
+    for index, server in enumerate(servers):
         server.data_dir.mkdir(parents=True, exist_ok=True)
-        server.port = free_port()
+        server.port = ports[0] + index if ports else free_port()
         server.http_port = free_port()
         conf = server.data_dir / "nats.conf"
         conf.write_text(server.config_text())
@@ -251,7 +260,7 @@ def meta_group_formed(servers: list[EmbeddedNats]) -> bool:
     placing a stream of as many replicas as servers is refused: "no suitable peers for placement")."""
     for server in servers:
         try:
-            url = f"http://{server.host}:{server.http_port}/jsz"
+            url = f"http://{server.http_host or server.host}:{server.http_port}/jsz"
             with urllib.request.urlopen(url, timeout=2) as resp:
                 meta = json.loads(resp.read()).get("meta_cluster", {})
         except (OSError, ValueError):

@@ -176,4 +176,6 @@ def load_or_generate(directory: Path, hosts: list[str] | None = None) -> TlsFile
     files = TlsFiles(ca=directory / "ca.pem", cert=directory / "server.pem", key=directory / "server-key.pem")
     if files.ca.exists() and files.cert.exists() and files.key.exists():
         return files
+    if files.ca.exists() and (directory / "ca-key.pem").exists():
+        return issue_server(directory, hosts or default_hosts())  # a joining server machine: the cluster's CA
     return generate(directory, hosts)
