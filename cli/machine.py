@@ -22,12 +22,18 @@ from pathlib import Path
 from typing import Any
 
 from cli.up import Cluster, Supervised
-from services.join.__main__ import MACHINE_CLIENT_URL_ENV, MACHINE_NODE_ENV, MACHINE_ROUTE_URL_ENV
+from services.join.__main__ import (
+    MACHINE_CLIENT_URL_ENV,
+    MACHINE_MESH_IP_ENV,
+    MACHINE_NODE_ENV,
+    MACHINE_ROUTE_URL_ENV,
+)
 from shared.embedded import SERVER_DIR
 from shared.errors import ZatteraError
 from shared.security.creds import creds_text, write_private
 from shared.security.join import JoinRefused, JoinUnavailable, exchange
 from shared.security.machines import MachineToken, MachineTokenError, open_bundle
+from shared.security.membership import MESH_NETWORK
 from shared.security.nkeyjwt import KeyKind, KeyPair
 from shared.security.setup import prepare
 
@@ -36,6 +42,8 @@ CLIENT_PORT = 4222
 ROUTE_PORT = 6222
 CLUSTER_NAME = "zattera"
 JOIN_TIMEOUT = 10.0
+FIRST_MESH_IP = f"{MESH_NETWORK}.0.1"
+"""The first server machine's mesh address (its join service records it before anyone else joins)."""
 
 
 class MachineError(ZatteraError):
@@ -86,7 +94,7 @@ def bootstrap(data_dir: Path, node_id: str, advertise: str, *, tls: bool) -> Mac
         if existing.node_id != node_id:
             raise MachineError(f"{data_dir} holds machine {existing.node_id}, not {node_id}")
         return existing
-    machine = Machine(node_id, "server", advertise, tls=tls)
+    machine = Machine(node_id, "server", advertise, tls=tls, mesh_ip=FIRST_MESH_IP)
     machine.save(data_dir)
     return machine
 
@@ -170,9 +178,10 @@ def machine_cluster(data_dir: Path, machine: Machine, **options: Any) -> Cluster
         else {"agent": str(security / "creds" / "agent.creds"), "proxy": str(security / "creds" / "proxy.creds")}
     )
     routes = setup.route_security()
-    tags = f'server_tags: ["machine:{machine.node_id}"]\njetstream {{ unique_tag: "machine:" }}\n'
+    tags = f'server_tags: ["machine:{machine.node_id}"]\n'
     extra = setup.server_config(resolver_dir=f"{SERVER_DIR}/jwt") + tags
     env = {
+        MACHINE_MESH_IP_ENV: machine.mesh_ip,
         MACHINE_NODE_ENV: machine.node_id,
         MACHINE_CLIENT_URL_ENV: machine.client_url,
         MACHINE_ROUTE_URL_ENV: machine.route_url,
@@ -186,6 +195,7 @@ def machine_cluster(data_dir: Path, machine: Machine, **options: Any) -> Cluster
             "host": machine.advertise,
             "ports": (CLIENT_PORT, ROUTE_PORT),
             "names": [machine.node_id, *(f"{machine.node_id}-seat{i}" for i in range(2, SEATS + 1))],
+            "unique_tag": "machine:",
         }
         env[MACHINE_CLIENT_URL_ENV] = ",".join(f"nats://{machine.advertise}:{CLIENT_PORT + i}" for i in range(SEATS))
         env[MACHINE_ROUTE_URL_ENV] = ",".join(
@@ -214,6 +224,7 @@ def machine_cluster(data_dir: Path, machine: Machine, **options: Any) -> Cluster
         "route_user": routes.user,
         "route_password": routes.password,
         "cluster_extra": routes.cluster_config,
+        "unique_tag": "machine:",
     }
     return Cluster(
         data_dir=data_dir,

@@ -155,6 +155,8 @@ class Cluster:
 
     @property
     def replicas(self) -> int:
+        if self.machine:  # one replica until there are servers on other machines (`zattera cluster replicas`)
+            return 1
         return len(self.cluster_servers) or 1
 
     def _launch(self, child: Supervised) -> None:

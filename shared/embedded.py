@@ -72,6 +72,8 @@ class EmbeddedNats:
     route_user: str = ""
     route_password: str = ""
     """The credential this server presents on its routes (``nats-route://user:password@host:port``)."""
+    unique_tag: str = ""
+    """JetStream places no two replicas of a stream on servers sharing this tag prefix's value."""
     http_host: str = ""
     """Where the monitoring port binds (default :attr:`host`); unauthenticated, so a machine keeps it local."""
     cluster_host: str = ""
@@ -98,7 +100,9 @@ class EmbeddedNats:
             f'http: "{self.http_host or self.host}:{self.http_port}"',
             f"max_payload: {MAX_PAYLOAD}",
             "max_pending: 268435456",
-            f'jetstream {{ store_dir: "{store}" }}',
+            f'jetstream {{ store_dir: "{store}"'
+            + (f', unique_tag: "{self.unique_tag}"' if self.unique_tag else "")
+            + " }",
         ]
         if self.cluster_name:
             routes = ", ".join(f'"{self.route_url(r)}"' for r in self.routes)
@@ -210,6 +214,7 @@ def start_cluster(
     host: str = "127.0.0.1",
     ports: tuple[int, int] | None = None,
     names: list[str] | None = None,
+    unique_tag: str = "",
 ) -> list[EmbeddedNats]:
     """Start ``size`` local servers forming one JetStream cluster; returns them once all are healthy.
     ``running``: start only the first so many; the others are configured, to be started later
@@ -229,6 +234,7 @@ def start_cluster(
             routes=[f"nats://{host}:{p}" for j, p in enumerate(cluster_ports) if j != i],
             die_with_parent=die_with_parent,
             extra_config=extra_config,
+            unique_tag=unique_tag,
             cluster_extra=routes.cluster_config if routes else "",
             route_user=routes.user if routes else "",
             route_password=routes.password if routes else "",

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 MACHINE_NODE_ENV = "ZATTERA_MACHINE_NODE"
 MACHINE_CLIENT_URL_ENV = "ZATTERA_MACHINE_CLIENT_URL"
 MACHINE_ROUTE_URL_ENV = "ZATTERA_MACHINE_ROUTE_URL"
+MACHINE_MESH_IP_ENV = "ZATTERA_MACHINE_MESH_IP"
 """Set by ``zattera up`` on a server machine: its node id and where other machines reach its NATS server."""
 
 
@@ -52,6 +53,7 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
             node_id=os.environ.get(MACHINE_NODE_ENV, ""),
             client_url=os.environ.get(MACHINE_CLIENT_URL_ENV, ""),
             route_url=os.environ.get(MACHINE_ROUTE_URL_ENV, ""),
+            mesh_ip=os.environ.get(MACHINE_MESH_IP_ENV, ""),
         )
     service = JoinService(ctx.conn, issuers, sentinel, open_cluster=open_cluster, machines=machines)
     return [watches, service.run()]

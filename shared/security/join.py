@@ -59,6 +59,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TOKEN_PREFIX = "zjt1"
+AGENT_ROLES = (Role.AGENT, Role.BUILDER)
+"""The roles of a node's agent (a proxy's credential, also minted here, opens no view and relays nothing)."""
 DEFAULT_TTL = 3600.0
 MAX_TTL = 7 * 24 * 3600.0
 NODE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -168,7 +170,7 @@ class JoinService:
                 await sub.unsubscribe()
 
     def _agents_account(self) -> str:
-        agents = {issuer.account_public_key for issuer in self._issuers.values()}
+        agents = {issuer.account_public_key for role, issuer in self._issuers.items() if role in AGENT_ROLES}
         if len(agents) != 1:
             raise ValueError("the agent and builder role keys must belong to one account (AGENTS)")
         return agents.pop()
@@ -176,7 +178,7 @@ class JoinService:
     def _view_open(self) -> Callable[[Msg], Any]:
         if self._open_cluster:
             return open_cluster_view_handler(self._conn)
-        issuers = {issuer.signing_key.public_key for issuer in self._issuers.values()}
+        issuers = {issuer.signing_key.public_key for role, issuer in self._issuers.items() if role in AGENT_ROLES}
         return view_open_handler(self._conn, agents_account=self._agents_account(), agent_issuers=issuers)
 
     def _relay(self) -> Callable[[Msg], Any]:
@@ -377,15 +379,18 @@ async def exchange(
 
     tls = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
     try:
-        nc = await nats.connect(
-            servers=split_urls(urls),
-            name=f"zattera-join-{node_id}",
-            user_jwt_cb=sentinel,
-            signature_cb=no_signature,
-            tls=tls,
-            allow_reconnect=retry_connect,
-            max_reconnect_attempts=0,
-            connect_timeout=max(1, int(timeout)),
+        nc = await asyncio.wait_for(
+            nats.connect(
+                servers=split_urls(urls),
+                name=f"zattera-join-{node_id}",
+                user_jwt_cb=sentinel,
+                signature_cb=no_signature,
+                tls=tls,
+                allow_reconnect=retry_connect,
+                max_reconnect_attempts=0,
+                connect_timeout=max(1, int(timeout)),
+            ),
+            timeout * 2,
         )
     except (nats.errors.AuthorizationError, nats.errors.InvalidUserCredentialsError) as exc:
         raise JoinRefused(f"the NATS server refused the join credential: {exc}") from exc

@@ -36,6 +36,8 @@ class Machines:
     client_url: str = ""
     """Where other machines reach this machine's NATS server (its advertised client URL)."""
     route_url: str = ""
+    mesh_ip: str = ""
+    """This server machine's mesh address, recorded as taken at start."""
     ca_pem: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -49,6 +51,8 @@ class Machines:
         """Register this server machine; bring this machine's account JWTs up to the cluster's revocations."""
         if self.node_id and self.client_url:
             await membership.register_server(kv, self.node_id, self.client_url, self.route_url)
+        if self.node_id and self.mesh_ip:
+            await membership.claim_mesh_ip(kv, self.node_id, self.mesh_ip)
         revoked = await membership.revocations(kv)
         if revoked:
             authority = membership.apply_revocations(self.security_dir, revoked)

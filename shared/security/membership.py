@@ -99,6 +99,17 @@ async def mesh_ip(kv: KeyValue, node_id: str) -> str:
     raise ZatteraError("no free mesh address left in 10.98.0.0/16")
 
 
+async def claim_mesh_ip(kv: KeyValue, node_id: str, address: str) -> None:
+    """Record ``address`` as ``node_id``'s (the first server machine's, fixed before anyone joins)."""
+    a, b = address.split(".")[2:]
+    try:
+        await kv.create(f"{MESH_PREFIX}{a}-{b}", node_id.encode())
+    except (KeyWrongLastSequenceError, nats.js.errors.BadRequestError):
+        entry = await kv.get(f"{MESH_PREFIX}{a}-{b}")
+        if (entry.value or b"").decode() != node_id:
+            log.error("mesh address %s is taken by %s", address, (entry.value or b"").decode())
+
+
 async def revocations(kv: KeyValue) -> dict[str, int]:
     try:
         entry = await kv.get(REVOCATIONS_KEY)
