@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,11 +56,13 @@ def connects(machine: Machine, creds: Path, ca: Path, url: str) -> str:
     code = (
         "import asyncio, ssl, nats\n"
         "async def go():\n"
-        f"    nc = await nats.connect({url!r}, user_credentials={str(creds)!r}, tls=ssl.create_default_context(cafile={str(ca)!r}), allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)\n"
+        f"    tls = ssl.create_default_context(cafile={str(ca)!r})\n"
+        f"    nc = await nats.connect({url!r}, user_credentials={str(creds)!r}, tls=tls,\n"
+        "        allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)\n"
         "    await nc.close()\n"
         "try:\n    asyncio.run(go()); print('ok')\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
     )
-    return machine.exec("python3" if False else __import__("sys").executable, "-c", code, check=False).stdout.strip()
+    return machine.exec(sys.executable, "-c", code, check=False).stdout.strip()
 
 
 @pytest.mark.timeout(600)
@@ -110,14 +113,18 @@ def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_cr
             w1.netns,
             "python3",
             "-c",
-            f"import socket; s=socket.create_server(({mesh['w1']!r}, 7001)); c,_=s.accept(); print(c.recv(100).decode(), flush=True)",
+            f"import socket; s=socket.create_server(({mesh['w1']!r}, 7001)); c,_=s.accept(); "
+            "print(c.recv(100).decode(), flush=True)",
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         time.sleep(1.0)  # tcpdump and the listener come up (no signal to wait on from outside the namespace)
-        send = f"import socket; c=socket.create_connection(({mesh['w1']!r}, 7001), timeout=10); c.sendall({PAYLOAD!r}.encode()); c.close()"
+        send = (
+            f"import socket; c=socket.create_connection(({mesh['w1']!r}, 7001), timeout=10); "
+            f"c.sendall({PAYLOAD!r}.encode()); c.close()"
+        )
         m1.exec("python3", "-c", send)
         out, _ = server.communicate(timeout=20)
         assert PAYLOAD in out
