@@ -357,6 +357,10 @@ async def join(
     return creds_text(str(reply["jwt"]), user.seed)
 
 
+async def _quiet(_exc: Exception) -> None:
+    return None
+
+
 async def exchange(
     urls: str | list[str],
     token: str,
@@ -388,6 +392,7 @@ async def exchange(
                 tls=tls,
                 allow_reconnect=retry_connect,
                 max_reconnect_attempts=0,
+                error_cb=_quiet,  # the failure is raised below, in one line (nats-py would print a traceback)
                 connect_timeout=max(1, int(timeout)),
             ),
             timeout * 2,
