@@ -55,11 +55,12 @@ ACTIVATE_TIMEOUT = 10.0
 
 
 def view_filters(node_id: str) -> tuple[str, ...]:
-    """The state keys an agent watches: what it runs and reports, and the release and volumes it runs with."""
+    """The state keys an agent watches: what it runs and reports, every node record (its mesh peers), and the
+    releases and volumes it runs with."""
     return (
         f"{K.ASSIGNMENT}.{node_id}.*",
         f"{K.OBSERVED}.{node_id}.*",
-        K.node(node_id),
+        f"{K.NODE}.*",
         f"{K.RELEASE}.*",
         f"{K.VOLUME}.*",
     )
