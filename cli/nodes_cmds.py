@@ -10,6 +10,7 @@ from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.client import control, err, fail, run
+from cli.machine_cmds import nodes_remove
 from cli.options import JSON, WIDE, set_output
 from cli.render import Col
 from cli.security_cmds import join_token
@@ -17,6 +18,7 @@ from shared.actions.nodes import EditNode, NodeChange, NodeEdited, edit_node
 
 nodes_app = typer.Typer(no_args_is_help=True, help="Machines: list, label, cordon, drain.")
 nodes_app.command("join-token")(join_token)
+nodes_app.command("remove")(nodes_remove)
 
 
 @nodes_app.command("list")
