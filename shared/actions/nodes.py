@@ -1,5 +1,5 @@
-"""An operator's change to a node — cordon, uncordon, drain, label (``zattera nodes``, the console's node
-buttons).
+"""An operator's change to a node — cordon, uncordon, drain, label, remove (``zattera nodes``, the console's
+node buttons).
 
 :func:`change_node` is the pure decision (the node record after the change); :func:`edit_node` commits it
 with one fenced write, deciding again when a concurrent write wins (heartbeats land meanwhile), and
@@ -9,16 +9,21 @@ and moves every replica off a DRAINING one, then marks it DRAINED.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from nats.errors import Error as NatsError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.actions.context import ActionContext, commit_edit
-from shared.actions.refusals import Conflicting, NotFound
+from shared.actions.refusals import Conflicting, NotFound, Unavailable
 from shared.events import node_change_event, node_status_name
+
+REMOVE_TIMEOUT = 30.0
+"""How long the join service is given to peer-remove a machine's server and revoke its credentials."""
 
 
 class NodeChange(StrEnum):
@@ -38,6 +43,21 @@ class EditNode:
     change: NodeChange
     labels: dict[str, str] = field(default_factory=dict)
     """LABEL only: key → value; an empty value removes the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveNode:
+    node_id: str
+    timeout: float = REMOVE_TIMEOUT
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRemoved:
+    node_id: str
+    revoked: list[str]
+    """The credentials revoked (every one the machine was issued)."""
+    peer_removed: bool
+    """Its NATS server was removed from the cluster's peers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +117,24 @@ async def edit_node(ctx: ActionContext, request: EditNode) -> NodeEdited:
     if event is not None:
         await ctx.events.publish(event)
     return NodeEdited(node_id, request.change, True, node_status_name(edited.status))
+
+
+async def remove_node(ctx: ActionContext, request: RemoveNode) -> NodeRemoved:
+    """Remove a machine (drained first): the join service peer-removes its NATS server, revokes every
+    credential it was issued, and deletes its node record."""
+    from shared.security.permissions import JOIN_REMOVE_SUBJECT  # the security modules' imports, only when used
+
+    payload = json.dumps({"node_id": request.node_id}).encode()
+    try:
+        msg = await ctx.conn.nc.request(JOIN_REMOVE_SUBJECT, payload, timeout=request.timeout)
+    except (NatsError, TimeoutError):
+        raise Unavailable("no join service answered") from None
+    reply = json.loads(msg.data or b"{}")
+    if "error" in reply:
+        raise Conflicting(str(reply["error"]))
+    revoked = reply.get("revoked")
+    return NodeRemoved(
+        request.node_id,
+        [str(r) for r in revoked] if isinstance(revoked, list) else [],
+        bool(reply.get("peer_removed")),
+    )

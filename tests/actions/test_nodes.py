@@ -3,12 +3,15 @@ real NATS, announced with the actor, and a change with nothing to do writes and 
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from nats.aio.msg import Msg
 from zattera.v1 import types_pb2 as pb
 
 from shared.actions.context import ActionContext
-from shared.actions.nodes import EditNode, NodeChange, change_node, edit_node
-from shared.actions.refusals import Conflicting, NotFound
+from shared.actions.nodes import EditNode, NodeChange, RemoveNode, change_node, edit_node, remove_node
+from shared.actions.refusals import Conflicting, NotFound, Unavailable
 from shared.natsio import Connection
 from shared.txn import Writer
 from tests import factories
@@ -100,3 +103,24 @@ async def test_edit_node_commits_and_announces_a_status_change_with_the_actor(
 async def test_edit_node_of_an_unknown_node_is_not_found(ctx: ActionContext) -> None:
     with pytest.raises(NotFound, match=r"^node 'n9' not found$"):
         await edit_node(ctx, EditNode("n9", NodeChange.CORDON))
+
+
+async def test_remove_node_asks_the_join_service_and_reports_its_answer(ctx: ActionContext, conn: Connection) -> None:
+    from shared.security.permissions import JOIN_REMOVE_SUBJECT
+
+    with pytest.raises(Unavailable, match="no join service answered"):
+        await remove_node(ctx, RemoveNode("w1", timeout=1.0))
+
+    async def answer(msg: Msg) -> None:
+        node_id = json.loads(msg.data)["node_id"]
+        reply = {"error": f"{node_id} is not drained"} if node_id == "busy" else {"revoked": ["UA1", "UA2"]}
+        await msg.respond(json.dumps({"node_id": node_id, "peer_removed": True, **reply}).encode())
+
+    sub = await conn.nc.subscribe(JOIN_REMOVE_SUBJECT, cb=answer)
+    try:
+        done = await remove_node(ctx, RemoveNode("w1"))
+        assert (done.node_id, done.revoked, done.peer_removed) == ("w1", ["UA1", "UA2"], True)
+        with pytest.raises(Conflicting, match=r"^busy is not drained$"):
+            await remove_node(ctx, RemoveNode("busy"))
+    finally:
+        await sub.unsubscribe()
