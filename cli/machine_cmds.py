@@ -11,11 +11,11 @@ import re
 
 import typer
 
-from cli.client import connect_cli, run
+from cli.client import control, run
 from cli.machine import MachineError, bootstrap, join, machine_cluster
 from cli.up import run_up
-from shared.security.join import JoinRefused
-from shared.security.permissions import JOIN_REMOVE_SUBJECT
+from shared.actions.nodes import NodeRemoved, RemoveNode, remove_node
+from shared.actions.refusals import ActionRefused
 
 NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,62}[a-z0-9])?$")
 
@@ -57,28 +57,18 @@ def nodes_remove(
     """Remove a machine: drain it first (zattera nodes drain), then this peer-removes its NATS server and
     revokes every credential it was issued; its node record goes."""
 
-    async def go() -> dict[str, object]:
-        conn = await connect_cli()
-        try:
-            msg = await conn.nc.request(JOIN_REMOVE_SUBJECT, json.dumps({"node_id": node_id}).encode(), timeout=30)
-        finally:
-            await conn.close()
-        reply: dict[str, object] = json.loads(msg.data or b"{}")
-        if "error" in reply:
-            raise JoinRefused(str(reply["error"]))
-        return reply
+    async def go() -> NodeRemoved:
+        async with control(view=False) as c:
+            try:
+                return await remove_node(c.actions, RemoveNode(node_id))
+            except ActionRefused as exc:
+                raise _fail(f"nodes remove {node_id}: {exc}") from None
 
-    try:
-        reply = run(go)
-    except JoinRefused as exc:
-        raise _fail(f"nodes remove {node_id}: {exc}") from None
-    except TimeoutError:
-        raise _fail(f"nodes remove {node_id}: no join service answered") from None
+    done = run(go)
     if json_output:
-        typer.echo(json.dumps(reply))
+        typer.echo(json.dumps({"node_id": done.node_id, "revoked": done.revoked, "peer_removed": done.peer_removed}))
         return
-    revoked = reply.get("revoked") or []
     typer.echo(
-        f"removed {node_id}: {len(revoked) if isinstance(revoked, list) else 0} credential(s) revoked"
-        + (", its NATS server peer-removed" if reply.get("peer_removed") else "")
+        f"removed {node_id}: {len(done.revoked)} credential(s) revoked"
+        + (", its NATS server peer-removed" if done.peer_removed else "")
     )

@@ -24,6 +24,7 @@ from rich.console import Console
 
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import choose_engine, split_listen
+from shared.backoff import exponential
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, RouteSecurity, free_port, start_cluster
 from shared.subprocesses import spawn_logged
 
@@ -33,6 +34,9 @@ ALL_IN_ONE = "control-plane"
 ALL_IN_ONE_SERVICES = frozenset((*SERVICES, "join"))
 LOCAL_NODE = "local"
 DEFAULT_METRICS_PORT = 9400
+RESTART_FIRST = 0.5
+"""Seconds before a process that died is started again; doubling per restart within a minute of its start."""
+RESTART_MOST = 30.0
 """``zattera up``'s first metrics port: scheduler 9400, orchestrator 9401, … in start order."""
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -334,7 +338,7 @@ class Cluster:
                 server.start(wait=15.0)
                 self.nats_restarts[server.name] = 0
             except EmbeddedNatsError as exc:
-                backoff = min(30.0, 0.5 * 2 ** min(attempts, 6))
+                backoff = exponential(RESTART_FIRST, attempts + 1, RESTART_MOST)
                 self.nats_restarts[server.name] = attempts + 1
                 self.nats_next_start[server.name] = now + backoff
                 self.console.print(
@@ -348,10 +352,10 @@ class Cluster:
             if child.alive():
                 continue
             if child.next_start == 0.0:
-                backoff = min(30.0, 0.5 * 2 ** min(child.restarts, 6))
+                backoff = exponential(RESTART_FIRST, child.restarts + 1, RESTART_MOST)
                 if now - child.started_at > 60:
                     child.restarts = 0
-                    backoff = 0.5
+                    backoff = RESTART_FIRST
                 child.next_start = now + backoff
                 code = child.proc.returncode if child.proc else None
                 self.console.print(f"[red]{child.name} exited ({code}); restarting in {backoff:.1f}s[/]")

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from shared.backoff import Backoff
 from shared.errors import ZatteraError
 from shared.tasks import Signal
 
@@ -127,9 +128,10 @@ class Holds:
             task.add_done_callback(lambda _: self._activations.pop(env_id, None))
 
     async def _activate_while_held(self, env_id: str) -> None:
-        delay = self.retry_initial
+        backoff = Backoff(self.retry_initial, self.retry_max)
         while True:
             self.activations_sent += 1
+            delay = next(backoff)
             try:
                 await self._activate(env_id)
                 return
@@ -140,7 +142,6 @@ class Holds:
             await asyncio.sleep(delay)
             if not self._held.get(env_id):
                 return
-            delay = min(delay * 2, self.retry_max)
 
     async def close(self) -> None:
         """Reject every held request (503) and stop pending activations (shutdown)."""

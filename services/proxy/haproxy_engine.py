@@ -37,6 +37,7 @@ from services.proxy.haproxy_stats import HAProxySampler
 from services.proxy.launch import HAPROXY, haproxy_binary, split_listen
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
+from shared.backoff import Backoff
 from shared.certclient import CACHE_FILE as CERTS_CACHE_FILE
 from shared.certclient import CertClient, ServedCert
 from shared.embedded import free_port
@@ -47,6 +48,7 @@ from shared.settings import settings
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 30.0
+RESTART_BACKOFF_FIRST = 0.1
 RESTART_BACKOFF_MAX = 5.0
 SWEEP_INTERVAL = 1.0
 PR_SET_PDEATHSIG = 1
@@ -209,7 +211,7 @@ class HAProxyEngine:
 
     async def _supervise(self) -> None:
         """Restart HAProxy whenever it exits on its own, with the current routes."""
-        backoff = 0.1
+        backoff = Backoff(RESTART_BACKOFF_FIRST, RESTART_BACKOFF_MAX)
         while True:
             process = self._process
             assert process is not None
@@ -221,11 +223,11 @@ class HAProxyEngine:
                 try:
                     await self._spawn()
                     self.restarts += 1
-                    backoff = 0.1
+                    backoff.reset()
                 except (OSError, RuntimeError, TimeoutError) as exc:
-                    log.error("haproxy restart failed: %s; retrying in %.1fs", exc, backoff)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, RESTART_BACKOFF_MAX)
+                    delay = next(backoff)
+                    log.error("haproxy restart failed: %s; retrying in %.1fs", exc, delay)
+                    await asyncio.sleep(delay)
 
     # ------------------------------------------------------------------ route changes
 
