@@ -113,6 +113,31 @@ async def test_routes_10000_hosts_and_changes_endpoints_at_run_time(
         assert ingress.engine.reloads == reloads  # servers and hosts changed through the runtime API
 
 
+async def test_many_hosts_changing_at_once_rewrite_the_map_at_run_time(
+    make_ingress: IngressFactory, routes: Routes, fresh: aiohttp.ClientSession
+) -> None:
+    """More host entries changing than MAP_REWRITE_ABOVE (300 envs warming, then 300 aliases gone) take the
+    atomic whole-map rewrite, still without a reload."""
+    backend = Backend("warm")
+
+    def env_routes(warm: bool, aliases: bool) -> list[cpb.HTTPRoute]:
+        hosts = [(f"h{i}.example.com", i) for i in range(300)]
+        hosts += [(f"alias{i}.example.com", i) for i in range(300)] if aliases else []
+        return [http_route(host, f"e{i}", [endpoint(backend.addr, f"a{i}")] if warm else []) for host, i in hosts]
+
+    async with serving(backend):
+        ingress = await make_ingress()
+        await serve(routes, ingress, *env_routes(warm=False, aliases=True))
+        reloads = ingress.engine.reloads
+        await serve(routes, ingress, *env_routes(warm=True, aliases=True))
+        for host in ("h0", "h299", "alias150"):
+            assert await get(fresh, ingress, f"{host}.example.com") == (200, "warm")
+        await serve(routes, ingress, *env_routes(warm=True, aliases=False))
+        assert await get(fresh, ingress, "h150.example.com") == (200, "warm")
+        assert (await get(fresh, ingress, "alias150.example.com"))[0] == 404
+        assert ingress.engine.reloads == reloads
+
+
 async def test_an_endpoint_added_at_run_time_reuses_backend_connections(
     make_ingress: IngressFactory, routes: Routes
 ) -> None:
