@@ -42,7 +42,7 @@ from aiohttp import web
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from benchmarks.common import Row, bench_main, median, percentile, row
-from benchmarks.side_by_side import Side, hand_haproxy, haproxy_worker, measure, rows, wrk
+from benchmarks.side_by_side import Side, check_certificate, hand_haproxy, haproxy_worker, measure, rows, wrk
 from services.proxy.haproxy_certs import self_signed_pem
 from services.proxy.haproxy_config import Layout
 from services.proxy.haproxy_engine import HAProxyEngine
@@ -170,6 +170,8 @@ async def ours_and_hand(
             raise RuntimeError(f"{engine.reloads} reload(s): not the runtime path a running proxy takes")
         hand_ports = (free_port(), free_port())
         with hand_haproxy(directory / "hand", names, addrs[0], list(files.values()), hand_ports) as hand:
+            for tls in (side, hand):
+                check_certificate(tls, target, files[target])
             results = await asyncio.to_thread(
                 measure, [side, hand], target, rounds=rounds, seconds=seconds, progress=_progress
             )

@@ -40,7 +40,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from benchmarks.common import Row, bench_main, row
 from benchmarks.ingress_bench import install
-from benchmarks.side_by_side import Side, hand_haproxy, haproxy_worker, measure, rows
+from benchmarks.side_by_side import Side, check_certificate, hand_haproxy, haproxy_worker, measure, rows
 from services.proxy.haproxy_config import Layout, server_name
 from shared.embedded import free_port
 from tests.e2e.cluster import ROOT, cli_argv, kill_tree_under
@@ -185,6 +185,8 @@ def run(quick: bool = True) -> list[Row]:
             shutil.copy(layout.certs_dir / f"{HOST}.pem", cert)
             hosts = [f"h{i}.bench" for i in range(OTHER_HOSTS)] + [HOST]
             with hand_haproxy(hand_dir, hosts, endpoint.addr, [cert], (free_port(), free_port())) as hand:
+                for side in (ours, hand):
+                    check_certificate(side, HOST, cert)
                 results = measure([ours, hand], HOST, rounds=rounds, seconds=seconds, progress=_progress)
         finally:
             up.stop()

@@ -26,12 +26,16 @@ import contextlib
 import os
 import re
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from benchmarks.common import Row, median, row
 from services.proxy.haproxy_runtime import command
@@ -140,6 +144,28 @@ def _accepts(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         return True
     return False
+
+
+def served_certificate(port: int, host: str) -> bytes:
+    """The certificate (DER) a TLS listener on loopback serves for the server name ``host``."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname=host) as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    if der is None:
+        raise RuntimeError(f"no certificate on port {port}")
+    return der
+
+
+def check_certificate(side: Side, host: str, pem: Path) -> None:
+    """Fail unless ``side`` serves ``pem``'s certificate for ``host`` (not its fallback)."""
+    wanted = x509.load_pem_x509_certificates(pem.read_bytes())[0].public_bytes(serialization.Encoding.DER)
+    if served_certificate(side.tls_port, host) != wanted:
+        raise RuntimeError(f"{side.name} does not serve {pem.name} for {host}")
 
 
 async def haproxy_worker(stats_socket: Path) -> int:
