@@ -127,17 +127,23 @@ def hand_haproxy(
     config = hand_config(directory, hosts, backend_addr, ports[0], ports[1], certs)
     process = subprocess.Popen(["haproxy", "-db", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120  # 10,000 certificates take a while to load
-        while not all(_accepts(port) for port in ports):
-            if process.poll() is not None:
-                raise RuntimeError(f"hand-configured haproxy exited: {process.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-            if time.monotonic() > deadline:
-                raise RuntimeError("hand-configured haproxy did not listen")
-            time.sleep(0.05)
+        wait_listening(process, ports, 120)  # 10,000 certificates take a while to load
         yield Side("hand", ports[0], ports[1], process.pid)
     finally:
         process.terminate()
         process.wait(30)
+
+
+def wait_listening(process: subprocess.Popen[bytes], ports: Sequence[int], timeout: float) -> None:
+    """Until every port in ``ports`` accepts connections; fails if ``process`` exits first."""
+    deadline = time.monotonic() + timeout
+    while not all(_accepts(port) for port in ports):
+        if process.poll() is not None:
+            error = process.stderr.read().decode(errors="replace")[-2000:] if process.stderr else ""
+            raise RuntimeError(f"{process.args!r} exited with {process.returncode}: {error}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{process.args!r} did not listen on {list(ports)}")
+        time.sleep(0.05)
 
 
 def _accepts(port: int) -> bool:
