@@ -48,6 +48,11 @@ REMOTE_WEIGHT = 100
 RATE_TABLE_SIZE = "32k"
 RATE_TABLE_EXPIRE = "120s"
 SOCKET_DIR_MAX = 70
+IDLE_POOL = "pool-max-conn -1 pool-purge-delay 5s"
+"""Every server keeps its idle backend connections for reuse (no limit; half of the unused ones closed every
+5 s). Configured servers get these values by default, but a server added at run time (``add server``, how
+endpoints arrive) gets none in HAProxy 2.6 (``show servers conn``: ``idle_lim 0``): each request would open a
+new backend connection, at three times the CPU per request. Spelled out on every line for both paths."""
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -301,7 +306,7 @@ def plan(snapshot: cpb.RouteSnapshot, *, node_id: str, hold_timeout: float, cach
 
 
 def server_line(server: Server, *, sticky: bool) -> str:
-    line = f"server {server.name} {server.addr} weight {server.weight}"
+    line = f"server {server.name} {server.addr} weight {server.weight} {IDLE_POOL}"
     if server.maxconn:
         line += f" maxconn {server.maxconn}"
     if sticky:

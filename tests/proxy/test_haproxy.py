@@ -31,7 +31,16 @@ from services.proxy.balancer import STICKY_COOKIE, sticky_value
 from services.proxy.haproxy_engine import HAProxyIngress, haproxy_binary, haproxy_ingress
 from shared.live import proxy_key
 from shared.natsio import LIVE_BUCKET, Connection
-from tests.proxy.harness import HOST, Backend, Routes, endpoint, http_route, serving, settings
+from tests.proxy.harness import (
+    HOST,
+    Backend,
+    Routes,
+    endpoint,
+    http_route,
+    keep_alive_requests,
+    serving,
+    settings,
+)
 from tests.proxy.test_hold import Responder
 from tests.waiting import eventually
 
@@ -102,6 +111,49 @@ async def test_routes_10000_hosts_and_changes_endpoints_at_run_time(
         assert await get(fresh, ingress, "h9999.example.com") == (200, "second")
         assert await get(fresh, ingress, "new.example.com") == (200, "second")
         assert ingress.engine.reloads == reloads  # servers and hosts changed through the runtime API
+
+
+async def test_many_hosts_changing_at_once_rewrite_the_map_at_run_time(
+    make_ingress: IngressFactory, routes: Routes, fresh: aiohttp.ClientSession
+) -> None:
+    """More host entries changing than MAP_REWRITE_ABOVE (300 envs warming, then 300 aliases gone) take the
+    atomic whole-map rewrite, still without a reload."""
+    backend = Backend("warm")
+
+    def env_routes(warm: bool, aliases: bool) -> list[cpb.HTTPRoute]:
+        hosts = [(f"h{i}.example.com", i) for i in range(300)]
+        hosts += [(f"alias{i}.example.com", i) for i in range(300)] if aliases else []
+        return [http_route(host, f"e{i}", [endpoint(backend.addr, f"a{i}")] if warm else []) for host, i in hosts]
+
+    async with serving(backend):
+        ingress = await make_ingress()
+        await serve(routes, ingress, *env_routes(warm=False, aliases=True))
+        reloads = ingress.engine.reloads
+        await serve(routes, ingress, *env_routes(warm=True, aliases=True))
+        for host in ("h0", "h299", "alias150"):
+            assert await get(fresh, ingress, f"{host}.example.com") == (200, "warm")
+        await serve(routes, ingress, *env_routes(warm=True, aliases=False))
+        assert await get(fresh, ingress, "h150.example.com") == (200, "warm")
+        assert (await get(fresh, ingress, "alias150.example.com"))[0] == 404
+        assert ingress.engine.reloads == reloads
+
+
+async def test_an_endpoint_added_at_run_time_reuses_backend_connections(
+    make_ingress: IngressFactory, routes: Routes
+) -> None:
+    """1,000 keep-alive requests of one client reach an endpoint added through the runtime API (as every
+    replica of a deploy is) over a handful of backend connections, not one each."""
+    first, added = Backend("first"), Backend("added")
+    async with serving(first, added):
+        ingress = await make_ingress()
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(first.addr, "a-first")]))
+        reloads = ingress.engine.reloads
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(added.addr, "a-added")]))
+        assert ingress.engine.reloads == reloads  # the endpoint came through the runtime API
+        statuses = await keep_alive_requests(url(ingress), HOST, 1000)
+        assert statuses == [200] * 1000
+        assert added.hits == 1000
+        assert len(added.peers) <= 4, f"{len(added.peers)} backend connections for 1,000 keep-alive requests"
 
 
 async def test_route_changes_finish_in_flight_requests(
