@@ -13,6 +13,7 @@ from cli import render
 from cli.client import control, err, fail, run
 from cli.edits import commit_edit
 from cli.events_cmds import publish_node_change
+from cli.machine_cmds import nodes_remove
 from cli.options import JSON, WIDE, set_output
 from cli.render import Col
 from cli.security_cmds import join_token
@@ -21,6 +22,7 @@ from shared.node_changes import NodeChange, NodeChangeRefused, change_node
 
 nodes_app = typer.Typer(no_args_is_help=True, help="Machines: list, label, cordon, drain.")
 nodes_app.command("join-token")(join_token)
+nodes_app.command("remove")(nodes_remove)
 
 
 @nodes_app.command("list")

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import choose_engine, split_listen
-from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
+from shared.embedded import EmbeddedNats, EmbeddedNatsError, RouteSecurity, free_port, start_cluster
 from shared.subprocesses import spawn_logged
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs", "console")
@@ -107,6 +107,8 @@ class Cluster:
     nats_next_start: dict[str, float] = field(default_factory=dict)
     # Secured clusters (cli/security_cmds.py): server auth/TLS config, and the services' credentials.
     nats_extra_config: str = ""
+    # A secured cluster's route credential and route TLS (``RouteSecurity`` as a dict; empty: open routes).
+    nats_routes: dict[str, str] = field(default_factory=dict)
     creds: str = ""
     tls_ca: str = ""
     # The local node's own credentials ("agent", "proxy" → creds file): never the services' control one.
@@ -115,6 +117,10 @@ class Cluster:
     # is replaced by a free one); 0 = off. ``metrics_ports`` maps each process name to its port.
     metrics_port: int = 0
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    # One machine of a cluster of machines (cli/machine.py): its node id, its NATS server (a route member,
+    # or none on a worker, which uses ``machine["servers"]``), the agent's flags and the services' settings.
+    node_id: str = LOCAL_NODE
+    machine: dict[str, Any] = field(default_factory=dict)
 
     def config(self) -> dict[str, Any]:
         """What the cluster was asked to be (not what runs), as JSON values: :meth:`from_config` reads it."""
@@ -142,20 +148,46 @@ class Cluster:
     def url(self) -> str:
         if self.cluster_servers:
             return ",".join(s.url for s in self.cluster_servers)
-        assert self.nats is not None
-        return self.nats.url
+        peers = [u for u in self.machine.get("servers", []) if self.nats is None or u != self.nats.url]
+        if self.nats is None:
+            return ",".join(peers)
+        return ",".join([self.nats.url, *peers])
 
     @property
     def replicas(self) -> int:
+        if self.machine:  # one replica until there are servers on other machines (`zattera cluster replicas`)
+            return 1
         return len(self.cluster_servers) or 1
 
     def _launch(self, child: Supervised) -> None:
         child.start(die_with_parent=self.die_with_parent)
 
     def start_nats(self) -> None:
+        if self.machine:
+            if "seats" in self.machine:  # the first server machine: three seats of the JetStream cluster
+                self.cluster_servers = start_cluster(
+                    self.data_dir / "nats-cluster",
+                    die_with_parent=self.die_with_parent,
+                    extra_config=self.nats_extra_config,
+                    routes=RouteSecurity(**self.nats_routes),
+                    **self.machine["seats"],
+                )
+                self.nats = self.cluster_servers[0]
+            elif "nats" in self.machine:
+                self.nats = EmbeddedNats(
+                    data_dir=self.data_dir / "nats",
+                    extra_config=self.nats_extra_config,
+                    die_with_parent=self.die_with_parent,
+                    **self.machine["nats"],
+                ).start(wait=60.0)
+            return
         if self.nats_cluster > 1:
             self.cluster_servers = start_cluster(
-                self.data_dir / "nats-cluster", self.nats_cluster, die_with_parent=self.die_with_parent
+                self.data_dir / "nats-cluster",
+                self.nats_cluster,
+                die_with_parent=self.die_with_parent,
+                extra_config=self.nats_extra_config,
+                routes=RouteSecurity(**self.nats_routes) if self.nats_routes else None,
             )
             self.nats = self.cluster_servers[0]
             return
@@ -182,7 +214,7 @@ class Cluster:
         if self.tls_ca:
             env["ZATTERA_NATS_TLS_CA"] = self.tls_ca
         env.setdefault("PYTHONUNBUFFERED", "1")
-        return env
+        return {**env, **self.machine.get("env", {})}
 
     def control_plane(self) -> list[tuple[str, str]]:
         """(process name, module) of each control-plane process."""
@@ -232,7 +264,7 @@ class Cluster:
                     "--nats",
                     self.url,
                     "--node-id",
-                    LOCAL_NODE,
+                    self.node_id,
                     "--data-dir",
                     str(self.data_dir / "agent"),
                     "--builder",
@@ -241,6 +273,7 @@ class Cluster:
                     # Ctrl-C leaves no process behind: the app instances stop with the agent, and the next
                     # `zattera up` starts them again from the same desired state.
                     "--stop-on-exit",
+                    *self.machine.get("agent_args", []),
                     *self.metrics_args("agent"),
                 ],
                 self.data_dir / "logs" / "agent.log",
@@ -268,9 +301,9 @@ class Cluster:
                     "--port",
                     str(port),
                     "--node-id",
-                    LOCAL_NODE,
+                    self.node_id,
                     "--proxy-id",
-                    LOCAL_NODE,
+                    self.node_id,
                     "--cache-dir",
                     str(self.data_dir / "proxy"),
                     *(["--tls-listen", self.proxy_tls_listen] if self.proxy_tls_listen else []),
@@ -349,10 +382,13 @@ CONFIG_FIELDS = (
     "all_in_one",
     "nats_cluster",
     "nats_extra_config",
+    "nats_routes",
     "creds",
     "tls_ca",
     "node_creds",
     "metrics_port",
+    "node_id",
+    "machine",
 )
 """The :class:`Cluster` fields besides ``data_dir`` and ``extra`` that say what to run (the others are
 what runs)."""

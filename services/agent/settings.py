@@ -29,6 +29,9 @@ class AgentSettings(BaseSettings):
     """worker and/or control (comma-separated in the environment)."""
     mesh_ip: str = ""
     """The address other nodes reach this node's instances at (instances listen there)."""
+    public_endpoint: str = ""
+    """The machine's address other machines reach (its WireGuard endpoint, UDP 51820): with ``mesh_ip``, the
+    agent keeps the encrypted mesh (services/agent/mesh.py)."""
     join_token: str = ""
     """A single-use token exchanged for this node's NATS credential on first start."""
 
