@@ -311,6 +311,9 @@ class Env(_Model):
     resources: Resources = Resources()
     ports: list[Port] = Field(default_factory=lambda: [Port()])
     healthcheck: HealthCheck | None = None
+    min_healthy_time: float | None = Field(
+        default=None, le=600, description="no declared check: run this long before counting as healthy"
+    )
     autoscale: Autoscale | None = None
     scale_to_zero: bool = False
     idle_timeout: float = 0.0
@@ -330,7 +333,7 @@ class Env(_Model):
 
     read_only_root: bool = Field(default=False, description="docker runtime: a read-only root filesystem")
 
-    _durations = field_validator("idle_timeout", "stop_grace", mode="before")(parse_duration)
+    _durations = field_validator("idle_timeout", "stop_grace", "min_healthy_time", mode="before")(parse_duration)
 
     @field_validator("cron")
     @classmethod
@@ -486,6 +489,8 @@ def service_spec(spec: AppSpec, env: Env) -> pb.ServiceSpec:
         s.rate_limit.requests_per_second = env.rate_limit.requests_per_second
         s.rate_limit.burst = env.rate_limit.burst
     s.stop_grace.CopyFrom(to_duration(env.stop_grace))
+    if env.min_healthy_time is not None:
+        s.min_healthy_time.CopyFrom(to_duration(env.min_healthy_time))
     if env.network.allow:
         s.network.allow.extend(env.network.allow)
     for entry in env.cron:

@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.console import Console
+from rich.markup import escape
 
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import choose_engine, split_listen
 from shared.backoff import exponential
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, RouteSecurity, free_port, start_cluster
+from shared.runtime_note import RUNTIME_NOTE, RuntimeNote, read_runtime_note
 from shared.subprocesses import spawn_logged
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs", "console")
@@ -125,6 +127,8 @@ class Cluster:
     # or none on a worker, which uses ``machine["servers"]``), the agent's flags and the services' settings.
     node_id: str = LOCAL_NODE
     machine: dict[str, Any] = field(default_factory=dict)
+    runtime_note: RuntimeNote | None = None
+    """The local agent's runtime and why, as last printed (:meth:`report_runtime`)."""
 
     def config(self) -> dict[str, Any]:
         """What the cluster was asked to be (not what runs), as JSON values: :meth:`from_config` reads it."""
@@ -254,11 +258,27 @@ class Cluster:
             self._launch(child)
             self.children.append(child)
 
+    @property
+    def agent_data_dir(self) -> Path:
+        return self.data_dir / "agent"
+
+    def report_runtime(self) -> None:
+        """Say on the terminal which runtime the local agent chose and why, once it has (and again when a
+        restarted agent chose otherwise): a fallback to bare processes must not hide in the agent's log."""
+        note = read_runtime_note(self.agent_data_dir) if self.with_node else None
+        if note is None or note == self.runtime_note:
+            return
+        self.runtime_note = note
+        colour = "green" if note.runtime == "docker" else "yellow"
+        self.console.print(f"  [{colour}]agent runtime: {note.runtime}[/] — {escape(note.reason)}")
+
     def _node_processes(self, env: dict[str, str]) -> list[Supervised]:
-        """The local node: an agent (process runtime + builder) and the ingress proxy."""
+        """The local node: an agent (docker runtime when a Docker daemon answers, else processes; the builder)
+        and the ingress proxy."""
         found = []
         root = PROJECT_ROOT / "services"
         if (root / "agent" / "__main__.py").exists():
+            (self.agent_data_dir / RUNTIME_NOTE).unlink(missing_ok=True)  # the one this start writes, not a stale one
             agent = Supervised(
                 "agent",
                 [
@@ -270,7 +290,7 @@ class Cluster:
                     "--node-id",
                     self.node_id,
                     "--data-dir",
-                    str(self.data_dir / "agent"),
+                    str(self.agent_data_dir),
                     "--builder",
                     "--roles",
                     "worker,control",
@@ -541,6 +561,7 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
         console.print("Press Ctrl-C to stop.")
         while not stop:
             cluster.supervise_once()
+            cluster.report_runtime()
             time.sleep(0.2)
     finally:
         # The terminal or the pipe it printed to may be gone (`zattera up | tee log` and Ctrl-C ends tee

@@ -43,6 +43,7 @@ from shared.activation import request_activation
 from shared.clock import Clock, RealClock
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
+from shared.runtime_note import write_runtime_note
 from shared.security.views import request_view
 from shared.snapshots import serve_snapshot_requests
 from shared.state.feed import StateView
@@ -167,8 +168,15 @@ class Agent:
             builder=settings.builder,
             mesh_ip=settings.mesh_ip,
         )
-        launcher = await choose_launcher(settings)
-        identity = replace(identity, secrets_public_key=bytes(self.secrets_key.public_key), runtime=launcher.name)
+        choice = await choose_launcher(settings)
+        launcher = choice.launcher
+        write_runtime_note(self.data_dir, launcher.name, choice.reason)
+        identity = replace(
+            identity,
+            secrets_public_key=bytes(self.secrets_key.public_key),
+            runtime=launcher.name,
+            runtime_reason=choice.reason,
+        )
         mesh = self._mesh()
         if mesh is not None:
             endpoint = settings.public_endpoint

@@ -56,6 +56,9 @@ class AgentSettings(BaseSettings):
     # ---------------------------------------------------------------- instance lifecycle
     default_stop_grace: float = Field(default=10.0, gt=0)
     """SIGTERM -> SIGKILL, seconds, when the service spec sets no stop_grace."""
+    min_healthy_time: float = Field(default=3.0, ge=0)
+    """How long an instance without a declared health check must run before it counts as HEALTHY, seconds,
+    when its env sets no min_healthy_time (0 = at once); a process that exits sooner is a failed start."""
     startup_probe_interval: float = Field(default=0.2, gt=0)
     """Health probe cadence until the first success (then the spec's interval), seconds."""
     adopted_poll_interval: float = Field(default=1.0, gt=0)

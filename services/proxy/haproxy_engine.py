@@ -277,8 +277,12 @@ class HAProxyEngine:
         self.reloads += 1
 
     async def _change_at_runtime(self, target: Plan) -> None:
+        """Servers that arrive first, then the maps, then servers that leave: a host never points at a
+        backend whose servers are not in yet, nor at one whose servers already left (a request in between
+        found no server: 503)."""
         running = self.running
         commands: list[str] = []
+        leaving: list[str] = []
         for backend_name, backend in target.backends.items():
             if backend.sticky or backend is running.backends[backend_name]:
                 continue  # its servers are part of the structure
@@ -291,18 +295,21 @@ class HAProxyEngine:
                     commands += [f"set server {where} addr {_host(server.addr)} port {_port(server.addr)}"]
                     commands += [f"set server {where} weight {server.weight}", f"enable server {where}"]
                 elif before is None:
-                    commands += [f"add server {where} {server_line(server, sticky=False).split(' ', 2)[2]}"]
+                    line = server_line(server, sticky=False, held=backend.held).split(" ", 2)[2]
+                    commands += [f"add server {where} {line}"]
+                    commands += [f"enable health {where}"] if backend.held else []
                     commands += [f"enable server {where}"]
                 elif before != server:
                     if before.addr != server.addr:
                         commands += [f"set server {where} addr {_host(server.addr)} port {_port(server.addr)}"]
                     commands += [f"set server {where} weight {server.weight}"]
             for gone in have.values():
-                commands.append(f"disable server {backend_name}/{gone.name}")
+                leaving.append(f"disable server {backend_name}/{gone.name}")
                 self._draining.add((backend_name, gone.name))
         commands += await self._hosts_map_commands(running, target)
         if target.paths != running.paths:
             commands += await self._rewrite_map_commands(self.layout.paths_map, target.paths)
+        commands += leaving
         if commands:
             answers = await execute(self.layout.stats_socket, commands)
             failures = [f"{c!r}: {a}" for c, a in zip(commands, answers, strict=True) if _failed(a)]

@@ -574,3 +574,43 @@ async def test_full_env_requests_queue_in_haproxy_and_count_as_held(
         await eventually(queued, 10, "the second request held in HAProxy's queue")
         gate.set()
         assert await asyncio.wait_for(asyncio.gather(first, second), 5) == [(200, "busy")] * 2
+
+
+async def test_a_cooled_replica_haproxy_still_lists_is_held_by_python_and_woken(
+    make_ingress: IngressFactory, routes: Routes, conn: Connection, fresh: aiohttp.ClientSession
+) -> None:
+    """A scale-to-zero env's replica is gone before the snapshot saying so reached HAProxy: the refused
+    connection sends the request to the Python handler (the backend's backup server), which holds it and
+    wakes the env (it was HAProxy's 503 "No server is available")."""
+    cooled, woken = Backend("cooled"), Backend("woken")
+    responder = await Responder(conn).start()
+    async with serving(woken):
+        ingress = await make_ingress()
+        async with serving(cooled):
+            await serve(routes, ingress, http_route(HOST, "e1", [endpoint(cooled.addr)], scale_to_zero=True))
+            assert await get(fresh, ingress) == (200, "cooled")
+        held = asyncio.create_task(get(fresh, ingress))
+        await eventually(lambda: ingress.proxy.holds.held.get("e1") == 1, 5, "held by the Python handler")
+        await eventually(lambda: len(responder.requests) == 1, 5, "the env woken")
+        await routes.publish(http_route(HOST, "e1", [endpoint(woken.addr, "a-woken")], scale_to_zero=True))
+        assert await asyncio.wait_for(held, 10) == (200, "woken")
+        await eventually(lambda: ingress.version == routes.version, 5, "the warm routes in haproxy")
+        assert await get(fresh, ingress) == (200, "woken")
+
+
+async def test_a_warm_endpoint_added_at_run_time_serves_a_scale_to_zero_env_directly(
+    make_ingress: IngressFactory, routes: Routes, conn: Connection, fresh: aiohttp.ClientSession
+) -> None:
+    """The servers of a scale-to-zero env are added with their health check at run time (no reload), and a
+    request reaches them without the Python handler."""
+    first, second = Backend("first"), Backend("second")
+    await Responder(conn).start()
+    async with serving(first, second):
+        ingress = await make_ingress()
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(first.addr, "a1")], scale_to_zero=True))
+        reloads = ingress.engine.reloads
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(second.addr, "a2")], scale_to_zero=True))
+        assert ingress.engine.reloads == reloads
+        for _ in range(5):
+            assert await get(fresh, ingress) == (200, "second")
+        assert ingress.proxy.holds.completed_holds == 0
