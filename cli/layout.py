@@ -14,9 +14,10 @@
 
 Each directory is 0700 and root's (or the user's who runs ``zattera up``); an app's sandbox shows it none of
 them (services/agent/sandbox.py). A data directory laid out as before (``nats``, ``security``, ``secrets``,
-``certs``, ``console`` and ``nats-cluster`` at its top, the local node's credentials among the control
-plane's) is moved into this layout in place by :func:`migrate`, idempotently: each entry is one rename, a
-second run finds nothing left to move.
+``certs``, ``console`` and ``nats-cluster`` at its top, the node's own credentials among the control
+plane's) is moved into this layout in place by :meth:`DataLayout.migrate`, idempotently: each entry is one
+rename, a second run finds nothing left to move. A machine of a cluster of machines (``cli/machine.py``)
+uses the same layout (a worker's ``control/`` holds only the cluster's CA).
 """
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ from pathlib import Path
 
 CONTROL_ENTRIES = ("nats", "nats-cluster", "security", "secrets", "certs", "console")
 """What belonged to the control plane at the top of a data directory laid out as before."""
-OLD_LOCAL_CREDS = ("creds/builder-local.creds", "creds/proxy-local.creds")
-"""The local node's credentials, once issued among the control plane's (now in agent/ and proxy/)."""
+OLD_NODE_CREDS = {
+    "creds/builder-local.creds": ("agent", "node.creds"),
+    "creds/proxy-local.creds": ("proxy", "proxy.creds"),
+    "creds/agent.creds": ("agent", "node.creds"),
+    "creds/proxy.creds": ("proxy", "proxy.creds"),
+}
+"""The node's own credentials, once kept among the control plane's (``zattera up --secure``; a machine of a
+cluster of machines), and where they go now."""
 NODE_CREDS = "node.creds"
 PROXY_CREDS = "proxy.creds"
 NATS_CA = "nats-ca.pem"
@@ -84,9 +91,15 @@ class DataLayout:
             os.chmod(self.control, 0o700)
             old.rename(new)
             done.append(f"moved {old} to {new}")
-        for name in OLD_LOCAL_CREDS:
-            stale = self.security / name
-            if stale.exists():
-                stale.unlink()
-                done.append(f"removed {stale} (the local node's credentials now live in {self.agent}, {self.proxy})")
+        for name, (owner, file) in OLD_NODE_CREDS.items():
+            old, new = self.security / name, self.root / owner / file
+            if not old.exists():
+                continue
+            if new.exists():
+                done.append(f"{old} left in place: {new} exists already (remove the one you do not use)")
+                continue
+            new.parent.mkdir(parents=True, exist_ok=True)
+            os.chmod(new.parent, 0o700)
+            old.rename(new)
+            done.append(f"moved {old} to {new} (the node's own credential, apart from the control plane's)")
         return done

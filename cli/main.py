@@ -6,6 +6,7 @@ the app from the command groups (``cli/*_cmds.py``, one module per group) and ho
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -27,12 +28,13 @@ from cli.inspect_cmds import ps, routes
 from cli.jobs_cmds import jobs_app, run_command
 from cli.layout import DataLayout
 from cli.logs_cmds import logs
+from cli.machine_cmds import machine_up
 from cli.network_cmds import network
 from cli.nodes_cmds import nodes_app
 from cli.registry_cmds import registry_app
 from cli.secrets_cmds import secrets_app
 from cli.security_cmds import secure_up, security_app
-from cli.up import DEFAULT_METRICS_PORT, LOCAL_NODE, Cluster, run_up
+from cli.up import DEFAULT_METRICS_PORT, Cluster, run_up
 from cli.volumes_cmds import volumes_app
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import DEFAULT_TLS_LISTEN as DEFAULT_PROXY_TLS_LISTEN
@@ -121,17 +123,25 @@ def up(
         help="with --secure on a machine that cannot sandbox apps: run them anyway, able to read the node's"
         " files and credential (SECURITY.md)",
     ),
+    join: str = typer.Option(
+        "", "--join", help="join a cluster with a token of `zattera nodes join-token` (docs/cluster.md)"
+    ),
+    server: bool = typer.Option(False, "--server", help="with --join: a server machine (NATS, control plane, node)"),
+    name: str = typer.Option("", "--name", help="this machine's node id (several machines: docs/cluster.md)"),
+    advertise: str = typer.Option("", "--advertise", help="the address other machines reach this one at"),
 ) -> None:
-    """Start the whole single-machine cluster: embedded NATS and every service, until Ctrl-C."""
+    """Start the whole single-machine cluster: embedded NATS and every service, until Ctrl-C. With --name and
+    --advertise, the first machine of a cluster of machines; with --join TOKEN, another one."""
     directory = (data_dir or settings().data_dir).resolve()
     layout = DataLayout(directory)
     for line in layout.migrate():
         typer.echo(f"data dir: {line}", err=True)
-    isolation_text, agent_env = "", {}
-    if node:
-        isolation_text = local_isolation(layout, secured=secure or tls, allow_unisolated=allow_unisolated_apps)
-        if allow_unisolated_apps:
-            agent_env["ZATTERA_AGENT_ALLOW_UNISOLATED"] = "1"
+    if node and (secure or tls or join or advertise):
+        refuse_unisolated(allow=allow_unisolated_apps)
+    if allow_unisolated_apps:  # the local agent gets it with the rest of this environment
+        os.environ["ZATTERA_AGENT_ALLOW_UNISOLATED"] = "1"
+    if join or advertise:
+        raise typer.Exit(machine_up(directory, join, server=server, name=name, advertise=advertise, tls=tls))
     proxy_host = DEFAULT_PROXY_HOST
     if proxy_listen:
         try:
@@ -146,8 +156,6 @@ def up(
         if proxy_tls_listen == DEFAULT_PROXY_TLS_LISTEN and proxy_host != tls_host:
             # --proxy-listen 127.0.0.1:… keeps the proxy on this machine: HTTPS too, unless told otherwise.
             proxy_tls_listen = f"[{proxy_host}]:{tls_port}" if ":" in proxy_host else f"{proxy_host}:{tls_port}"
-    if (secure or tls) and nats_cluster > 1:
-        raise typer.BadParameter("--secure/--tls run one NATS server; drop --nats-cluster", param_hint="--nats-cluster")
     if secure or tls:
         raise typer.Exit(
             secure_up(
@@ -160,8 +168,7 @@ def up(
                 with_node=node,
                 metrics_port=metrics_port,
                 all_in_one=all_in_one,
-                isolation_text=isolation_text,
-                agent_env=agent_env,
+                nats_cluster=nats_cluster,
             )
         )
     cluster = Cluster(
@@ -174,31 +181,25 @@ def up(
         with_node=node,
         metrics_port=metrics_port,
         all_in_one=all_in_one,
-        isolation_text=isolation_text,
-        agent_env=agent_env,
     )
     raise typer.Exit(run_up(cluster))
 
 
-def local_isolation(layout: DataLayout, *, secured: bool, allow_unisolated: bool) -> str:
-    """How the local agent will run apps, decided as the agent decides (``services.agent.agent.node_runtime``);
-    exits with status 2 when it would refuse to (a secured cluster on a machine that cannot sandbox)."""
-    import asyncio
-
-    from services.agent.agent import node_runtime
-    from services.agent.sandbox import IsolationRefused
+def refuse_unisolated(*, allow: bool) -> None:
+    """A secured ``zattera up`` on a machine that cannot sandbox apps stops here, with the reason and status 2,
+    before starting anything (its agent, a builder, would refuse to run anyway: SECURITY.md "Apps"), unless
+    ``--allow-unisolated-apps``."""
+    from services.agent.sandbox import IsolationRefused, Support, decide_isolation, probe_now
     from services.agent.settings import AgentSettings
 
-    async def decide() -> str:
-        cfg = AgentSettings(node_id=LOCAL_NODE, builder=True, allow_unisolated=allow_unisolated)
-        runtime = await node_runtime(cfg, layout.agent, secured=secured)
-        await runtime.launcher.close()
-        return runtime.isolation.describe()
-
+    cfg = AgentSettings()
+    support = probe_now(cfg.sandbox_bwrap) if cfg.sandbox != "off" else Support(problem="turned off")
     try:
-        return asyncio.run(decide())
+        decide_isolation(
+            runtime="process", mode=cfg.sandbox, support=support, secured=True, allow_unisolated=allow, what="apps"
+        )
     except IsolationRefused as exc:
-        typer.echo(f"error: zattera up --secure: {exc}", err=True)
+        typer.echo(f"error: zattera up: {exc}", err=True)
         raise typer.Exit(2) from None
 
 

@@ -34,6 +34,9 @@ from services.agent.docker_runtime import choose_launcher
 from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
 from services.agent.launchers import PROCESS, TENANT_KEY, Launcher, ProcessLauncher
+from services.agent.mesh import PORT as MESH_PORT
+from services.agent.mesh import Mesh, MeshError
+from services.agent.mesh import available as mesh_unavailable
 from services.agent.processes import PortAllocator
 from services.agent.registration import NodeIdentity, register_node
 from services.agent.reporter import ObservedReporter
@@ -56,6 +59,7 @@ from shared.activation import request_activation
 from shared.clock import Clock, RealClock
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
+from shared.runtime_note import write_runtime_note
 from shared.security.views import request_view
 from shared.snapshots import serve_snapshot_requests
 from shared.snapshots.agent import HookRunner, run_hook_in_shell
@@ -76,6 +80,8 @@ class NodeRuntime:
     launcher: Launcher
     isolation: Isolation
     sandbox: Sandbox | None = None
+    reason: str = ""
+    """Why this runtime (``docker_runtime.choose_launcher``)."""
 
 
 async def node_runtime(settings: AgentSettings, data_dir: Path, *, secured: bool) -> NodeRuntime:
@@ -83,7 +89,8 @@ async def node_runtime(settings: AgentSettings, data_dir: Path, *, secured: bool
     (:func:`sandbox.decide_isolation`), and a builder's steps too (also on a docker node: they run on the
     host); :class:`IsolationRefused` when apps would run unisolated where that is not allowed. A node without
     isolation says so in its log (the terminal of an agent started by hand) and its node record."""
-    launcher = await choose_launcher(settings)
+    choice = await choose_launcher(settings)
+    launcher = choice.launcher
     support = Support(problem="turned off (ZATTERA_AGENT_SANDBOX=off)")
     if settings.sandbox != "off" and (launcher.name == PROCESS or settings.builder):
         support = await probe(settings.sandbox_bwrap)
@@ -118,7 +125,7 @@ async def node_runtime(settings: AgentSettings, data_dir: Path, *, secured: bool
         )
     elif settings.builder and sandbox is None:
         log.warning("agent %s: build steps are NOT isolated on this node (%s)", settings.node_id, support.problem)
-    return NodeRuntime(launcher, isolation, sandbox)
+    return NodeRuntime(launcher, isolation, sandbox, choice.reason)
 
 
 def private_directory(path: Path) -> Path:
@@ -129,11 +136,12 @@ def private_directory(path: Path) -> Path:
 
 
 def view_filters(node_id: str) -> tuple[str, ...]:
-    """The state keys an agent watches: what it runs and reports, and the release and volumes it runs with."""
+    """The state keys an agent watches: what it runs and reports, every node record (its mesh peers), and the
+    releases and volumes it runs with."""
     return (
         f"{K.ASSIGNMENT}.{node_id}.*",
         f"{K.OBSERVED}.{node_id}.*",
-        K.node(node_id),
+        f"{K.NODE}.*",
         f"{K.RELEASE}.*",
         f"{K.VOLUME}.*",
     )
@@ -228,6 +236,25 @@ class Agent:
             updates.close()
             await routes.stop()
 
+    def _mesh(self) -> Mesh | None:
+        """The WireGuard mesh, when this node has a mesh address and an endpoint (cluster of machines)."""
+        settings = self.settings
+        if not (settings.mesh_ip and settings.public_endpoint):
+            return None
+        why = mesh_unavailable()
+        if why:
+            log.warning(
+                "agent %s: no mesh: %s; %s must be reachable by other means", self.node_id, why, settings.mesh_ip
+            )
+            return None
+        mesh = Mesh(self.data_dir, self.node_id, settings.mesh_ip)
+        try:
+            mesh.start()
+        except MeshError as exc:
+            log.error("agent %s: no mesh: %s", self.node_id, exc)
+            return None
+        return mesh
+
     async def run(self) -> None:
         settings = self.settings
         private_directory(self.data_dir)
@@ -243,13 +270,20 @@ class Agent:
             builder=settings.builder,
             mesh_ip=settings.mesh_ip,
         )
+        write_runtime_note(self.data_dir, launcher.name, self.node_runtime.reason, isolation.describe())
         identity = replace(
             identity,
             secrets_public_key=bytes(self.secrets_key.public_key),
             runtime=launcher.name,
+            runtime_reason=self.node_runtime.reason,
             isolation=isolation.kind,
             isolation_problem=isolation.problem,
         )
+        mesh = self._mesh()
+        if mesh is not None:
+            endpoint = settings.public_endpoint
+            endpoint = endpoint if ":" in endpoint else f"{endpoint}:{MESH_PORT}"
+            identity = replace(identity, wireguard_public_key=mesh.public_key, public_endpoints=(endpoint,))
         await self.view.start()
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -293,6 +327,8 @@ class Agent:
             ]
             if self.forwarder is not None:
                 tasks.append(asyncio.create_task(self._forward(self.forwarder), name="forwarder"))
+            if mesh is not None:
+                tasks.append(asyncio.create_task(mesh.run(self.view), name="mesh"))
             if settings.builder:
                 builder = Builder(
                     self.conn,

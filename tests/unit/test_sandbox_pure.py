@@ -158,6 +158,7 @@ def test_a_previous_layout_is_moved_apart_once(tmp_path: Path) -> None:
     assert not (tmp_path / "security").exists() and not (tmp_path / "nats").exists()
     assert (tmp_path / "control" / "security" / "creds" / "operator.creds").exists()
     assert not (tmp_path / "control" / "security" / "creds" / "builder-local.creds").exists()
+    assert (tmp_path / "agent" / "node.creds").read_text() == "CREDS"  # the node's own, same identity
     assert (tmp_path / "agent" / "instances").is_dir()  # the agent's place already
     assert len(done) == 5 and any("builder-local" in line for line in done)
     assert layout.migrate() == []  # idempotent
