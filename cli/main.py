@@ -136,7 +136,7 @@ def up(
     layout = DataLayout(directory)
     for line in layout.migrate():
         typer.echo(f"data dir: {line}", err=True)
-    if node and (secure or tls or join or advertise):
+    if node and (secure or tls or server or (advertise and not join)):  # a secured node that builds
         refuse_unisolated(allow=allow_unisolated_apps)
     if allow_unisolated_apps:  # the local agent gets it with the rest of this environment
         os.environ["ZATTERA_AGENT_ALLOW_UNISOLATED"] = "1"
@@ -188,7 +188,8 @@ def up(
 def refuse_unisolated(*, allow: bool) -> None:
     """A secured ``zattera up`` on a machine that cannot sandbox apps stops here, with the reason and status 2,
     before starting anything (its agent, a builder, would refuse to run anyway: SECURITY.md "Apps"), unless
-    ``--allow-unisolated-apps``."""
+    ``--allow-unisolated-apps``. A joining worker's agent decides for itself (its containers may isolate
+    its apps)."""
     from services.agent.sandbox import IsolationRefused, Support, decide_isolation, probe_now
     from services.agent.settings import AgentSettings
 

@@ -113,7 +113,7 @@ def reports(spied: Spied) -> list[tuple[str, dict[str, Any]]]:
 
 
 def test_zattera_up_says_apps_are_sandboxed_and_nodes_list_shows_it(spied: Spied) -> None:
-    assert "apps:      sandboxed (bubblewrap namespaces" in spied.up.text()
+    assert "apps: sandboxed (bubblewrap namespaces" in spied.up.text()  # the agent's runtime note
     nodes = json.loads(spied.up.cli("nodes", "list", "--json").stdout)
     assert [(n.get("isolation"), n.get("isolationProblem", "")) for n in nodes] == [("sandbox", "")]
 
