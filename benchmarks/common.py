@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,20 @@ def embedded_server(prefix: str = "zattera-bench-") -> Iterator[EmbeddedNats]:
             yield server
         finally:
             server.stop()
+
+
+async def listening(port: int, timeout: float = 30.0, poll: float = 0.002) -> None:
+    """Until something accepts a connection on 127.0.0.1:``port`` (TimeoutError after ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {port}") from None
+            await asyncio.sleep(poll)
 
 
 def format_value(value: float) -> str:

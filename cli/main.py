@@ -6,6 +6,7 @@ the app from the command groups (``cli/*_cmds.py``, one module per group) and ho
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -25,6 +26,7 @@ from cli.events_cmds import events
 from cli.images_cmds import images_app
 from cli.inspect_cmds import ps, routes
 from cli.jobs_cmds import jobs_app, run_command
+from cli.layout import DataLayout
 from cli.logs_cmds import logs
 from cli.machine_cmds import machine_up
 from cli.network_cmds import network
@@ -115,6 +117,12 @@ def up(
     metrics_port: int = typer.Option(
         DEFAULT_METRICS_PORT, min=0, max=65535, help="Prometheus metrics from this port up, one per process; 0 = off"
     ),
+    allow_unisolated_apps: bool = typer.Option(
+        False,
+        "--allow-unisolated-apps",
+        help="with --secure on a machine that cannot sandbox apps: run them anyway, able to read the node's"
+        " files and credential (SECURITY.md)",
+    ),
     join: str = typer.Option(
         "", "--join", help="join a cluster with a token of `zattera nodes join-token` (docs/cluster.md)"
     ),
@@ -125,6 +133,13 @@ def up(
     """Start the whole single-machine cluster: embedded NATS and every service, until Ctrl-C. With --name and
     --advertise, the first machine of a cluster of machines; with --join TOKEN, another one."""
     directory = (data_dir or settings().data_dir).resolve()
+    layout = DataLayout(directory)
+    for line in layout.migrate():
+        typer.echo(f"data dir: {line}", err=True)
+    if node and (secure or tls or server or (advertise and not join)):  # a secured node that builds
+        refuse_unisolated(allow=allow_unisolated_apps)
+    if allow_unisolated_apps:  # the local agent gets it with the rest of this environment
+        os.environ["ZATTERA_AGENT_ALLOW_UNISOLATED"] = "1"
     if join or advertise:
         raise typer.Exit(machine_up(directory, join, server=server, name=name, advertise=advertise, tls=tls))
     proxy_host = DEFAULT_PROXY_HOST
@@ -168,6 +183,25 @@ def up(
         all_in_one=all_in_one,
     )
     raise typer.Exit(run_up(cluster))
+
+
+def refuse_unisolated(*, allow: bool) -> None:
+    """A secured ``zattera up`` on a machine that cannot sandbox apps stops here, with the reason and status 2,
+    before starting anything (its agent, a builder, would refuse to run anyway: SECURITY.md "Apps"), unless
+    ``--allow-unisolated-apps``. A joining worker's agent decides for itself (its containers may isolate
+    its apps)."""
+    from services.agent.sandbox import IsolationRefused, Support, decide_isolation, probe_now
+    from services.agent.settings import AgentSettings
+
+    cfg = AgentSettings()
+    support = probe_now(cfg.sandbox_bwrap) if cfg.sandbox != "off" else Support(problem="turned off")
+    try:
+        decide_isolation(
+            runtime="process", mode=cfg.sandbox, support=support, secured=True, allow_unisolated=allow, what="apps"
+        )
+    except IsolationRefused as exc:
+        typer.echo(f"error: zattera up: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 # The order of registration is the order of `zattera --help`.

@@ -23,7 +23,7 @@ nodes_app.command("remove")(nodes_remove)
 
 @nodes_app.command("list")
 def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
-    """Every registered node with its status, capacity and reservations."""
+    """Every registered node with its status, capacity, reservations and how it isolates apps."""
     set_output(json, wide)
 
     async def go() -> None:
@@ -43,6 +43,7 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                         "yes" if n.schedulable else "cordoned",
                         n.os_arch,
                         n.runtime or "process",
+                        isolation_text(n),
                         f"{cpu}/{n.capacity.cpu_millis or '∞'} m",
                         f"{mem}/{n.capacity.memory_mb or '∞'} MB",
                         ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
@@ -57,6 +58,7 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                     "schedulable",
                     "platform",
                     "runtime",
+                    Col("isolation", wrap=True),
                     "cpu",
                     "memory",
                     Col("labels", wrap=True),
@@ -65,6 +67,13 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
             )
 
     run(go)
+
+
+def isolation_text(node: pb.Node) -> str:
+    """How the node isolates its apps (SECURITY.md "Apps"); "?" for an agent too old to say."""
+    if node.isolation == "none":
+        return f"none ({node.isolation_problem})" if node.isolation_problem else "none"
+    return node.isolation or "?"
 
 
 def _edit_node(node_id: str, change: NodeChange, labels: dict[str, str] | None = None) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from cli.client import connect_cli, run
+from cli.layout import NODE_CREDS, PROXY_CREDS, DataLayout
 from cli.up import LOCAL_NODE, Cluster, Supervised, run_up
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.embedded import SERVER_DIR
@@ -49,12 +50,18 @@ def secure_up(
     nats_cluster: int = 1,
 ) -> int:
     """``zattera up`` with operator-mode auth (and TLS): every service runs with the control credential, the
-    local agent with a builder credential and the local proxy with a proxy credential of its own. With
-    ``nats_cluster`` > 1 every server of the cluster gets the same accounts and TLS, and their routes are
-    authenticated (and TLS, verified both ways, with ``tls``)."""
-    setup = prepare(data_dir / "security", tls=tls)
+    local agent with a builder credential and the local proxy with a proxy credential of its own, each kept
+    in its own directory (``cli/layout.py``), not among the control plane's files. With ``nats_cluster`` > 1
+    every server of the cluster gets the same accounts and TLS, and their routes are authenticated (and TLS,
+    verified both ways, with ``tls``)."""
+    layout = DataLayout(data_dir)
+    setup = prepare(layout.security, tls=tls)
     ca = str(setup.tls_ca or "")
-    join = Supervised("join", [sys.executable, "-m", "services.join"], data_dir / "logs" / "join.log", {})
+    join = Supervised("join", [sys.executable, "-m", "services.join"], layout.logs / "join.log", {})
+    node_creds = {
+        "agent": str(setup.issue(Role.BUILDER, LOCAL_NODE, layout.agent / NODE_CREDS)),
+        "proxy": str(setup.issue(Role.PROXY, LOCAL_NODE, layout.proxy / PROXY_CREDS)),
+    }
     cluster = Cluster(
         data_dir=data_dir,
         port=port,
@@ -64,7 +71,7 @@ def secure_up(
         nats_cluster=nats_cluster,
         creds=str(setup.control_creds),
         tls_ca=ca,
-        node_creds=setup.local_node_creds(LOCAL_NODE),
+        node_creds=node_creds,
         proxy_port=proxy_port,
         proxy_host=proxy_host,
         proxy_tls_listen=proxy_tls_listen,
@@ -86,14 +93,14 @@ def join_token(
     server: bool = typer.Option(
         False, "--server", help="for a server machine (zattera up --join T --server); run on a server machine"
     ),
-    data_dir: Path = typer.Option(None, help="with --server: holds security/ (default: $ZATTERA_DATA_DIR)"),
+    data_dir: Path = typer.Option(None, help="with --server: holds control/security/ (default: $ZATTERA_DATA_DIR)"),
 ) -> None:
     """Print a single-use, expiring token: for `zattera up --join TOKEN [--server]` (it names the cluster's
     servers and CA) or an agent's --join-token."""
     seconds = parse_duration(ttl) if ttl else DEFAULT_TTL
     secret = bundle = ""
     if server:
-        directory = (data_dir or settings().data_dir).resolve() / "security"
+        directory = security_directory(data_dir)
         if not (directory / "accounts.json").exists():
             typer.echo(f"error: --server: no security setup in {directory} (run it on a server machine)", err=True)
             raise typer.Exit(1)
@@ -116,14 +123,22 @@ def join_token(
         raise typer.Exit(1) from None
 
 
+def security_directory(data_dir: Path | None) -> Path:
+    """``<data dir>/control/security`` (``cli/layout.py``), or ``<data dir>/security`` of a data dir no
+    ``zattera up`` has moved to that layout yet."""
+    layout = DataLayout((data_dir or settings().data_dir).resolve())
+    old = layout.root / "security"
+    return old if not layout.security.exists() and old.exists() else layout.security
+
+
 @security_app.command("creds")
 def issue_creds(
     role: Role = typer.Argument(..., help="control, operator, agent, builder or proxy"),
     name: str = typer.Argument(..., help="the node id of an agent, the proxy id of a proxy, any label otherwise"),
-    data_dir: Path = typer.Option(None, help="holds security/ (default: $ZATTERA_DATA_DIR)"),
+    data_dir: Path = typer.Option(None, help="holds control/security/ (default: $ZATTERA_DATA_DIR)"),
 ) -> None:
     """Issue a credentials file signed by the role's scoped key; prints its path."""
-    directory = (data_dir or settings().data_dir).resolve() / "security"
+    directory = security_directory(data_dir)
     if not (directory / "accounts.json").exists():
         typer.echo(f"error: no security setup in {directory} (run zattera up --secure first)", err=True)
         raise typer.Exit(1)
@@ -133,10 +148,10 @@ def issue_creds(
 @security_app.command("revoke")
 def revoke(
     user_public_key: str = typer.Argument(..., help="the U… key of the credential (its JWT 'sub')"),
-    data_dir: Path = typer.Option(None, help="holds security/ (default: $ZATTERA_DATA_DIR)"),
+    data_dir: Path = typer.Option(None, help="holds control/security/ (default: $ZATTERA_DATA_DIR)"),
 ) -> None:
     """Revoke a user credential: rewrites the account JWT; restart (or reload) nats-server to apply."""
-    directory = (data_dir or settings().data_dir).resolve() / "security"
+    directory = security_directory(data_dir)
     authority = Authority.load(directory)
     authority.revoke(user_public_key)
     authority.save(directory)

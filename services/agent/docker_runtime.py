@@ -298,6 +298,9 @@ class _LogCursor:
 class ContainerHandle:
     """One instance container: its exit, stop, output followers and daemon stats."""
 
+    sandbox_uid = 0
+    """Not a process sandbox: the daemon isolates it."""
+
     def __init__(self, container: DockerContainer, state: Mapping[str, Any], instance_dir: Path) -> None:
         self._container = container
         self.id: str = container.id
@@ -664,6 +667,9 @@ class DockerLauncher:
                 with contextlib.suppress(aiodocker.DockerError):
                     await container.delete(force=True)
         await self.prune_images()
+
+    def retain_tenants(self, tenants: set[str]) -> None:
+        return None  # containers run as the image's user or nobody: no user per tenant to forget
 
     async def prune_images(self) -> None:
         """Derived images no container uses (the daemon refuses to remove one in use anyway)."""

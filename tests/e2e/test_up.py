@@ -13,7 +13,7 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -31,8 +31,18 @@ ENV = "demo/hello/production"
 class Up:
     """One ``zattera up`` run as a subprocess (its own process group, as a terminal would start it)."""
 
-    def __init__(self, data_dir: Path, nats_port: int, proxy_port: int, *, through_tee: bool = False) -> None:
-        """``through_tee``: run as ``zattera up 2>&1 | tee FILE`` in a shell (:meth:`ctrl_c_group`)."""
+    def __init__(
+        self,
+        data_dir: Path,
+        nats_port: int,
+        proxy_port: int,
+        *,
+        through_tee: bool = False,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """``through_tee``: run as ``zattera up 2>&1 | tee FILE`` in a shell (:meth:`ctrl_c_group`); ``args``:
+        more options; ``env``: more variables (after every ``ZATTERA_*`` of the test's own is dropped)."""
         self.data_dir = data_dir
         self.nats_port = nats_port
         self.proxy_port = proxy_port
@@ -45,8 +55,9 @@ class Up:
         }
         for name in [k for k in self.env if k.startswith("ZATTERA_")]:
             del self.env[name]
+        self.env.update(env or {})
         ports = ["--port", str(nats_port), "--proxy-port", str(proxy_port)]
-        argv = [*cli_argv(), "up", "--data-dir", str(data_dir), *ports]
+        argv = [*cli_argv(), "up", "--data-dir", str(data_dir), *ports, *args]
         if through_tee:
             argv = ["/bin/sh", "-c", f"{shlex.join(argv)} 2>&1 | tee {shlex.quote(str(self.output))}"]
         with open(self.output, "wb") as sink:
@@ -83,15 +94,21 @@ class Up:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    def cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    def cli(self, *args: str, timeout: float = 120.0, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        """``zattera ARGS`` against this cluster (as its operator on a secured one), which must succeed."""
+        env = {**self.env, "ZATTERA_NATS_URL": self.url}
+        creds = re.search(r"ZATTERA_NATS_CREDS=(\S+)", self.text().replace("\n", ""))
+        if creds:
+            env["ZATTERA_NATS_CREDS"] = creds.group(1)
         done = subprocess.run(
             [*cli_argv(), *args],
             cwd=ROOT,
-            env={**self.env, "ZATTERA_NATS_URL": self.url},
+            env=env,
             capture_output=True,
             text=True,
             timeout=timeout,
             check=False,
+            input=stdin,
         )
         assert done.returncode == 0, f"zattera {' '.join(args)}: {done.returncode}\n{done.stdout}\n{done.stderr}"
         return done
