@@ -17,7 +17,9 @@ from cli.options import JSON, WIDE, set_output
 from cli.render import Col
 from cli.security_cmds import join_token
 from shared import keys as K
+from shared.natsio import recorded_config
 from shared.node_changes import NodeChange, NodeChangeRefused, change_node
+from shared.skew import node_version_note
 
 nodes_app = typer.Typer(no_args_is_help=True, help="Machines: list, label, cordon, drain.")
 nodes_app.command("join-token")(join_token)
@@ -25,7 +27,8 @@ nodes_app.command("join-token")(join_token)
 
 @nodes_app.command("list")
 def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
-    """Every registered node with its status, capacity and reservations."""
+    """Every registered node with its status, version (beside it: "behind", one release behind the cluster;
+    "too old"; "newer", its control plane not upgraded yet), capacity and reservations."""
     set_output(json, wide)
 
     async def go() -> None:
@@ -34,9 +37,12 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
             if render.json_mode():
                 render.messages(nodes)
                 return
+            recorded = await recorded_config(c.conn.js)
+            cluster = recorded.version if recorded is not None else ""
             rows = []
             for n in nodes:
                 cpu, mem = c.view.reserved(n.meta.id)
+                note = node_version_note(n.binary_version, cluster)
                 rows.append(
                     [
                         n.meta.id,
@@ -45,6 +51,7 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                         "yes" if n.schedulable else "cordoned",
                         n.os_arch,
                         n.runtime or "process",
+                        f"{n.binary_version or '?'}{f' ({note})' if note else ''}",
                         f"{cpu}/{n.capacity.cpu_millis or '∞'} m",
                         f"{mem}/{n.capacity.memory_mb or '∞'} MB",
                         ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
@@ -59,6 +66,7 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                     "schedulable",
                     "platform",
                     "runtime",
+                    "version",
                     "cpu",
                     "memory",
                     Col("labels", wrap=True),

@@ -403,10 +403,20 @@ def _port_free(port: int) -> bool:
     return True
 
 
-async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int = 1) -> None:
+REFUSED_EXIT = 2
+"""The provisioning child's status when this version may not run on the cluster (it said why on stderr)."""
+
+
+async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int = 1) -> int:
+    """Create what is missing, then bring the cluster to this code's schema, saying on stderr which
+    migrations ran (docs/upgrades.md); :data:`REFUSED_EXIT` when this version may not run on it."""
     import asyncio
 
+    from shared.events import EventPublisher
+    from shared.lease import default_holder
+    from shared.migrations.runner import MigrationFailed, upgrade
     from shared.natsio import connect, provision
+    from shared.skew import SkewRefused
 
     conn = await connect(url, name="zattera-up", creds=creds or None, tls_ca=tls_ca or None)
     try:
@@ -414,12 +424,23 @@ async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int 
         while True:
             try:
                 await asyncio.wait_for(provision(conn.js, replicas=replicas), 5.0)
-                return
+                break
             except Exception:
                 # a fresh cluster elects its JetStream meta leader first; a single server answers at once
                 if replicas == 1 or time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.5)
+        try:
+            await upgrade(
+                conn,
+                holder=default_holder("zattera-up"),
+                progress=lambda line: print(line, file=sys.stderr, flush=True),
+                events=EventPublisher(conn),
+            )
+        except (SkewRefused, MigrationFailed) as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return REFUSED_EXIT
+        return 0
     finally:
         await conn.close()
 
@@ -436,6 +457,8 @@ def provision_in_child(cluster: Cluster) -> None:
     given = {"url": cluster.url, "creds": cluster.creds, "tls_ca": cluster.tls_ca, "replicas": cluster.replicas}
     env = {**os.environ, PROVISION_ENV: json.dumps(given)}
     done = subprocess.run([sys.executable, "-m", "cli.up"], env=env, cwd=PROJECT_ROOT, check=False)
+    if done.returncode == REFUSED_EXIT:
+        raise SystemExit(REFUSED_EXIT)  # the child said why, in one line
     if done.returncode != 0:
         raise SystemExit(f"provisioning the streams and buckets at {cluster.url} failed (exit {done.returncode})")
 
@@ -520,8 +543,7 @@ def main() -> None:
     if PROVISION_ENV in os.environ:
         import asyncio
 
-        asyncio.run(_provision(**json.loads(os.environ.pop(PROVISION_ENV))))
-        return
+        sys.exit(asyncio.run(_provision(**json.loads(os.environ.pop(PROVISION_ENV)))))
     given = json.loads(os.environ.pop(CLUSTER_ENV))
     sys.exit(supervise(Cluster.from_config(given["cluster"]), hint=given["hint"]))
 

@@ -512,7 +512,9 @@ class ClusterConfig:
         return cls.from_metadata(state.metadata or {}, state.num_replicas or 1, state.subject_delete_marker_ttl)
 
     @classmethod
-    def from_metadata(cls, meta: dict[str, str], replicas: int = 1, tombstone_ttl: float | None = None) -> ClusterConfig:
+    def from_metadata(
+        cls, meta: dict[str, str], replicas: int = 1, tombstone_ttl: float | None = None
+    ) -> ClusterConfig:
         """The configuration in a state stream's metadata; ``replicas`` and ``tombstone_ttl`` (the stream's
         own) describe a cluster provisioned before it was recorded."""
         if f"{CONFIG_METADATA_PREFIX}replicas" not in meta:
@@ -778,8 +780,17 @@ async def provision(
             report.mismatches.append(
                 f"{object_store_stream(bucket)}: num_replicas is {have_replicas}, recorded {config.replicas}"
             )
-    for mismatch in report.mismatches:
-        log.warning("cluster configuration mismatch (not applied): %s", mismatch)
+    if config.schema < SCHEMA and report.mismatches:
+        # The upgrade that follows provisioning (shared/migrations) changes what its migrations change.
+        log.info(
+            "cluster at schema %d, this code's is %d: differences before the upgrade: %s",
+            config.schema,
+            SCHEMA,
+            "; ".join(report.mismatches),
+        )
+    else:
+        for mismatch in report.mismatches:
+            log.warning("cluster configuration mismatch (not applied): %s", mismatch)
     return report
 
 

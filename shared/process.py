@@ -24,12 +24,17 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from nats.errors import Error as NatsError
+
 from shared.backoff import exponential
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
-from shared.natsio import Connection, connect
+from shared.migrations.registry import SCHEMA
+from shared.natsio import Connection, connect, recorded_config
 from shared.settings import Settings, settings
+from shared.skew import Component, SkewRefused, Verdict, judge
 from shared.tasks import cancel_and_wait
 from shared.telemetry import setup as setup_telemetry
+from shared.version import VERSION
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +153,31 @@ class Process:
             self.stop, attempt, what=f"{self.name}: {what}", retry_on=retry_on, fatal=fatal, level=level
         )
 
+    async def await_compatible(self, conn: Connection, component: Component, poll: float = 2.0) -> bool:
+        """Wait until the cluster's recorded schema and version let ``component`` of this version run
+        (``shared/skew.py``): True to go on, False when stopped first. One line says why it waits (a cluster
+        the control plane has not upgraded yet) or runs one release behind; :class:`SkewRefused` when it
+        may not run at all (too old)."""
+        said = ""
+        while not self.stop.is_set():
+            recorded = await self.retry(
+                lambda: recorded_config(conn.js),
+                what="reading the cluster's version",
+                retry_on=(NatsError, TimeoutError, OSError),
+            )
+            if recorded is not None:  # None: stopped, or no cluster yet (its init comes first)
+                skew = judge(component, VERSION, SCHEMA, recorded.version, recorded.schema)
+                if skew.refused:
+                    raise SkewRefused(skew.message)
+                if skew.message and skew.message != said:
+                    said = skew.message
+                    log.warning("%s: %s", self.name, skew.message)
+                if skew.verdict is not Verdict.WAIT:
+                    return True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), poll)
+        return False
+
     async def supervise(self, tasks: Sequence[asyncio.Task[None]], conn: Connection | None = None) -> int:
         """Wait until stopped (exit status 0), ``conn`` closed for good (1: a process left with it is alive
         but deaf) or one of ``tasks`` ending (1: a supervisor restarts the process; 0 would read as a
@@ -210,6 +240,7 @@ async def run_process(
     add_metrics_argument(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
+    log.info("%s: Zattera %s (schema %d) starting", name, VERSION, SCHEMA)
     setup_telemetry(f"zattera-{name}")
     cfg = settings()
     served = serve_metrics(f"zattera-{name}", metrics_port(args.metrics_port, cfg.metrics_port), cfg.metrics_host)

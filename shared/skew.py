@@ -79,9 +79,7 @@ def lines_behind(version: str, cluster: str) -> int | None:
     return theirs[1] - own[1]
 
 
-def judge(
-    component: Component, version: str, schema: int, recorded_version: str, recorded_schema: int
-) -> Skew:
+def judge(component: Component, version: str, schema: int, recorded_version: str, recorded_schema: int) -> Skew:
     """May ``component`` of Zattera ``version`` (schema ``schema``) run against a cluster recorded at
     ``recorded_version`` / ``recorded_schema``?"""
     cluster = cluster_version(recorded_version)
@@ -114,6 +112,33 @@ def judge(
             Verdict.BEHIND,
             f"this {component} (Zattera {version}) is one release behind {where}: allowed while upgrading; "
             f"upgrade it next ({DOCS})",
+        )
+    return Skew(Verdict.OK)
+
+
+def judge_peer(component: Component, version: str, control_version: str) -> Skew:
+    """What a process that writes nothing of the state (a proxy) says about the control plane it hears
+    from (a route snapshot's ``control_version``): it serves either way."""
+    if not control_version:
+        return Skew(Verdict.OK)  # a control plane from before versions were sent: the previous line
+    behind = lines_behind(version, control_version)
+    if behind is None or behind > 1:
+        return Skew(
+            Verdict.TOO_OLD,
+            f"this {component} (Zattera {version}) is too old for its control plane (Zattera {control_version}): "
+            f"upgrade it ({DOCS})",
+        )
+    if behind < 0:
+        return Skew(
+            Verdict.WAIT,
+            f"this {component} (Zattera {version}) is newer than its control plane (Zattera {control_version}): "
+            f"upgrade the control plane first ({DOCS})",
+        )
+    if behind == 1:
+        return Skew(
+            Verdict.BEHIND,
+            f"this {component} (Zattera {version}) is one release behind its control "
+            f"plane (Zattera {control_version}): upgrade it next ({DOCS})",
         )
     return Skew(Verdict.OK)
 

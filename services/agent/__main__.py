@@ -11,6 +11,8 @@ On a secured cluster the agent connects with its node credential (``credentials.
 start with ``--join-token``, or ``ZATTERA_NATS_CREDS``) and verifies the server with
 ``ZATTERA_NATS_TLS_CA``. An authenticated agent does not provision streams (its credential may not): it
 waits until the services have. A refused join token exits with status 2 and the join service's reason.
+An agent too old for the cluster exits with status 2 saying so; one newer than the cluster's schema waits
+for the control plane's upgrade (docs/upgrades.md, version skew).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from services.agent.settings import AgentSettings
 from shared.natsio import STATE_STREAM, provision, provision_options
 from shared.process import Process, run_process
 from shared.security.join import JoinRefused
+from shared.skew import Component, SkewRefused
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -125,6 +128,13 @@ async def run_agent(process: Process) -> int:
                 return 0
         else:
             await provision(conn.js, **provision_options(shared))
+        try:
+            if not await process.await_compatible(conn, Component.AGENT):
+                return 0
+        except SkewRefused as exc:
+            log.error("agent %s: %s", cfg.node_id, exc)
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         tasks.append(asyncio.create_task(Agent(conn, cfg, data_dir, secured=bool(creds)).run()))
         return await process.supervise(tasks, conn)
     finally:

@@ -57,8 +57,10 @@ def listed() -> list[Listed]:
     for expected, migration in enumerate(found, start=1):
         if migration.number != expected:
             others = [m.module for m in found if m.number == migration.number]
-            why = f"two migrations numbered {migration.number}: {', '.join(others)}" if len(others) > 1 else (
-                f"migration {expected} is missing (next is {migration.module})"
+            why = (
+                f"two migrations numbered {migration.number}: {', '.join(others)}"
+                if len(others) > 1
+                else (f"migration {expected} is missing (next is {migration.module})")
             )
             raise RegistryError(f"{why}; renumber the newest (docs/upgrades.md, 'Adding a migration')")
     return found

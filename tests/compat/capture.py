@@ -12,8 +12,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-
-
 VOLATILE = ("created", "metadata")
 """Dropped from a stream's configuration: when it was made, and the metadata (the recorded configuration,
 compared by the tests on its own)."""
