@@ -46,6 +46,9 @@ FIRST_RETRY = 0.2
 LAST_RETRY = 5.0
 SHUTDOWN_GRACE = 10.0
 """Seconds a stopping process is given to cancel its tasks and close its connection."""
+RESTART_SIGNAL = signal.SIGUSR2
+"""Stop to be restarted at once (``zattera up`` rolling its processes onto new code): like SIGTERM, but what
+outlives a restart is kept (:attr:`Process.restarting`)."""
 
 
 def configure_logging(level: str) -> None:
@@ -126,6 +129,9 @@ class Process:
     stop: asyncio.Event
     metrics: bool
     """Whether its metrics endpoint is served."""
+    restarting: bool = False
+    """Stopped by :data:`RESTART_SIGNAL`: to be started again at once (an upgrade rolling over it), so what
+    outlives a restart is kept (an agent's instances, whatever ``--stop-on-exit`` says)."""
 
     @property
     def nats_url(self) -> str:
@@ -245,7 +251,14 @@ async def run_process(
     cfg = settings()
     served = serve_metrics(f"zattera-{name}", metrics_port(args.metrics_port, cfg.metrics_port), cfg.metrics_host)
     stop = asyncio.Event()
+    process = Process(name, args, cfg, stop, metrics=served is not None)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    return await body(Process(name, args, cfg, stop, metrics=served is not None))
+
+    def restart() -> None:
+        process.restarting = True
+        stop.set()
+
+    loop.add_signal_handler(RESTART_SIGNAL, restart)
+    return await body(process)

@@ -5,7 +5,7 @@
 Every flag has a ``ZATTERA_AGENT_*`` setting (``services/agent/settings.py``); the NATS URL and the data
 dir default to ``ZATTERA_NATS_URL`` and ``ZATTERA_DATA_DIR`` (``<data>/agent-<node id>`` then).
 SIGTERM/SIGINT stop the agent; its instances keep running for the next run to adopt unless
-``--stop-on-exit``.
+``--stop-on-exit`` (SIGUSR2, a stop to be restarted at once, keeps them whatever it says).
 
 On a secured cluster the agent connects with its node credential (``credentials.py``: stored by a first
 start with ``--join-token``, or ``ZATTERA_NATS_CREDS``) and verifies the server with
@@ -112,6 +112,8 @@ async def run_agent(process: Process) -> int:
     tasks: list[asyncio.Task[None]] = []
 
     async def shutdown() -> None:
+        if process.restarting:  # restarted at once (an upgrade): its instances stay for it to adopt
+            cfg.stop_on_exit = False
         await cancel_and_wait(*tasks)
         await conn.close()
 

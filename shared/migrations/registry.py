@@ -42,18 +42,21 @@ class Listed:
         return f"{self.number:04d} {self.name.replace('_', '-')}"
 
 
-def _found() -> list[Listed]:
+HERE = Path(__file__).parent
+
+
+def _found(directory: Path = HERE) -> list[Listed]:
     found = []
-    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+    for info in pkgutil.iter_modules([str(directory)]):
         match = MODULE_NAME.match(info.name)
         if match:
             found.append(Listed(int(match.group(1)), match.group(2), f"{PACKAGE}.{info.name}"))
     return sorted(found, key=lambda m: (m.number, m.name))
 
 
-def listed() -> list[Listed]:
+def listed(directory: Path = HERE) -> list[Listed]:
     """Every migration module in number order; :class:`RegistryError` when numbers repeat or leave a gap."""
-    found = _found()
+    found = _found(directory)
     for expected, migration in enumerate(found, start=1):
         if migration.number != expected:
             others = [m.module for m in found if m.number == migration.number]
