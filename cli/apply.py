@@ -26,8 +26,12 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
-from cli.spec import AppSpec, Build, Env, PolicyChange, middleware, service_spec, to_duration
+from cli.spec import AppSpec, Build, Env, middleware, service_spec, to_duration
 from shared import keys as K
+from shared.actions.names import env_label, find_app, find_env, find_project
+from shared.actions.names import env_path as env_path  # re-exported: the CLI's commands name envs this way
+from shared.actions.names import resolve_env as resolve_env
+from shared.actions.volumes import with_policy
 from shared.appconfig import ConfigError, check_env_size, secret_sizes, with_vars
 from shared.clock import stamp
 from shared.ids import new_id
@@ -137,63 +141,6 @@ def _copy(msg: Message) -> Message:
     fresh = type(msg)()
     fresh.CopyFrom(msg)
     return fresh
-
-
-def find_project(view: StateReader, name: str) -> pb.Project | None:
-    return next((p for p in view.all(K.PROJECT) if p.name == name), None)
-
-
-def find_app(view: StateReader, project_id: str, name: str) -> pb.App | None:
-    return next((a for a in view.all(K.APP) if a.project_id == project_id and a.name == name), None)
-
-
-def find_env(view: StateReader, app_id: str, name: str) -> pb.Environment | None:
-    return next((e for e in view.envs() if e.app_id == app_id and e.name == name), None)
-
-
-def resolve_env(view: StateReader, ref: str) -> pb.Environment | None:
-    """An environment by id or by ``project/app/env`` names."""
-    env = view.env(ref)
-    if env is not None:
-        return env
-    parts = ref.split("/")
-    if len(parts) != 3:
-        return None
-    project = find_project(view, parts[0])
-    app = find_app(view, project.meta.id, parts[1]) if project else None
-    return find_env(view, app.meta.id, parts[2]) if app else None
-
-
-def with_policy(volume: pb.Volume, change: PolicyChange, now: float) -> pb.Volume | None:
-    """``volume`` with ``change`` applied to its snapshot policy (``updated_at`` stamped), or None when it
-    would change nothing. Shared by ``zattera apps apply`` and ``zattera volumes policy``."""
-    policy = pb.SnapshotPolicy()
-    policy.CopyFrom(volume.snapshot_policy)
-    if change.schedule is not None:
-        policy.schedule = change.schedule
-    if change.keep_last is not None:
-        policy.keep_last = change.keep_last
-    if change.pre_hook is not None:
-        policy.pre_hook = change.pre_hook
-    if policy == volume.snapshot_policy:
-        return None
-    updated = pb.Volume()
-    updated.CopyFrom(volume)
-    updated.snapshot_policy.CopyFrom(policy)
-    stamp(updated.meta.updated_at, now)
-    return updated
-
-
-def env_path(view: StateReader, env: pb.Environment) -> str:
-    project = view.project(env.project_id)
-    app = view.app(env.app_id)
-    return f"{project.name if project else '?'}/{app.name if app else '?'}/{env.name}"
-
-
-def env_label(view: StateReader, env_id: str) -> str:
-    """``project/app/env`` of an environment id; the id itself when the environment is gone."""
-    env = view.env(env_id)
-    return env_path(view, env) if env is not None else env_id
 
 
 def plan(view: StateReader, writer: Writer, spec: AppSpec, now: float | None = None) -> tuple[Txn, ApplyResult]:

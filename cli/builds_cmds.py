@@ -6,11 +6,11 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.apply import env_label
 from cli.client import Control, control, err, fail, run
 from cli.options import JSON, WIDE, set_output
 from cli.render import Col
 from shared import keys as K
+from shared.actions.names import env_label
 
 builds_app = typer.Typer(no_args_is_help=True, help="Builds and their logs.")
 

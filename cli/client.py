@@ -23,6 +23,8 @@ from nats.js.errors import APIError, NotFoundError
 from rich.console import Console
 
 from cli import contexts
+from shared.actions.context import ActionContext
+from shared.actions.refusals import ActionRefused, Refusal
 from shared.errors import ZatteraError
 from shared.migrations.registry import SCHEMA
 from shared.natsio import STATE_STREAM, ClusterUnavailable, Connection, TooManySubjects, connect, recorded_config
@@ -37,6 +39,7 @@ T = TypeVar("T")
 
 err = Console(stderr=True, soft_wrap=True)  # messages are never cut at 80 columns in a pipe
 
+OPERATOR = "operator"
 REQUEST_DEADLINE = 15.0
 """How long a CLI request waits for JetStream across a server loss and a leader election."""
 
@@ -52,8 +55,21 @@ class ExitCode(IntEnum):
     INTERRUPTED = 130
 
 
-class ClusterNotInitialised(Exception):
+class ClusterNotInitialised(ZatteraError):
     pass
+
+
+FIELD_LABELS = {
+    "env": "--env",
+    "job_id": "JOB_ID",
+    "hostname": "hostname",
+    "command": "command",
+    "schedule": "--schedule",
+    "keep_last": "--keep-last",
+}
+"""How the commands spell a refused request field (:meth:`ActionRefused.said_as`)."""
+REFUSAL_EXIT = dict.fromkeys(Refusal, ExitCode.FAILED)
+"""Every refusal exits 1: the message says which kind it is."""
 
 
 @dataclass
@@ -61,6 +77,11 @@ class Control:
     conn: Connection
     view: StateView
     writer: Writer
+
+    @property
+    def actions(self) -> ActionContext:
+        """The context the operator actions (``shared/actions``) run in, acting as :func:`actor`."""
+        return ActionContext(self.conn, self.writer, actor())
 
 
 @dataclass
@@ -94,6 +115,22 @@ def target() -> Target:
 
 def nats_url() -> str:
     return target().urls
+
+
+def actor() -> str:
+    """Who the CLI acts as, in events and records: ``operator``, or ``operator:<name>`` with a credential
+    whose user JWT names its holder."""
+    creds = target().creds
+    if not creds:
+        return OPERATOR
+    from shared.security.creds import read_user_jwt
+    from shared.security.nkeyjwt import decode_claims
+
+    try:
+        name = decode_claims(read_user_jwt(creds)).get("name", "")
+    except (OSError, ValueError):
+        return OPERATOR
+    return f"{OPERATOR}:{name}" if name else OPERATOR
 
 
 async def connect_cli(name: str = "zattera-cli") -> Connection:
@@ -208,6 +245,8 @@ def run(fn: Callable[[], Awaitable[T]]) -> T:
             f"check before retrying. Servers: {nats_url()}",
             ExitCode.UNAVAILABLE,
         ) from None
+    except ActionRefused as exc:
+        raise fail(exc.said_as(FIELD_LABELS), REFUSAL_EXIT[exc.kind]) from None
     except APIError as exc:
         raise fail(f"NATS refused the request: {exc.description} (code {exc.err_code})") from None
     except (nats.errors.Error, TimeoutError, ConnectionError) as exc:

@@ -6,12 +6,12 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.apply import env_label
 from cli.client import control, fail, run
 from cli.env_cmds import placement_status, print_unplaced
 from cli.options import JSON, WIDE, env_or_fail, set_output
 from cli.render import Col
 from shared import keys as K
+from shared.actions.names import env_label
 from shared.applogs import describe_exit
 
 

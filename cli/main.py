@@ -26,6 +26,7 @@ from cli.images_cmds import images_app
 from cli.inspect_cmds import ps, routes
 from cli.jobs_cmds import jobs_app, run_command
 from cli.logs_cmds import logs
+from cli.machine_cmds import machine_up
 from cli.network_cmds import network
 from cli.nodes_cmds import nodes_app
 from cli.registry_cmds import registry_app
@@ -114,13 +115,22 @@ def up(
     metrics_port: int = typer.Option(
         DEFAULT_METRICS_PORT, min=0, max=65535, help="Prometheus metrics from this port up, one per process; 0 = off"
     ),
+    join: str = typer.Option(
+        "", "--join", help="join a cluster with a token of `zattera nodes join-token` (docs/cluster.md)"
+    ),
+    server: bool = typer.Option(False, "--server", help="with --join: a server machine (NATS, control plane, node)"),
+    name: str = typer.Option("", "--name", help="this machine's node id (several machines: docs/cluster.md)"),
+    advertise: str = typer.Option("", "--advertise", help="the address other machines reach this one at"),
 ) -> None:
-    """Start the whole single-machine cluster: embedded NATS and every service, until Ctrl-C. Run while it
+    """Start the whole single-machine cluster: embedded NATS and every service, until Ctrl-C. With --name and
+    --advertise, the first machine of a cluster of machines; with --join TOKEN, another one. Run while it
     runs (after `git pull`), it rolls the running processes onto the code installed now, apps untouched."""
     directory = (data_dir or settings().data_dir).resolve()
     running = running_supervisor(directory)
     if running is not None:
         raise typer.Exit(request_roll(directory, running))
+    if join or advertise:
+        raise typer.Exit(machine_up(directory, join, server=server, name=name, advertise=advertise, tls=tls))
     proxy_host = DEFAULT_PROXY_HOST
     if proxy_listen:
         try:
@@ -135,8 +145,6 @@ def up(
         if proxy_tls_listen == DEFAULT_PROXY_TLS_LISTEN and proxy_host != tls_host:
             # --proxy-listen 127.0.0.1:… keeps the proxy on this machine: HTTPS too, unless told otherwise.
             proxy_tls_listen = f"[{proxy_host}]:{tls_port}" if ":" in proxy_host else f"{proxy_host}:{tls_port}"
-    if (secure or tls) and nats_cluster > 1:
-        raise typer.BadParameter("--secure/--tls run one NATS server; drop --nats-cluster", param_hint="--nats-cluster")
     if secure or tls:
         raise typer.Exit(
             secure_up(
@@ -149,6 +157,7 @@ def up(
                 with_node=node,
                 metrics_port=metrics_port,
                 all_in_one=all_in_one,
+                nats_cluster=nats_cluster,
             )
         )
     cluster = Cluster(

@@ -9,9 +9,9 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.apply import env_path, resolve_env
 from cli.client import OPTIONS, control, fail, run
 from services.agent.network import served_port
+from shared.actions.names import env_path, resolve_env
 from shared.state.reader import StateReader
 
 

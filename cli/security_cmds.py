@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import typer
@@ -12,8 +13,10 @@ import typer
 from cli.client import connect_cli, run
 from cli.up import LOCAL_NODE, Cluster, Supervised, run_up
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
+from shared.embedded import SERVER_DIR
 from shared.security.authority import Authority
-from shared.security.join import DEFAULT_TTL, JoinRefused, request_join_token
+from shared.security.join import DEFAULT_TTL, JoinRefused, new_secret, request_join_token
+from shared.security.machines import seal_bundle
 from shared.security.permissions import Role
 from shared.security.setup import prepare
 from shared.settings import settings
@@ -43,9 +46,12 @@ def secure_up(
     with_node: bool = True,
     metrics_port: int = 0,
     all_in_one: bool = True,
+    nats_cluster: int = 1,
 ) -> int:
     """``zattera up`` with operator-mode auth (and TLS): every service runs with the control credential, the
-    local agent with a builder credential and the local proxy with a proxy credential of its own."""
+    local agent with a builder credential and the local proxy with a proxy credential of its own. With
+    ``nats_cluster`` > 1 every server of the cluster gets the same accounts and TLS, and their routes are
+    authenticated (and TLS, verified both ways, with ``tls``)."""
     setup = prepare(data_dir / "security", tls=tls)
     ca = str(setup.tls_ca or "")
     join = Supervised("join", [sys.executable, "-m", "services.join"], data_dir / "logs" / "join.log", {})
@@ -53,7 +59,9 @@ def secure_up(
         data_dir=data_dir,
         port=port,
         extra=[join],
-        nats_extra_config=setup.server_config(),
+        nats_extra_config=setup.server_config(resolver_dir=f"{SERVER_DIR}/jwt"),
+        nats_routes=asdict(setup.route_security()) if nats_cluster > 1 else {},
+        nats_cluster=nats_cluster,
         creds=str(setup.control_creds),
         tls_ca=ca,
         node_creds=setup.local_node_creds(LOCAL_NODE),
@@ -75,14 +83,29 @@ def join_token(
     ttl: str = typer.Option("1h", help="how long the token stays valid (e.g. 30m, 2h, 1d; at most 7d)"),
     node: str = typer.Option("", help="bind the token to this node id (required to re-join an existing node)"),
     builder: bool = typer.Option(False, help="the node may also run builds and push images"),
+    server: bool = typer.Option(
+        False, "--server", help="for a server machine (zattera up --join T --server); run on a server machine"
+    ),
+    data_dir: Path = typer.Option(None, help="with --server: holds security/ (default: $ZATTERA_DATA_DIR)"),
 ) -> None:
-    """Print a single-use, expiring token for an agent's --join-token."""
+    """Print a single-use, expiring token: for `zattera up --join TOKEN [--server]` (it names the cluster's
+    servers and CA) or an agent's --join-token."""
     seconds = parse_duration(ttl) if ttl else DEFAULT_TTL
+    secret = bundle = ""
+    if server:
+        directory = (data_dir or settings().data_dir).resolve() / "security"
+        if not (directory / "accounts.json").exists():
+            typer.echo(f"error: --server: no security setup in {directory} (run it on a server machine)", err=True)
+            raise typer.Exit(1)
+        secret = new_secret()
+        bundle = seal_bundle(secret, directory)
 
     async def issue() -> str:
         conn = await connect_cli()
         try:
-            return await request_join_token(conn, ttl=seconds, node_id=node, builder=builder)
+            return await request_join_token(
+                conn, ttl=seconds, node_id=node, builder=builder, server_secret=secret, server_bundle=bundle
+            )
         finally:
             await conn.close()
 

@@ -29,10 +29,13 @@ from pathlib import Path
 from typing import IO, Any, NoReturn
 
 from rich.console import Console
+from rich.markup import escape
 
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import choose_engine, split_listen
-from shared.embedded import EmbeddedNats, EmbeddedNatsError, free_port, start_cluster
+from shared.backoff import exponential
+from shared.embedded import EmbeddedNats, EmbeddedNatsError, RouteSecurity, free_port, start_cluster
+from shared.runtime_note import RUNTIME_NOTE, RuntimeNote, read_runtime_note
 from shared.subprocesses import spawn_logged
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs", "console")
@@ -41,6 +44,9 @@ ALL_IN_ONE = "control-plane"
 ALL_IN_ONE_SERVICES = frozenset((*SERVICES, "join"))
 LOCAL_NODE = "local"
 DEFAULT_METRICS_PORT = 9400
+RESTART_FIRST = 0.5
+"""Seconds before a process that died is started again; doubling per restart within a minute of its start."""
+RESTART_MOST = 30.0
 """``zattera up``'s first metrics port: scheduler 9400, orchestrator 9401, … in start order."""
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PID_FILE = "up.pid"
@@ -137,6 +143,8 @@ class Cluster:
     nats_next_start: dict[str, float] = field(default_factory=dict)
     # Secured clusters (cli/security_cmds.py): server auth/TLS config, and the services' credentials.
     nats_extra_config: str = ""
+    # A secured cluster's route credential and route TLS (``RouteSecurity`` as a dict; empty: open routes).
+    nats_routes: dict[str, str] = field(default_factory=dict)
     creds: str = ""
     tls_ca: str = ""
     # The local node's own credentials ("agent", "proxy" → creds file): never the services' control one.
@@ -145,6 +153,12 @@ class Cluster:
     # is replaced by a free one); 0 = off. ``metrics_ports`` maps each process name to its port.
     metrics_port: int = 0
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    # One machine of a cluster of machines (cli/machine.py): its node id, its NATS server (a route member,
+    # or none on a worker, which uses ``machine["servers"]``), the agent's flags and the services' settings.
+    node_id: str = LOCAL_NODE
+    machine: dict[str, Any] = field(default_factory=dict)
+    runtime_note: RuntimeNote | None = None
+    """The local agent's runtime and why, as last printed (:meth:`report_runtime`)."""
     # What the processes run: :func:`code_identity` when they were started (a roll onto the same is a no-op).
     code: str = ""
 
@@ -174,20 +188,46 @@ class Cluster:
     def url(self) -> str:
         if self.cluster_servers:
             return ",".join(s.url for s in self.cluster_servers)
-        assert self.nats is not None
-        return self.nats.url
+        peers = [u for u in self.machine.get("servers", []) if self.nats is None or u != self.nats.url]
+        if self.nats is None:
+            return ",".join(peers)
+        return ",".join([self.nats.url, *peers])
 
     @property
     def replicas(self) -> int:
+        if self.machine:  # one replica until there are servers on other machines (`zattera cluster replicas`)
+            return 1
         return len(self.cluster_servers) or 1
 
     def _launch(self, child: Supervised) -> None:
         child.start(die_with_parent=self.die_with_parent)
 
     def start_nats(self) -> None:
+        if self.machine:
+            if "seats" in self.machine:  # the first server machine: three seats of the JetStream cluster
+                self.cluster_servers = start_cluster(
+                    self.data_dir / "nats-cluster",
+                    die_with_parent=self.die_with_parent,
+                    extra_config=self.nats_extra_config,
+                    routes=RouteSecurity(**self.nats_routes),
+                    **self.machine["seats"],
+                )
+                self.nats = self.cluster_servers[0]
+            elif "nats" in self.machine:
+                self.nats = EmbeddedNats(
+                    data_dir=self.data_dir / "nats",
+                    extra_config=self.nats_extra_config,
+                    die_with_parent=self.die_with_parent,
+                    **self.machine["nats"],
+                ).start(wait=60.0)
+            return
         if self.nats_cluster > 1:
             self.cluster_servers = start_cluster(
-                self.data_dir / "nats-cluster", self.nats_cluster, die_with_parent=self.die_with_parent
+                self.data_dir / "nats-cluster",
+                self.nats_cluster,
+                die_with_parent=self.die_with_parent,
+                extra_config=self.nats_extra_config,
+                routes=RouteSecurity(**self.nats_routes) if self.nats_routes else None,
             )
             self.nats = self.cluster_servers[0]
             return
@@ -214,7 +254,7 @@ class Cluster:
         if self.tls_ca:
             env["ZATTERA_NATS_TLS_CA"] = self.tls_ca
         env.setdefault("PYTHONUNBUFFERED", "1")
-        return env
+        return {**env, **self.machine.get("env", {})}
 
     def control_plane(self) -> list[tuple[str, str]]:
         """(process name, module) of each control-plane process."""
@@ -250,11 +290,27 @@ class Cluster:
             self._launch(child)
             self.children.append(child)
 
+    @property
+    def agent_data_dir(self) -> Path:
+        return self.data_dir / "agent"
+
+    def report_runtime(self) -> None:
+        """Say on the terminal which runtime the local agent chose and why, once it has (and again when a
+        restarted agent chose otherwise): a fallback to bare processes must not hide in the agent's log."""
+        note = read_runtime_note(self.agent_data_dir) if self.with_node else None
+        if note is None or note == self.runtime_note:
+            return
+        self.runtime_note = note
+        colour = "green" if note.runtime == "docker" else "yellow"
+        self.console.print(f"  [{colour}]agent runtime: {note.runtime}[/] — {escape(note.reason)}")
+
     def _node_processes(self, env: dict[str, str]) -> list[Supervised]:
-        """The local node: an agent (process runtime + builder) and the ingress proxy."""
+        """The local node: an agent (docker runtime when a Docker daemon answers, else processes; the builder)
+        and the ingress proxy."""
         found = []
         root = PROJECT_ROOT / "services"
         if (root / "agent" / "__main__.py").exists():
+            (self.agent_data_dir / RUNTIME_NOTE).unlink(missing_ok=True)  # the one this start writes, not a stale one
             agent = Supervised(
                 "agent",
                 [
@@ -264,15 +320,16 @@ class Cluster:
                     "--nats",
                     self.url,
                     "--node-id",
-                    LOCAL_NODE,
+                    self.node_id,
                     "--data-dir",
-                    str(self.data_dir / "agent"),
+                    str(self.agent_data_dir),
                     "--builder",
                     "--roles",
                     "worker,control",
                     # Ctrl-C leaves no process behind: the app instances stop with the agent, and the next
                     # `zattera up` starts them again from the same desired state.
                     "--stop-on-exit",
+                    *self.machine.get("agent_args", []),
                     *self.metrics_args("agent"),
                 ],
                 self.data_dir / "logs" / "agent.log",
@@ -300,9 +357,9 @@ class Cluster:
                     "--port",
                     str(port),
                     "--node-id",
-                    LOCAL_NODE,
+                    self.node_id,
                     "--proxy-id",
-                    LOCAL_NODE,
+                    self.node_id,
                     "--cache-dir",
                     str(self.data_dir / "proxy"),
                     *(["--tls-listen", self.proxy_tls_listen] if self.proxy_tls_listen else []),
@@ -333,7 +390,7 @@ class Cluster:
                 server.start(wait=15.0)
                 self.nats_restarts[server.name] = 0
             except EmbeddedNatsError as exc:
-                backoff = min(30.0, 0.5 * 2 ** min(attempts, 6))
+                backoff = exponential(RESTART_FIRST, attempts + 1, RESTART_MOST)
                 self.nats_restarts[server.name] = attempts + 1
                 self.nats_next_start[server.name] = now + backoff
                 self.console.print(
@@ -347,10 +404,10 @@ class Cluster:
             if child.alive():
                 continue
             if child.next_start == 0.0:
-                backoff = min(30.0, 0.5 * 2 ** min(child.restarts, 6))
+                backoff = exponential(RESTART_FIRST, child.restarts + 1, RESTART_MOST)
                 if now - child.started_at > 60:
                     child.restarts = 0
-                    backoff = 0.5
+                    backoff = RESTART_FIRST
                 child.next_start = now + backoff
                 code = child.proc.returncode if child.proc else None
                 self.console.print(f"[red]{child.name} exited ({code}); restarting in {backoff:.1f}s[/]")
@@ -419,10 +476,13 @@ CONFIG_FIELDS = (
     "all_in_one",
     "nats_cluster",
     "nats_extra_config",
+    "nats_routes",
     "creds",
     "tls_ca",
     "node_creds",
     "metrics_port",
+    "node_id",
+    "machine",
 )
 """The :class:`Cluster` fields besides ``data_dir`` and ``extra`` that say what to run (the others are
 what runs)."""
@@ -686,6 +746,7 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
                 roll = False
                 cluster.roll(lambda line: _roll_progress(cluster, line))
             cluster.supervise_once()
+            cluster.report_runtime()
             time.sleep(0.2)
     finally:
         # The terminal or the pipe it printed to may be gone (`zattera up | tee log` and Ctrl-C ends tee

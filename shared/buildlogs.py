@@ -36,6 +36,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.backoff import Backoff
 from shared.natsio import (
     BUILD_LOG_END_SLOTS,
     BUILD_LOGS_STREAM,
@@ -104,16 +105,16 @@ class BuildEventPublisher:
         headers = {"Nats-Msg-Id": f"{self._msg_id_prefix}.{self._sequence}"}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PUBLISH_RETRY_WINDOW
-        delay = 0.25
+        backoff = Backoff(0.25, 2.0)
         while True:
             try:
                 await self._conn.js.publish(self.subject, data, timeout=5.0, headers=headers)
                 return
             except (NatsTimeoutError, TimeoutError, NoStreamResponseError):
+                delay = next(backoff)
                 if loop.time() + delay > deadline:
                     raise
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
 
     async def log(self, line: str) -> None:
         await self.publish(cpb.BuildEvent(log=pb.LogLine(line=line, stream="build")))

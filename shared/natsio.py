@@ -133,7 +133,7 @@ LONGEST_ATTEMPT_TIMEOUT = 2.0
 attempt waiting longer only delays the first one sent after the election (up to 9 s after the loss)."""
 
 
-class ClusterUnavailable(ConnectionError):
+class ClusterUnavailable(ZatteraError, ConnectionError):
     """JetStream did not answer a request within the bounded wait: the message names what was waited for
     and the servers tried."""
 

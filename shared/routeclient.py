@@ -55,6 +55,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.backoff import Backoff
 from shared.clock import Clock, RealClock
 from shared.errors import ZatteraError
 from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, Connection
@@ -407,20 +408,19 @@ class RouteClient:
             self._sync_wanted.set()
 
     async def _sync_loop(self) -> None:
-        delay = self.retry_initial
+        backoff = Backoff(self.retry_initial, self.retry_max)
         while True:
             raise_if_cancelling()  # nats-py can swallow a cancellation inside fetch's publish
             await self._sync_wanted.wait()
             self._sync_wanted.clear()
             if await self.fetch():
-                delay = self.retry_initial
+                backoff.reset()
                 if self._verify_wanted:
                     self._verify_wanted = False
                     await self._verify()
                 continue
             self._sync_wanted.set()
-            await self.clock.sleep(delay)
-            delay = min(delay * 2, self.retry_max)
+            await self.clock.sleep(next(backoff))
 
     async def _verify(self) -> None:
         """Check a pushed snapshot against a route service's own answer.

@@ -49,6 +49,9 @@ def agent_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--roles", default=None, help="worker and/or control, comma-separated (default: worker)")
     parser.add_argument("--mesh-ip", default=None, help="address other nodes reach this node's instances at")
     parser.add_argument(
+        "--public-endpoint", default=None, help="this machine's address for the WireGuard mesh (with --mesh-ip)"
+    )
+    parser.add_argument(
         "--runtime", default=None, help="process or docker (default: docker when a Docker daemon answers)"
     )
     parser.add_argument("--stop-on-exit", action="store_true", default=None, help="stop instances on exit")
@@ -70,6 +73,8 @@ def agent_settings(args: argparse.Namespace) -> AgentSettings:
         overrides["roles"] = args.roles
     if args.mesh_ip is not None:
         overrides["mesh_ip"] = args.mesh_ip
+    if args.public_endpoint is not None:
+        overrides["public_endpoint"] = args.public_endpoint
     if args.runtime is not None:
         overrides["runtime"] = args.runtime
     if args.stop_on_exit is not None:

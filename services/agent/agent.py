@@ -30,6 +30,9 @@ from services.agent.builder import Builder
 from services.agent.docker_runtime import choose_launcher
 from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
+from services.agent.mesh import PORT as MESH_PORT
+from services.agent.mesh import Mesh, MeshError
+from services.agent.mesh import available as mesh_unavailable
 from services.agent.processes import PortAllocator
 from services.agent.registration import NodeIdentity, register_node
 from services.agent.reporter import ObservedReporter
@@ -40,6 +43,7 @@ from shared.activation import request_activation
 from shared.clock import Clock, RealClock
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
+from shared.runtime_note import write_runtime_note
 from shared.security.views import request_view
 from shared.snapshots import serve_snapshot_requests
 from shared.state.feed import StateView
@@ -52,11 +56,12 @@ ACTIVATE_TIMEOUT = 10.0
 
 
 def view_filters(node_id: str) -> tuple[str, ...]:
-    """The state keys an agent watches: what it runs and reports, and the release and volumes it runs with."""
+    """The state keys an agent watches: what it runs and reports, every node record (its mesh peers), and the
+    releases and volumes it runs with."""
     return (
         f"{K.ASSIGNMENT}.{node_id}.*",
         f"{K.OBSERVED}.{node_id}.*",
-        K.node(node_id),
+        f"{K.NODE}.*",
         f"{K.RELEASE}.*",
         f"{K.VOLUME}.*",
     )
@@ -134,6 +139,25 @@ class Agent:
             updates.close()
             await routes.stop()
 
+    def _mesh(self) -> Mesh | None:
+        """The WireGuard mesh, when this node has a mesh address and an endpoint (cluster of machines)."""
+        settings = self.settings
+        if not (settings.mesh_ip and settings.public_endpoint):
+            return None
+        why = mesh_unavailable()
+        if why:
+            log.warning(
+                "agent %s: no mesh: %s; %s must be reachable by other means", self.node_id, why, settings.mesh_ip
+            )
+            return None
+        mesh = Mesh(self.data_dir, self.node_id, settings.mesh_ip)
+        try:
+            mesh.start()
+        except MeshError as exc:
+            log.error("agent %s: no mesh: %s", self.node_id, exc)
+            return None
+        return mesh
+
     async def run(self) -> None:
         settings = self.settings
         identity = NodeIdentity.from_host(
@@ -144,8 +168,20 @@ class Agent:
             builder=settings.builder,
             mesh_ip=settings.mesh_ip,
         )
-        launcher = await choose_launcher(settings)
-        identity = replace(identity, secrets_public_key=bytes(self.secrets_key.public_key), runtime=launcher.name)
+        choice = await choose_launcher(settings)
+        launcher = choice.launcher
+        write_runtime_note(self.data_dir, launcher.name, choice.reason)
+        identity = replace(
+            identity,
+            secrets_public_key=bytes(self.secrets_key.public_key),
+            runtime=launcher.name,
+            runtime_reason=choice.reason,
+        )
+        mesh = self._mesh()
+        if mesh is not None:
+            endpoint = settings.public_endpoint
+            endpoint = endpoint if ":" in endpoint else f"{endpoint}:{MESH_PORT}"
+            identity = replace(identity, wireguard_public_key=mesh.public_key, public_endpoints=(endpoint,))
         await self.view.start()
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -188,6 +224,8 @@ class Agent:
             ]
             if self.forwarder is not None:
                 tasks.append(asyncio.create_task(self._forward(self.forwarder), name="forwarder"))
+            if mesh is not None:
+                tasks.append(asyncio.create_task(mesh.run(self.view), name="mesh"))
             if settings.builder:
                 builder = Builder(
                     self.conn,

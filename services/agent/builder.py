@@ -70,7 +70,7 @@ from services.agent.dockerbuild import DEFAULT_DOCKERFILE, DockerBuildError, bui
 from services.agent.hostbase import NODE_LABEL
 from services.agent.pythonbase import PYTHON_LABEL
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
-from shared.buildplan import BuildPlan, PlanError, detect, read_source
+from shared.buildplan import BuildPlan, PlanError, detect, read_source, starts_python
 from shared.errors import ZatteraError
 from shared.ids import is_safe_id, unsafe_id
 from shared.natsio import SOURCES_STORE, Connection, is_direct_request
@@ -344,6 +344,9 @@ class Builder:
             env["UV_PYTHON"] = python
         if plan.provider == "static":  # python3 -m http.server: the node's own interpreter
             python = self.node_python
+        elif plan.provider in ("none", "procfile") and starts_python(plan.start):
+            python = self.node_python  # as is, started with python3: runs on the node's interpreter (docker too)
+            await events.log(f"plan: python   {python} (the start command runs Python: the builder's interpreter)")
         node = await self._node_path(env) if plan.provider == "node" else ""
         layers: list[tuple[bytes, str]] = []
         if plan.dependency_dir and plan.install:

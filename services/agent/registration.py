@@ -73,6 +73,11 @@ class NodeIdentity:
     version: str = ""
     runtime: str = "process"
     """How instances run here: process or docker (``launchers.py``)."""
+    runtime_reason: str = ""
+    """Why this runtime (``docker_runtime.choose_launcher``)."""
+    wireguard_public_key: str = ""
+    public_endpoints: tuple[str, ...] = ()
+    """The mesh (services/agent/mesh.py): this node's WireGuard key and where other nodes reach it."""
     secrets_public_key: bytes = b""
     """The public half of the key pair the agent made for this registration (private half in memory only)."""
 
@@ -124,7 +129,11 @@ def registered_node(identity: NodeIdentity, existing: pb.Node | None, now: float
     node.mesh_ip = identity.mesh_ip
     node.binary_version = identity.version
     node.secrets_public_key = identity.secrets_public_key
+    node.wireguard_public_key = identity.wireguard_public_key
+    del node.public_endpoints[:]
+    node.public_endpoints.extend(identity.public_endpoints)
     node.runtime = identity.runtime
+    node.runtime_reason = identity.runtime_reason
     node.labels.update(identity.labels)
     node.labels[OS_ARCH_LABEL] = identity.os_arch
     if identity.builder:

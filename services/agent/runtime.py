@@ -8,7 +8,8 @@ One :class:`InstanceSupervisor` per assignment owns its process and its reports:
   (``ZATTERA_BIND_ADDR`` and ``HOST`` = the node's mesh address, else 127.0.0.1: the address routes list
   for its replicas; health checks probe it there) and start its command. Reports go
   PULLING → RUNNING (ports in ``mesh_port_bindings``) → HEALTHY/UNHEALTHY from the health checks
-  (``health.py``); without a healthcheck an instance is HEALTHY as soon as its process runs.
+  (``health.py``); without a declared healthcheck an instance is HEALTHY once it has run for the minimum
+  healthy time and, with an HTTP port, accepts connections on it.
 * The process's stdout and stderr are shipped to the env's log stream (``logs.py``). A process that exits
   has its last lines shipped and its exit (code or signal, last stderr lines) reported in
   ``observed.last_exit``, kept across restarts until the assignment goes;
@@ -48,7 +49,7 @@ from pathlib import Path
 from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
-from services.agent.health import HealthMonitor, probe_for, seconds
+from services.agent.health import HealthMonitor, min_healthy_time, probe_for, seconds
 from services.agent.images import ImageError, PreparedImage
 from services.agent.instance_env import bind_address, config_of, instance_env, launch_plan, port_names, resolve_volumes
 from services.agent.launchers import InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
@@ -382,11 +383,11 @@ class InstanceSupervisor:
         if self.assignment.job_id:
             self._report(RUNNING)  # a job has no health: it runs until it exits
             return
-        bind = bind_address(self.ctx.settings)
-        probe = probe_for(release.service, self._ports, host=bind) if release is not None else None
-        if probe is None:
-            self._report(HEALTHY)
+        if release is None:  # gone meanwhile: the next step stops the process
+            self._report(RUNNING)
             return
+        minimum = min_healthy_time(release.service, self.ctx.settings.min_healthy_time)
+        probe = probe_for(release.service, self._ports, host=bind_address(self.ctx.settings), min_healthy=minimum)
         self._report(RUNNING)
         container_id = self._container_id
 

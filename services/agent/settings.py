@@ -29,6 +29,9 @@ class AgentSettings(BaseSettings):
     """worker and/or control (comma-separated in the environment)."""
     mesh_ip: str = ""
     """The address other nodes reach this node's instances at (instances listen there)."""
+    public_endpoint: str = ""
+    """The machine's address other machines reach (its WireGuard endpoint, UDP 51820): with ``mesh_ip``, the
+    agent keeps the encrypted mesh (services/agent/mesh.py)."""
     join_token: str = ""
     """A single-use token exchanged for this node's NATS credential on first start."""
 
@@ -53,6 +56,9 @@ class AgentSettings(BaseSettings):
     # ---------------------------------------------------------------- instance lifecycle
     default_stop_grace: float = Field(default=10.0, gt=0)
     """SIGTERM -> SIGKILL, seconds, when the service spec sets no stop_grace."""
+    min_healthy_time: float = Field(default=3.0, ge=0)
+    """How long an instance without a declared health check must run before it counts as HEALTHY, seconds,
+    when its env sets no min_healthy_time (0 = at once); a process that exits sooner is a failed start."""
     startup_probe_interval: float = Field(default=0.2, gt=0)
     """Health probe cadence until the first success (then the spec's interval), seconds."""
     adopted_poll_interval: float = Field(default=1.0, gt=0)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.embedded import RouteSecurity
 from shared.security import tls as tls_material
 from shared.security.authority import Authority, RoleIssuer
 from shared.security.creds import read_user_jwt, write_private
@@ -12,6 +14,8 @@ from shared.security.nkeyjwt import decode_claims
 from shared.security.permissions import Role
 
 SENTINEL_FILE = "join-sentinel.jwt"
+ROUTE_SECRET_FILE = "route.secret"
+ROUTE_USER = "route"
 
 
 @dataclass(frozen=True)
@@ -31,10 +35,28 @@ class SecureSetup:
     def tls_ca(self) -> Path | None:
         return self.tls.ca if self.tls else None
 
-    def server_config(self) -> str:
-        """Everything to add to the embedded server's config: operator-mode auth, and TLS when enabled."""
+    @property
+    def system_creds(self) -> Path:
+        """A user of the system account: pushes re-signed account JWTs (revocations) to the servers."""
+        return self.directory / "creds" / "system.creds"
+
+    def server_config(self, resolver_dir: str = "") -> str:
+        """Everything to add to the embedded server's config: operator-mode auth, and TLS when enabled.
+        ``resolver_dir``: the NATS *full* resolver keeps the account JWTs there (preloaded from this setup),
+        so a re-signed account (a revocation) pushed to one server reaches every server of the cluster
+        without a restart; without it, the memory resolver (a config reload applies changes)."""
         config = (self.directory / "nats-auth.conf").read_text()
+        if resolver_dir:
+            full = f'resolver: {{ type: full, dir: "{resolver_dir}", allow_delete: false, interval: "2m" }}'
+            config = config.replace("resolver: MEMORY", full)
         return config + (self.tls.server_config() if self.tls else "")
+
+    def route_security(self) -> RouteSecurity:
+        """The routes of a secured cluster: authenticated by a shared route secret, and with ``--tls`` over
+        TLS verified both ways against the cluster CA. Routes are never open."""
+        secret = (self.directory / ROUTE_SECRET_FILE).read_text().strip()
+        authorization = f'authorization {{ user: "{ROUTE_USER}", password: "{secret}" }}\n'
+        return RouteSecurity(ROUTE_USER, secret, authorization + (self.tls.route_config() if self.tls else ""))
 
     def creds(self, role: Role, name: str) -> Path:
         """A credentials file for ``name`` of ``role`` (kept when it exists: a restart keeps identities)."""
@@ -72,4 +94,8 @@ def prepare(directory: Path, *, tls: bool = False, hosts: list[str] | None = Non
             write_private(path, authority.issuer(role).creds(str(role)))
     if not (directory / SENTINEL_FILE).exists():
         write_private(directory / SENTINEL_FILE, authority.join_sentinel_jwt())
+    if not (directory / ROUTE_SECRET_FILE).exists():
+        write_private(directory / ROUTE_SECRET_FILE, secrets.token_urlsafe(32))
+    if not setup.system_creds.exists():
+        write_private(setup.system_creds, authority.system_user_creds())
     return setup

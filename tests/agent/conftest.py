@@ -34,6 +34,7 @@ FAST: dict[str, object] = {
     "stable_after": 5.0,
     "default_stop_grace": 3.0,
     "startup_probe_interval": 0.05,
+    "min_healthy_time": 0.5,
     "adopted_poll_interval": 0.1,
     "stop_on_exit": True,
 }

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app as cli_app
-from shared.buildplan import PlanError, detect, poetry_requirements, read_source, requirement_names
+from shared.buildplan import PlanError, detect, poetry_requirements, read_source, requirement_names, starts_python
 
 FLASK_APP = "from flask import Flask\n\napp = Flask(__name__)\n"
 FASTAPI_APP = "from fastapi import FastAPI\napi: FastAPI = FastAPI()\n"
@@ -309,3 +309,22 @@ def test_build_plan_command(tmp_path: Path) -> None:
     (tmp_path / "requirements.txt").unlink()
     broken = runner.invoke(cli_app, ["build", "plan", str(tmp_path)])
     assert broken.exit_code == 1 and "package.json: " in broken.output and "Traceback" not in broken.output
+
+
+@pytest.mark.parametrize(
+    ("command", "python"),
+    [
+        ("python3 app.py", True),
+        ("python app.py", True),
+        ("exec python3.11 -m app", True),
+        ("PORT=8000 DEBUG=1 python3 server.py", True),
+        ("gunicorn app:app", False),
+        ("/usr/bin/python3 app.py", False),  # a path of the builder's machine: not the interpreter on PATH
+        ("pythonista run", False),
+        ("node server.js", False),
+        ("", False),
+        ("python3 'unterminated", False),
+    ],
+)
+def test_a_start_command_that_runs_python_is_recognised(command: str, python: bool) -> None:
+    assert starts_python(command) is python

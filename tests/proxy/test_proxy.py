@@ -14,7 +14,16 @@ from zattera.v1 import types_pb2 as pb
 from services.proxy.balancer import STICKY_COOKIE
 from shared.live import proxy_key
 from shared.natsio import LIVE_BUCKET, Connection
-from tests.proxy.harness import HOST, Backend, ProxyFactory, Routes, endpoint, http_route, serving
+from tests.proxy.harness import (
+    HOST,
+    Backend,
+    ProxyFactory,
+    Routes,
+    endpoint,
+    http_route,
+    keep_alive_requests,
+    serving,
+)
 from tests.waiting import eventually
 
 
@@ -127,6 +136,22 @@ async def test_upstream_failing_mid_response_truncates_the_client_response(
                 await response.read()
         await eventually(lambda: proxy.stats.inflight("e1") == 0, 5)
         assert proxy.stats.env("e1").completions[-1][1], "counted as a server error"
+
+
+async def test_an_endpoint_added_at_run_time_reuses_upstream_connections(
+    make_proxy: ProxyFactory, routes: Routes
+) -> None:
+    """1,000 keep-alive requests of one client reach an endpoint that a snapshot added while the proxy ran
+    over a handful of upstream connections (the pool), not one each."""
+    first, added = Backend("first"), Backend("added")
+    async with serving(first, added):
+        proxy = await make_proxy()
+        await routes.serve(proxy, http_route(HOST, "e1", [endpoint(first.addr, "a-first")]))
+        await routes.serve(proxy, http_route(HOST, "e1", [endpoint(added.addr, "a-added")]))
+        statuses = await keep_alive_requests(f"http://127.0.0.1:{proxy.port}/", HOST, 1000)
+        assert statuses == [200] * 1000
+        assert added.hits == 1000
+        assert len(added.peers) <= 4, f"{len(added.peers)} upstream connections for 1,000 keep-alive requests"
 
 
 async def test_in_flight_decrements_after_a_proxied_request(make_proxy: ProxyFactory, routes: Routes, client) -> None:
