@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import IntEnum
@@ -26,10 +26,13 @@ from cli import contexts
 from shared.actions.context import ActionContext
 from shared.actions.refusals import ActionRefused, Refusal
 from shared.errors import ZatteraError
-from shared.natsio import STATE_STREAM, ClusterUnavailable, Connection, TooManySubjects, connect
+from shared.migrations.registry import SCHEMA
+from shared.natsio import STATE_STREAM, ClusterUnavailable, Connection, TooManySubjects, connect, recorded_config
 from shared.settings import settings
+from shared.skew import Component, SkewRefused, Verdict, judge
 from shared.state.feed import StateView
-from shared.txn import CommitUnknown, Writer
+from shared.txn import CommitUnknown, Txn, TxnError, Writer
+from shared.version import VERSION
 from shared.watches import STATE_WATCH, watch_opener
 
 T = TypeVar("T")
@@ -147,6 +150,27 @@ async def connect_cli(name: str = "zattera-cli") -> Connection:
         ) from None
 
 
+class CheckedWriter(Writer):
+    """The CLI's writer: its first write is preceded by the version-skew check (``shared/skew.py``). A CLI
+    too old for the cluster, or needing a schema the cluster is not at yet, writes nothing and says why in
+    one line; reads are never checked (they change nothing, and stay one round trip)."""
+
+    def __init__(self, conn: Connection, view: StateView) -> None:
+        super().__init__(conn, view)
+        self._cli_conn = conn
+        self._allowed = False
+
+    async def commit_many(self, txns: Sequence[Txn]) -> list[TxnError | None]:
+        if not self._allowed:
+            recorded = await recorded_config(self._cli_conn.js)
+            if recorded is not None:
+                skew = judge(Component.CLI, VERSION, SCHEMA, recorded.version, recorded.schema)
+                if skew.refused or skew.verdict is Verdict.WAIT:
+                    raise SkewRefused(f"{skew.message}; nothing was written")
+            self._allowed = True
+        return await super().commit_many(txns)
+
+
 @asynccontextmanager
 async def control(*, view: bool = True, follow: bool = False) -> AsyncIterator[Control]:
     """The connection, a state view and a writer. ``view``: loaded at once from a snapshot read that any
@@ -157,7 +181,7 @@ async def control(*, view: bool = True, follow: bool = False) -> AsyncIterator[C
     state = StateView(conn, name="cli", open_consumer=watch_opener(conn, STATE_WATCH))
     try:
         await _load(conn, state, view=view, follow=follow)
-        yield Control(conn, state, Writer(conn, state))
+        yield Control(conn, state, CheckedWriter(conn, state))
     finally:
         await state.stop()
         await conn.close()

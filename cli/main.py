@@ -34,7 +34,7 @@ from cli.nodes_cmds import nodes_app
 from cli.registry_cmds import registry_app
 from cli.secrets_cmds import secrets_app
 from cli.security_cmds import secure_up, security_app
-from cli.up import DEFAULT_METRICS_PORT, Cluster, run_up
+from cli.up import DEFAULT_METRICS_PORT, Cluster, request_roll, run_up, running_supervisor
 from cli.volumes_cmds import volumes_app
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import DEFAULT_TLS_LISTEN as DEFAULT_PROXY_TLS_LISTEN
@@ -131,8 +131,12 @@ def up(
     advertise: str = typer.Option("", "--advertise", help="the address other machines reach this one at"),
 ) -> None:
     """Start the whole single-machine cluster: embedded NATS and every service, until Ctrl-C. With --name and
-    --advertise, the first machine of a cluster of machines; with --join TOKEN, another one."""
+    --advertise, the first machine of a cluster of machines; with --join TOKEN, another one. Run while it
+    runs (after `git pull`), it rolls the running processes onto the code installed now, apps untouched."""
     directory = (data_dir or settings().data_dir).resolve()
+    running = running_supervisor(directory)
+    if running is not None:
+        raise typer.Exit(request_roll(directory, running))
     layout = DataLayout(directory)
     for line in layout.migrate():
         typer.echo(f"data dir: {line}", err=True)

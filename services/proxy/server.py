@@ -61,7 +61,9 @@ from shared.metrics import RequestSeries
 from shared.natsio import Connection
 from shared.process import connect_with_retry
 from shared.routeclient import RouteClient
+from shared.skew import Component, Verdict, judge_peer
 from shared.tasks import cancel_and_wait
+from shared.version import VERSION
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +161,7 @@ class Proxy:
         self.proxy_id = cfg.proxy_id or socket.gethostname()
         self.routes = RouteClient(cache_dir / ROUTES_CACHE_FILE, node_id=cfg.node_id)
         self.table = RouteTable(self.routes.current)
+        self._control_version: str | None = None
         self.balancer = Balancer(cfg.node_id)
         self.limiter = RateLimiter()
         self.basic_auth = BasicAuth()
@@ -242,6 +245,7 @@ class Proxy:
         updates = self.routes.updates()
         try:
             async for snapshot in updates:
+                self._check_control_version(snapshot.control_version)
                 if snapshot.version != self.table.version:
                     self.table = RouteTable(snapshot)
                     self.holds.wake_all()
@@ -249,6 +253,16 @@ class Proxy:
                         listener(snapshot)
         finally:
             updates.close()
+
+    def _check_control_version(self, control_version: str) -> None:
+        """Say once per control-plane version when it is outside this proxy's skew window (it serves the
+        routes either way: it writes nothing but its heartbeat)."""
+        if control_version == self._control_version:
+            return
+        self._control_version = control_version
+        skew = judge_peer(Component.PROXY, VERSION, control_version)
+        if skew.message:
+            log.log(logging.WARNING if skew.verdict is Verdict.BEHIND else logging.ERROR, "%s", skew.message)
 
     async def _connect_and_report(self) -> None:
         """Connect, follow routes and heartbeat; when the connection is closed for good (nats-py never

@@ -48,6 +48,7 @@ from services.routes.wire import (
 from shared import keys as K
 from shared.state.changes import Change
 from shared.state.reader import StateReader
+from shared.version import VERSION
 
 RELEVANT_KINDS = frozenset({K.ENV, K.APP, K.PROJECT, K.DOMAIN, K.ASSIGNMENT, K.OBSERVED, K.NODE, K.VIP})
 """Every kind the snapshot reads; the snapshot version is the newest revision among them."""
@@ -349,9 +350,9 @@ class RouteBuilder:
         """The snapshot without its version (which :func:`encode_snapshot` prepends)."""
         if self._content is None:
             if self._cert_hosts_bytes is None:
-                self._cert_hosts_bytes = cpb.RouteSnapshot(cert_hosts=self._cert_hosts).SerializeToString(
-                    deterministic=True
-                )
+                self._cert_hosts_bytes = cpb.RouteSnapshot(
+                    cert_hosts=self._cert_hosts, control_version=VERSION
+                ).SerializeToString(deterministic=True)
             sections = (self._http_parts, self._l4_parts, self._internal_parts)
             self._content = b"".join([*(b"".join(parts) for parts in sections), self._cert_hosts_bytes])
         return self._content

@@ -16,6 +16,7 @@ from services.routes.builder import (
     routable_replicas,
 )
 from shared.state.reader import StateReader
+from shared.version import VERSION
 
 
 def reference_content(view: StateReader, domain: str) -> bytes:
@@ -27,6 +28,7 @@ def reference_content(view: StateReader, domain: str) -> bytes:
         if sections is not None:
             snapshot.MergeFrom(sections)
     snapshot.cert_hosts.extend(sorted({route.hostname for route in snapshot.http_routes}))
+    snapshot.control_version = VERSION
     return snapshot.SerializeToString(deterministic=True)
 
 

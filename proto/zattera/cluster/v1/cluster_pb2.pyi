@@ -255,12 +255,15 @@ class ProxyHeartbeat(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     ENVS_FIELD_NUMBER: _builtins.int
     ROUTES_VERSION_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     proxy_id: _builtins.str
     node_id: _builtins.str
     routes_version: _builtins.int
     """This project (issue 21): the route snapshot version the proxy serves (its routing table), so
     `zattera deploy` can say "live" only once every proxy routes to the new release.
     """
+    version: _builtins.str
+    """invented (issue 44): the proxy's Zattera version (docs/upgrades.md, version skew)"""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -275,10 +278,11 @@ class ProxyHeartbeat(_message.Message):
         node_id: _builtins.str = ...,
         envs: _abc.Mapping[_builtins.str, Global___ProxySample] | None = ...,
         routes_version: _builtins.int = ...,
+        version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "node_id", b"node_id", "proxy_id", b"proxy_id", "routes_version", b"routes_version", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "node_id", b"node_id", "proxy_id", b"proxy_id", "routes_version", b"routes_version", "time", b"time", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -331,7 +335,12 @@ class RouteSnapshot(_message.Message):
     L4_ROUTES_FIELD_NUMBER: _builtins.int
     INTERNAL_SERVICES_FIELD_NUMBER: _builtins.int
     CERT_HOSTS_FIELD_NUMBER: _builtins.int
+    CONTROL_VERSION_FIELD_NUMBER: _builtins.int
     version: _builtins.int
+    control_version: _builtins.str
+    """invented (issue 44): the Zattera version of the routes leader that made it; a proxy more than the
+    skew window away from it says so (docs/upgrades.md)
+    """
     @_builtins.property
     def http_routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___HTTPRoute]: ...
     @_builtins.property
@@ -350,10 +359,11 @@ class RouteSnapshot(_message.Message):
         l4_routes: _abc.Iterable[Global___L4Route] | None = ...,
         internal_services: _abc.Iterable[Global___InternalService] | None = ...,
         cert_hosts: _abc.Iterable[_builtins.str] | None = ...,
+        control_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cert_hosts", b"cert_hosts", "http_routes", b"http_routes", "internal_services", b"internal_services", "l4_routes", b"l4_routes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cert_hosts", b"cert_hosts", "control_version", b"control_version", "http_routes", b"http_routes", "internal_services", b"internal_services", "l4_routes", b"l4_routes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
