@@ -54,6 +54,7 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                         f"{cpu}/{n.capacity.cpu_millis or '∞'} m",
                         f"{mem}/{n.capacity.memory_mb or '∞'} MB",
                         ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
+                        n.runtime_reason,
                     ]
                 )
             render.table(
@@ -70,6 +71,7 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                     "cpu",
                     "memory",
                     Col("labels", wrap=True),
+                    Col("runtime because", wrap=True, wide=True),
                 ],
                 rows,
             )
