@@ -26,6 +26,7 @@ import psutil
 
 from services.agent.logs import open_output_files
 from shared.applogs import STDERR, STDOUT
+from shared.files import PRIVATE, write_atomic
 
 STATE_FILE = "state.json"
 _CREATE_TIME_TOLERANCE = 0.05
@@ -48,9 +49,7 @@ class InstanceRecord:
     env: dict[str, str] = field(default_factory=dict)
 
     def save(self, instance_dir: Path) -> None:
-        tmp = instance_dir / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        tmp.replace(instance_dir / STATE_FILE)
+        write_atomic(instance_dir / STATE_FILE, json.dumps(asdict(self)), mode=PRIVATE)
 
     @classmethod
     def load(cls, instance_dir: Path) -> InstanceRecord | None:
