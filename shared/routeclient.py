@@ -42,7 +42,6 @@ import contextlib
 import gzip
 import hashlib
 import logging
-import os
 import zlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from shared.backoff import Backoff
 from shared.clock import Clock, RealClock
 from shared.errors import ZatteraError
+from shared.files import write_atomic
 from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, Connection
 from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.telemetry import counter
@@ -201,26 +201,6 @@ def _parse_chunk(value: str) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------- cache
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never a mix."""
-    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def load_cached(path: Path) -> cpb.RouteSnapshot:

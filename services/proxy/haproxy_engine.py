@@ -49,8 +49,8 @@ from shared.backoff import Backoff
 from shared.certclient import CACHE_FILE as CERTS_CACHE_FILE
 from shared.certclient import CertClient, ServedCert
 from shared.embedded import free_port
+from shared.files import PRIVATE, write_atomic
 from shared.metrics import RequestSeries
-from shared.security.creds import write_private
 from shared.settings import settings
 
 log = logging.getLogger(__name__)
@@ -90,12 +90,6 @@ def _private_dir(path: Path) -> None:
     if path.stat().st_uid != os.getuid():
         raise PermissionError(f"{path} belongs to another user: not keeping the haproxy sockets there")
     path.chmod(0o700)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
 
 
 class HAProxyEngine:
@@ -160,12 +154,14 @@ class HAProxyEngine:
             shutil.rmtree(self.layout.socket_dir, ignore_errors=True)
 
     def _write_files(self, target: Plan) -> None:
+        """HAProxy's files, derived from the routes and certificates and written again at every start:
+        whole, but not synced (a sync per route change would cost more than a lost write)."""
         if self.layout.tls_bind:
             ensure_fallback(self.layout.default_cert)
-            _write_atomically(self.layout.crt_list, crt_list_text(self.layout.certs_dir))
-        _write_atomically(self.layout.hosts_map, map_text(sorted(target.hosts.items())))
-        _write_atomically(self.layout.paths_map, map_text(target.paths))
-        _write_atomically(self.layout.config_file, render(target, self.layout))
+            write_atomic(self.layout.crt_list, crt_list_text(self.layout.certs_dir), durable=False)
+        write_atomic(self.layout.hosts_map, map_text(sorted(target.hosts.items())), durable=False)
+        write_atomic(self.layout.paths_map, map_text(target.paths), durable=False)
+        write_atomic(self.layout.config_file, render(target, self.layout), durable=False)
 
     async def _spawn(self) -> None:
         target = self._plan(self._snapshot)
@@ -386,12 +382,10 @@ class HAProxyEngine:
             if not commands:
                 return
             for name, pem in to_write.items():
-                temporary = self.layout.certs_dir / f"{name}.pem.tmp"
-                write_private(temporary, pem)
-                os.replace(temporary, self.layout.certs_dir / f"{name}.pem")
+                write_atomic(self.layout.certs_dir / f"{name}.pem", pem, mode=PRIVATE, durable=False)
             for name in gone:
                 (self.layout.certs_dir / f"{name}.pem").unlink(missing_ok=True)
-            _write_atomically(self.layout.crt_list, crt_list_text(self.layout.certs_dir))
+            write_atomic(self.layout.crt_list, crt_list_text(self.layout.certs_dir), durable=False)
             answers = await execute(self.layout.stats_socket, commands)
             failures = [c.split(" <<", 1)[0] + f": {a}" for c, a in zip(commands, answers, strict=True) if _failed(a)]
             if failures:
