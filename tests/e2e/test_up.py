@@ -8,6 +8,7 @@ Default timers (no ``ZATTERA_*`` shortening): this is the product as shipped.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
