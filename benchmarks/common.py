@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -10,6 +11,7 @@ import signal
 import statistics
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,20 @@ def stop_up(proc: subprocess.Popen[bytes], data_dir: Path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     kill_tree_under(data_dir, also_matching=str(data_dir))
+
+
+async def listening(port: int, timeout: float = 30.0, poll: float = 0.002) -> None:
+    """Until something accepts a connection on 127.0.0.1:``port`` (TimeoutError after ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {port}") from None
+            await asyncio.sleep(poll)
 
 
 def format_value(value: float) -> str:

@@ -26,12 +26,15 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
-from cli.spec import AppSpec, Build, Env, PolicyChange, middleware, service_spec, to_duration
+from cli.spec import AppSpec, Build, Env, middleware, service_spec, to_duration
 from shared import keys as K
+from shared.actions.names import env_label, find_app, find_env, find_project
+from shared.actions.names import env_path as env_path  # re-exported: the CLI's commands name envs this way
+from shared.actions.names import resolve_env as resolve_env
+from shared.actions.volumes import with_policy
 from shared.appconfig import ConfigError, check_env_size, secret_sizes, with_vars
 from shared.clock import stamp
 from shared.ids import new_id
-from shared.names import env_label, env_path, find_app, find_env, find_project, resolve_env
 from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
 from shared.volumes import find_volume
@@ -138,38 +141,6 @@ def _copy(msg: Message) -> Message:
     fresh = type(msg)()
     fresh.CopyFrom(msg)
     return fresh
-
-
-
-
-
-
-
-
-
-
-def with_policy(volume: pb.Volume, change: PolicyChange, now: float) -> pb.Volume | None:
-    """``volume`` with ``change`` applied to its snapshot policy (``updated_at`` stamped), or None when it
-    would change nothing. Shared by ``zattera apps apply`` and ``zattera volumes policy``."""
-    policy = pb.SnapshotPolicy()
-    policy.CopyFrom(volume.snapshot_policy)
-    if change.schedule is not None:
-        policy.schedule = change.schedule
-    if change.keep_last is not None:
-        policy.keep_last = change.keep_last
-    if change.pre_hook is not None:
-        policy.pre_hook = change.pre_hook
-    if policy == volume.snapshot_policy:
-        return None
-    updated = pb.Volume()
-    updated.CopyFrom(volume)
-    updated.snapshot_policy.CopyFrom(policy)
-    stamp(updated.meta.updated_at, now)
-    return updated
-
-
-
-
 
 
 def plan(view: StateReader, writer: Writer, spec: AppSpec, now: float | None = None) -> tuple[Txn, ApplyResult]:
@@ -330,6 +301,3 @@ def set_dockerfile_build(config: pb.BuildConfig, build: Build) -> None:
         config.type = pb.BUILD_TYPE_DOCKERFILE
     elif config.type == pb.BUILD_TYPE_DOCKERFILE:
         config.type = pb.BUILD_TYPE_UNSPECIFIED
-
-
-__all__ = ["env_label", "env_path", "find_app", "find_env", "find_project", "resolve_env"]

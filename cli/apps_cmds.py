@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from cli import render
-from cli.apply import ApplyResult, env_path, plan
+from cli.apply import ApplyResult, plan
 from cli.client import control, fail, run
 from cli.env_cmds import apps_delete
 from cli.events_cmds import announce_scale_changes, replica_counts
@@ -15,6 +15,7 @@ from cli.options import JSON, WIDE, set_output
 from cli.plan_view import print_plan
 from cli.render import Col
 from cli.spec import SpecError, load
+from shared.actions.names import env_path
 from shared.clock import RealClock
 from shared.deployments import desired_replicas
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import IntEnum
@@ -23,7 +23,10 @@ from nats.js.errors import APIError, NotFoundError
 from rich.console import Console
 
 from cli import contexts
+from shared.actions.context import ActionContext
+from shared.actions.refusals import ActionRefused, Refusal
 from shared.errors import ZatteraError
+from shared.migrations.registry import SCHEMA
 from shared.natsio import (
     STATE_STREAM,
     ClusterUnavailable,
@@ -32,16 +35,20 @@ from shared.natsio import (
     PermissionDenied,
     TooManySubjects,
     connect,
+    recorded_config,
 )
 from shared.natssettings import nats_settings
+from shared.skew import Component, SkewRefused, Verdict, judge
 from shared.state.feed import StateView
-from shared.txn import CommitUnknown, Writer
+from shared.txn import CommitUnknown, Txn, TxnError, Writer
+from shared.version import VERSION
 from shared.watches import STATE_WATCH, watch_opener
 
 T = TypeVar("T")
 
 err = Console(stderr=True, soft_wrap=True)  # messages are never cut at 80 columns in a pipe
 
+OPERATOR = "operator"
 REQUEST_DEADLINE = 15.0
 """How long a CLI request waits for JetStream across a server loss and a leader election."""
 
@@ -57,8 +64,21 @@ class ExitCode(IntEnum):
     INTERRUPTED = 130
 
 
-class ClusterNotInitialised(Exception):
+class ClusterNotInitialised(ZatteraError):
     pass
+
+
+FIELD_LABELS = {
+    "env": "--env",
+    "job_id": "JOB_ID",
+    "hostname": "hostname",
+    "command": "command",
+    "schedule": "--schedule",
+    "keep_last": "--keep-last",
+}
+"""How the commands spell a refused request field (:meth:`ActionRefused.said_as`)."""
+REFUSAL_EXIT = dict.fromkeys(Refusal, ExitCode.FAILED)
+"""Every refusal exits 1: the message says which kind it is."""
 
 
 @dataclass
@@ -66,6 +86,11 @@ class Control:
     conn: Connection
     view: StateView
     writer: Writer
+
+    @property
+    def actions(self) -> ActionContext:
+        """The context the operator actions (``shared/actions``) run in, acting as :func:`actor`."""
+        return ActionContext(self.conn, self.writer, actor())
 
 
 @dataclass
@@ -105,10 +130,26 @@ CONNECT_TIMEOUT = 2.0
 """Seconds one server may take to accept the CLI's connection (a wrong address fails once every server
 was tried: refused at once, unanswered after this)."""
 OPERATOR_CREDENTIAL_HINT = (
-    "the CLI needs the operator credential of a secured cluster: ZATTERA_NATS_CREDS=<data dir>/security/creds/"
-    "operator.creds (printed by `zattera up --secure`), or a context saved with "
+    "the CLI needs the operator credential of a secured cluster: ZATTERA_NATS_CREDS=<data dir>/control/security/"
+    "creds/operator.creds (printed by `zattera up --secure`), or a context saved with "
     "`zattera context add NAME --nats URL --creds FILE`"
 )
+
+
+def actor() -> str:
+    """Who the CLI acts as, in events and records: ``operator``, or ``operator:<name>`` with a credential
+    whose user JWT names its holder."""
+    creds = target().creds
+    if not creds:
+        return OPERATOR
+    from shared.security.creds import read_user_jwt
+    from shared.security.nkeyjwt import decode_claims
+
+    try:
+        name = decode_claims(read_user_jwt(creds)).get("name", "")
+    except (OSError, ValueError):
+        return OPERATOR
+    return f"{OPERATOR}:{name}" if name else OPERATOR
 
 
 async def connect_cli(name: str = "zattera-cli") -> Connection:
@@ -132,6 +173,27 @@ async def connect_cli(name: str = "zattera-cli") -> Connection:
         ) from None
 
 
+class CheckedWriter(Writer):
+    """The CLI's writer: its first write is preceded by the version-skew check (``shared/skew.py``). A CLI
+    too old for the cluster, or needing a schema the cluster is not at yet, writes nothing and says why in
+    one line; reads are never checked (they change nothing, and stay one round trip)."""
+
+    def __init__(self, conn: Connection, view: StateView) -> None:
+        super().__init__(conn, view)
+        self._cli_conn = conn
+        self._allowed = False
+
+    async def commit_many(self, txns: Sequence[Txn]) -> list[TxnError | None]:
+        if not self._allowed:
+            recorded = await recorded_config(self._cli_conn.js)
+            if recorded is not None:
+                skew = judge(Component.CLI, VERSION, SCHEMA, recorded.version, recorded.schema)
+                if skew.refused or skew.verdict is Verdict.WAIT:
+                    raise SkewRefused(f"{skew.message}; nothing was written")
+            self._allowed = True
+        return await super().commit_many(txns)
+
+
 @asynccontextmanager
 async def control(*, view: bool = True, follow: bool = False) -> AsyncIterator[Control]:
     """The connection, a state view and a writer. ``view``: loaded at once from a snapshot read that any
@@ -142,7 +204,7 @@ async def control(*, view: bool = True, follow: bool = False) -> AsyncIterator[C
     state = StateView(conn, name="cli", open_consumer=watch_opener(conn, STATE_WATCH))
     try:
         await _load(conn, state, view=view, follow=follow)
-        yield Control(conn, state, Writer(conn, state))
+        yield Control(conn, state, CheckedWriter(conn, state))
     finally:
         await state.stop()
         await conn.close()
@@ -208,6 +270,8 @@ def run(fn: Callable[[], Awaitable[T]]) -> T:
             f"check before retrying. Servers: {nats_url()}",
             ExitCode.UNAVAILABLE,
         ) from None
+    except ActionRefused as exc:
+        raise fail(exc.said_as(FIELD_LABELS), REFUSAL_EXIT[exc.kind]) from None
     except APIError as exc:
         raise fail(f"NATS refused the request: {exc.description} (code {exc.err_code})") from None
     except (nats.errors.Error, TimeoutError, ConnectionError) as exc:

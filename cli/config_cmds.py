@@ -1,33 +1,28 @@
-"""``zattera config set|unset|list``: an environment's plain variables (docs/secrets.md).
+"""``zattera config set|unset|list``: an environment's plain variables (docs/secrets.md), and what every
+configuration command shares (options, the rollout it follows).
 
-A change is ONE fenced write of the environment; when the env runs a release, the same write makes a new
-release (same image, new configuration) and its deployment, which rolls out red/green like any deploy
-(``--no-deploy`` stages it for the next deploy instead). Variables are not secret: use ``zattera secrets``
-for values that are.
+A change is the operator action :func:`shared.actions.config.change_vars`: ONE fenced write of the
+environment, with a new release and its red/green deployment when the env runs one (``--no-deploy``
+stages it for the next deploy instead). Variables are not secret: use ``zattera secrets`` for values that
+are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import Control, control, err, run
-from shared.appconfig import (
-    ConfigError,
-    check_env_size,
-    check_name,
-    parse_assignments,
-    secret_sizes,
-    with_vars,
-)
-from shared.deploy import ConfigEdit, Deployer, DeployError
+from cli.client import control, err, fail, run
+from shared.actions.config import ChangeVars, ConfigChanged, change_vars
+from shared.actions.context import ActionContext
+from shared.actions.names import env_path, target_env
+from shared.appconfig import ConfigError, check_name, parse_assignments
 from shared.state.reader import StateReader
 from shared.telemetry import span
-from shared.txn import Txn
 
 config_app = typer.Typer(no_args_is_help=True, help="Plain environment variables of an environment.")
 
@@ -37,103 +32,57 @@ WATCH = typer.Option(True, "--watch/--no-watch", help="follow the rollout until 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 
 
-def fail(message: str, code: int = 1) -> typer.Exit:
-    err.print("[red]error:[/] ", end="")
-    err.print(message, markup=False, highlight=False, soft_wrap=True)
-    return typer.Exit(code)
-
-
 def say(message: str) -> None:
     err.print(message, markup=False, highlight=False, soft_wrap=True)
-
-
-def target_env(view: StateReader, ref: str) -> pb.Environment:
-    from cli.apply import resolve_env
-
-    env = resolve_env(view, ref)
-    if env is None:
-        raise fail(f"--env: no environment {ref!r} (use an id or project/app/env)")
-    return env
 
 
 def running_release(view: StateReader, env: pb.Environment) -> pb.Release | None:
     return view.release(env.active_release_id) if env.active_release_id else None
 
 
-async def reconfigure(c: Control, env: pb.Environment, what: str, edit: ConfigEdit, *, deploy: bool) -> str:
-    """Commit ``edit`` (and its rollout); prints what happened; returns the deployment id or ""."""
-    from cli.apply import env_path
-
-    try:
-        done = await Deployer(c.writer, created_by="cli").reconfigure(env.meta.id, edit, deploy=deploy)
-    except (ConfigError, DeployError) as exc:
-        raise fail(str(exc)) from None
-    path = env_path(c.view, done.environment)
-    version = done.environment.service.config_version
-    if done.deployment is not None and done.release is not None:
-        say(
-            f"{what}: config v{version} of {path}; release v{done.release.version} rolling out"
-            f" (deployment {done.deployment.meta.id})"
+def changed_text(what: str, done: ConfigChanged) -> str:
+    """What a configuration change did: rolling out (which release, which deployment) or staged."""
+    if done.deployment_id:
+        return (
+            f"{what}: config v{done.config_version} of {done.env}; release v{done.release_version} rolling out"
+            f" (deployment {done.deployment_id})"
         )
-        return done.deployment.meta.id
-    staged = "staged for the next deploy" if env.active_release_id else "used by the first deploy"
-    say(f"{what}: config v{version} of {path}, {staged}")
-    return ""
+    staged = "staged for the next deploy" if done.deployed else "used by the first deploy"
+    return f"{what}: config v{done.config_version} of {done.env}, {staged}"
 
 
-def follow(deployment_id: str, watch: bool) -> None:
+def roll_out(
+    what: str,
+    change: Callable[[ActionContext], Awaitable[ConfigChanged]],
+    *,
+    watch: bool,
+    span_name: str,
+    **attributes: Any,
+) -> None:
+    """Run the configuration action ``change``, say what it did, then follow its rollout."""
+
+    async def go() -> str:
+        async with control() as c:
+            done = await change(c.actions)
+        say(changed_text(what, done))
+        return done.deployment_id
+
+    with span(span_name, **attributes):
+        deployment_id = run(go)
     if deployment_id and watch:
         from cli.watch import watch_deployment
 
         raise typer.Exit(run(lambda: watch_deployment(deployment_id, until_done=False)))
 
 
-def roll_out(
-    env: str,
-    what: str,
-    make_edit: Callable[[StateReader], ConfigEdit],
-    *,
-    deploy: bool,
-    watch: bool,
-    span_name: str,
-    **attributes: Any,
-) -> None:
-    """Commit the edit ``make_edit`` builds on the current view to ``env``, then follow its rollout."""
-
-    async def go() -> str:
-        async with control() as c:
-            return await reconfigure(c, target_env(c.view, env), what, make_edit(c.view), deploy=deploy)
-
-    with span(span_name, env=env, **attributes):
-        follow(run(go), watch)
-
-
 def check_names(field: str, names: list[str]) -> None:
-    """Every name a POSIX environment name, else the CLI fails naming ``<field>.<name>``."""
+    """Every name a POSIX environment name, else the CLI fails naming ``<field>.<name>`` (before anything
+    is read or asked)."""
     for name in names:
         try:
             check_name(f"{field}.{name}", name)
         except ConfigError as exc:
             raise fail(str(exc)) from None
-
-
-def _vars_edit(view: StateReader, change: Mapping[str, str | None]) -> ConfigEdit:
-    """Set (value) or remove (None) variables; refuses a name that is also a secret, and an env over 1 MiB."""
-
-    def edit(env: pb.Environment, _txn: Txn) -> None:
-        merged = dict(env.service.vars)
-        for name, value in change.items():
-            if value is None:
-                if merged.pop(name, None) is None:
-                    raise ConfigError(f"vars.{name}", "not set on this environment")
-            elif name in env.service.secrets:
-                raise ConfigError(f"vars.{name}", "is a secret of this environment; `zattera secrets unset` it first")
-            else:
-                merged[name] = value
-        check_env_size(merged, secret_sizes(env.service, view.secrets(env.meta.id)), field="vars")
-        with_vars(env.service, merged)
-
-    return edit
 
 
 @config_app.command("set")
@@ -148,13 +97,13 @@ def config_set(
         values = parse_assignments(assignments)
     except ConfigError as exc:
         raise fail(str(exc)) from None
+    request = ChangeVars(env, dict(values), deploy=not no_deploy)
     roll_out(
-        env,
         f"set {', '.join(values)}",
-        lambda view: _vars_edit(view, values),
-        deploy=not no_deploy,
+        lambda ctx: change_vars(ctx, request),
         watch=watch,
         span_name="cli.config.set",
+        env=env,
         names=",".join(values),
     )
 
@@ -168,14 +117,13 @@ def config_unset(
 ) -> None:
     """Remove environment variables."""
     check_names("vars", names)
-    change: dict[str, str | None] = dict.fromkeys(names)
+    request = ChangeVars(env, dict.fromkeys(names), deploy=not no_deploy)
     roll_out(
-        env,
         f"unset {', '.join(names)}",
-        lambda view: _vars_edit(view, change),
-        deploy=not no_deploy,
+        lambda ctx: change_vars(ctx, request),
         watch=watch,
         span_name="cli.config.unset",
+        env=env,
         names=",".join(names),
     )
 
@@ -185,8 +133,6 @@ def config_list(env: str = ENV, json: bool = JSON) -> None:
     """An environment's variables (staged), its config version and the running release's."""
 
     async def go() -> None:
-        from cli.apply import env_path
-
         async with control() as c:
             target = target_env(c.view, env)
             running = running_release(c.view, target)

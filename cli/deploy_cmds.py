@@ -14,9 +14,12 @@ from cli import render
 from cli.client import control, err, fail, run
 from cli.options import JSON, WIDE, env_or_fail, set_output
 from cli.render import Col
-from shared.deploy import Deployer, DeployError
+from shared.actions.deploys import CancelDeployment, Deploy, Rollback, cancel_deployment
+from shared.actions.deploys import deploy as deploy_action
+from shared.actions.deploys import rollback as rollback_action
+from shared.actions.names import env_label, env_path
+from shared.deploy import DeployError
 from shared.deploysource import SourceRefused, default_env, inspect_source, mismatch
-from shared.names import env_label, env_path
 from shared.state.reader import StateReader
 from shared.telemetry import span
 
@@ -128,26 +131,21 @@ def deploy(
                 if not force:
                     raise fail(problem)
                 err.print(f"--force: {replaced(c.view, target, manifest.app_path)}", highlight=False)
-            deployer = Deployer(c.writer, created_by="cli")
-            try:
-                if source is not None:
+            request = Deploy(target.meta.id, image_ref=image, build_id=build)
+            if source is not None:
+                try:
                     data = pack(source)
-                    digest = await upload(c.conn, data)
-                    err.print(f"uploaded source {digest[:19]}… ({len(data):,} bytes)")
-                    created = await deployer.deploy_source(target.meta.id, tarball_digest=digest)
-                elif image:
-                    created = await deployer.deploy_image(target.meta.id, image)
-                else:
-                    created = await deployer.deploy_build(target.meta.id, build)
+                except ValueError as exc:
+                    raise fail(str(exc)) from None
+                digest = await upload(c.conn, data)
+                err.print(f"uploaded source {digest[:19]}… ({len(data):,} bytes)")
+                request = Deploy(target.meta.id, tarball_digest=digest)
+            try:
+                done = await deploy_action(c.actions, request)
             except DeployError as exc:
                 raise _refused(exc, {o: v for o, v in (("--image", image), ("--build", build)) if v}) from None
-            except ValueError as exc:
-                raise fail(str(exc)) from None
-            err.print(
-                f"deployment {created.deployment.meta.id} created: release v{created.release.version}"
-                f" of {env_path(c.view, target)}"
-            )
-            return created.deployment.meta.id
+            err.print(f"deployment {done.deployment_id} created: release v{done.release_version} of {done.env}")
+            return done.deployment_id
 
     # The root of the deploy's trace: the writes carry its traceparent, and every service that reacts to
     # them (builds, orchestrator, scheduler, agents) continues it.
@@ -190,14 +188,8 @@ def deploy_cancel(deployment_id: str) -> None:
 
     async def go() -> None:
         async with control() as c:
-            try:
-                d = await Deployer(c.writer, created_by="cli").cancel(deployment_id)
-            except DeployError as exc:
-                raise fail(str(exc)) from None
-            err.print(
-                f"deployment {d.meta.id}: cancel requested "
-                f"({render.enum_name(pb.DeploymentPhase, d.phase, 'DEPLOYMENT_PHASE_')})"
-            )
+            done = await cancel_deployment(c.actions, CancelDeployment(deployment_id))
+            err.print(f"deployment {done.deployment_id}: cancel requested ({done.phase.lower()})")
 
     run(go)
 
@@ -211,14 +203,12 @@ def rollback(
 
     async def go() -> str:
         async with control() as c:
-            target = env_or_fail(c.view, env)
             try:
-                d = await Deployer(c.writer, created_by="cli").rollback(target.meta.id, to_release_id=to)
+                done = await rollback_action(c.actions, Rollback(env, to_release_id=to))
             except DeployError as exc:
                 raise _refused(exc, {"--to": to} if to else {}) from None
-            release = c.view.release(d.release_id)
-            err.print(f"rollback {d.meta.id} to v{release.version if release else '?'} created")
-            return d.meta.id
+            err.print(f"rollback {done.deployment_id} to v{done.release_version} created")
+            return done.deployment_id
 
     with span("cli.rollback", env=env) as current:
         deployment_id = run(go)

@@ -1,9 +1,9 @@
 """``zattera domains list|add|remove``: hostnames routed to environments and their certificates
 (docs/certificates.md).
 
-``add`` routes a hostname to an environment (a ``Domain`` record); the certificate loop then obtains its
-certificate. ``list`` shows each hostname's certificate state: pending, valid (until), renewing, or failed
-with the CA's reason. Nothing here touches key material.
+``add`` and ``remove`` are operator actions (:mod:`shared.actions.domains`). ``list`` shows each hostname's
+certificate state: pending, valid (until), renewing, or failed with the CA's reason. Nothing here touches
+key material.
 """
 
 from __future__ import annotations
@@ -12,52 +12,29 @@ import time
 from dataclasses import asdict
 
 import typer
-from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.client import control, run
-from cli.config_cmds import ENV, JSON, fail, say, target_env
-from shared import keys as K
-from shared.certs import DomainRow, domain_rows, hostname_problem, utc_text
-from shared.ids import new_id
+from cli.config_cmds import ENV, JSON, say
+from shared.actions.domains import AddDomain, DomainAdded, RemoveDomain, add_domain, remove_domain
+from shared.actions.names import env_label
+from shared.certs import DomainRow, domain_rows, utc_text
 
 domains_app = typer.Typer(no_args_is_help=True, help="Hostnames routed to environments, and their certificates.")
 
 HOSTNAME = typer.Argument(..., help="the hostname, e.g. www.example.com")
 
 
-def _check(hostname: str) -> str:
-    problem = hostname_problem(hostname)
-    if problem is not None:
-        raise fail(f"hostname: {problem}")
-    return hostname
-
-
 @domains_app.command("add")
 def domains_add(hostname: str = HOSTNAME, env: str = ENV) -> None:
     """Route HOSTNAME to an environment; its certificate is obtained automatically."""
-    _check(hostname)
 
-    async def go() -> str:
-        from cli.apply import env_label, env_path
-
+    async def go() -> DomainAdded:
         async with control() as c:
-            target = target_env(c.view, env)
-            for other in c.view.domains():
-                if other.hostname == hostname:
-                    where = env_label(c.view, other.environment_id)
-                    raise fail(f"hostname: {hostname} is already routed to {where}")
-            domain = pb.Domain(
-                project_id=target.project_id, app_id=target.app_id, environment_id=target.meta.id, hostname=hostname
-            )
-            domain.meta.id = new_id()
-            domain.meta.created_at.FromNanoseconds(time.time_ns())
-            domain.meta.updated_at.CopyFrom(domain.meta.created_at)
-            await c.writer.commit(c.writer.txn("cli.domains.add").create(domain))
-            return env_path(c.view, target)
+            return await add_domain(c.actions, AddDomain(hostname, env))
 
-    where = run(go)
-    say(f"domain {hostname} routed to {where}; its certificate is pending (`zattera domains list`)")
+    done = run(go)
+    say(f"domain {hostname} routed to {done.env}; its certificate is pending (`zattera domains list`)")
 
 
 @domains_app.command("remove")
@@ -66,13 +43,7 @@ def domains_remove(hostname: str = HOSTNAME) -> None:
 
     async def go() -> None:
         async with control() as c:
-            doomed = [d for d in c.view.domains() if d.hostname == hostname]
-            if not doomed:
-                raise fail(f"hostname: no domain {hostname!r} (see `zattera domains list`)")
-            txn = c.writer.txn("cli.domains.remove")
-            for domain in doomed:
-                txn.delete(K.domain(domain.meta.id))
-            await c.writer.commit(txn)
+            await remove_domain(c.actions, RemoveDomain(hostname))
 
     run(go)
     say(f"domain {hostname} removed")
@@ -83,8 +54,6 @@ def domains_list(json: bool = JSON) -> None:
     """Every hostname with a domain or a certificate: certificate state, expiry, renewal, the CA's error."""
 
     async def go() -> list[DomainRow]:
-        from cli.apply import env_label
-
         async with control() as c:
             return domain_rows(c.view, time.time(), lambda env_id: env_label(c.view, env_id))
 

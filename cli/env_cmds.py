@@ -1,8 +1,8 @@
 """Operating environments: ``zattera apps|envs|projects delete``, ``zattera scale`` and ``zattera status``.
 
-Deletions are planned by :mod:`cli.deletion` and committed as one fenced batch; a concurrent write to
-anything the plan read refuses it whole, and it is decided again on fresh state. A deletion needs
-``--yes``, or a confirmation typed at a terminal: without a terminal (scripts, CI) it is refused.
+Deleting and scaling are operator actions (:mod:`shared.actions.deletion`, :mod:`shared.actions.envs`); a
+deletion needs ``--yes``, or a confirmation typed at a terminal: without a terminal (scripts, CI) it is
+refused.
 """
 
 from __future__ import annotations
@@ -10,25 +10,22 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import control, err, run
+from cli.client import ExitCode, control, err, fail, run
 from shared import keys as K
-from shared.clock import RealClock
+from shared.actions.deletion import Delete, Scope, delete, plan_delete
+from shared.actions.envs import Scale, Scaled
+from shared.actions.envs import scale as scale_env
+from shared.actions.names import env_path, target_env
 from shared.deployments import desired_replicas, is_terminal
-from shared.events import EventPublisher, event_for_env
 from shared.live import proxy_reports
-from shared.names import env_path, find_app, find_project, resolve_env
 from shared.state.reader import StateReader
 from shared.urls import proxy_listeners, urls_by_env
-
-if TYPE_CHECKING:  # the writes' modules load with a write command, not with `zattera status`
-    from cli.deletion import Deletion
 
 envs_app = typer.Typer(no_args_is_help=True, help="Environments: delete.")
 projects_app = typer.Typer(no_args_is_help=True, help="Projects: delete.")
@@ -38,90 +35,48 @@ YES = typer.Option(False, "--yes", "-y", help="do not ask for confirmation (requ
 VOLUMES = typer.Option(False, "--volumes", help="also delete the volumes and their snapshots (kept by default)")
 
 
-def fail(message: str, code: int = 1) -> typer.Exit:
-    err.print("[red]error:[/] ", end="")
-    err.print(message, markup=False, highlight=False, soft_wrap=True)
-    return typer.Exit(code)
-
-
 # ---------------------------------------------------------------------------------------------- delete
 
 
-def _find_app(view: StateReader, ref: str) -> pb.App | None:
-    """An app by id or by ``project/app`` names."""
-    found = view.app(ref)
-    if found is not None:
-        return found
-    project_name, sep, app_name = ref.partition("/")
-    project = find_project(view, project_name) if sep else None
-    return find_app(view, project.meta.id, app_name) if project else None
-
-
-def _find_project(view: StateReader, ref: str) -> pb.Project | None:
-    return view.project(ref) or find_project(view, ref)
-
-
-def _describe(plan: Deletion) -> str:
+def _describe(what: str, counts: dict[str, int]) -> str:
     parts = [
-        f"{len(plan.envs)} environment(s)",
-        f"{len(plan.stops)} running replica(s)",
-        f"{len(plan.domains)} domain(s)",
+        f"{counts['environments']} environment(s)",
+        f"{counts['replicas_stopped']} running replica(s)",
+        f"{counts['domains']} domain(s)",
     ]
-    if plan.volumes:
-        parts.append(f"{len(plan.volumes)} volume(s) and {len(plan.snapshots)} snapshot(s)")
-    text = f"{plan.what}: " + ", ".join(parts)
-    if plan.kept_volumes:
-        text += f"; keeps {len(plan.kept_volumes)} volume(s) and their snapshots (--volumes deletes them)"
+    if counts["volumes_deleted"]:
+        parts.append(f"{counts['volumes_deleted']} volume(s) and {counts['snapshots_deleted']} snapshot(s)")
+    text = f"{what}: " + ", ".join(parts)
+    if counts["volumes_kept"]:
+        text += f"; keeps {counts['volumes_kept']} volume(s) and their snapshots (--volumes deletes them)"
     return text
 
 
-def confirm(plan: Deletion, yes: bool) -> None:
+def confirm(what: str, counts: dict[str, int], yes: bool) -> None:
     """Go on with ``--yes`` or a typed confirmation; refuse without a terminal to ask at."""
     if yes:
         return
     if not sys.stdin.isatty():
-        raise fail(f"deleting {plan.what} needs confirmation: pass --yes (no terminal to ask at)", code=2)
-    err.print(f"about to delete {_describe(plan)}")
-    if not typer.confirm(f"Delete {plan.what}?", default=False, err=True):
-        raise fail("not deleted", code=1)
+        raise fail(f"deleting {what} needs confirmation: pass --yes (no terminal to ask at)", ExitCode.USAGE)
+    err.print(f"about to delete {_describe(what, counts)}")
+    if not typer.confirm(f"Delete {what}?", default=False, err=True):
+        raise fail("not deleted")
 
 
-def _plan_deletion(view: StateReader, what: str, **scope: Any) -> Deletion:
-    """:func:`cli.deletion.plan_deletion`, loaded with a delete command (not with `zattera status`)."""
-    from cli.deletion import plan_deletion
-
-    return plan_deletion(view, what, **scope)
-
-
-def _delete(what: str, decide: Callable[[StateReader, float], Deletion | None], *, yes: bool, as_json: bool) -> None:
-    from cli.deletion import deletion_events, deletion_txn
-    from shared.retry import Attempt, RetriesExhausted, commit_with_retry
-
-    """Decide on the view, confirm, commit as one fenced batch (deciding again after a conflict), publish
-    the events and report."""
+def _delete(request: Delete, *, yes: bool, as_json: bool) -> None:
+    """Show what goes and confirm, then delete (:func:`shared.actions.deletion.delete`) and report."""
 
     async def go() -> None:
         async with control() as c:
-            plan = decide(c.view, time.time())
+            plan = plan_delete(c.view, request, time.time())
             if plan is None:
-                raise fail(f"{what}: not found")
-            confirm(plan, yes)
-
-            def attempt() -> Attempt[Deletion]:
-                fresh = decide(c.view, time.time())
-                if fresh is None:
-                    raise fail(f"{what}: deleted meanwhile by someone else")
-                return Attempt(deletion_txn(c.writer, fresh), fresh)
-
-            try:
-                plan = await commit_with_retry(c.writer, attempt, clock=RealClock(), contended=what)
-            except RetriesExhausted:
-                raise fail(f"{what} kept changing while deleting; try again") from None
-            await EventPublisher(c.conn).publish(*deletion_events(plan))
+                raise fail(f"{request.scope} {request.ref!r}: not found")
+            confirm(plan.what, plan.summary(), yes)
+            done = await delete(c.actions, request)
             if as_json:
-                render.emit_json({"deleted": plan.what, **plan.summary()})
+                render.emit_json({"deleted": done.what, **done.counts})
                 return
-            err.print(f"deleted {_describe(plan)}")
+            err.print(f"deleted {_describe(done.what, done.counts)}")
 
     run(go)
 
@@ -134,16 +89,7 @@ def apps_delete(
 ) -> None:
     """Delete an app and its environments: stops every replica, removes routes and domains; releases and
     images go through retention. Volumes and snapshots are kept unless --volumes."""
-
-    def decide(view: StateReader, now: float) -> Deletion | None:
-        found = _find_app(view, app)
-        if found is None:
-            return None
-        project = view.project(found.project_id)
-        label = f"app {project.name if project else '?'}/{found.name}"
-        return _plan_deletion(view, label, apps=[found], volumes=volumes, now=now)
-
-    _delete(f"app {app!r}", decide, yes=yes, as_json=json)
+    _delete(Delete(Scope.APP, app, volumes), yes=yes, as_json=json)
 
 
 @envs_app.command("delete")
@@ -155,14 +101,7 @@ def envs_delete(
 ) -> None:
     """Delete an environment: stops every replica, removes its routes and domains; releases and images go
     through retention. Volumes and snapshots are kept unless --volumes."""
-
-    def decide(view: StateReader, now: float) -> Deletion | None:
-        found = resolve_env(view, env)
-        if found is None:
-            return None
-        return _plan_deletion(view, f"env {env_path(view, found)}", envs=[found], volumes=volumes, now=now)
-
-    _delete(f"env {env!r}", decide, yes=yes, as_json=json)
+    _delete(Delete(Scope.ENV, env, volumes), yes=yes, as_json=json)
 
 
 @projects_app.command("delete")
@@ -173,14 +112,7 @@ def projects_delete(
     json: bool = JSON,
 ) -> None:
     """Delete a project with all its apps and environments (see `zattera apps delete`)."""
-
-    def decide(view: StateReader, now: float) -> Deletion | None:
-        found = _find_project(view, project)
-        if found is None:
-            return None
-        return _plan_deletion(view, f"project {found.name}", projects=[found], volumes=volumes, now=now)
-
-    _delete(f"project {project!r}", decide, yes=yes, as_json=json)
+    _delete(Delete(Scope.PROJECT, project, volumes), yes=yes, as_json=json)
 
 
 # ---------------------------------------------------------------------------------------------- scale
@@ -195,49 +127,17 @@ def scale(
 ) -> None:
     """Set an environment's replica count (REPLICAS) or its autoscaling bounds (--min/--max). The next
     `zattera apps apply` sets the bounds from zattera.toml again."""
-    from shared.retry import Attempt, RetriesExhausted, commit_with_retry
-    from shared.scaling import ScaleRequest, scaled
+    request = Scale(env, replicas, minimum, maximum)
 
-    request = ScaleRequest(replicas, minimum, maximum)
-    problem = request.problem()
-    if problem:
-        raise fail(problem)
-
-    async def go() -> None:
+    async def go() -> Scaled:
         async with control() as c:
+            return await scale_env(c.actions, request)
 
-            def attempt() -> Attempt[pb.Environment]:
-                target = resolve_env(c.view, env)
-                if target is None:
-                    raise fail(f"--env: no environment {env!r} (use an id or project/app/env)")
-                try:
-                    new = scaled(target, request)
-                except ValueError as exc:
-                    raise fail(str(exc)) from None
-                new.meta.updated_at.FromNanoseconds(time.time_ns())
-                return Attempt(c.writer.txn("scale").put(new), new)
-
-            try:
-                new = await commit_with_retry(c.writer, attempt, clock=RealClock(), contended=f"env {env}")
-            except RetriesExhausted:
-                raise fail(f"env {env} kept changing while scaling; try again") from None
-            path = env_path(c.view, new)
-            bounds = f"min {new.service.replicas.min}, max {new.service.replicas.max}"
-            message = f"scaled {path} to {new.effective_replicas} replica(s) ({bounds})"
-            await EventPublisher(c.conn).publish(event_for_env(new, "env.scaled", message, fields={"actor": "cli"}))
-            if json:
-                render.emit_json(
-                    {
-                        "env": path,
-                        "replicas": new.effective_replicas,
-                        "min": new.service.replicas.min,
-                        "max": new.service.replicas.max,
-                    }
-                )
-                return
-            err.print(message)
-
-    run(go)
+    done = run(go)
+    if json:
+        render.emit_json({"env": done.env, "replicas": done.replicas, "min": done.minimum, "max": done.maximum})
+        return
+    err.print(done.message)
 
 
 # ---------------------------------------------------------------------------------------------- status
@@ -248,8 +148,9 @@ UP_STATES = frozenset({pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY, pb.
 
 def env_status(view: StateReader, env: pb.Environment, urls: list[str]) -> dict[str, Any]:
     """One env's overview: where it answers (``urls``: :func:`shared.urls.urls_by_env`), what runs, whether it
-    is warm, how its last deploy went. Running and healthy count the active release's replicas;
-    ``kept_warm``: other releases' replicas still running (a previous release kept warm during a drain window)."""
+    is warm, how its last deploy went.
+    Running and healthy count the active release's replicas; ``kept_warm``: other releases' replicas
+    still running (a previous release kept warm during a drain window)."""
     release = view.release(env.active_release_id) if env.active_release_id else None
     runs = [a for a in view.assignments(env.meta.id) if a.desired == pb.ASSIGNMENT_DESIRED_RUN and not a.job_id]
     replicas = [a for a in runs if a.release_id == env.active_release_id]
@@ -335,13 +236,7 @@ def status(
 
     async def go() -> list[dict[str, Any]]:
         async with control() as c:
-            if env:
-                target = resolve_env(c.view, env)
-                if target is None:
-                    raise fail(f"--env: no environment {env!r} (use an id or project/app/env)")
-                envs = [target]
-            else:
-                envs = c.view.envs()
+            envs = [target_env(c.view, env)] if env else c.view.envs()
             routes, proxies = await asyncio.gather(
                 route_snapshot(c.conn, timeout=2.0), proxy_reports(c.conn, time.time())
             )

@@ -1,5 +1,5 @@
 """``zattera events [--follow] [--kind K] [--env E] [--last N] [--json]``: the platform's event log, and the
-events the CLI itself announces (an operator's node changes).
+scale events ``zattera apps apply`` announces.
 
 Events live in the ``ZATTERA_EVENTS`` stream on ``zattera.events.<kind>``; ``--kind`` narrows the subject
 (``deploy`` = every ``deploy.*`` kind, ``deploy.failed`` exactly, NATS wildcards pass through). The env
@@ -18,26 +18,17 @@ from rich.markup import escape
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import OPTIONS, control, err, fail, run
+from cli.client import OPTIONS, actor, control, err, fail, run
 from shared import keys as K
+from shared.actions.names import env_path, resolve_env
 from shared.deployments import desired_replicas
-from shared.events import (
-    EVENT_SCALED,
-    EventPublisher,
-    deleted_env_paths,
-    kind_problem,
-    kind_subject,
-    node_change_event,
-    scale_event,
-)
-from shared.names import env_path, resolve_env
+from shared.events import EVENT_SCALED, EventPublisher, deleted_env_paths, kind_problem, kind_subject, scale_event
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
 from shared.state.feed import StateView
 from shared.state.reader import StateReader
 from shared.watches import WatchSpec
 from shared.watches import follow as follow_watch
 
-OPERATOR = "operator"
 SCAN_WINDOW = 20_000
 """How many of the newest events a filtered listing looks through for its ``--last`` matches."""
 
@@ -148,13 +139,6 @@ def events(
     run(go)
 
 
-async def publish_node_change(conn: Connection, before: pb.Node, revision: int, after: pb.Node) -> None:
-    """Announce an operator's committed node edit (cordon, uncordon, drain); labels announce nothing."""
-    event = node_change_event(before, after, time.time(), actor=OPERATOR, revision=revision)
-    if event is not None:
-        await EventPublisher(conn).publish(event)
-
-
 def replica_counts(view: StateReader) -> dict[str, tuple[int, int]]:
     """Each env's replica count and revision, read before an operator's edit."""
     return {env.meta.id: (desired_replicas(env), view.rev(K.env(env.meta.id))) for env in view.envs()}
@@ -170,7 +154,7 @@ async def announce_scale_changes(conn: Connection, before: dict[str, tuple[int, 
         message = f"{env.name}: replicas set from {count} to {target} by the operator"
         changes.append(
             scale_event(
-                env, revision, count, target, kind=EVENT_SCALED, actor=OPERATOR, message=message, now=time.time()
+                env, revision, count, target, kind=EVENT_SCALED, actor=actor(), message=message, now=time.time()
             )
         )
     await EventPublisher(conn).publish(*changes)

@@ -33,7 +33,7 @@ def images_import(
     json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
     """Import a container image into the cluster registry; prints the ref to deploy it with --image."""
-    from cli.apply import find_app, find_project
+    from shared.actions.names import find_app, find_project
 
     project_name, _, app_name = app_ref.partition("/")
     if not project_name or not app_name or "/" in app_name:

@@ -11,9 +11,9 @@ from cli.env_cmds import placement_status, print_unplaced
 from cli.options import JSON, WIDE, env_or_fail, set_output
 from cli.render import Col
 from shared import keys as K
+from shared.actions.names import env_label
 from shared.applogs import describe_exit
 from shared.deployments import replica_role
-from shared.names import env_label
 
 
 def ps(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WIDE) -> None:

@@ -1,9 +1,10 @@
 """``zattera run`` and ``zattera jobs list/show/cancel``: one-off commands and cron runs (docs/jobs.md).
 
-``zattera run --env E -- CMD…`` writes a PENDING ``job.<id>``; the jobs loop places it on the env's active
-release and the agent runs it once. Without ``--detach`` the command's output is printed live from the
-env's log stream (instance = the attempt's assignment), Ctrl-C asks the job to stop (a second one leaves
-at once), and ``zattera run`` exits with the command's exit code.
+``zattera run --env E -- CMD…`` is the operator action :func:`shared.actions.jobs.run_job` (a PENDING
+``job.<id>`` the jobs loop places on the env's active release, the agent runs it once). Without
+``--detach`` the command's output is printed live from the env's log stream (instance = the attempt's
+assignment), Ctrl-C asks the job to stop (a second one leaves at once), and ``zattera run`` exits with the
+command's exit code.
 """
 
 from __future__ import annotations
@@ -13,20 +14,20 @@ import contextlib
 import shlex
 import signal
 import sys
-import time
 from collections.abc import AsyncIterator
 
 import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import OPTIONS, Control, ExitCode, control, err, fail, run
+from cli.client import FIELD_LABELS, OPTIONS, Control, ExitCode, control, err, fail, run
 from shared import jobs as J
 from shared import keys as K
+from shared.actions.jobs import CancelJob, RunJob, find_job, request_cancel, run_job
+from shared.actions.jobs import cancel_job as cancel_job_action
+from shared.actions.names import env_label, release_label, target_env
+from shared.actions.refusals import ActionRefused
 from shared.applogs import STDERR, AppLogLine, UnknownLogStream, read_app_logs
-from shared.ids import is_safe_id, unsafe_id
-from shared.names import env_path, resolve_env
-from shared.state.reader import StateReader
 
 jobs_app = typer.Typer(
     help="Job runs: cron entries' slots and `zattera run` commands (docs/jobs.md).", no_args_is_help=True
@@ -35,22 +36,6 @@ jobs_app = typer.Typer(
 LOG_STREAM_WAIT = 0.5
 """How often a following ``zattera run`` looks again for a log stream that does not exist yet."""
 _EXIT_CANCELED = ExitCode.INTERRUPTED
-
-
-def _env_of(view: StateReader, env: str) -> pb.Environment:
-    found = resolve_env(view, env)
-    if found is None:
-        raise fail(f"--env: no environment {env!r} (use an id or project/app/env)")
-    return found
-
-
-def _job(view: StateReader, job_id: str) -> pb.Job:
-    if not is_safe_id(job_id):
-        raise fail(f"JOB_ID: {unsafe_id('job id', job_id)}")
-    job = view.get(K.JOB, job_id)
-    if not isinstance(job, pb.Job):
-        raise fail(f"JOB_ID: no job {job_id!r} (see `zattera jobs list`)")
-    return job
 
 
 # ---------------------------------------------------------------------------- zattera run
@@ -68,23 +53,21 @@ def run_command(
     try:
         J.check_command(text)
     except J.CommandError as exc:
-        raise fail(f"command: {exc}") from None
+        raise fail(exc.said_as(FIELD_LABELS)) from None
 
     async def go() -> int:
         async with control(follow=not detach) as c:  # following the run needs a view kept up to date
-            target = _env_of(c.view, env)
-            if not target.active_release_id:
-                raise fail(f"--env: {env_path(c.view, target)} has no active release yet (`zattera deploy` first)")
-            job = J.one_off_job(target, text, now=time.time())
-            await c.writer.commit(c.writer.txn("run").create(job))
+            started = await run_job(c.actions, RunJob(env, text))
             if detach:
                 if json_output:
+                    job = c.view.get(K.JOB, started.job_id)
+                    assert job is not None  # read-your-writes: the commit is in the view
                     render.emit_json(render.as_dict(job))
                 else:
-                    render.out.print(job.meta.id, highlight=False)
+                    render.out.print(started.job_id, highlight=False)
                 return 0
-            err.print(f"job {job.meta.id} started ({env_path(c.view, target)}); Ctrl-C cancels it", highlight=False)
-            return await _follow(c, job.meta.id, target.meta.id)
+            err.print(f"job {started.job_id} started ({started.env}); Ctrl-C cancels it", highlight=False)
+            return await _follow(c, started.job_id, started.env_id)
 
     code = run(go)
     if code:
@@ -198,8 +181,8 @@ def _emit(line: AppLogLine) -> None:
 
 async def _request_cancel(c: Control, job_id: str) -> None:
     try:
-        await J.request_cancel(c.view, c.writer, job_id, "canceled by the operator")
-    except J.CancelCrossed:
+        await request_cancel(c.actions, job_id)
+    except ActionRefused:
         raise fail(
             f"job {job_id}: the cancel kept crossing the job's updates; run `zattera jobs cancel {job_id}` again"
         ) from None
@@ -219,7 +202,7 @@ def list_jobs(
 
     async def go() -> None:
         async with control() as c:
-            env_id = _env_of(c.view, env).meta.id if env else None
+            env_id = target_env(c.view, env).meta.id if env else None
             found = J.newest_first([j for j in c.view.jobs(env_id) if not cron or j.cron_name == cron])
             if json_output:
                 render.messages(found)
@@ -230,7 +213,7 @@ def list_jobs(
                 [
                     (
                         j.meta.id,
-                        _env_label(c.view, j.environment_id),
+                        env_label(c.view, j.environment_id),
                         j.cron_name or "(run)",
                         render.ts(j.slot_at),
                         J.status_name(j.status),
@@ -246,17 +229,6 @@ def list_jobs(
     run(go)
 
 
-def _env_label(view: StateReader, env_id: str) -> str:
-    env = view.env(env_id)
-    return env_path(view, env) if env is not None else env_id
-
-
-def _release_label(view: StateReader, release_id: str) -> str:
-    """``v3``, as operators see releases everywhere else (``--json`` keeps the id); the id when it is gone."""
-    release = view.release(release_id) if release_id else None
-    return f"v{release.version}" if release is not None else release_id or "-"
-
-
 @jobs_app.command("show")
 def show_job(
     job_id: str = typer.Argument(..., help="the job id (`zattera jobs list`)"),
@@ -267,19 +239,19 @@ def show_job(
 
     async def go() -> None:
         async with control() as c:
-            job = _job(c.view, job_id)
+            job = find_job(c.view, job_id)
             if json_output:
                 render.emit_json(render.as_dict(job))
                 return
             rows = [
-                ("env", _env_label(c.view, job.environment_id)),
+                ("env", env_label(c.view, job.environment_id)),
                 ("cron", job.cron_name or "(zattera run)"),
                 ("slot", render.ts(job.slot_at)),
                 ("command", job.command),
                 ("status", J.status_name(job.status) + (" (cancel requested)" if job.cancel_requested else "")),
                 ("attempt", f"{job.attempt} of {1 + job.max_retries}"),
                 ("node", job.node_id or "-"),
-                ("release", _release_label(c.view, job.release_id)),
+                ("release", release_label(c.view, job.release_id)),
                 ("started", render.ts(job.started_at)),
                 ("finished", render.ts(job.finished_at)),
                 ("duration", J.duration(job)),
@@ -301,10 +273,7 @@ def cancel_job(job_id: str = typer.Argument(..., help="the job id (`zattera jobs
 
     async def go() -> None:
         async with control() as c:
-            job = _job(c.view, job_id)
-            if not J.is_active(job):
-                raise fail(f"JOB_ID: job {job_id} already ended ({J.status_name(job.status)})")
-            await _request_cancel(c, job_id)
-            render.out.print(f"job {job_id}: cancel requested", highlight=False)
+            await cancel_job_action(c.actions, CancelJob(job_id))
+        render.out.print(f"job {job_id}: cancel requested", highlight=False)
 
     run(go)

@@ -13,9 +13,9 @@ import typer
 
 from cli.client import OPTIONS, control, err, run
 from cli.spec import parse_duration
+from shared.actions.names import resolve_env
 from shared.applogs import STDERR, AppLogLine, UnknownLogStream, read_app_logs
 from shared.ids import is_safe_id, unsafe_id
-from shared.names import resolve_env
 
 _STREAM_WAIT = 1.0
 """How often ``-f`` looks again for a log stream that does not exist yet."""

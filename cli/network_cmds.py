@@ -11,7 +11,7 @@ from zattera.v1 import types_pb2 as pb
 from cli import render
 from cli.client import OPTIONS, control, fail, run
 from services.agent.network import served_port
-from shared.names import env_path, resolve_env
+from shared.actions.names import env_path, resolve_env
 from shared.state.reader import StateReader
 
 

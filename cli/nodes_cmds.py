@@ -1,7 +1,6 @@
 """``zattera nodes list|cordon|uncordon|drain|label|join-token``: the cluster's machines.
 
-What each change does to a node record is decided by :func:`shared.node_changes.change_node`; this module
-reads the view, commits the edited record (fenced) and announces the change as an event.
+Each change is the operator action :func:`shared.actions.nodes.edit_node`: this module parses and prints.
 """
 
 from __future__ import annotations
@@ -11,21 +10,23 @@ from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.client import control, err, fail, run
-from cli.edits import commit_edit
-from cli.events_cmds import publish_node_change
+from cli.machine_cmds import nodes_remove
 from cli.options import JSON, WIDE, set_output
 from cli.render import Col
 from cli.security_cmds import join_token
-from shared import keys as K
-from shared.node_changes import NodeChange, NodeChangeRefused, change_node
+from shared.actions.nodes import EditNode, NodeChange, NodeEdited, edit_node
+from shared.natsio import recorded_config
+from shared.skew import node_version_note
 
 nodes_app = typer.Typer(no_args_is_help=True, help="Machines: list, label, cordon, drain.")
 nodes_app.command("join-token")(join_token)
+nodes_app.command("remove")(nodes_remove)
 
 
 @nodes_app.command("list")
 def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
-    """Every registered node with its status, capacity and reservations."""
+    """Every registered node with its status, version (beside it: "behind", one release behind the cluster;
+    "too old"; "newer", its control plane not upgraded yet), capacity, reservations and how it isolates apps."""
     set_output(json, wide)
 
     async def go() -> None:
@@ -34,9 +35,12 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
             if render.json_mode():
                 render.messages(nodes)
                 return
+            recorded = await recorded_config(c.conn.js)
+            cluster = recorded.version if recorded is not None else ""
             rows = []
             for n in nodes:
                 cpu, mem = c.view.reserved(n.meta.id)
+                note = node_version_note(n.binary_version, cluster)
                 rows.append(
                     [
                         n.meta.id,
@@ -45,9 +49,12 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                         "yes" if n.schedulable else "cordoned",
                         n.os_arch,
                         n.runtime or "process",
+                        f"{n.binary_version or '?'}{f' ({note})' if note else ''}",
+                        isolation_text(n),
                         f"{cpu}/{n.capacity.cpu_millis or '∞'} m",
                         f"{mem}/{n.capacity.memory_mb or '∞'} MB",
                         ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
+                        n.runtime_reason,
                     ]
                 )
             render.table(
@@ -59,9 +66,12 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                     "schedulable",
                     "platform",
                     "runtime",
+                    "version",
+                    Col("isolation", wrap=True),
                     "cpu",
                     "memory",
                     Col("labels", wrap=True),
+                    Col("runtime because", wrap=True, wide=True),
                 ],
                 rows,
             )
@@ -69,33 +79,22 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
     run(go)
 
 
+def isolation_text(node: pb.Node) -> str:
+    """How the node isolates its apps (SECURITY.md "Apps"); "?" for an agent too old to say."""
+    if node.isolation == "none":
+        return f"none ({node.isolation_problem})" if node.isolation_problem else "none"
+    return node.isolation or "?"
+
+
 def _edit_node(node_id: str, change: NodeChange, labels: dict[str, str] | None = None) -> None:
-    async def go() -> None:
+    async def go() -> NodeEdited:
         async with control() as c:
-            decided_on: list[tuple[pb.Node, int]] = []
+            return await edit_node(c.actions, EditNode(node_id, change, labels or {}))
 
-            def edit() -> pb.Node | None:
-                node = c.view.node(node_id)
-                if node is None:
-                    raise fail(f"node {node_id!r} not found")
-                decided_on[:] = [(node, c.view.rev(K.node(node_id)))]
-                try:
-                    edited = change_node(node, change, labels)
-                except NodeChangeRefused as exc:
-                    raise fail(str(exc)) from None
-                if edited is None:
-                    err.print(
-                        f"node {node_id} is {render.enum_name(pb.NodeStatus, node.status, 'NODE_STATUS_')}:"
-                        " nothing to do"
-                    )
-                return edited
-
-            edited = await commit_edit(c, f"node {node_id}", edit)
-            if isinstance(edited, pb.Node):
-                await publish_node_change(c.conn, *decided_on[0], edited)
-                err.print(f"node {node_id}: {change} done")
-
-    run(go)
+    done = run(go)
+    err.print(
+        f"node {node_id}: {change} done" if done.written else f"node {node_id} is {done.status.lower()}: nothing to do"
+    )
 
 
 @nodes_app.command("cordon")

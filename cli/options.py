@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import typer
-from zattera.v1 import types_pb2 as pb
 
-from cli.client import OPTIONS, fail
-from shared.names import resolve_env
-from shared.state.reader import StateReader
+from cli.client import OPTIONS
+from shared.actions.names import target_env
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 WIDE = typer.Option(False, "--wide", help="every column, ids included")
@@ -20,9 +18,5 @@ def set_output(flag: bool, wide: bool = False) -> bool:
     return flag
 
 
-def env_or_fail(view: StateReader, ref: str) -> pb.Environment:
-    """The environment ``--env`` names (an id or project/app/env), else a one-line failure."""
-    env = resolve_env(view, ref)
-    if env is None:
-        raise fail(f"--env: no environment {ref!r} (use an id or project/app/env)")
-    return env
+env_or_fail = target_env
+"""The environment ``--env`` names (an id or project/app/env), else a refusal :func:`cli.client.run` prints."""

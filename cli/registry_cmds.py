@@ -2,8 +2,9 @@
 images with (docs/containers.md, "Registry credentials").
 
 They are the environment's sealed secret ``ZATTERA_REGISTRY_AUTH`` (shared/registryauth.py), written like
-any ``zattera secrets set``: sealed before they leave the CLI, the password read from stdin or a prompt
-(never an argument: it would sit in the shell history and the process list), never printed.
+any ``zattera secrets set`` (:func:`shared.actions.secrets.registry_login`): sealed before they are
+written, the password read from stdin or a prompt (never an argument: it would sit in the shell history
+and the process list), never printed.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ import sys
 
 import typer
 
-from cli.config_cmds import ENV, NO_DEPLOY, WATCH, fail, roll_out
-from cli.secrets_cmds import _unset_edit
-from shared.appconfig import ConfigError, check_secret_value
-from shared.registryauth import REGISTRY_AUTH_SECRET, registry_auth_value
-from shared.secret_edits import set_secret_edit
+from cli.config_cmds import ENV, NO_DEPLOY, WATCH, roll_out
+from shared.actions.secrets import RegistryLogin, RegistryLogout
+from shared.actions.secrets import registry_login as registry_login_action
+from shared.actions.secrets import registry_logout as registry_logout_action
 
 registry_app = typer.Typer(
     no_args_is_help=True, help="Registry credentials for docker:// images (a sealed secret of the environment)."
@@ -39,18 +39,13 @@ def registry_login(
     watch: bool = WATCH,
 ) -> None:
     """Set the environment's registry credentials; the password comes from stdin or a prompt."""
-    try:
-        value = registry_auth_value(server, username, _read_password())
-        value = check_secret_value(REGISTRY_AUTH_SECRET, value.encode())
-    except ConfigError as exc:
-        raise fail(str(exc)) from None
+    request = RegistryLogin(env, server, username, _read_password(), deploy=not no_deploy)
     roll_out(
-        env,
         f"registry credentials for {server} set",
-        lambda view: set_secret_edit(view, REGISTRY_AUTH_SECRET, value),
-        deploy=not no_deploy,
+        lambda ctx: registry_login_action(ctx, request),
         watch=watch,
         span_name="cli.registry.login",
+        env=env,
         server=server,
     )
 
@@ -58,11 +53,11 @@ def registry_login(
 @registry_app.command("logout")
 def registry_logout(env: str = ENV, no_deploy: bool = NO_DEPLOY, watch: bool = WATCH) -> None:
     """Remove the environment's registry credentials (releases that used them keep them, for rollbacks)."""
+    request = RegistryLogout(env, deploy=not no_deploy)
     roll_out(
-        env,
         "registry credentials removed",
-        lambda view: _unset_edit(view, [REGISTRY_AUTH_SECRET]),
-        deploy=not no_deploy,
+        lambda ctx: registry_logout_action(ctx, request),
         watch=watch,
         span_name="cli.registry.logout",
+        env=env,
     )

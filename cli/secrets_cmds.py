@@ -1,51 +1,37 @@
 """``zattera secrets set|unset|list|rotate-key``: sealed secrets of an environment (docs/secrets.md).
 
-The CLI seals a value to the cluster key's public half (``secretskey.cluster``) and writes only the
-ciphertext, as a new version, in the same fenced write as the environment (and, when it runs a release,
-the new release and its red/green deployment). That write also expects the cluster key record's
-revision: a value sealed to a key that a rotation has just replaced is refused and sealed again. The value
-is never printed, logged, traced or put in an error; ``list`` shows names, versions and dates.
+Setting, unsetting and rotating are operator actions (:mod:`shared.actions.secrets`: the value is sealed to
+the cluster key before anything is written). This module reads the value (``--from-file``, stdin or a
+prompt, never an argument), calls them and prints what they did; ``list`` shows names, versions and
+dates. The value is never printed, logged, traced or put in an error.
 """
 
 from __future__ import annotations
 
 import getpass
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import typer
-from zattera.cluster.v1 import cluster_pb2 as cpb
-from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import control, run
-from cli.config_cmds import (
-    ENV,
-    JSON,
-    NO_DEPLOY,
-    WATCH,
-    check_names,
-    fail,
-    roll_out,
-    running_release,
-    say,
-    target_env,
+from cli.client import control, fail, run
+from cli.config_cmds import ENV, JSON, NO_DEPLOY, WATCH, check_names, roll_out, running_release, say
+from shared.actions.names import env_path, target_env
+from shared.actions.secrets import (
+    KeyRotated,
+    RotateSecretsKey,
+    SetSecret,
+    UnsetSecrets,
+    rotate_secrets_key,
+    set_secret,
+    unset_secrets,
 )
-from shared.appconfig import (
-    ConfigError,
-    check_name,
-    check_secret_value,
-)
-from shared.deploy import ConfigEdit
-from shared.secret_edits import prune_secrets, set_secret_edit
-from shared.secrets import ROTATE_SUBJECT
-from shared.state.reader import StateReader
+from shared.appconfig import ConfigError, check_name, check_secret_value
 from shared.telemetry import span
-from shared.txn import Txn
 
 secrets_app = typer.Typer(no_args_is_help=True, help="Sealed secrets of an environment (values never shown).")
-
-ROTATE_TIMEOUT = 120.0
 
 
 def _read_value(name: str, from_file: Path | None) -> bytes:
@@ -61,18 +47,6 @@ def _read_value(name: str, from_file: Path | None) -> bytes:
         return first.encode()
     data = sys.stdin.buffer.read()
     return data[:-1] if data.endswith(b"\n") else data  # `echo value |` adds one newline
-
-
-def _unset_edit(view: StateReader, names: list[str]) -> ConfigEdit:
-    def edit(env: pb.Environment, txn: Txn) -> None:
-        for name in names:
-            if name not in env.service.secrets:
-                raise ConfigError(f"secrets.{name}", "not set on this environment")
-            del env.service.secrets[name]
-        env.service.config_version += 1
-        prune_secrets(view, env, txn)
-
-    return edit
 
 
 def name_without_value(name: str) -> str:
@@ -102,14 +76,13 @@ def secrets_set(
         value = check_secret_value(name, _read_value(name, from_file))
     except ConfigError as exc:
         raise fail(str(exc)) from None
-
+    request = SetSecret(env, name, value, deploy=not no_deploy)
     roll_out(
-        env,
         f"secret {name} set",
-        lambda view: set_secret_edit(view, name, value),
-        deploy=not no_deploy,
+        lambda ctx: set_secret(ctx, request),
         watch=watch,
         span_name="cli.secrets.set",
+        env=env,
         secret=name,
     )
 
@@ -124,13 +97,13 @@ def secrets_unset(
     """Remove secrets (their old versions stay while a release still uses them, for rollbacks)."""
     names = [name_without_value(name) for name in names]
     check_names("secrets", names)
+    request = UnsetSecrets(env, names, deploy=not no_deploy)
     roll_out(
-        env,
         f"secret {', '.join(names)} unset",
-        lambda view: _unset_edit(view, names),
-        deploy=not no_deploy,
+        lambda ctx: unset_secrets(ctx, request),
         watch=watch,
         span_name="cli.secrets.unset",
+        env=env,
         names=",".join(names),
     )
 
@@ -140,8 +113,6 @@ def secrets_list(env: str = ENV, json: bool = JSON) -> None:
     """Names, versions and update times of an environment's secrets (never values)."""
 
     async def go() -> None:
-        from cli.apply import env_path
-
         async with control() as c:
             target = target_env(c.view, env)
             running = running_release(c.view, target)
@@ -186,21 +157,13 @@ def secrets_list(env: str = ENV, json: bool = JSON) -> None:
 def secrets_rotate_key(json: bool = JSON) -> None:
     """Make a new cluster secrets key and re-seal every secret under it; apps keep running."""
 
-    async def go() -> cpb.RotateSecretsKeyResponse:
+    async def go() -> KeyRotated:
         async with control(view=False) as c:
-            try:
-                msg = await c.conn.nc.request(
-                    ROTATE_SUBJECT, cpb.RotateSecretsKeyRequest().SerializeToString(), timeout=ROTATE_TIMEOUT
-                )
-            except Exception as exc:
-                raise fail(f"the secrets service did not answer ({type(exc).__name__}): is it running?") from None
-            return cpb.RotateSecretsKeyResponse.FromString(msg.data)
+            return await rotate_secrets_key(c.actions, RotateSecretsKey())
 
     with span("cli.secrets.rotate_key"):
-        response = run(go)
-    if response.error:
-        raise fail(response.error)
+        done = run(go)
     if json:
-        render.emit_json(render.as_dict(response))
+        render.emit_json(asdict(done))
         return
-    say(f"cluster key {response.previous_key_id} -> {response.key_id}: {response.resealed} secret version(s) re-sealed")
+    say(f"cluster key {done.previous_key_id} -> {done.key_id}: {done.resealed} secret version(s) re-sealed")

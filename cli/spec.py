@@ -60,7 +60,6 @@ from __future__ import annotations
 import ipaddress
 import re
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -77,8 +76,11 @@ from pydantic import (
 )
 from zattera.v1 import types_pb2 as pb
 
+from shared.actions.volumes import PolicyChange
 from shared.appconfig import ConfigError, check_env_size, check_var
+from shared.errors import ZatteraError
 from shared.jobs import DEFAULT_DEADLINE, MAX_RETRIES, POLICIES, CommandError, check_command
+from shared.schedule import validate_schedule
 
 NAME = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
@@ -90,7 +92,7 @@ Flag = Annotated[bool, Strict()]
 """A TOML boolean: ``true`` or ``false``, never a string or a number that reads like one ("yes", 1)."""
 
 
-class SpecError(ValueError):
+class SpecError(ZatteraError, ValueError):
     """Invalid app spec; the message names every bad field."""
 
 
@@ -163,31 +165,6 @@ class Autoscale(_Model):
     target_cpu_percent: int = Field(default=0, ge=0, le=100)
     target_memory_percent: int = Field(default=0, ge=0, le=100)
     target_rps_per_replica: int = Field(default=0, ge=0)
-
-
-def validate_schedule(value: str) -> str:
-    """A snapshot schedule as the snapshot scheduler reads it ("" = manual only); ValueError if it never could."""
-    from shared.schedule import ScheduleError, parse_schedule
-
-    text = value.strip()
-    if text:
-        try:
-            parse_schedule(text)
-        except ScheduleError as exc:
-            raise ValueError(str(exc)) from None
-    return text
-
-
-@dataclass(frozen=True)
-class PolicyChange:
-    """Fields of a volume's ``snapshot_policy`` to set; None leaves a field as it is."""
-
-    schedule: str | None = None
-    keep_last: int | None = None
-    pre_hook: str | None = None
-
-    def __bool__(self) -> bool:
-        return self.schedule is not None or self.keep_last is not None or self.pre_hook is not None
 
 
 class Volume(_Model):
@@ -345,6 +322,9 @@ class Env(_Model):
     resources: Resources = Resources()
     ports: list[Port] = Field(default_factory=lambda: [Port()])
     healthcheck: HealthCheck | None = None
+    min_healthy_time: float | None = Field(
+        default=None, le=600, description="no declared check: run this long before counting as healthy"
+    )
     autoscale: Autoscale | None = None
     scale_to_zero: Flag = False
     idle_timeout: float = 0.0
@@ -364,7 +344,7 @@ class Env(_Model):
 
     read_only_root: Flag = Field(default=False, description="docker runtime: a read-only root filesystem")
 
-    _durations = field_validator("idle_timeout", "stop_grace", mode="before")(parse_duration)
+    _durations = field_validator("idle_timeout", "stop_grace", "min_healthy_time", mode="before")(parse_duration)
 
     @field_validator("cron")
     @classmethod
@@ -522,6 +502,8 @@ def service_spec(spec: AppSpec, env: Env) -> pb.ServiceSpec:
         s.rate_limit.requests_per_second = env.rate_limit.requests_per_second
         s.rate_limit.burst = env.rate_limit.burst
     s.stop_grace.CopyFrom(to_duration(env.stop_grace))
+    if env.min_healthy_time is not None:
+        s.min_healthy_time.CopyFrom(to_duration(env.min_healthy_time))
     if env.network.allow:
         s.network.allow.extend(env.network.allow)
     for entry in env.cron:

@@ -1,20 +1,27 @@
-"""``zattera volumes list|policy|snapshots|snapshot|restore``: volumes and their snapshots."""
+"""``zattera volumes list|policy|snapshots|snapshot|restore``: volumes and their snapshots; setting a policy,
+snapshotting and restoring are operator actions (:mod:`shared.actions.volumes`)."""
 
 from __future__ import annotations
-
-import time
-from typing import Any
 
 import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import Control, control, err, fail, run
-from cli.edits import commit_edit
+from cli.client import ExitCode, control, err, fail, run
 from cli.options import JSON, WIDE, set_output
 from cli.render import Col
-from shared.names import env_label
-from shared.settings import settings
+from shared.actions.names import env_label
+from shared.actions.refusals import ActionRefused
+from shared.actions.volumes import (
+    PolicySet,
+    RestoreVolume,
+    SetSnapshotPolicy,
+    SnapshotTaken,
+    TakeSnapshot,
+    restore_volume,
+    set_snapshot_policy,
+    take_snapshot,
+)
 
 volumes_app = typer.Typer(no_args_is_help=True, help="Volumes and their snapshots.")
 
@@ -63,43 +70,22 @@ def volumes_policy(
     json: bool = JSON,
 ) -> None:
     """Set a volume's snapshot policy (only the options given change; `apps apply` uses the same code)."""
-    from cli.apply import with_policy
-    from cli.spec import PolicyChange, validate_schedule
-
     set_output(json)
-    if schedule is not None:
-        try:
-            schedule = validate_schedule(schedule)
-        except ValueError as exc:
-            raise fail(f"--schedule: {exc}") from None
-    change = PolicyChange(schedule=schedule, keep_last=keep_last, pre_hook=pre_hook)
-    if not change:
-        raise fail("give at least one of --schedule, --keep-last or --pre-hook")
 
-    async def go() -> None:
+    async def go() -> PolicySet:
         async with control() as c:
+            return await set_snapshot_policy(c.actions, SetSnapshotPolicy(volume_id, schedule, keep_last, pre_hook))
 
-            def edit() -> pb.Volume | None:
-                volume = c.view.volume(volume_id)
-                if volume is None:
-                    raise fail(f"volume {volume_id!r} not found")
-                return with_policy(volume, change, time.time())
-
-            await commit_edit(c, f"volume {volume_id}", edit)
-            volume = c.view.volume(volume_id)
-            assert volume is not None
-            policy = volume.snapshot_policy
-            if render.json_mode():
-                render.emit_json(render.as_dict(policy))
-                return
-            err.print(
-                f"volume {volume.name} ({volume_id}): schedule {policy.schedule or '(manual only)'}, "
-                f"keep last {policy.keep_last or 7}, pre-hook {policy.pre_hook or '(none)'}",
-                markup=False,
-                highlight=False,
-            )
-
-    run(go)
+    done = run(go)
+    if render.json_mode():
+        render.emit_json({"schedule": done.schedule, "keep_last": done.keep_last, "pre_hook": done.pre_hook})
+        return
+    err.print(
+        f"volume {done.name} ({volume_id}): schedule {done.schedule or '(manual only)'}, "
+        f"keep last {done.keep_last or 7}, pre-hook {done.pre_hook or '(none)'}",
+        markup=False,
+        highlight=False,
+    )
 
 
 @volumes_app.command("snapshots")
@@ -140,36 +126,28 @@ def volumes_snapshots(
     run(go)
 
 
-def _snapshot_dispatcher(c: Control) -> Any:
-    from shared.clock import RealClock
-    from shared.snapshots.dispatch import operator_dispatcher
-
-    return operator_dispatcher(c.conn, c.view, RealClock(), settings().restore_timeout)
-
-
 @volumes_app.command("snapshot")
 def volumes_snapshot(volume_id: str) -> None:
     """Snapshot a volume now (on its node), and wait for the result."""
 
-    async def go() -> None:
+    async def go() -> SnapshotTaken:
         async with control() as c:
             volume = c.view.volume(volume_id)
             if volume is None:
                 raise fail(f"volume {volume_id!r} not found")
             err.print(f"snapshotting volume {volume.name} on node {volume.node_id} …")
             try:
-                record = await _snapshot_dispatcher(c).snapshot(volume, c.writer)
-            except Exception as exc:
+                return await take_snapshot(c.actions, TakeSnapshot(volume_id))
+            except ActionRefused as exc:
                 raise fail(f"snapshot failed: {exc}") from None
-            status = render.enum_name(pb.SnapshotStatus, record.status, "SNAPSHOT_STATUS_")
-            err.print(
-                f"snapshot {record.meta.id}: {status}, {record.logical_size_bytes:,} bytes, "
-                f"{record.uploaded_bytes:,} uploaded {record.error}"
-            )
-            if record.status != pb.SNAPSHOT_STATUS_COMPLETE:
-                raise typer.Exit(1)
 
-    run(go)
+    done = run(go)
+    err.print(
+        f"snapshot {done.snapshot_id}: {done.status.lower()}, {done.logical_size_bytes:,} bytes, "
+        f"{done.uploaded_bytes:,} uploaded {done.error}"
+    )
+    if done.status != "COMPLETE":
+        raise typer.Exit(ExitCode.FAILED)
 
 
 @volumes_app.command("restore")
@@ -179,9 +157,9 @@ def volumes_restore(volume_id: str, snapshot_id: str) -> None:
     async def go() -> None:
         async with control() as c:
             try:
-                await _snapshot_dispatcher(c).restore(volume_id, snapshot_id, c.writer)
-            except Exception as exc:
+                await restore_volume(c.actions, RestoreVolume(volume_id, snapshot_id))
+            except ActionRefused as exc:
                 raise fail(f"restore refused or failed: {exc}") from None
-            err.print(f"volume {volume_id} restored from snapshot {snapshot_id}")
 
     run(go)
+    err.print(f"volume {volume_id} restored from snapshot {snapshot_id}")

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 
 from zattera.v1 import types_pb2 as pb
 
-from shared.errors import ZatteraError
+from shared.actions.refusals import Invalid
 
 MAX_VALUE_BYTES = 64 * 1024
 """One variable's or secret's value, UTF-8 encoded."""
@@ -28,13 +28,8 @@ RESERVED_NAMES = frozenset({"PORT"})
 RESERVED_PREFIXES = ("PORT_", "ZATTERA_")
 
 
-class ConfigError(ZatteraError, ValueError):
+class ConfigError(Invalid):
     """A refused configuration change; ``field`` is what it is about (``vars.FOO``, ``secrets.BAR``…)."""
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
-        self.field = field
-        self.problem = problem
 
 
 def check_name(field: str, name: str) -> None:

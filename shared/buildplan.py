@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -60,6 +61,24 @@ _TOP_LEVEL = (
 _PYTHON_ENTRY_FILES = ("app.py", "main.py", "wsgi.py", "asgi.py", "server.py", "application.py", "app/__init__.py")
 _NODE_ENTRY_FILES = ("server.js", "index.js", "app.js", "main.js")
 _MAX_READ = 256 * 1024
+
+
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_PYTHON_PROGRAM = re.compile(r"^python(3(\.\d+)?)?$")
+
+
+def starts_python(command: str) -> bool:
+    """Whether a start command runs the Python interpreter found on ``PATH`` (``python3 app.py``, ``exec python
+    -m app``, ``PORT=1 python3 …``): a source packed as is, started so, runs on the builder's interpreter."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return False
+    for word in words:
+        if word == "exec" or _ASSIGNMENT.match(word):
+            continue
+        return bool(_PYTHON_PROGRAM.match(word))
+    return False
 
 
 class PlanError(ZatteraError):

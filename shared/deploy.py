@@ -28,9 +28,10 @@ from typing import TypeVar
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.actions import refusals
+from shared.actions.refusals import ActionRefused, Conflicting, Invalid
 from shared.clock import Clock, RealClock, stamp
 from shared.deployments import is_terminal
-from shared.errors import ZatteraError
 from shared.ids import SAFE_ID_RULE, is_safe_id, new_id
 from shared.retry import Attempt, Decide, RetriesExhausted, commit_with_retry, decide_again
 from shared.state.reader import StateReader
@@ -52,37 +53,26 @@ _MAX_IMAGE_REF = 512
 T = TypeVar("T")
 
 
-class DeployError(ZatteraError):
-    """A refused request; ``code`` follows gRPC's names (not_found, failed_precondition, invalid_argument).
-    ``field``: the request field it is about ("" when none), ``problem``: what is wrong with it."""
-
-    code = "unknown"
-
-    def __init__(self, problem: str, *, field: str = "", message: str = "") -> None:
-        super().__init__(message or problem)
-        self.field = field
-        self.problem = problem
+class DeployError(ActionRefused):
+    """A refused request. ``field``: the request field it is about ("" when none), ``problem``: what is
+    wrong with it."""
 
 
-class NotFound(DeployError):
-    code = "not_found"
+class NotFound(DeployError, refusals.NotFound):
+    pass
 
 
-class FailedPrecondition(DeployError):
-    code = "failed_precondition"
+class FailedPrecondition(DeployError, Conflicting):
+    """The state does not allow it now (a deployment under way, nothing to roll back to)."""
 
 
-class InvalidArgument(DeployError):
-    code = "invalid_argument"
-
+class InvalidArgument(DeployError, Invalid):
     def __init__(self, field: str, problem: str) -> None:
-        super().__init__(problem, field=field, message=f"{field}: {problem}")
+        Invalid.__init__(self, field, problem)
 
 
-class Contended(DeployError):
+class Contended(DeployError, Conflicting):
     """The environment kept changing under us; nothing was written."""
-
-    code = "aborted"
 
 
 def cancel_requested(d: pb.Deployment) -> bool:

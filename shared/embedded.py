@@ -25,6 +25,8 @@ from shared.errors import ZatteraError
 from shared.subprocesses import spawn_logged
 
 MAX_PAYLOAD = 8 * 1024 * 1024
+SERVER_DIR = "@SERVER_DIR@"
+"""In :attr:`EmbeddedNats.extra_config`, stands for the server's own data dir (a resolver's JWT directory)."""
 
 
 class EmbeddedNatsError(ZatteraError, RuntimeError):
@@ -64,6 +66,18 @@ class EmbeddedNats:
     cluster_port: int = 0
     routes: list[str] = field(default_factory=list)
     extra_config: str = ""
+    """Added to the configuration; :data:`SERVER_DIR` in it becomes this server's data dir."""
+    cluster_extra: str = ""
+    """Added inside the ``cluster {}`` block: route authorization and TLS of a secured cluster."""
+    route_user: str = ""
+    route_password: str = ""
+    """The credential this server presents on its routes (``nats-route://user:password@host:port``)."""
+    unique_tag: str = ""
+    """JetStream places no two replicas of a stream on servers sharing this tag prefix's value."""
+    http_host: str = ""
+    """Where the monitoring port binds (default :attr:`host`); unauthenticated, so a machine keeps it local."""
+    cluster_host: str = ""
+    """Where the route listener binds (default :attr:`host`): a machine's address, for a cluster of machines."""
     binary: str = ""
     log_file: Path | None = None
     die_with_parent: bool = False
@@ -83,20 +97,28 @@ class EmbeddedNats:
         lines = [
             f'server_name: "{self.name}"',
             f'listen: "{self.host}:{self.port}"',
-            f'http: "{self.host}:{self.http_port}"',
+            f'http: "{self.http_host or self.host}:{self.http_port}"',
             f"max_payload: {MAX_PAYLOAD}",
             "max_pending: 268435456",
-            f'jetstream {{ store_dir: "{store}" }}',
+            f'jetstream {{ store_dir: "{store}"'
+            + (f', unique_tag: "{self.unique_tag}"' if self.unique_tag else "")
+            + " }",
         ]
         if self.cluster_name:
-            routes = ", ".join(f'"{r}"' for r in self.routes)
-            lines.append(
-                f'cluster {{ name: "{self.cluster_name}", listen: "{self.host}:{self.cluster_port}", '
-                f"routes: [{routes}] }}"
-            )
+            routes = ", ".join(f'"{self.route_url(r)}"' for r in self.routes)
+            listen = f"{self.cluster_host or self.host}:{self.cluster_port}"
+            name = self.cluster_name
+            lines.append(f'cluster {{ name: "{name}", listen: "{listen}", routes: [{routes}]\n{self.cluster_extra}}}')
         if self.extra_config:
-            lines.append(self.extra_config)
+            lines.append(self.extra_config.replace(SERVER_DIR, str(self.data_dir).replace("\\", "/")))
         return "\n".join(lines) + "\n"
+
+    def route_url(self, route: str) -> str:
+        """``route`` with this server's route credential in it (when it has one)."""
+        if not self.route_user or "@" in route:
+            return route
+        scheme, _, rest = route.partition("://")
+        return f"{scheme}://{self.route_user}:{self.route_password}@{rest}"
 
     def start(self, wait: float = 30.0) -> EmbeddedNats:
         if self._proc and self._proc.poll() is None:
@@ -126,7 +148,7 @@ class EmbeddedNats:
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        url = f"http://{self.host}:{self.http_port}/healthz?js-enabled-only=true"
+        url = f"http://{self.http_host or self.host}:{self.http_port}/healthz?js-enabled-only=true"
         last = ""
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
@@ -170,27 +192,58 @@ class EmbeddedNats:
         self.stop()
 
 
+@dataclass(frozen=True)
+class RouteSecurity:
+    """What the servers of a secured cluster add to their routes: a shared route credential (a server
+    without it cannot join) and the ``cluster { tls {…} }`` block (TLS with certificates verified both ways)."""
+
+    user: str
+    password: str
+    cluster_config: str
+
+
 def start_cluster(
-    base_dir: Path, size: int = 3, name: str = "zattera", running: int | None = None, die_with_parent: bool = False
+    base_dir: Path,
+    size: int = 3,
+    name: str = "zattera",
+    running: int | None = None,
+    die_with_parent: bool = False,
+    *,
+    extra_config: str = "",
+    routes: RouteSecurity | None = None,
+    host: str = "127.0.0.1",
+    ports: tuple[int, int] | None = None,
+    names: list[str] | None = None,
+    unique_tag: str = "",
 ) -> list[EmbeddedNats]:
     """Start ``size`` local servers forming one JetStream cluster; returns them once all are healthy.
     ``running``: start only the first so many; the others are configured, to be started later
-    (``start()``), as servers that join a cluster which formed without them."""
-    cluster_ports = [free_port() for _ in range(size)]
+    (``start()``), as servers that join a cluster which formed without them. ``extra_config`` and
+    ``routes``: a secured cluster's server configuration (accounts, TLS) and route security. ``host``: the
+    address the servers listen on (monitoring stays on 127.0.0.1); ``ports``: the first client and route
+    ports (the next servers take the next ports; default: free ports); ``names``: the servers' names."""
+    cluster_ports = [ports[1] + i for i in range(size)] if ports else [free_port() for _ in range(size)]
     servers = [
         EmbeddedNats(
             data_dir=base_dir / f"n{i}",
-            name=f"{name}-n{i}",
+            name=names[i] if names else f"{name}-n{i}",
+            host=host,
+            http_host="127.0.0.1",
             cluster_name=name,
             cluster_port=cluster_ports[i],
-            routes=[f"nats://127.0.0.1:{p}" for j, p in enumerate(cluster_ports) if j != i],
+            routes=[f"nats://{host}:{p}" for j, p in enumerate(cluster_ports) if j != i],
             die_with_parent=die_with_parent,
+            extra_config=extra_config,
+            unique_tag=unique_tag,
+            cluster_extra=routes.cluster_config if routes else "",
+            route_user=routes.user if routes else "",
+            route_password=routes.password if routes else "",
         )
         for i in range(size)
     ]
-    for server in servers:
+    for index, server in enumerate(servers):
         server.data_dir.mkdir(parents=True, exist_ok=True)
-        server.port = free_port()
+        server.port = ports[0] + index if ports else free_port()
         server.http_port = free_port()
         conf = server.data_dir / "nats.conf"
         conf.write_text(server.config_text())
@@ -206,3 +259,30 @@ def start_cluster(
             server.stop()
         raise
     return servers
+
+
+def meta_group_formed(servers: list[EmbeddedNats]) -> bool:
+    """Every server is a current member of the JetStream meta group, which has a leader (before that,
+    placing a stream of as many replicas as servers is refused: "no suitable peers for placement")."""
+    for server in servers:
+        try:
+            url = f"http://{server.http_host or server.host}:{server.http_port}/jsz"
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                meta = json.loads(resp.read()).get("meta_cluster", {})
+        except (OSError, ValueError):
+            continue
+        peers = meta.get("replicas") or []
+        if meta.get("leader") and len(peers) == len(servers) - 1 and all(p.get("current") for p in peers):
+            return True
+    return False
+
+
+def wait_meta_group(servers: list[EmbeddedNats], timeout: float = 30.0) -> None:
+    """Wait until :func:`meta_group_formed`; raises :class:`EmbeddedNatsError` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not meta_group_formed(servers):
+        if time.monotonic() > deadline:
+            raise EmbeddedNatsError(
+                f"the JetStream meta group of {len(servers)} servers did not form in {timeout:.0f}s"
+            )
+        time.sleep(0.1)

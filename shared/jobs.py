@@ -10,13 +10,8 @@ from __future__ import annotations
 from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
-from shared import keys as K
-from shared.clock import Clock, RealClock, stamp
-from shared.errors import ZatteraError
+from shared.actions.refusals import Invalid
 from shared.ids import new_id
-from shared.retry import Attempt, RetriesExhausted, commit_with_retry
-from shared.state.feed import StateView
-from shared.txn import Writer
 
 MAX_COMMAND_BYTES = 4096
 """A job's shell command at most (UTF-8): it travels on the assignment every agent pass reads."""
@@ -43,12 +38,11 @@ POLICIES = {
 }
 
 
-class CommandError(ZatteraError, ValueError):
+class CommandError(Invalid):
     """A job command the platform refuses (the message says why)."""
 
-
-class CancelCrossed(ZatteraError):
-    """A cancel kept crossing the jobs loop's updates of the job (the message says what to do)."""
+    def __init__(self, problem: str) -> None:
+        super().__init__("command", problem, said="")
 
 
 def check_command(command: str) -> str:
@@ -112,28 +106,3 @@ def exit_text(job: pb.Job) -> str:
 
 def newest_first(jobs: list[pb.Job]) -> list[pb.Job]:
     return sorted(jobs, key=lambda j: (_seconds(j.slot_at), j.meta.id), reverse=True)
-
-
-async def request_cancel(
-    view: StateView, writer: Writer, job_id: str, message: str, *, clock: Clock | None = None
-) -> None:
-    """Set ``cancel_requested`` (nothing to do once the job ended; the jobs loop and the agent stop it); a
-    write that crossed one of the jobs loop's updates is made again on the newer version. ``zattera jobs
-    cancel`` and the console's cancel button both come here."""
-    clock = clock or RealClock()
-
-    def decide() -> Attempt[None]:
-        current = view.get(K.JOB, job_id)
-        if not isinstance(current, pb.Job) or not is_active(current) or current.cancel_requested:
-            return Attempt(None, None)
-        canceling = pb.Job()
-        canceling.CopyFrom(current)
-        canceling.cancel_requested = True
-        canceling.message = message
-        stamp(canceling.meta.updated_at, clock.now())
-        return Attempt(writer.txn("jobs.cancel").put(canceling), None)
-
-    try:
-        await commit_with_retry(writer, decide, clock=clock, contended=f"job {job_id}")
-    except RetriesExhausted:
-        raise CancelCrossed(f"job {job_id}: the cancel kept crossing the job's updates; cancel it again") from None

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
+from shared.errors import ZatteraError
+
 NODE = "node"
 PROJECT = "project"
 APP = "app"
@@ -73,8 +75,8 @@ class Key:
         return f"{self.kind}.{self.id}"
 
 
-class BadKey(ValueError):
-    pass
+class BadKey(ZatteraError, ValueError):
+    """A key that is no subject tail (an empty token, white space, a control character, a wildcard)."""
 
 
 NOT_IN_A_SUBJECT = re.compile(r"[\s*>\x00-\x1f\x7f]")

@@ -28,6 +28,7 @@ from nats.errors import Error as NatsError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.backoff import resubscribing
 from shared.clock import Clock
 from shared.jetstream import is_delete_marker
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, ClusterUnavailable, Connection, TooManySubjects, last_per_subject
@@ -157,15 +158,15 @@ class LiveView:
         """After a reconnect, subscribe again — retried while JetStream cannot answer (a stream electing its
         leader after a server loss): a single failed try left the view deaf for good."""
         await self._unsubscribe()
-        delay = 0.1
+        backoff = resubscribing()
         while self._conn is not None and not self._conn.closing:
             try:
                 await self._subscribe()
                 return
             except Exception as exc:
+                delay = next(backoff)
                 log.warning("live view: subscribing again failed, retrying in %.1fs: %r", delay, exc)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     async def _subscribe(self) -> None:
         assert self._conn is not None

@@ -29,7 +29,9 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError
 from shared.backoff import exponential
 from shared.errors import ZatteraError
 from shared.ids import new_id
+from shared.migrations.registry import SCHEMA
 from shared.tasks import cancel_and_wait
+from shared.version import VERSION
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -133,7 +135,7 @@ LONGEST_ATTEMPT_TIMEOUT = 2.0
 attempt waiting longer only delays the first one sent after the election (up to 9 s after the loss)."""
 
 
-class ClusterUnavailable(ConnectionError):
+class ClusterUnavailable(ZatteraError, ConnectionError):
     """JetStream did not answer a request within the bounded wait: the message names what was waited for
     and the servers tried."""
 
@@ -596,36 +598,63 @@ def cluster_size(nc: NATS) -> int:
     return max(1, len(info.get("connect_urls") or []), len(named))
 
 
+SCHEMA_KEY = f"{CONFIG_METADATA_PREFIX}schema"
+VERSION_KEY = f"{CONFIG_METADATA_PREFIX}version"
+MIGRATION_KEY_PREFIX = f"{CONFIG_METADATA_PREFIX}migration."
+"""``zattera.migration.<NNNN>`` = ``<when> <version> <what it changed>``: one per migration the cluster ran."""
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
-    """What every stream, bucket and object store is created with: chosen once, by the init."""
+    """What every stream, bucket and object store is created with: chosen once, by the init; and the schema
+    the cluster is at, with the Zattera version that brought it there (docs/upgrades.md)."""
 
     replicas: int = 1
     live_ttl: float = 60.0
     tombstone_ttl: float = 900.0
     build_log_lines: int = 10_000
     initialized_at: str = ""
+    schema: int = 0
+    """The schema version (``shared/migrations``); 0: recorded by a release before schemas were (0.1.0)."""
+    version: str = ""
+    """The Zattera version that initialised the cluster or last upgraded it ("" before 0.2.0)."""
+    migrations: tuple[str, ...] = ()
+    """What each migration run on this cluster did, in order: ``<NNNN> <when> <version> <changes>``."""
     cluster_id: str = ""
     """A ULID chosen by the init that created the state stream: which cluster this is (route snapshots
     name it, :func:`cluster_identity`); "" for a cluster initialised before ids were recorded."""
 
     def metadata(self) -> dict[str, str]:
-        return {
+        recorded = {
             f"{CONFIG_METADATA_PREFIX}replicas": str(self.replicas),
             f"{CONFIG_METADATA_PREFIX}live_ttl": repr(self.live_ttl),
             f"{CONFIG_METADATA_PREFIX}tombstone_ttl": repr(self.tombstone_ttl),
             f"{CONFIG_METADATA_PREFIX}build_log_lines": str(self.build_log_lines),
             f"{CONFIG_METADATA_PREFIX}initialized_at": self.initialized_at,
-            f"{CONFIG_METADATA_PREFIX}cluster_id": self.cluster_id,
+            SCHEMA_KEY: str(self.schema),
+            VERSION_KEY: self.version,
         }
+        for line in self.migrations:
+            number, _, rest = line.partition(" ")
+            recorded[f"{MIGRATION_KEY_PREFIX}{number}"] = rest
+        if self.cluster_id:  # left out when unknown, so that rewriting the metadata never erases a recorded one
+            recorded[f"{CONFIG_METADATA_PREFIX}cluster_id"] = self.cluster_id
+        return recorded
 
     @classmethod
     def recorded(cls, state: StreamConfig) -> ClusterConfig:
         """The configuration recorded on the state stream; a cluster provisioned before it was recorded
         (no metadata) is described by its state stream as it is."""
-        meta = state.metadata or {}
+        return cls.from_metadata(state.metadata or {}, state.num_replicas or 1, state.subject_delete_marker_ttl)
+
+    @classmethod
+    def from_metadata(
+        cls, meta: dict[str, str], replicas: int = 1, tombstone_ttl: float | None = None
+    ) -> ClusterConfig:
+        """The configuration in a state stream's metadata; ``replicas`` and ``tombstone_ttl`` (the stream's
+        own) describe a cluster provisioned before it was recorded."""
         if f"{CONFIG_METADATA_PREFIX}replicas" not in meta:
-            return cls(replicas=state.num_replicas or 1, tombstone_ttl=state.subject_delete_marker_ttl or 900.0)
+            return cls(replicas=replicas, tombstone_ttl=tombstone_ttl or 900.0)
 
         def get(name: str) -> str:
             return meta.get(f"{CONFIG_METADATA_PREFIX}{name}", "")
@@ -636,6 +665,13 @@ class ClusterConfig:
             tombstone_ttl=float(get("tombstone_ttl") or 900.0),
             build_log_lines=int(get("build_log_lines") or 10_000),
             initialized_at=get("initialized_at"),
+            schema=int(meta.get(SCHEMA_KEY) or 0),
+            version=meta.get(VERSION_KEY, ""),
+            migrations=tuple(
+                f"{key.removeprefix(MIGRATION_KEY_PREFIX)} {value}"
+                for key, value in sorted(meta.items())
+                if key.startswith(MIGRATION_KEY_PREFIX)
+            ),
             cluster_id=get("cluster_id"),
         )
 
@@ -809,6 +845,42 @@ async def recorded_replicas(js: JetStreamContext) -> int:
     return ClusterConfig.recorded(state).replicas if state is not None else 1
 
 
+async def recorded_config(js: JetStreamContext) -> ClusterConfig | None:
+    """The recorded cluster configuration, schema and version included; None: not initialised."""
+    state = await _stream_config(js, STATE_STREAM)
+    return ClusterConfig.recorded(state) if state is not None else None
+
+
+async def js_api(nc: NATS, what: str, payload: dict[str, Any] | None = None, timeout: float = 5.0) -> dict[str, Any]:
+    """One JetStream API request (``what``: ``STREAM.INFO.<name>``…) with a JSON body, its JSON reply; an
+    error reply raises nats-py's :class:`APIError` subclass for it (``NotFoundError``…)."""
+    body = json.dumps(payload).encode() if payload is not None else b""
+    reply: dict[str, Any] = json.loads((await nc.request(JS_API_PREFIX + what, body, timeout=timeout)).data)
+    if "error" in reply:
+        APIError.from_error(reply["error"])
+    return reply
+
+
+async def raw_stream_config(nc: NATS, name: str) -> dict[str, Any] | None:
+    """A stream's configuration as the server has it (every field, nats-py's model or not); None: none."""
+    try:
+        config: dict[str, Any] = (await js_api(nc, f"STREAM.INFO.{name}"))["config"]
+    except NotFoundError:
+        return None
+    return config
+
+
+async def update_stream_raw(nc: NATS, config: dict[str, Any]) -> dict[str, Any]:
+    """Replace a stream's configuration with ``config`` (read by :func:`raw_stream_config` and edited: what
+    the caller did not touch goes back as the server had it). Only migrations change existing streams."""
+    config = {k: v for k, v in config.items() if k != "metadata"} | {
+        # nats-server keeps its own ``_nats.*`` keys; sending them back is refused by some versions
+        "metadata": {k: v for k, v in (config.get("metadata") or {}).items() if not k.startswith("_nats.")}
+    }
+    updated: dict[str, Any] = (await js_api(nc, f"STREAM.UPDATE.{config['name']}", config))["config"]
+    return updated
+
+
 async def provision(
     js: JetStreamContext,
     *,
@@ -833,6 +905,8 @@ async def provision(
         tombstone_ttl=tombstone_ttl,
         build_log_lines=build_log_lines,
         initialized_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        schema=SCHEMA,  # a new cluster is created as this code defines it: no migration has anything to do
+        version=VERSION,
         cluster_id=new_id(),
     )
     state, created = await create_stream_if_missing(js, wanted.stream_configs()[0])
@@ -840,7 +914,13 @@ async def provision(
     report = ProvisionReport(config=config, initialized=created)
     if created:
         report.created.append(STATE_STREAM)
-        log.info("cluster initialised: replicas=%d (cluster of %d servers)", config.replicas, size)
+        log.info(
+            "cluster initialised: replicas=%d (cluster of %d servers), schema %d (Zattera %s)",
+            config.replicas,
+            size,
+            config.schema,
+            config.version,
+        )
     elif replicas is not None and replicas != config.replicas:
         report.mismatches.append(f"replicas {replicas} requested, recorded {config.replicas}: not applied")
     for want in config.stream_configs():
@@ -857,8 +937,17 @@ async def provision(
             report.mismatches.append(
                 f"{object_store_stream(bucket)}: num_replicas is {have_replicas}, recorded {config.replicas}"
             )
-    for mismatch in report.mismatches:
-        log.warning("cluster configuration mismatch (not applied): %s", mismatch)
+    if config.schema < SCHEMA and report.mismatches:
+        # The upgrade that follows provisioning (shared/migrations) changes what its migrations change.
+        log.info(
+            "cluster at schema %d, this code's is %d: differences before the upgrade: %s",
+            config.schema,
+            SCHEMA,
+            "; ".join(report.mismatches),
+        )
+    else:
+        for mismatch in report.mismatches:
+            log.warning("cluster configuration mismatch (not applied): %s", mismatch)
     return report
 
 

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from shared.backoff import exponential
 from shared.clock import Clock
 from shared.state.feed import StateView
 from shared.txn import CommitUnknown, Conflict, Deposed, Txn, TxnError, Writer
@@ -51,7 +52,7 @@ class RetryPolicy:
         """The pause before decision number ``retry + 1`` (``retry`` counts from 1)."""
         if retry <= 1:
             return 0.0
-        return rng.uniform(0.0, min(self.max_delay, self.base_delay * 2 ** (retry - 2)))
+        return rng.uniform(0.0, exponential(self.base_delay, retry - 1, self.max_delay))
 
 
 RETRY = RetryPolicy()

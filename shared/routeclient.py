@@ -46,7 +46,6 @@ import contextlib
 import gzip
 import hashlib
 import logging
-import os
 import zlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -59,8 +58,10 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.backoff import Backoff
 from shared.clock import Clock, RealClock
 from shared.errors import ZatteraError
+from shared.files import write_atomic
 from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, ClusterIdentity, Connection
 from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.telemetry import counter
@@ -204,26 +205,6 @@ def _parse_chunk(value: str) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------- cache
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never a mix."""
-    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def identity_message(identity: ClusterIdentity) -> cpb.ClusterIdentity:
@@ -441,20 +422,19 @@ class RouteClient:
             self._sync_wanted.set()
 
     async def _sync_loop(self) -> None:
-        delay = self.retry_initial
+        backoff = Backoff(self.retry_initial, self.retry_max)
         while True:
             raise_if_cancelling()  # nats-py can swallow a cancellation inside fetch's publish
             await self._sync_wanted.wait()
             self._sync_wanted.clear()
             if await self.fetch():
-                delay = self.retry_initial
+                backoff.reset()
                 if self._verify_wanted:
                     self._verify_wanted = False
                     await self._verify()
                 continue
             self._sync_wanted.set()
-            await self.clock.sleep(delay)
-            delay = min(delay * 2, self.retry_max)
+            await self.clock.sleep(next(backoff))
 
     async def _verify(self) -> None:
         """Check a pushed snapshot against a route service's own answer.

@@ -86,3 +86,12 @@ def parse_schedule(text: str) -> Schedule:
     except (CroniterError, ValueError, KeyError) as exc:
         raise ScheduleError(f"bad cron expression {spec!r}: {exc}") from exc
     return Schedule(spec, zone)
+
+
+def validate_schedule(value: str) -> str:
+    """A snapshot schedule as the snapshot scheduler reads it ("" = manual only); :class:`ScheduleError`
+    (a ``ValueError``) if it never could."""
+    text = value.strip()
+    if text:
+        parse_schedule(text)
+    return text

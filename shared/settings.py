@@ -98,6 +98,12 @@ class Settings(BaseSettings):
     metrics_host: str = "127.0.0.1"
     """The address the metrics endpoint listens on."""
 
+    # ---------------------------------------------------------------- process health (shared/health.py)
+    health_file: str = ""
+    """A file the process touches every 5 s while it runs connected to NATS, removed when it stops (a
+    container's health check asks that it was touched since the last check: ``sh shared/health.sh FILE``);
+    '' = none."""
+
 
 @lru_cache(maxsize=1)
 def settings() -> Settings:

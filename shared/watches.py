@@ -29,6 +29,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from shared.backoff import resubscribing
 from shared.errors import ZatteraError
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.pull import PullFeed, PullLost
@@ -209,7 +210,7 @@ class Watch:
         return self
 
     async def _follow(self, consumer: str) -> None:
-        delay = 0.1
+        backoff = resubscribing()
         while True:
             feed = PullFeed(self._conn.nc, self._spec.stream, consumer, self._deliver, self.caught_up.set)
             try:
@@ -222,9 +223,9 @@ class Watch:
                     consumer = await open_watch(self._conn, spec)
                     break
                 except (WatchUnavailable, BadWatch) as exc:
+                    delay = next(backoff)
                     log.warning("watch of %s not reopened, retrying in %.1fs: %s", self._spec.stream, delay, exc)
                     await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
 
     async def _deliver(self, msg: Msg) -> None:
         try:

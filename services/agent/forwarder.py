@@ -44,7 +44,8 @@ from services.agent.network import (
     service_env,
     targets_of,
 )
-from shared.routeclient import write_atomic
+from shared.backoff import Backoff
+from shared.files import write_atomic
 from shared.tasks import Signal
 
 log = logging.getLogger(__name__)
@@ -225,16 +226,16 @@ class Forwarder:
 
     async def _activate_while_held(self, env_id: str) -> None:
         assert self._activate is not None
-        delay = ACTIVATE_RETRY_INITIAL
+        backoff = Backoff(ACTIVATE_RETRY_INITIAL, ACTIVATE_RETRY_MAX)
         while self._held.get(env_id):
             self.activations_sent += 1
+            delay = next(backoff)
             try:
                 await self._activate(env_id)
                 return
             except Exception as exc:
                 log.warning("forwarder: waking env %s failed (%s); retrying in %.1fs while held", env_id, exc, delay)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, ACTIVATE_RETRY_MAX)
 
     # ------------------------------------------------------------------ resolver
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from services.console.actions import Actions
 from services.console.auth import LoginLimiter, Sessions
 from services.console.settings import ConsoleSettings
 from services.console.web import Console, make_app
+from shared.actions.context import ActionContext
 from shared.clock import Clock
 from shared.console_users import users_bucket
 from shared.live import LiveView
@@ -42,7 +42,13 @@ def build_console(
     return Console(
         conn=conn,
         view=view,
-        actions=Actions(conn, view, writer, operator_dispatcher(conn, view, clock, settings().restore_timeout)),
+        actions=ActionContext(
+            conn,
+            writer,
+            actor="",
+            clock=clock,
+            snapshots=operator_dispatcher(conn, view, clock, settings().restore_timeout),
+        ),
         sessions=Sessions(clock, cfg.session_ttl),
         limiter=LoginLimiter(clock, cfg.login_failures, cfg.login_window),
         routes=lambda: routes.current if routes.version else None,
@@ -83,6 +89,6 @@ async def serve_console(
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
-        await console.actions.close()
+        await console.actions.background.close()
         await routes.stop()
         await live.stop()

@@ -27,16 +27,22 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.actions.context import ActionContext
+from shared.actions.deploys import Rollback, rollback
+from shared.actions.envs import Scale, scale
+from shared.actions.jobs import CancelJob, cancel_job
+from shared.actions.nodes import EditNode, NodeChange, edit_node
+from shared.actions.refusals import ActionRefused, Invalid, Refusal
+from shared.actions.secrets import SetSecret, set_secret
+from shared.actions.volumes import RestoreVolume, TakeSnapshot, restore_volume, take_snapshot
 from shared.applogs import AppLogLine, UnknownLogStream, read_app_logs
 from shared.buildlogs import follow_build_log
 from shared.console_users import ADMIN, burn_check, load_user, password_matches
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
-from shared.scaling import ScaleRequest
 from shared.state.feed import StateView
 from shared.urls import Listeners
 
 from . import pages
-from .actions import NODE_CHANGES, ActionRefused, Actions
 from .auth import LOGIN_COOKIE, SESSION_COOKIE, LoginLimiter, Session, Sessions, tokens_equal
 
 log = logging.getLogger(__name__)
@@ -50,6 +56,19 @@ LOG_STREAM_RETRY = 1.0
 LIVE_HEADER = "X-Console-Live"
 STREAM_CHUNK = 16 * 1024
 
+QUICK_ANSWER = 1.0
+"""How long a restore is waited for before the answer is "started" (its refusals come sooner than this)."""
+NODE_CHANGES = frozenset({NodeChange.CORDON, NodeChange.UNCORDON, NodeChange.DRAIN})
+REFUSAL_STATUS = {
+    Refusal.NOT_FOUND: 409,
+    Refusal.INVALID: 409,
+    Refusal.CONFLICT: 409,
+    Refusal.FORBIDDEN: 403,
+    Refusal.UNAVAILABLE: 503,
+}
+"""The console answers a refused action 409 with the message naming the bad field (docs/console.md); a
+node or service that did not answer, 503."""
+
 STATE: web.AppKey[Console] = web.AppKey("console")
 SESSION = web.RequestKey("session", Session)
 
@@ -58,7 +77,8 @@ SESSION = web.RequestKey("session", Session)
 class Console:
     conn: Connection
     view: StateView
-    actions: Actions
+    actions: ActionContext
+    """Acting as nobody: each request acts as its session's user (:func:`_acting`)."""
     sessions: Sessions
     limiter: LoginLimiter
     routes: Callable[[], cpb.RouteSnapshot | None]
@@ -341,17 +361,24 @@ async def _form(request: web.Request) -> dict[str, str]:
     return {k: str(v) for k, v in (await request.post()).items()}
 
 
+def _acting(request: web.Request) -> ActionContext:
+    """The operator actions' context, acting as the session's user."""
+    return _console(request).actions.acting_as(f"console:{_session(request).user}")
+
+
+def _refused(request: web.Request, exc: ActionRefused) -> web.Response:
+    return refuse(request, REFUSAL_STATUS[exc.kind], str(exc))
+
+
 async def rollback_action(request: web.Request) -> web.StreamResponse:
-    console = _console(request)
     env_id = request.match_info["env_id"]
     form = await _form(request)
     try:
-        deployment = await console.actions.rollback(_session(request).user, env_id, form.get("release_id", ""))
+        done = await rollback(_acting(request), Rollback(env_id, form.get("release_id", "")))
     except ActionRefused as exc:
-        return refuse(request, 409, str(exc))
-    release = console.view.release(deployment.release_id)
-    notice = f"rolling back to v{release.version if release else '?'} (deployment {deployment.meta.id})"
-    return _done(request, f"/env/{env_id}", notice, deployment_id=deployment.meta.id)
+        return _refused(request, exc)
+    notice = f"rolling back to v{done.release_version} (deployment {done.deployment_id})"
+    return _done(request, f"/env/{env_id}", notice, deployment_id=done.deployment_id)
 
 
 def _optional_int(form: dict[str, str], field: str) -> int | None:
@@ -361,76 +388,75 @@ def _optional_int(form: dict[str, str], field: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise ActionRefused(f"{field} {value!r}: not a whole number") from None
+        raise Invalid(field, "not a whole number", said=f"{field} {value!r}") from None
 
 
 async def scale_action(request: web.Request) -> web.StreamResponse:
-    console = _console(request)
     env_id = request.match_info["env_id"]
     form = await _form(request)
     try:
-        scale = ScaleRequest(_optional_int(form, "replicas"), _optional_int(form, "min"), _optional_int(form, "max"))
-        env = await console.actions.scale(_session(request).user, env_id, scale)
+        replicas, minimum, maximum = (_optional_int(form, field) for field in ("replicas", "min", "max"))
+        done = await scale(_acting(request), Scale(env_id, replicas, minimum, maximum))
     except ActionRefused as exc:
-        return refuse(request, 409, str(exc))
-    return _done(request, f"/env/{env_id}", f"scaled to {env.effective_replicas} replica(s)")
+        return _refused(request, exc)
+    return _done(request, f"/env/{env_id}", f"scaled to {done.replicas} replica(s)")
 
 
 async def secret_action(request: web.Request) -> web.StreamResponse:
-    console = _console(request)
     env_id = request.match_info["env_id"]
     form = await _form(request)
     name = form.get("name", "").strip()
     try:
-        deployment_id = await console.actions.set_secret(_session(request).user, env_id, name, form.get("value", ""))
+        done = await set_secret(_acting(request), SetSecret(env_id, name, form.get("value", "")))
     except ActionRefused as exc:
-        return refuse(request, 409, str(exc))
-    rollout = f", rolling out (deployment {deployment_id})" if deployment_id else ", staged for the next deploy"
-    return _done(request, f"/env/{env_id}", f"secret {name} set{rollout}", deployment_id=deployment_id)
+        return _refused(request, exc)
+    rollout = (
+        f", rolling out (deployment {done.deployment_id})" if done.deployment_id else ", staged for the next deploy"
+    )
+    return _done(request, f"/env/{env_id}", f"secret {name} set{rollout}", deployment_id=done.deployment_id)
 
 
 async def cancel_job_action(request: web.Request) -> web.StreamResponse:
-    console = _console(request)
     env_id, job_id = request.match_info["env_id"], request.match_info["job_id"]
     try:
-        await console.actions.cancel_job(_session(request).user, env_id, job_id)
+        await cancel_job(_acting(request), CancelJob(job_id, env_id))
     except ActionRefused as exc:
-        return refuse(request, 409, str(exc))
+        return _refused(request, exc)
     return _done(request, f"/env/{env_id}", f"job {job_id}: cancel requested")
 
 
 async def node_action(request: web.Request) -> web.StreamResponse:
-    console = _console(request)
     node_id, change = request.match_info["node_id"], request.match_info["change"]
     if change not in NODE_CHANGES:
         raise web.HTTPNotFound()
     try:
-        edited = await console.actions.change_node(_session(request).user, node_id, change)
+        done = await edit_node(_acting(request), EditNode(node_id, NodeChange(change)))
     except ActionRefused as exc:
-        return refuse(request, 409, str(exc))
-    return _done(request, "/nodes", f"node {node_id}: {change} {'done' if edited else 'had nothing to do'}")
+        return _refused(request, exc)
+    return _done(request, "/nodes", f"node {node_id}: {change} {'done' if done.written else 'had nothing to do'}")
 
 
 async def snapshot_action(request: web.Request) -> web.StreamResponse:
-    console = _console(request)
     volume_id = request.match_info["volume_id"]
     try:
-        snapshot_id = await console.actions.take_snapshot(_session(request).user, volume_id)
+        done = await take_snapshot(_acting(request), TakeSnapshot(volume_id, wait=0))
     except ActionRefused as exc:
-        return refuse(request, 409, str(exc))
-    return _done(request, "/volumes", f"snapshot {snapshot_id} of volume {volume_id} started", snapshot_id=snapshot_id)
+        return _refused(request, exc)
+    notice = f"snapshot {done.snapshot_id} of volume {volume_id} started"
+    return _done(request, "/volumes", notice, snapshot_id=done.snapshot_id)
 
 
 async def restore_action(request: web.Request) -> web.StreamResponse:
-    console = _console(request)
     volume_id = request.match_info["volume_id"]
     snapshot_id = (await _form(request)).get("snapshot_id", "")
     try:
-        finished = await console.actions.restore(_session(request).user, volume_id, snapshot_id)
+        done = await restore_volume(_acting(request), RestoreVolume(volume_id, snapshot_id, wait=QUICK_ANSWER))
     except ActionRefused as exc:
-        return refuse(request, 409, str(exc))
-    notice = "restored" if finished else "restoring (the volume shows RESTORING until it is done)"
-    return _done(request, "/volumes", f"volume {volume_id} from snapshot {snapshot_id}: {notice}", finished=finished)
+        return _refused(request, exc)
+    notice = "restored" if done.finished else "restoring (the volume shows RESTORING until it is done)"
+    return _done(
+        request, "/volumes", f"volume {volume_id} from snapshot {snapshot_id}: {notice}", finished=done.finished
+    )
 
 
 # ------------------------------------------------------------------------------------------------- SSE

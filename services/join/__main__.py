@@ -1,18 +1,20 @@
 """``python -m services.join``: run with the control credential and ``ZATTERA_DATA_DIR`` holding ``security/``.
 
 It opens the CLI's watches (``zattera.watch.open``, shared/watches.py) on every cluster, secured or not. It
-reads only the agent and builder scoped signing keys: a compromised join service can mint node credentials,
-never control or operator ones.
+reads the agent, builder and proxy scoped signing keys to mint node credentials; on a server machine it
+also re-signs the role accounts for revocations (``zattera nodes remove``) with the machine's trust root.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from shared.security.authority import RoleIssuer
 from shared.security.join import JoinService
+from shared.security.machine_service import Machines
 from shared.security.permissions import VIEW_OPEN_SUBJECT, Role
 from shared.security.setup import SENTINEL_FILE
 from shared.security.views import open_cluster_view_handler
@@ -20,6 +22,12 @@ from shared.service import ServiceContext, main
 from shared.watches import serve, serve_watches
 
 log = logging.getLogger(__name__)
+
+MACHINE_NODE_ENV = "ZATTERA_MACHINE_NODE"
+MACHINE_CLIENT_URL_ENV = "ZATTERA_MACHINE_CLIENT_URL"
+MACHINE_ROUTE_URL_ENV = "ZATTERA_MACHINE_ROUTE_URL"
+MACHINE_MESH_IP_ENV = "ZATTERA_MACHINE_MESH_IP"
+"""Set by ``zattera up`` on a server machine: its node id and where other machines reach its NATS server."""
 
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
@@ -31,11 +39,24 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
         # agents' views are the same consumers as when secured, for the node each request names.
         log.warning("join: no security setup in %s (zattera up --secure makes one): watches and views only", directory)
         return [watches, serve(ctx.conn, VIEW_OPEN_SUBJECT, open_cluster_view_handler(ctx.conn))]
-    issuers = {role: RoleIssuer.load(directory, role) for role in (Role.AGENT, Role.BUILDER)}
+    issuers = {role: RoleIssuer.load(directory, role) for role in (Role.AGENT, Role.BUILDER, Role.PROXY)}
     sentinel = (directory / SENTINEL_FILE).read_text().strip()
     # Keys prepared but the server not secured (no credential of our own): nobody has an identity there.
     open_cluster = not ctx.settings.nats_creds
-    return [watches, JoinService(ctx.conn, issuers, sentinel, open_cluster=open_cluster).run()]
+    machines = None
+    if not open_cluster:
+        machines = Machines(
+            ctx.conn,
+            ctx.settings.nats_url,
+            directory,
+            tls_ca=ctx.settings.nats_tls_ca,
+            node_id=os.environ.get(MACHINE_NODE_ENV, ""),
+            client_url=os.environ.get(MACHINE_CLIENT_URL_ENV, ""),
+            route_url=os.environ.get(MACHINE_ROUTE_URL_ENV, ""),
+            mesh_ip=os.environ.get(MACHINE_MESH_IP_ENV, ""),
+        )
+    service = JoinService(ctx.conn, issuers, sentinel, open_cluster=open_cluster, machines=machines)
+    return [watches, service.run()]
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from shared.backoff import Backoff
 from shared.errors import ZatteraError
 from shared.tasks import Signal
 
@@ -88,8 +89,11 @@ class Holds:
         if signal is not None:
             signal.notify()
 
-    async def hold(self, env_id: str, content_length: int | None, select: Callable[[], T | None]) -> T:
-        """Wait until ``select()`` returns a value and return it; raises :class:`HoldRejected`."""
+    async def hold(
+        self, env_id: str, content_length: int | None, select: Callable[[], T | None], *, timeout: float | None = None
+    ) -> T:
+        """Wait until ``select()`` returns a value and return it; raises :class:`HoldRejected`. ``timeout``:
+        what is left of this request's hold (default: the whole ``hold_timeout``)."""
         if self._closed:
             raise HoldRejected(503, "proxy shutting down", "1")
         if content_length is not None and content_length > self.max_body_bytes:
@@ -100,7 +104,7 @@ class Holds:
         signal = self._signals.setdefault(env_id, Signal())
         try:
             self._trigger(env_id)
-            async with asyncio.timeout(self.hold_timeout):
+            async with asyncio.timeout(max(0.0, self.hold_timeout if timeout is None else timeout)):
                 while True:
                     if self._closed:
                         raise HoldRejected(503, "proxy shutting down", "1")
@@ -127,9 +131,10 @@ class Holds:
             task.add_done_callback(lambda _: self._activations.pop(env_id, None))
 
     async def _activate_while_held(self, env_id: str) -> None:
-        delay = self.retry_initial
+        backoff = Backoff(self.retry_initial, self.retry_max)
         while True:
             self.activations_sent += 1
+            delay = next(backoff)
             try:
                 await self._activate(env_id)
                 return
@@ -140,7 +145,6 @@ class Holds:
             await asyncio.sleep(delay)
             if not self._held.get(env_id):
                 return
-            delay = min(delay * 2, self.retry_max)
 
     async def close(self) -> None:
         """Reject every held request (503) and stop pending activations (shutdown)."""

@@ -25,31 +25,45 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from services.proxy.haproxy_certs import changes, crt_list_text, digest, ensure_fallback, installed, pem_problem
+from services.proxy.haproxy_certs import (
+    changes,
+    crt_list_text,
+    digest,
+    ensure_fallback,
+    installed,
+    pem_problem,
+    safe_name,
+)
 from services.proxy.haproxy_config import Layout, Plan, RouteCache, map_text, plan, render, server_line
 from services.proxy.haproxy_runtime import RuntimeAPIError, command, execute, parse_stat_csv, send
 from services.proxy.haproxy_stats import HAProxySampler
 from services.proxy.launch import HAPROXY, haproxy_binary, split_listen
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
+from shared.backoff import Backoff
 from shared.certclient import CACHE_FILE as CERTS_CACHE_FILE
 from shared.certclient import CertClient, ServedCert
 from shared.embedded import free_port
+from shared.files import PRIVATE, write_atomic
 from shared.metrics import RequestSeries
 from shared.routeclient import same_cluster
-from shared.security.creds import write_private
 from shared.settings import settings
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 30.0
+RESTART_BACKOFF_FIRST = 0.1
 RESTART_BACKOFF_MAX = 5.0
 SWEEP_INTERVAL = 1.0
+MAP_REWRITE_ABOVE = 128
+"""More host map entries changing or going than this at once: the map is rewritten whole. HAProxy 2.6 finds
+the entry of a ``set map``/``del map`` by scanning the map (~1-3 ms at 10,000 entries, on the data plane's
+thread); a rewrite costs ~50 µs per entry: 10,000 envs warming at once took 30 s entry by entry."""
 PR_SET_PDEATHSIG = 1
 
 
@@ -77,12 +91,6 @@ def _private_dir(path: Path) -> None:
     if path.stat().st_uid != os.getuid():
         raise PermissionError(f"{path} belongs to another user: not keeping the haproxy sockets there")
     path.chmod(0o700)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
 
 
 class HAProxyEngine:
@@ -147,12 +155,14 @@ class HAProxyEngine:
             shutil.rmtree(self.layout.socket_dir, ignore_errors=True)
 
     def _write_files(self, target: Plan) -> None:
+        """HAProxy's files, derived from the routes and certificates and written again at every start:
+        whole, but not synced (a sync per route change would cost more than a lost write)."""
         if self.layout.tls_bind:
             ensure_fallback(self.layout.default_cert)
-            _write_atomically(self.layout.crt_list, crt_list_text(self.layout.certs_dir))
-        _write_atomically(self.layout.hosts_map, map_text(sorted(target.hosts.items())))
-        _write_atomically(self.layout.paths_map, map_text(target.paths))
-        _write_atomically(self.layout.config_file, render(target, self.layout))
+            write_atomic(self.layout.crt_list, crt_list_text(self.layout.certs_dir), durable=False)
+        write_atomic(self.layout.hosts_map, map_text(sorted(target.hosts.items())), durable=False)
+        write_atomic(self.layout.paths_map, map_text(target.paths), durable=False)
+        write_atomic(self.layout.config_file, render(target, self.layout), durable=False)
 
     async def _spawn(self) -> None:
         target = self._plan(self._snapshot)
@@ -210,7 +220,7 @@ class HAProxyEngine:
 
     async def _supervise(self) -> None:
         """Restart HAProxy whenever it exits on its own, with the current routes."""
-        backoff = 0.1
+        backoff = Backoff(RESTART_BACKOFF_FIRST, RESTART_BACKOFF_MAX)
         while True:
             process = self._process
             assert process is not None
@@ -222,11 +232,11 @@ class HAProxyEngine:
                 try:
                     await self._spawn()
                     self.restarts += 1
-                    backoff = 0.1
+                    backoff.reset()
                 except (OSError, RuntimeError, TimeoutError) as exc:
-                    log.error("haproxy restart failed: %s; retrying in %.1fs", exc, backoff)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, RESTART_BACKOFF_MAX)
+                    delay = next(backoff)
+                    log.error("haproxy restart failed: %s; retrying in %.1fs", exc, delay)
+                    await asyncio.sleep(delay)
 
     # ------------------------------------------------------------------ route changes
 
@@ -264,9 +274,12 @@ class HAProxyEngine:
         self.reloads += 1
 
     async def _change_at_runtime(self, target: Plan) -> None:
+        """Servers that arrive first, then the maps, then servers that leave: a host never points at a
+        backend whose servers are not in yet, nor at one whose servers already left (a request in between
+        found no server: 503)."""
         running = self.running
-        hosts_map, _paths_map = self.layout.hosts_map, self.layout.paths_map
         commands: list[str] = []
+        leaving: list[str] = []
         for backend_name, backend in target.backends.items():
             if backend.sticky or backend is running.backends[backend_name]:
                 continue  # its servers are part of the structure
@@ -279,24 +292,21 @@ class HAProxyEngine:
                     commands += [f"set server {where} addr {_host(server.addr)} port {_port(server.addr)}"]
                     commands += [f"set server {where} weight {server.weight}", f"enable server {where}"]
                 elif before is None:
-                    commands += [f"add server {where} {server_line(server, sticky=False).split(' ', 2)[2]}"]
+                    line = server_line(server, sticky=False, held=backend.held).split(" ", 2)[2]
+                    commands += [f"add server {where} {line}"]
+                    commands += [f"enable health {where}"] if backend.held else []
                     commands += [f"enable server {where}"]
                 elif before != server:
                     if before.addr != server.addr:
                         commands += [f"set server {where} addr {_host(server.addr)} port {_port(server.addr)}"]
                     commands += [f"set server {where} weight {server.weight}"]
             for gone in have.values():
-                commands.append(f"disable server {backend_name}/{gone.name}")
+                leaving.append(f"disable server {backend_name}/{gone.name}")
                 self._draining.add((backend_name, gone.name))
-        for host, backend_name in target.hosts.items():
-            before_backend = running.hosts.get(host)
-            if before_backend is None:
-                commands.append(f"add map {hosts_map} {host} {backend_name}")
-            elif before_backend != backend_name:
-                commands.append(f"set map {hosts_map} {host} {backend_name}")
-        commands += [f"del map {hosts_map} {host}" for host in running.hosts.keys() - target.hosts.keys()]
+        commands += await self._hosts_map_commands(running, target)
         if target.paths != running.paths:
-            commands += await self._path_map_commands(target)
+            commands += await self._rewrite_map_commands(self.layout.paths_map, target.paths)
+        commands += leaving
         if commands:
             answers = await execute(self.layout.stats_socket, commands)
             failures = [f"{c!r}: {a}" for c, a in zip(commands, answers, strict=True) if _failed(a)]
@@ -305,14 +315,31 @@ class HAProxyEngine:
         self.running = target
         await self._delete_drained()
 
-    async def _path_map_commands(self, target: Plan) -> list[str]:
-        """An atomic rewrite of the small path map: a new version filled, then committed."""
-        answer = await command(self.layout.stats_socket, f"prepare map {self.layout.paths_map}")
+    async def _hosts_map_commands(self, running: Plan, target: Plan) -> list[str]:
+        """Entry by entry; the whole map rewritten instead when more than :data:`MAP_REWRITE_ABOVE` entries
+        change or go (each ``set map``/``del map`` scans the map in HAProxy 2.6)."""
+        hosts_map = self.layout.hosts_map
+        added: list[str] = []
+        changed: list[str] = []
+        for host, backend_name in target.hosts.items():
+            before_backend = running.hosts.get(host)
+            if before_backend is None:
+                added.append(f"add map {hosts_map} {host} {backend_name}")
+            elif before_backend != backend_name:
+                changed.append(f"set map {hosts_map} {host} {backend_name}")
+        changed += [f"del map {hosts_map} {host}" for host in running.hosts.keys() - target.hosts.keys()]
+        if len(changed) > MAP_REWRITE_ABOVE:
+            return await self._rewrite_map_commands(hosts_map, sorted(target.hosts.items()))
+        return added + changed
+
+    async def _rewrite_map_commands(self, path: Path, entries: Iterable[tuple[str, str]]) -> list[str]:
+        """An atomic rewrite of a map: a new version filled, then committed."""
+        answer = await command(self.layout.stats_socket, f"prepare map {path}")
         version = answer.rsplit(":", 1)[-1].strip()
         if not version.isdigit():
             raise RuntimeAPIError(f"prepare map: {answer}")
-        commands = [f"add map @{version} {self.layout.paths_map} {key} {name}" for key, name in target.paths]
-        return [*commands, f"commit map @{version} {self.layout.paths_map}"]
+        commands = [f"add map @{version} {path} {key} {name}" for key, name in entries]
+        return [*commands, f"commit map @{version} {path}"]
 
     async def _delete_drained(self) -> None:
         if not self._draining:
@@ -344,7 +371,8 @@ class HAProxyEngine:
         the new one), missing ones removed. Files are written first, so a restart or reload loads them."""
         usable = {}
         for name, pem in pems.items():
-            problem = pem_problem(pem)
+            # Only new and changed PEMs are checked: parsing 10,000 served ones took seconds per renewal.
+            problem = None if self._certificates.get(safe_name(name)) == digest(pem) else pem_problem(pem)
             if problem is None:
                 usable[name] = pem
             else:
@@ -355,12 +383,10 @@ class HAProxyEngine:
             if not commands:
                 return
             for name, pem in to_write.items():
-                temporary = self.layout.certs_dir / f"{name}.pem.tmp"
-                write_private(temporary, pem)
-                os.replace(temporary, self.layout.certs_dir / f"{name}.pem")
+                write_atomic(self.layout.certs_dir / f"{name}.pem", pem, mode=PRIVATE, durable=False)
             for name in gone:
                 (self.layout.certs_dir / f"{name}.pem").unlink(missing_ok=True)
-            _write_atomically(self.layout.crt_list, crt_list_text(self.layout.certs_dir))
+            write_atomic(self.layout.crt_list, crt_list_text(self.layout.certs_dir), durable=False)
             answers = await execute(self.layout.stats_socket, commands)
             failures = [c.split(" <<", 1)[0] + f": {a}" for c, a in zip(commands, answers, strict=True) if _failed(a)]
             if failures:

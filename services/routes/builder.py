@@ -12,8 +12,9 @@ Incremental: the snapshot is kept as per-environment fragments, each already in 
 and the snapshot bytes are their concatenation. Protobuf's wire format makes this exact: a message's
 deterministic encoding is its fields in number order, a repeated field being its elements' encodings
 back to back, so ``version`` + every env's ``http_routes`` + every env's ``l4_routes`` + every env's
-``internal_services`` + ``cert_hosts`` + ``cluster`` is byte for byte ``SerializeToString(deterministic=True)``
-of the whole snapshot. A change rebuilds only the environments whose inputs it touches:
+``internal_services`` + ``cert_hosts`` + ``cluster`` + ``control_version`` is byte for byte
+``SerializeToString(deterministic=True)`` of the whole snapshot. A change rebuilds only the environments
+whose inputs it touches:
 
 * env, vip → that env;  app, project → the envs of that app / project;
 * domain → the env it is attached to now and the one it was attached to before;
@@ -49,6 +50,7 @@ from services.routes.wire import (
 from shared import keys as K
 from shared.state.changes import Change
 from shared.state.reader import StateReader
+from shared.version import VERSION
 
 RELEVANT_KINDS = frozenset({K.ENV, K.APP, K.PROJECT, K.DOMAIN, K.ASSIGNMENT, K.OBSERVED, K.NODE, K.VIP})
 """Every kind the snapshot reads; the snapshot version is the newest revision among them."""
@@ -322,21 +324,21 @@ class RouteBuilder:
         self.view = view
         self.domain = domain
         self.envs_rebuilt = 0
-        self._cluster = b""
+        self.cluster = cluster if cluster is not None else cpb.ClusterIdentity()
         self._reset()
-        if cluster is not None:
-            self.cluster = cluster
 
     @property
     def cluster(self) -> cpb.ClusterIdentity:
-        """The cluster the snapshot names (``RouteSnapshot.cluster``, the last field: appended to the content)."""
-        return cpb.RouteSnapshot.FromString(self._cluster).cluster
+        """The cluster the snapshot names (``RouteSnapshot.cluster``, after ``cert_hosts``: in the content's tail)."""
+        return cpb.RouteSnapshot.FromString(self._tail).cluster
 
     @cluster.setter
     def cluster(self, identity: cpb.ClusterIdentity) -> None:
-        snapshot = cpb.RouteSnapshot()
-        snapshot.cluster.CopyFrom(identity)
-        self._cluster = snapshot.SerializeToString(deterministic=True)
+        # The last fields, in number order: cluster (330), then the routes leader's version (440).
+        snapshot = cpb.RouteSnapshot(control_version=VERSION)
+        if identity.ByteSize():  # unnamed (tests, a bare builder): the field is left out
+            snapshot.cluster.CopyFrom(identity)
+        self._tail = snapshot.SerializeToString(deterministic=True)
         self._content: bytes | None = None
 
     def _reset(self) -> None:
@@ -374,7 +376,7 @@ class RouteBuilder:
                     deterministic=True
                 )
             sections = (self._http_parts, self._l4_parts, self._internal_parts)
-            self._content = b"".join([*(b"".join(parts) for parts in sections), self._cert_hosts_bytes, self._cluster])
+            self._content = b"".join([*(b"".join(parts) for parts in sections), self._cert_hosts_bytes, self._tail])
         return self._content
 
     def snapshot(self, version: int | None = None) -> cpb.RouteSnapshot:

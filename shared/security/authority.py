@@ -256,6 +256,18 @@ class Authority:
             nats={"type": "account", "version": 2, **body},
         )
 
+    def system_user_creds(self) -> str:
+        """A user of ``SYS`` (signed by the system account key): may push account JWT updates
+        (``$SYS.REQ.CLAIMS.UPDATE``); held by control machines only."""
+        user = KeyPair.generate(KeyKind.USER)
+        jwt = encode_jwt(
+            issuer=self.system,
+            subject=user.public_key,
+            name="system",
+            nats={"type": "user", "version": 2, "subs": -1, "data": -1, "payload": -1},
+        )
+        return creds_text(jwt, user.seed)
+
     def join_sentinel_jwt(self) -> str:
         """The public bearer credential every joining agent presents: it can only request ``zattera.join``."""
         sentinel = KeyPair.generate(KeyKind.USER)

@@ -26,7 +26,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats
 from nats.aio.msg import Msg
@@ -34,21 +34,34 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
+from shared import keys as K
 from shared.errors import ZatteraError
-from shared.jetstream import is_delete_marker
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, split_urls
+from shared.jetstream import read_state_key
+from shared.natsio import Connection, recorded_replicas, split_urls
 from shared.security.accounts import RELAY_PREFIX
 from shared.security.authority import RoleIssuer
 from shared.security.callers import answerable
 from shared.security.creds import creds_text
 from shared.security.nkeyjwt import KeyKind, KeyPair
-from shared.security.permissions import JOIN_BUCKET, JOIN_ISSUE_SUBJECT, JOIN_SUBJECT, VIEW_OPEN_SUBJECT, Role
+from shared.security.permissions import (
+    JOIN_BUCKET,
+    JOIN_ISSUE_SUBJECT,
+    JOIN_REMOVE_SUBJECT,
+    JOIN_SUBJECT,
+    VIEW_OPEN_SUBJECT,
+    Role,
+)
 from shared.security.relay import relay_handler
 from shared.security.views import open_cluster_view_handler, view_open_handler
+
+if TYPE_CHECKING:
+    from shared.security.machine_service import Machines
 
 log = logging.getLogger(__name__)
 
 TOKEN_PREFIX = "zjt1"
+AGENT_ROLES = (Role.AGENT, Role.BUILDER)
+"""The roles of a node's agent (a proxy's credential, also minted here, opens no view and relays nothing)."""
 DEFAULT_TTL = 3600.0
 MAX_TTL = 7 * 24 * 3600.0
 NODE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -124,9 +137,12 @@ class JoinService:
         *,
         now: Callable[[], float] = time.time,
         open_cluster: bool = False,
+        machines: Machines | None = None,
     ) -> None:
         """``open_cluster``: the server authenticates nobody (security keys prepared, server not secured), so
-        no request carries a caller: views are opened for the node a request names, as without keys."""
+        no request carries a caller: views are opened for the node a request names, as without keys.
+        ``machines``: machines join with one command (machine tokens, server machines, removal)."""
+        self._machines = machines
         self._conn = conn
         self._open_cluster = open_cluster
         self._issuers = issuers
@@ -136,14 +152,17 @@ class JoinService:
         self.ready = asyncio.Event()
 
     async def run(self) -> None:
-        self._kv = await ensure_join_bucket(self._conn)
+        self._kv = await ensure_join_bucket(self._conn, replicas=await recorded_replicas(self._conn.js))
         subs = [
             await self._conn.nc.subscribe(JOIN_SUBJECT, queue="join", cb=self._answer(self.join)),
             await self._conn.nc.subscribe(JOIN_ISSUE_SUBJECT, queue="join", cb=self._answer(self.issue)),
+            await self._conn.nc.subscribe(JOIN_REMOVE_SUBJECT, queue="join", cb=self._answer(self.remove)),
             await self._conn.nc.subscribe(VIEW_OPEN_SUBJECT, queue="join", cb=self._view_open()),
             await self._conn.nc.subscribe(f"{RELAY_PREFIX}>", queue="relay", cb=self._relay()),
         ]
         await self._conn.nc.flush()
+        if self._machines is not None:
+            await self._machines.started(self.kv)
         self.ready.set()
         try:
             await asyncio.Event().wait()
@@ -152,7 +171,7 @@ class JoinService:
                 await sub.unsubscribe()
 
     def _agents_account(self) -> str:
-        agents = {issuer.account_public_key for issuer in self._issuers.values()}
+        agents = {issuer.account_public_key for role, issuer in self._issuers.items() if role in AGENT_ROLES}
         if len(agents) != 1:
             raise ValueError("the agent and builder role keys must belong to one account (AGENTS)")
         return agents.pop()
@@ -160,7 +179,7 @@ class JoinService:
     def _view_open(self) -> Callable[[Msg], Any]:
         if self._open_cluster:
             return open_cluster_view_handler(self._conn)
-        issuers = {issuer.signing_key.public_key for issuer in self._issuers.values()}
+        issuers = {issuer.signing_key.public_key for role, issuer in self._issuers.items() if role in AGENT_ROLES}
         return view_open_handler(self._conn, agents_account=self._agents_account(), agent_issuers=issuers)
 
     def _relay(self) -> Callable[[Msg], Any]:
@@ -198,13 +217,45 @@ class JoinService:
         node_id = str(request.get("node_id") or "")
         if node_id and not NODE_ID.match(node_id):
             raise JoinRefused("node_id may contain only letters, digits, '-' and '_' (at most 64)")
-        role = Role.BUILDER if request.get("builder") else Role.AGENT
-        secret = new_secret()
+        server = bool(request.get("server"))
+        role = Role.BUILDER if request.get("builder") or server else Role.AGENT
+        secret = str(request.get("secret") or "") if server else new_secret()
+        if server and (len(secret) < 40 or not request.get("bundle")):
+            raise JoinRefused("a server token needs its secret and sealed bundle (zattera nodes join-token --server)")
         expires_at = self._now() + ttl
-        record = {"expires_at": expires_at, "node_id": node_id, "role": str(role), "created_at": self._now()}
-        await self.kv.create(token_hash(secret), json.dumps(record).encode())
-        log.info("join token issued (node %s, role %s, expires %s)", node_id or "any", role, _iso(expires_at))
-        return {"token": str(JoinToken(secret, self._sentinel_jwt)), "expires_at": expires_at}
+        record: dict[str, Any] = {
+            "expires_at": expires_at,
+            "node_id": node_id,
+            "role": str(role),
+            "created_at": self._now(),
+            **({"server": True, "bundle": str(request["bundle"])} if server else {}),
+        }
+        try:
+            await self.kv.create(token_hash(secret), json.dumps(record).encode())
+        except (KeyWrongLastSequenceError, BadRequestError):
+            raise JoinRefused("this token secret was used before: ask for a new token") from None
+        log.info(
+            "join token issued (node %s, %s, expires %s)",
+            node_id or "any",
+            "server" if server else role,
+            _iso(expires_at),
+        )
+        reply: dict[str, Any] = {"token": str(JoinToken(secret, self._sentinel_jwt)), "expires_at": expires_at}
+        if self._machines is not None:
+            reply["machine_token"] = await self._machines.token(self.kv, secret, self._sentinel_jwt)
+        return reply
+
+    async def remove(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Remove a machine (``zattera nodes remove``, after its drain): see :mod:`shared.security.membership`."""
+        node_id = str(request.get("node_id") or "")
+        if not NODE_ID.match(node_id):
+            raise JoinRefused("node_id may contain only letters, digits, '-' and '_' (at most 64)")
+        if self._machines is None:
+            raise JoinRefused("this join service cannot remove machines (no security setup)")
+        try:
+            return await self._machines.remove(self.kv, node_id, self._now())
+        except ZatteraError as exc:
+            raise JoinRefused(str(exc)) from None
 
     async def join(self, request: dict[str, Any]) -> dict[str, Any]:
         secret = str(request.get("secret") or "")
@@ -231,29 +282,53 @@ class JoinService:
             raise JoinRefused(f"this join token is for node {bound}, not {node_id}")
         if not bound and await self._node_registered(node_id):
             raise JoinRefused(
-                f"node {node_id} is already registered; re-join it with a token bound to it "
-                f"(zattera nodes join-token --node {node_id})"
+                f"a machine named {node_id} is already in the cluster; pick another name, or re-join it with a "
+                f"token bound to it (zattera nodes join-token --node {node_id})"
             )
+        proxy_key = str(request.get("proxy_public_key") or "")
+        if proxy_key and (not USER_PUBLIC_KEY.match(proxy_key) or Role.PROXY not in self._issuers):
+            raise JoinRefused("proxy_public_key must be a NATS user public key (U…)")
+        if record.get("server") and self._machines is not None and await self._machines.is_server(self.kv, node_id):
+            raise JoinRefused(f"a server machine named {node_id} is already in the cluster")
         used = {**record, "used_by": node_id, "used_at": self._now(), "public_key": public_key}
+        used.pop("bundle", None)  # handed over once, then gone
+        if proxy_key:
+            used["proxy_public_key"] = proxy_key
         try:
             await self.kv.update(key, json.dumps(used).encode(), last=entry.revision)
         except KeyWrongLastSequenceError:
             raise JoinRefused("join token already used") from None
         role = Role(record.get("role") or Role.AGENT)
         log.info("node %s joined (role %s, user %s)", node_id, role, public_key)
-        return {"jwt": self._issuers[role].user_jwt(node_id, public_key), "node_id": node_id, "role": str(role)}
+        reply = {"jwt": self._issuers[role].user_jwt(node_id, public_key), "node_id": node_id, "role": str(role)}
+        if proxy_key:
+            reply["proxy_jwt"] = self._issuers[Role.PROXY].user_jwt(node_id, proxy_key)
+        if self._machines is not None:
+            reply |= await self._machines.joined(self.kv, node_id)
+        if record.get("server"):
+            reply["bundle"] = str(record.get("bundle") or "")
+        return reply
 
     async def _node_registered(self, node_id: str) -> bool:
-        try:
-            msg = await self._conn.js.get_last_msg(STATE_STREAM, f"{STATE_PREFIX}node.{node_id}", direct=True)
-        except NotFoundError:
-            return False
-        return not is_delete_marker(msg.headers)
+        return (await read_state_key(self._conn.js, K.node(node_id))).data is not None
 
 
-async def request_join_token(conn: Connection, *, ttl: float, node_id: str = "", builder: bool = False) -> str:
-    """Ask the join service for a token (operator role). Raises :class:`JoinRefused` with its reason."""
-    request = {"ttl": ttl, "node_id": node_id, "builder": builder}
+async def request_join_token(
+    conn: Connection,
+    *,
+    ttl: float,
+    node_id: str = "",
+    builder: bool = False,
+    server_secret: str = "",
+    server_bundle: str = "",
+) -> str:
+    """Ask the join service for a token (operator role): a machine token (``zjt2``, for ``zattera up
+    --join``) where the service knows the cluster's servers, else an agent's ``zjt1``. ``server_*``: a
+    server machine's token, its secret and sealed bundle made by the caller (:mod:`shared.security.machines`).
+    Raises :class:`JoinRefused` with its reason."""
+    request: dict[str, Any] = {"ttl": ttl, "node_id": node_id, "builder": builder}
+    if server_secret:
+        request |= {"server": True, "secret": server_secret, "bundle": server_bundle}
     try:
         msg = await conn.nc.request(JOIN_ISSUE_SUBJECT, json.dumps(request).encode(), timeout=10)
     except nats.errors.NoRespondersError:
@@ -261,7 +336,7 @@ async def request_join_token(conn: Connection, *, ttl: float, node_id: str = "",
     reply = json.loads(msg.data)
     if "error" in reply:
         raise JoinRefused(reply["error"])
-    return str(reply["token"])
+    return str(reply.get("machine_token") or reply["token"])
 
 
 async def join(
@@ -272,8 +347,30 @@ async def join(
     Raises :class:`JoinRefused` when the token is malformed, unknown, used, expired or bound to another node,
     :class:`JoinUnavailable` (a subclass) when nobody answered: NATS unreachable, no join service, a timeout.
     """
-    parsed = JoinToken.parse(token)
     user = KeyPair.generate(KeyKind.USER)
+    reply = await exchange(
+        urls, token, {"node_id": node_id, "public_key": user.public_key}, tls_ca=tls_ca, timeout=timeout
+    )
+    return creds_text(str(reply["jwt"]), user.seed)
+
+
+async def _quiet(_exc: Exception) -> None:
+    return None
+
+
+async def exchange(
+    urls: str | list[str],
+    token: str,
+    request: dict[str, Any],
+    *,
+    tls_ca: str | None = None,
+    timeout: float = 10.0,
+    retry_connect: bool = False,
+) -> dict[str, Any]:
+    """Send ``request`` with the token's secret to the join service as the join sentinel; its answer.
+    Raises :class:`JoinRefused` (its reason) or :class:`JoinUnavailable` (nobody answered)."""
+    parsed = JoinToken.parse(token)
+    node_id = str(request.get("node_id") or "")
 
     def sentinel() -> bytes:
         return parsed.sentinel_jwt.encode()
@@ -283,33 +380,41 @@ async def join(
 
     tls = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
     try:
-        nc = await nats.connect(
-            servers=split_urls(urls),
-            name=f"zattera-join-{node_id}",
-            user_jwt_cb=sentinel,
-            signature_cb=no_signature,
-            tls=tls,
-            allow_reconnect=False,
-            max_reconnect_attempts=0,
-            connect_timeout=max(1, int(timeout)),
+        nc = await asyncio.wait_for(
+            nats.connect(
+                servers=split_urls(urls),
+                name=f"zattera-join-{node_id}",
+                user_jwt_cb=sentinel,
+                signature_cb=no_signature,
+                tls=tls,
+                allow_reconnect=retry_connect,
+                max_reconnect_attempts=0,
+                error_cb=_quiet,  # the failure is raised below, in one line (nats-py would print a traceback)
+                connect_timeout=max(1, int(timeout)),
+            ),
+            timeout * 2,
         )
     except (nats.errors.AuthorizationError, nats.errors.InvalidUserCredentialsError) as exc:
         raise JoinRefused(f"the NATS server refused the join credential: {exc}") from exc
+    except ssl.SSLCertVerificationError as exc:
+        raise JoinRefused(
+            f"the servers at {urls} are not the cluster's (their certificate: {exc.verify_message})"
+        ) from exc
     except (nats.errors.Error, OSError, TimeoutError) as exc:
         if "authorization" in str(exc).lower():
             raise JoinRefused(f"the NATS server refused the join credential: {exc}") from exc
         raise JoinUnavailable(f"cannot reach NATS at {urls}: {exc or type(exc).__name__}") from exc
     try:
-        request = {"secret": parsed.secret, "node_id": node_id, "public_key": user.public_key}
+        body = {**request, "secret": parsed.secret}
         try:
-            msg = await nc.request(JOIN_SUBJECT, json.dumps(request).encode(), timeout=timeout)
+            msg = await nc.request(JOIN_SUBJECT, json.dumps(body).encode(), timeout=timeout)
         except nats.errors.NoRespondersError:
             raise JoinUnavailable("no join service is answering on this cluster") from None
         except (nats.errors.TimeoutError, TimeoutError):
             raise JoinUnavailable(f"the join service did not answer within {timeout:.0f}s") from None
     finally:
         await nc.close()
-    reply = json.loads(msg.data)
+    reply: dict[str, Any] = json.loads(msg.data)
     if "error" in reply:
         raise JoinRefused(reply["error"])
-    return creds_text(str(reply["jwt"]), user.seed)
+    return reply

@@ -49,6 +49,8 @@ from shared.watches import WATCH_OPEN_SUBJECT
 
 JOIN_SUBJECT = "zattera.join"
 JOIN_ISSUE_SUBJECT = "zattera.join.issue"
+JOIN_REMOVE_SUBJECT = "zattera.join.remove"
+"""``zattera nodes remove``: peer-remove a machine's NATS server and revoke its credentials (operator)."""
 JOIN_BUCKET = "zattera-join"
 JOIN_STREAM = f"KV_{JOIN_BUCKET}"
 VIEW_OPEN_SUBJECT = "zattera.view.open"
@@ -172,6 +174,7 @@ OPERATOR = Permissions(
         f"{EVENTS_SUBJECT_PREFIX}>",
         ROUTES_GET_SUBJECT,
         JOIN_ISSUE_SUBJECT,
+        JOIN_REMOVE_SUBJECT,
         WATCH_OPEN_SUBJECT,  # its watches: pull consumers control creates (it creates none)
         ROTATE_SUBJECT,  # `zattera secrets rotate-key`
         f"$KV.{USERS_BUCKET}.>",  # `zattera console add-user|remove-user` (the console creates the bucket)
@@ -209,7 +212,9 @@ _STATE_OWN = {
     "node": f"{STATE_PREFIX}node.{NAME}",
 }
 AGENT_STATE_READS = {
-    **_STATE_OWN,
+    **{kind: key for kind, key in _STATE_OWN.items() if kind != "node"},
+    # Every node record (read-only): its mesh peers' keys, addresses and endpoints (services/agent/mesh.py).
+    "nodes": f"{STATE_PREFIX}node.*",
     # What its assignments run: the image ref and service spec (command, ports, health check, volumes)…
     "releases": f"{STATE_PREFIX}release.*",
     # …the volumes of its stateful assignments (an instance starts only under a lease naming it)…

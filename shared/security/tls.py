@@ -32,6 +32,14 @@ class TlsFiles:
         """The nats-server ``tls`` block: clients must use TLS; they authenticate with credentials, not certs."""
         return f'tls {{ cert_file: "{self.cert}", key_file: "{self.key}", timeout: 5 }}\n'
 
+    def route_config(self) -> str:
+        """The ``cluster { tls {…} }`` block: routes use TLS and each side verifies the other's certificate
+        against the cluster CA (mutual TLS: a server without a certificate of this CA cannot open a route)."""
+        return (
+            f'tls {{ cert_file: "{self.cert}", key_file: "{self.key}", ca_file: "{self.ca}", '
+            "verify: true, timeout: 5 }\n"
+        )
+
 
 def default_hosts() -> list[str]:
     return ["localhost", "127.0.0.1", "::1", socket.gethostname()]
@@ -104,7 +112,8 @@ def new_leaf(
     now: datetime.datetime,
     days: int = SERVER_DAYS,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A server certificate for ``hosts`` (DNS names or IP addresses) signed by ``ca_cert``."""
+    """A server certificate for ``hosts`` (DNS names or IP addresses) signed by ``ca_cert``; also a client
+    certificate, which a server presents on the routes it opens (verified by the other side)."""
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
@@ -116,7 +125,9 @@ def new_leaf(
         .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(_san(hosts), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
@@ -146,8 +157,25 @@ def generate(directory: Path, hosts: list[str] | None = None) -> TlsFiles:
     return files
 
 
+def issue_server(directory: Path, hosts: list[str]) -> TlsFiles:
+    """A new server certificate for ``hosts`` signed by the CA already in ``directory`` (a joining server
+    machine's, for its own addresses); the CA is kept."""
+    ca_cert = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((directory / "ca-key.pem").read_bytes(), None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{directory / 'ca-key.pem'}: not an EC key")
+    now = datetime.datetime.now(datetime.UTC)
+    cert, key = new_leaf(ca_cert, ca_key, "zattera-nats", hosts, now)
+    files = TlsFiles(ca=directory / "ca.pem", cert=directory / "server.pem", key=directory / "server-key.pem")
+    write_private(files.key, pem_key(key))
+    write_private(files.cert, pem_cert(cert))
+    return files
+
+
 def load_or_generate(directory: Path, hosts: list[str] | None = None) -> TlsFiles:
     files = TlsFiles(ca=directory / "ca.pem", cert=directory / "server.pem", key=directory / "server-key.pem")
     if files.ca.exists() and files.cert.exists() and files.key.exists():
         return files
+    if files.ca.exists() and (directory / "ca-key.pem").exists():
+        return issue_server(directory, hosts or default_hosts())  # a joining server machine: the cluster's CA
     return generate(directory, hosts)

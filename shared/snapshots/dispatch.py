@@ -32,8 +32,8 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from shared.actions.refusals import Conflicting, NotFound, Unavailable
 from shared.clock import Clock, stamp
-from shared.errors import ZatteraError
 from shared.ids import new_id
 from shared.natsio import Connection, agent_subject
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
@@ -54,20 +54,20 @@ PRUNE_TIMEOUT = 900.0
 SNAPSHOT_KEY_ENV = "ZATTERA_SNAPSHOT_KEY"  # hex of the optional 32-byte AES-256-GCM cluster key
 
 
-class SnapshotBusy(ZatteraError):
+class SnapshotBusy(Conflicting):
     """A snapshot (or restore) of this volume is already running."""
 
 
-class RecordNotWritten(ZatteraError):
+class RecordNotWritten(Conflicting):
     """The RUNNING record could not be written: nothing was dispatched."""
 
 
-class RestoreRefused(ZatteraError):
-    pass
+class RestoreRefused(Conflicting):
+    """The volume or the snapshot is not in a state to restore (mounted, restoring, not COMPLETE)."""
 
 
-class NodeOperationFailed(ZatteraError):
-    pass
+class NodeOperationFailed(Unavailable):
+    """The volume's node did not do it: no agent answering, silent too long, or it reported an error."""
 
 
 class SnapshotKeyMismatch(RestoreRefused):
@@ -154,6 +154,10 @@ class SnapshotDispatcher:
         if volume_id in self._busy_volumes:
             return True
         return any(s.volume_id == volume_id and s.status == pb.SNAPSHOT_STATUS_RUNNING for s in self.view.snapshots())
+
+    def running_snapshot(self, volume_id: str) -> str:
+        """The id of the snapshot of ``volume_id`` this dispatcher is driving ("" when none)."""
+        return next((snapshot_id for snapshot_id, run in self._runs.items() if run.volume_id == volume_id), "")
 
     def last_progress(self, snapshot_id: str) -> float | None:
         run = self._runs.get(snapshot_id)
@@ -386,7 +390,7 @@ class SnapshotDispatcher:
         volume = self.view.volume(volume_id)
         snapshot = self.view.snapshot(snapshot_id)
         if volume is None:
-            raise RestoreRefused(f"volume {volume_id} not found")
+            raise NotFound(f"volume {volume_id} not found", field="volume_id")
         if snapshot is None or snapshot.status != pb.SNAPSHOT_STATUS_COMPLETE:
             raise RestoreRefused(f"snapshot {snapshot_id} is not COMPLETE")
         if snapshot.key_fingerprint != key_fingerprint(self.target):

@@ -40,6 +40,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from shared.backoff import resubscribing
 from shared.jetstream import is_delete_marker
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, last_per_subject
 from shared.pull import PullFeed, PullLost
@@ -200,7 +201,7 @@ class StateView(StateStore):
         self._synced.clear()
 
     async def _resync_with_retry(self) -> None:
-        delay = 0.1
+        backoff = resubscribing()
         while True:
             try:
                 await self._resync()
@@ -208,9 +209,9 @@ class StateView(StateStore):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                delay = next(backoff)
                 log.warning("view %s resync failed, retrying in %.1fs: %s", self._name, delay, exc)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     async def _resync(self) -> None:
         """(Re)load every key with fresh ordered consumers (one per filter), then apply the difference."""

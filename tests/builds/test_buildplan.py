@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app as cli_app
-from shared.buildplan import PlanError, detect, poetry_requirements, read_source, requirement_names
+from shared.buildplan import PlanError, detect, poetry_requirements, read_source, requirement_names, starts_python
 
 FLASK_APP = "from flask import Flask\n\napp = Flask(__name__)\n"
 FASTAPI_APP = "from fastapi import FastAPI\napi: FastAPI = FastAPI()\n"
@@ -335,3 +335,22 @@ def test_check_source_refuses_what_a_build_would_fail_with(
         return
     with pytest.raises(PlanError, match=re.escape(refused)):
         check_source(files, docker=docker)
+
+
+@pytest.mark.parametrize(
+    ("command", "python"),
+    [
+        ("python3 app.py", True),
+        ("python app.py", True),
+        ("exec python3.11 -m app", True),
+        ("PORT=8000 DEBUG=1 python3 server.py", True),
+        ("gunicorn app:app", False),
+        ("/usr/bin/python3 app.py", False),  # a path of the builder's machine: not the interpreter on PATH
+        ("pythonista run", False),
+        ("node server.js", False),
+        ("", False),
+        ("python3 'unterminated", False),
+    ],
+)
+def test_a_start_command_that_runs_python_is_recognised(command: str, python: bool) -> None:
+    assert starts_python(command) is python

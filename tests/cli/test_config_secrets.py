@@ -248,7 +248,7 @@ def test_an_env_close_to_the_limit_is_written_and_rolls_out(cli: Invoke, nats_ur
 
 def test_a_value_sealed_to_a_key_that_was_just_rotated_is_refused(nats_url: str, cluster_key: PrivateKey) -> None:
     """The write of a sealed value expects the revision of the key record it was sealed to."""
-    from shared.secret_edits import set_secret_edit
+    from shared.actions.secrets import set_secret_edit
     from shared.txn import Conflict
 
     async def race(conn: Any, view: StateView, writer: Writer) -> None:

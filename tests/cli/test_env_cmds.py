@@ -17,7 +17,6 @@ from shared import keys as K
 from shared.clock import to_timestamp
 from shared.live import publish_proxy_heartbeat
 from shared.state.feed import StateView
-from shared.txn import Conflict
 from tests.cli.rig import state
 from tests.cli.test_cli import VALID
 from tests.factories import assignment, node
@@ -119,57 +118,7 @@ def test_project_delete_with_volumes_removes_everything_under_it(cli, nats_url, 
     assert desired == [pb.ASSIGNMENT_DESIRED_STOP] * 2
 
 
-def test_app_delete_is_one_fenced_batch_refused_whole_by_a_concurrent_deploy(nats_url, applied):
-    """A deploy re-writes its env; the deletion decided before it must not commit (nothing deleted)."""
-    from cli.deletion import deletion_txn, plan_deletion
-    from shared.txn import Writer
-
-    async def race(conn, view: StateView, writer: Writer):
-        app = next(a for a in view.all(K.APP) if a.name == "hello")
-        plan = plan_deletion(view, "app demo/hello", apps=[app], now=0.0)
-        txn = deletion_txn(writer, plan)
-        other = StateView(conn, name="deployer")
-        await other.start()
-        env = pb.Environment()
-        env.CopyFrom(other.env(applied["production"]))
-        env.effective_replicas = 3  # any write to the env: a deploy, a promotion, a scaling decision
-        await Writer(conn, other).commit(Writer(conn, other).txn().put(env))
-        await other.stop()
-        with pytest.raises(Conflict):
-            await writer.commit(txn)
-        return len(view.envs()), len(view.domains())
-
-    envs, domains = state(nats_url, race)
-    assert envs == 2 and domains == 1
-
-
 # ---------------------------------------------------------------------------------------------- scale
-
-
-def _env(*, lo: int, hi: int, effective: int = 0, s2z: bool = False) -> pb.Environment:
-    e = pb.Environment(effective_replicas=effective, active_release_id="rel1")
-    e.service.replicas.min, e.service.replicas.max = lo, hi
-    e.service.scale_to_zero = s2z
-    return e
-
-
-@pytest.mark.parametrize(
-    ("env", "request_", "expected"),
-    [
-        pytest.param(_env(lo=2, hi=4), (3, None, None), (3, 3, 3), id="fixed_count"),
-        pytest.param(_env(lo=2, hi=4, effective=3), (None, 1, 6), (1, 6, 3), id="bounds_keep_the_count"),
-        pytest.param(_env(lo=2, hi=4, effective=4), (None, None, 2), (2, 2, 2), id="count_clamped_into_bounds"),
-        pytest.param(_env(lo=1, hi=3), (None, 2, None), (2, 3, 2), id="raising_min_raises_the_count"),
-        pytest.param(_env(lo=1, hi=2, effective=1, s2z=True), (0, None, None), (1, 2, 0), id="s2z_zero_cools_now"),
-        pytest.param(_env(lo=1, hi=2, s2z=True), (None, 1, 5), (1, 5, 0), id="cold_s2z_stays_cold"),
-        pytest.param(_env(lo=2, hi=4), (0, None, None), (0, 0, 0), id="zero_stops_a_plain_env"),
-    ],
-)
-def test_scale_sets_bounds_and_count(env: pb.Environment, request_, expected) -> None:
-    from shared.scaling import ScaleRequest, scaled
-
-    new = scaled(env, ScaleRequest(*request_))
-    assert (new.service.replicas.min, new.service.replicas.max, new.effective_replicas) == expected
 
 
 @pytest.mark.parametrize(

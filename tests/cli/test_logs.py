@@ -191,7 +191,7 @@ def test_apply_writes_the_env_log_retention(nats_url: str, tmp_path: Path) -> No
     assert applied.exit_code == 0, applied.output
 
     async def stored(conn: Connection) -> pb.Environment:
-        from cli.apply import resolve_env
+        from shared.actions.names import resolve_env
         from shared.state.feed import StateView
 
         view = StateView(conn, name="check")

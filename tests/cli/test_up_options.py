@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 import cli.main
 import cli.security_cmds
 import cli.up_cmds
+from cli.layout import DataLayout
 from cli.main import app
 from cli.up import ALL_IN_ONE_SERVICES, SERVICES, Cluster, Supervised
 from shared.embedded import free_port
@@ -108,7 +109,7 @@ def test_a_data_dir_holding_an_open_cluster_is_not_started_secure_and_the_refusa
         finally:
             await conn.close()
 
-    server = EmbeddedNats(data_dir=tmp_path / "nats").start()  # what `zattera up` leaves in its data dir
+    server = EmbeddedNats(data_dir=DataLayout(tmp_path).control / "nats").start()  # as `zattera up` keeps it
     try:
         asyncio.run(init(server.url))
     finally:
@@ -120,7 +121,7 @@ def test_a_data_dir_holding_an_open_cluster_is_not_started_secure_and_the_refusa
         result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), flag, "--no-node"])
         assert result.exit_code == 1
         assert "holds an open cluster" in result.output and "zattera up --secure --data-dir DIR" in result.output
-    assert started == [] and not (tmp_path / "security").exists()
+    assert started == [] and not DataLayout(tmp_path).security.exists()
     assert CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--no-node"]).exit_code == 0
     assert len(started) == 1
 

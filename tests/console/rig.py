@@ -13,10 +13,10 @@ from aiohttp import web
 from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
-from services.console.actions import Actions
 from services.console.auth import LoginLimiter, Sessions
 from services.console.server import start_site
 from services.console.web import Console
+from shared.actions.context import ActionContext
 from shared.clock import FakeClock
 from shared.console_users import ADMIN, VIEWER, new_user, save_user, users_bucket
 from shared.natsio import Connection
@@ -92,7 +92,9 @@ async def running_console(
     console = Console(
         conn=conn,
         view=view,
-        actions=Actions(conn, view, writer, SnapshotDispatcher(conn, view, clock, first_reply_timeout=2.0)),
+        actions=ActionContext(
+            conn, writer, actor="", snapshots=SnapshotDispatcher(conn, view, clock, first_reply_timeout=2.0)
+        ),
         sessions=Sessions(clock, 3600.0),
         limiter=LoginLimiter(clock, LOGIN_FAILURES, 300.0),
         routes=lambda: None,
@@ -104,7 +106,7 @@ async def running_console(
         yield Running(console, f"{'https' if ssl_context else 'http'}://127.0.0.1:{port}", clock)
     finally:
         await runner.cleanup()
-        await console.actions.close()
+        await console.actions.background.close()
 
 
 def random_secret() -> str:

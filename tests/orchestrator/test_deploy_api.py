@@ -9,6 +9,7 @@ from functools import partial
 import pytest
 from zattera.v1 import types_pb2 as pb
 
+from shared.actions.refusals import ActionRefused, Refusal
 from shared.deploy import (
     Deployer,
     DeployError,
@@ -244,8 +245,8 @@ async def test_concurrent_deploys_never_duplicate_a_version_or_pass_the_blocking
             await c.close()
 
 
-def test_deploy_errors_carry_grpc_like_codes() -> None:
-    assert NotFound("x").code == "not_found"
-    assert FailedPrecondition("x").code == "failed_precondition"
-    assert InvalidArgument("f", "p").code == "invalid_argument"
-    assert issubclass(InvalidArgument, DeployError)
+def test_deploy_errors_are_operator_action_refusals_of_their_kind() -> None:
+    assert NotFound("x").kind is Refusal.NOT_FOUND
+    assert FailedPrecondition("x").kind is Refusal.CONFLICT
+    assert InvalidArgument("f", "p").kind is Refusal.INVALID and str(InvalidArgument("f", "p")) == "f: p"
+    assert issubclass(InvalidArgument, DeployError) and issubclass(DeployError, ActionRefused)

@@ -16,13 +16,22 @@ from services.proxy.balancer import STICKY_COOKIE
 from services.proxy.settings import ROUTES_CACHE_FILE
 from services.routes.publisher import RoutesPublisher
 from shared.clock import FakeClock
+from shared.files import write_atomic
 from shared.live import proxy_key
 from shared.natsio import LIVE_BUCKET, Connection
-from shared.routeclient import write_atomic
 from shared.state.feed import StateView
 from shared.tasks import cancel_and_wait
 from shared.txn import Writer
-from tests.proxy.harness import HOST, Backend, ProxyFactory, Routes, endpoint, http_route, serving
+from tests.proxy.harness import (
+    HOST,
+    Backend,
+    ProxyFactory,
+    Routes,
+    endpoint,
+    http_route,
+    keep_alive_requests,
+    serving,
+)
 from tests.routes import state as S
 from tests.waiting import eventually
 
@@ -136,6 +145,22 @@ async def test_upstream_failing_mid_response_truncates_the_client_response(
                 await response.read()
         await eventually(lambda: proxy.stats.inflight("e1") == 0, 5)
         assert proxy.stats.env("e1").completions[-1][1], "counted as a server error"
+
+
+async def test_an_endpoint_added_at_run_time_reuses_upstream_connections(
+    make_proxy: ProxyFactory, routes: Routes
+) -> None:
+    """1,000 keep-alive requests of one client reach an endpoint that a snapshot added while the proxy ran
+    over a handful of upstream connections (the pool), not one each."""
+    first, added = Backend("first"), Backend("added")
+    async with serving(first, added):
+        proxy = await make_proxy()
+        await routes.serve(proxy, http_route(HOST, "e1", [endpoint(first.addr, "a-first")]))
+        await routes.serve(proxy, http_route(HOST, "e1", [endpoint(added.addr, "a-added")]))
+        statuses = await keep_alive_requests(f"http://127.0.0.1:{proxy.port}/", HOST, 1000)
+        assert statuses == [200] * 1000
+        assert added.hits == 1000
+        assert len(added.peers) <= 4, f"{len(added.peers)} upstream connections for 1,000 keep-alive requests"
 
 
 async def test_in_flight_decrements_after_a_proxied_request(make_proxy: ProxyFactory, routes: Routes, client) -> None:

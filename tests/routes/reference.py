@@ -17,6 +17,7 @@ from services.routes.builder import (
     routes_http,
 )
 from shared.state.reader import StateReader
+from shared.version import VERSION
 
 
 def reference_content(view: StateReader, domain: str) -> bytes:
@@ -28,6 +29,7 @@ def reference_content(view: StateReader, domain: str) -> bytes:
         if sections is not None:
             snapshot.MergeFrom(sections)
     snapshot.cert_hosts.extend(sorted({route.hostname for route in snapshot.http_routes}))
+    snapshot.control_version = VERSION
     return snapshot.SerializeToString(deterministic=True)
 
 

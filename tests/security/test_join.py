@@ -15,6 +15,8 @@ from shared.security.join import JoinRefused, JoinService, JoinToken, join, requ
 from shared.security.nkeyjwt import decode_claims
 from tests.security.conftest import ManualClock, SecureCluster
 
+CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)
+
 
 @pytest.fixture
 async def operator(secure: SecureCluster) -> AsyncIterator[Connection]:
@@ -63,7 +65,7 @@ async def test_a_token_bound_to_a_node_joins_only_that_node(
     # An unbound token cannot take over the identity of a registered node.
     await control.js.publish(f"{STATE_PREFIX}node.existing", b"registered")
     unbound = await request_join_token(operator, ttl=600)
-    with pytest.raises(JoinRefused, match="node existing is already registered"):
+    with pytest.raises(JoinRefused, match="a machine named existing is already in the cluster"):
         await join(secure.url, unbound, "existing")
     creds = write_private(tmp_path / "bound.creds", await join(secure.url, token, "bound-node"))
     assert decode_claims(read_user_jwt(creds))["name"] == "bound-node"

@@ -23,6 +23,8 @@ from shared.security.join import JoinService
 from shared.security.permissions import Role
 from tests.security.conftest import ConnectAs, SecureCluster
 
+CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)
+
 NODE = "n1"
 
 

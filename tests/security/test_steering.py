@@ -32,6 +32,8 @@ from shared.security.join import JoinService
 from shared.security.permissions import VIEW_OPEN_SUBJECT, Role
 from tests.security.conftest import Client, ConnectAs, SecureCluster
 
+CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)
+
 NODE, OTHER = "steer-n1", "steer-n2"
 VICTIM_KEYS = {
     STATE_STREAM: [

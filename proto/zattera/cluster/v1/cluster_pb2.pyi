@@ -258,6 +258,7 @@ class ProxyHeartbeat(_message.Message):
     ROUTES_CLUSTER_FIELD_NUMBER: _builtins.int
     HTTP_PORT_FIELD_NUMBER: _builtins.int
     HTTPS_PORT_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     proxy_id: _builtins.str
     node_id: _builtins.str
     routes_version: _builtins.int
@@ -266,6 +267,8 @@ class ProxyHeartbeat(_message.Message):
     """
     http_port: _builtins.int
     https_port: _builtins.int
+    version: _builtins.str
+    """invented (issue 44): the proxy's Zattera version (docs/upgrades.md, version skew)"""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -290,10 +293,11 @@ class ProxyHeartbeat(_message.Message):
         routes_cluster: Global___ClusterIdentity | None = ...,
         http_port: _builtins.int = ...,
         https_port: _builtins.int = ...,
+        version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["routes_cluster", b"routes_cluster", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "http_port", b"http_port", "https_port", b"https_port", "node_id", b"node_id", "proxy_id", b"proxy_id", "routes_cluster", b"routes_cluster", "routes_version", b"routes_version", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "http_port", b"http_port", "https_port", b"https_port", "node_id", b"node_id", "proxy_id", b"proxy_id", "routes_cluster", b"routes_cluster", "routes_version", b"routes_version", "time", b"time", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -383,7 +387,12 @@ class RouteSnapshot(_message.Message):
     INTERNAL_SERVICES_FIELD_NUMBER: _builtins.int
     CERT_HOSTS_FIELD_NUMBER: _builtins.int
     CLUSTER_FIELD_NUMBER: _builtins.int
+    CONTROL_VERSION_FIELD_NUMBER: _builtins.int
     version: _builtins.int
+    control_version: _builtins.str
+    """invented (issue 44): the Zattera version of the routes leader that made it; a proxy more than the
+    skew window away from it says so (docs/upgrades.md)
+    """
     @_builtins.property
     def http_routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___HTTPRoute]: ...
     @_builtins.property
@@ -409,10 +418,11 @@ class RouteSnapshot(_message.Message):
         internal_services: _abc.Iterable[Global___InternalService] | None = ...,
         cert_hosts: _abc.Iterable[_builtins.str] | None = ...,
         cluster: Global___ClusterIdentity | None = ...,
+        control_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cluster", b"cluster"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cert_hosts", b"cert_hosts", "cluster", b"cluster", "http_routes", b"http_routes", "internal_services", b"internal_services", "l4_routes", b"l4_routes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cert_hosts", b"cert_hosts", "cluster", b"cluster", "control_version", b"control_version", "http_routes", b"http_routes", "internal_services", b"internal_services", "l4_routes", b"l4_routes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,4 +1,5 @@
-"""Deleting a project, an app or an environment: what goes, decided on the view, written as ONE fenced batch.
+"""Deleting a project, an app or an environment (``zattera projects|apps|envs delete``): what goes, decided
+on the view, written as ONE fenced batch.
 
 The batch deletes the scope's records (project, apps, environments) and their domains, flips every
 desired-RUN replica of the scope to STOP and ends every deployment under way (a promoted one SUCCEEDED,
@@ -20,17 +21,45 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.actions.context import ActionContext, commit
+from shared.actions.names import env_path, resolve_app, resolve_env, resolve_project
+from shared.actions.refusals import NotFound
 from shared.clock import stamp
 from shared.deployments import is_terminal
 from shared.events import ENV_DELETED, PATH_FIELD, make_event
+from shared.retry import Attempt
 from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
 
 ENVIRONMENT_DELETED = "environment deleted"
+
+
+class Scope(StrEnum):
+    PROJECT = "project"
+    APP = "app"
+    ENV = "env"
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    scope: Scope
+    ref: str
+    """An id, or the names: ``project``, ``project/app``, ``project/app/env``."""
+    volumes: bool = False
+    """Also delete the volumes and their snapshots (kept by default)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    what: str
+    """What was deleted, for messages: ``env demo/hello/production``."""
+    counts: dict[str, int]
+    """:meth:`Deletion.summary`: projects, apps, environments, domains, replicas_stopped, …"""
 
 
 @dataclass
@@ -149,11 +178,11 @@ def deletion_txn(writer: Writer, plan: Deletion) -> Txn:
     return txn
 
 
-def deletion_events(plan: Deletion) -> list[pb.Event]:
+def deletion_events(plan: Deletion, actor: str) -> list[pb.Event]:
     """One event per deleted record (project, app, env), naming what was removed and what was kept."""
     kept = f"; {len(plan.kept_volumes)} volume(s) kept" if plan.kept_volumes else ""
     events = [
-        make_event("project.deleted", f"project {p.name} deleted{kept}", project_id=p.meta.id, fields={"actor": "cli"})
+        make_event("project.deleted", f"project {p.name} deleted{kept}", project_id=p.meta.id, fields={"actor": actor})
         for p in plan.projects
     ]
     events += [
@@ -162,7 +191,7 @@ def deletion_events(plan: Deletion) -> list[pb.Event]:
             f"app {a.name} deleted",
             project_id=a.project_id,
             app_id=a.meta.id,
-            fields={"actor": "cli"},
+            fields={"actor": actor},
         )
         for a in plan.apps
     ]
@@ -179,7 +208,44 @@ def deletion_events(plan: Deletion) -> list[pb.Event]:
                 project_id=e.project_id,
                 app_id=e.app_id,
                 environment_id=e.meta.id,
-                fields={"actor": "cli", PATH_FIELD: plan.paths.get(e.meta.id, e.name)},
+                fields={"actor": actor, PATH_FIELD: plan.paths.get(e.meta.id, e.name)},
             )
         )
     return events
+
+
+def plan_delete(view: StateReader, request: Delete, now: float) -> Deletion | None:
+    """What ``request`` would delete, as the view shows it now (None: what it names does not exist). The
+    CLI shows it before asking for a confirmation; :func:`delete` decides it again as it commits."""
+    volumes = request.volumes
+    if request.scope is Scope.ENV:
+        env = resolve_env(view, request.ref)
+        if env is None:
+            return None
+        return plan_deletion(view, f"env {env_path(view, env)}", envs=[env], volumes=volumes, now=now)
+    if request.scope is Scope.APP:
+        app = resolve_app(view, request.ref)
+        if app is None:
+            return None
+        project = view.project(app.project_id)
+        label = f"app {project.name if project else '?'}/{app.name}"
+        return plan_deletion(view, label, apps=[app], volumes=volumes, now=now)
+    found = resolve_project(view, request.ref)
+    if found is None:
+        return None
+    return plan_deletion(view, f"project {found.name}", projects=[found], volumes=volumes, now=now)
+
+
+async def delete(ctx: ActionContext, request: Delete) -> Deleted:
+    """Delete as one fenced batch (decided again after a conflict), then announce it."""
+    what = f"{request.scope} {request.ref!r}"
+
+    def attempt() -> Attempt[Deletion]:
+        plan = plan_delete(ctx.view, request, ctx.clock.now())
+        if plan is None:
+            raise NotFound(f"{what}: not found")
+        return Attempt(deletion_txn(ctx.writer, plan), plan)
+
+    plan = await commit(ctx, attempt, contended=what, kept_changing=f"{what} kept changing while deleting; try again")
+    await ctx.events.publish(*deletion_events(plan, ctx.actor))
+    return Deleted(plan.what, plan.summary())

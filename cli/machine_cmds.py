@@ -1,0 +1,74 @@
+"""Commands for a cluster of machines (docs/cluster.md, "From one machine to three"): ``zattera up --name N
+--advertise IP`` and ``zattera up --join TOKEN [--server]`` (cli/machine.py), ``zattera nodes remove``,
+``zattera cluster replicas N``. Each command parses and renders; the work is in cli/machine.py and the join
+service (shared/security/machine_service.py)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+
+import typer
+
+from cli.client import control, run
+from cli.machine import MachineError, bootstrap, join, machine_cluster
+from cli.up import run_up
+from shared.actions.nodes import NodeRemoved, RemoveNode, remove_node
+from shared.actions.refusals import ActionRefused
+
+NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,62}[a-z0-9])?$")
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(1)
+
+
+def machine_up(data_dir: object, token: str, *, server: bool, name: str, advertise: str, tls: bool) -> int:
+    """``zattera up --join`` / ``--name --advertise``: one line on stderr and exit 1 for any bad input."""
+    from pathlib import Path
+
+    directory = Path(str(data_dir))
+    if not NODE_NAME.match(name):
+        raise _fail("--name: this machine's node id is required (lowercase letters, digits, '-', '_')")
+    try:
+        ipaddress.ip_address(advertise)
+    except ValueError:
+        raise _fail(f"--advertise: {advertise!r} is not an IP address other machines can reach") from None
+    try:
+        if token:
+            machine = join(directory, token, name, advertise, server=server)
+        else:
+            if server:
+                raise MachineError("--server needs --join TOKEN (the first machine is a server already)")
+            machine = bootstrap(directory, name, advertise, tls=tls)
+        cluster = machine_cluster(directory, machine)
+    except MachineError as exc:
+        raise _fail(str(exc)) from None
+    hint = f"  machine {machine.node_id}: {machine.role}, mesh {machine.mesh_ip or '-'}, servers {cluster.url or '-'}"
+    return run_up(cluster, hint=hint)
+
+
+def nodes_remove(
+    node_id: str,
+    json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Remove a machine: drain it first (zattera nodes drain), then this peer-removes its NATS server and
+    revokes every credential it was issued; its node record goes."""
+
+    async def go() -> NodeRemoved:
+        async with control(view=False) as c:
+            try:
+                return await remove_node(c.actions, RemoveNode(node_id))
+            except ActionRefused as exc:
+                raise _fail(f"nodes remove {node_id}: {exc}") from None
+
+    done = run(go)
+    if json_output:
+        typer.echo(json.dumps({"node_id": done.node_id, "revoked": done.revoked, "peer_removed": done.peer_removed}))
+        return
+    typer.echo(
+        f"removed {node_id}: {len(done.revoked)} credential(s) revoked"
+        + (", its NATS server peer-removed" if done.peer_removed else "")
+    )

@@ -1,0 +1,190 @@
+"""A volume's snapshot policy, snapshots and restores (``zattera volumes policy|snapshot|restore``, the
+console's volume buttons).
+
+A snapshot writes its RUNNING record first and asks the volume's node to take it; a restore rebuilds the
+volume from a COMPLETE snapshot on its node (refused while the volume is mounted or restoring). Both run
+through the caller's :class:`~shared.snapshots.dispatch.SnapshotDispatcher`; ``wait`` says how long the
+action waits for the outcome before it answers and leaves the rest to the context's background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from zattera.v1 import types_pb2 as pb
+
+from shared.actions.context import ActionContext, commit_edit
+from shared.actions.refusals import Invalid, NotFound
+from shared.clock import stamp
+from shared.schedule import ScheduleError, validate_schedule
+from shared.settings import settings
+
+if TYPE_CHECKING:
+    from shared.snapshots.dispatch import SnapshotDispatcher
+
+MAX_KEEP_LAST = 1000
+
+
+@dataclass(frozen=True)
+class PolicyChange:
+    """Fields of a volume's ``snapshot_policy`` to set; None leaves a field as it is."""
+
+    schedule: str | None = None
+    keep_last: int | None = None
+    pre_hook: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.schedule is not None or self.keep_last is not None or self.pre_hook is not None
+
+
+def with_policy(volume: pb.Volume, change: PolicyChange, now: float) -> pb.Volume | None:
+    """``volume`` with ``change`` applied to its snapshot policy (``updated_at`` stamped), or None when it
+    would change nothing. ``zattera apps apply`` writes a volume's ``snapshot_*`` keys this way too."""
+    policy = pb.SnapshotPolicy()
+    policy.CopyFrom(volume.snapshot_policy)
+    if change.schedule is not None:
+        policy.schedule = change.schedule
+    if change.keep_last is not None:
+        policy.keep_last = change.keep_last
+    if change.pre_hook is not None:
+        policy.pre_hook = change.pre_hook
+    if policy == volume.snapshot_policy:
+        return None
+    updated = pb.Volume()
+    updated.CopyFrom(volume)
+    updated.snapshot_policy.CopyFrom(policy)
+    stamp(updated.meta.updated_at, now)
+    return updated
+
+
+@dataclass(frozen=True, slots=True)
+class SetSnapshotPolicy:
+    """Only the fields given (not None) change."""
+
+    volume_id: str
+    schedule: str | None = None
+    """Cron, 5 fields in UTC (``CRON_TZ=Zone`` prefix, ``@daily``, ``@every 6h``); "" = manual only."""
+    keep_last: int | None = None
+    """COMPLETE snapshots kept; 0 = 7."""
+    pre_hook: str | None = None
+    """A shell command run in the instance before each snapshot; "" = none."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySet:
+    volume_id: str
+    name: str
+    schedule: str
+    keep_last: int
+    pre_hook: str
+
+
+@dataclass(frozen=True, slots=True)
+class TakeSnapshot:
+    volume_id: str
+    wait: float | None = None
+    """Seconds to wait for the outcome (None: until it ends; 0: answer once the RUNNING record is written)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotTaken:
+    snapshot_id: str
+    volume_id: str
+    status: str
+    """RUNNING (still going on), COMPLETE or FAILED."""
+    logical_size_bytes: int = 0
+    uploaded_bytes: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreVolume:
+    volume_id: str
+    snapshot_id: str
+    wait: float | None = None
+    """Seconds to wait for the outcome (None: until it ends); its refusals come sooner."""
+
+
+@dataclass(frozen=True, slots=True)
+class VolumeRestored:
+    volume_id: str
+    snapshot_id: str
+    finished: bool
+    """False: still restoring when the wait ended (the volume shows RESTORING until it is done)."""
+
+
+def _change(request: SetSnapshotPolicy) -> PolicyChange:
+    change = PolicyChange(request.schedule, request.keep_last, request.pre_hook)
+    if not change:
+        raise Invalid("schedule", "give at least one of --schedule, --keep-last or --pre-hook", said="")
+    if request.keep_last is not None and not 0 <= request.keep_last <= MAX_KEEP_LAST:
+        raise Invalid("keep_last", f"must be 0 to {MAX_KEEP_LAST}")
+    if request.schedule is None:
+        return change
+    try:
+        return PolicyChange(validate_schedule(request.schedule), request.keep_last, request.pre_hook)
+    except ScheduleError as exc:
+        raise Invalid("schedule", str(exc)) from None
+
+
+async def set_snapshot_policy(ctx: ActionContext, request: SetSnapshotPolicy) -> PolicySet:
+    change = _change(request)
+
+    def edit() -> pb.Volume | None:
+        volume = ctx.view.volume(request.volume_id)
+        if volume is None:
+            raise NotFound(f"volume {request.volume_id!r} not found", field="volume_id")
+        return with_policy(volume, change, ctx.clock.now())
+
+    await commit_edit(ctx, f"volume {request.volume_id}", edit)
+    volume = ctx.view.volume(request.volume_id)
+    assert volume is not None
+    policy = volume.snapshot_policy
+    return PolicySet(volume.meta.id, volume.name, policy.schedule, policy.keep_last, policy.pre_hook)
+
+
+def _dispatcher(ctx: ActionContext) -> SnapshotDispatcher:
+    if ctx.snapshots is not None:
+        return ctx.snapshots
+    from shared.snapshots.dispatch import operator_dispatcher  # the snapshot engine's imports, only when used
+
+    return operator_dispatcher(ctx.conn, ctx.view, ctx.clock, settings().restore_timeout)
+
+
+async def _within(task: asyncio.Task[Any], wait: float | None, ctx: ActionContext, what: str) -> bool:
+    """Wait for ``task`` up to ``wait`` seconds (its failure raises); False: handed to the background."""
+    if wait is None:
+        await task
+        return True
+    done, _ = await asyncio.wait({task}, timeout=wait)
+    if not done:
+        ctx.background.follow(task, f"{what} (by {ctx.actor})")
+        return False
+    task.result()
+    return True
+
+
+async def take_snapshot(ctx: ActionContext, request: TakeSnapshot) -> SnapshotTaken:
+    volume = ctx.view.volume(request.volume_id)
+    if volume is None:
+        raise NotFound(f"volume {request.volume_id!r} not found", field="volume_id")
+    dispatcher = _dispatcher(ctx)
+    task = await dispatcher.start_snapshot(volume, ctx.writer)
+    snapshot_id = dispatcher.running_snapshot(volume.meta.id)
+    if not await _within(task, request.wait, ctx, f"snapshot of volume {volume.meta.id}"):
+        return SnapshotTaken(snapshot_id, volume.meta.id, "RUNNING")
+    record = task.result()
+    status = pb.SnapshotStatus.Name(record.status).removeprefix("SNAPSHOT_STATUS_")
+    return SnapshotTaken(
+        record.meta.id, volume.meta.id, status, record.logical_size_bytes, record.uploaded_bytes, record.error
+    )
+
+
+async def restore_volume(ctx: ActionContext, request: RestoreVolume) -> VolumeRestored:
+    dispatcher = _dispatcher(ctx)
+    task = asyncio.create_task(dispatcher.restore(request.volume_id, request.snapshot_id, ctx.writer))
+    what = f"restore of volume {request.volume_id} from {request.snapshot_id}"
+    finished = await _within(task, request.wait, ctx, what)
+    return VolumeRestored(request.volume_id, request.snapshot_id, finished)

@@ -1,0 +1,201 @@
+"""The machines of a cluster as the join service keeps them: server machines, mesh addresses, removal.
+
+Records in the ``zattera-join`` bucket (control only):
+
+- ``server.<node>``: ``{"client_url", "route_url"}`` of a server machine, written by that machine's own join
+  service at start; a machine token names every server's client URL, a joining server routes to all;
+- ``meship.<a>-<b>``: ``<node>``: the mesh address ``10.98.a.b`` taken by a node, created (never updated),
+  so two joins cannot take one address;
+- ``revocations``: ``{user public key: epoch seconds}``: every credential revoked, the cluster's record
+  (each server's account JWTs are re-signed from it).
+
+Removing a machine (:func:`remove_machine`): its NATS server is peer-removed from JetStream, every
+credential issued to it by a join is revoked — the account JWTs re-signed with the revocation and pushed to
+the servers (``$SYS.REQ.CLAIMS.UPDATE``, the full resolver: every server applies it at once, no restart) —
+and its records go.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from shared import keys as K
+from shared.errors import ZatteraError
+from shared.jetstream import is_delete_marker
+from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, connect
+from shared.security.accounts import Account
+from shared.security.authority import Authority
+
+log = logging.getLogger(__name__)
+
+MESH_NETWORK = "10.98"
+"""Mesh addresses are ``10.98.a.b`` (/16): one per node, on its WireGuard interface."""
+REVOCATIONS_KEY = "revocations"
+SERVER_PREFIX = "server."
+MESH_PREFIX = "meship."
+
+
+class RemoveRefused(ZatteraError):
+    """The machine cannot be removed as asked (unknown node, the last server)."""
+
+
+async def register_server(kv: KeyValue, node_id: str, client_url: str, route_url: str) -> None:
+    await kv.put(f"{SERVER_PREFIX}{node_id}", json.dumps({"client_url": client_url, "route_url": route_url}).encode())
+
+
+async def servers(kv: KeyValue) -> dict[str, dict[str, str]]:
+    """Every registered server machine: node id → its URLs."""
+    found: dict[str, dict[str, str]] = {}
+    for key in await _keys(kv):
+        if key.startswith(SERVER_PREFIX):
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                continue
+            if entry.value:
+                found[key.removeprefix(SERVER_PREFIX)] = json.loads(entry.value)
+    return found
+
+
+async def _keys(kv: KeyValue) -> list[str]:
+    try:
+        return list(await kv.keys())
+    except nats.js.errors.NoKeysError:
+        return []
+
+
+async def mesh_ip(kv: KeyValue, node_id: str) -> str:
+    """The node's mesh address: the one it holds, else the lowest free one (taken by a KV create)."""
+    taken: set[str] = set()
+    for key in await _keys(kv):
+        if key.startswith(MESH_PREFIX):
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                continue
+            address = f"{MESH_NETWORK}.{key.removeprefix(MESH_PREFIX).replace('-', '.')}"
+            if (entry.value or b"").decode() == node_id:
+                return address
+            taken.add(address)
+    for index in range(1, 254 * 254):
+        a, b = divmod(index, 254)
+        address = f"{MESH_NETWORK}.{a}.{b + 1}"
+        if address in taken or b + 1 == 255:
+            continue
+        try:
+            await kv.create(f"{MESH_PREFIX}{a}-{b + 1}", node_id.encode())
+        except KeyWrongLastSequenceError:
+            continue  # taken meanwhile by another join
+        except nats.js.errors.BadRequestError:
+            continue
+        return address
+    raise ZatteraError("no free mesh address left in 10.98.0.0/16")
+
+
+async def claim_mesh_ip(kv: KeyValue, node_id: str, address: str) -> None:
+    """Record ``address`` as ``node_id``'s (the first server machine's, fixed before anyone joins)."""
+    a, b = address.split(".")[2:]
+    try:
+        await kv.create(f"{MESH_PREFIX}{a}-{b}", node_id.encode())
+    except (KeyWrongLastSequenceError, nats.js.errors.BadRequestError):
+        entry = await kv.get(f"{MESH_PREFIX}{a}-{b}")
+        if (entry.value or b"").decode() != node_id:
+            log.error("mesh address %s is taken by %s", address, (entry.value or b"").decode())
+
+
+async def revocations(kv: KeyValue) -> dict[str, int]:
+    try:
+        entry = await kv.get(REVOCATIONS_KEY)
+    except KeyNotFoundError:
+        return {}
+    return {str(k): int(v) for k, v in json.loads(entry.value or b"{}").items()}
+
+
+async def add_revocations(kv: KeyValue, keys: dict[str, int]) -> dict[str, int]:
+    """Record ``keys`` as revoked (compare-and-set: concurrent removals both land); returns the whole set."""
+    while True:
+        try:
+            entry = await kv.get(REVOCATIONS_KEY)
+            current = json.loads(entry.value or b"{}")
+            revision = entry.revision
+        except KeyNotFoundError:
+            current, revision = {}, 0
+        merged = {**current, **keys}
+        try:
+            if revision:
+                await kv.update(REVOCATIONS_KEY, json.dumps(merged).encode(), last=revision)
+            else:
+                await kv.create(REVOCATIONS_KEY, json.dumps(merged).encode())
+            return {str(k): int(v) for k, v in merged.items()}
+        except (KeyWrongLastSequenceError, nats.js.errors.BadRequestError):
+            continue
+
+
+async def issued_keys(kv: KeyValue, node_id: str) -> list[str]:
+    """The user public keys the join service issued credentials for to ``node_id`` (from the used tokens)."""
+    found: list[str] = []
+    for key in await _keys(kv):
+        if key.startswith((SERVER_PREFIX, MESH_PREFIX)) or key == REVOCATIONS_KEY:
+            continue
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            continue
+        record = json.loads(entry.value or b"{}")
+        if record.get("used_by") == node_id:
+            found += [str(record[k]) for k in ("public_key", "proxy_public_key") if record.get(k)]
+    return found
+
+
+def apply_revocations(security_dir: Path, revoked: dict[str, int]) -> Authority:
+    """This machine's account JWTs re-signed with every revocation of the cluster (its files rewritten, so a
+    restart of its server keeps them)."""
+    authority = Authority.load(security_dir)
+    authority.revocations.update(revoked)
+    authority.save(security_dir)
+    return authority
+
+
+async def push_accounts(urls: str, system_creds: str, tls_ca: str, authority: Authority) -> None:
+    """Send the role accounts' JWTs to the servers (system account): the full resolver applies them at once
+    on every server of the cluster."""
+    conn = await connect(urls, name="zattera-accounts", creds=system_creds, tls_ca=tls_ca or None)
+    try:
+        for account in (Account.AGENTS, Account.PROXIES, Account.OPERATORS):
+            reply = await conn.nc.request(
+                "$SYS.REQ.CLAIMS.UPDATE", authority.role_account_jwt(account).encode(), timeout=5
+            )
+            answer = json.loads(reply.data or b"{}")
+            if answer.get("error"):
+                raise ZatteraError(f"the servers refused the {account} account update: {answer['error']}")
+    finally:
+        await conn.close()
+
+
+async def peer_remove(urls: str, system_creds: str, tls_ca: str, server_name: str) -> bool:
+    """Remove a server from the JetStream meta group (its streams' replicas are placed elsewhere)."""
+    conn = await connect(urls, name="zattera-peer-remove", creds=system_creds, tls_ca=tls_ca or None)
+    try:
+        reply = await conn.nc.request("$JS.API.SERVER.REMOVE", json.dumps({"peer": server_name}).encode(), timeout=10)
+    finally:
+        await conn.close()
+    answer: dict[str, Any] = json.loads(reply.data or b"{}")
+    if answer.get("error"):
+        log.warning("peer-remove of %s: %s", server_name, answer["error"])
+        return False
+    return bool(answer.get("success"))
+
+
+async def node_registered(conn: Connection, node_id: str) -> bool:
+    try:
+        msg = await conn.js.get_last_msg(STATE_STREAM, f"{STATE_PREFIX}{K.node(node_id)}", direct=True)
+    except nats.js.errors.NotFoundError:
+        return False
+    return not is_delete_marker(msg.headers)

@@ -1,0 +1,153 @@
+"""A cluster of machines, each a network namespace running what ``zattera up`` runs there (``--secure
+--tls``): the first server machine, a worker joined with one command, every bad join refused in one line with
+nothing left behind, app traffic between machines inside WireGuard, and a removed worker's credential dead."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.security.machines import MachineToken
+from tests.multinode.harness import Machine, Network
+from tests.waiting import eventually_sync
+
+PAYLOAD = "zattera-plaintext-canary-7f3c"
+
+
+def cli_env(server: Machine) -> dict[str, str]:
+    security = server.data_dir / "control" / "security"
+    return {
+        "ZATTERA_NATS_URL": f"nats://{server.address}:4222",
+        "ZATTERA_NATS_CREDS": str(security / "creds" / "operator.creds"),
+        "ZATTERA_NATS_TLS_CA": str(security / "tls" / "ca.pem"),
+    }
+
+
+def nodes(server: Machine) -> dict[str, dict[str, object]]:
+    done = server.zattera("nodes", "list", "--json", env=cli_env(server))
+    if done.returncode != 0:
+        return {}
+    return {n["meta"]["id"]: n for n in json.loads(done.stdout)}
+
+
+def token(server: Machine, *args: str) -> str:
+    done = server.zattera("nodes", "join-token", *args, env=cli_env(server), check=True)
+    return done.stdout.strip()
+
+
+def join_refused(machine: Machine, token_text: str, name: str) -> str:
+    done = machine.zattera(
+        "up", "--data-dir", str(machine.data_dir), "--join", token_text, "--name", name, "--advertise", machine.address
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert not (machine.data_dir / "machine.json").exists(), "a refused join left the machine half-joined"
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def connects(machine: Machine, creds: Path, ca: Path, url: str) -> str:
+    """Connect from inside ``machine`` with a credentials file: 'ok' or the error."""
+    code = (
+        "import asyncio, ssl, nats\n"
+        "async def go():\n"
+        f"    tls = ssl.create_default_context(cafile={str(ca)!r})\n"
+        f"    nc = await nats.connect({url!r}, user_credentials={str(creds)!r}, tls=tls,\n"
+        "        allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)\n"
+        "    await nc.close()\n"
+        "try:\n    asyncio.run(go()); print('ok')\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    return machine.exec(sys.executable, "-c", code, check=False).stdout.strip()
+
+
+@pytest.mark.chaos  # not yet passing end to end: make chaos runs it (docs/cluster.md "Not yet")
+@pytest.mark.timeout(600)
+def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_credential(network: Network) -> None:
+    m1 = network.add("m1")
+    w1 = network.add("w1")
+    w2 = network.add("w2")
+    common = ["--metrics-port", "0", "--proxy-tls-listen", "", "--proxy-listen", "0.0.0.0:8080"]
+    m1.start("--secure", "--tls", "--name", "m1", "--advertise", m1.address, *common)
+    eventually_sync(lambda: "m1" in nodes(m1), timeout=180, what="the first server machine registers its node")
+
+    # Bad input: each refused in one line, nothing written on the machine, nothing registered in the cluster.
+    assert "malformed join token" in join_refused(w2, "not-a-token", "w2")
+    good = token(m1, "--ttl", "10m")
+    parsed = MachineToken.parse(good)
+    assert parsed.urls and all(m1.address in u for u in parsed.urls) and "BEGIN CERTIFICATE" in parsed.ca_pem
+    unreachable = str(MachineToken(parsed.secret, parsed.sentinel_jwt, ("nats://10.231.0.99:4222",), parsed.ca_pem))
+    assert "unreachable" in join_refused(w2, unreachable, "w2")
+    assert "already in the cluster" in join_refused(w2, token(m1), "m1")
+    short = token(m1, "--ttl", "1s")
+    time.sleep(1.5)  # the token's own expiry, measured by the join service's clock
+    assert "expired" in join_refused(w2, short, "w2")
+
+    w1.start("--join", good, "--name", "w1", "--advertise", w1.address, *common)
+    eventually_sync(lambda: "w1" in nodes(m1), timeout=120, what="the worker registers its node")
+    assert "already used" in join_refused(w2, good, "w2")
+    assert set(nodes(m1)) == {"m1", "w1"}, "a refused join registered a node"
+
+    # The mesh: both nodes publish a WireGuard key and endpoint; traffic between mesh addresses is encrypted.
+    found = nodes(m1)
+    mesh = {n: str(found[n]["meshIp"]) for n in ("m1", "w1")}
+    assert all(ip.startswith("10.98.") for ip in mesh.values()), mesh
+    assert all(found[n].get("wireguardPublicKey") for n in ("m1", "w1"))
+    eventually_sync(
+        lambda: m1.exec("ping", "-c", "1", "-W", "1", mesh["w1"], check=False).returncode == 0,
+        timeout=60,
+        what="m1 reaches w1 over the mesh",
+    )
+    capture = w1.data_dir / "eth0.pcap"
+    tcpdump = subprocess.Popen(
+        ["ip", "netns", "exec", w1.netns, "tcpdump", "-i", "eth0", "-w", str(capture), "-U"], stderr=subprocess.DEVNULL
+    )
+    server = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            w1.netns,
+            "python3",
+            "-c",
+            f"import socket; s=socket.create_server(({mesh['w1']!r}, 7001)); c,_=s.accept(); "
+            "print(c.recv(100).decode(), flush=True)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(1.0)  # tcpdump and the listener come up (no signal to wait on from outside the namespace)
+        send = (
+            f"import socket; c=socket.create_connection(({mesh['w1']!r}, 7001), timeout=10); "
+            f"c.sendall({PAYLOAD!r}.encode()); c.close()"
+        )
+        m1.exec("python3", "-c", send)
+        out, _ = server.communicate(timeout=20)
+        assert PAYLOAD in out
+    finally:
+        server.kill()
+        time.sleep(0.5)
+        tcpdump.terminate()
+        tcpdump.wait(10)
+    wire = capture.read_bytes()
+    assert PAYLOAD.encode() not in wire, "the app's payload crossed the wire in clear"
+    udp = subprocess.run(["tcpdump", "-nr", str(capture), "udp port 51820"], capture_output=True, text=True)
+    assert udp.stdout.count("UDP") > 0, "no WireGuard datagrams on the veth"
+
+    # Removal: the worker's credentials stop working on every server.
+    creds = w1.data_dir / "agent" / "node.creds"  # the node's own, apart from the control plane's (cli/layout.py)
+    ca = w1.data_dir / "control" / "security" / "tls" / "ca.pem"
+    url = f"tls://{m1.address}:4222"
+    assert connects(w1, creds, ca, url) == "ok"
+    w1.stop()
+    done = m1.zattera("nodes", "remove", "w1", env=cli_env(m1))
+    assert done.returncode == 0, done.stderr
+    assert "credential(s) revoked" in done.stdout
+    for port in (4222, 4223, 4224):
+        assert "Authorization" in connects(w1, creds, ca, f"tls://{m1.address}:{port}")
+    assert "w1" not in nodes(m1)
