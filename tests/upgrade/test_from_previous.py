@@ -17,11 +17,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from shared.embedded import free_port
 from shared.migrations.registry import SCHEMA
 from shared.version import VERSION
 from tests.e2e.cluster import kill_tree_under, leftovers
-from tests.e2e.upcmd import Release, Up
+from tests.e2e.upcmd import Release, Up, listen_port
 from tests.upgrade.previous import extract
 from tests.waiting import eventually
 
@@ -142,7 +141,7 @@ def release_ids(running: Up) -> dict[str, str]:
 
 async def test_a_cluster_made_by_the_previous_release_upgrades_and_keeps_everything(work: Path) -> None:
     previous = extract(work / "previous")
-    nats_port, proxy_port = free_port(), free_port()
+    nats_port, proxy_port = listen_port(), listen_port()
     source = app_source(work / "app", "v1")
 
     old = up(work, previous, nats_port, proxy_port)

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.embedded import free_port
 from tests.e2e.cluster import EXAMPLE, ROOT, kill_tree_under, leftovers
-from tests.e2e.upcmd import THIS, Up
+from tests.e2e.upcmd import THIS, Up, listen_port
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
@@ -49,7 +48,7 @@ def again(data_dir: Path) -> subprocess.CompletedProcess[str]:
 
 
 async def test_zattera_up_again_rolls_the_running_processes_and_keeps_the_apps(data_dir: Path) -> None:
-    up = Up(data_dir, free_port(), free_port(), options=("--metrics-port", "0"))
+    up = Up(data_dir, listen_port(), listen_port(), options=("--metrics-port", "0"))
     touched = ROOT / "cli" / "__init__.py"
     stat = touched.stat()
     try:
