@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -39,10 +38,10 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.common import Row, bench_main, row
+from benchmarks.common import Row, bench_main, row, stop_up
 from shared.embedded import free_port
 from tests.dockerd import private_dockerd
-from tests.e2e.cluster import ROOT, cli_argv, kill_tree_under
+from tests.e2e.cluster import ROOT, cli_argv
 from tests.e2e.compose import COMMON, SHAPES, Stack, composed
 
 MODES = {"all-in-one": "--all-in-one", "separate": "--separate"}
@@ -95,14 +94,7 @@ class UpRun:
         return [root, *root.children(recursive=True)]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        kill_tree_under(self.data_dir, also_matching=str(self.data_dir))
+        stop_up(self.proc, self.data_dir)
 
 
 def cpu_seconds(procs: list[psutil.Process]) -> dict[int, float]:

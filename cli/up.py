@@ -136,7 +136,8 @@ class Cluster:
     # The control plane as one process (``cli.control_plane``); False: one process per service.
     all_in_one: bool = True
     extra: list[Supervised] = field(default_factory=list)
-    console: Console = field(default_factory=lambda: Console(stderr=True))
+    # soft_wrap: the banner's lines (an `export …CREDS=<path>` to copy) are never cut at 80 columns in a pipe.
+    console: Console = field(default_factory=lambda: Console(stderr=True, soft_wrap=True))
     nats: EmbeddedNats | None = None
     # ``--nats-cluster N``: N local servers as one JetStream cluster, every bucket and stream at replicas=N.
     nats_cluster: int = 1

@@ -13,12 +13,14 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.natssettings import DEFAULT_NATS_URL
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ZATTERA_", extra="ignore", use_attribute_docstrings=True)
 
-    # ---------------------------------------------------------------- NATS connection
-    nats_url: str = "nats://127.0.0.1:4222"
+    # ---------------------------------------------------------------- NATS connection (shared/natssettings.py too)
+    nats_url: str = DEFAULT_NATS_URL
     """The NATS server(s) to connect to, comma-separated for a cluster."""
     nats_server_bin: str = ""
     """Path of nats-server (what ``zattera up`` and the tests start); '' = the bundled one."""

@@ -51,6 +51,7 @@ from shared.certclient import CertClient, ServedCert
 from shared.embedded import free_port
 from shared.files import PRIVATE, write_atomic
 from shared.metrics import RequestSeries
+from shared.routeclient import same_cluster
 from shared.settings import settings
 
 log = logging.getLogger(__name__)
@@ -456,6 +457,7 @@ class HAProxyIngress:
         self._follower: asyncio.Task[None] | None = None
         self._certs_watcher: asyncio.Task[None] | None = None
         self._applied = 0
+        self._applied_cluster = cpb.ClusterIdentity()
 
     @property
     def version(self) -> int:
@@ -468,14 +470,28 @@ class HAProxyIngress:
         await self.proxy.start()
         snapshot = self.proxy.routes.current
         await self.engine.start(snapshot)
-        self._applied = snapshot.version
+        self._applied, self._applied_cluster = snapshot.version, snapshot.cluster
         self.proxy.sample_sources.append(self.engine.samples)
-        self.proxy.served_version = lambda: min(self._applied, self.proxy.table.version)
+        self.proxy.served = self._served
+        self.proxy.public_ports = self._public_ports
         self._follower = asyncio.create_task(self._follow())
         if self.certs_dir is not None and self.layout.tls_bind:
             self._certs_watcher = asyncio.create_task(self._watch_certificates(self.certs_dir))
         elif self.proxy.certificates is not None and self.layout.tls_bind:
             self._certs_watcher = asyncio.create_task(self._serve_issued_certificates(self.proxy.certificates))
+
+    def _served(self) -> tuple[int, cpb.ClusterIdentity]:
+        """The routes both data paths serve: HAProxy's and the Python handler's (cold envs, basic auth); while
+        they hold snapshots of different clusters, neither cluster's routes are served throughout."""
+        table = self.proxy.table
+        if not same_cluster(table.cluster, self._applied_cluster):
+            return 0, cpb.ClusterIdentity()
+        return min(self._applied, table.version), table.cluster
+
+    def _public_ports(self) -> tuple[int, int]:
+        """HAProxy's listeners: where clients reach this proxy."""
+        tls = self.layout.tls_bind.rpartition(":")[2] if self.layout.tls_bind else "0"
+        return int(self.layout.bind.rpartition(":")[2]), int(tls)
 
     async def _serve_issued_certificates(self, client: CertClient) -> None:
         """The control plane's certificates (docs/certificates.md): the client's 0600 cache at once (so a
@@ -512,7 +528,7 @@ class HAProxyIngress:
             snapshot = self.proxy.routes.current
             try:
                 await self.engine.apply(snapshot)
-                self._applied = snapshot.version
+                self._applied, self._applied_cluster = snapshot.version, snapshot.cluster
             except (OSError, TimeoutError, RuntimeError, RuntimeAPIError) as exc:
                 # HAProxy is restarting (the supervisor renders the newest routes) or refused the change.
                 log.error("haproxy: routes version %d not applied: %s", snapshot.version, exc)
