@@ -27,8 +27,17 @@ from shared.actions.context import ActionContext
 from shared.actions.refusals import ActionRefused, Refusal
 from shared.errors import ZatteraError
 from shared.migrations.registry import SCHEMA
-from shared.natsio import STATE_STREAM, ClusterUnavailable, Connection, TooManySubjects, connect, recorded_config
-from shared.settings import settings
+from shared.natsio import (
+    STATE_STREAM,
+    ClusterUnavailable,
+    Connection,
+    NotAuthorized,
+    PermissionDenied,
+    TooManySubjects,
+    connect,
+    recorded_config,
+)
+from shared.natssettings import nats_settings
 from shared.skew import Component, SkewRefused, Verdict, judge
 from shared.state.feed import StateView
 from shared.txn import CommitUnknown, Txn, TxnError, Writer
@@ -106,7 +115,7 @@ class Target:
 def target() -> Target:
     """``--nats``/``ZATTERA_NATS_URL`` when given, else the context in use, else the local default;
     ``ZATTERA_NATS_CREDS``/``ZATTERA_NATS_TLS_CA`` override the context's files."""
-    cfg = settings()
+    cfg = nats_settings()
     saved = None if OPTIONS.nats_url else contexts.current()
     if saved is None:
         return Target(OPTIONS.nats_url or cfg.nats_url, cfg.nats_creds, cfg.nats_tls_ca)
@@ -115,6 +124,16 @@ def target() -> Target:
 
 def nats_url() -> str:
     return target().urls
+
+
+CONNECT_TIMEOUT = 2.0
+"""Seconds one server may take to accept the CLI's connection (a wrong address fails once every server
+was tried: refused at once, unanswered after this)."""
+OPERATOR_CREDENTIAL_HINT = (
+    "the CLI needs the operator credential of a secured cluster: ZATTERA_NATS_CREDS=<data dir>/control/security/"
+    "creds/operator.creds (printed by `zattera up --secure`), or a context saved with "
+    "`zattera context add NAME --nats URL --creds FILE`"
+)
 
 
 def actor() -> str:
@@ -139,14 +158,18 @@ async def connect_cli(name: str = "zattera-cli") -> Connection:
         return await connect(
             where.urls,
             name=name,
-            connect_timeout=3,
+            connect_timeout=CONNECT_TIMEOUT,
             creds=where.creds or None,
             tls_ca=where.tls_ca or None,
             request_deadline=REQUEST_DEADLINE,
+            fail_fast=True,
         )
+    except NotAuthorized as exc:
+        raise NotAuthorized(f"{exc}; {OPERATOR_CREDENTIAL_HINT}") from None
     except (ConnectionError, OSError, nats.errors.Error) as exc:
+        reason = str(exc).removeprefix(f"no NATS server reachable at {where.urls} ").strip("()") or type(exc).__name__
         raise ClusterUnavailable(
-            f"cannot reach NATS at {where.urls} ({exc or type(exc).__name__}). Is the cluster up (`make up`)?"
+            f"cannot reach NATS at {where.urls} ({reason}). Is the cluster up (`make up`)?"
         ) from None
 
 
@@ -239,6 +262,8 @@ def run(fn: Callable[[], Awaitable[T]]) -> T:
         raise fail(str(exc), ExitCode.NOT_INITIALISED) from None
     except ClusterUnavailable as exc:
         raise fail(str(exc), ExitCode.UNAVAILABLE) from None
+    except PermissionDenied as exc:
+        raise fail(f"{exc}; {OPERATOR_CREDENTIAL_HINT}") from None
     except CommitUnknown as exc:
         raise fail(
             f"{exc}: the write may or may not have been applied (NATS did not confirm it); "

@@ -26,7 +26,7 @@ nodes_app.command("remove")(nodes_remove)
 @nodes_app.command("list")
 def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
     """Every registered node with its status, version (beside it: "behind", one release behind the cluster;
-    "too old"; "newer", its control plane not upgraded yet), capacity and reservations."""
+    "too old"; "newer", its control plane not upgraded yet), capacity, reservations and how it isolates apps."""
     set_output(json, wide)
 
     async def go() -> None:
@@ -50,9 +50,11 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                         n.os_arch,
                         n.runtime or "process",
                         f"{n.binary_version or '?'}{f' ({note})' if note else ''}",
+                        isolation_text(n),
                         f"{cpu}/{n.capacity.cpu_millis or '∞'} m",
                         f"{mem}/{n.capacity.memory_mb or '∞'} MB",
                         ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
+                        n.runtime_reason,
                     ]
                 )
             render.table(
@@ -65,14 +67,23 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                     "platform",
                     "runtime",
                     "version",
+                    Col("isolation", wrap=True),
                     "cpu",
                     "memory",
                     Col("labels", wrap=True),
+                    Col("runtime because", wrap=True, wide=True),
                 ],
                 rows,
             )
 
     run(go)
+
+
+def isolation_text(node: pb.Node) -> str:
+    """How the node isolates its apps (SECURITY.md "Apps"); "?" for an agent too old to say."""
+    if node.isolation == "none":
+        return f"none ({node.isolation_problem})" if node.isolation_problem else "none"
+    return node.isolation or "?"
 
 
 def _edit_node(node_id: str, change: NodeChange, labels: dict[str, str] | None = None) -> None:

@@ -1,10 +1,12 @@
 """``zattera up``: the whole single-machine cluster on the embedded NATS server.
 
-Starts nats-server (JetStream, data under ``<data_dir>/nats``), provisions the buckets and streams,
+Starts nats-server (JetStream, data under ``<data_dir>/control/nats``), provisions the buckets and streams,
 then the control plane — every service in one process (``cli.control_plane``, the default), or each service
 as its own process (``--separate``) — and the local node (logs under ``<data_dir>/logs``), restarts a service or a NATS
 server that dies (with backoff), and on Ctrl-C / SIGTERM stops the services (SIGTERM, then SIGKILL after a grace) and
-then NATS, leaving no process behind. Running it again resumes the same cluster from its data dir.
+then NATS, leaving no process behind. Running it again resumes the same cluster from its data dir. The control
+plane, the local agent and the local proxy each keep their files in a directory of their own
+(``cli/layout.py``): the agent is given its own credential, never a path into the control plane's files.
 
 Run while a supervisor of the same data dir runs (``git pull && make up``), it asks that supervisor (its pid
 in ``<data_dir>/up.pid``, locked while it lives) to roll its processes onto the code now installed:
@@ -31,6 +33,7 @@ from typing import IO, Any, NoReturn
 from rich.console import Console
 from rich.markup import escape
 
+from cli.layout import NATS_CA, DataLayout
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import choose_engine, split_listen
 from shared.backoff import exponential
@@ -43,6 +46,9 @@ ALL_IN_ONE = "control-plane"
 """The process that runs every service of ``cli.control_plane`` (``join`` included: idle unless secured)."""
 ALL_IN_ONE_SERVICES = frozenset((*SERVICES, "join"))
 LOCAL_NODE = "local"
+CONTROL_ONLY_SETTINGS = tuple(sorted(f"ZATTERA_{name.upper()}_" for name in ALL_IN_ONE_SERVICES))
+"""The control-plane services' own variables (``ZATTERA_SECRETS_KEY``: the cluster key): never given to the
+local agent or proxy."""
 DEFAULT_METRICS_PORT = 9400
 RESTART_FIRST = 0.5
 """Seconds before a process that died is started again; doubling per restart within a minute of its start."""
@@ -130,7 +136,8 @@ class Cluster:
     # The control plane as one process (``cli.control_plane``); False: one process per service.
     all_in_one: bool = True
     extra: list[Supervised] = field(default_factory=list)
-    console: Console = field(default_factory=lambda: Console(stderr=True))
+    # soft_wrap: the banner's lines (an `export …CREDS=<path>` to copy) are never cut at 80 columns in a pipe.
+    console: Console = field(default_factory=lambda: Console(stderr=True, soft_wrap=True))
     nats: EmbeddedNats | None = None
     # ``--nats-cluster N``: N local servers as one JetStream cluster, every bucket and stream at replicas=N.
     nats_cluster: int = 1
@@ -153,6 +160,10 @@ class Cluster:
     # is replaced by a free one); 0 = off. ``metrics_ports`` maps each process name to its port.
     metrics_port: int = 0
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    @property
+    def layout(self) -> DataLayout:
+        return DataLayout(self.data_dir)
+
     # One machine of a cluster of machines (cli/machine.py): its node id, its NATS server (a route member,
     # or none on a worker, which uses ``machine["servers"]``), the agent's flags and the services' settings.
     node_id: str = LOCAL_NODE
@@ -206,7 +217,7 @@ class Cluster:
         if self.machine:
             if "seats" in self.machine:  # the first server machine: three seats of the JetStream cluster
                 self.cluster_servers = start_cluster(
-                    self.data_dir / "nats-cluster",
+                    self.layout.control / "nats-cluster",
                     die_with_parent=self.die_with_parent,
                     extra_config=self.nats_extra_config,
                     routes=RouteSecurity(**self.nats_routes),
@@ -215,7 +226,7 @@ class Cluster:
                 self.nats = self.cluster_servers[0]
             elif "nats" in self.machine:
                 self.nats = EmbeddedNats(
-                    data_dir=self.data_dir / "nats",
+                    data_dir=self.layout.control / "nats",
                     extra_config=self.nats_extra_config,
                     die_with_parent=self.die_with_parent,
                     **self.machine["nats"],
@@ -223,7 +234,7 @@ class Cluster:
             return
         if self.nats_cluster > 1:
             self.cluster_servers = start_cluster(
-                self.data_dir / "nats-cluster",
+                self.layout.control / "nats-cluster",
                 self.nats_cluster,
                 die_with_parent=self.die_with_parent,
                 extra_config=self.nats_extra_config,
@@ -236,16 +247,17 @@ class Cluster:
             self.console.print(f"[yellow]port {port} is busy; using a free port instead[/]")
             port = free_port()
         self.nats = EmbeddedNats(
-            data_dir=self.data_dir / "nats",
+            data_dir=self.layout.control / "nats",
             port=port,
             extra_config=self.nats_extra_config,
             die_with_parent=self.die_with_parent,
         ).start()
 
     def child_env(self) -> dict[str, str]:
+        """The control plane's environment (the local node's: :meth:`_node_env`)."""
         env = dict(os.environ)
         env["ZATTERA_NATS_URL"] = self.url
-        env["ZATTERA_DATA_DIR"] = str(self.data_dir)
+        env["ZATTERA_DATA_DIR"] = str(self.layout.control)
         if self.cluster_servers:
             env["ZATTERA_REPLICAS"] = str(self.replicas)
         env.setdefault("ZATTERA_DOMAIN", "localhost")
@@ -276,7 +288,7 @@ class Cluster:
             child = Supervised(
                 name,
                 [sys.executable, "-m", module, "--nats", self.url, *self.metrics_args(name)],
-                self.data_dir / "logs" / f"{name}.log",
+                self.layout.logs / f"{name}.log",
                 {**env, **self.console_env()} if name in ("console", ALL_IN_ONE) else env,
             )
             self._launch(child)
@@ -292,17 +304,21 @@ class Cluster:
 
     @property
     def agent_data_dir(self) -> Path:
-        return self.data_dir / "agent"
+        return self.layout.agent
 
     def report_runtime(self) -> None:
-        """Say on the terminal which runtime the local agent chose and why, once it has (and again when a
-        restarted agent chose otherwise): a fallback to bare processes must not hide in the agent's log."""
+        """Say on the terminal which runtime the local agent chose and why, and how it isolates apps, once it has
+        (and again when a restarted agent chose otherwise): a fallback to bare processes, or to apps without
+        a sandbox, must not hide in the agent's log."""
         note = read_runtime_note(self.agent_data_dir) if self.with_node else None
         if note is None or note == self.runtime_note:
             return
         self.runtime_note = note
         colour = "green" if note.runtime == "docker" else "yellow"
         self.console.print(f"  [{colour}]agent runtime: {note.runtime}[/] — {escape(note.reason)}")
+        if note.isolation:  # how its apps and builds are kept from the node and each other (SECURITY.md "Apps")
+            colour = "red" if note.isolation.startswith("NOT") else "green"
+            self.console.print(f"  [{colour}]apps: {escape(note.isolation)}[/]")
 
     def _node_processes(self, env: dict[str, str]) -> list[Supervised]:
         """The local node: an agent (docker runtime when a Docker daemon answers, else processes; the builder)
@@ -332,8 +348,12 @@ class Cluster:
                     *self.machine.get("agent_args", []),
                     *self.metrics_args("agent"),
                 ],
-                self.data_dir / "logs" / "agent.log",
-                self._node_env(env, "agent"),
+                self.layout.logs / "agent.log",
+                {
+                    **self._node_env(env, "agent", self.agent_data_dir),
+                    # Should an app's directory contain the data dir: every sandbox shows it empty.
+                    "ZATTERA_AGENT_SANDBOX_HIDDEN": str(self.data_dir),
+                },
             )
             self._launch(agent)
             found.append(agent)
@@ -361,20 +381,34 @@ class Cluster:
                     "--proxy-id",
                     self.node_id,
                     "--cache-dir",
-                    str(self.data_dir / "proxy"),
+                    str(self.layout.proxy),
                     *(["--tls-listen", self.proxy_tls_listen] if self.proxy_tls_listen else []),
                     *self.metrics_args("proxy"),
                 ],
-                self.data_dir / "logs" / "proxy.log",
-                self._node_env(env, "proxy"),
+                self.layout.logs / "proxy.log",
+                self._node_env(env, "proxy", self.layout.proxy),
             )
             self._launch(proxy)
             found.append(proxy)
         return found
 
-    def _node_env(self, env: dict[str, str], name: str) -> dict[str, str]:
-        creds = self.node_creds.get(name)
-        return {**env, "ZATTERA_NATS_CREDS": creds} if creds else env
+    def _node_env(self, env: dict[str, str], name: str, directory: Path) -> dict[str, str]:
+        """The local agent's or proxy's environment: its own directory, credential and CA copy, nothing that
+        points into the control plane's directory."""
+        own = {
+            k: v
+            for k, v in env.items()
+            if k not in ("ZATTERA_NATS_CREDS", "ZATTERA_NATS_TLS_CA") and not k.startswith(CONTROL_ONLY_SETTINGS)
+        }
+        own["ZATTERA_DATA_DIR"] = str(directory)
+        if self.node_creds.get(name):
+            own["ZATTERA_NATS_CREDS"] = self.node_creds[name]
+        if self.tls_ca:
+            copy = directory / NATS_CA
+            directory.mkdir(parents=True, exist_ok=True)
+            copy.write_bytes(Path(self.tls_ca).read_bytes())  # a certificate: public, but the node's own copy
+            own["ZATTERA_NATS_TLS_CA"] = str(copy)
+        return own
 
     def supervise_nats(self) -> None:
         """Restart a NATS server that died (same ports, same store: it rejoins the cluster and catches up),
@@ -712,6 +746,7 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
     cluster.die_with_parent = True
     console = cluster.console
     try:
+        cluster.layout.make()
         cluster.start_nats()
         cluster.code = code_identity()
         provision_in_child(cluster)
@@ -720,6 +755,8 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
         console.print(
             f"  NATS:      {cluster.url}"
             + (f"  (cluster, replicas={cluster.replicas})" if cluster.cluster_servers else "")
+            + ("" if cluster.creds else "  (no authentication: every local process can use it, apps included;"
+               " --secure before running untrusted apps)")
         )
         for child in cluster.children:
             metrics = cluster.metrics_ports.get(child.name)
@@ -727,14 +764,13 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
             pid = child.proc.pid if child.proc else "-"
             console.print(f"  {child.name:<13} pid {pid}  log {child.log_path}{where}")
         if any(c.name in ("certs", ALL_IN_ONE) for c in cluster.children):
-            local_ca = cluster.data_dir / "certs" / "local-ca.pem"
+            local_ca = cluster.layout.local_ca
             console.print(f"  HTTPS:     *.localhost certificates from a local CA: trust {local_ca}")
         if any(c.name == "proxy" for c in cluster.children):
             console.print(f"  proxy:     listening on {proxy_listen_text(cluster.proxy_host, cluster.proxy_port)}")
             console.print(f"             data plane: {data_plane_text()}")
             console.print(f"             http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")
-            local_ca = cluster.data_dir / "certs" / "local-ca.pem"
-            console.print(f"             HTTPS: {https_text(cluster.proxy_tls_listen, local_ca)}")
+            console.print(f"             HTTPS: {https_text(cluster.proxy_tls_listen, cluster.layout.local_ca)}")
         if any(c.name in ("console", ALL_IN_ONE) for c in cluster.children):
             console.print(
                 f"  console:   http://127.0.0.1:{cluster.console_port}  (users: `zattera console add-user NAME`)"

@@ -32,12 +32,12 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 from nats.errors import Error as NatsError
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.ids import new_id
-from shared.jetstream import WRONG_LAST_SEQUENCE, is_delete_marker
+from shared.jetstream import WRONG_LAST_SEQUENCE, read_last
 from shared.metrics import lease_terms, leases_held
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.tasks import cancel_and_wait, raise_if_cancelling
@@ -133,13 +133,8 @@ class Lease:
     async def _read_last(self) -> tuple[int, bytes | None]:
         """(revision, value) of the lease key; value None when deleted or expired (a marker) or never
         written. Raises when NATS gave no answer."""
-        try:
-            msg = await self._js.get_last_msg(STATE_STREAM, self.subject, direct=True)
-        except NotFoundError:
-            return 0, None
-        if is_delete_marker(msg.headers):
-            return int(msg.seq or 0), None
-        return int(msg.seq or 0), msg.data or b""
+        last = await read_last(self._js, STATE_STREAM, self.subject)
+        return last.revision, last.data
 
     async def _last_entry(self) -> tuple[int, bytes | None]:
         """:meth:`_read_last`, reading no answer as no lease."""

@@ -7,7 +7,8 @@ beside the process's own, sets up logging, tracing and the metrics endpoint, tur
 
 * :meth:`Process.connect`: connect, retrying with backoff while NATS is unreachable;
 * :meth:`Process.retry`: the same backoff for any step that waits on the cluster (provisioning);
-* :meth:`Process.supervise`: run until stopped, the connection lost for good, or a task ending;
+* :meth:`Process.supervise`: run until stopped, the connection lost for good, or a task ending, touching
+  the heartbeat file of ``ZATTERA_HEALTH_FILE`` meanwhile (shared/health.py: containers' health checks);
 * :meth:`Process.shut_down`: cancel and clean up, within a grace after which the process exits anyway.
 """
 
@@ -22,10 +23,12 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from nats.errors import Error as NatsError
 
+from shared import health
 from shared.backoff import exponential
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
 from shared.migrations.registry import SCHEMA
@@ -119,6 +122,22 @@ async def connect_with_retry(
     )
 
 
+async def heartbeat(path: Path, conn: Connection | None) -> None:
+    """Touch ``path`` every :data:`shared.health.HEARTBEAT` seconds while ``conn`` is connected (always
+    without one): what a container's health check reads (``sh shared/health.sh``)."""
+    failing = False
+    while True:
+        if conn is None or conn.nc.is_connected:
+            try:
+                health.touch(path)
+                failing = False
+            except OSError as exc:
+                if not failing:  # once per failure, not every beat
+                    log.warning("heartbeat file %s: %s", path, exc.strerror or exc)
+                failing = True
+        await asyncio.sleep(health.HEARTBEAT)
+
+
 @dataclass
 class Process:
     """One running process: its flags, the shared settings, and the event set on SIGTERM/SIGINT."""
@@ -187,9 +206,12 @@ class Process:
     async def supervise(self, tasks: Sequence[asyncio.Task[None]], conn: Connection | None = None) -> int:
         """Wait until stopped (exit status 0), ``conn`` closed for good (1: a process left with it is alive
         but deaf) or one of ``tasks`` ending (1: a supervisor restarts the process; 0 would read as a
-        clean stop). The tasks are left to :meth:`shut_down`."""
+        clean stop). The tasks are left to :meth:`shut_down`. Meanwhile the heartbeat file (setting
+        ``health_file``) is touched while ``conn`` is connected, and removed at the end."""
         stopper = asyncio.create_task(self.stop.wait())
         lost = asyncio.create_task(conn.lost.wait()) if conn is not None else None
+        beating = self.settings.health_file
+        heart = asyncio.create_task(heartbeat(Path(beating), conn)) if beating else None
         watched = {stopper, *tasks} | ({lost} if lost is not None else set())
         exit_code = 0
         try:
@@ -198,6 +220,9 @@ class Process:
             stopper.cancel()
             if lost is not None:
                 lost.cancel()
+            if heart is not None:
+                await cancel_and_wait(heart)
+                health.clear(Path(beating))
         for task in done:
             if task is stopper or task.cancelled():
                 continue

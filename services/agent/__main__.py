@@ -7,6 +7,9 @@ dir default to ``ZATTERA_NATS_URL`` and ``ZATTERA_DATA_DIR`` (``<data>/agent-<no
 SIGTERM/SIGINT stop the agent; its instances keep running for the next run to adopt unless
 ``--stop-on-exit`` (SIGUSR2, a stop to be restarted at once, keeps them whatever it says).
 
+Apps run sandboxed when the machine can (``sandbox.py``; ``ZATTERA_AGENT_SANDBOX``); a secured agent on a
+machine that cannot isolate them exits with status 2 and the reason, unless ``--allow-unisolated-apps``.
+
 On a secured cluster the agent connects with its node credential (``credentials.py``: stored by a first
 start with ``--join-token``, or ``ZATTERA_NATS_CREDS``) and verifies the server with
 ``ZATTERA_NATS_TLS_CA``. An authenticated agent does not provision streams (its credential may not): it
@@ -28,9 +31,10 @@ from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
-from services.agent.agent import Agent
+from services.agent.agent import Agent, node_runtime
 from services.agent.credentials import CredentialError, node_credentials
 from services.agent.registration import default_node_id
+from services.agent.sandbox import IsolationRefused
 from services.agent.settings import AgentSettings
 from shared.natsio import STATE_STREAM, provision, provision_options
 from shared.process import Process, run_process
@@ -58,6 +62,12 @@ def agent_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--join-token", default=None, help="join a secured cluster (once; see SECURITY.md), $ZATTERA_AGENT_JOIN_TOKEN"
     )
+    parser.add_argument(
+        "--allow-unisolated-apps",
+        action="store_true",
+        default=None,
+        help="on a secured cluster, run apps even where this machine cannot isolate them (SECURITY.md)",
+    )
 
 
 def agent_settings(args: argparse.Namespace) -> AgentSettings:
@@ -81,6 +91,8 @@ def agent_settings(args: argparse.Namespace) -> AgentSettings:
         overrides["stop_on_exit"] = args.stop_on_exit
     if args.join_token is not None:
         overrides["join_token"] = args.join_token
+    if args.allow_unisolated_apps is not None:
+        overrides["allow_unisolated"] = args.allow_unisolated_apps
     cfg = AgentSettings(**overrides)  # type: ignore[arg-type]
     return cfg if cfg.node_id else cfg.model_copy(update={"node_id": default_node_id()})
 
@@ -111,8 +123,15 @@ async def run_agent(process: Process) -> int:
         log.error("agent %s: no NATS credential: %s", cfg.node_id, exc)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        runtime = await node_runtime(cfg, data_dir, secured=bool(creds))
+    except IsolationRefused as exc:
+        log.error("agent %s: %s", cfg.node_id, exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     conn = await process.connect(f"zattera-agent-{cfg.node_id}", creds=creds)
     if conn is None:
+        await runtime.launcher.close()
         return 0
     tasks: list[asyncio.Task[None]] = []
 
@@ -142,7 +161,7 @@ async def run_agent(process: Process) -> int:
             log.error("agent %s: %s", cfg.node_id, exc)
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        tasks.append(asyncio.create_task(Agent(conn, cfg, data_dir, secured=bool(creds)).run()))
+        tasks.append(asyncio.create_task(Agent(conn, cfg, data_dir, secured=bool(creds), runtime=runtime).run()))
         return await process.supervise(tasks, conn)
     finally:
         # No grace: stopping instances (--stop-on-exit) and the final report take what they take.

@@ -56,6 +56,7 @@ from services.agent.processes import InstanceRecord
 from services.agent.pythonbase import inspect_interpreter, python_of, python_rootfs_tar
 from services.agent.settings import AgentSettings
 from shared.errors import ZatteraError
+from shared.files import PRIVATE, write_atomic
 from shared.natsio import Connection
 from shared.registry import RegistryError, digest_of, fetch_image
 from shared.registryauth import auth_for
@@ -290,13 +291,14 @@ class _LogCursor:
         now = time.monotonic()
         if force or now - self._saved_at >= _CURSOR_SAVE_INTERVAL:
             self._saved_at = now
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.since))
-            tmp.replace(self.path)
+            write_atomic(self.path, json.dumps(self.since), mode=PRIVATE, durable=False)  # a hint: re-read is safe
 
 
 class ContainerHandle:
     """One instance container: its exit, stop, output followers and daemon stats."""
+
+    sandbox_uid = 0
+    """Not a process sandbox: the daemon isolates it."""
 
     def __init__(self, container: DockerContainer, state: Mapping[str, Any], instance_dir: Path) -> None:
         self._container = container
@@ -664,6 +666,9 @@ class DockerLauncher:
                 with contextlib.suppress(aiodocker.DockerError):
                     await container.delete(force=True)
         await self.prune_images()
+
+    def retain_tenants(self, tenants: set[str]) -> None:
+        return None  # containers run as the image's user or nobody: no user per tenant to forget
 
     async def prune_images(self) -> None:
         """Derived images no container uses (the daemon refuses to remove one in use anyway)."""

@@ -29,6 +29,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from shared.errors import ZatteraError
+from shared.files import write_atomic
 from shared.natsio import Connection
 from shared.registry import RegistryError, fetch_image
 
@@ -87,6 +88,8 @@ def _parse_config(ref: str, rootfs: Path, config: bytes) -> PreparedImage:
         run = doc.get("config") or {}
         env = dict(item.split("=", 1) for item in run.get("Env") or [] if "=" in item)
         workdir = (rootfs / str(run.get("WorkingDir") or "").lstrip("/")).resolve()
+        if workdir != rootfs.resolve() and rootfs.resolve() not in workdir.parents:
+            raise ImageError(f"{ref}: WorkingDir {run.get('WorkingDir')!r} leaves the image's root filesystem")
         return PreparedImage(
             ref,
             workdir,
@@ -131,5 +134,5 @@ async def prepare_image(conn: Connection, ref: str, instance_dir: Path, *, platf
     rootfs.mkdir(parents=True)
     unpack_layers(image.layers, rootfs)
     prepared = _parse_config(ref, rootfs, image.config)
-    marker.write_text(json.dumps({"ref": ref, "digest": image.digest, "config": image.config.decode()}))
+    write_atomic(marker, json.dumps({"ref": ref, "digest": image.digest, "config": image.config.decode()}))
     return prepared

@@ -285,7 +285,7 @@ class InstanceSupervisor:
         self._wake.clear()
 
     async def _start(self, a: pb.Assignment, release: pb.Release, volumes: Mapping[str, Path]) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the agent's own: logs, state (not the app's)
         self._report(PULLING)
         try:  # first: a pull may need the environment's registry credentials (one of its sealed secrets)
             secrets, registry_auth = split_registry_auth(await self._secrets(a, release))
@@ -370,6 +370,7 @@ class InstanceSupervisor:
             workdir=str(image.workdir),
             # Never a secret on disk: an adopted process's exec health checks run without them.
             env={k: v for k, v in env.items() if k not in self._secret_names},
+            sandbox_uid=handle.sandbox_uid,
         ).save(self.dir)
         return handle
 
@@ -590,6 +591,15 @@ class ProcessRuntime:
             await self.ctx.launcher.prune_images()
         finally:
             self._removing.pop(sup.assignment_id, None)
+        self.ctx.launcher.retain_tenants(self.tenants())
+
+    def tenants(self) -> set[str]:
+        """The environments with something on this node: an assignment, or a volume's directory."""
+        ctx = self.ctx
+        found = {a.environment_id for a in ctx.view.assignments_by_node(ctx.node_id)}
+        found |= {sup.assignment.environment_id for sup, _ in self._supervisors.values()}
+        found |= {v.environment_id for v in ctx.view.volumes() if (ctx.volumes_dir / v.meta.id).exists()}
+        return found
 
     async def recover(self) -> None:
         """Adopt or clean up what a previous run of this agent left in the instances directory."""
@@ -623,6 +633,7 @@ class ProcessRuntime:
                 (directory / STATE_FILE).unlink(missing_ok=True)
         await asyncio.gather(*stops)
         await ctx.launcher.sweep({sup.handle.container_id for sup, _ in self._supervisors.values() if sup.handle})
+        ctx.launcher.retain_tenants(self.tenants())
 
     async def shutdown(self) -> None:
         entries = list(self._supervisors.values())

@@ -38,6 +38,7 @@ import psutil
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from cli.layout import DataLayout
 from cli.up import Cluster, Supervised
 from services.proxy.settings import ROUTES_CACHE_FILE
 from shared.embedded import free_port
@@ -95,7 +96,8 @@ def _ours(proc: psutil.Process, root: str, token: str) -> bool:
 
 
 def kill_tree_under(root: Path, *, also_matching: str = "") -> list[int]:
-    """SIGKILL every process working under ``root`` (or with ``also_matching`` as an argument)."""
+    """SIGKILL every process working under ``root`` (or with ``also_matching`` as an argument), and what runs
+    below it (a sandboxed instance's processes would outlive their bwrap)."""
     killed: list[psutil.Process] = []
     me = os.getpid()
     prefix = str(root.resolve())
@@ -103,8 +105,10 @@ def kill_tree_under(root: Path, *, also_matching: str = "") -> list[int]:
         if proc.info["pid"] == me or not _ours(proc, prefix, also_matching):
             continue
         with contextlib.suppress(psutil.Error):
-            proc.kill()
-            killed.append(proc)
+            for member in [*proc.children(recursive=True), proc]:
+                with contextlib.suppress(psutil.Error):
+                    member.kill()
+                    killed.append(member)
     psutil.wait_procs(killed, timeout=5)
     return [p.pid for p in killed]
 
@@ -191,7 +195,7 @@ class E2ECluster:
             all_in_one=False,
         )
         if self.secure:
-            self.security = prepare(self.root / "security")
+            self.security = prepare(DataLayout(self.root).security)  # where the join service reads it
             up.nats_extra_config = self.security.server_config()
             up.creds = str(self.security.control_creds)
         up.overrides = self.env()

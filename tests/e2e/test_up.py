@@ -8,6 +8,7 @@ Default timers (no ``ZATTERA_*`` shortening): this is the product as shipped.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,11 @@ async def test_make_up_deploy_curl_ctrl_c_and_resume(data_dir: Path) -> None:
     try:
         await eventually(lambda: "Press Ctrl-C to stop." in up.text(), 60, "zattera up is up")
         assert f"http://127.0.0.1:{proxy_port}" in up.text(), up.text()
+        # Which runtime the local node uses and why, on the terminal (docker wherever a daemon answers).
+        await eventually(lambda: "agent runtime: " in up.text(), 60, "the agent's runtime said")
+        said = re.search(r"agent runtime: (docker|process) — (.+)", up.text())
+        assert said, up.text()
+        assert said.group(1) == "process" or "a Docker daemon answers at" in said.group(2), said.group(0)
         assert "zattera deploy examples/hello" in up.text()  # the next-step hint
         up.cli("apps", "apply", str(EXAMPLE / "zattera.toml"))
         deployed = up.cli("deploy", str(EXAMPLE), "--env", ENV)

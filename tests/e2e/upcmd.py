@@ -56,9 +56,11 @@ class Up:
         through_tee: bool = False,
         release: Release = THIS,
         options: tuple[str, ...] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         """``through_tee``: run as ``zattera up 2>&1 | tee FILE`` in a shell (:meth:`ctrl_c_group`);
-        ``options``: more ``zattera up`` options."""
+        ``options``: more ``zattera up`` options; ``env``: more variables (after every ``ZATTERA_*`` of the
+        test's own is dropped)."""
         self.data_dir = data_dir
         self.nats_port = nats_port
         self.proxy_port = proxy_port
@@ -73,6 +75,7 @@ class Up:
         for name in [k for k in self.env if k.startswith("ZATTERA_")]:
             del self.env[name]
         self.env.update(release.env)
+        self.env.update(env or {})
         ports = ["--port", str(nats_port), "--proxy-port", str(proxy_port)]
         argv = [*release.argv, "up", "--data-dir", str(data_dir), *ports, *options]
         if through_tee:
@@ -114,11 +117,16 @@ class Up:
     def cli(
         self, *args: str, timeout: float = 120.0, check: bool = True, stdin: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """``zattera ARGS`` of this run's release against its cluster; ``check``: exit status 0 asserted."""
+        """``zattera ARGS`` of this run's release against its cluster (as its operator on a secured one);
+        ``check``: exit status 0 asserted."""
+        env = {**self.env, "ZATTERA_NATS_URL": self.url}
+        creds = re.search(r"ZATTERA_NATS_CREDS=(\S+)", self.text().replace("\n", ""))
+        if creds:
+            env["ZATTERA_NATS_CREDS"] = creds.group(1)
         done = subprocess.run(
             [*self.release.argv, *args],
             cwd=self.release.cwd,
-            env={**self.env, "ZATTERA_NATS_URL": self.url},
+            env=env,
             capture_output=True,
             text=True,
             timeout=timeout,

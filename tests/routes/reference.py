@@ -14,6 +14,7 @@ from services.routes.builder import (
     internal_fqdn,
     node_hosts,
     routable_replicas,
+    routes_http,
 )
 from shared.state.reader import StateReader
 from shared.version import VERSION
@@ -71,7 +72,7 @@ def reference_env(
     }
     sections = cpb.RouteSnapshot()
     for dom in view.domains(env_id):
-        if dom.project_id == project_id:
+        if dom.project_id == project_id and routes_http(spec, dom.port_name or http_port_name(spec)):
             sections.http_routes.add(
                 hostname=dom.hostname,
                 path_prefix=dom.path_prefix,
@@ -80,7 +81,7 @@ def reference_env(
                 **ids,  # type: ignore[arg-type]
                 **flags,  # type: ignore[arg-type]
             )
-    if domain:
+    if domain and http_port_name(spec):
         sections.http_routes.add(
             hostname=implicit_hostname(app.name, env.name, domain),
             endpoints=endpoints(http_port_name(spec)),

@@ -803,6 +803,8 @@ class Node(_message.Message):
     LAST_HEARTBEAT_AT_FIELD_NUMBER: _builtins.int
     SECRETS_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     RUNTIME_FIELD_NUMBER: _builtins.int
+    ISOLATION_FIELD_NUMBER: _builtins.int
+    ISOLATION_PROBLEM_FIELD_NUMBER: _builtins.int
     RUNTIME_REASON_FIELD_NUMBER: _builtins.int
     status: Global___NodeStatus.ValueType
     schedulable: _builtins.bool
@@ -823,6 +825,13 @@ class Node(_message.Message):
     """
     runtime: _builtins.str
     """How this node's agent runs instances: "process" or "docker" (issue 20, docs/containers.md)."""
+    isolation: _builtins.str
+    """How it isolates them (issue 43, SECURITY.md "Apps"): "sandbox" (process runtime in bubblewrap, a
+    user per environment), "container" (docker runtime) or "none" (the agent's own user); "" = an agent
+    from before this field.
+    """
+    isolation_problem: _builtins.str
+    """Why a "none" node cannot isolate (e.g. "bubblewrap is not installed"); "" otherwise."""
     runtime_reason: _builtins.str
     """Why the agent chose that runtime, e.g. "a Docker daemon answers at unix:///var/run/docker.sock (base
     image zattera/base:latest made by this agent)" or "no Docker daemon answers at …" (issue 46).
@@ -867,11 +876,13 @@ class Node(_message.Message):
         last_heartbeat_at: _timestamp_pb2.Timestamp | None = ...,
         secrets_public_key: _builtins.bytes = ...,
         runtime: _builtins.str = ...,
+        isolation: _builtins.str = ...,
+        isolation_problem: _builtins.str = ...,
         runtime_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "last_heartbeat_at", b"last_heartbeat_at", "meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoprovisioned", b"autoprovisioned", "binary_version", b"binary_version", "capacity", b"capacity", "capacity_disk_mb", b"capacity_disk_mb", "labels", b"labels", "last_heartbeat_at", b"last_heartbeat_at", "mesh_ip", b"mesh_ip", "meta", b"meta", "name", b"name", "os_arch", b"os_arch", "public_endpoints", b"public_endpoints", "roles", b"roles", "runtime", b"runtime", "runtime_reason", b"runtime_reason", "schedulable", b"schedulable", "secrets_public_key", b"secrets_public_key", "status", b"status", "wireguard_public_key", b"wireguard_public_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoprovisioned", b"autoprovisioned", "binary_version", b"binary_version", "capacity", b"capacity", "capacity_disk_mb", b"capacity_disk_mb", "isolation", b"isolation", "isolation_problem", b"isolation_problem", "labels", b"labels", "last_heartbeat_at", b"last_heartbeat_at", "mesh_ip", b"mesh_ip", "meta", b"meta", "name", b"name", "os_arch", b"os_arch", "public_endpoints", b"public_endpoints", "roles", b"roles", "runtime", b"runtime", "runtime_reason", b"runtime_reason", "schedulable", b"schedulable", "secrets_public_key", b"secrets_public_key", "status", b"status", "wireguard_public_key", b"wireguard_public_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
