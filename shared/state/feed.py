@@ -99,13 +99,17 @@ class StateView(StateStore):
         self._resync_buffer: Snapshot | None = None
         self._load_progress = 0.0
         self._snapshot_timeout = 0.0
+        self._listening = False
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, timeout: float = 30.0) -> None:
-        """Subscribe and load the whole bucket; returns once the view is in sync."""
-        self._conn.on_disconnect(self._on_disconnect)
-        self._conn.on_reconnect(self._on_reconnect)
+        """Subscribe and load the whole bucket; returns once the view is in sync. May be called again after
+        it raised (JetStream not answering yet)."""
+        if not self._listening:
+            self._listening = True
+            self._conn.on_disconnect(self._on_disconnect)
+            self._conn.on_reconnect(self._on_reconnect)
         await self._resync()
         await self.wait_fresh(timeout)
 
