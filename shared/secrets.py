@@ -40,6 +40,10 @@ class SecretsUnavailable(ZatteraError):
     """An agent could not get an instance's secrets (the reason never contains a value)."""
 
 
+class SecretsServiceSilent(SecretsUnavailable):
+    """No secrets service answered (none running yet, or all restarting): worth asking again, not a refusal."""
+
+
 def key_id(public_key: bytes) -> str:
     return hashlib.sha256(public_key).hexdigest()[:16]
 
@@ -130,7 +134,7 @@ async def fetch_secrets(
     try:
         msg = await conn.nc.request(open_subject(node_id), request.SerializeToString(), timeout=timeout)
     except Exception as exc:  # no responder, timeout, connection trouble: the next start attempt retries
-        raise SecretsUnavailable(f"the secrets service did not answer ({type(exc).__name__})") from None
+        raise SecretsServiceSilent(f"the secrets service did not answer ({type(exc).__name__})") from None
     response = cpb.OpenSecretsResponse.FromString(msg.data)
     if response.error:
         raise SecretsUnavailable(response.error)

@@ -5,10 +5,12 @@ Both runtimes (bare processes and containers, ``launchers.py``) share them, thro
 
 * :meth:`RestartPolicy.before_start` — start now, wait out a backoff, or stay parked;
 * :meth:`RestartPolicy.after_failed_start` — a start that failed, or a process that exited on its own;
+* :meth:`RestartPolicy.after_unanswered` — a start that a cluster service's silence kept from beginning;
 * :meth:`RestartPolicy.after_exit` — the process exited: how long it ran decides whether the failed-start
   count resets; a job is never restarted.
 
-The rules: every failed start counts; the next start waits ``backoff · 2^(failures-1)`` seconds (at most
+The rules: every failed start counts (not a start held up by a service that did not answer: it is tried
+again every ``backoff`` seconds); the next start waits ``backoff · 2^(failures-1)`` seconds (at most
 ``backoff_max``); ``max_start_attempts`` failed starts of one config park the assignment FAILED. A run of
 ``stable_after`` seconds or more resets the count, and so does a new config (release, config hash, image).
 A job runs once: its exit parks it, as does finding it ended under a previous agent run.
@@ -102,6 +104,12 @@ class RestartPolicy:
             return Outcome(Verdict.GIVE_UP, replace(history, failures=failures, parked=True))
         delay = exponential(self.backoff, failures, self.backoff_max)
         return Outcome(Verdict.RESTART, replace(history, failures=failures, not_before=now + delay), delay)
+
+    def after_unanswered(self, history: StartHistory, now: float) -> Outcome:
+        """A start that could not begin because a cluster service did not answer (the secrets service of a
+        control plane still starting, or restarting for an upgrade): the app did not fail, so nothing is
+        counted; it is tried again after the first backoff step, as long as it takes."""
+        return Outcome(Verdict.RESTART, replace(history, not_before=now + self.backoff), self.backoff)
 
     def after_exit(self, history: StartHistory, now: float, *, job: bool) -> Outcome:
         """The process exited on its own at ``now``."""

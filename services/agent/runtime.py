@@ -63,7 +63,7 @@ from shared.applogs import STDOUT, describe_exit, instance_exit
 from shared.clock import Clock, RealClock, stamp, wait_or_timer
 from shared.natsio import Connection
 from shared.registryauth import split_registry_auth
-from shared.secrets import SecretsUnavailable, fetch_secrets
+from shared.secrets import SecretsServiceSilent, SecretsUnavailable, fetch_secrets
 from shared.state.feed import StateView
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
@@ -289,6 +289,11 @@ class InstanceSupervisor:
         self._report(PULLING)
         try:  # first: a pull may need the environment's registry credentials (one of its sealed secrets)
             secrets, registry_auth = split_registry_auth(await self._secrets(a, release))
+        except SecretsServiceSilent as exc:  # a control plane starting: not the app's failure, not counted
+            outcome = self._policy.after_unanswered(self._history, self.ctx.clock.now())
+            self._history = outcome.history
+            self._report(STARTING, message=f"secrets: {exc}; asking again in {outcome.delay:.1f}s")
+            return
         except SecretsUnavailable as exc:
             self._failed_attempt(f"secrets: {exc}", None)
             return

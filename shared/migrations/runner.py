@@ -99,13 +99,15 @@ async def _recorded(conn: Connection) -> ClusterConfig:
 
 async def record(conn: Connection, config: ClusterConfig) -> ClusterConfig:
     """Write ``config`` into the state stream's metadata; the schema and version recorded never go down
-    (a deposed runner's late write cannot undo a newer one), and earlier migrations' lines are kept."""
+    (a deposed runner's late write cannot undo a newer one), earlier migrations' lines are kept and a
+    recorded cluster id is never replaced."""
     raw = await raw_stream_config(conn.nc, STATE_STREAM)
     if raw is None:
         raise NotInitialised(f"{STATE_STREAM} vanished while being upgraded")
     now = ClusterConfig.from_metadata(raw.get("metadata") or {}, config.replicas, config.tombstone_ttl)
     merged = replace(
         config,
+        cluster_id=now.cluster_id or config.cluster_id,  # a recorded id is never replaced
         schema=max(config.schema, now.schema),
         version=config.version if not now.version or newer(config.version, now.version) else now.version,
         migrations=tuple(sorted({*now.migrations, *config.migrations})),

@@ -75,6 +75,7 @@ async def test_a_cluster_made_before_0_1_0_builds_again_once_upgraded(bare: Conn
     assert recorded is not None
     assert (recorded.schema, recorded.version, recorded.replicas) == (SCHEMA, VERSION, 1)
     assert recorded.initialized_at  # read from the state stream's creation
+    assert recorded.cluster_id  # recorded now, as a new cluster's init records one
     assert recorded.migrations[0].startswith("0001 ") and "subjects" in recorded.migrations[0]
     assert any("migration 0001 build-events-per-sender" in line for line in lines), lines
     # Provisioning (what every service runs first) now finds nothing to report.
@@ -88,6 +89,7 @@ async def test_a_0_1_0_cluster_is_recorded_at_this_schema_and_changes_nothing_el
     report = await upgrade(bare, holder="test")
     assert report.after.schema == SCHEMA and report.after.version == VERSION
     assert report.after.initialized_at == report.before.initialized_at != ""
+    assert report.before.cluster_id == "" and report.after.cluster_id != ""
     for name, config in before.items():
         assert await raw_stream_config(bare.nc, name) == config, name
     again = await upgrade(bare, holder="test")
@@ -102,6 +104,7 @@ async def test_an_upgraded_cluster_is_the_cluster_this_code_initialises(bare: Co
     await recreate(bare, PREVIOUS)
     await upgrade(bare, holder="test")
     migrated = {name: await raw_stream_config(bare.nc, name) for name in await _names(bare)}
+    migrated_meta = set((migrated[STATE_STREAM] or {}).get("metadata") or {})
     fresh_url = nats_url  # the same server, emptied, then initialised by this code
     for name in list(migrated):
         await bare.js.delete_stream(name)
@@ -111,11 +114,18 @@ async def test_an_upgraded_cluster_is_the_cluster_this_code_initialises(bare: Co
         made = {name: await raw_stream_config(fresh.nc, name) for name in await _names(fresh)}
     finally:
         await fresh.close()
-    assert set(made) <= set(migrated), f"missing after the migrations: {set(made) - set(migrated)}"
+    fresh_meta = {k for k in (made[STATE_STREAM] or {}).get("metadata") or {} if k.startswith("zattera.")}
+    assert fresh_meta - {k for k in fresh_meta if k.startswith("zattera.migration.")} <= migrated_meta, (
+        f"a new cluster records {fresh_meta - migrated_meta}, which no migration records on an older one"
+    )
+    assert set(made) <= set(migrated), (
+        f"provisioning makes {set(made) - set(migrated)}, which no migration creates on an older cluster "
+        "(docs/upgrades.md, 'Adding a migration')"
+    )
     for name, config in made.items():
         assert config is not None and migrated[name] is not None
         differ = {f for f in _checked(config) if _checked(config)[f] != _checked(migrated[name])[f]}
-        assert not differ, f"{name}: {differ}"
+        assert not differ, f"{name}: {differ} differ between a new cluster and a migrated one (docs/upgrades.md)"
 
 
 def _checked(config: dict[str, object]) -> dict[str, object]:

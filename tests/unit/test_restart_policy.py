@@ -47,6 +47,17 @@ def test_a_failed_start_backs_off_then_gives_up(failures: int, outcome: Outcome)
     assert POLICY.after_failed_start(StartHistory("c1", failures), NOW) == outcome
 
 
+@pytest.mark.parametrize("failures", [0, 2, 50])
+def test_a_start_a_silent_service_held_up_is_tried_again_and_never_counted(failures: int) -> None:
+    """The secrets service of a control plane still starting (or restarting for an upgrade) did not answer:
+    not the app's failure. Before, three such starts within three seconds parked an app FAILED for good."""
+    history = StartHistory("c1", failures)
+    outcome = POLICY.after_unanswered(history, NOW)
+    assert outcome == Outcome(Verdict.RESTART, StartHistory("c1", failures, not_before=NOW + 1.0), delay=1.0)
+    plan = POLICY.before_start(outcome.history, "c1", NOW + 1.0, job_ended_before=False)
+    assert plan.step is Step.START
+
+
 def test_the_backoff_stops_growing_at_its_ceiling() -> None:
     patient = RestartPolicy(max_start_attempts=100, backoff=1.0, backoff_max=30.0, stable_after=10.0)
     outcome = patient.after_failed_start(StartHistory("c1", 40), NOW)
