@@ -158,6 +158,7 @@ KINDS = (
     "env.deleted",
     "app.deleted",
     "project.deleted",
+    "cluster.upgraded",
 )
 """Every event kind the platform emits (docs/observability.md has the catalogue; each kind is documented)."""
 
