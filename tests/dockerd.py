@@ -10,6 +10,7 @@ static busybox of Debian's ``busybox-static`` (a shell, ``httpd``, ``nc``), ``/e
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import io
 import os
 import shutil
@@ -17,13 +18,16 @@ import signal
 import subprocess
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
 import aiodocker
 
 from services.agent.docker_runtime import build_context
+
+T = TypeVar("T")
 
 BASE_IMAGE = "zattera/base:latest"
 BUSYBOX = Path("/bin/busybox")
@@ -83,6 +87,13 @@ async def import_base_image(url: str, tag: str = BASE_IMAGE) -> None:
         await docker.close()
 
 
+def _run_apart(work: Callable[[str], Coroutine[Any, Any, T]], url: str) -> T:
+    """``asyncio.run(work(url))`` on a thread of its own: the session fixture may be first asked for from
+    inside a running test's event loop (``request.getfixturevalue``), where ``asyncio.run`` is refused."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(work(url))).result()
+
+
 async def _answers(url: str) -> bool:
     docker = aiodocker.Docker(url=url)
     try:
@@ -120,7 +131,7 @@ def private_dockerd(root: Path) -> Iterator[str]:
         daemon = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
     try:
         deadline = time.monotonic() + _START_TIMEOUT
-        while not asyncio.run(_answers(url)):
+        while not _run_apart(_answers, url):
             if daemon.poll() is not None or time.monotonic() > deadline:
                 how = (
                     f"exited ({daemon.returncode})"
@@ -130,7 +141,7 @@ def private_dockerd(root: Path) -> Iterator[str]:
                 tail = (root / "dockerd.log").read_text(errors="replace").strip().splitlines()[-3:]
                 raise DockerUnavailableForTests(f"dockerd {how}: {' | '.join(tail)} (see {root}/dockerd.log)")
             time.sleep(0.1)
-        asyncio.run(import_base_image(url))
+        _run_apart(import_base_image, url)
         yield url
     finally:
         daemon.send_signal(signal.SIGTERM)

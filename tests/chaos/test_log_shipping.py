@@ -116,7 +116,7 @@ class App:
         record = InstanceRecord.load(self.instance)
         if record is None:
             return
-        if record.container_id:
+        if self.runtime == "docker" and record.container_id:
             docker = aiodocker.Docker(url=self.docker_host)
             try:
                 with contextlib.suppress(aiodocker.DockerError):

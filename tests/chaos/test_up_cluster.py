@@ -7,9 +7,6 @@ import os
 import signal
 from pathlib import Path
 
-from typer.testing import CliRunner
-
-from cli.main import app
 from cli.up import Cluster, _provision
 from shared.natsio import EVENTS_STREAM, LIVE_STREAM, STATE_STREAM, connect
 from tests.waiting import eventually
@@ -35,12 +32,6 @@ async def test_nats_cluster_option_provisions_everything_at_three_replicas(tmp_p
     finally:
         cluster.stop()
     assert all(s.pid is None for s in cluster.cluster_servers)
-
-
-def test_nats_cluster_with_secure_is_refused_naming_the_option(tmp_path: Path) -> None:
-    result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--secure", "--nats-cluster", "3"])
-    assert result.exit_code != 0
-    assert "--nats-cluster" in result.output
 
 
 async def test_a_nats_server_that_dies_is_restarted_and_rejoins(tmp_path: Path) -> None:
