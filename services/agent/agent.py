@@ -31,6 +31,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
 from services.agent.docker_runtime import choose_launcher
+from services.agent.firewall import Fence
 from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
 from services.agent.launchers import PROCESS, TENANT_KEY, Launcher, ProcessLauncher
@@ -43,6 +44,7 @@ from services.agent.reporter import ObservedReporter
 from services.agent.runtime import ProcessRuntime, RuntimeContext
 from services.agent.sandbox import (
     NONE,
+    SANDBOX,
     Isolation,
     IsolationRefused,
     Sandbox,
@@ -274,6 +276,26 @@ class Agent:
                     log.info("agent %s: waiting for the control plane to open its view (%s)", self.node_id, exc)
                 await self.clock.sleep(exponential(VIEW_RETRY_FIRST, attempt, VIEW_RETRY_MOST))
 
+    async def _fence(self) -> Fence | None:
+        """The sandboxed apps' firewall (firewall.py), installed; None when apps are not sandboxed here."""
+        assert self.node_runtime is not None
+        sandbox = self.node_runtime.sandbox
+        if sandbox is None or self.node_runtime.isolation.kind != SANDBOX:
+            return None
+        settings = self.settings
+        if not settings.sandbox_fence:
+            return Fence(str(self.data_dir), range(0), problem="turned off (ZATTERA_AGENT_SANDBOX_FENCE=false)")
+        servers = [f"{u.hostname}:{u.port or 4222}" for u in getattr(self.conn.nc, "servers", []) if u.hostname]
+        fence = Fence(
+            str(self.data_dir),
+            range(sandbox.uids.base, sandbox.uids.base + sandbox.uids.count),
+            nats_urls=servers,
+            control_pids=settings.sandbox_fence_pids,
+            allowed_ports=settings.sandbox_fence_allow,
+        )
+        await fence.install()
+        return fence
+
     async def run(self) -> None:
         settings = self.settings
         private_directory(self.data_dir)
@@ -281,6 +303,15 @@ class Agent:
             self.node_runtime = await node_runtime(settings, self.data_dir, secured=self.secured)
         launcher = self.node_runtime.launcher
         isolation = self.node_runtime.isolation
+        fence = await self._fence()
+        if fence is not None and fence.problem and isolation.kind == SANDBOX:
+            isolation = replace(isolation, problem=fence.problem)
+            log.warning(
+                "agent %s: apps are NOT fenced from this machine's control-plane ports (%s): on an open cluster"
+                " an app can connect to NATS (SECURITY.md)",
+                self.node_id,
+                fence.problem,
+            )
         identity = NodeIdentity.from_host(
             self.node_id,
             self.data_dir,
@@ -346,6 +377,8 @@ class Agent:
             ]
             if self.forwarder is not None:
                 tasks.append(asyncio.create_task(self._forward(self.forwarder), name="forwarder"))
+            if fence is not None and not fence.problem:
+                tasks.append(asyncio.create_task(fence.keep(), name="fence"))
             if mesh is not None:
                 tasks.append(asyncio.create_task(mesh.run(self.view), name="mesh"))
             if settings.builder:
@@ -383,4 +416,8 @@ class Agent:
             try:
                 await launcher.close()  # first: it saves where each container's output was copied up to
             finally:
-                await self.view.stop()
+                try:
+                    await self.view.stop()
+                finally:
+                    if fence is not None and not fence.problem:
+                        await fence.remove()
