@@ -32,10 +32,11 @@ import hashlib
 import ipaddress
 import logging
 import os
+import shlex
 import shutil
 import socket
 import subprocess
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 PRIVATE_NETWORK = "127.128.0.0/9"
 """The private network's consumer addresses and resolvers (``network.py``): always reachable."""
 CHAIN_PREFIX = "ZATTERA-APPS-"
+OWNER_MARK = "zattera-agent-pid="
 REFRESH = 5.0
 """Seconds between re-derivations of the fenced ports while the agent runs."""
 COMMAND_TIMEOUT = 20.0
@@ -90,9 +92,28 @@ def restore_text(chain: str, blocked: Blocked, *, v6: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def jump(chain: str, first: int, last: int) -> list[str]:
-    """The OUTPUT rule sending the uid range's packets through the chain."""
-    return ["OUTPUT", "-m", "owner", "--uid-owner", f"{first}-{last}", "-j", chain]
+def jump(chain: str, first: int, last: int, pid: int) -> list[str]:
+    """The OUTPUT rule sending the uid range's packets through the chain, naming the agent's pid."""
+    owner = ["-m", "owner", "--uid-owner", f"{first}-{last}"]
+    return ["OUTPUT", *owner, "-m", "comment", "--comment", f"{OWNER_MARK}{pid}", "-j", chain]
+
+
+def stale(saved: str, alive: Callable[[int], bool]) -> list[tuple[str, list[str]]]:
+    """(chain, jump rule) of each fence in ``iptables-save`` output whose agent is gone (killed: it could not
+    remove its chain), to be removed so its ports do not stay fenced once other processes reuse them."""
+    found = []
+    for line in saved.splitlines():
+        if not line.startswith("-A OUTPUT ") or OWNER_MARK not in line:
+            continue
+        words = shlex.split(line)
+        chain = words[words.index("-j") + 1] if "-j" in words else ""
+        marks = [w for w in words if w.startswith(OWNER_MARK)]
+        if not chain.startswith(CHAIN_PREFIX) or not marks:
+            continue
+        pid = marks[0].removeprefix(OWNER_MARK)
+        if pid.isdigit() and not alive(int(pid)):
+            found.append((chain, words[1:]))
+    return found
 
 
 def nats_addresses(urls: Iterable[str]) -> set[tuple[str, int]]:
@@ -184,10 +205,11 @@ class Fence:
             self.problem = "iptables is not installed (Debian: apt-get install iptables)"
             return False
         try:
+            for family in programs:
+                await _remove_stale(family)
             await self.sync()
             for family in programs:
-                first, last = self.uids.start, self.uids.stop - 1
-                rule = jump(self.chain, first, last)
+                rule = self._jump()
                 if await _run([family, "-w", "-C", *rule], check=False) != 0:
                     await _run([family, "-w", "-I", rule[0], "1", *rule[1:]])
         except FenceError as exc:
@@ -221,12 +243,25 @@ class Fence:
     async def remove(self) -> None:
         """Remove the jump and the chain (nothing left behind when the agent stops)."""
         for family in _programs():
-            rule = jump(self.chain, self.uids.start, self.uids.stop - 1)
-            while await _run([family, "-w", "-D", *rule], check=False) == 0:
-                pass
-            await _run([family, "-w", "-F", self.chain], check=False)
-            await _run([family, "-w", "-X", self.chain], check=False)
+            await _drop_chain(family, self.chain, self._jump())
         self._installed.clear()
+
+    def _jump(self) -> list[str]:
+        return jump(self.chain, self.uids.start, max(self.uids.start, self.uids.stop - 1), os.getpid())
+
+
+async def _drop_chain(family: str, chain: str, rule: list[str]) -> None:
+    while await _run([family, "-w", "-D", *rule], check=False) == 0:
+        pass
+    await _run([family, "-w", "-F", chain], check=False)
+    await _run([family, "-w", "-X", chain], check=False)
+
+
+async def _remove_stale(family: str) -> None:
+    saved = await _output([f"{family}-save", "-t", "filter"])
+    for chain, rule in stale(saved, psutil.pid_exists):
+        log.info("agent: removing the apps' firewall chain %s of a stopped agent", chain)
+        await _drop_chain(family, chain, rule)
 
 
 def _address_is_local(address: str) -> bool:
@@ -251,6 +286,17 @@ def _programs() -> list[str]:
         if shutil.which(name) and shutil.which(f"{name}-restore"):
             found.append(name)
     return found if "iptables" in found else []
+
+
+async def _output(argv: list[str]) -> str:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), COMMAND_TIMEOUT)
+    except (OSError, TimeoutError) as exc:
+        raise FenceError(f"{argv[0]}: {exc!r}") from exc
+    return out.decode(errors="replace")
 
 
 async def _run(argv: list[str], *, stdin: str = "", check: bool = True) -> int:

@@ -70,6 +70,10 @@ def listener(host: str = "0.0.0.0", port: int = 0) -> Iterator[socket.socket]:
         sock.close()
 
 
+def iptables(*args: str) -> None:
+    subprocess.run(["iptables", "-w", *args], check=True)
+
+
 def iptables_save() -> str:
     return subprocess.run(["iptables-save", "-t", "filter"], capture_output=True, text=True, check=True).stdout
 
@@ -117,6 +121,23 @@ async def test_installing_twice_keeps_one_jump_and_remove_leaves_nothing(fence: 
     assert iptables_save().count(f"-j {chain}") == 1
     await f.remove()
     assert chain not in iptables_save()
+
+
+async def test_the_chain_of_an_agent_that_was_killed_is_removed_by_the_next_one(tmp_path: object) -> None:
+    gone = Fence(f"{tmp_path}/killed", UIDS)
+    assert await gone.install()
+    own = gone._jump()  # as a killed agent leaves it, but naming a pid that no longer exists
+    ghost = [*own[:-3], "zattera-agent-pid=999999999", *own[-2:]]
+    iptables("-I", "OUTPUT", "1", *ghost[1:])
+    iptables("-D", *own)
+    assert gone.chain in iptables_save()
+    fresh = Fence(f"{tmp_path}/fresh", UIDS)
+    try:
+        assert await fresh.install()
+        assert gone.chain not in iptables_save() and fresh.chain in iptables_save()
+    finally:
+        await fresh.remove()
+        await gone.remove()
 
 
 async def test_a_listener_of_the_control_plane_started_later_is_fenced_at_the_next_sync(fence: object) -> None:

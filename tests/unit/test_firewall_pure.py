@@ -6,7 +6,7 @@ from __future__ import annotations
 from zattera.v1 import types_pb2 as pb
 
 from cli.nodes_cmds import isolation_text
-from services.agent.firewall import Blocked, chain_name, jump, nats_addresses, restore_text, rules
+from services.agent.firewall import Blocked, chain_name, jump, nats_addresses, restore_text, rules, stale
 from services.agent.sandbox import SANDBOX, Isolation
 
 CHAIN = "ZATTERA-APPS-0123456789"
@@ -44,7 +44,33 @@ def test_the_chain_is_replaced_whole_in_one_transaction() -> None:
 def test_each_agent_has_its_own_chain_within_iptables_name_limit() -> None:
     a, b = chain_name("/tmp/a/agent"), chain_name("/tmp/b/agent")
     assert a != b and a == chain_name("/tmp/a/agent") and len(a) <= 28 and a.startswith("ZATTERA-APPS-")
-    assert jump(a, 0x70000000, 0x7000FFFF) == ["OUTPUT", "-m", "owner", "--uid-owner", "1879048192-1879113727", "-j", a]
+    assert jump(a, 0x70000000, 0x7000FFFF, 42) == [
+        "OUTPUT",
+        *("-m", "owner", "--uid-owner", "1879048192-1879113727"),
+        *("-m", "comment", "--comment", "zattera-agent-pid=42", "-j", a),
+    ]
+
+
+def test_the_chains_of_agents_that_are_gone_are_found_for_removal() -> None:
+    mark = "-m owner --uid-owner 1-9 -m comment --comment"
+    saved = "\n".join(
+        [
+            "*filter",
+            ":ZATTERA-APPS-aaaaaaaaaa - [0:0]",
+            f'-A OUTPUT {mark} "zattera-agent-pid=100" -j ZATTERA-APPS-aaaaaaaaaa',
+            f'-A OUTPUT {mark} "zattera-agent-pid=200" -j ZATTERA-APPS-bbbbbbbbbb',
+            '-A OUTPUT -m comment --comment "zattera-agent-pid=300" -j SOMEONE-ELSES',
+            "-A OUTPUT -j ZATTERA-APPS-cccccccccc",  # no owner named: left alone
+            "-A ZATTERA-APPS-aaaaaaaaaa -p tcp -j REJECT",
+            "COMMIT",
+        ]
+    )
+    assert stale(saved, lambda pid: pid == 200) == [
+        (
+            "ZATTERA-APPS-aaaaaaaaaa",
+            ["OUTPUT", *mark.split(), "zattera-agent-pid=100", "-j", "ZATTERA-APPS-aaaaaaaaaa"],
+        )
+    ]
 
 
 def test_nats_urls_become_addresses_and_ports() -> None:
