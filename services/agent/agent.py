@@ -188,6 +188,8 @@ class Agent:
         self.node: pb.Node | None = None
         self.runtime: ProcessRuntime | None = None
         self.registered = asyncio.Event()
+        self.handover = False
+        """Set when the agent stops for another to adopt its instances at once: its apps' firewall stays."""
         # Instance secrets come sealed to this key: a fresh pair per registration (re-registering rotates it),
         # the private half never leaves this process (docs/secrets.md).
         self.secrets_key = PrivateKey.generate()
@@ -419,5 +421,6 @@ class Agent:
                 try:
                     await self.view.stop()
                 finally:
-                    if fence is not None and not fence.problem:
-                        await fence.remove()
+                    # Instances left running for the next agent (an upgrade) stay fenced until it takes over.
+                    if fence is not None and not fence.problem and not self.handover:
+                        fence.remove()

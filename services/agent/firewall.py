@@ -17,7 +17,10 @@ go through (``OUTPUT -m owner --uid-owner FIRST-LAST -j ZATTERA-APPS-<id>``):
 Apps keep their own ports, other apps through the proxy, the private network and the internet. The chain is
 written whole in one ``iptables-restore --noflush`` transaction (no moment without rules), re-derived while
 the agent runs (:meth:`Fence.sync`: a service started later is fenced within a refresh) and removed when the
-agent stops. Rules are pure data (:func:`rules`), tested as a table.
+agent stops; an agent restarted at once for an upgrade (its instances left for the next one to adopt)
+leaves it, and the next agent takes it over. The jump names the agent's pid: an agent starting removes
+the chains of agents that are gone (:func:`stale`: killed, they could not). Rules are pure data
+(:func:`rules`), tested as a table.
 
 Where it cannot be installed (the agent is not root, no iptables, no netfilter), :func:`Fence.install` says
 why; the node's isolation reports it (``nodes list``, the terminal). On a secured cluster NATS refuses
@@ -214,8 +217,7 @@ class Fence:
                     await _run([family, "-w", "-I", rule[0], "1", *rule[1:]])
         except FenceError as exc:
             self.problem = f"firewall rules cannot be installed: {exc}"
-            with contextlib.suppress(FenceError):
-                await self.remove()
+            await asyncio.to_thread(self.remove)
             return False
         self.problem = ""
         return True
@@ -240,10 +242,11 @@ class Fence:
             except FenceError as exc:
                 log.warning("agent: the apps' firewall could not be refreshed: %s", exc)
 
-    async def remove(self) -> None:
-        """Remove the jump and the chain (nothing left behind when the agent stops)."""
+    def remove(self) -> None:
+        """Remove the jump and the chain. Blocking on purpose: called as the agent stops, where a repeated
+        cancellation must not cut it short (a few iptables commands)."""
         for family in _programs():
-            await _drop_chain(family, self.chain, self._jump())
+            _drop_chain_now(family, self.chain, self._jump())
         self._installed.clear()
 
     def _jump(self) -> list[str]:
@@ -255,6 +258,19 @@ async def _drop_chain(family: str, chain: str, rule: list[str]) -> None:
         pass
     await _run([family, "-w", "-F", chain], check=False)
     await _run([family, "-w", "-X", chain], check=False)
+
+
+def _drop_chain_now(family: str, chain: str, rule: list[str]) -> None:
+    def run(*args: str) -> int:
+        try:
+            return subprocess.run([family, "-w", *args], capture_output=True, timeout=COMMAND_TIMEOUT).returncode
+        except (OSError, subprocess.TimeoutExpired):
+            return 1
+
+    while run("-D", *rule) == 0:
+        pass
+    run("-F", chain)
+    run("-X", chain)
 
 
 async def _remove_stale(family: str) -> None:

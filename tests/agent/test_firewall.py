@@ -89,7 +89,7 @@ async def fence(tmp_path: object) -> AsyncIterator[Fence]:
 
     yield make  # type: ignore[misc]
     for f in made:
-        await f.remove()
+        f.remove()
 
 
 async def test_an_apps_user_cannot_connect_to_the_control_planes_ports_but_to_the_rest(fence: object) -> None:
@@ -119,7 +119,7 @@ async def test_installing_twice_keeps_one_jump_and_remove_leaves_nothing(fence: 
     assert await f.install() and await f.install()
     chain = chain_name(f.key)
     assert iptables_save().count(f"-j {chain}") == 1
-    await f.remove()
+    f.remove()
     assert chain not in iptables_save()
 
 
@@ -136,8 +136,8 @@ async def test_the_chain_of_an_agent_that_was_killed_is_removed_by_the_next_one(
         assert await fresh.install()
         assert gone.chain not in iptables_save() and fresh.chain in iptables_save()
     finally:
-        await fresh.remove()
-        await gone.remove()
+        fresh.remove()
+        gone.remove()
 
 
 async def test_a_listener_of_the_control_plane_started_later_is_fenced_at_the_next_sync(fence: object) -> None:
