@@ -19,7 +19,9 @@ Deviations from the reference, all deliberate:
   same-node tie-break keeps picking failed every request until the node was marked DOWN. A
   ``scale_to_zero`` route whose every endpoint refused is cold in fact (its replica was just cooled and
   the snapshot saying so is on its way): the request is held and the env activated, as for a cold route,
-  until an endpoint that has not refused it appears (or a newer snapshot lists one again).
+  until an endpoint that has not refused it appears (or a newer snapshot lists one again). A GET or HEAD
+  (no body) whose upstream closed the connection without answering (its replica died under it) is
+  treated the same way; any other request gets the 502.
 
 The route table follows the route client: built from the cached snapshot before any network activity
 (so a restarted proxy serves the last routes with the control plane down), rebuilt on every accepted
@@ -81,6 +83,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 RATE_LIMIT_RETRY_AFTER = "1"
+REPLAYABLE = frozenset({"GET", "HEAD"})
+"""Requests sent again when their upstream closed the connection without answering (idempotent, no body)."""
 ENV_KEY = web.RequestKey("zattera.env", str)
 """Where :meth:`Proxy._handle` leaves the matched env id on the request, for the metrics."""
 
@@ -472,8 +476,15 @@ class Proxy:
                         allow_redirects=False,
                     )
                     break
-                except aiohttp.ClientConnectorError as exc:
-                    # Not connected, so nothing (body included) was sent: another endpoint may take it.
+                except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+                    # Not connected, so nothing (body included) was sent: another endpoint may take it. Closed
+                    # without an answer (its replica died under it: cooled, scaled down): only a GET or HEAD
+                    # without a body may be sent again.
+                    if isinstance(exc, aiohttp.ServerDisconnectedError) and (
+                        request.method not in REPLAYABLE or request.body_exists
+                    ):
+                        log.debug("upstream %s closed without an answer: %r", addr, exc)
+                        return error_response(502, "upstream error")
                     refused[addr] = self.table.version
                     retry = self.balancer.pick(
                         [e for e in route.endpoints if e.addr not in tried], route.max_concurrency
