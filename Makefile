@@ -50,7 +50,7 @@ bench: $(STAMP) system-packages
 	$(PY) -m benchmarks.run
 
 chaos: $(STAMP)
-	$(PY) -m pytest -m chaos tests/chaos tests/orchestrator/test_failover.py tests/multinode -q
+	$(PY) -m pytest -m chaos tests/chaos tests/orchestrator/test_failover.py tests/multinode tests/upgrade tests/e2e/test_compose_stack.py -q
 
 proto: $(STAMP)
 	PYTHON=$(PY) proto/generate.sh

@@ -48,21 +48,15 @@ def builds_list(json: bool = JSON, wide: bool = WIDE) -> None:
 @builds_app.command("logs")
 def builds_logs(build_id: str, follow: bool = typer.Option(False, "--follow", "-f"), json: bool = JSON) -> None:
     """A build's log; --follow streams it until the build ends; --json prints one object per line."""
-    from nats.js.errors import NotFoundError
-
     from shared.buildlogs import follow_build_log, read_build_log
     from shared.ids import is_safe_id, unsafe_id
-    from shared.natsio import STATE_PREFIX, STATE_STREAM
+    from shared.jetstream import read_state_key
 
     if not is_safe_id(build_id):
         raise fail(f"{unsafe_id('build id', build_id)} (see `zattera builds list`)")
 
     async def recorded(c: Control) -> bool:
-        try:
-            msg = await c.conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.build(build_id))
-        except NotFoundError:
-            return False
-        return bool(msg.data)  # a deleted record leaves an empty marker
+        return (await read_state_key(c.conn.js, K.build(build_id))).data is not None
 
     async def go() -> None:
         async with control(view=False) as c:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from shared.errors import ZatteraError
+from shared.files import PRIVATE, write_atomic
 
 CONFIG_DIR_ENV = "ZATTERA_CONFIG_DIR"
 FILE_NAME = "contexts.json"
@@ -69,17 +69,7 @@ def load() -> ContextFile:
 
 
 def save(contexts: ContextFile) -> None:
-    file = path()
-    file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=".contexts-")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(json.dumps(contexts.model_dump(), indent=2) + "\n")
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path(), json.dumps(contexts.model_dump(), indent=2) + "\n", mode=PRIVATE)
 
 
 def check_name(name: str) -> str:

@@ -15,6 +15,7 @@ from cli.layout import NODE_CREDS, PROXY_CREDS, DataLayout
 from cli.up import LOCAL_NODE, Cluster, Supervised, run_up
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.embedded import SERVER_DIR
+from shared.natsio import STATE_STREAM
 from shared.security.authority import Authority
 from shared.security.join import DEFAULT_TTL, JoinRefused, new_secret, request_join_token
 from shared.security.machines import seal_bundle
@@ -34,6 +35,49 @@ def parse_duration(text: str) -> float:
     if match is None:
         raise typer.BadParameter(f"{text!r}: expected a duration like 30m, 2h or 1d")
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+OPEN_ACCOUNT = "$G"
+"""The account nats-server puts every client in without operator mode: where an open cluster's streams live."""
+_SYSTEM_ACCOUNT = "$SYS"
+
+
+def cluster_accounts(layout: DataLayout) -> set[str]:
+    """The NATS accounts of the embedded server's store that hold a Zattera cluster's state (``$G``: an open
+    one; an account key: a secured one), read from the JetStream store on disk."""
+    store = layout.control / "nats" / "jetstream" / "jetstream"  # nats-server keeps accounts in <store_dir>/jetstream
+    if not store.is_dir():
+        return set()
+    found = {path.parent.parent.name for path in store.glob(f"*/streams/{STATE_STREAM}")}
+    return found - {_SYSTEM_ACCOUNT}
+
+
+def mode_switch_problem(layout: DataLayout, *, secure: bool) -> str | None:
+    """Why ``zattera up`` (``secure``: with --secure/--tls) must not start on this data dir: it holds a cluster
+    of the other mode and none of this one, so NATS would start a second, empty cluster beside it (another
+    account, another state stream) while the apps, the proxy's cached routes and the agent's instances
+    belong to the first. None when the data dir is new or already holds a cluster of this mode."""
+    data_dir = layout.root
+    accounts = cluster_accounts(layout)
+    has_open = OPEN_ACCOUNT in accounts
+    has_secure = bool(accounts - {OPEN_ACCOUNT}) or (layout.security / "accounts.json").exists()
+    if secure and has_open and not has_secure:
+        return (
+            f"{data_dir} holds an open cluster (its state is in NATS's global account): started --secure, "
+            "NATS would put the services in accounts of their own and start a second, empty cluster beside it, "
+            "without the open one's apps and routes. Start it as it is (`zattera up`), or start a secure cluster "
+            f"in a new data dir (`zattera up --secure --data-dir DIR`, then apply and deploy the apps there), or "
+            f"move the open cluster aside first (`mv {data_dir} {data_dir}.open`). SECURITY.md, "
+            '"Switching a data dir to --secure".'
+        )
+    if not secure and has_secure and not has_open:
+        return (
+            f"{data_dir} holds a secured cluster (control/security/ and its accounts): start it with "
+            "`zattera up --secure` (`--tls` if it was started with TLS). Without it NATS would start without "
+            "accounts and a second, empty cluster beside the secured one. SECURITY.md, "
+            '"Switching a data dir to --secure".'
+        )
+    return None
 
 
 def secure_up(

@@ -7,20 +7,28 @@ server that dies (with backoff), and on Ctrl-C / SIGTERM stops the services (SIG
 then NATS, leaving no process behind. Running it again resumes the same cluster from its data dir. The control
 plane, the local agent and the local proxy each keep their files in a directory of their own
 (``cli/layout.py``): the agent is given its own credential, never a path into the control plane's files.
+
+Run while a supervisor of the same data dir runs (``git pull && make up``), it asks that supervisor (its pid
+in ``<data_dir>/up.pid``, locked while it lives) to roll its processes onto the code now installed:
+migrations first, then each process stopped and started again, one at a time, the agent's instances kept
+(docs/upgrades.md); it prints the supervisor's progress and exits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -47,6 +55,17 @@ RESTART_FIRST = 0.5
 RESTART_MOST = 30.0
 """``zattera up``'s first metrics port: scheduler 9400, orchestrator 9401, … in start order."""
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PID_FILE = "up.pid"
+"""``<data_dir>/up.pid``: the running supervisor's pid, locked (``flock``) for as long as it lives."""
+ROLL_LOG = "up-roll.log"
+"""``<data_dir>/up-roll.log``: the progress of the last roll, which the requesting ``zattera up`` prints."""
+ROLL_SIGNAL = signal.SIGUSR1
+"""Sent to the supervisor: roll every process onto the code installed now."""
+RESTART_SIGNAL = signal.SIGUSR2
+"""Sent to one process: stop to be started again at once (``shared.process.RESTART_SIGNAL``; not imported:
+the supervisor loads no asyncio)."""
+ROLL_DONE, ROLL_REFUSED = "done:", "refused:"
+CODE_DIRS = ("shared", "services", "cli", "proto")
 
 
 def available_services() -> list[str]:
@@ -80,6 +99,17 @@ class Supervised:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
 
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size if self.log_path.exists() else 0
+
+    def started_since(self, offset: int) -> bool:
+        """Its log, past ``offset``, says that it started (``<name>: Zattera <version> (schema N) starting``)."""
+        if not self.log_path.exists():
+            return False
+        with self.log_path.open("rb") as log:
+            log.seek(offset)
+            return b": Zattera " in log.read() and self.alive()
+
     def wait_or_kill(self, deadline: float) -> None:
         if self.proc is None:
             return
@@ -106,7 +136,8 @@ class Cluster:
     # The control plane as one process (``cli.control_plane``); False: one process per service.
     all_in_one: bool = True
     extra: list[Supervised] = field(default_factory=list)
-    console: Console = field(default_factory=lambda: Console(stderr=True))
+    # soft_wrap: the banner's lines (an `export …CREDS=<path>` to copy) are never cut at 80 columns in a pipe.
+    console: Console = field(default_factory=lambda: Console(stderr=True, soft_wrap=True))
     nats: EmbeddedNats | None = None
     # ``--nats-cluster N``: N local servers as one JetStream cluster, every bucket and stream at replicas=N.
     nats_cluster: int = 1
@@ -139,6 +170,8 @@ class Cluster:
     machine: dict[str, Any] = field(default_factory=dict)
     runtime_note: RuntimeNote | None = None
     """The local agent's runtime and why, as last printed (:meth:`report_runtime`)."""
+    # What the processes run: :func:`code_identity` when they were started (a roll onto the same is a no-op).
+    code: str = ""
 
     def config(self) -> dict[str, Any]:
         """What the cluster was asked to be (not what runs), as JSON values: :meth:`from_config` reads it."""
@@ -417,6 +450,44 @@ class Cluster:
                 child.next_start = 0.0
                 self._launch(child)
 
+    def roll(self, say: Callable[[str], None], *, wait: float = 120.0) -> bool:
+        """Roll every process onto the code installed now, one at a time (control plane, then the rest, the
+        agent and the proxy last): the cluster's migrations first (a refusal leaves everything as it runs),
+        then each stopped with :data:`RESTART_SIGNAL` (an agent keeps its instances) and started again, the
+        next only once it runs. Nothing restarts when the code has not changed; NATS is not restarted."""
+        code = code_identity()
+        if code == self.code:
+            say(f"{ROLL_DONE} already running the code installed now: nothing restarted")
+            return True
+        say("upgrading the cluster with the code installed now")
+        try:
+            provision_in_child(self, echo=say)
+        except SystemExit as exc:
+            why = exc.code if isinstance(exc.code, str) else "the cluster's upgrade was refused (above)"
+            say(f"{ROLL_REFUSED} {why}; every process keeps running the code it started with")
+            return False
+        order = sorted(self.children, key=lambda c: {"agent": 1, "proxy": 2}.get(c.name, 0))
+        for child in order:
+            offset = child.log_size()
+            say(f"restarting {child.name}")
+            if child.alive():
+                assert child.proc is not None
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.proc.pid, RESTART_SIGNAL)
+                child.wait_or_kill(time.monotonic() + 30.0)
+            self._launch(child)
+            child.next_start = 0.0
+            deadline = time.monotonic() + wait
+            while not child.started_since(offset):
+                if time.monotonic() > deadline or not child.alive():
+                    say(f"{ROLL_REFUSED} {child.name} did not start (log {child.log_path}); the supervisor restarts it")
+                    return False
+                time.sleep(0.2)
+            say(f"{child.name} runs the new code (pid {child.proc.pid if child.proc else '-'})")
+        self.code = code
+        say(f"{ROLL_DONE} every process runs the code installed now; apps kept running")
+        return True
+
     def stop(self, grace: float = 10.0) -> None:
         for child in self.children:
             child.terminate()
@@ -496,10 +567,20 @@ def _port_free(port: int) -> bool:
     return True
 
 
-async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int = 1) -> None:
+REFUSED_EXIT = 2
+"""The provisioning child's status when this version may not run on the cluster (it said why on stderr)."""
+
+
+async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int = 1) -> int:
+    """Create what is missing, then bring the cluster to this code's schema, saying on stderr which
+    migrations ran (docs/upgrades.md); :data:`REFUSED_EXIT` when this version may not run on it."""
     import asyncio
 
+    from shared.events import EventPublisher
+    from shared.lease import default_holder
+    from shared.migrations.runner import MigrationFailed, upgrade
     from shared.natsio import connect, provision
+    from shared.skew import SkewRefused
 
     conn = await connect(url, name="zattera-up", creds=creds or None, tls_ca=tls_ca or None)
     try:
@@ -507,12 +588,23 @@ async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int 
         while True:
             try:
                 await asyncio.wait_for(provision(conn.js, replicas=replicas), 5.0)
-                return
+                break
             except Exception:
                 # a fresh cluster elects its JetStream meta leader first; a single server answers at once
                 if replicas == 1 or time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.5)
+        try:
+            await upgrade(
+                conn,
+                holder=default_holder("zattera-up"),
+                progress=lambda line: print(line, file=sys.stderr, flush=True),
+                events=EventPublisher(conn),
+            )
+        except (SkewRefused, MigrationFailed) as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return REFUSED_EXIT
+        return 0
     finally:
         await conn.close()
 
@@ -521,14 +613,26 @@ PROVISION_ENV = "ZATTERA_UP_PROVISION"
 """How :func:`provision_in_child` hands what to provision (URL, credentials file, CA file, replicas) to it."""
 
 
-def provision_in_child(cluster: Cluster) -> None:
+def provision_in_child(cluster: Cluster, echo: Callable[[str], None] | None = None) -> None:
     """Provision ``cluster`` from a short-lived interpreter (``python -m cli.up`` with :data:`PROVISION_ENV`):
     nats-py and asyncio, loaded here once, would stay resident in the supervisor for as long as the cluster
     runs (~15 MB of a single machine's control plane, PERFORMANCE.md "footprint"). Its error, if any, is on
-    stderr; SystemExit here then stops the cluster."""
+    stderr (given to ``echo`` line by line, when given); SystemExit here then stops the cluster."""
     given = {"url": cluster.url, "creds": cluster.creds, "tls_ca": cluster.tls_ca, "replicas": cluster.replicas}
     env = {**os.environ, PROVISION_ENV: json.dumps(given)}
-    done = subprocess.run([sys.executable, "-m", "cli.up"], env=env, cwd=PROJECT_ROOT, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.up"],
+        env=env,
+        cwd=PROJECT_ROOT,
+        check=False,
+        stderr=subprocess.PIPE if echo else None,
+        text=True,
+    )
+    if echo is not None:
+        for line in (done.stderr or "").splitlines():
+            echo(line)
+    if done.returncode == REFUSED_EXIT:
+        raise SystemExit(REFUSED_EXIT)  # the child said why, in one line
     if done.returncode != 0:
         raise SystemExit(f"provisioning the streams and buckets at {cluster.url} failed (exit {done.returncode})")
 
@@ -552,20 +656,99 @@ def run_up(cluster: Cluster, *, hint: str = "") -> NoReturn:
     os.execve(sys.executable, [sys.executable, "-m", "cli.up"], env)
 
 
+def code_identity(root: Path = PROJECT_ROOT) -> str:
+    """What the installed code is, cheaply: every source file's path, size and modification time (a pull
+    or a checkout changes them)."""
+    digest = hashlib.sha256()
+    for folder in CODE_DIRS:
+        for path in sorted((root / folder).rglob("*.py")):
+            stat = path.stat()
+            digest.update(f"{path.relative_to(root)} {stat.st_size} {stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def hold_supervisor_lock(data_dir: Path) -> IO[str] | None:
+    """Lock ``<data_dir>/up.pid`` for this process's life and write its pid there; None when another
+    supervisor holds it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    handle = (data_dir / PID_FILE).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def running_supervisor(data_dir: Path) -> int | None:
+    """The pid of the supervisor running from ``data_dir``, or None."""
+    path = data_dir / PID_FILE
+    if not path.exists():
+        return None
+    with path.open("r") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = handle.read().strip()
+            return int(text) if text.isdigit() else None
+    return None
+
+
+def request_roll(data_dir: Path, pid: int, *, timeout: float = 900.0, out: Callable[[str], None] = print) -> int:
+    """Ask the supervisor ``pid`` to roll its processes onto the code installed now and print its progress
+    until it is done: 0 when done, 1 when refused or cut short."""
+    log = data_dir / ROLL_LOG
+    log.write_text("")
+    os.kill(pid, ROLL_SIGNAL)
+    out(f"zattera up is running from {data_dir} (pid {pid}): rolling its processes onto the code installed now")
+    seen = 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = log.read_text().splitlines()
+        for line in lines[seen:]:
+            out(f"  {line}")
+            if line.startswith(ROLL_DONE):
+                return 0
+            if line.startswith(ROLL_REFUSED):
+                return 1
+        seen = len(lines)
+        if running_supervisor(data_dir) != pid:
+            out(f"the supervisor (pid {pid}) stopped before it was done")
+            return 1
+        time.sleep(0.2)
+    out(f"no end of the roll within {timeout:.0f}s: see {log}")
+    return 1
+
+
 def supervise(cluster: Cluster, *, hint: str = "") -> int:
     stop = False
+    roll = False
 
     def on_signal(_sig: int, _frame: object) -> None:
         nonlocal stop
         stop = True
 
+    def on_roll(_sig: int, _frame: object) -> None:
+        nonlocal roll
+        roll = True
+
+    lock = hold_supervisor_lock(cluster.data_dir)
+    if lock is None:
+        cluster.console.print(f"[red]another zattera up runs from {cluster.data_dir}[/] (pid {PID_FILE})")
+        return 1
     # SIGHUP: the terminal went away (a closed window, a dropped SSH session) — stop as for Ctrl-C.
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous[ROLL_SIGNAL] = signal.signal(ROLL_SIGNAL, on_roll)
     cluster.die_with_parent = True
     console = cluster.console
     try:
         cluster.layout.make()
         cluster.start_nats()
+        cluster.code = code_identity()
         provision_in_child(cluster)
         cluster.start_services()
         console.print(f"[bold green]Zattera is up[/] — data in {cluster.data_dir}")
@@ -595,6 +778,9 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
         console.print(hint or NEXT_STEPS.format(nats=cluster.url, port=cluster.proxy_port))
         console.print("Press Ctrl-C to stop.")
         while not stop:
+            if roll:
+                roll = False
+                cluster.roll(lambda line: _roll_progress(cluster, line))
             cluster.supervise_once()
             cluster.report_runtime()
             time.sleep(0.2)
@@ -608,7 +794,16 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
             signal.signal(sig, handler)
         with contextlib.suppress(OSError):
             console.print("stopped.")
+        lock.close()
     return 0
+
+
+def _roll_progress(cluster: Cluster, line: str) -> None:
+    """A roll's progress: on the supervisor's terminal, and in ``<data_dir>/up-roll.log`` for the requester."""
+    with contextlib.suppress(OSError):
+        cluster.console.print(f"upgrade: {line}", markup=False, highlight=False)
+    with (cluster.data_dir / ROLL_LOG).open("a") as log:
+        log.write(line + "\n")
 
 
 def main() -> None:
@@ -616,8 +811,7 @@ def main() -> None:
     if PROVISION_ENV in os.environ:
         import asyncio
 
-        asyncio.run(_provision(**json.loads(os.environ.pop(PROVISION_ENV))))
-        return
+        sys.exit(asyncio.run(_provision(**json.loads(os.environ.pop(PROVISION_ENV)))))
     given = json.loads(os.environ.pop(CLUSTER_ENV))
     sys.exit(supervise(Cluster.from_config(given["cluster"]), hint=given["hint"]))
 

@@ -37,11 +37,10 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.backoff import Backoff
+from shared.jetstream import read_state_key
 from shared.natsio import (
     BUILD_LOG_END_SLOTS,
     BUILD_LOGS_STREAM,
-    STATE_PREFIX,
-    STATE_STREAM,
     Connection,
     agent_subject,
     build_events_subject,
@@ -169,13 +168,10 @@ async def last_copied_event_seq(conn: Connection, build_id: str) -> int:
 
 
 async def _build_status(conn: Connection, build_id: str) -> int:
-    try:
-        msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.build(build_id))
-    except NotFoundError:
+    last = await read_state_key(conn.js, K.build(build_id))
+    if last.data is None:
         return pb.BUILD_STATUS_UNSPECIFIED
-    if not msg.data:
-        return pb.BUILD_STATUS_UNSPECIFIED
-    return int(pb.Build.FromString(msg.data).status)
+    return int(pb.Build.FromString(last.data).status)
 
 
 async def read_build_log(conn: Connection, build_id: str) -> list[str]:

@@ -26,8 +26,9 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from shared.certs import CHANGED_SUBJECT, KEYS_OPEN_SUBJECT
 from shared.clock import from_timestamp
 from shared.errors import ZatteraError
+from shared.files import PRIVATE, write_atomic
 from shared.natsio import Connection
-from shared.secrets import private_temp_file, public_bytes, unseal
+from shared.secrets import public_bytes, unseal
 from shared.tasks import stop_following
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def bundle_certs(bundle: cpb.CertBundle) -> dict[str, ServedCert]:
 
 def write_private_json(path: Path, doc: object) -> None:
     """Replace ``path`` atomically with ``doc``; the file is 0600 from creation, never briefly readable."""
-    private_temp_file(path, json.dumps(doc).encode()).replace(path)
+    write_atomic(path, json.dumps(doc), mode=PRIVATE)
 
 
 def load_cache(path: Path) -> dict[str, ServedCert]:
@@ -146,10 +147,14 @@ class CertClient:
                 await asyncio.wait_for(self._wake.wait(), wait)
 
     async def updates(self) -> AsyncIterator[Mapping[str, ServedCert]]:
-        """The current set at once, then every new one."""
+        """The current set at once, then every new one (latest wins). A set that arrives while the reader
+        handles the previous one is handed out next, at once: the version is looked at again after every
+        yield, before waiting (a reader slow to install a set, e.g. HAProxy still starting, once missed the
+        set that came meanwhile until the next change, up to the 5-minute refresh)."""
         seen = -1
         while True:
             if self.version != seen:
                 seen = self.version
                 yield self.current
+                continue
             await self._changed.wait()

@@ -1,6 +1,6 @@
 """Leases for singleton leader loops and the helper that runs a function only while leading (DESIGN §2.2).
 
-``lease.<loop>`` holds a :class:`zattera.v1.Lease` {holder, term, acquired_at}. A contender acquires it
+``lease.<loop>`` holds a :class:`zattera.v1.Lease` {holder, term, acquired_at, version}. A contender acquires it
 with a create (expected revision 0, or the revision of a delete marker) carrying a per-message TTL; the
 holder renews it with an expected-revision update well inside the TTL, and every fenced batch of the
 holder re-writes it too (:mod:`shared.txn`). The term is the revision of the acquiring write: unique per
@@ -32,15 +32,16 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 from nats.errors import Error as NatsError
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.ids import new_id
-from shared.jetstream import WRONG_LAST_SEQUENCE, is_delete_marker
+from shared.jetstream import WRONG_LAST_SEQUENCE, read_last
 from shared.metrics import lease_terms, leases_held
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.tasks import cancel_and_wait, raise_if_cancelling
+from shared.version import VERSION
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,12 @@ class Lease:
 
     def _value(self, term: int | None = None) -> bytes:
         """This lease's value in its term (``term``: another, e.g. 0 for an acquiring write)."""
-        lease = pb.Lease(holder=self.holder, term=self.term if term is None else term, acquired_at=self._acquired_at)
+        lease = pb.Lease(
+            holder=self.holder,
+            term=self.term if term is None else term,
+            acquired_at=self._acquired_at,
+            version=VERSION,
+        )
         return lease.SerializeToString(deterministic=True)
 
     def fence_message(self) -> tuple[str, bytes, dict[str, str]]:
@@ -127,13 +133,8 @@ class Lease:
     async def _read_last(self) -> tuple[int, bytes | None]:
         """(revision, value) of the lease key; value None when deleted or expired (a marker) or never
         written. Raises when NATS gave no answer."""
-        try:
-            msg = await self._js.get_last_msg(STATE_STREAM, self.subject, direct=True)
-        except NotFoundError:
-            return 0, None
-        if is_delete_marker(msg.headers):
-            return int(msg.seq or 0), None
-        return int(msg.seq or 0), msg.data or b""
+        last = await read_last(self._js, STATE_STREAM, self.subject)
+        return last.revision, last.data
 
     async def _last_entry(self) -> tuple[int, bytes | None]:
         """:meth:`_read_last`, reading no answer as no lease."""

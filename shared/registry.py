@@ -33,7 +33,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.clock import Clock, RealClock, stamp
 from shared.errors import ZatteraError
-from shared.jetstream import WRONG_LAST_SEQUENCE
+from shared.jetstream import WRONG_LAST_SEQUENCE, read_state_key
 from shared.natsio import IMAGES_STORE, STATE_PREFIX, STATE_STREAM, Connection
 from shared.objects import ObjectCorrupt, list_objects, read_object
 
@@ -381,14 +381,8 @@ async def push_image(
 
 
 async def lookup_tag(conn: Connection, repo: str, tag: str) -> pb.Image | None:
-    # Direct get: the form a node agent's credential may use (SECURITY.md), keyed by the subject.
-    try:
-        msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.image(image_id(repo, tag)), direct=True)
-    except NotFoundError:
-        return None
-    if not msg.data:
-        return None
-    return pb.Image.FromString(msg.data)
+    last = await read_state_key(conn.js, K.image(image_id(repo, tag)))
+    return None if last.data is None else pb.Image.FromString(last.data)
 
 
 async def fetch_image(conn: Connection, ref: str, *, platform: str = "") -> FetchedImage:

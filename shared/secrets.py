@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from nacl.public import PrivateKey, PublicKey, SealedBox
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.errors import ZatteraError
+from shared.files import PRIVATE, create_once, write_atomic
 from shared.natsio import Connection
 
 CLUSTER_KEY = "cluster"
@@ -100,44 +100,24 @@ def load_keyring(path: Path) -> Keyring | None:
     return Keyring(keys)
 
 
-def private_temp_file(path: Path, data: bytes) -> Path:
-    """``data`` in a fresh temporary file beside ``path``, 0600 from creation (never briefly readable) and
-    synced; the caller renames or links it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return tmp
-
-
-def _write_private(path: Path, keyring: Keyring) -> Path:
-    """The keyring in a fresh temporary file beside ``path`` (see :func:`private_temp_file`)."""
-    return private_temp_file(path, json.dumps({"keys": [bytes(k).hex() for k in keyring.keys]}).encode())
+def _keyring_json(keyring: Keyring) -> bytes:
+    return json.dumps({"keys": [bytes(k).hex() for k in keyring.keys]}).encode()
 
 
 def save_keyring(path: Path, keyring: Keyring) -> None:
-    """Replace the keyring file atomically."""
-    _write_private(path, keyring).replace(path)
+    """Replace the keyring file atomically (0600)."""
+    write_atomic(path, _keyring_json(keyring), mode=PRIVATE)
 
 
 def create_keyring(path: Path, keyring: Keyring) -> Keyring:
     """Write the first keyring unless the file exists; returns the keyring on disk (ours, or the one another
     replica sharing the file created first: two replicas starting together never each make a key)."""
-    tmp = _write_private(path, keyring)
-    try:
-        os.link(tmp, path)  # atomic, and fails rather than replace an existing file
-    except FileExistsError:
-        existing = load_keyring(path)
-        if existing is None:
-            raise KeyMaterialError(f"{path}: vanished while being created") from None
-        return existing
-    finally:
-        tmp.unlink(missing_ok=True)
-    return keyring
+    if create_once(path, _keyring_json(keyring), mode=PRIVATE):
+        return keyring
+    existing = load_keyring(path)
+    if existing is None:
+        raise KeyMaterialError(f"{path}: vanished while being created")
+    return existing
 
 
 async def fetch_secrets(

@@ -13,12 +13,14 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.natssettings import DEFAULT_NATS_URL
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ZATTERA_", extra="ignore", use_attribute_docstrings=True)
 
-    # ---------------------------------------------------------------- NATS connection
-    nats_url: str = "nats://127.0.0.1:4222"
+    # ---------------------------------------------------------------- NATS connection (shared/natssettings.py too)
+    nats_url: str = DEFAULT_NATS_URL
     """The NATS server(s) to connect to, comma-separated for a cluster."""
     nats_server_bin: str = ""
     """Path of nats-server (what ``zattera up`` and the tests start); '' = the bundled one."""
@@ -95,6 +97,12 @@ class Settings(BaseSettings):
     """The port each process serves Prometheus /metrics on; 0 = off."""
     metrics_host: str = "127.0.0.1"
     """The address the metrics endpoint listens on."""
+
+    # ---------------------------------------------------------------- process health (shared/health.py)
+    health_file: str = ""
+    """A file the process touches every 5 s while it runs connected to NATS, removed when it stops (a
+    container's health check asks that it was touched since the last check: ``sh shared/health.sh FILE``);
+    '' = none."""
 
 
 @lru_cache(maxsize=1)

@@ -10,19 +10,17 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from opentelemetry import metrics, propagate, trace
-from opentelemetry.context import Context
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    ConsoleSpanExporter,
-    SimpleSpanProcessor,
-    SpanExporter,
-)
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry import metrics, trace
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+# The SDK (providers, exporters) and the propagators are imported when first needed: a process that exports
+# nothing and sends no trace context (a CLI read) does not pay for loading them.
 
 _meter = metrics.get_meter("zattera")
 _configured = False
@@ -39,6 +37,10 @@ def setup(service_name: str) -> None:
         # No exporter: keep the API's no-op tracer. Recording spans nobody exports costs ~80 µs per
         # state write; incoming trace context is still extracted and passed on.
         return
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     exporter: SpanExporter | None = None
     if exporter_name == "otlp":
@@ -58,6 +60,11 @@ def setup(service_name: str) -> None:
 
 def use_in_memory_exporter() -> InMemorySpanExporter:
     """For tests: a provider whose finished spans are kept in memory."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
     global _configured
     exporter = InMemorySpanExporter()
     provider = trace.get_tracer_provider()
@@ -79,12 +86,16 @@ def counter(name: str, description: str) -> metrics.Counter:
 
 def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
     """Headers carrying the current trace context (``traceparent``) for a NATS message or KV write."""
+    from opentelemetry import propagate
+
     carrier: dict[str, str] = dict(headers or {})
     propagate.inject(carrier)
     return carrier
 
 
 def extract(headers: Mapping[str, str] | None) -> Context:
+    from opentelemetry import propagate
+
     return propagate.extract(dict(headers or {}))
 
 

@@ -5,7 +5,7 @@
 Every flag has a ``ZATTERA_AGENT_*`` setting (``services/agent/settings.py``); the NATS URL and the data
 dir default to ``ZATTERA_NATS_URL`` and ``ZATTERA_DATA_DIR`` (``<data>/agent-<node id>`` then).
 SIGTERM/SIGINT stop the agent; its instances keep running for the next run to adopt unless
-``--stop-on-exit``.
+``--stop-on-exit`` (SIGUSR2, a stop to be restarted at once, keeps them whatever it says).
 
 Apps run sandboxed when the machine can (``sandbox.py``; ``ZATTERA_AGENT_SANDBOX``); a secured agent on a
 machine that cannot isolate them exits with status 2 and the reason, unless ``--allow-unisolated-apps``.
@@ -14,6 +14,8 @@ On a secured cluster the agent connects with its node credential (``credentials.
 start with ``--join-token``, or ``ZATTERA_NATS_CREDS``) and verifies the server with
 ``ZATTERA_NATS_TLS_CA``. An authenticated agent does not provision streams (its credential may not): it
 waits until the services have. A refused join token exits with status 2 and the join service's reason.
+An agent too old for the cluster exits with status 2 saying so; one newer than the cluster's schema waits
+for the control plane's upgrade (docs/upgrades.md, version skew).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from services.agent.settings import AgentSettings
 from shared.natsio import STATE_STREAM, provision, provision_options
 from shared.process import Process, run_process
 from shared.security.join import JoinRefused
+from shared.skew import Component, SkewRefused
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -133,6 +136,8 @@ async def run_agent(process: Process) -> int:
     tasks: list[asyncio.Task[None]] = []
 
     async def shutdown() -> None:
+        if process.restarting:  # restarted at once (an upgrade): its instances stay for it to adopt
+            cfg.stop_on_exit = False
         await cancel_and_wait(*tasks)
         await conn.close()
 
@@ -149,6 +154,13 @@ async def run_agent(process: Process) -> int:
                 return 0
         else:
             await provision(conn.js, **provision_options(shared))
+        try:
+            if not await process.await_compatible(conn, Component.AGENT):
+                return 0
+        except SkewRefused as exc:
+            log.error("agent %s: %s", cfg.node_id, exc)
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         tasks.append(asyncio.create_task(Agent(conn, cfg, data_dir, secured=bool(creds), runtime=runtime).run()))
         return await process.supervise(tasks, conn)
     finally:

@@ -56,11 +56,12 @@ from services.agent.sandbox import (
 from services.agent.settings import AgentSettings
 from shared import keys as K
 from shared.activation import request_activation
+from shared.backoff import exponential
 from shared.clock import Clock, RealClock
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.runtime_note import write_runtime_note
-from shared.security.views import request_view
+from shared.security.views import ViewUnavailable, request_view
 from shared.snapshots import serve_snapshot_requests
 from shared.snapshots.agent import HookRunner, run_hook_in_shell
 from shared.state.feed import StateView
@@ -70,6 +71,9 @@ log = logging.getLogger(__name__)
 
 FINAL_FLUSH_TIMEOUT = 5.0
 ACTIVATE_TIMEOUT = 10.0
+VIEW_RETRY_FIRST = 0.1
+VIEW_RETRY_MOST = 2.0
+"""Seconds between asks for the view while the control plane does not answer yet (doubling from the first)."""
 
 
 @dataclass(frozen=True)
@@ -255,6 +259,21 @@ class Agent:
             return None
         return mesh
 
+    async def _start_view(self) -> None:
+        """Load the view once control opens it: ``zattera up`` starts the control plane and the local node
+        together, so the join service may not serve ``zattera.view.open`` yet — a wait, not a failure (an
+        agent that exited on it was restarted by the supervisor on every secure start)."""
+        attempt = 0
+        while True:
+            try:
+                await self.view.start()
+                return
+            except ViewUnavailable as exc:
+                attempt += 1
+                if attempt == 1:
+                    log.info("agent %s: waiting for the control plane to open its view (%s)", self.node_id, exc)
+                await self.clock.sleep(exponential(VIEW_RETRY_FIRST, attempt, VIEW_RETRY_MOST))
+
     async def run(self) -> None:
         settings = self.settings
         private_directory(self.data_dir)
@@ -284,7 +303,7 @@ class Agent:
             endpoint = settings.public_endpoint
             endpoint = endpoint if ":" in endpoint else f"{endpoint}:{MESH_PORT}"
             identity = replace(identity, wireguard_public_key=mesh.public_key, public_endpoints=(endpoint,))
-        await self.view.start()
+        await self._start_view()
         tasks: list[asyncio.Task[None]] = []
         try:
             self.node = await register_node(self.conn, self.writer, identity, self.clock)

@@ -77,7 +77,7 @@ from services.agent.hostbase import NODE_LABEL
 from services.agent.pythonbase import PYTHON_LABEL
 from services.agent.sandbox import Confinement, Sandbox, exit_status, give
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
-from shared.buildplan import BuildPlan, PlanError, detect, read_source, starts_python
+from shared.buildplan import BuildPlan, PlanError, build_problem, detect, read_source, starts_python
 from shared.errors import ZatteraError
 from shared.ids import is_safe_id, unsafe_id
 from shared.natsio import SOURCES_STORE, Connection, is_direct_request
@@ -338,8 +338,8 @@ class Builder:
             return await self._build_dockerfile(request, events, src)
         for line in plan.lines():
             await events.log(line)
-        if plan.error:
-            raise BuildError(f"builder: {plan.error}")
+        if problem := build_problem(plan, docker=bool(self.docker_host)):
+            raise BuildError(f"builder: {problem}")
         ref = parse_ref(request.push_image_ref)
         if not ref.repo:
             raise BuildError("builder: the request has no image ref to push to")

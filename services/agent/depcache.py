@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
 from pathlib import Path
 
 from shared.buildplan import BuildPlan
+from shared.files import write_atomic
 
 CACHE_TAG_PREFIX = "deps-"
 _KEY_HEX = 32
@@ -52,6 +52,4 @@ class LayerCache:
     def put(self, key: str, layer: bytes, diff_id: str) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         for name, data in ((f"{key}.tar.gz", layer), (f"{key}.json", json.dumps({"diff_id": diff_id}).encode())):
-            partial = self.directory / f".{name}.{secrets.token_hex(6)}"  # concurrent builds of one key
-            partial.write_bytes(data)
-            partial.replace(self.directory / name)
+            write_atomic(self.directory / name, data, durable=False)  # a cache: a lost entry is built again

@@ -56,6 +56,7 @@ from services.agent.processes import InstanceRecord
 from services.agent.pythonbase import inspect_interpreter, python_of, python_rootfs_tar
 from services.agent.settings import AgentSettings
 from shared.errors import ZatteraError
+from shared.files import PRIVATE, write_atomic
 from shared.natsio import Connection
 from shared.registry import RegistryError, digest_of, fetch_image
 from shared.registryauth import auth_for
@@ -290,9 +291,7 @@ class _LogCursor:
         now = time.monotonic()
         if force or now - self._saved_at >= _CURSOR_SAVE_INTERVAL:
             self._saved_at = now
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.since))
-            tmp.replace(self.path)
+            write_atomic(self.path, json.dumps(self.since), mode=PRIVATE, durable=False)  # a hint: re-read is safe
 
 
 class ContainerHandle:

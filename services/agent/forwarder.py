@@ -45,7 +45,7 @@ from services.agent.network import (
     targets_of,
 )
 from shared.backoff import Backoff
-from shared.routeclient import write_atomic
+from shared.files import write_atomic
 from shared.tasks import Signal
 
 log = logging.getLogger(__name__)

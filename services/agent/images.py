@@ -29,6 +29,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from shared.errors import ZatteraError
+from shared.files import write_atomic
 from shared.natsio import Connection
 from shared.registry import RegistryError, fetch_image
 
@@ -133,5 +134,5 @@ async def prepare_image(conn: Connection, ref: str, instance_dir: Path, *, platf
     rootfs.mkdir(parents=True)
     unpack_layers(image.layers, rootfs)
     prepared = _parse_config(ref, rootfs, image.config)
-    marker.write_text(json.dumps({"ref": ref, "digest": image.digest, "config": image.config.decode()}))
+    write_atomic(marker, json.dumps({"ref": ref, "digest": image.digest, "config": image.config.decode()}))
     return prepared

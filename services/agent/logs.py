@@ -39,6 +39,7 @@ from nats.js.errors import Error as JetStreamError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.applogs import STDERR, STDOUT, app_log_subject, app_logs_stream
+from shared.files import PRIVATE, write_atomic
 from shared.natsio import Connection
 from shared.tasks import raise_if_cancelling
 
@@ -77,10 +78,9 @@ class Cursor:
     stderr_run_start: int = 0
 
     def save(self, directory: Path) -> None:
-        tmp = directory / (CURSOR_FILE + ".tmp")
         doc = {"generation": self.generation, "offsets": self.offsets, "stderr_run_start": self.stderr_run_start}
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(directory / CURSOR_FILE)
+        # Saved after every shipped batch: whole, not synced (a crash re-ships a batch the stream drops).
+        write_atomic(directory / CURSOR_FILE, json.dumps(doc), mode=PRIVATE, durable=False)
 
     @classmethod
     def load(cls, directory: Path) -> Cursor:

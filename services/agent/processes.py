@@ -29,6 +29,7 @@ import psutil
 from services.agent.logs import open_output_files
 from services.agent.sandbox import Confinement, Sandbox, exit_status, sandbox_init, signal_inside
 from shared.applogs import STDERR, STDOUT
+from shared.files import PRIVATE, write_atomic
 
 STATE_FILE = "state.json"
 _CREATE_TIME_TOLERANCE = 0.05
@@ -53,11 +54,7 @@ class InstanceRecord:
     """The uid a sandboxed process runs as (0: not sandboxed)."""
 
     def save(self, instance_dir: Path) -> None:
-        tmp = instance_dir / (STATE_FILE + ".tmp")
-        descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(descriptor, "w") as file:
-            file.write(json.dumps(asdict(self)))
-        tmp.replace(instance_dir / STATE_FILE)
+        write_atomic(instance_dir / STATE_FILE, json.dumps(asdict(self)), mode=PRIVATE)
 
     @classmethod
     def load(cls, instance_dir: Path) -> InstanceRecord | None:

@@ -25,13 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from nats.js.errors import NotFoundError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.clock import Clock, stamp
-from shared.jetstream import is_delete_marker
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+from shared.jetstream import read_state_key
+from shared.natsio import Connection
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.txn import Writer
 from shared.version import zattera_version
@@ -152,14 +151,8 @@ def registered_node(identity: NodeIdentity, existing: pb.Node | None, now: float
 
 async def _read_node(conn: Connection, node_id: str) -> tuple[pb.Node | None, int]:
     """The stored node and the revision a compare-and-set must expect (a delete marker counts)."""
-    try:
-        # Direct get: the read an agent credential may do on its own node key (SECURITY.md).
-        msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.node(node_id), direct=True)
-    except NotFoundError:
-        return None, 0
-    if is_delete_marker(msg.headers) or not msg.data:
-        return None, int(msg.seq or 0)
-    return pb.Node.FromString(msg.data), int(msg.seq or 0)
+    last = await read_state_key(conn.js, K.node(node_id))  # a direct get: what an agent may read of its node
+    return (None if last.data is None else pb.Node.FromString(last.data)), last.revision
 
 
 async def register_node(conn: Connection, writer: Writer, identity: NodeIdentity, clock: Clock) -> pb.Node:

@@ -8,9 +8,7 @@ docs/certificates.md). Leaves live :data:`LEAF_DAYS` days and are renewed by the
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from shared.secrets import private_temp_file
+from shared.files import PRIVATE, PUBLIC, create_once, write_atomic
 from shared.security.tls import new_ca, new_leaf, pem_cert, pem_key
 
 CA_CERT_FILE = "local-ca.pem"
@@ -39,16 +37,6 @@ class LocalCA:
         return pem_cert(leaf), pem_key(key).encode()
 
 
-def _create_once(path: Path, data: bytes) -> None:
-    """Write ``path`` (0600) unless it exists: another replica's wins."""
-    tmp = private_temp_file(path, data)
-    try:
-        with contextlib.suppress(FileExistsError):
-            os.link(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def load_or_create(directory: Path) -> LocalCA:
     """The local CA of ``directory``, made there the first time. The key file holds the key and the
     certificate together (created in one step, so a replica never pairs one CA's key with another's
@@ -56,14 +44,12 @@ def load_or_create(directory: Path) -> LocalCA:
     key_path = directory / CA_KEY_FILE
     if not key_path.exists():
         cert, key = new_ca(CA_NAME, datetime.datetime.now(datetime.UTC), permitted_dns="localhost")
-        _create_once(key_path, (pem_key(key) + pem_cert(cert)).encode())
+        create_once(key_path, pem_key(key) + pem_cert(cert), mode=PRIVATE)  # another replica's may win
     material = key_path.read_bytes()
     ca_key = serialization.load_pem_private_key(material, password=None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
     cert_pem = pem_cert(x509.load_pem_x509_certificate(material))
     cert_path = directory / CA_CERT_FILE
     if not cert_path.exists() or cert_path.read_text() != cert_pem:
-        tmp = private_temp_file(cert_path, cert_pem.encode())
-        tmp.chmod(0o644)  # public: what users trust
-        tmp.replace(cert_path)
+        write_atomic(cert_path, cert_pem, mode=PUBLIC)  # public: what users trust
     return LocalCA(x509.load_pem_x509_certificate(cert_pem.encode()), ca_key)

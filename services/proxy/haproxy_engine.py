@@ -49,8 +49,9 @@ from shared.backoff import Backoff
 from shared.certclient import CACHE_FILE as CERTS_CACHE_FILE
 from shared.certclient import CertClient, ServedCert
 from shared.embedded import free_port
+from shared.files import PRIVATE, write_atomic
 from shared.metrics import RequestSeries
-from shared.security.creds import write_private
+from shared.routeclient import same_cluster
 from shared.settings import settings
 
 log = logging.getLogger(__name__)
@@ -90,12 +91,6 @@ def _private_dir(path: Path) -> None:
     if path.stat().st_uid != os.getuid():
         raise PermissionError(f"{path} belongs to another user: not keeping the haproxy sockets there")
     path.chmod(0o700)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
 
 
 class HAProxyEngine:
@@ -160,12 +155,14 @@ class HAProxyEngine:
             shutil.rmtree(self.layout.socket_dir, ignore_errors=True)
 
     def _write_files(self, target: Plan) -> None:
+        """HAProxy's files, derived from the routes and certificates and written again at every start:
+        whole, but not synced (a sync per route change would cost more than a lost write)."""
         if self.layout.tls_bind:
             ensure_fallback(self.layout.default_cert)
-            _write_atomically(self.layout.crt_list, crt_list_text(self.layout.certs_dir))
-        _write_atomically(self.layout.hosts_map, map_text(sorted(target.hosts.items())))
-        _write_atomically(self.layout.paths_map, map_text(target.paths))
-        _write_atomically(self.layout.config_file, render(target, self.layout))
+            write_atomic(self.layout.crt_list, crt_list_text(self.layout.certs_dir), durable=False)
+        write_atomic(self.layout.hosts_map, map_text(sorted(target.hosts.items())), durable=False)
+        write_atomic(self.layout.paths_map, map_text(target.paths), durable=False)
+        write_atomic(self.layout.config_file, render(target, self.layout), durable=False)
 
     async def _spawn(self) -> None:
         target = self._plan(self._snapshot)
@@ -386,12 +383,10 @@ class HAProxyEngine:
             if not commands:
                 return
             for name, pem in to_write.items():
-                temporary = self.layout.certs_dir / f"{name}.pem.tmp"
-                write_private(temporary, pem)
-                os.replace(temporary, self.layout.certs_dir / f"{name}.pem")
+                write_atomic(self.layout.certs_dir / f"{name}.pem", pem, mode=PRIVATE, durable=False)
             for name in gone:
                 (self.layout.certs_dir / f"{name}.pem").unlink(missing_ok=True)
-            _write_atomically(self.layout.crt_list, crt_list_text(self.layout.certs_dir))
+            write_atomic(self.layout.crt_list, crt_list_text(self.layout.certs_dir), durable=False)
             answers = await execute(self.layout.stats_socket, commands)
             failures = [c.split(" <<", 1)[0] + f": {a}" for c, a in zip(commands, answers, strict=True) if _failed(a)]
             if failures:
@@ -462,6 +457,7 @@ class HAProxyIngress:
         self._follower: asyncio.Task[None] | None = None
         self._certs_watcher: asyncio.Task[None] | None = None
         self._applied = 0
+        self._applied_cluster = cpb.ClusterIdentity()
 
     @property
     def version(self) -> int:
@@ -474,14 +470,28 @@ class HAProxyIngress:
         await self.proxy.start()
         snapshot = self.proxy.routes.current
         await self.engine.start(snapshot)
-        self._applied = snapshot.version
+        self._applied, self._applied_cluster = snapshot.version, snapshot.cluster
         self.proxy.sample_sources.append(self.engine.samples)
-        self.proxy.served_version = lambda: min(self._applied, self.proxy.table.version)
+        self.proxy.served = self._served
+        self.proxy.public_ports = self._public_ports
         self._follower = asyncio.create_task(self._follow())
         if self.certs_dir is not None and self.layout.tls_bind:
             self._certs_watcher = asyncio.create_task(self._watch_certificates(self.certs_dir))
         elif self.proxy.certificates is not None and self.layout.tls_bind:
             self._certs_watcher = asyncio.create_task(self._serve_issued_certificates(self.proxy.certificates))
+
+    def _served(self) -> tuple[int, cpb.ClusterIdentity]:
+        """The routes both data paths serve: HAProxy's and the Python handler's (cold envs, basic auth); while
+        they hold snapshots of different clusters, neither cluster's routes are served throughout."""
+        table = self.proxy.table
+        if not same_cluster(table.cluster, self._applied_cluster):
+            return 0, cpb.ClusterIdentity()
+        return min(self._applied, table.version), table.cluster
+
+    def _public_ports(self) -> tuple[int, int]:
+        """HAProxy's listeners: where clients reach this proxy."""
+        tls = self.layout.tls_bind.rpartition(":")[2] if self.layout.tls_bind else "0"
+        return int(self.layout.bind.rpartition(":")[2]), int(tls)
 
     async def _serve_issued_certificates(self, client: CertClient) -> None:
         """The control plane's certificates (docs/certificates.md): the client's 0600 cache at once (so a
@@ -518,7 +528,7 @@ class HAProxyIngress:
             snapshot = self.proxy.routes.current
             try:
                 await self.engine.apply(snapshot)
-                self._applied = snapshot.version
+                self._applied, self._applied_cluster = snapshot.version, snapshot.cluster
             except (OSError, TimeoutError, RuntimeError, RuntimeAPIError) as exc:
                 # HAProxy is restarting (the supervisor renders the newest routes) or refused the change.
                 log.error("haproxy: routes version %d not applied: %s", snapshot.version, exc)

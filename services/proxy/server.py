@@ -60,8 +60,10 @@ from shared.live import publish_proxy_heartbeat
 from shared.metrics import RequestSeries
 from shared.natsio import Connection
 from shared.process import connect_with_retry
-from shared.routeclient import RouteClient
+from shared.routeclient import RouteClient, same_cluster
+from shared.skew import Component, Verdict, judge_peer
 from shared.tasks import cancel_and_wait
+from shared.version import VERSION
 
 log = logging.getLogger(__name__)
 
@@ -151,14 +153,19 @@ class Proxy:
         self.snapshot_listeners: list[Callable[[cpb.RouteSnapshot], None]] = []
         self.sample_sources: list[Callable[[], Awaitable[dict[str, cpb.ProxySample]]]] = []
         """Other data paths' per-env samples, merged into this proxy's heartbeat."""
-        self.served_version: Callable[[], int] = lambda: self.table.version
-        """The routes version the data plane serves (an engine in front may lag the Python table)."""
+        self.served: Callable[[], tuple[int, cpb.ClusterIdentity]] = lambda: (self.table.version, self.table.cluster)
+        """The routes version the data plane serves, and their cluster (an engine in front may lag the Python
+        table)."""
+        self.public_ports: Callable[[], tuple[int, int]] = lambda: (self._listening, 0)
+        """Where clients reach this proxy: (HTTP port, HTTPS port; 0 = none), reported in the heartbeat so that
+        the URLs the CLI and console show carry the port that works (an engine in front reports its own)."""
         self.metrics = metrics
         self._requests = RequestSeries()
         self.nats_url = nats_url
         self.proxy_id = cfg.proxy_id or socket.gethostname()
         self.routes = RouteClient(cache_dir / ROUTES_CACHE_FILE, node_id=cfg.node_id)
         self.table = RouteTable(self.routes.current)
+        self._control_version: str | None = None
         self.balancer = Balancer(cfg.node_id)
         self.limiter = RateLimiter()
         self.basic_auth = BasicAuth()
@@ -178,6 +185,7 @@ class Proxy:
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.ServerRunner | None = None
+        self._listening = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -204,6 +212,7 @@ class Proxy:
         self._runner = web.ServerRunner(server, shutdown_timeout=self.cfg.shutdown_grace)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.cfg.host, self.cfg.port).start()
+        self._listening = self.port
         self._tasks = [
             asyncio.create_task(self._follow_routes()),
             asyncio.create_task(self._connect_and_report()),
@@ -242,13 +251,24 @@ class Proxy:
         updates = self.routes.updates()
         try:
             async for snapshot in updates:
-                if snapshot.version != self.table.version:
+                self._check_control_version(snapshot.control_version)
+                if snapshot.version != self.table.version or not same_cluster(snapshot.cluster, self.table.cluster):
                     self.table = RouteTable(snapshot)
                     self.holds.wake_all()
                     for listener in self.snapshot_listeners:
                         listener(snapshot)
         finally:
             updates.close()
+
+    def _check_control_version(self, control_version: str) -> None:
+        """Say once per control-plane version when it is outside this proxy's skew window (it serves the
+        routes either way: it writes nothing but its heartbeat)."""
+        if control_version == self._control_version:
+            return
+        self._control_version = control_version
+        skew = judge_peer(Component.PROXY, VERSION, control_version)
+        if skew.message:
+            log.log(logging.WARNING if skew.verdict is Verdict.BEHIND else logging.ERROR, "%s", skew.message)
 
     async def _connect_and_report(self) -> None:
         """Connect, follow routes and heartbeat; when the connection is closed for good (nats-py never
@@ -286,7 +306,10 @@ class Proxy:
 
     async def _publish_heartbeat(self) -> None:
         heartbeat = self.stats.heartbeat(self.proxy_id, self.cfg.node_id, self.holds.held, self.table.env_ids)
-        heartbeat.routes_version = self.served_version()  # what it routes by now (zattera deploy waits on it)
+        # What it routes by now, of which cluster (zattera deploy waits on it), and where clients reach it.
+        heartbeat.routes_version, cluster = self.served()
+        heartbeat.routes_cluster.CopyFrom(cluster)
+        heartbeat.http_port, heartbeat.https_port = self.public_ports()
         if self.sample_sources:
             merged = merge_samples(heartbeat.envs, *[await source() for source in self.sample_sources])
             heartbeat.ClearField("envs")

@@ -1,14 +1,14 @@
 """NATS ``.creds`` files (a user JWT plus the user's nkey seed) and the private inbox a credential implies.
 
-Kept free of other project imports: :func:`shared.natsio.connect` uses it.
+Kept free of other project imports but :mod:`shared.files` (stdlib only): :func:`shared.natsio.connect` uses it.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
+from shared.files import PRIVATE, write_atomic
 from shared.security.nkeyjwt import decode_claims
 
 _JWT_BLOCK = re.compile(r"-----BEGIN NATS USER JWT-----\s*(\S+)\s*------END NATS USER JWT------")
@@ -44,10 +44,5 @@ def inbox_prefix(creds: str | Path) -> str:
 
 
 def write_private(path: Path, text: str) -> Path:
-    """Write a secret readable by its owner only (created 0600, never world-readable even briefly)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as file:
-        file.write(text)
-    os.chmod(path, 0o600)
-    return path
+    """Write a secret readable by its owner only (created 0600, never world-readable even briefly), whole."""
+    return write_atomic(path, text, mode=PRIVATE)

@@ -34,9 +34,10 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
+from shared import keys as K
 from shared.errors import ZatteraError
-from shared.jetstream import is_delete_marker
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, recorded_replicas, split_urls
+from shared.jetstream import read_state_key
+from shared.natsio import Connection, recorded_replicas, split_urls
 from shared.security.accounts import RELAY_PREFIX
 from shared.security.authority import RoleIssuer
 from shared.security.callers import answerable
@@ -309,11 +310,7 @@ class JoinService:
         return reply
 
     async def _node_registered(self, node_id: str) -> bool:
-        try:
-            msg = await self._conn.js.get_last_msg(STATE_STREAM, f"{STATE_PREFIX}node.{node_id}", direct=True)
-        except NotFoundError:
-            return False
-        return not is_delete_marker(msg.headers)
+        return (await read_state_key(self._conn.js, K.node(node_id))).data is not None
 
 
 async def request_join_token(

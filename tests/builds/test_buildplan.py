@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -309,6 +310,31 @@ def test_build_plan_command(tmp_path: Path) -> None:
     (tmp_path / "requirements.txt").unlink()
     broken = runner.invoke(cli_app, ["build", "plan", str(tmp_path)])
     assert broken.exit_code == 1 and "package.json: " in broken.output and "Traceback" not in broken.output
+
+
+@pytest.mark.parametrize(
+    ("files", "docker", "refused"),
+    [
+        ({"Dockerfile": "FROM x"}, None, ""),  # `zattera deploy`: the builder may have a Docker daemon
+        ({"Dockerfile": "FROM x"}, True, ""),
+        ({"Dockerfile": "FROM x"}, False, "a Dockerfile build needs a builder with a Docker daemon"),
+        ({"requirements.txt": "flask\n"}, None, "no start command for this python app"),
+        ({"requirements.txt": "flask\n", "Procfile": "web: python app.py\n"}, None, ""),
+        ({"zattera.toml": "[run]\ncommand = 3\n"}, None, "zattera.toml: [run] command must be a string"),
+        ({"zattera.toml": '[build]\ncommand = ["make"]\n'}, None, "zattera.toml: [build] command must be a string"),
+        ({"zattera.toml": "[run\n"}, None, "zattera.toml: "),
+    ],
+)
+def test_check_source_refuses_what_a_build_would_fail_with(
+    files: dict[str, str], docker: bool | None, refused: str
+) -> None:
+    from shared.buildplan import check_source
+
+    if not refused:
+        assert check_source(files, docker=docker)
+        return
+    with pytest.raises(PlanError, match=re.escape(refused)):
+        check_source(files, docker=docker)
 
 
 @pytest.mark.parametrize(

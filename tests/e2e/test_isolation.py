@@ -27,7 +27,8 @@ import pytest
 
 from shared.embedded import free_port
 from tests.e2e.cluster import EXAMPLE, ROOT, kill_tree_under
-from tests.e2e.test_up import Up, logs_of
+from tests.e2e.test_up import logs_of
+from tests.e2e.upcmd import Up
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
@@ -67,7 +68,7 @@ def spied(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     data, nats, proxy = root / "data", free_port(), free_port()
     args = ["--proxy-listen", f"127.0.0.1:{proxy}", "--proxy-tls-listen", "", "--metrics-port", "0"]
     env = {"ZATTERA_AGENT_RUNTIME": "process", "ZATTERA_CONSOLE_PORT": str(free_port())}
-    up = Up(data, nats, proxy, args=[*args, *(["--secure"] if secure else [])], env=env)
+    up = Up(data, nats, proxy, options=(*args, *(["--secure"] if secure else [])), env=env)
     try:
         asyncio.run(eventually(lambda: "Press Ctrl-C to stop." in up.text(), 90, "zattera up is up"))
         asyncio.run(eventually(lambda: serving(up), 90, "the local node registered, the relay answering"))

@@ -30,3 +30,19 @@ def test_the_environment_names_are_unchanged(monkeypatch: pytest.MonkeyPatch) ->
     assert Settings().loop_tick == 2.5
     assert AgentSettings().restart_backoff_max == 7.0
     assert ProxySettings().hold_timeout == 3.0
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [{}, {"ZATTERA_NATS_URL": "nats://a:1,nats://b:2", "ZATTERA_NATS_CREDS": "/c.creds", "zattera_nats_tls_ca": "/ca"}],
+)
+def test_the_connection_settings_read_alone_are_the_settings_ones(monkeypatch: pytest.MonkeyPatch, environ) -> None:
+    """``shared.natssettings`` (what the CLI reads, without pydantic-settings) agrees with ``Settings``."""
+    from shared.natssettings import NatsSettings
+
+    for name in ("ZATTERA_NATS_URL", "ZATTERA_NATS_CREDS", "ZATTERA_NATS_TLS_CA"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    full, alone = Settings(), NatsSettings.from_environ()
+    assert (alone.nats_url, alone.nats_creds, alone.nats_tls_ca) == (full.nats_url, full.nats_creds, full.nats_tls_ca)
