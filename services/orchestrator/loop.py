@@ -23,7 +23,6 @@ from shared.decision import Decision
 from shared.deployments import is_terminal
 from shared.loop import LeaderLoop, LoopDeps
 from shared.telemetry import counter, span
-from shared.txn import CommitUnknown, Conflict, Deposed
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +62,12 @@ class Orchestrator(LeaderLoop):
             if transition is None:
                 return None
             current.set_attribute("transition", transition.label)
-            txn = transition.txn(self.writer)  # right after deciding: it expects the revisions just read
-            try:
-                await self.writer.commit(txn)
-            except Deposed:
-                raise
-            except (Conflict, CommitUnknown) as exc:
-                # Nothing (or an unknown part, already caught up in the view) was written: the change
-                # that beat us wakes the loop again and the step is decided afresh.
+            # Right after deciding: its writes expect the revisions just read. Refused, nothing (or an
+            # unknown part, already caught up in the view) was written: the change that beat it wakes the
+            # loop again and the step is decided afresh.
+            [landed] = await self.commit_decisions([transition])
+            if not landed:
                 _refused.add(1)
-                log.debug("deployment %s: %s not committed: %s", deployment_id, transition.label, exc)
                 return None
         entered = deployment_of(transition)
         _transitions.add(1, {"to_phase": phase_label(entered.phase)})
@@ -80,8 +75,6 @@ class Orchestrator(LeaderLoop):
             log.info(
                 "deployment %s: %s%s", deployment_id, transition.label, f" ({entered.error})" if entered.error else ""
             )
-        if transition.events:
-            await self.events.publish(*transition.events)
         return transition
 
     def seconds_until_due(self) -> float | None:

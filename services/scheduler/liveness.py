@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import commit
 from shared import keys as K
 from shared.clock import from_timestamp, stamp
 from shared.decision import Decision
@@ -97,4 +96,4 @@ class Liveness(LeaderLoop):
             deadline=self.deadline,
             grace=self.grace,
         )
-        await commit(self.writer, self.events, writes, loop=self.name)
+        await self.commit_decisions(writes)

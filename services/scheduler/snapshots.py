@@ -40,7 +40,7 @@ from typing import Protocol
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import commit, volume_event
+from services.scheduler.decisions import volume_event
 from shared import keys as K
 from shared.clock import from_timestamp, stamp
 from shared.decision import Decision
@@ -186,7 +186,7 @@ class SnapshotScheduler(LeaderLoop):
     async def run_pass(self) -> None:
         assert self.writer is not None
         now = self.clock.now()
-        await commit(self.writer, self.events, abandoned_restores(self.view, now, self.restore_timeout), loop=self.name)
+        await self.commit_decisions(abandoned_restores(self.view, now, self.restore_timeout))
         await self._fail_stuck(now)
         by_volume: dict[str, list[pb.VolumeSnapshot]] = defaultdict(list)
         for record in self.view.snapshots():
