@@ -7,15 +7,14 @@ One JSON file, ``$ZATTERA_CONFIG_DIR/contexts.json`` (default ``~/.config/zatter
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from shared.errors import ZatteraError
 from shared.files import PRIVATE, write_atomic
+from shared.settings import Settings
 
-CONFIG_DIR_ENV = "ZATTERA_CONFIG_DIR"
 FILE_NAME = "contexts.json"
 
 
@@ -46,11 +45,12 @@ class ContextFile(BaseModel):
 
 
 def config_dir() -> Path:
-    explicit = os.environ.get(CONFIG_DIR_ENV)
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "zattera"
+    """``ZATTERA_CONFIG_DIR``, else ``$XDG_CONFIG_HOME/zattera``, else ``~/.config/zattera`` (read afresh: a
+    command may change them between calls)."""
+    cfg = Settings()
+    if cfg.config_dir is not None:
+        return cfg.config_dir
+    return (cfg.xdg_config_home or Path.home() / ".config") / "zattera"
 
 
 def path() -> Path:

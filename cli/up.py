@@ -228,8 +228,11 @@ class Cluster:
 
     def console_env(self) -> dict[str, str]:
         """The console's port: ``ZATTERA_CONSOLE_PORT`` when set, else :attr:`console_port` or a free one."""
-        if "ZATTERA_CONSOLE_PORT" in os.environ:
-            self.console_port = int(os.environ["ZATTERA_CONSOLE_PORT"])
+        from services.console.settings import ConsoleSettings
+
+        console = ConsoleSettings()
+        if "port" in console.model_fields_set:
+            self.console_port = console.port
         elif not _port_free(self.console_port):
             self.console_port = free_port()
         return {"ZATTERA_CONSOLE_PORT": str(self.console_port)}
@@ -406,9 +409,16 @@ Next, in another terminal (ZATTERA_NATS_URL={nats}):
 """
 
 
+def _proxy_engine() -> str:
+    """``ZATTERA_PROXY_ENGINE`` ('' = the proxy picks)."""
+    from services.proxy.settings import ProxySettings  # the proxy's modules, only for this line of output
+
+    return ProxySettings().engine
+
+
 def data_plane_text() -> str:
     """Which data plane the proxy runs (the choice ``python -m services.proxy`` makes without ``--engine``)."""
-    if choose_engine(os.environ.get("ZATTERA_PROXY_ENGINE", "")) == "haproxy":
+    if choose_engine(_proxy_engine()) == "haproxy":
         return "haproxy (cold and basic-auth requests through the Python handler; docs/ingress.md)"
     return "python (haproxy not installed: make system-packages installs it; docs/ingress.md)"
 
@@ -417,7 +427,7 @@ def https_text(tls_listen: str, local_ca: Path) -> str:
     """Where the proxy serves HTTPS (the haproxy engine only), and how to trust its local certificates."""
     if not tls_listen:
         return "off (--proxy-tls-listen HOST:PORT turns it on)"
-    if choose_engine(os.environ.get("ZATTERA_PROXY_ENGINE", "")) != "haproxy":
+    if choose_engine(_proxy_engine()) != "haproxy":
         return "off: TLS needs the haproxy engine (make system-packages installs it; docs/certificates.md)"
     port = split_listen(tls_listen)[1]
     return f"https://<app>-<env>.localhost:{port}  (curl --cacert {local_ca} …)"

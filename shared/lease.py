@@ -40,6 +40,7 @@ from shared.ids import new_id
 from shared.jetstream import WRONG_LAST_SEQUENCE, read_last
 from shared.metrics import lease_terms, leases_held
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+from shared.settings import DEFAULTS
 from shared.tasks import cancel_and_wait, raise_if_cancelling
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,8 @@ class Lease:
         loop: str,
         holder: str,
         *,
-        ttl: float = 3.0,
-        renew_interval: float = 1.0,
+        ttl: float = DEFAULTS.lease_ttl,
+        renew_interval: float = DEFAULTS.lease_renew,
     ) -> None:
         if ttl < 1.0:
             raise ValueError("lease ttl must be at least 1 s (the server's TTL granularity)")
@@ -278,8 +279,8 @@ async def run_while_leading(
     fn: LeaderFn,
     *,
     holder: str,
-    ttl: float = 3.0,
-    renew_interval: float = 1.0,
+    ttl: float = DEFAULTS.lease_ttl,
+    renew_interval: float = DEFAULTS.lease_renew,
     on_term: Callable[[int], None] | None = None,
 ) -> None:
     """Campaign for ``lease.<loop>`` forever; run ``fn`` while holding it, cancel it on loss, re-campaign.

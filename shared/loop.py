@@ -38,6 +38,7 @@ from shared.events import EventPublisher
 from shared.lease import Leadership
 from shared.metrics import loop_pass_duration
 from shared.natsio import Connection
+from shared.settings import DEFAULTS
 from shared.state.changes import Change, ChangeFeed
 from shared.state.feed import StateView
 from shared.tasks import raise_if_cancelling
@@ -82,11 +83,11 @@ class LoopDeps:
     conn: Connection
     view: StateView
     clock: Clock
-    coalesce: float = 0.005
+    coalesce: float = DEFAULTS.coalesce_window
     """Seconds a loop waits after a pass so that a burst of changes wakes one pass, not many."""
-    max_batch: int = 1000
+    max_batch: int = DEFAULTS.max_batch
     """Most writes in one atomic batch of the fenced writer."""
-    tombstone_ttl: float = 900.0
+    tombstone_ttl: float = DEFAULTS.tombstone_ttl
     """Seconds a delete marker outlives the key it deleted."""
 
 
@@ -96,7 +97,7 @@ class LeaderLoop(ABC):
     name: str = ""
     kinds: frozenset[str] = frozenset()
 
-    def __init__(self, deps: LoopDeps, *, tick: float = 15.0) -> None:
+    def __init__(self, deps: LoopDeps, *, tick: float = DEFAULTS.loop_tick) -> None:
         self.deps = deps
         self.conn = deps.conn
         self.view = deps.view

@@ -28,6 +28,7 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shared.backoff import exponential
 from shared.errors import ZatteraError
+from shared.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -470,8 +471,8 @@ class ClusterConfig:
     """What every stream, bucket and object store is created with: chosen once, by the init."""
 
     replicas: int = 1
-    live_ttl: float = 60.0
-    tombstone_ttl: float = 900.0
+    live_ttl: float = DEFAULTS.live_ttl
+    tombstone_ttl: float = DEFAULTS.tombstone_ttl
     build_log_lines: int = 10_000
     initialized_at: str = ""
 
@@ -658,8 +659,8 @@ async def provision(
     js: JetStreamContext,
     *,
     replicas: int | None = None,
-    live_ttl: float = 60.0,
-    tombstone_ttl: float = 900.0,
+    live_ttl: float = DEFAULTS.live_ttl,
+    tombstone_ttl: float = DEFAULTS.tombstone_ttl,
     build_log_lines: int = 10_000,
 ) -> ProvisionReport:
     """Create what is missing of DESIGN §2–§3, never changing what exists. Idempotent; safe from many

@@ -1,16 +1,19 @@
-"""Settings from the environment (prefix ``ZATTERA_``), shared by every service and the CLI.
+"""Settings from the environment (prefix ``ZATTERA_``) that more than one service, or the CLI, reads.
 
-Timers live here too so tests and demos can shorten them without code changes. Fields are grouped by
+Timers are settings so tests and demos can shorten them without code changes. Fields are grouped by
 concern; the docstring under each field is its description (``use_attribute_docstrings``), as in Kopf's
-``configuration.py``. Each service's own settings (``services/<name>/settings.py``) are shaped the same.
+``configuration.py``. A service's own settings and timers are in ``services/<name>/settings.py``, shaped
+the same. Nothing else reads the environment for configuration; a default is written once, in its field
+(code that needs it as a parameter default reads :data:`DEFAULTS`).
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Final
 
-from pydantic import Field
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -46,38 +49,18 @@ class Settings(BaseSettings):
     """A leader lease expires this long after its last renewal, seconds."""
     lease_renew: float = Field(default=1.0, gt=0)
     """How often a leader renews its lease, seconds."""
-    node_heartbeat_deadline: float = Field(default=30.0, gt=0)
-    """A node without a heartbeat this long (seconds) is DOWN."""
-    liveness_grace: float = Field(default=45.0, ge=0)
-    """A new liveness leader marks nothing DOWN this long (seconds): the heartbeats have to reach it first."""
 
-    # ---------------------------------------------------------------- loops and scaling
+    # ---------------------------------------------------------------- every leader loop
     loop_tick: float = Field(default=15.0, gt=0)
     """Safety-net re-evaluation of every leader loop (changes wake them at once), seconds."""
     coalesce_window: float = Field(default=0.005, ge=0)
     """A delay that merges bursts of changes into one evaluation, seconds."""
-    serverless_tick: float = Field(default=5.0, gt=0)
-    """How often the serverless scaler evaluates demand, seconds."""
-    serverless_scale_down_window: float = Field(default=30.0, ge=0)
-    """Serverless: demand stays below the replica count this long (seconds) before a scale-down."""
-    scale_to_zero_idle_timeout: float = Field(default=900.0, gt=0)
-    """The idle window of a scale_to_zero env that sets no idle_timeout, seconds."""
 
-    # ---------------------------------------------------------------- deployment orchestrator (seconds)
+    # ---------------------------------------------------------------- deployments
     drain_window: float = Field(default=600.0, gt=0)
-    """How long blue is kept warm after promotion."""
+    """How long blue is kept warm after promotion, seconds (the orchestrator; the proxy's old workers)."""
     health_default_grace: float = Field(default=60.0, gt=0)
-    """The health grace of a release that sets none."""
-    health_deadline_extra: float = Field(default=60.0, ge=0)
-    """The health deadline is 2 x grace + this."""
-    building_timeout: float = Field(default=1800.0, gt=0)
-    """A deployment BUILDING longer than this fails."""
-    placing_timeout: float = Field(default=600.0, gt=0)
-    """A deployment PLACING longer than this fails."""
-    starting_timeout: float = Field(default=600.0, gt=0)
-    """A deployment STARTING longer than this fails."""
-    stopping_old_timeout: float = Field(default=300.0, gt=0)
-    """A deployment STOPPING_OLD longer than this fails."""
+    """The health grace of a release that sets none, seconds (the agent's checks, the orchestrator's deadline)."""
 
     # ---------------------------------------------------------------- instance logs (docs/logs.md)
     # Each environment's stream limits, unless its [env.<name>.logs] sets them.
@@ -89,6 +72,20 @@ class Settings(BaseSettings):
     # ---------------------------------------------------------------- volume snapshots
     restore_timeout: float = Field(default=3600.0, gt=0)
     """A RESTORING volume without progress this long (seconds) is given up by the reaper."""
+    snapshot_key: SecretStr = SecretStr("")
+    """Hex of the optional 32-byte AES-256-GCM key snapshots are sealed with; '' = not sealed."""
+
+    # ---------------------------------------------------------------- tracing (docs/observability.md)
+    traces_exporter: str = Field(default="none", validation_alias=AliasChoices("OTEL_TRACES_EXPORTER"))
+    """``OTEL_TRACES_EXPORTER``: otlp, console, file, or none (spans stay in process)."""
+    trace_file: Path = Path("zattera-traces.jsonl")
+    """Where the ``file`` exporter appends its spans (JSON lines)."""
+
+    # ---------------------------------------------------------------- the CLI (docs/cluster.md)
+    config_dir: Path | None = None
+    """Where the CLI keeps contexts.json; unset = $XDG_CONFIG_HOME/zattera or ~/.config/zattera."""
+    xdg_config_home: Path | None = Field(default=None, validation_alias=AliasChoices("XDG_CONFIG_HOME"))
+    """``XDG_CONFIG_HOME``: the base of the CLI's config directory."""
 
     # ---------------------------------------------------------------- metrics (docs/observability.md)
     metrics_port: int = Field(default=0, ge=0, le=65535)
@@ -100,3 +97,7 @@ class Settings(BaseSettings):
 @lru_cache(maxsize=1)
 def settings() -> Settings:
     return Settings()
+
+
+DEFAULTS: Final = Settings.model_construct()
+"""Every field's default, without reading the environment: what a parameter's default names."""

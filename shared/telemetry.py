@@ -7,7 +7,6 @@ process only. Tests install an in-memory exporter with :func:`use_in_memory_expo
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -34,7 +33,10 @@ def setup(service_name: str) -> None:
     if _configured:
         return
     _configured = True
-    exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
+    from shared.settings import settings
+
+    cfg = settings()
+    exporter_name = cfg.traces_exporter.strip().lower()
     if exporter_name in ("", "none"):
         # No exporter: keep the API's no-op tracer. Recording spans nobody exports costs ~80 µs per
         # state write; incoming trace context is still extracted and passed on.
@@ -50,7 +52,7 @@ def setup(service_name: str) -> None:
     elif exporter_name == "file":
         from shared.tracefile import JsonLinesSpanExporter
 
-        exporter = JsonLinesSpanExporter(os.environ.get("ZATTERA_TRACE_FILE", "zattera-traces.jsonl"))
+        exporter = JsonLinesSpanExporter(str(cfg.trace_file))
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)

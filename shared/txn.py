@@ -40,6 +40,7 @@ from shared.ids import new_id
 from shared.jetstream import WRONG_LAST_SEQUENCE
 from shared.metrics import commit_conflicts, decisions, writer_label
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+from shared.settings import DEFAULTS
 from shared.state.feed import StateView
 from shared.tasks import raise_if_cancelling
 from shared.telemetry import inject, span
@@ -152,8 +153,8 @@ class Writer:
         view: StateView,
         *,
         lease: Lease | None = None,
-        max_batch: int = 1000,
-        tombstone_ttl: float = 900.0,
+        max_batch: int = DEFAULTS.max_batch,
+        tombstone_ttl: float = DEFAULTS.tombstone_ttl,
         commit_timeout: float = 10.0,
     ) -> None:
         self._conn = conn

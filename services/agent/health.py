@@ -28,11 +28,11 @@ from google.protobuf.duration_pb2 import Duration
 from zattera.v1 import types_pb2 as pb
 
 from shared.clock import Clock
+from shared.settings import DEFAULTS, settings
 from shared.subprocesses import run_shell
 
 DEFAULT_INTERVAL = 10.0
 DEFAULT_TIMEOUT = 5.0
-DEFAULT_GRACE = 60.0
 DEFAULT_THRESHOLD = 3
 HTTP = "http"
 TCP = "tcp"
@@ -55,7 +55,7 @@ class Probe:
     command: str = ""
     interval: float = DEFAULT_INTERVAL
     timeout: float = DEFAULT_TIMEOUT
-    grace: float = DEFAULT_GRACE
+    grace: float = DEFAULTS.health_default_grace
     threshold: int = DEFAULT_THRESHOLD
 
 
@@ -89,7 +89,7 @@ def probe_for(spec: pb.ServiceSpec, host_ports: Mapping[str, int], *, host: str 
         command=check.command,
         interval=seconds(check.interval, DEFAULT_INTERVAL),
         timeout=seconds(check.timeout, DEFAULT_TIMEOUT),
-        grace=seconds(check.grace_period, DEFAULT_GRACE),
+        grace=seconds(check.grace_period, settings().health_default_grace),
         threshold=check.unhealthy_threshold or DEFAULT_THRESHOLD,
     )
 

@@ -30,6 +30,7 @@ from shared.deployments import desired_replicas as current_replicas
 from shared.events import replica_count
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.loop import LoopDeps
+from shared.settings import DEFAULTS
 from shared.state.reader import StateReader
 from shared.state.store import RUN
 
@@ -174,7 +175,7 @@ class Autoscaler(ScalingLoop):
         live: LiveView,
         hold: float = SCALE_DOWN_HOLD,
         cooldown: float = COOLDOWN,
-        tick: float = 15.0,
+        tick: float = DEFAULTS.loop_tick,
     ) -> None:
         super().__init__(deps, live=live, tick=tick)
         self.hold = hold

@@ -24,6 +24,7 @@ from shared.deployments import owns_scaling
 from shared.events import scale_event as shared_scale_event
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
+from shared.settings import DEFAULTS
 from shared.state.changes import Change, ChangeFeed
 from shared.state.reader import StateReader
 from shared.txn import CommitUnknown, Conflict, Txn, Writer
@@ -105,7 +106,7 @@ class ScalingLoop(LeaderLoop):
     kinds = frozenset({K.ENV, K.DEPLOYMENT})
     live_kinds: frozenset[str] = frozenset({ENV_TRAFFIC})
 
-    def __init__(self, deps: LoopDeps, *, live: LiveView, tick: float = 15.0) -> None:
+    def __init__(self, deps: LoopDeps, *, live: LiveView, tick: float = DEFAULTS.loop_tick) -> None:
         super().__init__(deps, tick=tick)
         self.live = live
         self.writes = 0

@@ -46,6 +46,7 @@ from shared import keys as K
 from shared.buildlogs import read_build_log
 from shared.events import WARNING, make_event
 from shared.loop import LeaderLoop, LoopDeps
+from shared.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ class BuildDispatcher(LeaderLoop):
     name = "builds"
     kinds = frozenset({K.BUILD, K.NODE})
 
-    def __init__(self, deps: LoopDeps, *, config: BuildDispatcherConfig | None = None, tick: float = 15.0) -> None:
+    def __init__(
+        self, deps: LoopDeps, *, config: BuildDispatcherConfig | None = None, tick: float = DEFAULTS.loop_tick
+    ) -> None:
         super().__init__(deps, tick=tick)
         self.config = config or BuildDispatcherConfig()
         self.followers = BuildFollowers(self.conn, self.view, self.clock, self.config)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from zattera.v1 import types_pb2 as pb
 
 from services.builds.registry import RegistrySweeper
+from services.builds.settings import DEFAULTS
 from shared import keys as K
 from shared.deployments import is_terminal
 from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
@@ -42,7 +43,6 @@ from shared.state.changes import Change
 log = logging.getLogger(__name__)
 
 KEEP_RELEASES = 10
-RETENTION_INTERVAL = 3600.0
 SOURCE_MAX_AGE = DAY
 
 LIVE_BUILD_STATUSES = frozenset({pb.BUILD_STATUS_QUEUED, pb.BUILD_STATUS_RUNNING})
@@ -201,7 +201,7 @@ class Retention(LeaderLoop):
         deps: LoopDeps,
         *,
         sweeper: RegistrySweeper | None = None,
-        interval: float = RETENTION_INTERVAL,
+        interval: float = DEFAULTS.retention_interval,
         keep: int = KEEP_RELEASES,
         source_max_age: float = SOURCE_MAX_AGE,
     ) -> None:

@@ -38,6 +38,7 @@ from shared.events import INFO, WARNING, make_event
 from shared.loop import LeaderLoop, LoopDeps
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.secrets import CLUSTER_KEY, seal
+from shared.settings import DEFAULTS
 from shared.txn import Conflict
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class CertificateLoop(LeaderLoop):
         acme: AcmeIssuer | None = None,
         local_ca: LocalCA | None = None,
         extra_hosts: Callable[[], Iterable[str]] = tuple,
-        tick: float = 15.0,
+        tick: float = DEFAULTS.loop_tick,
     ) -> None:
         super().__init__(deps, tick=tick)
         self.acme = acme

@@ -22,6 +22,7 @@ from shared import keys as K
 from shared.decision import Decision
 from shared.deployments import is_terminal
 from shared.loop import LeaderLoop, LoopDeps
+from shared.settings import DEFAULTS
 from shared.telemetry import counter, span
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class Orchestrator(LeaderLoop):
     name = "orchestrator"
     kinds = frozenset({K.DEPLOYMENT, K.ASSIGNMENT, K.BUILD, K.ENV, K.NODE, K.RELEASE})
 
-    def __init__(self, deps: LoopDeps, *, timers: Timers | None = None, tick: float = 15.0) -> None:
+    def __init__(self, deps: LoopDeps, *, timers: Timers | None = None, tick: float = DEFAULTS.loop_tick) -> None:
         super().__init__(deps, tick=tick)
         self.timers = timers or Timers()
         self._pass_started_at = float("-inf")

@@ -17,6 +17,8 @@ from typing import TypeVar
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
+from services.orchestrator.settings import DEFAULTS as OWN
+from services.orchestrator.settings import OrchestratorSettings
 from shared import keys as K
 from shared.applogs import describe_exit
 from shared.clock import from_timestamp, stamp
@@ -24,6 +26,7 @@ from shared.decision import Decision
 from shared.deploy import CANCELED_BY_OPERATOR
 from shared.events import ERROR, INFO, WARNING, make_event, transition_id
 from shared.placement.replicas import with_desired
+from shared.settings import DEFAULTS as SHARED
 from shared.settings import Settings
 from shared.state.reader import StateReader
 
@@ -63,24 +66,24 @@ GONE_STATES = frozenset({pb.INSTANCE_STATE_STOPPED, pb.INSTANCE_STATE_FAILED, pb
 class Timers:
     """Every duration the phase machine waits on, in seconds."""
 
-    drain_window: float = 600.0
-    health_default_grace: float = 60.0
-    health_deadline_extra: float = 60.0
-    building_timeout: float = 1800.0
-    placing_timeout: float = 600.0
-    starting_timeout: float = 600.0
-    stopping_old_timeout: float = 300.0
+    drain_window: float = SHARED.drain_window
+    health_default_grace: float = SHARED.health_default_grace
+    health_deadline_extra: float = OWN.health_deadline_extra
+    building_timeout: float = OWN.building_timeout
+    placing_timeout: float = OWN.placing_timeout
+    starting_timeout: float = OWN.starting_timeout
+    stopping_old_timeout: float = OWN.stopping_old_timeout
 
     @classmethod
-    def from_settings(cls, s: Settings) -> Timers:
+    def from_settings(cls, shared: Settings, own: OrchestratorSettings) -> Timers:
         return cls(
-            drain_window=s.drain_window,
-            health_default_grace=s.health_default_grace,
-            health_deadline_extra=s.health_deadline_extra,
-            building_timeout=s.building_timeout,
-            placing_timeout=s.placing_timeout,
-            starting_timeout=s.starting_timeout,
-            stopping_old_timeout=s.stopping_old_timeout,
+            drain_window=shared.drain_window,
+            health_default_grace=shared.health_default_grace,
+            health_deadline_extra=own.health_deadline_extra,
+            building_timeout=own.building_timeout,
+            placing_timeout=own.placing_timeout,
+            starting_timeout=own.starting_timeout,
+            stopping_old_timeout=own.stopping_old_timeout,
         )
 
     def health_deadline(self, release: pb.Release) -> float:

@@ -44,6 +44,7 @@ from shared.loop import LeaderLoop, LoopDeps
 from shared.placement.placement import PlacementIndex
 from shared.placement.replicas import new_assignment, node_is_down, stopped
 from shared.schedule import Schedule, ScheduleError, parse_schedule
+from shared.settings import DEFAULTS
 from shared.state.reader import StateReader
 from shared.state.store import reservation
 
@@ -399,7 +400,7 @@ class JobsLoop(LeaderLoop):
     name = "jobs"
     kinds = frozenset({K.ENV, K.RELEASE, K.NODE, K.ASSIGNMENT, K.OBSERVED, K.JOB})
 
-    def __init__(self, deps: LoopDeps, *, tick: float = 15.0) -> None:
+    def __init__(self, deps: LoopDeps, *, tick: float = DEFAULTS.loop_tick) -> None:
         super().__init__(deps, tick=tick)
         self._next_slot: float | None = None
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from zattera.v1 import types_pb2 as pb
 
+from services.scheduler.settings import DEFAULTS
 from shared import keys as K
 from shared.clock import from_timestamp, stamp
 from shared.decision import Decision
@@ -24,8 +25,6 @@ from shared.loop import LeaderLoop, LoopDeps
 from shared.state.reader import StateReader
 
 TICK = 5.0
-HEARTBEAT_DEADLINE = 30.0
-LEADER_GRACE = 45.0
 ACTOR = "system:liveness"
 
 
@@ -35,8 +34,8 @@ def evaluate_liveness(
     now: float,
     term_started: float,
     *,
-    deadline: float = HEARTBEAT_DEADLINE,
-    grace: float = LEADER_GRACE,
+    deadline: float = DEFAULTS.node_heartbeat_deadline,
+    grace: float = DEFAULTS.liveness_grace,
 ) -> list[Decision]:
     """Status flips (one write per node) from each node's last heartbeat time."""
     result = []
@@ -74,8 +73,8 @@ class Liveness(LeaderLoop):
         *,
         live: LiveView,
         tick: float = TICK,
-        deadline: float = HEARTBEAT_DEADLINE,
-        grace: float = LEADER_GRACE,
+        deadline: float = DEFAULTS.node_heartbeat_deadline,
+        grace: float = DEFAULTS.liveness_grace,
     ) -> None:
         super().__init__(deps, tick=tick)
         self.live = live

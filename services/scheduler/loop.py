@@ -28,6 +28,7 @@ from shared import keys as K
 from shared.events import WARNING
 from shared.loop import LeaderLoop, LoopDeps
 from shared.placement.placement import PlacementError, explain
+from shared.settings import DEFAULTS
 from shared.state.reader import StateReader
 
 
@@ -35,7 +36,7 @@ class Scheduler(LeaderLoop):
     name = "scheduler"
     kinds = frozenset({K.ENV, K.RELEASE, K.DEPLOYMENT, K.NODE, K.ASSIGNMENT, K.VOLUME})
 
-    def __init__(self, deps: LoopDeps, *, tick: float = 15.0) -> None:
+    def __init__(self, deps: LoopDeps, *, tick: float = DEFAULTS.loop_tick) -> None:
         super().__init__(deps, tick=tick)
         self.backoff = FailureBackoff()
         self.notices = Notices()

@@ -47,6 +47,7 @@ from shared.decision import Decision
 from shared.events import WARNING
 from shared.loop import LeaderLoop, LoopDeps
 from shared.schedule import Schedule, ScheduleError, parse_schedule
+from shared.settings import DEFAULTS
 from shared.snapshots.dispatch import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
 from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
@@ -59,7 +60,6 @@ STUCK_AFTER = 3600.0
 FAILED_KEEP = 24 * 3600.0
 RETRY_AFTER = 30.0
 STUCK_ERROR = "no progress for 1h: snapshot abandoned"
-RESTORE_TIMEOUT = 3600.0
 
 
 def snapshot_baseline(volume: pb.Volume, records: Iterable[pb.VolumeSnapshot]) -> float:
@@ -154,7 +154,12 @@ class SnapshotScheduler(LeaderLoop):
     kinds = frozenset({K.VOLUME, K.SNAPSHOT})
 
     def __init__(
-        self, deps: LoopDeps, *, dispatcher: SnapshotOps, tick: float = TICK, restore_timeout: float = RESTORE_TIMEOUT
+        self,
+        deps: LoopDeps,
+        *,
+        dispatcher: SnapshotOps,
+        tick: float = TICK,
+        restore_timeout: float = DEFAULTS.restore_timeout,
     ) -> None:
         super().__init__(deps, tick=tick)
         self.dispatcher = dispatcher

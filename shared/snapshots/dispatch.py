@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from shared.clock import Clock, stamp
 from shared.ids import new_id
 from shared.natsio import Connection, agent_subject
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
+from shared.settings import Settings, settings
 from shared.snapshots.locking import SharedExclusiveLock
 from shared.snapshots.store import MANIFESTS, SnapshotStore
 from shared.state.feed import StateView
@@ -84,8 +84,9 @@ def _describe(fingerprint: str) -> str:
     return f"the key {fingerprint}" if fingerprint else "no key"
 
 
-def target_from_env() -> cpb.SnapshotTarget:
-    key = os.environ.get(SNAPSHOT_KEY_ENV, "")
+def snapshot_target(cfg: Settings | None = None) -> cpb.SnapshotTarget:
+    """The snapshot key of this process's settings (``ZATTERA_SNAPSHOT_KEY``), as the agents receive it."""
+    key = (cfg or settings()).snapshot_key.get_secret_value()
     return cpb.SnapshotTarget(data_key=bytes.fromhex(key) if key else b"")
 
 
@@ -497,14 +498,17 @@ __all__ = [
     "SnapshotDispatcher",
     "lease_expired",
     "lease_held_by_other",
-    "target_from_env",
+    "snapshot_target",
     "volume_mounted",
 ]
 
 
-def operator_dispatcher(conn: Connection, view: StateView, clock: Clock, restore_timeout: float) -> SnapshotDispatcher:
+def operator_dispatcher(
+    conn: Connection, view: StateView, clock: Clock, cfg: Settings | None = None
+) -> SnapshotDispatcher:
     """The dispatcher of an operator's snapshots and restores (CLI, web console): the cluster's snapshot key
-    from the environment; a restore touches its RESTORING volume at least thrice per reaper timeout
+    from the settings; a restore touches its RESTORING volume at least thrice per reaper timeout
     (``restore_timeout``), so a live one is never reaped."""
-    touch_every = min(TOUCH_EVERY, restore_timeout / 3)
-    return SnapshotDispatcher(conn, view, clock, target=target_from_env(), touch_every=touch_every)
+    cfg = cfg or settings()
+    touch_every = min(TOUCH_EVERY, cfg.restore_timeout / 3)
+    return SnapshotDispatcher(conn, view, clock, target=snapshot_target(cfg), touch_every=touch_every)

@@ -7,7 +7,8 @@ import asyncio
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.scaletozero import DEFAULT_IDLE_TIMEOUT, ScaleToZero
+from services.autoscale.scaletozero import ScaleToZero
+from services.autoscale.settings import DEFAULTS
 from shared.loop import LoopDeps
 from shared.natsio import EVENTS_STREAM
 from tests.autoscale.conftest import Harness
@@ -99,7 +100,7 @@ async def test_without_idle_timeout_cools_after_the_default(h: Harness):
     # Fix: the reference never cooled such an env; it now uses the documented default.
     await h.seed(*base_objects(s2z_env(idle_timeout=None), running(1)))
     loop = await h.loop(ScaleToZero)
-    await seed_then_idle(h, loop, DEFAULT_IDLE_TIMEOUT - 1)
+    await seed_then_idle(h, loop, DEFAULTS.scale_to_zero_idle_timeout - 1)
     assert h.env().effective_replicas == 1
     await h.clock.advance(2)
     await h.beat(beat(h.clock.now()))
