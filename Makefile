@@ -17,6 +17,7 @@ SYSTEM_PACKAGES += pebble  # ACME test CA (pebble, pebble-challtestsrv) for the 
 SYSTEM_PACKAGES += docker.io busybox-static  # the docker runtime (issue 20): its tests start their own dockerd; busybox is their base image
 SYSTEM_PACKAGES += chromium  # the web console's browser tests (Playwright drives the system browser)
 SYSTEM_PACKAGES += haproxy  # the ingress data plane (issue 18: services/proxy --engine haproxy)
+SYSTEM_PACKAGES += bubblewrap  # the process runtime's app sandbox (issue 43: services/agent/sandbox.py; setpriv and nsenter come with util-linux)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +50,7 @@ bench: $(STAMP) system-packages
 	$(PY) -m benchmarks.run
 
 chaos: $(STAMP)
-	$(PY) -m pytest -m chaos tests/chaos tests/orchestrator/test_failover.py tests/multinode -q
+	$(PY) -m pytest -m chaos tests/chaos tests/orchestrator/test_failover.py tests/multinode tests/upgrade tests/e2e/test_compose_stack.py -q
 
 proto: $(STAMP)
 	PYTHON=$(PY) proto/generate.sh

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
+import os
+import signal
 import statistics
+import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +53,35 @@ def embedded_server(prefix: str = "zattera-bench-") -> Iterator[EmbeddedNats]:
             yield server
         finally:
             server.stop()
+
+
+def stop_up(proc: subprocess.Popen[bytes], data_dir: Path) -> None:
+    """Stop a ``zattera up`` a benchmark started in its own process group (Ctrl-C, then SIGKILL after 30 s),
+    and anything still running under its data dir."""
+    from tests.e2e.cluster import kill_tree_under
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    kill_tree_under(data_dir, also_matching=str(data_dir))
+
+
+async def listening(port: int, timeout: float = 30.0, poll: float = 0.002) -> None:
+    """Until something accepts a connection on 127.0.0.1:``port`` (TimeoutError after ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {port}") from None
+            await asyncio.sleep(poll)
 
 
 def format_value(value: float) -> str:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
-from benchmarks.common import Row, bench_main, median, percentile, row
+from benchmarks.common import Row, bench_main, listening, median, percentile, row
 from services.agent.docker_runtime import ContainerImage, DockerLauncher
 from services.agent.hostbase import inspect_node, node_rootfs_tar, tar_size
 from services.agent.images import PreparedImage
@@ -59,22 +59,8 @@ SERVE = (
     "mkdir -p /tmp/www && echo ok > /tmp/www/healthz && echo hi > /tmp/www/index.html && "
     "exec httpd -f -p $ZATTERA_BIND_ADDR:$PORT -h /tmp/www"
 )
-_POLL = 0.002
 NODE_PYTHON = os.path.realpath(sys.executable)
 """The interpreter the builder installs Python apps for (and the agent runs on)."""
-
-
-async def _listening(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listens on {port}") from None
-            await asyncio.sleep(_POLL)
 
 
 def _busybox_httpd(launcher: Launcher, port: int, workdir: Path) -> list[str]:
@@ -103,7 +89,7 @@ async def _start_once(
         plan=LaunchPlan(memory_mb=64, cpu_millis=500),
         labels={"dev.zattera.assignment": f"bench-{port}"},
     )
-    await _listening(port)
+    await listening(port)
     elapsed = time.monotonic() - started
     await handle.stop(1.0)
     return elapsed

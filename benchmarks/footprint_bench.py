@@ -1,5 +1,7 @@
 """Idle footprint of ``zattera up`` on one machine: the control plane in one process (the default) next to
-one process per service (``--separate``), both started at once in the same run.
+one process per service (``--separate``), both started at once in the same run; with ``--full``, also
+compose.yaml's two shapes in containers: the all-in-one container, then one container per service (two of
+each but the console).
 
 Run: ``python -m benchmarks.footprint_bench [--full] [--json]`` (also part of ``make bench``).
 
@@ -9,6 +11,14 @@ data dir and free ports, with metrics off and no app deployed. Once every contro
 and CPU time used over a window (quick: settle 3 s, window 4 s; full: 20 s and 60 s), grouped as the
 supervisor (``zattera up`` itself), the control-plane services, the node (agent and proxy) and nats-server.
 
+The compose shapes (full only: on the tests' ``vfs`` daemon, creating 20 containers takes minutes) run on a
+private dockerd (``tests/dockerd.py``), one compose project (``tests/e2e/compose.py``: NATS, the agent and
+the proxy, then each shape's control plane in turn, the other stopped), health checks at compose.yaml's
+default 30 s, no app deployed. Once every container is healthy and the settling time has passed, each
+container is measured: RSS of its processes, its memory as the limit counts it (cgroup usage less inactive
+page cache), CPU over the window; and the Docker daemon's side (dockerd, containerd, the shims: where every
+health check's ``docker exec`` is paid).
+
 Target: the control plane of a single machine (supervisor + services) ≤ 150 MB at idle (issue 22).
 Anchor: k3s and Nomad ship their control plane as one binary; before all-in-one, ``zattera up`` held nine
 Python processes and 475 MB.
@@ -16,8 +26,10 @@ Python processes and 475 MB.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
-import signal
+import shutil
 import subprocess
 import tempfile
 import time
@@ -26,9 +38,11 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.common import Row, bench_main, row
+from benchmarks.common import Row, bench_main, row, stop_up
 from shared.embedded import free_port
-from tests.e2e.cluster import ROOT, cli_argv, kill_tree_under
+from tests.dockerd import private_dockerd
+from tests.e2e.cluster import ROOT, cli_argv
+from tests.e2e.compose import COMMON, SHAPES, Stack, composed
 
 MODES = {"all-in-one": "--all-in-one", "separate": "--separate"}
 GROUPS = ("supervisor", "control plane", "node", "nats-server")
@@ -80,14 +94,7 @@ class UpRun:
         return [root, *root.children(recursive=True)]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        kill_tree_under(self.data_dir, also_matching=str(self.data_dir))
+        stop_up(self.proc, self.data_dir)
 
 
 def cpu_seconds(procs: list[psutil.Process]) -> dict[int, float]:
@@ -123,6 +130,114 @@ def measure(runs: list[UpRun], window: float) -> dict[str, dict[str, tuple[float
             entry[2] = int(entry[2]) + 1
         result[run.mode] = {g: (float(v[0]), float(v[1]), int(v[2])) for g, v in groups.items()}
     return result
+
+
+@dataclass
+class Measured:
+    """One container (or the daemon's side) at idle."""
+
+    service: str
+    rss: float
+    """MB, its processes' resident memory."""
+    cgroup: float
+    """MB, its memory as its limit counts it."""
+    cpu: float
+    """Percent of one core over the window."""
+
+
+def daemon_side(docker_root: Path) -> list[psutil.Process]:
+    """dockerd, containerd and the shims of the daemon under ``docker_root``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if str(docker_root) in " ".join(proc.info["cmdline"] or []):
+                found.append(proc)
+    return found
+
+
+async def measure_shape(stack: Stack, shape: str, docker_root: Path, settle: float, window: float) -> list[Measured]:
+    """The shape up beside NATS, the agent and the proxy, every container healthy, settled: each container
+    measured over ``window`` (and the daemon's side, service ``docker``)."""
+    async with stack.shape(shape) as services:
+        await asyncio.sleep(settle)
+        trees: dict[str, list[psutil.Process]] = {}
+        ids: dict[str, tuple[str, str]] = {}
+        for service in (*COMMON, *services):
+            for container in await stack.containers(service):
+                root = psutil.Process(container["State"]["Pid"])
+                trees[container["Id"]] = [root, *root.children(recursive=True)]
+                ids[container["Id"]] = (service, container["Id"])
+        trees["docker"] = daemon_side(docker_root)
+        before = {key: cpu_seconds(procs) for key, procs in trees.items()}
+        await asyncio.sleep(window)
+        measured = []
+        for key, procs in trees.items():
+            after = cpu_seconds(procs)
+            used = sum(after.get(pid, 0.0) - before[key].get(pid, 0.0) for pid in after)
+            rss = 0.0
+            for proc in procs:
+                with contextlib.suppress(psutil.Error):
+                    rss += proc.memory_info().rss / 2**20
+            service, container_id = ids.get(key, ("docker", ""))
+            cgroup = await stack.memory(container_id) if container_id else 0.0
+            measured.append(Measured(service, rss, cgroup, 100.0 * used / window))
+    return measured
+
+
+def compose_rows(settle: float, window: float) -> list[Row]:
+    root = Path(tempfile.mkdtemp(prefix="zattera-footprint-compose-"))
+    try:
+        with private_dockerd(root / "dockerd") as docker_host, composed(docker_host) as stack:
+            figures = {
+                shape: asyncio.run(measure_shape(stack, shape, root / "dockerd", settle, window)) for shape in SHAPES
+            }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows = []
+    for shape, measured in figures.items():
+        control = [m for m in measured if m.service in SHAPES[shape]]
+        stack_rss = sum(m.rss for m in measured if m.service != "docker")
+        label = f"{len(control)} container{'s' * (len(control) != 1)}"
+        rows.append(row(f"compose idle RSS, control plane ({label}), {shape}", sum(m.rss for m in control), "MB"))
+        rows.append(
+            row(
+                f"compose idle memory as limited (cgroup), control plane ({label}), {shape}",
+                sum(m.cgroup for m in control),
+                "MB",
+            )
+        )
+        for service in SHAPES[shape]:
+            mine = [m for m in control if m.service == service]
+            rows.append(
+                row(
+                    f"compose idle RSS per container, {service} (x{len(mine)}), {shape}",
+                    sum(m.rss for m in mine) / len(mine),
+                    "MB",
+                    "",
+                    f"cgroup {sum(m.cgroup for m in mine) / len(mine):.0f} MB",
+                )
+            )
+        for service in COMMON:
+            [mine] = [m for m in measured if m.service == service]
+            rows.append(row(f"compose idle RSS, {service} container, {shape}", mine.rss, "MB"))
+        rows.append(row(f"compose idle RSS, whole stack (control plane, nats, agent, proxy), {shape}", stack_rss, "MB"))
+        rows.append(row(f"compose idle CPU, control plane, {shape}", sum(m.cpu for m in control), "% of a core"))
+        rows.append(
+            row(
+                f"compose idle CPU, whole stack, {shape}",
+                sum(m.cpu for m in measured if m.service != "docker"),
+                "% of a core",
+            )
+        )
+        [docker] = [m for m in measured if m.service == "docker"]
+        rows.append(
+            row(
+                f"compose idle CPU, Docker daemon side (health checks every 30 s), {shape}",
+                docker.cpu,
+                "% of a core",
+            )
+        )
+    return rows
 
 
 def run(quick: bool = True) -> list[Row]:
@@ -171,8 +286,10 @@ def run(quick: bool = True) -> list[Row]:
             )
         )
         rows.append(row(f"idle CPU, whole `zattera up`, {mode}", sum(cpu.values()), "% of a core"))
+    if not quick:
+        rows += compose_rows(settle, window)
     return rows
 
 
 if __name__ == "__main__":
-    bench_main("Footprint of zattera up at idle", run, __doc__, "settle 20 s, CPU window 60 s")
+    bench_main("Footprint of zattera up at idle", run, __doc__, "settle 20 s, CPU window 60 s, and both compose shapes")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import IntEnum
@@ -26,10 +26,22 @@ from cli import contexts
 from shared.actions.context import ActionContext
 from shared.actions.refusals import ActionRefused, Refusal
 from shared.errors import ZatteraError
-from shared.natsio import STATE_STREAM, ClusterUnavailable, Connection, TooManySubjects, connect
-from shared.settings import settings
+from shared.migrations.registry import SCHEMA
+from shared.natsio import (
+    STATE_STREAM,
+    ClusterUnavailable,
+    Connection,
+    NotAuthorized,
+    PermissionDenied,
+    TooManySubjects,
+    connect,
+    recorded_config,
+)
+from shared.natssettings import nats_settings
+from shared.skew import Component, SkewRefused, Verdict, judge
 from shared.state.feed import StateView
-from shared.txn import CommitUnknown, Writer
+from shared.txn import CommitUnknown, Txn, TxnError, Writer
+from shared.version import VERSION
 from shared.watches import STATE_WATCH, watch_opener
 
 T = TypeVar("T")
@@ -103,7 +115,7 @@ class Target:
 def target() -> Target:
     """``--nats``/``ZATTERA_NATS_URL`` when given, else the context in use, else the local default;
     ``ZATTERA_NATS_CREDS``/``ZATTERA_NATS_TLS_CA`` override the context's files."""
-    cfg = settings()
+    cfg = nats_settings()
     saved = None if OPTIONS.nats_url else contexts.current()
     if saved is None:
         return Target(OPTIONS.nats_url or cfg.nats_url, cfg.nats_creds, cfg.nats_tls_ca)
@@ -112,6 +124,16 @@ def target() -> Target:
 
 def nats_url() -> str:
     return target().urls
+
+
+CONNECT_TIMEOUT = 2.0
+"""Seconds one server may take to accept the CLI's connection (a wrong address fails once every server
+was tried: refused at once, unanswered after this)."""
+OPERATOR_CREDENTIAL_HINT = (
+    "the CLI needs the operator credential of a secured cluster: ZATTERA_NATS_CREDS=<data dir>/control/security/"
+    "creds/operator.creds (printed by `zattera up --secure`), or a context saved with "
+    "`zattera context add NAME --nats URL --creds FILE`"
+)
 
 
 def actor() -> str:
@@ -136,15 +158,40 @@ async def connect_cli(name: str = "zattera-cli") -> Connection:
         return await connect(
             where.urls,
             name=name,
-            connect_timeout=3,
+            connect_timeout=CONNECT_TIMEOUT,
             creds=where.creds or None,
             tls_ca=where.tls_ca or None,
             request_deadline=REQUEST_DEADLINE,
+            fail_fast=True,
         )
+    except NotAuthorized as exc:
+        raise NotAuthorized(f"{exc}; {OPERATOR_CREDENTIAL_HINT}") from None
     except (ConnectionError, OSError, nats.errors.Error) as exc:
+        reason = str(exc).removeprefix(f"no NATS server reachable at {where.urls} ").strip("()") or type(exc).__name__
         raise ClusterUnavailable(
-            f"cannot reach NATS at {where.urls} ({exc or type(exc).__name__}). Is the cluster up (`make up`)?"
+            f"cannot reach NATS at {where.urls} ({reason}). Is the cluster up (`make up`)?"
         ) from None
+
+
+class CheckedWriter(Writer):
+    """The CLI's writer: its first write is preceded by the version-skew check (``shared/skew.py``). A CLI
+    too old for the cluster, or needing a schema the cluster is not at yet, writes nothing and says why in
+    one line; reads are never checked (they change nothing, and stay one round trip)."""
+
+    def __init__(self, conn: Connection, view: StateView) -> None:
+        super().__init__(conn, view)
+        self._cli_conn = conn
+        self._allowed = False
+
+    async def commit_many(self, txns: Sequence[Txn]) -> list[TxnError | None]:
+        if not self._allowed:
+            recorded = await recorded_config(self._cli_conn.js)
+            if recorded is not None:
+                skew = judge(Component.CLI, VERSION, SCHEMA, recorded.version, recorded.schema)
+                if skew.refused or skew.verdict is Verdict.WAIT:
+                    raise SkewRefused(f"{skew.message}; nothing was written")
+            self._allowed = True
+        return await super().commit_many(txns)
 
 
 @asynccontextmanager
@@ -157,7 +204,7 @@ async def control(*, view: bool = True, follow: bool = False) -> AsyncIterator[C
     state = StateView(conn, name="cli", open_consumer=watch_opener(conn, STATE_WATCH))
     try:
         await _load(conn, state, view=view, follow=follow)
-        yield Control(conn, state, Writer(conn, state))
+        yield Control(conn, state, CheckedWriter(conn, state))
     finally:
         await state.stop()
         await conn.close()
@@ -215,6 +262,8 @@ def run(fn: Callable[[], Awaitable[T]]) -> T:
         raise fail(str(exc), ExitCode.NOT_INITIALISED) from None
     except ClusterUnavailable as exc:
         raise fail(str(exc), ExitCode.UNAVAILABLE) from None
+    except PermissionDenied as exc:
+        raise fail(f"{exc}; {OPERATOR_CREDENTIAL_HINT}") from None
     except CommitUnknown as exc:
         raise fail(
             f"{exc}: the write may or may not have been applied (NATS did not confirm it); "

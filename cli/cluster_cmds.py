@@ -1,19 +1,43 @@
-"""``zattera cluster init`` / ``cluster status``: the one step that creates the streams, buckets and object
-stores and records the cluster configuration, and a read-only check of every stream against it
-(docs/cluster.md)."""
+"""``zattera cluster init`` / ``status`` / ``upgrade``: the one step that creates the streams, buckets and
+object stores and records the cluster configuration, a read-only check of every stream against it, the
+schema and which version leads each loop (docs/cluster.md), and the migrations to this version's schema
+run on demand (docs/upgrades.md; the control plane also runs them at start)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import asdict
+from typing import Any
 
 import typer
+from google.protobuf.message import DecodeError
+from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.client import OPTIONS, ExitCode, connect_cli, err, fail, nats_url, run
-from shared.natsio import ProvisionReport, cluster_size, inspect_cluster, placement_log, provision
+from shared.jetstream import is_delete_marker
+from shared.lease import default_holder
+from shared.migrations.registry import SCHEMA, load
+from shared.migrations.runner import MigrationFailed, UpgradeReport, pending_steps, upgrade
+from shared.natsio import (
+    STATE_PREFIX,
+    STATE_STREAM,
+    ClusterConfig,
+    Connection,
+    ProvisionReport,
+    cluster_size,
+    inspect_cluster,
+    last_per_subject,
+    placement_log,
+    provision,
+    recorded_config,
+)
+from shared.skew import Component, SkewRefused, judge
+from shared.version import VERSION
 
-cluster_app = typer.Typer(no_args_is_help=True, help="The cluster's own configuration: init and status.")
+cluster_app = typer.Typer(
+    no_args_is_help=True, help="The cluster's own configuration: init, status, and upgrades of its schema."
+)
 
 JSON = typer.Option(False, "--json", help="machine-readable output")
 
@@ -79,6 +103,7 @@ def status(json: bool = JSON) -> None:
         try:
             config, streams = await inspect_cluster(conn.js)
             servers = cluster_size(conn.nc)
+            leaders = await _leaders(conn) if config is not None else []
         finally:
             await conn.close()
         if config is None:
@@ -86,6 +111,7 @@ def status(json: bool = JSON) -> None:
                 f"the cluster at {nats_url()} is not initialised: run `zattera cluster init`", ExitCode.NOT_INITIALISED
             )
         mismatches = [m for s in streams for m in s.mismatches]
+        skew = judge(Component.CLI, VERSION, SCHEMA, config.version, config.schema)
         if render.json_mode():
             render.emit_json(
                 {
@@ -93,6 +119,8 @@ def status(json: bool = JSON) -> None:
                     "servers": servers,
                     "streams": [asdict(s) for s in streams],
                     "mismatches": mismatches,
+                    "leaders": leaders,
+                    "cli": {"version": VERSION, "schema": SCHEMA, "skew": skew.verdict.value},
                 }
             )
             return
@@ -118,5 +146,104 @@ def status(json: bool = JSON) -> None:
         )
         for mismatch in mismatches:
             render.out.print(f"[yellow]mismatch (not applied):[/] {mismatch}", highlight=False)
+        _print_schema(config, leaders)
+        if skew.message:
+            render.out.print(f"[yellow]{skew.message}[/]", highlight=False)
 
     run(go)
+
+
+async def _leaders(conn: Connection) -> list[dict[str, str]]:
+    """Each loop's lease: who leads it and that process's version (empty before leases carried one)."""
+    found = []
+    for msg in await last_per_subject(conn.nc, STATE_STREAM, f"{STATE_PREFIX}lease.>", 5.0):
+        if is_delete_marker(msg.headers) or not msg.data:
+            continue
+        try:
+            lease = pb.Lease.FromString(msg.data)
+        except DecodeError:
+            continue
+        loop = msg.subject.removeprefix(f"{STATE_PREFIX}lease.")
+        found.append({"loop": loop, "holder": lease.holder, "version": lease.version})
+    return sorted(found, key=lambda leader: leader["loop"])
+
+
+def _print_schema(config: ClusterConfig, leaders: list[dict[str, str]]) -> None:
+    recorded = config.version or "not recorded: 0.1.0 or earlier"
+    render.out.print(
+        f"schema {config.schema} (Zattera {recorded}); this zattera: {VERSION}, schema {SCHEMA}", highlight=False
+    )
+    if config.migrations:
+        render.table(
+            "migrations run", ["migration", "when", "by", "what changed"], [_history(m) for m in config.migrations]
+        )
+    if leaders:
+        render.table(
+            "leaders",
+            ["loop", "version", "holder"],
+            [[leader["loop"], leader["version"] or "0.1.0 or earlier", leader["holder"]] for leader in leaders],
+        )
+
+
+def _history(line: str) -> list[str]:
+    return [*line.split(" ", 3), "", "", ""][:4]
+
+
+@cluster_app.command("upgrade")
+def upgrade_cmd(
+    dry_run: bool = typer.Option(False, "--dry-run", help="list the pending migrations; change nothing"),
+    json: bool = JSON,
+) -> None:
+    """Bring the cluster to this version's schema now: the pending migrations, in order, each recorded
+    (the control plane also runs them when it starts). A cluster at a newer schema is refused."""
+    OPTIONS.json = json
+
+    async def go() -> dict[str, Any]:
+        conn = await connect_cli()
+        try:
+            config = await recorded_config(conn.js)
+            if config is None:
+                raise fail(
+                    f"the cluster at {nats_url()} is not initialised: run `zattera cluster init`",
+                    ExitCode.NOT_INITIALISED,
+                )
+            steps = load()
+            pending = [
+                {"migration": s.label, "summary": s.migration.summary, "release": s.migration.release}
+                for s in pending_steps(config.schema, steps)
+            ]
+            skew = judge(Component.CONTROL_PLANE, VERSION, SCHEMA, config.version, config.schema)
+            if skew.refused:
+                raise fail(skew.message)
+            if dry_run:
+                return {"dry_run": True, "schema": config.schema, "target": SCHEMA, "pending": pending}
+            progress = (lambda line: None) if render.json_mode() else (lambda line: err.print(line, highlight=False))
+            try:
+                report = await upgrade(conn, holder=default_holder("zattera-cli-upgrade"), progress=progress)
+            except (SkewRefused, MigrationFailed) as exc:
+                raise fail(str(exc)) from None
+            return _report_json(report)
+        finally:
+            await conn.close()
+
+    result = run(go)
+    if render.json_mode():
+        render.emit_json(result)
+    elif result.get("dry_run"):
+        if not result["pending"]:
+            render.out.print(f"schema {result['schema']}: up to date (this zattera: {VERSION}, schema {SCHEMA})")
+        for step in result["pending"]:
+            render.out.print(f"pending: {step['migration']}: {step['summary']} (Zattera {step['release']})")
+    elif result["applied"] or result["by_other"]:
+        render.out.print(f"cluster at schema {result['after']['schema']} (Zattera {result['after']['version']})")
+    else:
+        render.out.print(f"nothing to do: schema {result['after']['schema']} (Zattera {result['after']['version']})")
+
+
+def _report_json(report: UpgradeReport) -> dict[str, Any]:
+    return {
+        "before": {"schema": report.before.schema, "version": report.before.version},
+        "after": {"schema": report.after.schema, "version": report.after.version},
+        "applied": [asdict(a) for a in report.applied],
+        "by_other": report.by_other,
+    }

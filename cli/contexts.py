@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from shared.errors import ZatteraError
 from shared.files import PRIVATE, write_atomic
-from shared.settings import Settings
+from shared.natssettings import config_dir
 
 FILE_NAME = "contexts.json"
 
@@ -42,15 +42,6 @@ class Context(BaseModel):
 class ContextFile(BaseModel):
     current: str = ""
     contexts: dict[str, Context] = Field(default_factory=dict)
-
-
-def config_dir() -> Path:
-    """``ZATTERA_CONFIG_DIR``, else ``$XDG_CONFIG_HOME/zattera``, else ``~/.config/zattera`` (read afresh: a
-    command may change them between calls)."""
-    cfg = Settings()
-    if cfg.config_dir is not None:
-        return cfg.config_dir
-    return (cfg.xdg_config_home or Path.home() / ".config") / "zattera"
 
 
 def path() -> Path:

@@ -19,13 +19,15 @@ from shared.actions.deploys import deploy as deploy_action
 from shared.actions.deploys import rollback as rollback_action
 from shared.actions.names import env_label, env_path
 from shared.deploy import DeployError
+from shared.deploysource import SourceRefused, default_env, inspect_source, mismatch
+from shared.state.reader import StateReader
 from shared.telemetry import span
 
 
 def _deploy_usage(ctx: Any) -> str:
     prog = ctx.command_path
     return (
-        f"Usage: {prog} DIR --env E [OPTIONS]\n"
+        f"Usage: {prog} DIR [--env E] [OPTIONS]\n"
         f"       {prog} --env E (--image REF | --build ID) [OPTIONS]\n"
         f"       {prog} (watch | cancel | list) [ARGS]..."
     )
@@ -94,21 +96,41 @@ def _refused(exc: DeployError, given: dict[str, str]) -> typer.Exit:
 
 @deploy_app.command("run", cls=_DeployCommand, hidden=True)
 def deploy(
+    ctx: typer.Context,
     source: Path = typer.Argument(None, metavar="DIR", help="source directory to build and deploy"),
-    env: str = typer.Option(..., "--env", help="environment id or project/app/env"),
+    env: str = typer.Option(
+        "", "--env", help="environment id or project/app/env (default: DIR's zattera.toml, when it names one env)"
+    ),
     image: str = typer.Option("", "--image", help="deploy this image instead of building source"),
     build: str = typer.Option("", "--build", help="deploy the image of a finished build"),
     watch: bool = typer.Option(True, "--watch/--no-watch", help="follow the deployment until it is live"),
+    force: bool = typer.Option(False, "--force", help="deploy DIR even though its zattera.toml names another app"),
 ) -> None:
     """Deploy: from a source directory (tar, upload, build, deploy), or --image / --build."""
     from cli.source import pack, upload
 
     if sum(bool(x) for x in (source, image, build)) != 1:
         raise fail("give exactly one of SOURCE, --image or --build")
+    manifest = None
+    if source is not None:
+        try:
+            manifest, _ = inspect_source(source)  # the builder's checks, before anything is uploaded
+        except SourceRefused as exc:
+            raise fail(str(exc)) from None
+    try:
+        env = env or default_env(manifest) if manifest is not None else env
+    except SourceRefused as exc:
+        raise typer.BadParameter(str(exc), ctx=ctx, param_hint="--env") from None
+    if not env:
+        raise typer.BadParameter("required with --image or --build", ctx=ctx, param_hint="--env")
 
     async def go() -> str:
         async with control() as c:
             target = env_or_fail(c.view, env)
+            if manifest is not None and (problem := mismatch(manifest, env_path(c.view, target), env)):
+                if not force:
+                    raise fail(problem)
+                err.print(f"--force: {replaced(c.view, target, manifest.app_path)}", highlight=False)
             request = Deploy(target.meta.id, image_ref=image, build_id=build)
             if source is not None:
                 try:
@@ -134,6 +156,13 @@ def deploy(
         _watch(deployment_id, until_done=False)
     else:
         print(deployment_id)
+
+
+def replaced(view: StateReader, target: pb.Environment, source_app: str) -> str:
+    """What a forced deploy of another app's source replaces, in one line."""
+    active = view.release(target.active_release_id) if target.active_release_id else None
+    what = f"its active release v{active.version}" if active else "nothing yet (no active release)"
+    return f"deploying {source_app}'s source into {env_path(view, target)}, replacing {what}"
 
 
 @deploy_app.command("watch")

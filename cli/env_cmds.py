@@ -7,23 +7,25 @@ refused.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from typing import Any
 
 import typer
-from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.client import ExitCode, control, err, fail, run
+from shared import keys as K
 from shared.actions.deletion import Delete, Scope, delete, plan_delete
 from shared.actions.envs import Scale, Scaled
 from shared.actions.envs import scale as scale_env
 from shared.actions.names import env_path, target_env
 from shared.deployments import desired_replicas, is_terminal
-from shared.placement.placement import explain
+from shared.live import proxy_reports
 from shared.state.reader import StateReader
+from shared.urls import proxy_listeners, urls_by_env
 
 envs_app = typer.Typer(no_args_is_help=True, help="Environments: delete.")
 projects_app = typer.Typer(no_args_is_help=True, help="Projects: delete.")
@@ -144,8 +146,9 @@ def scale(
 UP_STATES = frozenset({pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY, pb.INSTANCE_STATE_UNHEALTHY})
 
 
-def env_status(view: StateReader, env: pb.Environment, routes: cpb.RouteSnapshot | None) -> dict[str, Any]:
-    """One env's overview: where it answers, what runs, whether it is warm, how its last deploy went.
+def env_status(view: StateReader, env: pb.Environment, urls: list[str]) -> dict[str, Any]:
+    """One env's overview: where it answers (``urls``: :func:`shared.urls.urls_by_env`), what runs, whether it
+    is warm, how its last deploy went.
     Running and healthy count the active release's replicas; ``kept_warm``: other releases' replicas
     still running (a previous release kept warm during a drain window)."""
     release = view.release(env.active_release_id) if env.active_release_id else None
@@ -154,13 +157,6 @@ def env_status(view: StateReader, env: pb.Environment, routes: cpb.RouteSnapshot
     desired = desired_replicas(env)
     deployments = view.deployments(env.meta.id)
     last = max(deployments, key=lambda d: (d.meta.created_at.ToNanoseconds(), d.meta.id), default=None)
-    urls = sorted(
-        {
-            f"http://{r.hostname}{r.path_prefix}"
-            for r in (routes.http_routes if routes else [])
-            if r.environment_id == env.meta.id
-        }
-    )
     if not env.active_release_id:
         state = "not deployed"
     elif desired == 0:
@@ -209,6 +205,8 @@ def placement_status(view: StateReader, env: pb.Environment) -> dict[str, Any] |
     unplaced = desired_replicas(env) - placed
     if unplaced <= 0:
         return None
+    from shared.placement.placement import explain  # only for an env short of replicas
+
     why = explain(view, release, env.meta.id)
     return {
         "unplaced": unplaced,
@@ -239,8 +237,12 @@ def status(
     async def go() -> list[dict[str, Any]]:
         async with control() as c:
             envs = [target_env(c.view, env)] if env else c.view.envs()
-            routes = await route_snapshot(c.conn, timeout=2.0)
-            return [env_status(c.view, e, routes) for e in envs]
+            routes, proxies = await asyncio.gather(
+                route_snapshot(c.conn, timeout=2.0), proxy_reports(c.conn, time.time())
+            )
+            certificates = {cert.hostname: cert for cert in c.view.all(K.CERT) if isinstance(cert, pb.Certificate)}
+            urls = urls_by_env(routes, proxy_listeners(proxies), certificates, time.time())
+            return [env_status(c.view, e, urls.get(e.meta.id, [])) for e in envs]
 
     rows = run(go)
     if json:

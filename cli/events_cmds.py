@@ -11,17 +11,18 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Mapping
 
 import typer
 from rich.markup import escape
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import OPTIONS, actor, control, err, run
+from cli.client import OPTIONS, actor, control, err, fail, run
 from shared import keys as K
 from shared.actions.names import env_path, resolve_env
 from shared.deployments import desired_replicas
-from shared.events import EVENT_SCALED, EventPublisher, scale_event
+from shared.events import EVENT_SCALED, EventPublisher, deleted_env_paths, kind_problem, kind_subject, scale_event
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
 from shared.state.feed import StateView
 from shared.state.reader import StateReader
@@ -36,22 +37,15 @@ _COLORS = {"warning": "yellow", "error": "red"}
 _INLINE_FIELDS = ("actor", "reason", "deployment_id", "release_id")
 
 
-def kind_subject(kind: str) -> str:
-    """``deploy`` → ``zattera.events.deploy.>``; ``deploy.failed`` exact; empty → every kind."""
-    kind = kind.strip()
-    if not kind:
-        return EVENTS_SUBJECT_PREFIX + ">"
-    if "." not in kind and kind not in ("*", ">"):
-        return f"{EVENTS_SUBJECT_PREFIX}{kind}.>"
-    return EVENTS_SUBJECT_PREFIX + kind
-
-
-def describe(event: pb.Event, view: StateReader | None) -> str:
-    """One readable line: time, kind, scope (env path or node), message, from → to and who decided."""
+def describe(event: pb.Event, view: StateReader | None, deleted: Mapping[str, str] | None = None) -> str:
+    """One readable line: time, kind, scope (env path or node), message, from → to and who decided.
+    ``deleted``: env id → path of deleted envs (:func:`shared.events.deleted_env_paths`)."""
     scope = ""
     if event.environment_id:
         env = view.env(event.environment_id) if view is not None else None
         scope = env_path(view, env) if view is not None and env is not None else event.environment_id
+        if env is None and deleted and event.environment_id in deleted:
+            scope = f"{deleted[event.environment_id]} (deleted)"
     elif event.node_id:
         scope = f"node {event.node_id}"
     fields = event.fields
@@ -90,26 +84,36 @@ def events(
                     raise typer.Exit(1)
                 env_id = found.meta.id
             info = await c.conn.js.stream_info(EVENTS_STREAM)
+            if kind_problem(kind) is not None:  # not a kind of the catalogue: maybe one the stream holds
+                stored = await c.conn.js.stream_info(EVENTS_STREAM, subjects_filter=kind_subject(kind))
+                seen = [s.removeprefix(EVENTS_SUBJECT_PREFIX) for s in (stored.state.subjects or {})]
+                if (problem := kind_problem(kind, seen)) is not None:
+                    raise fail(problem)
             end = info.state.last_seq
             window = last if not (env_id or kind) else max(last, SCAN_WINDOW)
             start = end + 1 if last == 0 else max(1, end - window + 1)
             spec = WatchSpec(EVENTS_STREAM, (kind_subject(kind),), "by_start_sequence", start_seq=start)
             sub = await follow_watch(c.conn, spec)
             view = None if json_out else c.view
+            deleted: dict[str, str] | None = None
 
-            def show(event: pb.Event) -> None:
+            async def show(event: pb.Event) -> None:
+                nonlocal deleted
                 if json_out:
                     print(json.dumps(render.as_dict(event), sort_keys=True), flush=True)
-                else:
-                    render.out.print(describe(event, view), highlight=False, soft_wrap=True)
+                    return
+                gone = view is not None and event.environment_id and view.env(event.environment_id) is None
+                if gone and (deleted is None or event.environment_id not in deleted):
+                    deleted = await deleted_env_paths(c.conn)  # a deleted env: named by its env.deleted event
+                render.out.print(describe(event, view, deleted), highlight=False, soft_wrap=True)
 
             # The newest ``last`` matches are shown once the stored ones have all been read, then the new ones.
             backlog: deque[pb.Event] = deque(maxlen=last)
             caught_up = start > end
 
-            def catch_up() -> bool:
+            async def catch_up() -> bool:
                 for event in backlog:
-                    show(event)
+                    await show(event)
                 backlog.clear()
                 return True
 
@@ -118,17 +122,17 @@ def events(
                     try:
                         msg = await sub.next_msg(timeout=None if caught_up else 1.0)
                     except TimeoutError:
-                        caught_up = catch_up()  # no more stored events of the kind
+                        caught_up = await catch_up()  # no more stored events of the kind
                         continue
                     event = pb.Event.FromString(msg.data)
                     if env_id and event.environment_id != env_id:
                         pass
                     elif caught_up:
-                        show(event)
+                        await show(event)
                     else:
                         backlog.append(event)
                     if not caught_up and (msg.metadata.num_pending == 0 or msg.metadata.sequence.stream >= end):
-                        caught_up = catch_up()
+                        caught_up = await catch_up()
             finally:
                 await sub.unsubscribe()
 

@@ -13,6 +13,7 @@ from cli.render import Col
 from shared import keys as K
 from shared.actions.names import env_label
 from shared.applogs import describe_exit
+from shared.deployments import replica_role
 
 
 def ps(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WIDE) -> None:
@@ -38,6 +39,7 @@ def ps(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WID
                         a.node_id,
                         render.enum_name(pb.AssignmentDesired, a.desired, "ASSIGNMENT_DESIRED_"),
                         render.enum_name(pb.InstanceState, a.observed.state, "INSTANCE_STATE_"),
+                        replica_role(c.view, a),
                         a.observed.restarts,
                         describe_exit(a.observed.last_exit) if a.observed.HasField("last_exit") else "",
                         ports,
@@ -53,6 +55,7 @@ def ps(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WID
                     "node",
                     "desired",
                     "observed",
+                    "traffic",
                     "restarts",
                     "last exit",
                     "ports",

@@ -25,7 +25,7 @@ from shared import jobs as J
 from shared import keys as K
 from shared.actions.jobs import CancelJob, RunJob, find_job, request_cancel, run_job
 from shared.actions.jobs import cancel_job as cancel_job_action
-from shared.actions.names import env_label, target_env
+from shared.actions.names import env_label, release_label, target_env
 from shared.actions.refusals import ActionRefused
 from shared.applogs import STDERR, AppLogLine, UnknownLogStream, read_app_logs
 
@@ -251,7 +251,7 @@ def show_job(
                 ("status", J.status_name(job.status) + (" (cancel requested)" if job.cancel_requested else "")),
                 ("attempt", f"{job.attempt} of {1 + job.max_retries}"),
                 ("node", job.node_id or "-"),
-                ("release", job.release_id or "-"),
+                ("release", release_label(c.view, job.release_id)),
                 ("started", render.ts(job.started_at)),
                 ("finished", render.ts(job.finished_at)),
                 ("duration", J.duration(job)),

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cli.layout import NODE_CREDS, PROXY_CREDS, DataLayout
 from cli.up import Cluster, Supervised
 from services.join.__main__ import (
     MACHINE_CLIENT_URL_ENV,
@@ -35,6 +36,7 @@ from shared.security.join import JoinRefused, JoinUnavailable, exchange
 from shared.security.machines import MachineToken, MachineTokenError, open_bundle
 from shared.security.membership import MESH_NETWORK
 from shared.security.nkeyjwt import KeyKind, KeyPair
+from shared.security.permissions import Role
 from shared.security.setup import prepare
 
 MACHINE_FILE = "machine.json"
@@ -127,9 +129,10 @@ def join(data_dir: Path, token_text: str, node_id: str, advertise: str, *, serve
         raise MachineError("join refused: this is a worker's token; a server needs zattera nodes join-token --server")
     if not server and reply.get("bundle"):
         raise MachineError("this is a server machine's token: add --server (it was used: ask for a new one)")
-    security = data_dir / "security"
-    write_private(security / "creds" / "agent.creds", creds_text(str(reply["jwt"]), agent_key.seed))
-    write_private(security / "creds" / "proxy.creds", creds_text(str(reply["proxy_jwt"]), proxy_key.seed))
+    layout = DataLayout(data_dir)  # the node's own credentials in its own directories (cli/layout.py)
+    security = layout.security
+    write_private(layout.agent / NODE_CREDS, creds_text(str(reply["jwt"]), agent_key.seed))
+    write_private(layout.proxy / PROXY_CREDS, creds_text(str(reply["proxy_jwt"]), proxy_key.seed))
     if token.ca_pem:
         write_private(security / "tls" / "ca.pem", token.ca_pem)
     if server:
@@ -153,7 +156,9 @@ def join(data_dir: Path, token_text: str, node_id: str, advertise: str, *, serve
 
 def machine_cluster(data_dir: Path, machine: Machine, **options: Any) -> Cluster:
     """The :class:`Cluster` that runs ``machine`` (``options``: the proxy's and metrics' settings)."""
-    security = data_dir / "security"
+    layout = DataLayout(data_dir)
+    security = layout.security
+    own_creds = {"agent": str(layout.agent / NODE_CREDS), "proxy": str(layout.proxy / PROXY_CREDS)}
     agent_args = ["--mesh-ip", machine.mesh_ip] if machine.mesh_ip else []
     agent_args += ["--public-endpoint", machine.advertise]
     if machine.role == "worker":
@@ -163,20 +168,16 @@ def machine_cluster(data_dir: Path, machine: Machine, **options: Any) -> Cluster
             services=[],
             node_id=machine.node_id,
             tls_ca=str(ca) if ca.exists() else "",
-            node_creds={
-                "agent": str(security / "creds" / "agent.creds"),
-                "proxy": str(security / "creds" / "proxy.creds"),
-            },
+            node_creds=own_creds,
             machine={"servers": machine.servers, "agent_args": agent_args},
             **options,
         )
     hosts = [machine.advertise, "127.0.0.1", "localhost"]
     setup = prepare(security, tls=machine.tls, hosts=hosts)
-    node_creds = (
-        setup.local_node_creds(machine.node_id)
-        if not (security / "creds" / "agent.creds").exists()
-        else {"agent": str(security / "creds" / "agent.creds"), "proxy": str(security / "creds" / "proxy.creds")}
-    )
+    if not (layout.agent / NODE_CREDS).exists():  # the first server: its own node's, issued here
+        setup.issue(Role.BUILDER, machine.node_id, layout.agent / NODE_CREDS)
+        setup.issue(Role.PROXY, machine.node_id, layout.proxy / PROXY_CREDS)
+    node_creds = own_creds
     routes = setup.route_security()
     tags = f'server_tags: ["machine:{machine.node_id}"]\n'
     extra = setup.server_config(resolver_dir=f"{SERVER_DIR}/jwt") + tags
@@ -186,7 +187,7 @@ def machine_cluster(data_dir: Path, machine: Machine, **options: Any) -> Cluster
         MACHINE_CLIENT_URL_ENV: machine.client_url,
         MACHINE_ROUTE_URL_ENV: machine.route_url,
     }
-    join_service = Supervised("join", [sys.executable, "-m", "services.join"], data_dir / "logs" / "join.log", {})
+    join_service = Supervised("join", [sys.executable, "-m", "services.join"], layout.logs / "join.log", {})
     common: dict[str, Any] = {"servers": machine.servers, "agent_args": [*agent_args, "--builder"], "env": env}
     if not machine.routes:  # the first server machine
         seats = {

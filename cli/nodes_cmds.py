@@ -15,6 +15,8 @@ from cli.options import JSON, WIDE, set_output
 from cli.render import Col
 from cli.security_cmds import join_token
 from shared.actions.nodes import EditNode, NodeChange, NodeEdited, edit_node
+from shared.natsio import recorded_config
+from shared.skew import node_version_note
 
 nodes_app = typer.Typer(no_args_is_help=True, help="Machines: list, label, cordon, drain.")
 nodes_app.command("join-token")(join_token)
@@ -23,7 +25,8 @@ nodes_app.command("remove")(nodes_remove)
 
 @nodes_app.command("list")
 def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
-    """Every registered node with its status, capacity and reservations."""
+    """Every registered node with its status, version (beside it: "behind", one release behind the cluster;
+    "too old"; "newer", its control plane not upgraded yet), capacity, reservations and how it isolates apps."""
     set_output(json, wide)
 
     async def go() -> None:
@@ -32,9 +35,12 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
             if render.json_mode():
                 render.messages(nodes)
                 return
+            recorded = await recorded_config(c.conn.js)
+            cluster = recorded.version if recorded is not None else ""
             rows = []
             for n in nodes:
                 cpu, mem = c.view.reserved(n.meta.id)
+                note = node_version_note(n.binary_version, cluster)
                 rows.append(
                     [
                         n.meta.id,
@@ -43,9 +49,12 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                         "yes" if n.schedulable else "cordoned",
                         n.os_arch,
                         n.runtime or "process",
+                        f"{n.binary_version or '?'}{f' ({note})' if note else ''}",
+                        isolation_text(n),
                         f"{cpu}/{n.capacity.cpu_millis or '∞'} m",
                         f"{mem}/{n.capacity.memory_mb or '∞'} MB",
                         ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
+                        n.runtime_reason,
                     ]
                 )
             render.table(
@@ -57,14 +66,24 @@ def nodes_list(json: bool = JSON, wide: bool = WIDE) -> None:
                     "schedulable",
                     "platform",
                     "runtime",
+                    "version",
+                    Col("isolation", wrap=True),
                     "cpu",
                     "memory",
                     Col("labels", wrap=True),
+                    Col("runtime because", wrap=True, wide=True),
                 ],
                 rows,
             )
 
     run(go)
+
+
+def isolation_text(node: pb.Node) -> str:
+    """How the node isolates its apps (SECURITY.md "Apps"); "?" for an agent too old to say."""
+    if node.isolation == "none":
+        return f"none ({node.isolation_problem})" if node.isolation_problem else "none"
+    return node.isolation or "?"
 
 
 def _edit_node(node_id: str, change: NodeChange, labels: dict[str, str] | None = None) -> None:

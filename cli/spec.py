@@ -64,7 +64,16 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from google.protobuf.duration_pb2 import Duration
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from zattera.v1 import types_pb2 as pb
 
 from shared.actions.volumes import PolicyChange
@@ -79,6 +88,8 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([a-z0-9*]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$")
 
 Name = Annotated[str, Field(pattern=NAME, description="lowercase letters, digits and dashes")]
+Flag = Annotated[bool, Strict()]
+"""A TOML boolean: ``true`` or ``false``, never a string or a number that reads like one ("yes", 1)."""
 
 
 class SpecError(ZatteraError, ValueError):
@@ -251,8 +262,8 @@ class Middleware(_Model):
     ip_allowlist: list[str] = Field(default_factory=list, description="CIDRs or addresses; empty = everyone")
     basic_auth: list[BasicAuthUser] = Field(default_factory=list, description="users let in; empty = no auth")
     max_body: int = Field(default=0, ge=0, description="request body cap in bytes (or '10MB'); 0 = none")
-    sticky_sessions: bool = False
-    redirect_https: bool = False
+    sticky_sessions: Flag = False
+    redirect_https: Flag = False
 
     _size = field_validator("max_body", mode="before")(parse_size)
 
@@ -311,11 +322,14 @@ class Env(_Model):
     resources: Resources = Resources()
     ports: list[Port] = Field(default_factory=lambda: [Port()])
     healthcheck: HealthCheck | None = None
+    min_healthy_time: float | None = Field(
+        default=None, le=600, description="no declared check: run this long before counting as healthy"
+    )
     autoscale: Autoscale | None = None
-    scale_to_zero: bool = False
+    scale_to_zero: Flag = False
     idle_timeout: float = 0.0
     max_concurrency: int = Field(default=0, ge=0, le=100_000)
-    stateful: bool = False
+    stateful: Flag = False
     volumes: list[Volume] = Field(default_factory=list)
     placement_constraints: dict[str, str] = Field(default_factory=dict)
     rate_limit: RateLimit | None = None
@@ -328,9 +342,9 @@ class Env(_Model):
     network: Network = Network()
     cron: list[CronEntry] = Field(default_factory=list)
 
-    read_only_root: bool = Field(default=False, description="docker runtime: a read-only root filesystem")
+    read_only_root: Flag = Field(default=False, description="docker runtime: a read-only root filesystem")
 
-    _durations = field_validator("idle_timeout", "stop_grace", mode="before")(parse_duration)
+    _durations = field_validator("idle_timeout", "stop_grace", "min_healthy_time", mode="before")(parse_duration)
 
     @field_validator("cron")
     @classmethod
@@ -431,6 +445,8 @@ def validate(raw: dict[str, object], source: str = "zattera.toml") -> AppSpec:
                         "secrets are never in zattera.toml (it is read as plain text and often committed): "
                         "`zattera secrets set --env E NAME` seals each one (docs/secrets.md)"
                     )
+            if error["type"] == "bool_type":
+                message = f"must be true or false (a TOML boolean), not {error['input']!r}"
             if error["type"] == "string_pattern_mismatch" and error["ctx"].get("pattern") == NAME:
                 message = f"{error['input']!r} must be lowercase letters, digits and dashes (at most 63)"
             lines.append(f"{source}: {where}: {message}")
@@ -486,6 +502,8 @@ def service_spec(spec: AppSpec, env: Env) -> pb.ServiceSpec:
         s.rate_limit.requests_per_second = env.rate_limit.requests_per_second
         s.rate_limit.burst = env.rate_limit.burst
     s.stop_grace.CopyFrom(to_duration(env.stop_grace))
+    if env.min_healthy_time is not None:
+        s.min_healthy_time.CopyFrom(to_duration(env.min_healthy_time))
     if env.network.allow:
         s.network.allow.extend(env.network.allow)
     for entry in env.cron:

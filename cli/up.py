@@ -1,31 +1,44 @@
 """``zattera up``: the whole single-machine cluster on the embedded NATS server.
 
-Starts nats-server (JetStream, data under ``<data_dir>/nats``), provisions the buckets and streams,
+Starts nats-server (JetStream, data under ``<data_dir>/control/nats``), provisions the buckets and streams,
 then the control plane — every service in one process (``cli.control_plane``, the default), or each service
 as its own process (``--separate``) — and the local node (logs under ``<data_dir>/logs``), restarts a service or a NATS
 server that dies (with backoff), and on Ctrl-C / SIGTERM stops the services (SIGTERM, then SIGKILL after a grace) and
-then NATS, leaving no process behind. Running it again resumes the same cluster from its data dir.
+then NATS, leaving no process behind. Running it again resumes the same cluster from its data dir. The control
+plane, the local agent and the local proxy each keep their files in a directory of their own
+(``cli/layout.py``): the agent is given its own credential, never a path into the control plane's files.
+
+Run while a supervisor of the same data dir runs (``git pull && make up``), it asks that supervisor (its pid
+in ``<data_dir>/up.pid``, locked while it lives) to roll its processes onto the code now installed:
+migrations first, then each process stopped and started again, one at a time, the agent's instances kept
+(docs/upgrades.md); it prints the supervisor's progress and exits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 from rich.console import Console
+from rich.markup import escape
 
+from cli.layout import NATS_CA, DataLayout
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import choose_engine, split_listen
 from shared.backoff import exponential
 from shared.embedded import EmbeddedNats, EmbeddedNatsError, RouteSecurity, free_port, start_cluster
+from shared.runtime_note import RUNTIME_NOTE, RuntimeNote, read_runtime_note
 from shared.subprocesses import spawn_logged
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs", "console")
@@ -33,12 +46,26 @@ ALL_IN_ONE = "control-plane"
 """The process that runs every service of ``cli.control_plane`` (``join`` included: idle unless secured)."""
 ALL_IN_ONE_SERVICES = frozenset((*SERVICES, "join"))
 LOCAL_NODE = "local"
+CONTROL_ONLY_SETTINGS = tuple(sorted(f"ZATTERA_{name.upper()}_" for name in ALL_IN_ONE_SERVICES))
+"""The control-plane services' own variables (``ZATTERA_SECRETS_KEY``: the cluster key): never given to the
+local agent or proxy."""
 DEFAULT_METRICS_PORT = 9400
 RESTART_FIRST = 0.5
 """Seconds before a process that died is started again; doubling per restart within a minute of its start."""
 RESTART_MOST = 30.0
 """``zattera up``'s first metrics port: scheduler 9400, orchestrator 9401, … in start order."""
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PID_FILE = "up.pid"
+"""``<data_dir>/up.pid``: the running supervisor's pid, locked (``flock``) for as long as it lives."""
+ROLL_LOG = "up-roll.log"
+"""``<data_dir>/up-roll.log``: the progress of the last roll, which the requesting ``zattera up`` prints."""
+ROLL_SIGNAL = signal.SIGUSR1
+"""Sent to the supervisor: roll every process onto the code installed now."""
+RESTART_SIGNAL = signal.SIGUSR2
+"""Sent to one process: stop to be started again at once (``shared.process.RESTART_SIGNAL``; not imported:
+the supervisor loads no asyncio)."""
+ROLL_DONE, ROLL_REFUSED = "done:", "refused:"
+CODE_DIRS = ("shared", "services", "cli", "proto")
 
 
 def available_services() -> list[str]:
@@ -72,6 +99,17 @@ class Supervised:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
 
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size if self.log_path.exists() else 0
+
+    def started_since(self, offset: int) -> bool:
+        """Its log, past ``offset``, says that it started (``<name>: Zattera <version> (schema N) starting``)."""
+        if not self.log_path.exists():
+            return False
+        with self.log_path.open("rb") as log:
+            log.seek(offset)
+            return b": Zattera " in log.read() and self.alive()
+
     def wait_or_kill(self, deadline: float) -> None:
         if self.proc is None:
             return
@@ -98,7 +136,8 @@ class Cluster:
     # The control plane as one process (``cli.control_plane``); False: one process per service.
     all_in_one: bool = True
     extra: list[Supervised] = field(default_factory=list)
-    console: Console = field(default_factory=lambda: Console(stderr=True))
+    # soft_wrap: the banner's lines (an `export …CREDS=<path>` to copy) are never cut at 80 columns in a pipe.
+    console: Console = field(default_factory=lambda: Console(stderr=True, soft_wrap=True))
     nats: EmbeddedNats | None = None
     # ``--nats-cluster N``: N local servers as one JetStream cluster, every bucket and stream at replicas=N.
     nats_cluster: int = 1
@@ -121,10 +160,19 @@ class Cluster:
     # is replaced by a free one); 0 = off. ``metrics_ports`` maps each process name to its port.
     metrics_port: int = 0
     metrics_ports: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def layout(self) -> DataLayout:
+        return DataLayout(self.data_dir)
+
     # One machine of a cluster of machines (cli/machine.py): its node id, its NATS server (a route member,
     # or none on a worker, which uses ``machine["servers"]``), the agent's flags and the services' settings.
     node_id: str = LOCAL_NODE
     machine: dict[str, Any] = field(default_factory=dict)
+    runtime_note: RuntimeNote | None = None
+    """The local agent's runtime and why, as last printed (:meth:`report_runtime`)."""
+    # What the processes run: :func:`code_identity` when they were started (a roll onto the same is a no-op).
+    code: str = ""
 
     def config(self) -> dict[str, Any]:
         """What the cluster was asked to be (not what runs), as JSON values: :meth:`from_config` reads it."""
@@ -170,7 +218,7 @@ class Cluster:
         if self.machine:
             if "seats" in self.machine:  # the first server machine: three seats of the JetStream cluster
                 self.cluster_servers = start_cluster(
-                    self.data_dir / "nats-cluster",
+                    self.layout.control / "nats-cluster",
                     die_with_parent=self.die_with_parent,
                     extra_config=self.nats_extra_config,
                     routes=RouteSecurity(**self.nats_routes),
@@ -179,7 +227,7 @@ class Cluster:
                 self.nats = self.cluster_servers[0]
             elif "nats" in self.machine:
                 self.nats = EmbeddedNats(
-                    data_dir=self.data_dir / "nats",
+                    data_dir=self.layout.control / "nats",
                     extra_config=self.nats_extra_config,
                     die_with_parent=self.die_with_parent,
                     **self.machine["nats"],
@@ -187,7 +235,7 @@ class Cluster:
             return
         if self.nats_cluster > 1:
             self.cluster_servers = start_cluster(
-                self.data_dir / "nats-cluster",
+                self.layout.control / "nats-cluster",
                 self.nats_cluster,
                 die_with_parent=self.die_with_parent,
                 extra_config=self.nats_extra_config,
@@ -200,16 +248,17 @@ class Cluster:
             self.console.print(f"[yellow]port {port} is busy; using a free port instead[/]")
             port = free_port()
         self.nats = EmbeddedNats(
-            data_dir=self.data_dir / "nats",
+            data_dir=self.layout.control / "nats",
             port=port,
             extra_config=self.nats_extra_config,
             die_with_parent=self.die_with_parent,
         ).start()
 
     def child_env(self) -> dict[str, str]:
+        """The control plane's environment (the local node's: :meth:`_node_env`)."""
         env = dict(os.environ)
         env["ZATTERA_NATS_URL"] = self.url
-        env["ZATTERA_DATA_DIR"] = str(self.data_dir)
+        env["ZATTERA_DATA_DIR"] = str(self.layout.control)
         if self.cluster_servers:
             env["ZATTERA_REPLICAS"] = str(self.replicas)
         env.setdefault("ZATTERA_DOMAIN", "localhost")
@@ -227,12 +276,10 @@ class Cluster:
         return [(name, f"services.{name}") for name in self.services]
 
     def console_env(self) -> dict[str, str]:
-        """The console's port: ``ZATTERA_CONSOLE_PORT`` when set, else :attr:`console_port` or a free one."""
-        from services.console.settings import ConsoleSettings
-
-        console = ConsoleSettings()
-        if "port" in console.model_fields_set:
-            self.console_port = console.port
+        """The console's port: ``ZATTERA_CONSOLE_PORT`` when set, else :attr:`console_port` or a free one. Read
+        from the environment itself: the resident supervisor loads no settings (pydantic-settings, ~20 MB)."""
+        if "ZATTERA_CONSOLE_PORT" in os.environ:
+            self.console_port = int(os.environ["ZATTERA_CONSOLE_PORT"])
         elif not _port_free(self.console_port):
             self.console_port = free_port()
         return {"ZATTERA_CONSOLE_PORT": str(self.console_port)}
@@ -243,7 +290,7 @@ class Cluster:
             child = Supervised(
                 name,
                 [sys.executable, "-m", module, "--nats", self.url, *self.metrics_args(name)],
-                self.data_dir / "logs" / f"{name}.log",
+                self.layout.logs / f"{name}.log",
                 {**env, **self.console_env()} if name in ("console", ALL_IN_ONE) else env,
             )
             self._launch(child)
@@ -257,11 +304,31 @@ class Cluster:
             self._launch(child)
             self.children.append(child)
 
+    @property
+    def agent_data_dir(self) -> Path:
+        return self.layout.agent
+
+    def report_runtime(self) -> None:
+        """Say on the terminal which runtime the local agent chose and why, and how it isolates apps, once it has
+        (and again when a restarted agent chose otherwise): a fallback to bare processes, or to apps without
+        a sandbox, must not hide in the agent's log."""
+        note = read_runtime_note(self.agent_data_dir) if self.with_node else None
+        if note is None or note == self.runtime_note:
+            return
+        self.runtime_note = note
+        colour = "green" if note.runtime == "docker" else "yellow"
+        self.console.print(f"  [{colour}]agent runtime: {note.runtime}[/] — {escape(note.reason)}")
+        if note.isolation:  # how its apps and builds are kept from the node and each other (SECURITY.md "Apps")
+            colour = "red" if note.isolation.startswith("NOT") else "green"
+            self.console.print(f"  [{colour}]apps: {escape(note.isolation)}[/]")
+
     def _node_processes(self, env: dict[str, str]) -> list[Supervised]:
-        """The local node: an agent (process runtime + builder) and the ingress proxy."""
+        """The local node: an agent (docker runtime when a Docker daemon answers, else processes; the builder)
+        and the ingress proxy."""
         found = []
         root = PROJECT_ROOT / "services"
         if (root / "agent" / "__main__.py").exists():
+            (self.agent_data_dir / RUNTIME_NOTE).unlink(missing_ok=True)  # the one this start writes, not a stale one
             agent = Supervised(
                 "agent",
                 [
@@ -273,7 +340,7 @@ class Cluster:
                     "--node-id",
                     self.node_id,
                     "--data-dir",
-                    str(self.data_dir / "agent"),
+                    str(self.agent_data_dir),
                     "--builder",
                     "--roles",
                     "worker,control",
@@ -283,8 +350,12 @@ class Cluster:
                     *self.machine.get("agent_args", []),
                     *self.metrics_args("agent"),
                 ],
-                self.data_dir / "logs" / "agent.log",
-                self._node_env(env, "agent"),
+                self.layout.logs / "agent.log",
+                {
+                    **self._node_env(env, "agent", self.agent_data_dir),
+                    # Should an app's directory contain the data dir: every sandbox shows it empty.
+                    "ZATTERA_AGENT_SANDBOX_HIDDEN": str(self.data_dir),
+                },
             )
             self._launch(agent)
             found.append(agent)
@@ -312,20 +383,34 @@ class Cluster:
                     "--proxy-id",
                     self.node_id,
                     "--cache-dir",
-                    str(self.data_dir / "proxy"),
+                    str(self.layout.proxy),
                     *(["--tls-listen", self.proxy_tls_listen] if self.proxy_tls_listen else []),
                     *self.metrics_args("proxy"),
                 ],
-                self.data_dir / "logs" / "proxy.log",
-                self._node_env(env, "proxy"),
+                self.layout.logs / "proxy.log",
+                self._node_env(env, "proxy", self.layout.proxy),
             )
             self._launch(proxy)
             found.append(proxy)
         return found
 
-    def _node_env(self, env: dict[str, str], name: str) -> dict[str, str]:
-        creds = self.node_creds.get(name)
-        return {**env, "ZATTERA_NATS_CREDS": creds} if creds else env
+    def _node_env(self, env: dict[str, str], name: str, directory: Path) -> dict[str, str]:
+        """The local agent's or proxy's environment: its own directory, credential and CA copy, nothing that
+        points into the control plane's directory."""
+        own = {
+            k: v
+            for k, v in env.items()
+            if k not in ("ZATTERA_NATS_CREDS", "ZATTERA_NATS_TLS_CA") and not k.startswith(CONTROL_ONLY_SETTINGS)
+        }
+        own["ZATTERA_DATA_DIR"] = str(directory)
+        if self.node_creds.get(name):
+            own["ZATTERA_NATS_CREDS"] = self.node_creds[name]
+        if self.tls_ca:
+            copy = directory / NATS_CA
+            directory.mkdir(parents=True, exist_ok=True)
+            copy.write_bytes(Path(self.tls_ca).read_bytes())  # a certificate: public, but the node's own copy
+            own["ZATTERA_NATS_TLS_CA"] = str(copy)
+        return own
 
     def supervise_nats(self) -> None:
         """Restart a NATS server that died (same ports, same store: it rejoins the cluster and catches up),
@@ -366,6 +451,44 @@ class Cluster:
                 child.restarts += 1
                 child.next_start = 0.0
                 self._launch(child)
+
+    def roll(self, say: Callable[[str], None], *, wait: float = 120.0) -> bool:
+        """Roll every process onto the code installed now, one at a time (control plane, then the rest, the
+        agent and the proxy last): the cluster's migrations first (a refusal leaves everything as it runs),
+        then each stopped with :data:`RESTART_SIGNAL` (an agent keeps its instances) and started again, the
+        next only once it runs. Nothing restarts when the code has not changed; NATS is not restarted."""
+        code = code_identity()
+        if code == self.code:
+            say(f"{ROLL_DONE} already running the code installed now: nothing restarted")
+            return True
+        say("upgrading the cluster with the code installed now")
+        try:
+            provision_in_child(self, echo=say)
+        except SystemExit as exc:
+            why = exc.code if isinstance(exc.code, str) else "the cluster's upgrade was refused (above)"
+            say(f"{ROLL_REFUSED} {why}; every process keeps running the code it started with")
+            return False
+        order = sorted(self.children, key=lambda c: {"agent": 1, "proxy": 2}.get(c.name, 0))
+        for child in order:
+            offset = child.log_size()
+            say(f"restarting {child.name}")
+            if child.alive():
+                assert child.proc is not None
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.proc.pid, RESTART_SIGNAL)
+                child.wait_or_kill(time.monotonic() + 30.0)
+            self._launch(child)
+            child.next_start = 0.0
+            deadline = time.monotonic() + wait
+            while not child.started_since(offset):
+                if time.monotonic() > deadline or not child.alive():
+                    say(f"{ROLL_REFUSED} {child.name} did not start (log {child.log_path}); the supervisor restarts it")
+                    return False
+                time.sleep(0.2)
+            say(f"{child.name} runs the new code (pid {child.proc.pid if child.proc else '-'})")
+        self.code = code
+        say(f"{ROLL_DONE} every process runs the code installed now; apps kept running")
+        return True
 
     def stop(self, grace: float = 10.0) -> None:
         for child in self.children:
@@ -410,10 +533,9 @@ Next, in another terminal (ZATTERA_NATS_URL={nats}):
 
 
 def _proxy_engine() -> str:
-    """``ZATTERA_PROXY_ENGINE`` ('' = the proxy picks)."""
-    from services.proxy.settings import ProxySettings  # the proxy's modules, only for this line of output
-
-    return ProxySettings().engine
+    """``ZATTERA_PROXY_ENGINE`` ('' = the proxy picks), read as the proxy's settings read it; from the
+    environment itself: the resident supervisor loads no settings (pydantic-settings, ~20 MB)."""
+    return os.environ.get("ZATTERA_PROXY_ENGINE", "")
 
 
 def data_plane_text() -> str:
@@ -453,10 +575,20 @@ def _port_free(port: int) -> bool:
     return True
 
 
-async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int = 1) -> None:
+REFUSED_EXIT = 2
+"""The provisioning child's status when this version may not run on the cluster (it said why on stderr)."""
+
+
+async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int = 1) -> int:
+    """Create what is missing, then bring the cluster to this code's schema, saying on stderr which
+    migrations ran (docs/upgrades.md); :data:`REFUSED_EXIT` when this version may not run on it."""
     import asyncio
 
+    from shared.events import EventPublisher
+    from shared.lease import default_holder
+    from shared.migrations.runner import MigrationFailed, upgrade
     from shared.natsio import connect, provision
+    from shared.skew import SkewRefused
 
     conn = await connect(url, name="zattera-up", creds=creds or None, tls_ca=tls_ca or None)
     try:
@@ -464,12 +596,23 @@ async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int 
         while True:
             try:
                 await asyncio.wait_for(provision(conn.js, replicas=replicas), 5.0)
-                return
+                break
             except Exception:
                 # a fresh cluster elects its JetStream meta leader first; a single server answers at once
                 if replicas == 1 or time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.5)
+        try:
+            await upgrade(
+                conn,
+                holder=default_holder("zattera-up"),
+                progress=lambda line: print(line, file=sys.stderr, flush=True),
+                events=EventPublisher(conn),
+            )
+        except (SkewRefused, MigrationFailed) as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return REFUSED_EXIT
+        return 0
     finally:
         await conn.close()
 
@@ -478,14 +621,26 @@ PROVISION_ENV = "ZATTERA_UP_PROVISION"
 """How :func:`provision_in_child` hands what to provision (URL, credentials file, CA file, replicas) to it."""
 
 
-def provision_in_child(cluster: Cluster) -> None:
+def provision_in_child(cluster: Cluster, echo: Callable[[str], None] | None = None) -> None:
     """Provision ``cluster`` from a short-lived interpreter (``python -m cli.up`` with :data:`PROVISION_ENV`):
     nats-py and asyncio, loaded here once, would stay resident in the supervisor for as long as the cluster
     runs (~15 MB of a single machine's control plane, PERFORMANCE.md "footprint"). Its error, if any, is on
-    stderr; SystemExit here then stops the cluster."""
+    stderr (given to ``echo`` line by line, when given); SystemExit here then stops the cluster."""
     given = {"url": cluster.url, "creds": cluster.creds, "tls_ca": cluster.tls_ca, "replicas": cluster.replicas}
     env = {**os.environ, PROVISION_ENV: json.dumps(given)}
-    done = subprocess.run([sys.executable, "-m", "cli.up"], env=env, cwd=PROJECT_ROOT, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.up"],
+        env=env,
+        cwd=PROJECT_ROOT,
+        check=False,
+        stderr=subprocess.PIPE if echo else None,
+        text=True,
+    )
+    if echo is not None:
+        for line in (done.stderr or "").splitlines():
+            echo(line)
+    if done.returncode == REFUSED_EXIT:
+        raise SystemExit(REFUSED_EXIT)  # the child said why, in one line
     if done.returncode != 0:
         raise SystemExit(f"provisioning the streams and buckets at {cluster.url} failed (exit {done.returncode})")
 
@@ -509,25 +664,111 @@ def run_up(cluster: Cluster, *, hint: str = "") -> NoReturn:
     os.execve(sys.executable, [sys.executable, "-m", "cli.up"], env)
 
 
+def code_identity(root: Path = PROJECT_ROOT) -> str:
+    """What the installed code is, cheaply: every source file's path, size and modification time (a pull
+    or a checkout changes them)."""
+    digest = hashlib.sha256()
+    for folder in CODE_DIRS:
+        for path in sorted((root / folder).rglob("*.py")):
+            stat = path.stat()
+            digest.update(f"{path.relative_to(root)} {stat.st_size} {stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def hold_supervisor_lock(data_dir: Path) -> IO[str] | None:
+    """Lock ``<data_dir>/up.pid`` for this process's life and write its pid there; None when another
+    supervisor holds it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    handle = (data_dir / PID_FILE).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def running_supervisor(data_dir: Path) -> int | None:
+    """The pid of the supervisor running from ``data_dir``, or None."""
+    path = data_dir / PID_FILE
+    if not path.exists():
+        return None
+    with path.open("r") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = handle.read().strip()
+            return int(text) if text.isdigit() else None
+    return None
+
+
+def request_roll(data_dir: Path, pid: int, *, timeout: float = 900.0, out: Callable[[str], None] = print) -> int:
+    """Ask the supervisor ``pid`` to roll its processes onto the code installed now and print its progress
+    until it is done: 0 when done, 1 when refused or cut short."""
+    log = data_dir / ROLL_LOG
+    log.write_text("")
+    os.kill(pid, ROLL_SIGNAL)
+    out(f"zattera up is running from {data_dir} (pid {pid}): rolling its processes onto the code installed now")
+    seen = 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = log.read_text().splitlines()
+        for line in lines[seen:]:
+            out(f"  {line}")
+            if line.startswith(ROLL_DONE):
+                return 0
+            if line.startswith(ROLL_REFUSED):
+                return 1
+        seen = len(lines)
+        if running_supervisor(data_dir) != pid:
+            out(f"the supervisor (pid {pid}) stopped before it was done")
+            return 1
+        time.sleep(0.2)
+    out(f"no end of the roll within {timeout:.0f}s: see {log}")
+    return 1
+
+
 def supervise(cluster: Cluster, *, hint: str = "") -> int:
     stop = False
+    roll = False
 
     def on_signal(_sig: int, _frame: object) -> None:
         nonlocal stop
         stop = True
 
+    def on_roll(_sig: int, _frame: object) -> None:
+        nonlocal roll
+        roll = True
+
+    lock = hold_supervisor_lock(cluster.data_dir)
+    if lock is None:
+        cluster.console.print(f"[red]another zattera up runs from {cluster.data_dir}[/] (pid {PID_FILE})")
+        return 1
     # SIGHUP: the terminal went away (a closed window, a dropped SSH session) — stop as for Ctrl-C.
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous[ROLL_SIGNAL] = signal.signal(ROLL_SIGNAL, on_roll)
     cluster.die_with_parent = True
     console = cluster.console
     try:
+        cluster.layout.make()
         cluster.start_nats()
+        cluster.code = code_identity()
         provision_in_child(cluster)
         cluster.start_services()
         console.print(f"[bold green]Zattera is up[/] — data in {cluster.data_dir}")
         console.print(
             f"  NATS:      {cluster.url}"
             + (f"  (cluster, replicas={cluster.replicas})" if cluster.cluster_servers else "")
+            + (
+                ""
+                if cluster.creds
+                else "  (no authentication: every local process can use it, apps included;"
+                " --secure before running untrusted apps)"
+            )
         )
         for child in cluster.children:
             metrics = cluster.metrics_ports.get(child.name)
@@ -535,14 +776,13 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
             pid = child.proc.pid if child.proc else "-"
             console.print(f"  {child.name:<13} pid {pid}  log {child.log_path}{where}")
         if any(c.name in ("certs", ALL_IN_ONE) for c in cluster.children):
-            local_ca = cluster.data_dir / "certs" / "local-ca.pem"
+            local_ca = cluster.layout.local_ca
             console.print(f"  HTTPS:     *.localhost certificates from a local CA: trust {local_ca}")
         if any(c.name == "proxy" for c in cluster.children):
             console.print(f"  proxy:     listening on {proxy_listen_text(cluster.proxy_host, cluster.proxy_port)}")
             console.print(f"             data plane: {data_plane_text()}")
             console.print(f"             http://127.0.0.1:{cluster.proxy_port}  (apps at <app>-<env>.localhost)")
-            local_ca = cluster.data_dir / "certs" / "local-ca.pem"
-            console.print(f"             HTTPS: {https_text(cluster.proxy_tls_listen, local_ca)}")
+            console.print(f"             HTTPS: {https_text(cluster.proxy_tls_listen, cluster.layout.local_ca)}")
         if any(c.name in ("console", ALL_IN_ONE) for c in cluster.children):
             console.print(
                 f"  console:   http://127.0.0.1:{cluster.console_port}  (users: `zattera console add-user NAME`)"
@@ -550,7 +790,11 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
         console.print(hint or NEXT_STEPS.format(nats=cluster.url, port=cluster.proxy_port))
         console.print("Press Ctrl-C to stop.")
         while not stop:
+            if roll:
+                roll = False
+                cluster.roll(lambda line: _roll_progress(cluster, line))
             cluster.supervise_once()
+            cluster.report_runtime()
             time.sleep(0.2)
     finally:
         # The terminal or the pipe it printed to may be gone (`zattera up | tee log` and Ctrl-C ends tee
@@ -562,7 +806,16 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
             signal.signal(sig, handler)
         with contextlib.suppress(OSError):
             console.print("stopped.")
+        lock.close()
     return 0
+
+
+def _roll_progress(cluster: Cluster, line: str) -> None:
+    """A roll's progress: on the supervisor's terminal, and in ``<data_dir>/up-roll.log`` for the requester."""
+    with contextlib.suppress(OSError):
+        cluster.console.print(f"upgrade: {line}", markup=False, highlight=False)
+    with (cluster.data_dir / ROLL_LOG).open("a") as log:
+        log.write(line + "\n")
 
 
 def main() -> None:
@@ -570,8 +823,7 @@ def main() -> None:
     if PROVISION_ENV in os.environ:
         import asyncio
 
-        asyncio.run(_provision(**json.loads(os.environ.pop(PROVISION_ENV))))
-        return
+        sys.exit(asyncio.run(_provision(**json.loads(os.environ.pop(PROVISION_ENV)))))
     given = json.loads(os.environ.pop(CLUSTER_ENV))
     sys.exit(supervise(Cluster.from_config(given["cluster"]), hint=given["hint"]))
 

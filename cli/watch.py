@@ -21,7 +21,7 @@ from shared.clock import RealClock
 from shared.deployments import desired_replicas, is_terminal
 from shared.live import LiveView
 from shared.natsio import Connection
-from shared.routeclient import RouteClient
+from shared.routeclient import RouteClient, cluster_text, same_cluster
 from shared.state.feed import StateView
 from shared.state.reader import StateReader
 
@@ -96,7 +96,10 @@ def serving(
     env: pb.Environment, snapshot: cpb.RouteSnapshot | None, proxies: Sequence[cpb.ProxyHeartbeat], routes_version: int
 ) -> Serving:
     """Decide from the newest route snapshot and the proxies' fresh reports. ``routes_version``: the
-    version already found to route to the release (0: look for it in ``snapshot``)."""
+    version already found to route to the release (0: look for it in ``snapshot``). A proxy serves it
+    when it routes by that version or a later one *of the snapshot's cluster*: a proxy that kept another
+    cluster's routes (a higher version of a data dir's earlier cluster) serves none of this one's. A proxy
+    that reports no cluster predates clusters being named: its version alone is taken."""
     if not routes_version:
         if snapshot is None:
             return Serving(False, "the first route snapshot")
@@ -111,6 +114,19 @@ def serving(
         routes_version = snapshot.version
     if not proxies:
         return Serving(True, f"no proxy is reporting; route version {routes_version} is published", routes_version)
+    cluster = snapshot.cluster if snapshot is not None else cpb.ClusterIdentity()
+    foreign = sorted(
+        f"{p.proxy_id} (serving {cluster_text(p.routes_cluster)})"
+        for p in proxies
+        if p.HasField("routes_cluster") and not same_cluster(p.routes_cluster, cluster)
+    )
+    if foreign:
+        return Serving(
+            False,
+            f"proxies {', '.join(foreign)} to load this cluster's routes ({cluster_text(cluster)}, "
+            f"version {routes_version})",
+            routes_version,
+        )
     lagging = sorted(f"{p.proxy_id} (at {p.routes_version})" for p in proxies if p.routes_version < routes_version)
     if lagging:
         return Serving(False, f"proxies {', '.join(lagging)} to load route version {routes_version}", routes_version)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -60,6 +61,24 @@ _TOP_LEVEL = (
 _PYTHON_ENTRY_FILES = ("app.py", "main.py", "wsgi.py", "asgi.py", "server.py", "application.py", "app/__init__.py")
 _NODE_ENTRY_FILES = ("server.js", "index.js", "app.js", "main.js")
 _MAX_READ = 256 * 1024
+
+
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_PYTHON_PROGRAM = re.compile(r"^python(3(\.\d+)?)?$")
+
+
+def starts_python(command: str) -> bool:
+    """Whether a start command runs the Python interpreter found on ``PATH`` (``python3 app.py``, ``exec python
+    -m app``, ``PORT=1 python3 …``): a source packed as is, started so, runs on the builder's interpreter."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return False
+    for word in words:
+        if word == "exec" or _ASSIGNMENT.match(word):
+            continue
+        return bool(_PYTHON_PROGRAM.match(word))
+    return False
 
 
 class PlanError(ZatteraError):
@@ -335,11 +354,24 @@ def _detected(files: SourceFiles, *, use_dockerfile: bool) -> BuildPlan:
     return BuildPlan(provider="none")
 
 
+def _commands(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``[build]`` and ``[run]`` tables of a zattera.toml; PlanError naming a step that is not a string."""
+    build_table = _table(manifest, "build") or _table(manifest, "app", "build")
+    run_table = _table(manifest, "run")
+    for table, name, key in (
+        (build_table, "build", "install"),
+        (build_table, "build", "command"),
+        (run_table, "run", "command"),
+    ):
+        if key in table and not isinstance(table[key], str):
+            raise PlanError(f"zattera.toml: [{name}] {key} must be a string (a shell command), not {table[key]!r}")
+    return build_table, run_table
+
+
 def detect(files: SourceFiles) -> BuildPlan:
     """The plan for a source; raises :class:`PlanError` for a malformed file it has to read."""
     manifest = _toml(files, "zattera.toml")
-    build_table = _table(manifest, "build") or _table(manifest, "app", "build")
-    run_table = _table(manifest, "run")
+    build_table, run_table = _commands(manifest)
     # A zattera.toml giving any step asks for this builder: a Dockerfile next to it is then not the recipe.
     configured = any(isinstance(t.get(k), str) for t, k in ((build_table, "install"), (build_table, "command")))
     configured = configured or bool(str(run_table.get("command") or "").strip())
@@ -364,4 +396,23 @@ def detect(files: SourceFiles) -> BuildPlan:
                 '`[run] command = "..."` to zattera.toml'
             ),
         )
+    return plan
+
+
+def build_problem(plan: BuildPlan, *, docker: bool | None) -> str:
+    """Why a build of ``plan`` fails ("" when it does not): the message the builder fails the build with.
+    ``docker``: whether the builder has a Docker daemon (a Dockerfile source needs one); None = unknown
+    (``zattera deploy``, before a builder is chosen): a Dockerfile source is then not refused."""
+    if not plan.error or (plan.provider == "dockerfile" and docker is not False):
+        return ""
+    return plan.error
+
+
+def check_source(files: SourceFiles, *, docker: bool | None = None) -> BuildPlan:
+    """The plan of a source a build would succeed in planning; :class:`PlanError` with the message the build
+    would fail with otherwise (a malformed file, a step that is not a string, no start command…). The one
+    validation the builder and ``zattera deploy`` (before uploading) share."""
+    plan = detect(files)
+    if problem := build_problem(plan, docker=docker):
+        raise PlanError(problem)
     return plan

@@ -147,10 +147,14 @@ class CertClient:
                 await asyncio.wait_for(self._wake.wait(), wait)
 
     async def updates(self) -> AsyncIterator[Mapping[str, ServedCert]]:
-        """The current set at once, then every new one."""
+        """The current set at once, then every new one (latest wins). A set that arrives while the reader
+        handles the previous one is handed out next, at once: the version is looked at again after every
+        yield, before waiting (a reader slow to install a set, e.g. HAProxy still starting, once missed the
+        set that came meanwhile until the next change, up to the 5-minute refresh)."""
         seen = -1
         while True:
             if self.version != seen:
                 seen = self.version
                 yield self.current
+                continue
             await self._changed.wait()

@@ -13,6 +13,7 @@ counts only the green ones until the drain decides which of the others to keep.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from zattera.v1 import types_pb2 as pb
 
@@ -95,3 +96,45 @@ def owns_scaling(view: StateReader, env_id: str) -> bool:
     every live deployment of the env is promoted (DRAINING_OLD: only its blue is held warm), scaling and
     cooling proceed — the reference skipped the env for the whole drain window."""
     return not env_ownership(view, env_id).scheduler_manages
+
+
+_UP = frozenset(
+    {pb.INSTANCE_STATE_STARTING, pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY, pb.INSTANCE_STATE_UNHEALTHY}
+)
+
+
+def replica_role(view: StateReader, assignment: pb.Assignment) -> str:
+    """How a replica takes part in its env's traffic, in a word or three (``zattera ps``):
+
+    ``serving`` (the active release), ``draining until <UTC time>`` (the previous release, kept warm after a
+    promotion until the drain deadline: no new requests), ``green`` (a release being deployed, not switched
+    to yet), ``old`` (another release, not held by a drain), ``stopping`` (desired STOP, still up), ``job``
+    (a one-shot run); `` (node draining)`` is added when its node is being drained."""
+    env = view.env(assignment.environment_id)
+    if assignment.job_id:
+        role = "job"
+    elif assignment.desired != pb.ASSIGNMENT_DESIRED_RUN:
+        role = "stopping" if assignment.observed.state in _UP else "stopped"
+    elif env is None:
+        role = "old"
+    elif env_ownership(view, env.meta.id).is_blue(assignment):
+        deadlines = [
+            d.drain_deadline.ToSeconds()
+            for d in active_deployments(view, env.meta.id)
+            if d.previous_release_id == assignment.release_id and d.HasField("drain_deadline")
+        ]
+        role = f"draining until {_utc(min(deadlines))}" if deadlines else "draining"
+    elif assignment.release_id == env.active_release_id:
+        role = "serving"
+    elif any(d.release_id == assignment.release_id for d in active_deployments(view, env.meta.id)):
+        role = "green"
+    else:
+        role = "old"
+    node = view.node(assignment.node_id)
+    if node is not None and node.status == pb.NODE_STATUS_DRAINING:
+        role += " (node draining)"
+    return role
+
+
+def _utc(seconds: int) -> str:
+    return datetime.fromtimestamp(seconds, tz=UTC).strftime("%H:%M:%S UTC")

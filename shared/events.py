@@ -10,16 +10,19 @@ carries it as ``Nats-Msg-Id``, so the stream stores a transition once even when 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 
+from google.protobuf.message import DecodeError
 from nats.errors import Error as NatsError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.clock import Clock, RealClock, stamp
 from shared.ids import new_id
-from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection
+from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
 from shared.telemetry import inject
 
 log = logging.getLogger(__name__)
@@ -108,6 +111,124 @@ def node_change_event(
         fields={"actor": actor, "from": was, "to": now_status, "schedulable": str(after.schedulable).lower()},
         transition=transition_id(K.node(node_id), revision, kind),
     )
+
+
+KINDS = (
+    "deploy.promoted",
+    "deploy.rolled_back",
+    "deploy.succeeded",
+    "deploy.failed",
+    "deploy.canceled",
+    "deploy.superseded",
+    "deploy.maintenance_start",
+    "deploy.maintenance_end",
+    "autoscale.scaled",
+    "serverless.scaled",
+    "scale.changed",
+    "env.scaled",
+    "scaletozero.cooled",
+    "scaletozero.woken",
+    "node.up",
+    "node.down",
+    "node.suspect",
+    "node.cordoned",
+    "node.uncordoned",
+    "node.draining",
+    "node.drained",
+    "node.drain.stateful_stopped",
+    "schedule.no_capacity",
+    "schedule.replica_failed",
+    "volume.no_capacity",
+    "volume.node_lost",
+    "volume.recovered",
+    "volume.restore_failed",
+    "build.waiting_for_builder",
+    "certificate.issued",
+    "certificate.renewed",
+    "certificate.failed",
+    "job.created",
+    "job.started",
+    "job.succeeded",
+    "job.failed",
+    "job.retrying",
+    "job.canceled",
+    "job.missed",
+    "job.skipped",
+    "secrets.refused",
+    "env.deleted",
+    "app.deleted",
+    "project.deleted",
+)
+"""Every event kind the platform emits (docs/observability.md has the catalogue; each kind is documented)."""
+
+
+def kind_subject(kind: str) -> str:
+    """The subject filter of ``zattera events --kind``: ``deploy`` → every ``deploy.*`` kind
+    (``zattera.events.deploy.>``); ``deploy.failed`` exactly; NATS wildcards pass through; empty → all."""
+    kind = kind.strip()
+    if not kind:
+        return EVENTS_SUBJECT_PREFIX + ">"
+    if "." not in kind and kind not in ("*", ">"):
+        return f"{EVENTS_SUBJECT_PREFIX}{kind}.>"
+    return EVENTS_SUBJECT_PREFIX + kind
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` one token, ``>`` the rest (one token at least)."""
+    wanted, tokens = pattern.split("."), subject.split(".")
+    for index, token in enumerate(wanted):
+        if token == ">":
+            return len(tokens) > index
+        if index >= len(tokens) or (token != "*" and token != tokens[index]):
+            return False
+    return len(tokens) == len(wanted)
+
+
+def kind_problem(kind: str, seen: Iterable[str] = ()) -> str | None:
+    """Why ``--kind`` matches no event kind (None when it matches one of :data:`KINDS` or of ``seen``, the
+    kinds stored in the stream): a typo would otherwise list nothing and look like a quiet platform."""
+    if not kind.strip():
+        return None
+    subject = kind_subject(kind)
+    known = sorted({*KINDS, *seen})
+    if any(_matches(subject, EVENTS_SUBJECT_PREFIX + known_kind) for known_kind in known):
+        return None
+    families = sorted({k.split(".")[0] for k in known})
+    return (
+        f"--kind {kind!r}: no such event kind. Families: {', '.join(families)}; kinds: {', '.join(known)} "
+        "(docs/observability.md)"
+    )
+
+
+ENV_DELETED = "env.deleted"
+PATH_FIELD = "env"
+"""Field of ``env.deleted``: the deleted env's ``project/app/env`` (its name outlives the env's record)."""
+_DELETED_MESSAGE = re.compile(r"^environment (\S+) deleted")
+
+
+async def deleted_env_paths(conn: Connection, timeout: float = 5.0) -> dict[str, str]:
+    """env id → ``project/app/env`` of each deleted env whose ``env.deleted`` event the stream still holds
+    (an event older than the path field gives the env's name alone), so that events of a deleted env can
+    still name it. One watch over the ``env.deleted`` subject; nothing when there is none."""
+    from shared.watches import WatchSpec, follow
+
+    subject = EVENTS_SUBJECT_PREFIX + ENV_DELETED
+    info = await conn.js.stream_info(EVENTS_STREAM, subjects_filter=subject)
+    if not (info.state.subjects or {}).get(subject):
+        return {}
+    watch = await follow(conn, WatchSpec(EVENTS_STREAM, (subject,), "all"))
+    found: dict[str, str] = {}
+    try:
+        while (msg := await watch.next_stored(timeout)) is not None:
+            with contextlib.suppress(DecodeError):
+                event = pb.Event.FromString(msg.data)
+                named = _DELETED_MESSAGE.match(event.message)
+                path = event.fields.get(PATH_FIELD) or (named.group(1) if named else "")
+                if event.environment_id and path:
+                    found[event.environment_id] = path
+    finally:
+        await watch.unsubscribe()
+    return found
 
 
 EVENT_SCALED = "scale.changed"

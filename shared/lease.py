@@ -1,6 +1,6 @@
 """Leases for singleton leader loops and the helper that runs a function only while leading (DESIGN §2.2).
 
-``lease.<loop>`` holds a :class:`zattera.v1.Lease` {holder, term, acquired_at}. A contender acquires it
+``lease.<loop>`` holds a :class:`zattera.v1.Lease` {holder, term, acquired_at, version}. A contender acquires it
 with a create (expected revision 0, or the revision of a delete marker) carrying a per-message TTL; the
 holder renews it with an expected-revision update well inside the TTL, and every fenced batch of the
 holder re-writes it too (:mod:`shared.txn`). The term is the revision of the acquiring write: unique per
@@ -36,12 +36,13 @@ from nats.js.errors import APIError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.defaults import LEASE_RENEW, LEASE_TTL
 from shared.ids import new_id
 from shared.jetstream import WRONG_LAST_SEQUENCE, read_last
 from shared.metrics import lease_terms, leases_held
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
-from shared.settings import DEFAULTS
 from shared.tasks import cancel_and_wait, raise_if_cancelling
+from shared.version import VERSION
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,8 @@ class Lease:
         loop: str,
         holder: str,
         *,
-        ttl: float = DEFAULTS.lease_ttl,
-        renew_interval: float = DEFAULTS.lease_renew,
+        ttl: float = LEASE_TTL,
+        renew_interval: float = LEASE_RENEW,
     ) -> None:
         if ttl < 1.0:
             raise ValueError("lease ttl must be at least 1 s (the server's TTL granularity)")
@@ -95,7 +96,12 @@ class Lease:
 
     def _value(self, term: int | None = None) -> bytes:
         """This lease's value in its term (``term``: another, e.g. 0 for an acquiring write)."""
-        lease = pb.Lease(holder=self.holder, term=self.term if term is None else term, acquired_at=self._acquired_at)
+        lease = pb.Lease(
+            holder=self.holder,
+            term=self.term if term is None else term,
+            acquired_at=self._acquired_at,
+            version=VERSION,
+        )
         return lease.SerializeToString(deterministic=True)
 
     def fence_message(self) -> tuple[str, bytes, dict[str, str]]:
@@ -279,8 +285,8 @@ async def run_while_leading(
     fn: LeaderFn,
     *,
     holder: str,
-    ttl: float = DEFAULTS.lease_ttl,
-    renew_interval: float = DEFAULTS.lease_renew,
+    ttl: float = LEASE_TTL,
+    renew_interval: float = LEASE_RENEW,
     on_term: Callable[[int], None] | None = None,
 ) -> None:
     """Campaign for ``lease.<loop>`` forever; run ``fn`` while holding it, cancel it on loss, re-campaign.

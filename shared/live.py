@@ -24,13 +24,14 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.backoff import resubscribing
 from shared.clock import Clock
 from shared.jetstream import is_delete_marker
-from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
+from shared.natsio import LIVE_PREFIX, LIVE_STREAM, ClusterUnavailable, Connection, TooManySubjects, last_per_subject
 from shared.state.changes import ChangeFeed
 from shared.state.feed import CONSUMER_HEARTBEAT, guard_ordered_consumer, server_delivered
 from shared.telemetry import counter
@@ -87,6 +88,25 @@ class EnvTraffic:
     rps: float = 0.0
     last_request_at: float = 0.0
     reporters: int = 0
+
+
+async def proxy_reports(conn: Connection, now: float, *, timeout: float = 2.0) -> list[cpb.ProxyHeartbeat]:
+    """The proxies' fresh heartbeats, read once (one direct get of every ``proxy.*`` key: no watch), for a
+    command that shows what the proxies serve and where they listen (``zattera status``)."""
+    try:
+        found = await last_per_subject(conn.nc, LIVE_STREAM, f"{LIVE_PREFIX}{PROXY}.*", timeout)
+    except (TimeoutError, NatsError, ClusterUnavailable, TooManySubjects) as exc:
+        log.debug("proxy heartbeats not read: %s", exc)
+        return []
+    reports = []
+    for msg in found:
+        if is_delete_marker(msg.headers) or not msg.data:
+            continue
+        with contextlib.suppress(DecodeError):
+            heartbeat = cpb.ProxyHeartbeat.FromString(msg.data)
+            if now - _ts(heartbeat) <= FRESH_FOR:
+                reports.append(heartbeat)
+    return reports
 
 
 class LiveView:

@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
-from opentelemetry.sdk.resources import Resource
-from prometheus_client import Histogram
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from prometheus_client import Histogram
+
+# The SDK and prometheus_client are imported when a process serves or records metrics (services with a
+# metrics port, the proxy): a CLI read loads only the API, whose instruments are no-ops.
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,23 @@ leases_held = _meter.create_up_down_counter("zattera.lease.held", description="1
 # where the OpenTelemetry SDK's histogram record costs ~11-17 µs on this machine (benchmarks/proxy_bench.py).
 # It lands in the same registry the OpenTelemetry exporter serves, so the proxy still has one /metrics.
 # Its _count is the request counter.
-proxy_request_duration = Histogram(
-    "zattera_proxy_request_duration_seconds",
-    "requests answered by the proxy, by env id and status class, with their latency",
-    ["env", "status_class"],
-    buckets=LATENCY_BUCKETS,
-)
+_proxy_request_duration: Histogram | None = None
+
+
+def proxy_request_duration() -> Histogram:
+    """The proxy's request histogram (created once, in the default registry, by its first user)."""
+    global _proxy_request_duration
+    if _proxy_request_duration is None:
+        from prometheus_client import Histogram
+
+        _proxy_request_duration = Histogram(
+            "zattera_proxy_request_duration_seconds",
+            "requests answered by the proxy, by env id and status class, with their latency",
+            ["env", "status_class"],
+            buckets=LATENCY_BUCKETS,
+        )
+    return _proxy_request_duration
+
 
 NO_ENV = "none"
 """The env label of a request that matched no route."""
@@ -72,13 +84,14 @@ class RequestSeries:
     request instead of a ``labels()`` call."""
 
     def __init__(self) -> None:
+        self._histogram = proxy_request_duration()
         self._series: dict[tuple[str, int], Histogram] = {}
 
     def observe(self, env_id: str, status: int, seconds: float) -> None:
         key = (env_id or NO_ENV, status // 100)
         series = self._series.get(key)
         if series is None:
-            series = self._series[key] = proxy_request_duration.labels(key[0], status_class(status))
+            series = self._series[key] = self._histogram.labels(key[0], status_class(status))
         series.observe(seconds)
 
 
@@ -121,6 +134,8 @@ def serve_metrics(service_name: str, port: int, host: str = "127.0.0.1") -> int 
     if _serving is not None:
         return _serving
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
+    from opentelemetry.sdk.resources import Resource
     from prometheus_client import start_http_server
 
     reader = PrometheusMetricReader()
@@ -139,6 +154,7 @@ def serve_metrics(service_name: str, port: int, host: str = "127.0.0.1") -> int 
 def use_in_memory_reader() -> InMemoryMetricReader:
     """For tests: a provider whose metrics are read in process (no endpoint); once per process."""
     global _serving
+    from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     reader = InMemoryMetricReader()

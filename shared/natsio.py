@@ -27,8 +27,12 @@ from nats.js.api import (
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shared.backoff import exponential
+from shared.defaults import LIVE_TTL, TOMBSTONE_TTL
 from shared.errors import ZatteraError
-from shared.settings import DEFAULTS
+from shared.ids import new_id
+from shared.migrations.registry import SCHEMA
+from shared.tasks import cancel_and_wait
+from shared.version import VERSION
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -137,6 +141,55 @@ class ClusterUnavailable(ZatteraError, ConnectionError):
     and the servers tried."""
 
 
+class NotAuthorized(ZatteraError):
+    """The server refused the connection's credential (none given to a secured server, an unknown, expired or
+    revoked one): the message names the credential and the server's reason. Retrying the same credential
+    cannot help, so :func:`connect` raises it at once."""
+
+
+class PermissionDenied(ZatteraError):
+    """The server refused a publish or subscribe of this credential (a permissions violation): the message
+    names the credential and the subject it may not use. Raised at once instead of waiting for an answer
+    that cannot come."""
+
+
+_AUTH_REFUSALS = (
+    "authorization violation",
+    "authentication expired",
+    "authentication revoked",
+    "authentication timeout",
+)
+_VIOLATION = re.compile(r"permissions violation for (publish|subscription) to \"?([^\"]+)\"?", re.IGNORECASE)
+
+
+def describe_credential(creds: str | None) -> str:
+    """How errors name a connection's credential: its file and the user it holds, or that there is none."""
+    if not creds:
+        return "no credential (none given: ZATTERA_NATS_CREDS, --creds of a context)"
+    try:
+        from shared.security.creds import read_user_jwt
+        from shared.security.nkeyjwt import decode_claims
+
+        claims = decode_claims(read_user_jwt(creds))
+    except (OSError, ValueError, KeyError):
+        return f"the credential {creds}"
+    return f"the credential {creds} (user {claims.get('name', '?')!r}, {str(claims.get('sub', '?'))[:12]}…)"
+
+
+def _auth_refusal(exc: BaseException) -> str | None:
+    """The server's reason when ``exc`` is a refused credential (nats-py reports it as a plain error)."""
+    text = str(exc).lower()
+    return next((reason for reason in _AUTH_REFUSALS if reason in text), None)
+
+
+def permission_violation(exc: BaseException) -> tuple[str, str] | None:
+    """(``publish`` | ``subscribe``, subject lower-cased as nats-py reports it) of a permissions violation."""
+    match = _VIOLATION.search(str(exc))
+    if match is None:
+        return None
+    return ("publish" if match.group(1).lower() == "publish" else "subscribe"), match.group(2).lower()
+
+
 def _unavailable_reply(msg: Msg) -> bool:
     """A JetStream API reply of ``503`` (no stream/meta leader yet: an election is under way)."""
     if b'"code":503' not in msg.data:
@@ -157,9 +210,28 @@ class PatientClient(NATS):
     Publishes (writes) are never repeated: a write whose reply was lost is the caller's to check
     (``shared.txn.CommitUnknown``)."""
 
-    def __init__(self, request_deadline: float) -> None:
+    def __init__(self, request_deadline: float, credential: str = "") -> None:
         super().__init__()
         self.request_deadline = request_deadline
+        self.credential = credential
+        """What :class:`PermissionDenied` names (:func:`describe_credential`)."""
+        self.denied: dict[str, str] = {}
+        """Subject (lower-cased) → "publish"/"subscribe" that the server refused this connection."""
+
+    def note_error(self, exc: BaseException) -> None:
+        """An asynchronous error from the server: a permissions violation fails the request it concerns."""
+        violation = permission_violation(exc)
+        if violation is not None:
+            self.denied[violation[1]] = violation[0]
+
+    def _denial(self, subject: str) -> PermissionDenied | None:
+        verb = self.denied.get(subject.lower())
+        if verb is None:
+            return None
+        return PermissionDenied(
+            f"NATS refused {self.credential or 'this connection'}: it may not {verb} to {subject} "
+            "(permissions violation)"
+        )
 
     async def request(
         self,
@@ -170,7 +242,12 @@ class PatientClient(NATS):
         headers: dict[str, Any] | None = None,
     ) -> Msg:
         if not subject.startswith(JS_API_PREFIX):
-            return await super().request(subject, payload, timeout, old_style, headers)
+            try:
+                return await super().request(subject, payload, timeout, old_style, headers)
+            except (nats.errors.TimeoutError, TimeoutError):
+                if (denial := self._denial(subject)) is not None:
+                    raise denial from None
+                raise
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(self.request_deadline, timeout)
         tried: list[str] = []
@@ -193,7 +270,7 @@ class PatientClient(NATS):
             )
             attempt_timeout = min(attempt_timeout * 2, LONGEST_ATTEMPT_TIMEOUT)
             try:
-                msg = await self._unless_reconnected(attempt, reconnects)
+                msg = await self._unless_reconnected(attempt, reconnects, subject)
             except (nats.errors.TimeoutError, TimeoutError):
                 last = "timed out"
                 continue
@@ -213,10 +290,15 @@ class PatientClient(NATS):
                 last = "JetStream unavailable (503)"
             await asyncio.sleep(min(RETRY_PAUSE, max(0.0, deadline - loop.time())))
 
-    async def _unless_reconnected(self, attempt: asyncio.Future[Msg], reconnects: int) -> Msg | None:
+    async def _unless_reconnected(self, attempt: asyncio.Future[Msg], reconnects: int, subject: str) -> Msg | None:
         """The attempt's reply, or None as soon as the client has reconnected (the reply, if any, went to
-        the server that was lost)."""
+        the server that was lost); :class:`PermissionDenied` as soon as the server refused the subject."""
         while True:
+            if (denial := self._denial(subject)) is not None:
+                attempt.cancel()
+                with contextlib.suppress(asyncio.CancelledError, nats.errors.Error, TimeoutError):
+                    await attempt
+                raise denial
             try:
                 done, _ = await asyncio.wait({attempt}, timeout=0.1)
             except asyncio.CancelledError:  # the caller gave up (e.g. the CLI's snapshot answered first)
@@ -269,17 +351,27 @@ async def connect(
     creds: str | None = None,
     tls_ca: str | None = None,
     request_deadline: float = 0.0,
+    fail_fast: bool = False,
 ) -> Connection:
     """Connect with unlimited reconnects; the returned connection drains on close.
 
     ``creds``: a NATS credentials file (secured clusters, see SECURITY.md); the connection then uses the
     private inbox prefix that the role permissions allow. ``tls_ca``: the CA that must have signed the
     server certificate (TLS listener). ``request_deadline`` > 0: JetStream API requests are retried across
-    servers that long (:class:`PatientClient`).
+    servers that long (:class:`PatientClient`), and fail at once with :class:`PermissionDenied` when the
+    server refuses the subject. A refused credential raises :class:`NotAuthorized` at once; ``fail_fast``
+    (a command line): once every server was tried and none answered, ConnectionError without waiting for
+    ``connect_timeout`` twice (services keep trying: they are retried with backoff).
     """
     on_reconnect: list[ConnectionListener] = []
     on_disconnect: list[ConnectionListener] = []
     holder: list[Connection] = []
+    servers = split_urls(urls)
+    _websocket_ready(servers)
+    loop = asyncio.get_running_loop()
+    refused: asyncio.Future[Exception] = loop.create_future()
+    failures: list[str] = []
+    giving_up = False  # the first connect failed: nc.close() then calls the callbacks, which say nothing
 
     async def reconnected() -> None:
         log.info("nats reconnected", extra={"client": name})
@@ -287,7 +379,7 @@ async def connect(
             await cb()
 
     async def disconnected() -> None:
-        if holder and holder[0].closing:
+        if giving_up or (holder and holder[0].closing):
             return
         log.warning("nats disconnected", extra={"client": name})
         for cb in list(on_disconnect):
@@ -295,38 +387,79 @@ async def connect(
 
     async def error(exc: Exception) -> None:
         log.debug("nats error: %s", exc)
+        if isinstance(nc, PatientClient):
+            nc.note_error(exc)
+        if holder or refused.done():
+            return
+        reason = _auth_refusal(exc)
+        if reason is not None:
+            refused.set_result(NotAuthorized(f"NATS at {urls} refused {describe_credential(creds)}: {reason}"))
+            return
+        failures.append(str(exc) or type(exc).__name__)
+        if fail_fast and len(failures) >= len(servers):
+            refused.set_result(ConnectionError(f"no NATS server reachable at {urls} ({failures[-1]})"))
 
     async def closed() -> None:
         if holder and not holder[0].closing:
             log.error("nats connection closed for good", extra={"client": name})
             holder[0].lost.set()
 
-    nc = PatientClient(request_deadline) if request_deadline > 0 else NATS()
+    nc = PatientClient(request_deadline, describe_credential(creds)) if request_deadline > 0 else NATS()
     # nats-py retries the initial connect forever when reconnects are unlimited: bound it here and let
     # the caller decide how to back off.
-    connecting = nc.connect(
-        servers=split_urls(urls),
-        name=name,
-        connect_timeout=max(1, int(connect_timeout)),
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.25,  # type: ignore[arg-type]  # annotated int, used as float seconds
-        allow_reconnect=True,
-        reconnected_cb=reconnected,
-        disconnected_cb=disconnected,
-        closed_cb=closed,
-        error_cb=error,
-        pending_size=64 * 1024 * 1024,
-        flush_timeout=10,
-        **_security_options(creds, tls_ca),
+    connecting = asyncio.ensure_future(
+        nc.connect(
+            servers=servers,
+            name=name,
+            connect_timeout=max(1, int(connect_timeout)),
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,  # type: ignore[arg-type]  # annotated int, used as float seconds
+            allow_reconnect=True,
+            reconnected_cb=reconnected,
+            disconnected_cb=disconnected,
+            closed_cb=closed,
+            error_cb=error,
+            pending_size=64 * 1024 * 1024,
+            flush_timeout=10,
+            **_security_options(creds, tls_ca),
+        )
     )
+    either: set[asyncio.Future[Any]] = {connecting, refused}
     try:
-        await asyncio.wait_for(connecting, timeout=connect_timeout * 2)
-    except TimeoutError:
+        await asyncio.wait(either, timeout=connect_timeout * 2, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        giving_up = True
+        await cancel_and_wait(connecting)
         await nc.close()
-        raise ConnectionError(f"no NATS server reachable at {urls}") from None
+        raise
+    failed = connecting.exception() if connecting.done() else None
+    if not connecting.done() or failed is not None:
+        giving_up = True
+        await cancel_and_wait(connecting)
+        await nc.close()
+        if refused.done():
+            raise refused.result()
+        if failed is not None:
+            raise failed
+        seen = f" ({failures[-1]})" if failures else ""
+        raise ConnectionError(f"no NATS server reachable at {urls}{seen}") from None
     conn = Connection(nc=nc, js=nc.jetstream(timeout=10), _on_reconnect=on_reconnect, _on_disconnect=on_disconnect)
     holder.append(conn)
     return conn
+
+
+def _websocket_ready(servers: list[str]) -> None:
+    """Give nats-py's websocket transport aiohttp when a server URL needs it (the CLI imports nats-py without
+    it: cli/main.py)."""
+    if not any(server.split("://", 1)[0] in ("ws", "wss") for server in servers):
+        return
+    import aiohttp
+    import multidict
+    import nats.aio.transport as transport
+
+    if getattr(transport, "aiohttp", None) is None:
+        setattr(transport, "aiohttp", aiohttp)  # noqa: B010  # the names the transport reads at run time
+        setattr(transport, "multidict", multidict)  # noqa: B010
 
 
 def _security_options(creds: str | None, tls_ca: str | None) -> dict[str, Any]:
@@ -466,32 +599,63 @@ def cluster_size(nc: NATS) -> int:
     return max(1, len(info.get("connect_urls") or []), len(named))
 
 
+SCHEMA_KEY = f"{CONFIG_METADATA_PREFIX}schema"
+VERSION_KEY = f"{CONFIG_METADATA_PREFIX}version"
+MIGRATION_KEY_PREFIX = f"{CONFIG_METADATA_PREFIX}migration."
+"""``zattera.migration.<NNNN>`` = ``<when> <version> <what it changed>``: one per migration the cluster ran."""
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
-    """What every stream, bucket and object store is created with: chosen once, by the init."""
+    """What every stream, bucket and object store is created with: chosen once, by the init; and the schema
+    the cluster is at, with the Zattera version that brought it there (docs/upgrades.md)."""
 
     replicas: int = 1
-    live_ttl: float = DEFAULTS.live_ttl
-    tombstone_ttl: float = DEFAULTS.tombstone_ttl
+    live_ttl: float = LIVE_TTL
+    tombstone_ttl: float = TOMBSTONE_TTL
     build_log_lines: int = 10_000
     initialized_at: str = ""
+    schema: int = 0
+    """The schema version (``shared/migrations``); 0: recorded by a release before schemas were (0.1.0)."""
+    version: str = ""
+    """The Zattera version that initialised the cluster or last upgraded it ("" before 0.2.0)."""
+    migrations: tuple[str, ...] = ()
+    """What each migration run on this cluster did, in order: ``<NNNN> <when> <version> <changes>``."""
+    cluster_id: str = ""
+    """A ULID chosen by the init that created the state stream: which cluster this is (route snapshots
+    name it, :func:`cluster_identity`); "" for a cluster initialised before ids were recorded."""
 
     def metadata(self) -> dict[str, str]:
-        return {
+        recorded = {
             f"{CONFIG_METADATA_PREFIX}replicas": str(self.replicas),
             f"{CONFIG_METADATA_PREFIX}live_ttl": repr(self.live_ttl),
             f"{CONFIG_METADATA_PREFIX}tombstone_ttl": repr(self.tombstone_ttl),
             f"{CONFIG_METADATA_PREFIX}build_log_lines": str(self.build_log_lines),
             f"{CONFIG_METADATA_PREFIX}initialized_at": self.initialized_at,
+            SCHEMA_KEY: str(self.schema),
+            VERSION_KEY: self.version,
         }
+        for line in self.migrations:
+            number, _, rest = line.partition(" ")
+            recorded[f"{MIGRATION_KEY_PREFIX}{number}"] = rest
+        if self.cluster_id:  # left out when unknown, so that rewriting the metadata never erases a recorded one
+            recorded[f"{CONFIG_METADATA_PREFIX}cluster_id"] = self.cluster_id
+        return recorded
 
     @classmethod
     def recorded(cls, state: StreamConfig) -> ClusterConfig:
         """The configuration recorded on the state stream; a cluster provisioned before it was recorded
         (no metadata) is described by its state stream as it is."""
-        meta = state.metadata or {}
+        return cls.from_metadata(state.metadata or {}, state.num_replicas or 1, state.subject_delete_marker_ttl)
+
+    @classmethod
+    def from_metadata(
+        cls, meta: dict[str, str], replicas: int = 1, tombstone_ttl: float | None = None
+    ) -> ClusterConfig:
+        """The configuration in a state stream's metadata; ``replicas`` and ``tombstone_ttl`` (the stream's
+        own) describe a cluster provisioned before it was recorded."""
         if f"{CONFIG_METADATA_PREFIX}replicas" not in meta:
-            return cls(replicas=state.num_replicas or 1, tombstone_ttl=state.subject_delete_marker_ttl or 900.0)
+            return cls(replicas=replicas, tombstone_ttl=tombstone_ttl or 900.0)
 
         def get(name: str) -> str:
             return meta.get(f"{CONFIG_METADATA_PREFIX}{name}", "")
@@ -502,6 +666,14 @@ class ClusterConfig:
             tombstone_ttl=float(get("tombstone_ttl") or 900.0),
             build_log_lines=int(get("build_log_lines") or 10_000),
             initialized_at=get("initialized_at"),
+            schema=int(meta.get(SCHEMA_KEY) or 0),
+            version=meta.get(VERSION_KEY, ""),
+            migrations=tuple(
+                f"{key.removeprefix(MIGRATION_KEY_PREFIX)} {value}"
+                for key, value in sorted(meta.items())
+                if key.startswith(MIGRATION_KEY_PREFIX)
+            ),
+            cluster_id=get("cluster_id"),
         )
 
     def stream_configs(self) -> list[StreamConfig]:
@@ -649,18 +821,73 @@ async def create_or_update_stream(js: JetStreamContext, cfg: StreamConfig) -> No
     await js.update_stream(cfg)
 
 
+@dataclass(frozen=True)
+class ClusterIdentity:
+    """Which cluster, and which life of its state stream: ``id`` recorded by the init (:attr:`ClusterConfig.
+    cluster_id`), ``epoch`` the state stream's creation time. State revisions — hence route snapshot
+    versions — are comparable only between equal identities (a data dir started ``--secure`` after an open
+    cluster, a state stream created anew: versions start over)."""
+
+    id: str
+    epoch: str
+
+
+async def cluster_identity(js: JetStreamContext) -> ClusterIdentity:
+    """The identity of the cluster ``js`` is connected to (read from the state stream; NotFoundError when
+    the cluster is not initialised)."""
+    info = await js.stream_info(STATE_STREAM)
+    created = info.created.astimezone(UTC).isoformat() if info.created is not None else ""
+    return ClusterIdentity(ClusterConfig.recorded(info.config).cluster_id, created)
+
+
 async def recorded_replicas(js: JetStreamContext) -> int:
     """The replica count the cluster's init recorded (what streams created later must use)."""
     state = await _stream_config(js, STATE_STREAM)
     return ClusterConfig.recorded(state).replicas if state is not None else 1
 
 
+async def recorded_config(js: JetStreamContext) -> ClusterConfig | None:
+    """The recorded cluster configuration, schema and version included; None: not initialised."""
+    state = await _stream_config(js, STATE_STREAM)
+    return ClusterConfig.recorded(state) if state is not None else None
+
+
+async def js_api(nc: NATS, what: str, payload: dict[str, Any] | None = None, timeout: float = 5.0) -> dict[str, Any]:
+    """One JetStream API request (``what``: ``STREAM.INFO.<name>``…) with a JSON body, its JSON reply; an
+    error reply raises nats-py's :class:`APIError` subclass for it (``NotFoundError``…)."""
+    body = json.dumps(payload).encode() if payload is not None else b""
+    reply: dict[str, Any] = json.loads((await nc.request(JS_API_PREFIX + what, body, timeout=timeout)).data)
+    if "error" in reply:
+        APIError.from_error(reply["error"])
+    return reply
+
+
+async def raw_stream_config(nc: NATS, name: str) -> dict[str, Any] | None:
+    """A stream's configuration as the server has it (every field, nats-py's model or not); None: none."""
+    try:
+        config: dict[str, Any] = (await js_api(nc, f"STREAM.INFO.{name}"))["config"]
+    except NotFoundError:
+        return None
+    return config
+
+
+async def update_stream_raw(nc: NATS, config: dict[str, Any]) -> dict[str, Any]:
+    """Replace a stream's configuration with ``config`` (read by :func:`raw_stream_config` and edited: what
+    the caller did not touch goes back as the server had it). Only migrations change existing streams."""
+    config = {k: v for k, v in config.items() if k != "metadata"} | {
+        # nats-server keeps its own ``_nats.*`` keys; sending them back is refused by some versions
+        "metadata": {k: v for k, v in (config.get("metadata") or {}).items() if not k.startswith("_nats.")}
+    }
+    updated: dict[str, Any] = (await js_api(nc, f"STREAM.UPDATE.{config['name']}", config))["config"]
+    return updated
+
+
 async def provision(
     js: JetStreamContext,
     *,
     replicas: int | None = None,
-    live_ttl: float = DEFAULTS.live_ttl,
-    tombstone_ttl: float = DEFAULTS.tombstone_ttl,
+    live_ttl: float = LIVE_TTL,
+    tombstone_ttl: float = TOMBSTONE_TTL,
     build_log_lines: int = 10_000,
 ) -> ProvisionReport:
     """Create what is missing of DESIGN §2–§3, never changing what exists. Idempotent; safe from many
@@ -679,13 +906,22 @@ async def provision(
         tombstone_ttl=tombstone_ttl,
         build_log_lines=build_log_lines,
         initialized_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        schema=SCHEMA,  # a new cluster is created as this code defines it: no migration has anything to do
+        version=VERSION,
+        cluster_id=new_id(),
     )
     state, created = await create_stream_if_missing(js, wanted.stream_configs()[0])
     config = ClusterConfig.recorded(state)
     report = ProvisionReport(config=config, initialized=created)
     if created:
         report.created.append(STATE_STREAM)
-        log.info("cluster initialised: replicas=%d (cluster of %d servers)", config.replicas, size)
+        log.info(
+            "cluster initialised: replicas=%d (cluster of %d servers), schema %d (Zattera %s)",
+            config.replicas,
+            size,
+            config.schema,
+            config.version,
+        )
     elif replicas is not None and replicas != config.replicas:
         report.mismatches.append(f"replicas {replicas} requested, recorded {config.replicas}: not applied")
     for want in config.stream_configs():
@@ -702,8 +938,17 @@ async def provision(
             report.mismatches.append(
                 f"{object_store_stream(bucket)}: num_replicas is {have_replicas}, recorded {config.replicas}"
             )
-    for mismatch in report.mismatches:
-        log.warning("cluster configuration mismatch (not applied): %s", mismatch)
+    if config.schema < SCHEMA and report.mismatches:
+        # The upgrade that follows provisioning (shared/migrations) changes what its migrations change.
+        log.info(
+            "cluster at schema %d, this code's is %d: differences before the upgrade: %s",
+            config.schema,
+            SCHEMA,
+            "; ".join(report.mismatches),
+        )
+    else:
+        for mismatch in report.mismatches:
+            log.warning("cluster configuration mismatch (not applied): %s", mismatch)
     return report
 
 

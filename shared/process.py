@@ -7,7 +7,8 @@ beside the process's own, sets up logging, tracing and the metrics endpoint, tur
 
 * :meth:`Process.connect`: connect, retrying with backoff while NATS is unreachable;
 * :meth:`Process.retry`: the same backoff for any step that waits on the cluster (provisioning);
-* :meth:`Process.supervise`: run until stopped, the connection lost for good, or a task ending;
+* :meth:`Process.supervise`: run until stopped, the connection lost for good, or a task ending, touching
+  the heartbeat file of ``ZATTERA_HEALTH_FILE`` meanwhile (shared/health.py: containers' health checks);
 * :meth:`Process.shut_down`: cancel and clean up, within a grace after which the process exits anyway.
 """
 
@@ -22,14 +23,21 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
+from nats.errors import Error as NatsError
+
+from shared import health
 from shared.backoff import exponential
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
-from shared.natsio import Connection, connect
+from shared.migrations.registry import SCHEMA
+from shared.natsio import Connection, connect, recorded_config
 from shared.settings import Settings, settings
+from shared.skew import Component, SkewRefused, Verdict, judge
 from shared.tasks import cancel_and_wait
 from shared.telemetry import setup as setup_telemetry
+from shared.version import VERSION
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +49,9 @@ FIRST_RETRY = 0.2
 LAST_RETRY = 5.0
 SHUTDOWN_GRACE = 10.0
 """Seconds a stopping process is given to cancel its tasks and close its connection."""
+RESTART_SIGNAL = signal.SIGUSR2
+"""Stop to be restarted at once (``zattera up`` rolling its processes onto new code): like SIGTERM, but what
+outlives a restart is kept (:attr:`Process.restarting`)."""
 
 
 def configure_logging(level: str) -> None:
@@ -111,6 +122,22 @@ async def connect_with_retry(
     )
 
 
+async def heartbeat(path: Path, conn: Connection | None) -> None:
+    """Touch ``path`` every :data:`shared.health.HEARTBEAT` seconds while ``conn`` is connected (always
+    without one): what a container's health check reads (``sh shared/health.sh``)."""
+    failing = False
+    while True:
+        if conn is None or conn.nc.is_connected:
+            try:
+                health.touch(path)
+                failing = False
+            except OSError as exc:
+                if not failing:  # once per failure, not every beat
+                    log.warning("heartbeat file %s: %s", path, exc.strerror or exc)
+                failing = True
+        await asyncio.sleep(health.HEARTBEAT)
+
+
 @dataclass
 class Process:
     """One running process: its flags, the shared settings, and the event set on SIGTERM/SIGINT."""
@@ -121,6 +148,9 @@ class Process:
     stop: asyncio.Event
     metrics: bool
     """Whether its metrics endpoint is served."""
+    restarting: bool = False
+    """Stopped by :data:`RESTART_SIGNAL`: to be started again at once (an upgrade rolling over it), so what
+    outlives a restart is kept (an agent's instances, whatever ``--stop-on-exit`` says)."""
 
     @property
     def nats_url(self) -> str:
@@ -148,12 +178,40 @@ class Process:
             self.stop, attempt, what=f"{self.name}: {what}", retry_on=retry_on, fatal=fatal, level=level
         )
 
+    async def await_compatible(self, conn: Connection, component: Component, poll: float = 2.0) -> bool:
+        """Wait until the cluster's recorded schema and version let ``component`` of this version run
+        (``shared/skew.py``): True to go on, False when stopped first. One line says why it waits (a cluster
+        the control plane has not upgraded yet) or runs one release behind; :class:`SkewRefused` when it
+        may not run at all (too old)."""
+        said = ""
+        while not self.stop.is_set():
+            recorded = await self.retry(
+                lambda: recorded_config(conn.js),
+                what="reading the cluster's version",
+                retry_on=(NatsError, TimeoutError, OSError),
+            )
+            if recorded is not None:  # None: stopped, or no cluster yet (its init comes first)
+                skew = judge(component, VERSION, SCHEMA, recorded.version, recorded.schema)
+                if skew.refused:
+                    raise SkewRefused(skew.message)
+                if skew.message and skew.message != said:
+                    said = skew.message
+                    log.warning("%s: %s", self.name, skew.message)
+                if skew.verdict is not Verdict.WAIT:
+                    return True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), poll)
+        return False
+
     async def supervise(self, tasks: Sequence[asyncio.Task[None]], conn: Connection | None = None) -> int:
         """Wait until stopped (exit status 0), ``conn`` closed for good (1: a process left with it is alive
         but deaf) or one of ``tasks`` ending (1: a supervisor restarts the process; 0 would read as a
-        clean stop). The tasks are left to :meth:`shut_down`."""
+        clean stop). The tasks are left to :meth:`shut_down`. Meanwhile the heartbeat file (setting
+        ``health_file``) is touched while ``conn`` is connected, and removed at the end."""
         stopper = asyncio.create_task(self.stop.wait())
         lost = asyncio.create_task(conn.lost.wait()) if conn is not None else None
+        beating = self.settings.health_file
+        heart = asyncio.create_task(heartbeat(Path(beating), conn)) if beating else None
         watched = {stopper, *tasks} | ({lost} if lost is not None else set())
         exit_code = 0
         try:
@@ -162,6 +220,9 @@ class Process:
             stopper.cancel()
             if lost is not None:
                 lost.cancel()
+            if heart is not None:
+                await cancel_and_wait(heart)
+                health.clear(Path(beating))
         for task in done:
             if task is stopper or task.cancelled():
                 continue
@@ -210,11 +271,19 @@ async def run_process(
     add_metrics_argument(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
+    log.info("%s: Zattera %s (schema %d) starting", name, VERSION, SCHEMA)
     setup_telemetry(f"zattera-{name}")
     cfg = settings()
     served = serve_metrics(f"zattera-{name}", metrics_port(args.metrics_port, cfg.metrics_port), cfg.metrics_host)
     stop = asyncio.Event()
+    process = Process(name, args, cfg, stop, metrics=served is not None)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    return await body(Process(name, args, cfg, stop, metrics=served is not None))
+
+    def restart() -> None:
+        process.restarting = True
+        stop.set()
+
+    loop.add_signal_handler(RESTART_SIGNAL, restart)
+    return await body(process)

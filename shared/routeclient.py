@@ -30,9 +30,13 @@ atomically *and durably* (temp file, fsync, rename, fsync of the directory) off 
 retry backoff resets after a successful fetch. Like the reference it loads the cache before any network
 activity and serves the last snapshot, without expiry, while the control plane is unreachable.
 
-Caveat of ordering by version: versions are state-bucket revisions, so a control plane rebuilt from
-scratch (new bucket) restarts low; a proxy that kept its cache then ignores snapshots until the new
-versions pass its own. Delete the cache file in that case.
+Versions are state-bucket revisions, so they order the snapshots of one cluster only: a snapshot names
+the cluster it was built from (``RouteSnapshot.cluster``: the id its init recorded and the state stream's
+creation, :class:`shared.natsio.ClusterIdentity`), and versions are compared only between snapshots of the
+same cluster. A snapshot of another cluster than the current one — a cached snapshot kept from the open
+cluster a data dir held before ``--secure``, from a state bucket since created anew — is never preferred
+by its version: the client takes another cluster's snapshot only from a route service's own answer to
+``zattera.routes.get`` (which says "unchanged" only when version *and* cluster match), never from a push.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from shared.backoff import Backoff
 from shared.clock import Clock, RealClock
 from shared.errors import ZatteraError
 from shared.files import write_atomic
-from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, Connection
+from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, ClusterIdentity, Connection
 from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.telemetry import counter
 
@@ -203,6 +207,23 @@ def _parse_chunk(value: str) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------- cache
 
 
+def identity_message(identity: ClusterIdentity) -> cpb.ClusterIdentity:
+    """The wire form of a cluster identity."""
+    return cpb.ClusterIdentity(id=identity.id, epoch=identity.epoch)
+
+
+def same_cluster(a: cpb.ClusterIdentity, b: cpb.ClusterIdentity) -> bool:
+    """Whether two snapshots' versions are comparable: built from the same cluster's state stream."""
+    return a.id == b.id and a.epoch == b.epoch
+
+
+def cluster_text(identity: cpb.ClusterIdentity) -> str:
+    """How messages name a cluster: ``<id> (state since <epoch>)``; an unnamed one says so."""
+    if not identity.id and not identity.epoch:
+        return "an unnamed cluster"
+    return f"cluster {identity.id or '(no id)'} (state since {identity.epoch or '?'})"
+
+
 def load_cached(path: Path) -> cpb.RouteSnapshot:
     """The cached snapshot; an empty version-0 one when the file is missing or unreadable."""
     snapshot = cpb.RouteSnapshot()
@@ -305,9 +326,15 @@ class RouteClient:
         """Take ``snapshot`` if it is newer than the current one (True); stale and duplicate ones are
         dropped (False). An accepted snapshot is served at once and persisted in the background.
 
-        ``authoritative``: a route service's own answer that it confirmed (see :meth:`_verify`), taken
-        even when older, so a forged snapshot with a huge version cannot pin the client."""
-        if snapshot.version == self._current.version or (
+        ``authoritative``: a route service's own answer (a confirmed one, see :meth:`_verify`, or one for
+        another cluster than the current snapshot's), taken even when older, so a forged snapshot with a
+        huge version cannot pin the client. A snapshot of another cluster is taken only so: versions of two
+        clusters are not comparable (module docstring)."""
+        if self._current.version and not same_cluster(snapshot.cluster, self._current.cluster):
+            if not authoritative:
+                self.dropped += 1
+                return False
+        elif snapshot.version == self._current.version or (
             snapshot.version < self._current.version and not authoritative
         ):
             self.dropped += 1
@@ -383,7 +410,14 @@ class RouteClient:
             _rejected.add(1)
             log.warning("route snapshot message rejected: %s", exc)
             return
-        if snapshot is not None and self.apply(snapshot):
+        if snapshot is None:
+            return
+        if self._current.version and not same_cluster(snapshot.cluster, self._current.cluster):
+            # Not comparable with ours: whether this cluster's routes replace ours is the route service's word.
+            self.dropped += 1
+            self._sync_wanted.set()
+            return
+        if self.apply(snapshot):
             self._verify_wanted = True
             self._sync_wanted.set()
 
@@ -410,11 +444,11 @@ class RouteClient:
         replica; when the replica holds an older version, it asks once more after a short pause (a replica
         may simply lag by a debounce), and if the answer is still older it takes the replica's snapshot."""
         answer = await self._get()
-        if answer is None or answer.version >= self._current.version:
+        if answer is None or answer.version >= self._current.version or answer is self._current:
             return
         await asyncio.sleep(VERIFY_RETRY)
         answer = await self._get()
-        if answer is None or answer.version >= self._current.version:
+        if answer is None or answer.version >= self._current.version or answer is self._current:
             return
         log.warning(
             "route snapshot %d is unknown to the route service (which has %d): replacing it",
@@ -442,6 +476,8 @@ class RouteClient:
             return False
         try:
             request = cpb.WatchRoutesRequest(node_id=self.node_id, have_version=self.version)
+            request.have_cluster.CopyFrom(self._current.cluster)
+            request.have_cluster.SetInParent()  # sent even when empty: "unchanged" must match the cluster too
             await nc.publish(ROUTES_GET_SUBJECT, request.SerializeToString(), reply=inbox)
             assembler = SnapshotAssembler()
             while True:
@@ -455,7 +491,8 @@ class RouteClient:
                 snapshot = assembler.add(headers, msg.data)
                 if snapshot is not None:
                     self._last_answer = snapshot
-                    self.apply(snapshot)
+                    # A route service's answer: the cluster this connection reaches, whatever our version.
+                    self.apply(snapshot, authoritative=not same_cluster(snapshot.cluster, self._current.cluster))
                     return True
         except SnapshotDecodeError as exc:
             _rejected.add(1)

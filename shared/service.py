@@ -1,9 +1,10 @@
 """What every service runs in the process shell (shared/process.py): ``python -m services.<name> [--nats URL]``.
 
 It connects (retrying with backoff while NATS is unreachable), creates the buckets and streams that are
-missing (never changing existing ones), loads the state view, runs the service's tasks (leader loops
-through :func:`run_while_leading`), and on SIGTERM/SIGINT cancels them (leases released, no half-written
-state: every transition is one atomic batch), then drains the connection.
+missing (never changing existing ones), brings the cluster to this code's schema (the pending migrations,
+``shared/migrations``; a cluster at a newer schema is refused), loads the state view, runs the service's
+tasks (leader loops through :func:`run_while_leading`), and on SIGTERM/SIGINT cancels them (leases
+released, no half-written state: every transition is one atomic batch), then drains the connection.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from shared.clock import Clock, RealClock
 from shared.events import EventPublisher
 from shared.lease import default_holder, run_while_leading
 from shared.loop import LeaderLoop, LoopDeps
+from shared.migrations.runner import MigrationFailed, NotInitialised, upgrade
 from shared.natsio import Connection, provision, provision_options
 from shared.process import Process, run_process
 from shared.settings import Settings
+from shared.skew import SkewRefused
 from shared.state.feed import StateView
 from shared.tasks import cancel_and_wait
 from shared.txn import Writer
@@ -93,6 +96,19 @@ async def provision_with_retry(process: Process, conn: Connection) -> bool:
     return report is not None
 
 
+async def upgrade_with_retry(process: Process, conn: Connection) -> bool:
+    """Bring the cluster to this code's schema (``shared/migrations``: one process runs the pending
+    migrations under a lease, the others wait for it), retrying while JetStream cannot answer. False when
+    stopped first; :class:`SkewRefused` (a downgrade, or too old) and :class:`MigrationFailed` propagate."""
+    report = await process.retry(
+        lambda: upgrade(conn, holder=default_holder(f"{process.name}-upgrade"), events=EventPublisher(conn)),
+        what="upgrading the cluster schema",
+        retry_on=(NatsError, TimeoutError, OSError),
+        fatal=(SkewRefused, MigrationFailed, NotInitialised),
+    )
+    return report is not None
+
+
 async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> int:
     return await serve_all(name, {name: build}, argv)
 
@@ -123,6 +139,13 @@ async def _serve(process: Process, builds: Mapping[str, Build]) -> int:
     try:
         if not await provision_with_retry(process, conn):
             return 0
+        try:
+            if not await upgrade_with_retry(process, conn):
+                return 0
+        except (SkewRefused, MigrationFailed) as exc:
+            log.error("%s: %s", process.name, exc)
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         await view.start()
         clock = RealClock()
         for service, build in builds.items():

@@ -3,8 +3,10 @@
 Timers are settings so tests and demos can shorten them without code changes. Fields are grouped by
 concern; the docstring under each field is its description (``use_attribute_docstrings``), as in Kopf's
 ``configuration.py``. A service's own settings and timers are in ``services/<name>/settings.py``, shaped
-the same. Nothing else reads the environment for configuration; a default is written once, in its field
-(code that needs it as a parameter default reads :data:`DEFAULTS`).
+the same. Nothing else reads the environment for configuration but the light readers of what a plain CLI
+read needs (:mod:`shared.natssettings`) and OpenTelemetry's own ``OTEL_*`` variables; a default is written
+once, in its field or in :mod:`shared.defaults` (code that needs it as a parameter default reads
+:data:`DEFAULTS`).
 """
 
 from __future__ import annotations
@@ -13,15 +15,18 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Final
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.defaults import LEASE_RENEW, LEASE_TTL, LIVE_TTL, MAX_BATCH, TOMBSTONE_TTL
+from shared.natssettings import DEFAULT_NATS_URL
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ZATTERA_", extra="ignore", use_attribute_docstrings=True)
 
-    # ---------------------------------------------------------------- NATS connection
-    nats_url: str = "nats://127.0.0.1:4222"
+    # ---------------------------------------------------------------- NATS connection (shared/natssettings.py too)
+    nats_url: str = DEFAULT_NATS_URL
     """The NATS server(s) to connect to, comma-separated for a cluster."""
     nats_server_bin: str = ""
     """Path of nats-server (what ``zattera up`` and the tests start); '' = the bundled one."""
@@ -37,17 +42,17 @@ class Settings(BaseSettings):
     """Where this machine keeps its state (nats-server's store, agents' instances, caches)."""
     replicas: int = Field(default=0, ge=0, le=5)
     """Stream replicas of a cluster's first init; 0 = from its size (docs/cluster.md)."""
-    tombstone_ttl: float = Field(default=900.0, gt=0)
+    tombstone_ttl: float = Field(default=TOMBSTONE_TTL, gt=0)
     """How long delete markers stay in the state stream, seconds."""
-    live_ttl: float = Field(default=60.0, gt=0)
+    live_ttl: float = Field(default=LIVE_TTL, gt=0)
     """How long a live sample (heartbeat, proxy demand) is kept in zattera-live, seconds."""
-    max_batch: int = Field(default=1000, ge=2, le=1000)
+    max_batch: int = Field(default=MAX_BATCH, ge=2, le=MAX_BATCH)
     """Messages per atomic batch (one fenced write)."""
 
     # ---------------------------------------------------------------- leadership and liveness
-    lease_ttl: float = Field(default=3.0, gt=0)
+    lease_ttl: float = Field(default=LEASE_TTL, gt=0)
     """A leader lease expires this long after its last renewal, seconds."""
-    lease_renew: float = Field(default=1.0, gt=0)
+    lease_renew: float = Field(default=LEASE_RENEW, gt=0)
     """How often a leader renews its lease, seconds."""
 
     # ---------------------------------------------------------------- every leader loop
@@ -76,22 +81,20 @@ class Settings(BaseSettings):
     """Hex of the optional 32-byte AES-256-GCM key snapshots are sealed with; '' = not sealed."""
 
     # ---------------------------------------------------------------- tracing (docs/observability.md)
-    traces_exporter: str = Field(default="none", validation_alias=AliasChoices("OTEL_TRACES_EXPORTER"))
-    """``OTEL_TRACES_EXPORTER``: otlp, console, file, or none (spans stay in process)."""
     trace_file: Path = Path("zattera-traces.jsonl")
     """Where the ``file`` exporter appends its spans (JSON lines)."""
-
-    # ---------------------------------------------------------------- the CLI (docs/cluster.md)
-    config_dir: Path | None = None
-    """Where the CLI keeps contexts.json; unset = $XDG_CONFIG_HOME/zattera or ~/.config/zattera."""
-    xdg_config_home: Path | None = Field(default=None, validation_alias=AliasChoices("XDG_CONFIG_HOME"))
-    """``XDG_CONFIG_HOME``: the base of the CLI's config directory."""
 
     # ---------------------------------------------------------------- metrics (docs/observability.md)
     metrics_port: int = Field(default=0, ge=0, le=65535)
     """The port each process serves Prometheus /metrics on; 0 = off."""
     metrics_host: str = "127.0.0.1"
     """The address the metrics endpoint listens on."""
+
+    # ---------------------------------------------------------------- process health (shared/health.py)
+    health_file: str = ""
+    """A file the process touches every 5 s while it runs connected to NATS, removed when it stops (a
+    container's health check asks that it was touched since the last check: ``sh shared/health.sh FILE``);
+    '' = none."""
 
 
 @lru_cache(maxsize=1)

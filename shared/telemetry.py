@@ -7,21 +7,20 @@ process only. Tests install an in-memory exporter with :func:`use_in_memory_expo
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from opentelemetry import metrics, propagate, trace
-from opentelemetry.context import Context
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    ConsoleSpanExporter,
-    SimpleSpanProcessor,
-    SpanExporter,
-)
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry import metrics, trace
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+# The SDK (providers, exporters) and the propagators are imported when first needed: a process that exports
+# nothing and sends no trace context (a CLI read) does not pay for loading them.
 
 _meter = metrics.get_meter("zattera")
 _configured = False
@@ -33,14 +32,17 @@ def setup(service_name: str) -> None:
     if _configured:
         return
     _configured = True
-    from shared.settings import settings
-
-    cfg = settings()
-    exporter_name = cfg.traces_exporter.strip().lower()
+    # OpenTelemetry's own variable (its SDK reads the OTEL_EXPORTER_* ones); read directly, so that a process
+    # that exports nothing (a plain CLI read) loads no settings.
+    exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
     if exporter_name in ("", "none"):
         # No exporter: keep the API's no-op tracer. Recording spans nobody exports costs ~80 µs per
         # state write; incoming trace context is still extracted and passed on.
         return
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     exporter: SpanExporter | None = None
     if exporter_name == "otlp":
@@ -50,9 +52,10 @@ def setup(service_name: str) -> None:
     elif exporter_name == "console":
         exporter = ConsoleSpanExporter()
     elif exporter_name == "file":
+        from shared.settings import settings
         from shared.tracefile import JsonLinesSpanExporter
 
-        exporter = JsonLinesSpanExporter(str(cfg.trace_file))
+        exporter = JsonLinesSpanExporter(str(settings().trace_file))
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
@@ -60,6 +63,11 @@ def setup(service_name: str) -> None:
 
 def use_in_memory_exporter() -> InMemorySpanExporter:
     """For tests: a provider whose finished spans are kept in memory."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
     global _configured
     exporter = InMemorySpanExporter()
     provider = trace.get_tracer_provider()
@@ -81,12 +89,16 @@ def counter(name: str, description: str) -> metrics.Counter:
 
 def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
     """Headers carrying the current trace context (``traceparent``) for a NATS message or KV write."""
+    from opentelemetry import propagate
+
     carrier: dict[str, str] = dict(headers or {})
     propagate.inject(carrier)
     return carrier
 
 
 def extract(headers: Mapping[str, str] | None) -> Context:
+    from opentelemetry import propagate
+
     return propagate.extract(dict(headers or {}))
 
 

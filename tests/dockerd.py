@@ -45,7 +45,7 @@ APPLETS = (
     "wc",
     "wget",
 )
-_START_TIMEOUT = 30.0
+_START_TIMEOUT = 60.0
 
 
 class DockerUnavailableForTests(Exception):
@@ -122,7 +122,13 @@ def private_dockerd(root: Path) -> Iterator[str]:
         deadline = time.monotonic() + _START_TIMEOUT
         while not asyncio.run(_answers(url)):
             if daemon.poll() is not None or time.monotonic() > deadline:
-                raise DockerUnavailableForTests(f"dockerd did not start; see {root}/dockerd.log")
+                how = (
+                    f"exited ({daemon.returncode})"
+                    if daemon.poll() is not None
+                    else f"did not answer in {_START_TIMEOUT:.0f}s"
+                )
+                tail = (root / "dockerd.log").read_text(errors="replace").strip().splitlines()[-3:]
+                raise DockerUnavailableForTests(f"dockerd {how}: {' | '.join(tail)} (see {root}/dockerd.log)")
             time.sleep(0.1)
         asyncio.run(import_base_image(url))
         yield url

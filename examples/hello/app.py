@@ -1,5 +1,6 @@
 """A tiny HTTP app for Zattera's quick start: answers on $ZATTERA_BIND_ADDR:$PORT (the node's mesh address
-and the port the agent gave it), /healthz for the health check."""
+and the port the agent gave it), /healthz for the health check. $HELLO_START_DELAY seconds (default 0) pass
+before it listens: a release that takes that long to become healthy, to watch a rollout's health gating."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 if __name__ == "__main__":
+    time.sleep(float(os.environ.get("HELLO_START_DELAY", "0")))
     bind = os.environ.get("ZATTERA_BIND_ADDR", "127.0.0.1")  # where the routes send requests for this replica
     server = ThreadingHTTPServer((bind, int(os.environ.get("PORT", "8000"))), Handler)
     # The moment it can answer (benchmarks/e2e_bench.py subtracts the app's own start from a cold start).

@@ -5,12 +5,17 @@
 Every flag has a ``ZATTERA_AGENT_*`` setting (``services/agent/settings.py``); the NATS URL and the data
 dir default to ``ZATTERA_NATS_URL`` and ``ZATTERA_DATA_DIR`` (``<data>/agent-<node id>`` then).
 SIGTERM/SIGINT stop the agent; its instances keep running for the next run to adopt unless
-``--stop-on-exit``.
+``--stop-on-exit`` (SIGUSR2, a stop to be restarted at once, keeps them whatever it says).
+
+Apps run sandboxed when the machine can (``sandbox.py``; ``ZATTERA_AGENT_SANDBOX``); a secured agent on a
+machine that cannot isolate them exits with status 2 and the reason, unless ``--allow-unisolated-apps``.
 
 On a secured cluster the agent connects with its node credential (``credentials.py``: stored by a first
 start with ``--join-token``, or ``ZATTERA_NATS_CREDS``) and verifies the server with
 ``ZATTERA_NATS_TLS_CA``. An authenticated agent does not provision streams (its credential may not): it
 waits until the services have. A refused join token exits with status 2 and the join service's reason.
+An agent too old for the cluster exits with status 2 saying so; one newer than the cluster's schema waits
+for the control plane's upgrade (docs/upgrades.md, version skew).
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
-from services.agent.agent import Agent
+from services.agent.agent import Agent, node_runtime
 from services.agent.credentials import CredentialError, node_credentials
 from services.agent.registration import default_node_id
+from services.agent.sandbox import IsolationRefused
 from services.agent.settings import AgentSettings
 from shared.natsio import STATE_STREAM, provision, provision_options
 from shared.process import Process, run_process
 from shared.security.join import JoinRefused
+from shared.skew import Component, SkewRefused
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -54,6 +61,12 @@ def agent_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-on-exit", action="store_true", default=None, help="stop instances on exit")
     parser.add_argument(
         "--join-token", default=None, help="join a secured cluster (once; see SECURITY.md), $ZATTERA_AGENT_JOIN_TOKEN"
+    )
+    parser.add_argument(
+        "--allow-unisolated-apps",
+        action="store_true",
+        default=None,
+        help="on a secured cluster, run apps even where this machine cannot isolate them (SECURITY.md)",
     )
 
 
@@ -78,6 +91,8 @@ def agent_settings(args: argparse.Namespace) -> AgentSettings:
         overrides["stop_on_exit"] = args.stop_on_exit
     if args.join_token is not None:
         overrides["join_token"] = args.join_token
+    if args.allow_unisolated_apps is not None:
+        overrides["allow_unisolated"] = args.allow_unisolated_apps
     cfg = AgentSettings(**overrides)  # type: ignore[arg-type]
     return cfg if cfg.node_id else cfg.model_copy(update={"node_id": default_node_id()})
 
@@ -108,12 +123,21 @@ async def run_agent(process: Process) -> int:
         log.error("agent %s: no NATS credential: %s", cfg.node_id, exc)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        runtime = await node_runtime(cfg, data_dir, secured=bool(creds))
+    except IsolationRefused as exc:
+        log.error("agent %s: %s", cfg.node_id, exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     conn = await process.connect(f"zattera-agent-{cfg.node_id}", creds=creds)
     if conn is None:
+        await runtime.launcher.close()
         return 0
     tasks: list[asyncio.Task[None]] = []
 
     async def shutdown() -> None:
+        if process.restarting:  # restarted at once (an upgrade): its instances stay for it to adopt
+            cfg.stop_on_exit = False
         await cancel_and_wait(*tasks)
         await conn.close()
 
@@ -130,7 +154,14 @@ async def run_agent(process: Process) -> int:
                 return 0
         else:
             await provision(conn.js, **provision_options(shared))
-        tasks.append(asyncio.create_task(Agent(conn, cfg, data_dir, secured=bool(creds)).run()))
+        try:
+            if not await process.await_compatible(conn, Component.AGENT):
+                return 0
+        except SkewRefused as exc:
+            log.error("agent %s: %s", cfg.node_id, exc)
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        tasks.append(asyncio.create_task(Agent(conn, cfg, data_dir, secured=bool(creds), runtime=runtime).run()))
         return await process.supervise(tasks, conn)
     finally:
         # No grace: stopping instances (--stop-on-exit) and the final report take what they take.

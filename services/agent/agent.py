@@ -5,13 +5,16 @@ reports and node record, every release and volume; exactly what an agent credent
 registers ``node.<id>``, then runs until cancelled:
 
 * the observed-state reporter and the runtime (``runtime.py``; processes or containers: ``launchers.py``,
-  ``docker_runtime.py``, chosen at start by ``docker_runtime.choose_launcher``), which converge this node's
-  assignments and write only ``observed.<node>.*``;
+  ``docker_runtime.py``, chosen at start by :func:`node_runtime`, with the processes sandboxed when the
+  machine can: ``sandbox.py``), which converge this node's assignments and write only ``observed.<node>.*``;
 * heartbeats into ``zattera-live`` (``heartbeat.py``);
 * the volume snapshot/restore/prune handlers (``shared.snapshots``) over ``<data>/volumes``;
 * with ``builder`` set, the build handler (``builder.py``).
 
 Cancelling it leaves the instances running for the next agent run to adopt, unless ``stop_on_exit``.
+
+The data directory is the agent's alone (0700): its credential (``node.creds``), the instances' directories,
+volumes, builds and the sandbox's uid table. Apps never see it (a sandbox shows each only its own parts).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -30,6 +33,7 @@ from services.agent.builder import Builder
 from services.agent.docker_runtime import choose_launcher
 from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
+from services.agent.launchers import PROCESS, TENANT_KEY, Launcher, ProcessLauncher
 from services.agent.mesh import PORT as MESH_PORT
 from services.agent.mesh import Mesh, MeshError
 from services.agent.mesh import available as mesh_unavailable
@@ -37,14 +41,29 @@ from services.agent.processes import PortAllocator
 from services.agent.registration import NodeIdentity, register_node
 from services.agent.reporter import ObservedReporter
 from services.agent.runtime import ProcessRuntime, RuntimeContext
+from services.agent.sandbox import (
+    NONE,
+    Isolation,
+    IsolationRefused,
+    Sandbox,
+    Support,
+    UidTable,
+    decide_isolation,
+    hook_runner,
+    node_python_paths,
+    probe,
+)
 from services.agent.settings import AgentSettings
 from shared import keys as K
 from shared.activation import request_activation
+from shared.backoff import exponential
 from shared.clock import Clock, RealClock
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
-from shared.security.views import request_view
+from shared.runtime_note import write_runtime_note
+from shared.security.views import ViewUnavailable, request_view
 from shared.snapshots import serve_snapshot_requests
+from shared.snapshots.agent import HookRunner, run_hook_in_shell
 from shared.state.feed import StateView
 from shared.txn import Writer
 
@@ -52,6 +71,72 @@ log = logging.getLogger(__name__)
 
 FINAL_FLUSH_TIMEOUT = 5.0
 ACTIVATE_TIMEOUT = 10.0
+VIEW_RETRY_FIRST = 0.1
+VIEW_RETRY_MOST = 2.0
+"""Seconds between asks for the view while the control plane does not answer yet (doubling from the first)."""
+
+
+@dataclass(frozen=True)
+class NodeRuntime:
+    """How this node runs instances: the launcher, its isolation and, when sandboxed, the sandbox (builds
+    use it too)."""
+
+    launcher: Launcher
+    isolation: Isolation
+    sandbox: Sandbox | None = None
+    reason: str = ""
+    """Why this runtime (``docker_runtime.choose_launcher``)."""
+
+
+async def node_runtime(settings: AgentSettings, data_dir: Path, *, secured: bool) -> NodeRuntime:
+    """The runtime ``settings`` ask for, its instances sandboxed when the machine can
+    (:func:`sandbox.decide_isolation`), and a builder's steps too (also on a docker node: they run on the
+    host); :class:`IsolationRefused` when apps would run unisolated where that is not allowed. A node without
+    isolation says so in its log (the terminal of an agent started by hand) and its node record."""
+    choice = await choose_launcher(settings)
+    launcher = choice.launcher
+    support = Support(problem="turned off (ZATTERA_AGENT_SANDBOX=off)")
+    if settings.sandbox != "off" and (launcher.name == PROCESS or settings.builder):
+        support = await probe(settings.sandbox_bwrap)
+    try:
+        decide = partial(
+            decide_isolation,
+            mode=settings.sandbox,
+            support=support,
+            secured=secured,
+            allow_unisolated=settings.allow_unisolated,
+        )
+        isolation = decide(runtime=launcher.name)
+        if settings.builder and launcher.name != PROCESS:
+            decide(runtime=PROCESS, what="builds")  # a docker node's builds run on the host
+    except IsolationRefused:
+        await launcher.close()
+        raise
+    sandbox = None
+    if support.ok and settings.sandbox != "off":
+        uids = UidTable(data_dir / "sandbox", base=settings.sandbox_uid_base, count=settings.sandbox_uid_count)
+        read_only = [*node_python_paths(), *settings.sandbox_read_only]
+        hidden = (data_dir, *(Path(p) for p in settings.sandbox_hidden))
+        sandbox = Sandbox(support, uids, read_only=read_only, hidden=hidden)
+        if isinstance(launcher, ProcessLauncher):
+            launcher.sandbox = sandbox
+    if isolation.kind == NONE:
+        log.warning(
+            "agent %s: apps are NOT isolated on this node (%s): they run as the agent's user and can read what"
+            " it can (SECURITY.md)",
+            settings.node_id,
+            isolation.problem,
+        )
+    elif settings.builder and sandbox is None:
+        log.warning("agent %s: build steps are NOT isolated on this node (%s)", settings.node_id, support.problem)
+    return NodeRuntime(launcher, isolation, sandbox, choice.reason)
+
+
+def private_directory(path: Path) -> Path:
+    """``path`` made (if missing) and readable by its owner only."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
 
 
 def view_filters(node_id: str) -> tuple[str, ...]:
@@ -75,16 +160,20 @@ class Agent:
         *,
         clock: Clock | None = None,
         secured: bool = False,
+        runtime: NodeRuntime | None = None,
     ) -> None:
         """``secured``: the agent runs with a node credential. Secured or not, its view pulls from the one
         consumer control opens for it (:mod:`shared.security.views`); only a secured agent may not create it
-        itself when no control service answers."""
+        itself when no control service answers. ``runtime``: chosen already (:func:`node_runtime`), else at
+        :meth:`run`."""
         if not settings.node_id:
             raise ValueError("the agent needs a node id")
         self.conn = conn
         self.settings = settings
         self.node_id = settings.node_id
         self.data_dir = data_dir
+        self.secured = secured
+        self.node_runtime = runtime
         self.clock: Clock = clock or RealClock()
         self.view = StateView(
             conn,
@@ -116,6 +205,19 @@ class Agent:
         """The env id of one of this node's assignments ("" once it is gone): a metrics label."""
         assignment = self.view.assignment(assignment_id)
         return assignment.environment_id if assignment is not None else ""
+
+    def _pre_hooks(self) -> HookRunner:
+        """Snapshot pre-hooks: on a sandboxing node sandboxed as their volume's environment's user, else in
+        a shell on the host."""
+        sandbox = self.node_runtime.sandbox if self.node_runtime is not None else None
+        if sandbox is None:
+            return run_hook_in_shell
+
+        def uid_of(directory: Path) -> int:
+            volume = self.view.volume(directory.name)
+            return sandbox.uid(TENANT_KEY + (volume.environment_id if volume is not None else directory.name))
+
+        return hook_runner(sandbox, uid_of)
 
     async def _activate(self, env_id: str) -> None:
         """Ask the activator to wake a scale-to-zero env a held connection waits for."""
@@ -157,8 +259,28 @@ class Agent:
             return None
         return mesh
 
+    async def _start_view(self) -> None:
+        """Load the view once control opens it: ``zattera up`` starts the control plane and the local node
+        together, so the join service may not serve ``zattera.view.open`` yet — a wait, not a failure (an
+        agent that exited on it was restarted by the supervisor on every secure start)."""
+        attempt = 0
+        while True:
+            try:
+                await self.view.start()
+                return
+            except ViewUnavailable as exc:
+                attempt += 1
+                if attempt == 1:
+                    log.info("agent %s: waiting for the control plane to open its view (%s)", self.node_id, exc)
+                await self.clock.sleep(exponential(VIEW_RETRY_FIRST, attempt, VIEW_RETRY_MOST))
+
     async def run(self) -> None:
         settings = self.settings
+        private_directory(self.data_dir)
+        if self.node_runtime is None:
+            self.node_runtime = await node_runtime(settings, self.data_dir, secured=self.secured)
+        launcher = self.node_runtime.launcher
+        isolation = self.node_runtime.isolation
         identity = NodeIdentity.from_host(
             self.node_id,
             self.data_dir,
@@ -167,14 +289,21 @@ class Agent:
             builder=settings.builder,
             mesh_ip=settings.mesh_ip,
         )
-        launcher = await choose_launcher(settings)
-        identity = replace(identity, secrets_public_key=bytes(self.secrets_key.public_key), runtime=launcher.name)
+        write_runtime_note(self.data_dir, launcher.name, self.node_runtime.reason, isolation.describe())
+        identity = replace(
+            identity,
+            secrets_public_key=bytes(self.secrets_key.public_key),
+            runtime=launcher.name,
+            runtime_reason=self.node_runtime.reason,
+            isolation=isolation.kind,
+            isolation_problem=isolation.problem,
+        )
         mesh = self._mesh()
         if mesh is not None:
             endpoint = settings.public_endpoint
             endpoint = endpoint if ":" in endpoint else f"{endpoint}:{MESH_PORT}"
             identity = replace(identity, wireguard_public_key=mesh.public_key, public_endpoints=(endpoint,))
-        await self.view.start()
+        await self._start_view()
         tasks: list[asyncio.Task[None]] = []
         try:
             self.node = await register_node(self.conn, self.writer, identity, self.clock)
@@ -187,7 +316,7 @@ class Agent:
                     settings=settings,
                     node_id=self.node_id,
                     os_arch=identity.os_arch,
-                    instances_dir=self.data_dir / "instances",
+                    instances_dir=private_directory(self.data_dir / "instances"),
                     volumes_dir=self.volumes_dir,
                     ports=PortAllocator(),
                     secrets_key=self.secrets_key,
@@ -205,13 +334,14 @@ class Agent:
                 interval=settings.heartbeat_interval,
                 env_of=self.env_of,
             )
-            self.volumes_dir.mkdir(parents=True, exist_ok=True)
+            private_directory(self.volumes_dir)
             runtime_task = asyncio.create_task(self.runtime.run(), name="runtime")
             tasks = [
                 asyncio.create_task(self.reporter.run(), name="reporter"),
                 asyncio.create_task(heartbeat.run(), name="heartbeat"),
                 asyncio.create_task(
-                    serve_snapshot_requests(self.conn, self.node_id, self.volumes_dir), name="snapshots"
+                    serve_snapshot_requests(self.conn, self.node_id, self.volumes_dir, hook_runner=self._pre_hooks()),
+                    name="snapshots",
                 ),
             ]
             if self.forwarder is not None:
@@ -226,9 +356,16 @@ class Agent:
                     os_arch=identity.os_arch,
                     keepalive=settings.build_keepalive,
                     docker_host=settings.docker_host,
+                    sandbox=self.node_runtime.sandbox,
                 )
                 tasks.append(asyncio.create_task(builder.serve(), name="builder"))
-            log.info("agent %s: running (data dir %s, %s runtime)", self.node_id, self.data_dir, launcher.name)
+            log.info(
+                "agent %s: running (data dir %s, %s runtime, apps %s)",
+                self.node_id,
+                self.data_dir,
+                launcher.name,
+                isolation.describe(),
+            )
             try:
                 await asyncio.gather(runtime_task, *tasks)
             finally:

@@ -37,6 +37,12 @@ the node's Docker daemon builds ``BuildConfig.dockerfile`` in ``BuildConfig.cont
 pushed for this node's platform (``dockerbuild.py``).
 
 A step silent for ``keepalive`` seconds logs a line, so the dispatcher does not take the builder for lost.
+
+On a node that sandboxes (``sandbox.py``) the install and build steps — the app's own code: setup scripts,
+npm lifecycle scripts — run in a sandbox as the app's build user (``build:<repo>`` in the node's uid table),
+seeing only the build's scratch directory and that app's download caches and dependency layers (kept per
+app, so no app's build can plant files in another's), and die with the agent. What the builder itself writes
+after a step never follows a link the step may have planted.
 """
 
 from __future__ import annotations
@@ -69,8 +75,9 @@ from services.agent.depcache import LayerCache, cache_tag, dependency_key
 from services.agent.dockerbuild import DEFAULT_DOCKERFILE, DockerBuildError, build_context_dir, build_dockerfile
 from services.agent.hostbase import NODE_LABEL
 from services.agent.pythonbase import PYTHON_LABEL
+from services.agent.sandbox import Confinement, Sandbox, exit_status, give
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
-from shared.buildplan import BuildPlan, PlanError, detect, read_source
+from shared.buildplan import BuildPlan, PlanError, build_problem, detect, read_source, starts_python
 from shared.errors import ZatteraError
 from shared.ids import is_safe_id, unsafe_id
 from shared.natsio import SOURCES_STORE, Connection, is_direct_request
@@ -197,8 +204,10 @@ class Builder:
         keepalive: float = 60.0,
         cache_dir: Path | None = None,
         docker_host: str = "",
+        sandbox: Sandbox | None = None,
     ) -> None:
         self.docker_host = docker_host
+        self.sandbox = sandbox
         self.conn = conn
         self.node_id = node_id
         self.work_dir = work_dir
@@ -329,8 +338,8 @@ class Builder:
             return await self._build_dockerfile(request, events, src)
         for line in plan.lines():
             await events.log(line)
-        if plan.error:
-            raise BuildError(f"builder: {plan.error}")
+        if problem := build_problem(plan, docker=bool(self.docker_host)):
+            raise BuildError(f"builder: {problem}")
         ref = parse_ref(request.push_image_ref)
         if not ref.repo:
             raise BuildError("builder: the request has no image ref to push to")
@@ -338,18 +347,22 @@ class Builder:
         env.update(request.build_args)
         env.update(request.build_env)
         env["ZATTERA_BUILD_ID"] = build.meta.id
-        env.update(self._tool_env())
+        confinement = self._confinement(ref.repo, scratch, src)
+        env.update(self._tool_env(self._caches(ref.repo)))
         python = await self._interpreter(plan.python, env, events) if plan.provider == "python" else ""
         if python:
             env["UV_PYTHON"] = python
         if plan.provider == "static":  # python3 -m http.server: the node's own interpreter
             python = self.node_python
+        elif plan.provider in ("none", "procfile") and starts_python(plan.start):
+            python = self.node_python  # as is, started with python3: runs on the node's interpreter (docker too)
+            await events.log(f"plan: python   {python} (the start command runs Python: the builder's interpreter)")
         node = await self._node_path(env) if plan.provider == "node" else ""
         layers: list[tuple[bytes, str]] = []
         if plan.dependency_dir and plan.install:
-            layers.append(await self._dependency_layer(plan, src, env, events, ref.repo))
+            layers.append(await self._dependency_layer(plan, src, env, events, ref.repo, confinement))
         if plan.build:
-            await self._run_command(plan.build, src, env, events, step="build")
+            await self._run_command(plan.build, src, env, events, step="build", confinement=confinement)
         elif not layers:
             await events.log("no install or build step: packing the source as is")
         # Without a dependency layer (install skipped), a committed node_modules stays in the app layer.
@@ -408,8 +421,42 @@ class Builder:
             raise BuildError(f"builder: {exc}") from exc
         return await self._push(request, events, [PlatformImage(built.platform, built.config, built.layers)])
 
+    def _caches(self, repo: str) -> Path:
+        """Where the builds of ``repo`` keep downloads and dependency layers: one place for every app, unless
+        sandboxed (then each app its own: a build could plant files in a shared cache)."""
+        if self.sandbox is None:
+            return self.cache_dir
+        name = repo.replace("/", "--")
+        if not is_safe_id(name.replace(".", "_")) or name.strip(".-") == "":
+            raise BuildError(f"builder: {repo!r} cannot name a cache directory")
+        return self.cache_dir / "apps" / name
+
+    def _confinement(self, repo: str, scratch: Path, src: Path) -> Confinement | None:
+        """The sandbox of this build's steps (None: they run as the agent's user)."""
+        if self.sandbox is None:
+            return None
+        caches = self._caches(repo)
+        for directory in (caches / "downloads", scratch / "home"):
+            directory.mkdir(parents=True, exist_ok=True)
+        uid = self.sandbox.uid(f"build:{repo}")
+        give(caches / "downloads", uid)
+        give(scratch / "home", uid)
+        return Confinement(
+            uid=uid,
+            workdir=src,
+            writable=(src, scratch / "home", caches / "downloads"),
+            home=scratch / "home",
+            die_with_parent=True,
+        )
+
     async def _dependency_layer(
-        self, plan: BuildPlan, src: Path, env: dict[str, str], events: BuildEventPublisher, repo: str
+        self,
+        plan: BuildPlan,
+        src: Path,
+        env: dict[str, str],
+        events: BuildEventPublisher,
+        repo: str,
+        confinement: Confinement | None = None,
     ) -> tuple[bytes, str]:
         """The layer holding what ``plan.install`` writes: from this builder's cache, else the registry's, else
         installed (with the package managers' download caches of this node) and cached in both."""
@@ -424,7 +471,8 @@ class Builder:
         elif plan.provider == "node":
             platform += f" node {await self._node_version(env)}"
         key = await asyncio.to_thread(dependency_key, plan, src, platform)
-        cached = await asyncio.to_thread(self.layers.get, key)
+        layers = self.layers if self.sandbox is None else LayerCache(self._caches(repo) / "layers")
+        cached = await asyncio.to_thread(layers.get, key)
         if cached is not None:
             await events.log(f"dependencies: cached layer {key[:12]} (this builder)")
             if await lookup_tag(self.conn, repo, cache_tag(key)) is None:  # a registry reset, or another repo
@@ -433,22 +481,22 @@ class Builder:
             cached = await self._registry_layer(repo, key)
             if cached is not None:
                 await events.log(f"dependencies: cached layer {key[:12]} (cluster registry)")
-                await asyncio.to_thread(self.layers.put, key, *cached)
+                await asyncio.to_thread(layers.put, key, *cached)
         if cached is not None:
             if plan.build:  # the build step may need them (npm run build)
                 await asyncio.to_thread(unpack_layer, cached[0], src)
             return cached
-        await self._run_command(plan.install, src, env, events, step="install")
+        await self._run_command(plan.install, src, env, events, step="install", confinement=confinement)
         if plan.provider == "python":
-            write_interpreter_shims(deps / "bin", env["UV_PYTHON"])
+            write_interpreter_shims(src, plan.dependency_dir, env["UV_PYTHON"])
         layer = await asyncio.to_thread(pack_directory, src, only=plan.dependency_dir)
-        await asyncio.to_thread(self.layers.put, key, *layer)
+        await asyncio.to_thread(layers.put, key, *layer)
         await self._push_cached_layer(repo, key, layer, events)
         return layer
 
-    def _tool_env(self) -> dict[str, str]:
-        """uv on PATH; the package managers' download caches kept per builder node."""
-        caches = self.cache_dir / "downloads"
+    def _tool_env(self, cache_dir: Path) -> dict[str, str]:
+        """uv on PATH; the package managers' download caches kept under ``cache_dir``."""
+        caches = cache_dir / "downloads"
         return {k: os.environ[k] for k in NETWORK_ENV if k in os.environ} | {
             "PATH": f"{Path(find_uv_bin()).parent}{os.pathsep}{os.environ.get('PATH', os.defpath)}",
             "UV_CACHE_DIR": str(caches / "uv"),
@@ -475,7 +523,8 @@ class Builder:
         own_version = f"{sys.version_info.major}.{sys.version_info.minor}"
         if not request or request == own_version:
             return own
-        found = await self._output([find_uv_bin(), "python", "find", "--system", "--no-project", request], env)
+        finder = [find_uv_bin(), "--no-cache", "python", "find", "--system", "--no-project", request]
+        found = await self._output(finder, env)
         if found:
             return await asyncio.to_thread(os.path.realpath, found)
         await events.log(f"python {request} is not installed on this builder: using its Python {own_version}")
@@ -551,19 +600,45 @@ class Builder:
         raise BuildError(f"fetch source: unsupported source url {url!r}")
 
     async def _run_command(
-        self, command: str, cwd: Path, env: Mapping[str, str], events: BuildEventPublisher, *, step: str
+        self,
+        command: str,
+        cwd: Path,
+        env: Mapping[str, str],
+        events: BuildEventPublisher,
+        *,
+        step: str,
+        confinement: Confinement | None = None,
     ) -> None:
-        """Run one plan step, its output streamed as log lines; a failure's error ends with the last lines it
-        printed (the package manager's own message), so the deploy output shows why."""
+        """Run one plan step (sandboxed when ``confinement`` is given), its output streamed as log lines; a
+        failure's error ends with the last lines it printed (the package manager's own message), so the deploy
+        output shows why."""
         await events.log(f"$ {command}")
-        proc = await start_shell(
-            command,
-            cwd=cwd,
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            own_session=True,  # cancelling kills its whole group
-        )
+        if confinement is not None and self.sandbox is not None:
+            # What the builder wrote since (the source, generated files, a cached layer) becomes the step's.
+            await asyncio.to_thread(give, cwd, confinement.uid, whole=True)
+            wrapped = self.sandbox.wrap(confinement, ["/bin/sh", "-c", command], env)
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *wrapped.argv,
+                    cwd=cwd,
+                    env=wrapped.env,
+                    pass_fds=wrapped.fds,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,  # cancelling kills its whole group, the sandbox with it
+                )
+            finally:
+                wrapped.close()
+        else:
+            proc = await start_shell(
+                command,
+                cwd=cwd,
+                env=env,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                own_session=True,  # cancelling kills its whole group
+            )
         assert proc.stdout is not None
         last_lines: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
         try:
@@ -582,7 +657,7 @@ class Builder:
                 if text:
                     await events.log(text)
                     last_lines.append(" ".join(text.split()))
-            code = await proc.wait()
+            code = exit_status(await proc.wait()) if confinement is not None else await proc.wait()
         except asyncio.CancelledError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -598,10 +673,31 @@ def unpack_layer(layer: bytes, dest: Path) -> None:
         tar.extractall(dest, filter="data")
 
 
-def write_interpreter_shims(bin_dir: Path, interpreter: str) -> None:
-    """``python``/``python3`` for the app's commands: the interpreter the packages were installed for."""
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("python", "python3"):
-        shim = bin_dir / name
-        shim.write_text(f'#!/bin/sh\nexec {shlex.quote(interpreter)} "$@"\n')
-        shim.chmod(0o755)
+def write_interpreter_shims(src: Path, dependency_dir: str, interpreter: str) -> None:
+    """``<dependency_dir>/bin/python`` and ``python3`` for the app's commands: the interpreter the packages were
+    installed for. Written after the install step ran the app's code, so no path component is followed if
+    it is a link (it could point anywhere on the node): such a shim is not written."""
+    text = f'#!/bin/sh\nexec {shlex.quote(interpreter)} "$@"\n'.encode()
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    opened: list[int] = []
+    try:
+        opened.append(os.open(src, flags))
+        for part in (*Path(dependency_dir).parts, "bin"):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o755, dir_fd=opened[-1])
+            opened.append(os.open(part, flags, dir_fd=opened[-1]))
+        for name in ("python", "python3"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=opened[-1])
+            creating = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            shim = os.open(name, creating, 0o755, dir_fd=opened[-1])
+            try:
+                os.write(shim, text)
+                os.fchmod(shim, 0o755)
+            finally:
+                os.close(shim)
+    except OSError as exc:
+        log.warning("interpreter shims not written in %s/%s: %s", src, dependency_dir, exc)
+    finally:
+        for fd in opened:
+            os.close(fd)

@@ -47,7 +47,7 @@ from urllib.parse import unquote
 import aiodocker
 from aiodocker.containers import DockerContainer
 
-from services.agent.hostbase import BaseImageError, inspect_node, node_of, node_rootfs_tar
+from services.agent.hostbase import SHELL, BaseImageError, inspect_node, node_of, node_rootfs_tar, shell_rootfs_tar
 from services.agent.images import EXEC_SCHEME, PROCESS_SCHEME, ImageError, PreparedImage, shell_command
 from services.agent.instance_env import PASSED_THROUGH_ENV, volume_env_name
 from services.agent.launchers import DOCKER, PROCESS, InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
@@ -297,6 +297,9 @@ class _LogCursor:
 class ContainerHandle:
     """One instance container: its exit, stop, output followers and daemon stats."""
 
+    sandbox_uid = 0
+    """Not a process sandbox: the daemon isolates it."""
+
     def __init__(self, container: DockerContainer, state: Mapping[str, Any], instance_dir: Path) -> None:
         self._container = container
         self.id: str = container.id
@@ -528,6 +531,14 @@ class DockerLauncher:
                 raise ImageError(f"{ref}: pull: {_first_line(exc.message)}") from exc
         return container_image(ref, name, info.get("Config") or {})
 
+    async def ensure_base_image(self) -> bool:
+        """Make the node's generic base image (``base_image``) from this node's shell and busybox when the
+        daemon does not hold it (``hostbase.shell_rootfs_tar``); True when it was made now."""
+        if await self.has_image(self.base_image):
+            return False
+        await self._make_program_base(self.base_image, SHELL, shell_rootfs_tar)
+        return True
+
     async def program_base(self, labels: Mapping[str, str]) -> str:
         """The base image a built image runs on: one holding the program its labels name (the interpreter a
         Python app's packages were installed for, the ``node`` of a Node app), made from this node's copy of
@@ -656,6 +667,9 @@ class DockerLauncher:
                     await container.delete(force=True)
         await self.prune_images()
 
+    def retain_tenants(self, tenants: set[str]) -> None:
+        return None  # containers run as the image's user or nobody: no user per tenant to forget
+
     async def prune_images(self) -> None:
         """Derived images no container uses (the daemon refuses to remove one in use anyway)."""
         used = {c["ImageID"] for c in await self.docker.containers.list(all=True) if "ImageID" in c._container}
@@ -674,34 +688,50 @@ def _give_to(path: Path, user: str) -> None:
     os.chown(path, int(uid_text), int(gid_text) if gid_text.isdigit() else int(uid_text))
 
 
-async def choose_launcher(settings: AgentSettings) -> Launcher:
-    """The node's runtime: as ``settings.runtime`` says; unset, docker when a daemon answers and holds the base
-    image, else processes with a warning (bare processes are neither isolated nor limited)."""
+@dataclass(frozen=True)
+class RuntimeChoice:
+    """The node's runtime and why (``zattera up`` prints it; the node record carries it)."""
+
+    launcher: Launcher
+    reason: str
+
+
+async def choose_launcher(settings: AgentSettings) -> RuntimeChoice:
+    """The node's runtime: as ``settings.runtime`` says; unset, docker when a daemon answers (the agent makes
+    the base image when the daemon lacks it), else processes with a warning (bare processes are neither
+    isolated nor limited)."""
     process = ProcessLauncher(adopted_poll_interval=settings.adopted_poll_interval)
     if settings.runtime == PROCESS:
-        return process
+        return RuntimeChoice(process, "chosen by --runtime process (ZATTERA_AGENT_RUNTIME)")
     url = docker_url(settings.docker_host)
     answers = await daemon_answers(settings.docker_host)
     if not answers and settings.runtime == DOCKER:
         raise DockerUnavailable(f"runtime docker: no Docker daemon answers at {url}")
+    if not answers:
+        why = f"no Docker daemon answers at {url}: apps run as bare processes, without isolation or limits"
+        log.warning("%s (install Docker, or --runtime to choose)", why)
+        return RuntimeChoice(process, why)
     docker = DockerLauncher(
         settings.docker_host,
         node_id=settings.node_id,
         base_image=settings.docker_base_image,
         pids_limit=settings.pids_limit,
     )
-    if settings.runtime == DOCKER:
-        return await _networked(docker, settings)
-    why = f"no Docker daemon answers at {url}"
-    if answers:
-        if await docker.has_image(settings.docker_base_image):
-            return await _networked(docker, settings)
+    try:
+        made = await docker.ensure_base_image()
+    except ImageError as exc:
         await docker.close()
-        why = f"the Docker daemon at {url} has no base image {settings.docker_base_image} (docs/containers.md)"
-    else:
-        await docker.close()
-    log.warning("%s: instances run as bare processes, without isolation or limits (--runtime to choose)", why)
-    return process
+        if settings.runtime == DOCKER:
+            raise DockerUnavailable(f"runtime docker: the base image {settings.docker_base_image}: {exc}") from exc
+        why = (
+            f"the Docker daemon at {url} answers, but making its base image {settings.docker_base_image} failed "
+            f"({exc}): apps run as bare processes, without isolation or limits"
+        )
+        log.warning("%s (--runtime to choose)", why)
+        return RuntimeChoice(process, why)
+    base = f"base image {settings.docker_base_image} " + ("made by this agent" if made else "present")
+    how = "chosen by --runtime docker" if settings.runtime == DOCKER else "a Docker daemon answers"
+    return RuntimeChoice(await _networked(docker, settings), f"{how} at {url} ({base})")
 
 
 async def _networked(docker: DockerLauncher, settings: AgentSettings) -> DockerLauncher:

@@ -1,7 +1,10 @@
 """Health checks of running instances (``ServiceSpec.healthcheck``) → HEALTHY / UNHEALTHY.
 
-* No healthcheck in the spec: the instance is HEALTHY as soon as its process runs (there is nothing to
-  probe; the supervisor reports it so).
+* No healthcheck declared: the instance is HEALTHY once its process has run for the minimum healthy time
+  (``ServiceSpec.min_healthy_time``, else the agent's default; a process that exits sooner is a failed
+  start, never a healthy replica) and, when the env has an HTTP port, accepts TCP connections on it (an
+  implicit probe: TCP, not HTTP, since an app's ``/`` may rightly answer 404 or 401; traffic is routed to
+  the replica only once it listens). With no HTTP port, running long enough is the whole check.
 * HTTP: ``GET <path>`` on the instance's port, healthy on a 2xx/3xx status. TCP: a connection opens.
   EXEC: the shell command exits 0 (run in the instance's directory with its environment).
   Type UNSPECIFIED means HTTP when the probed port is an HTTP port, else TCP (reference).
@@ -37,7 +40,10 @@ DEFAULT_THRESHOLD = 3
 HTTP = "http"
 TCP = "tcp"
 EXEC = "exec"
+ALIVE = "alive"
+"""No probe: the process running (for the minimum healthy time) is the check."""
 LOOPBACK = "127.0.0.1"
+_HTTP_PROTOCOLS = (pb.PROTOCOL_UNSPECIFIED, pb.PROTOCOL_HTTP)
 
 
 def seconds(duration: Duration, default: float) -> float:
@@ -57,6 +63,8 @@ class Probe:
     timeout: float = DEFAULT_TIMEOUT
     grace: float = DEFAULTS.health_default_grace
     threshold: int = DEFAULT_THRESHOLD
+    min_healthy: float = 0.0
+    """Seconds the instance must have run before a passing probe makes it HEALTHY (no declared check)."""
 
 
 def _probed_port(spec: pb.ServiceSpec, wanted: int) -> pb.PortSpec | None:
@@ -66,11 +74,26 @@ def _probed_port(spec: pb.ServiceSpec, wanted: int) -> pb.PortSpec | None:
     return spec.ports[0] if spec.ports else None
 
 
-def probe_for(spec: pb.ServiceSpec, host_ports: Mapping[str, int], *, host: str = LOOPBACK) -> Probe | None:
+def min_healthy_time(spec: pb.ServiceSpec, default: float) -> float:
+    """The spec's minimum healthy time in seconds; ``default`` when it sets none (0 is a value: at once)."""
+    if spec.HasField("min_healthy_time"):
+        return max(0.0, spec.min_healthy_time.seconds + spec.min_healthy_time.nanos / 1e9)
+    return default
+
+
+def probe_for(
+    spec: pb.ServiceSpec, host_ports: Mapping[str, int], *, host: str = LOOPBACK, min_healthy: float = 0.0
+) -> Probe:
     """The probe of a release's spec with the instance's host ports on ``host`` (the address the instance
-    was told to bind); None when the spec has no healthcheck."""
+    was told to bind). Without a declared healthcheck: a TCP probe of the first HTTP port the spec declares
+    (none declared: nothing to probe, ``ALIVE``), HEALTHY no sooner than ``min_healthy`` seconds after the
+    start."""
     if not spec.HasField("healthcheck"):
-        return None
+        http = next((p for p in spec.ports if p.protocol in _HTTP_PROTOCOLS), None)
+        if http is None:
+            return Probe(kind=ALIVE, host=host, min_healthy=min_healthy)
+        port = host_ports.get(http.name or "http") or next(iter(host_ports.values()), 0)
+        return Probe(kind=TCP, port=port, host=host, min_healthy=min_healthy)
     check = spec.healthcheck
     declared = _probed_port(spec, check.port)
     port_name = (declared.name or "http") if declared is not None else "http"
@@ -145,6 +168,8 @@ class HealthMonitor:
 
     async def check_once(self) -> bool:
         probe = self.probe
+        if probe.kind == ALIVE:
+            return True
         try:
             async with asyncio.timeout(probe.timeout):
                 if probe.kind == EXEC and self._exec_check is not None:
@@ -159,6 +184,7 @@ class HealthMonitor:
 
     async def run(self) -> None:
         started = self._clock.now()
+        healthy_from = started + self.probe.min_healthy
         ever_healthy = False
         failures = 0
         while True:
@@ -166,7 +192,13 @@ class HealthMonitor:
             if await self.check_once():
                 ever_healthy = True
                 failures = 0
+                early = healthy_from - self._clock.now()
+                if early > 0 and self.state != pb.INSTANCE_STATE_HEALTHY:
+                    await self._clock.sleep(min(early, self.probe.interval))  # passing, not up long enough
+                    continue
                 self._set(pb.INSTANCE_STATE_HEALTHY)
+                if self.probe.kind == ALIVE:
+                    return  # nothing more to watch: the supervisor sees the exit
             elif not in_grace:
                 failures += 1
                 if failures >= self.probe.threshold:

@@ -17,8 +17,9 @@ Paths keep the node's symlinks (``/lib`` → ``usr/lib`` on merged-``/usr`` syst
 readable by every user (the container runs as ``nobody``, the program may live under ``/root``). A base is
 tagged ``zattera/<program>:<version>-<path digest>``: an upgrade or another path makes another tag.
 
-This module is the Node base (label ``dev.zattera.nodejs``: :func:`inspect_node`, :func:`node_rootfs_tar`) and
-the machinery the Python base (``pythonbase.py``: the standard library as one zip on top) shares.
+This module is the Node base (label ``dev.zattera.nodejs``: :func:`inspect_node`, :func:`node_rootfs_tar`), the
+node's generic base (``ZATTERA_AGENT_DOCKER_BASE_IMAGE``, for images that name no program: :func:`shell_rootfs_tar`)
+and the machinery the Python base (``pythonbase.py``: the standard library as one zip on top) shares.
 """
 
 from __future__ import annotations
@@ -225,6 +226,20 @@ def node_rootfs_tar(node: NodeProgram) -> bytes:
     """The Node base image's root filesystem: ``node`` (no ``npm``: a ``start`` script is resolved at build
     time, docs/builds.md), its libraries, the shell and the CA bundle."""
     return program_rootfs_tar(node.path, ["node"], cafiles=node_cafiles())
+
+
+def shell_rootfs_tar() -> bytes:
+    """The node's generic base image: what images that name no program run on (``exec:`` commands, sources
+    packed as they are): the node's ``/bin/sh`` with its libraries and, when the node has ``busybox``, busybox
+    with its applets in ``/usr/local/bin`` (``mkdir``, ``sleep``, ``httpd``, ``wget`` …); the CA bundle,
+    ``/etc/passwd``, ``/tmp``. A node without busybox gets the shell alone."""
+    found = shutil.which("busybox")
+    if found is None:
+        return program_rootfs_tar(SHELL, [], cafiles=node_cafiles())
+    busybox = os.path.realpath(found)
+    listed = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=False, timeout=30).stdout
+    applets = [name for name in listed.split() if name and "/" not in name]
+    return program_rootfs_tar(busybox, applets, cafiles=node_cafiles())
 
 
 def node_of(labels: Mapping[str, str]) -> str:

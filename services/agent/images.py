@@ -88,6 +88,8 @@ def _parse_config(ref: str, rootfs: Path, config: bytes) -> PreparedImage:
         run = doc.get("config") or {}
         env = dict(item.split("=", 1) for item in run.get("Env") or [] if "=" in item)
         workdir = (rootfs / str(run.get("WorkingDir") or "").lstrip("/")).resolve()
+        if workdir != rootfs.resolve() and rootfs.resolve() not in workdir.parents:
+            raise ImageError(f"{ref}: WorkingDir {run.get('WorkingDir')!r} leaves the image's root filesystem")
         return PreparedImage(
             ref,
             workdir,

@@ -17,6 +17,7 @@ from services.agent.health import LOOPBACK
 from services.agent.images import PreparedImage
 from services.agent.launchers import LaunchPlan
 from services.agent.settings import AgentSettings
+from shared.ids import is_safe_id, unsafe_id
 from shared.state.reader import StateReader
 from shared.volumes import lease_expired, lease_of
 
@@ -55,7 +56,9 @@ def lease_is_ours(volume: pb.Volume, node_id: str, assignment_id: str, now: floa
 def resolve_volumes(
     view: StateReader, a: pb.Assignment, release: pb.Release, volumes_dir: Path, now: float
 ) -> tuple[dict[str, Path], str]:
-    """The volume directories of a stateful instance by volume name, or why it cannot start yet."""
+    """The volume directories of a stateful instance by volume name, or why it cannot start yet. A volume
+    whose id is not a plain id (``..``, ``/``) never starts: its directory would lie outside the volumes
+    directory (the Docker socket's, the agent's data), mounted into the instance and given to its user."""
     if not release.service.stateful:
         return {}, ""
     paths: dict[str, Path] = {}
@@ -68,6 +71,8 @@ def resolve_volumes(
             return {}, f"waiting for volume {mount.volume_name}"
         if not lease_is_ours(volume, a.node_id, a.meta.id, now):
             return {}, f"waiting for the lease of volume {mount.volume_name}"
+        if not is_safe_id(volume.meta.id):  # it names the directory mounted into the instance
+            return {}, f"volume {mount.volume_name}: {unsafe_id('volume id', volume.meta.id)}"
         paths[mount.volume_name] = volumes_dir / volume.meta.id
     return paths, ""
 
@@ -119,4 +124,5 @@ def launch_plan(release: pb.Release, volumes: Mapping[str, Path]) -> LaunchPlan:
         cpu_millis=release.service.resources.cpu_millis,
         read_only_root=release.service.read_only_root,
         volumes={name: (path, mount_paths.get(name) or f"/volumes/{name}") for name, path in volumes.items()},
+        tenant=release.environment_id,
     )

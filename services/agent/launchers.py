@@ -1,19 +1,22 @@
 """How an instance is launched on this node: the runtime interface the supervisors use (``runtime.py``).
 
-Two runtimes implement it: ``process`` (a bare process of the agent's user, ``processes.py``/``images.py``)
-and ``docker`` (a container through the Docker Engine API, ``docker_runtime.py``). A node runs one of them,
+Two runtimes implement it: ``process`` (a process of the host, in a bubblewrap sandbox as its environment's
+user when the node can (``sandbox.py``), else of the agent's user; ``processes.py``/``images.py``) and
+``docker`` (a container through the Docker Engine API, ``docker_runtime.py``). A node runs one of them,
 chosen by ``--runtime`` (docs/containers.md).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from services.agent.images import PreparedImage, prepare_image
-from services.agent.processes import InstanceRecord, adopt, spawn
+from services.agent.processes import Confined, InstanceRecord, adopt, spawn
+from services.agent.sandbox import Confinement, Sandbox, give
 from shared.natsio import Connection
 
 PROCESS = "process"
@@ -31,6 +34,8 @@ class LaunchPlan:
     read_only_root: bool = False
     volumes: Mapping[str, tuple[Path, str]] = field(default_factory=dict)
     """Volume name → (its directory on this node, where the release mounts it)."""
+    tenant: str = ""
+    """Whose instance this is (the environment id): instances of one tenant share a user on the node."""
 
 
 class InstanceHandle(Protocol):
@@ -44,6 +49,11 @@ class InstanceHandle(Protocol):
     def container_id(self) -> str: ...
     @property
     def oom_killed(self) -> bool: ...
+    @property
+    def sandbox_uid(self) -> int:
+        """The uid of a sandboxed process (0: none), recorded for a restarted agent to adopt it as such."""
+        ...
+
     @property
     def exec_check(self) -> Callable[[str], Awaitable[bool]] | None:
         """Runs an exec health check where the instance runs (None: on the host, in its directory)."""
@@ -97,16 +107,26 @@ class Launcher(Protocol):
         """Remove the runtime's images no instance uses any more."""
         ...
 
+    def retain_tenants(self, tenants: set[str]) -> None:
+        """Forget the users of tenants with nothing left on this node."""
+        ...
+
     async def close(self) -> None: ...
 
 
+TENANT_KEY = "env:"
+"""Prefix of an environment's key in the sandbox's uid table (builds use ``build:``)."""
+
+
 class ProcessLauncher:
-    """Bare processes of the agent's user (no limits, no isolation: see ``images.py``)."""
+    """Processes of the host: sandboxed as their environment's user when ``sandbox`` is given (``sandbox.py``),
+    else bare processes of the agent's user (no isolation). No limits either way (``images.py``)."""
 
     name = PROCESS
 
-    def __init__(self, *, adopted_poll_interval: float = 1.0) -> None:
+    def __init__(self, *, adopted_poll_interval: float = 1.0, sandbox: Sandbox | None = None) -> None:
         self._poll_interval = adopted_poll_interval
+        self.sandbox = sandbox
 
     async def prepare(
         self,
@@ -129,16 +149,49 @@ class ProcessLauncher:
         plan: LaunchPlan,
         labels: Mapping[str, str],
     ) -> InstanceHandle:
-        return await spawn(command, cwd=image.workdir, env=env, instance_dir=instance_dir)
+        if self.sandbox is None:
+            return await spawn(command, cwd=image.workdir, env=env, instance_dir=instance_dir)
+        tenant = plan.tenant or labels.get("dev.zattera.assignment", "")
+        uid = self.sandbox.uid(TENANT_KEY + tenant)
+        confinement = await asyncio.to_thread(self._confine, uid, image, instance_dir, plan)
+        return await spawn(
+            command,
+            cwd=image.workdir,
+            env=env,
+            instance_dir=instance_dir,
+            sandbox=self.sandbox,
+            confinement=confinement,
+        )
+
+    @staticmethod
+    def _confine(uid: int, image: PreparedImage, instance_dir: Path, plan: LaunchPlan) -> Confinement:
+        """The instance's own files (an unpacked image: its root filesystem; a ``process://`` image: its
+        directory, as it is) and its volumes, read-write; what the agent unpacked becomes the user's."""
+        rootfs = instance_dir / "rootfs"
+        own = rootfs if image.workdir == rootfs or rootfs in image.workdir.parents else image.workdir
+        if own == rootfs:
+            give(rootfs, uid)
+        volumes = tuple(path for path, _ in plan.volumes.values())
+        for path in volumes:
+            give(path, uid)
+        return Confinement(uid=uid, workdir=image.workdir, writable=(own, *volumes))
 
     async def adopt(self, record: InstanceRecord, instance_dir: Path) -> InstanceHandle | None:
-        return adopt(record, poll_interval=self._poll_interval)
+        confined = None
+        if record.sandbox_uid and self.sandbox is not None:
+            workdir = Path(record.workdir)
+            confined = Confined(self.sandbox, Confinement(record.sandbox_uid, workdir, (workdir,)), record.env)
+        return adopt(record, poll_interval=self._poll_interval, confined=confined)
 
     async def sweep(self, keep: set[str]) -> None:
         return None  # a process leaves nothing behind but its instance directory (the runtime's own)
 
     async def prune_images(self) -> None:
         return None  # unpacked images live in the instance directories
+
+    def retain_tenants(self, tenants: set[str]) -> None:
+        if self.sandbox is not None:
+            self.sandbox.uids.retain({TENANT_KEY + t for t in tenants}, prefix=TENANT_KEY)
 
     async def close(self) -> None:
         return None

@@ -6,7 +6,9 @@ logging, and what it writes while no agent runs (an agent restart) stays there. 
 :class:`InstanceLogShipper` per instance tails both files and publishes their new lines, batched, to
 ``zattera.logs.<env>.<instance>``; the byte offsets shipped so far are saved in ``logs.cursor`` after each
 acknowledged publish, so a restarted agent resumes exactly there: a line written before the restart is
-shipped (at least once), whatever the process did meanwhile.
+shipped (at least once), whatever the process did meanwhile. A batch's message id names the byte ranges it
+holds, so the stream's duplicate window drops only bytes it already has (a batch stored just before a crash,
+read again and further by the next run, is stored again whole).
 
 The bounded buffer is the unread part of each file: when it grows past ``max_backlog`` bytes (the stream
 is unreachable, or the app writes faster than it can be shipped), the shipper skips ahead to the newest
@@ -252,14 +254,17 @@ class InstanceLogShipper:
     def process_starting(self) -> None:
         """Before the process starts (again): its stderr tail starts afresh, and the files are emptied when
         everything in them was shipped."""
+        self.directory.mkdir(parents=True, exist_ok=True)
         if self._pending is None and all(s.size() <= self._cursor.offsets[s.stream] for s in self._sources):
+            # The new generation is on disk before the files are emptied: a crash in between re-ships the
+            # old lines under new ids (duplicates) rather than new lines under ids the stream already holds.
+            self._cursor = Cursor(generation=self._cursor.generation + 1)
+            self._cursor.save(self.directory)
             for source in self._sources:
                 if source.open():
                     os.ftruncate(source.fd, 0)
                 source.punched = 0
-            self._cursor = Cursor(generation=self._cursor.generation + 1)
         self._cursor.stderr_run_start = next(s for s in self._sources if s.stream == STDERR).size()
-        self.directory.mkdir(parents=True, exist_ok=True)
         self._cursor.save(self.directory)
 
     # ------------------------------------------------------------------ reading and shipping
@@ -273,14 +278,12 @@ class InstanceLogShipper:
         if self._pending is None and not self._read(final=final):
             return False
         assert self._pending is not None
-        first = self._cursor.offsets
-        msg_id = f"{self._subject}:{self._cursor.generation}:{first[STDOUT]}:{first[STDERR]}"
         await self.conn.js.publish(
             self._subject,
             self._pending.SerializeToString(),
             stream=self._stream,
             timeout=5.0,
-            headers={"Nats-Msg-Id": msg_id},
+            headers={"Nats-Msg-Id": self._batch_id()},
         )
         self.shipped_lines += len(self._pending.lines)
         self._pending = None
@@ -288,6 +291,15 @@ class InstanceLogShipper:
         self._cursor.save(self.directory)
         self._give_back_space()
         return True
+
+    def _batch_id(self) -> str:
+        """The pending batch's ``Nats-Msg-Id``: the byte ranges it holds of each file. Only the very same
+        bytes get the same id, so the stream's duplicate window drops a batch only when it already holds
+        those bytes (a retry after an unacknowledged publish, the same batch read again after a restart); a
+        batch that starts where an earlier one did but reaches further is a new message."""
+        first, last = self._cursor.offsets, self._pending_offsets
+        spans = ":".join(f"{first[stream]}-{last[stream]}" for stream in STREAM_FILES)
+        return f"{self._subject}:{self._cursor.generation}:{spans}"
 
     def _now(self) -> Timestamp:
         # Strictly increasing per instance: the readers' time order is then the order of the files.

@@ -1,7 +1,9 @@
 """Instance processes: spawning, stopping, adopting after an agent restart, and host ports.
 
 Each instance runs in its own session (``start_new_session``), so signals aimed at the agent never reach
-it and the agent can stop the whole process group (the app and whatever it forked). Its stdout and stderr
+it and the agent can stop the whole process group (the app and whatever it forked). A sandboxed instance
+(``sandbox.py``) is the same tree with bubblewrap at its top: signals go to the processes inside it, exec
+health checks join its namespaces, and its exit code is translated back from bwrap's. Its stdout and stderr
 go to ``<instance>/stdout.log`` and ``<instance>/stderr.log``, never to a pipe, so they survive the agent
 (``logs.py`` ships them). A small state file
 ``<instance>/state.json`` records the pid, the process's creation time and the config it runs: a
@@ -18,13 +20,14 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
 
 from services.agent.logs import open_output_files
+from services.agent.sandbox import Confinement, Sandbox, exit_status, sandbox_init, signal_inside
 from shared.applogs import STDERR, STDOUT
 from shared.files import PRIVATE, write_atomic
 
@@ -47,6 +50,8 @@ class InstanceRecord:
     restarts: int = 0
     workdir: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    sandbox_uid: int = 0
+    """The uid a sandboxed process runs as (0: not sandboxed)."""
 
     def save(self, instance_dir: Path) -> None:
         write_atomic(instance_dir / STATE_FILE, json.dumps(asdict(self)), mode=PRIVATE)
@@ -65,9 +70,19 @@ class InstanceRecord:
                 restarts=int(doc.get("restarts", 0)),
                 workdir=str(doc.get("workdir", "")),
                 env={str(k): str(v) for k, v in (doc.get("env") or {}).items()},
+                sandbox_uid=int(doc.get("sandbox_uid", 0)),
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
+
+
+@dataclass(frozen=True)
+class Confined:
+    """How a sandboxed instance runs: what its exec health checks join, and with which environment."""
+
+    sandbox: Sandbox
+    confinement: Confinement
+    env: Mapping[str, str]
 
 
 class ProcessHandle:
@@ -75,8 +90,6 @@ class ProcessHandle:
 
     oom_killed = False
     """Never known for a bare process (a SIGKILL only makes an OOM kill likely)."""
-    exec_check = None
-    """Exec health checks run on the host, in the instance's directory (``health.check_exec``)."""
 
     def __init__(
         self,
@@ -85,14 +98,56 @@ class ProcessHandle:
         *,
         child: asyncio.subprocess.Process | None = None,
         poll_interval: float = 1.0,
+        confined: Confined | None = None,
     ) -> None:
         self.pid = pid
         self.create_time = create_time
         self._child = child
         self._poll_interval = poll_interval
+        self._confined = confined
         self._ps: psutil.Process | None = None
         with contextlib.suppress(psutil.Error):
             self._ps = psutil.Process(pid)
+
+    @property
+    def sandbox_uid(self) -> int:
+        return self._confined.confinement.uid if self._confined is not None else 0
+
+    @property
+    def exec_check(self) -> Callable[[str], Awaitable[bool]] | None:
+        """A sandboxed instance's exec health checks run inside its sandbox, as its user; a bare process's on
+        the host, in the instance's directory (``health.check_exec``)."""
+        return self._check_inside if self._confined is not None else None
+
+    async def _check_inside(self, command: str) -> bool:
+        confined = self._confined
+        assert confined is not None
+        init = sandbox_init(self.pid, self.create_time)
+        if not init:
+            return False
+        c = confined.confinement
+        wrapped = confined.sandbox.enter(init, c.uid, c.workdir, command)
+        try:
+            if sandbox_init(self.pid, self.create_time) != init:  # the namespaces opened are not this instance's
+                return False
+            proc = await asyncio.create_subprocess_exec(
+                *wrapped.argv,
+                env=confined.sandbox.environment(c, confined.env),
+                pass_fds=wrapped.fds,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            wrapped.close()
+        try:
+            return await proc.wait() == 0
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            raise
 
     @property
     def container_id(self) -> str:
@@ -115,14 +170,19 @@ class ProcessHandle:
     async def wait(self) -> int | None:
         """The exit code; None for an adopted process (not our child: its exit status is not ours to read)."""
         if self._child is not None:
-            return await self._child.wait()
+            code = await self._child.wait()
+            return exit_status(code) if self._confined is not None else code
         # Not our child: no exit notification exists, so poll.
         while self.alive():  # noqa: ASYNC110
             await asyncio.sleep(self._poll_interval)
         return None
 
     def signal(self, sig: int) -> None:
-        """Signal the whole process group (the instance is its session leader), or the pid alone."""
+        """Signal the whole process group (the instance is its session leader), or the pid alone; in a
+        sandbox, every process inside it."""
+        if self._confined is not None and sig != signal.SIGKILL:
+            signal_inside(self.pid, sig)
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if os.getpgid(self.pid) == self.pid:
                 os.killpg(self.pid, sig)
@@ -174,7 +234,7 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
-def adopt(record: InstanceRecord, *, poll_interval: float) -> ProcessHandle | None:
+def adopt(record: InstanceRecord, *, poll_interval: float, confined: Confined | None = None) -> ProcessHandle | None:
     """The recorded process if it still runs (same pid AND same creation time), else None."""
     if record.pid <= 0:
         return None
@@ -186,30 +246,46 @@ def adopt(record: InstanceRecord, *, poll_interval: float) -> ProcessHandle | No
             return None
     except psutil.Error:
         return None
-    return ProcessHandle(record.pid, record.create_time, poll_interval=poll_interval)
+    return ProcessHandle(record.pid, record.create_time, poll_interval=poll_interval, confined=confined)
 
 
-async def spawn(command: Sequence[str], *, cwd: Path, env: Mapping[str, str], instance_dir: Path) -> ProcessHandle:
-    """Start ``command`` in its own session, its stdout and stderr appended to the instance's output files."""
+async def spawn(
+    command: Sequence[str],
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    instance_dir: Path,
+    sandbox: Sandbox | None = None,
+    confinement: Confinement | None = None,
+) -> ProcessHandle:
+    """Start ``command`` in its own session, its stdout and stderr appended to the instance's output files;
+    with a ``sandbox``, confined as ``confinement`` says."""
+    wrapped = sandbox.wrap(confinement, command, env) if sandbox is not None and confinement is not None else None
     sinks = open_output_files(instance_dir)
     try:
         child = await asyncio.create_subprocess_exec(
-            *command,
+            *(wrapped.argv if wrapped is not None else command),
             cwd=cwd,
-            env=dict(env),
+            env=wrapped.env if wrapped is not None else dict(env),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=sinks[STDOUT],
             stderr=sinks[STDERR],
             start_new_session=True,
+            pass_fds=wrapped.fds if wrapped is not None else (),
         )
     finally:
         for fd in sinks.values():
             os.close(fd)
+        if wrapped is not None:
+            wrapped.close()
     try:
         create_time = psutil.Process(child.pid).create_time()
     except psutil.Error:
         create_time = 0.0  # it already exited; wait() reports how
-    return ProcessHandle(child.pid, create_time, child=child)
+    confined = None
+    if sandbox is not None and confinement is not None:
+        confined = Confined(sandbox, confinement, dict(env))
+    return ProcessHandle(child.pid, create_time, child=child, confined=confined)
 
 
 class PortAllocator:

@@ -72,6 +72,12 @@ class NodeIdentity:
     version: str = ""
     runtime: str = "process"
     """How instances run here: process or docker (``launchers.py``)."""
+    isolation: str = ""
+    """How they are isolated: sandbox, container or none (``sandbox.py``)."""
+    isolation_problem: str = ""
+    """Why not, for none."""
+    runtime_reason: str = ""
+    """Why this runtime (``docker_runtime.choose_launcher``)."""
     wireguard_public_key: str = ""
     public_endpoints: tuple[str, ...] = ()
     """The mesh (services/agent/mesh.py): this node's WireGuard key and where other nodes reach it."""
@@ -130,6 +136,9 @@ def registered_node(identity: NodeIdentity, existing: pb.Node | None, now: float
     del node.public_endpoints[:]
     node.public_endpoints.extend(identity.public_endpoints)
     node.runtime = identity.runtime
+    node.isolation = identity.isolation
+    node.isolation_problem = identity.isolation_problem
+    node.runtime_reason = identity.runtime_reason
     node.labels.update(identity.labels)
     node.labels[OS_ARCH_LABEL] = identity.os_arch
     if identity.builder:

@@ -8,7 +8,8 @@ One :class:`InstanceSupervisor` per assignment owns its process and its reports:
   (``ZATTERA_BIND_ADDR`` and ``HOST`` = the node's mesh address, else 127.0.0.1: the address routes list
   for its replicas; health checks probe it there) and start its command. Reports go
   PULLING → RUNNING (ports in ``mesh_port_bindings``) → HEALTHY/UNHEALTHY from the health checks
-  (``health.py``); without a healthcheck an instance is HEALTHY as soon as its process runs.
+  (``health.py``); without a declared healthcheck an instance is HEALTHY once it has run for the minimum
+  healthy time and, with an HTTP port, accepts connections on it.
 * The process's stdout and stderr are shipped to the env's log stream (``logs.py``). A process that exits
   has its last lines shipped and its exit (code or signal, last stderr lines) reported in
   ``observed.last_exit``, kept across restarts until the assignment goes;
@@ -48,7 +49,7 @@ from pathlib import Path
 from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
-from services.agent.health import HealthMonitor, probe_for, seconds
+from services.agent.health import HealthMonitor, min_healthy_time, probe_for, seconds
 from services.agent.images import ImageError, PreparedImage
 from services.agent.instance_env import bind_address, config_of, instance_env, launch_plan, port_names, resolve_volumes
 from services.agent.launchers import InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
@@ -284,7 +285,7 @@ class InstanceSupervisor:
         self._wake.clear()
 
     async def _start(self, a: pb.Assignment, release: pb.Release, volumes: Mapping[str, Path]) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the agent's own: logs, state (not the app's)
         self._report(PULLING)
         try:  # first: a pull may need the environment's registry credentials (one of its sealed secrets)
             secrets, registry_auth = split_registry_auth(await self._secrets(a, release))
@@ -369,6 +370,7 @@ class InstanceSupervisor:
             workdir=str(image.workdir),
             # Never a secret on disk: an adopted process's exec health checks run without them.
             env={k: v for k, v in env.items() if k not in self._secret_names},
+            sandbox_uid=handle.sandbox_uid,
         ).save(self.dir)
         return handle
 
@@ -382,11 +384,11 @@ class InstanceSupervisor:
         if self.assignment.job_id:
             self._report(RUNNING)  # a job has no health: it runs until it exits
             return
-        bind = bind_address(self.ctx.settings)
-        probe = probe_for(release.service, self._ports, host=bind) if release is not None else None
-        if probe is None:
-            self._report(HEALTHY)
+        if release is None:  # gone meanwhile: the next step stops the process
+            self._report(RUNNING)
             return
+        minimum = min_healthy_time(release.service, self.ctx.settings.min_healthy_time)
+        probe = probe_for(release.service, self._ports, host=bind_address(self.ctx.settings), min_healthy=minimum)
         self._report(RUNNING)
         container_id = self._container_id
 
@@ -589,6 +591,15 @@ class ProcessRuntime:
             await self.ctx.launcher.prune_images()
         finally:
             self._removing.pop(sup.assignment_id, None)
+        self.ctx.launcher.retain_tenants(self.tenants())
+
+    def tenants(self) -> set[str]:
+        """The environments with something on this node: an assignment, or a volume's directory."""
+        ctx = self.ctx
+        found = {a.environment_id for a in ctx.view.assignments_by_node(ctx.node_id)}
+        found |= {sup.assignment.environment_id for sup, _ in self._supervisors.values()}
+        found |= {v.environment_id for v in ctx.view.volumes() if (ctx.volumes_dir / v.meta.id).exists()}
+        return found
 
     async def recover(self) -> None:
         """Adopt or clean up what a previous run of this agent left in the instances directory."""
@@ -622,6 +633,7 @@ class ProcessRuntime:
                 (directory / STATE_FILE).unlink(missing_ok=True)
         await asyncio.gather(*stops)
         await ctx.launcher.sweep({sup.handle.container_id for sup, _ in self._supervisors.values() if sup.handle})
+        ctx.launcher.retain_tenants(self.tenants())
 
     async def shutdown(self) -> None:
         entries = list(self._supervisors.values())

@@ -56,6 +56,9 @@ class AgentSettings(BaseSettings):
     # ---------------------------------------------------------------- instance lifecycle
     default_stop_grace: float = Field(default=10.0, gt=0)
     """SIGTERM -> SIGKILL, seconds, when the service spec sets no stop_grace."""
+    min_healthy_time: float = Field(default=3.0, ge=0)
+    """How long an instance without a declared health check must run before it counts as HEALTHY, seconds,
+    when its env sets no min_healthy_time (0 = at once); a process that exits sooner is a failed start."""
     startup_probe_interval: float = Field(default=0.2, gt=0)
     """Health probe cadence until the first success (then the spec's interval), seconds."""
     adopted_poll_interval: float = Field(default=1.0, gt=0)
@@ -96,6 +99,26 @@ class AgentSettings(BaseSettings):
     """Docker runtime: host network, or the daemon's bridge network 'zattera' with published ports ('auto':
     bridge when the daemon makes one and the mesh address is not loopback)."""
 
+    # ---------------------------------------------------------------- isolation (sandbox.py, SECURITY.md "Apps")
+    sandbox: Literal["auto", "on", "off"] = "auto"
+    """Process runtime: run instances, jobs and build steps in a bubblewrap sandbox as their environment's
+    user ('auto': when this machine can; 'on': refuse to start otherwise; 'off': never)."""
+    allow_unisolated: bool = False
+    """On a secured cluster, run apps even where they cannot be isolated (they could read this node's
+    credential and other apps' files and environment)."""
+    sandbox_uid_base: int = Field(default=0x70000000, ge=1000, le=0xFFFF0000)
+    """First uid of the range the environments' users are taken from."""
+    sandbox_uid_count: int = Field(default=65536, ge=1, le=1 << 24)
+    """Size of that range."""
+    sandbox_read_only: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """More directories shown read-only in every sandbox (comma-separated), e.g. another language runtime's
+    installation; /usr, /etc and the agent's Python always are."""
+    sandbox_hidden: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Directories covered (empty) in every sandbox besides the agent's data directory, should they lie in a
+    shown one (comma-separated): ``zattera up`` names its whole data directory."""
+    sandbox_bwrap: str = "bwrap"
+    """The bubblewrap program."""
+
     # ---------------------------------------------------------------- builds (builder.py)
     build_keepalive: float = Field(default=60.0, gt=0)
     """A build step that prints nothing logs a line this often, seconds."""
@@ -118,6 +141,11 @@ class AgentSettings(BaseSettings):
     @classmethod
     def _labels_from_text(cls, value: object) -> object:
         return parse_labels(value) if isinstance(value, str) else value
+
+    @field_validator("sandbox_read_only", "sandbox_hidden", mode="before")
+    @classmethod
+    def _paths_from_text(cls, value: object) -> object:
+        return [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else value
 
     @field_validator("roles", mode="before")
     @classmethod

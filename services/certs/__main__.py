@@ -1,18 +1,18 @@
 """Entry point: `python -m services.certs [--nats URL]`.
 
 The certificate loop runs in the holder of ``lease.certs``; it follows route snapshots for the hostnames
-that want TLS (``RouteSnapshot.cert_hosts``) besides the ``Domain`` records.
+that want TLS (``RouteSnapshot.cert_hosts``) besides the ``Domain`` records, and a snapshot that routes a new
+name wakes it at once.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from services.certs.issuer import AcmeIssuer
 from services.certs.localca import load_or_create
-from services.certs.loop import CertificateLoop
+from services.certs.loop import CertificateLoop, RoutedHosts
 from services.certs.settings import CertsSettings
 from shared.routeclient import RouteClient
 from shared.service import ServiceContext, main
@@ -27,19 +27,17 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     )
     local_ca = load_or_create(ctx.settings.data_dir / "certs") if cfg.local_ca else None
     routes = RouteClient(ctx.settings.data_dir / "certs" / "routes.cache")
+    routed = RoutedHosts()
+    updates = routes.updates()  # before start: no snapshot can come between the two
     await routes.start(ctx.conn)
-    loop = CertificateLoop(
-        ctx.loop_deps,
-        tick=ctx.settings.loop_tick,
-        acme=acme,
-        local_ca=local_ca,
-        extra_hosts=lambda: routes.current.cert_hosts,
-    )
+    loop = CertificateLoop(ctx.loop_deps, tick=ctx.settings.loop_tick, acme=acme, local_ca=local_ca, routed=routed)
 
     async def follow_routes() -> None:
         try:
-            await asyncio.Event().wait()
+            async for snapshot in updates:
+                routed.update(snapshot.cert_hosts)
         finally:
+            updates.close()
             await routes.stop()
 
     return [ctx.lead(loop), follow_routes()]

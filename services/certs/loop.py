@@ -1,7 +1,9 @@
 """The certificate loop (lease ``certs``): one certificate per hostname that wants TLS, renewed in time.
 
 Each pass reads the wanted hostnames (every ``Domain``'s, plus the route snapshot's ``cert_hosts`` when the
-service follows routes) and the ``Certificate`` records, asks :func:`shared.certs.plan` what to do, and
+service follows routes: a snapshot that routes a new name wakes a pass at once, :class:`RoutedHosts`, so an
+implicit ``<app>-<env>.localhost`` name gets its certificate as soon as it is routed, not at the next tick)
+and the ``Certificate`` records, asks :func:`shared.certs.plan` what to do, and
 commits: new hostnames get a PENDING record and stale records are deleted in one write; then each due
 order runs (only the lease holder orders, so a name is never ordered twice at once across replicas) and
 its outcome — the new chain and sealed key, or the CA's reason and the backoff — is one fenced write.
@@ -11,7 +13,7 @@ Events ``certificate.issued``, ``certificate.renewed``, ``certificate.failed`` f
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from zattera.v1 import types_pb2 as pb
 
@@ -39,6 +41,7 @@ from shared.loop import LeaderLoop, LoopDeps
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.secrets import CLUSTER_KEY, seal
 from shared.settings import DEFAULTS
+from shared.state.changes import ChangeFeed
 from shared.txn import Conflict
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,31 @@ log = logging.getLogger(__name__)
 NO_DIRECTORY = "no ACME directory is configured (ZATTERA_CERTS_ACME_DIRECTORY, docs/certificates.md)"
 NO_LOCAL_CA = "the local CA for *.localhost hosts is off (ZATTERA_CERTS_LOCAL_CA=false)"
 NO_CLUSTER_KEY = "no cluster secrets key is published: run the secrets service (docs/secrets.md)"
+
+
+ROUTED_HOSTS = "routed-hosts"
+"""The change a :class:`RoutedHosts` offers its feeds (not a state kind)."""
+
+
+class RoutedHosts:
+    """The hostnames the route snapshots want certificates for (``cert_hosts``); :meth:`update` with each new
+    snapshot's names wakes the loops subscribed when they changed."""
+
+    def __init__(self) -> None:
+        self.current: frozenset[str] = frozenset()
+        self._feeds: set[ChangeFeed] = set()
+
+    def update(self, hostnames: Iterable[str]) -> None:
+        names = frozenset(hostnames)
+        if names != self.current:
+            self.current = names
+            for feed in list(self._feeds):
+                feed._offer(ROUTED_HOSTS, "")
+
+    def subscribe(self) -> ChangeFeed:
+        feed = ChangeFeed(self, {ROUTED_HOSTS})
+        self._feeds.add(feed)
+        return feed
 
 
 class CertificateLoop(LeaderLoop):
@@ -60,17 +88,22 @@ class CertificateLoop(LeaderLoop):
         acme: AcmeIssuer | None = None,
         local_ca: LocalCA | None = None,
         extra_hosts: Callable[[], Iterable[str]] = tuple,
+        routed: RoutedHosts | None = None,
         tick: float = DEFAULTS.loop_tick,
     ) -> None:
         super().__init__(deps, tick=tick)
         self.acme = acme
         self.local_ca = local_ca
-        self.extra_hosts = extra_hosts
+        self.routed = routed
+        self.extra_hosts = extra_hosts if routed is None else (lambda: routed.current)
         self._account: Account | None = None
         self._next_due: float | None = None
 
     def on_term_start(self) -> None:
         self._next_due = None
+
+    def extra_feeds(self) -> Sequence[ChangeFeed]:
+        return [self.routed.subscribe()] if self.routed is not None else []
 
     def seconds_until_due(self) -> float | None:
         return None if self._next_due is None else self._next_due - self.clock.now()

@@ -20,6 +20,8 @@ from shared import keys as K
 from shared.certs import certificate_text, domain_rows
 from shared.deployments import desired_replicas, is_terminal
 from shared.state.reader import StateReader
+from shared.urls import Listeners
+from shared.urls import urls_by_env as shared_urls_by_env
 
 UP_STATES = frozenset({pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY, pb.INSTANCE_STATE_UNHEALTHY})
 
@@ -58,11 +60,12 @@ def certificates_by_env(view: StateReader, routes: cpb.RouteSnapshot | None) -> 
     return found
 
 
-def urls_by_env(routes: cpb.RouteSnapshot | None) -> dict[str, list[str]]:
-    found: dict[str, set[str]] = {}
-    for r in routes.http_routes if routes else []:
-        found.setdefault(r.environment_id, set()).add(f"http://{r.hostname}{r.path_prefix}")
-    return {env_id: sorted(urls) for env_id, urls in found.items()}
+def urls_by_env(
+    view: StateReader, routes: cpb.RouteSnapshot | None, listeners: Listeners = Listeners()
+) -> dict[str, list[str]]:
+    """Each env's URLs, the ones that work (ports, HTTPS once a certificate is usable: :mod:`shared.urls`)."""
+    certificates = {c.hostname: c for c in view.all(K.CERT) if isinstance(c, pb.Certificate)}
+    return shared_urls_by_env(routes, listeners, certificates, time.time())
 
 
 PHASE_ORDER = (
@@ -119,9 +122,11 @@ def env_summary(
     }
 
 
-def overview(view: StateReader, routes: cpb.RouteSnapshot | None, only: Iterable[str] = ()) -> list[dict[str, Any]]:
+def overview(
+    view: StateReader, routes: cpb.RouteSnapshot | None, only: Iterable[str] = (), listeners: Listeners = Listeners()
+) -> list[dict[str, Any]]:
     """Every env's row; with ``only``, the rows of those env ids (a live update of a few rows)."""
-    urls = urls_by_env(routes)
+    urls = urls_by_env(view, routes, listeners)
     certificates = certificates_by_env(view, routes)
     envs = [e for e in (view.env(env_id) for env_id in only) if e is not None] if only else view.envs()
     rows = [env_summary(view, env, urls.get(env.meta.id, []), certificates.get(env.meta.id, [])) for env in envs]

@@ -15,11 +15,13 @@ from services.console.web import Console, make_app
 from shared.actions.context import ActionContext
 from shared.clock import Clock
 from shared.console_users import users_bucket
+from shared.live import LiveView
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.snapshots.dispatch import operator_dispatcher
 from shared.state.feed import StateView
 from shared.txn import Writer
+from shared.urls import Listeners, proxy_listeners
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,13 @@ SHUTDOWN_TIMEOUT = 2.0
 
 
 def build_console(
-    conn: Connection, view: StateView, writer: Writer, clock: Clock, cfg: ConsoleSettings, routes: RouteClient
+    conn: Connection,
+    view: StateView,
+    writer: Writer,
+    clock: Clock,
+    cfg: ConsoleSettings,
+    routes: RouteClient,
+    live: LiveView | None = None,
 ) -> Console:
     return Console(
         conn=conn,
@@ -44,6 +52,7 @@ def build_console(
         limiter=LoginLimiter(clock, cfg.login_failures, cfg.login_window),
         routes=lambda: routes.current if routes.version else None,
         secure_cookies=cfg.secure_cookies,
+        listeners=(lambda: proxy_listeners(live.fresh_proxy_heartbeats())) if live is not None else Listeners,
     )
 
 
@@ -69,7 +78,9 @@ async def serve_console(
     await users_bucket(conn.js, create=True)  # `zattera console add-user` writes into it
     routes = RouteClient(cache_dir / "routes.pb")
     await routes.start(conn)
-    console = build_console(conn, view, writer, clock, cfg, routes)
+    live = LiveView(conn, clock)  # the proxies' heartbeats: where they listen, for the URLs shown
+    await live.start()
+    console = build_console(conn, view, writer, clock, cfg, routes, live)
     tls = cfg.ssl_context()
     runner, port = await start_site(console, cfg.host, cfg.port, tls)
     log.info("console: serving on %s://%s:%d", "https" if tls else "http", cfg.host, port)
@@ -79,3 +90,4 @@ async def serve_console(
         await runner.cleanup()
         await console.actions.background.close()
         await routes.stop()
+        await live.stop()

@@ -40,6 +40,7 @@ from shared.buildlogs import follow_build_log
 from shared.console_users import ADMIN, burn_check, load_user, password_matches
 from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
 from shared.state.feed import StateView
+from shared.urls import Listeners
 
 from . import pages
 from .auth import LOGIN_COOKIE, SESSION_COOKIE, LoginLimiter, Session, Sessions, tokens_equal
@@ -82,6 +83,8 @@ class Console:
     limiter: LoginLimiter
     routes: Callable[[], cpb.RouteSnapshot | None]
     secure_cookies: bool = False
+    listeners: Callable[[], Listeners] = Listeners
+    """Where the proxies listen (their heartbeats): the URLs shown carry those ports."""
 
     def __post_init__(self) -> None:
         self.flash: dict[str, str] = {}
@@ -286,19 +289,20 @@ def _env_or_404(console: Console, env_id: str) -> pb.Environment:
 async def overview_page(request: web.Request) -> web.StreamResponse:
     console = _console(request)
     only = [env_id for env_id in request.query.get("only", "").split(",") if env_id]
-    envs = pages.overview(console.view, console.routes(), only)
+    envs = pages.overview(console.view, console.routes(), only, console.listeners())
     return await render_streamed(request, "overview.html", page="overview", envs=envs)
 
 
 async def overview_api(request: web.Request) -> web.Response:
     console = _console(request)
-    return web.json_response({"environments": pages.overview(console.view, console.routes())})
+    overview = pages.overview(console.view, console.routes(), listeners=console.listeners())
+    return web.json_response({"environments": overview})
 
 
 def _env_detail(console: Console, env_id: str) -> dict[str, Any]:
     env = _env_or_404(console, env_id)
     routes = console.routes()
-    urls = pages.urls_by_env(routes).get(env_id, [])
+    urls = pages.urls_by_env(console.view, routes, console.listeners()).get(env_id, [])
     certificates = pages.certificates_by_env(console.view, routes).get(env_id, [])
     return pages.env_detail(console.view, env, urls, certificates)
 

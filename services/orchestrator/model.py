@@ -87,12 +87,14 @@ class Timers:
         )
 
     def health_deadline(self, release: pb.Release) -> float:
-        """2 x grace + extra, grace = the release's healthcheck grace period, else the default."""
+        """2 x grace + extra (+ the release's minimum healthy time), grace = the release's healthcheck grace
+        period, else the default."""
         grace_field = release.service.healthcheck.grace_period
         grace = grace_field.seconds + grace_field.nanos / 1e9
         if grace <= 0:
             grace = self.health_default_grace
-        return 2 * grace + self.health_deadline_extra
+        minimum = release.service.min_healthy_time
+        return 2 * grace + self.health_deadline_extra + minimum.seconds + minimum.nanos / 1e9
 
     def phase_timeout(self, phase: int) -> float | None:
         """How long a waiting phase may last before the deployment fails (None: not a timed wait)."""

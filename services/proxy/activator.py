@@ -89,8 +89,11 @@ class Holds:
         if signal is not None:
             signal.notify()
 
-    async def hold(self, env_id: str, content_length: int | None, select: Callable[[], T | None]) -> T:
-        """Wait until ``select()`` returns a value and return it; raises :class:`HoldRejected`."""
+    async def hold(
+        self, env_id: str, content_length: int | None, select: Callable[[], T | None], *, timeout: float | None = None
+    ) -> T:
+        """Wait until ``select()`` returns a value and return it; raises :class:`HoldRejected`. ``timeout``:
+        what is left of this request's hold (default: the whole ``hold_timeout``)."""
         if self._closed:
             raise HoldRejected(503, "proxy shutting down", "1")
         if content_length is not None and content_length > self.max_body_bytes:
@@ -101,7 +104,7 @@ class Holds:
         signal = self._signals.setdefault(env_id, Signal())
         try:
             self._trigger(env_id)
-            async with asyncio.timeout(self.hold_timeout):
+            async with asyncio.timeout(max(0.0, self.hold_timeout if timeout is None else timeout)):
                 while True:
                     if self._closed:
                         raise HoldRejected(503, "proxy shutting down", "1")

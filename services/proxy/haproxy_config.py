@@ -22,7 +22,10 @@ body cap (413, declared ``Content-Length``) → sticky cookie → ``balance rand
 choices; the same-node tie-break is a weight of 101 against 100: HAProxy compares load per weight) with
 ``maxconn`` = ``max_concurrency`` and ``timeout queue`` = the hold timeout (a full env's requests queue
 in HAProxy), ``retry-on conn-failure`` + ``option redispatch`` (a refused connection is retried on
-another server).
+another server). A ``scale_to_zero`` env's backend also has the Python handler as a ``backup`` server, and
+its servers are marked down by the first refused connection (``observe layer4``, re-checked every
+``HELD_CHECK_INTER``): a request that meets a replica cooled a moment ago, while the snapshot saying so is
+on its way, is redispatched to the handler, which holds it and wakes the env, instead of a 503.
 """
 
 from __future__ import annotations
@@ -43,11 +46,18 @@ from services.proxy.balancer import STICKY_COOKIE, sticky_value
 from shared.acmechallenge import PATH_PREFIX as CHALLENGE_PATH
 
 HOLD_BACKEND = "hold"
+HOLD_BACKUP_SERVER = "zattera_hold"
+HELD_CHECK_INTER = "2s"
 LOCAL_WEIGHT = 101
 REMOTE_WEIGHT = 100
 RATE_TABLE_SIZE = "32k"
 RATE_TABLE_EXPIRE = "120s"
 SOCKET_DIR_MAX = 70
+IDLE_POOL = "pool-max-conn -1 pool-purge-delay 5s"
+"""Every server keeps its idle backend connections for reuse (no limit; half of the unused ones closed every
+5 s). Configured servers get these values by default, but a server added at run time (``add server``, how
+endpoints arrive) gets none in HAProxy 2.6 (``show servers conn``: ``idle_lim 0``): each request would open a
+new backend connection, at three times the CPU per request. Spelled out on every line for both paths."""
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -75,10 +85,12 @@ class Backend:
     """Configuration lines of the backend besides its servers (middleware, balance, timeouts)."""
     sticky: bool
     servers: tuple[Server, ...]
+    held: bool = False
+    """Requests its servers refuse go to the Python handler (a ``scale_to_zero`` env: held and woken)."""
 
     def structure(self) -> tuple[object, ...]:
         """What only a reload can change."""
-        return (self.name, self.rules, self.servers if self.sticky else ())
+        return (self.name, self.rules, self.held, self.servers if self.sticky else ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +273,8 @@ def _plan_route(
         return hostname, prefix, None, None
     sticky = route.HasField("middleware") and route.middleware.sticky_sessions
     servers = _servers(route, node_id)
-    backend = Backend(backend_name(route), route.environment_id, backend_rules(route, hold_timeout), sticky, servers)
+    rules = backend_rules(route, hold_timeout)
+    backend = Backend(backend_name(route), route.environment_id, rules, sticky, servers, held=route.scale_to_zero)
     return hostname, prefix, backend if servers else None, backend
 
 
@@ -300,12 +313,14 @@ def plan(snapshot: cpb.RouteSnapshot, *, node_id: str, hold_timeout: float, cach
     return Plan(hosts, tuple(ordered.items()), backends, {name: b.env_id for name, b in backends.items()})
 
 
-def server_line(server: Server, *, sticky: bool) -> str:
-    line = f"server {server.name} {server.addr} weight {server.weight}"
+def server_line(server: Server, *, sticky: bool, held: bool = False) -> str:
+    line = f"server {server.name} {server.addr} weight {server.weight} {IDLE_POOL}"
     if server.maxconn:
         line += f" maxconn {server.maxconn}"
     if sticky:
         line += f" cookie {server.cookie}"
+    if held:
+        line += f" check inter {HELD_CHECK_INTER} observe layer4 error-limit 1 on-error mark-down"
     return line
 
 
@@ -370,5 +385,7 @@ def render(plan_: Plan, layout: Layout) -> str:
         backend = plan_.backends[name]
         lines += ["", f"backend {name}"]
         lines += [f"    {rule}" for rule in backend.rules]
-        lines += [f"    {server_line(s, sticky=backend.sticky)}" for s in backend.servers]
+        lines += [f"    {server_line(s, sticky=backend.sticky, held=backend.held)}" for s in backend.servers]
+        if backend.held:
+            lines.append(f"    server {HOLD_BACKUP_SERVER} {layout.hold_addr} backup")
     return "\n".join(lines) + "\n"

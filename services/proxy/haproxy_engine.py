@@ -25,12 +25,20 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from services.proxy.haproxy_certs import changes, crt_list_text, digest, ensure_fallback, installed, pem_problem
+from services.proxy.haproxy_certs import (
+    changes,
+    crt_list_text,
+    digest,
+    ensure_fallback,
+    installed,
+    pem_problem,
+    safe_name,
+)
 from services.proxy.haproxy_config import Layout, Plan, RouteCache, map_text, plan, render, server_line
 from services.proxy.haproxy_runtime import RuntimeAPIError, command, execute, parse_stat_csv, send
 from services.proxy.haproxy_stats import HAProxySampler
@@ -43,6 +51,7 @@ from shared.certclient import CertClient, ServedCert
 from shared.embedded import free_port
 from shared.files import PRIVATE, write_atomic
 from shared.metrics import RequestSeries
+from shared.routeclient import same_cluster
 from shared.settings import settings
 
 log = logging.getLogger(__name__)
@@ -51,6 +60,10 @@ READY_TIMEOUT = 30.0
 RESTART_BACKOFF_FIRST = 0.1
 RESTART_BACKOFF_MAX = 5.0
 SWEEP_INTERVAL = 1.0
+MAP_REWRITE_ABOVE = 128
+"""More host map entries changing or going than this at once: the map is rewritten whole. HAProxy 2.6 finds
+the entry of a ``set map``/``del map`` by scanning the map (~1-3 ms at 10,000 entries, on the data plane's
+thread); a rewrite costs ~50 µs per entry: 10,000 envs warming at once took 30 s entry by entry."""
 PR_SET_PDEATHSIG = 1
 
 
@@ -261,9 +274,12 @@ class HAProxyEngine:
         self.reloads += 1
 
     async def _change_at_runtime(self, target: Plan) -> None:
+        """Servers that arrive first, then the maps, then servers that leave: a host never points at a
+        backend whose servers are not in yet, nor at one whose servers already left (a request in between
+        found no server: 503)."""
         running = self.running
-        hosts_map, _paths_map = self.layout.hosts_map, self.layout.paths_map
         commands: list[str] = []
+        leaving: list[str] = []
         for backend_name, backend in target.backends.items():
             if backend.sticky or backend is running.backends[backend_name]:
                 continue  # its servers are part of the structure
@@ -276,24 +292,21 @@ class HAProxyEngine:
                     commands += [f"set server {where} addr {_host(server.addr)} port {_port(server.addr)}"]
                     commands += [f"set server {where} weight {server.weight}", f"enable server {where}"]
                 elif before is None:
-                    commands += [f"add server {where} {server_line(server, sticky=False).split(' ', 2)[2]}"]
+                    line = server_line(server, sticky=False, held=backend.held).split(" ", 2)[2]
+                    commands += [f"add server {where} {line}"]
+                    commands += [f"enable health {where}"] if backend.held else []
                     commands += [f"enable server {where}"]
                 elif before != server:
                     if before.addr != server.addr:
                         commands += [f"set server {where} addr {_host(server.addr)} port {_port(server.addr)}"]
                     commands += [f"set server {where} weight {server.weight}"]
             for gone in have.values():
-                commands.append(f"disable server {backend_name}/{gone.name}")
+                leaving.append(f"disable server {backend_name}/{gone.name}")
                 self._draining.add((backend_name, gone.name))
-        for host, backend_name in target.hosts.items():
-            before_backend = running.hosts.get(host)
-            if before_backend is None:
-                commands.append(f"add map {hosts_map} {host} {backend_name}")
-            elif before_backend != backend_name:
-                commands.append(f"set map {hosts_map} {host} {backend_name}")
-        commands += [f"del map {hosts_map} {host}" for host in running.hosts.keys() - target.hosts.keys()]
+        commands += await self._hosts_map_commands(running, target)
         if target.paths != running.paths:
-            commands += await self._path_map_commands(target)
+            commands += await self._rewrite_map_commands(self.layout.paths_map, target.paths)
+        commands += leaving
         if commands:
             answers = await execute(self.layout.stats_socket, commands)
             failures = [f"{c!r}: {a}" for c, a in zip(commands, answers, strict=True) if _failed(a)]
@@ -302,14 +315,31 @@ class HAProxyEngine:
         self.running = target
         await self._delete_drained()
 
-    async def _path_map_commands(self, target: Plan) -> list[str]:
-        """An atomic rewrite of the small path map: a new version filled, then committed."""
-        answer = await command(self.layout.stats_socket, f"prepare map {self.layout.paths_map}")
+    async def _hosts_map_commands(self, running: Plan, target: Plan) -> list[str]:
+        """Entry by entry; the whole map rewritten instead when more than :data:`MAP_REWRITE_ABOVE` entries
+        change or go (each ``set map``/``del map`` scans the map in HAProxy 2.6)."""
+        hosts_map = self.layout.hosts_map
+        added: list[str] = []
+        changed: list[str] = []
+        for host, backend_name in target.hosts.items():
+            before_backend = running.hosts.get(host)
+            if before_backend is None:
+                added.append(f"add map {hosts_map} {host} {backend_name}")
+            elif before_backend != backend_name:
+                changed.append(f"set map {hosts_map} {host} {backend_name}")
+        changed += [f"del map {hosts_map} {host}" for host in running.hosts.keys() - target.hosts.keys()]
+        if len(changed) > MAP_REWRITE_ABOVE:
+            return await self._rewrite_map_commands(hosts_map, sorted(target.hosts.items()))
+        return added + changed
+
+    async def _rewrite_map_commands(self, path: Path, entries: Iterable[tuple[str, str]]) -> list[str]:
+        """An atomic rewrite of a map: a new version filled, then committed."""
+        answer = await command(self.layout.stats_socket, f"prepare map {path}")
         version = answer.rsplit(":", 1)[-1].strip()
         if not version.isdigit():
             raise RuntimeAPIError(f"prepare map: {answer}")
-        commands = [f"add map @{version} {self.layout.paths_map} {key} {name}" for key, name in target.paths]
-        return [*commands, f"commit map @{version} {self.layout.paths_map}"]
+        commands = [f"add map @{version} {path} {key} {name}" for key, name in entries]
+        return [*commands, f"commit map @{version} {path}"]
 
     async def _delete_drained(self) -> None:
         if not self._draining:
@@ -341,7 +371,8 @@ class HAProxyEngine:
         the new one), missing ones removed. Files are written first, so a restart or reload loads them."""
         usable = {}
         for name, pem in pems.items():
-            problem = pem_problem(pem)
+            # Only new and changed PEMs are checked: parsing 10,000 served ones took seconds per renewal.
+            problem = None if self._certificates.get(safe_name(name)) == digest(pem) else pem_problem(pem)
             if problem is None:
                 usable[name] = pem
             else:
@@ -426,6 +457,7 @@ class HAProxyIngress:
         self._follower: asyncio.Task[None] | None = None
         self._certs_watcher: asyncio.Task[None] | None = None
         self._applied = 0
+        self._applied_cluster = cpb.ClusterIdentity()
 
     @property
     def version(self) -> int:
@@ -438,14 +470,28 @@ class HAProxyIngress:
         await self.proxy.start()
         snapshot = self.proxy.routes.current
         await self.engine.start(snapshot)
-        self._applied = snapshot.version
+        self._applied, self._applied_cluster = snapshot.version, snapshot.cluster
         self.proxy.sample_sources.append(self.engine.samples)
-        self.proxy.served_version = lambda: min(self._applied, self.proxy.table.version)
+        self.proxy.served = self._served
+        self.proxy.public_ports = self._public_ports
         self._follower = asyncio.create_task(self._follow())
         if self.certs_dir is not None and self.layout.tls_bind:
             self._certs_watcher = asyncio.create_task(self._watch_certificates(self.certs_dir))
         elif self.proxy.certificates is not None and self.layout.tls_bind:
             self._certs_watcher = asyncio.create_task(self._serve_issued_certificates(self.proxy.certificates))
+
+    def _served(self) -> tuple[int, cpb.ClusterIdentity]:
+        """The routes both data paths serve: HAProxy's and the Python handler's (cold envs, basic auth); while
+        they hold snapshots of different clusters, neither cluster's routes are served throughout."""
+        table = self.proxy.table
+        if not same_cluster(table.cluster, self._applied_cluster):
+            return 0, cpb.ClusterIdentity()
+        return min(self._applied, table.version), table.cluster
+
+    def _public_ports(self) -> tuple[int, int]:
+        """HAProxy's listeners: where clients reach this proxy."""
+        tls = self.layout.tls_bind.rpartition(":")[2] if self.layout.tls_bind else "0"
+        return int(self.layout.bind.rpartition(":")[2]), int(tls)
 
     async def _serve_issued_certificates(self, client: CertClient) -> None:
         """The control plane's certificates (docs/certificates.md): the client's 0600 cache at once (so a
@@ -482,7 +528,7 @@ class HAProxyIngress:
             snapshot = self.proxy.routes.current
             try:
                 await self.engine.apply(snapshot)
-                self._applied = snapshot.version
+                self._applied, self._applied_cluster = snapshot.version, snapshot.cluster
             except (OSError, TimeoutError, RuntimeError, RuntimeAPIError) as exc:
                 # HAProxy is restarting (the supervisor renders the newest routes) or refused the change.
                 log.error("haproxy: routes version %d not applied: %s", snapshot.version, exc)

@@ -58,6 +58,7 @@ def request_host(host_header: str) -> str:
 class RouteTable:
     def __init__(self, snapshot: cpb.RouteSnapshot) -> None:
         self.version = snapshot.version
+        self.cluster = snapshot.cluster
         self.env_ids = frozenset(route.environment_id for route in snapshot.http_routes)
         by_host: dict[str, list[RouteEntry]] = {}
         for route in snapshot.http_routes:

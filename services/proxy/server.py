@@ -16,7 +16,10 @@ Deviations from the reference, all deliberate:
 * an upstream that refuses the connection (nothing was sent: its process or node just died, and the
   route snapshot does not say so yet) is retried on another healthy endpoint of the route, each at most
   once; only when none is left does the client get the 502. Without it, a dead endpoint that P2C's
-  same-node tie-break keeps picking failed every request until the node was marked DOWN.
+  same-node tie-break keeps picking failed every request until the node was marked DOWN. A
+  ``scale_to_zero`` route whose every endpoint refused is cold in fact (its replica was just cooled and
+  the snapshot saying so is on its way): the request is held and the env activated, as for a cold route,
+  until an endpoint that has not refused it appears (or a newer snapshot lists one again).
 
 The route table follows the route client: built from the cached snapshot before any network activity
 (so a restarted proxy serves the last routes with the control plane down), rebuilt on every accepted
@@ -57,8 +60,10 @@ from shared.live import publish_proxy_heartbeat
 from shared.metrics import RequestSeries
 from shared.natsio import Connection
 from shared.process import connect_with_retry
-from shared.routeclient import RouteClient
+from shared.routeclient import RouteClient, same_cluster
+from shared.skew import Component, Verdict, judge_peer
 from shared.tasks import cancel_and_wait
+from shared.version import VERSION
 
 log = logging.getLogger(__name__)
 
@@ -148,14 +153,19 @@ class Proxy:
         self.snapshot_listeners: list[Callable[[cpb.RouteSnapshot], None]] = []
         self.sample_sources: list[Callable[[], Awaitable[dict[str, cpb.ProxySample]]]] = []
         """Other data paths' per-env samples, merged into this proxy's heartbeat."""
-        self.served_version: Callable[[], int] = lambda: self.table.version
-        """The routes version the data plane serves (an engine in front may lag the Python table)."""
+        self.served: Callable[[], tuple[int, cpb.ClusterIdentity]] = lambda: (self.table.version, self.table.cluster)
+        """The routes version the data plane serves, and their cluster (an engine in front may lag the Python
+        table)."""
+        self.public_ports: Callable[[], tuple[int, int]] = lambda: (self._listening, 0)
+        """Where clients reach this proxy: (HTTP port, HTTPS port; 0 = none), reported in the heartbeat so that
+        the URLs the CLI and console show carry the port that works (an engine in front reports its own)."""
         self.metrics = metrics
         self._requests = RequestSeries()
         self.nats_url = nats_url
         self.proxy_id = cfg.proxy_id or socket.gethostname()
         self.routes = RouteClient(cache_dir / ROUTES_CACHE_FILE, node_id=cfg.node_id)
         self.table = RouteTable(self.routes.current)
+        self._control_version: str | None = None
         self.balancer = Balancer(cfg.node_id)
         self.limiter = RateLimiter()
         self.basic_auth = BasicAuth()
@@ -175,6 +185,7 @@ class Proxy:
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.ServerRunner | None = None
+        self._listening = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -201,6 +212,7 @@ class Proxy:
         self._runner = web.ServerRunner(server, shutdown_timeout=self.cfg.shutdown_grace)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.cfg.host, self.cfg.port).start()
+        self._listening = self.port
         self._tasks = [
             asyncio.create_task(self._follow_routes()),
             asyncio.create_task(self._connect_and_report()),
@@ -239,13 +251,24 @@ class Proxy:
         updates = self.routes.updates()
         try:
             async for snapshot in updates:
-                if snapshot.version != self.table.version:
+                self._check_control_version(snapshot.control_version)
+                if snapshot.version != self.table.version or not same_cluster(snapshot.cluster, self.table.cluster):
                     self.table = RouteTable(snapshot)
                     self.holds.wake_all()
                     for listener in self.snapshot_listeners:
                         listener(snapshot)
         finally:
             updates.close()
+
+    def _check_control_version(self, control_version: str) -> None:
+        """Say once per control-plane version when it is outside this proxy's skew window (it serves the
+        routes either way: it writes nothing but its heartbeat)."""
+        if control_version == self._control_version:
+            return
+        self._control_version = control_version
+        skew = judge_peer(Component.PROXY, VERSION, control_version)
+        if skew.message:
+            log.log(logging.WARNING if skew.verdict is Verdict.BEHIND else logging.ERROR, "%s", skew.message)
 
     async def _connect_and_report(self) -> None:
         """Connect, follow routes and heartbeat; when the connection is closed for good (nats-py never
@@ -283,7 +306,10 @@ class Proxy:
 
     async def _publish_heartbeat(self) -> None:
         heartbeat = self.stats.heartbeat(self.proxy_id, self.cfg.node_id, self.holds.held, self.table.env_ids)
-        heartbeat.routes_version = self.served_version()  # what it routes by now (zattera deploy waits on it)
+        # What it routes by now, of which cluster (zattera deploy waits on it), and where clients reach it.
+        heartbeat.routes_version, cluster = self.served()
+        heartbeat.routes_cluster.CopyFrom(cluster)
+        heartbeat.http_port, heartbeat.https_port = self.public_ports()
         if self.sample_sources:
             merged = merge_samples(heartbeat.envs, *[await source() for source in self.sample_sources])
             heartbeat.ClearField("envs")
@@ -394,10 +420,29 @@ class Proxy:
             if choice.entry is None or choice.endpoint is None:
                 return error_response(404, "no route for host")
             route, endpoint = choice.entry.route, choice.endpoint
-        return await self._forward(request, route, endpoint, body_cap, pin_cookie)
+        return await self._forward(request, route, endpoint, body_cap, pin_cookie, host=host, path=path)
+
+    def _choose_unrefused(self, host: str, path: str, refused: dict[str, int]) -> Choice | None:
+        """:meth:`_choose` among the endpoints that have not refused this request, or that a snapshot newer
+        than the one they refused it under lists again."""
+        entry = self.table.match(host, path)
+        if entry is None:
+            return Choice(None)
+        version = self.table.version
+        endpoints = [e for e in entry.route.endpoints if version > refused.get(e.addr, -1)]
+        endpoint = self.balancer.pick(endpoints, entry.route.max_concurrency)
+        return Choice(entry, endpoint) if endpoint is not None else None
 
     async def _forward(
-        self, request: web.BaseRequest, route: cpb.HTTPRoute, endpoint: cpb.Endpoint, body_cap: int, pin_cookie: bool
+        self,
+        request: web.BaseRequest,
+        route: cpb.HTTPRoute,
+        endpoint: cpb.Endpoint,
+        body_cap: int,
+        pin_cookie: bool,
+        *,
+        host: str,
+        path: str,
     ) -> web.StreamResponse:
         env_id, addr = route.environment_id, endpoint.addr
         checked = route.HasField("middleware") and bool(route_users(route.middleware))
@@ -409,6 +454,9 @@ class Proxy:
         try:
             target = request.raw_path if request.raw_path.startswith("/") else request.rel_url.raw_path_qs
             tried = {addr}
+            refused: dict[str, int] = {}
+            """Address → the route table version under which it refused this request."""
+            hold_until: float | None = None
             while True:
                 body: object = None
                 if request.body_exists:
@@ -426,9 +474,34 @@ class Proxy:
                     break
                 except aiohttp.ClientConnectorError as exc:
                     # Not connected, so nothing (body included) was sent: another endpoint may take it.
+                    refused[addr] = self.table.version
                     retry = self.balancer.pick(
                         [e for e in route.endpoints if e.addr not in tried], route.max_concurrency
                     )
+                    if retry is None and route.scale_to_zero:
+                        log.debug("upstream %s refused, no other endpoint: holding (cold in fact): %r", addr, exc)
+                        self.balancer.release(addr)
+                        loop = asyncio.get_running_loop()
+                        hold_until = hold_until or loop.time() + self.holds.hold_timeout
+                        try:
+                            choice = await self.holds.hold(
+                                env_id,
+                                request.content_length,
+                                lambda: self._choose_unrefused(host, path, refused),
+                                timeout=hold_until - loop.time(),
+                            )
+                        except HoldRejected as rejected:
+                            self.balancer.acquire(addr)  # released again on the way out
+                            headers = {"Retry-After": rejected.retry_after} if rejected.retry_after else None
+                            return error_response(rejected.status, rejected.message, headers)
+                        if choice.entry is None or choice.endpoint is None:
+                            self.balancer.acquire(addr)
+                            return error_response(404, "no route for host")
+                        route, retry = choice.entry.route, choice.endpoint
+                        endpoint, addr = retry, retry.addr
+                        self.balancer.acquire(addr)
+                        tried.add(addr)
+                        continue
                     if retry is None:
                         log.debug("upstream %s refused, no other endpoint: %r", addr, exc)
                         return error_response(502, "upstream error")

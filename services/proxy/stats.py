@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.clock import stamp, to_timestamp
+from shared.version import VERSION
 
 LATENCY_WINDOW = 512
 SERVER_ERROR = 500
@@ -106,4 +107,6 @@ class ProxyStats:
         self, proxy_id: str, node_id: str, held: Mapping[str, int], routed_envs: Collection[str]
     ) -> cpb.ProxyHeartbeat:
         envs = self.sample(held, routed_envs)
-        return cpb.ProxyHeartbeat(time=to_timestamp(self._now()), proxy_id=proxy_id, node_id=node_id, envs=envs)
+        return cpb.ProxyHeartbeat(
+            time=to_timestamp(self._now()), proxy_id=proxy_id, node_id=node_id, envs=envs, version=VERSION
+        )

@@ -2,7 +2,8 @@
 
 Construction follows the reference rule by rule (routes-snapshots.md A1.2–A1.10): per environment
 (sorted by id) whose app exists, one HTTP route per explicit domain of the env's project attached to
-it (domain id order), then the implicit ``<app>-<env>.<domain>`` route; L4 routes for ports with a
+it (domain id order), then the implicit ``<app>-<env>.<domain>`` route — only towards an HTTP port: an env
+whose ports are all TCP/UDP gets no HTTP route (nor a certificate); L4 routes for ports with a
 public port; an internal service when the env holds a VIP; endpoints are the active release's RUN
 replicas observed HEALTHY with a bound mesh port on a node that is present and not DOWN/DRAINED.
 
@@ -11,8 +12,9 @@ Incremental: the snapshot is kept as per-environment fragments, each already in 
 and the snapshot bytes are their concatenation. Protobuf's wire format makes this exact: a message's
 deterministic encoding is its fields in number order, a repeated field being its elements' encodings
 back to back, so ``version`` + every env's ``http_routes`` + every env's ``l4_routes`` + every env's
-``internal_services`` + ``cert_hosts`` is byte for byte ``SerializeToString(deterministic=True)`` of
-the whole snapshot. A change rebuilds only the environments whose inputs it touches:
+``internal_services`` + ``cert_hosts`` + ``cluster`` + ``control_version`` is byte for byte
+``SerializeToString(deterministic=True)`` of the whole snapshot. A change rebuilds only the environments
+whose inputs it touches:
 
 * env, vip → that env;  app, project → the envs of that app / project;
 * domain → the env it is attached to now and the one it was attached to before;
@@ -48,6 +50,7 @@ from services.routes.wire import (
 from shared import keys as K
 from shared.state.changes import Change
 from shared.state.reader import StateReader
+from shared.version import VERSION
 
 RELEVANT_KINDS = frozenset({K.ENV, K.APP, K.PROJECT, K.DOMAIN, K.ASSIGNMENT, K.OBSERVED, K.NODE, K.VIP})
 """Every kind the snapshot reads; the snapshot version is the newest revision among them."""
@@ -62,13 +65,18 @@ _HTTP_PROTOCOLS = frozenset({pb.PROTOCOL_HTTP, pb.PROTOCOL_UNSPECIFIED})
 
 
 def http_port_name(spec: pb.ServiceSpec) -> str:
-    """First HTTP (or unspecified) port; else the first port whatever its protocol; else ``"http"``."""
+    """First HTTP (or unspecified) port; ``"http"`` when the spec declares no port; "" when it declares only
+    TCP/UDP ports: such an env gets no HTTP route (the reference took its first port: a raw TCP service then
+    got an implicit hostname, a certificate and 502s)."""
     for port in spec.ports:
         if port.protocol in _HTTP_PROTOCOLS:
             return port.name
-    if spec.ports:
-        return spec.ports[0].name
-    return DEFAULT_HTTP_PORT
+    return "" if spec.ports else DEFAULT_HTTP_PORT
+
+
+def routes_http(spec: pb.ServiceSpec, port_name: str) -> bool:
+    """Whether an HTTP route may send traffic to ``port_name``: not "" and not a declared TCP/UDP port."""
+    return bool(port_name) and not any(p.name == port_name and p.protocol not in _HTTP_PROTOCOLS for p in spec.ports)
 
 
 def implicit_hostname(app_name: str, env_name: str, domain: str) -> str:
@@ -251,10 +259,10 @@ def build_env_routes(view: StateReader, env: pb.Environment, domain: str, hosts:
     # middleware, when it has one, replaces it for that domain.
     env_middleware = env.middleware if env.HasField("middleware") else None
     for dom in view.domains(env_id):
-        if dom.project_id == project_id:
+        if dom.project_id == project_id and routes_http(spec, dom.port_name or http_port):
             middleware = dom.middleware if dom.HasField("middleware") else env_middleware
             add_http_route(dom.hostname, dom.path_prefix, middleware, dom.port_name or http_port)
-    if domain:
+    if domain and http_port:
         add_http_route(implicit_hostname(app_name, env_name, domain), "", env_middleware, http_port)
 
     l4 = [
@@ -312,11 +320,26 @@ class RouteBuilder:
     :attr:`revision` the state revision it reflects.
     """
 
-    def __init__(self, view: StateReader, *, domain: str) -> None:
+    def __init__(self, view: StateReader, *, domain: str, cluster: cpb.ClusterIdentity | None = None) -> None:
         self.view = view
         self.domain = domain
         self.envs_rebuilt = 0
+        self.cluster = cluster if cluster is not None else cpb.ClusterIdentity()
         self._reset()
+
+    @property
+    def cluster(self) -> cpb.ClusterIdentity:
+        """The cluster the snapshot names (``RouteSnapshot.cluster``, after ``cert_hosts``: in the content's tail)."""
+        return cpb.RouteSnapshot.FromString(self._tail).cluster
+
+    @cluster.setter
+    def cluster(self, identity: cpb.ClusterIdentity) -> None:
+        # The last fields, in number order: cluster (330), then the routes leader's version (440).
+        snapshot = cpb.RouteSnapshot(control_version=VERSION)
+        if identity.ByteSize():  # unnamed (tests, a bare builder): the field is left out
+            snapshot.cluster.CopyFrom(identity)
+        self._tail = snapshot.SerializeToString(deterministic=True)
+        self._content: bytes | None = None
 
     def _reset(self) -> None:
         self._routes: dict[str, EnvRoutes] = {}
@@ -329,7 +352,7 @@ class RouteBuilder:
         self._host_refs: dict[str, int] = {}  # hostname -> number of routes carrying it
         self._cert_hosts: list[str] = []  # the keys of _host_refs, sorted
         self._cert_hosts_bytes: bytes | None = None
-        self._content: bytes | None = None
+        self._content = None
         # Dependency indexes: which envs a change of a given object affects.
         self._env_inputs: dict[str, tuple[str, str]] = {}  # env -> (app_id, project_id)
         self._envs_by_app: dict[str, set[str]] = defaultdict(set)
@@ -353,7 +376,7 @@ class RouteBuilder:
                     deterministic=True
                 )
             sections = (self._http_parts, self._l4_parts, self._internal_parts)
-            self._content = b"".join([*(b"".join(parts) for parts in sections), self._cert_hosts_bytes])
+            self._content = b"".join([*(b"".join(parts) for parts in sections), self._cert_hosts_bytes, self._tail])
         return self._content
 
     def snapshot(self, version: int | None = None) -> cpb.RouteSnapshot:

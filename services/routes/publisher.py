@@ -16,7 +16,11 @@
   message only), plus a keep-alive of the same bytes every :data:`KEEPALIVE` seconds of the injected clock.
   Encoding, compression and chunking: :mod:`shared.routeclient`.
 * **Serve** ``zattera.routes.get`` in queue group :data:`QUEUE_GROUP`, once the replica has a snapshot
-  (the reference served an empty version-0 snapshot before its first build, D-A2).
+  (the reference served an empty version-0 snapshot before its first build, D-A2); "unchanged" only when
+  the requester's version and cluster are this replica's.
+* **Cluster**: every snapshot names the cluster it was built from (``RouteSnapshot.cluster``, read from the
+  state stream at start): a proxy compares versions only between snapshots of one cluster. A snapshot
+  found in the stream that predates the state stream (a stream created anew) is not taken as published.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from google.protobuf.message import DecodeError
 from nats.aio.msg import Msg
@@ -35,7 +40,15 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.routes.builder import RELEVANT_KINDS, RouteBuilder, encode_snapshot
 from shared.clock import Clock, ticker
-from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, ROUTES_STREAM, Connection, is_direct_request
+from shared.natsio import (
+    ROUTES_GET_SUBJECT,
+    ROUTES_SNAPSHOT_SUBJECT,
+    ROUTES_STREAM,
+    ClusterIdentity,
+    Connection,
+    cluster_identity,
+    is_direct_request,
+)
 from shared.routeclient import (
     COMPRESS_ABOVE,
     DIGEST_HEADER,
@@ -44,7 +57,9 @@ from shared.routeclient import (
     WireMessage,
     content_digest,
     encode_messages,
+    identity_message,
     message_version,
+    same_cluster,
 )
 from shared.state.changes import Change, ChangeFeed
 from shared.state.feed import StateView
@@ -127,7 +142,9 @@ class RoutesPublisher:
     async def run(self) -> None:
         nc = self.conn.nc
         await self.view.wait_fresh()
-        await self._learn_published()
+        identity = await cluster_identity(self.conn.js)
+        self.builder.cluster = identity_message(identity)
+        await self._learn_published(identity)
         peers = await nc.subscribe(ROUTES_SNAPSHOT_SUBJECT, cb=self._on_published)
         feed = self.view.subscribe(RELEVANT_KINDS)
         responder: Subscription | None = None
@@ -219,11 +236,16 @@ class RoutesPublisher:
 
     # ------------------------------------------------------------------ what others published
 
-    async def _learn_published(self) -> None:
+    async def _learn_published(self, identity: ClusterIdentity) -> None:
         try:
             last = await self.conn.js.get_last_msg(ROUTES_STREAM, ROUTES_SNAPSHOT_SUBJECT)
         except JetStreamError:
             return  # nothing published yet
+        if last.time is not None and identity.epoch and last.time < datetime.fromisoformat(identity.epoch):
+            # Published before this state stream existed: another life of the cluster, whose versions say
+            # nothing about this one's (module docstring).
+            log.info("routes: the last published snapshot predates the state stream (%s); ignored", identity.epoch)
+            return
         self._note_published(last.headers)
 
     async def _on_published(self, msg: Msg) -> None:
@@ -252,7 +274,8 @@ class RoutesPublisher:
             _bad_requests.add(1)
             log.warning("routes.get: undecodable request; answering with the snapshot")
         try:
-            if request.have_version == current.version:
+            same = not request.HasField("have_cluster") or same_cluster(request.have_cluster, self.builder.cluster)
+            if request.have_version == current.version and same:
                 await self.conn.nc.publish(msg.reply, b"", headers={UNCHANGED_HEADER: "true"})
                 return
             for message in current.messages(self.max_message_bytes, self.compress_above):

@@ -31,7 +31,7 @@ from shared.actions.names import env_path, resolve_app, resolve_env, resolve_pro
 from shared.actions.refusals import NotFound
 from shared.clock import stamp
 from shared.deployments import is_terminal
-from shared.events import make_event
+from shared.events import ENV_DELETED, PATH_FIELD, make_event
 from shared.retry import Attempt
 from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
@@ -78,6 +78,8 @@ class Deletion:
     volumes: list[pb.Volume] = field(default_factory=list)
     snapshots: list[pb.VolumeSnapshot] = field(default_factory=list)
     kept_volumes: list[pb.Volume] = field(default_factory=list)
+    paths: dict[str, str] = field(default_factory=dict)
+    """env id → ``project/app/env`` as the view names it when the deletion is decided (its event keeps it)."""
 
     @property
     def empty(self) -> bool:
@@ -121,6 +123,9 @@ def plan_deletion(
         key=lambda e: e.meta.id,
     )
     env_ids = {e.meta.id for e in plan.envs}
+    for e in plan.envs:
+        project, app = view.project(e.project_id), view.app(e.app_id)
+        plan.paths[e.meta.id] = f"{project.name if project else '?'}/{app.name if app else '?'}/{e.name}"
     for env_id in sorted(env_ids):
         plan.domains.extend(view.domains(env_id))
         plan.stops.extend(_stopped(a, now) for a in view.assignments(env_id) if a.desired == pb.ASSIGNMENT_DESIRED_RUN)
@@ -198,12 +203,12 @@ def deletion_events(plan: Deletion, actor: str) -> list[pb.Event]:
             message += f", {len(env_kept)} volume(s) kept"
         events.append(
             make_event(
-                "env.deleted",
+                ENV_DELETED,
                 message,
                 project_id=e.project_id,
                 app_id=e.app_id,
                 environment_id=e.meta.id,
-                fields={"actor": actor},
+                fields={"actor": actor, PATH_FIELD: plan.paths.get(e.meta.id, e.name)},
             )
         )
     return events

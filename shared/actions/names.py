@@ -68,3 +68,9 @@ def env_label(view: StateReader, env_id: str) -> str:
     """``project/app/env`` of an environment id; the id itself when the environment is gone."""
     env = view.env(env_id)
     return env_path(view, env) if env is not None else env_id
+
+
+def release_label(view: StateReader, release_id: str) -> str:
+    """``v3``, as operators see releases everywhere; the id itself when the release is gone ("-" for none)."""
+    release = view.release(release_id) if release_id else None
+    return f"v{release.version}" if release is not None else release_id or "-"

@@ -1,4 +1,5 @@
-"""What ``zattera up --secure`` prepares in ``<data_dir>/security`` (idempotent: a restart reuses it all)."""
+"""What ``zattera up --secure`` prepares in ``<data_dir>/control/security`` (idempotent: a restart reuses it
+all)."""
 
 from __future__ import annotations
 
@@ -59,21 +60,18 @@ class SecureSetup:
         return RouteSecurity(ROUTE_USER, secret, authorization + (self.tls.route_config() if self.tls else ""))
 
     def creds(self, role: Role, name: str) -> Path:
-        """A credentials file for ``name`` of ``role`` (kept when it exists: a restart keeps identities)."""
-        path = self.directory / "creds" / f"{role}-{name}.creds"
+        """A credentials file for ``name`` of ``role`` under ``creds/`` (kept when it exists: a restart keeps
+        identities)."""
+        return self.issue(role, name, self.directory / "creds" / f"{role}-{name}.creds")
+
+    def issue(self, role: Role, name: str, path: Path) -> Path:
+        """A credentials file for ``name`` of ``role`` at ``path`` (the local node's go to its own directory,
+        outside the control plane's); kept when it exists and names the role's current account."""
         issuer = RoleIssuer.load(self.directory, role)
         if not path.exists() or _issuer_account(path) != issuer.account_public_key:
             # New, or issued in the account the role lived in before the role accounts: issue it again.
             write_private(path, issuer.creds(name))
         return path
-
-    def local_node_creds(self, node_id: str) -> dict[str, str]:
-        """The credentials of the node ``zattera up --secure`` runs itself: its agent (a builder: the local
-        node serves builds) and its proxy (proxy id = node id), each with its own role, never control."""
-        return {
-            "agent": str(self.creds(Role.BUILDER, node_id)),
-            "proxy": str(self.creds(Role.PROXY, node_id)),
-        }
 
     def sentinel_jwt(self) -> str:
         return (self.directory / SENTINEL_FILE).read_text().strip()

@@ -41,6 +41,11 @@ class ViewRefused(ZatteraError):
     """The view service said no (the caller is not an agent) or nobody answered."""
 
 
+class ViewUnavailable(ViewRefused):
+    """Nobody answered ``zattera.view.open``: the control plane does not serve it (yet: ``zattera up`` starts
+    the control plane and the local node together). Waiting for it is the caller's choice, not a failure."""
+
+
 def node_view_filters(node_id: str) -> list[str]:
     """The subjects of ``view-<node>``: the agent role's state reads with its node id."""
     return [pattern.replace(NAME, node_id) for pattern in AGENT_STATE_READS.values()]
@@ -111,16 +116,16 @@ async def _opened(conn: Connection, node_id: str) -> dict[str, str]:
 async def request_view(conn: Connection, node_id: str, *, secured: bool = True, timeout: float = 5.0) -> str:
     """Ask control for this agent's view consumer (``node_id`` counts only on an open cluster: a secured one
     takes the caller's credential). Unanswered on an open cluster (no join service), the agent creates it
-    itself. Raises :class:`ViewRefused` on a refusal or no answer."""
+    itself. Raises :class:`ViewRefused` on a refusal, :class:`ViewUnavailable` when nobody answers."""
     body = json.dumps({"node": node_id}).encode()
     try:
         msg = await conn.nc.request(VIEW_OPEN_SUBJECT, body, timeout=timeout)
     except nats.errors.NoRespondersError as exc:
         if not secured:
             return await open_view_consumer(conn, node_id)
-        raise ViewRefused(f"no view service answered on {VIEW_OPEN_SUBJECT} (the join service serves it)") from exc
+        raise ViewUnavailable(f"no view service answered on {VIEW_OPEN_SUBJECT} (the join service serves it)") from exc
     except nats.errors.TimeoutError as exc:
-        raise ViewRefused(f"no view service answered on {VIEW_OPEN_SUBJECT} (the join service serves it)") from exc
+        raise ViewUnavailable(f"no view service answered on {VIEW_OPEN_SUBJECT} (the join service serves it)") from exc
     reply = json.loads(msg.data or b"{}")
     if "error" in reply:
         raise ViewRefused(str(reply["error"]))

@@ -88,6 +88,7 @@ class StateView(StateStore):
         super().__init__(name=name)
         self._conn = conn
         self._open_consumer = open_consumer
+        self._listening = False
         self._filters = tuple(filters)
         for pattern in self._filters:
             if not pattern or pattern.startswith(STATE_PREFIX) or ">" in pattern.split(".")[:-1]:
@@ -104,9 +105,12 @@ class StateView(StateStore):
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, timeout: float = 30.0) -> None:
-        """Subscribe and load the whole bucket; returns once the view is in sync."""
-        self._conn.on_disconnect(self._on_disconnect)
-        self._conn.on_reconnect(self._on_reconnect)
+        """Subscribe and load the whole bucket; returns once the view is in sync. May be called again after
+        it raised (e.g. while the consumer it pulls from cannot be opened yet)."""
+        if not self._listening:
+            self._listening = True
+            self._conn.on_disconnect(self._on_disconnect)
+            self._conn.on_reconnect(self._on_reconnect)
         await self._resync()
         await self.wait_fresh(timeout)
 

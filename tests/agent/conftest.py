@@ -34,6 +34,7 @@ FAST: dict[str, object] = {
     "stable_after": 5.0,
     "default_stop_grace": 3.0,
     "startup_probe_interval": 0.05,
+    "min_healthy_time": 0.5,
     "adopted_poll_interval": 0.1,
     "stop_on_exit": True,
 }
@@ -71,13 +72,19 @@ http.server.HTTPServer((os.environ["ZATTERA_BIND_ADDR"], int(os.environ["PORT"])
 
 @pytest.fixture
 def app_dir(tmp_path: Path) -> Path:
+    """The app's directory; writable by every user: sandboxed, the app runs as its environment's user and
+    writes its SIGTERM marker there (a ``process://`` image's directory is bound as it is)."""
     directory = tmp_path / "app"
     directory.mkdir()
+    directory.chmod(0o777)
     (directory / "app.py").write_text(APP)
     return directory
 
 
 def process_ref(directory: Path, command: str) -> str:
+    """A ``process://`` image running ``command`` in ``directory``, which its app may read and write: sandboxed,
+    the app runs as its environment's user, not the test's (pytest's directories are 0700)."""
+    directory.chmod(0o777)
     return f"process://{directory}?cmd={quote(command, safe='')}"
 
 
@@ -131,11 +138,14 @@ StartAgent = Callable[..., Awaitable[RunningAgent]]
 
 
 def _kill_instances_under(root: Path) -> None:
-    """Safety net: no instance outlives its test (instances carry ZATTERA_ASSIGNMENT_ID and run under root)."""
+    """Safety net: no instance outlives its test (instances carry ZATTERA_ASSIGNMENT_ID and run under root;
+    a sandboxed one's processes below its bwrap too, which would outlive bwrap's own death)."""
     for proc in psutil.process_iter(["cwd"]):
         with contextlib.suppress(psutil.Error):
             if (proc.info["cwd"] or "").startswith(str(root)) and "ZATTERA_ASSIGNMENT_ID" in proc.environ():
-                proc.kill()
+                for member in [*proc.children(recursive=True), proc]:
+                    with contextlib.suppress(psutil.Error):
+                        member.kill()
 
 
 @pytest.fixture

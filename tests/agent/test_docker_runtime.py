@@ -29,9 +29,11 @@ from services.agent.docker_runtime import (
 from services.agent.launchers import LaunchPlan
 from services.agent.settings import AgentSettings
 from shared import keys as K
+from shared.ids import new_id
 from shared.live import node_key
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
 from shared.registry import PlatformImage, push_image
+from shared.runtime_note import read_runtime_note
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.agent.conftest import RunningAgent, StartAgent, assignment, release
@@ -279,22 +281,56 @@ async def test_a_daemon_image_runs_read_only_with_an_exec_health_check_inside_th
     assert f"hello from {a.meta.id}" in await http_get(port)
 
 
-async def test_the_runtime_is_docker_only_when_a_daemon_with_the_base_image_answers(
-    docker_host: str, tmp_path: Path
-) -> None:
+async def test_the_runtime_is_docker_whenever_a_daemon_answers_and_says_why(docker_host: str, tmp_path: Path) -> None:
     missing = f"unix://{tmp_path}/no.sock"
 
-    async def chosen(**settings: object) -> str:
-        launcher = await choose_launcher(AgentSettings(node_id="x", **settings))  # type: ignore[arg-type]
-        await launcher.close()
-        return launcher.name
+    async def chosen(**settings: object) -> tuple[str, str]:
+        choice = await choose_launcher(AgentSettings(node_id="x", **settings))  # type: ignore[arg-type]
+        await choice.launcher.close()
+        return choice.launcher.name, choice.reason
 
-    assert await chosen(runtime="", docker_host=docker_host) == "docker"
-    assert await chosen(runtime="", docker_host=docker_host, docker_base_image="zattera/none:1") == "process"
-    assert await chosen(runtime="", docker_host=missing) == "process"
-    assert await chosen(runtime="process", docker_host=docker_host) == "process"
+    assert await chosen(runtime="", docker_host=docker_host) == (
+        "docker",
+        f"a Docker daemon answers at {docker_host} (base image zattera/base:latest present)",
+    )
+    assert await chosen(runtime="", docker_host=missing) == (
+        "process",
+        f"no Docker daemon answers at {missing}: apps run as bare processes, without isolation or limits",
+    )
+    assert await chosen(runtime="process", docker_host=docker_host) == (
+        "process",
+        "chosen by --runtime process (ZATTERA_AGENT_RUNTIME)",
+    )
     with pytest.raises(DockerUnavailable, match=f"runtime docker: no Docker daemon answers at {missing}"):
         await chosen(runtime="docker", docker_host=missing)
+
+
+async def test_a_daemon_without_the_base_image_gets_one_made_by_the_agent_and_runs_on_it(
+    start_agent: StartAgent, docker_host: str, view: StateView, writer: Writer
+) -> None:
+    """The daemon holds no base image (nothing but the test suite ever made one): the agent makes it from the
+    node's shell and busybox and uses the docker runtime (it fell back to bare processes, silently)."""
+    base = f"zattera/base-made:{new_id().lower()}"
+    docker = aiodocker.Docker(url=docker_host)
+    try:
+        agent = await start_agent("d1", runtime="", docker_host=docker_host, docker_base_image=base)
+        await eventually(lambda: (n := view.node("d1")) is not None and n.runtime == "docker", what="docker runtime")
+        node = view.node("d1")
+        assert node is not None
+        assert node.runtime_reason == f"a Docker daemon answers at {docker_host} (base image {base} made by this agent)"
+        assert (await docker.images.inspect(base))["Id"]
+        rel = docker_release(SERVE)  # busybox's mkdir, echo and httpd, on the base image the agent made
+        a = assignment("d1", rel)
+        await seed(writer, rel, a)
+        await eventually(lambda: state_of(view, "d1", a.meta.id) == HEALTHY, what="HEALTHY", timeout=60)
+        port = view.observed("d1", a.meta.id).mesh_port_bindings["http"]  # type: ignore[union-attr]
+        assert f"hello from {a.meta.id}" in await http_get(port)
+        note = read_runtime_note(agent.agent.data_dir)
+        assert note is not None and (note.runtime, note.reason) == ("docker", node.runtime_reason)
+        await set_desired(writer, view, a, pb.ASSIGNMENT_DESIRED_STOP)
+        await eventually(lambda: state_of(view, "d1", a.meta.id) == STOPPED, what="stopped", timeout=30)
+    finally:
+        await docker.close()
 
 
 async def test_a_bridged_instance_has_its_own_network_and_is_published_at_its_port(
@@ -346,14 +382,18 @@ def test_a_bridged_container_listens_everywhere_inside_and_is_published_at_the_b
 async def test_auto_networking_bridges_only_off_loopback(docker_host: str) -> None:
     """``auto`` keeps the host network for a loopback mesh address (a bridged instance could not reach the
     node's loopback services) and bridges otherwise, on a daemon that makes bridge networks."""
-    on_loopback = await choose_launcher(
-        AgentSettings(node_id="a1", runtime="docker", docker_host=docker_host, docker_network="auto")
-    )
-    meshed = await choose_launcher(
-        AgentSettings(
-            node_id="a2", runtime="docker", docker_host=docker_host, docker_network="auto", mesh_ip="10.0.0.5"
+    on_loopback = (
+        await choose_launcher(
+            AgentSettings(node_id="a1", runtime="docker", docker_host=docker_host, docker_network="auto")
         )
-    )
+    ).launcher
+    meshed = (
+        await choose_launcher(
+            AgentSettings(
+                node_id="a2", runtime="docker", docker_host=docker_host, docker_network="auto", mesh_ip="10.0.0.5"
+            )
+        )
+    ).launcher
     try:
         assert isinstance(on_loopback, DockerLauncher) and on_loopback.network == "host"
         assert isinstance(meshed, DockerLauncher) and meshed.network == "zattera"

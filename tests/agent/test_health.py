@@ -8,9 +8,10 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
 from zattera.v1 import types_pb2 as pb
 
-from services.agent.health import EXEC, HTTP, TCP, HealthMonitor, Probe, probe_for
+from services.agent.health import ALIVE, EXEC, HTTP, TCP, HealthMonitor, Probe, min_healthy_time, probe_for
 from shared.clock import Clock, FakeClock, RealClock
 from tests.waiting import eventually
 
@@ -20,7 +21,7 @@ UNHEALTHY = pb.INSTANCE_STATE_UNHEALTHY
 
 def test_probe_follows_the_spec_and_its_defaults() -> None:
     spec = pb.ServiceSpec()
-    assert probe_for(spec, {"http": 8000}) is None, "no healthcheck: nothing to probe"
+    assert probe_for(spec, {"http": 8000}, min_healthy=3.0) == Probe(kind=ALIVE, min_healthy=3.0), "no port: none"
 
     spec.ports.add(name="db", container_port=5432, protocol=pb.PROTOCOL_TCP)
     spec.ports.add(name="web", container_port=80, protocol=pb.PROTOCOL_HTTP)
@@ -30,6 +31,34 @@ def test_probe_follows_the_spec_and_its_defaults() -> None:
 
     spec.healthcheck.port = 0
     assert probe_for(spec, {"db": 7001, "web": 7002}) == Probe(kind=TCP, port=7001)
+
+
+@pytest.mark.parametrize(
+    ("ports", "expected"),
+    [
+        ([("http", pb.PROTOCOL_HTTP)], Probe(kind=TCP, port=7001, min_healthy=2.0)),
+        ([("db", pb.PROTOCOL_TCP), ("web", pb.PROTOCOL_UNSPECIFIED)], Probe(kind=TCP, port=7002, min_healthy=2.0)),
+        ([("db", pb.PROTOCOL_TCP)], Probe(kind=ALIVE, min_healthy=2.0)),  # no HTTP port: running is the check
+        ([], Probe(kind=ALIVE, min_healthy=2.0)),  # ports = [] (a worker)
+    ],
+)
+def test_without_a_declared_check_an_http_port_is_probed_with_tcp(
+    ports: list[tuple[str, int]], expected: Probe
+) -> None:
+    spec = pb.ServiceSpec()
+    for name, protocol in ports:
+        spec.ports.add(name=name, protocol=protocol)  # type: ignore[arg-type]
+    host_ports = {"http": 7001} if ports[:1] == [("http", pb.PROTOCOL_HTTP)] else {"db": 7001, "web": 7002}
+    assert probe_for(spec, host_ports, min_healthy=2.0) == expected
+
+
+def test_the_minimum_healthy_time_is_the_specs_else_the_default() -> None:
+    spec = pb.ServiceSpec()
+    assert min_healthy_time(spec, 3.0) == 3.0
+    spec.min_healthy_time.FromSeconds(0)  # set to zero: at once, not the default
+    assert min_healthy_time(spec, 3.0) == 0.0
+    spec.min_healthy_time.FromMilliseconds(10_500)
+    assert min_healthy_time(spec, 3.0) == 10.5
 
 
 @contextlib.asynccontextmanager
@@ -92,3 +121,35 @@ async def test_tcp_probe_passes_once_the_port_listens(tmp_path: Path) -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_process_without_a_check_is_healthy_only_after_the_minimum_time(tmp_path: Path) -> None:
+    clock = FakeClock()
+    async with monitoring(Probe(kind=ALIVE, min_healthy=3.0), tmp_path, clock) as states:
+        await eventually(lambda: clock.sleepers == 1, what="waiting out the minimum")
+        await clock.advance(2.9)
+        await asyncio.sleep(0.05)
+        assert states == []
+        await clock.advance(0.1)
+        await eventually(lambda: states == [HEALTHY], what="HEALTHY at 3 s")
+
+
+async def test_an_implicit_tcp_probe_waits_for_the_port_and_the_minimum_time(tmp_path: Path) -> None:
+    clock = FakeClock()
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+    probe = Probe(kind=TCP, port=port, timeout=1.0, min_healthy=2.0)
+    async with monitoring(probe, tmp_path, clock) as states:
+        await eventually(lambda: clock.sleepers == 1, what="the first probe (refused)")
+        await clock.advance(5.0)  # past the minimum, still not listening
+        await eventually(lambda: clock.sleepers == 1, what="another refused probe")
+        assert states == []
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
+        try:
+            await clock.advance(0.02)
+            await eventually(lambda: states == [HEALTHY], what="HEALTHY once it listens")
+        finally:
+            server.close()
+            await server.wait_closed()

@@ -39,7 +39,7 @@ async def cluster(
     conn: Connection, view: StateView, writer: Writer, start_agent: StartAgent, tmp_path: Path
 ) -> AsyncIterator[pb.Environment]:
     """Env E1 with an active release, a real agent on n1, and the jobs loop leading."""
-    rel = release(process_ref(tmp_path, f"{sys.executable} -c pass"), healthcheck=False)
+    rel = release(process_ref(workdir(tmp_path), f"{sys.executable} -c pass"), healthcheck=False)
     env = make_env("E1", project_id="P1", app_id="A1", min_replicas=0, active_release_id=rel.meta.id)
     await writer.commit(writer.txn().put(env).put(rel))
     await create_or_update_stream(conn.js, app_logs_stream_config("E1", LogLimits(1 << 24, 3600.0), 1))
@@ -52,6 +52,13 @@ async def cluster(
     finally:
         leading.cancel()
         await asyncio.gather(leading, return_exceptions=True)
+
+
+def workdir(tmp_path: Path) -> Path:
+    """The jobs' ``process://`` directory, writable by the env's user they run as when sandboxed."""
+    directory = tmp_path / "work"
+    directory.mkdir(exist_ok=True)
+    return directory
 
 
 def job_of(view: StateView, job_id: str) -> pb.Job:
@@ -117,9 +124,9 @@ async def test_an_ended_job_is_not_run_again_by_a_restarted_agent(
     start_agent: StartAgent, view: StateView, writer: Writer, tmp_path: Path
 ) -> None:
     """No jobs loop here: the ended job's assignment stays, as when the control plane is down."""
-    rel = release(process_ref(tmp_path, f"{sys.executable} -c pass"), healthcheck=False)
+    rel = release(process_ref(workdir(tmp_path), f"{sys.executable} -c pass"), healthcheck=False)
     a = assignment("n1", rel)
-    a.job_id, a.job_command = "J1", f"echo ran >> {tmp_path / 'runs'}"
+    a.job_id, a.job_command = "J1", f"echo ran >> {workdir(tmp_path) / 'runs'}"
     await writer.commit(writer.txn().put(rel).put(a))
     data_dir = tmp_path / "agent-n1"
     first = await start_agent("n1", data_dir=data_dir)
@@ -139,4 +146,4 @@ async def test_an_ended_job_is_not_run_again_by_a_restarted_agent(
         return supervisor is not None and supervisor.parked
 
     await eventually(parked, timeout=TIMEOUT, what="the restarted agent parked the ended job")
-    assert (tmp_path / "runs").read_text() == "ran\n"
+    assert (workdir(tmp_path) / "runs").read_text() == "ran\n"

@@ -9,7 +9,7 @@ from urllib.parse import quote
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from services.agent.logs import STREAM_FILES, InstanceLogShipper, ShipperSettings, split_lines
+from services.agent.logs import CURSOR_FILE, STREAM_FILES, InstanceLogShipper, ShipperSettings, split_lines
 from services.orchestrator.model import GREEN_FAILED_TO_START, failed_instance_reason
 from shared.applogs import STDERR, STDOUT, AppLogLine, LogLimits, app_logs_stream_config, read_app_logs
 from shared.natsio import Connection, create_or_update_stream
@@ -217,6 +217,40 @@ async def test_shipped_files_are_emptied_before_the_next_start_and_shipping_goes
     assert not await resumed.pump(final=False)
     assert [line.line for line in await read(conn)][-1] == "after an agent restart"
     assert len(await read(conn)) == 3
+
+
+async def test_a_batch_stored_before_the_cursor_was_saved_does_not_hide_the_lines_read_after_it(
+    conn: Connection, tmp_path: Path
+) -> None:
+    """The agent dies after the stream stored a batch and before it saved the cursor. The next run reads
+    again from the old cursor, and further (the app wrote on): that longer batch is new to the stream, not
+    a duplicate of the first (it once was, by message id, and its extra lines were lost)."""
+    await env_stream(conn)
+    out = tmp_path / STREAM_FILES[STDOUT]
+    out.write_bytes(b"".join(b"line %d\n" % i for i in range(10)))
+    first = InstanceLogShipper(
+        conn, tmp_path, environment_id=ENV, instance_id="I1", node_id="n1", settings=ShipperSettings()
+    )
+    assert await first.pump(final=False)
+    (tmp_path / CURSOR_FILE).unlink()  # the crash came before the cursor reached the disk
+    with out.open("ab") as sink:
+        sink.write(b"".join(b"line %d\n" % i for i in range(10, 20)))
+
+    resumed = InstanceLogShipper(
+        conn, tmp_path, environment_id=ENV, instance_id="I1", node_id="n1", settings=ShipperSettings()
+    )
+    while await resumed.pump(final=False):
+        pass
+    shipped = [line.line for line in await read(conn)]
+    assert sorted(set(shipped), key=lambda line: int(line.split()[1])) == [f"line {i}" for i in range(20)]
+
+    assert not await resumed.pump(final=False)
+    (tmp_path / CURSOR_FILE).unlink()
+    again = InstanceLogShipper(
+        conn, tmp_path, environment_id=ENV, instance_id="I1", node_id="n1", settings=ShipperSettings()
+    )
+    assert await again.pump(final=False)  # the very same bytes again: the stream keeps one copy
+    assert len(await read(conn)) == len(shipped)
 
 
 async def test_what_one_read_finds_on_both_streams_reads_stdout_first(conn: Connection, tmp_path: Path) -> None:

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 from typer.testing import CliRunner, Result
 
 from cli.main import app
-from cli.spec import SpecError, validate
+from cli.spec import Env, SpecError, validate
 from tests.badinput.rig import AGENT_NODE, Rig
 
 BASE: dict[str, Any] = {"project": "demo", "app": "hello", "env": {"production": {}}}
@@ -60,6 +61,36 @@ def test_an_out_of_range_spec_value_is_refused_naming_its_field(data: st.DataObj
         assert f"env.production.{path}" in str(exc), str(exc)
     else:
         raise AssertionError(f"{path} = {value!r} was accepted")
+
+
+def boolean_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every boolean field of a spec model and the models it holds (so a new flag is checked too)."""
+    found = []
+    for name, info in model.model_fields.items():
+        kinds = [info.annotation, *get_args(info.annotation)]
+        if bool in kinds:
+            found.append(prefix + name)
+        found += [
+            path
+            for kind in kinds
+            if isinstance(kind, type) and issubclass(kind, BaseModel)
+            for path in boolean_fields(kind, f"{prefix}{name}.")
+        ]
+    return found
+
+
+@pytest.mark.parametrize("path", boolean_fields(Env))
+@pytest.mark.parametrize("value", ["yes", "true", "false", 1, 0])
+def test_a_boolean_is_a_toml_boolean_and_anything_else_is_refused_naming_its_field(path: str, value: Any) -> None:
+    with pytest.raises(SpecError, match=rf"env\.production\.{re.escape(path)}: must be true or false"):
+        validate({**BASE, "env": {"production": nested(path, value)}})
+    assert validate({**BASE, "env": {"production": nested(path, False)}})
+
+
+def test_the_spec_has_the_flags_the_docs_describe() -> None:
+    assert {"scale_to_zero", "stateful", "middleware.sticky_sessions", "middleware.redirect_https"} <= set(
+        boolean_fields(Env)
+    )
 
 
 @settings(max_examples=40, deadline=None)

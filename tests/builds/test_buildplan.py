@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from cli.main import app as cli_app
-from shared.buildplan import PlanError, detect, poetry_requirements, read_source, requirement_names
+from shared.buildplan import PlanError, detect, poetry_requirements, read_source, requirement_names, starts_python
 
 FLASK_APP = "from flask import Flask\n\napp = Flask(__name__)\n"
 FASTAPI_APP = "from fastapi import FastAPI\napi: FastAPI = FastAPI()\n"
@@ -309,3 +310,47 @@ def test_build_plan_command(tmp_path: Path) -> None:
     (tmp_path / "requirements.txt").unlink()
     broken = runner.invoke(cli_app, ["build", "plan", str(tmp_path)])
     assert broken.exit_code == 1 and "package.json: " in broken.output and "Traceback" not in broken.output
+
+
+@pytest.mark.parametrize(
+    ("files", "docker", "refused"),
+    [
+        ({"Dockerfile": "FROM x"}, None, ""),  # `zattera deploy`: the builder may have a Docker daemon
+        ({"Dockerfile": "FROM x"}, True, ""),
+        ({"Dockerfile": "FROM x"}, False, "a Dockerfile build needs a builder with a Docker daemon"),
+        ({"requirements.txt": "flask\n"}, None, "no start command for this python app"),
+        ({"requirements.txt": "flask\n", "Procfile": "web: python app.py\n"}, None, ""),
+        ({"zattera.toml": "[run]\ncommand = 3\n"}, None, "zattera.toml: [run] command must be a string"),
+        ({"zattera.toml": '[build]\ncommand = ["make"]\n'}, None, "zattera.toml: [build] command must be a string"),
+        ({"zattera.toml": "[run\n"}, None, "zattera.toml: "),
+    ],
+)
+def test_check_source_refuses_what_a_build_would_fail_with(
+    files: dict[str, str], docker: bool | None, refused: str
+) -> None:
+    from shared.buildplan import check_source
+
+    if not refused:
+        assert check_source(files, docker=docker)
+        return
+    with pytest.raises(PlanError, match=re.escape(refused)):
+        check_source(files, docker=docker)
+
+
+@pytest.mark.parametrize(
+    ("command", "python"),
+    [
+        ("python3 app.py", True),
+        ("python app.py", True),
+        ("exec python3.11 -m app", True),
+        ("PORT=8000 DEBUG=1 python3 server.py", True),
+        ("gunicorn app:app", False),
+        ("/usr/bin/python3 app.py", False),  # a path of the builder's machine: not the interpreter on PATH
+        ("pythonista run", False),
+        ("node server.js", False),
+        ("", False),
+        ("python3 'unterminated", False),
+    ],
+)
+def test_a_start_command_that_runs_python_is_recognised(command: str, python: bool) -> None:
+    assert starts_python(command) is python

@@ -9,13 +9,15 @@ import stat
 import sys
 from pathlib import Path
 
+from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.secrets.service import SecretsService
 from shared import certs as C
 from shared import keys as K
 from shared.certclient import CACHE_FILE, CertClient
-from shared.natsio import Connection
+from shared.natsio import ROUTES_SNAPSHOT_SUBJECT, Connection
+from shared.routeclient import content_digest, encode_messages
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.certs.conftest import PROJECT_ROOT
@@ -26,7 +28,7 @@ from tests.waiting import eventually
 HOST = "hello-production.localhost"
 
 
-async def start_certs_service(nats_url: str, data_dir: Path) -> asyncio.subprocess.Process:
+async def start_certs_service(nats_url: str, data_dir: Path, **env: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -34,7 +36,13 @@ async def start_certs_service(nats_url: str, data_dir: Path) -> asyncio.subproce
         "--nats",
         nats_url,
         cwd=PROJECT_ROOT,
-        env={**os.environ, "ZATTERA_DATA_DIR": str(data_dir), "ZATTERA_LEASE_TTL": "1", "ZATTERA_LEASE_RENEW": "0.3"},
+        env={
+            **os.environ,
+            "ZATTERA_DATA_DIR": str(data_dir),
+            "ZATTERA_LEASE_TTL": "1",
+            "ZATTERA_LEASE_RENEW": "0.3",
+            **env,
+        },
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
     )
@@ -93,3 +101,55 @@ async def test_the_service_issues_localhost_certificates_from_a_ca_it_makes_once
     again = await start_certs_service(nats_url, data_dir)  # a restart keeps the CA it made
     await stop(again)
     assert (data_dir / "certs" / "local-ca.pem").read_text() == ca_pem
+
+
+async def publish_cert_hosts(conn: Connection, version: int, *hostnames: str) -> None:
+    """A route snapshot that routes ``hostnames`` (as the routes service names them in ``cert_hosts``)."""
+    data = cpb.RouteSnapshot(version=version, cert_hosts=sorted(hostnames)).SerializeToString(deterministic=True)
+    for message in encode_messages(data, version=version, digest=content_digest(data), max_message_bytes=1 << 20):
+        await conn.nc.publish(ROUTES_SNAPSHOT_SUBJECT, message.body, headers=message.headers)
+    await conn.nc.flush()
+
+
+def valid(view: StateView, hostname: str) -> bool:
+    cert = view.get(K.CERT, K.cert_id(hostname))
+    return isinstance(cert, pb.Certificate) and cert.state == C.VALID
+
+
+async def test_a_name_gets_its_certificate_as_soon_as_it_is_routed(
+    nats_url: str, conn: Connection, view: StateView, secrets_service: SecretsService, tmp_path: Path
+) -> None:
+    """An implicit ``<app>-<env>.localhost`` name has no Domain record: only the route snapshot names it. Its
+    certificate used to wait for the loop's tick (15 s; an hour here): the snapshot now wakes the loop."""
+    service = await start_certs_service(nats_url, tmp_path / "control", ZATTERA_LOOP_TICK="3600")
+    try:
+        await eventually(lambda: view.lease("certs") is not None, 30, "the certs loop leading")
+        await publish_cert_hosts(conn, 1, HOST)
+        await eventually(lambda: valid(view, HOST), 20, "the routed name's certificate, long before the tick")
+        await publish_cert_hosts(conn, 2, HOST, "other-production.localhost")
+        await eventually(lambda: valid(view, "other-production.localhost"), 20, "a second routed name's")
+    finally:
+        await stop(service)
+
+
+async def test_a_set_that_arrives_while_the_reader_installs_the_previous_one_is_handed_out_next(
+    nats_url: str, conn: Connection, writer: Writer, view: StateView, secrets_service: SecretsService, tmp_path: Path
+) -> None:
+    """A proxy's reader of certificate sets is busy with one (HAProxy starting on a busy machine) when the next
+    arrives: it must get that one as soon as it asks, not at the next change (the local-CA certificate of a
+    ``*.localhost`` name was once served with the self-signed fallback for over a minute)."""
+    service = await start_certs_service(nats_url, tmp_path / "control")
+    client = CertClient(tmp_path / "proxy" / CACHE_FILE)
+    await client.start(conn)
+    try:
+        updates = client.updates()
+        assert dict(await anext(updates)) == {}  # the reader now installs this (empty) set, slowly
+        domain = pb.Domain(hostname=HOST, environment_id="env-local", project_id="p")
+        domain.meta.id = "d1"
+        await writer.commit(writer.txn().create(domain))
+        await eventually(lambda: client.version == 1, 30, "the issued set fetched and announced meanwhile")
+        newest = await asyncio.wait_for(anext(updates), 5)  # it was a wait for the next change (5 min refresh)
+        assert HOST in newest
+    finally:
+        await client.stop()
+        await stop(service)

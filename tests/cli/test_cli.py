@@ -65,6 +65,8 @@ def test_apps_apply_creates_then_leaves_unchanged(cli, nats_url, tmp_path: Path)
         ('project = "d"\napp = "a"\n[env.p]\nreplicas = { min = 3, max = 2 }\n', "env.p.replicas"),
         ('project = "d"\napp = "a"\n[env.p]\nscale_to_zero = true\nstateful = true\n', "env.p"),
         ('project = "d"\napp = "a"\n[env.p]\nidle_timeout = "soon"\n', "env.p.idle_timeout"),
+        ('project = "d"\napp = "a"\n[env.p]\nmin_healthy_time = "11m"\n', "env.p.min_healthy_time"),
+        ('project = "d"\napp = "a"\n[env.p]\nmin_healthy_time = -1\n', "env.p.min_healthy_time"),
         ('project = "d"\napp = "a"\n[env.p]\nhealthcheck = { type = "exec" }\n', "env.p.healthcheck"),
         ('project = "d"\napp = "a"\n[env.p]\nbogus = 1\n', "env.p.bogus"),
         ('project = "d"\napp = "a"\n', "env"),

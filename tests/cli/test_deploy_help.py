@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 
-USAGE = "Usage: zattera deploy DIR --env E [OPTIONS]"
+USAGE = "Usage: zattera deploy DIR [--env E] [OPTIONS]"
 
 
 def test_help_shows_the_deploy_itself_then_its_subcommands() -> None:

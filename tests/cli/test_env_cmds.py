@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.clock import to_timestamp
+from shared.live import publish_proxy_heartbeat
 from shared.state.feed import StateView
 from tests.cli.rig import state
 from tests.cli.test_cli import VALID
@@ -181,3 +188,33 @@ def test_status_and_ps_say_why_replicas_have_no_node(cli, nats_url, applied):
     why = "demo/hello/production: 2 replicas unplaced — 3 nodes: 2 filtered by arch, 1 by memory"
     assert why in cli("status").stdout
     assert why in cli("ps", "--env", PROD).stdout
+
+
+def test_status_shows_the_urls_that_work_with_the_proxies_ports_and_https_once_certified(cli, nats_url, applied):
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "ZATTERA_DOMAIN": "localhost"}
+    routes = subprocess.Popen(
+        [sys.executable, "-m", "services.routes", "--nats", nats_url], cwd=root, env=env, stderr=subprocess.DEVNULL
+    )
+    try:
+
+        async def proxy_and_certificate(conn, view, writer):
+            beat = cpb.ProxyHeartbeat(proxy_id="edge", http_port=8080, https_port=8443, time=to_timestamp(time.time()))
+            await publish_proxy_heartbeat(conn, beat)
+            issued = pb.Certificate(hostname="hello.example.com", state=pb.CERTIFICATE_STATE_VALID, chain_pem="PEM")
+            issued.not_after.CopyFrom(to_timestamp(time.time() + 86400))
+            issued.meta.id = K.cert_id("hello.example.com")
+            await writer.commit(writer.txn().put(issued))
+
+        state(nats_url, proxy_and_certificate)
+        want = ["http://hello-production.localhost:8080", "https://hello.example.com:8443"]
+        deadline = time.monotonic() + 30
+        while True:
+            rows = {r["env"]: r for r in json.loads(cli("status", "--json").stdout)}
+            if rows[PROD]["urls"] == want or time.monotonic() > deadline:
+                break
+        assert rows[PROD]["urls"] == want
+        assert "https://hello.example.com:8443" in cli("status").stdout
+    finally:
+        routes.terminate()
+        routes.wait(10)

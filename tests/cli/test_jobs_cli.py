@@ -110,16 +110,19 @@ def test_a_bad_cron_entry_writes_nothing(cli, nats_url: str, tmp_path: Path) -> 
 
 
 def test_jobs_list_show_and_cancel(cli, nats_url: str) -> None:
-    env = pb.Environment(project_id="P1", app_id="A1", name="production")
+    env = pb.Environment(project_id="P1", app_id="A1", name="production", active_release_id="01RELEASE3")
     env.meta.id = "E1"
+    release = pb.Release(environment_id="E1", version=3)
+    release.meta.id = "01RELEASE3"
     running = J.one_off_job(env, "python manage.py migrate", now=1_900_000_000)
     running.status, running.node_id, running.assignment_id = J.RUNNING, "n1", "A-1"
     done = J.one_off_job(env, "true", now=1_900_000_100)
     done.cron_name, done.status, done.exit_code_known = "nightly", J.SUCCEEDED, True
+    done.release_id = release.meta.id  # placed on the active release
     done.output_tail.extend(["42 rows"])
 
     async def seed(conn, view, writer) -> None:
-        await writer.commit(writer.txn().put(env).create(running).create(done))
+        await writer.commit(writer.txn().put(env).create(release).create(running).create(done))
 
     state(nats_url, seed)
     listed = json.loads(cli("jobs", "list", "--json").stdout)
@@ -130,6 +133,8 @@ def test_jobs_list_show_and_cancel(cli, nats_url: str) -> None:
     assert table.exit_code == 0 and running.meta.id in table.stdout and "succeeded" in table.stdout
     shown = cli("jobs", "show", done.meta.id)
     assert shown.exit_code == 0 and "42 rows" in shown.stdout
+    [release_row] = [line for line in shown.stdout.splitlines() if " release " in line]
+    assert "v3" in release_row and "01RELEASE3" not in release_row  # named as everywhere else, not by id
     assert json.loads(cli("jobs", "show", done.meta.id, "--json").stdout)["status"] == "JOB_STATUS_SUCCEEDED"
 
     assert cli("jobs", "cancel", running.meta.id).exit_code == 0

@@ -46,3 +46,36 @@ def test_live_only_once_every_reporting_proxy_holds_the_routes_of_the_release(ca
     state = serving(*case, found)
     assert (state.live, state.routes_version) == (live, version)
     assert detail in state.detail
+
+
+THIS = cpb.ClusterIdentity(id="01SECURE", epoch="2025-02-01T00:00:00+00:00")
+EARLIER = cpb.ClusterIdentity(id="01OPEN", epoch="2025-01-01T00:00:00+00:00")
+
+
+def named(snap: cpb.RouteSnapshot, cluster: cpb.ClusterIdentity) -> cpb.RouteSnapshot:
+    snap.cluster.CopyFrom(cluster)
+    return snap
+
+
+def proxy_of(proxy_id: str, version: int, cluster: cpb.ClusterIdentity) -> cpb.ProxyHeartbeat:
+    beat = proxy(proxy_id, version)
+    beat.routes_cluster.CopyFrom(cluster)
+    return beat
+
+
+@pytest.mark.parametrize(
+    ("proxies", "live", "detail"),
+    [
+        # The case: the proxy kept an earlier cluster's routes at a higher version (7725 > 868).
+        ([proxy_of("local", 7725, EARLIER)], False, "local (serving cluster 01OPEN"),
+        ([proxy_of("p1", 868, THIS), proxy_of("p2", 7725, EARLIER)], False, "p2 (serving cluster 01OPEN"),
+        ([proxy_of("local", 868, THIS)], True, "served by 1 proxy(ies) at route version 868"),
+        ([proxy("old", 868)], True, "served by 1"),  # a proxy that names no cluster: its version alone
+    ],
+)
+def test_a_proxy_serving_another_clusters_routes_is_never_counted_live_whatever_its_version(
+    proxies: list[cpb.ProxyHeartbeat], live: bool, detail: str
+) -> None:
+    state = serving(env(), named(snapshot(868), THIS), proxies, 0)
+    assert state.live is live
+    assert detail in state.detail

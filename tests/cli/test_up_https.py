@@ -8,15 +8,15 @@ from types import ModuleType
 import pytest
 from typer.testing import CliRunner
 
-import cli.main
 import cli.security_cmds
 import cli.up
+import cli.up_cmds
 from cli.main import app
 from cli.up import Cluster, https_text
 
 
 def started_cluster(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *flags: str, runs_up: ModuleType = cli.main
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *flags: str, runs_up: ModuleType = cli.up_cmds
 ) -> tuple[int, str, list[Cluster]]:
     """``zattera up FLAGS`` with ``runs_up.run_up`` replaced: the exit code, the output, the cluster it got."""
     started: list[Cluster] = []

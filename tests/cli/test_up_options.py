@@ -10,6 +10,8 @@ from typer.testing import CliRunner
 
 import cli.main
 import cli.security_cmds
+import cli.up_cmds
+from cli.layout import DataLayout
 from cli.main import app
 from cli.up import ALL_IN_ONE_SERVICES, SERVICES, Cluster, Supervised
 from shared.embedded import free_port
@@ -41,7 +43,7 @@ def test_up_gives_each_process_its_own_metrics_port(tmp_path: Path, monkeypatch:
         started.append(cluster)
         return 0
 
-    monkeypatch.setattr(cli.main, "run_up", run_up)
+    monkeypatch.setattr(cli.up_cmds, "run_up", run_up)
     base = free_port()
     result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--metrics-port", str(base)])
     assert result.exit_code == 0, result.output
@@ -62,7 +64,7 @@ def test_up_runs_the_control_plane_in_one_process_unless_separate(tmp_path: Path
 @pytest.mark.parametrize("flag", ["--all-in-one", "--separate"])
 def test_up_flag_chooses_the_control_plane_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
     started: list[Cluster] = []
-    monkeypatch.setattr(cli.main, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    monkeypatch.setattr(cli.up_cmds, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
     result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), flag])
     assert result.exit_code == 0, result.output
     assert started[0].all_in_one is (flag == "--all-in-one")
@@ -90,3 +92,54 @@ def test_up_and_the_all_in_one_process_agree_on_the_services() -> None:
     from cli.control_plane import BUILDS
 
     assert set(BUILDS) == ALL_IN_ONE_SERVICES  # extra processes of these names are not started twice
+
+
+def test_a_data_dir_holding_an_open_cluster_is_not_started_secure_and_the_refusal_says_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from shared.embedded import EmbeddedNats
+    from shared.natsio import connect, provision
+
+    async def init(url: str) -> None:
+        conn = await connect(url, name="t")
+        try:
+            await provision(conn.js)
+        finally:
+            await conn.close()
+
+    server = EmbeddedNats(data_dir=DataLayout(tmp_path).control / "nats").start()  # as `zattera up` keeps it
+    try:
+        asyncio.run(init(server.url))
+    finally:
+        server.stop()
+    started: list[Cluster] = []
+    monkeypatch.setattr(cli.security_cmds, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    monkeypatch.setattr(cli.up_cmds, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    for flag in ("--secure", "--tls"):
+        result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), flag, "--no-node"])
+        assert result.exit_code == 1
+        assert "holds an open cluster" in result.output and "zattera up --secure --data-dir DIR" in result.output
+    assert started == [] and not DataLayout(tmp_path).security.exists()
+    assert CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--no-node"]).exit_code == 0
+    assert len(started) == 1
+
+
+def test_a_data_dir_holding_a_secured_cluster_is_not_started_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[Cluster] = []
+    monkeypatch.setattr(cli.security_cmds, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    monkeypatch.setattr(cli.up_cmds, "run_up", lambda cluster, hint="": started.append(cluster) or 0)
+    assert CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--secure", "--no-node"]).exit_code == 0
+    result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--no-node"])
+    assert result.exit_code == 1 and "start it with `zattera up --secure`" in result.output
+    assert len(started) == 1
+
+
+def test_the_banner_is_not_wrapped_when_not_on_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    creds = "/srv/" + "a-rather-long-data-directory/" * 4 + "security/creds/operator.creds"
+    line = f"  CLI:       export ZATTERA_NATS_CREDS={creds} ZATTERA_NATS_TLS_CA=/srv/security/tls/ca.pem"
+    Cluster(data_dir=tmp_path).console.print(line)
+    assert line in capsys.readouterr().err.splitlines()  # one line, to copy and paste whole

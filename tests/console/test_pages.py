@@ -9,6 +9,7 @@ from services.console import pages
 from shared import keys as K
 from shared.state.feed import StateView
 from shared.txn import Writer
+from shared.urls import Listeners
 from tests import factories
 from tests.console.rig import ENV_ID, seed
 
@@ -30,7 +31,9 @@ async def test_overview_rows_show_urls_replicas_warmth_and_the_last_deploy(view:
     routes.http_routes.add(hostname="shop.example.com", path_prefix="/", environment_id=ENV_ID)
     rows = {row["path"]: row for row in pages.overview(view, routes)}
     production = rows["shop/web/production"]
-    assert production["urls"] == ["http://shop.example.com/"]
+    assert production["urls"] == ["http://shop.example.com/"]  # no proxy reporting: its port is unknown
+    at_proxies = {row["path"]: row for row in pages.overview(view, routes, listeners=Listeners(8080, 8443))}
+    assert at_proxies["shop/web/production"]["urls"] == ["http://shop.example.com:8080/"]  # not certified: HTTP
     assert (production["desired"], production["running"], production["healthy"]) == (2, 1, 1)
     assert production["state"] == "warm" and production["last_deploy"]["phase"] == "starting"
     assert production["last_deploy"]["step"] == 5 and not production["last_deploy"]["done"]

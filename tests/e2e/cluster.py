@@ -38,6 +38,7 @@ import psutil
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from cli.layout import DataLayout
 from cli.up import Cluster, Supervised
 from services.proxy.settings import ROUTES_CACHE_FILE
 from shared.embedded import free_port
@@ -65,6 +66,7 @@ FAST_TIMERS: dict[str, str] = {
     "ZATTERA_AGENT_RECONCILE_TICK": "1",
     "ZATTERA_AGENT_RESTART_BACKOFF": "0.2",
     "ZATTERA_AGENT_DEFAULT_STOP_GRACE": "3",
+    "ZATTERA_AGENT_MIN_HEALTHY_TIME": "1",
     "ZATTERA_PROXY_HEARTBEAT_INTERVAL": "0.5",
     "ZATTERA_PROXY_HOLD_TIMEOUT": "30",
     "ZATTERA_PROXY_SHUTDOWN_GRACE": "1",
@@ -94,7 +96,8 @@ def _ours(proc: psutil.Process, root: str, token: str) -> bool:
 
 
 def kill_tree_under(root: Path, *, also_matching: str = "") -> list[int]:
-    """SIGKILL every process working under ``root`` (or with ``also_matching`` as an argument)."""
+    """SIGKILL every process working under ``root`` (or with ``also_matching`` as an argument), and what runs
+    below it (a sandboxed instance's processes would outlive their bwrap)."""
     killed: list[psutil.Process] = []
     me = os.getpid()
     prefix = str(root.resolve())
@@ -102,8 +105,10 @@ def kill_tree_under(root: Path, *, also_matching: str = "") -> list[int]:
         if proc.info["pid"] == me or not _ours(proc, prefix, also_matching):
             continue
         with contextlib.suppress(psutil.Error):
-            proc.kill()
-            killed.append(proc)
+            for member in [*proc.children(recursive=True), proc]:
+                with contextlib.suppress(psutil.Error):
+                    member.kill()
+                    killed.append(member)
     psutil.wait_procs(killed, timeout=5)
     return [p.pid for p in killed]
 
@@ -140,6 +145,9 @@ class E2ECluster:
     """node -> its agent's ``--mesh-ip`` (unset: none, i.e. 127.0.0.1)."""
     trace: bool = True
     proxy_port: int = 0
+    python_proxy: bool = False
+    """Also run a proxy of the Python engine (``p2``, on ``python_proxy_port``; ``get(..., port=)`` reaches it)."""
+    python_proxy_port: int = 0
     metrics: bool = False
     """Every process serves Prometheus metrics (ports in ``up.metrics_ports``, by process name)."""
     secure: bool = False
@@ -187,7 +195,7 @@ class E2ECluster:
             all_in_one=False,
         )
         if self.secure:
-            self.security = prepare(self.root / "security")
+            self.security = prepare(DataLayout(self.root).security)  # where the join service reads it
             up.nats_extra_config = self.security.server_config()
             up.creds = str(self.security.control_creds)
         up.overrides = self.env()
@@ -195,6 +203,9 @@ class E2ECluster:
         up.start_nats()
         asyncio.run(_provision(up.url, up.creds))
         up.extra = [self._agent(node) for node in self.nodes] + [self._proxy()]
+        if self.python_proxy:
+            self.python_proxy_port = self.python_proxy_port or free_port()
+            up.extra.append(self._proxy("p2", self.python_proxy_port, "--engine", "python"))
         if self.security is not None:
             up.extra.append(Supervised("join", [sys.executable, "-m", "services.join"], self.logs / "join.log", {}))
         up.start_services()
@@ -250,7 +261,8 @@ class E2ECluster:
         """A secured cluster's process of ``role`` gets a credential of its own (never the control one)."""
         return {"ZATTERA_NATS_CREDS": str(self.security.creds(role, name))} if self.security else {}
 
-    def _proxy(self) -> Supervised:
+    def _proxy(self, proxy_id: str = "p1", port: int = 0, *flags: str) -> Supervised:
+        name = "proxy" if proxy_id == "p1" else f"proxy-{proxy_id}"
         argv = [
             sys.executable,
             "-m",
@@ -260,17 +272,18 @@ class E2ECluster:
             "--host",
             "127.0.0.1",
             "--port",
-            str(self.proxy_port),
+            str(port or self.proxy_port),
             "--proxy-id",
-            "p1",
+            proxy_id,
             "--node-id",
             self.nodes[0],
             "--cache-dir",
-            str(self.root / "proxy"),
+            str(self.root / name),
+            *flags,
         ]
         assert self.up is not None
-        argv += self.up.metrics_args("proxy")
-        return Supervised("proxy", argv, self.logs / "proxy.log", self._creds_env(Role.PROXY, "p1"))
+        argv += self.up.metrics_args(name)
+        return Supervised(name, argv, self.logs / f"{name}.log", self._creds_env(Role.PROXY, proxy_id))
 
     def child(self, name: str) -> Supervised:
         assert self.up is not None
@@ -383,16 +396,18 @@ class E2ECluster:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(conn.close(), 10)
 
-    async def get(self, host: str, path: str = "/", timeout: float = 10.0) -> tuple[int, str]:
+    async def get(self, host: str, path: str = "/", timeout: float = 10.0, port: int = 0) -> tuple[int, str]:
+        """One request through the proxy (``port``: another proxy of this cluster, e.g. ``python_proxy_port``)."""
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-            session.get(f"http://127.0.0.1:{self.proxy_port}{path}", headers={"Host": host}) as response,
+            session.get(f"http://127.0.0.1:{port or self.proxy_port}{path}", headers={"Host": host}) as response,
         ):
             return response.status, await response.text()
 
-    def proxy_routes_version(self) -> int:
-        """The route snapshot version the proxy holds (its cache file, written as it accepts a snapshot)."""
-        return load_cached(self.root / "proxy" / ROUTES_CACHE_FILE).version
+    def proxy_routes_version(self, proxy_id: str = "p1") -> int:
+        """The route snapshot version a proxy holds (its cache file, written as it accepts a snapshot)."""
+        name = "proxy" if proxy_id == "p1" else f"proxy-{proxy_id}"
+        return load_cached(self.root / name / ROUTES_CACHE_FILE).version
 
     def spans(self) -> list[dict[str, Any]]:
         if not self.trace_file.exists():

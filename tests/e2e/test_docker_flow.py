@@ -176,3 +176,17 @@ async def test_a_private_registry_image_deploys_with_the_envs_registry_credentia
         await docker.close()
     leaks = [p for p in cluster.root.rglob("*") if p.is_file() and PASSWORD.encode() in p.read_bytes()]
     assert not leaks, leaks
+
+
+async def test_the_hello_example_packed_as_is_runs_in_a_container_on_the_nodes_interpreter(
+    docker_cluster: E2ECluster, tmp_path: Path
+) -> None:
+    """examples/hello has no dependencies (provider none) and starts with ``python3 app.py``: its image runs on
+    the Python base image, not on the busybox-like base (which has no python3), so containers by default
+    keep the README's example working."""
+    src = source(tmp_path, "hello", {}, example="hello")
+    (src / "zattera.toml").write_text((src / "zattera.toml").read_text() + '\n[run]\ncommand = "python3 app.py"\n')
+    output = await deploy(docker_cluster, src)
+    assert "plan: provider none" in output and "the start command runs Python" in output, output
+    assert "live: release" in output, output
+    await served(docker_cluster, "hello.localhost", '"hello": "world"')

@@ -185,7 +185,7 @@ async def test_key_rotation_keeps_apps_running_and_old_ciphertexts_need_the_old_
     assert rotated["resealed"] == len(before) + sealed_elsewhere and len(before) >= 2, rotated
     assert {n: sorted(cluster.instance_pids(n)) for n in cluster.nodes} == pids  # nothing restarted
 
-    keyring = load_keyring(cluster.root / "secrets" / "cluster.key")
+    keyring = load_keyring(cluster.root / "control" / "secrets" / "cluster.key")  # the control plane's data dir
     assert keyring is not None and len(keyring.keys) == 1
     for ciphertext in before.values():
         with pytest.raises(CryptoError):

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,81 +17,13 @@ import aiohttp
 import pytest
 
 from shared.embedded import free_port
-from tests.e2e.cluster import EXAMPLE, ROOT, cli_argv, leftovers, version_of
+from tests.e2e.cluster import EXAMPLE, leftovers, version_of
+from tests.e2e.upcmd import Up
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 ENV = "demo/hello/production"
-
-
-class Up:
-    """One ``zattera up`` run as a subprocess (its own process group, as a terminal would start it)."""
-
-    def __init__(self, data_dir: Path, nats_port: int, proxy_port: int, *, through_tee: bool = False) -> None:
-        """``through_tee``: run as ``zattera up 2>&1 | tee FILE`` in a shell (:meth:`ctrl_c_group`)."""
-        self.data_dir = data_dir
-        self.nats_port = nats_port
-        self.proxy_port = proxy_port
-        self.output = data_dir.parent / f"up-{time.monotonic_ns()}.out"
-        self.env = {
-            **os.environ,
-            "COLUMNS": "200",
-            "PYTHONUNBUFFERED": "1",
-            "OTEL_TRACES_EXPORTER": "none",
-        }
-        for name in [k for k in self.env if k.startswith("ZATTERA_")]:
-            del self.env[name]
-        ports = ["--port", str(nats_port), "--proxy-port", str(proxy_port)]
-        argv = [*cli_argv(), "up", "--data-dir", str(data_dir), *ports]
-        if through_tee:
-            argv = ["/bin/sh", "-c", f"{shlex.join(argv)} 2>&1 | tee {shlex.quote(str(self.output))}"]
-        with open(self.output, "wb") as sink:
-            self.proc = subprocess.Popen(
-                argv,
-                cwd=ROOT,
-                env=self.env,
-                stdout=subprocess.DEVNULL if through_tee else sink,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-
-    def ctrl_c_group(self, timeout: float = 60.0) -> None:
-        """Ctrl-C as a terminal sends it: to the whole foreground group, tee included."""
-        os.killpg(self.proc.pid, signal.SIGINT)
-        self.proc.wait(timeout)
-
-    def text(self) -> str:
-        return self.output.read_text(errors="replace")
-
-    @property
-    def url(self) -> str:
-        match = re.search(r"NATS:\s+(nats://\S+)", self.text())
-        assert match, self.text()
-        return match.group(1)
-
-    def ctrl_c(self, timeout: float = 60.0) -> int:
-        self.proc.send_signal(signal.SIGINT)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [*cli_argv(), *args],
-            cwd=ROOT,
-            env={**self.env, "ZATTERA_NATS_URL": self.url},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        assert done.returncode == 0, f"zattera {' '.join(args)}: {done.returncode}\n{done.stdout}\n{done.stderr}"
-        return done
 
 
 @pytest.fixture
@@ -137,6 +66,11 @@ async def test_make_up_deploy_curl_ctrl_c_and_resume(data_dir: Path) -> None:
     try:
         await eventually(lambda: "Press Ctrl-C to stop." in up.text(), 60, "zattera up is up")
         assert f"http://127.0.0.1:{proxy_port}" in up.text(), up.text()
+        # Which runtime the local node uses and why, on the terminal (docker wherever a daemon answers).
+        await eventually(lambda: "agent runtime: " in up.text(), 60, "the agent's runtime said")
+        said = re.search(r"agent runtime: (docker|process) — (.+)", up.text())
+        assert said, up.text()
+        assert said.group(1) == "process" or "a Docker daemon answers at" in said.group(2), said.group(0)
         assert "zattera deploy examples/hello" in up.text()  # the next-step hint
         up.cli("apps", "apply", str(EXAMPLE / "zattera.toml"))
         deployed = up.cli("deploy", str(EXAMPLE), "--env", ENV)

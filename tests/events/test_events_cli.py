@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from shared.events import EventPublisher, make_event
+from shared.events import KINDS, EventPublisher, make_event
 from shared.natsio import Connection, connect, provision
 from shared.state.feed import StateView
 from shared.txn import Writer
@@ -170,3 +171,45 @@ def test_follow_streams_new_events_as_they_come(nats_url: str) -> None:
     finally:
         follower.terminate()
         follower.wait(10)
+
+
+def test_an_unknown_kind_is_refused_listing_the_known_ones_and_a_stored_one_is_known(
+    cli: Invoke, nats_url: str
+) -> None:
+    seed(nats_url)
+    for typo in ("nosuch", "deploy.faild", "*.faild"):
+        refused = cli("events", "--kind", typo)
+        assert refused.exit_code == 1, (typo, refused.output)
+        assert f"--kind {typo!r}: no such event kind" in refused.output
+        assert "deploy.failed" in refused.output and "Families: " in refused.output and "node" in refused.output
+    for known in ("deploy", "deploy.failed", "*.failed", "node.>"):
+        assert cli("events", "--kind", known).exit_code == 0, known
+
+    async def publish(conn: Connection, writer: Writer) -> None:  # a kind of a newer version, already stored
+        await EventPublisher(conn).publish(make_event("gadget.launched", "not in this version's catalogue"))
+
+    in_state(nats_url, publish)
+    stored = cli("events", "--kind", "gadget", "--json")
+    assert stored.exit_code == 0 and json.loads(stored.stdout)["kind"] == "gadget.launched"
+
+
+def test_every_event_kind_is_in_the_documented_catalogue() -> None:
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    text = "\n".join(page.read_text() for page in docs.glob("*.md"))
+    assert [kind for kind in KINDS if f"`{kind}`" not in text and f"{kind}`" not in text] == []
+    table = (docs / "observability.md").read_text().split("### Catalogue", 1)[1].split("## Metrics", 1)[0]
+    first_cells = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    documented = {kind for cell in first_cells for kind in re.findall(r"`([a-z_.]+)`", cell)}
+    assert sorted(documented - set(KINDS)) == []
+
+
+def test_events_of_a_deleted_env_name_it(cli: Invoke, tmp_path: Path) -> None:
+    toml = tmp_path / "zattera.toml"
+    toml.write_text(APP_SPEC.format(replicas=2))
+    env_id = json.loads(cli("apps", "apply", str(toml), "--json").stdout)["env_ids"]["production"]
+    assert cli("scale", "--env", "shop/web/production", "3").exit_code == 0
+    assert cli("envs", "delete", "shop/web/production", "--yes").exit_code == 0
+    lines = cli("events").stdout.splitlines()
+    assert [line for line in lines if "env.scaled" in line or "env.deleted" in line]
+    assert all("shop/web/production (deleted)" in line for line in lines if "env." in line), lines
+    assert not [line for line in lines if env_id in line]

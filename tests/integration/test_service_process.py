@@ -12,51 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nats.js.errors import NotFoundError
-from zattera.v1 import types_pb2 as pb
 
-from shared import keys as K
 from shared.embedded import EmbeddedNats, free_port
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.service import ServiceContext, serve
+from tests.leases import LOOPS_OF, SERVICE_OF_LOOP, held_leases, lease_holders
 from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = [*sorted(p.parent.name for p in (ROOT / "services").glob("*/__main__.py")), "allinone"]
 MODULES = {"allinone": "cli.control_plane"}  # every service in one process (zattera up's default)
-
-
-LOOPS_OF = {
-    "scheduler": {"scheduler", "liveness", "snapshots"},
-    "orchestrator": {"orchestrator"},
-    "autoscale": {"autoscaler", "scaletozero", "serverless"},
-    "builds": {"builds", "retention"},
-    "routes": {"vips"},
-    "join": set(),
-    "secrets": {"secrets-gc"},
-    "certs": {"certs"},
-    "console": set(),
-}
-LOOPS_OF["allinone"] = set().union(*LOOPS_OF.values())
-SERVICE_OF_LOOP = {loop: service for service, loops in LOOPS_OF.items() if service != "allinone" for loop in loops}
-
-
-async def lease_holders(conn: Connection, loops: set[str]) -> dict[str, str]:
-    """The holder of each loop among ``loops`` whose lease key currently holds a lease (a released one is
-    deleted)."""
-    holders = {}
-    for loop in loops:
-        try:
-            msg = await conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.lease(loop))
-        except NotFoundError:
-            continue
-        if msg.data:
-            holders[loop] = pb.Lease.FromString(msg.data).holder
-    return holders
-
-
-async def held_leases(conn: Connection, loops: set[str]) -> set[str]:
-    return set(await lease_holders(conn, loops))
 
 
 def start(service: str, url: str, log: Path, lease_ttl: float = 1) -> subprocess.Popen[bytes]:

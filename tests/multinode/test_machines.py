@@ -20,7 +20,7 @@ PAYLOAD = "zattera-plaintext-canary-7f3c"
 
 
 def cli_env(server: Machine) -> dict[str, str]:
-    security = server.data_dir / "security"
+    security = server.data_dir / "control" / "security"
     return {
         "ZATTERA_NATS_URL": f"nats://{server.address}:4222",
         "ZATTERA_NATS_CREDS": str(security / "creds" / "operator.creds"),
@@ -140,8 +140,8 @@ def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_cr
     assert udp.stdout.count("UDP") > 0, "no WireGuard datagrams on the veth"
 
     # Removal: the worker's credentials stop working on every server.
-    creds = w1.data_dir / "security" / "creds" / "agent.creds"
-    ca = w1.data_dir / "security" / "tls" / "ca.pem"
+    creds = w1.data_dir / "agent" / "node.creds"  # the node's own, apart from the control plane's (cli/layout.py)
+    ca = w1.data_dir / "control" / "security" / "tls" / "ca.pem"
     url = f"tls://{m1.address}:4222"
     assert connects(w1, creds, ca, url) == "ok"
     w1.stop()

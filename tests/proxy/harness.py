@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
@@ -34,10 +35,14 @@ class Backend:
     inflight: int = 0
     seen: list[web.Request] = field(default_factory=list)
     addr: str = ""
+    peers: set[object] = field(default_factory=set)
+    """The client ends (address, port) of the connections requests arrived on: one per backend connection."""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
         self.seen.append(request)
+        if request.transport is not None:
+            self.peers.add(request.transport.get_extra_info("peername"))
         self.inflight += 1
         try:
             if self.gate is not None:
@@ -84,6 +89,17 @@ async def serving(*backends: Backend) -> AsyncIterator[None]:
                 backend.gate.set()
         for runner in runners:
             await runner.cleanup()
+
+
+async def keep_alive_requests(url: str, host: str, count: int) -> list[int]:
+    """The statuses of ``count`` requests sent one after the other on one keep-alive client connection."""
+    statuses = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as client:
+        for _ in range(count):
+            async with client.get(url, headers={"Host": host}) as response:
+                await response.read()
+                statuses.append(response.status)
+    return statuses
 
 
 def endpoint(addr: str, assignment_id: str = "", *, node_id: str = "n1", healthy: bool = True) -> cpb.Endpoint:

@@ -31,7 +31,16 @@ from services.proxy.balancer import STICKY_COOKIE, sticky_value
 from services.proxy.haproxy_engine import HAProxyIngress, haproxy_binary, haproxy_ingress
 from shared.live import proxy_key
 from shared.natsio import LIVE_BUCKET, Connection
-from tests.proxy.harness import HOST, Backend, Routes, endpoint, http_route, serving, settings
+from tests.proxy.harness import (
+    HOST,
+    Backend,
+    Routes,
+    endpoint,
+    http_route,
+    keep_alive_requests,
+    serving,
+    settings,
+)
 from tests.proxy.test_hold import Responder
 from tests.waiting import eventually
 
@@ -102,6 +111,49 @@ async def test_routes_10000_hosts_and_changes_endpoints_at_run_time(
         assert await get(fresh, ingress, "h9999.example.com") == (200, "second")
         assert await get(fresh, ingress, "new.example.com") == (200, "second")
         assert ingress.engine.reloads == reloads  # servers and hosts changed through the runtime API
+
+
+async def test_many_hosts_changing_at_once_rewrite_the_map_at_run_time(
+    make_ingress: IngressFactory, routes: Routes, fresh: aiohttp.ClientSession
+) -> None:
+    """More host entries changing than MAP_REWRITE_ABOVE (300 envs warming, then 300 aliases gone) take the
+    atomic whole-map rewrite, still without a reload."""
+    backend = Backend("warm")
+
+    def env_routes(warm: bool, aliases: bool) -> list[cpb.HTTPRoute]:
+        hosts = [(f"h{i}.example.com", i) for i in range(300)]
+        hosts += [(f"alias{i}.example.com", i) for i in range(300)] if aliases else []
+        return [http_route(host, f"e{i}", [endpoint(backend.addr, f"a{i}")] if warm else []) for host, i in hosts]
+
+    async with serving(backend):
+        ingress = await make_ingress()
+        await serve(routes, ingress, *env_routes(warm=False, aliases=True))
+        reloads = ingress.engine.reloads
+        await serve(routes, ingress, *env_routes(warm=True, aliases=True))
+        for host in ("h0", "h299", "alias150"):
+            assert await get(fresh, ingress, f"{host}.example.com") == (200, "warm")
+        await serve(routes, ingress, *env_routes(warm=True, aliases=False))
+        assert await get(fresh, ingress, "h150.example.com") == (200, "warm")
+        assert (await get(fresh, ingress, "alias150.example.com"))[0] == 404
+        assert ingress.engine.reloads == reloads
+
+
+async def test_an_endpoint_added_at_run_time_reuses_backend_connections(
+    make_ingress: IngressFactory, routes: Routes
+) -> None:
+    """1,000 keep-alive requests of one client reach an endpoint added through the runtime API (as every
+    replica of a deploy is) over a handful of backend connections, not one each."""
+    first, added = Backend("first"), Backend("added")
+    async with serving(first, added):
+        ingress = await make_ingress()
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(first.addr, "a-first")]))
+        reloads = ingress.engine.reloads
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(added.addr, "a-added")]))
+        assert ingress.engine.reloads == reloads  # the endpoint came through the runtime API
+        statuses = await keep_alive_requests(url(ingress), HOST, 1000)
+        assert statuses == [200] * 1000
+        assert added.hits == 1000
+        assert len(added.peers) <= 4, f"{len(added.peers)} backend connections for 1,000 keep-alive requests"
 
 
 async def test_route_changes_finish_in_flight_requests(
@@ -522,3 +574,43 @@ async def test_full_env_requests_queue_in_haproxy_and_count_as_held(
         await eventually(queued, 10, "the second request held in HAProxy's queue")
         gate.set()
         assert await asyncio.wait_for(asyncio.gather(first, second), 5) == [(200, "busy")] * 2
+
+
+async def test_a_cooled_replica_haproxy_still_lists_is_held_by_python_and_woken(
+    make_ingress: IngressFactory, routes: Routes, conn: Connection, fresh: aiohttp.ClientSession
+) -> None:
+    """A scale-to-zero env's replica is gone before the snapshot saying so reached HAProxy: the refused
+    connection sends the request to the Python handler (the backend's backup server), which holds it and
+    wakes the env (it was HAProxy's 503 "No server is available")."""
+    cooled, woken = Backend("cooled"), Backend("woken")
+    responder = await Responder(conn).start()
+    async with serving(woken):
+        ingress = await make_ingress()
+        async with serving(cooled):
+            await serve(routes, ingress, http_route(HOST, "e1", [endpoint(cooled.addr)], scale_to_zero=True))
+            assert await get(fresh, ingress) == (200, "cooled")
+        held = asyncio.create_task(get(fresh, ingress))
+        await eventually(lambda: ingress.proxy.holds.held.get("e1") == 1, 5, "held by the Python handler")
+        await eventually(lambda: len(responder.requests) == 1, 5, "the env woken")
+        await routes.publish(http_route(HOST, "e1", [endpoint(woken.addr, "a-woken")], scale_to_zero=True))
+        assert await asyncio.wait_for(held, 10) == (200, "woken")
+        await eventually(lambda: ingress.version == routes.version, 5, "the warm routes in haproxy")
+        assert await get(fresh, ingress) == (200, "woken")
+
+
+async def test_a_warm_endpoint_added_at_run_time_serves_a_scale_to_zero_env_directly(
+    make_ingress: IngressFactory, routes: Routes, conn: Connection, fresh: aiohttp.ClientSession
+) -> None:
+    """The servers of a scale-to-zero env are added with their health check at run time (no reload), and a
+    request reaches them without the Python handler."""
+    first, second = Backend("first"), Backend("second")
+    await Responder(conn).start()
+    async with serving(first, second):
+        ingress = await make_ingress()
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(first.addr, "a1")], scale_to_zero=True))
+        reloads = ingress.engine.reloads
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(second.addr, "a2")], scale_to_zero=True))
+        assert ingress.engine.reloads == reloads
+        for _ in range(5):
+            assert await get(fresh, ingress) == (200, "second")
+        assert ingress.proxy.holds.completed_holds == 0

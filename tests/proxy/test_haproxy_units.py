@@ -10,7 +10,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.proxy.haproxy_certs import changes, digest, pem_problem, self_signed_pem
-from services.proxy.haproxy_config import HOLD_BACKEND, Layout, backend_name, backend_rules, plan, render
+from services.proxy.haproxy_config import HOLD_BACKEND, IDLE_POOL, Layout, backend_name, backend_rules, plan, render
 from services.proxy.haproxy_stats import HAProxySampler, merge_samples
 from tests.proxy.harness import endpoint, http_route
 
@@ -77,7 +77,7 @@ def test_render_has_every_backend_and_the_tls_listener(tmp_path: Path) -> None:
     layout = Layout(tmp_path, "0.0.0.0:8080", "127.0.0.1:9", 60, 5, tls_bind="0.0.0.0:8443")
     text = render(planned(http_route("h", "e1", [endpoint("10.0.0.1:80", "a1")], max_concurrency=2)), layout)
     assert "bind 0.0.0.0:8443 ssl crt" in text and "alpn h2,http/1.1" in text
-    assert "server s_a1 10.0.0.1:80 weight 101 maxconn 2" in text
+    assert f"server s_a1 10.0.0.1:80 weight 101 {IDLE_POOL} maxconn 2" in text
     assert "server python 127.0.0.1:9" in text
     challenge = text.index("str(hold) if { path_beg /.well-known/acme-challenge/ }")  # to the Python answerer
     assert text.index("map(") < challenge < text.index("no route for host")  # after host matching's var, before 404

@@ -172,3 +172,36 @@ async def test_shutdown_rejects_held_requests(make_proxy: ProxyFactory, routes: 
     await proxy.stop()
     status, _, body = await held
     assert (status, body) == (503, '{"error": "proxy shutting down"}')
+
+
+async def test_a_cooled_replica_the_snapshot_still_lists_is_held_and_woken(
+    make_proxy: ProxyFactory, routes: Routes, conn: Connection, client
+) -> None:
+    """The replica was just cooled (its process is gone) and the snapshot saying so has not arrived: the
+    request meets a refused connection on the only endpoint. A scale-to-zero route is then cold in fact:
+    the request is held and the env woken (it was a 502 "upstream error")."""
+    cooled, woken = Backend("cooled"), Backend("woken")
+    responder = await Responder(conn).start()
+    proxy = await make_proxy()
+    async with serving(woken):
+        async with serving(cooled):
+            await routes.serve(proxy, http_route(COLD_HOST, "e1", [endpoint(cooled.addr)], scale_to_zero=True))
+            assert (await request(client, proxy.port))[::2] == (200, "cooled")
+        held = asyncio.create_task(request(client, proxy.port))  # the cooled replica's port now refuses
+        await eventually(lambda: proxy.holds.held.get("e1") == 1, 5, "the request held after the refusal")
+        await eventually(lambda: len(responder.requests) == 1, 5, "the env woken")
+        await routes.publish(http_route(COLD_HOST, "e1", [endpoint(woken.addr)], scale_to_zero=True))
+        status, _, body = await asyncio.wait_for(held, 5)
+        assert (status, body) == (200, "woken")
+
+
+async def test_an_always_on_route_whose_only_endpoint_refuses_answers_502_at_once(
+    make_proxy: ProxyFactory, routes: Routes, client
+) -> None:
+    gone = Backend("gone")
+    proxy = await make_proxy()
+    async with serving(gone):
+        await routes.serve(proxy, http_route(COLD_HOST, "e1", [endpoint(gone.addr)]))
+    status, _, body = await request(client, proxy.port)
+    assert (status, body) == (502, '{"error": "upstream error"}')
+    assert proxy.holds.activations_sent == 0

@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import cli.main
+import cli.up_cmds
 from cli.up import Cluster, proxy_listen_text
 from services.proxy.settings import ProxySettings, split_listen
 from shared.embedded import free_port
@@ -102,7 +103,7 @@ def test_up_passes_the_proxy_listen_address_and_prints_it(tmp_path: Path, monkey
         started.append(cluster)
         return 0
 
-    monkeypatch.setattr(cli.main, "run_up", run_up)
+    monkeypatch.setattr(cli.up_cmds, "run_up", run_up)
     runner = CliRunner()
     result = runner.invoke(cli.main.app, ["up", "--data-dir", str(tmp_path), "--proxy-listen", "127.0.0.1:18099"])
     assert result.exit_code == 0, result.output

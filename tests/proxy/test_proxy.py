@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -12,9 +13,26 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.proxy.balancer import STICKY_COOKIE
+from services.proxy.settings import ROUTES_CACHE_FILE
+from services.routes.publisher import RoutesPublisher
+from shared.clock import FakeClock
+from shared.files import write_atomic
 from shared.live import proxy_key
 from shared.natsio import LIVE_BUCKET, Connection
-from tests.proxy.harness import HOST, Backend, ProxyFactory, Routes, endpoint, http_route, serving
+from shared.state.feed import StateView
+from shared.tasks import cancel_and_wait
+from shared.txn import Writer
+from tests.proxy.harness import (
+    HOST,
+    Backend,
+    ProxyFactory,
+    Routes,
+    endpoint,
+    http_route,
+    keep_alive_requests,
+    serving,
+)
+from tests.routes import state as S
 from tests.waiting import eventually
 
 
@@ -127,6 +145,22 @@ async def test_upstream_failing_mid_response_truncates_the_client_response(
                 await response.read()
         await eventually(lambda: proxy.stats.inflight("e1") == 0, 5)
         assert proxy.stats.env("e1").completions[-1][1], "counted as a server error"
+
+
+async def test_an_endpoint_added_at_run_time_reuses_upstream_connections(
+    make_proxy: ProxyFactory, routes: Routes
+) -> None:
+    """1,000 keep-alive requests of one client reach an endpoint that a snapshot added while the proxy ran
+    over a handful of upstream connections (the pool), not one each."""
+    first, added = Backend("first"), Backend("added")
+    async with serving(first, added):
+        proxy = await make_proxy()
+        await routes.serve(proxy, http_route(HOST, "e1", [endpoint(first.addr, "a-first")]))
+        await routes.serve(proxy, http_route(HOST, "e1", [endpoint(added.addr, "a-added")]))
+        statuses = await keep_alive_requests(f"http://127.0.0.1:{proxy.port}/", HOST, 1000)
+        assert statuses == [200] * 1000
+        assert added.hits == 1000
+        assert len(added.peers) <= 4, f"{len(added.peers)} upstream connections for 1,000 keep-alive requests"
 
 
 async def test_in_flight_decrements_after_a_proxied_request(make_proxy: ProxyFactory, routes: Routes, client) -> None:
@@ -422,3 +456,45 @@ async def test_a_connection_closed_for_good_is_replaced_while_routes_keep_being_
         await eventually(lambda: proxy.conn not in (None, dropped) and proxy.connected, 10, "a new connection")
         await routes.serve(proxy, http_route(HOST, endpoints=[endpoint(new.addr)]))
         assert await get(client, proxy.port) == (200, "new")
+
+
+async def test_a_proxy_that_cached_another_clusters_routes_serves_this_clusters_and_says_which(
+    make_proxy: ProxyFactory, conn: Connection, tmp_path: Path, client
+) -> None:
+    """The data dir of an open cluster started ``--secure``: the proxy's cache holds the old cluster's routes at
+    a higher version than any the new cluster will reach for a while; the new cluster's routes win anyway."""
+    backend = Backend("new-cluster")
+    async with serving(backend):
+        host = "api-production.apps.example.com"
+        stale = cpb.RouteSnapshot(version=7725, http_routes=[http_route(host, "old-env", [endpoint("127.0.0.1:9")])])
+        stale.cluster.CopyFrom(cpb.ClusterIdentity(id="01OPENCLUSTER", epoch="2025-01-01T00:00:00+00:00"))
+        write_atomic(tmp_path / "proxy-0" / ROUTES_CACHE_FILE, stale.SerializeToString())
+        view = StateView(conn, name="routes")
+        await view.start()
+        port = int(backend.addr.rpartition(":")[2])
+        await S.commit(
+            Writer(conn, view),
+            S.project(),
+            S.app(),
+            S.env(),
+            S.node(mesh_ip="127.0.0.1"),
+            S.healthy_assignment("a1", "relA", port),
+        )
+        publisher = RoutesPublisher(conn, view, domain=S.DOMAIN, clock=FakeClock())
+        task = asyncio.create_task(publisher.run())
+        try:
+            await asyncio.wait_for(publisher.ready.wait(), 10)
+            proxy = await make_proxy()
+            await eventually(lambda: proxy.table.cluster == publisher.builder.cluster, 5, "this cluster's routes")
+            assert proxy.table.version < stale.version
+            assert await get(client, proxy.port, host=host) == (200, "new-cluster")
+            live = await conn.js.key_value(LIVE_BUCKET)
+
+            async def reports_this_cluster() -> bool:
+                beat = cpb.ProxyHeartbeat.FromString((await live.get(proxy_key("p1"))).value or b"")
+                return beat.routes_cluster == publisher.builder.cluster and beat.http_port == proxy.port
+
+            await eventually(reports_this_cluster, 5, "a heartbeat naming this cluster and the proxy's port")
+        finally:
+            await cancel_and_wait(task)
+            await view.stop()

@@ -14,8 +14,10 @@ from services.routes.builder import (
     internal_fqdn,
     node_hosts,
     routable_replicas,
+    routes_http,
 )
 from shared.state.reader import StateReader
+from shared.version import VERSION
 
 
 def reference_content(view: StateReader, domain: str) -> bytes:
@@ -27,6 +29,7 @@ def reference_content(view: StateReader, domain: str) -> bytes:
         if sections is not None:
             snapshot.MergeFrom(sections)
     snapshot.cert_hosts.extend(sorted({route.hostname for route in snapshot.http_routes}))
+    snapshot.control_version = VERSION
     return snapshot.SerializeToString(deterministic=True)
 
 
@@ -69,7 +72,7 @@ def reference_env(
     }
     sections = cpb.RouteSnapshot()
     for dom in view.domains(env_id):
-        if dom.project_id == project_id:
+        if dom.project_id == project_id and routes_http(spec, dom.port_name or http_port_name(spec)):
             sections.http_routes.add(
                 hostname=dom.hostname,
                 path_prefix=dom.path_prefix,
@@ -78,7 +81,7 @@ def reference_env(
                 **ids,  # type: ignore[arg-type]
                 **flags,  # type: ignore[arg-type]
             )
-    if domain:
+    if domain and http_port_name(spec):
         sections.http_routes.add(
             hostname=implicit_hostname(app.name, env.name, domain),
             endpoints=endpoints(http_port_name(spec)),

@@ -124,6 +124,28 @@ def test_l4_route_and_internal_service() -> None:
     assert [(p.name, p.port, p.protocol) for p in service.ports] == [("http", 8080, "tcp"), ("db", 5432, "tcp")]
 
 
+def test_a_tcp_only_env_gets_its_l4_route_and_internal_service_but_no_http_route_nor_certificate() -> None:
+    db = pb.PortSpec(name="db", container_port=5432, protocol=pb.PROTOCOL_TCP, public_l4_port=15432)
+    routes = Routes(
+        *S.seed_route_env(),
+        S.env(ports=[db]),
+        S.domain(hostname="db.example.com"),  # a domain attached to it all the same
+        S.assignment("a1", "relA", {"db": 30005}),
+        S.vip(address="10.97.0.5"),
+    )
+    snapshot = routes.snapshot()
+    assert (list(snapshot.http_routes), list(snapshot.cert_hosts)) == ([], [])
+    assert [e.addr for e in snapshot.l4_routes[0].endpoints] == ["10.90.0.1:30005"]
+    assert [p.name for p in snapshot.internal_services[0].ports] == ["db"]
+    # Adding an HTTP port gives it its HTTP routes; a domain naming the TCP port still gets none.
+    web = pb.PortSpec(name="web", container_port=8080, protocol=pb.PROTOCOL_HTTP)
+    routes.write(S.env(ports=[db, web]), S.domain("dom2", "raw.example.com", port_name="db"))
+    assert sorted(r.hostname for r in routes.snapshot().http_routes) == [
+        "api-production.apps.example.com",
+        "db.example.com",
+    ]
+
+
 # ---------------------------------------------------------------------------------------------- A1 rules
 
 
@@ -134,9 +156,9 @@ def test_l4_route_and_internal_service() -> None:
         ([("web", pb.PROTOCOL_HTTP)], "web"),
         ([("db", pb.PROTOCOL_TCP), ("web", pb.PROTOCOL_UNSPECIFIED)], "web"),
         ([("db", pb.PROTOCOL_TCP), ("web", pb.PROTOCOL_HTTP), ("admin", pb.PROTOCOL_HTTP)], "web"),
-        ([("dns", pb.PROTOCOL_UDP), ("db", pb.PROTOCOL_TCP)], "dns"),
+        ([("dns", pb.PROTOCOL_UDP), ("db", pb.PROTOCOL_TCP)], ""),
     ],
-    ids=["no-ports-means-http", "http-port", "unspecified-counts-as-http", "first-http-wins", "else-first-port"],
+    ids=["no-ports-means-http", "http-port", "unspecified-counts-as-http", "first-http-wins", "tcp-only-means-none"],
 )
 def test_http_port_selection(ports: list[tuple[str, int]], expected: str) -> None:
     spec = pb.ServiceSpec(ports=[pb.PortSpec(name=n, protocol=p) for n, p in ports])  # type: ignore[arg-type]

@@ -17,8 +17,16 @@ from zattera.v1 import types_pb2 as pb
 from services.routes.publisher import RoutesPublisher
 from shared import keys as K
 from shared.clock import FakeClock
-from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, Connection, connect
-from shared.routeclient import UNCHANGED_HEADER, VERSION_HEADER, RouteClient
+from shared.natsio import (
+    ROUTES_GET_SUBJECT,
+    ROUTES_SNAPSHOT_SUBJECT,
+    STATE_STREAM,
+    Connection,
+    cluster_identity,
+    connect,
+    provision,
+)
+from shared.routeclient import DIGEST_HEADER, UNCHANGED_HEADER, VERSION_HEADER, RouteClient
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.routes import state as S
@@ -195,3 +203,45 @@ async def test_a_burst_of_changes_is_coalesced(writer: Writer, replica: Replica)
         await S.commit(writer, S.healthy_assignment(f"a{i}", "relA", 30000 + i))
     await eventually(lambda: len(endpoints(current(publisher))) == 10, 10)
     assert publisher.publishes - before <= 2
+
+
+async def test_snapshots_name_their_cluster_and_routes_get_says_unchanged_only_for_the_same_cluster(
+    conn: Connection, writer: Writer, replica: Replica
+) -> None:
+    await S.commit(writer, *S.seed_route_env())
+    publisher = await replica()
+    snapshot = current(publisher)
+    identity = await cluster_identity(conn.js)
+    assert identity.id and identity.epoch  # recorded by the init
+    assert snapshot.cluster == cpb.ClusterIdentity(id=identity.id, epoch=identity.epoch)
+
+    async def ask(request: cpb.WatchRoutesRequest) -> Msg:
+        return await conn.nc.request(ROUTES_GET_SUBJECT, request.SerializeToString(), timeout=5)
+
+    same = cpb.WatchRoutesRequest(have_version=snapshot.version, have_cluster=snapshot.cluster)
+    assert ((await ask(same)).headers or {}).get(UNCHANGED_HEADER) == "true"
+    other = cpb.WatchRoutesRequest(have_version=snapshot.version, have_cluster=cpb.ClusterIdentity(id="01OTHER"))
+    answer = await ask(other)
+    assert UNCHANGED_HEADER not in (answer.headers or {})
+    assert cpb.RouteSnapshot.FromString(answer.data) == snapshot
+
+
+async def test_a_version_published_before_the_state_stream_was_created_does_not_hold_back_the_new_one(
+    conn: Connection, replica: Replica
+) -> None:
+    # The routes stream outlived the state stream (created anew since): its last version belongs to another life.
+    await conn.js.publish(ROUTES_SNAPSHOT_SUBJECT, b"", headers={VERSION_HEADER: str(10**9), DIGEST_HEADER: "old"})
+    before = await cluster_identity(conn.js)
+    await conn.js.delete_stream(STATE_STREAM)
+    await provision(conn.js)
+    assert (await cluster_identity(conn.js)).id != before.id
+    view = StateView(conn, name="t2")
+    await view.start()
+    try:
+        await S.commit(Writer(conn, view), *S.seed_route_env())
+        publisher = await replica()
+        snapshot = current(publisher)
+        assert 0 < snapshot.version < 10**9 and [r.hostname for r in snapshot.http_routes] == [IMPLICIT]
+        assert publisher.publishes == 1
+    finally:
+        await view.stop()

@@ -18,6 +18,7 @@ from shared.routeclient import (
     CHUNK_HEADER,
     ENCODING_HEADER,
     GZIP,
+    UNCHANGED_HEADER,
     VERSION_HEADER,
     RouteClient,
     SnapshotAssembler,
@@ -201,3 +202,73 @@ async def test_keeps_serving_while_the_control_plane_is_unreachable(nats_server:
     await client.stop()
     with contextlib.suppress(OSError):
         await conn.nc.close()
+
+
+# ---------------------------------------------------------------------------------------------- clusters
+
+CLUSTER_A = cpb.ClusterIdentity(id="01OPENCLUSTER", epoch="2025-01-01T00:00:00+00:00")
+CLUSTER_B = cpb.ClusterIdentity(id="01SECURECLUSTER", epoch="2025-02-01T00:00:00+00:00")
+
+
+def of(cluster: cpb.ClusterIdentity, version: int, host: str) -> cpb.RouteSnapshot:
+    snap = snapshot(version, host)
+    snap.cluster.CopyFrom(cluster)
+    return snap
+
+
+async def route_service(conn: Connection, answer: cpb.RouteSnapshot, asked: list[cpb.WatchRoutesRequest]) -> None:
+    """A route service that answers every routes.get with ``answer`` (or "unchanged", as the real one does)."""
+    data = answer.SerializeToString(deterministic=True)
+
+    async def respond(msg: Msg) -> None:
+        request = cpb.WatchRoutesRequest.FromString(msg.data)
+        asked.append(request)
+        if request.have_version == answer.version and request.have_cluster == answer.cluster:
+            await conn.nc.publish(msg.reply, b"", headers={UNCHANGED_HEADER: "true"})
+            return
+        for message in encode_messages(data, version=answer.version, digest="d", max_message_bytes=1 << 20):
+            await conn.nc.publish(msg.reply, message.body, headers=message.headers)
+
+    await conn.nc.subscribe(ROUTES_GET_SUBJECT, cb=respond)
+
+
+async def test_a_cached_snapshot_of_another_cluster_gives_way_to_the_route_services_answer_whatever_its_version(
+    conn: Connection, tmp_path: Path
+) -> None:
+    # The data dir of an open cluster (version 7725) started --secure: a new cluster, whose versions are lower.
+    cached = RouteClient(tmp_path / "routes.pb")
+    cached.apply(of(CLUSTER_A, 7725, "old.example.com"))
+    await cached.flush()
+    asked: list[cpb.WatchRoutesRequest] = []
+    await route_service(conn, of(CLUSTER_B, 868, "new.example.com"), asked)
+    client = RouteClient(tmp_path / "routes.pb")
+    assert client.current.cluster == CLUSTER_A  # the cache names its cluster
+    await client.start(conn)
+    try:
+        await eventually(lambda: client.current.cluster == CLUSTER_B, 5, "the new cluster's routes")
+        assert (client.version, [r.hostname for r in client.current.http_routes]) == (868, ["new.example.com"])
+        assert asked[0].have_cluster == CLUSTER_A and asked[0].have_version == 7725
+        await publish(conn, of(CLUSTER_B, 870, "newer.example.com"))  # then ordered by version, as before
+        await eventually(lambda: client.version == 870, 5)
+        await client.flush()
+        assert RouteClient(tmp_path / "routes.pb").current.cluster == CLUSTER_B
+    finally:
+        await client.stop()
+
+
+async def test_a_pushed_snapshot_of_another_cluster_is_never_taken_by_its_version(
+    conn: Connection, tmp_path: Path
+) -> None:
+    asked: list[cpb.WatchRoutesRequest] = []
+    await route_service(conn, of(CLUSTER_B, 868, "mine.example.com"), asked)
+    client = RouteClient(tmp_path / "routes.pb")
+    await client.start(conn)
+    try:
+        await eventually(lambda: client.version == 868, 5)
+        await publish(conn, of(CLUSTER_A, 7725, "stale.example.com"))
+        await eventually(lambda: len(asked) >= 2, 5, "the route service asked about the foreign snapshot")
+        await client.flush()
+        assert client.current.cluster == CLUSTER_B and client.version == 868
+        assert client.apply(of(CLUSTER_A, 9999, "stale.example.com")) is False
+    finally:
+        await client.stop()

@@ -32,10 +32,12 @@ from shared.ids import new_id
 from shared.natsio import LIVE_PREFIX, LIVE_STREAM, ROUTES_GET_SUBJECT, STATE_PREFIX, STATE_STREAM, Connection
 from shared.registry import PlatformImage, push_image
 from shared.routeclient import content_digest, encode_messages
+from shared.security.authority import RoleIssuer
 from shared.security.join import JoinService, join, request_join_token
 from shared.security.permissions import Role
+from shared.tasks import cancel_and_wait
 from tests.proxy.harness import Backend, Routes, endpoint, http_route, serving
-from tests.security.conftest import SecureCluster
+from tests.security.conftest import ManualClock, SecureCluster
 from tests.waiting import eventually
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -273,3 +275,33 @@ async def test_a_proxy_with_its_own_credential_routes_from_snapshots(
         assert proxy.stop() == 0
     await responder.unsubscribe()
     assert "permissions violation" not in proxy.output()
+
+
+async def test_an_agent_started_before_the_control_plane_waits_for_its_view_instead_of_exiting(
+    secure: SecureCluster, control: Connection, tmp_path: Path, processes: list[NodeProcess], clock: ManualClock
+) -> None:
+    """``zattera up --secure`` starts the control plane and the local node together: the agent may ask for its
+    view before the join service serves ``zattera.view.open``. It waits; it used to exit (1) and be restarted."""
+    argv = ["-m", "services.agent", "--nats", secure.url, "--node-id", "early", "--data-dir", str(tmp_path / "a")]
+    env = child_env(tmp_path, ZATTERA_NATS_CREDS=secure.creds(Role.BUILDER, "early"))
+    agent = NodeProcess([*argv, "--stop-on-exit"], env, tmp_path / "early.log")
+    processes.append(agent)
+    await eventually(lambda: "waiting for the control plane to open its view" in agent.output(), 20, "a wait")
+    assert agent.proc.poll() is None, agent.output()
+    issuers = {role: RoleIssuer.load(secure.setup.directory, role) for role in (Role.AGENT, Role.BUILDER)}
+    service = JoinService(control, issuers, secure.setup.sentinel_jwt(), now=clock)
+    task = asyncio.create_task(service.run())
+    try:
+
+        async def registered() -> bool:
+            assert agent.proc.poll() is None, f"the agent exited:\n{agent.output()}"
+            with contextlib.suppress(NotFoundError):
+                msg = await control.js.get_last_msg(STATE_STREAM, STATE_PREFIX + K.node("early"), direct=True)
+                return pb.Node.FromString(msg.data).status == pb.NODE_STATUS_ALIVE
+            return False
+
+        await eventually(registered, 30, "the agent registered once the view service answered")
+        assert "task failed" not in agent.output()
+        assert await asyncio.to_thread(agent.stop) == 0
+    finally:
+        await cancel_and_wait(task)

@@ -1,9 +1,11 @@
-"""``zattera up --secure`` runs its local agent and proxy with their own credentials, never the control one."""
+"""``zattera up --secure`` runs its local agent and proxy with their own credentials, never the control one,
+kept in their own directories: nothing in their environment points into the control plane's."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from cli.layout import NODE_CREDS, PROXY_CREDS, DataLayout
 from cli.up import LOCAL_NODE, Cluster
 from shared.security.authority import RoleIssuer
 from shared.security.creds import read_user_jwt, write_private
@@ -13,19 +15,41 @@ from shared.security.setup import prepare
 
 
 def test_the_local_node_gets_a_builder_and_a_proxy_credential(tmp_path: Path) -> None:
-    setup = prepare(tmp_path / "security")
-    cluster = Cluster(data_dir=tmp_path, creds=str(setup.control_creds), node_creds=setup.local_node_creds(LOCAL_NODE))
-    services_env = {"ZATTERA_NATS_CREDS": str(setup.control_creds), "ZATTERA_NATS_URL": "nats://x"}
+    layout = DataLayout(tmp_path)
+    setup = prepare(layout.security, tls=True)
+    node_creds = {
+        "agent": str(setup.issue(Role.BUILDER, LOCAL_NODE, layout.agent / NODE_CREDS)),
+        "proxy": str(setup.issue(Role.PROXY, LOCAL_NODE, layout.proxy / PROXY_CREDS)),
+    }
+    ca = str(setup.tls_ca)
+    cluster = Cluster(data_dir=tmp_path, creds=str(setup.control_creds), tls_ca=ca, node_creds=node_creds)
+    services_env = {
+        "ZATTERA_NATS_CREDS": str(setup.control_creds),
+        "ZATTERA_NATS_TLS_CA": ca,
+        "ZATTERA_DATA_DIR": str(layout.control),
+        "ZATTERA_NATS_URL": "nats://x",
+        "ZATTERA_SECRETS_KEY": "00" * 32,  # the cluster key, should an operator seed it from the environment
+    }
 
-    for process, role in (("agent", Role.BUILDER), ("proxy", Role.PROXY)):
-        env = cluster._node_env(services_env, process)
+    for process, role, directory in (("agent", Role.BUILDER, layout.agent), ("proxy", Role.PROXY, layout.proxy)):
+        env = cluster._node_env(services_env, process, directory)
         assert env["ZATTERA_NATS_URL"] == "nats://x"
+        assert env["ZATTERA_DATA_DIR"] == str(directory)
+        for value in env.values():  # nothing names the control plane's directory
+            assert str(layout.control) not in value, value
+        assert "ZATTERA_SECRETS_KEY" not in env
+        assert Path(env["ZATTERA_NATS_CREDS"]).parent == directory
+        assert Path(env["ZATTERA_NATS_TLS_CA"]).read_bytes() == Path(ca).read_bytes()
         claims = decode_claims(read_user_jwt(env["ZATTERA_NATS_CREDS"]))
         assert claims["name"] == LOCAL_NODE
         assert claims["iss"] == RoleIssuer.load(setup.directory, role).signing_key.public_key
-    # A restart keeps the identities; an unsecured cluster changes nothing.
-    assert setup.local_node_creds(LOCAL_NODE) == cluster.node_creds
-    assert Cluster(data_dir=tmp_path)._node_env(services_env, "agent") == services_env
+    assert not list((layout.security / "creds").glob("*-local.creds"))  # not among the control plane's
+    # A restart keeps the identities; an unsecured cluster gives the node no credential.
+    before = Path(node_creds["agent"]).read_text()
+    assert str(setup.issue(Role.BUILDER, LOCAL_NODE, layout.agent / NODE_CREDS)) == node_creds["agent"]
+    assert Path(node_creds["agent"]).read_text() == before
+    open_env = Cluster(data_dir=tmp_path)._node_env({"ZATTERA_NATS_URL": "nats://x"}, "agent", layout.agent)
+    assert open_env == {"ZATTERA_NATS_URL": "nats://x", "ZATTERA_DATA_DIR": str(layout.agent)}
 
 
 def test_a_credential_of_the_old_single_account_layout_is_issued_again(tmp_path: Path) -> None:

@@ -45,12 +45,11 @@ def test_the_environment_names_are_unchanged(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("ZATTERA_PLACING_TIMEOUT", "11")
     monkeypatch.setenv("ZATTERA_NODE_HEARTBEAT_DEADLINE", "4")
     monkeypatch.setenv("ZATTERA_SERVERLESS_TICK", "1")
-    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "file")
     monkeypatch.setenv("ZATTERA_SNAPSHOT_KEY", "ab" * 32)
     monkeypatch.setenv("ZATTERA_AGENT_RESTART_BACKOFF_MAX", "7")
     monkeypatch.setenv("ZATTERA_PROXY_HOLD_TIMEOUT", "3")
     shared = Settings()
-    assert (shared.loop_tick, shared.drain_window, shared.traces_exporter) == (2.5, 9.0, "file")
+    assert (shared.loop_tick, shared.drain_window) == (2.5, 9.0)
     assert shared.snapshot_key.get_secret_value() == "ab" * 32 and "abab" not in repr(shared)
     assert OrchestratorSettings().placing_timeout == 11.0
     assert SchedulerSettings().node_heartbeat_deadline == 4.0
@@ -62,3 +61,19 @@ def test_the_environment_names_are_unchanged(monkeypatch: pytest.MonkeyPatch) ->
 def test_the_defaults_are_read_without_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ZATTERA_LOOP_TICK", "2.5")
     assert DEFAULTS.loop_tick == Settings.model_fields["loop_tick"].default == 15.0
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [{}, {"ZATTERA_NATS_URL": "nats://a:1,nats://b:2", "ZATTERA_NATS_CREDS": "/c.creds", "zattera_nats_tls_ca": "/ca"}],
+)
+def test_the_connection_settings_read_alone_are_the_settings_ones(monkeypatch: pytest.MonkeyPatch, environ) -> None:
+    """``shared.natssettings`` (what the CLI reads, without pydantic-settings) agrees with ``Settings``."""
+    from shared.natssettings import NatsSettings
+
+    for name in ("ZATTERA_NATS_URL", "ZATTERA_NATS_CREDS", "ZATTERA_NATS_TLS_CA"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    full, alone = Settings(), NatsSettings.from_environ()
+    assert (alone.nats_url, alone.nats_creds, alone.nats_tls_ca) == (full.nats_url, full.nats_creds, full.nats_tls_ca)

@@ -803,6 +803,9 @@ class Node(_message.Message):
     LAST_HEARTBEAT_AT_FIELD_NUMBER: _builtins.int
     SECRETS_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     RUNTIME_FIELD_NUMBER: _builtins.int
+    ISOLATION_FIELD_NUMBER: _builtins.int
+    ISOLATION_PROBLEM_FIELD_NUMBER: _builtins.int
+    RUNTIME_REASON_FIELD_NUMBER: _builtins.int
     status: Global___NodeStatus.ValueType
     schedulable: _builtins.bool
     """false = cordoned"""
@@ -822,6 +825,17 @@ class Node(_message.Message):
     """
     runtime: _builtins.str
     """How this node's agent runs instances: "process" or "docker" (issue 20, docs/containers.md)."""
+    isolation: _builtins.str
+    """How it isolates them (issue 43, SECURITY.md "Apps"): "sandbox" (process runtime in bubblewrap, a
+    user per environment), "container" (docker runtime) or "none" (the agent's own user); "" = an agent
+    from before this field.
+    """
+    isolation_problem: _builtins.str
+    """Why a "none" node cannot isolate (e.g. "bubblewrap is not installed"); "" otherwise."""
+    runtime_reason: _builtins.str
+    """Why the agent chose that runtime, e.g. "a Docker daemon answers at unix:///var/run/docker.sock (base
+    image zattera/base:latest made by this agent)" or "no Docker daemon answers at …" (issue 46).
+    """
     @_builtins.property
     def meta(self) -> Global___Meta: ...
     @_builtins.property
@@ -862,10 +876,13 @@ class Node(_message.Message):
         last_heartbeat_at: _timestamp_pb2.Timestamp | None = ...,
         secrets_public_key: _builtins.bytes = ...,
         runtime: _builtins.str = ...,
+        isolation: _builtins.str = ...,
+        isolation_problem: _builtins.str = ...,
+        runtime_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "last_heartbeat_at", b"last_heartbeat_at", "meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoprovisioned", b"autoprovisioned", "binary_version", b"binary_version", "capacity", b"capacity", "capacity_disk_mb", b"capacity_disk_mb", "labels", b"labels", "last_heartbeat_at", b"last_heartbeat_at", "mesh_ip", b"mesh_ip", "meta", b"meta", "name", b"name", "os_arch", b"os_arch", "public_endpoints", b"public_endpoints", "roles", b"roles", "runtime", b"runtime", "schedulable", b"schedulable", "secrets_public_key", b"secrets_public_key", "status", b"status", "wireguard_public_key", b"wireguard_public_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoprovisioned", b"autoprovisioned", "binary_version", b"binary_version", "capacity", b"capacity", "capacity_disk_mb", b"capacity_disk_mb", "isolation", b"isolation", "isolation_problem", b"isolation_problem", "labels", b"labels", "last_heartbeat_at", b"last_heartbeat_at", "mesh_ip", b"mesh_ip", "meta", b"meta", "name", b"name", "os_arch", b"os_arch", "public_endpoints", b"public_endpoints", "roles", b"roles", "runtime", b"runtime", "runtime_reason", b"runtime_reason", "schedulable", b"schedulable", "secrets_public_key", b"secrets_public_key", "status", b"status", "wireguard_public_key", b"wireguard_public_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1183,6 +1200,7 @@ class ServiceSpec(_message.Message):
     CONFIG_VERSION_FIELD_NUMBER: _builtins.int
     READ_ONLY_ROOT_FIELD_NUMBER: _builtins.int
     NETWORK_FIELD_NUMBER: _builtins.int
+    MIN_HEALTHY_TIME_FIELD_NUMBER: _builtins.int
     scale_to_zero: _builtins.bool
     """mutually exclusive with stateful"""
     max_concurrency: _builtins.int
@@ -1241,6 +1259,12 @@ class ServiceSpec(_message.Message):
         the node forwarder; unset = its own project's envs only.
         """
 
+    @_builtins.property
+    def min_healthy_time(self) -> _duration_pb2.Duration:
+        """invented (issue 46, docs/operations.md): how long an instance without a declared health check must run
+        before it counts as HEALTHY; unset = the agent's default (ZATTERA_AGENT_MIN_HEALTHY_TIME), 0 = at once.
+        """
+
     def __init__(
         self,
         *,
@@ -1263,10 +1287,11 @@ class ServiceSpec(_message.Message):
         config_version: _builtins.int = ...,
         read_only_root: _builtins.bool = ...,
         network: Global___NetworkPolicy | None = ...,
+        min_healthy_time: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "healthcheck", b"healthcheck", "network", b"network", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "stop_grace", b"stop_grace"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "healthcheck", b"healthcheck", "min_healthy_time", b"min_healthy_time", "network", b"network", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "network", b"network", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "read_only_root", b"read_only_root", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "min_healthy_time", b"min_healthy_time", "network", b"network", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "read_only_root", b"read_only_root", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2463,8 +2488,11 @@ class Lease(_message.Message):
     HOLDER_FIELD_NUMBER: _builtins.int
     TERM_FIELD_NUMBER: _builtins.int
     ACQUIRED_AT_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     holder: _builtins.str
     term: _builtins.int
+    version: _builtins.str
+    """invented (issue 44): the holder's Zattera version (`zattera cluster status` lists each loop's leader)"""
     @_builtins.property
     def acquired_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -2473,10 +2501,11 @@ class Lease(_message.Message):
         holder: _builtins.str = ...,
         term: _builtins.int = ...,
         acquired_at: _timestamp_pb2.Timestamp | None = ...,
+        version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "holder", b"holder", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "holder", b"holder", "term", b"term", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -255,17 +255,32 @@ class ProxyHeartbeat(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     ENVS_FIELD_NUMBER: _builtins.int
     ROUTES_VERSION_FIELD_NUMBER: _builtins.int
+    ROUTES_CLUSTER_FIELD_NUMBER: _builtins.int
+    HTTP_PORT_FIELD_NUMBER: _builtins.int
+    HTTPS_PORT_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     proxy_id: _builtins.str
     node_id: _builtins.str
     routes_version: _builtins.int
     """This project (issue 21): the route snapshot version the proxy serves (its routing table), so
     `zattera deploy` can say "live" only once every proxy routes to the new release.
     """
+    http_port: _builtins.int
+    https_port: _builtins.int
+    version: _builtins.str
+    """invented (issue 44): the proxy's Zattera version (docs/upgrades.md, version skew)"""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def envs(self) -> _containers.MessageMap[_builtins.str, Global___ProxySample]:
         """environment id -> sample"""
+
+    @_builtins.property
+    def routes_cluster(self) -> Global___ClusterIdentity:
+        """This project (issue 33): the cluster of the route snapshot it serves (a proxy that kept another
+        cluster's snapshot is not serving this one's routes, whatever its version), and where it listens,
+        so that the URLs `zattera status` and the console show are the ones that work (0 = no such listener).
+        """
 
     def __init__(
         self,
@@ -275,14 +290,46 @@ class ProxyHeartbeat(_message.Message):
         node_id: _builtins.str = ...,
         envs: _abc.Mapping[_builtins.str, Global___ProxySample] | None = ...,
         routes_version: _builtins.int = ...,
+        routes_cluster: Global___ClusterIdentity | None = ...,
+        http_port: _builtins.int = ...,
+        https_port: _builtins.int = ...,
+        version: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["routes_cluster", b"routes_cluster", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "node_id", b"node_id", "proxy_id", b"proxy_id", "routes_version", b"routes_version", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "http_port", b"http_port", "https_port", b"https_port", "node_id", b"node_id", "proxy_id", b"proxy_id", "routes_cluster", b"routes_cluster", "routes_version", b"routes_version", "time", b"time", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ProxyHeartbeat: _TypeAlias = ProxyHeartbeat  # noqa: Y015
+
+@_typing.final
+class ClusterIdentity(_message.Message):
+    """ClusterIdentity names the cluster a route snapshot was built from (issue 33): `id` is recorded once
+    by the cluster's init (state stream metadata `zattera.cluster_id`), `epoch` is when the state stream
+    was created (RFC 3339, UTC). Route versions are revisions of that stream: they order snapshots of one
+    identity only. Empty id: a cluster initialised before ids were recorded (the epoch still tells it apart).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    epoch: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        epoch: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterIdentity: _TypeAlias = ClusterIdentity  # noqa: Y015
 
 @_typing.final
 class WatchRoutesRequest(_message.Message):
@@ -300,18 +347,26 @@ class WatchRoutesRequest(_message.Message):
 
     NODE_ID_FIELD_NUMBER: _builtins.int
     HAVE_VERSION_FIELD_NUMBER: _builtins.int
+    HAVE_CLUSTER_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """ignored: the snapshot is global"""
     have_version: _builtins.int
+    @_builtins.property
+    def have_cluster(self) -> Global___ClusterIdentity:
+        """This project (issue 33): the cluster of the requester's snapshot; the reply is "unchanged" only
+        when both the version and the cluster match (unset: an older client, matched on version alone).
+        """
+
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
         have_version: _builtins.int = ...,
+        have_cluster: Global___ClusterIdentity | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["have_cluster", b"have_cluster"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["have_version", b"have_version", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["have_cluster", b"have_cluster", "have_version", b"have_version", "node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -331,7 +386,13 @@ class RouteSnapshot(_message.Message):
     L4_ROUTES_FIELD_NUMBER: _builtins.int
     INTERNAL_SERVICES_FIELD_NUMBER: _builtins.int
     CERT_HOSTS_FIELD_NUMBER: _builtins.int
+    CLUSTER_FIELD_NUMBER: _builtins.int
+    CONTROL_VERSION_FIELD_NUMBER: _builtins.int
     version: _builtins.int
+    control_version: _builtins.str
+    """invented (issue 44): the Zattera version of the routes leader that made it; a proxy more than the
+    skew window away from it says so (docs/upgrades.md)
+    """
     @_builtins.property
     def http_routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___HTTPRoute]: ...
     @_builtins.property
@@ -342,6 +403,12 @@ class RouteSnapshot(_message.Message):
     def cert_hosts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """sorted, de-duplicated HTTP hostnames"""
 
+    @_builtins.property
+    def cluster(self) -> Global___ClusterIdentity:
+        """This project (issue 33): the cluster the snapshot was built from; unset = built before clusters
+        were named (an older route service).
+        """
+
     def __init__(
         self,
         *,
@@ -350,10 +417,12 @@ class RouteSnapshot(_message.Message):
         l4_routes: _abc.Iterable[Global___L4Route] | None = ...,
         internal_services: _abc.Iterable[Global___InternalService] | None = ...,
         cert_hosts: _abc.Iterable[_builtins.str] | None = ...,
+        cluster: Global___ClusterIdentity | None = ...,
+        control_version: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cluster", b"cluster"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cert_hosts", b"cert_hosts", "http_routes", b"http_routes", "internal_services", b"internal_services", "l4_routes", b"l4_routes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cert_hosts", b"cert_hosts", "cluster", b"cluster", "control_version", b"control_version", "http_routes", b"http_routes", "internal_services", b"internal_services", "l4_routes", b"l4_routes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,150 @@
+"""Log shipping is at-least-once across agent restarts on a busy machine.
+
+An app writes numbered lines without end while a real agent process (``python -m services.agent``) ships
+them; the agent is stopped (SIGTERM) and killed (SIGKILL) in turn, round after round, with every core
+saturated by a CPU hog the test started, and the app writes on while no agent runs. Each new agent adopts
+the same process (same pid) and ships from the saved cursor: every number the app wrote must reach the
+stream. ``make test`` runs a few rounds, ``make chaos`` twenty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from nats.aio.msg import Msg
+
+from services.agent.logs import STREAM_FILES
+from services.agent.processes import InstanceRecord
+from shared.applogs import STDOUT, LogLimits, app_log_subject, app_logs_stream_config, lines_of
+from shared.natsio import Connection, create_or_update_stream
+from shared.txn import Writer
+from tests.agent.conftest import assignment, process_ref, release
+from tests.cpuhog import cpu_hog
+from tests.waiting import eventually
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = "E1"
+AGENT_ENV = {
+    "ZATTERA_AGENT_RUNTIME": "process",
+    "ZATTERA_AGENT_HEARTBEAT_INTERVAL": "0.5",
+    "ZATTERA_AGENT_RECONCILE_TICK": "1",
+    "ZATTERA_AGENT_REPORT_RETRY": "0.1",
+    "PYTHONUNBUFFERED": "1",
+}
+WRITER = """
+import itertools, sys, time
+for i in itertools.count():
+    print(f"out {i}", flush=True)
+    time.sleep(0.001)
+"""
+ROUND_TIMEOUT = 120.0
+"""An agent's start (interpreter, imports, registration) on a machine whose cores are all taken."""
+
+
+class Shipped:
+    """Every stdout number the env's stream holds, followed live from the start of the stream."""
+
+    def __init__(self) -> None:
+        self.numbers: set[int] = set()
+
+    async def follow(self, conn: Connection) -> None:
+        async def on_batch(msg: Msg) -> None:
+            for line in lines_of(msg.data):
+                if line.stream == STDOUT:
+                    self.numbers.add(int(line.line.split()[1]))
+
+        await conn.js.subscribe(app_log_subject(ENV), ordered_consumer=True, cb=on_batch)
+
+    def gaps(self) -> list[int]:
+        top = max(self.numbers, default=-1)
+        return sorted(set(range(top + 1)) - self.numbers)
+
+
+def written(path: Path) -> int:
+    """Lines the app has written so far (shipped bytes punched out of the file read as zeros)."""
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def start_agent(nats_url: str, data_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "services.agent", "--nats", nats_url, "--node-id", "n1", "--data-dir", str(data_dir)]
+    with log.open("ab") as out:
+        return subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **AGENT_ENV})
+
+
+async def stop(agent: subprocess.Popen[bytes], how: signal.Signals) -> None:
+    agent.send_signal(how)
+    code = await asyncio.to_thread(agent.wait, 60)
+    assert how == signal.SIGKILL or code == 0, f"the agent exited {code} on {how.name}"
+
+
+def kill_app(data_dir: Path) -> None:
+    for directory in (data_dir / "instances").glob("*"):
+        record = InstanceRecord.load(directory)
+        if record is not None and record.pid:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                os.killpg(record.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    "rounds", [pytest.param(4, id="4-rounds"), pytest.param(20, id="20-rounds", marks=pytest.mark.chaos)]
+)
+@pytest.mark.timeout(1500)
+async def test_agent_stops_and_kills_under_cpu_pressure_lose_no_line(
+    conn: Connection, writer: Writer, nats_url: str, tmp_path: Path, rounds: int
+) -> None:
+    await create_or_update_stream(conn.js, app_logs_stream_config(ENV, LogLimits(256 * 1024 * 1024, 3600.0), 1))
+    shipped = Shipped()
+    await shipped.follow(conn)
+    (tmp_path / "writer.py").write_text(WRITER)
+    rel = release(process_ref(tmp_path, f"{sys.executable} writer.py"), env_id=ENV, healthcheck=False)
+    a = assignment("n1", rel)
+    await writer.commit(writer.txn("seed").put(rel).put(a))
+    data_dir = tmp_path / "agent-n1"
+    instance = data_dir / "instances" / a.meta.id
+    stdout_file = instance / STREAM_FILES[STDOUT]
+    log = tmp_path / "agent.log"
+    app_pid = 0
+    agent: subprocess.Popen[bytes] | None = None
+    try:
+        with cpu_hog():
+            before = 0
+            for i in range(rounds):
+                agent = start_agent(nats_url, data_dir, log)
+                await eventually(
+                    lambda before=before: len(shipped.numbers) > before + 20,
+                    ROUND_TIMEOUT,
+                    f"round {i}: what was written while no agent ran, and more, shipped",
+                )
+                record = InstanceRecord.load(instance)
+                assert record is not None
+                app_pid = app_pid or record.pid
+                assert record.pid == app_pid, f"round {i}: the app was restarted, not adopted"
+                how = signal.SIGTERM if i % 2 == 0 else signal.SIGKILL
+                await stop(agent, how)
+                agent = None
+                down_at = written(stdout_file)
+                await eventually(
+                    lambda down_at=down_at: written(stdout_file) > down_at + 50, 30, f"round {i}: the app writes on"
+                )
+                before = written(stdout_file)
+            agent = start_agent(nats_url, data_dir, log)
+            await eventually(lambda: len(shipped.numbers) > before, ROUND_TIMEOUT, "the last backlog shipped")
+        assert psutil.pid_exists(app_pid)
+        assert shipped.gaps() == [], f"lines never shipped: {shipped.gaps()[:20]} (agent log: {log})"
+        assert max(shipped.numbers) >= before
+    finally:
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        kill_app(data_dir)
