@@ -1,4 +1,4 @@
-"""Leases for singleton leader loops and the helper that runs a function only while leading (DESIGN §2.2).
+"""Leases for singleton leader loops and the helper that runs a function only while leading.
 
 ``lease.<loop>`` holds a :class:`zattera.v1.Lease` {holder, term, acquired_at, version}. A contender acquires it
 with a create (expected revision 0, or the revision of a delete marker) carrying a per-message TTL; the

@@ -11,7 +11,7 @@ overriding :meth:`LeaderLoop.run`:
 * :meth:`scope_of`: what a change-woken pass must look at (everything, some ids for
   :meth:`run_partial_pass`, or nothing: keep waiting);
 * :meth:`seconds_until_due`: a deadline of the loop's own (a timer of the injected clock, as the tick);
-* :meth:`on_term_start` resets in-memory timers (as in the reference); :meth:`begin_term` /
+* :meth:`on_term_start` resets in-memory timers (a new term starts from durable state); :meth:`begin_term` /
   :meth:`end_term` start and stop what the loop runs beside its passes for one term.
 
 Tracing: a pass woken by changes continues the trace of the newest triggering write that carried one

@@ -1,4 +1,4 @@
-"""NATS connection and provisioning of every bucket, stream and object store (DESIGN §2–§3): created when
+"""NATS connection and provisioning of every bucket, stream and object store (docs/wire-contract.md): created when
 missing from the configuration recorded in the cluster, never updated (docs/cluster.md)."""
 
 from __future__ import annotations
@@ -890,7 +890,7 @@ async def provision(
     tombstone_ttl: float = TOMBSTONE_TTL,
     build_log_lines: int = 10_000,
 ) -> ProvisionReport:
-    """Create what is missing of DESIGN §2–§3, never changing what exists. Idempotent; safe from many
+    """Create what is missing of the buckets, streams and object stores, never changing what exists. Idempotent; safe from many
     processes at once.
 
     On an uninitialised cluster (no state stream) this is the init: the configuration — ``replicas``, or

@@ -1,4 +1,4 @@
-"""Fenced, atomic writes to ``zattera-state`` (DESIGN §2.1).
+"""Fenced, atomic writes to ``zattera-state``: every decision is one batch that lands whole or not at all.
 
 A :class:`Txn` is a list of puts and deletes, each carrying the revision its decision was based on
 (captured from the view when the op is added; 0 = create). :class:`Writer` commits it as ONE JetStream

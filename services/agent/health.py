@@ -7,7 +7,7 @@
   the replica only once it listens). With no HTTP port, running long enough is the whole check.
 * HTTP: ``GET <path>`` on the instance's port, healthy on a 2xx/3xx status. TCP: a connection opens.
   EXEC: the shell command exits 0 (run in the instance's directory with its environment).
-  Type UNSPECIFIED means HTTP when the probed port is an HTTP port, else TCP (reference).
+  Type UNSPECIFIED means HTTP when the probed port is an HTTP port, else TCP.
 * The probed port is the declared port whose ``container_port`` equals ``healthcheck.port``, else the
   first declared port; the process runtime has no port mapping, so the probe targets the host port the
   instance was given.

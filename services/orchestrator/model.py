@@ -34,7 +34,7 @@ P = pb.DeploymentPhase
 RUN = pb.ASSIGNMENT_DESIRED_RUN
 STOP = pb.ASSIGNMENT_DESIRED_STOP
 
-# Exact failure strings of the reference (deployment.error and the deploy.failed event message).
+# Failure strings (deployment.error and the deploy.failed event message: operators and scripts read them).
 ENV_NOT_FOUND = "environment not found"
 RELEASE_NOT_FOUND = "release not found"
 NO_IMAGE = "release has no image ref"
@@ -116,7 +116,7 @@ def phase_entered_at(d: pb.Deployment) -> float | None:
 
 
 def timed_out(d: pb.Deployment, now: float, limit: float | None) -> bool:
-    """Strictly after phase entry + limit (the reference's comparison for deadlines)."""
+    """Strictly after phase entry + limit."""
     entered = phase_entered_at(d)
     return limit is not None and entered is not None and now > entered + limit
 
@@ -198,7 +198,7 @@ CRASH_LINE_CHARS = 200
 def failed_instance_reason(reason: str, instances: Sequence[pb.Assignment]) -> str:
     """``reason`` naming the first FAILED instance, how its process last ended and its last stderr lines, e.g.
     ``a green instance failed to start: instance 01J… on n1: exit code 3; last stderr: fatal: X not set``.
-    The bare reference string when the agent reported nothing more."""
+    ``reason`` alone when the agent reported nothing more."""
     failed = next((a for a in instances if a.observed.state == pb.INSTANCE_STATE_FAILED), None)
     if failed is None:
         return reason
@@ -309,8 +309,8 @@ def deploy_event(d: pb.Deployment, kind: str, message: str, severity: str, now: 
 def abort(view: StateReader, d: pb.Deployment, reason: str, now: float) -> Decision:
     """The red/green failure exit, ONE write: delete everything d created and set FAILED with the reason.
 
-    Traffic never moved and blue is untouched. (The reference wrote these separately; a crash between
-    them left an empty green set that then passed as ready and got promoted.)
+    Traffic never moved and blue is untouched. (Written separately, a crash between the two would leave an
+    empty green set that could then pass as ready and be promoted.)
     """
     t = move(d, pb.DEPLOYMENT_PHASE_FAILED, now, error=reason)
     t.deletes = [K.assignment(a.node_id, a.meta.id) for a in tagged(view, d)]

@@ -1,6 +1,6 @@
 """Node liveness (leader-gated by ``lease.liveness``): ALIVE ⇄ DOWN from the agents' heartbeats.
 
-Agents heartbeat into ``zattera-live`` (every 5 s here; 10 s in the reference). An ALIVE node whose
+Agents heartbeat into ``zattera-live`` (every 5 s). An ALIVE node whose
 latest heartbeat is older than 30 s becomes DOWN (event ``node.down``); a DOWN node that heartbeats
 again becomes ALIVE (``node.up``). DRAINING and DRAINED belong to the operator and are never touched.
 For 45 s after a term starts nothing is marked DOWN: a new leader first gives every agent time to be

@@ -1,8 +1,8 @@
-"""The placement loop (reference ``Scheduler``): leader-gated by ``lease.scheduler``.
+"""The placement loop: leader-gated by ``lease.scheduler``.
 
 It runs a full pass at the start of a term, on changes of envs, releases, deployments, nodes,
-assignments (observed reports included) and volumes, coalesced, and every 15 s. A pass has the
-reference's order, each step deciding purely from the view and committing before the next step reads:
+assignments (observed reports included) and volumes, coalesced, and every 15 s. A pass runs in this
+order, each step deciding purely from the view and committing before the next step reads:
 
 1. volumes: auto-create and NODE_LOST / recovered (so placement sees the pins);
 2. envs, in id order: one atomic write per env, all packed into few batches (``commit_many``); the
@@ -11,8 +11,8 @@ reference's order, each step deciding purely from the view and committing before
 4. orphans; 5. drains → DRAINED.
 
 A refused write (a concurrent change) is logged and re-decided on the next pass, which that change
-triggers; a lost lease stops the term. Lease renewals do not wake the loop again (the reference's
-hot loop), and recurring shortfall events are published when they start or change.
+triggers; a lost lease stops the term. Lease renewals do not wake the loop again (no hot loop), and
+recurring shortfall events are published when they start or change.
 """
 
 from __future__ import annotations

@@ -1,24 +1,24 @@
-"""SnapshotScheduler (lease ``snapshots``): scheduled volume snapshots and their retention (B1).
+"""SnapshotScheduler (lease ``snapshots``): scheduled volume snapshots and their retention.
 
 Each pass, for every volume:
 
-- **schedule** (B1.3): 5-field cron in UTC, ``CRON_TZ=``/``TZ=`` prefixes, descriptors (``@daily``…,
+- **schedule**: 5-field cron in UTC, ``CRON_TZ=``/``TZ=`` prefixes, descriptors (``@daily``…,
   ``@every <Go duration>``). ``baseline`` = the newest of the volume's creation and all its snapshot
   records; the slot ``Next(baseline)`` fires once when due. After an outage that is at most one
   catch-up snapshot, since the catch-up's record becomes the next baseline.
-- **retention** (B1.5): COMPLETE snapshots beyond ``keep_last`` (default 7) are deleted, then pruned.
+- **retention**: COMPLETE snapshots beyond ``keep_last`` (default 7) are deleted, then pruned.
 
-Fixes of the reference:
+Failures never wedge a volume:
 
-- a dispatch that fails before its record exists does not wedge the schedule (D-B3): the dispatcher
+- a dispatch that fails before its record exists does not wedge the schedule: the dispatcher
   writes the RUNNING record first, and when even that write fails the slot is re-armed and retried after
   ``RETRY_AFTER`` seconds;
-- at most one snapshot of a volume at a time (D-B6): a due slot waits while one runs, then fires once;
+- at most one snapshot of a volume at a time: a due slot waits while one runs, then fires once;
 - FAILED records are deleted after ``FAILED_KEEP`` (except the volume's newest record, so the baseline
   never moves back and re-fires an old slot), RUNNING records without progress for ``STUCK_AFTER`` are
-  failed (D-B4); their ids are pruned like expired ones;
-- only record deletions that landed are pruned (D-B8); a deferred or failed prune is retried;
-- RESTORING and NODE_LOST volumes are not snapshotted on schedule (D-B9): the slot fires once when the
+  failed; their ids are pruned like expired ones;
+- only record deletions that landed are pruned; a deferred or failed prune is retried;
+- RESTORING and NODE_LOST volumes are not snapshotted on schedule: the slot fires once when the
   volume is back.
 
 And a reaper for restores whose driver died: the restore runs in the process that asked for it (the CLI),

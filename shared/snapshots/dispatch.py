@@ -1,11 +1,10 @@
-"""SnapshotDispatcher: the control side of volume snapshots over NATS (B1.7, B2.7, B2.8).
+"""SnapshotDispatcher: the control side of volume snapshots over NATS (snapshots, restores, pruning).
 
 ``start_snapshot`` writes the RUNNING record FIRST, then asks the volume's node on
 ``zattera.agent.<node>.snapshot`` and follows its progress messages in the background, ending in
 COMPLETE (manifest key, logical bytes, uploaded bytes = bytes newly stored) or FAILED with the reason.
 Every failure after the record exists (node missing, no agent answering, pre-hook, upload) therefore
-leaves a FAILED record that moves the schedule's baseline on (the reference failed some of them before
-writing any record and wedged the schedule for the rest of the leader term, D-B3).
+leaves a FAILED record that moves the schedule's baseline on: no failure wedges the schedule.
 
 At most one snapshot of a volume runs at a time (:class:`SnapshotBusy`). Prune is serialized against
 snapshots (a shared/exclusive lock: snapshots share, prune is exclusive, and prune defers while the view
@@ -90,7 +89,7 @@ def snapshot_target(cfg: Settings | None = None) -> cpb.SnapshotTarget:
     return cpb.SnapshotTarget(data_key=bytes.fromhex(key) if key else b"")
 
 
-# ---------------------------------------------------------------------------- volume lease helpers (C4.5)
+# ---------------------------------------------------------------------------- volume lease helpers
 
 
 def volume_mounted(view: StateReader, volume: pb.Volume, now: float) -> bool:
@@ -329,11 +328,11 @@ class SnapshotDispatcher:
     # ------------------------------------------------------------------ prune
 
     async def prune(self, volume: pb.Volume, snapshot_ids: list[str]) -> cpb.PruneSnapshotsResponse:
-        """Delete the dead snapshots' manifests and collect unreferenced chunks (global, like the reference).
+        """Delete the dead snapshots' manifests and collect unreferenced chunks (of every volume: chunks are shared).
 
         Runs exclusively of this dispatcher's snapshots; defers (deleting nothing) while another process's
         snapshot is RUNNING. Manifests whose record no longer exists (a failed earlier prune, a record
-        deleted while its snapshot finished) are pruned too, so nothing pins chunks forever (D-B8).
+        deleted while its snapshot finished) are pruned too, so nothing pins chunks forever.
         """
         async with self.gc_lock.exclusive():
             await self.view.wait_fresh()
@@ -384,7 +383,7 @@ class SnapshotDispatcher:
 
         The volume is RESTORING meanwhile (``updated_at`` = when it entered RESTORING, refreshed every
         ``touch_every`` while the node reports progress), then ACTIVE on success or back to its previous
-        status on failure (the reference forced ACTIVE even onto a NODE_LOST volume). While RESTORING no
+        status on failure (a NODE_LOST volume stays NODE_LOST). While RESTORING no
         replica is placed on it and no lease is granted; if this process dies mid-restore, the snapshot
         scheduler's reaper ends the RESTORING state after ``restore_timeout`` without a touch.
         """
