@@ -890,8 +890,8 @@ async def provision(
     tombstone_ttl: float = TOMBSTONE_TTL,
     build_log_lines: int = 10_000,
 ) -> ProvisionReport:
-    """Create what is missing of the buckets, streams and object stores, never changing what exists. Idempotent; safe from many
-    processes at once.
+    """Create what is missing of the buckets, streams and object stores, never changing what exists.
+    Idempotent; safe from many processes at once.
 
     On an uninitialised cluster (no state stream) this is the init: the configuration — ``replicas``, or
     :func:`default_replicas` of the cluster's size when None, and the TTLs given — is recorded on the

@@ -12,8 +12,9 @@ has caught up, re-read the env, find it warm and answer ``accepted=true`` withou
 per-process debounce: it could not stop other control nodes, and a wake cannot be undone within seconds
 (held requests count as demand), so it would only make a waiting request wait longer.
 
-Errors (gRPC's codes as HTTP-like numbers, :mod:`shared.activation`): 400 undecodable request; 404 env not found; 503 state view
-not in sync (retry); 409 the env kept changing under the write (retry); 500 anything else.
+Errors (gRPC's codes as HTTP-like numbers, :mod:`shared.activation`): 400 undecodable request; 404 env
+not found; 503 state view not in sync (retry); 409 the env kept changing under the write (retry); 500
+anything else.
 """
 
 from __future__ import annotations

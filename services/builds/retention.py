@@ -14,9 +14,9 @@ written more than 24 h ago are deleted.
   nor the tarball cleanup.
 * A tarball needed by a QUEUED or RUNNING build is never deleted, and re-uploading the same
   source refreshes its written-at time (shared/registry.py ``BlobStore.put``).
-* A deleted environment (``zattera envs|apps|projects delete``) loses every release no replica uses any more, with its images; once none is left,
-  its finished deployments and builds go too. An env deletion wakes the loop, so this does not wait for
-  the next hourly sweep.
+* A deleted environment (``zattera envs|apps|projects delete``) loses every release no replica uses any
+  more, with its images; once none is left, its finished deployments and builds go too. An env deletion
+  wakes the loop, so this does not wait for the next hourly sweep.
 """
 
 from __future__ import annotations

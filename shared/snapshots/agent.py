@@ -6,8 +6,9 @@ per-operation ``sequence``, re-sent at least every ``heartbeat`` seconds so the 
 operation from a dead one; the last message has phase ``done`` or ``error``. Prune answers with one
 :class:`PruneSnapshotsResponse`.
 
-Volumes live at ``<volumes_root>/<volume id>`` (the id: names of two envs could collide). A request whose volume or snapshot ids are not plain ids
-(:func:`shared.ids.is_safe_id`: no ``..``, ``/`` or absolute path), whose target names an impossible
+Volumes live at ``<volumes_root>/<volume id>`` (the id: names of two envs could collide). A request whose
+volume or snapshot ids are not plain ids (:func:`shared.ids.is_safe_id`: no ``..``, ``/`` or absolute
+path), whose target names an impossible
 bucket or a prefix over :data:`MAX_PREFIX` bytes, or that does not decode, is refused before any file or
 object is touched: snapshot and restore answer one ``error`` progress message, prune a response with
 ``error`` set. (Ids, bucket and prefix end up in NATS subjects: unbounded, one request could push a
