@@ -17,7 +17,7 @@ is followers.py.
   checkpointed every ``checkpoint_interval`` (a floor when the replay holds no event). No build stays
   RUNNING forever.
 * Log lines go to the durable build-log stream (shared/buildlogs.py), readable after a failover.
-* Cancel: an operator writes CANCELED (shared/buildcancel.py); the dispatcher tells the builder to
+* Cancel: an operator writes CANCELED (shared/actions/builds.py); the dispatcher tells the builder to
   stop on ``zattera.agent.<node>.build.cancel`` — also when a builder keeps streaming for a build that
   already ended (canceled, or failed as lost).
 """
