@@ -20,5 +20,5 @@ async def test_a_queued_build_is_canceled_once(ctx: ActionContext, writer: Write
     assert build is not None and (build.status, build.error) == (pb.BUILD_STATUS_CANCELED, "canceled")
     with pytest.raises(Conflicting, match=r"^build b1 already ended \(BUILD_STATUS_CANCELED\)$"):
         await cancel_build(ctx, CancelBuild("b1"))
-    with pytest.raises(NotFound, match="^build nope not found$"):
+    with pytest.raises(NotFound, match=r"^build nope not found$"):
         await cancel_build(ctx, CancelBuild("nope"))
