@@ -1,4 +1,4 @@
-"""ScaleToZero on real NATS with a fake clock: the reference cases (§6.2) — the guards now proven by
+"""ScaleToZero on real NATS with a fake clock: the reference cases — the guards now proven by
 seeding, advancing past the idle window and evaluating again — and the fixes."""
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ async def test_loop_cools_on_its_tick_when_the_window_ends(h: Harness):
 
 
 async def test_a_promoted_deployment_keeping_blue_warm_does_not_hold_off_cooling(h: Harness):
-    """Issue 21: after a deploy the env cools within idle timeout + one tick, drain window or not."""
+    """After a deploy the env cools within idle timeout + one tick, drain window or not."""
     idle, tick = 60.0, 15.0
     draining = deployment("d1", phase=pb.DEPLOYMENT_PHASE_DRAINING_OLD)
     await h.seed(*base_objects(s2z_env(idle_timeout=idle), running(1)), draining)

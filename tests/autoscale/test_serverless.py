@@ -1,4 +1,4 @@
-"""Serverless on real NATS with a fake clock: the reference table (§6.3) and the fixes (held requests as
+"""Serverless on real NATS with a fake clock: the reference table and the fixes (held requests as
 demand, the scale-down window, the ceiling never below the wake target)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""BuildDispatcher on real NATS with an in-test builder (spec §9.1 and the fixes of §11)."""
+"""BuildDispatcher on real NATS with an in-test builder."""
 
 from __future__ import annotations
 
