@@ -109,6 +109,20 @@ async def upgrade_with_retry(process: Process, conn: Connection) -> bool:
     return report is not None
 
 
+async def start_view_with_retry(process: Process, view: StateView) -> bool:
+    """Load the state view, retrying while JetStream cannot answer (no stream leader yet: the consumer it
+    creates times out); False once the process is stopped first. A service started during a quorum loss
+    used to die here, right after its provisioning had waited the loss out."""
+
+    async def attempt() -> bool:
+        await view.start()
+        return True
+
+    return bool(
+        await process.retry(attempt, what="loading the state view failed", retry_on=(NatsError, TimeoutError, OSError))
+    )
+
+
 async def serve(name: str, build: Build, argv: Sequence[str] | None = None) -> int:
     return await serve_all(name, {name: build}, argv)
 
@@ -146,7 +160,8 @@ async def _serve(process: Process, builds: Mapping[str, Build]) -> int:
             log.error("%s: %s", process.name, exc)
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        await view.start()
+        if not await start_view_with_retry(process, view):
+            return 0
         clock = RealClock()
         for service, build in builds.items():
             ctx = ServiceContext(service, process.settings, conn, view, clock, default_holder(service))

@@ -16,7 +16,8 @@
   (``NanoCpus``) and the node's ``pids_limit``.
 * **Output.** The daemon keeps the container's output (json-file); a follower per stream appends it to the
   instance's ``stdout.log``/``stderr.log``, which ``logs.py`` ships as for processes. The follower resumes
-  from the last shipped timestamp (``docker-logs.json``) after an agent restart.
+  from the last copied timestamp after an agent restart, skipping exactly the lines of that instant it had
+  copied (``docker-logs.json``).
 * **Lifecycle.** Containers carry the labels ``dev.zattera.node`` and ``dev.zattera.assignment``; a restarted
   agent adopts a running one its record names (no restart); :func:`DockerLauncher.sweep` removes containers
   of this node nobody references and derived images no container uses.
@@ -275,23 +276,59 @@ def _parse_time(text: str) -> float:
     return seconds + (float("0." + frac) if frac else 0.0)
 
 
+def since_param(stamp: str) -> str:
+    """Docker's ``since`` for an RFC 3339 timestamp of its own, exactly (``<seconds>.<nanoseconds>``): lines
+    stamped at that very instant are sent again (the daemon skips only earlier ones)."""
+    head, _, frac = stamp.rstrip("Z").partition(".")
+    seconds = int(datetime.fromisoformat(head + "+00:00").timestamp())
+    return f"{seconds}.{(frac + '0' * 9)[:9]}"
+
+
 class _LogCursor:
-    """The last timestamp of each stream appended to the instance's output files, kept on disk."""
+    """Per stream, the timestamp of the last line appended to the instance's output files and how many lines
+    of that very timestamp were appended (a flood stamps several lines alike), kept on disk: a follower that
+    starts again resumes from that instant and skips exactly those lines (once ``since`` that instant plus a
+    microsecond: a line stamped within it was lost)."""
 
     def __init__(self, instance_dir: Path) -> None:
         self.path = instance_dir / LOG_CURSOR_FILE
+        self.since: dict[str, tuple[str, int]] = {}
         try:
-            self.since: dict[str, str] = {str(k): str(v) for k, v in json.loads(self.path.read_text()).items()}
-        except (OSError, ValueError, AttributeError):
+            for stream, value in json.loads(self.path.read_text()).items():
+                stamp, count = (value, 1) if isinstance(value, str) else (value[0], value[1])
+                self.since[str(stream)] = (str(stamp), int(count))
+        except (OSError, ValueError, AttributeError, TypeError, IndexError):
             self.since = {}
         self._saved_at = 0.0
 
-    def advance(self, stream: str, timestamp: str, *, force: bool = False) -> None:
-        self.since[stream] = timestamp
+    def advance(self, stream: str, timestamp: str) -> None:
+        """One more line of ``stream``, stamped ``timestamp``, is in the file."""
+        last, count = self.since.get(stream, ("", 0))
+        self.since[stream] = (timestamp, count + 1 if timestamp == last else 1)
+        self.save()
+
+    def save(self, *, force: bool = False) -> None:
         now = time.monotonic()
-        if force or now - self._saved_at >= _CURSOR_SAVE_INTERVAL:
+        if self.since and (force or now - self._saved_at >= _CURSOR_SAVE_INTERVAL):
             self._saved_at = now
-            write_atomic(self.path, json.dumps(self.since), mode=PRIVATE, durable=False)  # a hint: re-read is safe
+            cursor = {stream: [stamp, count] for stream, (stamp, count) in self.since.items()}
+            write_atomic(self.path, json.dumps(cursor), mode=PRIVATE, durable=False)  # a hint: re-read is safe
+
+
+class Resume:
+    """Which lines a follower starting again at ``since`` (the cursor's timestamp) skips: the first ``skip``
+    ones stamped at that instant, already in the file; everything after them is new."""
+
+    def __init__(self, since: str, skip: int) -> None:
+        self.since = since
+        self.skip = skip if since else 0
+
+    def new(self, stamp: str) -> bool:
+        if self.skip and stamp == self.since:
+            self.skip -= 1
+            return False
+        self.skip = 0
+        return True
 
 
 class ContainerHandle:
@@ -325,28 +362,26 @@ class ContainerHandle:
         return self._running
 
     async def _follow(self, stream: str) -> None:
-        since = self._cursor.since.get(stream)
+        since, skip = self._cursor.since.get(stream, ("", 0))
         params: dict[str, Any] = {"timestamps": True}
         if since:
-            params["since"] = f"{_parse_time(since) + 1e-6:.6f}"
-        last = ""
+            params["since"] = since_param(since)
+        resume = Resume(since, skip)
         try:
             with self._files[stream].open("ab") as sink:
                 async for chunk in self._container.log(
                     follow=True, stdout=stream == "stdout", stderr=stream == "stderr", **params
                 ):
                     stamp, _, text = chunk.partition(" ")
-                    if not text:  # nothing decodable (undecodable bytes are dropped by the client)
+                    if not text or not resume.new(stamp):  # undecodable (dropped by the client), or copied already
                         continue
                     sink.write(text.encode())
                     sink.flush()
-                    last = stamp
                     self._cursor.advance(stream, stamp)
         except (aiodocker.DockerError, OSError) as exc:
             log.debug("%s: log follower for %s ended: %s", self.id[:12], stream, exc)
         finally:
-            if last:
-                self._cursor.advance(stream, last, force=True)
+            self._cursor.save(force=True)
 
     async def _wait_end(self) -> int | None:
         with contextlib.suppress(aiodocker.DockerError):

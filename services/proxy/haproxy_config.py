@@ -5,11 +5,18 @@ A plan has three parts, changed at run time in different ways (:mod:`services.pr
 * ``hosts`` — the Host map (``hosts.map``: lowercased hostname → backend name), an O(log n) tree
   lookup per request; changed entry by entry with ``set map``/``add map``/``del map``;
 * ``paths`` — hostname + path prefix → backend name for hosts that have path-prefixed routes, longest
-  prefix first (``map_beg`` keeps file order); small, rewritten whole with ``prepare map``/``commit map``;
+  prefix first (``map_beg`` keeps file order); small, rewritten whole with ``prepare map``/``commit map``.
+  Its lookup is in the configuration only while there are such routes (having some or none is structure);
 * ``backends`` — one per (env, middleware, rate limit, concurrency cap) with its servers. Servers of
   non-sticky backends are added/removed at run time (``add server``/``del server``); anything else that
   differs (a new backend, changed middleware, the servers of a sticky backend: HAProxy 2.6 refuses
   ``cookie`` on dynamic servers) is a *structure* change: a new configuration and a hitless reload.
+
+The frontend does per request only what some route needs, each step a rule HAProxy runs on every request
+(together about a quarter more user-space instructions than a hand-written host map to one backend, the
+forwarded headers most of it): the forwarded headers, ACME challenges to ``hold``, the path map (only with
+path-prefixed routes), the host map in ``use_backend`` itself, ``no_route`` (the JSON 404) by default;
+``txn.https`` is computed only when a backend redirects to HTTPS.
 
 Routes that HAProxy does not serve itself go to the ``hold`` backend, whose one server is the Python
 handler (:class:`services.proxy.server.Proxy` on loopback): routes with no healthy endpoint (cold:
@@ -48,6 +55,9 @@ from shared.acmechallenge import PATH_PREFIX as CHALLENGE_PATH
 HOLD_BACKEND = "hold"
 HOLD_BACKUP_SERVER = "zattera_hold"
 HELD_CHECK_INTER = "2s"
+NO_ROUTE_BACKEND = "no_route"
+"""Where a request whose host and path match no route goes: the JSON 404, answered by HAProxy."""
+HTTPS_VAR = "txn.https"
 LOCAL_WEIGHT = 101
 REMOTE_WEIGHT = 100
 RATE_TABLE_SIZE = "32k"
@@ -102,7 +112,7 @@ class Plan:
 
     def same_structure(self, other: Plan) -> bool:
         """Whether ``other`` can be reached from this plan by runtime changes alone."""
-        if self.backends.keys() != other.backends.keys():
+        if self.backends.keys() != other.backends.keys() or bool(self.paths) != bool(other.paths):
             return False
         return all(
             mine is other.backends[name] or mine.structure() == other.backends[name].structure()
@@ -214,7 +224,7 @@ def backend_rules(route: cpb.HTTPRoute, hold_timeout: float) -> tuple[str, ...]:
         condition = f" unless {{ src {' '.join(networks)} }}" if networks else ""
         rules.append(_json_return(403, "forbidden") + condition)
     if middleware.redirect_https:
-        rules.append("http-request redirect scheme https code 308 unless { var(txn.https) -m bool }")
+        rules.append(f"http-request redirect scheme https code 308 unless {{ var({HTTPS_VAR}) -m bool }}")
     if route.HasField("rate_limit") and route.rate_limit.requests_per_second > 0:
         allowed = max(route.rate_limit.burst, route.rate_limit.requests_per_second)
         rules += [
@@ -332,6 +342,33 @@ def map_text(entries: Iterable[tuple[str, str]]) -> str:
     return "".join(f"{key} {value}\n" for key, value in entries)
 
 
+def _frontend_rules(plan_: Plan, layout: Layout) -> list[str]:
+    host = "req.hdr(host),field(1,:),lower"
+    rules = []
+    if any(HTTPS_VAR in rule for backend in plan_.backends.values() for rule in backend.rules):
+        # As the Python proxy: HTTPS to this listener, or a TLS terminator in front saying so.
+        rules.append(
+            f"http-request set-var({HTTPS_VAR}) bool(1) if {{ ssl_fc }} || "
+            "{ req.hdr(x-forwarded-proto,1),lower -m str https }"
+        )
+    rules += [
+        "http-request set-header X-Forwarded-Proto %[ssl_fc,iif(https,http)]",
+        "http-request set-header X-Forwarded-Host %[req.hdr(host)]",
+    ]
+    if plan_.paths:
+        rules += [
+            "http-request set-var(txn.path) path",
+            f"http-request set-var(txn.backend) {host},concat(,txn.path,),map_beg({layout.paths_map})",
+        ]
+    # ACME HTTP-01 answers (any host, known or not) are the Python side's, before host matching and
+    # before any backend's middleware (an HTTPS redirect must never meet a CA's validation request).
+    rules.append(f"use_backend {HOLD_BACKEND} if {{ path_beg {CHALLENGE_PATH} }}")
+    if plan_.paths:
+        rules.append("use_backend %[var(txn.backend)] if { var(txn.backend) -m found }")
+    rules.append(f"use_backend %[{host},map({layout.hosts_map})]")  # no entry: no backend, default_backend
+    return [f"    {rule}" for rule in rules]
+
+
 def render(plan_: Plan, layout: Layout) -> str:
     """The whole configuration: global, defaults, the frontend, the hold backend and every backend with
     its current servers (so a fresh or reloaded HAProxy starts with all routes, before any runtime call)."""
@@ -360,26 +397,15 @@ def render(plan_: Plan, layout: Layout) -> str:
             if layout.tls_bind
             else []
         ),
-        # As the Python proxy: HTTPS to this listener, or a TLS terminator in front saying so.
-        "    http-request set-var(txn.https) bool(1) if { ssl_fc } || "
-        "{ req.hdr(x-forwarded-proto,1),lower -m str https }",
-        "    http-request set-header X-Forwarded-Proto %[ssl_fc,iif(https,http)]",
-        "    http-request set-header X-Forwarded-Host %[req.hdr(host)]",
-        "    http-request set-var(txn.host) req.hdr(host),field(1,:),lower",
-        "    http-request set-var(txn.path) path",
-        "    http-request set-var(txn.hostpath) var(txn.host),concat(,txn.path,)",
-        f"    http-request set-var(txn.backend) var(txn.hostpath),map_beg({layout.paths_map})",
-        f"    http-request set-var(txn.backend) var(txn.host),map({layout.hosts_map}) "
-        "unless { var(txn.backend) -m found }",
-        # ACME HTTP-01 answers (any host, known or not) are the Python side's, before host matching and
-        # before any backend's middleware (an HTTPS redirect must never meet a CA's validation request).
-        f"    http-request set-var(txn.backend) str({HOLD_BACKEND}) if {{ path_beg {CHALLENGE_PATH} }}",
-        "    " + _json_return(404, "no route for host") + " unless { var(txn.backend) -m found }",
-        "    use_backend %[var(txn.backend)]",
+        *_frontend_rules(plan_, layout),
+        f"    default_backend {NO_ROUTE_BACKEND}",
         "",
         f"backend {HOLD_BACKEND}",
         "    timeout server " + ms(layout.hold_timeout + layout.server_timeout),
         f"    server python {layout.hold_addr}",
+        "",
+        f"backend {NO_ROUTE_BACKEND}",
+        "    " + _json_return(404, "no route for host"),
     ]
     for name in sorted(plan_.backends):
         backend = plan_.backends[name]

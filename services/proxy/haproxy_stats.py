@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from services.proxy.haproxy_config import NO_ROUTE_BACKEND
 from shared.clock import to_timestamp
 
 
@@ -87,6 +88,8 @@ class HAProxySampler:
             counters = _Counters.of(row)
             self._previous[key] = counters
             delta = counters.since(previous.get(key))
+            if key == (NO_ROUTE_BACKEND, "BACKEND"):
+                continue  # its 404s stay the frontend's own answers ("no route", below)
             total_by_class = answered_by_frontend if key[1] == "FRONTEND" else answered_by_backends
             for index, count in enumerate(delta.by_class):
                 total_by_class[index] += count

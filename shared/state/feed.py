@@ -101,6 +101,7 @@ class StateView(StateStore):
         self._resync_buffer: Snapshot | None = None
         self._load_progress = 0.0
         self._snapshot_timeout = 0.0
+        self._listening = False
 
     # ------------------------------------------------------------------ lifecycle
 

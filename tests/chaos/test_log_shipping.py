@@ -1,10 +1,11 @@
-"""Log shipping is at-least-once across agent restarts on a busy machine.
+"""Log shipping is at-least-once across agent restarts on a busy machine, on both runtimes.
 
 An app writes numbered lines without end while a real agent process (``python -m services.agent``) ships
 them; the agent is stopped (SIGTERM) and killed (SIGKILL) in turn, round after round, with every core
 saturated by a CPU hog the test started, and the app writes on while no agent runs. Each new agent adopts
-the same process (same pid) and ships from the saved cursor: every number the app wrote must reach the
-stream. ``make test`` runs a few rounds, ``make chaos`` twenty.
+the same process (same pid) or container and ships from the saved cursors (the output files' offsets; for a
+container also where its output was copied up to): every number the app wrote must reach the stream.
+``make test`` runs a few rounds per runtime, ``make chaos`` twenty.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
+import aiodocker
 import psutil
 import pytest
 from nats.aio.msg import Msg
@@ -68,7 +72,7 @@ class Shipped:
         return sorted(set(range(top + 1)) - self.numbers)
 
 
-def written(path: Path) -> int:
+def lines_in_file(path: Path) -> int:
     """Lines the app has written so far (shipped bytes punched out of the file read as zeros)."""
     try:
         return path.read_bytes().count(b"\n")
@@ -76,10 +80,64 @@ def written(path: Path) -> int:
         return 0
 
 
-def start_agent(nats_url: str, data_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+@dataclass
+class App:
+    """The writing app on one runtime: its image ref, how many lines it has written, what identifies it."""
+
+    runtime: str
+    docker_host: str = ""
+    instance: Path = Path()
+
+    def ref(self, directory: Path) -> str:
+        if self.runtime == "docker":
+            loop = 'i=0; while :; do echo "out $i"; i=$((i+1)); [ $((i % 10)) -eq 0 ] && sleep 0.01; done'
+            return "exec:" + quote(loop, safe="")
+        (directory / "writer.py").write_text(WRITER)
+        return process_ref(directory, f"{sys.executable} writer.py")
+
+    def identity(self) -> str:
+        record = InstanceRecord.load(self.instance)
+        assert record is not None
+        return record.container_id or str(record.pid)
+
+    async def written(self) -> int:
+        """Lines written so far: the output file of a process; the daemon's log of a container (its file is
+        filled by the agent's follower, which is down with the agent)."""
+        if self.runtime != "docker":
+            return lines_in_file(self.instance / STREAM_FILES[STDOUT])
+        docker = aiodocker.Docker(url=self.docker_host)
+        try:
+            container = await docker.containers.get(self.identity())
+            return len(await container.log(stdout=True))
+        finally:
+            await docker.close()
+
+    async def kill(self) -> None:
+        record = InstanceRecord.load(self.instance)
+        if record is None:
+            return
+        if record.container_id:
+            docker = aiodocker.Docker(url=self.docker_host)
+            try:
+                with contextlib.suppress(aiodocker.DockerError):
+                    await (await docker.containers.get(record.container_id)).delete(force=True)
+            finally:
+                await docker.close()
+        elif record.pid:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                os.killpg(record.pid, signal.SIGKILL)
+
+
+def start_agent(nats_url: str, data_dir: Path, log: Path, app: App) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "services.agent", "--nats", nats_url, "--node-id", "n1", "--data-dir", str(data_dir)]
+    env = {
+        **os.environ,
+        **AGENT_ENV,
+        "ZATTERA_AGENT_RUNTIME": app.runtime,
+        "ZATTERA_AGENT_DOCKER_HOST": app.docker_host,
+    }
     with log.open("ab") as out:
-        return subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **AGENT_ENV})
+        return subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 async def stop(agent: subprocess.Popen[bytes], how: signal.Signals) -> None:
@@ -88,63 +146,62 @@ async def stop(agent: subprocess.Popen[bytes], how: signal.Signals) -> None:
     assert how == signal.SIGKILL or code == 0, f"the agent exited {code} on {how.name}"
 
 
-def kill_app(data_dir: Path) -> None:
-    for directory in (data_dir / "instances").glob("*"):
-        record = InstanceRecord.load(directory)
-        if record is not None and record.pid:
-            with contextlib.suppress(psutil.Error, ProcessLookupError):
-                os.killpg(record.pid, signal.SIGKILL)
-
-
+@pytest.mark.parametrize("runtime", ["process", "docker"])
 @pytest.mark.parametrize(
     "rounds", [pytest.param(4, id="4-rounds"), pytest.param(20, id="20-rounds", marks=pytest.mark.chaos)]
 )
 @pytest.mark.timeout(1500)
 async def test_agent_stops_and_kills_under_cpu_pressure_lose_no_line(
-    conn: Connection, writer: Writer, nats_url: str, tmp_path: Path, rounds: int
+    request: pytest.FixtureRequest,
+    conn: Connection,
+    writer: Writer,
+    nats_url: str,
+    tmp_path: Path,
+    rounds: int,
+    runtime: str,
 ) -> None:
+    docker_host = request.getfixturevalue("docker_host") if runtime == "docker" else ""
     await create_or_update_stream(conn.js, app_logs_stream_config(ENV, LogLimits(256 * 1024 * 1024, 3600.0), 1))
     shipped = Shipped()
     await shipped.follow(conn)
-    (tmp_path / "writer.py").write_text(WRITER)
-    rel = release(process_ref(tmp_path, f"{sys.executable} writer.py"), env_id=ENV, healthcheck=False)
+    app = App(runtime, docker_host)
+    rel = release(app.ref(tmp_path), env_id=ENV, healthcheck=False)
     a = assignment("n1", rel)
     await writer.commit(writer.txn("seed").put(rel).put(a))
     data_dir = tmp_path / "agent-n1"
-    instance = data_dir / "instances" / a.meta.id
-    stdout_file = instance / STREAM_FILES[STDOUT]
+    app.instance = data_dir / "instances" / a.meta.id
     log = tmp_path / "agent.log"
-    app_pid = 0
+    identity = ""
     agent: subprocess.Popen[bytes] | None = None
     try:
         with cpu_hog():
             before = 0
             for i in range(rounds):
-                agent = start_agent(nats_url, data_dir, log)
+                agent = start_agent(nats_url, data_dir, log, app)
                 await eventually(
                     lambda before=before: len(shipped.numbers) > before + 20,
                     ROUND_TIMEOUT,
                     f"round {i}: what was written while no agent ran, and more, shipped",
                 )
-                record = InstanceRecord.load(instance)
-                assert record is not None
-                app_pid = app_pid or record.pid
-                assert record.pid == app_pid, f"round {i}: the app was restarted, not adopted"
+                identity = identity or app.identity()
+                assert app.identity() == identity, f"round {i}: the app was restarted, not adopted"
                 how = signal.SIGTERM if i % 2 == 0 else signal.SIGKILL
                 await stop(agent, how)
                 agent = None
-                down_at = written(stdout_file)
-                await eventually(
-                    lambda down_at=down_at: written(stdout_file) > down_at + 50, 30, f"round {i}: the app writes on"
-                )
-                before = written(stdout_file)
-            agent = start_agent(nats_url, data_dir, log)
+                down_at = await app.written()
+
+                async def wrote_on(down_at: int = down_at) -> bool:
+                    return await app.written() > down_at + 50
+
+                await eventually(wrote_on, 30, f"round {i}: the app writes on")
+                before = await app.written()
+            agent = start_agent(nats_url, data_dir, log, app)
             await eventually(lambda: len(shipped.numbers) > before, ROUND_TIMEOUT, "the last backlog shipped")
-        assert psutil.pid_exists(app_pid)
+        assert app.identity() == identity
         assert shipped.gaps() == [], f"lines never shipped: {shipped.gaps()[:20]} (agent log: {log})"
         assert max(shipped.numbers) >= before
     finally:
         if agent is not None and agent.poll() is None:
             agent.kill()
             agent.wait()
-        kill_app(data_dir)
+        await app.kill()

@@ -4,9 +4,11 @@ beside it: the code of this tree by default, or another release's (``Release``, 
 from __future__ import annotations
 
 import os
+import random
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Mapping
@@ -26,6 +28,20 @@ class Release:
 
 
 THIS = Release()
+
+
+def listen_port() -> int:
+    """A free port below the ephemeral range (32768 up), for a listener a test starts later: a port the
+    kernel just handed out (``free_port``) is also what it hands to the next outgoing connection on a busy
+    machine, which then holds it when the listener binds."""
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 class Up:

@@ -111,11 +111,14 @@ async def test_an_upgraded_cluster_is_the_cluster_this_code_initialises(bare: Co
         made = {name: await raw_stream_config(fresh.nc, name) for name in await _names(fresh)}
     finally:
         await fresh.close()
-    assert set(made) <= set(migrated), f"missing after the migrations: {set(made) - set(migrated)}"
+    assert set(made) <= set(migrated), (
+        f"provisioning makes {set(made) - set(migrated)}, which no migration creates on an older cluster "
+        "(docs/upgrades.md, 'Adding a migration')"
+    )
     for name, config in made.items():
         assert config is not None and migrated[name] is not None
         differ = {f for f in _checked(config) if _checked(config)[f] != _checked(migrated[name])[f]}
-        assert not differ, f"{name}: {differ}"
+        assert not differ, f"{name}: {differ} differ between a new cluster and a migrated one (docs/upgrades.md)"
 
 
 def _checked(config: dict[str, object]) -> dict[str, object]:

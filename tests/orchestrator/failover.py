@@ -128,6 +128,15 @@ class Orchestrators:
         self.log_of[proc.pid] = log
         return proc.pid
 
+    async def wait_running(self, timeout: float = 120.0) -> None:
+        """Until every process started has said it runs (its interpreter, imports and NATS connection done):
+        on a busy machine that takes longer than any failover this suite measures, and must not count in it."""
+
+        def all_running() -> bool:
+            return all(": running (" in log.read_text(errors="replace") for log in self.log_of.values())
+
+        await eventually(all_running, timeout, "every orchestrator process running")
+
     def alive(self) -> list[int]:
         return [pid for pid, p in self.procs.items() if p.poll() is None]
 

@@ -88,6 +88,7 @@ async def cluster(nats_url: str, tmp_path: Path) -> AsyncIterator[Cluster]:
     orchestrators.start()
     orchestrators.start()
     try:
+        await orchestrators.wait_running()
         yield Cluster(view, writer, agent, orchestrators, Deployer(writer))
     finally:
         orchestrators.stop_all()

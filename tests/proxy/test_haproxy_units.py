@@ -10,7 +10,16 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.proxy.haproxy_certs import changes, digest, pem_problem, self_signed_pem
-from services.proxy.haproxy_config import HOLD_BACKEND, IDLE_POOL, Layout, backend_name, backend_rules, plan, render
+from services.proxy.haproxy_config import (
+    HOLD_BACKEND,
+    IDLE_POOL,
+    NO_ROUTE_BACKEND,
+    Layout,
+    backend_name,
+    backend_rules,
+    plan,
+    render,
+)
 from services.proxy.haproxy_stats import HAProxySampler, merge_samples
 from tests.proxy.harness import endpoint, http_route
 
@@ -79,8 +88,24 @@ def test_render_has_every_backend_and_the_tls_listener(tmp_path: Path) -> None:
     assert "bind 0.0.0.0:8443 ssl crt" in text and "alpn h2,http/1.1" in text
     assert f"server s_a1 10.0.0.1:80 weight 101 {IDLE_POOL} maxconn 2" in text
     assert "server python 127.0.0.1:9" in text
-    challenge = text.index("str(hold) if { path_beg /.well-known/acme-challenge/ }")  # to the Python answerer
-    assert text.index("map(") < challenge < text.index("no route for host")  # after host matching's var, before 404
+    challenge = text.index("use_backend hold if { path_beg /.well-known/acme-challenge/ }")  # to the Python answerer
+    assert challenge < text.index(f"map({layout.hosts_map})")  # whatever the host
+    assert f"default_backend {NO_ROUTE_BACKEND}" in text and "no route for host" in text
+
+
+def test_the_frontend_runs_only_what_some_route_needs(tmp_path: Path) -> None:
+    """The path map and the HTTPS variable cost every request something: rendered only when a route uses
+    them, and gaining or losing the first such route is a reload."""
+    layout = Layout(tmp_path, "0.0.0.0:8080", "127.0.0.1:9", 60, 5)
+    plain = planned(http_route("h", "e1", [endpoint("10.0.0.1:80", "a1")]))
+    assert "map_beg" not in render(plain, layout) and "txn.https" not in render(plain, layout)
+    prefixed = planned(http_route("h", "e1", [endpoint("10.0.0.1:80", "a1")], prefix="/api"))
+    assert f"map_beg({layout.paths_map})" in render(prefixed, layout)
+    assert not plain.same_structure(prefixed) and not prefixed.same_structure(plain)
+    redirecting = planned(
+        http_route("h", "e2", [endpoint("10.0.0.1:80")], middleware=pb.Middleware(redirect_https=True))
+    )
+    assert "http-request set-var(txn.https) bool(1) if { ssl_fc }" in render(redirecting, layout)
 
 
 def row(backend: str, stot: int, errors: int = 0, scur: int = 0, qcur: int = 0, lastsess: int = -1) -> dict[str, str]:
@@ -141,7 +166,8 @@ def test_sampler_counts_responses_per_env_and_status_class_for_the_metrics() -> 
     backend = {**row("b1", 3), "hrsp_2xx": "3"}
     hold = {**row("hold", 2), "hrsp_2xx": "2"}
     frontend = {"pxname": "ingress", "svname": "FRONTEND", "stot": "9", "hrsp_2xx": "5", "hrsp_4xx": "1"}
-    sampler.sample([frontend, backend, hold], {"b1": "e1"}, 1.0)
+    no_route = {**row(NO_ROUTE_BACKEND, 1), "hrsp_4xx": "1"}  # answers the frontend's unknown hosts
+    sampler.sample([frontend, backend, hold, no_route], {"b1": "e1"}, 1.0)
     assert {(r.env_id, r.status_class, r.count) for r in sampler.responses} == {("e1", 2, 3), ("", 4, 1)}
     sampler.sample([frontend, backend, hold], {"b1": "e1"}, 2.0)
     assert sampler.responses == []  # nothing new

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from services.agent.docker_runtime import ContainerImage, container_config, cpu_percent, exit_of, resident_bytes
+from services.agent.docker_runtime import (
+    ContainerImage,
+    Resume,
+    container_config,
+    cpu_percent,
+    exit_of,
+    resident_bytes,
+    since_param,
+)
 from services.agent.launchers import LaunchPlan
 from shared.imagearchive import ImageArchiveError, read_image_archive
 
@@ -99,3 +107,24 @@ def test_a_docker_save_archive_is_read_with_layers_gzipped_and_the_rootfs_label(
     assert image.platform == "linux/arm64"
     assert image.layers[0][:2] == b"\x1f\x8b"
     assert json.loads(image.config)["config"]["Labels"] == {"dev.zattera.rootfs": "full"}
+
+
+@pytest.mark.parametrize(
+    ("stamp", "since"),
+    [
+        ("2026-12-02T01:02:03.123456789Z", "1796173323.123456789"),
+        ("2026-12-02T01:02:03.1Z", "1796173323.100000000"),
+        ("2026-12-02T01:02:03Z", "1796173323.000000000"),
+    ],
+)
+def test_since_is_the_cursors_instant_to_the_nanosecond(stamp: str, since: str) -> None:
+    assert since_param(stamp) == since
+
+
+def test_a_resumed_follower_skips_exactly_the_lines_of_that_instant_it_copied() -> None:
+    # The flood stamped three lines at T; two were copied before the agent stopped: the third is new (it was
+    # lost when the follower resumed a microsecond after T), and so is everything after.
+    resume = Resume("T", 2)
+    assert [resume.new(stamp) for stamp in ("T", "T", "T", "T+1", "T+1")] == [False, False, True, True, True]
+    fresh = Resume("", 0)
+    assert fresh.new("T")

@@ -3,7 +3,8 @@ release (tests/upgrade/previous.py) deploys a stateful app with a secret, a doma
 snapshot and is stopped; ``zattera up`` of this tree on the same data dir upgrades the cluster (the
 migrations it prints) and then, with this version's CLI: the old release serves with its secret and data,
 its logs read back, a new release builds and deploys, a rollback runs the release the old builder made, and
-the old snapshot restores. Nothing is left running.
+the old snapshot restores. Then ``zattera up`` run again while it runs (``git pull && make up``) rolls every
+process onto the code installed, the app's instance untouched. Nothing is left running.
 
 Default timers, as shipped. ~2-3 minutes (two clusters started, three deploys, a restore).
 """
@@ -11,17 +12,18 @@ Default timers, as shipped. ~2-3 minutes (two clusters started, three deploys, a
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from shared.embedded import free_port
 from shared.migrations.registry import SCHEMA
 from shared.version import VERSION
-from tests.e2e.cluster import kill_tree_under, leftovers
-from tests.e2e.upcmd import Release, Up
+from tests.e2e.cluster import ROOT, kill_tree_under, leftovers
+from tests.e2e.upcmd import Release, Up, listen_port
 from tests.upgrade.previous import extract
 from tests.waiting import eventually
 
@@ -142,7 +144,7 @@ def release_ids(running: Up) -> dict[str, str]:
 
 async def test_a_cluster_made_by_the_previous_release_upgrades_and_keeps_everything(work: Path) -> None:
     previous = extract(work / "previous")
-    nats_port, proxy_port = free_port(), free_port()
+    nats_port, proxy_port = listen_port(), listen_port()
     source = app_source(work / "app", "v1")
 
     old = up(work, previous, nats_port, proxy_port)
@@ -206,6 +208,9 @@ async def test_a_cluster_made_by_the_previous_release_upgrades_and_keeps_everyth
         await serves(proxy_port, version="v1", data="in-the-snapshot", secret=True)
         assert SECRET not in new.text() + logs
 
+        # `git pull && make up` while it runs: the running processes roll onto the code, the app stays.
+        await rolls_in_place(new, work / "data")
+
         url = new.url
         assert new.ctrl_c() == 0, new.text()
         assert leftovers(work / "data", also_matching=url) == []
@@ -216,3 +221,46 @@ async def test_a_cluster_made_by_the_previous_release_upgrades_and_keeps_everyth
         raise
     finally:
         new.kill()
+
+
+def instances(running: Up) -> set[str]:
+    """The env's running instances (``proc-<pid>-<start>``: one run of a replica)."""
+    return {a["observed"].get("container_id", "") for a in json.loads(running.cli("ps", "--env", ENV, "--json").stdout)}
+
+
+def up_again(running: Up) -> subprocess.CompletedProcess[str]:
+    """``zattera up`` run a second time on the running cluster's data dir (as ``make up`` does)."""
+    return subprocess.run(
+        [*running.release.argv, "up", "--data-dir", str(running.data_dir)],
+        cwd=running.release.cwd,
+        env={k: v for k, v in os.environ.items() if not k.startswith("ZATTERA_")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+async def rolls_in_place(running: Up, data_dir: Path) -> None:
+    """Nothing restarts when the code is unchanged; after a change (a file's time moved, as a pull does),
+    every process is restarted on it, one at a time, and the app's instances are the same ones."""
+    before = instances(running)
+    assert len(before) == 1 and "" not in before, before
+    unchanged = up_again(running)
+    assert unchanged.returncode == 0, unchanged.stdout + unchanged.stderr
+    assert "already running the code installed now: nothing restarted" in unchanged.stdout
+    touched = ROOT / "cli" / "__init__.py"
+    stat = touched.stat()
+    os.utime(touched, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    try:
+        rolled = up_again(running)
+    finally:
+        os.utime(touched, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert rolled.returncode == 0, rolled.stdout + rolled.stderr
+    lines = rolled.stdout.splitlines()
+    for name in ("control-plane", "agent", "proxy"):
+        assert any(f"{name} runs the new code" in line for line in lines), rolled.stdout
+    assert lines[-1].strip().startswith("done: every process runs the code installed now"), rolled.stdout
+    assert "upgrade: done:" in running.text()  # the supervisor's own terminal says so too
+    assert (data_dir / "up.pid").read_text().strip() == str(running.proc.pid)
+    await eventually(lambda: instances(running) == before, 60, "the same instances, adopted by the new agent")

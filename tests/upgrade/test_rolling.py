@@ -26,12 +26,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from shared.embedded import EmbeddedNats, free_port
+from shared.embedded import EmbeddedNats
 from shared.migrations.registry import SCHEMA
 from shared.version import VERSION
 from tests.chaos.cluster import NatsCluster
 from tests.e2e.cluster import FAST_TIMERS, Load, kill_tree_under, version_of
-from tests.e2e.upcmd import THIS, Release
+from tests.e2e.upcmd import THIS, Release, listen_port
 from tests.upgrade.previous import extract
 from tests.waiting import eventually
 
@@ -221,15 +221,18 @@ async def supervise(servers: list[Server], stopping: set[str]) -> None:
 async def rolling_upgrade(work: Path, upgraded: int) -> None:
     previous = extract(work / "previous")
     nats = NatsCluster(work / "nats").start()
-    servers = [Server(i, nats.servers[i], work / f"s{i}", free_port()) for i in range(3)]
+    servers = [Server(i, nats.servers[i], work / f"s{i}", listen_port()) for i in range(3)]
     for server in servers:
         server.root.mkdir(parents=True)
     urls = nats.urls
+    stopping: set[str] = set()
+    supervisor: asyncio.Task[None] | None = None
     load = Balanced(port=servers[0].proxy_port, host=HOST, rate=20.0, rotation=[s.proxy_port for s in servers])
     try:
         cli(previous, urls, "cluster", "init", "--replicas", "3")
         for server in servers:
             server.start(urls, previous)
+        supervisor = asyncio.create_task(supervise(servers, stopping))
         source = app_source(work / "app", "v1")
         cli(previous, urls, "apps", "apply", str(source / "zattera.toml"))
         cli(previous, urls, "deploy", str(source), "--env", ENV)
@@ -237,8 +240,6 @@ async def rolling_upgrade(work: Path, upgraded: int) -> None:
             await eventually(lambda s=server: answers(s.proxy_port, "v1"), 120, f"{server.node}'s proxy serves")
 
         load.start()
-        stopping: set[str] = set()
-        supervisor = asyncio.create_task(supervise(servers, stopping))
         for server in servers[:upgraded]:
             load.rotation.remove(server.proxy_port)  # the load balancer drains it first
             print(f"{time.time():.3f} {server.node} ({server.proxy_port}) out of rotation: {load.rotation}")
@@ -271,7 +272,6 @@ async def rolling_upgrade(work: Path, upgraded: int) -> None:
             await asyncio.to_thread(cli, THIS, urls, "rollback", "--env", ENV)
             await eventually(lambda: answers(servers[0].proxy_port, "v1"), 120, "v1 serves again")
         await asyncio.sleep(2.0)
-        supervisor.cancel()
         await load.stop()
         print(load.summary(), {s.node: s.restarts for s in servers})
         assert load.failures == [], load.summary()
@@ -283,6 +283,8 @@ async def rolling_upgrade(work: Path, upgraded: int) -> None:
             print(server.logs())
         raise
     finally:
+        if supervisor is not None:
+            supervisor.cancel()
         for server in servers:
             server.stop()
         nats.stop()
