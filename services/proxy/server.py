@@ -1,18 +1,19 @@
 """The proxy process's core: HTTP server, request pipeline, upstream forwarding, heartbeats.
 
-Request pipeline (reference routes-snapshots.md A2.6, in its order): route match (404) → IP allowlist
+Request pipeline, in order: route match (404) → IP allowlist
 (403) → HTTPS redirect (308, when the route asks for it) → per-client rate limit (429) → basic auth
 (401, bcrypt: :mod:`services.proxy.auth`) → body cap (413) → endpoint choice (sticky, then P2C under the
 cap) → hold-and-activate when cold or full (503/504), else 502 → forward with in-flight accounting (502
 on upstream error). Every error body is ``{"error": "<msg>"}`` as JSON.
 
-Deviations from the reference, all deliberate:
+Deliberate choices:
 
-* no TLS listener here: a route without middleware is not redirected (the reference's dev mode), one with
+* no TLS listener here (HTTPS is HAProxy's: docs/ingress.md): a route without middleware is not
+  redirected, one with
   ``redirect_https`` is, unless ``X-Forwarded-Proto: https`` says a TLS terminator in front already did
   TLS; no gzip middleware;
-* a declared body above ``middleware.max_body_bytes`` is refused up front with 413 (the reference
-  cut the body mid-stream and answered 502); an undeclared (chunked) one is still cut at the cap;
+* a declared body above ``middleware.max_body_bytes`` is refused up front with 413 (not cut
+  mid-stream with a 502); an undeclared (chunked) one is still cut at the cap;
 * an upstream that refuses the connection (nothing was sent: its process or node just died, and the
   route snapshot does not say so yet) is retried on another healthy endpoint of the route, each at most
   once; only when none is left does the client get the 502. Without it, a dead endpoint that P2C's
