@@ -279,10 +279,11 @@ class Agent:
                 await self.clock.sleep(exponential(VIEW_RETRY_FIRST, attempt, VIEW_RETRY_MOST))
 
     async def _fence(self) -> Fence | None:
-        """The sandboxed apps' firewall (firewall.py), installed; None when apps are not sandboxed here."""
+        """The firewall of what runs sandboxed here (firewall.py: apps, and a docker node's build steps),
+        installed; None when nothing is sandboxed."""
         assert self.node_runtime is not None
         sandbox = self.node_runtime.sandbox
-        if sandbox is None or self.node_runtime.isolation.kind != SANDBOX:
+        if sandbox is None:
             return None
         settings = self.settings
         if not settings.sandbox_fence:
@@ -306,11 +307,12 @@ class Agent:
         launcher = self.node_runtime.launcher
         isolation = self.node_runtime.isolation
         fence = await self._fence()
-        if fence is not None and fence.problem and isolation.kind == SANDBOX:
-            isolation = replace(isolation, problem=fence.problem)
+        if fence is not None and fence.problem:
+            if isolation.kind == SANDBOX:
+                isolation = replace(isolation, problem=fence.problem)
             log.warning(
-                "agent %s: apps are NOT fenced from this machine's control-plane ports (%s): on an open cluster"
-                " an app can connect to NATS (SECURITY.md)",
+                "agent %s: sandboxed apps and builds are NOT fenced from this machine's control-plane ports (%s):"
+                " on an open cluster they can connect to NATS (SECURITY.md)",
                 self.node_id,
                 fence.problem,
             )
