@@ -64,14 +64,16 @@ async def watch_deployment(deployment_id: str, *, until_done: bool) -> int:
                 if line != last:
                     err.print(f"[{time.monotonic() - started:6.1f}s] {line}")
                     last = line
-                if d.phase == pb.DEPLOYMENT_PHASE_BUILDING and d.build_id and log_task is None:
+                if d.build_id and log_task is None:  # seen at BUILDING or later: the stored log is replayed
                     log_task = asyncio.create_task(_stream_build_log(c.conn, d.build_id))
                 if d.phase == pb.DEPLOYMENT_PHASE_FAILED or (
                     is_terminal(d.phase) and d.phase != pb.DEPLOYMENT_PHASE_SUCCEEDED
                 ):
+                    await _build_log_printed(log_task)
                     err.print(f"[red]deployment {_phase(d).lower()}[/]: {d.error or 'no reason recorded'}")
                     return 1
                 if d.phase == pb.DEPLOYMENT_PHASE_SUCCEEDED or (d.phase in _LIVE and not until_done):
+                    await _build_log_printed(log_task)
                     return await until_served(c.conn, c.view, d, started)
                 await feed.wait(timeout=5.0)
         finally:
@@ -172,6 +174,16 @@ async def until_served(conn: Connection, view: StateView, d: pb.Deployment, star
         await routes.stop()
         await live.stop()
         cache.cleanup()
+
+
+BUILD_LOG_WAIT = 5.0
+"""How long a deploy that is done waits for the rest of its build log (a build that ended before the
+watch began is replayed from the stream; its end marker ends the wait at once)."""
+
+
+async def _build_log_printed(log_task: asyncio.Task[None] | None) -> None:
+    if log_task is not None and not log_task.done():
+        await asyncio.wait({log_task}, timeout=BUILD_LOG_WAIT)
 
 
 async def _stream_build_log(conn: object, build_id: str) -> None:

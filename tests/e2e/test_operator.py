@@ -159,7 +159,9 @@ async def test_a_scale_to_zero_env_cools_after_a_deploy_within_idle_timeout_and_
         assert env is not None
         env_id = env.meta.id
         d = view.deployment(deployment_id)
-        assert d is not None and d.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD, phase(d)  # v1 kept warm
+        # v1 kept warm in its drain window, unless the env already cooled (3 s idle: a loaded machine may take
+        # longer than that to open this view), which ends the drain as well.
+        assert d is not None and d.phase in (pb.DEPLOYMENT_PHASE_DRAINING_OLD, pb.DEPLOYMENT_PHASE_SUCCEEDED), phase(d)
         await eventually(
             lambda: (e := view.env(env_id)) is not None and e.effective_replicas == 0, 60, "cooled to zero"
         )
@@ -186,7 +188,8 @@ async def test_status_shows_urls_release_replicas_and_the_last_deploy(cluster: E
     await eventually(settled, 60, "3 desired, running and healthy")
     row = await prod_row()
     assert row["kept_warm"] == 2  # v1, in its drain window
-    assert f"http://{HOST}" in row["urls"] and "http://hello-production.localhost" in row["urls"]
+    port = cluster.proxy_port  # the URL that works: the proxy's port, as it is not 80
+    assert f"http://{HOST}:{port}" in row["urls"] and f"http://hello-production.localhost:{port}" in row["urls"]
     assert (row["active_release"], row["state"]) == ("v2", "warm")
     assert row["last_deploy"]["release"] == "v2"  # type: ignore[index]
     table = await cluster.acli("status")

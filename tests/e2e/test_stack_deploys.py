@@ -87,6 +87,18 @@ async def test_flask_app_deploys_unchanged_and_redeploys_from_its_cached_layer(c
     await served(cluster, "flask.localhost", "hello from flask v2")
 
 
+async def test_watching_a_deploy_after_its_build_ended_still_prints_the_build_log(
+    cluster: E2ECluster, apps: Path
+) -> None:
+    """A watch that starts once the build is over (a fast build, a loaded machine, ``deploy watch`` later)
+    replays the stored build log instead of skipping it."""
+    output = await deploy(cluster, source(apps, "flask-watched", {}, example="flask"))
+    deployment_id = next(w for w in output.split() if len(w) == 26 and w.isalnum() and w.isupper())
+    watched = await cluster.acli("deploy", "watch", deployment_id)
+    shown = watched.stdout + watched.stderr
+    assert "build> plan: start    gunicorn app:app" in shown and "live: release" in shown, shown
+
+
 async def test_fastapi_express_and_static_apps_deploy_unchanged(cluster: E2ECluster, apps: Path) -> None:
     fastapi = source(apps, "fastapi", {"main.py": FASTAPI_MAIN, "pyproject.toml": FASTAPI_PYPROJECT})
     express = source(apps, "express", {}, example="express")
