@@ -179,6 +179,7 @@ async def _create(ctx: ActionContext, request: CreateBackup) -> BackupCreated:
     recovery.check_passphrase(request.passphrase)
     keyring = _keyring_bytes(request.keyring_path)
     target = _target(request.target)
+    await asyncio.to_thread(target.check)
     config = await recorded_config(ctx.conn.js)
     state = await cluster.read_state(ctx.conn)
     users = await cluster.read_console_users(ctx.conn)

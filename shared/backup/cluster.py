@@ -3,7 +3,8 @@
 * The state bucket and the console users' bucket: the last value of every key by ONE ``DIRECT.GET``
   batch (:func:`shared.natsio.last_per_subject`: one point in the stream's history, answered without a
   consumer, so the operator credential of a secured cluster may read it); a bucket too large for one batch
-  is read by an ordered consumer until it has seen every message (the state at the last one).
+  (or one that allows no direct reads, as the console users' bucket) is read by an ordered consumer until
+  it has seen every message (the bucket at the last one).
 * The object stores (sources, images): every live object, its bytes checked against its digest.
 * Restoring writes keys as they were, except what belonged to the old machines: nodes, assignments and
   what nodes observed, and leases are left out, and volumes lose their pin to a node.
@@ -63,6 +64,8 @@ async def read_bucket(conn: Connection, bucket: str) -> BucketCopy:
         return BucketCopy(0, {})
     if not info.state.messages:
         return BucketCopy(int(info.state.last_seq or 0), {})
+    if not info.config.allow_direct:
+        return await _read_by_consumer(conn, bucket)
     try:
         msgs = await last_per_subject(conn.nc, stream, prefix + ">", READ_TIMEOUT)
     except TooManySubjects:

@@ -37,6 +37,10 @@ class Target(Protocol):
 
     def exists(self, name: str) -> bool: ...
 
+    def check(self) -> None:
+        """:class:`TargetError` unless the target can be written (reachable, authorised, existing)."""
+        ...
+
     def list(self, prefix: str) -> list[str]:
         """The names under ``prefix`` (sorted)."""
         ...
@@ -74,6 +78,14 @@ class DirectoryTarget:
     def exists(self, name: str) -> bool:
         return self._path(name).is_file()
 
+    def check(self) -> None:
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TargetError(f"{self.url}: cannot create the directory: {exc.strerror or exc}") from None
+        if not os.access(self.root, os.W_OK):
+            raise TargetError(f"{self.url}: not writable")
+
     def list(self, prefix: str) -> list[str]:
         if not self.root.is_dir():
             raise TargetError(f"{self.url}: no such directory")
@@ -110,6 +122,14 @@ class S3Target:
         else:
             cause = f"unreachable ({type(exc).__name__}: {exc})"
         return TargetError(f"{self.url}: {what}: {cause}")
+
+    def check(self) -> None:
+        try:
+            self._s3.head_bucket(Bucket=self.bucket)
+        except Exception as exc:
+            if _missing(exc):
+                raise TargetError(f"{self.url}: NoSuchBucket: bucket {self.bucket} does not exist") from None
+            raise self._fail("cannot use the bucket", exc) from None
 
     def put(self, name: str, data: bytes) -> None:
         try:
