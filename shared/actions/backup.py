@@ -19,7 +19,7 @@ from typing import Any
 from nacl.public import PrivateKey
 
 from shared.actions.context import ActionContext
-from shared.actions.refusals import Conflicting, Invalid, NotFound
+from shared.actions.refusals import Conflicting, Invalid, NotFound, Unavailable
 from shared.backup import cluster, recovery
 from shared.backup.manifest import (
     CONSOLE_USERS,
@@ -311,9 +311,30 @@ def _merge_keyring(path: Path, restored: Keyring) -> None:
     save_keyring(path, Keyring(keys))
 
 
+KEY_PUBLISHED_WAIT = 60.0
+"""Seconds a restore waits for this cluster's secrets service to publish its key (a cluster just started)."""
+
+
+async def _settled(ctx: ActionContext) -> cluster.BucketCopy:
+    """This cluster's state once its secrets service has published its key: a restore never races the
+    service's start (which, finding the restored key published and not its own, would refuse to serve)."""
+    deadline = ctx.clock.now() + KEY_PUBLISHED_WAIT
+    while True:
+        here = await cluster.read_state(ctx.conn)
+        if cluster.PUBLISHED_KEY in here.values:
+            return here
+        if ctx.clock.now() >= deadline:
+            raise Unavailable(
+                f"this cluster's secrets service published no key within {KEY_PUBLISHED_WAIT:.0f}s: is its "
+                "control plane running (`zattera up`)? Nothing was restored"
+            )
+        await ctx.clock.sleep(0.5)
+
+
 async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored:
     """Put a backup's contents into this cluster. Refused, with nothing written, when an object is bad, the
-    passphrase wrong, the backup newer than this code, or the cluster not empty (unless forced)."""
+    passphrase wrong, the backup newer than this code, the cluster not empty (unless forced) or its secrets
+    service not started."""
     target = _target(request.target)
 
     def fetch() -> tuple[Manifest, dict[str, bytes]]:
@@ -336,7 +357,7 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
         raise Corrupt(f"backup {manifest.id}: the secrets key object holds no keyring") from None
     state = cluster.BucketCopy.from_json(blob(STATE))
     users = cluster.BucketCopy.from_json(blob(CONSOLE_USERS))
-    here = await cluster.read_state(ctx.conn)
+    here = await _settled(ctx)
     if not cluster.is_empty(here) and not request.force:
         held = sorted({cluster.kind_of(k) for k in here.values if cluster.kind_of(k) in cluster.OWN_KINDS})
         raise Conflicting(

@@ -27,10 +27,13 @@ from shared.console_users import USERS_BUCKET, users_bucket
 from shared.jetstream import is_delete_marker
 from shared.natsio import STATE_BUCKET, Connection, PermissionDenied, TooManySubjects, last_per_subject
 from shared.objects import list_objects, read_object
+from shared.secrets import CLUSTER_KEY
 
 READ_TIMEOUT = 10.0
 LEFT_BEHIND = frozenset({K.NODE, K.ASSIGNMENT, K.OBSERVED, K.LEASE})
 """State kinds that belong to the machines and terms of the old cluster: never restored."""
+PUBLISHED_KEY = f"{K.SECRETS_KEY}.{CLUSTER_KEY}"
+"""The secrets service's published key: a cluster's secrets service has started once it is there."""
 OWN_KINDS = frozenset({K.PROJECT, K.APP, K.ENV, K.RELEASE, K.SECRET, K.DOMAIN, K.VOLUME, K.JOB, K.BUILD})
 """What an operator put in a cluster: a cluster holding any of them is not empty."""
 

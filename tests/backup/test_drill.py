@@ -19,6 +19,7 @@ from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.actions import backup as backup_actions
 from shared.actions.backup import (
     CreateBackup,
     ListBackups,
@@ -30,7 +31,7 @@ from shared.actions.backup import (
     verify_backup,
 )
 from shared.actions.context import ActionContext
-from shared.actions.refusals import Conflicting
+from shared.actions.refusals import Conflicting, Unavailable
 from shared.backup import recovery
 from shared.backup.cluster import read_state
 from shared.backup.manifest import Corrupt, TooNew
@@ -249,3 +250,17 @@ async def test_a_backup_from_a_newer_schema_is_refused(
         await publish_key(new)
         with pytest.raises(TooNew, match=f"taken at schema {SCHEMA + 1}.*upgrade Zattera"):
             await restore_backup(new.ctx, RestoreBackup(target, PASSPHRASE, str(new.keyring)))
+
+
+async def test_a_restore_waits_for_the_clusters_secrets_service(
+    nats_url: str, nats_server: EmbeddedNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = str(tmp_path / "backups")
+    async with cluster(nats_url, tmp_path / "old") as old:
+        await populate(old)
+        await create_backup(old.ctx, CreateBackup(target, PASSPHRASE, str(old.keyring)))
+    monkeypatch.setattr(backup_actions, "KEY_PUBLISHED_WAIT", 0.0)
+    async with cluster(nats_server.url, tmp_path / "new") as new:
+        with pytest.raises(Unavailable, match=r"secrets service published no key.*Nothing was restored"):
+            await restore_backup(new.ctx, RestoreBackup(target, PASSPHRASE, str(new.keyring)))
+        assert (await read_state(new.conn)).values == {} and not new.keyring.exists()
