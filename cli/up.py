@@ -160,6 +160,7 @@ class Cluster:
     # is replaced by a free one); 0 = off. ``metrics_ports`` maps each process name to its port.
     metrics_port: int = 0
     metrics_ports: dict[str, int] = field(default_factory=dict)
+
     @property
     def layout(self) -> DataLayout:
         return DataLayout(self.data_dir)
@@ -275,7 +276,8 @@ class Cluster:
         return [(name, f"services.{name}") for name in self.services]
 
     def console_env(self) -> dict[str, str]:
-        """The console's port: ``ZATTERA_CONSOLE_PORT`` when set, else :attr:`console_port` or a free one."""
+        """The console's port: ``ZATTERA_CONSOLE_PORT`` when set, else :attr:`console_port` or a free one. Read
+        from the environment itself: the resident supervisor loads no settings (pydantic-settings, ~20 MB)."""
         if "ZATTERA_CONSOLE_PORT" in os.environ:
             self.console_port = int(os.environ["ZATTERA_CONSOLE_PORT"])
         elif not _port_free(self.console_port):
@@ -530,9 +532,15 @@ Next, in another terminal (ZATTERA_NATS_URL={nats}):
 """
 
 
+def _proxy_engine() -> str:
+    """``ZATTERA_PROXY_ENGINE`` ('' = the proxy picks), read as the proxy's settings read it; from the
+    environment itself: the resident supervisor loads no settings (pydantic-settings, ~20 MB)."""
+    return os.environ.get("ZATTERA_PROXY_ENGINE", "")
+
+
 def data_plane_text() -> str:
     """Which data plane the proxy runs (the choice ``python -m services.proxy`` makes without ``--engine``)."""
-    if choose_engine(os.environ.get("ZATTERA_PROXY_ENGINE", "")) == "haproxy":
+    if choose_engine(_proxy_engine()) == "haproxy":
         return "haproxy (cold and basic-auth requests through the Python handler; docs/ingress.md)"
     return "python (haproxy not installed: make system-packages installs it; docs/ingress.md)"
 
@@ -541,7 +549,7 @@ def https_text(tls_listen: str, local_ca: Path) -> str:
     """Where the proxy serves HTTPS (the haproxy engine only), and how to trust its local certificates."""
     if not tls_listen:
         return "off (--proxy-tls-listen HOST:PORT turns it on)"
-    if choose_engine(os.environ.get("ZATTERA_PROXY_ENGINE", "")) != "haproxy":
+    if choose_engine(_proxy_engine()) != "haproxy":
         return "off: TLS needs the haproxy engine (make system-packages installs it; docs/certificates.md)"
     port = split_listen(tls_listen)[1]
     return f"https://<app>-<env>.localhost:{port}  (curl --cacert {local_ca} …)"
@@ -755,8 +763,12 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
         console.print(
             f"  NATS:      {cluster.url}"
             + (f"  (cluster, replicas={cluster.replicas})" if cluster.cluster_servers else "")
-            + ("" if cluster.creds else "  (no authentication: every local process can use it, apps included;"
-               " --secure before running untrusted apps)")
+            + (
+                ""
+                if cluster.creds
+                else "  (no authentication: every local process can use it, apps included;"
+                " --secure before running untrusted apps)"
+            )
         )
         for child in cluster.children:
             metrics = cluster.metrics_ports.get(child.name)

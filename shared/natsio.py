@@ -1,4 +1,4 @@
-"""NATS connection and provisioning of every bucket, stream and object store (DESIGN §2–§3): created when
+"""NATS connection and provisioning of every bucket, stream and object store (docs/wire-contract.md): created when
 missing from the configuration recorded in the cluster, never updated (docs/cluster.md)."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from nats.js.api import (
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shared.backoff import exponential
+from shared.defaults import LIVE_TTL, TOMBSTONE_TTL
 from shared.errors import ZatteraError
 from shared.ids import new_id
 from shared.migrations.registry import SCHEMA
@@ -610,8 +611,8 @@ class ClusterConfig:
     the cluster is at, with the Zattera version that brought it there (docs/upgrades.md)."""
 
     replicas: int = 1
-    live_ttl: float = 60.0
-    tombstone_ttl: float = 900.0
+    live_ttl: float = LIVE_TTL
+    tombstone_ttl: float = TOMBSTONE_TTL
     build_log_lines: int = 10_000
     initialized_at: str = ""
     schema: int = 0
@@ -885,12 +886,12 @@ async def provision(
     js: JetStreamContext,
     *,
     replicas: int | None = None,
-    live_ttl: float = 60.0,
-    tombstone_ttl: float = 900.0,
+    live_ttl: float = LIVE_TTL,
+    tombstone_ttl: float = TOMBSTONE_TTL,
     build_log_lines: int = 10_000,
 ) -> ProvisionReport:
-    """Create what is missing of DESIGN §2–§3, never changing what exists. Idempotent; safe from many
-    processes at once.
+    """Create what is missing of the buckets, streams and object stores, never changing what exists.
+    Idempotent; safe from many processes at once.
 
     On an uninitialised cluster (no state stream) this is the init: the configuration — ``replicas``, or
     :func:`default_replicas` of the cluster's size when None, and the TTLs given — is recorded on the

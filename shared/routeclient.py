@@ -1,4 +1,4 @@
-"""Route snapshots on the wire, and the client a proxy uses to hold the current one (DESIGN §3, §6).
+"""Route snapshots on the wire, and the client a proxy uses to hold the current one (docs/wire-contract.md).
 
 Wire format of a snapshot message (on ``zattera.routes.snapshot`` and in ``zattera.routes.get``
 replies). The body is a serialized ``RouteSnapshot``, possibly compressed, possibly cut in chunks:
@@ -24,11 +24,10 @@ holds only the last chunk: enough for a builder to learn the newest version and 
 a snapshot. Clients get the whole current snapshot from ``zattera.routes.get`` (replies use the same
 messages, sent to the request's reply subject).
 
-:class:`RouteClient` (fixes over the reference RouteClient, spec A2.4): snapshots are ordered by version
-(stale and duplicate ones are dropped, so keep-alives do not rewrite the cache), the cache is written
-atomically *and durably* (temp file, fsync, rename, fsync of the directory) off the event loop, and the
-retry backoff resets after a successful fetch. Like the reference it loads the cache before any network
-activity and serves the last snapshot, without expiry, while the control plane is unreachable.
+:class:`RouteClient`: snapshots are ordered by version (stale and duplicate ones are dropped, so
+keep-alives do not rewrite the cache), the cache is written whole and durably (:mod:`shared.files`) off
+the event loop, and the retry backoff resets after a successful fetch. It loads the cache before any
+network activity and serves the last snapshot, without expiry, while the control plane is unreachable.
 
 Versions are state-bucket revisions, so they order the snapshots of one cluster only: a snapshot names
 the cluster it was built from (``RouteSnapshot.cluster``: the id its init recorded and the state stream's

@@ -18,7 +18,6 @@ from shared.console_users import users_bucket
 from shared.live import LiveView
 from shared.natsio import Connection
 from shared.routeclient import RouteClient
-from shared.settings import settings
 from shared.snapshots.dispatch import operator_dispatcher
 from shared.state.feed import StateView
 from shared.txn import Writer
@@ -47,7 +46,7 @@ def build_console(
             writer,
             actor="",
             clock=clock,
-            snapshots=operator_dispatcher(conn, view, clock, settings().restore_timeout),
+            snapshots=operator_dispatcher(conn, view, clock),
         ),
         sessions=Sessions(clock, cfg.session_ttl),
         limiter=LoginLimiter(clock, cfg.login_failures, cfg.login_window),

@@ -1,25 +1,28 @@
 """The proxy process's core: HTTP server, request pipeline, upstream forwarding, heartbeats.
 
-Request pipeline (reference routes-snapshots.md A2.6, in its order): route match (404) → IP allowlist
+Request pipeline, in order: route match (404) → IP allowlist
 (403) → HTTPS redirect (308, when the route asks for it) → per-client rate limit (429) → basic auth
 (401, bcrypt: :mod:`services.proxy.auth`) → body cap (413) → endpoint choice (sticky, then P2C under the
 cap) → hold-and-activate when cold or full (503/504), else 502 → forward with in-flight accounting (502
 on upstream error). Every error body is ``{"error": "<msg>"}`` as JSON.
 
-Deviations from the reference, all deliberate:
+Deliberate choices:
 
-* no TLS listener here: a route without middleware is not redirected (the reference's dev mode), one with
+* no TLS listener here (HTTPS is HAProxy's: docs/ingress.md): a route without middleware is not
+  redirected, one with
   ``redirect_https`` is, unless ``X-Forwarded-Proto: https`` says a TLS terminator in front already did
   TLS; no gzip middleware;
-* a declared body above ``middleware.max_body_bytes`` is refused up front with 413 (the reference
-  cut the body mid-stream and answered 502); an undeclared (chunked) one is still cut at the cap;
+* a declared body above ``middleware.max_body_bytes`` is refused up front with 413 (not cut
+  mid-stream with a 502); an undeclared (chunked) one is still cut at the cap;
 * an upstream that refuses the connection (nothing was sent: its process or node just died, and the
   route snapshot does not say so yet) is retried on another healthy endpoint of the route, each at most
   once; only when none is left does the client get the 502. Without it, a dead endpoint that P2C's
   same-node tie-break keeps picking failed every request until the node was marked DOWN. A
   ``scale_to_zero`` route whose every endpoint refused is cold in fact (its replica was just cooled and
   the snapshot saying so is on its way): the request is held and the env activated, as for a cold route,
-  until an endpoint that has not refused it appears (or a newer snapshot lists one again).
+  until an endpoint that has not refused it appears (or a newer snapshot lists one again). A GET or HEAD
+  (no body) whose upstream closed the connection without answering (its replica died under it) is
+  treated the same way; any other request gets the 502.
 
 The route table follows the route client: built from the cached snapshot before any network activity
 (so a restarted proxy serves the last routes with the control plane down), rebuilt on every accepted
@@ -81,6 +84,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 RATE_LIMIT_RETRY_AFTER = "1"
+REPLAYABLE = frozenset({"GET", "HEAD"})
+"""Requests sent again when their upstream closed the connection without answering (idempotent, no body)."""
 ENV_KEY = web.RequestKey("zattera.env", str)
 """Where :meth:`Proxy._handle` leaves the matched env id on the request, for the metrics."""
 
@@ -472,8 +477,15 @@ class Proxy:
                         allow_redirects=False,
                     )
                     break
-                except aiohttp.ClientConnectorError as exc:
-                    # Not connected, so nothing (body included) was sent: another endpoint may take it.
+                except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+                    # Not connected, so nothing (body included) was sent: another endpoint may take it. Closed
+                    # without an answer (its replica died under it: cooled, scaled down): only a GET or HEAD
+                    # without a body may be sent again.
+                    if isinstance(exc, aiohttp.ServerDisconnectedError) and (
+                        request.method not in REPLAYABLE or request.body_exists
+                    ):
+                        log.debug("upstream %s closed without an answer: %r", addr, exc)
+                        return error_response(502, "upstream error")
                     refused[addr] = self.table.version
                     retry = self.balancer.pick(
                         [e for e in route.endpoints if e.addr not in tried], route.max_concurrency

@@ -9,7 +9,7 @@ applies messages directly); the store only applies entries and answers reads:
   the store agrees with one filled afterwards.
 * ``observed.<node>.<id>`` is joined into the matching assignment, so readers see
   ``Assignment.observed`` filled (the Kubernetes spec/status split). A RUNNING report does not
-  downgrade HEALTHY/UNHEALTHY of the same container (the reference's merge rule).
+  downgrade HEALTHY/UNHEALTHY of the same container (:func:`merge_observed`).
 * Indexes are maintained incrementally on every change: by kind, by environment, by node, per-node
   reservations of RUN assignments, and per-env/per-node RUN replica counts. Placement never rescans
   all assignments.
@@ -66,7 +66,7 @@ def reservation(release: pb.Release | None) -> tuple[int, int]:
 
 
 def merge_observed(prev: pb.AssignmentObserved | None, new: pb.AssignmentObserved) -> pb.AssignmentObserved:
-    """The reference's merge: a RUNNING report never downgrades HEALTHY/UNHEALTHY of the same container.
+    """A RUNNING report never downgrades HEALTHY/UNHEALTHY of the same container (health is news RUNNING lacks).
 
     A different container id means a new instance, whose RUNNING is real news and replaces the old state.
     """
