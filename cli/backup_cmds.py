@@ -12,7 +12,9 @@ import datetime
 import getpass
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import typer
 
@@ -21,18 +23,20 @@ from cli.client import control, err, fail, run
 from cli.layout import DataLayout
 from cli.options import JSON, set_output
 from shared.actions.backup import (
-    BackupCreated,
     CreateBackup,
     ListBackups,
     RestoreBackup,
-    Restored,
     VerifyBackup,
     create_backup,
     list_backups,
     restore_backup,
     verify_backup,
 )
+from shared.actions.context import ActionContext
 from shared.settings import settings
+
+R = TypeVar("R")
+T = TypeVar("T")
 
 PASSPHRASE_ENV = "ZATTERA_RECOVERY_PASSPHRASE"
 
@@ -61,6 +65,25 @@ def _passphrase(*, twice: bool) -> str:
     return first
 
 
+def _on_cluster(action: Callable[[ActionContext, R], Awaitable[T]], request: R) -> T:
+    """Run an action that needs the cluster, as the operator."""
+
+    async def go() -> T:
+        async with control(view=False) as c:
+            return await action(c.actions, request)
+
+    return run(go)
+
+
+def _say(result: Any, *lines: str) -> None:
+    """The result as JSON with ``--json``, else ``lines`` on stderr."""
+    if render.json_mode():
+        render.emit_json(dataclasses.asdict(result))
+        return
+    for line in lines:
+        err.print(line, markup=False, highlight=False)
+
+
 @backup_app.command("create")
 def create(
     to: str = typer.Option(..., "--to", help="a directory, or s3://bucket[/prefix]"),
@@ -72,19 +95,11 @@ def create(
     set_output(json)
     request = CreateBackup(to, _passphrase(twice=True), _keyring_path(data_dir))
 
-    async def go() -> BackupCreated:
-        async with control(view=False) as c:
-            return await create_backup(c.actions, request)
-
-    created = run(go)
-    if render.json_mode():
-        render.emit_json(dataclasses.asdict(created))
-        return
-    err.print(
+    created = _on_cluster(create_backup, request)
+    _say(
+        created,
         f"backup {created.id} at {created.target}: {created.objects} objects, {created.bytes} bytes, "
         f"{created.sent_bytes} sent, state revision {created.revision}",
-        markup=False,
-        highlight=False,
     )
 
 
@@ -115,14 +130,7 @@ def verify(
     """Read every object of a backup and check it against the manifest's SHA-256 (no cluster needed)."""
     set_output(json)
     verified = run(lambda: verify_backup(VerifyBackup(source, backup_id)))
-    if render.json_mode():
-        render.emit_json(dataclasses.asdict(verified))
-        return
-    err.print(
-        f"backup {verified.id}: {verified.objects} objects, {verified.bytes} bytes, all intact",
-        markup=False,
-        highlight=False,
-    )
+    _say(verified, f"backup {verified.id}: {verified.objects} objects, {verified.bytes} bytes, all intact")
 
 
 def restore(
@@ -138,19 +146,10 @@ def restore(
     set_output(json)
     request = RestoreBackup(source, _passphrase(twice=False), _keyring_path(data_dir), backup_id, force)
 
-    async def go() -> Restored:
-        async with control(view=False) as c:
-            return await restore_backup(c.actions, request)
-
-    restored = run(go)
-    if render.json_mode():
-        render.emit_json(dataclasses.asdict(restored))
-        return
-    err.print(
+    restored = _on_cluster(restore_backup, request)
+    lines = [
         f"backup {restored.id} restored: {restored.keys} state keys, {restored.objects} objects, "
         f"{restored.console_users} console users",
-        markup=False,
-        highlight=False,
-    )
-    for note in restored.skipped:
-        err.print(f"left out: {note}", markup=False, highlight=False)
+        *(f"left out: {note}" for note in restored.skipped),
+    ]
+    _say(restored, *lines)
