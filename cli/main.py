@@ -54,6 +54,8 @@ COMMANDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "console": ("cli.console_cmds", "console_app", {}),
     "registry": ("cli.registry_cmds", "registry_app", {}),
     "up": ("cli.up_cmds", "up", {}),
+    "backup": ("cli.backup_cmds", "backup_app", {}),
+    "restore": ("cli.backup_cmds", "restore", {}),
     "rollback": ("cli.deploy_cmds", "rollback", {}),
     "releases": ("cli.deploy_cmds", "releases", {}),
     "ps": ("cli.inspect_cmds", "ps", {}),

@@ -114,6 +114,9 @@ def node_change_event(
 
 
 KINDS = (
+    "backup.created",
+    "backup.failed",
+    "backup.restored",
     "deploy.promoted",
     "deploy.rolled_back",
     "deploy.succeeded",

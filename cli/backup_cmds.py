@@ -1,0 +1,155 @@
+"""``zattera backup create|list|verify`` and ``zattera restore``: the whole cluster to a directory or an
+S3-compatible store and back (docs/backup.md). The work is in :mod:`shared.actions.backup`.
+
+The recovery passphrase comes from ``ZATTERA_RECOVERY_PASSPHRASE``, a prompt, or the first line of stdin —
+never an argument; S3 credentials from boto3's usual sources (``AWS_ACCESS_KEY_ID``…), never an argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import getpass
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+
+from cli import render
+from cli.client import control, err, fail, run
+from cli.layout import DataLayout
+from cli.options import JSON, set_output
+from shared.actions.backup import (
+    CreateBackup,
+    ListBackups,
+    RestoreBackup,
+    VerifyBackup,
+    create_backup,
+    list_backups,
+    restore_backup,
+    verify_backup,
+)
+from shared.actions.context import ActionContext
+from shared.settings import settings
+
+R = TypeVar("R")
+T = TypeVar("T")
+
+PASSPHRASE_ENV = "ZATTERA_RECOVERY_PASSPHRASE"
+
+backup_app = typer.Typer(no_args_is_help=True, help="Backups of the whole cluster (docs/backup.md).")
+
+DATA_DIR = typer.Option(
+    None, "--data-dir", help="the control plane's data directory (default: $ZATTERA_DATA_DIR or .zattera)"
+)
+BACKUP_ID = typer.Option("", "--backup", help="a backup id (default: the newest)")
+
+
+def _keyring_path(data_dir: Path | None) -> str:
+    root = (data_dir or settings().data_dir).resolve()
+    return str(DataLayout(root).control / "secrets" / "cluster.key")
+
+
+def _passphrase(*, twice: bool) -> str:
+    given = os.environ.get(PASSPHRASE_ENV)
+    if given:
+        return given
+    if not sys.stdin.isatty():
+        return sys.stdin.readline().removesuffix("\n")
+    first = getpass.getpass("recovery passphrase: ")
+    if twice and getpass.getpass("recovery passphrase (again): ") != first:
+        raise fail("recovery passphrase: the two entries differ; nothing was done")
+    return first
+
+
+def _on_cluster(action: Callable[[ActionContext, R], Awaitable[T]], request: R) -> T:
+    """Run an action that needs the cluster, as the operator."""
+
+    async def go() -> T:
+        async with control(view=False) as c:
+            return await action(c.actions, request)
+
+    return run(go)
+
+
+def _say(result: Any, *lines: str) -> None:
+    """The result as JSON with ``--json``, else ``lines`` on stderr."""
+    if render.json_mode():
+        render.emit_json(dataclasses.asdict(result))
+        return
+    for line in lines:
+        err.print(line, markup=False, highlight=False)
+
+
+@backup_app.command("create")
+def create(
+    to: str = typer.Option(..., "--to", help="a directory, or s3://bucket[/prefix]"),
+    data_dir: Path = DATA_DIR,
+    json: bool = JSON,
+) -> None:
+    """Back the cluster up: state, certificates, console users, sources and images, and the cluster secrets
+    key sealed to the recovery passphrase (keep it: without it a backup restores nothing secret)."""
+    set_output(json)
+    request = CreateBackup(to, _passphrase(twice=True), _keyring_path(data_dir))
+
+    created = _on_cluster(create_backup, request)
+    _say(
+        created,
+        f"backup {created.id} at {created.target}: {created.objects} objects, {created.bytes} bytes, "
+        f"{created.sent_bytes} sent, state revision {created.revision}",
+    )
+
+
+def _when(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+@backup_app.command("list")
+def list_cmd(
+    source: str = typer.Option(..., "--from", help="a directory, or s3://bucket[/prefix]"), json: bool = JSON
+) -> None:
+    """The backups on a target, oldest first (no cluster needed)."""
+    set_output(json)
+    found = run(lambda: list_backups(ListBackups(source)))
+    if render.json_mode():
+        render.emit_json([dataclasses.asdict(b) for b in found])
+        return
+    rows = [[b.id, _when(b.created_at), b.version, b.schema, b.objects, b.bytes, b.problem or "ok"] for b in found]
+    render.table("backups", ["id", "taken", "version", "schema", "objects", "bytes", "manifest"], rows)
+
+
+@backup_app.command("verify")
+def verify(
+    source: str = typer.Option(..., "--from", help="a directory, or s3://bucket[/prefix]"),
+    backup_id: str = BACKUP_ID,
+    json: bool = JSON,
+) -> None:
+    """Read every object of a backup and check it against the manifest's SHA-256 (no cluster needed)."""
+    set_output(json)
+    verified = run(lambda: verify_backup(VerifyBackup(source, backup_id)))
+    _say(verified, f"backup {verified.id}: {verified.objects} objects, {verified.bytes} bytes, all intact")
+
+
+def restore(
+    source: str = typer.Option(..., "--from", help="a directory, or s3://bucket[/prefix]"),
+    backup_id: str = BACKUP_ID,
+    force: bool = typer.Option(False, "--force", help="restore into a cluster that is not empty"),
+    data_dir: Path = DATA_DIR,
+    json: bool = JSON,
+) -> None:
+    """Restore a backup into this (fresh) cluster: every object is checked and the secrets key opened with
+    the recovery passphrase before anything is written; the old machines' nodes and leases are left out, so
+    replicas are placed on this cluster's nodes."""
+    set_output(json)
+    request = RestoreBackup(source, _passphrase(twice=False), _keyring_path(data_dir), backup_id, force)
+
+    restored = _on_cluster(restore_backup, request)
+    lines = [
+        f"backup {restored.id} restored: {restored.keys} state keys, {restored.objects} objects, "
+        f"{restored.console_users} console users",
+        *(f"left out: {note}" for note in restored.skipped),
+    ]
+    _say(restored, *lines)

@@ -1,0 +1,396 @@
+"""Backup and restore of a whole cluster (docs/backup.md): ``create_backup``, ``list_backups``,
+``verify_backup``, ``restore_backup``.
+
+A backup is written objects first (by content, each sent only when the target lacks it), its manifest last:
+a backup exists once its manifest does, so one that failed half-way is no backup and never replaces an
+older one. Listing and verifying need only the target (a fresh machine can check a backup before it has a
+cluster); restoring checks every object and opens the secrets key before it writes anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nacl.public import PrivateKey
+
+from shared.actions.context import ActionContext
+from shared.actions.refusals import Conflicting, Invalid, NotFound, Unavailable
+from shared.backup import cluster, recovery
+from shared.backup.manifest import (
+    CONSOLE_USERS,
+    IMAGES,
+    SECRETS_KEY,
+    SOURCES,
+    STATE,
+    BackupError,
+    Corrupt,
+    Entry,
+    Manifest,
+    blob_name,
+    check_object,
+    check_restorable,
+    manifest_name,
+    parse_manifest,
+    sha256,
+)
+from shared.backup.targets import Target, open_target
+from shared.console_users import USERS_BUCKET
+from shared.events import ERROR, make_event
+from shared.ids import new_id
+from shared.migrations.registry import SCHEMA
+from shared.natsio import IMAGES_STORE, SOURCES_STORE, recorded_config
+from shared.secrets import KeyMaterialError, Keyring, load_keyring, save_keyring
+from shared.version import VERSION
+
+log = logging.getLogger(__name__)
+
+STORES = {SOURCES: SOURCES_STORE, IMAGES: IMAGES_STORE}
+"""Object kinds of a backup → the object store each comes from."""
+
+
+@dataclass(frozen=True)
+class CreateBackup:
+    target: str
+    passphrase: str = field(repr=False)
+    """The recovery passphrase the cluster secrets key is sealed to."""
+    keyring_path: str
+    """The secrets service's keyring file (``<data>/control/secrets/cluster.key`` under ``zattera up``)."""
+
+
+@dataclass(frozen=True)
+class BackupCreated:
+    id: str
+    target: str
+    revision: int
+    objects: int
+    bytes: int
+    sent_bytes: int
+    """What went over the wire: objects the target already held are not sent again."""
+
+
+@dataclass(frozen=True)
+class ListBackups:
+    target: str
+
+
+@dataclass(frozen=True)
+class BackupSummary:
+    id: str
+    created_at: float
+    version: str
+    schema: int
+    revision: int
+    objects: int
+    bytes: int
+    problem: str = ""
+    """Why the manifest cannot be read ("" when it can)."""
+
+
+@dataclass(frozen=True)
+class VerifyBackup:
+    target: str
+    backup_id: str = ""
+    """"" = the newest."""
+
+
+@dataclass(frozen=True)
+class Verified:
+    id: str
+    objects: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class RestoreBackup:
+    target: str
+    passphrase: str = field(repr=False)
+    keyring_path: str
+    """Where the restored cluster secrets key goes (the secrets service's keyring file)."""
+    backup_id: str = ""
+    force: bool = False
+    """Restore into a cluster that already holds projects, apps or envs (what the backup holds is replaced)."""
+
+
+@dataclass(frozen=True)
+class Restored:
+    id: str
+    keys: int
+    objects: int
+    console_users: int
+    skipped: list[str]
+    """What a restore left out, and why (the old machines' keys; a bucket this cluster lacks)."""
+
+
+# ------------------------------------------------------------------ create
+
+
+def _target(url: str) -> Target:
+    try:
+        return open_target(url)
+    except BackupError as exc:
+        raise Invalid("target", str(exc), said="") from None
+
+
+def _keyring_bytes(path: str) -> bytes:
+    try:
+        keyring = load_keyring(Path(path))
+    except KeyMaterialError as exc:
+        raise Invalid("keyring_path", str(exc), said="") from None
+    if keyring is None:
+        raise NotFound(
+            f"no cluster secrets key at {path}: run the backup where the control plane's data directory is "
+            "(--data-dir)",
+            field="keyring_path",
+        )
+    return json.dumps({"keys": [bytes(k).hex() for k in keyring.keys]}).encode()
+
+
+async def create_backup(ctx: ActionContext, request: CreateBackup) -> BackupCreated:
+    """Copy the cluster to ``request.target``; a failure is a ``backup.failed`` event and raises."""
+    try:
+        created = await _create(ctx, request)
+    except Exception as exc:
+        await ctx.events.publish(
+            make_event(
+                "backup.failed",
+                f"backup to {request.target} failed: {exc}",
+                severity=ERROR,
+                fields={"actor": ctx.actor, "target": request.target},
+            )
+        )
+        raise
+    await ctx.events.publish(
+        make_event(
+            "backup.created",
+            f"backup {created.id} to {created.target}: {created.objects} objects, {created.bytes} bytes "
+            f"({created.sent_bytes} sent)",
+            fields={"actor": ctx.actor, "target": created.target, "backup": created.id},
+        )
+    )
+    return created
+
+
+async def _create(ctx: ActionContext, request: CreateBackup) -> BackupCreated:
+    recovery.check_passphrase(request.passphrase)
+    keyring = _keyring_bytes(request.keyring_path)
+    target = _target(request.target)
+    await asyncio.to_thread(target.check)
+    config = await recorded_config(ctx.conn.js)
+    state = await cluster.read_state(ctx.conn)
+    users = await cluster.read_console_users(ctx.conn)
+    sealed = await asyncio.to_thread(recovery.seal, keyring, request.passphrase)
+    pieces: list[tuple[Entry, bytes]] = []
+
+    def add(kind: str, name: str, data: bytes, meta: dict[str, Any] | None = None) -> None:
+        pieces.append((Entry(kind, name, sha256(data), len(data), meta or {}), data))
+
+    add(STATE, STATE, state.to_json())
+    add(CONSOLE_USERS, CONSOLE_USERS, users.to_json())
+    add(SECRETS_KEY, SECRETS_KEY, sealed)
+    for kind, store in STORES.items():
+        for obj in await cluster.read_store(ctx.conn, store):
+            add(kind, obj.name, obj.data, {"description": obj.description, "headers": obj.headers})
+    manifest = Manifest(
+        id=new_id(),
+        created_at=ctx.clock.now(),
+        version=VERSION,
+        schema=config.schema if config else SCHEMA,
+        revision=state.revision,
+        cluster_id=config.cluster_id if config else "",
+        entries=tuple(e for e, _ in pieces),
+    )
+
+    def send() -> int:
+        sent = 0
+        for entry, data in pieces:
+            if not target.exists(blob_name(entry.sha256)):
+                target.put(blob_name(entry.sha256), data)
+                sent += len(data)
+        body = manifest.to_json()
+        target.put(manifest_name(manifest.id), body)
+        return sent + len(body)
+
+    sent = await asyncio.to_thread(send)
+    return BackupCreated(manifest.id, target.url, manifest.revision, len(pieces), manifest.size, sent)
+
+
+# ------------------------------------------------------------------ read
+
+
+def _manifests(target: Target) -> list[str]:
+    ids = []
+    for name in target.list("backups/"):
+        parts = name.split("/")
+        if len(parts) == 3 and parts[2] == "manifest.json":
+            ids.append(parts[1])
+    return sorted(ids)
+
+
+def _read_manifest(target: Target, backup_id: str) -> Manifest:
+    data = target.get(manifest_name(backup_id))
+    if data is None:
+        raise NotFound(f"no backup {backup_id} at {target.url}", field="backup_id")
+    return parse_manifest(backup_id, data)
+
+
+def _latest(target: Target, backup_id: str) -> str:
+    if backup_id:
+        return backup_id
+    ids = _manifests(target)
+    if not ids:
+        raise NotFound(f"no backup at {target.url}", field="target")
+    return ids[-1]
+
+
+async def list_backups(request: ListBackups) -> list[BackupSummary]:
+    """Every backup on the target, oldest first (a manifest that cannot be read is listed with its problem)."""
+    target = _target(request.target)
+
+    def read() -> list[BackupSummary]:
+        found = []
+        for backup_id in _manifests(target):
+            try:
+                m = _read_manifest(target, backup_id)
+            except BackupError as exc:
+                found.append(BackupSummary(backup_id, 0.0, "", 0, 0, 0, 0, problem=str(exc)))
+                continue
+            found.append(BackupSummary(m.id, m.created_at, m.version, m.schema, m.revision, len(m.entries), m.size))
+        return found
+
+    return await asyncio.to_thread(read)
+
+
+def _check_all(target: Target, manifest: Manifest) -> dict[str, bytes]:
+    """Every object of the backup by digest, each checked; :class:`Corrupt` naming every bad one."""
+    good: dict[str, bytes] = {}
+    problems: list[str] = []
+    for entry in manifest.entries:
+        if entry.sha256 in good:
+            continue
+        try:
+            good[entry.sha256] = check_object(manifest.id, entry, target.get(blob_name(entry.sha256)))
+        except Corrupt as exc:
+            problems.append(str(exc).removeprefix(f"backup {manifest.id}: "))
+    if problems:
+        raise Corrupt(f"backup {manifest.id}: " + "; ".join(problems))
+    return good
+
+
+async def verify_backup(request: VerifyBackup) -> Verified:
+    """Read every object of a backup and check it against the manifest; :class:`Corrupt` names what is
+    missing, truncated or altered."""
+    target = _target(request.target)
+
+    def check() -> Verified:
+        manifest = _read_manifest(target, _latest(target, request.backup_id))
+        _check_all(target, manifest)
+        return Verified(manifest.id, len(manifest.entries), manifest.size)
+
+    return await asyncio.to_thread(check)
+
+
+# ------------------------------------------------------------------ restore
+
+
+def _merge_keyring(path: Path, restored: Keyring) -> None:
+    """The restored keys first (the backup's current key is the cluster's again), then the keys the file
+    held (what the fresh cluster sealed before the restore stays readable)."""
+    try:
+        existing = load_keyring(path)
+    except KeyMaterialError:
+        existing = None
+    keys = list(restored.keys)
+    known = {bytes(k) for k in keys}
+    keys.extend(k for k in (existing.keys if existing else []) if bytes(k) not in known)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    save_keyring(path, Keyring(keys))
+
+
+KEY_PUBLISHED_WAIT = 60.0
+"""Seconds a restore waits for this cluster's secrets service to publish its key (a cluster just started)."""
+
+
+async def _settled(ctx: ActionContext) -> cluster.BucketCopy:
+    """This cluster's state once its secrets service has published its key: a restore never races the
+    service's start (which, finding the restored key published and not its own, would refuse to serve)."""
+    deadline = ctx.clock.now() + KEY_PUBLISHED_WAIT
+    while True:
+        here = await cluster.read_state(ctx.conn)
+        if cluster.PUBLISHED_KEY in here.values:
+            return here
+        if ctx.clock.now() >= deadline:
+            raise Unavailable(
+                f"this cluster's secrets service published no key within {KEY_PUBLISHED_WAIT:.0f}s: is its "
+                "control plane running (`zattera up`)? Nothing was restored"
+            )
+        await ctx.clock.sleep(0.5)
+
+
+async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored:
+    """Put a backup's contents into this cluster. Refused, with nothing written, when an object is bad, the
+    passphrase wrong, the backup newer than this code, the cluster not empty (unless forced) or its secrets
+    service not started."""
+    target = _target(request.target)
+
+    def fetch() -> tuple[Manifest, dict[str, bytes]]:
+        manifest = _read_manifest(target, _latest(target, request.backup_id))
+        check_restorable(manifest, SCHEMA)
+        return manifest, _check_all(target, manifest)
+
+    manifest, blobs = await asyncio.to_thread(fetch)
+
+    def blob(kind: str) -> bytes:
+        entry = manifest.entry(kind)
+        if entry is None:
+            raise Corrupt(f"backup {manifest.id}: the manifest lists no {kind} object")
+        return blobs[entry.sha256]
+
+    key_doc = await asyncio.to_thread(recovery.unseal, blob(SECRETS_KEY), request.passphrase)
+    try:
+        restored_keys = Keyring([PrivateKey(bytes.fromhex(h)) for h in json.loads(key_doc)["keys"]])
+    except (ValueError, KeyError, TypeError):
+        raise Corrupt(f"backup {manifest.id}: the secrets key object holds no keyring") from None
+    state = cluster.BucketCopy.from_json(blob(STATE))
+    users = cluster.BucketCopy.from_json(blob(CONSOLE_USERS))
+    here = await _settled(ctx)
+    if not cluster.is_empty(here) and not request.force:
+        held = sorted({cluster.kind_of(k) for k in here.values if cluster.kind_of(k) in cluster.OWN_KINDS})
+        raise Conflicting(
+            f"the cluster is not empty (it holds {', '.join(held)} records): restore into a fresh cluster, "
+            "or --force to replace what the backup holds",
+            field="force",
+        )
+    _merge_keyring(Path(request.keyring_path), restored_keys)
+    skipped: list[str] = []
+    objects = 0
+    for kind, store in STORES.items():
+        for entry in manifest.of_kind(kind):
+            headers = {str(k): str(v) for k, v in dict(entry.meta.get("headers") or {}).items()}
+            obj = cluster.StoredObject(entry.name, blobs[entry.sha256], str(entry.meta.get("description", "")), headers)
+            await cluster.write_object(ctx.conn, store, obj)
+            objects += 1
+    restored_users = 0
+    if users.values:
+        if await cluster.users_bucket_ready(ctx.conn):
+            await cluster.write_bucket(ctx.conn, USERS_BUCKET, sorted(users.values.items()))
+            restored_users = len(users.values)
+        else:
+            skipped.append(f"{len(users.values)} console users: this cluster has no console users bucket")
+    values = cluster.restorable(state)
+    left = len(state.values) - len(values)
+    if left:
+        skipped.append(f"{left} keys of the old machines (nodes, assignments, observations, leases)")
+    await cluster.write_state(ctx.conn, values)
+    await ctx.events.publish(
+        make_event(
+            "backup.restored",
+            f"backup {manifest.id} restored from {target.url}: {len(values)} keys, {objects} objects",
+            fields={"actor": ctx.actor, "target": target.url, "backup": manifest.id},
+        )
+    )
+    return Restored(manifest.id, len(values), objects, restored_users, skipped)

@@ -1,0 +1,8 @@
+"""Backups of a cluster (docs/backup.md): what a backup holds and where it goes.
+
+``manifest.py`` is the pure description of one backup (its objects and their SHA-256, the schema and
+version it was taken at, the state revision); ``recovery.py`` seals the cluster secrets key to a recovery
+passphrase (Argon2id, PyNaCl); ``targets.py`` stores objects in a local directory or an S3-compatible
+object store; ``cluster.py`` reads a cluster's contents at one point and writes them back. The operator
+actions (create, list, verify, restore) are in :mod:`shared.actions.backup`.
+"""

@@ -1,0 +1,77 @@
+"""The cluster secrets key sealed to a recovery passphrase: without the passphrase a backup restores nothing
+secret.
+
+The key is derived from the passphrase with Argon2id (libsodium's ``crypto_pwhash`` through PyNaCl, a
+memory-hard KDF: "moderate" limits, 256 MiB and 3 passes, recorded beside the ciphertext so they can grow)
+and the keyring is sealed with XSalsa20-Poly1305 (``SecretBox``), whose tag tells a wrong passphrase.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from nacl import pwhash, secret, utils
+from nacl.exceptions import CryptoError
+
+from shared.backup.manifest import BackupError
+
+KDF = "argon2id"
+OPSLIMIT = pwhash.argon2id.OPSLIMIT_MODERATE
+MEMLIMIT = pwhash.argon2id.MEMLIMIT_MODERATE
+MIN_PASSPHRASE = 12
+"""Characters a recovery passphrase has at least."""
+
+
+class WrongPassphrase(BackupError):
+    """The recovery passphrase does not open the backup's secrets key."""
+
+
+class WeakPassphrase(BackupError, ValueError):
+    """A recovery passphrase too short to protect a backup stored off-site."""
+
+
+def check_passphrase(passphrase: str) -> None:
+    if len(passphrase) < MIN_PASSPHRASE:
+        raise WeakPassphrase(f"recovery passphrase: at least {MIN_PASSPHRASE} characters (got {len(passphrase)})")
+
+
+def _key(passphrase: str, salt: bytes, opslimit: int, memlimit: int) -> bytes:
+    return pwhash.argon2id.kdf(
+        secret.SecretBox.KEY_SIZE, passphrase.encode(), salt, opslimit=opslimit, memlimit=memlimit
+    )
+
+
+def seal(plaintext: bytes, passphrase: str, *, opslimit: int | None = None, memlimit: int | None = None) -> bytes:
+    """``plaintext`` sealed to ``passphrase``: a JSON document of the KDF's parameters (default
+    :data:`OPSLIMIT`, :data:`MEMLIMIT`) and the ciphertext."""
+    check_passphrase(passphrase)
+    opslimit = OPSLIMIT if opslimit is None else opslimit
+    memlimit = MEMLIMIT if memlimit is None else memlimit
+    salt = utils.random(pwhash.argon2id.SALTBYTES)
+    box = secret.SecretBox(_key(passphrase, salt, opslimit, memlimit))
+    doc: dict[str, Any] = {
+        "kdf": KDF,
+        "opslimit": opslimit,
+        "memlimit": memlimit,
+        "salt": base64.b64encode(salt).decode(),
+        "box": base64.b64encode(bytes(box.encrypt(plaintext))).decode(),
+    }
+    return json.dumps(doc).encode()
+
+
+def unseal(sealed: bytes, passphrase: str) -> bytes:
+    """The plaintext :func:`seal` sealed; :class:`WrongPassphrase` when ``passphrase`` does not open it."""
+    try:
+        doc = json.loads(sealed)
+        if doc["kdf"] != KDF:
+            raise BackupError(f"secrets key: sealed with {doc['kdf']!r}, which this Zattera does not know")
+        salt, box = base64.b64decode(doc["salt"]), base64.b64decode(doc["box"])
+        key = _key(passphrase, salt, int(doc["opslimit"]), int(doc["memlimit"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BackupError(f"secrets key: not a sealed key ({type(exc).__name__})") from None
+    try:
+        return bytes(secret.SecretBox(key).decrypt(box))
+    except CryptoError:
+        raise WrongPassphrase("the recovery passphrase does not open this backup's secrets key") from None
