@@ -37,11 +37,12 @@ from shared import keys as K
 from shared.certclient import CACHE_FILE, CertClient, open_bundle
 from shared.certs import KEYS_OPEN_SUBJECT
 from shared.clock import RealClock
+from shared.connection import Connection, connect
 from shared.embedded import free_port
 from shared.ids import new_id
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
-from shared.natsio import Connection, connect, provision
+from shared.provisioning import provision
 from shared.secrets import CLUSTER_KEY, seal
 from shared.state.feed import StateView
 from shared.txn import Writer

@@ -30,11 +30,13 @@ from services.routes.builder import RouteBuilder, encode_snapshot
 from services.routes.publisher import RoutesPublisher
 from shared import keys as K
 from shared.clock import RealClock
+from shared.connection import connect
 from shared.embedded import MAX_PAYLOAD, EmbeddedNats
-from shared.natsio import ROUTES_SNAPSHOT_SUBJECT, connect, provision
+from shared.provisioning import provision
 from shared.routeclient import COMPRESS_ABOVE, HEADER_ROOM, RouteClient, content_digest, encode_messages
 from shared.state.feed import StateView
 from shared.state.store import StateStore
+from shared.subjects import ROUTES_SNAPSHOT_SUBJECT
 from shared.txn import Writer
 from tests.routes.reference import reference_content
 

@@ -21,8 +21,9 @@ from pathlib import Path
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from benchmarks.common import bench_main
+from shared.connection import connect
 from shared.embedded import EmbeddedNats
-from shared.natsio import connect, provision
+from shared.provisioning import provision
 from shared.snapshots import SnapshotEngine, SnapshotStore
 
 GIB = 1 << 30

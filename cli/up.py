@@ -576,10 +576,11 @@ async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int 
     migrations ran (docs/upgrades.md); :data:`REFUSED_EXIT` when this version may not run on it."""
     import asyncio
 
+    from shared.connection import connect
     from shared.events import EventPublisher
     from shared.lease import default_holder
     from shared.migrations.runner import MigrationFailed, upgrade
-    from shared.natsio import connect, provision
+    from shared.provisioning import provision
     from shared.skew import SkewRefused
 
     conn = await connect(url, name="zattera-up", creds=creds or None, tls_ca=tls_ca or None)

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.clock import Clock
+from shared.connection import Connection
 from shared.events import EventPublisher
 from shared.lease import Leadership
 from shared.metrics import loop_pass_duration
-from shared.natsio import Connection
 from shared.state.changes import Change, ChangeFeed
 from shared.state.feed import StateView
 from shared.tasks import raise_if_cancelling

@@ -32,7 +32,7 @@ activity and serves the last snapshot, without expiry, while the control plane i
 
 Versions are state-bucket revisions, so they order the snapshots of one cluster only: a snapshot names
 the cluster it was built from (``RouteSnapshot.cluster``: the id its init recorded and the state stream's
-creation, :class:`shared.natsio.ClusterIdentity`), and versions are compared only between snapshots of the
+creation, :class:`shared.provisioning.ClusterIdentity`), and versions are compared only between snapshots of the
 same cluster. A snapshot of another cluster than the current one — a cached snapshot kept from the open
 cluster a data dir held before ``--secure``, from a state bucket since created anew — is never preferred
 by its version: the client takes another cluster's snapshot only from a route service's own answer to
@@ -60,9 +60,11 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.backoff import Backoff
 from shared.clock import Clock, RealClock
+from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.files import write_atomic
-from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, ClusterIdentity, Connection
+from shared.provisioning import ClusterIdentity
+from shared.subjects import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT
 from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.telemetry import counter
 

@@ -58,7 +58,7 @@ from shared import keys as K
 from shared.activation import request_activation
 from shared.backoff import exponential
 from shared.clock import Clock, RealClock
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.routeclient import RouteClient
 from shared.runtime_note import write_runtime_note
 from shared.security.views import ViewUnavailable, request_view

@@ -78,9 +78,9 @@ from services.agent.pythonbase import PYTHON_LABEL
 from services.agent.sandbox import Confinement, Sandbox, exit_status, give
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
 from shared.buildplan import BuildPlan, PlanError, build_problem, detect, read_source, starts_python
+from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.ids import is_safe_id, unsafe_id
-from shared.natsio import SOURCES_STORE, Connection, is_direct_request
 from shared.registry import (
     BlobStore,
     PlatformImage,
@@ -91,6 +91,7 @@ from shared.registry import (
     parse_ref,
     push_image,
 )
+from shared.subjects import SOURCES_STORE, is_direct_request
 from shared.subprocesses import start_shell
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span

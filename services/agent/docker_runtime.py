@@ -56,9 +56,9 @@ from services.agent.logs import STREAM_FILES
 from services.agent.processes import InstanceRecord
 from services.agent.pythonbase import inspect_interpreter, python_of, python_rootfs_tar
 from services.agent.settings import AgentSettings
+from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.files import PRIVATE, write_atomic
-from shared.natsio import Connection
 from shared.registry import RegistryError, digest_of, fetch_image
 from shared.registryauth import auth_for
 

@@ -39,8 +39,8 @@ from nats.js.errors import Error as JetStreamError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.applogs import STDERR, STDOUT, app_log_subject, app_logs_stream
+from shared.connection import Connection
 from shared.files import PRIVATE, write_atomic
-from shared.natsio import Connection
 from shared.tasks import raise_if_cancelling
 
 log = logging.getLogger(__name__)

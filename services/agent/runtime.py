@@ -61,7 +61,7 @@ from services.agent.settings import AgentSettings
 from shared import keys as K
 from shared.applogs import STDOUT, describe_exit, instance_exit
 from shared.clock import Clock, RealClock, stamp, wait_or_timer
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.registryauth import split_registry_auth
 from shared.secrets import SecretsServiceSilent, SecretsUnavailable, fetch_secrets
 from shared.state.feed import StateView

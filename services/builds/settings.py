@@ -5,8 +5,8 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.natsio import DAY
 from shared.registry import BLOB_GRACE
+from shared.streams import DAY
 
 
 class BuildsSettings(BaseSettings):

@@ -14,9 +14,9 @@ from services.console.settings import ConsoleSettings
 from services.console.web import Console, make_app
 from shared.actions.context import ActionContext
 from shared.clock import Clock
+from shared.connection import Connection
 from shared.console_users import users_bucket
 from shared.live import LiveView
-from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.settings import settings
 from shared.snapshots.dispatch import operator_dispatcher

@@ -37,9 +37,10 @@ from shared.actions.secrets import SetSecret, set_secret
 from shared.actions.volumes import RestoreVolume, TakeSnapshot, restore_volume, take_snapshot
 from shared.applogs import AppLogLine, UnknownLogStream, read_app_logs
 from shared.buildlogs import follow_build_log
+from shared.connection import Connection
 from shared.console_users import ADMIN, burn_check, load_user, password_matches
-from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
 from shared.state.feed import StateView
+from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 from shared.urls import Listeners
 
 from . import pages

@@ -56,9 +56,9 @@ from shared.acmechallenge import PATH_PREFIX as CHALLENGE_PATH
 from shared.acmechallenge import ChallengeAnswers
 from shared.activation import INVALID_ARGUMENT, NOT_FOUND, ActivateError, request_activation
 from shared.certclient import CertClient
+from shared.connection import Connection
 from shared.live import publish_proxy_heartbeat
 from shared.metrics import RequestSeries
-from shared.natsio import Connection
 from shared.process import connect_with_retry
 from shared.routeclient import RouteClient, same_cluster
 from shared.skew import Component, Verdict, judge_peer

@@ -40,15 +40,8 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.routes.builder import RELEVANT_KINDS, RouteBuilder, encode_snapshot
 from shared.clock import Clock, ticker
-from shared.natsio import (
-    ROUTES_GET_SUBJECT,
-    ROUTES_SNAPSHOT_SUBJECT,
-    ROUTES_STREAM,
-    ClusterIdentity,
-    Connection,
-    cluster_identity,
-    is_direct_request,
-)
+from shared.connection import Connection
+from shared.provisioning import ClusterIdentity, cluster_identity
 from shared.routeclient import (
     COMPRESS_ABOVE,
     DIGEST_HEADER,
@@ -63,6 +56,7 @@ from shared.routeclient import (
 )
 from shared.state.changes import Change, ChangeFeed
 from shared.state.feed import StateView
+from shared.subjects import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, ROUTES_STREAM, is_direct_request
 from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.telemetry import counter, span
 

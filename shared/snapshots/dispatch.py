@@ -34,13 +34,14 @@ from zattera.v1 import types_pb2 as pb
 
 from shared.actions.refusals import Conflicting, NotFound, Unavailable
 from shared.clock import Clock, stamp
+from shared.connection import Connection
 from shared.ids import new_id
-from shared.natsio import Connection, agent_subject
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
 from shared.snapshots.locking import SharedExclusiveLock
 from shared.snapshots.store import MANIFESTS, SnapshotStore
 from shared.state.feed import StateView
 from shared.state.reader import StateReader
+from shared.subjects import agent_subject
 from shared.telemetry import inject, span
 from shared.txn import Deposed, TxnError, Writer
 from shared.volumes import lease_expired, lease_held_by_other, lease_of

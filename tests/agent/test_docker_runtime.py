@@ -29,12 +29,13 @@ from services.agent.docker_runtime import (
 from services.agent.launchers import LaunchPlan
 from services.agent.settings import AgentSettings
 from shared import keys as K
+from shared.connection import Connection
 from shared.ids import new_id
 from shared.live import node_key
-from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
 from shared.registry import PlatformImage, push_image
 from shared.runtime_note import read_runtime_note
 from shared.state.feed import StateView
+from shared.subjects import LIVE_PREFIX, LIVE_STREAM
 from shared.txn import Writer
 from tests.agent.conftest import RunningAgent, StartAgent, assignment, release
 from tests.agent.test_runtime import http_get, seed, set_desired, state_of

@@ -9,7 +9,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.autoscale.scaletozero import DEFAULT_IDLE_TIMEOUT, ScaleToZero
 from shared.loop import LoopDeps
-from shared.natsio import EVENTS_STREAM
+from shared.subjects import EVENTS_STREAM
 from tests.autoscale.conftest import Harness
 from tests.autoscale.helpers import (
     base_objects,

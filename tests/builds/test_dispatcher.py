@@ -12,8 +12,10 @@ from services.builds.planning import WAITING_KIND, WAITING_MESSAGE, BuildDispatc
 from shared.buildcancel import cancel_build
 from shared.buildlogs import END_HEADER, follow_build_log, read_build_log
 from shared.clock import FakeClock
-from shared.natsio import BUILD_LOGS_STREAM, EVENTS_STREAM, Connection, build_log_subject, build_logs_stream_config
+from shared.connection import Connection
 from shared.state.feed import StateView
+from shared.streams import build_logs_stream_config
+from shared.subjects import BUILD_LOGS_STREAM, EVENTS_STREAM, build_log_subject
 from shared.txn import Writer
 from tests.builds import seed
 from tests.builds.conftest import StartDispatcher, advance_until

@@ -8,7 +8,8 @@ import signal
 from pathlib import Path
 
 from cli.up import Cluster, _provision
-from shared.natsio import EVENTS_STREAM, LIVE_STREAM, STATE_STREAM, connect
+from shared.connection import connect
+from shared.subjects import EVENTS_STREAM, LIVE_STREAM, STATE_STREAM
 from tests.waiting import eventually
 
 

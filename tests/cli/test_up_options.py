@@ -99,8 +99,9 @@ def test_a_data_dir_holding_an_open_cluster_is_not_started_secure_and_the_refusa
 ) -> None:
     import asyncio
 
+    from shared.connection import connect
     from shared.embedded import EmbeddedNats
-    from shared.natsio import connect, provision
+    from shared.provisioning import provision
 
     async def init(url: str) -> None:
         conn = await connect(url, name="t")

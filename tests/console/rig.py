@@ -18,8 +18,8 @@ from services.console.server import start_site
 from services.console.web import Console
 from shared.actions.context import ActionContext
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.console_users import ADMIN, VIEWER, new_user, save_user, users_bucket
-from shared.natsio import Connection
 from shared.secrets import CLUSTER_KEY, key_id
 from shared.snapshots.dispatch import SnapshotDispatcher
 from shared.state.feed import StateView

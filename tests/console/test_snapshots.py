@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.snapshots import SnapshotAgent
 from shared.snapshots.chunking import TEST_PARAMS
 from shared.state.feed import StateView

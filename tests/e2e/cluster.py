@@ -41,8 +41,8 @@ from zattera.v1 import types_pb2 as pb
 from cli.layout import DataLayout
 from cli.up import Cluster, Supervised
 from services.proxy.settings import ROUTES_CACHE_FILE
+from shared.connection import Connection, connect
 from shared.embedded import free_port
-from shared.natsio import Connection, connect
 from shared.routeclient import RouteClient, load_cached
 from shared.security.permissions import Role
 from shared.security.setup import SecureSetup, prepare
@@ -420,7 +420,7 @@ class E2ECluster:
 
 
 async def _provision(url: str, creds: str = "") -> None:
-    from shared.natsio import provision
+    from shared.provisioning import provision
 
     conn = await connect(url, name="e2e-provision", creds=creds or None)
     try:

@@ -12,8 +12,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.ids import new_id
-from shared.natsio import Connection
 from shared.snapshots import SnapshotAgent
 from shared.snapshots.chunking import TEST_PARAMS
 

@@ -15,8 +15,8 @@ from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.snapshots import SnapshotScheduler
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.loop import LoopDeps
-from shared.natsio import Connection
 from shared.snapshots import SnapshotAgent, SnapshotEngine, SnapshotStore
 from shared.snapshots.chunking import TEST_PARAMS
 from shared.snapshots.dispatch import (

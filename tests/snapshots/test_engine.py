@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.snapshots import SnapshotEngine, SnapshotStore
 from shared.snapshots.chunking import TEST_PARAMS
 from shared.snapshots.store import CHUNKS
