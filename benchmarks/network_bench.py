@@ -27,7 +27,8 @@ from benchmarks.common import bench_main, embedded_server, percentile, row
 from services.agent.forwarder import Forwarder
 from shared.connection import connect
 from shared.embedded import free_port
-from shared.routeclient import RouteClient, content_digest, encode_messages
+from shared.routeclient import RouteClient
+from shared.routewire import content_digest, encode_messages
 from shared.subjects import ROUTES_SNAPSHOT_SUBJECT
 
 ECHO = """

@@ -33,7 +33,8 @@ from shared.clock import RealClock
 from shared.connection import connect
 from shared.embedded import MAX_PAYLOAD, EmbeddedNats
 from shared.provisioning import provision
-from shared.routeclient import COMPRESS_ABOVE, HEADER_ROOM, RouteClient, content_digest, encode_messages
+from shared.routeclient import RouteClient
+from shared.routewire import COMPRESS_ABOVE, HEADER_ROOM, content_digest, encode_messages
 from shared.state.feed import StateView
 from shared.state.store import StateStore
 from shared.subjects import ROUTES_SNAPSHOT_SUBJECT

@@ -21,7 +21,8 @@ from shared.clock import RealClock
 from shared.connection import Connection
 from shared.deployments import desired_replicas, is_terminal
 from shared.live import LiveView
-from shared.routeclient import RouteClient, cluster_text, same_cluster
+from shared.routeclient import RouteClient
+from shared.routewire import cluster_text, same_cluster
 from shared.state.feed import StateView
 from shared.state.reader import StateReader
 

@@ -51,7 +51,7 @@ from shared.certclient import CertClient, ServedCert
 from shared.embedded import free_port
 from shared.files import PRIVATE, write_atomic
 from shared.metrics import RequestSeries
-from shared.routeclient import same_cluster
+from shared.routewire import same_cluster
 from shared.settings import settings
 
 log = logging.getLogger(__name__)

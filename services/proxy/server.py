@@ -60,7 +60,8 @@ from shared.connection import Connection
 from shared.live import publish_proxy_heartbeat
 from shared.metrics import RequestSeries
 from shared.process import connect_with_retry
-from shared.routeclient import RouteClient, same_cluster
+from shared.routeclient import RouteClient
+from shared.routewire import same_cluster
 from shared.skew import Component, Verdict, judge_peer
 from shared.tasks import cancel_and_wait
 from shared.version import VERSION

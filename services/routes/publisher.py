@@ -42,7 +42,7 @@ from services.routes.builder import RELEVANT_KINDS, RouteBuilder, encode_snapsho
 from shared.clock import Clock, ticker
 from shared.connection import Connection
 from shared.provisioning import ClusterIdentity, cluster_identity
-from shared.routeclient import (
+from shared.routewire import (
     COMPRESS_ABOVE,
     DIGEST_HEADER,
     HEADER_ROOM,

@@ -18,14 +18,9 @@ import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.agent.docker_runtime import (
-    ContainerHandle,
-    ContainerImage,
-    DockerLauncher,
-    DockerUnavailable,
-    choose_launcher,
-    container_config,
-)
+from services.agent.docker_containers import ContainerHandle, container_config
+from services.agent.docker_images import ContainerImage
+from services.agent.docker_runtime import DockerLauncher, DockerUnavailable, choose_launcher
 from services.agent.launchers import LaunchPlan
 from services.agent.settings import AgentSettings
 from shared import keys as K

@@ -17,7 +17,8 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.live import publish_node_heartbeat
-from shared.routeclient import RouteClient, decode_body
+from shared.routeclient import RouteClient
+from shared.routewire import decode_body
 from shared.subjects import (
     ACTIVATE_SUBJECT,
     LIVE_PREFIX,

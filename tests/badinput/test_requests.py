@@ -37,7 +37,7 @@ from shared.activation import ERROR_CODE_HEADER
 from shared.buildlogs import ERROR_HEADER, read_build_log
 from shared.ids import new_id
 from shared.registry import BlobStore
-from shared.routeclient import CHUNK_HEADER, UNCHANGED_HEADER, decode_body
+from shared.routewire import CHUNK_HEADER, UNCHANGED_HEADER, decode_body
 from shared.security.join import USER_PUBLIC_KEY
 from shared.security.nkeyjwt import KeyKind, KeyPair, decode_claims
 from shared.security.permissions import JOIN_ISSUE_SUBJECT, JOIN_SUBJECT

@@ -17,7 +17,7 @@ from shared import certs as C
 from shared import keys as K
 from shared.certclient import CACHE_FILE, CertClient
 from shared.connection import Connection
-from shared.routeclient import content_digest, encode_messages
+from shared.routewire import content_digest, encode_messages
 from shared.state.feed import StateView
 from shared.subjects import ROUTES_SNAPSHOT_SUBJECT
 from shared.txn import Writer

@@ -26,7 +26,7 @@ from shared.migrations.registry import SCHEMA
 from shared.migrations.runner import record, upgrade
 from shared.process import Process
 from shared.provisioning import recorded_config
-from shared.routeclient import content_digest, encode_messages
+from shared.routewire import content_digest, encode_messages
 from shared.settings import settings
 from shared.skew import Component, SkewRefused
 from shared.subjects import LIVE_BUCKET, ROUTES_SNAPSHOT_SUBJECT, STATE_PREFIX, STATE_STREAM

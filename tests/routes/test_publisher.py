@@ -19,7 +19,8 @@ from shared import keys as K
 from shared.clock import FakeClock
 from shared.connection import Connection, connect
 from shared.provisioning import cluster_identity, provision
-from shared.routeclient import DIGEST_HEADER, UNCHANGED_HEADER, VERSION_HEADER, RouteClient
+from shared.routeclient import RouteClient
+from shared.routewire import DIGEST_HEADER, UNCHANGED_HEADER, VERSION_HEADER
 from shared.state.feed import StateView
 from shared.subjects import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, STATE_STREAM
 from shared.txn import Writer

@@ -14,13 +14,13 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.connection import Connection, connect
 from shared.embedded import EmbeddedNats
-from shared.routeclient import (
+from shared.routeclient import RouteClient
+from shared.routewire import (
     CHUNK_HEADER,
     ENCODING_HEADER,
     GZIP,
     UNCHANGED_HEADER,
     VERSION_HEADER,
-    RouteClient,
     SnapshotAssembler,
     SnapshotDecodeError,
     content_digest,

@@ -31,7 +31,7 @@ from shared.connection import Connection
 from shared.embedded import free_port
 from shared.ids import new_id
 from shared.registry import PlatformImage, push_image
-from shared.routeclient import content_digest, encode_messages
+from shared.routewire import content_digest, encode_messages
 from shared.security.authority import RoleIssuer
 from shared.security.join import JoinService, join, request_join_token
 from shared.security.permissions import Role
