@@ -34,7 +34,7 @@ from pathlib import Path
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, bench_main, median, percentile, row
-from cli.up import Supervised
+from cli.supervised import Supervised
 from services.agent.agent import view_filters
 from shared.connection import Connection, connect
 from shared.embedded import EmbeddedNats

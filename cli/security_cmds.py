@@ -12,7 +12,9 @@ import typer
 
 from cli.client import connect_cli, run
 from cli.layout import NODE_CREDS, PROXY_CREDS, DataLayout
-from cli.up import LOCAL_NODE, Cluster, Supervised, run_up
+from cli.supervised import Supervised
+from cli.up import run_up
+from cli.up_cluster import LOCAL_NODE, Cluster
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.embedded import SERVER_DIR
 from shared.security.authority import Authority

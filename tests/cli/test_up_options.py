@@ -13,7 +13,8 @@ import cli.security_cmds
 import cli.up_cmds
 from cli.layout import DataLayout
 from cli.main import app
-from cli.up import ALL_IN_ONE_SERVICES, SERVICES, Cluster, Supervised
+from cli.supervised import Supervised
+from cli.up_cluster import ALL_IN_ONE_SERVICES, SERVICES, Cluster
 from shared.embedded import free_port
 
 

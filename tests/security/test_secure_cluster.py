@@ -14,7 +14,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from cli.up import Cluster
+from cli.up_cluster import Cluster
 from shared.connection import connect
 from shared.embedded import SERVER_DIR, EmbeddedNats, free_port, wait_meta_group
 from shared.security import tls as tls_material
