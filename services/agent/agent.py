@@ -33,6 +33,7 @@ from services.agent.builder import Builder
 from services.agent.docker_runtime import choose_launcher
 from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
+from services.agent.instances import RuntimeContext
 from services.agent.launchers import PROCESS, TENANT_KEY, Launcher, ProcessLauncher
 from services.agent.mesh import PORT as MESH_PORT
 from services.agent.mesh import Mesh, MeshError
@@ -40,7 +41,7 @@ from services.agent.mesh import available as mesh_unavailable
 from services.agent.processes import PortAllocator
 from services.agent.registration import NodeIdentity, register_node
 from services.agent.reporter import ObservedReporter
-from services.agent.runtime import ProcessRuntime, RuntimeContext
+from services.agent.runtime import ProcessRuntime
 from services.agent.sandbox import (
     NONE,
     Isolation,
