@@ -14,8 +14,8 @@ from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from services.console.auth import LoginLimiter, Sessions
+from services.console.handling import Console
 from services.console.server import start_site
-from services.console.web import Console
 from shared.actions.context import ActionContext
 from shared.clock import FakeClock
 from shared.connection import Connection
