@@ -32,7 +32,8 @@ from shared.loop import LoopDeps
 from shared.placement.placement import PlacementIndex, place
 from shared.provisioning import provision
 from shared.state.feed import StateView
-from shared.state.store import StateStore, reservation
+from shared.state.store import StateStore
+from shared.state.tables import reservation
 from shared.txn import Writer
 
 NODES = 5_000

@@ -31,7 +31,7 @@ from shared.events import replica_count
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.loop import LoopDeps
 from shared.state.reader import StateReader
-from shared.state.store import RUN
+from shared.state.tables import RUN
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from shared.placement.placement import PlacementIndex
 from shared.placement.replicas import new_assignment, node_is_down, stopped
 from shared.schedule import Schedule, ScheduleError, parse_schedule
 from shared.state.reader import StateReader
-from shared.state.store import reservation
+from shared.state.tables import reservation
 
 log = logging.getLogger(__name__)
 

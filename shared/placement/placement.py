@@ -42,7 +42,7 @@ from zattera.v1 import types_pb2 as pb
 from shared.errors import ZatteraError
 from shared.placement.platforms import loose_platform, normalize_platform, platform_set, supports
 from shared.state.reader import StateReader
-from shared.state.store import reservation
+from shared.state.tables import reservation
 from shared.volumes import find_volume
 
 __all__ = [
