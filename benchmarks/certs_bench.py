@@ -29,7 +29,8 @@ from benchmarks.common import Row, bench_main, embedded_server, percentile, row
 from services.certs.issuer import AcmeIssuer
 from services.certs.localca import load_or_create
 from services.certs.loop import CertificateLoop
-from services.proxy.haproxy_engine import HAProxyIngress, haproxy_binary, haproxy_ingress
+from services.proxy.haproxy_ingress import HAProxyIngress, haproxy_ingress
+from services.proxy.launch import haproxy_binary
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
 from shared import certs as C

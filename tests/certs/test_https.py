@@ -20,7 +20,8 @@ import pytest
 from cryptography import x509
 from zattera.v1 import types_pb2 as pb
 
-from services.proxy.haproxy_engine import haproxy_binary, servable
+from services.proxy.haproxy_ingress import servable
+from services.proxy.launch import haproxy_binary
 from shared import certs as C
 from shared.certclient import ServedCert
 from shared.clock import from_timestamp
