@@ -30,7 +30,8 @@ from shared import keys as K
 from shared.decision import Decision
 from shared.events import WARNING
 from shared.loop import LeaderLoop, LoopDeps
-from shared.placement.placement import PlacementError, explain
+from shared.placement.explain import explain
+from shared.placement.placement import PlacementError
 from shared.state.reader import StateReader
 
 
