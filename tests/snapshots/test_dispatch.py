@@ -13,12 +13,14 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.agent.snapshots.chunking import TEST_PARAMS
+from services.agent.snapshots.engine import SnapshotEngine
+from services.agent.snapshots.handlers import SnapshotAgent
+from services.agent.snapshots.tarstream import tar_bytes
 from services.scheduler.snapshots import SnapshotScheduler
 from shared.clock import FakeClock
 from shared.connection import Connection
 from shared.loop import LoopDeps
-from shared.snapshots import SnapshotAgent, SnapshotEngine, SnapshotStore
-from shared.snapshots.chunking import TEST_PARAMS
 from shared.snapshots.dispatch import (
     RestoreRefused,
     SnapshotBusy,
@@ -26,7 +28,7 @@ from shared.snapshots.dispatch import (
     SnapshotKeyMismatch,
     key_fingerprint,
 )
-from shared.snapshots.tarstream import tar_bytes
+from shared.snapshots.store import SnapshotStore
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests import factories
