@@ -26,7 +26,8 @@ from pathlib import Path
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import bench_main
-from services.routes.builder import RouteBuilder, encode_snapshot
+from services.routes.builder import RouteBuilder
+from services.routes.env_routes import encode_snapshot
 from services.routes.publisher import RoutesPublisher
 from shared import keys as K
 from shared.clock import RealClock

@@ -38,7 +38,8 @@ from nats.errors import Error as NatsError
 from nats.js.errors import Error as JetStreamError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from services.routes.builder import RELEVANT_KINDS, RouteBuilder, encode_snapshot
+from services.routes.builder import RELEVANT_KINDS, RouteBuilder
+from services.routes.env_routes import encode_snapshot
 from shared.clock import Clock, ticker
 from shared.connection import Connection
 from shared.provisioning import ClusterIdentity, cluster_identity
