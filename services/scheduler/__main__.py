@@ -16,7 +16,8 @@ from services.scheduler.loop import Scheduler
 from services.scheduler.snapshots import SnapshotScheduler
 from shared.live import LiveView
 from shared.service import ServiceContext, main
-from shared.snapshots.dispatch import SnapshotDispatcher, target_from_env
+from shared.snapshots.dispatch import SnapshotDispatcher
+from shared.snapshots.guards import target_from_env
 
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:

@@ -21,13 +21,8 @@ from services.scheduler.snapshots import SnapshotScheduler
 from shared.clock import FakeClock
 from shared.connection import Connection
 from shared.loop import LoopDeps
-from shared.snapshots.dispatch import (
-    RestoreRefused,
-    SnapshotBusy,
-    SnapshotDispatcher,
-    SnapshotKeyMismatch,
-    key_fingerprint,
-)
+from shared.snapshots.dispatch import SnapshotDispatcher
+from shared.snapshots.guards import RestoreRefused, SnapshotBusy, SnapshotKeyMismatch, key_fingerprint
 from shared.snapshots.store import SnapshotStore
 from shared.state.feed import StateView
 from shared.txn import Writer

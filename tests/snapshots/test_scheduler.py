@@ -17,7 +17,7 @@ from shared.clock import FakeClock
 from shared.connection import Connection
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
-from shared.snapshots.dispatch import RecordNotWritten
+from shared.snapshots.guards import RecordNotWritten
 from shared.state.feed import StateView
 from shared.subjects import EVENTS_SUBJECT_PREFIX
 from shared.txn import Writer
