@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.common import Row, bench_main, median, row
 from benchmarks.ingress_bench import daemon, install, nginx_conf
-from benchmarks.side_by_side import cpu_seconds, wait_listening, wrk
+from benchmarks.side_by_side import cpu_seconds, serving_process, wait_listening, wrk
 from services.proxy.haproxy_config import IDLE_POOL
 from services.proxy.haproxy_runtime import execute
 from shared.embedded import free_port
@@ -91,7 +90,7 @@ def haproxy(directory: Path, backend_addr: str) -> Iterator[tuple[int, int]]:
     """(port, pid) of the HAProxy serving every kind."""
     port = free_port()
     cfg = config(directory, port, backend_addr)
-    process = subprocess.Popen(["haproxy", "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = serving_process(["haproxy", "-db", "-f", str(cfg)])
     try:
         wait_listening(process, [port], 30)
         answers = asyncio.run(execute(directory / "stats.sock", runtime_commands(backend_addr)))

@@ -8,7 +8,10 @@ start), and times the wait until its port accepts a connection. The control plan
 around it are bypassed (they are the same for both kinds). The app is the node's Python listening on its
 ``PORT`` (its interpreter start dominates a bare start).
 
-Noise-resistant figures beside the wall-clock ones: the CPU time of the whole instance tree by the time it
+The same for ``/bin/true`` (start → exit, bwrap's command line exactly as an instance gets it), three times
+as many alternating rounds: the sandbox's fixed cost without the app's own start, whose spread (the Python
+interpreter's, on a shared machine) hides tens of milliseconds. Noise-resistant figures beside the
+wall-clock ones: the CPU time of the whole instance tree by the time it
 listens (every process in it, from the scheduler's accounting: bwrap's two, setpriv's exec, the app; the
 kernel's namespace and mount work is counted there) and the agent's own CPU time in ``spawn``.
 Quick mode: 12 rounds; ``--full``: 60.
@@ -31,7 +34,7 @@ from benchmarks.common import bench_main, listening, median, percentile, row
 from services.agent.instance_env import PASSED_THROUGH_ENV
 from services.agent.launchers import LaunchPlan, ProcessLauncher
 from services.agent.processes import PortAllocator
-from services.agent.sandbox import Sandbox, UidTable, node_python_paths, probe_now
+from services.agent.sandbox import Confinement, Sandbox, UidTable, give, node_python_paths, probe_now
 
 TARGET = "≤ 50"
 ANCHOR = "issue 43: ≤ 50 ms added at p50"
@@ -118,12 +121,60 @@ async def _measure(rounds: int) -> dict[str, dict[str, list[float]]]:
     return figures
 
 
+async def _true_once(sandbox: Sandbox | None, workdir: Path) -> float:
+    """ms from start to exit of ``/bin/true``: the sandbox's fixed cost without the app's own start."""
+    command = ["/bin/true"]
+    wrapped = None
+    if sandbox is not None:
+        confinement = Confinement(uid=sandbox.uid("env:bench"), workdir=workdir, writable=(workdir,))
+        wrapped = sandbox.wrap(confinement, command, {"PATH": "/usr/bin:/bin"})
+    started = time.perf_counter()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *(wrapped.argv if wrapped else command),
+            env=wrapped.env if wrapped else {"PATH": "/usr/bin:/bin"},
+            pass_fds=wrapped.fds if wrapped else (),
+            cwd=workdir,
+            start_new_session=True,
+        )
+    finally:
+        if wrapped is not None:
+            wrapped.close()
+    code = await proc.wait()
+    if code != 0:
+        raise RuntimeError(f"/bin/true exited {code}")
+    return (time.perf_counter() - started) * 1000
+
+
+async def _fixed_cost(rounds: int) -> tuple[list[float], list[float]]:
+    support = probe_now()
+    on: list[float] = []
+    off: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="zattera-isolation-bench-") as tmp:
+        root = Path(tmp)
+        workdir = root / "work"
+        workdir.mkdir()
+        sandbox = Sandbox(support, UidTable(root / "sandbox", base=0x70000000, count=65536), hidden=(root,))
+        give(workdir, sandbox.uid("env:bench"))
+        for index in range(rounds):
+            for kind in ("sandboxed", "bare") if index % 2 == 0 else ("bare", "sandboxed"):
+                (on if kind == "sandboxed" else off).append(
+                    await _true_once(sandbox if kind == "sandboxed" else None, workdir)
+                )
+    return on, off
+
+
 def run(quick: bool = True) -> list[dict[str, object]]:
     rounds = 12 if quick else 60
     figures = asyncio.run(_measure(rounds))
     on, off = figures["sandboxed"], figures["bare"]
     added = [a - b for a, b in zip(on["wall"], off["wall"], strict=True)]  # per round: noise mostly cancels
+    true_on, true_off = asyncio.run(_fixed_cost(rounds * 3))
+    fixed = [a - b for a, b in zip(true_on, true_off, strict=True)]
     rows = [
+        row(f"`/bin/true` start → exit, sandboxed, p50 ({rounds * 3} rounds)", median(true_on), "ms"),
+        row("`/bin/true` start → exit, bare, p50", median(true_off), "ms"),
+        row("sandbox fixed cost: added at p50 (median of per-round differences)", median(fixed), "ms", TARGET, ANCHOR),
         row(f"instance start → listening, sandboxed, p50 ({rounds} rounds)", median(on["wall"]), "ms"),
         row("instance start → listening, sandboxed, p90", percentile(on["wall"], 90), "ms"),
         row("instance start → listening, bare, p50", median(off["wall"]), "ms"),

@@ -1,4 +1,5 @@
-"""``zattera builds list|logs|cancel``: builds and their logs."""
+"""``zattera builds list|logs|cancel``: builds and their logs; a cancel is the operator action
+:func:`shared.actions.builds.cancel_build`."""
 
 from __future__ import annotations
 
@@ -82,15 +83,11 @@ def build_log_line(build_id: str, line: str, as_json: bool) -> str:
 @builds_app.command("cancel")
 def builds_cancel(build_id: str) -> None:
     """Cancel a QUEUED or RUNNING build (its builder is told to stop)."""
-    from shared.buildcancel import CancelRefused, cancel_build
-    from shared.clock import RealClock
+    from shared.actions.builds import CancelBuild, cancel_build
 
     async def go() -> None:
         async with control() as c:
-            try:
-                await cancel_build(c.writer, build_id, clock=RealClock())
-            except CancelRefused as exc:
-                raise fail(str(exc)) from None
-            err.print(f"build {build_id}: canceled")
+            await cancel_build(c.actions, CancelBuild(build_id))
+        err.print(f"build {build_id}: canceled")
 
     run(go)

@@ -48,7 +48,7 @@ REQUEST_DEADLINE = 15.0
 
 
 class ExitCode(IntEnum):
-    """Exit codes of every ``zattera`` command (README, docs/cluster.md)."""
+    """Exit codes of every ``zattera`` command (docs/commands.md, docs/cluster.md)."""
 
     OK = 0
     FAILED = 1  # refused, invalid input, not found

@@ -7,15 +7,14 @@ One JSON file, ``$ZATTERA_CONFIG_DIR/contexts.json`` (default ``~/.config/zatter
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from shared.errors import ZatteraError
 from shared.files import PRIVATE, write_atomic
+from shared.natssettings import config_dir
 
-CONFIG_DIR_ENV = "ZATTERA_CONFIG_DIR"
 FILE_NAME = "contexts.json"
 
 
@@ -43,14 +42,6 @@ class Context(BaseModel):
 class ContextFile(BaseModel):
     current: str = ""
     contexts: dict[str, Context] = Field(default_factory=dict)
-
-
-def config_dir() -> Path:
-    explicit = os.environ.get(CONFIG_DIR_ENV)
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "zattera"
 
 
 def path() -> Path:

@@ -51,8 +51,8 @@ A volume's ``snapshot_*`` keys become its ``Volume.snapshot_policy`` when ``zatt
 the volume (the first deploy creates it: apply again afterwards). A key present in the file sets that
 field; an absent key leaves it as it is (e.g. as ``zattera volumes policy`` set it).
 
-Every error names the field it is about (``env.production.replicas.max: ...``). The reference of every
-key is docs/zattera-toml.md.
+Every error names the field it is about (``env.production.replicas.max: ...``). Every key is documented
+in docs/zattera-toml.md.
 """
 
 from __future__ import annotations

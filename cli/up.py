@@ -41,9 +41,15 @@ Next, in another terminal (ZATTERA_NATS_URL={nats}):
 """
 
 
+def _proxy_engine() -> str:
+    """``ZATTERA_PROXY_ENGINE`` ('' = the proxy picks), read as the proxy's settings read it; from the
+    environment itself: the resident supervisor loads no settings (pydantic-settings, ~20 MB)."""
+    return os.environ.get("ZATTERA_PROXY_ENGINE", "")
+
+
 def data_plane_text() -> str:
     """Which data plane the proxy runs (the choice ``python -m services.proxy`` makes without ``--engine``)."""
-    if choose_engine(os.environ.get("ZATTERA_PROXY_ENGINE", "")) == "haproxy":
+    if choose_engine(_proxy_engine()) == "haproxy":
         return "haproxy (cold and basic-auth requests through the Python handler; docs/ingress.md)"
     return "python (haproxy not installed: make system-packages installs it; docs/ingress.md)"
 
@@ -52,7 +58,7 @@ def https_text(tls_listen: str, local_ca: Path) -> str:
     """Where the proxy serves HTTPS (the haproxy engine only), and how to trust its local certificates."""
     if not tls_listen:
         return "off (--proxy-tls-listen HOST:PORT turns it on)"
-    if choose_engine(os.environ.get("ZATTERA_PROXY_ENGINE", "")) != "haproxy":
+    if choose_engine(_proxy_engine()) != "haproxy":
         return "off: TLS needs the haproxy engine (make system-packages installs it; docs/certificates.md)"
     port = split_listen(tls_listen)[1]
     return f"https://<app>-<env>.localhost:{port}  (curl --cacert {local_ca} …)"

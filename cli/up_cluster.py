@@ -210,7 +210,8 @@ class Cluster:
         return [(name, f"services.{name}") for name in self.services]
 
     def console_env(self) -> dict[str, str]:
-        """The console's port: ``ZATTERA_CONSOLE_PORT`` when set, else :attr:`console_port` or a free one."""
+        """The console's port: ``ZATTERA_CONSOLE_PORT`` when set, else :attr:`console_port` or a free one. Read
+        from the environment itself: the resident supervisor loads no settings (pydantic-settings, ~20 MB)."""
         if "ZATTERA_CONSOLE_PORT" in os.environ:
             self.console_port = int(os.environ["ZATTERA_CONSOLE_PORT"])
         elif not _port_free(self.console_port):

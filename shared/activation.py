@@ -3,7 +3,8 @@ proxy): the error reply and its codes, and the client side.
 
 A request body is an ``ActivateRequest``; the reply is an ``ActivateResponse``, or an error reply: empty
 body with the NATS micro service headers ``Nats-Service-Error-Code`` (the code) and ``Nats-Service-Error``
-(the message). Codes are the reference's gRPC codes as HTTP-like numbers.
+(the message). Codes are gRPC's names as HTTP-like numbers (:data:`INVALID_ARGUMENT` 400, :data:`NOT_FOUND`
+404, :data:`ABORTED` 409, :data:`INTERNAL` 500, :data:`UNAVAILABLE` 503).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The build wire contract between the dispatcher and builders, and reading a build's log.
 
-Dispatch (DESIGN §3):
+Dispatch:
 
 * The dispatcher requests ``zattera.agent.<node_id>.build`` with a serialized ``RunBuildRequest``. The
   builder answers at once: an empty reply accepts the build; a reply carrying the header
   ``Zattera-Error`` refuses it (the build fails with ``build stream: <text>``).
 * The builder then publishes ``BuildEvent``\\ s on ``zattera.builds.<build_id>.events`` (stream
-  ``ZATTERA_BUILD_EVENTS``), with :class:`BuildEventPublisher`. The last event has ``done`` set (it
-  replaces the reference's end of stream). Events are durable so a new dispatcher leader replays what
+  ``ZATTERA_BUILD_EVENTS``), with :class:`BuildEventPublisher`. The last event has ``done`` set (the
+  end of the build's events). Events are durable so a new dispatcher leader replays what
   it missed during a failover.
 * Cancel: the dispatcher requests ``zattera.agent.<node_id>.build.cancel`` with a ``CancelBuildRequest``;
   the builder stops the build and may answer a ``CancelBuildResponse``.

@@ -14,7 +14,8 @@ caller's view:
   removes its green set in one write); while DRAINING_OLD it moves ``drain_deadline`` to now, so the
   orchestrator completes the drain at once.
 
-Errors carry the reference's texts; validation errors name the offending field.
+Refusals are operator-action refusals (:mod:`shared.actions.refusals`); validation errors name the
+offending field.
 """
 
 from __future__ import annotations

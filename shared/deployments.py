@@ -1,8 +1,8 @@
 """Deployment phases and who owns an environment's replicas: the contract between scheduler,
 orchestrator and the scaling loops.
 
-Reference rule: any non-terminal deployment owns its env; the scheduler and scaling loops leave it alone.
-This project's fix: once a deployment is promoted (DRAINING_OLD), the scheduler owns the **active**
+A non-terminal deployment owns its env; the scheduler and scaling loops leave it alone. Once a deployment
+is promoted (DRAINING_OLD), the scheduler owns the **active**
 release's replicas again (node-loss replacement, scaling, cooling); only the blue set (the deployment's
 ``previous_release_id``) is held warm by the deployment until the drain completes. When a deployment
 targets its own previous release (a redeploy, a rollback to the active release), blue and green share
@@ -80,7 +80,7 @@ def env_ownership(view: StateReader, env_id: str) -> Ownership:
 
 
 def desired_replicas(env: pb.Environment) -> int:
-    """The replica count the scheduler converges an env to (the reference's ``desiredReplicas``): 0
+    """The replica count the scheduler converges an env to: 0
     without an active release; a scale-to-zero env's ``effective_replicas`` exactly (0 = cold); else
     ``effective_replicas`` when set, otherwise the env's live ``replicas.min``. The scaling loops read
     the current count the same way."""
@@ -94,7 +94,7 @@ def desired_replicas(env: pb.Environment) -> int:
 def owns_scaling(view: StateReader, env_id: str) -> bool:
     """True while a deployment that is not yet promoted holds the env (the scaling loops skip it). Once
     every live deployment of the env is promoted (DRAINING_OLD: only its blue is held warm), scaling and
-    cooling proceed — the reference skipped the env for the whole drain window."""
+    cooling proceed, not held for the whole drain window."""
     return not env_ownership(view, env_id).scheduler_manages
 
 

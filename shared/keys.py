@@ -1,4 +1,4 @@
-"""Keys of the ``zattera-state`` bucket (DESIGN §2) and the protobuf type stored under each kind.
+"""Keys of the ``zattera-state`` bucket (docs/wire-contract.md) and the protobuf type stored under each kind.
 
 A key is ``<kind>.<id>``, except the per-node kinds ``assignment.<node>.<id>`` and
 ``observed.<node>.<assignment_id>``. This module is the only place that knows the layout.

@@ -1,4 +1,4 @@
-"""Leases for singleton leader loops and the helper that runs a function only while leading (DESIGN §2.2).
+"""Leases for singleton leader loops and the helper that runs a function only while leading.
 
 ``lease.<loop>`` holds a :class:`zattera.v1.Lease` {holder, term, acquired_at, version}. A contender acquires it
 with a create (expected revision 0, or the revision of a delete marker) carrying a per-message TTL; the
@@ -37,6 +37,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.connection import Connection
+from shared.defaults import LEASE_RENEW, LEASE_TTL
 from shared.ids import new_id
 from shared.jetstream import WRONG_LAST_SEQUENCE, read_last
 from shared.metrics import lease_terms, leases_held
@@ -66,8 +67,8 @@ class Lease:
         loop: str,
         holder: str,
         *,
-        ttl: float = 3.0,
-        renew_interval: float = 1.0,
+        ttl: float = LEASE_TTL,
+        renew_interval: float = LEASE_RENEW,
     ) -> None:
         if ttl < 1.0:
             raise ValueError("lease ttl must be at least 1 s (the server's TTL granularity)")
@@ -285,8 +286,8 @@ async def run_while_leading(
     fn: LeaderFn,
     *,
     holder: str,
-    ttl: float = 3.0,
-    renew_interval: float = 1.0,
+    ttl: float = LEASE_TTL,
+    renew_interval: float = LEASE_RENEW,
     on_term: Callable[[int], None] | None = None,
 ) -> None:
     """Campaign for ``lease.<loop>`` forever; run ``fn`` while holding it, cancel it on loss, re-campaign.

@@ -1,10 +1,10 @@
-"""LiveView: the latest ephemeral samples from ``zattera-live`` (DESIGN §3).
+"""LiveView: the latest ephemeral samples from ``zattera-live`` (heartbeats, proxies' demand).
 
 Keys: ``node.<node_id>`` holds a :class:`Heartbeat` (host usage, per-instance samples, and a node-local
 proxy's per-env samples); ``proxy.<proxy_id>`` holds a :class:`ProxyHeartbeat` (per-env in-flight, held,
 RPS, last request time). The bucket's TTL (60 s) removes what stops reporting; readers additionally
-ignore samples older than :data:`FRESH_FOR` seconds (the reference counted a dead node's last sample
-forever). A sample's age is measured from its own ``time`` field against the injected clock.
+ignore samples older than :data:`FRESH_FOR` seconds (a dead node's last sample does not count forever).
+A sample's age is measured from its own ``time`` field against the injected clock.
 
 Besides the raw ``node``/``proxy`` changes, a feed that explicitly asks for them receives derived
 changes: ``(ENV_TRAFFIC, env_id)`` when some reporter's sample for that env changed, appeared or
@@ -263,7 +263,7 @@ class LiveView:
     def _note_traffic_report(self, key: str, new: cpb.Heartbeat | cpb.ProxyHeartbeat | None) -> None:
         """Track the newest heartbeat that carries traffic data: a proxy heartbeat (even with no envs yet)
         or a node heartbeat with a non-empty proxy map. A worker-only node heartbeat is not traffic data
-        (the reference counted it, so envs cooled during an ingress blackout)."""
+        (counting it would cool envs during an ingress blackout)."""
         old_time = self._traffic_report_times.pop(key, None)
         carries_traffic = isinstance(new, cpb.ProxyHeartbeat) or (isinstance(new, cpb.Heartbeat) and bool(new.proxy))
         if new is not None and carries_traffic:

@@ -3,14 +3,15 @@
 the term's lease.
 
 A concrete loop implements :meth:`LeaderLoop.run_pass` (feed ``evaluate()`` from the view, commit the
-decision) and may refine the term through hooks, never by overriding :meth:`LeaderLoop.run`:
+decisions with :meth:`LeaderLoop.commit_decisions`) and may refine the term through hooks, never by
+overriding :meth:`LeaderLoop.run`:
 
-* :attr:`kinds` / :meth:`extra_kinds`: the view kinds that wake it; :meth:`extra_feeds`: further change
-  feeds (e.g. live samples) subscribed for the term;
+* :attr:`kinds`: the view kinds that wake it; :meth:`extra_feeds`: further change feeds (e.g. live
+  samples) subscribed for the term;
 * :meth:`scope_of`: what a change-woken pass must look at (everything, some ids for
   :meth:`run_partial_pass`, or nothing: keep waiting);
 * :meth:`seconds_until_due`: a deadline of the loop's own (a timer of the injected clock, as the tick);
-* :meth:`on_term_start` resets in-memory timers (as in the reference); :meth:`begin_term` /
+* :meth:`on_term_start` resets in-memory timers (a new term starts from durable state); :meth:`begin_term` /
   :meth:`end_term` start and stop what the loop runs beside its passes for one term.
 
 Tracing: a pass woken by changes continues the trace of the newest triggering write that carried one
@@ -29,11 +30,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from zattera.v1 import types_pb2 as pb
+
 from shared.clock import Clock
 from shared.connection import Connection
+from shared.decision import Decision
 from shared.events import EventPublisher
 from shared.lease import Leadership
 from shared.metrics import loop_pass_duration
+from shared.settings import DEFAULTS
 from shared.state.changes import Change, ChangeFeed
 from shared.state.feed import StateView
 from shared.tasks import raise_if_cancelling
@@ -78,11 +83,11 @@ class LoopDeps:
     conn: Connection
     view: StateView
     clock: Clock
-    coalesce: float = 0.005
+    coalesce: float = DEFAULTS.coalesce_window
     """Seconds a loop waits after a pass so that a burst of changes wakes one pass, not many."""
-    max_batch: int = 1000
+    max_batch: int = DEFAULTS.max_batch
     """Most writes in one atomic batch of the fenced writer."""
-    tombstone_ttl: float = 900.0
+    tombstone_ttl: float = DEFAULTS.tombstone_ttl
     """Seconds a delete marker outlives the key it deleted."""
 
 
@@ -92,7 +97,7 @@ class LeaderLoop(ABC):
     name: str = ""
     kinds: frozenset[str] = frozenset()
 
-    def __init__(self, deps: LoopDeps, *, tick: float = 15.0) -> None:
+    def __init__(self, deps: LoopDeps, *, tick: float = DEFAULTS.loop_tick) -> None:
         self.deps = deps
         self.conn = deps.conn
         self.view = deps.view
@@ -124,9 +129,6 @@ class LeaderLoop(ABC):
     async def end_term(self) -> None:
         """Stop what :meth:`begin_term` or the passes started (the term is over: lost, or cancelled)."""
 
-    def extra_kinds(self) -> Iterable[str]:
-        return ()
-
     def extra_feeds(self) -> Sequence[ChangeFeed]:
         """Change feeds besides the view's (subscribed at the start of each term, closed at its end)."""
         return ()
@@ -154,7 +156,7 @@ class LeaderLoop(ABC):
         every relevant change, deadline or tick; a partial pass when :meth:`scope_of` narrows a change."""
         self.writer = self.fenced_writer(leadership)
         self.on_term_start()
-        self._feeds = [self.view.subscribe(set(self.kinds) | set(self.extra_kinds())), *self.extra_feeds()]
+        self._feeds = [self.view.subscribe(set(self.kinds)), *self.extra_feeds()]
         try:
             await self.view.wait_fresh()
             await self.begin_term()
@@ -244,6 +246,29 @@ class LeaderLoop(ABC):
         self.passes += 1
         with span(f"{self.name}.pass", loop=self.name, passes=self.passes, scope=len(scope)), self.timed_pass():
             await self._guarded(self.run_partial_pass(scope))
+
+    async def commit_decisions(self, writes: Sequence[Decision]) -> list[bool]:
+        """Commit each non-empty :class:`Decision` atomically (packed into few batches) and publish the
+        events of those that landed, in their order; one bool per input (an empty one counts as landed).
+        A refused write is decided again on the next pass, which the conflicting change triggers;
+        :class:`Deposed` propagates. Build the decisions right before (no await in between): their writes
+        expect what was just read."""
+        assert self.writer is not None, "a pass needs a writer (set by run(), or by the test)"
+        pending = [(i, w) for i, w in enumerate(writes) if w]
+        landed = [True] * len(writes)
+        if not pending:
+            return landed
+        results = await self.writer.commit_many([w.txn(self.writer) for _, w in pending])
+        announced: list[pb.Event] = []
+        for (i, w), error in zip(pending, results, strict=True):
+            if error is not None:
+                landed[i] = False
+                log.info("%s: %s not written (%s); re-deciding on the next pass", self.name, w.label, error)
+            else:
+                announced.extend(w.events)
+        await self.events.publish(*announced)  # together: a pass of 1,000 writes is one round trip
+        raise_if_cancelling()
+        return landed
 
     async def _guarded(self, evaluation: Awaitable[None]) -> None:
         """Run a pass; a failure is logged and retried by the next wake-up (a lost lease ends the term)."""

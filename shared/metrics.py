@@ -74,6 +74,7 @@ def proxy_request_duration() -> Histogram:
         )
     return _proxy_request_duration
 
+
 NO_ENV = "none"
 """The env label of a request that matched no route."""
 

@@ -22,6 +22,7 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shared.backoff import exponential
 from shared.connection import ClusterUnavailable
+from shared.defaults import LIVE_TTL, TOMBSTONE_TTL
 from shared.ids import new_id
 from shared.migrations.registry import SCHEMA
 from shared.streams import OBJECT_STORES, ClusterConfig, default_replicas, object_store_stream, stream_mismatches
@@ -224,12 +225,12 @@ async def provision(
     js: JetStreamContext,
     *,
     replicas: int | None = None,
-    live_ttl: float = 60.0,
-    tombstone_ttl: float = 900.0,
+    live_ttl: float = LIVE_TTL,
+    tombstone_ttl: float = TOMBSTONE_TTL,
     build_log_lines: int = 10_000,
 ) -> ProvisionReport:
-    """Create what is missing of DESIGN §2–§3, never changing what exists. Idempotent; safe from many
-    processes at once.
+    """Create what is missing of the buckets, streams and object stores, never changing what exists.
+    Idempotent; safe from many processes at once.
 
     On an uninitialised cluster (no state stream) this is the init: the configuration — ``replicas``, or
     :func:`default_replicas` of the cluster's size when None, and the TTLs given — is recorded on the

@@ -268,7 +268,7 @@ class PlatformImage:
 @dataclass(frozen=True, slots=True)
 class FetchedImage:
     digest: str
-    """The digest the reference resolved to (the index for a multi-platform image)."""
+    """The digest the ref resolved to (the index for a multi-platform image)."""
     manifest_digest: str
     platform: str
     config: bytes

@@ -1,11 +1,10 @@
 """The client a proxy uses to hold the current route snapshot, and its cache file (wire format:
 ``shared/routewire.py``).
 
-:class:`RouteClient`: snapshots are ordered by version
-(stale and duplicate ones are dropped, so keep-alives do not rewrite the cache), the cache is written
-atomically *and durably* (temp file, fsync, rename, fsync of the directory) off the event loop, and the
-retry backoff resets after a successful fetch. Like the reference it loads the cache before any network
-activity and serves the last snapshot, without expiry, while the control plane is unreachable.
+:class:`RouteClient`: snapshots are ordered by version (stale and duplicate ones are dropped, so
+keep-alives do not rewrite the cache), the cache is written whole and durably (:mod:`shared.files`) off
+the event loop, and the retry backoff resets after a successful fetch. It loads the cache before any
+network activity and serves the last snapshot, without expiry, while the control plane is unreachable.
 
 Versions are state-bucket revisions, so they order the snapshots of one cluster only: a snapshot names
 the cluster it was built from (``RouteSnapshot.cluster``: the id its init recorded and the state stream's

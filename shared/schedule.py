@@ -1,4 +1,5 @@
-"""Cron schedules as robfig/cron's ``ParseStandard`` reads them (B1.3, D-B11): 5-field cron in UTC,
+"""Cron schedules as robfig/cron's ``ParseStandard`` reads them (what operators know from Go tools): 5-field
+cron in UTC,
 ``CRON_TZ=``/``TZ=`` prefixes, descriptors (``@daily``…) and ``@every <Go duration>``. Used by volume
 snapshot policies, cron jobs and the CLI's validation of both."""
 
@@ -62,7 +63,7 @@ class Schedule:
 
 @functools.lru_cache(maxsize=4096)
 def parse_schedule(text: str) -> Schedule:
-    """Parse a policy schedule the way robfig/cron ``ParseStandard`` does (B1.3, D-B11)."""
+    """Parse a policy schedule the way robfig/cron ``ParseStandard`` does."""
     spec = text.strip()
     zone: tzinfo = UTC
     if spec.startswith(("CRON_TZ=", "TZ=")):

@@ -1,18 +1,24 @@
-"""Settings from the environment (prefix ``ZATTERA_``), shared by every service and the CLI.
+"""Settings from the environment (prefix ``ZATTERA_``) that more than one service, or the CLI, reads.
 
-Timers live here too so tests and demos can shorten them without code changes. Fields are grouped by
+Timers are settings so tests and demos can shorten them without code changes. Fields are grouped by
 concern; the docstring under each field is its description (``use_attribute_docstrings``), as in Kopf's
-``configuration.py``. Each service's own settings (``services/<name>/settings.py``) are shaped the same.
+``configuration.py``. A service's own settings and timers are in ``services/<name>/settings.py``, shaped
+the same. Nothing else reads the environment for configuration but the light readers of what a plain CLI
+read needs (:mod:`shared.natssettings`) and OpenTelemetry's own ``OTEL_*`` variables; a default is written
+once, in its field or in :mod:`shared.defaults` (code that needs it as a parameter default reads
+:data:`DEFAULTS`).
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Final
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.defaults import LEASE_RENEW, LEASE_TTL, LIVE_TTL, MAX_BATCH, TOMBSTONE_TTL
 from shared.natssettings import DEFAULT_NATS_URL
 
 
@@ -36,50 +42,30 @@ class Settings(BaseSettings):
     """Where this machine keeps its state (nats-server's store, agents' instances, caches)."""
     replicas: int = Field(default=0, ge=0, le=5)
     """Stream replicas of a cluster's first init; 0 = from its size (docs/cluster.md)."""
-    tombstone_ttl: float = Field(default=900.0, gt=0)
+    tombstone_ttl: float = Field(default=TOMBSTONE_TTL, gt=0)
     """How long delete markers stay in the state stream, seconds."""
-    live_ttl: float = Field(default=60.0, gt=0)
+    live_ttl: float = Field(default=LIVE_TTL, gt=0)
     """How long a live sample (heartbeat, proxy demand) is kept in zattera-live, seconds."""
-    max_batch: int = Field(default=1000, ge=2, le=1000)
+    max_batch: int = Field(default=MAX_BATCH, ge=2, le=MAX_BATCH)
     """Messages per atomic batch (one fenced write)."""
 
     # ---------------------------------------------------------------- leadership and liveness
-    lease_ttl: float = Field(default=3.0, gt=0)
+    lease_ttl: float = Field(default=LEASE_TTL, gt=0)
     """A leader lease expires this long after its last renewal, seconds."""
-    lease_renew: float = Field(default=1.0, gt=0)
+    lease_renew: float = Field(default=LEASE_RENEW, gt=0)
     """How often a leader renews its lease, seconds."""
-    node_heartbeat_deadline: float = Field(default=30.0, gt=0)
-    """A node without a heartbeat this long (seconds) is DOWN."""
-    liveness_grace: float = Field(default=45.0, ge=0)
-    """A new liveness leader marks nothing DOWN this long (seconds): the heartbeats have to reach it first."""
 
-    # ---------------------------------------------------------------- loops and scaling
+    # ---------------------------------------------------------------- every leader loop
     loop_tick: float = Field(default=15.0, gt=0)
     """Safety-net re-evaluation of every leader loop (changes wake them at once), seconds."""
     coalesce_window: float = Field(default=0.005, ge=0)
     """A delay that merges bursts of changes into one evaluation, seconds."""
-    serverless_tick: float = Field(default=5.0, gt=0)
-    """How often the serverless scaler evaluates demand, seconds."""
-    serverless_scale_down_window: float = Field(default=30.0, ge=0)
-    """Serverless: demand stays below the replica count this long (seconds) before a scale-down."""
-    scale_to_zero_idle_timeout: float = Field(default=900.0, gt=0)
-    """The idle window of a scale_to_zero env that sets no idle_timeout, seconds."""
 
-    # ---------------------------------------------------------------- deployment orchestrator (seconds)
+    # ---------------------------------------------------------------- deployments
     drain_window: float = Field(default=600.0, gt=0)
-    """How long blue is kept warm after promotion."""
+    """How long blue is kept warm after promotion, seconds (the orchestrator; the proxy's old workers)."""
     health_default_grace: float = Field(default=60.0, gt=0)
-    """The health grace of a release that sets none."""
-    health_deadline_extra: float = Field(default=60.0, ge=0)
-    """The health deadline is 2 x grace + this."""
-    building_timeout: float = Field(default=1800.0, gt=0)
-    """A deployment BUILDING longer than this fails."""
-    placing_timeout: float = Field(default=600.0, gt=0)
-    """A deployment PLACING longer than this fails."""
-    starting_timeout: float = Field(default=600.0, gt=0)
-    """A deployment STARTING longer than this fails."""
-    stopping_old_timeout: float = Field(default=300.0, gt=0)
-    """A deployment STOPPING_OLD longer than this fails."""
+    """The health grace of a release that sets none, seconds (the agent's checks, the orchestrator's deadline)."""
 
     # ---------------------------------------------------------------- instance logs (docs/logs.md)
     # Each environment's stream limits, unless its [env.<name>.logs] sets them.
@@ -91,6 +77,12 @@ class Settings(BaseSettings):
     # ---------------------------------------------------------------- volume snapshots
     restore_timeout: float = Field(default=3600.0, gt=0)
     """A RESTORING volume without progress this long (seconds) is given up by the reaper."""
+    snapshot_key: SecretStr = SecretStr("")
+    """Hex of the optional 32-byte AES-256-GCM key snapshots are sealed with; '' = not sealed."""
+
+    # ---------------------------------------------------------------- tracing (docs/observability.md)
+    trace_file: Path = Path("zattera-traces.jsonl")
+    """Where the ``file`` exporter appends its spans (JSON lines)."""
 
     # ---------------------------------------------------------------- metrics (docs/observability.md)
     metrics_port: int = Field(default=0, ge=0, le=65535)
@@ -108,3 +100,7 @@ class Settings(BaseSettings):
 @lru_cache(maxsize=1)
 def settings() -> Settings:
     return Settings()
+
+
+DEFAULTS: Final = Settings.model_construct()
+"""Every field's default, without reading the environment: what a parameter's default names."""

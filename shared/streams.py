@@ -11,6 +11,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from shared.defaults import LIVE_TTL, TOMBSTONE_TTL
 from shared.subjects import (
     BUILD_EVENTS_STREAM,
     BUILD_LOGS_STREAM,
@@ -167,8 +168,8 @@ class ClusterConfig:
     the cluster is at, with the Zattera version that brought it there (docs/upgrades.md)."""
 
     replicas: int = 1
-    live_ttl: float = 60.0
-    tombstone_ttl: float = 900.0
+    live_ttl: float = LIVE_TTL
+    tombstone_ttl: float = TOMBSTONE_TTL
     build_log_lines: int = 10_000
     initialized_at: str = ""
     schema: int = 0

@@ -32,6 +32,8 @@ def setup(service_name: str) -> None:
     if _configured:
         return
     _configured = True
+    # OpenTelemetry's own variable (its SDK reads the OTEL_EXPORTER_* ones); read directly, so that a process
+    # that exports nothing (a plain CLI read) loads no settings.
     exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
     if exporter_name in ("", "none"):
         # No exporter: keep the API's no-op tracer. Recording spans nobody exports costs ~80 µs per
@@ -50,9 +52,10 @@ def setup(service_name: str) -> None:
     elif exporter_name == "console":
         exporter = ConsoleSpanExporter()
     elif exporter_name == "file":
+        from shared.settings import settings
         from shared.tracefile import JsonLinesSpanExporter
 
-        exporter = JsonLinesSpanExporter(os.environ.get("ZATTERA_TRACE_FILE", "zattera-traces.jsonl"))
+        exporter = JsonLinesSpanExporter(str(settings().trace_file))
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)

@@ -1,4 +1,4 @@
-"""Fenced, atomic writes to ``zattera-state`` (DESIGN §2.1).
+"""Fenced, atomic writes to ``zattera-state``: every decision is one batch that lands whole or not at all.
 
 A :class:`Txn` is a list of puts and deletes, each carrying the revision its decision was based on
 (captured from the view when the op is added; 0 = create). :class:`Writer` commits it as ONE JetStream
@@ -36,6 +36,7 @@ from nats.js.errors import APIError
 
 from shared import keys as K
 from shared.connection import Connection
+from shared.defaults import MAX_BATCH, TOMBSTONE_TTL
 from shared.errors import ZatteraError
 from shared.ids import new_id
 from shared.jetstream import WRONG_LAST_SEQUENCE
@@ -153,8 +154,8 @@ class Writer:
         view: StateView,
         *,
         lease: Lease | None = None,
-        max_batch: int = 1000,
-        tombstone_ttl: float = 900.0,
+        max_batch: int = MAX_BATCH,
+        tombstone_ttl: float = TOMBSTONE_TTL,
         commit_timeout: float = 10.0,
     ) -> None:
         self._conn = conn

@@ -11,7 +11,7 @@
 * ``zattera.agent.<node>.build.cancel`` (``CancelBuildRequest``) cancels a running build and answers
   ``CancelBuildResponse{canceled}``.
 
-Steps (reference §4.1–4.2, for the process runtime instead of BuildKit):
+Steps (for the process runtime, without BuildKit):
 
 1. Fetch the source tarball: ``source_url`` is an object name ``sha256:<hex>`` in ``zattera-sources``
    (checked against its digest) or an ``http(s)://`` URL. Errors: ``fetch source: …``.

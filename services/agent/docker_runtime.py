@@ -87,9 +87,9 @@ class DockerUnavailable(ZatteraError):
 
 
 def docker_url(host: str) -> str:
-    """The daemon address aiodocker takes: ``unix:///path`` or ``tcp://…`` (default: ``$DOCKER_HOST`` or the
-    standard socket)."""
-    return host or os.environ.get("DOCKER_HOST", "") or "unix:///var/run/docker.sock"
+    """The daemon address aiodocker takes: ``unix:///path`` or ``tcp://…`` (default: the standard socket;
+    ``AgentSettings.docker_host`` reads ``DOCKER_HOST``)."""
+    return host or "unix:///var/run/docker.sock"
 
 
 async def daemon_answers(host: str, timeout: float = 2.0) -> bool:

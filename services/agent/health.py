@@ -7,7 +7,7 @@
   the replica only once it listens). With no HTTP port, running long enough is the whole check.
 * HTTP: ``GET <path>`` on the instance's port, healthy on a 2xx/3xx status. TCP: a connection opens.
   EXEC: the shell command exits 0 (run in the instance's directory with its environment).
-  Type UNSPECIFIED means HTTP when the probed port is an HTTP port, else TCP (reference).
+  Type UNSPECIFIED means HTTP when the probed port is an HTTP port, else TCP.
 * The probed port is the declared port whose ``container_port`` equals ``healthcheck.port``, else the
   first declared port; the process runtime has no port mapping, so the probe targets the host port the
   instance was given.
@@ -31,11 +31,11 @@ from google.protobuf.duration_pb2 import Duration
 from zattera.v1 import types_pb2 as pb
 
 from shared.clock import Clock
+from shared.settings import DEFAULTS, settings
 from shared.subprocesses import run_shell
 
 DEFAULT_INTERVAL = 10.0
 DEFAULT_TIMEOUT = 5.0
-DEFAULT_GRACE = 60.0
 DEFAULT_THRESHOLD = 3
 HTTP = "http"
 TCP = "tcp"
@@ -61,7 +61,7 @@ class Probe:
     command: str = ""
     interval: float = DEFAULT_INTERVAL
     timeout: float = DEFAULT_TIMEOUT
-    grace: float = DEFAULT_GRACE
+    grace: float = DEFAULTS.health_default_grace
     threshold: int = DEFAULT_THRESHOLD
     min_healthy: float = 0.0
     """Seconds the instance must have run before a passing probe makes it HEALTHY (no declared check)."""
@@ -112,7 +112,7 @@ def probe_for(
         command=check.command,
         interval=seconds(check.interval, DEFAULT_INTERVAL),
         timeout=seconds(check.timeout, DEFAULT_TIMEOUT),
-        grace=seconds(check.grace_period, DEFAULT_GRACE),
+        grace=seconds(check.grace_period, settings().health_default_grace),
         threshold=check.unhealthy_threshold or DEFAULT_THRESHOLD,
     )
 

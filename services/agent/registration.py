@@ -1,12 +1,11 @@
 """Node registration: the agent writes its own ``node.<id>`` at start.
 
-Reference rules (placement-scheduler §1.1): a node registers ALIVE and schedulable. On re-registration
+A node registers ALIVE and schedulable. On re-registration
 (a daemon restart) it keeps its ``schedulable`` flag (a cordon survives) and the operator's labels, and
 its status is reset to ALIVE. Capacity, os/arch and roles always come from the host and the flags.
 
-Self-asserted labels: ``zattera.dev/os-arch`` always, and ``builder=true`` on a builder. Fix over the
-reference, which re-asserted ``builder=true`` at every restart and so reverted an operator's
-``builder=false``: an existing ``builder=false`` is kept. An agent started without ``--builder`` drops a
+Self-asserted labels: ``zattera.dev/os-arch`` always, and ``builder=true`` on a builder, except that an
+operator's ``builder=false`` is kept (a restart does not revert it). An agent started without ``--builder`` drops a
 ``builder=true`` left by an earlier run, since nothing on this node would answer build requests.
 
 The write is a single-key compare-and-set against the key's current revision, read from the server

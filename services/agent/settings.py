@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _NODE_ID = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -89,8 +89,8 @@ class AgentSettings(BaseSettings):
     # ---------------------------------------------------------------- container runtime (docs/containers.md)
     runtime: str = ""
     """process or docker; '' = docker when a Docker daemon answers (with the base image), else process."""
-    docker_host: str = ""
-    """The Docker daemon address; '' = $DOCKER_HOST or the standard socket."""
+    docker_host: str = Field(default="", validation_alias=AliasChoices("ZATTERA_AGENT_DOCKER_HOST", "DOCKER_HOST"))
+    """The Docker daemon address (``ZATTERA_AGENT_DOCKER_HOST``, else ``DOCKER_HOST``); '' = the standard socket."""
     docker_base_image: str = "zattera/base:latest"
     """What registry images without a root filesystem of their own run on."""
     pids_limit: int = Field(default=512, ge=0)

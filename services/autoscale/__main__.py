@@ -14,25 +14,28 @@ from services.autoscale.activator import Activator
 from services.autoscale.autoscaler import Autoscaler
 from services.autoscale.scaletozero import ScaleToZero
 from services.autoscale.serverless import Serverless
+from services.autoscale.settings import AutoscaleSettings
 from shared.live import LiveView
 from shared.loop import LoopDeps
 from shared.service import ServiceContext, main
 from shared.settings import Settings
 
 
-def scaling_loops(cfg: Settings, live: LiveView, deps: LoopDeps) -> tuple[Autoscaler, ScaleToZero, Serverless]:
+def scaling_loops(
+    shared: Settings, own: AutoscaleSettings, live: LiveView, deps: LoopDeps
+) -> tuple[Autoscaler, ScaleToZero, Serverless]:
     """The three scaling loops, with their timers from the settings (``ZATTERA_*``)."""
     return (
-        Autoscaler(deps, live=live, tick=cfg.loop_tick),
-        ScaleToZero(deps, live=live, tick=cfg.loop_tick, default_idle_timeout=cfg.scale_to_zero_idle_timeout),
-        Serverless(deps, live=live, tick=cfg.serverless_tick, scale_down_window=cfg.serverless_scale_down_window),
+        Autoscaler(deps, live=live, tick=shared.loop_tick),
+        ScaleToZero(deps, live=live, tick=shared.loop_tick, default_idle_timeout=own.scale_to_zero_idle_timeout),
+        Serverless(deps, live=live, tick=own.serverless_tick, scale_down_window=own.serverless_scale_down_window),
     )
 
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     live = LiveView(ctx.conn, ctx.clock)
     await live.start()
-    loops = scaling_loops(ctx.settings, live, ctx.loop_deps)
+    loops = scaling_loops(ctx.settings, AutoscaleSettings(), live, ctx.loop_deps)
     activator = Activator(conn=ctx.conn, view=ctx.view, writer=ctx.writer(), clock=ctx.clock)
     return [*(ctx.lead(loop) for loop in loops), activator.serve()]
 

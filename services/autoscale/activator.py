@@ -1,20 +1,20 @@
-"""Activator: wakes a scaled-to-zero env on request (``zattera.activate``, reference §4.1).
+"""Activator: wakes a scaled-to-zero env on request (``zattera.activate``).
 
 Served by every autoscale replica in one queue group (not leader-gated). The request, the reply, the
 error reply and the client are in :mod:`shared.activation`.
 
-Semantics (reference): unknown env → error 404; not ``scale_to_zero`` → ``accepted=false``; target
+Semantics: unknown env → error 404; not ``scale_to_zero`` → ``accepted=false``; target
 ``max(min, 1)``; already at or above the target → ``accepted=true`` without a write (idempotent).
 
 Single flight, cluster-wide: the write expects the env's revision as read. Of concurrent activations
 (in this process or in other replicas) one write lands; the others conflict, wait until their view
-has caught up, re-read the env, find it warm and answer ``accepted=true`` without writing. The
-reference's per-process 10 s debounce is dropped: it could not stop other control nodes, and the only
-case it changed (a wake undone within 10 s) cannot happen now that held requests count as demand, where
-it would have made a waiting request wait 10 s longer.
+has caught up, re-read the env, find it warm and answer ``accepted=true`` without writing. There is no
+per-process debounce: it could not stop other control nodes, and a wake cannot be undone within seconds
+(held requests count as demand), so it would only make a waiting request wait longer.
 
-Errors (reference gRPC codes as numbers): 400 undecodable request; 404 env not found; 503 state view
-not in sync (retry); 409 the env kept changing under the write (retry); 500 anything else.
+Errors (gRPC's codes as HTTP-like numbers, :mod:`shared.activation`): 400 undecodable request; 404 env
+not found; 503 state view not in sync (retry); 409 the env kept changing under the write (retry); 500
+anything else.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class Activator:
         self._handlers: set[asyncio.Task[None]] = set()
 
     async def activate(self, environment_id: str, node_id: str = "") -> cpb.ActivateResponse:
-        """Wake the env if needed; raises :class:`ActivateError` with the reference's error codes."""
+        """Wake the env if needed; raises :class:`ActivateError` with its code."""
 
         def decide() -> Attempt[Decision]:
             if self.view.stale:

@@ -1,7 +1,6 @@
-"""Autoscaler (``lease.autoscaler``): resource-based ``effective_replicas`` from CPU, memory and RPS
-(reference §1).
+"""Autoscaler (``lease.autoscaler``): resource-based ``effective_replicas`` from CPU, memory and RPS.
 
-Per env, in the reference's eligibility order: a target > 0 and an active release; not serverless
+Per env, in this order: a target > 0 and an active release; not serverless
 (``max_concurrency == 0``); no deployment under way before its promotion (a draining one holds only its
 blue); room to scale (``max > max(min, 1)``); fresh observations of at least one running replica (else
 freeze). The candidate per signal is ``ceil(replicas × observed / (target × band))`` (RPS:
@@ -10,10 +9,9 @@ Scale up at once; scale down only when even the 0.8 band says so for 5 continuou
 cooldown after any write, both ways. The hold and cooldown timers live in memory and reset at every
 term.
 
-Fixes over the reference: only samples younger than 30 s count (a dead node's last sample no longer
-counts forever); cooldown and events are recorded only for a write that landed; the write is fenced on
-the env's revision. It reacts to each fresh sample as it arrives (not only every 15 s); the windows are
-unchanged.
+Only samples younger than 30 s count (a dead node's last sample does not count forever); cooldown and
+events are recorded only for a write that landed; the write is fenced on the env's revision. It reacts to
+each fresh sample as it arrives, not only every 15 s.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from shared.deployments import desired_replicas as current_replicas
 from shared.events import replica_count
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.loop import LoopDeps
+from shared.settings import DEFAULTS
 from shared.state.reader import StateReader
 from shared.state.tables import RUN
 
@@ -96,7 +95,7 @@ def observe(view: StateReader, live: LiveView, env: pb.Environment) -> Observati
 
 
 def scale_target(targets: pb.Autoscale, obs: Observation, min_rep: int, max_rep: int, band: float) -> int:
-    """The reference's ``scaleTarget``: max of the per-signal candidates, clamped (same float order)."""
+    """The max of the per-signal candidates, clamped to the bounds."""
     desired = min_rep
     if targets.target_cpu_percent > 0:
         desired = max(desired, math.ceil(obs.replicas * obs.avg_cpu / (targets.target_cpu_percent * band)))
@@ -174,7 +173,7 @@ class Autoscaler(ScalingLoop):
         live: LiveView,
         hold: float = SCALE_DOWN_HOLD,
         cooldown: float = COOLDOWN,
-        tick: float = 15.0,
+        tick: float = DEFAULTS.loop_tick,
     ) -> None:
         super().__init__(deps, live=live, tick=tick)
         self.hold = hold
@@ -182,7 +181,7 @@ class Autoscaler(ScalingLoop):
         self.timers = Timers()
 
     def on_term_start(self) -> None:
-        # Reference: the hold restarts (conservative) and the cooldown is cleared at every new term.
+        # A new term: the hold restarts (conservative) and the cooldown is cleared.
         self.timers = Timers()
 
     def decide(self, env: pb.Environment, revision: int, now: float) -> ReplicaWrite | None:

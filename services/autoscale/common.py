@@ -1,12 +1,11 @@
-"""What the three scaling loops share (the reference's ``helpers.go``): how an env's current replica
+"""What the three scaling loops share: how an env's current replica
 count is read, the fenced ``effective_replicas`` write, and :class:`ScalingLoop`, the event-driven loop
 shape that reacts to live samples as they arrive.
 
 Every write of ``effective_replicas`` expects the env's revision as the decision read it. An operator
 edit (or another loop's or the activator's write) in between makes the server refuse the write; the
 loop then waits until its view has caught up, re-reads the env and decides again. Nothing is
-clobbered and no bookkeeping (cooldown, events) happens for a write that did not land (the reference
-recorded both even after a failed write, §7.3.5).
+clobbered and no bookkeeping (cooldown, events) happens for a write that did not land.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from shared.deployments import owns_scaling
 from shared.events import scale_event as shared_scale_event
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
+from shared.settings import DEFAULTS
 from shared.state.changes import Change, ChangeFeed
 from shared.state.reader import StateReader
 from shared.txn import CommitUnknown, Conflict, Txn, Writer
@@ -105,7 +105,7 @@ class ScalingLoop(LeaderLoop):
     kinds = frozenset({K.ENV, K.DEPLOYMENT})
     live_kinds: frozenset[str] = frozenset({ENV_TRAFFIC})
 
-    def __init__(self, deps: LoopDeps, *, live: LiveView, tick: float = 15.0) -> None:
+    def __init__(self, deps: LoopDeps, *, live: LiveView, tick: float = DEFAULTS.loop_tick) -> None:
         super().__init__(deps, tick=tick)
         self.live = live
         self.writes = 0

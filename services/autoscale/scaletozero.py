@@ -1,23 +1,16 @@
-"""ScaleToZero (``lease.scaletozero``): cools an idle ``scale_to_zero`` env to ``effective_replicas = 0``
-(reference §2). Waking it again is the activator's job.
+"""ScaleToZero (``lease.scaletozero``): cools an idle ``scale_to_zero`` env to ``effective_replicas = 0``;
+waking it again is the activator's job.
 
 Per env: skip (timer untouched) unless scale-to-zero, not stateful, an active release and not serverless
 (``max_concurrency > 0``: the serverless loop owns cooling); skip and forget the env's activity (so the
 next eligible look grants a full window) while it is already cold or a deployment is under way and not
 yet promoted (a promoted one keeps only its blue warm: cooling proceeds, and the orchestrator then stops
-that blue too). Activity comes from fresh proxy samples: requests in flight or held at a proxy mark the
-env active now; otherwise the newest ``last_request_at`` counts. The first sight of an env in a term
-grants a full idle window. Idle for ``idle_timeout`` → cool, event ``scaletozero.cooled``. No fresh
-proxy data at all (an ingress blackout) freezes every decision.
-
-Fixes over the reference:
-* ``scale_to_zero`` without ``idle_timeout`` cools after the cluster default: setting
-  ``ZATTERA_SCALE_TO_ZERO_IDLE_TIMEOUT``, default :data:`DEFAULT_IDLE_TIMEOUT` (the reference silently
-  never cooled).
-* Held requests count as activity: a woken env is not cooled while requests wait for it.
-* Only samples younger than 30 s count, and only proxy data counts as data (a worker-only heartbeat
-  no longer lets envs cool while the ingress is silent).
-* The activity timer and the event are updated only when the write landed; the write is fenced.
+that blue too). Activity comes from fresh proxy samples (younger than 30 s): requests in flight or held
+at a proxy mark the env active now (a woken env is not cooled while requests wait for it); otherwise the
+newest ``last_request_at`` counts. The first sight of an env in a term grants a full idle window. Idle for
+``idle_timeout`` (an env without one: ``ZATTERA_SCALE_TO_ZERO_IDLE_TIMEOUT``, 15 min) → cool, event
+``scaletozero.cooled``; the activity timer and the event move only when the fenced write landed. No fresh
+proxy data at all (an ingress blackout; a worker's heartbeat is no proxy data) freezes every decision.
 """
 
 from __future__ import annotations
@@ -28,20 +21,16 @@ from dataclasses import dataclass
 from zattera.v1 import types_pb2 as pb
 
 from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused
+from services.autoscale.settings import DEFAULTS
 from shared.events import EVENT_COOLED
 from shared.live import LiveView
 from shared.loop import LoopDeps
+from shared.settings import DEFAULTS as SHARED
 from shared.state.reader import StateReader
 
 log = logging.getLogger(__name__)
 
 ACTOR = "system:scaletozero"
-DEFAULT_IDLE_TIMEOUT = 900.0
-"""15 minutes when ``scale_to_zero`` is set without ``idle_timeout``: the default of the setting
-``scale_to_zero_idle_timeout`` (``ZATTERA_SCALE_TO_ZERO_IDLE_TIMEOUT``). Cooling too early costs users a
-cold start (seconds of latency on the next request); cooling late only costs an idle replica, so the
-default leans long. 15 min is the value the reference documents and tests with (``idle_timeout =
-"15m"``), so an operator following those docs sees the same behaviour with or without the field."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +42,7 @@ class Decision:
     reason: str
 
 
-def idle_timeout(env: pb.Environment, default: float = DEFAULT_IDLE_TIMEOUT) -> float:
+def idle_timeout(env: pb.Environment, default: float = DEFAULTS.scale_to_zero_idle_timeout) -> float:
     """The env's idle window in seconds (``default`` when unset or not positive)."""
     seconds = env.idle_timeout.seconds + env.idle_timeout.nanos / 1e9
     return seconds if seconds > 0 else default
@@ -67,7 +56,7 @@ def evaluate(
     now: float,
     last_active: float | None,
     *,
-    default_idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    default_idle_timeout: float = DEFAULTS.scale_to_zero_idle_timeout,
 ) -> Decision:
     """Decide for one env from the view, fresh proxy samples, ``now`` and its last-active time."""
     spec = env.service
@@ -93,7 +82,12 @@ class ScaleToZero(ScalingLoop):
     name = "scaletozero"
 
     def __init__(
-        self, deps: LoopDeps, *, live: LiveView, default_idle_timeout: float = DEFAULT_IDLE_TIMEOUT, tick: float = 15.0
+        self,
+        deps: LoopDeps,
+        *,
+        live: LiveView,
+        default_idle_timeout: float = DEFAULTS.scale_to_zero_idle_timeout,
+        tick: float = SHARED.loop_tick,
     ) -> None:
         super().__init__(deps, live=live, tick=tick)
         self.default_idle_timeout = default_idle_timeout

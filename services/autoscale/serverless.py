@@ -1,22 +1,17 @@
 """Serverless (``lease.serverless``): concurrency-based ``effective_replicas`` for every env with
-``max_concurrency > 0`` and an active release (reference §3); the autoscaler and the scale-to-zero loop
-leave these envs alone. Skips while a deployment is under way; no fresh proxy data freezes.
+``max_concurrency > 0`` and an active release; the autoscaler and the scale-to-zero loop leave these envs
+alone. Skips while a deployment is under way; no fresh proxy data (samples younger than 30 s) freezes.
 
 ``desired = ceil((in_flight + held) / max_concurrency)`` clamped to ``[floor, ceiling]``: floor 0 for a
-scale-to-zero env, else max(min, 1); ceiling max(max, max(min, 1)).
+scale-to-zero env, else max(min, 1); ceiling max(max, max(min, 1)), never below the wake target (so
+``min = 0`` without ``max`` does not pin a scale-to-zero env at 0, undoing every wake).
 
-Fixes over the reference:
-* Requests held at proxies count as demand: a wake (activator) is never undone while requests wait,
-  and load queued behind the per-replica cap drives scale-up (in-flight alone can never exceed
-  replicas × cap, §7.3.1).
+* Requests held at proxies count as demand: a wake is never undone while requests wait, and load queued
+  behind the per-replica cap drives scale-up (in-flight alone can never exceed replicas × cap).
 * Scale up at once; scale down only after demand has stayed below the current count for
-  ``scale_down_window`` (setting ``ZATTERA_SERVERLESS_SCALE_DOWN_WINDOW``, default
-  :data:`SCALE_DOWN_WINDOW` = 30 s), and then only to the highest count demand asked for during that
-  window (the reference dropped to the floor on the first quiet sample, so gappy traffic cold-started
-  over and over).
-* The ceiling is never below the wake target: ``min = 0`` without ``max`` no longer pins a
-  scale-to-zero env at 0, undoing every wake (§7.2 footgun 11).
-* Only samples younger than 30 s count; the write is fenced on the env's revision.
+  ``scale_down_window`` (``ZATTERA_SERVERLESS_SCALE_DOWN_WINDOW``, 30 s), and then only to the highest
+  count demand asked for during that window, so gappy traffic does not cold-start over and over.
+* The write is fenced on the env's revision.
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ from dataclasses import dataclass
 from zattera.v1 import types_pb2 as pb
 
 from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused, wake_target
+from services.autoscale.settings import DEFAULTS
 from shared.deployments import desired_replicas as current_replicas
 from shared.events import replica_count
 from shared.live import LiveView
@@ -38,8 +34,6 @@ log = logging.getLogger(__name__)
 
 ACTOR = "system:serverless"
 EVENT_SCALED = "serverless.scaled"
-SCALE_DOWN_WINDOW = 30.0
-"""The default of ``Settings.serverless_scale_down_window`` (``ZATTERA_SERVERLESS_SCALE_DOWN_WINDOW``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +70,7 @@ def evaluate(
     now: float,
     low: LowSpell | None,
     *,
-    window: float = SCALE_DOWN_WINDOW,
+    window: float = DEFAULTS.serverless_scale_down_window,
 ) -> Decision:
     """Decide for one env from the view, fresh proxy samples, ``now`` and its low spell (reads only)."""
     spec = env.service
@@ -106,7 +100,12 @@ class Serverless(ScalingLoop):
     name = "serverless"
 
     def __init__(
-        self, deps: LoopDeps, *, live: LiveView, scale_down_window: float = SCALE_DOWN_WINDOW, tick: float = 5.0
+        self,
+        deps: LoopDeps,
+        *,
+        live: LiveView,
+        scale_down_window: float = DEFAULTS.serverless_scale_down_window,
+        tick: float = DEFAULTS.serverless_tick,
     ) -> None:
         super().__init__(deps, live=live, tick=tick)
         self.window = scale_down_window

@@ -1,14 +1,12 @@
 """BuildDispatcher (lease ``builds``): QUEUED builds → builder nodes → durable outcome.
 
-Reference rules kept (spec builds-retention §3): RUNNING is recorded before the builder is contacted;
-outcome texts ``dispatch: …``, ``build stream: …``; one ``build.waiting_for_builder`` warning per wait.
-The decisions (builder choice, lost builds, outcomes, refs) are pure, in planning.py; following each
-RUNNING build's events and contacting builders is followers.py.
-
-Fixed here:
+RUNNING is recorded before the builder is contacted; outcome texts ``dispatch: …``, ``build stream: …``;
+one ``build.waiting_for_builder`` warning per wait. The decisions (builder choice, lost builds,
+outcomes, refs) are pure, in planning.py; following each RUNNING build's events and contacting builders
+is followers.py.
 
 * The claim is a compare-and-set of the build's revision inside a batch fenced by the lease, so a
-  build is never dispatched twice, even across a failover (§3.13).
+  build is never dispatched twice, even across a failover.
 * A per-builder concurrency cap (default 2) and platform matching: a builder builds its native
   ``os_arch`` plus whatever its ``zattera.dev/build-platforms`` label lists (comma separated, emulation).
 * Builder events are durable (stream ``ZATTERA_BUILD_EVENTS``). A new leader replays them for every
@@ -17,9 +15,9 @@ Fixed here:
   stream timestamp (when JetStream stored it, from the message metadata; never later than now), so the
   timeout runs from the builder's real last event and not from ``Build.last_event_at``, which is only
   checkpointed every ``checkpoint_interval`` (a floor when the replay holds no event). No build stays
-  RUNNING forever (§3.12).
+  RUNNING forever.
 * Log lines go to the durable build-log stream (shared/buildlogs.py), readable after a failover.
-* Cancel: an operator writes CANCELED (shared/buildcancel.py); the dispatcher tells the builder to
+* Cancel: an operator writes CANCELED (shared/actions/builds.py); the dispatcher tells the builder to
   stop on ``zattera.agent.<node>.build.cancel`` — also when a builder keeps streaming for a build that
   already ended (canceled, or failed as lost).
 """
@@ -46,6 +44,7 @@ from shared import keys as K
 from shared.buildlogs import read_build_log
 from shared.events import WARNING, make_event
 from shared.loop import LeaderLoop, LoopDeps
+from shared.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,9 @@ class BuildDispatcher(LeaderLoop):
     name = "builds"
     kinds = frozenset({K.BUILD, K.NODE})
 
-    def __init__(self, deps: LoopDeps, *, config: BuildDispatcherConfig | None = None, tick: float = 15.0) -> None:
+    def __init__(
+        self, deps: LoopDeps, *, config: BuildDispatcherConfig | None = None, tick: float = DEFAULTS.loop_tick
+    ) -> None:
         super().__init__(deps, tick=tick)
         self.config = config or BuildDispatcherConfig()
         self.followers = BuildFollowers(self.conn, self.view, self.clock, self.config)
@@ -78,7 +79,7 @@ class BuildDispatcher(LeaderLoop):
         return None if self._next_deadline is None else self._next_deadline - self.clock.now()
 
     async def build_log(self, build_id: str) -> list[str]:
-        """The reference's ``BuildLog(id)``, read from the durable stream (any leader wrote it)."""
+        """The build's log, read from the durable stream (any leader wrote it)."""
         return await read_build_log(self.conn, build_id)
 
     # ------------------------------------------------------------------ one pass

@@ -2,7 +2,7 @@
 (tests/builds/test_decisions.py). The loop (dispatcher.py) and the event followers (followers.py) feed them
 from the view and the build-event stream and carry them out.
 
-Reference rules kept (spec builds-retention §3): builder = ALIVE, schedulable, label ``builder=true``;
+Builder = ALIVE, schedulable, label ``builder=true``;
 fewest RUNNING builds first, tie by node id (sticky when idle); outcome texts ``build failed``,
 ``build ended without producing an image``, ``builder lost``; refs ``<repo>:<lower build id>`` and
 ``<repo>@<digest>``.
@@ -174,7 +174,7 @@ class StreamProgress:
 
 
 def apply_event(progress: StreamProgress, event: cpb.BuildEvent) -> Verdict | None:
-    """The reference's per-event order: digest, platforms, error, FAILED status; success only at the end."""
+    """Per event, in this order: digest, platforms, error, FAILED status; success only at the end."""
     if event.image_digest:
         progress.digest = event.image_digest
     if event.platforms:

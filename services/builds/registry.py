@@ -2,9 +2,9 @@
 
 Mark and sweep: the marks are every blob an ``image.*`` key names (manifest and index bodies, child
 manifests, configs, layers); every other blob written more than ``grace`` seconds ago is deleted. So
-untagging an image frees exactly what it solely kept alive, shared layers survive, and — unlike the
-reference's reference counts (spec §8.6, §11.20) — orphans are reclaimed too: blobs of interrupted
-pushes, manifests pushed only by digest.
+untagging an image frees exactly what it solely kept alive, shared layers survive, and orphans are
+reclaimed too (which reference counts would miss): blobs of interrupted pushes, manifests pushed only by
+digest.
 
 Safety with concurrent pushes rests on the protocol in shared/registry.py: a push touches every blob
 it uses before tagging, the sweeper re-reads a candidate just before deleting it and deletes with a

@@ -1,25 +1,22 @@
 """Retention (lease ``retention``): prune old releases and their images, stale source tarballs, then
 sweep the registry. Runs at the start of a term and then an hour after each sweep finished.
 
-Reference rules kept (spec §7): per environment keep the 10 newest releases, the active one, the
-previous one (highest version below the active) and the release and previous release of every
-non-terminal deployment. Source tarballs written more than 24 h ago are deleted.
+Per environment it keeps the 10 newest releases, the active one, the previous one (highest version
+below the active) and the release and previous release of every non-terminal deployment. Source tarballs
+written more than 24 h ago are deleted.
 
-Fixed here:
-
-* Images of every kind of build are reclaimed (§11.1): a release's images are found by its build —
+* Images of every kind of build are reclaimed: a release's images are found by its build —
   ``source.build_id`` or the build of a deployment that created it (CLI uploads) — as the tag
   ``lower(<project>/<app>):lower(<build id>)``, and by its pinned digest. An image still used by a
   remaining release (same tag, or same digest as its ref: deploy-by-build releases share images) is
   kept.
-* Untagging and deleting the release are one atomic batch (the reference: two writes, sweeper errors
-  only logged). One failed prune does not abort the others nor the tarball cleanup (§11.12).
-* A tarball needed by a QUEUED or RUNNING build is never deleted (§11.10), and re-uploading the same
+* Untagging and deleting the release are one atomic batch. One failed prune does not abort the others
+  nor the tarball cleanup.
+* A tarball needed by a QUEUED or RUNNING build is never deleted, and re-uploading the same
   source refreshes its written-at time (shared/registry.py ``BlobStore.put``).
-* A deleted environment (``zattera envs|apps|projects delete``; the reference skipped envs without a
-  record forever) loses every release no replica uses any more, with its images; once none is left,
-  its finished deployments and builds go too. An env deletion wakes the loop, so this does not wait for
-  the next hourly sweep.
+* A deleted environment (``zattera envs|apps|projects delete``) loses every release no replica uses any
+  more, with its images; once none is left, its finished deployments and builds go too. An env deletion
+  wakes the loop, so this does not wait for the next hourly sweep.
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ from dataclasses import dataclass
 from zattera.v1 import types_pb2 as pb
 
 from services.builds.registry import RegistrySweeper
+from services.builds.settings import DEFAULTS
 from shared import keys as K
 from shared.deployments import is_terminal
 from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
@@ -43,7 +41,6 @@ from shared.subjects import SOURCES_STORE
 log = logging.getLogger(__name__)
 
 KEEP_RELEASES = 10
-RETENTION_INTERVAL = 3600.0
 SOURCE_MAX_AGE = DAY
 
 LIVE_BUILD_STATUSES = frozenset({pb.BUILD_STATUS_QUEUED, pb.BUILD_STATUS_RUNNING})
@@ -202,7 +199,7 @@ class Retention(LeaderLoop):
         deps: LoopDeps,
         *,
         sweeper: RegistrySweeper | None = None,
-        interval: float = RETENTION_INTERVAL,
+        interval: float = DEFAULTS.retention_interval,
         keep: int = KEEP_RELEASES,
         source_max_age: float = SOURCE_MAX_AGE,
     ) -> None:

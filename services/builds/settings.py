@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -37,3 +39,6 @@ class BuildsSettings(BaseSettings):
     """Source tarballs older than this (seconds) are deleted."""
     blob_grace: float = Field(default=BLOB_GRACE, gt=0)
     """Image blobs this recent (seconds) are never collected."""
+
+
+DEFAULTS: Final = BuildsSettings.model_construct()

@@ -2,8 +2,8 @@
 
 Made once per data dir (``<data_dir>/certs/local-ca.pem`` + ``local-ca.key``, the key 0600 from creation;
 replicas sharing the dir never each make one: the first link wins), name-constrained to ``localhost`` and
-its subdomains. Trust ``local-ca.pem`` in a browser or with ``curl --cacert`` (README,
-docs/certificates.md). Leaves live :data:`LEAF_DAYS` days and are renewed by the loop like any other.
+its subdomains. Trust ``local-ca.pem`` in a browser or with ``curl --cacert`` (docs/certificates.md).
+Leaves live :data:`LEAF_DAYS` days and are renewed by the loop like any other.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from shared.events import INFO, WARNING, make_event
 from shared.loop import LeaderLoop, LoopDeps
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.secrets import CLUSTER_KEY, seal
+from shared.settings import DEFAULTS
 from shared.state.changes import ChangeFeed
 from shared.txn import Conflict
 
@@ -88,7 +89,7 @@ class CertificateLoop(LeaderLoop):
         local_ca: LocalCA | None = None,
         extra_hosts: Callable[[], Iterable[str]] = tuple,
         routed: RoutedHosts | None = None,
-        tick: float = 15.0,
+        tick: float = DEFAULTS.loop_tick,
     ) -> None:
         super().__init__(deps, tick=tick)
         self.acme = acme

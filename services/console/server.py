@@ -19,7 +19,6 @@ from shared.connection import Connection
 from shared.console_users import users_bucket
 from shared.live import LiveView
 from shared.routeclient import RouteClient
-from shared.settings import settings
 from shared.snapshots.dispatch import operator_dispatcher
 from shared.state.feed import StateView
 from shared.txn import Writer
@@ -48,7 +47,7 @@ def build_console(
             writer,
             actor="",
             clock=clock,
-            snapshots=operator_dispatcher(conn, view, clock, settings().restore_timeout),
+            snapshots=operator_dispatcher(conn, view, clock),
         ),
         sessions=Sessions(clock, cfg.session_ttl),
         limiter=LoginLimiter(clock, cfg.login_failures, cfg.login_window),

@@ -8,10 +8,10 @@ also re-signs the role accounts for revocations (``zattera nodes remove``) with 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from services.join.settings import MachineSettings
 from shared.security.authority import RoleIssuer
 from shared.security.join import JoinService
 from shared.security.machine_service import Machines
@@ -27,7 +27,8 @@ MACHINE_NODE_ENV = "ZATTERA_MACHINE_NODE"
 MACHINE_CLIENT_URL_ENV = "ZATTERA_MACHINE_CLIENT_URL"
 MACHINE_ROUTE_URL_ENV = "ZATTERA_MACHINE_ROUTE_URL"
 MACHINE_MESH_IP_ENV = "ZATTERA_MACHINE_MESH_IP"
-"""Set by ``zattera up`` on a server machine: its node id and where other machines reach its NATS server."""
+"""Set by ``zattera up`` on a server machine (read as :class:`MachineSettings`): its node id and where other
+machines reach its NATS server."""
 
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
@@ -45,15 +46,16 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     open_cluster = not ctx.settings.nats_creds
     machines = None
     if not open_cluster:
+        machine = MachineSettings()
         machines = Machines(
             ctx.conn,
             ctx.settings.nats_url,
             directory,
             tls_ca=ctx.settings.nats_tls_ca,
-            node_id=os.environ.get(MACHINE_NODE_ENV, ""),
-            client_url=os.environ.get(MACHINE_CLIENT_URL_ENV, ""),
-            route_url=os.environ.get(MACHINE_ROUTE_URL_ENV, ""),
-            mesh_ip=os.environ.get(MACHINE_MESH_IP_ENV, ""),
+            node_id=machine.node,
+            client_url=machine.client_url,
+            route_url=machine.route_url,
+            mesh_ip=machine.mesh_ip,
         )
     service = JoinService(ctx.conn, issuers, sentinel, open_cluster=open_cluster, machines=machines)
     return [watches, service.run()]

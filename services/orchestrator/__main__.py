@@ -7,11 +7,13 @@ from typing import Any
 
 from services.orchestrator.loop import Orchestrator
 from services.orchestrator.model import Timers
+from services.orchestrator.settings import OrchestratorSettings
 from shared.service import ServiceContext, main
 
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
-    loop = Orchestrator(ctx.loop_deps, timers=Timers.from_settings(ctx.settings), tick=ctx.settings.loop_tick)
+    timers = Timers.from_settings(ctx.settings, OrchestratorSettings())
+    loop = Orchestrator(ctx.loop_deps, timers=timers, tick=ctx.settings.loop_tick)
     return [ctx.lead(loop)]
 
 

@@ -22,8 +22,8 @@ from shared import keys as K
 from shared.decision import Decision
 from shared.deployments import is_terminal
 from shared.loop import LeaderLoop, LoopDeps
+from shared.settings import DEFAULTS
 from shared.telemetry import counter, span
-from shared.txn import CommitUnknown, Conflict, Deposed
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class Orchestrator(LeaderLoop):
     name = "orchestrator"
     kinds = frozenset({K.DEPLOYMENT, K.ASSIGNMENT, K.BUILD, K.ENV, K.NODE, K.RELEASE})
 
-    def __init__(self, deps: LoopDeps, *, timers: Timers | None = None, tick: float = 15.0) -> None:
+    def __init__(self, deps: LoopDeps, *, timers: Timers | None = None, tick: float = DEFAULTS.loop_tick) -> None:
         super().__init__(deps, tick=tick)
         self.timers = timers or Timers()
         self._pass_started_at = float("-inf")
@@ -63,16 +63,12 @@ class Orchestrator(LeaderLoop):
             if transition is None:
                 return None
             current.set_attribute("transition", transition.label)
-            txn = transition.txn(self.writer)  # right after deciding: it expects the revisions just read
-            try:
-                await self.writer.commit(txn)
-            except Deposed:
-                raise
-            except (Conflict, CommitUnknown) as exc:
-                # Nothing (or an unknown part, already caught up in the view) was written: the change
-                # that beat us wakes the loop again and the step is decided afresh.
+            # Right after deciding: its writes expect the revisions just read. Refused, nothing (or an
+            # unknown part, already caught up in the view) was written: the change that beat it wakes the
+            # loop again and the step is decided afresh.
+            [landed] = await self.commit_decisions([transition])
+            if not landed:
                 _refused.add(1)
-                log.debug("deployment %s: %s not committed: %s", deployment_id, transition.label, exc)
                 return None
         entered = deployment_of(transition)
         _transitions.add(1, {"to_phase": phase_label(entered.phase)})
@@ -80,8 +76,6 @@ class Orchestrator(LeaderLoop):
             log.info(
                 "deployment %s: %s%s", deployment_id, transition.label, f" ({entered.error})" if entered.error else ""
             )
-        if transition.events:
-            await self.events.publish(*transition.events)
         return transition
 
     def seconds_until_due(self) -> float | None:

@@ -17,6 +17,8 @@ from typing import TypeVar
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
+from services.orchestrator.settings import DEFAULTS as OWN
+from services.orchestrator.settings import OrchestratorSettings
 from shared import keys as K
 from shared.applogs import describe_exit
 from shared.clock import from_timestamp, stamp
@@ -24,6 +26,7 @@ from shared.decision import Decision
 from shared.deploy import CANCELED_BY_OPERATOR
 from shared.events import ERROR, INFO, WARNING, make_event, transition_id
 from shared.placement.replicas import with_desired
+from shared.settings import DEFAULTS as SHARED
 from shared.settings import Settings
 from shared.state.reader import StateReader
 
@@ -31,7 +34,7 @@ P = pb.DeploymentPhase
 RUN = pb.ASSIGNMENT_DESIRED_RUN
 STOP = pb.ASSIGNMENT_DESIRED_STOP
 
-# Exact failure strings of the reference (deployment.error and the deploy.failed event message).
+# Failure strings (deployment.error and the deploy.failed event message: operators and scripts read them).
 ENV_NOT_FOUND = "environment not found"
 RELEASE_NOT_FOUND = "release not found"
 NO_IMAGE = "release has no image ref"
@@ -63,24 +66,24 @@ GONE_STATES = frozenset({pb.INSTANCE_STATE_STOPPED, pb.INSTANCE_STATE_FAILED, pb
 class Timers:
     """Every duration the phase machine waits on, in seconds."""
 
-    drain_window: float = 600.0
-    health_default_grace: float = 60.0
-    health_deadline_extra: float = 60.0
-    building_timeout: float = 1800.0
-    placing_timeout: float = 600.0
-    starting_timeout: float = 600.0
-    stopping_old_timeout: float = 300.0
+    drain_window: float = SHARED.drain_window
+    health_default_grace: float = SHARED.health_default_grace
+    health_deadline_extra: float = OWN.health_deadline_extra
+    building_timeout: float = OWN.building_timeout
+    placing_timeout: float = OWN.placing_timeout
+    starting_timeout: float = OWN.starting_timeout
+    stopping_old_timeout: float = OWN.stopping_old_timeout
 
     @classmethod
-    def from_settings(cls, s: Settings) -> Timers:
+    def from_settings(cls, shared: Settings, own: OrchestratorSettings) -> Timers:
         return cls(
-            drain_window=s.drain_window,
-            health_default_grace=s.health_default_grace,
-            health_deadline_extra=s.health_deadline_extra,
-            building_timeout=s.building_timeout,
-            placing_timeout=s.placing_timeout,
-            starting_timeout=s.starting_timeout,
-            stopping_old_timeout=s.stopping_old_timeout,
+            drain_window=shared.drain_window,
+            health_default_grace=shared.health_default_grace,
+            health_deadline_extra=own.health_deadline_extra,
+            building_timeout=own.building_timeout,
+            placing_timeout=own.placing_timeout,
+            starting_timeout=own.starting_timeout,
+            stopping_old_timeout=own.stopping_old_timeout,
         )
 
     def health_deadline(self, release: pb.Release) -> float:
@@ -113,7 +116,7 @@ def phase_entered_at(d: pb.Deployment) -> float | None:
 
 
 def timed_out(d: pb.Deployment, now: float, limit: float | None) -> bool:
-    """Strictly after phase entry + limit (the reference's comparison for deadlines)."""
+    """Strictly after phase entry + limit."""
     entered = phase_entered_at(d)
     return limit is not None and entered is not None and now > entered + limit
 
@@ -195,7 +198,7 @@ CRASH_LINE_CHARS = 200
 def failed_instance_reason(reason: str, instances: Sequence[pb.Assignment]) -> str:
     """``reason`` naming the first FAILED instance, how its process last ended and its last stderr lines, e.g.
     ``a green instance failed to start: instance 01J… on n1: exit code 3; last stderr: fatal: X not set``.
-    The bare reference string when the agent reported nothing more."""
+    ``reason`` alone when the agent reported nothing more."""
     failed = next((a for a in instances if a.observed.state == pb.INSTANCE_STATE_FAILED), None)
     if failed is None:
         return reason
@@ -306,8 +309,8 @@ def deploy_event(d: pb.Deployment, kind: str, message: str, severity: str, now: 
 def abort(view: StateReader, d: pb.Deployment, reason: str, now: float) -> Decision:
     """The red/green failure exit, ONE write: delete everything d created and set FAILED with the reason.
 
-    Traffic never moved and blue is untouched. (The reference wrote these separately; a crash between
-    them left an empty green set that then passed as ready and got promoted.)
+    Traffic never moved and blue is untouched. (Written separately, a crash between the two would leave an
+    empty green set that could then pass as ready and be promoted.)
     """
     t = move(d, pb.DEPLOYMENT_PHASE_FAILED, now, error=reason)
     t.deletes = [K.assignment(a.node_id, a.meta.id) for a in tagged(view, d)]

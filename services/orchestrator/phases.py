@@ -9,7 +9,7 @@ stateful arm (:mod:`services.orchestrator.stateful`) or the red/green arm below:
              +---------------------------------------------------> PLACING -> STARTING -> HEALTHCHECKING -> PROMOTING
     PROMOTING -> DRAINING_OLD -> SUCCEEDED   (PROMOTING -> SUCCEEDED when there is nothing to drain)
 
-Fixes of the reference's hazards, each pinned by a test:
+Rules, each pinned by a test:
 * abort, promotion, placement+phase, stamp+phase are each ONE write (no crash leaves half a transition);
 * an empty or short green set is never "ready" when the target count is above zero;
 * every waiting phase has a timeout (BUILDING, PLACING, STARTING, STOPPING_OLD) naming phase and cause;

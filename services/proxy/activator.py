@@ -1,4 +1,4 @@
-"""Hold-and-activate (reference autoscale.md §4.2–4.3, routes-snapshots.md A2.7).
+"""Hold-and-activate: requests for a cold or full env wait here while the control plane wakes it.
 
 A request for a scaled-to-zero env with no endpoint (cold), or for an env whose endpoints are all at
 ``max_concurrency`` (full), is held here until its ``select`` callback finds an endpoint. Holding:
@@ -10,11 +10,11 @@ A request for a scaled-to-zero env with no endpoint (cold), or for an env whose 
 3. one activation per env at a time (single flight per proxy), detached from the request;
 4. ``select`` is re-run whenever something that can make it succeed happens — a route snapshot
    arrives (:meth:`Holds.wake_all`) or a request of the env finishes (:meth:`Holds.wake_env`,
-   capacity freed) — instead of the reference's 25 ms poll;
+   capacity freed), not on a poll;
 5. no endpoint within ``hold_timeout`` (60 s) → 504 "activation timed out".
 
-Fix over the reference: a failed activation (timeout, no responder, "retry" error) is retried with
-backoff while requests are still held, instead of leaving them to wait for the deadline.
+A failed activation (timeout, no responder, "retry" error) is retried with backoff while requests are
+still held, rather than leaving them to wait for the deadline.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Endpoint choice (reference routes-snapshots.md A2.8): sticky cookie, then power-of-two-choices on
-this proxy's in-flight count per endpoint address, skipping endpoints at ``max_concurrency``.
-
-Fix over the reference: a counter is removed when it drops to zero (the reference never deleted
-them, so endpoint churn grew the map forever).
+"""Endpoint choice: sticky cookie, then power-of-two-choices on this proxy's in-flight count per endpoint
+address, skipping endpoints at ``max_concurrency``. A counter is removed when it drops to zero, so
+endpoint churn does not grow the map forever.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ def sticky_value(endpoint: cpb.Endpoint) -> str:
 
 
 def sticky_endpoint(endpoints: Sequence[cpb.Endpoint], cookie: str) -> cpb.Endpoint | None:
-    """The healthy endpoint a sticky cookie pins (the cap is bypassed, as the reference)."""
+    """The healthy endpoint a sticky cookie pins (the cap is bypassed: the session stays where it is)."""
     for endpoint in endpoints:
         if endpoint.healthy and sticky_value(endpoint) == cookie:
             return endpoint

@@ -216,7 +216,11 @@ def backend_rules(route: cpb.HTTPRoute, hold_timeout: float) -> tuple[str, ...]:
         "balance random(2)",
         "option redispatch 1",
         "retries 3",
-        "retry-on conn-failure",
+        # A scale-to-zero env's replica may die under a request (cooled while the snapshot saying so was on
+        # its way): a GET or HEAD it closed without answering is sent again (to the hold handler, once the
+        # dead server's refused connection has marked it down); nothing else is replayed.
+        "retry-on conn-failure empty-response" if route.scale_to_zero else "retry-on conn-failure",
+        *(["http-request disable-l7-retry unless METH_GET"] if route.scale_to_zero else []),
         f"timeout queue {ms(hold_timeout)}",
     ]
     if middleware.ip_allowlist:

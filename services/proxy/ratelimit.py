@@ -1,4 +1,4 @@
-"""Per-client token buckets (reference routes-snapshots.md A2.6 step 4, D.1).
+"""Per-client token buckets: the rate-limit step of the request pipeline (429).
 
 Keyed by ``environment_id|client_ip``; a new bucket starts full (``burst``), refills ``rps`` tokens per
 second, a request costs one. At most :data:`MAX_BUCKETS` buckets: when full, buckets idle longer than

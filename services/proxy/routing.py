@@ -1,8 +1,8 @@
-"""Route matching over one snapshot (reference routes-snapshots.md A2.6 step 1, allowlist step 3).
+"""Route matching over one snapshot: the first step of the request pipeline, and the IP allowlist.
 
 A :class:`RouteTable` is built once per accepted snapshot: routes grouped by lowercased hostname,
-each group ordered by path-prefix length (longest first, snapshot order on ties, as the reference),
-and each route's IP allowlist parsed once (the reference cached parsed lists per version).
+each group ordered by path-prefix length (longest first, snapshot order on ties), and each route's IP
+allowlist parsed once per snapshot, not per request.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class RouteEntry:
 
 
 def parse_allowlist(entries: list[str]) -> tuple[IPNetwork, ...] | None:
-    """CIDRs or bare IPs (as /32 or /128); invalid entries are dropped, like the reference."""
+    """CIDRs or bare IPs (as /32 or /128); invalid entries are dropped (zattera.toml validation refuses them)."""
     if not entries:
         return None
     networks: list[IPNetwork] = []

@@ -5,15 +5,15 @@ allowlist (403) → HTTPS redirect (308, when the route asks for it) → per-cli
 full: 503/504, else 502) → forward with in-flight accounting (502 on upstream error). Every error body is
 ``{"error": "<msg>"}`` as JSON.
 
-Deviations from the reference, all deliberate:
+Deliberate choices:
 
-* no TLS listener here: a route without middleware is not redirected (the reference's dev mode), one with
-  ``redirect_https`` is, unless ``X-Forwarded-Proto: https`` says a TLS terminator in front already did
-  TLS; no gzip middleware;
-* a declared body above ``middleware.max_body_bytes`` is refused up front with 413 (the reference
-  cut the body mid-stream and answered 502); an undeclared (chunked) one is still cut at the cap;
+* no TLS listener here (HTTPS is HAProxy's: docs/ingress.md): a route without middleware is not
+  redirected, one with ``redirect_https`` is, unless ``X-Forwarded-Proto: https`` says a TLS terminator in
+  front already did TLS; no gzip middleware;
+* a declared body above ``middleware.max_body_bytes`` is refused up front with 413 (not cut
+  mid-stream with a 502); an undeclared (chunked) one is still cut at the cap;
 * an upstream that refuses the connection is retried on another healthy endpoint of the route, each at most
-  once (``pipeline/forward.py``).
+  once, and a GET or HEAD whose upstream closed without answering is sent again (``pipeline/forward.py``).
 
 The route table follows the route client: built from the cached snapshot before any network activity
 (so a restarted proxy serves the last routes with the control plane down), rebuilt on every accepted

@@ -1,6 +1,6 @@
 """Proxy settings (environment, prefix ``ZATTERA_PROXY_``), beside the shared ``ZATTERA_*`` ones.
 
-The reference's guardrails are the defaults; every timer is a setting so tests and demos can shorten
+Every limit and timer is a setting (the defaults are the guardrails) so tests and demos can shorten
 it. The command line overrides the identity and listener ones. The listen address is ``ZATTERA_PROXY_LISTEN``
 (``HOST:PORT``) or ``ZATTERA_PROXY_HOST`` / ``ZATTERA_PROXY_PORT``, default ``0.0.0.0:8080``: every interface.
 """

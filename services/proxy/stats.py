@@ -1,15 +1,14 @@
-"""Per-env traffic counters of this proxy and the ``ProxySample`` they produce (reference autoscale.md
-§5.1–5.2; DESIGN §3: a ``ProxyHeartbeat`` every 2 s).
+"""Per-env traffic counters of this proxy and the ``ProxySample`` they produce (a ``ProxyHeartbeat`` every
+2 s: what the scaling loops read).
 
 A request counts once an endpoint is chosen: begin → in-flight + 1, last_request_at = now; end →
 in-flight − 1 and (latency, error) appended to a ring of the last :data:`LATENCY_WINDOW` completions.
 Held requests are reported separately in ``held`` (the scaling loops add them to in-flight demand).
-Choices where the reference left a decision open (autoscale.md §7.4):
 
-* ``error_rate`` is over the same last 512 completions as the latency percentiles (the reference's was
-  cumulative since proxy start, so an old burst of errors never faded);
+* ``error_rate`` is over the same last 512 completions as the latency percentiles (not cumulative since
+  the proxy started, so an old burst of errors fades);
 * an env drops out of the report once it is gone from the route snapshot and has nothing in flight
-  or held (the reference reported every env ever seen, forever).
+  or held.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ class EnvStats:
 
 
 def percentiles(latencies_ms: list[int]) -> tuple[float, float]:
-    """(p50, p99) the reference's way: sorted[floor(n·0.5)], sorted[min(floor(n·0.99), n−1)]; 0 if empty."""
+    """(p50, p99) as nearest ranks: sorted[floor(n·0.5)], sorted[min(floor(n·0.99), n−1)]; 0 if empty."""
     if not latencies_ms:
         return 0.0, 0.0
     ordered = sorted(latencies_ms)

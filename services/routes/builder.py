@@ -1,6 +1,6 @@
-"""RouteBuilder: the routing table as a pure function of the state view (spec A1).
+"""RouteBuilder: the routing table as a pure function of the state view.
 
-Construction follows the reference rule by rule (routes-snapshots.md A1.2–A1.10): per environment
+Construction: per environment
 (sorted by id) whose app exists, one HTTP route per explicit domain of the env's project attached to
 it (domain id order), then the implicit ``<app>-<env>.<domain>`` route — only towards an HTTP port: an env
 whose ports are all TCP/UDP gets no HTTP route (nor a certificate); L4 routes for ports with a
@@ -21,8 +21,8 @@ whose inputs it touches:
 * assignment (the view also reports observed reports joined into it) → its env, old and new;
 * node (status, mesh IP) → every env with an assignment on that node.
 
-Fixes over the reference: App and Project changes are watched (D-A4: renames reached routes only on
-the 15 s tick), and the build is atomic (it runs between two view updates, never across one).
+App and Project changes are watched (a rename reaches the routes at once, not on the tick), and the
+build is atomic (it runs between two view updates, never across one).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from services.routes.wire import (
 )
 from shared.state.reader import StateReader
 
-L4_PROTOCOL = "tcp"  # the reference hard-codes "tcp" for L4 and internal ports, even for UDP (D-A8)
+L4_PROTOCOL = "tcp"  # L4 and internal ports are "tcp" on the wire, even for UDP (proxies forward TCP only)
 
 
 DEFAULT_HTTP_PORT = "http"
@@ -48,8 +48,8 @@ _HTTP_PROTOCOLS = frozenset({pb.PROTOCOL_HTTP, pb.PROTOCOL_UNSPECIFIED})
 
 def http_port_name(spec: pb.ServiceSpec) -> str:
     """First HTTP (or unspecified) port; ``"http"`` when the spec declares no port; "" when it declares only
-    TCP/UDP ports: such an env gets no HTTP route (the reference took its first port: a raw TCP service then
-    got an implicit hostname, a certificate and 502s)."""
+    TCP/UDP ports: such an env gets no HTTP route (a raw TCP service would otherwise get an implicit
+    hostname, a certificate and 502s)."""
     for port in spec.ports:
         if port.protocol in _HTTP_PROTOCOLS:
             return port.name
@@ -62,7 +62,7 @@ def routes_http(spec: pb.ServiceSpec, port_name: str) -> bool:
 
 
 def implicit_hostname(app_name: str, env_name: str, domain: str) -> str:
-    """``<app>-<env>.<domain>``, verbatim (no sanitizing or lowercasing, as the reference)."""
+    """``<app>-<env>.<domain>``, verbatim (no sanitizing or lowercasing: names are validated lowercase already)."""
     return f"{app_name}-{env_name}.{domain}"
 
 
@@ -78,7 +78,7 @@ def bound_port(assignment: pb.Assignment, observed: pb.AssignmentObserved, port_
 
 def routable_host(node: pb.Node | None) -> str | None:
     """The address endpoints on ``node`` use (mesh IP, else 127.0.0.1); None when the node is missing,
-    DOWN or DRAINED (SUSPECT and DRAINING keep their endpoints, D-A6)."""
+    DOWN or DRAINED (SUSPECT and DRAINING keep their endpoints: a drain moves replicas off first)."""
     if node is None or node.status in _UNROUTABLE_NODE_STATUSES:
         return None
     return node.mesh_ip or FALLBACK_HOST
@@ -101,9 +101,9 @@ Replica = tuple[pb.Assignment, pb.AssignmentObserved, str]
 
 
 def routable_replicas(view: StateReader, env: pb.Environment, hosts: NodeHosts) -> list[Replica]:
-    """The env's assignments, by id, that may carry traffic (A1.6 rules 1, 2, 3, 5): the active release
-    only, desired RUN, observed HEALTHY exactly, on a routable node. Rule 4 (a bound port) depends on the
-    port: see :class:`_Endpoints`."""
+    """The env's assignments, by id, that may carry traffic: the active release only, desired RUN,
+    observed HEALTHY exactly, on a routable node. A bound port depends on the port: see
+    :class:`_Endpoints`."""
     active = env.active_release_id
     if not active:
         return []
@@ -268,8 +268,8 @@ class EnvRoutes:
 
 
 def build_env_routes(view: StateReader, env: pb.Environment, domain: str, hosts: NodeHosts) -> EnvRoutes | None:
-    """One environment's routes (A1.2–A1.10), encoded; None when its app is missing (the whole env is
-    skipped, D-A13). ``hosts``: :func:`node_hosts` of the view, kept up to date by the caller."""
+    """One environment's routes, encoded; None when its app is missing (the whole env is skipped: it is
+    being deleted). ``hosts``: :func:`node_hosts` of the view, kept up to date by the caller."""
     app = view.app(env.app_id)
     if app is None:
         return None

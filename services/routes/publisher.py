@@ -1,9 +1,9 @@
-"""Distribution of route snapshots (spec A2, DESIGN §3): every routes replica runs one publisher.
+"""Distribution of route snapshots (docs/wire-contract.md): every routes replica runs one publisher.
 
 * **Build**: a :class:`RouteBuilder` over the replica's view, fed by the view's change feed. Changes are
   coalesced by a trailing debounce (:data:`QUIET` of silence, at most :data:`MAX_DELAY` after the first
-  change under constant churn; the reference waited a fixed 200 ms), then only affected envs rebuild.
-* **Version** (fix of D-A1, cluster-consistent): the newest state revision, put or delete, among the kinds
+  change under constant churn), then only affected envs rebuild.
+* **Version** (the same on every replica): the newest state revision, put or delete, among the kinds
   the snapshot reads (:meth:`StateView.kind_revision`), taken when the *content* changes. Lease renewals
   and other unrelated writes do not move it, and two replicas at the same state compute the same number,
   hence the same bytes. A replica also learns the newest (version, digest) anyone published — from the
@@ -16,7 +16,7 @@
   message only), plus a keep-alive of the same bytes every :data:`KEEPALIVE` seconds of the injected clock.
   Encoding, compression and chunking: :mod:`shared.routeclient`.
 * **Serve** ``zattera.routes.get`` in queue group :data:`QUEUE_GROUP`, once the replica has a snapshot
-  (the reference served an empty version-0 snapshot before its first build, D-A2); "unchanged" only when
+  (never an empty version-0 snapshot before its first build); "unchanged" only when
   the requester's version and cluster are this replica's.
 * **Cluster**: every snapshot names the cluster it was built from (``RouteSnapshot.cluster``, read from the
   state stream at start): a proxy compares versions only between snapshots of one cluster. A snapshot

@@ -1,11 +1,11 @@
-"""VIP allocation (spec A1.11): every environment with a declared port holds an internal virtual IP.
+"""VIP allocation: every environment with a declared port holds an internal virtual IP (docs/networking.md).
 
 The leader of ``lease.vips`` keeps ``vip.<env_id>`` (ServiceVIP) in line with the environments: an env
 that needs a VIP and has none gets the lowest free address of 10.97.0.0/16 scanning ``10.97.a.b`` with
 ``a`` = 0..255 and ``b`` = 2..254 (``.0``, ``.1`` and ``.255`` are never used: 256 × 253 = 64,768
 addresses); an env keeps its VIP across passes; a VIP whose env no longer needs one (no ports, or env
-gone) is freed. Pool exhausted: a warning, the env is skipped. Unlike the reference, which allocated in
-map (random) order, envs are served in id order, so the result is a function of the state.
+gone) is freed. Pool exhausted: a warning, the env is skipped. Envs are served in id order, so the
+result is a function of the state.
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
-"""Replica convergence for one environment (reference §3.5), a pure decision over the view.
+"""Replica convergence for one environment, a pure decision over the view.
 
 Per env, in id order: skip it while a deployment owns it; partition its assignments; scale up through
 Place; scale down by stopping the newest; reap what is stopped. The result is one atomic write.
 
-Fixes over the reference (each pinned by a test):
+Rules, each pinned by a test:
 
-* A RUN replica observed FAILED (the agent gave up on it) counted as good forever. Here it is stopped
-  and replaced on another node when one fits, at most once per backoff window per env (10 s doubling to
+* A RUN replica observed FAILED (the agent gave up on it) does not count as good: it is stopped and
+  replaced on another node when one fits, at most once per backoff window per env (10 s doubling to
   5 min), so a crash-looping release does not thrash; scale-down stops FAILED replicas first.
 * STOP assignments that no agent will ever report STOPPED are reaped (:func:`stop_is_reapable`).
-* A promoted deployment (DRAINING_OLD) no longer freezes the env: the active release is managed as
+* A promoted deployment (DRAINING_OLD) does not freeze the env: the active release is managed as
   usual; only the blue release it keeps warm is left alone (``shared.deployments.env_ownership``).
-* No replica of a stateful env is placed while one of its volumes is RESTORING (the reference could
-  start one while the restore was replacing the directory); placement resumes when the restore ends.
+* No replica of a stateful env is placed while one of its volumes is RESTORING (the restore is
+  replacing the directory); placement resumes when the restore ends.
 """
 
 from __future__ import annotations

@@ -1,48 +1,26 @@
-"""Committing what the scheduler's pure ``evaluate`` functions return, and the in-memory memory of a term.
+"""What the scheduler's pure ``evaluate`` functions share: their events, and the in-memory memory of a term.
 
 They return :class:`~shared.decision.Decision` values (one atomic transaction and the events to publish
-once it has landed). :class:`Notices` remembers the last message of a recurring condition so its event is
-published when the condition starts or changes, not on every pass (the reference re-emitted
-``schedule.no_capacity`` and ``volume.no_capacity`` each pass).
+once it has landed), committed by ``LeaderLoop.commit_decisions``. :class:`Notices` remembers the last
+message of a recurring condition (``schedule.no_capacity``, ``volume.no_capacity``) so its event is
+published when the condition starts or changes, not on every pass.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from zattera.v1 import types_pb2 as pb
 
 from shared.clock import stamp
-from shared.decision import Decision
-from shared.events import EventPublisher, make_event
+from shared.events import make_event
 from shared.state.reader import StateReader
-from shared.tasks import raise_if_cancelling
-from shared.txn import Writer
 
 log = logging.getLogger(__name__)
 
 MAX_TXN_WRITES = 500
 """Split point for cluster-wide decisions (orphans): an atomic batch holds at most 1,000 messages."""
-
-
-async def commit(writer: Writer, events: EventPublisher, writes: Sequence[Decision], *, loop: str) -> list[bool]:
-    """Commit each non-empty :class:`Decision` atomically (packed into few batches) and publish the events of
-    those that landed. One bool per input (an empty one counts as landed). A refused write is re-decided
-    on the next pass, which the conflicting change triggers; :class:`shared.txn.Deposed` propagates."""
-    pending = [(i, w) for i, w in enumerate(writes) if w]
-    landed = [True] * len(writes)
-    if not pending:
-        return landed
-    results = await writer.commit_many([w.txn(writer) for _, w in pending])
-    for (i, w), error in zip(pending, results, strict=True):
-        if error is not None:
-            landed[i] = False
-            log.info("%s: %s not written (%s); re-deciding on the next pass", loop, w.label, error)
-        elif w.events:
-            await events.publish(*w.events)
-    raise_if_cancelling()
-    return landed
 
 
 def event(

@@ -1,4 +1,4 @@
-"""Node drain (reference §3.11, the last step of a pass): empty a DRAINING node, then mark it DRAINED.
+"""Node drain (the last step of a pass): empty a DRAINING node, then mark it DRAINED.
 
 On a draining node: stopped assignments are deleted; a stateful (or release-less) RUN replica is stopped
 at once, since its pinned data cannot move (event ``node.drain.stateful_stopped``); a stateless one is
@@ -6,8 +6,7 @@ stopped only when enough replicas of its release run elsewhere (placement put re
 in the same pass), so draining is zero-downtime. When nothing is left running or stopping, the node
 becomes DRAINED (``schedulable`` stays false).
 
-Fix over the reference: replacements only count on ALIVE nodes; the reference counted replicas on other
-draining or down nodes, so two nodes draining together could each count the other's replicas.
+Replacements only count on ALIVE nodes: two nodes draining together never count each other's replicas.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from datetime import datetime
 from croniter import croniter
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import commit, event
+from services.scheduler.decisions import event
 from shared import jobs as J
 from shared import keys as K
 from shared.clock import from_timestamp as seconds
@@ -44,6 +44,7 @@ from shared.loop import LeaderLoop, LoopDeps
 from shared.placement.placement import PlacementIndex
 from shared.placement.replicas import new_assignment, node_is_down, stopped
 from shared.schedule import Schedule, ScheduleError, parse_schedule
+from shared.settings import DEFAULTS
 from shared.state.reader import StateReader
 from shared.state.tables import reservation
 
@@ -399,7 +400,7 @@ class JobsLoop(LeaderLoop):
     name = "jobs"
     kinds = frozenset({K.ENV, K.RELEASE, K.NODE, K.ASSIGNMENT, K.OBSERVED, K.JOB})
 
-    def __init__(self, deps: LoopDeps, *, tick: float = 15.0) -> None:
+    def __init__(self, deps: LoopDeps, *, tick: float = DEFAULTS.loop_tick) -> None:
         super().__init__(deps, tick=tick)
         self._next_slot: float | None = None
 
@@ -410,10 +411,4 @@ class JobsLoop(LeaderLoop):
         assert self.writer is not None
         decided = evaluate_jobs(self.view, self.clock.now())
         self._next_slot = decided.next_slot
-        # The events of every landed write go out together: a slot of 1,000 entries is one round trip,
-        # not 1,000 (commit() publishes per write).
-        announced = [w.events for w in decided.writes]
-        for w in decided.writes:
-            w.events = []
-        landed = await commit(self.writer, self.events, decided.writes, loop=self.name)
-        await self.events.publish(*(e for ok, events in zip(landed, announced, strict=True) if ok for e in events))
+        await self.commit_decisions(decided.writes)

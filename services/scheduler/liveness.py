@@ -1,6 +1,6 @@
 """Node liveness (leader-gated by ``lease.liveness``): ALIVE ⇄ DOWN from the agents' heartbeats.
 
-Agents heartbeat into ``zattera-live`` (every 5 s here; 10 s in the reference). An ALIVE node whose
+Agents heartbeat into ``zattera-live`` (every 5 s). An ALIVE node whose
 latest heartbeat is older than 30 s becomes DOWN (event ``node.down``); a DOWN node that heartbeats
 again becomes ALIVE (``node.up``). DRAINING and DRAINED belong to the operator and are never touched.
 For 45 s after a term starts nothing is marked DOWN: a new leader first gives every agent time to be
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import commit
+from services.scheduler.settings import DEFAULTS
 from shared import keys as K
 from shared.clock import from_timestamp, stamp
 from shared.decision import Decision
@@ -25,8 +25,6 @@ from shared.loop import LeaderLoop, LoopDeps
 from shared.state.reader import StateReader
 
 TICK = 5.0
-HEARTBEAT_DEADLINE = 30.0
-LEADER_GRACE = 45.0
 ACTOR = "system:liveness"
 
 
@@ -36,8 +34,8 @@ def evaluate_liveness(
     now: float,
     term_started: float,
     *,
-    deadline: float = HEARTBEAT_DEADLINE,
-    grace: float = LEADER_GRACE,
+    deadline: float = DEFAULTS.node_heartbeat_deadline,
+    grace: float = DEFAULTS.liveness_grace,
 ) -> list[Decision]:
     """Status flips (one write per node) from each node's last heartbeat time."""
     result = []
@@ -75,8 +73,8 @@ class Liveness(LeaderLoop):
         *,
         live: LiveView,
         tick: float = TICK,
-        deadline: float = HEARTBEAT_DEADLINE,
-        grace: float = LEADER_GRACE,
+        deadline: float = DEFAULTS.node_heartbeat_deadline,
+        grace: float = DEFAULTS.liveness_grace,
     ) -> None:
         super().__init__(deps, tick=tick)
         self.live = live
@@ -97,4 +95,4 @@ class Liveness(LeaderLoop):
             deadline=self.deadline,
             grace=self.grace,
         )
-        await commit(self.writer, self.events, writes, loop=self.name)
+        await self.commit_decisions(writes)

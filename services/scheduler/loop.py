@@ -1,8 +1,8 @@
-"""The placement loop (reference ``Scheduler``): leader-gated by ``lease.scheduler``.
+"""The placement loop: leader-gated by ``lease.scheduler``.
 
 It runs a full pass at the start of a term, on changes of envs, releases, deployments, nodes,
-assignments (observed reports included) and volumes, coalesced, and every 15 s. A pass has the
-reference's order, each step deciding purely from the view and committing before the next step reads:
+assignments (observed reports included) and volumes, coalesced, and every 15 s. A pass runs in this
+order, each step deciding purely from the view and committing before the next step reads:
 
 1. volumes: auto-create and NODE_LOST / recovered (so placement sees the pins);
 2. envs, in id order: one atomic write per env, all packed into few batches (``commit_many``); the
@@ -11,27 +11,25 @@ reference's order, each step deciding purely from the view and committing before
 4. orphans; 5. drains → DRAINED.
 
 A refused write (a concurrent change) is logged and re-decided on the next pass, which that change
-triggers; a lost lease stops the term. Lease renewals do not wake the loop again (the reference's
-hot loop), and recurring shortfall events are published when they start or change.
+triggers; a lost lease stops the term. Lease renewals do not wake the loop again (no hot loop), and
+recurring shortfall events are published when they start or change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.convergence import FailureBackoff, evaluate_envs
-from services.scheduler.decisions import Notices, commit, event
+from services.scheduler.decisions import Notices, event
 from services.scheduler.drain import evaluate_drains
 from services.scheduler.orphans import evaluate_orphans
 from services.scheduler.volumes import evaluate_leases, evaluate_volumes
 from shared import keys as K
-from shared.decision import Decision
 from shared.events import WARNING
 from shared.loop import LeaderLoop, LoopDeps
 from shared.placement.explain import explain
 from shared.placement.placement import PlacementError
+from shared.settings import DEFAULTS
 from shared.state.reader import StateReader
 
 
@@ -39,7 +37,7 @@ class Scheduler(LeaderLoop):
     name = "scheduler"
     kinds = frozenset({K.ENV, K.RELEASE, K.DEPLOYMENT, K.NODE, K.ASSIGNMENT, K.VOLUME})
 
-    def __init__(self, deps: LoopDeps, *, tick: float = 15.0) -> None:
+    def __init__(self, deps: LoopDeps, *, tick: float = DEFAULTS.loop_tick) -> None:
         super().__init__(deps, tick=tick)
         self.backoff = FailureBackoff()
         self.notices = Notices()
@@ -56,14 +54,14 @@ class Scheduler(LeaderLoop):
         view = self.view
 
         volumes = evaluate_volumes(view, now)
-        await self._commit(volumes.writes)
+        await self.commit_decisions(volumes.writes)
         for (env_id, name), homeless in volumes.homeless.items():
             env = view.env(env_id)
             if self.notices.due(env_id, f"volume:{name}", homeless) and env is not None and homeless:
                 await self.events.publish(event("volume.no_capacity", homeless, now, severity=WARNING, env=env))
 
         decisions = evaluate_envs(view, now, backoff=self.backoff)
-        landed = await self._commit([d.writes for d in decisions])
+        landed = await self.commit_decisions([d.writes for d in decisions])
         for decision, ok in zip(decisions, landed, strict=True):
             env_id = decision.env.meta.id
             if ok and decision.replaced_failed:
@@ -75,15 +73,11 @@ class Scheduler(LeaderLoop):
         self.notices.retain(env.meta.id for env in view.envs())
 
         leases = evaluate_leases(view, now)
-        renewed = await self._commit(list(leases.values()))
+        renewed = await self.commit_decisions(list(leases.values()))
         self.ignore_own_changes((K.VOLUME, vid) for vid, ok in zip(leases, renewed, strict=True) if ok)
 
-        await self._commit(evaluate_orphans(view, now))
-        await self._commit(evaluate_drains(view, now))
-
-    async def _commit(self, writes: Sequence[Decision]) -> list[bool]:
-        assert self.writer is not None, "a pass needs a writer (set by run(), or by the test)"
-        return await commit(self.writer, self.events, writes, loop=self.name)
+        await self.commit_decisions(evaluate_orphans(view, now))
+        await self.commit_decisions(evaluate_drains(view, now))
 
 
 def no_capacity_event(view: StateReader, env: pb.Environment, shortfall: PlacementError, now: float) -> pb.Event:

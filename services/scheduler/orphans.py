@@ -1,8 +1,8 @@
-"""Orphan reaping (reference §3.10): assignments whose env or release no longer exists.
+"""Orphan reaping: assignments whose env or release no longer exists.
 
 The API never deletes assignments: deleting an env (or its app or project) leaves them to the scheduler,
-which flips the RUN ones to STOP and deletes them once stopped (two passes at least). With this
-project's fix, a STOP orphan that no agent will ever report STOPPED is reaped too.
+which flips the RUN ones to STOP and deletes them once stopped (two passes at least). A STOP orphan
+that no agent will ever report STOPPED is reaped too.
 """
 
 from __future__ import annotations

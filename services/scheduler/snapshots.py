@@ -1,24 +1,24 @@
-"""SnapshotScheduler (lease ``snapshots``): scheduled volume snapshots and their retention (B1).
+"""SnapshotScheduler (lease ``snapshots``): scheduled volume snapshots and their retention.
 
 Each pass, for every volume:
 
-- **schedule** (B1.3): 5-field cron in UTC, ``CRON_TZ=``/``TZ=`` prefixes, descriptors (``@daily``…,
+- **schedule**: 5-field cron in UTC, ``CRON_TZ=``/``TZ=`` prefixes, descriptors (``@daily``…,
   ``@every <Go duration>``). ``baseline`` = the newest of the volume's creation and all its snapshot
   records; the slot ``Next(baseline)`` fires once when due. After an outage that is at most one
   catch-up snapshot, since the catch-up's record becomes the next baseline.
-- **retention** (B1.5): COMPLETE snapshots beyond ``keep_last`` (default 7) are deleted, then pruned.
+- **retention**: COMPLETE snapshots beyond ``keep_last`` (default 7) are deleted, then pruned.
 
-Fixes of the reference:
+Failures never wedge a volume:
 
-- a dispatch that fails before its record exists does not wedge the schedule (D-B3): the dispatcher
+- a dispatch that fails before its record exists does not wedge the schedule: the dispatcher
   writes the RUNNING record first, and when even that write fails the slot is re-armed and retried after
   ``RETRY_AFTER`` seconds;
-- at most one snapshot of a volume at a time (D-B6): a due slot waits while one runs, then fires once;
+- at most one snapshot of a volume at a time: a due slot waits while one runs, then fires once;
 - FAILED records are deleted after ``FAILED_KEEP`` (except the volume's newest record, so the baseline
   never moves back and re-fires an old slot), RUNNING records without progress for ``STUCK_AFTER`` are
-  failed (D-B4); their ids are pruned like expired ones;
-- only record deletions that landed are pruned (D-B8); a deferred or failed prune is retried;
-- RESTORING and NODE_LOST volumes are not snapshotted on schedule (D-B9): the slot fires once when the
+  failed; their ids are pruned like expired ones;
+- only record deletions that landed are pruned; a deferred or failed prune is retried;
+- RESTORING and NODE_LOST volumes are not snapshotted on schedule: the slot fires once when the
   volume is back.
 
 And a reaper for restores whose driver died: the restore runs in the process that asked for it (the CLI),
@@ -40,13 +40,14 @@ from typing import Protocol
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.scheduler.decisions import commit, volume_event
+from services.scheduler.decisions import volume_event
 from shared import keys as K
 from shared.clock import from_timestamp, stamp
 from shared.decision import Decision
 from shared.events import WARNING
 from shared.loop import LeaderLoop, LoopDeps
 from shared.schedule import Schedule, ScheduleError, parse_schedule
+from shared.settings import DEFAULTS
 from shared.snapshots.guards import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
 from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
@@ -59,7 +60,6 @@ STUCK_AFTER = 3600.0
 FAILED_KEEP = 24 * 3600.0
 RETRY_AFTER = 30.0
 STUCK_ERROR = "no progress for 1h: snapshot abandoned"
-RESTORE_TIMEOUT = 3600.0
 
 
 def snapshot_baseline(volume: pb.Volume, records: Iterable[pb.VolumeSnapshot]) -> float:
@@ -154,7 +154,12 @@ class SnapshotScheduler(LeaderLoop):
     kinds = frozenset({K.VOLUME, K.SNAPSHOT})
 
     def __init__(
-        self, deps: LoopDeps, *, dispatcher: SnapshotOps, tick: float = TICK, restore_timeout: float = RESTORE_TIMEOUT
+        self,
+        deps: LoopDeps,
+        *,
+        dispatcher: SnapshotOps,
+        tick: float = TICK,
+        restore_timeout: float = DEFAULTS.restore_timeout,
     ) -> None:
         super().__init__(deps, tick=tick)
         self.dispatcher = dispatcher
@@ -186,7 +191,7 @@ class SnapshotScheduler(LeaderLoop):
     async def run_pass(self) -> None:
         assert self.writer is not None
         now = self.clock.now()
-        await commit(self.writer, self.events, abandoned_restores(self.view, now, self.restore_timeout), loop=self.name)
+        await self.commit_decisions(abandoned_restores(self.view, now, self.restore_timeout))
         await self._fail_stuck(now)
         by_volume: dict[str, list[pb.VolumeSnapshot]] = defaultdict(list)
         for record in self.view.snapshots():

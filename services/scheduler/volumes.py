@@ -1,4 +1,4 @@
-"""Stateful volumes (reference §3.9): auto-create, NODE_LOST / recovered, and the fencing leases.
+"""Stateful volumes: auto-create, NODE_LOST / recovered, and the fencing leases.
 
 **Volumes** (first step of a pass, so pins resolve before placement): a stateful active release's
 missing volume is created on a home node; a volume whose node is not ALIVE goes NODE_LOST (its
@@ -10,15 +10,13 @@ lease still valid for another node is never stolen; a down node's lease is left 
 starts a stateful container only under a valid lease naming its node (the orchestrator's stateful path
 reads the same fields), so two nodes never write the same volume.
 
-Fixes over the reference:
+Also:
 
 * renewal only once half the TTL is gone (or the holder changed), and the renewal does not wake the
-  loop again; the reference rewrote every lease on every pass and each write re-triggered the pass: a
-  hot loop;
+  loop again (a lease rewritten on every pass would re-trigger the pass: a hot loop);
 * a DRAINING or DRAINED node's volume is reported as such, not "node is down";
 * a new volume's home must be able to run the release (arch, labels, role, capacity), and an env's
-  volumes share one home, so Place's pin can always be honoured; the reference picked the least-used
-  ALIVE node blindly and could strand the service;
+  volumes share one home, so Place's pin can always be honoured and the service is never stranded;
 * ``volume.no_capacity`` is published when the condition starts or changes (see ``Notices``);
 * a RESTORING volume belongs to the restore in progress and is not touched: no status change and no
   lease (neither granted nor renewed), so no replica can start while its directory is being replaced;

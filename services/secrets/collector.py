@@ -14,12 +14,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from zattera.v1 import types_pb2 as pb
 
+from services.secrets.settings import DEFAULTS as OWN
 from shared import keys as K
 from shared.loop import LeaderLoop, LoopDeps
+from shared.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
-
-DEFAULT_GRACE = 600.0
 
 
 def collectable(
@@ -45,7 +45,7 @@ class SecretsCollector(LeaderLoop):
     name = "secrets-gc"
     kinds = frozenset({K.SECRET, K.RELEASE, K.ENV})
 
-    def __init__(self, deps: LoopDeps, *, grace: float = DEFAULT_GRACE, tick: float = 15.0) -> None:
+    def __init__(self, deps: LoopDeps, *, grace: float = OWN.gc_grace, tick: float = DEFAULTS.loop_tick) -> None:
         super().__init__(deps, tick=tick)
         self.grace = grace
 

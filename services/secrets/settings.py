@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Final
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -25,3 +26,6 @@ class SecretsSettings(BaseSettings):
 
     def keyring_path(self, data_dir: Path) -> Path:
         return self.key_file or data_dir / "secrets" / "cluster.key"
+
+
+DEFAULTS: Final = SecretsSettings.model_construct()

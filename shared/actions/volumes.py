@@ -19,7 +19,6 @@ from shared.actions.context import ActionContext, commit_edit
 from shared.actions.refusals import Invalid, NotFound
 from shared.clock import stamp
 from shared.schedule import ScheduleError, validate_schedule
-from shared.settings import settings
 
 if TYPE_CHECKING:
     from shared.snapshots.dispatch import SnapshotDispatcher
@@ -150,7 +149,7 @@ def _dispatcher(ctx: ActionContext) -> SnapshotDispatcher:
         return ctx.snapshots
     from shared.snapshots.dispatch import operator_dispatcher
 
-    return operator_dispatcher(ctx.conn, ctx.view, ctx.clock, settings().restore_timeout)
+    return operator_dispatcher(ctx.conn, ctx.view, ctx.clock)
 
 
 async def _within(task: asyncio.Task[Any], wait: float | None, ctx: ActionContext, what: str) -> bool:

@@ -1,9 +1,9 @@
-"""Place: choose nodes for new replicas of a release (reference §2), a pure function over the view.
+"""Place: choose nodes for new replicas of a release, a pure function over the view.
 
-The rules are the reference's:
+The rules:
 
 * **filters**, in node-id order, the first failing one decides: ``exclude``; ALIVE and schedulable
-  (and, this project's fix, the WORKER role: control-only nodes get no replicas); platform (sets the
+  (and the WORKER role: control-only nodes get no replicas); platform (sets the
   arch flag); label constraints, a missing label reading as "" (sets the label flag); the stateful
   volume pin.
 * **reservations**, never live usage: every RUN assignment reserves its release's resources (100 m /
@@ -16,10 +16,10 @@ The rules are the reference's:
   ``schedule.no_capacity`` event, ``zattera status``), never on the placement path, which keeps the index's
   speed.
 * **errors**, when no candidate survives: the arch error beats the label error; otherwise, and on any
-  shortfall, "only k of n" with the picks made so far. Fix: volumes pinned to different nodes give a
-  clear error instead of silently honouring the first.
+  shortfall, "only k of n" with the picks made so far. Volumes pinned to different nodes give a clear
+  error (never silently the first).
 
-Speed (the reference rescanned every node per pick and every assignment per call): a
+Speed (no rescan of every node per pick, nor of every assignment per call): a
 :class:`PlacementIndex` keeps, per filter signature (platforms, constraints), the eligible nodes of each
 region sorted by free memory. Within a call, nodes already holding replicas of the env are few and live
 in small per-region heaps; every other node scores (0, region load, -free, id), so the best of a region
@@ -27,7 +27,7 @@ is the first fitting entry of its sorted list, found with a cursor that only mov
 regions yields the pick, and only the picked node's region is re-scored. A call costs
 O(regions + picks × log) after the index is built; the scheduler builds one index per pass and feeds it
 every decision it makes (:meth:`PlacementIndex.reserve`), so env B's call sees env A's picks exactly as
-the reference's read-your-writes did.
+if they had been written and read back.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ _ALIVE = pb.NODE_STATUS_ALIVE
 
 
 class PlacementError(ZatteraError):
-    """Why Place could not pick all ``n`` nodes; the message is the reference's text.
+    """Why Place could not pick all ``n`` nodes (the message is what ``schedule.no_capacity`` says).
 
     ``unplaced`` is how many of the requested replicas got no node; ``reason`` names the blocker
     ("arch", "labels", "pins" or "capacity") so a caller can tell one shortfall from another.

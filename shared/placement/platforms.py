@@ -1,8 +1,8 @@
-"""OCI platform strings ("os/arch") and the matching rule placement uses (reference §2.4).
+"""OCI platform strings ("os/arch") and the matching rule placement uses.
 
 Aliases and case are normalised on both sides, so a release built for ``linux/x86_64`` runs on a node
-reporting ``Linux/AMD64``. A string that does not normalise is compared lowercased and trimmed (the
-reference's "loose" rule), which is why a node with an empty ``os_arch`` only matches an unconstrained
+reporting ``Linux/AMD64``. A string that does not normalise is compared lowercased and trimmed (a
+"loose" match), which is why a node with an empty ``os_arch`` only matches an unconstrained
 release.
 """
 
@@ -65,5 +65,5 @@ def supports(node_os_arch: str, platforms: Iterable[str]) -> bool:
 
 
 def local_platform() -> str:
-    """The platform of this process's host, normalised (the reference's ``Local()``)."""
+    """The platform of this process's host, normalised."""
     return normalize_platform(f"{_host.system()}/{_host.machine()}")

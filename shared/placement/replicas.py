@@ -1,12 +1,12 @@
 """Pure replica rules shared by the scheduler and the deployment orchestrator.
 
-* :func:`desired_replicas` is the scheduler's target (reference §3.4): the env's live spec and the
-  scaling loops' ``effective_replicas``; :func:`deploy_replicas` sizes a red/green green set from the
-  release's frozen spec (it ignores scale-to-zero, as in the reference).
+* :func:`desired_replicas` is the scheduler's target: the env's live spec and the scaling loops'
+  ``effective_replicas``; :func:`deploy_replicas` sizes a red/green green set from the release's frozen
+  spec (it ignores scale-to-zero: a deploy starts warm).
 * :func:`new_assignment` and :func:`stopped` build the assignment writes both services make; times come
-  from the caller's injected clock (the reference mixed wall-clock and injected time).
-* :func:`node_is_down` is the reference's broad "down": missing or anything but ALIVE.
-* :func:`stop_is_reapable` is this project's fix for leaked STOP assignments.
+  from the caller's injected clock, never the wall clock.
+* :func:`node_is_down` is the broad "down": missing or anything but ALIVE.
+* :func:`stop_is_reapable`: when a STOP assignment may go, so none leaks.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def new_assignment(
 
 
 def with_desired(a: pb.Assignment, desired: int, *, now: float) -> pb.Assignment:
-    """A copy of ``a`` with a new desired state; ``updated_at`` marks when it changed (the reference kept it)."""
+    """A copy of ``a`` with a new desired state; ``updated_at`` marks when it changed."""
     copy = pb.Assignment()
     copy.CopyFrom(a)
     copy.ClearField("observed")
@@ -78,16 +78,14 @@ def stopped(a: pb.Assignment, *, now: float) -> pb.Assignment:
 
 
 def node_is_down(view: StateReader, node_id: str) -> bool:
-    """The reference's "down": the node is missing or its status is anything but ALIVE."""
+    """The node is missing or its status is anything but ALIVE."""
     node = view.node(node_id)
     return node is None or node.status != ALIVE
 
 
 def stop_is_reapable(view: StateReader, a: pb.Assignment, now: float) -> bool:
-    """A STOP assignment that can be deleted (reference: only once observed STOPPED).
-
-    Fix: the reference leaked STOP assignments forever when no agent would ever report STOPPED. Here one
-    is also deleted when its node is DOWN or gone (the agent, if it returns, removes containers that
+    """A STOP assignment that can be deleted: once observed STOPPED, and, so that none waits forever for a
+    report no agent will make, also when its node is DOWN or gone (the agent, if it returns, removes containers that
     have no assignment), or when for :data:`STOP_REPORT_GRACE` since the flip no agent reported it
     (or reported it only FAILED: a parked instance has no container to stop).
     """

@@ -1,4 +1,4 @@
-"""Sealing of stored objects: AES-256-GCM with the cluster data key (B2.4).
+"""Sealing of stored snapshot objects: AES-256-GCM with the cluster data key (``ZATTERA_SNAPSHOT_KEY``).
 
 Object bytes = nonce (12, fresh random per object) ‖ ciphertext ‖ tag (16), no associated data.
 Nonces are never derived from content, so the same chunk sealed twice gives different bytes. Without a

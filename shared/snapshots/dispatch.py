@@ -1,11 +1,10 @@
-"""SnapshotDispatcher: the control side of volume snapshots over NATS (B1.7, B2.7, B2.8).
+"""SnapshotDispatcher: the control side of volume snapshots over NATS (snapshots, restores, pruning).
 
 ``start_snapshot`` writes the RUNNING record FIRST, then asks the volume's node on
 ``zattera.agent.<node>.snapshot`` and follows its progress messages in the background, ending in
 COMPLETE (manifest key, logical bytes, uploaded bytes = bytes newly stored) or FAILED with the reason.
 Every failure after the record exists (node missing, no agent answering, pre-hook, upload) therefore
-leaves a FAILED record that moves the schedule's baseline on (the reference failed some of them before
-writing any record and wedged the schedule for the rest of the leader term, D-B3).
+leaves a FAILED record that moves the schedule's baseline on: no failure wedges the schedule.
 
 At most one snapshot of a volume runs at a time (:class:`SnapshotBusy`). Prune is serialized against
 snapshots (a shared/exclusive lock: snapshots share, prune is exclusive, and prune defers while the view
@@ -35,6 +34,7 @@ from shared.clock import Clock, stamp
 from shared.connection import Connection
 from shared.ids import new_id
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
+from shared.settings import Settings, settings
 from shared.snapshots.guards import (
     SNAPSHOT_KEY_ENV,
     NodeOperationFailed,
@@ -45,7 +45,7 @@ from shared.snapshots.guards import (
     describe_key,
     holder_assignment,
     key_fingerprint,
-    target_from_env,
+    snapshot_target,
     volume_mounted,
 )
 from shared.snapshots.locking import SharedExclusiveLock
@@ -285,11 +285,11 @@ class SnapshotDispatcher:
     # ------------------------------------------------------------------ prune
 
     async def prune(self, volume: pb.Volume, snapshot_ids: list[str]) -> cpb.PruneSnapshotsResponse:
-        """Delete the dead snapshots' manifests and collect unreferenced chunks (global, like the reference).
+        """Delete the dead snapshots' manifests and collect unreferenced chunks (of every volume: chunks are shared).
 
         Runs exclusively of this dispatcher's snapshots; defers (deleting nothing) while another process's
         snapshot is RUNNING. Manifests whose record no longer exists (a failed earlier prune, a record
-        deleted while its snapshot finished) are pruned too, so nothing pins chunks forever (D-B8).
+        deleted while its snapshot finished) are pruned too, so nothing pins chunks forever.
         """
         async with self.gc_lock.exclusive():
             await self.view.wait_fresh()
@@ -340,7 +340,7 @@ class SnapshotDispatcher:
 
         The volume is RESTORING meanwhile (``updated_at`` = when it entered RESTORING, refreshed every
         ``touch_every`` while the node reports progress), then ACTIVE on success or back to its previous
-        status on failure (the reference forced ACTIVE even onto a NODE_LOST volume). While RESTORING no
+        status on failure (a NODE_LOST volume stays NODE_LOST). While RESTORING no
         replica is placed on it and no lease is granted; if this process dies mid-restore, the snapshot
         scheduler's reaper ends the RESTORING state after ``restore_timeout`` without a touch.
         """
@@ -446,9 +446,12 @@ class SnapshotDispatcher:
             raise NodeOperationFailed(f"volume {volume_id} kept changing; its status was not written") from None
 
 
-def operator_dispatcher(conn: Connection, view: StateView, clock: Clock, restore_timeout: float) -> SnapshotDispatcher:
+def operator_dispatcher(
+    conn: Connection, view: StateView, clock: Clock, cfg: Settings | None = None
+) -> SnapshotDispatcher:
     """The dispatcher of an operator's snapshots and restores (CLI, web console): the cluster's snapshot key
-    from the environment; a restore touches its RESTORING volume at least thrice per reaper timeout
+    from the settings; a restore touches its RESTORING volume at least thrice per reaper timeout
     (``restore_timeout``), so a live one is never reaped."""
-    touch_every = min(TOUCH_EVERY, restore_timeout / 3)
-    return SnapshotDispatcher(conn, view, clock, target=target_from_env(), touch_every=touch_every)
+    cfg = cfg or settings()
+    touch_every = min(TOUCH_EVERY, cfg.restore_timeout / 3)
+    return SnapshotDispatcher(conn, view, clock, target=snapshot_target(cfg), touch_every=touch_every)

@@ -1,16 +1,16 @@
 """What the snapshot dispatcher refuses with and checks before it acts: its typed refusals (busy, record not
-written, restore refused, key mismatch, node failed), the cluster's snapshot key target and its fingerprint,
-whether a volume is mounted and by which assignment."""
+written, restore refused, key mismatch, node failed), the cluster's snapshot key target
+(``snapshot_target``) and its fingerprint, whether a volume is mounted and by which assignment."""
 
 from __future__ import annotations
 
 import hashlib
-import os
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared.actions.refusals import Conflicting, Unavailable
+from shared.settings import Settings, settings
 from shared.state.reader import StateReader
 from shared.volumes import lease_expired, lease_of
 
@@ -47,8 +47,9 @@ def describe_key(fingerprint: str) -> str:
     return f"the key {fingerprint}" if fingerprint else "no key"
 
 
-def target_from_env() -> cpb.SnapshotTarget:
-    key = os.environ.get(SNAPSHOT_KEY_ENV, "")
+def snapshot_target(cfg: Settings | None = None) -> cpb.SnapshotTarget:
+    """The snapshot key of this process's settings (``ZATTERA_SNAPSHOT_KEY``), as the agents receive it."""
+    key = (cfg or settings()).snapshot_key.get_secret_value()
     return cpb.SnapshotTarget(data_key=bytes.fromhex(key) if key else b"")
 
 

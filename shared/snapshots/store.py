@@ -1,4 +1,4 @@
-"""Object I/O for snapshots over the NATS object store ``zattera-snapshots`` (DESIGN §3, B2.4–B2.6).
+"""Object I/O for snapshots over the NATS object store ``zattera-snapshots`` (docs/wire-contract.md).
 
 Keys: ``<prefix>chunks/<sha256 of the plaintext>`` and ``<prefix>manifests/<snapshot_id>``. Every object
 is zstd-compressed then sealed (:mod:`shared.snapshots.crypto`). Objects are written as a single NATS

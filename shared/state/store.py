@@ -9,7 +9,7 @@ applies messages directly); the store only applies entries and answers reads:
   the store agrees with one filled afterwards.
 * ``observed.<node>.<id>`` is joined into the matching assignment, so readers see
   ``Assignment.observed`` filled (the Kubernetes spec/status split). A RUNNING report does not
-  downgrade HEALTHY/UNHEALTHY of the same container (the reference's merge rule).
+  downgrade HEALTHY/UNHEALTHY of the same container (:func:`merge_observed`).
 * Indexes are maintained incrementally on every change: by kind, by environment, by node, per-node
   reservations of RUN assignments, and per-env/per-node RUN replica counts. Placement never rescans
   all assignments.

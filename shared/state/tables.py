@@ -37,7 +37,7 @@ def reservation(release: pb.Release | None) -> tuple[int, int]:
 
 
 def merge_observed(prev: pb.AssignmentObserved | None, new: pb.AssignmentObserved) -> pb.AssignmentObserved:
-    """The reference's merge: a RUNNING report never downgrades HEALTHY/UNHEALTHY of the same container.
+    """A RUNNING report never downgrades HEALTHY/UNHEALTHY of the same container (health is news RUNNING lacks).
 
     A different container id means a new instance, whose RUNNING is real news and replaces the old state.
     """

@@ -96,7 +96,7 @@ async def test_run_becomes_healthy_reports_port_and_samples_then_stops_with_sigt
 async def test_the_instance_is_told_to_bind_the_nodes_mesh_address_and_probed_there(
     start_agent: StartAgent, view: StateView, writer: Writer, app_dir: Path
 ) -> None:
-    """Issue 21: a second node on the same machine (mesh 127.0.0.2) runs its replicas at the address its
+    """A second node on the same machine (mesh 127.0.0.2) runs its replicas at the address its
     routes list; the health check reaches them there."""
     await start_agent("n2", mesh_ip="127.0.0.2")
     rel = release(app_ref(app_dir))

@@ -1,4 +1,4 @@
-"""Activator on real NATS: the reference cases (§6.5) over ``zattera.activate``, error replies, and the
+"""Activator on real NATS: the reference cases over ``zattera.activate``, error replies, and the
 cluster-wide single flight through the fenced write."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Autoscaler on real NATS with a fake clock: the reference cases (§6.1), strengthened, and the fixes."""
+"""Autoscaler on real NATS with a fake clock: the reference cases, strengthened, and the fixes."""
 
 from __future__ import annotations
 

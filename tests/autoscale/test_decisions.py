@@ -7,6 +7,7 @@ from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
 from services.autoscale import activator, autoscaler, scaletozero, serverless
+from services.autoscale.settings import DEFAULTS as AUTOSCALE
 from shared.clock import FakeClock
 from shared.deployments import desired_replicas as current_replicas
 from tests.autoscale.helpers import (
@@ -135,8 +136,8 @@ def test_current_replicas(env, expected):
 @pytest.mark.parametrize(
     ("seconds", "expected"),
     [
-        pytest.param(None, scaletozero.DEFAULT_IDLE_TIMEOUT, id="unset_uses_default"),
-        pytest.param(0.0, scaletozero.DEFAULT_IDLE_TIMEOUT, id="zero_uses_default"),
+        pytest.param(None, AUTOSCALE.scale_to_zero_idle_timeout, id="unset_uses_default"),
+        pytest.param(0.0, AUTOSCALE.scale_to_zero_idle_timeout, id="zero_uses_default"),
         pytest.param(90.0, 90.0, id="explicit"),
     ],
 )

@@ -6,7 +6,8 @@ from __future__ import annotations
 from services.autoscale.activator import Activator
 from services.autoscale.autoscaler import Autoscaler
 from services.autoscale.scaletozero import ScaleToZero
-from services.autoscale.serverless import SCALE_DOWN_WINDOW, Serverless
+from services.autoscale.serverless import Serverless
+from services.autoscale.settings import DEFAULTS
 from shared import keys as K
 from shared.events import EventPublisher
 from tests.autoscale.conftest import Harness
@@ -39,7 +40,7 @@ async def test_serverless_scales_up_then_cools_to_zero(h: Harness) -> None:
     await loop.pass_once()
     await h.beat(node_beat(h.clock.now(), proxy={"env1": traffic()}))
     await loop.pass_once()  # the scale-down window starts
-    await h.clock.advance(SCALE_DOWN_WINDOW + 1)
+    await h.clock.advance(DEFAULTS.serverless_scale_down_window + 1)
     await h.beat(node_beat(h.clock.now(), proxy={"env1": traffic()}))
     await loop.pass_once()
     events = await stored_events(h.conn)

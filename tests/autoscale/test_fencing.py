@@ -1,6 +1,6 @@
 """Every effective_replicas write is fenced on the env's revision: an edit landing between a loop's
 decision and its commit is never clobbered; the loop re-reads and re-decides. The reference did a blind
-read-modify-write and recorded cooldown and events even for writes that did not land (§7.3.5)."""
+read-modify-write and recorded cooldown and events even for writes that did not land."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ScaleToZero on real NATS with a fake clock: the reference cases (§6.2) — the guards now proven by
+"""ScaleToZero on real NATS with a fake clock: the reference cases — the guards now proven by
 seeding, advancing past the idle window and evaluating again — and the fixes."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import asyncio
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.scaletozero import DEFAULT_IDLE_TIMEOUT, ScaleToZero
+from services.autoscale.scaletozero import ScaleToZero
+from services.autoscale.settings import DEFAULTS
 from shared.loop import LoopDeps
 from shared.subjects import EVENTS_STREAM
 from tests.autoscale.conftest import Harness
@@ -99,7 +100,7 @@ async def test_without_idle_timeout_cools_after_the_default(h: Harness):
     # Fix: the reference never cooled such an env; it now uses the documented default.
     await h.seed(*base_objects(s2z_env(idle_timeout=None), running(1)))
     loop = await h.loop(ScaleToZero)
-    await seed_then_idle(h, loop, DEFAULT_IDLE_TIMEOUT - 1)
+    await seed_then_idle(h, loop, DEFAULTS.scale_to_zero_idle_timeout - 1)
     assert h.env().effective_replicas == 1
     await h.clock.advance(2)
     await h.beat(beat(h.clock.now()))
@@ -210,7 +211,7 @@ async def test_loop_cools_on_its_tick_when_the_window_ends(h: Harness):
 
 
 async def test_a_promoted_deployment_keeping_blue_warm_does_not_hold_off_cooling(h: Harness):
-    """Issue 21: after a deploy the env cools within idle timeout + one tick, drain window or not."""
+    """After a deploy the env cools within idle timeout + one tick, drain window or not."""
     idle, tick = 60.0, 15.0
     draining = deployment("d1", phase=pb.DEPLOYMENT_PHASE_DRAINING_OLD)
     await h.seed(*base_objects(s2z_env(idle_timeout=idle), running(1)), draining)

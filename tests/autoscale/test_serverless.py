@@ -1,4 +1,4 @@
-"""Serverless on real NATS with a fake clock: the reference table (§6.3) and the fixes (held requests as
+"""Serverless on real NATS with a fake clock: the reference table and the fixes (held requests as
 demand, the scale-down window, the ceiling never below the wake target)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from services.autoscale.serverless import SCALE_DOWN_WINDOW, Serverless
+from services.autoscale.serverless import Serverless
+from services.autoscale.settings import DEFAULTS
 from shared.loop import LoopDeps
 from tests.autoscale.conftest import Harness
 from tests.autoscale.helpers import base_objects, deployment, node_beat, proxy_beat, scaled_env, traffic
@@ -53,7 +54,7 @@ async def test_freezes_without_data(h: Harness):
     await h.seed(*base_objects(serverless_env(10, 1, 5, effective=3)))
     loop = await h.loop(Serverless)
     await loop.pass_once()
-    await h.clock.advance(SCALE_DOWN_WINDOW + 1)
+    await h.clock.advance(DEFAULTS.serverless_scale_down_window + 1)
     await loop.pass_once()
     assert h.env().effective_replicas == 3
 
@@ -82,7 +83,7 @@ async def test_a_wake_is_not_undone_while_requests_wait(h: Harness):
     for _ in range(4):
         await h.beat(demand(h.clock.now(), held=3))
         await loop.pass_once()
-        await h.clock.advance(SCALE_DOWN_WINDOW)
+        await h.clock.advance(DEFAULTS.serverless_scale_down_window)
     assert h.env().effective_replicas == 1
 
 
@@ -100,10 +101,10 @@ async def test_scales_down_only_after_the_window_to_the_highest_demand_in_it(h: 
     loop = await h.loop(Serverless)
     await h.beat(demand(h.clock.now(), inflight=10))  # wants 1
     await loop.pass_once()
-    await h.clock.advance(SCALE_DOWN_WINDOW / 2)
+    await h.clock.advance(DEFAULTS.serverless_scale_down_window / 2)
     await h.beat(demand(h.clock.now(), inflight=30))  # wants 3, still below 5
     await loop.pass_once()
-    await h.clock.advance(SCALE_DOWN_WINDOW / 2 - 1)
+    await h.clock.advance(DEFAULTS.serverless_scale_down_window / 2 - 1)
     await h.beat(demand(h.clock.now(), inflight=0))
     await loop.pass_once()
     assert h.env().effective_replicas == 5  # the window is not over
@@ -118,7 +119,7 @@ async def test_demand_back_at_the_current_count_restarts_the_window(h: Harness):
     loop = await h.loop(Serverless)
     await h.beat(demand(h.clock.now(), inflight=0))
     await loop.pass_once()
-    await h.clock.advance(SCALE_DOWN_WINDOW - 1)
+    await h.clock.advance(DEFAULTS.serverless_scale_down_window - 1)
     await h.beat(demand(h.clock.now(), inflight=30))
     await loop.pass_once()
     await h.clock.advance(2)

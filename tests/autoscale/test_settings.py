@@ -1,6 +1,6 @@
-"""The scaling windows are settings (``ZATTERA_*``), and the service builds its loops with them
-(services/autoscale/__main__.py): the serverless scale-down window and the idle window of a
-``scale_to_zero`` env that sets no ``idle_timeout``. On real NATS with a fake clock."""
+"""The scaling windows are the autoscale service's settings (``ZATTERA_*``, services/autoscale/settings.py),
+and the service builds its loops with them (services/autoscale/__main__.py): the serverless scale-down
+window and the idle window of a ``scale_to_zero`` env that sets no ``idle_timeout``. On real NATS with a fake clock."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 from services.autoscale.__main__ import scaling_loops
 from services.autoscale.autoscaler import Autoscaler
 from services.autoscale.common import ScalingLoop
-from services.autoscale.scaletozero import DEFAULT_IDLE_TIMEOUT, ScaleToZero
-from services.autoscale.serverless import SCALE_DOWN_WINDOW, Serverless
+from services.autoscale.scaletozero import ScaleToZero
+from services.autoscale.serverless import Serverless
+from services.autoscale.settings import DEFAULTS, AutoscaleSettings
 from shared.loop import LoopDeps
 from shared.settings import Settings
 from tests.autoscale.conftest import Harness
@@ -20,8 +21,8 @@ WINDOW_ENV = "ZATTERA_SERVERLESS_SCALE_DOWN_WINDOW"
 IDLE_ENV = "ZATTERA_SCALE_TO_ZERO_IDLE_TIMEOUT"
 
 
-def loops_from(h: Harness, cfg: Settings) -> tuple[Autoscaler, ScaleToZero, Serverless]:
-    return scaling_loops(cfg, h.live, LoopDeps(h.conn, h.view, h.clock, coalesce=0.0))
+def loops_from(h: Harness, cfg: AutoscaleSettings) -> tuple[Autoscaler, ScaleToZero, Serverless]:
+    return scaling_loops(Settings(), cfg, h.live, LoopDeps(h.conn, h.view, h.clock, coalesce=0.0))
 
 
 async def lead(h: Harness, loop: ScalingLoop) -> None:
@@ -39,21 +40,21 @@ async def report(h: Harness, loop: ScalingLoop, *, inflight: int = 0) -> None:
 def test_defaults_are_the_documented_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(WINDOW_ENV, raising=False)
     monkeypatch.delenv(IDLE_ENV, raising=False)
-    cfg = Settings()
-    assert cfg.serverless_scale_down_window == SCALE_DOWN_WINDOW == 30.0
-    assert cfg.scale_to_zero_idle_timeout == DEFAULT_IDLE_TIMEOUT == 900.0
+    cfg = AutoscaleSettings()
+    assert cfg.serverless_scale_down_window == DEFAULTS.serverless_scale_down_window == 30.0
+    assert cfg.scale_to_zero_idle_timeout == DEFAULTS.scale_to_zero_idle_timeout == 900.0
 
 
 def test_the_environment_sets_both_windows_of_the_loops(monkeypatch: pytest.MonkeyPatch, h: Harness) -> None:
     monkeypatch.setenv(WINDOW_ENV, "12")
     monkeypatch.setenv(IDLE_ENV, "120")
-    _, scaletozero, serverless = loops_from(h, Settings())
+    _, scaletozero, serverless = loops_from(h, AutoscaleSettings())
     assert serverless.window == 12.0
     assert scaletozero.default_idle_timeout == 120.0
 
 
 async def test_serverless_scales_down_after_the_configured_window(h: Harness) -> None:
-    _, _, loop = loops_from(h, Settings(serverless_scale_down_window=10.0))
+    _, _, loop = loops_from(h, AutoscaleSettings(serverless_scale_down_window=10.0))
     await lead(h, loop)
     await h.seed(*base_objects(scaled_env(max_concurrency=10, min_replicas=1, max_replicas=10, effective=5)))
     await report(h, loop, inflight=10)  # asks for 1: the window starts
@@ -66,7 +67,7 @@ async def test_serverless_scales_down_after_the_configured_window(h: Harness) ->
 
 
 async def test_scale_to_zero_without_idle_timeout_cools_after_the_configured_default(h: Harness) -> None:
-    _, loop, _ = loops_from(h, Settings(scale_to_zero_idle_timeout=60.0))
+    _, loop, _ = loops_from(h, AutoscaleSettings(scale_to_zero_idle_timeout=60.0))
     await lead(h, loop)
     env = scaled_env(scale_to_zero=True, effective=1, idle_timeout=None)
     await h.seed(*base_objects(env, running(1)))
@@ -80,7 +81,7 @@ async def test_scale_to_zero_without_idle_timeout_cools_after_the_configured_def
 
 
 async def test_an_env_idle_timeout_still_wins_over_the_default(h: Harness) -> None:
-    _, loop, _ = loops_from(h, Settings(scale_to_zero_idle_timeout=60.0))
+    _, loop, _ = loops_from(h, AutoscaleSettings(scale_to_zero_idle_timeout=60.0))
     await lead(h, loop)
     await h.seed(*base_objects(scaled_env(scale_to_zero=True, effective=1, idle_timeout=300.0), running(1)))
     await report(h, loop)

@@ -1,4 +1,4 @@
-"""BuildDispatcher on real NATS with an in-test builder (spec §9.1 and the fixes of §11)."""
+"""BuildDispatcher on real NATS with an in-test builder."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.builds.planning import WAITING_KIND, WAITING_MESSAGE, BuildDispatcherConfig
-from shared.buildcancel import cancel_build
+from shared.actions.builds import CancelBuild, cancel_build
+from shared.actions.context import ActionContext
 from shared.buildlogs import END_HEADER, follow_build_log, read_build_log
 from shared.clock import FakeClock
 from shared.connection import Connection
@@ -243,7 +244,7 @@ async def test_operator_cancel_of_running_build_is_kept_and_the_builder_is_told_
     await start_dispatcher()
     await eventually(lambda: builder.build_ids == ["b1"], 5, "request received")
 
-    await cancel_build(writer, "b1", clock=clock)
+    await cancel_build(ActionContext(conn, writer, "tester", clock), CancelBuild("b1"))
     await eventually(lambda: builder.cancels == ["b1"], 5, "builder told to stop")
     await builder.emit("b1", *success())  # a late success does not overwrite the cancel
     lines = [line async for line in follow_build_log(conn, "b1", idle_check=0.2)]
@@ -273,7 +274,7 @@ async def test_canceled_queued_build_is_never_dispatched(
 ) -> None:
     builder = await FakeBuilder(conn, "builder-a", script=success()).start()
     await put(writer, seed.build("b1"), seed.build("b2"))
-    await cancel_build(writer, "b1", clock=clock)
+    await cancel_build(ActionContext(conn, writer, "tester", clock), CancelBuild("b1"))
     await start_dispatcher()
     await put(writer, seed.builder_node("builder-a"))
     await eventually(lambda: status_is(view, "b2", SUCCEEDED), 5, "b2 SUCCEEDED")

@@ -1,5 +1,5 @@
 """Dispatcher failover on real NATS: a new leader resumes RUNNING builds from the durable events and
-``Build.last_event_at``; no build is dispatched twice and none stays RUNNING forever (spec §3.12, §11.2)."""
+``Build.last_event_at``; no build is dispatched twice and none stays RUNNING forever."""
 
 from __future__ import annotations
 

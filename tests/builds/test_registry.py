@@ -1,4 +1,4 @@
-"""The object-store registry and its sweeper on real NATS (spec §9.3–9.5, with the GC fixes of §8.6)."""
+"""The object-store registry and its sweeper on real NATS."""
 
 from __future__ import annotations
 

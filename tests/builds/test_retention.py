@@ -1,4 +1,4 @@
-"""Retention on real NATS (spec §9.2 and the fix of §11.1: images of every kind of build are reclaimed)."""
+"""Retention on real NATS."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ async def test_reupload_of_an_old_tarball_refreshes_it(
     sources = BlobStore(conn, SOURCES_STORE, clock=clock)
     digest = await sources.put(b"same source")
     await clock.advance(25 * HOUR)
-    await sources.put(b"same source")  # dedupe upload: the reference kept the old mtime (§11.10)
+    await sources.put(b"same source")  # dedupe upload: the reference kept the old mtime
     await retention(conn, view, clock, writer).pass_once()
     assert await sources.has(digest)
 
@@ -148,7 +148,7 @@ async def test_a_deleted_envs_releases_images_deployments_and_builds_go_once_no_
     clock: FakeClock,
     leading: Callable[[Connection, Retention, str], asyncio.Task[None]],
 ) -> None:
-    """Issue 21: `zattera envs delete` leaves releases and images to retention; it wakes on the deletion
+    """`zattera envs delete` leaves releases and images to retention; it wakes on the deletion
     and on the reaping of the env's last replica, not an hour later."""
     from shared import keys as K
     from tests.factories import assignment

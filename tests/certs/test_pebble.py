@@ -1,7 +1,7 @@
 """The certificate loop against a real ACME server (pebble) on loopback, HTTP-01 answered by a real proxy.
 
 The served chain is checked with ``ssl`` (a TLS handshake on loopback with the distributed chain and key,
-verified against pebble's root): TLS termination in the proxies is the ingress data plane's (issue 18).
+verified against pebble's root): TLS termination in the proxies is the ingress data plane's.
 """
 
 from __future__ import annotations

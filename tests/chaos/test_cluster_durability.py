@@ -1,4 +1,4 @@
-"""Issue 26 on a real 3-server cluster, the fast cases (``make test``; the long ones are in
+"""Losing NATS servers on a real 3-server cluster, the fast cases (``make test``; the long ones are in
 ``test_nats_loss.py``, ``make chaos``): the configuration recorded by ``zattera cluster init`` survives
 clients and services with other settings (nothing remapped, every stream still R3), and the CLI's reads
 ride out the loss of the state stream's leader, the meta leader and the server they are connected to."""

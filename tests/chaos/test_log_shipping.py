@@ -147,25 +147,24 @@ async def stop(agent: subprocess.Popen[bytes], how: signal.Signals) -> None:
     assert how == signal.SIGKILL or code == 0, f"the agent exited {code} on {how.name}"
 
 
-@pytest.mark.parametrize("runtime", ["process", "docker"])
+@pytest.fixture(params=["process", "docker"])
+def app(request: pytest.FixtureRequest) -> App:
+    """The app on each runtime (the docker one on the session's private daemon)."""
+    if request.param == "docker":
+        return App("docker", request.getfixturevalue("docker_host"))
+    return App("process")
+
+
 @pytest.mark.parametrize(
-    "rounds", [pytest.param(4, id="4-rounds"), pytest.param(20, id="20-rounds", marks=pytest.mark.chaos)]
+    "rounds", [pytest.param(3, id="3-rounds"), pytest.param(20, id="20-rounds", marks=pytest.mark.chaos)]
 )
 @pytest.mark.timeout(1500)
 async def test_agent_stops_and_kills_under_cpu_pressure_lose_no_line(
-    request: pytest.FixtureRequest,
-    conn: Connection,
-    writer: Writer,
-    nats_url: str,
-    tmp_path: Path,
-    rounds: int,
-    runtime: str,
+    conn: Connection, writer: Writer, nats_url: str, tmp_path: Path, rounds: int, app: App
 ) -> None:
-    docker_host = request.getfixturevalue("docker_host") if runtime == "docker" else ""
     await create_or_update_stream(conn.js, app_logs_stream_config(ENV, LogLimits(256 * 1024 * 1024, 3600.0), 1))
     shipped = Shipped()
     await shipped.follow(conn)
-    app = App(runtime, docker_host)
     rel = release(app.ref(tmp_path), env_id=ENV, healthcheck=False)
     a = assignment("n1", rel)
     await writer.commit(writer.txn("seed").put(rel).put(a))

@@ -1,4 +1,4 @@
-"""Issue 26, point 2: on a 3-server cluster, SIGKILL the JetStream meta leader, each stream's leader and the
+"""On a 3-server cluster, SIGKILL the JetStream meta leader, each stream's leader and the
 server the workload's client is connected to (``make chaos``; ``make test`` loses the meta leader only), each
 during a deploy, a scale change, a cooling and a build at once. While the server is down the CLI (default
 settings) keeps answering, the services go on, routes keep publishing; every deployment and build completes,

@@ -1,4 +1,4 @@
-"""Issue 21 end to end: the operator's first hour, against real processes and the real CLI.
+"""The operator's first hour, end to end, against real processes and the real CLI.
 
 This module has a cluster of its own: two agents on one machine (n1 on 127.0.0.1, n2 with mesh address
 127.0.0.2) and the production drain window of 600 s, so a test passes only if nothing waits on it. The

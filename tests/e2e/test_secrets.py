@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets as pysecrets
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.secrets import load_keyring, open_subject, unseal
 from tests.e2e.cluster import E2ECluster, Load, app_source, env_by_name, healthy
+from tests.e2e.conftest import running
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -61,6 +63,15 @@ GREETING = "{PLAIN}"
 
 def sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
+    """The shared harness with a node deadline that an agent's restart never reaches: a restart keeps the
+    node's replicas there (the point of the re-registration test), while the harness's 4 s deadline is
+    shorter than an agent's start on a loaded machine (about 2 s of CPU for its imports), and a node that
+    misses it is rightly declared lost and its replicas placed elsewhere."""
+    yield from running(E2ECluster(tmp_path_factory.mktemp("e2e"), timers={"ZATTERA_NODE_HEARTBEAT_DEADLINE": "60"}))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Real apps deployed unchanged (issue 27): `zattera deploy DIR` of a Flask, a FastAPI, an Express app and a
+"""Real apps deployed unchanged: `zattera deploy DIR` of a Flask, a FastAPI, an Express app and a
 static site, each built by stack detection on the builder node with real packages from PyPI and npm and
 answering through the ingress proxy; an unchanged-dependency redeploy reuses the cached layer; a broken
 requirement fails the deploy with the installer's own message."""

@@ -47,7 +47,7 @@ async def recreate_pre_0_1(conn: Connection) -> None:
 
 
 async def test_a_cluster_made_before_0_1_0_builds_again_once_upgraded(bare: Connection) -> None:
-    """Issue 44: the builder's publishes to zattera.builds.<id>.events.<node> found no stream."""
+    """The builder's publishes to zattera.builds.<id>.events.<node> find a stream after the migration."""
     await recreate_pre_0_1(bare)
     with pytest.raises(Exception, match="no response from stream"):
         await bare.js.publish(build_events_subject("B1", "n1"), b"x", timeout=1)

@@ -1,4 +1,4 @@
-"""Test rigs for the orchestrator: the reference's deploy rig (§9.1) and stateful rig (§9.2) on real NATS.
+"""Test rigs for the orchestrator: the reference's deploy rig and stateful rig on real NATS.
 
 The orchestrator and the test share one view, so a step's writes are visible to the next assertion
 (read-your-writes) and ``step`` is deterministic. Agent reports are written straight to the agent's

@@ -1,4 +1,4 @@
-"""Deployment creation (shared/deploy.py) on real NATS: the reference's API cases (§9.4 A1–A6), build and
+"""Deployment creation (shared/deploy.py) on real NATS: the reference's API cases, build and
 source deploys, rollback targets, cancel, validation naming the field, and concurrent deploys."""
 
 from __future__ import annotations

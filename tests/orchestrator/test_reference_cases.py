@@ -1,4 +1,4 @@
-"""The reference's orchestrator test catalogue (§9.1 U1–U6, §9.2 U7–U10, §9.3 U11–U12), stepped one
+"""The reference's orchestrator test catalogue, stepped one
 decision at a time on real NATS with a fake clock."""
 
 from __future__ import annotations

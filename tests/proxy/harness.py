@@ -181,3 +181,27 @@ async def start_proxy(nats_url: str, cache_dir: Path, *, connected: bool = True,
     if connected:
         await asyncio.wait_for(proxy.wait_connected(), 10)
     return proxy
+
+
+@contextlib.asynccontextmanager
+async def dying_upstream() -> AsyncIterator[str]:
+    """An upstream (its address yielded) whose replica dies under the first request it gets: the connection
+    is closed without an answer and the port stops listening (a replica cooled or scaled down a moment ago).
+    Connections that send no request (a health check) are let go."""
+    server: asyncio.Server | None = None
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        assert server is not None
+        server.close()
+        writer.transport.abort()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()

@@ -37,6 +37,7 @@ from tests.proxy.harness import (
     HOST,
     Backend,
     Routes,
+    dying_upstream,
     endpoint,
     http_route,
     keep_alive_requests,
@@ -616,3 +617,21 @@ async def test_a_warm_endpoint_added_at_run_time_serves_a_scale_to_zero_env_dire
         for _ in range(5):
             assert await get(fresh, ingress) == (200, "second")
         assert ingress.proxy.holds.completed_holds == 0
+
+
+async def test_a_get_whose_replica_dies_under_it_is_sent_again_held_and_woken(
+    make_ingress: IngressFactory, routes: Routes, conn: Connection, fresh: aiohttp.ClientSession
+) -> None:
+    """The cooled replica accepted the GET and died without answering (HAProxy's 502 "invalid or incomplete
+    response", 3 times in 404 wakes of the soak): HAProxy sends it again; the dead server's refused
+    connection marks it down, the retry goes to the Python handler, which holds it and wakes the env."""
+    woken = Backend("woken")
+    responder = await Responder(conn).start()
+    async with serving(woken), dying_upstream() as dying:
+        ingress = await make_ingress()
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(dying, "a-dying")], scale_to_zero=True))
+        held = asyncio.create_task(get(fresh, ingress))
+        await eventually(lambda: ingress.proxy.holds.held.get("e1") == 1, 10, "held by the Python handler")
+        await eventually(lambda: len(responder.requests) == 1, 5, "the env woken")
+        await routes.publish(http_route(HOST, "e1", [endpoint(woken.addr, "a-woken")], scale_to_zero=True))
+        assert await asyncio.wait_for(held, 10) == (200, "woken")

@@ -8,12 +8,13 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+import pytest
 from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.connection import Connection
 from shared.subjects import ACTIVATE_SUBJECT
-from tests.proxy.harness import Backend, ProxyFactory, Routes, endpoint, http_route, serving
+from tests.proxy.harness import Backend, ProxyFactory, Routes, dying_upstream, endpoint, http_route, serving
 from tests.waiting import eventually
 
 COLD_HOST = "app"
@@ -206,3 +207,25 @@ async def test_an_always_on_route_whose_only_endpoint_refuses_answers_502_at_onc
     status, _, body = await request(client, proxy.port)
     assert (status, body) == (502, '{"error": "upstream error"}')
     assert proxy.holds.activations_sent == 0
+
+
+@pytest.mark.parametrize(("method", "held"), [("GET", True), ("HEAD", True), ("POST", False)])
+async def test_a_request_whose_replica_dies_under_it_is_held_only_when_it_can_be_replayed(
+    make_proxy: ProxyFactory, routes: Routes, conn: Connection, client, method: str, held: bool
+) -> None:
+    """The cooled replica accepted the request and died without answering: a GET or HEAD (no body) is sent
+    again, held and answered by the woken env; a POST is not replayed (502)."""
+    woken = Backend("woken")
+    responder = await Responder(conn).start()
+    proxy = await make_proxy()
+    async with serving(woken), dying_upstream() as dying:
+        await routes.serve(proxy, http_route(COLD_HOST, "e1", [endpoint(dying)], scale_to_zero=True))
+        sent = asyncio.create_task(request(client, proxy.port, method=method))
+        if held:
+            await eventually(lambda: proxy.holds.held.get("e1") == 1, 5, "the request held after the replica died")
+            await routes.publish(http_route(COLD_HOST, "e1", [endpoint(woken.addr)], scale_to_zero=True))
+        status, _, body = await asyncio.wait_for(sent, 10)
+    if held:
+        assert status == 200 and len(responder.requests) == 1
+    else:
+        assert (status, body) == (502, '{"error": "upstream error"}')

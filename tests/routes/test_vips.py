@@ -1,4 +1,4 @@
-"""VIP allocation (spec A1.11, C5): the pure plan as table tests, the leader loop against real NATS."""
+"""VIP allocation: the pure plan as table tests, the leader loop against real NATS."""
 
 from __future__ import annotations
 

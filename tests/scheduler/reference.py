@@ -1,4 +1,4 @@
-"""A slow, literal transcription of the reference's Place (spec §2), the oracle for the fast one.
+"""A slow, literal transcription of the reference's Place, the oracle for the fast one.
 
 It rescans every node per pick and every assignment per call, exactly as the reference does, plus the
 two fixes this project makes to placement (the WORKER role filter and the split-pin error).

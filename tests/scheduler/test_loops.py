@@ -1,4 +1,4 @@
-"""The loops as they run in the service: leader gating (spec §4.10), event-driven passes, no hot loop,
+"""The loops as they run in the service: leader gating, event-driven passes, no hot loop,
 and the service wiring."""
 
 from __future__ import annotations

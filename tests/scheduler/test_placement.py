@@ -1,4 +1,4 @@
-"""Place (spec §2, §4.1–4.3, derived cases 43–49, the placement fixes): pure table tests over a fed view."""
+"""Place: pure table tests over a fed view."""
 
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ def test_supports_matches_loosely_on_both_sides(node_arch, platforms, expected):
     assert supports(node_arch, platforms) is expected
 
 
-# ---------------------------------------------------------------- derived cases 43–49 (spec §4.11)
+# ---------------------------------------------------------------- derived cases 43–49
 
 
 def test_spread_prefers_least_loaded_region():

@@ -1,4 +1,4 @@
-"""The placement loop, one pass at a time on real NATS (spec §4.4–4.6, derived cases 50–54, the fixes)."""
+"""The placement loop, one pass at a time on real NATS."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Stateful volumes and fencing leases (spec §4.9, the scheduler's side of §4.7, the volume fixes)."""
+"""Stateful volumes and fencing leases."""
 
 from __future__ import annotations
 

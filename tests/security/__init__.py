@@ -1,1 +1,1 @@
-"""Security: NATS accounts, per-role permissions, node join, TLS (issue 12)."""
+"""Security: NATS accounts, per-role permissions, node join, TLS."""

@@ -1,1 +1,1 @@
-"""Simulated agents at scale (issue 10 item 4)."""
+"""Simulated agents at scale."""

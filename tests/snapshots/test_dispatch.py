@@ -51,12 +51,12 @@ async def test_snapshot_records_complete_with_sizes(dispatcher, agent, writer, v
     assert first.manifest_key == first.meta.id
     assert first.logical_size_bytes == len(tar_bytes(root)) == first.uploaded_bytes
     again = await dispatcher.snapshot(volume, writer)
-    assert again.status == pb.SNAPSHOT_STATUS_COMPLETE and again.uploaded_bytes == 0  # all deduplicated (D-B2)
+    assert again.status == pb.SNAPSHOT_STATUS_COMPLETE and again.uploaded_bytes == 0  # all deduplicated
     assert view.snapshot(again.meta.id) == again
 
 
 async def test_missing_node_fails_with_a_record(dispatcher, agent, writer, view) -> None:
-    """D-B3: the reference failed before any record existed; here the FAILED record moves the baseline."""
+    """The reference failed before any record existed; here the FAILED record moves the baseline."""
     volume = snap_volume("vol1", node_id="n9")
     await writer.commit(writer.txn().put(volume))
     record = await dispatcher.snapshot(volume, writer)
@@ -72,7 +72,7 @@ async def test_node_without_agent_fails_fast(dispatcher, writer) -> None:
 
 
 async def test_pre_hook_runs_before_the_snapshot(dispatcher, agent, writer, conn, tmp_path) -> None:
-    """D-B1: the reference never ran the pre-hook."""
+    """The reference never ran the pre-hook."""
     volume = snap_volume("vol1")
     volume.snapshot_policy.pre_hook = 'printf "$ZATTERA_ASSIGNMENT_ID" > flushed'
     volume.lease.assignment_id = "asg1"
@@ -103,7 +103,7 @@ async def test_one_snapshot_per_volume_at_a_time(dispatcher, agent, writer) -> N
 
 
 async def test_snapshot_racing_a_prune_restores_byte_for_byte(conn, view, writer, clock, tmp_path) -> None:
-    """D-B7: the new snapshot deduplicates every chunk against s1 while a prune collects s1 (no grace)."""
+    """The new snapshot deduplicates every chunk against s1 while a prune collects s1 (no grace)."""
     agent = SnapshotAgent(conn, "n1", tmp_path / "volumes", params=TEST_PARAMS, gc_grace=0)
     await agent.start()
     try:

@@ -34,7 +34,7 @@ async def chunk_names(engine: SnapshotEngine) -> set[str]:
     return {o.name for o in await engine.store.list(CHUNKS)}
 
 
-async def test_snapshot_restore_byte_identical(engine: SnapshotEngine, tmp_path: Path) -> None:  # C6.3
+async def test_snapshot_restore_byte_identical(engine: SnapshotEngine, tmp_path: Path) -> None:
     src = tmp_path / "src"
     write_tree(src, {"config.json": b'{"a":1}', "data/big.bin": random.randbytes(300 << 10), "data/small": b"x" * 10})
     result = await engine.snapshot(src, "snap1", created_at_unix=FILE_MTIME)
@@ -44,7 +44,7 @@ async def test_snapshot_restore_byte_identical(engine: SnapshotEngine, tmp_path:
     assert (await engine.manifest("snap1")).created_at_unix == FILE_MTIME
 
 
-async def test_chunking_stability_and_dedup(engine: SnapshotEngine, tmp_path: Path) -> None:  # C6.4
+async def test_chunking_stability_and_dedup(engine: SnapshotEngine, tmp_path: Path) -> None:
     src = tmp_path / "src"
     write_tree(src, {"big.bin": random.randbytes(512 << 10)})
     s1 = await engine.snapshot(src, "s1")
@@ -61,7 +61,7 @@ async def test_chunking_stability_and_dedup(engine: SnapshotEngine, tmp_path: Pa
     assert 1 <= len(new) <= 2
 
 
-async def test_prune_leaves_shared_chunks(engine: SnapshotEngine, tmp_path: Path) -> None:  # C6.5
+async def test_prune_leaves_shared_chunks(engine: SnapshotEngine, tmp_path: Path) -> None:
     src = tmp_path / "src"
     write_tree(src, {"f.bin": random.randbytes(256 << 10)})
     await engine.snapshot(src, "s1")
@@ -132,7 +132,7 @@ async def test_restore_replacing_rebuilds_exactly_and_keeps_volume_on_failure(
     volume = tmp_path / "volumes" / "vol1"
     write_tree(volume, {"stray": b"extra", "keep": b"v2"})
     await engine.restore_replacing("s1", volume)
-    assert tar_bytes(volume) == tar_bytes(src)  # the stray file is gone (the reference merged, D-B14)
+    assert tar_bytes(volume) == tar_bytes(src)  # the stray file is gone (the reference merged)
     with pytest.raises(Exception):  # noqa: B017 - missing manifest
         await engine.restore_replacing("missing", volume)
     assert tar_bytes(volume) == tar_bytes(src)

@@ -164,7 +164,7 @@ def test_running_without_progress_for_an_hour_is_stuck(
     assert stuck_runs([record], now, progress) == (["r"] if stuck else [])
 
 
-def test_lease_helpers() -> None:  # C4.5
+def test_lease_helpers() -> None:
     now = 1_800_000_000.0
     fresh = pb.VolumeLease(node_id="n1", expires_at=stamp(now + 30))
     stale = pb.VolumeLease(node_id="n1", expires_at=stamp(now - 1))
@@ -182,7 +182,7 @@ def test_lease_helpers() -> None:  # C4.5
 THREE_FILES = {"config.json": b'{"a": 1}', "data/big.bin": bytes(range(256)) * 40, "data/small": b"0123456789"}
 
 
-def test_deterministic_tar_is_byte_identical_for_identical_trees(tmp_path: Path) -> None:  # C6.2
+def test_deterministic_tar_is_byte_identical_for_identical_trees(tmp_path: Path) -> None:
     write_tree(tmp_path / "one", THREE_FILES)
     write_tree(tmp_path / "two", THREE_FILES)
     assert tar_bytes(tmp_path / "one") == tar_bytes(tmp_path / "two")
@@ -292,7 +292,7 @@ def test_one_byte_change_rechunks_locally(offset: int) -> None:
 # ---------------------------------------------------------------------------- sealing, manifest
 
 
-def test_crypto_round_trip() -> None:  # C6.1
+def test_crypto_round_trip() -> None:
     sealer = Sealer(KEY)
     plaintext = b"volume data " * 100
     sealed = sealer.seal(plaintext)

@@ -62,7 +62,7 @@ def make_loop(
     return loop, dispatcher
 
 
-async def test_fires_once_per_due_cron_slot(conn, view, writer, clock: FakeClock) -> None:  # C3.1
+async def test_fires_once_per_due_cron_slot(conn, view, writer, clock: FakeClock) -> None:
     loop, dispatcher = make_loop(conn, view, clock, writer)
     await writer.commit(writer.txn().put(snap_volume("vol1", "0 * * * *", 7, BASE)))
     await loop.pass_once()
@@ -77,7 +77,7 @@ async def test_fires_once_per_due_cron_slot(conn, view, writer, clock: FakeClock
     assert dispatcher.snapshots == ["vol1", "vol1"]
 
 
-async def test_manual_only_policy_never_fires(conn, view, writer, clock: FakeClock) -> None:  # C3.2
+async def test_manual_only_policy_never_fires(conn, view, writer, clock: FakeClock) -> None:
     loop, dispatcher = make_loop(conn, view, clock, writer)
     await writer.commit(writer.txn().put(snap_volume("vol1", "", 7)))
     await clock.advance(48 * H)
@@ -85,7 +85,7 @@ async def test_manual_only_policy_never_fires(conn, view, writer, clock: FakeClo
     assert dispatcher.snapshots == []
 
 
-async def test_keep_last_prunes_the_oldest_beyond_the_limit(conn, view, writer, clock: FakeClock) -> None:  # C3.3
+async def test_keep_last_prunes_the_oldest_beyond_the_limit(conn, view, writer, clock: FakeClock) -> None:
     loop, dispatcher = make_loop(conn, view, clock, writer)
     records = [snapshot_record("vol1", BASE + i * H) for i in range(4)]
     txn = writer.txn().put(snap_volume("vol1", "", 2))
@@ -97,7 +97,7 @@ async def test_keep_last_prunes_the_oldest_beyond_the_limit(conn, view, writer, 
     await eventually(lambda: dispatcher.prunes == [sorted([records[0].meta.id, records[1].meta.id])])
 
 
-async def test_default_keep_last_is_7(conn, view, writer, clock: FakeClock) -> None:  # C3.4
+async def test_default_keep_last_is_7(conn, view, writer, clock: FakeClock) -> None:
     loop, dispatcher = make_loop(conn, view, clock, writer)
     txn = writer.txn().put(snap_volume("vol1", "", 0))
     for i in range(9):
@@ -130,7 +130,7 @@ async def test_outage_gives_one_catch_up_snapshot(conn, view, writer, clock: Fak
 
 
 async def test_failed_dispatch_before_record_does_not_wedge_schedule(conn, view, writer, clock: FakeClock) -> None:
-    """D-B3: the reference never snapshotted that volume again for the rest of the leader term."""
+    """The reference never snapshotted that volume again for the rest of the leader term."""
     loop, dispatcher = make_loop(conn, view, clock, writer)
     dispatcher.fail_next_start = 1
     await writer.commit(writer.txn().put(snap_volume("vol1", "0 * * * *", 7, BASE)))

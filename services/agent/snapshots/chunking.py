@@ -1,4 +1,5 @@
-"""Content-defined chunking of the tar stream (B2.3) with FastCDC.
+"""Content-defined chunking of a volume's tar stream with FastCDC: unchanged data cuts into the same chunks,
+so a new snapshot stores only what changed.
 
 The native core is ``pyfastcdc`` (Cython; a port of fastcdc-rs' FastCDC 2020, cutting without the
 GIL). Its pure-Python fallback would be ~200x slower, so importing this module fails loudly when the
@@ -22,7 +23,7 @@ GEAR_SEED = 0
 
 @dataclass(frozen=True, slots=True)
 class ChunkParams:
-    """Chunk sizes: defaults of the reference engine (avg 1 MiB, min 256 KiB, max 4 MiB)."""
+    """Chunk sizes (avg 1 MiB, min 256 KiB, max 4 MiB: one NATS message at most, :mod:`shared.snapshots.store`)."""
 
     avg: int = 1 << 20
     min: int = 1 << 18

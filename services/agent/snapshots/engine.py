@@ -1,11 +1,11 @@
 """The snapshot engine: snapshot a directory into the object store, restore it, garbage-collect.
 
-Snapshot pipeline (B2.2–B2.5): a worker thread walks the volume as a deterministic tar stream, cuts it
+Snapshot pipeline: a worker thread walks the volume as a deterministic tar stream, cuts it
 with FastCDC and hashes each chunk (both release the GIL); the event loop records every chunk in the
 manifest and, for chunks the store does not hold yet, compresses + seals them in worker threads and
 uploads up to ``concurrency`` at a time. The manifest is written only after every chunk is stored.
 
-GC safety (the reference's GC could delete chunks a running snapshot still needed, D-B7): a chunk is
+GC safety (never delete a chunk a running snapshot still needs): a chunk is
 collected only when no manifest references it AND it is older than ``grace``. An in-flight snapshot's
 fresh uploads are therefore never collected. Chunks an in-flight snapshot found already stored (dedup)
 are protected by serialization instead: the agent runs prune exclusively of its snapshots and the
@@ -255,7 +255,7 @@ class SnapshotEngine:
         """Rebuild ``volume_dir`` exactly as the snapshot: extract beside it, then swap.
 
         A failed restore leaves the volume as it was; a successful one leaves no stray files behind
-        (the reference merged into the live directory, D-B14).
+        (never merged into the live directory).
         """
         parent = volume_dir.parent
         staging = parent / f".{volume_dir.name}.restore-{snapshot_id}"
@@ -274,7 +274,7 @@ class SnapshotEngine:
     async def prune(
         self, dead_ids: Iterable[str], *, now: float | None = None, grace: float = DEFAULT_GC_GRACE
     ) -> PruneResult:
-        """Delete the dead snapshots' manifests, then every chunk no manifest references (B2.7).
+        """Delete the dead snapshots' manifests, then every chunk no manifest references (after ``grace``).
 
         Any unreadable manifest aborts the collection before anything is deleted: losing a chunk of a
         snapshot we cannot read is worse than keeping garbage.

@@ -1,4 +1,4 @@
-"""The agent side of snapshot dispatch (DESIGN §3): request handlers on ``zattera.agent.<node>.snapshot``,
+"""The agent side of snapshot dispatch: request handlers on ``zattera.agent.<node>.snapshot``,
 ``.restore`` and ``.prune``.
 
 Snapshot and restore stream :class:`SnapshotProgress` messages to the request's reply subject, each with a
@@ -6,15 +6,15 @@ per-operation ``sequence``, re-sent at least every ``heartbeat`` seconds so the 
 operation from a dead one; the last message has phase ``done`` or ``error``. Prune answers with one
 :class:`PruneSnapshotsResponse`.
 
-Volumes live at ``<volumes_root>/<volume id>`` (the volume id, not the reference's 8-char env prefix +
-name, which could collide: D-B16). A request whose volume or snapshot ids are not plain ids
-(:func:`shared.ids.is_safe_id`: no ``..``, ``/`` or absolute path), whose target names an impossible
+Volumes live at ``<volumes_root>/<volume id>`` (the id: names of two envs could collide). A request whose
+volume or snapshot ids are not plain ids (:func:`shared.ids.is_safe_id`: no ``..``, ``/`` or absolute
+path), whose target names an impossible
 bucket or a prefix over :data:`MAX_PREFIX` bytes, or that does not decode, is refused before any file or
 object is touched: snapshot and restore answer one ``error`` progress message, prune a response with
 ``error`` set. (Ids, bucket and prefix end up in NATS subjects: unbounded, one request could push a
 subject past the server's 4 KiB control line, and the server then drops the agent's connection.)
 
-The pre-hook runs whenever the policy sets one (the reference never ran it, D-B1): by default
+The pre-hook runs whenever the policy sets one: by default
 ``/bin/sh -c <command>`` in the volume directory with ``ZATTERA_VOLUME_DIR`` and ``ZATTERA_ASSIGNMENT_ID``
 set; a runtime that execs inside its instances injects ``hook_runner``.
 """

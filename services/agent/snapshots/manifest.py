@@ -1,4 +1,4 @@
-"""The snapshot manifest (B2.5): the ordered chunk list that rebuilds the volume's tar stream."""
+"""The snapshot manifest: the ordered chunk list that rebuilds the volume's tar stream."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The deterministic tar stream of a volume directory (B2.2) and its guarded extraction (B2.8).
+"""The deterministic tar stream of a volume directory, cut into chunks for snapshots, and its guarded
+extraction on restore (nothing lands outside the target directory).
 
 Byte-identical trees (same names, contents, modes, owners and whole-second mtimes) give byte-identical
 streams, so unchanged data chunks to the same content-defined chunks and deduplicates:
@@ -10,7 +11,8 @@ streams, so unchanged data chunks to the same content-defined chunks and dedupli
 - sockets, FIFOs and devices are skipped (an agent cannot recreate them meaningfully).
 
 The stream reads the live directory: a file that changes size while it is read is padded or cut to the
-size its header announced, so the stream stays a valid tar (crash-consistent, like the reference).
+size its header announced, so the stream stays a valid tar (crash-consistent: a snapshot of a running
+app is what a crash at that moment would have left).
 """
 
 from __future__ import annotations
@@ -222,4 +224,4 @@ def _chown(path: str, member: tarfile.TarInfo, *, follow: bool) -> None:
     try:
         os.chown(path, member.uid, member.gid, follow_symlinks=follow)
     except OSError:
-        pass  # best effort, as the reference (e.g. an id mapping that refuses the owner)
+        pass  # best effort (e.g. an id mapping that refuses the owner): the data matters more than the owner

@@ -3,7 +3,8 @@ accounting and streams the answer back (502 on an upstream error). An upstream t
 (nothing was sent: its process or node just died, and the route snapshot does not say so yet) is retried on
 another healthy endpoint of the route, each at most once; a ``scale_to_zero`` route whose every endpoint
 refused is cold in fact: the request is held and the env activated, as for a cold route, until an endpoint
-that has not refused it appears."""
+that has not refused it appears. A GET or HEAD (no body) whose upstream closed the connection without
+answering (its replica died under it) is treated the same way; any other request gets the 502."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
+REPLAYABLE = frozenset({"GET", "HEAD"})
+"""Requests sent again when their upstream closed the connection without answering (idempotent, no body)."""
 
 
 def _connection_tokens(headers: CIMultiDictProxy[str]) -> set[str]:
@@ -124,8 +127,15 @@ class Forward:
                         allow_redirects=False,
                     )
                     break
-                except aiohttp.ClientConnectorError as exc:
-                    # Not connected, so nothing (body included) was sent: another endpoint may take it.
+                except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+                    # Not connected, so nothing (body included) was sent: another endpoint may take it. Closed
+                    # without an answer (its replica died under it: cooled, scaled down): only a GET or HEAD
+                    # without a body may be sent again.
+                    if isinstance(exc, aiohttp.ServerDisconnectedError) and (
+                        request.method not in REPLAYABLE or request.body_exists
+                    ):
+                        log.debug("upstream %s closed without an answer: %r", addr, exc)
+                        return error_response(502, "upstream error")
                     refused[addr] = self.table().version
                     retry = self.balancer.pick(
                         [e for e in route.endpoints if e.addr not in tried], route.max_concurrency

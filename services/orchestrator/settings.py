@@ -1,0 +1,31 @@
+"""Orchestrator settings: how long each phase of a deployment may take (environment, prefix ``ZATTERA_``),
+beside the shared ones (the drain window is shared: the proxy keeps its old workers that long; the default
+health grace too: the agent's checks and the orchestrator's deadline count the same grace)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class OrchestratorSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ZATTERA_", extra="ignore", use_attribute_docstrings=True)
+
+    # ---------------------------------------------------------------- health gating (seconds)
+    health_deadline_extra: float = Field(default=60.0, ge=0)
+    """The health deadline is 2 x grace + this."""
+
+    # ---------------------------------------------------------------- phase timeouts (seconds)
+    building_timeout: float = Field(default=1800.0, gt=0)
+    """A deployment BUILDING longer than this fails."""
+    placing_timeout: float = Field(default=600.0, gt=0)
+    """A deployment PLACING longer than this fails."""
+    starting_timeout: float = Field(default=600.0, gt=0)
+    """A deployment STARTING longer than this fails."""
+    stopping_old_timeout: float = Field(default=300.0, gt=0)
+    """A deployment STOPPING_OLD longer than this fails."""
+
+
+DEFAULTS: Final = OrchestratorSettings.model_construct()
