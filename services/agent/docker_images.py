@@ -67,14 +67,7 @@ def build_context(base: str, layers: Sequence[bytes], labels: Mapping[str, str])
         files[name] = layer
         lines.append(f"ADD {name} /")
     files["Dockerfile"] = ("\n".join(lines) + "\n").encode()
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            info.mode = 0o644
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
+    return _tar(files, gzip=True)
 
 
 def managed(config: bytes) -> bytes:
@@ -94,11 +87,24 @@ def docker_archive(tag: str, config: bytes, layers: Sequence[bytes]) -> bytes:
         files[f"{index}/layer.tar"] = layer
     manifest = [{"Config": "config.json", "RepoTags": [tag], "Layers": [f"{i}/layer.tar" for i in range(len(layers))]}]
     files["manifest.json"] = json.dumps(manifest).encode()
+    return _tar(files, gzip=False)
+
+
+def _tar(files: Mapping[str, bytes], *, gzip: bool) -> bytes:
+    """A tarball of ``files`` (name → content, mode 0644), gzip'd fast when ``gzip``."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            info.mode = 0o644
-            tar.addfile(info, io.BytesIO(data))
+    if gzip:
+        with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as tar:
+            _add(tar, files)
+    else:
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            _add(tar, files)
     return buffer.getvalue()
+
+
+def _add(tar: tarfile.TarFile, files: Mapping[str, bytes]) -> None:
+    for name, data in files.items():
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        info.mode = 0o644
+        tar.addfile(info, io.BytesIO(data))
