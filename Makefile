@@ -18,6 +18,7 @@ SYSTEM_PACKAGES += docker.io busybox-static  # the docker runtime (issue 20): it
 SYSTEM_PACKAGES += chromium  # the web console's browser tests (Playwright drives the system browser)
 SYSTEM_PACKAGES += haproxy  # the ingress data plane (issue 18: services/proxy --engine haproxy)
 SYSTEM_PACKAGES += bubblewrap  # the process runtime's app sandbox (issue 43: services/agent/sandbox.py; setpriv and nsenter come with util-linux)
+SYSTEM_PACKAGES += iptables  # the network fence keeping sandboxed apps off the control plane's ports (services/agent/firewall.py)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -127,7 +127,7 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
             + (
                 ""
                 if cluster.creds
-                else "  (no authentication: every local process can use it, apps included;"
+                else "  (no authentication: every local process but sandboxed apps can use it;"
                 " --secure before running untrusted apps)"
             )
         )

@@ -261,6 +261,16 @@ class Cluster:
         and the ingress proxy."""
         found = []
         root = PROJECT_ROOT / "services"
+        # The proxy's ports first: the agent lets apps connect to them (every other port this process tree
+        # listens on is fenced from apps: services/agent/firewall.py).
+        port = self.proxy_port if _port_free(self.proxy_port) else free_port()
+        self.proxy_port = port
+        public = [port]
+        if self.proxy_tls_listen:
+            tls_host, tls_port = split_listen(self.proxy_tls_listen)
+            tls_port = tls_port if tls_port and _port_free(tls_port) else free_port()
+            self.proxy_tls_listen = f"[{tls_host}]:{tls_port}" if ":" in tls_host else f"{tls_host}:{tls_port}"
+            public.append(tls_port)
         if (root / "agent" / "__main__.py").exists():
             (self.agent_data_dir / RUNTIME_NOTE).unlink(missing_ok=True)  # the one this start writes, not a stale one
             agent = Supervised(
@@ -289,17 +299,14 @@ class Cluster:
                     **self._node_env(env, "agent", self.agent_data_dir),
                     # Should an app's directory contain the data dir: every sandbox shows it empty.
                     "ZATTERA_AGENT_SANDBOX_HIDDEN": str(self.data_dir),
+                    # Apps cannot connect to what this process tree listens on but the proxy's ports.
+                    "ZATTERA_AGENT_SANDBOX_FENCE_PIDS": str(os.getpid()),
+                    "ZATTERA_AGENT_SANDBOX_FENCE_ALLOW": ",".join(map(str, public)),
                 },
             )
             self._launch(agent)
             found.append(agent)
         if (root / "proxy" / "__main__.py").exists():
-            port = self.proxy_port if _port_free(self.proxy_port) else free_port()
-            self.proxy_port = port
-            if self.proxy_tls_listen:
-                tls_host, tls_port = split_listen(self.proxy_tls_listen)
-                tls_port = tls_port if tls_port and _port_free(tls_port) else free_port()
-                self.proxy_tls_listen = f"[{tls_host}]:{tls_port}" if ":" in tls_host else f"{tls_host}:{tls_port}"
             proxy = Supervised(
                 "proxy",
                 [

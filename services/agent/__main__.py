@@ -135,10 +135,13 @@ async def run_agent(process: Process) -> int:
         await runtime.launcher.close()
         return 0
     tasks: list[asyncio.Task[None]] = []
+    agents: list[Agent] = []
 
     async def shutdown() -> None:
         if process.restarting:  # restarted at once (an upgrade): its instances stay for it to adopt
             cfg.stop_on_exit = False
+            for agent in agents:
+                agent.handover = True
         await cancel_and_wait(*tasks)
         await conn.close()
 
@@ -162,7 +165,8 @@ async def run_agent(process: Process) -> int:
             log.error("agent %s: %s", cfg.node_id, exc)
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        tasks.append(asyncio.create_task(Agent(conn, cfg, data_dir, secured=bool(creds), runtime=runtime).run()))
+        agents.append(Agent(conn, cfg, data_dir, secured=bool(creds), runtime=runtime))
+        tasks.append(asyncio.create_task(agents[0].run()))
         return await process.supervise(tasks, conn)
     finally:
         # No grace: stopping instances (--stop-on-exit) and the final report take what they take.

@@ -31,6 +31,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
 from services.agent.docker_runtime import choose_launcher
+from services.agent.firewall import Fence
 from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
 from services.agent.instances import RuntimeContext
@@ -44,6 +45,7 @@ from services.agent.reporter import ObservedReporter
 from services.agent.runtime import ProcessRuntime
 from services.agent.sandbox import (
     NONE,
+    SANDBOX,
     Isolation,
     IsolationRefused,
     Sandbox,
@@ -186,6 +188,8 @@ class Agent:
         self.node: pb.Node | None = None
         self.runtime: ProcessRuntime | None = None
         self.registered = asyncio.Event()
+        self.handover = False
+        """Set when the agent stops for another to adopt its instances at once: its apps' firewall stays."""
         # Instance secrets come sealed to this key: a fresh pair per registration (re-registering rotates it),
         # the private half never leaves this process (docs/secrets.md).
         self.secrets_key = PrivateKey.generate()
@@ -274,6 +278,27 @@ class Agent:
                     log.info("agent %s: waiting for the control plane to open its view (%s)", self.node_id, exc)
                 await self.clock.sleep(exponential(VIEW_RETRY_FIRST, attempt, VIEW_RETRY_MOST))
 
+    async def _fence(self) -> Fence | None:
+        """The firewall of what runs sandboxed here (firewall.py: apps, and a docker node's build steps),
+        installed; None when nothing is sandboxed."""
+        assert self.node_runtime is not None
+        sandbox = self.node_runtime.sandbox
+        if sandbox is None:
+            return None
+        settings = self.settings
+        if not settings.sandbox_fence:
+            return Fence(str(self.data_dir), range(0), problem="turned off (ZATTERA_AGENT_SANDBOX_FENCE=false)")
+        servers = [f"{u.hostname}:{u.port or 4222}" for u in getattr(self.conn.nc, "servers", []) if u.hostname]
+        fence = Fence(
+            str(self.data_dir),
+            range(sandbox.uids.base, sandbox.uids.base + sandbox.uids.count),
+            nats_urls=servers,
+            control_pids=settings.sandbox_fence_pids,
+            allowed_ports=settings.sandbox_fence_allow,
+        )
+        await fence.install()
+        return fence
+
     async def run(self) -> None:
         settings = self.settings
         private_directory(self.data_dir)
@@ -281,6 +306,16 @@ class Agent:
             self.node_runtime = await node_runtime(settings, self.data_dir, secured=self.secured)
         launcher = self.node_runtime.launcher
         isolation = self.node_runtime.isolation
+        fence = await self._fence()
+        if fence is not None and fence.problem:
+            if isolation.kind == SANDBOX:
+                isolation = replace(isolation, problem=fence.problem)
+            log.warning(
+                "agent %s: sandboxed apps and builds are NOT fenced from this machine's control-plane ports (%s):"
+                " on an open cluster they can connect to NATS (SECURITY.md)",
+                self.node_id,
+                fence.problem,
+            )
         identity = NodeIdentity.from_host(
             self.node_id,
             self.data_dir,
@@ -346,6 +381,8 @@ class Agent:
             ]
             if self.forwarder is not None:
                 tasks.append(asyncio.create_task(self._forward(self.forwarder), name="forwarder"))
+            if fence is not None and not fence.problem:
+                tasks.append(asyncio.create_task(fence.keep(), name="fence"))
             if mesh is not None:
                 tasks.append(asyncio.create_task(mesh.run(self.view), name="mesh"))
             if settings.builder:
@@ -383,4 +420,9 @@ class Agent:
             try:
                 await launcher.close()  # first: it saves where each container's output was copied up to
             finally:
-                await self.view.stop()
+                try:
+                    await self.view.stop()
+                finally:
+                    # Instances left running for the next agent (an upgrade) stay fenced until it takes over.
+                    if fence is not None and not fence.problem and not self.handover:
+                        fence.remove()

@@ -118,6 +118,14 @@ class AgentSettings(BaseSettings):
     shown one (comma-separated): ``zattera up`` names its whole data directory."""
     sandbox_bwrap: str = "bwrap"
     """The bubblewrap program."""
+    sandbox_fence: bool = True
+    """Fence the environments' users off this machine's control-plane listeners with iptables rules
+    (firewall.py): the NATS servers, every port the ``sandbox_fence_pids`` process trees listen on."""
+    sandbox_fence_pids: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    """Processes whose trees' listening ports apps may not connect to (comma-separated; the agent's own tree
+    always): ``zattera up`` names itself."""
+    sandbox_fence_allow: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    """Ports apps may connect to all the same (comma-separated): the proxy's public ones."""
 
     # ---------------------------------------------------------------- builds (builder.py)
     build_keepalive: float = Field(default=60.0, gt=0)
@@ -141,6 +149,13 @@ class AgentSettings(BaseSettings):
     @classmethod
     def _labels_from_text(cls, value: object) -> object:
         return parse_labels(value) if isinstance(value, str) else value
+
+    @field_validator("sandbox_fence_pids", "sandbox_fence_allow", mode="before")
+    @classmethod
+    def _numbers_from_text(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [int(v) for v in value.split(",") if v.strip()]
+        return value
 
     @field_validator("sandbox_read_only", "sandbox_hidden", mode="before")
     @classmethod

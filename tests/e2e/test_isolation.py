@@ -2,7 +2,8 @@
 runtime, a victim app with a secret (``examples/hello``) and the spy (``tests/apps/spy``) deployed from
 source as a user does. The spy runs once as a build step and once as the app; each time it tries every file
 under the data directory (the control plane's keys and credentials, the node's own credential), every
-other process's environment, NATS without a credential and the Docker sockets, and reports what it got.
+other process's environment, NATS and the console without a credential (the apps' firewall refuses even
+the connection, open or secured) and the Docker sockets, and reports what it got.
 
 Then the data directory is walked as the spy's user, outside any sandbox: not one file may be readable
 even by a path (the directory is the agent's and the control plane's alone).
@@ -13,6 +14,7 @@ Two clusters, one per mode (~1-2 min each on a busy machine).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import secrets
 import shutil
@@ -25,6 +27,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from services.agent.firewall import chain_name
 from shared.embedded import free_port
 from tests.e2e.cluster import EXAMPLE, ROOT, kill_tree_under
 from tests.e2e.test_up import logs_of
@@ -39,12 +42,22 @@ VICTIM_ENV = "demo/hello/production"
 DOCKER_SOCKETS = ("/var/run/docker.sock", "/run/docker.sock")
 
 
+def talk_nats(address: str) -> str:
+    """The spy's own NATS attempt, made outside any sandbox."""
+    spec = importlib.util.spec_from_file_location("spy", SPY_APP / "spy.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return str(module.talk_nats(address))
+
+
 @dataclass
 class Spied:
     secure: bool
     up: Up
     data: Path
     nats: int
+    proxy: int
     secret: str
     report: dict[str, Any]
     """What the running spy got."""
@@ -80,15 +93,20 @@ def spied(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         spy = root / "spy"
         shutil.copytree(SPY_APP, spy)
         targets = [str(data), str(data / "agent" / "node.creds")]
+        # NATS, the console and the proxy: the spy speaks NATS to each (only the proxy may answer at all).
+        tcp = [f"127.0.0.1:{nats}", f"127.0.0.1:{env['ZATTERA_CONSOLE_PORT']}", f"127.0.0.1:{proxy}"]
         (spy / "spy.env").write_text(
-            f"SPY_PATHS={':'.join(targets)}\nSPY_NATS=127.0.0.1:{nats}\nSPY_SOCKETS={','.join(DOCKER_SOCKETS)}\n"
+            f"SPY_PATHS={':'.join(targets)}\nSPY_NATS={','.join(tcp)}\nSPY_SOCKETS={','.join(DOCKER_SOCKETS)}\n"
         )
         up.cli("apps", "apply", str(spy / "zattera.toml"))
         up.cli("deploy", str(spy), "--env", SPY_ENV, timeout=240)
         report = asyncio.run(fetch(proxy, "/"))
         build = asyncio.run(fetch(proxy, "/build"))
-        yield Spied(secure, up, data, nats, secret, report, build)
+        yield Spied(secure, up, data, nats, proxy, secret, report, build)
         assert up.ctrl_c() == 0, up.text()
+        chain = chain_name(str((data / "agent").resolve()))
+        saved = subprocess.run(["iptables-save", "-t", "filter"], capture_output=True, text=True, check=True)
+        assert chain not in saved.stdout  # the agent removed its firewall chain when it stopped
     except BaseException:
         print(up.text())
         print(logs_of(data))
@@ -179,14 +197,20 @@ def test_no_docker_socket_is_reachable(spied: Spied) -> None:
             assert report["docker"][socket_path].startswith("unreachable: [Errno 2]"), (what, report["docker"])
 
 
-def test_nats_without_a_credential_is_refused_on_a_secured_cluster(spied: Spied) -> None:
-    answer = spied.report["nats"][f"127.0.0.1:{spied.nats}"]
-    if spied.secure:
-        assert "Authorization Violation" in answer, answer
-    else:
-        # An open cluster has no credentials at all: NATS is reachable by every local process, apps included
-        # (SECURITY.md, "Apps": use --secure for code you do not trust).
-        assert "PONG" in answer, answer
+def test_nats_and_the_console_refuse_the_spy_even_on_an_open_cluster_but_the_proxy_answers(spied: Spied) -> None:
+    """The apps' firewall (services/agent/firewall.py): on an open cluster NATS has no credentials at all, so
+    the spy must not even connect; the console neither. Other apps stay reachable through the proxy."""
+    console = spied.up.env["ZATTERA_CONSOLE_PORT"]
+    for what, report in reports(spied):
+        nats = report["nats"]
+        for port in (spied.nats, console):
+            answer = nats[f"127.0.0.1:{port}"]
+            assert answer.startswith("unreachable: [Errno 111]"), (what, port, answer)  # reset: refused
+        # The proxy lets it connect (then says nothing to a NATS client: the spy's read times out).
+        assert "[Errno 111]" not in nats[f"127.0.0.1:{spied.proxy}"], (what, nats)
+    # The same NATS, outside the sandbox, without a credential: open answers, secured refuses.
+    answer = talk_nats(f"127.0.0.1:{spied.nats}")
+    assert ("Authorization Violation" in answer) if spied.secure else ("PONG" in answer), answer
 
 
 def test_no_file_under_the_data_dir_is_readable_by_an_apps_user_even_by_path(spied: Spied) -> None:
