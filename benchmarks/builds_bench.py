@@ -19,10 +19,11 @@ from services.builds.dispatcher import BuildDispatcher
 from services.builds.planning import BuildDispatcherConfig
 from shared import keys as K
 from shared.clock import RealClock
+from shared.connection import Connection, connect
 from shared.ids import new_id
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
-from shared.natsio import Connection, connect, provision
+from shared.provisioning import provision
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.builds import seed

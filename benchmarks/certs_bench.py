@@ -29,7 +29,8 @@ from benchmarks.common import Row, bench_main, embedded_server, percentile, row
 from services.certs.issuer import AcmeIssuer
 from services.certs.localca import load_or_create
 from services.certs.loop import CertificateLoop
-from services.proxy.haproxy_engine import HAProxyIngress, haproxy_binary, haproxy_ingress
+from services.proxy.haproxy_ingress import HAProxyIngress, haproxy_ingress
+from services.proxy.launch import haproxy_binary
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
 from shared import certs as C
@@ -37,11 +38,12 @@ from shared import keys as K
 from shared.certclient import CACHE_FILE, CertClient, open_bundle
 from shared.certs import KEYS_OPEN_SUBJECT
 from shared.clock import RealClock
+from shared.connection import Connection, connect
 from shared.embedded import free_port
 from shared.ids import new_id
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
-from shared.natsio import Connection, connect, provision
+from shared.provisioning import provision
 from shared.secrets import CLUSTER_KEY, seal
 from shared.state.feed import StateView
 from shared.txn import Writer

@@ -23,8 +23,9 @@ from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, bench_main, embedded_server, median, percentile, row
 from shared.certs import VALID, pending_record
+from shared.connection import connect
 from shared.console_users import ADMIN, new_user, save_user, users_bucket
-from shared.natsio import connect, provision
+from shared.provisioning import provision
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.console.rig import running_console

@@ -35,7 +35,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from benchmarks.common import Row, bench_main, listening, median, percentile, row
-from services.agent.docker_runtime import ContainerImage, DockerLauncher
+from services.agent.docker_images import ContainerImage
+from services.agent.docker_runtime import DockerLauncher
 from services.agent.hostbase import inspect_node, node_rootfs_tar, tar_size
 from services.agent.images import PreparedImage
 from services.agent.launchers import InstanceHandle, Launcher, LaunchPlan, ProcessLauncher

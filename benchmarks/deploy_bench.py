@@ -36,10 +36,11 @@ from services.orchestrator.loop import Orchestrator
 from services.orchestrator.model import Timers, copy_of
 from shared import keys as K
 from shared.clock import RealClock
+from shared.connection import Connection, connect
 from shared.deploy import Deployer
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
-from shared.natsio import Connection, connect, provision
+from shared.provisioning import provision
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.agent_sim import AgentSim

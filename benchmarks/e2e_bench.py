@@ -33,7 +33,7 @@ from pathlib import Path
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, bench_main, median, percentile, row
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.routeclient import RouteClient
 from shared.state.feed import StateView
 from tests.e2e.cluster import E2ECluster, Load, app_source, env_by_name, healthy, running

@@ -29,9 +29,10 @@ from services.scheduler.jobs import JobsLoop
 from shared import jobs as J
 from shared import keys as K
 from shared.clock import FakeClock
+from shared.connection import connect
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
-from shared.natsio import connect, provision
+from shared.provisioning import provision
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests import factories as f

@@ -44,7 +44,8 @@ from benchmarks.common import Row, bench_main, embedded_server, median, percenti
 from services.agent.instance_env import PASSED_THROUGH_ENV
 from shared import keys as K
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream_config
-from shared.natsio import Connection, connect, create_or_update_stream, provision
+from shared.connection import Connection, connect
+from shared.provisioning import create_or_update_stream, provision
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.agent.conftest import assignment, process_ref, release

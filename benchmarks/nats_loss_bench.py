@@ -32,7 +32,9 @@ from typer.testing import CliRunner
 from benchmarks.common import Row, bench_main, percentile, row
 from cli.main import app
 from shared import keys as K
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, connect, last_per_subject
+from shared.connection import Connection, connect
+from shared.directget import last_per_subject
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 from tests.chaos.cluster import LOOPS, NATS_ROLES, SERVICES, FenceAudit, Fleet, NatsCluster
 
 DEFAULT_TIMERS = {"ZATTERA_LEASE_TTL": "3", "ZATTERA_LEASE_RENEW": "1", "ZATTERA_LOOP_TICK": "15"}

@@ -25,9 +25,11 @@ from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import bench_main, embedded_server, percentile, row
 from services.agent.forwarder import Forwarder
+from shared.connection import connect
 from shared.embedded import free_port
-from shared.natsio import ROUTES_SNAPSHOT_SUBJECT, connect
-from shared.routeclient import RouteClient, content_digest, encode_messages
+from shared.routeclient import RouteClient
+from shared.routewire import content_digest, encode_messages
+from shared.subjects import ROUTES_SNAPSHOT_SUBJECT
 
 ECHO = """
 import asyncio, sys

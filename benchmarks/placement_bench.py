@@ -26,12 +26,14 @@ from benchmarks.common import Row, bench_main, embedded_server, row
 from services.scheduler.loop import Scheduler
 from shared import keys as K
 from shared.clock import RealClock
+from shared.connection import connect
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
-from shared.natsio import connect, provision
 from shared.placement.placement import PlacementIndex, place
+from shared.provisioning import provision
 from shared.state.feed import StateView
-from shared.state.store import StateStore, reservation
+from shared.state.store import StateStore
+from shared.state.tables import reservation
 from shared.txn import Writer
 
 NODES = 5_000

@@ -42,8 +42,8 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from benchmarks.common import Row, bench_main, embedded_server, median, row
 from services.proxy.settings import ROUTES_CACHE_FILE
 from shared.embedded import free_port
+from shared.files import write_atomic
 from shared.metrics import RequestSeries
-from shared.routeclient import write_atomic
 
 HOST = "bench.localhost"
 ENV = "bench-env"

@@ -26,15 +26,19 @@ from pathlib import Path
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import bench_main
-from services.routes.builder import RouteBuilder, encode_snapshot
+from services.routes.builder import RouteBuilder
+from services.routes.env_routes import encode_snapshot
 from services.routes.publisher import RoutesPublisher
 from shared import keys as K
 from shared.clock import RealClock
+from shared.connection import connect
 from shared.embedded import MAX_PAYLOAD, EmbeddedNats
-from shared.natsio import ROUTES_SNAPSHOT_SUBJECT, connect, provision
-from shared.routeclient import COMPRESS_ABOVE, HEADER_ROOM, RouteClient, content_digest, encode_messages
+from shared.provisioning import provision
+from shared.routeclient import RouteClient
+from shared.routewire import COMPRESS_ABOVE, HEADER_ROOM, content_digest, encode_messages
 from shared.state.feed import StateView
 from shared.state.store import StateStore
+from shared.subjects import ROUTES_SNAPSHOT_SUBJECT
 from shared.txn import Writer
 from tests.routes.reference import reference_content
 

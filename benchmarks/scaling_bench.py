@@ -38,9 +38,10 @@ from zattera.v1 import types_pb2 as pb
 from benchmarks.common import bench_main
 from shared import keys as K
 from shared.activation import request_activation
+from shared.connection import Connection, connect
 from shared.embedded import EmbeddedNats
 from shared.live import publish_node_heartbeat, publish_proxy_heartbeat
-from shared.natsio import Connection, connect, provision
+from shared.provisioning import provision
 from shared.state.changes import ChangeFeed
 from shared.state.feed import StateView
 from shared.txn import Writer

@@ -24,8 +24,9 @@ from zattera.v1 import types_pb2 as pb
 from benchmarks.common import Row, bench_main, embedded_server, percentile, row
 from services.secrets.service import SecretsService
 from shared import keys as K
+from shared.connection import connect
 from shared.ids import new_id
-from shared.natsio import connect, provision
+from shared.provisioning import provision
 from shared.secrets import CLUSTER_KEY, ROTATE_SUBJECT, fetch_secrets, public_bytes, seal
 from shared.state.feed import StateView
 from shared.txn import Writer

@@ -34,14 +34,16 @@ from pathlib import Path
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, bench_main, median, percentile, row
-from cli.up import Supervised
+from cli.supervised import Supervised
 from services.agent.agent import view_filters
+from shared.connection import Connection, connect
 from shared.embedded import EmbeddedNats
-from shared.natsio import ROUTES_SNAPSHOT_SUBJECT, Connection, connect, provision
+from shared.provisioning import provision
 from shared.security.permissions import Role
 from shared.security.setup import SecureSetup, prepare
 from shared.security.views import request_view
 from shared.state.feed import StateView
+from shared.subjects import ROUTES_SNAPSHOT_SUBJECT
 from shared.txn import Writer
 from tests.agent_sim import AgentSim
 

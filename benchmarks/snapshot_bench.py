@@ -21,9 +21,11 @@ from pathlib import Path
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from benchmarks.common import bench_main
+from services.agent.snapshots.engine import SnapshotEngine
+from shared.connection import connect
 from shared.embedded import EmbeddedNats
-from shared.natsio import connect, provision
-from shared.snapshots import SnapshotEngine, SnapshotStore
+from shared.provisioning import provision
+from shared.snapshots.store import SnapshotStore
 
 GIB = 1 << 30
 MB = 1e6

@@ -26,7 +26,7 @@ import psutil
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, bench_main, percentile, row
-from shared.natsio import connect
+from shared.connection import connect
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.chaos.cluster import LOOPS, ROOT, SERVICE_OF, SERVICES, FenceAudit, Fleet, NatsCluster

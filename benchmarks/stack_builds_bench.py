@@ -31,10 +31,12 @@ from services.agent.builder import Builder
 from services.agent.images import prepare_image
 from services.agent.processes import spawn
 from shared.buildlogs import run_build_subject
+from shared.connection import Connection, connect
 from shared.embedded import free_port
 from shared.ids import new_id
-from shared.natsio import BUILD_EVENTS_STREAM, SOURCES_STORE, Connection, build_events_subject, connect, provision
+from shared.provisioning import provision
 from shared.registry import BlobStore
+from shared.subjects import BUILD_EVENTS_STREAM, SOURCES_STORE, build_events_subject
 from tests.factories import source_tarball
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -19,9 +19,10 @@ from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, embedded_server, print_table, row
 from shared import keys as K
+from shared.connection import connect
 from shared.ids import new_id
 from shared.lease import Lease
-from shared.natsio import connect, provision
+from shared.provisioning import provision
 from shared.state.feed import StateView
 from shared.txn import Writer
 

@@ -1,7 +1,7 @@
 """The slowest path found, profiled: a state view loading 30,000 assignments.
 
 Run: ``python -m benchmarks.view_profile`` — loads the same bucket twice in one run, once with
-nats-py's own header parser (before) and once with the replacement installed by ``shared.natsio``
+nats-py's own header parser (before) and once with the replacement installed by ``shared.connection``
 (after), prints both rates and writes a pyinstrument profile of each to ``.zattera/profiles/``.
 """
 
@@ -17,11 +17,11 @@ from pyinstrument import Profiler
 
 from benchmarks.common import Row, embedded_server, print_table, row
 from benchmarks.state_bench import _fill
-from shared import natsio
-from shared.natsio import connect
+from shared import connection
+from shared.connection import connect
 from shared.state.feed import StateView
 
-ORIGINAL_PARSER = natsio.ORIGINAL_HEADER_PARSER
+ORIGINAL_PARSER = connection.ORIGINAL_HEADER_PARSER
 
 
 async def _load(url: str) -> tuple[int, float]:

@@ -26,7 +26,8 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
-from cli.spec import AppSpec, Build, Env, middleware, service_spec, to_duration
+from cli.spec import AppSpec, Build, Env, to_duration
+from cli.spec_proto import middleware, service_spec
 from shared import keys as K
 from shared.actions.names import env_label, find_app, find_env, find_project
 from shared.actions.names import env_path as env_path  # re-exported: the CLI's commands name envs this way

@@ -25,21 +25,15 @@ from rich.console import Console
 from cli import contexts
 from shared.actions.context import ActionContext
 from shared.actions.refusals import ActionRefused, Refusal
+from shared.connection import ClusterUnavailable, Connection, NotAuthorized, PermissionDenied, connect
+from shared.directget import TooManySubjects
 from shared.errors import ZatteraError
 from shared.migrations.registry import SCHEMA
-from shared.natsio import (
-    STATE_STREAM,
-    ClusterUnavailable,
-    Connection,
-    NotAuthorized,
-    PermissionDenied,
-    TooManySubjects,
-    connect,
-    recorded_config,
-)
 from shared.natssettings import nats_settings
+from shared.provisioning import recorded_config
 from shared.skew import Component, SkewRefused, Verdict, judge
 from shared.state.feed import StateView
+from shared.subjects import STATE_STREAM
 from shared.txn import CommitUnknown, Txn, TxnError, Writer
 from shared.version import VERSION
 from shared.watches import STATE_WATCH, watch_opener

@@ -15,24 +15,23 @@ from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.client import OPTIONS, ExitCode, connect_cli, err, fail, nats_url, run
+from shared.connection import Connection
+from shared.directget import last_per_subject
 from shared.jetstream import is_delete_marker
 from shared.lease import default_holder
 from shared.migrations.registry import SCHEMA, load
 from shared.migrations.runner import MigrationFailed, UpgradeReport, pending_steps, upgrade
-from shared.natsio import (
-    STATE_PREFIX,
-    STATE_STREAM,
-    ClusterConfig,
-    Connection,
+from shared.provisioning import (
     ProvisionReport,
     cluster_size,
     inspect_cluster,
-    last_per_subject,
     placement_log,
     provision,
     recorded_config,
 )
 from shared.skew import Component, SkewRefused, judge
+from shared.streams import ClusterConfig
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 from shared.version import VERSION
 
 cluster_app = typer.Typer(

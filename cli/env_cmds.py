@@ -205,7 +205,7 @@ def placement_status(view: StateReader, env: pb.Environment) -> dict[str, Any] |
     unplaced = desired_replicas(env) - placed
     if unplaced <= 0:
         return None
-    from shared.placement.placement import explain  # only for an env short of replicas
+    from shared.placement.explain import explain
 
     why = explain(view, release, env.meta.id)
     return {

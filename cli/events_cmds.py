@@ -21,11 +21,12 @@ from cli import render
 from cli.client import OPTIONS, actor, control, err, fail, run
 from shared import keys as K
 from shared.actions.names import env_path, resolve_env
+from shared.connection import Connection
 from shared.deployments import desired_replicas
 from shared.events import EVENT_SCALED, EventPublisher, deleted_env_paths, kind_problem, kind_subject, scale_event
-from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
 from shared.state.feed import StateView
 from shared.state.reader import StateReader
+from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 from shared.watches import WatchSpec
 from shared.watches import follow as follow_watch
 

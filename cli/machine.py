@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from cli.layout import NODE_CREDS, PROXY_CREDS, DataLayout
-from cli.up import Cluster, Supervised
+from cli.supervised import Supervised
+from cli.up_cluster import Cluster
 from services.join.__main__ import (
     MACHINE_CLIENT_URL_ENV,
     MACHINE_MESH_IP_ENV,

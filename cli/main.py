@@ -16,7 +16,7 @@ from typing import Any
 def _nats_without_aiohttp() -> None:
     """Import nats-py with aiohttp hidden: nats-py loads it only for its websocket transport, and it is the
     largest import of a plain read (`zattera status`, PERFORMANCE.md "CLI start-up"). A ``ws://`` server URL
-    still works: :func:`shared.natsio.connect` hands the transport aiohttp when it meets one. A process that
+    still works: :func:`shared.connection.connect` hands the transport aiohttp when it meets one. A process that
     already loaded either (tests, the console) is left as it is."""
     if "nats" in sys.modules or "aiohttp" in sys.modules:
         return

@@ -15,7 +15,7 @@ from cli.options import JSON, WIDE, set_output
 from cli.render import Col
 from cli.security_cmds import join_token
 from shared.actions.nodes import EditNode, NodeChange, NodeEdited, edit_node
-from shared.natsio import recorded_config
+from shared.provisioning import recorded_config
 from shared.skew import node_version_note
 
 nodes_app = typer.Typer(no_args_is_help=True, help="Machines: list, label, cordon, drain.")

@@ -12,16 +12,18 @@ import typer
 
 from cli.client import connect_cli, run
 from cli.layout import NODE_CREDS, PROXY_CREDS, DataLayout
-from cli.up import LOCAL_NODE, Cluster, Supervised, run_up
+from cli.supervised import Supervised
+from cli.up import run_up
+from cli.up_cluster import LOCAL_NODE, Cluster
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.embedded import SERVER_DIR
-from shared.natsio import STATE_STREAM
 from shared.security.authority import Authority
 from shared.security.join import DEFAULT_TTL, JoinRefused, new_secret, request_join_token
 from shared.security.machines import seal_bundle
 from shared.security.permissions import Role
 from shared.security.setup import prepare
 from shared.settings import settings
+from shared.subjects import STATE_STREAM
 
 security_app = typer.Typer(no_args_is_help=True, help="Credentials of a secured cluster (see SECURITY.md).")
 

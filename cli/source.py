@@ -14,7 +14,8 @@ from pathlib import Path
 
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
-from shared.natsio import SOURCES_STORE, Connection
+from shared.connection import Connection
+from shared.subjects import SOURCES_STORE
 
 EXCLUDED_DIRS = {".git", ".hg", ".svn", ".venv", "venv", "__pycache__", "node_modules", ".mypy_cache", ".zattera"}
 MAX_SOURCE_BYTES = 512 * 1024 * 1024

@@ -42,7 +42,8 @@ from pathlib import Path
 import aiodocker
 from packaging.requirements import Requirement
 
-from services.agent.docker_runtime import docker_archive, docker_url
+from services.agent.docker_images import docker_archive
+from services.agent.docker_runtime import docker_url
 from services.agent.hostbase import PASSWD, RootFs
 from services.agent.pythonbase import inspect_interpreter, python_rootfs_tar
 from services.agent.registration import host_os_arch

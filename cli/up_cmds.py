@@ -11,7 +11,9 @@ import typer
 from cli.layout import DataLayout
 from cli.machine_cmds import machine_up
 from cli.security_cmds import mode_switch_problem, secure_up
-from cli.up import DEFAULT_METRICS_PORT, Cluster, request_roll, run_up, running_supervisor
+from cli.up import run_up
+from cli.up_cluster import DEFAULT_METRICS_PORT, Cluster
+from cli.up_roll import request_roll, running_supervisor
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import DEFAULT_TLS_LISTEN as DEFAULT_PROXY_TLS_LISTEN
 from services.proxy.launch import split_listen

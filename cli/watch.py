@@ -18,10 +18,11 @@ from cli.client import control, err
 from cli.render import enum_name
 from shared import keys as K
 from shared.clock import RealClock
+from shared.connection import Connection
 from shared.deployments import desired_replicas, is_terminal
 from shared.live import LiveView
-from shared.natsio import Connection
-from shared.routeclient import RouteClient, cluster_text, same_cluster
+from shared.routeclient import RouteClient
+from shared.routewire import cluster_text, same_cluster
 from shared.state.feed import StateView
 from shared.state.reader import StateReader
 

@@ -12,9 +12,10 @@ import contextlib
 import logging
 import uuid
 
+from shared.connection import Connection
 from shared.jetstream import is_delete_marker
 from shared.live import ACME_CHALLENGE
-from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
+from shared.subjects import LIVE_PREFIX, LIVE_STREAM
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.connection import Connection
 from shared.errors import ZatteraError
-from shared.natsio import ACTIVATE_SUBJECT, Connection
+from shared.subjects import ACTIVATE_SUBJECT
 
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 ERROR_HEADER = "Nats-Service-Error"

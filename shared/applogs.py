@@ -24,8 +24,8 @@ from nats.js.errors import NotFoundError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from shared.connection import Connection
 from shared.errors import ZatteraError
-from shared.natsio import Connection
 from shared.watches import Watch, WatchSpec
 from shared.watches import follow as follow_watch
 

@@ -37,15 +37,10 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.backoff import Backoff
+from shared.connection import Connection
 from shared.jetstream import read_state_key
-from shared.natsio import (
-    BUILD_LOG_END_SLOTS,
-    BUILD_LOGS_STREAM,
-    Connection,
-    agent_subject,
-    build_events_subject,
-    build_log_subject,
-)
+from shared.streams import BUILD_LOG_END_SLOTS
+from shared.subjects import BUILD_LOGS_STREAM, agent_subject, build_events_subject, build_log_subject
 from shared.watches import WatchSpec
 from shared.watches import follow as follow_watch
 

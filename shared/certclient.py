@@ -25,9 +25,9 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.certs import CHANGED_SUBJECT, KEYS_OPEN_SUBJECT
 from shared.clock import from_timestamp
+from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.files import PRIVATE, write_atomic
-from shared.natsio import Connection
 from shared.secrets import public_bytes, unseal
 from shared.tasks import stop_following
 

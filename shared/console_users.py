@@ -18,7 +18,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
 from shared.errors import ZatteraError
-from shared.natsio import recorded_replicas
+from shared.provisioning import recorded_replicas
 
 USERS_BUCKET = "zattera-console"
 ADMIN = "admin"

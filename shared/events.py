@@ -21,8 +21,9 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.clock import Clock, RealClock, stamp
+from shared.connection import Connection
 from shared.ids import new_id
-from shared.natsio import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, Connection
+from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 from shared.telemetry import inject
 
 log = logging.getLogger(__name__)

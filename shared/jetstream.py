@@ -51,6 +51,6 @@ async def read_last(js: JetStreamContext, stream: str, subject: str) -> LastMess
 
 async def read_state_key(js: JetStreamContext, key: str) -> LastMessage:
     """The state bucket's last message of ``key`` (``node.n1``, ``build.B``…)."""
-    from shared.natsio import STATE_PREFIX, STATE_STREAM
+    from shared.subjects import STATE_PREFIX, STATE_STREAM
 
     return await read_last(js, STATE_STREAM, STATE_PREFIX + key)

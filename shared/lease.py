@@ -36,11 +36,12 @@ from nats.js.errors import APIError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.connection import Connection
 from shared.defaults import LEASE_RENEW, LEASE_TTL
 from shared.ids import new_id
 from shared.jetstream import WRONG_LAST_SEQUENCE, read_last
 from shared.metrics import lease_terms, leases_held
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.version import VERSION
 

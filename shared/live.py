@@ -30,10 +30,12 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.backoff import resubscribing
 from shared.clock import Clock
+from shared.connection import ClusterUnavailable, Connection
+from shared.directget import TooManySubjects, last_per_subject
 from shared.jetstream import is_delete_marker
-from shared.natsio import LIVE_PREFIX, LIVE_STREAM, ClusterUnavailable, Connection, TooManySubjects, last_per_subject
 from shared.state.changes import ChangeFeed
 from shared.state.feed import CONSUMER_HEARTBEAT, guard_ordered_consumer, server_delivered
+from shared.subjects import LIVE_PREFIX, LIVE_STREAM
 from shared.telemetry import counter
 from shared.watches import WatchSpec
 from shared.watches import follow as follow_watch

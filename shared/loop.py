@@ -33,11 +33,11 @@ from typing import Any
 from zattera.v1 import types_pb2 as pb
 
 from shared.clock import Clock
+from shared.connection import Connection
 from shared.decision import Decision
 from shared.events import EventPublisher
 from shared.lease import Leadership
 from shared.metrics import loop_pass_duration
-from shared.natsio import Connection
 from shared.settings import DEFAULTS
 from shared.state.changes import Change, ChangeFeed
 from shared.state.feed import StateView

@@ -30,9 +30,10 @@ from nats.errors import Error as NatsError
 
 from shared import health
 from shared.backoff import exponential
+from shared.connection import Connection, connect
 from shared.metrics import add_metrics_argument, metrics_port, serve_metrics
 from shared.migrations.registry import SCHEMA
-from shared.natsio import Connection, connect, recorded_config
+from shared.provisioning import recorded_config
 from shared.settings import Settings, settings
 from shared.skew import Component, SkewRefused, Verdict, judge
 from shared.tasks import cancel_and_wait

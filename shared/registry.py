@@ -32,10 +32,11 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.clock import Clock, RealClock, stamp
+from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.jetstream import WRONG_LAST_SEQUENCE, read_state_key
-from shared.natsio import IMAGES_STORE, STATE_PREFIX, STATE_STREAM, Connection
 from shared.objects import ObjectCorrupt, list_objects, read_object
+from shared.subjects import IMAGES_STORE, STATE_PREFIX, STATE_STREAM
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"

@@ -21,9 +21,9 @@ from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey, PublicKey, SealedBox
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.files import PRIVATE, create_once, write_atomic
-from shared.natsio import Connection
 
 CLUSTER_KEY = "cluster"
 """The id of the one ``secretskey.<id>`` record: the cluster key's public half."""

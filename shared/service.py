@@ -20,12 +20,13 @@ from nats.errors import Error as NatsError
 from nats.js.errors import BadRequestError
 
 from shared.clock import Clock, RealClock
+from shared.connection import Connection
 from shared.events import EventPublisher
 from shared.lease import default_holder, run_while_leading
 from shared.loop import LeaderLoop, LoopDeps
 from shared.migrations.runner import MigrationFailed, NotInitialised, upgrade
-from shared.natsio import Connection, provision, provision_options
 from shared.process import Process, run_process
+from shared.provisioning import provision, provision_options
 from shared.settings import Settings
 from shared.skew import SkewRefused
 from shared.state.feed import StateView

@@ -35,13 +35,14 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError
 
 from shared import keys as K
+from shared.connection import Connection
 from shared.defaults import MAX_BATCH, TOMBSTONE_TTL
 from shared.errors import ZatteraError
 from shared.ids import new_id
 from shared.jetstream import WRONG_LAST_SEQUENCE
 from shared.metrics import commit_conflicts, decisions, writer_label
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.state.feed import StateView
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 from shared.tasks import raise_if_cancelling
 from shared.telemetry import inject, span
 

@@ -30,10 +30,11 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from shared.backoff import resubscribing
+from shared.connection import Connection
 from shared.errors import ZatteraError
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.pull import PullFeed, PullLost
 from shared.security.callers import answerable
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.state.changes import ChangeFeed
 from shared.state.feed import StateView
 from shared.txn import Writer

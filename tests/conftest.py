@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
+from shared.connection import Connection, connect
 from shared.embedded import EmbeddedNats
-from shared.natsio import Connection, connect, provision
+from shared.provisioning import provision
 from shared.state.feed import StateView
 from shared.txn import Writer
 

@@ -16,9 +16,10 @@ import time
 
 from zattera.v1 import types_pb2 as pb
 
+from shared.connection import connect
 from shared.ids import new_id
 from shared.lease import Leadership, run_while_leading
-from shared.natsio import connect, provision
+from shared.provisioning import provision
 from shared.state.feed import StateView
 from shared.txn import Conflict, Writer
 

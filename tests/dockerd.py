@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import aiodocker
 
-from services.agent.docker_runtime import build_context
+from services.agent.docker_images import build_context
 
 T = TypeVar("T")
 

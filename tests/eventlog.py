@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from zattera.v1 import types_pb2 as pb
 
-from shared.natsio import EVENTS_STREAM, Connection
+from shared.connection import Connection
+from shared.subjects import EVENTS_STREAM
 from tests.waiting import eventually
 
 

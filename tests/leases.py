@@ -6,7 +6,8 @@ from nats.js.errors import NotFoundError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
+from shared.connection import Connection
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 
 LOOPS_OF = {
     "scheduler": {"scheduler", "liveness", "snapshots"},

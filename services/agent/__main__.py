@@ -36,10 +36,11 @@ from services.agent.credentials import CredentialError, node_credentials
 from services.agent.registration import default_node_id
 from services.agent.sandbox import IsolationRefused
 from services.agent.settings import AgentSettings
-from shared.natsio import STATE_STREAM, provision, provision_options
 from shared.process import Process, run_process
+from shared.provisioning import provision, provision_options
 from shared.security.join import JoinRefused
 from shared.skew import Component, SkewRefused
+from shared.subjects import STATE_STREAM
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)

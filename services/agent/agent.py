@@ -8,7 +8,7 @@ registers ``node.<id>``, then runs until cancelled:
   ``docker_runtime.py``, chosen at start by :func:`node_runtime`, with the processes sandboxed when the
   machine can: ``sandbox.py``), which converge this node's assignments and write only ``observed.<node>.*``;
 * heartbeats into ``zattera-live`` (``heartbeat.py``);
-* the volume snapshot/restore/prune handlers (``shared.snapshots``) over ``<data>/volumes``;
+* the volume snapshot/restore/prune handlers (``services/agent/snapshots/``) over ``<data>/volumes``;
 * with ``builder`` set, the build handler (``builder.py``).
 
 Cancelling it leaves the instances running for the next agent run to adopt, unless ``stop_on_exit``.
@@ -34,6 +34,7 @@ from services.agent.docker_runtime import choose_launcher
 from services.agent.firewall import Fence
 from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
+from services.agent.instances import RuntimeContext
 from services.agent.launchers import PROCESS, TENANT_KEY, Launcher, ProcessLauncher
 from services.agent.mesh import PORT as MESH_PORT
 from services.agent.mesh import Mesh, MeshError
@@ -41,7 +42,7 @@ from services.agent.mesh import available as mesh_unavailable
 from services.agent.processes import PortAllocator
 from services.agent.registration import NodeIdentity, register_node
 from services.agent.reporter import ObservedReporter
-from services.agent.runtime import ProcessRuntime, RuntimeContext
+from services.agent.runtime import ProcessRuntime
 from services.agent.sandbox import (
     NONE,
     SANDBOX,
@@ -56,16 +57,15 @@ from services.agent.sandbox import (
     probe,
 )
 from services.agent.settings import AgentSettings
+from services.agent.snapshots.handlers import HookRunner, run_hook_in_shell, serve_snapshot_requests
 from shared import keys as K
 from shared.activation import request_activation
 from shared.backoff import exponential
 from shared.clock import Clock, RealClock
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.routeclient import RouteClient
 from shared.runtime_note import write_runtime_note
 from shared.security.views import ViewUnavailable, request_view
-from shared.snapshots import serve_snapshot_requests
-from shared.snapshots.agent import HookRunner, run_hook_in_shell
 from shared.state.feed import StateView
 from shared.txn import Writer
 

@@ -43,154 +43,72 @@ npm lifecycle scripts — run in a sandbox as the app's build user (``build:<rep
 seeing only the build's scratch directory and that app's download caches and dependency layers (kept per
 app, so no app's build can plant files in another's), and die with the agent. What the builder itself writes
 after a step never follows a link the step may have planted.
+
+The steps themselves (fetching and unpacking the source, running a command, the toolchains, packing the
+image) are ``build_steps.py``'s; this module is the build request's handling and the build's order.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import gzip
-import io
 import json
 import logging
 import os
-import shlex
 import shutil
-import signal
 import sys
-import tarfile
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
-import aiohttp
 from google.protobuf.message import DecodeError
 from nats.aio.msg import Msg
-from uv import find_uv_bin
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.agent.build_steps import (
+    BuildError,
+    fetch_source,
+    image_config,
+    interpreter,
+    node_path,
+    node_version,
+    pack_directory,
+    run_command,
+    tool_env,
+    unpack_layer,
+    unpack_source,
+    write_interpreter_shims,
+)
 from services.agent.depcache import LayerCache, cache_tag, dependency_key
 from services.agent.dockerbuild import DEFAULT_DOCKERFILE, DockerBuildError, build_context_dir, build_dockerfile
-from services.agent.hostbase import NODE_LABEL
-from services.agent.pythonbase import PYTHON_LABEL
-from services.agent.sandbox import Confinement, Sandbox, exit_status, give
+from services.agent.sandbox import Confinement, Sandbox, give
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
 from shared.buildplan import BuildPlan, PlanError, build_problem, detect, read_source, starts_python
-from shared.errors import ZatteraError
+from shared.connection import Connection
 from shared.ids import is_safe_id, unsafe_id
-from shared.natsio import SOURCES_STORE, Connection, is_direct_request
 from shared.registry import (
-    BlobStore,
     PlatformImage,
     RegistryError,
-    digest_of,
     fetch_image,
     lookup_tag,
     parse_ref,
     push_image,
 )
-from shared.subprocesses import start_shell
+from shared.subjects import is_direct_request
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
 
 log = logging.getLogger(__name__)
 
-MAX_CONTEXT_BYTES = 512 * 1024 * 1024
-SOURCE_FETCH_TIMEOUT = 600.0
+
 FINISHED_REMEMBERED = 256
+
+
 """Finished build ids kept to recognise a resent RunBuild (a build id is never dispatched again)."""
+
+
 PASSED_THROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
-# What the package managers need to reach their registries from this node (proxies, a CA bundle, mirrors).
-NETWORK_ENV = (
-    *("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy"),
-    *("SSL_CERT_FILE", "SSL_CERT_DIR", "NODE_EXTRA_CA_CERTS"),
-    *("UV_INDEX_URL", "UV_DEFAULT_INDEX", "UV_EXTRA_INDEX_URL", "npm_config_registry"),
-)
-ERROR_TAIL_LINES = 6
-NO_NODE = "builder: node is not installed on this builder (Debian: apt-get install nodejs npm)"
-ERROR_TAIL_CHARS = 800
-
-
-class BuildError(ZatteraError):
-    """A build step failed; the message is the build's error."""
-
-
-def unpack_source(data: bytes, dest: Path) -> None:
-    try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
-            members = tar.getmembers()
-            if sum(m.size for m in members if m.isfile()) > MAX_CONTEXT_BYTES:
-                raise BuildError(f"builder: context exceeds {MAX_CONTEXT_BYTES} bytes")
-            tar.extractall(dest, members=members, filter="data")
-    except tarfile.FilterError as exc:
-        raise BuildError(f"builder: unsafe path in context: {exc}") from exc
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise BuildError(f"builder: tar: {exc}") from exc
-
-
-def pack_directory(src: Path, *, only: str = "", exclude: str = "") -> tuple[bytes, str]:
-    """A deterministic gzip'd tar of ``src`` (sorted, zero times and owners) and its uncompressed digest.
-
-    ``only``/``exclude`` name one top-level entry: the dependency layer is ``only=<dir>``, the app layer the
-    rest (``exclude=<dir>``)."""
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(src.rglob("*")):
-            relative = path.relative_to(src)
-            if (only and relative.parts[0] != only) or (exclude and relative.parts[0] == exclude):
-                continue
-            info = tar.gettarinfo(str(path), arcname=relative.as_posix())
-            info.mtime = 0
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            if info.isfile():
-                with open(path, "rb") as fh:
-                    tar.addfile(info, fh)
-            elif info.isdir() or info.issym():
-                tar.addfile(info)
-    data = raw.getvalue()
-    return gzip.compress(data, mtime=0), digest_of(data)
-
-
-# The dependency layer's programs and modules, found from the directory the image is unpacked in (the runtime
-# unpacks it under each instance's own directory: no absolute path can be baked in). An entrypoint, so a
-# service's own command (which replaces only Cmd) gets them too.
-RUN_ENTRYPOINT = [
-    "/bin/sh",
-    "-c",
-    'd="$PWD"; export PATH="$d/.zattera/bin:$d/.zattera/python/bin:$d/node_modules/.bin:$PATH"'
-    ' PYTHONPATH="$d/.zattera/python${PYTHONPATH:+:$PYTHONPATH}"; exec "$@"',
-    "zattera-run",
-]
-
-
-def image_config(
-    platform: str, plan: BuildPlan, diff_ids: Sequence[str], build_id: str, *, python: str = "", node: str = ""
-) -> bytes:
-    """``python``: the interpreter a Python app (or a static site's server) runs on, label
-    ``dev.zattera.python``; ``node``: the ``node`` a Node app runs on, label ``dev.zattera.nodejs``. The docker
-    runtime runs the image on a base image made from that program (``hostbase.py``, ``pythonbase.py``)."""
-    os_name, _, arch = platform.partition("/")
-    labels = {"dev.zattera.build-id": build_id, "dev.zattera.build-provider": plan.provider}
-    if python:
-        labels[PYTHON_LABEL] = python
-    if node:
-        labels[NODE_LABEL] = node
-    doc = {
-        "architecture": arch,
-        "os": os_name,
-        "config": {
-            "Entrypoint": RUN_ENTRYPOINT if plan.dependency_dir else [],
-            "Cmd": ["/bin/sh", "-c", plan.start] if plan.start else [],
-            "Env": ["PYTHONUNBUFFERED=1", "PYTHONNOUSERSITE=1"] if python else [],
-            "WorkingDir": "/",
-            "Labels": labels,
-        },
-        "rootfs": {"type": "layers", "diff_ids": list(diff_ids)},
-    }
-    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
 class Builder:
@@ -322,7 +240,7 @@ class Builder:
     ) -> tuple[str, list[str]]:
         build = request.build
         await events.log(f"fetching source {request.source_url or request.git.clone_url}")
-        source = await self._fetch_source(request)
+        source = await fetch_source(self.conn, request)
         src = scratch / "src"
         shutil.rmtree(scratch, ignore_errors=True)
         src.mkdir(parents=True)
@@ -348,8 +266,8 @@ class Builder:
         env.update(request.build_env)
         env["ZATTERA_BUILD_ID"] = build.meta.id
         confinement = self._confinement(ref.repo, scratch, src)
-        env.update(self._tool_env(self._caches(ref.repo)))
-        python = await self._interpreter(plan.python, env, events) if plan.provider == "python" else ""
+        env.update(tool_env(self._caches(ref.repo)))
+        python = await interpreter(self.node_python, plan.python, env, events) if plan.provider == "python" else ""
         if python:
             env["UV_PYTHON"] = python
         if plan.provider == "static":  # python3 -m http.server: the node's own interpreter
@@ -357,12 +275,21 @@ class Builder:
         elif plan.provider in ("none", "procfile") and starts_python(plan.start):
             python = self.node_python  # as is, started with python3: runs on the node's interpreter (docker too)
             await events.log(f"plan: python   {python} (the start command runs Python: the builder's interpreter)")
-        node = await self._node_path(env) if plan.provider == "node" else ""
+        node = await node_path(env) if plan.provider == "node" else ""
         layers: list[tuple[bytes, str]] = []
         if plan.dependency_dir and plan.install:
             layers.append(await self._dependency_layer(plan, src, env, events, ref.repo, confinement))
         if plan.build:
-            await self._run_command(plan.build, src, env, events, step="build", confinement=confinement)
+            await run_command(
+                plan.build,
+                src,
+                env,
+                events,
+                step="build",
+                keepalive=self.keepalive,
+                sandbox=self.sandbox,
+                confinement=confinement,
+            )
         elif not layers:
             await events.log("no install or build step: packing the source as is")
         # Without a dependency layer (install skipped), a committed node_modules stays in the app layer.
@@ -469,7 +396,7 @@ class Builder:
         if plan.provider == "python":
             platform += f" {env['UV_PYTHON']}"
         elif plan.provider == "node":
-            platform += f" node {await self._node_version(env)}"
+            platform += f" node {await node_version(env)}"
         key = await asyncio.to_thread(dependency_key, plan, src, platform)
         layers = self.layers if self.sandbox is None else LayerCache(self._caches(repo) / "layers")
         cached = await asyncio.to_thread(layers.get, key)
@@ -486,76 +413,22 @@ class Builder:
             if plan.build:  # the build step may need them (npm run build)
                 await asyncio.to_thread(unpack_layer, cached[0], src)
             return cached
-        await self._run_command(plan.install, src, env, events, step="install", confinement=confinement)
+        await run_command(
+            plan.install,
+            src,
+            env,
+            events,
+            step="install",
+            keepalive=self.keepalive,
+            sandbox=self.sandbox,
+            confinement=confinement,
+        )
         if plan.provider == "python":
             write_interpreter_shims(src, plan.dependency_dir, env["UV_PYTHON"])
         layer = await asyncio.to_thread(pack_directory, src, only=plan.dependency_dir)
         await asyncio.to_thread(layers.put, key, *layer)
         await self._push_cached_layer(repo, key, layer, events)
         return layer
-
-    def _tool_env(self, cache_dir: Path) -> dict[str, str]:
-        """uv on PATH; the package managers' download caches kept under ``cache_dir``."""
-        caches = cache_dir / "downloads"
-        return {k: os.environ[k] for k in NETWORK_ENV if k in os.environ} | {
-            "PATH": f"{Path(find_uv_bin()).parent}{os.pathsep}{os.environ.get('PATH', os.defpath)}",
-            "UV_CACHE_DIR": str(caches / "uv"),
-            "UV_LINK_MODE": "copy",
-            "UV_PYTHON_DOWNLOADS": "never",
-            "UV_NO_PROGRESS": "1",
-            "UV_SYSTEM_CERTS": "1",
-            # Bytecode compiled at build time, so no instance compiles it at start; hash-checked .pyc files
-            # (SOURCE_DATE_EPOCH), as the layer's files carry no modification times.
-            "UV_COMPILE_BYTECODE": "1",
-            "SOURCE_DATE_EPOCH": "0",  # the node's CA store: a TLS-inspecting proxy's CA is trusted as for pip
-            "npm_config_cache": str(caches / "npm"),
-            "npm_config_update_notifier": "false",
-            "npm_config_fund": "false",
-            "npm_config_audit": "false",
-            "YARN_CACHE_FOLDER": str(caches / "yarn"),
-            "npm_config_store_dir": str(caches / "pnpm"),
-        }
-
-    async def _interpreter(self, request: str, env: Mapping[str, str], events: BuildEventPublisher) -> str:
-        """The Python the app asks for when this node has it, else the node's own (the one the agent runs on,
-        so every node of the platform has it)."""
-        own = self.node_python
-        own_version = f"{sys.version_info.major}.{sys.version_info.minor}"
-        if not request or request == own_version:
-            return own
-        finder = [find_uv_bin(), "--no-cache", "python", "find", "--system", "--no-project", request]
-        found = await self._output(finder, env)
-        if found:
-            return await asyncio.to_thread(os.path.realpath, found)
-        await events.log(f"python {request} is not installed on this builder: using its Python {own_version}")
-        return own
-
-    async def _node_version(self, env: Mapping[str, str]) -> str:
-        version = await self._output(["node", "--version"], env)
-        if not version:
-            raise BuildError(NO_NODE)
-        return version
-
-    @staticmethod
-    async def _node_path(env: Mapping[str, str]) -> str:
-        """The absolute path of the ``node`` the build runs (label ``dev.zattera.nodejs``)."""
-        found = shutil.which("node", path=env.get("PATH"))
-        if not found:
-            raise BuildError(NO_NODE)
-        return await asyncio.to_thread(os.path.realpath, found)
-
-    @staticmethod
-    async def _output(argv: Sequence[str], env: Mapping[str, str]) -> str:
-        """The first line a short command prints, or "" when it fails or is missing."""
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, env=dict(env), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-            )
-        except OSError:
-            return ""
-        out, _ = await proc.communicate()
-        lines = out.decode(errors="replace").strip().splitlines()
-        return lines[0].strip() if proc.returncode == 0 and lines else ""
 
     async def _registry_layer(self, repo: str, key: str) -> tuple[bytes, str] | None:
         try:
@@ -578,126 +451,3 @@ class Builder:
             )
         except RegistryError as exc:  # only a cache: the build goes on
             await events.log(f"dependencies: not cached in the registry: {exc}")
-
-    async def _fetch_source(self, request: cpb.RunBuildRequest) -> bytes:
-        url = request.source_url
-        try:
-            if url.startswith(("http://", "https://")):
-                timeout = aiohttp.ClientTimeout(total=SOURCE_FETCH_TIMEOUT)
-                async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as response:
-                    if response.status != 200:
-                        raise BuildError(f"fetch source: source fetch: HTTP {response.status}")
-                    return await response.read()
-            if url.startswith("sha256:"):
-                data = await BlobStore(self.conn, SOURCES_STORE).get(url)
-                if digest_of(data) != url.lower():
-                    raise BuildError(f"fetch source: content does not match {url}")
-                return data
-        except (RegistryError, aiohttp.ClientError, TimeoutError) as exc:
-            raise BuildError(f"fetch source: {exc}") from exc
-        if request.git.clone_url:
-            raise BuildError("fetch source: git sources are not supported by this builder")
-        raise BuildError(f"fetch source: unsupported source url {url!r}")
-
-    async def _run_command(
-        self,
-        command: str,
-        cwd: Path,
-        env: Mapping[str, str],
-        events: BuildEventPublisher,
-        *,
-        step: str,
-        confinement: Confinement | None = None,
-    ) -> None:
-        """Run one plan step (sandboxed when ``confinement`` is given), its output streamed as log lines; a
-        failure's error ends with the last lines it printed (the package manager's own message), so the deploy
-        output shows why."""
-        await events.log(f"$ {command}")
-        if confinement is not None and self.sandbox is not None:
-            # What the builder wrote since (the source, generated files, a cached layer) becomes the step's.
-            await asyncio.to_thread(give, cwd, confinement.uid, whole=True)
-            wrapped = self.sandbox.wrap(confinement, ["/bin/sh", "-c", command], env)
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *wrapped.argv,
-                    cwd=cwd,
-                    env=wrapped.env,
-                    pass_fds=wrapped.fds,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT,
-                    start_new_session=True,  # cancelling kills its whole group, the sandbox with it
-                )
-            finally:
-                wrapped.close()
-        else:
-            proc = await start_shell(
-                command,
-                cwd=cwd,
-                env=env,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                own_session=True,  # cancelling kills its whole group
-            )
-        assert proc.stdout is not None
-        last_lines: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
-        try:
-            silent_for = 0.0
-            while True:
-                try:
-                    line = await asyncio.wait_for(proc.stdout.readline(), self.keepalive)
-                except TimeoutError:
-                    silent_for += self.keepalive
-                    await events.log(f"… still building ({silent_for:.0f}s without output)")
-                    continue
-                if not line:
-                    break
-                silent_for = 0.0
-                text = line.decode(errors="replace").rstrip("\r\n")
-                if text:
-                    await events.log(text)
-                    last_lines.append(" ".join(text.split()))
-            code = exit_status(await proc.wait()) if confinement is not None else await proc.wait()
-        except asyncio.CancelledError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            raise
-        if code != 0:
-            said = " / ".join(line for line in last_lines if line)[-ERROR_TAIL_CHARS:]
-            raise BuildError(f"builder: {step} command exited with code {code}" + (f": {said}" if said else ""))
-
-
-def unpack_layer(layer: bytes, dest: Path) -> None:
-    with tarfile.open(fileobj=io.BytesIO(layer), mode="r:gz") as tar:
-        tar.extractall(dest, filter="data")
-
-
-def write_interpreter_shims(src: Path, dependency_dir: str, interpreter: str) -> None:
-    """``<dependency_dir>/bin/python`` and ``python3`` for the app's commands: the interpreter the packages were
-    installed for. Written after the install step ran the app's code, so no path component is followed if
-    it is a link (it could point anywhere on the node): such a shim is not written."""
-    text = f'#!/bin/sh\nexec {shlex.quote(interpreter)} "$@"\n'.encode()
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    opened: list[int] = []
-    try:
-        opened.append(os.open(src, flags))
-        for part in (*Path(dependency_dir).parts, "bin"):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(part, 0o755, dir_fd=opened[-1])
-            opened.append(os.open(part, flags, dir_fd=opened[-1]))
-        for name in ("python", "python3"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=opened[-1])
-            creating = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            shim = os.open(name, creating, 0o755, dir_fd=opened[-1])
-            try:
-                os.write(shim, text)
-                os.fchmod(shim, 0o755)
-            finally:
-                os.close(shim)
-    except OSError as exc:
-        log.warning("interpreter shims not written in %s/%s: %s", src, dependency_dir, exc)
-    finally:
-        for fd in opened:
-            os.close(fd)

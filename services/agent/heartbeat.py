@@ -19,10 +19,10 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.agent.launchers import InstanceHandle
 from shared.clock import Clock, stamp
+from shared.connection import Connection
 from shared.live import publish_node_heartbeat
 from shared.metrics import enabled as metrics_enabled
 from shared.metrics import observe_gauges
-from shared.natsio import Connection
 
 log = logging.getLogger(__name__)
 

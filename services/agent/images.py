@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.files import write_atomic
-from shared.natsio import Connection
 from shared.registry import RegistryError, fetch_image
 
 PROCESS_SCHEME = "process://"

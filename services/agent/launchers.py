@@ -17,7 +17,7 @@ from typing import Protocol
 from services.agent.images import PreparedImage, prepare_image
 from services.agent.processes import Confined, InstanceRecord, adopt, spawn
 from services.agent.sandbox import Confinement, Sandbox, give
-from shared.natsio import Connection
+from shared.connection import Connection
 
 PROCESS = "process"
 DOCKER = "docker"

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import nats.errors
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -39,9 +40,12 @@ from nats.js.errors import Error as JetStreamError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.applogs import STDERR, STDOUT, app_log_subject, app_logs_stream
+from shared.connection import Connection
 from shared.files import PRIVATE, write_atomic
-from shared.natsio import Connection
 from shared.tasks import raise_if_cancelling
+
+if TYPE_CHECKING:
+    from services.agent.settings import AgentSettings
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,17 @@ class ShipperSettings:
     max_line: int = 16 * 1024
     stderr_tail: int = 20
     retry: float = 1.0
+
+    @classmethod
+    def of(cls, settings: AgentSettings) -> ShipperSettings:
+        """What the agent's settings say."""
+        return cls(
+            poll_interval=settings.log_poll_interval,
+            max_backlog=settings.log_max_backlog,
+            batch_bytes=settings.log_batch_bytes,
+            batch_lines=settings.log_batch_lines,
+            stderr_tail=settings.log_stderr_tail,
+        )
 
 
 @dataclass

@@ -28,8 +28,8 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.clock import Clock, stamp
+from shared.connection import Connection
 from shared.jetstream import read_state_key
-from shared.natsio import Connection
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.txn import Writer
 from shared.version import zattera_version

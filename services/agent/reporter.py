@@ -17,7 +17,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.state.feed import StateView
-from shared.state.store import merge_observed
+from shared.state.tables import merge_observed
 from shared.txn import Txn, Writer
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from shared.backoff import exponential
+
+if TYPE_CHECKING:
+    from services.agent.settings import AgentSettings
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,16 @@ class RestartPolicy:
     backoff: float
     backoff_max: float
     stable_after: float
+
+    @classmethod
+    def of(cls, settings: AgentSettings) -> RestartPolicy:
+        """The policy the agent's settings say."""
+        return cls(
+            max_start_attempts=settings.max_start_attempts,
+            backoff=settings.restart_backoff,
+            backoff_max=settings.restart_backoff_max,
+            stable_after=settings.stable_after,
+        )
 
     def before_start(self, history: StartHistory, config: str, now: float, *, job_ended_before: bool) -> Plan:
         """The instance runs nothing and wants to run ``config``: start it now, later, or not at all.

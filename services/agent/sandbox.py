@@ -53,9 +53,9 @@ from pathlib import Path
 
 import psutil
 
+from services.agent.snapshots.handlers import HOOK_TIMEOUT, HookRunner, PreHookError
 from shared.certclient import write_private_json
 from shared.errors import ZatteraError
-from shared.snapshots.agent import HOOK_TIMEOUT, HookRunner, PreHookError
 
 log = logging.getLogger(__name__)
 

@@ -42,10 +42,11 @@ from shared.activation import (
     ActivateError,
 )
 from shared.clock import Clock
+from shared.connection import Connection
 from shared.events import EVENT_WOKEN, EventPublisher, replica_count
-from shared.natsio import ACTIVATE_SUBJECT, Connection, is_direct_request
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
 from shared.state.feed import StateView
+from shared.subjects import ACTIVATE_SUBJECT, is_direct_request
 from shared.telemetry import span
 from shared.txn import TxnError, Writer
 

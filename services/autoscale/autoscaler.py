@@ -30,7 +30,7 @@ from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
 from shared.loop import LoopDeps
 from shared.settings import DEFAULTS
 from shared.state.reader import StateReader
-from shared.state.store import RUN
+from shared.state.tables import RUN
 
 log = logging.getLogger(__name__)
 

@@ -55,9 +55,10 @@ from shared.buildlogs import (
     sender_of_events_subject,
 )
 from shared.clock import Clock, from_timestamp, to_timestamp
-from shared.natsio import BUILD_EVENTS_STREAM, Connection, build_events_subject
+from shared.connection import Connection
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
 from shared.state.feed import CONSUMER_HEARTBEAT, StateView, guard_ordered_consumer
+from shared.subjects import BUILD_EVENTS_STREAM, build_events_subject
 from shared.tasks import cancel_and_wait
 from shared.telemetry import inject, span
 from shared.txn import Deposed, Writer

@@ -19,7 +19,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.applogs import LogLimits, app_logs_stream, app_logs_stream_config, env_of_stream, retention_of
 from shared.loop import LeaderLoop, LoopDeps
-from shared.natsio import create_or_update_stream, recorded_replicas
+from shared.provisioning import create_or_update_stream, recorded_replicas
 
 log = logging.getLogger(__name__)
 

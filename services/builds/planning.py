@@ -19,8 +19,8 @@ from zattera.v1 import types_pb2 as pb
 
 from shared.buildlogs import TERMINAL_STATUSES
 from shared.clock import from_timestamp, to_timestamp
-from shared.natsio import build_log_subject
 from shared.registry import repository
+from shared.subjects import build_log_subject
 
 CLAIM_IN_FLIGHT = 12.0
 """A RUNNING build resumed by a new term (or a new leader) within this many seconds of its claim is sent its

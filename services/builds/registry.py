@@ -22,9 +22,10 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.clock import Clock
-from shared.natsio import IMAGES_STORE, Connection
+from shared.connection import Connection
 from shared.registry import BLOB_GRACE, BlobInfo, BlobStore, image_id
 from shared.state.feed import StateView
+from shared.subjects import IMAGES_STORE
 from shared.txn import Writer
 
 log = logging.getLogger(__name__)

@@ -33,9 +33,10 @@ from services.builds.settings import DEFAULTS
 from shared import keys as K
 from shared.deployments import is_terminal
 from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
-from shared.natsio import DAY, SOURCES_STORE
 from shared.registry import BlobInfo, BlobStore, parse_ref, repository
 from shared.state.changes import Change
+from shared.streams import DAY
+from shared.subjects import SOURCES_STORE
 
 log = logging.getLogger(__name__)
 

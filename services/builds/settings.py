@@ -7,8 +7,8 @@ from typing import Final
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.natsio import DAY
 from shared.registry import BLOB_GRACE
+from shared.streams import DAY
 
 
 class BuildsSettings(BaseSettings):

@@ -10,13 +10,14 @@ from pathlib import Path
 from aiohttp import web
 
 from services.console.auth import LoginLimiter, Sessions
+from services.console.handling import Console
 from services.console.settings import ConsoleSettings
-from services.console.web import Console, make_app
+from services.console.web import make_app
 from shared.actions.context import ActionContext
 from shared.clock import Clock
+from shared.connection import Connection
 from shared.console_users import users_bucket
 from shared.live import LiveView
-from shared.natsio import Connection
 from shared.routeclient import RouteClient
 from shared.snapshots.dispatch import operator_dispatcher
 from shared.state.feed import StateView

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from services.proxy.haproxy_engine import HAProxyIngress, haproxy_ingress
+from services.proxy.haproxy_ingress import HAProxyIngress, haproxy_ingress
 from services.proxy.launch import choose_engine
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings

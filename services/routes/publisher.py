@@ -38,18 +38,12 @@ from nats.errors import Error as NatsError
 from nats.js.errors import Error as JetStreamError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from services.routes.builder import RELEVANT_KINDS, RouteBuilder, encode_snapshot
+from services.routes.builder import RELEVANT_KINDS, RouteBuilder
+from services.routes.env_routes import encode_snapshot
 from shared.clock import Clock, ticker
-from shared.natsio import (
-    ROUTES_GET_SUBJECT,
-    ROUTES_SNAPSHOT_SUBJECT,
-    ROUTES_STREAM,
-    ClusterIdentity,
-    Connection,
-    cluster_identity,
-    is_direct_request,
-)
-from shared.routeclient import (
+from shared.connection import Connection
+from shared.provisioning import ClusterIdentity, cluster_identity
+from shared.routewire import (
     COMPRESS_ABOVE,
     DIGEST_HEADER,
     HEADER_ROOM,
@@ -63,6 +57,7 @@ from shared.routeclient import (
 )
 from shared.state.changes import Change, ChangeFeed
 from shared.state.feed import StateView
+from shared.subjects import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, ROUTES_STREAM, is_direct_request
 from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.telemetry import counter, span
 

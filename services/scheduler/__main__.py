@@ -17,7 +17,8 @@ from services.scheduler.settings import SchedulerSettings
 from services.scheduler.snapshots import SnapshotScheduler
 from shared.live import LiveView
 from shared.service import ServiceContext, main
-from shared.snapshots.dispatch import SnapshotDispatcher, snapshot_target
+from shared.snapshots.dispatch import SnapshotDispatcher
+from shared.snapshots.guards import snapshot_target
 
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:

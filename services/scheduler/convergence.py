@@ -39,7 +39,7 @@ from shared.placement.replicas import (
     stopped,
 )
 from shared.state.reader import StateReader
-from shared.state.store import reservation
+from shared.state.tables import reservation
 from shared.volumes import restoring_volume
 
 BACKOFF_FIRST = 10.0

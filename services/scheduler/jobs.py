@@ -46,7 +46,7 @@ from shared.placement.replicas import new_assignment, node_is_down, stopped
 from shared.schedule import Schedule, ScheduleError, parse_schedule
 from shared.settings import DEFAULTS
 from shared.state.reader import StateReader
-from shared.state.store import reservation
+from shared.state.tables import reservation
 
 log = logging.getLogger(__name__)
 

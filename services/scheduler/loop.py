@@ -27,7 +27,8 @@ from services.scheduler.volumes import evaluate_leases, evaluate_volumes
 from shared import keys as K
 from shared.events import WARNING
 from shared.loop import LeaderLoop, LoopDeps
-from shared.placement.placement import PlacementError, explain
+from shared.placement.explain import explain
+from shared.placement.placement import PlacementError
 from shared.settings import DEFAULTS
 from shared.state.reader import StateReader
 

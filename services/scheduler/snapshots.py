@@ -48,7 +48,7 @@ from shared.events import WARNING
 from shared.loop import LeaderLoop, LoopDeps
 from shared.schedule import Schedule, ScheduleError, parse_schedule
 from shared.settings import DEFAULTS
-from shared.snapshots.dispatch import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
+from shared.snapshots.guards import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
 from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
 

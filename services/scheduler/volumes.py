@@ -40,7 +40,7 @@ from shared.placement.placement import volume_pin
 from shared.placement.platforms import supports
 from shared.placement.replicas import RUN, node_is_down
 from shared.state.reader import StateReader
-from shared.state.store import reservation
+from shared.state.tables import reservation
 from shared.volumes import find_volume, lease_expired, lease_held_by_other, lease_of
 
 LEASE_TTL = 60.0

@@ -34,8 +34,8 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.certs import ACCOUNT_OPEN_SUBJECT, KEYS_OPEN_SUBJECT
+from shared.connection import Connection
 from shared.events import WARNING, EventPublisher, make_event
-from shared.natsio import Connection, is_direct_request
 from shared.secrets import (
     CLUSTER_KEY,
     ROTATE_SUBJECT,
@@ -55,6 +55,7 @@ from shared.secrets import (
 from shared.security.callers import caller
 from shared.state.feed import StateView
 from shared.state.reader import StateReader
+from shared.subjects import is_direct_request
 from shared.tasks import cancel_and_wait
 from shared.telemetry import span
 from shared.txn import CommitUnknown, Conflict, Writer

@@ -20,8 +20,8 @@ from google.protobuf.message import Message
 
 from shared.actions.refusals import Conflicting
 from shared.clock import Clock, RealClock
+from shared.connection import Connection
 from shared.events import EventPublisher
-from shared.natsio import Connection
 from shared.retry import Attempt, Decide, RetriesExhausted, commit_with_retry
 from shared.state.feed import StateView
 from shared.tasks import cancel_and_wait

@@ -147,7 +147,7 @@ async def set_snapshot_policy(ctx: ActionContext, request: SetSnapshotPolicy) ->
 def _dispatcher(ctx: ActionContext) -> SnapshotDispatcher:
     if ctx.snapshots is not None:
         return ctx.snapshots
-    from shared.snapshots.dispatch import operator_dispatcher  # the snapshot engine's imports, only when used
+    from shared.snapshots.dispatch import operator_dispatcher
 
     return operator_dispatcher(ctx.conn, ctx.view, ctx.clock)
 

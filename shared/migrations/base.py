@@ -19,12 +19,11 @@ from typing import Any
 
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 
+from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.lease import Lease
 from shared.migrations.registry import Listed
-from shared.natsio import (
-    ClusterConfig,
-    Connection,
+from shared.provisioning import (
     create_object_store_if_missing,
     create_stream_if_missing,
     raw_stream_config,
@@ -32,6 +31,7 @@ from shared.natsio import (
     update_stream_raw,
 )
 from shared.state.feed import StateView
+from shared.streams import ClusterConfig
 from shared.txn import Writer
 
 log = logging.getLogger(__name__)

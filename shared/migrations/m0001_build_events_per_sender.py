@@ -17,15 +17,9 @@ import dataclasses
 from typing import Any
 
 from shared.migrations.base import Migration, MigrationContext
-from shared.natsio import (
-    BUILD_EVENTS_STREAM,
-    BUILD_LOG_END_SLOTS,
-    BUILD_LOGS_STREAM,
-    LIVE_STREAM,
-    STATE_STREAM,
-    js_api,
-    raw_stream_config,
-)
+from shared.provisioning import js_api, raw_stream_config
+from shared.streams import BUILD_LOG_END_SLOTS
+from shared.subjects import BUILD_EVENTS_STREAM, BUILD_LOGS_STREAM, LIVE_STREAM, STATE_STREAM
 
 BUILD_EVENTS_SUBJECTS = ["zattera.builds.*.events.*"]
 NANOS = 1_000_000_000

@@ -2,7 +2,7 @@
 
 The number in a module's name is the schema version the cluster is at once it has run; numbers start at 1
 and follow each other without a gap. :data:`SCHEMA` (the schema this code brings a cluster to) is read from
-the module names alone, without importing them, so ``shared/natsio.py`` can record it at a cluster's init;
+the module names alone, without importing them, so ``shared/provisioning.py`` can record it at a cluster's init;
 :func:`load` imports them (:mod:`shared.migrations.runner` and the tests).
 """
 

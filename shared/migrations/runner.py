@@ -25,20 +25,16 @@ from datetime import UTC, datetime
 
 from zattera.v1 import types_pb2 as pb
 
+from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.events import EventPublisher, make_event
 from shared.lease import Leadership, default_holder, run_while_leading
 from shared.migrations.base import MigrationContext, MigrationInterrupted, Step
 from shared.migrations.registry import load
-from shared.natsio import (
-    STATE_STREAM,
-    ClusterConfig,
-    Connection,
-    raw_stream_config,
-    recorded_config,
-    update_stream_raw,
-)
+from shared.provisioning import raw_stream_config, recorded_config, update_stream_raw
 from shared.skew import Component, SkewRefused, Verdict, judge
+from shared.streams import ClusterConfig
+from shared.subjects import STATE_STREAM
 from shared.tasks import cancel_and_wait
 from shared.version import VERSION, newer
 

@@ -10,10 +10,11 @@ The rules:
   256 MB per zero dimension); a zero capacity dimension is unlimited. ``cur + need <= capacity`` fits.
 * **greedy pick**, re-scored after every pick, smallest key wins: (replicas of this env on the node,
   replicas of this env in the node's region, -free memory (unlimited = most), node id).
-* **names**: the filters are :data:`FILTERS` and the score's terms :data:`SCORES`; :func:`explain` counts,
-  per filter, the nodes it removed, so a shortfall says why ("5 nodes: 3 filtered by arch, 2 by
-  memory"). It is computed when asked (the scheduler's ``schedule.no_capacity`` event, ``zattera
-  status``), never on the placement path, which keeps the index's speed.
+* **names**: the filters are :data:`FILTERS` and the score's terms :data:`SCORES`;
+  :func:`shared.placement.explain.explain` counts, per filter, the nodes it removed, so a shortfall says why
+  ("5 nodes: 3 filtered by arch, 2 by memory"). It is computed when asked (the scheduler's
+  ``schedule.no_capacity`` event, ``zattera status``), never on the placement path, which keeps the index's
+  speed.
 * **errors**, when no candidate survives: the arch error beats the label error; otherwise, and on any
   shortfall, "only k of n" with the picks made so far. Volumes pinned to different nodes give a clear
   error (never silently the first).
@@ -42,34 +43,44 @@ from zattera.v1 import types_pb2 as pb
 from shared.errors import ZatteraError
 from shared.placement.platforms import loose_platform, normalize_platform, platform_set, supports
 from shared.state.reader import StateReader
-from shared.state.store import reservation
+from shared.state.tables import reservation
 from shared.volumes import find_volume
 
 __all__ = [
     "FILTERS",
     "SCORES",
-    "Explanation",
     "PlacementError",
     "PlacementIndex",
-    "explain",
     "normalize_platform",
     "place",
     "supports",
 ]
 
+
 FILTERS = ("excluded", "not alive", "cordoned", "control only", "arch", "labels", "volume pin", "cpu", "memory")
+
+
 """Placement's filters by name, in the order they apply; a node that fails several counts under the first:
 the caller's exclusions, node status ALIVE, schedulable, the WORKER role, the release's platforms, its
 label constraints, the stateful volume pin, then room for one more replica's reservation (cpu, memory)."""
 
+
 SCORES = ("env replicas on the node", "env replicas in the node's region", "free memory", "node id")
+
+
 """The greedy pick's sort key, term by term: fewest replicas of the env on the node, then in its region,
 then the most free memory (unreported capacity = unlimited), then the node id."""
 
+
 UNLIMITED_FREE = 2**63 - 1
+
+
 """Free memory of a node with unreported (0) memory capacity: the most preferred target."""
 
+
 _WORKER = pb.NODE_ROLE_WORKER
+
+
 _ALIVE = pb.NODE_STATUS_ALIVE
 
 
@@ -176,12 +187,12 @@ def _placeable_nodes(view: StateReader) -> dict[str, _Node]:
     cached = _placeable_cache.get(view)
     if cached is not None and cached[0] is nodes:
         return cached[1]
-    placeable = {node.meta.id: _node(node) for node in nodes if _status_filter(node) is None}
+    placeable = {node.meta.id: capacity_of(node) for node in nodes if status_filter(node) is None}
     _placeable_cache[view] = (nodes, placeable)
     return placeable
 
 
-def _status_filter(node: pb.Node) -> str | None:
+def status_filter(node: pb.Node) -> str | None:
     """The first of the node-status filters that ``node`` fails (None: it is placeable)."""
     if node.status != _ALIVE:
         return "not alive"
@@ -192,7 +203,7 @@ def _status_filter(node: pb.Node) -> str | None:
     return None
 
 
-def _node(node: pb.Node) -> _Node:
+def capacity_of(node: pb.Node) -> _Node:
     labels = node.labels
     return _Node(
         id=node.meta.id,
@@ -451,82 +462,3 @@ def place(
     if n <= 0:
         return [], None
     return (index or PlacementIndex(view)).place(release, env_id, n, exclude)
-
-
-@dataclass(frozen=True, slots=True)
-class Explanation:
-    """Why placement finds no room: the nodes each of :data:`FILTERS` removed, and how many passed them."""
-
-    nodes: int
-    filtered: dict[str, int]
-    """Filter name → nodes it removed (a node counts under the first filter it fails); only non-zero ones."""
-    fit: int
-    """Nodes that pass every filter with room for one more replica."""
-
-    def summary(self) -> str:
-        """E.g. ``5 nodes: 3 filtered by arch, 2 by memory``."""
-        if self.nodes == 0:
-            return "no nodes registered"
-        parts = [f"{count} by {name}" for name, count in self.filtered.items()]
-        if parts:
-            parts[0] = parts[0].replace(" by ", " filtered by ", 1)
-        if self.fit:
-            parts.append(f"{self.fit} with room")
-        return f"{self.nodes} node{'s' * (self.nodes != 1)}: " + ", ".join(parts)
-
-
-def explain(view: StateReader, release: pb.Release, env_id: str, exclude: Collection[str] = frozenset()) -> Explanation:
-    """Count, per named filter, the nodes of the view it removes for one more replica of ``release``.
-
-    The same rules as :func:`place` over the view as it is (without the reservations of a pass in
-    progress); one pass over the nodes, for a caller that wants to say why a placement fell short.
-    """
-    pin, pin_error = volume_pin(view, release, env_id)
-    wants = _Wants(
-        platform_set(release.platforms),
-        tuple(sorted(release.service.placement_constraints.items())),
-        pin,
-        pin_error is not None,
-        *reservation(release),
-    )
-    counts = dict.fromkeys(FILTERS, 0)
-    nodes = view.nodes()
-    fit = 0
-    for node in nodes:
-        reason = "excluded" if node.meta.id in exclude else wants.first_filter(node, view)
-        if reason is None:
-            fit += 1
-        else:
-            counts[reason] += 1
-    return Explanation(len(nodes), {name: n for name, n in counts.items() if n}, fit)
-
-
-@dataclass(frozen=True, slots=True)
-class _Wants:
-    """What one more replica of a release asks of a node."""
-
-    platforms: frozenset[str]
-    constraints: tuple[tuple[str, str], ...]
-    pin: str
-    split_pins: bool
-    cpu: int
-    mem: int
-
-    def first_filter(self, node: pb.Node, view: StateReader) -> str | None:
-        """The name of the first filter ``node`` fails (None: it takes the replica)."""
-        status = _status_filter(node)
-        if status is not None:
-            return status
-        info = _node(node)
-        if not info.platform_ok(self.platforms):
-            return "arch"
-        if not info.labels_ok(self.constraints):
-            return "labels"
-        if self.split_pins or (self.pin and self.pin != info.id):
-            return "volume pin"
-        cpu, mem = view.reserved(info.id)
-        if not info.cpu_fits(cpu, self.cpu):
-            return "cpu"
-        if not info.mem_fits(mem, self.mem):
-            return "memory"
-        return None

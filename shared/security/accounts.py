@@ -18,13 +18,13 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from shared.natsio import STATE_PREFIX
 from shared.security.permissions import (
     INBOX,
     JS,
     ROLE_PERMISSIONS,
     Role,
 )
+from shared.subjects import STATE_PREFIX
 
 RELAY_PREFIX = "zattera.relay."
 """Agents' and operators' state-bucket writes arrive in ``ZATTERA`` under this prefix (their import renames

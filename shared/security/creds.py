@@ -1,6 +1,6 @@
 """NATS ``.creds`` files (a user JWT plus the user's nkey seed) and the private inbox a credential implies.
 
-Kept free of other project imports but :mod:`shared.files` (stdlib only): :func:`shared.natsio.connect` uses it.
+Kept free of other project imports but :mod:`shared.files` (stdlib only): :func:`shared.connection.connect` uses it.
 """
 
 from __future__ import annotations

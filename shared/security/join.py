@@ -35,9 +35,10 @@ from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequen
 from nats.js.kv import KeyValue
 
 from shared import keys as K
+from shared.connection import Connection, split_urls
 from shared.errors import ZatteraError
 from shared.jetstream import read_state_key
-from shared.natsio import Connection, recorded_replicas, split_urls
+from shared.provisioning import recorded_replicas
 from shared.security.accounts import RELAY_PREFIX
 from shared.security.authority import RoleIssuer
 from shared.security.callers import answerable

@@ -16,10 +16,11 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from shared import keys as K
+from shared.connection import Connection
 from shared.errors import ZatteraError
-from shared.natsio import STATE_BUCKET, Connection
 from shared.security import membership
 from shared.security.machines import MachineToken
+from shared.subjects import STATE_BUCKET
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,12 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from shared import keys as K
+from shared.connection import Connection, connect
 from shared.errors import ZatteraError
 from shared.jetstream import is_delete_marker
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, connect
 from shared.security.accounts import Account
 from shared.security.authority import Authority
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from shared.applogs import APP_LOGS_SUBJECT_PREFIX
 from shared.certs import CHANGED_SUBJECT as CERTS_CHANGED_SUBJECT
 from shared.certs import KEYS_OPEN_SUBJECT as CERT_KEYS_OPEN_SUBJECT
 from shared.console_users import USERS_BUCKET
-from shared.natsio import (
+from shared.secrets import ROTATE_SUBJECT, open_subject
+from shared.subjects import (
     ACTIVATE_SUBJECT,
     BUILD_EVENTS_STREAM,
     BUILD_LOGS_STREAM,
@@ -44,7 +45,6 @@ from shared.natsio import (
     agent_subject,
     build_events_subject,
 )
-from shared.secrets import ROTATE_SUBJECT, open_subject
 from shared.watches import WATCH_OPEN_SUBJECT
 
 JOIN_SUBJECT = "zattera.join"

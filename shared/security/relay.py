@@ -20,9 +20,10 @@ from collections.abc import Awaitable, Callable
 import nats
 from nats.aio.msg import Msg
 
-from shared.natsio import STATE_PREFIX, Connection
+from shared.connection import Connection
 from shared.security.accounts import RELAY_PREFIX
 from shared.security.callers import answerable, caller
+from shared.subjects import STATE_PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,12 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.ids import is_safe_id
-from shared.natsio import STATE_STREAM, Connection
 from shared.security.callers import answerable, caller
 from shared.security.permissions import AGENT_STATE_READS, NAME, VIEW_OPEN_SUBJECT, view_consumer
+from shared.subjects import STATE_STREAM
 
 log = logging.getLogger(__name__)
 

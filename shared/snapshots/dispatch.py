@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -30,87 +29,45 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from shared.actions.refusals import Conflicting, NotFound, Unavailable
+from shared.actions.refusals import NotFound
 from shared.clock import Clock, stamp
+from shared.connection import Connection
 from shared.ids import new_id
-from shared.natsio import Connection, agent_subject
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
 from shared.settings import Settings, settings
+from shared.snapshots.guards import (
+    SNAPSHOT_KEY_ENV,
+    NodeOperationFailed,
+    RecordNotWritten,
+    RestoreRefused,
+    SnapshotBusy,
+    SnapshotKeyMismatch,
+    describe_key,
+    holder_assignment,
+    key_fingerprint,
+    snapshot_target,
+    volume_mounted,
+)
 from shared.snapshots.locking import SharedExclusiveLock
 from shared.snapshots.store import MANIFESTS, SnapshotStore
 from shared.state.feed import StateView
-from shared.state.reader import StateReader
+from shared.subjects import agent_subject
 from shared.telemetry import inject, span
 from shared.txn import Deposed, TxnError, Writer
-from shared.volumes import lease_expired, lease_held_by_other, lease_of
 
 log = logging.getLogger(__name__)
 
+
 FIRST_REPLY_TIMEOUT = 10.0
+
+
 IDLE_TIMEOUT = 60.0  # agents re-send progress every 5 s; a minute of silence means the node is gone
+
+
 TOUCH_EVERY = 600.0  # how often a followed RUNNING record's updated_at is refreshed
+
+
 PRUNE_TIMEOUT = 900.0
-SNAPSHOT_KEY_ENV = "ZATTERA_SNAPSHOT_KEY"  # hex of the optional 32-byte AES-256-GCM cluster key
-
-
-class SnapshotBusy(Conflicting):
-    """A snapshot (or restore) of this volume is already running."""
-
-
-class RecordNotWritten(Conflicting):
-    """The RUNNING record could not be written: nothing was dispatched."""
-
-
-class RestoreRefused(Conflicting):
-    """The volume or the snapshot is not in a state to restore (mounted, restoring, not COMPLETE)."""
-
-
-class NodeOperationFailed(Unavailable):
-    """The volume's node did not do it: no agent answering, silent too long, or it reported an error."""
-
-
-class SnapshotKeyMismatch(RestoreRefused):
-    """The store's snapshots are sealed with another key (or none) than this process's: refused, because
-    chunks are shared by every snapshot and a mixed store cannot be restored or garbage-collected."""
-
-
-def key_fingerprint(target: cpb.SnapshotTarget) -> str:
-    """What ``VolumeSnapshot.key_fingerprint`` records for snapshots taken with ``target``."""
-    return hashlib.sha256(target.data_key).hexdigest()[:16] if target.data_key else ""
-
-
-def _describe(fingerprint: str) -> str:
-    return f"the key {fingerprint}" if fingerprint else "no key"
-
-
-def snapshot_target(cfg: Settings | None = None) -> cpb.SnapshotTarget:
-    """The snapshot key of this process's settings (``ZATTERA_SNAPSHOT_KEY``), as the agents receive it."""
-    key = (cfg or settings()).snapshot_key.get_secret_value()
-    return cpb.SnapshotTarget(data_key=bytes.fromhex(key) if key else b"")
-
-
-# ---------------------------------------------------------------------------- volume lease helpers
-
-
-def volume_mounted(view: StateReader, volume: pb.Volume, now: float) -> bool:
-    """Mounted = its fencing lease is unexpired, or a non-job RUN assignment of its environment sits on
-    its node (the instance holding the data may be up even while the lease lapses)."""
-    if not lease_expired(lease_of(volume), now):
-        return True
-    return any(
-        a.environment_id == volume.environment_id and not a.job_id and a.desired == pb.ASSIGNMENT_DESIRED_RUN
-        for a in view.assignments_by_node(volume.node_id)
-    )
-
-
-def holder_assignment(view: StateReader, volume: pb.Volume) -> str:
-    """The instance a pre-hook runs in: the lease holder, else the env's lowest-id RUN assignment there."""
-    if volume.HasField("lease") and volume.lease.assignment_id:
-        return volume.lease.assignment_id
-    for a in view.assignments_by_node(volume.node_id):
-        if a.environment_id == volume.environment_id and not a.job_id and a.desired == pb.ASSIGNMENT_DESIRED_RUN:
-            return a.meta.id
-    return ""
 
 
 @dataclass
@@ -199,8 +156,8 @@ class SnapshotDispatcher:
         ours = key_fingerprint(self.target)
         if newest.key_fingerprint != ours:
             raise SnapshotKeyMismatch(
-                f"the snapshot store is sealed with {_describe(newest.key_fingerprint)} (snapshot {newest.meta.id}) "
-                f"but this process has {_describe(ours)}: set {SNAPSHOT_KEY_ENV} to the cluster's snapshot key"
+                f"the snapshot store is sealed with {describe_key(newest.key_fingerprint)} (snapshot {newest.meta.id}) "
+                f"but this process has {describe_key(ours)}: set {SNAPSHOT_KEY_ENV} to the cluster's snapshot key"
             )
 
     async def snapshot(self, volume: pb.Volume, writer: Writer) -> pb.VolumeSnapshot:
@@ -395,8 +352,8 @@ class SnapshotDispatcher:
             raise RestoreRefused(f"snapshot {snapshot_id} is not COMPLETE")
         if snapshot.key_fingerprint != key_fingerprint(self.target):
             raise SnapshotKeyMismatch(
-                f"snapshot {snapshot_id} is sealed with {_describe(snapshot.key_fingerprint)} but this process has "
-                f"{_describe(key_fingerprint(self.target))}: set {SNAPSHOT_KEY_ENV} to the key it was taken with"
+                f"snapshot {snapshot_id} is sealed with {describe_key(snapshot.key_fingerprint)} but this process has "
+                f"{describe_key(key_fingerprint(self.target))}: set {SNAPSHOT_KEY_ENV} to the key it was taken with"
             )
         if volume_id in self._busy_volumes:
             raise SnapshotBusy(f"volume {volume_id} has an operation running")
@@ -487,19 +444,6 @@ class SnapshotDispatcher:
             )
         except RetriesExhausted:
             raise NodeOperationFailed(f"volume {volume_id} kept changing; its status was not written") from None
-
-
-__all__ = [
-    "NodeOperationFailed",
-    "RecordNotWritten",
-    "RestoreRefused",
-    "SnapshotBusy",
-    "SnapshotDispatcher",
-    "lease_expired",
-    "lease_held_by_other",
-    "snapshot_target",
-    "volume_mounted",
-]
 
 
 def operator_dispatcher(

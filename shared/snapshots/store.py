@@ -24,9 +24,9 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.errors import ZatteraError
 from shared.jetstream import WRONG_LAST_SEQUENCE
-from shared.natsio import SNAPSHOTS_STORE
 from shared.objects import ObjectCorrupt, list_objects, read_object
 from shared.snapshots.crypto import Sealer
+from shared.subjects import SNAPSHOTS_STORE
 
 CHUNKS = "chunks/"
 MANIFESTS = "manifests/"

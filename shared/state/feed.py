@@ -41,10 +41,12 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared.backoff import resubscribing
+from shared.connection import Connection
+from shared.directget import last_per_subject
 from shared.jetstream import is_delete_marker
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, last_per_subject
 from shared.pull import PullFeed, PullLost
 from shared.state.store import Snapshot, StateStore
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -117,11 +119,11 @@ class StateView(StateStore):
 
     async def load_snapshot(self, timeout: float) -> None:
         """Load the whole bucket once, without a consumer and without following changes: one direct get of
-        the last value of every key (:func:`shared.natsio.last_per_subject`), answered by any current
+        the last value of every key (:func:`shared.directget.last_per_subject`), answered by any current
         replica, so it does not wait for a state stream leader (a one-shot reader such as the CLI; a
         NATS server loss costs it ~1.5 s instead of the election's 4–9 s). A request sent to a server that
         dies is never answered, so attempts are short and asked again at once. Raises
-        :class:`TimeoutError` after ``timeout``, :class:`shared.natsio.TooManySubjects` for a bucket too
+        :class:`TimeoutError` after ``timeout``, :class:`shared.directget.TooManySubjects` for a bucket too
         large for one direct get (use :meth:`start`)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

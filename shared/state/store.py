@@ -28,128 +28,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from google.protobuf.message import DecodeError, Message
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.state.changes import ChangeFeed
+from shared.state.tables import ENV_INDEXED, RUN, Entry, Indexes, Tables, entry_msg, merge_observed, reservation
 from shared.telemetry import counter
 
 log = logging.getLogger(__name__)
 
-RUN = pb.ASSIGNMENT_DESIRED_RUN
-DEFAULT_CPU_MILLIS = 100
-DEFAULT_MEMORY_MB = 256
-_HEALTH_STATES = (pb.INSTANCE_STATE_HEALTHY, pb.INSTANCE_STATE_UNHEALTHY)
 
 UNKNOWN_KIND = "unknown"
+
+
 """The kind :attr:`StateStore.skipped_by_kind` counts keys under that name no known kind."""
+
+
 _skipped_counter = counter("zattera.view.skipped", "state values skipped because they could not be decoded")
 
-M = TypeVar("M", bound=Message)
 
 Snapshot = dict[str, tuple[int, bytes | None, str]]
+
+
 """key -> (revision, value or None for a deletion, traceparent or ""): a whole bucket read at once."""
-
-
-def reservation(release: pb.Release | None) -> tuple[int, int]:
-    """Per-replica reservation (cpu_millis, memory_mb): declared resources, defaults per zero dimension."""
-    if release is None:
-        return DEFAULT_CPU_MILLIS, DEFAULT_MEMORY_MB
-    res = release.service.resources
-    return res.cpu_millis or DEFAULT_CPU_MILLIS, res.memory_mb or DEFAULT_MEMORY_MB
-
-
-def merge_observed(prev: pb.AssignmentObserved | None, new: pb.AssignmentObserved) -> pb.AssignmentObserved:
-    """A RUNNING report never downgrades HEALTHY/UNHEALTHY of the same container (health is news RUNNING lacks).
-
-    A different container id means a new instance, whose RUNNING is real news and replaces the old state.
-    """
-    if (
-        prev is not None
-        and new.state == pb.INSTANCE_STATE_RUNNING
-        and prev.state in _HEALTH_STATES
-        and new.container_id == prev.container_id
-    ):
-        merged = pb.AssignmentObserved()
-        merged.CopyFrom(new)
-        merged.state = prev.state
-        return merged
-    return new
-
-
-@dataclass(slots=True)
-class Entry(Generic[M]):
-    msg: M
-    rev: int
-
-
-def _msg(entry: Entry[M] | None) -> M | None:
-    return entry.msg if entry is not None else None
-
-
-class _Tables:
-    """One table (id -> entry) per kind. The typed attributes are the very dicts ``by_kind`` holds, so the
-    typed reads need no casts and the generic path (apply, ``get``, ``all``) reaches every kind."""
-
-    def __init__(self) -> None:
-        self.node: dict[str, Entry[pb.Node]] = {}
-        self.project: dict[str, Entry[pb.Project]] = {}
-        self.app: dict[str, Entry[pb.App]] = {}
-        self.env: dict[str, Entry[pb.Environment]] = {}
-        self.release: dict[str, Entry[pb.Release]] = {}
-        self.deployment: dict[str, Entry[pb.Deployment]] = {}
-        self.build: dict[str, Entry[pb.Build]] = {}
-        self.assignment: dict[str, Entry[pb.Assignment]] = {}
-        self.volume: dict[str, Entry[pb.Volume]] = {}
-        self.snapshot: dict[str, Entry[pb.VolumeSnapshot]] = {}
-        self.vip: dict[str, Entry[pb.ServiceVIP]] = {}
-        self.lease: dict[str, Entry[pb.Lease]] = {}
-        typed: dict[str, dict[str, Entry[Any]]] = {
-            K.NODE: self.node,
-            K.PROJECT: self.project,
-            K.APP: self.app,
-            K.ENV: self.env,
-            K.RELEASE: self.release,
-            K.DEPLOYMENT: self.deployment,
-            K.BUILD: self.build,
-            K.ASSIGNMENT: self.assignment,
-            K.VOLUME: self.volume,
-            K.SNAPSHOT: self.snapshot,
-            K.VIP: self.vip,
-            K.LEASE: self.lease,
-        }
-        self.by_kind: dict[str, dict[str, Entry[Any]]] = {kind: typed.get(kind, {}) for kind in K.ALL_KINDS}
-
-
-@dataclass
-class _Indexes:
-    by_env: dict[str, dict[str, dict[str, Message]]] = field(
-        default_factory=lambda: defaultdict(lambda: defaultdict(dict))
-    )
-    assignments_by_node: dict[str, dict[str, pb.Assignment]] = field(default_factory=lambda: defaultdict(dict))
-    assignments_by_release: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
-    reserved: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
-    contribution: dict[str, tuple[str, int, int]] = field(default_factory=dict)
-    env_node_run: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
-    run_counted: dict[str, tuple[str, str]] = field(default_factory=dict)
-
-
-_ENV_INDEXED = {
-    K.RELEASE: "environment_id",
-    K.DEPLOYMENT: "environment_id",
-    K.ASSIGNMENT: "environment_id",
-    K.VOLUME: "environment_id",
-    K.BUILD: "environment_id",
-    K.DOMAIN: "environment_id",
-    K.SECRET: "environment_id",
-    K.JOB: "environment_id",
-}
 
 
 class StateStore:
@@ -157,13 +63,13 @@ class StateStore:
 
     def __init__(self, *, name: str = "view") -> None:
         self._name = name
-        self._t = _Tables()
+        self._t = Tables()
         self._items = self._t.by_kind
         self._key_of: dict[tuple[str, str], str] = {}
         self._revs: dict[str, int] = {}
         self._traces: dict[str, tuple[int, str]] = {}
         self._observed: dict[tuple[str, str], pb.AssignmentObserved] = {}
-        self._idx = _Indexes()
+        self._idx = Indexes()
         self._feeds: set[ChangeFeed] = set()
         self._sorted_cache: dict[str, list[Any]] = {}
         self.skipped = 0
@@ -316,7 +222,7 @@ class StateStore:
         slot = (k.node_id, k.id)
         merged = merge_observed(self._observed.get(slot), new)
         self._observed[slot] = merged
-        assignment = _msg(self._t.assignment.get(k.id))
+        assignment = entry_msg(self._t.assignment.get(k.id))
         if assignment is not None and assignment.node_id == k.node_id:
             assignment.observed.CopyFrom(merged)
             self._notify(K.ASSIGNMENT, k.id)
@@ -328,7 +234,7 @@ class StateStore:
         if k.kind == K.OBSERVED:
             slot = (k.node_id, k.id)
             if self._observed.pop(slot, None) is not None:
-                assignment = _msg(self._t.assignment.get(k.id))
+                assignment = entry_msg(self._t.assignment.get(k.id))
                 if assignment is not None and assignment.node_id == k.node_id:
                     assignment.ClearField("observed")
                     self._notify(K.ASSIGNMENT, k.id)
@@ -349,7 +255,7 @@ class StateStore:
     # ------------------------------------------------------------------ indexes
 
     def _index(self, kind: str, ident: str, msg: Message) -> None:
-        field_name = _ENV_INDEXED.get(kind)
+        field_name = ENV_INDEXED.get(kind)
         if field_name:
             self._idx.by_env[getattr(msg, field_name)][kind][ident] = msg
         if kind == K.ASSIGNMENT:
@@ -362,7 +268,7 @@ class StateStore:
             self._recount_release(ident)
 
     def _unindex(self, kind: str, ident: str, msg: Message) -> None:
-        field_name = _ENV_INDEXED.get(kind)
+        field_name = ENV_INDEXED.get(kind)
         if field_name:
             env_id = getattr(msg, field_name)
             per_env = self._idx.by_env.get(env_id)
@@ -455,7 +361,7 @@ class StateStore:
         return self._key_of.get((kind, ident))
 
     def get(self, kind: str, ident: str) -> Message | None:
-        return _msg(self._items[kind].get(ident))
+        return entry_msg(self._items[kind].get(ident))
 
     def count(self, kind: str) -> int:
         return len(self._items[kind])
@@ -481,43 +387,43 @@ class StateStore:
     # ------------------------------------------------------------------ typed reads
 
     def node(self, node_id: str) -> pb.Node | None:
-        return _msg(self._t.node.get(node_id))
+        return entry_msg(self._t.node.get(node_id))
 
     def nodes(self) -> list[pb.Node]:
         return self.all(K.NODE)
 
     def project(self, project_id: str) -> pb.Project | None:
-        return _msg(self._t.project.get(project_id))
+        return entry_msg(self._t.project.get(project_id))
 
     def app(self, app_id: str) -> pb.App | None:
-        return _msg(self._t.app.get(app_id))
+        return entry_msg(self._t.app.get(app_id))
 
     def env(self, env_id: str) -> pb.Environment | None:
-        return _msg(self._t.env.get(env_id))
+        return entry_msg(self._t.env.get(env_id))
 
     def envs(self) -> list[pb.Environment]:
         return self.all(K.ENV)
 
     def release(self, release_id: str) -> pb.Release | None:
-        return _msg(self._t.release.get(release_id))
+        return entry_msg(self._t.release.get(release_id))
 
     def releases(self, env_id: str | None = None) -> list[pb.Release]:
         return self.all(K.RELEASE) if env_id is None else self._env_list(env_id, K.RELEASE)
 
     def deployment(self, deployment_id: str) -> pb.Deployment | None:
-        return _msg(self._t.deployment.get(deployment_id))
+        return entry_msg(self._t.deployment.get(deployment_id))
 
     def deployments(self, env_id: str | None = None) -> list[pb.Deployment]:
         return self.all(K.DEPLOYMENT) if env_id is None else self._env_list(env_id, K.DEPLOYMENT)
 
     def build(self, build_id: str) -> pb.Build | None:
-        return _msg(self._t.build.get(build_id))
+        return entry_msg(self._t.build.get(build_id))
 
     def builds(self, env_id: str | None = None) -> list[pb.Build]:
         return self.all(K.BUILD) if env_id is None else self._env_list(env_id, K.BUILD)
 
     def assignment(self, assignment_id: str) -> pb.Assignment | None:
-        return _msg(self._t.assignment.get(assignment_id))
+        return entry_msg(self._t.assignment.get(assignment_id))
 
     def assignments(self, env_id: str | None = None) -> list[pb.Assignment]:
         return self.all(K.ASSIGNMENT) if env_id is None else self._env_list(env_id, K.ASSIGNMENT)
@@ -537,13 +443,13 @@ class StateStore:
         return iter(list(self._observed))
 
     def volume(self, volume_id: str) -> pb.Volume | None:
-        return _msg(self._t.volume.get(volume_id))
+        return entry_msg(self._t.volume.get(volume_id))
 
     def volumes(self, env_id: str | None = None) -> list[pb.Volume]:
         return self.all(K.VOLUME) if env_id is None else self._env_list(env_id, K.VOLUME)
 
     def snapshot(self, snapshot_id: str) -> pb.VolumeSnapshot | None:
-        return _msg(self._t.snapshot.get(snapshot_id))
+        return entry_msg(self._t.snapshot.get(snapshot_id))
 
     def snapshots(self) -> list[pb.VolumeSnapshot]:
         return self.all(K.SNAPSHOT)
@@ -563,13 +469,13 @@ class StateStore:
         return self.all(K.IMAGE)
 
     def vip(self, env_id: str) -> pb.ServiceVIP | None:
-        return _msg(self._t.vip.get(env_id))
+        return entry_msg(self._t.vip.get(env_id))
 
     def vips(self) -> list[pb.ServiceVIP]:
         return self.all(K.VIP)
 
     def lease(self, loop: str) -> pb.Lease | None:
-        return _msg(self._t.lease.get(loop))
+        return entry_msg(self._t.lease.get(loop))
 
     # ------------------------------------------------------------------ incremental aggregates
 

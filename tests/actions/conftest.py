@@ -7,7 +7,7 @@ from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
 from shared.actions.context import ActionContext
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.txn import Writer
 from tests import factories
 

@@ -11,7 +11,7 @@ from shared.actions.context import ActionContext
 from shared.actions.deletion import Delete, Scope, delete, deletion_txn, plan_delete, plan_deletion
 from shared.actions.envs import Scale, decide_scale, scale, scaled
 from shared.actions.refusals import Invalid, NotFound, Refusal
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.state.feed import StateView
 from shared.txn import Conflict, Writer
 from tests.actions.conftest import ACTOR, ENV_ID, PATH, named

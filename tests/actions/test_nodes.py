@@ -12,7 +12,7 @@ from zattera.v1 import types_pb2 as pb
 from shared.actions.context import ActionContext
 from shared.actions.nodes import EditNode, NodeChange, RemoveNode, change_node, edit_node, remove_node
 from shared.actions.refusals import Conflicting, NotFound, Unavailable
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.txn import Writer
 from tests import factories
 from tests.actions.conftest import ACTOR

@@ -21,8 +21,8 @@ from zattera.v1 import types_pb2 as pb
 from services.agent.agent import Agent
 from services.agent.settings import AgentSettings
 from shared.clock import Clock
+from shared.connection import Connection, connect
 from shared.ids import new_id
-from shared.natsio import Connection, connect
 from tests.waiting import eventually
 
 FAST: dict[str, object] = {

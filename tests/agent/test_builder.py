@@ -16,10 +16,11 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
 from shared.buildlogs import ERROR_HEADER, cancel_build_subject, run_build_subject
+from shared.connection import Connection
 from shared.ids import new_id
-from shared.natsio import BUILD_EVENTS_STREAM, SOURCES_STORE, Connection, build_events_subject
 from shared.registry import BlobStore, fetch_image
 from shared.state.feed import StateView
+from shared.subjects import BUILD_EVENTS_STREAM, SOURCES_STORE, build_events_subject
 from shared.txn import Writer
 from tests.agent.conftest import APP, StartAgent, assignment, release
 from tests.agent.test_runtime import answers, seed, state_of

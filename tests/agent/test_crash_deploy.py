@@ -11,10 +11,10 @@ from zattera.v1 import types_pb2 as pb
 from services.orchestrator.loop import Orchestrator
 from services.orchestrator.model import Timers
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.deploy import Deployer
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
-from shared.natsio import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.agent.conftest import StartAgent

@@ -16,8 +16,8 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
+from shared.connection import Connection
 from shared.imagearchive import read_image_archive
-from shared.natsio import Connection
 from shared.registry import PlatformImage, digest_of, push_image
 from shared.state.feed import StateView
 from shared.txn import Writer

@@ -22,8 +22,8 @@ import pytest
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.pythonbase import PYTHON_LABEL
+from shared.connection import Connection
 from shared.embedded import EmbeddedNats
-from shared.natsio import Connection
 from shared.registry import PlatformImage, push_image
 from shared.security.setup import prepare
 from shared.state.feed import StateView

@@ -18,23 +18,19 @@ import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.agent.docker_runtime import (
-    ContainerHandle,
-    ContainerImage,
-    DockerLauncher,
-    DockerUnavailable,
-    choose_launcher,
-    container_config,
-)
+from services.agent.docker_containers import ContainerHandle, container_config
+from services.agent.docker_images import ContainerImage
+from services.agent.docker_runtime import DockerLauncher, DockerUnavailable, choose_launcher
 from services.agent.launchers import LaunchPlan
 from services.agent.settings import AgentSettings
 from shared import keys as K
+from shared.connection import Connection
 from shared.ids import new_id
 from shared.live import node_key
-from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
 from shared.registry import PlatformImage, push_image
 from shared.runtime_note import read_runtime_note
 from shared.state.feed import StateView
+from shared.subjects import LIVE_PREFIX, LIVE_STREAM
 from shared.txn import Writer
 from tests.agent.conftest import RunningAgent, StartAgent, assignment, release
 from tests.agent.test_runtime import http_get, seed, set_desired, state_of

@@ -21,9 +21,10 @@ from shared import jobs as J
 from shared import keys as K
 from shared.applogs import LogLimits, app_logs_stream_config
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
-from shared.natsio import Connection, create_or_update_stream
+from shared.provisioning import create_or_update_stream
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.agent.conftest import StartAgent, assignment, process_ref, release

@@ -12,7 +12,8 @@ from zattera.v1 import types_pb2 as pb
 from services.agent.logs import CURSOR_FILE, STREAM_FILES, InstanceLogShipper, ShipperSettings, split_lines
 from services.orchestrator.model import GREEN_FAILED_TO_START, failed_instance_reason
 from shared.applogs import STDERR, STDOUT, AppLogLine, LogLimits, app_logs_stream_config, read_app_logs
-from shared.natsio import Connection, create_or_update_stream
+from shared.connection import Connection
+from shared.provisioning import create_or_update_stream
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.agent.conftest import StartAgent, assignment, process_ref, release

@@ -22,10 +22,11 @@ from services.agent.network import resolver_address
 from services.routes.publisher import RoutesPublisher
 from shared import keys as K
 from shared.clock import RealClock
+from shared.connection import Connection, connect
 from shared.embedded import free_port
 from shared.ids import new_id
-from shared.natsio import ACTIVATE_SUBJECT, Connection, connect
 from shared.state.feed import StateView
+from shared.subjects import ACTIVATE_SUBJECT
 from shared.txn import Writer
 from tests.agent.conftest import StartAgent, process_ref
 from tests.routes import state as S

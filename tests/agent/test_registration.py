@@ -9,7 +9,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.registration import NodeIdentity, register_node, registered_node
 from shared.clock import FakeClock
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.waiting import eventually

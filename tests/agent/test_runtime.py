@@ -12,9 +12,10 @@ from zattera.v1 import types_pb2 as pb
 from services.agent.processes import InstanceRecord
 from shared import keys as K
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.live import node_key
-from shared.natsio import LIVE_PREFIX, LIVE_STREAM, Connection
 from shared.state.feed import StateView
+from shared.subjects import LIVE_PREFIX, LIVE_STREAM
 from shared.txn import Writer
 from tests.agent.conftest import StartAgent, app_ref, assignment, release
 from tests.waiting import eventually

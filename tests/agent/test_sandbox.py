@@ -27,8 +27,8 @@ from services.agent.agent import node_runtime
 from services.agent.builder import Builder
 from services.agent.sandbox import NONE, SANDBOX, IsolationRefused, Sandbox, UidTable, hook_runner, probe_now
 from services.agent.settings import AgentSettings
-from shared.natsio import Connection
-from shared.snapshots.agent import PreHookError
+from services.agent.snapshots.handlers import PreHookError
+from shared.connection import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.agent.conftest import StartAgent, assignment, process_ref, release

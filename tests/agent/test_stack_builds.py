@@ -23,7 +23,7 @@ from services.agent.builder import Builder
 from services.agent.hostbase import NODE_LABEL
 from services.agent.pythonbase import PYTHON_LABEL
 from shared.applogs import describe_exit
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.registry import fetch_image
 from shared.state.feed import StateView
 from shared.txn import Writer

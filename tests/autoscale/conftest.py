@@ -14,10 +14,10 @@ from zattera.v1 import types_pb2 as pb
 
 from services.autoscale.common import ScalingLoop
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.lease import Leadership, Lease
 from shared.live import LiveView, publish_node_heartbeat, publish_proxy_heartbeat
 from shared.loop import LoopDeps
-from shared.natsio import Connection
 from shared.state.feed import StateView
 from shared.txn import Txn, TxnError, Writer
 from tests.waiting import eventually

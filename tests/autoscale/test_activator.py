@@ -11,8 +11,9 @@ import pytest
 from services.autoscale.activator import Activator
 from shared.activation import NOT_FOUND, ActivateError, request_activation
 from shared.clock import FakeClock
-from shared.natsio import ACTIVATE_SUBJECT, Connection
+from shared.connection import Connection
 from shared.state.feed import StateView
+from shared.subjects import ACTIVATE_SUBJECT
 from shared.txn import Writer
 from tests.autoscale.conftest import Harness, InterleavingWriter
 from tests.autoscale.helpers import base_objects, scaled_env

@@ -6,7 +6,7 @@ import asyncio
 
 from services.autoscale.autoscaler import COOLDOWN, SCALE_DOWN_HOLD, Autoscaler
 from shared.loop import LoopDeps
-from shared.natsio import EVENTS_STREAM
+from shared.subjects import EVENTS_STREAM
 from tests.autoscale.conftest import Harness
 from tests.autoscale.helpers import ENV, base_objects, running, scaled_env, usage_beat
 from tests.waiting import eventually

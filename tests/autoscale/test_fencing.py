@@ -7,7 +7,7 @@ from __future__ import annotations
 from services.autoscale.autoscaler import Autoscaler
 from services.autoscale.scaletozero import ScaleToZero
 from services.autoscale.serverless import Serverless
-from shared.natsio import EVENTS_STREAM
+from shared.subjects import EVENTS_STREAM
 from tests.autoscale.conftest import Harness
 from tests.autoscale.helpers import ENV, base_objects, node_beat, running, scaled_env, traffic, usage_beat
 

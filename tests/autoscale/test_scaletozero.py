@@ -10,7 +10,7 @@ from zattera.v1 import types_pb2 as pb
 from services.autoscale.scaletozero import ScaleToZero
 from services.autoscale.settings import DEFAULTS
 from shared.loop import LoopDeps
-from shared.natsio import EVENTS_STREAM
+from shared.subjects import EVENTS_STREAM
 from tests.autoscale.conftest import Harness
 from tests.autoscale.helpers import (
     base_objects,

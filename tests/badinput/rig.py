@@ -22,9 +22,10 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.clock import RealClock
+from shared.connection import Connection, connect
 from shared.embedded import EmbeddedNats
 from shared.live import LiveView
-from shared.natsio import Connection, connect, provision
+from shared.provisioning import provision
 from shared.routeclient import RouteClient
 from shared.security.setup import prepare
 from shared.state.feed import StateView
@@ -91,8 +92,8 @@ class Rig:
 
     async def _ready(self) -> None:
         """Every responder answers and the agent heartbeats before any garbage is sent."""
-        from shared.natsio import ACTIVATE_SUBJECT, ROUTES_GET_SUBJECT, agent_subject
         from shared.security.permissions import JOIN_ISSUE_SUBJECT
+        from shared.subjects import ACTIVATE_SUBJECT, ROUTES_GET_SUBJECT, agent_subject
         from tests.waiting import eventually
 
         async def answers(subject: str, body: bytes) -> bool:

@@ -17,7 +17,9 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.live import publish_node_heartbeat
-from shared.natsio import (
+from shared.routeclient import RouteClient
+from shared.routewire import decode_body
+from shared.subjects import (
     ACTIVATE_SUBJECT,
     LIVE_PREFIX,
     LIVE_STREAM,
@@ -26,7 +28,6 @@ from shared.natsio import (
     STATE_PREFIX,
     STATE_STREAM,
 )
-from shared.routeclient import RouteClient, decode_body
 from tests.badinput.rig import AGENT_NODE, Rig
 from tests.badinput.strategies import IDS, absurd
 from tests.waiting import eventually

@@ -36,7 +36,12 @@ from shared import keys as K
 from shared.activation import ERROR_CODE_HEADER
 from shared.buildlogs import ERROR_HEADER, read_build_log
 from shared.ids import new_id
-from shared.natsio import (
+from shared.registry import BlobStore
+from shared.routewire import CHUNK_HEADER, UNCHANGED_HEADER, decode_body
+from shared.security.join import USER_PUBLIC_KEY
+from shared.security.nkeyjwt import KeyKind, KeyPair, decode_claims
+from shared.security.permissions import JOIN_ISSUE_SUBJECT, JOIN_SUBJECT
+from shared.subjects import (
     ACTIVATE_SUBJECT,
     BUILD_EVENTS_STREAM,
     ROUTES_GET_SUBJECT,
@@ -44,11 +49,6 @@ from shared.natsio import (
     agent_subject,
     build_events_subject,
 )
-from shared.registry import BlobStore
-from shared.routeclient import CHUNK_HEADER, UNCHANGED_HEADER, decode_body
-from shared.security.join import USER_PUBLIC_KEY
-from shared.security.nkeyjwt import KeyKind, KeyPair, decode_claims
-from shared.security.permissions import JOIN_ISSUE_SUBJECT, JOIN_SUBJECT
 from tests.badinput.rig import AGENT_NODE, PROGRESS_DONE, Rig
 from tests.badinput.strategies import ABSURD_HEADERS, IDS, absurd, json_object
 from tests.factories import source_tarball

@@ -11,9 +11,9 @@ import pytest
 from services.builds.dispatcher import BuildDispatcher
 from services.builds.planning import BuildDispatcherConfig
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.lease import run_while_leading
 from shared.loop import LeaderLoop, LoopDeps
-from shared.natsio import Connection
 from shared.state.feed import StateView
 from tests.waiting import eventually
 

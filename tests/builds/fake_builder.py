@@ -19,7 +19,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
-from shared.natsio import Connection
+from shared.connection import Connection
 
 Script = Callable[[cpb.RunBuildRequest], Sequence[cpb.BuildEvent]]
 

@@ -13,8 +13,10 @@ from shared.actions.builds import CancelBuild, cancel_build
 from shared.actions.context import ActionContext
 from shared.buildlogs import END_HEADER, follow_build_log, read_build_log
 from shared.clock import FakeClock
-from shared.natsio import BUILD_LOGS_STREAM, EVENTS_STREAM, Connection, build_log_subject, build_logs_stream_config
+from shared.connection import Connection
 from shared.state.feed import StateView
+from shared.streams import build_logs_stream_config
+from shared.subjects import BUILD_LOGS_STREAM, EVENTS_STREAM, build_log_subject
 from shared.txn import Writer
 from tests.builds import seed
 from tests.builds.conftest import StartDispatcher, advance_until

@@ -12,8 +12,9 @@ from zattera.v1 import types_pb2 as pb
 from services.builds.dispatcher import BuildDispatcher
 from shared.buildlogs import read_build_log
 from shared.clock import FakeClock
-from shared.natsio import BUILD_EVENTS_STREAM, Connection, build_events_subject, connect
+from shared.connection import Connection, connect
 from shared.state.feed import StateView
+from shared.subjects import BUILD_EVENTS_STREAM, build_events_subject
 from shared.txn import Writer
 from tests.builds import seed
 from tests.builds.conftest import StartDispatcher, advance_until, stop

@@ -13,8 +13,8 @@ from services.builds.logstreams import LogStreams, plan_log_streams
 from shared import keys as K
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.loop import LoopDeps
-from shared.natsio import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.factories import env

@@ -10,7 +10,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.builds.registry import RegistrySweeper
 from shared.clock import FakeClock
-from shared.natsio import IMAGES_STORE, Connection
+from shared.connection import Connection
 from shared.registry import (
     OCI_INDEX,
     OCI_MANIFEST,
@@ -28,6 +28,7 @@ from shared.registry import (
     push_image,
 )
 from shared.state.feed import StateView
+from shared.subjects import IMAGES_STORE
 from shared.txn import Writer
 from tests.waiting import eventually
 

@@ -11,10 +11,11 @@ from zattera.v1 import types_pb2 as pb
 from services.builds.registry import RegistrySweeper
 from services.builds.retention import Retention
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.loop import LoopDeps
-from shared.natsio import IMAGES_STORE, SOURCES_STORE, Connection
 from shared.registry import BlobStore, PlatformImage, image_id, push_image
 from shared.state.feed import StateView
+from shared.subjects import IMAGES_STORE, SOURCES_STORE
 from shared.txn import Writer
 from tests.builds import seed
 from tests.builds.test_dispatcher import put

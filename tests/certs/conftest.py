@@ -18,12 +18,13 @@ from services.certs.loop import CertificateLoop
 from services.secrets.service import SecretsService
 from shared import keys as K
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.embedded import free_port
 from shared.live import proxy_key
 from shared.loop import LoopDeps
-from shared.natsio import LIVE_BUCKET, Connection
 from shared.secrets import CLUSTER_KEY
 from shared.state.feed import StateView
+from shared.subjects import LIVE_BUCKET
 from shared.txn import Writer
 from tests.certs.pebble import Pebble, running_pebble
 from tests.secrets.test_service import secrets_service as running_secrets_service

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from shared.certclient import CACHE_FILE, CertClient, CertsUnavailable, ServedCert, write_private_json
-from shared.natsio import Connection
+from shared.connection import Connection
 
 CERT = ServedCert("a.example.com", "-----BEGIN CERTIFICATE-----\n", "-----BEGIN PRIVATE KEY-----\n", 4e9)
 

@@ -13,7 +13,7 @@ import pytest
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
 from shared.acmechallenge import PATH_PREFIX, publish_answer, withdraw_answer
-from shared.natsio import Connection
+from shared.connection import Connection
 
 
 @pytest.fixture

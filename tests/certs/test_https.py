@@ -20,12 +20,13 @@ import pytest
 from cryptography import x509
 from zattera.v1 import types_pb2 as pb
 
-from services.proxy.haproxy_engine import haproxy_binary, servable
+from services.proxy.haproxy_ingress import servable
+from services.proxy.launch import haproxy_binary
 from shared import certs as C
 from shared.certclient import ServedCert
 from shared.clock import from_timestamp
+from shared.connection import Connection
 from shared.embedded import free_port
-from shared.natsio import Connection
 from tests.certs.conftest import PROJECT_ROOT, Rig, running_proxy
 from tests.eventlog import stored_events
 from tests.proxy.harness import Backend, Routes, endpoint, http_route, serving

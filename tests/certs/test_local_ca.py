@@ -16,9 +16,10 @@ from services.secrets.service import SecretsService
 from shared import certs as C
 from shared import keys as K
 from shared.certclient import CACHE_FILE, CertClient
-from shared.natsio import ROUTES_SNAPSHOT_SUBJECT, Connection
-from shared.routeclient import content_digest, encode_messages
+from shared.connection import Connection
+from shared.routewire import content_digest, encode_messages
 from shared.state.feed import StateView
+from shared.subjects import ROUTES_SNAPSHOT_SUBJECT
 from shared.txn import Writer
 from tests.certs.conftest import PROJECT_ROOT
 from tests.certs.test_pebble import handshake

@@ -37,19 +37,12 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.connection import Connection, connect
 from shared.deployments import is_terminal
 from shared.embedded import EmbeddedNats, start_cluster
-from shared.natsio import (
-    BUILD_EVENTS_STREAM,
-    LIVE_STREAM,
-    ROUTES_STREAM,
-    STATE_PREFIX,
-    STATE_STREAM,
-    Connection,
-    connect,
-    provision,
-)
+from shared.provisioning import provision
 from shared.state.feed import StateView
+from shared.subjects import BUILD_EVENTS_STREAM, LIVE_STREAM, ROUTES_STREAM, STATE_PREFIX, STATE_STREAM
 from tests.orchestrator.failover import invariant_violations
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from shared.natsio import LIVE_STREAM, STATE_STREAM, Connection, connect, inspect_cluster, provision
+from shared.connection import Connection, connect
+from shared.provisioning import inspect_cluster, provision
+from shared.subjects import LIVE_STREAM, STATE_STREAM
 from tests.chaos.cluster import Fleet, NatsCluster
 from tests.waiting import eventually
 
@@ -85,7 +87,7 @@ async def test_init_waits_for_enough_servers_to_place_its_streams(
     and completes once it joins."""
     nats = NatsCluster(tmp_path / "late").start(running=2)
     try:
-        with caplog.at_level(logging.INFO, logger="shared.natsio.placement"):
+        with caplog.at_level(logging.INFO, logger="shared.provisioning.placement"):
             command = ["--nats", nats.urls, "cluster", "init", "--json"]  # 3 copies: three servers named
             init = asyncio.create_task(asyncio.to_thread(CliRunner().invoke, app, command))
             await eventually(lambda: "no suitable peers" in caplog.text, 30, "init waiting for a third server")

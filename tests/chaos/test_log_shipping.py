@@ -28,7 +28,8 @@ from nats.aio.msg import Msg
 from services.agent.logs import STREAM_FILES
 from services.agent.processes import InstanceRecord
 from shared.applogs import STDOUT, LogLimits, app_log_subject, app_logs_stream_config, lines_of
-from shared.natsio import Connection, create_or_update_stream
+from shared.connection import Connection
+from shared.provisioning import create_or_update_stream
 from shared.txn import Writer
 from tests.agent.conftest import assignment, process_ref, release
 from tests.cpuhog import cpu_hog

@@ -19,7 +19,7 @@ from zattera.v1 import types_pb2 as pb
 
 from cli.main import app
 from shared.live import publish_proxy_heartbeat
-from shared.natsio import ROUTES_STREAM
+from shared.subjects import ROUTES_STREAM
 from tests.builds import seed as build_seed
 from tests.builds.fake_builder import FakeBuilder, instant_success
 from tests.chaos.cluster import META_LEADER, NATS_ROLES

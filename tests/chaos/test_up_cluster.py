@@ -7,8 +7,10 @@ import os
 import signal
 from pathlib import Path
 
-from cli.up import Cluster, _provision
-from shared.natsio import EVENTS_STREAM, LIVE_STREAM, STATE_STREAM, connect
+from cli.up_cluster import Cluster
+from cli.up_provision import _provision
+from shared.connection import connect
+from shared.subjects import EVENTS_STREAM, LIVE_STREAM, STATE_STREAM
 from tests.waiting import eventually
 
 

@@ -23,11 +23,12 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.connection import Connection, connect
 from shared.deploy import Deployer, DeployError, FailedPrecondition
 from shared.deployments import is_terminal
 from shared.live import publish_node_heartbeat
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, connect
 from shared.state.feed import StateView
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 from shared.txn import CommitUnknown, Conflict, TxnError, Writer
 from tests.agent_sim import AgentSim
 from tests.chaos.cluster import (

@@ -9,7 +9,8 @@ from typing import Any
 from typer.testing import CliRunner, Result
 
 from cli.main import app
-from shared.natsio import connect, provision
+from shared.connection import connect
+from shared.provisioning import provision
 from shared.state.feed import StateView
 from shared.txn import Writer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shared.natsio import STATE_STREAM
+from shared.subjects import STATE_STREAM
 from tests.cli.rig import state
 
 BASE = """

@@ -15,7 +15,8 @@ from zattera.v1 import types_pb2 as pb
 
 from cli.main import app
 from shared.buildlogs import append_log_lines, close_log
-from shared.natsio import Connection, connect, provision
+from shared.connection import Connection, connect
+from shared.provisioning import provision
 from shared.state.feed import StateView
 from shared.txn import Writer
 

@@ -14,15 +14,10 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from cli.main import app
-from shared.natsio import (
-    LIVE_STREAM,
-    STATE_STREAM,
-    ClusterConfig,
-    connect,
-    live_stream_config,
-    provision,
-    state_stream_config,
-)
+from shared.connection import connect
+from shared.provisioning import provision
+from shared.streams import ClusterConfig, live_stream_config, state_stream_config
+from shared.subjects import LIVE_STREAM, STATE_STREAM
 
 Invoke = Callable[..., Result]
 

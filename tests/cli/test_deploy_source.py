@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from shared.buildplan import PlanError, detect, read_source
-from shared.natsio import SOURCES_STORE, connect, object_store_stream
+from shared.connection import connect
+from shared.streams import object_store_stream
+from shared.subjects import SOURCES_STORE
 from tests.cli.rig import Invoke, state
 
 EXPRESS = 'project = "demo"\napp = "express"\n[env.production]\n[run]\ncommand = "node server.js"\n'

@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from cli.main import app
+from shared.connection import connect
 from shared.imagearchive import ROOTFS_LABEL
-from shared.natsio import connect
 from shared.registry import fetch_image
 from tests.dockerd import BASE_IMAGE
 

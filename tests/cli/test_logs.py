@@ -16,7 +16,8 @@ from zattera.v1 import types_pb2 as pb
 from cli.main import app
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream_config
 from shared.buildlogs import close_log
-from shared.natsio import Connection, create_or_update_stream
+from shared.connection import Connection
+from shared.provisioning import create_or_update_stream
 from shared.txn import Writer
 from tests.cli.test_builds_logs import READ_TIMEOUT, REPO_ROOT, seed_running, store_lines, with_conn, zattera_command
 from tests.factories import env

@@ -12,7 +12,8 @@ import cli.security_cmds
 import cli.up
 import cli.up_cmds
 from cli.main import app
-from cli.up import Cluster, https_text
+from cli.up import https_text
+from cli.up_cluster import Cluster
 
 
 def started_cluster(

@@ -13,7 +13,8 @@ import cli.security_cmds
 import cli.up_cmds
 from cli.layout import DataLayout
 from cli.main import app
-from cli.up import ALL_IN_ONE_SERVICES, SERVICES, Cluster, Supervised
+from cli.supervised import Supervised
+from cli.up_cluster import ALL_IN_ONE_SERVICES, SERVICES, Cluster
 from shared.embedded import free_port
 
 
@@ -99,8 +100,9 @@ def test_a_data_dir_holding_an_open_cluster_is_not_started_secure_and_the_refusa
 ) -> None:
     import asyncio
 
+    from shared.connection import connect
     from shared.embedded import EmbeddedNats
-    from shared.natsio import connect, provision
+    from shared.provisioning import provision
 
     async def init(url: str) -> None:
         conn = await connect(url, name="t")

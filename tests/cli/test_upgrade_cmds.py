@@ -14,10 +14,12 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from cli.main import app
+from shared.connection import connect
 from shared.migrations.registry import SCHEMA
 from shared.migrations.runner import record
-from shared.natsio import STATE_STREAM, connect, provision, recorded_config
+from shared.provisioning import provision, recorded_config
 from shared.state.feed import StateView
+from shared.subjects import STATE_STREAM
 from shared.txn import Writer
 from shared.version import VERSION
 from tests import factories

@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shared.natsio import Connection, js_api
+from shared.connection import Connection
+from shared.provisioning import js_api
 
 RELEASES = Path(__file__).parent / "releases"
 PREVIOUS = "v0.1.0"

@@ -12,7 +12,7 @@ from google.protobuf import descriptor_pb2
 
 from shared.applogs import LogLimits, app_logs_stream_config
 from shared.console_users import USERS_BUCKET
-from shared.natsio import OBJECT_STORES, ClusterConfig, object_store_stream
+from shared.streams import OBJECT_STORES, ClusterConfig, object_store_stream
 from tests.compat import capture
 from tests.compat.releases import PER_ENV, PREVIOUS, RELEASES, streams
 from tests.compat.wire import (

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.console.rig import Running, add_users, running_console, seed

@@ -14,12 +14,12 @@ from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from services.console.auth import LoginLimiter, Sessions
+from services.console.handling import Console
 from services.console.server import start_site
-from services.console.web import Console
 from shared.actions.context import ActionContext
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.console_users import ADMIN, VIEWER, new_user, save_user, users_bucket
-from shared.natsio import Connection
 from shared.secrets import CLUSTER_KEY, key_id
 from shared.snapshots.dispatch import SnapshotDispatcher
 from shared.state.feed import StateView

@@ -11,8 +11,8 @@ from zattera.v1 import types_pb2 as pb
 
 from services.console.settings import server_ssl_context
 from shared import keys as K
+from shared.connection import Connection
 from shared.console_users import remove_user
-from shared.natsio import Connection
 from shared.security.tls import generate
 from shared.state.feed import StateView
 from shared.txn import Writer

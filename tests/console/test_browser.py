@@ -18,7 +18,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import certs as C
 from shared import keys as K
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream_config
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.console.rig import ADMIN_USER, PASSWORD, VIEWER_USER, add_users, cluster_key, random_secret, running_console

@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from shared.natsio import Connection
-from shared.snapshots import SnapshotAgent
-from shared.snapshots.chunking import TEST_PARAMS
+from services.agent.snapshots.chunking import TEST_PARAMS
+from services.agent.snapshots.handlers import SnapshotAgent
+from shared.connection import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests import factories

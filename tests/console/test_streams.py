@@ -12,9 +12,10 @@ import pytest
 from zattera.v1 import types_pb2 as pb
 
 from shared.buildlogs import append_log_lines, close_log
+from shared.connection import Connection
 from shared.events import EventPublisher, make_event
-from shared.natsio import EVENTS_STREAM, Connection
 from shared.state.feed import StateView
+from shared.subjects import EVENTS_STREAM
 from shared.txn import Writer
 from tests.console.rig import ADMIN_USER, ENV_ID, Running
 from tests.console.test_auth import client, csrf_of, log_in

@@ -1,6 +1,6 @@
 """End-to-end harness: the whole control plane as real processes on a real embedded NATS.
 
-:class:`E2ECluster` reuses ``cli.up.Cluster`` (embedded nats-server, every service as its own process,
+:class:`E2ECluster` reuses ``cli.up_cluster.Cluster`` (embedded nats-server, every service as its own process,
 logs under ``<root>/logs``) and adds two node agents (``n1`` is the builder) and one ingress proxy on a
 free port. Timers are shortened through ``ZATTERA_*`` variables (:data:`FAST_TIMERS`) so a deploy, a
 drain, a cool-down or a node loss takes seconds; every wait is a condition (``tests.waiting.eventually``),
@@ -39,10 +39,11 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from cli.layout import DataLayout
-from cli.up import Cluster, Supervised
+from cli.supervised import Supervised
+from cli.up_cluster import Cluster
 from services.proxy.settings import ROUTES_CACHE_FILE
+from shared.connection import Connection, connect
 from shared.embedded import free_port
-from shared.natsio import Connection, connect
 from shared.routeclient import RouteClient, load_cached
 from shared.security.permissions import Role
 from shared.security.setup import SecureSetup, prepare
@@ -125,7 +126,7 @@ def leftovers(root: Path, *, also_matching: str = "") -> list[str]:
 
 
 class _E2EUp(Cluster):
-    """``cli.up.Cluster`` with the harness's timers in every child's environment."""
+    """``cli.up_cluster.Cluster`` with the harness's timers in every child's environment."""
 
     overrides: dict[str, str]
 
@@ -420,7 +421,7 @@ class E2ECluster:
 
 
 async def _provision(url: str, creds: str = "") -> None:
-    from shared.natsio import provision
+    from shared.provisioning import provision
 
     conn = await connect(url, name="e2e-provision", creds=creds or None)
     try:

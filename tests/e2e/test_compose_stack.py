@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 from zattera.v1 import types_pb2 as pb
 
+from shared.connection import Connection, connect
 from shared.deployments import is_terminal
-from shared.natsio import Connection, connect
 from shared.state.feed import StateView
 from tests.e2e.cluster import Load, cli_argv, env_by_name
 from tests.e2e.compose import ComposeUnavailable, Stack, composed, run

@@ -10,10 +10,10 @@ import contextlib
 from zattera.v1 import types_pb2 as pb
 
 from services.orchestrator.loop import Orchestrator
+from shared.connection import Connection
 from shared.events import EventPublisher
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
-from shared.natsio import Connection
 from shared.state.feed import StateView
 from tests.eventlog import one, stored_events, stored_kinds, wait_for_kinds
 from tests.orchestrator.rig import deployment

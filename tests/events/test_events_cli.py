@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from zattera.v1 import types_pb2 as pb
 
+from shared.connection import Connection, connect
 from shared.events import KINDS, EventPublisher, make_event
-from shared.natsio import Connection, connect, provision
+from shared.provisioning import provision
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.cli.rig import Invoke, initialised_cli

@@ -11,10 +11,10 @@ from services.scheduler.liveness import Liveness
 from services.scheduler.loop import Scheduler
 from shared import keys as K
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.events import EventPublisher, make_event
 from shared.live import LiveView, publish_node_heartbeat
 from shared.loop import LoopDeps
-from shared.natsio import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.eventlog import stored_events

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 import shared.health
+from shared.connection import connect
 from shared.embedded import EmbeddedNats
 from shared.health import CHECK, touch
-from shared.natsio import connect
 from shared.process import Process
 from shared.settings import Settings
 from tests.waiting import eventually

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from shared import keys as K
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.lease import run_while_leading
 from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
-from shared.natsio import Connection
 from shared.state.changes import Change, ChangeFeed
 from shared.state.feed import StateView
 from shared.txn import Writer

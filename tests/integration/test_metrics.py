@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from shared.connection import Connection
 from shared.lease import Leadership, run_while_leading
 from shared.metrics import use_in_memory_reader
-from shared.natsio import Connection
 from shared.state.feed import StateView
 from shared.txn import Conflict, Writer
 from tests.factories import node

@@ -14,24 +14,14 @@ from nats.js.api import KeyValueConfig
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.connection import Connection, connect
 from shared.migrations.base import Migration, MigrationContext, Step
 from shared.migrations.registry import SCHEMA, Listed, load
 from shared.migrations.runner import MigrationFailed, record, upgrade
-from shared.natsio import (
-    BUILD_EVENTS_STREAM,
-    LIVE_STREAM,
-    STATE_STREAM,
-    STREAM_FIELDS_CHECKED,
-    ClusterConfig,
-    Connection,
-    build_events_subject,
-    connect,
-    js_api,
-    provision,
-    raw_stream_config,
-    recorded_config,
-)
+from shared.provisioning import js_api, provision, raw_stream_config, recorded_config
 from shared.skew import SkewRefused
+from shared.streams import STREAM_FIELDS_CHECKED, ClusterConfig
+from shared.subjects import BUILD_EVENTS_STREAM, LIVE_STREAM, STATE_STREAM, build_events_subject
 from shared.version import VERSION
 from tests.compat.releases import PRE_0_1, PREVIOUS, recreate, streams
 

@@ -4,8 +4,8 @@ deleted — a deletion is absent but keeps its revision, the one a compare-and-s
 from __future__ import annotations
 
 from shared import keys as K
+from shared.connection import Connection
 from shared.jetstream import read_state_key
-from shared.natsio import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.factories import node

@@ -7,17 +7,10 @@ import asyncio
 from zattera.v1 import types_pb2 as pb
 
 from shared import telemetry
-from shared.natsio import (
-    IMAGES_STORE,
-    LIVE_STREAM,
-    SNAPSHOTS_STORE,
-    SOURCES_STORE,
-    STATE_PREFIX,
-    STATE_STREAM,
-    connect,
-    provision,
-)
+from shared.connection import connect
+from shared.provisioning import provision
 from shared.state.feed import StateView
+from shared.subjects import IMAGES_STORE, LIVE_STREAM, SNAPSHOTS_STORE, SOURCES_STORE, STATE_PREFIX, STATE_STREAM
 from shared.txn import Writer
 
 

@@ -8,10 +8,11 @@ import random
 import pytest
 
 from shared.clock import FakeClock
+from shared.connection import Connection, connect
 from shared.lease import Lease
-from shared.natsio import STATE_PREFIX, Connection, connect
 from shared.retry import RETRY, Attempt, RetriesExhausted, RetryPolicy, commit_with_retry, decide_again
 from shared.state.feed import StateView
+from shared.subjects import STATE_PREFIX
 from shared.txn import CommitUnknown, Deposed, Txn, Writer
 from tests.factories import node
 from tests.waiting import eventually

@@ -9,8 +9,8 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.lease import Lease
-from shared.natsio import STATE_PREFIX, STATE_STREAM
 from shared.state.feed import StateView
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 from shared.txn import Conflict, Deposed, Txn, Writer
 from tests.factories import assignment, env, node, release
 from tests.waiting import eventually

@@ -20,22 +20,16 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.connection import Connection, connect
 from shared.live import proxy_key
 from shared.migrations.registry import SCHEMA
 from shared.migrations.runner import record, upgrade
-from shared.natsio import (
-    LIVE_BUCKET,
-    ROUTES_SNAPSHOT_SUBJECT,
-    STATE_PREFIX,
-    STATE_STREAM,
-    Connection,
-    connect,
-    recorded_config,
-)
 from shared.process import Process
-from shared.routeclient import content_digest, encode_messages
+from shared.provisioning import recorded_config
+from shared.routewire import content_digest, encode_messages
 from shared.settings import settings
 from shared.skew import Component, SkewRefused
+from shared.subjects import LIVE_BUCKET, ROUTES_SNAPSHOT_SUBJECT, STATE_PREFIX, STATE_STREAM
 from shared.version import VERSION
 from tests.compat.releases import PREVIOUS, recreate
 from tests.proxy.harness import Routes, start_proxy

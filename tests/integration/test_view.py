@@ -8,9 +8,11 @@ import pytest
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.connection import connect
 from shared.embedded import EmbeddedNats
-from shared.natsio import STATE_PREFIX, connect, provision
+from shared.provisioning import provision
 from shared.state.feed import StateView
+from shared.subjects import STATE_PREFIX
 from shared.txn import Writer
 from tests.factories import assignment, env, node, release
 from tests.waiting import eventually

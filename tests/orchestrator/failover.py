@@ -17,8 +17,8 @@ from pathlib import Path
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.connection import Connection
 from shared.deployments import is_terminal
-from shared.natsio import Connection
 from shared.state.feed import StateView
 from tests.waiting import eventually
 

@@ -20,10 +20,10 @@ from services.orchestrator.loop import Orchestrator
 from services.orchestrator.model import Timers, copy_of
 from shared import keys as K
 from shared.clock import FakeClock, stamp
+from shared.connection import Connection
 from shared.decision import Decision
 from shared.lease import Leadership, Lease
 from shared.loop import LoopDeps
-from shared.natsio import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.factories import node

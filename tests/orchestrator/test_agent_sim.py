@@ -5,7 +5,7 @@ from __future__ import annotations
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.agent_sim import AgentSim

@@ -10,6 +10,7 @@ import pytest
 from zattera.v1 import types_pb2 as pb
 
 from shared.actions.refusals import ActionRefused, Refusal
+from shared.connection import Connection, connect
 from shared.deploy import (
     Deployer,
     DeployError,
@@ -18,7 +19,6 @@ from shared.deploy import (
     NotFound,
     config_hash,
 )
-from shared.natsio import Connection, connect
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.orchestrator.rig import copied, environment, spec

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from zattera.v1 import types_pb2 as pb
 
+from shared.connection import connect
 from shared.deploy import Deployer
-from shared.natsio import connect, provision
+from shared.provisioning import provision
 from shared.txn import Writer
 from tests.agent_sim import AgentSim
 from tests.factories import node

@@ -12,10 +12,11 @@ from zattera.v1 import types_pb2 as pb
 from services.orchestrator.model import Timers, deployment_of
 from services.orchestrator.phases import decide
 from shared import keys as K
+from shared.connection import Connection
 from shared.deploy import Deployer
 from shared.deployments import env_ownership
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.state.feed import StateView
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 from shared.txn import Conflict, Writer
 from tests.orchestrator.rig import PH, RUN, STOP, Rig, copied, make_rig, seed_deploy_rig
 

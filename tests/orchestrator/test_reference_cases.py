@@ -9,7 +9,7 @@ import pytest
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.natsio import Connection
+from shared.connection import Connection
 from tests.factories import node
 from tests.orchestrator.rig import (
     PH,

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 
 from services.proxy.server import Proxy
-from shared.natsio import Connection
+from shared.connection import Connection
 from tests.proxy.harness import ProxyFactory, Routes, start_proxy
 
 

@@ -17,8 +17,9 @@ from zattera.v1 import types_pb2 as pb
 
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
-from shared.natsio import ROUTES_SNAPSHOT_SUBJECT, Connection
-from shared.routeclient import content_digest, encode_messages
+from shared.connection import Connection
+from shared.routewire import content_digest, encode_messages
+from shared.subjects import ROUTES_SNAPSHOT_SUBJECT
 from tests.waiting import eventually
 
 HOST = "app.example.com"

@@ -28,9 +28,11 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.proxy.balancer import STICKY_COOKIE, sticky_value
-from services.proxy.haproxy_engine import HAProxyIngress, haproxy_binary, haproxy_ingress
+from services.proxy.haproxy_ingress import HAProxyIngress, haproxy_ingress
+from services.proxy.launch import haproxy_binary
+from shared.connection import Connection
 from shared.live import proxy_key
-from shared.natsio import LIVE_BUCKET, Connection
+from shared.subjects import LIVE_BUCKET
 from tests.proxy.harness import (
     HOST,
     Backend,

@@ -12,7 +12,8 @@ import pytest
 from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from shared.natsio import ACTIVATE_SUBJECT, Connection
+from shared.connection import Connection
+from shared.subjects import ACTIVATE_SUBJECT
 from tests.proxy.harness import Backend, ProxyFactory, Routes, dying_upstream, endpoint, http_route, serving
 from tests.waiting import eventually
 

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 import cli.main
 import cli.up_cmds
-from cli.up import Cluster, proxy_listen_text
+from cli.up import proxy_listen_text
+from cli.up_cluster import Cluster
 from services.proxy.settings import ProxySettings, split_listen
 from shared.embedded import free_port
 from tests.waiting import eventually

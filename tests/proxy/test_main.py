@@ -10,9 +10,10 @@ from pathlib import Path
 import aiohttp
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.connection import Connection
 from shared.embedded import free_port
 from shared.live import proxy_key
-from shared.natsio import LIVE_BUCKET, Connection
+from shared.subjects import LIVE_BUCKET
 from tests.proxy.harness import HOST, Backend, Routes, endpoint, http_route, serving
 from tests.waiting import eventually
 

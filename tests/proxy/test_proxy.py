@@ -16,10 +16,11 @@ from services.proxy.balancer import STICKY_COOKIE
 from services.proxy.settings import ROUTES_CACHE_FILE
 from services.routes.publisher import RoutesPublisher
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.files import write_atomic
 from shared.live import proxy_key
-from shared.natsio import LIVE_BUCKET, Connection
 from shared.state.feed import StateView
+from shared.subjects import LIVE_BUCKET
 from shared.tasks import cancel_and_wait
 from shared.txn import Writer
 from tests.proxy.harness import (
@@ -387,7 +388,8 @@ async def test_heartbeat_reports_inflight_held_rps_latency_and_last_request(
 
 
 async def test_keeps_serving_the_last_snapshot_when_nats_goes_away(nats_server, tmp_path, client) -> None:
-    from shared.natsio import connect, provision
+    from shared.connection import connect
+    from shared.provisioning import provision
     from tests.proxy.harness import start_proxy
 
     backend = Backend("still-here")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.routes.builder import (
+from services.routes.env_routes import (
     L4_PROTOCOL,
     http_port_name,
     implicit_hostname,

@@ -11,12 +11,8 @@ import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.routes.builder import (
-    RELEVANT_KINDS,
-    RouteBuilder,
-    encode_snapshot,
-    http_port_name,
-)
+from services.routes.builder import RELEVANT_KINDS, RouteBuilder
+from services.routes.env_routes import encode_snapshot, http_port_name
 from shared import keys as K
 from tests.memory_state import MemoryState
 from tests.routes import state as S

@@ -17,17 +17,12 @@ from zattera.v1 import types_pb2 as pb
 from services.routes.publisher import RoutesPublisher
 from shared import keys as K
 from shared.clock import FakeClock
-from shared.natsio import (
-    ROUTES_GET_SUBJECT,
-    ROUTES_SNAPSHOT_SUBJECT,
-    STATE_STREAM,
-    Connection,
-    cluster_identity,
-    connect,
-    provision,
-)
-from shared.routeclient import DIGEST_HEADER, UNCHANGED_HEADER, VERSION_HEADER, RouteClient
+from shared.connection import Connection, connect
+from shared.provisioning import cluster_identity, provision
+from shared.routeclient import RouteClient
+from shared.routewire import DIGEST_HEADER, UNCHANGED_HEADER, VERSION_HEADER
 from shared.state.feed import StateView
+from shared.subjects import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, STATE_STREAM
 from shared.txn import Writer
 from tests.routes import state as S
 from tests.routes.state import DOMAIN

@@ -12,21 +12,22 @@ import pytest
 from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.connection import Connection, connect
 from shared.embedded import EmbeddedNats
-from shared.natsio import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, Connection, connect
-from shared.routeclient import (
+from shared.routeclient import RouteClient
+from shared.routewire import (
     CHUNK_HEADER,
     ENCODING_HEADER,
     GZIP,
     UNCHANGED_HEADER,
     VERSION_HEADER,
-    RouteClient,
     SnapshotAssembler,
     SnapshotDecodeError,
     content_digest,
     decode_body,
     encode_messages,
 )
+from shared.subjects import ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT
 from tests.waiting import eventually
 
 

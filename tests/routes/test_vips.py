@@ -7,8 +7,8 @@ from zattera.v1 import types_pb2 as pb
 
 from services.routes.vips import VipAllocator, plan_vips, vip_pool
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.loop import LoopDeps
-from shared.natsio import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.routes import state as S

@@ -13,9 +13,10 @@ from zattera.v1 import types_pb2 as pb
 from services.scheduler.loop import Scheduler
 from shared import keys as K
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.loop import LoopDeps
-from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection
 from shared.state.feed import StateView
+from shared.subjects import EVENTS_SUBJECT_PREFIX
 from shared.txn import Writer
 from tests.waiting import eventually
 

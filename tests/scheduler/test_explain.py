@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from zattera.v1 import types_pb2 as pb
 
-from shared.placement.placement import FILTERS, Explanation, explain, place
+from shared.placement.explain import Explanation, explain
+from shared.placement.placement import FILTERS, place
 from tests.factories import assignment
 from tests.memory_state import MemoryState
 from tests.scheduler.builders import pnode, spec_env, spec_release

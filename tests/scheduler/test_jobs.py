@@ -14,8 +14,8 @@ from shared import jobs as J
 from shared import keys as K
 from shared.lease import Lease
 from shared.loop import LoopDeps
-from shared.natsio import STATE_PREFIX, STATE_STREAM
 from shared.schedule import parse_schedule
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 from shared.txn import Conflict, Writer
 from tests import factories as f
 from tests.scheduler.conftest import Rig

@@ -8,9 +8,9 @@ from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.liveness import Liveness, evaluate_liveness
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.live import LiveView, publish_node_heartbeat
 from shared.loop import LoopDeps
-from shared.natsio import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests.factories import node

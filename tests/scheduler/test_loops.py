@@ -14,12 +14,13 @@ from services.scheduler.__main__ import build
 from services.scheduler.loop import Scheduler
 from services.scheduler.volumes import LEASE_TTL
 from shared.clock import FakeClock, from_timestamp
+from shared.connection import Connection
 from shared.lease import Leadership, Lease, run_while_leading
 from shared.loop import LoopDeps
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection
 from shared.service import ServiceContext
 from shared.settings import Settings
 from shared.state.feed import StateView
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 from shared.txn import Writer
 from tests.scheduler.builders import spec_env, spec_release, unlimited
 from tests.waiting import eventually

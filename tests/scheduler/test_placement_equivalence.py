@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from zattera.v1 import types_pb2 as pb
 
 from shared.placement.placement import PlacementIndex, place
-from shared.state.store import reservation
+from shared.state.tables import reservation
 from tests.factories import assignment, node
 from tests.memory_state import MemoryState
 from tests.scheduler.builders import spec_env, spec_release, volume

@@ -7,8 +7,8 @@ from zattera.v1 import types_pb2 as pb
 from services.secrets.collector import SecretsCollector, collectable
 from shared import keys as K
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.loop import LoopDeps
-from shared.natsio import Connection
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests import factories

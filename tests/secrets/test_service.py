@@ -21,8 +21,8 @@ from zattera.v1 import types_pb2 as pb
 
 from services.secrets.service import NO_KEY, SecretsService
 from shared import keys as K
+from shared.connection import Connection, connect
 from shared.ids import new_id
-from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection, connect
 from shared.secrets import (
     CLUSTER_KEY,
     ROTATE_SUBJECT,
@@ -34,6 +34,7 @@ from shared.secrets import (
     unseal,
 )
 from shared.state.feed import StateView
+from shared.subjects import EVENTS_SUBJECT_PREFIX
 from shared.txn import Writer
 from tests import factories
 from tests.waiting import eventually

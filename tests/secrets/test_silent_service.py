@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from nacl.public import PrivateKey
 
-from shared.natsio import Connection
+from shared.connection import Connection
 from shared.secrets import SecretsServiceSilent, SecretsUnavailable, fetch_secrets
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NATS
 
+from shared.connection import Connection, connect
 from shared.embedded import SERVER_DIR, EmbeddedNats, RouteSecurity, start_cluster, wait_meta_group
-from shared.natsio import Connection, connect, provision
+from shared.provisioning import provision
 from shared.security import tls as tls_material
 from shared.security.authority import RoleIssuer
 from shared.security.creds import inbox_prefix

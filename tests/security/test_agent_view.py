@@ -11,12 +11,13 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.agent import view_filters
 from shared import keys as K
+from shared.connection import Connection, connect
 from shared.ids import new_id
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, connect
 from shared.security.join import JoinService
 from shared.security.permissions import Role, view_consumer
 from shared.security.views import ViewRefused, node_view_filters, request_view
 from shared.state.feed import StateView
+from shared.subjects import STATE_PREFIX, STATE_STREAM
 from tests.security.conftest import SecureCluster
 from tests.waiting import eventually
 

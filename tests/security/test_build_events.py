@@ -7,8 +7,9 @@ from __future__ import annotations
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.buildlogs import BuildEventPublisher
-from shared.natsio import BUILD_EVENTS_STREAM, Connection, build_events_subject, connect
+from shared.connection import Connection, connect
 from shared.security.permissions import Role
+from shared.subjects import BUILD_EVENTS_STREAM, build_events_subject
 from tests.security.conftest import ConnectAs, SecureCluster
 from tests.security.test_permissions import publish_refused
 

@@ -7,7 +7,7 @@ import pytest
 
 from shared.acmechallenge import ChallengeAnswers, publish_answer
 from shared.certs import ACCOUNT_OPEN_SUBJECT, CHANGED_SUBJECT, KEYS_OPEN_SUBJECT
-from shared.natsio import Connection, connect
+from shared.connection import Connection, connect
 from shared.security.permissions import Role
 from tests.security.conftest import ConnectAs, SecureCluster
 from tests.security.test_permissions import publish_refused

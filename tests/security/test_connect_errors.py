@@ -12,10 +12,11 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from cli.main import app
+from shared.connection import NotAuthorized, PermissionDenied, connect
 from shared.embedded import free_port
-from shared.natsio import STATE_STREAM, NotAuthorized, PermissionDenied, connect
 from shared.natssettings import nats_settings
 from shared.security.permissions import Role
+from shared.subjects import STATE_STREAM
 from tests.security.conftest import SecureCluster
 
 PATIENCE = 30.0

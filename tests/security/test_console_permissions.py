@@ -3,8 +3,8 @@ users to it, an agent may not write to it."""
 
 from __future__ import annotations
 
+from shared.connection import Connection, connect
 from shared.console_users import ADMIN, USERS_BUCKET, load_user, new_user, save_user, user_key, users_bucket
-from shared.natsio import Connection, connect
 from shared.security.permissions import Role
 from tests.security.conftest import ConnectAs, SecureCluster
 from tests.security.test_permissions import publish_refused

@@ -9,10 +9,11 @@ from pathlib import Path
 import nats
 import pytest
 
-from shared.natsio import STATE_PREFIX, Connection, connect
+from shared.connection import Connection, connect
 from shared.security.creds import read_user_jwt, write_private
 from shared.security.join import JoinRefused, JoinService, JoinToken, join, request_join_token
 from shared.security.nkeyjwt import decode_claims
+from shared.subjects import STATE_PREFIX
 from tests.security.conftest import ManualClock, SecureCluster
 
 CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)

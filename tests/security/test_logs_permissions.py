@@ -5,7 +5,8 @@ from __future__ import annotations
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream, app_logs_stream_config, read_app_logs
-from shared.natsio import Connection, connect, create_or_update_stream
+from shared.connection import Connection, connect
+from shared.provisioning import create_or_update_stream
 from shared.security.permissions import Role
 from tests.security.conftest import SecureCluster
 

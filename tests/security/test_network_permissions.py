@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.natsio import ACTIVATE_SUBJECT, ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT, Connection
+from shared.connection import Connection
 from shared.security.permissions import Role
+from shared.subjects import ACTIVATE_SUBJECT, ROUTES_GET_SUBJECT, ROUTES_SNAPSHOT_SUBJECT
 from tests.security.conftest import ConnectAs
 
 NODE = "n1"

@@ -27,14 +27,15 @@ from zattera.v1 import types_pb2 as pb
 from services.agent.credentials import CREDS_FILE, creds_name
 from services.agent.registration import host_os_arch
 from shared import keys as K
+from shared.connection import Connection
 from shared.embedded import free_port
 from shared.ids import new_id
-from shared.natsio import LIVE_PREFIX, LIVE_STREAM, ROUTES_GET_SUBJECT, STATE_PREFIX, STATE_STREAM, Connection
 from shared.registry import PlatformImage, push_image
-from shared.routeclient import content_digest, encode_messages
+from shared.routewire import content_digest, encode_messages
 from shared.security.authority import RoleIssuer
 from shared.security.join import JoinService, join, request_join_token
 from shared.security.permissions import Role
+from shared.subjects import LIVE_PREFIX, LIVE_STREAM, ROUTES_GET_SUBJECT, STATE_PREFIX, STATE_STREAM
 from shared.tasks import cancel_and_wait
 from tests.proxy.harness import Backend, Routes, endpoint, http_route, serving
 from tests.security.conftest import ManualClock, SecureCluster

@@ -9,18 +9,11 @@ from typing import Any
 import nats
 import pytest
 
-from shared.natsio import (
-    LIVE_PREFIX,
-    ROUTES_SNAPSHOT_SUBJECT,
-    STATE_PREFIX,
-    STATE_STREAM,
-    Connection,
-    agent_subject,
-    connect,
-)
+from shared.connection import Connection, connect
 from shared.secrets import ROTATE_SUBJECT, open_subject
 from shared.security.join import JoinService
 from shared.security.permissions import Role
+from shared.subjects import LIVE_PREFIX, ROUTES_SNAPSHOT_SUBJECT, STATE_PREFIX, STATE_STREAM, agent_subject
 from tests.security.conftest import ConnectAs, SecureCluster
 
 CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)

@@ -7,11 +7,12 @@ import json
 import pytest
 from nats.js.errors import APIError, NotFoundError
 
+from shared.connection import Connection, connect
 from shared.ids import new_id
-from shared.natsio import LIVE_PREFIX, LIVE_STREAM, STATE_PREFIX, STATE_STREAM, Connection, connect
 from shared.security.join import JoinService
 from shared.security.permissions import Role
 from shared.security.relay import relayed_write
+from shared.subjects import LIVE_PREFIX, LIVE_STREAM, STATE_PREFIX, STATE_STREAM
 from tests.security.conftest import SecureCluster
 
 NODE = "relayed"

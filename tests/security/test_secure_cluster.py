@@ -14,9 +14,9 @@ from pathlib import Path
 import nats
 import pytest
 
-from cli.up import Cluster
+from cli.up_cluster import Cluster
+from shared.connection import connect
 from shared.embedded import SERVER_DIR, EmbeddedNats, free_port, wait_meta_group
-from shared.natsio import connect
 from shared.security import tls as tls_material
 from shared.security.permissions import Role
 from shared.security.setup import SecureSetup, prepare

@@ -15,15 +15,17 @@ import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.agent.snapshots.chunking import TEST_PARAMS
+from services.agent.snapshots.handlers import SnapshotAgent
+from services.agent.snapshots.tarstream import tar_bytes
 from shared.clock import FakeClock
-from shared.natsio import STATE_PREFIX, STATE_STREAM, Connection, agent_subject, connect
+from shared.connection import Connection, connect
 from shared.security.join import JoinService
 from shared.security.permissions import Role
-from shared.snapshots import SnapshotAgent, SnapshotStore
-from shared.snapshots.chunking import TEST_PARAMS
 from shared.snapshots.dispatch import SnapshotDispatcher
-from shared.snapshots.tarstream import tar_bytes
+from shared.snapshots.store import SnapshotStore
 from shared.state.feed import StateView
+from shared.subjects import STATE_PREFIX, STATE_STREAM, agent_subject
 from shared.txn import Writer
 from shared.watches import watch_opener
 from tests import factories

@@ -17,19 +17,18 @@ from collections.abc import Awaitable, Callable
 import pytest
 from nats.aio.msg import Msg
 
-from shared.natsio import (
+from shared.connection import Connection, connect
+from shared.security.join import JoinService
+from shared.security.permissions import VIEW_OPEN_SUBJECT, Role
+from shared.subjects import (
     LIVE_PREFIX,
     LIVE_STREAM,
     ROUTES_SNAPSHOT_SUBJECT,
     STATE_PREFIX,
     STATE_STREAM,
-    Connection,
     agent_subject,
-    connect,
     is_direct_request,
 )
-from shared.security.join import JoinService
-from shared.security.permissions import VIEW_OPEN_SUBJECT, Role
 from tests.security.conftest import Client, ConnectAs, SecureCluster
 
 CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)

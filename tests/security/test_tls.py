@@ -8,8 +8,8 @@ from pathlib import Path
 import nats
 import pytest
 
+from shared.connection import connect
 from shared.embedded import EmbeddedNats
-from shared.natsio import connect
 from shared.security.setup import prepare
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cli.layout import NODE_CREDS, PROXY_CREDS, DataLayout
-from cli.up import LOCAL_NODE, Cluster
+from cli.up_cluster import LOCAL_NODE, Cluster
 from shared.security.authority import RoleIssuer
 from shared.security.creds import read_user_jwt, write_private
 from shared.security.nkeyjwt import decode_claims

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from shared.natsio import EVENTS_STREAM, Connection, connect
+from shared.connection import Connection, connect
 from shared.security.permissions import Role
+from shared.subjects import EVENTS_STREAM
 from shared.watches import WATCH_OPEN_SUBJECT, BadWatch, WatchSpec, follow, open_watch
 from tests.security.conftest import ConnectAs, SecureCluster
 from tests.security.test_permissions import publish_refused

@@ -15,8 +15,8 @@ import signal
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.connection import connect
 from shared.live import publish_node_heartbeat
-from shared.natsio import connect
 from tests.agent_sim import AgentSim
 from tests.factories import node
 

@@ -11,11 +11,11 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
+from services.agent.snapshots.chunking import TEST_PARAMS
+from services.agent.snapshots.handlers import SnapshotAgent
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.ids import new_id
-from shared.natsio import Connection
-from shared.snapshots import SnapshotAgent
-from shared.snapshots.chunking import TEST_PARAMS
 
 BASE = 1_893_456_000.0  # 2030-01-01T00:00:00Z, the reference tests' fake clock start
 FILE_MTIME = 1_700_000_000

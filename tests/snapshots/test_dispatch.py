@@ -13,20 +13,17 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.agent.snapshots.chunking import TEST_PARAMS
+from services.agent.snapshots.engine import SnapshotEngine
+from services.agent.snapshots.handlers import SnapshotAgent
+from services.agent.snapshots.tarstream import tar_bytes
 from services.scheduler.snapshots import SnapshotScheduler
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.loop import LoopDeps
-from shared.natsio import Connection
-from shared.snapshots import SnapshotAgent, SnapshotEngine, SnapshotStore
-from shared.snapshots.chunking import TEST_PARAMS
-from shared.snapshots.dispatch import (
-    RestoreRefused,
-    SnapshotBusy,
-    SnapshotDispatcher,
-    SnapshotKeyMismatch,
-    key_fingerprint,
-)
-from shared.snapshots.tarstream import tar_bytes
+from shared.snapshots.dispatch import SnapshotDispatcher
+from shared.snapshots.guards import RestoreRefused, SnapshotBusy, SnapshotKeyMismatch, key_fingerprint
+from shared.snapshots.store import SnapshotStore
 from shared.state.feed import StateView
 from shared.txn import Writer
 from tests import factories

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from shared.natsio import Connection
-from shared.snapshots import SnapshotEngine, SnapshotStore
-from shared.snapshots.chunking import TEST_PARAMS
-from shared.snapshots.store import CHUNKS
-from shared.snapshots.tarstream import tar_bytes
+from services.agent.snapshots.chunking import TEST_PARAMS
+from services.agent.snapshots.engine import SnapshotEngine
+from services.agent.snapshots.tarstream import tar_bytes
+from shared.connection import Connection
+from shared.snapshots.store import CHUNKS, SnapshotStore
 from tests.snapshots.conftest import FILE_MTIME, KEY, write_tree
 
 

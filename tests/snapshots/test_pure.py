@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from zattera.v1 import types_pb2 as pb
 
+from services.agent.snapshots.chunking import TEST_PARAMS, ChunkParams, chunk_lengths
+from services.agent.snapshots.manifest import ChunkRef, Manifest
+from services.agent.snapshots.tarstream import UnsafeArchiveError, extract, tar_bytes, tree_paths
 from services.scheduler.snapshots import (
     expired_failures,
     retention_victims,
@@ -21,10 +24,7 @@ from services.scheduler.snapshots import (
     stuck_runs,
 )
 from shared.schedule import ScheduleError, parse_go_duration, parse_schedule
-from shared.snapshots.chunking import TEST_PARAMS, ChunkParams, chunk_lengths
 from shared.snapshots.crypto import Sealer, SealError
-from shared.snapshots.manifest import ChunkRef, Manifest
-from shared.snapshots.tarstream import UnsafeArchiveError, extract, tar_bytes, tree_paths
 from shared.volumes import lease_expired, lease_held_by_other
 from tests.snapshots.conftest import BASE, KEY, snap_volume, snapshot_record, stamp, write_tree
 

@@ -14,11 +14,12 @@ from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.snapshots import FAILED_KEEP, RETRY_AFTER, STUCK_AFTER, STUCK_ERROR, TICK, SnapshotScheduler
 from shared.clock import FakeClock
+from shared.connection import Connection
 from shared.lease import run_while_leading
 from shared.loop import LoopDeps
-from shared.natsio import EVENTS_SUBJECT_PREFIX, Connection
-from shared.snapshots.dispatch import RecordNotWritten
+from shared.snapshots.guards import RecordNotWritten
 from shared.state.feed import StateView
+from shared.subjects import EVENTS_SUBJECT_PREFIX
 from shared.txn import Writer
 from tests import factories
 from tests.snapshots.conftest import BASE, snap_volume, snapshot_record, stamp

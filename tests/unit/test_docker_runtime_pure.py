@@ -9,15 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.agent.docker_runtime import (
-    ContainerImage,
-    Resume,
-    container_config,
-    cpu_percent,
-    exit_of,
-    resident_bytes,
-    since_param,
-)
+from services.agent.docker_containers import Resume, container_config, cpu_percent, exit_of, resident_bytes, since_param
+from services.agent.docker_images import ContainerImage
 from services.agent.launchers import LaunchPlan
 from shared.imagearchive import ImageArchiveError, read_image_archive
 

@@ -35,8 +35,8 @@ def test_input_errors_stay_value_errors() -> None:
     from cli.spec import SpecError
     from shared.actions.refusals import Invalid
     from shared.appconfig import ConfigError
+    from shared.connection import ClusterUnavailable
     from shared.keys import BadKey
-    from shared.natsio import ClusterUnavailable
     from shared.txn import Conflict
 
     for cls in (ConfigError, Invalid, BadKey, SpecError):

@@ -7,7 +7,8 @@ import tomllib
 
 import pytest
 
-from cli.spec import service_spec, validate
+from cli.spec import validate
+from cli.spec_proto import service_spec
 
 
 @pytest.mark.parametrize(

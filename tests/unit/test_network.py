@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from cli.spec import SpecError, service_spec, validate
+from cli.spec import SpecError, validate
+from cli.spec_proto import service_spec
 from services.agent.network import (
     MAX_SLOTS,
     Consumer,

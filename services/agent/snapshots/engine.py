@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+from services.agent.snapshots.chunking import ChunkParams, chunks
+from services.agent.snapshots.manifest import ChunkRef, Manifest
+from services.agent.snapshots.tarstream import TarStream, extract
 from shared.errors import ZatteraError
-from shared.snapshots.chunking import ChunkParams, chunks
-from shared.snapshots.manifest import ChunkRef, Manifest
 from shared.snapshots.store import CHUNKS, MANIFESTS, ObjectMissingError, SnapshotStore
-from shared.snapshots.tarstream import TarStream, extract
 
 DEFAULT_GC_GRACE = 3600.0
 PROGRESS_EVERY = 1.0  # seconds between progress reports while nothing new is uploaded

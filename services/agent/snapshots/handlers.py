@@ -35,13 +35,14 @@ from nats.aio.subscription import Subscription
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.agent.snapshots.chunking import ChunkParams
+from services.agent.snapshots.engine import DEFAULT_GC_GRACE, SnapshotEngine
+from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.ids import is_safe_id, unsafe_id
-from shared.natsio import Connection, agent_subject, is_direct_request
-from shared.snapshots.chunking import ChunkParams
-from shared.snapshots.engine import DEFAULT_GC_GRACE, SnapshotEngine
 from shared.snapshots.locking import SharedExclusiveLock
 from shared.snapshots.store import SnapshotStore
+from shared.subjects import agent_subject, is_direct_request
 from shared.subprocesses import run_shell
 from shared.telemetry import span
 

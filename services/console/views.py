@@ -1,0 +1,75 @@
+"""The console's pages and their JSON twins: overview, env, nodes, builds, volumes, events (what they show is
+``pages.py``'s)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from zattera.v1 import types_pb2 as pb
+
+from services.console.handling import Console, console_of, render, render_streamed
+
+from . import pages
+
+
+def env_or_404(console: Console, env_id: str) -> pb.Environment:
+    env = console.view.env(env_id)
+    if env is None:
+        raise web.HTTPNotFound(text=f"environment {env_id!r} not found")
+    return env
+
+
+async def overview_page(request: web.Request) -> web.StreamResponse:
+    console = console_of(request)
+    only = [env_id for env_id in request.query.get("only", "").split(",") if env_id]
+    envs = pages.overview(console.view, console.routes(), only, console.listeners())
+    return await render_streamed(request, "overview.html", page="overview", envs=envs)
+
+
+async def overview_api(request: web.Request) -> web.Response:
+    console = console_of(request)
+    overview = pages.overview(console.view, console.routes(), listeners=console.listeners())
+    return web.json_response({"environments": overview})
+
+
+def _env_detail(console: Console, env_id: str) -> dict[str, Any]:
+    env = env_or_404(console, env_id)
+    routes = console.routes()
+    urls = pages.urls_by_env(console.view, routes, console.listeners()).get(env_id, [])
+    certificates = pages.certificates_by_env(console.view, routes).get(env_id, [])
+    return pages.env_detail(console.view, env, urls, certificates)
+
+
+async def env_page(request: web.Request) -> web.Response:
+    console = console_of(request)
+    env_id = request.match_info["env_id"]
+    return render(request, "env.html", page="env", env=_env_detail(console, env_id))
+
+
+async def env_api(request: web.Request) -> web.Response:
+    return web.json_response(_env_detail(console_of(request), request.match_info["env_id"]))
+
+
+async def nodes_page(request: web.Request) -> web.Response:
+    return render(request, "nodes.html", page="nodes", nodes=pages.nodes(console_of(request).view))
+
+
+async def builds_page(request: web.Request) -> web.Response:
+    return render(request, "builds.html", page="builds", builds=pages.builds(console_of(request).view))
+
+
+async def build_page(request: web.Request) -> web.Response:
+    build_id = request.match_info["build_id"]
+    build = console_of(request).view.build(build_id)
+    if build is None:
+        raise web.HTTPNotFound(text=f"build {build_id!r} not found")
+    return render(request, "build.html", page="build", build_id=build_id)
+
+
+async def volumes_page(request: web.Request) -> web.Response:
+    return render(request, "volumes.html", page="volumes", volumes=pages.volumes(console_of(request).view))
+
+
+async def events_page(request: web.Request) -> web.Response:
+    return render(request, "events.html", page="events")

@@ -1,0 +1,29 @@
+"""Body cap: a declared body above the route's ``max_body_bytes`` is refused up front with 413; an
+undeclared (chunked) one is cut at the cap while it is forwarded (the upstream request then fails: 502)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from services.proxy.pipeline.flow import Flow, Handler, error_response
+
+
+async def body_cap(flow: Flow, following: Handler) -> web.StreamResponse:
+    flow.body_cap = flow.middleware.max_body_bytes if flow.middleware is not None else 0
+    length = flow.request.content_length
+    if flow.body_cap and length is not None and length > flow.body_cap:
+        return error_response(413, "request body too large")
+    return await following(flow)
+
+
+async def capped(body: aiohttp.StreamReader, limit: int) -> AsyncIterator[bytes]:
+    """The request body, failing once it exceeds ``limit`` bytes (the upstream request then fails: 502)."""
+    seen = 0
+    async for chunk in body.iter_any():
+        seen += len(chunk)
+        if seen > limit:
+            raise ValueError(f"request body exceeds {limit} bytes")
+        yield chunk
