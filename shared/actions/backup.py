@@ -43,8 +43,9 @@ from shared.console_users import USERS_BUCKET
 from shared.events import ERROR, make_event
 from shared.ids import new_id
 from shared.migrations.registry import SCHEMA
-from shared.natsio import IMAGES_STORE, SOURCES_STORE, recorded_config
+from shared.provisioning import recorded_config
 from shared.secrets import KeyMaterialError, Keyring, load_keyring, save_keyring
+from shared.subjects import IMAGES_STORE, SOURCES_STORE
 from shared.version import VERSION
 
 log = logging.getLogger(__name__)

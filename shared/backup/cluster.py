@@ -1,7 +1,7 @@
 """A cluster's contents read at one point for a backup, and written back by a restore.
 
 * The state bucket and the console users' bucket: the last value of every key by ONE ``DIRECT.GET``
-  batch (:func:`shared.natsio.last_per_subject`: one point in the stream's history, answered without a
+  batch (:func:`shared.directget.last_per_subject`: one point in the stream's history, answered without a
   consumer, so the operator credential of a secured cluster may read it); a bucket too large for one batch
   (or one that allows no direct reads, as the console users' bucket) is read by an ordered consumer until
   it has seen every message (the bucket at the last one).
@@ -23,11 +23,13 @@ from nats.js.errors import NotFoundError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.connection import Connection, PermissionDenied
 from shared.console_users import USERS_BUCKET, users_bucket
+from shared.directget import TooManySubjects, last_per_subject
 from shared.jetstream import is_delete_marker
-from shared.natsio import STATE_BUCKET, Connection, PermissionDenied, TooManySubjects, last_per_subject
 from shared.objects import list_objects, read_object
 from shared.secrets import CLUSTER_KEY
+from shared.subjects import STATE_BUCKET
 
 READ_TIMEOUT = 10.0
 LEFT_BEHIND = frozenset({K.NODE, K.ASSIGNMENT, K.OBSERVED, K.LEASE})

@@ -36,13 +36,15 @@ from shared.backup import recovery
 from shared.backup.cluster import read_state
 from shared.backup.manifest import Corrupt, TooNew
 from shared.backup.targets import TargetError
+from shared.connection import Connection, connect
 from shared.console_users import load_user, new_user, password_matches, save_user, users_bucket
 from shared.embedded import EmbeddedNats
 from shared.migrations.registry import SCHEMA
-from shared.natsio import EVENTS_SUBJECT_PREFIX, SOURCES_STORE, Connection, connect, provision
 from shared.objects import read_object
+from shared.provisioning import provision
 from shared.secrets import CLUSTER_KEY, Keyring, key_id, load_keyring, public_bytes, save_keyring, seal, unseal
 from shared.state.feed import StateView
+from shared.subjects import EVENTS_SUBJECT_PREFIX, SOURCES_STORE
 from shared.txn import Writer
 from tests import factories
 from tests.backup.conftest import BUCKET, SECRET_KEY
