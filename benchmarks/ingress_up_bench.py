@@ -166,7 +166,7 @@ def run(quick: bool = True) -> list[Row]:
             env = f"{PROJECT}/{APP}/{ENV}"
             up.cli("deploy", str(app), "--env", env)
             up.cli("deploy", str(app), "--env", env)  # a red/green deploy: its replica is added at run time
-            ca = up.data_dir / "certs" / "local-ca.pem"
+            ca = up.data_dir / "control" / "certs" / "local-ca.pem"  # cli/layout.py: the control plane's files
             deadline = time.monotonic() + 60
             while not https_ok(up.tls_port, ca):
                 if time.monotonic() > deadline:
