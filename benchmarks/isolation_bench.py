@@ -34,7 +34,8 @@ from benchmarks.common import bench_main, listening, median, percentile, row
 from services.agent.instance_env import PASSED_THROUGH_ENV
 from services.agent.launchers import LaunchPlan, ProcessLauncher
 from services.agent.processes import PortAllocator
-from services.agent.sandbox import Confinement, Sandbox, UidTable, give, node_python_paths, probe_now
+from services.agent.sandbox import Confinement, Sandbox, node_python_paths, probe_now
+from services.agent.sandbox_users import UidTable, give
 
 TARGET = "≤ 50"
 ANCHOR = "issue 43: ≤ 50 ms added at p50"

@@ -50,12 +50,12 @@ from services.agent.sandbox import (
     IsolationRefused,
     Sandbox,
     Support,
-    UidTable,
     decide_isolation,
     hook_runner,
     node_python_paths,
     probe,
 )
+from services.agent.sandbox_users import UidTable
 from services.agent.settings import AgentSettings
 from services.agent.snapshots.handlers import HookRunner, run_hook_in_shell, serve_snapshot_requests
 from shared import keys as K

@@ -26,7 +26,8 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.agent.hostbase import NODE_LABEL
 from services.agent.pythonbase import PYTHON_LABEL
-from services.agent.sandbox import Confinement, Sandbox, exit_status, give
+from services.agent.sandbox import Confinement, Sandbox, exit_status
+from services.agent.sandbox_users import give
 from shared.buildlogs import BuildEventPublisher
 from shared.buildplan import BuildPlan
 from shared.connection import Connection

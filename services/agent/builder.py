@@ -82,7 +82,8 @@ from services.agent.build_steps import (
 )
 from services.agent.depcache import LayerCache, cache_tag, dependency_key
 from services.agent.dockerbuild import DEFAULT_DOCKERFILE, DockerBuildError, build_context_dir, build_dockerfile
-from services.agent.sandbox import Confinement, Sandbox, give
+from services.agent.sandbox import Confinement, Sandbox
+from services.agent.sandbox_users import give
 from shared.buildlogs import ERROR_HEADER, BuildEventPublisher, cancel_build_subject, run_build_subject
 from shared.buildplan import BuildPlan, PlanError, build_problem, detect, read_source, starts_python
 from shared.connection import Connection

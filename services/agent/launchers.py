@@ -16,7 +16,8 @@ from typing import Protocol
 
 from services.agent.images import PreparedImage, prepare_image
 from services.agent.processes import Confined, InstanceRecord, adopt, spawn
-from services.agent.sandbox import Confinement, Sandbox, give
+from services.agent.sandbox import Confinement, Sandbox
+from services.agent.sandbox_users import give
 from shared.connection import Connection
 
 PROCESS = "process"

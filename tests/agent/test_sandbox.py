@@ -25,7 +25,8 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.agent import node_runtime
 from services.agent.builder import Builder
-from services.agent.sandbox import NONE, SANDBOX, IsolationRefused, Sandbox, UidTable, hook_runner, probe_now
+from services.agent.sandbox import NONE, SANDBOX, IsolationRefused, Sandbox, hook_runner, probe_now
+from services.agent.sandbox_users import UidTable
 from services.agent.settings import AgentSettings
 from services.agent.snapshots.handlers import PreHookError
 from shared.connection import Connection

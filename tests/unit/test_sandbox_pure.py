@@ -22,10 +22,10 @@ from services.agent.sandbox import (
     IsolationRefused,
     Sandbox,
     Support,
-    UidTable,
     decide_isolation,
     exit_status,
 )
+from services.agent.sandbox_users import UidTable
 
 CAN = Support(bwrap="/usr/bin/bwrap", nsenter="/usr/bin/nsenter")
 CANNOT = Support(problem="bubblewrap is not installed")
