@@ -154,14 +154,14 @@ async def test_a_scale_to_zero_env_cools_after_a_deploy_within_idle_timeout_and_
     second = await cluster.acli("deploy", str(sources["v2"]), "--env", IDLE)
     promoted = time.monotonic()
     deployment_id = deployment_id_of(second.stderr)
+    # v1 kept warm: the deploy saw its deployment in the drain window (what the CLI watched; a view opened
+    # now may come after the 3 s idle timeout has cooled the env, which ends the drain too).
+    assert "DRAINING_OLD" in second.stderr, second.stderr
     async with cluster.state() as (_, view):
         env = env_by_name(view, "idle")
         assert env is not None
         env_id = env.meta.id
-        d = view.deployment(deployment_id)
-        # v1 kept warm in its drain window, unless the env already cooled (3 s idle: a loaded machine may take
-        # longer than that to open this view), which ends the drain as well.
-        assert d is not None and d.phase in (pb.DEPLOYMENT_PHASE_DRAINING_OLD, pb.DEPLOYMENT_PHASE_SUCCEEDED), phase(d)
+        assert view.deployment(deployment_id) is not None
         await eventually(
             lambda: (e := view.env(env_id)) is not None and e.effective_replicas == 0, 60, "cooled to zero"
         )
