@@ -145,7 +145,7 @@ class Shop:
             S.app("db-app", "db", "shop-id"),
             S.app("web-app", "web", "shop-id"),
             (K.env("db-env"), db_env),
-            S.vip("db-env", "10.97.0.9"),
+            S.vip("db-env", "127.128.0.9"),
             (K.release(self.db.meta.id), self.db),
             (K.release(self.web.meta.id), self.web),
         )
