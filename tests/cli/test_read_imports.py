@@ -24,7 +24,8 @@ HEAVY = (
     "aiohttp",  # nats-py's websocket transport
     "cryptography",  # security and secrets commands
     "nacl",
-    "opentelemetry.sdk",  # only when traces are exported
+    "opentelemetry",  # the API too: instruments are made at their first use, spans when traces are exported
+    "ulid",  # a read mints no id
     "prometheus_client",
     "psutil",
     "cli.deploy_cmds",  # other command groups
