@@ -61,3 +61,33 @@ def test_a_plain_read_imports_no_heavy_module(
     loaded = set(json.loads(out.read_text()))
     heavy = sorted(m for m in loaded for h in HEAVY if m == h or m.startswith(h + "."))
     assert heavy == [], f"`zattera {' '.join(argv)}` imports {heavy} (PERFORMANCE.md 'CLI start-up')"
+
+
+def test_options_coerced_without_pydantic_keep_typer_s_rules() -> None:
+    """The CLI coerces plain str and bool options itself (cli/main.py); everything else, and a bool given as
+    text (an environment variable), still goes through typer's adapter, with its messages."""
+    import typer
+    from typer.testing import CliRunner
+
+    import cli.main  # noqa: F401  (installs the coercion)
+
+    assert typer.core.build_runtime_param.__module__ == "cli.main"  # installed: typer's internals are as expected
+
+    seen: list[tuple[str, bool, int]] = []
+    app = typer.Typer()
+
+    @app.command()
+    def show(
+        name: str = typer.Option("", "--name"),
+        flag: bool = typer.Option(False, "--flag", envvar="PROBE_FLAG"),
+        count: int = typer.Option(1, "--count"),
+    ) -> None:
+        seen.append((name, flag, count))
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["--name", "a b", "--flag", "--count", "3"]).exit_code == 0
+    assert runner.invoke(app, [], env={"PROBE_FLAG": "yes"}).exit_code == 0
+    assert runner.invoke(app, [], env={"PROBE_FLAG": "0"}).exit_code == 0
+    assert seen == [("a b", True, 3), ("", True, 1), ("", False, 1)]
+    bad = runner.invoke(app, ["--count", "three"])
+    assert bad.exit_code == 2 and "--count" in bad.output
