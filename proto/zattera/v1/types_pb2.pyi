@@ -2514,7 +2514,7 @@ Global___Lease: _TypeAlias = Lease  # noqa: Y015
 @_typing.final
 class ServiceVIP(_message.Message):
     """ServiceVIP is an environment's internal virtual IP (key `vip.<env_id>`),
-    from 10.97.0.0/16. Shape fixed by DESIGN.md §6.
+    from 127.128.0.0/16 (loopback). Shape fixed by DESIGN.md §6.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
