@@ -313,13 +313,9 @@ async def test_forwarded_headers_and_acme_answers_on_every_request(
     backend = Backend("A")
     async with serving(backend):
         ingress = await make_ingress()
-        secure = pb.Middleware(redirect_https=True)
-        await serve(
-            routes,
-            ingress,
-            http_route("plain.example.com", "e1", [endpoint(backend.addr)]),
-            http_route("tls.example.com", "e2", [endpoint(backend.addr)], middleware=secure),
-        )
+        redirected = http_route("tls.example.com", "e2", [endpoint(backend.addr)])
+        redirected.middleware.redirect_https = True
+        await serve(routes, ingress, http_route("plain.example.com", "e1", [endpoint(backend.addr)]), redirected)
         spoofed = {"X-Forwarded-For": "203.0.113.9", "X-Forwarded-Proto": "https", "X-Forwarded-Host": "evil.example"}
         assert await get(fresh, ingress, "plain.example.com", headers=spoofed) == (200, "A")
         seen = backend.seen[-1].headers
