@@ -76,11 +76,14 @@ def _passphrase(*, twice: bool) -> str:
     return first
 
 
-def _on_cluster(action: Callable[[ActionContext, R], Awaitable[T]], request: R, *, view: bool = False) -> T:
-    """Run an action that needs the cluster, as the operator (``view``: one that reads the state)."""
+def _on_cluster(
+    action: Callable[[ActionContext, R], Awaitable[T]], request: R, *, view: bool = False, follow: bool = False
+) -> T:
+    """Run an action that needs the cluster, as the operator (``view``: one that reads the state;
+    ``follow``: one that reads what it wrote, its view kept current)."""
 
     async def go() -> T:
-        async with control(view=view) as c:
+        async with control(view=view or follow, follow=follow) as c:
             return await action(c.actions, request)
 
     return run(go)
@@ -157,10 +160,10 @@ def restore(
     set_output(json)
     request = RestoreBackup(source, _passphrase(twice=False), _keyring_path(data_dir), backup_id, force)
 
-    restored = _on_cluster(restore_backup, request)
+    restored = _on_cluster(restore_backup, request, follow=True)
     lines = [
         f"backup {restored.id} restored: {restored.keys} state keys, {restored.objects} objects, "
-        f"{restored.console_users} console users",
+        f"{restored.console_users} console users, {len(restored.volumes)} volumes' data",
         *(f"left out: {note}" for note in restored.skipped),
     ]
     _say(restored, *lines)

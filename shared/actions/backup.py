@@ -17,14 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from nacl.public import PrivateKey
+from zattera.v1 import types_pb2 as pb
 
+from shared import keys as K
 from shared.actions.context import ActionContext
 from shared.actions.refusals import Conflicting, Invalid, NotFound, Unavailable
-from shared.backup import cluster, recovery
+from shared.backup import cluster, recovery, volumes
 from shared.backup.manifest import (
     CONSOLE_USERS,
     IMAGES,
     SECRETS_KEY,
+    SNAPSHOTS,
     SOURCES,
     STATE,
     BackupError,
@@ -40,7 +43,9 @@ from shared.backup.manifest import (
 )
 from shared.backup.retention import backup_ids
 from shared.backup.targets import Target, open_target
+from shared.connection import Connection
 from shared.console_users import USERS_BUCKET
+from shared.errors import ZatteraError
 from shared.events import ERROR, make_event
 from shared.ids import new_id
 from shared.migrations.registry import SCHEMA
@@ -133,7 +138,10 @@ class Restored:
     objects: int
     console_users: int
     skipped: list[str]
-    """What a restore left out, and why (the old machines' keys; a bucket this cluster lacks)."""
+    """What a restore left out, and why (the old machines' keys; a bucket this cluster lacks; a volume whose
+    data could not be brought back, with the command that does it)."""
+    volumes: list[str] = field(default_factory=list)
+    """The volumes whose data was restored from the snapshot the backup carried."""
 
 
 # ------------------------------------------------------------------ create
@@ -216,6 +224,11 @@ async def _create(ctx: ActionContext, request: CreateBackup) -> BackupCreated:
     for kind, store in STORES.items():
         for obj in await cluster.read_store(ctx.conn, store):
             add(kind, obj.name, obj.data, {"description": obj.description, "headers": obj.headers})
+    snapshot_refs = await volumes.snapshot_objects(ctx.conn, state)
+    snapshot_entries = [
+        Entry(SNAPSHOTS, r.name, r.sha256, r.size, {"snapshot": r.snapshot_id, "volume": r.volume_id})
+        for r in snapshot_refs
+    ]
     manifest = Manifest(
         id=new_id(),
         created_at=ctx.clock.now(),
@@ -223,7 +236,7 @@ async def _create(ctx: ActionContext, request: CreateBackup) -> BackupCreated:
         schema=config.schema if config else SCHEMA,
         revision=state.revision,
         cluster_id=config.cluster_id if config else "",
-        entries=tuple(e for e, _ in pieces),
+        entries=(*(e for e, _ in pieces), *snapshot_entries),
     )
 
     def send() -> int:
@@ -232,12 +245,37 @@ async def _create(ctx: ActionContext, request: CreateBackup) -> BackupCreated:
             if not target.exists(blob_name(entry.sha256)):
                 target.put(blob_name(entry.sha256), data)
                 sent += len(data)
-        body = manifest.to_json()
-        target.put(manifest_name(manifest.id), body)
-        return sent + len(body)
+        return sent
 
     sent = await asyncio.to_thread(send)
+    sent += await _send_snapshot_objects(ctx.conn, target, snapshot_refs)
+    body = manifest.to_json()
+    await asyncio.to_thread(target.put, manifest_name(manifest.id), body)
+    sent += len(body)
     return BackupCreated(manifest.id, target.url, manifest.revision, len(pieces), manifest.size, sent)
+
+
+async def _send_snapshot_objects(conn: Connection, target: Target, refs: list[volumes.SnapshotObject]) -> int:
+    """Send the snapshot objects the target lacks, each read from the cluster only then (an unchanged
+    volume's chunks are neither read nor sent again); the bytes sent."""
+
+    def lacking() -> list[volumes.SnapshotObject]:
+        seen: set[str] = set()
+        out = []
+        for ref in refs:
+            if ref.sha256 not in seen and not target.exists(blob_name(ref.sha256)):
+                out.append(ref)
+            seen.add(ref.sha256)
+        return out
+
+    sent = 0
+    for ref in await asyncio.to_thread(lacking):
+        data = await volumes.read_snapshot_object(conn, ref)
+        if sha256(data) != ref.sha256:
+            raise BackupError(f"volume {ref.volume_id}: {ref.name} changed while the backup ran")
+        await asyncio.to_thread(target.put, blob_name(ref.sha256), data)
+        sent += len(data)
+    return sent
 
 
 # ------------------------------------------------------------------ read
@@ -386,6 +424,9 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
             obj = cluster.StoredObject(entry.name, blobs[entry.sha256], str(entry.meta.get("description", "")), headers)
             await cluster.write_object(ctx.conn, store, obj)
             objects += 1
+    carried = {str(e.meta.get("snapshot", "")): str(e.meta.get("volume", "")) for e in manifest.of_kind(SNAPSHOTS)}
+    await volumes.write_snapshot_objects(ctx.conn, [(e.name, blobs[e.sha256]) for e in manifest.of_kind(SNAPSHOTS)])
+    objects += len(manifest.of_kind(SNAPSHOTS))
     restored_users = 0
     if users.values:
         if await cluster.users_bucket_ready(ctx.conn):
@@ -393,11 +434,35 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
             restored_users = len(users.values)
         else:
             skipped.append(f"{len(users.values)} console users: this cluster has no console users bucket")
-    values = cluster.restorable(state)
-    left = len(state.values) - len(values)
+    old_volumes = [pb.Volume.FromString(d) for k, d in state.values.items() if cluster.kind_of(k) == K.VOLUME]
+    homes = volumes.new_homes(old_volumes, ctx.view.nodes())
+    values = cluster.restorable(state, carried=frozenset(carried), homes=homes)
+    left = sum(1 for k in state.values if cluster.kind_of(k) in cluster.LEFT_BEHIND)
     if left:
         skipped.append(f"{left} keys of the old machines (nodes, assignments, observations, leases)")
-    await cluster.write_state(ctx.conn, values)
+    dropped = sum(1 for k in state.values if cluster.kind_of(k) == K.SNAPSHOT) - len(carried)
+    if dropped > 0:
+        skipped.append(f"{dropped} older snapshot records (a backup carries each volume's latest snapshot only)")
+    restoring = {vid: sid for sid, vid in carried.items() if vid in homes}
+    for volume in old_volumes:
+        if volume.meta.id not in homes:
+            skipped.append(f"volume {volume.name} ({volume.meta.id}): no schedulable node to restore it onto")
+        elif volume.meta.id not in restoring:
+            skipped.append(f"volume {volume.name} ({volume.meta.id}): the backup holds no snapshot of it (empty)")
+    data_restored: list[str] = []
+
+    async def volume_data() -> None:
+        for volume_id, snapshot_id in sorted(restoring.items()):
+            problem = await _restore_volume(ctx, volume_id, snapshot_id)
+            if problem:
+                skipped.append(
+                    f"volume {volume_id}: its data was not restored ({problem}); stop its env and run "
+                    f"`zattera volumes restore {volume_id} {snapshot_id}`"
+                )
+            else:
+                data_restored.append(volume_id)
+
+    await cluster.write_state(ctx.conn, values, before_envs=volume_data)
     await ctx.events.publish(
         make_event(
             "backup.restored",
@@ -405,4 +470,26 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
             fields={"actor": ctx.actor, "target": target.url, "backup": manifest.id},
         )
     )
-    return Restored(manifest.id, len(values), objects, restored_users, skipped)
+    return Restored(manifest.id, len(values), objects, restored_users, skipped, data_restored)
+
+
+VOLUME_RESTORE_WAIT = 30.0
+"""Seconds a restore waits for this cluster's view to show a restored volume and its snapshot record."""
+
+
+async def _restore_volume(ctx: ActionContext, volume_id: str, snapshot_id: str) -> str:
+    """Rebuild a restored volume on its new node from the snapshot the backup carried, before its env
+    exists (so nothing mounts it meanwhile); "" when done, else why not."""
+    from shared.snapshots.dispatch import operator_dispatcher
+
+    deadline = ctx.clock.now() + VOLUME_RESTORE_WAIT
+    while ctx.view.volume(volume_id) is None or ctx.view.snapshot(snapshot_id) is None:
+        if ctx.clock.now() >= deadline:
+            return f"its records did not reach this process's view within {VOLUME_RESTORE_WAIT:.0f}s"
+        await ctx.clock.sleep(0.1)
+    dispatcher = ctx.snapshots or operator_dispatcher(ctx.conn, ctx.view, ctx.clock)
+    try:
+        await dispatcher.restore(volume_id, snapshot_id, ctx.writer)
+    except ZatteraError as exc:
+        return str(exc)
+    return ""

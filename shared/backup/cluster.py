@@ -7,7 +7,8 @@
   it has seen every message (the bucket at the last one).
 * The object stores (sources, images): every live object, its bytes checked against its digest.
 * Restoring writes keys as they were, except what belonged to the old machines: nodes, assignments and
-  what nodes observed, and leases are left out, and volumes lose their pin to a node.
+  what nodes observed, and leases are left out, and volumes are pinned to a node of the new cluster
+  (:mod:`shared.backup.volumes` brings their data back from the snapshot the backup carries).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import nats.errors
@@ -150,17 +152,25 @@ def is_empty(state: BucketCopy) -> bool:
     return not any(kind_of(k) in OWN_KINDS for k in state.values)
 
 
-def restorable(state: BucketCopy) -> list[tuple[str, bytes]]:
-    """The keys a restore writes, in order: the old machines' keys left out, volumes unpinned, environments
-    last (so the loops that place replicas see an env only with its releases, secrets and domains)."""
+def restorable(
+    state: BucketCopy, *, carried: frozenset[str] | None = None, homes: dict[str, str] | None = None
+) -> list[tuple[str, bytes]]:
+    """The keys a restore writes, in order: the old machines' keys left out, volumes pinned to their node in
+    this cluster (``homes``: volume id → node; unpinned when absent) and ACTIVE, snapshot records left out
+    unless the backup carries their objects (``carried``: snapshot ids; None = keep every record),
+    environments last (so the loops that place replicas see an env only with its releases, secrets, domains
+    and volumes)."""
     out: list[tuple[str, bytes]] = []
     for key, data in state.values.items():
         kind = kind_of(key)
         if kind in LEFT_BEHIND:
             continue
+        if kind == K.SNAPSHOT and carried is not None and key.partition(".")[2] not in carried:
+            continue
         if kind == K.VOLUME:
             volume = pb.Volume.FromString(data)
-            volume.node_id = ""
+            volume.node_id = (homes or {}).get(volume.meta.id, "")
+            volume.status = pb.VOLUME_STATUS_ACTIVE
             volume.ClearField("lease")
             data = volume.SerializeToString()
         out.append((key, data))
@@ -190,7 +200,12 @@ async def write_bucket(conn: Connection, bucket: str, values: list[tuple[str, by
     await asyncio.gather(*(put(k, d) for k, d in values))
 
 
-async def write_state(conn: Connection, values: list[tuple[str, bytes]]) -> None:
-    """Put the state keys :func:`restorable` chose: every environment after everything else."""
+async def write_state(
+    conn: Connection, values: list[tuple[str, bytes]], before_envs: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Put the state keys :func:`restorable` chose: every environment after everything else (and after
+    ``before_envs``, which brings the volumes' data back before any replica of theirs can be placed)."""
     await write_bucket(conn, STATE_BUCKET, [kv for kv in values if kind_of(kv[0]) != K.ENV])
+    if before_envs is not None:
+        await before_envs()
     await write_bucket(conn, STATE_BUCKET, [kv for kv in values if kind_of(kv[0]) == K.ENV])

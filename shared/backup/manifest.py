@@ -22,9 +22,11 @@ CONSOLE_USERS = "console-users"
 SECRETS_KEY = "secrets-key"
 SOURCES = "sources"
 IMAGES = "images"
-KINDS = (STATE, CONSOLE_USERS, SECRETS_KEY, SOURCES, IMAGES)
+SNAPSHOTS = "snapshots"
+KINDS = (STATE, CONSOLE_USERS, SECRETS_KEY, SOURCES, IMAGES, SNAPSHOTS)
 """What an object is: the state keys at one revision, the console users, the sealed cluster secrets key,
-an object of the sources or images object store."""
+an object of the sources or images object store, an object of the snapshots store (the manifest and chunks
+of a volume's latest COMPLETE snapshot, stored bytes as they are; ``meta`` names the snapshot and volume)."""
 
 
 class BackupError(ZatteraError):
