@@ -2,14 +2,17 @@
 app, whose release holds a sealed secret, backed up to a real S3 API server (moto on loopback); every
 process stopped and the data directory deleted; ``zattera up`` on a new data directory, ``zattera restore``:
 the app serves again through the new proxy, its replicas placed on the new machine and started with the
-secret the restored key opens."""
+secret the restored key opens; a stateful env serves again the file it wrote on its volume on the old
+machine (the volume rebuilt on the new machine's node from the snapshot the backup carried)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from shared.embedded import free_port
@@ -25,6 +28,59 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 ENV = "demo/hello/production"
 PASSPHRASE = {"ZATTERA_RECOVERY_PASSPHRASE": "drill recovery passphrase"}
+NOTES_ENV = "demo/notes/production"
+NOTES_HOST = "notes.localhost"
+NOTES_TOML = f"""project = "demo"
+app = "notes"
+
+[run]
+command = "python3 app.py"
+
+[env.production]
+stateful = true
+resources = {{ cpu_millis = 100, memory_mb = 64 }}
+healthcheck = {{ type = "http", path = "/healthz", interval = "1s", timeout = "1s", grace_period = "10s" }}
+domains = ["{NOTES_HOST}"]
+[[env.production.volumes]]
+volume_name = "data"
+mount_path = "/data"
+"""
+NOTES_APP = """import os, secrets
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+path = os.path.join(os.environ["ZATTERA_VOLUME_DATA"], "note.txt")
+if not os.path.exists(path):  # the first start writes it; a restored volume already holds it
+    with open(path, "w") as f:
+        f.write(secrets.token_hex(16))
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"ok" if self.path == "/healthz" else open(path, "rb").read()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        return
+
+
+bind = (os.environ.get("ZATTERA_BIND_ADDR", "127.0.0.1"), int(os.environ["PORT"]))
+ThreadingHTTPServer(bind, Handler).serve_forever()
+"""
+
+
+async def note(port: int) -> str:
+    """What the stateful env serves ("" while it does not answer 200)."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
+            session.get(f"http://127.0.0.1:{port}/", headers={"Host": NOTES_HOST}) as response,
+        ):
+            return (await response.text()) if response.status == 200 else ""
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return ""
 
 
 @pytest.fixture
@@ -35,8 +91,15 @@ def dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
         kill_tree_under(directory, also_matching=str(directory))
 
 
-async def test_backup_to_s3_then_restore_on_a_new_data_dir_serves_again(s3: str, dirs: tuple[Path, Path]) -> None:
+async def test_backup_to_s3_then_restore_on_a_new_data_dir_serves_again(
+    s3: str, dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
     old, new = dirs
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "zattera.toml").write_text(NOTES_TOML)
+    (notes / "app.py").write_text(NOTES_APP)
+    written = ""
     nats_port, proxy_port = free_port(), free_port()
     target = f"s3://{BUCKET}/drill"
 
@@ -51,6 +114,18 @@ async def test_backup_to_s3_then_restore_on_a_new_data_dir_serves_again(s3: str,
         up.cli("deploy", str(EXAMPLE), "--env", ENV)
         up.cli("secrets", "set", "API_TOKEN", "--env", ENV, stdin="drill-secret-value\n")
         await eventually(served, 90, "hello answers through the proxy")
+        up.cli("apps", "apply", str(notes / "zattera.toml"))
+        up.cli("deploy", str(notes), "--env", NOTES_ENV)
+
+        async def wrote() -> bool:
+            nonlocal written
+            written = await note(proxy_port)
+            return len(written) == 32
+
+        await eventually(wrote, 90, "the stateful env serves the note it wrote on its volume")
+        volumes = json.loads(up.cli("volumes", "list", "--json").stdout)
+        assert len(volumes) == 1, volumes
+        up.cli("volumes", "snapshot", volumes[0]["meta"]["id"])
         created = up.cli("backup", "create", "--to", target, "--data-dir", str(old))
         assert "objects" in created.stderr, created.stderr
         assert up.ctrl_c() == 0, up.text()
@@ -69,7 +144,13 @@ async def test_backup_to_s3_then_restore_on_a_new_data_dir_serves_again(s3: str,
         assert "all intact" in verified.stderr, verified.stderr
         restored = up.cli("restore", "--from", target, "--data-dir", str(new))
         assert "restored" in restored.stderr, restored.stderr
+        assert "1 volumes' data" in restored.stderr, restored.stderr
         await eventually(served, 120, "hello answers again on the new machine")
+
+        async def same_note() -> bool:
+            return await note(proxy_port) == written
+
+        await eventually(same_note, 120, "the stateful env serves the note it wrote on the old machine")
         # A replica starts only once the secrets service opened its secrets: with the restored key.
         logs = "".join(p.read_text(errors="replace") for p in (new / "logs").glob("*.log"))
         assert "secrets: sealed 1 secret(s)" in logs, logs[-3000:]
