@@ -316,19 +316,32 @@ async def list_backups(request: ListBackups) -> list[BackupSummary]:
 
 
 def _check_all(target: Target, manifest: Manifest) -> dict[str, bytes]:
-    """Every object of the backup by digest, each checked; :class:`Corrupt` naming every bad one."""
+    """Every object of the backup by digest, each checked; :class:`Corrupt` naming every bad one. The
+    volumes' data is checked but not kept (it may be far larger than memory): a restore reads each of those
+    objects again as it writes it (:func:`_snapshot_blob`)."""
     good: dict[str, bytes] = {}
+    checked: set[str] = set()
     problems: list[str] = []
     for entry in manifest.entries:
-        if entry.sha256 in good:
+        if entry.sha256 in checked:
             continue
         try:
-            good[entry.sha256] = check_object(manifest.id, entry, target.get(blob_name(entry.sha256)))
+            data = check_object(manifest.id, entry, target.get(blob_name(entry.sha256)))
         except Corrupt as exc:
             problems.append(str(exc).removeprefix(f"backup {manifest.id}: "))
+            continue
+        checked.add(entry.sha256)
+        if entry.kind != SNAPSHOTS:
+            good[entry.sha256] = data
     if problems:
         raise Corrupt(f"backup {manifest.id}: " + "; ".join(problems))
     return good
+
+
+def _snapshot_blob(target: Target, manifest: Manifest, entry: Entry) -> bytes:
+    """A volume data object read again as a restore writes it, checked again (it was checked before
+    anything was written; :class:`Corrupt` if it changed on the target since)."""
+    return check_object(manifest.id, entry, target.get(blob_name(entry.sha256)))
 
 
 async def verify_backup(request: VerifyBackup) -> Verified:
@@ -425,8 +438,10 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
             await cluster.write_object(ctx.conn, store, obj)
             objects += 1
     carried = {str(e.meta.get("snapshot", "")): str(e.meta.get("volume", "")) for e in manifest.of_kind(SNAPSHOTS)}
-    await volumes.write_snapshot_objects(ctx.conn, [(e.name, blobs[e.sha256]) for e in manifest.of_kind(SNAPSHOTS)])
-    objects += len(manifest.of_kind(SNAPSHOTS))
+    for entry in manifest.of_kind(SNAPSHOTS):
+        data = await asyncio.to_thread(_snapshot_blob, target, manifest, entry)
+        await volumes.write_snapshot_object(ctx.conn, entry.name, data)
+        objects += 1
     restored_users = 0
     if users.values:
         if await cluster.users_bucket_ready(ctx.conn):

@@ -10,7 +10,6 @@ back from that snapshot (``zattera volumes restore``, or the restore itself when
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 from dataclasses import dataclass
@@ -128,18 +127,12 @@ async def read_snapshot_object(conn: Connection, ref: SnapshotObject) -> bytes:
     return data
 
 
-async def write_snapshot_objects(conn: Connection, objects: list[tuple[str, bytes]], *, parallel: int = 8) -> None:
-    """Put objects into this cluster's snapshots store under their names (one NATS message each when the
-    payload limit allows, as the agents write them); an object already there is left as it is."""
+async def write_snapshot_object(conn: Connection, name: str, data: bytes) -> None:
+    """Put an object into this cluster's snapshots store under its name (one NATS message when the payload
+    limit allows, as the agents write them); one already there is left as it is (content-addressed)."""
     store = await SnapshotStore.open(conn.js)
-    limit = asyncio.Semaphore(parallel)
-
-    async def put(name: str, data: bytes) -> None:
-        async with limit:
-            if not await store.exists(name):
-                await store.put(name, data)
-
-    await asyncio.gather(*(put(n, d) for n, d in objects))
+    if not await store.exists(name):
+        await store.put(name, data)
 
 
 def new_homes(volumes: list[pb.Volume], nodes: list[pb.Node]) -> dict[str, str]:

@@ -14,11 +14,20 @@ from nacl import pwhash
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.snapshots.handlers import SnapshotAgent
-from shared.actions.backup import CreateBackup, RestoreBackup, create_backup, restore_backup
+from shared.actions.backup import (
+    CreateBackup,
+    RestoreBackup,
+    VerifyBackup,
+    _read_manifest,
+    create_backup,
+    restore_backup,
+    verify_backup,
+)
 from shared.actions.volumes import TakeSnapshot, take_snapshot
 from shared.backup import recovery
 from shared.backup.cluster import BucketCopy, read_state
-from shared.backup.manifest import SNAPSHOTS
+from shared.backup.manifest import SNAPSHOTS, Corrupt
+from shared.backup.targets import open_target
 from shared.backup.volumes import latest_snapshots, new_homes
 from shared.embedded import EmbeddedNats
 from shared.objects import read_object
@@ -123,9 +132,6 @@ async def test_a_volumes_latest_snapshot_is_backed_up_by_chunk_and_rebuilt_on_th
             await agent.stop()
         assert restored.volumes == [VOLUME], restored.skipped
         # Every snapshot object the backup carried is back under its name, byte for byte.
-        from shared.actions.backup import _read_manifest
-        from shared.backup.targets import open_target
-
         manifest = _read_manifest(open_target(target), restored.id)
         carried = manifest.of_kind(SNAPSHOTS)
         assert len(carried) >= 2 and {e.meta["snapshot"] for e in carried} == {latest.snapshot_id}
@@ -164,10 +170,21 @@ async def test_a_volume_whose_data_cannot_be_rebuilt_is_named_with_the_command_t
             taken = await take_snapshot(old.ctx, TakeSnapshot(VOLUME))
         finally:
             await agent.stop()
-        await create_backup(old.ctx, CreateBackup(target, PASSPHRASE, str(old.keyring)))
+        created = await create_backup(old.ctx, CreateBackup(target, PASSPHRASE, str(old.keyring)))
+    # A damaged chunk is named by verify and refused by restore before anything is written.
+    chunk = next(e for e in _read_manifest(open_target(target), created.id).of_kind(SNAPSHOTS) if "chunks/" in e.name)
+    blob = tmp_path / "backups" / "blobs" / chunk.sha256
+    good = blob.read_bytes()
+    blob.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(Corrupt, match=f"object snapshots/{chunk.name} does not match its SHA-256"):
+        await verify_backup(VerifyBackup(target, created.id))
     async with cluster(nats_server.url, tmp_path / "new") as new:
         await publish_key(new)
         await new.ctx.writer.commit(new.ctx.writer.txn().create(factories.node("01NEWNODE")))
+        with pytest.raises(Corrupt, match=f"object snapshots/{chunk.name}"):
+            await restore_backup(new.ctx, RestoreBackup(target, PASSPHRASE, str(new.keyring)))
+        assert new.view.env(ENV) is None
+        blob.write_bytes(good)
         restored = await restore_backup(new.ctx, RestoreBackup(target, PASSPHRASE, str(new.keyring)))
         assert restored.volumes == []
         note = next(s for s in restored.skipped if s.startswith(f"volume {VOLUME}"))
