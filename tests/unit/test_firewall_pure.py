@@ -7,7 +7,7 @@ from zattera.v1 import types_pb2 as pb
 
 from cli.nodes_cmds import isolation_text
 from services.agent.firewall import Blocked, chain_name, jump, nats_addresses, restore_text, rules, stale
-from services.agent.sandbox import SANDBOX, Isolation
+from services.agent.sandbox import CONTAINER, SANDBOX, Isolation
 
 CHAIN = "ZATTERA-APPS-0123456789"
 RESET = ["-j", "REJECT", "--reject-with", "tcp-reset"]
@@ -85,3 +85,16 @@ def test_a_sandboxed_node_without_its_fence_says_so_on_the_terminal_and_in_nodes
     node = pb.Node(isolation="sandbox", isolation_problem="iptables is not installed")
     assert isolation_text(node) == "sandbox, network not fenced (iptables is not installed)"
     assert isolation_text(pb.Node(isolation="sandbox")) == "sandbox"
+
+
+def test_a_docker_node_without_its_fence_says_so_too() -> None:
+    assert (
+        Isolation(CONTAINER)
+        .describe()
+        .endswith("a user per environment, no capabilities, fenced from the control plane's ports)")
+    )
+    unfenced = Isolation(CONTAINER, "the agent does not run as root (firewall rules need root)")
+    assert "NOT fenced from the control plane's ports: the agent does not run as root" in unfenced.describe()
+    node = pb.Node(isolation="container", isolation_problem="iptables is not installed")
+    assert isolation_text(node) == "container, network not fenced (iptables is not installed)"
+    assert isolation_text(pb.Node(isolation="container")) == "container"
