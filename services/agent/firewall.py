@@ -1,7 +1,8 @@
-"""The sandbox's network fence: apps' users cannot connect to the control plane's listeners (SECURITY.md, "Apps").
+"""The apps' network fence: apps' users cannot connect to the control plane's listeners (SECURITY.md, "Apps").
 
-The environments' users (the uid range of :class:`services.agent.sandbox.UidTable`) share the host's network
-namespace: without a fence an app of an open cluster (NATS without credentials) could connect to the NATS
+The environments' users (the uid range of :class:`services.agent.sandbox_users.UidTable`: sandboxed
+processes, build steps, and a docker node's containers on the host network, which run as those users too)
+share the host's network namespace: without a fence an app of an open cluster (NATS without credentials) could connect to the NATS
 server and read and write the whole cluster, or to the console and the services' metrics. The agent (root)
 installs, with the ``iptables``/``ip6tables`` programs, a chain of its own that packets of that uid range
 go through (``OUTPUT -m owner --uid-owner FIRST-LAST -j ZATTERA-APPS-<id>``):
