@@ -273,22 +273,7 @@ def run(quick: bool = True) -> list[Row]:
             "",
             "the row above, alternating",
         ),
-        row("docker: launcher CPU per start p50", median(start_cpu["docker"]["launcher"]) * ms, "ms", "", ""),
-        row(
-            "docker as the image's user: launcher CPU per start p50",
-            median(start_cpu["image-user"]["launcher"]) * ms,
-            "ms",
-            "",
-            "",
-        ),
-        row("docker: daemon CPU per start p50", median(start_cpu["docker"]["daemon"]) * ms, "ms", "", ""),
-        row(
-            "docker as the image's user: daemon CPU per start p50",
-            median(start_cpu["image-user"]["daemon"]) * ms,
-            "ms",
-            "",
-            "",
-        ),
+        *_cpu_rows(start_cpu),
         row("python app: process start → listening p50", median(python["process"]) * ms, "ms", "", "anchor"),
         row("python app: docker start → listening p50", median(python["docker"]) * ms, "ms", "", same_run),
         row("python app: docker start → listening p99", percentile(python["docker"], 99) * ms, "ms", "", same_run),
@@ -304,6 +289,16 @@ def run(quick: bool = True) -> list[Row]:
         ),
         row("docker cold start: held → endpoint in snapshot p50", median(cold["endpoint"]) * ms, "ms", "", ""),
         row("docker cold start: held request answered p50", median(cold["response"]) * ms, "ms", "", ""),
+    ]
+
+
+def _cpu_rows(cpu: dict[str, dict[str, list[float]]]) -> list[Row]:
+    """CPU per docker start p50, the launcher's and the daemon's, as the environment's and the image's user."""
+    label = {"docker": "docker", "image-user": "docker as the image's user"}
+    return [
+        row(f"{label[name]}: {side} CPU per start p50", median(cpu[name][side]) * 1000.0, "ms", "", "")
+        for side in ("launcher", "daemon")
+        for name in ("docker", "image-user")
     ]
 
 
