@@ -209,6 +209,9 @@ async def test_volume_written_by_one_release_is_there_in_the_next(
     moved.release_id, moved.config_hash = second.meta.id, "cfg-2"
     await seed(writer, second, moved)
     await eventually(lambda: "found=kept" in output_of(tmp_path, "d1", a.meta.id), what="the next release reads it")
+    # Written by the container as its environment's user: the uid the table gave E1, as the sandbox would.
+    uid = json.loads((tmp_path / "agent-d1" / "sandbox" / "uids.json").read_text())["env:E1"]
+    assert (tmp_path / "agent-d1" / "volumes" / "V1" / "note").stat().st_uid == uid
 
 
 async def test_restarted_agent_adopts_its_container_and_removes_the_rest(
