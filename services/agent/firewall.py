@@ -2,10 +2,11 @@
 
 The environments' users (the uid range of :class:`services.agent.sandbox_users.UidTable`: sandboxed
 processes, build steps, and a docker node's containers on the host network, which run as those users too)
-share the host's network namespace: without a fence an app of an open cluster (NATS without credentials) could connect to the NATS
-server and read and write the whole cluster, or to the console and the services' metrics. The agent (root)
-installs, with the ``iptables``/``ip6tables`` programs, a chain of its own that packets of that uid range
-go through (``OUTPUT -m owner --uid-owner FIRST-LAST -j ZATTERA-APPS-<id>``):
+share the host's network namespace: without a fence an app of an open cluster (NATS without credentials)
+could connect to the NATS server and read and write the whole cluster, or to the console and the
+services' metrics. The agent (root) installs, with the ``iptables``/``ip6tables`` programs, a chain of
+its own that packets of that uid range go through (``OUTPUT -m owner --uid-owner FIRST-LAST -j
+ZATTERA-APPS-<id>``):
 
 * packets of established connections pass (an app answers its clients), so do the private network's
   addresses and resolvers (``127.128.0.0/9``, ``network.py``);
