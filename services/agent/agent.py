@@ -297,12 +297,15 @@ class Agent:
         if not settings.sandbox_fence:
             return Fence(str(self.data_dir), range(0), problem="turned off (ZATTERA_AGENT_SANDBOX_FENCE=false)")
         servers = [f"{u.hostname}:{u.port or 4222}" for u in getattr(self.conn.nc, "servers", []) if u.hostname]
+        launcher = self.node_runtime.launcher
+        bridge = await launcher.bridge_interface() if isinstance(launcher, DockerLauncher) else ""
         fence = Fence(
             str(self.data_dir),
             range(uids.base, uids.base + uids.count),
             nats_urls=servers,
             control_pids=settings.sandbox_fence_pids,
             allowed_ports=settings.sandbox_fence_allow,
+            interfaces=[bridge] if bridge else [],
         )
         await fence.install()
         return fence

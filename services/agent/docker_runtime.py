@@ -161,6 +161,18 @@ class DockerLauncher:
         self.network = BRIDGE_NETWORK
         return ""
 
+    async def bridge_interface(self) -> str:
+        """The host's interface of the bridge network instances join ("" on the host network): what the
+        network fence also watches (``firewall.py``)."""
+        if self.network == HOST_NETWORK:
+            return ""
+        try:
+            info = await (await self.docker.networks.get(self.network)).show()
+        except aiodocker.DockerError:
+            return ""
+        named = (info.get("Options") or {}).get("com.docker.network.bridge.name")
+        return str(named or f"br-{str(info.get('Id') or '')[:12]}")
+
     async def has_image(self, name: str) -> bool:
         try:
             await self.docker.images.inspect(name)

@@ -6,7 +6,16 @@ from __future__ import annotations
 from zattera.v1 import types_pb2 as pb
 
 from cli.nodes_cmds import isolation_text
-from services.agent.firewall import Blocked, chain_name, jump, nats_addresses, restore_text, rules, stale
+from services.agent.firewall import (
+    Blocked,
+    bridge_jumps,
+    chain_name,
+    jump,
+    nats_addresses,
+    restore_text,
+    rules,
+    stale,
+)
 from services.agent.sandbox import CONTAINER, SANDBOX, Isolation
 
 CHAIN = "ZATTERA-APPS-0123456789"
@@ -98,3 +107,17 @@ def test_a_docker_node_without_its_fence_says_so_too() -> None:
     node = pb.Node(isolation="container", isolation_problem="iptables is not installed")
     assert isolation_text(node) == "container, network not fenced (iptables is not installed)"
     assert isolation_text(pb.Node(isolation="container")) == "container"
+
+
+def test_a_bridge_is_fenced_where_its_packets_enter_and_a_dead_agents_bridge_jumps_are_stale() -> None:
+    """Bridged containers' packets reach the node through INPUT (its addresses) and FORWARD (elsewhere)."""
+    mark = ["-m", "comment", "--comment", "zattera-agent-pid=100", "-j", CHAIN]
+    assert bridge_jumps(CHAIN, ["br-2", "br-1"], 100) == [
+        ["INPUT", "-i", "br-1", *mark],
+        ["FORWARD", "-i", "br-1", *mark],
+        ["INPUT", "-i", "br-2", *mark],
+        ["FORWARD", "-i", "br-2", *mark],
+    ]
+    saved = "\n".join(["-A " + " ".join(rule) for rule in bridge_jumps(CHAIN, ["br-1"], 100)])
+    assert stale(saved, lambda pid: False) == [(CHAIN, rule) for rule in bridge_jumps(CHAIN, ["br-1"], 100)]
+    assert stale(saved, lambda pid: True) == []
