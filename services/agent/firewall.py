@@ -6,7 +6,8 @@ share the host's network namespace: without a fence an app of an open cluster (N
 could connect to the NATS server and read and write the whole cluster, or to the console and the
 services' metrics. The agent (root) installs, with the ``iptables``/``ip6tables`` programs, a chain of
 its own that packets of that uid range go through (``OUTPUT -m owner --uid-owner FIRST-LAST -j
-ZATTERA-APPS-<id>``):
+ZATTERA-APPS-<id>``), and so do packets entering from a docker node's bridge (``INPUT``/``FORWARD -i
+br-…``: bridged containers have a network namespace of their own):
 
 * packets of established connections pass (an app answers its clients), so do the private network's
   addresses and resolvers (``127.128.0.0/9``, ``network.py``);
