@@ -132,7 +132,8 @@ def run(quick: bool = True, roots: dict[str, Path] | None = None) -> list[Row]:
         target = f"< {TARGET} s" if command in ("status", "ps") else ""
         spread = f"min {min(walls):.2f}, max {max(walls):.2f}"
         rows.append(row(f"{label}, wall median ({spread})", median(walls), "s", target, "issue 33: 1.2–1.5 s"))
-        rows.append(row(f"{label}, CPU (user + system) median", median(cpus), "s"))
+        cpu_spread = f"min {min(cpus):.2f}, max {max(cpus):.2f}"
+        rows.append(row(f"{label}, CPU (user + system) median ({cpu_spread})", median(cpus), "s"))
     return rows
 
 

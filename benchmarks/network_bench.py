@@ -72,7 +72,7 @@ with socket.create_connection((host, port)) as s:
 print(json.dumps({"rate": rate, "rtts": rtts}))
 """
 
-DB_VIP = "10.97.0.7"
+DB_VIP = "127.128.0.7"
 
 
 def _snapshot(version: int, port: int, *addrs: str) -> cpb.RouteSnapshot:

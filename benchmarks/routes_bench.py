@@ -70,7 +70,7 @@ def cluster_writes(envs: int) -> list[tuple[str, object]]:
         env.service.ports.add(name="http", container_port=8080, protocol=pb.PROTOCOL_HTTP)
         writes += [(K.app(app.meta.id), app), (K.env(env.meta.id), env)]
         writes.append(
-            (K.vip(env.meta.id), pb.ServiceVIP(environment_id=env.meta.id, vip=f"10.97.{i // 253}.{i % 253 + 2}"))
+            (K.vip(env.meta.id), pb.ServiceVIP(environment_id=env.meta.id, vip=f"127.128.{i // 253}.{i % 253 + 2}"))
         )
         for r in range(REPLICAS):
             node_id = f"N{(i * REPLICAS + r) % NODES:025d}"

@@ -97,12 +97,28 @@ class Results:
         return self.samples.get((load, side), [])
 
 
+FORWARDED_HEADERS = (
+    "    http-request set-header X-Forwarded-Proto %[ssl_fc,iif(https,http)]\n"
+    "    http-request set-header X-Forwarded-Host %[req.hdr(host)]\n"
+)
+"""The forwarded headers an operator configures so that apps behind a hand-written HAProxy learn what
+Zattera's ingress tells them (with ``option forwardfor``): client address, scheme and original host."""
+
+
 def hand_config(
-    directory: Path, hosts: Sequence[str], backend_addr: str, http_port: int, tls_port: int, certs: Sequence[Path]
+    directory: Path,
+    hosts: Sequence[str],
+    backend_addr: str,
+    http_port: int,
+    tls_port: int,
+    certs: Sequence[Path],
+    *,
+    forwarded: bool = False,
 ) -> Path:
     """HAProxy as an operator would configure it by hand: one thread (as ours), every host in a map to one
     backend whose server is ``backend_addr``, and a TLS listener picking among ``certs`` (one PEM of chain
-    and key each) by SNI, h2 and HTTP/1.1 by ALPN; defaults everywhere else."""
+    and key each) by SNI, h2 and HTTP/1.1 by ALPN; defaults everywhere else. ``forwarded``: every request
+    also gets ``X-Forwarded-For``, ``-Proto`` and ``-Host``, as Zattera's ingress sets them."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "hosts.map").write_text("".join(f"{host} be\n" for host in hosts))
     (directory / "certs.list").write_text("".join(f"{cert}\n" for cert in certs))
@@ -111,9 +127,11 @@ def hand_config(
         "global\n    nbthread 1\n"
         "defaults\n    mode http\n    option http-keep-alive\n    timeout connect 5s\n    timeout client 30s\n"
         "    timeout server 30s\n"
-        f"frontend fe\n    bind 127.0.0.1:{http_port}\n"
+        + ("    option forwardfor\n" if forwarded else "")
+        + f"frontend fe\n    bind 127.0.0.1:{http_port}\n"
         f"    bind 127.0.0.1:{tls_port} ssl crt-list {directory}/certs.list alpn h2,http/1.1\n"
-        f"    use_backend %[req.hdr(host),lower,map({directory}/hosts.map)]\n"
+        + (FORWARDED_HEADERS if forwarded else "")
+        + f"    use_backend %[req.hdr(host),lower,map({directory}/hosts.map)]\n"
         f"backend be\n    server s1 {backend_addr}\n"
     )
     return config
@@ -121,14 +139,21 @@ def hand_config(
 
 @contextlib.contextmanager
 def hand_haproxy(
-    directory: Path, hosts: Sequence[str], backend_addr: str, certs: Sequence[Path], ports: tuple[int, int]
+    directory: Path,
+    hosts: Sequence[str],
+    backend_addr: str,
+    certs: Sequence[Path],
+    ports: tuple[int, int],
+    *,
+    forwarded: bool = False,
+    name: str = "hand",
 ) -> Iterator[Side]:
     """:func:`hand_config` run (``haproxy -db``) until both its listeners accept connections."""
-    config = hand_config(directory, hosts, backend_addr, ports[0], ports[1], certs)
+    config = hand_config(directory, hosts, backend_addr, ports[0], ports[1], certs, forwarded=forwarded)
     process = serving_process(["haproxy", "-db", "-f", str(config)])
     try:
         wait_listening(process, ports, 120)  # 10,000 certificates take a while to load
-        yield Side("hand", ports[0], ports[1], process.pid)
+        yield Side(name, ports[0], ports[1], process.pid)
     finally:
         process.terminate()
         process.wait(30)

@@ -1,8 +1,10 @@
-"""``zattera backup create|list|verify`` and ``zattera restore``: the whole cluster to a directory or an
-S3-compatible store and back (docs/backup.md). The work is in :mod:`shared.actions.backup`.
+"""``zattera backup create|list|verify|schedule|unschedule|status`` and ``zattera restore``: the whole
+cluster to a directory or an S3-compatible store and back (docs/backup.md). The work is in
+:mod:`shared.actions.backup` and :mod:`shared.actions.backup_schedule`.
 
 The recovery passphrase comes from ``ZATTERA_RECOVERY_PASSPHRASE``, a prompt, or the first line of stdin —
-never an argument; S3 credentials from boto3's usual sources (``AWS_ACCESS_KEY_ID``…), never an argument.
+never an argument; S3 credentials from boto3's usual sources (``AWS_ACCESS_KEY_ID``…), never an argument
+(``backup schedule`` seals the ones set in its environment into the schedule, for the cluster to use later).
 """
 
 from __future__ import annotations
@@ -32,7 +34,16 @@ from shared.actions.backup import (
     restore_backup,
     verify_backup,
 )
+from shared.actions.backup_schedule import (
+    DEFAULT_KEEP,
+    ScheduleBackups,
+    UnscheduleBackups,
+    schedule_backups,
+    unschedule_backups,
+)
 from shared.actions.context import ActionContext
+from shared.backup.status import BackupStatus, backup_status, describe
+from shared.backup.targets import credentials_from_environment
 from shared.settings import settings
 
 R = TypeVar("R")
@@ -65,11 +76,11 @@ def _passphrase(*, twice: bool) -> str:
     return first
 
 
-def _on_cluster(action: Callable[[ActionContext, R], Awaitable[T]], request: R) -> T:
-    """Run an action that needs the cluster, as the operator."""
+def _on_cluster(action: Callable[[ActionContext, R], Awaitable[T]], request: R, *, view: bool = False) -> T:
+    """Run an action that needs the cluster, as the operator (``view``: one that reads the state)."""
 
     async def go() -> T:
-        async with control(view=False) as c:
+        async with control(view=view) as c:
             return await action(c.actions, request)
 
     return run(go)
@@ -153,3 +164,51 @@ def restore(
         *(f"left out: {note}" for note in restored.skipped),
     ]
     _say(restored, *lines)
+
+
+@backup_app.command("schedule")
+def schedule(
+    cron: str = typer.Argument(..., metavar="SCHEDULE", help='cron in UTC, e.g. "0 3 * * *", "@daily", "@every 6h"'),
+    to: str = typer.Option(..., "--to", help="a directory on the control machine, or s3://bucket[/prefix]"),
+    keep: int = typer.Option(DEFAULT_KEEP, "--keep", help="verified backups kept on the target"),
+    json: bool = JSON,
+) -> None:
+    """Back the cluster up on a schedule, run by the control plane. The recovery passphrase is asked here and
+    only a public key derived from it is stored; S3 settings set in this environment (AWS_ACCESS_KEY_ID,
+    AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL, AWS_REGION) are stored sealed. A failed run is
+    shown by `zattera status` until a later one succeeds."""
+    set_output(json)
+    credentials = credentials_from_environment() if to.startswith("s3://") else {}
+    request = ScheduleBackups(cron, to, _passphrase(twice=True), keep, credentials)
+    done = _on_cluster(schedule_backups, request, view=True)
+    stored = f"; S3 settings stored sealed: {', '.join(done.credentials)}" if done.credentials else ""
+    _say(done, f"backups scheduled: {done.schedule} to {done.target}, keeping {done.keep} verified{stored}")
+
+
+@backup_app.command("unschedule")
+def unschedule(json: bool = JSON) -> None:
+    """Stop the scheduled backups (the backups already taken stay on their target)."""
+    set_output(json)
+    _on_cluster(unschedule_backups, UnscheduleBackups(), view=True)
+    if render.json_mode():
+        render.emit_json({"scheduled": False})
+        return
+    err.print("scheduled backups stopped", markup=False, highlight=False)
+
+
+@backup_app.command("status")
+def status(json: bool = JSON) -> None:
+    """The backup schedule and what its last run did."""
+    set_output(json)
+
+    async def read(ctx: ActionContext, _: None) -> BackupStatus:
+        return backup_status(ctx.view)
+
+    found = _on_cluster(read, None, view=True)
+    if render.json_mode():
+        render.emit_json({**dataclasses.asdict(found), "failing": found.failing})
+        return
+    for line in describe(found):
+        print(line)
+    if found.failing:
+        raise typer.Exit(1)

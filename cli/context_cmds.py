@@ -10,11 +10,12 @@ from pydantic import ValidationError
 
 from cli import contexts, render
 from cli.client import OPTIONS, fail
+from cli.context_models import Context, ContextFile
 
 context_app = typer.Typer(no_args_is_help=True, help="Saved cluster connections (URLs, credentials, TLS CA).")
 
 
-def _loaded() -> contexts.ContextFile:
+def _loaded() -> ContextFile:
     try:
         return contexts.load()
     except contexts.ContextError as exc:
@@ -40,9 +41,7 @@ def add(
     """Save (or replace) a context; the first one saved becomes the one in use."""
     try:
         contexts.check_name(name)
-        context = contexts.Context(
-            nats=nats, creds=_existing_file(creds, "--creds"), tls_ca=_existing_file(tls_ca, "--tls-ca")
-        )
+        context = Context(nats=nats, creds=_existing_file(creds, "--creds"), tls_ca=_existing_file(tls_ca, "--tls-ca"))
     except contexts.ContextError as exc:
         raise fail(str(exc)) from None
     except ValidationError as exc:

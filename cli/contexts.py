@@ -2,18 +2,22 @@
 
 One JSON file, ``$ZATTERA_CONFIG_DIR/contexts.json`` (default ``~/.config/zattera/``), written with mode
 0600 (it names a credentials file), replaced atomically. It holds paths, never the credentials themselves.
+Its models (:mod:`cli.context_models`, pydantic) are imported only when there is a file to read or write:
+every command asks for the current context, and most find none.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from typing import TYPE_CHECKING
 
 from shared.errors import ZatteraError
 from shared.files import PRIVATE, write_atomic
 from shared.natssettings import config_dir
+
+if TYPE_CHECKING:
+    from cli.context_models import Context, ContextFile
 
 FILE_NAME = "contexts.json"
 
@@ -22,33 +26,15 @@ class ContextError(ZatteraError, ValueError):
     """A bad context name or value, or an unreadable contexts file: the message names which."""
 
 
-class Context(BaseModel):
-    nats: str = Field(description="NATS URL(s), comma-separated")
-    creds: str = Field(default="", description="NATS credentials file")
-    tls_ca: str = Field(default="", description="CA file the NATS server certificate must chain to")
-
-    @field_validator("nats")
-    @classmethod
-    def _urls(cls, value: str) -> str:
-        urls = [u.strip() for u in value.split(",") if u.strip()]
-        if not urls:
-            raise ValueError("at least one URL")
-        for url in urls:
-            if "://" not in url:
-                raise ValueError(f"{url!r} is not a URL (nats://host:port)")
-        return ",".join(urls)
-
-
-class ContextFile(BaseModel):
-    current: str = ""
-    contexts: dict[str, Context] = Field(default_factory=dict)
-
-
 def path() -> Path:
     return config_dir() / FILE_NAME
 
 
 def load() -> ContextFile:
+    from pydantic import ValidationError
+
+    from cli.context_models import ContextFile
+
     file = path()
     if not file.exists():
         return ContextFile()
@@ -71,5 +57,7 @@ def check_name(name: str) -> str:
 
 def current() -> Context | None:
     """The context in use, if any (an unreadable file raises :class:`ContextError`)."""
+    if not path().exists():  # nothing saved: the models are not even imported
+        return None
     contexts = load()
     return contexts.contexts.get(contexts.current) if contexts.current else None

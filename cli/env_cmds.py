@@ -22,6 +22,7 @@ from shared.actions.deletion import Delete, Scope, delete, plan_delete
 from shared.actions.envs import Scale, Scaled
 from shared.actions.envs import scale as scale_env
 from shared.actions.names import env_path, target_env
+from shared.backup.status import BackupStatus, backup_status, describe
 from shared.deployments import desired_replicas, is_terminal
 from shared.live import proxy_reports
 from shared.state.reader import StateReader
@@ -234,6 +235,8 @@ def status(
     last deploy, and why replicas that found no node are unplaced."""
     from cli.watch import route_snapshot
 
+    backups: list[BackupStatus] = []
+
     async def go() -> list[dict[str, Any]]:
         async with control() as c:
             envs = [target_env(c.view, env)] if env else c.view.envs()
@@ -242,6 +245,7 @@ def status(
             )
             certificates = {cert.hostname: cert for cert in c.view.all(K.CERT) if isinstance(cert, pb.Certificate)}
             urls = urls_by_env(routes, proxy_listeners(proxies), certificates, time.time())
+            backups.append(backup_status(c.view))
             return [env_status(c.view, e, urls.get(e.meta.id, [])) for e in envs]
 
     rows = run(go)
@@ -265,3 +269,6 @@ def status(
         )
     render.table("status", ["env", "url", "active", "desired", "running", "healthy", "state", "last deploy"], table)
     print_unplaced(rows)
+    if backups and backups[0].failing and not env:
+        for line in describe(backups[0]):  # loud until a later backup succeeds (`zattera backup status`)
+            render.out.print(line, markup=False, highlight=False, style="bold red" if "FAILING" in line else None)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
 
 
 def _nats_without_aiohttp() -> None:
@@ -30,7 +32,44 @@ def _nats_without_aiohttp() -> None:
 _nats_without_aiohttp()
 
 import typer  # noqa: E402
+import typer.core  # noqa: E402
 from typer.core import TyperGroup  # noqa: E402
+
+
+def _coerce_plain_options_without_pydantic() -> None:
+    """Typer coerces every parameter through a pydantic ``TypeAdapter`` it builds when the parameter is first
+    processed: importing pydantic and building the adapters is about a fifth of a plain read
+    (PERFORMANCE.md "CLI start-up"), for options that are a ``str`` or a ``bool`` flag. Those two are
+    coerced here by typer's own rules (a ``str`` value or a ``bool`` is kept as it is); any other value
+    (bytes, a ``bool`` option given as text, a custom parser) and every other annotation go to typer's
+    adapter as before. Left alone when typer's internals are not the ones this was written for."""
+    from typer import _coercion
+
+    found: Any = getattr(_coercion, "build_runtime_param", None)
+    runtime_param: Any = getattr(_coercion, "RuntimeParam", None)
+    if found is None or runtime_param is None or getattr(typer.core, "build_runtime_param", None) is not found:
+        return
+    build = cast("Callable[[Any], Any]", found)
+
+    @dataclass(frozen=True)
+    class PlainRuntimeParam(runtime_param):  # type: ignore[misc]
+        descriptor: Any
+
+        def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
+            if type(value) is self.annotation:  # a str given as text, a bool flag
+                return value
+            return build(self.descriptor)._coerce_value(value, param, ctx)
+
+    def build_runtime_param(descriptor: Any) -> Any:
+        plain = descriptor.annotation in (str, bool) and descriptor.file_annotation is None
+        if plain and descriptor.parameter_info.parser is None:
+            return PlainRuntimeParam(descriptor.parameter_info, descriptor.annotation, descriptor)
+        return build(descriptor)
+
+    typer.core.build_runtime_param = build_runtime_param  # type: ignore[attr-defined]
+
+
+_coerce_plain_options_without_pydantic()
 
 COMMANDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "deploy": ("cli.deploy_cmds", "deploy_app", {}),

@@ -18,7 +18,8 @@ from rich.text import Text
 
 from cli.client import OPTIONS
 
-out = Console(soft_wrap=True)  # a long line (an event, an id) is never cut into two in a pipe
+out = Console(soft_wrap=True, emoji=False)  # a long line (an event, an id) is never cut into two in a pipe; no
+# ":name:" in a value is turned into an emoji (and rich's emoji table is not loaded)
 
 
 def as_dict(msg: Message) -> dict[str, Any]:

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import re
 import threading
+from typing import TYPE_CHECKING
 
-from ulid import ULID
+if TYPE_CHECKING:
+    from ulid import ULID
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 _lock = threading.Lock()
-_last = ULID()
+_last: ULID | None = None  # the ULID library is imported by the first id minted (a CLI read mints none)
 
 
 def new_id() -> str:
     """A new ULID, strictly increasing within this process (monotonic even within one millisecond)."""
+    from ulid import ULID
+
     global _last
     with _lock:
         candidate = ULID()
-        if candidate.bytes <= _last.bytes:
+        if _last is not None and candidate.bytes <= _last.bytes:
             candidate = ULID.from_int(int(_last) + 1)
         _last = candidate
         return str(candidate)

@@ -32,6 +32,8 @@ LEASE = "lease"
 SECRET = "secret"
 SECRETS_KEY = "secretskey"
 JOB = "job"
+BACKUP_SCHEDULE = "backupschedule"
+BACKUP_RUN = "backuprun"
 
 CERT = "cert"
 ACME_ACCOUNT = "acmeaccount"
@@ -55,6 +57,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     SECRET: pb.SealedSecret,
     SECRETS_KEY: pb.SecretsKey,
     JOB: pb.Job,
+    BACKUP_SCHEDULE: pb.BackupSchedule,
+    BACKUP_RUN: pb.BackupRun,
     CERT: pb.Certificate,
     ACME_ACCOUNT: pb.AcmeAccount,
 }
@@ -170,6 +174,14 @@ def secrets_key(key_name: str) -> str:
 
 def job(job_id: str) -> str:
     return f"{JOB}.{job_id}"
+
+
+def backup_schedule(name: str) -> str:
+    return f"{BACKUP_SCHEDULE}.{name}"
+
+
+def backup_run(name: str) -> str:
+    return f"{BACKUP_RUN}.{name}"
 
 
 def cert_id(hostname: str) -> str:

@@ -5,10 +5,10 @@ Every process (each service, the agent, the proxy) takes ``--metrics-port N`` (o
 installs a meter provider whose reader is the Prometheus exporter and serves ``GET /metrics`` on its own
 thread; without one the OpenTelemetry API stays a no-op, so instruments cost next to nothing.
 
-Instruments are created at import time from the global meter (the API hands out proxies that start
-recording once the provider is installed). Labels are bounded by construction: loop names, env ids,
-assignment ids of one node, status classes — never request paths or hosts. The catalogue is in
-docs/observability.md.
+Instruments are declared at import time (:class:`shared.telemetry.Instrument`) and made from the global meter
+at their first use (the API hands out proxies that start recording once the provider is installed). Labels
+are bounded by construction: loop names, env ids, assignment ids of one node, status classes — never request
+paths or hosts. The catalogue is in docs/observability.md.
 """
 
 from __future__ import annotations
@@ -18,40 +18,42 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from opentelemetry import metrics
-from opentelemetry.metrics import CallbackOptions, Observation
+from shared.telemetry import Instrument, meter
 
 if TYPE_CHECKING:
+    from opentelemetry.metrics import CallbackOptions, Observation
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from prometheus_client import Histogram
 
 # The SDK and prometheus_client are imported when a process serves or records metrics (services with a
-# metrics port, the proxy): a CLI read loads only the API, whose instruments are no-ops.
+# metrics port, the proxy); the API when an instrument is first used (shared.telemetry.Instrument): a CLI
+# read loads none of them.
 
 log = logging.getLogger(__name__)
 
-_meter = metrics.get_meter("zattera")
 _serving: int | None = None
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Seconds: from a local 1 ms hop to a 30 s slow request (a held cold start lands in the top buckets)."""
 
 # Services: the leader loops and their fenced writes (shared/loop.py, shared/txn.py, shared/lease.py).
-loop_pass_duration = _meter.create_histogram(
+loop_pass_duration = Instrument(
+    "histogram",
     "zattera.loop.pass.duration",
     unit="s",
     description="duration of one leader-loop pass (read the view, decide, commit)",
     explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
 )
-decisions = _meter.create_counter(
-    "zattera.decisions", description="transactions (decisions) committed, by the loop that decided them"
+decisions = Instrument(
+    "counter", "zattera.decisions", description="transactions (decisions) committed, by the loop that decided them"
 )
-commit_conflicts = _meter.create_counter(
+commit_conflicts = Instrument(
+    "counter",
     "zattera.commit.conflicts",
     description="transactions refused because a key or the lease changed since the decision (nothing written)",
 )
-lease_terms = _meter.create_counter("zattera.lease.terms", description="leadership terms won, by loop")
-leases_held = _meter.create_up_down_counter("zattera.lease.held", description="1 while this process leads the loop")
+lease_terms = Instrument("counter", "zattera.lease.terms", description="leadership terms won, by loop")
+leases_held = Instrument("up_down_counter", "zattera.lease.held", description="1 while this process leads the loop")
 
 # Proxy: one histogram point per request, through prometheus_client directly: its observe costs ~3 µs
 # where the OpenTelemetry SDK's histogram record costs ~11-17 µs on this machine (benchmarks/proxy_bench.py).
@@ -110,10 +112,12 @@ def observe_gauges(
 ) -> None:
     """An observable gauge whose values ``read()`` returns at each scrape (value, labels)."""
 
+    from opentelemetry.metrics import Observation
+
     def callback(_: CallbackOptions) -> Iterable[Observation]:
         return [Observation(value, labels) for value, labels in read()]
 
-    _meter.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
+    meter().create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
 
 
 def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
@@ -133,6 +137,7 @@ def serve_metrics(service_name: str, port: int, host: str = "127.0.0.1") -> int 
         return None
     if _serving is not None:
         return _serving
+    from opentelemetry import metrics
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
     from opentelemetry.sdk.resources import Resource
@@ -154,6 +159,7 @@ def serve_metrics(service_name: str, port: int, host: str = "127.0.0.1") -> int 
 def use_in_memory_reader() -> InMemoryMetricReader:
     """For tests: a provider whose metrics are read in process (no endpoint); once per process."""
     global _serving
+    from opentelemetry import metrics
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 

@@ -12,18 +12,46 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry import metrics, trace
-
 if TYPE_CHECKING:
+    from opentelemetry import metrics, trace
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-# The SDK (providers, exporters) and the propagators are imported when first needed: a process that exports
-# nothing and sends no trace context (a CLI read) does not pay for loading them.
+# The API, the SDK (providers, exporters) and the propagators are imported when first needed: a process that
+# exports nothing, records nothing and sends no trace context (a CLI read) does not pay for loading them.
 
-_meter = metrics.get_meter("zattera")
 _configured = False
+
+
+def meter() -> metrics.Meter:
+    """The global meter of Zattera's instruments."""
+    from opentelemetry import metrics
+
+    return metrics.get_meter("zattera")
+
+
+class Instrument:
+    """An instrument of :func:`meter` declared at import and made at its first use (``add``, ``record``): a
+    module declaring one loads no OpenTelemetry until it records. ``kind``: ``counter``,
+    ``up_down_counter`` or ``histogram``, with that ``create_<kind>``'s keyword options."""
+
+    __slots__ = ("_kind", "_made", "_name", "_options")
+
+    def __init__(self, kind: str, name: str, **options: Any) -> None:
+        self._kind, self._name, self._options = kind, name, options
+        self._made: Any = None
+
+    def _instrument(self) -> Any:
+        if self._made is None:
+            self._made = getattr(meter(), f"create_{self._kind}")(self._name, **self._options)
+        return self._made
+
+    def add(self, amount: float, attributes: Mapping[str, Any] | None = None) -> None:
+        self._instrument().add(amount, attributes)
+
+    def record(self, amount: float, attributes: Mapping[str, Any] | None = None) -> None:
+        self._instrument().record(amount, attributes)
 
 
 def setup(service_name: str) -> None:
@@ -39,6 +67,7 @@ def setup(service_name: str) -> None:
         # No exporter: keep the API's no-op tracer. Recording spans nobody exports costs ~80 µs per
         # state write; incoming trace context is still extracted and passed on.
         return
+    from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
@@ -63,6 +92,7 @@ def setup(service_name: str) -> None:
 
 def use_in_memory_exporter() -> InMemorySpanExporter:
     """For tests: a provider whose finished spans are kept in memory."""
+    from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -80,11 +110,13 @@ def use_in_memory_exporter() -> InMemorySpanExporter:
 
 
 def tracer(name: str = "zattera") -> trace.Tracer:
+    from opentelemetry import trace
+
     return trace.get_tracer(name)
 
 
-def counter(name: str, description: str) -> metrics.Counter:
-    return _meter.create_counter(name, description=description)
+def counter(name: str, description: str) -> Instrument:
+    return Instrument("counter", name, description=description)
 
 
 def inject(headers: dict[str, str] | None = None) -> dict[str, str]:

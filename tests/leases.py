@@ -16,7 +16,7 @@ LOOPS_OF = {
     "builds": {"builds", "retention"},
     "routes": {"vips"},
     "join": set(),
-    "secrets": {"secrets-gc"},
+    "secrets": {"secrets-gc", "backups"},
     "certs": {"certs"},
     "console": set(),
 }

@@ -1,6 +1,7 @@
 """Private networking, the pure part (docs/networking.md): addresses, policy and what an app is told.
 
-Every env with declared ports holds a VIP ``10.97.a.b`` (``vip.<env_id>``, the routes service). On a node,
+Every env with declared ports holds a VIP ``127.128.a.b`` (``vip.<env_id>``, the routes service: loopback, so it
+never leaves the machine; nothing listens on it, it names the env). On a node,
 each *consumer* env (one with instances here) gets a slot ``c`` (1..126) and sees each env it may reach at
 its own loopback address ``127.(128+c).a.b``, on the target's declared container ports. Why per consumer:
 on loopback the kernel gives every client the source address 127.0.0.1, so the forwarder could not tell

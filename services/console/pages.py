@@ -332,7 +332,10 @@ def event_line(view: StateReader, event: pb.Event) -> dict[str, str]:
 def kinds_of_page(page: str) -> Iterable[str]:
     """The view kinds whose changes refresh a page."""
     return {
-        "overview": (K.ENV, K.RELEASE, K.DEPLOYMENT, K.ASSIGNMENT, K.OBSERVED, K.PROJECT, K.APP, K.DOMAIN, K.CERT),
+        "overview": (
+            *(K.ENV, K.RELEASE, K.DEPLOYMENT, K.ASSIGNMENT, K.OBSERVED, K.PROJECT, K.APP, K.DOMAIN, K.CERT),
+            K.BACKUP_RUN,
+        ),
         "env": (K.ENV, K.RELEASE, K.DEPLOYMENT, K.ASSIGNMENT, K.OBSERVED, K.DOMAIN, K.CERT, K.JOB),
         "nodes": (K.NODE, K.ASSIGNMENT),
         "builds": (K.BUILD,),

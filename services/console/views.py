@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from aiohttp import web
 from zattera.v1 import types_pb2 as pb
 
 from services.console.handling import Console, console_of, render, render_streamed
+from shared.backup.status import backup_status, describe
 
 from . import pages
 
@@ -24,13 +26,18 @@ async def overview_page(request: web.Request) -> web.StreamResponse:
     console = console_of(request)
     only = [env_id for env_id in request.query.get("only", "").split(",") if env_id]
     envs = pages.overview(console.view, console.routes(), only, console.listeners())
-    return await render_streamed(request, "overview.html", page="overview", envs=envs)
+    backups = backup_status(console.view)
+    failing = describe(backups) if backups.failing else []
+    return await render_streamed(request, "overview.html", page="overview", envs=envs, backups_failing=failing)
 
 
 async def overview_api(request: web.Request) -> web.Response:
     console = console_of(request)
     overview = pages.overview(console.view, console.routes(), listeners=console.listeners())
-    return web.json_response({"environments": overview})
+    backups = backup_status(console.view)
+    return web.json_response(
+        {"environments": overview, "backups": {**dataclasses.asdict(backups), "failing": backups.failing}}
+    )
 
 
 def _env_detail(console: Console, env_id: str) -> dict[str, Any]:

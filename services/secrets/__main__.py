@@ -1,7 +1,8 @@
 """Entry point: `python -m services.secrets [--nats URL]`.
 
 Every replica answers agents' secrets requests and rotations (queue group); replicas share the key file. The
-collector of unused secret versions runs in the holder of ``lease.secrets-gc``.
+collector of unused secret versions runs in the holder of ``lease.secrets-gc``, the scheduled backups in the
+holder of ``lease.backups``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from services.secrets.backups import ScheduledBackups
 from services.secrets.collector import SecretsCollector
 from services.secrets.service import SecretsService
 from services.secrets.settings import SecretsSettings
@@ -26,7 +28,8 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
         open_wait=cfg.open_wait,
     )
     collector = SecretsCollector(ctx.loop_deps, tick=ctx.settings.loop_tick, grace=cfg.gc_grace)
-    return [service.run(), ctx.lead(collector)]
+    backups = ScheduledBackups(ctx.loop_deps, lambda: service.keyring)
+    return [service.run(), ctx.lead(collector), ctx.lead(backups)]
 
 
 if __name__ == "__main__":

@@ -66,7 +66,12 @@ log = logging.getLogger(__name__)
 
 NO_KEY = "the secrets service holds no cluster secrets key (see docs/secrets.md)"
 RESEAL_ROUNDS = 20
-SEALED_FIELDS = {K.SECRET: "ciphertext", K.CERT: "sealed_key", K.ACME_ACCOUNT: "sealed_key"}
+SEALED_FIELDS = {
+    K.SECRET: "ciphertext",
+    K.CERT: "sealed_key",
+    K.ACME_ACCOUNT: "sealed_key",
+    K.BACKUP_SCHEDULE: "sealed_credentials",
+}
 """Each kind holding a value sealed to the cluster key, and the field holding it (re-sealed on rotation)."""
 
 
@@ -354,7 +359,8 @@ class SecretsService:
         raise RuntimeError("secrets kept changing while re-sealing; rotate again")
 
     def _stale(self, keyring: Keyring, ident: str) -> Iterable[tuple[Message, PrivateKey, str]]:
-        """Every sealed value (secrets, certificate keys, the ACME account key) not sealed to ``ident``."""
+        """Every sealed value (secrets, certificate keys, the ACME account key, backup credentials) not
+        sealed to ``ident``."""
         for kind, field in SEALED_FIELDS.items():
             for record in self._view.all(kind):
                 sealed_to: str = record.key_id

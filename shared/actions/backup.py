@@ -38,6 +38,7 @@ from shared.backup.manifest import (
     parse_manifest,
     sha256,
 )
+from shared.backup.retention import backup_ids
 from shared.backup.targets import Target, open_target
 from shared.console_users import USERS_BUCKET
 from shared.events import ERROR, make_event
@@ -58,9 +59,16 @@ STORES = {SOURCES: SOURCES_STORE, IMAGES: IMAGES_STORE}
 class CreateBackup:
     target: str
     passphrase: str = field(repr=False)
-    """The recovery passphrase the cluster secrets key is sealed to."""
+    """The recovery passphrase the cluster secrets key is sealed to ("" when :attr:`recipient` is given)."""
     keyring_path: str
-    """The secrets service's keyring file (``<data>/control/secrets/cluster.key`` under ``zattera up``)."""
+    """The secrets service's keyring file (``<data>/control/secrets/cluster.key`` under ``zattera up``); "" when
+    :attr:`keyring` is given."""
+    recipient: bytes = b""
+    """A recovery recipient (:func:`shared.backup.recovery.recipient`): the key is sealed to it, no passphrase."""
+    keyring: Keyring | None = field(default=None, repr=False)
+    """The keyring itself (the secrets service's scheduled backups hold it in memory)."""
+    credentials: dict[str, str] = field(default_factory=dict, repr=False)
+    """The target's settings (``AWS_ACCESS_KEY_ID``…) when not from the environment (scheduled backups)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,7 @@ class VerifyBackup:
     target: str
     backup_id: str = ""
     """"" = the newest."""
+    credentials: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -130,25 +139,33 @@ class Restored:
 # ------------------------------------------------------------------ create
 
 
-def _target(url: str) -> Target:
+def _target(url: str, credentials: dict[str, str] | None = None) -> Target:
     try:
-        return open_target(url)
+        return open_target(url, credentials)
     except BackupError as exc:
         raise Invalid("target", str(exc), said="") from None
 
 
-def _keyring_bytes(path: str) -> bytes:
-    try:
-        keyring = load_keyring(Path(path))
-    except KeyMaterialError as exc:
-        raise Invalid("keyring_path", str(exc), said="") from None
+def _keyring_bytes(request: CreateBackup) -> bytes:
+    keyring = request.keyring
+    if keyring is None:
+        try:
+            keyring = load_keyring(Path(request.keyring_path))
+        except KeyMaterialError as exc:
+            raise Invalid("keyring_path", str(exc), said="") from None
     if keyring is None:
         raise NotFound(
-            f"no cluster secrets key at {path}: run the backup where the control plane's data directory is "
-            "(--data-dir)",
+            f"no cluster secrets key at {request.keyring_path}: run the backup where the control plane's data "
+            "directory is (--data-dir)",
             field="keyring_path",
         )
     return json.dumps({"keys": [bytes(k).hex() for k in keyring.keys]}).encode()
+
+
+def _seal_keyring(request: CreateBackup, keyring: bytes) -> bytes:
+    if request.recipient:
+        return recovery.seal_to(keyring, request.recipient)
+    return recovery.seal(keyring, request.passphrase)
 
 
 async def create_backup(ctx: ActionContext, request: CreateBackup) -> BackupCreated:
@@ -177,14 +194,17 @@ async def create_backup(ctx: ActionContext, request: CreateBackup) -> BackupCrea
 
 
 async def _create(ctx: ActionContext, request: CreateBackup) -> BackupCreated:
-    recovery.check_passphrase(request.passphrase)
-    keyring = _keyring_bytes(request.keyring_path)
-    target = _target(request.target)
+    if request.recipient:
+        recovery.check_recipient(request.recipient)
+    else:
+        recovery.check_passphrase(request.passphrase)
+    keyring = _keyring_bytes(request)
+    target = _target(request.target, request.credentials)
     await asyncio.to_thread(target.check)
     config = await recorded_config(ctx.conn.js)
     state = await cluster.read_state(ctx.conn)
     users = await cluster.read_console_users(ctx.conn)
-    sealed = await asyncio.to_thread(recovery.seal, keyring, request.passphrase)
+    sealed = await asyncio.to_thread(_seal_keyring, request, keyring)
     pieces: list[tuple[Entry, bytes]] = []
 
     def add(kind: str, name: str, data: bytes, meta: dict[str, Any] | None = None) -> None:
@@ -223,15 +243,6 @@ async def _create(ctx: ActionContext, request: CreateBackup) -> BackupCreated:
 # ------------------------------------------------------------------ read
 
 
-def _manifests(target: Target) -> list[str]:
-    ids = []
-    for name in target.list("backups/"):
-        parts = name.split("/")
-        if len(parts) == 3 and parts[2] == "manifest.json":
-            ids.append(parts[1])
-    return sorted(ids)
-
-
 def _read_manifest(target: Target, backup_id: str) -> Manifest:
     data = target.get(manifest_name(backup_id))
     if data is None:
@@ -242,7 +253,7 @@ def _read_manifest(target: Target, backup_id: str) -> Manifest:
 def _latest(target: Target, backup_id: str) -> str:
     if backup_id:
         return backup_id
-    ids = _manifests(target)
+    ids = backup_ids(target)
     if not ids:
         raise NotFound(f"no backup at {target.url}", field="target")
     return ids[-1]
@@ -254,7 +265,7 @@ async def list_backups(request: ListBackups) -> list[BackupSummary]:
 
     def read() -> list[BackupSummary]:
         found = []
-        for backup_id in _manifests(target):
+        for backup_id in backup_ids(target):
             try:
                 m = _read_manifest(target, backup_id)
             except BackupError as exc:
@@ -285,7 +296,7 @@ def _check_all(target: Target, manifest: Manifest) -> dict[str, bytes]:
 async def verify_backup(request: VerifyBackup) -> Verified:
     """Read every object of a backup and check it against the manifest; :class:`Corrupt` names what is
     missing, truncated or altered."""
-    target = _target(request.target)
+    target = _target(request.target, request.credentials)
 
     def check() -> Verified:
         manifest = _read_manifest(target, _latest(target, request.backup_id))

@@ -3,6 +3,8 @@
 ``manifest.py`` is the pure description of one backup (its objects and their SHA-256, the schema and
 version it was taken at, the state revision); ``recovery.py`` seals the cluster secrets key to a recovery
 passphrase (Argon2id, PyNaCl); ``targets.py`` stores objects in a local directory or an S3-compatible
-object store; ``cluster.py`` reads a cluster's contents at one point and writes them back. The operator
-actions (create, list, verify, restore) are in :mod:`shared.actions.backup`.
+object store; ``cluster.py`` reads a cluster's contents at one point and writes them back; ``retention.py``
+keeps the newest verified backups of a target; ``status.py`` says what the scheduled backups last did. The
+operator actions are in :mod:`shared.actions.backup` (create, list, verify, restore) and
+:mod:`shared.actions.backup_schedule`.
 """

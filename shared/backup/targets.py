@@ -45,6 +45,14 @@ class Target(Protocol):
         """The names under ``prefix`` (sorted)."""
         ...
 
+    def delete(self, name: str) -> None:
+        """Remove the object (none is no error)."""
+        ...
+
+    def modified(self, name: str) -> float | None:
+        """When the object was last written (epoch seconds), None when there is none."""
+        ...
+
 
 class DirectoryTarget:
     """Objects as files under a directory (0600 files, 0700 directories)."""
@@ -78,6 +86,20 @@ class DirectoryTarget:
     def exists(self, name: str) -> bool:
         return self._path(name).is_file()
 
+    def delete(self, name: str) -> None:
+        try:
+            self._path(name).unlink(missing_ok=True)
+        except OSError as exc:
+            raise TargetError(f"{self.url}: cannot delete {name}: {exc.strerror or exc}") from None
+
+    def modified(self, name: str) -> float | None:
+        try:
+            return self._path(name).stat().st_mtime
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise TargetError(f"{self.url}: cannot read {name}: {exc.strerror or exc}") from None
+
     def check(self) -> None:
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -98,14 +120,24 @@ class DirectoryTarget:
 class S3Target:
     """Objects in a bucket of an S3-compatible store, under an optional prefix."""
 
-    def __init__(self, bucket: str, prefix: str = "", client: S3Client | None = None) -> None:
+    def __init__(
+        self, bucket: str, prefix: str = "", client: S3Client | None = None, credentials: dict[str, str] | None = None
+    ) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
         if client is None:
             import boto3
 
-            client = boto3.client("s3")
+            given = _client_settings(credentials or {})
+            client = boto3.client(
+                "s3",
+                aws_access_key_id=given.get("aws_access_key_id"),
+                aws_secret_access_key=given.get("aws_secret_access_key"),
+                aws_session_token=given.get("aws_session_token"),
+                endpoint_url=given.get("endpoint_url"),
+                region_name=given.get("region_name"),
+            )
         self._s3 = client
 
     def _key(self, name: str) -> str:
@@ -155,6 +187,20 @@ class S3Target:
                 return False
             raise self._fail(f"cannot check {name}", exc) from None
 
+    def delete(self, name: str) -> None:
+        try:
+            self._s3.delete_object(Bucket=self.bucket, Key=self._key(name))
+        except Exception as exc:
+            raise self._fail(f"cannot delete {name}", exc) from None
+
+    def modified(self, name: str) -> float | None:
+        try:
+            return self._s3.head_object(Bucket=self.bucket, Key=self._key(name))["LastModified"].timestamp()
+        except Exception as exc:
+            if _missing(exc):
+                return None
+            raise self._fail(f"cannot check {name}", exc) from None
+
     def list(self, prefix: str) -> list[str]:
         names: list[str] = []
         strip = len(self.prefix) + 1 if self.prefix else 0
@@ -167,6 +213,30 @@ class S3Target:
         return sorted(names)
 
 
+CREDENTIAL_SETTINGS = {
+    "AWS_ACCESS_KEY_ID": "aws_access_key_id",
+    "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key",
+    "AWS_SESSION_TOKEN": "aws_session_token",
+    "AWS_ENDPOINT_URL": "endpoint_url",
+    "AWS_REGION": "region_name",
+}
+"""The environment variables an S3 target's settings are known by, and boto3's argument for each: what a
+scheduled backup takes from the operator's environment once, sealed, since the cluster runs it later."""
+
+
+def credentials_from_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The S3 settings of :data:`CREDENTIAL_SETTINGS` set in ``environ`` (default: this process's)."""
+    environ = dict(os.environ) if environ is None else environ
+    found = {name: environ[name] for name in CREDENTIAL_SETTINGS if environ.get(name)}
+    if "AWS_REGION" not in found and environ.get("AWS_DEFAULT_REGION"):
+        found["AWS_REGION"] = environ["AWS_DEFAULT_REGION"]
+    return found
+
+
+def _client_settings(credentials: dict[str, str]) -> dict[str, str]:
+    return {CREDENTIAL_SETTINGS[k]: v for k, v in credentials.items() if k in CREDENTIAL_SETTINGS and v}
+
+
 def _missing(exc: Exception) -> bool:
     from botocore.exceptions import ClientError
 
@@ -175,15 +245,16 @@ def _missing(exc: Exception) -> bool:
     return exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound")
 
 
-def open_target(url: str) -> Target:
-    """The target ``url`` names (see the module's docstring); :class:`TargetError` for a bad one."""
+def open_target(url: str, credentials: dict[str, str] | None = None) -> Target:
+    """The target ``url`` names (see the module's docstring); :class:`TargetError` for a bad one.
+    ``credentials`` (:data:`CREDENTIAL_SETTINGS` names) override boto3's usual sources for S3."""
     if not url:
         raise TargetError("target: give a directory or s3://bucket[/prefix]")
     parsed = urlparse(url)
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise TargetError(f"target {url}: no bucket (s3://bucket[/prefix])")
-        return S3Target(parsed.netloc, parsed.path)
+        return S3Target(parsed.netloc, parsed.path, credentials=credentials)
     if parsed.scheme == "file":
         return DirectoryTarget(Path(parsed.path))
     if parsed.scheme:

@@ -18,7 +18,7 @@ from services.agent.network import consumer_address
 from shared.embedded import free_port
 from tests.waiting import eventually
 
-DB_VIP = "10.97.0.5"
+DB_VIP = "127.128.0.5"
 DB_FQDN = "db.production.shop.internal."
 
 
@@ -239,7 +239,7 @@ async def test_malformed_services_in_a_snapshot_are_skipped(forwarder: Forwarder
         snapshot(
             1,
             service(free_port(), env_id="e1", fqdn="not-a-name."),
-            service(free_port(), env_id="e2", vip="10.97.0.255"),
+            service(free_port(), env_id="e2", vip="127.128.0.255"),
             service(free_port(), env_id="e3", vip="bogus"),
         )
     )

@@ -44,7 +44,7 @@ from services.agent.forwarder import Forwarder
 
 async def main():
     service = cpb.InternalService(
-        fqdn="db.production.shop.internal.", project_id="shop-id", environment_id="db-env", vip="10.97.0.5"
+        fqdn="db.production.shop.internal.", project_id="shop-id", environment_id="db-env", vip="127.128.0.5"
     )
     service.ports.add(name="db", port=5432, protocol="tcp", endpoints=[cpb.Endpoint(addr=sys.argv[1], healthy=True)])
     forwarder = Forwarder()

@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from cli.network_cmds import app_address
 from services.agent.network import resolver_address
 from services.routes.publisher import RoutesPublisher
 from shared import keys as K
@@ -145,7 +146,7 @@ class Shop:
             S.app("db-app", "db", "shop-id"),
             S.app("web-app", "web", "shop-id"),
             (K.env("db-env"), db_env),
-            S.vip("db-env", "10.97.0.9"),
+            S.vip("db-env", "127.128.0.9"),
             (K.release(self.db.meta.id), self.db),
             (K.release(self.web.meta.id), self.web),
         )
@@ -184,6 +185,9 @@ async def test_web_env_reaches_its_database_by_name_and_address_across_a_move(
     await eventually(lambda: answer.exists() and first.meta.id in answer.read_text(), timeout=20, what="web → db")
     by_name, address, echoed = answer.read_text().split(" ")
     assert by_name == address and address.endswith(".0.9") and echoed == f"{first.meta.id}:ping"
+    # What `zattera network` shows is the address the app was given, with its slot; the VIP names the env.
+    (web_slot,) = [slot for slot, consumer in forwarder.slots.consumers.items() if consumer.env_id == "web-env"]
+    assert app_address("127.128.0.9").replace("(128+c)", str(128 + web_slot)) == address
 
     # The database moves to a new replica (another host port); the web instance is not restarted.
     second = replica("n1", shop.db)

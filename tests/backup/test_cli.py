@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
+from zattera.v1 import types_pb2 as pb
 
 from cli.main import app
+from shared.backup.status import SCHEDULE_ID
 from shared.embedded import EmbeddedNats
 from tests.backup.test_drill import ENV, PASSPHRASE, VALUE, cluster, populate, publish_key, quick_kdf
 from tests.cli.rig import initialised_cli
@@ -58,3 +60,41 @@ def test_backup_commands_round_trip(
         app, ["--nats", nats_server.url, "restore", "--from", target, "--data-dir", str(new), "--force"]
     )
     assert wrong.exit_code == 1 and "the recovery passphrase does not open" in wrong.output
+
+
+def test_backup_schedule_status_and_a_failure_shown_by_zattera_status(
+    nats_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ZATTERA_RECOVERY_PASSPHRASE", PASSPHRASE)
+    zattera = initialised_cli(nats_url)
+
+    async def setup() -> None:
+        async with cluster(nats_url, tmp_path / "data") as c:
+            await populate(c)
+
+    asyncio.run(setup())
+    target = str(tmp_path / "backups")
+    bad = zattera("backup", "schedule", "every night", "--to", target)
+    assert bad.exit_code == 1 and "schedule" in bad.output
+    scheduled = zattera("backup", "schedule", "0 3 * * *", "--to", target, "--keep", "7")
+    assert scheduled.exit_code == 0, scheduled.output
+    assert "backups scheduled: 0 3 * * * to " in scheduled.output and PASSPHRASE not in scheduled.output
+    shown = zattera("backup", "status", "--json")
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["keep"] == 7
+    quiet = zattera("status")
+    assert "backups:" not in quiet.output, "a healthy schedule does not clutter `zattera status`"
+
+    async def fail() -> None:
+        async with cluster(nats_url, tmp_path / "data") as c:
+            run = pb.BackupRun(ok=False, error="/x: cannot create the directory: File exists", failures=1)
+            run.meta.id = SCHEDULE_ID
+            run.started_at.FromSeconds(1_700_000_000)
+            await c.ctx.writer.commit(c.ctx.writer.txn().put(run))
+
+    asyncio.run(fail())
+    failing = zattera("status")
+    assert "backups: FAILING since 2023-11-14 22:13:20 UTC (1 run(s) in a row): /x: cannot create" in failing.output
+    assert zattera("backup", "status").exit_code == 1
+
+    assert zattera("backup", "unschedule").exit_code == 0
+    assert not json.loads(zattera("backup", "status", "--json").stdout)["scheduled"]

@@ -1,5 +1,6 @@
-"""``zattera network``: envs' names, VIPs, ports and allowlists from the state, as a table and as JSON;
-a bad --env is one line naming the flag."""
+"""``zattera network``: envs' names, the address apps reach them at, VIPs, ports and allowlists from the
+state, as a table and as JSON (the VIP, which nothing listens on, only with --wide); a bad --env is one line
+naming the flag."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_network_lists_names_vips_ports_and_allowlists(cli: Invoke, nats_url: st
 
     async def allocate(conn, view, writer):  # what the routes service's VIP allocator does
         (env,) = view.envs()
-        await S.commit(writer, S.vip(env.meta.id, "10.97.0.2"))
+        await S.commit(writer, S.vip(env.meta.id, "127.128.0.2"))
         return env.meta.id
 
     env_id = state(nats_url, allocate)
@@ -40,7 +41,8 @@ def test_network_lists_names_vips_ports_and_allowlists(cli: Invoke, nats_url: st
             "env": "shop/db/production",
             "env_id": env_id,
             "name": "db.production.shop.internal",
-            "vip": "10.97.0.2",
+            "vip": "127.128.0.2",
+            "app_address": "127.(128+c).0.2",
             "ports": [{"name": "pg", "port": 5432}, {"name": "http", "port": 80}],
             "scale_to_zero": True,
             "allow": ["billing/api/production"],
@@ -48,6 +50,10 @@ def test_network_lists_names_vips_ports_and_allowlists(cli: Invoke, nats_url: st
     ]
     table = cli("network", "--env", "shop/db/production")
     assert table.exit_code == 0 and "db.production.shop.internal" in table.stdout and "pg:5432, http:80" in table.stdout
+    assert "127.(128+c).0.2" in table.stdout and "ZATTERA_SERVICE_<APP>_<ENV>_HOST" in table.stdout
+    assert "127.128.0.2" not in table.stdout  # not shown as an address: nothing listens on it
+    wide = cli("network", "--wide")
+    assert wide.exit_code == 0 and "127.128.0.2" in wide.stdout and env_id in wide.stdout
 
     bad = cli("network", "--env", "shop/nope/production")
     assert bad.exit_code == 1 and "--env: no environment 'shop/nope/production'" in bad.stderr

@@ -11,6 +11,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.console.settings import server_ssl_context
 from shared import keys as K
+from shared.backup.status import SCHEDULE_ID
 from shared.connection import Connection
 from shared.console_users import remove_user
 from shared.security.tls import generate
@@ -27,6 +28,7 @@ from tests.console.rig import (
     random_secret,
     running_console,
 )
+from tests.waiting import eventually
 
 
 def client() -> aiohttp.ClientSession:
@@ -166,3 +168,26 @@ async def test_a_secret_set_is_sealed_and_its_value_never_comes_back(console: Ru
         assert "API_TOKEN" in body and value not in body
     sealed = [s for s in view.all(K.SECRET) if isinstance(s, pb.SealedSecret)]
     assert [s.name for s in sealed] == ["API_TOKEN"] and value.encode() not in sealed[0].ciphertext
+
+
+async def test_a_failing_scheduled_backup_is_shown_on_the_overview_until_a_later_one_succeeds(
+    console: Running, writer: Writer, view: StateView
+) -> None:
+    run = pb.BackupRun(ok=False, error="s3://b: NoSuchBucket: bucket b does not exist", failures=2)
+    run.meta.id = SCHEDULE_ID
+    run.started_at.FromSeconds(1_700_000_000)
+    await writer.commit(writer.txn().put(run))
+    async with client() as http:
+        assert (await log_in(http, console.url, ADMIN_USER)).status == 303
+        async with http.get(f"{console.url}/") as page:
+            text = await page.text()
+        assert 'id="backups-failing"' in text and "NoSuchBucket: bucket b does not exist" in text
+        async with http.get(f"{console.url}/api/overview") as api:
+            backups = (await api.json())["backups"]
+        assert backups["failing"] and backups["failures"] == 2
+
+        run.ok, run.error, run.failures, run.backup_id = True, "", 0, "01BACKUP"
+        await writer.commit(writer.txn().put(run))
+        await eventually(lambda: view.get(K.BACKUP_RUN, SCHEDULE_ID) == run)
+        async with http.get(f"{console.url}/") as page:
+            assert 'id="backups-failing"' not in await page.text()

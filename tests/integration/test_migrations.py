@@ -20,10 +20,14 @@ from shared.migrations.registry import SCHEMA, Listed, load
 from shared.migrations.runner import MigrationFailed, record, upgrade
 from shared.provisioning import js_api, provision, raw_stream_config, recorded_config
 from shared.skew import SkewRefused
+from shared.state.feed import StateView
 from shared.streams import STREAM_FIELDS_CHECKED, ClusterConfig
 from shared.subjects import BUILD_EVENTS_STREAM, LIVE_STREAM, STATE_STREAM, build_events_subject
+from shared.txn import Writer
 from shared.version import VERSION
 from tests.compat.releases import PRE_0_1, PREVIOUS, recreate, streams
+from tests.routes import state as S
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -225,3 +229,29 @@ async def test_the_record_never_goes_down(conn: Connection) -> None:
 
 def test_a_fresh_cluster_records_this_schema() -> None:
     assert ClusterConfig(schema=SCHEMA, version=VERSION).metadata()["zattera.schema"] == str(SCHEMA)
+
+
+async def test_vips_of_the_earlier_range_move_to_loopback_keeping_their_host_part(bare: Connection) -> None:
+    """0.1.0 allocated VIPs from 10.97.0.0/16 (a connection to one left the machine): each becomes 127.128.a.b
+    with the same ``a.b``, so apps' addresses of the env (``127.(128+c).a.b``) stay the same; run again,
+    nothing changes."""
+    await recreate(bare, PREVIOUS)
+    view = StateView(bare, name="test")
+    await view.start()
+    try:
+        await S.commit(Writer(bare, view), S.vip("e1", "10.97.0.5"), S.vip("e2", "10.97.3.254"))
+        report = await upgrade(bare, holder="test")
+        assert any(line.startswith("0003 ") and "moved 2 VIPs" in line for line in report.after.migrations)
+        await eventually(
+            lambda: (
+                {v.environment_id: v.vip for v in view.vips()}
+                == {
+                    "e1": "127.128.0.5",
+                    "e2": "127.128.3.254",
+                }
+            )
+        )
+        again = await upgrade(bare, holder="test")
+        assert again.applied == []
+    finally:
+        await view.stop()

@@ -30,6 +30,8 @@ from zattera.v1 import types_pb2 as pb
 from services.proxy.balancer import STICKY_COOKIE, sticky_value
 from services.proxy.haproxy_ingress import HAProxyIngress, haproxy_ingress
 from services.proxy.launch import haproxy_binary
+from shared.acmechallenge import PATH_PREFIX as CHALLENGE_PATH
+from shared.acmechallenge import publish_answer
 from shared.connection import Connection
 from shared.live import proxy_key
 from shared.subjects import LIVE_BUCKET
@@ -299,6 +301,42 @@ async def test_middleware(make_ingress: IngressFactory, routes: Routes, fresh: a
         assert all("Authorization" not in request.headers for request in one.seen + two.seen)
 
         assert [await get(fresh, ingress, "retry.example.com") for _ in range(4)] == [(200, "one")] * 4
+
+
+async def test_forwarded_headers_and_acme_answers_on_every_request(
+    make_ingress: IngressFactory, routes: Routes, conn: Connection, fresh: aiohttp.ClientSession
+) -> None:
+    """What the frontend does on every request, however cheaply it is written: the app gets
+    ``X-Forwarded-For`` (the client's address last), ``-Proto`` and ``-Host`` from HAProxy (a client's own
+    ``-Proto``/``-Host`` replaced), and an HTTP-01 challenge for any host (one whose backend redirects to
+    HTTPS, one with no route) is answered by the Python side, before any backend's middleware."""
+    backend = Backend("A")
+    async with serving(backend):
+        ingress = await make_ingress()
+        redirected = http_route("tls.example.com", "e2", [endpoint(backend.addr)])
+        redirected.middleware.redirect_https = True
+        await serve(routes, ingress, http_route("plain.example.com", "e1", [endpoint(backend.addr)]), redirected)
+        spoofed = {"X-Forwarded-For": "203.0.113.9", "X-Forwarded-Proto": "https", "X-Forwarded-Host": "evil.example"}
+        assert await get(fresh, ingress, "plain.example.com", headers=spoofed) == (200, "A")
+        seen = backend.seen[-1].headers
+        assert seen.getall("X-Forwarded-For") == ["203.0.113.9", "127.0.0.1"]
+        assert seen.getall("X-Forwarded-Proto") == ["http"]
+        assert seen.getall("X-Forwarded-Host") == ["plain.example.com"]
+
+        token = "tok-h32"
+        challenge = f"{CHALLENGE_PATH}{token}"
+        await publish_answer(conn, token, f"{token}.thumbprint")
+        hits = backend.hits
+
+        async def answered(host: str) -> bool:
+            async with fresh.get(url(ingress, challenge), headers={"Host": host}, allow_redirects=False) as response:
+                return (response.status, await response.text()) == (200, f"{token}.thumbprint")
+
+        await eventually(lambda: answered("tls.example.com"), 10, "the challenge answered on a redirecting host")
+        assert await answered("unrouted.example.com")
+        assert backend.hits == hits  # answered by the Python side, not the app
+        async with fresh.get(url(ingress, "/x"), headers={"Host": "tls.example.com"}, allow_redirects=False) as r:
+            assert r.status == 308  # any other path of that host is still redirected
 
 
 NAME = web.AppKey("name", str)

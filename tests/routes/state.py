@@ -91,7 +91,7 @@ def domain(
     return K.domain(domain_id), msg
 
 
-def vip(env_id: str = "env1", address: str = "10.97.0.5") -> Write:
+def vip(env_id: str = "env1", address: str = "127.128.0.5") -> Write:
     return K.vip(env_id), pb.ServiceVIP(environment_id=env_id, vip=address)
 
 

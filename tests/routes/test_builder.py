@@ -108,7 +108,7 @@ def test_l4_route_and_internal_service() -> None:
         *S.seed_route_env(),
         S.env(ports=[S.http_port(), db]),
         S.assignment("a1", "relA", {"http": 30001, "db": 30005}),
-        S.vip(address="10.97.0.5"),
+        S.vip(address="127.128.0.5"),
     )
     snapshot = routes.snapshot()
     assert len(snapshot.l4_routes) == 1
@@ -116,7 +116,7 @@ def test_l4_route_and_internal_service() -> None:
     assert (l4.public_port, l4.protocol, [e.addr for e in l4.endpoints]) == (15432, "tcp", ["10.90.0.1:30005"])
     assert len(snapshot.internal_services) == 1
     service = snapshot.internal_services[0]
-    assert (service.vip, service.fqdn) == ("10.97.0.5", "api.production.demo.internal.")
+    assert (service.vip, service.fqdn) == ("127.128.0.5", "api.production.demo.internal.")
     assert [(p.name, p.port, p.protocol) for p in service.ports] == [("http", 8080, "tcp"), ("db", 5432, "tcp")]
 
 
@@ -127,7 +127,7 @@ def test_a_tcp_only_env_gets_its_l4_route_and_internal_service_but_no_http_route
         S.env(ports=[db]),
         S.domain(hostname="db.example.com"),  # a domain attached to it all the same
         S.assignment("a1", "relA", {"db": 30005}),
-        S.vip(address="10.97.0.5"),
+        S.vip(address="127.128.0.5"),
     )
     snapshot = routes.snapshot()
     assert (list(snapshot.http_routes), list(snapshot.cert_hosts)) == ([], [])
@@ -327,7 +327,7 @@ def test_sections_are_ordered_by_env_id_and_hosts_deduplicated() -> None:
         (S.healthy_assignment("a1", "relA", 31001), {"env1"}),
         (S.node("n2", status=pb.NODE_STATUS_DOWN), {"env2"}),
         (S.node("n3"), set()),
-        (S.vip("env2", "10.97.0.9"), {"env2"}),
+        (S.vip("env2", "127.128.0.9"), {"env2"}),
     ],
     ids=[
         "env-change-rebuilds-that-env",

@@ -66,7 +66,7 @@ def routing_states(draw: st.DrawFn) -> tuple[list[Write | list[Write]], str]:
             )
         )
         if draw(st.booleans()):
-            writes.append(S.vip(env_id, draw(st.sampled_from(["", "10.97.0.9"]))))
+            writes.append(S.vip(env_id, draw(st.sampled_from(["", "127.128.0.9"]))))
         for d in range(draw(st.integers(0, 2))):
             middleware = draw(
                 st.none()

@@ -38,6 +38,6 @@ def test_a_value_stored_under_another_key_is_told() -> None:
     env.meta.id = "e1"
     assert K.names_another_key(env, "env.e1") == ""
     assert K.names_another_key(env, "env.e2") == "env.e1"
-    vip = pb.ServiceVIP(environment_id="e1", vip="10.97.0.2")
+    vip = pb.ServiceVIP(environment_id="e1", vip="127.128.0.2")
     assert K.names_another_key(vip, "vip.e1") == "" and K.names_another_key(vip, "vip.e9") == "vip.e1"
     assert K.names_another_key(pb.AssignmentObserved(), "observed.n1.a1") == ""  # no rule: its key is its own

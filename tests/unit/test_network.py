@@ -24,8 +24,8 @@ from services.agent.network import (
     targets_of,
 )
 
-DB = Target("db-env", "shop-id", "shop/db/production", "10.97.3.9", (("db", 5432, False),), False)
-API = Target("api-env", "partner-id", "partner/api/production", "10.97.0.2", (("http", 8080, True),), True)
+DB = Target("db-env", "shop-id", "shop/db/production", "127.128.3.9", (("db", 5432, False),), False)
+API = Target("api-env", "partner-id", "partner/api/production", "127.128.0.2", (("http", 8080, True),), True)
 WEB = Consumer("web-env", "shop-id")
 
 
@@ -58,18 +58,18 @@ def test_bad_names_are_refused(name: str) -> None:
 
 
 def test_addresses_are_per_consumer_loopback_twins_of_the_vip() -> None:
-    assert (consumer_address(1, "10.97.3.9"), consumer_address(126, "10.97.255.254")) == (
+    assert (consumer_address(1, "127.128.3.9"), consumer_address(126, "127.128.255.254")) == (
         "127.129.3.9",
         "127.254.255.254",
     )
     assert resolver_address(5) == "127.133.0.1"
-    assert [slot_of_address(a) for a in ("127.129.3.9", "127.0.0.1", "127.97.0.2", "10.97.0.2")] == [
+    assert [slot_of_address(a) for a in ("127.129.3.9", "127.0.0.1", "127.97.0.2", "127.128.0.2")] == [
         1,
         None,
         None,
         None,
     ]
-    for bad in ("10.97.0.1", "10.97.0.255", "nope"):
+    for bad in ("127.128.0.1", "127.128.0.255", "nope"):
         with pytest.raises(NetworkError):
             consumer_address(1, bad)
 
@@ -131,16 +131,16 @@ def test_slots_lowest_free_kept_per_env_and_freed_when_gone() -> None:
 def test_targets_of_skips_malformed_services() -> None:
     snapshot = cpb.RouteSnapshot(
         internal_services=[
-            cpb.InternalService(fqdn="db.production.shop.internal.", environment_id="ok", vip="10.97.0.3"),
-            cpb.InternalService(fqdn="nonsense.", environment_id="bad-name", vip="10.97.0.4"),
-            cpb.InternalService(fqdn="a.b.c.internal.", environment_id="bad-vip", vip="10.97.0.1"),
+            cpb.InternalService(fqdn="db.production.shop.internal.", environment_id="ok", vip="127.128.0.3"),
+            cpb.InternalService(fqdn="nonsense.", environment_id="bad-name", vip="127.128.0.4"),
+            cpb.InternalService(fqdn="a.b.c.internal.", environment_id="bad-vip", vip="127.128.0.1"),
         ]
     )
     assert [t.env_id for t in targets_of(snapshot)] == ["ok"]
 
 
 def test_an_http_port_without_a_number_is_served_on_80_and_another_is_not() -> None:
-    service = cpb.InternalService(fqdn="web.production.shop.internal.", environment_id="e", vip="10.97.0.3")
+    service = cpb.InternalService(fqdn="web.production.shop.internal.", environment_id="e", vip="127.128.0.3")
     service.ports.add(name="http", port=0)
     service.ports.add(name="metrics", port=0)
     service.ports.add(name="db", port=5432)

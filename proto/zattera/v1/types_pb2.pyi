@@ -2514,7 +2514,7 @@ Global___Lease: _TypeAlias = Lease  # noqa: Y015
 @_typing.final
 class ServiceVIP(_message.Message):
     """ServiceVIP is an environment's internal virtual IP (key `vip.<env_id>`),
-    from 10.97.0.0/16. Shape fixed by DESIGN.md §6.
+    from 127.128.0.0/16 (loopback). Shape fixed by DESIGN.md §6.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -2806,3 +2806,126 @@ class AcmeAccount(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AcmeAccount: _TypeAlias = AcmeAccount  # noqa: Y015
+
+@_typing.final
+class BackupSchedule(_message.Message):
+    """BackupSchedule is the cluster's scheduled backup (key `backupschedule.cluster`, docs/backup.md), written
+    by `zattera backup schedule`. Nothing in it opens a backup: the cluster secrets key goes into each backup
+    sealed to `recipient`, a public key derived from the operator's recovery passphrase, which the cluster
+    never holds. The target's credentials are sealed (SealedBox) to the cluster secrets key `key_id`.
+    invented (issue 35)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    SCHEDULE_FIELD_NUMBER: _builtins.int
+    KEEP_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
+    SEALED_CREDENTIALS_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    RECIPIENT_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
+    schedule: _builtins.str
+    """cron as in shared/schedule.py (5 fields, descriptors, @every)"""
+    keep: _builtins.int
+    """verified backups kept on the target; older ones are deleted"""
+    target: _builtins.str
+    """a directory or s3://bucket[/prefix]"""
+    sealed_credentials: _builtins.bytes
+    """JSON of the target's settings (AWS_* names), SealedBox; empty = none"""
+    key_id: _builtins.str
+    """SecretsKey.key_id sealed_credentials is sealed to"""
+    recipient: _builtins.bytes
+    """JSON: Argon2id parameters, salt and the X25519 public key"""
+    paused: _builtins.bool
+    @_builtins.property
+    def meta(self) -> Global___Meta: ...
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        schedule: _builtins.str = ...,
+        keep: _builtins.int = ...,
+        target: _builtins.str = ...,
+        sealed_credentials: _builtins.bytes = ...,
+        key_id: _builtins.str = ...,
+        recipient: _builtins.bytes = ...,
+        paused: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep", b"keep", "key_id", b"key_id", "meta", b"meta", "paused", b"paused", "recipient", b"recipient", "schedule", b"schedule", "sealed_credentials", b"sealed_credentials", "target", b"target"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackupSchedule: _TypeAlias = BackupSchedule  # noqa: Y015
+
+@_typing.final
+class BackupRun(_message.Message):
+    """BackupRun is what the scheduled backups last did (key `backuprun.cluster`), written by the leader of
+    lease `backups`. A failure stays visible (`zattera status`, the console) until a later run succeeds.
+    invented (issue 35)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    FINISHED_AT_FIELD_NUMBER: _builtins.int
+    OK_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    BACKUP_ID_FIELD_NUMBER: _builtins.int
+    SUCCEEDED_AT_FIELD_NUMBER: _builtins.int
+    SENT_BYTES_FIELD_NUMBER: _builtins.int
+    KEPT_FIELD_NUMBER: _builtins.int
+    DELETED_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
+    ok: _builtins.bool
+    """the last run succeeded"""
+    error: _builtins.str
+    """why the last run failed ("" when it did not)"""
+    backup_id: _builtins.str
+    """the last successful backup"""
+    sent_bytes: _builtins.int
+    """bytes the last successful run sent"""
+    kept: _builtins.int
+    """verified backups on the target after retention"""
+    deleted: _builtins.int
+    """backups retention deleted in the last run"""
+    failures: _builtins.int
+    """consecutive failed runs"""
+    @_builtins.property
+    def meta(self) -> Global___Meta: ...
+    @_builtins.property
+    def started_at(self) -> _timestamp_pb2.Timestamp:
+        """the last run's start (the schedule's baseline)"""
+
+    @_builtins.property
+    def finished_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def succeeded_at(self) -> _timestamp_pb2.Timestamp:
+        """when the last successful run finished"""
+
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        started_at: _timestamp_pb2.Timestamp | None = ...,
+        finished_at: _timestamp_pb2.Timestamp | None = ...,
+        ok: _builtins.bool = ...,
+        error: _builtins.str = ...,
+        backup_id: _builtins.str = ...,
+        succeeded_at: _timestamp_pb2.Timestamp | None = ...,
+        sent_bytes: _builtins.int = ...,
+        kept: _builtins.int = ...,
+        deleted: _builtins.int = ...,
+        failures: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["finished_at", b"finished_at", "meta", b"meta", "started_at", b"started_at", "succeeded_at", b"succeeded_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_id", b"backup_id", "deleted", b"deleted", "error", b"error", "failures", b"failures", "finished_at", b"finished_at", "kept", b"kept", "meta", b"meta", "ok", b"ok", "sent_bytes", b"sent_bytes", "started_at", b"started_at", "succeeded_at", b"succeeded_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackupRun: _TypeAlias = BackupRun  # noqa: Y015

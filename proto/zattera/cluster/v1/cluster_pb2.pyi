@@ -587,7 +587,7 @@ class InternalService(_message.Message):
     project_id: _builtins.str
     environment_id: _builtins.str
     vip: _builtins.str
-    """10.97.0.0/16"""
+    """127.128.0.0/16 (loopback)"""
     scale_to_zero: _builtins.bool
     """invented (issue 24): a connection finding no endpoint is held while the env is woken"""
     @_builtins.property
