@@ -6,7 +6,9 @@ homes) as table tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -34,7 +36,7 @@ from shared.objects import read_object
 from shared.subjects import SNAPSHOTS_STORE
 from tests import factories
 from tests.backup.conftest import BUCKET
-from tests.backup.test_drill import ENV, PASSPHRASE, cluster, populate, publish_key
+from tests.backup.test_drill import ENV, PASSPHRASE, Cluster, cluster, populate, publish_key
 
 VOLUME = "01VOL"
 
@@ -43,6 +45,22 @@ VOLUME = "01VOL"
 def quick_kdf(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(recovery, "OPSLIMIT", pwhash.argon2id.OPSLIMIT_MIN)
     monkeypatch.setattr(recovery, "MEMLIMIT", pwhash.argon2id.MEMLIMIT_MIN)
+
+
+@contextlib.asynccontextmanager
+async def old_volume(old: Cluster, tmp_path: Path) -> AsyncIterator[Path]:
+    """The old cluster populated, with volume :data:`VOLUME` of its env on its node, whose snapshot agent
+    runs meanwhile: yields the volume's directory."""
+    await populate(old)
+    await old.ctx.writer.commit(old.ctx.writer.txn().create(_volume(VOLUME, ENV, "01OLDNODE")))
+    agent = SnapshotAgent(old.conn, "01OLDNODE", tmp_path / "old-volumes")
+    await agent.start()
+    try:
+        root = tmp_path / "old-volumes" / VOLUME
+        root.mkdir(parents=True)
+        yield root
+    finally:
+        await agent.stop()
 
 
 def _volume(volume_id: str, env: str, node: str = "") -> pb.Volume:
@@ -97,20 +115,13 @@ async def test_a_volumes_latest_snapshot_is_backed_up_by_chunk_and_rebuilt_on_th
     target = f"s3://{BUCKET}/vol"
     photo = os.urandom(3 << 20)
     async with cluster(nats_url, tmp_path / "old") as old:
-        await populate(old)
-        await old.ctx.writer.commit(old.ctx.writer.txn().create(_volume(VOLUME, ENV, "01OLDNODE")))
-        agent = SnapshotAgent(old.conn, "01OLDNODE", tmp_path / "old-volumes")
-        await agent.start()
-        try:
-            root = tmp_path / "old-volumes" / VOLUME
-            (root / "uploads").mkdir(parents=True)
+        async with old_volume(old, tmp_path) as root:
+            (root / "uploads").mkdir()
             (root / "uploads/photo.bin").write_bytes(photo)
             (root / "notes.txt").write_bytes(b"first")
             first_snap = await take_snapshot(old.ctx, TakeSnapshot(VOLUME))
             (root / "notes.txt").write_bytes(b"second, the one a restore brings back")
             latest = await take_snapshot(old.ctx, TakeSnapshot(VOLUME))
-        finally:
-            await agent.stop()
         assert first_snap.status == latest.status == "COMPLETE"
         first = await create_backup(old.ctx, CreateBackup(target, PASSPHRASE, str(old.keyring)))
         second = await create_backup(old.ctx, CreateBackup(target, PASSPHRASE, str(old.keyring)))
@@ -160,16 +171,9 @@ async def test_a_volume_whose_data_cannot_be_rebuilt_is_named_with_the_command_t
     volume's line says what to run once the node's agent is up."""
     target = str(tmp_path / "backups")
     async with cluster(nats_url, tmp_path / "old") as old:
-        await populate(old)
-        await old.ctx.writer.commit(old.ctx.writer.txn().create(_volume(VOLUME, ENV, "01OLDNODE")))
-        agent = SnapshotAgent(old.conn, "01OLDNODE", tmp_path / "old-volumes")
-        await agent.start()
-        try:
-            (tmp_path / "old-volumes" / VOLUME).mkdir(parents=True)
-            (tmp_path / "old-volumes" / VOLUME / "f").write_bytes(b"data")
+        async with old_volume(old, tmp_path) as root:
+            (root / "f").write_bytes(b"data")
             taken = await take_snapshot(old.ctx, TakeSnapshot(VOLUME))
-        finally:
-            await agent.stop()
         created = await create_backup(old.ctx, CreateBackup(target, PASSPHRASE, str(old.keyring)))
     # A damaged chunk is named by verify and refused by restore before anything is written.
     chunk = next(e for e in _read_manifest(open_target(target), created.id).of_kind(SNAPSHOTS) if "chunks/" in e.name)
