@@ -481,7 +481,8 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
     await ctx.events.publish(
         make_event(
             "backup.restored",
-            f"backup {manifest.id} restored from {target.url}: {len(values)} keys, {objects} objects",
+            f"backup {manifest.id} restored from {target.url}: {len(values)} keys, {objects} objects, "
+            f"{len(data_restored)} volumes' data",
             fields={"actor": ctx.actor, "target": target.url, "backup": manifest.id},
         )
     )
