@@ -4,8 +4,13 @@ no bridge) with the busybox base image; the app is busybox ``httpd`` in both run
 Run: ``python -m benchmarks.containers_bench [--full] [--json]`` (also part of ``make bench``).
 
 1. **Start → listening.** The agent's launcher starts the app (process: ``spawn``; docker: create + start
-   of a container with every limit and the host network) and the time until its port accepts a connection
-   is measured; the two runtimes alternate in the same run. 10 samples each quick, 40 full.
+   of a container with every limit and the host network, as its environment's user from the uid table as
+   the agent runs it) and the time until its port accepts a connection is measured; the two runtimes
+   alternate in the same run, and so does a container run as the image's user (``nobody``: no uid table,
+   what the docker runtime did before its containers were fenced), for the cost of that user. CPU per
+   start: the launcher's own (this process, during ``spawn``) and the daemon's (dockerd, containerd, the
+   shims and the ``runc`` they reaped, whose command lines name the private daemon's directory).
+   10 samples each quick, 40 full.
 2. **A Python app (stdlib ``http.server``) start → listening**: a bare process of the node's interpreter
    against a container on the Python base image the docker runtime makes from that interpreter
    (``services/agent/pythonbase.py``: what a source-built Python app runs on). Also measured once: making
@@ -25,6 +30,7 @@ Anchor: the process runtime in the same run (1.) and benchmarks/e2e_bench.py's c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import sys
@@ -34,6 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
+import psutil
+
 from benchmarks.common import Row, bench_main, listening, median, percentile, row
 from services.agent.docker_images import ContainerImage
 from services.agent.docker_runtime import DockerLauncher
@@ -41,6 +49,7 @@ from services.agent.hostbase import inspect_node, node_rootfs_tar, tar_size
 from services.agent.images import PreparedImage
 from services.agent.launchers import InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
 from services.agent.pythonbase import PYTHON_LABEL, inspect_interpreter, python_rootfs_tar
+from services.agent.sandbox_users import UidTable
 from shared.embedded import free_port
 from tests.dockerd import BASE_IMAGE, BUSYBOX, private_dockerd
 from tests.e2e.cluster import E2ECluster, env_by_name, healthy, running
@@ -74,41 +83,75 @@ def _python_http_server(launcher: Launcher, port: int, workdir: Path) -> list[st
     return [NODE_PYTHON, "-I", "-m", "http.server", "--bind", "127.0.0.1", str(port)]
 
 
+def _daemon_cpu(marker: str) -> float:
+    """CPU seconds of the processes whose command line names ``marker`` (the private daemon's directory), the
+    children they reaped included."""
+    total = 0.0
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error, TypeError):
+            if any(marker in part for part in proc.info["cmdline"] or ()):
+                t = proc.cpu_times()
+                total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
 async def _start_once(
-    launcher: Launcher, image: PreparedImage, workdir: Path, app: Callable[[Launcher, int, Path], list[str]]
+    launcher: Launcher,
+    image: PreparedImage,
+    workdir: Path,
+    app: Callable[[Launcher, int, Path], list[str]],
+    cpu: dict[str, list[float]] | None = None,
 ) -> float:
     port = free_port()
     command = app(launcher, port, workdir)
     instance = workdir / f"instance-{port}"
-    instance.mkdir()
+    instance.mkdir(exist_ok=True)  # a port may come round again
+    marker = str(workdir.parent / "dockerd")
+    daemon_before = _daemon_cpu(marker) if cpu is not None else 0.0
+    own_before = time.process_time()
     started = time.monotonic()
     handle: InstanceHandle = await launcher.spawn(
         command,
         image=image,
         env={"PORT": str(port)},
         instance_dir=instance,
-        plan=LaunchPlan(memory_mb=64, cpu_millis=500),
+        plan=LaunchPlan(memory_mb=64, cpu_millis=500, tenant="bench"),  # one environment: its user made once
         labels={"dev.zattera.assignment": f"bench-{port}"},
     )
+    own = time.process_time() - own_before
     await listening(port)
     elapsed = time.monotonic() - started
+    if cpu is not None:
+        cpu["launcher"].append(own)
+        cpu["daemon"].append(_daemon_cpu(marker) - daemon_before)
     await handle.stop(1.0)
     return elapsed
 
 
-async def _start_to_listening(docker_host: str, samples: int, workdir: Path) -> dict[str, list[float]]:
-    docker = DockerLauncher(docker_host, node_id="bench", base_image=BASE_IMAGE, pids_limit=256)
+async def _start_to_listening(
+    docker_host: str, samples: int, workdir: Path
+) -> tuple[dict[str, list[float]], dict[str, dict[str, list[float]]]]:
+    """(start → listening seconds per launcher, CPU seconds per start of the two docker ones)."""
+    uids = UidTable(workdir / "uids", base=0x70000000, count=65536)
+    docker = DockerLauncher(docker_host, node_id="bench", base_image=BASE_IMAGE, pids_limit=256, uids=uids)
+    image_user = DockerLauncher(docker_host, node_id="bench", base_image=BASE_IMAGE, pids_limit=256)
     process = ProcessLauncher()
     try:
         docker_image = ContainerImage("bench", Path("/"), tag=BASE_IMAGE)
         process_image = PreparedImage("bench", workdir)
-        out: dict[str, list[float]] = {"docker": [], "process": []}
-        for _ in range(samples):
+        out: dict[str, list[float]] = {"docker": [], "process": [], "image-user": []}
+        cpu: dict[str, dict[str, list[float]]] = {
+            name: {"launcher": [], "daemon": []} for name in ("docker", "image-user")
+        }
+        for index in range(samples):
             out["process"].append(await _start_once(process, process_image, workdir, _busybox_httpd))
-            out["docker"].append(await _start_once(docker, docker_image, workdir, _busybox_httpd))
-        return out
+            pair = [("docker", docker), ("image-user", image_user)]
+            for name, launcher in pair if index % 2 else reversed(pair):  # alternate which goes first
+                out[name].append(await _start_once(launcher, docker_image, workdir, _busybox_httpd, cpu[name]))
+        return out, cpu
     finally:
         await docker.close()
+        await image_user.close()
 
 
 async def _python_starts(docker_host: str, samples: int, workdir: Path) -> dict[str, list[float]]:
@@ -209,7 +252,7 @@ def run(quick: bool = True) -> list[Row]:
         with private_dockerd(root / "dockerd") as docker_host:
             workdir = root / "work"
             workdir.mkdir()
-            started = asyncio.run(_start_to_listening(docker_host, starts, workdir))
+            started, start_cpu = asyncio.run(_start_to_listening(docker_host, starts, workdir))
             python = asyncio.run(_python_starts(docker_host, python_starts, workdir))
             cold = asyncio.run(_cold_starts(docker_host, root, colds))
     finally:
@@ -223,6 +266,14 @@ def run(quick: bool = True) -> list[Row]:
         row("process: start → listening p99", percentile(started["process"], 99) * ms, "ms", "", ""),
         row("docker: start → listening p50 (create + start + listen)", container_start * ms, "ms", "", same_run),
         row("docker: start → listening p99", percentile(started["docker"], 99) * ms, "ms", "", same_run),
+        row(
+            "docker as the image's user (unfenced): start → listening p50",
+            median(started["image-user"]) * ms,
+            "ms",
+            "",
+            "the row above, alternating",
+        ),
+        *_cpu_rows(start_cpu),
         row("python app: process start → listening p50", median(python["process"]) * ms, "ms", "", "anchor"),
         row("python app: docker start → listening p50", median(python["docker"]) * ms, "ms", "", same_run),
         row("python app: docker start → listening p99", percentile(python["docker"], 99) * ms, "ms", "", same_run),
@@ -238,6 +289,16 @@ def run(quick: bool = True) -> list[Row]:
         ),
         row("docker cold start: held → endpoint in snapshot p50", median(cold["endpoint"]) * ms, "ms", "", ""),
         row("docker cold start: held request answered p50", median(cold["response"]) * ms, "ms", "", ""),
+    ]
+
+
+def _cpu_rows(cpu: dict[str, dict[str, list[float]]]) -> list[Row]:
+    """CPU per docker start p50, the launcher's and the daemon's, as the environment's and the image's user."""
+    label = {"docker": "docker", "image-user": "docker as the image's user"}
+    return [
+        row(f"{label[name]}: {side} CPU per start p50", median(cpu[name][side]) * 1000.0, "ms", "", "")
+        for side in ("launcher", "daemon")
+        for name in ("docker", "image-user")
     ]
 
 

@@ -83,8 +83,8 @@ def isolation_text(node: pb.Node) -> str:
     """How the node isolates its apps (SECURITY.md "Apps"); "?" for an agent too old to say."""
     if node.isolation == "none":
         return f"none ({node.isolation_problem})" if node.isolation_problem else "none"
-    if node.isolation == "sandbox" and node.isolation_problem:
-        return f"sandbox, network not fenced ({node.isolation_problem})"
+    if node.isolation in ("sandbox", "container") and node.isolation_problem:
+        return f"{node.isolation}, network not fenced ({node.isolation_problem})"
     return node.isolation or "?"
 
 

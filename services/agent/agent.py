@@ -30,7 +30,7 @@ from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
-from services.agent.docker_runtime import choose_launcher
+from services.agent.docker_runtime import DockerLauncher, choose_launcher
 from services.agent.firewall import Fence
 from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
@@ -44,6 +44,7 @@ from services.agent.registration import NodeIdentity, register_node
 from services.agent.reporter import ObservedReporter
 from services.agent.runtime import ProcessRuntime
 from services.agent.sandbox import (
+    CONTAINER,
     NONE,
     SANDBOX,
     Isolation,
@@ -88,6 +89,8 @@ class NodeRuntime:
     sandbox: Sandbox | None = None
     reason: str = ""
     """Why this runtime (``docker_runtime.choose_launcher``)."""
+    uids: UidTable | None = None
+    """The environments' users (the sandbox's, a docker node's containers'): the network fence's uid range."""
 
 
 async def node_runtime(settings: AgentSettings, data_dir: Path, *, secured: bool) -> NodeRuntime:
@@ -115,8 +118,13 @@ async def node_runtime(settings: AgentSettings, data_dir: Path, *, secured: bool
         await launcher.close()
         raise
     sandbox = None
-    if support.ok and settings.sandbox != "off":
+    uids = None
+    sandboxing = support.ok and settings.sandbox != "off"
+    if sandboxing or isinstance(launcher, DockerLauncher):
         uids = UidTable(data_dir / "sandbox", base=settings.sandbox_uid_base, count=settings.sandbox_uid_count)
+    if isinstance(launcher, DockerLauncher):
+        launcher.uids = uids  # each environment's containers run as its user, fenced like the sandbox's
+    if sandboxing and uids is not None:
         read_only = [*node_python_paths(), *settings.sandbox_read_only]
         hidden = (data_dir, *(Path(p) for p in settings.sandbox_hidden))
         sandbox = Sandbox(support, uids, read_only=read_only, hidden=hidden)
@@ -131,7 +139,7 @@ async def node_runtime(settings: AgentSettings, data_dir: Path, *, secured: bool
         )
     elif settings.builder and sandbox is None:
         log.warning("agent %s: build steps are NOT isolated on this node (%s)", settings.node_id, support.problem)
-    return NodeRuntime(launcher, isolation, sandbox, choice.reason)
+    return NodeRuntime(launcher, isolation, sandbox, choice.reason, uids)
 
 
 def private_directory(path: Path) -> Path:
@@ -279,22 +287,25 @@ class Agent:
                 await self.clock.sleep(exponential(VIEW_RETRY_FIRST, attempt, VIEW_RETRY_MOST))
 
     async def _fence(self) -> Fence | None:
-        """The firewall of what runs sandboxed here (firewall.py: apps, and a docker node's build steps),
-        installed; None when nothing is sandboxed."""
+        """The firewall of the environments' users (firewall.py: sandboxed apps and build steps, a docker node's
+        containers), installed; None when no app runs as such a user."""
         assert self.node_runtime is not None
-        sandbox = self.node_runtime.sandbox
-        if sandbox is None:
+        uids = self.node_runtime.uids
+        if uids is None:
             return None
         settings = self.settings
         if not settings.sandbox_fence:
             return Fence(str(self.data_dir), range(0), problem="turned off (ZATTERA_AGENT_SANDBOX_FENCE=false)")
         servers = [f"{u.hostname}:{u.port or 4222}" for u in getattr(self.conn.nc, "servers", []) if u.hostname]
+        launcher = self.node_runtime.launcher
+        bridge = await launcher.bridge_interface() if isinstance(launcher, DockerLauncher) else ""
         fence = Fence(
             str(self.data_dir),
-            range(sandbox.uids.base, sandbox.uids.base + sandbox.uids.count),
+            range(uids.base, uids.base + uids.count),
             nats_urls=servers,
             control_pids=settings.sandbox_fence_pids,
             allowed_ports=settings.sandbox_fence_allow,
+            interfaces=[bridge] if bridge else [],
         )
         await fence.install()
         return fence
@@ -308,10 +319,10 @@ class Agent:
         isolation = self.node_runtime.isolation
         fence = await self._fence()
         if fence is not None and fence.problem:
-            if isolation.kind == SANDBOX:
+            if isolation.kind in (SANDBOX, CONTAINER):
                 isolation = replace(isolation, problem=fence.problem)
             log.warning(
-                "agent %s: sandboxed apps and builds are NOT fenced from this machine's control-plane ports (%s):"
+                "agent %s: apps and builds are NOT fenced from this machine's control-plane ports (%s):"
                 " on an open cluster they can connect to NATS (SECURITY.md)",
                 self.node_id,
                 fence.problem,

@@ -74,8 +74,10 @@ def container_config(
     labels: Mapping[str, str],
     pids_limit: int,
     network: str = HOST_NETWORK,
+    user: str = "",
 ) -> dict[str, Any]:
-    """The Engine API ``ContainerCreate`` body of one instance (see the module docstring). On a bridge
+    """The Engine API ``ContainerCreate`` body of one instance (see the module docstring), run as ``user``
+    (``uid:gid``; "": the image's user, else ``nobody``). On a bridge
     ``network`` the instance listens on every interface of its own network namespace, and each of its ports
     is published at the same number on the node's bind address, where the proxy and health checks reach it
     as on the host network."""
@@ -110,7 +112,7 @@ def container_config(
         "Cmd": list(command[1:]),
         "Env": [f"{k}={v}" for k, v in env.items()],
         "WorkingDir": str(image.workdir),
-        "User": image.user or NOBODY,
+        "User": user or image.user or NOBODY,
         "Labels": dict(labels),
         "HostConfig": host,
     }

@@ -8,10 +8,13 @@
   ``zattera-local/<digest>`` and reused while the daemon keeps it. ``docker://<name>`` is an image of the
   daemon (pulled by it when missing: from a registry the daemon can reach). ``exec:<command>`` runs the
   command in the base image (tests, demos); ``process://`` refs need the process runtime.
-* **Isolation.** Host network (the allocated ``PORT`` env as for processes), its own pid namespace, the
-  image's user or else ``nobody`` (65534), ``no-new-privileges``, every capability dropped, a read-only
-  root filesystem (with a ``/tmp`` tmpfs) when the release sets ``read_only_root``; volumes bind-mounted
-  at their ``mount_path``. Nothing of the agent's data directory is visible inside.
+* **Isolation.** Host network (the allocated ``PORT`` env as for processes), its own pid namespace, its
+  environment's own user (``uids``: the uid table of the process runtime's sandbox, ``sandbox_users.py``;
+  the image's ``User`` is not used), ``no-new-privileges``, every capability dropped, a read-only root
+  filesystem (with a ``/tmp`` tmpfs) when the release sets ``read_only_root``; volumes bind-mounted at their
+  ``mount_path``, given to that user. Nothing of the agent's data directory is visible inside. Running as
+  a uid of the table puts the container's sockets behind the agent's network fence (``firewall.py``): it
+  cannot connect to NATS or any other listener of the control plane, on an open cluster too.
 * **Limits.** ``memory_mb`` (no swap beyond it; an OOM kill is reported as such), ``cpu_millis``
   (``NanoCpus``) and the node's ``pids_limit``.
 * **Output.** The daemon keeps the container's output (json-file); a follower per stream appends it to the
@@ -70,9 +73,10 @@ from services.agent.docker_images import (
 )
 from services.agent.hostbase import SHELL, BaseImageError, inspect_node, node_of, node_rootfs_tar, shell_rootfs_tar
 from services.agent.images import EXEC_SCHEME, PROCESS_SCHEME, ImageError, PreparedImage, shell_command
-from services.agent.launchers import DOCKER, PROCESS, InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
+from services.agent.launchers import DOCKER, PROCESS, TENANT_KEY, InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
 from services.agent.processes import InstanceRecord
 from services.agent.pythonbase import inspect_interpreter, python_of, python_rootfs_tar
+from services.agent.sandbox_users import UidTable, give
 from services.agent.settings import AgentSettings
 from shared.connection import Connection
 from shared.errors import ZatteraError
@@ -113,9 +117,18 @@ class DockerLauncher:
     name = DOCKER
 
     def __init__(
-        self, host: str, *, node_id: str, base_image: str, pids_limit: int, network: str = HOST_NETWORK
+        self,
+        host: str,
+        *,
+        node_id: str,
+        base_image: str,
+        pids_limit: int,
+        network: str = HOST_NETWORK,
+        uids: UidTable | None = None,
     ) -> None:
         self.docker = aiodocker.Docker(url=docker_url(host))
+        self.uids = uids
+        """The environments' users; None: the image's user, else ``nobody`` (not fenced: tests, benchmarks)."""
         self.node_id = node_id
         self.network = network
         self.base_image = base_image
@@ -147,6 +160,18 @@ class DockerLauncher:
             return first_line(exc.message)
         self.network = BRIDGE_NETWORK
         return ""
+
+    async def bridge_interface(self) -> str:
+        """The host's interface of the bridge network instances join ("" on the host network): what the
+        network fence also watches (``firewall.py``)."""
+        if self.network == HOST_NETWORK:
+            return ""
+        try:
+            info = await (await self.docker.networks.get(self.network)).show()
+        except aiodocker.DockerError:
+            return ""
+        named = (info.get("Options") or {}).get("com.docker.network.bridge.name")
+        return str(named or f"br-{str(info.get('Id') or '')[:12]}")
 
     async def has_image(self, name: str) -> bool:
         try:
@@ -284,8 +309,12 @@ class DockerLauncher:
     ) -> InstanceHandle:
         assert isinstance(image, ContainerImage)
         user = image.user or NOBODY
-        for path, _ in plan.volumes.values():
-            _give_to(path, user)
+        if self.uids is not None:
+            uid = self.uids.uid(TENANT_KEY + (plan.tenant or labels.get(LABEL_ASSIGNMENT, "")))
+            user = f"{uid}:{uid}"
+        volumes = [path for path, _ in plan.volumes.values()]
+        if volumes:
+            await asyncio.to_thread(_give_volumes, volumes, user)
         config = container_config(
             command,
             image=image,
@@ -294,6 +323,7 @@ class DockerLauncher:
             labels={**labels, LABEL_MANAGED: "true", LABEL_NODE: self.node_id},
             pids_limit=self.pids_limit,
             network=self.network,
+            user=user,
         )
         try:
             container = await self.docker.containers.create(config)
@@ -340,7 +370,8 @@ class DockerLauncher:
         await self.prune_images()
 
     def retain_tenants(self, tenants: set[str]) -> None:
-        return None  # containers run as the image's user or nobody: no user per tenant to forget
+        if self.uids is not None:
+            self.uids.retain({TENANT_KEY + t for t in tenants}, prefix=TENANT_KEY)
 
     async def prune_images(self) -> None:
         """Derived images no container uses (the daemon refuses to remove one in use anyway)."""
@@ -351,13 +382,19 @@ class DockerLauncher:
                     await self.docker.images.delete(image["Id"], force=False)
 
 
-def _give_to(path: Path, user: str) -> None:
-    """A volume directory belongs to the container's user (numeric ``uid[:gid]``), when the agent may chown."""
+def _give_volumes(paths: Sequence[Path], user: str) -> None:
+    """Volume directories belong to the container's user (numeric ``uid[:gid]``), when the agent may chown:
+    the whole tree, as the sandbox gives them (files an earlier user of the volume wrote stay writable)."""
     uid_text, _, gid_text = user.partition(":")
     if not uid_text.isdigit() or os.geteuid() != 0:
         return
-    path.mkdir(parents=True, exist_ok=True)
-    os.chown(path, int(uid_text), int(gid_text) if gid_text.isdigit() else int(uid_text))
+    uid = int(uid_text)
+    for path in paths:
+        path.mkdir(parents=True, exist_ok=True)
+        if gid_text.isdigit() and int(gid_text) != uid:
+            os.chown(path, uid, int(gid_text))
+        else:
+            give(path, uid)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,13 @@
-"""The sandbox's network fence: apps' users cannot connect to the control plane's listeners (SECURITY.md, "Apps").
+"""The apps' network fence: apps' users cannot connect to the control plane's listeners (SECURITY.md, "Apps").
 
-The environments' users (the uid range of :class:`services.agent.sandbox.UidTable`) share the host's network
-namespace: without a fence an app of an open cluster (NATS without credentials) could connect to the NATS
-server and read and write the whole cluster, or to the console and the services' metrics. The agent (root)
-installs, with the ``iptables``/``ip6tables`` programs, a chain of its own that packets of that uid range
-go through (``OUTPUT -m owner --uid-owner FIRST-LAST -j ZATTERA-APPS-<id>``):
+The environments' users (the uid range of :class:`services.agent.sandbox_users.UidTable`: sandboxed
+processes, build steps, and a docker node's containers on the host network, which run as those users too)
+share the host's network namespace: without a fence an app of an open cluster (NATS without credentials)
+could connect to the NATS server and read and write the whole cluster, or to the console and the
+services' metrics. The agent (root) installs, with the ``iptables``/``ip6tables`` programs, a chain of
+its own that packets of that uid range go through (``OUTPUT -m owner --uid-owner FIRST-LAST -j
+ZATTERA-APPS-<id>``), and so do packets entering from a docker node's bridge (``INPUT``/``FORWARD -i
+br-…``: bridged containers have a network namespace of their own):
 
 * packets of established connections pass (an app answers its clients), so do the private network's
   addresses and resolvers (``127.128.0.0/9``, ``network.py``);
@@ -101,12 +104,20 @@ def jump(chain: str, first: int, last: int, pid: int) -> list[str]:
     return ["OUTPUT", *owner, "-m", "comment", "--comment", f"{OWNER_MARK}{pid}", "-j", chain]
 
 
+def bridge_jumps(chain: str, interfaces: Iterable[str], pid: int) -> list[list[str]]:
+    """The INPUT and FORWARD rules sending what enters from each bridge interface (a docker node's bridged
+    containers: their own network namespace, their packets reach the node from the bridge, not through
+    OUTPUT) through the chain, naming the agent's pid."""
+    mark = ["-m", "comment", "--comment", f"{OWNER_MARK}{pid}", "-j", chain]
+    return [[hook, "-i", interface, *mark] for interface in sorted(interfaces) for hook in ("INPUT", "FORWARD")]
+
+
 def stale(saved: str, alive: Callable[[int], bool]) -> list[tuple[str, list[str]]]:
     """(chain, jump rule) of each fence in ``iptables-save`` output whose agent is gone (killed: it could not
     remove its chain), to be removed so its ports do not stay fenced once other processes reuse them."""
     found = []
     for line in saved.splitlines():
-        if not line.startswith("-A OUTPUT ") or OWNER_MARK not in line:
+        if not line.startswith(("-A OUTPUT ", "-A INPUT ", "-A FORWARD ")) or OWNER_MARK not in line:
             continue
         words = shlex.split(line)
         chain = words[words.index("-j") + 1] if "-j" in words else ""
@@ -182,6 +193,8 @@ class Fence:
     """Roots of the process trees whose listeners are fenced (the agent's own always is)."""
     allowed_ports: Sequence[int] = ()
     """Ports apps may connect to even when a fenced process listens there (the proxy's public ones)."""
+    interfaces: Sequence[str] = ()
+    """Bridges whose incoming packets are fenced too (a docker node's bridge network)."""
     problem: str = ""
     """Why apps are not fenced ('' once installed)."""
     _installed: dict[str, Blocked] = field(default_factory=dict)
@@ -212,9 +225,9 @@ class Fence:
                 await _remove_stale(family)
             await self.sync()
             for family in programs:
-                rule = self._jump()
-                if await _run([family, "-w", "-C", *rule], check=False) != 0:
-                    await _run([family, "-w", "-I", rule[0], "1", *rule[1:]])
+                for rule in self._jumps():
+                    if await _run([family, "-w", "-C", *rule], check=False) != 0:
+                        await _run([family, "-w", "-I", rule[0], "1", *rule[1:]])
         except FenceError as exc:
             self.problem = f"firewall rules cannot be installed: {exc}"
             await asyncio.to_thread(self.remove)
@@ -246,11 +259,13 @@ class Fence:
         """Remove the jump and the chain. Blocking on purpose: called as the agent stops, where a repeated
         cancellation must not cut it short (a few iptables commands)."""
         for family in _programs():
-            _drop_chain_now(family, self.chain, self._jump())
+            _drop_chain_now(family, self.chain, self._jumps())
         self._installed.clear()
 
-    def _jump(self) -> list[str]:
-        return jump(self.chain, self.uids.start, max(self.uids.start, self.uids.stop - 1), os.getpid())
+    def _jumps(self) -> list[list[str]]:
+        pid = os.getpid()
+        owner = jump(self.chain, self.uids.start, max(self.uids.start, self.uids.stop - 1), pid)
+        return [owner, *bridge_jumps(self.chain, self.interfaces, pid)]
 
 
 async def _drop_chain(family: str, chain: str, rule: list[str]) -> None:
@@ -260,15 +275,16 @@ async def _drop_chain(family: str, chain: str, rule: list[str]) -> None:
     await _run([family, "-w", "-X", chain], check=False)
 
 
-def _drop_chain_now(family: str, chain: str, rule: list[str]) -> None:
+def _drop_chain_now(family: str, chain: str, rules: Sequence[list[str]]) -> None:
     def run(*args: str) -> int:
         try:
             return subprocess.run([family, "-w", *args], capture_output=True, timeout=COMMAND_TIMEOUT).returncode
         except (OSError, subprocess.TimeoutExpired):
             return 1
 
-    while run("-D", *rule) == 0:
-        pass
+    for rule in rules:
+        while run("-D", *rule) == 0:
+            pass
     run("-F", chain)
     run("-X", chain)
 

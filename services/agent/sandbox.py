@@ -146,8 +146,8 @@ async def probe(bwrap: str = "") -> Support:
 
 @dataclass(frozen=True)
 class Isolation:
-    """How this node runs instances: ``kind`` (``Node.isolation``) and, for ``none``, why; for ``sandbox``, why
-    apps are not fenced from the control plane's ports (``firewall.py``), if they are not."""
+    """How this node runs instances: ``kind`` (``Node.isolation``) and, for ``none``, why; for ``sandbox`` and
+    ``container``, why apps are not fenced from the control plane's ports (``firewall.py``), if they are not."""
 
     kind: str
     problem: str = ""
@@ -159,7 +159,10 @@ class Isolation:
                 return f"{said}), but NOT fenced from the control plane's ports: {self.problem}"
             return f"{said}, fenced from the control plane's ports)"
         if self.kind == CONTAINER:
-            return "containers (docker runtime)"
+            said = "containers (docker runtime, a user per environment, no capabilities"
+            if self.problem:  # the network fence (firewall.py) is missing
+                return f"{said}), but NOT fenced from the control plane's ports: {self.problem}"
+            return f"{said}, fenced from the control plane's ports)"
         return f"NOT isolated: {self.problem}"
 
 

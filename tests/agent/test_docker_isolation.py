@@ -2,7 +2,8 @@
 daemon (``tests/dockerd.py``). The spy's container runs on the Python base image the agent makes from the
 node's interpreter, beside a victim container of another environment and a host process that both hold a
 secret in their environment. It must get none of it, nor the agent's files, nor either Docker socket, nor
-anything from a secured NATS server without a credential (an open one answers anybody: SECURITY.md).
+NATS. It runs as its environment's user, so the agent's network fence resets its connections to the
+agent's own NATS server, open as it is, and to the secured one this test starts (SECURITY.md).
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ import tarfile
 from pathlib import Path
 from urllib.parse import quote
 
+import aiodocker
 import pytest
 from zattera.v1 import types_pb2 as pb
 
+from services.agent.docker_containers import BRIDGE_NETWORK
 from services.agent.pythonbase import PYTHON_LABEL
+from services.agent.settings import AgentSettings
 from shared.connection import Connection
 from shared.embedded import EmbeddedNats
 from shared.registry import PlatformImage, push_image
@@ -112,9 +116,52 @@ async def test_a_spy_container_gets_nothing_of_the_agent_other_apps_the_host_or_
     assert all(answer.startswith("unreachable: [Errno 2]") for answer in docker.values()), docker
     nats = report["nats"]
     assert isinstance(nats, dict)
-    assert "Authorization Violation" in nats[secured.url.removeprefix("nats://")], nats
-    assert "PONG" in nats[nats_url.removeprefix("nats://")], nats  # an open cluster answers anybody
+    # The agent's NATS server answers anybody (open), but the fence resets the spy's connection to it; the
+    # secured one listens in the agent's process tree (this test's), so it is fenced as well.
+    for url in (nats_url, secured.url):
+        assert nats[url.removeprefix("nats://")].startswith("unreachable: [Errno 111]"), nats
     identity = report["identity"]
     assert isinstance(identity, dict)
-    assert identity["uid"] == 65534 and identity["status"]["CapEff"] == "0000000000000000"
+    assert identity["uid"] >= AgentSettings(node_id="x").sandbox_uid_base, identity  # its environment's user
+    assert identity["status"]["CapEff"] == "0000000000000000"
     assert identity["status"]["NoNewPrivs"] == "1"
+
+
+async def test_a_bridged_spy_cannot_connect_to_the_agents_listeners_on_the_nodes_address(
+    start_agent: StartAgent, docker_host: str, conn: Connection, view: StateView, writer: Writer, tmp_path: Path
+) -> None:
+    """On the bridge network a container has its own network namespace: its packets reach the node from the
+    bridge (INPUT), not through OUTPUT, so the fence watches the bridge's interface too. A listener of the
+    agent's process tree on every address is reset at the bridge's gateway; an allowed port is not."""
+
+    async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"INFO {}\r\n")
+        await writer.drain()
+        writer.close()
+
+    fenced = await asyncio.start_server(greet, "0.0.0.0", 0)
+    allowed = await asyncio.start_server(greet, "0.0.0.0", 0)
+    ports = [server.sockets[0].getsockname()[1] for server in (fenced, allowed)]
+    try:
+        await start_agent(
+            "d1", runtime="docker", docker_host=docker_host, docker_network="bridge", sandbox_fence_allow=[ports[1]]
+        )
+        docker = aiodocker.Docker(url=docker_host)
+        try:
+            network = await (await docker.networks.get(BRIDGE_NETWORK)).show()
+        finally:
+            await docker.close()
+        gateway = network["IPAM"]["Config"][0]["Gateway"]
+        targets = [f"{gateway}:{port}" for port in ports]
+        await push_image(conn, repo="spies/spy", tag="v1", images=[spy_image(f"SPY_NATS={','.join(targets)}\n")])
+        spy = release("spies/spy:v1", env_id="SPY", healthcheck=False)
+        spy_a = assignment("d1", spy)
+        await seed(writer, spy, spy_a)
+        await eventually(lambda: bool(report_of(tmp_path, spy_a.meta.id)), what="the spy's report", timeout=180)
+    finally:
+        for server in (fenced, allowed):
+            server.close()
+    nats = report_of(tmp_path, spy_a.meta.id)["nats"]
+    assert isinstance(nats, dict)
+    assert nats[targets[0]].startswith("unreachable: [Errno 111]"), nats  # reset by the fence
+    assert "[Errno 111]" not in nats[targets[1]] and "No route" not in nats[targets[1]], nats  # reached

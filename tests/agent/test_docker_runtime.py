@@ -75,8 +75,8 @@ async def test_registry_image_runs_as_an_isolated_container(
     writer: Writer,
     tmp_path: Path,
 ) -> None:
-    """A registry image (one layer: the app directory) runs FROM the base image as nobody, without
-    capabilities, in its own pid namespace, seeing neither the agent's data dir nor other instances."""
+    """A registry image (one layer: the app directory) runs FROM the base image as its environment's user,
+    without capabilities, in its own pid namespace, seeing neither the agent's data dir nor other instances."""
     running = await start_docker_agent(start_agent, docker_host)
     assert running.agent.node is not None and running.agent.node.runtime == "docker"
     secret = tmp_path / "agent-d1" / "node.creds"
@@ -105,7 +105,8 @@ async def test_registry_image_runs_as_an_isolated_container(
     assert f"hello from {a.meta.id}" in await http_get(observed.mesh_port_bindings["http"])
     await eventually(lambda: "CapEff" in output_of(tmp_path, "d1", a.meta.id), what="the probe's output shipped")
     out = output_of(tmp_path, "d1", a.meta.id)
-    assert "uid=65534" in out
+    uid = int(out.split("uid=")[1].split()[0])
+    assert uid >= AgentSettings(node_id="x").sandbox_uid_base, out  # its environment's own user
     assert int(out.split("procs=")[1].split()[0]) <= 5, out  # its own pid namespace: init, itself and the probe
     assert "creds-unreadable" in out and "data-dir-invisible" in out and "SECRET" not in out
     assert "CapEff:\t0000000000000000" in out
@@ -208,6 +209,9 @@ async def test_volume_written_by_one_release_is_there_in_the_next(
     moved.release_id, moved.config_hash = second.meta.id, "cfg-2"
     await seed(writer, second, moved)
     await eventually(lambda: "found=kept" in output_of(tmp_path, "d1", a.meta.id), what="the next release reads it")
+    # Written by the container as its environment's user: the uid the table gave E1, as the sandbox would.
+    uid = json.loads((tmp_path / "agent-d1" / "sandbox" / "uids.json").read_text())["env:E1"]
+    assert (tmp_path / "agent-d1" / "volumes" / "V1" / "note").stat().st_uid == uid
 
 
 async def test_restarted_agent_adopts_its_container_and_removes_the_rest(

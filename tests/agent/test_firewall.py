@@ -123,10 +123,22 @@ async def test_installing_twice_keeps_one_jump_and_remove_leaves_nothing(fence: 
     assert chain not in iptables_save()
 
 
+async def test_a_bridges_jumps_are_installed_once_and_removed_with_the_chain(tmp_path: object) -> None:
+    f = Fence(f"{tmp_path}/bridged", UIDS, interfaces=["zbr-test0"])  # no such interface yet: rules still apply
+    try:
+        assert await f.install() and await f.install()
+        saved = iptables_save()
+        assert saved.count(f"-j {f.chain}") == 3
+        assert "-A INPUT -i zbr-test0 " in saved and "-A FORWARD -i zbr-test0 " in saved
+    finally:
+        f.remove()
+    assert f.chain not in iptables_save()
+
+
 async def test_the_chain_of_an_agent_that_was_killed_is_removed_by_the_next_one(tmp_path: object) -> None:
     gone = Fence(f"{tmp_path}/killed", UIDS)
     assert await gone.install()
-    own = gone._jump()  # as a killed agent leaves it, but naming a pid that no longer exists
+    own = gone._jumps()[0]  # as a killed agent leaves it, but naming a pid that no longer exists
     ghost = [*own[:-3], "zattera-agent-pid=999999999", *own[-2:]]
     iptables("-I", "OUTPUT", "1", *ghost[1:])
     iptables("-D", *own)

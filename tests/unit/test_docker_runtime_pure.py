@@ -45,6 +45,13 @@ def test_no_limit_asked_none_set_and_the_images_user_wins() -> None:
     assert not {"Memory", "NanoCpus", "PidsLimit", "Tmpfs"} & set(config["HostConfig"])
 
 
+def test_the_environments_user_wins_over_the_images() -> None:
+    """A node's containers run as their environment's uid (the network fence's range), whatever the image says."""
+    image = ContainerImage("ref", Path("/"), tag="t", user="root")
+    config = container_config(["app"], image=image, env={}, plan=LaunchPlan(), labels={}, pids_limit=0, user="7:7")
+    assert config["User"] == "7:7"
+
+
 @pytest.mark.parametrize(
     ("state", "expected"),
     [

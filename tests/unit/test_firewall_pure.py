@@ -6,8 +6,17 @@ from __future__ import annotations
 from zattera.v1 import types_pb2 as pb
 
 from cli.nodes_cmds import isolation_text
-from services.agent.firewall import Blocked, chain_name, jump, nats_addresses, restore_text, rules, stale
-from services.agent.sandbox import SANDBOX, Isolation
+from services.agent.firewall import (
+    Blocked,
+    bridge_jumps,
+    chain_name,
+    jump,
+    nats_addresses,
+    restore_text,
+    rules,
+    stale,
+)
+from services.agent.sandbox import CONTAINER, SANDBOX, Isolation
 
 CHAIN = "ZATTERA-APPS-0123456789"
 RESET = ["-j", "REJECT", "--reject-with", "tcp-reset"]
@@ -85,3 +94,30 @@ def test_a_sandboxed_node_without_its_fence_says_so_on_the_terminal_and_in_nodes
     node = pb.Node(isolation="sandbox", isolation_problem="iptables is not installed")
     assert isolation_text(node) == "sandbox, network not fenced (iptables is not installed)"
     assert isolation_text(pb.Node(isolation="sandbox")) == "sandbox"
+
+
+def test_a_docker_node_without_its_fence_says_so_too() -> None:
+    assert (
+        Isolation(CONTAINER)
+        .describe()
+        .endswith("a user per environment, no capabilities, fenced from the control plane's ports)")
+    )
+    unfenced = Isolation(CONTAINER, "the agent does not run as root (firewall rules need root)")
+    assert "NOT fenced from the control plane's ports: the agent does not run as root" in unfenced.describe()
+    node = pb.Node(isolation="container", isolation_problem="iptables is not installed")
+    assert isolation_text(node) == "container, network not fenced (iptables is not installed)"
+    assert isolation_text(pb.Node(isolation="container")) == "container"
+
+
+def test_a_bridge_is_fenced_where_its_packets_enter_and_a_dead_agents_bridge_jumps_are_stale() -> None:
+    """Bridged containers' packets reach the node through INPUT (its addresses) and FORWARD (elsewhere)."""
+    mark = ["-m", "comment", "--comment", "zattera-agent-pid=100", "-j", CHAIN]
+    assert bridge_jumps(CHAIN, ["br-2", "br-1"], 100) == [
+        ["INPUT", "-i", "br-1", *mark],
+        ["FORWARD", "-i", "br-1", *mark],
+        ["INPUT", "-i", "br-2", *mark],
+        ["FORWARD", "-i", "br-2", *mark],
+    ]
+    saved = "\n".join(["-A " + " ".join(rule) for rule in bridge_jumps(CHAIN, ["br-1"], 100)])
+    assert stale(saved, lambda pid: False) == [(CHAIN, rule) for rule in bridge_jumps(CHAIN, ["br-1"], 100)]
+    assert stale(saved, lambda pid: True) == []
