@@ -35,6 +35,8 @@ import typer  # noqa: E402
 import typer.core  # noqa: E402
 from typer.core import TyperGroup  # noqa: E402
 
+from cli.lognotices import quiet_asyncio_tls_notice  # noqa: E402
+
 
 def _coerce_plain_options_without_pydantic() -> None:
     """Typer coerces every parameter through a pydantic ``TypeAdapter`` it builds when the parameter is first
@@ -162,6 +164,7 @@ def root(
 
 
 def main() -> None:
+    quiet_asyncio_tls_notice()
     app()
 
 

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+from cli.lognotices import quiet_asyncio_tls_notice
 from cli.up_cluster import ALL_IN_ONE, Cluster
 from cli.up_provision import PROVISION_ENV, _provision, provision_in_child
 from cli.up_roll import PID_FILE, ROLL_LOG, ROLL_SIGNAL, code_identity, hold_supervisor_lock
@@ -181,6 +182,7 @@ def _roll_progress(cluster: Cluster, line: str) -> None:
 
 def main() -> None:
     """``python -m cli.up``, as :func:`run_up` execs it (and :func:`provision_in_child` runs it)."""
+    quiet_asyncio_tls_notice()
     if PROVISION_ENV in os.environ:
         import asyncio
 
