@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import typer
@@ -15,7 +15,6 @@ from cli.layout import NODE_CREDS, PROXY_CREDS, DataLayout
 from cli.supervised import Supervised
 from cli.up import run_up
 from cli.up_cluster import LOCAL_NODE, Cluster
-from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from shared.embedded import SERVER_DIR
 from shared.security.authority import Authority
 from shared.security.join import DEFAULT_TTL, JoinRefused, new_secret, request_join_token
@@ -82,25 +81,13 @@ def mode_switch_problem(layout: DataLayout, *, secure: bool) -> str | None:
     return None
 
 
-def secure_up(
-    data_dir: Path,
-    port: int,
-    *,
-    tls: bool,
-    proxy_port: int = 8080,
-    proxy_host: str = DEFAULT_PROXY_HOST,
-    proxy_tls_listen: str = "",
-    with_node: bool = True,
-    metrics_port: int = 0,
-    all_in_one: bool = True,
-    nats_cluster: int = 1,
-) -> int:
-    """``zattera up`` with operator-mode auth (and TLS): every service runs with the control credential, the
-    local agent with a builder credential and the local proxy with a proxy credential of its own, each kept
-    in its own directory (``cli/layout.py``), not among the control plane's files. With ``nats_cluster`` > 1
-    every server of the cluster gets the same accounts and TLS, and their routes are authenticated (and TLS,
-    verified both ways, with ``tls``)."""
-    layout = DataLayout(data_dir)
+def secure_up(plain: Cluster, *, tls: bool) -> int:
+    """``zattera up`` of ``plain`` (the cluster as asked) with operator-mode auth (and TLS): every service
+    runs with the control credential, the local agent with a builder credential and the local proxy with a
+    proxy credential of its own, each kept in its own directory (``cli/layout.py``), not among the control
+    plane's files. With ``nats_cluster`` > 1 every server of the cluster gets the same accounts and TLS, and
+    their routes are authenticated (and TLS, verified both ways, with ``tls``)."""
+    layout = DataLayout(plain.data_dir)
     setup = prepare(layout.security, tls=tls)
     ca = str(setup.tls_ca or "")
     join = Supervised("join", [sys.executable, "-m", "services.join"], layout.logs / "join.log", {})
@@ -108,22 +95,14 @@ def secure_up(
         "agent": str(setup.issue(Role.BUILDER, LOCAL_NODE, layout.agent / NODE_CREDS)),
         "proxy": str(setup.issue(Role.PROXY, LOCAL_NODE, layout.proxy / PROXY_CREDS)),
     }
-    cluster = Cluster(
-        data_dir=data_dir,
-        port=port,
-        extra=[join],
+    cluster = replace(
+        plain,
+        extra=[*plain.extra, join],
         nats_extra_config=setup.server_config(resolver_dir=f"{SERVER_DIR}/jwt"),
-        nats_routes=asdict(setup.route_security()) if nats_cluster > 1 else {},
-        nats_cluster=nats_cluster,
+        nats_routes=asdict(setup.route_security()) if plain.nats_cluster > 1 else {},
         creds=str(setup.control_creds),
         tls_ca=ca,
         node_creds=node_creds,
-        proxy_port=proxy_port,
-        proxy_host=proxy_host,
-        proxy_tls_listen=proxy_tls_listen,
-        with_node=with_node,
-        metrics_port=metrics_port,
-        all_in_one=all_in_one,
     )
     hint = f"  CLI:       export ZATTERA_NATS_CREDS={setup.operator_creds}"
     if ca:

@@ -94,21 +94,6 @@ def up(
         if proxy_tls_listen == DEFAULT_PROXY_TLS_LISTEN and proxy_host != tls_host:
             # --proxy-listen 127.0.0.1:… keeps the proxy on this machine: HTTPS too, unless told otherwise.
             proxy_tls_listen = f"[{proxy_host}]:{tls_port}" if ":" in proxy_host else f"{proxy_host}:{tls_port}"
-    if secure or tls:
-        raise typer.Exit(
-            secure_up(
-                directory,
-                port,
-                tls=tls,
-                proxy_port=proxy_port,
-                proxy_host=proxy_host,
-                proxy_tls_listen=proxy_tls_listen,
-                with_node=node,
-                metrics_port=metrics_port,
-                all_in_one=all_in_one,
-                nats_cluster=nats_cluster,
-            )
-        )
     cluster = Cluster(
         data_dir=directory,
         port=port,
@@ -120,6 +105,8 @@ def up(
         metrics_port=metrics_port,
         all_in_one=all_in_one,
     )
+    if secure or tls:
+        raise typer.Exit(secure_up(cluster, tls=tls))
     raise typer.Exit(run_up(cluster))
 
 

@@ -4,6 +4,7 @@ init and recorded on the state stream's metadata) and how an existing stream dif
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from nats.js.api import (
     DiscardPolicy,
@@ -32,64 +33,59 @@ from shared.subjects import (
 DAY = 24 * 3600.0
 
 
-def state_stream_config(replicas: int, tombstone_ttl: float) -> StreamConfig:
-    return StreamConfig(
-        name=STATE_STREAM,
-        subjects=[f"{STATE_PREFIX}>"],
+def _stream(name: str, subjects: list[str], replicas: int, **options: Any) -> StreamConfig:
+    """A stream of the cluster: every one is replicated alike and readable by direct get; on file
+    storage unless ``options`` says otherwise."""
+    options.setdefault("storage", StorageType.FILE)
+    return StreamConfig(name=name, subjects=subjects, num_replicas=replicas, allow_direct=True, **options)
+
+
+def _keyed_stream(name: str, prefix: str, replicas: int, **options: Any) -> StreamConfig:
+    """A stream that keeps one value per subject (a key): a write that would evict one is refused, no
+    message is deleted by hand, and a write may carry its own time to live."""
+    return _stream(
+        name,
+        [f"{prefix}>"],
+        replicas,
         max_msgs_per_subject=1,
         discard=DiscardPolicy.NEW,
-        storage=StorageType.FILE,
-        num_replicas=replicas,
-        allow_rollup_hdrs=True,
         deny_delete=True,
-        allow_direct=True,
-        duplicate_window=120.0,
         allow_msg_ttl=True,
+        **options,
+    )
+
+
+def state_stream_config(replicas: int, tombstone_ttl: float) -> StreamConfig:
+    return _keyed_stream(
+        STATE_STREAM,
+        STATE_PREFIX,
+        replicas,
+        allow_rollup_hdrs=True,
+        duplicate_window=120.0,
         allow_atomic=True,
         subject_delete_marker_ttl=tombstone_ttl,
     )
 
 
 def live_stream_config(replicas: int, ttl: float) -> StreamConfig:
-    return StreamConfig(
-        name=LIVE_STREAM,
-        subjects=[f"{LIVE_PREFIX}>"],
-        max_msgs_per_subject=1,
-        discard=DiscardPolicy.NEW,
+    return _keyed_stream(
+        LIVE_STREAM,
+        LIVE_PREFIX,
+        replicas,
         storage=StorageType.MEMORY,
-        num_replicas=replicas,
         # Agents and proxies write here (their own keys): a rollup header from one would wipe every key.
         allow_rollup_hdrs=False,
-        deny_delete=True,
-        allow_direct=True,
         max_age=ttl,
         duplicate_window=min(ttl, 120.0),
-        allow_msg_ttl=True,
     )
 
 
 def event_stream_config(replicas: int) -> StreamConfig:
-    return StreamConfig(
-        name=EVENTS_STREAM,
-        subjects=[f"{EVENTS_SUBJECT_PREFIX}>"],
-        max_msgs=100_000,
-        max_age=7 * DAY,
-        storage=StorageType.FILE,
-        num_replicas=replicas,
-        allow_direct=True,
-    )
+    return _stream(EVENTS_STREAM, [f"{EVENTS_SUBJECT_PREFIX}>"], replicas, max_msgs=100_000, max_age=7 * DAY)
 
 
 def routes_stream_config(replicas: int) -> StreamConfig:
-    return StreamConfig(
-        name=ROUTES_STREAM,
-        subjects=[ROUTES_SNAPSHOT_SUBJECT],
-        max_msgs_per_subject=1,
-        storage=StorageType.FILE,
-        num_replicas=replicas,
-        allow_direct=True,
-        max_msg_size=-1,
-    )
+    return _stream(ROUTES_STREAM, [ROUTES_SNAPSHOT_SUBJECT], replicas, max_msgs_per_subject=1, max_msg_size=-1)
 
 
 BUILD_LOG_END_SLOTS = 1
@@ -101,29 +97,19 @@ BUILD_LOG_END_SLOTS = 1
 def build_logs_stream_config(replicas: int, lines_per_build: int = 10_000) -> StreamConfig:
     """``lines_per_build`` log lines per build are kept, plus the end marker (its own slot, so a long
     build still keeps exactly ``lines_per_build`` lines once it has ended)."""
-    return StreamConfig(
-        name=BUILD_LOGS_STREAM,
-        subjects=["zattera.builds.*.log"],
+    return _stream(
+        BUILD_LOGS_STREAM,
+        ["zattera.builds.*.log"],
+        replicas,
         max_msgs_per_subject=lines_per_build + BUILD_LOG_END_SLOTS,
         max_age=30 * DAY,
-        storage=StorageType.FILE,
-        num_replicas=replicas,
-        allow_direct=True,
     )
 
 
 def build_events_stream_config(replicas: int) -> StreamConfig:
     """Builder events are kept until the dispatcher records the outcome (it then purges the build's subject),
     so a new dispatcher leader replays what it missed during a failover instead of losing a build's result."""
-    return StreamConfig(
-        name=BUILD_EVENTS_STREAM,
-        subjects=[build_events_subject("*")],
-        max_msgs_per_subject=50_000,
-        max_age=DAY,
-        storage=StorageType.FILE,
-        num_replicas=replicas,
-        allow_direct=True,
-    )
+    return _stream(BUILD_EVENTS_STREAM, [build_events_subject("*")], replicas, max_msgs_per_subject=50_000, max_age=DAY)
 
 
 CONFIG_METADATA_PREFIX = "zattera."

@@ -71,30 +71,27 @@ def agent_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+FLAG_SETTINGS = {
+    "node_id": "node_id",
+    "labels": "labels",
+    "builder": "builder",
+    "roles": "roles",
+    "mesh_ip": "mesh_ip",
+    "public_endpoint": "public_endpoint",
+    "runtime": "runtime",
+    "stop_on_exit": "stop_on_exit",
+    "join_token": "join_token",
+    "allow_unisolated_apps": "allow_unisolated",
+}
+"""The flag (its ``argparse`` name) that overrides each agent setting."""
+
+
 def agent_settings(args: argparse.Namespace) -> AgentSettings:
     """Environment settings overridden by the flags that were given."""
-    overrides: dict[str, object] = {}
-    if args.node_id is not None:
-        overrides["node_id"] = args.node_id
-    if args.labels is not None:
-        overrides["labels"] = args.labels
-    if args.builder is not None:
-        overrides["builder"] = args.builder
-    if args.roles is not None:
-        overrides["roles"] = args.roles
-    if args.mesh_ip is not None:
-        overrides["mesh_ip"] = args.mesh_ip
-    if args.public_endpoint is not None:
-        overrides["public_endpoint"] = args.public_endpoint
-    if args.runtime is not None:
-        overrides["runtime"] = args.runtime
-    if args.stop_on_exit is not None:
-        overrides["stop_on_exit"] = args.stop_on_exit
-    if args.join_token is not None:
-        overrides["join_token"] = args.join_token
-    if args.allow_unisolated_apps is not None:
-        overrides["allow_unisolated"] = args.allow_unisolated_apps
-    cfg = AgentSettings(**overrides)  # type: ignore[arg-type]
+    overrides = {
+        setting: value for flag, setting in FLAG_SETTINGS.items() if (value := getattr(args, flag)) is not None
+    }
+    cfg = AgentSettings(**overrides)
     return cfg if cfg.node_id else cfg.model_copy(update={"node_id": default_node_id()})
 
 

@@ -19,6 +19,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.clock import stamp
+from shared.decision import Decision
 from shared.deployments import owns_scaling
 from shared.events import scale_event as shared_scale_event
 from shared.live import ENV_TRAFFIC, INSTANCE, LiveView
@@ -26,7 +27,7 @@ from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
 from shared.settings import DEFAULTS
 from shared.state.changes import Change, ChangeFeed
 from shared.state.reader import StateReader
-from shared.txn import CommitUnknown, Conflict, Txn, Writer
+from shared.txn import Txn, Writer
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +86,18 @@ def scale_event(write: ReplicaWrite, kind: str, actor: str, message: str, now: f
     )
 
 
-def effective_txn(writer: Writer, write: ReplicaWrite, now: float) -> Txn:
-    """The fenced write: a copy of the env as decided on, expecting the revision the decision read."""
+def effective_env(write: ReplicaWrite, now: float) -> pb.Environment:
+    """A copy of the env as decided on, with the decided ``effective_replicas``."""
     env = pb.Environment()
     env.CopyFrom(write.env)
     env.effective_replicas = write.target
     stamp(env.meta.updated_at, now)
-    return writer.txn(label="effective_replicas").put(env, expect=write.revision)
+    return env
+
+
+def effective_txn(writer: Writer, write: ReplicaWrite, now: float) -> Txn:
+    """The fenced write: the env as decided on, expecting the revision the decision read."""
+    return writer.txn(label="effective_replicas").put(effective_env(write, now), expect=write.revision)
 
 
 class ScalingLoop(LeaderLoop):
@@ -144,25 +150,25 @@ class ScalingLoop(LeaderLoop):
         return writes
 
     async def _commit(self, writes: list[ReplicaWrite], now: float) -> set[str]:
-        """Commit the writes in few batches; returns the env ids whose write conflicted."""
+        """Commit the writes in few batches; returns the env ids whose write did not land (the env changed
+        under the decision). Each write expects the revision its decision read: the view's, as nothing
+        awaits between deciding and this commit."""
         if not writes:
             return set()
-        assert self.writer is not None, "run() or the test sets the writer"
-        results = await self.writer.commit_many([effective_txn(self.writer, w, now) for w in writes])
+        landed = await self.commit_decisions(
+            [Decision(f"effective_replicas of env {w.env_id}", puts=[effective_env(w, now)]) for w in writes]
+        )
         retry: set[str] = set()
         events: list[pb.Event] = []
-        for write, error in zip(writes, results, strict=True):
-            if error is None:
-                self.writes += 1
-                event = self.committed(write, now)
-                if event is not None:
-                    events.append(event)
-            elif isinstance(error, Conflict | CommitUnknown):
+        for write, ok in zip(writes, landed, strict=True):
+            if not ok:
                 self.conflicts += 1
-                log.info("%s: env %s changed under the decision (%s); re-deciding", self.name, write.env_id, error)
                 retry.add(write.env_id)
-            else:
-                log.warning("%s: write for env %s failed: %s", self.name, write.env_id, error)
+                continue
+            self.writes += 1
+            event = self.committed(write, now)
+            if event is not None:
+                events.append(event)
         if events:
             await self.events.publish(*events)
         return retry

@@ -42,6 +42,7 @@ from services.builds.planning import (
 )
 from shared import keys as K
 from shared.buildlogs import read_build_log
+from shared.decision import Decision
 from shared.events import WARNING, make_event
 from shared.loop import LeaderLoop, LoopDeps
 from shared.settings import DEFAULTS
@@ -105,20 +106,16 @@ class BuildDispatcher(LeaderLoop):
             return
         now = self.clock.now()
         claims: list[pb.Build] = []
-        txns = []
         traces: dict[str, dict[str, str]] = {}
         for d in dispatches:
             build = self.view.build(d.build_id)
             if build is None:
                 continue
             traces[d.build_id] = self.view.trace_headers(K.build(d.build_id))  # the creator's (e.g. the CLI's)
-            claimed = claimed_build(build, d.node_id, now)
-            claims.append(claimed)
-            txns.append(self.writer.txn("claim build").put(claimed))
-        results = await self.writer.commit_many(txns)
-        for claimed, result in zip(claims, results, strict=True):
-            if result is not None:
-                log.info("build %s: claim refused (%s); re-deciding", claimed.meta.id, result)
+            claims.append(claimed_build(build, d.node_id, now))
+        landed = await self.commit_decisions([Decision(f"claim build {c.meta.id}", puts=[c]) for c in claims])
+        for claimed, ok in zip(claims, landed, strict=True):
+            if not ok:
                 continue
             self._warned.discard(claimed.meta.id)
             self.followers.dispatched(claimed, now, traces.get(claimed.meta.id) or None)

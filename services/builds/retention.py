@@ -31,6 +31,7 @@ from zattera.v1 import types_pb2 as pb
 from services.builds.registry import RegistrySweeper
 from services.builds.settings import DEFAULTS
 from shared import keys as K
+from shared.decision import Decision
 from shared.deployments import is_terminal
 from shared.loop import FULL, LeaderLoop, LoopDeps, Scope
 from shared.registry import BlobInfo, BlobStore, parse_ref, repository
@@ -239,7 +240,6 @@ class Retention(LeaderLoop):
         self.sweeps += 1
 
     async def prune_releases(self) -> list[Prune]:
-        assert self.writer is not None
         prunes = evaluate(
             envs={e.meta.id: e for e in self.view.envs()},
             releases=self.view.releases(),
@@ -248,17 +248,18 @@ class Retention(LeaderLoop):
             keep=self.keep,
             in_use=frozenset(a.release_id for a in self.view.assignments()),
         )
-        txns = []
-        for prune in prunes:
-            txn = self.writer.txn("prune release")
-            for ident in prune.image_ids:
-                txn.delete(K.image(ident))
-            txn.delete(K.release(prune.release_id))
-            txns.append(txn)
-        results = await self.writer.commit_many(txns)
+        landed = await self.commit_decisions(
+            [
+                Decision(
+                    f"prune release {prune.release_id}",
+                    deletes=[*(K.image(ident) for ident in prune.image_ids), K.release(prune.release_id)],
+                )
+                for prune in prunes
+            ]
+        )
         done = []
-        for prune, result in zip(prunes, results, strict=True):
-            if result is None:
+        for prune, ok in zip(prunes, landed, strict=True):
+            if ok:
                 done.append(prune)
                 log.info(
                     "release pruned: env %s release %s version %d (%d images untagged)",
@@ -267,17 +268,14 @@ class Retention(LeaderLoop):
                     prune.version,
                     len(prune.image_ids),
                 )
-            else:
-                log.warning("release %s not pruned this time: %s", prune.release_id, result)
         return done
 
     async def delete_deleted_env_leftovers(self) -> list[str]:
-        assert self.writer is not None
         keys = deleted_env_leftovers(
             {e.meta.id: e for e in self.view.envs()}, self.view.releases(), self.view.deployments(), self.view.builds()
         )
-        results = await self.writer.commit_many([self.writer.txn("deleted env leftover").delete(k) for k in keys])
-        done = [k for k, result in zip(keys, results, strict=True) if result is None]
+        landed = await self.commit_decisions([Decision("deleted env leftover", deletes=[k]) for k in keys])
+        done = [k for k, ok in zip(keys, landed, strict=True) if ok]
         if done:
             log.info("deleted %d finished deployments and builds of deleted environments", len(done))
         return done

@@ -36,6 +36,7 @@ from shared.certs import (
     pending_record,
     plan,
 )
+from shared.decision import Decision
 from shared.events import INFO, WARNING, make_event
 from shared.loop import LeaderLoop, LoopDeps
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
@@ -139,17 +140,16 @@ class CertificateLoop(LeaderLoop):
         certs = {c.hostname: c for c in self.view.all(K.CERT) if isinstance(c, pb.Certificate)}
         decided = plan(self.wanted(), certs, self.clock.now())
         self._next_due = decided.next_due
-        writer = self.writer
-        assert writer is not None
-        if decided.create or decided.forget:
-            txn = writer.txn("certs")
-            for host in decided.create:
-                txn.create(pending_record(host, self.issuer_of(host)))
-            for host in decided.forget:
-                txn.delete(K.cert(host))
-            await writer.commit(txn)
-            if decided.forget:
-                await self.conn.nc.publish(CHANGED_SUBJECT, b"")
+        records = Decision(
+            "certs",
+            creates=[pending_record(host, self.issuer_of(host)) for host in decided.create],
+            deletes=[K.cert(host) for host in decided.forget],
+        )
+        [landed] = await self.commit_decisions([records])
+        if not landed:
+            return  # the change that refused it wakes the next pass
+        if decided.forget:
+            await self.conn.nc.publish(CHANGED_SUBJECT, b"")
         for order in decided.orders:
             await self._order(order)
 
@@ -168,13 +168,9 @@ class CertificateLoop(LeaderLoop):
                 {"failures": str(failed.failures)},
                 WARNING,
             )
-            assert self.writer is not None
-            try:
-                await self.writer.commit(self.writer.txn("certs").put(failed))
-            except Conflict:
-                log.info("certs: %s changed meanwhile; deciding again", order.hostname)
-                return
-            await self.events.publish(event)
+            await self.commit_decisions(
+                [Decision(f"certs: failure of {order.hostname}", puts=[failed], events=[event])]
+            )
             return
         await self._store(order, chain, key_pem)
 

@@ -253,15 +253,27 @@ def back_to_placing(view: StateReader, d: pb.Deployment, lost: list[pb.Assignmen
     return t
 
 
+def green_setback(
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, failed: str
+) -> tuple[Decision | None, list[pb.Assignment]]:
+    """What interrupts a green set on its way up: a failed instance aborts (``failed`` names the phase's
+    failure), a lost or missing replica sends it back to placing; else (None, the green replicas on
+    live nodes)."""
+    instances = green(view, d)
+    if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
+        return abort(view, d, failed_instance_reason(failed, instances), now), []
+    live, lost = on_live_nodes(view, instances)
+    if lost or len(live) < deploy_replicas(env, release):
+        return back_to_placing(view, d, lost, now), []
+    return None, live
+
+
 def starting(
     view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Decision | None:
-    instances = green(view, d)
-    if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
-        return abort(view, d, failed_instance_reason(GREEN_FAILED_TO_START, instances), now)
-    live, lost = on_live_nodes(view, instances)
-    if lost or len(live) < deploy_replicas(env, release):
-        return back_to_placing(view, d, lost, now)
+    setback, live = green_setback(view, d, env, release, now, GREEN_FAILED_TO_START)
+    if setback is not None:
+        return setback
     if all(a.observed.state in UP_STATES for a in live):
         return move(d, HEALTHCHECKING, now)
     limit = timers.starting_timeout
@@ -275,12 +287,9 @@ def starting(
 def healthchecking(
     view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Decision | None:
-    instances = green(view, d)
-    if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
-        return abort(view, d, failed_instance_reason(GREEN_UNHEALTHY, instances), now)
-    live, lost = on_live_nodes(view, instances)
-    if lost or len(live) < deploy_replicas(env, release):
-        return back_to_placing(view, d, lost, now)
+    setback, live = green_setback(view, d, env, release, now, GREEN_UNHEALTHY)
+    if setback is not None:
+        return setback
     if all(a.observed.state == pb.INSTANCE_STATE_HEALTHY for a in live):
         return move(d, PROMOTING, now)
     entered = phase_entered_at(d)

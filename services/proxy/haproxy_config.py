@@ -25,7 +25,8 @@ hold-and-activate, or the 502 "no healthy endpoint") and routes with basic auth 
 bcrypt hashes with crypt(3) on its single event loop, without caching: ~0.1 s of a stalled data plane
 per request; the Python handler checks in a thread and remembers logins).
 
-Middleware, in the Python proxy's order: IP allowlist (403) → HTTPS redirect (308) → rate limit (429) →
+Middleware, in the Python proxy's order (:data:`services.proxy.pipeline.ORDER`, which orders the frontend's and
+each backend's rules here too): IP allowlist (403) → HTTPS redirect (308) → rate limit (429) →
 body cap (413, declared ``Content-Length``) → sticky cookie → ``balance random(2)`` (power of two
 choices; the same-node tie-break is a weight of 101 against 100: HAProxy compares load per weight) with
 ``maxconn`` = ``max_concurrency`` and ``timeout queue`` = the hold timeout (a full env's requests queue
@@ -42,7 +43,7 @@ import hashlib
 import ipaddress
 import re
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.proxy.auth import route_users
 from services.proxy.balancer import STICKY_COOKIE, sticky_value
+from services.proxy.pipeline import ORDER
 from shared.acmechallenge import PATH_PREFIX as CHALLENGE_PATH
 
 HOLD_BACKEND = "hold"
@@ -211,39 +213,81 @@ def _allowlist(entries: Iterable[str]) -> list[str]:
     return networks
 
 
+def _allowlist_rules(route: cpb.HTTPRoute, middleware: pb.Middleware) -> list[str]:
+    if not middleware.ip_allowlist:
+        return []
+    networks = _allowlist(middleware.ip_allowlist)
+    condition = f" unless {{ src {' '.join(networks)} }}" if networks else ""
+    return [_json_return(403, "forbidden") + condition]
+
+
+def _https_redirect_rules(route: cpb.HTTPRoute, middleware: pb.Middleware) -> list[str]:
+    if not middleware.redirect_https:
+        return []
+    return [f"http-request redirect scheme https code 308 unless {{ var({HTTPS_VAR}) -m bool }}"]
+
+
+def _rate_limit_rules(route: cpb.HTTPRoute, middleware: pb.Middleware) -> list[str]:
+    if not (route.HasField("rate_limit") and route.rate_limit.requests_per_second > 0):
+        return []
+    allowed = max(route.rate_limit.burst, route.rate_limit.requests_per_second)
+    return [
+        f"stick-table type ipv6 size {RATE_TABLE_SIZE} expire {RATE_TABLE_EXPIRE} store http_req_rate(1s)",
+        "http-request track-sc0 src",
+        _json_return(429, "rate limit exceeded", "Retry-After:1") + f" if {{ sc_http_req_rate(0) gt {allowed} }}",
+    ]
+
+
+def _body_cap_rules(route: cpb.HTTPRoute, middleware: pb.Middleware) -> list[str]:
+    if not middleware.max_body_bytes:
+        return []
+    return [
+        _json_return(413, "request body too large")
+        + f" if {{ req.hdr_val(content-length) gt {middleware.max_body_bytes} }}"
+    ]
+
+
+def _endpoint_choice_rules(route: cpb.HTTPRoute, middleware: pb.Middleware) -> list[str]:
+    if not middleware.sticky_sessions:
+        return []  # ``balance random(2)`` and the queue are the backend's own lines
+    return [f"cookie {STICKY_COOKIE} insert indirect nocache httponly attr SameSite=Lax"]
+
+
+BACKEND_STAGES: dict[str, Callable[[cpb.HTTPRoute, pb.Middleware], list[str]]] = {
+    "allowlist": _allowlist_rules,
+    "https_redirect": _https_redirect_rules,
+    "rate_limit": _rate_limit_rules,
+    "body_cap": _body_cap_rules,
+    "endpoint_choice": _endpoint_choice_rules,
+}
+"""The Python pipeline's middleware a backend applies itself, each one's rules (in :data:`ORDER`)."""
+FRONTEND_STAGES = ("acme_challenge", "route_match")
+"""Stages the frontend runs for every request, before any backend's (their rules: :func:`_frontend_rules`)."""
+ELSEWHERE = {
+    "basic_auth": "a route with users is served by the Python handler (the hold backend)",
+    "forward": "the backend's servers",
+}
+"""Stages with no rule of their own, and what does their work."""
+
+
 def backend_rules(route: cpb.HTTPRoute, hold_timeout: float) -> tuple[str, ...]:
+    """A backend's lines besides its servers: balance, retries and the queue, then its middleware in the
+    Python pipeline's order, then compression (applied to the response)."""
     middleware = route.middleware if route.HasField("middleware") else pb.Middleware()
     rules = [
         "balance random(2)",
         "option redispatch 1",
         "retries 3",
         # A scale-to-zero env's replica may die under a request (cooled while the snapshot saying so was on
-        # its way): a GET or HEAD it closed without answering is sent again (to the hold handler, once the
+        # its way): a GET or HEAD it closed without answering is sent again (to the hold backend, once the
         # dead server's refused connection has marked it down); nothing else is replayed.
         "retry-on conn-failure empty-response" if route.scale_to_zero else "retry-on conn-failure",
         *(["http-request disable-l7-retry unless METH_GET"] if route.scale_to_zero else []),
         f"timeout queue {ms(hold_timeout)}",
     ]
-    if middleware.ip_allowlist:
-        networks = _allowlist(middleware.ip_allowlist)
-        condition = f" unless {{ src {' '.join(networks)} }}" if networks else ""
-        rules.append(_json_return(403, "forbidden") + condition)
-    if middleware.redirect_https:
-        rules.append(f"http-request redirect scheme https code 308 unless {{ var({HTTPS_VAR}) -m bool }}")
-    if route.HasField("rate_limit") and route.rate_limit.requests_per_second > 0:
-        allowed = max(route.rate_limit.burst, route.rate_limit.requests_per_second)
-        rules += [
-            f"stick-table type ipv6 size {RATE_TABLE_SIZE} expire {RATE_TABLE_EXPIRE} store http_req_rate(1s)",
-            "http-request track-sc0 src",
-            _json_return(429, "rate limit exceeded", "Retry-After:1") + f" if {{ sc_http_req_rate(0) gt {allowed} }}",
-        ]
-    if middleware.max_body_bytes:
-        rules.append(
-            _json_return(413, "request body too large")
-            + f" if {{ req.hdr_val(content-length) gt {middleware.max_body_bytes} }}"
-        )
-    if middleware.sticky_sessions:
-        rules.append(f"cookie {STICKY_COOKIE} insert indirect nocache httponly attr SameSite=Lax")
+    for stage in ORDER:
+        if stage in BACKEND_STAGES:
+            rules += BACKEND_STAGES[stage](route, middleware)
     if middleware.compress:
         rules.append("compression algo gzip")
     return tuple(rules)
@@ -348,6 +392,9 @@ def map_text(entries: Iterable[tuple[str, str]]) -> str:
 
 
 def _frontend_rules(plan_: Plan, layout: Layout) -> list[str]:
+    """The frontend's lines: the HTTPS flag (only when a backend redirects), the forwarded headers, then
+    its stages in the Python pipeline's order (HAProxy runs every ``http-request`` rule before choosing a
+    backend, so those of each stage come first and its ``use_backend`` rules after, in the same order)."""
     host = "req.hdr(host),field(1,:),lower"
     rules = []
     if any(HTTPS_VAR in rule for backend in plan_.backends.values() for rule in backend.rules):
@@ -360,17 +407,19 @@ def _frontend_rules(plan_: Plan, layout: Layout) -> list[str]:
         "http-request set-header X-Forwarded-Proto %[ssl_fc,iif(https,http)]",
         "http-request set-header X-Forwarded-Host %[req.hdr(host)]",
     ]
-    if plan_.paths:
-        rules += [
-            "http-request set-var(txn.path) path",
-            f"http-request set-var(txn.backend) {host},concat(,txn.path,),map_beg({layout.paths_map})",
-        ]
     # ACME HTTP-01 answers (any host, known or not) are the Python side's, before host matching and
     # before any backend's middleware (an HTTPS redirect must never meet a CA's validation request).
-    rules.append(f"use_backend {HOLD_BACKEND} if {{ path_beg {CHALLENGE_PATH} }}")
+    stages = {"acme_challenge": [f"use_backend {HOLD_BACKEND} if {{ path_beg {CHALLENGE_PATH} }}"], "route_match": []}
     if plan_.paths:
-        rules.append("use_backend %[var(txn.backend)] if { var(txn.backend) -m found }")
-    rules.append(f"use_backend %[{host},map({layout.hosts_map})]")  # no entry: no backend, default_backend
+        stages["route_match"] += [
+            "http-request set-var(txn.path) path",
+            f"http-request set-var(txn.backend) {host},concat(,txn.path,),map_beg({layout.paths_map})",
+            "use_backend %[var(txn.backend)] if { var(txn.backend) -m found }",
+        ]
+    stages["route_match"].append(f"use_backend %[{host},map({layout.hosts_map})]")  # none: default_backend
+    ordered = [rule for stage in ORDER if stage in stages for rule in stages[stage]]
+    rules += [rule for rule in ordered if rule.startswith("http-request")]
+    rules += [rule for rule in ordered if not rule.startswith("http-request")]
     return [f"    {rule}" for rule in rules]
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.decision import Decision
 from shared.loop import LeaderLoop
 
 log = logging.getLogger(__name__)
@@ -81,17 +82,16 @@ class VipAllocator(LeaderLoop):
     kinds = frozenset({K.ENV, K.VIP})
 
     async def run_pass(self) -> None:
-        assert self.writer is not None
         plan = plan_vips(self.view.envs(), self.view.vips())
         if plan.exhausted:
             log.warning("vips: pool %s exhausted; %d envs left without a VIP", VIP_RANGE, len(plan.exhausted))
         if not plan:
             return
-        txns = [self.writer.txn("vip.free").delete(K.vip(env_id)) for env_id in plan.free]
-        txns += [
-            self.writer.txn("vip.allocate").put(pb.ServiceVIP(environment_id=env_id, vip=address))
+        writes = [Decision("vip.free", deletes=[K.vip(env_id)]) for env_id in plan.free]
+        writes += [
+            Decision("vip.allocate", puts=[pb.ServiceVIP(environment_id=env_id, vip=address)])
             for env_id, address in plan.allocate.items()
         ]
-        failed = [result for result in await self.writer.commit_many(txns) if result is not None]
+        failed = len(writes) - sum(await self.commit_decisions(writes))
         if failed:
-            log.info("vips: %d of %d writes refused (state moved); the next pass re-decides", len(failed), len(txns))
+            log.info("vips: %d of %d writes refused (state moved); the next pass re-decides", failed, len(writes))

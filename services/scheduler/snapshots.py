@@ -50,7 +50,7 @@ from shared.schedule import Schedule, ScheduleError, parse_schedule
 from shared.settings import DEFAULTS
 from shared.snapshots.guards import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
 from shared.state.reader import StateReader
-from shared.txn import Txn, Writer
+from shared.txn import Writer
 
 log = logging.getLogger(__name__)
 
@@ -205,10 +205,9 @@ class SnapshotScheduler(LeaderLoop):
             self._spawn_prune(volume, [])
 
     async def _fail_stuck(self, now: float) -> None:
-        assert self.writer is not None
         records = self.view.snapshots()
         progress = {r.meta.id: p for r in records if (p := self.dispatcher.last_progress(r.meta.id)) is not None}
-        txns: list[Txn] = []
+        failures: list[Decision] = []
         for snapshot_id in stuck_runs(records, now, progress):
             current = self.view.snapshot(snapshot_id)
             if current is None:
@@ -217,9 +216,8 @@ class SnapshotScheduler(LeaderLoop):
             failed.CopyFrom(current)
             failed.status = pb.SNAPSHOT_STATUS_FAILED
             failed.error = STUCK_ERROR
-            txns.append(self.writer.txn("snapshot.stuck").put(failed))
-        if txns:
-            await self.writer.commit_many(txns)
+            failures.append(Decision("snapshot.stuck", puts=[failed]))
+        await self.commit_decisions(failures)
 
     async def _maybe_snapshot(self, volume: pb.Volume, records: list[pb.VolumeSnapshot], now: float) -> None:
         assert self.writer is not None
@@ -253,13 +251,13 @@ class SnapshotScheduler(LeaderLoop):
         self._track(task, self._background)
 
     async def _enforce_retention(self, volume: pb.Volume, records: list[pb.VolumeSnapshot], now: float) -> None:
-        assert self.writer is not None
         victims = retention_victims(records, volume.snapshot_policy.keep_last) + expired_failures(records, now)
         if not victims:
             return
-        txns = [self.writer.txn("snapshot.retention").delete(K.snapshot(v.meta.id)) for v in victims]
-        results = await self.writer.commit_many(txns)
-        deleted = [v.meta.id for v, error in zip(victims, results, strict=True) if error is None]
+        landed = await self.commit_decisions(
+            [Decision("snapshot.retention", deletes=[K.snapshot(v.meta.id)]) for v in victims]
+        )
+        deleted = [v.meta.id for v, ok in zip(victims, landed, strict=True) if ok]
         if deleted:
             self._spawn_prune(volume, deleted)
 

@@ -16,6 +16,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.secrets.settings import DEFAULTS as OWN
 from shared import keys as K
+from shared.decision import Decision
 from shared.loop import LeaderLoop, LoopDeps
 from shared.settings import DEFAULTS
 
@@ -59,7 +60,6 @@ class SecretsCollector(LeaderLoop):
         doomed = collectable(sealed, envs, releases_of, self.clock.now(), self.grace)
         if not doomed:
             return
-        assert self.writer is not None
-        results = await self.writer.commit_many([self.writer.txn("secrets-gc").delete(K.secret(i)) for i in doomed])
-        deleted = sum(1 for r in results if r is None)
+        landed = await self.commit_decisions([Decision("secrets-gc", deletes=[K.secret(i)]) for i in doomed])
+        deleted = sum(landed)
         log.info("secrets-gc: deleted %d unused secret version(s)", deleted)

@@ -128,14 +128,18 @@ def _change(request: SetSnapshotPolicy) -> PolicyChange:
         raise Invalid("schedule", str(exc)) from None
 
 
+def _volume(ctx: ActionContext, volume_id: str) -> pb.Volume:
+    volume = ctx.view.volume(volume_id)
+    if volume is None:
+        raise NotFound(f"volume {volume_id!r} not found", field="volume_id")
+    return volume
+
+
 async def set_snapshot_policy(ctx: ActionContext, request: SetSnapshotPolicy) -> PolicySet:
     change = _change(request)
 
     def edit() -> pb.Volume | None:
-        volume = ctx.view.volume(request.volume_id)
-        if volume is None:
-            raise NotFound(f"volume {request.volume_id!r} not found", field="volume_id")
-        return with_policy(volume, change, ctx.clock.now())
+        return with_policy(_volume(ctx, request.volume_id), change, ctx.clock.now())
 
     await commit_edit(ctx, f"volume {request.volume_id}", edit)
     volume = ctx.view.volume(request.volume_id)
@@ -166,9 +170,7 @@ async def _within(task: asyncio.Task[Any], wait: float | None, ctx: ActionContex
 
 
 async def take_snapshot(ctx: ActionContext, request: TakeSnapshot) -> SnapshotTaken:
-    volume = ctx.view.volume(request.volume_id)
-    if volume is None:
-        raise NotFound(f"volume {request.volume_id!r} not found", field="volume_id")
+    volume = _volume(ctx, request.volume_id)
     dispatcher = _dispatcher(ctx)
     task = await dispatcher.start_snapshot(volume, ctx.writer)
     snapshot_id = dispatcher.running_snapshot(volume.meta.id)

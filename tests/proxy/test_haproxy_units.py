@@ -9,8 +9,12 @@ import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.proxy import haproxy_config
 from services.proxy.haproxy_certs import changes, digest, pem_problem, self_signed_pem
 from services.proxy.haproxy_config import (
+    BACKEND_STAGES,
+    ELSEWHERE,
+    FRONTEND_STAGES,
     HOLD_BACKEND,
     IDLE_POOL,
     NO_ROUTE_BACKEND,
@@ -21,6 +25,7 @@ from services.proxy.haproxy_config import (
     render,
 )
 from services.proxy.haproxy_stats import HAProxySampler, merge_samples
+from services.proxy.pipeline import ORDER
 from tests.proxy.harness import endpoint, http_route
 
 
@@ -80,6 +85,54 @@ def test_going_cold_and_warm_is_a_runtime_change_but_sticky_servers_are_structur
 )
 def test_backend_rules(route: cpb.HTTPRoute, expected: str) -> None:
     assert any(expected in rule for rule in backend_rules(route, 60))
+
+
+STAGE_MARKERS = {
+    "acme_challenge": "path_beg /.well-known/acme-challenge/",
+    "route_match": "hosts.map",
+    "allowlist": "return status 403",
+    "https_redirect": "redirect scheme https",
+    "rate_limit": "return status 429",
+    "body_cap": "return status 413",
+    "endpoint_choice": "cookie zt_sticky insert",
+}
+"""A line of the rendered configuration that only each stage's rules write."""
+
+
+def _stages_in_rendered_order(tmp_path: Path) -> list[str]:
+    middleware = pb.Middleware(
+        ip_allowlist=["10.0.0.0/8"], redirect_https=True, max_body_bytes=10, sticky_sessions=True
+    )
+    route = http_route(
+        "h",
+        "e1",
+        [endpoint("10.0.0.1:80", "a1")],
+        middleware=middleware,
+        rate_limit=pb.RateLimit(requests_per_second=5),
+    )
+    text = render(planned(route), Layout(tmp_path, "127.0.0.1:8080", "127.0.0.1:9", 60, 5))
+    seen = [stage for line in text.splitlines() for stage, marker in STAGE_MARKERS.items() if marker in line]
+    assert sorted(seen) == sorted(STAGE_MARKERS), seen  # each stage's marker exactly once
+    return seen
+
+
+def test_every_pipeline_stage_has_one_place_in_haproxy() -> None:
+    placed = [*FRONTEND_STAGES, *BACKEND_STAGES, *ELSEWHERE]
+    assert sorted(placed) == sorted(ORDER)  # a new Python middleware needs its HAProxy rules (or a reason)
+    frontend = [ORDER.index(stage) for stage in FRONTEND_STAGES]
+    backend = [ORDER.index(stage) for stage in BACKEND_STAGES]
+    assert max(frontend) < min(backend)  # a frontend runs before the backend it picks
+
+
+def test_haproxy_rules_follow_the_python_pipeline_order(tmp_path: Path) -> None:
+    assert _stages_in_rendered_order(tmp_path) == [stage for stage in ORDER if stage in STAGE_MARKERS]
+
+
+def test_haproxy_rule_order_is_derived_from_the_pipeline_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = [stage for stage in ORDER if stage in BACKEND_STAGES]
+    reordered = (*FRONTEND_STAGES, *reversed(backend), *ELSEWHERE)
+    monkeypatch.setattr(haproxy_config, "ORDER", reordered)
+    assert _stages_in_rendered_order(tmp_path) == [stage for stage in reordered if stage in STAGE_MARKERS]
 
 
 def test_render_has_every_backend_and_the_tls_listener(tmp_path: Path) -> None:

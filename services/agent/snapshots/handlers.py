@@ -53,6 +53,7 @@ HOOK_TIMEOUT = 600.0
 MAX_PREFIX = 256
 
 M = TypeVar("M", bound=Message)
+V = TypeVar("V", cpb.SnapshotVolumeRequest, cpb.RestoreVolumeRequest)
 HookRunner = Callable[[str, str, Path], Awaitable[None]]
 """``hook_runner(command, assignment_id, volume_dir)``: raise to abort the snapshot."""
 
@@ -201,15 +202,24 @@ class SnapshotAgent:
             progress = cpb.SnapshotProgress(phase="error", error=error, sequence=1)
             await self.conn.nc.publish(msg.reply, progress.SerializeToString())
 
-    async def _on_snapshot(self, msg: Msg) -> None:
+    async def _accept(self, msg: Msg, kind: type[V], snapshot_id_of: Callable[[V], str]) -> tuple[V, str, Path] | None:
+        """The request of ``msg``, its snapshot id and its volume's directory, all checked; None when it is
+        refused (answered with one ``error`` progress message)."""
         try:
-            req = decode(cpb.SnapshotVolumeRequest, msg.data)
-            snapshot_id = checked_id("snapshot id", req.snapshot.meta.id)
+            req = decode(kind, msg.data)
+            snapshot_id = checked_id("snapshot id", snapshot_id_of(req))
             directory = volume_dir(self.volumes_root, req.volume)
             checked_target(req.target)
         except BadRequest as exc:
             await self._refuse(msg, str(exc))
+            return None
+        return req, snapshot_id, directory
+
+    async def _on_snapshot(self, msg: Msg) -> None:
+        accepted = await self._accept(msg, cpb.SnapshotVolumeRequest, lambda req: req.snapshot.meta.id)
+        if accepted is None:
             return
+        req, snapshot_id, directory = accepted
         stream = _ProgressStream(self.conn, msg.reply, snapshot_id, self.heartbeat)
         try:
             with span("snapshot.volume", headers=msg.headers, volume=req.volume.meta.id, snapshot=snapshot_id):
@@ -237,15 +247,11 @@ class SnapshotAgent:
             await stream.close()
 
     async def _on_restore(self, msg: Msg) -> None:
-        try:
-            req = decode(cpb.RestoreVolumeRequest, msg.data)
-            # The snapshot id names the staging and retired directories beside the volume: checked like it.
-            snapshot_id = checked_id("snapshot id", req.manifest_key or req.snapshot_id)
-            directory = volume_dir(self.volumes_root, req.volume)
-            checked_target(req.target)
-        except BadRequest as exc:
-            await self._refuse(msg, str(exc))
+        # The snapshot id names the staging and retired directories beside the volume: checked like it.
+        accepted = await self._accept(msg, cpb.RestoreVolumeRequest, lambda req: req.manifest_key or req.snapshot_id)
+        if accepted is None:
             return
+        req, snapshot_id, directory = accepted
         stream = _ProgressStream(self.conn, msg.reply, snapshot_id, self.heartbeat)
         try:
             with span("snapshot.restore", headers=msg.headers, volume=req.volume.meta.id, snapshot=snapshot_id):

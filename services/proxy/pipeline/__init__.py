@@ -18,4 +18,5 @@ ORDER = (
     "endpoint_choice",
     "forward",
 )
-"""The middleware modules of this package, in the order a request meets them."""
+"""The middleware modules of this package, in the order a request meets them; ``haproxy_config.py`` orders
+HAProxy's frontend and backend rules by it as well."""
