@@ -121,9 +121,9 @@ class ScheduledBackups(LeaderLoop):
             if keyring is None:
                 raise RuntimeError("the secrets service holds no cluster secrets key")
             request = CreateBackup(
-                schedule.target, "", "", recipient=schedule.recipient, keyring=keyring, credentials=credentials
+                schedule.target, "", "", recipient=schedule.recipient.decode(), credentials=credentials
             )
-            created = await create_backup(ctx, request)
+            created = await create_backup(ctx, request, keyring=keyring)
         except Exception as exc:
             return await self._failed(record, str(exc), published=True)
         try:

@@ -68,10 +68,9 @@ class CreateBackup:
     keyring_path: str
     """The secrets service's keyring file (``<data>/control/secrets/cluster.key`` under ``zattera up``); "" when
     :attr:`keyring` is given."""
-    recipient: bytes = b""
-    """A recovery recipient (:func:`shared.backup.recovery.recipient`): the key is sealed to it, no passphrase."""
-    keyring: Keyring | None = field(default=None, repr=False)
-    """The keyring itself (the secrets service's scheduled backups hold it in memory)."""
+    recipient: str = ""
+    """A recovery recipient (:func:`shared.backup.recovery.recipient`, its JSON): the key is sealed to it, no
+    passphrase needed."""
     credentials: dict[str, str] = field(default_factory=dict, repr=False)
     """The target's settings (``AWS_ACCESS_KEY_ID``…) when not from the environment (scheduled backups)."""
 
@@ -154,8 +153,7 @@ def _target(url: str, credentials: dict[str, str] | None = None) -> Target:
         raise Invalid("target", str(exc), said="") from None
 
 
-def _keyring_bytes(request: CreateBackup) -> bytes:
-    keyring = request.keyring
+def _keyring_bytes(request: CreateBackup, keyring: Keyring | None) -> bytes:
     if keyring is None:
         try:
             keyring = load_keyring(Path(request.keyring_path))
@@ -172,14 +170,15 @@ def _keyring_bytes(request: CreateBackup) -> bytes:
 
 def _seal_keyring(request: CreateBackup, keyring: bytes) -> bytes:
     if request.recipient:
-        return recovery.seal_to(keyring, request.recipient)
+        return recovery.seal_to(keyring, request.recipient.encode())
     return recovery.seal(keyring, request.passphrase)
 
 
-async def create_backup(ctx: ActionContext, request: CreateBackup) -> BackupCreated:
-    """Copy the cluster to ``request.target``; a failure is a ``backup.failed`` event and raises."""
+async def create_backup(ctx: ActionContext, request: CreateBackup, *, keyring: Keyring | None = None) -> BackupCreated:
+    """Copy the cluster to ``request.target``; a failure is a ``backup.failed`` event and raises. ``keyring``:
+    the cluster secrets key when the caller holds it (the secrets service), else read from ``keyring_path``."""
     try:
-        created = await _create(ctx, request)
+        created = await _create(ctx, request, keyring)
     except Exception as exc:
         await ctx.events.publish(
             make_event(
@@ -201,12 +200,12 @@ async def create_backup(ctx: ActionContext, request: CreateBackup) -> BackupCrea
     return created
 
 
-async def _create(ctx: ActionContext, request: CreateBackup) -> BackupCreated:
+async def _create(ctx: ActionContext, request: CreateBackup, held: Keyring | None) -> BackupCreated:
     if request.recipient:
-        recovery.check_recipient(request.recipient)
+        recovery.check_recipient(request.recipient.encode())
     else:
         recovery.check_passphrase(request.passphrase)
-    keyring = _keyring_bytes(request)
+    keyring = _keyring_bytes(request, held)
     target = _target(request.target, request.credentials)
     await asyncio.to_thread(target.check)
     config = await recorded_config(ctx.conn.js)

@@ -194,6 +194,10 @@ OPERATOR = Permissions(
         *read_whole_stream(object_stream(IMAGES_STORE)),
         *read_whole_stream(object_stream(SNAPSHOTS_STORE)),
         *write_object_store(SOURCES_STORE),
+        # `zattera restore` writes a backup's images and volume snapshots back (docs/backup.md); the operator
+        # already writes the state that names them.
+        *write_object_store(IMAGES_STORE),
+        *write_object_store(SNAPSHOTS_STORE),
         # `zattera logs`: instance logs are one stream per environment (ZATTERA_LOGS_<env>, docs/logs.md) and a
         # permission cannot match a name prefix, so the operator reads every stream of the account (it reads
         # each of the others whole already).
@@ -204,7 +208,8 @@ OPERATOR = Permissions(
     sub_allow=(INBOX, f"{EVENTS_SUBJECT_PREFIX}>", "zattera.builds.>", ROUTES_SNAPSHOT_SUBJECT),
 )
 """The CLI: desired state, events, logs, routes, sources upload, join tokens, volume snapshot and restore
-requests to agents. No leases, no consumers, no stream admin, no build or prune requests."""
+requests to agents, a backup's images and snapshots on restore. No leases, no consumers, no stream admin, no
+build or prune requests."""
 
 _STATE_OWN = {
     "assignments": f"{STATE_PREFIX}assignment.{NAME}.*",
