@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+from typing import Any
 
 import typer
 
@@ -25,8 +26,19 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(1)
 
 
-def machine_up(data_dir: object, token: str, *, server: bool, name: str, advertise: str, tls: bool) -> int:
-    """``zattera up --join`` / ``--name --advertise``: one line on stderr and exit 1 for any bad input."""
+def machine_up(
+    data_dir: object,
+    token: str,
+    *,
+    server: bool,
+    name: str,
+    advertise: str,
+    tls: bool,
+    options: dict[str, Any] | None = None,
+) -> int:
+    """``zattera up --join`` / ``--name --advertise``: one line on stderr and exit 1 for any bad input.
+    ``options``: the :class:`~cli.up_cluster.Cluster` settings of ``zattera up``'s other flags (the proxy's
+    listeners, the metrics port)."""
     from pathlib import Path
 
     directory = Path(str(data_dir))
@@ -43,7 +55,7 @@ def machine_up(data_dir: object, token: str, *, server: bool, name: str, adverti
             if server:
                 raise MachineError("--server needs --join TOKEN (the first machine is a server already)")
             machine = bootstrap(directory, name, advertise, tls=tls)
-        cluster = machine_cluster(directory, machine)
+        cluster = machine_cluster(directory, machine, **(options or {}))
     except MachineError as exc:
         raise _fail(str(exc)) from None
     hint = f"  machine {machine.node_id}: {machine.role}, mesh {machine.mesh_ip or '-'}, servers {cluster.url or '-'}"

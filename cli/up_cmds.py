@@ -78,8 +78,6 @@ def up(
         refuse_unisolated(allow=allow_unisolated_apps)
     if allow_unisolated_apps:  # the local agent gets it with the rest of this environment
         os.environ["ZATTERA_AGENT_ALLOW_UNISOLATED"] = "1"
-    if join or advertise:
-        raise typer.Exit(machine_up(directory, join, server=server, name=name, advertise=advertise, tls=tls))
     proxy_host = DEFAULT_PROXY_HOST
     if proxy_listen:
         try:
@@ -94,6 +92,16 @@ def up(
         if proxy_tls_listen == DEFAULT_PROXY_TLS_LISTEN and proxy_host != tls_host:
             # --proxy-listen 127.0.0.1:… keeps the proxy on this machine: HTTPS too, unless told otherwise.
             proxy_tls_listen = f"[{proxy_host}]:{tls_port}" if ":" in proxy_host else f"{proxy_host}:{tls_port}"
+    if join or advertise:  # a machine of a cluster of machines: its proxy and metrics as asked
+        options = {
+            "proxy_port": proxy_port,
+            "proxy_host": proxy_host,
+            "proxy_tls_listen": proxy_tls_listen,
+            "metrics_port": metrics_port,
+        }
+        raise typer.Exit(
+            machine_up(directory, join, server=server, name=name, advertise=advertise, tls=tls, options=options)
+        )
     cluster = Cluster(
         data_dir=directory,
         port=port,

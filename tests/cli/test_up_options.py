@@ -145,3 +145,25 @@ def test_the_banner_is_not_wrapped_when_not_on_a_terminal(tmp_path: Path, capsys
     line = f"  CLI:       export ZATTERA_NATS_CREDS={creds} ZATTERA_NATS_TLS_CA=/srv/security/tls/ca.pem"
     Cluster(data_dir=tmp_path).console.print(line)
     assert line in capsys.readouterr().err.splitlines()  # one line, to copy and paste whole
+
+
+def test_a_machine_of_a_cluster_of_machines_honours_the_proxy_and_metrics_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cli.machine_cmds
+
+    started: list[Cluster] = []
+
+    def run_up(cluster: Cluster, *, hint: str = "") -> int:
+        started.append(cluster)
+        return 0
+
+    monkeypatch.setattr(cli.machine_cmds, "run_up", run_up)
+    flags = ["--proxy-listen", "127.0.0.1:18098", "--proxy-tls-listen", "", "--metrics-port", "0", "--no-node"]
+    machine = ["--secure", "--tls", "--name", "m1", "--advertise", "10.231.0.11"]
+    result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), *machine, *flags])
+    assert result.exit_code == 0, result.output
+    (cluster,) = started
+    assert (cluster.proxy_host, cluster.proxy_port, cluster.proxy_tls_listen) == ("127.0.0.1", 18098, "")
+    assert cluster.metrics_args("agent") == []
+    assert cluster.machine["seats"]["host"] == "10.231.0.11"
