@@ -71,8 +71,11 @@ PROVISION_ENV = "ZATTERA_UP_PROVISION"
 def provision_in_child(cluster: Cluster, echo: Callable[[str], None] | None = None) -> None:
     """Provision ``cluster`` from a short-lived interpreter (``python -m cli.up`` with :data:`PROVISION_ENV`):
     nats-py and asyncio, loaded here once, would stay resident in the supervisor for as long as the cluster
-    runs (~15 MB of a single machine's control plane, PERFORMANCE.md "footprint"). Its error, if any, is on
+    runs (~15 MB of a single machine's control plane, PERFORMANCE.md "footprint"). Nothing where no control
+    plane runs (a worker machine, which may not create or migrate streams). Its error, if any, is on
     stderr (given to ``echo`` line by line, when given); SystemExit here then stops the cluster."""
+    if not cluster.control_plane():
+        return  # a worker machine: the servers' control plane provisions and migrates (it holds no credential to)
     given = {"url": cluster.url, "creds": cluster.creds, "tls_ca": cluster.tls_ca, "replicas": cluster.replicas}
     env = {**os.environ, PROVISION_ENV: json.dumps(given)}
     done = subprocess.run(

@@ -167,3 +167,13 @@ def test_a_machine_of_a_cluster_of_machines_honours_the_proxy_and_metrics_flags(
     assert (cluster.proxy_host, cluster.proxy_port, cluster.proxy_tls_listen) == ("127.0.0.1", 18098, "")
     assert cluster.metrics_args("agent") == []
     assert cluster.machine["seats"]["host"] == "10.231.0.11"
+
+
+def test_a_worker_machine_provisions_nothing(tmp_path: Path) -> None:
+    """A worker runs no control plane and holds no credential that may create or migrate streams: its ``up``
+    leaves that to the servers (a provisioning attempt with its node credential would stop it)."""
+    from cli.up_provision import provision_in_child
+
+    worker = Cluster(data_dir=tmp_path, services=[], machine={"servers": [f"nats://127.0.0.1:{free_port()}"]})
+    assert worker.control_plane() == []
+    provision_in_child(worker)  # nothing to reach, nothing asked (an attempt would raise SystemExit)
