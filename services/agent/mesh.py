@@ -114,7 +114,9 @@ def ensure_interface(mesh_ip: str) -> str:
                 ["wireguard-go", INTERFACE], capture_output=True, text=True, check=False, env={**os.environ}
             )
             if done.returncode != 0:
-                raise MeshError(f"wireguard-go {INTERFACE} failed: {done.stderr.strip() or done.stdout.strip()}")
+                # Its error is on stdout ("UAPI listen error: …"); stderr holds a banner about kernel support.
+                why = done.stdout.strip() or done.stderr.strip()
+                raise MeshError(f"wireguard-go {INTERFACE} failed: {why}")
             kind = "wireguard-go"
     elif _ip("-d", "link", "show", INTERFACE).stdout.find("wireguard") < 0:
         kind = "wireguard-go"

@@ -1,7 +1,7 @@
 """Machines in network namespaces: one namespace per machine, a veth from each onto a bridge this harness
 creates, addresses it assigns (10.231.0.0/24, only inside), and in each namespace the real processes the
-machine runs (``zattera up`` under ``ip netns exec``). Everything it made — processes, namespaces, the
-bridge — is removed at the end, on failure too.
+machine runs (``zattera up`` under ``ip netns exec``, with a ``/run/wireguard`` of its own). Everything it
+made — processes, namespaces, the bridge — is removed at the end, on failure too.
 
 Needs root and ``ip netns``; :func:`unavailable` says why not. In CI (``CI=true``) that is a failure, else a
 skip with the reason.
@@ -87,12 +87,18 @@ class Machine:
         """Start ``zattera up ARGS`` in this machine (its own process group, output to ``data_dir/log``)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         out = (self.data_dir / log).open("ab")
+        # A machine has its own /run: userspace WireGuard's control socket (/run/wireguard/<interface>.sock, a
+        # fixed path that wireguard-go and wg share) is the machine's, not every namespace's on this host.
+        run_wireguard = self.data_dir / "run-wireguard"
+        run_wireguard.mkdir(exist_ok=True)
+        own_run = 'mkdir -p /run/wireguard && mount --bind "$0" /run/wireguard && exec "$@"'
         proc = subprocess.Popen(
             [
                 "ip",
                 "netns",
                 "exec",
                 self.netns,
+                *("unshare", "--mount", "--propagation", "private", "sh", "-c", own_run, str(run_wireguard)),
                 ZATTERA,
                 "up",
                 "--data-dir",
