@@ -127,7 +127,7 @@ def supervise(cluster: Cluster, *, hint: str = "") -> int:
             + (f"  (cluster, replicas={cluster.replicas})" if cluster.cluster_servers else "")
             + (
                 ""
-                if cluster.creds
+                if cluster.creds or cluster.node_creds  # a worker machine holds its node's credentials only
                 else "  (no authentication: every local process but sandboxed apps can use it;"
                 " --secure before running untrusted apps)"
             )

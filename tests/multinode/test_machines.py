@@ -94,9 +94,9 @@ def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_cr
 
     # The mesh: both nodes publish a WireGuard key and endpoint; traffic between mesh addresses is encrypted.
     found = nodes(m1)
-    mesh = {n: str(found[n]["meshIp"]) for n in ("m1", "w1")}
+    mesh = {n: str(found[n]["mesh_ip"]) for n in ("m1", "w1")}
     assert all(ip.startswith("10.98.") for ip in mesh.values()), mesh
-    assert all(found[n].get("wireguardPublicKey") for n in ("m1", "w1"))
+    assert all(found[n].get("wireguard_public_key") for n in ("m1", "w1"))
     eventually_sync(
         lambda: m1.exec("ping", "-c", "1", "-W", "1", mesh["w1"], check=False).returncode == 0,
         timeout=60,
