@@ -97,8 +97,10 @@ def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_cr
     mesh = {n: str(found[n]["mesh_ip"]) for n in ("m1", "w1")}
     assert all(ip.startswith("10.98.") for ip in mesh.values()), mesh
     assert all(found[n].get("wireguard_public_key") for n in ("m1", "w1"))
+    # w1's proxy listens on every interface of w1: m1 reaches it at w1's mesh address only through the tunnel.
+    probe = f"import socket; socket.create_connection(({mesh['w1']!r}, 8080), timeout=1).close()"
     eventually_sync(
-        lambda: m1.exec("ping", "-c", "1", "-W", "1", mesh["w1"], check=False).returncode == 0,
+        lambda: m1.exec("python3", "-c", probe, check=False).returncode == 0,
         timeout=60,
         what="m1 reaches w1 over the mesh",
     )
