@@ -5,10 +5,12 @@ nothing left behind, app traffic between machines inside WireGuard, and a remove
 from __future__ import annotations
 
 import json
+import select
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -65,6 +67,26 @@ def connects(machine: Machine, creds: Path, ca: Path, url: str) -> str:
     return machine.exec(sys.executable, "-c", code, check=False).stdout.strip()
 
 
+def read_until(stream: IO[str], text: str, timeout: float) -> None:
+    """Read lines of a child's output until one contains ``text`` (its sign of being ready)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
+        if ready:
+            line = stream.readline()
+            if text in line:
+                return
+            if not line:
+                break
+    raise AssertionError(f"no {text!r} from the child within {timeout}s")
+
+
+def wireguard_datagrams(capture: Path) -> int:
+    """How many UDP datagrams to or from the WireGuard port the capture holds so far."""
+    udp = subprocess.run(["tcpdump", "-nr", str(capture), "udp port 51820"], capture_output=True, text=True)
+    return udp.stdout.count("UDP")
+
+
 @pytest.mark.chaos  # not yet passing end to end: make chaos runs it (docs/cluster.md "Not yet")
 @pytest.mark.timeout(600)
 def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_credential(network: Network) -> None:
@@ -106,24 +128,21 @@ def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_cr
     )
     capture = w1.data_dir / "eth0.pcap"
     tcpdump = subprocess.Popen(
-        ["ip", "netns", "exec", w1.netns, "tcpdump", "-i", "eth0", "-w", str(capture), "-U"], stderr=subprocess.DEVNULL
-    )
-    server = subprocess.Popen(
-        [
-            "ip",
-            "netns",
-            "exec",
-            w1.netns,
-            "python3",
-            "-c",
-            f"import socket; s=socket.create_server(({mesh['w1']!r}, 7001)); c,_=s.accept(); "
-            "print(c.recv(100).decode(), flush=True)",
-        ],
-        stdout=subprocess.PIPE,
+        ["ip", "netns", "exec", w1.netns, "tcpdump", "-i", "eth0", "-w", str(capture), "-U"],
+        stderr=subprocess.PIPE,
         text=True,
     )
+    listener = (
+        f"import socket; s=socket.create_server(({mesh['w1']!r}, 7001)); print('ready', flush=True); "
+        "c,_=s.accept(); print(c.recv(100).decode(), flush=True)"
+    )
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", w1.netns, "python3", "-c", listener], stdout=subprocess.PIPE, text=True
+    )
     try:
-        time.sleep(1.0)  # tcpdump and the listener come up (no signal to wait on from outside the namespace)
+        assert tcpdump.stderr is not None and server.stdout is not None
+        read_until(tcpdump.stderr, "listening on", timeout=30)  # capturing from here on
+        read_until(server.stdout, "ready", timeout=30)
         send = (
             f"import socket; c=socket.create_connection(({mesh['w1']!r}, 7001), timeout=10); "
             f"c.sendall({PAYLOAD!r}.encode()); c.close()"
@@ -131,15 +150,14 @@ def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_cr
         m1.exec("python3", "-c", send)
         out, _ = server.communicate(timeout=20)
         assert PAYLOAD in out
+        eventually_sync(lambda: wireguard_datagrams(capture) > 0, timeout=20, what="WireGuard datagrams on the veth")
     finally:
         server.kill()
-        time.sleep(0.5)
         tcpdump.terminate()
         tcpdump.wait(10)
     wire = capture.read_bytes()
     assert PAYLOAD.encode() not in wire, "the app's payload crossed the wire in clear"
-    udp = subprocess.run(["tcpdump", "-nr", str(capture), "udp port 51820"], capture_output=True, text=True)
-    assert udp.stdout.count("UDP") > 0, "no WireGuard datagrams on the veth"
+    assert wireguard_datagrams(capture) > 0, "no WireGuard datagrams on the veth"
 
     # Removal: the worker's credentials stop working on every server.
     creds = w1.data_dir / "agent" / "node.creds"  # the node's own, apart from the control plane's (cli/layout.py)
