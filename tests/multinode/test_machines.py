@@ -87,7 +87,7 @@ def wireguard_datagrams(capture: Path) -> int:
     return udp.stdout.count("UDP")
 
 
-@pytest.mark.chaos  # not yet passing end to end: make chaos runs it (docs/cluster.md "Not yet")
+@pytest.mark.chaos  # machines in namespaces, about 70 s: make chaos runs it
 @pytest.mark.timeout(600)
 def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_credential(network: Network) -> None:
     m1 = network.add("m1")
