@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from typer.testing import CliRunner
 
+import cli.machine_cmds
 import cli.main
 import cli.security_cmds
 import cli.up_cmds
@@ -18,17 +20,23 @@ from cli.up_cluster import ALL_IN_ONE_SERVICES, SERVICES, Cluster
 from shared.embedded import free_port
 
 
-@pytest.mark.parametrize("flags", [["--secure"], ["--tls"]])
-def test_secure_up_passes_proxy_port_and_no_node_to_the_cluster(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str]
-) -> None:
+def started_clusters(monkeypatch: pytest.MonkeyPatch, module: ModuleType) -> list[Cluster]:
+    """The clusters ``module``'s ``run_up`` is given (nothing is started)."""
     started: list[Cluster] = []
 
     def run_up(cluster: Cluster, *, hint: str = "") -> int:
         started.append(cluster)
         return 0
 
-    monkeypatch.setattr(cli.security_cmds, "run_up", run_up)
+    monkeypatch.setattr(module, "run_up", run_up)
+    return started
+
+
+@pytest.mark.parametrize("flags", [["--secure"], ["--tls"]])
+def test_secure_up_passes_proxy_port_and_no_node_to_the_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str]
+) -> None:
+    started = started_clusters(monkeypatch, cli.security_cmds)
     result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), *flags, "--proxy-port", "18099", "--no-node"])
     assert result.exit_code == 0, result.output
     (cluster,) = started
@@ -38,13 +46,7 @@ def test_secure_up_passes_proxy_port_and_no_node_to_the_cluster(
 
 
 def test_up_gives_each_process_its_own_metrics_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    started: list[Cluster] = []
-
-    def run_up(cluster: Cluster, *, hint: str = "") -> int:
-        started.append(cluster)
-        return 0
-
-    monkeypatch.setattr(cli.up_cmds, "run_up", run_up)
+    started = started_clusters(monkeypatch, cli.up_cmds)
     base = free_port()
     result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), "--metrics-port", str(base)])
     assert result.exit_code == 0, result.output
@@ -150,15 +152,7 @@ def test_the_banner_is_not_wrapped_when_not_on_a_terminal(tmp_path: Path, capsys
 def test_a_machine_of_a_cluster_of_machines_honours_the_proxy_and_metrics_flags(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import cli.machine_cmds
-
-    started: list[Cluster] = []
-
-    def run_up(cluster: Cluster, *, hint: str = "") -> int:
-        started.append(cluster)
-        return 0
-
-    monkeypatch.setattr(cli.machine_cmds, "run_up", run_up)
+    started = started_clusters(monkeypatch, cli.machine_cmds)
     flags = ["--proxy-listen", "127.0.0.1:18098", "--proxy-tls-listen", "", "--metrics-port", "0", "--no-node"]
     machine = ["--secure", "--tls", "--name", "m1", "--advertise", "10.231.0.11"]
     result = CliRunner().invoke(app, ["up", "--data-dir", str(tmp_path), *machine, *flags])
