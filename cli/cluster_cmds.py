@@ -162,7 +162,9 @@ async def _leaders(conn: Connection) -> list[dict[str, str]]:
             lease = pb.Lease.FromString(msg.data)
         except DecodeError:
             continue
-        loop = msg.subject.removeprefix(f"{STATE_PREFIX}lease.")
+        # A direct get's answer arrives on the requester's inbox: the key is in its Nats-Subject header.
+        subject = (msg.headers or {}).get("Nats-Subject", msg.subject)
+        loop = subject.removeprefix(f"{STATE_PREFIX}lease.")
         found.append({"loop": loop, "holder": lease.holder, "version": lease.version})
     return sorted(found, key=lambda leader: leader["loop"])
 

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner, Result
+from zattera.v1 import types_pb2 as pb
 
 from cli.main import app
+from shared import keys as K
 from shared.connection import connect
 from shared.provisioning import provision
 from shared.streams import ClusterConfig, live_stream_config, state_stream_config
-from shared.subjects import LIVE_STREAM, STATE_STREAM
+from shared.subjects import LIVE_STREAM, STATE_PREFIX, STATE_STREAM
 
 Invoke = Callable[..., Result]
 
@@ -103,6 +105,22 @@ async def test_a_cluster_provisioned_before_the_configuration_was_recorded_is_de
         assert not report.initialized and report.mismatches == []
     finally:
         await conn.close()
+
+
+def test_status_names_the_loop_each_lease_leads(cli: Invoke, nats_url: str) -> None:
+    assert cli("cluster", "init").exit_code == 0
+
+    async def lead() -> None:
+        conn = await connect(nats_url, name="t")
+        try:
+            lease = pb.Lease(holder="scheduler@test", version="9.9.9")
+            await conn.js.publish(f"{STATE_PREFIX}{K.lease('scheduler')}", lease.SerializeToString())
+        finally:
+            await conn.close()
+
+    asyncio.run(lead())
+    status = json.loads(cli("cluster", "status", "--json").stdout)
+    assert {"loop": "scheduler", "holder": "scheduler@test", "version": "9.9.9"} in status["leaders"]
 
 
 def test_the_cli_never_changes_a_stream(cli: Invoke, nats_url: str) -> None:
