@@ -1,6 +1,7 @@
 """A cluster of machines, each a network namespace running what ``zattera up`` runs there (``--secure
 --tls``): the first server machine, a worker joined with one command, every bad join refused in one line with
-nothing left behind, app traffic between machines inside WireGuard, and a removed worker's credential dead."""
+nothing left behind, app traffic between machines inside WireGuard, a second server machine joined with one
+command, and a removed worker's credential dead on every server."""
 
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ def nodes(server: Machine) -> dict[str, dict[str, object]]:
     if done.returncode != 0:
         return {}
     return {n["meta"]["id"]: n for n in json.loads(done.stdout)}
+
+
+def servers(server: Machine) -> int:
+    """How many NATS servers the cluster has, as ``zattera cluster status`` counts them."""
+    done = server.zattera("cluster", "status", "--json", env=cli_env(server))
+    return int(json.loads(done.stdout)["servers"]) if done.returncode == 0 else 0
 
 
 def token(server: Machine, *args: str) -> str:
@@ -87,7 +94,7 @@ def wireguard_datagrams(capture: Path) -> int:
     return udp.stdout.count("UDP")
 
 
-@pytest.mark.chaos  # machines in namespaces, about 70 s: make chaos runs it
+@pytest.mark.chaos  # machines in namespaces, about 95 s: make chaos runs it
 @pytest.mark.timeout(600)
 def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_credential(network: Network) -> None:
     m1 = network.add("m1")
@@ -159,6 +166,21 @@ def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_cr
     assert PAYLOAD.encode() not in wire, "the app's payload crossed the wire in clear"
     assert wireguard_datagrams(capture) > 0, "no WireGuard datagrams on the veth"
 
+    # A second server machine joins with one command: its NATS server routes to the cluster's, its node registers.
+    m2 = network.add("m2")
+    m2.start(
+        "--join",
+        token(m1, "--server", "--data-dir", str(m1.data_dir)),
+        "--server",
+        "--name",
+        "m2",
+        "--advertise",
+        m2.address,
+        *common,
+    )
+    eventually_sync(lambda: "m2" in nodes(m1), timeout=150, what="the second server machine registers its node")
+    eventually_sync(lambda: servers(m1) == 4, timeout=60, what="m2's NATS server in the cluster (3 seats and m2's)")
+
     # Removal: the worker's credentials stop working on every server.
     creds = w1.data_dir / "agent" / "node.creds"  # the node's own, apart from the control plane's (cli/layout.py)
     ca = w1.data_dir / "control" / "security" / "tls" / "ca.pem"
@@ -168,6 +190,6 @@ def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_cr
     done = m1.zattera("nodes", "remove", "w1", env=cli_env(m1))
     assert done.returncode == 0, done.stderr
     assert "credential(s) revoked" in done.stdout
-    for port in (4222, 4223, 4224):
-        assert "Authorization" in connects(w1, creds, ca, f"tls://{m1.address}:{port}")
+    for server_url in [*(f"tls://{m1.address}:{port}" for port in (4222, 4223, 4224)), f"tls://{m2.address}:4222"]:
+        assert "Authorization" in connects(w1, creds, ca, server_url), server_url
     assert "w1" not in nodes(m1)
