@@ -6,6 +6,11 @@ saturated by a CPU hog the test started, and the app writes on while no agent ru
 the same process (same pid) or container and ships from the saved cursors (the output files' offsets; for a
 container also where its output was copied up to): every number the app wrote must reach the stream.
 ``make test`` runs a few rounds per runtime, ``make chaos`` twenty.
+
+How far the app has written is the number of its last line, which only grows: not a count of lines kept
+somewhere, which shrinks when the agent gives shipped bytes back (hole punching) or the daemon rotates the
+container's log away. An agent is signalled only once it has shipped a line written after its predecessor
+stopped: it runs its body then, so its signal handlers are in place.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ import psutil
 import pytest
 from nats.aio.msg import Msg
 
-from services.agent.logs import STREAM_FILES
+from services.agent.docker_containers import container_config
+from services.agent.docker_images import ContainerImage
+from services.agent.launchers import LaunchPlan
+from services.agent.logs import STREAM_FILES, punch_hole
 from services.agent.processes import InstanceRecord
 from shared.applogs import STDOUT, LogLimits, app_log_subject, app_logs_stream_config, lines_of
 from shared.connection import Connection
@@ -33,6 +41,7 @@ from shared.provisioning import create_or_update_stream
 from shared.txn import Writer
 from tests.agent.conftest import assignment, process_ref, release
 from tests.cpuhog import cpu_hog
+from tests.dockerd import BASE_IMAGE
 from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,21 +82,46 @@ class Shipped:
         return sorted(set(range(top + 1)) - self.numbers)
 
 
-def lines_in_file(path: Path) -> int:
-    """Lines the app has written so far (shipped bytes punched out of the file read as zeros)."""
+def number_of(line: str | bytes) -> int:
+    """The number an app's line ``out <n>`` carries."""
+    text = line.decode() if isinstance(line, bytes) else line
+    return int(text.split()[1])
+
+
+def last_number_in_file(path: Path) -> int:
+    """The number of the last complete line of an output file (-1: none yet). Read from the file's end: the
+    agent punches shipped bytes out of its start (they read as zeros), never its newest ones."""
     try:
-        return path.read_bytes().count(b"\n")
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - 4096))
+            tail = f.read()
     except FileNotFoundError:
-        return 0
+        return -1
+    complete = [line for line in tail[: tail.rfind(b"\n") + 1].split(b"\n") if line.startswith(b"out ")]
+    return number_of(complete[-1]) if complete else -1
+
+
+async def last_number_in_container(docker_host: str, container_id: str) -> int:
+    """The number of the last line of a container's output the daemon keeps (-1: none yet)."""
+    docker = aiodocker.Docker(url=docker_host)
+    try:
+        container = await docker.containers.get(container_id)
+        tail = await container.log(stdout=True, tail=1)
+        return number_of(tail[-1]) if tail else -1
+    finally:
+        await docker.close()
 
 
 @dataclass
 class App:
-    """The writing app on one runtime: its image ref, how many lines it has written, what identifies it."""
+    """The writing app on one runtime: its image ref, how far it has written, what identifies it."""
 
     runtime: str
     docker_host: str = ""
     instance: Path = Path()
+    seen: int = -1
+    """The highest number :meth:`written` returned so far."""
 
     def ref(self, directory: Path) -> str:
         if self.runtime == "docker":
@@ -102,16 +136,16 @@ class App:
         return record.container_id or str(record.pid)
 
     async def written(self) -> int:
-        """Lines written so far: the output file of a process; the daemon's log of a container (its file is
-        filled by the agent's follower, which is down with the agent)."""
+        """The number of the last line written so far: the end of a process's output file; the daemon's last
+        line of a container (the output file is filled by the agent's follower, which is down with the
+        agent). It never goes back: a measure that did would make the rounds' conditions vacuous."""
         if self.runtime != "docker":
-            return lines_in_file(self.instance / STREAM_FILES[STDOUT])
-        docker = aiodocker.Docker(url=self.docker_host)
-        try:
-            container = await docker.containers.get(self.identity())
-            return len(await container.log(stdout=True))
-        finally:
-            await docker.close()
+            last = last_number_in_file(self.instance / STREAM_FILES[STDOUT])
+        else:
+            last = await last_number_in_container(self.docker_host, self.identity())
+        assert last >= self.seen, f"the app's last line went back from {self.seen} to {last}"
+        self.seen = last
+        return last
 
     async def kill(self) -> None:
         record = InstanceRecord.load(self.instance)
@@ -175,11 +209,12 @@ async def test_agent_stops_and_kills_under_cpu_pressure_lose_no_line(
     agent: subprocess.Popen[bytes] | None = None
     try:
         with cpu_hog():
-            before = 0
+            before = -1
             for i in range(rounds):
                 agent = start_agent(nats_url, data_dir, log, app)
+                # A line written after the last agent stopped (> before) is shipped by this one only: it runs.
                 await eventually(
-                    lambda before=before: len(shipped.numbers) > before + 20,
+                    lambda before=before: max(shipped.numbers, default=-1) > before + 20,
                     ROUND_TIMEOUT,
                     f"round {i}: what was written while no agent ran, and more, shipped",
                 )
@@ -196,7 +231,9 @@ async def test_agent_stops_and_kills_under_cpu_pressure_lose_no_line(
                 await eventually(wrote_on, 30, f"round {i}: the app writes on")
                 before = await app.written()
             agent = start_agent(nats_url, data_dir, log, app)
-            await eventually(lambda: len(shipped.numbers) > before, ROUND_TIMEOUT, "the last backlog shipped")
+            await eventually(
+                lambda: max(shipped.numbers, default=-1) > before, ROUND_TIMEOUT, "the last backlog shipped"
+            )
         assert app.identity() == identity
         assert shipped.gaps() == [], f"lines never shipped: {shipped.gaps()[:20]} (agent log: {log})"
         assert max(shipped.numbers) >= before
@@ -205,3 +242,52 @@ async def test_agent_stops_and_kills_under_cpu_pressure_lose_no_line(
             agent.kill()
             agent.wait()
         await app.kill()
+
+
+def test_how_far_a_process_wrote_survives_the_agent_giving_shipped_bytes_back(tmp_path: Path) -> None:
+    """The agent punches shipped bytes out of an output file (they read as zeros): a count of the file's
+    lines shrinks then (a round's condition measured so held at once, and the agent was signalled before
+    it had installed its handlers); the number of the last line stays."""
+    path = tmp_path / "stdout.log"
+    path.write_bytes(b"".join(b"out %d\n" % i for i in range(300_000)) + b"out 300")
+    lines = path.read_bytes().count(b"\n")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert punch_hole(fd, 2 * 1024 * 1024), "hole punching unsupported here"
+    finally:
+        os.close(fd)
+    assert path.read_bytes().count(b"\n") < lines - 100_000
+    assert last_number_in_file(path) == 299_999  # the unterminated last line is not complete yet
+    assert last_number_in_file(tmp_path / "missing.log") == -1
+
+
+@pytest.mark.chaos
+async def test_how_far_a_container_wrote_survives_the_daemon_rotating_its_log(docker_host: str) -> None:
+    """The daemon keeps a container's output in two json-file files of 10 MB (the agent's log config): past
+    them it drops the older one, so the count of lines it returns falls by half (in the 20-round docker
+    variant about round 18: "the app writes on" was never met, or the next round's condition held before
+    the agent ran); the number of the last line only grows."""
+    flood = 'i=0; while :; do echo "out $i"; i=$((i+1)); done'
+    image = ContainerImage("exec:", Path("/"), tag=BASE_IMAGE)
+    config = container_config(["/bin/sh", "-c", flood], image=image, env={}, plan=LaunchPlan(), labels={}, pids_limit=0)
+    docker = aiodocker.Docker(url=docker_host)
+    container = await docker.containers.create(config)
+    try:
+        await container.start()
+        seen = -1
+
+        async def past_two_rotations() -> bool:
+            nonlocal seen
+            last = await last_number_in_container(docker_host, container.id)
+            assert last >= seen, f"the last line went back from {seen} to {last}"
+            seen = last
+            return last > 300_000
+
+        await eventually(past_two_rotations, 300, "the container wrote 300k lines")
+        kept = len(await container.log(stdout=True))
+        assert kept < seen - 100_000, f"the daemon kept {kept} of {seen} lines: no rotation dropped any"
+        assert await last_number_in_container(docker_host, container.id) >= seen
+    finally:
+        with contextlib.suppress(aiodocker.DockerError):
+            await container.delete(force=True)
+        await docker.close()
