@@ -47,6 +47,9 @@ from shared.version import VERSION
 
 log = logging.getLogger(__name__)
 
+UNCONFIRMED_RELEASE_TRIES = 3
+"""Read-and-delete attempts when releasing a lease whose acquiring writes may still be landing."""
+
 REQUEST_TIMEOUT = 1.0
 """A lease write or read not answered within this is asked again (a request sent to a stream during its
 leader election is never answered, even after the election)."""
@@ -244,9 +247,7 @@ class Lease:
             if self._unconfirmed:  # cancelled while confirming an acquisition
                 self._unconfirmed = False
                 with contextlib.suppress(Exception):
-                    rev, value = await self._read_last()
-                    if value is not None and self._ours(value):
-                        await self._delete(rev)
+                    await self._release_unconfirmed()
                 return
             if not self.held:
                 return
@@ -255,6 +256,22 @@ class Lease:
             self.lost_reason = "released"
             with contextlib.suppress(Exception):
                 await self._delete(self.rev)
+
+    async def _release_unconfirmed(self) -> None:
+        """Delete the lease if one of this process's acquiring writes holds it. Those writes were sent before the
+        cancel and may still land: first let the server take everything sent (a flush), then read and delete,
+        again when a write landed between the two (the delete is refused on the moved revision)."""
+        await self._conn.nc.flush(timeout=2)
+        for _ in range(UNCONFIRMED_RELEASE_TRIES):
+            rev, value = await self._read_last()
+            if value is None or not self._ours(value):
+                return
+            try:
+                await self._delete(rev)
+                return
+            except APIError as exc:
+                if exc.err_code != WRONG_LAST_SEQUENCE:
+                    raise
 
     async def _delete(self, rev: int) -> None:
         await self._conn.js.publish(
