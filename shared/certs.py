@@ -83,7 +83,7 @@ class Plan:
     create: tuple[str, ...]  # new PENDING records
     orders: tuple[Order, ...]
     forget: tuple[str, ...]  # hostnames nothing wants any more: their records are deleted
-    next_due: float | None  # the earliest instant a record falls due (renewal or retry)
+    next_due: float | None  # the earliest instant a record falls due (renewal, retry, or being forgotten)
 
 
 def due_at(cert: pb.Certificate) -> float:
@@ -94,13 +94,35 @@ def due_at(cert: pb.Certificate) -> float:
     return max(from_timestamp(cert.renew_at), retry)
 
 
-def plan(wanted: Iterable[str], certs: Mapping[str, pb.Certificate], now: float) -> Plan:
-    """What the certificate loop does now, given the wanted hostnames and their records by hostname."""
+FORGET_AFTER = 3600.0
+"""Seconds a valid certificate whose name nothing wants any more is kept before its record is deleted. A
+name can be unwanted for a while and come back: a restore writes the certificates before the environments
+whose routes want them (docs/backup.md), a route snapshot lags its environments. Deleted at once, such a
+certificate would be ordered again (from a rate-limited CA, or from a new machine's local CA: another
+certificate than the one clients saw). A record with no certificate in it (pending, failed) goes at once."""
+
+
+def plan(
+    wanted: Iterable[str],
+    certs: Mapping[str, pb.Certificate],
+    now: float,
+    unwanted_since: Mapping[str, float] | None = None,
+) -> Plan:
+    """What the certificate loop does now, given the wanted hostnames and their records by hostname;
+    ``unwanted_since``: since when each record's name is not wanted (a name missing from it: for ever),
+    a valid certificate is forgotten :data:`FORGET_AFTER` later."""
     want = set(wanted)
+    since = unwanted_since or {}
     create = tuple(sorted(want - certs.keys()))
-    forget = tuple(sorted(certs.keys() - want))
-    orders = [Order(host, False) for host in create]
+    forget: list[str] = []
     next_due: float | None = None
+    for host in sorted(certs.keys() - want):
+        kept_until = since.get(host, float("-inf")) + FORGET_AFTER
+        if not certs[host].chain_pem or kept_until <= now:
+            forget.append(host)
+        elif next_due is None or kept_until < next_due:
+            next_due = kept_until
+    orders = [Order(host, False) for host in create]
     for host in sorted(want & certs.keys()):
         cert = certs[host]
         due = due_at(cert)
@@ -108,7 +130,7 @@ def plan(wanted: Iterable[str], certs: Mapping[str, pb.Certificate], now: float)
             orders.append(Order(host, bool(cert.chain_pem)))
         elif next_due is None or due < next_due:
             next_due = due
-    return Plan(create, tuple(orders), forget, next_due)
+    return Plan(create, tuple(orders), tuple(forget), next_due)
 
 
 def pending_record(hostname: str, issuer: str) -> pb.Certificate:

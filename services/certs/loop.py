@@ -4,10 +4,15 @@ Each pass reads the wanted hostnames (every ``Domain``'s, plus the route snapsho
 service follows routes: a snapshot that routes a new name wakes a pass at once, :class:`RoutedHosts`, so an
 implicit ``<app>-<env>.localhost`` name gets its certificate as soon as it is routed, not at the next tick)
 and the ``Certificate`` records, asks :func:`shared.certs.plan` what to do, and
-commits: new hostnames get a PENDING record and stale records are deleted in one write; then each due
-order runs (only the lease holder orders, so a name is never ordered twice at once across replicas) and
-its outcome — the new chain and sealed key, or the CA's reason and the backoff — is one fenced write.
-Events ``certificate.issued``, ``certificate.renewed``, ``certificate.failed`` follow the write.
+commits: new hostnames get a PENDING record and stale records are deleted in one write (a valid
+certificate only once its name has been unwanted for ``FORGET_AFTER``); then each due order runs (only the
+lease holder orders, so a name is never ordered twice at once across replicas) and its outcome — the new
+chain and sealed key, or the CA's reason and the backoff — is one fenced write. Events
+``certificate.issued``, ``certificate.renewed``, ``certificate.failed`` follow the write.
+
+The proxies fetch the certificates again on ``zattera.certs.changed``: the loop publishes it after its own
+writes, and on any pass that finds the servable records changed by another writer (``zattera restore``
+puts a backup's certificates back).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from shared.certs import (
     Order,
     after_failure,
     after_success,
+    due_at,
     hostname_problem,
     is_local_host,
     pending_record,
@@ -78,6 +84,14 @@ class RoutedHosts:
         return feed
 
 
+Served = tuple[str, str, bytes]
+"""What a proxy is handed of a certificate record: its chain, and its key (the key id it is sealed to)."""
+
+
+def served(cert: pb.Certificate) -> Served:
+    return (cert.chain_pem, cert.key_id, bytes(cert.sealed_key))
+
+
 class CertificateLoop(LeaderLoop):
     name = "certs"
     kinds = frozenset({K.DOMAIN, K.CERT, K.ACME_ACCOUNT, K.SECRETS_KEY})
@@ -99,9 +113,13 @@ class CertificateLoop(LeaderLoop):
         self.extra_hosts = extra_hosts if routed is None else (lambda: routed.current)
         self._account: Account | None = None
         self._next_due: float | None = None
+        self._unwanted_since: dict[str, float] = {}
+        self._announced: dict[str, Served] | None = None  # what the last notice told the proxies of
 
     def on_term_start(self) -> None:
         self._next_due = None
+        self._unwanted_since = {}
+        self._announced = None
 
     def extra_feeds(self) -> Sequence[ChangeFeed]:
         return [self.routed.subscribe()] if self.routed is not None else []
@@ -138,7 +156,10 @@ class CertificateLoop(LeaderLoop):
 
     async def run_pass(self) -> None:
         certs = {c.hostname: c for c in self.view.all(K.CERT) if isinstance(c, pb.Certificate)}
-        decided = plan(self.wanted(), certs, self.clock.now())
+        now, wanted = self.clock.now(), self.wanted()
+        self._unwanted_since = {h: self._unwanted_since.get(h, now) for h in certs.keys() - wanted}
+        await self._announce({h: served(c) for h, c in certs.items() if c.chain_pem})
+        decided = plan(wanted, certs, now, self._unwanted_since)
         self._next_due = decided.next_due
         records = Decision(
             "certs",
@@ -149,7 +170,7 @@ class CertificateLoop(LeaderLoop):
         if not landed:
             return  # the change that refused it wakes the next pass
         if decided.forget:
-            await self.conn.nc.publish(CHANGED_SUBJECT, b"")
+            await self._announce({h: c for h, c in (self._announced or {}).items() if h not in decided.forget})
         for order in decided.orders:
             await self._order(order)
 
@@ -172,11 +193,13 @@ class CertificateLoop(LeaderLoop):
                 [Decision(f"certs: failure of {order.hostname}", puts=[failed], events=[event])]
             )
             return
-        await self._store(order, chain, key_pem)
+        await self._store(order, chain, key_pem, current.chain_pem)
 
-    async def _store(self, order: Order, chain: str, key_pem: bytes) -> None:
+    async def _store(self, order: Order, chain: str, key_pem: bytes, ordered_over: str) -> None:
         """Seal the new key to the published cluster key and store it, fenced on that key's record: a key
-        rotated meanwhile (its re-sealing pass would miss this write) makes it seal again."""
+        rotated meanwhile (its re-sealing pass would miss this write) makes it seal again. A record that got
+        another certificate meanwhile (``ordered_over``: the chain it held when ordered), not due, is kept:
+        a restore put the backup's back."""
         issuer = self.issuer_of(order.hostname)
         assert self.writer is not None
         writer = self.writer
@@ -186,6 +209,8 @@ class CertificateLoop(LeaderLoop):
             cluster_key = self.view.get(K.SECRETS_KEY, CLUSTER_KEY)
             if not isinstance(current, pb.Certificate) or not isinstance(cluster_key, pb.SecretsKey):
                 return Attempt(None, None)  # no longer wanted (or the key is gone): the next pass decides again
+            if current.chain_pem != ordered_over and due_at(current) > self.clock.now():
+                return Attempt(None, None)
             sealed = Issued(chain, seal(cluster_key.public_key, key_pem), cluster_key.key_id)
             updated = after_success(current, sealed, issuer)
             return Attempt(writer.txn("certs").put(updated).put(cluster_key), updated)
@@ -205,7 +230,14 @@ class CertificateLoop(LeaderLoop):
             {"issuer": issuer},
         )
         await self.events.publish(event)
-        await self.conn.nc.publish(CHANGED_SUBJECT, b"")
+        await self._announce({**(self._announced or {}), order.hostname: served(updated)})
+
+    async def _announce(self, servable: dict[str, Served]) -> None:
+        """Tell the proxies to fetch the certificates again when ``servable`` is not what they were last told
+        of (every first pass of a term: a change may have come while no leader ran)."""
+        if servable != self._announced:
+            await self.conn.nc.publish(CHANGED_SUBJECT, b"")
+            self._announced = servable
 
     async def _obtain(self, hostname: str) -> tuple[str, bytes]:
         """(chain PEM, private key PEM) from the local CA or the ACME directory; raises OrderFailed."""

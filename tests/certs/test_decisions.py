@@ -30,6 +30,18 @@ def test_new_hosts_are_created_and_ordered_stale_ones_forgotten() -> None:
     assert plan.forget == ("old.example.com",)
 
 
+def test_a_valid_certificate_is_forgotten_only_once_its_name_has_been_unwanted_for_a_while() -> None:
+    """A restore writes certificates before the environments whose routes want them: kept meanwhile."""
+    certs = {"kept.example.com": stored("kept.example.com", renew_at=NOW + DAY)}
+    certs["failed.example.com"] = stored("failed.example.com", renew_at=0.0, chain="")
+    since = dict.fromkeys(certs, NOW - 60)
+    plan = C.plan(set(), certs, NOW, since)
+    assert plan.forget == ("failed.example.com",)  # nothing in it to keep
+    assert plan.next_due == NOW - 60 + C.FORGET_AFTER
+    assert C.plan(set(), certs, NOW + C.FORGET_AFTER, since).forget == ("failed.example.com", "kept.example.com")
+    assert C.plan({"kept.example.com"}, certs, NOW + C.FORGET_AFTER, since).forget == ("failed.example.com",)
+
+
 @pytest.mark.parametrize(
     ("renew_at", "retry_at", "chain", "ordered", "next_due"),
     [

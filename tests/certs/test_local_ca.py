@@ -15,6 +15,7 @@ from zattera.v1 import types_pb2 as pb
 from services.secrets.service import SecretsService
 from shared import certs as C
 from shared import keys as K
+from shared.backup.cluster import write_state
 from shared.certclient import CACHE_FILE, CertClient
 from shared.connection import Connection
 from shared.routewire import content_digest, encode_messages
@@ -27,6 +28,7 @@ from tests.eventlog import stored_events, wait_for_kinds
 from tests.waiting import eventually
 
 HOST = "hello-production.localhost"
+OTHER, THIRD = "other-production.localhost", "third-production.localhost"
 
 
 async def start_certs_service(nats_url: str, data_dir: Path, **env: str) -> asyncio.subprocess.Process:
@@ -154,3 +156,42 @@ async def test_a_set_that_arrives_while_the_reader_installs_the_previous_one_is_
     finally:
         await client.stop()
         await stop(service)
+
+
+async def test_a_restored_certificate_reaches_the_proxies_and_is_kept_until_its_name_is_routed(
+    nats_url: str, conn: Connection, view: StateView, writer: Writer, secrets_service: SecretsService, tmp_path: Path
+) -> None:
+    """As ``zattera restore`` does on a new machine: a certificate record put back by another writer than the
+    loop, before anything routes its name (the environments come last), under a certs service with another
+    local CA. The proxies are told at once (not at their 5-minute refresh), the record is not forgotten
+    as unwanted, and once the name is routed it is served as it was: no new order."""
+    first = await start_certs_service(nats_url, tmp_path / "old", ZATTERA_LOOP_TICK="3600")
+    try:
+        await eventually(lambda: view.lease("certs") is not None, 30, "the certs loop leading")
+        await publish_cert_hosts(conn, 1, HOST)
+        await eventually(lambda: valid(view, HOST), 20, "the certificate of the old machine")
+    finally:
+        await stop(first)
+    backed_up = view.get(K.CERT, K.cert_id(HOST))
+    assert isinstance(backed_up, pb.Certificate)
+    await writer.commit(writer.txn().delete(K.cert(HOST)))
+
+    client = CertClient(tmp_path / "proxy" / CACHE_FILE)
+    await client.start(conn)
+    service = await start_certs_service(nats_url, tmp_path / "new", ZATTERA_LOOP_TICK="3600")
+    try:
+        await eventually(lambda: view.lease("certs") is not None, 30, "the new certs loop leading")
+        await publish_cert_hosts(conn, 1, OTHER)
+        await eventually(lambda: OTHER in client.current, 20, "the proxy holds the new machine's certificate")
+        assert HOST not in client.current
+        await write_state(conn, [(K.cert(HOST), backed_up.SerializeToString())])  # the restore's write
+        await eventually(lambda: HOST in client.current, 10, "the restored certificate reaches the proxy")
+        assert client.current[HOST].chain_pem == backed_up.chain_pem
+
+        await publish_cert_hosts(conn, 2, HOST, OTHER, THIRD)
+        await eventually(lambda: valid(view, THIRD), 20, "a pass after the restored name is routed")
+        kept = view.get(K.CERT, K.cert_id(HOST))
+        assert isinstance(kept, pb.Certificate) and kept.chain_pem == backed_up.chain_pem
+    finally:
+        await stop(service)
+        await client.stop()
