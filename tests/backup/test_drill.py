@@ -212,7 +212,10 @@ async def test_a_corrupted_or_truncated_backup_is_named_and_refused(
         flipped = bytearray(SOURCE)
         flipped[7] ^= 1
         s3c.put_object(Bucket=BUCKET, Key=f"blobs/{digest}", Body=bytes(flipped))
-        with pytest.raises(Corrupt, match=r"object sources/01SRC does not match its SHA-256 \(altered\)"):
+        altered = r"object sources/01SRC does not match its SHA-256 \(altered\)"
+        with pytest.raises(Corrupt, match=altered):
+            await verify_backup(VerifyBackup(target, created.id))
+        with pytest.raises(Corrupt, match=altered):
             await restore_backup(new.ctx, RestoreBackup(target, PASSPHRASE, str(new.keyring)))
         assert new.view.env(ENV) is None
 
