@@ -39,7 +39,7 @@ def domains_add(hostname: str = HOSTNAME, env: str = ENV) -> None:
 
 @domains_app.command("remove")
 def domains_remove(hostname: str = HOSTNAME) -> None:
-    """Stop routing HOSTNAME; its certificate is deleted by the certificate loop."""
+    """Stop routing HOSTNAME; the certificate loop deletes its certificate an hour later."""
 
     async def go() -> None:
         async with control() as c:

@@ -2,7 +2,7 @@
 
 ``add_domain`` routes a hostname to an environment (a ``Domain`` record); the certificate loop then
 obtains its certificate and the route builder routes it. ``remove_domain`` stops routing it; the
-certificate loop deletes its certificate. Nothing here touches key material.
+certificate loop deletes its certificate an hour later. Nothing here touches key material.
 """
 
 from __future__ import annotations
