@@ -61,6 +61,20 @@ def test_backup_commands_round_trip(
     )
     assert wrong.exit_code == 1 and "the recovery passphrase does not open" in wrong.output
 
+    # A truncated object: named by `backup verify` and by `restore`, which writes nothing (exit 1 both).
+    monkeypatch.setenv("ZATTERA_RECOVERY_PASSPHRASE", PASSPHRASE)
+    manifest = json.loads((Path(target) / "backups" / backup_id / "manifest.json").read_text())
+    entry = next(e for e in manifest["entries"] if e["kind"] == "sources")
+    blob = Path(target) / "blobs" / entry["sha256"]
+    blob.write_bytes(blob.read_bytes()[:10])
+    problem = f"object sources/{entry['name']} is 10 bytes, expected {entry['size']} (truncated?)"
+    broken = zattera("backup", "verify", "--from", target)
+    assert broken.exit_code == 1 and problem in broken.output, broken.output
+    refused = runner.invoke(
+        app, ["--nats", nats_server.url, "restore", "--from", target, "--data-dir", str(new), "--force"]
+    )
+    assert refused.exit_code == 1 and problem in refused.output, refused.output
+
 
 def test_backup_schedule_status_and_a_failure_shown_by_zattera_status(
     nats_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
