@@ -156,6 +156,7 @@ async def test_backup_to_s3_then_restore_on_a_new_data_dir_serves_again(
     try:
         await eventually(lambda: "Press Ctrl-C to stop." in up.text(), 60, "zattera up is up")
         await eventually(lambda: serving(up), 90, "the local node registered, the example app applied")
+        assert (mode == "secure") == ("ZATTERA_NATS_CREDS=" in up.text()), up.text()  # the operator's credential
         up.cli("deploy", str(EXAMPLE), "--env", ENV)
         up.cli("secrets", "set", "API_TOKEN", "--env", ENV, stdin="drill-secret-value\n")
         await eventually(served, 90, "hello answers through the proxy")
