@@ -73,7 +73,7 @@ def volumes_policy(
         None,
         "--offsite",
         metavar="TARGET",
-        help="copy each snapshot to a directory or s3://bucket[/prefix] (AWS_* settings from the environment, "
+        help="copy each snapshot to a directory or s3://bucket/prefix (AWS_* settings from the environment, "
         'stored sealed); "" = stop copying',
     ),
     json: bool = JSON,
@@ -181,7 +181,7 @@ def volumes_restore(
         "",
         "--from",
         metavar="TARGET",
-        help="fetch the snapshot from its off-site target first (a directory or s3://bucket[/prefix]; AWS_* "
+        help="fetch the snapshot from its off-site target first (a directory or s3://bucket/prefix; AWS_* "
         "settings from the environment)",
     ),
     json: bool = JSON,
