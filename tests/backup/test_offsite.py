@@ -6,6 +6,8 @@ byte from the target. A failing target is loud, and bad input names the field.""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 from pathlib import Path
 
@@ -31,9 +33,10 @@ from shared.loop import LoopDeps
 from shared.secrets import load_keyring
 from shared.snapshots.store import SnapshotStore
 from tests.backup.conftest import ACCESS_KEY, BUCKET, SECRET_KEY
-from tests.backup.test_drill import Cluster, cluster
+from tests.backup.test_drill import ENV, Cluster, cluster, populate
 from tests.backup.test_schedule import _events
 from tests.backup.test_volumes import VOLUME, _snap, _volume, old_volume
+from tests.cli.rig import initialised_cli
 from tests.waiting import eventually
 
 MIB = 1 << 20
@@ -203,3 +206,28 @@ async def test_wrong_targets_and_credentials_are_refused_naming_the_field(
             await restore_volume(c.ctx, RestoreVolume(VOLUME, "", source="s3://no-such-bucket", settings=bad))
         said = str(refused_creds.value)
         assert refused_creds.value.field == "source" and "NoSuchBucket" in said and "wrong-secret-value" not in said
+
+
+def test_the_cli_sets_an_off_site_target_and_names_a_bad_one(
+    s3: str, nats_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    zattera = initialised_cli(nats_url)
+
+    async def setup() -> None:
+        async with cluster(nats_url, tmp_path / "c") as c:
+            await populate(c)
+            await c.ctx.writer.commit(c.ctx.writer.txn().create(_volume(VOLUME, ENV, "01OLDNODE")))
+
+    asyncio.run(setup())
+    url = f"s3://{BUCKET}/cli"
+    done = zattera("volumes", "policy", VOLUME, "--offsite", url, "--json")
+    assert done.exit_code == 0, done.output
+    said = json.loads(done.stdout)
+    assert said["offsite"] == url and "AWS_SECRET_ACCESS_KEY" in said["offsite_settings"]
+    assert SECRET_KEY not in done.output and ACCESS_KEY not in done.output
+    bad = zattera("volumes", "policy", VOLUME, "--offsite", "s3://no-such-bucket")
+    assert bad.exit_code != 0 and "offsite" in bad.output and "NoSuchBucket" in bad.output, bad.output
+    missing = zattera("volumes", "restore", VOLUME, "--from", url)
+    assert missing.exit_code != 0 and f"holds no off-site snapshot of volume {VOLUME}" in missing.output
+    stopped = zattera("volumes", "policy", VOLUME, "--offsite", "")
+    assert stopped.exit_code == 0 and "off-site (none)" in stopped.output, stopped.output
