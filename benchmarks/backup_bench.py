@@ -55,7 +55,7 @@ PASSPHRASE = "bench recovery passphrase, long enough"
 ENV_TEMPLATE = """
 [env.e{i}]
 replicas = {{ min = 1, max = 1 }}
-resources = {{ cpu_millis = 20, memory_mb = 32 }}
+resources = {{ cpu_millis = 10, memory_mb = 32 }}
 healthcheck = {{ type = "http", path = "/healthz", interval = "1s", timeout = "1s", grace_period = "20s" }}
 domains = ["e{i}.bench.localhost"]
 """
