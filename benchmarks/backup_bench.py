@@ -221,7 +221,9 @@ def run(quick: bool = True) -> list[Row]:
     cases = [(2, 8 * MIB)] if quick else [(10, 1024 * MIB), (100, 1024 * MIB)]
     rows: list[Row] = []
     for envs, volume_bytes in cases:
-        rows += _rows(envs, volume_bytes, asyncio.run(_scenario(envs, volume_bytes)))
+        measured = asyncio.run(_scenario(envs, volume_bytes))
+        print(f"backup_bench {envs} envs, {volume_bytes} volume bytes: {json.dumps(measured)}", flush=True)
+        rows += _rows(envs, volume_bytes, measured)
     return rows
 
 
