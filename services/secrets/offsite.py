@@ -77,7 +77,11 @@ class OffsiteSnapshots(LeaderLoop):
         return max(min(f.retry_at for f in self._failing.values()) - self.clock.now(), 0.0)
 
     async def run_pass(self) -> None:
-        for volume, snap in pending(self.view.volumes(), self.view.snapshots()):
+        todo = pending(self.view.volumes(), self.view.snapshots())
+        wanted = {(v.snapshot_policy.offsite_target, s.meta.id) for v, s in todo}
+        for gone in [key for key in self._failing if key not in wanted]:
+            del self._failing[gone]  # pruned, or the policy changed: no retry is due for it any more
+        for volume, snap in todo:
             policy = volume.snapshot_policy
             key = (policy.offsite_target, snap.meta.id)
             failing = self._failing.get(key)

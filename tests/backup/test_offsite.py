@@ -173,9 +173,14 @@ async def test_a_failing_target_is_loud_with_its_cause_and_retried(nats_url: str
         other.snapshot_policy.offsite_key_id = "k-unknown"
         await c.ctx.writer.commit(c.ctx.writer.txn().put(other))
         await loop.run_pass()
-        assert any(
-            "sealed to key k-unknown, which is not held" in e.message for e in _of(events, "volume.offsite_failed")
-        )
+        failures = await _seen(events, "volume.offsite_failed", 2)
+        assert "sealed to key k-unknown, which is not held" in failures[-1].message, failures[-1].message
+        assert loop.seconds_until_due() == 60.0
+        # A snapshot no longer there (pruned) is no longer retried.
+        await c.ctx.writer.commit(c.ctx.writer.txn().delete(K.snapshot(taken.snapshot_id)))
+        await eventually(lambda: c.view.snapshot(taken.snapshot_id) is None, 10, "the record is gone")
+        await loop.run_pass()
+        assert loop.seconds_until_due() is None
 
 
 async def test_wrong_targets_and_credentials_are_refused_naming_the_field(
