@@ -2,7 +2,8 @@
 
 Every replica answers agents' secrets requests and rotations (queue group); replicas share the key file. The
 collector of unused secret versions runs in the holder of ``lease.secrets-gc``, the scheduled backups in the
-holder of ``lease.backups``.
+holder of ``lease.backups``, the off-site copies of volume snapshots in the holder of
+``lease.snapshot-offsite``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from services.secrets.backups import ScheduledBackups
 from services.secrets.collector import SecretsCollector
+from services.secrets.offsite import OffsiteSnapshots
 from services.secrets.service import SecretsService
 from services.secrets.settings import SecretsSettings
 from shared.service import ServiceContext, main
@@ -29,7 +31,8 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     )
     collector = SecretsCollector(ctx.loop_deps, tick=ctx.settings.loop_tick, grace=cfg.gc_grace)
     backups = ScheduledBackups(ctx.loop_deps, lambda: service.keyring)
-    return [service.run(), ctx.lead(collector), ctx.lead(backups)]
+    offsite = OffsiteSnapshots(ctx.loop_deps, lambda: service.keyring)
+    return [service.run(), ctx.lead(collector), ctx.lead(backups), ctx.lead(offsite)]
 
 
 if __name__ == "__main__":

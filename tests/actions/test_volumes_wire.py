@@ -40,7 +40,7 @@ async def test_a_policy_changes_only_the_fields_given(ctx: ActionContext, writer
 @pytest.mark.parametrize(
     ("request_", "refusal", "message"),
     [
-        (SetSnapshotPolicy("VOL1"), Invalid, "give at least one of --schedule, --keep-last or --pre-hook"),
+        (SetSnapshotPolicy("VOL1"), Invalid, "give at least one of --schedule, --keep-last, --pre-hook or --offsite"),
         (SetSnapshotPolicy("VOL1", schedule="every day"), Invalid, "schedule: expected exactly 5 fields"),
         (SetSnapshotPolicy("VOL1", keep_last=1001), Invalid, "keep_last: must be 0 to 1000"),
         (SetSnapshotPolicy("nope", keep_last=1), NotFound, "volume 'nope' not found"),
