@@ -71,6 +71,7 @@ SEALED_FIELDS = {
     K.CERT: "sealed_key",
     K.ACME_ACCOUNT: "sealed_key",
     K.BACKUP_SCHEDULE: "sealed_credentials",
+    K.NOTIFY_CHANNEL: "sealed",
 }
 """Each kind holding a value sealed to the cluster key, and the field holding it (re-sealed on rotation)."""
 
@@ -359,7 +360,8 @@ class SecretsService:
         raise RuntimeError("secrets kept changing while re-sealing; rotate again")
 
     def _stale(self, keyring: Keyring, ident: str) -> Iterable[tuple[Message, PrivateKey, str]]:
-        """Every sealed value (secrets, certificate keys, the ACME account key, backup credentials) not
+        """Every sealed value (secrets, certificate keys, the ACME account key, backup credentials,
+        notification channels) not
         sealed to ``ident``."""
         for kind, field in SEALED_FIELDS.items():
             for record in self._view.all(kind):
