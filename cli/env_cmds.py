@@ -25,6 +25,7 @@ from shared.actions.names import env_path, target_env
 from shared.backup.status import BackupStatus, backup_status, describe
 from shared.deployments import desired_replicas, is_terminal
 from shared.live import proxy_reports
+from shared.notify_status import failing_channels
 from shared.state.reader import StateReader
 from shared.urls import proxy_listeners, urls_by_env
 
@@ -236,6 +237,7 @@ def status(
     from cli.watch import route_snapshot
 
     backups: list[BackupStatus] = []
+    channels: list[str] = []
 
     async def go() -> list[dict[str, Any]]:
         async with control() as c:
@@ -246,6 +248,7 @@ def status(
             certificates = {cert.hostname: cert for cert in c.view.all(K.CERT) if isinstance(cert, pb.Certificate)}
             urls = urls_by_env(routes, proxy_listeners(proxies), certificates, time.time())
             backups.append(backup_status(c.view))
+            channels.extend(failing_channels(c.view))
             return [env_status(c.view, e, urls.get(e.meta.id, [])) for e in envs]
 
     rows = run(go)
@@ -272,3 +275,5 @@ def status(
     if backups and backups[0].failing and not env:
         for line in describe(backups[0]):  # loud until a later backup succeeds (`zattera backup status`)
             render.out.print(line, markup=False, highlight=False, style="bold red" if "FAILING" in line else None)
+    for line in [] if env else channels:  # loud until a delivery succeeds (`zattera notify list`)
+        render.out.print(line, markup=False, highlight=False, style="bold red")

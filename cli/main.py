@@ -97,6 +97,7 @@ COMMANDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "up": ("cli.up_cmds", "up", {}),
     "backup": ("cli.backup_cmds", "backup_app", {}),
     "restore": ("cli.backup_cmds", "restore", {}),
+    "notify": ("cli.notify_cmds", "notify_app", {}),
     "rollback": ("cli.deploy_cmds", "rollback", {}),
     "releases": ("cli.deploy_cmds", "releases", {}),
     "ps": ("cli.inspect_cmds", "ps", {}),

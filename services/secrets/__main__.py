@@ -3,7 +3,7 @@
 Every replica answers agents' secrets requests and rotations (queue group); replicas share the key file. The
 collector of unused secret versions runs in the holder of ``lease.secrets-gc``, the scheduled backups in the
 holder of ``lease.backups``, the off-site copies of volume snapshots in the holder of
-``lease.snapshot-offsite``.
+``lease.snapshot-offsite``, the notifications in the holder of ``lease.notify``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from services.secrets.backups import ScheduledBackups
 from services.secrets.collector import SecretsCollector
+from services.secrets.notify import Notifier, NotifySettings
 from services.secrets.offsite import OffsiteSnapshots
 from services.secrets.service import SecretsService
 from services.secrets.settings import SecretsSettings
@@ -32,7 +33,17 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     collector = SecretsCollector(ctx.loop_deps, tick=ctx.settings.loop_tick, grace=cfg.gc_grace)
     backups = ScheduledBackups(ctx.loop_deps, lambda: service.keyring)
     offsite = OffsiteSnapshots(ctx.loop_deps, lambda: service.keyring)
-    return [service.run(), ctx.lead(collector), ctx.lead(backups), ctx.lead(offsite)]
+    notifier = Notifier(
+        ctx.loop_deps,
+        lambda: service.keyring,
+        settings=NotifySettings(
+            timeout=cfg.notify_timeout,
+            retry_first=cfg.notify_retry_first,
+            retry_most=cfg.notify_retry_most,
+            failing_after=cfg.notify_failing_after,
+        ),
+    )
+    return [service.run(), ctx.lead(collector), ctx.lead(backups), ctx.lead(offsite), ctx.lead(notifier)]
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ SEALED_FIELDS = {
     K.ACME_ACCOUNT: SealedField("sealed_key"),
     K.BACKUP_SCHEDULE: SealedField("sealed_credentials"),
     K.VOLUME: SealedField("offsite_sealed_settings", "offsite_key_id", within="snapshot_policy"),
+    K.NOTIFY_CHANNEL: SealedField("sealed"),
 }
 """Each kind holding a value sealed to the cluster key, and where (re-sealed on rotation)."""
 
@@ -378,7 +379,7 @@ class SecretsService:
 
     def _stale(self, keyring: Keyring, ident: str) -> Iterable[tuple[Message, PrivateKey, SealedField]]:
         """Every sealed value (secrets, certificate keys, the ACME account key, backup and off-site snapshot
-        targets' settings) not sealed to ``ident``."""
+        targets' settings, notification channels) not sealed to ``ident``."""
         for kind, where in SEALED_FIELDS.items():
             for record in self._view.all(kind):
                 holder = where.holder(record)

@@ -9,13 +9,12 @@ secrets service opens. What the last run did is ``backuprun.cluster``, written b
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.actions.context import ActionContext, commit_edit
+from shared.actions.context import ActionContext, commit_edit, stamp_replacing
 from shared.actions.refusals import Invalid, NotFound
 from shared.backup import recovery
 from shared.backup.manifest import BackupError
@@ -78,13 +77,7 @@ async def schedule_backups(ctx: ActionContext, request: ScheduleBackups) -> Back
             recipient=recipient,
         )
         record.meta.id = SCHEDULE_ID
-        now = time.time_ns()
-        existing = ctx.view.get(K.BACKUP_SCHEDULE, SCHEDULE_ID)
-        if isinstance(existing, pb.BackupSchedule):
-            record.meta.created_at.CopyFrom(existing.meta.created_at)
-        else:
-            record.meta.created_at.FromNanoseconds(now)
-        record.meta.updated_at.FromNanoseconds(now)
+        stamp_replacing(record, ctx.view.get(K.BACKUP_SCHEDULE, SCHEDULE_ID))
         return record
 
     await commit_edit(ctx, "the backup schedule", edit)

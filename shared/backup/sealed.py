@@ -29,13 +29,13 @@ class SealedSettings:
     """The cluster key they are sealed to ("" when there are none)."""
 
 
-def seal_settings(view: StateReader, settings: dict[str, str]) -> SealedSettings:
-    """``settings`` sealed to the cluster's published secrets key; :class:`Unavailable` while the cluster has
-    none (its secrets service has not started), since nothing could open them later."""
+def seal_settings(view: StateReader, settings: dict[str, str], what: str = "the target's settings") -> SealedSettings:
+    """``settings`` sealed to the cluster's published secrets key; :class:`Unavailable` (naming ``what``)
+    while the cluster has none (its secrets service has not started), since nothing could open them later."""
     key = view.get(K.SECRETS_KEY, CLUSTER_KEY)
     if not isinstance(key, pb.SecretsKey) or not key.public_key:
         raise Unavailable(
-            "the cluster has no secrets key yet (its secrets service has not started): the target's settings "
+            f"the cluster has no secrets key yet (its secrets service has not started): {what} "
             "cannot be sealed; try again once `zattera status` shows the control plane up"
         )
     if not settings:

@@ -4,14 +4,19 @@
 # source: zattera/v1/types.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
-_runtime_version.ValidateProtobufRuntimeVersion(_runtime_version.Domain.PUBLIC, 7, 35, 1, "", "zattera/v1/types.proto")
+_runtime_version.ValidateProtobufRuntimeVersion(
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'zattera/v1/types.proto'
+)
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
@@ -21,165 +26,167 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\x16zattera/v1/types.proto\x12\nzattera.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto"r\n\x04Meta\x12\n\n\x02id\x18\x01 \x01(\t\x12.\n\ncreated_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp"7\n\x0eResourceLimits\x12\x12\n\ncpu_millis\x18\x01 \x01(\r\x12\x11\n\tmemory_mb\x18\x02 \x01(\r"\x98\x02\n\x05\x45vent\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08severity\x18\x03 \x01(\t\x12\x12\n\nproject_id\x18\x04 \x01(\t\x12\x0e\n\x06\x61pp_id\x18\x05 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x06 \x01(\t\x12\x0f\n\x07node_id\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12-\n\x06\x66ields\x18\t \x03(\x0b\x32\x1d.zattera.v1.Event.FieldsEntry\x12\x13\n\ntransition\x18\xa5\x01 \x01(\t\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01"c\n\x07LogLine\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04line\x18\x02 \x01(\t\x12\x0e\n\x06stream\x18\x03 \x01(\t\x12\x10\n\x07\x64ropped\x18\x96\x01 \x01(\x04"M\n\x0cLogRetention\x12\x11\n\tmax_bytes\x18\x01 \x01(\x04\x12*\n\x07max_age\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration"\xa9\x01\n\x0cInstanceExit\x12\x12\n\ncode_known\x18\x01 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06signal\x18\x03 \x01(\x05\x12\x15\n\room_suspected\x18\x04 \x01(\x08\x12\x13\n\x0bstderr_tail\x18\x05 \x03(\t\x12&\n\x02\x61t\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\noom_killed\x18\xdc\x01 \x01(\x08"\xf5\x04\n\x04Node\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12,\n\x06labels\x18\x02 \x03(\x0b\x32\x1c.zattera.v1.Node.LabelsEntry\x12,\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x1a.zattera.v1.ResourceLimits\x12&\n\x06status\x18\x04 \x01(\x0e\x32\x16.zattera.v1.NodeStatus\x12\x13\n\x0bschedulable\x18\x05 \x01(\x08\x12\x0f\n\x07os_arch\x18\x06 \x01(\t\x12#\n\x05roles\x18\x07 \x03(\x0e\x32\x14.zattera.v1.NodeRole\x12\x0c\n\x04name\x18\x08 \x01(\t\x12\x0f\n\x07mesh_ip\x18\t \x01(\t\x12\x1c\n\x14wireguard_public_key\x18\n \x01(\t\x12\x18\n\x10public_endpoints\x18\x0b \x03(\t\x12\x18\n\x10\x63\x61pacity_disk_mb\x18\x0c \x01(\r\x12\x17\n\x0f\x61utoprovisioned\x18\r \x01(\x08\x12\x16\n\x0e\x62inary_version\x18\x0e \x01(\t\x12\x35\n\x11last_heartbeat_at\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1b\n\x12secrets_public_key\x18\x82\x01 \x01(\x0c\x12\x10\n\x07runtime\x18\xdc\x01 \x01(\t\x12\x12\n\tisolation\x18\xae\x03 \x01(\t\x12\x1a\n\x11isolation_problem\x18\xaf\x03 \x01(\t\x12\x17\n\x0eruntime_reason\x18\xcd\x03 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01"7\n\x07Project\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0c\n\x04name\x18\x02 \x01(\t"\xdc\x01\n\x0b\x42uildConfig\x12#\n\x04type\x18\x01 \x01(\x0e\x32\x15.zattera.v1.BuildType\x12\x11\n\tplatforms\x18\x02 \x03(\t\x12\x12\n\ndockerfile\x18\x03 \x01(\t\x12\x13\n\x0b\x63ontext_dir\x18\x04 \x01(\t\x12:\n\nbuild_args\x18\x05 \x03(\x0b\x32&.zattera.v1.BuildConfig.BuildArgsEntry\x1a\x30\n\x0e\x42uildArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01"o\n\x03\x41pp\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12&\n\x05\x62uild\x18\x04 \x01(\x0b\x32\x17.zattera.v1.BuildConfig"\xf6\x03\n\x0b\x45nvironment\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0e\n\x06\x61pp_id\x18\x02 \x01(\t\x12\x12\n\nproject_id\x18\x03 \x01(\t\x12(\n\x07service\x18\x04 \x01(\x0b\x32\x17.zattera.v1.ServiceSpec\x12\x19\n\x11\x61\x63tive_release_id\x18\x05 \x01(\t\x12\x1a\n\x12\x65\x66\x66\x65\x63tive_replicas\x18\x06 \x01(\r\x12\x0c\n\x04name\x18\x07 \x01(\t\x12)\n\x04type\x18\x08 \x01(\x0e\x32\x1b.zattera.v1.EnvironmentType\x12\x18\n\x10route_generation\x18\t \x01(\x04\x12\x16\n\x0epreview_branch\x18\n \x01(\t\x12\x19\n\x11preview_pr_number\x18\x0b \x01(\r\x12\x36\n\x12preview_expires_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0cidle_timeout\x18\r \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\nmiddleware\x18n \x01(\x0b\x32\x16.zattera.v1.Middleware\x12\'\n\x04logs\x18\x96\x01 \x01(\x0b\x32\x18.zattera.v1.LogRetention"\xe2\x07\n\x0bServiceSpec\x12*\n\x08replicas\x18\x01 \x01(\x0b\x32\x18.zattera.v1.ReplicaRange\x12(\n\tautoscale\x18\x02 \x01(\x0b\x32\x15.zattera.v1.Autoscale\x12-\n\tresources\x18\x03 \x01(\x0b\x32\x1a.zattera.v1.ResourceLimits\x12#\n\x05ports\x18\x04 \x03(\x0b\x32\x14.zattera.v1.PortSpec\x12,\n\x0bhealthcheck\x18\x05 \x01(\x0b\x32\x17.zattera.v1.HealthCheck\x12\x15\n\rscale_to_zero\x18\x06 \x01(\x08\x12\x17\n\x0fmax_concurrency\x18\x07 \x01(\r\x12\x10\n\x08stateful\x18\x08 \x01(\x08\x12(\n\x07volumes\x18\t \x03(\x0b\x32\x17.zattera.v1.VolumeMount\x12"\n\x04\x63ron\x18\n \x03(\x0b\x32\x14.zattera.v1.CronSpec\x12-\n\nstop_grace\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0f\n\x07\x63ommand\x18\x0c \x01(\t\x12P\n\x15placement_constraints\x18\r \x03(\x0b\x32\x31.zattera.v1.ServiceSpec.PlacementConstraintsEntry\x12)\n\nrate_limit\x18\x0e \x01(\x0b\x32\x15.zattera.v1.RateLimit\x12\x30\n\x04vars\x18\x82\x01 \x03(\x0b\x32!.zattera.v1.ServiceSpec.VarsEntry\x12\x36\n\x07secrets\x18\x83\x01 \x03(\x0b\x32$.zattera.v1.ServiceSpec.SecretsEntry\x12\x17\n\x0e\x63onfig_version\x18\x84\x01 \x01(\x04\x12\x17\n\x0eread_only_root\x18\xdc\x01 \x01(\x08\x12+\n\x07network\x18\xc0\x02 \x01(\x0b\x32\x19.zattera.v1.NetworkPolicy\x12\x34\n\x10min_healthy_time\x18\xcc\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x1a;\n\x19PlacementConstraintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a+\n\tVarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x45\n\x0cSecretsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.zattera.v1.SecretRef:\x02\x38\x01"\x1e\n\rNetworkPolicy\x12\r\n\x05\x61llow\x18\x01 \x03(\t"_\n\tSecretRef\x12\x11\n\tsecret_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12.\n\nupdated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp"7\n\tRateLimit\x12\x1b\n\x13requests_per_second\x18\x01 \x01(\r\x12\r\n\x05\x62urst\x18\x02 \x01(\r"(\n\x0cReplicaRange\x12\x0b\n\x03min\x18\x01 \x01(\r\x12\x0b\n\x03max\x18\x02 \x01(\r"f\n\tAutoscale\x12\x1a\n\x12target_cpu_percent\x18\x01 \x01(\r\x12\x1d\n\x15target_memory_percent\x18\x02 \x01(\r\x12\x1e\n\x16target_rps_per_replica\x18\x03 \x01(\r"p\n\x08PortSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontainer_port\x18\x02 \x01(\r\x12&\n\x08protocol\x18\x03 \x01(\x0e\x32\x14.zattera.v1.Protocol\x12\x16\n\x0epublic_l4_port\x18\x04 \x01(\r"\x8c\x02\n\x0bHealthCheck\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.zattera.v1.HealthCheckType\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x0f\n\x07\x63ommand\x18\x04 \x01(\t\x12+\n\x08interval\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07timeout\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0cgrace_period\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1b\n\x13unhealthy_threshold\x18\x08 \x01(\r"6\n\x0bVolumeMount\x12\x13\n\x0bvolume_name\x18\x01 \x01(\t\x12\x12\n\nmount_path\x18\x02 \x01(\t"\x8e\x02\n\x08\x43ronSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08schedule\x18\x02 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x03 \x01(\t\x12\x32\n\x0b\x63oncurrency\x18\x04 \x01(\x0e\x32\x1d.zattera.v1.ConcurrencyPolicy\x12\x13\n\x0bmax_retries\x18\x05 \x01(\r\x12.\n\tresources\x18\xb4\x01 \x01(\x0b\x32\x1a.zattera.v1.ResourceLimits\x12,\n\x08\x64\x65\x61\x64line\x18\xb5\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x05since\x18\xb6\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp"\xe4\x04\n\x03Job\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\x0e\n\x06\x61pp_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x04 \x01(\t\x12\x11\n\tcron_name\x18\x05 \x01(\t\x12+\n\x07slot_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x63ommand\x18\x07 \x01(\t\x12\x12\n\nrelease_id\x18\x08 \x01(\t\x12%\n\x06status\x18\t \x01(\x0e\x32\x15.zattera.v1.JobStatus\x12\x0f\n\x07\x61ttempt\x18\n \x01(\r\x12\x13\n\x0bmax_retries\x18\x0b \x01(\r\x12+\n\x08\x64\x65\x61\x64line\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\tresources\x18\r \x01(\x0b\x32\x1a.zattera.v1.ResourceLimits\x12\x0f\n\x07node_id\x18\x0e \x01(\t\x12\x15\n\rassignment_id\x18\x0f \x01(\t\x12\x17\n\x0f\x65xit_code_known\x18\x10 \x01(\x08\x12\x11\n\texit_code\x18\x11 \x01(\x05\x12.\n\nstarted_at\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x13 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0boutput_tail\x18\x14 \x03(\t\x12\x0f\n\x07message\x18\x15 \x01(\t\x12\x18\n\x10\x63\x61ncel_requested\x18\x16 \x01(\x08"\xa0\x01\n\rReleaseSource\x12\x0f\n\x07git_sha\x18\x01 \x01(\t\x12\x12\n\ngit_branch\x18\x02 \x01(\t\x12\x13\n\x0bgit_message\x18\x03 \x01(\t\x12\x16\n\x0etarball_digest\x18\x04 \x01(\t\x12\x10\n\x08\x62uild_id\x18\x05 \x01(\t\x12+\n\x04kind\x18\x06 \x01(\x0e\x32\x1d.zattera.v1.ReleaseSourceKind"\x86\x02\n\x07Release\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x16\n\x0e\x65nvironment_id\x18\x02 \x01(\t\x12\x0e\n\x06\x61pp_id\x18\x03 \x01(\t\x12\x12\n\nproject_id\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x11\n\timage_ref\x18\x06 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x07 \x01(\t\x12(\n\x07service\x18\x08 \x01(\x0b\x32\x17.zattera.v1.ServiceSpec\x12)\n\x06source\x18\t \x01(\x0b\x32\x19.zattera.v1.ReleaseSource\x12\x11\n\tplatforms\x18\n \x03(\t"\xfc\x02\n\nDeployment\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x16\n\x0e\x65nvironment_id\x18\x02 \x01(\t\x12\x0e\n\x06\x61pp_id\x18\x03 \x01(\t\x12\x12\n\nproject_id\x18\x04 \x01(\t\x12\x12\n\nrelease_id\x18\x05 \x01(\t\x12\x1b\n\x13previous_release_id\x18\x06 \x01(\t\x12*\n\x05phase\x18\x07 \x01(\x0e\x32\x1b.zattera.v1.DeploymentPhase\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x13\n\x0bis_rollback\x18\t \x01(\x08\x12\x10\n\x08\x62uild_id\x18\n \x01(\t\x12/\n\x0bpromoted_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0e\x64rain_deadline\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1a\n\x12\x63reated_by_user_id\x18\r \x01(\t"\x8a\x04\n\x05\x42uild\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0e\n\x06\x61pp_id\x18\x02 \x01(\t\x12\x12\n\nproject_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x04 \x01(\t\x12#\n\x04type\x18\x05 \x01(\x0e\x32\x15.zattera.v1.BuildType\x12\'\n\x06status\x18\x06 \x01(\x0e\x32\x17.zattera.v1.BuildStatus\x12\x0f\n\x07node_id\x18\x07 \x01(\t\x12\x11\n\timage_ref\x18\x08 \x01(\t\x12\x16\n\x0etarball_digest\x18\t \x01(\t\x12\x0f\n\x07git_sha\x18\n \x01(\t\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12.\n\nstarted_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tplatforms\x18\x0e \x03(\t\x12\x14\n\x0cimage_digest\x18\x0f \x01(\t\x12\x13\n\x0blog_subject\x18\x10 \x01(\t\x12\x15\n\rgit_clone_url\x18\x11 \x01(\t\x12\x12\n\ngit_branch\x18\x12 \x01(\t\x12\x31\n\rlast_event_at\x18\x13 \x01(\x0b\x32\x1a.google.protobuf.Timestamp"\xba\x03\n\x12\x41ssignmentObserved\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.zattera.v1.InstanceState\x12\x14\n\x0c\x63ontainer_id\x18\x02 \x01(\t\x12\x10\n\x08restarts\x18\x03 \x01(\r\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\x12.\n\nupdated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12P\n\x12mesh_port_bindings\x18\x07 \x03(\x0b\x32\x34.zattera.v1.AssignmentObserved.MeshPortBindingsEntry\x12,\n\tlast_exit\x18\x96\x01 \x01(\x0b\x32\x18.zattera.v1.InstanceExit\x12/\n\nstarted_at\x18\xb4\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0boutput_tail\x18\xb5\x01 \x03(\t\x1a\x37\n\x15MeshPortBindingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01"\xc4\x03\n\nAssignment\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\nproject_id\x18\x03 \x01(\t\x12\x0e\n\x06\x61pp_id\x18\x04 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x05 \x01(\t\x12\x12\n\nrelease_id\x18\x06 \x01(\t\x12\x15\n\rdeployment_id\x18\x07 \x01(\t\x12.\n\x07\x64\x65sired\x18\x08 \x01(\x0e\x32\x1d.zattera.v1.AssignmentDesired\x12\x13\n\x0b\x63onfig_hash\x18\t \x01(\t\x12H\n\x12mesh_port_bindings\x18\n \x03(\x0b\x32,.zattera.v1.Assignment.MeshPortBindingsEntry\x12\x30\n\x08observed\x18\x0b \x01(\x0b\x32\x1e.zattera.v1.AssignmentObserved\x12\x0e\n\x06job_id\x18\x0c \x01(\t\x12\x14\n\x0bjob_command\x18\xb4\x01 \x01(\t\x1a\x37\n\x15MeshPortBindingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01"e\n\x0bVolumeLease\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rassignment_id\x18\x02 \x01(\t\x12.\n\nexpires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp"\x98\x01\n\x0eSnapshotPolicy\x12\x10\n\x08schedule\x18\x01 \x01(\t\x12\x10\n\x08pre_hook\x18\x02 \x01(\t\x12\x11\n\tkeep_last\x18\x03 \x01(\r\x12\x16\n\x0eoffsite_target\x18n \x01(\t\x12\x1f\n\x17offsite_sealed_settings\x18o \x01(\x0c\x12\x16\n\x0eoffsite_key_id\x18p \x01(\t"\x97\x02\n\x06Volume\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12(\n\x06status\x18\x06 \x01(\x0e\x32\x18.zattera.v1.VolumeStatus\x12&\n\x05lease\x18\x07 \x01(\x0b\x32\x17.zattera.v1.VolumeLease\x12\x33\n\x0fsnapshot_policy\x18\x08 \x01(\x0b\x32\x1a.zattera.v1.SnapshotPolicy\x12\x1b\n\x13size_bytes_observed\x18\t \x01(\x04"\xe1\x01\n\x0eVolumeSnapshot\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x11\n\tvolume_id\x18\x02 \x01(\t\x12\x14\n\x0cmanifest_key\x18\x03 \x01(\t\x12\x1a\n\x12logical_size_bytes\x18\x04 \x01(\x04\x12\x16\n\x0euploaded_bytes\x18\x05 \x01(\x04\x12*\n\x06status\x18\x06 \x01(\x0e\x32\x1a.zattera.v1.SnapshotStatus\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x17\n\x0fkey_fingerprint\x18\x08 \x01(\t"\xf1\x01\n\nMiddleware\x12\x16\n\x0eredirect_https\x18\x01 \x01(\x08\x12\x14\n\x0cip_allowlist\x18\x02 \x03(\t\x12\x1b\n\x13\x62\x61sic_auth_username\x18\x03 \x01(\t\x12 \n\x18\x62\x61sic_auth_password_hash\x18\x04 \x01(\t\x12\x16\n\x0emax_body_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fsticky_sessions\x18\x06 \x01(\x08\x12\x10\n\x08\x63ompress\x18\x07 \x01(\x08\x12\x33\n\x10\x62\x61sic_auth_users\x18o \x03(\x0b\x32\x19.zattera.v1.BasicAuthUser"8\n\rBasicAuthUser\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x15\n\rpassword_hash\x18\x02 \x01(\t"\xe5\x01\n\x06\x44omain\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\x0e\n\x06\x61pp_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x04 \x01(\t\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x13\n\x0bpath_prefix\x18\x06 \x01(\t\x12\x11\n\tport_name\x18\x07 \x01(\t\x12*\n\nmiddleware\x18\x08 \x01(\x0b\x32\x16.zattera.v1.Middleware\x12\x19\n\x11\x63luster_subdomain\x18\t \x01(\x08"h\n\x05Lease\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12/\n\x0b\x61\x63quired_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x07version\x18\xb8\x03 \x01(\t"1\n\nServiceVIP\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\x12\x0b\n\x03vip\x18\x02 \x01(\t"\xe6\x01\n\x05Image\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0c\n\x04repo\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\t\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x12\n\nmedia_type\x18\x05 \x01(\t\x12\x15\n\rconfig_digest\x18\x06 \x01(\t\x12\x14\n\x0c\x62lob_digests\x18\x07 \x03(\t\x12\x18\n\x10manifest_digests\x18\x08 \x03(\t\x12\x11\n\tplatforms\x18\t \x03(\t\x12\x12\n\nsize_bytes\x18\n \x01(\x04\x12\x10\n\x08\x62uild_id\x18\x0b \x01(\t"\x9d\x01\n\x0cSealedSecret\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x16\n\x0e\x65nvironment_id\x18\x02 \x01(\t\x12\x12\n\nproject_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x12\n\nciphertext\x18\x06 \x01(\x0c\x12\x0e\n\x06key_id\x18\x07 \x01(\t"P\n\nSecretsKey\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x12\n\npublic_key\x18\x03 \x01(\x0c"\xa6\x03\n\x0b\x43\x65rtificate\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12+\n\x05state\x18\x03 \x01(\x0e\x32\x1c.zattera.v1.CertificateState\x12\x11\n\tchain_pem\x18\x04 \x01(\t\x12\x12\n\nsealed_key\x18\x05 \x01(\x0c\x12\x0e\n\x06key_id\x18\x06 \x01(\t\x12.\n\nnot_before\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tnot_after\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08renew_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08retry_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08\x66\x61ilures\x18\x0b \x01(\r\x12\x12\n\nlast_error\x18\x0c \x01(\t\x12\x0e\n\x06issuer\x18\r \x01(\t\x12\x10\n\x08renewals\x18\x0e \x01(\r"\x84\x01\n\x0b\x41\x63meAccount\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x15\n\rdirectory_url\x18\x02 \x01(\t\x12\r\n\x05\x65mail\x18\x03 \x01(\t\x12\x0b\n\x03uri\x18\x04 \x01(\t\x12\x12\n\nsealed_key\x18\x05 \x01(\x0c\x12\x0e\n\x06key_id\x18\x06 \x01(\t"\xaf\x01\n\x0e\x42\x61\x63kupSchedule\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x10\n\x08schedule\x18\x02 \x01(\t\x12\x0c\n\x04keep\x18\x03 \x01(\r\x12\x0e\n\x06target\x18\x04 \x01(\t\x12\x1a\n\x12sealed_credentials\x18\x05 \x01(\x0c\x12\x0e\n\x06key_id\x18\x06 \x01(\t\x12\x11\n\trecipient\x18\x07 \x01(\x0c\x12\x0e\n\x06paused\x18\x08 \x01(\x08"\xb1\x02\n\tBackupRun\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12.\n\nstarted_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x11\n\tbackup_id\x18\x06 \x01(\t\x12\x30\n\x0csucceeded_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nsent_bytes\x18\x08 \x01(\x04\x12\x0c\n\x04kept\x18\t \x01(\r\x12\x0f\n\x07\x64\x65leted\x18\n \x01(\r\x12\x10\n\x08\x66\x61ilures\x18\x0b \x01(\r*\xa2\x01\n\nNodeStatus\x12\x1b\n\x17NODE_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_STATUS_ALIVE\x10\x01\x12\x17\n\x13NODE_STATUS_SUSPECT\x10\x02\x12\x14\n\x10NODE_STATUS_DOWN\x10\x03\x12\x18\n\x14NODE_STATUS_DRAINING\x10\x04\x12\x17\n\x13NODE_STATUS_DRAINED\x10\x05*R\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_CONTROL\x10\x01\x12\x14\n\x10NODE_ROLE_WORKER\x10\x02*q\n\tBuildType\x12\x1a\n\x16\x42UILD_TYPE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x42UILD_TYPE_NIXPACKS\x10\x01\x12\x19\n\x15\x42UILD_TYPE_DOCKERFILE\x10\x02\x12\x14\n\x10\x42UILD_TYPE_IMAGE\x10\x03*p\n\x0f\x45nvironmentType\x12 \n\x1c\x45NVIRONMENT_TYPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x45NVIRONMENT_TYPE_STANDARD\x10\x01\x12\x1c\n\x18\x45NVIRONMENT_TYPE_PREVIEW\x10\x02*[\n\x08Protocol\x12\x18\n\x14PROTOCOL_UNSPECIFIED\x10\x00\x12\x11\n\rPROTOCOL_HTTP\x10\x01\x12\x10\n\x0cPROTOCOL_TCP\x10\x02\x12\x10\n\x0cPROTOCOL_UDP\x10\x03*\x87\x01\n\x0fHealthCheckType\x12!\n\x1dHEALTH_CHECK_TYPE_UNSPECIFIED\x10\x00\x12\x1a\n\x16HEALTH_CHECK_TYPE_HTTP\x10\x01\x12\x19\n\x15HEALTH_CHECK_TYPE_TCP\x10\x02\x12\x1a\n\x16HEALTH_CHECK_TYPE_EXEC\x10\x03*\x94\x01\n\x11\x43oncurrencyPolicy\x12"\n\x1e\x43ONCURRENCY_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43ONCURRENCY_POLICY_FORBID\x10\x01\x12\x1e\n\x1a\x43ONCURRENCY_POLICY_REPLACE\x10\x02\x12\x1c\n\x18\x43ONCURRENCY_POLICY_ALLOW\x10\x03*\xd0\x01\n\tJobStatus\x12\x1a\n\x16JOB_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12JOB_STATUS_PENDING\x10\x01\x12\x16\n\x12JOB_STATUS_RUNNING\x10\x02\x12\x18\n\x14JOB_STATUS_SUCCEEDED\x10\x03\x12\x15\n\x11JOB_STATUS_FAILED\x10\x04\x12\x17\n\x13JOB_STATUS_CANCELED\x10\x05\x12\x15\n\x11JOB_STATUS_MISSED\x10\x06\x12\x16\n\x12JOB_STATUS_SKIPPED\x10\x07*\xb3\x01\n\x11ReleaseSourceKind\x12#\n\x1fRELEASE_SOURCE_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19RELEASE_SOURCE_KIND_IMAGE\x10\x01\x12\x1d\n\x19RELEASE_SOURCE_KIND_BUILD\x10\x02\x12\x1e\n\x1aRELEASE_SOURCE_KIND_UPLOAD\x10\x03\x12\x1b\n\x17RELEASE_SOURCE_KIND_GIT\x10\x04*\xb8\x03\n\x0f\x44\x65ploymentPhase\x12 \n\x1c\x44\x45PLOYMENT_PHASE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x44\x45PLOYMENT_PHASE_PENDING\x10\x01\x12\x1d\n\x19\x44\x45PLOYMENT_PHASE_BUILDING\x10\x02\x12\x1c\n\x18\x44\x45PLOYMENT_PHASE_PLACING\x10\x03\x12\x1d\n\x19\x44\x45PLOYMENT_PHASE_STARTING\x10\x04\x12#\n\x1f\x44\x45PLOYMENT_PHASE_HEALTHCHECKING\x10\x05\x12\x1e\n\x1a\x44\x45PLOYMENT_PHASE_PROMOTING\x10\x06\x12!\n\x1d\x44\x45PLOYMENT_PHASE_DRAINING_OLD\x10\x07\x12\x1e\n\x1a\x44\x45PLOYMENT_PHASE_SUCCEEDED\x10\x08\x12\x1b\n\x17\x44\x45PLOYMENT_PHASE_FAILED\x10\t\x12 \n\x1c\x44\x45PLOYMENT_PHASE_ROLLED_BACK\x10\n\x12\x1f\n\x1b\x44\x45PLOYMENT_PHASE_SUPERSEDED\x10\x0b\x12!\n\x1d\x44\x45PLOYMENT_PHASE_STOPPING_OLD\x10\x0c*\xae\x01\n\x0b\x42uildStatus\x12\x1c\n\x18\x42UILD_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13\x42UILD_STATUS_QUEUED\x10\x01\x12\x18\n\x14\x42UILD_STATUS_RUNNING\x10\x02\x12\x1a\n\x16\x42UILD_STATUS_SUCCEEDED\x10\x03\x12\x17\n\x13\x42UILD_STATUS_FAILED\x10\x04\x12\x19\n\x15\x42UILD_STATUS_CANCELED\x10\x05*p\n\x11\x41ssignmentDesired\x12"\n\x1e\x41SSIGNMENT_DESIRED_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41SSIGNMENT_DESIRED_RUN\x10\x01\x12\x1b\n\x17\x41SSIGNMENT_DESIRED_STOP\x10\x02*\x91\x02\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16INSTANCE_STATE_PENDING\x10\x01\x12\x1a\n\x16INSTANCE_STATE_PULLING\x10\x02\x12\x1b\n\x17INSTANCE_STATE_STARTING\x10\x03\x12\x1a\n\x16INSTANCE_STATE_RUNNING\x10\x04\x12\x1a\n\x16INSTANCE_STATE_HEALTHY\x10\x05\x12\x1c\n\x18INSTANCE_STATE_UNHEALTHY\x10\x06\x12\x19\n\x15INSTANCE_STATE_FAILED\x10\x07\x12\x1a\n\x16INSTANCE_STATE_STOPPED\x10\x08*\x81\x01\n\x0cVolumeStatus\x12\x1d\n\x19VOLUME_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14VOLUME_STATUS_ACTIVE\x10\x01\x12\x1b\n\x17VOLUME_STATUS_NODE_LOST\x10\x02\x12\x1b\n\x17VOLUME_STATUS_RESTORING\x10\x03*\x88\x01\n\x0eSnapshotStatus\x12\x1f\n\x1bSNAPSHOT_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17SNAPSHOT_STATUS_RUNNING\x10\x01\x12\x1c\n\x18SNAPSHOT_STATUS_COMPLETE\x10\x02\x12\x1a\n\x16SNAPSHOT_STATUS_FAILED\x10\x03*\xaf\x01\n\x10\x43\x65rtificateState\x12!\n\x1d\x43\x45RTIFICATE_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43\x45RTIFICATE_STATE_PENDING\x10\x01\x12\x1b\n\x17\x43\x45RTIFICATE_STATE_VALID\x10\x02\x12\x1e\n\x1a\x43\x45RTIFICATE_STATE_RENEWING\x10\x03\x12\x1c\n\x18\x43\x45RTIFICATE_STATE_FAILED\x10\x04\x62\x06proto3'
-)
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16zattera/v1/types.proto\x12\nzattera.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"r\n\x04Meta\x12\n\n\x02id\x18\x01 \x01(\t\x12.\n\ncreated_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"7\n\x0eResourceLimits\x12\x12\n\ncpu_millis\x18\x01 \x01(\r\x12\x11\n\tmemory_mb\x18\x02 \x01(\r\"\x98\x02\n\x05\x45vent\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08severity\x18\x03 \x01(\t\x12\x12\n\nproject_id\x18\x04 \x01(\t\x12\x0e\n\x06\x61pp_id\x18\x05 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x06 \x01(\t\x12\x0f\n\x07node_id\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12-\n\x06\x66ields\x18\t \x03(\x0b\x32\x1d.zattera.v1.Event.FieldsEntry\x12\x13\n\ntransition\x18\xa5\x01 \x01(\t\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"c\n\x07LogLine\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04line\x18\x02 \x01(\t\x12\x0e\n\x06stream\x18\x03 \x01(\t\x12\x10\n\x07\x64ropped\x18\x96\x01 \x01(\x04\"M\n\x0cLogRetention\x12\x11\n\tmax_bytes\x18\x01 \x01(\x04\x12*\n\x07max_age\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xa9\x01\n\x0cInstanceExit\x12\x12\n\ncode_known\x18\x01 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06signal\x18\x03 \x01(\x05\x12\x15\n\room_suspected\x18\x04 \x01(\x08\x12\x13\n\x0bstderr_tail\x18\x05 \x03(\t\x12&\n\x02\x61t\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\noom_killed\x18\xdc\x01 \x01(\x08\"\xf5\x04\n\x04Node\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12,\n\x06labels\x18\x02 \x03(\x0b\x32\x1c.zattera.v1.Node.LabelsEntry\x12,\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x1a.zattera.v1.ResourceLimits\x12&\n\x06status\x18\x04 \x01(\x0e\x32\x16.zattera.v1.NodeStatus\x12\x13\n\x0bschedulable\x18\x05 \x01(\x08\x12\x0f\n\x07os_arch\x18\x06 \x01(\t\x12#\n\x05roles\x18\x07 \x03(\x0e\x32\x14.zattera.v1.NodeRole\x12\x0c\n\x04name\x18\x08 \x01(\t\x12\x0f\n\x07mesh_ip\x18\t \x01(\t\x12\x1c\n\x14wireguard_public_key\x18\n \x01(\t\x12\x18\n\x10public_endpoints\x18\x0b \x03(\t\x12\x18\n\x10\x63\x61pacity_disk_mb\x18\x0c \x01(\r\x12\x17\n\x0f\x61utoprovisioned\x18\r \x01(\x08\x12\x16\n\x0e\x62inary_version\x18\x0e \x01(\t\x12\x35\n\x11last_heartbeat_at\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1b\n\x12secrets_public_key\x18\x82\x01 \x01(\x0c\x12\x10\n\x07runtime\x18\xdc\x01 \x01(\t\x12\x12\n\tisolation\x18\xae\x03 \x01(\t\x12\x1a\n\x11isolation_problem\x18\xaf\x03 \x01(\t\x12\x17\n\x0eruntime_reason\x18\xcd\x03 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"7\n\x07Project\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0c\n\x04name\x18\x02 \x01(\t\"\xdc\x01\n\x0b\x42uildConfig\x12#\n\x04type\x18\x01 \x01(\x0e\x32\x15.zattera.v1.BuildType\x12\x11\n\tplatforms\x18\x02 \x03(\t\x12\x12\n\ndockerfile\x18\x03 \x01(\t\x12\x13\n\x0b\x63ontext_dir\x18\x04 \x01(\t\x12:\n\nbuild_args\x18\x05 \x03(\x0b\x32&.zattera.v1.BuildConfig.BuildArgsEntry\x1a\x30\n\x0e\x42uildArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"o\n\x03\x41pp\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12&\n\x05\x62uild\x18\x04 \x01(\x0b\x32\x17.zattera.v1.BuildConfig\"\xf6\x03\n\x0b\x45nvironment\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0e\n\x06\x61pp_id\x18\x02 \x01(\t\x12\x12\n\nproject_id\x18\x03 \x01(\t\x12(\n\x07service\x18\x04 \x01(\x0b\x32\x17.zattera.v1.ServiceSpec\x12\x19\n\x11\x61\x63tive_release_id\x18\x05 \x01(\t\x12\x1a\n\x12\x65\x66\x66\x65\x63tive_replicas\x18\x06 \x01(\r\x12\x0c\n\x04name\x18\x07 \x01(\t\x12)\n\x04type\x18\x08 \x01(\x0e\x32\x1b.zattera.v1.EnvironmentType\x12\x18\n\x10route_generation\x18\t \x01(\x04\x12\x16\n\x0epreview_branch\x18\n \x01(\t\x12\x19\n\x11preview_pr_number\x18\x0b \x01(\r\x12\x36\n\x12preview_expires_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0cidle_timeout\x18\r \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\nmiddleware\x18n \x01(\x0b\x32\x16.zattera.v1.Middleware\x12\'\n\x04logs\x18\x96\x01 \x01(\x0b\x32\x18.zattera.v1.LogRetention\"\xe2\x07\n\x0bServiceSpec\x12*\n\x08replicas\x18\x01 \x01(\x0b\x32\x18.zattera.v1.ReplicaRange\x12(\n\tautoscale\x18\x02 \x01(\x0b\x32\x15.zattera.v1.Autoscale\x12-\n\tresources\x18\x03 \x01(\x0b\x32\x1a.zattera.v1.ResourceLimits\x12#\n\x05ports\x18\x04 \x03(\x0b\x32\x14.zattera.v1.PortSpec\x12,\n\x0bhealthcheck\x18\x05 \x01(\x0b\x32\x17.zattera.v1.HealthCheck\x12\x15\n\rscale_to_zero\x18\x06 \x01(\x08\x12\x17\n\x0fmax_concurrency\x18\x07 \x01(\r\x12\x10\n\x08stateful\x18\x08 \x01(\x08\x12(\n\x07volumes\x18\t \x03(\x0b\x32\x17.zattera.v1.VolumeMount\x12\"\n\x04\x63ron\x18\n \x03(\x0b\x32\x14.zattera.v1.CronSpec\x12-\n\nstop_grace\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0f\n\x07\x63ommand\x18\x0c \x01(\t\x12P\n\x15placement_constraints\x18\r \x03(\x0b\x32\x31.zattera.v1.ServiceSpec.PlacementConstraintsEntry\x12)\n\nrate_limit\x18\x0e \x01(\x0b\x32\x15.zattera.v1.RateLimit\x12\x30\n\x04vars\x18\x82\x01 \x03(\x0b\x32!.zattera.v1.ServiceSpec.VarsEntry\x12\x36\n\x07secrets\x18\x83\x01 \x03(\x0b\x32$.zattera.v1.ServiceSpec.SecretsEntry\x12\x17\n\x0e\x63onfig_version\x18\x84\x01 \x01(\x04\x12\x17\n\x0eread_only_root\x18\xdc\x01 \x01(\x08\x12+\n\x07network\x18\xc0\x02 \x01(\x0b\x32\x19.zattera.v1.NetworkPolicy\x12\x34\n\x10min_healthy_time\x18\xcc\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x1a;\n\x19PlacementConstraintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a+\n\tVarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x45\n\x0cSecretsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.zattera.v1.SecretRef:\x02\x38\x01\"\x1e\n\rNetworkPolicy\x12\r\n\x05\x61llow\x18\x01 \x03(\t\"_\n\tSecretRef\x12\x11\n\tsecret_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12.\n\nupdated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"7\n\tRateLimit\x12\x1b\n\x13requests_per_second\x18\x01 \x01(\r\x12\r\n\x05\x62urst\x18\x02 \x01(\r\"(\n\x0cReplicaRange\x12\x0b\n\x03min\x18\x01 \x01(\r\x12\x0b\n\x03max\x18\x02 \x01(\r\"f\n\tAutoscale\x12\x1a\n\x12target_cpu_percent\x18\x01 \x01(\r\x12\x1d\n\x15target_memory_percent\x18\x02 \x01(\r\x12\x1e\n\x16target_rps_per_replica\x18\x03 \x01(\r\"p\n\x08PortSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontainer_port\x18\x02 \x01(\r\x12&\n\x08protocol\x18\x03 \x01(\x0e\x32\x14.zattera.v1.Protocol\x12\x16\n\x0epublic_l4_port\x18\x04 \x01(\r\"\x8c\x02\n\x0bHealthCheck\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.zattera.v1.HealthCheckType\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x0f\n\x07\x63ommand\x18\x04 \x01(\t\x12+\n\x08interval\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07timeout\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0cgrace_period\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1b\n\x13unhealthy_threshold\x18\x08 \x01(\r\"6\n\x0bVolumeMount\x12\x13\n\x0bvolume_name\x18\x01 \x01(\t\x12\x12\n\nmount_path\x18\x02 \x01(\t\"\x8e\x02\n\x08\x43ronSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08schedule\x18\x02 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x03 \x01(\t\x12\x32\n\x0b\x63oncurrency\x18\x04 \x01(\x0e\x32\x1d.zattera.v1.ConcurrencyPolicy\x12\x13\n\x0bmax_retries\x18\x05 \x01(\r\x12.\n\tresources\x18\xb4\x01 \x01(\x0b\x32\x1a.zattera.v1.ResourceLimits\x12,\n\x08\x64\x65\x61\x64line\x18\xb5\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x05since\x18\xb6\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xe4\x04\n\x03Job\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\x0e\n\x06\x61pp_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x04 \x01(\t\x12\x11\n\tcron_name\x18\x05 \x01(\t\x12+\n\x07slot_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x63ommand\x18\x07 \x01(\t\x12\x12\n\nrelease_id\x18\x08 \x01(\t\x12%\n\x06status\x18\t \x01(\x0e\x32\x15.zattera.v1.JobStatus\x12\x0f\n\x07\x61ttempt\x18\n \x01(\r\x12\x13\n\x0bmax_retries\x18\x0b \x01(\r\x12+\n\x08\x64\x65\x61\x64line\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\tresources\x18\r \x01(\x0b\x32\x1a.zattera.v1.ResourceLimits\x12\x0f\n\x07node_id\x18\x0e \x01(\t\x12\x15\n\rassignment_id\x18\x0f \x01(\t\x12\x17\n\x0f\x65xit_code_known\x18\x10 \x01(\x08\x12\x11\n\texit_code\x18\x11 \x01(\x05\x12.\n\nstarted_at\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x13 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0boutput_tail\x18\x14 \x03(\t\x12\x0f\n\x07message\x18\x15 \x01(\t\x12\x18\n\x10\x63\x61ncel_requested\x18\x16 \x01(\x08\"\xa0\x01\n\rReleaseSource\x12\x0f\n\x07git_sha\x18\x01 \x01(\t\x12\x12\n\ngit_branch\x18\x02 \x01(\t\x12\x13\n\x0bgit_message\x18\x03 \x01(\t\x12\x16\n\x0etarball_digest\x18\x04 \x01(\t\x12\x10\n\x08\x62uild_id\x18\x05 \x01(\t\x12+\n\x04kind\x18\x06 \x01(\x0e\x32\x1d.zattera.v1.ReleaseSourceKind\"\x86\x02\n\x07Release\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x16\n\x0e\x65nvironment_id\x18\x02 \x01(\t\x12\x0e\n\x06\x61pp_id\x18\x03 \x01(\t\x12\x12\n\nproject_id\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x11\n\timage_ref\x18\x06 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x07 \x01(\t\x12(\n\x07service\x18\x08 \x01(\x0b\x32\x17.zattera.v1.ServiceSpec\x12)\n\x06source\x18\t \x01(\x0b\x32\x19.zattera.v1.ReleaseSource\x12\x11\n\tplatforms\x18\n \x03(\t\"\xfc\x02\n\nDeployment\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x16\n\x0e\x65nvironment_id\x18\x02 \x01(\t\x12\x0e\n\x06\x61pp_id\x18\x03 \x01(\t\x12\x12\n\nproject_id\x18\x04 \x01(\t\x12\x12\n\nrelease_id\x18\x05 \x01(\t\x12\x1b\n\x13previous_release_id\x18\x06 \x01(\t\x12*\n\x05phase\x18\x07 \x01(\x0e\x32\x1b.zattera.v1.DeploymentPhase\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x13\n\x0bis_rollback\x18\t \x01(\x08\x12\x10\n\x08\x62uild_id\x18\n \x01(\t\x12/\n\x0bpromoted_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0e\x64rain_deadline\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1a\n\x12\x63reated_by_user_id\x18\r \x01(\t\"\x8a\x04\n\x05\x42uild\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0e\n\x06\x61pp_id\x18\x02 \x01(\t\x12\x12\n\nproject_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x04 \x01(\t\x12#\n\x04type\x18\x05 \x01(\x0e\x32\x15.zattera.v1.BuildType\x12\'\n\x06status\x18\x06 \x01(\x0e\x32\x17.zattera.v1.BuildStatus\x12\x0f\n\x07node_id\x18\x07 \x01(\t\x12\x11\n\timage_ref\x18\x08 \x01(\t\x12\x16\n\x0etarball_digest\x18\t \x01(\t\x12\x0f\n\x07git_sha\x18\n \x01(\t\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12.\n\nstarted_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tplatforms\x18\x0e \x03(\t\x12\x14\n\x0cimage_digest\x18\x0f \x01(\t\x12\x13\n\x0blog_subject\x18\x10 \x01(\t\x12\x15\n\rgit_clone_url\x18\x11 \x01(\t\x12\x12\n\ngit_branch\x18\x12 \x01(\t\x12\x31\n\rlast_event_at\x18\x13 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xba\x03\n\x12\x41ssignmentObserved\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.zattera.v1.InstanceState\x12\x14\n\x0c\x63ontainer_id\x18\x02 \x01(\t\x12\x10\n\x08restarts\x18\x03 \x01(\r\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\x12.\n\nupdated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12P\n\x12mesh_port_bindings\x18\x07 \x03(\x0b\x32\x34.zattera.v1.AssignmentObserved.MeshPortBindingsEntry\x12,\n\tlast_exit\x18\x96\x01 \x01(\x0b\x32\x18.zattera.v1.InstanceExit\x12/\n\nstarted_at\x18\xb4\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0boutput_tail\x18\xb5\x01 \x03(\t\x1a\x37\n\x15MeshPortBindingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xc4\x03\n\nAssignment\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\nproject_id\x18\x03 \x01(\t\x12\x0e\n\x06\x61pp_id\x18\x04 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x05 \x01(\t\x12\x12\n\nrelease_id\x18\x06 \x01(\t\x12\x15\n\rdeployment_id\x18\x07 \x01(\t\x12.\n\x07\x64\x65sired\x18\x08 \x01(\x0e\x32\x1d.zattera.v1.AssignmentDesired\x12\x13\n\x0b\x63onfig_hash\x18\t \x01(\t\x12H\n\x12mesh_port_bindings\x18\n \x03(\x0b\x32,.zattera.v1.Assignment.MeshPortBindingsEntry\x12\x30\n\x08observed\x18\x0b \x01(\x0b\x32\x1e.zattera.v1.AssignmentObserved\x12\x0e\n\x06job_id\x18\x0c \x01(\t\x12\x14\n\x0bjob_command\x18\xb4\x01 \x01(\t\x1a\x37\n\x15MeshPortBindingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"e\n\x0bVolumeLease\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rassignment_id\x18\x02 \x01(\t\x12.\n\nexpires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x98\x01\n\x0eSnapshotPolicy\x12\x10\n\x08schedule\x18\x01 \x01(\t\x12\x10\n\x08pre_hook\x18\x02 \x01(\t\x12\x11\n\tkeep_last\x18\x03 \x01(\r\x12\x16\n\x0eoffsite_target\x18n \x01(\t\x12\x1f\n\x17offsite_sealed_settings\x18o \x01(\x0c\x12\x16\n\x0eoffsite_key_id\x18p \x01(\t\"\x97\x02\n\x06Volume\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12(\n\x06status\x18\x06 \x01(\x0e\x32\x18.zattera.v1.VolumeStatus\x12&\n\x05lease\x18\x07 \x01(\x0b\x32\x17.zattera.v1.VolumeLease\x12\x33\n\x0fsnapshot_policy\x18\x08 \x01(\x0b\x32\x1a.zattera.v1.SnapshotPolicy\x12\x1b\n\x13size_bytes_observed\x18\t \x01(\x04\"\xe1\x01\n\x0eVolumeSnapshot\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x11\n\tvolume_id\x18\x02 \x01(\t\x12\x14\n\x0cmanifest_key\x18\x03 \x01(\t\x12\x1a\n\x12logical_size_bytes\x18\x04 \x01(\x04\x12\x16\n\x0euploaded_bytes\x18\x05 \x01(\x04\x12*\n\x06status\x18\x06 \x01(\x0e\x32\x1a.zattera.v1.SnapshotStatus\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x17\n\x0fkey_fingerprint\x18\x08 \x01(\t\"\xf1\x01\n\nMiddleware\x12\x16\n\x0eredirect_https\x18\x01 \x01(\x08\x12\x14\n\x0cip_allowlist\x18\x02 \x03(\t\x12\x1b\n\x13\x62\x61sic_auth_username\x18\x03 \x01(\t\x12 \n\x18\x62\x61sic_auth_password_hash\x18\x04 \x01(\t\x12\x16\n\x0emax_body_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fsticky_sessions\x18\x06 \x01(\x08\x12\x10\n\x08\x63ompress\x18\x07 \x01(\x08\x12\x33\n\x10\x62\x61sic_auth_users\x18o \x03(\x0b\x32\x19.zattera.v1.BasicAuthUser\"8\n\rBasicAuthUser\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x15\n\rpassword_hash\x18\x02 \x01(\t\"\xe5\x01\n\x06\x44omain\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\x0e\n\x06\x61pp_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x04 \x01(\t\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x13\n\x0bpath_prefix\x18\x06 \x01(\t\x12\x11\n\tport_name\x18\x07 \x01(\t\x12*\n\nmiddleware\x18\x08 \x01(\x0b\x32\x16.zattera.v1.Middleware\x12\x19\n\x11\x63luster_subdomain\x18\t \x01(\x08\"h\n\x05Lease\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12/\n\x0b\x61\x63quired_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x07version\x18\xb8\x03 \x01(\t\"1\n\nServiceVIP\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\x12\x0b\n\x03vip\x18\x02 \x01(\t\"\xe6\x01\n\x05Image\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0c\n\x04repo\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\t\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x12\n\nmedia_type\x18\x05 \x01(\t\x12\x15\n\rconfig_digest\x18\x06 \x01(\t\x12\x14\n\x0c\x62lob_digests\x18\x07 \x03(\t\x12\x18\n\x10manifest_digests\x18\x08 \x03(\t\x12\x11\n\tplatforms\x18\t \x03(\t\x12\x12\n\nsize_bytes\x18\n \x01(\x04\x12\x10\n\x08\x62uild_id\x18\x0b \x01(\t\"\x9d\x01\n\x0cSealedSecret\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x16\n\x0e\x65nvironment_id\x18\x02 \x01(\t\x12\x12\n\nproject_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x12\n\nciphertext\x18\x06 \x01(\x0c\x12\x0e\n\x06key_id\x18\x07 \x01(\t\"P\n\nSecretsKey\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x12\n\npublic_key\x18\x03 \x01(\x0c\"\xa6\x03\n\x0b\x43\x65rtificate\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12+\n\x05state\x18\x03 \x01(\x0e\x32\x1c.zattera.v1.CertificateState\x12\x11\n\tchain_pem\x18\x04 \x01(\t\x12\x12\n\nsealed_key\x18\x05 \x01(\x0c\x12\x0e\n\x06key_id\x18\x06 \x01(\t\x12.\n\nnot_before\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tnot_after\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08renew_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08retry_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08\x66\x61ilures\x18\x0b \x01(\r\x12\x12\n\nlast_error\x18\x0c \x01(\t\x12\x0e\n\x06issuer\x18\r \x01(\t\x12\x10\n\x08renewals\x18\x0e \x01(\r\"\x84\x01\n\x0b\x41\x63meAccount\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x15\n\rdirectory_url\x18\x02 \x01(\t\x12\r\n\x05\x65mail\x18\x03 \x01(\t\x12\x0b\n\x03uri\x18\x04 \x01(\t\x12\x12\n\nsealed_key\x18\x05 \x01(\x0c\x12\x0e\n\x06key_id\x18\x06 \x01(\t\"\xaf\x01\n\x0e\x42\x61\x63kupSchedule\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x10\n\x08schedule\x18\x02 \x01(\t\x12\x0c\n\x04keep\x18\x03 \x01(\r\x12\x0e\n\x06target\x18\x04 \x01(\t\x12\x1a\n\x12sealed_credentials\x18\x05 \x01(\x0c\x12\x0e\n\x06key_id\x18\x06 \x01(\t\x12\x11\n\trecipient\x18\x07 \x01(\x0c\x12\x0e\n\x06paused\x18\x08 \x01(\x08\"\xb1\x02\n\tBackupRun\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12.\n\nstarted_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x11\n\tbackup_id\x18\x06 \x01(\t\x12\x30\n\x0csucceeded_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nsent_bytes\x18\x08 \x01(\x04\x12\x0c\n\x04kept\x18\t \x01(\r\x12\x0f\n\x07\x64\x65leted\x18\n \x01(\r\x12\x10\n\x08\x66\x61ilures\x18\x0b \x01(\r\"\xbe\x01\n\rNotifyChannel\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x0e\n\x06\x65vents\x18\x03 \x03(\t\x12\x12\n\nproject_id\x18\x04 \x01(\t\x12\x0e\n\x06sealed\x18\x05 \x01(\x0c\x12\x0e\n\x06key_id\x18\x06 \x01(\t\x12\x11\n\turl_shown\x18\x07 \x01(\t\x12\x11\n\tstart_seq\x18\x08 \x01(\x04\x12\x13\n\x0b\x63onsole_url\x18\t \x01(\t\"\xf9\x01\n\x0cNotifyStatus\x12\x1e\n\x04meta\x18\x01 \x01(\x0b\x32\x10.zattera.v1.Meta\x12\x15\n\rdelivered_seq\x18\x02 \x01(\x04\x12\x11\n\tdelivered\x18\x03 \x01(\x04\x12\x35\n\x11last_delivered_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x66\x61iling\x18\x05 \x01(\x08\x12\x31\n\rfailing_since\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08\x66\x61ilures\x18\x07 \x01(\r\x12\x12\n\nlast_error\x18\x08 \x01(\t*\xa2\x01\n\nNodeStatus\x12\x1b\n\x17NODE_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_STATUS_ALIVE\x10\x01\x12\x17\n\x13NODE_STATUS_SUSPECT\x10\x02\x12\x14\n\x10NODE_STATUS_DOWN\x10\x03\x12\x18\n\x14NODE_STATUS_DRAINING\x10\x04\x12\x17\n\x13NODE_STATUS_DRAINED\x10\x05*R\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_CONTROL\x10\x01\x12\x14\n\x10NODE_ROLE_WORKER\x10\x02*q\n\tBuildType\x12\x1a\n\x16\x42UILD_TYPE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x42UILD_TYPE_NIXPACKS\x10\x01\x12\x19\n\x15\x42UILD_TYPE_DOCKERFILE\x10\x02\x12\x14\n\x10\x42UILD_TYPE_IMAGE\x10\x03*p\n\x0f\x45nvironmentType\x12 \n\x1c\x45NVIRONMENT_TYPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x45NVIRONMENT_TYPE_STANDARD\x10\x01\x12\x1c\n\x18\x45NVIRONMENT_TYPE_PREVIEW\x10\x02*[\n\x08Protocol\x12\x18\n\x14PROTOCOL_UNSPECIFIED\x10\x00\x12\x11\n\rPROTOCOL_HTTP\x10\x01\x12\x10\n\x0cPROTOCOL_TCP\x10\x02\x12\x10\n\x0cPROTOCOL_UDP\x10\x03*\x87\x01\n\x0fHealthCheckType\x12!\n\x1dHEALTH_CHECK_TYPE_UNSPECIFIED\x10\x00\x12\x1a\n\x16HEALTH_CHECK_TYPE_HTTP\x10\x01\x12\x19\n\x15HEALTH_CHECK_TYPE_TCP\x10\x02\x12\x1a\n\x16HEALTH_CHECK_TYPE_EXEC\x10\x03*\x94\x01\n\x11\x43oncurrencyPolicy\x12\"\n\x1e\x43ONCURRENCY_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43ONCURRENCY_POLICY_FORBID\x10\x01\x12\x1e\n\x1a\x43ONCURRENCY_POLICY_REPLACE\x10\x02\x12\x1c\n\x18\x43ONCURRENCY_POLICY_ALLOW\x10\x03*\xd0\x01\n\tJobStatus\x12\x1a\n\x16JOB_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12JOB_STATUS_PENDING\x10\x01\x12\x16\n\x12JOB_STATUS_RUNNING\x10\x02\x12\x18\n\x14JOB_STATUS_SUCCEEDED\x10\x03\x12\x15\n\x11JOB_STATUS_FAILED\x10\x04\x12\x17\n\x13JOB_STATUS_CANCELED\x10\x05\x12\x15\n\x11JOB_STATUS_MISSED\x10\x06\x12\x16\n\x12JOB_STATUS_SKIPPED\x10\x07*\xb3\x01\n\x11ReleaseSourceKind\x12#\n\x1fRELEASE_SOURCE_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19RELEASE_SOURCE_KIND_IMAGE\x10\x01\x12\x1d\n\x19RELEASE_SOURCE_KIND_BUILD\x10\x02\x12\x1e\n\x1aRELEASE_SOURCE_KIND_UPLOAD\x10\x03\x12\x1b\n\x17RELEASE_SOURCE_KIND_GIT\x10\x04*\xb8\x03\n\x0f\x44\x65ploymentPhase\x12 \n\x1c\x44\x45PLOYMENT_PHASE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x44\x45PLOYMENT_PHASE_PENDING\x10\x01\x12\x1d\n\x19\x44\x45PLOYMENT_PHASE_BUILDING\x10\x02\x12\x1c\n\x18\x44\x45PLOYMENT_PHASE_PLACING\x10\x03\x12\x1d\n\x19\x44\x45PLOYMENT_PHASE_STARTING\x10\x04\x12#\n\x1f\x44\x45PLOYMENT_PHASE_HEALTHCHECKING\x10\x05\x12\x1e\n\x1a\x44\x45PLOYMENT_PHASE_PROMOTING\x10\x06\x12!\n\x1d\x44\x45PLOYMENT_PHASE_DRAINING_OLD\x10\x07\x12\x1e\n\x1a\x44\x45PLOYMENT_PHASE_SUCCEEDED\x10\x08\x12\x1b\n\x17\x44\x45PLOYMENT_PHASE_FAILED\x10\t\x12 \n\x1c\x44\x45PLOYMENT_PHASE_ROLLED_BACK\x10\n\x12\x1f\n\x1b\x44\x45PLOYMENT_PHASE_SUPERSEDED\x10\x0b\x12!\n\x1d\x44\x45PLOYMENT_PHASE_STOPPING_OLD\x10\x0c*\xae\x01\n\x0b\x42uildStatus\x12\x1c\n\x18\x42UILD_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13\x42UILD_STATUS_QUEUED\x10\x01\x12\x18\n\x14\x42UILD_STATUS_RUNNING\x10\x02\x12\x1a\n\x16\x42UILD_STATUS_SUCCEEDED\x10\x03\x12\x17\n\x13\x42UILD_STATUS_FAILED\x10\x04\x12\x19\n\x15\x42UILD_STATUS_CANCELED\x10\x05*p\n\x11\x41ssignmentDesired\x12\"\n\x1e\x41SSIGNMENT_DESIRED_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41SSIGNMENT_DESIRED_RUN\x10\x01\x12\x1b\n\x17\x41SSIGNMENT_DESIRED_STOP\x10\x02*\x91\x02\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16INSTANCE_STATE_PENDING\x10\x01\x12\x1a\n\x16INSTANCE_STATE_PULLING\x10\x02\x12\x1b\n\x17INSTANCE_STATE_STARTING\x10\x03\x12\x1a\n\x16INSTANCE_STATE_RUNNING\x10\x04\x12\x1a\n\x16INSTANCE_STATE_HEALTHY\x10\x05\x12\x1c\n\x18INSTANCE_STATE_UNHEALTHY\x10\x06\x12\x19\n\x15INSTANCE_STATE_FAILED\x10\x07\x12\x1a\n\x16INSTANCE_STATE_STOPPED\x10\x08*\x81\x01\n\x0cVolumeStatus\x12\x1d\n\x19VOLUME_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14VOLUME_STATUS_ACTIVE\x10\x01\x12\x1b\n\x17VOLUME_STATUS_NODE_LOST\x10\x02\x12\x1b\n\x17VOLUME_STATUS_RESTORING\x10\x03*\x88\x01\n\x0eSnapshotStatus\x12\x1f\n\x1bSNAPSHOT_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17SNAPSHOT_STATUS_RUNNING\x10\x01\x12\x1c\n\x18SNAPSHOT_STATUS_COMPLETE\x10\x02\x12\x1a\n\x16SNAPSHOT_STATUS_FAILED\x10\x03*\xaf\x01\n\x10\x43\x65rtificateState\x12!\n\x1d\x43\x45RTIFICATE_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43\x45RTIFICATE_STATE_PENDING\x10\x01\x12\x1b\n\x17\x43\x45RTIFICATE_STATE_VALID\x10\x02\x12\x1e\n\x1a\x43\x45RTIFICATE_STATE_RENEWING\x10\x03\x12\x1c\n\x18\x43\x45RTIFICATE_STATE_FAILED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "zattera.v1.types_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'zattera.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_EVENT_FIELDSENTRY"]._loaded_options = None
-    _globals["_EVENT_FIELDSENTRY"]._serialized_options = b"8\001"
-    _globals["_NODE_LABELSENTRY"]._loaded_options = None
-    _globals["_NODE_LABELSENTRY"]._serialized_options = b"8\001"
-    _globals["_BUILDCONFIG_BUILDARGSENTRY"]._loaded_options = None
-    _globals["_BUILDCONFIG_BUILDARGSENTRY"]._serialized_options = b"8\001"
-    _globals["_SERVICESPEC_PLACEMENTCONSTRAINTSENTRY"]._loaded_options = None
-    _globals["_SERVICESPEC_PLACEMENTCONSTRAINTSENTRY"]._serialized_options = b"8\001"
-    _globals["_SERVICESPEC_VARSENTRY"]._loaded_options = None
-    _globals["_SERVICESPEC_VARSENTRY"]._serialized_options = b"8\001"
-    _globals["_SERVICESPEC_SECRETSENTRY"]._loaded_options = None
-    _globals["_SERVICESPEC_SECRETSENTRY"]._serialized_options = b"8\001"
-    _globals["_ASSIGNMENTOBSERVED_MESHPORTBINDINGSENTRY"]._loaded_options = None
-    _globals["_ASSIGNMENTOBSERVED_MESHPORTBINDINGSENTRY"]._serialized_options = b"8\001"
-    _globals["_ASSIGNMENT_MESHPORTBINDINGSENTRY"]._loaded_options = None
-    _globals["_ASSIGNMENT_MESHPORTBINDINGSENTRY"]._serialized_options = b"8\001"
-    _globals["_NODESTATUS"]._serialized_start = 10316
-    _globals["_NODESTATUS"]._serialized_end = 10478
-    _globals["_NODEROLE"]._serialized_start = 10480
-    _globals["_NODEROLE"]._serialized_end = 10562
-    _globals["_BUILDTYPE"]._serialized_start = 10564
-    _globals["_BUILDTYPE"]._serialized_end = 10677
-    _globals["_ENVIRONMENTTYPE"]._serialized_start = 10679
-    _globals["_ENVIRONMENTTYPE"]._serialized_end = 10791
-    _globals["_PROTOCOL"]._serialized_start = 10793
-    _globals["_PROTOCOL"]._serialized_end = 10884
-    _globals["_HEALTHCHECKTYPE"]._serialized_start = 10887
-    _globals["_HEALTHCHECKTYPE"]._serialized_end = 11022
-    _globals["_CONCURRENCYPOLICY"]._serialized_start = 11025
-    _globals["_CONCURRENCYPOLICY"]._serialized_end = 11173
-    _globals["_JOBSTATUS"]._serialized_start = 11176
-    _globals["_JOBSTATUS"]._serialized_end = 11384
-    _globals["_RELEASESOURCEKIND"]._serialized_start = 11387
-    _globals["_RELEASESOURCEKIND"]._serialized_end = 11566
-    _globals["_DEPLOYMENTPHASE"]._serialized_start = 11569
-    _globals["_DEPLOYMENTPHASE"]._serialized_end = 12009
-    _globals["_BUILDSTATUS"]._serialized_start = 12012
-    _globals["_BUILDSTATUS"]._serialized_end = 12186
-    _globals["_ASSIGNMENTDESIRED"]._serialized_start = 12188
-    _globals["_ASSIGNMENTDESIRED"]._serialized_end = 12300
-    _globals["_INSTANCESTATE"]._serialized_start = 12303
-    _globals["_INSTANCESTATE"]._serialized_end = 12576
-    _globals["_VOLUMESTATUS"]._serialized_start = 12579
-    _globals["_VOLUMESTATUS"]._serialized_end = 12708
-    _globals["_SNAPSHOTSTATUS"]._serialized_start = 12711
-    _globals["_SNAPSHOTSTATUS"]._serialized_end = 12847
-    _globals["_CERTIFICATESTATE"]._serialized_start = 12850
-    _globals["_CERTIFICATESTATE"]._serialized_end = 13025
-    _globals["_META"]._serialized_start = 103
-    _globals["_META"]._serialized_end = 217
-    _globals["_RESOURCELIMITS"]._serialized_start = 219
-    _globals["_RESOURCELIMITS"]._serialized_end = 274
-    _globals["_EVENT"]._serialized_start = 277
-    _globals["_EVENT"]._serialized_end = 557
-    _globals["_EVENT_FIELDSENTRY"]._serialized_start = 512
-    _globals["_EVENT_FIELDSENTRY"]._serialized_end = 557
-    _globals["_LOGLINE"]._serialized_start = 559
-    _globals["_LOGLINE"]._serialized_end = 658
-    _globals["_LOGRETENTION"]._serialized_start = 660
-    _globals["_LOGRETENTION"]._serialized_end = 737
-    _globals["_INSTANCEEXIT"]._serialized_start = 740
-    _globals["_INSTANCEEXIT"]._serialized_end = 909
-    _globals["_NODE"]._serialized_start = 912
-    _globals["_NODE"]._serialized_end = 1541
-    _globals["_NODE_LABELSENTRY"]._serialized_start = 1496
-    _globals["_NODE_LABELSENTRY"]._serialized_end = 1541
-    _globals["_PROJECT"]._serialized_start = 1543
-    _globals["_PROJECT"]._serialized_end = 1598
-    _globals["_BUILDCONFIG"]._serialized_start = 1601
-    _globals["_BUILDCONFIG"]._serialized_end = 1821
-    _globals["_BUILDCONFIG_BUILDARGSENTRY"]._serialized_start = 1773
-    _globals["_BUILDCONFIG_BUILDARGSENTRY"]._serialized_end = 1821
-    _globals["_APP"]._serialized_start = 1823
-    _globals["_APP"]._serialized_end = 1934
-    _globals["_ENVIRONMENT"]._serialized_start = 1937
-    _globals["_ENVIRONMENT"]._serialized_end = 2439
-    _globals["_SERVICESPEC"]._serialized_start = 2442
-    _globals["_SERVICESPEC"]._serialized_end = 3436
-    _globals["_SERVICESPEC_PLACEMENTCONSTRAINTSENTRY"]._serialized_start = 3261
-    _globals["_SERVICESPEC_PLACEMENTCONSTRAINTSENTRY"]._serialized_end = 3320
-    _globals["_SERVICESPEC_VARSENTRY"]._serialized_start = 3322
-    _globals["_SERVICESPEC_VARSENTRY"]._serialized_end = 3365
-    _globals["_SERVICESPEC_SECRETSENTRY"]._serialized_start = 3367
-    _globals["_SERVICESPEC_SECRETSENTRY"]._serialized_end = 3436
-    _globals["_NETWORKPOLICY"]._serialized_start = 3438
-    _globals["_NETWORKPOLICY"]._serialized_end = 3468
-    _globals["_SECRETREF"]._serialized_start = 3470
-    _globals["_SECRETREF"]._serialized_end = 3565
-    _globals["_RATELIMIT"]._serialized_start = 3567
-    _globals["_RATELIMIT"]._serialized_end = 3622
-    _globals["_REPLICARANGE"]._serialized_start = 3624
-    _globals["_REPLICARANGE"]._serialized_end = 3664
-    _globals["_AUTOSCALE"]._serialized_start = 3666
-    _globals["_AUTOSCALE"]._serialized_end = 3768
-    _globals["_PORTSPEC"]._serialized_start = 3770
-    _globals["_PORTSPEC"]._serialized_end = 3882
-    _globals["_HEALTHCHECK"]._serialized_start = 3885
-    _globals["_HEALTHCHECK"]._serialized_end = 4153
-    _globals["_VOLUMEMOUNT"]._serialized_start = 4155
-    _globals["_VOLUMEMOUNT"]._serialized_end = 4209
-    _globals["_CRONSPEC"]._serialized_start = 4212
-    _globals["_CRONSPEC"]._serialized_end = 4482
-    _globals["_JOB"]._serialized_start = 4485
-    _globals["_JOB"]._serialized_end = 5097
-    _globals["_RELEASESOURCE"]._serialized_start = 5100
-    _globals["_RELEASESOURCE"]._serialized_end = 5260
-    _globals["_RELEASE"]._serialized_start = 5263
-    _globals["_RELEASE"]._serialized_end = 5525
-    _globals["_DEPLOYMENT"]._serialized_start = 5528
-    _globals["_DEPLOYMENT"]._serialized_end = 5908
-    _globals["_BUILD"]._serialized_start = 5911
-    _globals["_BUILD"]._serialized_end = 6433
-    _globals["_ASSIGNMENTOBSERVED"]._serialized_start = 6436
-    _globals["_ASSIGNMENTOBSERVED"]._serialized_end = 6878
-    _globals["_ASSIGNMENTOBSERVED_MESHPORTBINDINGSENTRY"]._serialized_start = 6823
-    _globals["_ASSIGNMENTOBSERVED_MESHPORTBINDINGSENTRY"]._serialized_end = 6878
-    _globals["_ASSIGNMENT"]._serialized_start = 6881
-    _globals["_ASSIGNMENT"]._serialized_end = 7333
-    _globals["_ASSIGNMENT_MESHPORTBINDINGSENTRY"]._serialized_start = 6823
-    _globals["_ASSIGNMENT_MESHPORTBINDINGSENTRY"]._serialized_end = 6878
-    _globals["_VOLUMELEASE"]._serialized_start = 7335
-    _globals["_VOLUMELEASE"]._serialized_end = 7436
-    _globals["_SNAPSHOTPOLICY"]._serialized_start = 7439
-    _globals["_SNAPSHOTPOLICY"]._serialized_end = 7591
-    _globals["_VOLUME"]._serialized_start = 7594
-    _globals["_VOLUME"]._serialized_end = 7873
-    _globals["_VOLUMESNAPSHOT"]._serialized_start = 7876
-    _globals["_VOLUMESNAPSHOT"]._serialized_end = 8101
-    _globals["_MIDDLEWARE"]._serialized_start = 8104
-    _globals["_MIDDLEWARE"]._serialized_end = 8345
-    _globals["_BASICAUTHUSER"]._serialized_start = 8347
-    _globals["_BASICAUTHUSER"]._serialized_end = 8403
-    _globals["_DOMAIN"]._serialized_start = 8406
-    _globals["_DOMAIN"]._serialized_end = 8635
-    _globals["_LEASE"]._serialized_start = 8637
-    _globals["_LEASE"]._serialized_end = 8741
-    _globals["_SERVICEVIP"]._serialized_start = 8743
-    _globals["_SERVICEVIP"]._serialized_end = 8792
-    _globals["_IMAGE"]._serialized_start = 8795
-    _globals["_IMAGE"]._serialized_end = 9025
-    _globals["_SEALEDSECRET"]._serialized_start = 9028
-    _globals["_SEALEDSECRET"]._serialized_end = 9185
-    _globals["_SECRETSKEY"]._serialized_start = 9187
-    _globals["_SECRETSKEY"]._serialized_end = 9267
-    _globals["_CERTIFICATE"]._serialized_start = 9270
-    _globals["_CERTIFICATE"]._serialized_end = 9692
-    _globals["_ACMEACCOUNT"]._serialized_start = 9695
-    _globals["_ACMEACCOUNT"]._serialized_end = 9827
-    _globals["_BACKUPSCHEDULE"]._serialized_start = 9830
-    _globals["_BACKUPSCHEDULE"]._serialized_end = 10005
-    _globals["_BACKUPRUN"]._serialized_start = 10008
-    _globals["_BACKUPRUN"]._serialized_end = 10313
+  DESCRIPTOR._loaded_options = None
+  _globals['_EVENT_FIELDSENTRY']._loaded_options = None
+  _globals['_EVENT_FIELDSENTRY']._serialized_options = b'8\001'
+  _globals['_NODE_LABELSENTRY']._loaded_options = None
+  _globals['_NODE_LABELSENTRY']._serialized_options = b'8\001'
+  _globals['_BUILDCONFIG_BUILDARGSENTRY']._loaded_options = None
+  _globals['_BUILDCONFIG_BUILDARGSENTRY']._serialized_options = b'8\001'
+  _globals['_SERVICESPEC_PLACEMENTCONSTRAINTSENTRY']._loaded_options = None
+  _globals['_SERVICESPEC_PLACEMENTCONSTRAINTSENTRY']._serialized_options = b'8\001'
+  _globals['_SERVICESPEC_VARSENTRY']._loaded_options = None
+  _globals['_SERVICESPEC_VARSENTRY']._serialized_options = b'8\001'
+  _globals['_SERVICESPEC_SECRETSENTRY']._loaded_options = None
+  _globals['_SERVICESPEC_SECRETSENTRY']._serialized_options = b'8\001'
+  _globals['_ASSIGNMENTOBSERVED_MESHPORTBINDINGSENTRY']._loaded_options = None
+  _globals['_ASSIGNMENTOBSERVED_MESHPORTBINDINGSENTRY']._serialized_options = b'8\001'
+  _globals['_ASSIGNMENT_MESHPORTBINDINGSENTRY']._loaded_options = None
+  _globals['_ASSIGNMENT_MESHPORTBINDINGSENTRY']._serialized_options = b'8\001'
+  _globals['_NODESTATUS']._serialized_start=10761
+  _globals['_NODESTATUS']._serialized_end=10923
+  _globals['_NODEROLE']._serialized_start=10925
+  _globals['_NODEROLE']._serialized_end=11007
+  _globals['_BUILDTYPE']._serialized_start=11009
+  _globals['_BUILDTYPE']._serialized_end=11122
+  _globals['_ENVIRONMENTTYPE']._serialized_start=11124
+  _globals['_ENVIRONMENTTYPE']._serialized_end=11236
+  _globals['_PROTOCOL']._serialized_start=11238
+  _globals['_PROTOCOL']._serialized_end=11329
+  _globals['_HEALTHCHECKTYPE']._serialized_start=11332
+  _globals['_HEALTHCHECKTYPE']._serialized_end=11467
+  _globals['_CONCURRENCYPOLICY']._serialized_start=11470
+  _globals['_CONCURRENCYPOLICY']._serialized_end=11618
+  _globals['_JOBSTATUS']._serialized_start=11621
+  _globals['_JOBSTATUS']._serialized_end=11829
+  _globals['_RELEASESOURCEKIND']._serialized_start=11832
+  _globals['_RELEASESOURCEKIND']._serialized_end=12011
+  _globals['_DEPLOYMENTPHASE']._serialized_start=12014
+  _globals['_DEPLOYMENTPHASE']._serialized_end=12454
+  _globals['_BUILDSTATUS']._serialized_start=12457
+  _globals['_BUILDSTATUS']._serialized_end=12631
+  _globals['_ASSIGNMENTDESIRED']._serialized_start=12633
+  _globals['_ASSIGNMENTDESIRED']._serialized_end=12745
+  _globals['_INSTANCESTATE']._serialized_start=12748
+  _globals['_INSTANCESTATE']._serialized_end=13021
+  _globals['_VOLUMESTATUS']._serialized_start=13024
+  _globals['_VOLUMESTATUS']._serialized_end=13153
+  _globals['_SNAPSHOTSTATUS']._serialized_start=13156
+  _globals['_SNAPSHOTSTATUS']._serialized_end=13292
+  _globals['_CERTIFICATESTATE']._serialized_start=13295
+  _globals['_CERTIFICATESTATE']._serialized_end=13470
+  _globals['_META']._serialized_start=103
+  _globals['_META']._serialized_end=217
+  _globals['_RESOURCELIMITS']._serialized_start=219
+  _globals['_RESOURCELIMITS']._serialized_end=274
+  _globals['_EVENT']._serialized_start=277
+  _globals['_EVENT']._serialized_end=557
+  _globals['_EVENT_FIELDSENTRY']._serialized_start=512
+  _globals['_EVENT_FIELDSENTRY']._serialized_end=557
+  _globals['_LOGLINE']._serialized_start=559
+  _globals['_LOGLINE']._serialized_end=658
+  _globals['_LOGRETENTION']._serialized_start=660
+  _globals['_LOGRETENTION']._serialized_end=737
+  _globals['_INSTANCEEXIT']._serialized_start=740
+  _globals['_INSTANCEEXIT']._serialized_end=909
+  _globals['_NODE']._serialized_start=912
+  _globals['_NODE']._serialized_end=1541
+  _globals['_NODE_LABELSENTRY']._serialized_start=1496
+  _globals['_NODE_LABELSENTRY']._serialized_end=1541
+  _globals['_PROJECT']._serialized_start=1543
+  _globals['_PROJECT']._serialized_end=1598
+  _globals['_BUILDCONFIG']._serialized_start=1601
+  _globals['_BUILDCONFIG']._serialized_end=1821
+  _globals['_BUILDCONFIG_BUILDARGSENTRY']._serialized_start=1773
+  _globals['_BUILDCONFIG_BUILDARGSENTRY']._serialized_end=1821
+  _globals['_APP']._serialized_start=1823
+  _globals['_APP']._serialized_end=1934
+  _globals['_ENVIRONMENT']._serialized_start=1937
+  _globals['_ENVIRONMENT']._serialized_end=2439
+  _globals['_SERVICESPEC']._serialized_start=2442
+  _globals['_SERVICESPEC']._serialized_end=3436
+  _globals['_SERVICESPEC_PLACEMENTCONSTRAINTSENTRY']._serialized_start=3261
+  _globals['_SERVICESPEC_PLACEMENTCONSTRAINTSENTRY']._serialized_end=3320
+  _globals['_SERVICESPEC_VARSENTRY']._serialized_start=3322
+  _globals['_SERVICESPEC_VARSENTRY']._serialized_end=3365
+  _globals['_SERVICESPEC_SECRETSENTRY']._serialized_start=3367
+  _globals['_SERVICESPEC_SECRETSENTRY']._serialized_end=3436
+  _globals['_NETWORKPOLICY']._serialized_start=3438
+  _globals['_NETWORKPOLICY']._serialized_end=3468
+  _globals['_SECRETREF']._serialized_start=3470
+  _globals['_SECRETREF']._serialized_end=3565
+  _globals['_RATELIMIT']._serialized_start=3567
+  _globals['_RATELIMIT']._serialized_end=3622
+  _globals['_REPLICARANGE']._serialized_start=3624
+  _globals['_REPLICARANGE']._serialized_end=3664
+  _globals['_AUTOSCALE']._serialized_start=3666
+  _globals['_AUTOSCALE']._serialized_end=3768
+  _globals['_PORTSPEC']._serialized_start=3770
+  _globals['_PORTSPEC']._serialized_end=3882
+  _globals['_HEALTHCHECK']._serialized_start=3885
+  _globals['_HEALTHCHECK']._serialized_end=4153
+  _globals['_VOLUMEMOUNT']._serialized_start=4155
+  _globals['_VOLUMEMOUNT']._serialized_end=4209
+  _globals['_CRONSPEC']._serialized_start=4212
+  _globals['_CRONSPEC']._serialized_end=4482
+  _globals['_JOB']._serialized_start=4485
+  _globals['_JOB']._serialized_end=5097
+  _globals['_RELEASESOURCE']._serialized_start=5100
+  _globals['_RELEASESOURCE']._serialized_end=5260
+  _globals['_RELEASE']._serialized_start=5263
+  _globals['_RELEASE']._serialized_end=5525
+  _globals['_DEPLOYMENT']._serialized_start=5528
+  _globals['_DEPLOYMENT']._serialized_end=5908
+  _globals['_BUILD']._serialized_start=5911
+  _globals['_BUILD']._serialized_end=6433
+  _globals['_ASSIGNMENTOBSERVED']._serialized_start=6436
+  _globals['_ASSIGNMENTOBSERVED']._serialized_end=6878
+  _globals['_ASSIGNMENTOBSERVED_MESHPORTBINDINGSENTRY']._serialized_start=6823
+  _globals['_ASSIGNMENTOBSERVED_MESHPORTBINDINGSENTRY']._serialized_end=6878
+  _globals['_ASSIGNMENT']._serialized_start=6881
+  _globals['_ASSIGNMENT']._serialized_end=7333
+  _globals['_ASSIGNMENT_MESHPORTBINDINGSENTRY']._serialized_start=6823
+  _globals['_ASSIGNMENT_MESHPORTBINDINGSENTRY']._serialized_end=6878
+  _globals['_VOLUMELEASE']._serialized_start=7335
+  _globals['_VOLUMELEASE']._serialized_end=7436
+  _globals['_SNAPSHOTPOLICY']._serialized_start=7439
+  _globals['_SNAPSHOTPOLICY']._serialized_end=7591
+  _globals['_VOLUME']._serialized_start=7594
+  _globals['_VOLUME']._serialized_end=7873
+  _globals['_VOLUMESNAPSHOT']._serialized_start=7876
+  _globals['_VOLUMESNAPSHOT']._serialized_end=8101
+  _globals['_MIDDLEWARE']._serialized_start=8104
+  _globals['_MIDDLEWARE']._serialized_end=8345
+  _globals['_BASICAUTHUSER']._serialized_start=8347
+  _globals['_BASICAUTHUSER']._serialized_end=8403
+  _globals['_DOMAIN']._serialized_start=8406
+  _globals['_DOMAIN']._serialized_end=8635
+  _globals['_LEASE']._serialized_start=8637
+  _globals['_LEASE']._serialized_end=8741
+  _globals['_SERVICEVIP']._serialized_start=8743
+  _globals['_SERVICEVIP']._serialized_end=8792
+  _globals['_IMAGE']._serialized_start=8795
+  _globals['_IMAGE']._serialized_end=9025
+  _globals['_SEALEDSECRET']._serialized_start=9028
+  _globals['_SEALEDSECRET']._serialized_end=9185
+  _globals['_SECRETSKEY']._serialized_start=9187
+  _globals['_SECRETSKEY']._serialized_end=9267
+  _globals['_CERTIFICATE']._serialized_start=9270
+  _globals['_CERTIFICATE']._serialized_end=9692
+  _globals['_ACMEACCOUNT']._serialized_start=9695
+  _globals['_ACMEACCOUNT']._serialized_end=9827
+  _globals['_BACKUPSCHEDULE']._serialized_start=9830
+  _globals['_BACKUPSCHEDULE']._serialized_end=10005
+  _globals['_BACKUPRUN']._serialized_start=10008
+  _globals['_BACKUPRUN']._serialized_end=10313
+  _globals['_NOTIFYCHANNEL']._serialized_start=10316
+  _globals['_NOTIFYCHANNEL']._serialized_end=10506
+  _globals['_NOTIFYSTATUS']._serialized_start=10509
+  _globals['_NOTIFYSTATUS']._serialized_end=10758
 # @@protoc_insertion_point(module_scope)

@@ -189,9 +189,7 @@ class _ConcurrencyPolicy:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
 
-class _ConcurrencyPolicyEnumTypeWrapper(
-    _enum_type_wrapper._EnumTypeWrapper[_ConcurrencyPolicy.ValueType], _builtins.type
-):
+class _ConcurrencyPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ConcurrencyPolicy.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     CONCURRENCY_POLICY_UNSPECIFIED: _ConcurrencyPolicy.ValueType  # 0
     """forbid"""
@@ -257,9 +255,7 @@ class _ReleaseSourceKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
 
-class _ReleaseSourceKindEnumTypeWrapper(
-    _enum_type_wrapper._EnumTypeWrapper[_ReleaseSourceKind.ValueType], _builtins.type
-):
+class _ReleaseSourceKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReleaseSourceKind.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     RELEASE_SOURCE_KIND_UNSPECIFIED: _ReleaseSourceKind.ValueType  # 0
     RELEASE_SOURCE_KIND_IMAGE: _ReleaseSourceKind.ValueType  # 1
@@ -361,9 +357,7 @@ class _AssignmentDesired:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
 
-class _AssignmentDesiredEnumTypeWrapper(
-    _enum_type_wrapper._EnumTypeWrapper[_AssignmentDesired.ValueType], _builtins.type
-):
+class _AssignmentDesiredEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AssignmentDesired.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     ASSIGNMENT_DESIRED_UNSPECIFIED: _AssignmentDesired.ValueType  # 0
     ASSIGNMENT_DESIRED_RUN: _AssignmentDesired.ValueType  # 1
@@ -472,9 +466,7 @@ class _CertificateState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
 
-class _CertificateStateEnumTypeWrapper(
-    _enum_type_wrapper._EnumTypeWrapper[_CertificateState.ValueType], _builtins.type
-):
+class _CertificateStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CertificateState.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     CERTIFICATE_STATE_UNSPECIFIED: _CertificateState.ValueType  # 0
     CERTIFICATE_STATE_PENDING: _CertificateState.ValueType  # 1
@@ -533,9 +525,7 @@ class Meta(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "created_at", b"created_at", "id", b"id", "updated_at", b"updated_at"
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "id", b"id", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -642,28 +632,7 @@ class Event(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "app_id",
-        b"app_id",
-        "environment_id",
-        b"environment_id",
-        "fields",
-        b"fields",
-        "kind",
-        b"kind",
-        "message",
-        b"message",
-        "meta",
-        b"meta",
-        "node_id",
-        b"node_id",
-        "project_id",
-        b"project_id",
-        "severity",
-        b"severity",
-        "transition",
-        b"transition",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "environment_id", b"environment_id", "fields", b"fields", "kind", b"kind", "message", b"message", "meta", b"meta", "node_id", b"node_id", "project_id", b"project_id", "severity", b"severity", "transition", b"transition"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -705,9 +674,7 @@ class LogLine(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "dropped", b"dropped", "line", b"line", "stream", b"stream", "time", b"time"
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "line", b"line", "stream", b"stream", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -785,22 +752,7 @@ class InstanceExit(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "at",
-        b"at",
-        "code",
-        b"code",
-        "code_known",
-        b"code_known",
-        "oom_killed",
-        b"oom_killed",
-        "oom_suspected",
-        b"oom_suspected",
-        "signal",
-        b"signal",
-        "stderr_tail",
-        b"stderr_tail",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "code", b"code", "code_known", b"code_known", "oom_killed", b"oom_killed", "oom_suspected", b"oom_suspected", "signal", b"signal", "stderr_tail", b"stderr_tail"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -902,7 +854,7 @@ class Node(_message.Message):
     def roles(self) -> _containers.RepeatedScalarFieldContainer[Global___NodeRole.ValueType]: ...
     @_builtins.property
     def public_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """ "ip:port" """
+        """"ip:port" """
 
     @_builtins.property
     def last_heartbeat_at(self) -> _timestamp_pb2.Timestamp: ...
@@ -930,52 +882,9 @@ class Node(_message.Message):
         isolation_problem: _builtins.str = ...,
         runtime_reason: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal[
-        "capacity", b"capacity", "last_heartbeat_at", b"last_heartbeat_at", "meta", b"meta"
-    ]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "last_heartbeat_at", b"last_heartbeat_at", "meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "autoprovisioned",
-        b"autoprovisioned",
-        "binary_version",
-        b"binary_version",
-        "capacity",
-        b"capacity",
-        "capacity_disk_mb",
-        b"capacity_disk_mb",
-        "isolation",
-        b"isolation",
-        "isolation_problem",
-        b"isolation_problem",
-        "labels",
-        b"labels",
-        "last_heartbeat_at",
-        b"last_heartbeat_at",
-        "mesh_ip",
-        b"mesh_ip",
-        "meta",
-        b"meta",
-        "name",
-        b"name",
-        "os_arch",
-        b"os_arch",
-        "public_endpoints",
-        b"public_endpoints",
-        "roles",
-        b"roles",
-        "runtime",
-        b"runtime",
-        "runtime_reason",
-        b"runtime_reason",
-        "schedulable",
-        b"schedulable",
-        "secrets_public_key",
-        b"secrets_public_key",
-        "status",
-        b"status",
-        "wireguard_public_key",
-        b"wireguard_public_key",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoprovisioned", b"autoprovisioned", "binary_version", b"binary_version", "capacity", b"capacity", "capacity_disk_mb", b"capacity_disk_mb", "isolation", b"isolation", "isolation_problem", b"isolation_problem", "labels", b"labels", "last_heartbeat_at", b"last_heartbeat_at", "mesh_ip", b"mesh_ip", "meta", b"meta", "name", b"name", "os_arch", b"os_arch", "public_endpoints", b"public_endpoints", "roles", b"roles", "runtime", b"runtime", "runtime_reason", b"runtime_reason", "schedulable", b"schedulable", "secrets_public_key", b"secrets_public_key", "status", b"status", "wireguard_public_key", b"wireguard_public_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1071,18 +980,7 @@ class BuildConfig(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "build_args",
-        b"build_args",
-        "context_dir",
-        b"context_dir",
-        "dockerfile",
-        b"dockerfile",
-        "platforms",
-        b"platforms",
-        "type",
-        b"type",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["build_args", b"build_args", "context_dir", b"context_dir", "dockerfile", b"dockerfile", "platforms", b"platforms", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1117,9 +1015,7 @@ class App(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["build", b"build", "meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "build", b"build", "meta", b"meta", "name", b"name", "project_id", b"project_id"
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["build", b"build", "meta", b"meta", "name", b"name", "project_id", b"project_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1205,53 +1101,9 @@ class Environment(_message.Message):
         middleware: Global___Middleware | None = ...,
         logs: Global___LogRetention | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal[
-        "idle_timeout",
-        b"idle_timeout",
-        "logs",
-        b"logs",
-        "meta",
-        b"meta",
-        "middleware",
-        b"middleware",
-        "preview_expires_at",
-        b"preview_expires_at",
-        "service",
-        b"service",
-    ]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["idle_timeout", b"idle_timeout", "logs", b"logs", "meta", b"meta", "middleware", b"middleware", "preview_expires_at", b"preview_expires_at", "service", b"service"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "active_release_id",
-        b"active_release_id",
-        "app_id",
-        b"app_id",
-        "effective_replicas",
-        b"effective_replicas",
-        "idle_timeout",
-        b"idle_timeout",
-        "logs",
-        b"logs",
-        "meta",
-        b"meta",
-        "middleware",
-        b"middleware",
-        "name",
-        b"name",
-        "preview_branch",
-        b"preview_branch",
-        "preview_expires_at",
-        b"preview_expires_at",
-        "preview_pr_number",
-        b"preview_pr_number",
-        "project_id",
-        b"project_id",
-        "route_generation",
-        b"route_generation",
-        "service",
-        b"service",
-        "type",
-        b"type",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_release_id", b"active_release_id", "app_id", b"app_id", "effective_replicas", b"effective_replicas", "idle_timeout", b"idle_timeout", "logs", b"logs", "meta", b"meta", "middleware", b"middleware", "name", b"name", "preview_branch", b"preview_branch", "preview_expires_at", b"preview_expires_at", "preview_pr_number", b"preview_pr_number", "project_id", b"project_id", "route_generation", b"route_generation", "service", b"service", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1439,67 +1291,9 @@ class ServiceSpec(_message.Message):
         network: Global___NetworkPolicy | None = ...,
         min_healthy_time: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal[
-        "autoscale",
-        b"autoscale",
-        "healthcheck",
-        b"healthcheck",
-        "min_healthy_time",
-        b"min_healthy_time",
-        "network",
-        b"network",
-        "rate_limit",
-        b"rate_limit",
-        "replicas",
-        b"replicas",
-        "resources",
-        b"resources",
-        "stop_grace",
-        b"stop_grace",
-    ]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "healthcheck", b"healthcheck", "min_healthy_time", b"min_healthy_time", "network", b"network", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "autoscale",
-        b"autoscale",
-        "command",
-        b"command",
-        "config_version",
-        b"config_version",
-        "cron",
-        b"cron",
-        "healthcheck",
-        b"healthcheck",
-        "max_concurrency",
-        b"max_concurrency",
-        "min_healthy_time",
-        b"min_healthy_time",
-        "network",
-        b"network",
-        "placement_constraints",
-        b"placement_constraints",
-        "ports",
-        b"ports",
-        "rate_limit",
-        b"rate_limit",
-        "read_only_root",
-        b"read_only_root",
-        "replicas",
-        b"replicas",
-        "resources",
-        b"resources",
-        "scale_to_zero",
-        b"scale_to_zero",
-        "secrets",
-        b"secrets",
-        "stateful",
-        b"stateful",
-        "stop_grace",
-        b"stop_grace",
-        "vars",
-        b"vars",
-        "volumes",
-        b"volumes",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "min_healthy_time", b"min_healthy_time", "network", b"network", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "read_only_root", b"read_only_root", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1516,7 +1310,7 @@ class NetworkPolicy(_message.Message):
     ALLOW_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def allow(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """ "project/app/env" names, validated at apply"""
+        """"project/app/env" names, validated at apply"""
 
     def __init__(
         self,
@@ -1556,9 +1350,7 @@ class SecretRef(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "secret_id", b"secret_id", "updated_at", b"updated_at", "version", b"version"
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["secret_id", b"secret_id", "updated_at", b"updated_at", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1641,14 +1433,7 @@ class Autoscale(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "target_cpu_percent",
-        b"target_cpu_percent",
-        "target_memory_percent",
-        b"target_memory_percent",
-        "target_rps_per_replica",
-        b"target_rps_per_replica",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["target_cpu_percent", b"target_cpu_percent", "target_memory_percent", b"target_memory_percent", "target_rps_per_replica", b"target_rps_per_replica"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1682,16 +1467,7 @@ class PortSpec(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "container_port",
-        b"container_port",
-        "name",
-        b"name",
-        "protocol",
-        b"protocol",
-        "public_l4_port",
-        b"public_l4_port",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_port", b"container_port", "name", b"name", "protocol", b"protocol", "public_l4_port", b"public_l4_port"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1747,28 +1523,9 @@ class HealthCheck(_message.Message):
         grace_period: _duration_pb2.Duration | None = ...,
         unhealthy_threshold: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal[
-        "grace_period", b"grace_period", "interval", b"interval", "timeout", b"timeout"
-    ]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grace_period", b"grace_period", "interval", b"interval", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "command",
-        b"command",
-        "grace_period",
-        b"grace_period",
-        "interval",
-        b"interval",
-        "path",
-        b"path",
-        "port",
-        b"port",
-        "timeout",
-        b"timeout",
-        "type",
-        b"type",
-        "unhealthy_threshold",
-        b"unhealthy_threshold",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "grace_period", b"grace_period", "interval", b"interval", "path", b"path", "port", b"port", "timeout", b"timeout", "type", b"type", "unhealthy_threshold", b"unhealthy_threshold"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1848,28 +1605,9 @@ class CronSpec(_message.Message):
         deadline: _duration_pb2.Duration | None = ...,
         since: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal[
-        "deadline", b"deadline", "resources", b"resources", "since", b"since"
-    ]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "resources", b"resources", "since", b"since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "command",
-        b"command",
-        "concurrency",
-        b"concurrency",
-        "deadline",
-        b"deadline",
-        "max_retries",
-        b"max_retries",
-        "name",
-        b"name",
-        "resources",
-        b"resources",
-        "schedule",
-        b"schedule",
-        "since",
-        b"since",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "concurrency", b"concurrency", "deadline", b"deadline", "max_retries", b"max_retries", "name", b"name", "resources", b"resources", "schedule", b"schedule", "since", b"since"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1974,67 +1712,9 @@ class Job(_message.Message):
         message: _builtins.str = ...,
         cancel_requested: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal[
-        "deadline",
-        b"deadline",
-        "finished_at",
-        b"finished_at",
-        "meta",
-        b"meta",
-        "resources",
-        b"resources",
-        "slot_at",
-        b"slot_at",
-        "started_at",
-        b"started_at",
-    ]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "finished_at", b"finished_at", "meta", b"meta", "resources", b"resources", "slot_at", b"slot_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "app_id",
-        b"app_id",
-        "assignment_id",
-        b"assignment_id",
-        "attempt",
-        b"attempt",
-        "cancel_requested",
-        b"cancel_requested",
-        "command",
-        b"command",
-        "cron_name",
-        b"cron_name",
-        "deadline",
-        b"deadline",
-        "environment_id",
-        b"environment_id",
-        "exit_code",
-        b"exit_code",
-        "exit_code_known",
-        b"exit_code_known",
-        "finished_at",
-        b"finished_at",
-        "max_retries",
-        b"max_retries",
-        "message",
-        b"message",
-        "meta",
-        b"meta",
-        "node_id",
-        b"node_id",
-        "output_tail",
-        b"output_tail",
-        "project_id",
-        b"project_id",
-        "release_id",
-        b"release_id",
-        "resources",
-        b"resources",
-        "slot_at",
-        b"slot_at",
-        "started_at",
-        b"started_at",
-        "status",
-        b"status",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "assignment_id", b"assignment_id", "attempt", b"attempt", "cancel_requested", b"cancel_requested", "command", b"command", "cron_name", b"cron_name", "deadline", b"deadline", "environment_id", b"environment_id", "exit_code", b"exit_code", "exit_code_known", b"exit_code_known", "finished_at", b"finished_at", "max_retries", b"max_retries", "message", b"message", "meta", b"meta", "node_id", b"node_id", "output_tail", b"output_tail", "project_id", b"project_id", "release_id", b"release_id", "resources", b"resources", "slot_at", b"slot_at", "started_at", b"started_at", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2076,20 +1756,7 @@ class ReleaseSource(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "build_id",
-        b"build_id",
-        "git_branch",
-        b"git_branch",
-        "git_message",
-        b"git_message",
-        "git_sha",
-        b"git_sha",
-        "kind",
-        b"kind",
-        "tarball_digest",
-        b"tarball_digest",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["build_id", b"build_id", "git_branch", b"git_branch", "git_message", b"git_message", "git_sha", b"git_sha", "kind", b"kind", "tarball_digest", b"tarball_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2152,28 +1819,7 @@ class Release(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "service", b"service", "source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "app_id",
-        b"app_id",
-        "config_hash",
-        b"config_hash",
-        "environment_id",
-        b"environment_id",
-        "image_ref",
-        b"image_ref",
-        "meta",
-        b"meta",
-        "platforms",
-        b"platforms",
-        "project_id",
-        b"project_id",
-        "service",
-        b"service",
-        "source",
-        b"source",
-        "version",
-        b"version",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "config_hash", b"config_hash", "environment_id", b"environment_id", "image_ref", b"image_ref", "meta", b"meta", "platforms", b"platforms", "project_id", b"project_id", "service", b"service", "source", b"source", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2240,38 +1886,9 @@ class Deployment(_message.Message):
         drain_deadline: _timestamp_pb2.Timestamp | None = ...,
         created_by_user_id: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal[
-        "drain_deadline", b"drain_deadline", "meta", b"meta", "promoted_at", b"promoted_at"
-    ]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["drain_deadline", b"drain_deadline", "meta", b"meta", "promoted_at", b"promoted_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "app_id",
-        b"app_id",
-        "build_id",
-        b"build_id",
-        "created_by_user_id",
-        b"created_by_user_id",
-        "drain_deadline",
-        b"drain_deadline",
-        "environment_id",
-        b"environment_id",
-        "error",
-        b"error",
-        "is_rollback",
-        b"is_rollback",
-        "meta",
-        b"meta",
-        "phase",
-        b"phase",
-        "previous_release_id",
-        b"previous_release_id",
-        "project_id",
-        b"project_id",
-        "promoted_at",
-        b"promoted_at",
-        "release_id",
-        b"release_id",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "build_id", b"build_id", "created_by_user_id", b"created_by_user_id", "drain_deadline", b"drain_deadline", "environment_id", b"environment_id", "error", b"error", "is_rollback", b"is_rollback", "meta", b"meta", "phase", b"phase", "previous_release_id", b"previous_release_id", "project_id", b"project_id", "promoted_at", b"promoted_at", "release_id", b"release_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2365,50 +1982,9 @@ class Build(_message.Message):
         git_branch: _builtins.str = ...,
         last_event_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal[
-        "finished_at", b"finished_at", "last_event_at", b"last_event_at", "meta", b"meta", "started_at", b"started_at"
-    ]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["finished_at", b"finished_at", "last_event_at", b"last_event_at", "meta", b"meta", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "app_id",
-        b"app_id",
-        "environment_id",
-        b"environment_id",
-        "error",
-        b"error",
-        "finished_at",
-        b"finished_at",
-        "git_branch",
-        b"git_branch",
-        "git_clone_url",
-        b"git_clone_url",
-        "git_sha",
-        b"git_sha",
-        "image_digest",
-        b"image_digest",
-        "image_ref",
-        b"image_ref",
-        "last_event_at",
-        b"last_event_at",
-        "log_subject",
-        b"log_subject",
-        "meta",
-        b"meta",
-        "node_id",
-        b"node_id",
-        "platforms",
-        b"platforms",
-        "project_id",
-        b"project_id",
-        "started_at",
-        b"started_at",
-        "status",
-        b"status",
-        "tarball_digest",
-        b"tarball_digest",
-        "type",
-        b"type",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "environment_id", b"environment_id", "error", b"error", "finished_at", b"finished_at", "git_branch", b"git_branch", "git_clone_url", b"git_clone_url", "git_sha", b"git_sha", "image_digest", b"image_digest", "image_ref", b"image_ref", "last_event_at", b"last_event_at", "log_subject", b"log_subject", "meta", b"meta", "node_id", b"node_id", "platforms", b"platforms", "project_id", b"project_id", "started_at", b"started_at", "status", b"status", "tarball_digest", b"tarball_digest", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2494,32 +2070,9 @@ class AssignmentObserved(_message.Message):
         started_at: _timestamp_pb2.Timestamp | None = ...,
         output_tail: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal[
-        "last_exit", b"last_exit", "started_at", b"started_at", "updated_at", b"updated_at"
-    ]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_exit", b"last_exit", "started_at", b"started_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "container_id",
-        b"container_id",
-        "exit_code",
-        b"exit_code",
-        "last_exit",
-        b"last_exit",
-        "mesh_port_bindings",
-        b"mesh_port_bindings",
-        "message",
-        b"message",
-        "output_tail",
-        b"output_tail",
-        "restarts",
-        b"restarts",
-        "started_at",
-        b"started_at",
-        "state",
-        b"state",
-        "updated_at",
-        b"updated_at",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_id", b"container_id", "exit_code", b"exit_code", "last_exit", b"last_exit", "mesh_port_bindings", b"mesh_port_bindings", "message", b"message", "output_tail", b"output_tail", "restarts", b"restarts", "started_at", b"started_at", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2608,34 +2161,7 @@ class Assignment(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "observed", b"observed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "app_id",
-        b"app_id",
-        "config_hash",
-        b"config_hash",
-        "deployment_id",
-        b"deployment_id",
-        "desired",
-        b"desired",
-        "environment_id",
-        b"environment_id",
-        "job_command",
-        b"job_command",
-        "job_id",
-        b"job_id",
-        "mesh_port_bindings",
-        b"mesh_port_bindings",
-        "meta",
-        b"meta",
-        "node_id",
-        b"node_id",
-        "observed",
-        b"observed",
-        "project_id",
-        b"project_id",
-        "release_id",
-        b"release_id",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "config_hash", b"config_hash", "deployment_id", b"deployment_id", "desired", b"desired", "environment_id", b"environment_id", "job_command", b"job_command", "job_id", b"job_id", "mesh_port_bindings", b"mesh_port_bindings", "meta", b"meta", "node_id", b"node_id", "observed", b"observed", "project_id", b"project_id", "release_id", b"release_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2666,9 +2192,7 @@ class VolumeLease(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "assignment_id", b"assignment_id", "expires_at", b"expires_at", "node_id", b"node_id"
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment_id", b"assignment_id", "expires_at", b"expires_at", "node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2715,20 +2239,7 @@ class SnapshotPolicy(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "keep_last",
-        b"keep_last",
-        "offsite_key_id",
-        b"offsite_key_id",
-        "offsite_sealed_settings",
-        b"offsite_sealed_settings",
-        "offsite_target",
-        b"offsite_target",
-        "pre_hook",
-        b"pre_hook",
-        "schedule",
-        b"schedule",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_last", b"keep_last", "offsite_key_id", b"offsite_key_id", "offsite_sealed_settings", b"offsite_sealed_settings", "offsite_target", b"offsite_target", "pre_hook", b"pre_hook", "schedule", b"schedule"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2778,30 +2289,9 @@ class Volume(_message.Message):
         snapshot_policy: Global___SnapshotPolicy | None = ...,
         size_bytes_observed: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal[
-        "lease", b"lease", "meta", b"meta", "snapshot_policy", b"snapshot_policy"
-    ]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "meta", b"meta", "snapshot_policy", b"snapshot_policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "environment_id",
-        b"environment_id",
-        "lease",
-        b"lease",
-        "meta",
-        b"meta",
-        "name",
-        b"name",
-        "node_id",
-        b"node_id",
-        "project_id",
-        b"project_id",
-        "size_bytes_observed",
-        b"size_bytes_observed",
-        "snapshot_policy",
-        b"snapshot_policy",
-        "status",
-        b"status",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id", "lease", b"lease", "meta", b"meta", "name", b"name", "node_id", b"node_id", "project_id", b"project_id", "size_bytes_observed", b"size_bytes_observed", "snapshot_policy", b"snapshot_policy", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2852,24 +2342,7 @@ class VolumeSnapshot(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "error",
-        b"error",
-        "key_fingerprint",
-        b"key_fingerprint",
-        "logical_size_bytes",
-        b"logical_size_bytes",
-        "manifest_key",
-        b"manifest_key",
-        "meta",
-        b"meta",
-        "status",
-        b"status",
-        "uploaded_bytes",
-        b"uploaded_bytes",
-        "volume_id",
-        b"volume_id",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "key_fingerprint", b"key_fingerprint", "logical_size_bytes", b"logical_size_bytes", "manifest_key", b"manifest_key", "meta", b"meta", "status", b"status", "uploaded_bytes", b"uploaded_bytes", "volume_id", b"volume_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2931,24 +2404,7 @@ class Middleware(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "basic_auth_password_hash",
-        b"basic_auth_password_hash",
-        "basic_auth_username",
-        b"basic_auth_username",
-        "basic_auth_users",
-        b"basic_auth_users",
-        "compress",
-        b"compress",
-        "ip_allowlist",
-        b"ip_allowlist",
-        "max_body_bytes",
-        b"max_body_bytes",
-        "redirect_https",
-        b"redirect_https",
-        "sticky_sessions",
-        b"sticky_sessions",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["basic_auth_password_hash", b"basic_auth_password_hash", "basic_auth_username", b"basic_auth_username", "basic_auth_users", b"basic_auth_users", "compress", b"compress", "ip_allowlist", b"ip_allowlist", "max_body_bytes", b"max_body_bytes", "redirect_https", b"redirect_https", "sticky_sessions", b"sticky_sessions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3028,26 +2484,7 @@ class Domain(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "middleware", b"middleware"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "app_id",
-        b"app_id",
-        "cluster_subdomain",
-        b"cluster_subdomain",
-        "environment_id",
-        b"environment_id",
-        "hostname",
-        b"hostname",
-        "meta",
-        b"meta",
-        "middleware",
-        b"middleware",
-        "path_prefix",
-        b"path_prefix",
-        "port_name",
-        b"port_name",
-        "project_id",
-        b"project_id",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "cluster_subdomain", b"cluster_subdomain", "environment_id", b"environment_id", "hostname", b"hostname", "meta", b"meta", "middleware", b"middleware", "path_prefix", b"path_prefix", "port_name", b"port_name", "project_id", b"project_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3085,9 +2522,7 @@ class Lease(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "acquired_at", b"acquired_at", "holder", b"holder", "term", b"term", "version", b"version"
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "holder", b"holder", "term", b"term", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3185,30 +2620,7 @@ class Image(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "blob_digests",
-        b"blob_digests",
-        "build_id",
-        b"build_id",
-        "config_digest",
-        b"config_digest",
-        "digest",
-        b"digest",
-        "manifest_digests",
-        b"manifest_digests",
-        "media_type",
-        b"media_type",
-        "meta",
-        b"meta",
-        "platforms",
-        b"platforms",
-        "repo",
-        b"repo",
-        "size_bytes",
-        b"size_bytes",
-        "tag",
-        b"tag",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blob_digests", b"blob_digests", "build_id", b"build_id", "config_digest", b"config_digest", "digest", b"digest", "manifest_digests", b"manifest_digests", "media_type", b"media_type", "meta", b"meta", "platforms", b"platforms", "repo", b"repo", "size_bytes", b"size_bytes", "tag", b"tag"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3252,22 +2664,7 @@ class SealedSecret(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "ciphertext",
-        b"ciphertext",
-        "environment_id",
-        b"environment_id",
-        "key_id",
-        b"key_id",
-        "meta",
-        b"meta",
-        "name",
-        b"name",
-        "project_id",
-        b"project_id",
-        "version",
-        b"version",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ciphertext", b"ciphertext", "environment_id", b"environment_id", "key_id", b"key_id", "meta", b"meta", "name", b"name", "project_id", b"project_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3377,49 +2774,9 @@ class Certificate(_message.Message):
         issuer: _builtins.str = ...,
         renewals: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal[
-        "meta",
-        b"meta",
-        "not_after",
-        b"not_after",
-        "not_before",
-        b"not_before",
-        "renew_at",
-        b"renew_at",
-        "retry_at",
-        b"retry_at",
-    ]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "not_after", b"not_after", "not_before", b"not_before", "renew_at", b"renew_at", "retry_at", b"retry_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "chain_pem",
-        b"chain_pem",
-        "failures",
-        b"failures",
-        "hostname",
-        b"hostname",
-        "issuer",
-        b"issuer",
-        "key_id",
-        b"key_id",
-        "last_error",
-        b"last_error",
-        "meta",
-        b"meta",
-        "not_after",
-        b"not_after",
-        "not_before",
-        b"not_before",
-        "renew_at",
-        b"renew_at",
-        "renewals",
-        b"renewals",
-        "retry_at",
-        b"retry_at",
-        "sealed_key",
-        b"sealed_key",
-        "state",
-        b"state",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain_pem", b"chain_pem", "failures", b"failures", "hostname", b"hostname", "issuer", b"issuer", "key_id", b"key_id", "last_error", b"last_error", "meta", b"meta", "not_after", b"not_after", "not_before", b"not_before", "renew_at", b"renew_at", "renewals", b"renewals", "retry_at", b"retry_at", "sealed_key", b"sealed_key", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3461,20 +2818,7 @@ class AcmeAccount(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "directory_url",
-        b"directory_url",
-        "email",
-        b"email",
-        "key_id",
-        b"key_id",
-        "meta",
-        b"meta",
-        "sealed_key",
-        b"sealed_key",
-        "uri",
-        b"uri",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["directory_url", b"directory_url", "email", b"email", "key_id", b"key_id", "meta", b"meta", "sealed_key", b"sealed_key", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3528,24 +2872,7 @@ class BackupSchedule(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "keep",
-        b"keep",
-        "key_id",
-        b"key_id",
-        "meta",
-        b"meta",
-        "paused",
-        b"paused",
-        "recipient",
-        b"recipient",
-        "schedule",
-        b"schedule",
-        "sealed_credentials",
-        b"sealed_credentials",
-        "target",
-        b"target",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep", b"keep", "key_id", b"key_id", "meta", b"meta", "paused", b"paused", "recipient", b"recipient", "schedule", b"schedule", "sealed_credentials", b"sealed_credentials", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3612,35 +2939,128 @@ class BackupRun(_message.Message):
         deleted: _builtins.int = ...,
         failures: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal[
-        "finished_at", b"finished_at", "meta", b"meta", "started_at", b"started_at", "succeeded_at", b"succeeded_at"
-    ]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["finished_at", b"finished_at", "meta", b"meta", "started_at", b"started_at", "succeeded_at", b"succeeded_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal[
-        "backup_id",
-        b"backup_id",
-        "deleted",
-        b"deleted",
-        "error",
-        b"error",
-        "failures",
-        b"failures",
-        "finished_at",
-        b"finished_at",
-        "kept",
-        b"kept",
-        "meta",
-        b"meta",
-        "ok",
-        b"ok",
-        "sent_bytes",
-        b"sent_bytes",
-        "started_at",
-        b"started_at",
-        "succeeded_at",
-        b"succeeded_at",
-    ]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_id", b"backup_id", "deleted", b"deleted", "error", b"error", "failures", b"failures", "finished_at", b"finished_at", "kept", b"kept", "meta", b"meta", "ok", b"ok", "sent_bytes", b"sent_bytes", "started_at", b"started_at", "succeeded_at", b"succeeded_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BackupRun: _TypeAlias = BackupRun  # noqa: Y015
+
+@_typing.final
+class NotifyChannel(_message.Message):
+    """NotifyChannel is a destination for notifications (key `notifychannel.<name>`, docs/notifications.md),
+    written by `zattera notify add`. Its URL and signing secret are sealed together (SealedBox, JSON
+    {"url", "secret"}) to the cluster secrets key `key_id`: only the secrets service, which delivers, opens
+    them. `url_shown` is the URL with its path and query left out (a Slack or Discord URL's path is its token).
+    invented (issue 38)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    FORMAT_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    SEALED_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    URL_SHOWN_FIELD_NUMBER: _builtins.int
+    START_SEQ_FIELD_NUMBER: _builtins.int
+    CONSOLE_URL_FIELD_NUMBER: _builtins.int
+    format: _builtins.str
+    """generic | slack | discord"""
+    project_id: _builtins.str
+    """only events of this project ("" = every project, and cluster events)"""
+    sealed: _builtins.bytes
+    """JSON {"url", "secret"}, SealedBox to the cluster key"""
+    key_id: _builtins.str
+    """SecretsKey.key_id `sealed` is sealed to"""
+    url_shown: _builtins.str
+    """scheme://host[:port]/… (never the path or query)"""
+    start_seq: _builtins.int
+    """the first ZATTERA_EVENTS sequence the channel may deliver"""
+    console_url: _builtins.str
+    """the console's address for links in messages ("" = no link)"""
+    @_builtins.property
+    def meta(self) -> Global___Meta:
+        """id = the channel's name"""
+
+    @_builtins.property
+    def events(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """event kinds delivered ("deploy.failed"; "deploy.*"; empty = the defaults)"""
+
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        format: _builtins.str = ...,
+        events: _abc.Iterable[_builtins.str] | None = ...,
+        project_id: _builtins.str = ...,
+        sealed: _builtins.bytes = ...,
+        key_id: _builtins.str = ...,
+        url_shown: _builtins.str = ...,
+        start_seq: _builtins.int = ...,
+        console_url: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["console_url", b"console_url", "events", b"events", "format", b"format", "key_id", b"key_id", "meta", b"meta", "project_id", b"project_id", "sealed", b"sealed", "start_seq", b"start_seq", "url_shown", b"url_shown"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NotifyChannel: _TypeAlias = NotifyChannel  # noqa: Y015
+
+@_typing.final
+class NotifyStatus(_message.Message):
+    """NotifyStatus is how delivery to a channel goes (key `notifystatus.<name>`), written by the leader of
+    lease `notify` (secrets service). `delivered_seq` is the channel's cursor in ZATTERA_EVENTS: every event
+    up to it was delivered or did not match; a failing channel keeps its cursor and retries the same event.
+    invented (issue 38)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    DELIVERED_SEQ_FIELD_NUMBER: _builtins.int
+    DELIVERED_FIELD_NUMBER: _builtins.int
+    LAST_DELIVERED_AT_FIELD_NUMBER: _builtins.int
+    FAILING_FIELD_NUMBER: _builtins.int
+    FAILING_SINCE_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    delivered_seq: _builtins.int
+    delivered: _builtins.int
+    """notifications delivered in all"""
+    failing: _builtins.bool
+    """failed for longer than the failing threshold"""
+    failures: _builtins.int
+    """consecutive failed attempts"""
+    last_error: _builtins.str
+    """why the last attempt failed ("" after a success)"""
+    @_builtins.property
+    def meta(self) -> Global___Meta: ...
+    @_builtins.property
+    def last_delivered_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def failing_since(self) -> _timestamp_pb2.Timestamp:
+        """the first failed attempt of the current run of failures"""
+
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        delivered_seq: _builtins.int = ...,
+        delivered: _builtins.int = ...,
+        last_delivered_at: _timestamp_pb2.Timestamp | None = ...,
+        failing: _builtins.bool = ...,
+        failing_since: _timestamp_pb2.Timestamp | None = ...,
+        failures: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["failing_since", b"failing_since", "last_delivered_at", b"last_delivered_at", "meta", b"meta"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivered", b"delivered", "delivered_seq", b"delivered_seq", "failing", b"failing", "failing_since", b"failing_since", "failures", b"failures", "last_delivered_at", b"last_delivered_at", "last_error", b"last_error", "meta", b"meta"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NotifyStatus: _TypeAlias = NotifyStatus  # noqa: Y015
