@@ -12,13 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+import typer
+import typer.core
+from typer.core import TyperGroup
+
 from cli.startup import apply_root_options, import_nats, paused_gc
-
-import_nats()
-
-import typer  # noqa: E402
-import typer.core  # noqa: E402
-from typer.core import TyperGroup  # noqa: E402
 
 
 def _coerce_plain_options_without_pydantic() -> None:
@@ -104,6 +102,7 @@ class LazyCommands(TyperGroup):
         if name not in self.commands and name in COMMANDS:
             module, attribute, settings = COMMANDS[name]
             with paused_gc():
+                import_nats()
                 found = getattr(importlib.import_module(module), attribute)
             command: Any
             if isinstance(found, typer.Typer):

@@ -81,7 +81,8 @@ def _finish_as_typer(exc: BaseException) -> None:
 
 
 def run_read(command: str, nats: str, values: dict[str, Any]) -> None:
-    with paused_gc():
+    with paused_gc(freeze=True):
+        import_nats()
         from cli import reads
 
         read: Callable[..., None] = getattr(reads, READS[command][0])
@@ -99,12 +100,10 @@ def main() -> None:
     from cli.lognotices import quiet_asyncio_tls_notice
 
     quiet_asyncio_tls_notice()
-    with paused_gc():
-        import_nats()
     read = direct_read(sys.argv[1:])
     if read is not None:
         run_read(*read)
-    with paused_gc():
+    with paused_gc(freeze=True):
         from cli.app import app
     app()
 
