@@ -107,3 +107,17 @@ def test_options_coerced_without_pydantic_keep_typer_s_rules() -> None:
     assert seen == [("a b", True, 3), ("", True, 1), ("", False, 1)]
     bad = runner.invoke(app, ["--count", "three"])
     assert bad.exit_code == 2 and "--count" in bad.output
+
+
+def test_version_loads_no_nats(tmp_path: Path) -> None:
+    """``--version`` goes through typer but connects to nothing: nats-py (with asyncio) is imported before a
+    command's module or the root options, not with the app."""
+    out = tmp_path / "modules.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZATTERA_", "OTEL_"))} | {"MODULES_OUT": str(out)}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, "--version"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("zattera ")
+    loaded = sorted(m for m in json.loads(out.read_text()) if m.split(".")[0] in ("nats", "asyncio", "google"))
+    assert loaded == []
