@@ -18,9 +18,9 @@ from cli.render import Col
 from shared import keys as K
 from shared.actions.names import env_label, env_path, target_env
 from shared.backup.status import BackupStatus, backup_status, describe
-from shared.notify_status import failing_channels
 from shared.deployments import desired_replicas, is_terminal, replica_role
 from shared.live import proxy_reports
+from shared.notify_status import failing_channels
 from shared.state.reader import StateReader
 from shared.urls import proxy_listeners, urls_by_env
 
