@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import zstandard
 from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
@@ -200,6 +201,25 @@ async def create_backup(ctx: ActionContext, request: CreateBackup, *, keyring: K
     return created
 
 
+ZSTD = "zstd"
+"""The state object is stored zstd-compressed (``"encoding": "zstd"`` in its entry's meta; backups taken
+before are plain JSON): an unchanged cluster's second backup resends it, so it is kept small."""
+
+
+def _compressed(data: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=9).compress(data)
+
+
+def _decoded(manifest: Manifest, kind: str, data: bytes) -> bytes:
+    entry = manifest.entry(kind)
+    if entry is None or entry.meta.get("encoding") != ZSTD:
+        return data
+    try:
+        return zstandard.ZstdDecompressor().decompress(data)
+    except zstandard.ZstdError:
+        raise Corrupt(f"backup {manifest.id}: the {kind} object does not decompress") from None
+
+
 async def _create(ctx: ActionContext, request: CreateBackup, held: Keyring | None) -> BackupCreated:
     if request.recipient:
         recovery.check_recipient(request.recipient.encode())
@@ -217,7 +237,7 @@ async def _create(ctx: ActionContext, request: CreateBackup, held: Keyring | Non
     def add(kind: str, name: str, data: bytes, meta: dict[str, Any] | None = None) -> None:
         pieces.append((Entry(kind, name, sha256(data), len(data), meta or {}), data))
 
-    add(STATE, STATE, state.to_json())
+    add(STATE, STATE, _compressed(state.to_json()), {"encoding": ZSTD})
     add(CONSOLE_USERS, CONSOLE_USERS, users.to_json())
     add(SECRETS_KEY, SECRETS_KEY, sealed)
     for kind, store in STORES.items():
@@ -417,7 +437,7 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
         restored_keys = Keyring([PrivateKey(bytes.fromhex(h)) for h in json.loads(key_doc)["keys"]])
     except (ValueError, KeyError, TypeError):
         raise Corrupt(f"backup {manifest.id}: the secrets key object holds no keyring") from None
-    state = cluster.BucketCopy.from_json(blob(STATE))
+    state = cluster.BucketCopy.from_json(_decoded(manifest, STATE, blob(STATE)))
     users = cluster.BucketCopy.from_json(blob(CONSOLE_USERS))
     here = await _settled(ctx)
     if not cluster.is_empty(here) and not request.force:
