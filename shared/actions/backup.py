@@ -52,7 +52,7 @@ from shared.ids import new_id
 from shared.migrations.registry import SCHEMA
 from shared.provisioning import recorded_config
 from shared.secrets import KeyMaterialError, Keyring, load_keyring, save_keyring
-from shared.subjects import IMAGES_STORE, SOURCES_STORE
+from shared.subjects import IMAGES_STORE, SOURCES_STORE, STATE_BUCKET
 from shared.version import VERSION
 
 log = logging.getLogger(__name__)
@@ -457,10 +457,6 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
             await cluster.write_object(ctx.conn, store, obj)
             objects += 1
     carried = {str(e.meta.get("snapshot", "")): str(e.meta.get("volume", "")) for e in manifest.of_kind(SNAPSHOTS)}
-    for entry in manifest.of_kind(SNAPSHOTS):
-        data = await asyncio.to_thread(_snapshot_blob, target, manifest, entry)
-        await volumes.write_snapshot_object(ctx.conn, entry.name, data)
-        objects += 1
     restored_users = 0
     if users.values:
         if await cluster.users_bucket_ready(ctx.conn):
@@ -484,8 +480,18 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
         elif volume.meta.id not in restoring:
             skipped.append(f"volume {volume.name} ({volume.meta.id}): the backup holds no snapshot of it (empty)")
     data_restored: list[str] = []
+    # Environments whose volumes come back wait for their data; every other one is written first, so that
+    # stateless envs serve while the volumes' data is still being copied (the RTO of what holds no data).
+    waiting = {v.environment_id for v in old_volumes if v.meta.id in restoring}
+    late = {K.env(e) for e in waiting} | {K.snapshot(sid) for sid, vid in carried.items() if vid in restoring}
+    snapshot_objects = manifest.of_kind(SNAPSHOTS)
+    objects += len(snapshot_objects)
 
     async def volume_data() -> None:
+        await _write_snapshot_objects(ctx, target, manifest, snapshot_objects)
+        await cluster.write_bucket(
+            ctx.conn, STATE_BUCKET, [kv for kv in values if kv[0] in late and cluster.kind_of(kv[0]) == K.SNAPSHOT]
+        )
         for volume_id, snapshot_id in sorted(restoring.items()):
             problem = await _restore_volume(ctx, volume_id, snapshot_id)
             if problem:
@@ -496,7 +502,11 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
             else:
                 data_restored.append(volume_id)
 
-    await cluster.write_state(ctx.conn, values, before_envs=volume_data)
+    await cluster.write_state(ctx.conn, [kv for kv in values if kv[0] not in late])
+    await volume_data()
+    await cluster.write_bucket(
+        ctx.conn, STATE_BUCKET, [kv for kv in values if kv[0] in late and cluster.kind_of(kv[0]) == K.ENV]
+    )
     await ctx.events.publish(
         make_event(
             "backup.restored",
@@ -506,6 +516,23 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
         )
     )
     return Restored(manifest.id, len(values), objects, restored_users, skipped, data_restored)
+
+
+SNAPSHOT_COPIES = 8
+"""Volume data objects copied from the target into the snapshots store at once."""
+
+
+async def _write_snapshot_objects(ctx: ActionContext, target: Target, manifest: Manifest, entries: list[Entry]) -> None:
+    """The volumes' data objects into this cluster's snapshots store, checked again as they are read,
+    :data:`SNAPSHOT_COPIES` at a time."""
+    limit = asyncio.Semaphore(SNAPSHOT_COPIES)
+
+    async def copy(entry: Entry) -> None:
+        async with limit:
+            data = await asyncio.to_thread(_snapshot_blob, target, manifest, entry)
+            await volumes.write_snapshot_object(ctx.conn, entry.name, data)
+
+    await asyncio.gather(*(copy(entry) for entry in entries))
 
 
 VOLUME_RESTORE_WAIT = 30.0
