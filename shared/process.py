@@ -65,8 +65,8 @@ def configure_logging(level: str) -> None:
 
 async def _unless_stopped(stop: asyncio.Event, attempt: Awaitable[T]) -> asyncio.Future[T] | None:
     """``attempt`` run to its end (its result or error read from the future returned), or cancelled as
-    soon as ``stop`` is set (None): one attempt can take long (a connect to an unreachable NATS tries for
-    10 s), and a SIGTERM must not wait for it."""
+    soon as ``stop`` is set (None): one attempt can take long (a connect to a NATS server that accepts
+    the connection but does not answer tries for 10 s), and a SIGTERM must not wait for it."""
     work = asyncio.ensure_future(attempt)
     stopped = asyncio.ensure_future(stop.wait())
     finished = False
@@ -118,7 +118,8 @@ async def connect_with_retry(
     creds, tls_ca = creds or cfg.nats_creds or None, tls_ca or cfg.nats_tls_ca or None
     return await retry_until_stopped(
         stop,
-        lambda: connect(urls, name=name, creds=creds, tls_ca=tls_ca),
+        # fail_fast: once every server refused, back off here (and say so) rather than inside nats-py for 10 s
+        lambda: connect(urls, name=name, creds=creds, tls_ca=tls_ca, fail_fast=True),
         what=f"{name}: NATS at {urls} unreachable",
     )
 
