@@ -14,6 +14,7 @@ from services.secrets.backups import ScheduledBackups
 from services.secrets.collector import SecretsCollector
 from services.secrets.service import SecretsService
 from services.secrets.settings import SecretsSettings
+from shared import localca
 from shared.service import ServiceContext, main
 
 
@@ -28,7 +29,9 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
         open_wait=cfg.open_wait,
     )
     collector = SecretsCollector(ctx.loop_deps, tick=ctx.settings.loop_tick, grace=cfg.gc_grace)
-    backups = ScheduledBackups(ctx.loop_deps, lambda: service.keyring)
+    backups = ScheduledBackups(
+        ctx.loop_deps, lambda: service.keyring, local_ca_dir=localca.directory(ctx.settings.data_dir)
+    )
     return [service.run(), ctx.lead(collector), ctx.lead(backups)]
 
 
