@@ -11,8 +11,6 @@ import stat
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from nacl import pwhash
@@ -35,6 +33,7 @@ from shared.loop import LoopDeps
 from shared.secrets import load_keyring
 from shared.security.tls import pem_key
 from tests.backup.test_drill import PASSPHRASE, cluster, populate, publish_key
+from tests.certs.test_local_ca import issued_by
 
 HOST = "notes.localhost"
 
@@ -44,17 +43,6 @@ def quick_kdf(monkeypatch: pytest.MonkeyPatch) -> None:
     """libsodium's minimum Argon2id limits: the KDF's cost is not what these tests measure."""
     monkeypatch.setattr(recovery, "OPSLIMIT", pwhash.argon2id.OPSLIMIT_MIN)
     monkeypatch.setattr(recovery, "MEMLIMIT", pwhash.argon2id.MEMLIMIT_MIN)
-
-
-def signed_by(chain_pem: str, ca_pem: str) -> bool:
-    """The chain's leaf verifies against the CA certificate ``ca_pem`` (its issuer and its signature)."""
-    leaf = x509.load_pem_x509_certificate(chain_pem.encode())
-    ca = x509.load_pem_x509_certificate(ca_pem.encode())
-    try:
-        leaf.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, InvalidSignature):
-        return False
-    return True
 
 
 def stored_bytes(target: Path) -> bytes:
@@ -89,7 +77,7 @@ async def test_the_local_ca_is_restored_sealed_and_the_certs_service_issues_from
         await publish_key(new)
         serving = LocalCAFile(new_ca_dir)  # the new machine's certs service: made its own CA at `zattera up`
         before_restore, _ = serving.issue("early.localhost", 1.8e9)
-        assert not signed_by(before_restore, old_pem)
+        assert not issued_by(before_restore, old_pem)
 
         wrong = RestoreBackup(str(target), "not the passphrase!", str(new.keyring), local_ca_dir=str(new_ca_dir))
         with pytest.raises(recovery.WrongPassphrase):
@@ -105,7 +93,7 @@ async def test_the_local_ca_is_restored_sealed_and_the_certs_service_issues_from
         assert stat.S_IMODE((new_ca_dir / localca.CA_KEY_FILE).stat().st_mode) == 0o600
         # The running service's reader sees the new file at its next issue: no restart.
         chain, _ = serving.issue(HOST, 1.8e9)
-        assert signed_by(chain, old_pem) and serving.current.cert == old_ca.cert
+        assert issued_by(chain, old_pem) and serving.current.cert == old_ca.cert
         # The fingerprint is public; nothing of the key went into the state or the result.
         state = await read_state(new.conn)
         assert key_body not in b"".join(state.values.values())
