@@ -500,7 +500,7 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
         make_event(
             "backup.restored",
             f"backup {manifest.id} restored from {target.url}: {len(values)} keys, {objects} objects, "
-            f"{len(data_restored)} volumes' data",
+            f"{len(data_restored)} volumes' data{', the local CA' if ca_fingerprint else ''}",
             fields={"actor": ctx.actor, "target": target.url, "backup": manifest.id},
         )
     )

@@ -34,6 +34,7 @@ from shared.secrets import load_keyring
 from shared.security.tls import pem_key
 from tests.backup.test_drill import PASSPHRASE, cluster, populate, publish_key
 from tests.certs.test_local_ca import issued_by
+from tests.eventlog import stored_events
 
 HOST = "notes.localhost"
 
@@ -98,6 +99,9 @@ async def test_the_local_ca_is_restored_sealed_and_the_certs_service_issues_from
         state = await read_state(new.conn)
         assert key_body not in b"".join(state.values.values())
         assert key_body.decode() not in json.dumps(restored.__dict__)
+        events = [e for e in await stored_events(new.conn) if e.kind == "backup.restored"]
+        assert [e.message.endswith(", the local CA") for e in events] == [True], events
+        assert not any(key_body.decode() in e.message + json.dumps(dict(e.fields)) for e in events)
 
 
 async def test_a_scheduled_backup_carries_the_local_ca_sealed_to_the_recipient(
