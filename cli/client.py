@@ -11,32 +11,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TypeVar
+from functools import cached_property
+from typing import TYPE_CHECKING, TypeVar
 
 import nats.errors
-import typer
 from nats.js.errors import APIError, NotFoundError
 from rich.console import Console
 
 from cli import contexts
-from shared.actions.context import ActionContext
 from shared.actions.refusals import ActionRefused, Refusal
 from shared.connection import ClusterUnavailable, Connection, NotAuthorized, PermissionDenied, connect
 from shared.directget import TooManySubjects
 from shared.errors import ZatteraError
-from shared.migrations.registry import SCHEMA
 from shared.natssettings import nats_settings
-from shared.provisioning import recorded_config
-from shared.skew import Component, SkewRefused, Verdict, judge
 from shared.state.feed import StateView
 from shared.subjects import STATE_STREAM
-from shared.txn import CommitUnknown, Txn, TxnError, Writer
-from shared.version import VERSION
-from shared.watches import STATE_WATCH, watch_opener
+
+if TYPE_CHECKING:  # the writer, the actions and typer load when a command writes or exits with an error
+    import typer
+
+    from cli.writer import CheckedWriter
+    from shared.actions.context import ActionContext
 
 T = TypeVar("T")
 
@@ -75,15 +74,25 @@ REFUSAL_EXIT = dict.fromkeys(Refusal, ExitCode.FAILED)
 """Every refusal exits 1: the message says which kind it is."""
 
 
-@dataclass
 class Control:
-    conn: Connection
-    view: StateView
-    writer: Writer
+    """What a command runs with: the connection, the state view, and (made at first use, so that a read
+    loads none of the write path) the writer and the operator actions' context."""
+
+    def __init__(self, conn: Connection, view: StateView) -> None:
+        self.conn = conn
+        self.view = view
+
+    @cached_property
+    def writer(self) -> CheckedWriter:
+        from cli.writer import CheckedWriter
+
+        return CheckedWriter(self.conn, self.view)
 
     @property
     def actions(self) -> ActionContext:
         """The context the operator actions (``shared/actions``) run in, acting as :func:`actor`."""
+        from shared.actions.context import ActionContext
+
         return ActionContext(self.conn, self.writer, actor())
 
 
@@ -167,38 +176,23 @@ async def connect_cli(name: str = "zattera-cli") -> Connection:
         ) from None
 
 
-class CheckedWriter(Writer):
-    """The CLI's writer: its first write is preceded by the version-skew check (``shared/skew.py``). A CLI
-    too old for the cluster, or needing a schema the cluster is not at yet, writes nothing and says why in
-    one line; reads are never checked (they change nothing, and stay one round trip)."""
-
-    def __init__(self, conn: Connection, view: StateView) -> None:
-        super().__init__(conn, view)
-        self._cli_conn = conn
-        self._allowed = False
-
-    async def commit_many(self, txns: Sequence[Txn]) -> list[TxnError | None]:
-        if not self._allowed:
-            recorded = await recorded_config(self._cli_conn.js)
-            if recorded is not None:
-                skew = judge(Component.CLI, VERSION, SCHEMA, recorded.version, recorded.schema)
-                if skew.refused or skew.verdict is Verdict.WAIT:
-                    raise SkewRefused(f"{skew.message}; nothing was written")
-            self._allowed = True
-        return await super().commit_many(txns)
-
-
 @asynccontextmanager
 async def control(*, view: bool = True, follow: bool = False) -> AsyncIterator[Control]:
     """The connection, a state view and a writer. ``view``: loaded at once from a snapshot read that any
     replica answers (no consumer, no stream leader needed: a NATS server loss costs it ~1.5 s, not an
     election); ``follow``: kept up to date by a consumer instead (a command that watches changes)."""
     conn = await connect_cli()
+
+    async def open_state_watch() -> str:
+        from shared.watches import STATE_WATCH, open_watch
+
+        return await open_watch(conn, STATE_WATCH)
+
     # Followed through a watch control opens (the operator credential creates no consumer: SECURITY.md).
-    state = StateView(conn, name="cli", open_consumer=watch_opener(conn, STATE_WATCH))
+    state = StateView(conn, name="cli", open_consumer=open_state_watch)
     try:
         await _load(conn, state, view=view, follow=follow)
-        yield Control(conn, state, CheckedWriter(conn, state))
+        yield Control(conn, state)
     finally:
         await state.stop()
         await conn.close()
@@ -241,6 +235,8 @@ async def _load(conn: Connection, state: StateView, *, view: bool, follow: bool)
 
 
 def fail(message: str, code: int = ExitCode.FAILED) -> typer.Exit:
+    import typer
+
     err.print("[red]error:[/] ", end="")
     err.print(message, markup=False, highlight=False, soft_wrap=True)
     return typer.Exit(code)
@@ -251,26 +247,39 @@ def run(fn: Callable[[], Awaitable[T]]) -> T:
     try:
         return asyncio.run(fn())  # type: ignore[arg-type]
     except KeyboardInterrupt:
+        import typer
+
         raise typer.Exit(ExitCode.INTERRUPTED) from None
-    except ClusterNotInitialised as exc:
-        raise fail(str(exc), ExitCode.NOT_INITIALISED) from None
-    except ClusterUnavailable as exc:
-        raise fail(str(exc), ExitCode.UNAVAILABLE) from None
-    except PermissionDenied as exc:
-        raise fail(f"{exc}; {OPERATOR_CREDENTIAL_HINT}") from None
-    except CommitUnknown as exc:
-        raise fail(
+    except Exception as exc:
+        reported = _reported(exc)
+        if reported is None:
+            raise
+        raise reported from None
+
+
+def _reported(exc: Exception) -> typer.Exit | None:
+    """The one line and exit code a cluster fault is reported with (None: no such fault, a bug keeps its
+    traceback)."""
+    from shared.txn import CommitUnknown
+
+    if isinstance(exc, ClusterNotInitialised):
+        return fail(str(exc), ExitCode.NOT_INITIALISED)
+    if isinstance(exc, ClusterUnavailable):
+        return fail(str(exc), ExitCode.UNAVAILABLE)
+    if isinstance(exc, PermissionDenied):
+        return fail(f"{exc}; {OPERATOR_CREDENTIAL_HINT}")
+    if isinstance(exc, CommitUnknown):
+        return fail(
             f"{exc}: the write may or may not have been applied (NATS did not confirm it); "
             f"check before retrying. Servers: {nats_url()}",
             ExitCode.UNAVAILABLE,
-        ) from None
-    except ActionRefused as exc:
-        raise fail(exc.said_as(FIELD_LABELS), REFUSAL_EXIT[exc.kind]) from None
-    except APIError as exc:
-        raise fail(f"NATS refused the request: {exc.description} (code {exc.err_code})") from None
-    except (nats.errors.Error, TimeoutError, ConnectionError) as exc:
-        raise fail(
-            f"NATS did not answer ({exc or type(exc).__name__}); servers: {nats_url()}", ExitCode.UNAVAILABLE
-        ) from None
-    except ZatteraError as exc:  # an expected failure (a bad context, a refused request…): one line, no traceback
-        raise fail(str(exc)) from None
+        )
+    if isinstance(exc, ActionRefused):
+        return fail(exc.said_as(FIELD_LABELS), REFUSAL_EXIT[exc.kind])
+    if isinstance(exc, APIError):
+        return fail(f"NATS refused the request: {exc.description} (code {exc.err_code})")
+    if isinstance(exc, nats.errors.Error | TimeoutError | ConnectionError):
+        return fail(f"NATS did not answer ({exc or type(exc).__name__}); servers: {nats_url()}", ExitCode.UNAVAILABLE)
+    if isinstance(exc, ZatteraError):  # an expected failure (a bad context, a refused request…): one line
+        return fail(str(exc))
+    return None

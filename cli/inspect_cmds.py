@@ -5,70 +5,16 @@ from __future__ import annotations
 import typer
 from zattera.v1 import types_pb2 as pb
 
-from cli import render
+from cli import reads, render
 from cli.client import control, fail, run
-from cli.env_cmds import placement_status, print_unplaced
-from cli.options import JSON, WIDE, env_or_fail, set_output
+from cli.options import JSON, WIDE, set_output
 from cli.render import Col
 from shared import keys as K
-from shared.actions.names import env_label
-from shared.applogs import describe_exit
-from shared.deployments import replica_role
 
 
 def ps(env: str = typer.Option("", "--env"), json: bool = JSON, wide: bool = WIDE) -> None:
     """Assignments (replicas) with their desired and observed state."""
-    set_output(json, wide)
-
-    async def go() -> None:
-        async with control() as c:
-            target = env_or_fail(c.view, env) if env else None
-            items = c.view.assignments(target.meta.id if target else None)
-            if render.json_mode():
-                render.messages(items)
-                return
-            rows = []
-            for a in items:
-                release = c.view.release(a.release_id)
-                ports = ",".join(f"{k}:{v}" for k, v in sorted(a.observed.mesh_port_bindings.items()))
-                rows.append(
-                    [
-                        a.meta.id,
-                        env_label(c.view, a.environment_id),
-                        f"v{release.version}" if release else "?",
-                        a.node_id,
-                        render.enum_name(pb.AssignmentDesired, a.desired, "ASSIGNMENT_DESIRED_"),
-                        render.enum_name(pb.InstanceState, a.observed.state, "INSTANCE_STATE_"),
-                        replica_role(c.view, a),
-                        a.observed.restarts,
-                        describe_exit(a.observed.last_exit) if a.observed.HasField("last_exit") else "",
-                        ports,
-                        a.observed.message,
-                    ]
-                )
-            render.table(
-                "assignments",
-                [
-                    Col("id", wide=True),
-                    "env",
-                    "release",
-                    "node",
-                    "desired",
-                    "observed",
-                    "traffic",
-                    "restarts",
-                    "last exit",
-                    "ports",
-                    Col("message", wrap=True),
-                ],
-                rows,
-            )
-            envs = [target] if target else c.view.envs()
-            print_unplaced(
-                [{"env": env_label(c.view, e.meta.id), "placement": placement_status(c.view, e)} for e in envs]
-            )
-
-    run(go)
+    reads.ps(env, json, wide)
 
 
 def routes(json: bool = JSON, wide: bool = WIDE) -> None:

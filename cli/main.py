@@ -1,171 +1,119 @@
-"""The ``zattera`` command line: the operator interface.
+"""The ``zattera`` command: its entry point (:func:`main`).
 
-Every read command accepts ``--json``; every write goes through the fenced-write layer. This module assembles
-the app from the command groups (``cli/*_cmds.py``, one module per group), each imported only when one of
-its commands runs (:class:`LazyCommands`).
+A plain read (``zattera status``, ``zattera ps``) spelled with only the options it takes runs directly
+(:data:`READS`), without loading typer and its command building: interpreter start-up and imports are most
+of a read's time (PERFORMANCE.md "CLI start-up"). Every other command line, ``--help`` and anything
+unexpected included, goes to the typer app (:mod:`cli.app`), which also runs these reads. ``app`` is
+importable from here as before.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from cli.startup import apply_root_options, import_nats, paused_gc
 
-def _nats_without_aiohttp() -> None:
-    """Import nats-py with aiohttp hidden: nats-py loads it only for its websocket transport, and it is the
-    largest import of a plain read (`zattera status`, PERFORMANCE.md "CLI start-up"). A ``ws://`` server URL
-    still works: :func:`shared.connection.connect` hands the transport aiohttp when it meets one. A process that
-    already loaded either (tests, the console) is left as it is."""
-    if "nats" in sys.modules or "aiohttp" in sys.modules:
-        return
-    sys.modules["aiohttp"] = None  # type: ignore[assignment]  # `import aiohttp` raises ImportError meanwhile
-    try:
-        import nats.aio.transport  # noqa: F401
-    finally:
-        del sys.modules["aiohttp"]
+ROOT_OPTIONS = {"--nats": "nats"}
+"""The root options a direct read takes (each with a value), as in :func:`cli.app.root`."""
+NATS_ENV = "ZATTERA_NATS_URL"
 
-
-_nats_without_aiohttp()
-
-import typer  # noqa: E402
-import typer.core  # noqa: E402
-from typer.core import TyperGroup  # noqa: E402
-
-from cli.lognotices import quiet_asyncio_tls_notice  # noqa: E402
-
-
-def _coerce_plain_options_without_pydantic() -> None:
-    """Typer coerces every parameter through a pydantic ``TypeAdapter`` it builds when the parameter is first
-    processed: importing pydantic and building the adapters is about a fifth of a plain read
-    (PERFORMANCE.md "CLI start-up"), for options that are a ``str`` or a ``bool`` flag. Those two are
-    coerced here by typer's own rules (a ``str`` value or a ``bool`` is kept as it is); any other value
-    (bytes, a ``bool`` option given as text, a custom parser) and every other annotation go to typer's
-    adapter as before. Left alone when typer's internals are not the ones this was written for."""
-    from typer import _coercion
-
-    found: Any = getattr(_coercion, "build_runtime_param", None)
-    runtime_param: Any = getattr(_coercion, "RuntimeParam", None)
-    if found is None or runtime_param is None or getattr(typer.core, "build_runtime_param", None) is not found:
-        return
-    build = cast("Callable[[Any], Any]", found)
-
-    @dataclass(frozen=True)
-    class PlainRuntimeParam(runtime_param):  # type: ignore[misc]
-        descriptor: Any
-
-        def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
-            if type(value) is self.annotation:  # a str given as text, a bool flag
-                return value
-            return build(self.descriptor)._coerce_value(value, param, ctx)
-
-    def build_runtime_param(descriptor: Any) -> Any:
-        plain = descriptor.annotation in (str, bool) and descriptor.file_annotation is None
-        if plain and descriptor.parameter_info.parser is None:
-            return PlainRuntimeParam(descriptor.parameter_info, descriptor.annotation, descriptor)
-        return build(descriptor)
-
-    typer.core.build_runtime_param = build_runtime_param  # type: ignore[attr-defined]
-
-
-_coerce_plain_options_without_pydantic()
-
-COMMANDS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "deploy": ("cli.deploy_cmds", "deploy_app", {}),
-    "nodes": ("cli.nodes_cmds", "nodes_app", {}),
-    "apps": ("cli.apps_cmds", "apps_app", {}),
-    "builds": ("cli.builds_cmds", "builds_app", {}),
-    "build": ("cli.build_cmds", "build_app", {}),
-    "volumes": ("cli.volumes_cmds", "volumes_app", {}),
-    "security": ("cli.security_cmds", "security_app", {}),
-    "config": ("cli.config_cmds", "config_app", {}),
-    "secrets": ("cli.secrets_cmds", "secrets_app", {}),
-    "domains": ("cli.domains_cmds", "domains_app", {}),
-    "logs": ("cli.logs_cmds", "logs", {}),
-    "events": ("cli.events_cmds", "events", {}),
-    "cluster": ("cli.cluster_cmds", "cluster_app", {}),
-    "context": ("cli.context_cmds", "context_app", {}),
-    "jobs": ("cli.jobs_cmds", "jobs_app", {}),
-    "network": ("cli.network_cmds", "network", {}),
-    "run": ("cli.jobs_cmds", "run_command", {"context_settings": {"allow_interspersed_args": False}}),
-    "images": ("cli.images_cmds", "images_app", {}),
-    "console": ("cli.console_cmds", "console_app", {}),
-    "registry": ("cli.registry_cmds", "registry_app", {}),
-    "up": ("cli.up_cmds", "up", {}),
-    "backup": ("cli.backup_cmds", "backup_app", {}),
-    "restore": ("cli.backup_cmds", "restore", {}),
-    "rollback": ("cli.deploy_cmds", "rollback", {}),
-    "releases": ("cli.deploy_cmds", "releases", {}),
-    "ps": ("cli.inspect_cmds", "ps", {}),
-    "routes": ("cli.inspect_cmds", "routes", {}),
-    "status": ("cli.env_cmds", "status", {}),
-    "scale": ("cli.env_cmds", "scale", {}),
-    "envs": ("cli.env_cmds", "envs_app", {}),
-    "projects": ("cli.env_cmds", "projects_app", {}),
+READS: dict[str, tuple[str, dict[str, str], dict[str, str]]] = {
+    "status": ("status", {"--env": "env"}, {"--json": "as_json"}),
+    "ps": ("ps", {"--env": "env"}, {"--json": "as_json", "--wide": "wide"}),
 }
-"""Every command: name → (module, the Typer group or function there, its registration settings). The order
-is the order of ``zattera --help``."""
+"""Command → (function in :mod:`cli.reads`, options with a value → parameter, flags → parameter). The same
+options as the typer commands (``tests/cli/test_read_fast_path.py`` compares them)."""
 
 
-class LazyCommands(TyperGroup):
-    """The root group: a command's module is imported when that command runs (or a help lists it), so a plain
-    read (`zattera status`) loads what it needs and not every command group's dependencies."""
-
-    def list_commands(self, ctx: Any) -> list[str]:
-        return list(COMMANDS)
-
-    def get_command(self, ctx: Any, name: str) -> Any:
-        if name not in self.commands and name in COMMANDS:
-            module, attribute, settings = COMMANDS[name]
-            found = getattr(importlib.import_module(module), attribute)
-            command: Any
-            if isinstance(found, typer.Typer):
-                command = typer.main.get_group(found)
+def direct_read(argv: Sequence[str]) -> tuple[str, str, dict[str, Any]] | None:
+    """(command, NATS URL option, the read's arguments) when ``argv`` is a plain read spelled only with the
+    options it takes (``--opt VALUE``, ``--opt=VALUE``, flags; the last one given wins, as in typer);
+    None for anything else, which typer parses (and explains when it is wrong)."""
+    if any(name.startswith("_") and name.endswith("_COMPLETE") for name in os.environ):
+        return None  # shell completion: typer's
+    nats = os.environ.get(NATS_ENV, "")
+    args = list(argv)
+    command = ""
+    values: dict[str, Any] = {}
+    while args:
+        word = args.pop(0)
+        if command:
+            valued, flags = READS[command][1], READS[command][2]
+        elif word in READS:
+            command = word
+            continue
+        else:
+            valued, flags = ROOT_OPTIONS, {}
+        name, given, value = word.partition("=")
+        if name in valued:
+            if not given:
+                if not args or args[0].startswith("-"):
+                    return None
+                value = args.pop(0)
+            if command:
+                values[valued[name]] = value
             else:
-                single = typer.Typer()
-                single.command(name, **settings)(found)
-                command = typer.main.get_command(single)
-            command.name = name
-            self.commands[name] = command
-        return self.commands.get(name)
+                nats = value
+        elif word in flags:
+            values[flags[word]] = True
+        else:
+            return None
+    if not command:
+        return None
+    return command, nats, values
 
 
-app = typer.Typer(
-    cls=LazyCommands, no_args_is_help=True, help="Zattera: a self-hosted PaaS control plane on NATS JetStream."
-)
+def _finish_as_typer(exc: BaseException) -> None:
+    """End the process as typer ends it when a command raises ``exc``: its exit code for ``typer.Exit``,
+    130 for Ctrl-C, its error and traceback display otherwise."""
+    import typer
+
+    finisher = typer.Typer()
+
+    @finisher.command()
+    def command() -> None:
+        raise exc
+
+    finisher(args=[], prog_name="zattera")
 
 
-def print_version(asked: bool) -> None:
-    if asked:
-        from shared.version import zattera_version
+def run_read(command: str, nats: str, values: dict[str, Any]) -> None:
+    with paused_gc(freeze=True):
+        import_nats()
+        from cli import reads
 
-        print(f"zattera {zattera_version()}")
-        raise typer.Exit()
-
-
-@app.callback()
-def root(
-    nats: str = typer.Option("", "--nats", envvar="ZATTERA_NATS_URL", help="NATS URL(s), comma-separated"),
-    version: bool = typer.Option(
-        False, "--version", callback=print_version, is_eager=True, help="print the installed version and exit"
-    ),
-) -> None:
-    """Zattera: a self-hosted PaaS control plane on NATS JetStream."""
-    from cli.client import OPTIONS
-
-    OPTIONS.nats_url = nats
-    if os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower() not in ("", "none"):
-        from shared.telemetry import setup as setup_telemetry
-
-        setup_telemetry("zattera-cli")  # unset: no exporter, and OpenTelemetry's SDK is not loaded
+        read: Callable[..., None] = getattr(reads, READS[command][0])
+    apply_root_options(nats)
+    try:
+        read(**values)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # every exception ends as typer ends it
+        _finish_as_typer(exc)
+    sys.exit(0)
 
 
 def main() -> None:
+    from cli.lognotices import quiet_asyncio_tls_notice
+
     quiet_asyncio_tls_notice()
+    read = direct_read(sys.argv[1:])
+    if read is not None:
+        run_read(*read)
+    with paused_gc(freeze=True):
+        from cli.app import app
     app()
 
 
-__all__ = ["app", "main"]
+def __getattr__(name: str) -> Any:
+    if name == "app":  # the typer app, loaded when asked for (`from cli.main import app`)
+        from cli.app import app
+
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["main"]

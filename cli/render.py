@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 from rich.console import Console
@@ -23,6 +22,8 @@ out = Console(soft_wrap=True, emoji=False)  # a long line (an event, an id) is n
 
 
 def as_dict(msg: Message) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict  # only `--json` of messages needs it
+
     return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
@@ -68,6 +69,13 @@ def table(title: str, columns: Sequence[str | Col], rows: Iterable[Sequence[Any]
         out.print(t)
     finally:
         out.width = width
+
+
+def set_output(flag: bool, wide: bool = False) -> bool:
+    """Record ``--json`` and ``--wide`` for the output below; returns ``--json``."""
+    OPTIONS.json = flag
+    OPTIONS.wide = wide
+    return flag
 
 
 def json_mode() -> bool:

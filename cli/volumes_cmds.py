@@ -18,10 +18,12 @@ from shared.actions.volumes import (
     SetSnapshotPolicy,
     SnapshotTaken,
     TakeSnapshot,
+    VolumeRestored,
     restore_volume,
     set_snapshot_policy,
     take_snapshot,
 )
+from shared.backup.targets import credentials_from_environment
 
 volumes_app = typer.Typer(no_args_is_help=True, help="Volumes and their snapshots.")
 
@@ -67,22 +69,41 @@ def volumes_policy(
     pre_hook: str | None = typer.Option(
         None, "--pre-hook", help='shell command run in the instance before each snapshot; "" = none'
     ),
+    offsite: str | None = typer.Option(
+        None,
+        "--offsite",
+        metavar="TARGET",
+        help="copy each snapshot to a directory or s3://bucket/prefix (AWS_* settings from the environment, "
+        'stored sealed); "" = stop copying',
+    ),
     json: bool = JSON,
 ) -> None:
     """Set a volume's snapshot policy (only the options given change; `apps apply` uses the same code)."""
     set_output(json)
+    settings = credentials_from_environment() if offsite and offsite.startswith("s3://") else {}
+    request = SetSnapshotPolicy(volume_id, schedule, keep_last, pre_hook, offsite, settings)
 
     async def go() -> PolicySet:
         async with control() as c:
-            return await set_snapshot_policy(c.actions, SetSnapshotPolicy(volume_id, schedule, keep_last, pre_hook))
+            return await set_snapshot_policy(c.actions, request)
 
     done = run(go)
     if render.json_mode():
-        render.emit_json({"schedule": done.schedule, "keep_last": done.keep_last, "pre_hook": done.pre_hook})
+        render.emit_json(
+            {
+                "schedule": done.schedule,
+                "keep_last": done.keep_last,
+                "pre_hook": done.pre_hook,
+                "offsite": done.offsite,
+                "offsite_settings": done.offsite_settings,
+            }
+        )
         return
+    stored = f" (settings stored sealed: {', '.join(done.offsite_settings)})" if done.offsite_settings else ""
     err.print(
         f"volume {done.name} ({volume_id}): schedule {done.schedule or '(manual only)'}, "
-        f"keep last {done.keep_last or 7}, pre-hook {done.pre_hook or '(none)'}",
+        f"keep last {done.keep_last or 7}, pre-hook {done.pre_hook or '(none)'}, "
+        f"off-site {done.offsite or '(none)'}{stored}",
         markup=False,
         highlight=False,
     )
@@ -151,15 +172,38 @@ def volumes_snapshot(volume_id: str) -> None:
 
 
 @volumes_app.command("restore")
-def volumes_restore(volume_id: str, snapshot_id: str) -> None:
-    """Rebuild a volume from a COMPLETE snapshot (ids: `volumes snapshots VOL`); not while mounted or restoring."""
+def volumes_restore(
+    volume_id: str = typer.Argument(..., help="volume id (see `zattera volumes list`)"),
+    snapshot_id: str = typer.Argument(
+        "", help="snapshot id (`volumes snapshots VOL`); with --from: default the newest"
+    ),
+    source: str = typer.Option(
+        "",
+        "--from",
+        metavar="TARGET",
+        help="fetch the snapshot from its off-site target first (a directory or s3://bucket/prefix; AWS_* "
+        "settings from the environment)",
+    ),
+    json: bool = JSON,
+) -> None:
+    """Rebuild a volume from a COMPLETE snapshot (ids: `volumes snapshots VOL`), or from its off-site copy
+    when the local snapshot store lost it (--from); not while mounted or restoring."""
+    set_output(json)
+    settings = credentials_from_environment() if source.startswith("s3://") else {}
+    request = RestoreVolume(volume_id, snapshot_id, source=source, settings=settings)
 
-    async def go() -> None:
+    async def go() -> VolumeRestored:
         async with control() as c:
             try:
-                await restore_volume(c.actions, RestoreVolume(volume_id, snapshot_id))
+                return await restore_volume(c.actions, request)
             except ActionRefused as exc:
                 raise fail(f"restore refused or failed: {exc}") from None
 
-    run(go)
-    err.print(f"volume {volume_id} restored from snapshot {snapshot_id}")
+    done = run(go)
+    if render.json_mode():
+        render.emit_json(
+            {"volume_id": done.volume_id, "snapshot_id": done.snapshot_id, "fetched_bytes": done.fetched_bytes}
+        )
+        return
+    fetched = f" ({done.fetched_bytes:,} bytes fetched from {source})" if source else ""
+    err.print(f"volume {volume_id} restored from snapshot {done.snapshot_id}{fetched}", markup=False, highlight=False)

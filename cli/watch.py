@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from rich.markup import escape
 from zattera.cluster.v1 import cluster_pb2 as cpb
@@ -143,8 +141,7 @@ async def until_served(conn: Connection, view: StateView, d: pb.Deployment, star
     label = f"release v{release.version}" if release else f"release {d.release_id}"
     live = LiveView(conn, RealClock(), watched=True)
     await live.start()
-    cache = tempfile.TemporaryDirectory()
-    routes = RouteClient(Path(cache.name) / "routes.pb")
+    routes = RouteClient(None)  # held in memory: the CLI keeps no route cache
     await routes.start(conn)
     updates = routes.updates()
     found, said = 0, ""
@@ -174,7 +171,6 @@ async def until_served(conn: Connection, view: StateView, d: pb.Deployment, star
         updates.close()
         await routes.stop()
         await live.stop()
-        cache.cleanup()
 
 
 BUILD_LOG_WAIT = 5.0
@@ -201,15 +197,14 @@ async def fetch_routes(timeout: float = 5.0) -> cpb.RouteSnapshot | None:
 
 async def route_snapshot(conn: Connection, timeout: float = 5.0) -> cpb.RouteSnapshot | None:
     """The current route snapshot, fetched as a proxy does (None: none published within ``timeout``)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        client = RouteClient(Path(tmp) / "routes.pb")
-        await client.start(conn)
-        try:
-            deadline = time.monotonic() + timeout
-            while client.version == 0 and time.monotonic() < deadline:
-                if await client.fetch():
-                    break
-                await asyncio.sleep(0.1)
-            return client.current if client.version else None
-        finally:
-            await client.stop()
+    client = RouteClient(None)  # held in memory: the CLI keeps no route cache
+    await client.start(conn)
+    try:
+        deadline = time.monotonic() + timeout
+        while client.version == 0 and time.monotonic() < deadline:
+            if await client.fetch():
+                break
+            await asyncio.sleep(0.1)
+        return client.current if client.version else None
+    finally:
+        await client.stop()

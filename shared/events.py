@@ -163,6 +163,9 @@ KINDS = (
     "app.deleted",
     "project.deleted",
     "cluster.upgraded",
+    "notify.test",
+    "notify.failing",
+    "notify.recovered",
 )
 """Every event kind the platform emits (docs/observability.md has the catalogue; each kind is documented)."""
 

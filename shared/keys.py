@@ -34,6 +34,8 @@ SECRETS_KEY = "secretskey"
 JOB = "job"
 BACKUP_SCHEDULE = "backupschedule"
 BACKUP_RUN = "backuprun"
+NOTIFY_CHANNEL = "notifychannel"
+NOTIFY_STATUS = "notifystatus"
 
 CERT = "cert"
 ACME_ACCOUNT = "acmeaccount"
@@ -59,6 +61,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     JOB: pb.Job,
     BACKUP_SCHEDULE: pb.BackupSchedule,
     BACKUP_RUN: pb.BackupRun,
+    NOTIFY_CHANNEL: pb.NotifyChannel,
+    NOTIFY_STATUS: pb.NotifyStatus,
     CERT: pb.Certificate,
     ACME_ACCOUNT: pb.AcmeAccount,
 }
@@ -182,6 +186,14 @@ def backup_schedule(name: str) -> str:
 
 def backup_run(name: str) -> str:
     return f"{BACKUP_RUN}.{name}"
+
+
+def notify_channel(name: str) -> str:
+    return f"{NOTIFY_CHANNEL}.{name}"
+
+
+def notify_status(name: str) -> str:
+    return f"{NOTIFY_STATUS}.{name}"
 
 
 def cert_id(hostname: str) -> str:

@@ -97,14 +97,15 @@ class RouteUpdates:
 class RouteClient:
     """Holds the current route snapshot of a proxy.
 
-    Construction loads the cache file (no network). :meth:`start` subscribes to
+    Construction loads the cache file (no network); without one (``cache_path`` None: a one-off reader such
+    as the CLI) the snapshot is held in memory only. :meth:`start` subscribes to
     ``zattera.routes.snapshot`` and fetches the current snapshot with ``zattera.routes.get``, again
     after every reconnect (retrying with backoff until a route replica answers).
     """
 
     def __init__(
         self,
-        cache_path: Path | str,
+        cache_path: Path | str | None,
         *,
         node_id: str = "",
         request_timeout: float = 2.0,
@@ -112,13 +113,13 @@ class RouteClient:
         retry_max: float = 5.0,
         clock: Clock | None = None,
     ) -> None:
-        self.path = Path(cache_path)
+        self.path = Path(cache_path) if cache_path is not None else None
         self.node_id = node_id
         self.request_timeout = request_timeout
         self.retry_initial = retry_initial
         self.retry_max = retry_max
         self.clock: Clock = clock or RealClock()
-        self._current = load_cached(self.path)
+        self._current = load_cached(self.path) if self.path is not None else cpb.RouteSnapshot()
         self._watchers: set[RouteUpdates] = set()
         self._assembler = SnapshotAssembler()
         self._conn: Connection | None = None
@@ -175,6 +176,8 @@ class RouteClient:
     # ------------------------------------------------------------------ persistence
 
     def _persist_latest(self) -> None:
+        if self.path is None:
+            return
         self._persist_wanted = True
         try:
             loop = asyncio.get_running_loop()
@@ -186,6 +189,7 @@ class RouteClient:
             self._persister = loop.create_task(self._write_latest())
 
     async def _write_latest(self) -> None:
+        assert self.path is not None  # only started with a cache file
         while self._persist_wanted:
             self._persist_wanted = False
             data = self._current.SerializeToString(deterministic=True)

@@ -32,13 +32,16 @@ import hashlib
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zstandard
 from google.protobuf.message import DecodeError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.errors import ZatteraError
-from shared.provisioning import ClusterIdentity
+
+if TYPE_CHECKING:  # a reader of routes (the CLI's `status`) loads nothing of provisioning
+    from shared.provisioning import ClusterIdentity
 
 VERSION_HEADER = "Zattera-Routes-Version"
 

@@ -16,7 +16,7 @@ LOOPS_OF = {
     "builds": {"builds", "retention"},
     "routes": {"vips"},
     "join": set(),
-    "secrets": {"secrets-gc", "backups"},
+    "secrets": {"secrets-gc", "backups", "snapshot-offsite", "notify"},
     "certs": {"certs"},
     "console": set(),
 }

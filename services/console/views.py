@@ -11,6 +11,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.console.handling import Console, console_of, render, render_streamed
 from shared.backup.status import backup_status, describe
+from shared.notify_status import failing_channels
 
 from . import pages
 
@@ -28,7 +29,10 @@ async def overview_page(request: web.Request) -> web.StreamResponse:
     envs = pages.overview(console.view, console.routes(), only, console.listeners())
     backups = backup_status(console.view)
     failing = describe(backups) if backups.failing else []
-    return await render_streamed(request, "overview.html", page="overview", envs=envs, backups_failing=failing)
+    channels = failing_channels(console.view)
+    return await render_streamed(
+        request, "overview.html", page="overview", envs=envs, backups_failing=failing, channels_failing=channels
+    )
 
 
 async def overview_api(request: web.Request) -> web.Response:
@@ -36,7 +40,11 @@ async def overview_api(request: web.Request) -> web.Response:
     overview = pages.overview(console.view, console.routes(), listeners=console.listeners())
     backups = backup_status(console.view)
     return web.json_response(
-        {"environments": overview, "backups": {**dataclasses.asdict(backups), "failing": backups.failing}}
+        {
+            "environments": overview,
+            "backups": {**dataclasses.asdict(backups), "failing": backups.failing},
+            "notifications": {"failing": failing_channels(console.view)},
+        }
     )
 
 

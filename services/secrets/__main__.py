@@ -2,7 +2,8 @@
 
 Every replica answers agents' secrets requests and rotations (queue group); replicas share the key file. The
 collector of unused secret versions runs in the holder of ``lease.secrets-gc``, the scheduled backups in the
-holder of ``lease.backups``.
+holder of ``lease.backups``, the off-site copies of volume snapshots in the holder of
+``lease.snapshot-offsite``, the notifications in the holder of ``lease.notify``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 
 from services.secrets.backups import ScheduledBackups
 from services.secrets.collector import SecretsCollector
+from services.secrets.notify import Notifier, NotifySettings
+from services.secrets.offsite import OffsiteSnapshots
 from services.secrets.service import SecretsService
 from services.secrets.settings import SecretsSettings
 from shared import localca
@@ -32,7 +35,18 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     backups = ScheduledBackups(
         ctx.loop_deps, lambda: service.keyring, local_ca_dir=localca.directory(ctx.settings.data_dir)
     )
-    return [service.run(), ctx.lead(collector), ctx.lead(backups)]
+    offsite = OffsiteSnapshots(ctx.loop_deps, lambda: service.keyring)
+    notifier = Notifier(
+        ctx.loop_deps,
+        lambda: service.keyring,
+        settings=NotifySettings(
+            timeout=cfg.notify_timeout,
+            retry_first=cfg.notify_retry_first,
+            retry_most=cfg.notify_retry_most,
+            failing_after=cfg.notify_failing_after,
+        ),
+    )
+    return [service.run(), ctx.lead(collector), ctx.lead(backups), ctx.lead(offsite), ctx.lead(notifier)]
 
 
 if __name__ == "__main__":

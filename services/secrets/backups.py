@@ -15,7 +15,6 @@ recovery recipient, and only this service holds that key (and opens the target's
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,12 +28,13 @@ from shared.actions.backup import CreateBackup, VerifyBackup, create_backup, ver
 from shared.actions.context import ActionContext
 from shared.backoff import exponential
 from shared.backup import retention
+from shared.backup.sealed import open_settings
 from shared.backup.status import SCHEDULE_ID
 from shared.backup.targets import open_target
 from shared.events import ERROR, make_event
 from shared.loop import LeaderLoop, LoopDeps
 from shared.schedule import ScheduleError, parse_schedule
-from shared.secrets import Keyring, unseal
+from shared.secrets import Keyring
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class ScheduledBackups(LeaderLoop):
         record.meta.id = SCHEDULE_ID
         record.started_at.FromNanoseconds(int(self.clock.now() * 1e9))
         try:
-            credentials = self._credentials(schedule)
+            credentials = open_settings(self.keyring(), schedule.sealed_credentials, schedule.key_id)
             keyring = self.keyring()
             if keyring is None:
                 raise RuntimeError("the secrets service holds no cluster secrets key")
@@ -164,16 +164,6 @@ class ScheduledBackups(LeaderLoop):
             len(pruned.deleted),
         )
         return record
-
-    def _credentials(self, schedule: pb.BackupSchedule) -> dict[str, str]:
-        if not schedule.sealed_credentials:
-            return {}
-        keyring = self.keyring()
-        key = keyring.by_id(schedule.key_id) if keyring is not None else None
-        if key is None:
-            raise RuntimeError(f"the target's settings are sealed to key {schedule.key_id}, which is not held")
-        opened: dict[str, str] = json.loads(unseal(key, schedule.sealed_credentials))
-        return opened
 
     async def _failed(self, record: pb.BackupRun, reason: str, *, published: bool) -> pb.BackupRun:
         """``published``: :func:`create_backup` already emitted the ``backup.failed`` event."""

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +67,30 @@ log = logging.getLogger(__name__)
 
 NO_KEY = "the secrets service holds no cluster secrets key (see docs/secrets.md)"
 RESEAL_ROUNDS = 20
+
+
+@dataclass(frozen=True)
+class SealedField:
+    """Where a record holds a value sealed to the cluster key: the sealed bytes and the key id beside them,
+    in the record itself or in one of its sub-messages (``within``)."""
+
+    field: str
+    key_field: str = "key_id"
+    within: str = ""
+
+    def holder(self, record: Message) -> Any:
+        return getattr(record, self.within) if self.within else record
+
+
 SEALED_FIELDS = {
-    K.SECRET: "ciphertext",
-    K.CERT: "sealed_key",
-    K.ACME_ACCOUNT: "sealed_key",
-    K.BACKUP_SCHEDULE: "sealed_credentials",
+    K.SECRET: SealedField("ciphertext"),
+    K.CERT: SealedField("sealed_key"),
+    K.ACME_ACCOUNT: SealedField("sealed_key"),
+    K.BACKUP_SCHEDULE: SealedField("sealed_credentials"),
+    K.VOLUME: SealedField("offsite_sealed_settings", "offsite_key_id", within="snapshot_policy"),
+    K.NOTIFY_CHANNEL: SealedField("sealed"),
 }
-"""Each kind holding a value sealed to the cluster key, and the field holding it (re-sealed on rotation)."""
+"""Each kind holding a value sealed to the cluster key, and where (re-sealed on rotation)."""
 
 
 def authorize(view: StateReader, node_id: str, request: cpb.OpenSecretsRequest) -> tuple[pb.Release, pb.Node] | str:
@@ -348,29 +366,31 @@ class SecretsService:
             if not stale:
                 return done
             txns = []
-            for record, key, field in stale:
+            for record, key, where in stale:
                 updated = type(record)()
                 updated.CopyFrom(record)
-                setattr(updated, field, seal(public, unseal(key, getattr(record, field))))
-                updated.key_id = ident  # type: ignore[attr-defined]
+                holder = where.holder(updated)
+                setattr(holder, where.field, seal(public, unseal(key, getattr(holder, where.field))))
+                setattr(holder, where.key_field, ident)
                 txns.append(self._writer.txn("secrets-reseal").put(updated))
             results = await self._writer.commit_many(txns)
             done += sum(1 for r in results if r is None)
         raise RuntimeError("secrets kept changing while re-sealing; rotate again")
 
-    def _stale(self, keyring: Keyring, ident: str) -> Iterable[tuple[Message, PrivateKey, str]]:
-        """Every sealed value (secrets, certificate keys, the ACME account key, backup credentials) not
-        sealed to ``ident``."""
-        for kind, field in SEALED_FIELDS.items():
+    def _stale(self, keyring: Keyring, ident: str) -> Iterable[tuple[Message, PrivateKey, SealedField]]:
+        """Every sealed value (secrets, certificate keys, the ACME account key, backup and off-site snapshot
+        targets' settings, notification channels) not sealed to ``ident``."""
+        for kind, where in SEALED_FIELDS.items():
             for record in self._view.all(kind):
-                sealed_to: str = record.key_id
-                if sealed_to == ident or not getattr(record, field):
+                holder = where.holder(record)
+                sealed_to: str = getattr(holder, where.key_field)
+                if sealed_to == ident or not getattr(holder, where.field):
                     continue
                 key = keyring.by_id(sealed_to)
                 if key is None:
                     log.error("secrets: %s is sealed to unknown key %s", K.key_of(record), sealed_to)
                     continue
-                yield record, key, field
+                yield record, key, where
 
     async def _on_rotate(self, msg: Msg) -> None:
         if not is_direct_request(msg):

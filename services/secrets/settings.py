@@ -24,6 +24,16 @@ class SecretsSettings(BaseSettings):
     gc_grace: float = Field(default=600.0, gt=0)
     """An unused secret version is deleted once it is at least this old, seconds."""
 
+    # ---------------------------------------------------------------- notifications (docs/notifications.md)
+    notify_timeout: float = Field(default=10.0, gt=0)
+    """Seconds one delivery to a notification channel may take."""
+    notify_retry_first: float = Field(default=1.0, gt=0)
+    """Seconds before a failed delivery is tried again (doubling with each failure)."""
+    notify_retry_most: float = Field(default=60.0, gt=0)
+    """The longest pause between two attempts of a delivery, seconds."""
+    notify_failing_after: int = Field(default=3, ge=1)
+    """Failed attempts in a row after which a channel is FAILING (event ``notify.failing``)."""
+
     def keyring_path(self, data_dir: Path) -> Path:
         return self.key_file or data_dir / "secrets" / "cluster.key"
 

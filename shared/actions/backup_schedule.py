@@ -9,21 +9,19 @@ secrets service opens. What the last run did is ``backuprun.cluster``, written b
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 from dataclasses import dataclass, field
 
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.actions.context import ActionContext, commit_edit
-from shared.actions.refusals import Invalid, NotFound, Unavailable
+from shared.actions.context import ActionContext, commit_edit, stamp_replacing
+from shared.actions.refusals import Invalid, NotFound
 from shared.backup import recovery
 from shared.backup.manifest import BackupError
+from shared.backup.sealed import seal_settings
 from shared.backup.status import SCHEDULE_ID
 from shared.backup.targets import open_target
 from shared.schedule import ScheduleError, parse_schedule
-from shared.secrets import CLUSTER_KEY, seal
 
 DEFAULT_KEEP = 14
 MAX_KEEP = 10_000
@@ -66,32 +64,20 @@ async def schedule_backups(ctx: ActionContext, request: ScheduleBackups) -> Back
         raise Invalid("passphrase", str(exc), said="") from None
     except BackupError as exc:
         raise Invalid("target", str(exc), said="") from None
-    key = ctx.view.get(K.SECRETS_KEY, CLUSTER_KEY)
-    if not isinstance(key, pb.SecretsKey) or not key.public_key:
-        raise Unavailable(
-            "the cluster has no secrets key yet (its secrets service has not started): the target's settings "
-            "cannot be sealed; try again once `zattera status` shows the control plane up"
-        )
+    sealed = seal_settings(ctx.view, request.credentials)
     recipient = await asyncio.to_thread(recovery.recipient, request.passphrase)
-    sealed = seal(key.public_key, json.dumps(request.credentials).encode()) if request.credentials else b""
 
     def edit() -> pb.BackupSchedule:
         record = pb.BackupSchedule(
             schedule=request.schedule,
             keep=request.keep,
             target=target.url,
-            sealed_credentials=sealed,
-            key_id=key.key_id if sealed else "",
+            sealed_credentials=sealed.sealed,
+            key_id=sealed.key_id,
             recipient=recipient,
         )
         record.meta.id = SCHEDULE_ID
-        now = time.time_ns()
-        existing = ctx.view.get(K.BACKUP_SCHEDULE, SCHEDULE_ID)
-        if isinstance(existing, pb.BackupSchedule):
-            record.meta.created_at.CopyFrom(existing.meta.created_at)
-        else:
-            record.meta.created_at.FromNanoseconds(now)
-        record.meta.updated_at.FromNanoseconds(now)
+        stamp_replacing(record, ctx.view.get(K.BACKUP_SCHEDULE, SCHEDULE_ID))
         return record
 
     await commit_edit(ctx, "the backup schedule", edit)

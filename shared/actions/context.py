@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -109,3 +110,15 @@ async def commit_edit(ctx: ActionContext, what: str, edit: Callable[[], M | None
         return Attempt(None if edited is None else ctx.writer.txn().put(edited), edited)
 
     return await commit(ctx, attempt, contended=what)
+
+
+def stamp_replacing(record: Message, existing: Message | None) -> None:
+    """``record.meta``'s times for a record written over ``existing``: created when ``existing`` was (now
+    when there is none), updated now."""
+    now = time.time_ns()
+    meta = record.meta  # type: ignore[attr-defined]
+    if existing is not None:
+        meta.created_at.CopyFrom(existing.meta.created_at)  # type: ignore[attr-defined]
+    else:
+        meta.created_at.FromNanoseconds(now)
+    meta.updated_at.FromNanoseconds(now)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import zstandard
 from nats.js.errors import NotFoundError
+from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
@@ -95,25 +96,41 @@ async def snapshot_objects(conn: Connection, state: BucketCopy) -> list[Snapshot
             f"the {SNAPSHOTS_STORE} object store is missing but {len(latest)} snapshots name it"
         ) from None
     found: dict[str, SnapshotObject] = {}
-    for volume_id, snap in sorted(latest.items()):
-        if snap.key_fingerprint != key_fingerprint(target):
-            raise BackupError(
-                f"volume {volume_id}: snapshot {snap.meta.id} is sealed with {describe_key(snap.key_fingerprint)} but "
-                f"this process has {describe_key(key_fingerprint(target))}: set {SNAPSHOT_KEY_ENV} as the cluster's"
-            )
-        name = store.manifest_name(snap.manifest_key or snap.meta.id)
-        try:
-            hashes = chunk_hashes(await store.get_decoded(name))
-        except (ObjectMissingError, SealError, zstandard.ZstdError, ValueError, KeyError, TypeError) as exc:
-            raise BackupError(
-                f"volume {volume_id}: snapshot {snap.meta.id}'s manifest cannot be read ({exc})"
-            ) from None
-        found.setdefault(name, await _ref(conn, name, snap))
-        for digest in hashes:
-            chunk_name = store.chunk_name(digest)
-            if chunk_name not in found:
-                found[chunk_name] = await _ref(conn, chunk_name, snap)
+    for _, snap in sorted(latest.items()):
+        for ref in await objects_of(conn, store, target, snap, known=found):
+            found.setdefault(ref.name, ref)
     return list(found.values())
+
+
+async def objects_of(
+    conn: Connection,
+    store: SnapshotStore,
+    target: cpb.SnapshotTarget,
+    snap: pb.VolumeSnapshot,
+    *,
+    known: dict[str, SnapshotObject] | None = None,
+) -> list[SnapshotObject]:
+    """The manifest and chunks of one COMPLETE snapshot in ``store`` opened on ``target`` (the manifest first;
+    ``known``: objects already looked up, not looked up again). :class:`BackupError` names the volume when the
+    snapshot is sealed with another key than ``target``'s, or an object is missing or unreadable."""
+    volume_id = snap.volume_id
+    ours = key_fingerprint(target)
+    if snap.key_fingerprint != ours:
+        raise BackupError(
+            f"volume {volume_id}: snapshot {snap.meta.id} is sealed with {describe_key(snap.key_fingerprint)} but "
+            f"this process has {describe_key(ours)}: set {SNAPSHOT_KEY_ENV} as the cluster's"
+        )
+    name = store.manifest_name(snap.manifest_key or snap.meta.id)
+    try:
+        hashes = chunk_hashes(await store.get_decoded(name))
+    except (ObjectMissingError, SealError, zstandard.ZstdError, ValueError, KeyError, TypeError) as exc:
+        raise BackupError(f"volume {volume_id}: snapshot {snap.meta.id}'s manifest cannot be read ({exc})") from None
+    known = known if known is not None else {}
+    refs = [known.get(name) or await _ref(conn, name, snap)]
+    for digest in dict.fromkeys(hashes):
+        chunk_name = store.chunk_name(digest)
+        refs.append(known.get(chunk_name) or await _ref(conn, chunk_name, snap))
+    return refs
 
 
 async def read_snapshot_object(conn: Connection, ref: SnapshotObject) -> bytes:

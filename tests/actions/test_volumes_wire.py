@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import typing
 from typing import Any
 
 import pytest
@@ -40,7 +41,7 @@ async def test_a_policy_changes_only_the_fields_given(ctx: ActionContext, writer
 @pytest.mark.parametrize(
     ("request_", "refusal", "message"),
     [
-        (SetSnapshotPolicy("VOL1"), Invalid, "give at least one of --schedule, --keep-last or --pre-hook"),
+        (SetSnapshotPolicy("VOL1"), Invalid, "give at least one of --schedule, --keep-last, --pre-hook or --offsite"),
         (SetSnapshotPolicy("VOL1", schedule="every day"), Invalid, "schedule: expected exactly 5 fields"),
         (SetSnapshotPolicy("VOL1", keep_last=1001), Invalid, "keep_last: must be 0 to 1000"),
         (SetSnapshotPolicy("nope", keep_last=1), NotFound, "volume 'nope' not found"),
@@ -94,14 +95,22 @@ def test_every_area_has_its_requests_and_results_on_the_wire() -> None:
 @settings(max_examples=20, deadline=None)
 @given(data=st.data())
 def test_requests_and_results_round_trip_as_json(cls: type[Any], data: st.DataObject) -> None:
-    # JSON has no infinity nor NaN (and NaN != NaN): a time or a ratio on the wire is a finite number.
-    finite = {
-        f.name: st.floats(allow_nan=False, allow_infinity=False)
-        for f in dataclasses.fields(cls)
-        if f.type in (float, "float")
-    }
-    value = data.draw(st.builds(cls, **finite))
+    value = data.draw(_finite_builds(cls))
     assert decode(cls, encode(value)) == value
+
+
+def _finite_builds(cls: type[Any]) -> st.SearchStrategy[Any]:
+    """``st.builds(cls)`` with finite floats, in nested dataclasses too: JSON has no infinity nor NaN (and
+    NaN != NaN), so a time or a ratio on the wire is a finite number."""
+    hints = typing.get_type_hints(cls)
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if hint is float:
+            fields[f.name] = st.floats(allow_nan=False, allow_infinity=False)
+        elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            fields[f.name] = _finite_builds(hint)
+    return st.builds(cls, **fields)
 
 
 def test_a_malformed_request_is_invalid_naming_what_is_wrong() -> None:

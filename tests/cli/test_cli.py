@@ -226,7 +226,13 @@ def test_volumes_policy_sets_only_the_given_fields_and_validates_them(cli, nats_
     assert result.exit_code == 0, result.stderr
     assert "keep last 3" in result.stderr
     hooked = json.loads(cli("volumes", "policy", "VOL1", "--pre-hook", "pg_dump db > dump.sql", "--json").stdout)
-    assert hooked == {"schedule": "CRON_TZ=Europe/Rome 30 2 * * *", "pre_hook": "pg_dump db > dump.sql", "keep_last": 3}
+    assert hooked == {
+        "schedule": "CRON_TZ=Europe/Rome 30 2 * * *",
+        "pre_hook": "pg_dump db > dump.sql",
+        "keep_last": 3,
+        "offsite": "",
+        "offsite_settings": [],
+    }
     manual = json.loads(cli("volumes", "policy", "VOL1", "--schedule", "", "--json").stdout)
     assert manual["schedule"] == "" and manual["keep_last"] == 3
     listed = json.loads(cli("volumes", "list", "--json").stdout)

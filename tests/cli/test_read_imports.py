@@ -31,6 +31,22 @@ HEAVY = (
     "cli.deploy_cmds",  # other command groups
     "cli.secrets_cmds",
     "cli.up",
+    "typer",  # a plain read runs without typer (cli/main.py READS); its vendored click with it
+    "cli.app",
+    "cli.env_cmds",
+    "cli.inspect_cmds",
+    "importlib.metadata",  # nats-py's version is read from its .dist-info name (cli/startup.py)
+    "cli.writer",  # the write path: made at the first write
+    "shared.txn",
+    "shared.retry",
+    "shared.actions.context",
+    "shared.actions.deletion",
+    "shared.actions.envs",
+    "shared.provisioning",
+    "shared.migrations",
+    "shared.skew",
+    "packaging",
+    "google.protobuf.json_format",  # only `--json` of messages
 )
 
 PROBE = """
@@ -64,14 +80,14 @@ def test_a_plain_read_imports_no_heavy_module(
 
 
 def test_options_coerced_without_pydantic_keep_typer_s_rules() -> None:
-    """The CLI coerces plain str and bool options itself (cli/main.py); everything else, and a bool given as
+    """The CLI coerces plain str and bool options itself (cli/app.py); everything else, and a bool given as
     text (an environment variable), still goes through typer's adapter, with its messages."""
     import typer
     from typer.testing import CliRunner
 
-    import cli.main  # noqa: F401  (installs the coercion)
+    import cli.app  # noqa: F401  (installs the coercion)
 
-    assert typer.core.build_runtime_param.__module__ == "cli.main"  # installed: typer's internals are as expected
+    assert typer.core.build_runtime_param.__module__ == "cli.app"  # installed: typer's internals are as expected
 
     seen: list[tuple[str, bool, int]] = []
     app = typer.Typer()
@@ -91,3 +107,17 @@ def test_options_coerced_without_pydantic_keep_typer_s_rules() -> None:
     assert seen == [("a b", True, 3), ("", True, 1), ("", False, 1)]
     bad = runner.invoke(app, ["--count", "three"])
     assert bad.exit_code == 2 and "--count" in bad.output
+
+
+def test_version_loads_no_nats(tmp_path: Path) -> None:
+    """``--version`` goes through typer but connects to nothing: nats-py (with asyncio) is imported before a
+    command's module or the root options, not with the app."""
+    out = tmp_path / "modules.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZATTERA_", "OTEL_"))} | {"MODULES_OUT": str(out)}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, "--version"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("zattera ")
+    loaded = sorted(m for m in json.loads(out.read_text()) if m.split(".")[0] in ("nats", "asyncio", "google"))
+    assert loaded == []

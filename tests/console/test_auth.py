@@ -191,3 +191,27 @@ async def test_a_failing_scheduled_backup_is_shown_on_the_overview_until_a_later
         await eventually(lambda: view.get(K.BACKUP_RUN, SCHEDULE_ID) == run)
         async with http.get(f"{console.url}/") as page:
             assert 'id="backups-failing"' not in await page.text()
+
+
+async def test_a_failing_notification_channel_is_shown_on_the_overview_until_it_delivers(
+    console: Running, writer: Writer, view: StateView
+) -> None:
+    status = pb.NotifyStatus(failing=True, failures=4, last_error="the receiver answered 503 Service Unavailable")
+    status.meta.id = "ops"
+    status.failing_since.FromSeconds(1_700_000_000)
+    await writer.commit(writer.txn().put(status))
+    async with client() as http:
+        assert (await log_in(http, console.url, ADMIN_USER)).status == 303
+        await eventually(lambda: view.get(K.NOTIFY_STATUS, "ops") == status)
+        async with http.get(f"{console.url}/") as page:
+            text = await page.text()
+        assert 'id="channels-failing"' in text and "channel ops FAILING since 2023-11-14 22:13:20 UTC" in text
+        async with http.get(f"{console.url}/api/overview") as api:
+            failing = (await api.json())["notifications"]["failing"]
+        assert len(failing) == 1 and "answered 503" in failing[0]
+
+        status.failing, status.failures, status.last_error = False, 0, ""
+        await writer.commit(writer.txn().put(status))
+        await eventually(lambda: view.get(K.NOTIFY_STATUS, "ops") == status)
+        async with http.get(f"{console.url}/") as page:
+            assert 'id="channels-failing"' not in await page.text()

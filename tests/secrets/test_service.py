@@ -21,6 +21,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.secrets.service import NO_KEY, SecretsService
 from shared import keys as K
+from shared.backup.sealed import open_settings, seal_settings
 from shared.connection import Connection, connect
 from shared.ids import new_id
 from shared.secrets import (
@@ -181,6 +182,34 @@ async def test_rotation_reseals_every_secret_and_the_old_key_is_gone(
         published = view.get(K.SECRETS_KEY, CLUSTER_KEY)
         assert isinstance(published, pb.SecretsKey) and published.key_id == rotated.key_id
         assert await fetch_secrets(conn, "n1", placed.keys["n1"], placed.assignment_id) == {"API_TOKEN": VALUE}
+
+
+async def test_rotation_reseals_a_volumes_off_site_settings(
+    nats_url: str, view: StateView, writer: Writer, tmp_path: Path
+) -> None:
+    path = tmp_path / "cluster.key"
+    settings = {"AWS_SECRET_ACCESS_KEY": "off-site-secret"}
+    async with secrets_service(nats_url, path) as running:
+        await eventually(lambda: view.get(K.SECRETS_KEY, CLUSTER_KEY) is not None, 10, "the key is published")
+        sealed = seal_settings(view, settings)
+        volume = pb.Volume(name="data", project_id="P", environment_id="E")
+        volume.meta.id = "V1"
+        volume.snapshot_policy.offsite_target = "s3://b/p"
+        volume.snapshot_policy.offsite_sealed_settings = sealed.sealed
+        volume.snapshot_policy.offsite_key_id = sealed.key_id
+        await writer.commit(writer.txn().create(volume))
+        rotated = await running.service.rotate()
+        assert not rotated.error and rotated.resealed == 1 and rotated.previous_key_id == sealed.key_id
+
+        def policy() -> pb.SnapshotPolicy:
+            found = view.volume("V1")
+            assert found is not None
+            return found.snapshot_policy
+
+        await eventually(lambda: policy().offsite_key_id == rotated.key_id, 10, "re-sealed")
+        keyring = load_keyring(path)
+        assert policy().offsite_target == "s3://b/p"
+        assert open_settings(keyring, policy().offsite_sealed_settings, policy().offsite_key_id) == settings
 
 
 async def test_a_replica_without_the_published_key_refuses_and_never_replaces_it(

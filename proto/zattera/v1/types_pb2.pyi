@@ -831,7 +831,9 @@ class Node(_message.Message):
     from before this field.
     """
     isolation_problem: _builtins.str
-    """Why a "none" node cannot isolate (e.g. "bubblewrap is not installed"); "" otherwise."""
+    """Why a "none" node cannot isolate (e.g. "bubblewrap is not installed"); for "sandbox" and "container",
+    why its apps are not fenced from the control plane's ports (services/agent/firewall.py); "" otherwise.
+    """
     runtime_reason: _builtins.str
     """Why the agent chose that runtime, e.g. "a Docker daemon answers at unix:///var/run/docker.sock (base
     image zattera/base:latest made by this agent)" or "no Docker daemon answers at …" (issue 46).
@@ -2207,22 +2209,37 @@ class SnapshotPolicy(_message.Message):
     SCHEDULE_FIELD_NUMBER: _builtins.int
     PRE_HOOK_FIELD_NUMBER: _builtins.int
     KEEP_LAST_FIELD_NUMBER: _builtins.int
+    OFFSITE_TARGET_FIELD_NUMBER: _builtins.int
+    OFFSITE_SEALED_SETTINGS_FIELD_NUMBER: _builtins.int
+    OFFSITE_KEY_ID_FIELD_NUMBER: _builtins.int
     schedule: _builtins.str
     """cron (5 fields, descriptors, CRON_TZ=); "" = manual only"""
     pre_hook: _builtins.str
     """command exec'd in the service container before a snapshot"""
     keep_last: _builtins.int
     """COMPLETE snapshots kept; 0 = default 7"""
+    offsite_target: _builtins.str
+    """invented (issue 35): each COMPLETE snapshot copied off-site by the secrets service's leader of
+    lease `snapshot-offsite` (docs/backup.md, "Volume snapshots off-site").
+    a directory or s3://bucket[/prefix]; "" = no off-site copy
+    """
+    offsite_sealed_settings: _builtins.bytes
+    """JSON of the target's settings (AWS_* names), SealedBox; empty = none"""
+    offsite_key_id: _builtins.str
+    """SecretsKey.key_id offsite_sealed_settings is sealed to"""
     def __init__(
         self,
         *,
         schedule: _builtins.str = ...,
         pre_hook: _builtins.str = ...,
         keep_last: _builtins.int = ...,
+        offsite_target: _builtins.str = ...,
+        offsite_sealed_settings: _builtins.bytes = ...,
+        offsite_key_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_last", b"keep_last", "pre_hook", b"pre_hook", "schedule", b"schedule"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_last", b"keep_last", "offsite_key_id", b"offsite_key_id", "offsite_sealed_settings", b"offsite_sealed_settings", "offsite_target", b"offsite_target", "pre_hook", b"pre_hook", "schedule", b"schedule"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2929,3 +2946,121 @@ class BackupRun(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BackupRun: _TypeAlias = BackupRun  # noqa: Y015
+
+@_typing.final
+class NotifyChannel(_message.Message):
+    """NotifyChannel is a destination for notifications (key `notifychannel.<name>`, docs/notifications.md),
+    written by `zattera notify add`. Its URL and signing secret are sealed together (SealedBox, JSON
+    {"url", "secret"}) to the cluster secrets key `key_id`: only the secrets service, which delivers, opens
+    them. `url_shown` is the URL with its path and query left out (a Slack or Discord URL's path is its token).
+    invented (issue 38)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    FORMAT_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    SEALED_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    URL_SHOWN_FIELD_NUMBER: _builtins.int
+    START_SEQ_FIELD_NUMBER: _builtins.int
+    CONSOLE_URL_FIELD_NUMBER: _builtins.int
+    format: _builtins.str
+    """generic | slack | discord"""
+    project_id: _builtins.str
+    """only events of this project ("" = every project, and cluster events)"""
+    sealed: _builtins.bytes
+    """JSON {"url", "secret"}, SealedBox to the cluster key"""
+    key_id: _builtins.str
+    """SecretsKey.key_id `sealed` is sealed to"""
+    url_shown: _builtins.str
+    """scheme://host[:port]/… (never the path or query)"""
+    start_seq: _builtins.int
+    """the first ZATTERA_EVENTS sequence the channel may deliver"""
+    console_url: _builtins.str
+    """the console's address for links in messages ("" = no link)"""
+    @_builtins.property
+    def meta(self) -> Global___Meta:
+        """id = the channel's name"""
+
+    @_builtins.property
+    def events(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """event kinds delivered ("deploy.failed"; "deploy.*"; empty = the defaults)"""
+
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        format: _builtins.str = ...,
+        events: _abc.Iterable[_builtins.str] | None = ...,
+        project_id: _builtins.str = ...,
+        sealed: _builtins.bytes = ...,
+        key_id: _builtins.str = ...,
+        url_shown: _builtins.str = ...,
+        start_seq: _builtins.int = ...,
+        console_url: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["console_url", b"console_url", "events", b"events", "format", b"format", "key_id", b"key_id", "meta", b"meta", "project_id", b"project_id", "sealed", b"sealed", "start_seq", b"start_seq", "url_shown", b"url_shown"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NotifyChannel: _TypeAlias = NotifyChannel  # noqa: Y015
+
+@_typing.final
+class NotifyStatus(_message.Message):
+    """NotifyStatus is how delivery to a channel goes (key `notifystatus.<name>`), written by the leader of
+    lease `notify` (secrets service). `delivered_seq` is the channel's cursor in ZATTERA_EVENTS: every event
+    up to it was delivered or did not match; a failing channel keeps its cursor and retries the same event.
+    invented (issue 38)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    DELIVERED_SEQ_FIELD_NUMBER: _builtins.int
+    DELIVERED_FIELD_NUMBER: _builtins.int
+    LAST_DELIVERED_AT_FIELD_NUMBER: _builtins.int
+    FAILING_FIELD_NUMBER: _builtins.int
+    FAILING_SINCE_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    delivered_seq: _builtins.int
+    delivered: _builtins.int
+    """notifications delivered in all"""
+    failing: _builtins.bool
+    """failed for longer than the failing threshold"""
+    failures: _builtins.int
+    """consecutive failed attempts"""
+    last_error: _builtins.str
+    """why the last attempt failed ("" after a success)"""
+    @_builtins.property
+    def meta(self) -> Global___Meta: ...
+    @_builtins.property
+    def last_delivered_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def failing_since(self) -> _timestamp_pb2.Timestamp:
+        """the first failed attempt of the current run of failures"""
+
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        delivered_seq: _builtins.int = ...,
+        delivered: _builtins.int = ...,
+        last_delivered_at: _timestamp_pb2.Timestamp | None = ...,
+        failing: _builtins.bool = ...,
+        failing_since: _timestamp_pb2.Timestamp | None = ...,
+        failures: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["failing_since", b"failing_since", "last_delivered_at", b"last_delivered_at", "meta", b"meta"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivered", b"delivered", "delivered_seq", b"delivered_seq", "failing", b"failing", "failing_since", b"failing_since", "failures", b"failures", "last_delivered_at", b"last_delivered_at", "last_error", b"last_error", "meta", b"meta"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NotifyStatus: _TypeAlias = NotifyStatus  # noqa: Y015

@@ -1,0 +1,162 @@
+"""``zattera notify add|list|remove|test``: notification channels (docs/notifications.md). The work is in
+:mod:`shared.actions.notify`; the control plane's ``notify`` loop delivers.
+
+The channel's URL is read from ``--url`` or, to keep a webhook token out of shell history and process
+listings, from ``ZATTERA_NOTIFY_URL``; it is stored sealed and shown without its path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import typer
+
+from cli import render
+from cli.client import control, err, fail, run
+from cli.options import JSON, set_output
+from shared.actions.context import ActionContext
+from shared.actions.notify import (
+    AddChannel,
+    Channel,
+    RemoveChannel,
+    SendTest,
+    add_channel,
+    list_channels,
+    remove_channel,
+    send_test,
+)
+from shared.notify import DEFAULT_EVENTS, FORMATS
+
+R = TypeVar("R")
+T = TypeVar("T")
+
+URL_ENV = "ZATTERA_NOTIFY_URL"
+
+notify_app = typer.Typer(
+    no_args_is_help=True, help="Notifications to webhooks, Slack and Discord (docs/notifications.md)."
+)
+
+
+def _on_cluster(action: Callable[[ActionContext, R], Awaitable[T]], request: R, *, follow: bool = False) -> T:
+    async def go() -> T:
+        async with control(view=True, follow=follow) as c:
+            return await action(c.actions, request)
+
+    return run(go)
+
+
+def _when(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def _state(channel: Channel) -> str:
+    if channel.failing:
+        return f"FAILING since {_when(channel.failing_since)}: {channel.last_error}"
+    if channel.failures:
+        return f"retrying ({channel.failures} failed): {channel.last_error}"
+    return "ok"
+
+
+@notify_app.command("add")
+def add(
+    name: str = typer.Argument(..., metavar="NAME"),
+    url: str = typer.Option("", "--url", help=f"where deliveries go (or ${URL_ENV}, kept out of the shell history)"),
+    format: str = typer.Option("generic", "--format", help=f"the body: {' | '.join(FORMATS)}"),
+    events: str = typer.Option(
+        "", "--events", help=f"event kinds, comma-separated, patterns allowed (default: {','.join(DEFAULT_EVENTS)})"
+    ),
+    project: str = typer.Option("", "--project", help="only this project's events"),
+    console_url: str = typer.Option(
+        "", "--console-url", help="the console's address, for links in messages (default $ZATTERA_CONSOLE_URL)"
+    ),
+    json: bool = JSON,
+) -> None:
+    """Add (or replace) a notification channel. Deliveries are signed: the signing secret is printed once
+    (on stdout), for the receiver to check `Zattera-Signature`."""
+    set_output(json)
+    target = url or os.environ.get(URL_ENV, "")
+    if not target:
+        raise fail(f"--url: give the channel's URL (or set {URL_ENV})")
+    kinds = [k.strip() for k in events.split(",") if k.strip()]
+    request = AddChannel(name, target, format, kinds, project, console_url or os.environ.get("ZATTERA_CONSOLE_URL", ""))
+    added = _on_cluster(add_channel, request)
+    if render.json_mode():
+        render.emit_json(
+            {**dataclasses.asdict(added.channel), "signing_secret": added.signing_secret, "replaced": added.replaced}
+        )
+        return
+    c = added.channel
+    verb = "replaced" if added.replaced else "added"
+    scope = f" of project {c.project}" if c.project else ""
+    err.print(
+        f"channel {c.name} {verb}: {c.format} to {c.url}, events {', '.join(c.events)}{scope}",
+        markup=False,
+        highlight=False,
+    )
+    err.print("signing secret (shown once; receivers verify Zattera-Signature with it):", markup=False, highlight=False)
+    print(added.signing_secret)
+
+
+@notify_app.command("list")
+def list_cmd(json: bool = JSON) -> None:
+    """The channels and how their deliveries go."""
+    set_output(json)
+
+    async def read(ctx: ActionContext, _: None) -> list[Channel]:
+        return list_channels(ctx)
+
+    found = _on_cluster(read, None)
+    if render.json_mode():
+        render.emit_json([dataclasses.asdict(c) for c in found])
+        return
+    rows = [
+        [
+            c.name,
+            c.format,
+            c.url,
+            ",".join(c.events),
+            c.project or "-",
+            c.delivered,
+            _when(c.last_delivered_at),
+            _state(c),
+        ]
+        for c in found
+    ]
+    render.table(
+        "notification channels", ["name", "format", "url", "events", "project", "delivered", "last", "state"], rows
+    )
+
+
+@notify_app.command("remove")
+def remove(name: str = typer.Argument(..., metavar="NAME"), json: bool = JSON) -> None:
+    """Remove a channel (what it has not delivered yet is dropped)."""
+    set_output(json)
+    _on_cluster(remove_channel, RemoveChannel(name))
+    if render.json_mode():
+        render.emit_json({"name": name, "removed": True})
+        return
+    err.print(f"channel {name} removed", markup=False, highlight=False)
+
+
+@notify_app.command("test")
+def test(
+    name: str = typer.Argument(..., metavar="NAME"),
+    wait: float = typer.Option(30.0, "--wait", help="seconds to wait for the delivery"),
+    json: bool = JSON,
+) -> None:
+    """Send a test notification through the same path as every other and wait for its delivery; exits 1
+    when it was not delivered."""
+    set_output(json)
+    result = _on_cluster(send_test, SendTest(name, wait), follow=True)
+    if render.json_mode():
+        render.emit_json(dataclasses.asdict(result))
+    elif result.delivered:
+        err.print(f"channel {name}: test notification delivered", markup=False, highlight=False)
+    else:
+        err.print(f"channel {name}: not delivered: {result.error}", markup=False, highlight=False)
+    if not result.delivered:
+        raise typer.Exit(1)
