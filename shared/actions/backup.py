@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import zstandard
 from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
@@ -52,7 +53,7 @@ from shared.ids import new_id
 from shared.migrations.registry import SCHEMA
 from shared.provisioning import recorded_config
 from shared.secrets import KeyMaterialError, Keyring, load_keyring, save_keyring
-from shared.subjects import IMAGES_STORE, SOURCES_STORE
+from shared.subjects import IMAGES_STORE, SOURCES_STORE, STATE_BUCKET
 from shared.version import VERSION
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,25 @@ async def create_backup(ctx: ActionContext, request: CreateBackup, *, keyring: K
     return created
 
 
+ZSTD = "zstd"
+"""The state object is stored zstd-compressed (``"encoding": "zstd"`` in its entry's meta; backups taken
+before are plain JSON): an unchanged cluster's second backup resends it, so it is kept small."""
+
+
+def _compressed(data: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=9).compress(data)
+
+
+def _decoded(manifest: Manifest, kind: str, data: bytes) -> bytes:
+    entry = manifest.entry(kind)
+    if entry is None or entry.meta.get("encoding") != ZSTD:
+        return data
+    try:
+        return zstandard.ZstdDecompressor().decompress(data)
+    except zstandard.ZstdError:
+        raise Corrupt(f"backup {manifest.id}: the {kind} object does not decompress") from None
+
+
 async def _create(ctx: ActionContext, request: CreateBackup, held: Keyring | None) -> BackupCreated:
     if request.recipient:
         recovery.check_recipient(request.recipient.encode())
@@ -233,7 +253,7 @@ async def _create(ctx: ActionContext, request: CreateBackup, held: Keyring | Non
     def add(kind: str, name: str, data: bytes, meta: dict[str, Any] | None = None) -> None:
         pieces.append((Entry(kind, name, sha256(data), len(data), meta or {}), data))
 
-    add(STATE, STATE, state.to_json())
+    add(STATE, STATE, _compressed(state.to_json()), {"encoding": ZSTD})
     add(CONSOLE_USERS, CONSOLE_USERS, users.to_json())
     add(SECRETS_KEY, SECRETS_KEY, sealed)
     for kind, store in STORES.items():
@@ -435,7 +455,7 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
     except (ValueError, KeyError, TypeError):
         raise Corrupt(f"backup {manifest.id}: the secrets key object holds no keyring") from None
     ca_material = _local_ca(manifest, sealed_doc)
-    state = cluster.BucketCopy.from_json(blob(STATE))
+    state = cluster.BucketCopy.from_json(_decoded(manifest, STATE, blob(STATE)))
     users = cluster.BucketCopy.from_json(blob(CONSOLE_USERS))
     here = await _settled(ctx)
     if not cluster.is_empty(here) and not request.force:
@@ -456,10 +476,6 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
             await cluster.write_object(ctx.conn, store, obj)
             objects += 1
     carried = {str(e.meta.get("snapshot", "")): str(e.meta.get("volume", "")) for e in manifest.of_kind(SNAPSHOTS)}
-    for entry in manifest.of_kind(SNAPSHOTS):
-        data = await asyncio.to_thread(_snapshot_blob, target, manifest, entry)
-        await volumes.write_snapshot_object(ctx.conn, entry.name, data)
-        objects += 1
     restored_users = 0
     if users.values:
         if await cluster.users_bucket_ready(ctx.conn):
@@ -483,8 +499,18 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
         elif volume.meta.id not in restoring:
             skipped.append(f"volume {volume.name} ({volume.meta.id}): the backup holds no snapshot of it (empty)")
     data_restored: list[str] = []
+    # Environments whose volumes come back wait for their data; every other one is written first, so that
+    # stateless envs serve while the volumes' data is still being copied (the RTO of what holds no data).
+    waiting = {v.environment_id for v in old_volumes if v.meta.id in restoring}
+    late = {K.env(e) for e in waiting} | {K.snapshot(sid) for sid, vid in carried.items() if vid in restoring}
+    snapshot_objects = manifest.of_kind(SNAPSHOTS)
+    objects += len(snapshot_objects)
 
     async def volume_data() -> None:
+        await _write_snapshot_objects(ctx, target, manifest, snapshot_objects)
+        await cluster.write_bucket(
+            ctx.conn, STATE_BUCKET, [kv for kv in values if kv[0] in late and cluster.kind_of(kv[0]) == K.SNAPSHOT]
+        )
         for volume_id, snapshot_id in sorted(restoring.items()):
             problem = await _restore_volume(ctx, volume_id, snapshot_id)
             if problem:
@@ -495,7 +521,11 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
             else:
                 data_restored.append(volume_id)
 
-    await cluster.write_state(ctx.conn, values, before_envs=volume_data)
+    await cluster.write_state(ctx.conn, [kv for kv in values if kv[0] not in late])
+    await volume_data()
+    await cluster.write_bucket(
+        ctx.conn, STATE_BUCKET, [kv for kv in values if kv[0] in late and cluster.kind_of(kv[0]) == K.ENV]
+    )
     await ctx.events.publish(
         make_event(
             "backup.restored",
@@ -530,6 +560,23 @@ def _install_local_ca(request: RestoreBackup, material: bytes | None, skipped: l
         skipped.append("the local CA: no local CA directory to restore it into (--data-dir)")
         return ""
     return localca.fingerprint(localca.install(Path(request.local_ca_dir), material))
+
+
+SNAPSHOT_COPIES = 8
+"""Volume data objects copied from the target into the snapshots store at once."""
+
+
+async def _write_snapshot_objects(ctx: ActionContext, target: Target, manifest: Manifest, entries: list[Entry]) -> None:
+    """The volumes' data objects into this cluster's snapshots store, checked again as they are read,
+    :data:`SNAPSHOT_COPIES` at a time."""
+    limit = asyncio.Semaphore(SNAPSHOT_COPIES)
+
+    async def copy(entry: Entry) -> None:
+        async with limit:
+            data = await asyncio.to_thread(_snapshot_blob, target, manifest, entry)
+            await volumes.write_snapshot_object(ctx.conn, entry.name, data)
+
+    await asyncio.gather(*(copy(entry) for entry in entries))
 
 
 VOLUME_RESTORE_WAIT = 30.0

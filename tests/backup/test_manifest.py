@@ -7,9 +7,11 @@ import pytest
 from nacl import pwhash
 from zattera.v1 import types_pb2 as pb
 
+from shared.actions.backup import ZSTD, _compressed, _decoded
 from shared.backup import recovery
 from shared.backup.cluster import BucketCopy, is_empty, restorable
 from shared.backup.manifest import (
+    STATE,
     Corrupt,
     Entry,
     Manifest,
@@ -116,3 +118,17 @@ def test_the_passphrase_opens_the_seal_and_a_wrong_one_says_so() -> None:
 def test_a_short_passphrase_is_refused() -> None:
     with pytest.raises(recovery.WeakPassphrase, match="at least 12 characters"):
         recovery.seal(b"k", "short", **FAST)
+
+
+def test_the_state_object_is_compressed_and_a_plain_one_from_an_older_backup_still_reads() -> None:
+    plain = b'{"values": {"env.E": "' + b"x" * 10_000 + b'"}}'
+    packed = _compressed(plain)
+    assert len(packed) < len(plain) // 20
+    new = Manifest(
+        "B1", 1.0, "0.2.0", 3, 7, "C", (Entry(STATE, STATE, sha256(packed), len(packed), {"encoding": ZSTD}),)
+    )
+    old = Manifest("B0", 1.0, "0.2.0", 3, 7, "C", (Entry(STATE, STATE, sha256(plain), len(plain)),))
+    assert _decoded(new, STATE, packed) == plain
+    assert _decoded(old, STATE, plain) == plain
+    with pytest.raises(Corrupt, match="backup B1: the state object does not decompress"):
+        _decoded(new, STATE, plain)
