@@ -59,9 +59,18 @@ DATA_DIR = typer.Option(
 BACKUP_ID = typer.Option("", "--backup", help="a backup id (default: the newest)")
 
 
+def _control_dir(data_dir: Path | None) -> Path:
+    return DataLayout((data_dir or settings().data_dir).resolve()).control
+
+
 def _keyring_path(data_dir: Path | None) -> str:
-    root = (data_dir or settings().data_dir).resolve()
-    return str(DataLayout(root).control / "secrets" / "cluster.key")
+    return str(_control_dir(data_dir) / "secrets" / "cluster.key")
+
+
+def _local_ca_dir(data_dir: Path | None) -> str:
+    from shared import localca  # cryptography: only for the commands that carry the CA
+
+    return str(localca.directory(_control_dir(data_dir)))
 
 
 def _passphrase(*, twice: bool) -> str:
@@ -105,9 +114,9 @@ def create(
     json: bool = JSON,
 ) -> None:
     """Back the cluster up: state, certificates, console users, sources and images, and the cluster secrets
-    key sealed to the recovery passphrase (keep it: without it a backup restores nothing secret)."""
+    key and the local CA sealed to the recovery passphrase (keep it: without it a backup restores nothing secret)."""
     set_output(json)
-    request = CreateBackup(to, _passphrase(twice=True), _keyring_path(data_dir))
+    request = CreateBackup(to, _passphrase(twice=True), _keyring_path(data_dir), local_ca_dir=_local_ca_dir(data_dir))
 
     created = _on_cluster(create_backup, request)
     _say(
@@ -158,12 +167,15 @@ def restore(
     the recovery passphrase before anything is written; the old machines' nodes and leases are left out, so
     replicas are placed on this cluster's nodes."""
     set_output(json)
-    request = RestoreBackup(source, _passphrase(twice=False), _keyring_path(data_dir), backup_id, force)
+    request = RestoreBackup(
+        source, _passphrase(twice=False), _keyring_path(data_dir), backup_id, force, _local_ca_dir(data_dir)
+    )
 
     restored = _on_cluster(restore_backup, request, follow=True)
     lines = [
         f"backup {restored.id} restored: {restored.keys} state keys, {restored.objects} objects, "
         f"{restored.console_users} console users, {len(restored.volumes)} volumes' data",
+        *(f"local CA restored (SHA-256 {ca}): the certs service issues from it" for ca in [restored.local_ca] if ca),
         *(f"left out: {note}" for note in restored.skipped),
     ]
     _say(restored, *lines)

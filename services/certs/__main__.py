@@ -11,9 +11,10 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from services.certs.issuer import AcmeIssuer
-from services.certs.localca import load_or_create
+from services.certs.localca import LocalCAFile
 from services.certs.loop import CertificateLoop, RoutedHosts
 from services.certs.settings import CertsSettings
+from shared import localca
 from shared.routeclient import RouteClient
 from shared.service import ServiceContext, main
 
@@ -25,7 +26,7 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
         if cfg.acme_directory
         else None
     )
-    local_ca = load_or_create(ctx.settings.data_dir / "certs") if cfg.local_ca else None
+    local_ca = LocalCAFile(localca.directory(ctx.settings.data_dir)) if cfg.local_ca else None
     routes = RouteClient(ctx.settings.data_dir / "certs" / "routes.cache")
     routed = RoutedHosts()
     updates = routes.updates()  # before start: no snapshot can come between the two

@@ -3,24 +3,29 @@
 Made once per data dir (``<data_dir>/certs/local-ca.pem`` + ``local-ca.key``, the key 0600 from creation;
 replicas sharing the dir never each make one: the first link wins), name-constrained to ``localhost`` and
 its subdomains. Trust ``local-ca.pem`` in a browser or with ``curl --cacert`` (docs/certificates.md).
-Leaves live :data:`LEAF_DAYS` days and are renewed by the loop like any other.
+Leaves live :data:`LEAF_DAYS` days and are renewed by the loop like any other. :class:`LocalCAFile` reads
+the key file again when it changed (``zattera restore`` puts the backed-up CA there): no restart needed.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from shared.files import PRIVATE, PUBLIC, create_once, write_atomic
+from shared.files import PRIVATE, create_once
+from shared.localca import CA_CERT_FILE, CA_KEY_FILE, parse, publish_cert
 from shared.security.tls import new_ca, new_leaf, pem_cert, pem_key
 
-CA_CERT_FILE = "local-ca.pem"
-CA_KEY_FILE = "local-ca.key"
+__all__ = ["CA_CERT_FILE", "CA_KEY_FILE", "CA_NAME", "LEAF_DAYS", "LocalCA", "LocalCAFile", "load_or_create"]
+
+log = logging.getLogger(__name__)
+
 CA_NAME = "Zattera local CA (localhost)"
 LEAF_DAYS = 90
 
@@ -45,11 +50,37 @@ def load_or_create(directory: Path) -> LocalCA:
     if not key_path.exists():
         cert, key = new_ca(CA_NAME, datetime.datetime.now(datetime.UTC), permitted_dns="localhost")
         create_once(key_path, pem_key(key) + pem_cert(cert), mode=PRIVATE)  # another replica's may win
-    material = key_path.read_bytes()
-    ca_key = serialization.load_pem_private_key(material, password=None)
-    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
-    cert_pem = pem_cert(x509.load_pem_x509_certificate(material))
-    cert_path = directory / CA_CERT_FILE
-    if not cert_path.exists() or cert_path.read_text() != cert_pem:
-        write_atomic(cert_path, cert_pem, mode=PUBLIC)  # public: what users trust
-    return LocalCA(x509.load_pem_x509_certificate(cert_pem.encode()), ca_key)
+    material = parse(key_path.read_bytes())
+    publish_cert(directory, material)
+    return LocalCA(material.cert, material.key)
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+class LocalCAFile:
+    """The local CA of a directory, read again before an issue when its key file changed (replaced by a
+    restore); a key file that cannot be read or parsed keeps the CA in use and is logged."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.current = load_or_create(directory)
+        self._stamp = _stamp(directory / CA_KEY_FILE)
+
+    def refresh(self) -> LocalCA:
+        """The CA as the directory holds it now."""
+        try:
+            stamp = _stamp(self.directory / CA_KEY_FILE)
+            if stamp != self._stamp:
+                ca = load_or_create(self.directory)
+                if ca.cert != self.current.cert:
+                    log.info("certs: the local CA in %s changed (a restore?): issuing from it now", self.directory)
+                self.current, self._stamp = ca, stamp
+        except (OSError, ValueError) as exc:
+            log.warning("certs: the local CA in %s cannot be read again (%s); keeping it", self.directory, exc)
+        return self.current
+
+    def issue(self, hostname: str, now: float) -> tuple[str, bytes]:
+        return self.refresh().issue(hostname, now)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from zattera.v1 import types_pb2 as pb
 
 from services.certs.issuer import Account, AcmeIssuer, OrderFailed
-from services.certs.localca import LocalCA
+from services.certs.localca import LocalCA, LocalCAFile
 from shared import keys as K
 from shared.acmechallenge import publish_answer, withdraw_answer
 from shared.certclient import CertsUnavailable, open_bundle
@@ -101,7 +101,7 @@ class CertificateLoop(LeaderLoop):
         deps: LoopDeps,
         *,
         acme: AcmeIssuer | None = None,
-        local_ca: LocalCA | None = None,
+        local_ca: LocalCA | LocalCAFile | None = None,
         extra_hosts: Callable[[], Iterable[str]] = tuple,
         routed: RoutedHosts | None = None,
         tick: float = DEFAULTS.loop_tick,

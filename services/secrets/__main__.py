@@ -17,6 +17,7 @@ from services.secrets.notify import Notifier, NotifySettings
 from services.secrets.offsite import OffsiteSnapshots
 from services.secrets.service import SecretsService
 from services.secrets.settings import SecretsSettings
+from shared import localca
 from shared.service import ServiceContext, main
 
 
@@ -31,7 +32,9 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
         open_wait=cfg.open_wait,
     )
     collector = SecretsCollector(ctx.loop_deps, tick=ctx.settings.loop_tick, grace=cfg.gc_grace)
-    backups = ScheduledBackups(ctx.loop_deps, lambda: service.keyring)
+    backups = ScheduledBackups(
+        ctx.loop_deps, lambda: service.keyring, local_ca_dir=localca.directory(ctx.settings.data_dir)
+    )
     offsite = OffsiteSnapshots(ctx.loop_deps, lambda: service.keyring)
     notifier = Notifier(
         ctx.loop_deps,

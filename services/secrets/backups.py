@@ -18,6 +18,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
@@ -77,9 +78,19 @@ class ScheduledBackups(LeaderLoop):
     name = "backups"
     kinds = frozenset({K.BACKUP_SCHEDULE})
 
-    def __init__(self, deps: LoopDeps, keyring: Callable[[], Keyring | None], *, tick: float = TICK) -> None:
+    def __init__(
+        self,
+        deps: LoopDeps,
+        keyring: Callable[[], Keyring | None],
+        *,
+        local_ca_dir: Path | None = None,
+        tick: float = TICK,
+    ) -> None:
         super().__init__(deps, tick=tick)
         self.keyring = keyring
+        self.local_ca_dir = local_ca_dir
+        """The certs service's local CA directory (on this machine: the control plane's data dir), carried by
+        each backup when it holds a CA."""
         self._due: float | None = None
 
     def seconds_until_due(self) -> float | None:
@@ -121,7 +132,12 @@ class ScheduledBackups(LeaderLoop):
             if keyring is None:
                 raise RuntimeError("the secrets service holds no cluster secrets key")
             request = CreateBackup(
-                schedule.target, "", "", recipient=schedule.recipient.decode(), credentials=credentials
+                schedule.target,
+                "",
+                "",
+                recipient=schedule.recipient.decode(),
+                credentials=credentials,
+                local_ca_dir=str(self.local_ca_dir or ""),
             )
             created = await create_backup(ctx, request, keyring=keyring)
         except Exception as exc:

@@ -21,6 +21,7 @@ from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared import localca
 from shared.actions.context import ActionContext
 from shared.actions.refusals import Conflicting, Invalid, NotFound, Unavailable
 from shared.backup import cluster, recovery, volumes
@@ -74,6 +75,9 @@ class CreateBackup:
     passphrase needed."""
     credentials: dict[str, str] = field(default_factory=dict, repr=False)
     """The target's settings (``AWS_ACCESS_KEY_ID``…) when not from the environment (scheduled backups)."""
+    local_ca_dir: str = ""
+    """The certs service's local CA directory (``<data>/control/certs``): the CA goes into the backup, sealed
+    with the keyring; "" (or no CA there): a backup without it."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,8 @@ class RestoreBackup:
     backup_id: str = ""
     force: bool = False
     """Restore into a cluster that already holds projects, apps or envs (what the backup holds is replaced)."""
+    local_ca_dir: str = ""
+    """Where the backup's local CA goes (the certs service's local CA directory); "": left out."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +148,8 @@ class Restored:
     data could not be brought back, with the command that does it)."""
     volumes: list[str] = field(default_factory=list)
     """The volumes whose data was restored from the snapshot the backup carried."""
+    local_ca: str = ""
+    """The SHA-256 fingerprint of the local CA certificate the restore put back ("" when none)."""
 
 
 # ------------------------------------------------------------------ create
@@ -166,7 +174,15 @@ def _keyring_bytes(request: CreateBackup, keyring: Keyring | None) -> bytes:
             "directory is (--data-dir)",
             field="keyring_path",
         )
-    return json.dumps({"keys": [bytes(k).hex() for k in keyring.keys]}).encode()
+    doc: dict[str, Any] = {"keys": [bytes(k).hex() for k in keyring.keys]}
+    material = localca.read_material(Path(request.local_ca_dir)) if request.local_ca_dir else None
+    if material is not None:
+        try:
+            localca.parse(material)
+        except localca.BadLocalCA as exc:
+            raise Invalid("local_ca_dir", f"{request.local_ca_dir}: {exc}", said="") from None
+        doc["local_ca"] = material.decode()
+    return json.dumps(doc).encode()
 
 
 def _seal_keyring(request: CreateBackup, keyring: bytes) -> bytes:
@@ -434,9 +450,11 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
 
     key_doc = await asyncio.to_thread(recovery.unseal, blob(SECRETS_KEY), request.passphrase)
     try:
-        restored_keys = Keyring([PrivateKey(bytes.fromhex(h)) for h in json.loads(key_doc)["keys"]])
+        sealed_doc = json.loads(key_doc)
+        restored_keys = Keyring([PrivateKey(bytes.fromhex(h)) for h in sealed_doc["keys"]])
     except (ValueError, KeyError, TypeError):
         raise Corrupt(f"backup {manifest.id}: the secrets key object holds no keyring") from None
+    ca_material = _local_ca(manifest, sealed_doc)
     state = cluster.BucketCopy.from_json(_decoded(manifest, STATE, blob(STATE)))
     users = cluster.BucketCopy.from_json(blob(CONSOLE_USERS))
     here = await _settled(ctx)
@@ -449,6 +467,7 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
         )
     _merge_keyring(Path(request.keyring_path), restored_keys)
     skipped: list[str] = []
+    ca_fingerprint = _install_local_ca(request, ca_material, skipped)
     objects = 0
     for kind, store in STORES.items():
         for entry in manifest.of_kind(kind):
@@ -511,11 +530,36 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
         make_event(
             "backup.restored",
             f"backup {manifest.id} restored from {target.url}: {len(values)} keys, {objects} objects, "
-            f"{len(data_restored)} volumes' data",
+            f"{len(data_restored)} volumes' data{', the local CA' if ca_fingerprint else ''}",
             fields={"actor": ctx.actor, "target": target.url, "backup": manifest.id},
         )
     )
-    return Restored(manifest.id, len(values), objects, restored_users, skipped, data_restored)
+    return Restored(manifest.id, len(values), objects, restored_users, skipped, data_restored, ca_fingerprint)
+
+
+def _local_ca(manifest: Manifest, sealed_doc: dict[str, Any]) -> bytes | None:
+    """The local CA the sealed document carries, checked (None: a backup taken without one)."""
+    material = sealed_doc.get("local_ca")
+    if material is None:
+        return None
+    try:
+        data = str(material).encode()
+        localca.parse(data)
+    except localca.BadLocalCA:
+        raise Corrupt(f"backup {manifest.id}: the secrets key object holds a local CA that is not one") from None
+    return data
+
+
+def _install_local_ca(request: RestoreBackup, material: bytes | None, skipped: list[str]) -> str:
+    """Put the backup's local CA in the certs service's directory (it issues from it at its next order); its
+    fingerprint, or "" with why in ``skipped``."""
+    if material is None:
+        skipped.append("the local CA: the backup holds none (taken before backups carried it); this machine's stays")
+        return ""
+    if not request.local_ca_dir:
+        skipped.append("the local CA: no local CA directory to restore it into (--data-dir)")
+        return ""
+    return localca.fingerprint(localca.install(Path(request.local_ca_dir), material))
 
 
 SNAPSHOT_COPIES = 8

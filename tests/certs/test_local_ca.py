@@ -9,12 +9,15 @@ import stat
 import sys
 from pathlib import Path
 
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.secrets.service import SecretsService
 from shared import certs as C
 from shared import keys as K
+from shared import localca
 from shared.backup.cluster import write_state
 from shared.certclient import CACHE_FILE, CertClient
 from shared.connection import Connection
@@ -114,6 +117,16 @@ async def publish_cert_hosts(conn: Connection, version: int, *hostnames: str) ->
     await conn.nc.flush()
 
 
+def issued_by(chain_pem: str, ca_pem: str) -> bool:
+    try:
+        x509.load_pem_x509_certificate(chain_pem.encode()).verify_directly_issued_by(
+            x509.load_pem_x509_certificate(ca_pem.encode())
+        )
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
 def valid(view: StateView, hostname: str) -> bool:
     cert = view.get(K.CERT, K.cert_id(hostname))
     return isinstance(cert, pb.Certificate) and cert.state == C.VALID
@@ -164,7 +177,8 @@ async def test_a_restored_certificate_reaches_the_proxies_and_is_kept_until_its_
     """As ``zattera restore`` does on a new machine: a certificate record put back by another writer than the
     loop, before anything routes its name (the environments come last), under a certs service with another
     local CA. The proxies are told at once (not at their 5-minute refresh), the record is not forgotten
-    as unwanted, and once the name is routed it is served as it was: no new order."""
+    as unwanted, and once the name is routed it is served as it was: no new order. The restore puts the old
+    machine's CA in the new one's certs directory first: the running service issues from it from then on."""
     first = await start_certs_service(nats_url, tmp_path / "old", ZATTERA_LOOP_TICK="3600")
     try:
         await eventually(lambda: view.lease("certs") is not None, 30, "the certs loop leading")
@@ -184,7 +198,9 @@ async def test_a_restored_certificate_reaches_the_proxies_and_is_kept_until_its_
         await publish_cert_hosts(conn, 1, OTHER)
         await eventually(lambda: OTHER in client.current, 20, "the proxy holds the new machine's certificate")
         assert HOST not in client.current
-        await write_state(conn, [(K.cert(HOST), backed_up.SerializeToString())])  # the restore's write
+        old_ca = (tmp_path / "old" / "certs" / localca.CA_KEY_FILE).read_bytes()
+        localca.install(tmp_path / "new" / "certs", old_ca)  # the restore's CA, then its state write
+        await write_state(conn, [(K.cert(HOST), backed_up.SerializeToString())])
         await eventually(lambda: HOST in client.current, 10, "the restored certificate reaches the proxy")
         assert client.current[HOST].chain_pem == backed_up.chain_pem
 
@@ -192,6 +208,12 @@ async def test_a_restored_certificate_reaches_the_proxies_and_is_kept_until_its_
         await eventually(lambda: valid(view, THIRD), 20, "a pass after the restored name is routed")
         kept = view.get(K.CERT, K.cert_id(HOST))
         assert isinstance(kept, pb.Certificate) and kept.chain_pem == backed_up.chain_pem
+        old_ca_pem = (tmp_path / "old" / "certs" / localca.CA_CERT_FILE).read_text()
+        assert (tmp_path / "new" / "certs" / localca.CA_CERT_FILE).read_text() == old_ca_pem
+        third = view.get(K.CERT, K.cert_id(THIRD))
+        assert isinstance(third, pb.Certificate) and issued_by(third.chain_pem, old_ca_pem), "no restart needed"
+        other = view.get(K.CERT, K.cert_id(OTHER))
+        assert isinstance(other, pb.Certificate) and not issued_by(other.chain_pem, old_ca_pem)
     finally:
         await stop(service)
         await client.stop()

@@ -6,7 +6,8 @@ secret the restored key opens; a stateful env serves again the file it wrote on 
 machine (the volume rebuilt on the new machine's node from the snapshot the backup carried) and sees its own
 secret (it serves the secret's digest); its domain and its implicit name are served over HTTPS by the new
 proxy (SNI) with the very certificates the old one served (same leaf fingerprint, verified against the old
-machine's local CA: a client that trusted it still does).
+machine's local CA: a client that trusted it still does); the restore put that CA in the new data dir, so
+the new machine's ``local-ca.pem`` is the old one and a domain added after the restore is issued from it.
 
 Run twice: an open cluster, and a secured one (``zattera up --secure``: the CLI, backup and restore included,
 runs with the operator credential the run prints; the new cluster issues its own credentials)."""
@@ -58,6 +59,8 @@ mount_path = "/data"
 NOTES_SECRET = "notes-drill-secret"
 TLS_HOSTS = (NOTES_HOST, "notes-production.localhost")
 """Its domain, and its implicit name (routed once the env is: a restore writes the certificates before)."""
+FRESH_HOST = "fresh.localhost"
+"""A domain added after the restore: its certificate comes from the restored local CA."""
 NOTES_APP = """import hashlib, os, secrets
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -214,6 +217,18 @@ async def test_backup_to_s3_then_restore_on_a_new_data_dir_serves_again(
             return {h: await served_certificate(tls_port, old_ca, h) for h in TLS_HOSTS} == fingerprints
 
         await eventually(same_certificates, 30, f"{TLS_HOSTS} are served over HTTPS with the certificates of before")
+        # The restore put the old machine's local CA in the new data dir: `curl --cacert` of the new machine's
+        # local-ca.pem verifies the restored certificates, and what the new machine issues from now on.
+        assert "local CA restored (SHA-256 " in restored.stderr, restored.stderr
+        new_ca = (new / "control" / "certs" / "local-ca.pem").read_text()
+        assert new_ca == old_ca
+        assert {h: await served_certificate(tls_port, new_ca, h) for h in TLS_HOSTS} == fingerprints
+        up.cli("domains", "add", FRESH_HOST, "--env", NOTES_ENV)
+
+        async def fresh_certificate() -> bool:
+            return bool(await served_certificate(tls_port, new_ca, FRESH_HOST))
+
+        await eventually(fresh_certificate, 60, f"{FRESH_HOST}, added after the restore, served under the old CA")
         shown = json.loads(up.cli("domains", "list", "--json").stdout)
         assert {d["hostname"]: d["state"] for d in shown if d["hostname"] in TLS_HOSTS} == dict.fromkeys(
             TLS_HOSTS, "valid"
