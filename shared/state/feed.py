@@ -19,6 +19,14 @@ The NATS side of the state (the store itself is pure):
 * With ``open_consumer`` (a secured agent, which may not create consumers: SECURITY.md) the view instead
   asks that callable for a consumer control created for it (last value per key of its filters, then every
   change) and pulls from it; each resync opens it anew.
+* A resync never takes the view back in time: each of its consumers is an R1 consumer the cluster may
+  place on any replica of the stream, and a follower can lag behind what the view's previous consumer
+  (or a write of this process) already showed. The new load is applied only once it has delivered
+  :attr:`StateView.seen_revision`, the newest revision of a key this view follows that it had applied,
+  so the snapshot is never older than the view: an older one would keep the view's newer values of some
+  keys beside older values of others (a promoted env beside its deployment still PENDING). A load that
+  cannot get there (the message at that revision expired, the stream was restored) is applied after
+  :data:`LOAD_STALL` without progress.
 * :meth:`StateView.catch_up`: the one way to wait until the view has seen every write the stream holds
   (after a conflict, so that a re-read sees the write that won), on the store's
   :meth:`~shared.state.store.StateStore.wait_for_revision`.
@@ -37,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
+from google.protobuf.message import Message
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
@@ -101,9 +110,28 @@ class StateView(StateStore):
         self._loading: list[asyncio.Future[None]] = []
         self._resync_task: asyncio.Task[None] | None = None
         self._resync_buffer: Snapshot | None = None
+        self._resync_floor = 0
+        self._floor_reached = asyncio.Event()
+        self.seen_revision = 0
+        """The newest revision applied of a key this view's consumers deliver (see the module docstring)."""
         self._load_progress = 0.0
         self._snapshot_timeout = 0.0
         self._listening = False
+
+    # ------------------------------------------------------------------ applying
+
+    def apply_raw(self, key: str, rev: int, data: bytes | None, traceparent: str = "") -> None:
+        super().apply_raw(key, rev, data, traceparent)
+        self.seen_revision = max(self.seen_revision, rev)
+
+    def apply_local(self, key: str, rev: int, msg: Message | None, traceparent: str = "") -> None:
+        super().apply_local(key, rev, msg, traceparent)
+        if rev > self.seen_revision and self._follows(key):
+            self.seen_revision = rev
+
+    def _follows(self, key: str) -> bool:
+        """Whether this view's consumers deliver ``key`` (a filtered view does not see a write of another key)."""
+        return not self._filters or any(key_matches(pattern, key) for pattern in self._filters)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -223,6 +251,10 @@ class StateView(StateStore):
         generation = self._generation
         await self._unsubscribe_all()
         self._resync_buffer = {}
+        self._resync_floor = self.seen_revision
+        self._floor_reached = asyncio.Event()
+        if self._resync_floor == 0:
+            self._floor_reached.set()
         loop = asyncio.get_running_loop()
         subjects = [STATE_PREFIX + pattern for pattern in self._filters] or [f"{STATE_PREFIX}>"]
         pulled = self._open_consumer is not None
@@ -254,9 +286,12 @@ class StateView(StateStore):
             feed.poke()
 
     async def _until_loaded(self, loaded: list[asyncio.Future[None]]) -> None:
-        """Wait for every consumer's initial load; a load that receives nothing for ``LOAD_STALL`` seconds
-        (its consumer lost with a NATS server mid-load) raises, and the caller resyncs from scratch — a
-        large view still loading keeps receiving, so it is never cut short."""
+        """Wait for every consumer's initial load, then until the load has reached the revision the view had
+        already seen (a consumer on a lagging replica catches up first). A load that receives nothing for
+        ``LOAD_STALL`` seconds (its consumer lost with a NATS server mid-load) raises, and the caller resyncs
+        from scratch — a large view still loading keeps receiving, so it is never cut short; a complete load
+        that stays below that revision as long is applied (nothing more is coming: the message at that
+        revision is gone)."""
         self._load_progress = time.monotonic()
         all_loaded = asyncio.gather(*loaded)
         while not all_loaded.done():
@@ -265,6 +300,18 @@ class StateView(StateStore):
                 all_loaded.cancel()
                 raise TimeoutError(f"view {self._name}: load stalled for {LOAD_STALL:.0f}s")
         all_loaded.result()
+        reached = self._floor_reached
+        while not reached.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(reached.wait(), 1.0)
+            if not reached.is_set() and time.monotonic() - self._load_progress > LOAD_STALL:
+                log.warning(
+                    "view %s: load stayed below revision %d for %.0fs; applied as it is",
+                    self._name,
+                    self._resync_floor,
+                    LOAD_STALL,
+                )
+                return
 
     async def _pull(self, generation: int, done: asyncio.Future[None]) -> _PullLoop:
         """Pull from the consumer control opened for this view (secured agents, :mod:`shared.security.views`)."""
@@ -328,6 +375,8 @@ class StateView(StateStore):
                 held = self._resync_buffer.get(key)
                 if held is None or rev >= held[0]:
                     self._resync_buffer[key] = (rev, data, traceparent)
+                if rev >= self._resync_floor:
+                    self._floor_reached.set()
                 if pending == 0 and not done.done():
                     done.set_result(None)
             else:
@@ -340,6 +389,17 @@ class StateView(StateStore):
 
 
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def key_matches(pattern: str, key: str) -> bool:
+    """A key against a view filter (subject wildcards: ``*`` one token, a final ``>`` the rest)."""
+    want, have = pattern.split("."), key.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(have) == len(want)
 
 
 def guard_ordered_consumer(sub: Any, new_name: Callable[[], str] | None) -> None:
