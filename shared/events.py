@@ -146,6 +146,8 @@ KINDS = (
     "volume.node_lost",
     "volume.recovered",
     "volume.restore_failed",
+    "volume.offsite_copied",
+    "volume.offsite_failed",
     "build.waiting_for_builder",
     "certificate.issued",
     "certificate.renewed",

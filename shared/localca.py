@@ -12,6 +12,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from shared.errors import ZatteraError
 from shared.files import PRIVATE, PUBLIC, write_atomic
 from shared.security.tls import pem_cert
 
@@ -19,7 +20,7 @@ CA_CERT_FILE = "local-ca.pem"
 CA_KEY_FILE = "local-ca.key"
 
 
-class BadLocalCA(ValueError):
+class BadLocalCA(ZatteraError, ValueError):
     """Material that is not a local CA's key and certificate (or whose key does not match the certificate)."""
 
 

@@ -10,12 +10,14 @@ JetStream request crosses the routes.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NATS
+from nats.js.errors import ServiceUnavailableError
 
 from shared.connection import Connection, connect
 from shared.embedded import SERVER_DIR, EmbeddedNats, RouteSecurity, start_cluster, wait_meta_group
@@ -86,9 +88,19 @@ def clock() -> ManualClock:
 
 
 async def _provision(url: str, creds: str, replicas: int = 1) -> None:
+    """Provision as the services do (shared/service.py ``provision_with_retry``): a server of a cluster just
+    started may not have enabled JetStream for the account yet ("JetStream not enabled for account", 503)."""
     conn = await connect(url, name="test-provision", creds=creds)
     try:
-        await provision(conn.js, replicas=replicas)
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                await provision(conn.js, replicas=replicas)
+                return
+            except ServiceUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
     finally:
         await conn.close()
 
