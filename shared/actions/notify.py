@@ -22,6 +22,7 @@ from shared.actions.context import ActionContext, commit_edit, stamp_replacing
 from shared.actions.names import resolve_project
 from shared.actions.refusals import Invalid, NotFound
 from shared.backup.sealed import seal_settings
+from shared.clock import from_timestamp
 from shared.events import make_event
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 
@@ -65,10 +66,6 @@ class ChannelAdded:
     replaced: bool
 
 
-def _seconds(ts: object, present: bool) -> float:
-    return ts.ToNanoseconds() / 1e9 if present else 0.0  # type: ignore[attr-defined]
-
-
 def describe(view_channel: pb.NotifyChannel, status: pb.NotifyStatus | None, project: str) -> Channel:
     """A channel and how its delivery goes, as commands show it."""
     s = status or pb.NotifyStatus()
@@ -80,9 +77,9 @@ def describe(view_channel: pb.NotifyChannel, status: pb.NotifyStatus | None, pro
         project=project,
         console_url=view_channel.console_url,
         delivered=s.delivered,
-        last_delivered_at=_seconds(s.last_delivered_at, s.HasField("last_delivered_at")),
+        last_delivered_at=from_timestamp(s.last_delivered_at),
         failing=s.failing,
-        failing_since=_seconds(s.failing_since, s.HasField("failing_since")),
+        failing_since=from_timestamp(s.failing_since),
         failures=s.failures,
         last_error=s.last_error,
     )

@@ -13,13 +13,11 @@ from dataclasses import dataclass, field
 
 import pytest
 from aiohttp import web
-from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from services.secrets.notify import Notifier, NotifySettings
 from shared import keys as K
 from shared import notify
-from shared.actions.context import ActionContext
 from shared.actions.notify import (
     AddChannel,
     RemoveChannel,
@@ -35,10 +33,11 @@ from shared.connection import Connection
 from shared.events import ERROR, EventPublisher, make_event
 from shared.loop import LoopDeps
 from shared.notify_status import failing_channels
-from shared.secrets import CLUSTER_KEY, Keyring, key_id, public_bytes
+from shared.secrets import Keyring
 from shared.state.feed import StateView
 from shared.subjects import EVENTS_SUBJECT_PREFIX
 from shared.txn import Writer
+from tests.backup.test_schedule import _cluster
 from tests.waiting import eventually
 
 TOKEN = "T0K3N-do-not-leak-7f3a"
@@ -157,18 +156,6 @@ async def receivers() -> AsyncIterator[list[Receiver]]:
     yield made
     for r in made:
         await r.stop()
-
-
-async def _cluster(conn: Connection, view: StateView) -> tuple[ActionContext, Keyring]:
-    key = PrivateKey.generate()
-    record = pb.SecretsKey(key_id=key_id(public_bytes(key)), public_key=public_bytes(key))
-    record.meta.id = CLUSTER_KEY
-    writer = Writer(conn, view)
-    await writer.commit(writer.txn().create(record))
-    project = pb.Project(name="shop")
-    project.meta.id = "01PROJ"
-    await writer.commit(writer.txn().create(project))
-    return ActionContext(conn, writer, "tester"), Keyring([key])
 
 
 @pytest.fixture
