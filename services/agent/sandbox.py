@@ -317,10 +317,12 @@ class Sandbox:
         args = [self.support.bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
         if c.die_with_parent:
             args.append("--die-with-parent")
+        # /tmp first: a system directory under /tmp (an install there) stays shown, not covered by the tmpfs
+        args += ["--perms", "1777", "--tmpfs", "/tmp"]
         args += self._system
         args += ["--ro-bind-data", str(passwd), "/etc/passwd", "--ro-bind-data", str(group), "/etc/group"]
         args += ["--proc", "/proc", "--dev", "/dev"]
-        args += ["--perms", "1777", "--tmpfs", "/dev/shm", "--perms", "1777", "--tmpfs", "/tmp"]
+        args += ["--perms", "1777", "--tmpfs", "/dev/shm"]
         made = {"/", "/tmp", *(a for a in self._system if a.startswith("/"))}
         writable = {os.path.realpath(p) for p in c.writable}
         # A hidden directory shown through a system directory or a writable one (a process:// image's
