@@ -18,36 +18,10 @@ import pytest
 
 from shared.security.machines import MachineToken
 from tests.multinode.harness import Machine, Network
+from tests.multinode.machines import cli_env, nodes, servers, token
 from tests.waiting import eventually_sync
 
 PAYLOAD = "zattera-plaintext-canary-7f3c"
-
-
-def cli_env(server: Machine) -> dict[str, str]:
-    security = server.data_dir / "control" / "security"
-    return {
-        "ZATTERA_NATS_URL": f"nats://{server.address}:4222",
-        "ZATTERA_NATS_CREDS": str(security / "creds" / "operator.creds"),
-        "ZATTERA_NATS_TLS_CA": str(security / "tls" / "ca.pem"),
-    }
-
-
-def nodes(server: Machine) -> dict[str, dict[str, object]]:
-    done = server.zattera("nodes", "list", "--json", env=cli_env(server))
-    if done.returncode != 0:
-        return {}
-    return {n["meta"]["id"]: n for n in json.loads(done.stdout)}
-
-
-def servers(server: Machine) -> int:
-    """How many NATS servers the cluster has, as ``zattera cluster status`` counts them."""
-    done = server.zattera("cluster", "status", "--json", env=cli_env(server))
-    return int(json.loads(done.stdout)["servers"]) if done.returncode == 0 else 0
-
-
-def token(server: Machine, *args: str) -> str:
-    done = server.zattera("nodes", "join-token", *args, env=cli_env(server), check=True)
-    return done.stdout.strip()
 
 
 def join_refused(machine: Machine, token_text: str, name: str) -> str:
