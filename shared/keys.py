@@ -36,6 +36,8 @@ BACKUP_SCHEDULE = "backupschedule"
 BACKUP_RUN = "backuprun"
 NOTIFY_CHANNEL = "notifychannel"
 NOTIFY_STATUS = "notifystatus"
+LOG_DRAIN = "logdrain"
+LOG_DRAIN_STATUS = "logdrainstatus"
 
 CERT = "cert"
 ACME_ACCOUNT = "acmeaccount"
@@ -63,6 +65,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     BACKUP_RUN: pb.BackupRun,
     NOTIFY_CHANNEL: pb.NotifyChannel,
     NOTIFY_STATUS: pb.NotifyStatus,
+    LOG_DRAIN: pb.LogDrain,
+    LOG_DRAIN_STATUS: pb.LogDrainStatus,
     CERT: pb.Certificate,
     ACME_ACCOUNT: pb.AcmeAccount,
 }
@@ -194,6 +198,14 @@ def notify_channel(name: str) -> str:
 
 def notify_status(name: str) -> str:
     return f"{NOTIFY_STATUS}.{name}"
+
+
+def log_drain(name: str) -> str:
+    return f"{LOG_DRAIN}.{name}"
+
+
+def log_drain_status(name: str) -> str:
+    return f"{LOG_DRAIN_STATUS}.{name}"
 
 
 def cert_id(hostname: str) -> str:
