@@ -20,8 +20,8 @@ from shared.actions.context import ActionContext, commit_edit, stamp_replacing
 from shared.actions.names import env_label, resolve_env, resolve_project
 from shared.actions.refusals import Invalid, NotFound
 from shared.backup.sealed import seal_settings
-from shared.clock import from_timestamp, stamp
-from shared.state.reader import StateReader
+from shared.clock import stamp
+from shared.drain_status import Drain, describe, scope_of
 
 
 @dataclass(frozen=True)
@@ -36,47 +36,6 @@ class AddDrain:
     """``Name: value`` each, sent with every HTTP or OTLP request; sealed."""
     ca_pem: str = ""
     """A CA certificate (PEM) the receiver's TLS certificate is checked against (self-signed receivers)."""
-
-
-@dataclass(frozen=True)
-class Drain:
-    name: str
-    url: str
-    """Scheme, host and port only."""
-    scope: str
-    """``env project/app/env`` or ``project P``."""
-    events: bool
-    delivered_lines: int = 0
-    last_delivered_at: float = 0.0
-    lag_messages: int = 0
-    dropped_messages: int = 0
-    dropped_lines: int = 0
-    cursors: dict[str, int] = field(default_factory=dict)
-    """Stream → the last sequence delivered."""
-    failing: bool = False
-    failing_since: float = 0.0
-    failures: int = 0
-    last_error: str = ""
-
-
-def describe(view_drain: pb.LogDrain, status: pb.LogDrainStatus | None, scope: str) -> Drain:
-    s = status or pb.LogDrainStatus()
-    return Drain(
-        name=view_drain.meta.id,
-        url=view_drain.url_shown,
-        scope=scope,
-        events=view_drain.events,
-        delivered_lines=s.delivered_lines,
-        last_delivered_at=from_timestamp(s.last_delivered_at),
-        lag_messages=s.lag_messages,
-        dropped_messages=s.dropped_messages,
-        dropped_lines=s.dropped_lines,
-        cursors={src.stream: src.delivered_seq for src in s.sources},
-        failing=s.failing,
-        failing_since=from_timestamp(s.failing_since),
-        failures=s.failures,
-        last_error=s.last_error,
-    )
 
 
 def _check(request: AddDrain) -> None:
@@ -159,14 +118,6 @@ async def remove_drain(ctx: ActionContext, request: RemoveDrain) -> None:
     if ctx.view.get(K.LOG_DRAIN_STATUS, request.name) is not None:
         txn.delete(K.log_drain_status(request.name))
     await ctx.writer.commit(txn)
-
-
-def scope_of(view: StateReader, record: pb.LogDrain) -> str:
-    """``env project/app/env`` or ``project P``."""
-    if record.environment_id:
-        return f"env {env_label(view, record.environment_id)}"
-    project = view.project(record.project_id)
-    return f"project {project.name if project else record.project_id}"
 
 
 def list_drains(ctx: ActionContext) -> list[Drain]:
