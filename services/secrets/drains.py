@@ -22,6 +22,7 @@ which only this service holds.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime
 import json
@@ -161,9 +162,11 @@ class _Sender:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
         headers = {"Content-Type": drains.content_type(e.scheme), "User-Agent": "zattera-drain/1", **e.headers}
-        auth = aiohttp.BasicAuth(*e.basic_auth) if e.basic_auth else None
+        if e.basic_auth:
+            user, password = e.basic_auth
+            headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
         async with self._session.post(
-            e.url, data=payload, headers=headers, auth=auth, ssl=self._ssl or True, allow_redirects=False
+            e.url, data=payload, headers=headers, ssl=self._ssl or True, allow_redirects=False
         ) as resp:
             await resp.read()
             if not 200 <= resp.status < 300:
@@ -279,13 +282,21 @@ class Drainer(LeaderLoop):
                 await self.clock.sleep(next(restarts))
 
     async def _source(self, drain: pb.LogDrain, src: _Source, status: pb.LogDrainStatus) -> None:
-        """Bind ``src`` to the drain's durable consumer on its stream (made the first time: from the cursor
-        the status remembers, else from the drain's start)."""
+        """Bind ``src`` to the drain's durable consumer on its stream, made again from the drain's cursor (the
+        greater of the status's and the consumer's ack floor) so that messages a former task held unacked
+        come again at once and in order (not after the ack wait); the first time, from the drain's start."""
         durable = drains.consumer_name(drain.meta.id)
         known = next((s for s in status.sources if s.stream == src.stream), None)
+        cursor = known.delivered_seq if known else 0
         try:
             info = await self.conn.js.consumer_info(src.stream, durable)
         except NotFoundError:
+            info = None
+        if info is not None and info.ack_floor is not None:
+            cursor = max(cursor, info.ack_floor.stream_seq)
+        if info is None or cursor:
+            if info is not None:
+                await self.conn.js.delete_consumer(src.stream, durable)
             config = ConsumerConfig(
                 durable_name=durable,
                 filter_subject=src.subject,
@@ -294,17 +305,16 @@ class Drainer(LeaderLoop):
                 max_ack_pending=self.settings.fetch_messages * 4,
                 inactive_threshold=30 * 86400.0,
             )
-            if known is not None and known.delivered_seq:
+            if cursor:
                 config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
-                config.opt_start_seq = known.delivered_seq + 1
+                config.opt_start_seq = cursor + 1
             else:
                 config.deliver_policy = DeliverPolicy.BY_START_TIME
                 config.opt_start_time = datetime.datetime.fromtimestamp(
                     drain.start_at.ToNanoseconds() / 1e9, datetime.UTC
                 )
-            info = await self.conn.js.add_consumer(src.stream, config)
-        floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
-        src.cursor = max(known.delivered_seq if known else 0, floor)
+            await self.conn.js.add_consumer(src.stream, config)
+        src.cursor = cursor
         src.dropped = known.dropped_messages if known else 0
         src.sub = await self.conn.js.pull_subscribe_bind(durable=durable, stream=src.stream)
 
