@@ -43,7 +43,7 @@ def _check(request: AddDrain) -> None:
     if problem:
         raise Invalid("name", problem, said="NAME")
     if bool(request.env) == bool(request.project):
-        raise Invalid("env", "give one of --env or --project", said="--env/--project")
+        raise Invalid("env", "give one of --env or --project", said="--env")
     problem = drains.url_problem(request.url)
     if problem:
         raise Invalid("url", problem, said="--url")
