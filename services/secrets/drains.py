@@ -29,7 +29,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -74,7 +74,8 @@ class DrainSettings:
     idle_wait: float = 1.0
     """How long one fetch waits for new messages, seconds."""
     ack_wait: float = 60.0
-    """The consumers' ack wait; held messages are kept in progress while a delivery is retried."""
+    """The consumers' ack wait (at least twice a retry's pause and timeout); held messages are kept in progress
+    while a delivery is retried."""
 
 
 @dataclass
@@ -301,7 +302,7 @@ class Drainer(LeaderLoop):
                 durable_name=durable,
                 filter_subject=src.subject,
                 ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=self.settings.ack_wait,
+                ack_wait=max(self.settings.ack_wait, 2 * (self.settings.retry_most + self.settings.timeout)),
                 max_ack_pending=self.settings.fetch_messages * 4,
                 inactive_threshold=30 * 86400.0,
             )
@@ -348,14 +349,23 @@ class Drainer(LeaderLoop):
                     await self._refresh(ready, status)
                     await self._save(status)
                     saved_at = self.clock.now()
-                    if len(ready) < len(sources):
-                        return  # a stream made since: bind it (the caller starts again)
+                    if await self._any_made(src for src in sources if src not in ready):
+                        return  # a stream made since (a new env's first lines): the caller binds it
         finally:
             await sender.close()
             for src in ready:
                 with contextlib.suppress(Exception):
                     if src.sub is not None:
                         await src.sub.unsubscribe()
+
+    async def _any_made(self, missing: Iterable[_Source]) -> bool:
+        for src in missing:
+            try:
+                await self.conn.js.stream_info(src.stream)
+            except NotFoundError:
+                continue
+            return True
+        return False
 
     def _records(self, drain: pb.LogDrain, envs: list[str], src: _Source, msg: Msg) -> list[drains.Record]:
         if src.env_id:

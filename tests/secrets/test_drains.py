@@ -490,6 +490,26 @@ async def test_an_otlp_drain_posts_export_logs_requests_with_platform_events(
         "a cursor in each stream the drain reads",
     )
 
+    # A new environment of the project: its stream comes with its first lines, and the drain takes it.
+    staging = pb.Environment(app_id="01APP", project_id="01PROJ", name="staging")
+    staging.meta.id = "01ENV2"
+    await ctx.writer.commit(ctx.writer.txn().create(staging))
+    await eventually(lambda: view.env("01ENV2") is not None, 5)
+    await loops[0].run_pass()
+    config = app_logs_stream_config("01ENV2", LogLimits(max_bytes=64 * 1024 * 1024, max_age=3600.0), 1)
+    await conn.js.add_stream(config)
+    batch = cpb.InstanceLogBatch(environment_id="01ENV2", instance_id="01INST2", node_id="node-2")
+    batch.lines.add(line="staging line", stream="stderr").time.FromNanoseconds(1_764_547_300_000_000_000)
+    await conn.js.publish(app_log_subject("01ENV2", "01INST2"), batch.SerializeToString())
+    await eventually(lambda: "staging line" in receiver.lines, 15, "the new environment's line")
+    [staging_logs] = [
+        r
+        for req in receiver.requests
+        for r in req.resource_logs
+        if any(a.value.string_value == "01ENV2" for a in r.resource.attributes)
+    ]
+    assert staging_logs.scope_logs[0].log_records[0].severity_text == "ERROR"
+
 
 async def test_lines_retention_removed_before_delivery_are_counted(
     conn: Connection, view: StateView, loops: list[Drainer], stoppers: list[Callable[[], object]]
