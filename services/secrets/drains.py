@@ -347,7 +347,8 @@ class Drainer(LeaderLoop):
                     await self.clock.sleep(self.settings.idle_wait)
                 if self.clock.now() - saved_at >= self.settings.status_every:
                     await self._refresh(ready, status)
-                    await self._save(status)
+                    if self._changed(status):  # an idle drain writes nothing
+                        await self._save(status)
                     saved_at = self.clock.now()
                     if await self._any_made(src for src in sources if src not in ready):
                         return  # a stream made since (a new env's first lines): the caller binds it
@@ -503,6 +504,18 @@ class Drainer(LeaderLoop):
                 fields={"drain": name},
             )
         )
+
+    def _changed(self, status: pb.LogDrainStatus) -> bool:
+        """Whether ``status`` differs from the one stored, its write time aside."""
+        stored = self.view.get(K.LOG_DRAIN_STATUS, status.meta.id)
+        if not isinstance(stored, pb.LogDrainStatus):
+            return True
+        mine, theirs = pb.LogDrainStatus(), pb.LogDrainStatus()
+        mine.CopyFrom(status)
+        theirs.CopyFrom(stored)
+        mine.meta.ClearField("updated_at")
+        theirs.meta.ClearField("updated_at")
+        return mine != theirs
 
     async def _save(self, status: pb.LogDrainStatus) -> None:
         """Write the drain's status and wait until the view shows it (the next write expects it)."""
