@@ -226,16 +226,19 @@ class Drainer(LeaderLoop):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await running.task
                 del self._running[name]
-                if entry is None:
-                    await self._delete_consumers(name, running.streams)
-                    if self.view.get(K.LOG_DRAIN_STATUS, name) is not None:
-                        assert self.writer is not None
-                        await self.writer.commit(self.writer.txn("drains").delete(K.log_drain_status(name)))
+                kept = set(self._streams(*entry[:2])) if entry is not None else set()
+                await self._delete_consumers(name, [s for s in running.streams if s not in kept])
+                if entry is None and self.view.get(K.LOG_DRAIN_STATUS, name) is not None:
+                    assert self.writer is not None  # removed: the status its task may have written meanwhile goes
+                    await self.writer.commit(self.writer.txn("drains").delete(K.log_drain_status(name)))
         for name, (drain, envs, version) in wanted.items():
             if name not in self._running:
-                streams = tuple(app_logs_stream(e) for e in envs) + ((EVENTS_STREAM,) if drain.events else ())
                 task = asyncio.create_task(self._follow(drain, envs), name=f"drain-{name}")
-                self._running[name] = _Running(task, version, streams)
+                self._running[name] = _Running(task, version, self._streams(drain, envs))
+
+    @staticmethod
+    def _streams(drain: pb.LogDrain, envs: list[str]) -> tuple[str, ...]:
+        return tuple(app_logs_stream(e) for e in envs) + ((EVENTS_STREAM,) if drain.events else ())
 
     async def _delete_consumers(self, name: str, streams: Sequence[str]) -> None:
         for stream in streams:
@@ -321,6 +324,9 @@ class Drainer(LeaderLoop):
 
     async def _run_drain(self, drain: pb.LogDrain, envs: list[str], target: _Target) -> None:
         status = self._status(drain.meta.id)
+        streams = self._streams(drain, envs)
+        for gone in [s for s in status.sources if s.stream not in streams]:  # an env deleted or left the drain
+            status.sources.remove(gone)
         sources = [_Source(app_logs_stream(e), app_log_subject(e, "*"), e) for e in envs]
         if drain.events:
             sources.append(_Source(EVENTS_STREAM, EVENTS_SUBJECT_PREFIX + ">", ""))
