@@ -8,6 +8,8 @@ protobufs, a syslog endpoint over TLS counting RFC 6587 frames.
 
 * **throughput**: a backlog of N lines is stored, then the drain starts: lines/s from its start to the last
   line received, and the process CPU (user + system) over that time per 1,000 lines;
+* **live** (HTTP): lines/s and CPU while another process stores lines as the agent does, from the first line
+  received to the last;
 * **catch-up**: the receiver is down while N lines are stored (the drain retrying, FAILING), then up: lines/s
   from the receiver's return to the last line received.
 
@@ -153,6 +155,19 @@ async def _publish(conn: object, first: int, lines: int) -> None:
     await asyncio.gather(*pending)
 
 
+def _publisher(url: str, first: int, lines: int) -> None:
+    """The agent's side, in a process of its own: ``lines`` lines stored as fast as it can."""
+    asyncio.run(_publish_from(url, first, lines))
+
+
+async def _publish_from(url: str, first: int, lines: int) -> None:
+    conn = await connect(url, name="drain-bench-agent")
+    try:
+        await _publish(conn, first, lines)
+    finally:
+        await conn.close()
+
+
 async def _wait_count(count: Synchronized[int], target: int, timeout: float) -> float:
     deadline = time.monotonic() + timeout
     while count.value < target:
@@ -208,6 +223,28 @@ async def _bench(url: str, lines: int, cert_dir: Path, ca: str) -> list[Row]:
             rate = lines / (ended - started)
             rows.append(row(f"drain throughput, {kind} (backlog of {lines:,} lines)", rate, "lines/s", "≥ 20,000"))
             rows.append(row(f"drain CPU per 1,000 lines, {kind}", spent / (lines / 1000), "CPU s"))
+            if kind == "http":  # live: an agent-like publisher in another process while the drain delivers
+                count.value = 0
+                publisher = multiprocessing.get_context("spawn").Process(
+                    target=_publisher, args=(url, published, lines)
+                )
+                publisher.start()
+                await _wait_count(count, 1, 120)
+                t0, c0, cpu = time.perf_counter(), count.value, time.process_time()
+                ended = await _wait_count(count, lines, 600)
+                spent = time.process_time() - cpu
+                publisher.join()
+                published += lines
+                rate = (lines - c0) / (ended - t0)
+                rows.append(
+                    row(
+                        f"drain throughput, {kind}, live (lines stored meanwhile by another process)",
+                        rate,
+                        "lines/s",
+                        "≥ 20,000",
+                    )
+                )
+                rows.append(row(f"drain CPU per 1,000 lines, {kind}, live", spent / ((lines - c0) / 1000), "CPU s"))
             if kind == "http":  # the outage: receiver down, lines stored, receiver up
                 receiver.kill()
                 receiver.join()
