@@ -36,11 +36,11 @@ BACKUP_SCHEDULE = "backupschedule"
 BACKUP_RUN = "backuprun"
 NOTIFY_CHANNEL = "notifychannel"
 NOTIFY_STATUS = "notifystatus"
-LOG_DRAIN = "logdrain"
-LOG_DRAIN_STATUS = "logdrainstatus"
 
 CERT = "cert"
 ACME_ACCOUNT = "acmeaccount"
+LOG_DRAIN = "logdrain"
+LOG_DRAIN_STATUS = "logdrainstatus"
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     NODE: pb.Node,
@@ -65,10 +65,10 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     BACKUP_RUN: pb.BackupRun,
     NOTIFY_CHANNEL: pb.NotifyChannel,
     NOTIFY_STATUS: pb.NotifyStatus,
-    LOG_DRAIN: pb.LogDrain,
-    LOG_DRAIN_STATUS: pb.LogDrainStatus,
     CERT: pb.Certificate,
     ACME_ACCOUNT: pb.AcmeAccount,
+    LOG_DRAIN: pb.LogDrain,
+    LOG_DRAIN_STATUS: pb.LogDrainStatus,
 }
 
 PER_NODE_KINDS = frozenset({ASSIGNMENT, OBSERVED})
@@ -200,14 +200,6 @@ def notify_status(name: str) -> str:
     return f"{NOTIFY_STATUS}.{name}"
 
 
-def log_drain(name: str) -> str:
-    return f"{LOG_DRAIN}.{name}"
-
-
-def log_drain_status(name: str) -> str:
-    return f"{LOG_DRAIN_STATUS}.{name}"
-
-
 def cert_id(hostname: str) -> str:
     """A hostname as a key token (a hostname holds no '_', a key token no '.')."""
     return hostname.replace(".", "_")
@@ -257,3 +249,11 @@ def decode(kind: str, data: bytes) -> Message:
     msg = MESSAGE_TYPES[kind]()
     msg.ParseFromString(data)
     return msg
+
+
+def log_drain(name: str) -> str:
+    return f"{LOG_DRAIN}.{name}"
+
+
+def log_drain_status(name: str) -> str:
+    return f"{LOG_DRAIN_STATUS}.{name}"
