@@ -138,11 +138,12 @@ class _Sender:
         except TimeoutError:
             await self.close()
             raise Delivery(f"no answer within {self.timeout:.0f}s") from None
+        except (aiohttp.ClientConnectorCertificateError, ssl.SSLCertVerificationError):
+            await self.close()
+            raise Delivery("TLS failed (the receiver's certificate is not trusted; --ca-file?)") from None
         except ssl.SSLError as exc:
             await self.close()
-            raise Delivery(f"TLS failed ({exc.reason or type(exc).__name__})") from None
-        except aiohttp.ClientConnectorCertificateError:
-            raise Delivery("TLS failed (the receiver's certificate is not trusted; --ca-file?)") from None
+            raise Delivery(f"TLS failed ({getattr(exc, 'reason', None) or type(exc).__name__})") from None
         except (aiohttp.ClientError, OSError) as exc:
             await self.close()
             raise Delivery(f"cannot reach the receiver ({type(exc).__name__})") from None

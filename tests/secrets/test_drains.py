@@ -140,6 +140,7 @@ class HttpReceiver:
     docs: list[dict[str, object]] = field(default_factory=list)
     requests: list[otlp_logs.ExportLogsServiceRequest] = field(default_factory=list)
     refused: int = 0
+    tls: ssl.SSLContext | None = None
     runner: web.AppRunner | None = None
 
     async def _handle(self, request: web.Request) -> web.Response:
@@ -172,7 +173,7 @@ class HttpReceiver:
         app.router.add_post("/v1/logs" if self.otlp else "/ingest", self._handle)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port, ssl_context=self.tls).start()
         if not self.port:
             self.port = self.runner.addresses[0][1]
         return self.port
@@ -535,6 +536,26 @@ async def test_lines_retention_removed_before_delivery_are_counted(
     assert bad and "150 message(s) (~150 lines) dropped by retention" in line
     [listed] = list_drains(ctx)
     assert listed.dropped_messages == 150 and listed.cursors == {app_logs_stream(ENV): 210}
+
+
+async def test_an_https_drain_checks_the_receivers_certificate_against_its_ca(
+    conn: Connection, view: StateView, loops: list[Drainer], stoppers: list[Callable[[], object]], tmp_path: Path
+) -> None:
+    ctx, keyring = await _env_cluster(conn, view)
+    cert, key, ca = self_signed(tmp_path)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    receiver, otlp = HttpReceiver(tls=tls), HttpReceiver(otlp=True, tls=tls)
+    stoppers += [receiver.stop, otlp.stop]
+    await add_drain(ctx, AddDrain("https", f"https://127.0.0.1:{await receiver.start()}/ingest", env=ENV, ca_pem=ca))
+    await add_drain(ctx, AddDrain("otlps", f"otlp://127.0.0.1:{await otlp.start()}", env=ENV, ca_pem=ca))
+    await add_drain(ctx, AddDrain("untrusting", f"https://127.0.0.1:{receiver.port}/ingest", env=ENV))
+    await _start(conn, view, keyring, loops)
+    await _publish(conn, 0, 10, per_message=3)
+    expected = [f"line {i}" for i in range(10)]
+    await eventually(lambda: receiver.lines == expected and otlp.lines == expected, 15, "both TLS drains deliver")
+    await eventually(lambda: _status(view, "untrusting").failing, 15, "the drain without the CA fails")
+    assert "certificate is not trusted" in _status(view, "untrusting").last_error
 
 
 @pytest.mark.parametrize(
