@@ -147,6 +147,9 @@ class _Sender:
         except (aiohttp.ClientError, OSError) as exc:
             await self.close()
             raise Delivery(f"cannot reach the receiver ({type(exc).__name__})") from None
+        except Exception as exc:  # anything else is this delivery's failure too: said, retried, counted
+            await self.close()
+            raise Delivery(f"the delivery failed ({type(exc).__name__})") from None
 
     async def _send_syslog(self, payload: bytes) -> None:
         e = self.target.endpoint
