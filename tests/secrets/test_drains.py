@@ -35,16 +35,19 @@ from shared.actions.context import ActionContext
 from shared.actions.drains import AddDrain, RemoveDrain, add_drain, list_drains, remove_drain
 from shared.actions.refusals import Invalid, NotFound
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream, app_logs_stream_config
+from shared.backup.sealed import open_settings
 from shared.clock import RealClock
 from shared.connection import Connection
 from shared.drain_status import status_lines
 from shared.events import EventPublisher, make_event
 from shared.loop import LoopDeps
-from shared.secrets import Keyring
+from shared.provisioning import provision
+from shared.secrets import CLUSTER_KEY, Keyring, load_keyring
 from shared.state.feed import StateView
 from shared.subjects import EVENTS_SUBJECT_PREFIX
 from shared.txn import Writer
 from tests.backup.test_schedule import _cluster
+from tests.secrets.test_service import secrets_service
 from tests.waiting import eventually
 
 TOKEN = "drain-T0K3N-do-not-leak-91c2"
@@ -584,3 +587,31 @@ async def test_bad_input_is_refused_naming_the_field(
         await add_drain(ctx, AddDrain("ok", "https://h/x", env="a/b/c"))
     with pytest.raises(NotFound, match="no drain 'nosuch'"):
         await remove_drain(ctx, RemoveDrain("nosuch"))
+
+
+async def test_a_key_rotation_reseals_a_drains_url_and_headers(
+    nats_url: str, conn: Connection, view: StateView, tmp_path: Path
+) -> None:
+    await provision(conn.js, tombstone_ttl=900)
+    path = tmp_path / "cluster.key"
+    async with secrets_service(nats_url, path) as running:
+        await eventually(lambda: view.get(K.SECRETS_KEY, CLUSTER_KEY) is not None, 10, "the key is published")
+        project = pb.Project(name="shop")
+        project.meta.id = "01PROJ"
+        ctx = ActionContext(conn, Writer(conn, view), "tester")
+        await ctx.writer.commit(ctx.writer.txn().create(project))
+        url = f"https://bob:{PASSWORD}@logs.example.com/in?token={TOKEN}"
+        await add_drain(ctx, AddDrain("lake", url, project="shop", headers=[f"X-Key: {BEARER}"]))
+        before = view.get(K.LOG_DRAIN, "lake")
+        assert isinstance(before, pb.LogDrain)
+        rotated = await running.service.rotate()
+        assert not rotated.error and rotated.resealed == 1 and rotated.previous_key_id == before.key_id
+
+        def drain() -> pb.LogDrain:
+            found = view.get(K.LOG_DRAIN, "lake")
+            assert isinstance(found, pb.LogDrain)
+            return found
+
+        await eventually(lambda: drain().key_id == rotated.key_id, 10, "re-sealed")
+        opened = open_settings(load_keyring(path), drain().sealed, drain().key_id)
+        assert opened["url"] == url and json.loads(opened["headers"]) == {"X-Key": BEARER}
