@@ -277,7 +277,8 @@ class Drainer(LeaderLoop):
             log.error("drains: drain %s cannot be opened: %s", name, type(exc).__name__)
             status = self._status(name)
             status.last_error = "cannot open the drain's sealed settings (rotated key not held?)"
-            await self._save(status)
+            if self._changed(status):
+                await self._save(status)
             return
         restarts = Backoff(self.settings.retry_first, self.settings.retry_most)
         while True:
