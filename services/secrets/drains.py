@@ -47,6 +47,7 @@ from shared.applogs import app_log_subject, app_logs_stream
 from shared.backoff import Backoff
 from shared.backup.sealed import open_settings
 from shared.clock import stamp
+from shared.errors import ZatteraError
 from shared.events import ERROR, INFO, make_event
 from shared.loop import LeaderLoop, LoopDeps
 from shared.secrets import Keyring
@@ -109,7 +110,7 @@ class _Target:
     """Every credential, to scrub from error messages."""
 
 
-class Delivery(Exception):
+class Delivery(ZatteraError):
     """A delivery the receiver did not accept; the message names no credential."""
 
 
