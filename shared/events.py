@@ -168,6 +168,10 @@ KINDS = (
     "notify.test",
     "notify.failing",
     "notify.recovered",
+    "git.deploy",
+    "git.failed",
+    "preview.created",
+    "preview.deleted",
 )
 """Every event kind the platform emits (docs/observability.md has the catalogue; each kind is documented)."""
 

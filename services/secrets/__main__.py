@@ -3,7 +3,9 @@
 Every replica answers agents' secrets requests and rotations (queue group); replicas share the key file. The
 collector of unused secret versions runs in the holder of ``lease.secrets-gc``, the scheduled backups in the
 holder of ``lease.backups``, the off-site copies of volume snapshots in the holder of
-``lease.snapshot-offsite``, the notifications in the holder of ``lease.notify``.
+``lease.snapshot-offsite``, the notifications in the holder of ``lease.notify``, the git hooks' deploys, previews and commit
+statuses in the holder of ``lease.githooks`` (every replica verifies and queues webhook deliveries:
+docs/git.md).
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ from __future__ import annotations
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from zattera.v1 import types_pb2 as pb
+
 from services.secrets.backups import ScheduledBackups
 from services.secrets.collector import SecretsCollector
+from services.secrets.githooks import GitHooks, GitHooksSettings, HookGate
 from services.secrets.notify import Notifier, NotifySettings
 from services.secrets.offsite import OffsiteSnapshots
 from services.secrets.service import SecretsService
 from services.secrets.settings import SecretsSettings
+from shared import keys as K
 from shared import localca
 from shared.service import ServiceContext, main
 
@@ -46,7 +52,22 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
             failing_after=cfg.notify_failing_after,
         ),
     )
-    return [service.run(), ctx.lead(collector), ctx.lead(backups), ctx.lead(offsite), ctx.lead(notifier)]
+    gate = HookGate(ctx.conn, lambda hook_id: _hook(ctx, hook_id), lambda: service.keyring)
+    githooks = GitHooks(ctx.loop_deps, lambda: service.keyring, settings=GitHooksSettings(domain=ctx.settings.domain))
+    return [
+        service.run(),
+        ctx.lead(collector),
+        ctx.lead(backups),
+        ctx.lead(offsite),
+        ctx.lead(notifier),
+        gate.serve(),
+        ctx.lead(githooks),
+    ]
+
+
+def _hook(ctx: ServiceContext, hook_id: str) -> pb.GitHook | None:
+    found = ctx.view.get(K.GIT_HOOK, hook_id)
+    return found if isinstance(found, pb.GitHook) else None
 
 
 if __name__ == "__main__":
