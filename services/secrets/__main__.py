@@ -3,9 +3,9 @@
 Every replica answers agents' secrets requests and rotations (queue group); replicas share the key file. The
 collector of unused secret versions runs in the holder of ``lease.secrets-gc``, the scheduled backups in the
 holder of ``lease.backups``, the off-site copies of volume snapshots in the holder of
-``lease.snapshot-offsite``, the notifications in the holder of ``lease.notify``, the git hooks' deploys, previews and commit
-statuses in the holder of ``lease.githooks`` (every replica verifies and queues webhook deliveries:
-docs/git.md).
+``lease.snapshot-offsite``, the notifications in the holder of ``lease.notify``, the git hooks' deploys,
+previews and commit statuses in the holder of ``lease.githooks`` (every replica verifies and queues webhook
+deliveries: docs/git.md).
 """
 
 from __future__ import annotations
