@@ -206,7 +206,7 @@ def _parse_github_like(provider: str, event_name: str, payload: dict[str, Any]) 
             message=_first_line(_str(head.get("message"))),
             deleted=bool(payload.get("deleted")) or set(_str(payload.get("after"))) == {"0"},
         )
-    if event_name == "pull_request":
+    if event_name.startswith("pull_request"):  # Gitea: pull_request_sync, pull_request_label too
         pr = _obj(payload.get("pull_request"), "pull_request")
         number = payload.get("number") or pr.get("number")
         if not isinstance(number, int) or number <= 0:

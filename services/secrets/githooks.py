@@ -26,6 +26,7 @@ from typing import Protocol
 import aiohttp
 from nacl.exceptions import CryptoError
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from nats.js.errors import NotFoundError
@@ -35,7 +36,8 @@ from shared import githooks as G
 from shared import keys as K
 from shared.actions.githooks import expired_previews, find_preview, plan_preview, plan_preview_removal
 from shared.connection import Connection
-from shared.deploy import Created, Deployer
+from shared.clock import wait_or_timer
+from shared.deploy import Created, Deployer, FailedPrecondition, blocking_deployments
 from shared.deployments import is_terminal
 from shared.events import WARNING, make_event
 from shared.gitfetch import archive_commit
@@ -109,14 +111,24 @@ class HookGate:
         self._conn = conn
         self._hook = view_get
         self._keyring = keyring
+        self._sub: Subscription | None = None
+
+    async def start(self, replicas: int = 0) -> None:
+        """Create the stream when missing and answer deliveries from now on."""
+        await ensure_stream(self._conn, replicas)
+        self._sub = await self._conn.nc.subscribe(GITHOOKS_DELIVER_SUBJECT, queue=SECRETS_QUEUE, cb=self._on_delivery)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
 
     async def serve(self, replicas: int = 0) -> None:
-        await ensure_stream(self._conn, replicas)
-        sub = await self._conn.nc.subscribe(GITHOOKS_DELIVER_SUBJECT, queue=SECRETS_QUEUE, cb=self._on_delivery)
+        await self.start(replicas)
         try:
             await asyncio.Event().wait()
         finally:
-            await sub.unsubscribe()
+            await self.stop()
 
     async def _on_delivery(self, msg: Msg) -> None:
         try:
@@ -196,6 +208,8 @@ class GitHooksSettings:
     status_timeout: float = STATUS_TIMEOUT
     fetch_wait: float = 1.0
     """Seconds one pull of the stream waits for a delivery."""
+    supersede_wait: float = 120.0
+    """Seconds a push waits for the deployments it superseded (canceled) to end before deploying."""
 
 
 _FINAL = {pb.DEPLOYMENT_PHASE_SUCCEEDED: "success"}
@@ -367,16 +381,25 @@ class GitHooks(LeaderLoop):
 
     async def _deploy_to(self, hook: pb.GitHook, env_id: str, event: G.Event) -> None:
         assert self.writer is not None
+        writer = self.writer
         auth, token = self._auth(hook)
-        created = await self._deploy(
-            self.writer,
-            env_id=env_id,
-            repo_url=hook.repo_url,
-            sha=event.sha,
-            ref=event.head_ref,
-            auth_header=auth,
-            actor=f"githook:{hook.meta.id}",
-        )
+
+        async def attempt() -> Created:
+            return await self._deploy(
+                writer,
+                env_id=env_id,
+                repo_url=hook.repo_url,
+                sha=event.sha,
+                ref=event.head_ref,
+                auth_header=auth,
+                actor=f"githook:{hook.meta.id}",
+            )
+
+        try:
+            created = await attempt()
+        except FailedPrecondition:
+            await self._supersede(env_id)
+            created = await attempt()
         deployment_id = created.deployment.meta.id
         env = self.view.env(env_id)
         await self.events.publish(
@@ -394,6 +417,24 @@ class GitHooks(LeaderLoop):
             record.meta.id = deployment_id
             record.meta.created_at.FromSeconds(int(self.clock.now()))
             await self.writer.commit(self.writer.txn("gitdeploy").create(record))
+
+    async def _supersede(self, env_id: str) -> None:
+        """A newer commit supersedes the deployments under way in ``env_id`` (not yet promoted): cancel
+        them and wait (at most ``supersede_wait``) until the orchestrator has ended them."""
+        assert self.writer is not None
+        deployer = Deployer(self.writer, clock=self.clock, created_by="githooks")
+        for deployment in blocking_deployments(self.view, env_id):
+            await deployer.cancel(deployment.meta.id)
+        feed = self.view.subscribe({K.DEPLOYMENT})
+        try:
+            deadline = self.clock.now() + self.settings.supersede_wait
+            while blocking_deployments(self.view, env_id):
+                remaining = deadline - self.clock.now()
+                if remaining <= 0:
+                    return  # the deploy is tried anyway, and refused with the reason
+                await wait_or_timer(self.clock, feed.wait(), remaining)
+        finally:
+            feed.close()
 
     # ------------------------------------------------------------------ passes
 
