@@ -44,11 +44,7 @@ class Repo:
         return cls(work, bare)
 
     def commit(self, files: dict[str, str], message: str, branch: str = "main") -> str:
-        current = (
-            git(self.work, "rev-parse", "--abbrev-ref", "HEAD")
-            if (self.work / ".git" / "refs" / "heads").exists()
-            else ""
-        )
+        current = git(self.work, "symbolic-ref", "--short", "HEAD")
         if current != branch:
             exists = subprocess.run(["git", "rev-parse", "--verify", "-q", branch], cwd=self.work, capture_output=True)
             git(self.work, "checkout", "-q", *([] if exists.returncode == 0 else ["-b"]), branch)
