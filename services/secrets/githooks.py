@@ -35,8 +35,8 @@ from zattera.v1 import types_pb2 as pb
 from shared import githooks as G
 from shared import keys as K
 from shared.actions.githooks import expired_previews, find_preview, plan_preview, plan_preview_removal
-from shared.connection import Connection
 from shared.clock import wait_or_timer
+from shared.connection import Connection
 from shared.deploy import Created, Deployer, FailedPrecondition, blocking_deployments
 from shared.deployments import is_terminal
 from shared.events import WARNING, make_event

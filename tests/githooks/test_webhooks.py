@@ -179,7 +179,7 @@ def _no_leak(rig: Rig, caplog: pytest.LogCaptureFixture, *secrets: str) -> None:
         for record in rig.view.all(kind):
             raw = K.encode(record)
             for value in secrets:
-                assert value.encode() not in raw, f"{kind} {record.meta.id} holds a secret in the clear"  # type: ignore[attr-defined]
+                assert value.encode() not in raw, f"{kind} {record.meta.id} holds a secret in the clear"
     text = caplog.text + "".join(str(e) for e in rig.events)
     for value in secrets:
         assert value not in text, "a secret in the logs or events"
@@ -230,8 +230,9 @@ async def test_a_signed_push_deploys_that_commit_and_forged_unsigned_or_replayed
         signature = G.HEADERS[provider].signature
         unsigned = P.Delivery({k: v for k, v in forged.headers.items() if k != signature}, forged.body)
         assert (await rig.post(provider, hook_id, unsigned))[0] == 401
-        tampered = P.Delivery(delivery.headers | {G.HEADERS[provider].delivery: "fresh-id-1"}, forged.body)
-        assert (await rig.post(provider, hook_id, tampered))[0] == 401, "a genuine signature over another body"
+        if provider != "gitlab":  # GitLab's token covers no body (docs/git.md: serve the console over HTTPS)
+            tampered = P.Delivery(delivery.headers | {G.HEADERS[provider].delivery: "fresh-id-1"}, forged.body)
+            assert (await rig.post(provider, hook_id, tampered))[0] == 401, "a genuine signature over another body"
         assert (await rig.post(provider, "01NOSUCHHOOK", delivery))[0] == 404
         await asyncio.sleep(0)  # let anything wrongly queued be seen by the consumer below
         await rig.loop.pass_once()
@@ -266,13 +267,9 @@ async def test_a_signed_push_deploys_that_commit_and_forged_unsigned_or_replayed
         _no_leak(rig, caplog, TOKEN, secret, DB_URL, API_KEY)
 
 
-async def test_a_second_push_supersedes_the_deploy_under_way(
-    conn: Connection, view: StateView, tmp_path: Path
-) -> None:
+async def test_a_second_push_supersedes_the_deploy_under_way(conn: Connection, view: StateView, tmp_path: Path) -> None:
     async with rig_for("github", conn, view, tmp_path) as rig:
-        added = await add_hook(
-            rig.ctx, AddHook(env=ENV_ID, provider="github", repo_url=rig.clone_url, token=TOKEN)
-        )
+        added = await add_hook(rig.ctx, AddHook(env=ENV_ID, provider="github", repo_url=rig.clone_url, token=TOKEN))
         first = rig.repo.commit({"app.py": "1"}, "one")
         event, payload = P.push("github", rig.clone_url, first)
         assert (await rig.post("github", added.hook.id, P.signed("github", added.secret, event, payload)))[0] == 202
@@ -283,7 +280,7 @@ async def test_a_second_push_supersedes_the_deploy_under_way(
 
         # The orchestrator ends the canceled deployment (none runs here: the test does what it would).
         def canceled() -> bool:
-            return any(d.error and not d.phase == pb.DEPLOYMENT_PHASE_FAILED for d in view.deployments(ENV_ID))
+            return any(d.error and d.phase != pb.DEPLOYMENT_PHASE_FAILED for d in view.deployments(ENV_ID))
 
         await eventually(canceled, 10, "the first deployment asked to cancel")
         await rig.end_deployments(ENV_ID, pb.DEPLOYMENT_PHASE_FAILED)
