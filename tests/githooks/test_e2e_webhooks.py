@@ -75,12 +75,20 @@ async def test_push_deploys_and_a_pull_request_preview_answers_on_its_hostname_u
     try:
         await eventually(lambda: "Press Ctrl-C to stop." in up.text(), 90, "zattera up is up")
         up.cli("apps", "apply", str(EXAMPLE / "zattera.toml"))
-        added = json.loads(
-            up.cli(
-                "git", "hook", "add", "--env", ENV, "--provider", "github", "--repo", clone_url,
-                "--token-file", str(token_file), "--previews", "--console-url", console, "--json",
-            ).stdout
+        argv = (
+            "git", "hook", "add", "--env", ENV, "--provider", "github", "--repo", clone_url,
+            "--token-file", str(token_file), "--previews", "--console-url", console, "--json",
         )  # fmt: skip
+        done: list[str] = []
+
+        def hook_added() -> bool:  # refused until the secrets service has published the cluster key
+            run = up.cli(*argv, check=False)
+            if run.returncode == 0:
+                done.append(run.stdout)
+            return bool(done)
+
+        await eventually(hook_added, 90, "git hook add (the cluster's secrets key published)")
+        added = json.loads(done[0])
         secret, endpoint = added["secret"], added["url"]
         assert endpoint == f"{console}/hooks/github/{added['id']}"
         listed = up.cli("git", "hook", "list")
