@@ -23,8 +23,9 @@ from shared.errors import ZatteraError
 
 PROVIDERS = ("github", "gitlab", "gitea")
 
-MAX_BODY = 1024 * 1024
-"""A delivery larger than this is refused (413): pushes of thousands of commits carry no more we use."""
+MAX_BODY = 900 * 1024
+"""A delivery larger than this is refused (413): it must fit in one NATS message (1 MiB by default) with its
+headers; what Zattera reads of a push or pull request payload is near its start."""
 
 PREVIEW_PREFIX = "pr-"
 
