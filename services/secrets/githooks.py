@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -29,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ObjectNotFoundError
 from zattera.v1 import types_pb2 as pb
 
 from shared import githooks as G
@@ -37,7 +38,7 @@ from shared import keys as K
 from shared.actions.githooks import expired_previews, find_preview, plan_preview, plan_preview_removal
 from shared.clock import wait_or_timer
 from shared.connection import Connection
-from shared.deploy import Created, Deployer, FailedPrecondition, blocking_deployments
+from shared.deploy import Deployer, FailedPrecondition, blocking_deployments
 from shared.deployments import is_terminal
 from shared.events import WARNING, make_event
 from shared.gitfetch import archive_commit
@@ -167,25 +168,52 @@ class HookGate:
 
 
 class CommitDeployer(Protocol):
-    """Fetch a commit and deploy it to an env (the integrator may put ``shared/actions/gitdeploy.py``'s
-    ``deploy_commit`` behind this)."""
+    """Fetch commit ``sha`` of ``repo_url`` and deploy it to env ``env_id`` through ``writer``; returns the
+    deployment's id. ``auth_header``: the ``Authorization`` value git must send ("" = none).
+
+    The integrator may put ``shared/actions/gitdeploy.py``'s ``deploy_commit`` (issue 37, items 2 and 5) behind
+    it::
+
+        async def deploy(writer, *, env_id, repo_url, sha, ref, auth_header, actor, author, message):
+            git_env = {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "http.extraHeader",
+                       "GIT_CONFIG_VALUE_0": f"Authorization: {auth_header}"} if auth_header else None
+            done = await deploy_commit(ActionContext(conn, writer, actor), project="", app="", env=env_id,
+                                       repo_path_or_url=repo_url, commit_sha=sha, ref=ref, author=author,
+                                       message=message, progress=lambda line: None, wait=False, git_env=git_env)
+            return done.deployment_id
+    """
 
     def __call__(
-        self, writer: Writer, *, env_id: str, repo_url: str, sha: str, ref: str, auth_header: str, actor: str
-    ) -> Awaitable[Created]: ...
+        self,
+        writer: Writer,
+        *,
+        env_id: str,
+        repo_url: str,
+        sha: str,
+        ref: str,
+        auth_header: str,
+        actor: str,
+        author: str,
+        message: str,
+    ) -> Awaitable[str]: ...
 
 
-def git_commit_deployer(conn: Connection, clock_now: Callable[[], float] | None = None) -> CommitDeployer:
+def git_commit_deployer(conn: Connection) -> CommitDeployer:
     """The deployer of this module: ``git fetch`` + ``git archive`` → the sources store → a source deploy
     (a QUEUED build with the commit id, its release and deployment, in one fenced write)."""
 
     async def deploy(
-        writer: Writer, *, env_id: str, repo_url: str, sha: str, ref: str, auth_header: str, actor: str
-    ) -> Created:
-        import hashlib
-
-        from nats.js.errors import ObjectNotFoundError
-
+        writer: Writer,
+        *,
+        env_id: str,
+        repo_url: str,
+        sha: str,
+        ref: str,
+        auth_header: str,
+        actor: str,
+        author: str,
+        message: str,
+    ) -> str:
         data = await archive_commit(repo_url, sha, ref, auth_header=auth_header)
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         store = await conn.js.object_store(SOURCES_STORE)
@@ -194,9 +222,10 @@ def git_commit_deployer(conn: Connection, clock_now: Callable[[], float] | None 
         except (ObjectNotFoundError, NotFoundError):
             await store.put(digest, data)
         branch = ref.removeprefix("refs/heads/")
-        return await Deployer(writer, created_by=actor).deploy_source(
+        created = await Deployer(writer, created_by=actor).deploy_source(
             env_id, tarball_digest=digest, git_sha=sha, git_branch=branch
         )
+        return created.deployment.meta.id
 
     return deploy
 
@@ -384,7 +413,7 @@ class GitHooks(LeaderLoop):
         writer = self.writer
         auth, token = self._auth(hook)
 
-        async def attempt() -> Created:
+        async def attempt() -> str:
             return await self._deploy(
                 writer,
                 env_id=env_id,
@@ -393,14 +422,15 @@ class GitHooks(LeaderLoop):
                 ref=event.head_ref,
                 auth_header=auth,
                 actor=f"githook:{hook.meta.id}",
+                author=event.author,
+                message=event.message,
             )
 
         try:
-            created = await attempt()
+            deployment_id = await attempt()
         except FailedPrecondition:
             await self._supersede(env_id)
-            created = await attempt()
-        deployment_id = created.deployment.meta.id
+            deployment_id = await attempt()
         env = self.view.env(env_id)
         await self.events.publish(
             make_event(
