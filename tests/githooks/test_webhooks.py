@@ -205,7 +205,7 @@ async def test_pull_requests_get_label_gated_scale_to_zero_previews_that_follow_
         assert await _source_file(conn, build.tarball_digest, "app.py") == "print('pr')\n"
         assert any(e.kind == "preview.created" and e.fields["hostname"] == f"pr-7.web.{DOMAIN}" for e in rig.events)
         base = view.env(ENV_ID)
-        assert base is not None and list(base.service.secrets) == ["API_KEY", "DB_URL"], "the base is untouched"
+        assert base is not None and sorted(base.service.secrets) == ["API_KEY", "DB_URL"], "the base is untouched"
 
         # A push to the PR deploys its new head there, and pushes the expiry back.
         await rig.end_deployments(env.meta.id)
