@@ -36,6 +36,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import githooks as G
 from shared import keys as K
 from shared.actions.githooks import expired_previews, find_preview, plan_preview, plan_preview_removal
+from shared.backoff import Backoff
 from shared.clock import wait_or_timer
 from shared.connection import Connection
 from shared.deploy import Deployer, FailedPrecondition, blocking_deployments
@@ -296,20 +297,29 @@ class GitHooks(LeaderLoop):
         return max(min(due), 0.0) if due else None
 
     async def _consume(self) -> None:
-        sub = await self.conn.js.pull_subscribe(
-            GITHOOKS_DELIVERY_PREFIX + ">",
-            durable=CONSUMER,
-            stream=GITHOOKS_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT, max_ack_pending=1),
-        )
+        """Take deliveries one at a time for the whole term; a lost consumer (the connection, the stream) is
+        opened again after a backoff, what was not acknowledged comes again."""
+        backoff = Backoff(0.2, 5.0)
         while True:
             try:
-                msgs = await sub.fetch(1, timeout=self.settings.fetch_wait)
-            except NatsTimeout:
-                continue
-            for msg in msgs:
-                await self.handle(msg.headers or {}, msg.subject, msg.data)
-                await msg.ack()
+                sub = await self.conn.js.pull_subscribe(
+                    GITHOOKS_DELIVERY_PREFIX + ">",
+                    durable=CONSUMER,
+                    stream=GITHOOKS_STREAM,
+                    config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT, max_ack_pending=1),
+                )
+                while True:
+                    try:
+                        msgs = await sub.fetch(1, timeout=self.settings.fetch_wait)
+                    except NatsTimeout:
+                        continue
+                    for msg in msgs:
+                        await self.handle(msg.headers or {}, msg.subject, msg.data)
+                        await msg.ack()
+                        backoff.reset()
+            except Exception as exc:
+                log.warning("git hooks: the deliveries consumer failed (%s); opening it again", exc)
+                await self.clock.sleep(next(backoff))
 
     # ------------------------------------------------------------------ deliveries
 
