@@ -137,7 +137,9 @@ async def test_a_signed_push_deploys_that_commit_and_forged_unsigned_or_replayed
 
 async def test_a_second_push_supersedes_the_deploy_under_way(conn: Connection, view: StateView, tmp_path: Path) -> None:
     async with rig_for("github", conn, view, tmp_path) as rig:
-        added = await add_hook(rig.ctx, AddHook(env=ENV_ID, provider="github", repo_url=rig.clone_url, token=TOKEN))
+        added = await add_hook(
+            rig.ctx, AddHook(env=ENV_ID, provider="github", repo_url=rig.clone_url, token=TOKEN, api_url=rig.status.url)
+        )
         first = rig.repo.commit({"app.py": "1"}, "one")
         event, payload = P.push("github", rig.clone_url, first)
         assert (await rig.post("github", added.hook.id, P.signed("github", added.secret, event, payload)))[0] == 202
@@ -153,6 +155,13 @@ async def test_a_second_push_supersedes_the_deploy_under_way(conn: Connection, v
         await eventually(canceled, 10, "the first deployment asked to cancel")
         await rig.end_deployments(ENV_ID, pb.DEPLOYMENT_PHASE_FAILED)
         await eventually(lambda: any(b.git_sha == second for b in rig.builds(ENV_ID)), 15, "the second deployed")
+        await eventually(lambda: len(list(view.all(K.GIT_DEPLOY))) == 2, 5)
+        await rig.loop.run_pass()
+        posted = {(c.path.rsplit("/", 1)[1], c.body["state"]) for c in rig.status.calls}
+        assert posted == {(first, "failure"), (second, "pending")}, rig.status.calls
+        failed = next(c for c in rig.status.calls if c.body["state"] == "failure")
+        assert failed.body["description"], "the deployment's error says why"
+        assert len(list(view.all(K.GIT_DEPLOY))) == 1, "the first one's final state is posted: its record goes"
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
