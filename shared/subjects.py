@@ -88,6 +88,10 @@ def is_direct_request(msg: Msg) -> bool:
 JS_API_PREFIX = "$JS.API."
 
 
+CLUSTER_REPLICAS_SUBJECT = "zattera.cluster.replicas"
+"""Operator → join service: every stream's replica count changed, one stream per request (shared/replicas.py)."""
+
+
 GITHOOKS_DELIVER_SUBJECT = "zattera.githooks.deliver"
 """The console → secrets service request carrying one webhook delivery (docs/git.md): headers
 ``Zattera-Hook`` (the hook id), ``Zattera-Provider`` and the provider's own, the body verbatim; the reply is
