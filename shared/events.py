@@ -170,6 +170,10 @@ KINDS = (
     "notify.recovered",
     "drain.failing",
     "drain.recovered",
+    "git.deploy",
+    "git.failed",
+    "preview.created",
+    "preview.deleted",
 )
 """Every event kind the platform emits (docs/observability.md has the catalogue; each kind is documented)."""
 

@@ -36,6 +36,8 @@ BACKUP_SCHEDULE = "backupschedule"
 BACKUP_RUN = "backuprun"
 NOTIFY_CHANNEL = "notifychannel"
 NOTIFY_STATUS = "notifystatus"
+GIT_HOOK = "githook"
+GIT_DEPLOY = "gitdeploy"
 
 CERT = "cert"
 ACME_ACCOUNT = "acmeaccount"
@@ -65,6 +67,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     BACKUP_RUN: pb.BackupRun,
     NOTIFY_CHANNEL: pb.NotifyChannel,
     NOTIFY_STATUS: pb.NotifyStatus,
+    GIT_HOOK: pb.GitHook,
+    GIT_DEPLOY: pb.GitDeploy,
     CERT: pb.Certificate,
     ACME_ACCOUNT: pb.AcmeAccount,
     LOG_DRAIN: pb.LogDrain,
@@ -198,6 +202,14 @@ def notify_channel(name: str) -> str:
 
 def notify_status(name: str) -> str:
     return f"{NOTIFY_STATUS}.{name}"
+
+
+def git_hook(hook_id: str) -> str:
+    return f"{GIT_HOOK}.{hook_id}"
+
+
+def git_deploy(deployment_id: str) -> str:
+    return f"{GIT_DEPLOY}.{deployment_id}"
 
 
 def cert_id(hostname: str) -> str:

@@ -90,3 +90,16 @@ JS_API_PREFIX = "$JS.API."
 
 CLUSTER_REPLICAS_SUBJECT = "zattera.cluster.replicas"
 """Operator → join service: every stream's replica count changed, one stream per request (shared/replicas.py)."""
+
+
+GITHOOKS_DELIVER_SUBJECT = "zattera.githooks.deliver"
+"""The console → secrets service request carrying one webhook delivery (docs/git.md): headers
+``Zattera-Hook`` (the hook id), ``Zattera-Provider`` and the provider's own, the body verbatim; the reply is
+JSON ``{"status": 202|401|404|409|503, "message"}``."""
+
+GITHOOKS_STREAM = "ZATTERA_GITHOOKS"
+"""Verified deliveries (subjects ``zattera.githooks.delivery.<hook id>``), de-duplicated by ``Nats-Msg-Id``
+= ``<hook id>:<delivery id>`` over its duplicate window: a replay is refused; the ``githooks`` leader loop
+consumes them (durable ``githooks``)."""
+
+GITHOOKS_DELIVERY_PREFIX = "zattera.githooks.delivery."

@@ -23,6 +23,7 @@ from services.console.forms import (
     snapshot_action,
 )
 from services.console.handling import HERE, STATE, Console
+from services.console.hooks import webhook
 from services.console.login import login, login_page, logout, require_session, security_headers
 from services.console.streams import build_logs, env_logs, events_stream, live
 from services.console.views import (
@@ -66,4 +67,5 @@ def make_app(console: Console) -> web.Application:
     app.router.add_get("/events/stream", events_stream)
     app.router.add_get("/live", live)
     app.router.add_static("/static/", HERE / "static")
+    app.router.add_post("/hooks/{provider}/{hook_id}", webhook)
     return app

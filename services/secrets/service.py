@@ -90,6 +90,7 @@ SEALED_FIELDS = {
     K.VOLUME: SealedField("offsite_sealed_settings", "offsite_key_id", within="snapshot_policy"),
     K.NOTIFY_CHANNEL: SealedField("sealed"),
     K.LOG_DRAIN: SealedField("sealed"),
+    K.GIT_HOOK: SealedField("sealed"),
 }
 """Each kind holding a value sealed to the cluster key, and where (re-sealed on rotation)."""
 

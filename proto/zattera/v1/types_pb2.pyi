@@ -3227,3 +3227,132 @@ class LogDrainStatus(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LogDrainStatus: _TypeAlias = LogDrainStatus  # noqa: Y015
+
+@_typing.final
+class GitHook(_message.Message):
+    """GitHook is a git host's webhook into one environment (key `githook.<id>`, docs/git.md), written by
+    `zattera git hook add`. Its verification secret and the repository token are sealed together (SealedBox,
+    JSON {"secret", "token"}) to the cluster secrets key `key_id`: only the secrets service, which verifies
+    deliveries, fetches commits and reports statuses, opens them. invented (issue 37)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    PROVIDER_FIELD_NUMBER: _builtins.int
+    REPO_URL_FIELD_NUMBER: _builtins.int
+    BRANCH_FIELD_NUMBER: _builtins.int
+    SEALED_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    HAS_TOKEN_FIELD_NUMBER: _builtins.int
+    PREVIEWS_FIELD_NUMBER: _builtins.int
+    PREVIEW_LABEL_FIELD_NUMBER: _builtins.int
+    PREVIEW_TTL_FIELD_NUMBER: _builtins.int
+    SHARED_SECRETS_FIELD_NUMBER: _builtins.int
+    API_URL_FIELD_NUMBER: _builtins.int
+    CONSOLE_URL_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """the base env a push to `branch` deploys"""
+    provider: _builtins.str
+    """github | gitlab | gitea"""
+    repo_url: _builtins.str
+    """the repository's clone URL (never with credentials)"""
+    branch: _builtins.str
+    """the mapped branch"""
+    sealed: _builtins.bytes
+    """JSON {"secret", "token"}, SealedBox to the cluster key"""
+    key_id: _builtins.str
+    """SecretsKey.key_id `sealed` is sealed to"""
+    has_token: _builtins.bool
+    """a repository token is sealed (fetch auth, commit statuses)"""
+    previews: _builtins.bool
+    """pull requests against `branch` get a preview env pr-<n>"""
+    preview_label: _builtins.str
+    """only pull requests with this label get one ("" = all)"""
+    api_url: _builtins.str
+    """the provider's API base for commit statuses ("" = derived)"""
+    console_url: _builtins.str
+    """the target URL of commit statuses ("" = none)"""
+    @_builtins.property
+    def meta(self) -> Global___Meta:
+        """id = the hook id in the endpoint's path"""
+
+    @_builtins.property
+    def preview_ttl(self) -> _duration_pb2.Duration:
+        """a preview is deleted this long after its last update (0 = never)"""
+
+    @_builtins.property
+    def shared_secrets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the base env's secrets a preview gets a copy of"""
+
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        environment_id: _builtins.str = ...,
+        provider: _builtins.str = ...,
+        repo_url: _builtins.str = ...,
+        branch: _builtins.str = ...,
+        sealed: _builtins.bytes = ...,
+        key_id: _builtins.str = ...,
+        has_token: _builtins.bool = ...,
+        previews: _builtins.bool = ...,
+        preview_label: _builtins.str = ...,
+        preview_ttl: _duration_pb2.Duration | None = ...,
+        shared_secrets: _abc.Iterable[_builtins.str] | None = ...,
+        api_url: _builtins.str = ...,
+        console_url: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "preview_ttl", b"preview_ttl"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_url", b"api_url", "branch", b"branch", "console_url", b"console_url", "environment_id", b"environment_id", "has_token", b"has_token", "key_id", b"key_id", "meta", b"meta", "preview_label", b"preview_label", "preview_ttl", b"preview_ttl", "previews", b"previews", "provider", b"provider", "repo_url", b"repo_url", "sealed", b"sealed", "shared_secrets", b"shared_secrets"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GitHook: _TypeAlias = GitHook  # noqa: Y015
+
+@_typing.final
+class GitDeploy(_message.Message):
+    """GitDeploy is a webhook-triggered deployment whose outcome is reported to the git host (key
+    `gitdeploy.<deployment id>`), written by the leader of lease `githooks` (secrets service); deleted once
+    the final status is posted. invented (issue 37)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    HOOK_ID_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    SHA_FIELD_NUMBER: _builtins.int
+    REPO_FIELD_NUMBER: _builtins.int
+    REPORTED_FIELD_NUMBER: _builtins.int
+    hook_id: _builtins.str
+    environment_id: _builtins.str
+    sha: _builtins.str
+    """the commit deployed"""
+    repo: _builtins.str
+    """owner/name (GitHub, Gitea) or the GitLab project id"""
+    reported: _builtins.str
+    """the last state posted: pending | success | failure ("" = none)"""
+    @_builtins.property
+    def meta(self) -> Global___Meta:
+        """id = the deployment's id"""
+
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        hook_id: _builtins.str = ...,
+        environment_id: _builtins.str = ...,
+        sha: _builtins.str = ...,
+        repo: _builtins.str = ...,
+        reported: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id", "hook_id", b"hook_id", "meta", b"meta", "repo", b"repo", "reported", b"reported", "sha", b"sha"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GitDeploy: _TypeAlias = GitDeploy  # noqa: Y015
