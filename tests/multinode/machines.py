@@ -35,8 +35,16 @@ def servers(server: Machine) -> int:
 
 
 def token(server: Machine, *args: str) -> str:
-    done = server.zattera("nodes", "join-token", *args, env=cli_env(server), check=True)
-    return done.stdout.strip()
+    """A join token; asked until the join service answers (it starts with the control plane, after the node)."""
+    tokens: list[str] = []
+
+    def ask() -> bool:
+        done = server.zattera("nodes", "join-token", *args, env=cli_env(server))
+        tokens.append(done.stdout.strip() if done.returncode == 0 else "")
+        return bool(tokens[-1])
+
+    eventually_sync(ask, timeout=60, what="a join token")
+    return tokens[-1]
 
 
 def join_server(first: Machine, machine: Machine, expect_servers: int) -> None:

@@ -36,7 +36,7 @@ while not os.path.exists(stop):
         conn.close()
         if answer.status == 200:
             ok += 1
-            node = json.loads(body)["node"]
+            node = host + "->" + json.loads(body)["node"]
             by_node[node] = by_node.get(node, 0) + 1
         else:
             failed += 1
@@ -64,11 +64,31 @@ def serving_on(machine: Machine) -> dict[str, int]:
     return counts
 
 
+ASK = """
+import http.client, json, sys
+seen = {}
+for _ in range(int(sys.argv[2])):
+    conn = http.client.HTTPConnection(sys.argv[1], 8080, timeout=5)
+    conn.request("GET", "/", headers={"Host": "hello.localhost", "Connection": "close"})
+    answer = conn.getresponse()
+    node = json.loads(answer.read())["node"] if answer.status == 200 else str(answer.status)
+    seen[node] = seen.get(node, 0) + 1
+print(json.dumps(seen))
+"""
+
+
+def answered_by(client: Machine, proxy: Machine, requests: int = 30) -> dict[str, int]:
+    """Which nodes' replicas answered ``requests`` requests sent through ``proxy``'s proxy."""
+    done = client.exec("python3", "-c", ASK, proxy.address, str(requests), check=False)
+    return json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr.strip()[-300:]}
+
+
 def node_status(machine: Machine, name: str) -> str:
     return str(nodes(machine).get(name, {}).get("status", ""))
 
 
 @pytest.mark.chaos  # three machines in namespaces, minutes: make chaos runs it
+@pytest.mark.timeout(900)
 def test_a_server_machine_lost_and_back(network: Network) -> None:
     m1, m2, m3 = three_servers(network)
     env = cli_env(m1)
@@ -79,6 +99,13 @@ def test_a_server_machine_lost_and_back(network: Network) -> None:
     eventually_sync(lambda: sum(serving_on(m1).values()) == 3, timeout=180, what="three replicas running")
     spread = serving_on(m1)
     assert "m2" in spread and len(spread) >= 2, f"replicas not spread over the machines: {spread}"
+    # Every machine's proxy reaches the replicas on every machine (over the mesh).
+    for proxy in (m1, m2, m3):
+        answers: dict[str, int] = {}
+        deadline = time.monotonic() + 60
+        while set(answers) != set(spread) and time.monotonic() < deadline:
+            answers = answered_by(m1, proxy)
+        assert set(answers) == set(spread), f"{proxy.name}'s proxy: {answers}, replicas on {spread}"
 
     stop, out = network.base / "client.stop", network.base / "client.json"
     client = subprocess.Popen(
@@ -105,7 +132,7 @@ def test_a_server_machine_lost_and_back(network: Network) -> None:
     seen = json.loads(out.read_text())
     print(f"machine loss: down after {down_after:.1f} s, replaced after {replaced_after:.1f} s, client {seen}")
     assert seen["ok"] > 100, seen
-    assert set(seen["nodes"]) >= {"m1", "m3"}, seen
+    assert {n.partition("->")[2] for n in seen["nodes"]} >= {"m1", "m3"}, seen
     # Only requests caught in flight to the lost machine may fail: the proxies retry a refused or timed-out
     # connection on another replica, so the failures are bounded by the client's one request at a time per
     # proxy during the moments the lost replicas were still routed.

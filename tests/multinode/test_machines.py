@@ -69,7 +69,7 @@ def wireguard_datagrams(capture: Path) -> int:
     return udp.stdout.count("UDP")
 
 
-@pytest.mark.chaos  # machines in namespaces, about 95 s: make chaos runs it
+@pytest.mark.chaos  # machines in namespaces, about 2 min: make chaos runs it
 @pytest.mark.timeout(600)
 def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_credential(network: Network) -> None:
     m1 = network.add("m1")
