@@ -86,3 +86,9 @@ def is_direct_request(msg: Msg) -> bool:
 
 
 JS_API_PREFIX = "$JS.API."
+
+
+AUDIT_STREAM = "ZATTERA_AUDIT"
+"""The audit log (docs/audit.md): one JSON entry per operator write, append-only, its own retention."""
+AUDIT_SUBJECT_PREFIX = "zattera.audit."
+"""``zattera.audit.<source>`` (``cli``, ``console``, ``webhook``): published by control only."""
