@@ -24,6 +24,7 @@ import contextlib
 import getpass
 import json
 import logging
+import re
 import socket
 import time
 from collections.abc import Sequence
@@ -248,6 +249,26 @@ class AuditedWriter(Writer):
 
 def with_action(auditor: Auditor, action: str) -> Auditor:
     return replace(auditor, action=action)
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+DEFAULT_LIMIT = 100
+
+
+def parse_since(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``2h``, ``7d`` → seconds; a ValueError saying what is expected otherwise."""
+    match = _DURATION.match(text.strip())
+    if match is None:
+        raise ValueError("expected a duration like 30m, 2h or 7d")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def select(entries: Sequence[AuditEntry], *, user: str = "", limit: int = DEFAULT_LIMIT) -> list[AuditEntry]:
+    """Newest first, only ``user``'s (its name, or its credential's public key) when given, at most
+    ``limit`` (0: all)."""
+    chosen = [e for e in reversed(entries) if not user or user in (e.user, e.credential.get("user_key"))]
+    return chosen[:limit] if limit else chosen
 
 
 async def read_entries(

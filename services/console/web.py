@@ -26,6 +26,7 @@ from services.console.handling import HERE, STATE, Console
 from services.console.login import login, login_page, logout, require_session, security_headers
 from services.console.streams import build_logs, env_logs, events_stream, live
 from services.console.views import (
+    audit_page,
     build_page,
     builds_page,
     env_api,
@@ -64,6 +65,8 @@ def make_app(console: Console) -> web.Application:
     app.router.add_post("/volumes/{volume_id}/restore", restore_action)
     app.router.add_get("/events", events_page)
     app.router.add_get("/events/stream", events_stream)
+    app.router.add_get("/audit", audit_page)
+    app.router.add_get("/api/audit", audit_page)
     app.router.add_get("/live", live)
     app.router.add_static("/static/", HERE / "static")
     return app
