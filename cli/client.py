@@ -105,10 +105,13 @@ class Control:
 
 def command_name() -> str:
     """The command being run, as the audit log names it (``env set``): click's command path without the
-    program's name; "" outside a command."""
-    import click
+    program's name; "" outside a command. Typer runs commands on its own copy of click (``typer._click``)."""
+    try:
+        from typer._click.globals import get_current_context
+    except ImportError:  # a typer that uses click itself
+        from click import get_current_context  # type: ignore[no-redef]
 
-    ctx = click.get_current_context(silent=True)
+    ctx = get_current_context(silent=True)
     if ctx is None:
         return ""
     return ctx.command_path.partition(" ")[2] or ctx.command_path
