@@ -57,6 +57,7 @@ class Receiver:
     def __init__(self) -> None:
         self.secret = ""
         self.arrived: dict[str, float] = {}
+        self.order: list[str] = []
         self.bad = 0
         self.expected = 0
         self.all_arrived = asyncio.Event()
@@ -67,7 +68,9 @@ class Receiver:
         if not notify.verify(self.secret, request.headers, payload, now=time.time()):
             self.bad += 1
             return web.Response(status=401)
-        self.arrived.setdefault(str(json.loads(payload)["id"]), time.perf_counter())
+        event_id = str(json.loads(payload)["id"])
+        self.order.append(event_id)
+        self.arrived.setdefault(event_id, time.perf_counter())
         if len(self.arrived) >= self.expected:
             self.all_arrived.set()
         return web.Response(status=200)
@@ -119,6 +122,8 @@ async def _notification_latency(server: EmbeddedNats, events: int) -> list[float
             await asyncio.wait_for(receiver.all_arrived.wait(), 30.0)
         if receiver.bad or len(receiver.arrived) < events:
             raise RuntimeError(f"{len(receiver.arrived)}/{events} delivered, {receiver.bad} bad signatures")
+        if receiver.order != list(sent):
+            raise RuntimeError("deliveries out of order or duplicated")
         return [receiver.arrived[i] - sent[i] for i in sent]
     finally:
         if loop is not None:
