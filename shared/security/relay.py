@@ -128,11 +128,10 @@ def answer_outcome(data: bytes) -> tuple[str, int]:
     return "ok", int(answer.get("seq") or 0)
 
 
-class RelayAudit:
-    """The audit side of the relay: an operator batch's keys until its commit, and the recording."""
+class BatchKeys:
+    """The keys of operators' batches the relay has passed on, until each batch's commit message."""
 
-    def __init__(self, audit: AuditLog, now: Callable[[], float] = time.monotonic) -> None:
-        self.audit = audit
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
         self._now = now
         self._batches: dict[str, tuple[float, Auditor, list[KeyWrite]]] = {}
 
@@ -162,7 +161,11 @@ def relay_handler(
 ) -> Callable[[Msg], Awaitable[None]]:
     """The relay's message handler; ``audit``: where operators' writes are recorded (None: nowhere)."""
     pending: set[asyncio.Task[None]] = set()
-    audited = RelayAudit(audit) if audit is not None else None
+    batches = BatchKeys()
+
+    async def record(entry: AuditEntry) -> None:
+        if audit is not None:
+            await audit.record(entry)
 
     def background(work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
@@ -181,33 +184,42 @@ def relay_handler(
         else:
             is_agent = who.account == agents_account
             outcome = relayed_write(msg.subject, headers, who.name, agent=is_agent)
-            if not is_agent and audited is not None:
+            if not is_agent and audit is not None:
                 auditor = operator_auditor(who, headers)
-                for entry in audited.stale():
-                    background(audited.audit.record(entry))
+                for entry in batches.stale():
+                    background(record(entry))
         key = written_key(msg.subject, headers)
         batch_id = headers.get("Nats-Batch-Id", "")
         if isinstance(outcome, str):
             log.warning("relay: refused a write of %s: %s", who.name if who else "(no caller)", outcome)
-            if auditor is not None and audited is not None:
-                keys = [*audited.take(batch_id), key] if batch_id else [key]
-                await audited.audit.record(auditor.entry(keys, f"refused: {outcome}"))
+            if auditor is not None:
+                # Recorded, then answered, in a task of its own: a slow audit stream holds up no other write.
+                keys = [*batches.take(batch_id), key] if batch_id else [key]
+                background(
+                    refuse(msg.reply if answerable(msg) else "", outcome, auditor.entry(keys, f"refused: {outcome}"))
+                )
+                return
             if answerable(msg):
                 await conn.nc.publish(msg.reply, _refusal(outcome))
             return
         subject, kept = outcome
         if not answerable(msg):  # fire and forget (a batch's inner messages): nothing to answer
             await conn.nc.publish(subject, msg.data, headers=kept or None)
-            if auditor is not None and audited is not None:
+            if auditor is not None:
                 if batch_id:
-                    audited.remember(batch_id, auditor, key)
+                    batches.remember(batch_id, auditor, key)
                 else:
-                    background(audited.audit.record(auditor.entry([key], "unconfirmed")))
+                    background(record(auditor.entry([key], "unconfirmed")))
             return
         # The server never lets a client publish with an ``_R_.`` reply, so the stream's answer comes here
         # and goes on to the agent. Each in its own task: one slow answer does not hold the others back.
-        keys = ([*audited.take(batch_id), key] if batch_id else [key]) if audited is not None else [key]
+        keys = [*batches.take(batch_id), key] if batch_id else [key]
         background(forward(msg.reply, subject, msg.data, kept, auditor, keys))
+
+    async def refuse(reply: str, why: str, entry: AuditEntry) -> None:
+        await record(entry)
+        if reply:
+            await conn.nc.publish(reply, _refusal(why))
 
     async def forward(
         reply: str, subject: str, data: bytes, headers: dict[str, str], auditor: Auditor | None, keys: list[KeyWrite]
@@ -216,13 +228,13 @@ def relay_handler(
             answer = await conn.nc.request(subject, data, timeout=RELAY_TIMEOUT, headers=headers or None)
         except nats.errors.Error as exc:  # no answer: the writer's own timeout tells it the outcome is unknown
             log.warning("relay: %s not confirmed: %s", subject, exc)
-            if auditor is not None and audited is not None:
-                await audited.audit.record(auditor.entry(keys, "unconfirmed"))
+            if auditor is not None:
+                await record(auditor.entry(keys, "unconfirmed"))
             return
-        if auditor is not None and audited is not None:
+        if auditor is not None:
             # Recorded before the operator hears of it: an acknowledged write is an audited one.
             outcome, seq = answer_outcome(answer.data)
-            await audited.audit.record(auditor.entry(keys, outcome, seq))
+            await record(auditor.entry(keys, outcome, seq))
         await conn.nc.publish(reply, answer.data, headers=answer.headers)
 
     return on_write

@@ -12,12 +12,21 @@ from nats.js.errors import APIError
 from zattera.v1 import types_pb2 as pb
 
 from cli.writer import CheckedWriter
-from shared.audit import ACTION_HEADER, REQUEST_ID_HEADER, USER_HEADER, AuditEntry, Auditor, read_entries
+from shared.audit import (
+    ACTION_HEADER,
+    REQUEST_ID_HEADER,
+    USER_HEADER,
+    AuditEntry,
+    Auditor,
+    KeyWrite,
+    read_entries,
+)
 from shared.connection import Connection, connect
 from shared.security.creds import read_user_jwt
 from shared.security.join import JoinService
 from shared.security.nkeyjwt import decode_claims
 from shared.security.permissions import Role
+from shared.security.relay import BATCH_MEMORY, BatchKeys, answer_outcome
 from shared.state.feed import StateView
 from shared.subjects import AUDIT_STREAM, STATE_PREFIX
 from shared.watches import STATE_WATCH, open_watch
@@ -137,3 +146,45 @@ async def test_the_audit_log_is_append_only_even_for_control(
     with pytest.raises(APIError):
         await control.js.delete_msg(AUDIT_STREAM, info.state.last_seq)
     assert (await control.js.stream_info(AUDIT_STREAM)).state.messages == info.state.messages
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_batch_whose_commit_never_comes_is_recorded_unconfirmed() -> None:
+    clock = _Clock()
+    relay = BatchKeys(now=clock)
+    auditor = Auditor(source="cli", user="operator", verified=True)
+    relay.remember("b1", auditor, KeyWrite("env.a", "put"))
+    relay.remember("b1", auditor, KeyWrite("env.b", "delete"))
+    relay.remember("b2", auditor, KeyWrite("env.c", "put"))
+    assert relay.stale() == []
+    assert relay.take("b2") == [KeyWrite("env.c", "put")]
+    clock.now += BATCH_MEMORY + 1
+    [entry] = relay.stale()
+    assert entry.outcome == "unconfirmed" and entry.operation == "batch" and len(entry.keys) == 2
+    assert relay.stale() == [] and relay.take("b1") == []
+
+
+@pytest.mark.parametrize(
+    ("answer", "outcome"),
+    [
+        (b'{"stream": "KV_zattera-state", "seq": 7}', ("ok", 7)),
+        (b'{"error": {"code": 400, "err_code": 10071, "description": "wrong last sequence: 3"}}', None),
+        (b'{"error": {"code": 503, "err_code": 10077, "description": "no quorum"}}', None),
+        (b"not json", ("unconfirmed", 0)),
+    ],
+)
+def test_the_streams_answer_is_the_entrys_outcome(answer: bytes, outcome: tuple[str, int] | None) -> None:
+    got = answer_outcome(answer)
+    if outcome is not None:
+        assert got == outcome
+    elif b"10071" in answer:
+        assert got == ("conflict: wrong last sequence: 3 (code 10071)", 0)
+    else:
+        assert got == ("refused: no quorum (code 10077)", 0)
