@@ -33,6 +33,7 @@ from shared.watches import STATE_WATCH, open_watch
 from tests.security.conftest import ConnectAs, SecureCluster
 from tests.waiting import eventually
 
+CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)
 VALUE = "v4lue-that-must-never-be-audited"
 FORGED_INFO = json.dumps({"acc": "AFORGED", "user": "UFORGED", "name_tag": "root", "host": "10.6.6.6"})
 
