@@ -88,6 +88,10 @@ def is_direct_request(msg: Msg) -> bool:
 JS_API_PREFIX = "$JS.API."
 
 
+CLUSTER_REPLICAS_SUBJECT = "zattera.cluster.replicas"
+"""Operator → join service: every stream's replica count changed, one stream per request (shared/replicas.py)."""
+
+
 AUDIT_STREAM = "ZATTERA_AUDIT"
 """The audit log (docs/audit.md): one JSON entry per operator write, append-only, its own retention."""
 AUDIT_SUBJECT_PREFIX = "zattera.audit."

@@ -9,10 +9,16 @@ credential) republishes the value with only the headers a key write needs, and r
 (``Nats-Request-Info``), and nobody but the services writes a lease: the permissions already say so, this
 checks it once more. A message without caller identity did not come through an import and is refused.
 
-Every operator write it sees — stored, refused by the relay or by the stream — is recorded in the audit log
+Every join service relays (queue group ``relay``), so the messages of one atomic batch reach different
+relays. The stream needs a batch's messages in order on one connection, so a relay does not publish a
+batch's inner message itself: it passes it, checked, to every relay (``zattera.relaybatch``, inside
+``ZATTERA``), and the relay that gets the commit publishes the whole batch in order once it holds every
+message before it (:class:`Batches`).
+
+Every operator write it sees — stored, refused by it or by the stream — is recorded in the audit log
 (:mod:`shared.audit`) with the identity the server set, before the answer goes back to the operator: the relay
-is the one place every secured operator write crosses. An atomic batch is one entry (its relayed keys are
-remembered until its commit message; a batch whose commit never comes is recorded ``unconfirmed``).
+is the one place every secured operator write crosses. An atomic batch is one entry, recorded by the relay
+holding its commit (which holds every message of the batch by then).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import nats
 from nats.aio.msg import Msg
@@ -30,7 +37,6 @@ from shared.audit import (
     ACTION_HEADER,
     REQUEST_ID_HEADER,
     USER_HEADER,
-    AuditEntry,
     AuditLog,
     Auditor,
     KeyWrite,
@@ -62,10 +68,65 @@ the node's own keys (each message checked here), the trace. Not ``Nats-Rollup``,
 ``Nats-Expected-Last-Sequence`` nor anything else."""
 RELAY_TIMEOUT = 5.0
 OWN_NODE_KINDS = ("observed", "node")
+BATCH_PARTS_SUBJECT = "zattera.relaybatch"
+"""Where a relay passes a batch's checked inner messages to every relay (never exported: only control)."""
+PART_SUBJECT_HEADER = "Zattera-Relay-Subject"
+PART_CALLER_HEADER = "Zattera-Relay-Caller"
+BATCH_WAIT = 3.0
+"""How long the relay holding a batch's commit waits for the messages before it (then: refused, incomplete)."""
+BATCH_KEEP = 30.0
+"""How long a batch's messages are kept without their commit (a writer that died mid-batch)."""
 WRONG_LAST_SEQUENCE = 10071
-BATCH_MEMORY = 30.0
-"""How long an operator batch's relayed keys wait for its commit message before being recorded unconfirmed."""
-MAX_REMEMBERED_BATCHES = 1000
+
+
+@dataclass
+class _Batch:
+    parts: dict[int, tuple[str, bytes, dict[str, str]]] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    since: float = field(default_factory=time.monotonic)
+
+
+class Batches:
+    """The inner messages of atomic batches in flight, by (caller, batch id), as every relay received them."""
+
+    def __init__(self) -> None:
+        self._batches: dict[tuple[str, str], _Batch] = {}
+
+    def _batch(self, key: tuple[str, str]) -> _Batch:
+        now = time.monotonic()
+        for old in [k for k, b in self._batches.items() if now - b.since > BATCH_KEEP]:
+            del self._batches[old]
+        return self._batches.setdefault(key, _Batch())
+
+    def add(self, msg: Msg) -> None:
+        """A checked inner message another relay (or this one) passed on."""
+        headers = dict(msg.headers or {})
+        subject, who = headers.pop(PART_SUBJECT_HEADER, ""), headers.pop(PART_CALLER_HEADER, "")
+        try:
+            seq = int(headers.get("Nats-Batch-Sequence", ""))
+        except ValueError:
+            return
+        batch = self._batch((who, headers.get("Nats-Batch-Id", "")))
+        batch.parts[seq] = (subject, msg.data, headers)
+        batch.changed.set()
+
+    async def before(self, who: str, batch_id: str, commit_seq: int) -> list[tuple[str, bytes, dict[str, str]]] | None:
+        """The messages 1 … ``commit_seq`` - 1 of a batch, in order, once all arrived; None after :data:`BATCH_WAIT`."""
+        key = (who, batch_id)
+        batch = self._batch(key)
+        deadline = time.monotonic() + BATCH_WAIT
+        while any(seq not in batch.parts for seq in range(1, commit_seq)):
+            batch.changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._batches.pop(key, None)
+                return None
+            try:
+                await asyncio.wait_for(batch.changed.wait(), left)
+            except TimeoutError:
+                continue
+        self._batches.pop(key, None)
+        return [batch.parts[seq] for seq in range(1, commit_seq)]
 
 
 def _refusal(description: str) -> bytes:
@@ -128,53 +189,27 @@ def answer_outcome(data: bytes) -> tuple[str, int]:
     return "ok", int(answer.get("seq") or 0)
 
 
-class BatchKeys:
-    """The keys of operators' batches the relay has passed on, until each batch's commit message."""
-
-    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
-        self._now = now
-        self._batches: dict[str, tuple[float, Auditor, list[KeyWrite]]] = {}
-
-    def remember(self, batch_id: str, auditor: Auditor, key: KeyWrite) -> None:
-        _, first, keys = self._batches.get(batch_id, (self._now(), auditor, []))
-        keys.append(key)
-        self._batches[batch_id] = (self._now(), first, keys)
-
-    def take(self, batch_id: str) -> list[KeyWrite]:
-        return self._batches.pop(batch_id, (0.0, None, []))[2]
-
-    def stale(self) -> list[AuditEntry]:
-        """Batches whose commit did not come (within :data:`BATCH_MEMORY`, or beyond the memory's size)."""
-        now = self._now()
-        gone = [b for b, (at, _, _) in self._batches.items() if now - at > BATCH_MEMORY]
-        overflow = max(0, len(self._batches) - len(gone) - MAX_REMEMBERED_BATCHES)
-        gone += [b for b in self._batches if b not in gone][:overflow]
-        entries = []
-        for batch_id in gone:
-            _, auditor, keys = self._batches.pop(batch_id)
-            entries.append(auditor.entry(keys, "unconfirmed"))
-        return entries
-
-
 def relay_handler(
-    conn: Connection, agents_account: str, audit: AuditLog | None = None
+    conn: Connection, agents_account: str, batches: Batches | None = None, audit: AuditLog | None = None
 ) -> Callable[[Msg], Awaitable[None]]:
-    """The relay's message handler; ``audit``: where operators' writes are recorded (None: nowhere)."""
+    """The relay's handler of ``zattera.relay.>``; ``batches``: the batch messages this relay holds (filled by
+    :func:`batch_parts_handler` on :data:`BATCH_PARTS_SUBJECT`); ``audit``: where operators' writes are
+    recorded (None: nowhere)."""
     pending: set[asyncio.Task[None]] = set()
-    batches = BatchKeys()
-
-    async def record(entry: AuditEntry) -> None:
-        if audit is not None:
-            await audit.record(entry)
+    held = batches if batches is not None else Batches()
 
     def background(work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
         pending.add(task)
         task.add_done_callback(pending.discard)
 
+    async def record(auditor: Auditor | None, keys: list[KeyWrite], outcome: str, seq: int = 0) -> None:
+        if auditor is not None and audit is not None:
+            await audit.record(auditor.entry(keys, outcome, seq))
+
     async def on_write(msg: Msg) -> None:
         who = caller(msg)
-        headers = dict(msg.headers or {})
+        claims = dict(msg.headers or {})
         outcome: tuple[str, dict[str, str]] | str
         auditor: Auditor | None = None
         if who is None:
@@ -183,43 +218,66 @@ def relay_handler(
             outcome = "no caller identity (Nats-Request-Info): only writes through an import are relayed"
         else:
             is_agent = who.account == agents_account
-            outcome = relayed_write(msg.subject, headers, who.name, agent=is_agent)
+            outcome = relayed_write(msg.subject, claims, who.name, agent=is_agent)
             if not is_agent and audit is not None:
-                auditor = operator_auditor(who, headers)
-                for entry in batches.stale():
-                    background(record(entry))
-        key = written_key(msg.subject, headers)
-        batch_id = headers.get("Nats-Batch-Id", "")
+                auditor = operator_auditor(who, claims)
+        key = written_key(msg.subject, claims)
         if isinstance(outcome, str):
             log.warning("relay: refused a write of %s: %s", who.name if who else "(no caller)", outcome)
             if auditor is not None:
                 # Recorded, then answered, in a task of its own: a slow audit stream holds up no other write.
-                keys = [*batches.take(batch_id), key] if batch_id else [key]
-                background(
-                    refuse(msg.reply if answerable(msg) else "", outcome, auditor.entry(keys, f"refused: {outcome}"))
-                )
-                return
-            if answerable(msg):
+                background(refuse(msg.reply if answerable(msg) else "", outcome, auditor, key))
+            elif answerable(msg):
                 await conn.nc.publish(msg.reply, _refusal(outcome))
             return
-        subject, kept = outcome
-        if not answerable(msg):  # fire and forget (a batch's inner messages): nothing to answer
-            await conn.nc.publish(subject, msg.data, headers=kept or None)
-            if auditor is not None:
-                if batch_id:
-                    batches.remember(batch_id, auditor, key)
-                else:
-                    background(record(auditor.entry([key], "unconfirmed")))
+        assert who is not None
+        subject, headers = outcome
+        batch_id = headers.get("Nats-Batch-Id", "")
+        if not answerable(msg):  # fire and forget: a batch's inner message, passed to every relay
+            if batch_id:
+                part = headers | {PART_SUBJECT_HEADER: subject, PART_CALLER_HEADER: who.user}
+                await conn.nc.publish(BATCH_PARTS_SUBJECT, msg.data, headers=part)
+            else:
+                await conn.nc.publish(subject, msg.data, headers=headers or None)
+                background(record(auditor, [key], "unconfirmed"))
             return
         # The server never lets a client publish with an ``_R_.`` reply, so the stream's answer comes here
         # and goes on to the agent. Each in its own task: one slow answer does not hold the others back.
-        keys = [*batches.take(batch_id), key] if batch_id else [key]
-        background(forward(msg.reply, subject, msg.data, kept, auditor, keys))
+        if batch_id:
+            background(commit(msg.reply, who.user, subject, msg.data, headers, auditor, key))
+        else:
+            background(forward(msg.reply, subject, msg.data, headers, auditor, [key]))
 
-    async def refuse(reply: str, why: str, entry: AuditEntry) -> None:
-        await record(entry)
+    async def refuse(reply: str, why: str, auditor: Auditor, key: KeyWrite) -> None:
+        await record(auditor, [key], f"refused: {why}")
         if reply:
             await conn.nc.publish(reply, _refusal(why))
+
+    async def commit(
+        reply: str,
+        who: str,
+        subject: str,
+        data: bytes,
+        headers: dict[str, str],
+        auditor: Auditor | None,
+        key: KeyWrite,
+    ) -> None:
+        try:
+            count = int(headers.get("Nats-Batch-Sequence", ""))
+        except ValueError:
+            await record(auditor, [key], "refused: Nats-Batch-Sequence must be a number")
+            await conn.nc.publish(reply, _refusal("Nats-Batch-Sequence must be a number"))
+            return
+        parts = await held.before(who, headers["Nats-Batch-Id"], count)
+        if parts is None:
+            log.warning("relay: batch %s incomplete: its messages did not all arrive", headers["Nats-Batch-Id"])
+            await record(auditor, [key], "refused: atomic publish batch is incomplete at the relay")
+            await conn.nc.publish(reply, _refusal("atomic publish batch is incomplete at the relay"))
+            return
+        for part_subject, part_data, part_headers in parts:
+            await conn.nc.publish(part_subject, part_data, headers=part_headers)
+        keys = [written_key(part_subject, part_headers) for part_subject, _, part_headers in parts]
+        await forward(reply, subject, data, headers, auditor, [*keys, key])
 
     async def forward(
         reply: str, subject: str, data: bytes, headers: dict[str, str], auditor: Auditor | None, keys: list[KeyWrite]
@@ -228,13 +286,20 @@ def relay_handler(
             answer = await conn.nc.request(subject, data, timeout=RELAY_TIMEOUT, headers=headers or None)
         except nats.errors.Error as exc:  # no answer: the writer's own timeout tells it the outcome is unknown
             log.warning("relay: %s not confirmed: %s", subject, exc)
-            if auditor is not None:
-                await record(auditor.entry(keys, "unconfirmed"))
+            await record(auditor, keys, "unconfirmed")
             return
-        if auditor is not None:
-            # Recorded before the operator hears of it: an acknowledged write is an audited one.
-            outcome, seq = answer_outcome(answer.data)
-            await record(auditor.entry(keys, outcome, seq))
+        # Recorded before the operator hears of it: an acknowledged write is an audited one.
+        outcome, seq = answer_outcome(answer.data)
+        await record(auditor, keys, outcome, seq)
         await conn.nc.publish(reply, answer.data, headers=answer.headers)
 
     return on_write
+
+
+def batch_parts_handler(batches: Batches) -> Callable[[Msg], Awaitable[None]]:
+    """Every relay's handler of :data:`BATCH_PARTS_SUBJECT` (no queue group: each relay keeps every part)."""
+
+    async def on_part(msg: Msg) -> None:
+        batches.add(msg)
+
+    return on_part

@@ -18,7 +18,6 @@ from shared.audit import (
     USER_HEADER,
     AuditEntry,
     Auditor,
-    KeyWrite,
     read_entries,
 )
 from shared.connection import Connection, connect
@@ -26,7 +25,7 @@ from shared.security.creds import read_user_jwt
 from shared.security.join import JoinService
 from shared.security.nkeyjwt import decode_claims
 from shared.security.permissions import Role
-from shared.security.relay import BATCH_MEMORY, BatchKeys, answer_outcome
+from shared.security.relay import answer_outcome
 from shared.state.feed import StateView
 from shared.subjects import AUDIT_STREAM, STATE_PREFIX
 from shared.watches import STATE_WATCH, open_watch
@@ -147,29 +146,6 @@ async def test_the_audit_log_is_append_only_even_for_control(
     with pytest.raises(APIError):
         await control.js.delete_msg(AUDIT_STREAM, info.state.last_seq)
     assert (await control.js.stream_info(AUDIT_STREAM)).state.messages == info.state.messages
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_a_batch_whose_commit_never_comes_is_recorded_unconfirmed() -> None:
-    clock = _Clock()
-    relay = BatchKeys(now=clock)
-    auditor = Auditor(source="cli", user="operator", verified=True)
-    relay.remember("b1", auditor, KeyWrite("env.a", "put"))
-    relay.remember("b1", auditor, KeyWrite("env.b", "delete"))
-    relay.remember("b2", auditor, KeyWrite("env.c", "put"))
-    assert relay.stale() == []
-    assert relay.take("b2") == [KeyWrite("env.c", "put")]
-    clock.now += BATCH_MEMORY + 1
-    [entry] = relay.stale()
-    assert entry.outcome == "unconfirmed" and entry.operation == "batch" and len(entry.keys) == 2
-    assert relay.stale() == [] and relay.take("b1") == []
 
 
 @pytest.mark.parametrize(
