@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -85,8 +86,14 @@ class Control:
     @cached_property
     def writer(self) -> CheckedWriter:
         from cli.writer import CheckedWriter
+        from shared.audit import Auditor, local_user
 
-        return CheckedWriter(self.conn, self.view)
+        # Audited (docs/audit.md): the OS user and the command as claims; a secured cluster's relay records
+        # the credential's identity instead of the claimed user.
+        who = local_user()
+        auditor = Auditor(source="cli", user=who, verified=False, action=command_name(), action_claimed=True)
+        auditor = dataclasses.replace(auditor, claimed_user=who)
+        return CheckedWriter(self.conn, self.view, auditor, secured=bool(target().creds))
 
     @property
     def actions(self) -> ActionContext:
@@ -94,6 +101,20 @@ class Control:
         from shared.actions.context import ActionContext
 
         return ActionContext(self.conn, self.writer, actor())
+
+
+def command_name() -> str:
+    """The command being run, as the audit log names it (``env set``): click's command path without the
+    program's name; "" outside a command. Typer runs commands on its own copy of click (``typer._click``)."""
+    try:
+        from typer._click.globals import get_current_context
+    except ImportError:  # a typer that uses click itself
+        from click import get_current_context  # type: ignore[no-redef]
+
+    ctx = get_current_context(silent=True)
+    if ctx is None:
+        return ""
+    return ctx.command_path.partition(" ")[2] or ctx.command_path
 
 
 @dataclass

@@ -25,7 +25,14 @@ from shared.connection import ClusterUnavailable
 from shared.defaults import LIVE_TTL, TOMBSTONE_TTL
 from shared.ids import new_id
 from shared.migrations.registry import SCHEMA
-from shared.streams import OBJECT_STORES, ClusterConfig, default_replicas, object_store_stream, stream_mismatches
+from shared.streams import (
+    AUDIT_MAX_AGE,
+    OBJECT_STORES,
+    ClusterConfig,
+    default_replicas,
+    object_store_stream,
+    stream_mismatches,
+)
 from shared.subjects import JS_API_PREFIX, STATE_STREAM
 from shared.version import VERSION
 
@@ -228,6 +235,7 @@ async def provision(
     live_ttl: float = LIVE_TTL,
     tombstone_ttl: float = TOMBSTONE_TTL,
     build_log_lines: int = 10_000,
+    audit_max_age: float = AUDIT_MAX_AGE,
 ) -> ProvisionReport:
     """Create what is missing of the buckets, streams and object stores, never changing what exists.
     Idempotent; safe from many processes at once.
@@ -248,6 +256,7 @@ async def provision(
         schema=SCHEMA,  # a new cluster is created as this code defines it: no migration has anything to do
         version=VERSION,
         cluster_id=new_id(),
+        audit_max_age=audit_max_age,
     )
     state, created = await create_stream_if_missing(js, wanted.stream_configs()[0])
     config = ClusterConfig.recorded(state)
@@ -300,7 +309,12 @@ class ProvisionSettings(Protocol):
 def provision_options(cfg: ProvisionSettings) -> dict[str, Any]:
     """:func:`provision` arguments from a process's settings: they only matter to an uninitialised cluster
     (``ZATTERA_REPLICAS=0``, the default, derives the replica count from the cluster's size)."""
-    return {"replicas": cfg.replicas or None, "live_ttl": cfg.live_ttl, "tombstone_ttl": cfg.tombstone_ttl}
+    return {
+        "replicas": cfg.replicas or None,
+        "live_ttl": cfg.live_ttl,
+        "tombstone_ttl": cfg.tombstone_ttl,
+        "audit_max_age": float(getattr(cfg, "audit_max_age", AUDIT_MAX_AGE)),
+    }
 
 
 @dataclass

@@ -46,6 +46,8 @@ class Settings(BaseSettings):
     """How long delete markers stay in the state stream, seconds."""
     live_ttl: float = Field(default=LIVE_TTL, gt=0)
     """How long a live sample (heartbeat, proxy demand) is kept in zattera-live, seconds."""
+    audit_max_age: float = Field(default=90 * 24 * 3600.0, gt=0)
+    """How long the audit log keeps an entry, seconds (docs/audit.md); applied by the cluster's first init."""
     max_batch: int = Field(default=MAX_BATCH, ge=2, le=MAX_BATCH)
     """Messages per atomic batch (one fenced write)."""
 

@@ -14,6 +14,8 @@ from nats.js.api import (
 
 from shared.defaults import LIVE_TTL, TOMBSTONE_TTL
 from shared.subjects import (
+    AUDIT_STREAM,
+    AUDIT_SUBJECT_PREFIX,
     BUILD_EVENTS_STREAM,
     BUILD_LOGS_STREAM,
     EVENTS_STREAM,
@@ -112,6 +114,24 @@ def build_events_stream_config(replicas: int) -> StreamConfig:
     return _stream(BUILD_EVENTS_STREAM, [build_events_subject("*")], replicas, max_msgs_per_subject=50_000, max_age=DAY)
 
 
+AUDIT_MAX_AGE = 90 * DAY
+"""How long audit entries are kept unless the init was told otherwise (``ZATTERA_AUDIT_MAX_AGE``)."""
+
+
+def audit_stream_config(replicas: int, max_age: float = AUDIT_MAX_AGE) -> StreamConfig:
+    """The audit log (docs/audit.md): append-only — no message is deleted and the stream is never purged,
+    by anyone (the services included); entries leave only by age."""
+    return _stream(
+        AUDIT_STREAM,
+        [f"{AUDIT_SUBJECT_PREFIX}>"],
+        replicas,
+        max_age=max_age,
+        deny_delete=True,
+        deny_purge=True,
+        duplicate_window=120.0,
+    )
+
+
 CONFIG_METADATA_PREFIX = "zattera."
 
 
@@ -167,6 +187,8 @@ class ClusterConfig:
     cluster_id: str = ""
     """A ULID chosen by the init that created the state stream: which cluster this is (route snapshots
     name it, :func:`cluster_identity`); "" for a cluster initialised before ids were recorded."""
+    audit_max_age: float = AUDIT_MAX_AGE
+    """How long the audit log keeps an entry, seconds (``ZATTERA_AUDIT_MAX_AGE`` at the init)."""
 
     def metadata(self) -> dict[str, str]:
         recorded = {
@@ -183,6 +205,8 @@ class ClusterConfig:
             recorded[f"{MIGRATION_KEY_PREFIX}{number}"] = rest
         if self.cluster_id:  # left out when unknown, so that rewriting the metadata never erases a recorded one
             recorded[f"{CONFIG_METADATA_PREFIX}cluster_id"] = self.cluster_id
+        if self.audit_max_age != AUDIT_MAX_AGE:  # the default is not written (clusters older than the audit log)
+            recorded[f"{CONFIG_METADATA_PREFIX}audit_max_age"] = repr(self.audit_max_age)
         return recorded
 
     @classmethod
@@ -217,6 +241,7 @@ class ClusterConfig:
                 if key.startswith(MIGRATION_KEY_PREFIX)
             ),
             cluster_id=get("cluster_id"),
+            audit_max_age=float(get("audit_max_age") or AUDIT_MAX_AGE),
         )
 
     def stream_configs(self) -> list[StreamConfig]:
@@ -229,6 +254,7 @@ class ClusterConfig:
             routes_stream_config(self.replicas),
             build_logs_stream_config(self.replicas, self.build_log_lines),
             build_events_stream_config(self.replicas),
+            audit_stream_config(self.replicas, self.audit_max_age),
         ]
 
 

@@ -103,3 +103,7 @@ GITHOOKS_STREAM = "ZATTERA_GITHOOKS"
 consumes them (durable ``githooks``)."""
 
 GITHOOKS_DELIVERY_PREFIX = "zattera.githooks.delivery."
+AUDIT_STREAM = "ZATTERA_AUDIT"
+"""The audit log (docs/audit.md): one JSON entry per operator write, append-only, its own retention."""
+AUDIT_SUBJECT_PREFIX = "zattera.audit."
+"""``zattera.audit.<source>`` (``cli``, ``console``, ``webhook``): published by control only."""

@@ -167,6 +167,8 @@ class Writer:
         self._queue: list[_Pending] = []
         self._flusher: asyncio.Task[None] | None = None
         self._labels = writer_label(lease.loop if lease is not None else "")
+        self.extra_headers: dict[str, str] = {}
+        """Headers sent with every write (a secured CLI's audit claims, which the relay reads and strips)."""
 
     @property
     def view(self) -> StateView:
@@ -286,7 +288,7 @@ class Writer:
             await self._publish_batch(ops, fence=self._lease)
 
     def _message(self, op: Op) -> tuple[str, bytes, dict[str, str]]:
-        headers = inject({"Nats-Expected-Last-Subject-Sequence": str(op.expect)})
+        headers = inject({**self.extra_headers, "Nats-Expected-Last-Subject-Sequence": str(op.expect)})
         if op.msg is None:
             headers["KV-Operation"] = "DEL"
             headers["Nats-TTL"] = self._tombstone_ttl

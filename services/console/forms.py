@@ -3,11 +3,12 @@ user, and its refusal mapped to an HTTP status (409; 403; 503 when a node or ser
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from aiohttp import web
 
-from services.console.handling import console_of, is_api, redirect_to, refuse, session_of
+from services.console.handling import client_address, console_of, is_api, redirect_to, refuse, session_of
 from shared.actions.context import ActionContext
 from shared.actions.deploys import Rollback, rollback
 from shared.actions.envs import Scale, scale
@@ -16,6 +17,7 @@ from shared.actions.nodes import EditNode, NodeChange, edit_node
 from shared.actions.refusals import ActionRefused, Invalid, Refusal
 from shared.actions.secrets import SetSecret, set_secret
 from shared.actions.volumes import RestoreVolume, TakeSnapshot, restore_volume, take_snapshot
+from shared.audit import AuditedWriter, Auditor
 
 QUICK_ANSWER = 1.0
 
@@ -57,8 +59,23 @@ async def _form(request: web.Request) -> dict[str, str]:
 
 
 def _acting(request: web.Request) -> ActionContext:
-    """The operator actions' context, acting as the session's user."""
-    return console_of(request).actions.acting_as(f"console:{session_of(request).user}")
+    """The operator actions' context, acting as the session's user; its writes are audited as that user's
+    (docs/audit.md), with the action's name (the form's) and the browser's address."""
+    console = console_of(request)
+    user = session_of(request).user
+    context = console.actions.acting_as(f"console:{user}")
+    if console.audit is None:
+        return context
+    handler = getattr(request.match_info.route, "handler", None)
+    auditor = Auditor(
+        source="console",
+        user=user,
+        verified=True,
+        verified_by="console-login",
+        action=getattr(handler, "__name__", "").removesuffix("_action"),
+        address=client_address(request),
+    )
+    return dataclasses.replace(context, writer=AuditedWriter(console.conn, console.view, auditor, console.audit))
 
 
 def _refused(request: web.Request, exc: ActionRefused) -> web.Response:

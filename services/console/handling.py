@@ -14,6 +14,7 @@ from aiohttp import web
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.actions.context import ActionContext
+from shared.audit import AuditLog
 from shared.connection import Connection
 from shared.state.feed import StateView
 from shared.urls import Listeners
@@ -51,6 +52,8 @@ class Console:
     secure_cookies: bool = False
     listeners: Callable[[], Listeners] = Listeners
     """Where the proxies listen (their heartbeats): the URLs shown carry those ports."""
+    audit: AuditLog | None = None
+    """Where the users' writes are recorded (docs/audit.md); None: nowhere (tests of pages only)."""
 
     def __post_init__(self) -> None:
         self.flash: dict[str, str] = {}

@@ -14,6 +14,7 @@ from services.console.handling import Console
 from services.console.settings import ConsoleSettings
 from services.console.web import make_app
 from shared.actions.context import ActionContext
+from shared.audit import AuditLog
 from shared.clock import Clock
 from shared.connection import Connection
 from shared.console_users import users_bucket
@@ -54,6 +55,7 @@ def build_console(
         routes=lambda: routes.current if routes.version else None,
         secure_cookies=cfg.secure_cookies,
         listeners=(lambda: proxy_listeners(live.fresh_proxy_heartbeats())) if live is not None else Listeners,
+        audit=AuditLog(conn),
     )
 
 

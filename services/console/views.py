@@ -1,15 +1,17 @@
-"""The console's pages and their JSON twins: overview, env, nodes, builds, volumes, events (what they show is
-``pages.py``'s)."""
+"""The console's pages and their JSON twins: overview, env, nodes, builds, volumes, events, audit (what they
+show is ``pages.py``'s)."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from aiohttp import web
 from zattera.v1 import types_pb2 as pb
 
-from services.console.handling import Console, console_of, render, render_streamed
+from services.console.handling import Console, console_of, is_api, refuse, render, render_streamed
+from shared.audit import DEFAULT_LIMIT, parse_since, read_entries, select
 from shared.backup.status import backup_status, describe
 from shared.notify_status import failing_channels
 
@@ -88,3 +90,27 @@ async def volumes_page(request: web.Request) -> web.Response:
 
 async def events_page(request: web.Request) -> web.Response:
     return render(request, "events.html", page="events")
+
+
+AUDIT_SCAN = 10_000
+"""Without ``since``, the audit page looks through this many of the newest entries."""
+
+
+async def audit_page(request: web.Request) -> web.Response:
+    """The audit log (docs/audit.md), newest first: ``?since=1h&user=U&limit=N``; JSON at ``/api/audit``."""
+    console = console_of(request)
+    since, user = request.query.get("since", "").strip(), request.query.get("user", "").strip()
+    try:
+        since_ns = int((time.time() - parse_since(since)) * 1e9) if since else 0
+    except ValueError as exc:
+        return refuse(request, 400, f"since {since!r}: {exc}")
+    try:
+        limit = int(request.query.get("limit", "") or DEFAULT_LIMIT)
+        if limit < 0:
+            raise ValueError
+    except ValueError:
+        return refuse(request, 400, f"limit {request.query.get('limit', '')!r}: a whole number, 0 or more")
+    entries = select(await read_entries(console.conn, since_ns=since_ns, scan=AUDIT_SCAN), user=user, limit=limit)
+    if is_api(request):
+        return web.json_response({"entries": [e.to_dict() for e in entries]})
+    return render(request, "audit.html", page="audit", entries=entries, since=since, user=user, limit=limit)

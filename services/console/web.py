@@ -27,6 +27,7 @@ from services.console.hooks import webhook
 from services.console.login import login, login_page, logout, require_session, security_headers
 from services.console.streams import build_logs, env_logs, events_stream, live
 from services.console.views import (
+    audit_page,
     build_page,
     builds_page,
     env_api,
@@ -65,6 +66,8 @@ def make_app(console: Console) -> web.Application:
     app.router.add_post("/volumes/{volume_id}/restore", restore_action)
     app.router.add_get("/events", events_page)
     app.router.add_get("/events/stream", events_stream)
+    app.router.add_get("/audit", audit_page)
+    app.router.add_get("/api/audit", audit_page)
     app.router.add_get("/live", live)
     app.router.add_static("/static/", HERE / "static")
     app.router.add_post("/hooks/{provider}/{hook_id}", webhook)

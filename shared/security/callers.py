@@ -30,6 +30,8 @@ class Caller:
     user: str
     issuer_key: str
     name: str
+    host: str = ""
+    """The client's address as the server saw it (audit entries)."""
 
 
 def caller(msg: Msg) -> Caller | None:
@@ -48,4 +50,5 @@ def caller(msg: Msg) -> Caller | None:
         user=str(info.get("user") or ""),
         issuer_key=str(info.get("issuer_key") or ""),
         name=str(info.get("name_tag") or ""),
+        host=str(info.get("host") or ""),
     )

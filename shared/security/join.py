@@ -35,6 +35,7 @@ from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequen
 from nats.js.kv import KeyValue
 
 from shared import keys as K
+from shared.audit import AuditLog
 from shared.connection import Connection, split_urls
 from shared.errors import ZatteraError
 from shared.jetstream import read_state_key
@@ -139,10 +140,13 @@ class JoinService:
         now: Callable[[], float] = time.time,
         open_cluster: bool = False,
         machines: Machines | None = None,
+        audit: bool = True,
     ) -> None:
         """``open_cluster``: the server authenticates nobody (security keys prepared, server not secured), so
         no request carries a caller: views are opened for the node a request names, as without keys.
-        ``machines``: machines join with one command (machine tokens, server machines, removal)."""
+        ``machines``: machines join with one command (machine tokens, server machines, removal). ``audit``:
+        operators' relayed writes are recorded in the audit log (docs/audit.md; off only to measure its cost)."""
+        self._audit = AuditLog(conn) if audit else None
         self._machines = machines
         self._conn = conn
         self._open_cluster = open_cluster
@@ -186,7 +190,7 @@ class JoinService:
         return view_open_handler(self._conn, agents_account=self._agents_account(), agent_issuers=issuers)
 
     def _relay(self) -> Callable[[Msg], Any]:
-        return relay_handler(self._conn, self._agents_account(), self._batches)
+        return relay_handler(self._conn, self._agents_account(), self._batches, self._audit)
 
     def _answer(self, handler: Callable[[dict[str, Any]], Any]) -> Callable[[Msg], Any]:
         async def callback(msg: Msg) -> None:

@@ -14,6 +14,11 @@ relays. The stream needs a batch's messages in order on one connection, so a rel
 batch's inner message itself: it passes it, checked, to every relay (``zattera.relaybatch``, inside
 ``ZATTERA``), and the relay that gets the commit publishes the whole batch in order once it holds every
 message before it (:class:`Batches`).
+
+Every operator write it sees — stored, refused by it or by the stream — is recorded in the audit log
+(:mod:`shared.audit`) with the identity the server set, before the answer goes back to the operator: the relay
+is the one place every secured operator write crosses. An atomic batch is one entry, recorded by the relay
+holding its commit (which holds every message of the batch by then).
 """
 
 from __future__ import annotations
@@ -28,9 +33,19 @@ from dataclasses import dataclass, field
 import nats
 from nats.aio.msg import Msg
 
+from shared.audit import (
+    ACTION_HEADER,
+    REQUEST_ID_HEADER,
+    USER_HEADER,
+    AuditLog,
+    Auditor,
+    KeyWrite,
+    claim,
+)
 from shared.connection import Connection
+from shared.ids import new_id
 from shared.security.accounts import RELAY_PREFIX
-from shared.security.callers import answerable, caller
+from shared.security.callers import Caller, answerable, caller
 from shared.subjects import STATE_PREFIX
 
 log = logging.getLogger(__name__)
@@ -61,6 +76,7 @@ BATCH_WAIT = 3.0
 """How long the relay holding a batch's commit waits for the messages before it (then: refused, incomplete)."""
 BATCH_KEEP = 30.0
 """How long a batch's messages are kept without their commit (a writer that died mid-batch)."""
+WRONG_LAST_SEQUENCE = 10071
 
 
 @dataclass
@@ -136,11 +152,49 @@ def relayed_write(
     return key_subject, kept
 
 
+def written_key(subject: str, headers: dict[str, str]) -> KeyWrite:
+    """The key and operation a relayed message asks for (for the audit log: no value)."""
+    key = subject.removeprefix(RELAY_PREFIX).removeprefix(STATE_PREFIX)
+    return KeyWrite(key, "delete" if headers.get("KV-Operation") else "put")
+
+
+def operator_auditor(who: Caller, headers: dict[str, str]) -> Auditor:
+    """An operator's identity as the server set it; what the request claims only as claims."""
+    return Auditor(
+        source="cli",
+        user=who.name or who.user,
+        verified=True,
+        verified_by="nats-credential",
+        action=claim(headers.get(ACTION_HEADER, "")),
+        action_claimed=True,
+        address=who.host,
+        request_id=claim(headers.get(REQUEST_ID_HEADER, "")) or new_id(),
+        credential={"account": who.account, "user_key": who.user, "issuer_key": who.issuer_key, "name": who.name},
+        claimed_user=claim(headers.get(USER_HEADER, "")),
+    )
+
+
+def answer_outcome(data: bytes) -> tuple[str, int]:
+    """The audit outcome of the stream's answer to a write, and the stored sequence (0: not stored)."""
+    try:
+        answer = json.loads(data or b"{}")
+    except ValueError:
+        return "unconfirmed", 0
+    if not isinstance(answer, dict):
+        return "unconfirmed", 0
+    error = answer.get("error")
+    if isinstance(error, dict):
+        kind = "conflict" if error.get("err_code") == WRONG_LAST_SEQUENCE else "refused"
+        return f"{kind}: {error.get('description', '')} (code {error.get('err_code', 0)})", 0
+    return "ok", int(answer.get("seq") or 0)
+
+
 def relay_handler(
-    conn: Connection, agents_account: str, batches: Batches | None = None
+    conn: Connection, agents_account: str, batches: Batches | None = None, audit: AuditLog | None = None
 ) -> Callable[[Msg], Awaitable[None]]:
     """The relay's handler of ``zattera.relay.>``; ``batches``: the batch messages this relay holds (filled by
-    :func:`batch_parts_handler` on :data:`BATCH_PARTS_SUBJECT`)."""
+    :func:`batch_parts_handler` on :data:`BATCH_PARTS_SUBJECT`); ``audit``: where operators' writes are
+    recorded (None: nowhere)."""
     pending: set[asyncio.Task[None]] = set()
     held = batches if batches is not None else Batches()
 
@@ -149,19 +203,31 @@ def relay_handler(
         pending.add(task)
         task.add_done_callback(pending.discard)
 
+    async def record(auditor: Auditor | None, keys: list[KeyWrite], outcome: str, seq: int = 0) -> None:
+        if auditor is not None and audit is not None:
+            await audit.record(auditor.entry(keys, outcome, seq))
+
     async def on_write(msg: Msg) -> None:
         who = caller(msg)
+        claims = dict(msg.headers or {})
         outcome: tuple[str, dict[str, str]] | str
+        auditor: Auditor | None = None
         if who is None:
             # Every relayed write crossed an agent's or operator's import, which sets the caller. Without one it
             # was published inside ZATTERA (the services write the stream directly) or steered there: refused.
             outcome = "no caller identity (Nats-Request-Info): only writes through an import are relayed"
         else:
             is_agent = who.account == agents_account
-            outcome = relayed_write(msg.subject, dict(msg.headers or {}), who.name, agent=is_agent)
+            outcome = relayed_write(msg.subject, claims, who.name, agent=is_agent)
+            if not is_agent and audit is not None:
+                auditor = operator_auditor(who, claims)
+        key = written_key(msg.subject, claims)
         if isinstance(outcome, str):
             log.warning("relay: refused a write of %s: %s", who.name if who else "(no caller)", outcome)
-            if answerable(msg):
+            if auditor is not None:
+                # Recorded, then answered, in a task of its own: a slow audit stream holds up no other write.
+                background(refuse(msg.reply if answerable(msg) else "", outcome, auditor, key))
+            elif answerable(msg):
                 await conn.nc.publish(msg.reply, _refusal(outcome))
             return
         assert who is not None
@@ -173,35 +239,58 @@ def relay_handler(
                 await conn.nc.publish(BATCH_PARTS_SUBJECT, msg.data, headers=part)
             else:
                 await conn.nc.publish(subject, msg.data, headers=headers or None)
+                background(record(auditor, [key], "unconfirmed"))
             return
         # The server never lets a client publish with an ``_R_.`` reply, so the stream's answer comes here
         # and goes on to the agent. Each in its own task: one slow answer does not hold the others back.
         if batch_id:
-            background(commit(msg.reply, who.user, subject, msg.data, headers))
+            background(commit(msg.reply, who.user, subject, msg.data, headers, auditor, key))
         else:
-            background(forward(msg.reply, subject, msg.data, headers))
+            background(forward(msg.reply, subject, msg.data, headers, auditor, [key]))
 
-    async def commit(reply: str, who: str, subject: str, data: bytes, headers: dict[str, str]) -> None:
+    async def refuse(reply: str, why: str, auditor: Auditor, key: KeyWrite) -> None:
+        await record(auditor, [key], f"refused: {why}")
+        if reply:
+            await conn.nc.publish(reply, _refusal(why))
+
+    async def commit(
+        reply: str,
+        who: str,
+        subject: str,
+        data: bytes,
+        headers: dict[str, str],
+        auditor: Auditor | None,
+        key: KeyWrite,
+    ) -> None:
         try:
             count = int(headers.get("Nats-Batch-Sequence", ""))
         except ValueError:
+            await record(auditor, [key], "refused: Nats-Batch-Sequence must be a number")
             await conn.nc.publish(reply, _refusal("Nats-Batch-Sequence must be a number"))
             return
         parts = await held.before(who, headers["Nats-Batch-Id"], count)
         if parts is None:
             log.warning("relay: batch %s incomplete: its messages did not all arrive", headers["Nats-Batch-Id"])
+            await record(auditor, [key], "refused: atomic publish batch is incomplete at the relay")
             await conn.nc.publish(reply, _refusal("atomic publish batch is incomplete at the relay"))
             return
         for part_subject, part_data, part_headers in parts:
             await conn.nc.publish(part_subject, part_data, headers=part_headers)
-        await forward(reply, subject, data, headers)
+        keys = [written_key(part_subject, part_headers) for part_subject, _, part_headers in parts]
+        await forward(reply, subject, data, headers, auditor, [*keys, key])
 
-    async def forward(reply: str, subject: str, data: bytes, headers: dict[str, str]) -> None:
+    async def forward(
+        reply: str, subject: str, data: bytes, headers: dict[str, str], auditor: Auditor | None, keys: list[KeyWrite]
+    ) -> None:
         try:
             answer = await conn.nc.request(subject, data, timeout=RELAY_TIMEOUT, headers=headers or None)
         except nats.errors.Error as exc:  # no answer: the writer's own timeout tells it the outcome is unknown
             log.warning("relay: %s not confirmed: %s", subject, exc)
+            await record(auditor, keys, "unconfirmed")
             return
+        # Recorded before the operator hears of it: an acknowledged write is an audited one.
+        outcome, seq = answer_outcome(answer.data)
+        await record(auditor, keys, outcome, seq)
         await conn.nc.publish(reply, answer.data, headers=answer.headers)
 
     return on_write
