@@ -71,6 +71,7 @@ def urls_by_env(
 PHASE_ORDER = (
     pb.DEPLOYMENT_PHASE_PENDING,
     pb.DEPLOYMENT_PHASE_BUILDING,
+    pb.DEPLOYMENT_PHASE_RELEASING,  # the release command (docs/git.md), when the env has one
     pb.DEPLOYMENT_PHASE_PLACING,
     pb.DEPLOYMENT_PHASE_STOPPING_OLD,  # stateful deploys only: the old instance stops before the new starts
     pb.DEPLOYMENT_PHASE_STARTING,
