@@ -55,6 +55,20 @@ def is_full_sha(value: str) -> bool:
     return bool(_SHA_RE.match(value))
 
 
+_BAD_BRANCH = re.compile(r"(^[-/.]|[/.]$|\.\.|//|@\{|[\x00-\x20~^:?*\[\\\x7f]|\.lock$|/\.)")
+
+
+def branch_problem(name: str) -> str:
+    """Why ``name`` is not a branch name git accepts (``git check-ref-format --branch`` rules), "" if it is."""
+    if not name:
+        return "must not be empty"
+    if len(name) > 200:
+        return "must be at most 200 characters"
+    if name == "@" or _BAD_BRANCH.search(name):
+        return f"{name!r} is not a valid git branch name"
+    return ""
+
+
 def branch_of(ref: str) -> str:
     """``refs/heads/main`` → ``main``; another ref (a tag, a pull request's head) stays as given."""
     return ref.removeprefix("refs/heads/")

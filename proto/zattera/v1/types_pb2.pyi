@@ -1050,6 +1050,7 @@ class Environment(_message.Message):
     IDLE_TIMEOUT_FIELD_NUMBER: _builtins.int
     MIDDLEWARE_FIELD_NUMBER: _builtins.int
     LOGS_FIELD_NUMBER: _builtins.int
+    GIT_BRANCH_FIELD_NUMBER: _builtins.int
     app_id: _builtins.str
     project_id: _builtins.str
     active_release_id: _builtins.str
@@ -1065,6 +1066,8 @@ class Environment(_message.Message):
     preview_branch: _builtins.str
     """preview_*: invented names"""
     preview_pr_number: _builtins.int
+    git_branch: _builtins.str
+    """invented (issue 37, docs/git.md): the git branch whose pushes deploy this env ("" = none)"""
     @_builtins.property
     def meta(self) -> Global___Meta: ...
     @_builtins.property
@@ -1104,10 +1107,11 @@ class Environment(_message.Message):
         idle_timeout: _duration_pb2.Duration | None = ...,
         middleware: Global___Middleware | None = ...,
         logs: Global___LogRetention | None = ...,
+        git_branch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["idle_timeout", b"idle_timeout", "logs", b"logs", "meta", b"meta", "middleware", b"middleware", "preview_expires_at", b"preview_expires_at", "service", b"service"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_release_id", b"active_release_id", "app_id", b"app_id", "effective_replicas", b"effective_replicas", "idle_timeout", b"idle_timeout", "logs", b"logs", "meta", b"meta", "middleware", b"middleware", "name", b"name", "preview_branch", b"preview_branch", "preview_expires_at", b"preview_expires_at", "preview_pr_number", b"preview_pr_number", "project_id", b"project_id", "route_generation", b"route_generation", "service", b"service", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_release_id", b"active_release_id", "app_id", b"app_id", "effective_replicas", b"effective_replicas", "git_branch", b"git_branch", "idle_timeout", b"idle_timeout", "logs", b"logs", "meta", b"meta", "middleware", b"middleware", "name", b"name", "preview_branch", b"preview_branch", "preview_expires_at", b"preview_expires_at", "preview_pr_number", b"preview_pr_number", "project_id", b"project_id", "route_generation", b"route_generation", "service", b"service", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
