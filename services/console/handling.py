@@ -51,6 +51,8 @@ class Console:
     secure_cookies: bool = False
     listeners: Callable[[], Listeners] = Listeners
     """Where the proxies listen (their heartbeats): the URLs shown carry those ports."""
+    git: Any = None
+    """The ``git push`` endpoint (:class:`services.console.git.GitService`); None: not served."""
 
     def __post_init__(self) -> None:
         self.flash: dict[str, str] = {}

@@ -26,7 +26,7 @@ from .auth import LOGIN_COOKIE, SESSION_COOKIE, tokens_equal
 
 log = logging.getLogger(__name__)
 
-PUBLIC = ("/login", "/static/")
+PUBLIC = ("/login", "/static/", "/git/")  # /git/: HTTP basic auth of its own (git.py)
 
 
 async def security_headers(request: web.Request, response: web.StreamResponse) -> None:
