@@ -140,7 +140,7 @@ async def test_a_push_deploys_the_commit_and_streams_its_progress(site: Site) ->
     await eventually(lambda: site.serves("v1"), 60, "v1 answers through the proxy")
     releases = json.loads(site.up.cli("releases", "--env", ENV, "--json").stdout)
     source = releases[0]["source"]
-    assert (source["gitSha"], source["gitAuthor"], source["gitMessage"]) == (
+    assert (source["git_sha"], source["git_author"], source["git_message"]) == (
         sha,
         "Grace Hopper <grace@example.com>",
         "first",
