@@ -116,7 +116,7 @@ async def test_operator_watches_a_deploy_rolls_back_tails_logs_and_sets_a_secret
             await rig.step()
             await expect(deployments.locator("tr", has_text="dep1")).to_contain_text(phase)
             if phase == "healthchecking":
-                await expect(deployments.get_by_role("progressbar", name="step 7 of 10")).to_be_visible()
+                await expect(deployments.get_by_role("progressbar", name="step 6 of 9")).to_be_visible()
         await expect(page.locator("#env-summary")).to_contain_text("Active v2")
 
         await page.get_by_role("button", name="Roll back to v1").click()
