@@ -123,7 +123,9 @@ async def checkout(
     repo: str, sha: str, destination: Path, *, ref: str = "", git_env: Mapping[str, str] | None = None
 ) -> str:
     """Write the tree of commit ``sha`` of ``repo`` (a local path or a URL) into ``destination`` (created
-    empty); returns the full commit id. ``ref``: fetched instead when the server refuses a fetch by id."""
+    empty); returns the full commit id. ``ref``: fetched instead when the server refuses a fetch by id.
+    ``git_env``: added to git's environment (a hook's quarantine; for a URL, the fetch's credentials, e.g.
+    ``GIT_SSH_COMMAND`` or ``GIT_CONFIG_COUNT``/``GIT_CONFIG_KEY_0=http.extraHeader``…)."""
     _make_dir(destination)
     if is_local(repo):
         try:
@@ -136,11 +138,11 @@ async def checkout(
         clone = destination.parent / (destination.name + ".git")
         await git("init", "--quiet", "--bare", str(clone))
         try:
-            await git("fetch", "--quiet", "--no-tags", "--depth=1", repo, sha, cwd=clone)
+            await git("fetch", "--quiet", "--no-tags", "--depth=1", repo, sha, cwd=clone, git_env=git_env)
         except GitError:
             if not ref:
                 raise
-            await git("fetch", "--quiet", "--no-tags", repo, ref, cwd=clone)
+            await git("fetch", "--quiet", "--no-tags", repo, ref, cwd=clone, git_env=git_env)
         full_sha = (await git("rev-parse", "--verify", f"{sha}^{{commit}}", cwd=clone)).decode().strip()
         data = await git("archive", "--format=tar", full_sha, cwd=clone)
     if len(data) > MAX_ARCHIVE_BYTES:
