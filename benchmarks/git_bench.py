@@ -90,11 +90,12 @@ def run(quick: bool = True) -> list[Row]:
                 fh.write('git_branch = "main"\n')
             _git(work, "init", "-q", "-b", "main")
             up.cli("apps", "apply", str(work / "zattera.toml"))
-            up.cli("console", "add-user", "bench", "--role", "admin", stdin=PASSWORD + "\n")
-            remote = f"http://bench:{PASSWORD}@127.0.0.1:{console_port}/git/demo/flask.git"
+            # The console creates its users bucket and records its URL once it runs.
             asyncio.run(
                 eventually(lambda: up.cli("git", "remote", "--env", ENV, check=False).returncode == 0, 60, "console")
             )
+            up.cli("console", "add-user", "bench", "--role", "admin", stdin=PASSWORD + "\n")
+            remote = f"http://bench:{PASSWORD}@127.0.0.1:{console_port}/git/demo/flask.git
 
             def push(n: int) -> tuple[float, float]:
                 text = f"hello from flask, push {n}"

@@ -104,6 +104,10 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
         s = Site(up, console_port, work)
         s.commit("v1", migrate_ok=True, message="first")
         up.cli("apps", "apply", str(work / "zattera.toml"))
+        # The console creates its users bucket (and records its URL) once it runs.
+        asyncio.run(
+            eventually(lambda: up.cli("git", "remote", "--env", ENV, check=False).returncode == 0, 60, "the console")
+        )
         up.cli("console", "add-user", "admin", "--role", "admin", stdin=PASSWORD + "\n")
         up.cli("console", "add-user", "watcher", "--role", "viewer", stdin=PASSWORD + "\n")
         yield s
