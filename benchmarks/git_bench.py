@@ -95,7 +95,7 @@ def run(quick: bool = True) -> list[Row]:
                 eventually(lambda: up.cli("git", "remote", "--env", ENV, check=False).returncode == 0, 60, "console")
             )
             up.cli("console", "add-user", "bench", "--role", "admin", stdin=PASSWORD + "\n")
-            remote = f"http://bench:{PASSWORD}@127.0.0.1:{console_port}/git/demo/flask.git
+            remote = f"http://bench:{PASSWORD}@127.0.0.1:{console_port}/git/demo/flask.git"
 
             def push(n: int) -> tuple[float, float]:
                 text = f"hello from flask, push {n}"
