@@ -104,7 +104,8 @@ def run(quick: bool = True) -> list[Row]:
                 at = next(i for i, line in enumerate(lines) if "hello from flask" in line)
                 lines[at] = f'    return "{text}\\n"'
                 app.write_text("\n".join(lines) + "\n")
-                _git(work, "commit", "-qam", f"push {n}")
+                _git(work, "add", "-A")
+                _git(work, "commit", "-qm", f"push {n}")
                 started = time.monotonic()
                 _git(work, "push", "-q", remote, "HEAD:refs/heads/main")
                 pushed = time.monotonic() - started
