@@ -36,12 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
-from zattera.v1 import types_pb2 as pb
 
 from services.console.auth import LoginLimiter
 from shared.actions.context import ActionContext
 from shared.actions.gitdeploy import GitDeployFailed, deploy_commit
-from shared.actions.names import find_app, find_project
+from shared.actions.gitmap import app_named, decide_updates
 from shared.actions.refusals import ActionRefused
 from shared.clock import Clock
 from shared.connection import Connection
@@ -52,7 +51,6 @@ from shared.state.reader import StateReader
 log = logging.getLogger(__name__)
 
 GIT_PATH = re.compile(r"^/git/(?P<project>[a-z0-9][a-z0-9-]*)/(?P<app>[a-z0-9][a-z0-9-]*)\.git(?P<rest>/.*)?$")
-ZERO_SHA = re.compile(r"^0+$")
 REALM = 'Basic realm="zattera git", charset="UTF-8"'
 VERIFIED_TTL = 60.0
 """A checked user name and password are taken as valid this long (seconds) without another bcrypt."""
@@ -360,59 +358,8 @@ class GitService:
         return 1 if failed else 0
 
 
-@dataclass(frozen=True, slots=True)
-class Decided:
-    deploys: list[tuple[str, str, str]]
-    """(sha, ref, env name) for each deploy to make, in order."""
-    refusal: str = ""
-
-
-def mapped_branches(view: StateReader, project: str, app: str) -> dict[str, list[str]]:
-    """branch → the names of the app's envs it deploys."""
-    found: dict[str, list[str]] = {}
-    app_msg = _app(view, project, app)
-    if app_msg is None:
-        return found
-    for env in view.envs():
-        if env.app_id == app_msg.meta.id and env.git_branch:
-            found.setdefault(env.git_branch, []).append(env.name)
-    return {branch: sorted(envs) for branch, envs in sorted(found.items())}
-
-
-def describe_mapping(mapping: dict[str, list[str]]) -> str:
-    return ", ".join(f"{b} → {', '.join(envs)}" for b, envs in mapping.items()) or "none"
-
-
-def decide_updates(view: StateReader, project: str, app: str, updates: list[tuple[str, ...]]) -> Decided:
-    """What a push's updates (old sha, new sha, ref) deploy, or why the whole push is refused (a deleted
-    ref, a ref that is not a branch, a branch mapped to no env). Pure over the view."""
-    mapping = mapped_branches(view, project, app)
-    deploys: list[tuple[str, str, str]] = []
-    for _old, new, ref in updates:
-        if ZERO_SHA.match(new):
-            return Decided([], f"zattera: refused: deleting {ref} is not allowed")
-        if not ref.startswith("refs/heads/"):
-            return Decided([], f"zattera: refused: {ref} is not a branch (push a branch: git push zattera main)")
-        branch = branch_of(ref)
-        envs = mapping.get(branch)
-        if not envs:
-            hint = "map one with `zattera git map BRANCH --env E` or git_branch in zattera.toml"
-            return Decided(
-                [],
-                f"zattera: refused: branch {branch!r} deploys to no env of {project}/{app}; "
-                f"mapped branches: {describe_mapping(mapping)} ({hint})",
-            )
-        deploys.extend((new, ref, env) for env in envs)
-    return Decided(deploys)
-
-
-def _app(view: StateReader, project: str, app: str) -> pb.App | None:
-    p = find_project(view, project)
-    return find_app(view, p.meta.id, app) if p is not None else None
-
-
 def _app_exists(view: StateReader, project: str, app: str) -> bool:
-    return _app(view, project, app) is not None
+    return app_named(view, project, app) is not None
 
 
 def _unauthorized(text: str) -> web.Response:

@@ -8,8 +8,8 @@ from zattera.v1 import types_pb2 as pb
 
 from cli.git_cmds import remote_url
 from cli.spec import SpecError, validate
-from services.console.git import _parse_head, decide_updates, mapped_branches
-from shared.actions.gitmap import mapped
+from services.console.git import _parse_head
+from shared.actions.gitmap import decide_updates, mapped, mapped_branches
 from tests.memory_state import MemoryState
 
 SHA = "a" * 40
