@@ -5,16 +5,20 @@ run it at once, and an ending deployment cancels it in the same write."""
 from __future__ import annotations
 
 import pytest
+from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
 from services.orchestrator.model import Timers, deployment_of
+from services.orchestrator.phases import decide
 from services.orchestrator.release import failure_reason, release_job_id
 from shared import jobs as J
 from shared import keys as K
 from shared.clock import stamp
+from shared.txn import Conflict, Writer
 from tests.factories import node
 from tests.orchestrator.rig import copied, deployment, environment, release, replica, spec
 from tests.orchestrator.test_phases import ENV, T0, Board
+from tests.waiting import eventually
 
 PH = pb.DeploymentPhase
 TIMERS = Timers()
@@ -187,3 +191,29 @@ def test_the_timer_wakes_the_loop() -> None:
     b.put(d)
     wake = wake_at(b.view, b.d(), TIMERS)
     assert wake is not None and wake > T0 + TIMERS.releasing_timeout
+
+
+async def test_two_leaders_deciding_the_same_step_create_the_command_once(writer: Writer) -> None:
+    """On real NATS: two decisions made on the same view (a deposed leader and its successor) both create
+    the release job; the second batch is refused whole, so the command runs once."""
+    b = release_board()
+    b.step()  # -> RELEASING
+    d = b.d()
+    await writer.commit(writer.txn().extend(creates=[*b.state.store.all(K.NODE), *_records(b), d]))
+    await eventually(lambda: writer.view.deployment("dep1") is not None, what="the seeded deployment in the view")
+    first = decide(writer.view, d, T0, TIMERS)
+    second = decide(writer.view, d, T0, TIMERS)
+    assert first is not None and second is not None and first.creates and second.creates
+    first_txn, second_txn = first.txn(writer), second.txn(writer)
+    await writer.commit(first_txn)
+    with pytest.raises(Conflict):
+        await writer.commit(second_txn)
+    await eventually(lambda: writer.view.get(K.JOB, release_job_id("dep1")) is not None, what="the job")
+    assert [j.meta.id for j in writer.view.jobs(ENV)] == [release_job_id("dep1")]
+
+
+def _records(b: Board) -> list[Message]:
+    view = b.state.store
+    env = view.env(ENV)
+    assert env is not None
+    return [*view.releases(ENV), env, *view.assignments(ENV)]
