@@ -187,3 +187,11 @@ async def test_wrong_credentials_and_viewers_are_refused(site: Site) -> None:
     viewer = site.push(user="watcher")
     assert viewer.returncode != 0 and "403" in viewer.stderr, viewer.stderr
     assert await site.serves("v3")
+
+
+async def test_zattera_deploy_of_the_checkout_shows_the_release_command_live(site: Site) -> None:
+    sha = site.commit("v4", migrate_ok=True, message="deployed by hand")
+    deployed = site.up.cli("deploy", str(site.work), "--env", ENV)
+    assert "release> migrating" in deployed.stderr and "RELEASING" in deployed.stderr, deployed.stderr
+    assert f"commit {sha[:12]} (main): deployed by hand" in deployed.stderr, deployed.stderr
+    await eventually(lambda: site.serves("v4"), 60, "v4 answers through the proxy")
