@@ -217,3 +217,19 @@ def _records(b: Board) -> list[Message]:
     env = view.env(ENV)
     assert env is not None
     return [*view.releases(ENV), env, *view.assignments(ENV)]
+
+
+def test_a_stateful_env_runs_the_command_before_stopping_its_instance() -> None:
+    from tests.orchestrator.test_phases import stateful_board
+
+    b = stateful_board()
+    for rel_id in ("rel1", "rel2"):
+        rel = copied(b.view.release(rel_id))
+        rel.service.release_command = "migrate"
+        b.put(rel)
+    b.step()
+    assert b.d().phase == PH.DEPLOYMENT_PHASE_RELEASING
+    b.step()
+    finish(b, J.SUCCEEDED, code=0)
+    b.step()
+    assert b.d().phase == PH.DEPLOYMENT_PHASE_STOPPING_OLD
