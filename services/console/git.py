@@ -45,7 +45,7 @@ from shared.actions.refusals import ActionRefused
 from shared.clock import Clock
 from shared.connection import Connection
 from shared.console_users import ADMIN, burn_check, load_user, password_matches
-from shared.gitsource import branch_of, redact
+from shared.gitsource import branch_of, git, redact
 from shared.state.reader import StateReader
 
 log = logging.getLogger(__name__)
@@ -145,20 +145,15 @@ class GitService:
 
     # ------------------------------------------------------------------ repositories
 
-    def repo(self, project: str, app: str) -> Path:
+    async def repo(self, project: str, app: str) -> Path:
         """The app's bare repository, created (and its hook written) when missing."""
         path = self.repos / project / f"{app}.git"
-        if not (path / "HEAD").exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run(["git", "init", "--quiet", "--bare", str(path)], check=True, capture_output=True)
+        if not await asyncio.to_thread((path / "HEAD").exists):
+            await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
+            await git("init", "--quiet", "--bare", str(path))
             for key, value in (("receive.denyDeletes", "true"), ("http.receivepack", "true")):
-                subprocess.run(["git", "config", key, value], cwd=path, check=True, capture_output=True)
-        hook = path / "hooks" / "pre-receive"
-        text = HOOK_SCRIPT.format(python=sys.executable)
-        if not hook.exists() or hook.read_text() != text:
-            hook.parent.mkdir(exist_ok=True)
-            hook.write_text(text)
-            hook.chmod(0o755)
+                await git("config", key, value, cwd=path)
+        await asyncio.to_thread(_write_hook, path / "hooks" / "pre-receive", HOOK_SCRIPT.format(python=sys.executable))
         return path
 
     # ------------------------------------------------------------------ credentials
@@ -223,7 +218,7 @@ class GitService:
         project, app = match["project"], match["app"]
         if not _app_exists(self.view, project, app):
             return web.Response(status=404, text=f"no app {project}/{app} (create it with `zattera apps apply`)\n")
-        repo = await asyncio.to_thread(self.repo, project, app)
+        repo = await self.repo(project, app)
         token = ""
         if pushing and request.method == "POST":
             token = secrets.token_urlsafe(24)
@@ -360,6 +355,13 @@ class GitService:
 
 def _app_exists(view: StateReader, project: str, app: str) -> bool:
     return app_named(view, project, app) is not None
+
+
+def _write_hook(hook: Path, text: str) -> None:
+    if not hook.exists() or hook.read_text() != text:
+        hook.parent.mkdir(exist_ok=True)
+        hook.write_text(text)
+        hook.chmod(0o755)
 
 
 def _unauthorized(text: str) -> web.Response:
