@@ -87,6 +87,7 @@ COMMANDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "scale": ("cli.env_cmds", "scale", {}),
     "envs": ("cli.env_cmds", "envs_app", {}),
     "projects": ("cli.env_cmds", "projects_app", {}),
+    "drains": ("cli.drains_cmds", "drains_app", {}),
     "git": ("cli.git_cmds", "git_app", {}),
 }
 """Every command: name → (module, the Typer group or function there, its registration settings). The order

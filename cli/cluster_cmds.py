@@ -1,7 +1,8 @@
-"""``zattera cluster init`` / ``status`` / ``upgrade``: the one step that creates the streams, buckets and
-object stores and records the cluster configuration, a read-only check of every stream against it, the
-schema and which version leads each loop (docs/cluster.md), and the migrations to this version's schema
-run on demand (docs/upgrades.md; the control plane also runs them at start)."""
+"""``zattera cluster init`` / ``status`` / ``upgrade`` / ``replicas``: the one step that creates the streams,
+buckets and object stores and records the cluster configuration, a read-only check of every stream against
+it, the schema and which version leads each loop (docs/cluster.md), the migrations to this version's schema
+run on demand (docs/upgrades.md; the control plane also runs them at start), and every stream moved to N
+copies once server machines have joined."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.client import OPTIONS, ExitCode, connect_cli, err, fail, nats_url, run
+from shared.actions.replicas import ChangeReplicas, ReplicasChanged, change_replicas
 from shared.connection import Connection
 from shared.directget import last_per_subject
 from shared.jetstream import is_delete_marker
@@ -29,6 +31,7 @@ from shared.provisioning import (
     provision,
     recorded_config,
 )
+from shared.replicas import DEFAULT_TIMEOUT, StreamChanged
 from shared.skew import Component, SkewRefused, judge
 from shared.streams import ClusterConfig
 from shared.subjects import STATE_PREFIX, STATE_STREAM
@@ -239,6 +242,56 @@ def upgrade_cmd(
         render.out.print(f"cluster at schema {result['after']['schema']} (Zattera {result['after']['version']})")
     else:
         render.out.print(f"nothing to do: schema {result['after']['schema']} (Zattera {result['after']['version']})")
+
+
+@cluster_app.command("replicas")
+def replicas_cmd(
+    replicas: int = typer.Argument(..., help="copies of every stream: 1, 3 or 5 (one per server machine)"),
+    timeout: float = typer.Option(
+        DEFAULT_TIMEOUT, "--timeout", min=1, max=1800, help="seconds one stream's copies may take to catch up"
+    ),
+    json: bool = JSON,
+) -> None:
+    """Keep N copies of every stream, bucket and object store (each on another server machine) and record
+    N for what is created later: one deliberate step once server machines have joined (docs/cluster.md).
+    Stream by stream, the state stream last; streams already at N are skipped, so running it again finishes
+    a change cut short."""
+    OPTIONS.json = json
+
+    def shown(done: StreamChanged) -> None:
+        if render.json_mode():
+            return
+        what = f"{done.before} -> {done.after}" if done.changed else f"already {done.after}"
+        err.print(
+            f"{done.stream}: {what}, {done.current} caught up on {', '.join(done.servers) or '-'} "
+            f"({done.seconds:.1f} s)",
+            highlight=False,
+            markup=False,
+        )
+
+    async def go() -> ReplicasChanged:
+        conn = await connect_cli()
+        try:
+            return await change_replicas(conn.nc, ChangeReplicas(replicas, timeout), shown)
+        finally:
+            await conn.close()
+
+    result = run(go)
+    if render.json_mode():
+        render.emit_json(
+            {
+                "replicas": result.replicas,
+                "recorded_before": result.recorded_before,
+                "changed": result.changed,
+                "streams": [asdict(s) for s in result.streams],
+            }
+        )
+        return
+    render.out.print(
+        f"every stream at {result.replicas} copies ({result.changed} changed of {len(result.streams)}); "
+        f"recorded replicas {result.recorded_before} -> {result.replicas}",
+        highlight=False,
+    )
 
 
 def _report_json(report: UpgradeReport) -> dict[str, Any]:

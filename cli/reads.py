@@ -19,6 +19,7 @@ from shared import keys as K
 from shared.actions.names import env_label, env_path, target_env
 from shared.backup.status import BackupStatus, backup_status, describe
 from shared.deployments import desired_replicas, is_terminal, replica_role
+from shared.drain_status import status_lines
 from shared.live import proxy_reports
 from shared.notify_status import failing_channels
 from shared.state.reader import StateReader
@@ -127,6 +128,7 @@ def status(env: str = "", as_json: bool = False) -> None:
 
     backups: list[BackupStatus] = []
     channels: list[str] = []
+    drain_lines: list[tuple[str, bool]] = []
 
     async def go() -> list[dict[str, Any]]:
         async with control() as c:
@@ -138,6 +140,7 @@ def status(env: str = "", as_json: bool = False) -> None:
             urls = urls_by_env(routes, proxy_listeners(proxies), certificates, time.time())
             backups.append(backup_status(c.view))
             channels.extend(failing_channels(c.view))
+            drain_lines.extend(status_lines(c.view))
             return [env_status(c.view, e, urls.get(e.meta.id, [])) for e in envs]
 
     rows = run(go)
@@ -166,6 +169,8 @@ def status(env: str = "", as_json: bool = False) -> None:
             render.out.print(line, markup=False, highlight=False, style="bold red" if "FAILING" in line else None)
     for line in [] if env else channels:  # loud until a delivery succeeds (`zattera notify list`)
         render.out.print(line, markup=False, highlight=False, style="bold red")
+    for text, bad in [] if env else drain_lines:  # `zattera drains list`
+        render.out.print(text, markup=False, highlight=False, style="bold red" if bad else None)
 
 
 def ps(env: str = "", as_json: bool = False, wide: bool = False) -> None:

@@ -74,6 +74,8 @@ class EmbeddedNats:
     """The credential this server presents on its routes (``nats-route://user:password@host:port``)."""
     unique_tag: str = ""
     """JetStream places no two replicas of a stream on servers sharing this tag prefix's value."""
+    server_tags: tuple[str, ...] = ()
+    """This server's tags (``machine:<name>``: the machine it runs on, for :attr:`unique_tag`)."""
     http_host: str = ""
     """Where the monitoring port binds (default :attr:`host`); unauthenticated, so a machine keeps it local."""
     cluster_host: str = ""
@@ -99,6 +101,7 @@ class EmbeddedNats:
             f'listen: "{self.host}:{self.port}"',
             f'http: "{self.http_host or self.host}:{self.http_port}"',
             f"max_payload: {MAX_PAYLOAD}",
+            *([f"server_tags: {json.dumps(list(self.server_tags))}"] if self.server_tags else []),
             "max_pending: 268435456",
             f'jetstream {{ store_dir: "{store}"'
             + (f', unique_tag: "{self.unique_tag}"' if self.unique_tag else "")
@@ -215,13 +218,15 @@ def start_cluster(
     ports: tuple[int, int] | None = None,
     names: list[str] | None = None,
     unique_tag: str = "",
+    tags: list[tuple[str, ...]] | None = None,
 ) -> list[EmbeddedNats]:
     """Start ``size`` local servers forming one JetStream cluster; returns them once all are healthy.
     ``running``: start only the first so many; the others are configured, to be started later
     (``start()``), as servers that join a cluster which formed without them. ``extra_config`` and
     ``routes``: a secured cluster's server configuration (accounts, TLS) and route security. ``host``: the
     address the servers listen on (monitoring stays on 127.0.0.1); ``ports``: the first client and route
-    ports (the next servers take the next ports; default: free ports); ``names``: the servers' names."""
+    ports (the next servers take the next ports; default: free ports); ``names``: the servers' names;
+    ``tags``: each server's tags (``machine:<name>``)."""
     cluster_ports = [ports[1] + i for i in range(size)] if ports else [free_port() for _ in range(size)]
     servers = [
         EmbeddedNats(
@@ -235,6 +240,7 @@ def start_cluster(
             die_with_parent=die_with_parent,
             extra_config=extra_config,
             unique_tag=unique_tag,
+            server_tags=tags[i] if tags else (),
             cluster_extra=routes.cluster_config if routes else "",
             route_user=routes.user if routes else "",
             route_password=routes.password if routes else "",

@@ -168,6 +168,8 @@ KINDS = (
     "notify.test",
     "notify.failing",
     "notify.recovered",
+    "drain.failing",
+    "drain.recovered",
 )
 """Every event kind the platform emits (docs/observability.md has the catalogue; each kind is documented)."""
 

@@ -39,6 +39,8 @@ NOTIFY_STATUS = "notifystatus"
 
 CERT = "cert"
 ACME_ACCOUNT = "acmeaccount"
+LOG_DRAIN = "logdrain"
+LOG_DRAIN_STATUS = "logdrainstatus"
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     NODE: pb.Node,
@@ -65,6 +67,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     NOTIFY_STATUS: pb.NotifyStatus,
     CERT: pb.Certificate,
     ACME_ACCOUNT: pb.AcmeAccount,
+    LOG_DRAIN: pb.LogDrain,
+    LOG_DRAIN_STATUS: pb.LogDrainStatus,
 }
 
 PER_NODE_KINDS = frozenset({ASSIGNMENT, OBSERVED})
@@ -245,3 +249,11 @@ def decode(kind: str, data: bytes) -> Message:
     msg = MESSAGE_TYPES[kind]()
     msg.ParseFromString(data)
     return msg
+
+
+def log_drain(name: str) -> str:
+    return f"{LOG_DRAIN}.{name}"
+
+
+def log_drain_status(name: str) -> str:
+    return f"{LOG_DRAIN_STATUS}.{name}"

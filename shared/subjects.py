@@ -86,3 +86,7 @@ def is_direct_request(msg: Msg) -> bool:
 
 
 JS_API_PREFIX = "$JS.API."
+
+
+CLUSTER_REPLICAS_SUBJECT = "zattera.cluster.replicas"
+"""Operator → join service: every stream's replica count changed, one stream per request (shared/replicas.py)."""

@@ -1,6 +1,7 @@
 """``python -m services.join``: run with the control credential and ``ZATTERA_DATA_DIR`` holding ``security/``.
 
-It opens the CLI's watches (``zattera.watch.open``, shared/watches.py) on every cluster, secured or not. It
+It opens the CLI's watches (``zattera.watch.open``, shared/watches.py) and changes every stream's replica
+count (``zattera.cluster.replicas``, shared/replicas.py) on every cluster, secured or not. It
 reads the agent, builder and proxy scoped signing keys to mint node credentials; on a server machine it
 also re-signs the role accounts for revocations (``zattera nodes remove``) with the machine's trust root.
 """
@@ -12,6 +13,8 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from services.join.settings import MachineSettings
+from shared.replicas import CLUSTER_REPLICAS_SUBJECT
+from shared.replicas import handler as replicas_handler
 from shared.security.authority import RoleIssuer
 from shared.security.join import JoinService
 from shared.security.machine_service import Machines
@@ -35,11 +38,13 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     directory = ctx.settings.data_dir / "security"
     # The CLI's watches are opened here on every cluster, secured or not (shared/watches.py).
     watches = serve_watches(ctx.conn)
+    # `zattera cluster replicas N`: the CLI changes no stream itself (shared/replicas.py).
+    replicas = serve(ctx.conn, CLUSTER_REPLICAS_SUBJECT, replicas_handler(ctx.conn.nc))
     if not (directory / SENTINEL_FILE).exists():
         # An unsecured cluster lets agents connect as they are: no tokens to exchange, no writes to relay; the
         # agents' views are the same consumers as when secured, for the node each request names.
         log.warning("join: no security setup in %s (zattera up --secure makes one): watches and views only", directory)
-        return [watches, serve(ctx.conn, VIEW_OPEN_SUBJECT, open_cluster_view_handler(ctx.conn))]
+        return [watches, replicas, serve(ctx.conn, VIEW_OPEN_SUBJECT, open_cluster_view_handler(ctx.conn))]
     issuers = {role: RoleIssuer.load(directory, role) for role in (Role.AGENT, Role.BUILDER, Role.PROXY)}
     sentinel = (directory / SENTINEL_FILE).read_text().strip()
     # Keys prepared but the server not secured (no credential of our own): nobody has an identity there.
@@ -58,7 +63,7 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
             mesh_ip=machine.mesh_ip,
         )
     service = JoinService(ctx.conn, issuers, sentinel, open_cluster=open_cluster, machines=machines)
-    return [watches, service.run()]
+    return [watches, replicas, service.run()]
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Every replica answers agents' secrets requests and rotations (queue group); replicas share the key file. The
 collector of unused secret versions runs in the holder of ``lease.secrets-gc``, the scheduled backups in the
 holder of ``lease.backups``, the off-site copies of volume snapshots in the holder of
-``lease.snapshot-offsite``, the notifications in the holder of ``lease.notify``.
+``lease.snapshot-offsite``, the notifications in the holder of ``lease.notify``, the log drains in the
+holder of ``lease.drains``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from services.secrets.backups import ScheduledBackups
 from services.secrets.collector import SecretsCollector
+from services.secrets.drains import Drainer, DrainSettings
 from services.secrets.notify import Notifier, NotifySettings
 from services.secrets.offsite import OffsiteSnapshots
 from services.secrets.service import SecretsService
@@ -46,7 +48,24 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
             failing_after=cfg.notify_failing_after,
         ),
     )
-    return [service.run(), ctx.lead(collector), ctx.lead(backups), ctx.lead(offsite), ctx.lead(notifier)]
+    drainer = Drainer(
+        ctx.loop_deps,
+        lambda: service.keyring,
+        settings=DrainSettings(
+            timeout=cfg.drain_timeout,
+            retry_first=cfg.drain_retry_first,
+            retry_most=cfg.drain_retry_most,
+            failing_after=cfg.drain_failing_after,
+        ),
+    )
+    return [
+        service.run(),
+        ctx.lead(collector),
+        ctx.lead(backups),
+        ctx.lead(offsite),
+        ctx.lead(notifier),
+        ctx.lead(drainer),
+    ]
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ SEALED_FIELDS = {
     K.BACKUP_SCHEDULE: SealedField("sealed_credentials"),
     K.VOLUME: SealedField("offsite_sealed_settings", "offsite_key_id", within="snapshot_policy"),
     K.NOTIFY_CHANNEL: SealedField("sealed"),
+    K.LOG_DRAIN: SealedField("sealed"),
 }
 """Each kind holding a value sealed to the cluster key, and where (re-sealed on rotation)."""
 

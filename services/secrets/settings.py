@@ -34,6 +34,16 @@ class SecretsSettings(BaseSettings):
     notify_failing_after: int = Field(default=3, ge=1)
     """Failed attempts in a row after which a channel is FAILING (event ``notify.failing``)."""
 
+    # ---------------------------------------------------------------- log drains (docs/logs.md "Drains")
+    drain_timeout: float = Field(default=10.0, gt=0)
+    """Seconds one delivery to a log drain may take."""
+    drain_retry_first: float = Field(default=1.0, gt=0)
+    """Seconds before a failed drain delivery is tried again (doubling with each failure)."""
+    drain_retry_most: float = Field(default=60.0, gt=0)
+    """The longest pause between two attempts of a drain delivery, seconds."""
+    drain_failing_after: int = Field(default=3, ge=1)
+    """Failed attempts in a row after which a drain is FAILING (event ``drain.failing``)."""
+
     def keyring_path(self, data_dir: Path) -> Path:
         return self.key_file or data_dir / "secrets" / "cluster.key"
 

@@ -52,7 +52,7 @@ from shared.security.permissions import (
     VIEW_OPEN_SUBJECT,
     Role,
 )
-from shared.security.relay import relay_handler
+from shared.security.relay import BATCH_PARTS_SUBJECT, Batches, batch_parts_handler, relay_handler
 from shared.security.views import open_cluster_view_handler, view_open_handler
 
 if TYPE_CHECKING:
@@ -150,6 +150,7 @@ class JoinService:
         self._sentinel_jwt = sentinel_jwt
         self._now = now
         self._kv: KeyValue | None = None
+        self._batches = Batches()
         self.ready = asyncio.Event()
 
     async def run(self) -> None:
@@ -159,6 +160,7 @@ class JoinService:
             await self._conn.nc.subscribe(JOIN_ISSUE_SUBJECT, queue="join", cb=self._answer(self.issue)),
             await self._conn.nc.subscribe(JOIN_REMOVE_SUBJECT, queue="join", cb=self._answer(self.remove)),
             await self._conn.nc.subscribe(VIEW_OPEN_SUBJECT, queue="join", cb=self._view_open()),
+            await self._conn.nc.subscribe(BATCH_PARTS_SUBJECT, cb=batch_parts_handler(self._batches)),
             await self._conn.nc.subscribe(f"{RELAY_PREFIX}>", queue="relay", cb=self._relay()),
         ]
         await self._conn.nc.flush()
@@ -184,7 +186,7 @@ class JoinService:
         return view_open_handler(self._conn, agents_account=self._agents_account(), agent_issuers=issuers)
 
     def _relay(self) -> Callable[[Msg], Any]:
-        return relay_handler(self._conn, self._agents_account())
+        return relay_handler(self._conn, self._agents_account(), self._batches)
 
     def _answer(self, handler: Callable[[dict[str, Any]], Any]) -> Callable[[Msg], Any]:
         async def callback(msg: Msg) -> None:

@@ -30,6 +30,7 @@ from shared.subjects import (
     ACTIVATE_SUBJECT,
     BUILD_EVENTS_STREAM,
     BUILD_LOGS_STREAM,
+    CLUSTER_REPLICAS_SUBJECT,
     EVENTS_STREAM,
     EVENTS_SUBJECT_PREFIX,
     IMAGES_STORE,
@@ -175,6 +176,7 @@ OPERATOR = Permissions(
         ROUTES_GET_SUBJECT,
         JOIN_ISSUE_SUBJECT,
         JOIN_REMOVE_SUBJECT,
+        CLUSTER_REPLICAS_SUBJECT,  # `zattera cluster replicas N`
         WATCH_OPEN_SUBJECT,  # its watches: pull consumers control creates (it creates none)
         ROTATE_SUBJECT,  # `zattera secrets rotate-key`
         f"$KV.{USERS_BUCKET}.>",  # `zattera console add-user|remove-user` (the console creates the bucket)

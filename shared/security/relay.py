@@ -8,6 +8,12 @@ credential) republishes the value with only the headers a key write needs, and r
 (ack or error) unchanged. An agent's ``observed``/``node`` key must be its own node's
 (``Nats-Request-Info``), and nobody but the services writes a lease: the permissions already say so, this
 checks it once more. A message without caller identity did not come through an import and is refused.
+
+Every join service relays (queue group ``relay``), so the messages of one atomic batch reach different
+relays. The stream needs a batch's messages in order on one connection, so a relay does not publish a
+batch's inner message itself: it passes it, checked, to every relay (``zattera.relaybatch``, inside
+``ZATTERA``), and the relay that gets the commit publishes the whole batch in order once it holds every
+message before it (:class:`Batches`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import nats
 from nats.aio.msg import Msg
@@ -45,6 +53,64 @@ the node's own keys (each message checked here), the trace. Not ``Nats-Rollup``,
 ``Nats-Expected-Last-Sequence`` nor anything else."""
 RELAY_TIMEOUT = 5.0
 OWN_NODE_KINDS = ("observed", "node")
+BATCH_PARTS_SUBJECT = "zattera.relaybatch"
+"""Where a relay passes a batch's checked inner messages to every relay (never exported: only control)."""
+PART_SUBJECT_HEADER = "Zattera-Relay-Subject"
+PART_CALLER_HEADER = "Zattera-Relay-Caller"
+BATCH_WAIT = 3.0
+"""How long the relay holding a batch's commit waits for the messages before it (then: refused, incomplete)."""
+BATCH_KEEP = 30.0
+"""How long a batch's messages are kept without their commit (a writer that died mid-batch)."""
+
+
+@dataclass
+class _Batch:
+    parts: dict[int, tuple[str, bytes, dict[str, str]]] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    since: float = field(default_factory=time.monotonic)
+
+
+class Batches:
+    """The inner messages of atomic batches in flight, by (caller, batch id), as every relay received them."""
+
+    def __init__(self) -> None:
+        self._batches: dict[tuple[str, str], _Batch] = {}
+
+    def _batch(self, key: tuple[str, str]) -> _Batch:
+        now = time.monotonic()
+        for old in [k for k, b in self._batches.items() if now - b.since > BATCH_KEEP]:
+            del self._batches[old]
+        return self._batches.setdefault(key, _Batch())
+
+    def add(self, msg: Msg) -> None:
+        """A checked inner message another relay (or this one) passed on."""
+        headers = dict(msg.headers or {})
+        subject, who = headers.pop(PART_SUBJECT_HEADER, ""), headers.pop(PART_CALLER_HEADER, "")
+        try:
+            seq = int(headers.get("Nats-Batch-Sequence", ""))
+        except ValueError:
+            return
+        batch = self._batch((who, headers.get("Nats-Batch-Id", "")))
+        batch.parts[seq] = (subject, msg.data, headers)
+        batch.changed.set()
+
+    async def before(self, who: str, batch_id: str, commit_seq: int) -> list[tuple[str, bytes, dict[str, str]]] | None:
+        """The messages 1 … ``commit_seq`` - 1 of a batch, in order, once all arrived; None after :data:`BATCH_WAIT`."""
+        key = (who, batch_id)
+        batch = self._batch(key)
+        deadline = time.monotonic() + BATCH_WAIT
+        while any(seq not in batch.parts for seq in range(1, commit_seq)):
+            batch.changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._batches.pop(key, None)
+                return None
+            try:
+                await asyncio.wait_for(batch.changed.wait(), left)
+            except TimeoutError:
+                continue
+        self._batches.pop(key, None)
+        return [batch.parts[seq] for seq in range(1, commit_seq)]
 
 
 def _refusal(description: str) -> bytes:
@@ -70,8 +136,18 @@ def relayed_write(
     return key_subject, kept
 
 
-def relay_handler(conn: Connection, agents_account: str) -> Callable[[Msg], Awaitable[None]]:
+def relay_handler(
+    conn: Connection, agents_account: str, batches: Batches | None = None
+) -> Callable[[Msg], Awaitable[None]]:
+    """The relay's handler of ``zattera.relay.>``; ``batches``: the batch messages this relay holds (filled by
+    :func:`batch_parts_handler` on :data:`BATCH_PARTS_SUBJECT`)."""
     pending: set[asyncio.Task[None]] = set()
+    held = batches if batches is not None else Batches()
+
+    def background(work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        pending.add(task)
+        task.add_done_callback(pending.discard)
 
     async def on_write(msg: Msg) -> None:
         who = caller(msg)
@@ -88,15 +164,37 @@ def relay_handler(conn: Connection, agents_account: str) -> Callable[[Msg], Awai
             if answerable(msg):
                 await conn.nc.publish(msg.reply, _refusal(outcome))
             return
+        assert who is not None
         subject, headers = outcome
-        if not answerable(msg):  # fire and forget (a batch's inner messages): nothing to answer
-            await conn.nc.publish(subject, msg.data, headers=headers or None)
+        batch_id = headers.get("Nats-Batch-Id", "")
+        if not answerable(msg):  # fire and forget: a batch's inner message, passed to every relay
+            if batch_id:
+                part = headers | {PART_SUBJECT_HEADER: subject, PART_CALLER_HEADER: who.user}
+                await conn.nc.publish(BATCH_PARTS_SUBJECT, msg.data, headers=part)
+            else:
+                await conn.nc.publish(subject, msg.data, headers=headers or None)
             return
         # The server never lets a client publish with an ``_R_.`` reply, so the stream's answer comes here
         # and goes on to the agent. Each in its own task: one slow answer does not hold the others back.
-        task = asyncio.create_task(forward(msg.reply, subject, msg.data, headers))
-        pending.add(task)
-        task.add_done_callback(pending.discard)
+        if batch_id:
+            background(commit(msg.reply, who.user, subject, msg.data, headers))
+        else:
+            background(forward(msg.reply, subject, msg.data, headers))
+
+    async def commit(reply: str, who: str, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        try:
+            count = int(headers.get("Nats-Batch-Sequence", ""))
+        except ValueError:
+            await conn.nc.publish(reply, _refusal("Nats-Batch-Sequence must be a number"))
+            return
+        parts = await held.before(who, headers["Nats-Batch-Id"], count)
+        if parts is None:
+            log.warning("relay: batch %s incomplete: its messages did not all arrive", headers["Nats-Batch-Id"])
+            await conn.nc.publish(reply, _refusal("atomic publish batch is incomplete at the relay"))
+            return
+        for part_subject, part_data, part_headers in parts:
+            await conn.nc.publish(part_subject, part_data, headers=part_headers)
+        await forward(reply, subject, data, headers)
 
     async def forward(reply: str, subject: str, data: bytes, headers: dict[str, str]) -> None:
         try:
@@ -107,3 +205,12 @@ def relay_handler(conn: Connection, agents_account: str) -> Callable[[Msg], Awai
         await conn.nc.publish(reply, answer.data, headers=answer.headers)
 
     return on_write
+
+
+def batch_parts_handler(batches: Batches) -> Callable[[Msg], Awaitable[None]]:
+    """Every relay's handler of :data:`BATCH_PARTS_SUBJECT` (no queue group: each relay keeps every part)."""
+
+    async def on_part(msg: Msg) -> None:
+        batches.add(msg)
+
+    return on_part

@@ -1,7 +1,8 @@
 """A cluster of machines, each a network namespace running what ``zattera up`` runs there (``--secure
 --tls``): the first server machine, a worker joined with one command, every bad join refused in one line with
-nothing left behind, app traffic between machines inside WireGuard, a second server machine joined with one
-command, and a removed worker's credential dead on every server."""
+nothing left behind, app traffic between machines inside WireGuard, two more server machines joined with one
+command each, every stream moved to three copies on three machines, and a removed worker's credential dead on
+every server."""
 
 from __future__ import annotations
 
@@ -17,36 +18,10 @@ import pytest
 
 from shared.security.machines import MachineToken
 from tests.multinode.harness import Machine, Network
+from tests.multinode.machines import cli_env, nodes, servers, token
 from tests.waiting import eventually_sync
 
 PAYLOAD = "zattera-plaintext-canary-7f3c"
-
-
-def cli_env(server: Machine) -> dict[str, str]:
-    security = server.data_dir / "control" / "security"
-    return {
-        "ZATTERA_NATS_URL": f"nats://{server.address}:4222",
-        "ZATTERA_NATS_CREDS": str(security / "creds" / "operator.creds"),
-        "ZATTERA_NATS_TLS_CA": str(security / "tls" / "ca.pem"),
-    }
-
-
-def nodes(server: Machine) -> dict[str, dict[str, object]]:
-    done = server.zattera("nodes", "list", "--json", env=cli_env(server))
-    if done.returncode != 0:
-        return {}
-    return {n["meta"]["id"]: n for n in json.loads(done.stdout)}
-
-
-def servers(server: Machine) -> int:
-    """How many NATS servers the cluster has, as ``zattera cluster status`` counts them."""
-    done = server.zattera("cluster", "status", "--json", env=cli_env(server))
-    return int(json.loads(done.stdout)["servers"]) if done.returncode == 0 else 0
-
-
-def token(server: Machine, *args: str) -> str:
-    done = server.zattera("nodes", "join-token", *args, env=cli_env(server), check=True)
-    return done.stdout.strip()
 
 
 def join_refused(machine: Machine, token_text: str, name: str) -> str:
@@ -180,6 +155,32 @@ def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_cr
     )
     eventually_sync(lambda: "m2" in nodes(m1), timeout=150, what="the second server machine registers its node")
     eventually_sync(lambda: servers(m1) == 4, timeout=60, what="m2's NATS server in the cluster (3 seats and m2's)")
+
+    # A third server machine, then every stream to three copies, one per machine (the seats count as one).
+    m3 = network.add("m3")
+    m3.start(
+        "--join",
+        token(m1, "--server", "--data-dir", str(m1.data_dir)),
+        "--server",
+        "--name",
+        "m3",
+        "--advertise",
+        m3.address,
+        *common,
+    )
+    eventually_sync(lambda: "m3" in nodes(m1), timeout=150, what="the third server machine registers its node")
+    eventually_sync(lambda: servers(m1) == 5, timeout=60, what="m3's NATS server in the cluster")
+    five = m1.zattera("cluster", "replicas", "5", env=cli_env(m1))
+    assert five.returncode == 1 and "fewer than 5 server machines" in five.stderr, five.stderr
+    moved = m1.zattera("cluster", "replicas", "3", "--json", env=cli_env(m1))
+    assert moved.returncode == 0, moved.stderr
+    report = json.loads(moved.stdout)
+    assert report["replicas"] == 3 and report["streams"], report
+    for stream in report["streams"]:
+        placed = {name.partition("-seat")[0] for name in stream["servers"]}
+        assert stream["current"] == 3 and placed == {"m1", "m2", "m3"}, stream
+    status = json.loads(m1.zattera("cluster", "status", "--json", env=cli_env(m1), check=True).stdout)
+    assert status["config"]["replicas"] == 3 and not status["mismatches"], status
 
     # Removal: the worker's credentials stop working on every server.
     creds = w1.data_dir / "agent" / "node.creds"  # the node's own, apart from the control plane's (cli/layout.py)

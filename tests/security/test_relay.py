@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -9,6 +10,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from shared.connection import Connection, connect
 from shared.ids import new_id
+from shared.security.authority import RoleIssuer
 from shared.security.join import JoinService
 from shared.security.permissions import Role
 from shared.security.relay import relayed_write
@@ -157,3 +159,37 @@ async def test_a_write_without_caller_identity_is_refused(
     for subject in (key, f"{STATE_PREFIX}assignment.n2.no-caller"):
         with pytest.raises(NotFoundError):
             await control.js.get_last_msg(STATE_STREAM, subject)
+
+
+async def test_a_batch_spread_over_several_relays_lands_whole(
+    secure: SecureCluster, control: Connection, join_service: JoinService
+) -> None:
+    """Every join service relays (one queue group): a batch's messages reach different relays, and the one that
+    gets the commit publishes the whole batch in order."""
+    directory = secure.setup.directory
+    issuers = {role: RoleIssuer.load(directory, role) for role in (Role.AGENT, Role.BUILDER)}
+    others = [await connect(secure.url, name=f"control-{i}", creds=str(secure.setup.control_creds)) for i in range(2)]
+    services = [JoinService(conn, issuers, secure.setup.sentinel_jwt()) for conn in others]
+    tasks = [asyncio.create_task(service.run()) for service in services]
+    agent = await connect(secure.url, name="agent", creds=secure.creds(Role.AGENT, NODE))
+    try:
+        for service in services:
+            await asyncio.wait_for(service.ready.wait(), 10)
+        for round_ in range(20):
+            batch, size = new_id(), 12
+            keys = [f"{STATE_PREFIX}observed.{NODE}.spread{round_}-{i}" for i in range(size)]
+            for seq, key in enumerate(keys[:-1], start=1):
+                headers = {"Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(seq)}
+                await agent.nc.publish(key, f"{round_}.{seq}".encode(), headers=headers)
+            commit = {"Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(size), "Nats-Batch-Commit": "1"}
+            reply = json.loads((await agent.nc.request(keys[-1], b"last", headers=commit, timeout=10)).data)
+            assert reply.get("count") == size, (round_, reply)
+            for seq, key in enumerate(keys[:-1], start=1):
+                assert (await control.js.get_last_msg(STATE_STREAM, key)).data == f"{round_}.{seq}".encode()
+    finally:
+        await agent.close()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for conn in others:
+            await conn.close()

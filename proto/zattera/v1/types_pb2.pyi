@@ -3093,3 +3093,166 @@ class NotifyStatus(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NotifyStatus: _TypeAlias = NotifyStatus  # noqa: Y015
+
+@_typing.final
+class LogDrain(_message.Message):
+    """LogDrain ships app logs (and optionally platform events) to a receiver (key `logdrain.<name>`,
+    docs/logs.md "Drains"), written by `zattera drains add`. Its URL and headers are sealed together (SealedBox,
+    JSON {"url", "headers", "ca"}) to the cluster secrets key `key_id`: only the secrets service, which delivers,
+    opens them. `url_shown` is scheme://host:port (never credentials, path or query).
+    invented (issue 38)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    SCHEME_FIELD_NUMBER: _builtins.int
+    SEALED_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    URL_SHOWN_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    START_AT_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """the environment whose logs it ships ("" with project_id)"""
+    project_id: _builtins.str
+    """every environment of this project ("" with environment_id)"""
+    scheme: _builtins.str
+    """syslog+tls | https | http | otlp | otlp+http | otlp+https"""
+    sealed: _builtins.bytes
+    """JSON {"url", "headers", "ca"}, SealedBox to the cluster key"""
+    key_id: _builtins.str
+    """SecretsKey.key_id `sealed` is sealed to"""
+    url_shown: _builtins.str
+    """scheme://host[:port] (no credentials, path or query)"""
+    events: _builtins.bool
+    """also the platform events of its environment(s)"""
+    @_builtins.property
+    def meta(self) -> Global___Meta:
+        """id = the drain's name"""
+
+    @_builtins.property
+    def start_at(self) -> _timestamp_pb2.Timestamp:
+        """lines stored from this time on are shipped"""
+
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        environment_id: _builtins.str = ...,
+        project_id: _builtins.str = ...,
+        scheme: _builtins.str = ...,
+        sealed: _builtins.bytes = ...,
+        key_id: _builtins.str = ...,
+        url_shown: _builtins.str = ...,
+        events: _builtins.bool = ...,
+        start_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "start_at", b"start_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id", "events", b"events", "key_id", b"key_id", "meta", b"meta", "project_id", b"project_id", "scheme", b"scheme", "sealed", b"sealed", "start_at", b"start_at", "url_shown", b"url_shown"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogDrain: _TypeAlias = LogDrain  # noqa: Y015
+
+@_typing.final
+class LogDrainSource(_message.Message):
+    """LogDrainSource is a drain's cursor in one stream (a log stream of one environment, or ZATTERA_EVENTS).
+    invented (issue 38)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    DELIVERED_SEQ_FIELD_NUMBER: _builtins.int
+    LAST_SEQ_FIELD_NUMBER: _builtins.int
+    DROPPED_MESSAGES_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    """ZATTERA_LOGS_<env id> | ZATTERA_EVENTS"""
+    delivered_seq: _builtins.int
+    """every message up to this stream sequence was delivered (or dropped)"""
+    last_seq: _builtins.int
+    """the stream's last sequence when the status was written"""
+    dropped_messages: _builtins.int
+    """messages retention removed before delivery"""
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+        delivered_seq: _builtins.int = ...,
+        last_seq: _builtins.int = ...,
+        dropped_messages: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivered_seq", b"delivered_seq", "dropped_messages", b"dropped_messages", "last_seq", b"last_seq", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogDrainSource: _TypeAlias = LogDrainSource  # noqa: Y015
+
+@_typing.final
+class LogDrainStatus(_message.Message):
+    """LogDrainStatus is how delivery to a drain goes (key `logdrainstatus.<name>`), written by the leader of
+    lease `drains` (secrets service).
+    invented (issue 38)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    SOURCES_FIELD_NUMBER: _builtins.int
+    DELIVERED_LINES_FIELD_NUMBER: _builtins.int
+    DROPPED_MESSAGES_FIELD_NUMBER: _builtins.int
+    DROPPED_LINES_FIELD_NUMBER: _builtins.int
+    LAG_MESSAGES_FIELD_NUMBER: _builtins.int
+    LAST_DELIVERED_AT_FIELD_NUMBER: _builtins.int
+    FAILING_FIELD_NUMBER: _builtins.int
+    FAILING_SINCE_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    delivered_lines: _builtins.int
+    """lines (and events) delivered in all"""
+    dropped_messages: _builtins.int
+    """log messages (batches of lines) retention removed undelivered"""
+    dropped_lines: _builtins.int
+    """lines in them, estimated from the mean lines per message"""
+    lag_messages: _builtins.int
+    """messages stored but not delivered yet"""
+    failing: _builtins.bool
+    failures: _builtins.int
+    """consecutive failed attempts"""
+    last_error: _builtins.str
+    """why the last attempt failed (no credential in it)"""
+    @_builtins.property
+    def meta(self) -> Global___Meta: ...
+    @_builtins.property
+    def sources(self) -> _containers.RepeatedCompositeFieldContainer[Global___LogDrainSource]: ...
+    @_builtins.property
+    def last_delivered_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def failing_since(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        meta: Global___Meta | None = ...,
+        sources: _abc.Iterable[Global___LogDrainSource] | None = ...,
+        delivered_lines: _builtins.int = ...,
+        dropped_messages: _builtins.int = ...,
+        dropped_lines: _builtins.int = ...,
+        lag_messages: _builtins.int = ...,
+        last_delivered_at: _timestamp_pb2.Timestamp | None = ...,
+        failing: _builtins.bool = ...,
+        failing_since: _timestamp_pb2.Timestamp | None = ...,
+        failures: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["failing_since", b"failing_since", "last_delivered_at", b"last_delivered_at", "meta", b"meta"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivered_lines", b"delivered_lines", "dropped_lines", b"dropped_lines", "dropped_messages", b"dropped_messages", "failing", b"failing", "failing_since", b"failing_since", "failures", b"failures", "lag_messages", b"lag_messages", "last_delivered_at", b"last_delivered_at", "last_error", b"last_error", "meta", b"meta", "sources", b"sources"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogDrainStatus: _TypeAlias = LogDrainStatus  # noqa: Y015
