@@ -88,8 +88,8 @@ COMMANDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "envs": ("cli.env_cmds", "envs_app", {}),
     "projects": ("cli.env_cmds", "projects_app", {}),
     "drains": ("cli.drains_cmds", "drains_app", {}),
-    "git": ("cli.githook_cmds", "git_app", {}),
     "audit": ("cli.audit_cmds", "audit", {}),
+    "git": ("cli.git_cmds", "git_app", {}),
 }
 """Every command: name → (module, the Typer group or function there, its registration settings). The order
 is the order of ``zattera --help``."""

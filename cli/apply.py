@@ -203,6 +203,8 @@ def plan(view: StateReader, writer: Writer, spec: AppSpec, now: float | None = N
             new_env.logs.max_bytes = int(env_spec.logs.max_bytes)
         if env_spec.logs.max_age:
             new_env.logs.max_age.CopyFrom(to_duration(env_spec.logs.max_age))
+        if env_spec.git_branch:  # absent: left as `zattera git map` set it
+            new_env.git_branch = env_spec.git_branch
         if env is None and env_spec.scale_to_zero:
             new_env.effective_replicas = max(env_spec.replicas.min, 1)
         _stamp(new_env.meta, now, new=env is None)

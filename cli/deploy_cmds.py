@@ -14,12 +14,13 @@ from cli import render
 from cli.client import control, err, fail, run
 from cli.options import JSON, WIDE, env_or_fail, set_output
 from cli.render import Col
-from shared.actions.deploys import CancelDeployment, Deploy, Rollback, cancel_deployment
+from shared.actions.deploys import CancelDeployment, Deploy, GitCommit, Rollback, cancel_deployment
 from shared.actions.deploys import deploy as deploy_action
 from shared.actions.deploys import rollback as rollback_action
 from shared.actions.names import env_label, env_path
 from shared.deploy import DeployError
 from shared.deploysource import SourceRefused, default_env, inspect_source, mismatch
+from shared.gitsource import head_commit
 from shared.state.reader import StateReader
 from shared.telemetry import span
 
@@ -139,7 +140,25 @@ def deploy(
                     raise fail(str(exc)) from None
                 digest = await upload(c.conn, data)
                 err.print(f"uploaded source {digest[:19]}… ({len(data):,} bytes)")
-                request = Deploy(target.meta.id, tarball_digest=digest)
+                head = head_commit(source)  # DIR is a git checkout: the release records its HEAD commit
+                commit = (
+                    GitCommit(
+                        head.sha,
+                        branch=head.branch,
+                        ref=f"refs/heads/{head.branch}" if head.branch else "",
+                        author=head.author,
+                        message=head.message,
+                    )
+                    if head is not None
+                    else None
+                )
+                if head is not None:
+                    err.print(
+                        f"commit {head.sha[:12]} ({head.branch or 'detached'}): {commit_subject(head.message)}",
+                        highlight=False,
+                        markup=False,
+                    )
+                request = Deploy(target.meta.id, tarball_digest=digest, commit=commit)
             try:
                 done = await deploy_action(c.actions, request)
             except DeployError as exc:
@@ -156,6 +175,12 @@ def deploy(
         _watch(deployment_id, until_done=False)
     else:
         print(deployment_id)
+
+
+def commit_subject(message: str, limit: int = 72) -> str:
+    """A commit message's first line, cut to ``limit`` characters."""
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    return first if len(first) <= limit else first[: limit - 1] + "…"
 
 
 def replaced(view: StateReader, target: pb.Environment, source_app: str) -> str:
@@ -230,13 +255,26 @@ def releases(env: str = typer.Option(..., "--env"), json: bool = JSON, wide: boo
                 return
             render.table(
                 f"releases of {env_path(c.view, target)}",
-                ["version", "id", "image", "config", "created", "active"],
+                [
+                    "version",
+                    "id",
+                    "image",
+                    "config",
+                    "commit",
+                    "author",
+                    Col("message", wrap=True),
+                    "created",
+                    "active",
+                ],
                 [
                     [
                         f"v{r.version}",
                         r.meta.id,
                         r.image_ref or "(building)",
                         f"v{r.service.config_version}",
+                        r.source.git_sha[:12],
+                        r.source.git_author,
+                        commit_subject(r.source.git_message),
                         render.ts(r.meta.created_at),
                         "*" if r.meta.id == target.active_release_id else "",
                     ]

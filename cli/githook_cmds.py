@@ -27,11 +27,10 @@ from shared.githooks import PROVIDERS
 R = TypeVar("R")
 T = TypeVar("T")
 
-git_app = typer.Typer(no_args_is_help=True, help="Deploys from git (docs/git.md).")
 hook_app = typer.Typer(
     no_args_is_help=True, help="Webhooks from GitHub, GitLab and Gitea: push → deploy, pull request → preview."
 )
-git_app.add_typer(hook_app, name="hook")
+"""``zattera git hook …`` (a group of :data:`cli.git_cmds.git_app`)."""
 
 
 def _on_cluster(action: Callable[[ActionContext, R], Awaitable[T]], request: R) -> T:

@@ -214,7 +214,7 @@ def list_jobs(
                     (
                         j.meta.id,
                         env_label(c.view, j.environment_id),
-                        j.cron_name or "(run)",
+                        j.cron_name or ("(release)" if j.deployment_id else "(run)"),
                         render.ts(j.slot_at),
                         J.status_name(j.status),
                         j.attempt,

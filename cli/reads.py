@@ -28,6 +28,17 @@ from shared.urls import proxy_listeners, urls_by_env
 UP_STATES = frozenset({pb.INSTANCE_STATE_RUNNING, pb.INSTANCE_STATE_HEALTHY, pb.INSTANCE_STATE_UNHEALTHY})
 
 
+def commit_of(release: pb.Release | None) -> dict[str, str]:
+    """The git commit a release was built from (empty strings when not from git; docs/git.md)."""
+    source = release.source if release is not None else pb.ReleaseSource()
+    return {
+        "sha": source.git_sha,
+        "ref": source.git_ref or (f"refs/heads/{source.git_branch}" if source.git_branch else ""),
+        "author": source.git_author,
+        "message": source.git_message,
+    }
+
+
 def env_status(view: StateReader, env: pb.Environment, urls: list[str]) -> dict[str, Any]:
     """One env's overview: where it answers (``urls``: :func:`shared.urls.urls_by_env`), what runs, whether it
     is warm, how its last deploy went.
@@ -54,6 +65,7 @@ def env_status(view: StateReader, env: pb.Environment, urls: list[str]) -> dict[
             "phase": render.enum_name(pb.DeploymentPhase, last.phase, "DEPLOYMENT_PHASE_"),
             "created_at": render.ts(last.meta.created_at),
             "error": last.error,
+            "commit": commit_of(last_release)["sha"][:12],
         }
     return {
         "env": env_path(view, env),
@@ -62,6 +74,7 @@ def env_status(view: StateReader, env: pb.Environment, urls: list[str]) -> dict[
         "urls": urls,
         "active_release": f"v{release.version}" if release else "",
         "active_release_id": env.active_release_id,
+        "commit": commit_of(release),
         "desired": desired,
         "running": sum(1 for a in replicas if a.observed.state in UP_STATES),
         "healthy": sum(1 for a in replicas if a.observed.state == pb.INSTANCE_STATE_HEALTHY),
@@ -141,7 +154,7 @@ def status(env: str = "", as_json: bool = False) -> None:
             [
                 row["env"],
                 "\n".join(row["urls"]) or "-",
-                row["active_release"] or "-",
+                " ".join(x for x in (row["active_release"], row["commit"]["sha"][:12]) if x) or "-",
                 row["desired"],
                 row["running"],
                 row["healthy"],

@@ -30,6 +30,9 @@ Example::
     [env.production.vars]         # plain environment variables (secrets: `zattera secrets set`)
     LOG_LEVEL = "info"
 
+    release_command = "python manage.py migrate"   # once per deploy, before the release serves (docs/git.md)
+    git_branch = "main"           # `git push` of this branch deploys here (docs/git.md)
+
     [[env.production.cron]]       # a scheduled command (docs/jobs.md)
     name = "nightly-report"
     schedule = "CRON_TZ=Europe/Rome 30 2 * * *"   # or @daily, @every 10m
@@ -78,6 +81,7 @@ from pydantic import (
 from shared.actions.volumes import PolicyChange
 from shared.appconfig import ConfigError, check_env_size, check_var
 from shared.errors import ZatteraError
+from shared.gitsource import branch_problem
 from shared.jobs import DEFAULT_DEADLINE, MAX_RETRIES, CommandError, check_command
 from shared.schedule import validate_schedule
 
@@ -355,6 +359,8 @@ class Env(_Model):
     logs: Logs = Logs()
     network: Network = Network()
     cron: list[CronEntry] = Field(default_factory=list)
+    release_command: str = Field(default="", description="run once per deploy before the new release serves")
+    git_branch: str = Field(default="", description="pushes of this branch to the app's git remote deploy here")
 
     read_only_root: Flag = Field(default=False, description="docker runtime: a read-only root filesystem")
 
@@ -367,6 +373,23 @@ class Env(_Model):
         duplicate = next((name for name in names if names.count(name) > 1), None)
         if duplicate is not None:
             raise ValueError(f"cron entry names must be unique ({duplicate!r} is used twice)")
+        return value
+
+    @field_validator("release_command")
+    @classmethod
+    def _release_command(cls, value: str) -> str:
+        if not value:
+            return value
+        try:
+            return check_command(value)
+        except CommandError as exc:
+            raise ValueError(exc.problem) from None
+
+    @field_validator("git_branch")
+    @classmethod
+    def _git_branch(cls, value: str) -> str:
+        if value and (problem := branch_problem(value)):
+            raise ValueError(problem)
         return value
 
     @field_validator("vars")

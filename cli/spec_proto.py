@@ -26,6 +26,7 @@ def service_spec(spec: AppSpec, env: Env) -> pb.ServiceSpec:
         stateful=env.stateful,
         command=env.command or spec.run.command,
         read_only_root=env.read_only_root,
+        release_command=env.release_command,
     )
     s.replicas.min = env.replicas.min
     s.replicas.max = env.replicas.max

@@ -15,9 +15,11 @@ from zattera.v1 import types_pb2 as pb
 from cli.client import control, err
 from cli.render import enum_name
 from shared import keys as K
+from shared.applogs import AppLogLine
 from shared.clock import RealClock
 from shared.connection import Connection
 from shared.deployments import desired_replicas, is_terminal
+from shared.deploywatch import ReleaseOutput, release_job
 from shared.live import LiveView
 from shared.routeclient import RouteClient
 from shared.routewire import cluster_text, same_cluster
@@ -49,10 +51,11 @@ def _replicas(view: StateReader, d: pb.Deployment) -> str:
 
 async def watch_deployment(deployment_id: str, *, until_done: bool) -> int:
     async with control(follow=True) as c:
-        feed = c.view.subscribe({K.DEPLOYMENT, K.ASSIGNMENT, K.BUILD})
+        feed = c.view.subscribe({K.DEPLOYMENT, K.ASSIGNMENT, K.BUILD, K.JOB})
         started = time.monotonic()
         last = ""
         log_task: asyncio.Task[None] | None = None
+        release_output: ReleaseOutput | None = None
         try:
             while True:
                 d = c.view.deployment(deployment_id)
@@ -65,18 +68,28 @@ async def watch_deployment(deployment_id: str, *, until_done: bool) -> int:
                     last = line
                 if d.build_id and log_task is None:  # seen at BUILDING or later: the stored log is replayed
                     log_task = asyncio.create_task(_stream_build_log(c.conn, d.build_id))
+                job = release_job(c.view, d)
+                if job is not None and job.assignment_id and release_output is None:  # the release command
+                    release_output = ReleaseOutput(c.conn, d.environment_id, job.assignment_id, _print_release_line)
                 if d.phase == pb.DEPLOYMENT_PHASE_FAILED or (
                     is_terminal(d.phase) and d.phase != pb.DEPLOYMENT_PHASE_SUCCEEDED
                 ):
                     await _build_log_printed(log_task)
+                    if release_output is not None:
+                        await release_output.finish()
                     err.print(f"[red]deployment {_phase(d).lower()}[/]: {d.error or 'no reason recorded'}")
                     return 1
                 if d.phase == pb.DEPLOYMENT_PHASE_SUCCEEDED or (d.phase in _LIVE and not until_done):
                     await _build_log_printed(log_task)
+                    if release_output is not None:
+                        await release_output.finish()
+                        release_output = None
                     return await until_served(c.conn, c.view, d, started)
                 await feed.wait(timeout=5.0)
         finally:
             feed.close()
+            if release_output is not None:
+                release_output.cancel()
             if log_task is not None:
                 log_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -181,6 +194,10 @@ watch began is replayed from the stream; its end marker ends the wait at once)."
 async def _build_log_printed(log_task: asyncio.Task[None] | None) -> None:
     if log_task is not None and not log_task.done():
         await asyncio.wait({log_task}, timeout=BUILD_LOG_WAIT)
+
+
+def _print_release_line(line: AppLogLine) -> None:
+    err.print(f"  [dim]release>[/] {escape(line.line)}", highlight=False)
 
 
 async def _stream_build_log(conn: object, build_id: str) -> None:

@@ -48,6 +48,10 @@ NO_PREVIOUS_RELEASE = "no previous release to roll back to"
 TARGET_NOT_IN_ENV = "target release not found in this environment"
 DEPLOYMENT_NOT_FOUND = "deployment not found"
 
+MAX_GIT_MESSAGE = 4096
+"""A commit message is recorded up to this many characters (the release travels on every assignment read)."""
+MAX_GIT_AUTHOR = 256
+
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _MAX_IMAGE_REF = 512
 
@@ -183,8 +187,12 @@ class Deployer:
         build_type: int = pb.BUILD_TYPE_UNSPECIFIED,
         git_sha: str = "",
         git_branch: str = "",
+        git_message: str = "",
+        git_author: str = "",
+        git_ref: str = "",
     ) -> Created:
-        """Deploy uploaded source: a QUEUED build, a release without image, a deployment waiting on the build."""
+        """Deploy uploaded source: a QUEUED build, a release without image, a deployment waiting on the build.
+        ``git_*``: the commit the source is (recorded on the release; docs/git.md)."""
         _check_id("environment_id", environment_id)
         if not _DIGEST_RE.match(tarball_digest):
             raise InvalidArgument("tarball_digest", "must be 'sha256:' followed by 64 lowercase hex digits")
@@ -214,6 +222,11 @@ class Deployer:
             release.source.tarball_digest = tarball_digest
             release.source.git_sha = git_sha
             release.source.git_branch = git_branch
+            release.source.git_message = git_message[:MAX_GIT_MESSAGE]
+            release.source.git_author = git_author[:MAX_GIT_AUTHOR]
+            release.source.git_ref = git_ref
+            if git_sha:
+                release.source.kind = pb.RELEASE_SOURCE_KIND_GIT
             deployment = self._new_deployment(env, release.meta.id, build_id=build.meta.id)
             txn = self._writer.txn("deploy-source").create(build)
             return self._txn(env, release, deployment, txn), Created(deployment, release, build)

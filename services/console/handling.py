@@ -54,6 +54,8 @@ class Console:
     """Where the proxies listen (their heartbeats): the URLs shown carry those ports."""
     audit: AuditLog | None = None
     """Where the users' writes are recorded (docs/audit.md); None: nowhere (tests of pages only)."""
+    git: Any = None
+    """The ``git push`` endpoint (:class:`services.console.git.GitService`); None: not served."""
 
     def __post_init__(self) -> None:
         self.flash: dict[str, str] = {}

@@ -26,7 +26,7 @@ from .auth import LOGIN_COOKIE, SESSION_COOKIE, tokens_equal
 
 log = logging.getLogger(__name__)
 
-PUBLIC = ("/login", "/static/", "/hooks/")
+PUBLIC = ("/login", "/static/", "/hooks/", "/git/")  # /hooks/: signed deliveries; /git/: HTTP basic auth (git.py)
 
 
 async def security_headers(request: web.Request, response: web.StreamResponse) -> None:

@@ -71,6 +71,7 @@ def urls_by_env(
 PHASE_ORDER = (
     pb.DEPLOYMENT_PHASE_PENDING,
     pb.DEPLOYMENT_PHASE_BUILDING,
+    pb.DEPLOYMENT_PHASE_RELEASING,  # the release command (docs/git.md): counted only when the release has one
     pb.DEPLOYMENT_PHASE_PLACING,
     pb.DEPLOYMENT_PHASE_STOPPING_OLD,  # stateful deploys only: the old instance stops before the new starts
     pb.DEPLOYMENT_PHASE_STARTING,
@@ -84,9 +85,11 @@ PHASE_ORDER = (
 
 def _deployment(view: StateReader, d: pb.Deployment) -> dict[str, Any]:
     release = view.release(d.release_id)
+    releasing = release is not None and bool(release.service.release_command) and not d.is_rollback
+    order = [p for p in PHASE_ORDER if releasing or p != pb.DEPLOYMENT_PHASE_RELEASING]
     return {
-        "step": PHASE_ORDER.index(d.phase) + 1 if d.phase in PHASE_ORDER else 0,
-        "steps": len(PHASE_ORDER),
+        "step": order.index(d.phase) + 1 if d.phase in order else 0,
+        "steps": len(order),
         "id": d.meta.id,
         "release": f"v{release.version}" if release else "?",
         "phase": enum_name(pb.DeploymentPhase, d.phase, "DEPLOYMENT_PHASE_"),
@@ -208,6 +211,10 @@ def env_detail(
                 "version": r.version,
                 "image": r.image_ref or "(building)",
                 "config_version": r.service.config_version,
+                "commit": r.source.git_sha[:12],
+                "commit_ref": r.source.git_branch,
+                "author": r.source.git_author,
+                "message": (r.source.git_message.strip().splitlines() or [""])[0][:120],
                 "created_at": when(r.meta.created_at),
                 "active": r.meta.id == env.active_release_id,
                 "can_roll_back_to": bool(r.image_ref) and active is not None and r.version < active.version,

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import socket
 import ssl
 from pathlib import Path
 
 from aiohttp import web
 
 from services.console.auth import LoginLimiter, Sessions
+from services.console.git import ENDPOINT_KEY, GitService
 from services.console.handling import Console
 from services.console.settings import ConsoleSettings
 from services.console.web import make_app
@@ -75,6 +78,20 @@ async def start_site(
     return runner, int(runner.addresses[0][1])
 
 
+def advertised_host(host: str) -> str:
+    """The host a client reaches the console at: a wildcard listen address is reached by the machine's name."""
+    if host in ("", "0.0.0.0", "::"):
+        return socket.getfqdn()
+    return f"[{host}]" if ":" in host else host
+
+
+async def record_endpoint(conn: Connection, url: str) -> None:
+    """Where this console answers, for ``zattera git remote`` (the newest console to start wins)."""
+    kv = await users_bucket(conn.js, create=True)
+    if kv is not None:
+        await kv.put(ENDPOINT_KEY, json.dumps({"url": url}).encode())
+
+
 async def serve_console(
     conn: Connection, view: StateView, writer: Writer, clock: Clock, cfg: ConsoleSettings, cache_dir: Path
 ) -> None:
@@ -84,12 +101,17 @@ async def serve_console(
     live = LiveView(conn, clock)  # the proxies' heartbeats: where they listen, for the URLs shown
     await live.start()
     console = build_console(conn, view, writer, clock, cfg, routes, live)
+    git = GitService(cache_dir / "git", conn, view, console.actions, console.limiter, clock)
+    await git.start()
+    console.git = git
     tls = cfg.ssl_context()
     runner, port = await start_site(console, cfg.host, cfg.port, tls)
     log.info("console: serving on %s://%s:%d", "https" if tls else "http", cfg.host, port)
+    await record_endpoint(conn, f"{'https' if tls else 'http'}://{advertised_host(cfg.host)}:{port}")
     try:
         await asyncio.Event().wait()
     finally:
+        await git.stop()
         await runner.cleanup()
         await console.actions.background.close()
         await routes.stop()

@@ -40,6 +40,15 @@ from services.console.views import (
 )
 
 
+async def git_request(request: web.Request) -> web.StreamResponse:
+    """``git push`` / fetch over smart HTTP (services/console/git.py)."""
+    git = request.app[STATE].git
+    if git is None:
+        return web.Response(status=404, text="git push is not served by this console\n")
+    response: web.StreamResponse = await git.handle(request)
+    return response
+
+
 def make_app(console: Console) -> web.Application:
     app = web.Application(middlewares=[require_session], client_max_size=256 * 1024)
     app.on_response_prepare.append(security_headers)
@@ -60,6 +69,7 @@ def make_app(console: Console) -> web.Application:
     app.router.add_post("/nodes/{node_id}/{change}", node_action)
     app.router.add_get("/builds", builds_page)
     app.router.add_get("/builds/{build_id}", build_page)
+    app.router.add_route("*", "/git/{tail:.*}", git_request)
     app.router.add_get("/builds/{build_id}/logs", build_logs)
     app.router.add_get("/volumes", volumes_page)
     app.router.add_post("/volumes/{volume_id}/snapshot", snapshot_action)

@@ -33,7 +33,7 @@ _refused = counter("zattera.orchestrator.refused", "transitions refused because 
 
 class Orchestrator(LeaderLoop):
     name = "orchestrator"
-    kinds = frozenset({K.DEPLOYMENT, K.ASSIGNMENT, K.BUILD, K.ENV, K.NODE, K.RELEASE})
+    kinds = frozenset({K.DEPLOYMENT, K.ASSIGNMENT, K.BUILD, K.ENV, K.NODE, K.RELEASE, K.JOB})
 
     def __init__(self, deps: LoopDeps, *, timers: Timers | None = None, tick: float = DEFAULTS.loop_tick) -> None:
         super().__init__(deps, tick=tick)

@@ -73,6 +73,7 @@ class Timers:
     placing_timeout: float = OWN.placing_timeout
     starting_timeout: float = OWN.starting_timeout
     stopping_old_timeout: float = OWN.stopping_old_timeout
+    releasing_timeout: float = OWN.releasing_timeout
 
     @classmethod
     def from_settings(cls, shared: Settings, own: OrchestratorSettings) -> Timers:
@@ -84,6 +85,7 @@ class Timers:
             placing_timeout=own.placing_timeout,
             starting_timeout=own.starting_timeout,
             stopping_old_timeout=own.stopping_old_timeout,
+            releasing_timeout=own.releasing_timeout,
         )
 
     def health_deadline(self, release: pb.Release) -> float:
@@ -103,6 +105,7 @@ class Timers:
             pb.DEPLOYMENT_PHASE_PLACING: self.placing_timeout,
             pb.DEPLOYMENT_PHASE_STARTING: self.starting_timeout,
             pb.DEPLOYMENT_PHASE_STOPPING_OLD: self.stopping_old_timeout,
+            pb.DEPLOYMENT_PHASE_RELEASING: self.releasing_timeout,
         }
         return timeouts.get(phase)
 

@@ -4,9 +4,12 @@ Each call advances one deployment by at most one step and returns the :class:`De
 (or None). Guards first (terminal, env/release missing, superseded, operator cancel), then the
 stateful arm (:mod:`services.orchestrator.stateful`) or the red/green arm below:
 
-    PENDING -+-(build_id, no image)-> BUILDING -(build ok)-> PLACING
+    PENDING -+-(build_id, no image)-> BUILDING -(build ok)-> [RELEASING ->] PLACING
              +-(rollback, warm)------------------------------------> PROMOTING
-             +---------------------------------------------------> PLACING -> STARTING -> HEALTHCHECKING -> PROMOTING
+             +---------------------------------------------------> [RELEASING ->] PLACING -> STARTING -> ...
+    STARTING -> HEALTHCHECKING -> PROMOTING
+
+(RELEASING: the env's release command, when it has one, :mod:`services.orchestrator.release`.)
     PROMOTING -> DRAINING_OLD -> SUCCEEDED   (PROMOTING -> SUCCEEDED when there is nothing to drain)
 
 Rules, each pinned by a test:
@@ -58,6 +61,7 @@ from services.orchestrator.model import (
     timeout_reason,
     with_transition_ids,
 )
+from services.orchestrator.release import RELEASING, cancel_with, needs_release_phase, releasing
 from services.orchestrator.stateful import decide_stateful
 from shared import keys as K
 from shared.clock import from_timestamp
@@ -86,6 +90,7 @@ def decide(view: StateReader, d: pb.Deployment, now: float, timers: Timers) -> D
     it announces, each named after the deployment's revision the step was decided on."""
     t = next_step(view, d, now, timers)
     if t is not None:
+        cancel_with(view, d, t, now)
         release = view.release(d.release_id)
         label = f"v{release.version}" if release is not None and release.version else ""
         t.events.extend(outcome_events(d, deployment_of(t), now, label))
@@ -113,6 +118,8 @@ def next_step(view: StateReader, d: pb.Deployment, now: float, timers: Timers) -
         return pending(view, d, env, release, now, first_step=STOPPING_OLD if stateful else PLACING)
     if d.phase == BUILDING:
         return building(view, d, release, now, timers, next_phase=STOPPING_OLD if stateful else PLACING)
+    if d.phase == RELEASING:
+        return releasing(view, d, release, now, timers, next_phase=STOPPING_OLD if stateful else PLACING)
     if stateful:
         return decide_stateful(view, d, env, release, now, timers)
     return decide_red_green(view, d, env, release, now, timers)
@@ -157,7 +164,7 @@ def pending(
         return abort(view, d, NO_IMAGE, now)
     if first_step == PLACING and d.is_rollback and warm_enough(view, env, release):
         return move(d, PROMOTING, now)
-    return move(d, first_step, now)
+    return move(d, RELEASING if needs_release_phase(d, release) else first_step, now)
 
 
 def warm_enough(view: StateReader, env: pb.Environment, release: pb.Release) -> bool:
@@ -183,7 +190,7 @@ def building(
     if build.status == pb.BUILD_STATUS_SUCCEEDED:
         if not build.image_ref:
             return abort(view, d, BUILD_PRODUCED_NO_IMAGE, now)
-        t = move(d, next_phase, now)
+        t = move(d, RELEASING if needs_release_phase(d, release) else next_phase, now)
         if release.image_ref != build.image_ref:
             stamped = copy_of(release)
             stamped.image_ref = build.image_ref

@@ -26,6 +26,9 @@ class OrchestratorSettings(BaseSettings):
     """A deployment STARTING longer than this fails."""
     stopping_old_timeout: float = Field(default=300.0, gt=0)
     """A deployment STOPPING_OLD longer than this fails."""
+    releasing_timeout: float = Field(default=1800.0, gt=0)
+    """A deployment RELEASING (its release command placed, run, or waiting for another deploy's) longer
+    than this fails, and its release command is canceled."""
 
 
 DEFAULTS: Final = OrchestratorSettings.model_construct()

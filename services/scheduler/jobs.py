@@ -93,6 +93,8 @@ def latest_due_slot(schedule: Schedule, after: float, now: float) -> float | Non
 
 
 def job_label(job: pb.Job) -> str:
+    if job.deployment_id:
+        return f"release command of deployment {job.deployment_id}"
     return f"cron entry {job.cron_name}" if job.cron_name else "one-off command"
 
 

@@ -224,7 +224,13 @@ def git_commit_deployer(conn: Connection) -> CommitDeployer:
             await store.put(digest, data)
         branch = ref.removeprefix("refs/heads/")
         created = await Deployer(writer, created_by=actor).deploy_source(
-            env_id, tarball_digest=digest, git_sha=sha, git_branch=branch
+            env_id,
+            tarball_digest=digest,
+            git_sha=sha,
+            git_branch=branch,
+            git_author=author,
+            git_message=message,
+            git_ref=ref,
         )
         return created.deployment.meta.id
 

@@ -22,6 +22,20 @@ class Deploy:
     image_ref: str = ""
     build_id: str = ""
     tarball_digest: str = ""
+    commit: GitCommit | None = None
+    """The git commit the uploaded source is (recorded on the release), when known."""
+
+
+@dataclass(frozen=True, slots=True)
+class GitCommit:
+    """A commit's metadata as a release records it (docs/git.md)."""
+
+    sha: str
+    branch: str = ""
+    ref: str = ""
+    author: str = ""
+    """``Name <email>``."""
+    message: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +90,16 @@ async def deploy(ctx: ActionContext, request: Deploy) -> Deployed:
     if request.tarball_digest and (request.image_ref or request.build_id):
         raise InvalidArgument("tarball_digest", "give source, an image or a build, not several")
     if request.tarball_digest:
-        created = await deployer.deploy_source(env.meta.id, tarball_digest=request.tarball_digest)
+        commit = request.commit or GitCommit("")
+        created = await deployer.deploy_source(
+            env.meta.id,
+            tarball_digest=request.tarball_digest,
+            git_sha=commit.sha,
+            git_branch=commit.branch,
+            git_ref=commit.ref,
+            git_author=commit.author,
+            git_message=commit.message,
+        )
     else:
         created = await deployer.deploy(env.meta.id, image_ref=request.image_ref, build_id=request.build_id)
     return _deployed(ctx, env, created.deployment, created.release)

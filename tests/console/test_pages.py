@@ -12,6 +12,7 @@ from shared.txn import Writer
 from shared.urls import Listeners
 from tests import factories
 from tests.console.rig import ENV_ID, seed
+from tests.waiting import eventually
 
 
 async def test_overview_rows_show_urls_replicas_warmth_and_the_last_deploy(view: StateView, writer: Writer) -> None:
@@ -68,3 +69,26 @@ async def test_a_change_names_its_env_unless_it_belongs_to_none(view: StateView,
     assert pages.changed_envs(view, [(K.ENV, ENV_ID), (K.RELEASE, "01REL1")]) == [ENV_ID]
     assert pages.changed_envs(view, [(K.ENV, ENV_ID), (K.PROJECT, "01PROJ")]) is None  # a rename: every row
     assert pages.changed_envs(view, [(K.DEPLOYMENT, "01GONE")]) is None
+
+
+async def test_env_detail_shows_each_release_commit(view: StateView, writer: Writer) -> None:
+    await seed(writer)
+    rel = view.release("01REL2")
+    assert rel is not None
+    pushed = pb.Release()
+    pushed.CopyFrom(rel)
+    pushed.source.git_sha = "c" * 40
+    pushed.source.git_branch = "main"
+    pushed.source.git_author = "Grace Hopper <grace@example.com>"
+    pushed.source.git_message = "Fix the orders page\n\nLong body."
+    await writer.commit(writer.txn().put(pushed))
+    await eventually(lambda: (r := view.release("01REL2")) is not None and bool(r.source.git_sha), what="the put")
+    env = view.env(ENV_ID)
+    assert env is not None
+    newest = pages.env_detail(view, env, [], [])["releases"][0]
+    assert (newest["commit"], newest["commit_ref"], newest["author"], newest["message"]) == (
+        "c" * 12,
+        "main",
+        "Grace Hopper <grace@example.com>",
+        "Fix the orders page",
+    )

@@ -305,6 +305,8 @@ class _DeploymentPhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Deplo
     DEPLOYMENT_PHASE_ROLLED_BACK: _DeploymentPhase.ValueType  # 10
     DEPLOYMENT_PHASE_SUPERSEDED: _DeploymentPhase.ValueType  # 11
     DEPLOYMENT_PHASE_STOPPING_OLD: _DeploymentPhase.ValueType  # 12
+    DEPLOYMENT_PHASE_RELEASING: _DeploymentPhase.ValueType  # 140
+    """invented (issue 37): the release command runs (docs/git.md)"""
 
 class DeploymentPhase(_DeploymentPhase, metaclass=_DeploymentPhaseEnumTypeWrapper):
     """DeploymentPhase is the deployment state machine.
@@ -325,6 +327,8 @@ DEPLOYMENT_PHASE_FAILED: DeploymentPhase.ValueType  # 9
 DEPLOYMENT_PHASE_ROLLED_BACK: DeploymentPhase.ValueType  # 10
 DEPLOYMENT_PHASE_SUPERSEDED: DeploymentPhase.ValueType  # 11
 DEPLOYMENT_PHASE_STOPPING_OLD: DeploymentPhase.ValueType  # 12
+DEPLOYMENT_PHASE_RELEASING: DeploymentPhase.ValueType  # 140
+"""invented (issue 37): the release command runs (docs/git.md)"""
 Global___DeploymentPhase: _TypeAlias = DeploymentPhase  # noqa: Y015
 
 class _BuildStatus:
@@ -1046,6 +1050,7 @@ class Environment(_message.Message):
     IDLE_TIMEOUT_FIELD_NUMBER: _builtins.int
     MIDDLEWARE_FIELD_NUMBER: _builtins.int
     LOGS_FIELD_NUMBER: _builtins.int
+    GIT_BRANCH_FIELD_NUMBER: _builtins.int
     app_id: _builtins.str
     project_id: _builtins.str
     active_release_id: _builtins.str
@@ -1061,6 +1066,8 @@ class Environment(_message.Message):
     preview_branch: _builtins.str
     """preview_*: invented names"""
     preview_pr_number: _builtins.int
+    git_branch: _builtins.str
+    """invented (issue 37, docs/git.md): the git branch whose pushes deploy this env ("" = none)"""
     @_builtins.property
     def meta(self) -> Global___Meta: ...
     @_builtins.property
@@ -1100,10 +1107,11 @@ class Environment(_message.Message):
         idle_timeout: _duration_pb2.Duration | None = ...,
         middleware: Global___Middleware | None = ...,
         logs: Global___LogRetention | None = ...,
+        git_branch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["idle_timeout", b"idle_timeout", "logs", b"logs", "meta", b"meta", "middleware", b"middleware", "preview_expires_at", b"preview_expires_at", "service", b"service"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_release_id", b"active_release_id", "app_id", b"app_id", "effective_replicas", b"effective_replicas", "idle_timeout", b"idle_timeout", "logs", b"logs", "meta", b"meta", "middleware", b"middleware", "name", b"name", "preview_branch", b"preview_branch", "preview_expires_at", b"preview_expires_at", "preview_pr_number", b"preview_pr_number", "project_id", b"project_id", "route_generation", b"route_generation", "service", b"service", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_release_id", b"active_release_id", "app_id", b"app_id", "effective_replicas", b"effective_replicas", "git_branch", b"git_branch", "idle_timeout", b"idle_timeout", "logs", b"logs", "meta", b"meta", "middleware", b"middleware", "name", b"name", "preview_branch", b"preview_branch", "preview_expires_at", b"preview_expires_at", "preview_pr_number", b"preview_pr_number", "project_id", b"project_id", "route_generation", b"route_generation", "service", b"service", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1203,6 +1211,7 @@ class ServiceSpec(_message.Message):
     READ_ONLY_ROOT_FIELD_NUMBER: _builtins.int
     NETWORK_FIELD_NUMBER: _builtins.int
     MIN_HEALTHY_TIME_FIELD_NUMBER: _builtins.int
+    RELEASE_COMMAND_FIELD_NUMBER: _builtins.int
     scale_to_zero: _builtins.bool
     """mutually exclusive with stateful"""
     max_concurrency: _builtins.int
@@ -1216,6 +1225,10 @@ class ServiceSpec(_message.Message):
     read_only_root: _builtins.bool
     """--- invented (issue 20, docs/containers.md) ---
     docker runtime: the container's root filesystem is read-only
+    """
+    release_command: _builtins.str
+    """invented (issue 37, docs/git.md): the release phase, run once per deploy with the new release before
+    any green replica is placed; "" = none.
     """
     @_builtins.property
     def replicas(self) -> Global___ReplicaRange: ...
@@ -1290,10 +1303,11 @@ class ServiceSpec(_message.Message):
         read_only_root: _builtins.bool = ...,
         network: Global___NetworkPolicy | None = ...,
         min_healthy_time: _duration_pb2.Duration | None = ...,
+        release_command: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "healthcheck", b"healthcheck", "min_healthy_time", b"min_healthy_time", "network", b"network", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "min_healthy_time", b"min_healthy_time", "network", b"network", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "read_only_root", b"read_only_root", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "min_healthy_time", b"min_healthy_time", "network", b"network", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "read_only_root", b"read_only_root", "release_command", b"release_command", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1644,6 +1658,7 @@ class Job(_message.Message):
     OUTPUT_TAIL_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     CANCEL_REQUESTED_FIELD_NUMBER: _builtins.int
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
     project_id: _builtins.str
     app_id: _builtins.str
     environment_id: _builtins.str
@@ -1666,6 +1681,8 @@ class Job(_message.Message):
     message: _builtins.str
     """why (failures, skips, misses, cancels)"""
     cancel_requested: _builtins.bool
+    deployment_id: _builtins.str
+    """invented (issue 37, docs/git.md): the deployment whose release phase this run is ("" = not one)"""
     @_builtins.property
     def meta(self) -> Global___Meta: ...
     @_builtins.property
@@ -1711,10 +1728,11 @@ class Job(_message.Message):
         output_tail: _abc.Iterable[_builtins.str] | None = ...,
         message: _builtins.str = ...,
         cancel_requested: _builtins.bool = ...,
+        deployment_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "finished_at", b"finished_at", "meta", b"meta", "resources", b"resources", "slot_at", b"slot_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "assignment_id", b"assignment_id", "attempt", b"attempt", "cancel_requested", b"cancel_requested", "command", b"command", "cron_name", b"cron_name", "deadline", b"deadline", "environment_id", b"environment_id", "exit_code", b"exit_code", "exit_code_known", b"exit_code_known", "finished_at", b"finished_at", "max_retries", b"max_retries", "message", b"message", "meta", b"meta", "node_id", b"node_id", "output_tail", b"output_tail", "project_id", b"project_id", "release_id", b"release_id", "resources", b"resources", "slot_at", b"slot_at", "started_at", b"started_at", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "assignment_id", b"assignment_id", "attempt", b"attempt", "cancel_requested", b"cancel_requested", "command", b"command", "cron_name", b"cron_name", "deadline", b"deadline", "deployment_id", b"deployment_id", "environment_id", b"environment_id", "exit_code", b"exit_code", "exit_code_known", b"exit_code_known", "finished_at", b"finished_at", "max_retries", b"max_retries", "message", b"message", "meta", b"meta", "node_id", b"node_id", "output_tail", b"output_tail", "project_id", b"project_id", "release_id", b"release_id", "resources", b"resources", "slot_at", b"slot_at", "started_at", b"started_at", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1735,6 +1753,8 @@ class ReleaseSource(_message.Message):
     TARBALL_DIGEST_FIELD_NUMBER: _builtins.int
     BUILD_ID_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
+    GIT_AUTHOR_FIELD_NUMBER: _builtins.int
+    GIT_REF_FIELD_NUMBER: _builtins.int
     git_sha: _builtins.str
     git_branch: _builtins.str
     git_message: _builtins.str
@@ -1744,6 +1764,9 @@ class ReleaseSource(_message.Message):
     """retention untags <project>/<app>:<build_id>"""
     kind: Global___ReleaseSourceKind.ValueType
     """invented"""
+    git_author: _builtins.str
+    """invented (issue 37, docs/git.md): the commit's author ("Name <email>") and the pushed ref"""
+    git_ref: _builtins.str
     def __init__(
         self,
         *,
@@ -1753,10 +1776,12 @@ class ReleaseSource(_message.Message):
         tarball_digest: _builtins.str = ...,
         build_id: _builtins.str = ...,
         kind: Global___ReleaseSourceKind.ValueType = ...,
+        git_author: _builtins.str = ...,
+        git_ref: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["build_id", b"build_id", "git_branch", b"git_branch", "git_message", b"git_message", "git_sha", b"git_sha", "kind", b"kind", "tarball_digest", b"tarball_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["build_id", b"build_id", "git_author", b"git_author", "git_branch", b"git_branch", "git_message", b"git_message", "git_ref", b"git_ref", "git_sha", b"git_sha", "kind", b"kind", "tarball_digest", b"tarball_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1848,6 +1873,7 @@ class Deployment(_message.Message):
     PROMOTED_AT_FIELD_NUMBER: _builtins.int
     DRAIN_DEADLINE_FIELD_NUMBER: _builtins.int
     CREATED_BY_USER_ID_FIELD_NUMBER: _builtins.int
+    RELEASE_JOB_ID_FIELD_NUMBER: _builtins.int
     environment_id: _builtins.str
     app_id: _builtins.str
     project_id: _builtins.str
@@ -1861,6 +1887,8 @@ class Deployment(_message.Message):
     build_id: _builtins.str
     """source deploys only"""
     created_by_user_id: _builtins.str
+    release_job_id: _builtins.str
+    """invented (issue 37, docs/git.md): the release phase's job (`job.<deployment id>-release`), once created"""
     @_builtins.property
     def meta(self) -> Global___Meta: ...
     @_builtins.property
@@ -1885,10 +1913,11 @@ class Deployment(_message.Message):
         promoted_at: _timestamp_pb2.Timestamp | None = ...,
         drain_deadline: _timestamp_pb2.Timestamp | None = ...,
         created_by_user_id: _builtins.str = ...,
+        release_job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["drain_deadline", b"drain_deadline", "meta", b"meta", "promoted_at", b"promoted_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "build_id", b"build_id", "created_by_user_id", b"created_by_user_id", "drain_deadline", b"drain_deadline", "environment_id", b"environment_id", "error", b"error", "is_rollback", b"is_rollback", "meta", b"meta", "phase", b"phase", "previous_release_id", b"previous_release_id", "project_id", b"project_id", "promoted_at", b"promoted_at", "release_id", b"release_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "build_id", b"build_id", "created_by_user_id", b"created_by_user_id", "drain_deadline", b"drain_deadline", "environment_id", b"environment_id", "error", b"error", "is_rollback", b"is_rollback", "meta", b"meta", "phase", b"phase", "previous_release_id", b"previous_release_id", "project_id", b"project_id", "promoted_at", b"promoted_at", "release_id", b"release_id", "release_job_id", b"release_job_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
