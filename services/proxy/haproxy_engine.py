@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import ctypes
 import gc
+import itertools
 import logging
 import os
 import shutil
@@ -99,6 +100,13 @@ def _private_dir(path: Path) -> None:
     path.chmod(0o700)
 
 
+RUNTIME_SERVER_IDS = 1_000_000
+"""The first id given to a server added at run time, above the ids the configuration's servers get (1, 2, …).
+HAProxy 2.6 places a ``balance random`` server on its consistent-hash ring from its id, and a server added
+without one is placed before it has one: two servers added so to one backend share their places and one of
+them never gets a request (haproxy/haproxy#3413, fixed in 3.0). An explicit id avoids it."""
+
+
 class HAProxyEngine:
     def __init__(
         self, layout: Layout, *, node_id: str, binary: str | None = None, requests: RequestSeries | None = None
@@ -116,6 +124,8 @@ class HAProxyEngine:
         self._route_cache: RouteCache = {}
         self._lock = asyncio.Lock()
         self._draining: set[tuple[str, str]] = set()
+        self._server_ids = itertools.count(RUNTIME_SERVER_IDS)
+        """Ids of the servers added at run time (see :data:`RUNTIME_SERVER_IDS`)."""
         self._process: asyncio.subprocess.Process | None = None
         self._stopping = False
         self._started = asyncio.Event()
@@ -299,7 +309,7 @@ class HAProxyEngine:
                     commands += [f"set server {where} weight {server.weight}", f"enable server {where}"]
                 elif before is None:
                     line = server_line(server, sticky=False, held=backend.held).split(" ", 2)[2]
-                    commands += [f"add server {where} {line}"]
+                    commands += [f"add server {where} {line} id {next(self._server_ids)}"]
                     commands += [f"enable health {where}"] if backend.held else []
                     commands += [f"enable server {where}"]
                 elif before != server:

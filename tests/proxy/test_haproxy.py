@@ -10,6 +10,7 @@ import datetime
 import os
 import signal
 import ssl
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -673,3 +674,24 @@ async def test_a_get_whose_replica_dies_under_it_is_sent_again_held_and_woken(
         await eventually(lambda: len(responder.requests) == 1, 5, "the env woken")
         await routes.publish(http_route(HOST, "e1", [endpoint(woken.addr, "a-woken")], scale_to_zero=True))
         assert await asyncio.wait_for(held, 10) == (200, "woken")
+
+
+async def test_every_endpoint_added_at_run_time_gets_requests(
+    make_ingress: IngressFactory, routes: Routes, fresh: aiohttp.ClientSession
+) -> None:
+    """Endpoints added one after another through the runtime API (a deploy's replicas, a scale-up) all get a
+    share: HAProxy 2.6 put two servers added without an id on the same places of its balancing ring, and one
+    of them never got a request (found with three machines: the third replica was never reached)."""
+    first, *added = (Backend(name) for name in ("first", "second", "third", "fourth"))
+    async with serving(first, *added):
+        ingress = await make_ingress()
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(first.addr, "a0")]))
+        reloads = ingress.engine.reloads
+        endpoints = [endpoint(first.addr, "a0")]
+        for index, backend in enumerate(added, start=1):
+            endpoints.append(endpoint(backend.addr, f"a{index}"))
+            await serve(routes, ingress, http_route(HOST, "e1", list(endpoints)))
+        assert ingress.engine.reloads == reloads  # every endpoint came through the runtime API
+        answered = Counter([(await get(fresh, ingress))[1] for _ in range(400)])
+        assert set(answered) == {"first", "second", "third", "fourth"}, answered
+        assert min(answered.values()) >= 40, answered  # 100 each expected; a server left off the ring gets 0
