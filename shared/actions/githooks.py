@@ -14,6 +14,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from zattera.v1 import types_pb2 as pb
 
@@ -218,8 +219,9 @@ def preview_spec(base: pb.ServiceSpec) -> pb.ServiceSpec:
     return spec
 
 
-@dataclass(frozen=True)
-class PreviewPlan:
+class PreviewPlan(NamedTuple):
+    """A preview's decision (what the loop commits), not a request or result: no wire form."""
+
     txn: Txn | None
     env: pb.Environment
     created: bool
