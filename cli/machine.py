@@ -142,6 +142,8 @@ def join(data_dir: Path, token_text: str, node_id: str, advertise: str, *, serve
         except MachineTokenError as exc:
             raise MachineError(str(exc)) from None
     servers = [str(u) for u in reply.get("servers") or token.urls]
+    if server and not reply.get("routes"):  # a server machine with no routes would start a cluster of its own
+        raise MachineError("cannot join as a server machine: the cluster named no server routes to join")
     machine = Machine(
         node_id,
         "server" if server else "worker",

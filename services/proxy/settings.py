@@ -49,8 +49,10 @@ class ProxySettings(BaseSettings):
     """Larger held bodies get 503."""
     activate_timeout: float = Field(default=10.0, gt=0)
     """One Activate request's timeout."""
-    upstream_connect_timeout: float = Field(default=5.0, gt=0)
-    """Connecting to an instance gives up after this, seconds (502)."""
+    upstream_connect_timeout: float = Field(default=1.0, gt=0)
+    """Connecting to an instance gives up after this, seconds: HAProxy then sends the request to another
+    replica (``retry-on conn-failure``, ``redispatch``), the Python data plane answers 502. A replica on a
+    machine that is gone answers nothing (no refusal): the wait is this long, not the client's patience."""
     upstream_keepalive: float = Field(default=30.0, gt=0)
     """Idle upstream connections closed after."""
     shutdown_grace: float = Field(default=5.0, ge=0)

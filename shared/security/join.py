@@ -297,6 +297,8 @@ class JoinService:
             raise JoinRefused("proxy_public_key must be a NATS user public key (U…)")
         if record.get("server") and self._machines is not None and await self._machines.is_server(self.kv, node_id):
             raise JoinRefused(f"a server machine named {node_id} is already in the cluster")
+        if record.get("server") and self._machines is not None and not await self._machines.has_servers(self.kv):
+            raise JoinRefused("cannot join as a server machine: no server machine is registered yet; try again")
         used = {**record, "used_by": node_id, "used_at": self._now(), "public_key": public_key}
         used.pop("bundle", None)  # handed over once, then gone
         if proxy_key:

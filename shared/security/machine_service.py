@@ -69,6 +69,10 @@ class Machines:
         ]
         return str(MachineToken(secret, sentinel, tuple(dict.fromkeys(urls)), self.ca_pem))
 
+    async def has_servers(self, kv: KeyValue) -> bool:
+        """Whether any server machine is registered (a server machine joins their routes: none, nothing to join)."""
+        return bool(await membership.servers(kv))
+
     async def is_server(self, kv: KeyValue, node_id: str) -> bool:
         return node_id in await membership.servers(kv)
 

@@ -66,10 +66,13 @@ async def servers(kv: KeyValue) -> dict[str, dict[str, str]]:
 
 
 async def _keys(kv: KeyValue) -> list[str]:
-    try:
-        return list(await kv.keys())
-    except nats.js.errors.NoKeysError:
-        return []
+    """Every key of the bucket, as its stream lists its subjects (one ``STREAM.INFO`` the server answers
+    whole). Not ``kv.keys()``: nats-py's watcher may signal "no more keys" before the first one it already
+    received is handled (a loaded machine), and an empty list here made a joining server machine believe
+    there was no cluster to join: it started one of its own."""
+    prefix = f"$KV.{kv._name}."
+    info = await kv._js.stream_info(f"KV_{kv._name}", subjects_filter=f"{prefix}>")
+    return sorted(subject.removeprefix(prefix) for subject in (info.state.subjects or {}))
 
 
 async def mesh_ip(kv: KeyValue, node_id: str) -> str:

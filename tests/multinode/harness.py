@@ -143,6 +143,18 @@ class Machine:
         self.procs.clear()
         self.kill_all()
 
+    def tail(self, lines: int = 25) -> str:
+        """The end of what ``zattera up`` printed on this machine and its services' errors and warnings."""
+        parts = []
+        for path in sorted([self.data_dir / "up.log", *self.data_dir.glob("logs/*.log")]):
+            if not path.is_file():
+                continue
+            text = path.read_text(errors="replace").splitlines()
+            problems = [t for t in text if " ERROR " in t or " WARNING " in t]
+            shown = text[-lines:] if path.name == "up.log" else problems[-8:]
+            parts.append(f"--- [{self.name}] {path.name}\n" + "\n".join(shown))
+        return "\n".join(parts)
+
     def link(self, up: bool) -> None:
         """Cut (or restore) the machine's link to the bridge."""
         _run("ip", "link", "set", self.veth, "up" if up else "down")
@@ -178,6 +190,7 @@ class Network:
 
     def close(self) -> None:
         for machine in self.machines.values():
+            print(machine.tail())  # shown by pytest when the test failed (captured otherwise)
             with contextlib.suppress(Exception):
                 machine.stop(grace=10)
             _run("ip", "netns", "del", machine.netns, check=False)
