@@ -1,6 +1,6 @@
 """``zattera backup create|list|verify|schedule|unschedule|status`` and ``zattera restore``: the whole
 cluster to a directory or an S3-compatible store and back (docs/backup.md). The work is in
-:mod:`shared.actions.backup` and :mod:`shared.actions.backup_schedule`.
+:mod:`shared.actions.backup`, :mod:`shared.actions.backup_restore` and :mod:`shared.actions.backup_schedule`.
 
 The recovery passphrase comes from ``ZATTERA_RECOVERY_PASSPHRASE``, a prompt, or the first line of stdin —
 never an argument; S3 credentials from boto3's usual sources (``AWS_ACCESS_KEY_ID``…), never an argument
@@ -24,16 +24,8 @@ from cli import render
 from cli.client import control, err, fail, run
 from cli.layout import DataLayout
 from cli.options import JSON, set_output
-from shared.actions.backup import (
-    CreateBackup,
-    ListBackups,
-    RestoreBackup,
-    VerifyBackup,
-    create_backup,
-    list_backups,
-    restore_backup,
-    verify_backup,
-)
+from shared.actions.backup import CreateBackup, ListBackups, VerifyBackup, create_backup, list_backups, verify_backup
+from shared.actions.backup_restore import RestoreBackup, restore_backup
 from shared.actions.backup_schedule import (
     DEFAULT_KEEP,
     ScheduleBackups,

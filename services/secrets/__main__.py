@@ -18,7 +18,8 @@ from zattera.v1 import types_pb2 as pb
 from services.secrets.backups import ScheduledBackups
 from services.secrets.collector import SecretsCollector
 from services.secrets.drains import Drainer, DrainSettings
-from services.secrets.githooks import GitHooks, GitHooksSettings, HookGate
+from services.secrets.githook_gate import HookGate
+from services.secrets.githooks import GitHooks, GitHooksSettings
 from services.secrets.notify import Notifier, NotifySettings
 from services.secrets.offsite import OffsiteSnapshots
 from services.secrets.service import SecretsService

@@ -7,6 +7,6 @@ object store; ``cluster.py`` reads a cluster's contents at one point and writes 
 keeps the newest verified backups of a target; ``status.py`` says what the scheduled backups last did;
 ``sealed.py`` seals a target's settings to the cluster key; ``offsite.py`` copies volume snapshots to a
 target and fetches them back. The
-operator actions are in :mod:`shared.actions.backup` (create, list, verify, restore) and
-:mod:`shared.actions.backup_schedule`.
+operator actions are in :mod:`shared.actions.backup` (create, list, verify),
+:mod:`shared.actions.backup_restore` (restore) and :mod:`shared.actions.backup_schedule`.
 """

@@ -19,17 +19,9 @@ from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.actions import backup as backup_actions
-from shared.actions.backup import (
-    CreateBackup,
-    ListBackups,
-    RestoreBackup,
-    VerifyBackup,
-    create_backup,
-    list_backups,
-    restore_backup,
-    verify_backup,
-)
+from shared.actions import backup_restore
+from shared.actions.backup import CreateBackup, ListBackups, VerifyBackup, create_backup, list_backups, verify_backup
+from shared.actions.backup_restore import RestoreBackup, restore_backup
 from shared.actions.context import ActionContext
 from shared.actions.refusals import Conflicting, Unavailable
 from shared.backup import recovery
@@ -264,7 +256,7 @@ async def test_a_restore_waits_for_the_clusters_secrets_service(
     async with cluster(nats_url, tmp_path / "old") as old:
         await populate(old)
         await create_backup(old.ctx, CreateBackup(target, PASSPHRASE, str(old.keyring)))
-    monkeypatch.setattr(backup_actions, "KEY_PUBLISHED_WAIT", 0.0)
+    monkeypatch.setattr(backup_restore, "KEY_PUBLISHED_WAIT", 0.0)
     async with cluster(nats_server.url, tmp_path / "new") as new:
         with pytest.raises(Unavailable, match=r"secrets service published no key.*Nothing was restored"):
             await restore_backup(new.ctx, RestoreBackup(target, PASSPHRASE, str(new.keyring)))

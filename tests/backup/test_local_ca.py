@@ -20,7 +20,8 @@ from services.certs.localca import LocalCAFile, load_or_create
 from services.secrets.backups import ScheduledBackups
 from shared import keys as K
 from shared import localca
-from shared.actions.backup import CreateBackup, RestoreBackup, create_backup, restore_backup
+from shared.actions.backup import CreateBackup, create_backup
+from shared.actions.backup_restore import RestoreBackup, restore_backup
 from shared.actions.backup_schedule import ScheduleBackups, schedule_backups
 from shared.actions.refusals import Invalid
 from shared.backup import recovery

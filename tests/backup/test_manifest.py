@@ -7,7 +7,7 @@ import pytest
 from nacl import pwhash
 from zattera.v1 import types_pb2 as pb
 
-from shared.actions.backup import ZSTD, _compressed, _decoded
+from shared.actions.backup import ZSTD, _compressed, decoded
 from shared.backup import recovery
 from shared.backup.cluster import BucketCopy, is_empty, restorable
 from shared.backup.manifest import (
@@ -128,7 +128,7 @@ def test_the_state_object_is_compressed_and_a_plain_one_from_an_older_backup_sti
         "B1", 1.0, "0.2.0", 3, 7, "C", (Entry(STATE, STATE, sha256(packed), len(packed), {"encoding": ZSTD}),)
     )
     old = Manifest("B0", 1.0, "0.2.0", 3, 7, "C", (Entry(STATE, STATE, sha256(plain), len(plain)),))
-    assert _decoded(new, STATE, packed) == plain
-    assert _decoded(old, STATE, plain) == plain
+    assert decoded(new, STATE, packed) == plain
+    assert decoded(old, STATE, plain) == plain
     with pytest.raises(Corrupt, match="backup B1: the state object does not decompress"):
-        _decoded(new, STATE, plain)
+        decoded(new, STATE, plain)

@@ -16,15 +16,8 @@ from nacl import pwhash
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.snapshots.handlers import SnapshotAgent
-from shared.actions.backup import (
-    CreateBackup,
-    RestoreBackup,
-    VerifyBackup,
-    _read_manifest,
-    create_backup,
-    restore_backup,
-    verify_backup,
-)
+from shared.actions.backup import CreateBackup, VerifyBackup, create_backup, read_manifest, verify_backup
+from shared.actions.backup_restore import RestoreBackup, restore_backup
 from shared.actions.volumes import TakeSnapshot, take_snapshot
 from shared.backup import recovery
 from shared.backup.cluster import BucketCopy, read_state
@@ -143,7 +136,7 @@ async def test_a_volumes_latest_snapshot_is_backed_up_by_chunk_and_rebuilt_on_th
             await agent.stop()
         assert restored.volumes == [VOLUME], restored.skipped
         # Every snapshot object the backup carried is back under its name, byte for byte.
-        manifest = _read_manifest(open_target(target), restored.id)
+        manifest = read_manifest(open_target(target), restored.id)
         carried = manifest.of_kind(SNAPSHOTS)
         assert len(carried) >= 2 and {e.meta["snapshot"] for e in carried} == {latest.snapshot_id}
         for name, data in old_objects.items():
@@ -176,7 +169,7 @@ async def test_a_volume_whose_data_cannot_be_rebuilt_is_named_with_the_command_t
             taken = await take_snapshot(old.ctx, TakeSnapshot(VOLUME))
         created = await create_backup(old.ctx, CreateBackup(target, PASSPHRASE, str(old.keyring)))
     # A damaged chunk is named by verify and refused by restore before anything is written.
-    chunk = next(e for e in _read_manifest(open_target(target), created.id).of_kind(SNAPSHOTS) if "chunks/" in e.name)
+    chunk = next(e for e in read_manifest(open_target(target), created.id).of_kind(SNAPSHOTS) if "chunks/" in e.name)
     blob = tmp_path / "backups" / "blobs" / chunk.sha256
     good = blob.read_bytes()
     blob.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))

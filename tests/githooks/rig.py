@@ -15,7 +15,8 @@ import aiohttp
 from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
-from services.secrets.githooks import GitHooks, GitHooksSettings, HookGate
+from services.secrets.githook_gate import HookGate
+from services.secrets.githooks import GitHooks, GitHooksSettings
 from shared import githooks as G
 from shared import keys as K
 from shared.actions.context import ActionContext

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from zattera.v1 import types_pb2 as pb
 
-from services.secrets.githooks import open_hook
+from services.secrets.githook_gate import open_hook
 from shared import keys as K
 from shared.backup.sealed import seal_settings
 from shared.secrets import CLUSTER_KEY, load_keyring

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from zattera.v1 import types_pb2 as pb
 
-from services.secrets.githooks import commit_state
+from services.secrets.githook_git import commit_state
 from shared import githooks as G
 from shared import keys as K
 from shared.actions.githooks import AddHook, RemoveHook, add_hook, list_hooks, remove_hook
