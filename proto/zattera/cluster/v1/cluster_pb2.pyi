@@ -250,6 +250,26 @@ class ProxyHeartbeat(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class OldInflightEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TIME_FIELD_NUMBER: _builtins.int
     PROXY_ID_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
@@ -259,6 +279,8 @@ class ProxyHeartbeat(_message.Message):
     HTTP_PORT_FIELD_NUMBER: _builtins.int
     HTTPS_PORT_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    OLD_INFLIGHT_FIELD_NUMBER: _builtins.int
+    DRAIN_COUNTS_FIELD_NUMBER: _builtins.int
     proxy_id: _builtins.str
     node_id: _builtins.str
     routes_version: _builtins.int
@@ -269,6 +291,10 @@ class ProxyHeartbeat(_message.Message):
     https_port: _builtins.int
     version: _builtins.str
     """invented (issue 44): the proxy's Zattera version (docs/upgrades.md, version skew)"""
+    drain_counts: _builtins.bool
+    """invented (issue 42): old_inflight covers everything this proxy has in flight (false, or an older
+    proxy: it cannot tell, e.g. an HAProxy worker of before a reload still holds connections).
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -280,6 +306,12 @@ class ProxyHeartbeat(_message.Message):
         """This project (issue 33): the cluster of the route snapshot it serves (a proxy that kept another
         cluster's snapshot is not serving this one's routes, whatever its version), and where it listens,
         so that the URLs `zattera status` and the console show are the ones that work (0 = no such listener).
+        """
+
+    @_builtins.property
+    def old_inflight(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """invented (issue 42): env id -> requests and connections this proxy has in flight to endpoints its
+        current routes no longer list (an old release after a promotion); envs with none are absent.
         """
 
     def __init__(
@@ -294,10 +326,12 @@ class ProxyHeartbeat(_message.Message):
         http_port: _builtins.int = ...,
         https_port: _builtins.int = ...,
         version: _builtins.str = ...,
+        old_inflight: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        drain_counts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["routes_cluster", b"routes_cluster", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "http_port", b"http_port", "https_port", b"https_port", "node_id", b"node_id", "proxy_id", b"proxy_id", "routes_cluster", b"routes_cluster", "routes_version", b"routes_version", "time", b"time", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain_counts", b"drain_counts", "envs", b"envs", "http_port", b"http_port", "https_port", b"https_port", "node_id", b"node_id", "old_inflight", b"old_inflight", "proxy_id", b"proxy_id", "routes_cluster", b"routes_cluster", "routes_version", b"routes_version", "time", b"time", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
