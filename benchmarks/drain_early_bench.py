@@ -133,7 +133,8 @@ async def _measure(quick: bool) -> list[Row]:
         await proxy.start()
         await asyncio.wait_for(proxy.wait_connected(), 10)
         routes = Routes(conn)
-        follower = asyncio.create_task(_follow_routes(view, routes, [addr for addr, _ in upstreams]))
+        addrs = [addr for addr, _ in upstreams]
+        background = [asyncio.create_task(_follow_routes(view, routes, addrs))]
         deployer = Deployer(writer)
         stop = asyncio.Event()
         load: list[asyncio.Task[None]] = []
@@ -164,7 +165,10 @@ async def _measure(quick: bool) -> list[Row]:
             for task in load:
                 with contextlib.suppress(Exception):
                     await task
-            follower.cancel()
+            for task in background:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await proxy.stop()
             leader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
