@@ -389,7 +389,10 @@ def drained(
     that it has nothing in flight to an endpoint its routes no longer list for this env (``old_inflight``).
     A proxy that has not reported since then, an older proxy, a WebSocket or a long request still open:
     the old release is kept (at the latest until the drain window ends). An env with declared ports is
-    reachable over the private network, whose forwarders report no counts: it is kept for the window."""
+    reachable over the private network, whose forwarders report no counts: it is kept for the window.
+    (An env re-written after the promotion without a route change, e.g. scaled, raises its revision above
+    the snapshot versions: blue is then kept until the routes change again or the window ends — late, never
+    early.)"""
     if not proxies or not d.HasField("promoted_at") or env.service.ports:
         return False
     promoted_at = from_timestamp(d.promoted_at)

@@ -9,6 +9,7 @@ import asyncio
 import aiohttp
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from services.proxy.balancer import Balancer
 from shared.connection import Connection
 from shared.live import proxy_key
 from shared.subjects import LIVE_BUCKET
@@ -28,6 +29,19 @@ async def heartbeat(conn: Connection, proxy_id: str = "p1") -> cpb.ProxyHeartbea
 async def reports(conn: Connection, expected: dict[str, int], complete: bool = True) -> bool:
     hb = await heartbeat(conn)
     return dict(hb.old_inflight) == expected and hb.drain_counts is complete
+
+
+def test_the_balancer_counts_per_env_what_goes_to_addresses_no_longer_routed() -> None:
+    balancer = Balancer()
+    balancer.acquire("10.0.0.1:80", "e1")
+    balancer.acquire("10.0.0.1:80", "e1")
+    balancer.acquire("10.0.0.2:80", "e1")
+    balancer.acquire("10.0.0.3:80", "e2")
+    routed = {"e1": {"10.0.0.2:80"}, "e2": {"10.0.0.3:80"}}
+    assert balancer.old_inflight(lambda env: routed.get(env, set())) == {"e1": 2}
+    balancer.release("10.0.0.1:80")
+    balancer.release("10.0.0.1:80")
+    assert balancer.old_inflight(lambda env: routed.get(env, set())) == {}
 
 
 async def test_the_python_proxy_counts_a_request_in_flight_to_an_endpoint_no_longer_routed(
