@@ -23,7 +23,7 @@ from services.orchestrator.phases import decide, wake_at
 from shared import keys as K
 from shared.decision import Decision
 from shared.deployments import is_terminal
-from shared.live import PROXY, LiveView
+from shared.live import NODE, PROXY, LiveView
 from shared.loop import LeaderLoop, LoopDeps
 from shared.settings import DEFAULTS
 from shared.state.changes import ChangeFeed
@@ -54,7 +54,7 @@ class Orchestrator(LeaderLoop):
         self._pass_started_at = float("-inf")
 
     def extra_feeds(self) -> Sequence[ChangeFeed]:
-        return [self.live.subscribe([PROXY])] if self.live is not None else []
+        return [self.live.subscribe([PROXY, NODE])] if self.live is not None else []
 
     def live_deployments(self) -> list[pb.Deployment]:
         return [d for d in self.view.deployments() if not is_terminal(d.phase)]
@@ -75,8 +75,10 @@ class Orchestrator(LeaderLoop):
         with span(
             "orchestrator.reconcile", headers=parent, deployment=deployment_id, phase=phase_label(d.phase)
         ) as current:
-            proxies = self.live.fresh_proxy_heartbeats() if self.live is not None else None
-            transition = decide(self.view, d, self.clock.now(), self.timers, proxies)
+            live = self.live if d.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD else None  # only a drain reads it
+            proxies = live.fresh_proxy_heartbeats() if live is not None else None
+            nodes = list(live.fresh_node_heartbeats().values()) if live is not None else []
+            transition = decide(self.view, d, self.clock.now(), self.timers, proxies, nodes)
             if transition is None:
                 return None
             current.set_attribute("transition", transition.label)

@@ -94,11 +94,13 @@ def decide(
     now: float,
     timers: Timers,
     proxies: Sequence[cpb.ProxyHeartbeat] | None = None,
+    nodes: Sequence[cpb.Heartbeat] = (),
 ) -> Decision | None:
     """The next step of deployment ``d`` (None: nothing to do until something changes), with the events
     it announces, each named after the deployment's revision the step was decided on. ``proxies``: the
-    live proxies' fresh heartbeats (None: not known, the old release is kept for the whole drain window)."""
-    t = next_step(view, d, now, timers, proxies)
+    live proxies' fresh heartbeats (None: not known, the old release is kept for the whole drain window);
+    ``nodes``: the nodes' fresh heartbeats (their private-network forwarders' counts)."""
+    t = next_step(view, d, now, timers, proxies, nodes)
     if t is not None:
         cancel_with(view, d, t, now)
         release = view.release(d.release_id)
@@ -114,6 +116,7 @@ def next_step(
     now: float,
     timers: Timers,
     proxies: Sequence[cpb.ProxyHeartbeat] | None = None,
+    nodes: Sequence[cpb.Heartbeat] = (),
 ) -> Decision | None:
     if is_terminal(d.phase):
         return None
@@ -138,7 +141,7 @@ def next_step(
         return releasing(view, d, release, now, timers, next_phase=STOPPING_OLD if stateful else PLACING)
     if stateful:
         return decide_stateful(view, d, env, release, now, timers)
-    return decide_red_green(view, d, env, release, now, timers, proxies)
+    return decide_red_green(view, d, env, release, now, timers, proxies, nodes)
 
 
 # ---------------------------------------------------------------------- guards
@@ -233,6 +236,7 @@ def decide_red_green(
     now: float,
     timers: Timers,
     proxies: Sequence[cpb.ProxyHeartbeat] | None = None,
+    nodes: Sequence[cpb.Heartbeat] = (),
 ) -> Decision | None:
     if d.phase == PLACING:
         return placing(view, d, env, release, now, timers)
@@ -243,7 +247,7 @@ def decide_red_green(
     if d.phase == PROMOTING:
         return promote(view, d, env, release, now, timers)
     if d.phase == DRAINING_OLD:
-        return drain(view, d, env, release, now, proxies=proxies, quiet=timers.drain_quiet)
+        return drain(view, d, env, release, now, proxies=proxies, nodes=nodes, quiet=timers.drain_quiet)
     return None
 
 
@@ -358,13 +362,14 @@ def drain(
     now: float,
     *,
     proxies: Sequence[cpb.ProxyHeartbeat] | None = None,
+    nodes: Sequence[cpb.Heartbeat] = (),
     quiet: float = 0.0,
 ) -> Decision | None:
     """Stop blue and succeed, in one write: after the drain window, or as soon as there is nothing left to
     keep warm (blue gone), the env cooled to zero (its warm blue cools with it), or nothing is in flight to
     blue any more (:func:`drained`). Green is never touched."""
     window_open = d.HasField("drain_deadline") and now < from_timestamp(d.drain_deadline)
-    if window_open and not nothing_to_drain(view, d, env, release) and not drained(view, d, env, proxies, now, quiet):
+    if window_open and not nothing_to_drain(view, d, env, release) and not drained(view, d, env, proxies, nodes, quiet):
         return None
     t = move(d, pb.DEPLOYMENT_PHASE_SUCCEEDED, now)
     t.puts = [with_desired(a, STOP, now=now) for a in blue_to_stop(view, d, env, release)]
@@ -376,7 +381,7 @@ def drained(
     d: pb.Deployment,
     env: pb.Environment,
     proxies: Sequence[cpb.ProxyHeartbeat] | None,
-    now: float,
+    nodes: Sequence[cpb.Heartbeat],
     quiet: float,
 ) -> bool:
     """Whether the old release has nothing in flight any more, so its drain may end before the window.
@@ -389,11 +394,13 @@ def drained(
     that it has nothing in flight to an endpoint its routes no longer list for this env (``old_inflight``).
     A proxy that has not reported since then, an older proxy, a WebSocket or a long request still open:
     the old release is kept (at the latest until the drain window ends). An env with declared ports is
-    reachable over the private network, whose forwarders report no counts: it is kept for the window.
+    reachable over the private network too: then every node's heartbeat (``nodes``, fresh) must likewise
+    report, from its forwarder, a snapshot version including the promotion and no connection open to an
+    endpoint no longer listed (a node without a forwarder, or an older agent, keeps it).
     (An env re-written after the promotion without a route change, e.g. scaled, raises its revision above
     the snapshot versions: blue is then kept until the routes change again or the window ends — late, never
     early.)"""
-    if not proxies or not d.HasField("promoted_at") or env.service.ports:
+    if not proxies or not d.HasField("promoted_at"):
         return False
     promoted_at = from_timestamp(d.promoted_at)
     env_revision = view.rev(K.env(env.meta.id))
@@ -407,6 +414,16 @@ def drained(
             return False
         if heartbeat.old_inflight.get(env.meta.id, 0) > 0:
             return False
+    if env.service.ports:
+        if not nodes:
+            return False
+        for node_heartbeat in nodes:
+            if from_timestamp(node_heartbeat.time) < promoted_at + quiet:
+                return False
+            if not node_heartbeat.forwarder_counts or node_heartbeat.forwarder_routes_version < env_revision:
+                return False
+            if node_heartbeat.forwarder_old_connections.get(env.meta.id, 0) > 0:
+                return False
     return True
 
 

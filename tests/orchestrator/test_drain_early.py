@@ -117,14 +117,57 @@ def test_two_samples_of_zero_are_needed_when_the_quiet_period_spans_two_heartbea
     assert outcome(b, later, [proxy(b, "p1", later)], timers) == "stop"
 
 
-def test_an_env_reachable_over_the_private_network_keeps_the_whole_window() -> None:
-    """The private-network forwarders report no per-endpoint counts: a connection to an env with declared
-    ports may be open through them, unseen by the proxies."""
+def forwarder(
+    b: Board, node_id: str, at: float, *, old: int = 0, behind: bool = False, counts: bool = True
+) -> cpb.Heartbeat:
+    """A node's heartbeat sampled at ``at`` with its forwarder's counts."""
+    hb = cpb.Heartbeat(node_id=node_id, time=to_timestamp(at), forwarder_counts=counts)
+    hb.forwarder_routes_version = env_revision(b) - (1 if behind else 0)
+    if old:
+        hb.forwarder_old_connections[ENV] = old
+    return hb
+
+
+@pytest.mark.parametrize(
+    ("case", "nodes", "expected"),
+    [
+        (
+            "every forwarder has nothing open to the old release",
+            [("n1", 0, False, True), ("n2", 0, False, True)],
+            "stop",
+        ),
+        ("a connection through n2's forwarder still open", [("n1", 0, False, True), ("n2", 1, False, True)], "keep"),
+        (
+            "n2's forwarder still on the snapshot before the promotion",
+            [("n1", 0, False, True), ("n2", 0, True, True)],
+            "keep",
+        ),
+        ("n2 has no forwarder counts (an older agent)", [("n1", 0, False, True), ("n2", 0, False, False)], "keep"),
+        ("no node reports", [], "keep"),
+    ],
+)
+def test_an_env_reachable_over_the_private_network_also_waits_for_every_forwarder(
+    case: str, nodes: list[tuple[str, int, bool, bool]], expected: str
+) -> None:
     b = draining_board()
     env = b.view.env(ENV)
     assert env is not None
     with_port = copied(env)
     with_port.service.ports.add(name="db", container_port=5432)
     b.put(with_port)
-    assert outcome(b, AFTER, [proxy(b, "p1", AFTER)]) == "keep"
-    assert outcome(b, T0 + WINDOW, [proxy(b, "p1", AFTER)]) == "stop"
+    proxies = [proxy(b, "p1", AFTER)]
+    heartbeats = [forwarder(b, n, AFTER, old=old, behind=behind, counts=counts) for n, old, behind, counts in nodes]
+    t = decide(b.view, b.d(), AFTER, TIMERS, proxies, heartbeats)
+    assert ("keep" if t is None else "stop") == expected, case
+    assert outcome(b, T0 + WINDOW, proxies) == "stop"  # the window still bounds it
+
+
+def test_an_old_node_heartbeat_from_before_the_quiet_period_keeps_the_old_release() -> None:
+    b = draining_board()
+    env = b.view.env(ENV)
+    assert env is not None
+    with_port = copied(env)
+    with_port.service.ports.add(name="db", container_port=5432)
+    b.put(with_port)
+    stale = forwarder(b, "n1", T0 + 1)
+    assert decide(b.view, b.d(), AFTER, TIMERS, [proxy(b, "p1", AFTER)], [stale]) is None
