@@ -7,7 +7,8 @@ healthy endpoints of those envs, following the route snapshots; and each consume
 * A connection goes to an endpoint of the target's port in the newest snapshot (round robin, the next one
   when a connect fails): endpoint changes are a table swap, so they apply as fast as snapshots arrive.
 * Drain: a connection keeps its endpoint until either side closes, whatever later snapshots say; only new
-  connections follow them (the agent stops a replica only after the drain window).
+  connections follow them (the agent stops a replica only after the drain window, or once no proxy and
+  no forwarder reports anything open to it: :meth:`Forwarder.old_connections`, in the node's heartbeat).
 * Wake on connect: a scale-to-zero env with no endpoint holds the connection (nothing read from it) and
   asks the activator, retrying while held, until an endpoint appears or ``hold_timeout`` passes; beyond
   ``max_held_per_env`` waiting connections, more are closed at once.
