@@ -33,7 +33,8 @@ class OrchestratorSettings(BaseSettings):
     # ---------------------------------------------------------------- drain (seconds)
     drain_quiet: float = Field(default=4.0, ge=0)
     """An old release is stopped before the drain window ends once every live proxy, in a sample taken at
-    least this long after the promotion and routing by it, has nothing in flight to it (0: any such sample)."""
+    least this long after the promotion and routing by it, has nothing in flight to it (0: any such sample;
+    as long as the drain window or longer: never early, the old release stays warm for the whole window)."""
 
 
 DEFAULTS: Final = OrchestratorSettings.model_construct()
