@@ -42,7 +42,9 @@ healthcheck = {{ type = "http", path = "/healthz", interval = "1s", timeout = "1
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
     root: Path = tmp_path_factory.mktemp("e2e-operator")
-    c = E2ECluster(root, mesh_ips={"n2": "127.0.0.2"}, timers={"ZATTERA_DRAIN_WINDOW": "600", "ZATTERA_DRAIN_QUIET": "600"})
+    c = E2ECluster(
+        root, mesh_ips={"n2": "127.0.0.2"}, timers={"ZATTERA_DRAIN_WINDOW": "600", "ZATTERA_DRAIN_QUIET": "600"}
+    )
     try:
         c.start()
         try:
