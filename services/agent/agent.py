@@ -209,6 +209,10 @@ class Agent:
                 state_path=data_dir / "forwarder" / "consumers.json",
             )
 
+    def _forwarding(self) -> tuple[dict[str, int], int]:
+        assert self.forwarder is not None
+        return self.forwarder.old_connections(), self.forwarder.version
+
     @property
     def volumes_dir(self) -> Path:
         return self.data_dir / "volumes"
@@ -379,6 +383,7 @@ class Agent:
                 self.clock,
                 interval=settings.heartbeat_interval,
                 env_of=self.env_of,
+                forwarding=self._forwarding if self.forwarder is not None else None,
             )
             private_directory(self.volumes_dir)
             runtime_task = asyncio.create_task(self.runtime.run(), name="runtime")

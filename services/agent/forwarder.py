@@ -7,7 +7,8 @@ healthy endpoints of those envs, following the route snapshots; and each consume
 * A connection goes to an endpoint of the target's port in the newest snapshot (round robin, the next one
   when a connect fails): endpoint changes are a table swap, so they apply as fast as snapshots arrive.
 * Drain: a connection keeps its endpoint until either side closes, whatever later snapshots say; only new
-  connections follow them (the agent stops a replica only after the drain window).
+  connections follow them (the agent stops a replica only after the drain window, or once no proxy and
+  no forwarder reports anything open to it: :meth:`Forwarder.old_connections`, in the node's heartbeat).
 * Wake on connect: a scale-to-zero env with no endpoint holds the connection (nothing read from it) and
   asks the activator, retrying while held, until an endpoint appears or ``hold_timeout`` passes; beyond
   ``max_held_per_env`` waiting connections, more are closed at once.
@@ -93,6 +94,7 @@ class Forwarder:
         self._held: dict[str, int] = {}
         self._connections: set[asyncio.Task[None]] = set()  # being joined to an endpoint
         self._pipes: weakref.WeakSet[_Pipe] = weakref.WeakSet()  # accepted, open or not yet collected
+        self._outbound: weakref.WeakSet[_Pipe] = weakref.WeakSet()  # joined to an endpoint (its ``route``)
         self.activations_sent = 0
         self.refused = 0
 
@@ -182,6 +184,18 @@ class Forwarder:
                 outbound.close()
             return
         inbound.join(outbound)
+        self._outbound.add(outbound)
+
+    def old_connections(self) -> dict[str, int]:
+        """Env id → open connections to an endpoint the newest snapshot no longer lists for their port
+        (an old release after a promotion, issue 42: the orchestrator's drain waits for them)."""
+        old: dict[str, int] = {}
+        for pipe in list(self._outbound):
+            if pipe.lost or pipe.route is None:
+                continue
+            if pipe.addr not in self._endpoints.get(pipe.route, ()):
+                old[pipe.route[0]] = old.get(pipe.route[0], 0) + 1
+        return old
 
     async def _connect(self, route: tuple[str, str]) -> _Pipe | None:
         """A connection to an endpoint of ``route``, holding while a scale-to-zero env wakes."""
@@ -193,6 +207,7 @@ class Forwarder:
             try:
                 async with asyncio.timeout(self.connect_timeout):
                     _, pipe = await loop.create_connection(_Pipe, host, int(port))
+                pipe.route, pipe.addr = route, f"{host}:{port}"
                 return pipe
             except (OSError, TimeoutError, ValueError) as exc:
                 log.debug("forwarder: endpoint %s:%s refused (%s), trying the next", host, port, exc)
@@ -332,6 +347,9 @@ class _Pipe(asyncio.Protocol):
         self.peer: _Pipe | None = None
         self.ended = False
         self.lost = False
+        self.route: tuple[str, str] | None = None
+        """An outbound side: the (env id, port name) and the endpoint address it was connected to."""
+        self.addr = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)

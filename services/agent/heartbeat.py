@@ -38,7 +38,10 @@ class HeartbeatPublisher:
         *,
         interval: float = 5.0,
         env_of: Callable[[str], str] = lambda assignment_id: "",
+        forwarding: Callable[[], tuple[dict[str, int], int]] | None = None,
     ) -> None:
+        """``forwarding``: the private-network forwarder's connections to endpoints no longer routed (env id
+        → count) and the route snapshot version it follows (None: no forwarder on this node)."""
         self._conn = conn
         self.node_id = node_id
         self._data_dir = data_dir
@@ -46,6 +49,7 @@ class HeartbeatPublisher:
         self._clock = clock
         self.interval = interval
         self._env_of = env_of
+        self._forwarding = forwarding
         # psutil keeps the previous CPU reading in the Process object: reuse one per (pid, create time).
         self._procs: dict[tuple[int, float], psutil.Process] = {}
         self.last: cpb.Heartbeat | None = None
@@ -99,6 +103,12 @@ class HeartbeatPublisher:
                 hb.instances[assignment_id].CopyFrom(sample)
         for key in [k for k in self._procs if k not in seen]:
             del self._procs[key]
+        if self._forwarding is not None:
+            old, version = self._forwarding()
+            for env_id, count in old.items():
+                hb.forwarder_old_connections[env_id] = count
+            hb.forwarder_routes_version = version
+            hb.forwarder_counts = True
         self.last = hb
         return hb
 

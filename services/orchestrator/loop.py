@@ -7,12 +7,14 @@ and release changes — a finished build or a node loss is acted on at once, not
 at the next deadline of any deployment (phase timeouts, health deadline, drain deadline), so timers
 fire on time instead of up to a tick late. Everything is derived from durable state: a new leader
 resumes from the recorded phase, and deadlines are absolute, so failover neither resets nor extends
-them.
+them. Given the live view (``zattera-live``), it also wakes on every proxy heartbeat: a drain ends as soon
+as every live proxy reports nothing in flight to the old release (:func:`~services.orchestrator.phases.drained`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from zattera.v1 import types_pb2 as pb
 
@@ -21,8 +23,10 @@ from services.orchestrator.phases import decide, wake_at
 from shared import keys as K
 from shared.decision import Decision
 from shared.deployments import is_terminal
+from shared.live import NODE, PROXY, LiveView
 from shared.loop import LeaderLoop, LoopDeps
 from shared.settings import DEFAULTS
+from shared.state.changes import ChangeFeed
 from shared.telemetry import counter, span
 
 log = logging.getLogger(__name__)
@@ -35,10 +39,22 @@ class Orchestrator(LeaderLoop):
     name = "orchestrator"
     kinds = frozenset({K.DEPLOYMENT, K.ASSIGNMENT, K.BUILD, K.ENV, K.NODE, K.RELEASE, K.JOB})
 
-    def __init__(self, deps: LoopDeps, *, timers: Timers | None = None, tick: float = DEFAULTS.loop_tick) -> None:
+    def __init__(
+        self,
+        deps: LoopDeps,
+        *,
+        timers: Timers | None = None,
+        tick: float = DEFAULTS.loop_tick,
+        live: LiveView | None = None,
+    ) -> None:
         super().__init__(deps, tick=tick)
         self.timers = timers or Timers()
+        self.live = live
+        """The proxies' heartbeats (None: every drain lasts its whole window)."""
         self._pass_started_at = float("-inf")
+
+    def extra_feeds(self) -> Sequence[ChangeFeed]:
+        return [self.live.subscribe([PROXY, NODE])] if self.live is not None else []
 
     def live_deployments(self) -> list[pb.Deployment]:
         return [d for d in self.view.deployments() if not is_terminal(d.phase)]
@@ -59,7 +75,10 @@ class Orchestrator(LeaderLoop):
         with span(
             "orchestrator.reconcile", headers=parent, deployment=deployment_id, phase=phase_label(d.phase)
         ) as current:
-            transition = decide(self.view, d, self.clock.now(), self.timers)
+            live = self.live if d.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD else None  # only a drain reads it
+            proxies = live.fresh_proxy_heartbeats() if live is not None else None
+            nodes = list(live.fresh_node_heartbeats().values()) if live is not None else []
+            transition = decide(self.view, d, self.clock.now(), self.timers, proxies, nodes)
             if transition is None:
                 return None
             current.set_attribute("transition", transition.label)

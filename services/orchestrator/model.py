@@ -74,6 +74,7 @@ class Timers:
     starting_timeout: float = OWN.starting_timeout
     stopping_old_timeout: float = OWN.stopping_old_timeout
     releasing_timeout: float = OWN.releasing_timeout
+    drain_quiet: float = OWN.drain_quiet
 
     @classmethod
     def from_settings(cls, shared: Settings, own: OrchestratorSettings) -> Timers:
@@ -86,6 +87,7 @@ class Timers:
             starting_timeout=own.starting_timeout,
             stopping_old_timeout=own.stopping_old_timeout,
             releasing_timeout=own.releasing_timeout,
+            drain_quiet=own.drain_quiet,
         )
 
     def health_deadline(self, release: pb.Release) -> float:

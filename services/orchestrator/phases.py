@@ -25,6 +25,9 @@ Rules, each pinned by a test:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.orchestrator.model import (
@@ -85,10 +88,19 @@ STOPPING_OLD = pb.DEPLOYMENT_PHASE_STOPPING_OLD
 STRICT_WAKE_EPSILON = 0.001
 
 
-def decide(view: StateReader, d: pb.Deployment, now: float, timers: Timers) -> Decision | None:
+def decide(
+    view: StateReader,
+    d: pb.Deployment,
+    now: float,
+    timers: Timers,
+    proxies: Sequence[cpb.ProxyHeartbeat] | None = None,
+    nodes: Sequence[cpb.Heartbeat] = (),
+) -> Decision | None:
     """The next step of deployment ``d`` (None: nothing to do until something changes), with the events
-    it announces, each named after the deployment's revision the step was decided on."""
-    t = next_step(view, d, now, timers)
+    it announces, each named after the deployment's revision the step was decided on. ``proxies``: the
+    live proxies' fresh heartbeats (None: not known, the old release is kept for the whole drain window);
+    ``nodes``: the nodes' fresh heartbeats (their private-network forwarders' counts)."""
+    t = next_step(view, d, now, timers, proxies, nodes)
     if t is not None:
         cancel_with(view, d, t, now)
         release = view.release(d.release_id)
@@ -98,7 +110,14 @@ def decide(view: StateReader, d: pb.Deployment, now: float, timers: Timers) -> D
     return t
 
 
-def next_step(view: StateReader, d: pb.Deployment, now: float, timers: Timers) -> Decision | None:
+def next_step(
+    view: StateReader,
+    d: pb.Deployment,
+    now: float,
+    timers: Timers,
+    proxies: Sequence[cpb.ProxyHeartbeat] | None = None,
+    nodes: Sequence[cpb.Heartbeat] = (),
+) -> Decision | None:
     if is_terminal(d.phase):
         return None
     env = view.env(d.environment_id)
@@ -122,7 +141,7 @@ def next_step(view: StateReader, d: pb.Deployment, now: float, timers: Timers) -
         return releasing(view, d, release, now, timers, next_phase=STOPPING_OLD if stateful else PLACING)
     if stateful:
         return decide_stateful(view, d, env, release, now, timers)
-    return decide_red_green(view, d, env, release, now, timers)
+    return decide_red_green(view, d, env, release, now, timers, proxies, nodes)
 
 
 # ---------------------------------------------------------------------- guards
@@ -210,7 +229,14 @@ def building(
 
 
 def decide_red_green(
-    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
+    view: StateReader,
+    d: pb.Deployment,
+    env: pb.Environment,
+    release: pb.Release,
+    now: float,
+    timers: Timers,
+    proxies: Sequence[cpb.ProxyHeartbeat] | None = None,
+    nodes: Sequence[cpb.Heartbeat] = (),
 ) -> Decision | None:
     if d.phase == PLACING:
         return placing(view, d, env, release, now, timers)
@@ -221,7 +247,7 @@ def decide_red_green(
     if d.phase == PROMOTING:
         return promote(view, d, env, release, now, timers)
     if d.phase == DRAINING_OLD:
-        return drain(view, d, env, release, now)
+        return drain(view, d, env, release, now, proxies=proxies, nodes=nodes, quiet=timers.drain_quiet)
     return None
 
 
@@ -328,15 +354,77 @@ def env_is_cold(env: pb.Environment) -> bool:
     return env.service.scale_to_zero and env.effective_replicas == 0
 
 
-def drain(view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float) -> Decision | None:
+def drain(
+    view: StateReader,
+    d: pb.Deployment,
+    env: pb.Environment,
+    release: pb.Release,
+    now: float,
+    *,
+    proxies: Sequence[cpb.ProxyHeartbeat] | None = None,
+    nodes: Sequence[cpb.Heartbeat] = (),
+    quiet: float = 0.0,
+) -> Decision | None:
     """Stop blue and succeed, in one write: after the drain window, or as soon as there is nothing left to
-    keep warm (blue gone) or the env cooled to zero (its warm blue cools with it). Green is never touched."""
+    keep warm (blue gone), the env cooled to zero (its warm blue cools with it), or nothing is in flight to
+    blue any more (:func:`drained`). Green is never touched."""
     window_open = d.HasField("drain_deadline") and now < from_timestamp(d.drain_deadline)
-    if window_open and not nothing_to_drain(view, d, env, release):
+    if window_open and not nothing_to_drain(view, d, env, release) and not drained(view, d, env, proxies, nodes, quiet):
         return None
     t = move(d, pb.DEPLOYMENT_PHASE_SUCCEEDED, now)
     t.puts = [with_desired(a, STOP, now=now) for a in blue_to_stop(view, d, env, release)]
     return t
+
+
+def drained(
+    view: StateReader,
+    d: pb.Deployment,
+    env: pb.Environment,
+    proxies: Sequence[cpb.ProxyHeartbeat] | None,
+    nodes: Sequence[cpb.Heartbeat],
+    quiet: float,
+) -> bool:
+    """Whether the old release has nothing in flight any more, so its drain may end before the window.
+
+    True only when there is at least one live proxy and EVERY one of them (the fresh heartbeats given)
+    reported, in a sample taken at least ``quiet`` seconds after the promotion,
+    that it routes by a route version that includes the promotion (``routes_version`` ≥ the env's
+    revision: the snapshot version is the newest state revision it was built from), that its counts are
+    complete (``drain_counts``: no HAProxy worker from before a reload still holding connections), and
+    that it has nothing in flight to an endpoint its routes no longer list for this env (``old_inflight``).
+    A proxy that has not reported since then, an older proxy, a WebSocket or a long request still open:
+    the old release is kept (at the latest until the drain window ends). An env with declared ports is
+    reachable over the private network too: then every node's heartbeat (``nodes``, fresh) must likewise
+    report, from its forwarder, a snapshot version including the promotion and no connection open to an
+    endpoint no longer listed (a node without a forwarder, or an older agent, keeps it).
+    (An env re-written after the promotion without a route change, e.g. scaled, raises its revision above
+    the snapshot versions: blue is then kept until the routes change again or the window ends — late, never
+    early.)"""
+    if not proxies or not d.HasField("promoted_at"):
+        return False
+    promoted_at = from_timestamp(d.promoted_at)
+    env_revision = view.rev(K.env(env.meta.id))
+    if not env_revision:
+        return False
+    for heartbeat in proxies:
+        sampled_at = from_timestamp(heartbeat.time)
+        if sampled_at < promoted_at + quiet:
+            return False
+        if not heartbeat.drain_counts or heartbeat.routes_version < env_revision:
+            return False
+        if heartbeat.old_inflight.get(env.meta.id, 0) > 0:
+            return False
+    if env.service.ports:
+        if not nodes:
+            return False
+        for node_heartbeat in nodes:
+            if from_timestamp(node_heartbeat.time) < promoted_at + quiet:
+                return False
+            if not node_heartbeat.forwarder_counts or node_heartbeat.forwarder_routes_version < env_revision:
+                return False
+            if node_heartbeat.forwarder_old_connections.get(env.meta.id, 0) > 0:
+                return False
+    return True
 
 
 def blue_to_stop(view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release) -> list[pb.Assignment]:

@@ -30,5 +30,11 @@ class OrchestratorSettings(BaseSettings):
     """A deployment RELEASING (its release command placed, run, or waiting for another deploy's) longer
     than this fails, and its release command is canceled."""
 
+    # ---------------------------------------------------------------- drain (seconds)
+    drain_quiet: float = Field(default=4.0, ge=0)
+    """An old release is stopped before the drain window ends once every live proxy, in a sample taken at
+    least this long after the promotion and routing by it, has nothing in flight to it (0: any such sample;
+    as long as the drain window or longer: never early, the old release stays warm for the whole window)."""
+
 
 DEFAULTS: Final = OrchestratorSettings.model_construct()

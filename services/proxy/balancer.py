@@ -6,7 +6,7 @@ endpoint churn does not grow the map forever.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
@@ -42,12 +42,16 @@ class Balancer:
         self.node_id = node_id
         self._rng = rng or random.Random()
         self._inflight: dict[str, int] = {}
+        self._env_of: dict[str, str] = {}
+        """Address with requests in flight → the env they were sent for (``""``: not told)."""
 
     def inflight(self, addr: str) -> int:
         return self._inflight.get(addr, 0)
 
-    def acquire(self, addr: str) -> None:
+    def acquire(self, addr: str, env_id: str = "") -> None:
         self._inflight[addr] = self._inflight.get(addr, 0) + 1
+        if env_id or addr not in self._env_of:
+            self._env_of[addr] = env_id
 
     def release(self, addr: str) -> None:
         remaining = self._inflight.get(addr, 0) - 1
@@ -55,6 +59,17 @@ class Balancer:
             self._inflight[addr] = remaining
         else:
             self._inflight.pop(addr, None)
+            self._env_of.pop(addr, None)
+
+    def old_inflight(self, routed: Callable[[str], Collection[str]]) -> dict[str, int]:
+        """Env id → requests in flight to addresses the env's current endpoints (``routed(env_id)``) no
+        longer list: what an old release still serves after a promotion (issue 42, the drain)."""
+        old: dict[str, int] = {}
+        for addr, count in self._inflight.items():
+            env_id = self._env_of.get(addr, "")
+            if addr not in routed(env_id):
+                old[env_id] = old.get(env_id, 0) + count
+        return old
 
     def pick(self, endpoints: Sequence[cpb.Endpoint], cap: int = 0) -> cpb.Endpoint | None:
         """P2C over healthy endpoints under ``cap`` (0 = no cap); None when none qualifies."""

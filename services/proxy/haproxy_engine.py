@@ -124,6 +124,8 @@ class HAProxyEngine:
         self._route_cache: RouteCache = {}
         self._lock = asyncio.Lock()
         self._draining: set[tuple[str, str]] = set()
+        self._old_workers: set[int] = set()
+        """Pids of workers replaced by a reload: each keeps its connections (WebSockets) until they end."""
         self._server_ids = itertools.count(RUNTIME_SERVER_IDS)
         """Ids of the servers added at run time (see :data:`RUNTIME_SERVER_IDS`)."""
         self._process: asyncio.subprocess.Process | None = None
@@ -207,6 +209,7 @@ class HAProxyEngine:
         self.running = target
         self._certificates = installed(self.layout.certs_dir)
         self._draining.clear()
+        self._old_workers.clear()
         log.info(
             "haproxy: pid %d serving %d hosts, %d backends", self._process.pid, len(target.hosts), len(target.backends)
         )
@@ -287,6 +290,8 @@ class HAProxyEngine:
         await self._wait_ready(old_worker)
         self.running = target
         self._draining.clear()
+        if old_worker is not None:
+            self._old_workers.add(old_worker)
         self.reloads += 1
 
     async def _change_at_runtime(self, target: Plan) -> None:
@@ -414,6 +419,24 @@ class HAProxyEngine:
 
     # ------------------------------------------------------------------ stats
 
+    async def old_inflight(self) -> tuple[dict[str, int], bool]:
+        """Env id → servers that left its backend (an old release after a promotion) and still hold
+        connections (HAProxy refuses to delete them until their last one ends), and whether that is all
+        HAProxy has in flight: False while a worker from before a reload still runs (it keeps its
+        connections, WebSockets, unseen by this worker's counts) or when HAProxy does not answer."""
+        try:
+            async with self._lock:
+                await self._delete_drained()
+                held = sorted(self._draining)
+        except (OSError, TimeoutError, RuntimeAPIError):
+            return {}, False
+        counts: dict[str, int] = {}
+        for backend_name, _ in held:
+            env_id = self.running.env_of_backend.get(backend_name, "")
+            counts[env_id] = counts.get(env_id, 0) + 1
+        self._old_workers = {pid for pid in self._old_workers if _alive(pid)}
+        return counts, not self._old_workers
+
     async def samples(self) -> dict[str, cpb.ProxySample]:
         """Per-env samples since the previous call; empty when HAProxy does not answer (restarting)."""
         try:
@@ -426,6 +449,17 @@ class HAProxyEngine:
                 for _ in range(answered.count):
                     self.requests.observe(answered.env_id, answered.status_class * 100, answered.seconds)
         return samples
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process runs (an old HAProxy worker: the master, our child, reaps it when it exits)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _host(addr: str) -> str:

@@ -67,6 +67,18 @@ class RouteTable:
         for entries in by_host.values():
             entries.sort(key=lambda entry: -len(entry.route.path_prefix))  # stable: snapshot order on ties
         self._by_host = by_host
+        self._snapshot = snapshot
+        self._addrs: dict[str, frozenset[str]] | None = None
+
+    def endpoint_addrs(self, env_id: str) -> frozenset[str]:
+        """The addresses of the env's endpoints in this table (built on first use: only a proxy with
+        requests in flight asks, once per heartbeat)."""
+        if self._addrs is None:
+            addrs: dict[str, set[str]] = {}
+            for route in self._snapshot.http_routes:
+                addrs.setdefault(route.environment_id, set()).update(e.addr for e in route.endpoints)
+            self._addrs = {env: frozenset(found) for env, found in addrs.items()}
+        return self._addrs.get(env_id, frozenset())
 
     def match(self, host: str, path: str) -> RouteEntry | None:
         """The route for a normalized host (see :func:`request_host`) and a URL path: raw string prefix,

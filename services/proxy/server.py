@@ -85,6 +85,9 @@ class Proxy:
         self.snapshot_listeners: list[Callable[[cpb.RouteSnapshot], None]] = []
         self.sample_sources: list[Callable[[], Awaitable[dict[str, cpb.ProxySample]]]] = []
         """Other data paths' per-env samples, merged into this proxy's heartbeat."""
+        self.drain_sources: list[Callable[[], Awaitable[tuple[dict[str, int], bool]]]] = []
+        """Other data paths' in-flight counts to endpoints no longer routed (env id → count), and whether
+        those counts are complete: added to the heartbeat's ``old_inflight`` / ``drain_counts``."""
         self.served: Callable[[], tuple[int, cpb.ClusterIdentity]] = lambda: (self.table.version, self.table.cluster)
         """The routes version the data plane serves, and their cluster (an engine in front may lag the Python
         table)."""
@@ -260,6 +263,17 @@ class Proxy:
         heartbeat.routes_version, cluster = self.served()
         heartbeat.routes_cluster.CopyFrom(cluster)
         heartbeat.http_port, heartbeat.https_port = self.public_ports()
+        # After routes_version is read: whatever is counted now was sent under those routes or earlier ones.
+        old = self.balancer.old_inflight(self.table.endpoint_addrs)
+        complete = True
+        for drain_source in self.drain_sources:
+            counts, source_complete = await drain_source()
+            complete = complete and source_complete
+            for env_id, count in counts.items():
+                old[env_id] = old.get(env_id, 0) + count
+        for env_id, count in old.items():
+            heartbeat.old_inflight[env_id] = count
+        heartbeat.drain_counts = complete
         if self.sample_sources:
             merged = merge_samples(heartbeat.envs, *[await source() for source in self.sample_sources])
             heartbeat.ClearField("envs")

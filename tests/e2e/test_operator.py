@@ -1,7 +1,8 @@
 """The operator's first hour, end to end, against real processes and the real CLI.
 
 This module has a cluster of its own: two agents on one machine (n1 on 127.0.0.1, n2 with mesh address
-127.0.0.2) and the production drain window of 600 s, so a test passes only if nothing waits on it. The
+127.0.0.2) and the production drain window of 600 s, so a test passes only if nothing waits on it (kept
+whole: a quiet period as long as the window turns off the early end of a drain, issue 42). The
 tests run in order: a first deploy finishes at promotion and is "live" only once the proxy serves it;
 replicas on both nodes answer; a redeploy keeps blue warm without locking scaling out; a scale-to-zero
 env cools after a deploy (its warm blue too); status; delete.
@@ -41,7 +42,9 @@ healthcheck = {{ type = "http", path = "/healthz", interval = "1s", timeout = "1
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
     root: Path = tmp_path_factory.mktemp("e2e-operator")
-    c = E2ECluster(root, mesh_ips={"n2": "127.0.0.2"}, timers={"ZATTERA_DRAIN_WINDOW": "600"})
+    c = E2ECluster(
+        root, mesh_ips={"n2": "127.0.0.2"}, timers={"ZATTERA_DRAIN_WINDOW": "600", "ZATTERA_DRAIN_QUIET": "600"}
+    )
     try:
         c.start()
         try:

@@ -102,7 +102,7 @@ class Forward:
         checked = route.HasField("middleware") and bool(route_users(route.middleware))
         session = self.session()
         assert session is not None
-        self.balancer.acquire(addr)
+        self.balancer.acquire(addr, env_id)
         self.stats.begin(env_id)
         started = time.perf_counter()
         status = 502
@@ -153,15 +153,15 @@ class Forward:
                                 timeout=hold_until - loop.time(),
                             )
                         except HoldRejected as rejected:
-                            self.balancer.acquire(addr)  # released again on the way out
+                            self.balancer.acquire(addr, env_id)  # released again on the way out
                             headers = {"Retry-After": rejected.retry_after} if rejected.retry_after else None
                             return error_response(rejected.status, rejected.message, headers)
                         if choice.entry is None or choice.endpoint is None:
-                            self.balancer.acquire(addr)
+                            self.balancer.acquire(addr, env_id)
                             return error_response(404, "no route for host")
                         route, retry = choice.entry.route, choice.endpoint
                         endpoint, addr = retry, retry.addr
-                        self.balancer.acquire(addr)
+                        self.balancer.acquire(addr, env_id)
                         tried.add(addr)
                         continue
                     if retry is None:
@@ -170,7 +170,7 @@ class Forward:
                     log.debug("upstream %s refused (%r); retrying on %s", addr, exc, retry.addr)
                     self.balancer.release(addr)
                     endpoint, addr = retry, retry.addr
-                    self.balancer.acquire(addr)
+                    self.balancer.acquire(addr, env_id)
                     tried.add(addr)
                 except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                     log.debug("upstream %s failed: %r", addr, exc)

@@ -86,6 +86,26 @@ class Heartbeat(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class ForwarderOldConnectionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TIME_FIELD_NUMBER: _builtins.int
     CPU_PERCENT_FIELD_NUMBER: _builtins.int
     MEMORY_USED_BYTES_FIELD_NUMBER: _builtins.int
@@ -95,6 +115,9 @@ class Heartbeat(_message.Message):
     INSTANCES_FIELD_NUMBER: _builtins.int
     PROXY_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
+    FORWARDER_OLD_CONNECTIONS_FIELD_NUMBER: _builtins.int
+    FORWARDER_ROUTES_VERSION_FIELD_NUMBER: _builtins.int
+    FORWARDER_COUNTS_FIELD_NUMBER: _builtins.int
     cpu_percent: _builtins.float
     """host-wide, 0-100"""
     memory_used_bytes: _builtins.int
@@ -104,6 +127,8 @@ class Heartbeat(_message.Message):
     disk_total_bytes: _builtins.int
     node_id: _builtins.str
     """this project (DESIGN.md §6)"""
+    forwarder_routes_version: _builtins.int
+    forwarder_counts: _builtins.bool
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """agent clock at send"""
@@ -115,6 +140,14 @@ class Heartbeat(_message.Message):
     @_builtins.property
     def proxy(self) -> _containers.MessageMap[_builtins.str, Global___ProxySample]:
         """environment id -> sample"""
+
+    @_builtins.property
+    def forwarder_old_connections(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """invented (issue 42): the node's private-network forwarder — env id -> connections it holds open to
+        endpoints its newest snapshot no longer lists (an old release after a promotion; envs with none absent),
+        the route snapshot version it follows, and whether it reports these at all (false: no forwarder, an
+        older agent).
+        """
 
     def __init__(
         self,
@@ -128,10 +161,13 @@ class Heartbeat(_message.Message):
         instances: _abc.Mapping[_builtins.str, Global___InstanceSample] | None = ...,
         proxy: _abc.Mapping[_builtins.str, Global___ProxySample] | None = ...,
         node_id: _builtins.str = ...,
+        forwarder_old_connections: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        forwarder_routes_version: _builtins.int = ...,
+        forwarder_counts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_percent", b"cpu_percent", "disk_total_bytes", b"disk_total_bytes", "disk_used_bytes", b"disk_used_bytes", "instances", b"instances", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "node_id", b"node_id", "proxy", b"proxy", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_percent", b"cpu_percent", "disk_total_bytes", b"disk_total_bytes", "disk_used_bytes", b"disk_used_bytes", "forwarder_counts", b"forwarder_counts", "forwarder_old_connections", b"forwarder_old_connections", "forwarder_routes_version", b"forwarder_routes_version", "instances", b"instances", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "node_id", b"node_id", "proxy", b"proxy", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -250,6 +286,26 @@ class ProxyHeartbeat(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class OldInflightEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TIME_FIELD_NUMBER: _builtins.int
     PROXY_ID_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
@@ -259,6 +315,8 @@ class ProxyHeartbeat(_message.Message):
     HTTP_PORT_FIELD_NUMBER: _builtins.int
     HTTPS_PORT_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    OLD_INFLIGHT_FIELD_NUMBER: _builtins.int
+    DRAIN_COUNTS_FIELD_NUMBER: _builtins.int
     proxy_id: _builtins.str
     node_id: _builtins.str
     routes_version: _builtins.int
@@ -269,6 +327,10 @@ class ProxyHeartbeat(_message.Message):
     https_port: _builtins.int
     version: _builtins.str
     """invented (issue 44): the proxy's Zattera version (docs/upgrades.md, version skew)"""
+    drain_counts: _builtins.bool
+    """invented (issue 42): old_inflight covers everything this proxy has in flight (false, or an older
+    proxy: it cannot tell, e.g. an HAProxy worker of before a reload still holds connections).
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -280,6 +342,12 @@ class ProxyHeartbeat(_message.Message):
         """This project (issue 33): the cluster of the route snapshot it serves (a proxy that kept another
         cluster's snapshot is not serving this one's routes, whatever its version), and where it listens,
         so that the URLs `zattera status` and the console show are the ones that work (0 = no such listener).
+        """
+
+    @_builtins.property
+    def old_inflight(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """invented (issue 42): env id -> requests and connections this proxy has in flight to endpoints its
+        current routes no longer list (an old release after a promotion); envs with none are absent.
         """
 
     def __init__(
@@ -294,10 +362,12 @@ class ProxyHeartbeat(_message.Message):
         http_port: _builtins.int = ...,
         https_port: _builtins.int = ...,
         version: _builtins.str = ...,
+        old_inflight: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        drain_counts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["routes_cluster", b"routes_cluster", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "http_port", b"http_port", "https_port", b"https_port", "node_id", b"node_id", "proxy_id", b"proxy_id", "routes_cluster", b"routes_cluster", "routes_version", b"routes_version", "time", b"time", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain_counts", b"drain_counts", "envs", b"envs", "http_port", b"http_port", "https_port", b"https_port", "node_id", b"node_id", "old_inflight", b"old_inflight", "proxy_id", b"proxy_id", "routes_cluster", b"routes_cluster", "routes_version", b"routes_version", "time", b"time", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
