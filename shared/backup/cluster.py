@@ -72,11 +72,11 @@ async def read_bucket(conn: Connection, bucket: str) -> BucketCopy:
     if not info.state.messages:
         return BucketCopy(int(info.state.last_seq or 0), {})
     if not info.config.allow_direct:
-        return await _read_by_consumer(conn, bucket)
+        return await _read_by_gets(conn, bucket)
     try:
         msgs = await last_per_subject(conn.nc, stream, prefix + ">", READ_TIMEOUT)
     except TooManySubjects:
-        return await _read_by_consumer(conn, bucket)
+        return await _read_by_gets(conn, bucket)
     values: dict[str, bytes] = {}
     revision = 0
     for msg in msgs:
@@ -87,23 +87,24 @@ async def read_bucket(conn: Connection, bucket: str) -> BucketCopy:
     return BucketCopy(revision, values)
 
 
-async def _read_by_consumer(conn: Connection, bucket: str) -> BucketCopy:
-    kv = await conn.js.key_value(bucket)
-    watcher = await kv.watchall()
+async def _read_by_gets(conn: Connection, bucket: str) -> BucketCopy:
+    """Every live key of a bucket that allows no direct read (or has too many keys for one batch): its
+    subjects as the stream lists them, then one message get each. No consumer: an operator's credential may
+    not create one (a secured cluster), and nats-py's watcher may end before its first key on a loaded
+    machine."""
+    stream, prefix = f"KV_{bucket}", _prefix(bucket)
+    info = await conn.js.stream_info(stream, subjects_filter=prefix + ">")
     values: dict[str, bytes] = {}
     revision = 0
-    try:
-        while True:
-            entry = await watcher.updates(timeout=READ_TIMEOUT)  # type: ignore[no-untyped-call]
-            if entry is None:
-                return BucketCopy(revision, values)
-            revision = max(revision, int(entry.revision or 0))
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                values.pop(entry.key, None)
-            else:
-                values[entry.key] = bytes(entry.value)
-    finally:
-        await watcher.stop()  # type: ignore[no-untyped-call]
+    for subject in sorted(info.state.subjects or {}):
+        try:
+            msg = await conn.js.get_last_msg(stream, subject)
+        except NotFoundError:
+            continue  # deleted meanwhile
+        revision = max(revision, int(msg.seq or 0))
+        if not is_delete_marker(msg.headers or {}) and msg.data:
+            values[subject[len(prefix) :]] = bytes(msg.data)
+    return BucketCopy(revision, values)
 
 
 async def read_state(conn: Connection) -> BucketCopy:
