@@ -410,6 +410,12 @@ class SecretsService:
     async def run(self) -> None:
         await self.start()
         nc = self._conn.nc
+        if self._keyring is None:
+            # Without the cluster key this replica could only answer "no key": it leaves the requests to the
+            # replicas that hold it (start() said why; a server machine gets the key when it joins).
+            log.error("secrets: not serving requests: this replica holds no usable cluster key")
+            self.serving.set()
+            await asyncio.Event().wait()
         subs = [
             await nc.subscribe(open_subject("*"), queue=SECRETS_QUEUE, cb=self._concurrently(self._on_open)),
             await nc.subscribe(ROTATE_SUBJECT, queue=SECRETS_QUEUE, cb=self._concurrently(self._on_rotate)),

@@ -39,6 +39,11 @@ SERVER_BUNDLE_FILES = (
 )
 """What a server machine receives of the security directory: the trust root. Credentials, the server
 configuration and its own TLS certificate are made again on the machine from these."""
+CONTROL_BUNDLE_FILES = ("secrets/cluster.key", "certs/local-ca.key", "certs/local-ca.pem")
+"""What it receives of the rest of the control directory (the security directory's parent), under
+``control/`` in the bundle: the cluster secrets key and the local CA, so that its secrets and certificates
+services hold what every replica must (a replica without the key would answer requests it cannot serve)."""
+CONTROL_PREFIX = "control/"
 
 
 class MachineTokenError(ZatteraError):
@@ -101,6 +106,10 @@ def seal_bundle(secret: str, security_dir: Path) -> str:
             path = security_dir / name
             if path.exists():
                 archive.add(path, arcname=name)
+        for name in CONTROL_BUNDLE_FILES:
+            path = security_dir.parent / name
+            if path.exists():
+                archive.add(path, arcname=CONTROL_PREFIX + name)
     nonce = os.urandom(12)
     return _b64(nonce + AESGCM(_key(secret)).encrypt(nonce, buffer.getvalue(), BUNDLE_INFO))
 
@@ -116,8 +125,11 @@ def open_bundle(secret: str, sealed: str, security_dir: Path) -> None:
         for member in archive.getmembers():
             if not member.isfile():
                 continue
-            target = (security_dir / member.name).resolve()
-            if not target.is_relative_to(security_dir.resolve()):
+            inner = member.name.removeprefix(CONTROL_PREFIX)
+            control = member.name.startswith(CONTROL_PREFIX) and inner in CONTROL_BUNDLE_FILES
+            base = security_dir.parent if control else security_dir
+            target = (base / (inner if control else member.name)).resolve()
+            if not target.is_relative_to(base.resolve()):
                 raise MachineTokenError(f"the server bundle names a file outside the security directory: {member.name}")
             extracted = archive.extractfile(member)
             assert extracted is not None

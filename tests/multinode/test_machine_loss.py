@@ -142,7 +142,7 @@ def test_a_server_machine_lost_and_back(network: Network) -> None:
 
     # The machine comes back (a reboot: its zattera up starts again with its data dir) and rejoins by itself.
     m2.link(True)
-    m2.start(*COMMON)
+    m2.start("--secure", "--tls", *COMMON)
     eventually_sync(lambda: node_status(m1, "m2") == "NODE_STATUS_ALIVE", timeout=180, what="m2 back")
     eventually_sync(lambda: servers(m1) == 5, timeout=120, what="m2's NATS server back in the cluster")
 
