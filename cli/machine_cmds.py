@@ -8,12 +8,13 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import typer
 
 from cli.client import control, run
-from cli.machine import MachineError, bootstrap, join, machine_cluster
+from cli.machine import Machine, MachineError, bootstrap, join, machine_cluster
 from cli.up import run_up
 from shared.actions.nodes import NodeRemoved, RemoveNode, remove_node
 from shared.actions.refusals import ActionRefused
@@ -36,12 +37,14 @@ def machine_up(
     tls: bool,
     options: dict[str, Any] | None = None,
 ) -> int:
-    """``zattera up --join`` / ``--name --advertise``: one line on stderr and exit 1 for any bad input.
+    """``zattera up --join`` / ``--name --advertise``, or ``zattera up`` on a data dir that holds a machine
+    (``machine.json``: it resumes, whatever it joined as): one line on stderr and exit 1 for any bad input.
     ``options``: the :class:`~cli.up_cluster.Cluster` settings of ``zattera up``'s other flags (the proxy's
     listeners, the metrics port)."""
-    from pathlib import Path
-
     directory = Path(str(data_dir))
+    recorded = Machine.load(directory)
+    if recorded is not None and not token and not name and not advertise:  # a machine started again
+        return _run_machine(directory, recorded, options)
     if not NODE_NAME.match(name):
         raise _fail("--name: this machine's node id is required (lowercase letters, digits, '-', '_')")
     try:
@@ -55,6 +58,13 @@ def machine_up(
             if server:
                 raise MachineError("--server needs --join TOKEN (the first machine is a server already)")
             machine = bootstrap(directory, name, advertise, tls=tls)
+    except MachineError as exc:
+        raise _fail(str(exc)) from None
+    return _run_machine(directory, machine, options)
+
+
+def _run_machine(directory: Path, machine: Machine, options: dict[str, Any] | None) -> int:
+    try:
         cluster = machine_cluster(directory, machine, **(options or {}))
     except MachineError as exc:
         raise _fail(str(exc)) from None

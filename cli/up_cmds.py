@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from cli.layout import DataLayout
+from cli.machine import Machine
 from cli.machine_cmds import machine_up
 from cli.security_cmds import mode_switch_problem, secure_up
 from cli.up import run_up
@@ -92,7 +93,9 @@ def up(
         if proxy_tls_listen == DEFAULT_PROXY_TLS_LISTEN and proxy_host != tls_host:
             # --proxy-listen 127.0.0.1:… keeps the proxy on this machine: HTTPS too, unless told otherwise.
             proxy_tls_listen = f"[{proxy_host}]:{tls_port}" if ":" in proxy_host else f"{proxy_host}:{tls_port}"
-    if join or advertise:  # a machine of a cluster of machines: its proxy and metrics as asked
+    # A machine of a cluster of machines (a data dir holding machine.json resumes it, with no flag to repeat):
+    # its proxy and metrics as asked.
+    if join or advertise or Machine.load(directory) is not None:
         options = {
             "proxy_port": proxy_port,
             "proxy_host": proxy_host,
