@@ -122,3 +122,16 @@ def stamp_replacing(record: Message, existing: Message | None) -> None:
     else:
         meta.created_at.FromNanoseconds(now)
     meta.updated_at.FromNanoseconds(now)
+
+
+async def remove_with_status(ctx: ActionContext, kind: str, status_kind: str, name: str, what: str) -> None:
+    """Delete the record ``<kind>.<name>`` and its delivery status ``<status_kind>.<name>`` in one write (a
+    notification channel, a log drain); :class:`NotFound` naming ``what`` when there is no such record."""
+    from shared.actions.refusals import NotFound
+
+    if ctx.view.get(kind, name) is None:
+        raise NotFound(f"no {what} {name!r}", field="name")
+    txn = ctx.writer.txn().delete(f"{kind}.{name}")
+    if ctx.view.get(status_kind, name) is not None:
+        txn.delete(f"{status_kind}.{name}")
+    await ctx.writer.commit(txn)

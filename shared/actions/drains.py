@@ -16,7 +16,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import drains
 from shared import keys as K
-from shared.actions.context import ActionContext, commit_edit, stamp_replacing
+from shared.actions.context import ActionContext, commit_edit, remove_with_status, stamp_replacing
 from shared.actions.names import env_label, resolve_env, resolve_project
 from shared.actions.refusals import Invalid, NotFound
 from shared.backup.sealed import seal_settings
@@ -112,12 +112,7 @@ class RemoveDrain:
 async def remove_drain(ctx: ActionContext, request: RemoveDrain) -> None:
     """Remove a drain and its status; the drains loop deletes its consumers (what it has not delivered is
     not delivered)."""
-    if ctx.view.get(K.LOG_DRAIN, request.name) is None:
-        raise NotFound(f"no drain {request.name!r}", field="name")
-    txn = ctx.writer.txn().delete(K.log_drain(request.name))
-    if ctx.view.get(K.LOG_DRAIN_STATUS, request.name) is not None:
-        txn.delete(K.log_drain_status(request.name))
-    await ctx.writer.commit(txn)
+    await remove_with_status(ctx, K.LOG_DRAIN, K.LOG_DRAIN_STATUS, request.name, "drain")
 
 
 def list_drains(ctx: ActionContext) -> list[Drain]:

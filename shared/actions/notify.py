@@ -18,7 +18,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared import notify
-from shared.actions.context import ActionContext, commit_edit, stamp_replacing
+from shared.actions.context import ActionContext, commit_edit, remove_with_status, stamp_replacing
 from shared.actions.names import resolve_project
 from shared.actions.refusals import Invalid, NotFound
 from shared.backup.sealed import seal_settings
@@ -153,12 +153,7 @@ class RemoveChannel:
 
 async def remove_channel(ctx: ActionContext, request: RemoveChannel) -> None:
     """Remove a channel and its delivery status (what it has not delivered is not delivered)."""
-    if ctx.view.get(K.NOTIFY_CHANNEL, request.name) is None:
-        raise NotFound(f"no notification channel {request.name!r}", field="name")
-    txn = ctx.writer.txn().delete(K.notify_channel(request.name))
-    if ctx.view.get(K.NOTIFY_STATUS, request.name) is not None:
-        txn.delete(K.notify_status(request.name))
-    await ctx.writer.commit(txn)
+    await remove_with_status(ctx, K.NOTIFY_CHANNEL, K.NOTIFY_STATUS, request.name, "notification channel")
 
 
 def list_channels(ctx: ActionContext) -> list[Channel]:
