@@ -154,11 +154,13 @@ def test_a_server_machine_lost_and_back(network: Network) -> None:
     isolated = m3.zattera("nodes", "label", "m3", "partition=isolated", env=cli_env(m3))
     assert isolated.returncode != 0, "a write on the isolated side was acknowledged"
     eventually_sync(lambda: node_status(m1, "m3") == "NODE_STATUS_DOWN", timeout=120, what="m3 down")
+    cut_down = time.monotonic() - cut_at
     eventually_sync(
         lambda: sum(n for node, n in serving_on(m1).items() if node != "m3") == 3,
         timeout=180,
         what="m3's replicas running on the majority side",
     )
+    cut_replaced = time.monotonic() - cut_at
     time.sleep(max(0.0, 60 - (time.monotonic() - cut_at)))  # the partition lasts 60 s (the scenario's length)
     m3.link(True)
     eventually_sync(lambda: node_status(m1, "m3") == "NODE_STATUS_ALIVE", timeout=180, what="m3 back")
@@ -172,6 +174,8 @@ def test_a_server_machine_lost_and_back(network: Network) -> None:
         timeout=180,
         what="three replicas after the partition healed",
     )
+    healed = time.monotonic() - cut_at - 60
+    print(f"partition: m3 down after {cut_down:.1f} s, replaced after {cut_replaced:.1f} s, healed in {healed:.1f} s")
     labels = {name: node.get("labels", {}) for name, node in nodes(m1).items()}
     assert labels["m1"].get("partition") == "majority", labels
     assert "partition" not in labels["m3"], labels
