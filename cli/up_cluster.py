@@ -120,6 +120,11 @@ class Cluster:
         given = {name: config[name] for name in CONFIG_FIELDS}
         return cls(data_dir=Path(config["data_dir"]), extra=extra, **given)
 
+    def known_control_ports(self) -> list[int]:
+        """The control plane's ports known before they listen: the console's and the metrics ports given."""
+        self.console_env()  # settles the console's port (ZATTERA_CONSOLE_PORT, or a free one when busy)
+        return sorted({self.console_port, *self.metrics_ports.values()} - {0})
+
     def metrics_args(self, name: str) -> list[str]:
         """``--metrics-port N`` for process ``name`` (nothing when metrics are off)."""
         if not self.metrics_port:
@@ -302,6 +307,8 @@ class Cluster:
                     # Apps cannot connect to what this process tree listens on but the proxy's ports.
                     "ZATTERA_AGENT_SANDBOX_FENCE_PIDS": str(os.getpid()),
                     "ZATTERA_AGENT_SANDBOX_FENCE_ALLOW": ",".join(map(str, public)),
+                    # ... from the start for the ports known now (the console may not listen yet).
+                    "ZATTERA_AGENT_SANDBOX_FENCE_PORTS": ",".join(map(str, self.known_control_ports())),
                 },
             )
             self._launch(agent)

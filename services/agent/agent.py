@@ -309,6 +309,7 @@ class Agent:
             nats_urls=servers,
             control_pids=settings.sandbox_fence_pids,
             allowed_ports=settings.sandbox_fence_allow,
+            fixed_ports=settings.sandbox_fence_ports,
             interfaces=[bridge] if bridge else [],
         )
         await fence.install()

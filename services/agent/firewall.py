@@ -193,6 +193,8 @@ class Fence:
     """Roots of the process trees whose listeners are fenced (the agent's own always is)."""
     allowed_ports: Sequence[int] = ()
     """Ports apps may connect to even when a fenced process listens there (the proxy's public ones)."""
+    fixed_ports: Sequence[int] = ()
+    """Ports fenced whether or not anything listens there yet (the control plane's known ones)."""
     interfaces: Sequence[str] = ()
     """Bridges whose incoming packets are fenced too (a docker node's bridge network)."""
     problem: str = ""
@@ -206,6 +208,7 @@ class Fence:
     def blocked(self) -> Blocked:
         roots = {os.getpid(), *self.control_pids}
         ports = control_ports(roots, apps=self.uids, allowed=self.allowed_ports)
+        ports |= {p for p in self.fixed_ports if p not in self.allowed_ports}
         remote = nats_addresses(self.nats_urls)
         local = {a for a, _ in remote if _address_is_local(a)}
         ports |= {p for a, p in remote if a in local}

@@ -126,6 +126,10 @@ class AgentSettings(BaseSettings):
     always): ``zattera up`` names itself."""
     sandbox_fence_allow: Annotated[list[int], NoDecode] = Field(default_factory=list)
     """Ports apps may connect to all the same (comma-separated): the proxy's public ones."""
+    sandbox_fence_ports: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    """Ports fenced from the start, before anything listens there (comma-separated): ``zattera up`` names the
+    console's and the services' metrics ports, so that a build step run while the console is still starting
+    cannot reach it in the moment before the fence's refresh sees the console listen."""
 
     # ---------------------------------------------------------------- builds (builder.py)
     build_keepalive: float = Field(default=60.0, gt=0)
@@ -150,7 +154,7 @@ class AgentSettings(BaseSettings):
     def _labels_from_text(cls, value: object) -> object:
         return parse_labels(value) if isinstance(value, str) else value
 
-    @field_validator("sandbox_fence_pids", "sandbox_fence_allow", mode="before")
+    @field_validator("sandbox_fence_pids", "sandbox_fence_allow", "sandbox_fence_ports", mode="before")
     @classmethod
     def _numbers_from_text(cls, value: object) -> object:
         if isinstance(value, str):

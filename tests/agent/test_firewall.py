@@ -162,6 +162,18 @@ async def test_a_listener_of_the_control_plane_started_later_is_fenced_at_the_ne
         assert await asyncio.to_thread(connect_as, APP_UID, address) == ["ConnectionRefusedError"]
 
 
+async def test_a_known_control_port_is_fenced_before_anything_listens_there(fence: object) -> None:
+    """The console's port, named by ``zattera up``, is fenced from the start: a build step run while the console
+    is still starting finds it refused, not open until the next sync (found by the isolation test)."""
+    with listener("127.0.0.1") as reserved:
+        port = reserved.getsockname()[1]
+    f: Fence = fence(control_pids=[], fixed_ports=[port])  # type: ignore[operator]
+    assert await f.install()
+    with listener("127.0.0.1", port) as console:  # the console starts listening after the fence was installed
+        address = f"127.0.0.1:{console.getsockname()[1]}"
+        assert await asyncio.to_thread(connect_as, APP_UID, address) == ["ConnectionRefusedError"]
+
+
 async def test_a_nats_server_elsewhere_is_fenced_by_address(fence: object) -> None:
     """A worker's NATS server on another machine: here 127.0.0.9 stands for it (not a listener of a control
     process, named only by the agent's server URL)."""

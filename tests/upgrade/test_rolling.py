@@ -255,8 +255,12 @@ async def rolling_upgrade(work: Path, upgraded: int) -> None:
             load.rotation.append(server.proxy_port)
             print(f"{time.time():.3f} {server.node} back in rotation: {load.rotation}")
 
-        status = json.loads(await asyncio.to_thread(cli, THIS, urls, "cluster", "status", "--json"))
-        assert (status["config"]["schema"], status["config"]["version"]) == (SCHEMA, VERSION)
+        async def migrated() -> bool:
+            """The upgraded control plane runs the migrations once it has started (after its proxy serves)."""
+            status = json.loads(await asyncio.to_thread(cli, THIS, urls, "cluster", "status", "--json"))
+            return bool((status["config"]["schema"], status["config"]["version"]) == (SCHEMA, VERSION))
+
+        await eventually(migrated, 120, f"the cluster at schema {SCHEMA} (Zattera {VERSION})")
 
         expected = {s.node: VERSION if s.index < upgraded else "0.1.0" for s in servers}
 
