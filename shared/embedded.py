@@ -127,14 +127,26 @@ class EmbeddedNats:
         if self._proc and self._proc.poll() is None:
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.port = self.port or free_port()
-        self.http_port = self.http_port or free_port()
-        if self.cluster_name:
-            self.cluster_port = self.cluster_port or free_port()
-        conf = self.data_dir / "nats.conf"
-        conf.write_text(self.config_text())
-        self._spawn()
-        self.wait_healthy(wait)
+        chosen = (self.port, self.http_port, self.cluster_port)
+        for attempt in range(3):
+            self.port = self.port or free_port()
+            self.http_port = self.http_port or free_port()
+            if self.cluster_name:
+                self.cluster_port = self.cluster_port or free_port()
+            conf = self.data_dir / "nats.conf"
+            conf.write_text(self.config_text())
+            self._spawn()
+            try:
+                self.wait_healthy(wait)
+                return self
+            except EmbeddedNatsError:
+                # A port found free was taken before the server bound it (another process's outgoing
+                # connection may get it as its ephemeral port): ports chosen here are chosen again.
+                lines = (self.log_file or self.data_dir / "nats.log").read_text(errors="replace").splitlines()
+                taken = bool(lines) and "address already in use" in lines[-1]
+                if attempt == 2 or not taken or all(chosen):
+                    raise
+                self.port, self.http_port, self.cluster_port = chosen
         return self
 
     def _spawn(self) -> None:
