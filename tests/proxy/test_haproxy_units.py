@@ -239,7 +239,8 @@ def test_pem_problems_are_named_before_anything_is_written(tmp_path: Path) -> No
     )
     assert pem_problem(good, tmp_path) is None
     chain = good.split("-----END CERTIFICATE-----\n", 1)
-    chain_pem = chain[0] + "-----END CERTIFICATE-----\n" + self_signed_pem("ca.example.com").split("-----BEGIN PRIVATE")[0]
+    issuer = self_signed_pem("ca.example.com").split("-----BEGIN PRIVATE")[0]
+    chain_pem = chain[0] + "-----END CERTIFICATE-----\n" + issuer
     assert pem_problem(chain_pem + chain[1], tmp_path) is None  # a leaf, its issuer's certificate, the key
     assert pem_problem("garbage", tmp_path) == "no PEM certificate in it"
     assert pem_problem(mangled, tmp_path) == "no PEM certificate in it"
