@@ -43,8 +43,8 @@ with open(out, "w") as f:
 """
 
 
-def replicas(machine: Machine) -> list[dict[str, Any]]:
-    done = machine.zattera("ps", "--env", ENV, "--json", env=cli_env(machine))
+def replicas(machine: Machine, env: str = ENV) -> list[dict[str, Any]]:
+    done = machine.zattera("ps", "--env", env, "--json", env=cli_env(machine))
     return json.loads(done.stdout) if done.returncode == 0 else []
 
 
@@ -88,3 +88,41 @@ def deploy_three_replicas(first: Machine, timeout: float = 180) -> None:
         assert done.returncode == 0, done.stdout + done.stderr
     assert first.zattera("scale", "3", "--env", ENV, env=env).returncode == 0
     eventually_sync(lambda: sum(serving_on(first).values()) == 3, timeout=timeout, what="three replicas running")
+
+
+DB_ENV = "demo/hello/db"
+STATEFUL_ENV = """
+[env.db]
+stateful = true
+placement_constraints = { role = "db" }
+healthcheck = { type = "http", path = "/healthz", interval = "1s", timeout = "1s", grace_period = "10s" }
+[[env.db.volumes]]
+volume_name = "data"
+mount_path = "/data"
+"""
+"""A stateful env of the same app: one replica, pinned to its volume's node, placed on nodes labelled role=db."""
+
+
+def deploy_stateful(first: Machine, on: Machine, workdir: Path) -> None:
+    """``demo/hello/db`` (stateful, one volume) deployed with its replica on ``on`` (the one node labelled
+    role=db at the time); returns once it serves."""
+    env = cli_env(first)
+    assert first.zattera("nodes", "label", on.name, "role=db", env=env).returncode == 0
+    spec = workdir / "zattera-stateful.toml"
+    spec.write_text((EXAMPLE / "zattera.toml").read_text() + STATEFUL_ENV)
+    for command in (("apps", "apply", str(spec)), ("deploy", str(EXAMPLE), "--env", DB_ENV)):
+        done = first.zattera(*command, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+    eventually_sync(
+        lambda: (
+            [(r["node_id"], r["observed"]["state"]) for r in running(first, DB_ENV)]
+            == [(on.name, "INSTANCE_STATE_HEALTHY")]
+        ),
+        timeout=180,
+        what=f"the stateful replica serving on {on.name}",
+    )
+
+
+def running(machine: Machine, env: str) -> list[dict[str, Any]]:
+    """The env's replicas meant to run."""
+    return [r for r in replicas(machine, env) if r["desired"] == "ASSIGNMENT_DESIRED_RUN"]

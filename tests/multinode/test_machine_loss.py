@@ -3,8 +3,9 @@ copies), an app spread over them and a client sending requests through the other
 machine's processes are all SIGKILLed and its link cut: the control plane keeps writing, its replicas are
 placed on the others and serve, the client sees only requests caught in flight fail; the machine comes back
 (its ``zattera up`` started again, as a reboot would) and rejoins with no operator action. Then a partition:
-one server machine cut off for 60 s, the majority side writing, the isolated side committing nothing, and
-the cluster converged once it heals."""
+one server machine cut off for 60 s, the majority side writing, the isolated side committing nothing, the
+stateful env's single replica on the isolated machine never started a second time meanwhile, and the cluster
+converged once it heals."""
 
 from __future__ import annotations
 
@@ -14,7 +15,18 @@ import time
 
 import pytest
 
-from tests.multinode.app import CLIENT, ENV, answered_by, deploy_three_replicas, node_status, replicas, serving_on
+from tests.multinode.app import (
+    CLIENT,
+    DB_ENV,
+    ENV,
+    answered_by,
+    deploy_stateful,
+    deploy_three_replicas,
+    node_status,
+    replicas,
+    running,
+    serving_on,
+)
 from tests.multinode.harness import Network
 from tests.multinode.machines import COMMON, cli_env, nodes, servers, three_servers
 from tests.waiting import eventually_sync
@@ -73,6 +85,11 @@ def test_a_server_machine_lost_and_back(network: Network) -> None:
     eventually_sync(lambda: node_status(m1, "m2") == "NODE_STATUS_ALIVE", timeout=180, what="m2 back")
     eventually_sync(lambda: servers(m1) == 5, timeout=120, what="m2's NATS server back in the cluster")
 
+    # A stateful env whose single replica runs on m3, the machine about to be cut off; m2 is labelled to take it
+    # too, so only the volume's pin keeps it from being started a second time while the first may still run.
+    deploy_stateful(m1, m3, network.base)
+    assert m1.zattera("nodes", "label", "m2", "role=db", env=env).returncode == 0
+
     # A partition: m3 cut off for 60 s. The majority side writes; the isolated side commits nothing.
     m3.link(False)
     cut_at = time.monotonic()
@@ -88,7 +105,10 @@ def test_a_server_machine_lost_and_back(network: Network) -> None:
         what="m3's replicas running on the majority side",
     )
     cut_replaced = time.monotonic() - cut_at
-    time.sleep(max(0.0, 60 - (time.monotonic() - cut_at)))  # the partition lasts 60 s (the scenario's length)
+    while time.monotonic() - cut_at < 60:  # the partition lasts 60 s (the scenario's length)
+        elsewhere = [r["node_id"] for r in running(m1, DB_ENV) if r["node_id"] != "m3"]
+        assert not elsewhere, f"the stateful replica started again on {elsewhere} while m3's may still run"
+        time.sleep(2)
     m3.link(True)
     eventually_sync(lambda: node_status(m1, "m3") == "NODE_STATUS_ALIVE", timeout=180, what="m3 back")
     # Converged: three replicas meant to run, each healthy, none twice; what was acknowledged is kept and the
@@ -100,6 +120,13 @@ def test_a_server_machine_lost_and_back(network: Network) -> None:
         ),
         timeout=180,
         what="three replicas after the partition healed",
+    )
+    eventually_sync(
+        lambda: (
+            [(r["node_id"], r["observed"]["state"]) for r in running(m1, DB_ENV)] == [("m3", "INSTANCE_STATE_HEALTHY")]
+        ),
+        timeout=180,
+        what="the stateful replica serving on m3 again, once",
     )
     healed = time.monotonic() - cut_at - 60
     print(f"partition: m3 down after {cut_down:.1f} s, replaced after {cut_replaced:.1f} s, healed in {healed:.1f} s")
