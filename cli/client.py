@@ -138,12 +138,41 @@ class Target:
 
 def target() -> Target:
     """``--nats``/``ZATTERA_NATS_URL`` when given, else the context in use, else the local default;
-    ``ZATTERA_NATS_CREDS``/``ZATTERA_NATS_TLS_CA`` override the context's files."""
+    ``ZATTERA_NATS_CREDS``/``ZATTERA_NATS_TLS_CA`` override the context's files; ``ZATTERA_TOKEN`` (an API
+    token, docs/teams.md) overrides the credential."""
     cfg = nats_settings()
     saved = None if OPTIONS.nats_url else contexts.current()
+    token = token_creds()
     if saved is None:
-        return Target(OPTIONS.nats_url or cfg.nats_url, cfg.nats_creds, cfg.nats_tls_ca)
-    return Target(saved.nats, cfg.nats_creds or saved.creds, cfg.nats_tls_ca or saved.tls_ca)
+        return Target(OPTIONS.nats_url or cfg.nats_url, token or cfg.nats_creds, cfg.nats_tls_ca)
+    return Target(saved.nats, token or cfg.nats_creds or saved.creds, cfg.nats_tls_ca or saved.tls_ca)
+
+
+TOKEN_ENV = "ZATTERA_TOKEN"
+_TOKEN_FILES: dict[str, str] = {}
+
+
+def token_creds() -> str:
+    """The credential an API token in ``ZATTERA_TOKEN`` wraps, as a private file removed at exit ("" when
+    no token is set)."""
+    import os
+
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        return ""
+    if token not in _TOKEN_FILES:
+        import atexit
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from shared.security.creds import write_private
+        from shared.teams import decode_token
+
+        directory = tempfile.mkdtemp(prefix="zattera-token-")
+        atexit.register(shutil.rmtree, directory, True)
+        _TOKEN_FILES[token] = str(write_private(Path(directory) / "token.creds", decode_token(token)))
+    return _TOKEN_FILES[token]
 
 
 def nats_url() -> str:
