@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import nats.errors
 import pytest
 from nats.js.errors import APIError, NotFoundError
+from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
@@ -87,6 +88,12 @@ async def stored(conn: Connection, key: str) -> bytes | None:
     except NotFoundError:
         return None
     return None if (msg.headers or {}).get("KV-Operation") else bytes(msg.data)
+
+
+def log_batch(env_id: str, line: str) -> bytes:
+    batch = cpb.InstanceLogBatch(environment_id=env_id, instance_id="i1", node_id="n1")
+    batch.lines.add(line=line, stream="stdout")
+    return batch.SerializeToString(deterministic=True)
 
 
 @dataclass
@@ -187,16 +194,16 @@ async def test_logs_are_followed_for_granted_environments_only(
 ) -> None:
     for eid in (ENV_A, ENV_B):
         await create_or_update_stream(control.js, app_logs_stream_config(eid, LogLimits(1 << 20, 60.0), 1))
-        await control.js.publish(app_log_subject(eid, "i1"), f"line of {eid}".encode())
+        await control.js.publish(app_log_subject(eid, "i1"), log_batch(eid, f"line of {eid}"))
     viewer = member["vera"]
     watch = await follow(viewer, WatchSpec(app_logs_stream(ENV_A), (app_log_subject(ENV_A, "*"),), "all"))
     try:
         got = await watch.next_stored(5.0)
-        assert got is not None and got.data == f"line of {ENV_A}".encode()
+        assert got is not None and got.data == log_batch(ENV_A, f"line of {ENV_A}")
     finally:
         await watch.unsubscribe()
     info = await viewer.js.stream_info(app_logs_stream(ENV_A))
-    assert info.state.messages == 1
+    assert info.state.messages >= 1
     with pytest.raises(BadWatch, match="not authorised"):
         await open_watch(viewer, WatchSpec(app_logs_stream(ENV_B), (app_log_subject(ENV_B, "*"),), "all"))
     with pytest.raises(APIError, match="not authorised"):
@@ -391,6 +398,23 @@ async def test_the_cli_with_a_token_and_the_admin_commands(
     other = await cli(secure, "scale", "2", "--env", "beta/web/prod", token=token)
     assert other.returncode != 0 and "beta/web/prod" in other.stderr  # it does not even see it
 
+    deployed = await cli(
+        secure, "deploy", "--image", "docker.io/library/busybox:1", "--env", "alpha/web/prod", "--no-watch", token=token
+    )
+    assert deployed.returncode == 0, deployed.stderr
+    deployment = await stored(control, K.deployment(deployed.stdout.strip()))
+    assert deployment is not None and K.decode(K.DEPLOYMENT, deployment).project_id == PA
+    elsewhere = await cli(
+        secure, "deploy", "--image", "docker.io/library/busybox:1", "--env", "beta/web/prod", "--no-watch", token=token
+    )
+    assert elsewhere.returncode != 0 and "beta/web/prod" in elsewhere.stderr
+
+    await create_or_update_stream(control.js, app_logs_stream_config(ENV_A, LogLimits(1 << 20, 60.0), 1))
+    await control.js.publish(app_log_subject(ENV_A, "i1"), log_batch(ENV_A, "hello from alpha"))
+    logs = await cli(secure, "logs", "--env", "alpha/web/prod", "--json", token=token)
+    assert logs.returncode == 0, logs.stderr
+    assert "hello from alpha" in logs.stdout
+
     revoked = await cli(secure, "tokens", "revoke", "deploy-ci", creds=operator)
     assert revoked.returncode == 0, revoked.stderr
     before = await stored(control, K.env(ENV_A))
@@ -409,3 +433,20 @@ async def test_the_cli_with_a_token_and_the_admin_commands(
     assert {"user": "carl", "project_id": PB, "role": "viewer"} in json.loads(grants.stdout)
     bad = await cli(secure, "grants", "add", "carl", "--project", "beta", "--role", "boss", creds=operator)
     assert bad.returncode != 0 and "--role" in bad.stderr
+
+
+async def test_a_steered_reply_of_the_authorising_path_stores_nothing(
+    control: Connection, member: dict[str, Connection]
+) -> None:
+    """The answer to a member's read goes back through its import's reply mapping into MEMBERS (no stream)."""
+    before = await stored(control, K.env(ENV_B))
+    dora = member["dora"]
+    for api in (
+        f"$JS.API.DIRECT.GET.{STATE_STREAM}.{STATE_PREFIX}{K.env(ENV_A)}",
+        f"$JS.API.STREAM.INFO.{STATE_STREAM}",
+    ):
+        await dora.nc.publish(api, b"", reply=f"{STATE_PREFIX}{K.env(ENV_B)}")
+    await dora.nc.flush()
+    # A marker write after the steered ones: once it is stored, the steered answers had their chance.
+    assert (await write(dora, K.env(ENV_A), K.encode(env(ENV_A, APP_A, PA, replicas=7)))).get("seq")
+    assert await stored(control, K.env(ENV_B)) == before
