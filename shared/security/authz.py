@@ -49,14 +49,18 @@ from shared.security.permissions import JS, object_stream
 from shared.subjects import EVENTS_SUBJECT_PREFIX, SOURCES_STORE, STATE_PREFIX, STATE_STREAM
 from shared.teams import (
     DEPLOYER,
+    MEMBER_READS_CLUSTER,
     OWNER,
+    PROJECT_KINDS,
     TEAMS_BUCKET,
     TOKEN_USER_PREFIX,
     Member,
     Token,
     User,
+    decoded,
     may_read,
     may_write,
+    project_of,
     token_key,
     user_key,
 )
@@ -176,12 +180,12 @@ class Authz:
 
     async def check_write(self, who: Caller, key_subject: str, data: bytes, headers: dict[str, str]) -> str:
         """ "" when the member may write ``key_subject`` (a ``$KV.zattera-state.<key>`` subject), else why not."""
-        member = await self.member(who)
+        # The caller's record and the stored value, read at once (both are needed; each is one direct get).
+        member, old = await asyncio.gather(self.member(who), self._stored(key_subject))
         if isinstance(member, str):
             return member
         key = key_subject.removeprefix(STATE_PREFIX)
         delete = bool(headers.get("KV-Operation"))
-        old = await self._stored(key_subject)
         new = None if delete else data
         envs = await self._env_projects((key, old), (key, new))
         return may_write(member, key, new, old, envs, delete=delete)
@@ -192,20 +196,19 @@ class Authz:
         """JetStream's answer(s) to a read, as the control credential gets them (a batch: up to its status)."""
         nc = self._conn.nc
         inbox = nc.new_inbox()
-        answers: asyncio.Queue[Msg] = asyncio.Queue()
+        found: list[Msg] = []
+        complete: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         async def collect(msg: Msg) -> None:
-            answers.put_nowait(msg)
+            found.append(msg)
+            if (not batch or (msg.headers or {}).get("Status")) and not complete.done():
+                complete.set_result(None)
 
         sub = await nc.subscribe(inbox, cb=collect)
         try:
             await nc.publish(api, body, reply=inbox, headers=headers or None)
-            found: list[Msg] = []
-            while True:
-                msg = await asyncio.wait_for(answers.get(), READ_TIMEOUT)
-                found.append(msg)
-                if not batch or (msg.headers or {}).get("Status"):
-                    return found
+            await asyncio.wait_for(complete, READ_TIMEOUT)
+            return found
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
@@ -222,21 +225,34 @@ class Authz:
     def read_handler(self) -> Callable[[Msg], Awaitable[None]]:
         """The handler of ``zattera.authz.>``: members' state reads and stream infos."""
 
-        async def on_read(msg: Msg) -> None:
-            if not answerable(msg):
-                return
-            who = caller(msg)
+        pending: set[asyncio.Task[None]] = set()
+
+        async def answer(msg: Msg) -> None:
             api = msg.subject[len(AUTHZ_PREFIX) :]
             try:
-                await self._answer_read(msg, who, api)
+                await self._answer_read(msg, caller(msg), api)
             except (TimeoutError, nats.errors.Error) as exc:
                 log.warning("authz: %s not answered: %s", api, exc)
 
+        async def on_read(msg: Msg) -> None:
+            if not answerable(msg):
+                return
+            # Each in its own task: one member's slow read holds up no other request.
+            task = asyncio.ensure_future(answer(msg))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
         return on_read
+
+    async def _caller_member(self, who: Caller | None) -> Member | str:
+        return await self.member(who) if who is not None and self.is_member(who) else "not a team member"
 
     async def _answer_read(self, msg: Msg, who: Caller | None, api: str) -> None:
         nc = self._conn.nc
-        member = await self.member(who) if who is not None and self.is_member(who) else "not a team member"
+        if api.startswith(DIRECT_GET) and api[len(DIRECT_GET) :].split(".", 1)[0] == STATE_STREAM:
+            await self._answer_state_read(msg, who, api)
+            return
+        member = await self._caller_member(who)
         if api.startswith(EVENTS_SUBJECT_PREFIX):
             why = member if isinstance(member, str) else _event_refusal(member, msg.data)
             if why:
@@ -255,43 +271,54 @@ class Authz:
             answer = await nc.request(api, msg.data, timeout=READ_TIMEOUT)
             await nc.publish(msg.reply, answer.data, headers=answer.headers)
             return
-        if not api.startswith(DIRECT_GET) or isinstance(member, str):
-            why = member if isinstance(member, str) else f"{api}: not an authorised read"
-            await nc.publish(msg.reply, b"", headers=_status("404", f"not authorised: {why}"))
-            return
-        stream = api[len(DIRECT_GET) :].split(".", 1)[0]
-        if stream == SOURCES_STREAM:  # content-addressed source archives: what a deploy uploads
+        stream = api[len(DIRECT_GET) :].split(".", 1)[0] if api.startswith(DIRECT_GET) else ""
+        if stream == SOURCES_STREAM and not isinstance(member, str):  # content-addressed source archives
             for answer in await self._ask(api, msg.data, None, batch=_is_batch(msg.data)):
                 await nc.publish(msg.reply, answer.data, headers=answer.headers)
             return
-        if stream != STATE_STREAM:
-            await nc.publish(msg.reply, b"", headers=_status("404", f"not authorised: stream {stream}"))
-            return
+        why = member if isinstance(member, str) else f"{api}: not an authorised read"
+        await nc.publish(msg.reply, b"", headers=_status("404", f"not authorised: {why}"))
+
+    async def _answer_state_read(self, msg: Msg, who: Caller | None, api: str) -> None:
+        """A state read: JetStream's answer and the caller's record are fetched at once, then filtered."""
+        nc = self._conn.nc
         batch = _is_batch(msg.data)
-        answers = await self._ask(api, msg.data, None, batch=batch)
-        values = [
-            ((a.headers or {}).get("Nats-Subject", "").removeprefix(STATE_PREFIX), a.data)
-            for a in answers
-            if not (a.headers or {}).get("Status")
-        ]
-        envs = {
-            key.removeprefix(f"{K.ENV}."): str(getattr(K.decode(K.ENV, data), "project_id", ""))
-            for key, data in values
-            if key.startswith(f"{K.ENV}.") and data
-        }
-        missing = [(k, d) for k, d in values if k.split(".", 1)[0] in ENV_REFERRING]
-        if missing:
-            envs |= await self._env_projects(*missing)
+        member, answers = await asyncio.gather(self._caller_member(who), self._ask(api, msg.data, None, batch=batch))
+        if isinstance(member, str):
+            await nc.publish(msg.reply, b"", headers=_status("404", f"not authorised: {member}"))
+            return
+        # Each value decoded once: its project, or the environment it names (resolved below).
+        projects: list[tuple[Msg, str, str]] = []  # (answer, key, project or "env:<id>")
+        envs: dict[str, str] = {}
         for answer in answers:
             headers = answer.headers or {}
-            if not headers.get("Status"):
-                key = headers.get("Nats-Subject", "").removeprefix(STATE_PREFIX)
-                data = None if is_delete_marker(headers) else answer.data
-                if not may_read(member, key, data, envs):
+            if headers.get("Status"):
+                projects.append((answer, "", ""))
+                continue
+            key = headers.get("Nats-Subject", "").removeprefix(STATE_PREFIX)
+            kind, value = decoded(key, None if is_delete_marker(headers) else answer.data)
+            project = ""
+            if value is not None and kind in PROJECT_KINDS:
+                project = project_of(kind, value, {})
+                env_ref = str(getattr(value, "environment_id", "") or "")
+                if not project and env_ref:
+                    project = f"env:{env_ref}"
+                if kind == K.ENV:
+                    envs[key.removeprefix(f"{K.ENV}.")] = project
+            projects.append((answer, key, project))
+        for answer, key, project in projects:
+            if key:
+                if project.startswith("env:"):
+                    env_id = project[4:]
+                    if env_id not in envs:
+                        envs |= await self._env_projects((key, answer.data))
+                    project = envs.get(env_id, "")
+                allowed = key.split(".", 1)[0] in MEMBER_READS_CLUSTER or bool(project and member.role(project))
+                if not allowed:
                     if not batch:
                         await nc.publish(msg.reply, b"", headers=_status("404", "Message Not Found"))
                     continue
-            await nc.publish(msg.reply, answer.data, headers=headers)
+            await nc.publish(msg.reply, answer.data, headers=answer.headers)
 
     # ---------------------------------------------------------------------------------------------- watches
 

@@ -231,10 +231,31 @@ def relay_handler(
             if not is_agent and audit is not None:
                 auditor = operator_auditor(who, claims)
             if not isinstance(outcome, str) and authz is not None and authz.is_member(who):
-                # A team member (docs/teams.md): its grant for the key's project, read now, decides.
-                refused = await authz.check_write(who, outcome[0], msg.data, claims)
-                if refused:
-                    outcome = f"not authorised: {refused}"
+                # A team member (docs/teams.md): its grant for the key's project, read now, decides — in a task
+                # of its own, so the reads it takes hold up no agent's write behind it. A batch's messages need
+                # no order here (the relay holding the commit orders them).
+                background(checked(authz, msg, who, claims, outcome, auditor))
+                return
+        await act(msg, who, claims, outcome, auditor)
+
+    async def checked(
+        authz: Authz,
+        msg: Msg,
+        who: Caller,
+        claims: dict[str, str],
+        outcome: tuple[str, dict[str, str]],
+        auditor: Auditor | None,
+    ) -> None:
+        refused = await authz.check_write(who, outcome[0], msg.data, claims)
+        await act(msg, who, claims, f"not authorised: {refused}" if refused else outcome, auditor)
+
+    async def act(
+        msg: Msg,
+        who: Caller | None,
+        claims: dict[str, str],
+        outcome: tuple[str, dict[str, str]] | str,
+        auditor: Auditor | None,
+    ) -> None:
         key = written_key(msg.subject, claims)
         if isinstance(outcome, str):
             log.warning("relay: refused a write of %s: %s", who.name if who else "(no caller)", outcome)
