@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -57,6 +59,7 @@ from shared.subjects import STATE_PREFIX
 from shared.teams import DEPLOYER, User, save_user
 from shared.txn import Writer
 from shared.watches import serve_watches
+from tests.e2e.cluster import cli_argv
 
 PROJECT, APP, ENV = "p-bench", "a-bench", "e-bench"
 MODES = ("open", "operator", "member")
@@ -187,12 +190,25 @@ async def follow_logs(m: Mode, lines: int) -> tuple[list[float], float]:
     return received, startup
 
 
-async def measure(base: Path, count: int, lines: int) -> dict[str, dict[str, object]]:
+async def cli_deploy(m: Mode, i: int) -> float:
+    """``zattera deploy --image … --no-watch`` as a process, as a user or CI runs it (start-up included)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZATTERA_")}
+    env |= {"ZATTERA_NATS_URL": m.url, "ZATTERA_NATS_CREDS": m.client_creds}
+    argv = [*cli_argv(), "deploy", "--image", f"docker.io/library/busybox:{i}", "--env", f"bench/web/env{i}"]
+    started = time.perf_counter()
+    done = await asyncio.to_thread(subprocess.run, [*argv, "--no-watch"], env=env, capture_output=True, timeout=60)
+    if done.returncode != 0:
+        raise RuntimeError(f"{m.name}: deploy failed: {done.stderr.decode()[-300:]}")
+    return time.perf_counter() - started
+
+
+async def measure(base: Path, count: int, lines: int, cli_count: int) -> dict[str, dict[str, object]]:
     """The three modes side by side, deploys interleaved (one of each mode in turn), so the machine's load
     weighs on each alike; then the log followers, one mode after the other."""
-    results: dict[str, dict[str, object]] = {name: {"snapshot": [], "action": []} for name in MODES}
+    results: dict[str, dict[str, object]] = {name: {"snapshot": [], "action": [], "cli": []} for name in MODES}
     async with contextlib.AsyncExitStack() as stack:
-        modes = [await stack.enter_async_context(mode(name, base / name, count + 2)) for name in MODES]
+        envs = count + 2 + cli_count
+        modes = [await stack.enter_async_context(mode(name, base / name, envs)) for name in MODES]
         clients = {m.name: await _client(m) for m in modes}
         try:
             for i in range(count + 2):
@@ -201,6 +217,9 @@ async def measure(base: Path, count: int, lines: int) -> dict[str, dict[str, obj
                     if i >= 2:
                         results[m.name]["snapshot"].append(snapshot)  # type: ignore[attr-defined]
                         results[m.name]["action"].append(action)  # type: ignore[attr-defined]
+            for i in range(count + 2, count + 2 + cli_count):
+                for m in modes if i % 2 == 0 else reversed(modes):
+                    results[m.name]["cli"].append(await cli_deploy(m, i))  # type: ignore[attr-defined]
             for m in modes:
                 latencies, startup = await follow_logs(m, lines)
                 results[m.name] |= {"logs": latencies, "startup": startup}
@@ -216,8 +235,9 @@ async def measure(base: Path, count: int, lines: int) -> dict[str, dict[str, obj
 def run(quick: bool = True) -> list[Row]:
     count = 20 if quick else 100
     lines = 200 if quick else 1000
+    cli_count = 6 if quick else 20
     with tempfile.TemporaryDirectory(prefix="zattera-bench-authz-", dir=Path.home() / ".cache") as tmp:
-        results = asyncio.run(measure(Path(tmp), count, lines))
+        results = asyncio.run(measure(Path(tmp), count, lines, cli_count))
     ms = 1000.0
     rows: list[Row] = []
     p50 = {name: percentile(results[name]["deploy"], 50) for name in MODES}  # type: ignore[arg-type]
@@ -233,14 +253,32 @@ def run(quick: bool = True) -> list[Row]:
                 percentile(results[name]["action"], 50) * ms,
                 "ms",
             ),  # type: ignore[arg-type]
+            row(
+                f"{name}: `zattera deploy --image --no-watch` process, median",
+                percentile(results[name]["cli"], 50) * ms,
+                "ms",
+            ),  # type: ignore[arg-type]
             row(f"{name}: logs -f line latency, p50 ({len(logs)})", percentile(logs, 50) * ms, "ms"),  # type: ignore[arg-type]
             row(f"{name}: logs -f line latency, p99", percentile(logs, 99) * ms, "ms"),  # type: ignore[arg-type]
             row(f"{name}: logs -f start (first line)", float(results[name]["startup"]) * ms, "ms"),  # type: ignore[arg-type]
         ]
     logs50 = {name: percentile(results[name]["logs"], 50) for name in MODES}  # type: ignore[arg-type]
+    cli50 = {name: percentile(results[name]["cli"], 50) for name in MODES}  # type: ignore[arg-type]
     rows += [
-        row("member vs operator: deploy added (p50)", (p50["member"] / p50["operator"] - 1) * 100, "%", "≤ 10"),
-        row("member vs open: deploy added (p50)", (p50["member"] / p50["open"] - 1) * 100, "%"),
+        row(
+            "member vs open: `zattera deploy` process added (median)",
+            (cli50["member"] / cli50["open"] - 1) * 100,
+            "%",
+            "≤ 10",
+        ),
+        row(
+            "member vs operator: `zattera deploy` process added (median)",
+            (cli50["member"] / cli50["operator"] - 1) * 100,
+            "%",
+            "≤ 10",
+        ),
+        row("member vs operator: deploy core added (p50)", (p50["member"] / p50["operator"] - 1) * 100, "%"),
+        row("member vs open: deploy core added (p50)", (p50["member"] / p50["open"] - 1) * 100, "%"),
         row(
             "member vs open: logs -f line latency added (p50)",
             (logs50["member"] / logs50["open"] - 1) * 100,
