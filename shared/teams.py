@@ -389,3 +389,83 @@ async def issue_member_creds(nc: Any, name: str) -> tuple[str, str]:
     if answer.get("error"):
         raise TeamError(f"member credential refused: {answer['error']}")
     return str(answer["creds"]), str(answer["user_key"])
+
+
+# ------------------------------------------------------------------------------------- members' events
+
+TEAMS_EVENTS_SUBJECT = "zattera.teams.events"
+"""A member reads the events of its projects: ``{"start_seq", "subject", "limit"}`` → ``{"events": [{"seq",
+"pending", "data" (base64 of ``Event``)}], "next_seq", "last_seq"}`` or ``{"error"}``; answered by the
+authorising path."""
+EVENTS_PAGE = 100
+EVENTS_POLL = 0.5
+"""How often a member's ``events -f`` asks for new events once caught up (seconds)."""
+
+
+@dataclass(frozen=True)
+class _Meta:
+    stream: int
+    num_pending: int
+
+
+@dataclass(frozen=True)
+class _Seq:
+    stream: int
+
+
+@dataclass(frozen=True)
+class EventMsg:
+    """What ``zattera events`` reads of a watched message: the data and the stream sequence."""
+
+    data: bytes
+    seq: int
+    pending: int
+
+    @property
+    def metadata(self) -> Any:
+        return _Metadata(_Seq(self.seq), self.pending)
+
+
+@dataclass(frozen=True)
+class _Metadata:
+    sequence: _Seq
+    num_pending: int
+
+
+class MemberEvents:
+    """A member's events watch (the events stream cannot be filtered by project with a subject): pages of its
+    projects' events asked from control (:data:`TEAMS_EVENTS_SUBJECT`), the part of a watch the CLI reads."""
+
+    def __init__(self, nc: Any, subject: str, start_seq: int) -> None:
+        self._nc = nc
+        self._subject = subject
+        self._next = max(start_seq, 1)
+        self._buffer: list[EventMsg] = []
+
+    async def _page(self) -> None:
+        body = json.dumps({"start_seq": self._next, "subject": self._subject, "limit": EVENTS_PAGE}).encode()
+        reply = await self._nc.request(TEAMS_EVENTS_SUBJECT, body, timeout=5.0)
+        answer = json.loads(reply.data or b"{}")
+        if answer.get("error"):
+            raise TeamError(str(answer["error"]))
+        for item in answer.get("events", []):
+            self._buffer.append(EventMsg(base64.b64decode(item["data"]), int(item["seq"]), int(item.get("pending", 0))))
+        self._next = max(self._next, int(answer.get("next_seq", self._next)))
+
+    async def next_msg(self, timeout: float | None = None) -> EventMsg:
+        """The next event of the caller's projects; :class:`TimeoutError` after ``timeout`` without one."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not self._buffer:
+            await self._page()
+            if self._buffer:
+                break
+            if deadline is not None and loop.time() >= deadline:
+                raise TimeoutError
+            await asyncio.sleep(EVENTS_POLL if deadline is None else min(EVENTS_POLL, max(0.0, deadline - loop.time())))
+        return self._buffer.pop(0)
+
+    async def unsubscribe(self) -> None:
+        self._buffer.clear()

@@ -22,6 +22,7 @@ on the control side.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -46,7 +47,7 @@ from shared.security.callers import Caller, answerable, caller
 from shared.security.creds import creds_text
 from shared.security.nkeyjwt import KeyKind, KeyPair
 from shared.security.permissions import JS, object_stream
-from shared.subjects import EVENTS_SUBJECT_PREFIX, SOURCES_STORE, STATE_PREFIX, STATE_STREAM
+from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, SOURCES_STORE, STATE_PREFIX, STATE_STREAM
 from shared.teams import (
     DEPLOYER,
     MEMBER_READS_CLUSTER,
@@ -214,7 +215,7 @@ class Authz:
                 await sub.unsubscribe()
 
     async def _stream_allowed(self, member: Member, stream: str) -> bool:
-        if stream in (STATE_STREAM, SOURCES_STREAM):
+        if stream in (STATE_STREAM, SOURCES_STREAM, EVENTS_STREAM):  # events: counts and kinds, no payload
             return True
         env_id = env_of_stream(stream)
         if not env_id:
@@ -319,6 +320,51 @@ class Authz:
                         await nc.publish(msg.reply, b"", headers=_status("404", "Message Not Found"))
                     continue
             await nc.publish(msg.reply, answer.data, headers=answer.headers)
+
+    # ----------------------------------------------------------------------------------------------- events
+
+    def events_handler(self) -> Callable[[Msg], Awaitable[None]]:
+        """``zattera.teams.events``: a page of the caller's projects' events (shared.teams.MemberEvents)."""
+
+        async def on_events(msg: Msg) -> None:
+            if not answerable(msg):
+                return
+            member = await self._caller_member(caller(msg))
+            try:
+                reply = await self._events_page(member, msg.data)
+            except (TimeoutError, nats.errors.Error, ValueError, KeyError, TypeError) as exc:
+                reply = {"error": f"events not read: {exc or type(exc).__name__}"}
+            await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
+
+        return on_events
+
+    async def _events_page(self, member: Member | str, body: bytes) -> dict[str, object]:
+        if isinstance(member, str):
+            return {"error": f"not authorised: {member}"}
+        request = json.loads(body or b"{}")
+        start = max(int(request.get("start_seq", 1)), 1)
+        subject = str(request.get("subject") or f"{EVENTS_SUBJECT_PREFIX}>")
+        if not subject.startswith(EVENTS_SUBJECT_PREFIX) or " " in subject:
+            return {"error": f"subject: under {EVENTS_SUBJECT_PREFIX}"}
+        limit = min(max(int(request.get("limit", 100)), 1), 256)
+        get = json.dumps({"seq": start, "batch": limit, "next_by_subj": subject}).encode()
+        answers = await self._ask(f"{DIRECT_GET}{EVENTS_STREAM}", get, None, batch=True)
+        events: list[dict[str, object]] = []
+        next_seq, last_seq = start, 0
+        for answer in answers:
+            headers = answer.headers or {}
+            if headers.get("Status"):
+                continue
+            seq = int(headers.get("Nats-Sequence", 0))
+            next_seq = max(next_seq, seq + 1)
+            try:
+                project = pb.Event.FromString(answer.data).project_id
+            except Exception:
+                continue
+            if member.role(project):
+                pending = int(headers.get("Nats-Num-Pending", 0) or 0)
+                events.append({"seq": seq, "pending": pending, "data": base64.b64encode(answer.data).decode()})
+        return {"events": events, "next_seq": next_seq, "last_seq": max(last_seq, next_seq - 1)}
 
     # ---------------------------------------------------------------------------------------------- watches
 

@@ -56,7 +56,7 @@ from shared.security.permissions import (
 )
 from shared.security.relay import BATCH_PARTS_SUBJECT, Batches, batch_parts_handler, relay_handler
 from shared.security.views import open_cluster_view_handler, view_open_handler
-from shared.teams import TEAMS_ISSUE_SUBJECT
+from shared.teams import TEAMS_EVENTS_SUBJECT, TEAMS_ISSUE_SUBJECT
 
 if TYPE_CHECKING:
     from shared.security.machine_service import Machines
@@ -178,6 +178,7 @@ class JoinService:
             subs += [
                 await self._conn.nc.subscribe(f"{AUTHZ_PREFIX}>", queue="authz", cb=self._authz.read_handler()),
                 await self._conn.nc.subscribe(TEAMS_ISSUE_SUBJECT, queue="authz", cb=self._authz.issue_handler()),
+                await self._conn.nc.subscribe(TEAMS_EVENTS_SUBJECT, queue="authz", cb=self._authz.events_handler()),
             ]
         await self._conn.nc.flush()
         if self._machines is not None:

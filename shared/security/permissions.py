@@ -46,7 +46,7 @@ from shared.subjects import (
     agent_subject,
     build_events_subject,
 )
-from shared.teams import TEAMS_BUCKET, TEAMS_ISSUE_SUBJECT
+from shared.teams import TEAMS_BUCKET, TEAMS_EVENTS_SUBJECT, TEAMS_ISSUE_SUBJECT
 from shared.watches import WATCH_OPEN_SUBJECT
 
 JOIN_SUBJECT = "zattera.join"
@@ -316,8 +316,10 @@ MEMBER = Permissions(
         f"{JS}.STREAM.INFO.*",
         f"{JS}.DIRECT.GET.{STATE_STREAM}",
         f"{JS}.DIRECT.GET.{STATE_STREAM}.>",
-        # The events its commands announce (renamed too: the event's project must be one it may change).
+        # The events its commands announce (renamed too: the event's project must be one it may change)…
         f"{EVENTS_SUBJECT_PREFIX}>",
+        # …and its projects' events, a page at a time (the stream cannot be filtered by project).
+        TEAMS_EVENTS_SUBJECT,
         # Logs: control opens the watch only for a granted environment; the pull names the random consumer.
         WATCH_OPEN_SUBJECT,
         pull("*", "*"),

@@ -450,3 +450,27 @@ async def test_a_steered_reply_of_the_authorising_path_stores_nothing(
     # A marker write after the steered ones: once it is stored, the steered answers had their chance.
     assert (await write(dora, K.env(ENV_A), K.encode(env(ENV_A, APP_A, PA, replicas=7)))).get("seq")
     assert await stored(control, K.env(ENV_B)) == before
+
+
+async def test_members_read_their_projects_events_only(
+    secure: SecureCluster, control: Connection, member: dict[str, Connection]
+) -> None:
+    from shared.events import make_event
+    from shared.teams import MemberEvents
+
+    for project_id, n in ((PA, 1), (PB, 2), (PA, 3)):
+        event = make_event("deploy.succeeded", f"event {n}", project_id=project_id)
+        await control.js.publish("zattera.events.deploy.succeeded", event.SerializeToString())
+    reader = MemberEvents(member["vera"].nc, "zattera.events.>", 1)
+    seen = [pb.Event.FromString((await reader.next_msg(5.0)).data).message for _ in range(2)]
+    assert seen == ["event 1", "event 3"]
+    with pytest.raises(TimeoutError):
+        await reader.next_msg(0.6)  # event 2 is project beta's: never read
+    # Through the CLI, as the viewer.
+    shown = await cli(secure, "events", "--json", creds=member_creds(secure, "vera"))
+    assert shown.returncode == 0, shown.stderr
+    assert "event 1" in shown.stdout and "event 3" in shown.stdout and "event 2" not in shown.stdout
+
+
+def member_creds(secure: SecureCluster, name: str) -> str:
+    return secure.creds(Role.MEMBER, name)
