@@ -28,11 +28,13 @@ from shared.console_users import USERS_BUCKET
 from shared.secrets import ROTATE_SUBJECT, open_subject
 from shared.subjects import (
     ACTIVATE_SUBJECT,
+    AUDIT_STREAM,
     BUILD_EVENTS_STREAM,
     BUILD_LOGS_STREAM,
     CLUSTER_REPLICAS_SUBJECT,
     EVENTS_STREAM,
     EVENTS_SUBJECT_PREFIX,
+    GITHOOKS_STREAM,
     IMAGES_STORE,
     LIVE_PREFIX,
     LIVE_STREAM,
@@ -306,6 +308,22 @@ PROXY = Permissions(
 """An ingress proxy: route snapshots, activation requests, its own heartbeat, certificates and HTTP-01
 answers (never the ACME account key)."""
 
+NOT_PULLED_BY_MEMBERS = (
+    STATE_STREAM,
+    LIVE_STREAM,
+    EVENTS_STREAM,
+    ROUTES_STREAM,
+    BUILD_LOGS_STREAM,
+    BUILD_EVENTS_STREAM,
+    GITHOOKS_STREAM,
+    AUDIT_STREAM,
+    JOIN_STREAM,
+    f"KV_{USERS_BUCKET}",
+    f"KV_{TEAMS_BUCKET}",
+    *(object_stream(store) for store in (SOURCES_STORE, IMAGES_STORE, SNAPSHOTS_STORE)),
+)
+"""Every stream but the environments' log streams: a member pulls only the log watches control opened for it."""
+
 MEMBER = Permissions(
     pub_allow=(
         # Writes go through the relay, which checks the caller's grant for the key's project (docs/teams.md).
@@ -328,11 +346,13 @@ MEMBER = Permissions(
         *read_object_store(SOURCES_STORE),
         *write_object_store(SOURCES_STORE),
     ),
-    # No leases; no pull or consumer info on the state stream: agents' view consumers have guessable names.
+    # No leases; no pull or consumer info but on log streams: other streams have consumers with guessable
+    # names (agents' views, drains' `drain_<name>`, `githooks`) whose messages are not the member's. A stream
+    # added later with a durable consumer must be listed in NOT_PULLED_BY_MEMBERS.
     pub_deny=(
         f"{STATE_PREFIX}lease.>",
-        pull(STATE_STREAM, "*"),
-        f"{JS}.CONSUMER.INFO.{STATE_STREAM}.*",
+        *(pull(stream, "*") for stream in NOT_PULLED_BY_MEMBERS),
+        *(f"{JS}.CONSUMER.INFO.{stream}.*" for stream in NOT_PULLED_BY_MEMBERS),
     ),
     sub_allow=(INBOX,),
 )

@@ -270,6 +270,9 @@ async def test_raw_subjects_outside_the_members_permissions_are_refused(
         TEAMS_ISSUE_SUBJECT,
         f"$KV.{'zattera-teams'}.user.vera",
         f"$JS.API.CONSUMER.MSG.NEXT.{STATE_STREAM}.view-n1",
+        f"$JS.API.CONSUMER.MSG.NEXT.{EVENTS_STREAM}.drain_datadog",  # a drain's durable consumer: not its
+        "$JS.API.CONSUMER.MSG.NEXT.ZATTERA_GITHOOKS.githooks",
+        "$JS.API.CONSUMER.INFO.ZATTERA_AUDIT.x",
         f"$JS.API.STREAM.MSG.GET.{STATE_STREAM}",
         f"{STATE_PREFIX}lease.scheduler",
         "zattera.agent.n1.snapshot",
