@@ -54,10 +54,21 @@ def users_add(
     name: str = typer.Argument(..., help="user name: 1-64 of a-z, 0-9, '_', '.', '-'"),
     creds_out: Path = typer.Option(None, "--creds-out", help="where to write the credential (default NAME.creds)"),
     admin: bool = typer.Option(False, "--admin", help="a cluster admin (uses an operator credential)"),
+    console: bool = typer.Option(
+        False, "--console", help="also their console login (password from a prompt or stdin): one identity"
+    ),
 ) -> None:
     """Add a person; writes their member credential (0600). Grant projects with `zattera grants add`."""
     _checked(check_name, name, "name")
     out = creds_out or Path(f"{name}.creds")
+    console_user = None
+    if console:
+        from cli.console_cmds import _read_password
+        from shared.console_users import ADMIN as CONSOLE_ADMIN
+        from shared.console_users import new_user
+
+        # The console's admin role: what a team user may do there is narrowed by their grants (docs/teams.md).
+        console_user = _checked(new_user, name, CONSOLE_ADMIN, _read_password(name))
 
     async def go() -> None:
         async with control(view=False) as c:
@@ -68,6 +79,10 @@ def users_add(
                 creds, key = await issue_member_creds(c.conn.nc, name)
                 write_private(out, creds)
             await save_user(c.conn.js, User(name, key, admin, {}, time.time()))
+            if console_user is not None:
+                from shared.console_users import save_user as save_console_user
+
+                await save_console_user(c.conn.js, console_user)
 
     run(go)
     if admin:

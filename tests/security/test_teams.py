@@ -24,6 +24,8 @@ from shared import keys as K
 from shared.applogs import LogLimits, app_log_subject, app_logs_stream, app_logs_stream_config
 from shared.audit import read_entries
 from shared.connection import Connection, connect
+from shared.console_users import load_user as load_console_user
+from shared.console_users import users_bucket
 from shared.directget import last_per_subject
 from shared.provisioning import create_or_update_stream
 from shared.security.authority import RoleIssuer
@@ -358,7 +360,9 @@ async def test_only_admins_get_member_credentials(member: dict[str, Connection],
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
-async def cli(secure: SecureCluster, *args: str, token: str = "", creds: str = "") -> subprocess.CompletedProcess[str]:
+async def cli(
+    secure: SecureCluster, *args: str, token: str = "", creds: str = "", stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("ZATTERA_")}
     environment |= {"ZATTERA_NATS_URL": secure.url, "HOME": os.environ.get("HOME", "/tmp")}
     if token:
@@ -366,7 +370,13 @@ async def cli(secure: SecureCluster, *args: str, token: str = "", creds: str = "
     if creds:
         environment["ZATTERA_NATS_CREDS"] = creds
     return await asyncio.to_thread(
-        subprocess.run, [*cli_argv(), *args], env=environment, capture_output=True, text=True, timeout=120
+        subprocess.run,
+        [*cli_argv(), *args],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        input=stdin,
     )
 
 
@@ -425,8 +435,21 @@ async def test_the_cli_with_a_token_and_the_admin_commands(
     assert after.returncode != 0
     assert await stored(control, K.env(ENV_A)) == before
 
-    added = await cli(secure, "users", "add", "carl", "--creds-out", f"{tmp_path}/carl.creds", creds=operator)
+    await users_bucket(control.js, create=True)  # as the console does when it starts
+    added = await cli(
+        secure,
+        "users",
+        "add",
+        "carl",
+        "--console",
+        "--creds-out",
+        f"{tmp_path}/carl.creds",
+        creds=operator,
+        stdin="carl's long password\n",
+    )
     assert added.returncode == 0, added.stderr
+    console_user = await load_console_user(control.js, "carl")  # one identity: the console login too
+    assert console_user is not None and "long password" not in added.stdout + added.stderr
     granted = await cli(secure, "grants", "add", "carl", "--project", "beta", "--role", "viewer", creds=operator)
     assert granted.returncode == 0, granted.stderr
     carl = await cli(secure, "status", "--json", creds=f"{tmp_path}/carl.creds")
