@@ -121,13 +121,17 @@ def users_list(json: bool = typer.Option(False, "--json", help="machine-readable
 
 @users_app.command("remove")
 def users_remove(name: str) -> None:
-    """Remove a user: their credential is refused from their next request."""
+    """Remove a user and their console login: both are refused from their next request."""
 
     async def go() -> bool:
         async with control(view=False) as c:
             if await load_user(c.conn.js, name) is None:
                 return False
             await delete_record(c.conn.js, user_key(name))
+            # One identity: their console login goes too (else it would act unscoped, as before teams).
+            from shared.console_users import remove_user as remove_console_user
+
+            await remove_console_user(c.conn.js, name)
             return True
 
     if not run(go):

@@ -459,6 +459,11 @@ async def test_the_cli_with_a_token_and_the_admin_commands(
     assert {"user": "carl", "project_id": PB, "role": "viewer"} in json.loads(grants.stdout)
     bad = await cli(secure, "grants", "add", "carl", "--project", "beta", "--role", "boss", creds=operator)
     assert bad.returncode != 0 and "--role" in bad.stderr
+    removed = await cli(secure, "users", "remove", "carl", creds=operator)
+    assert removed.returncode == 0, removed.stderr
+    assert await load_console_user(control.js, "carl") is None
+    gone = await cli(secure, "status", "--json", creds=f"{tmp_path}/carl.creds")
+    assert ENV_B not in gone.stdout
 
 
 async def test_a_steered_reply_of_the_authorising_path_stores_nothing(
