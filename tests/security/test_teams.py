@@ -505,3 +505,41 @@ async def test_members_read_their_projects_events_only(
 
 def member_creds(secure: SecureCluster, name: str) -> str:
     return secure.creds(Role.MEMBER, name)
+
+
+async def test_a_member_deploys_and_follows_its_deployment(
+    secure: SecureCluster, control: Connection, team: Team
+) -> None:
+    """``zattera deploy`` with its watch (the default): the member's view is re-read from authorised snapshots."""
+    from tests.waiting import eventually
+
+    env_id = "e-follow"
+    named = pb.Environment()
+    named.CopyFrom(env(env_id, APP_A, PA))
+    named.name = "follow"
+    await put(control, named)
+    command = asyncio.ensure_future(
+        cli(
+            secure,
+            "deploy",
+            "--image",
+            "docker.io/library/busybox:1",
+            "--env",
+            "alpha/web/follow",
+            creds=team.members["dora"],
+        )
+    )
+    found: list[pb.Deployment] = []
+
+    async def created() -> bool:
+        msgs = await last_per_subject(control.nc, STATE_STREAM, f"{STATE_PREFIX}deployment.>", 5.0)
+        found[:] = [d for d in (K.decode(K.DEPLOYMENT, m.data) for m in msgs if m.data) if d.environment_id == env_id]
+        return bool(found)
+
+    await eventually(created, timeout=60, what="the member's deployment")
+    done = found[0]
+    done.phase = pb.DEPLOYMENT_PHASE_SUCCEEDED  # as the orchestrator would
+    await control.js.publish(f"{STATE_PREFIX}{K.deployment(done.meta.id)}", K.encode(done))
+    result = await asyncio.wait_for(command, 60)
+    assert result.returncode == 0, result.stderr
+    assert "promoted" in result.stderr
