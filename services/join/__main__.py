@@ -43,12 +43,15 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     if (directory / SENTINEL_FILE).exists() and ctx.settings.nats_creds:
         # Team members' authorising path (docs/teams.md): the member role key mints their credentials.
         publics = json.loads((directory / "accounts.json").read_text())
-        authz = Authz(
-            ctx.conn,
-            publics[str(Account.MEMBERS)],
-            issuer=RoleIssuer.load(directory, Role.MEMBER),
-            admins_account=publics[str(Account.OPERATORS)],
-        )
+        if str(Account.MEMBERS) in publics:  # a setup from before teams has no members (and no MEMBERS account)
+            # A machine without the member role key still checks members; it only cannot mint credentials.
+            has_key = (directory / "keys" / f"role-{Role.MEMBER}.nk").exists()
+            authz = Authz(
+                ctx.conn,
+                publics[str(Account.MEMBERS)],
+                issuer=RoleIssuer.load(directory, Role.MEMBER) if has_key else None,
+                admins_account=publics[str(Account.OPERATORS)],
+            )
     # The CLI's watches are opened here on every cluster, secured or not (shared/watches.py).
     watches = serve_watches(ctx.conn, authorize=authz.authorize_watch if authz else None)
     # `zattera cluster replicas N`: the CLI changes no stream itself (shared/replicas.py).
