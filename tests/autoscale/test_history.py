@@ -1,0 +1,96 @@
+"""The metrics-history loop on real NATS with a fake clock: points of envs, nodes and proxies stored every
+10 s, read back as a series; a 5-min point once the clock crosses a bucket; deploy events become marks;
+a point published again (a failover) is stored once."""
+
+from __future__ import annotations
+
+from zattera.cluster.v1 import cluster_pb2 as cpb
+
+from services.autoscale.history import HistoryRecorder
+from shared import history as H
+from shared.events import EventPublisher, event_for_env
+from shared.loop import LoopDeps
+from tests.autoscale.conftest import Harness
+from tests.autoscale.helpers import base_objects, node_beat, proxy_beat, running, scaled_env
+from tests.waiting import eventually
+
+BUCKET = 1_700_000_100.0  # a 5-min boundary
+
+
+def traffic_sample(requests: int, errors: int = 0) -> cpb.ProxySample:
+    return cpb.ProxySample(
+        requests_total=requests,
+        responses_2xx_total=requests - errors,
+        responses_5xx_total=errors,
+        latency_p50_ms=5,
+        latency_p99_ms=40,
+        rps=20.0,
+    )
+
+
+async def recorder(h: Harness) -> HistoryRecorder:
+    loop = HistoryRecorder(LoopDeps(h.conn, h.view, h.clock), live=h.live)
+    loop.on_term_start()
+    await loop.begin_term()
+    return loop
+
+
+async def test_points_are_stored_every_slot_and_read_back_as_a_series(h: Harness) -> None:
+    h.clock.set(BUCKET)
+    await h.seed(*base_objects(scaled_env(min_replicas=2), running(2)))
+    loop = await recorder(h)
+    try:
+        requests = 0
+        for step in range(31):  # 310 s: a whole 5-min bucket and one slot more
+            now = h.clock.now()
+            requests += 200  # 20 requests/s
+            errors = 10 * step
+            await h.beat(proxy_beat(now, envs={"env1": traffic_sample(requests, errors)}))
+            await h.beat(node_beat(now, instances={"env1-a0": (25.0, 1000), "env1-a1": (15.0, 500)}))
+            await loop.pass_once()
+            h.clock.set(now + 10)
+        raw = await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET)
+        assert len(raw) == 31
+        steady = raw[5]
+        assert abs(steady.rps - 20.0) < 0.01
+        assert steady.responses_5xx == 10
+        assert (steady.desired, steady.running) == (2, 0)  # the factory's assignments report no state
+        assert steady.cpu_percent == 40.0 and steady.memory_bytes == 1500
+        node = await H.read_points(h.conn.nc, H.RAW, H.NODE, "n1", BUCKET)
+        assert len(node) == 31 and node[0].instances == 2
+        down = await H.read_points(h.conn.nc, H.DOWN, H.ENV, "env1", BUCKET)
+        assert len(down) == 1 and down[0].samples == 30 and abs(down[0].rps - 20.0) < 0.01
+        series = await H.history(h.conn.nc, H.ENV, "env1", 600, h.clock.now())
+        values = [v for v in series.values("rps") if v]
+        assert len(values) >= 30 and all(abs(v - 20.0) < 0.01 for v in values)
+        day = await H.history(h.conn.nc, H.ENV, "env1", 86_400, h.clock.now())
+        assert day.span == 300 and any(v and abs(v - 20.0) < 0.01 for v in day.values("rps"))
+    finally:
+        await loop.end_term()
+
+
+async def test_deploy_events_become_marks_and_a_point_published_twice_is_stored_once(h: Harness) -> None:
+    h.clock.set(BUCKET)
+    await h.seed(*base_objects(scaled_env(min_replicas=1), running(1)))
+    loop = await recorder(h)
+    try:
+        event = event_for_env(h.env(), "deploy.succeeded", "release v2 is live")
+        await EventPublisher(h.conn).publish(event)
+        marks: list[H.Mark] = []
+
+        async def marked() -> bool:
+            marks[:] = await H.read_marks(h.conn.nc, "env1", BUCKET - 3600)
+            return bool(marks)
+
+        await eventually(marked, what="the deploy mark stored")
+        assert marks[0].kind == "deploy.succeeded" and marks[0].text == "release v2 is live"
+        await h.beat(proxy_beat(h.clock.now(), envs={"env1": traffic_sample(10)}))
+        await loop.pass_once()
+        again = HistoryRecorder(LoopDeps(h.conn, h.view, h.clock), live=h.live)  # a new leader, same slot
+        again.on_term_start()
+        await again.begin_term()
+        await again.pass_once()
+        await again.end_term()
+        assert len(await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET)) == 1
+    finally:
+        await loop.end_term()
