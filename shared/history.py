@@ -163,8 +163,9 @@ class Recorder:
         envs: Mapping[str, EnvFacts],
         env_of_instance: Mapping[str, str],
     ) -> dict[str, cpb.MetricPoint]:
-        """subject → point for the 10-s slot containing ``at`` (only what is to be written)."""
-        slot = int(at // RAW_SPAN * RAW_SPAN)
+        """subject → point for the 10-s slot that ended at ``at``'s slot boundary (its ``time`` is that
+        slot's start: ``at`` 12:00:10.3 → 12:00:00); only what is to be written."""
+        slot = int(at // RAW_SPAN * RAW_SPAN) - RAW_SPAN
         env_points: dict[str, cpb.MetricPoint] = {
             env_id: cpb.MetricPoint(time=slot, span=RAW_SPAN, desired=facts.desired, running=facts.running)
             for env_id, facts in envs.items()
@@ -254,14 +255,16 @@ def bucket_of(t: float, span: int = DOWN_SPAN) -> int:
     return int(t // span * span)
 
 
-def downsample(points: Sequence[cpb.MetricPoint], start: int, span: int = DOWN_SPAN) -> cpb.MetricPoint:
+def downsample(
+    points: Sequence[cpb.MetricPoint], start: int, span: int = DOWN_SPAN, *, slots: float | None = None
+) -> cpb.MetricPoint:
     """One point for ``[start, start+span)`` from the raw points within it. Missing raw points of an env
     are idle (zero): rates, in-flight and CPU are averaged over the whole span; counts add up; p50 is
     the request-weighted mean, p95/p99 the worst; replicas, memory, disk and instances the largest."""
     out = cpb.MetricPoint(time=start, span=span, samples=len(points))
     if not points:
         return out
-    slots = max(span / RAW_SPAN, 1.0)
+    slots = max(slots if slots is not None else span / RAW_SPAN, 1.0)
     weight = 0.0
     for p in points:
         out.rps += p.rps / slots
@@ -551,6 +554,10 @@ class History:
         }
 
 
+SETTLE = 3
+"""Seconds after a slot ends before it is drawn (the recorder's pass writes it right after the boundary)."""
+
+
 def resolution_for(window: int) -> tuple[str, int]:
     """(stored resolution, drawn span): 10 s up to 6 h (at most ~2,000 points), 5 min up to 2 days, then
     30 min (a 7-day chart has 336 points)."""
@@ -568,7 +575,7 @@ async def history(nc: NATS, kind: str, ident: str, window: int, now: float) -> H
         raise HistoryError(f"kind {kind!r}: expected one of {', '.join(KINDS)}")
     resolution, span = resolution_for(window)
     start = bucket_of(now - window, span)
-    end = bucket_of(now, span) + span
+    end = bucket_of(now - SETTLE, span)  # exclusive: the slot still being measured is not drawn
     gap: float | None = 0.0 if kind == ENV else None
     marks_task = asyncio.ensure_future(read_marks(nc, ident, start)) if kind == ENV else None
     if resolution == RAW:
@@ -581,17 +588,14 @@ async def history(nc: NATS, kind: str, ident: str, window: int, now: float) -> H
         open_bucket = bucket_of(now, DOWN_SPAN)
         if tail:
             down = [p for p in down if p.time < open_bucket]
-            scaled = downsample(tail, open_bucket) if kind == ENV else _node_tail(tail, open_bucket)
-            down.append(scaled)
+            elapsed = max((now - SETTLE - open_bucket) // RAW_SPAN, 1)
+            down.append(downsample(tail, open_bucket, slots=elapsed))
+        end = open_bucket + DOWN_SPAN if span == DOWN_SPAN else end
         points = down
     if span != (points[0].span if points else span):
         points = regroup(points, span)
     marks = await marks_task if marks_task is not None else []
     return History(kind, ident, start, end, span, dense(points, start, end, span, gap=gap), marks)
-
-
-def _node_tail(points: Sequence[cpb.MetricPoint], start: int) -> cpb.MetricPoint:
-    return downsample(points, start)
 
 
 def sparkline(values: Sequence[float | None]) -> str:

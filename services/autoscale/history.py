@@ -124,7 +124,7 @@ class HistoryRecorder(LeaderLoop):
             return  # woken twice in one slot (a change, the tick): one point per slot
         started = time.process_time()
         points = self.collect(now)
-        done = self.downsampler.add(points, now)
+        done = self.downsampler.add(points, slot - self.span)  # the points are of the slot that just ended
         self.pass_seconds += time.process_time() - started
         self.last_slot = slot
         await self.ensure_streams()

@@ -41,7 +41,7 @@ async def test_points_are_stored_every_slot_and_read_back_as_a_series(h: Harness
     loop = await recorder(h)
     try:
         requests = 0
-        for step in range(31):  # 310 s: a whole 5-min bucket and one slot more
+        for step in range(32):  # 320 s: a whole 5-min bucket and the slots either side
             now = h.clock.now()
             requests += 200  # 20 requests/s
             errors = 10 * step
@@ -49,8 +49,8 @@ async def test_points_are_stored_every_slot_and_read_back_as_a_series(h: Harness
             await h.beat(node_beat(now, instances={"env1-a0": (25.0, 1000), "env1-a1": (15.0, 500)}))
             await loop.pass_once()
             h.clock.set(now + 10)
-        raw = await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET)
-        assert len(raw) == 31
+        raw = await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)
+        assert len(raw) == 32 and raw[0].time == BUCKET - 10  # each point is of the slot that just ended
         steady = raw[5]
         assert abs(steady.rps - 20.0) < 0.01
         assert steady.responses_5xx == 10
@@ -91,6 +91,6 @@ async def test_deploy_events_become_marks_and_a_point_published_twice_is_stored_
         await again.begin_term()
         await again.pass_once()
         await again.end_term()
-        assert len(await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET)) == 1
+        assert len(await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)) == 1
     finally:
         await loop.end_term()

@@ -27,7 +27,7 @@ def seed_points(nats_url: str) -> str:
         await H.ensure_streams(conn.js, 1)
         now = int(time.time() // 10 * 10)
         for i in range(30):
-            t = now - 290 + 10 * i
+            t = now - 310 + 10 * i  # up to a slot that surely ended
             point = cpb.MetricPoint(time=t, span=10, rps=float(i), responses_2xx=10 * i, responses_5xx=i % 3, running=1)
             await conn.js.publish(H.subject(H.RAW, H.ENV, env_id), point.SerializeToString())
             node_point = cpb.MetricPoint(time=t, span=10, cpu_percent=50.0, memory_bytes=2 << 30, instances=2)

@@ -45,7 +45,7 @@ def test_counters_are_differenced_per_reporter_into_exact_rates_and_counts() -> 
     p = points[H.subject(H.RAW, H.ENV, "e1")]
     assert p.rps == pytest.approx(25.0)
     assert (p.responses_2xx, p.responses_4xx, p.responses_5xx) == (230, 5, 15)
-    assert p.time == int(later // 10 * 10) and p.span == 10
+    assert p.time == int(later // 10 * 10) - 10 and p.span == 10  # the slot that just ended
     assert (p.desired, p.running) == (2, 2)
     assert p.latency_p50_ms == pytest.approx(12) and p.latency_p99_ms == pytest.approx(80)
     assert points[H.subject(H.RAW, H.PROXY, "p1")].rps == pytest.approx(25.0)

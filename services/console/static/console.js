@@ -75,6 +75,21 @@
     if (question && !window.confirm(question)) { event.preventDefault(); }
   });
 
+  // [data-poll] regions (the charts) change with time, not with the state: fetched again every 10 s.
+  function poll(element) {
+    async function refresh() {
+      if (document.hidden || element.contains(document.activeElement)) { return; }
+      try {
+        const response = await fetch(element.dataset.poll, { credentials: "same-origin", cache: "no-store", headers: { "X-Console-Live": "1" } });
+        if (!response.ok || response.redirected) { return; }
+        const html = await response.text();
+        if (element.innerHTML.trim() !== html.trim()) { element.innerHTML = html; }
+      } catch (error) { /* offline for a moment: the next tick tries again */ }
+    }
+    setInterval(refresh, Number(element.dataset.pollSeconds || 10) * 1000);
+  }
+
   if (body.dataset.livePage) { followChanges(body.dataset.livePage); }
+  for (const element of document.querySelectorAll("[data-poll]")) { poll(element); }
   for (const element of document.querySelectorAll("[data-follow]")) { followLines(element); }
 })();
