@@ -23,12 +23,14 @@ from markupsafe import Markup
 
 from shared import history as H
 
-WIDTH = 720
-HEIGHT = 170
-LEFT = 48
-RIGHT = 10
+WIDTH = 560
+HEIGHT = 210
+LEFT = 46
+RIGHT = 12
 TOP = 12
-BOTTOM = 24
+BOTTOM = 26
+"""The drawing's own units: the SVG scales uniformly to its container, so text of 14 units reads ~15 px in a
+desktop column and ~9 px on a 390-px phone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +107,7 @@ def line_chart(
     )
     parts.append(
         f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" aria-labelledby="{title_id} {desc_id}" '
-        f'preserveAspectRatio="none" data-start="{start}" data-span="{span}">'
+        f'data-start="{start}" data-span="{span}">'
         f'<title id="{title_id}">{escape(title)} ({escape(unit)})</title><desc id="{desc_id}">{escape(summary)}</desc>'
     )
     for i in range(4):  # grid and y labels: 0, ⅓, ⅔, max
@@ -113,7 +115,7 @@ def line_chart(
         gy = y(value)
         parts.append(f'<line class="grid" x1="{LEFT}" x2="{width - RIGHT}" y1="{gy:.1f}" y2="{gy:.1f}"/>')
         parts.append(f'<text class="axis" x="{LEFT - 4}" y="{gy + 4:.1f}" text-anchor="end">{_num(value)}</text>')
-    ticks = 6
+    ticks = 4
     for i in range(ticks + 1):
         t = start + (end - start) * i / ticks
         anchor = "start" if i == 0 else ("end" if i == ticks else "middle")

@@ -21,6 +21,7 @@ from shared.urls import Listeners
 
 from . import pages
 from .auth import LoginLimiter, Session, Sessions
+from .display import FILTERS as DISPLAY_FILTERS
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class Console:
             autoescape=True,
             undefined=jinja2.StrictUndefined,
         )
+        self.templates.filters.update(DISPLAY_FILTERS)  # short ids and image refs (issue 40)
 
 
 def console_of(request: web.Request) -> Console:

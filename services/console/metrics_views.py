@@ -179,6 +179,8 @@ async def overview_sparklines(console: Console, env_ids: list[str]) -> dict[str,
                 msgs = await H.read_messages(
                     console.conn.nc, H.METRICS_5M_STREAM, H.subject(H.DOWN, H.ENV, "*"), since, limit=200_000
                 )
+            except nats.errors.NoRespondersError:
+                msgs = []  # nothing recorded yet (the metrics streams are created by the recorder)
             except (TimeoutError, nats.errors.Error, H.HistoryError) as exc:
                 log.warning("overview sparklines not read: %s", exc)
                 msgs = []

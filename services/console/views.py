@@ -30,6 +30,8 @@ async def overview_page(request: web.Request) -> web.StreamResponse:
     console = console_of(request)
     only = [env_id for env_id in request.query.get("only", "").split(",") if env_id]
     envs = pages.overview(console.view, console.routes(), only, console.listeners())
+    for row in envs:  # grouped by project on the page (issue 40)
+        row.setdefault("project", row["path"].split("/", 1)[0])
     backups = backup_status(console.view)
     failing = describe(backups) if backups.failing else []
     channels = failing_channels(console.view)
