@@ -2,8 +2,9 @@
 node and proxy in ``ZATTERA_METRICS``; every 5 min, those points downsampled into ``ZATTERA_METRICS_5M``;
 and the env's deploy and scale events as marks (docs/observability.md, "History").
 
-The loop writes no state (no fenced write): it publishes points, each with ``Nats-Msg-Id`` =
-``<subject>@<time>`` so a point published twice across a failover is stored once. Its passes are due at
+The loop writes no state (no fenced write): it publishes points without headers (a ``Nats-Msg-Id`` would
+double a point's stored size); a point published twice across a failover (two leaders in one slot) is
+harmless, readers keep the last point of a slot (``shared.history.dense``). Its passes are due at
 each 10-s boundary of the injected clock (``seconds_until_due``); a new term starts with empty counters
 (its first point of an env takes the proxies' own rates) and an empty 5-min bucket (the bucket a failover
 cuts is downsampled from the points the new leader saw: ``samples`` says how many).
@@ -137,11 +138,7 @@ class HistoryRecorder(LeaderLoop):
             chunk = items[first : first + PUBLISH_CONCURRENCY]
             results = await asyncio.gather(
                 *(
-                    self.conn.js.publish(
-                        name,
-                        point.SerializeToString(),
-                        headers={"Nats-Msg-Id": f"{name}@{point.time}"},
-                    )
+                    self.conn.js.publish(name, point.SerializeToString())
                     for name, point in chunk
                 ),
                 return_exceptions=True,

@@ -69,7 +69,7 @@ async def test_points_are_stored_every_slot_and_read_back_as_a_series(h: Harness
         await loop.end_term()
 
 
-async def test_deploy_events_become_marks_and_a_point_published_twice_is_stored_once(h: Harness) -> None:
+async def test_deploy_events_become_marks_and_a_point_published_twice_is_drawn_once(h: Harness) -> None:
     h.clock.set(BUCKET)
     await h.seed(*base_objects(scaled_env(min_replicas=1), running(1)))
     loop = await recorder(h)
@@ -91,6 +91,8 @@ async def test_deploy_events_become_marks_and_a_point_published_twice_is_stored_
         await again.begin_term()
         await again.pass_once()
         await again.end_term()
-        assert len(await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)) == 1
+        stored = await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)
+        assert len(stored) == 2 and stored[0].time == stored[1].time  # stored twice, drawn once
+        assert len(H.dense(stored, int(BUCKET) - 10, int(BUCKET), 10)) == 1
     finally:
         await loop.end_term()
