@@ -23,10 +23,12 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared import history as H
+from shared import keys as K
 from shared.deployments import desired_replicas
 from shared.live import LiveView
-from shared.loop import LeaderLoop, LoopDeps
+from shared.loop import LeaderLoop, LoopDeps, Scope
 from shared.provisioning import recorded_config
+from shared.state.changes import Change
 from shared.subjects import EVENTS_SUBJECT_PREFIX
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,8 @@ PUBLISH_CONCURRENCY = 256
 
 class HistoryRecorder(LeaderLoop):
     name = "metrics-history"
-    kinds = frozenset()
+    kinds = frozenset({K.ENV})
+    """A kind must be named (none = every kind); changes never trigger a pass (:meth:`scope_of`)."""
 
     def __init__(self, deps: LoopDeps, *, live: LiveView, span: int = H.RAW_SPAN) -> None:
         super().__init__(deps, tick=float(span))
@@ -78,6 +81,9 @@ class HistoryRecorder(LeaderLoop):
         recorded = await recorded_config(self.conn.js)
         await H.ensure_streams(self.conn.js, recorded.replicas if recorded is not None else 1)
         self._streams_ready = True
+
+    def scope_of(self, changes: set[Change]) -> Scope:
+        return frozenset()  # passes keep the clock's 10-s slots, whatever changes
 
     def seconds_until_due(self) -> float | None:
         now = self.clock.now()
@@ -137,10 +143,7 @@ class HistoryRecorder(LeaderLoop):
         for first in range(0, len(items), PUBLISH_CONCURRENCY):
             chunk = items[first : first + PUBLISH_CONCURRENCY]
             results = await asyncio.gather(
-                *(
-                    self.conn.js.publish(name, point.SerializeToString())
-                    for name, point in chunk
-                ),
+                *(self.conn.js.publish(name, point.SerializeToString()) for name, point in chunk),
                 return_exceptions=True,
             )
             failed = [r for r in results if isinstance(r, BaseException)]

@@ -4,6 +4,9 @@ a point published again (a failover) is stored once."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.autoscale.history import HistoryRecorder
@@ -96,3 +99,30 @@ async def test_deploy_events_become_marks_and_a_point_published_twice_is_drawn_o
         assert len(H.dense(stored, int(BUCKET) - 10, int(BUCKET), 10)) == 1
     finally:
         await loop.end_term()
+
+
+async def test_a_running_term_writes_one_point_per_slot_on_the_clock(h: Harness) -> None:
+    """The loop as its service runs it (a term under its lease): a pass at each 10-s boundary of the injected
+    clock, not on state changes; the metrics streams created at the term's start."""
+    h.clock.set(BUCKET + 3)
+    await h.seed(*base_objects(scaled_env(min_replicas=1), running(1)))
+    loop = HistoryRecorder(LoopDeps(h.conn, h.view, h.clock, coalesce=0), live=h.live)
+    term = asyncio.create_task(loop.run(await h.leadership(loop.name)))
+    try:
+        for step in range(4):
+            await h.beat(proxy_beat(h.clock.now(), envs={"env1": traffic_sample(100 * (step + 1))}))
+            await eventually(lambda: h.clock.sleepers > 0, what="the loop waits for its next slot")
+            await h.edit_env(h.env())  # a state change: no pass of its own
+            await h.clock.advance(10)
+        points: list[cpb.MetricPoint] = []
+
+        async def four() -> bool:
+            points[:] = await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)
+            return len(points) >= 4
+
+        await eventually(four, what="a point per slot")
+        assert [p.time for p in points] == [BUCKET - 10 + 10 * i for i in range(len(points))]
+    finally:
+        term.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await term
