@@ -49,6 +49,18 @@
       if (page === "overview" && change.envs) { change.envs.forEach((id) => rows.add(id)); } else { whole = true; }
       refresh();
     });
+    // The overview's sparklines change with time, not with the state: the rows on screen are fetched again
+    // every 30 s (the server reads the history once per 30 s for every row).
+    if (page === "overview") {
+      setInterval(() => {
+        if (document.hidden) { return; }
+        for (const row of document.querySelectorAll("li.env[id^='env-']")) {
+          const box = row.getBoundingClientRect();
+          if (box.bottom > 0 && box.top < window.innerHeight) { rows.add(row.id.slice(4)); }
+        }
+        if (rows.size) { refresh(); }
+      }, 30000);
+    }
     // Each (re)connection starts with the current revision: changes missed meanwhile refresh the page.
     source.addEventListener("hello", (event) => {
       if (String(JSON.parse(event.data).revision) !== body.dataset.revision) { whole = true; refresh(); }
