@@ -4,7 +4,7 @@
 env) is held, RPS and the error rate come from the deltas of ``stot`` (one stream per HTTP request) and
 ``hrsp_5xx`` between two samples (a reload or restart zeroes them: a smaller value starts over), latency is
 ``ttime``: HAProxy's average total time over the backend's last 1024 requests (HAProxy keeps no
-percentiles; p50 and p99 both carry the average). ``lastsess`` (seconds since the last request) gives
+percentiles; p50, p95 and p99 all carry the average). ``lastsess`` (seconds since the last request) gives
 ``last_request_at``. Several backends of one env (different middleware per domain) are summed.
 """
 

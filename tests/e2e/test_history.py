@@ -235,10 +235,19 @@ async def test_env_chart_shows_the_generated_rate_errors_and_the_deploy(
         assert any(deploy_started - 1 <= t <= deploy_ended + 15 for t in drawn), drawn
         assert await page.evaluate("document.documentElement.scrollWidth") <= 1400
         await page.screenshot(path=ARTIFACTS / "history-env-desktop.png", full_page=True)
+        # Ids are short; Enter on one shows the whole id (keyboard).
+        summary = page.locator("#deployments details.ident summary").first
+        await summary.focus()
+        await page.keyboard.press("Enter")
+        await expect(page.locator("#deployments details.ident").first).to_have_attribute("open", "")
         # Keyboard: the window links are reachable and switch the chart.
         await page.get_by_role("link", name="24h").focus()
         await page.keyboard.press("Enter")
         await expect(page.locator("nav.windows a[aria-current='true']")).to_have_text("24h")
+        await page.goto(f"{base}/")
+        group = page.get_by_role("region", name=re.compile(r"^demo"))
+        await expect(group.locator(f"#env-{env_id} svg.spark")).to_be_visible()
+        await page.screenshot(path=ARTIFACTS / "history-overview-desktop.png", full_page=True)
         await page.goto(f"{base}/nodes/{node_id}")
         await expect(page.locator("#chart-node-cpu")).to_be_visible()
         await page.screenshot(path=ARTIFACTS / "history-node-desktop.png", full_page=True)
