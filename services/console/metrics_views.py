@@ -18,7 +18,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.console import charts
-from services.console.handling import Console, console_of, render
+from services.console.handling import Console, console_of, refuse, render
 from shared import history as H
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,15 @@ async def node_charts_context(console: Console, node_id: str, window_name: str) 
     }
 
 
+def window_problem(request: web.Request) -> str | None:
+    """Why the ``window`` parameter is refused (None: absent, the default 1 h, or one of the windows)."""
+    text = request.query.get("window", "")
+    names = [name for name, _ in charts.WINDOWS]
+    if text and text not in names:
+        return f"window {text!r}: expected one of {', '.join(names)}"
+    return None
+
+
 def _env_or_404(console: Console, env_id: str) -> pb.Environment:
     env = console.view.env(env_id)
     if env is None:
@@ -92,6 +101,8 @@ async def env_charts_fragment(request: web.Request) -> web.Response:
     console = console_of(request)
     env_id = request.match_info["env_id"]
     _env_or_404(console, env_id)
+    if (problem := window_problem(request)) is not None:
+        return refuse(request, 400, problem)
     context = await env_charts_context(console, env_id, request.query.get("window", ""))
     return render(request, "_charts.html", **context)
 
@@ -100,6 +111,8 @@ async def env_metrics_api(request: web.Request) -> web.Response:
     console = console_of(request)
     env_id = request.match_info["env_id"]
     _env_or_404(console, env_id)
+    if (problem := window_problem(request)) is not None:
+        return refuse(request, 400, problem)
     _, seconds = charts.window_of(request.query.get("window", ""))
     history = await env_history(console, env_id, seconds)
     if history is None:
@@ -111,6 +124,8 @@ async def node_page(request: web.Request) -> web.Response:
     console = console_of(request)
     node_id = request.match_info["node_id"]
     node = _node_or_404(console, node_id)
+    if (problem := window_problem(request)) is not None:
+        return refuse(request, 400, problem)
     context = await node_charts_context(console, node_id, request.query.get("window", ""))
     heartbeat = console_live_heartbeat(console, node_id)
     return render(request, "node.html", page="nodes", node=node_summary(console, node, heartbeat), **context)
@@ -120,6 +135,8 @@ async def node_charts_fragment(request: web.Request) -> web.Response:
     console = console_of(request)
     node_id = request.match_info["node_id"]
     _node_or_404(console, node_id)
+    if (problem := window_problem(request)) is not None:
+        return refuse(request, 400, problem)
     context = await node_charts_context(console, node_id, request.query.get("window", ""))
     return render(request, "_charts.html", **context)
 
@@ -128,6 +145,8 @@ async def node_metrics_api(request: web.Request) -> web.Response:
     console = console_of(request)
     node_id = request.match_info["node_id"]
     _node_or_404(console, node_id)
+    if (problem := window_problem(request)) is not None:
+        return refuse(request, 400, problem)
     _, seconds = charts.window_of(request.query.get("window", ""))
     history = await H.history(console.conn.nc, H.NODE, node_id, seconds, time.time())
     return web.json_response(history.as_dict())

@@ -11,7 +11,7 @@ from aiohttp import web
 from zattera.v1 import types_pb2 as pb
 
 from services.console.handling import Console, console_of, is_api, refuse, render, render_streamed
-from services.console.metrics_views import env_charts_context, overview_sparklines
+from services.console.metrics_views import env_charts_context, overview_sparklines, window_problem
 from shared.audit import DEFAULT_LIMIT, parse_since, read_entries, select
 from shared.backup.status import backup_status, describe
 from shared.notify_status import failing_channels
@@ -72,6 +72,8 @@ async def env_page(request: web.Request) -> web.Response:
     console = console_of(request)
     env_id = request.match_info["env_id"]
     detail = _env_detail(console, env_id)
+    if (problem := window_problem(request)) is not None:
+        return refuse(request, 400, problem)
     charts = await env_charts_context(console, env_id, request.query.get("window", ""))
     return render(request, "env.html", page="env", env=detail, **charts)
 

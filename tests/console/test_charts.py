@@ -81,6 +81,12 @@ async def test_env_node_and_overview_pages_show_the_history(console: Running, co
             body = await api.json()
         assert body["span"] == 10 and max(v for v in body["series"]["rps"] if v) == 40.0
         assert body["marks"][0]["kind"] == "deploy.succeeded"
+        async with http.get(f"{console.url}/api/env/{ENV_ID}/metrics?window=2w") as bad:
+            assert bad.status == 400 and (await bad.json())["error"] == "window '2w': expected one of 1h, 24h, 7d"
+        async with http.get(f"{console.url}/env/{ENV_ID}?window=2w") as bad_page:
+            assert (
+                bad_page.status == 400 and "window &#39;2w&#39;: expected one of 1h, 24h, 7d" in await bad_page.text()
+            )
         async with http.get(f"{console.url}/nodes/n1") as node_page:
             node_html = await node_page.text()
         assert node_page.status == 200 and "node-one" in node_html and 'id="chart-node-cpu"' in node_html
