@@ -5,9 +5,10 @@ and the env's deploy and scale events as marks (docs/observability.md, "History"
 The loop writes no state (no fenced write): it publishes points without headers (a ``Nats-Msg-Id`` would
 double a point's stored size); a point published twice across a failover (two leaders in one slot) is
 harmless, readers keep the last point of a slot (``shared.history.dense``). Its passes are due at
-each 10-s boundary of the injected clock (``seconds_until_due``); a new term starts with empty counters
-(its first point of an env takes the proxies' own rates) and an empty 5-min bucket (the bucket a failover
-cuts is downsampled from the points the new leader saw: ``samples`` says how many).
+each 10-s boundary of the injected clock (``seconds_until_due``). A new term's first pass only reads the
+counters (it writes nothing: the slot that just ended was the previous leader's to write, and rewriting it
+from a partial view replaced a good point); its 5-min bucket starts empty (the bucket a failover cuts is
+downsampled from the points the new leader saw: ``samples`` says how many).
 """
 
 from __future__ import annotations
@@ -54,11 +55,13 @@ class HistoryRecorder(LeaderLoop):
         """CPU seconds (process time) spent in passes: the benchmark's figure."""
         self._events_sub: object | None = None
         self._streams_ready = False
+        self.primed = False
 
     def on_term_start(self) -> None:
         self.recorder = H.Recorder()
         self.downsampler = H.Downsampler()
         self.last_slot = None
+        self.primed = False
 
     async def begin_term(self) -> None:
         await self.ensure_streams()
@@ -131,9 +134,15 @@ class HistoryRecorder(LeaderLoop):
             return  # woken twice in one slot (a change, the tick): one point per slot
         started = time.process_time()
         points = self.collect(now)
+        self.last_slot = slot
+        if not self.primed:
+            # A term's first pass only reads the counters: the slot that just ended is the previous leader's
+            # (it wrote it at the boundary), and this term has no counters of its own to measure it by.
+            self.primed = True
+            self.pass_seconds += time.process_time() - started
+            return
         done = self.downsampler.add(points, slot - self.span)  # the points are of the slot that just ended
         self.pass_seconds += time.process_time() - started
-        self.last_slot = slot
         await self.ensure_streams()
         await self.publish({**points, **done})
 

@@ -53,14 +53,15 @@ async def test_points_are_stored_every_slot_and_read_back_as_a_series(h: Harness
             await loop.pass_once()
             h.clock.set(now + 10)
         raw = await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)
-        assert len(raw) == 32 and raw[0].time == BUCKET - 10  # each point is of the slot that just ended
+        # the term's first pass only reads the counters; then each point is of the slot that just ended
+        assert len(raw) == 31 and raw[0].time == BUCKET
         steady = raw[5]
         assert abs(steady.rps - 20.0) < 0.01
         assert steady.responses_5xx == 10
         assert (steady.desired, steady.running) == (2, 0)  # the factory's assignments report no state
         assert steady.cpu_percent == 40.0 and steady.memory_bytes == 1500
         node = await H.read_points(h.conn.nc, H.RAW, H.NODE, "n1", BUCKET)
-        assert len(node) == 31 and node[0].instances == 2
+        assert len(node) == 31 and node[0].instances == 2 and node[0].time == BUCKET
         down = await H.read_points(h.conn.nc, H.DOWN, H.ENV, "env1", BUCKET)
         assert len(down) == 1 and down[0].samples == 30 and abs(down[0].rps - 20.0) < 0.01
         series = await H.history(h.conn.nc, H.ENV, "env1", 600, h.clock.now())
@@ -72,7 +73,7 @@ async def test_points_are_stored_every_slot_and_read_back_as_a_series(h: Harness
         await loop.end_term()
 
 
-async def test_deploy_events_become_marks_and_a_point_published_twice_is_drawn_once(h: Harness) -> None:
+async def test_deploy_events_become_marks_and_a_new_leader_keeps_the_previous_leaders_point(h: Harness) -> None:
     h.clock.set(BUCKET)
     await h.seed(*base_objects(scaled_env(min_replicas=1), running(1)))
     loop = await recorder(h)
@@ -88,15 +89,19 @@ async def test_deploy_events_become_marks_and_a_point_published_twice_is_drawn_o
         await eventually(marked, what="the deploy mark stored")
         assert marks[0].kind == "deploy.succeeded" and marks[0].text == "release v2 is live"
         await h.beat(proxy_beat(h.clock.now(), envs={"env1": traffic_sample(10)}))
-        await loop.pass_once()
-        again = HistoryRecorder(LoopDeps(h.conn, h.view, h.clock), live=h.live)  # a new leader, same slot
+        await loop.pass_once()  # primes the counters
+        h.clock.set(BUCKET + 10)
+        await h.beat(proxy_beat(h.clock.now(), envs={"env1": traffic_sample(210)}))
+        await loop.pass_once()  # writes the slot BUCKET..+10
+        h.clock.set(BUCKET + 14)  # the old leader dies; a new one starts within the next slot
+        again = HistoryRecorder(LoopDeps(h.conn, h.view, h.clock), live=h.live)
         again.on_term_start()
         await again.begin_term()
-        await again.pass_once()
+        await again.pass_once()  # reads the counters, writes nothing
         await again.end_term()
         stored = await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)
-        assert len(stored) == 2 and stored[0].time == stored[1].time  # stored twice, drawn once
-        assert len(H.dense(stored, int(BUCKET) - 10, int(BUCKET), 10)) == 1
+        assert [p.time for p in stored] == [BUCKET] and abs(stored[0].rps - 20.0) < 0.01  # the good point kept
+        assert len(H.dense(stored, int(BUCKET), int(BUCKET) + 10, 10)) == 1
     finally:
         await loop.end_term()
 
@@ -121,7 +126,7 @@ async def test_a_running_term_writes_one_point_per_slot_on_the_clock(h: Harness)
             return len(points) >= 4
 
         await eventually(four, what="a point per slot")
-        assert [p.time for p in points] == [BUCKET - 10 + 10 * i for i in range(len(points))]
+        assert [p.time for p in points] == [BUCKET + 10 * i for i in range(len(points))]
     finally:
         term.cancel()
         with contextlib.suppress(asyncio.CancelledError):
