@@ -93,6 +93,7 @@ COMMANDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "users": ("cli.teams_cmds", "users_app", {}),
     "grants": ("cli.teams_cmds", "grants_app", {}),
     "tokens": ("cli.teams_cmds", "tokens_app", {}),
+    "metrics": ("cli.metrics_cmds", "metrics", {}),
 }
 """Every command: name → (module, the Typer group or function there, its registration settings). The order
 is the order of ``zattera --help``."""

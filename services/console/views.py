@@ -11,6 +11,7 @@ from aiohttp import web
 from zattera.v1 import types_pb2 as pb
 
 from services.console.handling import Console, console_of, is_api, refuse, render, render_streamed
+from services.console.metrics_views import env_charts_context, overview_sparklines, window_problem
 from shared.audit import DEFAULT_LIMIT, parse_since, read_entries, select
 from shared.backup.status import backup_status, describe
 from shared.notify_status import failing_channels
@@ -29,11 +30,20 @@ async def overview_page(request: web.Request) -> web.StreamResponse:
     console = console_of(request)
     only = [env_id for env_id in request.query.get("only", "").split(",") if env_id]
     envs = pages.overview(console.view, console.routes(), only, console.listeners())
+    for row in envs:  # grouped by project on the page (issue 40)
+        row.setdefault("project", row["path"].split("/", 1)[0])
     backups = backup_status(console.view)
     failing = describe(backups) if backups.failing else []
     channels = failing_channels(console.view)
+    sparks = await overview_sparklines(console, [e["id"] for e in envs])
     return await render_streamed(
-        request, "overview.html", page="overview", envs=envs, backups_failing=failing, channels_failing=channels
+        request,
+        "overview.html",
+        page="overview",
+        envs=envs,
+        backups_failing=failing,
+        channels_failing=channels,
+        sparks=sparks,
     )
 
 
@@ -61,7 +71,11 @@ def _env_detail(console: Console, env_id: str) -> dict[str, Any]:
 async def env_page(request: web.Request) -> web.Response:
     console = console_of(request)
     env_id = request.match_info["env_id"]
-    return render(request, "env.html", page="env", env=_env_detail(console, env_id))
+    detail = _env_detail(console, env_id)
+    if (problem := window_problem(request)) is not None:
+        return refuse(request, 400, problem)
+    charts = await env_charts_context(console, env_id, request.query.get("window", ""))
+    return render(request, "env.html", page="env", env=detail, **charts)
 
 
 async def env_api(request: web.Request) -> web.Response:

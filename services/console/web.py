@@ -25,6 +25,13 @@ from services.console.forms import (
 from services.console.handling import HERE, STATE, Console
 from services.console.hooks import webhook
 from services.console.login import login, login_page, logout, require_session, security_headers
+from services.console.metrics_views import (
+    env_charts_fragment,
+    env_metrics_api,
+    node_charts_fragment,
+    node_metrics_api,
+    node_page,
+)
 from services.console.streams import build_logs, env_logs, events_stream, live
 from services.console.teams import grant_action, scope_guard, teams_page
 from services.console.views import (
@@ -79,6 +86,11 @@ def make_app(console: Console) -> web.Application:
     app.router.add_get("/events/stream", events_stream)
     app.router.add_get("/audit", audit_page)
     app.router.add_get("/api/audit", audit_page)
+    app.router.add_get("/env/{env_id}/charts", env_charts_fragment)
+    app.router.add_get("/api/env/{env_id}/metrics", env_metrics_api)
+    app.router.add_get("/nodes/{node_id}", node_page)
+    app.router.add_get("/nodes/{node_id}/charts", node_charts_fragment)
+    app.router.add_get("/api/nodes/{node_id}/metrics", node_metrics_api)
     app.router.add_get("/live", live)
     app.router.add_static("/static/", HERE / "static")
     app.router.add_post("/hooks/{provider}/{hook_id}", webhook)

@@ -279,6 +279,7 @@ class Proxy:
             heartbeat.ClearField("envs")
             for env_id, sample in merged.items():
                 heartbeat.envs[env_id].CopyFrom(sample)
+            heartbeat.connections = sum(sample.inflight for sample in merged.values())
         if self.conn is None or not self.conn.nc.is_connected:
             return  # the control plane is unreachable: nothing to report to (the RPS window restarts)
         try:
