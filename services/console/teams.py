@@ -127,7 +127,7 @@ async def scope_guard(request: web.Request, handler: Handler) -> web.StreamRespo
         return await handler(request)
     console = console_of(request)
     if request.path in ("/", "/api/overview"):
-        return _scoped_overview(request, scope)
+        return await _scoped_overview(request, scope)
     match = _ENV_PATH.match(request.path)
     if match:
         env = console.view.env(match.group(1))
@@ -140,13 +140,15 @@ async def scope_guard(request: web.Request, handler: Handler) -> web.StreamRespo
     return refuse(request, 403, "refused: project members see their projects' environments only (docs/teams.md)")
 
 
-def _scoped_overview(request: web.Request, scope: dict[str, str]) -> web.StreamResponse:
+async def _scoped_overview(request: web.Request, scope: dict[str, str]) -> web.StreamResponse:
     console = console_of(request)
     only = [e.meta.id for e in console.view.envs() if e.project_id in scope]
-    envs = pages.overview(console.view, console.routes(), only, console.listeners()) if only else []
     if is_api(request):
+        envs = pages.overview(console.view, console.routes(), only, console.listeners()) if only else []
         return web.json_response({"environments": envs, "projects": scope})
-    return render(request, "overview.html", page="overview", envs=envs, backups_failing=[], channels_failing=[])
+    from services.console.views import render_overview  # views' handlers are composed after this guard
+
+    return await render_overview(request, only, scoped=True)
 
 
 def _admin_only(request: web.Request) -> web.StreamResponse | None:

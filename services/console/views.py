@@ -27,14 +27,23 @@ def env_or_404(console: Console, env_id: str) -> pb.Environment:
 
 
 async def overview_page(request: web.Request) -> web.StreamResponse:
-    console = console_of(request)
     only = [env_id for env_id in request.query.get("only", "").split(",") if env_id]
-    envs = pages.overview(console.view, console.routes(), only, console.listeners())
+    return await render_overview(request, only)
+
+
+async def render_overview(request: web.Request, only: list[str], *, scoped: bool = False) -> web.StreamResponse:
+    """The overview of the envs ``only`` names (none named: every env, unless ``scoped``: a project member's,
+    which shows only its projects' envs and none of the cluster's notices)."""
+    console = console_of(request)
+    envs = pages.overview(console.view, console.routes(), only, console.listeners()) if only or not scoped else []
     for row in envs:  # grouped by project on the page (issue 40)
         row.setdefault("project", row["path"].split("/", 1)[0])
-    backups = backup_status(console.view)
-    failing = describe(backups) if backups.failing else []
-    channels = failing_channels(console.view)
+    failing: list[str] = []
+    channels: list[Any] = []
+    if not scoped:
+        backups = backup_status(console.view)
+        failing = describe(backups) if backups.failing else []
+        channels = failing_channels(console.view)
     sparks = await overview_sparklines(console, [e["id"] for e in envs])
     return await render_streamed(
         request,

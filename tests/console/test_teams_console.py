@@ -55,7 +55,24 @@ async def test_a_member_sees_and_acts_on_its_projects_only(conn: Connection, wri
         assert [e["id"] for e in body["environments"]] == [ENV_ID], body
         async with http.get(f"{console.url}/api/env/{OTHER_ENV}") as other:
             assert other.status == 404
-        for page in ("/nodes", "/events", "/audit", "/volumes", "/builds", "/admin/teams"):
+        async with http.get(f"{console.url}/") as page:  # the overview's cards (issue 40), its projects only
+            html = await page.text()
+            assert page.status == 200 and ENV_ID in html and OTHER_ENV not in html, html[-400:]
+        for charts in (f"/api/env/{OTHER_ENV}/metrics", f"/env/{OTHER_ENV}/charts"):  # another project's history
+            async with http.get(f"{console.url}{charts}", headers={"Accept": "application/json"}) as refused:
+                assert refused.status == 404, charts
+        async with http.get(f"{console.url}/api/env/{ENV_ID}/metrics") as own:
+            assert own.status == 200, await own.text()
+        for page in (
+            "/nodes",
+            "/nodes/n1",
+            "/api/nodes/n1/metrics",
+            "/events",
+            "/audit",
+            "/volumes",
+            "/builds",
+            "/admin/teams",
+        ):
             async with http.get(f"{console.url}{page}", headers={"Accept": "application/json"}) as refused:
                 assert refused.status == 403, page
         csrf = await csrf_of(http, console.url)
