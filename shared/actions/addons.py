@@ -28,7 +28,9 @@ from shared.actions.deletion import deletion_txn, plan_deletion
 from shared.actions.names import env_path, find_app, find_env, resolve_env, resolve_project, target_env
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.addons import spec as addon
+from shared.addons.backups import BackupStatus, status_from_lines
 from shared.addons.spec import AddonInputError
+from shared.applogs import UnknownLogStream, read_app_logs
 from shared.clock import from_timestamp, stamp
 from shared.deploy import Deployer
 from shared.events import event_for_env
@@ -288,12 +290,55 @@ async def create_addon(ctx: ActionContext, request: CreateAddon) -> AddonCreated
     return AddonCreated(info, deployment_id)
 
 
-def check_restore_time(to_time: float | None, created_at: float, now: float) -> None:
-    """Refuse a target the archive cannot hold: in the future, or before the database existed."""
+REPORT_LINES = 400
+"""How many of a database's last log lines are searched for its backup report."""
+
+
+async def backup_status(ctx: ActionContext, env: pb.Environment) -> BackupStatus | None:
+    """The database's backups and recoverable window, as its instance last reported them (None: no report
+    yet, e.g. before its first base backup)."""
+    lines: list[tuple[float, str]] = []
+    try:
+        async for line in read_app_logs(ctx.conn, env.meta.id, last=REPORT_LINES):
+            lines.append((line.time_ns / 1e9, line.line))
+    except UnknownLogStream:
+        return None
+    return status_from_lines(lines)
+
+
+async def addon_backups(ctx: ActionContext, name: str, project: str) -> BackupStatus:
+    env = addon_env(ctx.view, _project(ctx.view, project), name)
+    if (addon.addon_of(env) or ("", ""))[0] != addon.POSTGRES:
+        raise Invalid("name", f"{name} is not a PostgreSQL database: its data is in volume snapshots")
+    status = await backup_status(ctx, env)
+    if status is None:
+        raise Conflicting(f"{name} has reported no backup yet (it reports after its first base backup)", field="name")
+    return status
+
+
+def check_restore_time(
+    to_time: float | None, created_at: float, now: float, status: BackupStatus | None = None
+) -> None:
+    """Refuse a target the archive cannot hold: in the future, before the oldest base backup (before the
+    database existed when it reported none), after the last archived WAL as a later report says."""
     if to_time is None:
         return
     if to_time > now:
         raise Invalid("to_time", f"{_utc(to_time)} is in the future (now {_utc(now)})")
+    if status is not None and status.window_start and to_time < status.window_start:
+        raise Invalid(
+            "to_time",
+            f"{_utc(to_time)} is before the recoverable window ({_utc(status.window_start)} to"
+            f" {_utc(status.window_end)})",
+        )
+    # Refused only on a report made after the target that still ends before it (the WAL holding the target
+    # was not archived then); an older report says nothing of what was archived since.
+    if status is not None and status.window_end and status.window_end < to_time < status.reported_at:
+        raise Invalid(
+            "to_time",
+            f"{_utc(to_time)} is after the last archived WAL ({_utc(status.window_end)}): retry once it is"
+            " archived (at most archive_timeout), or use --latest",
+        )
     if to_time < created_at:
         raise Invalid(
             "to_time", f"{_utc(to_time)} is before the recoverable window (the database was created {_utc(created_at)})"
@@ -317,7 +362,8 @@ async def restore_addon(ctx: ActionContext, request: RestoreAddon) -> AddonCreat
     engine, version = addon.addon_of(origin) or ("", "")
     if engine != addon.POSTGRES:
         raise Invalid("name", f"{request.name} is a {engine} database: point-in-time restore is PostgreSQL's")
-    check_restore_time(request.to_time, from_timestamp(origin.meta.created_at), ctx.clock.now())
+    status = await backup_status(ctx, origin) if request.to_time is not None else None
+    check_restore_time(request.to_time, from_timestamp(origin.meta.created_at), ctx.clock.now(), status)
     backups = find_volume(ctx.view, origin.project_id, origin.meta.id, addon.BACKUPS_VOLUME)
     if backups is None or not backups.node_id:
         raise Conflicting(f"{request.name} has no backups yet (its first start has not placed it)", field="name")

@@ -188,10 +188,24 @@ if [ "$first_start" = 1 ] || ! pgbackrest --config="$CONF" --stanza="$STANZA" in
     pgbackrest --config="$CONF" --stanza="$STANZA" stanza-upgrade >/dev/null 2>&1 || true
   pgbackrest --config="$CONF" --stanza="$STANZA" --type=full backup || say "first base backup failed"
 fi
+report() {  # what `zattera addons backups` reads from the instance's log: the repository, the archiver
+  printf 'zattera-addon-backups %s\n' "$(pgbackrest --config="$CONF" --stanza="$STANZA" info --output=json 2>/dev/null \
+    | tr -d '\n')" >&2
+  printf 'zattera-addon-archived %s\n' "$(psql_local -d postgres -Atc "select coalesce(extract(epoch from \
+    last_archived_time)::text, '') || ' ' || coalesce(last_archived_wal, '') || ' ' || failed_count \
+    from pg_stat_archiver" 2>/dev/null)" >&2
+}
+report
 (
-  # Scheduled base backups: a full one every interval, in the background of the server's life.
-  while sleep "$BACKUP_INTERVAL"; do
-    pgbackrest --config="$CONF" --stanza="$STANZA" --type=full backup || say "scheduled base backup failed"
+  # Scheduled base backups: a full one every interval, in the background of the server's life; the
+  # archiver's progress reported every REPORT_INTERVAL seconds.
+  next_backup=$(( $(date +%s) + BACKUP_INTERVAL ))
+  while sleep "${ZATTERA_PG_REPORT_INTERVAL:-60}"; do
+    if [ "$(date +%s)" -ge "$next_backup" ]; then
+      pgbackrest --config="$CONF" --stanza="$STANZA" --type=full backup || say "scheduled base backup failed"
+      next_backup=$(( $(date +%s) + BACKUP_INTERVAL ))
+    fi
+    report
   done
 ) &
 backups=$!

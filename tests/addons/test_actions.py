@@ -187,3 +187,30 @@ async def test_a_restore_is_a_fork_pinned_to_the_origins_node_and_refuses_times_
     origin = ctx.view.env(created.info.env_id)
     assert origin is not None and origin.meta == ctx.view.env(created.info.env_id).meta  # type: ignore[union-attr]
     assert [v.name for v in ctx.view.volumes(created.info.env_id)] == ["backups"]
+
+
+def test_the_window_comes_from_the_instances_report_and_bounds_the_target() -> None:
+    from shared.actions.addons import check_restore_time
+    from shared.addons.backups import status_from_lines
+
+    info = (
+        '[{"name":"orders","backup":[{"label":"20261202-100000F","type":"full","error":false,'
+        '"timestamp":{"start":1000,"stop":1010},"info":{"size":30,"repository":{"size":4}},'
+        '"archive":{"start":"A","stop":"B"}}]}]'
+    )
+    status = status_from_lines(
+        [(1020.0, f"zattera-addon-backups {info}"), (1100.0, "zattera-addon-archived 1090.5 W 0")]
+    )
+    assert status is not None
+    assert (status.window_start, status.window_end, status.last_archived_wal) == (1010.0, 1090.5, "W")
+    assert [b.label for b in status.backups] == ["20261202-100000F"]
+    check_restore_time(1050.0, 900.0, 2000.0, status)  # inside
+    check_restore_time(1105.0, 900.0, 2000.0, status)  # after the reported end, but newer than the report
+    with pytest.raises(Invalid, match="before the recoverable window"):
+        check_restore_time(1005.0, 900.0, 2000.0, status)
+    later = status_from_lines(
+        [(1020.0, f"zattera-addon-backups {info}"), (1200.0, "zattera-addon-archived 1090.5 W 0")]
+    )
+    with pytest.raises(Invalid, match="after the last archived WAL"):
+        check_restore_time(1150.0, 900.0, 2000.0, later)
+    assert status_from_lines([(1.0, "something else")]) is None

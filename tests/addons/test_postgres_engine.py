@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.addons.backups import status_from_lines
 from tests.addons.pgserver import PgInstance, require_servers
 
 
@@ -65,6 +66,9 @@ def test_point_in_time_fork_gives_exactly_the_rows_before_the_target(instances: 
     origin.sql("insert into t values ('b1')")
     origin.archived_through_current()
     repo = origin.backups / "repo"
+    # what `zattera addons backups` reads: the instance's report in its log
+    report = status_from_lines((0.0, line) for line in origin.log.read_text().splitlines())
+    assert report is not None and [b.type for b in report.backups] == ["full"] and report.window_start > 0
     before = sorted(str(p.relative_to(repo)) for p in repo.rglob("*") if p.is_file())
 
     fork = _new(
