@@ -90,6 +90,7 @@ COMMANDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "drains": ("cli.drains_cmds", "drains_app", {}),
     "audit": ("cli.audit_cmds", "audit", {}),
     "git": ("cli.git_cmds", "git_app", {}),
+    "addons": ("cli.addons_cmds", "addons_app", {}),
 }
 """Every command: name → (module, the Typer group or function there, its registration settings). The order
 is the order of ``zattera --help``."""
