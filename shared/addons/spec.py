@@ -183,6 +183,8 @@ def service_spec(
             "ZATTERA_PG_STANZA": stanza,
             "ZATTERA_PG_ARCHIVE_TIMEOUT": str(archive_timeout),
             "ZATTERA_PG_BACKUP_INTERVAL": str(backup_interval),
+            # how often the instance reports its backups and archiver to its log (`addons backups`)
+            "ZATTERA_PG_REPORT_INTERVAL": str(min(60, max(10, archive_timeout))),
         }
         if fork is not None:
             vars |= {
