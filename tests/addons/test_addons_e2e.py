@@ -6,15 +6,17 @@ password is in any file the cluster wrote, nor in a process listing. Run through
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
-from tests.addons.pgserver import require_servers
+from tests.addons.pgserver import PG_BIN, require_servers
 from tests.e2e.cluster import E2ECluster
 from tests.e2e.conftest import running
 from tests.waiting import eventually
@@ -143,9 +145,15 @@ async def test_a_replica_restart_loses_no_committed_row(cluster: E2ECluster) -> 
     await _rows(cluster, "insert into entries values ('before-restart')")
     info = await _info(cluster, "ledger")
     # the server process dies (SIGKILL: a crash); the agent starts the replica again on its volume
-    pids = subprocess.run(["pgrep", "-f", "postgres -D .*pgdata"], capture_output=True, text=True).stdout.split()
-    assert pids, "no postgres process"
-    subprocess.run(["kill", "-KILL", *pids], check=False)
+    # only this cluster's server: its data directory is under the cluster's root
+    pids = [
+        p
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if (p.info["cmdline"] or [])[:2] == [f"{PG_BIN}/postgres", "-D"] and str(cluster.root) in p.info["cmdline"][2]
+    ]
+    assert pids, "no postgres process of this cluster"
+    for process in pids:
+        process.kill()
     await eventually(lambda: _answers(cluster, "select count(*) from entries", ["101"]), 180, "the rows after a crash")
     assert (await _info(cluster, "ledger"))["node_id"] == info["node_id"]
 
@@ -205,7 +213,7 @@ async def test_no_password_in_any_file_event_or_process_listing(cluster: E2EClus
     assert status == 200
     password = body.split("postgresql://app:", 1)[1].split("@", 1)[0]
     assert len(password) == 32
-    listing = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    listing = (await asyncio.to_thread(subprocess.run, ["ps", "-eo", "args"], capture_output=True, text=True)).stdout
     assert password not in listing
     events = await cluster.acli("events", "--json", "--last", "500", check=False)
     assert password not in events.stdout + events.stderr
