@@ -193,7 +193,12 @@ def service_spec(
                 "ZATTERA_PG_RESTORE_TARGET": fork.target,
             }
     else:
-        hc.command = 'redis-cli -h "$HOST" -p "$PORT_REDIS" --no-auth-warning -a "$REDIS_PASSWORD" ping | grep -qx PONG'
+        # PING through the server's socket (an adopted instance's check runs without its secrets: the
+        # server's NOAUTH answer is an answer too); the password only ever in the environment.
+        hc.command = (
+            'REDISCLI_AUTH="${REDIS_PASSWORD:-}" redis-cli --no-auth-warning -s "$ZATTERA_VOLUME_DATA/run/redis.sock"'
+            " ping 2>&1 | grep -qE '^(PONG|NOAUTH)'"
+        )
     spec.vars.update(vars)
     return spec
 

@@ -214,3 +214,28 @@ def test_the_window_comes_from_the_instances_report_and_bounds_the_target() -> N
     with pytest.raises(Invalid, match="after the last archived WAL"):
         check_restore_time(1150.0, 900.0, 2000.0, later)
     assert status_from_lines([(1.0, "something else")]) is None
+
+
+async def test_a_redis_database_gets_a_sealed_password_and_attaches_as_redis_url(
+    ctx: ActionContext, writer: Writer
+) -> None:
+    private = await _seed(writer, running=True)
+    created = await create_addon(ctx, CreateAddon("redis", "cache", "shop"))
+    assert (created.info.engine, created.info.version, created.info.address) == (
+        "redis",
+        "7",
+        "cache.db.shop.internal:6379",
+    )
+    env = ctx.view.env(created.info.env_id)
+    assert env is not None and [v.volume_name for v in env.service.volumes] == ["data"]
+    sealed = _secrets(ctx, created.info.env_id)
+    assert set(sealed) == {"REDIS_PASSWORD", "ZATTERA_ADDON_URL"}
+    password = _open(private, sealed["REDIS_PASSWORD"])
+    await attach_addon(ctx, AttachAddon("cache", PATH))
+    consumer = _secrets(ctx, ENV_ID)
+    assert set(consumer) == {"REDIS_URL"}
+    assert _open(private, consumer["REDIS_URL"]) == (
+        f"redis://default:{password}@${{ZATTERA_SERVICE_CACHE_DB_HOST}}:${{ZATTERA_SERVICE_CACHE_DB_PORT}}/0"
+    )
+    with pytest.raises(Invalid, match="point-in-time restore is PostgreSQL's"):
+        await restore_addon(ctx, RestoreAddon("cache", "shop", "cache-copy"))
