@@ -50,6 +50,7 @@ class PgInstance:
     superuser_password: str = field(default_factory=addon.new_password)
     app_password: str = field(default_factory=addon.new_password)
     extra: Mapping[str, str] = field(default_factory=dict)
+    archive_timeout: int = 2
     port: int = 0
     process: subprocess.Popen[bytes] | None = None
 
@@ -66,7 +67,7 @@ class PgInstance:
         return self.root / "instance.log"
 
     def env(self) -> dict[str, str]:
-        spec = addon.service_spec(addon.POSTGRES, "15", self.stanza, archive_timeout=2)
+        spec = addon.service_spec(addon.POSTGRES, "15", self.stanza, archive_timeout=self.archive_timeout)
         return {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             **spec.vars,
@@ -79,7 +80,8 @@ class PgInstance:
             **self.extra,
         }
 
-    def start(self, timeout: float = 90.0) -> None:
+    def start(self, timeout: float = 90.0, *, until: Callable[[], bool] | None = None) -> None:
+        """Start and wait for ``until`` (default: the instance's ready file, after its first base backup)."""
         own(self.root)
         own(self.data)
         own(self.backups)
@@ -97,7 +99,8 @@ class PgInstance:
                 cwd=self.root,
                 start_new_session=True,
             )
-        wait_for(lambda: (self.data / "ready").exists() or self.process.poll() is not None, timeout, "ready")  # type: ignore[union-attr]
+        ready = until or (lambda: (self.data / "ready").exists())
+        wait_for(lambda: ready() or self.process.poll() is not None, timeout, "ready")  # type: ignore[union-attr]
         if self.process.poll() is not None:
             raise AssertionError(f"the instance exited {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
 
@@ -124,6 +127,13 @@ class PgInstance:
         self.process = None
         # the postmaster's children exit once it is gone
         wait_for(lambda: not _any_process_of(self.data), 30, "the server's processes to exit")
+
+    def accepts(self) -> bool:
+        """The app role can log in over TCP (what a client sees as "up")."""
+        try:
+            return self.sql("select 1") == ["1"]
+        except AssertionError:
+            return False
 
     def sql(self, query: str, *, user: str = addon.APP_USER, db: str = addon.APP_DB) -> list[str]:
         password = self.superuser_password if user == "postgres" else self.app_password
