@@ -173,10 +173,11 @@ def service_spec(
     vars = {ADDON_VAR: f"{engine}:{version}", ENTRY_VAR: entry_script(engine)}
     if engine == POSTGRES:
         bin_dir = postgres_bin(version)
-        # A real query, through the database's own socket (no password: local connections of its user).
+        # A real query, through the database's own socket (no password: local connections of its user),
+        # once the instance is ready (its base backup taken when it had none: the window is open).
         hc.command = (
-            f'{bin_dir}/psql -X -h "$ZATTERA_VOLUME_DATA/run" -p "$PORT_POSTGRES" -U postgres -d postgres'
-            " -Atc 'select 1' | grep -qx 1"
+            f'test -e "$ZATTERA_VOLUME_DATA/ready" && {bin_dir}/psql -X -h "$ZATTERA_VOLUME_DATA/run"'
+            " -p \"$PORT_POSTGRES\" -U postgres -d postgres -Atc 'select 1' | grep -qx 1"
         )
         vars |= {
             "ZATTERA_PG_BIN": bin_dir,
