@@ -1,6 +1,7 @@
 """A PostgreSQL add-on's backups and its recoverable window, as its instance reports them in its log
 (``zattera-addon-backups <pgbackrest info --output=json>`` after each base backup and every minute,
-``zattera-addon-archived <epoch> <wal> <failed>`` from ``pg_stat_archiver``): the repository lives in the
+``zattera-addon-archived time=<epoch> wal=<segment file> failed=<n>``: the newest segment in the
+repository and the archiver's failures): the repository lives in the
 database's ``backups`` volume on its node, and the log is what any operator's machine can read.
 
 The window starts at the end of the oldest base backup (the earliest consistent point) and ends at the
@@ -81,13 +82,9 @@ def status_from_lines(lines: Iterable[tuple[float, str]]) -> BackupStatus | None
                 continue
             reported = max(reported, at)
         elif text.startswith(ARCHIVED_MARK):
-            parts = text[len(ARCHIVED_MARK) :].split()
+            fields = dict(part.partition("=")[::2] for part in text[len(ARCHIVED_MARK) :].split())
             try:
-                archived = (
-                    float(parts[0]) if parts and parts[0] else 0.0,
-                    parts[1] if len(parts) > 1 else "",
-                    int(parts[-1]) if len(parts) > 2 else 0,
-                )
+                archived = (float(fields.get("time") or 0), fields.get("wal", ""), int(fields.get("failed") or 0))
             except ValueError:
                 continue
             reported = max(reported, at)

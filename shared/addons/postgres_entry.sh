@@ -188,12 +188,14 @@ if [ "$first_start" = 1 ] || ! pgbackrest --config="$CONF" --stanza="$STANZA" in
     pgbackrest --config="$CONF" --stanza="$STANZA" stanza-upgrade >/dev/null 2>&1 || true
   pgbackrest --config="$CONF" --stanza="$STANZA" --type=full backup || say "first base backup failed"
 fi
-report() {  # what `zattera addons backups` reads from the instance's log: the repository, the archiver
+report() {  # what `zattera addons backups` reads from the instance's log: the repository, the archive's end
   printf 'zattera-addon-backups %s\n' "$(pgbackrest --config="$CONF" --stanza="$STANZA" info --output=json 2>/dev/null \
     | tr -d '\n')" >&2
-  printf 'zattera-addon-archived %s\n' "$(psql_local -d postgres -Atc "select coalesce(extract(epoch from \
-    last_archived_time)::text, '') || ' ' || coalesce(last_archived_wal, '') || ' ' || failed_count \
-    from pg_stat_archiver" 2>/dev/null)" >&2
+  # the newest segment in the repository and when it was archived (its file's time: survives a crash,
+  # which resets pg_stat_archiver); the archiver's failures since the server started
+  newest=$(find "$REPO/repo/archive/$STANZA" -type f -name '0*' -printf '%T@ %f\n' 2>/dev/null | sort -n | tail -1)
+  failed=$(psql_local -d postgres -Atc "select failed_count from pg_stat_archiver" 2>/dev/null || echo 0)
+  printf 'zattera-addon-archived time=%s wal=%s failed=%s\n' "${newest%% *}" "${newest#* }" "${failed:-0}" >&2
 }
 report
 (

@@ -199,7 +199,7 @@ def test_the_window_comes_from_the_instances_report_and_bounds_the_target() -> N
         '"archive":{"start":"A","stop":"B"}}]}]'
     )
     status = status_from_lines(
-        [(1020.0, f"zattera-addon-backups {info}"), (1100.0, "zattera-addon-archived 1090.5 W 0")]
+        [(1020.0, f"zattera-addon-backups {info}"), (1100.0, "zattera-addon-archived time=1090.5 wal=W failed=0")]
     )
     assert status is not None
     assert (status.window_start, status.window_end, status.last_archived_wal) == (1010.0, 1090.5, "W")
@@ -209,7 +209,7 @@ def test_the_window_comes_from_the_instances_report_and_bounds_the_target() -> N
     with pytest.raises(Invalid, match="before the recoverable window"):
         check_restore_time(1005.0, 900.0, 2000.0, status)
     later = status_from_lines(
-        [(1020.0, f"zattera-addon-backups {info}"), (1200.0, "zattera-addon-archived 1090.5 W 0")]
+        [(1020.0, f"zattera-addon-backups {info}"), (1200.0, "zattera-addon-archived time=1090.5 wal=W failed=0")]
     )
     with pytest.raises(Invalid, match="after the last archived WAL"):
         check_restore_time(1150.0, 900.0, 2000.0, later)

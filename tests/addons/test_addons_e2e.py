@@ -183,7 +183,12 @@ async def test_a_point_in_time_fork_has_exactly_the_rows_before_the_target(clust
     await _rows(cluster, "insert into pitr values ('b1')")
     # archive_timeout 2 s: the segment holding the target is archived within seconds; the instance
     # reports its window to its log every 10 s
-    await eventually(lambda: _window_reaches(cluster, target + 1.5), 90, "the archive to pass the target")
+    try:
+        await eventually(lambda: _window_reaches(cluster, target + 1.5), 90, "the archive to pass the target")
+    except AssertionError:
+        backups = await cluster.acli("addons", "backups", "ledger", "--project", "shop", "--json", check=False)
+        logs = await cluster.acli("logs", "--env", "shop/ledger/db", "-n", "60", check=False)
+        raise AssertionError(f"target {target}\n{backups.stdout}{backups.stderr}\n{logs.stdout[-6000:]}") from None
     future = await cluster.acli(
         "addons",
         "restore",

@@ -10,12 +10,13 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from shared.addons.backups import status_from_lines
-from tests.addons.pgserver import PgInstance, require_servers
+from tests.addons.pgserver import PgInstance, require_servers, wait_for
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def test_committed_rows_survive_a_restart_and_a_crash(instances: list[PgInstance
 
 
 def test_point_in_time_fork_gives_exactly_the_rows_before_the_target(instances: list[PgInstance], root: Path) -> None:
-    origin = _new(instances, root / "origin", "origin")
+    origin = _new(instances, root / "origin", "origin", ZATTERA_PG_REPORT_INTERVAL="1")
     origin.sql("create table t(x text)")
     origin.sql("insert into t values ('a1'), ('a2')")
     time.sleep(1.1)  # commit timestamps have microseconds; T falls strictly between A and B
@@ -69,6 +70,14 @@ def test_point_in_time_fork_gives_exactly_the_rows_before_the_target(instances: 
     # what `zattera addons backups` reads: the instance's report in its log
     report = status_from_lines((0.0, line) for line in origin.log.read_text().splitlines())
     assert report is not None and [b.type for b in report.backups] == ["full"] and report.window_start > 0
+    # ...and the archive's end passes the target once the segment holding it is archived
+    target_epoch = datetime.strptime(target, "%Y-%m-%d %H:%M:%S.%f+00").replace(tzinfo=UTC).timestamp()
+
+    def window_end() -> float:
+        status = status_from_lines((0.0, line) for line in origin.log.read_text().splitlines())
+        return status.window_end if status is not None else 0.0
+
+    wait_for(lambda: window_end() > target_epoch, 30, "the reported window to pass the target")
     before = sorted(str(p.relative_to(repo)) for p in repo.rglob("*") if p.is_file())
 
     fork = _new(
