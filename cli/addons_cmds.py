@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TypeVar
 
 import typer
@@ -282,3 +283,56 @@ def addons_delete(
     done = _act(go)
     kept = "" if purge else f"; {done.get('volumes_kept', 0)} volume(s) kept (data and backups)"
     say(f"database {project}/{name} deleted{kept}")
+
+
+def _socket_of(volumes: list[Path]) -> tuple[Path, int] | None:
+    """The server's socket directory and port among the agent volume directories tried."""
+    for directory in volumes:
+        for sock in sorted((directory / "run").glob(".s.PGSQL.*")):
+            suffix = sock.name.rsplit(".", 1)[-1]
+            if suffix.isdigit():
+                return directory / "run", int(suffix)
+    return None
+
+
+@addons_app.command("psql")
+def addons_psql(
+    name: str = NAME,
+    project: str = PROJECT,
+    data_dir: Path = typer.Option(
+        None, "--data-dir", help="where `zattera up` keeps its data (default: $ZATTERA_DATA_DIR or .zattera)"
+    ),
+    agent_dir: list[Path] = typer.Option(
+        [], "--agent-dir", help="an agent's data directory on this machine (repeatable)"
+    ),
+    database: str = typer.Option(addon.APP_DB, "--database", "-d", help="the database to open"),
+) -> None:
+    """An interactive psql as the superuser, on the database's node, through the server's own socket
+    (no password crosses anything; run it as root on that machine)."""
+    import os
+
+    from cli.layout import DataLayout
+    from shared.settings import settings
+
+    async def go() -> AddonInfo:
+        async with control() as c:
+            return addon_info(c.view, name, project)
+
+    info = _act(go)
+    if info.engine != addon.POSTGRES:
+        raise fail(f"NAME: {name} is a {info.engine} database; psql opens PostgreSQL ones")
+    data_id = info.volumes.get(addon.DATA_VOLUME, "")
+    if not data_id:
+        raise fail(f"NAME: {name} has no data volume yet (not started)")
+    roots = [*agent_dir, DataLayout((data_dir or settings().data_dir).resolve()).agent]
+    found = _socket_of([root / "volumes" / data_id for root in roots])
+    if found is None:
+        raise fail(
+            f"NAME: {name}'s server socket is not on this machine (its node is {info.node_id or '?'}): run this on"
+            " that node, or give --agent-dir"
+        )
+    run_dir, port = found
+    bin_dir = addon.postgres_bin(info.version)
+    os.execv(
+        f"{bin_dir}/psql", [f"{bin_dir}/psql", "-h", str(run_dir), "-p", str(port), "-U", "postgres", "-d", database]
+    )
