@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.addons.pgserver import PG_BIN, require_servers
-from tests.e2e.cluster import E2ECluster
+from tests.e2e.cluster import E2ECluster, cli_argv
 from tests.e2e.conftest import running
 from tests.waiting import eventually
 
@@ -156,6 +156,18 @@ async def test_a_replica_restart_loses_no_committed_row(cluster: E2ECluster) -> 
         process.kill()
     await eventually(lambda: _answers(cluster, "select count(*) from entries", ["101"]), 180, "the rows after a crash")
     assert (await _info(cluster, "ledger"))["node_id"] == info["node_id"]
+    # the operator's psql on the node, through the server's socket (no password anywhere)
+    agents = [arg for node in cluster.nodes for arg in ("--agent-dir", str(cluster.root / f"agent-{node}"))]
+    session = await asyncio.to_thread(
+        subprocess.run,
+        [*cli_argv(), "addons", "psql", "ledger", "--project", "shop", *agents],
+        input="select count(*) from entries;\n",
+        env=cluster.cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert session.returncode == 0 and "101" in session.stdout, session.stderr
 
 
 async def _window_reaches(cluster: E2ECluster, target: float) -> bool:
