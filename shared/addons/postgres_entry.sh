@@ -44,6 +44,7 @@ if [ "$(id -u)" = 0 ]; then
   exit 78
 fi
 mkdir -p "$SOCK" "$REPO/repo" "$REPO/log" "$REPO/lock" "$REPO/spool"
+rm -f "$DATA/ready"  # left by a crash: not ready until this start says so
 
 write_conf() {  # the pgBackRest configuration of THIS database (repo1 posix, repo2 s3 when configured)
   {

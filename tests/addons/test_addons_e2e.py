@@ -157,17 +157,22 @@ async def test_a_replica_restart_loses_no_committed_row(cluster: E2ECluster) -> 
     await eventually(lambda: _answers(cluster, "select count(*) from entries", ["101"]), 180, "the rows after a crash")
     assert (await _info(cluster, "ledger"))["node_id"] == info["node_id"]
     # the operator's psql on the node, through the server's socket (no password anywhere)
+    assert "101" in await _psql(cluster, "select count(*) from entries;")
+
+
+async def _psql(cluster: E2ECluster, query: str) -> str:
     agents = [arg for node in cluster.nodes for arg in ("--agent-dir", str(cluster.root / f"agent-{node}"))]
     session = await asyncio.to_thread(
         subprocess.run,
         [*cli_argv(), "addons", "psql", "ledger", "--project", "shop", *agents],
-        input="select count(*) from entries;\n",
+        input=query + "\n",
         env=cluster.cli_env(),
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert session.returncode == 0 and "101" in session.stdout, session.stderr
+    assert session.returncode == 0, session.stderr
+    return session.stdout
 
 
 async def _window_reaches(cluster: E2ECluster, target: float) -> bool:
@@ -200,7 +205,14 @@ async def test_a_point_in_time_fork_has_exactly_the_rows_before_the_target(clust
     except AssertionError:
         backups = await cluster.acli("addons", "backups", "ledger", "--project", "shop", "--json", check=False)
         logs = await cluster.acli("logs", "--env", "shop/ledger/db", "-n", "60", check=False)
-        raise AssertionError(f"target {target}\n{backups.stdout}{backups.stderr}\n{logs.stdout[-6000:]}") from None
+        stats = await _psql(
+            cluster,
+            "select now(), pg_walfile_name(pg_current_wal_lsn()), current_setting('archive_timeout'),"
+            " current_setting('archive_command'), * from pg_stat_archiver;",
+        )
+        raise AssertionError(
+            f"target {target}\n{backups.stdout}{backups.stderr}\n{stats}\n{logs.stdout[-6000:]}"
+        ) from None
     future = await cluster.acli(
         "addons",
         "restore",
