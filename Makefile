@@ -19,6 +19,7 @@ SYSTEM_PACKAGES += chromium  # the web console's browser tests (Playwright drive
 SYSTEM_PACKAGES += haproxy  # the ingress data plane (issue 18: services/proxy --engine haproxy)
 SYSTEM_PACKAGES += bubblewrap  # the process runtime's app sandbox (issue 43: services/agent/sandbox.py; setpriv and nsenter come with util-linux)
 SYSTEM_PACKAGES += iptables  # the network fence keeping sandboxed apps off the control plane's ports (services/agent/firewall.py)
+SYSTEM_PACKAGES += postgresql pgbackrest redis-server  # managed databases (issue 36: shared/addons/): PostgreSQL 15, its continuous backup and PITR, Redis 7
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -94,6 +94,7 @@ COMMANDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "grants": ("cli.teams_cmds", "grants_app", {}),
     "tokens": ("cli.teams_cmds", "tokens_app", {}),
     "metrics": ("cli.metrics_cmds", "metrics", {}),
+    "addons": ("cli.addons_cmds", "addons_app", {}),
 }
 """Every command: name → (module, the Typer group or function there, its registration settings). The order
 is the order of ``zattera --help``."""

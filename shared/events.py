@@ -174,6 +174,11 @@ KINDS = (
     "git.failed",
     "preview.created",
     "preview.deleted",
+    "addon.created",
+    "addon.attached",
+    "addon.detached",
+    "addon.restored",
+    "addon.deleted",
 )
 """Every event kind the platform emits (docs/observability.md has the catalogue; each kind is documented)."""
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
+from services.agent.addon_env import expand_service_refs, seed_fork
 from services.agent.health import HealthMonitor, min_healthy_time, probe_for, seconds
 from services.agent.images import ImageError, PreparedImage
 from services.agent.instance_env import bind_address, config_of, instance_env, launch_plan, port_names, resolve_volumes
@@ -290,11 +291,17 @@ class InstanceSupervisor:
             self._ports = {name: self.ctx.ports.allocate() for name in port_names(release.service)}
         for path in volumes.values():
             path.mkdir(parents=True, exist_ok=True)
+        try:  # a managed database's point-in-time fork: the origin's backups first (addon_env.py)
+            await seed_fork(release, volumes, self.ctx.volumes_dir)
+        except OSError as exc:
+            self._failed_attempt(f"restore: {exc}", None)
+            return
         env = instance_env(
             a, image, self._ports, volumes, {**release.service.vars, **secrets}, bind=bind_address(self.ctx.settings)
         )
         if self.ctx.network_env is not None:  # private networking: ZATTERA_DNS, ZATTERA_SERVICE_* (docs/networking.md)
             env.update(await self.ctx.network_env(a, release))
+        expand_service_refs(env)  # ${ZATTERA_SERVICE_*} in an attached database's URL (addon_env.py)
         self._secret_names = frozenset(secrets)
         # Shielded: once spawned, the process must be attached and recorded even if this task is
         # cancelled meanwhile (assignment removed, agent stopping), or nobody would ever stop it.

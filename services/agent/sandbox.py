@@ -320,7 +320,10 @@ class Sandbox:
         # /tmp first: a system directory under /tmp (an install there) stays shown, not covered by the tmpfs
         args += ["--perms", "1777", "--tmpfs", "/tmp"]
         args += self._system
-        args += ["--ro-bind-data", str(passwd), "/etc/passwd", "--ro-bind-data", str(group), "/etc/group"]
+        # world-readable, as on any system (bwrap's default for data files is 0600 root: the user could not
+        # look itself up, and PostgreSQL's initdb refuses to run then)
+        args += ["--perms", "0644", "--ro-bind-data", str(passwd), "/etc/passwd"]
+        args += ["--perms", "0644", "--ro-bind-data", str(group), "/etc/group"]
         args += ["--proc", "/proc", "--dev", "/dev"]
         args += ["--perms", "1777", "--tmpfs", "/dev/shm"]
         made = {"/", "/tmp", *(a for a in self._system if a.startswith("/"))}

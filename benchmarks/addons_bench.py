@@ -1,0 +1,251 @@
+"""Managed PostgreSQL: ``python -m benchmarks.addons_bench [--full]``.
+
+The add-on's entry script (shared/addons/postgres_entry.sh) on the real server and pgBackRest, run as the
+agent runs it (an unprivileged user, volumes in a directory), and the node's real private-network forwarder
+(services/agent/forwarder.py) in this process:
+
+* **create → accepting connections**: from the script's start (initdb, roles, configuration, the server)
+  until the app role logs in over TCP; and until its first base backup is in the repository;
+* **WAL archive lag** under a steady write load (pgbench at a fixed rate, each row recording its commit
+  time and WAL segment): for each row, how long until its segment is archived (``pg_stat_archiver`` polled
+  every 0.2 s); p50/p99 against ``archive_timeout`` + 10 s;
+* **PITR restore time**: a fork to the latest point of a database of N bytes (quick 128 MiB, full 1 GiB),
+  from the script's start until the fork accepts connections;
+* **pgbench TPS** (the built-in TPC-B-like script, 4 clients) through the forwarder (a consumer's private
+  address → the server) versus directly to the same server, in one run; target >= 80 % of direct.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from benchmarks.common import bench_main
+from services.agent.forwarder import Forwarder
+from shared.embedded import free_port
+from tests.addons.pgserver import PG_BIN, PgInstance, require_servers, wait_for
+
+MIB = 1 << 20
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def _pgbench(db: PgInstance, host: str, port: int, *args: str, timeout: float = 600) -> str:
+    done = subprocess.run(
+        [f"{PG_BIN}/pgbench", "-h", host, "-p", str(port), "-U", "app", *args, "app"],
+        env={"PGPASSWORD": db.app_password, "PATH": os.environ.get("PATH", "")},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"pgbench: {done.stderr.strip()[-500:]}")
+    return done.stdout
+
+
+def _tps(output: str) -> float:
+    for line in output.splitlines():
+        if line.startswith("tps = "):
+            return float(line.split()[2])
+    raise RuntimeError(f"no tps in pgbench output: {output[-300:]}")
+
+
+def archive_lag(db: PgInstance, seconds: int, rate: int) -> list[float]:
+    db.sql("create table lag(t double precision, seg text)")
+    script = db.root / "lag.sql"
+    script.write_text(
+        "insert into lag values (extract(epoch from clock_timestamp()),"
+        " pg_walfile_name(pg_current_wal_insert_lsn()));\n"
+    )
+    samples: list[tuple[float, str]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        query = "select coalesce(last_archived_wal, '') from pg_stat_archiver"
+        while not stop.is_set():
+            samples.append((time.time(), db.sql(query, user="postgres")[0]))
+            stop.wait(0.2)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    _pgbench(db, "127.0.0.1", db.port, "-n", "-c", "1", "-R", str(rate), "-T", str(seconds), "-f", str(script))
+    rows = [
+        (float(t), seg) for t, seg in (line.split("|") for line in db.sql("select t, seg from lag", user="postgres"))
+    ]
+    last_segment = max(seg for _, seg in rows)
+    wait_for(lambda: bool(samples) and samples[-1][1] >= last_segment, 180, "the last segment archived")
+    stop.set()
+    poller.join()
+    lags = []
+    for committed, seg in rows:
+        archived = next((at for at, done in samples if done >= seg and at >= committed), None)
+        if archived is not None:
+            lags.append(archived - committed)
+    return lags
+
+
+async def through_forwarder(db: PgInstance, seconds: int) -> tuple[float, float]:
+    """pgbench TPS direct to the server, then through the forwarder (a consumer's private address)."""
+    container_port = free_port()
+    forwarder = Forwarder(dns_port=0, hold_timeout=5)
+    try:
+        internal = cpb.InternalService(
+            fqdn="orders.db.shop.internal.", project_id="shop-id", environment_id="db-env", vip="127.128.0.9"
+        )
+        internal.ports.add(
+            name="postgres",
+            port=container_port,
+            protocol="tcp",
+            endpoints=[cpb.Endpoint(assignment_id="a1", addr=f"127.0.0.1:{db.port}", healthy=True)],
+        )
+        await forwarder.apply(cpb.RouteSnapshot(version=1, internal_services=[internal]))
+        consumer = pb.Assignment(environment_id="web-env", project_id="shop-id", node_id="n1")
+        env = await forwarder.instance_env(consumer, pb.Release(environment_id="web-env", project_id="shop-id"))
+        host = env["ZATTERA_SERVICE_ORDERS_DB_HOST"]
+        port = int(env["ZATTERA_SERVICE_ORDERS_DB_PORT"])
+        args = ("-n", "-c", "4", "-j", "2", "-T", str(seconds))
+        direct = _tps(await asyncio.to_thread(_pgbench, db, "127.0.0.1", db.port, *args))
+        forwarded = _tps(await asyncio.to_thread(_pgbench, db, host, port, *args))
+        return direct, forwarded
+    finally:
+        await forwarder.close()
+
+
+def measure(work: Path, quick: bool) -> list[dict[str, object]]:
+    size = 128 * MIB if quick else 1024 * MIB
+    archive_timeout = 5 if quick else 60
+    lag_seconds = 40 if quick else 240
+    bench_seconds = 10 if quick else 30
+    rows: list[dict[str, object]] = []
+    instances: list[PgInstance] = []
+    try:
+        db = PgInstance(work / "origin", "origin", archive_timeout=archive_timeout)
+        instances.append(db)
+        start = time.perf_counter()
+        db.start(until=db.accepts)
+        accepting = time.perf_counter() - start
+        wait_for(lambda: (db.data / "ready").exists(), 120, "the first base backup")
+        first_backup = time.perf_counter() - start
+        rows.append(
+            {
+                "figure": "create -> accepting connections",
+                "value": round(accepting, 2),
+                "unit": "s",
+                "target": "-",
+                "anchor": "initdb, roles, server start (process runtime)",
+            }
+        )
+        rows.append(
+            {
+                "figure": "create -> first base backup done",
+                "value": round(first_backup, 2),
+                "unit": "s",
+                "target": "-",
+                "anchor": "stanza-create + full backup of an empty cluster",
+            }
+        )
+
+        lags = archive_lag(db, lag_seconds, rate=20)
+        p50, p99 = _pct(lags, 0.5), _pct(lags, 0.99)
+        rows.append(
+            {
+                "figure": "WAL archive lag p50",
+                "value": round(p50, 2),
+                "unit": "s",
+                "target": "-",
+                "anchor": f"{len(lags)} rows at 20/s for {lag_seconds} s, archive_timeout {archive_timeout} s",
+            }
+        )
+        rows.append(
+            {
+                "figure": "WAL archive lag p99",
+                "value": round(p99, 2),
+                "unit": "s",
+                "target": f"<= {archive_timeout + 10}",
+                "anchor": f"max {max(lags):.2f} s",
+            }
+        )
+
+        _pgbench(db, "127.0.0.1", db.port, "-i", "-s", "1", "-q")
+        direct, forwarded = asyncio.run(through_forwarder(db, bench_seconds))
+        rows.append(
+            {
+                "figure": "pgbench TPS direct",
+                "value": round(direct),
+                "unit": "tps",
+                "target": "-",
+                "anchor": f"TPC-B-like, scale 1, 4 clients, {bench_seconds} s",
+            }
+        )
+        rows.append(
+            {
+                "figure": "pgbench TPS through the forwarder",
+                "value": round(forwarded),
+                "unit": "tps",
+                "target": ">= 80 % of direct",
+                "anchor": f"{100 * forwarded / direct:.0f} % of direct",
+            }
+        )
+
+        rows_needed = size // 1100
+        db.sql(f"create table big as select g as id, repeat('x', 1000) as pad from generate_series(1, {rows_needed}) g")
+        db.archived_through_current()
+        bytes_ = int(db.sql("select pg_database_size('app')")[0])
+        fork = PgInstance(
+            work / "fork",
+            "fork",
+            extra={
+                "ZATTERA_PG_RESTORE_REPO": str(db.backups / "repo"),
+                "ZATTERA_PG_RESTORE_STANZA": "origin",
+                "ZATTERA_PG_RESTORE_TARGET": "latest",
+            },
+        )
+        instances.append(fork)
+        start = time.perf_counter()
+        fork.start(timeout=3600, until=fork.accepts)
+        restore = time.perf_counter() - start
+        assert fork.sql("select count(*) from big") == [str(rows_needed)]
+        rows.append(
+            {
+                "figure": "PITR fork -> accepting connections",
+                "value": round(restore, 1),
+                "unit": "s",
+                "target": "-",
+                "anchor": f"{bytes_ / MIB:.0f} MiB database, all of it WAL after the base backup",
+            }
+        )
+    finally:
+        for instance in instances:
+            instance.stop()
+    return rows
+
+
+def run(quick: bool = True) -> list[dict[str, object]]:
+    require_servers()
+    work = Path(tempfile.mkdtemp(prefix="zattera-addons-bench-", dir=os.environ.get("ZATTERA_BENCH_DIR")))
+    work.chmod(0o755)
+    try:
+        return measure(work, quick)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    bench_main("Managed PostgreSQL", run, __doc__, "1 GiB restore, archive_timeout 60 s, 4 min of writes")
+
+
+if __name__ == "__main__":
+    main()

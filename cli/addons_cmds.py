@@ -1,0 +1,338 @@
+"""``zattera addons``: managed databases (docs/addons.md). Every change is an operator action of
+:mod:`shared.actions.addons`; no command prints a password (they are sealed secrets of the database's env)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TypeVar
+
+import typer
+
+from cli import render
+from cli.client import FIELD_LABELS, control, fail, run
+from cli.config_cmds import JSON, NO_DEPLOY, say
+from shared.actions.addons import (
+    AddonCreated,
+    AddonInfo,
+    AttachAddon,
+    CreateAddon,
+    DeleteAddon,
+    RestoreAddon,
+    addon_backups,
+    addon_info,
+    attach_addon,
+    create_addon,
+    delete_addon,
+    detach_addon,
+    list_addons,
+    restore_addon,
+)
+from shared.actions.config import ConfigChanged
+from shared.actions.refusals import ActionRefused
+from shared.addons import spec as addon
+from shared.addons.backups import BackupStatus
+
+addons_app = typer.Typer(no_args_is_help=True, help="Managed databases: PostgreSQL and Redis (docs/addons.md).")
+
+T = TypeVar("T")
+LABELS = {
+    **FIELD_LABELS,
+    "engine": "ENGINE",
+    "name": "NAME",
+    "project": "--project",
+    "version": "--version",
+    "as_name": "--as",
+    "to_time": "--to-time",
+    "archive_timeout": "--archive-timeout",
+    "backup_interval": "--backup-interval",
+}
+NAME = typer.Argument(..., help="the database's name (its app in the project)")
+PROJECT = typer.Option(..., "--project", "-p", help="the project the database belongs to")
+
+
+def _act(fn: Callable[[], Awaitable[T]]) -> T:
+    """Run an action; a refusal is one line naming the option as this command spells it."""
+
+    async def go() -> T:
+        try:
+            return await fn()
+        except ActionRefused as exc:
+            raise fail(exc.said_as(LABELS)) from None
+
+    return run(go)
+
+
+def _utc(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if epoch else "-"
+
+
+def parse_time(value: str) -> float:
+    """``--to-time``: ISO 8601 (``2026-12-02T17:00:00Z``, ``2026-12-02 17:00:00+01:00``; no zone = UTC) or
+    epoch seconds."""
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise fail(
+            f"--to-time: {value!r} is not a time (ISO 8601, e.g. 2026-12-02T17:00:00Z, or epoch seconds)"
+        ) from None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.timestamp()
+
+
+def _created(done: AddonCreated, json: bool, what: str) -> None:
+    if json:
+        render.emit_json({**asdict(done.info), "deployment_id": done.deployment_id})
+        return
+    info = done.info
+    say(
+        f"{what} {info.project}/{info.name} ({info.engine} {info.version}): starting as env {info.env}, private"
+        f" address {info.address}; attach it with `zattera addons attach {info.name} --env {info.project}/APP/ENV`"
+    )
+
+
+@addons_app.command("create")
+def addons_create(
+    engine: str = typer.Argument(..., help="postgres or redis"),
+    name: str = NAME,
+    project: str = PROJECT,
+    version: str = typer.Option("", "--version", help="the server version (default: the newest installed)"),
+    archive_timeout: int = typer.Option(
+        addon.ARCHIVE_TIMEOUT, "--archive-timeout", help="PostgreSQL: seconds of writes at most not yet archived"
+    ),
+    backup_interval: int = typer.Option(
+        addon.BACKUP_INTERVAL, "--backup-interval", help="PostgreSQL: seconds between full base backups"
+    ),
+    json: bool = JSON,
+) -> None:
+    """Create a database: a stateful env running the real server, passwords generated and sealed."""
+
+    async def go() -> AddonCreated:
+        async with control() as c:
+            request = CreateAddon(engine, name, project, version, archive_timeout, backup_interval)
+            return await create_addon(c.actions, request)
+
+    _created(_act(go), json, "database")
+
+
+@addons_app.command("attach")
+def addons_attach(
+    name: str = NAME,
+    env: str = typer.Option(..., "--env", help="the env that gets DATABASE_URL (project/app/env or id)"),
+    no_deploy: bool = NO_DEPLOY,
+) -> None:
+    """Give an env the database's URL (DATABASE_URL and PG*, or REDIS_URL) as sealed secrets; it rolls out."""
+
+    async def go() -> ConfigChanged:
+        async with control() as c:
+            return await attach_addon(c.actions, AttachAddon(name, env, deploy=not no_deploy))
+
+    done = _act(go)
+    rolled = f"; rolling out release v{done.release_version}" if done.deployment_id else " (staged for the next deploy)"
+    say(f"database {name} attached to {done.env}{rolled}")
+
+
+@addons_app.command("detach")
+def addons_detach(
+    name: str = NAME, env: str = typer.Option(..., "--env", help="the env"), no_deploy: bool = NO_DEPLOY
+) -> None:
+    """Remove the database's URL and PG* variables from an env; it rolls out."""
+
+    async def go() -> ConfigChanged:
+        async with control() as c:
+            return await detach_addon(c.actions, AttachAddon(name, env, deploy=not no_deploy))
+
+    done = _act(go)
+    say(f"database {name} detached from {done.env}")
+
+
+@addons_app.command("restore")
+def addons_restore(
+    name: str = NAME,
+    project: str = PROJECT,
+    as_name: str = typer.Option(..., "--as", help="the NEW database's name (the original is never touched)"),
+    to_time: str = typer.Option("", "--to-time", help="the point in time (ISO 8601 or epoch seconds; UTC)"),
+    latest: bool = typer.Option(False, "--latest", help="everything the archive holds"),
+    json: bool = JSON,
+) -> None:
+    """Point-in-time recovery as a fork: a new database from the nearest base backup plus WAL up to the time."""
+    if bool(to_time) == latest:
+        raise fail("--to-time: give --to-time T or --latest (one of them)")
+    target = parse_time(to_time) if to_time else None
+
+    async def go() -> AddonCreated:
+        async with control() as c:
+            return await restore_addon(c.actions, RestoreAddon(name, project, as_name, target))
+
+    _created(_act(go), json, "restoring")
+
+
+@addons_app.command("list")
+def addons_list(
+    project: str = typer.Option("", "--project", "-p", help="only this project's"), json: bool = JSON
+) -> None:
+    """The databases: engine, version, state, private address, attached envs."""
+
+    async def go() -> list[AddonInfo]:
+        async with control() as c:
+            return list_addons(c.view, project)
+
+    rows = _act(go)
+    if json:
+        render.emit_json([asdict(r) for r in rows])
+        return
+    render.table(
+        "databases",
+        ["project", "name", "engine", "state", "address", "attached to"],
+        [
+            [r.project, r.name, f"{r.engine} {r.version}", r.status or "-", r.address, ", ".join(r.attached_to) or "-"]
+            for r in rows
+        ],
+    )
+
+
+@addons_app.command("info")
+def addons_info(name: str = NAME, project: str = PROJECT, json: bool = JSON) -> None:
+    """One database: its env, state, node, volumes, attachments, where it was restored from."""
+
+    async def go() -> AddonInfo:
+        async with control() as c:
+            return addon_info(c.view, name, project)
+
+    info = _act(go)
+    if json:
+        render.emit_json(asdict(info))
+        return
+    for label, value in (
+        ("database", f"{info.project}/{info.name}"),
+        ("engine", f"{info.engine} {info.version}"),
+        ("env", info.env),
+        ("state", info.status or "-"),
+        ("node", info.node_id or "-"),
+        ("address", info.address),
+        ("release", f"v{info.release_version}" if info.release_version else "-"),
+        ("created", _utc(info.created_at)),
+        ("volumes", ", ".join(f"{k} {v}" for k, v in sorted(info.volumes.items())) or "- (created at the first start)"),
+        ("attached to", ", ".join(info.attached_to) or "-"),
+        ("restored from", f"{info.restored_from} at {info.restore_target}" if info.restored_from else "-"),
+    ):
+        typer.echo(f"{label:14} {value}")
+
+
+@addons_app.command("backups")
+def addons_backups(name: str = NAME, project: str = PROJECT, json: bool = JSON) -> None:
+    """A PostgreSQL database's base backups and its recoverable window (what --to-time may be)."""
+
+    async def go() -> BackupStatus:
+        async with control() as c:
+            return await addon_backups(c.actions, name, project)
+
+    status = _act(go)
+    if json:
+        render.emit_json(asdict(status))
+        return
+    render.table(
+        f"base backups of {name}",
+        ["label", "type", "started", "finished", "size", "stored"],
+        [[b.label, b.type, _utc(b.started), _utc(b.stopped), f"{b.size:,}", f"{b.stored:,}"] for b in status.backups],
+    )
+    say(
+        f"recoverable window: {_utc(status.window_start)} to {_utc(status.window_end)} (last archived WAL"
+        f" {status.last_archived_wal or '-'}, {status.archive_failures} failed archive attempt(s);"
+        f" reported {_utc(status.reported_at)})"
+    )
+
+
+@addons_app.command("logs")
+def addons_logs(
+    name: str = NAME,
+    project: str = PROJECT,
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines"),
+    lines: int = typer.Option(100, "--lines", "-n", help="how many past lines to show first"),
+    json: bool = JSON,
+) -> None:
+    """The database server's log (as `zattera logs --env PROJECT/NAME/db`)."""
+    from cli.logs_cmds import logs
+
+    logs(env=f"{project}/{name}/{addon.ENV_NAME}", follow=follow, lines=lines, since="", instance="", json_output=json)
+
+
+@addons_app.command("delete")
+def addons_delete(
+    name: str = NAME,
+    project: str = PROJECT,
+    purge: bool = typer.Option(False, "--purge", help="also delete its volumes: its data AND its backups"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="do not ask"),
+) -> None:
+    """Delete a database; its volumes (data and backups) are kept unless --purge."""
+    if purge and not yes:
+        typer.confirm(f"delete {project}/{name} with its data and every backup of it?", abort=True)
+
+    async def go() -> dict[str, int]:
+        async with control() as c:
+            return await delete_addon(c.actions, DeleteAddon(name, project, purge))
+
+    done = _act(go)
+    kept = "" if purge else f"; {done.get('volumes_kept', 0)} volume(s) kept (data and backups)"
+    say(f"database {project}/{name} deleted{kept}")
+
+
+def _socket_of(volumes: list[Path]) -> tuple[Path, int] | None:
+    """The server's socket directory and port among the agent volume directories tried."""
+    for directory in volumes:
+        for sock in sorted((directory / "run").glob(".s.PGSQL.*")):
+            suffix = sock.name.rsplit(".", 1)[-1]
+            if suffix.isdigit():
+                return directory / "run", int(suffix)
+    return None
+
+
+@addons_app.command("psql")
+def addons_psql(
+    name: str = NAME,
+    project: str = PROJECT,
+    data_dir: Path = typer.Option(
+        None, "--data-dir", help="where `zattera up` keeps its data (default: $ZATTERA_DATA_DIR or .zattera)"
+    ),
+    agent_dir: list[Path] = typer.Option(
+        [], "--agent-dir", help="an agent's data directory on this machine (repeatable)"
+    ),
+    database: str = typer.Option(addon.APP_DB, "--database", "-d", help="the database to open"),
+) -> None:
+    """An interactive psql as the superuser, on the database's node, through the server's own socket
+    (no password crosses anything; run it as root on that machine)."""
+    import os
+
+    from cli.layout import DataLayout
+    from shared.settings import settings
+
+    async def go() -> AddonInfo:
+        async with control() as c:
+            return addon_info(c.view, name, project)
+
+    info = _act(go)
+    if info.engine != addon.POSTGRES:
+        raise fail(f"NAME: {name} is a {info.engine} database; psql opens PostgreSQL ones")
+    data_id = info.volumes.get(addon.DATA_VOLUME, "")
+    if not data_id:
+        raise fail(f"NAME: {name} has no data volume yet (not started)")
+    roots = [*agent_dir, DataLayout((data_dir or settings().data_dir).resolve()).agent]
+    found = _socket_of([root / "volumes" / data_id for root in roots])
+    if found is None:
+        raise fail(
+            f"NAME: {name}'s server socket is not on this machine (its node is {info.node_id or '?'}): run this on"
+            " that node, or give --agent-dir"
+        )
+    run_dir, port = found
+    bin_dir = addon.postgres_bin(info.version)
+    os.execv(
+        f"{bin_dir}/psql", [f"{bin_dir}/psql", "-h", str(run_dir), "-p", str(port), "-U", "postgres", "-d", database]
+    )

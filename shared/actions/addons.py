@@ -1,0 +1,536 @@
+"""Managed databases (``zattera addons``, docs/addons.md): create, attach, detach, restore (a point-in-time
+fork), list, info and delete, one function each.
+
+A database is an environment (``PROJECT/NAME/db``, :mod:`shared.addons.spec`): creating one is ONE fenced
+write of its app, env and sealed secrets (the passwords are generated here, sealed to the cluster key at
+once and never returned, logged or put in an event), then its first deploy; when that deploy cannot be
+recorded the app and env are deleted again, so a failed create leaves nothing behind.
+
+Attaching gives an env the database's URL as a sealed secret (``DATABASE_URL``/``REDIS_URL``; a copy of the
+database's own sealed ``ZATTERA_ADDON_URL``, so no plaintext is needed) and, for PostgreSQL, ``PGPASSWORD``
+(sealed) and ``PGHOST``/``PGPORT``/``PGUSER``/``PGDATABASE``, in the one reconfiguring write that rolls the
+env out red/green. The address in them is a reference the consumer's node fills in
+(``${ZATTERA_SERVICE_<NAME>_DB_HOST}``): each consumer reaches the database at its own private address.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from zattera.v1 import types_pb2 as pb
+
+from shared import keys as K
+from shared.actions.config import ConfigChanged, reconfigure
+from shared.actions.context import ActionContext, commit
+from shared.actions.deletion import deletion_txn, plan_deletion
+from shared.actions.names import env_path, find_app, find_env, resolve_env, resolve_project, target_env
+from shared.actions.refusals import Conflicting, Invalid, NotFound
+from shared.addons import spec as addon
+from shared.addons.backups import BackupStatus, status_from_lines
+from shared.addons.spec import AddonInputError
+from shared.applogs import UnknownLogStream, read_app_logs
+from shared.clock import from_timestamp, stamp
+from shared.deploy import Deployer
+from shared.events import event_for_env
+from shared.ids import new_id
+from shared.retry import Attempt
+from shared.secrets import CLUSTER_KEY, seal
+from shared.state.reader import StateReader
+from shared.txn import Txn
+from shared.volumes import find_volume
+
+EVENT_CREATED = "addon.created"
+EVENT_ATTACHED = "addon.attached"
+EVENT_DETACHED = "addon.detached"
+EVENT_RESTORED = "addon.restored"
+EVENT_DELETED = "addon.deleted"
+
+NO_CLUSTER_KEY = "no cluster secrets key: run the secrets service (`zattera up` does) before creating a database"
+
+
+@dataclass(frozen=True, slots=True)
+class CreateAddon:
+    engine: str
+    name: str
+    project: str
+    version: str = ""
+    archive_timeout: int = addon.ARCHIVE_TIMEOUT
+    backup_interval: int = addon.BACKUP_INTERVAL
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreAddon:
+    name: str
+    project: str
+    as_name: str
+    to_time: float | None = None
+    """Epoch seconds (UTC); None = the latest state the archive holds (``--latest``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttachAddon:
+    name: str
+    env: str
+    """The env that gets the URL: id or ``project/app/env`` (the database is looked up in its project)."""
+    deploy: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteAddon:
+    name: str
+    project: str
+    purge: bool = False
+    """Also delete its volumes (its data and its backups); kept by default."""
+
+
+@dataclass(frozen=True, slots=True)
+class AddonInfo:
+    name: str
+    project: str
+    engine: str
+    version: str
+    env_id: str
+    env: str
+    """``project/name/db``."""
+    address: str
+    """The private name: ``name.db.project.internal:port``."""
+    status: str
+    """The replica's observed state (RUNNING, PENDING…; "" before the first placement)."""
+    node_id: str = ""
+    release_version: int = 0
+    created_at: float = 0.0
+    attached_to: list[str] = field(default_factory=list)
+    volumes: dict[str, str] = field(default_factory=dict)
+    """Volume name → id."""
+    restored_from: str = ""
+    restore_target: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AddonCreated:
+    info: AddonInfo
+    deployment_id: str
+
+
+def _refuse(exc: AddonInputError) -> Invalid:
+    return Invalid(exc.field, exc.problem)
+
+
+def _project(view: StateReader, name: str) -> pb.Project:
+    project = resolve_project(view, name)
+    if project is None:
+        raise NotFound(f"no project {name!r}", field="project")
+    return project
+
+
+def addon_env(view: StateReader, project: pb.Project, name: str) -> pb.Environment:
+    """The database ``name`` of ``project``, else a refusal naming ``name``."""
+    app = find_app(view, project.meta.id, name)
+    env = find_env(view, app.meta.id, addon.ENV_NAME) if app is not None else None
+    if env is None or addon.addon_of(env) is None:
+        raise NotFound(f"no database {name!r} in project {project.name} (deleted, or never created)", field="name")
+    return env
+
+
+def info_of(view: StateReader, env: pb.Environment) -> AddonInfo:
+    engine, version = addon.addon_of(env) or ("", "")
+    project, app = view.project(env.project_id), view.app(env.app_id)
+    pname, aname = (project.name if project else "?"), (app.name if app else "?")
+    runs = [a for a in view.assignments(env.meta.id) if a.desired == pb.ASSIGNMENT_DESIRED_RUN]
+    status = pb.InstanceState.Name(runs[0].observed.state).removeprefix("INSTANCE_STATE_") if runs else ""
+    release = view.release(env.active_release_id) if env.active_release_id else None
+    marker = addon.attached_var(aname)
+    attached = sorted(env_path(view, e) for e in view.envs() if e.service.vars.get(marker) == env.meta.id)
+    return AddonInfo(
+        name=aname,
+        project=pname,
+        engine=engine,
+        version=version,
+        env_id=env.meta.id,
+        env=f"{pname}/{aname}/{env.name}",
+        address=f"{aname}.{env.name}.{pname}.internal:{addon.PORTS.get(engine, 0)}",
+        status="UNSPECIFIED" if status == "UNSPECIFIED" else status,
+        node_id=runs[0].node_id if runs else "",
+        release_version=release.version if release is not None else 0,
+        created_at=from_timestamp(env.meta.created_at),
+        attached_to=attached,
+        volumes={v.name: v.meta.id for v in view.volumes(env.meta.id)},
+        restored_from=env.service.vars.get(FORKED_FROM_VAR, ""),
+        restore_target=env.service.vars.get("ZATTERA_PG_RESTORE_TARGET", ""),
+    )
+
+
+FORKED_FROM_VAR = "ZATTERA_ADDON_FORKED_FROM"
+"""On a fork: ``project/name`` of the origin (what ``addons info`` shows)."""
+
+
+def _sealed(
+    env: pb.Environment, key: pb.SecretsKey, name: str, *, value: str = "", ciphertext: bytes = b""
+) -> pb.SealedSecret:
+    """A sealed secret of ``env`` (version 1 above what it holds by that name), referenced by its spec."""
+    now = time.time_ns()
+    version = env.service.secrets[name].version + 1 if name in env.service.secrets else 1
+    record = pb.SealedSecret(
+        environment_id=env.meta.id,
+        project_id=env.project_id,
+        name=name,
+        version=version,
+        ciphertext=ciphertext or seal(key.public_key, value.encode()),
+        key_id=key.key_id,
+    )
+    record.meta.id = new_id()
+    record.meta.created_at.FromNanoseconds(now)
+    record.meta.updated_at.FromNanoseconds(now)
+    ref = env.service.secrets[name]
+    ref.secret_id, ref.version = record.meta.id, record.version
+    ref.updated_at.FromNanoseconds(now)
+    return record
+
+
+def _cluster_key(view: StateReader) -> pb.SecretsKey:
+    key = view.get(K.SECRETS_KEY, CLUSTER_KEY)
+    if not isinstance(key, pb.SecretsKey) or not key.public_key:
+        raise Conflicting(NO_CLUSTER_KEY)
+    return key
+
+
+def _new_addon_records(
+    ctx: ActionContext, project: pb.Project, name: str, engine: str, spec: pb.ServiceSpec
+) -> tuple[Txn, pb.App, pb.Environment]:
+    """ONE transaction: the app, its env with the generated secrets (sealed), refused when the name is taken."""
+    view = ctx.view
+    if find_app(view, project.meta.id, name) is not None:
+        raise Conflicting(f"{name!r} is already an app of project {project.name}", field="name")
+    key = _cluster_key(view)
+    now = ctx.clock.now()
+    app = pb.App(project_id=project.meta.id, name=name)
+    app.meta.id = new_id()
+    stamp(app.meta.created_at, now)
+    stamp(app.meta.updated_at, now)
+    env = pb.Environment(
+        app_id=app.meta.id, project_id=project.meta.id, name=addon.ENV_NAME, type=pb.ENVIRONMENT_TYPE_STANDARD
+    )
+    env.meta.id = new_id()
+    stamp(env.meta.created_at, now)
+    stamp(env.meta.updated_at, now)
+    env.service.CopyFrom(spec)
+    txn = ctx.writer.txn("addons-create").create(app)
+    if engine == addon.POSTGRES:
+        app_password = addon.new_password()
+        txn.create(_sealed(env, key, addon.SUPERUSER_PASSWORD, value=addon.new_password()))
+        txn.create(_sealed(env, key, addon.APP_PASSWORD, value=app_password))
+    else:
+        app_password = addon.new_password()
+        txn.create(_sealed(env, key, addon.REDIS_PASSWORD, value=app_password))
+    txn.create(_sealed(env, key, addon.URL_SECRET, value=addon.database_url(engine, name, app_password)))
+    env.service.config_version += 1
+    txn.create(env)
+    txn.put(key)  # unchanged: the secrets were sealed to this key (a rotation meanwhile refuses the write)
+    return txn, app, env
+
+
+async def _create_and_deploy(
+    ctx: ActionContext,
+    project: pb.Project,
+    name: str,
+    engine: str,
+    spec: pb.ServiceSpec,
+    extra_records: list[pb.Volume] | None = None,
+) -> tuple[pb.Environment, str]:
+    def attempt() -> Attempt[pb.Environment]:
+        txn, _app, env = _new_addon_records(ctx, project, name, engine, spec)
+        for volume in extra_records or ():
+            pinned = pb.Volume()
+            pinned.CopyFrom(volume)
+            pinned.environment_id = env.meta.id
+            txn.create(pinned)
+        return Attempt(txn, env)
+
+    env = await commit(ctx, attempt, contended=f"project {project.name}")
+    try:
+        created = await Deployer(ctx.writer, clock=ctx.clock, created_by=ctx.actor).deploy(
+            env.meta.id, image_ref=addon.IMAGE_REF
+        )
+    except BaseException:
+        await _remove(ctx, env, purge=True)  # a failed create leaves nothing behind
+        raise
+    return env, created.deployment.meta.id
+
+
+async def create_addon(ctx: ActionContext, request: CreateAddon) -> AddonCreated:
+    try:
+        version = addon.check_engine(request.engine, request.version)
+        addon.check_name(request.name)
+    except AddonInputError as exc:
+        raise _refuse(exc) from None
+    if not 1 <= request.archive_timeout <= 3600:
+        raise Invalid("archive_timeout", "must be 1-3600 seconds")
+    if not 60 <= request.backup_interval <= 30 * 86400:
+        raise Invalid("backup_interval", "must be 60 s to 30 days")
+    project = _project(ctx.view, request.project)
+    spec = addon.service_spec(
+        request.engine,
+        version,
+        stanza=request.name,
+        archive_timeout=request.archive_timeout,
+        backup_interval=request.backup_interval,
+    )
+    env, deployment_id = await _create_and_deploy(ctx, project, request.name, request.engine, spec)
+    info = info_of(ctx.view, env)
+    await ctx.events.publish(
+        event_for_env(
+            env,
+            EVENT_CREATED,
+            f"database {info.project}/{info.name} ({info.engine} {info.version}) created",
+            fields={"actor": ctx.actor, "engine": info.engine, "version": info.version},
+        )
+    )
+    return AddonCreated(info, deployment_id)
+
+
+REPORT_LINES = 400
+"""How many of a database's last log lines are searched for its backup report."""
+
+
+async def backup_status(ctx: ActionContext, env: pb.Environment) -> BackupStatus | None:
+    """The database's backups and recoverable window, as its instance last reported them (None: no report
+    yet, e.g. before its first base backup)."""
+    lines: list[tuple[float, str]] = []
+    try:
+        async for line in read_app_logs(ctx.conn, env.meta.id, last=REPORT_LINES):
+            lines.append((line.time_ns / 1e9, line.line))
+    except UnknownLogStream:
+        return None
+    return status_from_lines(lines)
+
+
+async def addon_backups(ctx: ActionContext, name: str, project: str) -> BackupStatus:
+    env = addon_env(ctx.view, _project(ctx.view, project), name)
+    if (addon.addon_of(env) or ("", ""))[0] != addon.POSTGRES:
+        raise Invalid("name", f"{name} is not a PostgreSQL database: its data is in volume snapshots")
+    status = await backup_status(ctx, env)
+    if status is None:
+        raise Conflicting(f"{name} has reported no backup yet (it reports after its first base backup)", field="name")
+    return status
+
+
+def check_restore_time(
+    to_time: float | None, created_at: float, now: float, status: BackupStatus | None = None
+) -> None:
+    """Refuse a target the archive cannot hold: in the future, before the oldest base backup (before the
+    database existed when it reported none), after the last archived WAL as a later report says."""
+    if to_time is None:
+        return
+    if to_time > now:
+        raise Invalid("to_time", f"{_utc(to_time)} is in the future (now {_utc(now)})")
+    if status is not None and status.window_start and to_time < status.window_start:
+        raise Invalid(
+            "to_time",
+            f"{_utc(to_time)} is before the recoverable window ({_utc(status.window_start)} to"
+            f" {_utc(status.window_end)})",
+        )
+    # Refused only on a report made after the target that still ends before it (the WAL holding the target
+    # was not archived then); an older report says nothing of what was archived since.
+    if status is not None and status.window_end and status.window_end < to_time < status.reported_at:
+        raise Invalid(
+            "to_time",
+            f"{_utc(to_time)} is after the last archived WAL ({_utc(status.window_end)}): retry once it is"
+            " archived (at most archive_timeout), or use --latest",
+        )
+    if to_time < created_at:
+        raise Invalid(
+            "to_time", f"{_utc(to_time)} is before the recoverable window (the database was created {_utc(created_at)})"
+        )
+
+
+def _utc(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+async def restore_addon(ctx: ActionContext, request: RestoreAddon) -> AddonCreated:
+    """A new database from the origin's base backup and WAL up to ``to_time`` (or the latest), on the
+    origin's node (the fork's volumes are created pinned there: its agent copies the origin's repository
+    into the fork's ``backups`` volume before the first start); the origin is never written."""
+    try:
+        addon.check_name(request.as_name, "as_name")
+    except AddonInputError as exc:
+        raise _refuse(exc) from None
+    project = _project(ctx.view, request.project)
+    origin = addon_env(ctx.view, project, request.name)
+    engine, version = addon.addon_of(origin) or ("", "")
+    if engine != addon.POSTGRES:
+        raise Invalid("name", f"{request.name} is a {engine} database: point-in-time restore is PostgreSQL's")
+    status = await backup_status(ctx, origin) if request.to_time is not None else None
+    check_restore_time(request.to_time, from_timestamp(origin.meta.created_at), ctx.clock.now(), status)
+    backups = find_volume(ctx.view, origin.project_id, origin.meta.id, addon.BACKUPS_VOLUME)
+    if backups is None or not backups.node_id:
+        raise Conflicting(f"{request.name} has no backups yet (its first start has not placed it)", field="name")
+    target = "latest" if request.to_time is None else _pg_time(request.to_time)
+    fork = addon.Fork(backups.meta.id, origin.service.vars.get("ZATTERA_PG_STANZA", request.name), target)
+    spec = addon.service_spec(engine, version, stanza=request.as_name, fork=fork)
+    spec.vars[FORKED_FROM_VAR] = f"{project.name}/{request.name}"
+    now = ctx.clock.now()
+    pinned: list[pb.Volume] = []
+    for name in (addon.DATA_VOLUME, addon.BACKUPS_VOLUME):
+        volume = pb.Volume(
+            project_id=project.meta.id, name=name, node_id=backups.node_id, status=pb.VOLUME_STATUS_ACTIVE
+        )
+        volume.meta.id = new_id()
+        stamp(volume.meta.created_at, now)
+        stamp(volume.meta.updated_at, now)
+        pinned.append(volume)
+    env, deployment_id = await _create_and_deploy(ctx, project, request.as_name, engine, spec, pinned)
+    info = info_of(ctx.view, env)
+    await ctx.events.publish(
+        event_for_env(
+            env,
+            EVENT_RESTORED,
+            f"database {info.project}/{info.name} restored from {project.name}/{request.name} at {target}",
+            fields={"actor": ctx.actor, "origin": f"{project.name}/{request.name}", "target": target},
+        )
+    )
+    return AddonCreated(info, deployment_id)
+
+
+def _pg_time(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S.%f+00")
+
+
+def _consumer_and_addon(view: StateReader, request: AttachAddon) -> tuple[pb.Environment, pb.Environment]:
+    consumer = target_env(view, request.env)
+    project = view.project(consumer.project_id)
+    assert project is not None
+    database = addon_env(view, project, request.name)
+    if database.meta.id == consumer.meta.id:
+        raise Invalid("env", "a database cannot be attached to itself")
+    return consumer, database
+
+
+async def attach_addon(ctx: ActionContext, request: AttachAddon) -> ConfigChanged:
+    consumer, database = _consumer_and_addon(ctx.view, request)
+    engine, _ = addon.addon_of(database) or ("", "")
+    app = ctx.view.app(database.app_id)
+    assert app is not None
+    url_name = addon.url_name(engine)
+    marker = addon.attached_var(app.name)
+    plain = addon.consumer_vars(engine, app.name)
+
+    def edit(env: pb.Environment, txn: Txn) -> None:
+        if env.service.vars.get(marker) == database.meta.id:
+            raise Conflicting(f"{app.name} is already attached to this env", field="name")
+        taken = [n for n in (url_name, "PGPASSWORD", *plain) if n in env.service.vars or n in env.service.secrets]
+        if taken:
+            raise Conflicting(f"the env already sets {', '.join(taken)} (detach the other database first)", field="env")
+        key = _cluster_key(ctx.view)
+        by_id = {s.meta.id: s for s in ctx.view.secrets(database.meta.id)}
+        url_ref = database.service.secrets.get(addon.URL_SECRET)
+        url = by_id.get(url_ref.secret_id) if url_ref is not None else None
+        if url is None or url.key_id != key.key_id:
+            raise Conflicting(f"{app.name}'s URL is not sealed to the current cluster key yet; try again", field="name")
+        txn.create(_sealed(env, key, url_name, ciphertext=url.ciphertext))
+        if engine == addon.POSTGRES:
+            password_ref = database.service.secrets[addon.APP_PASSWORD]
+            password = by_id[password_ref.secret_id]
+            txn.create(_sealed(env, key, "PGPASSWORD", ciphertext=password.ciphertext))
+        env.service.vars.update({**plain, marker: database.meta.id})
+        env.service.config_version += 1
+        txn.put(key)
+
+    changed = await reconfigure(ctx, consumer.meta.id, edit, deploy=request.deploy)
+    await ctx.events.publish(
+        event_for_env(
+            consumer,
+            EVENT_ATTACHED,
+            f"database {app.name} attached to {changed.env}",
+            fields={"actor": ctx.actor, "addon": app.name, "addon_env_id": database.meta.id},
+        )
+    )
+    return changed
+
+
+async def detach_addon(ctx: ActionContext, request: AttachAddon) -> ConfigChanged:
+    consumer = target_env(ctx.view, request.env)
+    project = ctx.view.project(consumer.project_id)
+    assert project is not None
+    marker = addon.attached_var(request.name)
+    if marker not in consumer.service.vars:
+        raise NotFound(f"{request.name} is not attached to {env_path(ctx.view, consumer)}", field="name")
+    database = resolve_env(ctx.view, consumer.service.vars[marker])
+    engine = (addon.addon_of(database) or (addon.POSTGRES, ""))[0] if database is not None else addon.POSTGRES
+    names = [addon.url_name(engine), *(["PGPASSWORD"] if engine == addon.POSTGRES else [])]
+    plain = [*addon.consumer_vars(engine, request.name), marker]
+
+    def edit(env: pb.Environment, txn: Txn) -> None:
+        for name in names:
+            ref = env.service.secrets.pop(name, None)
+            if ref is not None:
+                txn.delete(K.secret(ref.secret_id))
+        for name in plain:
+            env.service.vars.pop(name, None)
+        env.service.config_version += 1
+
+    changed = await reconfigure(ctx, consumer.meta.id, edit, deploy=request.deploy)
+    await ctx.events.publish(
+        event_for_env(
+            consumer,
+            EVENT_DETACHED,
+            f"database {request.name} detached from {changed.env}",
+            fields={"actor": ctx.actor, "addon": request.name},
+        )
+    )
+    return changed
+
+
+def list_addons(view: StateReader, project: str = "") -> list[AddonInfo]:
+    wanted = _project(view, project).meta.id if project else ""
+    return [
+        info_of(view, env)
+        for env in view.envs()
+        if addon.addon_of(env) is not None and env.name == addon.ENV_NAME and (not wanted or env.project_id == wanted)
+    ]
+
+
+def addon_info(view: StateReader, name: str, project: str) -> AddonInfo:
+    return info_of(view, addon_env(view, _project(view, project), name))
+
+
+async def _remove(ctx: ActionContext, env: pb.Environment, *, purge: bool) -> dict[str, int]:
+    def attempt() -> Attempt[dict[str, int]]:
+        app = ctx.view.app(env.app_id)
+        current = ctx.view.env(env.meta.id)
+        plan = plan_deletion(
+            ctx.view,
+            f"database {app.name if app else env.app_id}",
+            apps=[app] if app is not None else [],
+            envs=[current] if current is not None else [],
+            volumes=purge,
+            now=ctx.clock.now(),
+        )
+        txn = deletion_txn(ctx.writer, plan)
+        for secret in ctx.view.secrets(env.meta.id):
+            txn.delete(K.secret(secret.meta.id))
+        return Attempt(txn, plan.summary())
+
+    return await commit(ctx, attempt, contended=f"database {env.meta.id}")
+
+
+async def delete_addon(ctx: ActionContext, request: DeleteAddon) -> dict[str, int]:
+    """The database's app and env (its replica stops); its volumes — the data and the backups — stay
+    unless ``purge``. Refused while an env is attached (detach it first)."""
+    project = _project(ctx.view, request.project)
+    env = addon_env(ctx.view, project, request.name)
+    info = info_of(ctx.view, env)
+    if info.attached_to:
+        raise Conflicting(f"attached to {', '.join(info.attached_to)}: detach first", field="name")
+    summary = await _remove(ctx, env, purge=request.purge)
+    await ctx.events.publish(
+        event_for_env(
+            env,
+            EVENT_DELETED,
+            f"database {project.name}/{request.name} deleted" + ("" if request.purge else " (its volumes kept)"),
+            fields={"actor": ctx.actor, "purge": str(request.purge).lower()},
+        )
+    )
+    return summary
