@@ -174,6 +174,8 @@ KINDS = (
     "git.failed",
     "preview.created",
     "preview.deleted",
+    "deployment.canary_step",
+    "deployment.canary_aborted",
 )
 """Every event kind the platform emits (docs/observability.md has the catalogue; each kind is documented)."""
 
