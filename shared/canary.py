@@ -194,3 +194,23 @@ def canary_spec(release: pb.Release) -> pb.CanarySpec | None:
     if not spec.max_latency_ratio:
         spec.max_latency_ratio = CANARY_DEFAULT_MAX_LATENCY_RATIO
     return spec
+
+
+def describe(d: pb.Deployment, release: pb.Release | None, heartbeats: Iterable[cpb.ProxyHeartbeat]) -> str:
+    """A canary deployment's step, weights and live figures against the bounds, one line (``zattera deploy
+    watch``, the console); "" when ``d`` is not in its canary phase."""
+    if d.phase != pb.DEPLOYMENT_PHASE_CANARY:
+        return ""
+    spec = canary_spec(release) if release is not None else None
+    if spec is None:
+        return ""
+    weight = d.canary.weight
+    figures = aggregate(
+        heartbeats, d.environment_id, step_tag(d.meta.id, d.canary.step), d.release_id, d.previous_release_id
+    )
+    verdict = judge(spec, figures)
+    asked = f"; {d.canary.requested} requested by {d.canary.requested_by}" if d.canary.requested else ""
+    return (
+        f"canary step {d.canary.step + 1}/{len(spec.steps)}: new {weight}% / stable {100 - weight}%; "
+        f"{verdict.summary}; {figures.proxies} proxies{asked}"
+    )
