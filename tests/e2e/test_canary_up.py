@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from zattera.v1 import types_pb2 as pb
 
+from services.proxy.haproxy_config import Layout
+from services.proxy.haproxy_runtime import command, parse_stat_csv
 from tests.e2e.cluster import E2ECluster, Load, route_snapshot
 from tests.waiting import eventually
 
@@ -191,3 +193,71 @@ async def test_a_release_failing_one_request_in_ten_is_aborted_at_its_first_step
     assert 0 < failed <= 0.10 * sent_during + 2, (failed, sent_during, load.summary())
     events = await cluster.acli("events", "--kind", "deployment.canary_aborted", "--json")
     assert "max_error_ratio" in events.stdout and deployment_id in events.stdout, events.stdout[-2000:]
+
+
+async def share_of(cluster: E2ECluster, version: str, requests: int, bounds: tuple[float, float]) -> None:
+    """The share of ``requests`` requests (no cookie kept: each one drawn afresh) ``version`` answered is
+    within ``bounds``; else HAProxy's own per-server counts are in the message."""
+    load = Load(cluster.proxy_port, HOST, rate=200).start()
+    try:
+        await eventually(lambda: load.sent >= requests, 60, f"{requests} requests answered")
+    finally:
+        await load.stop()
+    assert load.failures == [], load.summary()
+    share = load.versions[version] / max(load.ok, 1)
+    if not bounds[0] <= share <= bounds[1]:
+        socket = Layout(cluster.root / "proxy" / "haproxy", "", "", 0.0, 0.0).stats_socket
+        rows = parse_stat_csv(await command(socket, "show stat -1 4 -1"))
+        servers = [(r["pxname"], r["svname"], r["weight"], r["stot"]) for r in rows]
+        raise AssertionError(f"share {share:.3f} of {version} not in {bounds}: {load.summary()}\n{servers}")
+
+
+async def test_an_orchestrator_kill_and_a_proxy_restart_mid_step_keep_the_step_and_its_weights(
+    cluster: E2ECluster, tmp_path: Path
+) -> None:
+    # min_requests out of reach: the canary stays at its first step until an operator decides.
+    slow = source(tmp_path / "v4", "v4", min_requests=10_000_000)
+    await cluster.acli("apps", "apply", str(slow / "zattera.toml"))  # the env's canary settings
+    deployment_id, _ = await deploy_no_watch(cluster, slow)
+    before = await wait_phase(cluster, deployment_id, {pb.DEPLOYMENT_PHASE_CANARY}, 60, "the canary started")
+    assert (before.canary.step, before.canary.weight) == (0, 10)
+    await share_of(cluster, "v4", 600, (0.04, 0.18))
+
+    cluster.kill("orchestrator")
+    cluster.kill("proxy")
+    cluster.killed.discard("proxy")  # the harness starts it again
+    await eventually(cluster._proxy_answers, 60, "the restarted proxy answers")
+    await share_of(cluster, "v4", 600, (0.04, 0.18))  # the restarted proxy applies the same weights
+
+    async with cluster.state() as (_, view):
+        lease = view.lease("orchestrator")
+        term = lease.term if lease is not None else 0
+        cluster.killed.discard("orchestrator")
+
+        def new_term() -> bool:
+            current = view.lease("orchestrator")
+            return current is not None and current.term > term
+
+        await eventually(new_term, 60, "a new orchestrator leads")
+        d = view.deployment(deployment_id)
+        assert d is not None and d.phase == pb.DEPLOYMENT_PHASE_CANARY
+        assert (d.canary.step, d.canary.weight, d.canary.step_started_at) == (0, 10, before.canary.step_started_at)
+
+    asked = await cluster.acli("deploy", "abort", deployment_id)
+    assert "abort requested at canary step 1 (10%)" in asked.stderr, asked.stderr
+    d = await wait_phase(cluster, deployment_id, {pb.DEPLOYMENT_PHASE_FAILED}, 60, "the operator's abort")
+    assert "aborted by operator" in d.error, d.error
+    await share_of(cluster, "v4", 200, (0.0, 0.0))
+
+    promoted_id, _ = await deploy_no_watch(cluster, source(tmp_path / "v5", "v5", min_requests=10_000_000))
+    await wait_phase(cluster, promoted_id, {pb.DEPLOYMENT_PHASE_CANARY}, 60, "the next canary started")
+    await cluster.acli("deploy", "promote", promoted_id, "--json")
+    await wait_phase(cluster, promoted_id, {pb.DEPLOYMENT_PHASE_SUCCEEDED}, 60, "the operator's promote")
+    await share_of(cluster, "v5", 200, (1.0, 1.0))
+
+
+async def deploy_no_watch(cluster: E2ECluster, path: Path) -> tuple[str, str]:
+    done = await cluster.acli("deploy", str(path), "--env", PROD, "--no-watch")
+    found = re.search(r"^deployment (\S+) created", done.stderr, re.MULTILINE)
+    assert found, done.stderr
+    return found.group(1), done.stderr
