@@ -56,6 +56,8 @@ class Console:
     """Where the users' writes are recorded (docs/audit.md); None: nowhere (tests of pages only)."""
     git: Any = None
     """The ``git push`` endpoint (:class:`services.console.git.GitService`); None: not served."""
+    heartbeats: Callable[[], list[cpb.ProxyHeartbeat]] = list
+    """The proxies' fresh heartbeats: a canary's live figures (issue 41)."""
 
     def __post_init__(self) -> None:
         self.flash: dict[str, str] = {}
