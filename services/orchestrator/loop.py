@@ -93,7 +93,7 @@ class Orchestrator(LeaderLoop):
                 return None
         entered = deployment_of(transition)
         _transitions.add(1, {"to_phase": phase_label(entered.phase)})
-        if entered.phase != d.phase:
+        if entered.phase != d.phase or entered.canary.step != d.canary.step:
             log.info(
                 "deployment %s: %s%s", deployment_id, transition.label, f" ({entered.error})" if entered.error else ""
             )
