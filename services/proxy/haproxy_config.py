@@ -309,8 +309,8 @@ MAX_WEIGHT = 256
 
 def canary_weights(endpoints: Sequence[cpb.Endpoint]) -> dict[str, int]:
     """Server weight per endpoint address of a weighted route: its release's share split over the
-    release's endpoints, scaled so the largest is :data:`MAX_WEIGHT` (HAProxy's bound), at least 1 for a
-    release with a share (issue 41)."""
+    release's servers, as integers ≤ :data:`MAX_WEIGHT` (HAProxy's bound) at least 1 for a share above 0,
+    the largest between 128 and 256 chosen so the rounded shares come closest to the exact ones (issue 41)."""
     counts: dict[str, int] = {}
     for e in endpoints:
         counts[e.release_id] = counts.get(e.release_id, 0) + 1
@@ -318,7 +318,16 @@ def canary_weights(endpoints: Sequence[cpb.Endpoint]) -> dict[str, int]:
     top = max(raw.values(), default=0.0)
     if top <= 0:
         return {addr: REMOTE_WEIGHT for addr in raw}
-    return {addr: max(1, round(value * MAX_WEIGHT / top)) if value > 0 else 0 for addr, value in raw.items()}
+    total = sum(raw.values())
+    best: tuple[float, dict[str, int]] | None = None
+    for scale in range(MAX_WEIGHT, MAX_WEIGHT // 2 - 1, -1):
+        weights = {addr: max(1, round(value * scale / top)) if value > 0 else 0 for addr, value in raw.items()}
+        given = sum(weights.values())
+        error = max(abs(weights[addr] / given - value / total) for addr, value in raw.items())
+        if best is None or error < best[0]:
+            best = (error, weights)
+    assert best is not None
+    return best[1]
 
 
 def _servers(route: cpb.HTTPRoute, node_id: str) -> tuple[Server, ...]:

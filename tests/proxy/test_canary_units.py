@@ -38,10 +38,12 @@ def test_the_python_draw_follows_the_release_shares_not_the_endpoint_counts() ->
 
 
 def test_haproxy_server_weights_split_each_release_share_over_its_servers() -> None:
-    weights = canary_weights(canary_route(500))
-    assert weights == {"s1:1": MAX_WEIGHT, "s2:1": MAX_WEIGHT, "c1:1": 27}
-    share = weights["c1:1"] / sum(weights.values())
-    assert abs(share - 0.05) < 0.005
+    for bps in (100, 500, 2500, 5000):
+        weights = canary_weights(canary_route(bps))
+        assert max(weights.values()) <= MAX_WEIGHT and weights["s1:1"] == weights["s2:1"]
+        share = weights["c1:1"] / sum(weights.values())
+        assert abs(share - bps / 10_000) < 0.001, (bps, weights)
+    assert canary_weights(canary_route(500)) == {"s1:1": 247, "s2:1": 247, "c1:1": 26}  # 26/520 = 5 % exactly
 
 
 def test_python_counters_by_release_and_step() -> None:
