@@ -47,6 +47,7 @@ from tests.e2e.compose import COMMON, SHAPES, Stack, composed
 MODES = {"all-in-one": "--all-in-one", "separate": "--separate"}
 GROUPS = ("supervisor", "control plane", "node", "nats-server")
 NODE_MODULES = ("services.agent", "services.proxy", "haproxy")  # HAProxy: the proxy's data plane
+NODE_PARTS = dict(zip(NODE_MODULES, ("agent", "proxy", "HAProxy"), strict=True))
 
 
 def group_of(proc: psutil.Process, supervisor_pid: int) -> str:
@@ -128,6 +129,12 @@ def measure(runs: list[UpRun], window: float) -> dict[str, dict[str, tuple[float
             entry[0] += rss
             entry[1] += 100.0 * used / window
             entry[2] = int(entry[2]) + 1
+            if group == "node":  # where the node's MB go: each of its programs, and its PSS (shared pages split)
+                with contextlib.suppress(psutil.Error):
+                    cmdline = " ".join(proc.cmdline())
+                    part = next(NODE_PARTS[m] for m in NODE_MODULES if m in cmdline)
+                    groups.setdefault(f"node: {part}", [0.0, 0.0, 0])[0] += rss
+                    groups.setdefault("node PSS", [0.0, 0.0, 0])[0] += proc.memory_full_info().pss / 2**20
         result[run.mode] = {g: (float(v[0]), float(v[1]), int(v[2])) for g, v in groups.items()}
     return result
 
@@ -278,6 +285,12 @@ def run(quick: bool = True) -> list[Row]:
             label = "control-plane services" if group == "control plane" else group
             rows.append(row(f"idle RSS, {label}, {mode}", rss[group], "MB"))
         rows.append(row(f"idle RSS, whole `zattera up`, {mode}", sum(rss.values()), "MB", "", "issue 22: 475 MB"))
+        if mode == "all-in-one":
+            rows.append(row("idle RSS, node (agent + proxy + HAProxy)", rss["node"], "MB", "≤ 120 MB", "issue 42"))
+            for part in NODE_PARTS.values():
+                rows.append(row(f"idle RSS, node: {part}", groups.get(f"node: {part}", (0.0,))[0], "MB"))
+            pss = groups.get("node PSS", (0.0,))[0]
+            rows.append(row("idle PSS, node (pages shared with other processes split among them)", pss, "MB"))
         rows.append(
             row(
                 f"idle CPU, control plane (supervisor + services), {mode}",

@@ -90,6 +90,10 @@ COMMANDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "drains": ("cli.drains_cmds", "drains_app", {}),
     "audit": ("cli.audit_cmds", "audit", {}),
     "git": ("cli.git_cmds", "git_app", {}),
+    "users": ("cli.teams_cmds", "users_app", {}),
+    "grants": ("cli.teams_cmds", "grants_app", {}),
+    "tokens": ("cli.teams_cmds", "tokens_app", {}),
+    "metrics": ("cli.metrics_cmds", "metrics", {}),
 }
 """Every command: name → (module, the Typer group or function there, its registration settings). The order
 is the order of ``zattera --help``."""

@@ -79,9 +79,11 @@ class Control:
     """What a command runs with: the connection, the state view, and (made at first use, so that a read
     loads none of the write path) the writer and the operator actions' context."""
 
-    def __init__(self, conn: Connection, view: StateView) -> None:
+    def __init__(self, conn: Connection, view: StateView, *, polled: bool = False) -> None:
         self.conn = conn
         self.view = view
+        self.polled = polled
+        """A team member's following view: re-read from snapshots (its state watch is refused; docs/teams.md)."""
 
     @cached_property
     def writer(self) -> CheckedWriter:
@@ -138,12 +140,41 @@ class Target:
 
 def target() -> Target:
     """``--nats``/``ZATTERA_NATS_URL`` when given, else the context in use, else the local default;
-    ``ZATTERA_NATS_CREDS``/``ZATTERA_NATS_TLS_CA`` override the context's files."""
+    ``ZATTERA_NATS_CREDS``/``ZATTERA_NATS_TLS_CA`` override the context's files; ``ZATTERA_TOKEN`` (an API
+    token, docs/teams.md) overrides the credential."""
     cfg = nats_settings()
     saved = None if OPTIONS.nats_url else contexts.current()
+    token = token_creds()
     if saved is None:
-        return Target(OPTIONS.nats_url or cfg.nats_url, cfg.nats_creds, cfg.nats_tls_ca)
-    return Target(saved.nats, cfg.nats_creds or saved.creds, cfg.nats_tls_ca or saved.tls_ca)
+        return Target(OPTIONS.nats_url or cfg.nats_url, token or cfg.nats_creds, cfg.nats_tls_ca)
+    return Target(saved.nats, token or cfg.nats_creds or saved.creds, cfg.nats_tls_ca or saved.tls_ca)
+
+
+TOKEN_ENV = "ZATTERA_TOKEN"
+_TOKEN_FILES: dict[str, str] = {}
+
+
+def token_creds() -> str:
+    """The credential an API token in ``ZATTERA_TOKEN`` wraps, as a private file removed at exit ("" when
+    no token is set)."""
+    import os
+
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        return ""
+    if token not in _TOKEN_FILES:
+        import atexit
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from shared.security.creds import write_private
+        from shared.teams import decode_token
+
+        directory = tempfile.mkdtemp(prefix="zattera-token-")
+        atexit.register(shutil.rmtree, directory, True)
+        _TOKEN_FILES[token] = str(write_private(Path(directory) / "token.creds", decode_token(token)))
+    return _TOKEN_FILES[token]
 
 
 def nats_url() -> str:
@@ -203,20 +234,49 @@ async def control(*, view: bool = True, follow: bool = False) -> AsyncIterator[C
     replica answers (no consumer, no stream leader needed: a NATS server loss costs it ~1.5 s, not an
     election); ``follow``: kept up to date by a consumer instead (a command that watches changes)."""
     conn = await connect_cli()
+    opened: list[str] = []
 
     async def open_state_watch() -> str:
         from shared.watches import STATE_WATCH, open_watch
 
-        return await open_watch(conn, STATE_WATCH)
+        return opened.pop() if opened else await open_watch(conn, STATE_WATCH)
 
     # Followed through a watch control opens (the operator credential creates no consumer: SECURITY.md).
     state = StateView(conn, name="cli", open_consumer=open_state_watch)
+    poller: asyncio.Task[None] | None = None
     try:
+        polled = False
+        if view and follow:
+            from shared.watches import BadWatch
+
+            try:
+                opened.append(await open_state_watch())
+            except BadWatch as exc:
+                if "not authorised" not in str(exc):
+                    raise
+                # A team member may not follow the whole state: its view is re-read from (authorised) snapshots.
+                polled, follow = True, False
         await _load(conn, state, view=view, follow=follow)
-        yield Control(conn, state)
+        if polled:
+            poller = asyncio.create_task(_poll_snapshots(state))
+        yield Control(conn, state, polled=polled)
     finally:
+        if poller is not None:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
         await state.stop()
         await conn.close()
+
+
+MEMBER_POLL = 0.5
+"""How often a team member's following view is re-read (seconds; docs/teams.md)."""
+
+
+async def _poll_snapshots(state: StateView) -> None:
+    while True:
+        await asyncio.sleep(MEMBER_POLL)
+        with contextlib.suppress(TimeoutError, nats.errors.Error, ConnectionError, TooManySubjects):
+            await state.load_snapshot(REQUEST_DEADLINE)
 
 
 async def _load(conn: Connection, state: StateView, *, view: bool, follow: bool) -> None:

@@ -74,7 +74,8 @@ async def watch_deployment(deployment_id: str, *, until_done: bool) -> int:
                 if line != last:
                     err.print(f"[{time.monotonic() - started:6.1f}s] {line}")
                     last = line
-                if d.build_id and log_task is None:  # seen at BUILDING or later: the stored log is replayed
+                # Seen at BUILDING or later: the stored log is replayed (not to team members: docs/teams.md).
+                if d.build_id and log_task is None and not c.polled:
                     log_task = asyncio.create_task(_stream_build_log(c.conn, d.build_id))
                 job = release_job(c.view, d)
                 if job is not None and job.assignment_id and release_output is None:  # the release command
@@ -92,6 +93,9 @@ async def watch_deployment(deployment_id: str, *, until_done: bool) -> int:
                     if release_output is not None:
                         await release_output.finish()
                         release_output = None
+                    if c.polled:  # a team member does not see the proxies' routing (docs/teams.md)
+                        err.print(f"[green]promoted[/]: {_phase(d).lower()} (routing is not shown to team members)")
+                        return 0
                     return await until_served(c.conn, c.view, d, started)
                 await feed.wait(timeout=5.0)
         finally:

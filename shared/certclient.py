@@ -27,7 +27,7 @@ from shared.certs import CHANGED_SUBJECT, KEYS_OPEN_SUBJECT
 from shared.clock import from_timestamp
 from shared.connection import Connection
 from shared.errors import ZatteraError
-from shared.files import PRIVATE, write_atomic
+from shared.files import write_private_json
 from shared.secrets import public_bytes, unseal
 from shared.tasks import stop_following
 
@@ -74,11 +74,6 @@ def bundle_certs(bundle: cpb.CertBundle) -> dict[str, ServedCert]:
     return {
         e.hostname: ServedCert(e.hostname, e.chain_pem, e.key_pem, from_timestamp(e.not_after)) for e in bundle.certs
     }
-
-
-def write_private_json(path: Path, doc: object) -> None:
-    """Replace ``path`` atomically with ``doc``; the file is 0600 from creation, never briefly readable."""
-    write_atomic(path, json.dumps(doc), mode=PRIVATE)
 
 
 def load_cache(path: Path) -> dict[str, ServedCert]:

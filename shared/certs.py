@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from cryptography import x509
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
@@ -148,6 +147,8 @@ class Issued:
 
 def after_success(current: pb.Certificate, issued: Issued, issuer: str) -> pb.Certificate:
     """The record once a certificate is obtained: the new chain and key, the next renewal instant."""
+    from cryptography import x509  # the certs service alone: agents and proxies import this module without it
+
     leaf = x509.load_pem_x509_certificate(issued.chain_pem.encode())
     not_before = leaf.not_valid_before_utc.timestamp()
     not_after = leaf.not_valid_after_utc.timestamp()

@@ -10,6 +10,7 @@ written unless it exists (of two replicas creating it together, one wins and bot
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from pathlib import Path
@@ -75,3 +76,8 @@ def sync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_private_json(path: Path, doc: object) -> None:
+    """Replace ``path`` atomically with ``doc`` as JSON; the file is 0600 from creation, never briefly readable."""
+    write_atomic(path, json.dumps(doc), mode=PRIVATE)

@@ -142,16 +142,25 @@ async def create_watch_consumer(conn: Connection, spec: WatchSpec) -> str:
     return name
 
 
-def watch_open_handler(conn: Connection) -> Callable[[Msg], Awaitable[None]]:
-    """Answers ``zattera.watch.open``. Any caller may ask (only operators and control may publish it, and a
-    pull consumer has no deliver subject to steer); answers go only to a requester's reply subject."""
+WatchAuthorizer = Callable[[Msg, WatchSpec], Awaitable[str]]
+"""Why a caller may not open a watch ("" = it may): the teams' check (shared/security/authz.py)."""
+
+
+def watch_open_handler(conn: Connection, authorize: WatchAuthorizer | None = None) -> Callable[[Msg], Awaitable[None]]:
+    """Answers ``zattera.watch.open``. Any caller may ask (only operators, members and control may publish it,
+    and a pull consumer has no deliver subject to steer); answers go only to a requester's reply subject.
+    ``authorize``: a team member's watch is checked against its grants first (docs/teams.md)."""
 
     async def on_request(msg: Msg) -> None:
         if not answerable(msg):
             return
         reply: dict[str, str]
         try:
-            reply = {"consumer": await create_watch_consumer(conn, WatchSpec.from_json(msg.data))}
+            spec = WatchSpec.from_json(msg.data)
+            refused = await authorize(msg, spec) if authorize is not None else ""
+            if refused:
+                raise BadWatch(refused)
+            reply = {"consumer": await create_watch_consumer(conn, spec)}
         except BadWatch as exc:
             reply = {"error": str(exc)}
         except nats.errors.Error as exc:
@@ -294,9 +303,11 @@ async def serve(
             await sub.unsubscribe()
 
 
-async def serve_watches(conn: Connection, ready: asyncio.Event | None = None) -> None:
+async def serve_watches(
+    conn: Connection, ready: asyncio.Event | None = None, authorize: WatchAuthorizer | None = None
+) -> None:
     """Answer ``zattera.watch.open`` until cancelled."""
-    await serve(conn, WATCH_OPEN_SUBJECT, watch_open_handler(conn), ready)
+    await serve(conn, WATCH_OPEN_SUBJECT, watch_open_handler(conn, authorize), ready)
 
 
 STATE_WATCH = WatchSpec(STATE_STREAM, (f"{STATE_PREFIX}>",), deliver="last_per_subject")

@@ -12,7 +12,7 @@ from shared.subjects import STATE_PREFIX, STATE_STREAM
 LOOPS_OF = {
     "scheduler": {"scheduler", "liveness", "snapshots"},
     "orchestrator": {"orchestrator"},
-    "autoscale": {"autoscaler", "scaletozero", "serverless"},
+    "autoscale": {"autoscaler", "scaletozero", "serverless", "metrics-history"},
     "builds": {"builds", "retention"},
     "routes": {"vips"},
     "join": set(),

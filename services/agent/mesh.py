@@ -23,8 +23,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
@@ -54,15 +53,11 @@ class Peer:
 def load_or_create_key(path: Path) -> tuple[str, str]:
     """(private, public) base64 keys; the private one is made once and kept 0600."""
     if path.exists():
-        private = X25519PrivateKey.from_private_bytes(base64.b64decode(path.read_text().strip()))
+        private = PrivateKey(base64.b64decode(path.read_text().strip()))
     else:
-        private = X25519PrivateKey.generate()
-        raw = private.private_bytes(
-            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
-        )
-        write_private(path, base64.b64encode(raw).decode())
-    public = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return path.read_text().strip(), base64.b64encode(public).decode()
+        private = PrivateKey.generate()  # Curve25519, as WireGuard's keys (libsodium, already the agent's)
+        write_private(path, base64.b64encode(bytes(private)).decode())
+    return path.read_text().strip(), base64.b64encode(bytes(private.public_key)).decode()
 
 
 def peers_of(nodes: list[pb.Node], self_id: str) -> list[Peer]:

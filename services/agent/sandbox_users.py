@@ -15,8 +15,8 @@ from pathlib import Path
 
 import psutil
 
-from shared.certclient import write_private_json
 from shared.errors import ZatteraError
+from shared.files import write_private_json
 
 UID_FILE = "uids.json"
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from services.autoscale.activator import Activator
 from services.autoscale.autoscaler import Autoscaler
+from services.autoscale.history import HistoryRecorder
 from services.autoscale.scaletozero import ScaleToZero
 from services.autoscale.serverless import Serverless
 from services.autoscale.settings import AutoscaleSettings
@@ -37,7 +38,8 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     await live.start()
     loops = scaling_loops(ctx.settings, AutoscaleSettings(), live, ctx.loop_deps)
     activator = Activator(conn=ctx.conn, view=ctx.view, writer=ctx.writer(), clock=ctx.clock)
-    return [*(ctx.lead(loop) for loop in loops), activator.serve()]
+    recorder = HistoryRecorder(ctx.loop_deps, live=live)  # metrics history (docs/observability.md)
+    return [*(ctx.lead(loop) for loop in loops), activator.serve(), ctx.lead(recorder)]
 
 
 if __name__ == "__main__":

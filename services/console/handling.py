@@ -21,6 +21,7 @@ from shared.urls import Listeners
 
 from . import pages
 from .auth import LoginLimiter, Session, Sessions
+from .display import FILTERS as DISPLAY_FILTERS
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,8 @@ class Console:
     """Where the users' writes are recorded (docs/audit.md); None: nowhere (tests of pages only)."""
     git: Any = None
     """The ``git push`` endpoint (:class:`services.console.git.GitService`); None: not served."""
-    heartbeats: Callable[[], list[cpb.ProxyHeartbeat]] = list
-    """The proxies' fresh heartbeats: a canary's live figures (issue 41)."""
+    live: Any = None
+    """The :class:`shared.live.LiveView` (a node page's current figures); None: not followed."""
 
     def __post_init__(self) -> None:
         self.flash: dict[str, str] = {}
@@ -66,6 +67,7 @@ class Console:
             autoescape=True,
             undefined=jinja2.StrictUndefined,
         )
+        self.templates.filters.update(DISPLAY_FILTERS)  # short ids and image refs (issue 40)
 
 
 def console_of(request: web.Request) -> Console:

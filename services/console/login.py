@@ -48,6 +48,11 @@ async def require_session(
 ) -> web.StreamResponse:
     if request.path.startswith(PUBLIC):
         return await handler(request)
+    if request.headers.get("Authorization", "").startswith("Bearer "):
+        # An API token (docs/teams.md): no cookie, so no CSRF to check; scoped to its project.
+        from services.console.teams import bearer_request
+
+        return await bearer_request(request, handler)
     console = console_of(request)
     token = request.cookies.get(SESSION_COOKIE, "")
     session = console.sessions.get(token)

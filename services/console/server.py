@@ -59,7 +59,7 @@ def build_console(
         secure_cookies=cfg.secure_cookies,
         listeners=(lambda: proxy_listeners(live.fresh_proxy_heartbeats())) if live is not None else Listeners,
         audit=AuditLog(conn),
-        heartbeats=live.fresh_proxy_heartbeats if live is not None else list,
+        live=live,
     )
 
 

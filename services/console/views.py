@@ -11,6 +11,7 @@ from aiohttp import web
 from zattera.v1 import types_pb2 as pb
 
 from services.console.handling import Console, console_of, is_api, refuse, render, render_streamed
+from services.console.metrics_views import env_charts_context, overview_sparklines, window_problem
 from shared.audit import DEFAULT_LIMIT, parse_since, read_entries, select
 from shared.backup.status import backup_status, describe
 from shared.notify_status import failing_channels
@@ -26,14 +27,32 @@ def env_or_404(console: Console, env_id: str) -> pb.Environment:
 
 
 async def overview_page(request: web.Request) -> web.StreamResponse:
-    console = console_of(request)
     only = [env_id for env_id in request.query.get("only", "").split(",") if env_id]
-    envs = pages.overview(console.view, console.routes(), only, console.listeners())
-    backups = backup_status(console.view)
-    failing = describe(backups) if backups.failing else []
-    channels = failing_channels(console.view)
+    return await render_overview(request, only)
+
+
+async def render_overview(request: web.Request, only: list[str], *, scoped: bool = False) -> web.StreamResponse:
+    """The overview of the envs ``only`` names (none named: every env, unless ``scoped``: a project member's,
+    which shows only its projects' envs and none of the cluster's notices)."""
+    console = console_of(request)
+    envs = pages.overview(console.view, console.routes(), only, console.listeners()) if only or not scoped else []
+    for row in envs:  # grouped by project on the page (issue 40)
+        row.setdefault("project", row["path"].split("/", 1)[0])
+    failing: list[str] = []
+    channels: list[Any] = []
+    if not scoped:
+        backups = backup_status(console.view)
+        failing = describe(backups) if backups.failing else []
+        channels = failing_channels(console.view)
+    sparks = await overview_sparklines(console, [e["id"] for e in envs])
     return await render_streamed(
-        request, "overview.html", page="overview", envs=envs, backups_failing=failing, channels_failing=channels
+        request,
+        "overview.html",
+        page="overview",
+        envs=envs,
+        backups_failing=failing,
+        channels_failing=channels,
+        sparks=sparks,
     )
 
 
@@ -56,14 +75,19 @@ def _env_detail(console: Console, env_id: str) -> dict[str, Any]:
     urls = pages.urls_by_env(console.view, routes, console.listeners()).get(env_id, [])
     certificates = pages.certificates_by_env(console.view, routes).get(env_id, [])
     detail = pages.env_detail(console.view, env, urls, certificates)
-    detail["canary"] = pages.env_canary(console.view, env_id, console.heartbeats())
+    heartbeats = console.live.fresh_proxy_heartbeats() if console.live is not None else []
+    detail["canary"] = pages.env_canary(console.view, env_id, heartbeats)
     return detail
 
 
 async def env_page(request: web.Request) -> web.Response:
     console = console_of(request)
     env_id = request.match_info["env_id"]
-    return render(request, "env.html", page="env", env=_env_detail(console, env_id))
+    detail = _env_detail(console, env_id)
+    if (problem := window_problem(request)) is not None:
+        return refuse(request, 400, problem)
+    charts = await env_charts_context(console, env_id, request.query.get("window", ""))
+    return render(request, "env.html", page="env", env=detail, **charts)
 
 
 async def env_api(request: web.Request) -> web.Response:

@@ -26,7 +26,15 @@ from services.console.forms import (
 from services.console.handling import HERE, STATE, Console
 from services.console.hooks import webhook
 from services.console.login import login, login_page, logout, require_session, security_headers
+from services.console.metrics_views import (
+    env_charts_fragment,
+    env_metrics_api,
+    node_charts_fragment,
+    node_metrics_api,
+    node_page,
+)
 from services.console.streams import build_logs, env_logs, events_stream, live
+from services.console.teams import grant_action, scope_guard, teams_page
 from services.console.views import (
     audit_page,
     build_page,
@@ -51,7 +59,7 @@ async def git_request(request: web.Request) -> web.StreamResponse:
 
 
 def make_app(console: Console) -> web.Application:
-    app = web.Application(middlewares=[require_session], client_max_size=256 * 1024)
+    app = web.Application(middlewares=[require_session, scope_guard], client_max_size=256 * 1024)
     app.on_response_prepare.append(security_headers)
     app[STATE] = console
     app.router.add_get("/login", login_page)
@@ -80,7 +88,14 @@ def make_app(console: Console) -> web.Application:
     app.router.add_get("/events/stream", events_stream)
     app.router.add_get("/audit", audit_page)
     app.router.add_get("/api/audit", audit_page)
+    app.router.add_get("/env/{env_id}/charts", env_charts_fragment)
+    app.router.add_get("/api/env/{env_id}/metrics", env_metrics_api)
+    app.router.add_get("/nodes/{node_id}", node_page)
+    app.router.add_get("/nodes/{node_id}/charts", node_charts_fragment)
+    app.router.add_get("/api/nodes/{node_id}/metrics", node_metrics_api)
     app.router.add_get("/live", live)
     app.router.add_static("/static/", HERE / "static")
     app.router.add_post("/hooks/{provider}/{hook_id}", webhook)
+    app.router.add_get("/admin/teams", teams_page)
+    app.router.add_post("/admin/teams/grant", grant_action)
     return app

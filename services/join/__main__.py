@@ -8,6 +8,7 @@ also re-signs the role accounts for revocations (``zattera nodes remove``) with 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -15,7 +16,9 @@ from typing import Any
 from services.join.settings import MachineSettings
 from shared.replicas import CLUSTER_REPLICAS_SUBJECT
 from shared.replicas import handler as replicas_handler
+from shared.security.accounts import Account
 from shared.security.authority import RoleIssuer
+from shared.security.authz import Authz
 from shared.security.join import JoinService
 from shared.security.machine_service import Machines
 from shared.security.permissions import VIEW_OPEN_SUBJECT, Role
@@ -36,8 +39,21 @@ machines reach its NATS server."""
 
 async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     directory = ctx.settings.data_dir / "security"
+    authz = None
+    if (directory / SENTINEL_FILE).exists() and ctx.settings.nats_creds:
+        # Team members' authorising path (docs/teams.md): the member role key mints their credentials.
+        publics = json.loads((directory / "accounts.json").read_text())
+        if str(Account.MEMBERS) in publics:  # a setup from before teams has no members (and no MEMBERS account)
+            # A machine without the member role key still checks members; it only cannot mint credentials.
+            has_key = (directory / "keys" / f"role-{Role.MEMBER}.nk").exists()
+            authz = Authz(
+                ctx.conn,
+                publics[str(Account.MEMBERS)],
+                issuer=RoleIssuer.load(directory, Role.MEMBER) if has_key else None,
+                admins_account=publics[str(Account.OPERATORS)],
+            )
     # The CLI's watches are opened here on every cluster, secured or not (shared/watches.py).
-    watches = serve_watches(ctx.conn)
+    watches = serve_watches(ctx.conn, authorize=authz.authorize_watch if authz else None)
     # `zattera cluster replicas N`: the CLI changes no stream itself (shared/replicas.py).
     replicas = serve(ctx.conn, CLUSTER_REPLICAS_SUBJECT, replicas_handler(ctx.conn.nc))
     if not (directory / SENTINEL_FILE).exists():
@@ -62,7 +78,7 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
             route_url=machine.route_url,
             mesh_ip=machine.mesh_ip,
         )
-    service = JoinService(ctx.conn, issuers, sentinel, open_cluster=open_cluster, machines=machines)
+    service = JoinService(ctx.conn, issuers, sentinel, open_cluster=open_cluster, machines=machines, authz=authz)
     return [watches, replicas, service.run()]
 
 

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
 import re
+import secrets
+import ssl
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
-
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from shared.security.creds import write_private
 
 FALLBACK_NAME = "zattera-ingress"
 FALLBACK_DAYS = 3650
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_CERTIFICATE = re.compile(r"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----", re.DOTALL)
 _PRIVATE_KEY = re.compile(rb"-----BEGIN ([A-Z ]*)PRIVATE KEY-----.*?-----END \1PRIVATE KEY-----", re.DOTALL)
 
 
@@ -39,6 +40,11 @@ def digest(pem: str) -> str:
 
 def self_signed_pem(common_name: str = FALLBACK_NAME) -> str:
     """A self-signed ECDSA P-256 certificate and its key, in one PEM."""
+    from cryptography import x509  # in the child of :func:`ensure_fallback`: the proxy itself never loads it
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = datetime.datetime.now(datetime.UTC)
@@ -58,32 +64,57 @@ def self_signed_pem(common_name: str = FALLBACK_NAME) -> str:
     return cert.public_bytes(serialization.Encoding.PEM).decode() + key_pem.decode()
 
 
-def pem_problem(pem: str) -> str | None:
+def _no_password() -> bytes:
+    return b""  # an encrypted key fails to load instead of OpenSSL prompting on a terminal
+
+
+def pem_problem(pem: str, scratch: Path) -> str | None:
     """Why HAProxy would refuse ``pem`` (no certificate, no private key, a key that does not match), or
-    None. Checked before anything is written: a bad file in the crt-list would stop HAProxy from starting."""
+    None. Checked before anything is written: a bad file in the crt-list would stop HAProxy from starting.
+    OpenSSL checks it as HAProxy will (through :mod:`ssl`, which reads a key only from a file: a 0600 file
+    in the private directory ``scratch``, removed at once)."""
     data = pem.encode()
+    certificates = _CERTIFICATE.findall(pem)
     try:
-        certificates = x509.load_pem_x509_certificates(data)
-    except ValueError:
+        ssl.create_default_context(cadata="\n".join(certificates)) if certificates else None
+    except ssl.SSLError:
+        certificates = []
+    if not certificates:
         return "no PEM certificate in it"
-    block = _PRIVATE_KEY.search(data)
-    if block is None:
+    if _PRIVATE_KEY.search(data) is None:
         return "no PEM private key in it"
+    path = scratch / f".check-{secrets.token_hex(8)}.pem"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        key = serialization.load_pem_private_key(block.group(0), password=None)
-    except (ValueError, TypeError):
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(path, password=_no_password)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            return "its private key does not match its first certificate"
         return "its private key cannot be read (encrypted or malformed)"
-    public = serialization.PublicFormat.SubjectPublicKeyInfo
-    if key.public_key().public_bytes(serialization.Encoding.PEM, public) != certificates[0].public_key().public_bytes(
-        serialization.Encoding.PEM, public
-    ):
-        return "its private key does not match its first certificate"
+    finally:
+        path.unlink(missing_ok=True)
     return None
 
 
 def ensure_fallback(path: Path) -> None:
-    if not path.exists():
-        write_private(path, self_signed_pem())
+    """The fallback certificate, made once in a short-lived child: the cryptography library it takes
+    (~7 MB resident) stays out of the long-running proxy."""
+    if path.exists():
+        return
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from services.proxy.haproxy_certs import self_signed_pem as s; sys.stdout.write(s())",
+        ],
+        capture_output=True,
+        check=True,
+        text=True,
+        timeout=60,
+    )
+    write_private(path, made.stdout)
 
 
 def installed(certs_dir: Path) -> dict[str, str]:

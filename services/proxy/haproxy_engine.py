@@ -403,7 +403,11 @@ class HAProxyEngine:
         usable = {}
         for name, pem in pems.items():
             # Only new and changed PEMs are checked: parsing 10,000 served ones took seconds per renewal.
-            problem = None if self._certificates.get(safe_name(name)) == digest(pem) else pem_problem(pem)
+            problem = (
+                None
+                if self._certificates.get(safe_name(name)) == digest(pem)
+                else pem_problem(pem, self.layout.socket_dir)
+            )
             if problem is None:
                 usable[name] = pem
             else:

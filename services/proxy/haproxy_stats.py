@@ -4,7 +4,7 @@
 env) is held, RPS and the error rate come from the deltas of ``stot`` (one stream per HTTP request) and
 ``hrsp_5xx`` between two samples (a reload or restart zeroes them: a smaller value starts over), latency is
 ``ttime``: HAProxy's average total time over the backend's last 1024 requests (HAProxy keeps no
-percentiles; p50 and p99 both carry the average). ``lastsess`` (seconds since the last request) gives
+percentiles; p50, p95 and p99 all carry the average). ``lastsess`` (seconds since the last request) gives
 ``last_request_at``. Several backends of one env (different middleware per domain) are summed.
 """
 
@@ -66,6 +66,9 @@ class HAProxySampler:
     def __init__(self, now: float) -> None:
         self._previous: dict[tuple[str, str], _Counters] = {}
         self._at = now
+        self._totals: dict[str, list[int]] = {}
+        """Env id → [requests, 2xx, 4xx, 5xx] since this sampler started (``ProxySample.*_total``): the
+        deltas added up, so a reload zeroing HAProxy's own counters does not make them go down."""
         self.responses: list[Responses] = []
         """Filled by :meth:`sample`: what was answered since the previous one (hold backend excluded:
         the Python handler measures its own requests)."""
@@ -103,7 +106,16 @@ class HAProxySampler:
                 if count
             ]
             requests, errors = delta.requests, delta.by_class[-1]
+            totals = self._totals.setdefault(env_id, [0, 0, 0, 0])
+            for index, count in enumerate((requests, delta.by_class[1], delta.by_class[3], delta.by_class[4])):
+                totals[index] += count
             sample = samples.setdefault(env_id, cpb.ProxySample())
+            (
+                sample.requests_total,
+                sample.responses_2xx_total,
+                sample.responses_4xx_total,
+                sample.responses_5xx_total,
+            ) = totals
             sample.inflight += _int(row, "scur")
             sample.held += _int(row, "qcur")
             sample.rps += requests / elapsed
@@ -113,6 +125,7 @@ class HAProxySampler:
             weights[env_id] = total
             sample.latency_p50_ms = max(sample.latency_p50_ms, average_ms)
             sample.latency_p99_ms = max(sample.latency_p99_ms, average_ms)
+            sample.latency_p95_ms = max(sample.latency_p95_ms, average_ms)
             idle = _int(row, "lastsess") if row.get("lastsess", "") not in ("", "-1") else -1
             if idle >= 0:
                 at = to_timestamp(now - idle)
@@ -149,6 +162,11 @@ def merge_samples(*sources: Mapping[str, cpb.ProxySample]) -> dict[str, cpb.Prox
             into.held += sample.held
             into.latency_p50_ms = max(into.latency_p50_ms, sample.latency_p50_ms)
             into.latency_p99_ms = max(into.latency_p99_ms, sample.latency_p99_ms)
+            into.latency_p95_ms = max(into.latency_p95_ms, sample.latency_p95_ms)
+            into.requests_total += sample.requests_total
+            into.responses_2xx_total += sample.responses_2xx_total
+            into.responses_4xx_total += sample.responses_4xx_total
+            into.responses_5xx_total += sample.responses_5xx_total
             if sample.HasField("last_request_at") and (
                 not into.HasField("last_request_at")
                 or sample.last_request_at.ToNanoseconds() > into.last_request_at.ToNanoseconds()

@@ -84,9 +84,9 @@ class Proxy:
         """Serving for an engine in front (HAProxy): the client is the last ``X-Forwarded-For`` value."""
         self.snapshot_listeners: list[Callable[[cpb.RouteSnapshot], None]] = []
         self.sample_sources: list[Callable[[], Awaitable[dict[str, cpb.ProxySample]]]] = []
+        """Other data paths' per-env samples, merged into this proxy's heartbeat."""
         self.traffic_sources: list[Callable[[], list[cpb.ReleaseTraffic]]] = []
         """Other data paths' per-release counters of weighted (canary) routes (issue 41)."""
-        """Other data paths' per-env samples, merged into this proxy's heartbeat."""
         self.drain_sources: list[Callable[[], Awaitable[tuple[dict[str, int], bool]]]] = []
         """Other data paths' in-flight counts to endpoints no longer routed (env id → count), and whether
         those counts are complete: added to the heartbeat's ``old_inflight`` / ``drain_counts``."""
@@ -281,6 +281,7 @@ class Proxy:
             heartbeat.ClearField("envs")
             for env_id, sample in merged.items():
                 heartbeat.envs[env_id].CopyFrom(sample)
+            heartbeat.connections = sum(sample.inflight for sample in merged.values())
         for traffic_source in self.traffic_sources:  # after the samples: HAProxy's were refreshed with them
             heartbeat.release_traffic.extend(traffic_source())
         if self.conn is None or not self.conn.nc.is_connected:

@@ -36,15 +36,26 @@ class EnvStats:
     last_request_at: float = 0.0
     completions: deque[tuple[int, bool]] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
     """(latency in whole ms, status ≥ 500) of the most recent completions."""
+    requests_total: int = 0
+    """Requests begun since the proxy started, and responses by class (``ProxySample.*_total``)."""
+    responses_2xx_total: int = 0
+    responses_4xx_total: int = 0
+    responses_5xx_total: int = 0
 
 
 def percentiles(latencies_ms: list[int]) -> tuple[float, float]:
     """(p50, p99) as nearest ranks: sorted[floor(n·0.5)], sorted[min(floor(n·0.99), n−1)]; 0 if empty."""
+    p50, _, p99 = percentiles3(latencies_ms)
+    return p50, p99
+
+
+def percentiles3(latencies_ms: list[int]) -> tuple[float, float, float]:
+    """(p50, p95, p99) as nearest ranks (as :func:`percentiles`); 0 if empty."""
     if not latencies_ms:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     ordered = sorted(latencies_ms)
     n = len(ordered)
-    return float(ordered[n // 2]), float(ordered[min(int(n * 0.99), n - 1)])
+    return float(ordered[n // 2]), float(ordered[min(int(n * 0.95), n - 1)]), float(ordered[min(int(n * 0.99), n - 1)])
 
 
 class ProxyStats:
@@ -69,12 +80,19 @@ class ProxyStats:
         stats = self.env(env_id)
         stats.inflight += 1
         stats.started += 1
+        stats.requests_total += 1
         stats.last_request_at = self._now()
 
     def end(self, env_id: str, status: int, latency_seconds: float, endpoint: cpb.Endpoint | None = None) -> None:
         stats = self.env(env_id)
         stats.inflight -= 1
         stats.completions.append((int(latency_seconds * 1000), status >= SERVER_ERROR))
+        if status >= SERVER_ERROR:
+            stats.responses_5xx_total += 1
+        elif status >= 400:
+            stats.responses_4xx_total += 1
+        elif 200 <= status < 300:
+            stats.responses_2xx_total += 1
         if endpoint is not None and endpoint.step_tag:
             self.releases.count(env_id, endpoint, status, latency_seconds * 1000)
 
@@ -89,7 +107,7 @@ class ProxyStats:
         samples: dict[str, cpb.ProxySample] = {}
         for env_id, stats in list(self._envs.items()):
             completions = list(stats.completions)
-            p50, p99 = percentiles([latency for latency, _ in completions])
+            p50, p95, p99 = percentiles3([latency for latency, _ in completions])
             errors = sum(1 for _, failed in completions if failed)
             sample = cpb.ProxySample(
                 inflight=max(stats.inflight, 0),
@@ -98,6 +116,11 @@ class ProxyStats:
                 error_rate=errors / len(completions) if completions else 0.0,
                 latency_p50_ms=p50,
                 latency_p99_ms=p99,
+                latency_p95_ms=p95,
+                requests_total=stats.requests_total,
+                responses_2xx_total=stats.responses_2xx_total,
+                responses_4xx_total=stats.responses_4xx_total,
+                responses_5xx_total=stats.responses_5xx_total,
             )
             if stats.last_request_at:
                 stamp(sample.last_request_at, stats.last_request_at)
@@ -117,6 +140,7 @@ class ProxyStats:
             node_id=node_id,
             envs=envs,
             version=VERSION,
+            connections=sum(max(s.inflight, 0) for s in self._envs.values()),
             release_traffic=self.releases.report(),
         )
 

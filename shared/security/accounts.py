@@ -24,7 +24,7 @@ from shared.security.permissions import (
     ROLE_PERMISSIONS,
     Role,
 )
-from shared.subjects import STATE_PREFIX
+from shared.subjects import EVENTS_SUBJECT_PREFIX, STATE_PREFIX
 
 RELAY_PREFIX = "zattera.relay."
 """Agents' and operators' state-bucket writes arrive in ``ZATTERA`` under this prefix (their import renames
@@ -40,6 +40,7 @@ class Account(StrEnum):
     AGENTS = "agents"
     PROXIES = "proxies"
     OPERATORS = "operators"
+    MEMBERS = "members"
 
 
 ROLE_ACCOUNT: dict[Role, Account] = {
@@ -48,8 +49,9 @@ ROLE_ACCOUNT: dict[Role, Account] = {
     Role.AGENT: Account.AGENTS,
     Role.BUILDER: Account.AGENTS,
     Role.PROXY: Account.PROXIES,
+    Role.MEMBER: Account.MEMBERS,
 }
-ROLE_ACCOUNTS = (Account.AGENTS, Account.PROXIES, Account.OPERATORS)
+ROLE_ACCOUNTS = (Account.AGENTS, Account.PROXIES, Account.OPERATORS, Account.MEMBERS)
 
 STREAM_RESPONSES = (f"{JS}.CONSUMER.MSG.NEXT.", f"{JS}.DIRECT.GET.", AGENT_REQUESTS[:-1])
 """Exports whose one request gets many answers (a pull's messages, a batch direct get such as the CLI's
@@ -107,17 +109,30 @@ def stream_imports(account: Account) -> list[str]:
     return minimal([p for p in subscribed if p not in own and not _served_by_agents(p)])
 
 
+AUTHZ_PREFIX = "zattera.authz."
+"""Members' reads arrive in ``ZATTERA`` under this prefix (their import renames them), where the authorising
+path (:mod:`shared.security.authz`) answers them with what the caller's grants allow (docs/teams.md)."""
+AUTHORISED_READS = (f"{JS}.DIRECT.GET.", f"{JS}.STREAM.INFO.", EVENTS_SUBJECT_PREFIX)
+
+
 def response_type(subject: str) -> str:
-    return "Stream" if subject.startswith(STREAM_RESPONSES) else "Singleton"
+    return "Stream" if subject.removeprefix(AUTHZ_PREFIX).startswith(STREAM_RESPONSES) else "Singleton"
+
+
+def authorised(account: Account, subject: str) -> bool:
+    """Members' state reads, stream infos and the events they publish go through the authorising path."""
+    return account is Account.MEMBERS and subject.startswith(AUTHORISED_READS)
 
 
 def relayed(account: Account, subject: str) -> bool:
     """State-bucket writes of agents and operators go through the relay (no rollup, no batch of others')."""
-    return account in (Account.AGENTS, Account.OPERATORS) and subject.startswith(STATE_PREFIX)
+    return account in (Account.AGENTS, Account.OPERATORS, Account.MEMBERS) and subject.startswith(STATE_PREFIX)
 
 
 def exported_as(account: Account, subject: str) -> str:
     """The subject ``ZATTERA`` exports for an import of ``subject`` by ``account``."""
+    if authorised(account, subject):
+        return AUTHZ_PREFIX + subject
     return RELAY_PREFIX + subject if relayed(account, subject) else subject
 
 
@@ -137,7 +152,7 @@ def role_account_imports(account: Account, keys: dict[Account, str]) -> list[dic
     zattera = keys[Account.ZATTERA]
     imports: list[dict[str, Any]] = [
         {"name": s, "subject": exported_as(account, s), "account": zattera, "type": "service", "share": True}
-        | ({"local_subject": s} if relayed(account, s) else {})
+        | ({"local_subject": s} if relayed(account, s) or authorised(account, s) else {})
         for s in service_imports(account)
     ]
     imports += [

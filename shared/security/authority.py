@@ -66,7 +66,7 @@ JOIN_ACCOUNT_LIMITS: dict[str, Any] = {
     "exports": 0,
     **JETSTREAM_OFF,
 }
-SIGNED_ROLES = (Role.CONTROL, Role.OPERATOR, Role.AGENT, Role.BUILDER, Role.PROXY)
+SIGNED_ROLES = (Role.CONTROL, Role.OPERATOR, Role.AGENT, Role.BUILDER, Role.PROXY, Role.MEMBER)
 
 
 def _role_key(path: Path) -> KeyPair:

@@ -40,8 +40,9 @@ from shared.connection import Connection, split_urls
 from shared.errors import ZatteraError
 from shared.jetstream import read_state_key
 from shared.provisioning import recorded_replicas
-from shared.security.accounts import RELAY_PREFIX
+from shared.security.accounts import AUTHZ_PREFIX, RELAY_PREFIX
 from shared.security.authority import RoleIssuer
+from shared.security.authz import Authz
 from shared.security.callers import answerable
 from shared.security.creds import creds_text
 from shared.security.nkeyjwt import KeyKind, KeyPair
@@ -55,6 +56,7 @@ from shared.security.permissions import (
 )
 from shared.security.relay import BATCH_PARTS_SUBJECT, Batches, batch_parts_handler, relay_handler
 from shared.security.views import open_cluster_view_handler, view_open_handler
+from shared.teams import TEAMS_EVENTS_SUBJECT, TEAMS_ISSUE_SUBJECT
 
 if TYPE_CHECKING:
     from shared.security.machine_service import Machines
@@ -141,8 +143,11 @@ class JoinService:
         open_cluster: bool = False,
         machines: Machines | None = None,
         audit: bool = True,
+        authz: Authz | None = None,
     ) -> None:
-        """``open_cluster``: the server authenticates nobody (security keys prepared, server not secured), so
+        """``authz``: the authorising path of team members (docs/teams.md): their writes are checked by the
+        relay, their reads answered on ``zattera.authz.>``, member credentials minted on ``zattera.teams.issue``.
+        ``open_cluster``: the server authenticates nobody (security keys prepared, server not secured), so
         no request carries a caller: views are opened for the node a request names, as without keys.
         ``machines``: machines join with one command (machine tokens, server machines, removal). ``audit``:
         operators' relayed writes are recorded in the audit log (docs/audit.md; off only to measure its cost)."""
@@ -155,6 +160,7 @@ class JoinService:
         self._now = now
         self._kv: KeyValue | None = None
         self._batches = Batches()
+        self._authz = authz
         self.ready = asyncio.Event()
 
     async def run(self) -> None:
@@ -167,6 +173,13 @@ class JoinService:
             await self._conn.nc.subscribe(BATCH_PARTS_SUBJECT, cb=batch_parts_handler(self._batches)),
             await self._conn.nc.subscribe(f"{RELAY_PREFIX}>", queue="relay", cb=self._relay()),
         ]
+        if self._authz is not None:
+            await self._authz.start()
+            subs += [
+                await self._conn.nc.subscribe(f"{AUTHZ_PREFIX}>", queue="authz", cb=self._authz.read_handler()),
+                await self._conn.nc.subscribe(TEAMS_ISSUE_SUBJECT, queue="authz", cb=self._authz.issue_handler()),
+                await self._conn.nc.subscribe(TEAMS_EVENTS_SUBJECT, queue="authz", cb=self._authz.events_handler()),
+            ]
         await self._conn.nc.flush()
         if self._machines is not None:
             await self._machines.started(self.kv)
@@ -190,7 +203,7 @@ class JoinService:
         return view_open_handler(self._conn, agents_account=self._agents_account(), agent_issuers=issuers)
 
     def _relay(self) -> Callable[[Msg], Any]:
-        return relay_handler(self._conn, self._agents_account(), self._batches, self._audit)
+        return relay_handler(self._conn, self._agents_account(), self._batches, self._audit, self._authz)
 
     def _answer(self, handler: Callable[[dict[str, Any]], Any]) -> Callable[[Msg], Any]:
         async def callback(msg: Msg) -> None:

@@ -172,7 +172,7 @@ async def push_accounts(urls: str, system_creds: str, tls_ca: str, authority: Au
     on every server of the cluster."""
     conn = await connect(urls, name="zattera-accounts", creds=system_creds, tls_ca=tls_ca or None)
     try:
-        for account in (Account.AGENTS, Account.PROXIES, Account.OPERATORS):
+        for account in (Account.AGENTS, Account.PROXIES, Account.OPERATORS, Account.MEMBERS):
             reply = await conn.nc.request(
                 "$SYS.REQ.CLAIMS.UPDATE", authority.role_account_jwt(account).encode(), timeout=5
             )

@@ -28,11 +28,13 @@ from shared.console_users import USERS_BUCKET
 from shared.secrets import ROTATE_SUBJECT, open_subject
 from shared.subjects import (
     ACTIVATE_SUBJECT,
+    AUDIT_STREAM,
     BUILD_EVENTS_STREAM,
     BUILD_LOGS_STREAM,
     CLUSTER_REPLICAS_SUBJECT,
     EVENTS_STREAM,
     EVENTS_SUBJECT_PREFIX,
+    GITHOOKS_STREAM,
     IMAGES_STORE,
     LIVE_PREFIX,
     LIVE_STREAM,
@@ -46,6 +48,7 @@ from shared.subjects import (
     agent_subject,
     build_events_subject,
 )
+from shared.teams import TEAMS_BUCKET, TEAMS_EVENTS_SUBJECT, TEAMS_ISSUE_SUBJECT
 from shared.watches import WATCH_OPEN_SUBJECT
 
 JOIN_SUBJECT = "zattera.join"
@@ -69,6 +72,7 @@ class Role(StrEnum):
     AGENT = "agent"
     BUILDER = "builder"  # an agent that also runs builds and pushes their images
     PROXY = "proxy"
+    MEMBER = "member"  # a person or API token of a team (docs/teams.md): every read and write is authorised
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,8 @@ OPERATOR = Permissions(
         WATCH_OPEN_SUBJECT,  # its watches: pull consumers control creates (it creates none)
         ROTATE_SUBJECT,  # `zattera secrets rotate-key`
         f"$KV.{USERS_BUCKET}.>",  # `zattera console add-user|remove-user` (the console creates the bucket)
+        f"$KV.{TEAMS_BUCKET}.>",  # `zattera users|grants|tokens` (docs/teams.md; the join service creates it)
+        TEAMS_ISSUE_SUBJECT,  # a member credential for `zattera users add` / `tokens create`
         # `zattera volumes snapshot` / `restore` ask the volume's node directly (progress comes to the inbox).
         agent_subject("*", "snapshot"),
         agent_subject("*", "restore"),
@@ -302,6 +308,58 @@ PROXY = Permissions(
 """An ingress proxy: route snapshots, activation requests, its own heartbeat, certificates and HTTP-01
 answers (never the ACME account key)."""
 
+NOT_PULLED_BY_MEMBERS = (
+    STATE_STREAM,
+    LIVE_STREAM,
+    EVENTS_STREAM,
+    ROUTES_STREAM,
+    BUILD_LOGS_STREAM,
+    BUILD_EVENTS_STREAM,
+    GITHOOKS_STREAM,
+    AUDIT_STREAM,
+    JOIN_STREAM,
+    f"KV_{USERS_BUCKET}",
+    f"KV_{TEAMS_BUCKET}",
+    *(object_stream(store) for store in (SOURCES_STORE, IMAGES_STORE, SNAPSHOTS_STORE)),
+)
+"""Every stream but the environments' log streams: a member pulls only the log watches control opened for it."""
+
+MEMBER = Permissions(
+    pub_allow=(
+        # Writes go through the relay, which checks the caller's grant for the key's project (docs/teams.md).
+        f"{STATE_PREFIX}>",
+        f"{JS}.INFO",
+        # Renamed by the MEMBERS account's import to ``zattera.authz.…``: the authorising path answers them with
+        # what the caller's grants let it read (shared/security/authz.py).
+        f"{JS}.STREAM.INFO.*",
+        f"{JS}.DIRECT.GET.{STATE_STREAM}",
+        f"{JS}.DIRECT.GET.{STATE_STREAM}.>",
+        # The events its commands announce (renamed too: the event's project must be one it may change)…
+        f"{EVENTS_SUBJECT_PREFIX}>",
+        # …and its projects' events, a page at a time (the stream cannot be filtered by project).
+        TEAMS_EVENTS_SUBJECT,
+        # Logs: control opens the watch only for a granted environment; the pull names the random consumer.
+        WATCH_OPEN_SUBJECT,
+        pull("*", "*"),
+        f"{JS}.CONSUMER.INFO.*.*",
+        # `zattera deploy DIR` uploads its source (content-addressed; deploying it is what the grant checks).
+        *read_object_store(SOURCES_STORE),
+        *write_object_store(SOURCES_STORE),
+    ),
+    # No leases; no pull or consumer info but on log streams: other streams have consumers with guessable
+    # names (agents' views, drains' `drain_<name>`, `githooks`) whose messages are not the member's. A stream
+    # added later with a durable consumer must be listed in NOT_PULLED_BY_MEMBERS.
+    pub_deny=(
+        f"{STATE_PREFIX}lease.>",
+        *(pull(stream, "*") for stream in NOT_PULLED_BY_MEMBERS),
+        *(f"{JS}.CONSUMER.INFO.{stream}.*" for stream in NOT_PULLED_BY_MEMBERS),
+    ),
+    sub_allow=(INBOX,),
+)
+"""A team member or API token: its identity only. Everything it may publish is either checked on the control
+side against its grants (state writes by the relay; state reads, stream info and watches by the authorising
+path) or a pull of a consumer control opened for it."""
+
 JOIN = Permissions(pub_allow=(JOIN_SUBJECT,), sub_allow=("_INBOX.>",), extra={"bearer_token": True})
 """The public join sentinel (account JOIN, which sees nothing of ZATTERA but the imported join service)."""
 
@@ -311,4 +369,5 @@ ROLE_PERMISSIONS: dict[Role, Permissions] = {
     Role.AGENT: AGENT,
     Role.BUILDER: BUILDER,
     Role.PROXY: PROXY,
+    Role.MEMBER: MEMBER,
 }

@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import nats
 from nats.aio.msg import Msg
@@ -47,6 +48,9 @@ from shared.ids import new_id
 from shared.security.accounts import RELAY_PREFIX
 from shared.security.callers import Caller, answerable, caller
 from shared.subjects import STATE_PREFIX
+
+if TYPE_CHECKING:
+    from shared.security.authz import Authz
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +194,16 @@ def answer_outcome(data: bytes) -> tuple[str, int]:
 
 
 def relay_handler(
-    conn: Connection, agents_account: str, batches: Batches | None = None, audit: AuditLog | None = None
+    conn: Connection,
+    agents_account: str,
+    batches: Batches | None = None,
+    audit: AuditLog | None = None,
+    authz: Authz | None = None,
 ) -> Callable[[Msg], Awaitable[None]]:
     """The relay's handler of ``zattera.relay.>``; ``batches``: the batch messages this relay holds (filled by
     :func:`batch_parts_handler` on :data:`BATCH_PARTS_SUBJECT`); ``audit``: where operators' writes are
-    recorded (None: nowhere)."""
+    recorded (None: nowhere); ``authz``: team members' writes are checked against their grants (None: members
+    are refused)."""
     pending: set[asyncio.Task[None]] = set()
     held = batches if batches is not None else Batches()
 
@@ -221,6 +230,32 @@ def relay_handler(
             outcome = relayed_write(msg.subject, claims, who.name, agent=is_agent)
             if not is_agent and audit is not None:
                 auditor = operator_auditor(who, claims)
+            if not isinstance(outcome, str) and authz is not None and authz.is_member(who):
+                # A team member (docs/teams.md): its grant for the key's project, read now, decides — in a task
+                # of its own, so the reads it takes hold up no agent's write behind it. A batch's messages need
+                # no order here (the relay holding the commit orders them).
+                background(checked(authz, msg, who, claims, outcome, auditor))
+                return
+        await act(msg, who, claims, outcome, auditor)
+
+    async def checked(
+        authz: Authz,
+        msg: Msg,
+        who: Caller,
+        claims: dict[str, str],
+        outcome: tuple[str, dict[str, str]],
+        auditor: Auditor | None,
+    ) -> None:
+        refused = await authz.check_write(who, outcome[0], msg.data, claims)
+        await act(msg, who, claims, f"not authorised: {refused}" if refused else outcome, auditor)
+
+    async def act(
+        msg: Msg,
+        who: Caller | None,
+        claims: dict[str, str],
+        outcome: tuple[str, dict[str, str]] | str,
+        auditor: Auditor | None,
+    ) -> None:
         key = written_key(msg.subject, claims)
         if isinstance(outcome, str):
             log.warning("relay: refused a write of %s: %s", who.name if who else "(no caller)", outcome)

@@ -8,11 +8,12 @@ key (a cluster that did not configure one) objects are stored as they are.
 from __future__ import annotations
 
 import os
-
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from typing import TYPE_CHECKING
 
 from shared.errors import ZatteraError
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 KEY_BYTES = 32
 NONCE_BYTES = 12
@@ -26,7 +27,11 @@ class Sealer:
     def __init__(self, key: bytes = b"") -> None:
         if key and len(key) != KEY_BYTES:
             raise ValueError(f"snapshot data key must be {KEY_BYTES} bytes, got {len(key)}")
-        self._aead = AESGCM(key) if key else None
+        self._aead: AESGCM | None = None
+        if key:  # loaded here, when a snapshot is sealed: an agent at idle does without the library (~7 MB)
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            self._aead = AESGCM(key)
 
     @property
     def encrypts(self) -> bool:
@@ -43,6 +48,8 @@ class Sealer:
             return sealed
         if len(sealed) < NONCE_BYTES + 16:
             raise SealError("sealed object too short")
+        from cryptography.exceptions import InvalidTag
+
         try:
             return self._aead.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], None)
         except InvalidTag as exc:

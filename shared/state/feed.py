@@ -24,9 +24,10 @@ The NATS side of the state (the store itself is pure):
   (or a write of this process) already showed. The new load is applied only once it has delivered
   :attr:`StateView.seen_revision`, the newest revision of a key this view follows that it had applied,
   so the snapshot is never older than the view: an older one would keep the view's newer values of some
-  keys beside older values of others (a promoted env beside its deployment still PENDING). A load that
-  cannot get there (the message at that revision expired, the stream was restored) is applied after
-  :data:`LOAD_STALL` without progress.
+  keys beside older values of others (a promoted env beside its deployment still PENDING). A load that stays
+  below it for :data:`LOAD_STALL` while the stream holds that revision (its replica is catching up) is thrown
+  away and the view loads again, on a consumer the cluster may place elsewhere; one that cannot get there
+  (the stream was restored below it, or :data:`MAX_FLOOR_MISSES` loads in a row stayed below) is applied.
 * :meth:`StateView.catch_up`: the one way to wait until the view has seen every write the stream holds
   (after a conflict, so that a re-read sees the write that won), on the store's
   :meth:`~shared.state.store.StateStore.wait_for_revision`.
@@ -64,6 +65,8 @@ INACTIVE_THRESHOLD = 300.0
 FILTERED_INACTIVE_THRESHOLD = 60.0
 """A filtered view's replaced consumers (resync, ordered reset) linger this long after losing interest."""
 LOAD_STALL = 10.0
+MAX_FLOOR_MISSES = 3
+"""Loads in a row that stayed below the view's revision before one is applied as it is."""
 """A view load that receives nothing this long is started again (see :meth:`StateView._until_loaded`)."""
 SNAPSHOT_ATTEMPT = 0.5
 """A snapshot read (:meth:`StateView.load_snapshot`) silent this long is asked again at once."""
@@ -112,6 +115,7 @@ class StateView(StateStore):
         self._resync_buffer: Snapshot | None = None
         self._resync_floor = 0
         self._floor_reached = asyncio.Event()
+        self._floor_misses = 0
         self.seen_revision = 0
         """The newest revision applied of a key this view's consumers deliver (see the module docstring)."""
         self._load_progress = 0.0
@@ -305,13 +309,32 @@ class StateView(StateStore):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(reached.wait(), 1.0)
             if not reached.is_set() and time.monotonic() - self._load_progress > LOAD_STALL:
+                self._floor_misses += 1
+                if self._floor_misses < MAX_FLOOR_MISSES and await self._stream_holds(self._resync_floor):
+                    raise TimeoutError(
+                        f"view {self._name}: load stayed below revision {self._resync_floor} for "
+                        f"{LOAD_STALL:.0f}s (its replica is catching up); loading again"
+                    )
                 log.warning(
-                    "view %s: load stayed below revision %d for %.0fs; applied as it is",
+                    "view %s: load stayed below revision %d for %.0fs (%d loads); applied as it is",
                     self._name,
                     self._resync_floor,
                     LOAD_STALL,
+                    self._floor_misses,
                 )
-                return
+                break
+        self._floor_misses = 0
+
+    async def _stream_holds(self, revision: int) -> bool:
+        """Whether the state stream has reached ``revision`` (so a load below it comes from a lagging
+        replica); True when it cannot be asked (a credential without stream info): the load is retried, at
+        most :data:`MAX_FLOOR_MISSES` times."""
+        try:
+            info = await self._conn.js.stream_info(STATE_STREAM)
+        except Exception as exc:
+            log.debug("view %s: stream info unavailable: %s", self._name, exc)
+            return True
+        return int(info.state.last_seq) >= revision
 
     async def _pull(self, generation: int, done: asyncio.Future[None]) -> _PullLoop:
         """Pull from the consumer control opened for this view (secured agents, :mod:`shared.security.views`)."""

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.certclient import CACHE_FILE, CertClient, CertsUnavailable, ServedCert, write_private_json
+from shared.certclient import CACHE_FILE, CertClient, CertsUnavailable, ServedCert
 from shared.connection import Connection
+from shared.files import write_private_json
 
 CERT = ServedCert("a.example.com", "-----BEGIN CERTIFICATE-----\n", "-----BEGIN PRIVATE KEY-----\n", 4e9)
 

@@ -3,90 +3,33 @@ copies), an app spread over them and a client sending requests through the other
 machine's processes are all SIGKILLed and its link cut: the control plane keeps writing, its replicas are
 placed on the others and serve, the client sees only requests caught in flight fail; the machine comes back
 (its ``zattera up`` started again, as a reboot would) and rejoins with no operator action. Then a partition:
-one server machine cut off for 60 s, the majority side writing, the isolated side committing nothing, and
-the cluster converged once it heals."""
+one server machine cut off for 60 s, the majority side writing, the isolated side committing nothing, the
+stateful env's single replica on the isolated machine never started a second time meanwhile, and the cluster
+converged once it heals."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import time
-from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.multinode.harness import Machine, Network
+from tests.multinode.app import (
+    CLIENT,
+    DB_ENV,
+    ENV,
+    answered_by,
+    deploy_stateful,
+    deploy_three_replicas,
+    node_status,
+    replicas,
+    running,
+    serving_on,
+)
+from tests.multinode.harness import Network
 from tests.multinode.machines import COMMON, cli_env, nodes, servers, three_servers
 from tests.waiting import eventually_sync
-
-ENV = "demo/hello/production"
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hello"
-
-CLIENT = """
-import http.client, json, os, sys, time
-targets, stop, out = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
-ok, failed, by_node, fails, i = 0, 0, {}, [], 0
-while not os.path.exists(stop):
-    host = targets[i % len(targets)]
-    i += 1
-    try:
-        conn = http.client.HTTPConnection(host, 8080, timeout=5)
-        conn.request("GET", "/", headers={"Host": "hello.localhost"})
-        answer = conn.getresponse()
-        body = answer.read()
-        conn.close()
-        if answer.status == 200:
-            ok += 1
-            node = host + "->" + json.loads(body)["node"]
-            by_node[node] = by_node.get(node, 0) + 1
-        else:
-            failed += 1
-            fails.append([time.time(), host, answer.status])
-    except Exception as exc:
-        failed += 1
-        fails.append([time.time(), host, repr(exc)])
-    time.sleep(0.02)
-with open(out, "w") as f:
-    json.dump({"ok": ok, "failed": failed, "nodes": by_node, "fails": fails[:100]}, f)
-"""
-
-
-def replicas(machine: Machine) -> list[dict[str, Any]]:
-    done = machine.zattera("ps", "--env", ENV, "--json", env=cli_env(machine))
-    return json.loads(done.stdout) if done.returncode == 0 else []
-
-
-def serving_on(machine: Machine) -> dict[str, int]:
-    """Healthy replicas meant to run, per node."""
-    counts: dict[str, int] = {}
-    for replica in replicas(machine):
-        if replica["desired"] == "ASSIGNMENT_DESIRED_RUN" and replica["observed"]["state"] == "INSTANCE_STATE_HEALTHY":
-            counts[replica["node_id"]] = counts.get(replica["node_id"], 0) + 1
-    return counts
-
-
-ASK = """
-import http.client, json, sys
-seen = {}
-for _ in range(int(sys.argv[2])):
-    conn = http.client.HTTPConnection(sys.argv[1], 8080, timeout=5)
-    conn.request("GET", "/", headers={"Host": "hello.localhost", "Connection": "close"})
-    answer = conn.getresponse()
-    node = json.loads(answer.read())["node"] if answer.status == 200 else str(answer.status)
-    seen[node] = seen.get(node, 0) + 1
-print(json.dumps(seen))
-"""
-
-
-def answered_by(client: Machine, proxy: Machine, requests: int = 30) -> dict[str, int]:
-    """Which nodes' replicas answered ``requests`` requests sent through ``proxy``'s proxy."""
-    done = client.exec("python3", "-c", ASK, proxy.address, str(requests), check=False)
-    return json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr.strip()[-300:]}
-
-
-def node_status(machine: Machine, name: str) -> str:
-    return str(nodes(machine).get(name, {}).get("status", ""))
 
 
 @pytest.mark.chaos  # three machines in namespaces, minutes: make chaos runs it
@@ -94,11 +37,7 @@ def node_status(machine: Machine, name: str) -> str:
 def test_a_server_machine_lost_and_back(network: Network) -> None:
     m1, m2, m3 = three_servers(network)
     env = cli_env(m1)
-    for command in (("apps", "apply", str(EXAMPLE / "zattera.toml")), ("deploy", str(EXAMPLE), "--env", ENV)):
-        done = m1.zattera(*command, env=env)
-        assert done.returncode == 0, done.stdout + done.stderr
-    assert m1.zattera("scale", "3", "--env", ENV, env=env).returncode == 0
-    eventually_sync(lambda: sum(serving_on(m1).values()) == 3, timeout=180, what="three replicas running")
+    deploy_three_replicas(m1)
     spread = serving_on(m1)
     assert "m2" in spread and len(spread) >= 2, f"replicas not spread over the machines: {spread}"
     # Every machine's proxy reaches the replicas on every machine (over the mesh).
@@ -146,6 +85,11 @@ def test_a_server_machine_lost_and_back(network: Network) -> None:
     eventually_sync(lambda: node_status(m1, "m2") == "NODE_STATUS_ALIVE", timeout=180, what="m2 back")
     eventually_sync(lambda: servers(m1) == 5, timeout=120, what="m2's NATS server back in the cluster")
 
+    # A stateful env whose single replica runs on m3, the machine about to be cut off; m2 is labelled to take it
+    # too, so only the volume's pin keeps it from being started a second time while the first may still run.
+    deploy_stateful(m1, m3, network.base)
+    assert m1.zattera("nodes", "label", "m2", "role=db", env=env).returncode == 0
+
     # A partition: m3 cut off for 60 s. The majority side writes; the isolated side commits nothing.
     m3.link(False)
     cut_at = time.monotonic()
@@ -161,7 +105,10 @@ def test_a_server_machine_lost_and_back(network: Network) -> None:
         what="m3's replicas running on the majority side",
     )
     cut_replaced = time.monotonic() - cut_at
-    time.sleep(max(0.0, 60 - (time.monotonic() - cut_at)))  # the partition lasts 60 s (the scenario's length)
+    while time.monotonic() - cut_at < 60:  # the partition lasts 60 s (the scenario's length)
+        elsewhere = [r["node_id"] for r in running(m1, DB_ENV) if r["node_id"] != "m3"]
+        assert not elsewhere, f"the stateful replica started again on {elsewhere} while m3's may still run"
+        time.sleep(2)
     m3.link(True)
     eventually_sync(lambda: node_status(m1, "m3") == "NODE_STATUS_ALIVE", timeout=180, what="m3 back")
     # Converged: three replicas meant to run, each healthy, none twice; what was acknowledged is kept and the
@@ -173,6 +120,13 @@ def test_a_server_machine_lost_and_back(network: Network) -> None:
         ),
         timeout=180,
         what="three replicas after the partition healed",
+    )
+    eventually_sync(
+        lambda: (
+            [(r["node_id"], r["observed"]["state"]) for r in running(m1, DB_ENV)] == [("m3", "INSTANCE_STATE_HEALTHY")]
+        ),
+        timeout=180,
+        what="the stateful replica serving on m3 again, once",
     )
     healed = time.monotonic() - cut_at - 60
     print(f"partition: m3 down after {cut_down:.1f} s, replaced after {cut_replaced:.1f} s, healed in {healed:.1f} s")

@@ -7,139 +7,19 @@ every server."""
 from __future__ import annotations
 
 import json
-import select
-import subprocess
-import sys
-import time
-from pathlib import Path
-from typing import IO
 
 import pytest
 
-from shared.security.machines import MachineToken
-from tests.multinode.harness import Machine, Network
+from tests.multinode.harness import Network
 from tests.multinode.machines import cli_env, nodes, servers, token
+from tests.multinode.worker import first_server_and_worker, removed_worker_is_dead
 from tests.waiting import eventually_sync
-
-PAYLOAD = "zattera-plaintext-canary-7f3c"
-
-
-def join_refused(machine: Machine, token_text: str, name: str) -> str:
-    done = machine.zattera(
-        "up", "--data-dir", str(machine.data_dir), "--join", token_text, "--name", name, "--advertise", machine.address
-    )
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert not (machine.data_dir / "machine.json").exists(), "a refused join left the machine half-joined"
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    return lines[0]
-
-
-def connects(machine: Machine, creds: Path, ca: Path, url: str) -> str:
-    """Connect from inside ``machine`` with a credentials file: 'ok' or the error."""
-    code = (
-        "import asyncio, ssl, nats\n"
-        "async def go():\n"
-        f"    tls = ssl.create_default_context(cafile={str(ca)!r})\n"
-        f"    nc = await nats.connect({url!r}, user_credentials={str(creds)!r}, tls=tls,\n"
-        "        allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)\n"
-        "    await nc.close()\n"
-        "try:\n    asyncio.run(go()); print('ok')\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
-    )
-    return machine.exec(sys.executable, "-c", code, check=False).stdout.strip()
-
-
-def read_until(stream: IO[str], text: str, timeout: float) -> None:
-    """Read lines of a child's output until one contains ``text`` (its sign of being ready)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
-        if ready:
-            line = stream.readline()
-            if text in line:
-                return
-            if not line:
-                break
-    raise AssertionError(f"no {text!r} from the child within {timeout}s")
-
-
-def wireguard_datagrams(capture: Path) -> int:
-    """How many UDP datagrams to or from the WireGuard port the capture holds so far."""
-    udp = subprocess.run(["tcpdump", "-nr", str(capture), "udp port 51820"], capture_output=True, text=True)
-    return udp.stdout.count("UDP")
 
 
 @pytest.mark.chaos  # machines in namespaces, about 2 min: make chaos runs it
 @pytest.mark.timeout(600)
 def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_credential(network: Network) -> None:
-    m1 = network.add("m1")
-    w1 = network.add("w1")
-    w2 = network.add("w2")
-    common = ["--metrics-port", "0", "--proxy-tls-listen", "", "--proxy-listen", "0.0.0.0:8080"]
-    m1.start("--secure", "--tls", "--name", "m1", "--advertise", m1.address, *common)
-    eventually_sync(lambda: "m1" in nodes(m1), timeout=180, what="the first server machine registers its node")
-
-    # Bad input: each refused in one line, nothing written on the machine, nothing registered in the cluster.
-    assert "malformed join token" in join_refused(w2, "not-a-token", "w2")
-    good = token(m1, "--ttl", "10m")
-    parsed = MachineToken.parse(good)
-    assert parsed.urls and all(m1.address in u for u in parsed.urls) and "BEGIN CERTIFICATE" in parsed.ca_pem
-    unreachable = str(MachineToken(parsed.secret, parsed.sentinel_jwt, ("nats://10.231.0.99:4222",), parsed.ca_pem))
-    assert "unreachable" in join_refused(w2, unreachable, "w2")
-    assert "already in the cluster" in join_refused(w2, token(m1), "m1")
-    short = token(m1, "--ttl", "1s")
-    time.sleep(1.5)  # the token's own expiry, measured by the join service's clock
-    assert "expired" in join_refused(w2, short, "w2")
-
-    w1.start("--join", good, "--name", "w1", "--advertise", w1.address, *common)
-    eventually_sync(lambda: "w1" in nodes(m1), timeout=120, what="the worker registers its node")
-    assert "already used" in join_refused(w2, good, "w2")
-    assert set(nodes(m1)) == {"m1", "w1"}, "a refused join registered a node"
-
-    # The mesh: both nodes publish a WireGuard key and endpoint; traffic between mesh addresses is encrypted.
-    found = nodes(m1)
-    mesh = {n: str(found[n]["mesh_ip"]) for n in ("m1", "w1")}
-    assert all(ip.startswith("10.98.") for ip in mesh.values()), mesh
-    assert all(found[n].get("wireguard_public_key") for n in ("m1", "w1"))
-    # w1's proxy listens on every interface of w1: m1 reaches it at w1's mesh address only through the tunnel.
-    probe = f"import socket; socket.create_connection(({mesh['w1']!r}, 8080), timeout=1).close()"
-    eventually_sync(
-        lambda: m1.exec("python3", "-c", probe, check=False).returncode == 0,
-        timeout=60,
-        what="m1 reaches w1 over the mesh",
-    )
-    capture = w1.data_dir / "eth0.pcap"
-    tcpdump = subprocess.Popen(
-        ["ip", "netns", "exec", w1.netns, "tcpdump", "-i", "eth0", "-w", str(capture), "-U"],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    listener = (
-        f"import socket; s=socket.create_server(({mesh['w1']!r}, 7001)); print('ready', flush=True); "
-        "c,_=s.accept(); print(c.recv(100).decode(), flush=True)"
-    )
-    server = subprocess.Popen(
-        ["ip", "netns", "exec", w1.netns, "python3", "-c", listener], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert tcpdump.stderr is not None and server.stdout is not None
-        read_until(tcpdump.stderr, "listening on", timeout=30)  # capturing from here on
-        read_until(server.stdout, "ready", timeout=30)
-        send = (
-            f"import socket; c=socket.create_connection(({mesh['w1']!r}, 7001), timeout=10); "
-            f"c.sendall({PAYLOAD!r}.encode()); c.close()"
-        )
-        m1.exec("python3", "-c", send)
-        out, _ = server.communicate(timeout=20)
-        assert PAYLOAD in out
-        eventually_sync(lambda: wireguard_datagrams(capture) > 0, timeout=20, what="WireGuard datagrams on the veth")
-    finally:
-        server.kill()
-        tcpdump.terminate()
-        tcpdump.wait(10)
-    wire = capture.read_bytes()
-    assert PAYLOAD.encode() not in wire, "the app's payload crossed the wire in clear"
-    assert wireguard_datagrams(capture) > 0, "no WireGuard datagrams on the veth"
+    m1, w1, common = first_server_and_worker(network)
 
     # A second server machine joins with one command: its NATS server routes to the cluster's, its node registers.
     m2 = network.add("m2")
@@ -182,15 +62,5 @@ def test_a_worker_joins_with_one_command_over_an_encrypted_mesh_and_leaves_no_cr
     status = json.loads(m1.zattera("cluster", "status", "--json", env=cli_env(m1), check=True).stdout)
     assert status["config"]["replicas"] == 3 and not status["mismatches"], status
 
-    # Removal: the worker's credentials stop working on every server.
-    creds = w1.data_dir / "agent" / "node.creds"  # the node's own, apart from the control plane's (cli/layout.py)
-    ca = w1.data_dir / "control" / "security" / "tls" / "ca.pem"
-    url = f"tls://{m1.address}:4222"
-    assert connects(w1, creds, ca, url) == "ok"
-    w1.stop()
-    done = m1.zattera("nodes", "remove", "w1", env=cli_env(m1))
-    assert done.returncode == 0, done.stderr
-    assert "credential(s) revoked" in done.stdout
-    for server_url in [*(f"tls://{m1.address}:{port}" for port in (4222, 4223, 4224)), f"tls://{m2.address}:4222"]:
-        assert "Authorization" in connects(w1, creds, ca, server_url), server_url
-    assert "w1" not in nodes(m1)
+    seats = [f"tls://{m1.address}:{port}" for port in (4222, 4223, 4224)]
+    removed_worker_is_dead(m1, w1, [*seats, f"tls://{m2.address}:4222"])

@@ -3,6 +3,8 @@ changes (table tests, no processes)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -226,11 +228,35 @@ def test_sampler_counts_responses_per_env_and_status_class_for_the_metrics() -> 
     assert sampler.responses == []  # nothing new
 
 
-def test_pem_problems_are_named_before_anything_is_written() -> None:
+def test_pem_problems_are_named_before_anything_is_written(tmp_path: Path) -> None:
     good = self_signed_pem("a.example.com")
     other_key = self_signed_pem("b.example.com").split("-----END CERTIFICATE-----\n", 1)[1]
     certificate_only = good.split("-----END CERTIFICATE-----\n", 1)[0] + "-----END CERTIFICATE-----\n"
-    assert pem_problem(good) is None
-    assert pem_problem("garbage") == "no PEM certificate in it"
-    assert pem_problem(certificate_only) == "no PEM private key in it"
-    assert pem_problem(certificate_only + other_key) == "its private key does not match its first certificate"
+    mangled = certificate_only.replace(certificate_only[80:120], "A" * 40) + other_key
+    encrypted = certificate_only + (
+        "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIGbMFcGCSqGSIb3DQEFDTBKMCkGCSqGSIb3DQEFDDAcBAhmZ2l2ZW4xMjMCAggA\n"
+        "-----END ENCRYPTED PRIVATE KEY-----\n"
+    )
+    assert pem_problem(good, tmp_path) is None
+    chain = good.split("-----END CERTIFICATE-----\n", 1)
+    issuer = self_signed_pem("ca.example.com").split("-----BEGIN PRIVATE")[0]
+    chain_pem = chain[0] + "-----END CERTIFICATE-----\n" + issuer
+    assert pem_problem(chain_pem + chain[1], tmp_path) is None  # a leaf, its issuer's certificate, the key
+    assert pem_problem("garbage", tmp_path) == "no PEM certificate in it"
+    assert pem_problem(mangled, tmp_path) == "no PEM certificate in it"
+    assert pem_problem(certificate_only, tmp_path) == "no PEM private key in it"
+    assert pem_problem(certificate_only + other_key, tmp_path) == "its private key does not match its first certificate"
+    assert pem_problem(encrypted, tmp_path) == "its private key cannot be read (encrypted or malformed)"
+    assert list(tmp_path.iterdir()) == []  # the key written to check it is gone
+
+
+def test_the_fallback_certificate_is_made_outside_the_proxy_process(tmp_path: Path) -> None:
+    path = tmp_path / "fallback.pem"
+    probe = (
+        "import sys; from pathlib import Path; from services.proxy.haproxy_certs import ensure_fallback; "
+        f"ensure_fallback(Path({str(path)!r})); print('cryptography' in sys.modules)"
+    )
+    loaded = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
+    assert loaded.strip() == "False"
+    assert pem_problem(path.read_text(), tmp_path) is None
+    assert path.stat().st_mode & 0o777 == 0o600

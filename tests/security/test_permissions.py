@@ -97,7 +97,7 @@ async def test_agent_cannot_read_other_keys(connect_as: ConnectAs, control: Conn
         assert await agent.refusal() == publish_refused(api)
 
 
-@pytest.mark.parametrize("role", [Role.AGENT, Role.BUILDER, Role.PROXY])
+@pytest.mark.parametrize("role", [Role.AGENT, Role.BUILDER, Role.PROXY, Role.MEMBER])
 @pytest.mark.parametrize(
     "api",
     [

@@ -49,6 +49,18 @@
       if (page === "overview" && change.envs) { change.envs.forEach((id) => rows.add(id)); } else { whole = true; }
       refresh();
     });
+    // The overview's sparklines change with time, not with the state: the rows on screen are fetched again
+    // every 30 s (the server reads the history once per 30 s for every row).
+    if (page === "overview") {
+      setInterval(() => {
+        if (document.hidden) { return; }
+        for (const row of document.querySelectorAll("li.env[id^='env-']")) {
+          const box = row.getBoundingClientRect();
+          if (box.bottom > 0 && box.top < window.innerHeight) { rows.add(row.id.slice(4)); }
+        }
+        if (rows.size) { refresh(); }
+      }, 30000);
+    }
     // Each (re)connection starts with the current revision: changes missed meanwhile refresh the page.
     source.addEventListener("hello", (event) => {
       if (String(JSON.parse(event.data).revision) !== body.dataset.revision) { whole = true; refresh(); }
@@ -75,6 +87,21 @@
     if (question && !window.confirm(question)) { event.preventDefault(); }
   });
 
+  // [data-poll] regions (the charts) change with time, not with the state: fetched again every 10 s.
+  function poll(element) {
+    async function refresh() {
+      if (document.hidden || element.contains(document.activeElement)) { return; }
+      try {
+        const response = await fetch(element.dataset.poll, { credentials: "same-origin", cache: "no-store", headers: { "X-Console-Live": "1" } });
+        if (!response.ok || response.redirected) { return; }
+        const html = await response.text();
+        if (element.innerHTML.trim() !== html.trim()) { element.innerHTML = html; }
+      } catch (error) { /* offline for a moment: the next tick tries again */ }
+    }
+    setInterval(refresh, Number(element.dataset.pollSeconds || 10) * 1000);
+  }
+
   if (body.dataset.livePage) { followChanges(body.dataset.livePage); }
+  for (const element of document.querySelectorAll("[data-poll]")) { poll(element); }
   for (const element of document.querySelectorAll("[data-follow]")) { followLines(element); }
 })();

@@ -223,6 +223,11 @@ class ProxySample(_message.Message):
     LATENCY_P99_MS_FIELD_NUMBER: _builtins.int
     LAST_REQUEST_AT_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
+    REQUESTS_TOTAL_FIELD_NUMBER: _builtins.int
+    RESPONSES_2XX_TOTAL_FIELD_NUMBER: _builtins.int
+    RESPONSES_4XX_TOTAL_FIELD_NUMBER: _builtins.int
+    RESPONSES_5XX_TOTAL_FIELD_NUMBER: _builtins.int
+    LATENCY_P95_MS_FIELD_NUMBER: _builtins.int
     inflight: _builtins.int
     """point-in-time"""
     rps: _builtins.float
@@ -234,6 +239,15 @@ class ProxySample(_message.Message):
     latency_p99_ms: _builtins.float
     held: _builtins.int
     """this project: requests parked waiting for a replica"""
+    requests_total: _builtins.int
+    """invented (issue 40): counters since the proxy started (monotonic; a restart starts them over), so
+    the metrics recorder (docs/observability.md, "History") measures exact rates between any two
+    samples it reads; and the p95 latency over the same window as p50/p99.
+    """
+    responses_2xx_total: _builtins.int
+    responses_4xx_total: _builtins.int
+    responses_5xx_total: _builtins.int
+    latency_p95_ms: _builtins.float
     @_builtins.property
     def last_request_at(self) -> _timestamp_pb2.Timestamp:
         """absent if none"""
@@ -248,10 +262,15 @@ class ProxySample(_message.Message):
         latency_p99_ms: _builtins.float = ...,
         last_request_at: _timestamp_pb2.Timestamp | None = ...,
         held: _builtins.int = ...,
+        requests_total: _builtins.int = ...,
+        responses_2xx_total: _builtins.int = ...,
+        responses_4xx_total: _builtins.int = ...,
+        responses_5xx_total: _builtins.int = ...,
+        latency_p95_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_request_at", b"last_request_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_rate", b"error_rate", "held", b"held", "inflight", b"inflight", "last_request_at", b"last_request_at", "latency_p50_ms", b"latency_p50_ms", "latency_p99_ms", b"latency_p99_ms", "rps", b"rps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_rate", b"error_rate", "held", b"held", "inflight", b"inflight", "last_request_at", b"last_request_at", "latency_p50_ms", b"latency_p50_ms", "latency_p95_ms", b"latency_p95_ms", "latency_p99_ms", b"latency_p99_ms", "requests_total", b"requests_total", "responses_2xx_total", b"responses_2xx_total", "responses_4xx_total", b"responses_4xx_total", "responses_5xx_total", b"responses_5xx_total", "rps", b"rps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -317,6 +336,7 @@ class ProxyHeartbeat(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     OLD_INFLIGHT_FIELD_NUMBER: _builtins.int
     DRAIN_COUNTS_FIELD_NUMBER: _builtins.int
+    CONNECTIONS_FIELD_NUMBER: _builtins.int
     RELEASE_TRAFFIC_FIELD_NUMBER: _builtins.int
     proxy_id: _builtins.str
     node_id: _builtins.str
@@ -332,6 +352,8 @@ class ProxyHeartbeat(_message.Message):
     """invented (issue 42): old_inflight covers everything this proxy has in flight (false, or an older
     proxy: it cannot tell, e.g. an HAProxy worker of before a reload still holds connections).
     """
+    connections: _builtins.int
+    """invented (issue 40): client connections (HTTP streams) this proxy holds open now."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -371,11 +393,12 @@ class ProxyHeartbeat(_message.Message):
         version: _builtins.str = ...,
         old_inflight: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         drain_counts: _builtins.bool = ...,
+        connections: _builtins.int = ...,
         release_traffic: _abc.Iterable[Global___ReleaseTraffic] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["routes_cluster", b"routes_cluster", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain_counts", b"drain_counts", "envs", b"envs", "http_port", b"http_port", "https_port", b"https_port", "node_id", b"node_id", "old_inflight", b"old_inflight", "proxy_id", b"proxy_id", "release_traffic", b"release_traffic", "routes_cluster", b"routes_cluster", "routes_version", b"routes_version", "time", b"time", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connections", b"connections", "drain_counts", b"drain_counts", "envs", b"envs", "http_port", b"http_port", "https_port", b"https_port", "node_id", b"node_id", "old_inflight", b"old_inflight", "proxy_id", b"proxy_id", "release_traffic", b"release_traffic", "routes_cluster", b"routes_cluster", "routes_version", b"routes_version", "time", b"time", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1601,3 +1624,101 @@ class CertEntry(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CertEntry: _TypeAlias = CertEntry  # noqa: Y015
+
+@_typing.final
+class MetricPoint(_message.Message):
+    """MetricPoint is one point of a metrics series (issue 40): stream ZATTERA_METRICS, subjects
+    `zattera.metrics.<resolution>.<kind>.<id>` (docs/observability.md, "History"). One message type for the
+    three kinds; a field a kind does not have stays unset (proto3: not encoded, 0 bytes). Rates are per
+    second averaged over the point's span; counts are the responses within it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIME_FIELD_NUMBER: _builtins.int
+    SPAN_FIELD_NUMBER: _builtins.int
+    RPS_FIELD_NUMBER: _builtins.int
+    RESPONSES_2XX_FIELD_NUMBER: _builtins.int
+    RESPONSES_4XX_FIELD_NUMBER: _builtins.int
+    RESPONSES_5XX_FIELD_NUMBER: _builtins.int
+    LATENCY_P50_MS_FIELD_NUMBER: _builtins.int
+    LATENCY_P95_MS_FIELD_NUMBER: _builtins.int
+    LATENCY_P99_MS_FIELD_NUMBER: _builtins.int
+    INFLIGHT_FIELD_NUMBER: _builtins.int
+    DESIRED_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    CPU_PERCENT_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    DISK_USED_BYTES_FIELD_NUMBER: _builtins.int
+    DISK_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    INSTANCES_FIELD_NUMBER: _builtins.int
+    CONNECTIONS_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    time: _builtins.int
+    """unix seconds: the start of the point's span"""
+    span: _builtins.int
+    """seconds the point covers (10, or 300 downsampled)"""
+    rps: _builtins.float
+    """env, proxy: requests per second"""
+    responses_2xx: _builtins.int
+    """env: responses within the span, by class"""
+    responses_4xx: _builtins.int
+    responses_5xx: _builtins.int
+    latency_p50_ms: _builtins.float
+    """env"""
+    latency_p95_ms: _builtins.float
+    latency_p99_ms: _builtins.float
+    inflight: _builtins.float
+    """env: requests in flight (mean over the span)"""
+    desired: _builtins.int
+    """env: replicas desired"""
+    running: _builtins.int
+    """env: replicas running"""
+    cpu_percent: _builtins.float
+    """env: summed over its instances (100 = one core); node: host-wide 0-100"""
+    memory_bytes: _builtins.int
+    """env: summed RSS; node: used"""
+    memory_total_bytes: _builtins.int
+    """node"""
+    disk_used_bytes: _builtins.int
+    """node: filesystem of the data dir"""
+    disk_total_bytes: _builtins.int
+    """node"""
+    instances: _builtins.int
+    """node: instances it runs"""
+    connections: _builtins.int
+    """proxy: open client connections"""
+    samples: _builtins.int
+    """how many 10-s points a downsampled point summarises"""
+    def __init__(
+        self,
+        *,
+        time: _builtins.int = ...,
+        span: _builtins.int = ...,
+        rps: _builtins.float = ...,
+        responses_2xx: _builtins.int = ...,
+        responses_4xx: _builtins.int = ...,
+        responses_5xx: _builtins.int = ...,
+        latency_p50_ms: _builtins.float = ...,
+        latency_p95_ms: _builtins.float = ...,
+        latency_p99_ms: _builtins.float = ...,
+        inflight: _builtins.float = ...,
+        desired: _builtins.int = ...,
+        running: _builtins.int = ...,
+        cpu_percent: _builtins.float = ...,
+        memory_bytes: _builtins.int = ...,
+        memory_total_bytes: _builtins.int = ...,
+        disk_used_bytes: _builtins.int = ...,
+        disk_total_bytes: _builtins.int = ...,
+        instances: _builtins.int = ...,
+        connections: _builtins.int = ...,
+        samples: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connections", b"connections", "cpu_percent", b"cpu_percent", "desired", b"desired", "disk_total_bytes", b"disk_total_bytes", "disk_used_bytes", b"disk_used_bytes", "inflight", b"inflight", "instances", b"instances", "latency_p50_ms", b"latency_p50_ms", "latency_p95_ms", b"latency_p95_ms", "latency_p99_ms", b"latency_p99_ms", "memory_bytes", b"memory_bytes", "memory_total_bytes", b"memory_total_bytes", "responses_2xx", b"responses_2xx", "responses_4xx", b"responses_4xx", "responses_5xx", b"responses_5xx", "rps", b"rps", "running", b"running", "samples", b"samples", "span", b"span", "time", b"time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MetricPoint: _TypeAlias = MetricPoint  # noqa: Y015

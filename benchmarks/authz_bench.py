@@ -1,0 +1,293 @@
+"""The cost of teams' authorisation (issue 39 item 6): a deploy and ``zattera logs -f``, open mode versus a
+team member on a secured cluster, in one run.
+
+Three modes, each on its own embedded nats-server with the join service's handlers in the benchmark's process
+(watches, and when secured the relay with the audit log and the authorising path):
+
+* **open**: no authentication (``zattera up``);
+* **operator**: ``--secure``, the operator (admin) credential: writes relayed and audited, reads direct;
+* **member**: ``--secure``, a deployer of the project: every write checked against its grant by the relay,
+  every state read and event answered by the authorising path.
+
+Figures per mode:
+
+* **deploy**: what ``zattera deploy --image … --no-watch`` does at the CLI once connected — load the state
+  snapshot (one batch direct get), then the deploy action (release, deployment and env writes, the event) —
+  timed from the snapshot request to the action's return; 20 deploys (full: 100) after two warm-ups, p50.
+* **logs -f**: a follower (``shared.applogs.read_app_logs(follow=True)``, the code of ``zattera logs -f``)
+  of an environment's log stream; 200 batches (full: 1,000) published by control one every 5 ms; the latency
+  from publish to the line at the follower, p50 and p99; and the time to start following (stream info, watch
+  opened, backlog read).
+
+    .venv/bin/python -m benchmarks.authz_bench [--full]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from benchmarks.common import Row, bench_main, percentile, row
+from shared import keys as K
+from shared.actions.context import ActionContext
+from shared.actions.deploys import Deploy
+from shared.actions.deploys import deploy as deploy_action
+from shared.applogs import LogLimits, app_log_subject, app_logs_stream_config, read_app_logs
+from shared.connection import Connection, connect
+from shared.embedded import EmbeddedNats
+from shared.provisioning import create_or_update_stream, provision
+from shared.security.authority import RoleIssuer
+from shared.security.authz import Authz
+from shared.security.creds import read_user_jwt
+from shared.security.join import JoinService
+from shared.security.nkeyjwt import decode_claims
+from shared.security.permissions import Role
+from shared.security.setup import prepare
+from shared.state.feed import StateView
+from shared.subjects import STATE_PREFIX
+from shared.teams import DEPLOYER, User, save_user
+from shared.txn import Writer
+from shared.watches import serve_watches
+from tests.e2e.cluster import cli_argv
+
+PROJECT, APP, ENV = "p-bench", "a-bench", "e-bench"
+MODES = ("open", "operator", "member")
+LINE_GAP = 0.005
+
+
+@dataclass
+class Mode:
+    name: str
+    url: str
+    control: Connection
+    client_creds: str  # "" = open
+
+
+@contextlib.asynccontextmanager
+async def mode(name: str, base: Path, envs: int) -> AsyncIterator[Mode]:
+    setup = prepare(base / "security") if name != "open" else None
+    server = EmbeddedNats(
+        data_dir=base / "nats", extra_config=setup.server_config() if setup is not None else ""
+    ).start()
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        control = await connect(server.url, name="bench-control", creds=str(setup.control_creds) if setup else None)
+        await provision(control.js)
+        authz = None
+        creds = ""
+        if setup is not None:
+            publics = json.loads((setup.directory / "accounts.json").read_text())
+            authz = Authz(
+                control,
+                publics["members"],
+                issuer=RoleIssuer.load(setup.directory, Role.MEMBER),
+                admins_account=publics["operators"],
+            )
+            issuers = {role: RoleIssuer.load(setup.directory, role) for role in (Role.AGENT, Role.BUILDER)}
+            service = JoinService(control, issuers, setup.sentinel_jwt(), authz=authz)
+            tasks.append(asyncio.create_task(service.run()))
+            await asyncio.wait_for(service.ready.wait(), 10)
+            if name == "member":
+                creds = str(setup.creds(Role.MEMBER, "dev"))
+                key = str(decode_claims(read_user_jwt(creds))["sub"])
+                await save_user(control.js, User("dev", key, False, {PROJECT: DEPLOYER}))
+            else:
+                creds = str(setup.operator_creds)
+        ready = asyncio.Event()
+        authorize = authz.authorize_watch if authz is not None else None
+        tasks.append(asyncio.create_task(serve_watches(control, ready, authorize=authorize)))
+        await asyncio.wait_for(ready.wait(), 10)
+        seeded: list[pb.Project | pb.App | pb.Environment] = [
+            pb.Project(meta=pb.Meta(id=PROJECT), name="bench"),
+            pb.App(meta=pb.Meta(id=APP), project_id=PROJECT, name="web"),
+            pb.Environment(meta=pb.Meta(id=ENV), app_id=APP, project_id=PROJECT, name="prod"),
+        ]
+        # One environment per deploy: without an orchestrator a deployment stays in progress.
+        seeded += [
+            pb.Environment(meta=pb.Meta(id=f"{ENV}-{i}"), app_id=APP, project_id=PROJECT, name=f"env{i}")
+            for i in range(envs)
+        ]
+        for msg in seeded:
+            await control.js.publish(f"{STATE_PREFIX}{K.key_of(msg)}", K.encode(msg))
+        await create_or_update_stream(control.js, app_logs_stream_config(ENV, LogLimits(64 << 20, 3600.0), 1))
+        try:
+            yield Mode(name, server.url, control, creds)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await control.close()
+    finally:
+        server.stop()
+
+
+async def _client(m: Mode) -> Connection:
+    return await connect(m.url, name=f"bench-cli-{m.name}", creds=m.client_creds or None)
+
+
+async def deploy_once(conn: Connection, i: int) -> tuple[float, float]:
+    """One deploy as the CLI makes it: (snapshot load, deploy action) in seconds."""
+    started = time.perf_counter()
+    view = StateView(conn, name="bench-cli")
+    await view.load_snapshot(10.0)
+    loaded = time.perf_counter()
+    ctx = ActionContext(conn, Writer(conn, view), "bench")
+    await deploy_action(ctx, Deploy(f"{ENV}-{i}", image_ref=f"docker.io/library/busybox:{i}"))
+    done = time.perf_counter()
+    await view.stop()
+    return loaded - started, done - loaded
+
+
+def _batch(i: int) -> bytes:
+    batch = cpb.InstanceLogBatch(environment_id=ENV, instance_id="i1", node_id="n1")
+    line = batch.lines.add(line=f"{i} {time.perf_counter()!r}", stream="stdout")
+    line.time.FromNanoseconds(time.time_ns())
+    return batch.SerializeToString()
+
+
+async def follow_logs(m: Mode, lines: int) -> tuple[list[float], float]:
+    conn = await _client(m)
+    await m.control.js.publish(app_log_subject(ENV, "i1"), _batch(-1))
+    received: list[float] = []
+    opened = asyncio.Event()
+    start = time.perf_counter()
+    startup = 0.0
+
+    async def reader() -> None:
+        nonlocal startup
+        async for line in read_app_logs(conn, ENV, last=1, follow=True):
+            index, sent = line.line.split(" ", 1)
+            if int(index) < 0:
+                startup = time.perf_counter() - start
+                opened.set()
+                continue
+            received.append(time.perf_counter() - float(sent))
+            if len(received) >= lines:
+                return
+
+    task = asyncio.create_task(reader())
+    try:
+        await asyncio.wait_for(opened.wait(), 10)
+        for i in range(lines):
+            await m.control.js.publish(app_log_subject(ENV, "i1"), _batch(i))
+            await asyncio.sleep(LINE_GAP)
+        await asyncio.wait_for(task, 30)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await conn.close()
+    return received, startup
+
+
+async def cli_deploy(m: Mode, i: int) -> float:
+    """``zattera deploy --image … --no-watch`` as a process, as a user or CI runs it (start-up included)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZATTERA_")}
+    env |= {"ZATTERA_NATS_URL": m.url, "ZATTERA_NATS_CREDS": m.client_creds}
+    argv = [*cli_argv(), "deploy", "--image", f"docker.io/library/busybox:{i}", "--env", f"bench/web/env{i}"]
+    started = time.perf_counter()
+    done = await asyncio.to_thread(subprocess.run, [*argv, "--no-watch"], env=env, capture_output=True, timeout=60)
+    if done.returncode != 0:
+        raise RuntimeError(f"{m.name}: deploy failed: {done.stderr.decode()[-300:]}")
+    return time.perf_counter() - started
+
+
+async def measure(base: Path, count: int, lines: int, cli_count: int) -> dict[str, dict[str, object]]:
+    """The three modes side by side, deploys interleaved (one of each mode in turn), so the machine's load
+    weighs on each alike; then the log followers, one mode after the other."""
+    results: dict[str, dict[str, object]] = {name: {"snapshot": [], "action": [], "cli": []} for name in MODES}
+    async with contextlib.AsyncExitStack() as stack:
+        envs = count + 2 + cli_count
+        modes = [await stack.enter_async_context(mode(name, base / name, envs)) for name in MODES]
+        clients = {m.name: await _client(m) for m in modes}
+        try:
+            for i in range(count + 2):
+                for m in modes if i % 2 == 0 else reversed(modes):
+                    snapshot, action = await deploy_once(clients[m.name], i)
+                    if i >= 2:
+                        results[m.name]["snapshot"].append(snapshot)  # type: ignore[attr-defined]
+                        results[m.name]["action"].append(action)  # type: ignore[attr-defined]
+            for i in range(count + 2, count + 2 + cli_count):
+                for m in modes if i % 2 == 0 else reversed(modes):
+                    results[m.name]["cli"].append(await cli_deploy(m, i))  # type: ignore[attr-defined]
+            for m in modes:
+                latencies, startup = await follow_logs(m, lines)
+                results[m.name] |= {"logs": latencies, "startup": startup}
+        finally:
+            for conn in clients.values():
+                await conn.close()
+    for name in MODES:
+        snaps, actions = results[name]["snapshot"], results[name]["action"]
+        results[name]["deploy"] = [a + b for a, b in zip(snaps, actions, strict=True)]  # type: ignore[call-overload]
+    return results
+
+
+def run(quick: bool = True) -> list[Row]:
+    count = 20 if quick else 100
+    lines = 200 if quick else 1000
+    cli_count = 6 if quick else 20
+    with tempfile.TemporaryDirectory(prefix="zattera-bench-authz-", dir=Path.home() / ".cache") as tmp:
+        results = asyncio.run(measure(Path(tmp), count, lines, cli_count))
+    ms = 1000.0
+    rows: list[Row] = []
+    p50 = {name: percentile(results[name]["deploy"], 50) for name in MODES}  # type: ignore[arg-type]
+    for name in MODES:
+        deploy = results[name]["deploy"]
+        logs = results[name]["logs"]
+        rows += [
+            row(f"{name}: deploy at the CLI, p50 ({len(deploy)})", p50[name] * ms, "ms"),  # type: ignore[arg-type]
+            row(f"{name}: deploy at the CLI, p99", percentile(deploy, 99) * ms, "ms"),  # type: ignore[arg-type]
+            row(f"{name}:   of which snapshot read, p50", percentile(results[name]["snapshot"], 50) * ms, "ms"),  # type: ignore[arg-type]
+            row(
+                f"{name}:   of which deploy action (writes, event), p50",
+                percentile(results[name]["action"], 50) * ms,
+                "ms",
+            ),  # type: ignore[arg-type]
+            row(
+                f"{name}: `zattera deploy --image --no-watch` process, median",
+                percentile(results[name]["cli"], 50) * ms,
+                "ms",
+            ),  # type: ignore[arg-type]
+            row(f"{name}: logs -f line latency, p50 ({len(logs)})", percentile(logs, 50) * ms, "ms"),  # type: ignore[arg-type]
+            row(f"{name}: logs -f line latency, p99", percentile(logs, 99) * ms, "ms"),  # type: ignore[arg-type]
+            row(f"{name}: logs -f start (first line)", float(results[name]["startup"]) * ms, "ms"),  # type: ignore[arg-type]
+        ]
+    logs50 = {name: percentile(results[name]["logs"], 50) for name in MODES}  # type: ignore[arg-type]
+    cli50 = {name: percentile(results[name]["cli"], 50) for name in MODES}  # type: ignore[arg-type]
+    rows += [
+        row(
+            "member vs open: `zattera deploy` process added (median)",
+            (cli50["member"] / cli50["open"] - 1) * 100,
+            "%",
+            "≤ 10",
+        ),
+        row(
+            "member vs operator: `zattera deploy` process added (median)",
+            (cli50["member"] / cli50["operator"] - 1) * 100,
+            "%",
+            "≤ 10",
+        ),
+        row("member vs operator: deploy core added (p50)", (p50["member"] / p50["operator"] - 1) * 100, "%"),
+        row("member vs open: deploy core added (p50)", (p50["member"] / p50["open"] - 1) * 100, "%"),
+        row(
+            "member vs open: logs -f line latency added (p50)",
+            (logs50["member"] / logs50["open"] - 1) * 100,
+            "%",
+            "≤ 10",
+        ),
+    ]
+    return rows
+
+
+if __name__ == "__main__":
+    bench_main("Teams' authorisation", run, __doc__, "100 deploys and 1,000 log batches per mode")

@@ -1,0 +1,297 @@
+"""``zattera users``, ``zattera grants``, ``zattera tokens``: teams on a secured cluster (docs/teams.md).
+
+Run with the operator (admin) credential. A member's credential is minted by control (``zattera.teams.issue``)
+and written 0600 to ``--creds-out``; a token is printed once on stdout and only its SHA-256 is stored.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from cli import render
+from cli.client import control, err, fail, run
+from shared.actions.names import resolve_project
+from shared.security.creds import write_private
+from shared.teams import (
+    VIEWER,
+    Token,
+    User,
+    all_records,
+    check_name,
+    check_role,
+    delete_record,
+    encode_token,
+    hash_token,
+    issue_member_creds,
+    load_token,
+    load_user,
+    parse_ttl,
+    save_token,
+    save_user,
+    token_key,
+    token_user_name,
+    user_key,
+)
+
+users_app = typer.Typer(no_args_is_help=True, help="People of the teams: one identity for the CLI and console.")
+grants_app = typer.Typer(no_args_is_help=True, help="Per-project roles of users: owner, deployer, viewer.")
+tokens_app = typer.Typer(no_args_is_help=True, help="API tokens for CI: one project, one role, an expiry.")
+
+
+def _checked(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+
+
+@users_app.command("add")
+def users_add(
+    name: str = typer.Argument(..., help="user name: 1-64 of a-z, 0-9, '_', '.', '-'"),
+    creds_out: Path = typer.Option(None, "--creds-out", help="where to write the credential (default NAME.creds)"),
+    admin: bool = typer.Option(False, "--admin", help="a cluster admin (uses an operator credential)"),
+    console: bool = typer.Option(
+        False, "--console", help="also their console login (password from a prompt or stdin): one identity"
+    ),
+) -> None:
+    """Add a person; writes their member credential (0600). Grant projects with `zattera grants add`."""
+    _checked(check_name, name, "name")
+    out = creds_out or Path(f"{name}.creds")
+    console_user = None
+    if console:
+        from cli.console_cmds import _read_password
+        from shared.console_users import ADMIN as CONSOLE_ADMIN
+        from shared.console_users import new_user
+
+        # The console's admin role: what a team user may do there is narrowed by their grants (docs/teams.md).
+        console_user = _checked(new_user, name, CONSOLE_ADMIN, _read_password(name))
+
+    async def go() -> None:
+        async with control(view=False) as c:
+            if await load_user(c.conn.js, name) is not None:
+                raise fail(f"name {name!r}: the user exists (remove it first to re-issue its credential)")
+            key = ""
+            if not admin:
+                creds, key = await issue_member_creds(c.conn.nc, name)
+                write_private(out, creds)
+            await save_user(c.conn.js, User(name, key, admin, {}, time.time()))
+            if console_user is not None:
+                from shared.console_users import save_user as save_console_user
+
+                await save_console_user(c.conn.js, console_user)
+
+    run(go)
+    if admin:
+        err.print(
+            f"user {name} added (admin): issue their operator credential on a control machine with "
+            f"`zattera security creds operator {name}`",
+            markup=False,
+            highlight=False,
+        )
+    else:
+        err.print(f"user {name} added; credential written to {out}", markup=False, highlight=False)
+
+
+@users_app.command("list")
+def users_list(json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Users, whether admin, and their grants (project id → role)."""
+
+    async def go() -> list[User]:
+        async with control(view=False) as c:
+            return (await all_records(c.conn.nc, c.conn.js))[0]
+
+    users = run(go)
+    rows = [{"name": u.name, "admin": u.admin, "grants": u.grants, "created_at": u.created_at} for u in users]
+    if json:
+        render.emit_json(rows)
+        return
+    render.table(
+        "users",
+        ["name", "admin", "grants"],
+        [
+            [r["name"], "yes" if r["admin"] else "", ", ".join(f"{p}={g}" for p, g in u.grants.items())]
+            for r, u in zip(rows, users, strict=True)
+        ],
+    )
+
+
+@users_app.command("remove")
+def users_remove(name: str) -> None:
+    """Remove a user and their console login: both are refused from their next request."""
+
+    async def go() -> bool:
+        async with control(view=False) as c:
+            if await load_user(c.conn.js, name) is None:
+                return False
+            await delete_record(c.conn.js, user_key(name))
+            # One identity: their console login goes too (else it would act unscoped, as before teams).
+            from shared.console_users import remove_user as remove_console_user
+
+            await remove_console_user(c.conn.js, name)
+            return True
+
+    if not run(go):
+        raise fail(f"name {name!r}: no such user")
+    err.print(f"user {name} removed", markup=False, highlight=False)
+
+
+def _project_id(view: Any, ref: str) -> str:
+    project = resolve_project(view, ref)
+    if project is None:
+        raise fail(f"--project {ref!r}: no such project")
+    return str(project.meta.id)
+
+
+@grants_app.command("add")
+def grants_add(
+    user: str = typer.Argument(..., help="the user"),
+    project: str = typer.Option(..., "--project", help="project name or id"),
+    role: str = typer.Option(VIEWER, "--role", help="owner, deployer or viewer"),
+) -> None:
+    """Give USER a role on a project (replaces the role they had there)."""
+    _checked(check_role, role)
+
+    async def go() -> str:
+        async with control() as c:
+            project_id = _project_id(c.view, project)
+            found = await load_user(c.conn.js, user)
+            if found is None:
+                raise fail(f"user {user!r}: no such user (`zattera users add`)")
+            found.grants[project_id] = role
+            await save_user(c.conn.js, found)
+            return project_id
+
+    project_id = run(go)
+    err.print(f"{user} is {role} of project {project} ({project_id})", markup=False, highlight=False)
+
+
+@grants_app.command("remove")
+def grants_remove(
+    user: str = typer.Argument(..., help="the user"),
+    project: str = typer.Option(..., "--project", help="project name or id"),
+) -> None:
+    """Take USER's role on a project away (effective at their next request)."""
+
+    async def go() -> bool:
+        async with control() as c:
+            project_id = _project_id(c.view, project)
+            found = await load_user(c.conn.js, user)
+            if found is None:
+                raise fail(f"user {user!r}: no such user")
+            if found.grants.pop(project_id, None) is None:
+                return False
+            await save_user(c.conn.js, found)
+            return True
+
+    if not run(go):
+        raise fail(f"user {user!r} has no role on project {project!r}")
+    err.print(f"{user} has no role on project {project} any more", markup=False, highlight=False)
+
+
+@grants_app.command("list")
+def grants_list(
+    user: str = typer.Option("", "--user", help="only this user"),
+    json: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Every grant: user, project id, role."""
+
+    async def go() -> list[User]:
+        async with control(view=False) as c:
+            return (await all_records(c.conn.nc, c.conn.js))[0]
+
+    rows = [
+        {"user": u.name, "project_id": p, "role": r}
+        for u in run(go)
+        if not user or u.name == user
+        for p, r in sorted(u.grants.items())
+    ]
+    if json:
+        render.emit_json(rows)
+        return
+    render.table("grants", ["user", "project", "role"], [[r["user"], r["project_id"], r["role"]] for r in rows])
+
+
+@tokens_app.command("create")
+def tokens_create(
+    name: str = typer.Argument(..., help="token name (shown in the audit log as token:NAME)"),
+    project: str = typer.Option(..., "--project", help="project name or id"),
+    role: str = typer.Option(..., "--role", help="owner, deployer or viewer"),
+    ttl: str = typer.Option("90d", "--ttl", help="lifetime: a number and s, m, h or d"),
+) -> None:
+    """Create an API token and print it once (use it as ZATTERA_TOKEN); only its hash is stored."""
+    _checked(check_name, name, "name")
+    _checked(check_role, role)
+    seconds = _checked(parse_ttl, ttl)
+
+    async def go() -> str:
+        async with control() as c:
+            project_id = _project_id(c.view, project)
+            if await load_token(c.conn.js, name) is not None:
+                raise fail(f"name {name!r}: a token of that name exists (revoke it, or pick another name)")
+            creds, key = await issue_member_creds(c.conn.nc, token_user_name(name))
+            token = encode_token(creds)
+            now = time.time()
+            record = Token(name, project_id, role, key, hash_token(token), now + seconds, now, "operator")
+            await save_token(c.conn.js, record)
+            return token
+
+    token = run(go)
+    err.print(f"token {name} ({role} of {project}, {ttl}); shown once:", markup=False, highlight=False)
+    print(token)
+
+
+@tokens_app.command("list")
+def tokens_list(json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Tokens: name, project, role, expiry, revoked (never the token nor its hash)."""
+
+    async def go() -> list[Token]:
+        async with control(view=False) as c:
+            return (await all_records(c.conn.nc, c.conn.js))[1]
+
+    tokens = [t.public() for t in run(go)]
+    if json:
+        render.emit_json(tokens)
+        return
+    render.table(
+        "tokens",
+        ["name", "project", "role", "expires", "revoked"],
+        [
+            [
+                t["name"],
+                t["project_id"],
+                t["role"],
+                time.strftime("%Y-%m-%d %H:%M", time.gmtime(t["expires_at"])),
+                "yes" if t["revoked"] else "",
+            ]
+            for t in tokens
+        ],
+    )
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(ts))
+
+
+@tokens_app.command("revoke")
+def tokens_revoke(name: str) -> None:
+    """Revoke a token: refused from its next request."""
+
+    async def go() -> bool:
+        async with control(view=False) as c:
+            found = await load_token(c.conn.js, name)
+            if found is None:
+                return False
+            found.revoked = True
+            await save_token(c.conn.js, found)
+            return True
+
+    if not run(go):
+        raise fail(f"name {name!r}: no such token")
+    err.print(f"token {name} revoked", markup=False, highlight=False)
+
+
+__all__ = ["grants_app", "token_key", "tokens_app", "users_app"]

@@ -1,0 +1,325 @@
+"""Charts of the metrics history, drawn on the server as SVG (docs/console.md, "Charts").
+
+Why SVG from the server and not a vendored chart library: the page stays script-light (the CSP forbids
+inline script anyway), works offline with nothing to vendor or update, a chart is a pure function of the
+series (tested as text, no browser needed), it reaches assistive technology as a titled image with a
+table-like summary, and a live update is the same region swap the rest of the console uses.
+
+Each chart: a ``viewBox`` that scales to the width of its container, a y axis from 0 to a round maximum,
+time labels in UTC, a polyline per series (broken where a value is unknown), and the env's marks (deploys,
+scaling) as vertical lines with their text as a ``<title>`` tooltip. The data the test reads is in
+attributes: ``data-mean``/``data-last``/``data-max`` per series, ``data-time`` per mark.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from html import escape
+
+from markupsafe import Markup
+
+from shared import history as H
+
+WIDTH = 560
+HEIGHT = 210
+LEFT = 46
+RIGHT = 12
+TOP = 12
+BOTTOM = 26
+"""The drawing's own units: the SVG scales uniformly to its container, so text of 14 units reads ~15 px in a
+desktop column and ~9 px on a 390-px phone."""
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    label: str
+    values: Sequence[float | None]
+    css: str
+    """Class of the line (its colour and dash are the stylesheet's: ``.s-total``, ``.s-5xx`` …)."""
+
+
+def nice_max(value: float) -> float:
+    """The smallest 1, 2, 2.5 or 5 × 10^n at or above ``value`` (1 when nothing is above 0)."""
+    if value <= 0 or math.isnan(value):
+        return 1.0
+    exponent = math.floor(math.log10(value))
+    for step in (1.0, 2.0, 2.5, 5.0, 10.0):
+        candidate = float(step * 10.0**exponent)
+        if candidate >= value * 0.999999:
+            return candidate
+    return float(10.0 ** (exponent + 1))
+
+
+def _num(value: float) -> str:
+    if value >= 100 or value == int(value):
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2g}"
+
+
+def _time_label(t: float, window: int) -> str:
+    fmt = "%H:%M" if window <= 2 * 86_400 else "%b %d"
+    return time.strftime(fmt, time.gmtime(t))
+
+
+def _stats(values: Sequence[float | None]) -> tuple[float, float, float]:
+    known = [v for v in values if v is not None]
+    if not known:
+        return 0.0, 0.0, 0.0
+    return sum(known) / len(known), known[-1], max(known)
+
+
+def line_chart(
+    chart_id: str,
+    title: str,
+    unit: str,
+    start: int,
+    span: int,
+    series: Sequence[Series],
+    marks: Sequence[H.Mark] = (),
+    *,
+    window: int = 3600,
+    width: int = WIDTH,
+    height: int = HEIGHT,
+) -> Markup:
+    """One chart as an accessible ``<figure>`` holding an SVG (see the module docstring)."""
+    slots = max((len(s.values) for s in series), default=0)
+    end = start + slots * span
+    plot_w = width - LEFT - RIGHT
+    plot_h = height - TOP - BOTTOM
+    top = nice_max(max((v for s in series for v in s.values if v is not None), default=0.0))
+
+    def x(t: float) -> float:
+        return LEFT + (t - start) / max(end - start, 1) * plot_w
+
+    def y(v: float) -> float:
+        return TOP + plot_h - (v / top) * plot_h
+
+    parts: list[str] = []
+    title_id, desc_id = f"{chart_id}-t", f"{chart_id}-d"
+    described = [(s.label, *_stats(s.values)) for s in series]
+    summary = "; ".join(
+        f"{label}: last {_num(last)}, average {_num(mean)}, peak {_num(peak)}" for label, mean, last, peak in described
+    )
+    parts.append(
+        f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" aria-labelledby="{title_id} {desc_id}" '
+        f'data-start="{start}" data-span="{span}">'
+        f'<title id="{title_id}">{escape(title)} ({escape(unit)})</title><desc id="{desc_id}">{escape(summary)}</desc>'
+    )
+    for i in range(4):  # grid and y labels: 0, ⅓, ⅔, max
+        value = top * i / 3
+        gy = y(value)
+        parts.append(f'<line class="grid" x1="{LEFT}" x2="{width - RIGHT}" y1="{gy:.1f}" y2="{gy:.1f}"/>')
+        parts.append(f'<text class="axis" x="{LEFT - 4}" y="{gy + 4:.1f}" text-anchor="end">{_num(value)}</text>')
+    ticks = 4
+    for i in range(ticks + 1):
+        t = start + (end - start) * i / ticks
+        anchor = "start" if i == 0 else ("end" if i == ticks else "middle")
+        parts.append(
+            f'<text class="axis" x="{x(t):.1f}" y="{height - 6}" text-anchor="{anchor}">{_time_label(t, window)}</text>'
+        )
+    for s in series:
+        mean, last, peak = _stats(s.values)
+        parts.append(
+            f'<g class="series {s.css}" data-label="{escape(s.label)}" data-mean="{mean:.4g}" '
+            f'data-last="{last:.4g}" data-max="{peak:.4g}">'
+        )
+        run: list[str] = []
+        for index, known in enumerate(s.values):
+            if known is None:
+                if len(run) > 1:
+                    parts.append(f'<polyline points="{" ".join(run)}"/>')
+                run = []
+                continue
+            t = start + index * span + span / 2
+            run.append(f"{x(t):.1f},{y(known):.1f}")
+        if len(run) > 1:
+            parts.append(f'<polyline points="{" ".join(run)}"/>')
+        elif len(run) == 1:
+            cx, cy = run[0].split(",")
+            parts.append(f'<circle cx="{cx}" cy="{cy}" r="2"/>')
+        parts.append("</g>")
+    for mark in marks:
+        if not start <= mark.time <= end:
+            continue
+        mx = x(mark.time)
+        kind = "deploy" if mark.kind.startswith("deploy.") else "scale"
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(mark.time))
+        parts.append(
+            f'<g class="mark mark-{kind}" data-time="{mark.time:.3f}" data-kind="{escape(mark.kind)}">'
+            f"<title>{escape(when)} {escape(mark.kind)}: {escape(mark.text)}</title>"
+            f'<line x1="{mx:.1f}" x2="{mx:.1f}" y1="{TOP}" y2="{TOP + plot_h}"/>'
+            f'<path d="M{mx - 5:.1f},{TOP - 2} L{mx + 5:.1f},{TOP - 2} L{mx:.1f},{TOP + 6} Z"/></g>'
+        )
+    parts.append("</svg>")
+    legend = "".join(
+        f'<li><span class="key {s.css}" aria-hidden="true"></span>{escape(s.label)} '
+        f"<strong>{_num(_stats(s.values)[1])}</strong></li>"
+        for s in series
+    )
+    return Markup(
+        f'<figure class="chart" id="{chart_id}"><figcaption>{escape(title)} <small>{escape(unit)}</small></figcaption>'
+        f'{"".join(parts)}<ul class="legend">{legend}</ul></figure>'
+    )
+
+
+def env_charts(history: H.History, window: int) -> list[Markup]:
+    """The env page's charts: requests and errors, latency, replicas and in-flight, CPU, memory."""
+    mib = [None if v is None else v / 1_048_576 for v in history.values("memory_bytes")]
+    common = {"window": window}
+    return [
+        line_chart(
+            "chart-requests",
+            "Requests",
+            "per second",
+            history.start,
+            history.span,
+            [
+                Series("all", history.values("rps"), "s-total"),
+                Series("2xx", history.values("responses_2xx", per_second=True), "s-2xx"),
+                Series("4xx", history.values("responses_4xx", per_second=True), "s-4xx"),
+                Series("5xx", history.values("responses_5xx", per_second=True), "s-5xx"),
+            ],
+            history.marks,
+            **common,
+        ),
+        line_chart(
+            "chart-latency",
+            "Latency",
+            "ms",
+            history.start,
+            history.span,
+            [
+                Series("p50", history.values("latency_p50_ms"), "s-p50"),
+                Series("p95", history.values("latency_p95_ms"), "s-p95"),
+                Series("p99", history.values("latency_p99_ms"), "s-p99"),
+            ],
+            history.marks,
+            **common,
+        ),
+        line_chart(
+            "chart-replicas",
+            "Replicas and requests in flight",
+            "count",
+            history.start,
+            history.span,
+            [
+                Series("desired", history.values("desired"), "s-desired"),
+                Series("running", history.values("running"), "s-running"),
+                Series("in flight", history.values("inflight"), "s-inflight"),
+            ],
+            history.marks,
+            **common,
+        ),
+        line_chart(
+            "chart-cpu",
+            "CPU",
+            "% of a core, summed over replicas",
+            history.start,
+            history.span,
+            [Series("cpu", history.values("cpu_percent"), "s-cpu")],
+            history.marks,
+            **common,
+        ),
+        line_chart(
+            "chart-memory",
+            "Memory",
+            "MiB, summed over replicas",
+            history.start,
+            history.span,
+            [Series("memory", mib, "s-memory")],
+            history.marks,
+            **common,
+        ),
+    ]
+
+
+def node_charts(history: H.History, window: int) -> list[Markup]:
+    """A node's charts: CPU, memory used and total, disk of the data dir, instances."""
+    gib = 1_073_741_824
+
+    def scaled(name: str) -> list[float | None]:
+        return [None if v is None else v / gib for v in history.values(name)]
+
+    return [
+        line_chart(
+            "chart-node-cpu",
+            "CPU",
+            "% of the host",
+            history.start,
+            history.span,
+            [Series("cpu", history.values("cpu_percent"), "s-cpu")],
+            window=window,
+        ),
+        line_chart(
+            "chart-node-memory",
+            "Memory",
+            "GiB",
+            history.start,
+            history.span,
+            [
+                Series("used", scaled("memory_bytes"), "s-memory"),
+                Series("total", scaled("memory_total_bytes"), "s-total"),
+            ],
+            window=window,
+        ),
+        line_chart(
+            "chart-node-disk",
+            "Disk of the data dir",
+            "GiB",
+            history.start,
+            history.span,
+            [
+                Series("used", scaled("disk_used_bytes"), "s-memory"),
+                Series("total", scaled("disk_total_bytes"), "s-total"),
+            ],
+            window=window,
+        ),
+        line_chart(
+            "chart-node-instances",
+            "Instances",
+            "count",
+            history.start,
+            history.span,
+            [Series("instances", history.values("instances"), "s-running")],
+            window=window,
+        ),
+    ]
+
+
+def sparkline(requests: Sequence[float | None], errors: Sequence[float | None], label: str) -> Markup:
+    """A small overview chart: requests (line) and 5xx (red line) over the same slots, scaled together."""
+    width, height = 120, 28
+    top = nice_max(max((v for v in [*requests, *errors] if v is not None), default=0.0))
+    n = max(len(requests), 1)
+
+    def points(values: Sequence[float | None]) -> str:
+        return " ".join(
+            f"{(i + 0.5) / n * width:.1f},{height - 2 - (v or 0.0) / top * (height - 4):.1f}"
+            for i, v in enumerate(values)
+        )
+
+    mean_requests = _stats(requests)[0]
+    mean_errors = _stats(errors)[0]
+    text = f"{label}: {_num(mean_requests)} requests/s, {_num(mean_errors)} errors/s on average"
+    return Markup(
+        f'<svg class="spark" viewBox="0 0 {width} {height}" role="img" aria-label="{escape(text)}" '
+        f'data-requests="{mean_requests:.4g}" data-errors="{mean_errors:.4g}">'
+        f'<polyline class="s-total" points="{points(requests)}"/>'
+        f'<polyline class="s-5xx" points="{points(errors)}"/></svg>'
+    )
+
+
+WINDOWS = (("1h", 3600), ("24h", 86_400), ("7d", 7 * 86_400))
+
+
+def window_of(text: str) -> tuple[str, int]:
+    """The chart window a query names (1h by default; anything else is 1h too)."""
+    for name, seconds in WINDOWS:
+        if text == name:
+            return name, seconds
+    return WINDOWS[0]

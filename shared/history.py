@@ -1,0 +1,609 @@
+"""Metrics history (issue 40): the figures of the heartbeats, kept over time by the cluster itself.
+
+Two JetStream streams, one per resolution (docs/observability.md, "History"):
+
+* ``ZATTERA_METRICS``: a :class:`MetricPoint` every 10 s per env, node and proxy, subjects
+  ``zattera.metrics.10s.<kind>.<id>``, kept 24 h (the stream's ``max_age``);
+* ``ZATTERA_METRICS_5M``: the same downsampled to 5 min, ``zattera.metrics.5m.<kind>.<id>``, kept 30 days,
+  and the env's marks (deploys, scaling) on ``zattera.metrics.mark.env.<id>`` (JSON).
+
+Both are written by one leader loop (``services/autoscale/history.py``). This module is the pure part —
+the point a sample makes (:class:`Recorder`), downsampling (:func:`downsample`), dense series for charts
+(:func:`dense`) — and the reads (:func:`read_points`, :func:`read_marks`, :func:`env_history`). An idle
+env (nothing running, no traffic) writes no point once a zero point is written: a missing env point
+reads as zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import StorageType, StreamConfig
+from zattera.cluster.v1 import cluster_pb2 as cpb
+
+from shared.errors import ZatteraError
+
+RAW_SPAN = 10
+"""Seconds of one raw point."""
+DOWN_SPAN = 300
+"""Seconds of one downsampled point."""
+DAY = 86_400.0
+RAW_MAX_AGE = DAY
+DOWN_MAX_AGE = 30 * DAY
+METRICS_STREAM = "ZATTERA_METRICS"
+METRICS_5M_STREAM = "ZATTERA_METRICS_5M"
+PREFIX = "zattera.metrics."
+RAW = "10s"
+DOWN = "5m"
+MARK = "mark"
+ENV = "env"
+NODE = "node"
+PROXY = "proxy"
+KINDS = (ENV, NODE, PROXY)
+MARK_KINDS = (
+    "deploy.succeeded",
+    "deploy.promoted",
+    "deploy.rolled_back",
+    "deploy.failed",
+    "deploy.canceled",
+    "autoscale.scaled",
+    "serverless.scaled",
+    "scale.changed",
+    "env.scaled",
+    "scaletozero.cooled",
+    "scaletozero.woken",
+)
+"""Event kinds copied as marks on an env's time axis (deploys and scaling)."""
+DUPLICATE_WINDOW = 600.0
+
+
+class HistoryError(ZatteraError, ValueError):
+    """A bad history request (names the field)."""
+
+
+def subject(resolution: str, kind: str, ident: str) -> str:
+    return f"{PREFIX}{resolution}.{kind}.{ident}"
+
+
+def mark_subject(env_id: str) -> str:
+    return f"{PREFIX}{MARK}.{ENV}.{env_id}"
+
+
+def stream_configs(replicas: int) -> list[StreamConfig]:
+    """The two streams: raw points kept a day, downsampled points and marks kept 30 days. One stream per
+    retention: ``max_age`` drops whole blocks at no cost per message (a per-message TTL header would add
+    ~20 bytes to points of ~30)."""
+    common: dict[str, Any] = {
+        "num_replicas": replicas,
+        "allow_direct": True,
+        "storage": StorageType.FILE,
+        "duplicate_window": DUPLICATE_WINDOW,
+    }
+    return [
+        StreamConfig(name=METRICS_STREAM, subjects=[f"{PREFIX}{RAW}.>"], max_age=RAW_MAX_AGE, **common),
+        StreamConfig(
+            name=METRICS_5M_STREAM, subjects=[f"{PREFIX}{DOWN}.>", f"{PREFIX}{MARK}.>"], max_age=DOWN_MAX_AGE, **common
+        ),
+    ]
+
+
+async def ensure_streams(js: Any, replicas: int) -> None:
+    """Create the metrics streams unless they exist (the recorder does at the start of each term)."""
+    for config in stream_configs(replicas):
+        try:
+            await js.stream_info(config.name)
+        except nats.js.errors.NotFoundError:
+            await js.add_stream(config)
+
+
+# ------------------------------------------------------------------ sampling (pure)
+
+
+@dataclass(slots=True)
+class _Previous:
+    at: float
+    totals: tuple[int, int, int, int]
+
+
+def _totals(sample: cpb.ProxySample) -> tuple[int, int, int, int]:
+    return (
+        sample.requests_total,
+        sample.responses_2xx_total,
+        sample.responses_4xx_total,
+        sample.responses_5xx_total,
+    )
+
+
+def _hb_time(hb: cpb.Heartbeat | cpb.ProxyHeartbeat) -> float:
+    return float(hb.time.seconds + hb.time.nanos / 1e9)
+
+
+@dataclass(slots=True)
+class EnvFacts:
+    """What the state says of an env at a pass: replicas desired and running."""
+
+    desired: int = 0
+    running: int = 0
+
+
+def is_idle(point: cpb.MetricPoint) -> bool:
+    """Nothing to chart: no traffic, nothing running or wanted, no usage."""
+    rest = cpb.MetricPoint()
+    rest.CopyFrom(point)
+    rest.ClearField("time")
+    rest.ClearField("span")
+    return rest.ByteSize() == 0
+
+
+@dataclass
+class Recorder:
+    """Turns the heartbeats seen at each pass into points. Counters are differenced per (reporter, env)
+    between passes (exact counts and rates whatever the heartbeat interval; a counter that went down — a
+    proxy restart — counts from zero)."""
+
+    previous: dict[tuple[str, str], _Previous] = field(default_factory=dict)
+    written_nonidle: set[str] = field(default_factory=set)
+    """Subjects whose last written point was not idle (the next idle one is still written, once)."""
+
+    def points(
+        self,
+        at: float,
+        node_heartbeats: Mapping[str, cpb.Heartbeat],
+        proxy_heartbeats: Iterable[cpb.ProxyHeartbeat],
+        envs: Mapping[str, EnvFacts],
+        env_of_instance: Mapping[str, str],
+    ) -> dict[str, cpb.MetricPoint]:
+        """subject → point for the 10-s slot that ended at ``at``'s slot boundary (its ``time`` is that
+        slot's start: ``at`` 12:00:10.3 → 12:00:00); only what is to be written."""
+        slot = int(at // RAW_SPAN * RAW_SPAN) - RAW_SPAN
+        env_points: dict[str, cpb.MetricPoint] = {
+            env_id: cpb.MetricPoint(time=slot, span=RAW_SPAN, desired=facts.desired, running=facts.running)
+            for env_id, facts in envs.items()
+        }
+        weights: dict[str, float] = {}
+        proxy_points: dict[str, cpb.MetricPoint] = {}
+        seen: set[tuple[str, str]] = set()
+        reporters: list[tuple[str, cpb.Heartbeat | cpb.ProxyHeartbeat, Mapping[str, cpb.ProxySample]]] = [
+            (f"node.{node_id}", hb, hb.proxy) for node_id, hb in node_heartbeats.items()
+        ]
+        for phb in proxy_heartbeats:
+            reporters.append((f"proxy.{phb.proxy_id}", phb, phb.envs))
+            proxy_points[phb.proxy_id] = cpb.MetricPoint(time=slot, span=RAW_SPAN, connections=phb.connections)
+        for reporter, hb, samples in reporters:
+            hb_at = _hb_time(hb)
+            for env_id, sample in samples.items():
+                key = (reporter, env_id)
+                seen.add(key)
+                totals = _totals(sample)
+                before = self.previous.get(key)
+                self.previous[key] = _Previous(hb_at, totals)
+                point = env_points.get(env_id)
+                if point is None:
+                    continue  # an env the state no longer has
+                if before is not None and hb_at > before.at:
+                    went_down = any(now < then for now, then in zip(totals, before.totals, strict=True))
+                    delta = totals if went_down else tuple(n - t for n, t in zip(totals, before.totals, strict=True))
+                    rps = delta[0] / (hb_at - before.at)
+                    point.responses_2xx += delta[1]
+                    point.responses_4xx += delta[2]
+                    point.responses_5xx += delta[3]
+                elif before is None or not any(totals):
+                    rps = sample.rps  # a first sample (or a proxy without counters): its own rate
+                else:
+                    rps = 0.0  # no newer heartbeat since the previous pass: counted then
+                point.rps += rps
+                point.inflight += sample.inflight + sample.held
+                weight = max(rps, 1e-9)
+                weights[env_id] = weights.get(env_id, 0.0) + weight
+                point.latency_p50_ms += sample.latency_p50_ms * weight
+                point.latency_p95_ms = max(point.latency_p95_ms, sample.latency_p95_ms or sample.latency_p99_ms)
+                point.latency_p99_ms = max(point.latency_p99_ms, sample.latency_p99_ms)
+                if reporter.startswith("proxy."):
+                    proxy_points[reporter[6:]].rps += rps
+        for key in [k for k in self.previous if k not in seen]:
+            del self.previous[key]
+        for env_id, weight in weights.items():
+            env_points[env_id].latency_p50_ms /= weight
+        node_points: dict[str, cpb.MetricPoint] = {}
+        for node_id, hb in node_heartbeats.items():
+            node_points[node_id] = cpb.MetricPoint(
+                time=slot,
+                span=RAW_SPAN,
+                cpu_percent=hb.cpu_percent,
+                memory_bytes=hb.memory_used_bytes,
+                memory_total_bytes=hb.memory_total_bytes,
+                disk_used_bytes=hb.disk_used_bytes,
+                disk_total_bytes=hb.disk_total_bytes,
+                instances=len(hb.instances),
+            )
+            for aid, usage in hb.instances.items():
+                env_point = env_points.get(env_of_instance.get(aid, ""))
+                if env_point is not None:
+                    env_point.cpu_percent += usage.cpu_percent
+                    env_point.memory_bytes += usage.memory_bytes
+        out: dict[str, cpb.MetricPoint] = {}
+        for env_id, point in env_points.items():
+            name = subject(RAW, ENV, env_id)
+            if is_idle(point):
+                if name not in self.written_nonidle:
+                    continue
+                self.written_nonidle.discard(name)
+            else:
+                self.written_nonidle.add(name)
+            out[name] = point
+        for node_id, point in node_points.items():
+            out[subject(RAW, NODE, node_id)] = point
+        for proxy_id, point in proxy_points.items():
+            out[subject(RAW, PROXY, proxy_id)] = point
+        return out
+
+
+# ------------------------------------------------------------------ downsampling (pure)
+
+
+def bucket_of(t: float, span: int = DOWN_SPAN) -> int:
+    return int(t // span * span)
+
+
+def downsample(
+    points: Sequence[cpb.MetricPoint], start: int, span: int = DOWN_SPAN, *, slots: float | None = None
+) -> cpb.MetricPoint:
+    """One point for ``[start, start+span)`` from the raw points within it. Missing raw points of an env
+    are idle (zero): rates, in-flight and CPU are averaged over the whole span; counts add up; p50 is
+    the request-weighted mean, p95/p99 the worst; replicas, memory, disk and instances the largest."""
+    out = cpb.MetricPoint(time=start, span=span, samples=len(points))
+    if not points:
+        return out
+    slots = max(slots if slots is not None else span / RAW_SPAN, 1.0)
+    weight = 0.0
+    for p in points:
+        out.rps += p.rps / slots
+        out.inflight += p.inflight / slots
+        out.cpu_percent += p.cpu_percent / slots
+        out.responses_2xx += p.responses_2xx
+        out.responses_4xx += p.responses_4xx
+        out.responses_5xx += p.responses_5xx
+        w = max(p.rps, 1e-9)
+        weight += w
+        out.latency_p50_ms += p.latency_p50_ms * w
+        out.latency_p95_ms = max(out.latency_p95_ms, p.latency_p95_ms)
+        out.latency_p99_ms = max(out.latency_p99_ms, p.latency_p99_ms)
+        out.desired = max(out.desired, p.desired)
+        out.running = max(out.running, p.running)
+        out.memory_bytes = max(out.memory_bytes, p.memory_bytes)
+        out.memory_total_bytes = max(out.memory_total_bytes, p.memory_total_bytes)
+        out.disk_used_bytes = max(out.disk_used_bytes, p.disk_used_bytes)
+        out.disk_total_bytes = max(out.disk_total_bytes, p.disk_total_bytes)
+        out.instances = max(out.instances, p.instances)
+        out.connections = max(out.connections, p.connections)
+    out.latency_p50_ms /= weight
+    if points[0].memory_total_bytes or points[0].disk_total_bytes:
+        # a node writes every point: average over the points it wrote, not over the span
+        out.cpu_percent = sum(p.cpu_percent for p in points) / len(points)
+    return out
+
+
+@dataclass
+class Downsampler:
+    """Keeps the raw points of the current 5-min bucket per subject; :meth:`add` returns the downsampled
+    points of buckets that ended (subject → point, the ``5m`` subjects)."""
+
+    span: int = DOWN_SPAN
+    bucket: int | None = None
+    pending: dict[str, list[cpb.MetricPoint]] = field(default_factory=dict)
+
+    def add(self, raw: Mapping[str, cpb.MetricPoint], at: float) -> dict[str, cpb.MetricPoint]:
+        current = bucket_of(at, self.span)
+        done: dict[str, cpb.MetricPoint] = {}
+        if self.bucket is not None and current > self.bucket:
+            done = self.flush()
+        self.bucket = current
+        for name, point in raw.items():
+            if bucket_of(point.time, self.span) == current:
+                self.pending.setdefault(name, []).append(point)
+        return done
+
+    def flush(self) -> dict[str, cpb.MetricPoint]:
+        done: dict[str, cpb.MetricPoint] = {}
+        if self.bucket is None:
+            return done
+        for name, points in self.pending.items():
+            down_name = name.replace(f"{PREFIX}{RAW}.", f"{PREFIX}{DOWN}.", 1)
+            done[down_name] = downsample(points, self.bucket, self.span)
+        self.pending = {}
+        return done
+
+
+# ------------------------------------------------------------------ series for charts (pure)
+
+FIGURES: dict[str, tuple[str, ...]] = {
+    ENV: (
+        "rps",
+        "responses_2xx",
+        "responses_4xx",
+        "responses_5xx",
+        "latency_p50_ms",
+        "latency_p95_ms",
+        "latency_p99_ms",
+        "inflight",
+        "desired",
+        "running",
+        "cpu_percent",
+        "memory_bytes",
+    ),
+    NODE: (
+        "cpu_percent",
+        "memory_bytes",
+        "memory_total_bytes",
+        "disk_used_bytes",
+        "disk_total_bytes",
+        "instances",
+    ),
+    PROXY: ("rps", "connections"),
+}
+
+
+def dense(
+    points: Sequence[cpb.MetricPoint], start: int, end: int, span: int, *, gap: float | None = 0.0
+) -> list[tuple[int, cpb.MetricPoint | None]]:
+    """One slot per ``span`` from ``start`` to ``end`` (exclusive), each with the point of that slot (the
+    last one written when several; None when missing and ``gap`` is None)."""
+    by_slot: dict[int, cpb.MetricPoint] = {}
+    for point in points:
+        by_slot[bucket_of(point.time, span)] = point
+    first = bucket_of(start, span)
+    out: list[tuple[int, cpb.MetricPoint | None]] = []
+    for slot in range(first, end, span):
+        found = by_slot.get(slot)
+        if found is None and gap is not None:
+            found = cpb.MetricPoint(time=slot, span=span)
+        out.append((slot, found))
+    return out
+
+
+def regroup(points: Sequence[cpb.MetricPoint], span: int) -> list[cpb.MetricPoint]:
+    """Points merged into coarser ``span`` slots (a 7-day chart of 5-min points drawn per 30 min)."""
+    groups: dict[int, list[cpb.MetricPoint]] = {}
+    for point in points:
+        groups.setdefault(bucket_of(point.time, span), []).append(point)
+    merged = []
+    for start, group in sorted(groups.items()):
+        down = downsample(_as_raw(group, span), start, span)
+        down.samples = sum(p.samples or 1 for p in group)
+        merged.append(down)
+    return merged
+
+
+def _as_raw(points: Sequence[cpb.MetricPoint], span: int) -> list[cpb.MetricPoint]:
+    """Scale coarse points so :func:`downsample` (which assumes 10-s points) averages them right."""
+    out = []
+    for p in points:
+        q = cpb.MetricPoint()
+        q.CopyFrom(p)
+        factor = (p.span or RAW_SPAN) / RAW_SPAN
+        q.rps = p.rps * factor
+        q.inflight = p.inflight * factor
+        q.cpu_percent = p.cpu_percent * factor if not (p.memory_total_bytes or p.disk_total_bytes) else p.cpu_percent
+        out.append(q)
+    return out
+
+
+def figure(point: cpb.MetricPoint | None, name: str) -> float | None:
+    if point is None:
+        return None
+    return float(getattr(point, name))
+
+
+def rate(point: cpb.MetricPoint, name: str) -> float:
+    """A count field as a per-second rate over the point's span."""
+    return float(getattr(point, name)) / float(point.span or RAW_SPAN)
+
+
+# ------------------------------------------------------------------ reads
+
+DIRECT_GET = "$JS.API.DIRECT.GET."
+PAGE = 1000
+
+
+def _rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+async def read_messages(
+    nc: NATS, stream: str, subject_filter: str, since: float, *, timeout: float = 3.0, limit: int = 100_000
+) -> list[Msg]:
+    """Every message of ``subject_filter`` stored at or after ``since`` (epoch seconds), read by batched
+    direct gets (no consumer; any replica answers), pages of :data:`PAGE`."""
+    found: list[Msg] = []
+    request: dict[str, Any] = {"next_by_subj": subject_filter, "batch": PAGE, "start_time": _rfc3339(since)}
+    while len(found) < limit:
+        page = await _direct_batch(nc, stream, request, timeout)
+        found.extend(page)
+        if len(page) < PAGE:
+            break
+        last_seq = int((page[-1].headers or {}).get("Nats-Sequence", "0"))
+        request = {"next_by_subj": subject_filter, "batch": PAGE, "seq": last_seq + 1}
+    return found[:limit]
+
+
+async def _direct_batch(nc: NATS, stream: str, request: dict[str, Any], timeout: float) -> list[Msg]:
+    inbox = nc.new_inbox()
+    replies: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def collect(msg: Msg) -> None:
+        replies.put_nowait(msg)
+
+    sub = await nc.subscribe(inbox, cb=collect)
+    try:
+        await nc.publish(DIRECT_GET + stream, json.dumps(request).encode(), reply=inbox)
+        page: list[Msg] = []
+        while True:
+            msg = await asyncio.wait_for(replies.get(), timeout)
+            status = (msg.headers or {}).get("Status")
+            if status is None:
+                page.append(msg)
+            elif status in ("204", "404"):
+                return page
+            elif status == "503" and not page:
+                raise nats.errors.NoRespondersError
+            else:
+                raise HistoryError(f"reading {stream} answered {status}")
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+
+
+async def read_points(nc: NATS, resolution: str, kind: str, ident: str, since: float) -> list[cpb.MetricPoint]:
+    stream = METRICS_STREAM if resolution == RAW else METRICS_5M_STREAM
+    try:
+        msgs = await read_messages(nc, stream, subject(resolution, kind, ident), since)
+    except nats.errors.NoRespondersError:
+        return []  # no such stream yet: nothing recorded
+    points = []
+    for msg in msgs:
+        with contextlib.suppress(Exception):
+            points.append(cpb.MetricPoint.FromString(msg.data))
+    return [p for p in points if p.time >= bucket_of(since, p.span or RAW_SPAN)]
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    time: float
+    kind: str
+    text: str
+
+
+def mark_of(event_time: float, kind: str, message: str) -> bytes:
+    return json.dumps({"time": round(event_time, 3), "kind": kind, "text": message[:200]}).encode()
+
+
+async def read_marks(nc: NATS, env_id: str, since: float) -> list[Mark]:
+    try:
+        msgs = await read_messages(nc, METRICS_5M_STREAM, mark_subject(env_id), since, limit=2000)
+    except nats.errors.NoRespondersError:
+        return []
+    marks = []
+    for msg in msgs:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            body = json.loads(msg.data)
+            marks.append(Mark(float(body["time"]), str(body["kind"]), str(body.get("text", ""))))
+    return [m for m in marks if m.time >= since]
+
+
+WINDOWS = {"1h": 3600, "6h": 6 * 3600, "24h": 86_400, "7d": 7 * 86_400, "30d": 30 * 86_400}
+
+
+def parse_since(text: str) -> int:
+    """``90s``, ``15m``, ``1h``, ``24h``, ``7d`` → seconds (at most 30 days); :class:`HistoryError` naming
+    ``since`` otherwise."""
+    text = text.strip().lower()
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
+    if len(text) < 2 or text[-1] not in units or not text[:-1].isdigit():
+        raise HistoryError(f"--since {text!r}: expected a number and a unit s, m, h or d (e.g. 1h, 7d)")
+    seconds = int(text[:-1]) * units[text[-1]]
+    if not 0 < seconds <= DOWN_MAX_AGE:
+        raise HistoryError(f"--since {text!r}: must be more than 0 and at most 30d (the history kept)")
+    return seconds
+
+
+@dataclass(frozen=True)
+class History:
+    """A series ready to draw or print: ``slots`` (start times) with the point of each (None: unknown),
+    the span of a slot, and the env's marks."""
+
+    kind: str
+    ident: str
+    start: int
+    end: int
+    span: int
+    slots: list[tuple[int, cpb.MetricPoint | None]]
+    marks: list[Mark]
+
+    def values(self, name: str, *, per_second: bool = False) -> list[float | None]:
+        out: list[float | None] = []
+        for _, point in self.slots:
+            if point is None:
+                out.append(None)
+            elif per_second:
+                out.append(rate(point, name))
+            else:
+                out.append(float(getattr(point, name)))
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "id": self.ident,
+            "start": self.start,
+            "end": self.end,
+            "span": self.span,
+            "series": {
+                name: [None if v is None else round(v, 3) for v in self.values(name)] for name in FIGURES[self.kind]
+            },
+            "marks": [{"time": m.time, "kind": m.kind, "text": m.text} for m in self.marks],
+        }
+
+
+SETTLE = 3
+"""Seconds after a slot ends before it is drawn (the recorder's pass writes it right after the boundary)."""
+
+
+def resolution_for(window: int) -> tuple[str, int]:
+    """(stored resolution, drawn span): 10 s up to 6 h (at most ~2,000 points), 5 min up to 2 days, then
+    30 min (a 7-day chart has 336 points)."""
+    if window <= 6 * 3600:
+        return RAW, RAW_SPAN if window <= 3600 else 60
+    if window <= 2 * 86_400:
+        return DOWN, DOWN_SPAN
+    return DOWN, 1800
+
+
+async def history(nc: NATS, kind: str, ident: str, window: int, now: float) -> History:
+    """The series of one env, node or proxy over the last ``window`` seconds: raw points for short windows,
+    downsampled ones (plus the raw points of the bucket still open) for long ones; marks for an env."""
+    if kind not in KINDS:
+        raise HistoryError(f"kind {kind!r}: expected one of {', '.join(KINDS)}")
+    resolution, span = resolution_for(window)
+    start = bucket_of(now - window, span)
+    end = bucket_of(now - SETTLE, span)  # exclusive: the slot still being measured is not drawn
+    gap: float | None = 0.0 if kind == ENV else None
+    marks_task = asyncio.ensure_future(read_marks(nc, ident, start)) if kind == ENV else None
+    if resolution == RAW:
+        points = await read_points(nc, RAW, kind, ident, start)
+    else:
+        down, tail = await asyncio.gather(
+            read_points(nc, DOWN, kind, ident, start),
+            read_points(nc, RAW, kind, ident, bucket_of(now, DOWN_SPAN)),
+        )
+        open_bucket = bucket_of(now, DOWN_SPAN)
+        if tail:
+            down = [p for p in down if p.time < open_bucket]
+            elapsed = max((now - SETTLE - open_bucket) // RAW_SPAN, 1)
+            down.append(downsample(tail, open_bucket, slots=elapsed))
+        end = open_bucket + DOWN_SPAN if span == DOWN_SPAN else end
+        points = down
+    if span != (points[0].span if points else span):
+        points = regroup(points, span)
+    marks = await marks_task if marks_task is not None else []
+    return History(kind, ident, start, end, span, dense(points, start, end, span, gap=gap), marks)
+
+
+def sparkline(values: Sequence[float | None]) -> str:
+    """Unicode block sparkline (a space for unknown)."""
+    blocks = "▁▂▃▄▅▆▇█"
+    known = [v for v in values if v is not None and not math.isnan(v)]
+    top = max(known, default=0.0)
+    if top <= 0:
+        return "".join(" " if v is None else blocks[0] for v in values)
+    last = len(blocks) - 1
+    return "".join(" " if v is None else blocks[min(int(v / top * last + 0.5), last)] for v in values)

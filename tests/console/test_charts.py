@@ -1,0 +1,98 @@
+"""Charts of the metrics history in the console: the SVG drawing (pure), then the env page, its chart
+fragment and JSON, the node page and the overview's sparklines over real HTTP and real NATS."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from zattera.cluster.v1 import cluster_pb2 as cpb
+
+from services.console import charts
+from shared import history as H
+from shared.connection import Connection
+from tests.console.rig import ADMIN_USER, ENV_ID, Running
+from tests.console.test_auth import client, log_in
+
+
+def test_a_chart_breaks_its_line_at_unknown_values_and_draws_marks_at_their_time() -> None:
+    marks = [H.Mark(1_000_000 + 300.0, "deploy.succeeded", "release <v2> is live")]
+    svg = str(
+        charts.line_chart(
+            "c",
+            "Requests",
+            "per second",
+            1_000_000,
+            60,
+            [charts.Series("all", [1.0, 2.0, None, 4.0, 5.0, 6.0], "s-total")],
+            marks,
+        )
+    )
+    assert svg.count("<polyline") == 2  # broken at the gap
+    assert 'data-mean="3.6"' in svg and 'data-last="6"' in svg and 'data-max="6"' in svg
+    mark = re.search(r'<g class="mark mark-deploy" data-time="1000300.000".*?<line x1="([\d.]+)"', svg)
+    assert mark is not None
+    assert abs(float(mark.group(1)) - (charts.LEFT + 300 / 360 * (charts.WIDTH - charts.LEFT - charts.RIGHT))) < 0.2
+    assert "release &lt;v2&gt; is live" in svg and "<v2>" not in svg
+    assert 'role="img"' in svg and '<title id="c-t">Requests (per second)</title>' in svg
+
+
+def test_nice_max() -> None:
+    assert [charts.nice_max(v) for v in (0, 0.7, 3, 19, 240, 1001)] == [1, 1, 5, 20, 250, 2000]
+
+
+async def seed_history(conn: Connection) -> float:
+    await H.ensure_streams(conn.js, 1)
+    now = time.time()
+    start = H.bucket_of(now - 3700, 10)
+    for i in range(372):
+        t = start + 10 * i
+        point = cpb.MetricPoint(time=t, span=10, rps=40.0, responses_2xx=380, responses_5xx=20, desired=2, running=2)
+        await conn.js.publish(H.subject(H.RAW, H.ENV, ENV_ID), point.SerializeToString())
+        node_point = cpb.MetricPoint(
+            time=t, span=10, cpu_percent=30.0, memory_bytes=1 << 30, memory_total_bytes=4 << 30
+        )
+        await conn.js.publish(H.subject(H.RAW, H.NODE, "n1"), node_point.SerializeToString())
+    for b in range(24):
+        down = cpb.MetricPoint(time=H.bucket_of(now, 300) - 300 * (b + 1), span=300, rps=40.0, responses_5xx=6000)
+        await conn.js.publish(H.subject(H.DOWN, H.ENV, ENV_ID), down.SerializeToString())
+    deployed = float(start + 1500)
+    await conn.js.publish(H.mark_subject(ENV_ID), H.mark_of(deployed, "deploy.succeeded", "release v2 is live"))
+    return deployed
+
+
+async def test_env_node_and_overview_pages_show_the_history(console: Running, conn: Connection) -> None:
+    deployed = await seed_history(conn)
+    async with client() as http:
+        await log_in(http, console.url, ADMIN_USER)
+        async with http.get(f"{console.url}/env/{ENV_ID}") as page:
+            html = await page.text()
+        assert page.status == 200
+        requests = re.search(r'<g class="series s-total" data-label="all" data-mean="([\d.]+)"', html)
+        assert requests is not None and abs(float(requests.group(1)) - 40.0) < 0.5
+        errors = re.search(r'<g class="series s-5xx" data-label="5xx" data-mean="([\d.]+)"', html)
+        assert errors is not None and abs(float(errors.group(1)) - 2.0) < 0.1
+        assert f'data-time="{deployed:.3f}"' in html
+        assert 'aria-current="true">1h<' in html
+        async with http.get(f"{console.url}/env/{ENV_ID}/charts?window=24h") as fragment:
+            text = await fragment.text()
+        assert "<html" not in text and 'data-span="300"' in text and 'aria-current="true">24h<' in text
+        async with http.get(f"{console.url}/api/env/{ENV_ID}/metrics?window=1h") as api:
+            body = await api.json()
+        assert body["span"] == 10 and max(v for v in body["series"]["rps"] if v) == 40.0
+        assert body["marks"][0]["kind"] == "deploy.succeeded"
+        async with http.get(f"{console.url}/api/env/{ENV_ID}/metrics?window=2w") as bad:
+            assert bad.status == 400 and (await bad.json())["error"] == "window '2w': expected one of 1h, 24h, 7d"
+        async with http.get(f"{console.url}/env/{ENV_ID}?window=2w") as bad_page:
+            assert (
+                bad_page.status == 400 and "window &#39;2w&#39;: expected one of 1h, 24h, 7d" in await bad_page.text()
+            )
+        async with http.get(f"{console.url}/nodes/n1") as node_page:
+            node_html = await node_page.text()
+        assert node_page.status == 200 and "node-one" in node_html and 'id="chart-node-cpu"' in node_html
+        async with http.get(f"{console.url}/nodes/nope") as missing:
+            assert missing.status == 404
+        async with http.get(f"{console.url}/") as overview:
+            over = await overview.text()
+        spark = re.search(r'<svg class="spark"[^>]*data-requests="([\d.]+)"', over)
+        assert spark is not None and abs(float(spark.group(1)) - 40.0) < 0.5
