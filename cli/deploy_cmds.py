@@ -3,6 +3,7 @@ the deployments that roll them out."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,18 @@ from cli import render
 from cli.client import control, err, fail, run
 from cli.options import JSON, WIDE, env_or_fail, set_output
 from cli.render import Col
-from shared.actions.deploys import CancelDeployment, Deploy, GitCommit, Rollback, cancel_deployment
+from shared.actions.context import ActionContext
+from shared.actions.deploys import (
+    CanaryDecision,
+    CanaryRequested,
+    CancelDeployment,
+    Deploy,
+    GitCommit,
+    Rollback,
+    abort_canary,
+    cancel_deployment,
+    promote_canary,
+)
 from shared.actions.deploys import deploy as deploy_action
 from shared.actions.deploys import rollback as rollback_action
 from shared.actions.names import env_label, env_path
@@ -30,7 +42,7 @@ def _deploy_usage(ctx: Any) -> str:
     return (
         f"Usage: {prog} DIR [--env E] [OPTIONS]\n"
         f"       {prog} --env E (--image REF | --build ID) [OPTIONS]\n"
-        f"       {prog} (watch | cancel | list) [ARGS]..."
+        f"       {prog} (watch | cancel | promote | abort | list) [ARGS]..."
     )
 
 
@@ -204,6 +216,38 @@ def _watch(deployment_id: str, *, until_done: bool) -> None:
 
     code = run(lambda: watch_deployment(deployment_id, until_done=until_done))
     raise typer.Exit(code)
+
+
+@deploy_app.command("promote")
+def deploy_promote(deployment_id: str, json: bool = JSON) -> None:
+    """Canary: skip the remaining steps and send all the traffic to the new release now."""
+    _canary(deployment_id, promote_canary, json)
+
+
+@deploy_app.command("abort")
+def deploy_abort(deployment_id: str, json: bool = JSON) -> None:
+    """Canary: send no more traffic to the new release and stop its replicas (deployment.canary_aborted)."""
+    _canary(deployment_id, abort_canary, json)
+
+
+def _canary(
+    deployment_id: str, action: Callable[[ActionContext, CanaryDecision], Awaitable[CanaryRequested]], json: bool
+) -> None:
+    async def go() -> None:
+        async with control() as c:
+            done = await action(c.actions, CanaryDecision(deployment_id))
+            if set_output(json):
+                render.emit_json(
+                    {"deployment_id": done.deployment_id, "requested": done.requested, "step": done.step}
+                    | {"weight": done.weight}
+                )
+                return
+            err.print(
+                f"deployment {done.deployment_id}: {done.requested} requested at canary step {done.step + 1} "
+                f"({done.weight}%)"
+            )
+
+    run(go)
 
 
 @deploy_app.command("cancel")

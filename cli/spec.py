@@ -61,6 +61,7 @@ in docs/zattera-toml.md.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import re
 import tomllib
 from pathlib import Path
@@ -80,6 +81,13 @@ from pydantic import (
 
 from shared.actions.volumes import PolicyChange
 from shared.appconfig import ConfigError, check_env_size, check_var
+from shared.canary import (
+    CANARY_DEFAULT_MAX_ERROR_RATIO,
+    CANARY_DEFAULT_MAX_LATENCY_RATIO,
+    CANARY_DEFAULT_MIN_REQUESTS,
+    CANARY_DEFAULT_PAUSE,
+    CANARY_DEFAULT_STEPS,
+)
 from shared.errors import ZatteraError
 from shared.gitsource import branch_problem
 from shared.jobs import DEFAULT_DEADLINE, MAX_RETRIES, CommandError, check_command
@@ -335,6 +343,29 @@ class Network(_Model):
         return list(dict.fromkeys(value))
 
 
+class Canary(_Model):
+    """``[env.<name>.canary]``: the steps and analysis bounds of ``strategy = "canary"`` (docs/deployments.md)."""
+
+    steps: list[int] = Field(default_factory=lambda: list(CANARY_DEFAULT_STEPS), min_length=1, max_length=20)
+    pause: float = CANARY_DEFAULT_PAUSE
+    max_error_ratio: float = Field(default=CANARY_DEFAULT_MAX_ERROR_RATIO, ge=0, le=1)
+    max_latency_ratio: float = Field(default=CANARY_DEFAULT_MAX_LATENCY_RATIO, ge=1, le=100)
+    min_requests: int = Field(default=CANARY_DEFAULT_MIN_REQUESTS, ge=1, le=10_000_000)
+
+    _durations = field_validator("pause", mode="before")(parse_duration)
+
+    @field_validator("steps")
+    @classmethod
+    def _rising_to_100(cls, value: list[int]) -> list[int]:
+        if any(not isinstance(step, int) or isinstance(step, bool) or not 1 <= step <= 100 for step in value):
+            raise ValueError("each step is a percentage from 1 to 100")
+        if any(b <= a for a, b in itertools.pairwise(value)):
+            raise ValueError(f"steps must rise ({value})")
+        if value[-1] != 100:
+            raise ValueError(f"the last step must be 100 ({value})")
+        return value
+
+
 class Env(_Model):
     replicas: Replicas = Replicas()
     resources: Resources = Resources()
@@ -363,6 +394,8 @@ class Env(_Model):
     git_branch: str = Field(default="", description="pushes of this branch to the app's git remote deploy here")
 
     read_only_root: Flag = Field(default=False, description="docker runtime: a read-only root filesystem")
+    strategy: Literal["red-green", "canary"] = Field(default="red-green", description="how a deploy shifts traffic")
+    canary: Canary | None = None
 
     _durations = field_validator("idle_timeout", "stop_grace", "min_healthy_time", mode="before")(parse_duration)
 
@@ -432,6 +465,10 @@ class Env(_Model):
         names = [p.name for p in self.ports]
         if len(names) != len(set(names)):
             raise ValueError("port names must be unique")
+        if self.canary is not None and self.strategy != "canary":
+            raise ValueError('canary: needs strategy = "canary"')
+        if self.strategy == "canary" and self.stateful:
+            raise ValueError('strategy: "canary" needs two releases side by side; a stateful env has one instance')
         return self
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from zattera.v1 import types_pb2 as pb
 
-from cli.spec import AppSpec, Env, to_duration
+from cli.spec import AppSpec, Canary, Env, to_duration
 from shared.jobs import POLICIES
 
 _PROTOCOLS = {"http": pb.PROTOCOL_HTTP, "tcp": pb.PROTOCOL_TCP, "udp": pb.PROTOCOL_UDP}
@@ -76,6 +76,13 @@ def service_spec(spec: AppSpec, env: Env) -> pb.ServiceSpec:
         if entry.resources is not None:
             cron.resources.cpu_millis = entry.resources.cpu_millis
             cron.resources.memory_mb = entry.resources.memory_mb
+    if env.strategy == "canary":
+        canary = env.canary or Canary()
+        s.canary.steps.extend(canary.steps)
+        s.canary.pause.CopyFrom(to_duration(canary.pause))
+        s.canary.max_error_ratio = canary.max_error_ratio
+        s.canary.max_latency_ratio = canary.max_latency_ratio
+        s.canary.min_requests = canary.min_requests
     return s
 
 

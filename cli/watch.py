@@ -16,6 +16,7 @@ from cli.client import control, err
 from cli.render import enum_name
 from shared import keys as K
 from shared.applogs import AppLogLine
+from shared.canary import describe as describe_canary
 from shared.clock import RealClock
 from shared.connection import Connection
 from shared.deployments import desired_replicas, is_terminal
@@ -56,6 +57,7 @@ async def watch_deployment(deployment_id: str, *, until_done: bool) -> int:
         last = ""
         log_task: asyncio.Task[None] | None = None
         release_output: ReleaseOutput | None = None
+        live: LiveView | None = None
         try:
             while True:
                 d = c.view.deployment(deployment_id)
@@ -63,6 +65,12 @@ async def watch_deployment(deployment_id: str, *, until_done: bool) -> int:
                     err.print(f"[red]error:[/] deployment {deployment_id!r} not found")
                     return 2
                 line = f"{_phase(d)} {_replicas(c.view, d)}".strip()
+                if d.phase == pb.DEPLOYMENT_PHASE_CANARY:  # the step, weights and live figures (issue 41)
+                    if live is None:
+                        live = LiveView(c.conn, RealClock(), watched=True)
+                        await live.start()
+                    figures = describe_canary(d, c.view.release(d.release_id), live.fresh_proxy_heartbeats())
+                    line = f"{line} — {escape(figures)}"
                 if line != last:
                     err.print(f"[{time.monotonic() - started:6.1f}s] {line}")
                     last = line
@@ -92,6 +100,8 @@ async def watch_deployment(deployment_id: str, *, until_done: bool) -> int:
                 await feed.wait(timeout=5.0)
         finally:
             feed.close()
+            if live is not None:
+                await live.stop()
             if release_output is not None:
                 release_output.cancel()
             if log_task is not None:

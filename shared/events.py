@@ -179,6 +179,8 @@ KINDS = (
     "addon.detached",
     "addon.restored",
     "addon.deleted",
+    "deployment.canary_step",
+    "deployment.canary_aborted",
 )
 """Every event kind the platform emits (docs/observability.md has the catalogue; each kind is documented)."""
 

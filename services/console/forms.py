@@ -10,7 +10,7 @@ from aiohttp import web
 
 from services.console.handling import client_address, console_of, is_api, redirect_to, refuse, session_of
 from shared.actions.context import ActionContext
-from shared.actions.deploys import Rollback, rollback
+from shared.actions.deploys import CanaryDecision, Rollback, abort_canary, promote_canary, rollback
 from shared.actions.envs import Scale, scale
 from shared.actions.jobs import CancelJob, cancel_job
 from shared.actions.nodes import EditNode, NodeChange, edit_node
@@ -169,3 +169,17 @@ async def restore_action(request: web.Request) -> web.StreamResponse:
     return _done(
         request, "/volumes", f"volume {volume_id} from snapshot {snapshot_id}: {notice}", finished=done.finished
     )
+
+
+async def canary_action(request: web.Request) -> web.StreamResponse:
+    """A canary's promote or abort (``/env/{env_id}/deployments/{deployment_id}/promote|abort``, issue 41)."""
+    env_id, deployment_id, verb = (request.match_info[k] for k in ("env_id", "deployment_id", "verb"))
+    action = {"promote": promote_canary, "abort": abort_canary}.get(verb)
+    if action is None:
+        raise web.HTTPNotFound(text=f"no canary action {verb!r}")
+    try:
+        done = await action(_acting(request), CanaryDecision(deployment_id))
+    except ActionRefused as exc:
+        return _refused(request, exc)
+    notice = f"deployment {done.deployment_id}: {done.requested} requested at canary step {done.step + 1}"
+    return _done(request, f"/env/{env_id}", notice, deployment_id=done.deployment_id, requested=done.requested)

@@ -17,6 +17,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import jobs as J
 from shared import keys as K
+from shared.canary import describe as describe_canary
 from shared.certs import certificate_text, domain_rows
 from shared.deployments import desired_replicas, is_terminal
 from shared.state.reader import StateReader
@@ -76,6 +77,7 @@ PHASE_ORDER = (
     pb.DEPLOYMENT_PHASE_STOPPING_OLD,  # stateful deploys only: the old instance stops before the new starts
     pb.DEPLOYMENT_PHASE_STARTING,
     pb.DEPLOYMENT_PHASE_HEALTHCHECKING,
+    pb.DEPLOYMENT_PHASE_CANARY,  # canary deploys only (docs/deployments.md)
     pb.DEPLOYMENT_PHASE_PROMOTING,
     pb.DEPLOYMENT_PHASE_DRAINING_OLD,
     pb.DEPLOYMENT_PHASE_SUCCEEDED,
@@ -86,7 +88,12 @@ PHASE_ORDER = (
 def _deployment(view: StateReader, d: pb.Deployment) -> dict[str, Any]:
     release = view.release(d.release_id)
     releasing = release is not None and bool(release.service.release_command) and not d.is_rollback
-    order = [p for p in PHASE_ORDER if releasing or p != pb.DEPLOYMENT_PHASE_RELEASING]
+    canary = release is not None and release.service.HasField("canary")
+    order = [
+        p
+        for p in PHASE_ORDER
+        if (releasing or p != pb.DEPLOYMENT_PHASE_RELEASING) and (canary or p != pb.DEPLOYMENT_PHASE_CANARY)
+    ]
     return {
         "step": order.index(d.phase) + 1 if d.phase in order else 0,
         "steps": len(order),
@@ -353,3 +360,13 @@ def kinds_of_page(page: str) -> Iterable[str]:
 def page_revision(view: StateReader, page: str) -> int:
     """The newest revision of what ``page`` shows (writes of other kinds, lease renewals, do not move it)."""
     return max((view.kind_revision(kind) for kind in kinds_of_page(page)), default=0)
+
+
+def env_canary(view: StateReader, env_id: str, heartbeats: list[cpb.ProxyHeartbeat]) -> dict[str, str]:
+    """The env's running canary, as ``zattera deploy watch`` shows it (step, weights, live figures against
+    the bounds); {} when none (issue 41)."""
+    for d in view.deployments(env_id):
+        line = describe_canary(d, view.release(d.release_id), heartbeats)
+        if line:
+            return {"deployment_id": d.meta.id, "line": line, "requested": d.canary.requested}
+    return {}

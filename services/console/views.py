@@ -74,7 +74,10 @@ def _env_detail(console: Console, env_id: str) -> dict[str, Any]:
     routes = console.routes()
     urls = pages.urls_by_env(console.view, routes, console.listeners()).get(env_id, [])
     certificates = pages.certificates_by_env(console.view, routes).get(env_id, [])
-    return pages.env_detail(console.view, env, urls, certificates)
+    detail = pages.env_detail(console.view, env, urls, certificates)
+    heartbeats = console.live.fresh_proxy_heartbeats() if console.live is not None else []
+    detail["canary"] = pages.env_canary(console.view, env_id, heartbeats)
+    return detail
 
 
 async def env_page(request: web.Request) -> web.Response:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from services.console.forms import (
+    canary_action,
     cancel_job_action,
     node_action,
     restore_action,
@@ -73,6 +74,7 @@ def make_app(console: Console) -> web.Application:
     app.router.add_post("/env/{env_id}/scale", scale_action)
     app.router.add_post("/env/{env_id}/secrets", secret_action)
     app.router.add_post("/env/{env_id}/jobs/{job_id}/cancel", cancel_job_action)
+    app.router.add_post("/env/{env_id}/deployments/{deployment_id}/{verb}", canary_action)
     app.router.add_get("/nodes", nodes_page)
     app.router.add_post("/nodes/{node_id}/{change}", node_action)
     app.router.add_get("/builds", builds_page)

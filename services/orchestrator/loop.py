@@ -75,7 +75,9 @@ class Orchestrator(LeaderLoop):
         with span(
             "orchestrator.reconcile", headers=parent, deployment=deployment_id, phase=phase_label(d.phase)
         ) as current:
-            live = self.live if d.phase == pb.DEPLOYMENT_PHASE_DRAINING_OLD else None  # only a drain reads it
+            # only a drain and a canary read it
+            reads_live = d.phase in (pb.DEPLOYMENT_PHASE_DRAINING_OLD, pb.DEPLOYMENT_PHASE_CANARY)
+            live = self.live if reads_live else None
             proxies = live.fresh_proxy_heartbeats() if live is not None else None
             nodes = list(live.fresh_node_heartbeats().values()) if live is not None else []
             transition = decide(self.view, d, self.clock.now(), self.timers, proxies, nodes)
@@ -91,7 +93,7 @@ class Orchestrator(LeaderLoop):
                 return None
         entered = deployment_of(transition)
         _transitions.add(1, {"to_phase": phase_label(entered.phase)})
-        if entered.phase != d.phase:
+        if entered.phase != d.phase or entered.canary.step != d.canary.step:
             log.info(
                 "deployment %s: %s%s", deployment_id, transition.label, f" ({entered.error})" if entered.error else ""
             )

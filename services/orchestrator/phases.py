@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.orchestrator import canary
 from services.orchestrator.model import (
     BUILD_FAILED,
     BUILD_NOT_FOUND,
@@ -248,6 +249,8 @@ def decide_red_green(
         return promote(view, d, env, release, now, timers)
     if d.phase == DRAINING_OLD:
         return drain(view, d, env, release, now, proxies=proxies, nodes=nodes, quiet=timers.drain_quiet)
+    if d.phase == canary.CANARY:
+        return canary.decide_canary(view, d, env, release, now, proxies)
     return None
 
 
@@ -324,6 +327,8 @@ def healthchecking(
     if setback is not None:
         return setback
     if all(a.observed.state == pb.INSTANCE_STATE_HEALTHY for a in live):
+        if canary.wants_canary(view, d, env, release):
+            return canary.enter(d, release, now)
         return move(d, PROMOTING, now)
     entered = phase_entered_at(d)
     if entered is not None and now > entered + timers.health_deadline(release):
@@ -449,6 +454,8 @@ def wake_at(view: StateReader, d: pb.Deployment, timers: Timers) -> float | None
         return None
     if d.phase == DRAINING_OLD:
         return from_timestamp(d.drain_deadline) if d.HasField("drain_deadline") else None
+    if d.phase == canary.CANARY:
+        return canary.wake_at(d, view.release(d.release_id))
     entered = phase_entered_at(d)
     if entered is None:
         return None

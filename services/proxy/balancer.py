@@ -29,6 +29,11 @@ def sticky_value(endpoint: cpb.Endpoint) -> str:
             return digits
 
 
+def weighted(endpoints: Sequence[cpb.Endpoint]) -> bool:
+    """A canary's route: its endpoints carry their release's share (issue 41)."""
+    return bool(endpoints) and bool(endpoints[0].step_tag)
+
+
 def sticky_endpoint(endpoints: Sequence[cpb.Endpoint], cookie: str) -> cpb.Endpoint | None:
     """The healthy endpoint a sticky cookie pins (the cap is bypassed: the session stays where it is)."""
     for endpoint in endpoints:
@@ -70,6 +75,25 @@ class Balancer:
             if addr not in routed(env_id):
                 old[env_id] = old.get(env_id, 0) + count
         return old
+
+    def pick_weighted(self, endpoints: Sequence[cpb.Endpoint], cap: int = 0) -> cpb.Endpoint | None:
+        """A weighted (canary) route: a release drawn by its share (``release_weight``, basis points) among
+        those with an endpoint under ``cap``, then P2C among that release's endpoints (issue 41)."""
+        shares: dict[str, int] = {}
+        for e in endpoints:
+            if e.healthy and (cap == 0 or self._inflight.get(e.addr, 0) < cap):
+                shares[e.release_id] = e.release_weight
+        total = sum(shares.values())
+        if total <= 0:
+            return self.pick(endpoints, cap)
+        draw = self._rng.randrange(total)
+        chosen = ""
+        for release_id, share in shares.items():
+            if draw < share:
+                chosen = release_id
+                break
+            draw -= share
+        return self.pick([e for e in endpoints if e.release_id == chosen], cap)
 
     def pick(self, endpoints: Sequence[cpb.Endpoint], cap: int = 0) -> cpb.Endpoint | None:
         """P2C over healthy endpoints under ``cap`` (0 = no cap); None when none qualifies."""

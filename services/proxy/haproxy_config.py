@@ -43,7 +43,7 @@ import hashlib
 import ipaddress
 import re
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +88,9 @@ class Server:
     weight: int
     maxconn: int
     cookie: str
+    release_id: str = ""
+    """A weighted (canary) route's server: its release and step tag, what its counters are reported by."""
+    step_tag: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +106,8 @@ class Backend:
 
     def structure(self) -> tuple[object, ...]:
         """What only a reload can change."""
-        return (self.name, self.rules, self.held, self.servers if self.sticky else ())
+        servers = tuple((s.name, s.addr, s.maxconn, s.cookie) for s in self.servers) if self.sticky else ()
+        return (self.name, self.rules, self.held, servers)  # a weight is changed at run time (issue 41)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,8 +251,13 @@ def _body_cap_rules(route: cpb.HTTPRoute, middleware: pb.Middleware) -> list[str
     ]
 
 
+def is_weighted(route: cpb.HTTPRoute) -> bool:
+    """A canary's route (issue 41): servers weighted by their release's share, users pinned by cookie."""
+    return bool(route.endpoints) and bool(route.endpoints[0].step_tag)
+
+
 def _endpoint_choice_rules(route: cpb.HTTPRoute, middleware: pb.Middleware) -> list[str]:
-    if not middleware.sticky_sessions:
+    if not (middleware.sticky_sessions or is_weighted(route)):
         return []  # ``balance random(2)`` and the queue are the backend's own lines
     return [f"cookie {STICKY_COOKIE} insert indirect nocache httponly attr SameSite=Lax"]
 
@@ -275,7 +284,9 @@ def backend_rules(route: cpb.HTTPRoute, hold_timeout: float) -> tuple[str, ...]:
     Python pipeline's order, then compression (applied to the response)."""
     middleware = route.middleware if route.HasField("middleware") else pb.Middleware()
     rules = [
-        "balance random(2)",
+        # A canary's shares hold only when the draw follows the weights alone (P2C would favour the release
+        # with fewer requests in flight: the canary).
+        "balance random(1)" if is_weighted(route) else "balance random(2)",
         "option redispatch 1",
         "retries 3",
         # A scale-to-zero env's replica may die under a request (cooled while the snapshot saying so was on
@@ -293,14 +304,43 @@ def backend_rules(route: cpb.HTTPRoute, hold_timeout: float) -> tuple[str, ...]:
     return tuple(rules)
 
 
+MAX_WEIGHT = 256
+
+
+def canary_weights(endpoints: Sequence[cpb.Endpoint]) -> dict[str, int]:
+    """Server weight per endpoint address of a weighted route: its release's share split over the
+    release's servers, as integers ≤ :data:`MAX_WEIGHT` (HAProxy's bound) at least 1 for a share above 0,
+    the largest between 128 and 256 chosen so the rounded shares come closest to the exact ones (issue 41)."""
+    counts: dict[str, int] = {}
+    for e in endpoints:
+        counts[e.release_id] = counts.get(e.release_id, 0) + 1
+    raw = {e.addr: e.release_weight / counts[e.release_id] for e in endpoints}
+    top = max(raw.values(), default=0.0)
+    if top <= 0:
+        return {addr: REMOTE_WEIGHT for addr in raw}
+    total = sum(raw.values())
+    best: tuple[float, dict[str, int]] | None = None
+    for scale in range(MAX_WEIGHT, MAX_WEIGHT // 2 - 1, -1):
+        weights = {addr: max(1, round(value * scale / top)) if value > 0 else 0 for addr, value in raw.items()}
+        given = sum(weights.values())
+        error = max(abs(weights[addr] / given - value / total) for addr, value in raw.items())
+        if best is None or error < best[0]:
+            best = (error, weights)
+    assert best is not None
+    return best[1]
+
+
 def _servers(route: cpb.HTTPRoute, node_id: str) -> tuple[Server, ...]:
+    weights = canary_weights([e for e in route.endpoints if e.healthy and e.addr]) if is_weighted(route) else {}
     servers = {
         server_name(e): Server(
             name=server_name(e),
             addr=e.addr,
-            weight=LOCAL_WEIGHT if node_id and e.node_id == node_id else REMOTE_WEIGHT,
+            weight=weights.get(e.addr) or (LOCAL_WEIGHT if node_id and e.node_id == node_id else REMOTE_WEIGHT),
             maxconn=route.max_concurrency,
             cookie=sticky_value(e),
+            release_id=e.release_id,
+            step_tag=e.step_tag,
         )
         for e in route.endpoints
         if e.healthy and e.addr
@@ -330,7 +370,7 @@ def _plan_route(
     hostname, prefix = route.hostname.lower(), route.path_prefix
     if route.HasField("middleware") and route_users(route.middleware):
         return hostname, prefix, None, None
-    sticky = route.HasField("middleware") and route.middleware.sticky_sessions
+    sticky = (route.HasField("middleware") and route.middleware.sticky_sessions) or is_weighted(route)
     servers = _servers(route, node_id)
     rules = backend_rules(route, hold_timeout)
     backend = Backend(backend_name(route), route.environment_id, rules, sticky, servers, held=route.scale_to_zero)

@@ -42,7 +42,7 @@ from services.proxy.haproxy_certs import (
 )
 from services.proxy.haproxy_config import Layout, Plan, RouteCache, map_text, plan, render, server_line
 from services.proxy.haproxy_runtime import RuntimeAPIError, command, execute, parse_stat_csv, send
-from services.proxy.haproxy_stats import HAProxySampler
+from services.proxy.haproxy_stats import HAProxySampler, ServerTraffic
 from services.proxy.launch import HAPROXY, haproxy_binary
 from shared.backoff import Backoff
 from shared.files import PRIVATE, write_atomic
@@ -133,6 +133,8 @@ class HAProxyEngine:
         self._started = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._sampler = HAProxySampler(time.time())
+        self.server_traffic = ServerTraffic()
+        """Weighted (canary) routes' per-release counters (issue 41), refreshed by :meth:`samples`."""
         self._certificates: dict[str, str] = {}
         """name → digest of the certificates HAProxy holds."""
 
@@ -302,8 +304,16 @@ class HAProxyEngine:
         commands: list[str] = []
         leaving: list[str] = []
         for backend_name, backend in target.backends.items():
-            if backend.sticky or backend is running.backends[backend_name]:
-                continue  # its servers are part of the structure
+            if backend is running.backends[backend_name]:
+                continue
+            if backend.sticky:  # its servers are part of the structure, their weights are not (issue 41)
+                weights = {s.name: s.weight for s in running.backends[backend_name].servers}
+                commands += [
+                    f"set server {backend_name}/{s.name} weight {s.weight}"
+                    for s in backend.servers
+                    if weights.get(s.name) != s.weight
+                ]
+                continue
             have = {s.name: s for s in running.backends[backend_name].servers}
             for server in backend.servers:
                 before = have.pop(server.name, None)
@@ -448,11 +458,30 @@ class HAProxyEngine:
         except (OSError, TimeoutError, RuntimeAPIError):
             return {}
         samples = self._sampler.sample(parse_stat_csv(text), self.running.env_of_backend, time.time())
+        await self._sample_weighted_servers()
         if self.requests is not None:
             for answered in self._sampler.responses:
                 for _ in range(answered.count):
                     self.requests.observe(answered.env_id, answered.status_class * 100, answered.seconds)
         return samples
+
+    async def _sample_weighted_servers(self) -> None:
+        """Server rows of the weighted backends only (none without a canary: nothing extra is asked)."""
+        owners: dict[tuple[str, str], tuple[str, str, str]] = {}
+        for backend in self.running.backends.values():
+            for server in backend.servers:
+                if server.step_tag:
+                    owners[(backend.name, server.name)] = (backend.env_id, server.release_id, server.step_tag)
+        rows: list[dict[str, str]] = []
+        for backend_name in sorted({name for name, _ in owners}):
+            try:
+                rows += parse_stat_csv(await command(self.layout.stats_socket, f"show stat {backend_name} 4 -1"))
+            except (OSError, TimeoutError, RuntimeAPIError):
+                return
+        self.server_traffic.sample(rows, owners)
+
+    def release_traffic(self) -> list[cpb.ReleaseTraffic]:
+        return list(self.server_traffic.report)
 
 
 def _alive(pid: int) -> bool:

@@ -76,6 +76,7 @@ class HAProxyIngress:
         await self.engine.start(snapshot)
         self._applied, self._applied_cluster = snapshot.version, snapshot.cluster
         self.proxy.sample_sources.append(self.engine.samples)
+        self.proxy.traffic_sources.append(self.engine.release_traffic)
         self.proxy.drain_sources.append(self.engine.old_inflight)
         self.proxy.served = self._served
         self.proxy.public_ports = self._public_ports

@@ -173,3 +173,46 @@ def merge_samples(*sources: Mapping[str, cpb.ProxySample]) -> dict[str, cpb.Prox
             ):
                 into.last_request_at.CopyFrom(sample.last_request_at)
     return merged
+
+
+class ServerTraffic:
+    """Per (env, release, step tag) counters of weighted (canary) routes from HAProxy's server rows (issue
+    41): requests (``stot``) and 5xx (``hrsp_5xx``) since the first sample that saw the server under that
+    tag (a reload or restart zeroes them: the counts start over), the average response time (``rtime``,
+    HAProxy keeps no histogram)."""
+
+    def __init__(self) -> None:
+        self._baseline: dict[tuple[str, str, str], tuple[int, int]] = {}
+        self.report: list[cpb.ReleaseTraffic] = []
+
+    def sample(
+        self, rows: Sequence[Mapping[str, str]], servers: Mapping[tuple[str, str], tuple[str, str, str]]
+    ) -> None:
+        """``servers``: (backend, server) → (env id, release id, step tag) of the weighted servers."""
+        totals: dict[tuple[str, str, str], cpb.ReleaseTraffic] = {}
+        seen: set[tuple[str, str, str]] = set()
+        for row in rows:
+            key = (row.get("pxname", ""), row.get("svname", ""))
+            owner = servers.get(key)
+            if owner is None:
+                continue
+            env_id, release_id, tag = owner
+            requests, errors = _int(row, "stot"), _int(row, "hrsp_5xx")
+            base_key = (key[0], key[1], tag)
+            seen.add(base_key)
+            base = self._baseline.get(base_key)
+            if base is None or requests < base[0] or errors < base[1]:
+                base = (requests, errors) if base is None else (0, 0)
+                self._baseline[base_key] = base
+            traffic = totals.get(owner)
+            if traffic is None:
+                traffic = totals[owner] = cpb.ReleaseTraffic(environment_id=env_id, release_id=release_id, step_tag=tag)
+            delta = requests - base[0]
+            if delta > 0:
+                average = _int(row, "rtime")
+                total = traffic.requests + delta
+                traffic.latency_avg_ms = (traffic.latency_avg_ms * traffic.requests + average * delta) / total
+            traffic.requests += delta
+            traffic.errors_5xx += errors - base[1]
+        self._baseline = {k: v for k, v in self._baseline.items() if k in seen}
+        self.report = list(totals.values())

@@ -85,6 +85,8 @@ class Proxy:
         self.snapshot_listeners: list[Callable[[cpb.RouteSnapshot], None]] = []
         self.sample_sources: list[Callable[[], Awaitable[dict[str, cpb.ProxySample]]]] = []
         """Other data paths' per-env samples, merged into this proxy's heartbeat."""
+        self.traffic_sources: list[Callable[[], list[cpb.ReleaseTraffic]]] = []
+        """Other data paths' per-release counters of weighted (canary) routes (issue 41)."""
         self.drain_sources: list[Callable[[], Awaitable[tuple[dict[str, int], bool]]]] = []
         """Other data paths' in-flight counts to endpoints no longer routed (env id → count), and whether
         those counts are complete: added to the heartbeat's ``old_inflight`` / ``drain_counts``."""
@@ -280,6 +282,8 @@ class Proxy:
             for env_id, sample in merged.items():
                 heartbeat.envs[env_id].CopyFrom(sample)
             heartbeat.connections = sum(sample.inflight for sample in merged.values())
+        for traffic_source in self.traffic_sources:  # after the samples: HAProxy's were refreshed with them
+            heartbeat.release_traffic.extend(traffic_source())
         if self.conn is None or not self.conn.nc.is_connected:
             return  # the control plane is unreachable: nothing to report to (the RPS window restarts)
         try:

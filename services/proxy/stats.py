@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.canary import LATENCY_BOUNDS_MS, bucket_of
 from shared.clock import stamp, to_timestamp
 from shared.version import VERSION
 
@@ -62,6 +63,8 @@ class ProxyStats:
         self._now = now
         self._envs: dict[str, EnvStats] = {}
         self._window_start = now()
+        self.releases = ReleaseCounters()
+        """Per release and step tag of weighted (canary) routes (issue 41)."""
 
     def env(self, env_id: str) -> EnvStats:
         stats = self._envs.get(env_id)
@@ -80,7 +83,7 @@ class ProxyStats:
         stats.requests_total += 1
         stats.last_request_at = self._now()
 
-    def end(self, env_id: str, status: int, latency_seconds: float) -> None:
+    def end(self, env_id: str, status: int, latency_seconds: float, endpoint: cpb.Endpoint | None = None) -> None:
         stats = self.env(env_id)
         stats.inflight -= 1
         stats.completions.append((int(latency_seconds * 1000), status >= SERVER_ERROR))
@@ -90,6 +93,8 @@ class ProxyStats:
             stats.responses_4xx_total += 1
         elif 200 <= status < 300:
             stats.responses_2xx_total += 1
+        if endpoint is not None and endpoint.step_tag:
+            self.releases.count(env_id, endpoint, status, latency_seconds * 1000)
 
     def sample(self, held: Mapping[str, int], routed_envs: Collection[str]) -> dict[str, cpb.ProxySample]:
         """Every reported env's sample; starts a new RPS window. Envs that left the snapshot and are idle
@@ -136,4 +141,39 @@ class ProxyStats:
             envs=envs,
             version=VERSION,
             connections=sum(max(s.inflight, 0) for s in self._envs.values()),
+            release_traffic=self.releases.report(),
         )
+
+
+class ReleaseCounters:
+    """Requests, 5xx and a latency histogram per (env, release, step tag) of weighted routes, cumulative
+    since the tag first counted here; a tag is forgotten once :data:`KEEP_TAGS` newer ones counted."""
+
+    KEEP_TAGS = 8
+
+    def __init__(self) -> None:
+        self._counters: dict[tuple[str, str, str], cpb.ReleaseTraffic] = {}
+        self._tags: list[str] = []
+
+    def count(self, env_id: str, endpoint: cpb.Endpoint, status: int, latency_ms: float) -> None:
+        key = (env_id, endpoint.release_id, endpoint.step_tag)
+        traffic = self._counters.get(key)
+        if traffic is None:
+            traffic = self._counters[key] = cpb.ReleaseTraffic(
+                environment_id=env_id,
+                release_id=endpoint.release_id,
+                step_tag=endpoint.step_tag,
+                latency_buckets=[0] * (len(LATENCY_BOUNDS_MS) + 1),
+            )
+            if endpoint.step_tag not in self._tags:
+                self._tags.append(endpoint.step_tag)
+                if len(self._tags) > self.KEEP_TAGS:
+                    gone = self._tags.pop(0)
+                    self._counters = {k: v for k, v in self._counters.items() if k[2] != gone}
+        traffic.requests += 1
+        if status >= SERVER_ERROR:
+            traffic.errors_5xx += 1
+        traffic.latency_buckets[bucket_of(latency_ms)] += 1
+
+    def report(self) -> list[cpb.ReleaseTraffic]:
+        return list(self._counters.values())

@@ -19,7 +19,8 @@ whose inputs it touches:
 * env, vip → that env;  app, project → the envs of that app / project;
 * domain → the env it is attached to now and the one it was attached to before;
 * assignment (the view also reports observed reports joined into it) → its env, old and new;
-* node (status, mesh IP) → every env with an assignment on that node.
+* node (status, mesh IP) → every env with an assignment on that node;
+* deployment → its env (a canary's weights: endpoints of both releases, each with its release's share).
 
 App and Project changes are watched (a rename reaches the routes at once, not on the tick), and the
 build is atomic (it runs between two view updates, never across one).
@@ -40,7 +41,7 @@ from shared.state.changes import Change
 from shared.state.reader import StateReader
 from shared.version import VERSION
 
-RELEVANT_KINDS = frozenset({K.ENV, K.APP, K.PROJECT, K.DOMAIN, K.ASSIGNMENT, K.OBSERVED, K.NODE, K.VIP})
+RELEVANT_KINDS = frozenset({K.ENV, K.APP, K.PROJECT, K.DOMAIN, K.ASSIGNMENT, K.OBSERVED, K.NODE, K.VIP, K.DEPLOYMENT})
 
 
 """Every kind the snapshot reads; the snapshot version is the newest revision among them."""
@@ -158,6 +159,10 @@ class RouteBuilder:
                 affected |= self._move_domain(ident)
             elif kind in (K.ASSIGNMENT, K.OBSERVED):
                 affected |= self._place_assignment(ident, self.view.assignment(ident))
+            elif kind == K.DEPLOYMENT:  # a canary's step and weight (issue 41)
+                deployment = self.view.deployment(ident)
+                if deployment is not None:
+                    affected.add(deployment.environment_id)
             elif kind == K.NODE:
                 host = routable_host(self.view.node(ident))
                 if self._node_hosts.get(ident) != host:

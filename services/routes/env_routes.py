@@ -23,6 +23,7 @@ from services.routes.wire import (
     tag,
     uint_field,
 )
+from shared.canary import release_weights, step_tag
 from shared.state.reader import StateReader
 
 L4_PROTOCOL = "tcp"  # L4 and internal ports are "tcp" on the wire, even for UDP (proxies forward TCP only)
@@ -44,6 +45,9 @@ _HEALTHY = pb.INSTANCE_STATE_HEALTHY
 
 
 _HTTP_PROTOCOLS = frozenset({pb.PROTOCOL_HTTP, pb.PROTOCOL_UNSPECIFIED})
+
+
+_CANARY = pb.DEPLOYMENT_PHASE_CANARY
 
 
 def http_port_name(spec: pb.ServiceSpec) -> str:
@@ -100,16 +104,45 @@ Replica = tuple[pb.Assignment, pb.AssignmentObserved, str]
 """A replica that may carry traffic: its assignment, the observed report joined into it, its host."""
 
 
-def routable_replicas(view: StateReader, env: pb.Environment, hosts: NodeHosts) -> list[Replica]:
-    """The env's assignments, by id, that may carry traffic: the active release only, desired RUN,
-    observed HEALTHY exactly, on a routable node. A bound port depends on the port: see
-    :class:`_Endpoints`."""
+def canary_deployment(view: StateReader, env: pb.Environment) -> pb.Deployment | None:
+    """The env's deployment in its CANARY phase beside the active release (issue 41), if any."""
+    active = env.active_release_id
+    for d in view.deployments(env.meta.id):
+        if d.phase == _CANARY and d.previous_release_id == active and d.release_id != active:
+            return d
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    """A weighted route's releases: release id → share in basis points, and the step tag."""
+
+    shares: Mapping[str, int]
+    tag: str
+
+
+def route_weights(view: StateReader, env: pb.Environment) -> Weights | None:
+    """The env's traffic split while a canary runs (None: unweighted, the active release only)."""
+    d = canary_deployment(view, env)
+    if d is None:
+        return None
+    stable, canary = release_weights(d.canary.weight)
+    return Weights({env.active_release_id: stable, d.release_id: canary}, step_tag(d.meta.id, d.canary.step))
+
+
+def routable_replicas(
+    view: StateReader, env: pb.Environment, hosts: NodeHosts, weights: Weights | None = None
+) -> list[Replica]:
+    """The env's assignments, by id, that may carry traffic: the active release only (and a canary's
+    release with a weight above 0), desired RUN, observed HEALTHY exactly, on a routable node. A bound port
+    depends on the port: see :class:`_Endpoints`."""
     active = env.active_release_id
     if not active:
         return []
+    serving = {r for r, share in weights.shares.items() if share > 0} if weights is not None else {active}
     replicas = []
     for assignment in view.assignments(env.meta.id):
-        if assignment.release_id == active and assignment.desired == _RUN:
+        if assignment.release_id in serving and assignment.desired == _RUN:
             observed = assignment.observed
             if observed.state == _HEALTHY and (host := hosts.get(assignment.node_id)):
                 replicas.append((assignment, observed, host))
@@ -136,6 +169,15 @@ _ENDPOINT_ADDR = tag(cpb.Endpoint.ADDR_FIELD_NUMBER, LEN)
 
 
 _ENDPOINT_HEALTHY = tag(cpb.Endpoint.HEALTHY_FIELD_NUMBER, VARINT)
+
+
+_ENDPOINT_RELEASE = tag(cpb.Endpoint.RELEASE_ID_FIELD_NUMBER, LEN)
+
+
+_ENDPOINT_WEIGHT = tag(cpb.Endpoint.RELEASE_WEIGHT_FIELD_NUMBER, VARINT)
+
+
+_ENDPOINT_STEP_TAG = tag(cpb.Endpoint.STEP_TAG_FIELD_NUMBER, LEN)
 
 
 _ROUTE_HOSTNAME = tag(cpb.HTTPRoute.HOSTNAME_FIELD_NUMBER, LEN)
@@ -232,8 +274,9 @@ class _Endpoints:
     """A route's encoded endpoints for a port: each replica's endpoint is encoded once per port, then
     framed as elements of whichever repeated field carries it."""
 
-    def __init__(self, replicas: list[Replica]) -> None:
+    def __init__(self, replicas: list[Replica], weights: Weights | None = None) -> None:
         self._replicas = replicas
+        self._weights = weights
         self._sized: dict[str, list[bytes]] = {}
 
     def encoded(self, port_name: str, field_tag: bytes) -> bytes:
@@ -252,6 +295,13 @@ class _Endpoints:
                         + string_field(_ENDPOINT_ADDR, f"{host}:{port}")
                         + _HEALTHY_TRUE
                     )
+                    if self._weights is not None:
+                        release_id = assignment.release_id
+                        endpoint += (
+                            string_field(_ENDPOINT_RELEASE, release_id)
+                            + uint_field(_ENDPOINT_WEIGHT, self._weights.shares.get(release_id, 0))
+                            + string_field(_ENDPOINT_STEP_TAG, self._weights.tag)
+                        )
                     elements.append(sized(endpoint))
         return repeated_field(field_tag, elements)
 
@@ -275,7 +325,8 @@ def build_env_routes(view: StateReader, env: pb.Environment, domain: str, hosts:
         return None
     env_id, project_id, app_id, env_name, app_name = env.meta.id, env.project_id, env.app_id, env.name, app.name
     spec = env.service
-    endpoints = _Endpoints(routable_replicas(view, env, hosts))
+    weights = route_weights(view, env)
+    endpoints = _Endpoints(routable_replicas(view, env, hosts, weights), weights)
     http_port = http_port_name(spec)
     # Fields 3–7 and 10–13 are the same on every HTTP route of the env.
     route_ids = b"".join(

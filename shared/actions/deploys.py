@@ -8,9 +8,12 @@ from dataclasses import dataclass
 
 from zattera.v1 import types_pb2 as pb
 
-from shared.actions.context import ActionContext
+from shared.actions.context import ActionContext, commit
 from shared.actions.names import env_path, target_env
+from shared.actions.refusals import Conflicting, Invalid, NotFound
+from shared.canary import ABORT, PROMOTE
 from shared.deploy import Created, Deployer, InvalidArgument
+from shared.retry import Attempt
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,3 +122,55 @@ async def cancel_deployment(ctx: ActionContext, request: CancelDeployment) -> Ca
     deployment = await _deployer(ctx).cancel(request.deployment_id)
     phase = pb.DeploymentPhase.Name(deployment.phase).removeprefix("DEPLOYMENT_PHASE_")
     return CancelRequested(deployment.meta.id, phase)
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryDecision:
+    """``zattera deploy promote ID`` / ``zattera deploy abort ID`` (issue 41, docs/deployments.md)."""
+
+    deployment_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryRequested:
+    deployment_id: str
+    requested: str
+    """``promote`` or ``abort``: what the orchestrator does next (at once: it wakes on the write)."""
+    step: int
+    weight: int
+
+
+async def promote_canary(ctx: ActionContext, request: CanaryDecision) -> CanaryRequested:
+    """Skip the remaining steps of a canary: the orchestrator promotes the new release to all traffic."""
+    return await _request_canary(ctx, request, PROMOTE)
+
+
+async def abort_canary(ctx: ActionContext, request: CanaryDecision) -> CanaryRequested:
+    """Abort a canary: its weight goes back to 0 and its replicas stop (``deployment.canary_aborted``)."""
+    return await _request_canary(ctx, request, ABORT)
+
+
+async def _request_canary(ctx: ActionContext, request: CanaryDecision, what: str) -> CanaryRequested:
+    """ONE write of the deployment with the request recorded; the orchestrator's canary phase acts on it
+    (fenced like every step: a step decided meanwhile refuses this write, which is then decided again)."""
+    if not request.deployment_id.strip():
+        raise Invalid("deployment_id", "must not be empty")
+
+    def decide() -> Attempt[CanaryRequested]:
+        current = ctx.view.deployment(request.deployment_id)
+        if current is None:
+            raise NotFound(f"no deployment {request.deployment_id!r}", field="deployment_id")
+        if current.phase != pb.DEPLOYMENT_PHASE_CANARY:
+            phase = pb.DeploymentPhase.Name(current.phase).removeprefix("DEPLOYMENT_PHASE_")
+            raise Conflicting(f"deployment {request.deployment_id} is not in a canary step ({phase})")
+        result = CanaryRequested(current.meta.id, what, current.canary.step, current.canary.weight)
+        if current.canary.requested == what:
+            return Attempt(None, result)
+        if current.canary.requested:
+            raise Conflicting(f"{current.canary.requested} already requested by {current.canary.requested_by}")
+        asked = pb.Deployment()
+        asked.CopyFrom(current)
+        asked.canary.requested, asked.canary.requested_by = what, ctx.actor
+        return Attempt(ctx.writer.txn(f"canary-{what}").put(asked), result)
+
+    return await commit(ctx, decide, contended=f"deployment {request.deployment_id}")

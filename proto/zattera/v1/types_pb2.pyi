@@ -307,6 +307,8 @@ class _DeploymentPhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Deplo
     DEPLOYMENT_PHASE_STOPPING_OLD: _DeploymentPhase.ValueType  # 12
     DEPLOYMENT_PHASE_RELEASING: _DeploymentPhase.ValueType  # 140
     """invented (issue 37): the release command runs (docs/git.md)"""
+    DEPLOYMENT_PHASE_CANARY: _DeploymentPhase.ValueType  # 500
+    """invented (issue 41): weighted traffic to green, analysed step by step (docs/deployments.md)"""
 
 class DeploymentPhase(_DeploymentPhase, metaclass=_DeploymentPhaseEnumTypeWrapper):
     """DeploymentPhase is the deployment state machine.
@@ -329,6 +331,8 @@ DEPLOYMENT_PHASE_SUPERSEDED: DeploymentPhase.ValueType  # 11
 DEPLOYMENT_PHASE_STOPPING_OLD: DeploymentPhase.ValueType  # 12
 DEPLOYMENT_PHASE_RELEASING: DeploymentPhase.ValueType  # 140
 """invented (issue 37): the release command runs (docs/git.md)"""
+DEPLOYMENT_PHASE_CANARY: DeploymentPhase.ValueType  # 500
+"""invented (issue 41): weighted traffic to green, analysed step by step (docs/deployments.md)"""
 Global___DeploymentPhase: _TypeAlias = DeploymentPhase  # noqa: Y015
 
 class _BuildStatus:
@@ -1212,6 +1216,7 @@ class ServiceSpec(_message.Message):
     NETWORK_FIELD_NUMBER: _builtins.int
     MIN_HEALTHY_TIME_FIELD_NUMBER: _builtins.int
     RELEASE_COMMAND_FIELD_NUMBER: _builtins.int
+    CANARY_FIELD_NUMBER: _builtins.int
     scale_to_zero: _builtins.bool
     """mutually exclusive with stateful"""
     max_concurrency: _builtins.int
@@ -1280,6 +1285,10 @@ class ServiceSpec(_message.Message):
         before it counts as HEALTHY; unset = the agent's default (ZATTERA_AGENT_MIN_HEALTHY_TIME), 0 = at once.
         """
 
+    @_builtins.property
+    def canary(self) -> Global___CanarySpec:
+        """invented (issue 41, docs/deployments.md): set = the env deploys by canary (`strategy = "canary"`)"""
+
     def __init__(
         self,
         *,
@@ -1304,14 +1313,98 @@ class ServiceSpec(_message.Message):
         network: Global___NetworkPolicy | None = ...,
         min_healthy_time: _duration_pb2.Duration | None = ...,
         release_command: _builtins.str = ...,
+        canary: Global___CanarySpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "healthcheck", b"healthcheck", "min_healthy_time", b"min_healthy_time", "network", b"network", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "stop_grace", b"stop_grace"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "canary", b"canary", "healthcheck", b"healthcheck", "min_healthy_time", b"min_healthy_time", "network", b"network", "rate_limit", b"rate_limit", "replicas", b"replicas", "resources", b"resources", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "min_healthy_time", b"min_healthy_time", "network", b"network", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "read_only_root", b"read_only_root", "release_command", b"release_command", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "canary", b"canary", "command", b"command", "config_version", b"config_version", "cron", b"cron", "healthcheck", b"healthcheck", "max_concurrency", b"max_concurrency", "min_healthy_time", b"min_healthy_time", "network", b"network", "placement_constraints", b"placement_constraints", "ports", b"ports", "rate_limit", b"rate_limit", "read_only_root", b"read_only_root", "release_command", b"release_command", "replicas", b"replicas", "resources", b"resources", "scale_to_zero", b"scale_to_zero", "secrets", b"secrets", "stateful", b"stateful", "stop_grace", b"stop_grace", "vars", b"vars", "volumes", b"volumes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServiceSpec: _TypeAlias = ServiceSpec  # noqa: Y015
+
+@_typing.final
+class CanarySpec(_message.Message):
+    """invented (issue 41, docs/deployments.md): a canary rollout's steps and analysis bounds."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEPS_FIELD_NUMBER: _builtins.int
+    PAUSE_FIELD_NUMBER: _builtins.int
+    MAX_ERROR_RATIO_FIELD_NUMBER: _builtins.int
+    MAX_LATENCY_RATIO_FIELD_NUMBER: _builtins.int
+    MIN_REQUESTS_FIELD_NUMBER: _builtins.int
+    max_error_ratio: _builtins.float
+    """5xx responses / requests of the new release, per step"""
+    max_latency_ratio: _builtins.float
+    """new release's p99 / the stable release's p99, per step"""
+    min_requests: _builtins.int
+    """requests to the new release before a step is judged"""
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """percent of the traffic to the new release per step, rising, last 100"""
+
+    @_builtins.property
+    def pause(self) -> _duration_pb2.Duration:
+        """at least this long per step"""
+
+    def __init__(
+        self,
+        *,
+        steps: _abc.Iterable[_builtins.int] | None = ...,
+        pause: _duration_pb2.Duration | None = ...,
+        max_error_ratio: _builtins.float = ...,
+        max_latency_ratio: _builtins.float = ...,
+        min_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_error_ratio", b"max_error_ratio", "max_latency_ratio", b"max_latency_ratio", "min_requests", b"min_requests", "pause", b"pause", "steps", b"steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CanarySpec: _TypeAlias = CanarySpec  # noqa: Y015
+
+@_typing.final
+class CanaryStatus(_message.Message):
+    """invented (issue 41): where a canary deployment is (in the deployment record: a new leader resumes here)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    STEP_STARTED_AT_FIELD_NUMBER: _builtins.int
+    REQUESTED_FIELD_NUMBER: _builtins.int
+    REQUESTED_BY_FIELD_NUMBER: _builtins.int
+    FIGURES_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """index into CanarySpec.steps"""
+    weight: _builtins.int
+    """percent of the traffic to the new release now"""
+    requested: _builtins.str
+    """"promote" | "abort": an operator's request, "" = none"""
+    requested_by: _builtins.str
+    figures: _builtins.str
+    """the last analysis, one line (for watch/console)"""
+    @_builtins.property
+    def step_started_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        weight: _builtins.int = ...,
+        step_started_at: _timestamp_pb2.Timestamp | None = ...,
+        requested: _builtins.str = ...,
+        requested_by: _builtins.str = ...,
+        figures: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["step_started_at", b"step_started_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["figures", b"figures", "requested", b"requested", "requested_by", b"requested_by", "step", b"step", "step_started_at", b"step_started_at", "weight", b"weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CanaryStatus: _TypeAlias = CanaryStatus  # noqa: Y015
 
 @_typing.final
 class NetworkPolicy(_message.Message):
@@ -1874,6 +1967,7 @@ class Deployment(_message.Message):
     DRAIN_DEADLINE_FIELD_NUMBER: _builtins.int
     CREATED_BY_USER_ID_FIELD_NUMBER: _builtins.int
     RELEASE_JOB_ID_FIELD_NUMBER: _builtins.int
+    CANARY_FIELD_NUMBER: _builtins.int
     environment_id: _builtins.str
     app_id: _builtins.str
     project_id: _builtins.str
@@ -1897,6 +1991,10 @@ class Deployment(_message.Message):
     def drain_deadline(self) -> _timestamp_pb2.Timestamp:
         """promoted_at + drain window"""
 
+    @_builtins.property
+    def canary(self) -> Global___CanaryStatus:
+        """invented (issue 41, docs/deployments.md): a canary deployment's step and weight"""
+
     def __init__(
         self,
         *,
@@ -1914,10 +2012,11 @@ class Deployment(_message.Message):
         drain_deadline: _timestamp_pb2.Timestamp | None = ...,
         created_by_user_id: _builtins.str = ...,
         release_job_id: _builtins.str = ...,
+        canary: Global___CanaryStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["drain_deadline", b"drain_deadline", "meta", b"meta", "promoted_at", b"promoted_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["canary", b"canary", "drain_deadline", b"drain_deadline", "meta", b"meta", "promoted_at", b"promoted_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "build_id", b"build_id", "created_by_user_id", b"created_by_user_id", "drain_deadline", b"drain_deadline", "environment_id", b"environment_id", "error", b"error", "is_rollback", b"is_rollback", "meta", b"meta", "phase", b"phase", "previous_release_id", b"previous_release_id", "project_id", b"project_id", "promoted_at", b"promoted_at", "release_id", b"release_id", "release_job_id", b"release_job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "build_id", b"build_id", "canary", b"canary", "created_by_user_id", b"created_by_user_id", "drain_deadline", b"drain_deadline", "environment_id", b"environment_id", "error", b"error", "is_rollback", b"is_rollback", "meta", b"meta", "phase", b"phase", "previous_release_id", b"previous_release_id", "project_id", b"project_id", "promoted_at", b"promoted_at", "release_id", b"release_id", "release_job_id", b"release_job_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

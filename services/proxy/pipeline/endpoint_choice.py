@@ -11,7 +11,7 @@ from aiohttp import web
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.proxy.activator import HoldRejected, Holds
-from services.proxy.balancer import STICKY_COOKIE, Balancer, sticky_endpoint
+from services.proxy.balancer import STICKY_COOKIE, Balancer, sticky_endpoint, weighted
 from services.proxy.pipeline.flow import Flow, Handler, error_response
 from services.proxy.routing import RouteEntry, RouteTable
 
@@ -50,11 +50,14 @@ class EndpointChoice:
         route = flow.route
         assert route is not None, "after the route match"
         endpoint: cpb.Endpoint | None = None
-        if flow.middleware is not None and flow.middleware.sticky_sessions:
+        canary = weighted(route.endpoints)  # a user stays on one release (issue 41): pinned like a session
+        if canary or (flow.middleware is not None and flow.middleware.sticky_sessions):
             cookie = flow.request.cookies.get(STICKY_COOKIE)
             endpoint = sticky_endpoint(route.endpoints, cookie) if cookie else None
             flow.pin_cookie = endpoint is None
-        if endpoint is None:
+        if endpoint is None and canary:
+            endpoint = self.balancer.pick_weighted(route.endpoints, route.max_concurrency)
+        elif endpoint is None:
             endpoint = self.balancer.pick(route.endpoints, route.max_concurrency)
         if endpoint is None:
             healthy = any(e.healthy for e in route.endpoints)

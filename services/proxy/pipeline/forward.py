@@ -205,5 +205,5 @@ class Forward:
                 return response
         finally:
             self.balancer.release(addr)
-            self.stats.end(env_id, status, time.perf_counter() - started)
+            self.stats.end(env_id, status, time.perf_counter() - started, endpoint)
             self.holds.wake_env(env_id)

@@ -337,6 +337,7 @@ class ProxyHeartbeat(_message.Message):
     OLD_INFLIGHT_FIELD_NUMBER: _builtins.int
     DRAIN_COUNTS_FIELD_NUMBER: _builtins.int
     CONNECTIONS_FIELD_NUMBER: _builtins.int
+    RELEASE_TRAFFIC_FIELD_NUMBER: _builtins.int
     proxy_id: _builtins.str
     node_id: _builtins.str
     routes_version: _builtins.int
@@ -372,6 +373,12 @@ class ProxyHeartbeat(_message.Message):
         current routes no longer list (an old release after a promotion); envs with none are absent.
         """
 
+    @_builtins.property
+    def release_traffic(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReleaseTraffic]:
+        """invented (issue 41): per (release, step tag) counters of weighted (canary) routes, since the tag
+        first appeared in this proxy's routes (docs/deployments.md)
+        """
+
     def __init__(
         self,
         *,
@@ -387,14 +394,58 @@ class ProxyHeartbeat(_message.Message):
         old_inflight: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         drain_counts: _builtins.bool = ...,
         connections: _builtins.int = ...,
+        release_traffic: _abc.Iterable[Global___ReleaseTraffic] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["routes_cluster", b"routes_cluster", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["connections", b"connections", "drain_counts", b"drain_counts", "envs", b"envs", "http_port", b"http_port", "https_port", b"https_port", "node_id", b"node_id", "old_inflight", b"old_inflight", "proxy_id", b"proxy_id", "routes_cluster", b"routes_cluster", "routes_version", b"routes_version", "time", b"time", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connections", b"connections", "drain_counts", b"drain_counts", "envs", b"envs", "http_port", b"http_port", "https_port", b"https_port", "node_id", b"node_id", "old_inflight", b"old_inflight", "proxy_id", b"proxy_id", "release_traffic", b"release_traffic", "routes_cluster", b"routes_cluster", "routes_version", b"routes_version", "time", b"time", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ProxyHeartbeat: _TypeAlias = ProxyHeartbeat  # noqa: Y015
+
+@_typing.final
+class ReleaseTraffic(_message.Message):
+    """invented (issue 41): what one proxy measured for one release during one canary step."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    RELEASE_ID_FIELD_NUMBER: _builtins.int
+    STEP_TAG_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    ERRORS_5XX_FIELD_NUMBER: _builtins.int
+    LATENCY_BUCKETS_FIELD_NUMBER: _builtins.int
+    LATENCY_AVG_MS_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    release_id: _builtins.str
+    step_tag: _builtins.str
+    requests: _builtins.int
+    errors_5xx: _builtins.int
+    latency_avg_ms: _builtins.float
+    """HAProxy: its average response time (no histogram there)"""
+    @_builtins.property
+    def latency_buckets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """counts per bound of shared/canary.py LATENCY_BOUNDS_MS (+ overflow)"""
+
+    def __init__(
+        self,
+        *,
+        environment_id: _builtins.str = ...,
+        release_id: _builtins.str = ...,
+        step_tag: _builtins.str = ...,
+        requests: _builtins.int = ...,
+        errors_5xx: _builtins.int = ...,
+        latency_buckets: _abc.Iterable[_builtins.int] | None = ...,
+        latency_avg_ms: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id", "errors_5xx", b"errors_5xx", "latency_avg_ms", b"latency_avg_ms", "latency_buckets", b"latency_buckets", "release_id", b"release_id", "requests", b"requests", "step_tag", b"step_tag"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseTraffic: _TypeAlias = ReleaseTraffic  # noqa: Y015
 
 @_typing.final
 class ClusterIdentity(_message.Message):
@@ -534,6 +585,9 @@ class Endpoint(_message.Message):
     ADDR_FIELD_NUMBER: _builtins.int
     HEALTHY_FIELD_NUMBER: _builtins.int
     LOCAL_HINT_NODE_ID_MATCHES_FIELD_NUMBER: _builtins.int
+    RELEASE_ID_FIELD_NUMBER: _builtins.int
+    RELEASE_WEIGHT_FIELD_NUMBER: _builtins.int
+    STEP_TAG_FIELD_NUMBER: _builtins.int
     assignment_id: _builtins.str
     node_id: _builtins.str
     addr: _builtins.str
@@ -542,6 +596,13 @@ class Endpoint(_message.Message):
     """always true as built"""
     local_hint_node_id_matches: _builtins.bool
     """never set by the reference builder"""
+    release_id: _builtins.str
+    """invented (issue 41, docs/deployments.md): on a weighted (canary) route only: the endpoint's release,
+    that release's share of the route's traffic in basis points (0-10000), and the step tag that
+    proxies key their per-release counters by (`<deployment id>.<step>`)
+    """
+    release_weight: _builtins.int
+    step_tag: _builtins.str
     def __init__(
         self,
         *,
@@ -550,10 +611,13 @@ class Endpoint(_message.Message):
         addr: _builtins.str = ...,
         healthy: _builtins.bool = ...,
         local_hint_node_id_matches: _builtins.bool = ...,
+        release_id: _builtins.str = ...,
+        release_weight: _builtins.int = ...,
+        step_tag: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addr", b"addr", "assignment_id", b"assignment_id", "healthy", b"healthy", "local_hint_node_id_matches", b"local_hint_node_id_matches", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addr", b"addr", "assignment_id", b"assignment_id", "healthy", b"healthy", "local_hint_node_id_matches", b"local_hint_node_id_matches", "node_id", b"node_id", "release_id", b"release_id", "release_weight", b"release_weight", "step_tag", b"step_tag"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
