@@ -18,6 +18,8 @@ from urllib.parse import quote
 
 from zattera.v1 import types_pb2 as pb
 
+from shared.errors import ZatteraError
+
 ADDON_VAR = "ZATTERA_ADDON"
 """``<engine>:<version>`` on an add-on's env."""
 ENTRY_VAR = "ZATTERA_ADDON_ENTRY"
@@ -56,7 +58,7 @@ IMAGE_REF = "exec:sh%20zattera-addon.sh"
 """The release's image: an empty directory of the instance (the command writes the script into it)."""
 
 
-class AddonInputError(ValueError):
+class AddonInputError(ZatteraError, ValueError):
     """A bad field of an add-on request: ``field`` names it."""
 
     def __init__(self, field: str, problem: str) -> None:
