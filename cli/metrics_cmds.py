@@ -12,6 +12,7 @@ import typer
 
 from cli.client import control, fail, run
 from shared import history as H
+from shared import history_read as HR
 from shared.actions.names import env_path, resolve_env
 
 SPARK_WIDTH = 60
@@ -63,7 +64,7 @@ def squeeze(values: Sequence[float | None], width: int = SPARK_WIDTH) -> list[fl
     return out
 
 
-def table(history: H.History, label: str, window: str) -> list[str]:
+def table(history: HR.History, label: str, window: str) -> list[str]:
     rows = {H.ENV: ENV_ROWS, H.NODE: NODE_ROWS, H.PROXY: PROXY_ROWS}[history.kind]
     lines = [f"{history.kind} {label} · last {window} · one point per {history.span} s"]
     lines.append(f"{'':<12} {'last':>8} {'min':>8} {'max':>8}  history")
@@ -73,7 +74,7 @@ def table(history: H.History, label: str, window: str) -> list[str]:
         last = known[-1] if known else None
         low = min(known) if known else None
         high = max(known) if known else None
-        spark = H.sparkline(squeeze(values))
+        spark = HR.sparkline(squeeze(values))
         lines.append(
             f"{title:<12} {_fmt(last, style):>8} {_fmt(low, style):>8} {_fmt(high, style):>8}  {spark}".rstrip()
         )
@@ -95,7 +96,7 @@ def metrics(
     if len(chosen) != 1:
         raise fail("name exactly one of --env, --node or --proxy", 2)
     try:
-        window = H.parse_since(since)
+        window = HR.parse_since(since)
     except H.HistoryError as exc:
         raise fail(str(exc), 2) from None
 
@@ -113,7 +114,7 @@ def metrics(
                 kind, ident, label = H.NODE, nodes[0].meta.id, nodes[0].name or nodes[0].meta.id
             else:
                 kind, ident, label = H.PROXY, proxy, proxy
-            series = await H.history(c.conn.nc, kind, ident, window, time.time())
+            series = await HR.history(c.conn.nc, kind, ident, window, time.time())
             if json:
                 print(jsonlib.dumps({"name": label, **series.as_dict()}, sort_keys=True))
                 return

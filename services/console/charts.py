@@ -22,6 +22,7 @@ from html import escape
 from markupsafe import Markup
 
 from shared import history as H
+from shared import history_read as HR
 
 WIDTH = 560
 HEIGHT = 210
@@ -167,7 +168,7 @@ def line_chart(
     )
 
 
-def env_charts(history: H.History, window: int) -> list[Markup]:
+def env_charts(history: HR.History, window: int) -> list[Markup]:
     """The env page's charts: requests and errors, latency, replicas and in-flight, CPU, memory."""
     mib = [None if v is None else v / 1_048_576 for v in history.values("memory_bytes")]
     common = {"window": window}
@@ -238,7 +239,7 @@ def env_charts(history: H.History, window: int) -> list[Markup]:
     ]
 
 
-def node_charts(history: H.History, window: int) -> list[Markup]:
+def node_charts(history: HR.History, window: int) -> list[Markup]:
     """A node's charts: CPU, memory used and total, disk of the data dir, instances."""
     gib = 1_073_741_824
 

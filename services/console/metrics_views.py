@@ -20,6 +20,7 @@ from zattera.v1 import types_pb2 as pb
 from services.console import charts
 from services.console.handling import Console, console_of, refuse, render
 from shared import history as H
+from shared import history_read as HR
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,9 @@ class _SparkCache:
 CACHE_ATTRIBUTE = "_metrics_spark_cache"
 
 
-async def env_history(console: Console, env_id: str, window: int) -> H.History | None:
+async def env_history(console: Console, env_id: str, window: int) -> HR.History | None:
     try:
-        return await H.history(console.conn.nc, H.ENV, env_id, window, time.time())
+        return await HR.history(console.conn.nc, H.ENV, env_id, window, time.time())
     except (TimeoutError, nats.errors.Error, H.HistoryError) as exc:
         log.warning("metrics history of env %s not read: %s", env_id, exc)
         return None
@@ -61,7 +62,7 @@ async def env_charts_context(console: Console, env_id: str, window_name: str) ->
 async def node_charts_context(console: Console, node_id: str, window_name: str) -> dict[str, Any]:
     name, seconds = charts.window_of(window_name)
     try:
-        history: H.History | None = await H.history(console.conn.nc, H.NODE, node_id, seconds, time.time())
+        history: HR.History | None = await HR.history(console.conn.nc, H.NODE, node_id, seconds, time.time())
     except (TimeoutError, nats.errors.Error, H.HistoryError) as exc:
         log.warning("metrics history of node %s not read: %s", node_id, exc)
         history = None
@@ -148,7 +149,7 @@ async def node_metrics_api(request: web.Request) -> web.Response:
     if (problem := window_problem(request)) is not None:
         return refuse(request, 400, problem)
     _, seconds = charts.window_of(request.query.get("window", ""))
-    history = await H.history(console.conn.nc, H.NODE, node_id, seconds, time.time())
+    history = await HR.history(console.conn.nc, H.NODE, node_id, seconds, time.time())
     return web.json_response(history.as_dict())
 
 
@@ -195,7 +196,7 @@ async def overview_sparklines(console: Console, env_ids: list[str]) -> dict[str,
             since = H.bucket_of(now - SPARK_WINDOW, H.DOWN_SPAN)
             points: dict[str, list[cpb.MetricPoint]] = {}
             try:
-                msgs = await H.read_messages(
+                msgs = await HR.read_messages(
                     console.conn.nc, H.METRICS_5M_STREAM, H.subject(H.DOWN, H.ENV, "*"), since, limit=200_000
                 )
             except nats.errors.NoRespondersError:

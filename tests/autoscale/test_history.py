@@ -11,6 +11,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.autoscale.history import HistoryRecorder
 from shared import history as H
+from shared import history_read as HR
 from shared.events import EventPublisher, event_for_env
 from shared.loop import LoopDeps
 from tests.autoscale.conftest import Harness
@@ -52,7 +53,7 @@ async def test_points_are_stored_every_slot_and_read_back_as_a_series(h: Harness
             await h.beat(node_beat(now, instances={"env1-a0": (25.0, 1000), "env1-a1": (15.0, 500)}))
             await loop.pass_once()
             h.clock.set(now + 10)
-        raw = await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)
+        raw = await HR.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)
         # the term's first pass only reads the counters; then each point is of the slot that just ended
         assert len(raw) == 31 and raw[0].time == BUCKET
         steady = raw[5]
@@ -60,14 +61,14 @@ async def test_points_are_stored_every_slot_and_read_back_as_a_series(h: Harness
         assert steady.responses_5xx == 10
         assert (steady.desired, steady.running) == (2, 0)  # the factory's assignments report no state
         assert steady.cpu_percent == 40.0 and steady.memory_bytes == 1500
-        node = await H.read_points(h.conn.nc, H.RAW, H.NODE, "n1", BUCKET)
+        node = await HR.read_points(h.conn.nc, H.RAW, H.NODE, "n1", BUCKET)
         assert len(node) == 31 and node[0].instances == 2 and node[0].time == BUCKET
-        down = await H.read_points(h.conn.nc, H.DOWN, H.ENV, "env1", BUCKET)
+        down = await HR.read_points(h.conn.nc, H.DOWN, H.ENV, "env1", BUCKET)
         assert len(down) == 1 and down[0].samples == 30 and abs(down[0].rps - 20.0) < 0.01
-        series = await H.history(h.conn.nc, H.ENV, "env1", 600, h.clock.now())
+        series = await HR.history(h.conn.nc, H.ENV, "env1", 600, h.clock.now())
         values = [v for v in series.values("rps") if v]
         assert len(values) >= 30 and all(abs(v - 20.0) < 0.01 for v in values)
-        day = await H.history(h.conn.nc, H.ENV, "env1", 86_400, h.clock.now())
+        day = await HR.history(h.conn.nc, H.ENV, "env1", 86_400, h.clock.now())
         assert day.span == 300 and any(v and abs(v - 20.0) < 0.01 for v in day.values("rps"))
     finally:
         await loop.end_term()
@@ -83,7 +84,7 @@ async def test_deploy_events_become_marks_and_a_new_leader_keeps_the_previous_le
         marks: list[H.Mark] = []
 
         async def marked() -> bool:
-            marks[:] = await H.read_marks(h.conn.nc, "env1", BUCKET - 3600)
+            marks[:] = await HR.read_marks(h.conn.nc, "env1", BUCKET - 3600)
             return bool(marks)
 
         await eventually(marked, what="the deploy mark stored")
@@ -99,7 +100,7 @@ async def test_deploy_events_become_marks_and_a_new_leader_keeps_the_previous_le
         await again.begin_term()
         await again.pass_once()  # reads the counters, writes nothing
         await again.end_term()
-        stored = await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)
+        stored = await HR.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)
         assert [p.time for p in stored] == [BUCKET] and abs(stored[0].rps - 20.0) < 0.01  # the good point kept
         assert len(H.dense(stored, int(BUCKET), int(BUCKET) + 10, 10)) == 1
     finally:
@@ -122,7 +123,7 @@ async def test_a_running_term_writes_one_point_per_slot_on_the_clock(h: Harness)
         points: list[cpb.MetricPoint] = []
 
         async def four() -> bool:
-            points[:] = await H.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)
+            points[:] = await HR.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)
             return len(points) >= 4
 
         await eventually(four, what="a point per slot")

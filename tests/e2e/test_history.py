@@ -24,6 +24,7 @@ import aiohttp
 import pytest
 
 from shared import history as H
+from shared import history_read as HR
 from shared.console_users import new_user, save_user, users_bucket
 from tests.e2e.cluster import E2ECluster, app_source, env_by_name, healthy
 from tests.waiting import eventually
@@ -282,7 +283,7 @@ async def test_env_chart_shows_the_generated_rate_errors_and_the_deploy(
             index = {again["start"] + i * again["span"]: i for i in range(len(again["series"]["rps"]))}
             kept = all(t in index and again["series"]["rps"][index[t]] == before[t] for t in whole)
             async with cluster.state() as (conn, _):
-                fresh = await H.read_points(conn.nc, H.RAW, H.NODE, node_id, resumed_after)
+                fresh = await HR.read_points(conn.nc, H.RAW, H.NODE, node_id, resumed_after)
             return kept and bool(fresh)
 
         await eventually(every(1.0, kept_and_resumed), 60, "the history survived the restart and recording resumed")

@@ -7,6 +7,7 @@ import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared import history as H
+from shared import history_read as HR
 from shared.clock import FakeClock
 from tests.autoscale.helpers import node_beat, proxy_beat
 
@@ -146,21 +147,21 @@ def test_dense_fills_env_gaps_with_zero_and_regroup_keeps_the_mean() -> None:
 
 @pytest.mark.parametrize("text,seconds", [("1h", 3600), ("90s", 90), ("7d", 604800), ("15m", 900)])
 def test_since_parses(text: str, seconds: int) -> None:
-    assert H.parse_since(text) == seconds
+    assert HR.parse_since(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["", "h", "1w", "-1h", "31d", "0m"])
 def test_bad_since_names_the_field(text: str) -> None:
     with pytest.raises(H.HistoryError, match="--since"):
-        H.parse_since(text)
+        HR.parse_since(text)
 
 
 def test_sparkline() -> None:
-    assert H.sparkline([0, 1, 2, None, 4]) == "▁▃▅ █"
-    assert H.sparkline([0, 0]) == "▁▁"
+    assert HR.sparkline([0, 1, 2, None, 4]) == "▁▃▅ █"
+    assert HR.sparkline([0, 0]) == "▁▁"
 
 
 def test_resolution_for_windows() -> None:
-    assert H.resolution_for(3600) == (H.RAW, 10)
-    assert H.resolution_for(86400) == (H.DOWN, 300)
-    assert H.resolution_for(7 * 86400) == (H.DOWN, 1800)
+    assert HR.resolution_for(3600) == (H.RAW, 10)
+    assert HR.resolution_for(86400) == (H.DOWN, 300)
+    assert HR.resolution_for(7 * 86400) == (H.DOWN, 1800)
