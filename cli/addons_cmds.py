@@ -14,19 +14,17 @@ import typer
 from cli import render
 from cli.client import FIELD_LABELS, control, fail, run
 from cli.config_cmds import JSON, NO_DEPLOY, say
+from shared.actions.addon_attach import AttachAddon, attach_addon, detach_addon
 from shared.actions.addons import (
     AddonCreated,
     AddonInfo,
-    AttachAddon,
     CreateAddon,
     DeleteAddon,
     RestoreAddon,
     addon_backups,
     addon_info,
-    attach_addon,
     create_addon,
     delete_addon,
-    detach_addon,
     list_addons,
     restore_addon,
 )

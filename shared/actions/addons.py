@@ -6,11 +6,7 @@ write of its app, env and sealed secrets (the passwords are generated here, seal
 once and never returned, logged or put in an event), then its first deploy; when that deploy cannot be
 recorded the app and env are deleted again, so a failed create leaves nothing behind.
 
-Attaching gives an env the database's URL as a sealed secret (``DATABASE_URL``/``REDIS_URL``; a copy of the
-database's own sealed ``ZATTERA_ADDON_URL``, so no plaintext is needed) and, for PostgreSQL, ``PGPASSWORD``
-(sealed) and ``PGHOST``/``PGPORT``/``PGUSER``/``PGDATABASE``, in the one reconfiguring write that rolls the
-env out red/green. The address in them is a reference the consumer's node fills in
-(``${ZATTERA_SERVICE_<NAME>_DB_HOST}``): each consumer reaches the database at its own private address.
+Attaching and detaching are :mod:`shared.actions.addon_attach`.
 """
 
 from __future__ import annotations
@@ -22,10 +18,9 @@ from datetime import UTC, datetime
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.actions.config import ConfigChanged, reconfigure
 from shared.actions.context import ActionContext, commit
 from shared.actions.deletion import deletion_txn, plan_deletion
-from shared.actions.names import env_path, find_app, find_env, resolve_env, resolve_project, target_env
+from shared.actions.names import env_path, find_app, find_env, resolve_project
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.addons import spec as addon
 from shared.addons.backups import BackupStatus, status_from_lines
@@ -67,14 +62,6 @@ class RestoreAddon:
     as_name: str
     to_time: float | None = None
     """Epoch seconds (UTC); None = the latest state the archive holds (``--latest``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class AttachAddon:
-    name: str
-    env: str
-    """The env that gets the URL: id or ``project/app/env`` (the database is looked up in its project)."""
-    deploy: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +153,7 @@ FORKED_FROM_VAR = "ZATTERA_ADDON_FORKED_FROM"
 """On a fork: ``project/name`` of the origin (what ``addons info`` shows)."""
 
 
-def _sealed(
+def sealed_secret(
     env: pb.Environment, key: pb.SecretsKey, name: str, *, value: str = "", ciphertext: bytes = b""
 ) -> pb.SealedSecret:
     """A sealed secret of ``env`` (version 1 above what it holds by that name), referenced by its spec."""
@@ -189,7 +176,7 @@ def _sealed(
     return record
 
 
-def _cluster_key(view: StateReader) -> pb.SecretsKey:
+def cluster_key(view: StateReader) -> pb.SecretsKey:
     key = view.get(K.SECRETS_KEY, CLUSTER_KEY)
     if not isinstance(key, pb.SecretsKey) or not key.public_key:
         raise Conflicting(NO_CLUSTER_KEY)
@@ -203,7 +190,7 @@ def _new_addon_records(
     view = ctx.view
     if find_app(view, project.meta.id, name) is not None:
         raise Conflicting(f"{name!r} is already an app of project {project.name}", field="name")
-    key = _cluster_key(view)
+    key = cluster_key(view)
     now = ctx.clock.now()
     app = pb.App(project_id=project.meta.id, name=name)
     app.meta.id = new_id()
@@ -219,12 +206,12 @@ def _new_addon_records(
     txn = ctx.writer.txn("addons-create").create(app)
     if engine == addon.POSTGRES:
         app_password = addon.new_password()
-        txn.create(_sealed(env, key, addon.SUPERUSER_PASSWORD, value=addon.new_password()))
-        txn.create(_sealed(env, key, addon.APP_PASSWORD, value=app_password))
+        txn.create(sealed_secret(env, key, addon.SUPERUSER_PASSWORD, value=addon.new_password()))
+        txn.create(sealed_secret(env, key, addon.APP_PASSWORD, value=app_password))
     else:
         app_password = addon.new_password()
-        txn.create(_sealed(env, key, addon.REDIS_PASSWORD, value=app_password))
-    txn.create(_sealed(env, key, addon.URL_SECRET, value=addon.database_url(engine, name, app_password)))
+        txn.create(sealed_secret(env, key, addon.REDIS_PASSWORD, value=app_password))
+    txn.create(sealed_secret(env, key, addon.URL_SECRET, value=addon.database_url(engine, name, app_password)))
     env.service.config_version += 1
     txn.create(env)
     txn.put(key)  # unchanged: the secrets were sealed to this key (a rotation meanwhile refuses the write)
@@ -396,91 +383,6 @@ async def restore_addon(ctx: ActionContext, request: RestoreAddon) -> AddonCreat
 
 def _pg_time(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S.%f+00")
-
-
-def _consumer_and_addon(view: StateReader, request: AttachAddon) -> tuple[pb.Environment, pb.Environment]:
-    consumer = target_env(view, request.env)
-    project = view.project(consumer.project_id)
-    assert project is not None
-    database = addon_env(view, project, request.name)
-    if database.meta.id == consumer.meta.id:
-        raise Invalid("env", "a database cannot be attached to itself")
-    return consumer, database
-
-
-async def attach_addon(ctx: ActionContext, request: AttachAddon) -> ConfigChanged:
-    consumer, database = _consumer_and_addon(ctx.view, request)
-    engine, _ = addon.addon_of(database) or ("", "")
-    app = ctx.view.app(database.app_id)
-    assert app is not None
-    url_name = addon.url_name(engine)
-    marker = addon.attached_var(app.name)
-    plain = addon.consumer_vars(engine, app.name)
-
-    def edit(env: pb.Environment, txn: Txn) -> None:
-        if env.service.vars.get(marker) == database.meta.id:
-            raise Conflicting(f"{app.name} is already attached to this env", field="name")
-        taken = [n for n in (url_name, "PGPASSWORD", *plain) if n in env.service.vars or n in env.service.secrets]
-        if taken:
-            raise Conflicting(f"the env already sets {', '.join(taken)} (detach the other database first)", field="env")
-        key = _cluster_key(ctx.view)
-        by_id = {s.meta.id: s for s in ctx.view.secrets(database.meta.id)}
-        url_ref = database.service.secrets.get(addon.URL_SECRET)
-        url = by_id.get(url_ref.secret_id) if url_ref is not None else None
-        if url is None or url.key_id != key.key_id:
-            raise Conflicting(f"{app.name}'s URL is not sealed to the current cluster key yet; try again", field="name")
-        txn.create(_sealed(env, key, url_name, ciphertext=url.ciphertext))
-        if engine == addon.POSTGRES:
-            password_ref = database.service.secrets[addon.APP_PASSWORD]
-            password = by_id[password_ref.secret_id]
-            txn.create(_sealed(env, key, "PGPASSWORD", ciphertext=password.ciphertext))
-        env.service.vars.update({**plain, marker: database.meta.id})
-        env.service.config_version += 1
-        txn.put(key)
-
-    changed = await reconfigure(ctx, consumer.meta.id, edit, deploy=request.deploy)
-    await ctx.events.publish(
-        event_for_env(
-            consumer,
-            EVENT_ATTACHED,
-            f"database {app.name} attached to {changed.env}",
-            fields={"actor": ctx.actor, "addon": app.name, "addon_env_id": database.meta.id},
-        )
-    )
-    return changed
-
-
-async def detach_addon(ctx: ActionContext, request: AttachAddon) -> ConfigChanged:
-    consumer = target_env(ctx.view, request.env)
-    project = ctx.view.project(consumer.project_id)
-    assert project is not None
-    marker = addon.attached_var(request.name)
-    if marker not in consumer.service.vars:
-        raise NotFound(f"{request.name} is not attached to {env_path(ctx.view, consumer)}", field="name")
-    database = resolve_env(ctx.view, consumer.service.vars[marker])
-    engine = (addon.addon_of(database) or (addon.POSTGRES, ""))[0] if database is not None else addon.POSTGRES
-    names = [addon.url_name(engine), *(["PGPASSWORD"] if engine == addon.POSTGRES else [])]
-    plain = [*addon.consumer_vars(engine, request.name), marker]
-
-    def edit(env: pb.Environment, txn: Txn) -> None:
-        for name in names:
-            ref = env.service.secrets.pop(name, None)
-            if ref is not None:
-                txn.delete(K.secret(ref.secret_id))
-        for name in plain:
-            env.service.vars.pop(name, None)
-        env.service.config_version += 1
-
-    changed = await reconfigure(ctx, consumer.meta.id, edit, deploy=request.deploy)
-    await ctx.events.publish(
-        event_for_env(
-            consumer,
-            EVENT_DETACHED,
-            f"database {request.name} detached from {changed.env}",
-            fields={"actor": ctx.actor, "addon": request.name},
-        )
-    )
-    return changed
 
 
 def list_addons(view: StateReader, project: str = "") -> list[AddonInfo]:

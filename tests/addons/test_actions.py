@@ -12,15 +12,13 @@ from nacl.public import PrivateKey, SealedBox
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.actions.addon_attach import AttachAddon, attach_addon, detach_addon
 from shared.actions.addons import (
-    AttachAddon,
     CreateAddon,
     DeleteAddon,
     RestoreAddon,
-    attach_addon,
     create_addon,
     delete_addon,
-    detach_addon,
     list_addons,
     restore_addon,
 )
