@@ -52,7 +52,8 @@ def serving_on(machine: Machine) -> dict[str, int]:
     """Healthy replicas meant to run, per node."""
     counts: dict[str, int] = {}
     for replica in replicas(machine):
-        if replica["desired"] == "ASSIGNMENT_DESIRED_RUN" and replica["observed"]["state"] == "INSTANCE_STATE_HEALTHY":
+        observed = replica.get("observed", {})  # a replica just placed has no report yet (no field in its JSON)
+        if replica["desired"] == "ASSIGNMENT_DESIRED_RUN" and observed.get("state") == "INSTANCE_STATE_HEALTHY":
             counts[replica["node_id"]] = counts.get(replica["node_id"], 0) + 1
     return counts
 
