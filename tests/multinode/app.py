@@ -116,7 +116,7 @@ def deploy_stateful(first: Machine, on: Machine, workdir: Path) -> None:
         assert done.returncode == 0, done.stdout + done.stderr
     eventually_sync(
         lambda: (
-            [(r["node_id"], r["observed"]["state"]) for r in running(first, DB_ENV)]
+            [(r["node_id"], r.get("observed", {}).get("state")) for r in running(first, DB_ENV)]
             == [(on.name, "INSTANCE_STATE_HEALTHY")]
         ),
         timeout=180,

@@ -123,7 +123,8 @@ def test_a_server_machine_lost_and_back(network: Network) -> None:
     )
     eventually_sync(
         lambda: (
-            [(r["node_id"], r["observed"]["state"]) for r in running(m1, DB_ENV)] == [("m3", "INSTANCE_STATE_HEALTHY")]
+            [(r["node_id"], r.get("observed", {}).get("state")) for r in running(m1, DB_ENV)]
+            == [("m3", "INSTANCE_STATE_HEALTHY")]
         ),
         timeout=180,
         what="the stateful replica serving on m3 again, once",
