@@ -17,7 +17,9 @@ from markupsafe import Markup
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.console import charts
+from services.console.charts import WINDOWS as CHART_WINDOWS
+from services.console.charts import env_charts, node_charts, window_of
+from services.console.charts import sparkline as chart_sparkline
 from services.console.handling import Console, console_of, refuse, render
 from shared import history as H
 from shared import history_read as HR
@@ -49,27 +51,27 @@ async def env_history(console: Console, env_id: str, window: int) -> HR.History 
 
 
 async def env_charts_context(console: Console, env_id: str, window_name: str) -> dict[str, Any]:
-    name, seconds = charts.window_of(window_name)
+    name, seconds = window_of(window_name)
     history = await env_history(console, env_id, seconds)
     return {
-        "charts": charts.env_charts(history, seconds) if history is not None else [],
+        "charts": env_charts(history, seconds) if history is not None else [],
         "window": name,
-        "windows": [w for w, _ in charts.WINDOWS],
+        "windows": [w for w, _ in CHART_WINDOWS],
         "charts_url": f"/env/{env_id}/charts?window={name}",
     }
 
 
 async def node_charts_context(console: Console, node_id: str, window_name: str) -> dict[str, Any]:
-    name, seconds = charts.window_of(window_name)
+    name, seconds = window_of(window_name)
     try:
         history: HR.History | None = await HR.history(console.conn.nc, H.NODE, node_id, seconds, time.time())
     except (TimeoutError, nats.errors.Error, H.HistoryError) as exc:
         log.warning("metrics history of node %s not read: %s", node_id, exc)
         history = None
     return {
-        "charts": charts.node_charts(history, seconds) if history is not None else [],
+        "charts": node_charts(history, seconds) if history is not None else [],
         "window": name,
-        "windows": [w for w, _ in charts.WINDOWS],
+        "windows": [w for w, _ in CHART_WINDOWS],
         "charts_url": f"/nodes/{node_id}/charts?window={name}",
     }
 
@@ -77,7 +79,7 @@ async def node_charts_context(console: Console, node_id: str, window_name: str) 
 def window_problem(request: web.Request) -> str | None:
     """Why the ``window`` parameter is refused (None: absent, the default 1 h, or one of the windows)."""
     text = request.query.get("window", "")
-    names = [name for name, _ in charts.WINDOWS]
+    names = [name for name, _ in CHART_WINDOWS]
     if text and text not in names:
         return f"window {text!r}: expected one of {', '.join(names)}"
     return None
@@ -114,7 +116,7 @@ async def env_metrics_api(request: web.Request) -> web.Response:
     _env_or_404(console, env_id)
     if (problem := window_problem(request)) is not None:
         return refuse(request, 400, problem)
-    _, seconds = charts.window_of(request.query.get("window", ""))
+    _, seconds = window_of(request.query.get("window", ""))
     history = await env_history(console, env_id, seconds)
     if history is None:
         return web.json_response({"error": "the metrics history did not answer"}, status=503)
@@ -148,7 +150,7 @@ async def node_metrics_api(request: web.Request) -> web.Response:
     _node_or_404(console, node_id)
     if (problem := window_problem(request)) is not None:
         return refuse(request, 400, problem)
-    _, seconds = charts.window_of(request.query.get("window", ""))
+    _, seconds = window_of(request.query.get("window", ""))
     history = await HR.history(console.conn.nc, H.NODE, node_id, seconds, time.time())
     return web.json_response(history.as_dict())
 
@@ -216,5 +218,5 @@ async def overview_sparklines(console: Console, env_ids: list[str]) -> dict[str,
         slots = H.dense(cache.points.get(env_id, []), start, end, H.DOWN_SPAN)
         requests = [p.rps if p is not None else None for _, p in slots]
         errors = [H.rate(p, "responses_5xx") if p is not None else None for _, p in slots]
-        out[env_id] = charts.sparkline(requests, errors, "last 2 hours")
+        out[env_id] = chart_sparkline(requests, errors, "last 2 hours")
     return out

@@ -20,8 +20,9 @@ from aiohttp import web
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from services.console import pages
 from services.console.handling import SESSION, console_of, is_api, redirect_to, refuse, render, session_of
+from services.console.overview import render_overview
+from services.console.pages import overview as overview_rows
 from shared.connection import Connection
 from shared.console_users import ADMIN, VIEWER
 from shared.security.creds import _JWT_BLOCK
@@ -144,10 +145,8 @@ async def _scoped_overview(request: web.Request, scope: dict[str, str]) -> web.S
     console = console_of(request)
     only = [e.meta.id for e in console.view.envs() if e.project_id in scope]
     if is_api(request):
-        envs = pages.overview(console.view, console.routes(), only, console.listeners()) if only else []
+        envs = overview_rows(console.view, console.routes(), only, console.listeners()) if only else []
         return web.json_response({"environments": envs, "projects": scope})
-    from services.console.views import render_overview  # views' handlers are composed after this guard
-
     return await render_overview(request, only, scoped=True)
 
 

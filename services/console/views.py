@@ -10,10 +10,11 @@ from typing import Any
 from aiohttp import web
 from zattera.v1 import types_pb2 as pb
 
-from services.console.handling import Console, console_of, is_api, refuse, render, render_streamed
-from services.console.metrics_views import env_charts_context, overview_sparklines, window_problem
+from services.console.handling import Console, console_of, is_api, refuse, render
+from services.console.metrics_views import env_charts_context, window_problem
+from services.console.overview import render_overview
 from shared.audit import DEFAULT_LIMIT, parse_since, read_entries, select
-from shared.backup.status import backup_status, describe
+from shared.backup.status import backup_status
 from shared.notify_status import failing_channels
 
 from . import pages
@@ -29,31 +30,6 @@ def env_or_404(console: Console, env_id: str) -> pb.Environment:
 async def overview_page(request: web.Request) -> web.StreamResponse:
     only = [env_id for env_id in request.query.get("only", "").split(",") if env_id]
     return await render_overview(request, only)
-
-
-async def render_overview(request: web.Request, only: list[str], *, scoped: bool = False) -> web.StreamResponse:
-    """The overview of the envs ``only`` names (none named: every env, unless ``scoped``: a project member's,
-    which shows only its projects' envs and none of the cluster's notices)."""
-    console = console_of(request)
-    envs = pages.overview(console.view, console.routes(), only, console.listeners()) if only or not scoped else []
-    for row in envs:  # grouped by project on the page (issue 40)
-        row.setdefault("project", row["path"].split("/", 1)[0])
-    failing: list[str] = []
-    channels: list[Any] = []
-    if not scoped:
-        backups = backup_status(console.view)
-        failing = describe(backups) if backups.failing else []
-        channels = failing_channels(console.view)
-    sparks = await overview_sparklines(console, [e["id"] for e in envs])
-    return await render_streamed(
-        request,
-        "overview.html",
-        page="overview",
-        envs=envs,
-        backups_failing=failing,
-        channels_failing=channels,
-        sparks=sparks,
-    )
 
 
 async def overview_api(request: web.Request) -> web.Response:

@@ -25,6 +25,7 @@ from services.orchestrator.model import (
     advance,
     blue,
     deploy_event,
+    green_setback,
     phase_label,
 )
 from shared.canary import (
@@ -104,8 +105,6 @@ def decide_canary(
     proxies: Sequence[cpb.ProxyHeartbeat] | None,
 ) -> Decision | None:
     """One step of a canary: an operator's request first, then the green set's health, then the analysis."""
-    from services.orchestrator.phases import green_setback  # the red/green module imports this one
-
     spec = canary_spec(release)
     if spec is None:  # the release lost its canary settings: finish as red/green would
         return Decision("CANARY->PROMOTING", fence=advance(d, PROMOTING, now))

@@ -25,7 +25,7 @@ from shared.clock import from_timestamp, stamp
 from shared.decision import Decision
 from shared.deploy import CANCELED_BY_OPERATOR
 from shared.events import ERROR, INFO, WARNING, make_event, transition_id
-from shared.placement.replicas import with_desired
+from shared.placement.replicas import deploy_replicas, with_desired
 from shared.settings import DEFAULTS as SHARED
 from shared.settings import Settings
 from shared.state.reader import StateReader
@@ -391,3 +391,25 @@ def with_transition_ids(d: pb.Deployment, events: list[pb.Event], revision: int)
     """Name each event after the deployment's revision the step was decided on (its Nats-Msg-Id)."""
     for event in events:
         event.transition = transition_id(K.deployment(d.meta.id), revision, event.kind)
+
+
+def back_to_placing(view: StateReader, d: pb.Deployment, lost: list[pb.Assignment], now: float) -> Decision:
+    """The green set shrank (node lost, external stop) or the target grew: re-place before promoting."""
+    t = move(d, pb.DEPLOYMENT_PHASE_PLACING, now)
+    t.deletes = [K.assignment(a.node_id, a.meta.id) for a in lost]
+    return t
+
+
+def green_setback(
+    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, failed: str
+) -> tuple[Decision | None, list[pb.Assignment]]:
+    """What interrupts a green set on its way up: a failed instance aborts (``failed`` names the phase's
+    failure), a lost or missing replica sends it back to placing; else (None, the green replicas on
+    live nodes)."""
+    instances = green(view, d)
+    if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
+        return abort(view, d, failed_instance_reason(failed, instances), now), []
+    live, lost = on_live_nodes(view, instances)
+    if lost or len(live) < deploy_replicas(env, release):
+        return back_to_placing(view, d, lost, now), []
+    return None, live

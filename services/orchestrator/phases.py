@@ -30,7 +30,9 @@ from collections.abc import Sequence
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.orchestrator import canary
+from services.orchestrator.canary import CANARY, decide_canary, wants_canary
+from services.orchestrator.canary import enter as enter_canary
+from services.orchestrator.canary import wake_at as canary_wake_at
 from services.orchestrator.model import (
     BUILD_FAILED,
     BUILD_NOT_FOUND,
@@ -50,8 +52,8 @@ from services.orchestrator.model import (
     blue,
     copy_of,
     deployment_of,
-    failed_instance_reason,
     green,
+    green_setback,
     move,
     observed_summary,
     on_live_nodes,
@@ -249,8 +251,8 @@ def decide_red_green(
         return promote(view, d, env, release, now, timers)
     if d.phase == DRAINING_OLD:
         return drain(view, d, env, release, now, proxies=proxies, nodes=nodes, quiet=timers.drain_quiet)
-    if d.phase == canary.CANARY:
-        return canary.decide_canary(view, d, env, release, now, proxies)
+    if d.phase == CANARY:
+        return decide_canary(view, d, env, release, now, proxies)
     return None
 
 
@@ -282,28 +284,6 @@ def placing(
     return t
 
 
-def back_to_placing(view: StateReader, d: pb.Deployment, lost: list[pb.Assignment], now: float) -> Decision:
-    """The green set shrank (node lost, external stop) or the target grew: re-place before promoting."""
-    t = move(d, PLACING, now)
-    t.deletes = [K.assignment(a.node_id, a.meta.id) for a in lost]
-    return t
-
-
-def green_setback(
-    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, failed: str
-) -> tuple[Decision | None, list[pb.Assignment]]:
-    """What interrupts a green set on its way up: a failed instance aborts (``failed`` names the phase's
-    failure), a lost or missing replica sends it back to placing; else (None, the green replicas on
-    live nodes)."""
-    instances = green(view, d)
-    if any(a.observed.state == pb.INSTANCE_STATE_FAILED for a in instances):
-        return abort(view, d, failed_instance_reason(failed, instances), now), []
-    live, lost = on_live_nodes(view, instances)
-    if lost or len(live) < deploy_replicas(env, release):
-        return back_to_placing(view, d, lost, now), []
-    return None, live
-
-
 def starting(
     view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Decision | None:
@@ -327,8 +307,8 @@ def healthchecking(
     if setback is not None:
         return setback
     if all(a.observed.state == pb.INSTANCE_STATE_HEALTHY for a in live):
-        if canary.wants_canary(view, d, env, release):
-            return canary.enter(d, release, now)
+        if wants_canary(view, d, env, release):
+            return enter_canary(d, release, now)
         return move(d, PROMOTING, now)
     entered = phase_entered_at(d)
     if entered is not None and now > entered + timers.health_deadline(release):
@@ -454,8 +434,8 @@ def wake_at(view: StateReader, d: pb.Deployment, timers: Timers) -> float | None
         return None
     if d.phase == DRAINING_OLD:
         return from_timestamp(d.drain_deadline) if d.HasField("drain_deadline") else None
-    if d.phase == canary.CANARY:
-        return canary.wake_at(d, view.release(d.release_id))
+    if d.phase == CANARY:
+        return canary_wake_at(d, view.release(d.release_id))
     entered = phase_entered_at(d)
     if entered is None:
         return None
