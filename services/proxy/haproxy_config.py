@@ -148,6 +148,11 @@ class Layout:
     old_worker_lifetime: float = 600.0
     """After a reload, the old worker keeps its open connections (WebSockets) at most this long: the drain
     window, so a connection open during a red/green deploy lives as long as its old replica may."""
+    latency_log: bool = False
+    """Log each answered request's backend, server, status and time to :attr:`latency_socket` (real latency
+    percentiles, :mod:`services.proxy.haproxy_latency`)."""
+    latency_log_sample: int = 1
+    """Log one request in this many (1: every request)."""
 
     @property
     def config_file(self) -> Path:
@@ -191,6 +196,11 @@ class Layout:
     @property
     def master_socket(self) -> Path:
         return self.socket_dir / "master.sock"
+
+    @property
+    def latency_socket(self) -> Path:
+        """Where HAProxy's request log ring forwards its lines (this process listens)."""
+        return self.socket_dir / "latency.sock"
 
 
 def backend_name(route: cpb.HTTPRoute) -> str:
@@ -463,6 +473,43 @@ def _frontend_rules(plan_: Plan, layout: Layout) -> list[str]:
     return [f"    {rule}" for rule in rules]
 
 
+LATENCY_LOG_FORMAT = "%b %s %ST %Ta"
+"""Backend, server, status, total active time (ms): all a request log line says (no client, URL or header)."""
+LATENCY_RING = "zattera_latency"
+LATENCY_RING_SIZE = 1 << 20
+"""Bytes HAProxy buffers (~50,000 lines) while the proxy process is busy or its socket is re-created; the
+oldest lines are overwritten when full (the data plane never waits for the log)."""
+
+
+def _latency_ring_lines(layout: Layout) -> list[str]:
+    """The ring the request log goes to, forwarded over a unix stream socket, one line per request."""
+    if not layout.latency_log:
+        return []
+    return [
+        "",
+        f"ring {LATENCY_RING}",
+        "    format raw",
+        "    maxlen 128",
+        f"    size {LATENCY_RING_SIZE}",
+        "    timeout connect 1s",
+        "    timeout server 1h",
+        f"    server proxy unix@{layout.latency_socket}",
+        "",
+    ]
+
+
+def _latency_log_lines(layout: Layout) -> list[str]:
+    if not layout.latency_log:
+        return []
+    sample = f" sample 1:{layout.latency_log_sample}" if layout.latency_log_sample > 1 else ""
+    return [
+        f"    log ring@{LATENCY_RING}{sample} local0 info",
+        f'    log-format "{LATENCY_LOG_FORMAT}"',
+        '    error-log-format "-"',  # the default names the client and the SNI: nothing of it is wanted
+        "    option dontlognull",
+    ]
+
+
 def render(plan_: Plan, layout: Layout) -> str:
     """The whole configuration: global, defaults, the frontend, the hold backend and every backend with
     its current servers (so a fresh or reloaded HAProxy starts with all routes, before any runtime call)."""
@@ -472,6 +519,7 @@ def render(plan_: Plan, layout: Layout) -> str:
         "    stats timeout 30s",
         "    nbthread 1",
         f"    hard-stop-after {ms(max(layout.shutdown_grace, 1.0) + layout.old_worker_lifetime)}",
+        *_latency_ring_lines(layout),
         "defaults",
         "    mode http",
         "    option http-keep-alive",
@@ -492,6 +540,7 @@ def render(plan_: Plan, layout: Layout) -> str:
             else []
         ),
         *_frontend_rules(plan_, layout),
+        *_latency_log_lines(layout),
         f"    default_backend {NO_ROUTE_BACKEND}",
         "",
         f"backend {HOLD_BACKEND}",

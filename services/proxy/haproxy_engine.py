@@ -41,6 +41,7 @@ from services.proxy.haproxy_certs import (
     safe_name,
 )
 from services.proxy.haproxy_config import Layout, Plan, RouteCache, map_text, plan, render, server_line
+from services.proxy.haproxy_latency import LatencyLog
 from services.proxy.haproxy_runtime import RuntimeAPIError, command, execute, parse_stat_csv, send
 from services.proxy.haproxy_stats import HAProxySampler, ServerTraffic
 from services.proxy.launch import HAPROXY, haproxy_binary
@@ -135,6 +136,8 @@ class HAProxyEngine:
         self._sampler = HAProxySampler(time.time())
         self.server_traffic = ServerTraffic()
         """Weighted (canary) routes' per-release counters (issue 41), refreshed by :meth:`samples`."""
+        self.latency_log = LatencyLog(layout.latency_socket, lambda: self.running) if layout.latency_log else None
+        """HAProxy's request log: real latency percentiles per env and histograms per canary release."""
         self._certificates: dict[str, str] = {}
         """name → digest of the certificates HAProxy holds."""
 
@@ -149,6 +152,8 @@ class HAProxyEngine:
         self.layout.directory.mkdir(parents=True, exist_ok=True)
         _private_dir(self.layout.socket_dir)
         self._snapshot = snapshot
+        if self.latency_log is not None:
+            await self.latency_log.start()
         async with self._lock:
             await self._spawn()
         self._tasks = [asyncio.create_task(self._supervise()), asyncio.create_task(self._sweep())]
@@ -171,6 +176,8 @@ class HAProxyEngine:
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
                 await process.wait()
+        if self.latency_log is not None:
+            await self.latency_log.stop()
         if self.layout.socket_dir != self.layout.directory:
             shutil.rmtree(self.layout.socket_dir, ignore_errors=True)
 
@@ -457,7 +464,11 @@ class HAProxyEngine:
             text = await command(self.layout.stats_socket, "show stat -1 3 -1", timeout=2)  # frontends, backends
         except (OSError, TimeoutError, RuntimeAPIError):
             return {}
-        samples = self._sampler.sample(parse_stat_csv(text), self.running.env_of_backend, time.time())
+        latencies = None
+        if self.latency_log is not None:
+            await self.latency_log.ensure()
+            latencies = self.latency_log.percentiles(set(self.running.env_of_backend.values()))
+        samples = self._sampler.sample(parse_stat_csv(text), self.running.env_of_backend, time.time(), latencies)
         await self._sample_weighted_servers()
         if self.requests is not None:
             for answered in self._sampler.responses:
@@ -478,7 +489,9 @@ class HAProxyEngine:
                 rows += parse_stat_csv(await command(self.layout.stats_socket, f"show stat {backend_name} 4 -1"))
             except (OSError, TimeoutError, RuntimeAPIError):
                 return
-        self.server_traffic.sample(rows, owners)
+        self.server_traffic.sample(
+            rows, owners, self.latency_log.latencies.releases if self.latency_log is not None else None
+        )
 
     def release_traffic(self) -> list[cpb.ReleaseTraffic]:
         return list(self.server_traffic.report)

@@ -174,5 +174,7 @@ def haproxy_ingress(cfg: ProxySettings, *, nats_url: str, cache_dir: Path, metri
         header_timeout=cfg.header_timeout,
         tls_bind=tls_bind,
         old_worker_lifetime=settings().drain_window,
+        latency_log=cfg.latency_log,
+        latency_log_sample=cfg.latency_log_sample,
     )
     return HAProxyIngress(proxy, layout, certs_dir=cfg.certs_dir, certs_poll_interval=cfg.certs_poll_interval)

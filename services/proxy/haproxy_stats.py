@@ -2,10 +2,12 @@
 
 ``scur`` (current streams) is in-flight, ``qcur`` (requests queued for a server under ``maxconn``: a full
 env) is held, RPS and the error rate come from the deltas of ``stot`` (one stream per HTTP request) and
-``hrsp_5xx`` between two samples (a reload or restart zeroes them: a smaller value starts over), latency is
-``ttime``: HAProxy's average total time over the backend's last 1024 requests (HAProxy keeps no
-percentiles; p50, p95 and p99 all carry the average). ``lastsess`` (seconds since the last request) gives
-``last_request_at``. Several backends of one env (different middleware per domain) are summed.
+``hrsp_5xx`` between two samples (a reload or restart zeroes them: a smaller value starts over). Latency
+is the p50/p95/p99 of the env's last logged requests (HAProxy's request log,
+:mod:`services.proxy.haproxy_latency`); else — logging off, or nothing logged yet — ``ttime``: HAProxy's
+average total time over the backend's last 1024 requests (its stats keep no percentiles: p50, p95 and p99
+then all carry the average). ``lastsess`` (seconds since the last request) gives ``last_request_at``.
+Several backends of one env (different middleware per domain) are summed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.proxy.haproxy_config import NO_ROUTE_BACKEND
+from services.proxy.stats import ReleaseCounters
 from shared.clock import to_timestamp
 
 
@@ -74,8 +77,13 @@ class HAProxySampler:
         the Python handler measures its own requests)."""
 
     def sample(
-        self, rows: Sequence[Mapping[str, str]], env_of_backend: Mapping[str, str], now: float
+        self,
+        rows: Sequence[Mapping[str, str]],
+        env_of_backend: Mapping[str, str],
+        now: float,
+        latencies: Mapping[str, tuple[float, float, float]] | None = None,
     ) -> dict[str, cpb.ProxySample]:
+        """``latencies``: env id → (p50, p95, p99) from the request log, used instead of the average."""
         elapsed = max(now - self._at, 1e-9)
         self._at = now
         samples: dict[str, cpb.ProxySample] = {}
@@ -140,6 +148,10 @@ class HAProxySampler:
         ):
             if by_frontend > by_backends:
                 self.responses.append(Responses("", status_class, by_frontend - by_backends, 0.0))
+        for env_id, (p50, p95, p99) in (latencies or {}).items():
+            logged = samples.get(env_id)
+            if logged is not None:
+                logged.latency_p50_ms, logged.latency_p95_ms, logged.latency_p99_ms = p50, p95, p99
         return samples
 
 
@@ -178,17 +190,21 @@ def merge_samples(*sources: Mapping[str, cpb.ProxySample]) -> dict[str, cpb.Prox
 class ServerTraffic:
     """Per (env, release, step tag) counters of weighted (canary) routes from HAProxy's server rows (issue
     41): requests (``stot``) and 5xx (``hrsp_5xx``) since the first sample that saw the server under that
-    tag (a reload or restart zeroes them: the counts start over), the average response time (``rtime``,
-    HAProxy keeps no histogram)."""
+    tag (a reload or restart zeroes them: the counts start over), the average response time (``rtime``),
+    and the release's latency histogram from the request log when it is on (``histograms``)."""
 
     def __init__(self) -> None:
         self._baseline: dict[tuple[str, str, str], tuple[int, int]] = {}
         self.report: list[cpb.ReleaseTraffic] = []
 
     def sample(
-        self, rows: Sequence[Mapping[str, str]], servers: Mapping[tuple[str, str], tuple[str, str, str]]
+        self,
+        rows: Sequence[Mapping[str, str]],
+        servers: Mapping[tuple[str, str], tuple[str, str, str]],
+        histograms: ReleaseCounters | None = None,
     ) -> None:
-        """``servers``: (backend, server) → (env id, release id, step tag) of the weighted servers."""
+        """``servers``: (backend, server) → (env id, release id, step tag) of the weighted servers;
+        ``histograms``: the logged latencies by (env, release, tag)."""
         totals: dict[tuple[str, str, str], cpb.ReleaseTraffic] = {}
         seen: set[tuple[str, str, str]] = set()
         for row in rows:
@@ -215,4 +231,9 @@ class ServerTraffic:
             traffic.requests += delta
             traffic.errors_5xx += errors - base[1]
         self._baseline = {k: v for k, v in self._baseline.items() if k in seen}
+        if histograms is not None:
+            for (env_id, release_id, tag), traffic in totals.items():
+                logged = histograms.get(env_id, release_id, tag)
+                if logged is not None:
+                    traffic.latency_buckets.extend(logged.latency_buckets)
         self.report = list(totals.values())

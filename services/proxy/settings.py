@@ -67,6 +67,11 @@ class ProxySettings(BaseSettings):
     """How often certs_dir is read for changes."""
     header_timeout: float = Field(default=10.0, gt=0)
     """haproxy engine: a request head must arrive within this (slow clients: 408)."""
+    latency_log: bool = True
+    """haproxy engine: latency percentiles (per env, per canary release) from HAProxy's request log; off =
+    HAProxy's stats averages (docs/deployments.md, "Latency under HAProxy")."""
+    latency_log_sample: int = Field(default=1, ge=1, le=10_000)
+    """haproxy engine: log one request in this many for the latency percentiles (1 = every request)."""
 
     @model_validator(mode="after")
     def _listen(self) -> ProxySettings:

@@ -156,17 +156,22 @@ class ReleaseCounters:
         self._tags: list[str] = []
 
     def count(self, env_id: str, endpoint: cpb.Endpoint, status: int, latency_ms: float) -> None:
-        key = (env_id, endpoint.release_id, endpoint.step_tag)
+        self.count_release(env_id, endpoint.release_id, endpoint.step_tag, status, latency_ms)
+
+    def count_release(self, env_id: str, release_id: str, step_tag: str, status: int, latency_ms: float) -> None:
+        """One answered request of ``release_id`` under ``step_tag`` (the HAProxy engine: from its request
+        log, :mod:`services.proxy.haproxy_latency`)."""
+        key = (env_id, release_id, step_tag)
         traffic = self._counters.get(key)
         if traffic is None:
             traffic = self._counters[key] = cpb.ReleaseTraffic(
                 environment_id=env_id,
-                release_id=endpoint.release_id,
-                step_tag=endpoint.step_tag,
+                release_id=release_id,
+                step_tag=step_tag,
                 latency_buckets=[0] * (len(LATENCY_BOUNDS_MS) + 1),
             )
-            if endpoint.step_tag not in self._tags:
-                self._tags.append(endpoint.step_tag)
+            if step_tag not in self._tags:
+                self._tags.append(step_tag)
                 if len(self._tags) > self.KEEP_TAGS:
                     gone = self._tags.pop(0)
                     self._counters = {k: v for k, v in self._counters.items() if k[2] != gone}
@@ -174,6 +179,9 @@ class ReleaseCounters:
         if status >= SERVER_ERROR:
             traffic.errors_5xx += 1
         traffic.latency_buckets[bucket_of(latency_ms)] += 1
+
+    def get(self, env_id: str, release_id: str, step_tag: str) -> cpb.ReleaseTraffic | None:
+        return self._counters.get((env_id, release_id, step_tag))
 
     def report(self) -> list[cpb.ReleaseTraffic]:
         return list(self._counters.values())
