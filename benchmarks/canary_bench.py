@@ -24,6 +24,10 @@ Figures:
   worker's for the HAProxy engine, the Python process's for the Python one) over a fixed number of
   keep-alive requests, a weighted route (4 servers, weights, the pinning cookie set on each answer) then the
   same env unweighted (its stable release only), alternating.
+* **CPU per request at the proxy, latency log on vs off** (HAProxy engine): two more HAProxy proxies side
+  by side, ``ZATTERA_PROXY_LATENCY_LOG`` true and false, the weighted route at 25 %; the CPU time of the
+  HAProxy worker plus the proxy process (which reads and counts the log lines) per request, rounds
+  alternating between them, every round reported.
 """
 
 from __future__ import annotations
@@ -122,12 +126,17 @@ def deployment(weight: int, phase: int = pb.DEPLOYMENT_PHASE_CANARY) -> pb.Deplo
 
 
 @contextlib.asynccontextmanager
-async def proxy(nats_url: str, root: Path, engine: str) -> AsyncIterator[tuple[int, int]]:
+async def proxy(
+    nats_url: str, root: Path, engine: str, name: str = "", **settings: str
+) -> AsyncIterator[tuple[int, int]]:
+    """A proxy process (heartbeats every 10 ms unless ``settings`` say otherwise: ``ZATTERA_PROXY_*``)."""
     port = free_port()
+    name = name or engine
     env = {**os.environ, "ZATTERA_PROXY_HEARTBEAT_INTERVAL": "0.01", "ZATTERA_DOMAIN": DOMAIN}
+    env.update({f"ZATTERA_PROXY_{key.upper()}": value for key, value in settings.items()})
     argv = [sys.executable, "-m", "services.proxy", "--nats", nats_url, "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--proxy-id", engine, "--node-id", "n1", "--cache-dir", str(root / engine), "--engine", engine]
-    log = (root / f"{engine}.log").open("wb")
+    argv += ["--proxy-id", name, "--node-id", "n1", "--cache-dir", str(root / name), "--engine", engine]
+    log = (root / f"{name}.log").open("wb")
     process = subprocess.Popen(  # noqa: ASYNC220 - started once, before anything is measured
         argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -171,6 +180,17 @@ async def proxy_cpu(port: int, pid_of: object, requests: int) -> float:
     before = cpu_seconds(pid)
     await shares(port, requests)
     return (cpu_seconds(pid) - before) / requests
+
+
+async def ingress_cpu(port: int, pids: list[int], requests: int) -> float:
+    """CPU seconds per request of HAProxy's worker and the proxy process together over ``requests``."""
+    before = sum(cpu_seconds(pid) for pid in pids)
+    await shares(port, requests)
+    return (sum(cpu_seconds(pid) for pid in pids) - before) / requests
+
+
+def stats_socket(root: Path, name: str) -> Path:
+    return Layout(root / name / "haproxy", "", "", 0.0, 0.0).stats_socket
 
 
 async def _measure(quick: bool) -> list[Row]:
@@ -280,7 +300,7 @@ async def _measure(quick: bool) -> list[Row]:
                             )
                         )
                 # 3. CPU per request, weights on vs off
-                socket = Layout(root / "haproxy" / "haproxy", "", "", 0.0, 0.0).stats_socket
+                socket = stats_socket(root, "haproxy")
 
                 async def haproxy_pid() -> int:
                     return await haproxy_worker(socket)
@@ -317,6 +337,8 @@ async def _measure(quick: bool) -> list[Row]:
                             f"{100 * (on - off) / off:+.1f} % ({cpu_rounds} rounds × {cpu_requests:,} requests)",
                         )
                     )
+            # 4. CPU per request at the proxy (HAProxy + the proxy process), latency log on vs off
+            rows += await _latency_log_cpu(server.url, root, view, writer, live, cpu_requests, cpu_rounds + 1)
             publishing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await publishing
@@ -329,6 +351,73 @@ async def _measure(quick: bool) -> list[Row]:
             upstreams.wait(10)
             server.stop()
     return rows
+
+
+async def _latency_log_cpu(
+    nats_url: str, root: Path, view: StateView, writer: Writer, live: LiveView, requests: int, rounds: int
+) -> list[Row]:
+    """Two HAProxy proxies side by side, the request log on in one and off in the other (heartbeats every
+    2 s, the default), the canary's weighted route at 25 %; rounds alternate between them."""
+    current = view.deployment("01DEPBENCH")
+    assert current is not None
+    changed = pb.Deployment()
+    changed.CopyFrom(current)
+    changed.canary.weight, changed.phase = 25, pb.DEPLOYMENT_PHASE_CANARY
+    await writer.commit(writer.txn().put(changed))
+    rev = view.rev(K.deployment("01DEPBENCH"))
+    names = {True: "haproxy-log", False: "haproxy-nolog"}
+    async with (
+        proxy(nats_url, root, "haproxy", names[True], heartbeat_interval="2", latency_log="true") as (on_port, on_pid),
+        proxy(nats_url, root, "haproxy", names[False], heartbeat_interval="2", latency_log="false") as (
+            off_port,
+            off_pid,
+        ),
+    ):
+
+        def served() -> bool:
+            versions = {hb.proxy_id: hb.routes_version for hb in live.fresh_proxy_heartbeats()}
+            return all(versions.get(name, 0) >= rev for name in names.values())
+
+        await wait_for(served, 60, "the two HAProxy proxies")
+        ports = {True: on_port, False: off_port}
+        pids = {
+            True: [on_pid, await haproxy_worker(stats_socket(root, names[True]))],
+            False: [off_pid, await haproxy_worker(stats_socket(root, names[False]))],
+        }
+        for logging in (True, False):  # warm-up: connections, the first lines
+            await shares(ports[logging], 500)
+        cpu: dict[bool, list[float]] = {True: [], False: []}
+        for index in range(rounds):
+            order = (True, False) if index % 2 == 0 else (False, True)
+            for logging in order:
+                cpu[logging].append(await ingress_cpu(ports[logging], pids[logging], requests))
+        proxy_only = {logging: cpu_seconds(pids[logging][0]) for logging in (True, False)}
+    on, off = median(cpu[True]), median(cpu[False])
+    rounds_text = {k: ", ".join(f"{v * 1e6:.1f}" for v in values) for k, values in cpu.items()}
+    return [
+        row(
+            "ingress CPU per request (HAProxy + proxy process), latency log off",
+            round(off * 1e6, 1),
+            "µs",
+            "",
+            f"rounds: {rounds_text[False]} µs",
+        ),
+        row(
+            "ingress CPU per request (HAProxy + proxy process), latency log on",
+            round(on * 1e6, 1),
+            "µs",
+            "",
+            f"{100 * (on - off) / off:+.1f} %; rounds: {rounds_text[True]} µs ({rounds} alternating rounds × "
+            f"{requests:,} requests, weighted route at 25 %)",
+        ),
+        row(
+            "  … proxy process CPU over the whole run, log on / off",
+            round(proxy_only[True], 2),
+            "s",
+            "",
+            f"off: {proxy_only[False]:.2f} s (start-up and 2-s heartbeats included)",
+        ),
+    ]
 
 
 def run(quick: bool = True) -> list[Row]:
