@@ -26,8 +26,8 @@ Figures:
   same env unweighted (its stable release only), alternating.
 * **CPU per request at the proxy, latency log on vs off** (HAProxy engine): two more HAProxy proxies side
   by side, ``ZATTERA_PROXY_LATENCY_LOG`` true and false, the weighted route at 25 %; the CPU time of the
-  HAProxy worker plus the proxy process (which reads and counts the log lines) per request, rounds
-  alternating between them, every round reported.
+  HAProxy worker plus the proxy process (which reads and counts the log lines) per request (from
+  ``schedstat``: ns, not the 10-ms tick), rounds alternating between them, every round reported.
 """
 
 from __future__ import annotations
@@ -182,11 +182,20 @@ async def proxy_cpu(port: int, pid_of: object, requests: int) -> float:
     return (cpu_seconds(pid) - before) / requests
 
 
+def cpu_ns(pid: int) -> int:
+    """CPU time of a process's live threads in ns (``/proc/<pid>/task/*/schedstat``: no 10-ms tick)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
 async def ingress_cpu(port: int, pids: list[int], requests: int) -> float:
     """CPU seconds per request of HAProxy's worker and the proxy process together over ``requests``."""
-    before = sum(cpu_seconds(pid) for pid in pids)
+    before = sum(cpu_ns(pid) for pid in pids)
     await shares(port, requests)
-    return (sum(cpu_seconds(pid) for pid in pids) - before) / requests
+    return (sum(cpu_ns(pid) for pid in pids) - before) / 1e9 / requests
 
 
 def stats_socket(root: Path, name: str) -> Path:
@@ -338,7 +347,7 @@ async def _measure(quick: bool) -> list[Row]:
                         )
                     )
             # 4. CPU per request at the proxy (HAProxy + the proxy process), latency log on vs off
-            rows += await _latency_log_cpu(server.url, root, view, writer, live, cpu_requests, cpu_rounds + 1)
+            rows += await _latency_log_cpu(server.url, root, view, writer, live, 2 * cpu_requests, 2 * cpu_rounds + 1)
             publishing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await publishing
@@ -391,7 +400,7 @@ async def _latency_log_cpu(
             order = (True, False) if index % 2 == 0 else (False, True)
             for logging in order:
                 cpu[logging].append(await ingress_cpu(ports[logging], pids[logging], requests))
-        proxy_only = {logging: cpu_seconds(pids[logging][0]) for logging in (True, False)}
+        proxy_only = {logging: cpu_ns(pids[logging][0]) / 1e9 for logging in (True, False)}
     on, off = median(cpu[True]), median(cpu[False])
     rounds_text = {k: ", ".join(f"{v * 1e6:.1f}" for v in values) for k, values in cpu.items()}
     return [
