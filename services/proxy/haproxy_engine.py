@@ -177,7 +177,7 @@ class HAProxyEngine:
                     process.kill()
                 await process.wait()
         if self.latency_log is not None:
-            await self.latency_log.stop()
+            await self.latency_log.close()
         if self.layout.socket_dir != self.layout.directory:
             shutil.rmtree(self.layout.socket_dir, ignore_errors=True)
 

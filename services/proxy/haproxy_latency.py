@@ -182,6 +182,8 @@ class LatencyLog:
         self._connections: set[asyncio.BaseTransport] = set()
         self._inode = 0
         self._owners_of: tuple[Plan, Owners] | None = None
+        self._rebinding = asyncio.Lock()
+        self._closed = False
         self.rebinds = 0
         """How often the socket was found gone and bound again."""
 
@@ -207,11 +209,18 @@ class LatencyLog:
 
     async def ensure(self) -> None:
         """Bind the socket again when its file is gone or replaced (HAProxy reconnects by itself)."""
+        async with self._rebinding:
+            await self._ensure()
+
+    def _bound(self) -> bool:
         try:
-            if self.path.stat().st_ino == self._inode:
-                return
+            return self._server is not None and self.path.stat().st_ino == self._inode
         except FileNotFoundError:
-            pass
+            return False
+
+    async def _ensure(self) -> None:
+        if self._closed or self._bound():
+            return
         log.warning("haproxy latency log socket %s was gone: listening again", self.path)
         await self.stop()
         try:
@@ -220,6 +229,11 @@ class LatencyLog:
             log.error("haproxy latency log socket %s not bound (tried again next sample): %s", self.path, exc)
             return
         self.rebinds += 1
+
+    async def close(self) -> None:
+        """Stop for good (the engine stops): never bound again."""
+        self._closed = True
+        await self.stop()
 
     async def stop(self) -> None:
         server, self._server = self._server, None

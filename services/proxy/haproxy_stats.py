@@ -233,7 +233,7 @@ class ServerTraffic:
         self._baseline = {k: v for k, v in self._baseline.items() if k in seen}
         if histograms is not None:
             for (env_id, release_id, tag), traffic in totals.items():
-                logged = histograms.get(env_id, release_id, tag)
+                logged = histograms.buckets(env_id, release_id, tag)
                 if logged is not None:
-                    traffic.latency_buckets.extend(logged.latency_buckets)
+                    traffic.latency_buckets.extend(logged)
         self.report = list(totals.values())

@@ -145,14 +145,24 @@ class ProxyStats:
         )
 
 
+class _Counts:
+    __slots__ = ("buckets", "errors", "requests")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.errors = 0
+        self.buckets = [0] * (len(LATENCY_BOUNDS_MS) + 1)
+
+
 class ReleaseCounters:
     """Requests, 5xx and a latency histogram per (env, release, step tag) of weighted routes, cumulative
-    since the tag first counted here; a tag is forgotten once :data:`KEEP_TAGS` newer ones counted."""
+    since the tag first counted here; a tag is forgotten once :data:`KEEP_TAGS` newer ones counted. Plain
+    integers per request (a protobuf field update costs ~4x more), messages built by :meth:`report`."""
 
     KEEP_TAGS = 8
 
     def __init__(self) -> None:
-        self._counters: dict[tuple[str, str, str], cpb.ReleaseTraffic] = {}
+        self._counters: dict[tuple[str, str, str], _Counts] = {}
         self._tags: list[str] = []
 
     def count(self, env_id: str, endpoint: cpb.Endpoint, status: int, latency_ms: float) -> None:
@@ -162,26 +172,33 @@ class ReleaseCounters:
         """One answered request of ``release_id`` under ``step_tag`` (the HAProxy engine: from its request
         log, :mod:`services.proxy.haproxy_latency`)."""
         key = (env_id, release_id, step_tag)
-        traffic = self._counters.get(key)
-        if traffic is None:
-            traffic = self._counters[key] = cpb.ReleaseTraffic(
-                environment_id=env_id,
-                release_id=release_id,
-                step_tag=step_tag,
-                latency_buckets=[0] * (len(LATENCY_BOUNDS_MS) + 1),
-            )
+        counts = self._counters.get(key)
+        if counts is None:
+            counts = self._counters[key] = _Counts()
             if step_tag not in self._tags:
                 self._tags.append(step_tag)
                 if len(self._tags) > self.KEEP_TAGS:
                     gone = self._tags.pop(0)
                     self._counters = {k: v for k, v in self._counters.items() if k[2] != gone}
-        traffic.requests += 1
+        counts.requests += 1
         if status >= SERVER_ERROR:
-            traffic.errors_5xx += 1
-        traffic.latency_buckets[bucket_of(latency_ms)] += 1
+            counts.errors += 1
+        counts.buckets[bucket_of(latency_ms)] += 1
 
-    def get(self, env_id: str, release_id: str, step_tag: str) -> cpb.ReleaseTraffic | None:
-        return self._counters.get((env_id, release_id, step_tag))
+    def buckets(self, env_id: str, release_id: str, step_tag: str) -> list[int] | None:
+        """The latency histogram of one release under one tag (None: nothing counted)."""
+        counts = self._counters.get((env_id, release_id, step_tag))
+        return counts.buckets if counts is not None else None
 
     def report(self) -> list[cpb.ReleaseTraffic]:
-        return list(self._counters.values())
+        return [
+            cpb.ReleaseTraffic(
+                environment_id=env_id,
+                release_id=release_id,
+                step_tag=tag,
+                requests=counts.requests,
+                errors_5xx=counts.errors,
+                latency_buckets=counts.buckets,
+            )
+            for (env_id, release_id, tag), counts in self._counters.items()
+        ]

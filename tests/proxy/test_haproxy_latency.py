@@ -56,9 +56,10 @@ def test_log_lines_feed_env_percentiles_and_release_histograms() -> None:
     latencies.feed("\n".join(lines).encode() + b"\n", owners)
     assert latencies.percentiles()["e2"] == (51.0, 96.0, 100.0)
     assert latencies.percentiles()["e1"] == (400.0, 400.0, 400.0)
-    canary = latencies.releases.get("e1", "canary", "dep.0")
-    assert canary is not None and (canary.requests, canary.errors_5xx) == (1, 1)
+    [canary] = [t for t in latencies.releases.report() if t.release_id == "canary"]
+    assert (canary.environment_id, canary.step_tag, canary.requests, canary.errors_5xx) == ("e1", "dep.0", 1, 1)
     assert len(canary.latency_buckets) == len(LATENCY_BOUNDS_MS) + 1 and sum(canary.latency_buckets) == 1
+    assert latencies.releases.buckets("e1", "canary", "dep.0") == list(canary.latency_buckets)
     assert latencies.lines == 102
     latencies.forget({"e1"})
     assert set(latencies.percentiles()) == {"e1"}
@@ -143,8 +144,8 @@ async def heartbeat(conn: Connection, proxy_id: str = "p1") -> cpb.ProxyHeartbea
 async def test_a_canary_with_the_stable_average_but_a_far_higher_p99_is_a_p99_breach(
     make_ingress: IngressFactory, routes: Routes, conn: Connection
 ) -> None:
-    # Stable: every request 20 ms. Canary: 3 % of requests 300 ms, the rest 12 ms: average ~20.6 ms.
-    async with timed("stable", 0, 0, 20) as stable, timed("canary", 33, 300, 12) as canary:
+    # Stable: every request 30 ms. Canary: 3 % of requests 600 ms, the rest 12 ms: average ~30 ms.
+    async with timed("stable", 0, 0, 30) as stable, timed("canary", 33, 600, 12) as canary:
         ingress = await make_ingress()
         route = http_route(HOST, "e1", [weighted(stable, "rel1", 5000), weighted(canary, "rel2", 5000)])
         await serve(routes, ingress, route)
@@ -161,8 +162,8 @@ async def test_a_canary_with_the_stable_average_but_a_far_higher_p99_is_a_p99_br
         seen = await figures()
         spec = pb.CanarySpec(min_requests=100, max_error_ratio=0.01, max_latency_ratio=1.5)
         verdict = judge(spec, seen)
-        assert seen.canary.latency_kind == "p99" and seen.canary.latency_ms >= 300, seen
-        assert seen.stable.latency_ms <= 50, seen
+        assert seen.canary.latency_kind == "p99" and seen.canary.latency_ms >= 500, seen
+        assert seen.stable.latency_kind == "p99" and seen.stable.latency_ms < 300, seen  # (a loaded machine's jitter)
         assert verdict.breach.startswith("p99 latency"), verdict
         # What the averages said (HAProxy's stats, as before): no breach.
         averages = Figures(
@@ -176,25 +177,25 @@ async def test_a_canary_with_the_stable_average_but_a_far_higher_p99_is_a_p99_br
 async def test_history_p50_is_below_p99_for_a_spread_latency(
     make_ingress: IngressFactory, routes: Routes, conn: Connection
 ) -> None:
-    async with timed("app", 10, 200, 2) as upstream:  # 10 % of requests at 200 ms, the rest at 2 ms
+    async with timed("app", 10, 300, 2) as upstream:  # 10 % of requests at 300 ms, the rest at 2 ms
         ingress = await make_ingress()
         await serve(routes, ingress, http_route(HOST, "e1", [endpoint(upstream)]))
         await load(url(ingress), 400, concurrency=16)
 
         async def spread() -> bool:
             sample = (await heartbeat(conn)).envs.get("e1")
-            return sample is not None and sample.latency_p99_ms >= 200
+            return sample is not None and sample.latency_p99_ms >= 300
 
         await eventually(spread, 15, "a heartbeat with the logged latencies of e1")
         hb = await heartbeat(conn)
         sample = hb.envs["e1"]
-        assert sample.latency_p50_ms < 50 <= 200 <= sample.latency_p95_ms <= sample.latency_p99_ms, sample
+        assert 2 * sample.latency_p50_ms < 300 <= sample.latency_p95_ms <= sample.latency_p99_ms, sample
         # The metrics history's point (issue 40) from that heartbeat: real percentiles, not the average.
         at = hb.time.seconds + 10.0
         points = Recorder().points(at, {}, [hb], {"e1": EnvFacts(desired=1, running=1)}, {})
         [point] = [p for name, p in points.items() if name.endswith(".env.e1")]
         assert point.latency_p50_ms < point.latency_p95_ms <= point.latency_p99_ms, point
-        assert point.latency_p50_ms < 50 and point.latency_p99_ms >= 200, point
+        assert 2 * point.latency_p50_ms < 300 <= point.latency_p99_ms, point
 
 
 async def test_the_log_survives_a_lost_socket_and_a_reload_and_never_holds_requests(
@@ -213,8 +214,8 @@ async def test_the_log_survives_a_lost_socket_and_a_reload_and_never_holds_reque
         await latency_log.stop()
         before = latency_log.latencies.lines
         await asyncio.wait_for(load(url(ingress), 300), 20)
-        await engine.samples()
-        assert latency_log.rebinds == 1
+        await engine.samples()  # (or the heartbeat's, whichever comes first)
+        assert latency_log.rebinds >= 1
         await eventually(lambda: latency_log.latencies.lines >= before + 300, 15, "the ring's lines after the rebind")
         # A reload (a structure change: another env's backend): the new worker's lines arrive too.
         reloads = engine.reloads
