@@ -270,6 +270,19 @@ async def test_off_keeps_the_averages_and_opens_no_socket(
         assert sample.latency_p50_ms == sample.latency_p99_ms  # HAProxy's average in both
 
 
+async def test_one_request_in_n_is_logged_when_sampled(make_ingress: IngressFactory, routes: Routes) -> None:
+    async with timed("app", 0, 0, 0) as upstream:
+        ingress = await make_ingress(latency_log_sample=4)
+        latency_log = ingress.engine.latency_log
+        assert latency_log is not None
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(upstream)]))
+        await load(url(ingress), 200)
+        await eventually(lambda: latency_log.latencies.lines >= 50, 10, "one line per 4 requests")
+        await asyncio.wait_for(latency_log.ensure(), 5)
+        assert latency_log.latencies.lines == 50
+        assert "sample 1:4" in ingress.layout.config_file.read_text()
+
+
 def test_engine_has_no_log_unless_the_layout_says_so(tmp_path: Path) -> None:
     from services.proxy.haproxy_config import Layout
 
