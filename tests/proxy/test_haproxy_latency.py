@@ -17,7 +17,7 @@ from zattera.v1 import types_pb2 as pb
 from services.proxy.haproxy_config import LATENCY_RING, Plan, Server
 from services.proxy.haproxy_config import Backend as PlanBackend
 from services.proxy.haproxy_engine import HAProxyEngine
-from services.proxy.haproxy_latency import Latencies, Owners, _Connection
+from services.proxy.haproxy_latency import Latencies, Owners, _Lines
 from services.proxy.haproxy_runtime import command
 from services.proxy.launch import haproxy_binary
 from shared.canary import LATENCY_BOUNDS_MS, Figures, Side, aggregate, judge, latency_ratio
@@ -74,15 +74,11 @@ def test_the_window_keeps_the_last_512_and_memory_stays_fixed() -> None:
 
 
 def test_lines_split_across_reads_are_joined_and_runaway_bytes_dropped() -> None:
-    got: list[bytes] = []
-    connection = _Connection(got.append, set())
-    connection.data_received(b"env_p s_c 2")
-    connection.data_received(b"00 7\nenv_p s")
-    connection.data_received(b"_c 200 8\n")
+    lines = _Lines()
+    got = [lines.whole(b"env_p s_c 2"), lines.whole(b"00 7\nenv_p s"), lines.whole(b"_c 200 8\n")]
     assert b"".join(got) == b"env_p s_c 200 7\nenv_p s_c 200 8\n"
-    connection.data_received(b"x" * 1000)  # never a line of ours
-    connection.data_received(b"\nenv_p s_c 200 9\n")
-    assert got[-1] == b"\nenv_p s_c 200 9\n"
+    assert lines.whole(b"x" * 1000) == b""  # never a line of ours
+    assert lines.whole(b"\nenv_p s_c 200 9\n") == b"\nenv_p s_c 200 9\n"
 
 
 # ------------------------------------------------------------------ real HAProxy
