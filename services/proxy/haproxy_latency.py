@@ -25,7 +25,11 @@ under its step tag (:class:`~services.proxy.stats.ReleaseCounters`, at most ``KE
 is bounded by the routed envs and the tags; envs that leave the routes are forgotten.
 
 ``sample 1:N`` (``ZATTERA_PROXY_LATENCY_LOG_SAMPLE``) logs one request in N to bound the cost; request
-and 5xx counts still come from HAProxy's stats (exact), only the latencies are sampled.
+and 5xx counts still come from HAProxy's stats (exact), only the latencies are sampled. The socket is read
+every :data:`READ_INTERVAL` and before each sample, not per readable event (PERFORMANCE.md, "Latency log").
+
+No library: the lines are four space-separated fields; syslog parsers would parse a format not used here,
+and an HDR-histogram library would keep a shape the Python engine and the canary analysis do not share.
 """
 
 from __future__ import annotations
