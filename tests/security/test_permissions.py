@@ -13,7 +13,14 @@ from shared.connection import Connection, connect
 from shared.secrets import ROTATE_SUBJECT, open_subject
 from shared.security.join import JoinService
 from shared.security.permissions import Role
-from shared.subjects import LIVE_PREFIX, ROUTES_SNAPSHOT_SUBJECT, STATE_PREFIX, STATE_STREAM, agent_subject
+from shared.subjects import (
+    LEASE_PROBE_PREFIX,
+    LIVE_PREFIX,
+    ROUTES_SNAPSHOT_SUBJECT,
+    STATE_PREFIX,
+    STATE_STREAM,
+    agent_subject,
+)
 from tests.security.conftest import ConnectAs, SecureCluster
 
 CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)
@@ -151,6 +158,18 @@ async def test_operator_writes_desired_state_but_not_leases(connect_as: ConnectA
     assert ack.stream == STATE_STREAM
     await operator.nc.publish(f"{STATE_PREFIX}lease.scheduler", b"usurper")
     assert await operator.refusal() == publish_refused(f"{STATE_PREFIX}lease.scheduler")
+
+
+@pytest.mark.parametrize("role", [Role.OPERATOR, Role.AGENT, Role.BUILDER, Role.PROXY])
+async def test_only_control_answers_or_asks_a_leaders_probe(connect_as: ConnectAs, role: Role) -> None:
+    """An answer on a holder's probe subject would keep a dead leader's lease to its TTL, a probe costs the
+    leader work: both are control's alone."""
+    client = await connect_as(role, "p1" if role is Role.PROXY else NODE)
+    probe = f"{LEASE_PROBE_PREFIX}01HOLDER"
+    await client.nc.subscribe(probe)
+    assert await client.refusal() == f'nats: permissions violation for subscription to "{probe.lower()}"'
+    await client.nc.publish(probe, b"", reply=client.nc.new_inbox())
+    assert await client.refusal() == publish_refused(probe)
 
 
 async def test_an_agent_cannot_write_another_nodes_key_through_a_reply_subject(
