@@ -98,6 +98,7 @@ class Forwarder:
         self._resolvers: dict[int, asyncio.DatagramTransport] = {}
         self._sync_lock = asyncio.Lock()
         self._changed = Signal()
+        self._applied = Signal()
         self._activations: dict[str, asyncio.Task[None]] = {}
         self._held: dict[str, int] = {}
         self._connections: set[asyncio.Task[None]] = set()  # being joined to an endpoint
@@ -148,6 +149,7 @@ class Forwarder:
         self.version = snapshot.version
         self._changed.notify()
         await self._sync()
+        self._applied.notify()
 
     def target(self, env_id: str) -> Target | None:
         """The env as the newest snapshot has it (None: no VIP or not in it)."""
@@ -160,6 +162,10 @@ class Forwarder:
     async def changed(self) -> None:
         """Returns at the next applied snapshot."""
         await self._changed.wait()
+
+    async def applied(self) -> None:
+        """Returns once the next snapshot's listeners and kernel rules are in place."""
+        await self._applied.wait()
 
     async def instance_env(self, assignment: pb.Assignment, release: pb.Release) -> dict[str, str]:
         """The variables an instance of ``assignment`` is started with; its listeners are bound first."""

@@ -128,8 +128,8 @@ def restore_text(names: Chains, rules: Iterable[Dnat]) -> str:
     # Translated from a consumer address to an endpoint off this machine's loopback: leave with the source
     # of the outgoing interface (127.0.0.1 may not leave lo).
     nat.append(
-        f"-A {names.post} -s {LOOPBACK} ! -d {LOOPBACK} -m conntrack --ctstate DNAT --ctorigdst {PRIVATE_NETWORK}"
-        " -j MASQUERADE"
+        f"-A {names.post} -s {LOOPBACK} ! -d {LOOPBACK} ! -o lo"
+        f" -m conntrack --ctstate DNAT --ctorigdst {PRIVATE_NETWORK} -j MASQUERADE"
     )
     nat.append("COMMIT")
     raw = ["*raw", f":{names.guard} - [0:0]", f"-A {names.guard} ! -i lo -d {LOOPBACK} -j DROP", "COMMIT"]
