@@ -157,7 +157,7 @@ def private_network_pgbench(quick: bool, *, kernel: bool) -> dict[str, list[floa
     try:
         db.start(until=db.accepts)
         _pgbench(db, "127.0.0.1", db.port, "-i", "-s", "1", "-q")
-        seconds, rounds = (5, 3) if quick else (20, 5)
+        seconds, rounds = (4, 5) if quick else (20, 7)
         return asyncio.run(through_private_network(db, seconds, rounds, kernel=kernel))
     finally:
         db.stop()
