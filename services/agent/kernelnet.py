@@ -219,6 +219,8 @@ class KernelPath:
     installed: list[Dnat] | None = None
     localnet: dict[str, str] = field(default_factory=dict)
     """Interfaces given ``route_localnet`` → the value they had."""
+    devices: dict[str, str] = field(default_factory=dict)
+    """Remote endpoint address → the interface it is reached through (looked up once)."""
 
     @property
     def names(self) -> Chains:
@@ -241,7 +243,9 @@ class KernelPath:
         if rules == self.installed:
             return False
         for host in remote(rules):
-            device = _device_of(host)
+            if host not in self.devices:
+                self.devices[host] = _device_of(host)
+            device = self.devices[host]
             if device and device != "lo" and device not in self.localnet:
                 path = _sysctl_path(device)
                 with contextlib.suppress(OSError):
@@ -265,6 +269,7 @@ class KernelPath:
             with contextlib.suppress(OSError):
                 _sysctl_path(device).write_text(f"{value}\n")
         self.localnet.clear()
+        self.devices.clear()
         self.installed = None
 
 
