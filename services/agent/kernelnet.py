@@ -220,7 +220,7 @@ class KernelPath:
     localnet: dict[str, str] = field(default_factory=dict)
     """Interfaces given ``route_localnet`` → the value they had."""
     devices: dict[str, str] = field(default_factory=dict)
-    """Remote endpoint address → the interface it is reached through (looked up once)."""
+    """Remote endpoint address → the interface it is reached through (looked up once it has a route)."""
 
     @property
     def names(self) -> Chains:
@@ -243,9 +243,9 @@ class KernelPath:
         if rules == self.installed:
             return False
         for host in remote(rules):
-            if host not in self.devices:
-                self.devices[host] = _device_of(host)
-            device = self.devices[host]
+            device = self.devices.get(host) or _device_of(host)
+            if device:
+                self.devices[host] = device  # no route yet (the mesh coming up): asked again next time
             if device and device != "lo" and device not in self.localnet:
                 path = _sysctl_path(device)
                 with contextlib.suppress(OSError):
