@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -16,6 +17,7 @@ from pathlib import Path
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.agent.firewall import Fence
 from services.agent.forwarder import Forwarder
 from services.agent.kernelnet import CONNTRACK, KernelPath
 
@@ -171,6 +173,88 @@ async def remote(forwarder: Forwarder) -> dict[str, object]:
     return {"answer": answer, "route_localnet": localnet, "translated": translated(host, DB_PORT)}
 
 
+APP_UIDS = range(0x7E000000, 0x7E000010)
+CONNECT_AS = (
+    "import socket, sys\n"
+    "for hp in sys.argv[1:]:\n"
+    "    host, _, port = hp.rpartition(':')\n"
+    "    try:\n"
+    "        s = socket.create_connection((host, int(port)), timeout=3)\n"
+    "        s.sendall(b'x')\n"
+    "        print(s.recv(64).decode() or 'closed')\n"
+    "    except OSError as exc:\n"
+    "        print(type(exc).__name__)\n"
+)
+
+
+ECHO_AS = """
+import socket, sys
+server = socket.create_server(("127.0.0.1", 0))
+print(server.getsockname()[1], flush=True)
+while True:
+    conn, _ = server.accept()
+    conn.sendall(b"db:" + conn.recv(64))
+    conn.close()
+"""
+
+
+def system_python() -> str:
+    python = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
+    assert python
+    return python
+
+
+def replica_as(uid: int) -> tuple[subprocess.Popen[str], int]:
+    """An echo server answering ``db:`` and the message, run as ``uid``; its port."""
+    db = subprocess.Popen(
+        [system_python(), "-c", ECHO_AS], user=uid, group=uid, stdout=subprocess.PIPE, text=True, cwd="/"
+    )
+    assert db.stdout is not None
+    return db, int(db.stdout.readline())
+
+
+def connect_as(uid: int, *addresses: str) -> list[str]:
+    python = system_python()
+    done = subprocess.run(
+        [python, "-c", CONNECT_AS, *addresses],
+        user=uid,
+        group=uid,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+        timeout=30,
+    )
+    return done.stdout.split()
+
+
+async def fenced(forwarder: Forwarder) -> dict[str, object]:
+    """The apps' fence still holds with the kernel path: an app's user reaches its target through the rule,
+    not a fenced port — neither directly nor through a rule pointed at it (the fence sees the translated
+    destination)."""
+    # The replica runs as an app's user, as the agent runs it (the agent's own listeners are fenced).
+    db, db_port = await asyncio.to_thread(replica_as, APP_UIDS.start + 4)
+    control, control_port = await echo("control")
+    fence = Fence("/var/lib/zattera-test-agent", APP_UIDS, fixed_ports=[control_port])
+    installed = await fence.install()
+    try:
+        await forwarder.apply(snapshot(1, f"127.0.0.1:{db_port}"))
+        env = await forwarder.instance_env(*consumer("web-env"))
+        host = env["ZATTERA_SERVICE_DB_PRODUCTION_HOST"]
+        app = APP_UIDS.start + 3
+        before = await asyncio.to_thread(connect_as, app, f"{host}:{DB_PORT}", f"127.0.0.1:{control_port}")
+        await forwarder.apply(snapshot(2, f"127.0.0.1:{control_port}"))  # a rule pointed at a fenced port
+        through = await asyncio.to_thread(connect_as, app, f"{host}:{DB_PORT}")
+        outside = await asyncio.to_thread(connect_as, APP_UIDS.stop + 5, f"{host}:{DB_PORT}")
+    finally:
+        fence.remove()
+        db.kill()
+        db.wait()
+        control.close()
+    return {"installed": installed, "problem": fence.problem, "before": before, "through": through, "outside": outside}
+
+
 async def fallback() -> dict[str, object]:
     """No iptables on the PATH: the user-space forwarder carries the connection."""
     return await with_forwarder(reach)
@@ -195,7 +279,8 @@ async def main() -> None:
     elif name == "stale":
         result = await stale()
     else:
-        result = await with_forwarder({"reach": reach, "red_green": red_green, "remote": remote}[name])
+        runs = {"reach": reach, "red_green": red_green, "remote": remote, "fenced": fenced}
+        result = await with_forwarder(runs[name])
     print(json.dumps(result))
 
 

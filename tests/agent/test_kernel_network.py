@@ -110,6 +110,17 @@ def test_a_consumer_reaches_its_target_through_the_rule_and_another_project_cann
 
 
 @needs_root
+def test_the_apps_fence_still_holds_on_the_kernel_path(netns: str) -> None:
+    result = scenario(netns, "fenced")
+    assert result["path"] == "kernel (iptables DNAT)"
+    assert result["installed"] is True, result["problem"]
+    assert result["before"] == ["db:x", "ConnectionRefusedError"]  # the target through the rule; the fenced port reset
+    assert result["through"] == ["ConnectionRefusedError"]  # a rule pointed at a fenced port: reset all the same
+    assert result["outside"] == ["control:x"]  # a user outside the apps' range is not fenced
+    assert _no_chains(result["after_stop"])
+
+
+@needs_root
 def test_the_rule_follows_a_red_green_change_and_open_connections_drain(netns: str) -> None:
     result = scenario(netns, "red_green")
     assert result["path"] == "kernel (iptables DNAT)"
