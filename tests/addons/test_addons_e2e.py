@@ -251,13 +251,6 @@ async def test_a_replica_restart_loses_no_committed_row(cluster: E2ECluster) -> 
     assert "101" in await _psql(cluster, "select count(*) from entries;")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known issue (intermittent, 2 of 3 runs): in this harness, after the crash above the restarted"
-    " server leaves its next completed"
-    " segment .ready and unarchived (pg_stat_archiver: no attempt) — not reproduced with the same crash in a"
-    " bwrap sandbox outside the agent; not root-caused (docs/addons.md, 'Known issues')",
-)
 async def test_archiving_goes_on_after_the_crash(cluster: E2ECluster) -> None:
     await _rows(cluster, "insert into entries values ('after-restart')")
     written = time.time()
