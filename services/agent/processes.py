@@ -39,8 +39,8 @@ SANDBOX_EXIT_GRACE = 5.0
 the whole sandbox is killed. The instance has not exited until its sandbox is empty: bwrap reports the
 command's exit at once while its pid 1 stays until every orphan is gone, and those orphans (a crashed
 PostgreSQL's backends, checkpointer and archiver: each its own session, out of reach of the group's
-SIGKILL) must never overlap the instance's next start on the same volume (docs/addons.md, "Known
-issues")."""
+SIGKILL) must never overlap the instance's next start on the same volume (docs/addons.md,
+"Archiving after a crash")."""
 SANDBOX_KILL_WAIT = 10.0
 """How long the kernel is given to kill a sandbox's processes once its pid 1 got SIGKILL."""
 SANDBOX_FIND_WAIT = 2.0

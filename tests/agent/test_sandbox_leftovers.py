@@ -1,7 +1,7 @@
 """A sandboxed instance has exited only when nothing of its sandbox is left: what its command left behind in
 sessions of their own (a crashed PostgreSQL's backends, checkpointer, archiver: each calls setsid) is out
 of reach of the group's SIGKILL, and must never overlap the instance's next start on the same volume
-(docs/addons.md, "Known issues"). Real bubblewrap; the grace is shortened."""
+(docs/addons.md, "Archiving after a crash"). Real bubblewrap; the grace is shortened."""
 
 from __future__ import annotations
 
