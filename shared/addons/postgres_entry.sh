@@ -183,6 +183,12 @@ server_conf
 pg=$!
 trap 'kill -INT "$pg" 2>/dev/null' TERM INT
 wait_ready
+# Wake the checkpointer now that the server runs. PostgreSQL 15 starts it before recovery (after a crash, or
+# any start): when its loop comes round while the startup process has not yet marked recovery done, it sleeps
+# for checkpoint_timeout (5 min) without the archive_timeout term, and nothing written wakes it, so no WAL
+# segment is switched (nor archived) until then: the RPO bound is lost after a restart. A reload sets its
+# latch; it then sees recovery over and honours archive_timeout from here on (docs/addons.md).
+psql_local -d postgres -Atc 'select pg_reload_conf()' >/dev/null 2>&1 || say "could not wake the checkpointer"
 if [ "$first_start" = 1 ] || ! pgbackrest --config="$CONF" --stanza="$STANZA" info --output=json 2>/dev/null \
   | grep -q '"label"'; then
   pgbackrest --config="$CONF" --stanza="$STANZA" stanza-create >/dev/null 2>&1 || \
@@ -203,7 +209,9 @@ report
   # Scheduled base backups: a full one every interval, in the background of the server's life; the
   # archiver's progress reported every REPORT_INTERVAL seconds.
   next_backup=$(( $(date +%s) + BACKUP_INTERVAL ))
-  while sleep "${ZATTERA_PG_REPORT_INTERVAL:-60}"; do
+  # the sleep dies with this loop: nothing of it is left in the sandbox once the server is gone
+  trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+  while sleep "${ZATTERA_PG_REPORT_INTERVAL:-60}" & nap=$!; wait "$nap"; do
     if [ "$(date +%s)" -ge "$next_backup" ]; then
       pgbackrest --config="$CONF" --stanza="$STANZA" --type=full backup || say "scheduled base backup failed"
       next_backup=$(( $(date +%s) + BACKUP_INTERVAL ))
