@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TypeVar
 
 import typer
@@ -283,54 +282,33 @@ def addons_delete(
     say(f"database {project}/{name} deleted{kept}")
 
 
-def _socket_of(volumes: list[Path]) -> tuple[Path, int] | None:
-    """The server's socket directory and port among the agent volume directories tried."""
-    for directory in volumes:
-        for sock in sorted((directory / "run").glob(".s.PGSQL.*")):
-            suffix = sock.name.rsplit(".", 1)[-1]
-            if suffix.isdigit():
-                return directory / "run", int(suffix)
-    return None
-
-
 @addons_app.command("psql")
 def addons_psql(
     name: str = NAME,
     project: str = PROJECT,
-    data_dir: Path = typer.Option(
-        None, "--data-dir", help="where `zattera up` keeps its data (default: $ZATTERA_DATA_DIR or .zattera)"
-    ),
-    agent_dir: list[Path] = typer.Option(
-        [], "--agent-dir", help="an agent's data directory on this machine (repeatable)"
-    ),
     database: str = typer.Option(addon.APP_DB, "--database", "-d", help="the database to open"),
+    command: str = typer.Option("", "--command", "-c", help="run this one command and exit (psql -c)"),
 ) -> None:
-    """An interactive psql as the superuser, on the database's node, through the server's own socket
-    (no password crosses anything; run it as root on that machine)."""
-    import os
+    """An interactive psql as the superuser, from this machine: the session is carried over NATS to the
+    database's node, whose agent connects to the server's own socket (no password crosses anything)."""
+    from shared.addons.tunnel import TunnelError, psql_binary, run_psql
 
-    from cli.layout import DataLayout
-    from shared.settings import settings
-
-    async def go() -> AddonInfo:
+    async def go() -> int:
         async with control() as c:
-            return addon_info(c.view, name, project)
+            info = addon_info(c.view, name, project)
+            if info.engine != addon.POSTGRES:
+                raise fail(f"NAME: {name} is a {info.engine} database; psql opens PostgreSQL ones")
+            data_id = info.volumes.get(addon.DATA_VOLUME, "")
+            if not data_id or not info.node_id:
+                raise fail(f"NAME: {name} is not running yet (no data volume placed on a node)")
+            args = ["-d", database, *(["-c", command] if command else [])]
+            try:
+                psql = psql_binary(info.version)
+                return await run_psql(
+                    c.conn, info.node_id, data_id, args, psql=psql, on_error=lambda why: say(f"session ended: {why}")
+                )
+            except TunnelError as exc:
+                raise fail(f"NAME: {name} (node {info.node_id}): {exc}") from None
 
-    info = _act(go)
-    if info.engine != addon.POSTGRES:
-        raise fail(f"NAME: {name} is a {info.engine} database; psql opens PostgreSQL ones")
-    data_id = info.volumes.get(addon.DATA_VOLUME, "")
-    if not data_id:
-        raise fail(f"NAME: {name} has no data volume yet (not started)")
-    roots = [*agent_dir, DataLayout((data_dir or settings().data_dir).resolve()).agent]
-    found = _socket_of([root / "volumes" / data_id for root in roots])
-    if found is None:
-        raise fail(
-            f"NAME: {name}'s server socket is not on this machine (its node is {info.node_id or '?'}): run this on"
-            " that node, or give --agent-dir"
-        )
-    run_dir, port = found
-    bin_dir = addon.postgres_bin(info.version)
-    os.execv(
-        f"{bin_dir}/psql", [f"{bin_dir}/psql", "-h", str(run_dir), "-p", str(port), "-U", "postgres", "-d", database]
-    )
+    code = _act(go)
+    raise typer.Exit(code)
