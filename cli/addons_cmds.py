@@ -17,6 +17,7 @@ from shared.actions.addon_attach import AttachAddon, attach_addon, detach_addon
 from shared.actions.addons import (
     AddonCreated,
     AddonInfo,
+    AddonOffsite,
     CreateAddon,
     DeleteAddon,
     RestoreAddon,
@@ -26,11 +27,14 @@ from shared.actions.addons import (
     delete_addon,
     list_addons,
     restore_addon,
+    set_addon_offsite,
 )
 from shared.actions.config import ConfigChanged
 from shared.actions.refusals import ActionRefused
+from shared.actions.volumes import PolicySet
 from shared.addons import spec as addon
 from shared.addons.backups import BackupStatus
+from shared.backup.targets import credentials_from_environment
 
 addons_app = typer.Typer(no_args_is_help=True, help="Managed databases: PostgreSQL and Redis (docs/addons.md).")
 
@@ -45,6 +49,9 @@ LABELS = {
     "to_time": "--to-time",
     "archive_timeout": "--archive-timeout",
     "backup_interval": "--backup-interval",
+    "source": "--from",
+    "schedule": "--schedule",
+    "offsite": "TARGET",
 }
 NAME = typer.Argument(..., help="the database's name (its app in the project)")
 PROJECT = typer.Option(..., "--project", "-p", help="the project the database belongs to")
@@ -158,18 +165,53 @@ def addons_restore(
     as_name: str = typer.Option(..., "--as", help="the NEW database's name (the original is never touched)"),
     to_time: str = typer.Option("", "--to-time", help="the point in time (ISO 8601 or epoch seconds; UTC)"),
     latest: bool = typer.Option(False, "--latest", help="everything the archive holds"),
+    source: str = typer.Option(
+        "",
+        "--from",
+        help="an off-site target (s3://bucket[/prefix] or a directory; AWS_* from the environment): restore from"
+        " the newest copy of the backups there (`addons offsite`), not from the node's volume",
+    ),
     json: bool = JSON,
 ) -> None:
     """Point-in-time recovery as a fork: a new database from the nearest base backup plus WAL up to the time."""
     if bool(to_time) == latest:
         raise fail("--to-time: give --to-time T or --latest (one of them)")
     target = parse_time(to_time) if to_time else None
+    settings = credentials_from_environment() if source.startswith("s3://") else {}
 
     async def go() -> AddonCreated:
         async with control() as c:
-            return await restore_addon(c.actions, RestoreAddon(name, project, as_name, target))
+            request = RestoreAddon(name, project, as_name, target, source=source, settings=settings)
+            return await restore_addon(c.actions, request)
 
     _created(_act(go), json, "restoring")
+
+
+@addons_app.command("offsite")
+def addons_offsite(
+    name: str = NAME,
+    target: str = typer.Argument(..., help='s3://bucket[/prefix] or a directory; "" stops the copies'),
+    project: str = PROJECT,
+    schedule: str = typer.Option("@every 1h", "--schedule", help="how often the backups are copied"),
+    json: bool = JSON,
+) -> None:
+    """Copy a PostgreSQL database's backups off-site (its backups volume's snapshots; AWS_* settings from the
+    environment, stored sealed): `addons restore --from TARGET` restores from there when the node is gone."""
+    settings = credentials_from_environment() if target.startswith("s3://") else {}
+
+    async def go() -> PolicySet:
+        async with control() as c:
+            return await set_addon_offsite(c.actions, AddonOffsite(name, project, target, schedule, settings))
+
+    done = _act(go)
+    if json:
+        render.emit_json(asdict(done))
+        return
+    stored = f" (settings stored sealed: {', '.join(done.offsite_settings)})" if done.offsite_settings else ""
+    if done.offsite:
+        say(f"backups of {project}/{name} (volume {done.volume_id}) copied to {done.offsite} {done.schedule}{stored}")
+    else:
+        say(f"backups of {project}/{name} no longer copied off-site")
 
 
 @addons_app.command("list")
