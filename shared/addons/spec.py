@@ -217,3 +217,15 @@ def addon_of(env: pb.Environment) -> tuple[str, str] | None:
     value = env.service.vars.get(ADDON_VAR, "")
     engine, _, version = value.partition(":")
     return (engine, version) if engine in ENGINES else None
+
+
+BGSAVE_HOOK = "sh zattera-bgsave.sh"
+"""The snapshot pre-hook of a Redis add-on's ``data`` volume (the script redis_entry.sh writes there)."""
+
+
+def platform_pre_hook(env: pb.Environment | None, volume: pb.Volume) -> str:
+    """The pre-hook the platform runs before a snapshot of ``volume`` when its policy sets none: for a Redis
+    add-on's ``data`` volume, a ``BGSAVE`` waited for (a consistent ``dump.rdb`` beside the AOF); else ""."""
+    if env is None or volume.name != DATA_VOLUME or env.meta.id != volume.environment_id:
+        return ""
+    return BGSAVE_HOOK if (addon_of(env) or ("", ""))[0] == REDIS else ""
