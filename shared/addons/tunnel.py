@@ -107,6 +107,11 @@ class Pump:
         self._credit.set()
 
     def deliver(self, frame: bytes) -> None:
+        """A frame from the other side. Credit is taken at once, not behind data waiting for the local
+        reader: each direction's window must open even while the other one is stalled."""
+        if frame[:1] == b"A":
+            self._acked = max(self._acked, int.from_bytes(frame[1:9], "big"))
+            self._credit.set()
         self.inbound.put_nowait(frame)
 
     async def run(self) -> str:
@@ -272,18 +277,28 @@ async def serve_psql_sessions(conn: Connection, node_id: str, volumes_root: Path
 # --- the operator's side -----------------------------------------------------------------------------------
 
 
+class _Inbound(asyncio.Queue[bytes]):
+    """A session's replies: queued until its pump takes them (then handed to it as they come)."""
+
+    pump: Pump | None = None
+
+
 async def _open(
     conn: Connection, node_id: str, volume_id: str, *, check: bool = False
-) -> tuple[str, Subscription, asyncio.Queue[bytes]]:
+) -> tuple[str, Subscription, _Inbound]:
     """A session's id, the subscription to its replies and their queue, once the agent said it is open."""
     nc = conn.nc
     session = secrets.token_hex(16)
     inbox = nc.new_inbox()
-    frames: asyncio.Queue[bytes] = asyncio.Queue()
+    frames = _Inbound()
 
     async def collect(msg: Msg) -> None:
         # An empty message is the server's "no responders" status: no agent of that node listens.
-        frames.put_nowait(msg.data or f"Eno agent answers for node {node_id} (is it up?)".encode())
+        frame = msg.data or f"Eno agent answers for node {node_id} (is it up?)".encode()
+        if frames.pump is not None:
+            frames.pump.deliver(frame)
+        else:
+            frames.put_nowait(frame)
 
     sub = await nc.subscribe(inbox, cb=collect)
     body = {"session": session, "volume": volume_id, **({"check": True} if check else {})}
@@ -321,6 +336,7 @@ async def carry(
 
     pump = Pump(reader, writer, send)
     pump.inbound = frames
+    frames.pump = pump
     try:
         return await pump.run()
     finally:
