@@ -13,6 +13,9 @@ agent runs it (an unprivileged user, volumes in a directory), and the node's rea
   from the script's start until the fork accepts connections;
 * **pgbench TPS** (the built-in TPC-B-like script, 4 clients) through the forwarder (a consumer's private
   address → the server) versus directly to the same server, in one run; target >= 80 % of direct.
+* **``addons psql`` over NATS**: one query's result (quick 500,000 rows ≈ 20 MB, full 2,000,000) read by
+  ``psql`` through the tunnel (shared/addons/tunnel.py: an embedded nats-server, the node's tunnel agent in
+  this process) versus through the server's own socket, and a session's open → first answer.
 """
 
 from __future__ import annotations
@@ -124,6 +127,47 @@ async def through_forwarder(db: PgInstance, seconds: int) -> tuple[float, float]
         await forwarder.close()
 
 
+def _psql_direct(db: PgInstance, args: list[str]) -> None:
+    subprocess.run(
+        [f"{PG_BIN}/psql", "-h", str(db.data / "run"), "-p", str(db.port), "-U", "postgres", *args],
+        stdout=subprocess.DEVNULL,
+        check=True,
+        timeout=600,
+    )
+
+
+async def psql_over_nats(db: PgInstance, rows: int) -> tuple[float, float, float, int]:
+    """(seconds direct, seconds through the tunnel, seconds of a trivial query through it, result bytes)."""
+    from benchmarks.common import embedded_server
+    from shared.addons.tunnel import TunnelAgent, run_psql
+    from shared.connection import connect
+
+    query = f"select g, md5(g::text) from generate_series(1, {rows}) g"
+    args = ["-X", "-At", "-d", "app", "-c", query]
+    size = int(db.sql(f"select sum(length(g::text) + 34) from generate_series(1, {rows}) g")[0])
+    with embedded_server("zattera-addons-psql-") as server:
+        conn = await connect(server.url, name="bench")
+        agent = TunnelAgent(conn, "n-db", db.root)  # the data volume is <root>/data: volume id "data"
+        await agent.start()
+        try:
+            start = time.perf_counter()
+            await asyncio.to_thread(_psql_direct, db, args)
+            direct = time.perf_counter() - start
+            psql = f"{PG_BIN}/psql"
+            start = time.perf_counter()
+            code = await run_psql(conn, "n-db", "data", args, psql=psql, stdout=subprocess.DEVNULL)
+            tunnel = time.perf_counter() - start
+            start = time.perf_counter()
+            code |= await run_psql(conn, "n-db", "data", ["-X", "-c", "select 1"], psql=psql, stdout=subprocess.DEVNULL)
+            trivial = time.perf_counter() - start
+            if code:
+                raise RuntimeError("psql through the tunnel failed")
+        finally:
+            await agent.stop()
+            await conn.close()
+    return direct, tunnel, trivial, size
+
+
 def measure(work: Path, quick: bool) -> list[dict[str, object]]:
     size = 128 * MIB if quick else 1024 * MIB
     archive_timeout = 5 if quick else 60
@@ -197,6 +241,29 @@ def measure(work: Path, quick: bool) -> list[dict[str, object]]:
                 "unit": "tps",
                 "target": ">= 80 % of direct",
                 "anchor": f"{100 * forwarded / direct:.0f} % of direct",
+            }
+        )
+
+        result_rows = 500_000 if quick else 2_000_000
+        direct_s, tunnel_s, trivial_s, result_bytes = asyncio.run(psql_over_nats(db, result_rows))
+        rows.append(
+            {
+                "figure": "addons psql: a query's result, direct (server socket)",
+                "value": round(direct_s, 2),
+                "unit": "s",
+                "target": "-",
+                "anchor": f"{result_rows:,} rows, {result_bytes / MIB:.0f} MiB,"
+                f" {result_bytes / MIB / direct_s:.0f} MiB/s",
+            }
+        )
+        rows.append(
+            {
+                "figure": "addons psql: the same over NATS (tunnel)",
+                "value": round(tunnel_s, 2),
+                "unit": "s",
+                "target": "-",
+                "anchor": f"{result_bytes / MIB / tunnel_s:.0f} MiB/s;"
+                f" psql start, session open, select 1: {trivial_s * 1000:.0f} ms",
             }
         )
 
