@@ -45,6 +45,10 @@ if [ "$(id -u)" = 0 ]; then
   say "PostgreSQL cannot run as root: run the agent with its sandbox (ZATTERA_AGENT_SANDBOX=on)"
   exit 78
 fi
+if [ ! -x "$BIN/postgres" ] || ! command -v pgbackrest >/dev/null 2>&1; then
+  say "no PostgreSQL server ($BIN/postgres) or pgbackrest here: add-ons run on the process runtime with the node's packages (make install-system), not yet under the docker runtime"
+  exit 78
+fi
 if [ -n "${ZATTERA_ADDON_RESTORE_SNAPSHOT:-}" ] && [ ! -s "$PGDATA/PG_VERSION" ]; then
   # A fork from off-site: this backups volume was restored from a snapshot of the origin's. Its repository
   # becomes origin-repo (restored from below, then removed); the origin's config, log and locks go.
