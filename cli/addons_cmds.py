@@ -262,6 +262,7 @@ def addons_info(name: str = NAME, project: str = PROJECT, json: bool = JSON) -> 
         ("volumes", ", ".join(f"{k} {v}" for k, v in sorted(info.volumes.items())) or "- (created at the first start)"),
         ("attached to", ", ".join(info.attached_to) or "-"),
         ("restored from", f"{info.restored_from} at {info.restore_target}" if info.restored_from else "-"),
+        ("off-site", info.offsite or "-"),
     ):
         typer.echo(f"{label:14} {value}")
 

@@ -114,6 +114,8 @@ class AddonInfo:
     """Volume name → id."""
     restored_from: str = ""
     restore_target: str = ""
+    offsite: str = ""
+    """Where its backups are copied off-site (``addons offsite``: its ``backups`` volume's policy), "" = nowhere."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +153,13 @@ def info_of(view: StateReader, env: pb.Environment) -> AddonInfo:
     release = view.release(env.active_release_id) if env.active_release_id else None
     marker = addon.attached_var(aname)
     attached = sorted(env_path(view, e) for e in view.envs() if e.service.vars.get(marker) == env.meta.id)
+    volumes = view.volumes(env.meta.id)
+    policies = [v.snapshot_policy for v in volumes if v.name == addon.BACKUPS_VOLUME]
+    offsite = (
+        f"{policies[0].offsite_target} {policies[0].schedule}".strip()
+        if policies and policies[0].offsite_target
+        else ""
+    )
     return AddonInfo(
         name=aname,
         project=pname,
@@ -164,9 +173,10 @@ def info_of(view: StateReader, env: pb.Environment) -> AddonInfo:
         release_version=release.version if release is not None else 0,
         created_at=from_timestamp(env.meta.created_at),
         attached_to=attached,
-        volumes={v.name: v.meta.id for v in view.volumes(env.meta.id)},
+        volumes={v.name: v.meta.id for v in volumes},
         restored_from=env.service.vars.get(FORKED_FROM_VAR, ""),
         restore_target=env.service.vars.get("ZATTERA_PG_RESTORE_TARGET", ""),
+        offsite=offsite,
     )
 
 

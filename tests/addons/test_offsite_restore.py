@@ -26,6 +26,7 @@ from shared.actions.addons import (
     AddonOffsite,
     CreateAddon,
     RestoreAddon,
+    addon_info,
     create_addon,
     restore_addon,
     set_addon_offsite,
@@ -108,6 +109,7 @@ async def test_backups_go_off_site_and_a_fork_comes_back_from_there_when_the_vol
 
         done = await set_addon_offsite(c.ctx, AddonOffsite("orders", "shop", url, "@every 30m", settings=settings))
         assert (done.volume_id, done.offsite, done.schedule) == (volume_id, url, "@every 30m")
+        assert addon_info(c.view, "orders", "shop").offsite == f"{url} @every 30m"
         volume = c.view.volume(volume_id)
         raw = K.encode(volume) if volume is not None else b""
         assert raw and SECRET_KEY.encode() not in raw and ACCESS_KEY.encode() not in raw, "settings stored sealed"
