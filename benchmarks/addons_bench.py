@@ -16,6 +16,9 @@ agent runs it (an unprivileged user, volumes in a directory), and the node's rea
   forwarder and the kernel path (iptables DNAT, ``services/agent/kernelnet.py``); target >= 80 % of direct.
   As root the whole bench runs in a network namespace of its own (``unshare --net``) so the kernel path's
   rules stay there; elsewhere the kernel path is not measured.
+* **``addons psql`` over NATS**: one query's result (quick 500,000 rows ≈ 20 MB, full 2,000,000) read by
+  ``psql`` through the tunnel (shared/addons/tunnel.py: an embedded nats-server, the node's tunnel agent in
+  this process) versus through the server's own socket, and a session's open → first answer.
 """
 
 from __future__ import annotations
@@ -162,6 +165,45 @@ def private_network_pgbench(quick: bool, *, kernel: bool) -> dict[str, list[floa
     finally:
         db.stop()
         shutil.rmtree(work, ignore_errors=True)
+def _psql_direct(db: PgInstance, args: list[str]) -> None:
+    subprocess.run(
+        [f"{PG_BIN}/psql", "-h", str(db.data / "run"), "-p", str(db.port), "-U", "postgres", *args],
+        stdout=subprocess.DEVNULL,
+        check=True,
+        timeout=600,
+    )
+
+
+async def psql_over_nats(db: PgInstance, rows: int) -> tuple[float, float, float, int]:
+    """(seconds direct, seconds through the tunnel, seconds of a trivial query through it, result bytes)."""
+    from benchmarks.common import embedded_server
+    from shared.addons.tunnel import TunnelAgent, run_psql
+    from shared.connection import connect
+
+    query = f"select g, md5(g::text) from generate_series(1, {rows}) g"
+    args = ["-X", "-At", "-d", "app", "-c", query]
+    size = int(db.sql(f"select sum(length(g::text) + 34) from generate_series(1, {rows}) g")[0])
+    with embedded_server("zattera-addons-psql-") as server:
+        conn = await connect(server.url, name="bench")
+        agent = TunnelAgent(conn, "n-db", db.root)  # the data volume is <root>/data: volume id "data"
+        await agent.start()
+        try:
+            start = time.perf_counter()
+            await asyncio.to_thread(_psql_direct, db, args)
+            direct = time.perf_counter() - start
+            psql = f"{PG_BIN}/psql"
+            start = time.perf_counter()
+            code = await run_psql(conn, "n-db", "data", args, psql=psql, stdout=subprocess.DEVNULL)
+            tunnel = time.perf_counter() - start
+            start = time.perf_counter()
+            code |= await run_psql(conn, "n-db", "data", ["-X", "-c", "select 1"], psql=psql, stdout=subprocess.DEVNULL)
+            trivial = time.perf_counter() - start
+            if code:
+                raise RuntimeError("psql through the tunnel failed")
+        finally:
+            await agent.stop()
+            await conn.close()
+    return direct, tunnel, trivial, size
 
 
 def measure(work: Path, quick: bool) -> list[dict[str, object]]:
@@ -245,6 +287,29 @@ def measure(work: Path, quick: bool) -> list[dict[str, object]]:
                         + ", ".join(f"{v:.0f}" for v in tps[mode]),
                     }
                 )
+
+        result_rows = 500_000 if quick else 2_000_000
+        direct_s, tunnel_s, trivial_s, result_bytes = asyncio.run(psql_over_nats(db, result_rows))
+        rows.append(
+            {
+                "figure": "addons psql: a query's result, direct (server socket)",
+                "value": round(direct_s, 2),
+                "unit": "s",
+                "target": "-",
+                "anchor": f"{result_rows:,} rows, {result_bytes / MIB:.0f} MiB,"
+                f" {result_bytes / MIB / direct_s:.0f} MiB/s",
+            }
+        )
+        rows.append(
+            {
+                "figure": "addons psql: the same over NATS (tunnel)",
+                "value": round(tunnel_s, 2),
+                "unit": "s",
+                "target": "-",
+                "anchor": f"{result_bytes / MIB / tunnel_s:.0f} MiB/s;"
+                f" psql start, session open, select 1: {trivial_s * 1000:.0f} ms",
+            }
+        )
 
         rows_needed = size // 1100
         db.sql(f"create table big as select g as id, repeat('x', 1000) as pad from generate_series(1, {rows_needed}) g")

@@ -62,6 +62,7 @@ from services.agent.settings import AgentSettings
 from services.agent.snapshots.handlers import HookRunner, run_hook_in_shell, serve_snapshot_requests
 from shared import keys as K
 from shared.activation import request_activation
+from shared.addons.tunnel import serve_psql_sessions
 from shared.backoff import exponential
 from shared.clock import Clock, RealClock
 from shared.connection import Connection
@@ -401,6 +402,7 @@ class Agent:
                     serve_snapshot_requests(self.conn, self.node_id, self.volumes_dir, hook_runner=self._pre_hooks()),
                     name="snapshots",
                 ),
+                asyncio.create_task(serve_psql_sessions(self.conn, self.node_id, self.volumes_dir), name="psql"),
             ]
             if self.forwarder is not None:
                 tasks.append(asyncio.create_task(self._forward(self.forwarder), name="forwarder"))

@@ -18,6 +18,8 @@
 # Fork (point-in-time restore into this new database, the origin untouched):
 #      ZATTERA_PG_RESTORE_REPO  the origin's repository directory (read only); default, when the agent copied
 #                               it (ZATTERA_ADDON_RESTORE_VOLUME set): $ZATTERA_VOLUME_BACKUPS/origin-repo
+#      ZATTERA_ADDON_RESTORE_SNAPSHOT  set on a fork from off-site: this backups volume holds the origin's
+#                               (restored from a snapshot): its repo/ is the origin's repository
 #      ZATTERA_PG_RESTORE_STANZA  the origin's stanza
 #      ZATTERA_PG_RESTORE_TARGET  "latest" or a timestamp PostgreSQL reads ("2026-12-02 17:00:00+00")
 set -eu
@@ -42,6 +44,19 @@ say() { printf '%s\n' "zattera-postgres: $*" >&2; }
 if [ "$(id -u)" = 0 ]; then
   say "PostgreSQL cannot run as root: run the agent with its sandbox (ZATTERA_AGENT_SANDBOX=on)"
   exit 78
+fi
+if [ ! -x "$BIN/postgres" ] || ! command -v pgbackrest >/dev/null 2>&1; then
+  say "no PostgreSQL server ($BIN/postgres) or pgbackrest here: add-ons run on the process runtime with the node's packages (make install-system), not yet under the docker runtime"
+  exit 78
+fi
+if [ -n "${ZATTERA_ADDON_RESTORE_SNAPSHOT:-}" ] && [ ! -s "$PGDATA/PG_VERSION" ]; then
+  # A fork from off-site: this backups volume was restored from a snapshot of the origin's. Its repository
+  # becomes origin-repo (restored from below, then removed); the origin's config, log and locks go.
+  if [ -d "$REPO/repo" ] && [ ! -e "$REPO/origin-repo" ]; then
+    mv "$REPO/repo" "$REPO/origin-repo"
+    rm -rf "$REPO/log" "$REPO/lock" "$REPO/spool" "$REPO/pgbackrest.conf" "$REPO/origin.conf"
+  fi
+  ZATTERA_PG_RESTORE_REPO="${ZATTERA_PG_RESTORE_REPO:-$REPO/origin-repo}"
 fi
 mkdir -p "$SOCK" "$REPO/repo" "$REPO/log" "$REPO/lock" "$REPO/spool"
 rm -f "$DATA/ready"  # left by a crash: not ready until this start says so

@@ -189,6 +189,9 @@ OPERATOR = Permissions(
         # `zattera volumes snapshot` / `restore` ask the volume's node directly (progress comes to the inbox).
         agent_subject("*", "snapshot"),
         agent_subject("*", "restore"),
+        # `zattera addons psql`: a session to a database's node, carried over NATS (shared/addons/tunnel.py).
+        agent_subject("*", "psql"),
+        agent_subject("*", "psql.*"),
         f"{JS}.INFO",
         f"{JS}.STREAM.NAMES",
         f"{JS}.STREAM.LIST",
