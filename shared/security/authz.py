@@ -135,6 +135,9 @@ class Authz:
         """State key → its project, as last seen readable (a pushed delete has no value to tell it)."""
         self._feeds: dict[tuple[str, str], _Feed] = {}
         self._closing: set[asyncio.Future[None]] = set()
+        self._known: dict[str, tuple[int, str]] = {}
+        """State key → (revision, its project or ``env:<id>``) as last decoded: a member's snapshot read decodes
+        only the values that changed since the last read (issue 39 item 4: the read's cost)."""
 
     async def start(self) -> None:
         self._kv = await ensure_teams_bucket(self._conn)
@@ -331,15 +334,15 @@ class Authz:
                 projects.append((answer, "", ""))
                 continue
             key = headers.get("Nats-Subject", "").removeprefix(STATE_PREFIX)
-            kind, value = decoded(key, None if is_delete_marker(headers) else answer.data)
-            project = ""
-            if value is not None and kind in PROJECT_KINDS:
-                project = project_of(kind, value, {})
-                env_ref = str(getattr(value, "environment_id", "") or "")
-                if not project and env_ref:
-                    project = f"env:{env_ref}"
-                if kind == K.ENV:
-                    envs[key.removeprefix(f"{K.ENV}.")] = project
+            seq = int(headers.get("Nats-Sequence", 0) or 0)
+            known = self._known.get(key)
+            if known is not None and known[0] == seq and seq:
+                project = known[1]  # this very revision was decoded before: no need to decode it again
+            else:
+                project = _project_or_env(key, None if is_delete_marker(headers) else answer.data)
+                self._known[key] = (seq, project)
+            if key.startswith(f"{K.ENV}."):
+                envs[key.removeprefix(f"{K.ENV}.")] = project
             projects.append((answer, key, project))
         for answer, key, project in projects:
             if key:
@@ -634,6 +637,16 @@ class _Feed:
 
 
 FEED_ID = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
+
+
+def _project_or_env(key: str, data: bytes | None) -> str:
+    """A value's project, ``env:<id>`` for a value that names only its environment, "" for none."""
+    kind, value = decoded(key, data)
+    if value is None or kind not in PROJECT_KINDS:
+        return ""
+    project = project_of(kind, value, {})
+    env_ref = str(getattr(value, "environment_id", "") or "")
+    return project or (f"env:{env_ref}" if env_ref else "")
 
 
 def _event_refusal(member: Member, data: bytes) -> str:
