@@ -642,3 +642,34 @@ async def test_a_members_state_changes_and_events_are_pushed_at_once(
     finally:
         await states.unsubscribe()
         await events.unsubscribe()
+
+
+async def test_an_admin_user_through_the_cli(
+    secure: SecureCluster, control: Connection, team: Team, tmp_path: object
+) -> None:
+    """The operator credential bootstraps the first admin user; the admin user then manages the teams with its
+    own member credential; ``users update --no-admin`` applies at its next command."""
+    operator = str(secure.setup.operator_creds)
+    root_creds = f"{tmp_path}/root.creds"
+    added = await cli(secure, "users", "add", "root", "--admin", "--creds-out", root_creds, creds=operator)
+    assert added.returncode == 0, added.stderr
+    assert "(admin)" in added.stderr and "security creds operator" not in added.stderr
+    claims = decode_claims(read_user_jwt(root_creds))
+    assert claims["name"] == "root"  # a member credential like anyone's (MEMBERS account, member role key)
+    bob = await cli(secure, "users", "add", "bob", "--creds-out", f"{tmp_path}/bob.creds", creds=root_creds)
+    assert bob.returncode == 0, bob.stderr
+    granted = await cli(secure, "grants", "add", "bob", "--project", "beta", "--role", "viewer", creds=root_creds)
+    assert granted.returncode == 0, granted.stderr
+    listed = await cli(secure, "users", "list", "--json", creds=root_creds)
+    assert listed.returncode == 0, listed.stderr
+    assert {u["name"]: u["grants"] for u in json.loads(listed.stdout)}["bob"] == {PB: "viewer"}
+    # Bob (not an admin) may not do the same.
+    refused_add = await cli(
+        secure, "users", "add", "eve", "--creds-out", f"{tmp_path}/eve.creds", creds=f"{tmp_path}/bob.creds"
+    )
+    assert refused_add.returncode != 0 and "not authorised" in refused_add.stderr
+    demoted = await cli(secure, "users", "update", "root", "--no-admin", creds=operator)
+    assert demoted.returncode == 0, demoted.stderr
+    again = await cli(secure, "users", "add", "carol", "--creds-out", f"{tmp_path}/carol.creds", creds=root_creds)
+    assert again.returncode != 0 and "not authorised" in again.stderr
+    assert await load_user(control.js, "carol") is None and await load_user(control.js, "eve") is None
