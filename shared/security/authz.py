@@ -503,6 +503,9 @@ class Authz:
             await self._end_feed(feed, f"not authorised: {member}")
             return False
         feed.member = member
+        if feed.stream not in (STATE_STREAM, EVENTS_STREAM) and not await self._stream_allowed(member, feed.stream):
+            await self._end_feed(feed, f"not authorised: stream {feed.stream} is not readable with your grants")
+            return False
         return True
 
     async def _visible(self, feed: _Feed, msg: Msg) -> bool:
@@ -532,11 +535,6 @@ class Authz:
 
     async def _forward(self, feed: _Feed, msg: Msg) -> None:
         if feed.ended or not await self._recheck(feed):
-            return
-        if feed.stream not in (STATE_STREAM, EVENTS_STREAM) and not await self._stream_allowed(
-            feed.member, feed.stream
-        ):
-            await self._end_feed(feed, f"not authorised: stream {feed.stream} is not readable with your grants")
             return
         if not await self._visible(feed, msg):
             return
