@@ -250,6 +250,9 @@ async def test_a_deployer_changes_its_projects_environments_only(
     assert await stored(control, K.app(APP_A)) is not None
     # Config: a secret of its project, set and deleted.
     assert (await write(dora, K.secret("s-new"), K.encode(secret("s-new", ENV_A, PA)))).get("seq")
+    # Read at once after its write: the authorising path's index answers only once it holds the stream's last
+    # revision (read-your-writes).
+    assert K.secret("s-new") in await visible_keys(dora)
     assert (await write(dora, K.secret("s-new"), None)).get("seq")
     assert refused(await write(dora, K.secret("s-b"), None), PB)
 
