@@ -330,11 +330,13 @@ class FeedMsg(Msg):
         return self._feed_meta
 
 
-def feed_msg(nc: Any, msg: Msg) -> FeedMsg | None:
-    """The stream message a pushed message carries (None: a status message)."""
+def feed_msg(nc: Any, msg: Msg) -> Msg | None:
+    """The stream message a pushed message carries (None: a status message; a JetStream delivery as it is)."""
     headers = dict(msg.headers or {})
-    if FEED_STATUS_HEADER in headers:
+    if FEED_STATUS_HEADER in headers or "Status" in headers:  # ours, or JetStream's idle heartbeat
         return None
+    if FEED_SUBJECT_HEADER not in headers:
+        return msg  # pushed by JetStream itself (a log feed): its subject and reply are the stream's
     subject = headers.pop(FEED_SUBJECT_HEADER, "")
     seq = int(headers.pop(FEED_SEQ_HEADER, "0") or 0)
     pending = int(headers.pop(FEED_PENDING_HEADER, "0") or 0)

@@ -28,6 +28,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -571,7 +572,20 @@ class Authz:
         feed = _Feed(who, member, push_subject(who.user, feed_id), spec.stream, checked=self._now())
         self._feeds[(who.user, feed_id)] = feed
         try:
-            feed.watch = await follow(self._conn, spec, partial(self._forward, feed))
+            if spec.stream in (STATE_STREAM, EVENTS_STREAM):
+                # Filtered message by message: control follows the stream and re-publishes what passes.
+                feed.watch = await follow(self._conn, spec, partial(self._forward, feed))
+            else:
+                # A log stream (or, for an admin, any other stream): nothing to filter, so JetStream pushes it
+                # straight to the member's subject (no hop through control; the subject, sequence and pending
+                # count travel as in any delivery). Gone 30 s after the member stops listening, or at its end.
+                config = spec.consumer_config(f"feed-{uuid.uuid4().hex[:20]}")
+                config.deliver_subject = feed.subject
+                config.idle_heartbeat = FEED_HEARTBEAT
+                info = await self._conn.js.add_consumer(spec.stream, config)
+                feed.consumer = str(info.name)
+                if not info.num_pending:
+                    await self._status(feed, FEED_CAUGHT_UP)
         except BaseException:
             self._feeds.pop((who.user, feed_id), None)
             raise
@@ -641,17 +655,17 @@ class Authz:
 
     async def _tend(self, feed: _Feed) -> None:
         """Tells the reader once the stored messages are all sent, then heartbeats; ends a forgotten feed."""
-        assert feed.watch is not None
         with contextlib.suppress(nats.errors.Error):
-            await feed.watch.caught_up.wait()
-            await self._status(feed, FEED_CAUGHT_UP)
+            if feed.watch is not None:
+                await feed.watch.caught_up.wait()
+                await self._status(feed, FEED_CAUGHT_UP)
             while not feed.ended:
                 await asyncio.sleep(FEED_HEARTBEAT)
                 if time.monotonic() - feed.kept > FEED_IDLE:
-                    await self._end_feed(feed, "end: no keepalive")
+                    await self._end_feed(feed, "no keepalive")
                     return
-                if time.monotonic() - feed.sent >= FEED_HEARTBEAT:
-                    await self._status(feed, FEED_HEARTBEAT_STATUS)
+                if feed.watch is not None and time.monotonic() - feed.sent >= FEED_HEARTBEAT:
+                    await self._status(feed, FEED_HEARTBEAT_STATUS)  # a pushed consumer has JetStream's own
 
     async def _end_feed(self, feed: _Feed, why: str) -> None:
         if feed.ended:
@@ -668,8 +682,16 @@ class Authz:
             closing = asyncio.ensure_future(watch.unsubscribe())
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
+        if feed.consumer:
+            closing = asyncio.ensure_future(self._delete_consumer(feed.stream, feed.consumer))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         if feed.task is not None and feed.task is not asyncio.current_task():
             feed.task.cancel()
+
+    async def _delete_consumer(self, stream: str, name: str) -> None:
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await self._conn.js.delete_consumer(stream, name)
 
     async def stop(self) -> None:
         for feed in list(self._feeds.values()):
@@ -717,6 +739,8 @@ class _Feed:
     subject: str
     stream: str
     watch: Watch | None = None
+    consumer: str = ""
+    """A pushed consumer's name (a feed JetStream delivers itself)."""
     task: asyncio.Future[None] | None = None
     checked: float = 0.0
     """When the caller's record was last read (the authorising path's clock)."""
