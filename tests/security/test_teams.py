@@ -58,6 +58,7 @@ from tests.e2e.cluster import cli_argv
 from tests.security.conftest import ConnectAs, ManualClock, SecureCluster
 from tests.security.test_permissions import publish_refused
 
+CLUSTER_TOO = True  # also on a secured three-server cluster (conftest.py): feeds, imports and replies cross routes
 PA, PB = "p-alpha", "p-beta"
 APP_A, APP_B = "a-alpha", "a-beta"
 ENV_A, ENV_B = "e-alpha", "e-beta"
