@@ -205,3 +205,20 @@ async def test_an_agent_asks_for_secrets_only_on_its_own_node_subject(
     assert await agent.refusal() == publish_refused(open_subject("n2"))
     await agent.nc.publish(ROTATE_SUBJECT, b"")
     assert await agent.refusal() == publish_refused(ROTATE_SUBJECT)
+
+
+@pytest.mark.parametrize(
+    "api",
+    [
+        # A log drain's durable consumer on a log stream (the member's own environment's or any): a member pulls
+        # no consumer at all — what it follows is pushed by the authorising path (docs/teams.md).
+        "$JS.API.CONSUMER.MSG.NEXT.ZATTERA_LOGS_e1.drain_datadog",
+        "$JS.API.CONSUMER.INFO.ZATTERA_LOGS_e1.drain_datadog",
+        "$JS.API.CONSUMER.MSG.NEXT.ZATTERA_LOGS_e1.watch-0123456789abcdef0123",
+        f"$JS.API.CONSUMER.MSG.NEXT.{STATE_STREAM}.view-{NODE}",
+    ],
+)
+async def test_a_member_pulls_no_consumer(connect_as: ConnectAs, api: str) -> None:
+    member = await connect_as(Role.MEMBER, "vera")
+    await member.nc.publish(api, b"{}", reply=member.nc.new_inbox())
+    assert await member.refusal() == publish_refused(api)
