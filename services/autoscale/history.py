@@ -1,6 +1,7 @@
 """HistoryRecorder (``lease.metrics-history``): every 10 s, the heartbeats' figures as one point per env,
-node and proxy in ``ZATTERA_METRICS`` (an env's with each replica's CPU and memory); every 5 min, those points downsampled into ``ZATTERA_METRICS_5M``;
-and the env's deploy and scale events as marks (docs/observability.md, "History").
+node and proxy in ``ZATTERA_METRICS`` (an env's with each replica's CPU and memory); every 5 min, those points
+downsampled into ``ZATTERA_METRICS_5M``; and the env's deploy and scale events as marks (docs/observability.md,
+"History").
 
 The loop writes no state (no fenced write): it publishes points without headers (a ``Nats-Msg-Id`` would
 double a point's stored size); a point published twice across a failover (two leaders in one slot) is
