@@ -165,6 +165,8 @@ def private_network_pgbench(quick: bool, *, kernel: bool) -> dict[str, list[floa
     finally:
         db.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
 def _psql_direct(db: PgInstance, args: list[str]) -> None:
     subprocess.run(
         [f"{PG_BIN}/psql", "-h", str(db.data / "run"), "-p", str(db.port), "-U", "postgres", *args],
