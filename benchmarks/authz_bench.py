@@ -246,6 +246,8 @@ def run(quick: bool = True) -> list[Row]:
         logs = results[name]["logs"]
         rows += [
             row(f"{name}: deploy at the CLI, p50 ({len(deploy)})", p50[name] * ms, "ms"),  # type: ignore[arg-type]
+            row(f"{name}: deploy at the CLI, p10 (spread)", percentile(deploy, 10) * ms, "ms"),  # type: ignore[arg-type]
+            row(f"{name}: deploy at the CLI, p90 (spread)", percentile(deploy, 90) * ms, "ms"),  # type: ignore[arg-type]
             row(f"{name}: deploy at the CLI, p99", percentile(deploy, 99) * ms, "ms"),  # type: ignore[arg-type]
             row(f"{name}:   of which snapshot read, p50", percentile(results[name]["snapshot"], 50) * ms, "ms"),  # type: ignore[arg-type]
             row(
@@ -258,6 +260,8 @@ def run(quick: bool = True) -> list[Row]:
                 percentile(results[name]["cli"], 50) * ms,
                 "ms",
             ),  # type: ignore[arg-type]
+            row(f"{name}: `zattera deploy` process, min", min(results[name]["cli"]) * ms, "ms"),  # type: ignore[call-overload]
+            row(f"{name}: `zattera deploy` process, max", max(results[name]["cli"]) * ms, "ms"),  # type: ignore[call-overload]
             row(f"{name}: logs -f line latency, p50 ({len(logs)})", percentile(logs, 50) * ms, "ms"),  # type: ignore[arg-type]
             row(f"{name}: logs -f line latency, p99", percentile(logs, 99) * ms, "ms"),  # type: ignore[arg-type]
             row(f"{name}: logs -f start (first line)", float(results[name]["startup"]) * ms, "ms"),  # type: ignore[arg-type]

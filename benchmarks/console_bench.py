@@ -14,64 +14,37 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from pathlib import Path
 
-import aiohttp
+from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, bench_main, embedded_server, median, percentile, row
+from benchmarks.console_rig import PASSWORD, USER, bench_console, bench_state, logged_in, seed_envs
 from shared.certs import VALID, pending_record
-from shared.connection import connect
-from shared.console_users import ADMIN, new_user, save_user, users_bucket
-from shared.provisioning import provision
 from shared.state.feed import StateView
 from shared.txn import Writer
-from tests.console.rig import running_console
 
 CHROMIUM = Path("/usr/bin/chromium")
-PASSWORD = "benchmark password"
 
 
-async def _seed(writer: Writer, envs: int) -> list[str]:
-    project = pb.Project(name="bench")
-    project.meta.id = "01BENCHPROJ"
-    txns = [writer.txn().create(project)]
-    env_ids = []
-    for i in range(envs):
-        app = pb.App(project_id=project.meta.id, name=f"app{i:05d}")
-        app.meta.id = f"01BENCHAPP{i:05d}"
-        env = pb.Environment(project_id=project.meta.id, app_id=app.meta.id, name="production")
-        env.meta.id = f"01BENCHENV{i:05d}"
-        env.service.replicas.min, env.service.replicas.max = 1, 10
-        release = pb.Release(environment_id=env.meta.id, app_id=app.meta.id, project_id=project.meta.id, version=1)
-        release.meta.id = f"01BENCHREL{i:05d}"
-        release.image_ref = "demo/web@sha256:" + "a" * 64
-        env.active_release_id = release.meta.id
-        hostname = f"app{i:05d}.bench.example.com"
-        domain = pb.Domain(project_id=project.meta.id, app_id=app.meta.id, environment_id=env.meta.id)
-        domain.hostname = hostname
-        domain.meta.id = f"01BENCHDOM{i:05d}"
-        cert = pending_record(hostname, "local")
-        cert.state, cert.chain_pem = VALID, "-----BEGIN CERTIFICATE-----"
-        cert.not_after.FromSeconds(4_102_444_800)
-        cert.renew_at.FromSeconds(4_102_444_800 - 86_400)
-        txns.append(writer.txn().create(app).create(env).create(release).create(domain).create(cert))
-        env_ids.append(env.meta.id)
-    failures = [r for r in await writer.commit_many(txns) if r is not None]
-    assert not failures, failures[:3]
-    return env_ids
+def _domain(i: int, env: pb.Environment, release: pb.Release) -> list[tuple[Message, str | None]]:
+    """An env's image, domain and valid certificate (the overview shows them)."""
+    release.image_ref = "demo/web@sha256:" + "a" * 64
+    hostname = f"app{i:05d}.bench.example.com"
+    domain = pb.Domain(project_id=env.project_id, app_id=env.app_id, environment_id=env.meta.id)
+    domain.hostname = hostname
+    domain.meta.id = f"01BENCHDOM{i:05d}"
+    cert = pending_record(hostname, "local")
+    cert.state, cert.chain_pem = VALID, "-----BEGIN CERTIFICATE-----"
+    cert.not_after.FromSeconds(4_102_444_800)
+    cert.renew_at.FromSeconds(4_102_444_800 - 86_400)
+    return [(domain, None), (cert, None)]
 
 
 async def _server_times(url: str, loads: int) -> list[float]:
-    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
-        async with http.get(f"{url}/login") as page:
-            token = re.search(r'name="login_token" value="([^"]+)"', await page.text())
-        assert token is not None
-        form = {"username": "bench", "password": PASSWORD, "login_token": token.group(1)}
-        async with http.post(f"{url}/login", data=form) as done:
-            assert done.status == 200
+    async with logged_in(url) as http:
         times = []
         for _ in range(loads):
             started = time.perf_counter()
@@ -90,7 +63,7 @@ async def _browser(
         browser = await playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
         page = await browser.new_page()
         await page.goto(f"{url}/login")
-        await page.get_by_label("User name").fill("bench")
+        await page.get_by_label("User name").fill(USER)
         await page.get_by_label("Password").fill(PASSWORD)
         await page.get_by_role("button", name="Log in").click()
         await page.wait_for_selector("#overview")
@@ -128,16 +101,10 @@ async def _browser(
 
 
 async def _bench(url: str, envs: int, loads: int, paints: int, changes: int, *, chromium: bool) -> list[Row]:
-    conn = await connect(url, name="bench")
-    await provision(conn.js)
-    view = StateView(conn, name="bench")
-    await view.start()
-    writer = Writer(conn, view)
-    try:
-        env_ids = await _seed(writer, envs)
-        await users_bucket(conn.js, create=True)  # as the console does when it starts
-        await save_user(conn.js, new_user("bench", ADMIN, PASSWORD, rounds=4))
-        async with running_console(conn, view, writer) as console:
+    async with bench_state(url) as bench:
+        view, writer = bench.view, bench.writer
+        env_ids = await seed_envs(writer, envs, lambda i: f"01BENCHENV{i:05d}", extra=_domain)
+        async with bench_console(bench) as console:
             server = await _server_times(console.url, loads)
             rows = [
                 row(f"console: overview of {envs:,} envs, server time (p50)", median(server), "ms", "≤ 300 ms"),
@@ -171,9 +138,6 @@ async def _bench(url: str, envs: int, loads: int, paints: int, changes: int, *, 
                 "SSE, fetch, swap",
             ),
         ]
-    finally:
-        await view.stop()
-        await conn.close()
 
 
 def run(quick: bool = True) -> list[Row]:

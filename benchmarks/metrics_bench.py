@@ -7,74 +7,61 @@ takes per env per day, and the env page with 24 h of history.
   reporting every env, in a live view filled directly; the recorder's passes driven by a fake clock,
   10 s apart, across a 5-min boundary (32 passes quick, 62 full). Figures: CPU per pass (process time:
   computing the points and publishing them), wall time per pass, and the CPU share of one core at one pass
-  every 10 s;
+  every 10 s; the passes run twice over fresh streams, first without the per-replica series (the baseline
+  of their added cost), then as the loop runs;
 * storage: the bytes the two streams hold after those passes (JetStream's own count: payload, subject,
   headers and its per-message record), extrapolated to a day (8,640 raw passes, 288 downsampled ones) —
   per env and for the cluster, every env busy (the worst case: an idle env stores nothing after one zero
-  point);
+  point), and what the per-replica CPU and memory add per env;
 * the env page: ``GET /env/<id>?window=1h|24h|7d`` server time with the history each window reads (1 h:
   360 10-s points; 24 h: 288 5-min points, the open bucket's 10-s points and 12 marks; 7 d: 2,016 5-min
-  points), among 1,000 envs (20 loads quick, 50 full; target ≤ 300 ms at 24 h).
+  points; each point with its 2 replicas), among 1,000 envs (20 loads quick, 50 full; target ≤ 300 ms at
+  24 h). The console is started as ``console_bench`` starts it (``benchmarks/console_rig.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
+import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
+from google.protobuf.message import Message
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import Row, bench_main, embedded_server, median, percentile, row
+from benchmarks.console_rig import bench_console, bench_state, logged_in, seed_envs
 from services.autoscale.history import HistoryRecorder
 from shared import history as H
 from shared import keys as K
 from shared.clock import FakeClock, stamp
-from shared.connection import Connection, connect
-from shared.console_users import ADMIN, new_user, save_user, users_bucket
+from shared.connection import Connection
 from shared.live import LiveView, node_key, proxy_key
 from shared.loop import LoopDeps
-from shared.provisioning import provision
 from shared.state.feed import StateView
-from shared.txn import Writer
-from tests.console.rig import running_console
 
 ENVS = 1_000
 NODES = 10
 REPLICAS = 2
-PASSWORD = "benchmark password"
 START = 1_700_000_100.0  # a 5-min boundary
 
 
-async def _seed_state(writer: Writer) -> list[str]:
-    project = pb.Project(name="bench")
-    project.meta.id = "01BENCHPROJ"
-    txns = [writer.txn().create(project)]
-    env_ids = []
-    for i in range(ENVS):
-        app = pb.App(project_id=project.meta.id, name=f"app{i:05d}")
-        app.meta.id = f"01BENCHAPP{i:05d}"
-        env = pb.Environment(project_id=project.meta.id, app_id=app.meta.id, name="production")
-        env.meta.id = f"01JD5Q8ZKX3V7W9YB2C{i:07d}"  # ids as long as real ones (26 characters)
-        env.service.replicas.min, env.service.replicas.max = REPLICAS, 10
-        release = pb.Release(environment_id=env.meta.id, app_id=app.meta.id, project_id=project.meta.id, version=1)
-        release.meta.id = f"01BENCHREL{i:05d}"
-        env.active_release_id = release.meta.id
-        txn = writer.txn().create(app).create(env).create(release)
-        for r in range(REPLICAS):
-            a = pb.Assignment(environment_id=env.meta.id, release_id=release.meta.id, node_id=f"n{(i + r) % NODES}")
-            a.meta.id = f"01BENCHASG{i:05d}{r}"
-            a.desired = pb.ASSIGNMENT_DESIRED_RUN
-            txn.create(a)
-            txn.put(pb.AssignmentObserved(state=pb.INSTANCE_STATE_HEALTHY), key=K.observed(a.node_id, a.meta.id))
-        txns.append(txn)
-        env_ids.append(env.meta.id)
-    failures = [r for r in await writer.commit_many(txns) if r is not None]
-    assert not failures, failures[:3]
-    return env_ids
+def _replicas(i: int, env: pb.Environment, release: pb.Release) -> list[tuple[Message, str | None]]:
+    """The env's replicas, running and healthy, on nodes ``n<i+r>``."""
+    made: list[tuple[Message, str | None]] = []
+    for r in range(REPLICAS):
+        a = pb.Assignment(environment_id=env.meta.id, release_id=release.meta.id, node_id=f"n{(i + r) % NODES}")
+        a.meta.id = f"01BENCHASG{i:05d}{r}"
+        a.desired = pb.ASSIGNMENT_DESIRED_RUN
+        made.append((a, None))
+        made.append((pb.AssignmentObserved(state=pb.INSTANCE_STATE_HEALTHY), K.observed(a.node_id, a.meta.id)))
+    return made
+
+
+def _env_id(i: int) -> str:
+    return f"01JD5Q8ZKX3V7W9YB2C{i:07d}"  # ids as long as real ones (26 characters)
 
 
 def _beats(now: float, step: int, env_ids: list[str]) -> list[tuple[str, bytes]]:
@@ -118,11 +105,35 @@ async def _stream_bytes(conn: Connection) -> tuple[int, int, int, int]:
     return raw.state.bytes, raw.state.messages, down.state.bytes, down.state.messages
 
 
-async def _loop(conn: Connection, view: StateView, env_ids: list[str], passes: int) -> list[Row]:
+class _NoReplicas(H.ReplicaRecorder):
+    """The loop as it was before per-replica series: the baseline of their added cost."""
+
+    def add(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class _LoopRun:
+    cpu: list[float]
+    """CPU ms of each steady pass."""
+    wall: list[float]
+    raw_bytes: int
+    raw_msgs: int
+    day_raw: float
+    day_down: float
+
+
+async def _loop_run(conn: Connection, view: StateView, env_ids: list[str], passes: int, *, replicas: bool) -> _LoopRun:
+    """The recorder's passes over fresh streams; what they stored, extrapolated to a day."""
+    for stream in (H.METRICS_STREAM, H.METRICS_5M_STREAM):
+        with contextlib.suppress(Exception):
+            await conn.js.purge_stream(stream)
     clock = FakeClock(START)
     live = LiveView(None, clock)
     recorder = HistoryRecorder(LoopDeps(conn, view, clock), live=live)
     recorder.on_term_start()
+    if not replicas:
+        recorder.replicas = _NoReplicas()
     await recorder.ensure_streams()
     cpu: list[float] = []
     wall: list[float] = []
@@ -140,19 +151,35 @@ async def _loop(conn: Connection, view: StateView, env_ids: list[str], passes: i
     down_passes = max(down_msgs // (ENVS + NODES + 2), 1)
     raw_per_pass = raw_bytes / (passes - 1)  # the term's first pass writes nothing
     down_per_pass = down_bytes / down_passes
-    day_raw = raw_per_pass * 8_640
-    day_down = down_per_pass * 288
-    per_env_day = (day_raw + day_down) * ENVS / (ENVS + NODES + 2) / ENVS
-    steady = cpu[2:] or cpu  # the first pass only reads the counters
+    # the first pass only reads the counters
+    return _LoopRun(cpu[2:] or cpu, wall[2:] or wall, raw_bytes, raw_msgs, raw_per_pass * 8_640, down_per_pass * 288)
+
+
+async def _loop(conn: Connection, view: StateView, env_ids: list[str], passes: int) -> list[Row]:
+    base = await _loop_run(conn, view, env_ids, passes, replicas=False)
+    run = await _loop_run(conn, view, env_ids, passes, replicas=True)
+    subjects = ENVS + NODES + 2
+    day_raw, day_down, steady = run.day_raw, run.day_down, run.cpu
+    per_env_day = (day_raw + day_down) / subjects
+    added = (day_raw + day_down - base.day_raw - base.day_down) / ENVS
     return [
         row(f"loop: CPU per pass, {ENVS:,} envs on {NODES} nodes (p50)", median(steady), "ms", "", "points + publish"),
         row(f"loop: CPU per pass, {ENVS:,} envs on {NODES} nodes (p99)", percentile(steady, 99), "ms"),
-        row("loop: wall time per pass (p50)", median(wall[2:] or wall), "ms", "≤ 10,000 ms (the slot)"),
+        row("loop: wall time per pass (p50)", median(run.wall), "ms", "≤ 10,000 ms (the slot)"),
         row("loop: CPU share of one core (a pass every 10 s)", median(steady) / 10_000 * 100, "%"),
-        row("storage: bytes per stored 10-s point", raw_bytes / max(raw_msgs, 1), "B", "", "JetStream's count"),
-        row("storage: raw series per env per day (24 h kept)", day_raw / (ENVS + NODES + 2), "B"),
-        row("storage: 5-min series per env per day (30 d kept)", day_down / (ENVS + NODES + 2), "B"),
+        row("loop: CPU per pass without per-replica series (p50)", median(base.cpu), "ms", "", "the baseline"),
+        row("storage: bytes per stored 10-s point", run.raw_bytes / max(run.raw_msgs, 1), "B", "", "JetStream's count"),
+        row(
+            "storage: bytes per stored 10-s point without per-replica series",
+            base.raw_bytes / max(base.raw_msgs, 1),
+            "B",
+            "",
+            "the baseline",
+        ),
+        row("storage: raw series per env per day (24 h kept)", day_raw / subjects, "B"),
+        row("storage: 5-min series per env per day (30 d kept)", day_down / subjects, "B"),
         row("storage: per busy env per day, both series", per_env_day, "B"),
+        row(f"storage: added per busy env per day by per-replica series ({REPLICAS} replicas)", added, "B"),
         row(f"storage: cluster of {ENVS:,} busy envs, per day written", day_raw + day_down, "B"),
         row(
             f"storage: cluster of {ENVS:,} busy envs, held (24 h raw + 30 d 5-min)",
@@ -180,6 +207,17 @@ def _point(t: int, span: int, i: int) -> bytes:
         cpu_percent=25,
         memory_bytes=160 << 20,
         samples=30 if span == H.DOWN_SPAN else 0,
+        replicas=[
+            cpb.ReplicaUsage(
+                id=f"BENCHRE{r}",
+                cpu_percent=12.5,
+                memory_bytes=80 << 20,
+                node=f"n{r}" if span == H.DOWN_SPAN or t % H.DOWN_SPAN == 0 else "",
+                version=1 if span == H.DOWN_SPAN or t % H.DOWN_SPAN == 0 else 0,
+                samples=30 if span == H.DOWN_SPAN else 0,
+            )
+            for r in range(REPLICAS)
+        ],
     ).SerializeToString()
 
 
@@ -217,13 +255,7 @@ async def _seed_history(conn: Connection, env_ids: dict[str, str], now: float) -
 
 
 async def _page_times(url: str, env_ids: dict[str, str], loads: int) -> dict[str, list[float]]:
-    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
-        async with http.get(f"{url}/login") as page:
-            token = re.search(r'name="login_token" value="([^"]+)"', await page.text())
-        assert token is not None
-        form = {"username": "bench", "password": PASSWORD, "login_token": token.group(1)}
-        async with http.post(f"{url}/login", data=form) as done:
-            assert done.status == 200
+    async with logged_in(url) as http:
         times: dict[str, list[float]] = {}
         for window in ("1h", "24h", "7d"):
             for _ in range(loads):
@@ -231,27 +263,21 @@ async def _page_times(url: str, env_ids: dict[str, str], loads: int) -> dict[str
                 async with http.get(f"{url}/env/{env_ids[window]}?window={window}") as page:
                     body = await page.read()
                 times.setdefault(window, []).append((time.perf_counter() - started) * 1000)
-            assert b'id="chart-requests"' in body
+            assert b'id="chart-requests"' in body and b'id="chart-replica-cpu"' in body
         return times
 
 
 async def _bench(url: str, passes: int, loads: int) -> list[Row]:
-    conn = await connect(url, name="bench")
-    await provision(conn.js)
-    view = StateView(conn, name="bench")
-    await view.start()
-    writer = Writer(conn, view)
-    try:
-        env_ids = await _seed_state(writer)
+    async with bench_state(url) as bench:
+        conn, view = bench.conn, bench.view
+        env_ids = await seed_envs(bench.writer, ENVS, _env_id, min_replicas=REPLICAS, extra=_replicas)
         rows = await _loop(conn, view, env_ids, passes)
         # the page: a fresh env id's subjects (the loop's fake-clock points are years old to the page)
         page_envs = {"1h": env_ids[0], "24h": env_ids[1], "7d": env_ids[2]}
         await conn.js.purge_stream(H.METRICS_STREAM)
         await conn.js.purge_stream(H.METRICS_5M_STREAM)
         await _seed_history(conn, page_envs, time.time())
-        await users_bucket(conn.js, create=True)
-        await save_user(conn.js, new_user("bench", ADMIN, PASSWORD, rounds=4))
-        async with running_console(conn, view, writer) as console:
+        async with bench_console(bench) as console:
             times = await _page_times(console.url, page_envs, loads)
         for window, samples in times.items():
             target = "≤ 300 ms" if window == "24h" else ""
@@ -262,9 +288,6 @@ async def _bench(url: str, passes: int, loads: int) -> list[Row]:
                 row(f"env page with history, window {window}, server time (p99)", percentile(samples, 99), "ms", target)
             )
         return rows
-    finally:
-        await view.stop()
-        await conn.close()
 
 
 def run(quick: bool = True) -> list[Row]:

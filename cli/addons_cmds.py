@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TypeVar
 
 import typer
@@ -18,6 +17,7 @@ from shared.actions.addon_attach import AttachAddon, attach_addon, detach_addon
 from shared.actions.addons import (
     AddonCreated,
     AddonInfo,
+    AddonOffsite,
     CreateAddon,
     DeleteAddon,
     RestoreAddon,
@@ -27,11 +27,14 @@ from shared.actions.addons import (
     delete_addon,
     list_addons,
     restore_addon,
+    set_addon_offsite,
 )
 from shared.actions.config import ConfigChanged
 from shared.actions.refusals import ActionRefused
+from shared.actions.volumes import PolicySet
 from shared.addons import spec as addon
 from shared.addons.backups import BackupStatus
+from shared.backup.targets import credentials_from_environment
 
 addons_app = typer.Typer(no_args_is_help=True, help="Managed databases: PostgreSQL and Redis (docs/addons.md).")
 
@@ -46,6 +49,9 @@ LABELS = {
     "to_time": "--to-time",
     "archive_timeout": "--archive-timeout",
     "backup_interval": "--backup-interval",
+    "source": "--from",
+    "schedule": "--schedule",
+    "offsite": "TARGET",
 }
 NAME = typer.Argument(..., help="the database's name (its app in the project)")
 PROJECT = typer.Option(..., "--project", "-p", help="the project the database belongs to")
@@ -159,18 +165,53 @@ def addons_restore(
     as_name: str = typer.Option(..., "--as", help="the NEW database's name (the original is never touched)"),
     to_time: str = typer.Option("", "--to-time", help="the point in time (ISO 8601 or epoch seconds; UTC)"),
     latest: bool = typer.Option(False, "--latest", help="everything the archive holds"),
+    source: str = typer.Option(
+        "",
+        "--from",
+        help="an off-site target (s3://bucket[/prefix] or a directory; AWS_* from the environment): restore from"
+        " the newest copy of the backups there (`addons offsite`), not from the node's volume",
+    ),
     json: bool = JSON,
 ) -> None:
     """Point-in-time recovery as a fork: a new database from the nearest base backup plus WAL up to the time."""
     if bool(to_time) == latest:
         raise fail("--to-time: give --to-time T or --latest (one of them)")
     target = parse_time(to_time) if to_time else None
+    settings = credentials_from_environment() if source.startswith("s3://") else {}
 
     async def go() -> AddonCreated:
         async with control() as c:
-            return await restore_addon(c.actions, RestoreAddon(name, project, as_name, target))
+            request = RestoreAddon(name, project, as_name, target, source=source, settings=settings)
+            return await restore_addon(c.actions, request)
 
     _created(_act(go), json, "restoring")
+
+
+@addons_app.command("offsite")
+def addons_offsite(
+    name: str = NAME,
+    target: str = typer.Argument(..., help='s3://bucket[/prefix] or a directory; "" stops the copies'),
+    project: str = PROJECT,
+    schedule: str = typer.Option("@every 1h", "--schedule", help="how often the backups are copied"),
+    json: bool = JSON,
+) -> None:
+    """Copy a PostgreSQL database's backups off-site (its backups volume's snapshots; AWS_* settings from the
+    environment, stored sealed): `addons restore --from TARGET` restores from there when the node is gone."""
+    settings = credentials_from_environment() if target.startswith("s3://") else {}
+
+    async def go() -> PolicySet:
+        async with control() as c:
+            return await set_addon_offsite(c.actions, AddonOffsite(name, project, target, schedule, settings))
+
+    done = _act(go)
+    if json:
+        render.emit_json(asdict(done))
+        return
+    stored = f" (settings stored sealed: {', '.join(done.offsite_settings)})" if done.offsite_settings else ""
+    if done.offsite:
+        say(f"backups of {project}/{name} (volume {done.volume_id}) copied to {done.offsite} {done.schedule}{stored}")
+    else:
+        say(f"backups of {project}/{name} no longer copied off-site")
 
 
 @addons_app.command("list")
@@ -221,6 +262,7 @@ def addons_info(name: str = NAME, project: str = PROJECT, json: bool = JSON) -> 
         ("volumes", ", ".join(f"{k} {v}" for k, v in sorted(info.volumes.items())) or "- (created at the first start)"),
         ("attached to", ", ".join(info.attached_to) or "-"),
         ("restored from", f"{info.restored_from} at {info.restore_target}" if info.restored_from else "-"),
+        ("off-site", info.offsite or "-"),
     ):
         typer.echo(f"{label:14} {value}")
 
@@ -283,54 +325,33 @@ def addons_delete(
     say(f"database {project}/{name} deleted{kept}")
 
 
-def _socket_of(volumes: list[Path]) -> tuple[Path, int] | None:
-    """The server's socket directory and port among the agent volume directories tried."""
-    for directory in volumes:
-        for sock in sorted((directory / "run").glob(".s.PGSQL.*")):
-            suffix = sock.name.rsplit(".", 1)[-1]
-            if suffix.isdigit():
-                return directory / "run", int(suffix)
-    return None
-
-
 @addons_app.command("psql")
 def addons_psql(
     name: str = NAME,
     project: str = PROJECT,
-    data_dir: Path = typer.Option(
-        None, "--data-dir", help="where `zattera up` keeps its data (default: $ZATTERA_DATA_DIR or .zattera)"
-    ),
-    agent_dir: list[Path] = typer.Option(
-        [], "--agent-dir", help="an agent's data directory on this machine (repeatable)"
-    ),
     database: str = typer.Option(addon.APP_DB, "--database", "-d", help="the database to open"),
+    command: str = typer.Option("", "--command", "-c", help="run this one command and exit (psql -c)"),
 ) -> None:
-    """An interactive psql as the superuser, on the database's node, through the server's own socket
-    (no password crosses anything; run it as root on that machine)."""
-    import os
+    """An interactive psql as the superuser, from this machine: the session is carried over NATS to the
+    database's node, whose agent connects to the server's own socket (no password crosses anything)."""
+    from shared.addons.tunnel import TunnelError, psql_binary, run_psql
 
-    from cli.layout import DataLayout
-    from shared.settings import settings
-
-    async def go() -> AddonInfo:
+    async def go() -> int:
         async with control() as c:
-            return addon_info(c.view, name, project)
+            info = addon_info(c.view, name, project)
+            if info.engine != addon.POSTGRES:
+                raise fail(f"NAME: {name} is a {info.engine} database; psql opens PostgreSQL ones")
+            data_id = info.volumes.get(addon.DATA_VOLUME, "")
+            if not data_id or not info.node_id:
+                raise fail(f"NAME: {name} is not running yet (no data volume placed on a node)")
+            args = ["-d", database, *(["-c", command] if command else [])]
+            try:
+                psql = psql_binary(info.version)
+                return await run_psql(
+                    c.conn, info.node_id, data_id, args, psql=psql, on_error=lambda why: say(f"session ended: {why}")
+                )
+            except TunnelError as exc:
+                raise fail(f"NAME: {name} (node {info.node_id}): {exc}") from None
 
-    info = _act(go)
-    if info.engine != addon.POSTGRES:
-        raise fail(f"NAME: {name} is a {info.engine} database; psql opens PostgreSQL ones")
-    data_id = info.volumes.get(addon.DATA_VOLUME, "")
-    if not data_id:
-        raise fail(f"NAME: {name} has no data volume yet (not started)")
-    roots = [*agent_dir, DataLayout((data_dir or settings().data_dir).resolve()).agent]
-    found = _socket_of([root / "volumes" / data_id for root in roots])
-    if found is None:
-        raise fail(
-            f"NAME: {name}'s server socket is not on this machine (its node is {info.node_id or '?'}): run this on"
-            " that node, or give --agent-dir"
-        )
-    run_dir, port = found
-    bin_dir = addon.postgres_bin(info.version)
-    os.execv(
-        f"{bin_dir}/psql", [f"{bin_dir}/psql", "-h", str(run_dir), "-p", str(port), "-U", "postgres", "-d", database]
-    )
+    code = _act(go)
+    raise typer.Exit(code)

@@ -29,6 +29,7 @@ from zattera.v1 import types_pb2 as pb
 from cli.spec import AppSpec, Build, Env, to_duration
 from cli.spec_proto import middleware, service_spec
 from shared import keys as K
+from shared.actions import addon_declare as declare
 from shared.actions.names import env_label, find_app, find_env, find_project
 from shared.actions.names import env_path as env_path  # re-exported: the CLI's commands name envs this way
 from shared.actions.names import resolve_env as resolve_env
@@ -304,3 +305,32 @@ def set_dockerfile_build(config: pb.BuildConfig, build: Build) -> None:
         config.type = pb.BUILD_TYPE_DOCKERFILE
     elif config.type == pb.BUILD_TYPE_DOCKERFILE:
         config.type = pb.BUILD_TYPE_UNSPECIFIED
+
+
+def declared_addons(spec: AppSpec) -> list[declare.DeclaredAddon]:
+    """The file's ``[addons.NAME]`` tables as :mod:`shared.actions.addon_declare` takes them."""
+    return [
+        declare.DeclaredAddon(
+            name,
+            a.type,
+            a.version,
+            tuple(a.attach),
+            archive_timeout=a.archive_timeout,
+            backup_interval=a.backup_interval,
+        )
+        for name, a in sorted(spec.addons.items())
+    ]
+
+
+_STEP_ACTIONS = {declare.CREATE: CREATE, declare.ATTACH: CREATE, declare.DETACH: DELETE, declare.UNCHANGED: UNCHANGED}
+
+
+def add_addon_steps(result: ApplyResult, steps: list[declare.AddonStep]) -> None:
+    """The databases' steps as plan lines: ``database NAME`` (created or kept), ``attachment NAME → ENV``."""
+    for step in steps:
+        action = _STEP_ACTIONS[step.action]
+        if step.env:
+            item = PlanItem(action, "attachment", f"{step.database} → {step.env}", note=step.note)
+            result.add(item, f"attachment {step.database} → {step.env}")
+        else:
+            result.add(PlanItem(action, "database", step.database, note=step.note), f"database {step.database}")

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from cli import render
-from cli.apply import ApplyResult, plan
+from cli.apply import ApplyResult, add_addon_steps, declared_addons, plan
 from cli.client import control, fail, run
 from cli.env_cmds import apps_delete
 from cli.events_cmds import announce_scale_changes, replica_counts
@@ -15,7 +15,9 @@ from cli.options import JSON, WIDE, set_output
 from cli.plan_view import print_plan
 from cli.render import Col
 from cli.spec import SpecError, load
+from shared.actions.addon_declare import apply_addons, plan_addons
 from shared.actions.names import env_path
+from shared.actions.refusals import ActionRefused
 from shared.clock import RealClock
 from shared.deployments import desired_replicas
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
@@ -57,6 +59,17 @@ def apps_apply(
                 raise fail("the app kept changing while applying; try again") from None
             if not dry_run:
                 await announce_scale_changes(c.conn, counts, c.view)
+            declared = declared_addons(spec)
+            if declared:
+                try:
+                    steps = (
+                        plan_addons(c.view, spec.project, spec.app, declared)
+                        if dry_run
+                        else (await apply_addons(c.actions, spec.project, spec.app, declared)).steps
+                    )
+                except ActionRefused as exc:
+                    raise fail(f"{path}: {exc}") from None
+                add_addon_steps(result, steps)
             if render.json_mode():
                 render.emit_json(result.as_json() | {"dry_run": dry_run})
                 return

@@ -34,9 +34,11 @@ from shared.subjects import STATE_STREAM
 
 if TYPE_CHECKING:  # the writer, the actions and typer load when a command writes or exits with an error
     import typer
+    from nats.aio.msg import Msg
 
     from cli.writer import CheckedWriter
     from shared.actions.context import ActionContext
+    from shared.watches import Watch
 
 T = TypeVar("T")
 
@@ -83,7 +85,7 @@ class Control:
         self.conn = conn
         self.view = view
         self.polled = polled
-        """A team member's following view: re-read from snapshots (its state watch is refused; docs/teams.md)."""
+        """A team member's following view: its changes pushed by the authorising path (docs/teams.md)."""
 
     @cached_property
     def writer(self) -> CheckedWriter:
@@ -243,7 +245,7 @@ async def control(*, view: bool = True, follow: bool = False) -> AsyncIterator[C
 
     # Followed through a watch control opens (the operator credential creates no consumer: SECURITY.md).
     state = StateView(conn, name="cli", open_consumer=open_state_watch)
-    poller: asyncio.Task[None] | None = None
+    pushed: Watch | None = None
     try:
         polled = False
         if view and follow:
@@ -254,29 +256,33 @@ async def control(*, view: bool = True, follow: bool = False) -> AsyncIterator[C
             except BadWatch as exc:
                 if "not authorised" not in str(exc):
                     raise
-                # A team member may not follow the whole state: its view is re-read from (authorised) snapshots.
+                # A team member may not follow the whole state: its view is loaded from an (authorised) snapshot,
+                # then kept up to date by the changes the authorising path pushes to it (docs/teams.md).
                 polled, follow = True, False
         await _load(conn, state, view=view, follow=follow)
         if polled:
-            poller = asyncio.create_task(_poll_snapshots(state))
+            pushed = await _member_feed(conn, state)
         yield Control(conn, state, polled=polled)
     finally:
-        if poller is not None:
-            poller.cancel()
-            await asyncio.gather(poller, return_exceptions=True)
+        if pushed is not None:
+            await pushed.unsubscribe()
         await state.stop()
         await conn.close()
 
 
-MEMBER_POLL = 0.5
-"""How often a team member's following view is re-read (seconds; docs/teams.md)."""
+async def _member_feed(conn: Connection, state: StateView) -> Watch:
+    """The state changes after the member's snapshot, pushed by control and applied to its view."""
+    from shared.jetstream import is_delete_marker
+    from shared.subjects import STATE_PREFIX
+    from shared.watches import WatchSpec, follow
 
+    async def apply(msg: Msg) -> None:
+        data = None if is_delete_marker(msg.headers) else msg.data
+        traceparent = (msg.headers or {}).get("traceparent", "")
+        state.apply_raw(msg.subject[len(STATE_PREFIX) :], msg.metadata.sequence.stream, data, traceparent)
 
-async def _poll_snapshots(state: StateView) -> None:
-    while True:
-        await asyncio.sleep(MEMBER_POLL)
-        with contextlib.suppress(TimeoutError, nats.errors.Error, ConnectionError, TooManySubjects):
-            await state.load_snapshot(REQUEST_DEADLINE)
+    spec = WatchSpec(STATE_STREAM, (f"{STATE_PREFIX}>",), "by_start_sequence", start_seq=state.last_revision + 1)
+    return await follow(conn, spec, apply)
 
 
 async def _load(conn: Connection, state: StateView, *, view: bool, follow: bool) -> None:

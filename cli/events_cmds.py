@@ -28,8 +28,7 @@ from shared.events import EVENT_SCALED, EventPublisher, deleted_env_paths, kind_
 from shared.state.feed import StateView
 from shared.state.reader import StateReader
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
-from shared.teams import MemberEvents
-from shared.watches import BadWatch, WatchSpec
+from shared.watches import WatchSpec
 from shared.watches import follow as follow_watch
 
 SCAN_WINDOW = 20_000
@@ -96,13 +95,8 @@ def events(
             window = last if not (env_id or kind) else max(last, SCAN_WINDOW)
             start = end + 1 if last == 0 else max(1, end - window + 1)
             spec = WatchSpec(EVENTS_STREAM, (kind_subject(kind),), "by_start_sequence", start_seq=start)
-            try:
-                sub: Any = await follow_watch(c.conn, spec)
-            except BadWatch as exc:
-                if "not authorised" not in str(exc):
-                    raise
-                # A team member (docs/teams.md): its projects' events, read through control.
-                sub = MemberEvents(c.conn.nc, kind_subject(kind), start)
+            # A team member's events are pushed by the authorising path, its projects' only (docs/teams.md).
+            sub: Any = await follow_watch(c.conn, spec)
             view = None if json_out else c.view
             deleted: dict[str, str] | None = None
 

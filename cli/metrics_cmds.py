@@ -1,6 +1,6 @@
-"""``zattera metrics --env E | --node N | --proxy P [--since 1h] [--json]``: the metrics history the cluster
-keeps (docs/observability.md, "History"), as a compact table with a unicode sparkline per figure, or the
-series as JSON for scripts."""
+"""``zattera metrics --env E [--replicas] | --node N | --proxy P [--since 1h] [--json]``: the metrics history the
+cluster keeps (docs/observability.md, "History"), as a compact table with a unicode sparkline per figure (per
+replica with ``--replicas``), or the series as JSON for scripts."""
 
 from __future__ import annotations
 
@@ -84,17 +84,47 @@ def table(history: HR.History, label: str, window: str) -> list[str]:
     return lines
 
 
+def replica_table(history: HR.History, label: str, window: str) -> list[str]:
+    """Per replica (at most ``REPLICA_LINES``, those running last first): CPU and memory, last/min/max and a
+    sparkline; a replica that stopped within the window says so."""
+    every = HR.replica_series(history)
+    shown, left_out = HR.pick_replicas(every)
+    lines = [f"env {label} · last {window} · one point per {history.span} s · CPU and memory per replica"]
+    if not every:
+        return [*lines, "no replica reported in this window"]
+    lines.append(f"{'replica':<28} {'':<10} {'last':>8} {'min':>8} {'max':>8}  history")
+    end = len(history.slots) - 1
+    for replica in shown:
+        name = replica.label + ("" if replica.last_seen >= end - 1 else " (stopped)")
+        for title, values, style in (
+            ("cpu %", replica.cpu_percent, "{:.1f}"),
+            ("memory MiB", replica.memory_bytes, "mib"),
+        ):
+            known = [v for v in values if v is not None]
+            last, low, high = (known[-1], min(known), max(known)) if known else (None, None, None)
+            spark = HR.sparkline(squeeze(values))
+            figures = f"{_fmt(last, style):>8} {_fmt(low, style):>8} {_fmt(high, style):>8}"
+            lines.append(f"{name:<28} {title:<10} {figures}  {spark}".rstrip())
+            name = ""
+    if left_out:
+        lines.append(f"{left_out} more replica(s) not shown (--json lists them all)")
+    return lines
+
+
 def metrics(
     env: str = typer.Option("", "--env", help="an environment (id or project/app/env)"),
     node: str = typer.Option("", "--node", help="a node (id or name)"),
     proxy: str = typer.Option("", "--proxy", help="a proxy id"),
     since: str = typer.Option("1h", "--since", help="how far back: 15m, 1h, 24h, 7d (at most 30d)"),
     json: bool = typer.Option(False, "--json", help="the series as one JSON object"),
+    replicas: bool = typer.Option(False, "--replicas", help="an env's CPU and memory per replica"),
 ) -> None:
     """Metrics over time of an env (requests, errors, latency, replicas, CPU, memory), a node or a proxy."""
     chosen = [name for name, value in (("--env", env), ("--node", node), ("--proxy", proxy)) if value]
     if len(chosen) != 1:
         raise fail("name exactly one of --env, --node or --proxy", 2)
+    if replicas and not env:
+        raise fail("--replicas: per-replica series are kept for an env only (use it with --env)", 2)
     try:
         window = HR.parse_since(since)
     except H.HistoryError as exc:
@@ -115,6 +145,13 @@ def metrics(
             else:
                 kind, ident, label = H.PROXY, proxy, proxy
             series = await HR.history(c.conn.nc, kind, ident, window, time.time())
+            if replicas and json:
+                meta = {k: v for k, v in series.as_dict().items() if k not in ("series", "marks")}
+                print(jsonlib.dumps({"name": label, **meta, **HR.replicas_as_dict(series)}, sort_keys=True))
+                return
+            if replicas:
+                print("\n".join(replica_table(series, label, since)))
+                return
             if json:
                 print(jsonlib.dumps({"name": label, **series.as_dict()}, sort_keys=True))
                 return

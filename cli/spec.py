@@ -75,11 +75,13 @@ from pydantic import (
     Field,
     Strict,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from shared.actions.volumes import PolicyChange
+from shared.addons import spec as addon_spec
 from shared.appconfig import ConfigError, check_env_size, check_var
 from shared.canary import (
     CANARY_DEFAULT_MAX_ERROR_RATIO,
@@ -485,12 +487,73 @@ class Run(_Model):
     command: str = ""
 
 
+class Addon(_Model):
+    """``[addons.NAME]``: a managed database of the project (docs/addons.md), created by ``zattera apps apply``
+    when missing and attached to the envs ``attach`` names (:mod:`shared.actions.addon_declare`)."""
+
+    type: str = Field(description="postgres or redis")
+    version: str = Field(default="", description="the server version ('' = the newest installed)")
+    attach: list[str] = Field(default_factory=list, description="envs of this file (or project/app/env) given its URL")
+    archive_timeout: int = Field(default=addon_spec.ARCHIVE_TIMEOUT, ge=1, le=3600)
+    backup_interval: int = Field(default=addon_spec.BACKUP_INTERVAL, ge=60, le=30 * 86400)
+
+    @field_validator("type")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        if value not in addon_spec.ENGINES:
+            raise ValueError(f"unknown engine {value!r}: one of {', '.join(sorted(addon_spec.ENGINES))}")
+        return value
+
+    @field_validator("version")
+    @classmethod
+    def _available(cls, value: str, info: ValidationInfo) -> str:
+        engine = info.data.get("type", "")
+        if engine not in addon_spec.ENGINES:
+            return value
+        try:
+            return addon_spec.check_engine(engine, value)
+        except addon_spec.AddonInputError as exc:
+            raise ValueError(exc.problem) from None
+
+    @field_validator("attach")
+    @classmethod
+    def _once(cls, value: list[str]) -> list[str]:
+        if len(value) != len(set(value)):
+            raise ValueError("an env is named twice")
+        return value
+
+
 class AppSpec(_Model):
     project: Name
     app: Name
     build: Build = Build()
     run: Run = Run()
     env: dict[Name, Env] = Field(min_length=1)
+    addons: dict[str, Addon] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _addons(self) -> AppSpec:
+        for name, declared in self.addons.items():
+            try:
+                addon_spec.check_name(name)
+            except addon_spec.AddonInputError as exc:
+                raise ValueError(f"addons.{name}: {exc.problem}") from None
+            if name == self.app:
+                raise ValueError(f"addons.{name}: is this file's app: a database is an app of its own")
+            for target in declared.attach:
+                parts = target.split("/")
+                if len(parts) == 1 and target not in self.env:
+                    raise ValueError(
+                        f"addons.{name}.attach: {target!r} is not an env of this file"
+                        f" ({', '.join(sorted(self.env))}); or name one as project/app/env"
+                    )
+                if len(parts) not in (1, 2, 3) or not all(parts):
+                    raise ValueError(
+                        f"addons.{name}.attach: {target!r}: an env of this file, app/env or project/app/env"
+                    )
+                if len(parts) == 3 and parts[0] != self.project:
+                    raise ValueError(f"addons.{name}.attach: {target!r} is not in project {self.project}")
+        return self
 
 
 def load(path: Path) -> AppSpec:
@@ -523,5 +586,5 @@ def validate(raw: dict[str, object], source: str = "zattera.toml") -> AppSpec:
                 message = f"must be true or false (a TOML boolean), not {error['input']!r}"
             if error["type"] == "string_pattern_mismatch" and error["ctx"].get("pattern") == NAME:
                 message = f"{error['input']!r} must be lowercase letters, digits and dashes (at most 63)"
-            lines.append(f"{source}: {where}: {message}")
+            lines.append(f"{source}: {where}: {message}" if error["loc"] else f"{source}: {message}")
         raise SpecError("\n".join(lines)) from None

@@ -53,7 +53,9 @@ def _checked(fn: Any, *args: Any) -> Any:
 def users_add(
     name: str = typer.Argument(..., help="user name: 1-64 of a-z, 0-9, '_', '.', '-'"),
     creds_out: Path = typer.Option(None, "--creds-out", help="where to write the credential (default NAME.creds)"),
-    admin: bool = typer.Option(False, "--admin", help="a cluster admin (uses an operator credential)"),
+    admin: bool = typer.Option(
+        False, "--admin", help="a cluster admin: every project, nodes, the cluster key, users, grants and tokens"
+    ),
     console: bool = typer.Option(
         False, "--console", help="also their console login (password from a prompt or stdin): one identity"
     ),
@@ -74,10 +76,10 @@ def users_add(
         async with control(view=False) as c:
             if await load_user(c.conn.js, name) is not None:
                 raise fail(f"name {name!r}: the user exists (remove it first to re-issue its credential)")
-            key = ""
-            if not admin:
-                creds, key = await issue_member_creds(c.conn.nc, name)
-                write_private(out, creds)
+            # One kind of identity for everyone: an admin's credential is a member credential like any other,
+            # authorised for the cluster-wide actions by its record (read at every request).
+            creds, key = await issue_member_creds(c.conn.nc, name)
+            write_private(out, creds)
             await save_user(c.conn.js, User(name, key, admin, {}, time.time()))
             if console_user is not None:
                 from shared.console_users import save_user as save_console_user
@@ -85,15 +87,29 @@ def users_add(
                 await save_console_user(c.conn.js, console_user)
 
     run(go)
-    if admin:
-        err.print(
-            f"user {name} added (admin): issue their operator credential on a control machine with "
-            f"`zattera security creds operator {name}`",
-            markup=False,
-            highlight=False,
-        )
-    else:
-        err.print(f"user {name} added; credential written to {out}", markup=False, highlight=False)
+    what = " (admin)" if admin else ""
+    err.print(f"user {name} added{what}; credential written to {out}", markup=False, highlight=False)
+
+
+@users_app.command("update")
+def users_update(
+    name: str = typer.Argument(..., help="the user"),
+    admin: bool = typer.Option(..., "--admin/--no-admin", help="make the user a cluster admin, or not any more"),
+) -> None:
+    """Give or take the cluster admin role: effective at the user's next request."""
+
+    async def go() -> bool:
+        async with control(view=False) as c:
+            found = await load_user(c.conn.js, name)
+            if found is None:
+                return False
+            found.admin = admin
+            await save_user(c.conn.js, found)
+            return True
+
+    if not run(go):
+        raise fail(f"name {name!r}: no such user")
+    err.print(f"user {name} is {'an admin' if admin else 'not an admin'}", markup=False, highlight=False)
 
 
 @users_app.command("list")

@@ -15,3 +15,5 @@ LEASE_TTL = 3.0
 """Seconds after its last renewal a leader lease expires; ``ZATTERA_LEASE_TTL``."""
 LEASE_RENEW = 1.0
 """Seconds between a leader's lease renewals; ``ZATTERA_LEASE_RENEW``."""
+LEASE_PROBE = 0.5
+"""Seconds between a standby's looks at a lease held by a holder that answers probes; ``ZATTERA_LEASE_PROBE``."""

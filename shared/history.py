@@ -258,6 +258,7 @@ def downsample(
     out = cpb.MetricPoint(time=start, span=span, samples=len(points))
     if not points:
         return out
+    out.replicas.extend(downsample_replicas(points))
     slots = max(slots if slots is not None else span / RAW_SPAN, 1.0)
     weight = 0.0
     for p in points:
@@ -412,3 +413,75 @@ class Mark:
 
 def mark_of(event_time: float, kind: str, message: str) -> bytes:
     return json.dumps({"time": round(event_time, 3), "kind": kind, "text": message[:200]}).encode()
+
+
+# ------------------------------------------------------------------ per replica (pure; issue 40, "per replica")
+
+REPLICA_ID = 8
+"""Characters of an assignment id a replica's entry keeps (its random tail: unique within an env)."""
+
+
+def replica_id(assignment_id: str) -> str:
+    """An assignment id's short form: its last :data:`REPLICA_ID` characters (whole when 10 or fewer)."""
+    return assignment_id if len(assignment_id) <= REPLICA_ID + 2 else assignment_id[-REPLICA_ID:]
+
+
+@dataclass
+class ReplicaRecorder:
+    """Adds each replica's CPU and memory (the node heartbeats' per-instance samples) to the env points of a
+    pass. Labels (node, release version) are written in a replica's first point of the term and in the first
+    point of each 5-min bucket, not in every point: a reader of any window finds them within 5 minutes."""
+
+    labelled: set[str] = field(default_factory=set)
+    """Assignment ids whose labels were written this term (and that still report)."""
+
+    def add(
+        self,
+        points: Mapping[str, cpb.MetricPoint],
+        node_heartbeats: Mapping[str, cpb.Heartbeat],
+        env_of_instance: Mapping[str, str],
+        versions: Mapping[str, int],
+    ) -> None:
+        """``points``: a pass's points (:meth:`Recorder.points`), extended in place; ``versions``: assignment id →
+        its release version. Entries are in a stable order (node, then assignment id)."""
+        seen: set[str] = set()
+        for node_id in sorted(node_heartbeats):
+            hb = node_heartbeats[node_id]
+            for aid in sorted(hb.instances):
+                point = points.get(subject(RAW, ENV, env_of_instance.get(aid, "")))
+                if point is None:
+                    continue  # not an env's instance, or its env writes no point this pass
+                usage = hb.instances[aid]
+                entry = point.replicas.add(
+                    id=replica_id(aid), cpu_percent=usage.cpu_percent, memory_bytes=usage.memory_bytes
+                )
+                if aid not in self.labelled or point.time % DOWN_SPAN == 0:
+                    entry.node = node_id
+                    entry.version = versions.get(aid, 0)
+                seen.add(aid)
+        self.labelled = seen
+
+
+def downsample_replicas(points: Sequence[cpb.MetricPoint]) -> list[cpb.ReplicaUsage]:
+    """The replicas of ``points`` folded into one entry each (in order of first appearance): CPU the mean over
+    the points the replica reported in (weighted by their ``samples`` when already downsampled: a replica that
+    ran a minute of the span is not diluted), memory the largest, labels from any point that has them."""
+    merged: dict[str, cpb.ReplicaUsage] = {}
+    cpu: dict[str, float] = {}
+    for point in points:
+        for r in point.replicas:
+            out = merged.get(r.id)
+            if out is None:
+                out = merged[r.id] = cpb.ReplicaUsage(id=r.id)
+                cpu[r.id] = 0.0
+            weight = r.samples or 1
+            cpu[r.id] += r.cpu_percent * weight
+            out.samples += weight
+            out.memory_bytes = max(out.memory_bytes, r.memory_bytes)
+            if r.node:
+                out.node = r.node
+            if r.version:
+                out.version = r.version
+    for rid, out in merged.items():
+        out.cpu_percent = cpu[rid] / out.samples
+    return list(merged.values())

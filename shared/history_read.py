@@ -30,6 +30,7 @@ from shared.history import (
     METRICS_STREAM,
     RAW,
     RAW_SPAN,
+    REPLICA_ID,
     HistoryError,
     Mark,
     bucket_of,
@@ -226,3 +227,91 @@ def sparkline(values: Sequence[float | None]) -> str:
         return "".join(" " if v is None else blocks[0] for v in values)
     last = len(blocks) - 1
     return "".join(" " if v is None else blocks[min(int(v / top * last + 0.5), last)] for v in values)
+
+
+# ------------------------------------------------------------------ per replica (issue 40, "per replica")
+
+REPLICA_LINES = 8
+"""At most this many replicas drawn or printed one per line (the rest are counted, and in the env's sums)."""
+
+
+@dataclass(frozen=True)
+class ReplicaSeries:
+    """One replica's CPU and memory over a :class:`History`'s slots (None where it did not report: before it
+    started, after it stopped, or a gap)."""
+
+    id: str
+    node: str
+    version: int
+    cpu_percent: list[float | None]
+    memory_bytes: list[float | None]
+
+    @property
+    def label(self) -> str:
+        """``…C4E6G8HJ v3 on n1`` (what is known of it)."""
+        text = f"…{self.id}" if len(self.id) >= REPLICA_ID else self.id
+        if self.version:
+            text += f" v{self.version}"
+        if self.node:
+            text += f" on {self.node}"
+        return text
+
+    @property
+    def last_seen(self) -> int:
+        """Index of the last slot it reported in (-1: none)."""
+        return max((i for i, v in enumerate(self.memory_bytes) if v is not None), default=-1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "node": self.node,
+            "version": self.version,
+            "label": self.label,
+            "cpu_percent": [None if v is None else round(v, 3) for v in self.cpu_percent],
+            "memory_bytes": [None if v is None else int(v) for v in self.memory_bytes],
+        }
+
+
+def replica_series(history: History) -> list[ReplicaSeries]:
+    """The env's replicas over the history's slots, in order of first appearance; labels (node, version) from
+    any point of the replica that carries them."""
+    n = len(history.slots)
+    cpu: dict[str, list[float | None]] = {}
+    memory: dict[str, list[float | None]] = {}
+    labels: dict[str, tuple[str, int]] = {}
+    for index, (_, point) in enumerate(history.slots):
+        if point is None:
+            continue
+        for r in point.replicas:
+            if r.id not in cpu:
+                cpu[r.id], memory[r.id] = [None] * n, [None] * n
+                labels[r.id] = ("", 0)
+            cpu[r.id][index] = float(r.cpu_percent)
+            memory[r.id][index] = float(r.memory_bytes)
+            node, version = labels[r.id]
+            labels[r.id] = (r.node or node, r.version or version)
+    return [ReplicaSeries(rid, *labels[rid], cpu[rid], memory[rid]) for rid in cpu]
+
+
+def pick_replicas(series: Sequence[ReplicaSeries], limit: int = REPLICA_LINES) -> tuple[list[ReplicaSeries], int]:
+    """The replicas to draw (at most ``limit``) and how many are left out: those still reporting at the end of
+    the window first, then those that stopped last; among equals the busiest (mean CPU). Kept in their order of
+    first appearance (a line keeps its colour while the set is unchanged)."""
+    if len(series) <= limit:
+        return list(series), 0
+
+    def busy(s: ReplicaSeries) -> float:
+        known = [v for v in s.cpu_percent if v is not None]
+        return sum(known) / len(known) if known else 0.0
+
+    ranked = sorted(series, key=lambda s: (-s.last_seen, -busy(s), s.id))[:limit]
+    keep = {s.id for s in ranked}
+    return [s for s in series if s.id in keep], len(series) - limit
+
+
+def replicas_as_dict(history: History, limit: int | None = None) -> dict[str, Any]:
+    """``{"replicas": [...], "replicas_left_out": n}``: the JSON of the per-replica series (all of them unless
+    ``limit``)."""
+    every = replica_series(history)
+    shown, left_out = pick_replicas(every, limit) if limit is not None else (every, 0)
+    return {"replicas": [s.as_dict() for s in shown], "replicas_left_out": left_out}

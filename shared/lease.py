@@ -9,6 +9,12 @@ acquisition, so two processes can never believe they lead in the same term.
 The holder steps down at once when a renewal or a fenced write is refused, or when it could not renew
 for longer than the TTL (the server has expired the key by then). Standbys retry every renew interval.
 
+A holder gone from NATS is replaced sooner than its TTL: while it campaigns, each :func:`run_while_leading`
+answers empty requests on its own probe subject (``Lease.probe``), and a standby that finds the lease held
+asks there; "no responders" twice (the server's own answer: nobody is subscribed, the holder's connection is
+closed) makes it take the lease over with a write expecting the holder's revision. A holder that is merely slow
+answers late or not at all, which is a timeout, never "no responders": only the TTL ends its term.
+
 Through a NATS server loss (docs/cluster.md): the state stream answers nothing while it elects a leader
 (4–9 s, longer than the TTL), so its leaders step down. Every request of a lease is short (``REQUEST_TIMEOUT``)
 and one that failed for want of an answer is asked again after ``RETRY_PAUSE``, not a renew interval later; and
@@ -31,17 +37,20 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 from nats.js.errors import APIError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.connection import Connection
-from shared.defaults import LEASE_RENEW, LEASE_TTL
+from shared.defaults import LEASE_PROBE, LEASE_RENEW, LEASE_TTL
 from shared.ids import new_id
 from shared.jetstream import WRONG_LAST_SEQUENCE, read_last
 from shared.metrics import lease_terms, leases_held
-from shared.subjects import STATE_PREFIX, STATE_STREAM
+from shared.subjects import LEASE_PROBE_PREFIX, STATE_PREFIX, STATE_STREAM
 from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.version import VERSION
 
@@ -55,6 +64,10 @@ REQUEST_TIMEOUT = 1.0
 leader election is never answered, even after the election)."""
 RETRY_PAUSE = 0.25
 """Pause before asking again after a request failed for want of an answer (no responders, timeout)."""
+PROBE_TIMEOUT = 0.5
+"""A probe of the holder not answered within this counts as an answer (a slow holder is not a gone one)."""
+PROBE_GAP = 0.1
+"""Pause between the two probes whose "no responders" a takeover needs (interest moving between servers)."""
 
 
 def default_holder(service: str) -> str:
@@ -72,6 +85,7 @@ class Lease:
         *,
         ttl: float = LEASE_TTL,
         renew_interval: float = LEASE_RENEW,
+        probe_interval: float = LEASE_PROBE,
     ) -> None:
         if ttl < 1.0:
             raise ValueError("lease ttl must be at least 1 s (the server's TTL granularity)")
@@ -80,6 +94,8 @@ class Lease:
         self.holder = holder
         self.ttl = ttl
         self.renew_interval = renew_interval
+        self.probe_interval = probe_interval
+        self.last_seen: bytes | None = None  # the value a refused attempt found (its holder's probe)
         self.key = K.lease(loop)
         self.subject = STATE_PREFIX + self.key
         self.lock = asyncio.Lock()
@@ -93,6 +109,8 @@ class Lease:
         self._lost = asyncio.Event()
         self.lost_reason = ""
         self._js = conn.nc.jetstream(timeout=REQUEST_TIMEOUT)
+        self.probe = f"{LEASE_PROBE_PREFIX}{new_id()}"
+        self._probe_sub: Subscription | None = None  # set while this process answers on :attr:`probe`
 
     @property
     def _ttl_header(self) -> str:
@@ -105,8 +123,64 @@ class Lease:
             term=self.term if term is None else term,
             acquired_at=self._acquired_at,
             version=VERSION,
+            probe=self.probe if self._probe_sub is not None else "",
         )
         return lease.SerializeToString(deterministic=True)
+
+    async def answer_probes(self) -> None:
+        """Answer on :attr:`probe` from now on (the subscription is at the server before this returns, so
+        no lease value naming it is written before a standby can be answered)."""
+        if self._probe_sub is not None:
+            return
+
+        async def answer(msg: Msg) -> None:
+            if msg.reply:
+                with contextlib.suppress(NatsError):
+                    await msg.respond(b"")
+
+        self._probe_sub = await self._conn.nc.subscribe(self.probe, cb=answer)
+        await self._conn.nc.flush(timeout=2)
+
+    @property
+    def answering(self) -> bool:
+        return self._probe_sub is not None
+
+    async def stop_answering(self) -> None:
+        sub, self._probe_sub = self._probe_sub, None
+        if sub is not None:
+            with contextlib.suppress(NatsError):
+                await sub.unsubscribe()
+
+    def standby_pause(self, value: bytes | None) -> float:
+        """How long a standby waits before looking again at a lease held with ``value``: the probe interval
+        when its holder answers probes, else the renew interval (only its TTL can end that term)."""
+        try:
+            probed = value is not None and bool(pb.Lease.FromString(value).probe)
+        except DecodeError:
+            probed = False
+        return min(self.probe_interval, self.renew_interval) if probed else self.renew_interval
+
+    async def _holder_gone(self, value: bytes) -> bool:
+        """The holder of ``value`` has no connection answering its probe subject: NATS itself said "no
+        responders", twice, :data:`PROBE_GAP` apart. Any answer, a timeout or an error means it may live."""
+        try:
+            lease = pb.Lease.FromString(value)
+        except DecodeError:
+            return False
+        if not lease.probe:
+            return False
+        for attempt in range(2):
+            if attempt:
+                await asyncio.sleep(PROBE_GAP)
+            try:
+                await self._conn.nc.request(lease.probe, b"", timeout=PROBE_TIMEOUT)
+                return False
+            except NoRespondersError:
+                continue
+            except (NatsError, TimeoutError, OSError):
+                return False
+        log.info("lease %s: holder %s (term %d) is gone from NATS; taking over", self.loop, lease.holder, lease.term)
+        return True
 
     def fence_message(self) -> tuple[str, bytes, dict[str, str]]:
         """The lease re-write that fences a batch (the caller holds :attr:`lock`)."""
@@ -163,7 +237,8 @@ class Lease:
         soon, unlike a lease held by another)."""
         async with self.lock:
             rev, value = await self._read_last()
-            if value is not None and not self._ours(value):
+            self.last_seen = value
+            if value is not None and not self._ours(value) and not await self._holder_gone(value):
                 return False
             self._acquired_at.GetCurrentTime()
             sent_at = self._now()
@@ -305,15 +380,23 @@ async def run_while_leading(
     holder: str,
     ttl: float = LEASE_TTL,
     renew_interval: float = LEASE_RENEW,
+    probe_interval: float = LEASE_PROBE,
     on_term: Callable[[int], None] | None = None,
 ) -> None:
     """Campaign for ``lease.<loop>`` forever; run ``fn`` while holding it, cancel it on loss, re-campaign.
 
     Returns only when cancelled; the lease is released on the way out.
     """
-    lease = Lease(conn, loop, holder, ttl=ttl, renew_interval=renew_interval)
+    lease = Lease(conn, loop, holder, ttl=ttl, renew_interval=renew_interval, probe_interval=probe_interval)
     try:
         while True:
+            if not lease.answering:
+                try:
+                    await lease.answer_probes()
+                except (NatsError, TimeoutError, OSError) as exc:
+                    log.debug("lease %s: could not answer probes yet: %s", loop, exc)
+                    await asyncio.sleep(min(RETRY_PAUSE, renew_interval))
+                    continue
             try:
                 acquired = await lease.try_acquire()
             except (NatsError, TimeoutError, OSError, APIError) as exc:
@@ -322,7 +405,7 @@ async def run_while_leading(
                 continue
             raise_if_cancelling()
             if not acquired:
-                await asyncio.sleep(renew_interval)
+                await asyncio.sleep(lease.standby_pause(lease.last_seen))
                 continue
             if on_term:
                 on_term(lease.term)
@@ -330,6 +413,7 @@ async def run_while_leading(
             await asyncio.sleep(renew_interval)
     finally:
         await asyncio.shield(lease.release())
+        await asyncio.shield(lease.stop_answering())
 
 
 async def _lead(lease: Lease, fn: LeaderFn) -> None:

@@ -78,6 +78,7 @@ class ServiceContext:
             holder=self.holder,
             ttl=self.settings.lease_ttl,
             renew_interval=self.settings.lease_renew,
+            probe_interval=self.settings.lease_probe,
         )
 
 

@@ -18,7 +18,7 @@ from typing import Final
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.defaults import LEASE_RENEW, LEASE_TTL, LIVE_TTL, MAX_BATCH, TOMBSTONE_TTL
+from shared.defaults import LEASE_PROBE, LEASE_RENEW, LEASE_TTL, LIVE_TTL, MAX_BATCH, TOMBSTONE_TTL
 from shared.natssettings import DEFAULT_NATS_URL
 
 
@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     """A leader lease expires this long after its last renewal, seconds."""
     lease_renew: float = Field(default=LEASE_RENEW, gt=0)
     """How often a leader renews its lease, seconds."""
+    lease_probe: float = Field(default=LEASE_PROBE, gt=0)
+    """How often a standby looks at a lease whose holder answers probes (a holder gone from NATS is replaced
+    within about this), seconds."""
 
     # ---------------------------------------------------------------- every leader loop
     loop_tick: float = Field(default=15.0, gt=0)

@@ -107,3 +107,7 @@ AUDIT_STREAM = "ZATTERA_AUDIT"
 """The audit log (docs/audit.md): one JSON entry per operator write, append-only, its own retention."""
 AUDIT_SUBJECT_PREFIX = "zattera.audit."
 """``zattera.audit.<source>`` (``cli``, ``console``, ``webhook``): published by control only."""
+LEASE_PROBE_PREFIX = "zattera.lease.probe."
+"""``zattera.lease.probe.<id>``: a leader loop's holder answers an empty request here while its connection lives
+(:mod:`shared.lease`); the subject is in its ``Lease.probe``. Control only (the operator may neither publish nor
+subscribe here)."""

@@ -37,6 +37,35 @@ TEAMS_STREAM = f"KV_{TEAMS_BUCKET}"
 TEAMS_ISSUE_SUBJECT = "zattera.teams.issue"
 """An admin asks control for a member credential (``{"name"}`` → ``{"creds", "user_key"}``): the member role's
 signing key never leaves the control side."""
+TEAMS_FEED_SUBJECT = "zattera.teams.feed"
+"""A member opens a pushed feed of a stream (``{"id", "stream", "subjects", "deliver", "start_seq"}`` →
+``{"subject"}`` or ``{"error"}``): the authorising path follows the stream with its own consumer and publishes
+the messages the caller may read on :func:`push_subject` (docs/teams.md)."""
+TEAMS_FEED_KEEP_SUBJECT = "zattera.teams.feedkeep"
+"""``{"id"}`` every :data:`FEED_KEEPALIVE` seconds while the member reads (``{"id", "close": true}`` at the end);
+every join service gets it, the one holding the feed acts."""
+PUSH_PREFIX = "zattera.push."
+FEED_KEEPALIVE = 5.0
+FEED_IDLE = 20.0
+"""A feed without a keepalive for this long is closed by control (its reader is gone)."""
+FEED_HEARTBEAT = 5.0
+"""Control publishes a heartbeat this often on an idle feed; a reader that hears nothing for three reopens it."""
+FEED_RECHECK = 1.0
+"""While a feed delivers, the caller's record is read again at most this often: a removed user or grant, or a
+revoked token, stops it within a second of its next message (and at its next keepalive in any case)."""
+FEED_SUBJECT_HEADER = "Zattera-Subject"
+FEED_SEQ_HEADER = "Zattera-Seq"
+FEED_PENDING_HEADER = "Zattera-Pending"
+FEED_STATUS_HEADER = "Zattera-Feed"
+"""On a status message instead of a stream message: ``caught-up``, ``heartbeat`` or ``end: <why>``."""
+FEED_CAUGHT_UP = "caught-up"
+FEED_HEARTBEAT_STATUS = "heartbeat"
+
+
+def push_subject(user_key: str, feed_id: str) -> str:
+    """Where a member's feed arrives: only the holder of ``user_key`` may subscribe to it (its role template)."""
+    return f"{PUSH_PREFIX}{user_key}.{feed_id}"
+
 
 OWNER = "owner"
 DEPLOYER = "deployer"
@@ -216,9 +245,11 @@ class Member:
     name: str
     grants: dict[str, str]
     token: str = ""
+    admin: bool = False
+    """A cluster admin (``users add --admin``): every project and the cluster-wide actions (docs/teams.md)."""
 
     def role(self, project_id: str) -> str:
-        return self.grants.get(project_id, "")
+        return OWNER if self.admin and project_id else self.grants.get(project_id, "")
 
 
 def project_of(kind: str, msg: Message, env_projects: dict[str, str]) -> str:
@@ -253,7 +284,7 @@ def value_project(key: str, data: bytes | None, env_projects: dict[str, str]) ->
 def may_read(member: Member, key: str, data: bytes | None, env_projects: dict[str, str]) -> bool:
     """A member reads the keys of the projects it holds any role in, and :data:`MEMBER_READS_CLUSTER`."""
     kind = key.split(".", 1)[0]
-    if kind in MEMBER_READS_CLUSTER:
+    if kind in MEMBER_READS_CLUSTER or member.admin:
         return True
     project = value_project(key, data, env_projects)
     return bool(project) and bool(member.role(project))
@@ -269,7 +300,10 @@ def may_write(
     delete: bool,
 ) -> str:
     """ "" when ``member`` may write ``key`` (``new``: the value written, ``old``: the value stored), else the
-    one-line reason. Both the stored and the new value must be in a project the role allows the change in."""
+    one-line reason. Both the stored and the new value must be in a project the role allows the change in; an
+    admin writes any key (the relay still refuses leases to everyone)."""
+    if member.admin:
+        return ""
     kind = key.split(".", 1)[0]
     if kind not in PROJECT_KINDS:
         return f"{key}: {kind} keys are cluster-wide: admins only"

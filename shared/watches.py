@@ -20,10 +20,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -36,6 +38,18 @@ from shared.pull import PullFeed, PullLost
 from shared.security.callers import answerable
 from shared.subjects import STATE_PREFIX, STATE_STREAM
 from shared.tasks import cancel_and_wait
+from shared.teams import (
+    FEED_CAUGHT_UP,
+    FEED_HEARTBEAT,
+    FEED_KEEPALIVE,
+    FEED_PENDING_HEADER,
+    FEED_SEQ_HEADER,
+    FEED_STATUS_HEADER,
+    FEED_SUBJECT_HEADER,
+    TEAMS_FEED_KEEP_SUBJECT,
+    TEAMS_FEED_SUBJECT,
+    push_subject,
+)
 
 log = logging.getLogger(__name__)
 
@@ -283,8 +297,181 @@ async def follow(
     *,
     caught_up: asyncio.Event | None = None,
 ) -> Watch:
-    """Open a watch and start following it (stop with :meth:`Watch.unsubscribe`)."""
-    return await Watch(conn, spec, cb, caught_up=caught_up).start()
+    """Open a watch and start following it (stop with :meth:`Watch.unsubscribe`). A team member (whose watch
+    control refuses: it pulls no consumer) gets the same messages pushed by the authorising path instead
+    (:class:`FeedWatch`, docs/teams.md)."""
+    try:
+        return await Watch(conn, spec, cb, caught_up=caught_up).start()
+    except BadWatch as exc:
+        if TEAMS_FEED_SUBJECT not in str(exc):
+            raise
+    return await FeedWatch(conn, spec, cb, caught_up=caught_up).start()
+
+
+@dataclass(frozen=True)
+class _FeedSeq:
+    stream: int
+
+
+@dataclass(frozen=True)
+class _FeedMeta:
+    sequence: _FeedSeq
+    num_pending: int
+
+
+class FeedMsg(Msg):
+    """A message pushed on a member's feed: the stream's subject, sequence and pending count come as headers
+    (a message re-published by control cannot keep its stream subject or JetStream reply)."""
+
+    _feed_meta: _FeedMeta
+
+    @property
+    def metadata(self) -> Any:
+        return self._feed_meta
+
+
+def feed_msg(nc: Any, msg: Msg) -> Msg | None:
+    """The stream message a pushed message carries (None: a status message; a JetStream delivery as it is)."""
+    headers = dict(msg.headers or {})
+    if FEED_STATUS_HEADER in headers or "Status" in headers:  # ours, or JetStream's idle heartbeat
+        return None
+    if FEED_SUBJECT_HEADER not in headers:
+        return msg  # pushed by JetStream itself (a log feed): its subject and reply are the stream's
+    subject = headers.pop(FEED_SUBJECT_HEADER, "")
+    seq = int(headers.pop(FEED_SEQ_HEADER, "0") or 0)
+    pending = int(headers.pop(FEED_PENDING_HEADER, "0") or 0)
+    found = FeedMsg(_client=nc, subject=subject, reply="", data=msg.data, headers=headers or None)
+    found._feed_meta = _FeedMeta(_FeedSeq(seq), pending)
+    return found
+
+
+def _user_key(conn: Connection) -> str:
+    """The caller's user public key, as its private inbox prefix names it ("" without a credential)."""
+    prefix = bytes(getattr(conn.nc, "_inbox_prefix", b"") or b"").decode()
+    return prefix.removeprefix("_INBOX").lstrip(".")
+
+
+class FeedWatch(Watch):
+    """A team member's watch: control follows the stream and pushes what the member may read on a subject only
+    it may subscribe to (``zattera.teams.feed``; docs/teams.md). Same reading interface as :class:`Watch`;
+    kept alive by a keepalive every FEED_KEEPALIVE s, opened again after the last message when control goes
+    silent (no heartbeat) or the feed ends without a refusal. A refusal (``end: not authorised…``) stops it:
+    :meth:`next_msg` then raises :class:`BadWatch`."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        spec: WatchSpec,
+        cb: Callable[[Msg], Awaitable[None]] | None = None,
+        *,
+        caught_up: asyncio.Event | None = None,
+    ) -> None:
+        super().__init__(conn, spec, cb, caught_up=caught_up)
+        self._id = ""
+        self._sub: Any = None
+        self._heard = 0.0
+        self._ended: asyncio.Event = asyncio.Event()
+        self._refusal: asyncio.Event = asyncio.Event()
+        self.refused = ""
+
+    async def _open(self, spec: WatchSpec) -> None:
+        nc = self._conn.nc
+        user = _user_key(self._conn)
+        if not user:
+            raise BadWatch("a feed needs a member credential")
+        self._id = uuid.uuid4().hex[:20]
+        # Subscribed before asking: control starts pushing as soon as it opens the feed.
+        self._sub = await nc.subscribe(push_subject(user, self._id), cb=self._on_push)
+        body = json.loads(spec.to_json()) | {"id": self._id}
+        try:
+            msg = await nc.request(TEAMS_FEED_SUBJECT, json.dumps(body).encode(), timeout=WATCH_REQUEST_TIMEOUT)
+            reply = json.loads(msg.data or b"{}")
+        except (nats.errors.Error, TimeoutError) as exc:
+            await self._drop()
+            raise WatchUnavailable(f"no answer on {TEAMS_FEED_SUBJECT}: {exc or type(exc).__name__}") from None
+        if "error" in reply:
+            await self._drop()
+            raise BadWatch(str(reply["error"]))
+        self._heard = time.monotonic()
+
+    async def _drop(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    async def start(self) -> FeedWatch:
+        await self._open(self._spec)
+        self._task = asyncio.create_task(self._keep())
+        return self
+
+    async def _on_push(self, msg: Msg) -> None:
+        self._heard = time.monotonic()
+        status = (msg.headers or {}).get(FEED_STATUS_HEADER, "")
+        if status == FEED_CAUGHT_UP:
+            self.caught_up.set()
+        elif status.startswith("end: "):
+            why = status.removeprefix("end: ")
+            if why.startswith("not authorised"):
+                self.refused = why
+                self._refusal.set()
+            self._ended.set()
+        found = feed_msg(self._conn.nc, msg)
+        if found is not None:
+            await self._deliver(found)
+
+    async def _keep(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._ended.wait(), FEED_KEEPALIVE)
+            except TimeoutError:
+                pass
+            if self.refused:
+                await self._drop()
+                return
+            silent = time.monotonic() - self._heard > 3 * FEED_HEARTBEAT
+            if self._ended.is_set() or silent:
+                self._ended.clear()
+                await self._drop()
+                spec = self._spec.resumed_after(self._last_seq) if self._last_seq else self._spec
+                try:
+                    await self._open(spec)
+                except (WatchUnavailable, BadWatch) as exc:
+                    log.warning("feed of %s not reopened: %s", self._spec.stream, exc)
+                    if "not authorised" in str(exc):
+                        self.refused = str(exc)
+                        self._refusal.set()
+                        return
+                continue
+            with contextlib.suppress(nats.errors.Error):
+                await self._conn.nc.publish(TEAMS_FEED_KEEP_SUBJECT, json.dumps({"id": self._id}).encode())
+
+    async def next_msg(self, timeout: float | None = None) -> Msg:
+        """The next message; :class:`BadWatch` once the feed was refused, :class:`TimeoutError` after ``timeout``."""
+        if self._queue.empty() and self.refused:
+            raise BadWatch(self.refused)
+        got = asyncio.ensure_future(self._queue.get())
+        stop = asyncio.ensure_future(self._refusal.wait())
+        try:
+            await asyncio.wait({got, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not got.done():
+                got.cancel()
+        if got.done() and not got.cancelled():
+            return got.result()
+        if self.refused:
+            raise BadWatch(self.refused)
+        raise TimeoutError
+
+    async def unsubscribe(self) -> None:
+        await cancel_and_wait(self._task)
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._conn.nc.publish(
+                    TEAMS_FEED_KEEP_SUBJECT, json.dumps({"id": self._id, "close": True}).encode()
+                )
+        await self._drop()
 
 
 async def serve(

@@ -35,6 +35,7 @@ from services.agent.firewall import Fence
 from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
 from services.agent.instances import RuntimeContext
+from services.agent.kernelnet import KernelPath
 from services.agent.launchers import PROCESS, TENANT_KEY, Launcher, ProcessLauncher
 from services.agent.mesh import PORT as MESH_PORT
 from services.agent.mesh import Mesh, MeshError
@@ -61,6 +62,7 @@ from services.agent.settings import AgentSettings
 from services.agent.snapshots.handlers import HookRunner, run_hook_in_shell, serve_snapshot_requests
 from shared import keys as K
 from shared.activation import request_activation
+from shared.addons.tunnel import serve_psql_sessions
 from shared.backoff import exponential
 from shared.clock import Clock, RealClock
 from shared.connection import Connection
@@ -207,6 +209,7 @@ class Agent:
                 activate=self._activate,
                 dns_port=settings.dns_port,
                 state_path=data_dir / "forwarder" / "consumers.json",
+                kernel=KernelPath(str(data_dir.resolve())) if settings.private_network_kernel else None,
             )
 
     def _forwarding(self) -> tuple[dict[str, int], int]:
@@ -245,6 +248,8 @@ class Agent:
         routes = RouteClient(self.data_dir / "forwarder" / "routes.pb", node_id=self.node_id)
         updates = routes.updates()
         try:
+            path = await forwarder.start_kernel()
+            log.info("agent %s: private network: %s", self.node_id, path)
             await routes.start(self.conn)
             await forwarder.run(
                 updates, lambda: {a.environment_id for a in self.view.assignments_by_node(self.node_id)}
@@ -252,7 +257,9 @@ class Agent:
         except Exception as exc:
             log.error("agent %s: private networking stopped: %s: %s", self.node_id, type(exc).__name__, exc)
         finally:
-            forwarder.stop()  # first and without awaiting: this task may be cancelled again while cleaning up
+            # First and without awaiting: this task may be cancelled again while cleaning up. An agent handing
+            # its instances over leaves the kernel path's rules for the next one (they keep carrying traffic).
+            forwarder.stop(keep_rules=self.handover)
             updates.close()
             await routes.stop()
 
@@ -395,6 +402,7 @@ class Agent:
                     serve_snapshot_requests(self.conn, self.node_id, self.volumes_dir, hook_runner=self._pre_hooks()),
                     name="snapshots",
                 ),
+                asyncio.create_task(serve_psql_sessions(self.conn, self.node_id, self.volumes_dir), name="psql"),
             ]
             if self.forwarder is not None:
                 tasks.append(asyncio.create_task(self._forward(self.forwarder), name="forwarder"))

@@ -112,17 +112,21 @@ def bridge_jumps(chain: str, interfaces: Iterable[str], pid: int) -> list[list[s
     return [[hook, "-i", interface, *mark] for interface in sorted(interfaces) for hook in ("INPUT", "FORWARD")]
 
 
-def stale(saved: str, alive: Callable[[int], bool]) -> list[tuple[str, list[str]]]:
+def stale(
+    saved: str, alive: Callable[[int], bool], *, prefixes: tuple[str, ...] = (CHAIN_PREFIX,)
+) -> list[tuple[str, list[str]]]:
     """(chain, jump rule) of each fence in ``iptables-save`` output whose agent is gone (killed: it could not
-    remove its chain), to be removed so its ports do not stay fenced once other processes reuse them."""
+    remove its chain), to be removed so its ports do not stay fenced once other processes reuse them
+    (``prefixes``: the chains looked for; the private network's kernel path passes its own)."""
     found = []
+    hooks = ("-A OUTPUT ", "-A INPUT ", "-A FORWARD ", "-A PREROUTING ", "-A POSTROUTING ")
     for line in saved.splitlines():
-        if not line.startswith(("-A OUTPUT ", "-A INPUT ", "-A FORWARD ")) or OWNER_MARK not in line:
+        if not line.startswith(hooks) or OWNER_MARK not in line:
             continue
         words = shlex.split(line)
         chain = words[words.index("-j") + 1] if "-j" in words else ""
         marks = [w for w in words if w.startswith(OWNER_MARK)]
-        if not chain.startswith(CHAIN_PREFIX) or not marks:
+        if not chain.startswith(prefixes) or not marks:
             continue
         pid = marks[0].removeprefix(OWNER_MARK)
         if pid.isdigit() and not alive(int(pid)):

@@ -14,11 +14,16 @@ healthy endpoints of those envs, following the route snapshots; and each consume
   ``max_held_per_env`` waiting connections, more are closed at once.
 * Consumers are kept in ``state_path`` so an agent restarted with adopted instances serves the addresses
   those instances were given.
+* Kernel path (``kernel``, :mod:`services.agent.kernelnet`): where iptables can be used, each listened pair
+  whose target has endpoints is also a DNAT rule, re-pointed with every snapshot: connections to it are
+  translated by the kernel and never reach the listener (which still holds a scale-to-zero env's
+  connections, and carries everything when iptables is missing or fails).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -32,6 +37,8 @@ from dnslib import QTYPE, RCODE, RR, A, DNSError, DNSRecord
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.agent.kernelnet import CONNTRACK, KernelPath, KernelPathError, dnats, unavailable
+from services.agent.kernelnet import old_connections as kernel_old_connections
 from services.agent.network import (
     Consumer,
     Listen,
@@ -72,6 +79,7 @@ class Forwarder:
         hold_timeout: float = HOLD_TIMEOUT,
         max_held_per_env: int = MAX_HELD_PER_ENV,
         connect_timeout: float = CONNECT_TIMEOUT,
+        kernel: KernelPath | None = None,
     ) -> None:
         self._activate = activate
         self.dns_port = dns_port
@@ -90,6 +98,7 @@ class Forwarder:
         self._resolvers: dict[int, asyncio.DatagramTransport] = {}
         self._sync_lock = asyncio.Lock()
         self._changed = Signal()
+        self._applied = Signal()
         self._activations: dict[str, asyncio.Task[None]] = {}
         self._held: dict[str, int] = {}
         self._connections: set[asyncio.Task[None]] = set()  # being joined to an endpoint
@@ -97,6 +106,29 @@ class Forwarder:
         self._outbound: weakref.WeakSet[_Pipe] = weakref.WeakSet()  # joined to an endpoint (its ``route``)
         self.activations_sent = 0
         self.refused = 0
+        self.kernel = kernel
+        self.kernel_active = False
+        self.path = "user-space forwarder"
+        """Which path carries connections to endpoints: "kernel (iptables DNAT)" or "user-space forwarder"."""
+
+    async def start_kernel(self) -> str:
+        """Install the kernel path's chains when there is one to install; returns :attr:`path`."""
+        if self.kernel is None:
+            return self.path
+        why = unavailable()
+        if not why:
+            try:
+                await asyncio.to_thread(self.kernel.install)
+                self.kernel_active = True
+                self.path = "kernel (iptables DNAT)"
+                await self._sync()
+                return self.path
+            except KernelPathError as exc:
+                why = str(exc)
+                await asyncio.to_thread(self.kernel.remove)
+                self.kernel_active = False
+        self.path = f"user-space forwarder ({why})"
+        return self.path
 
     # ------------------------------------------------------------------ following the snapshots
 
@@ -117,6 +149,7 @@ class Forwarder:
         self.version = snapshot.version
         self._changed.notify()
         await self._sync()
+        self._applied.notify()
 
     def target(self, env_id: str) -> Target | None:
         """The env as the newest snapshot has it (None: no VIP or not in it)."""
@@ -129,6 +162,10 @@ class Forwarder:
     async def changed(self) -> None:
         """Returns at the next applied snapshot."""
         await self._changed.wait()
+
+    async def applied(self) -> None:
+        """Returns once the next snapshot's listeners and kernel rules are in place."""
+        await self._applied.wait()
 
     async def instance_env(self, assignment: pb.Assignment, release: pb.Release) -> dict[str, str]:
         """The variables an instance of ``assignment`` is started with; its listeners are bound first."""
@@ -160,6 +197,18 @@ class Forwarder:
                         log.warning("forwarder: cannot listen on %s:%d: %s", listen[0], listen[1], exc)
             if self.dns_port:
                 await self._sync_resolvers()
+            if self.kernel_active and self.kernel is not None:
+                await self._sync_kernel(self.kernel)
+
+    async def _sync_kernel(self, kernel: KernelPath) -> None:
+        """Re-point the DNAT rules at the newest endpoints (one transaction); on failure fall back for good."""
+        try:
+            await asyncio.to_thread(kernel.apply, dnats(self._routes, self._endpoints))
+        except KernelPathError as exc:
+            log.error("forwarder: kernel path failed (%s); the user-space forwarder carries every connection", exc)
+            self.kernel_active = False
+            self.path = f"user-space forwarder ({exc})"
+            await asyncio.to_thread(kernel.remove)
 
     # ------------------------------------------------------------------ connections
 
@@ -190,6 +239,10 @@ class Forwarder:
         """Env id → open connections to an endpoint the newest snapshot no longer lists for their port
         (an old release after a promotion, issue 42: the orchestrator's drain waits for them)."""
         old: dict[str, int] = {}
+        if self.kernel_active:
+            with contextlib.suppress(OSError):
+                conntrack = CONNTRACK.read_text(errors="replace")
+                old = kernel_old_connections(conntrack, self._routes, self._endpoints)
         for pipe in list(self._outbound):
             if pipe.lost or pipe.route is None:
                 continue
@@ -300,9 +353,14 @@ class Forwarder:
         }
         write_atomic(self.state_path, json.dumps(data, sort_keys=True).encode())
 
-    def stop(self) -> None:
+    def stop(self, *, keep_rules: bool = False) -> None:
         """Close every listener, resolver and connection and cancel the pending work, at once (no await: it
-        also runs when the caller is being cancelled again, as on an agent shutdown)."""
+        also runs when the caller is being cancelled again, as on an agent shutdown). The kernel path's rules
+        are removed (blocking, a few iptables commands), unless ``keep_rules`` (an agent handing its instances
+        over: the next agent takes the chains over)."""
+        if self.kernel is not None and self.kernel_active and not keep_rules:
+            self.kernel.remove()
+        self.kernel_active = False
         for server in self._servers.values():
             server.close()
         for transport in self._resolvers.values():

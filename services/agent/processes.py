@@ -34,6 +34,17 @@ from shared.files import PRIVATE, write_atomic
 STATE_FILE = "state.json"
 _CREATE_TIME_TOLERANCE = 0.05
 _GROUP_POLL_INTERVAL = 0.05
+SANDBOX_EXIT_GRACE = 5.0
+"""After a sandboxed command exited: how long what it left in its sandbox may take to exit by itself before
+the whole sandbox is killed. The instance has not exited until its sandbox is empty: bwrap reports the
+command's exit at once while its pid 1 stays until every orphan is gone, and those orphans (a crashed
+PostgreSQL's backends, checkpointer and archiver: each its own session, out of reach of the group's
+SIGKILL) must never overlap the instance's next start on the same volume (docs/addons.md,
+"Archiving after a crash")."""
+SANDBOX_KILL_WAIT = 10.0
+"""How long the kernel is given to kill a sandbox's processes once its pid 1 got SIGKILL."""
+SANDBOX_FIND_WAIT = 2.0
+"""How long a new sandbox's pid 1 is looked for after bwrap started."""
 
 
 @dataclass
@@ -108,6 +119,50 @@ class ProcessHandle:
         self._ps: psutil.Process | None = None
         with contextlib.suppress(psutil.Error):
             self._ps = psutil.Process(pid)
+        self._sandbox: psutil.Process | None = None
+        """The sandbox's pid 1 (bwrap's init in its pid namespace): it exits when nothing is left inside."""
+        self.remember_sandbox()
+
+    def remember_sandbox(self) -> bool:
+        """Find (once) the sandbox's pid 1 while bwrap still runs; True when known (or not sandboxed)."""
+        if self._confined is None or self._sandbox is not None:
+            return True
+        init = sandbox_init(self.pid, self.create_time)
+        if init:
+            with contextlib.suppress(psutil.Error):
+                self._sandbox = psutil.Process(init)
+        return self._sandbox is not None
+
+    async def find_sandbox(self, timeout: float = SANDBOX_FIND_WAIT) -> None:
+        """Wait (briefly) until the sandbox's pid 1 is known, so its end can be waited for."""
+        deadline = time.monotonic() + timeout
+        while not self.remember_sandbox() and self.alive() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+    def sandbox_left(self) -> bool:
+        """Whether anything of the sandbox still runs (its pid 1 exits last)."""
+        return self._sandbox is not None and _running(self._sandbox)
+
+    def _kill_sandbox(self) -> None:
+        """SIGKILL the sandbox's pid 1: the kernel then kills every process of its pid namespace."""
+        if self._sandbox is not None:
+            with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+                self._sandbox.send_signal(signal.SIGKILL)  # psutil checks it still is that very process
+
+    async def _empty_sandbox(self, grace: float = SANDBOX_EXIT_GRACE) -> None:
+        """After the command exited: wait ``grace`` for the sandbox to empty by itself, then kill what is
+        left, and wait until it is gone."""
+        if self._sandbox is None:
+            return
+        deadline = time.monotonic() + grace
+        while self.sandbox_left() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(_GROUP_POLL_INTERVAL)
+        if not self.sandbox_left():
+            return
+        self._kill_sandbox()
+        deadline = time.monotonic() + SANDBOX_KILL_WAIT
+        while self.sandbox_left() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(_GROUP_POLL_INTERVAL)
 
     @property
     def sandbox_uid(self) -> int:
@@ -171,10 +226,14 @@ class ProcessHandle:
         """The exit code; None for an adopted process (not our child: its exit status is not ours to read)."""
         if self._child is not None:
             code = await self._child.wait()
-            return exit_status(code) if self._confined is not None else code
+            if self._confined is None:
+                return code
+            await self._empty_sandbox()
+            return exit_status(code)
         # Not our child: no exit notification exists, so poll.
         while self.alive():  # noqa: ASYNC110
             await asyncio.sleep(self._poll_interval)
+        await self._empty_sandbox()
         return None
 
     def signal(self, sig: int) -> None:
@@ -183,6 +242,8 @@ class ProcessHandle:
         if self._confined is not None and sig != signal.SIGKILL:
             signal_inside(self.pid, sig)
             return
+        if sig == signal.SIGKILL:
+            self._kill_sandbox()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if os.getpgid(self.pid) == self.pid:
                 os.killpg(self.pid, sig)
@@ -190,7 +251,9 @@ class ProcessHandle:
                 os.kill(self.pid, sig)
 
     def kill_leftovers(self) -> None:
-        """After the leader exited: kill what it left in its group (a stray child would hold the port)."""
+        """After the leader exited: kill what it left in its group (a stray child would hold the port), and
+        in its sandbox (processes of their own session, which the group's SIGKILL does not reach)."""
+        self._kill_sandbox()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
 
@@ -285,7 +348,9 @@ async def spawn(
     confined = None
     if sandbox is not None and confinement is not None:
         confined = Confined(sandbox, confinement, dict(env))
-    return ProcessHandle(child.pid, create_time, child=child, confined=confined)
+    handle = ProcessHandle(child.pid, create_time, child=child, confined=confined)
+    await handle.find_sandbox()
+    return handle
 
 
 class PortAllocator:

@@ -85,6 +85,9 @@ class AgentSettings(BaseSettings):
     """Run the node forwarder and resolver for VIPs and *.internal names."""
     dns_port: int = Field(default=53, ge=0, le=65535)
     """Port of the per-env *.internal resolvers (0 = none)."""
+    private_network_kernel: bool = True
+    """Carry private-network connections with iptables DNAT rules where the agent can (root, iptables);
+    false = always the user-space forwarder."""
 
     # ---------------------------------------------------------------- container runtime (docs/containers.md)
     runtime: str = ""

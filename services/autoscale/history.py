@@ -1,6 +1,7 @@
 """HistoryRecorder (``lease.metrics-history``): every 10 s, the heartbeats' figures as one point per env,
-node and proxy in ``ZATTERA_METRICS``; every 5 min, those points downsampled into ``ZATTERA_METRICS_5M``;
-and the env's deploy and scale events as marks (docs/observability.md, "History").
+node and proxy in ``ZATTERA_METRICS`` (an env's with each replica's CPU and memory); every 5 min, those points
+downsampled into ``ZATTERA_METRICS_5M``; and the env's deploy and scale events as marks (docs/observability.md,
+"History").
 
 The loop writes no state (no fenced write): it publishes points without headers (a ``Nats-Msg-Id`` would
 double a point's stored size); a point published twice across a failover (two leaders in one slot) is
@@ -49,6 +50,7 @@ class HistoryRecorder(LeaderLoop):
         self.span = span
         self.recorder = H.Recorder()
         self.downsampler = H.Downsampler()
+        self.replicas = H.ReplicaRecorder()
         self.last_slot: int | None = None
         self.published = 0
         self.pass_seconds = 0.0
@@ -60,6 +62,7 @@ class HistoryRecorder(LeaderLoop):
     def on_term_start(self) -> None:
         self.recorder = H.Recorder()
         self.downsampler = H.Downsampler()
+        self.replicas = H.ReplicaRecorder()
         self.last_slot = None
         self.primed = False
 
@@ -106,11 +109,13 @@ class HistoryRecorder(LeaderLoop):
         """The points of this pass (pure over the view and the live samples)."""
         envs: dict[str, H.EnvFacts] = {}
         env_of_instance: dict[str, str] = {}
+        versions: dict[str, int] = {}
         for env in self.view.envs():
             env_id = env.meta.id
             running = 0
             for a in self.view.assignments(env_id):
                 env_of_instance[a.meta.id] = env_id
+                versions[a.meta.id] = self._version(a.release_id)
                 if (
                     a.desired == pb.ASSIGNMENT_DESIRED_RUN
                     and not a.job_id
@@ -119,13 +124,20 @@ class HistoryRecorder(LeaderLoop):
                 ):
                     running += 1
             envs[env_id] = H.EnvFacts(desired=desired_replicas(env), running=running)
-        return self.recorder.points(
+        node_heartbeats = self.live.fresh_node_heartbeats()
+        points = self.recorder.points(
             now,
-            self.live.fresh_node_heartbeats(),
+            node_heartbeats,
             self.live.fresh_proxy_heartbeats(),
             envs,
             env_of_instance,
         )
+        self.replicas.add(points, node_heartbeats, env_of_instance, versions)
+        return points
+
+    def _version(self, release_id: str) -> int:
+        release = self.view.release(release_id) if release_id else None
+        return release.version if release is not None else 0
 
     async def run_pass(self) -> None:
         now = self.clock.now()
@@ -139,6 +151,7 @@ class HistoryRecorder(LeaderLoop):
             # A term's first pass only reads the counters: the slot that just ended is the previous leader's
             # (it wrote it at the boundary), and this term has no counters of its own to measure it by.
             self.primed = True
+            self.replicas.labelled = set()  # nothing of this pass is written: label the next one
             self.pass_seconds += time.process_time() - started
             return
         done = self.downsampler.add(points, slot - self.span)  # the points are of the slot that just ended

@@ -168,128 +168,133 @@ def line_chart(
     )
 
 
-def env_charts(history: HR.History, window: int) -> list[Markup]:
-    """The env page's charts: requests and errors, latency, replicas and in-flight, CPU, memory."""
-    mib = [None if v is None else v / 1_048_576 for v in history.values("memory_bytes")]
-    common = {"window": window}
+ChartSpec = tuple[str, str, str, Sequence[Series]]
+"""A chart of a history: (element id, title, unit, series)."""
+
+
+def _charts(history: HR.History, window: int, specs: Sequence[ChartSpec], *, marks: bool = False) -> list[Markup]:
+    """The charts of one history over its slots (with the env's marks when ``marks``)."""
+    shown = history.marks if marks else ()
     return [
-        line_chart(
-            "chart-requests",
-            "Requests",
-            "per second",
-            history.start,
-            history.span,
+        line_chart(chart_id, title, unit, history.start, history.span, series, shown, window=window)
+        for chart_id, title, unit, series in specs
+    ]
+
+
+MIB = 1_048_576
+GIB = 1_073_741_824
+
+
+def _scaled(values: Sequence[float | None], unit: int) -> list[float | None]:
+    return [None if v is None else v / unit for v in values]
+
+
+ENV_SERIES: dict[str, tuple[str, str, bool]] = {
+    "all": ("rps", "s-total", False),
+    "2xx": ("responses_2xx", "s-2xx", True),
+    "4xx": ("responses_4xx", "s-4xx", True),
+    "5xx": ("responses_5xx", "s-5xx", True),
+    "p50": ("latency_p50_ms", "s-p50", False),
+    "p95": ("latency_p95_ms", "s-p95", False),
+    "p99": ("latency_p99_ms", "s-p99", False),
+    "desired": ("desired", "s-desired", False),
+    "running": ("running", "s-running", False),
+    "in flight": ("inflight", "s-inflight", False),
+    "cpu": ("cpu_percent", "s-cpu", False),
+}
+"""An env series by its label: (figure, line style, drawn per second: a count over the point's span)."""
+ENV_CHARTS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("chart-requests", "Requests", "per second", ("all", "2xx", "4xx", "5xx")),
+    ("chart-latency", "Latency", "ms", ("p50", "p95", "p99")),
+    ("chart-replicas", "Replicas and requests in flight", "count", ("desired", "running", "in flight")),
+    ("chart-cpu", "CPU", "% of a core, summed over replicas", ("cpu",)),
+)
+"""The env page's charts of :data:`ENV_SERIES` (memory, in MiB, and the per-replica charts follow)."""
+
+
+def env_charts(history: HR.History, window: int) -> list[Markup]:
+    """The env page's charts: requests and errors, latency, replicas and in-flight, CPU, memory (summed), then
+    CPU and memory per replica."""
+    specs: list[ChartSpec] = [
+        (
+            chart_id,
+            title,
+            unit,
             [
-                Series("all", history.values("rps"), "s-total"),
-                Series("2xx", history.values("responses_2xx", per_second=True), "s-2xx"),
-                Series("4xx", history.values("responses_4xx", per_second=True), "s-4xx"),
-                Series("5xx", history.values("responses_5xx", per_second=True), "s-5xx"),
+                Series(
+                    label, history.values(ENV_SERIES[label][0], per_second=ENV_SERIES[label][2]), ENV_SERIES[label][1]
+                )
+                for label in labels
             ],
-            history.marks,
-            **common,
+        )
+        for chart_id, title, unit, labels in ENV_CHARTS
+    ]
+    memory = Series("memory", _scaled(history.values("memory_bytes"), MIB), "s-memory")
+    specs.append(("chart-memory", "Memory", "MiB, summed over replicas", [memory]))
+    return _charts(history, window, [*specs, *replica_specs(history)], marks=True)
+
+
+REPLICA_STYLES = 8
+"""Line styles ``.s-r0`` … ``.s-r7`` (colour and dash) in the stylesheet: at most this many replicas drawn."""
+
+
+def replica_specs(history: HR.History) -> list[ChartSpec]:
+    """CPU and memory per replica, one line each (labelled ``…id vN on node``), at most
+    :data:`~shared.history_read.REPLICA_LINES` (those still running first); none when no replica reported."""
+    every = HR.replica_series(history)
+    if not every:
+        return []
+    shown, left_out = HR.pick_replicas(every, min(HR.REPLICA_LINES, REPLICA_STYLES))
+    note = f"; {len(shown)} of {len(every)} replicas drawn, the latest" if left_out else ""
+    return [
+        (
+            "chart-replica-cpu",
+            "CPU per replica",
+            f"% of a core{note}",
+            [Series(r.label, r.cpu_percent, f"s-r{i}") for i, r in enumerate(shown)],
         ),
-        line_chart(
-            "chart-latency",
-            "Latency",
-            "ms",
-            history.start,
-            history.span,
-            [
-                Series("p50", history.values("latency_p50_ms"), "s-p50"),
-                Series("p95", history.values("latency_p95_ms"), "s-p95"),
-                Series("p99", history.values("latency_p99_ms"), "s-p99"),
-            ],
-            history.marks,
-            **common,
-        ),
-        line_chart(
-            "chart-replicas",
-            "Replicas and requests in flight",
-            "count",
-            history.start,
-            history.span,
-            [
-                Series("desired", history.values("desired"), "s-desired"),
-                Series("running", history.values("running"), "s-running"),
-                Series("in flight", history.values("inflight"), "s-inflight"),
-            ],
-            history.marks,
-            **common,
-        ),
-        line_chart(
-            "chart-cpu",
-            "CPU",
-            "% of a core, summed over replicas",
-            history.start,
-            history.span,
-            [Series("cpu", history.values("cpu_percent"), "s-cpu")],
-            history.marks,
-            **common,
-        ),
-        line_chart(
-            "chart-memory",
-            "Memory",
-            "MiB, summed over replicas",
-            history.start,
-            history.span,
-            [Series("memory", mib, "s-memory")],
-            history.marks,
-            **common,
+        (
+            "chart-replica-memory",
+            "Memory per replica",
+            f"MiB{note}",
+            [Series(r.label, _scaled(r.memory_bytes, MIB), f"s-r{i}") for i, r in enumerate(shown)],
         ),
     ]
 
 
 def node_charts(history: HR.History, window: int) -> list[Markup]:
     """A node's charts: CPU, memory used and total, disk of the data dir, instances."""
-    gib = 1_073_741_824
-
-    def scaled(name: str) -> list[float | None]:
-        return [None if v is None else v / gib for v in history.values(name)]
-
-    return [
-        line_chart(
-            "chart-node-cpu",
-            "CPU",
-            "% of the host",
-            history.start,
-            history.span,
-            [Series("cpu", history.values("cpu_percent"), "s-cpu")],
-            window=window,
-        ),
-        line_chart(
-            "chart-node-memory",
-            "Memory",
-            "GiB",
-            history.start,
-            history.span,
-            [
-                Series("used", scaled("memory_bytes"), "s-memory"),
-                Series("total", scaled("memory_total_bytes"), "s-total"),
-            ],
-            window=window,
-        ),
-        line_chart(
-            "chart-node-disk",
-            "Disk of the data dir",
-            "GiB",
-            history.start,
-            history.span,
-            [
-                Series("used", scaled("disk_used_bytes"), "s-memory"),
-                Series("total", scaled("disk_total_bytes"), "s-total"),
-            ],
-            window=window,
-        ),
-        line_chart(
-            "chart-node-instances",
-            "Instances",
-            "count",
-            history.start,
-            history.span,
-            [Series("instances", history.values("instances"), "s-running")],
-            window=window,
-        ),
-    ]
+    return _charts(
+        history,
+        window,
+        [
+            ("chart-node-cpu", "CPU", "% of the host", [Series("cpu", history.values("cpu_percent"), "s-cpu")]),
+            (
+                "chart-node-memory",
+                "Memory",
+                "GiB",
+                [
+                    Series("used", _scaled(history.values("memory_bytes"), GIB), "s-memory"),
+                    Series("total", _scaled(history.values("memory_total_bytes"), GIB), "s-total"),
+                ],
+            ),
+            (
+                "chart-node-disk",
+                "Disk of the data dir",
+                "GiB",
+                [
+                    Series("used", _scaled(history.values("disk_used_bytes"), GIB), "s-memory"),
+                    Series("total", _scaled(history.values("disk_total_bytes"), GIB), "s-total"),
+                ],
+            ),
+            (
+                "chart-node-instances",
+                "Instances",
+                "count",
+                [Series("instances", history.values("instances"), "s-running")],
+            ),
+        ],
+    )
 
 
 def sparkline(requests: Sequence[float | None], errors: Sequence[float | None], label: str) -> Markup:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,38 +43,56 @@ class _SparkCache:
 CACHE_ATTRIBUTE = "_metrics_spark_cache"
 
 
-async def env_history(console: Console, env_id: str, window: int) -> HR.History | None:
+@dataclass(frozen=True)
+class _Charted:
+    """What differs between the env's and a node's charts: the history kind, the URL path, the charts, how
+    the object is found (404 otherwise)."""
+
+    kind: str
+    path: str
+    noun: str
+    charts: Callable[[HR.History, int], list[Markup]]
+    find: Callable[[Console, str], Any]
+
+
+ENV_CHARTED = _Charted(H.ENV, "/env", "environment", env_charts, lambda console, ident: console.view.env(ident))
+NODE_CHARTED = _Charted(H.NODE, "/nodes", "node", node_charts, lambda console, ident: console.view.node(ident))
+
+
+def found_or_404(console: Console, charted: _Charted, ident: str) -> Any:
+    found = charted.find(console, ident)
+    if found is None:
+        raise web.HTTPNotFound(text=f"{charted.noun} {ident!r} not found")
+    return found
+
+
+def env_or_404(console: Console, env_id: str) -> pb.Environment:
+    env: pb.Environment = found_or_404(console, ENV_CHARTED, env_id)
+    return env
+
+
+async def read_history(console: Console, kind: str, ident: str, window: int) -> HR.History | None:
+    """The series of an env or node (None, logged, when the history does not answer)."""
     try:
-        return await HR.history(console.conn.nc, H.ENV, env_id, window, time.time())
+        return await HR.history(console.conn.nc, kind, ident, window, time.time())
     except (TimeoutError, nats.errors.Error, H.HistoryError) as exc:
-        log.warning("metrics history of env %s not read: %s", env_id, exc)
+        log.warning("metrics history of %s %s not read: %s", kind, ident, exc)
         return None
 
 
+async def charts_context(console: Console, charted: _Charted, ident: str, window_name: str) -> dict[str, Any]:
+    name, seconds = window_of(window_name)
+    history = await read_history(console, charted.kind, ident, seconds)
+    return {
+        "charts": charted.charts(history, seconds) if history is not None else [],
+        "window": name,
+        "windows": [w for w, _ in CHART_WINDOWS],
+        "charts_url": f"{charted.path}/{ident}/charts?window={name}",
+    }
+
+
 async def env_charts_context(console: Console, env_id: str, window_name: str) -> dict[str, Any]:
-    name, seconds = window_of(window_name)
-    history = await env_history(console, env_id, seconds)
-    return {
-        "charts": env_charts(history, seconds) if history is not None else [],
-        "window": name,
-        "windows": [w for w, _ in CHART_WINDOWS],
-        "charts_url": f"/env/{env_id}/charts?window={name}",
-    }
-
-
-async def node_charts_context(console: Console, node_id: str, window_name: str) -> dict[str, Any]:
-    name, seconds = window_of(window_name)
-    try:
-        history: HR.History | None = await HR.history(console.conn.nc, H.NODE, node_id, seconds, time.time())
-    except (TimeoutError, nats.errors.Error, H.HistoryError) as exc:
-        log.warning("metrics history of node %s not read: %s", node_id, exc)
-        history = None
-    return {
-        "charts": node_charts(history, seconds) if history is not None else [],
-        "window": name,
-        "windows": [w for w, _ in CHART_WINDOWS],
-        "charts_url": f"/nodes/{node_id}/charts?window={name}",
-    }
+    return await charts_context(console, ENV_CHARTED, env_id, window_name)
 
 
 def window_problem(request: web.Request) -> str | None:
@@ -85,74 +104,64 @@ def window_problem(request: web.Request) -> str | None:
     return None
 
 
-def _env_or_404(console: Console, env_id: str) -> pb.Environment:
-    env = console.view.env(env_id)
-    if env is None:
-        raise web.HTTPNotFound(text=f"environment {env_id!r} not found")
-    return env
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _node_or_404(console: Console, node_id: str) -> pb.Node:
-    node = console.view.node(node_id)
-    if node is None:
-        raise web.HTTPNotFound(text=f"node {node_id!r} not found")
-    return node
+def _checked(
+    charted: _Charted, param: str, then: Callable[[web.Request, Console, str], Awaitable[web.Response]]
+) -> Handler:
+    """A handler of ``charted``'s object named by the route's ``param``: 404 when unknown, 400 for a bad window,
+    else ``then``."""
+
+    async def handler(request: web.Request) -> web.Response:
+        console = console_of(request)
+        ident = request.match_info[param]
+        found_or_404(console, charted, ident)
+        if (problem := window_problem(request)) is not None:
+            return refuse(request, 400, problem)
+        return await then(request, console, ident)
+
+    return handler
 
 
-async def env_charts_fragment(request: web.Request) -> web.Response:
+def charts_fragment(charted: _Charted, param: str) -> Handler:
     """The charts region alone (the page's live refresh every 10 s)."""
-    console = console_of(request)
-    env_id = request.match_info["env_id"]
-    _env_or_404(console, env_id)
-    if (problem := window_problem(request)) is not None:
-        return refuse(request, 400, problem)
-    context = await env_charts_context(console, env_id, request.query.get("window", ""))
-    return render(request, "_charts.html", **context)
+
+    async def fragment(request: web.Request, console: Console, ident: str) -> web.Response:
+        context = await charts_context(console, charted, ident, request.query.get("window", ""))
+        return render(request, "_charts.html", **context)
+
+    return _checked(charted, param, fragment)
 
 
-async def env_metrics_api(request: web.Request) -> web.Response:
-    console = console_of(request)
-    env_id = request.match_info["env_id"]
-    _env_or_404(console, env_id)
-    if (problem := window_problem(request)) is not None:
-        return refuse(request, 400, problem)
-    _, seconds = window_of(request.query.get("window", ""))
-    history = await env_history(console, env_id, seconds)
-    if history is None:
-        return web.json_response({"error": "the metrics history did not answer"}, status=503)
-    return web.json_response(history.as_dict())
+def metrics_api(charted: _Charted, param: str) -> Handler:
+    """The series as JSON; an env's with its replicas' (every one: the page draws at most
+    ``REPLICA_LINES``)."""
+
+    async def api(request: web.Request, console: Console, ident: str) -> web.Response:
+        _, seconds = window_of(request.query.get("window", ""))
+        history = await read_history(console, charted.kind, ident, seconds)
+        if history is None:
+            return web.json_response({"error": "the metrics history did not answer"}, status=503)
+        extra = HR.replicas_as_dict(history) if charted.kind == H.ENV else {}
+        return web.json_response({**history.as_dict(), **extra})
+
+    return _checked(charted, param, api)
 
 
-async def node_page(request: web.Request) -> web.Response:
-    console = console_of(request)
-    node_id = request.match_info["node_id"]
-    node = _node_or_404(console, node_id)
-    if (problem := window_problem(request)) is not None:
-        return refuse(request, 400, problem)
-    context = await node_charts_context(console, node_id, request.query.get("window", ""))
-    heartbeat = console_live_heartbeat(console, node_id)
-    return render(request, "node.html", page="nodes", node=node_summary(console, node, heartbeat), **context)
+env_charts_fragment = charts_fragment(ENV_CHARTED, "env_id")
+env_metrics_api = metrics_api(ENV_CHARTED, "env_id")
+node_charts_fragment = charts_fragment(NODE_CHARTED, "node_id")
+node_metrics_api = metrics_api(NODE_CHARTED, "node_id")
 
 
-async def node_charts_fragment(request: web.Request) -> web.Response:
-    console = console_of(request)
-    node_id = request.match_info["node_id"]
-    _node_or_404(console, node_id)
-    if (problem := window_problem(request)) is not None:
-        return refuse(request, 400, problem)
-    context = await node_charts_context(console, node_id, request.query.get("window", ""))
-    return render(request, "_charts.html", **context)
+async def _node_page(request: web.Request, console: Console, node_id: str) -> web.Response:
+    context = await charts_context(console, NODE_CHARTED, node_id, request.query.get("window", ""))
+    summary = node_summary(console, console.view.node(node_id) or pb.Node(), console_live_heartbeat(console, node_id))
+    return render(request, "node.html", page="nodes", node=summary, **context)
 
 
-async def node_metrics_api(request: web.Request) -> web.Response:
-    console = console_of(request)
-    node_id = request.match_info["node_id"]
-    _node_or_404(console, node_id)
-    if (problem := window_problem(request)) is not None:
-        return refuse(request, 400, problem)
-    _, seconds = window_of(request.query.get("window", ""))
-    history = await HR.history(console.conn.nc, H.NODE, node_id, seconds, time.time())
-    return web.json_response(history.as_dict())
+node_page = _checked(NODE_CHARTED, "node_id", _node_page)
 
 
 def console_live_heartbeat(console: Console, node_id: str) -> cpb.Heartbeat | None:

@@ -354,6 +354,7 @@ def kinds_of_page(page: str) -> Iterable[str]:
         "nodes": (K.NODE, K.ASSIGNMENT),
         "builds": (K.BUILD,),
         "volumes": (K.VOLUME, K.SNAPSHOT),
+        "addons": (K.ENV, K.ASSIGNMENT, K.OBSERVED, K.VOLUME),
     }.get(page, ())
 
 

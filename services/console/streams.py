@@ -15,7 +15,7 @@ from nats.js.errors import NotFoundError
 from zattera.v1 import types_pb2 as pb
 
 from services.console.handling import console_of
-from services.console.views import env_or_404
+from services.console.metrics_views import env_or_404
 from shared import keys as K
 from shared.applogs import AppLogLine, UnknownLogStream, read_app_logs
 from shared.buildlogs import follow_build_log

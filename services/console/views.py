@@ -8,23 +8,15 @@ import time
 from typing import Any
 
 from aiohttp import web
-from zattera.v1 import types_pb2 as pb
 
 from services.console.handling import Console, console_of, is_api, refuse, render
-from services.console.metrics_views import env_charts_context, window_problem
+from services.console.metrics_views import env_charts_context, env_or_404, window_problem
 from services.console.overview import render_overview
 from shared.audit import DEFAULT_LIMIT, parse_since, read_entries, select
 from shared.backup.status import backup_status
 from shared.notify_status import failing_channels
 
 from . import pages
-
-
-def env_or_404(console: Console, env_id: str) -> pb.Environment:
-    env = console.view.env(env_id)
-    if env is None:
-        raise web.HTTPNotFound(text=f"environment {env_id!r} not found")
-    return env
 
 
 async def overview_page(request: web.Request) -> web.StreamResponse:

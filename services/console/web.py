@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from services.console.addons import addon_action, addons_page, create_addon_action
 from services.console.forms import (
     canary_action,
     cancel_job_action,
@@ -98,4 +99,8 @@ def make_app(console: Console) -> web.Application:
     app.router.add_post("/hooks/{provider}/{hook_id}", webhook)
     app.router.add_get("/admin/teams", teams_page)
     app.router.add_post("/admin/teams/grant", grant_action)
+    app.router.add_get("/addons", addons_page)
+    app.router.add_get("/api/addons", addons_page)
+    app.router.add_post("/addons/create", create_addon_action)
+    app.router.add_post("/env/{env_id}/addon/{verb}", addon_action)
     return app

@@ -11,6 +11,8 @@ Attaching and detaching are :mod:`shared.actions.addon_attach`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -21,7 +23,9 @@ from shared import keys as K
 from shared.actions.context import ActionContext, commit
 from shared.actions.deletion import deletion_txn, plan_deletion
 from shared.actions.names import env_path, find_app, find_env, resolve_project
-from shared.actions.refusals import Conflicting, Invalid, NotFound
+from shared.actions.refusals import ActionRefused, Conflicting, Invalid, NotFound
+from shared.actions.volumes import PolicySet, SetSnapshotPolicy, put_back_snapshot, set_snapshot_policy
+from shared.actions.volumes import _dispatcher as volume_dispatcher
 from shared.addons import spec as addon
 from shared.addons.backups import BackupStatus, status_from_lines
 from shared.addons.spec import AddonInputError
@@ -62,6 +66,23 @@ class RestoreAddon:
     as_name: str
     to_time: float | None = None
     """Epoch seconds (UTC); None = the latest state the archive holds (``--latest``)."""
+    source: str = ""
+    """An off-site target (``s3://bucket[/prefix]`` or a directory) holding copies of the origin's ``backups``
+    volume (``addons offsite``): restore from its newest copy there, not from the node's volume."""
+    settings: dict[str, str] = field(default_factory=dict, repr=False)
+    """The source's settings (``AWS_*``), used here only."""
+
+
+@dataclass(frozen=True, slots=True)
+class AddonOffsite:
+    name: str
+    project: str
+    target: str
+    """A directory or ``s3://bucket[/prefix]``; "" stops the copies."""
+    schedule: str = "@every 1h"
+    """How often the ``backups`` volume is snapshotted (and each snapshot copied off-site)."""
+    settings: dict[str, str] = field(default_factory=dict, repr=False)
+    """The target's settings (``AWS_*``), stored sealed to the cluster key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +114,8 @@ class AddonInfo:
     """Volume name → id."""
     restored_from: str = ""
     restore_target: str = ""
+    offsite: str = ""
+    """Where its backups are copied off-site (``addons offsite``: its ``backups`` volume's policy), "" = nowhere."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +153,13 @@ def info_of(view: StateReader, env: pb.Environment) -> AddonInfo:
     release = view.release(env.active_release_id) if env.active_release_id else None
     marker = addon.attached_var(aname)
     attached = sorted(env_path(view, e) for e in view.envs() if e.service.vars.get(marker) == env.meta.id)
+    volumes = view.volumes(env.meta.id)
+    policies = [v.snapshot_policy for v in volumes if v.name == addon.BACKUPS_VOLUME]
+    offsite = (
+        f"{policies[0].offsite_target} {policies[0].schedule}".strip()
+        if policies and policies[0].offsite_target
+        else ""
+    )
     return AddonInfo(
         name=aname,
         project=pname,
@@ -143,9 +173,10 @@ def info_of(view: StateReader, env: pb.Environment) -> AddonInfo:
         release_version=release.version if release is not None else 0,
         created_at=from_timestamp(env.meta.created_at),
         attached_to=attached,
-        volumes={v.name: v.meta.id for v in view.volumes(env.meta.id)},
+        volumes={v.name: v.meta.id for v in volumes},
         restored_from=env.service.vars.get(FORKED_FROM_VAR, ""),
         restore_target=env.service.vars.get("ZATTERA_PG_RESTORE_TARGET", ""),
+        offsite=offsite,
     )
 
 
@@ -184,7 +215,7 @@ def cluster_key(view: StateReader) -> pb.SecretsKey:
 
 
 def _new_addon_records(
-    ctx: ActionContext, project: pb.Project, name: str, engine: str, spec: pb.ServiceSpec
+    ctx: ActionContext, project: pb.Project, name: str, engine: str, spec: pb.ServiceSpec, env_id: str = ""
 ) -> tuple[Txn, pb.App, pb.Environment]:
     """ONE transaction: the app, its env with the generated secrets (sealed), refused when the name is taken."""
     view = ctx.view
@@ -199,7 +230,7 @@ def _new_addon_records(
     env = pb.Environment(
         app_id=app.meta.id, project_id=project.meta.id, name=addon.ENV_NAME, type=pb.ENVIRONMENT_TYPE_STANDARD
     )
-    env.meta.id = new_id()
+    env.meta.id = env_id or new_id()
     stamp(env.meta.created_at, now)
     stamp(env.meta.updated_at, now)
     env.service.CopyFrom(spec)
@@ -225,9 +256,10 @@ async def _create_and_deploy(
     engine: str,
     spec: pb.ServiceSpec,
     extra_records: list[pb.Volume] | None = None,
+    env_id: str = "",
 ) -> tuple[pb.Environment, str]:
     def attempt() -> Attempt[pb.Environment]:
-        txn, _app, env = _new_addon_records(ctx, project, name, engine, spec)
+        txn, _app, env = _new_addon_records(ctx, project, name, engine, spec, env_id)
         for volume in extra_records or ():
             pinned = pb.Volume()
             pinned.CopyFrom(volume)
@@ -349,6 +381,8 @@ async def restore_addon(ctx: ActionContext, request: RestoreAddon) -> AddonCreat
     engine, version = addon.addon_of(origin) or ("", "")
     if engine != addon.POSTGRES:
         raise Invalid("name", f"{request.name} is a {engine} database: point-in-time restore is PostgreSQL's")
+    if request.source:
+        return await _restore_from_offsite(ctx, request, project, origin, version)
     status = await backup_status(ctx, origin) if request.to_time is not None else None
     check_restore_time(request.to_time, from_timestamp(origin.meta.created_at), ctx.clock.now(), status)
     backups = find_volume(ctx.view, origin.project_id, origin.meta.id, addon.BACKUPS_VOLUME)
@@ -376,6 +410,134 @@ async def restore_addon(ctx: ActionContext, request: RestoreAddon) -> AddonCreat
             EVENT_RESTORED,
             f"database {info.project}/{info.name} restored from {project.name}/{request.name} at {target}",
             fields={"actor": ctx.actor, "origin": f"{project.name}/{request.name}", "target": target},
+        )
+    )
+    return AddonCreated(info, deployment_id)
+
+
+def _backups_volume(ctx: ActionContext, env: pb.Environment, name: str) -> pb.Volume:
+    volume = find_volume(ctx.view, env.project_id, env.meta.id, addon.BACKUPS_VOLUME)
+    if volume is None:
+        raise Conflicting(f"{name} has no backups volume yet (its first start has not placed it)", field="name")
+    return volume
+
+
+async def set_addon_offsite(ctx: ActionContext, request: AddonOffsite) -> PolicySet:
+    """Copy a PostgreSQL database's backups off-site: its ``backups`` volume (pgBackRest's repository) is
+    snapshotted on ``schedule`` and each snapshot copied to ``target`` — the volume snapshot engine's
+    off-site copy (docs/backup.md), with the target checked and its settings sealed as there."""
+    project = _project(ctx.view, request.project)
+    env = addon_env(ctx.view, project, request.name)
+    if (addon.addon_of(env) or ("", ""))[0] != addon.POSTGRES:
+        raise Invalid("name", f"{request.name} is not a PostgreSQL database: set its data volume's policy")
+    volume = _backups_volume(ctx, env, request.name)
+    policy = SetSnapshotPolicy(
+        volume.meta.id,
+        schedule=request.schedule if request.target else None,
+        offsite=request.target,
+        settings=request.settings,
+    )
+    return await set_snapshot_policy(ctx, policy)
+
+
+async def _restore_from_offsite(
+    ctx: ActionContext, request: RestoreAddon, project: pb.Project, origin: pb.Environment, version: str
+) -> AddonCreated:
+    """The fork from the newest copy of the origin's ``backups`` volume on ``request.source``: its objects
+    fetched back into the snapshot store (each checked), restored into the fork's OWN new ``backups`` volume
+    on a live node before the fork's env is written, then the fork restores from that repository as from the
+    node's copy. Nothing of the origin is read on any node (its volume may be gone with its node)."""
+    from shared.backup.manifest import BackupError
+    from shared.backup.offsite import NotOffsite, fetch_snapshot, read_index
+    from shared.backup.targets import TargetError, open_target
+    from shared.backup.volumes import new_homes
+
+    if find_app(ctx.view, project.meta.id, request.as_name) is not None:
+        raise Conflicting(f"{request.as_name!r} is already an app of project {project.name}", field="as_name")
+    origin_backups = _backups_volume(ctx, origin, request.name)
+    try:
+        target = open_target(request.source, request.settings)
+        await asyncio.to_thread(target.check)
+        index = await asyncio.to_thread(read_index, target, origin_backups.meta.id)
+    except NotOffsite as exc:
+        raise NotFound(f"{exc} (set one with `zattera addons offsite`)", field="source") from None
+    except (TargetError, BackupError) as exc:
+        raise Invalid("source", str(exc)) from None
+    copied_at = from_timestamp(index.record.meta.created_at)
+    now = ctx.clock.now()
+    if request.to_time is not None:
+        check_restore_time(request.to_time, from_timestamp(origin.meta.created_at), now)
+        if request.to_time > copied_at:
+            raise Invalid(
+                "to_time",
+                f"{_utc(request.to_time)} is after the newest off-site copy ({_utc(copied_at)}): give an earlier"
+                " time, or --latest (what that copy holds)",
+            )
+    homes = new_homes([origin_backups], ctx.view.nodes())
+    node_id = homes.get(origin_backups.meta.id, "")
+    if not node_id:
+        raise Conflicting("no schedulable node to restore the database onto", field="as_name")
+    try:
+        await fetch_snapshot(ctx.conn, target, index)
+    except BackupError as exc:
+        raise Invalid("source", str(exc)) from None
+    record = index.record
+    if ctx.view.snapshot(record.meta.id) is None:
+        await put_back_snapshot(ctx, record)
+    env_id = new_id()
+    pinned: list[pb.Volume] = []
+    for name in (addon.DATA_VOLUME, addon.BACKUPS_VOLUME):
+        volume = pb.Volume(
+            project_id=project.meta.id,
+            environment_id=env_id,
+            name=name,
+            node_id=node_id,
+            status=pb.VOLUME_STATUS_ACTIVE,
+        )
+        volume.meta.id = new_id()
+        stamp(volume.meta.created_at, now)
+        stamp(volume.meta.updated_at, now)
+        pinned.append(volume)
+    txn = ctx.writer.txn("addons-offsite-volumes")
+    for volume in pinned:
+        txn.create(volume)
+    await ctx.writer.commit(txn)
+    created = False
+    try:
+        dispatcher = volume_dispatcher(ctx)
+        await dispatcher.restore(pinned[1].meta.id, record.meta.id, ctx.writer)
+        target_time = "latest" if request.to_time is None else _pg_time(request.to_time)
+        stanza = origin.service.vars.get("ZATTERA_PG_STANZA", request.name)
+        fork = addon.Fork("", stanza, target_time, from_snapshot=record.meta.id)
+        spec = addon.service_spec(addon.POSTGRES, version, stanza=request.as_name, fork=fork)
+        spec.vars[FORKED_FROM_VAR] = f"{project.name}/{request.name}"
+        env, deployment_id = await _create_and_deploy(
+            ctx, project, request.as_name, addon.POSTGRES, spec, env_id=env_id
+        )
+        created = True
+    except Exception as exc:
+        if not created:  # a failed restore leaves nothing behind: the fork's volumes go
+            txn = ctx.writer.txn("addons-offsite-undo")
+            for volume in pinned:
+                txn.delete(K.key_of(volume))
+            with contextlib.suppress(Exception):
+                await ctx.writer.commit(txn)
+        if isinstance(exc, ActionRefused):
+            raise
+        raise Conflicting(f"restore from {target.url} failed: {exc}", field="source") from None
+    info = info_of(ctx.view, env)
+    await ctx.events.publish(
+        event_for_env(
+            env,
+            EVENT_RESTORED,
+            f"database {info.project}/{info.name} restored from {project.name}/{request.name} at {target_time}"
+            f" (off-site copy {record.meta.id})",
+            fields={
+                "actor": ctx.actor,
+                "origin": f"{project.name}/{request.name}",
+                "target": target_time,
+                "snapshot": record.meta.id,
+            },
         )
     )
     return AddonCreated(info, deployment_id)

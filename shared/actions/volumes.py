@@ -286,10 +286,15 @@ async def _fetch(ctx: ActionContext, request: RestoreVolume) -> tuple[str, int]:
     fetched = await fetch_snapshot(ctx.conn, target, index)
     record = index.record
     if ctx.view.snapshot(record.meta.id) is None:
-        key = K.key_of(record)
-        try:  # a deleted record leaves a marker: the write expects it
-            last = (await ctx.conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + key, direct=True)).seq or 0
-        except NotFoundError:
-            last = 0
-        await ctx.writer.commit(ctx.writer.txn("snapshot.offsite").put(record, expect=last))
+        await put_back_snapshot(ctx, record)
     return record.meta.id, fetched
+
+
+async def put_back_snapshot(ctx: ActionContext, record: pb.VolumeSnapshot) -> None:
+    """Write a snapshot's record (fetched from off-site) back into the state."""
+    key = K.key_of(record)
+    try:  # a deleted record leaves a marker: the write expects it
+        last = (await ctx.conn.js.get_last_msg(STATE_STREAM, STATE_PREFIX + key, direct=True)).seq or 0
+    except NotFoundError:
+        last = 0
+    await ctx.writer.commit(ctx.writer.txn("snapshot.offsite").put(record, expect=last))

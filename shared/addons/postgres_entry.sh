@@ -18,6 +18,8 @@
 # Fork (point-in-time restore into this new database, the origin untouched):
 #      ZATTERA_PG_RESTORE_REPO  the origin's repository directory (read only); default, when the agent copied
 #                               it (ZATTERA_ADDON_RESTORE_VOLUME set): $ZATTERA_VOLUME_BACKUPS/origin-repo
+#      ZATTERA_ADDON_RESTORE_SNAPSHOT  set on a fork from off-site: this backups volume holds the origin's
+#                               (restored from a snapshot): its repo/ is the origin's repository
 #      ZATTERA_PG_RESTORE_STANZA  the origin's stanza
 #      ZATTERA_PG_RESTORE_TARGET  "latest" or a timestamp PostgreSQL reads ("2026-12-02 17:00:00+00")
 set -eu
@@ -42,6 +44,19 @@ say() { printf '%s\n' "zattera-postgres: $*" >&2; }
 if [ "$(id -u)" = 0 ]; then
   say "PostgreSQL cannot run as root: run the agent with its sandbox (ZATTERA_AGENT_SANDBOX=on)"
   exit 78
+fi
+if [ ! -x "$BIN/postgres" ] || ! command -v pgbackrest >/dev/null 2>&1; then
+  say "no PostgreSQL server ($BIN/postgres) or pgbackrest here: add-ons run on the process runtime with the node's packages (make install-system), not yet under the docker runtime"
+  exit 78
+fi
+if [ -n "${ZATTERA_ADDON_RESTORE_SNAPSHOT:-}" ] && [ ! -s "$PGDATA/PG_VERSION" ]; then
+  # A fork from off-site: this backups volume was restored from a snapshot of the origin's. Its repository
+  # becomes origin-repo (restored from below, then removed); the origin's config, log and locks go.
+  if [ -d "$REPO/repo" ] && [ ! -e "$REPO/origin-repo" ]; then
+    mv "$REPO/repo" "$REPO/origin-repo"
+    rm -rf "$REPO/log" "$REPO/lock" "$REPO/spool" "$REPO/pgbackrest.conf" "$REPO/origin.conf"
+  fi
+  ZATTERA_PG_RESTORE_REPO="${ZATTERA_PG_RESTORE_REPO:-$REPO/origin-repo}"
 fi
 mkdir -p "$SOCK" "$REPO/repo" "$REPO/log" "$REPO/lock" "$REPO/spool"
 rm -f "$DATA/ready"  # left by a crash: not ready until this start says so
@@ -183,6 +198,12 @@ server_conf
 pg=$!
 trap 'kill -INT "$pg" 2>/dev/null' TERM INT
 wait_ready
+# Wake the checkpointer now that the server runs. PostgreSQL 15 starts it before recovery (after a crash, or
+# any start): when its loop comes round while the startup process has not yet marked recovery done, it sleeps
+# for checkpoint_timeout (5 min) without the archive_timeout term, and nothing written wakes it, so no WAL
+# segment is switched (nor archived) until then: the RPO bound is lost after a restart. A reload sets its
+# latch; it then sees recovery over and honours archive_timeout from here on (docs/addons.md).
+psql_local -d postgres -Atc 'select pg_reload_conf()' >/dev/null 2>&1 || say "could not wake the checkpointer"
 if [ "$first_start" = 1 ] || ! pgbackrest --config="$CONF" --stanza="$STANZA" info --output=json 2>/dev/null \
   | grep -q '"label"'; then
   pgbackrest --config="$CONF" --stanza="$STANZA" stanza-create >/dev/null 2>&1 || \
@@ -203,7 +224,9 @@ report
   # Scheduled base backups: a full one every interval, in the background of the server's life; the
   # archiver's progress reported every REPORT_INTERVAL seconds.
   next_backup=$(( $(date +%s) + BACKUP_INTERVAL ))
-  while sleep "${ZATTERA_PG_REPORT_INTERVAL:-60}"; do
+  # the sleep dies with this loop: nothing of it is left in the sandbox once the server is gone
+  trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+  while sleep "${ZATTERA_PG_REPORT_INTERVAL:-60}" & nap=$!; wait "$nap"; do
     if [ "$(date +%s)" -ge "$next_backup" ]; then
       pgbackrest --config="$CONF" --stanza="$STANZA" --type=full backup || say "scheduled base backup failed"
       next_backup=$(( $(date +%s) + BACKUP_INTERVAL ))

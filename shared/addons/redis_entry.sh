@@ -7,8 +7,8 @@
 #      HOST, PORT_REDIS      where to listen
 #      REDIS_PASSWORD        the password of the default user (sealed secret)
 #
-# Snapshots (the volume snapshot engine): the volume's pre-hook `sh zattera-bgsave.sh` (written into the
-# volume here) asks this script for a BGSAVE through a request file and waits until it completed, so the
+# Snapshots (the volume snapshot engine): the platform runs `sh zattera-bgsave.sh` (written into the
+# volume here) as the data volume's pre-hook when its policy sets none; it asks this script for a BGSAVE through a request file and waits until it completed, so the
 # snapshot holds a consistent dump.rdb beside the AOF.
 set -eu
 umask 077
@@ -18,6 +18,10 @@ PORT="${PORT_REDIS:-${PORT:-6379}}"
 LISTEN="${HOST:-127.0.0.1}"
 SOCK="$DATA/run/redis.sock"
 : "${REDIS_PASSWORD:?no password}"
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "zattera-redis: no redis-server here: add-ons run on the process runtime with the node's packages (make install-system), not yet under the docker runtime" >&2
+  exit 78
+fi
 mkdir -p "$DATA/run"
 
 cat >"$DATA/redis.conf" <<EOF
@@ -38,10 +42,17 @@ EOF
 
 cat >"$DATA/zattera-bgsave.sh" <<'EOF'
 #!/bin/sh
-# The snapshot pre-hook: ask the running server for a BGSAVE and wait for it (at most 5 minutes).
+# The snapshot pre-hook (set by the platform): ask the running server for a BGSAVE and wait for it (at
+# most 5 minutes). A request nobody takes within 10 s means no server runs: its files are at rest.
 set -eu
 rm -f bgsave.done bgsave.failed
 : >bgsave.request
+i=0
+while [ -e bgsave.request ]; do
+  i=$((i + 1))
+  if [ "$i" -gt 50 ]; then rm -f bgsave.request; echo "no Redis server running: its files are at rest" >&2; exit 0; fi
+  sleep 0.2
+done
 i=0
 until [ -e bgsave.done ]; do
   [ -e bgsave.failed ] && { echo "BGSAVE failed" >&2; exit 1; }

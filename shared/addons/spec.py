@@ -119,12 +119,18 @@ class Fork:
     origin_volume_id: str
     origin_stanza: str
     target: str
+    from_snapshot: str = ""
+    """Off-site: the snapshot of the origin's ``backups`` volume restored into the fork's own ``backups``
+    volume before its env was written (``origin_volume_id`` is then "": nothing to copy on the node)."""
 
 
 FORK_VOLUME_VAR = "ZATTERA_ADDON_RESTORE_VOLUME"
 """On a fork: the origin's ``backups`` volume id, which the node's agent copies (its ``repo``) into the
 fork's ``backups`` volume as ``origin-repo`` before the first start (services/agent/addon_env.py)."""
 ORIGIN_REPO_DIR = "origin-repo"
+FORK_SNAPSHOT_VAR = "ZATTERA_ADDON_RESTORE_SNAPSHOT"
+"""On a fork from off-site: the snapshot of the origin's ``backups`` volume its own ``backups`` volume was
+restored from (its ``repo`` becomes ``origin-repo`` at the first start: postgres_entry.sh)."""
 
 
 def database_url(engine: str, app: str, password: str) -> str:
@@ -190,11 +196,11 @@ def service_spec(
             "ZATTERA_PG_REPORT_INTERVAL": str(min(60, max(10, archive_timeout))),
         }
         if fork is not None:
-            vars |= {
-                FORK_VOLUME_VAR: fork.origin_volume_id,
-                "ZATTERA_PG_RESTORE_STANZA": fork.origin_stanza,
-                "ZATTERA_PG_RESTORE_TARGET": fork.target,
-            }
+            vars |= {"ZATTERA_PG_RESTORE_STANZA": fork.origin_stanza, "ZATTERA_PG_RESTORE_TARGET": fork.target}
+            if fork.origin_volume_id:
+                vars[FORK_VOLUME_VAR] = fork.origin_volume_id
+            if fork.from_snapshot:
+                vars[FORK_SNAPSHOT_VAR] = fork.from_snapshot
     else:
         # PING through the server's socket (an adopted instance's check runs without its secrets: the
         # server's NOAUTH answer is an answer too); the password only ever in the environment.
@@ -211,3 +217,15 @@ def addon_of(env: pb.Environment) -> tuple[str, str] | None:
     value = env.service.vars.get(ADDON_VAR, "")
     engine, _, version = value.partition(":")
     return (engine, version) if engine in ENGINES else None
+
+
+BGSAVE_HOOK = "sh zattera-bgsave.sh"
+"""The snapshot pre-hook of a Redis add-on's ``data`` volume (the script redis_entry.sh writes there)."""
+
+
+def platform_pre_hook(env: pb.Environment | None, volume: pb.Volume) -> str:
+    """The pre-hook the platform runs before a snapshot of ``volume`` when its policy sets none: for a Redis
+    add-on's ``data`` volume, a ``BGSAVE`` waited for (a consistent ``dump.rdb`` beside the AOF); else ""."""
+    if env is None or volume.name != DATA_VOLUME or env.meta.id != volume.environment_id:
+        return ""
+    return BGSAVE_HOOK if (addon_of(env) or ("", ""))[0] == REDIS else ""

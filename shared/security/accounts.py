@@ -21,6 +21,7 @@ from typing import Any
 from shared.security.permissions import (
     INBOX,
     JS,
+    MEMBER_ADMIN_SUBJECTS,
     ROLE_PERMISSIONS,
     Role,
 )
@@ -119,9 +120,14 @@ def response_type(subject: str) -> str:
     return "Stream" if subject.removeprefix(AUTHZ_PREFIX).startswith(STREAM_RESPONSES) else "Singleton"
 
 
+def _admin_subject(subject: str) -> bool:
+    return any(covers(pattern, subject) or pattern == subject for pattern in MEMBER_ADMIN_SUBJECTS)
+
+
 def authorised(account: Account, subject: str) -> bool:
-    """Members' state reads, stream infos and the events they publish go through the authorising path."""
-    return account is Account.MEMBERS and subject.startswith(AUTHORISED_READS)
+    """Members' reads, stream infos, the events they publish and the admins' cluster-wide subjects go through
+    the authorising path."""
+    return account is Account.MEMBERS and (subject.startswith(AUTHORISED_READS) or _admin_subject(subject))
 
 
 def relayed(account: Account, subject: str) -> bool:

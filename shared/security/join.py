@@ -56,7 +56,7 @@ from shared.security.permissions import (
 )
 from shared.security.relay import BATCH_PARTS_SUBJECT, Batches, batch_parts_handler, relay_handler
 from shared.security.views import open_cluster_view_handler, view_open_handler
-from shared.teams import TEAMS_EVENTS_SUBJECT, TEAMS_ISSUE_SUBJECT
+from shared.teams import TEAMS_EVENTS_SUBJECT, TEAMS_FEED_KEEP_SUBJECT, TEAMS_FEED_SUBJECT, TEAMS_ISSUE_SUBJECT
 
 if TYPE_CHECKING:
     from shared.security.machine_service import Machines
@@ -179,6 +179,9 @@ class JoinService:
                 await self._conn.nc.subscribe(f"{AUTHZ_PREFIX}>", queue="authz", cb=self._authz.read_handler()),
                 await self._conn.nc.subscribe(TEAMS_ISSUE_SUBJECT, queue="authz", cb=self._authz.issue_handler()),
                 await self._conn.nc.subscribe(TEAMS_EVENTS_SUBJECT, queue="authz", cb=self._authz.events_handler()),
+                await self._conn.nc.subscribe(TEAMS_FEED_SUBJECT, queue="authz", cb=self._authz.feed_handler()),
+                # Every join service: the one holding the feed acts on its keepalive.
+                await self._conn.nc.subscribe(TEAMS_FEED_KEEP_SUBJECT, cb=self._authz.keep_handler()),
             ]
         await self._conn.nc.flush()
         if self._machines is not None:
@@ -189,6 +192,8 @@ class JoinService:
         finally:
             for sub in subs:
                 await sub.unsubscribe()
+            if self._authz is not None:
+                await self._authz.stop()
 
     def _agents_account(self) -> str:
         agents = {issuer.account_public_key for role, issuer in self._issuers.items() if role in AGENT_ROLES}

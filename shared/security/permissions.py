@@ -28,13 +28,11 @@ from shared.console_users import USERS_BUCKET
 from shared.secrets import ROTATE_SUBJECT, open_subject
 from shared.subjects import (
     ACTIVATE_SUBJECT,
-    AUDIT_STREAM,
     BUILD_EVENTS_STREAM,
     BUILD_LOGS_STREAM,
     CLUSTER_REPLICAS_SUBJECT,
     EVENTS_STREAM,
     EVENTS_SUBJECT_PREFIX,
-    GITHOOKS_STREAM,
     IMAGES_STORE,
     LIVE_PREFIX,
     LIVE_STREAM,
@@ -48,7 +46,14 @@ from shared.subjects import (
     agent_subject,
     build_events_subject,
 )
-from shared.teams import TEAMS_BUCKET, TEAMS_EVENTS_SUBJECT, TEAMS_ISSUE_SUBJECT
+from shared.teams import (
+    PUSH_PREFIX,
+    TEAMS_BUCKET,
+    TEAMS_EVENTS_SUBJECT,
+    TEAMS_FEED_KEEP_SUBJECT,
+    TEAMS_FEED_SUBJECT,
+    TEAMS_ISSUE_SUBJECT,
+)
 from shared.watches import WATCH_OPEN_SUBJECT
 
 JOIN_SUBJECT = "zattera.join"
@@ -189,6 +194,9 @@ OPERATOR = Permissions(
         # `zattera volumes snapshot` / `restore` ask the volume's node directly (progress comes to the inbox).
         agent_subject("*", "snapshot"),
         agent_subject("*", "restore"),
+        # `zattera addons psql`: a session to a database's node, carried over NATS (shared/addons/tunnel.py).
+        agent_subject("*", "psql"),
+        agent_subject("*", "psql.*"),
         f"{JS}.INFO",
         f"{JS}.STREAM.NAMES",
         f"{JS}.STREAM.LIST",
@@ -308,21 +316,20 @@ PROXY = Permissions(
 """An ingress proxy: route snapshots, activation requests, its own heartbeat, certificates and HTTP-01
 answers (never the ACME account key)."""
 
-NOT_PULLED_BY_MEMBERS = (
-    STATE_STREAM,
-    LIVE_STREAM,
-    EVENTS_STREAM,
-    ROUTES_STREAM,
-    BUILD_LOGS_STREAM,
-    BUILD_EVENTS_STREAM,
-    GITHOOKS_STREAM,
-    AUDIT_STREAM,
-    JOIN_STREAM,
-    f"KV_{USERS_BUCKET}",
-    f"KV_{TEAMS_BUCKET}",
-    *(object_stream(store) for store in (SOURCES_STORE, IMAGES_STORE, SNAPSHOTS_STORE)),
+MEMBER_ADMIN_SUBJECTS = (
+    JOIN_ISSUE_SUBJECT,  # `zattera nodes join-token`
+    JOIN_REMOVE_SUBJECT,  # `zattera nodes remove`
+    CLUSTER_REPLICAS_SUBJECT,  # `zattera cluster replicas N`
+    ROTATE_SUBJECT,  # `zattera secrets rotate-key` (the cluster key)
+    TEAMS_ISSUE_SUBJECT,  # `zattera users add` / `tokens create`
+    f"$KV.{TEAMS_BUCKET}.>",  # `zattera users|grants|tokens`
+    f"$KV.{USERS_BUCKET}.>",  # `zattera console add-user|remove-user`
+    f"{JS}.STREAM.NAMES",
+    f"{JS}.STREAM.LIST",
 )
-"""Every stream but the environments' log streams: a member pulls only the log watches control opened for it."""
+"""The cluster-wide subjects a member may publish: its import renames them to ``zattera.authz.…`` and the
+authorising path passes them on only for an **admin** user (``users add --admin``), read at every request;
+anyone else is answered ``not authorised`` (docs/teams.md)."""
 
 MEMBER = Permissions(
     pub_allow=(
@@ -330,35 +337,34 @@ MEMBER = Permissions(
         f"{STATE_PREFIX}>",
         f"{JS}.INFO",
         # Renamed by the MEMBERS account's import to ``zattera.authz.…``: the authorising path answers them with
-        # what the caller's grants let it read (shared/security/authz.py).
+        # what the caller's grants let it read (shared/security/authz.py): the state's keys of its projects, the
+        # sources store, and every stream for an admin.
         f"{JS}.STREAM.INFO.*",
-        f"{JS}.DIRECT.GET.{STATE_STREAM}",
-        f"{JS}.DIRECT.GET.{STATE_STREAM}.>",
+        f"{JS}.DIRECT.GET.*",
+        f"{JS}.DIRECT.GET.*.>",
         # The events its commands announce (renamed too: the event's project must be one it may change)…
         f"{EVENTS_SUBJECT_PREFIX}>",
         # …and its projects' events, a page at a time (the stream cannot be filtered by project).
         TEAMS_EVENTS_SUBJECT,
-        # Logs: control opens the watch only for a granted environment; the pull names the random consumer.
-        WATCH_OPEN_SUBJECT,
-        pull("*", "*"),
-        f"{JS}.CONSUMER.INFO.*.*",
+        # What it follows (state changes, events, logs) is pushed by the authorising path after the check, on
+        # ``zattera.push.<its user key>.<feed>`` (below): a member pulls no consumer at all, so no drain's,
+        # agent's view or other durable consumer is within its reach, whatever its name.
+        TEAMS_FEED_SUBJECT,
+        TEAMS_FEED_KEEP_SUBJECT,
+        WATCH_OPEN_SUBJECT,  # answered: members follow through the feed
         # `zattera deploy DIR` uploads its source (content-addressed; deploying it is what the grant checks).
         *read_object_store(SOURCES_STORE),
         *write_object_store(SOURCES_STORE),
+        *MEMBER_ADMIN_SUBJECTS,
     ),
-    # No leases; no pull or consumer info but on log streams: other streams have consumers with guessable
-    # names (agents' views, drains' `drain_<name>`, `githooks`) whose messages are not the member's. A stream
-    # added later with a durable consumer must be listed in NOT_PULLED_BY_MEMBERS.
-    pub_deny=(
-        f"{STATE_PREFIX}lease.>",
-        *(pull(stream, "*") for stream in NOT_PULLED_BY_MEMBERS),
-        *(f"{JS}.CONSUMER.INFO.{stream}.*" for stream in NOT_PULLED_BY_MEMBERS),
-    ),
-    sub_allow=(INBOX,),
+    # No leases (the relay refuses them too).
+    pub_deny=(f"{STATE_PREFIX}lease.>",),
+    sub_allow=(INBOX, f"{PUSH_PREFIX}{{{{subject()}}}}.>"),
 )
 """A team member or API token: its identity only. Everything it may publish is either checked on the control
-side against its grants (state writes by the relay; state reads, stream info and watches by the authorising
-path) or a pull of a consumer control opened for it."""
+side against its grants (state writes by the relay; reads, stream infos, feeds and the admins' cluster-wide
+subjects by the authorising path) or a content-addressed source upload; it subscribes to its inbox and its own
+pushed feeds only."""
 
 JOIN = Permissions(pub_allow=(JOIN_SUBJECT,), sub_allow=("_INBOX.>",), extra={"bearer_token": True})
 """The public join sentinel (account JOIN, which sees nothing of ZATTERA but the imported join service)."""

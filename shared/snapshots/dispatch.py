@@ -30,6 +30,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared.actions.refusals import NotFound
+from shared.addons.spec import platform_pre_hook
 from shared.clock import Clock, stamp
 from shared.connection import Connection
 from shared.ids import new_id
@@ -195,7 +196,9 @@ class SnapshotDispatcher:
         request = cpb.SnapshotVolumeRequest(
             volume=volume,
             snapshot=record,
-            pre_hook_command=volume.snapshot_policy.pre_hook,
+            # a policy's own hook, else the platform's (a Redis add-on's BGSAVE: shared/addons/spec.py)
+            pre_hook_command=volume.snapshot_policy.pre_hook
+            or platform_pre_hook(self.view.env(volume.environment_id), volume),
             pre_hook_container_id=holder_assignment(self.view, volume),
             target=self.target,
         )

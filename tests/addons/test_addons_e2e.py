@@ -247,28 +247,52 @@ async def test_a_replica_restart_loses_no_committed_row(cluster: E2ECluster) -> 
         process.kill()
     await eventually(lambda: _answers(cluster, "select count(*) from entries", ["101"]), 180, "the rows after a crash")
     assert (await _info(cluster, "ledger"))["node_id"] == info["node_id"]
-    # the operator's psql on the node, through the server's socket (no password anywhere)
+    # the operator's psql, carried over NATS to the server's socket on its node (no password anywhere)
     assert "101" in await _psql(cluster, "select count(*) from entries;")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known issue (intermittent, 2 of 3 runs): in this harness, after the crash above the restarted"
-    " server leaves its next completed"
-    " segment .ready and unarchived (pg_stat_archiver: no attempt) — not reproduced with the same crash in a"
-    " bwrap sandbox outside the agent; not root-caused (docs/addons.md, 'Known issues')",
-)
 async def test_archiving_goes_on_after_the_crash(cluster: E2ECluster) -> None:
     await _rows(cluster, "insert into entries values ('after-restart')")
     written = time.time()
-    await eventually(lambda: _window_reaches(cluster, written), 90, "archiving after the crash")
+    try:
+        await eventually(lambda: _window_reaches(cluster, written), 90, "archiving after the crash")
+    except AssertionError:
+        raise AssertionError(await _archiver_diagnosis(cluster)) from None
+
+
+async def _archiver_diagnosis(cluster: E2ECluster) -> str:
+    out = ["PROCESSES"]
+    for p in psutil.process_iter(["pid", "ppid", "name", "cmdline", "status", "create_time"]):
+        line = " ".join(p.info["cmdline"] or [p.info["name"] or ""])
+        if any(w in line for w in ("postgres", "pgbackrest", "bwrap", "zattera-addon")):
+            out.append(f"{p.info['pid']} {p.info['ppid']} {p.info['status']} {p.info['create_time']:.1f} {line[:200]}")
+    out.append(
+        await _psql(
+            cluster,
+            "select now(), pg_postmaster_start_time(), pg_current_wal_lsn(), pg_walfile_name(pg_current_wal_lsn()),"
+            " current_setting('archive_timeout'), current_setting('archive_mode'), * from pg_stat_archiver;"
+            " select pid, backend_type, wait_event_type, wait_event, state, backend_start from pg_stat_activity;",
+        )
+    )
+    for path in sorted(cluster.root.rglob("pg_wal")):
+        if "backup" in path.parts or "repo" in path.parts:
+            continue
+        out.append(f"WAL {path}")
+        for f in sorted(path.rglob("*")):
+            stat = f.stat()
+            out.append(f"  {f.relative_to(path)} {stat.st_size} {stat.st_mtime:.1f}")
+    for path in sorted(cluster.root.rglob("*.log")):
+        if "log" in path.parent.name and "archive" in path.name:
+            out += [f"LOG {path}", *path.read_text(errors="replace").splitlines()[-30:]]
+    logs = await cluster.acli("logs", "--env", "shop/ledger/db", "-n", "400", check=False)
+    out += ["SERVER LOG", *[ln for ln in logs.stdout.splitlines() if "zattera-addon-" not in ln][-80:]]
+    return "\n".join(out)
 
 
 async def _psql(cluster: E2ECluster, query: str) -> str:
-    agents = [arg for node in cluster.nodes for arg in ("--agent-dir", str(cluster.root / f"agent-{node}"))]
     session = await asyncio.to_thread(
         subprocess.run,
-        [*cli_argv(), "addons", "psql", "ledger", "--project", "shop", *agents],
+        [*cli_argv(), "addons", "psql", "ledger", "--project", "shop"],
         input=query + "\n",
         env=cluster.cli_env(),
         capture_output=True,

@@ -15,7 +15,8 @@ from shared import history_read as HR
 from shared.events import EventPublisher, event_for_env
 from shared.loop import LoopDeps
 from tests.autoscale.conftest import Harness
-from tests.autoscale.helpers import base_objects, node_beat, proxy_beat, running, scaled_env
+from tests.autoscale.helpers import REL, base_objects, node_beat, proxy_beat, running, scaled_env
+from tests.factories import assignment
 from tests.waiting import eventually
 
 BUCKET = 1_700_000_100.0  # a 5-min boundary
@@ -132,3 +133,39 @@ async def test_a_running_term_writes_one_point_per_slot_on_the_clock(h: Harness)
         term.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await term
+
+
+async def test_two_replicas_are_kept_per_replica_and_a_stopped_ones_series_ends(h: Harness) -> None:
+    """Two replicas of an env on two nodes report their usage in their nodes' heartbeats; the loop keeps a
+    series per replica (labelled by node and release version) beside the env's sums, downsampled at the 5-min
+    boundary; the replica that stops has no point after it stopped."""
+    h.clock.set(BUCKET)
+    second = assignment("n2", "env1", REL, assignment_id="env1-a1")
+    await h.seed(*base_objects(scaled_env(min_replicas=2), [*running(1), second]))
+    loop = await recorder(h)
+    try:
+        for step in range(32):
+            now = h.clock.now()
+            await h.beat(node_beat(now, "n1", instances={"env1-a0": (20.0, 100 << 20)}))
+            await h.beat(node_beat(now, "n2", instances={"env1-a1": (60.0, 300 << 20)} if step < 20 else {}))
+            await loop.pass_once()
+            h.clock.set(now + 10)
+        raw = await HR.read_points(h.conn.nc, H.RAW, H.ENV, "env1", BUCKET - 10)
+        assert len(raw) == 31
+        assert [(r.id, r.node, r.version) for r in raw[0].replicas] == [("env1-a0", "n1", 1), ("env1-a1", "n2", 1)]
+        assert [r.node for r in raw[1].replicas] == ["", ""]  # labels once, not in every point
+        assert raw[0].cpu_percent == 80.0 and raw[0].memory_bytes == 400 << 20  # the sums as before
+        assert [r.id for r in raw[30].replicas] == ["env1-a0"]
+        down = await HR.read_points(h.conn.nc, H.DOWN, H.ENV, "env1", BUCKET)
+        replicas = {r.id: r for r in down[0].replicas}
+        assert replicas["env1-a1"].cpu_percent == 60.0 and replicas["env1-a1"].samples == 19
+        assert replicas["env1-a0"].samples == 30 and replicas["env1-a0"].node == "n1"
+        series = HR.replica_series(await HR.history(h.conn.nc, H.ENV, "env1", 600, h.clock.now()))
+        by_label = {s.label: s for s in series}
+        assert set(by_label) == {"env1-a0 v1 on n1", "env1-a1 v1 on n2"}
+        stopped = by_label["env1-a1 v1 on n2"]
+        known = [i for i, v in enumerate(stopped.cpu_percent) if v is not None]
+        assert len(known) == 19 and known == list(range(known[0], known[0] + 19))  # one run, then it ends
+        assert stopped.last_seen < by_label["env1-a0 v1 on n1"].last_seen
+    finally:
+        await loop.end_term()

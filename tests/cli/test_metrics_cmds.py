@@ -61,3 +61,38 @@ def test_bad_metrics_options_name_the_option(cli: Invoke) -> None:
     assert both.exit_code == 2 and "exactly one of --env, --node or --proxy" in both.output
     missing = cli("metrics", "--env", "no/such/env")
     assert missing.exit_code == 1 and "--env: no environment 'no/such/env'" in missing.output
+
+
+def seed_replica_points(nats_url: str) -> str:
+    async def go(conn: Any, view: StateView, writer: Writer) -> str:
+        env_id = the_env(view).meta.id
+        await H.ensure_streams(conn.js, 1)
+        now = int(time.time() // 10 * 10)
+        for i in range(30):
+            point = cpb.MetricPoint(time=now - 310 + 10 * i, span=10, running=2)
+            point.replicas.add(id="AAAAAAA1", cpu_percent=10.0 + i, memory_bytes=64 << 20, node="n1", version=3)
+            if i < 10:
+                point.replicas.add(id="BBBBBBB2", cpu_percent=5.0, memory_bytes=32 << 20, node="n2", version=2)
+            await conn.js.publish(H.subject(H.RAW, H.ENV, env_id), point.SerializeToString())
+        return env_id
+
+    return str(state(nats_url, go))
+
+
+def test_metrics_per_replica(cli: Invoke, applied: Path, nats_url: str) -> None:
+    env_id = seed_replica_points(nats_url)
+    shown = cli("metrics", "--env", ENV, "--since", "10m", "--replicas")
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    assert "CPU and memory per replica" in lines[0]
+    running = next(line for line in lines if line.startswith("…AAAAAAA1 v3 on n1"))
+    assert "cpu %" in running and "39.0" in running and "█" in running
+    stopped = next(line for line in lines if line.startswith("…BBBBBBB2 v2 on n2 (stopped)"))
+    assert "5.0" in stopped
+    assert any(line.strip().startswith("memory MiB") and " 64 " in line for line in lines)
+    as_json = json.loads(cli("metrics", "--env", env_id, "--since", "10m", "--replicas", "--json").stdout)
+    assert as_json["name"] == ENV and as_json["span"] == 10 and as_json["replicas_left_out"] == 0
+    assert [r["label"] for r in as_json["replicas"]] == ["…AAAAAAA1 v3 on n1", "…BBBBBBB2 v2 on n2"]
+    assert max(v for v in as_json["replicas"][0]["cpu_percent"] if v is not None) == 39.0
+    bad = cli("metrics", "--node", "n1", "--replicas")
+    assert bad.exit_code == 2 and "--replicas: per-replica series are kept for an env only" in bad.output

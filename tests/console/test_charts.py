@@ -10,6 +10,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.console import charts
 from shared import history as H
+from shared import history_read as HR
 from shared.connection import Connection
 from tests.console.rig import ADMIN_USER, ENV_ID, Running
 from tests.console.test_auth import client, log_in
@@ -96,3 +97,61 @@ async def test_env_node_and_overview_pages_show_the_history(console: Running, co
             over = await overview.text()
         spark = re.search(r'<svg class="spark"[^>]*data-requests="([\d.]+)"', over)
         assert spark is not None and abs(float(spark.group(1)) - 40.0) < 0.5
+
+
+async def seed_replicas(conn: Connection) -> None:
+    """An hour of the env's 10-s points with three replicas: two on n1 throughout, one on n2 that stopped; the
+    first labelled at each 5-min bucket's start only (as the recorder writes them)."""
+    await H.ensure_streams(conn.js, 1)
+    start = H.bucket_of(time.time() - 3700, 10)
+    for i in range(372):
+        point = cpb.MetricPoint(time=start + 10 * i, span=10, running=3, cpu_percent=70.0, memory_bytes=600 << 20)
+        point.replicas.add(
+            id="AAAAAAA1", cpu_percent=20.0, memory_bytes=100 << 20, node="n1" if (start + 10 * i) % 300 == 0 else ""
+        )
+        point.replicas.add(id="BBBBBBB2", cpu_percent=30.0, memory_bytes=200 << 20, node="n1", version=2)
+        if i < 200:
+            point.replicas.add(id="CCCCCCC3", cpu_percent=20.0, memory_bytes=300 << 20, node="n2", version=1)
+        await conn.js.publish(H.subject(H.RAW, H.ENV, ENV_ID), point.SerializeToString())
+
+
+async def test_the_env_page_draws_one_line_per_replica(console: Running, conn: Connection) -> None:
+    await seed_replicas(conn)
+    async with client() as http:
+        await log_in(http, console.url, ADMIN_USER)
+        async with http.get(f"{console.url}/env/{ENV_ID}") as page:
+            html = await page.text()
+        assert page.status == 200
+        for chart_id in ("chart-replica-cpu", "chart-replica-memory"):
+            figure = re.search(rf'<figure class="chart" id="{chart_id}">.*?</figure>', html, re.S)
+            assert figure is not None
+            lines = re.findall(r'<g class="series (s-r\d)" data-label="([^"]+)"', figure.group(0))
+            assert lines == [
+                ("s-r0", "…AAAAAAA1 on n1"),
+                ("s-r1", "…BBBBBBB2 v2 on n1"),
+                ("s-r2", "…CCCCCCC3 v1 on n2"),
+            ]
+        cpu = re.search(r'data-label="…BBBBBBB2 v2 on n1" data-mean="([\d.]+)"', html)
+        assert cpu is not None and float(cpu.group(1)) == 30.0
+        memory = re.search(
+            r'id="chart-replica-memory".*?data-label="…CCCCCCC3 v1 on n2" data-mean="([\d.]+)"', html, re.S
+        )
+        assert memory is not None and float(memory.group(1)) == 300.0
+        async with http.get(f"{console.url}/api/env/{ENV_ID}/metrics?window=1h") as api:
+            body = await api.json()
+        stopped = next(r for r in body["replicas"] if r["id"] == "CCCCCCC3")
+        assert stopped["node"] == "n2" and stopped["memory_bytes"][-1] is None  # its series ended
+        assert max(v for v in stopped["memory_bytes"] if v is not None) == 300 << 20
+
+
+def test_replica_lines_are_capped_and_the_caption_says_so() -> None:
+    slots: list[tuple[int, cpb.MetricPoint | None]] = []
+    for i in range(3):
+        point = cpb.MetricPoint(time=1_000_000 + 10 * i, span=10)
+        for r in range(11):
+            point.replicas.add(id=f"R{r:07d}", cpu_percent=float(r), memory_bytes=1 << 20)
+        slots.append((point.time, point))
+    history = HR.History(H.ENV, "e", 1_000_000, 1_000_030, 10, slots, [])
+    cpu_chart = str(charts.env_charts(history, 3600)[-2])
+    assert cpu_chart.count('<g class="series s-r') == 8
+    assert "8 of 11 replicas drawn" in cpu_chart and "…R0000010" in cpu_chart and "…R0000002" not in cpu_chart

@@ -178,6 +178,7 @@ async def test_env_chart_shows_the_generated_rate_errors_and_the_deploy(
         assert env is not None and healthy(view, env.meta.id)
         env_id = env.meta.id
         node_id = healthy(view, env_id)[0].node_id
+        replica_ids = {H.replica_id(a.meta.id): a.node_id for a in healthy(view, env_id)}
 
     async def served() -> bool:
         return (await cluster.get(PROD_HOST))[0] == 200 and (await cluster.get(PROD_HOST, "/error"))[0] == 500
@@ -210,6 +211,12 @@ async def test_env_chart_shows_the_generated_rate_errors_and_the_deploy(
             assert abs(rate - sent_rate) <= 0.1 * sent_rate, (t, rate, sent_rate, series["series"]["rps"])
             errors_per_s = series["series"]["responses_5xx"][slots[t]] / 10
             assert abs(errors_per_s - RATE_ERRORS) <= 0.2 * RATE_ERRORS + 0.2, (t, errors_per_s)
+        # Per replica: each replica's CPU and memory series, labelled by its node and release version.
+        per_replica = {r["id"]: r for r in series["replicas"]}
+        assert set(per_replica) == set(replica_ids), (per_replica.keys(), replica_ids)
+        for rid, node in replica_ids.items():
+            assert per_replica[rid]["node"] == node and per_replica[rid]["version"] >= 1, per_replica[rid]
+            assert any(v for v in per_replica[rid]["memory_bytes"] if v is not None), per_replica[rid]
         marks = [m for m in series["marks"] if m["kind"].startswith("deploy.")]
         assert marks and any(deploy_started - 1 <= m["time"] <= deploy_ended + 15 for m in marks), marks
 
@@ -234,6 +241,12 @@ async def test_env_chart_shows_the_generated_rate_errors_and_the_deploy(
             for t in await chart.locator("g.mark-deploy").evaluate_all("ms => ms.map(m => m.dataset.time)")
         ]
         assert any(deploy_started - 1 <= t <= deploy_ended + 15 for t in drawn), drawn
+        replica_lines = page.locator("#chart-replica-memory g.series")
+        await expect(replica_lines).to_have_count(len(replica_ids))
+        labels = await replica_lines.evaluate_all("gs => gs.map(g => g.dataset.label)")
+        assert sorted(labels) == sorted(
+            f"…{rid} v{per_replica[rid]['version']} on {n}" for rid, n in replica_ids.items()
+        )
         assert await page.evaluate("document.documentElement.scrollWidth") <= 1400
         await page.screenshot(path=ARTIFACTS / "history-env-desktop.png", full_page=True)
         # Ids are short; Enter on one shows the whole id (keyboard).

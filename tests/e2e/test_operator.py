@@ -223,8 +223,14 @@ async def test_delete_refuses_without_yes_then_leaves_no_replica_route_or_domain
         await eventually(
             lambda: not [d for d in view.deployments() if d.environment_id in env_ids], 30, "deployments cleaned up"
         )
-    status, _ = await cluster.get(HOST)
-    assert status == 404
+
+    # The proxy applies the route snapshot after it is written (HAProxy drops the host's backend at run
+    # time), so its answer follows the snapshot within a moment rather than at once.
+    async def not_found() -> bool:
+        status, _ = await cluster.get(HOST)
+        return status == 404
+
+    await eventually(not_found, 10, "the proxy answers 404 for the deleted app's host")
     events = await cluster.acli("events", "--json", "--kind", "env.deleted")
     assert events.stdout.count('"kind": "env.deleted"') == 2
     failed = await cluster.acli("events", "--json", "--kind", "deploy.failed")

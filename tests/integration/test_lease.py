@@ -19,7 +19,7 @@ TTL = 1.0
 RENEW = 0.3
 
 
-def spawn(nats_url: str, out: Path) -> subprocess.Popen[bytes]:
+def spawn(nats_url: str, out: Path, ttl: float = TTL) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -30,7 +30,7 @@ def spawn(nats_url: str, out: Path) -> subprocess.Popen[bytes]:
             "--out",
             str(out),
             "--ttl",
-            str(TTL),
+            str(ttl),
             "--renew",
             str(RENEW),
         ],
@@ -73,6 +73,66 @@ async def test_failover_after_sigkill_is_bounded_by_ttl_plus_renew(nats_url, tmp
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+async def test_a_sigkilled_holder_is_replaced_through_its_probe_long_before_its_ttl(nats_url, tmp_path):
+    """With a 30-s TTL only the probe can explain a takeover within seconds: the killed holder's connection
+    is closed, so NATS answers "no responders" on its probe subject."""
+    out = tmp_path / "events.jsonl"
+    procs = [spawn(nats_url, out, ttl=30), spawn(nats_url, out, ttl=30)]
+    try:
+        await eventually(lambda: len(leads(out)) == 1, timeout=20, what="a first leader")
+        first = leads(out)[0]
+        await eventually(lambda: any(e["ev"] == "write" and e["ok"] for e in events(out)), timeout=10)
+        leader = next(p for p in procs if p.pid == first["pid"])
+        killed_at = time.time()
+        os.kill(leader.pid, signal.SIGKILL)
+        leader.wait()
+        await eventually(lambda: len(leads(out)) == 2, timeout=15, what="a second leader before the 30-s TTL")
+        second = leads(out)[1]
+        assert second["pid"] != first["pid"] and second["term"] > first["term"]
+        assert second["t"] - killed_at < 10, "taken over by the probe, not by the TTL"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+async def test_a_frozen_holder_is_not_taken_for_a_gone_one(nats_url, tmp_path, conn):
+    """A holder that cannot answer (stopped, as a starved event loop would be) is still connected: its probe
+    times out instead of "no responders", so a standby leaves the lease to its TTL."""
+    out = tmp_path / "events.jsonl"
+    proc = spawn(nats_url, out, ttl=30)
+    try:
+        await eventually(lambda: len(leads(out)) == 1, timeout=20, what="a leader")
+        await eventually(lambda: any(e["ev"] == "write" and e["ok"] for e in events(out)), timeout=10)
+        os.kill(proc.pid, signal.SIGSTOP)
+        standby = Lease(conn, "contended", "standby", ttl=30)
+        for _ in range(3):
+            assert not await standby.try_acquire(), "a frozen holder was deposed by a probe"
+        assert standby.standby_pause(standby.last_seen) == standby.probe_interval
+        os.kill(proc.pid, signal.SIGCONT)
+        writes = len([e for e in events(out) if e["ev"] == "write" and e["ok"]])
+        await eventually(
+            lambda: len([e for e in events(out) if e["ev"] == "write" and e["ok"]]) > writes + 2, 10, "writes resume"
+        )
+        assert len(leads(out)) == 1 and not [e for e in events(out) if e["ev"] == "lost"]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
+async def test_a_holder_that_answers_no_probe_is_left_to_its_ttl(conn):
+    """A lease written without a probe subject (a holder of an older version) is never taken over early."""
+    old = Lease(conn, "u", "old", ttl=30)
+    assert await old.try_acquire()
+    standby = Lease(conn, "u", "new", ttl=30)
+    assert not await standby.try_acquire()
+    assert standby.standby_pause(standby.last_seen) == standby.renew_interval
+    await old.release()
 
 
 async def test_two_processes_never_lead_in_the_same_term_and_no_deposed_write_lands(nats_url, tmp_path, conn):

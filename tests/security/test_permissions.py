@@ -13,7 +13,14 @@ from shared.connection import Connection, connect
 from shared.secrets import ROTATE_SUBJECT, open_subject
 from shared.security.join import JoinService
 from shared.security.permissions import Role
-from shared.subjects import LIVE_PREFIX, ROUTES_SNAPSHOT_SUBJECT, STATE_PREFIX, STATE_STREAM, agent_subject
+from shared.subjects import (
+    LEASE_PROBE_PREFIX,
+    LIVE_PREFIX,
+    ROUTES_SNAPSHOT_SUBJECT,
+    STATE_PREFIX,
+    STATE_STREAM,
+    agent_subject,
+)
 from tests.security.conftest import ConnectAs, SecureCluster
 
 CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)
@@ -153,6 +160,18 @@ async def test_operator_writes_desired_state_but_not_leases(connect_as: ConnectA
     assert await operator.refusal() == publish_refused(f"{STATE_PREFIX}lease.scheduler")
 
 
+@pytest.mark.parametrize("role", [Role.OPERATOR, Role.AGENT, Role.BUILDER, Role.PROXY])
+async def test_only_control_answers_or_asks_a_leaders_probe(connect_as: ConnectAs, role: Role) -> None:
+    """An answer on a holder's probe subject would keep a dead leader's lease to its TTL, a probe costs the
+    leader work: both are control's alone."""
+    client = await connect_as(role, "p1" if role is Role.PROXY else NODE)
+    probe = f"{LEASE_PROBE_PREFIX}01HOLDER"
+    await client.nc.subscribe(probe)
+    assert await client.refusal() == f'nats: permissions violation for subscription to "{probe.lower()}"'
+    await client.nc.publish(probe, b"", reply=client.nc.new_inbox())
+    assert await client.refusal() == publish_refused(probe)
+
+
 async def test_an_agent_cannot_write_another_nodes_key_through_a_reply_subject(
     connect_as: ConnectAs, control: Connection, join_service: JoinService
 ) -> None:
@@ -186,3 +205,20 @@ async def test_an_agent_asks_for_secrets_only_on_its_own_node_subject(
     assert await agent.refusal() == publish_refused(open_subject("n2"))
     await agent.nc.publish(ROTATE_SUBJECT, b"")
     assert await agent.refusal() == publish_refused(ROTATE_SUBJECT)
+
+
+@pytest.mark.parametrize(
+    "api",
+    [
+        # A log drain's durable consumer on a log stream (the member's own environment's or any): a member pulls
+        # no consumer at all — what it follows is pushed by the authorising path (docs/teams.md).
+        "$JS.API.CONSUMER.MSG.NEXT.ZATTERA_LOGS_e1.drain_datadog",
+        "$JS.API.CONSUMER.INFO.ZATTERA_LOGS_e1.drain_datadog",
+        "$JS.API.CONSUMER.MSG.NEXT.ZATTERA_LOGS_e1.watch-0123456789abcdef0123",
+        f"$JS.API.CONSUMER.MSG.NEXT.{STATE_STREAM}.view-{NODE}",
+    ],
+)
+async def test_a_member_pulls_no_consumer(connect_as: ConnectAs, api: str) -> None:
+    member = await connect_as(Role.MEMBER, "vera")
+    await member.nc.publish(api, b"{}", reply=member.nc.new_inbox())
+    assert await member.refusal() == publish_refused(api)

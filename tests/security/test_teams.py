@@ -14,7 +14,6 @@ import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import nats.errors
 import pytest
 from nats.js.errors import APIError, NotFoundError
 from zattera.cluster.v1 import cluster_pb2 as cpb
@@ -45,6 +44,8 @@ from shared.teams import (
     encode_token,
     hash_token,
     issue_member_creds,
+    load_user,
+    push_subject,
     save_token,
     save_user,
     token_key,
@@ -57,6 +58,7 @@ from tests.e2e.cluster import cli_argv
 from tests.security.conftest import ConnectAs, ManualClock, SecureCluster
 from tests.security.test_permissions import publish_refused
 
+CLUSTER_TOO = True  # also on a secured three-server cluster (conftest.py): feeds, imports and replies cross routes
 PA, PB = "p-alpha", "p-beta"
 APP_A, APP_B = "a-alpha", "a-beta"
 ENV_A, ENV_B = "e-alpha", "e-beta"
@@ -208,6 +210,8 @@ async def test_logs_are_followed_for_granted_environments_only(
     assert info.state.messages >= 1
     with pytest.raises(BadWatch, match="not authorised"):
         await open_watch(viewer, WatchSpec(app_logs_stream(ENV_B), (app_log_subject(ENV_B, "*"),), "all"))
+    with pytest.raises(BadWatch, match="not authorised: stream"):  # nor pushed to it
+        await follow(viewer, WatchSpec(app_logs_stream(ENV_B), (app_log_subject(ENV_B, "*"),), "all"))
     with pytest.raises(APIError, match="not authorised"):
         await viewer.js.stream_info(app_logs_stream(ENV_B))
     # Neither events nor the state stream are followed by members (their payloads are not filtered).
@@ -247,6 +251,9 @@ async def test_a_deployer_changes_its_projects_environments_only(
     assert await stored(control, K.app(APP_A)) is not None
     # Config: a secret of its project, set and deleted.
     assert (await write(dora, K.secret("s-new"), K.encode(secret("s-new", ENV_A, PA)))).get("seq")
+    # Read at once after its write: the authorising path's index answers only once it holds the stream's last
+    # revision (read-your-writes).
+    assert K.secret("s-new") in await visible_keys(dora)
     assert (await write(dora, K.secret("s-new"), None)).get("seq")
     assert refused(await write(dora, K.secret("s-b"), None), PB)
 
@@ -268,10 +275,10 @@ async def test_raw_subjects_outside_the_members_permissions_are_refused(
 ) -> None:
     raw = await connect_as(Role.MEMBER, "vera")
     for subject in (
-        JOIN_ISSUE_SUBJECT,
-        TEAMS_ISSUE_SUBJECT,
-        f"$KV.{'zattera-teams'}.user.vera",
         f"$JS.API.CONSUMER.MSG.NEXT.{STATE_STREAM}.view-n1",
+        # A member pulls no consumer at all, not even on its own environment's log stream (a drain's).
+        f"$JS.API.CONSUMER.MSG.NEXT.{app_logs_stream(ENV_A)}.drain_datadog",
+        f"$JS.API.CONSUMER.INFO.{app_logs_stream(ENV_A)}.drain_datadog",
         f"$JS.API.CONSUMER.MSG.NEXT.{EVENTS_STREAM}.drain_datadog",  # a drain's durable consumer: not its
         "$JS.API.CONSUMER.MSG.NEXT.ZATTERA_GITHOOKS.githooks",
         "$JS.API.CONSUMER.INFO.ZATTERA_AUDIT.x",
@@ -283,6 +290,11 @@ async def test_raw_subjects_outside_the_members_permissions_are_refused(
         assert await raw.refusal() == publish_refused(subject)
     await raw.nc.subscribe("zattera.events.>")
     assert "permissions violation for subscription" in await raw.refusal()
+    # Its own pushed feeds only: another member's (or every) push subject is refused.
+    other = str(decode_claims(read_user_jwt(team.members["olive"]))["sub"])
+    for subject in (push_subject(other, "x"), "zattera.push.>"):
+        await raw.nc.subscribe(subject)
+        assert "permissions violation for subscription" in await raw.refusal()
 
 
 # ----------------------------------------------------------------------------------------------- tokens
@@ -351,8 +363,8 @@ async def test_a_removed_user_is_refused_at_its_next_request(
 
 
 async def test_only_admins_get_member_credentials(member: dict[str, Connection], control: Connection) -> None:
-    with pytest.raises(nats.errors.Error):  # not even published: the member account does not import it
-        await member["olive"].nc.request(TEAMS_ISSUE_SUBJECT, b'{"name": "x"}', timeout=1)
+    answer = await member["olive"].nc.request(TEAMS_ISSUE_SUBJECT, b'{"name": "x"}', timeout=5)
+    assert "not authorised" in answer.data.decode() and "creds" not in json.loads(answer.data)
     creds, key = await issue_member_creds(control.nc, "someone")
     assert key.startswith("U") and "NKEY" in creds
 
@@ -543,3 +555,125 @@ async def test_a_member_deploys_and_follows_its_deployment(
     result = await asyncio.wait_for(command, 60)
     assert result.returncode == 0, result.stderr
     assert "promoted" in result.stderr
+
+
+# ------------------------------------------------------------------------------------------- admins (issue 39)
+
+
+async def test_an_admin_member_does_the_cluster_wide_actions_until_its_flag_is_removed(
+    secure: SecureCluster, control: Connection, member: dict[str, Connection]
+) -> None:
+    """``users add --admin``: one identity of the same kind (a member credential), authorised for every project
+    and the cluster-wide actions by the same path, from its record read at each request."""
+    path = member_creds(secure, "ada")
+    key = str(decode_claims(read_user_jwt(path))["sub"])
+    await save_user(control.js, User("ada", key, True, {}))
+    ada = await connect(secure.url, name="member-ada", creds=path)
+    vera = member["vera"]
+    try:
+        # Every project, and the cluster's keys.
+        assert {K.env(ENV_A), K.env(ENV_B), K.secret("s-b")} <= await visible_keys(ada)
+        assert (await write(ada, K.node("n9"), b"cordoned")).get("seq")
+        assert (await write(ada, K.project("p-new"), K.encode(project("p-new", "new")))).get("seq")
+        # Users, grants and tokens: the teams bucket and member credentials.
+        await save_user(ada.js, User("newbie", "", False, {PA: VIEWER}))
+        assert await load_user(control.js, "newbie") is not None
+        _, newbie_key = await issue_member_creds(ada.nc, "newbie")
+        assert newbie_key.startswith("U")
+        # Nodes: a join token.
+        issued = json.loads((await ada.nc.request(JOIN_ISSUE_SUBJECT, b'{"ttl": 60}', timeout=5)).data)
+        assert "error" not in issued and issued.get("token"), issued
+        # A member that is not an admin is refused each, nothing written.
+        assert refused(await write(vera, K.node("n8"), b"x"), "admins only")
+        with pytest.raises(APIError, match="not authorised"):
+            await save_user(vera.js, User("sneaky", "", True, {}))
+        assert await load_user(control.js, "sneaky") is None
+        for subject in (JOIN_ISSUE_SUBJECT, TEAMS_ISSUE_SUBJECT):
+            answer = (await vera.nc.request(subject, b'{"ttl": 60, "name": "x"}', timeout=5)).data.decode()
+            assert "not authorised" in answer and "token" not in json.loads(answer), answer
+        # The flag taken away: refused from the very next request.
+        await save_user(control.js, User("ada", key, False, {}))
+        assert refused(await write(ada, K.node("n9"), b"uncordoned"), "admins only")
+        assert "not authorised" in (await ada.nc.request(JOIN_ISSUE_SUBJECT, b'{"ttl": 60}', timeout=5)).data.decode()
+        assert K.env(ENV_B) not in await visible_keys(ada)
+        assert await stored(control, K.node("n8")) is None
+        assert await stored(control, K.node("n9")) == b"cordoned"
+    finally:
+        await ada.close()
+
+
+# ------------------------------------------------------------------------------------ pushed feeds (issue 39)
+
+
+async def test_a_members_state_changes_and_events_are_pushed_at_once(
+    control: Connection, team: Team, member: dict[str, Connection], clock: ManualClock
+) -> None:
+    """No polling: a change arrives well under the old 0.5 s poll period, only its own projects'; a grant taken
+    removed user's feed ends at its next message."""
+    from shared.events import make_event
+    from shared.watches import FeedWatch
+
+    vera = member["vera"]
+    states = await follow(vera, WatchSpec(STATE_STREAM, (f"{STATE_PREFIX}>",), "new"))
+    events = await follow(vera, WatchSpec(EVENTS_STREAM, ("zattera.events.>",), "new"))
+    try:
+        assert isinstance(states, FeedWatch) and isinstance(events, FeedWatch)
+        await asyncio.wait_for(states.caught_up.wait(), 5)
+        await asyncio.wait_for(events.caught_up.wait(), 5)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await put(control, env(ENV_B, APP_B, PB, replicas=4))  # another project's: never pushed to vera
+        await put(control, env(ENV_A, APP_A, PA, replicas=6))
+        got = await states.next_msg(5.0)
+        state_after = loop.time() - started
+        assert got.subject == f"{STATE_PREFIX}{K.env(ENV_A)}"
+        assert K.decode(K.ENV, got.data).effective_replicas == 6
+        started = loop.time()
+        for project_id, text in ((PB, "beta's"), (PA, "alpha's")):
+            event = make_event("deploy.succeeded", text, project_id=project_id)
+            await control.js.publish("zattera.events.deploy.succeeded", event.SerializeToString())
+        seen = pb.Event.FromString((await events.next_msg(5.0)).data)
+        event_after = loop.time() - started
+        assert seen.message == "alpha's"
+        assert state_after < 0.25 and event_after < 0.25, (state_after, event_after)
+        # The user removed: the next change ends the feed instead of reaching vera.
+        await delete_team_record(control.js, user_key("vera"))
+        clock.now += 2.0  # past FEED_RECHECK: the record is read again before the next message goes out
+        await put(control, env(ENV_A, APP_A, PA, replicas=7))
+        with pytest.raises(BadWatch, match="not authorised"):
+            while True:
+                await states.next_msg(5.0)
+    finally:
+        await states.unsubscribe()
+        await events.unsubscribe()
+
+
+async def test_an_admin_user_through_the_cli(
+    secure: SecureCluster, control: Connection, team: Team, tmp_path: object
+) -> None:
+    """The operator credential bootstraps the first admin user; the admin user then manages the teams with its
+    own member credential; ``users update --no-admin`` applies at its next command."""
+    operator = str(secure.setup.operator_creds)
+    root_creds = f"{tmp_path}/root.creds"
+    added = await cli(secure, "users", "add", "root", "--admin", "--creds-out", root_creds, creds=operator)
+    assert added.returncode == 0, added.stderr
+    assert "(admin)" in added.stderr and "security creds operator" not in added.stderr
+    claims = decode_claims(read_user_jwt(root_creds))
+    assert claims["name"] == "root"  # a member credential like anyone's (MEMBERS account, member role key)
+    bob = await cli(secure, "users", "add", "bob", "--creds-out", f"{tmp_path}/bob.creds", creds=root_creds)
+    assert bob.returncode == 0, bob.stderr
+    granted = await cli(secure, "grants", "add", "bob", "--project", "beta", "--role", "viewer", creds=root_creds)
+    assert granted.returncode == 0, granted.stderr
+    listed = await cli(secure, "users", "list", "--json", creds=root_creds)
+    assert listed.returncode == 0, listed.stderr
+    assert {u["name"]: u["grants"] for u in json.loads(listed.stdout)}["bob"] == {PB: "viewer"}
+    # Bob (not an admin) may not do the same.
+    refused_add = await cli(
+        secure, "users", "add", "eve", "--creds-out", f"{tmp_path}/eve.creds", creds=f"{tmp_path}/bob.creds"
+    )
+    assert refused_add.returncode != 0 and "not authorised" in refused_add.stderr
+    demoted = await cli(secure, "users", "update", "root", "--no-admin", creds=operator)
+    assert demoted.returncode == 0, demoted.stderr
+    again = await cli(secure, "users", "add", "carol", "--creds-out", f"{tmp_path}/carol.creds", creds=root_creds)
+    assert again.returncode != 0 and "not authorised" in again.stderr
+    assert await load_user(control.js, "carol") is None and await load_user(control.js, "eve") is None

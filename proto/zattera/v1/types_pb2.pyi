@@ -2634,10 +2634,15 @@ class Lease(_message.Message):
     TERM_FIELD_NUMBER: _builtins.int
     ACQUIRED_AT_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    PROBE_FIELD_NUMBER: _builtins.int
     holder: _builtins.str
     term: _builtins.int
     version: _builtins.str
     """invented (issue 44): the holder's Zattera version (`zattera cluster status` lists each loop's leader)"""
+    probe: _builtins.str
+    """The subject the holder answers while its connection lives (empty: it answers none, so only the TTL
+    ends its term). A standby told "no responders" on it twice takes the lease over at once.
+    """
     @_builtins.property
     def acquired_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -2647,10 +2652,11 @@ class Lease(_message.Message):
         term: _builtins.int = ...,
         acquired_at: _timestamp_pb2.Timestamp | None = ...,
         version: _builtins.str = ...,
+        probe: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "holder", b"holder", "term", b"term", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "holder", b"holder", "probe", b"probe", "term", b"term", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

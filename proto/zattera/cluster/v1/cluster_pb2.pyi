@@ -1655,6 +1655,7 @@ class MetricPoint(_message.Message):
     INSTANCES_FIELD_NUMBER: _builtins.int
     CONNECTIONS_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
     time: _builtins.int
     """unix seconds: the start of the point's span"""
     span: _builtins.int
@@ -1691,6 +1692,12 @@ class MetricPoint(_message.Message):
     """proxy: open client connections"""
     samples: _builtins.int
     """how many 10-s points a downsampled point summarises"""
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaUsage]:
+        """invented (issue 40, per replica): env: each replica's CPU and memory (one entry per instance reporting in
+        the span; a replica that stopped has no entry, so its series ends)
+        """
+
     def __init__(
         self,
         *,
@@ -1714,11 +1721,58 @@ class MetricPoint(_message.Message):
         instances: _builtins.int = ...,
         connections: _builtins.int = ...,
         samples: _builtins.int = ...,
+        replicas: _abc.Iterable[Global___ReplicaUsage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["connections", b"connections", "cpu_percent", b"cpu_percent", "desired", b"desired", "disk_total_bytes", b"disk_total_bytes", "disk_used_bytes", b"disk_used_bytes", "inflight", b"inflight", "instances", b"instances", "latency_p50_ms", b"latency_p50_ms", "latency_p95_ms", b"latency_p95_ms", "latency_p99_ms", b"latency_p99_ms", "memory_bytes", b"memory_bytes", "memory_total_bytes", b"memory_total_bytes", "responses_2xx", b"responses_2xx", "responses_4xx", b"responses_4xx", "responses_5xx", b"responses_5xx", "rps", b"rps", "running", b"running", "samples", b"samples", "span", b"span", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connections", b"connections", "cpu_percent", b"cpu_percent", "desired", b"desired", "disk_total_bytes", b"disk_total_bytes", "disk_used_bytes", b"disk_used_bytes", "inflight", b"inflight", "instances", b"instances", "latency_p50_ms", b"latency_p50_ms", "latency_p95_ms", b"latency_p95_ms", "latency_p99_ms", b"latency_p99_ms", "memory_bytes", b"memory_bytes", "memory_total_bytes", b"memory_total_bytes", "replicas", b"replicas", "responses_2xx", b"responses_2xx", "responses_4xx", b"responses_4xx", "responses_5xx", b"responses_5xx", "rps", b"rps", "running", b"running", "samples", b"samples", "span", b"span", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MetricPoint: _TypeAlias = MetricPoint  # noqa: Y015
+
+@_typing.final
+class ReplicaUsage(_message.Message):
+    """ReplicaUsage is one replica's CPU and memory within an env's MetricPoint (issue 40, "summed and per
+    replica"). Kept small: the short id (the assignment id's last 8 characters) in every entry; its node and
+    release version only in the replica's first point of a term, in the first point of each 5-min bucket and
+    in every downsampled point (a reader takes them from any point of the replica in its window).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CPU_PERCENT_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """the assignment id's last 8 characters (whole when 10 or fewer)"""
+    cpu_percent: _builtins.float
+    """100 = one core; downsampled: the mean over the points it reported"""
+    memory_bytes: _builtins.int
+    """RSS; downsampled: the largest"""
+    node: _builtins.str
+    """node id (labels: see above)"""
+    version: _builtins.int
+    """release version"""
+    samples: _builtins.int
+    """downsampled: how many 10-s points of it the mean covers"""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        cpu_percent: _builtins.float = ...,
+        memory_bytes: _builtins.int = ...,
+        node: _builtins.str = ...,
+        version: _builtins.int = ...,
+        samples: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_percent", b"cpu_percent", "id", b"id", "memory_bytes", b"memory_bytes", "node", b"node", "samples", b"samples", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaUsage: _TypeAlias = ReplicaUsage  # noqa: Y015
