@@ -33,6 +33,8 @@ class ContainerImage(PreparedImage):
 
     tag: str = ""
     user: str = ""
+    named_user: bool = False
+    """The container's user gets a name in an ``/etc/passwd`` mounted over the image's (add-ons: ``initdb``)."""
 
 
 def container_image(ref: str, tag: str, run: Mapping[str, Any]) -> ContainerImage:

@@ -48,6 +48,7 @@ from urllib.parse import unquote
 
 import aiodocker
 
+from services.agent import addonbase
 from services.agent.docker_containers import (
     BRIDGE_NETWORK,
     HOST_NETWORK,
@@ -71,13 +72,22 @@ from services.agent.docker_images import (
     first_line,
     managed,
 )
-from services.agent.hostbase import SHELL, BaseImageError, inspect_node, node_of, node_rootfs_tar, shell_rootfs_tar
+from services.agent.hostbase import (
+    PASSWD,
+    SHELL,
+    BaseImageError,
+    inspect_node,
+    node_of,
+    node_rootfs_tar,
+    shell_rootfs_tar,
+)
 from services.agent.images import EXEC_SCHEME, PROCESS_SCHEME, ImageError, PreparedImage, shell_command
 from services.agent.launchers import DOCKER, PROCESS, TENANT_KEY, InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
 from services.agent.processes import InstanceRecord
 from services.agent.pythonbase import inspect_interpreter, python_of, python_rootfs_tar
 from services.agent.sandbox_users import UidTable, give
 from services.agent.settings import AgentSettings
+from shared.addons import spec as addon
 from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.registry import RegistryError, digest_of, fetch_image
@@ -195,6 +205,14 @@ class DockerLauncher:
             raise ImageError(f"{ref}: process:// images need the process runtime")
         if ref.startswith(DOCKER_SCHEME):
             return await self._daemon_image(ref, registry_auth)
+        if ref == addon.IMAGE_REF:
+            return ContainerImage(
+                ref,
+                Path(addonbase.WORKDIR),
+                cmd=shell_command(unquote(ref[len(EXEC_SCHEME) :])),
+                tag=await self.addon_base(),
+                named_user=True,
+            )
         if ref.startswith(EXEC_SCHEME):
             return ContainerImage(
                 ref, Path("/"), cmd=shell_command(unquote(ref[len(EXEC_SCHEME) :])), tag=self.base_image
@@ -252,6 +270,19 @@ class DockerLauncher:
                 return self.base_image
         except BaseImageError as exc:
             raise ImageError(str(exc)) from exc
+        return await self._base(tag, program, rootfs)
+
+    async def addon_base(self) -> str:
+        """The base image managed databases run on (``addonbase.py``), made from this node's PostgreSQL,
+        pgBackRest and Redis the first time an add-on needs it."""
+        try:
+            found = await asyncio.to_thread(addonbase.inspect_addon_programs)
+        except BaseImageError as exc:
+            raise ImageError(str(exc)) from exc
+        return await self._base(found.tag, "the add-ons' programs", partial(addonbase.addon_rootfs_tar, found))
+
+    async def _base(self, tag: str, program: str, rootfs: Callable[[], bytes]) -> str:
+        """``tag``, made once (concurrent starts share one build) when the daemon lacks it."""
         if await self.has_image(tag):
             return tag
         loading = self._loading.get(tag)
@@ -325,6 +356,9 @@ class DockerLauncher:
             network=self.network,
             user=user,
         )
+        if image.named_user:
+            passwd = await asyncio.to_thread(_write_passwd, instance_dir, user)
+            config["HostConfig"]["Binds"] = [*config["HostConfig"].get("Binds", []), f"{passwd}:/etc/passwd:ro"]
         try:
             container = await self.docker.containers.create(config)
         except aiodocker.DockerError as exc:
@@ -380,6 +414,21 @@ class DockerLauncher:
             if image["Id"] not in used:
                 with contextlib.suppress(aiodocker.DockerError):
                     await self.docker.images.delete(image["Id"], force=False)
+
+
+def _write_passwd(instance_dir: Path, user: str) -> Path:
+    """An ``/etc/passwd`` naming the container's user (``initdb`` refuses a user without a name), beside
+    ``root`` and ``nobody``: mounted over the image's (``named_user``)."""
+    uid, _, gid = user.partition(":")
+    if not uid.isdigit():
+        uid = "65534"
+    lines = [line for line in PASSWD.decode().splitlines() if line.split(":")[2] != uid]
+    lines.append(f"zattera:x:{uid}:{gid if gid.isdigit() else uid}::{addonbase.WORKDIR}:/bin/sh")
+    path = instance_dir / "passwd"
+    instance_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o644)
+    return path
 
 
 def _give_volumes(paths: Sequence[Path], user: str) -> None:
