@@ -46,7 +46,7 @@ if [ "$(id -u)" = 0 ]; then
   exit 78
 fi
 if [ ! -x "$BIN/postgres" ] || ! command -v pgbackrest >/dev/null 2>&1; then
-  say "no PostgreSQL server ($BIN/postgres) or pgbackrest here: add-ons run on the process runtime with the node's packages (make install-system), not yet under the docker runtime"
+  say "no PostgreSQL server ($BIN/postgres) or pgbackrest here: the node needs its packages (make install-system); under the docker runtime the add-ons' base image holds the node's"
   exit 78
 fi
 if [ -n "${ZATTERA_ADDON_RESTORE_SNAPSHOT:-}" ] && [ ! -s "$PGDATA/PG_VERSION" ]; then

@@ -19,7 +19,7 @@ LISTEN="${HOST:-127.0.0.1}"
 SOCK="$DATA/run/redis.sock"
 : "${REDIS_PASSWORD:?no password}"
 if ! command -v redis-server >/dev/null 2>&1; then
-  echo "zattera-redis: no redis-server here: add-ons run on the process runtime with the node's packages (make install-system), not yet under the docker runtime" >&2
+  echo "zattera-redis: no redis-server here: the node needs its packages (make install-system); under the docker runtime the add-ons' base image holds the node's" >&2
   exit 78
 fi
 mkdir -p "$DATA/run"

@@ -16,7 +16,8 @@ from services.agent.docker_containers import ContainerHandle
 from services.agent.docker_images import ContainerImage
 from services.agent.docker_runtime import DockerLauncher
 from services.agent.images import shell_command
-from services.agent.launchers import LaunchPlan
+from services.agent.launchers import TENANT_KEY, LaunchPlan
+from services.agent.sandbox_users import UidTable
 from shared.addons import spec as addon
 from shared.embedded import free_port
 from tests.waiting import eventually
@@ -49,7 +50,9 @@ async def _start(
 
 async def test_a_postgres_and_a_redis_addon_run_as_containers_and_answer(docker_host: str, tmp_path: Path) -> None:
     assert shutil.which("pgbackrest") and shutil.which(f"{PG_BIN}/postgres") and shutil.which("redis-server")
-    launcher = DockerLauncher(docker_host, node_id="d1", base_image="zattera/base:latest", pids_limit=512)
+    # the agent's uid table: the container runs as the env's own uid, which no /etc/passwd of the node names
+    uids = UidTable(tmp_path / "sandbox", base=0x70000000, count=65536)
+    launcher = DockerLauncher(docker_host, node_id="d1", base_image="zattera/base:latest", pids_limit=512, uids=uids)
     try:
         pg_port, redis_port = free_port(), free_port()
         secret, app_secret, redis_secret = addon.new_password(), addon.new_password(), addon.new_password()
@@ -73,8 +76,8 @@ async def test_a_postgres_and_a_redis_addon_run_as_containers_and_answer(docker_
 
         assert await asyncio.to_thread(query) == "app 42"
         assert await pg.exec_check(pg_check)  # the add-on's own health check, inside its container
-        # written by the container's user (nobody: no uid table here), as the process runtime's sandbox would
-        assert (data / "pgdata" / "PG_VERSION").stat().st_uid == 65534
+        # written by the env's user, as the process runtime's sandbox would
+        assert (data / "pgdata" / "PG_VERSION").stat().st_uid == uids.uid(TENANT_KEY + "E1")
         assert any((pg_volumes[addon.BACKUPS_VOLUME][0] / "repo" / "backup" / "orders").iterdir())
 
         def ping() -> str:
