@@ -12,17 +12,24 @@ import subprocess
 from functools import partial
 from pathlib import Path
 
+from zattera.v1 import types_pb2 as pb
+
 from services.agent.docker_containers import ContainerHandle
 from services.agent.docker_images import ContainerImage
 from services.agent.docker_runtime import DockerLauncher
-from services.agent.images import shell_command
 from services.agent.launchers import TENANT_KEY, LaunchPlan
 from services.agent.sandbox_users import UidTable
 from shared.addons import spec as addon
 from shared.embedded import free_port
+from shared.state.feed import StateView
+from shared.txn import Writer
+from tests.agent.conftest import StartAgent, assignment, release
+from tests.agent.test_runtime import seed, set_desired, state_of
 from tests.waiting import eventually
 
 PG_BIN = addon.postgres_bin("15")
+HEALTHY = pb.INSTANCE_STATE_HEALTHY
+STOPPED = pb.INSTANCE_STATE_STOPPED
 
 
 def _volumes(root: Path, spec_volumes: list[tuple[str, str]]) -> dict[str, tuple[Path, str]]:
@@ -37,7 +44,7 @@ async def _start(
     assert isinstance(image, ContainerImage) and image.tag.startswith("zattera/addons:")
     volumes = _volumes(root, [(v.volume_name, v.mount_path) for v in spec.volumes])
     handle = await launcher.spawn(
-        shell_command(spec.command),
+        image.command(spec.command),  # as the agent composes it (instances.py)
         image=image,
         env={**dict(spec.vars), **env, "HOST": "127.0.0.1"},
         instance_dir=root / "instance",
@@ -101,3 +108,47 @@ async def test_a_postgres_and_a_redis_addon_run_as_containers_and_answer(docker_
                 assert all(s not in text for s in (secret, app_secret, redis_secret)), log
     finally:
         await launcher.close()
+
+
+async def test_the_agent_runs_a_postgres_addons_release_in_a_container_until_healthy(
+    start_agent: StartAgent, docker_host: str, view: StateView, writer: Writer, tmp_path: Path
+) -> None:
+    """The node's agent on the docker runtime (its uid table, its port allocation, its exec health check
+    inside the container) with an add-on's release; the passwords as plain variables here (the sealed
+    secrets' path is the runtime's, not this test's)."""
+    await start_agent("d1", runtime="docker", docker_host=docker_host)
+    rel = release(addon.IMAGE_REF, healthcheck=False)
+    rel.service.CopyFrom(addon.service_spec(addon.POSTGRES, "15", "orders"))
+    rel.service.healthcheck.interval.FromMilliseconds(500)
+    app_secret = addon.new_password()
+    rel.service.vars.update({"POSTGRES_PASSWORD": addon.new_password(), "APP_PASSWORD": app_secret})
+    a = assignment("d1", rel)
+    volumes = []
+    for name in (addon.DATA_VOLUME, addon.BACKUPS_VOLUME):
+        volume = pb.Volume(project_id="P1", environment_id="E1", name=name, node_id="d1")
+        volume.meta.id = f"V{name.upper()}"
+        volume.status = pb.VOLUME_STATUS_ACTIVE
+        volume.lease.node_id, volume.lease.assignment_id = "d1", a.meta.id
+        volume.lease.expires_at.GetCurrentTime()
+        volume.lease.expires_at.seconds += 600
+        volumes.append(volume)
+    await seed(writer, rel, a, *volumes)
+    await eventually(lambda: state_of(view, "d1", a.meta.id) == HEALTHY, what="the add-on HEALTHY", timeout=240)
+    observed = view.observed("d1", a.meta.id)
+    assert observed is not None and observed.container_id
+    port = observed.mesh_port_bindings[addon.POSTGRES]
+    host = "127.0.0.1"  # the test node's mesh address
+
+    def query() -> str:
+        done = subprocess.run(
+            [f"{PG_BIN}/psql", "-X", "-Atc", "select 6 * 7", f"postgresql://app@{host}:{port}/app"],
+            env={**os.environ, "PGPASSWORD": app_secret},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return done.stdout.strip() + done.stderr.strip()
+
+    assert await asyncio.to_thread(query) == "42"
+    await set_desired(writer, view, a, pb.ASSIGNMENT_DESIRED_STOP)
+    await eventually(lambda: state_of(view, "d1", a.meta.id) == STOPPED, what="stopped", timeout=90)
