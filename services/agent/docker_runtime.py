@@ -7,7 +7,8 @@
   ``zattera images import`` writes), then its layers ``ADD``ed in order. It is tagged
   ``zattera-local/<digest>`` and reused while the daemon keeps it. ``docker://<name>`` is an image of the
   daemon (pulled by it when missing: from a registry the daemon can reach). ``exec:<command>`` runs the
-  command in the base image (tests, demos); ``process://`` refs need the process runtime.
+  command in the base image (tests, demos), except a managed database's (``addon.IMAGE_REF``): the add-ons'
+  base image (``addonbase.py``); ``process://`` refs need the process runtime.
 * **Isolation.** Host network (the allocated ``PORT`` env as for processes), its own pid namespace, its
   environment's own user (``uids``: the uid table of the process runtime's sandbox, ``sandbox_users.py``;
   the image's ``User`` is not used), ``no-new-privileges``, every capability dropped, a read-only root
