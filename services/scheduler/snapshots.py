@@ -42,6 +42,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.decisions import volume_event
 from shared import keys as K
+from shared.addons.spec import platform_schedule
 from shared.clock import from_timestamp, stamp
 from shared.decision import Decision
 from shared.events import WARNING
@@ -221,7 +222,8 @@ class SnapshotScheduler(LeaderLoop):
 
     async def _maybe_snapshot(self, volume: pb.Volume, records: list[pb.VolumeSnapshot], now: float) -> None:
         assert self.writer is not None
-        volume_id, text = volume.meta.id, volume.snapshot_policy.schedule
+        volume_id = volume.meta.id
+        text = volume.snapshot_policy.schedule or platform_schedule(self.view.env(volume.environment_id), volume)
         if not text or volume.status in (pb.VOLUME_STATUS_RESTORING, pb.VOLUME_STATUS_NODE_LOST):
             return
         if self.dispatcher.volume_busy(volume_id) or now < self._retry_at.get(volume_id, 0.0):

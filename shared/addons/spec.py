@@ -229,3 +229,19 @@ def platform_pre_hook(env: pb.Environment | None, volume: pb.Volume) -> str:
     if env is None or volume.name != DATA_VOLUME or env.meta.id != volume.environment_id:
         return ""
     return BGSAVE_HOOK if (addon_of(env) or ("", ""))[0] == REDIS else ""
+
+
+PLATFORM_SCHEDULE = "@hourly"
+"""How often the volume holding what restores an add-on (PostgreSQL's ``backups``: pgBackRest's repository of
+base backups and archived WAL; Redis's ``data``: its AOF and RDB) is copied into the cluster's object store when
+its snapshot policy names no schedule, so losing the database's node never loses its backups."""
+
+
+def platform_schedule(env: pb.Environment | None, volume: pb.Volume) -> str:
+    """The snapshot schedule the platform applies to ``volume`` when its policy sets none (else "")."""
+    if env is None or env.meta.id != volume.environment_id:
+        return ""
+    engine = (addon_of(env) or ("", ""))[0]
+    if (engine, volume.name) in ((POSTGRES, BACKUPS_VOLUME), (REDIS, DATA_VOLUME)):
+        return PLATFORM_SCHEDULE
+    return ""

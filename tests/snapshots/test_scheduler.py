@@ -13,6 +13,7 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from services.scheduler.snapshots import FAILED_KEEP, RETRY_AFTER, STUCK_AFTER, STUCK_ERROR, TICK, SnapshotScheduler
+from shared.addons.spec import ADDON_VAR, BACKUPS_VOLUME
 from shared.clock import FakeClock
 from shared.connection import Connection
 from shared.lease import run_while_leading
@@ -233,3 +234,23 @@ async def test_restore_whose_driver_died_is_reaped_back_to_a_usable_state(conn, 
     await loop.pass_once()  # nothing more to reap
     await conn.nc.flush()
     assert len(events) == 2
+
+
+async def test_an_addons_backup_volume_without_a_schedule_is_copied_hourly(
+    conn, view, writer, clock: FakeClock
+) -> None:
+    """The platform's schedule for what restores a database (its node lost, its backups are not); any other
+    volume without a schedule stays manual."""
+    loop, dispatcher = make_loop(conn, view, clock, writer)
+    database = factories.env("e1")
+    database.service.vars[ADDON_VAR] = "postgres:15"
+    plain = factories.env("e2")
+    backups = snap_volume("vol-backups", "", 7, BASE)
+    backups.name = BACKUPS_VOLUME
+    data = snap_volume("vol-data", "", 7, BASE)  # the database's data volume: pgBackRest's copy is the backup
+    other = snap_volume("vol-other", "", 7, BASE)
+    other.environment_id = "e2"
+    await writer.commit(writer.txn().put(database).put(plain).put(backups).put(data).put(other))
+    await clock.advance(65 * 60)
+    await loop.pass_once()
+    assert dispatcher.snapshots == ["vol-backups"]
