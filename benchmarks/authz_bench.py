@@ -15,9 +15,10 @@ Figures per mode:
   snapshot (one batch direct get), then the deploy action (release, deployment and env writes, the event) —
   timed from the snapshot request to the action's return; 20 deploys (full: 100) after two warm-ups, p50.
 * **logs -f**: a follower (``shared.applogs.read_app_logs(follow=True)``, the code of ``zattera logs -f``)
-  of an environment's log stream; 200 batches (full: 1,000) published by control one every 5 ms; the latency
-  from publish to the line at the follower, p50 and p99; and the time to start following (stream info, watch
-  opened, backlog read).
+  of an environment's log stream; 200 batches (full: 1,000) published by control one every 5 ms, in 6 rounds
+  per mode with the modes' order alternating; the latency from publish to the line at the follower, p50 and
+  p99 over all rounds and each round's p50 against open mode's in the same round (min, median, max); and the
+  time to start following (stream info, watch opened, backlog read), median of the rounds.
 
     .venv/bin/python -m benchmarks.authz_bench [--full]
 """
@@ -64,6 +65,8 @@ from tests.e2e.cluster import cli_argv
 PROJECT, APP, ENV = "p-bench", "a-bench", "e-bench"
 MODES = ("open", "operator", "member")
 LINE_GAP = 0.005
+LOG_ROUNDS = 6
+"""The log followers run in rounds, the modes' order alternating, so the machine's load weighs on each alike."""
 
 
 @dataclass
@@ -220,9 +223,14 @@ async def measure(base: Path, count: int, lines: int, cli_count: int) -> dict[st
             for i in range(count + 2, count + 2 + cli_count):
                 for m in modes if i % 2 == 0 else reversed(modes):
                     results[m.name]["cli"].append(await cli_deploy(m, i))  # type: ignore[attr-defined]
-            for m in modes:
-                latencies, startup = await follow_logs(m, lines)
-                results[m.name] |= {"logs": latencies, "startup": startup}
+            for name in MODES:
+                results[name] |= {"logs": [], "startup": [], "logs_rounds": []}
+            for r in range(LOG_ROUNDS):
+                for m in modes if r % 2 == 0 else reversed(modes):
+                    latencies, startup = await follow_logs(m, lines // LOG_ROUNDS)
+                    results[m.name]["logs"].extend(latencies)  # type: ignore[attr-defined]
+                    results[m.name]["startup"].append(startup)  # type: ignore[attr-defined]
+                    results[m.name]["logs_rounds"].append(percentile(latencies, 50))  # type: ignore[attr-defined]
         finally:
             for conn in clients.values():
                 await conn.close()
@@ -264,7 +272,7 @@ def run(quick: bool = True) -> list[Row]:
             row(f"{name}: `zattera deploy` process, max", max(results[name]["cli"]) * ms, "ms"),  # type: ignore[call-overload]
             row(f"{name}: logs -f line latency, p50 ({len(logs)})", percentile(logs, 50) * ms, "ms"),  # type: ignore[arg-type]
             row(f"{name}: logs -f line latency, p99", percentile(logs, 99) * ms, "ms"),  # type: ignore[arg-type]
-            row(f"{name}: logs -f start (first line)", float(results[name]["startup"]) * ms, "ms"),  # type: ignore[arg-type]
+            row(f"{name}: logs -f start (first line), median", percentile(results[name]["startup"], 50) * ms, "ms"),  # type: ignore[arg-type]
         ]
     logs50 = {name: percentile(results[name]["logs"], 50) for name in MODES}  # type: ignore[arg-type]
     cli50 = {name: percentile(results[name]["cli"], 50) for name in MODES}  # type: ignore[arg-type]
@@ -289,6 +297,14 @@ def run(quick: bool = True) -> list[Row]:
             "%",
             "≤ 10",
         ),
+        row("operator vs open: logs -f line latency added (p50)", (logs50["operator"] / logs50["open"] - 1) * 100, "%"),
+    ]
+    rounds = list(zip(results["member"]["logs_rounds"], results["open"]["logs_rounds"], strict=True))  # type: ignore[call-overload]
+    ratios = sorted((member / opened - 1) * 100 for member, opened in rounds)
+    rows += [
+        row(f"member vs open: logs -f p50 added, per round: min of {len(ratios)}", ratios[0], "%"),
+        row("member vs open: logs -f p50 added, per round: median", percentile(ratios, 50), "%"),
+        row("member vs open: logs -f p50 added, per round: max", ratios[-1], "%"),
     ]
     return rows
 
