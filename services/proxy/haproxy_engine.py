@@ -9,7 +9,7 @@ Route changes (:meth:`HAProxyEngine.apply`, serialized, the newest snapshot wins
 API when they can, so nothing is dropped and nothing is re-parsed: Host map entries, the path map, and
 servers of non-sticky backends. A server that leaves is put in maintenance at once (no new requests;
 the ones in flight finish) and deleted once HAProxy accepts it (no connection left). Anything else is a
-structure change (:mod:`services.proxy.haproxy_config`): the configuration is rewritten and the master
+structure change (:mod:`services.proxy.haproxy_plan`): the configuration is rewritten and the master
 told to ``reload``; the new worker takes the listening sockets over (``expose-fd listeners``), the old one
 finishes its in-flight requests and WebSockets (bounded by ``hard-stop-after``).
 """
@@ -40,8 +40,9 @@ from services.proxy.haproxy_certs import (
     pem_problem,
     safe_name,
 )
-from services.proxy.haproxy_config import Layout, Plan, RouteCache, map_text, plan, render, server_line
+from services.proxy.haproxy_config import Layout, map_text, render, server_line
 from services.proxy.haproxy_latency import LatencyLog
+from services.proxy.haproxy_plan import Plan, RouteCache, plan
 from services.proxy.haproxy_runtime import RuntimeAPIError, command, execute, parse_stat_csv, send
 from services.proxy.haproxy_stats import HAProxySampler, ServerTraffic
 from services.proxy.launch import HAPROXY, haproxy_binary

@@ -11,21 +11,11 @@ import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.proxy import haproxy_config
+from services.proxy import haproxy_config, haproxy_rules
 from services.proxy.haproxy_certs import changes, digest, pem_problem, self_signed_pem
-from services.proxy.haproxy_config import (
-    BACKEND_STAGES,
-    ELSEWHERE,
-    FRONTEND_STAGES,
-    HOLD_BACKEND,
-    IDLE_POOL,
-    NO_ROUTE_BACKEND,
-    Layout,
-    backend_name,
-    backend_rules,
-    plan,
-    render,
-)
+from services.proxy.haproxy_config import IDLE_POOL, NO_ROUTE_BACKEND, Layout, render
+from services.proxy.haproxy_plan import HOLD_BACKEND, backend_name, plan
+from services.proxy.haproxy_rules import BACKEND_STAGES, ELSEWHERE, FRONTEND_STAGES, backend_rules
 from services.proxy.haproxy_stats import HAProxySampler, merge_samples
 from services.proxy.pipeline import ORDER
 from tests.proxy.harness import endpoint, http_route
@@ -134,6 +124,7 @@ def test_haproxy_rule_order_is_derived_from_the_pipeline_order(tmp_path: Path, m
     backend = [stage for stage in ORDER if stage in BACKEND_STAGES]
     reordered = (*FRONTEND_STAGES, *reversed(backend), *ELSEWHERE)
     monkeypatch.setattr(haproxy_config, "ORDER", reordered)
+    monkeypatch.setattr(haproxy_rules, "ORDER", reordered)
     assert _stages_in_rendered_order(tmp_path) == [stage for stage in reordered if stage in STAGE_MARKERS]
 
 
