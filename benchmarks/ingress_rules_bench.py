@@ -75,7 +75,7 @@ def _ours(directory: Path, edit: Edit) -> tuple[Path, int, tuple[Path, str]]:
     directory.mkdir(parents=True)
     route = cpb.HTTPRoute(hostname=HOST, environment_id="e1")
     name = hp.backend_name(route)
-    plan = hp.Plan({HOST: name}, (), {name: hp.Backend(name, "e1", backend_rules(route, 30.0), False, ())})
+    plan = hc.Plan({HOST: name}, (), {name: hc.Backend(name, "e1", backend_rules(route, 30.0), False, ())})
     port = free_port()
     layout = hc.Layout(directory, f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}", hold_timeout=30, connect_timeout=5)
     layout.hosts_map.write_text(hc.map_text(plan.hosts.items()))
@@ -99,7 +99,7 @@ def _requests(port: int, count: int) -> None:
 
 async def _add_server(stats_socket: Path, backend: str, backend_addr: str, process: subprocess.Popen[bytes]) -> None:
     """As the engine adds a deployed replica: ``add server`` with the configured line, then ``enable``."""
-    server = hp.Server("s_a1", backend_addr, hp.LOCAL_WEIGHT, 0, "")
+    server = hc.Server("s_a1", backend_addr, hp.LOCAL_WEIGHT, 0, "")
     line = hc.server_line(server, sticky=False).split(" ", 2)[2]  # without "server <name>"
     deadline = time.monotonic() + 120
     while True:

@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from services.proxy.haproxy_config import server_line
-from services.proxy.haproxy_plan import Plan
+from services.proxy.haproxy_config import Plan, server_line
 
 MAP_REWRITE_ABOVE = 128
 """More host map entries changing or going than this at once: the map is rewritten whole. HAProxy 2.6 finds

@@ -1,5 +1,6 @@
-"""The configuration text HAProxy runs for a :class:`~services.proxy.haproxy_plan.Plan` (pure), and the
-:class:`Layout`: where HAProxy listens and keeps its files, and its timers.
+"""What HAProxy runs for one route table (pure): the :class:`Plan` (hosts, paths, backends and their servers;
+made from a route snapshot by :mod:`services.proxy.haproxy_plan`), the :class:`Layout` (where HAProxy listens
+and keeps its files, its timers) and the configuration text of both.
 
 The frontend does per request only what some route needs, each step a rule HAProxy runs on every request
 (valgrind, a keep-alive request: ~38,400 user-space instructions, against ~30,400 for a hand-written host map
@@ -14,14 +15,14 @@ from __future__ import annotations
 import hashlib
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.proxy.haproxy_plan import HOLD_BACKEND, Plan, Server
 from services.proxy.haproxy_rules import HTTPS_VAR, json_return, ms
 from services.proxy.pipeline import ORDER
 from shared.acmechallenge import PATH_PREFIX as CHALLENGE_PATH
 
+HOLD_BACKEND = "hold"
 HOLD_BACKUP_SERVER = "zattera_hold"
 HELD_CHECK_INTER = "2s"
 NO_ROUTE_BACKEND = "no_route"
@@ -32,6 +33,52 @@ IDLE_POOL = "pool-max-conn -1 pool-purge-delay 5s"
 5 s). Configured servers get these values by default, but a server added at run time (``add server``, how
 endpoints arrive) gets none in HAProxy 2.6 (``show servers conn``: ``idle_lim 0``): each request would open a
 new backend connection, at three times the CPU per request. Spelled out on every line for both paths."""
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    name: str
+    addr: str
+    weight: int
+    maxconn: int
+    cookie: str
+    release_id: str = ""
+    """A weighted (canary) route's server: its release and step tag, what its counters are reported by."""
+    step_tag: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    name: str
+    env_id: str
+    rules: tuple[str, ...]
+    """Configuration lines of the backend besides its servers (middleware, balance, timeouts)."""
+    sticky: bool
+    servers: tuple[Server, ...]
+    held: bool = False
+    """Requests its servers refuse go to the Python handler (a ``scale_to_zero`` env: held and woken)."""
+
+    def structure(self) -> tuple[object, ...]:
+        """What only a reload can change."""
+        servers = tuple((s.name, s.addr, s.maxconn, s.cookie) for s in self.servers) if self.sticky else ()
+        return (self.name, self.rules, self.held, servers)  # a weight is changed at run time (issue 41)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    hosts: dict[str, str]
+    paths: tuple[tuple[str, str], ...]
+    backends: dict[str, Backend]
+    env_of_backend: dict[str, str] = field(default_factory=dict)
+
+    def same_structure(self, other: Plan) -> bool:
+        """Whether ``other`` can be reached from this plan by runtime changes alone."""
+        if self.backends.keys() != other.backends.keys() or bool(self.paths) != bool(other.paths):
+            return False
+        return all(
+            mine is other.backends[name] or mine.structure() == other.backends[name].structure()
+            for name, mine in self.backends.items()
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,9 +44,9 @@ from services.proxy.haproxy_certs import (
     safe_name,
 )
 from services.proxy.haproxy_changes import RUNTIME_SERVER_IDS, hosts_map_commands, map_rewrite_commands, server_commands
-from services.proxy.haproxy_config import Layout, map_text, render
+from services.proxy.haproxy_config import Layout, Plan, map_text, render
 from services.proxy.haproxy_latency import LatencyLog
-from services.proxy.haproxy_plan import Plan, RouteCache, plan
+from services.proxy.haproxy_plan import RouteCache, plan
 from services.proxy.haproxy_runtime import (
     RuntimeAPIError,
     command,

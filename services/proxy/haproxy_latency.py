@@ -44,7 +44,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.proxy.haproxy_plan import Plan
+from services.proxy.haproxy_config import Plan
 from services.proxy.stats import LATENCY_WINDOW, ReleaseCounters, percentiles3
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""What HAProxy should serve for one route table (pure): the :class:`Plan` of a route snapshot.
+"""How a route snapshot becomes the :class:`~services.proxy.haproxy_config.Plan` HAProxy serves (pure).
 
 A plan has three parts, changed at run time in different ways (:mod:`services.proxy.haproxy_engine`):
 
@@ -27,64 +27,17 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.proxy.auth import route_users
 from services.proxy.balancer import sticky_value
+from services.proxy.haproxy_config import HOLD_BACKEND, Backend, Plan, Server
 from services.proxy.haproxy_rules import backend_rules, is_weighted
 
-HOLD_BACKEND = "hold"
 LOCAL_WEIGHT = 101
 REMOTE_WEIGHT = 100
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
-
-
-@dataclass(frozen=True, slots=True)
-class Server:
-    name: str
-    addr: str
-    weight: int
-    maxconn: int
-    cookie: str
-    release_id: str = ""
-    """A weighted (canary) route's server: its release and step tag, what its counters are reported by."""
-    step_tag: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Backend:
-    name: str
-    env_id: str
-    rules: tuple[str, ...]
-    """Configuration lines of the backend besides its servers (middleware, balance, timeouts)."""
-    sticky: bool
-    servers: tuple[Server, ...]
-    held: bool = False
-    """Requests its servers refuse go to the Python handler (a ``scale_to_zero`` env: held and woken)."""
-
-    def structure(self) -> tuple[object, ...]:
-        """What only a reload can change."""
-        servers = tuple((s.name, s.addr, s.maxconn, s.cookie) for s in self.servers) if self.sticky else ()
-        return (self.name, self.rules, self.held, servers)  # a weight is changed at run time (issue 41)
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    hosts: dict[str, str]
-    paths: tuple[tuple[str, str], ...]
-    backends: dict[str, Backend]
-    env_of_backend: dict[str, str] = field(default_factory=dict)
-
-    def same_structure(self, other: Plan) -> bool:
-        """Whether ``other`` can be reached from this plan by runtime changes alone."""
-        if self.backends.keys() != other.backends.keys() or bool(self.paths) != bool(other.paths):
-            return False
-        return all(
-            mine is other.backends[name] or mine.structure() == other.backends[name].structure()
-            for name, mine in self.backends.items()
-        )
 
 
 def backend_name(route: cpb.HTTPRoute) -> str:

@@ -14,11 +14,10 @@ from aiohttp import web
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.proxy.haproxy_config import LATENCY_RING
+from services.proxy.haproxy_config import LATENCY_RING, Plan, Server
+from services.proxy.haproxy_config import Backend as PlanBackend
 from services.proxy.haproxy_engine import HAProxyEngine
 from services.proxy.haproxy_latency import Latencies, Owners, _Lines
-from services.proxy.haproxy_plan import Backend as PlanBackend
-from services.proxy.haproxy_plan import Plan, Server
 from services.proxy.haproxy_runtime import command
 from services.proxy.launch import haproxy_binary
 from shared.canary import LATENCY_BOUNDS_MS, Figures, Side, aggregate, judge, latency_ratio

@@ -13,8 +13,8 @@ from zattera.v1 import types_pb2 as pb
 
 from services.proxy import haproxy_config, haproxy_rules
 from services.proxy.haproxy_certs import changes, digest, pem_problem, self_signed_pem
-from services.proxy.haproxy_config import IDLE_POOL, NO_ROUTE_BACKEND, Layout, render
-from services.proxy.haproxy_plan import HOLD_BACKEND, backend_name, plan
+from services.proxy.haproxy_config import HOLD_BACKEND, IDLE_POOL, NO_ROUTE_BACKEND, Layout, render
+from services.proxy.haproxy_plan import backend_name, plan
 from services.proxy.haproxy_rules import BACKEND_STAGES, ELSEWHERE, FRONTEND_STAGES, backend_rules
 from services.proxy.haproxy_stats import HAProxySampler, merge_samples
 from services.proxy.pipeline import ORDER
