@@ -64,6 +64,21 @@ async def _edited(
     return True
 
 
+def _edit(
+    name: str,
+    load: Callable[[Any, str], Awaitable[R | None]],
+    save: Callable[[Any, R], Awaitable[None]],
+    change: Callable[[R], bool],
+) -> bool | None:
+    """:func:`_edited` on the cluster, as one command."""
+
+    async def go() -> bool | None:
+        async with control(view=False) as c:
+            return await _edited(c.conn.js, name, load, save, change)
+
+    return run(go)
+
+
 def _checked(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
@@ -124,11 +139,7 @@ def users_update(
         user.admin = admin
         return True
 
-    async def go() -> bool | None:
-        async with control(view=False) as c:
-            return await _edited(c.conn.js, name, load_user, save_user, change)
-
-    if not run(go):
+    if not _edit(name, load_user, save_user, change):
         raise fail(f"name {name!r}: no such user")
     err.print(f"user {name} is {'an admin' if admin else 'not an admin'}", markup=False, highlight=False)
 
@@ -323,11 +334,7 @@ def tokens_revoke(name: str) -> None:
         token.revoked = True
         return True
 
-    async def go() -> bool | None:
-        async with control(view=False) as c:
-            return await _edited(c.conn.js, name, load_token, save_token, revoke)
-
-    if not run(go):
+    if not _edit(name, load_token, save_token, revoke):
         raise fail(f"name {name!r}: no such token")
     err.print(f"token {name} revoked", markup=False, highlight=False)
 
