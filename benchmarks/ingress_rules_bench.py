@@ -34,6 +34,8 @@ from benchmarks.common import Row, bench_main, row
 from benchmarks.ingress_bench import PACKAGES, ROOT
 from benchmarks.side_by_side import hand_config, serving_process, wait_listening
 from services.proxy import haproxy_config as hc
+from services.proxy import haproxy_plan as hp
+from services.proxy.haproxy_rules import backend_rules
 from services.proxy.haproxy_runtime import command
 from shared.embedded import free_port
 
@@ -72,8 +74,8 @@ def _ours(directory: Path, edit: Edit) -> tuple[Path, int, tuple[Path, str]]:
     """Our configuration for one env without servers (edited), its port, its stats socket and the backend."""
     directory.mkdir(parents=True)
     route = cpb.HTTPRoute(hostname=HOST, environment_id="e1")
-    name = hc.backend_name(route)
-    plan = hc.Plan({HOST: name}, (), {name: hc.Backend(name, "e1", hc.backend_rules(route, 30.0), False, ())})
+    name = hp.backend_name(route)
+    plan = hc.Plan({HOST: name}, (), {name: hc.Backend(name, "e1", backend_rules(route, 30.0), False, ())})
     port = free_port()
     layout = hc.Layout(directory, f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}", hold_timeout=30, connect_timeout=5)
     layout.hosts_map.write_text(hc.map_text(plan.hosts.items()))
@@ -97,7 +99,7 @@ def _requests(port: int, count: int) -> None:
 
 async def _add_server(stats_socket: Path, backend: str, backend_addr: str, process: subprocess.Popen[bytes]) -> None:
     """As the engine adds a deployed replica: ``add server`` with the configured line, then ``enable``."""
-    server = hc.Server("s_a1", backend_addr, hc.LOCAL_WEIGHT, 0, "")
+    server = hc.Server("s_a1", backend_addr, hp.LOCAL_WEIGHT, 0, "")
     line = hc.server_line(server, sticky=False).split(" ", 2)[2]  # without "server <name>"
     deadline = time.monotonic() + 120
     while True:

@@ -48,7 +48,8 @@ from zattera.cluster.v1 import cluster_pb2 as cpb
 from benchmarks.common import Row, bench_main, row
 from benchmarks.ingress_bench import install
 from benchmarks.side_by_side import Side, check_certificate, hand_haproxy, haproxy_worker, measure, rows
-from services.proxy.haproxy_config import Layout, server_name
+from services.proxy.haproxy_config import Layout
+from services.proxy.haproxy_plan import server_name
 from shared.embedded import free_port
 from tests.e2e.cluster import ROOT, cli_argv, kill_tree_under
 

@@ -35,6 +35,7 @@ from shared.actions.volumes import PolicySet
 from shared.addons import spec as addon
 from shared.addons.backups import BackupStatus
 from shared.backup.targets import credentials_from_environment
+from shared.clock import parse_instant
 
 addons_app = typer.Typer(no_args_is_help=True, help="Managed databases: PostgreSQL and Redis (docs/addons.md).")
 
@@ -74,22 +75,11 @@ def _utc(epoch: float) -> str:
 
 
 def parse_time(value: str) -> float:
-    """``--to-time``: ISO 8601 (``2026-12-02T17:00:00Z``, ``2026-12-02 17:00:00+01:00``; no zone = UTC) or
-    epoch seconds."""
-    text = value.strip()
+    """``--to-time``: ISO 8601 (no zone = UTC) or epoch seconds (:func:`shared.clock.parse_instant`)."""
     try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise fail(
-            f"--to-time: {value!r} is not a time (ISO 8601, e.g. 2026-12-02T17:00:00Z, or epoch seconds)"
-        ) from None
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=UTC)
-    return parsed.timestamp()
+        return parse_instant(value)
+    except ValueError as exc:
+        raise fail(f"--to-time: {exc}") from None
 
 
 def _created(done: AddonCreated, json: bool, what: str) -> None:

@@ -26,8 +26,9 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
-from cli.spec import AppSpec, Build, Env, to_duration
+from cli.spec import AppSpec, Build, Env
 from cli.spec_proto import middleware, service_spec
+from cli.spec_values import to_duration
 from shared import keys as K
 from shared.actions import addon_declare as declare
 from shared.actions.names import env_label, find_app, find_env, find_project

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import typer
 
 from cli.client import OPTIONS, control, err, run
-from cli.spec import parse_duration
+from cli.spec_values import parse_duration
 from shared.actions.names import resolve_env
 from shared.applogs import STDERR, AppLogLine, UnknownLogStream, read_app_logs
 from shared.ids import is_safe_id, unsafe_id

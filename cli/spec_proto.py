@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from zattera.v1 import types_pb2 as pb
 
-from cli.spec import AppSpec, Canary, Env, to_duration
+from cli.spec import AppSpec, Env
+from cli.spec_tables import Canary
+from cli.spec_values import to_duration
 from shared.jobs import POLICIES
 
 _PROTOCOLS = {"http": pb.PROTOCOL_HTTP, "tcp": pb.PROTOCOL_TCP, "udp": pb.PROTOCOL_UDP}

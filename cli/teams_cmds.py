@@ -7,8 +7,9 @@ and written 0600 to ``--creds-out``; a token is printed once on stdout and only 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import typer
 
@@ -40,6 +41,42 @@ from shared.teams import (
 users_app = typer.Typer(no_args_is_help=True, help="People of the teams: one identity for the CLI and console.")
 grants_app = typer.Typer(no_args_is_help=True, help="Per-project roles of users: owner, deployer, viewer.")
 tokens_app = typer.Typer(no_args_is_help=True, help="API tokens for CI: one project, one role, an expiry.")
+
+
+R = TypeVar("R", User, Token)
+
+
+async def _edited(
+    js: Any,
+    name: str,
+    load: Callable[[Any, str], Awaitable[R | None]],
+    save: Callable[[Any, R], Awaitable[None]],
+    change: Callable[[R], bool],
+) -> bool | None:
+    """Load the user or token ``name``, change it and save it: None when there is none, False when ``change``
+    found nothing to change (nothing is saved)."""
+    found = await load(js, name)
+    if found is None:
+        return None
+    if not change(found):
+        return False
+    await save(js, found)
+    return True
+
+
+def _edit(
+    name: str,
+    load: Callable[[Any, str], Awaitable[R | None]],
+    save: Callable[[Any, R], Awaitable[None]],
+    change: Callable[[R], bool],
+) -> bool | None:
+    """:func:`_edited` on the cluster, as one command."""
+
+    async def go() -> bool | None:
+        async with control(view=False) as c:
+            return await _edited(c.conn.js, name, load, save, change)
+
+    return run(go)
 
 
 def _checked(fn: Any, *args: Any) -> Any:
@@ -98,16 +135,11 @@ def users_update(
 ) -> None:
     """Give or take the cluster admin role: effective at the user's next request."""
 
-    async def go() -> bool:
-        async with control(view=False) as c:
-            found = await load_user(c.conn.js, name)
-            if found is None:
-                return False
-            found.admin = admin
-            await save_user(c.conn.js, found)
-            return True
+    def change(user: User) -> bool:
+        user.admin = admin
+        return True
 
-    if not run(go):
+    if not _edit(name, load_user, save_user, change):
         raise fail(f"name {name!r}: no such user")
     err.print(f"user {name} is {'an admin' if admin else 'not an admin'}", markup=False, highlight=False)
 
@@ -162,6 +194,14 @@ def _project_id(view: Any, ref: str) -> str:
     return str(project.meta.id)
 
 
+def _grant(user: User, project_id: str, role: str) -> bool:
+    """Give ``user`` ``role`` on the project ("": take their role away); False when they had none to take."""
+    if role:
+        user.grants[project_id] = role
+        return True
+    return user.grants.pop(project_id, None) is not None
+
+
 @grants_app.command("add")
 def grants_add(
     user: str = typer.Argument(..., help="the user"),
@@ -174,11 +214,8 @@ def grants_add(
     async def go() -> str:
         async with control() as c:
             project_id = _project_id(c.view, project)
-            found = await load_user(c.conn.js, user)
-            if found is None:
+            if await _edited(c.conn.js, user, load_user, save_user, lambda u: _grant(u, project_id, role)) is None:
                 raise fail(f"user {user!r}: no such user (`zattera users add`)")
-            found.grants[project_id] = role
-            await save_user(c.conn.js, found)
             return project_id
 
     project_id = run(go)
@@ -195,13 +232,10 @@ def grants_remove(
     async def go() -> bool:
         async with control() as c:
             project_id = _project_id(c.view, project)
-            found = await load_user(c.conn.js, user)
-            if found is None:
+            done = await _edited(c.conn.js, user, load_user, save_user, lambda u: _grant(u, project_id, ""))
+            if done is None:
                 raise fail(f"user {user!r}: no such user")
-            if found.grants.pop(project_id, None) is None:
-                return False
-            await save_user(c.conn.js, found)
-            return True
+            return done
 
     if not run(go):
         raise fail(f"user {user!r} has no role on project {project!r}")
@@ -296,16 +330,11 @@ def _utc(ts: float) -> str:
 def tokens_revoke(name: str) -> None:
     """Revoke a token: refused from its next request."""
 
-    async def go() -> bool:
-        async with control(view=False) as c:
-            found = await load_token(c.conn.js, name)
-            if found is None:
-                return False
-            found.revoked = True
-            await save_token(c.conn.js, found)
-            return True
+    def revoke(token: Token) -> bool:
+        token.revoked = True
+        return True
 
-    if not run(go):
+    if not _edit(name, load_token, save_token, revoke):
         raise fail(f"name {name!r}: no such token")
     err.print(f"token {name} revoked", markup=False, highlight=False)
 

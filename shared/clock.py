@@ -59,6 +59,21 @@ def stamp(field: Timestamp, epoch: float) -> Timestamp:
     return field
 
 
+def parse_instant(text: str) -> float:
+    """Epoch seconds from epoch seconds or ISO 8601 (``2026-12-02T17:00:00Z``, ``2026-12-02 17:00:00+01:00``;
+    no zone = UTC). ValueError naming the text otherwise."""
+    value = text.strip()
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a time (ISO 8601, e.g. 2026-12-02T17:00:00Z, or epoch seconds)") from None
+    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).timestamp()
+
+
 def to_timestamp(epoch: float) -> Timestamp:
     """A new protobuf timestamp of ``epoch`` seconds (see :func:`stamp`)."""
     return stamp(Timestamp(), epoch)

@@ -1,11 +1,12 @@
-"""The last message of every subject of a stream in one ``DIRECT.GET`` batch request, answered by any
-current replica (no consumer, no leader needed)."""
+"""Batched ``DIRECT.GET`` requests, answered by any current replica (no consumer, no leader needed): the last
+message of every subject of a stream in one request, or any other batch (the metrics history pages)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
@@ -41,6 +42,12 @@ async def last_per_subject(nc: NATS, stream: str, subjects: str, timeout: float)
     The reply is one point in the stream's history. Raises :class:`TimeoutError` when no message arrives
     within ``timeout`` of the last, ``nats.errors.NoRespondersError`` / :class:`ClusterUnavailable` when
     nobody answers (no replica: an election's first instants, or no such stream), :class:`TooManySubjects`."""
+    return await direct_batch(nc, stream, {"multi_last": [subjects]}, timeout)
+
+
+async def direct_batch(nc: NATS, stream: str, request: dict[str, Any], timeout: float) -> list[Msg]:
+    """The messages one batched ``DIRECT.GET`` request answers (``multi_last``, or ``next_by_subj`` with
+    ``batch`` and ``seq``), up to its end. Raises as :func:`last_per_subject` does."""
     inbox = nc.new_inbox()
     replies: asyncio.Queue[Msg] = asyncio.Queue()
 
@@ -49,8 +56,7 @@ async def last_per_subject(nc: NATS, stream: str, subjects: str, timeout: float)
 
     sub = await nc.subscribe(inbox, cb=collect)
     try:
-        request = json.dumps({"multi_last": [subjects]}).encode()
-        await nc.publish(DIRECT_GET_PREFIX + stream, request, reply=inbox)
+        await nc.publish(DIRECT_GET_PREFIX + stream, json.dumps(request).encode(), reply=inbox)
         found: list[Msg] = []
         while True:
             msg = await asyncio.wait_for(replies.get(), timeout)

@@ -19,6 +19,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
+from shared.connection import ClusterUnavailable
+from shared.directget import TooManySubjects, direct_batch
 from shared.history import (
     DOWN,
     DOWN_MAX_AGE,
@@ -42,7 +44,6 @@ from shared.history import (
     subject,
 )
 
-DIRECT_GET = "$JS.API.DIRECT.GET."
 PAGE = 1000
 
 
@@ -68,30 +69,10 @@ async def read_messages(
 
 
 async def _direct_batch(nc: NATS, stream: str, request: dict[str, Any], timeout: float) -> list[Msg]:
-    inbox = nc.new_inbox()
-    replies: asyncio.Queue[Msg] = asyncio.Queue()
-
-    async def collect(msg: Msg) -> None:
-        replies.put_nowait(msg)
-
-    sub = await nc.subscribe(inbox, cb=collect)
     try:
-        await nc.publish(DIRECT_GET + stream, json.dumps(request).encode(), reply=inbox)
-        page: list[Msg] = []
-        while True:
-            msg = await asyncio.wait_for(replies.get(), timeout)
-            status = (msg.headers or {}).get("Status")
-            if status is None:
-                page.append(msg)
-            elif status in ("204", "404"):
-                return page
-            elif status == "503" and not page:
-                raise nats.errors.NoRespondersError
-            else:
-                raise HistoryError(f"reading {stream} answered {status}")
-    finally:
-        with contextlib.suppress(nats.errors.Error):
-            await sub.unsubscribe()
+        return await direct_batch(nc, stream, request, timeout)
+    except (ClusterUnavailable, TooManySubjects) as exc:
+        raise HistoryError(f"reading {stream}: {exc}") from None
 
 
 async def read_points(nc: NATS, resolution: str, kind: str, ident: str, since: float) -> list[cpb.MetricPoint]:

@@ -33,6 +33,7 @@ from shared.actions.context import ActionContext
 from shared.actions.names import env_path
 from shared.actions.refusals import ActionRefused, Invalid, NotFound
 from shared.addons import spec as addon
+from shared.clock import parse_instant
 
 
 def _utc(epoch: float) -> str:
@@ -124,16 +125,10 @@ def _database(request: web.Request) -> AddonInfo:
 
 
 def _parse_time(value: str) -> float:
-    text = value.strip()
     try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise Invalid("to_time", f"{value!r} is not a time (ISO 8601, e.g. 2026-12-02T17:00:00Z)") from None
-    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).timestamp()
+        return parse_instant(value)
+    except ValueError as exc:
+        raise Invalid("to_time", str(exc)) from None
 
 
 async def addon_action(request: web.Request) -> web.StreamResponse:

@@ -40,28 +40,13 @@ def digest(pem: str) -> str:
 
 def self_signed_pem(common_name: str = FALLBACK_NAME) -> str:
     """A self-signed ECDSA P-256 certificate and its key, in one PEM."""
-    from cryptography import x509  # in the child of :func:`ensure_fallback`: the proxy itself never loads it
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    # In the child of :func:`ensure_fallback`: the proxy itself never loads cryptography.
+    from cryptography.hazmat.primitives import hashes
 
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=FALLBACK_DAYS))
-        .sign(key, hashes.SHA256())
-    )
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    return cert.public_bytes(serialization.Encoding.PEM).decode() + key_pem.decode()
+    from shared.security.tls import pem_cert, pem_key, self_signed
+
+    builder, key = self_signed(common_name, datetime.datetime.now(datetime.UTC), FALLBACK_DAYS)
+    return pem_cert(builder.sign(key, hashes.SHA256())) + pem_key(key)
 
 
 def _no_password() -> bytes:

@@ -9,9 +9,12 @@ Route changes (:meth:`HAProxyEngine.apply`, serialized, the newest snapshot wins
 API when they can, so nothing is dropped and nothing is re-parsed: Host map entries, the path map, and
 servers of non-sticky backends. A server that leaves is put in maintenance at once (no new requests;
 the ones in flight finish) and deleted once HAProxy accepts it (no connection left). Anything else is a
-structure change (:mod:`services.proxy.haproxy_config`): the configuration is rewritten and the master
+structure change (:mod:`services.proxy.haproxy_plan`): the configuration is rewritten and the master
 told to ``reload``; the new worker takes the listening sockets over (``expose-fd listeners``), the old one
 finishes its in-flight requests and WebSockets (bounded by ``hard-stop-after``).
+
+The runtime commands are computed by :mod:`services.proxy.haproxy_changes` and sent by the runtime API client
+(:mod:`services.proxy.haproxy_runtime`).
 """
 
 from __future__ import annotations
@@ -40,9 +43,20 @@ from services.proxy.haproxy_certs import (
     pem_problem,
     safe_name,
 )
-from services.proxy.haproxy_config import Layout, Plan, RouteCache, map_text, plan, render, server_line
+from services.proxy.haproxy_changes import RUNTIME_SERVER_IDS, hosts_map_commands, map_rewrite_commands, server_commands
+from services.proxy.haproxy_config import Layout, Plan, map_text, render
 from services.proxy.haproxy_latency import LatencyLog
-from services.proxy.haproxy_runtime import RuntimeAPIError, command, execute, parse_stat_csv, send
+from services.proxy.haproxy_plan import RouteCache, plan
+from services.proxy.haproxy_runtime import (
+    RuntimeAPIError,
+    command,
+    execute,
+    parse_stat_csv,
+    prepare_map,
+    refused,
+    send,
+    worker_pid,
+)
 from services.proxy.haproxy_stats import HAProxySampler, ServerTraffic
 from services.proxy.launch import HAPROXY, haproxy_binary
 from shared.backoff import Backoff
@@ -62,14 +76,6 @@ RESTART_BACKOFF_MAX = 5.0
 
 
 SWEEP_INTERVAL = 1.0
-
-
-MAP_REWRITE_ABOVE = 128
-
-
-"""More host map entries changing or going than this at once: the map is rewritten whole. HAProxy 2.6 finds
-the entry of a ``set map``/``del map`` by scanning the map (~1-3 ms at 10,000 entries, on the data plane's
-thread); a rewrite costs ~50 µs per entry: 10,000 envs warming at once took 30 s entry by entry."""
 
 
 PR_SET_PDEATHSIG = 1
@@ -99,13 +105,6 @@ def _private_dir(path: Path) -> None:
     if path.stat().st_uid != os.getuid():
         raise PermissionError(f"{path} belongs to another user: not keeping the haproxy sockets there")
     path.chmod(0o700)
-
-
-RUNTIME_SERVER_IDS = 1_000_000
-"""The first id given to a server added at run time, above the ids the configuration's servers get (1, 2, …).
-HAProxy 2.6 places a ``balance random`` server on its consistent-hash ring from its id, and a server added
-without one is placed before it has one: two servers added so to one backend share their places and one of
-them never gets a request (haproxy/haproxy#3413, fixed in 3.0). An explicit id avoids it."""
 
 
 class HAProxyEngine:
@@ -223,16 +222,6 @@ class HAProxyEngine:
             "haproxy: pid %d serving %d hosts, %d backends", self._process.pid, len(target.hosts), len(target.backends)
         )
 
-    async def _worker_pid(self) -> int | None:
-        try:
-            info = await command(self.layout.stats_socket, "show info", timeout=2)
-        except (OSError, TimeoutError, RuntimeAPIError):
-            return None
-        for line in info.splitlines():
-            if line.startswith("Pid:"):
-                return int(line.split(":", 1)[1])
-        return None
-
     async def _wait_ready(self, old_worker: int | None) -> None:
         """Until a worker other than ``old_worker`` answers on the stats socket."""
         deadline = time.monotonic() + READY_TIMEOUT
@@ -240,7 +229,7 @@ class HAProxyEngine:
             process = self._process
             if process is not None and process.returncode is not None:
                 raise RuntimeError(f"haproxy exited with {process.returncode}; see {self.layout.directory}/haproxy.log")
-            pid = await self._worker_pid()
+            pid = await worker_pid(self.layout.stats_socket)
             if pid is not None and pid != old_worker:
                 return
             await asyncio.sleep(0.02)
@@ -293,7 +282,7 @@ class HAProxyEngine:
                 log.debug("haproxy: routes version %d applied in %.3fs", snapshot.version, time.monotonic() - started)
 
     async def _reload(self, target: Plan) -> None:
-        old_worker = await self._worker_pid()
+        old_worker = await worker_pid(self.layout.stats_socket)
         self._write_files(target)
         await send(self.layout.master_socket, "reload")  # the master re-executes: no answer comes
         await self._wait_ready(old_worker)
@@ -308,76 +297,25 @@ class HAProxyEngine:
         backend whose servers are not in yet, nor at one whose servers already left (a request in between
         found no server: 503)."""
         running = self.running
-        commands: list[str] = []
-        leaving: list[str] = []
-        for backend_name, backend in target.backends.items():
-            if backend is running.backends[backend_name]:
-                continue
-            if backend.sticky:  # its servers are part of the structure, their weights are not (issue 41)
-                weights = {s.name: s.weight for s in running.backends[backend_name].servers}
-                commands += [
-                    f"set server {backend_name}/{s.name} weight {s.weight}"
-                    for s in backend.servers
-                    if weights.get(s.name) != s.weight
-                ]
-                continue
-            have = {s.name: s for s in running.backends[backend_name].servers}
-            for server in backend.servers:
-                before = have.pop(server.name, None)
-                where = f"{backend_name}/{server.name}"
-                if before is None and (backend_name, server.name) in self._draining:
-                    self._draining.discard((backend_name, server.name))
-                    commands += [f"set server {where} addr {_host(server.addr)} port {_port(server.addr)}"]
-                    commands += [f"set server {where} weight {server.weight}", f"enable server {where}"]
-                elif before is None:
-                    line = server_line(server, sticky=False, held=backend.held).split(" ", 2)[2]
-                    commands += [f"add server {where} {line} id {next(self._server_ids)}"]
-                    commands += [f"enable health {where}"] if backend.held else []
-                    commands += [f"enable server {where}"]
-                elif before != server:
-                    if before.addr != server.addr:
-                        commands += [f"set server {where} addr {_host(server.addr)} port {_port(server.addr)}"]
-                    commands += [f"set server {where} weight {server.weight}"]
-            for gone in have.values():
-                leaving.append(f"disable server {backend_name}/{gone.name}")
-                self._draining.add((backend_name, gone.name))
-        commands += await self._hosts_map_commands(running, target)
+        commands, leaving = server_commands(running, target, self._draining, self._server_ids)
+        hosts = hosts_map_commands(self.layout.hosts_map, running, target)
+        if hosts is None:
+            hosts = await self._rewrite_map_commands(self.layout.hosts_map, sorted(target.hosts.items()))
+        commands += hosts
         if target.paths != running.paths:
             commands += await self._rewrite_map_commands(self.layout.paths_map, target.paths)
         commands += leaving
         if commands:
             answers = await execute(self.layout.stats_socket, commands)
-            failures = [f"{c!r}: {a}" for c, a in zip(commands, answers, strict=True) if _failed(a)]
+            failures = [f"{c!r}: {a}" for c, a in zip(commands, answers, strict=True) if refused(a)]
             if failures:
                 log.warning("haproxy runtime changes refused (%d): %s", len(failures), "; ".join(failures[:3]))
         self.running = target
         await self._delete_drained()
 
-    async def _hosts_map_commands(self, running: Plan, target: Plan) -> list[str]:
-        """Entry by entry; the whole map rewritten instead when more than :data:`MAP_REWRITE_ABOVE` entries
-        change or go (each ``set map``/``del map`` scans the map in HAProxy 2.6)."""
-        hosts_map = self.layout.hosts_map
-        added: list[str] = []
-        changed: list[str] = []
-        for host, backend_name in target.hosts.items():
-            before_backend = running.hosts.get(host)
-            if before_backend is None:
-                added.append(f"add map {hosts_map} {host} {backend_name}")
-            elif before_backend != backend_name:
-                changed.append(f"set map {hosts_map} {host} {backend_name}")
-        changed += [f"del map {hosts_map} {host}" for host in running.hosts.keys() - target.hosts.keys()]
-        if len(changed) > MAP_REWRITE_ABOVE:
-            return await self._rewrite_map_commands(hosts_map, sorted(target.hosts.items()))
-        return added + changed
-
     async def _rewrite_map_commands(self, path: Path, entries: Iterable[tuple[str, str]]) -> list[str]:
-        """An atomic rewrite of a map: a new version filled, then committed."""
-        answer = await command(self.layout.stats_socket, f"prepare map {path}")
-        version = answer.rsplit(":", 1)[-1].strip()
-        if not version.isdigit():
-            raise RuntimeAPIError(f"prepare map: {answer}")
-        commands = [f"add map @{version} {path} {key} {name}" for key, name in entries]
-        return [*commands, f"commit map @{version} {path}"]
+        """An atomic rewrite of a map: a new version filled, then committed (:func:`map_rewrite_commands`)."""
+        return map_rewrite_commands(await prepare_map(self.layout.stats_socket, path), path, entries)
 
     async def _delete_drained(self) -> None:
         if not self._draining:
@@ -430,7 +368,7 @@ class HAProxyEngine:
                 (self.layout.certs_dir / f"{name}.pem").unlink(missing_ok=True)
             write_atomic(self.layout.crt_list, crt_list_text(self.layout.certs_dir), durable=False)
             answers = await execute(self.layout.stats_socket, commands)
-            failures = [c.split(" <<", 1)[0] + f": {a}" for c, a in zip(commands, answers, strict=True) if _failed(a)]
+            failures = [c.split(" <<", 1)[0] + f": {a}" for c, a in zip(commands, answers, strict=True) if refused(a)]
             if failures:
                 log.warning("haproxy certificate changes refused (%d): %s", len(failures), "; ".join(failures[:3]))
             for name, pem in to_write.items():
@@ -506,16 +444,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _host(addr: str) -> str:
-    return addr.rpartition(":")[0].removeprefix("[").removesuffix("]")
-
-
-def _port(addr: str) -> str:
-    return addr.rpartition(":")[2]
-
-
-def _failed(answer: str) -> bool:
-    lowered = answer.lower()
-    return any(word in lowered for word in ("unknown", "error", "not ", "no such", "invalid", "require", "cannot"))

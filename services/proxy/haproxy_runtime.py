@@ -73,3 +73,30 @@ async def send(socket_path: Path, line: str, *, timeout: float = 10.0) -> None:
             await reader.read()
         finally:
             writer.close()
+
+
+async def prepare_map(socket_path: Path, path: Path) -> str:
+    """A new, empty version of the map at ``path`` (``prepare map``), to fill and commit."""
+    answer = await command(socket_path, f"prepare map {path}")
+    version = answer.rsplit(":", 1)[-1].strip()
+    if not version.isdigit():
+        raise RuntimeAPIError(f"prepare map: {answer}")
+    return version
+
+
+async def worker_pid(socket_path: Path) -> int | None:
+    """The pid of the worker answering on the stats socket; None when none answers."""
+    try:
+        info = await command(socket_path, "show info", timeout=2)
+    except (OSError, TimeoutError, RuntimeAPIError):
+        return None
+    for line in info.splitlines():
+        if line.startswith("Pid:"):
+            return int(line.split(":", 1)[1])
+    return None
+
+
+def refused(answer: str) -> bool:
+    """Whether a command's answer says HAProxy did not do it."""
+    lowered = answer.lower()
+    return any(word in lowered for word in ("unknown", "error", "not ", "no such", "invalid", "require", "cannot"))

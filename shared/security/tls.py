@@ -64,11 +64,11 @@ def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
 BACKDATE = datetime.timedelta(minutes=5)  # the clocks of the machines that check a certificate may lag a little
 
 
-def new_ca(
-    common_name: str, now: datetime.datetime, *, days: int = CA_DAYS, permitted_dns: str = ""
-) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A self-signed CA (may sign leaves only); ``permitted_dns`` constrains it to that domain and its
-    subdomains (browsers trust a private root only that far)."""
+def self_signed(
+    common_name: str, now: datetime.datetime, days: int
+) -> tuple[x509.CertificateBuilder, ec.EllipticCurvePrivateKey]:
+    """A new P-256 key and a certificate naming ``common_name`` as subject and issuer, valid from a little
+    before ``now`` for ``days``: signed with the key as it is (a self-signed leaf), or with extensions (a CA)."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = _name(common_name)
     builder = (
@@ -79,7 +79,18 @@ def new_ca(
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - BACKDATE)
         .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+    )
+    return builder, key
+
+
+def new_ca(
+    common_name: str, now: datetime.datetime, *, days: int = CA_DAYS, permitted_dns: str = ""
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A self-signed CA (may sign leaves only); ``permitted_dns`` constrains it to that domain and its
+    subdomains (browsers trust a private root only that far)."""
+    builder, key = self_signed(common_name, now, days)
+    builder = (
+        builder.add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
                 digital_signature=False,

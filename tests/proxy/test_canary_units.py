@@ -9,7 +9,7 @@ from collections import Counter
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.proxy.balancer import Balancer, weighted
-from services.proxy.haproxy_config import MAX_WEIGHT, canary_weights
+from services.proxy.haproxy_plan import MAX_WEIGHT, canary_weights
 from services.proxy.haproxy_stats import ServerTraffic
 from services.proxy.stats import ProxyStats
 from shared.canary import LATENCY_BOUNDS_MS, bucket_of, percentile_ms

@@ -11,21 +11,12 @@ import pytest
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
-from services.proxy import haproxy_config
+from services.proxy import haproxy_config, haproxy_rules
 from services.proxy.haproxy_certs import changes, digest, pem_problem, self_signed_pem
-from services.proxy.haproxy_config import (
-    BACKEND_STAGES,
-    ELSEWHERE,
-    FRONTEND_STAGES,
-    HOLD_BACKEND,
-    IDLE_POOL,
-    NO_ROUTE_BACKEND,
-    Layout,
-    backend_name,
-    backend_rules,
-    plan,
-    render,
-)
+from services.proxy.haproxy_changes import MAP_REWRITE_ABOVE, hosts_map_commands, server_commands
+from services.proxy.haproxy_config import HOLD_BACKEND, IDLE_POOL, NO_ROUTE_BACKEND, Layout, render
+from services.proxy.haproxy_plan import backend_name, plan
+from services.proxy.haproxy_rules import BACKEND_STAGES, ELSEWHERE, FRONTEND_STAGES, backend_rules
 from services.proxy.haproxy_stats import HAProxySampler, merge_samples
 from services.proxy.pipeline import ORDER
 from tests.proxy.harness import endpoint, http_route
@@ -134,6 +125,7 @@ def test_haproxy_rule_order_is_derived_from_the_pipeline_order(tmp_path: Path, m
     backend = [stage for stage in ORDER if stage in BACKEND_STAGES]
     reordered = (*FRONTEND_STAGES, *reversed(backend), *ELSEWHERE)
     monkeypatch.setattr(haproxy_config, "ORDER", reordered)
+    monkeypatch.setattr(haproxy_rules, "ORDER", reordered)
     assert _stages_in_rendered_order(tmp_path) == [stage for stage in reordered if stage in STAGE_MARKERS]
 
 
@@ -260,3 +252,25 @@ def test_the_fallback_certificate_is_made_outside_the_proxy_process(tmp_path: Pa
     assert loaded.strip() == "False"
     assert pem_problem(path.read_text(), tmp_path) is None
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_runtime_commands_add_a_server_drain_a_leaving_one_and_bring_a_drained_one_back() -> None:
+    one = planned(http_route("h", "e1", [endpoint("10.0.0.1:80", "a1")]))
+    two = planned(http_route("h", "e1", [endpoint("10.0.0.2:80", "a2")]))
+    name = backend_name(http_route("h", "e1"))
+    draining: set[tuple[str, str]] = set()
+    arriving, leaving = server_commands(one, two, draining, iter([1_000_000]))
+    assert arriving[0].startswith(f"add server {name}/s_a2 10.0.0.2:80 weight 101") and "id 1000000" in arriving[0]
+    assert arriving[1:] == [f"enable server {name}/s_a2"]
+    assert leaving == [f"disable server {name}/s_a1"] and draining == {(name, "s_a1")}
+    back, gone = server_commands(two, one, draining, iter([]))  # a1 back before its deletion: re-enabled
+    assert f"enable server {name}/s_a1" in back and (name, "s_a1") not in draining
+    assert gone == [f"disable server {name}/s_a2"]
+
+
+def test_host_map_changes_go_entry_by_entry_until_so_many_that_a_rewrite_is_cheaper(tmp_path: Path) -> None:
+    hosts_map = tmp_path / "hosts.map"
+    few = planned(http_route("a", "e1", [endpoint("10.0.0.1:80", "a1")]))
+    assert hosts_map_commands(hosts_map, planned(), few) == [f"add map {hosts_map} a {backend_name(http_route('a'))}"]
+    many = planned(*(http_route(f"h{i}", f"e{i}") for i in range(MAP_REWRITE_ABOVE + 1)))
+    assert hosts_map_commands(hosts_map, many, planned()) is None  # more than the bound go: rewrite whole

@@ -5,7 +5,16 @@ import asyncio
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from shared.clock import FakeClock, RealClock, from_timestamp, stamp, ticker, to_timestamp, wait_or_timer
+from shared.clock import (
+    FakeClock,
+    RealClock,
+    from_timestamp,
+    parse_instant,
+    stamp,
+    ticker,
+    to_timestamp,
+    wait_or_timer,
+)
 from tests.waiting import eventually
 
 
@@ -137,3 +146,22 @@ async def test_wait_or_timer_without_a_timeout_waits_for_the_awaitable_only():
     assert not waiting.done()
     event.set()
     assert await waiting is True
+
+
+@pytest.mark.parametrize(
+    ("text", "epoch"),
+    [
+        ("1764694800", 1764694800.0),
+        (" 1764694800.5 ", 1764694800.5),
+        ("2025-12-02T17:00:00Z", 1764694800.0),
+        ("2025-12-02 17:00:00", 1764694800.0),
+        ("2025-12-02T18:00:00+01:00", 1764694800.0),
+    ],
+)
+def test_parse_instant_reads_epoch_seconds_and_iso_8601_with_utc_by_default(text: str, epoch: float) -> None:
+    assert parse_instant(text) == epoch
+
+
+def test_parse_instant_names_what_is_not_a_time() -> None:
+    with pytest.raises(ValueError, match="'soon' is not a time"):
+        parse_instant("soon")

@@ -1,5 +1,5 @@
-"""Every key ``zattera.toml`` accepts (``cli/spec.py``) is documented: in docs/zattera-toml.md, or in the
-feature page under docs/ that added it."""
+"""Every key ``zattera.toml`` accepts (``cli/spec.py`` and its tables, ``cli/spec_tables.py``) is documented:
+in docs/zattera-toml.md, or in the feature page under docs/ that added it."""
 
 from __future__ import annotations
 

@@ -18,5 +18,5 @@ ORDER = (
     "endpoint_choice",
     "forward",
 )
-"""The middleware modules of this package, in the order a request meets them; ``haproxy_config.py`` orders
-HAProxy's frontend and backend rules by it as well."""
+"""The middleware modules of this package, in the order a request meets them; ``haproxy_config.py`` and
+``haproxy_rules.py`` order HAProxy's frontend and backend rules by it as well."""
