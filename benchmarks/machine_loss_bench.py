@@ -25,17 +25,21 @@ import time
 from pathlib import Path
 
 from benchmarks.common import Row, bench_main, percentile, row
+from benchmarks.machine_loss_watch import Watch
 from tests.multinode.app import CLIENT, deploy_three_replicas, node_status, serving_on
 from tests.multinode.harness import Machine, Network, unavailable
 from tests.multinode.machines import COMMON, cli_env, servers, three_servers
 from tests.waiting import eventually_sync
 
 
-def first_write(writer: Machine, started: float, i: int, timeout: float = 120.0) -> float:
+def first_write(writer: Machine, started: float, i: int, watch: Watch, timeout: float = 120.0) -> float:
     """Seconds from ``started`` until an operator write through ``writer`` is acknowledged."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        watch.note("write: CLI started")
         done = writer.zattera("nodes", "label", writer.name, f"bench-kill={i}", env=cli_env(writer))
+        said = (done.stderr.strip().splitlines() or [""])[-1][:200]
+        watch.note(f"write: CLI exited {done.returncode} {said}")
         if done.returncode == 0:
             return time.monotonic() - started
     raise AssertionError(f"no write acknowledged within {timeout}s of the loss")
@@ -69,16 +73,19 @@ def run(quick: bool = True) -> list[Row]:
                         str(out),
                     ]
                 )
+                watch = Watch(m1, tmp, i)
                 try:
                     time.sleep(3)  # steady traffic before the loss (the client's pace, not a product timer)
-                    lost_at = time.monotonic()
+                    lost_at = watch.lost_at = time.monotonic()
                     victim.kill_all()
                     victim.link(False)
-                    writes.append(first_write(m1, lost_at, i))
+                    watch.note(f"{victim.name} killed, link cut")
+                    writes.append(first_write(m1, lost_at, i, watch))
                     eventually_sync(
                         lambda v=victim: node_status(m1, v.name) == "NODE_STATUS_DOWN", timeout=120, what="down"
                     )
                     down_at = time.monotonic()
+                    watch.note("node DOWN")
                     detected.append(down_at - lost_at)
                     eventually_sync(
                         lambda v=victim: sum(n for node, n in serving_on(m1).items() if node != v.name) == 3,
@@ -86,9 +93,12 @@ def run(quick: bool = True) -> list[Row]:
                         what="the lost replicas serving on the other machines",
                     )
                     replaced.append(time.monotonic() - down_at)
+                    watch.note("lost replicas serving elsewhere")
                 finally:
                     stop.touch()
                     client.wait(60)
+                    watch.stop()
+                    print(f"kill {i + 1} timeline (from {m1.name}):\n{watch.report()}", flush=True)
                 seen = json.loads(out.read_text())
                 failed.append(int(seen["failed"]))
                 sent.append(int(seen["ok"]) + int(seen["failed"]))
