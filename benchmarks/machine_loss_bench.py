@@ -19,13 +19,14 @@ is detected. ``python -m benchmarks.machine_loss_bench [--full]``: quick, 2 kill
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.common import Row, bench_main, percentile, row
-from benchmarks.machine_loss_watch import Watch
+from benchmarks.machine_loss_watch import LED_STREAMS, Watch, lead_on
 from tests.multinode.app import CLIENT, deploy_three_replicas, node_status, serving_on
 from tests.multinode.harness import Machine, Network, unavailable
 from tests.multinode.machines import COMMON, cli_env, servers, three_servers
@@ -49,7 +50,7 @@ def run(quick: bool = True) -> list[Row]:
     why = unavailable()
     if why:
         raise RuntimeError(f"machine_loss_bench needs machines in namespaces: {why}")
-    kills = 2 if quick else 10
+    kills = int(os.environ.get("ZATTERA_BENCH_KILLS", 0)) or (2 if quick else 10)
     writes: list[float] = []
     detected: list[float] = []
     replaced: list[float] = []
@@ -73,6 +74,8 @@ def run(quick: bool = True) -> list[Row]:
                         str(out),
                     ]
                 )
+                if os.environ.get("ZATTERA_BENCH_VICTIM_LEADS"):
+                    print(f"leaders of {LED_STREAMS} onto {victim.name}: {lead_on(m1, victim.name)}", flush=True)
                 watch = Watch(m1, tmp, i)
                 try:
                     time.sleep(3)  # steady traffic before the loss (the client's pace, not a product timer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -116,3 +117,42 @@ class Watch:
         except OSError:
             pass
         return "\n".join(f"  {t - self.lost_at:+7.1f} s  {what}" for t, what in sorted(lines))
+
+
+STEP_DOWN = """
+import asyncio, json, ssl, sys
+import nats
+
+async def main() -> None:
+    url, creds, ca, preferred, streams = sys.argv[1:6]
+    tls = ssl.create_default_context(cafile=ca)
+    nc = await nats.connect(url, user_credentials=creds, tls=tls)
+    for stream in streams.split(","):
+        body = json.dumps({"placement": {"preferred": preferred}}).encode()
+        reply = await nc.request("$JS.API.STREAM.LEADER.STEPDOWN." + stream, body, timeout=10)
+        print(stream, reply.data.decode())
+    await nc.close()
+
+asyncio.run(main())
+"""
+
+LED_STREAMS = "KV_zattera-state,KV_zattera-live"
+"""The streams whose leader :func:`lead_on` moves: the state (every write) and the live records (liveness)."""
+
+
+def lead_on(through: Machine, server: str) -> str:
+    """Ask the streams of :data:`LED_STREAMS` to elect their leader on NATS server ``server`` (the worst case
+    for a kill of its machine: every write waits for the election)."""
+    env = cli_env(through)
+    done = through.exec(
+        sys.executable,
+        "-c",
+        STEP_DOWN,
+        env["ZATTERA_NATS_URL"],
+        str(through.data_dir / "control" / "security" / "creds" / "control.creds"),
+        env["ZATTERA_NATS_TLS_CA"],
+        server,
+        LED_STREAMS,
+        check=False,
+    )
+    return (done.stdout + done.stderr).strip()
