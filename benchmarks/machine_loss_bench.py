@@ -14,6 +14,11 @@ not retired yet, docs/cluster.md) SIGKILLed with its link cut, brought back as a
 Targets (issue 34): control-plane write p99 ≤ 10 s; replicas replaced and serving p99 ≤ 30 s after the loss
 is detected. ``python -m benchmarks.machine_loss_bench [--full]``: quick, 2 kills (~8 min); full, 10 kills
 (~25 min). Needs root and ``ip netns``, ``wg`` and kernel WireGuard or wireguard-go.
+
+``ZATTERA_BENCH_KILLS=N``: N kills instead. ``ZATTERA_BENCH_VICTIM_LEADS=1``: before each kill, the state and
+live streams elect their leader on the machine about to be killed (the worst case for the first write). Each
+kill prints its timeline as seen from the first machine (``benchmarks/machine_loss_watch.py``): its servers'
+routes and meta leader, the streams' leaders and the leases' holders, each CLI attempt, the replicas.
 """
 
 from __future__ import annotations
