@@ -11,7 +11,9 @@ On success the writer applies the writes to its view before returning (read-your
 nothing was written; :class:`Conflict` is raised and the caller refreshes and re-decides (never a blind
 retry: :func:`shared.retry.commit_with_retry` is that loop). When the outcome is unknown (the commit reply
 was lost), the writer first waits until its view has caught up with the stream, then raises
-:class:`CommitUnknown`, so the caller's next decision sees whatever did land.
+:class:`CommitUnknown`, so the caller's next decision sees whatever did land. A single write (no lease: the
+CLI's, the console's) is first sent again, with the same ``Nats-Msg-Id``, until the stream answers or the
+commit timeout has passed: through a lost leader's election, the first send after it is answered.
 
 Throughput: an R1 file-backed atomic batch costs a disk flush on the server (~5–15 ms here) whatever
 its size, so :meth:`Writer.commit_many` packs many transactions into few batches (up to 1,000
