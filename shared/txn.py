@@ -179,9 +179,9 @@ class Writer:
         self._flusher: asyncio.Task[None] | None = None
         self._labels = writer_label(lease.loop if lease is not None else "")
         self.extra_headers: dict[str, str] = {}
+        """Headers sent with every write (a secured CLI's audit claims, which the relay reads and strips)."""
         self.resent = 0
         """How many times a single write was sent again for want of an answer (:meth:`_publish_single`)."""
-        """Headers sent with every write (a secured CLI's audit claims, which the relay reads and strips)."""
 
     @property
     def view(self) -> StateView:
