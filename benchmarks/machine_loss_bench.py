@@ -14,28 +14,38 @@ not retired yet, docs/cluster.md) SIGKILLed with its link cut, brought back as a
 Targets (issue 34): control-plane write p99 ≤ 10 s; replicas replaced and serving p99 ≤ 30 s after the loss
 is detected. ``python -m benchmarks.machine_loss_bench [--full]``: quick, 2 kills (~8 min); full, 10 kills
 (~25 min). Needs root and ``ip netns``, ``wg`` and kernel WireGuard or wireguard-go.
+
+``ZATTERA_BENCH_KILLS=N``: N kills instead. ``ZATTERA_BENCH_VICTIM_LEADS=1``: before each kill, the state and
+live streams elect their leader on the machine about to be killed (the worst case for the first write). Each
+kill prints its timeline as seen from the first machine (``benchmarks/machine_loss_watch.py``): its servers'
+routes and meta leader, the streams' leaders and the leases' holders, each CLI attempt, the replicas.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.common import Row, bench_main, percentile, row
+from benchmarks.machine_loss_watch import LED_STREAMS, Watch, lead_on
 from tests.multinode.app import CLIENT, deploy_three_replicas, node_status, serving_on
 from tests.multinode.harness import Machine, Network, unavailable
 from tests.multinode.machines import COMMON, cli_env, servers, three_servers
 from tests.waiting import eventually_sync
 
 
-def first_write(writer: Machine, started: float, i: int, timeout: float = 120.0) -> float:
+def first_write(writer: Machine, started: float, i: int, watch: Watch, timeout: float = 120.0) -> float:
     """Seconds from ``started`` until an operator write through ``writer`` is acknowledged."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        watch.note("write: CLI started")
         done = writer.zattera("nodes", "label", writer.name, f"bench-kill={i}", env=cli_env(writer))
+        said = (done.stderr.strip().splitlines() or [""])[-1][:200]
+        watch.note(f"write: CLI exited {done.returncode} {said}")
         if done.returncode == 0:
             return time.monotonic() - started
     raise AssertionError(f"no write acknowledged within {timeout}s of the loss")
@@ -45,7 +55,7 @@ def run(quick: bool = True) -> list[Row]:
     why = unavailable()
     if why:
         raise RuntimeError(f"machine_loss_bench needs machines in namespaces: {why}")
-    kills = 2 if quick else 10
+    kills = int(os.environ.get("ZATTERA_BENCH_KILLS", 0)) or (2 if quick else 10)
     writes: list[float] = []
     detected: list[float] = []
     replaced: list[float] = []
@@ -69,16 +79,21 @@ def run(quick: bool = True) -> list[Row]:
                         str(out),
                     ]
                 )
+                if os.environ.get("ZATTERA_BENCH_VICTIM_LEADS"):
+                    print(f"leaders of {LED_STREAMS} onto {victim.name}: {lead_on(m1, victim.name)}", flush=True)
+                watch = Watch(m1, tmp, i)
                 try:
                     time.sleep(3)  # steady traffic before the loss (the client's pace, not a product timer)
-                    lost_at = time.monotonic()
+                    lost_at = watch.lost_at = time.monotonic()
                     victim.kill_all()
                     victim.link(False)
-                    writes.append(first_write(m1, lost_at, i))
+                    watch.note(f"{victim.name} killed, link cut")
+                    writes.append(first_write(m1, lost_at, i, watch))
                     eventually_sync(
                         lambda v=victim: node_status(m1, v.name) == "NODE_STATUS_DOWN", timeout=120, what="down"
                     )
                     down_at = time.monotonic()
+                    watch.note("node DOWN")
                     detected.append(down_at - lost_at)
                     eventually_sync(
                         lambda v=victim: sum(n for node, n in serving_on(m1).items() if node != v.name) == 3,
@@ -86,9 +101,12 @@ def run(quick: bool = True) -> list[Row]:
                         what="the lost replicas serving on the other machines",
                     )
                     replaced.append(time.monotonic() - down_at)
+                    watch.note("lost replicas serving elsewhere")
                 finally:
                     stop.touch()
                     client.wait(60)
+                    watch.stop()
+                    print(f"kill {i + 1} timeline (from {m1.name}):\n{watch.report()}", flush=True)
                 seen = json.loads(out.read_text())
                 failed.append(int(seen["failed"]))
                 sent.append(int(seen["ok"]) + int(seen["failed"]))

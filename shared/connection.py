@@ -159,7 +159,8 @@ class PatientClient(NATS):
     seconds have passed; then :class:`ClusterUnavailable`. A request to a stream whose leader just died gets
     no answer at all, even after the election, so attempts are short — 1 s, then 2 s each (a slow but live
     answer still arrives) — and the first one sent after the election is answered.
-    Publishes (writes) are never repeated: a write whose reply was lost is the caller's to check
+    Publishes (writes) are never repeated here: the writer (``shared.txn``) sends a single write again with the
+    same ``Nats-Msg-Id`` within its commit timeout, and a write whose reply never came is the caller's to check
     (``shared.txn.CommitUnknown``)."""
 
     def __init__(self, request_deadline: float, credential: str = "") -> None:

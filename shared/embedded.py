@@ -53,6 +53,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+ROUTE_PING_INTERVAL = "1s"
+ROUTE_PING_MAX = 3
+"""How soon a server drops a route to a server that stopped answering (its machine lost, its link cut rather
+than its connections closed): a route that received nothing for a second is pinged, and closed once
+``ROUTE_PING_MAX`` pings are unanswered — about 4 s, where nats-server's defaults (2 min, 2 pings) keep it
+for up to 6 min. Until then the survivors keep the lost server's subscriptions: requests to a lease holder
+that was there time out instead of finding no responders (``shared.lease``), and a queue group may pick a
+member that is gone. A route that carries traffic is never pinged (the raft heartbeats keep it busy)."""
+
+
 @dataclass
 class EmbeddedNats:
     """One nats-server process with JetStream, optionally a member of a local cluster."""
@@ -111,7 +121,10 @@ class EmbeddedNats:
             routes = ", ".join(f'"{self.route_url(r)}"' for r in self.routes)
             listen = f"{self.cluster_host or self.host}:{self.cluster_port}"
             name = self.cluster_name
-            lines.append(f'cluster {{ name: "{name}", listen: "{listen}", routes: [{routes}]\n{self.cluster_extra}}}')
+            pings = f'ping_interval: "{ROUTE_PING_INTERVAL}", ping_max: {ROUTE_PING_MAX}'
+            lines.append(
+                f'cluster {{ name: "{name}", listen: "{listen}", routes: [{routes}], {pings}\n{self.cluster_extra}}}'
+            )
         if self.extra_config:
             lines.append(self.extra_config.replace(SERVER_DIR, str(self.data_dir).replace("\\", "/")))
         return "\n".join(lines) + "\n"

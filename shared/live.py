@@ -134,12 +134,15 @@ class LiveView:
         self._resubscribing: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self.skipped = 0
+        self.started_at: float | None = None
+        """When :meth:`start` had the view loaded (the injected clock): heartbeats are heard from then on."""
 
     async def start(self, timeout: float = 30.0) -> None:
         assert self._conn is not None
         self._conn.on_reconnect(self._resubscribe)
         await self._subscribe()
         await asyncio.wait_for(self._ready.wait(), timeout)
+        self.started_at = self._clock.now()
 
     async def stop(self) -> None:
         if self._resubscribing is not None:

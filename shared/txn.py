@@ -11,7 +11,9 @@ On success the writer applies the writes to its view before returning (read-your
 nothing was written; :class:`Conflict` is raised and the caller refreshes and re-decides (never a blind
 retry: :func:`shared.retry.commit_with_retry` is that loop). When the outcome is unknown (the commit reply
 was lost), the writer first waits until its view has caught up with the stream, then raises
-:class:`CommitUnknown`, so the caller's next decision sees whatever did land.
+:class:`CommitUnknown`, so the caller's next decision sees whatever did land. A single write (no lease: the
+CLI's, the console's) is first sent again, with the same ``Nats-Msg-Id``, until the stream answers or the
+commit timeout has passed: through a lost leader's election, the first send after it is answered.
 
 Throughput: an R1 file-backed atomic batch costs a disk flush on the server (~5–15 ms here) whatever
 its size, so :meth:`Writer.commit_many` packs many transactions into few batches (up to 1,000
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import Message
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NoStreamResponseError
 
 from shared import keys as K
 from shared.connection import Connection
@@ -73,6 +75,15 @@ class Deposed(Conflict):
 
 class CommitUnknown(TxnError):
     """The commit reply was lost; the view has since caught up, so re-deciding is safe."""
+
+
+ATTEMPT_TIMEOUT = 2.0
+"""How long one send of a single write waits for the stream's answer before it is sent again (within the
+commit timeout): a write that reached no leader is never answered, and only a send after the election is."""
+RESEND_PAUSE = 0.25
+"""The pause before a write refused for want of a leader ("no responders", 503) is sent again."""
+UNAVAILABLE = 503
+"""JetStream's "temporarily unavailable" (no leader yet), and the relay's answer when no leader answered it."""
 
 
 @dataclass(slots=True)
@@ -169,6 +180,8 @@ class Writer:
         self._labels = writer_label(lease.loop if lease is not None else "")
         self.extra_headers: dict[str, str] = {}
         """Headers sent with every write (a secured CLI's audit claims, which the relay reads and strips)."""
+        self.resent = 0
+        """How many times a single write was sent again for want of an answer (:meth:`_publish_single`)."""
 
     @property
     def view(self) -> StateView:
@@ -296,17 +309,40 @@ class Writer:
         return STATE_PREFIX + op.key, K.encode(op.msg), headers
 
     async def _publish_single(self, op: Op) -> None:
+        """Publish one write, sent again until the stream answers or the commit timeout has passed: a write sent
+        while the state stream elects a leader (its leader's machine lost) is answered by nobody — "no
+        responders", a 503, or no reply at all while the servers still route to the lost leader — and the first
+        one sent after the election is answered. Each attempt waits :data:`ATTEMPT_TIMEOUT`, not the whole
+        timeout. A resend carries the same ``Nats-Msg-Id``, so the stream stores the write once (a resend of a
+        write that was stored is answered with the first one's sequence, as a duplicate); the expected revision
+        fences it too."""
         subject, data, headers = self._message(op)
+        headers["Nats-Msg-Id"] = new_id()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
         with span("state.write", key=op.key):
-            try:
-                ack = await self._conn.js.publish(subject, data, headers=headers, stream=STATE_STREAM)
-            except APIError as exc:
-                if exc.err_code == WRONG_LAST_SEQUENCE:
-                    raise Conflict(f"{op.key}: {exc.description}") from exc
-                raise TxnError(f"write of {op.key} refused: {exc.description}") from exc
-            except (NatsTimeoutError, TimeoutError) as exc:
-                await self._catch_up()
-                raise CommitUnknown(f"no reply for the write of {op.key}") from exc
+            while True:
+                remaining = deadline - loop.time()
+                try:
+                    ack = await self._conn.js.publish(
+                        subject,
+                        data,
+                        timeout=max(0.05, min(ATTEMPT_TIMEOUT, remaining)),
+                        headers=headers,
+                        stream=STATE_STREAM,
+                    )
+                    break
+                except APIError as exc:
+                    if exc.err_code == WRONG_LAST_SEQUENCE:
+                        raise Conflict(f"{op.key}: {exc.description}") from exc
+                    if exc.code != UNAVAILABLE or remaining <= RESEND_PAUSE:
+                        raise TxnError(f"write of {op.key} refused: {exc.description}") from exc
+                except (NatsTimeoutError, TimeoutError, NoStreamResponseError) as exc:
+                    if remaining <= ATTEMPT_TIMEOUT:
+                        await self._catch_up()
+                        raise CommitUnknown(f"no reply for the write of {op.key}") from exc
+                self.resent += 1
+                await asyncio.sleep(min(RESEND_PAUSE, max(0.0, deadline - loop.time())))
         self._view.apply_local(op.key, ack.seq, op.msg, headers.get("traceparent", ""))
 
     async def _publish_batch(self, ops: list[Op], *, fence: Lease | None) -> None:

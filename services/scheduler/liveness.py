@@ -4,7 +4,11 @@ Agents heartbeat into ``zattera-live`` (every 5 s). An ALIVE node whose
 latest heartbeat is older than 30 s becomes DOWN (event ``node.down``); a DOWN node that heartbeats
 again becomes ALIVE (``node.up``). DRAINING and DRAINED belong to the operator and are never touched.
 For 45 s after a term starts nothing is marked DOWN: a new leader first gives every agent time to be
-heard (its live view may have just started). A node never heard of counts as seen at the term start.
+heard (its live view may have just started). A node never heard of counts as seen at the term start. Both
+count from when the process's live view started instead when that was earlier: a leader whose term was
+interrupted (its lease lost while the state stream elected a leader after a machine loss) and taken again has
+been hearing the heartbeats all along, and a node lost with that machine is marked DOWN 30 s after its last
+heartbeat, not 45 s after the new term (issue 34: a machine loss took 55 s to be noticed).
 Both windows are settings (``ZATTERA_NODE_HEARTBEAT_DEADLINE``, ``ZATTERA_LIVENESS_GRACE``) so tests and
 demos can shorten them; the tick is the shorter of 5 s and ``ZATTERA_LOOP_TICK``.
 """
@@ -87,11 +91,14 @@ class Liveness(LeaderLoop):
 
     async def run_pass(self) -> None:
         assert self.writer is not None, "a pass needs a writer (set by run(), or by the test)"
+        heard_since = self.term_started
+        if self.live.started_at is not None:
+            heard_since = min(heard_since, self.live.started_at)
         writes = evaluate_liveness(
             self.view,
             self.live.node_seen_at,
             self.clock.now(),
-            self.term_started,
+            heard_since,
             deadline=self.deadline,
             grace=self.grace,
         )

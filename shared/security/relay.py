@@ -133,6 +133,12 @@ class Batches:
         return [batch.parts[seq] for seq in range(1, commit_seq)]
 
 
+NO_LEADER = json.dumps(
+    {"error": {"code": 503, "err_code": 10008, "description": "no stream leader answered the relay"}}
+).encode()
+"""The relay's answer to a write nobody took (JetStream's own "temporarily unavailable": nothing was stored)."""
+
+
 def _refusal(description: str) -> bytes:
     return json.dumps({"error": {"code": 400, "err_code": 0, "description": description}}).encode()
 
@@ -319,6 +325,13 @@ def relay_handler(
     ) -> None:
         try:
             answer = await conn.nc.request(subject, data, timeout=RELAY_TIMEOUT, headers=headers or None)
+        except nats.errors.NoRespondersError:
+            # Nobody took the write (the stream is electing a leader): nothing was stored, and the writer hears so
+            # at once — a 503, which it answers by sending again — instead of waiting out its own timeout.
+            log.warning("relay: %s found no stream leader", subject)
+            await record(auditor, keys, "refused: no stream leader (503)")
+            await conn.nc.publish(reply, NO_LEADER)
+            return
         except nats.errors.Error as exc:  # no answer: the writer's own timeout tells it the outcome is unknown
             log.warning("relay: %s not confirmed: %s", subject, exc)
             await record(auditor, keys, "unconfirmed")

@@ -105,3 +105,26 @@ async def test_silent_node_goes_down_and_comes_back_with_events(conn: Connection
     assert events[0].message == "node n1 missed heartbeats for 46s; marked DOWN"
     assert events[1].message == "node n1 is heartbeating again; marked ALIVE"
     await live.stop()
+
+
+async def test_a_term_taken_again_by_a_process_that_kept_hearing_marks_a_silent_node_down_without_a_new_grace(
+    conn: Connection, view: StateView, writer: Writer
+):
+    """The leader's lease lost and taken again (the state stream electing a leader after a machine loss): its
+    live view heard the heartbeats all along, so the machine's node is DOWN 30 s after its last heartbeat,
+    not 45 s after the new term."""
+    clock = FakeClock()
+    live = LiveView(conn, clock)
+    await live.start()
+    await writer.commit(writer.txn().create(node("n1")))
+    loop = Liveness(LoopDeps(conn, view, clock), live=live)
+    loop.writer = writer
+    loop.on_term_start()
+    await clock.advance(70)
+    await heartbeat(conn, live, "n1", clock.now())  # its last heartbeat; then its machine is lost
+    await clock.advance(30)
+    loop.on_term_start()  # the same process leads again, in a new term
+    await clock.advance(1)
+    await loop.pass_once()
+    assert view.node("n1").status == DOWN
+    await live.stop()
