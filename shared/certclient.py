@@ -76,18 +76,19 @@ async def open_bundle(conn: Connection, subject: str, *, timeout: float = 5.0) -
     return (await _ask(conn, subject, key, cpb.OpenCertKeysRequest(public_key=public_bytes(key)), timeout))[0]
 
 
-async def open_cert_pages(conn: Connection, subject: str, *, timeout: float = 5.0) -> CertPages:
+async def open_cert_pages(conn: Connection, subject: str, *, timeout: float = 5.0, max_bytes: int = 0) -> CertPages:
     """Every page of the certificate set on ``subject``: all sealed to one key made for this fetch (the
     server keeps no state between pages; a sealed box is fresh per message whatever the recipient key, so
     one key costs nothing in secrecy and keeps one secret in memory for the fetch, dropped after it). A server
     from before paging answers without ``more``: one page, the whole set. Raises :class:`CertsUnavailable`
-    on any failure, page 1 or later; nothing from an incomplete sequence is returned."""
+    on any failure, page 1 or later; nothing from an incomplete sequence is returned. ``max_bytes`` (default:
+    the connection's ``max_payload``) bounds each page's message."""
     key = PrivateKey.generate()
     whole = cpb.CertBundle()
     after, pages, size = "", 0, 0
     while True:
         request = cpb.OpenCertKeysRequest(
-            public_key=public_bytes(key), paged=True, after=after, max_bytes=conn.nc.max_payload
+            public_key=public_bytes(key), paged=True, after=after, max_bytes=max_bytes or conn.nc.max_payload
         )
         page, got = await _ask(conn, subject, key, request, timeout)
         pages, size = pages + 1, size + got
