@@ -5,6 +5,10 @@ control plane is down serves its cached certificates), then asks the secrets ser
 certificate on ``zattera.certs.keys.open`` with a fresh X25519 key kept in memory only (the answer is
 sealed to it), again on every ``zattera.certs.changed`` notice and every ``refresh`` seconds. Each new set
 is written to the cache atomically (0600 from creation) and handed to :meth:`updates` readers.
+
+The set comes in pages (:func:`open_cert_pages`: one NATS message holds at most ``max_payload`` bytes, about
+8,000 certificates at 8 MiB): every page is sealed to the same key, made for this one fetch, and the set
+replaces the current one only once the last page is in; any failure on the way keeps the current set whole.
 docs/certificates.md shows how a TLS engine (HAProxy's ``set ssl cert``, Python ``ssl``) consumes it.
 """
 
@@ -53,19 +57,64 @@ class ServedCert:
         return self.chain_pem.rstrip("\n") + "\n" + self.key_pem
 
 
+MAX_PAGES = 100_000
+"""A page sequence longer than this is refused (a server whose cursor does not advance would loop forever)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CertPages:
+    """A whole certificate set as it arrived: the entries of every page, how many pages and bytes."""
+
+    bundle: cpb.CertBundle
+    pages: int
+    size: int
+
+
 async def open_bundle(conn: Connection, subject: str, *, timeout: float = 5.0) -> cpb.CertBundle:
     """Ask ``subject`` for a :class:`CertBundle` sealed to a key made for this one request."""
     key = PrivateKey.generate()
-    request = cpb.OpenCertKeysRequest(public_key=public_bytes(key))
+    return (await _ask(conn, subject, key, cpb.OpenCertKeysRequest(public_key=public_bytes(key)), timeout))[0]
+
+
+async def open_cert_pages(conn: Connection, subject: str, *, timeout: float = 5.0, max_bytes: int = 0) -> CertPages:
+    """Every page of the certificate set on ``subject``: all sealed to one key made for this fetch (the
+    server keeps no state between pages; a sealed box is fresh per message whatever the recipient key, so
+    one key costs nothing in secrecy and keeps one secret in memory for the fetch, dropped after it). A server
+    from before paging answers without ``more``: one page, the whole set. Raises :class:`CertsUnavailable`
+    on any failure, page 1 or later; nothing from an incomplete sequence is returned. ``max_bytes`` (default:
+    the connection's ``max_payload``) bounds each page's message."""
+    key = PrivateKey.generate()
+    whole = cpb.CertBundle()
+    after, pages, size = "", 0, 0
+    while True:
+        request = cpb.OpenCertKeysRequest(
+            public_key=public_bytes(key), paged=True, after=after, max_bytes=max_bytes or conn.nc.max_payload
+        )
+        page, got = await _ask(conn, subject, key, request, timeout)
+        pages, size = pages + 1, size + got
+        whole.certs.extend(page.certs)
+        if not page.more:
+            return CertPages(whole, pages, size)
+        if page.next_after <= after or pages >= MAX_PAGES:
+            raise CertsUnavailable(f"page {pages}: the cursor did not advance past {after!r}")
+        after = page.next_after
+
+
+async def _ask(
+    conn: Connection, subject: str, key: PrivateKey, request: cpb.OpenCertKeysRequest, timeout: float
+) -> tuple[cpb.CertBundle, int]:
     try:
         msg = await conn.nc.request(subject, request.SerializeToString(), timeout=timeout)
     except Exception as exc:  # no responder, timeout, connection trouble: the caller retries
         raise CertsUnavailable(f"the secrets service did not answer ({type(exc).__name__})") from None
-    response = cpb.OpenCertKeysResponse.FromString(msg.data)
+    try:
+        response = cpb.OpenCertKeysResponse.FromString(msg.data)
+    except Exception:
+        raise CertsUnavailable("the answer was malformed") from None
     if response.error:
         raise CertsUnavailable(response.error)
     try:
-        return cpb.CertBundle.FromString(unseal(key, response.sealed))
+        return cpb.CertBundle.FromString(unseal(key, response.sealed)), len(msg.data)
     except CryptoError:
         raise CertsUnavailable("the answer was not sealed to this request's key") from None
 
@@ -88,8 +137,10 @@ def load_cache(path: Path) -> dict[str, ServedCert]:
 
 
 class CertClient:
-    def __init__(self, cache_path: Path, *, refresh: float = 300.0, retry: float = 2.0) -> None:
+    def __init__(self, cache_path: Path, *, refresh: float = 300.0, retry: float = 2.0, timeout: float = 5.0) -> None:
         self.cache_path = cache_path
+        self.timeout = timeout  # per page
+        self.pages = 0  # pages of the last complete fetch
         self.refresh_interval = refresh
         self.retry_interval = retry
         self.current: Mapping[str, ServedCert] = load_cache(cache_path)
@@ -117,7 +168,9 @@ class CertClient:
     async def fetch(self) -> bool:
         """Fetch the set once; True when it differs from the current one (and was cached and announced)."""
         assert self._conn is not None, "start() first"
-        certs = bundle_certs(await open_bundle(self._conn, KEYS_OPEN_SUBJECT))
+        fetched = await open_cert_pages(self._conn, KEYS_OPEN_SUBJECT, timeout=self.timeout)
+        self.pages = fetched.pages
+        certs = bundle_certs(fetched.bundle)
         if certs == dict(self.current):
             return False
         self.current = certs

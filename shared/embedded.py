@@ -94,6 +94,8 @@ class EmbeddedNats:
     log_file: Path | None = None
     die_with_parent: bool = False
     """SIGTERM to the server when the process that started it dies (``zattera up``'s supervisor)."""
+    max_payload: int = MAX_PAYLOAD
+    """The largest message (headers + payload) the server takes; a test of small servers sets 1 MiB."""
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -110,7 +112,7 @@ class EmbeddedNats:
             f'server_name: "{self.name}"',
             f'listen: "{self.host}:{self.port}"',
             f'http: "{self.http_host or self.host}:{self.http_port}"',
-            f"max_payload: {MAX_PAYLOAD}",
+            f"max_payload: {self.max_payload}",
             *([f"server_tags: {json.dumps(list(self.server_tags))}"] if self.server_tags else []),
             "max_pending: 268435456",
             f'jetstream {{ store_dir: "{store}"'

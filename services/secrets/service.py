@@ -308,7 +308,8 @@ class SecretsService:
     async def _on_open_cert_keys(self, msg: Msg) -> None:
         if is_direct_request(msg):
             with span("secrets.open_cert_keys"):
-                response = certkeys.answer(msg.data, lambda: certkeys.certificate_bundle(self._view, self._key_for))
+                limit = self._conn.nc.max_payload
+                response = certkeys.answer_page(msg.data, self._view, self._key_for, limit)
             await msg.respond(response.SerializeToString())
 
     async def _on_open_account(self, msg: Msg) -> None:

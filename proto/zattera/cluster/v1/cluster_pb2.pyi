@@ -1528,16 +1528,32 @@ class OpenCertKeysRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    PAGED_FIELD_NUMBER: _builtins.int
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
     public_key: _builtins.bytes
     """X25519; the answer is sealed to it"""
+    after: _builtins.str
+    """Paging (issue 42, zattera.certs.keys.open only): a requester that reads pages sets `paged`, starts with
+    `after` empty and then asks again with the previous page's CertBundle.next_after until `more` is false.
+    Without `paged` (an older proxy) the whole set comes in one answer, or an error when it does not fit.
+    only hostnames sorting after this one (the previous page's next_after)
+    """
+    paged: _builtins.bool
+    """the requester reads pages (CertBundle.more / next_after)"""
+    max_bytes: _builtins.int
+    """the requester's connection max_payload; the server pages within the smaller"""
     def __init__(
         self,
         *,
         public_key: _builtins.bytes = ...,
+        after: _builtins.str = ...,
+        paged: _builtins.bool = ...,
+        max_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["public_key", b"public_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "max_bytes", b"max_bytes", "paged", b"paged", "public_key", b"public_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1576,8 +1592,14 @@ class CertBundle(_message.Message):
 
     CERTS_FIELD_NUMBER: _builtins.int
     ACCOUNT_KEY_PEM_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
+    NEXT_AFTER_FIELD_NUMBER: _builtins.int
     account_key_pem: _builtins.str
     """only on zattera.certs.account.open"""
+    more: _builtins.bool
+    """more certificates follow: ask again with after = next_after (paged only)"""
+    next_after: _builtins.str
+    """the last hostname of this page (set with more)"""
     @_builtins.property
     def certs(self) -> _containers.RepeatedCompositeFieldContainer[Global___CertEntry]: ...
     def __init__(
@@ -1585,10 +1607,12 @@ class CertBundle(_message.Message):
         *,
         certs: _abc.Iterable[Global___CertEntry] | None = ...,
         account_key_pem: _builtins.str = ...,
+        more: _builtins.bool = ...,
+        next_after: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_key_pem", b"account_key_pem", "certs", b"certs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_key_pem", b"account_key_pem", "certs", b"certs", "more", b"more", "next_after", b"next_after"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
