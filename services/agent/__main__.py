@@ -20,6 +20,10 @@ for the control plane's upgrade (docs/upgrades.md, version skew).
 
 from __future__ import annotations
 
+from shared.lean import import_nats
+
+import_nats()  # before anything loads nats-py: without aiohttp (PERFORMANCE.md "A lighter node")
+
 import argparse
 import asyncio
 import logging

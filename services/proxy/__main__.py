@@ -7,6 +7,10 @@ drain in-flight requests for ``shutdown_grace`` seconds, then exit.
 
 from __future__ import annotations
 
+from shared.lean import import_nats
+
+import_nats()  # before anything loads nats-py: without aiohttp (PERFORMANCE.md "A lighter node")
+
 import argparse
 import asyncio
 import logging
