@@ -1,10 +1,11 @@
 """Loading what a long-running process needs and no more (PERFORMANCE.md "CLI start-up" and "A lighter node"):
 nats-py without aiohttp and importlib.metadata, which it loads only for its websocket transport and its
 version. The CLI (``cli/startup.py``) and the node's processes (the agent, the proxy) import nats-py through
-:func:`import_nats` before anything else loads it."""
+:func:`import_nats` before anything else loads it; the node's processes :func:`settle` once started."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -56,3 +57,29 @@ def _metadata_version(distribution: str) -> str:
         return version(distribution)
     except Exception:  # nats-py's own fallback
         return "0.0.0"
+
+
+SETTLE_AFTER = 2.0
+"""Seconds after a node process started its work before :func:`settle` runs (its start-up garbage is gone)."""
+
+
+def settle() -> None:
+    """Once a long-running process has started: collect the start-up garbage, move what lives on out of the
+    cyclic collector's sight (:func:`gc.freeze`: later collections no longer walk the modules and the
+    start-up state), and hand the C heap's free pages back to the system (glibc's ``malloc_trim``: imports
+    free much of what they allocate, which the heap otherwise keeps resident)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim that way
+        pass
+
+
+def settle_soon(delay: float = SETTLE_AFTER) -> None:
+    """:func:`settle` ``delay`` seconds from now, on the running event loop."""
+    import asyncio  # loaded already by the processes that call this; not by the CLI, which imports this module
+
+    asyncio.get_running_loop().call_later(delay, settle)
