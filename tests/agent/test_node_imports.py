@@ -43,3 +43,16 @@ def test_a_node_without_a_docker_socket_runs_processes_without_loading_the_docke
         "process False False",
         f"no Docker daemon answers at {missing}: apps run as bare processes, without isolation or limits",
     ]
+
+
+def test_settle_hands_the_heap_back_and_freezes_what_lives_on() -> None:
+    probe = (
+        "import gc\n"
+        "from shared.lean import import_nats, settle\n"
+        "import_nats()\n"
+        "import services.proxy.__main__\n"
+        "settle()\n"
+        "print(gc.get_freeze_count() > 0, gc.isenabled())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout.split()
+    assert out == ["True", "True"]
