@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -45,6 +47,8 @@ from tests.e2e.cluster import ROOT, cli_argv
 from tests.e2e.compose import COMMON, SHAPES, Stack, composed
 
 MODES = {"all-in-one": "--all-in-one", "separate": "--separate"}
+NODE_TARGET = 120.0
+"""MB, agent + proxy + HAProxy at idle (issue 42)."""
 GROUPS = ("supervisor", "control plane", "node", "nats-server")
 NODE_MODULES = ("services.agent", "services.proxy", "haproxy")  # HAProxy: the proxy's data plane
 NODE_PARTS = dict(zip(NODE_MODULES, ("agent", "proxy", "HAProxy"), strict=True))
@@ -130,13 +134,71 @@ def measure(runs: list[UpRun], window: float) -> dict[str, dict[str, tuple[float
             entry[1] += 100.0 * used / window
             entry[2] = int(entry[2]) + 1
             if group == "node":  # where the node's MB go: each of its programs, and its PSS (shared pages split)
-                with contextlib.suppress(psutil.Error):
+                with contextlib.suppress(psutil.Error, OSError):
                     cmdline = " ".join(proc.cmdline())
                     part = next(NODE_PARTS[m] for m in NODE_MODULES if m in cmdline)
+                    if part == "HAProxy":  # its master (the proxy's child) and its worker (the master's)
+                        parent = proc.parent()
+                        part += " worker" if parent is not None and "haproxy" in parent.name() else " master"
                     groups.setdefault(f"node: {part}", [0.0, 0.0, 0])[0] += rss
                     groups.setdefault("node PSS", [0.0, 0.0, 0])[0] += proc.memory_full_info().pss / 2**20
+                    for name, mb in rollup(proc.pid).items():
+                        groups.setdefault(f"node: {part}: {name}", [0.0, 0.0, 0])[0] += mb
         result[run.mode] = {g: (float(v[0]), float(v[1]), int(v[2])) for g, v in groups.items()}
     return result
+
+
+def rollup(pid: int) -> dict[str, float]:
+    """MB of a process's memory by kind (``/proc/<pid>/smaps_rollup``): PSS, USS (its own pages: private clean +
+    dirty), anonymous (heap, the interpreter's objects and code) and file-backed (the binary, shared libraries,
+    extension modules: shared with every process that maps them) resident pages."""
+    kb: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        name, _, value = line.partition(":")
+        if value.strip().endswith("kB"):
+            kb[name] = int(value.split()[0])
+    return {
+        "PSS": kb.get("Pss", 0) / 1024,
+        "USS": (kb.get("Private_Clean", 0) + kb.get("Private_Dirty", 0)) / 1024,
+        "anonymous": kb.get("Anonymous", 0) / 1024,
+        "file-backed": (kb.get("Rss", 0) - kb.get("Anonymous", 0)) / 1024,
+    }
+
+
+IMPORT_STEPS = (
+    ("asyncio and ssl", "import asyncio, ssl"),
+    ("nats-py (without aiohttp: shared/lean.py)", "from shared.lean import import_nats; import_nats()"),
+    (
+        "protobuf and the generated messages",
+        "import google.protobuf.message, zattera.v1.types_pb2, zattera.cluster.v1.cluster_pb2",
+    ),
+    ("pydantic and pydantic-settings (every setting)", "import pydantic_settings, shared.settings"),
+)
+IMPORT_PROBE = """
+import json, sys
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+steps = json.loads(sys.argv[1])
+sizes = [("the interpreter", rss())]
+for label, code in steps:
+    before = rss()
+    exec(code)
+    sizes.append((label, rss() - before))
+print(json.dumps(sizes))
+"""
+
+
+def import_breakdown(module: str) -> list[tuple[str, float]]:
+    """Where a node process's MB go before it runs: RSS of a fresh interpreter, then what each step of its
+    imports adds, in the order the process loads them (the last: its own modules and the small libraries they
+    use); each step pays for what it loads first."""
+    steps = [*IMPORT_STEPS, (f"{module}: its own code and the rest", f"import {module}.__main__")]
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE, json.dumps(steps)], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+    return [(label, float(mb)) for label, mb in json.loads(out)]
 
 
 @dataclass
@@ -247,6 +309,29 @@ def compose_rows(settle: float, window: float) -> list[Row]:
     return rows
 
 
+def node_rows(groups: dict[str, tuple[float, float, int]], node: float) -> list[Row]:
+    """The node (agent + proxy + HAProxy) against its target, then where each MB goes: each process's RSS,
+    PSS, USS, anonymous and file-backed pages, and what the Python processes' imports take."""
+    over = node - NODE_TARGET
+    verdict = f"{'over' if over > 0 else 'under'} the target by {abs(over):.1f} MB"
+    rows = [row("idle RSS, node (agent + proxy + HAProxy)", node, "MB", f"≤ {NODE_TARGET:.0f} MB", verdict)]
+    for part in ("agent", "proxy", "HAProxy master", "HAProxy worker"):
+        rss = groups.get(f"node: {part}", (0.0,))[0]
+        kinds = {k: groups.get(f"node: {part}: {k}", (0.0,))[0] for k in ("PSS", "USS", "anonymous", "file-backed")}
+        detail = ", ".join(f"{k} {v:.1f}" for k, v in kinds.items())
+        rows.append(row(f"idle RSS, node: {part}", rss, "MB", "", detail))
+    pss = groups.get("node PSS", (0.0,))[0]
+    rows.append(row("idle PSS, node (pages shared with other processes split among them)", pss, "MB"))
+    for part, module in (("agent", "services.agent"), ("proxy", "services.proxy")):
+        steps = import_breakdown(module)
+        imported = sum(mb for _, mb in steps)
+        for label, mb in steps:
+            rows.append(row(f"where the {part}'s MB go: {label}", mb, "MB"))
+        running = groups.get(f"node: {part}", (0.0,))[0] - imported
+        rows.append(row(f"where the {part}'s MB go: running (live objects, buffers, threads)", running, "MB"))
+    return rows
+
+
 def run(quick: bool = True) -> list[Row]:
     settle, window = (3.0, 4.0) if quick else (20.0, 60.0)
     with tempfile.TemporaryDirectory(prefix="zattera-footprint-") as tmp:
@@ -286,11 +371,7 @@ def run(quick: bool = True) -> list[Row]:
             rows.append(row(f"idle RSS, {label}, {mode}", rss[group], "MB"))
         rows.append(row(f"idle RSS, whole `zattera up`, {mode}", sum(rss.values()), "MB", "", "issue 22: 475 MB"))
         if mode == "all-in-one":
-            rows.append(row("idle RSS, node (agent + proxy + HAProxy)", rss["node"], "MB", "≤ 120 MB", "issue 42"))
-            for part in NODE_PARTS.values():
-                rows.append(row(f"idle RSS, node: {part}", groups.get(f"node: {part}", (0.0,))[0], "MB"))
-            pss = groups.get("node PSS", (0.0,))[0]
-            rows.append(row("idle PSS, node (pages shared with other processes split among them)", pss, "MB"))
+            rows += node_rows(groups, rss["node"])
         rows.append(
             row(
                 f"idle CPU, control plane (supervisor + services), {mode}",

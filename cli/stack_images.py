@@ -43,10 +43,10 @@ import aiodocker
 from packaging.requirements import Requirement
 
 from services.agent.docker_images import docker_archive
-from services.agent.docker_runtime import docker_url
 from services.agent.hostbase import PASSWD, RootFs
 from services.agent.pythonbase import inspect_interpreter, python_rootfs_tar
 from services.agent.registration import host_os_arch
+from services.agent.runtime_choice import docker_url
 from shared.embedded import nats_server_binary
 from shared.errors import ZatteraError
 

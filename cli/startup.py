@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from shared.lean import import_nats as import_nats  # re-exported: cli/main.py and cli/app.py take it from here
 
 
 @contextmanager
@@ -27,55 +28,6 @@ def paused_gc(*, freeze: bool = False) -> Iterator[None]:
             gc.freeze()
         if enabled:
             gc.enable()
-
-
-def import_nats() -> None:
-    """Import nats-py with aiohttp and importlib.metadata hidden. nats-py loads aiohttp only for its
-    websocket transport, the largest import of a plain read: a ``ws://`` server URL still works, as
-    :func:`shared.connection.connect` hands the transport aiohttp when it meets one. It loads
-    importlib.metadata (and the email package) only to read its own version, which is read here from the
-    name of its ``.dist-info`` directory instead (importlib.metadata when that is not found). A process that
-    already loaded nats-py is left as it is; one that loaded aiohttp or importlib.metadata has them used."""
-    if "nats" in sys.modules:
-        return
-    hidden = [name for name in ("aiohttp", "importlib.metadata") if name not in sys.modules]
-    for name in hidden:
-        sys.modules[name] = None  # type: ignore[assignment]  # `import name` raises ImportError meanwhile
-    try:
-        import nats.aio.client
-        import nats.aio.transport
-    finally:
-        for name in hidden:
-            del sys.modules[name]
-    if "importlib.metadata" in hidden:
-        version = distribution_version(nats.__file__, "nats_py") or _metadata_version("nats-py")
-        nats.aio.client.__version__ = version
-
-
-def distribution_version(module_file: str | None, distribution: str) -> str:
-    """The version of ``distribution`` as the ``<name>-<version>.dist-info`` directory beside its package
-    (the package of ``module_file``) names it; "" when there is none."""
-    if not module_file:
-        return ""
-    site = os.path.dirname(os.path.dirname(module_file))
-    prefix = f"{distribution}-"
-    try:
-        names = os.listdir(site)
-    except OSError:
-        return ""
-    for name in names:
-        if name.startswith(prefix) and name.endswith(".dist-info"):
-            return name.removeprefix(prefix).removesuffix(".dist-info")
-    return ""
-
-
-def _metadata_version(distribution: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(distribution)
-    except Exception:  # nats-py's own fallback
-        return "0.0.0"
 
 
 def apply_root_options(nats_url: str) -> None:

@@ -7,12 +7,12 @@ these records and the console service reads them at each login.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
 from dataclasses import dataclass
 
-import bcrypt
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
@@ -56,21 +56,31 @@ def check_user(name: str, role: str, password: str) -> None:
 
 
 def new_user(name: str, role: str, password: str, *, rounds: int = 12, now: float | None = None) -> ConsoleUser:
+    import bcrypt  # here: the node's agent imports this module (permissions) and never hashes a password
+
     check_user(name, role, password)
     hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds)).decode()
     return ConsoleUser(name, role, hashed, time.time() if now is None else now)
 
 
 def password_matches(user: ConsoleUser, password: str) -> bool:
+    import bcrypt
+
     return bcrypt.checkpw(password.encode()[:MAX_PASSWORD], user.password_bcrypt.encode())
 
 
-_DUMMY_HASH = bcrypt.hashpw(b"no such user", bcrypt.gensalt(4))
+@functools.cache
+def _dummy_hash() -> bytes:
+    import bcrypt
+
+    return bcrypt.hashpw(b"no such user", bcrypt.gensalt(4))
 
 
 def burn_check(password: str) -> None:
     """A check against nothing, so an unknown name costs about as long as a wrong password."""
-    bcrypt.checkpw(password.encode()[:MAX_PASSWORD], _DUMMY_HASH)
+    import bcrypt
+
+    bcrypt.checkpw(password.encode()[:MAX_PASSWORD], _dummy_hash())
 
 
 def user_key(name: str) -> str:

@@ -16,8 +16,6 @@ import subprocess
 import sys
 import sysconfig
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -180,6 +178,8 @@ class EmbeddedNats:
         deadline = time.monotonic() + timeout
         url = f"http://{self.http_host or self.host}:{self.http_port}/healthz?js-enabled-only=true"
         last = ""
+        import urllib.request  # here: the node's proxy imports this module for free_port alone (~1 MB)
+
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
                 raise EmbeddedNatsError(
@@ -191,7 +191,7 @@ class EmbeddedNats:
                     if body.get("status") == "ok":
                         return
                     last = str(body)
-            except (urllib.error.URLError, OSError, ValueError) as exc:
+            except (OSError, ValueError) as exc:  # urllib.error.URLError is an OSError
                 last = str(exc)
             time.sleep(0.05)
         raise EmbeddedNatsError(f"nats-server not healthy after {timeout}s: {last}")
@@ -297,6 +297,8 @@ def start_cluster(
 def meta_group_formed(servers: list[EmbeddedNats]) -> bool:
     """Every server is a current member of the JetStream meta group, which has a leader (before that,
     placing a stream of as many replicas as servers is refused: "no suitable peers for placement")."""
+    import urllib.request
+
     for server in servers:
         try:
             url = f"http://{server.http_host or server.host}:{server.http_port}/jsz"

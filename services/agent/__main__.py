@@ -20,6 +20,10 @@ for the control plane's upgrade (docs/upgrades.md, version skew).
 
 from __future__ import annotations
 
+from shared.lean import import_nats, settle_soon
+
+import_nats()  # before anything loads nats-py: without aiohttp (PERFORMANCE.md "A lighter node")
+
 import argparse
 import asyncio
 import logging
@@ -164,6 +168,7 @@ async def run_agent(process: Process) -> int:
             return 2
         agents.append(Agent(conn, cfg, data_dir, secured=bool(creds), runtime=runtime))
         tasks.append(asyncio.create_task(agents[0].run()))
+        settle_soon()
         return await process.supervise(tasks, conn)
     finally:
         # No grace: stopping instances (--stop-on-exit) and the final report take what they take.

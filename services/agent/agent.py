@@ -30,7 +30,6 @@ from nacl.public import PrivateKey
 from zattera.v1 import types_pb2 as pb
 
 from services.agent.builder import Builder
-from services.agent.docker_runtime import DockerLauncher, choose_launcher
 from services.agent.firewall import Fence
 from services.agent.forwarder import Forwarder
 from services.agent.heartbeat import HeartbeatPublisher
@@ -44,6 +43,7 @@ from services.agent.processes import PortAllocator
 from services.agent.registration import NodeIdentity, register_node
 from services.agent.reporter import ObservedReporter
 from services.agent.runtime import ProcessRuntime
+from services.agent.runtime_choice import choose_launcher, docker_launcher
 from services.agent.sandbox import (
     CONTAINER,
     NONE,
@@ -90,7 +90,7 @@ class NodeRuntime:
     isolation: Isolation
     sandbox: Sandbox | None = None
     reason: str = ""
-    """Why this runtime (``docker_runtime.choose_launcher``)."""
+    """Why this runtime (``runtime_choice.choose_launcher``)."""
     uids: UidTable | None = None
     """The environments' users (the sandbox's, a docker node's containers'): the network fence's uid range."""
 
@@ -122,10 +122,11 @@ async def node_runtime(settings: AgentSettings, data_dir: Path, *, secured: bool
     sandbox = None
     uids = None
     sandboxing = support.ok and settings.sandbox != "off"
-    if sandboxing or isinstance(launcher, DockerLauncher):
+    docker = docker_launcher(launcher)
+    if sandboxing or docker is not None:
         uids = UidTable(data_dir / "sandbox", base=settings.sandbox_uid_base, count=settings.sandbox_uid_count)
-    if isinstance(launcher, DockerLauncher):
-        launcher.uids = uids  # each environment's containers run as its user, fenced like the sandbox's
+    if docker is not None:
+        docker.uids = uids  # each environment's containers run as its user, fenced like the sandbox's
     if sandboxing and uids is not None:
         read_only = [*node_python_paths(), *settings.sandbox_read_only]
         hidden = (data_dir, *(Path(p) for p in settings.sandbox_hidden))
@@ -309,7 +310,8 @@ class Agent:
             return Fence(str(self.data_dir), range(0), problem="turned off (ZATTERA_AGENT_SANDBOX_FENCE=false)")
         servers = [f"{u.hostname}:{u.port or 4222}" for u in getattr(self.conn.nc, "servers", []) if u.hostname]
         launcher = self.node_runtime.launcher
-        bridge = await launcher.bridge_interface() if isinstance(launcher, DockerLauncher) else ""
+        docker = docker_launcher(launcher)
+        bridge = await docker.bridge_interface() if docker is not None else ""
         fence = Fence(
             str(self.data_dir),
             range(uids.base, uids.base + uids.count),

@@ -20,7 +20,6 @@ import tarfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import aiohttp
 from uv import find_uv_bin
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
@@ -245,21 +244,30 @@ async def node_path(env: Mapping[str, str]) -> str:
     return await asyncio.to_thread(os.path.realpath, found)
 
 
+async def _fetch_url(url: str) -> bytes:
+    import aiohttp  # only a source given by URL needs an HTTP client (PERFORMANCE.md "A lighter node")
+
+    try:
+        timeout = aiohttp.ClientTimeout(total=SOURCE_FETCH_TIMEOUT)
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as response:
+            if response.status != 200:
+                raise BuildError(f"fetch source: source fetch: HTTP {response.status}")
+            return await response.read()
+    except aiohttp.ClientError as exc:
+        raise BuildError(f"fetch source: {exc}") from exc
+
+
 async def fetch_source(conn: Connection, request: cpb.RunBuildRequest) -> bytes:
     url = request.source_url
     try:
         if url.startswith(("http://", "https://")):
-            timeout = aiohttp.ClientTimeout(total=SOURCE_FETCH_TIMEOUT)
-            async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as response:
-                if response.status != 200:
-                    raise BuildError(f"fetch source: source fetch: HTTP {response.status}")
-                return await response.read()
+            return await _fetch_url(url)
         if url.startswith("sha256:"):
             data = await BlobStore(conn, SOURCES_STORE).get(url)
             if digest_of(data) != url.lower():
                 raise BuildError(f"fetch source: content does not match {url}")
             return data
-    except (RegistryError, aiohttp.ClientError, TimeoutError) as exc:
+    except (RegistryError, TimeoutError) as exc:
         raise BuildError(f"fetch source: {exc}") from exc
     if request.git.clone_url:
         raise BuildError("fetch source: git sources are not supported by this builder")

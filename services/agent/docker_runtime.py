@@ -27,7 +27,8 @@
   of this node nobody references and derived images no container uses.
 
 The pieces: ``docker_images.py`` (derived images), ``docker_containers.py`` (container configuration and
-handles), this module (the launcher and the runtime choice).
+handles), ``runtime_choice.py`` (the runtime choice, which loads this module only when a daemon may answer),
+this module (the launcher).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ import os
 import subprocess
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from urllib.parse import unquote
@@ -83,28 +83,18 @@ from services.agent.hostbase import (
     shell_rootfs_tar,
 )
 from services.agent.images import EXEC_SCHEME, PROCESS_SCHEME, ImageError, PreparedImage, shell_command
-from services.agent.launchers import DOCKER, PROCESS, TENANT_KEY, InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
+from services.agent.launchers import DOCKER, TENANT_KEY, InstanceHandle, LaunchPlan, ProcessLauncher
 from services.agent.processes import InstanceRecord
 from services.agent.pythonbase import inspect_interpreter, python_of, python_rootfs_tar
+from services.agent.runtime_choice import DockerUnavailable, RuntimeChoice, docker_url
 from services.agent.sandbox_users import UidTable, give
 from services.agent.settings import AgentSettings
 from shared.addons import spec as addon
 from shared.connection import Connection
-from shared.errors import ZatteraError
 from shared.registry import RegistryError, digest_of, fetch_image
 from shared.registryauth import auth_for
 
 log = logging.getLogger(__name__)
-
-
-class DockerUnavailable(ZatteraError):
-    """No Docker daemon answers at the configured address."""
-
-
-def docker_url(host: str) -> str:
-    """The daemon address aiodocker takes: ``unix:///path`` or ``tcp://…`` (default: the standard socket;
-    ``AgentSettings.docker_host`` reads ``DOCKER_HOST``)."""
-    return host or "unix:///var/run/docker.sock"
 
 
 async def daemon_answers(host: str, timeout: float = 2.0) -> bool:
@@ -447,29 +437,12 @@ def _give_volumes(paths: Sequence[Path], user: str) -> None:
             give(path, uid)
 
 
-@dataclass(frozen=True)
-class RuntimeChoice:
-    """The node's runtime and why (``zattera up`` prints it; the node record carries it)."""
-
-    launcher: Launcher
-    reason: str
-
-
-async def choose_launcher(settings: AgentSettings) -> RuntimeChoice:
-    """The node's runtime: as ``settings.runtime`` says; unset, docker when a daemon answers (the agent makes
-    the base image when the daemon lacks it), else processes with a warning (bare processes are neither
-    isolated nor limited)."""
+async def docker_choice(settings: AgentSettings) -> RuntimeChoice:
+    """The docker runtime, once a daemon answers (``runtime_choice.choose_launcher``): the base image made when
+    the daemon lacks it, the network ``settings`` ask for; processes with a warning when the base image cannot
+    be made, unless docker was asked for (:class:`DockerUnavailable`)."""
     process = ProcessLauncher(adopted_poll_interval=settings.adopted_poll_interval)
-    if settings.runtime == PROCESS:
-        return RuntimeChoice(process, "chosen by --runtime process (ZATTERA_AGENT_RUNTIME)")
     url = docker_url(settings.docker_host)
-    answers = await daemon_answers(settings.docker_host)
-    if not answers and settings.runtime == DOCKER:
-        raise DockerUnavailable(f"runtime docker: no Docker daemon answers at {url}")
-    if not answers:
-        why = f"no Docker daemon answers at {url}: apps run as bare processes, without isolation or limits"
-        log.warning("%s (install Docker, or --runtime to choose)", why)
-        return RuntimeChoice(process, why)
     docker = DockerLauncher(
         settings.docker_host,
         node_id=settings.node_id,

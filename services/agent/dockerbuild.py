@@ -14,9 +14,7 @@ import json
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
-import aiodocker
-
-from services.agent.docker_runtime import docker_url
+from services.agent.runtime_choice import docker_url
 from shared.errors import ZatteraError
 from shared.imagearchive import ArchiveImage, ImageArchiveError, read_image_archive
 
@@ -54,6 +52,8 @@ async def build_dockerfile(
 ) -> ArchiveImage:
     """Build ``context`` (a gzip'd tar), streaming the daemon's output to ``log``; the image as the registry
     stores it."""
+    import aiodocker  # only a Dockerfile build needs the Docker client (PERFORMANCE.md "A lighter node")
+
     docker = aiodocker.Docker(url=docker_url(docker_host))
     try:
         try:

@@ -33,7 +33,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import cast
 
-from dnslib import QTYPE, RCODE, RR, A, DNSError, DNSRecord
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
@@ -324,6 +323,9 @@ class Forwarder:
 
     def answer(self, slot: int, query: bytes) -> bytes | None:
         """The reply to a DNS query sent to consumer ``slot``'s resolver (None: not a DNS message)."""
+        # Here: a node whose envs consume no private service never answers a query (PERFORMANCE.md "A lighter node")
+        from dnslib import QTYPE, RCODE, RR, A, DNSError, DNSRecord
+
         try:
             request = DNSRecord.parse(query)
         except DNSError:

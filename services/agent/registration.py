@@ -76,7 +76,7 @@ class NodeIdentity:
     isolation_problem: str = ""
     """Why not, for none."""
     runtime_reason: str = ""
-    """Why this runtime (``docker_runtime.choose_launcher``)."""
+    """Why this runtime (``runtime_choice.choose_launcher``)."""
     wireguard_public_key: str = ""
     public_endpoints: tuple[str, ...] = ()
     """The mesh (services/agent/mesh.py): this node's WireGuard key and where other nodes reach it."""

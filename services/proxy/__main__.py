@@ -7,6 +7,10 @@ drain in-flight requests for ``shutdown_grace`` seconds, then exit.
 
 from __future__ import annotations
 
+from shared.lean import import_nats, settle_soon
+
+import_nats()  # before anything loads nats-py: without aiohttp (PERFORMANCE.md "A lighter node")
+
 import argparse
 import asyncio
 import logging
@@ -99,6 +103,7 @@ async def run_proxy(process: Process) -> int:
         log.error("proxy: the %s data plane did not start: %s", engine, exc)
         await service.stop()
         return 1
+    settle_soon()
     try:
         await process.supervise([])  # the data plane keeps its own connection: only a signal stops it
         log.info("proxy: draining for up to %.1fs", cfg.shutdown_grace)

@@ -26,12 +26,10 @@ import asyncio
 import contextlib
 import logging
 import socket
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import aiohttp
-from aiohttp import hdrs, web
 from nats.errors import Error as NatsError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
@@ -39,18 +37,8 @@ from services.proxy.activator import Holds
 from services.proxy.auth import BasicAuth
 from services.proxy.balancer import Balancer
 from services.proxy.haproxy_stats import merge_samples
-from services.proxy.pipeline.acme_challenge import AcmeChallenge
-from services.proxy.pipeline.allowlist import Allowlist
-from services.proxy.pipeline.basic_auth import BasicAuthCheck
-from services.proxy.pipeline.body_cap import body_cap
-from services.proxy.pipeline.endpoint_choice import EndpointChoice
-from services.proxy.pipeline.flow import ENV_KEY, Flow, chain
-from services.proxy.pipeline.forward import Forward
-from services.proxy.pipeline.https_redirect import https_redirect
-from services.proxy.pipeline.rate_limit import RateLimit
-from services.proxy.pipeline.route_match import RouteMatch
 from services.proxy.ratelimit import RateLimiter
-from services.proxy.routing import RouteTable, request_host
+from services.proxy.routing import RouteTable
 from services.proxy.settings import ROUTES_CACHE_FILE, ProxySettings
 from services.proxy.stats import ProxyStats
 from shared.acmechallenge import ChallengeAnswers
@@ -65,6 +53,9 @@ from shared.routewire import same_cluster
 from shared.skew import Component, Verdict, judge_peer
 from shared.tasks import cancel_and_wait
 from shared.version import VERSION
+
+if TYPE_CHECKING:
+    from services.proxy.http_serving import HTTPServing
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +88,8 @@ class Proxy:
         """Where clients reach this proxy: (HTTP port, HTTPS port; 0 = none), reported in the heartbeat so that
         the URLs the CLI and console show carry the port that works (an engine in front reports its own)."""
         self.metrics = metrics
-        self._requests = RequestSeries()
+        self.requests = RequestSeries()
+        """Per-env request durations (metrics on), recorded by the HTTP side and exported in the heartbeat."""
         self.nats_url = nats_url
         self.proxy_id = cfg.proxy_id or socket.gethostname()
         self.routes = RouteClient(cache_dir / ROUTES_CACHE_FILE, node_id=cfg.node_id)
@@ -120,54 +112,36 @@ class Proxy:
         self._connected = asyncio.Event()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._session: aiohttp.ClientSession | None = None
-        self._runner: web.ServerRunner | None = None
+        self.http: HTTPServing | None = None
+        """The HTTP server and the request pipeline (``http_serving.py``, aiohttp): behind an engine, loaded at
+        the first connection (:meth:`start`)."""
+        self._socket: socket.socket | None = None
+        self._opening: asyncio.Task[None] | None = None
         self._listening = 0
-
-        def table() -> RouteTable:  # replaced on every accepted snapshot
-            return self.table
-
-        self.pipeline = chain(
-            [
-                AcmeChallenge(self.challenges),
-                RouteMatch(table),
-                Allowlist(behind_engine),
-                https_redirect,
-                RateLimit(self.limiter),
-                BasicAuthCheck(self.basic_auth),
-                body_cap,
-                EndpointChoice(table, self.balancer, self.holds),
-            ],
-            Forward(lambda: self._session, table, self.balancer, self.holds, self.stats, behind_engine=behind_engine),
-        )
-        """The request pipeline, one middleware per module of ``services/proxy/pipeline/`` in its ``ORDER``."""
 
     # ------------------------------------------------------------------ lifecycle
 
     @property
     def port(self) -> int:
-        assert self._runner is not None, "start() first"
-        return int(self._runner.addresses[0][1])
+        assert self._listening, "start() first"
+        return self._listening
 
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
 
     async def start(self) -> None:
-        """Serve at once from the cached routes; connect to NATS in the background."""
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.cfg.upstream_keepalive),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.upstream_connect_timeout),
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=(hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING, hdrs.CONTENT_TYPE),
-        )
-        handler = self._measured if self.metrics else self._handle
-        server = web.Server(handler, handler_cancellation=True, access_log=None)
-        self._runner = web.ServerRunner(server, shutdown_timeout=self.cfg.shutdown_grace)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, self.cfg.host, self.cfg.port).start()
-        self._listening = self.port
+        """Serve at once from the cached routes; connect to NATS in the background. Behind an engine (HAProxy)
+        the handler sees only held, basic-auth and ACME requests, which a node at idle has none of: the socket
+        listens at once and the HTTP server (aiohttp, ~11 MB resident) is loaded when the first connection
+        arrives, which waits in the backlog meanwhile (PERFORMANCE.md "A lighter node")."""
+        if self.behind_engine:
+            self._socket = socket.create_server((self.cfg.host, self.cfg.port), backlog=128)
+            self._socket.setblocking(False)
+            self._listening = int(self._socket.getsockname()[1])
+            asyncio.get_running_loop().add_reader(self._socket, self._first_connection)
+        else:
+            await self._serve_http(None)
         self._tasks = [
             asyncio.create_task(self._follow_routes()),
             asyncio.create_task(self._connect_and_report()),
@@ -190,8 +164,12 @@ class Proxy:
             return
         self._stop.set()
         await self.holds.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        self._close_socket()
+        if self._opening is not None:
+            with contextlib.suppress(Exception):
+                await self._opening  # being opened at the first connection: opened, to be stopped below
+        if self.http is not None:
+            await self.http.stop_accepting()
         # Cancelled again until done: nats-py swallows a cancellation that lands inside its connect, which
         # left a proxy stopped right after start waiting for its background task forever.
         await cancel_and_wait(*self._tasks)
@@ -199,8 +177,37 @@ class Proxy:
         if self.conn is not None:
             await self._publish_heartbeat()
             await self.conn.close()
-        if self._session is not None:
-            await self._session.close()
+        if self.http is not None:
+            await self.http.close()
+
+    async def _serve_http(self, sock: socket.socket | None) -> None:
+        from services.proxy.http_serving import HTTPServing
+
+        self.http = HTTPServing(self)
+        self._listening = await self.http.start(sock)
+
+    def _first_connection(self) -> None:
+        """The listening socket is readable: a connection waits. Serve it (and every later one) over HTTP."""
+        sock = self._socket
+        if sock is None:
+            return
+        asyncio.get_running_loop().remove_reader(sock)
+        self._socket = None
+        self._opening = asyncio.create_task(self._open_http(sock))
+
+    async def _open_http(self, sock: socket.socket) -> None:
+        try:
+            await self._serve_http(sock)
+        except Exception:
+            log.exception("proxy %s: the HTTP server did not start", self.proxy_id)
+            sock.close()
+            raise
+
+    def _close_socket(self) -> None:
+        if self._socket is not None:
+            asyncio.get_running_loop().remove_reader(self._socket)
+            self._socket.close()
+            self._socket = None
 
     async def _follow_routes(self) -> None:
         updates = self.routes.updates()
@@ -303,20 +310,3 @@ class Proxy:
             raise
         if not response.accepted:
             log.info("activation of env %s not accepted (not a scale-to-zero env)", env_id)
-
-    # ------------------------------------------------------------------ requests
-
-    async def _measured(self, request: web.BaseRequest) -> web.StreamResponse:
-        """:meth:`_handle`, recording the request in ``zattera.proxy.request.duration`` (env id, status class)."""
-        started = time.perf_counter()
-        status = 500
-        try:
-            response = await self._handle(request)
-            status = response.status
-            return response
-        finally:
-            self._requests.observe(request.get(ENV_KEY, ""), status, time.perf_counter() - started)
-
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        host = request_host(request.headers.get(hdrs.HOST, ""))
-        return await self.pipeline(Flow(request, host, request.path))

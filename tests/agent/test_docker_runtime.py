@@ -20,8 +20,9 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.docker_containers import ContainerHandle, container_config
 from services.agent.docker_images import ContainerImage
-from services.agent.docker_runtime import DockerLauncher, DockerUnavailable, choose_launcher
+from services.agent.docker_runtime import DockerLauncher
 from services.agent.launchers import LaunchPlan
+from services.agent.runtime_choice import DockerUnavailable, choose_launcher
 from services.agent.settings import AgentSettings
 from shared import keys as K
 from shared.connection import Connection
