@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import nats
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
@@ -50,6 +51,7 @@ from shared.security.permissions import (
     JOIN_BUCKET,
     JOIN_ISSUE_SUBJECT,
     JOIN_REMOVE_SUBJECT,
+    JOIN_REMOVE_VIA_PREFIX,
     JOIN_SUBJECT,
     VIEW_OPEN_SUBJECT,
     Role,
@@ -68,6 +70,8 @@ AGENT_ROLES = (Role.AGENT, Role.BUILDER)
 """The roles of a node's agent (a proxy's credential, also minted here, opens no view and relays nothing)."""
 DEFAULT_TTL = 3600.0
 MAX_TTL = 7 * 24 * 3600.0
+REMOVE_FORWARD_TIMEOUT = 110.0
+"""How long a removal handed to another server machine's join service may take (its streams' wait included)."""
 NODE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 USER_PUBLIC_KEY = re.compile(r"^U[A-Z2-7]{55}$")
 
@@ -169,6 +173,11 @@ class JoinService:
             await self._conn.nc.subscribe(JOIN_SUBJECT, queue="join", cb=self._answer(self.join)),
             await self._conn.nc.subscribe(JOIN_ISSUE_SUBJECT, queue="join", cb=self._answer(self.issue)),
             await self._conn.nc.subscribe(JOIN_REMOVE_SUBJECT, queue="join", cb=self._answer(self.remove)),
+            *(
+                [await self._conn.nc.subscribe(f"{JOIN_REMOVE_VIA_PREFIX}{mine}", cb=self._answer(self.remove_here))]
+                if (mine := self._machines.node_id if self._machines is not None else "")
+                else []
+            ),
             await self._conn.nc.subscribe(VIEW_OPEN_SUBJECT, queue="join", cb=self._view_open()),
             await self._conn.nc.subscribe(BATCH_PARTS_SUBJECT, cb=batch_parts_handler(self._batches)),
             await self._conn.nc.subscribe(f"{RELAY_PREFIX}>", queue="relay", cb=self._relay()),
@@ -271,16 +280,46 @@ class JoinService:
         return reply
 
     async def remove(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Remove a machine (``zattera nodes remove``, after its drain): see :mod:`shared.security.membership`."""
-        node_id = str(request.get("node_id") or "")
-        if not NODE_ID.match(node_id):
-            raise JoinRefused("node_id may contain only letters, digits, '-' and '_' (at most 64)")
-        if self._machines is None:
-            raise JoinRefused("this join service cannot remove machines (no security setup)")
+        """Remove a machine (``zattera nodes remove``, after its drain), or retire the first machine's extra
+        seats (``{"seats": true}``): see :mod:`shared.security.membership`. Handed to another server machine's
+        join service when this one is the machine removed (or not the one with the seats)."""
+        node_id, seats = await self._removal(request)
+        assert self._machines is not None
+        via = await self._machines.forward_to(self.kv, node_id, seats)
+        if not via:
+            return await self.remove_here(request)
         try:
-            return await self._machines.remove(self.kv, node_id, self._now())
+            msg = await self._conn.nc.request(
+                f"{JOIN_REMOVE_VIA_PREFIX}{via}", json.dumps(request).encode(), timeout=REMOVE_FORWARD_TIMEOUT
+            )
+        except (NatsError, TimeoutError):
+            raise JoinRefused(f"the join service of server machine {via} did not answer") from None
+        reply: dict[str, Any] = json.loads(msg.data or b"{}")
+        if "error" in reply:
+            raise JoinRefused(str(reply["error"]))
+        return reply
+
+    async def remove_here(self, request: dict[str, Any]) -> dict[str, Any]:
+        node_id, seats = await self._removal(request)
+        assert self._machines is not None
+        try:
+            if seats:
+                return await self._machines.retire_seats(self.kv)
+            return await self._machines.remove(self.kv, node_id, self._now(), force=bool(request.get("force")))
         except ZatteraError as exc:
             raise JoinRefused(str(exc)) from None
+
+    async def _removal(self, request: dict[str, Any]) -> tuple[str, bool]:
+        seats = bool(request.get("seats"))
+        if self._machines is None:
+            raise JoinRefused("this join service cannot remove machines (no security setup)")
+        if seats:
+            node_id = str(request.get("node_id") or "") or await self._machines.seats_holder(self.kv)
+        else:
+            node_id = str(request.get("node_id") or "")
+        if not NODE_ID.match(node_id):
+            raise JoinRefused("node_id may contain only letters, digits, '-' and '_' (at most 64)")
+        return node_id, seats
 
     async def join(self, request: dict[str, Any]) -> dict[str, Any]:
         secret = str(request.get("secret") or "")

@@ -6,6 +6,8 @@ pushes them and asks JetStream to remove a peer)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,12 +19,17 @@ from nats.js.kv import KeyValue
 
 from shared import keys as K
 from shared.connection import Connection
+from shared.embedded import RETIRED_SEATS_FILE
 from shared.errors import ZatteraError
+from shared.replicas import plan
 from shared.security import membership
 from shared.security.machines import MachineToken
 from shared.subjects import STATE_BUCKET
 
 log = logging.getLogger(__name__)
+
+STREAMS_WAIT = 60.0
+"""How long a removal waits for every stream to be back at its replica count on the remaining servers."""
 
 
 @dataclass
@@ -39,6 +46,11 @@ class Machines:
     route_url: str = ""
     mesh_ip: str = ""
     """This server machine's mesh address, recorded as taken at start."""
+    server_names: list[str] = field(default_factory=list)
+    """This machine's NATS servers' names (the first machine: its seats, the first named like the node)."""
+    control_dir: Path | None = None
+    """The control dir (the first machine's retired seats are recorded there for ``zattera up``)."""
+    streams_wait: float = STREAMS_WAIT
     ca_pem: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -51,7 +63,9 @@ class Machines:
     async def started(self, kv: KeyValue) -> None:
         """Register this server machine; bring this machine's account JWTs up to the cluster's revocations."""
         if self.node_id and self.client_url:
-            await membership.register_server(kv, self.node_id, self.client_url, self.route_url)
+            names, client_url, route_url = self._serving()
+            users = membership.local_users(self.security_dir)
+            await membership.register_server(kv, self.node_id, client_url, route_url, names, users)
         if self.node_id and self.mesh_ip:
             await membership.claim_mesh_ip(kv, self.node_id, self.mesh_ip)
         revoked = await membership.revocations(kv)
@@ -85,22 +99,62 @@ class Machines:
             "servers": [u for s in known.values() for u in s.get("client_url", "").split(",") if u],
         }
 
-    async def remove(self, kv: KeyValue, node_id: str, now: float | None = None) -> dict[str, Any]:
+    def _serving(self) -> tuple[list[str], str, str]:
+        """This machine's server names and URLs without the seats it retired."""
+        names = self.server_names or [self.node_id]
+        clients, routes = self.client_url.split(","), self.route_url.split(",")
+        retired = set(self.retired_seats())
+        kept = [i for i, n in enumerate(names) if n not in retired] or [0]
+
+        def pick(urls: list[str]) -> str:
+            return ",".join(urls[i] for i in kept if i < len(urls))
+
+        return [names[i] for i in kept if i < len(names)], pick(clients), pick(routes)
+
+    def retired_seats(self) -> list[str]:
+        if self.control_dir is None or not (self.control_dir / RETIRED_SEATS_FILE).exists():
+            return []
+        return [str(n) for n in json.loads((self.control_dir / RETIRED_SEATS_FILE).read_text())]
+
+    async def seats_holder(self, kv: KeyValue) -> str:
+        """The server machine that still has extra seats (the first machine), or a refusal."""
+        for node_id, record in sorted((await membership.servers(kv)).items()):
+            if len(membership.server_names(record, node_id)) > 1:
+                return node_id
+        raise ZatteraError("no server machine has extra seats to retire (retired already?)")
+
+    async def forward_to(self, kv: KeyValue, node_id: str, seats: bool) -> str:
+        """The server machine that must do this removal when it is not this one ('' = this one): never the
+        machine removed; for seats, the machine that has them."""
+        known = await membership.servers(kv)
+        if seats:
+            return "" if node_id == self.node_id else node_id
+        if node_id != self.node_id:
+            return ""
+        others = sorted(n for n in known if n != node_id)
+        return others[0] if others else ""
+
+    async def remove(
+        self, kv: KeyValue, node_id: str, now: float | None = None, *, force: bool = False
+    ) -> dict[str, Any]:
         known = await membership.servers(kv)
         registered = await membership.node_registered(self.conn, node_id)
         if node_id not in known and not registered:
             raise ZatteraError(f"no machine named {node_id} in the cluster")
         if node_id in known and len(known) == 1:
             raise ZatteraError(f"{node_id} is the last server machine: the cluster would have none")
-        peer_removed = False
-        if node_id in known:
-            peer_removed = await membership.peer_remove(self.urls, self.system_creds, self.tls_ca, node_id)
-            await kv.delete(f"{membership.SERVER_PREFIX}{node_id}")
+        names = membership.server_names(known[node_id], node_id) if node_id in known else []
+        if names:
+            await self._check_copies(len(known) - 1, f"removing {node_id}", force)
         keys = await membership.issued_keys(kv, node_id)
+        keys += [str(k) for k in known.get(node_id, {}).get("users") or [] if k not in keys]
         stamp = int(now if now is not None else time.time()) + 1
+        # Revoked first: the machine's services lose the cluster before its servers leave JetStream.
         revoked = await membership.add_revocations(kv, dict.fromkeys(keys, stamp))
         authority = membership.apply_revocations(self.security_dir, revoked)
         await membership.push_accounts(self.urls, self.system_creds, self.tls_ca, authority)
+        if node_id in known:
+            await kv.delete(f"{membership.SERVER_PREFIX}{node_id}")
         for key in await membership._keys(kv):
             if key.startswith(membership.MESH_PREFIX):
                 try:
@@ -113,5 +167,78 @@ class Machines:
             # The node record goes: its mesh peers drop it, nothing is placed there again.
             state = await self.conn.js.key_value(STATE_BUCKET)
             await state.delete(K.node(node_id))
-        log.info("machine %s removed (peer removed: %s, %d credentials revoked)", node_id, peer_removed, len(keys))
-        return {"node_id": node_id, "peer_removed": peer_removed, "revoked": keys}
+        removed = [n for n in names if await membership.peer_remove(self.urls, self.system_creds, self.tls_ca, n)]
+        short = await self._wait_copies(names) if names else []
+        log.info(
+            "machine %s removed (peer removed: %s, %d credentials revoked, %d streams short of copies)",
+            node_id,
+            ", ".join(removed) or "none",
+            len(keys),
+            len(short),
+        )
+        return {
+            "node_id": node_id,
+            "peer_removed": bool(names) and len(removed) == len(names),
+            "servers": removed,
+            "revoked": keys,
+            "short": short,
+        }
+
+    async def retire_seats(self, kv: KeyValue) -> dict[str, Any]:
+        """Peer-remove this (first) machine's extra seats once three server machines hold the streams, and
+        record them as retired: ``zattera up`` stops them and does not start them again."""
+        names, _, _ = self._serving()
+        seats = names[1:]
+        if not seats:
+            raise ZatteraError(f"{self.node_id or 'this machine'} has no extra seats to retire")
+        known = await membership.servers(kv)
+        if len(known) < 3:
+            raise ZatteraError(
+                f"retiring {self.node_id}'s extra seats needs 3 server machines (the cluster has {len(known)}): "
+                "join more with zattera nodes join-token --server"
+            )
+        await self._check_copies(len(known), f"retiring {self.node_id}'s extra seats", force=False, at_least=3)
+        removed = [n for n in seats if await membership.peer_remove(self.urls, self.system_creds, self.tls_ca, n)]
+        assert self.control_dir is not None
+        marker = self.control_dir / RETIRED_SEATS_FILE
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps(sorted({*self.retired_seats(), *seats})))
+        names, client_url, route_url = self._serving()
+        await membership.register_server(
+            kv, self.node_id, client_url, route_url, names, membership.local_users(self.security_dir)
+        )
+        short = await self._wait_copies(seats)
+        log.info("seats %s of %s retired (%d streams short of copies)", ", ".join(seats), self.node_id, len(short))
+        return {"node_id": self.node_id, "servers": removed, "retired": seats, "short": short}
+
+    async def _check_copies(self, machines: int, doing: str, force: bool, at_least: int = 0) -> None:
+        """Refuse (unless ``force``) when the server machines left cannot hold a copy of every stream each
+        (``at_least``: the streams must be at that many copies already)."""
+        streams = (await plan(self.conn.nc))["streams"]
+        highest = max((int(s["replicas"]) for s in streams), default=1)
+        if at_least and highest < at_least:
+            raise ZatteraError(f"{doing}: streams have {highest} copies; run zattera cluster replicas 3 first")
+        if machines < highest and not force:
+            raise ZatteraError(
+                f"{doing} would leave {machines} server machine(s) for streams of {highest} copies: join another "
+                "server machine first (zattera nodes join-token --server), or lower the copies (zattera cluster "
+                "replicas 1), or --force to remove it anyway"
+            )
+
+    async def _wait_copies(self, gone: list[str]) -> list[dict[str, Any]]:
+        """Wait until no stream has a copy on ``gone`` and each is at its replica count, caught up; returns the
+        streams that are not after :attr:`streams_wait` (copies the remaining servers cannot hold)."""
+        deadline = time.monotonic() + self.streams_wait
+        while True:
+            streams = (await plan(self.conn.nc))["streams"]
+            short = [
+                {"stream": s["stream"], "replicas": s["replicas"], "current": s["current"], "servers": s["servers"]}
+                for s in streams
+                if set(s["servers"]) & set(gone)
+                or len(s["servers"]) != s["replicas"]
+                or s["current"] != s["replicas"]
+                or not s["leader"]
+            ]
+            if not short or time.monotonic() > deadline:
+                return short
+            await asyncio.sleep(0.25)
