@@ -232,6 +232,9 @@ class JoinService:
                 reply = {"error": str(exc)}
             except (ValueError, TypeError) as exc:
                 reply = {"error": f"bad request: {exc}"}
+            except (TimeoutError, NatsError) as exc:  # never left without an answer
+                log.warning("join service: %s: %s", msg.subject, exc)
+                reply = {"error": f"the cluster did not answer: {exc}"}
             await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
 
         return callback

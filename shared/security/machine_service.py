@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
@@ -153,6 +154,7 @@ class Machines:
         revoked = await membership.add_revocations(kv, dict.fromkeys(keys, stamp))
         authority = membership.apply_revocations(self.security_dir, revoked)
         await membership.push_accounts(self.urls, self.system_creds, self.tls_ca, authority)
+        log.info("machine %s: %d credentials revoked", node_id, len(keys))
         if node_id in known:
             await kv.delete(f"{membership.SERVER_PREFIX}{node_id}")
         for key in await membership._keys(kv):
@@ -168,6 +170,7 @@ class Machines:
             state = await self.conn.js.key_value(STATE_BUCKET)
             await state.delete(K.node(node_id))
         removed = [n for n in names if await membership.peer_remove(self.urls, self.system_creds, self.tls_ca, n)]
+        log.info("machine %s: servers %s peer-removed; waiting for every stream's copies", node_id, removed)
         short = await self._wait_copies(names) if names else []
         log.info(
             "machine %s removed (peer removed: %s, %d credentials revoked, %d streams short of copies)",
@@ -230,7 +233,14 @@ class Machines:
         streams that are not after :attr:`streams_wait` (copies the remaining servers cannot hold)."""
         deadline = time.monotonic() + self.streams_wait
         while True:
-            streams = (await plan(self.conn.nc))["streams"]
+            try:
+                streams = (await plan(self.conn.nc))["streams"]
+            except (TimeoutError, NatsError) as exc:  # a stream between leaders: asked again
+                log.info("streams not answered yet (%s)", exc)
+                if time.monotonic() > deadline:
+                    raise ZatteraError(f"JetStream did not answer for its streams' copies: {exc}") from None
+                await asyncio.sleep(0.25)
+                continue
             short = [
                 {"stream": s["stream"], "replicas": s["replicas"], "current": s["current"], "servers": s["servers"]}
                 for s in streams

@@ -181,6 +181,7 @@ def _by_stream(streams: list[dict[str, Any]]) -> dict[str, set[str]]:
     return {s["stream"]: {MACHINE_OF[n] for n in s["servers"]} for s in streams}
 
 
+@pytest.mark.timeout(300)
 async def test_a_server_machine_removed_and_then_the_first_machines_seats_retired(
     machines: Machines4, control: Control
 ) -> None:
