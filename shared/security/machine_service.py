@@ -19,7 +19,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from shared import keys as K
-from shared.connection import Connection
+from shared.connection import Connection, connect
 from shared.embedded import RETIRED_SEATS_FILE
 from shared.errors import ZatteraError
 from shared.replicas import plan
@@ -60,6 +60,10 @@ class Machines:
     @property
     def system_creds(self) -> str:
         return str(self.security_dir / "creds" / "system.creds")
+
+    @property
+    def control_creds(self) -> str:
+        return str(self.security_dir / "creds" / "control.creds")
 
     async def started(self, kv: KeyValue) -> None:
         """Register this server machine; bring this machine's account JWTs up to the cluster's revocations."""
@@ -169,9 +173,10 @@ class Machines:
             # The node record goes: its mesh peers drop it, nothing is placed there again.
             state = await self.conn.js.key_value(STATE_BUCKET)
             await state.delete(K.node(node_id))
-        removed = [n for n in names if await membership.peer_remove(self.urls, self.system_creds, self.tls_ca, n)]
+        others = _client_urls(known, node_id)
+        removed = await self._peer_remove(others, names)
         log.info("machine %s: servers %s peer-removed; waiting for every stream's copies", node_id, removed)
-        short = await self._wait_copies(names) if names else []
+        short = await self._wait_copies(names, others) if names else []
         log.info(
             "machine %s removed (peer removed: %s, %d credentials revoked, %d streams short of copies)",
             node_id,
@@ -201,7 +206,9 @@ class Machines:
                 "join more with zattera nodes join-token --server"
             )
         await self._check_copies(len(known), f"retiring {self.node_id}'s extra seats", force=False, at_least=3)
-        removed = [n for n in seats if await membership.peer_remove(self.urls, self.system_creds, self.tls_ca, n)]
+        _, own, _ = self._serving()
+        kept = [*_client_urls(known, self.node_id), *own.split(",")[:1]]  # the first seat stays
+        removed = await self._peer_remove(kept, seats)
         assert self.control_dir is not None
         marker = self.control_dir / RETIRED_SEATS_FILE
         marker.parent.mkdir(parents=True, exist_ok=True)
@@ -210,9 +217,13 @@ class Machines:
         await membership.register_server(
             kv, self.node_id, client_url, route_url, names, membership.local_users(self.security_dir)
         )
-        short = await self._wait_copies(seats)
+        short = await self._wait_copies(seats, kept)
         log.info("seats %s of %s retired (%d streams short of copies)", ", ".join(seats), self.node_id, len(short))
         return {"node_id": self.node_id, "servers": removed, "retired": seats, "short": short}
+
+    async def _peer_remove(self, urls: list[str], names: list[str]) -> list[str]:
+        """Peer-remove ``names`` through the servers that stay (``urls``); the names removed."""
+        return [n for n in names if await membership.peer_remove(",".join(urls), self.system_creds, self.tls_ca, n)]
 
     async def _check_copies(self, machines: int, doing: str, force: bool, at_least: int = 0) -> None:
         """Refuse (unless ``force``) when the server machines left cannot hold a copy of every stream each
@@ -228,13 +239,23 @@ class Machines:
                 "replicas 1), or --force to remove it anyway"
             )
 
-    async def _wait_copies(self, gone: list[str]) -> list[dict[str, Any]]:
+    async def _wait_copies(self, gone: list[str], urls: list[str]) -> list[dict[str, Any]]:
         """Wait until no stream has a copy on ``gone`` and each is at its replica count, caught up; returns the
-        streams that are not after :attr:`streams_wait` (copies the remaining servers cannot hold)."""
+        streams that are not after :attr:`streams_wait` (copies the remaining servers cannot hold). Asked
+        through the servers that stay (``urls``): a removed server has disabled its JetStream, and a client on
+        it gets no JetStream answer until it reconnects elsewhere."""
+        tls_ca = self.tls_ca or None
+        conn = await connect(",".join(urls), name="zattera-removal", creds=self.control_creds, tls_ca=tls_ca)
+        try:
+            return await self._copies_back(conn, gone)
+        finally:
+            await conn.close()
+
+    async def _copies_back(self, conn: Connection, gone: list[str]) -> list[dict[str, Any]]:
         deadline = time.monotonic() + self.streams_wait
         while True:
             try:
-                streams = (await plan(self.conn.nc))["streams"]
+                streams = (await plan(conn.nc))["streams"]
             except (TimeoutError, NatsError) as exc:  # a stream between leaders: asked again
                 log.info("streams not answered yet (%s)", exc)
                 if time.monotonic() > deadline:
@@ -252,3 +273,8 @@ class Machines:
             if not short or time.monotonic() > deadline:
                 return short
             await asyncio.sleep(0.25)
+
+
+def _client_urls(known: dict[str, dict[str, Any]], but: str) -> list[str]:
+    """The client URLs of every server machine but ``but``."""
+    return [u for n, r in known.items() if n != but for u in str(r.get("client_url", "")).split(",") if u]

@@ -62,7 +62,7 @@ def machines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machines4]:
     base = tmp_path_factory.mktemp("removal")
     setup = prepare(base / "security")
     extra = setup.server_config(resolver_dir=f"{SERVER_DIR}/jwt")
-    tags = [(f"machine:{MACHINE_OF[n]}",) for n in NAMES]
+    tags: list[tuple[str, ...]] = [(f"machine:{MACHINE_OF[n]}",) for n in NAMES]
     servers = start_cluster(
         base / "cluster",
         len(NAMES),
@@ -177,6 +177,16 @@ async def _ask(machines: Machines4, request: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
+async def _streams(machines: Machines4) -> list[dict[str, Any]]:
+    """Every stream's copies, asked through the servers still running."""
+    conn = await connect(machines.urls, name="test-streams", creds=str(machines.setup.control_creds))
+    try:
+        streams: list[dict[str, Any]] = (await plan(conn.nc))["streams"]
+        return streams
+    finally:
+        await conn.close()
+
+
 def _by_stream(streams: list[dict[str, Any]]) -> dict[str, set[str]]:
     return {s["stream"]: {MACHINE_OF[n] for n in s["servers"]} for s in streams}
 
@@ -198,16 +208,16 @@ async def test_a_server_machine_removed_and_then_the_first_machines_seats_retire
     assert removed["peer_removed"] is True and removed["servers"] == ["m4"]
     assert set(removed["revoked"]) == {_user(p) for p in machines.m4_creds}
     assert removed["short"] == [], "every stream keeps its three copies on the remaining machines"
+    machines.servers["m4"].stop()  # the operator stops the removed machine
     assert "m4" not in _meta_peers(m1) and "m4" not in _meta_peers(machines.servers["m2"])
     for server in (m1, machines.servers["m2"], machines.servers["m3"]):
         for creds in machines.m4_creds:
             assert not await _connects(server.url, creds), f"{creds.name} refused by {server.name}"
-    after = (await plan(control.conn.nc))["streams"]
+    after = await _streams(machines)
     for stream, on in _by_stream(after).items():
         assert "m4" not in on and len(on) == 3, (stream, on)
     assert all(s["current"] == 3 for s in after)
     assert "m4" not in await membership.servers(control.services[0].kv)
-    machines.servers["m4"].stop()  # the operator stops the removed machine
 
     # Two server machines would be left for three copies: refused, nothing changed.
     refused = await _ask(machines, {"node_id": "m3"})
@@ -225,7 +235,7 @@ async def test_a_server_machine_removed_and_then_the_first_machines_seats_retire
     assert [s.name for s in machines.first.cluster_servers] == ["m1"]
     assert machines.servers["m1-seat2"].pid is None and machines.servers["m1-seat3"].pid is None
     assert _meta_peers(m1) == {"m1", "m2", "m3"}
-    streams = (await plan(control.conn.nc))["streams"]
+    streams = await _streams(machines)
     assert all(on == {"m1", "m2", "m3"} for on in _by_stream(streams).values()), _by_stream(streams)
     assert all(s["current"] == 3 and s["leader"] for s in streams)
     record = (await membership.servers(control.services[0].kv))["m1"]
@@ -242,6 +252,7 @@ def test_the_first_machine_starts_one_seat_once_its_seats_are_retired(tmp_path: 
     first = Machine("m1", "server", "127.0.0.1")
     assert machine_cluster(tmp_path, first).machine["seats"]["size"] == 3
     marker = Cluster(data_dir=tmp_path).layout.control / RETIRED_SEATS_FILE
+    marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps(["m1-seat2", "m1-seat3"]))
     seats = machine_cluster(tmp_path, first).machine["seats"]
     assert (seats["size"], seats["names"]) == (1, ["m1"])
