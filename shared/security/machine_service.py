@@ -7,9 +7,11 @@ pushes them and asks JetStream to remove a peer)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from shared.errors import ZatteraError
 from shared.replicas import plan
 from shared.security import membership
 from shared.security.machines import MachineToken
+from shared.security.permissions import JOIN_BUCKET
 from shared.subjects import STATE_BUCKET
 
 log = logging.getLogger(__name__)
@@ -214,10 +217,11 @@ class Machines:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps(sorted({*self.retired_seats(), *seats})))
         names, client_url, route_url = self._serving()
-        await membership.register_server(
-            kv, self.node_id, client_url, route_url, names, membership.local_users(self.security_dir)
-        )
-        short = await self._wait_copies(seats, kept)
+        users = membership.local_users(self.security_dir)
+        async with self._staying(kept) as conn:  # this service's own connection may be on a seat
+            staying_kv = await conn.js.key_value(JOIN_BUCKET)
+            await membership.register_server(staying_kv, self.node_id, client_url, route_url, names, users)
+            short = await self._copies_back(conn, seats)
         log.info("seats %s of %s retired (%d streams short of copies)", ", ".join(seats), self.node_id, len(short))
         return {"node_id": self.node_id, "servers": removed, "retired": seats, "short": short}
 
@@ -244,10 +248,16 @@ class Machines:
         streams that are not after :attr:`streams_wait` (copies the remaining servers cannot hold). Asked
         through the servers that stay (``urls``): a removed server has disabled its JetStream, and a client on
         it gets no JetStream answer until it reconnects elsewhere."""
+        async with self._staying(urls) as conn:
+            return await self._copies_back(conn, gone)
+
+    @contextlib.asynccontextmanager
+    async def _staying(self, urls: list[str]) -> AsyncIterator[Connection]:
+        """A control connection to the servers that stay."""
         tls_ca = self.tls_ca or None
         conn = await connect(",".join(urls), name="zattera-removal", creds=self.control_creds, tls_ca=tls_ca)
         try:
-            return await self._copies_back(conn, gone)
+            yield conn
         finally:
             await conn.close()
 
