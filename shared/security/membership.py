@@ -205,12 +205,13 @@ def apply_revocations(security_dir: Path, revoked: dict[str, int]) -> Authority:
 
 
 async def push_accounts(urls: str, system_creds: str, tls_ca: str, authority: Authority) -> None:
-    """Send the accounts' JWTs (the role accounts' and ``ZATTERA``'s, whose users are the services) to the
-    servers (system account): the full resolver applies them at once on every server of the cluster."""
+    """Send the accounts' JWTs (the role accounts', ``ZATTERA``'s, whose users are the services, and the system
+    account's) to the servers (system account): the full resolver applies them at once on every server."""
     conn = await connect(urls, name="zattera-accounts", creds=system_creds, tls_ca=tls_ca or None)
     try:
         jwts = {str(a): authority.role_account_jwt(a) for a in ROLE_ACCOUNTS}
         jwts[str(Account.ZATTERA)] = authority.zattera_account_jwt()
+        jwts["system"] = authority.system_account_jwt()
         for account, jwt in jwts.items():
             reply = await conn.nc.request("$SYS.REQ.CLAIMS.UPDATE", jwt.encode(), timeout=5)
             answer = json.loads(reply.data or b"{}")

@@ -31,8 +31,8 @@ from shared.connection import Connection, connect
 from shared.embedded import RETIRED_SEATS_FILE, SERVER_DIR, EmbeddedNats, start_cluster, wait_meta_group
 from shared.replicas import plan
 from shared.security import membership
-from shared.security.authority import RoleIssuer
-from shared.security.creds import inbox_prefix, read_user_jwt
+from shared.security.authority import Authority, RoleIssuer
+from shared.security.creds import inbox_prefix, read_user_jwt, write_private
 from shared.security.join import JoinService
 from shared.security.machine_service import Machines
 from shared.security.nkeyjwt import decode_claims
@@ -77,10 +77,12 @@ def machines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machines4]:
         wait_meta_group(servers, timeout=60)
         by_name = {s.name: s for s in servers}
         first = Cluster(data_dir=base / "m1", machine={"seats": {}}, cluster_servers=servers[:3], with_node=False)
-        # m4's credentials: one a join issued it (its agent's), one it made itself from the trust root (control).
-        m4_creds = [base / "m4-agent.creds", base / "m4-control.creds"]
+        # m4's credentials: one a join issued it (its agent's), two it made itself from the trust root (control,
+        # system).
+        m4_creds = [base / "m4-agent.creds", base / "m4-control.creds", base / "m4-system.creds"]
         setup.issue(Role.BUILDER, "m4", m4_creds[0])
         setup.issue(Role.CONTROL, "m4", m4_creds[1])
+        write_private(m4_creds[2], Authority.load(setup.directory).system_user_creds())
         cluster = Machines4(setup, by_name, first, m4_creds)
         asyncio.run(_provision(cluster.urls, str(setup.control_creds), replicas=3))
         yield cluster
@@ -150,7 +152,7 @@ async def control(machines: Machines4) -> AsyncIterator[Control]:
     kv = services[0].kv
     for node_id in ("m3", "m4"):
         server = machines.servers[node_id]
-        users = [_user(machines.m4_creds[1])] if node_id == "m4" else []
+        users = [_user(p) for p in machines.m4_creds[1:]] if node_id == "m4" else []
         await membership.register_server(
             kv, node_id, server.url, f"nats-route://127.0.0.1:{server.cluster_port}", [node_id], users
         )
@@ -200,7 +202,7 @@ async def test_a_server_machine_removed_and_then_the_first_machines_seats_retire
     assert before and {s["replicas"] for s in before} == {3}
     assert all(len(machines) == 3 for machines in _by_stream(before).values()), "one copy per machine"
     assert "m4" in _meta_peers(m1)
-    assert await _connects(m1.url, machines.m4_creds[0]) and await _connects(m1.url, machines.m4_creds[1])
+    assert all([await _connects(m1.url, creds) for creds in machines.m4_creds])
 
     # zattera nodes remove m4: revoked, peer-removed, every stream back at three copies elsewhere.
     removed = await _ask(machines, {"node_id": "m4"})
