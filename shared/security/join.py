@@ -24,7 +24,7 @@ import os
 import re
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -172,7 +172,9 @@ class JoinService:
         subs = [
             await self._conn.nc.subscribe(JOIN_SUBJECT, queue="join", cb=self._answer(self.join)),
             await self._conn.nc.subscribe(JOIN_ISSUE_SUBJECT, queue="join", cb=self._answer(self.issue)),
-            await self._conn.nc.subscribe(JOIN_REMOVE_SUBJECT, queue="join", cb=self._answer(self.remove)),
+            await self._conn.nc.subscribe(
+                JOIN_REMOVE_SUBJECT, queue="join", cb=self._answer(self.remove, then=self._after_removal)
+            ),
             *(
                 [await self._conn.nc.subscribe(f"{JOIN_REMOVE_VIA_PREFIX}{mine}", cb=self._answer(self.remove_here))]
                 if (mine := self._machines.node_id if self._machines is not None else "")
@@ -219,7 +221,13 @@ class JoinService:
     def _relay(self) -> Callable[[Msg], Any]:
         return relay_handler(self._conn, self._agents_account(), self._batches, self._audit, self._authz)
 
-    def _answer(self, handler: Callable[[dict[str, Any]], Any]) -> Callable[[Msg], Any]:
+    def _answer(
+        self,
+        handler: Callable[[dict[str, Any]], Any],
+        then: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+    ) -> Callable[[Msg], Any]:
+        """``then``: run with the reply once it is sent."""
+
         async def callback(msg: Msg) -> None:
             if not answerable(msg):
                 return  # a reply steered at some other subject: nobody to answer
@@ -236,6 +244,9 @@ class JoinService:
                 log.warning("join service: %s: %s", msg.subject, exc)
                 reply = {"error": f"the cluster did not answer: {exc}"}
             await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
+            if then is not None:
+                await self._conn.nc.flush()
+                await then(reply)
 
         return callback
 
@@ -301,6 +312,15 @@ class JoinService:
         if "error" in reply:
             raise JoinRefused(str(reply["error"]))
         return reply
+
+    async def _after_removal(self, reply: dict[str, Any]) -> None:
+        """Once a removal is answered: the services' and system accounts get its revocations."""
+        if self._machines is None or not reply.get("revoked"):
+            return
+        try:
+            await self._machines.push_control_accounts(self.kv)
+        except (ZatteraError, OSError, TimeoutError, NatsError) as exc:
+            log.error("revocations not pushed to the services' and system accounts: %s", exc)
 
     async def remove_here(self, request: dict[str, Any]) -> dict[str, Any]:
         node_id, seats = await self._removal(request)

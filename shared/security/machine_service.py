@@ -124,6 +124,15 @@ class Machines:
             return []
         return [str(n) for n in json.loads((self.control_dir / RETIRED_SEATS_FILE).read_text())]
 
+    async def push_control_accounts(self, kv: KeyValue) -> None:
+        """After a removal's answer: ``ZATTERA``'s and the system account's JWTs with every revocation of the
+        cluster (a removed server machine's control, operator-role and system users), pushed to the servers
+        that are registered (see :func:`membership.push_accounts`)."""
+        authority = membership.apply_revocations(self.security_dir, await membership.revocations(kv))
+        urls = _client_urls(await membership.servers(kv), "") or self.urls.split(",")
+        await membership.push_accounts(",".join(urls), self.system_creds, self.tls_ca, authority, control=True)
+        log.info("revocations pushed to the services' and system accounts")
+
     async def seats_holder(self, kv: KeyValue) -> str:
         """The server machine that still has extra seats (the first machine), or a refusal."""
         for node_id, record in sorted((await membership.servers(kv)).items()):
@@ -161,7 +170,7 @@ class Machines:
         revoked = await membership.add_revocations(kv, dict.fromkeys(keys, stamp))
         authority = membership.apply_revocations(self.security_dir, revoked)
         await membership.push_accounts(self.urls, self.system_creds, self.tls_ca, authority)
-        log.info("machine %s: %d credentials revoked", node_id, len(keys))
+        log.info("machine %s: %d credentials revoked (the services' and system ones once answered)", node_id, len(keys))
         if node_id in known:
             await kv.delete(f"{membership.SERVER_PREFIX}{node_id}")
         for key in await membership._keys(kv):

@@ -204,14 +204,19 @@ def apply_revocations(security_dir: Path, revoked: dict[str, int]) -> Authority:
     return authority
 
 
-async def push_accounts(urls: str, system_creds: str, tls_ca: str, authority: Authority) -> None:
-    """Send the accounts' JWTs (the role accounts', ``ZATTERA``'s, whose users are the services, and the system
-    account's) to the servers (system account): the full resolver applies them at once on every server."""
+async def push_accounts(
+    urls: str, system_creds: str, tls_ca: str, authority: Authority, *, control: bool = False
+) -> None:
+    """Send the role accounts' JWTs to the servers (system account): the full resolver applies them at once on
+    every server of the cluster. ``control``: instead, ``ZATTERA``'s (whose users are the services) and the
+    system account's — sent only after the removal's answer: an update of ``ZATTERA`` drops the reply
+    mappings of the requests in flight into it (nats-server rebuilds its exports), that answer's included."""
     conn = await connect(urls, name="zattera-accounts", creds=system_creds, tls_ca=tls_ca or None)
     try:
-        jwts = {str(a): authority.role_account_jwt(a) for a in ROLE_ACCOUNTS}
-        jwts[str(Account.ZATTERA)] = authority.zattera_account_jwt()
-        jwts["system"] = authority.system_account_jwt()
+        if control:
+            jwts = {str(Account.ZATTERA): authority.zattera_account_jwt(), "system": authority.system_account_jwt()}
+        else:
+            jwts = {str(a): authority.role_account_jwt(a) for a in ROLE_ACCOUNTS}
         for account, jwt in jwts.items():
             reply = await conn.nc.request("$SYS.REQ.CLAIMS.UPDATE", jwt.encode(), timeout=5)
             answer = json.loads(reply.data or b"{}")
