@@ -162,7 +162,8 @@ class Machines:
             raise ZatteraError(f"{node_id} is the last server machine: the cluster would have none")
         names = membership.server_names(known[node_id], node_id) if node_id in known else []
         if names:
-            await self._check_copies(len(known) - 1, f"removing {node_id}", force)
+            async with self._staying(_client_urls(known, node_id)) as conn:
+                await _check_copies(conn, len(known) - 1, f"removing {node_id}", force)
         keys = await membership.issued_keys(kv, node_id)
         keys += [str(k) for k in known.get(node_id, {}).get("users") or [] if k not in keys]
         stamp = int(now if now is not None else time.time()) + 1
@@ -217,9 +218,10 @@ class Machines:
                 f"retiring {self.node_id}'s extra seats needs 3 server machines (the cluster has {len(known)}): "
                 "join more with zattera nodes join-token --server"
             )
-        await self._check_copies(len(known), f"retiring {self.node_id}'s extra seats", force=False, at_least=3)
         _, own, _ = self._serving()
         kept = [*_client_urls(known, self.node_id), *own.split(",")[:1]]  # the first seat stays
+        async with self._staying(kept) as conn:  # this service's own connection may be on a seat
+            await _check_copies(conn, len(known), f"retiring {self.node_id}'s extra seats", force=False, at_least=3)
         removed = await self._peer_remove(kept, seats)
         assert self.control_dir is not None
         marker = self.control_dir / RETIRED_SEATS_FILE
@@ -237,20 +239,6 @@ class Machines:
     async def _peer_remove(self, urls: list[str], names: list[str]) -> list[str]:
         """Peer-remove ``names`` through the servers that stay (``urls``); the names removed."""
         return [n for n in names if await membership.peer_remove(",".join(urls), self.system_creds, self.tls_ca, n)]
-
-    async def _check_copies(self, machines: int, doing: str, force: bool, at_least: int = 0) -> None:
-        """Refuse (unless ``force``) when the server machines left cannot hold a copy of every stream each
-        (``at_least``: the streams must be at that many copies already)."""
-        streams = (await plan(self.conn.nc))["streams"]
-        highest = max((int(s["replicas"]) for s in streams), default=1)
-        if at_least and highest < at_least:
-            raise ZatteraError(f"{doing}: streams have {highest} copies; run zattera cluster replicas 3 first")
-        if machines < highest and not force:
-            raise ZatteraError(
-                f"{doing} would leave {machines} server machine(s) for streams of {highest} copies: join another "
-                "server machine first (zattera nodes join-token --server), or lower the copies (zattera cluster "
-                "replicas 1), or --force to remove it anyway"
-            )
 
     async def _wait_copies(self, gone: list[str], urls: list[str]) -> list[dict[str, Any]]:
         """Wait until no stream has a copy on ``gone`` and each is at its replica count, caught up; returns the
@@ -297,3 +285,18 @@ class Machines:
 def _client_urls(known: dict[str, dict[str, Any]], but: str) -> list[str]:
     """The client URLs of every server machine but ``but``."""
     return [u for n, r in known.items() if n != but for u in str(r.get("client_url", "")).split(",") if u]
+
+
+async def _check_copies(conn: Connection, machines: int, doing: str, force: bool, at_least: int = 0) -> None:
+    """Refuse (unless ``force``) when the server machines left cannot hold a copy of every stream each
+    (``at_least``: the streams must be at that many copies already)."""
+    streams = (await plan(conn.nc))["streams"]
+    highest = max((int(s["replicas"]) for s in streams), default=1)
+    if at_least and highest < at_least:
+        raise ZatteraError(f"{doing}: streams have {highest} copies; run zattera cluster replicas 3 first")
+    if machines < highest and not force:
+        raise ZatteraError(
+            f"{doing} would leave {machines} server machine(s) for streams of {highest} copies: join another "
+            "server machine first (zattera nodes join-token --server), or lower the copies (zattera cluster "
+            "replicas 1), or --force to remove it anyway"
+        )
