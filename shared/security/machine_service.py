@@ -223,6 +223,7 @@ class Machines:
         async with self._staying(kept) as conn:  # this service's own connection may be on a seat
             await _check_copies(conn, len(known), f"retiring {self.node_id}'s extra seats", force=False, at_least=3)
         removed = await self._peer_remove(kept, seats)
+        log.info("seats %s of %s peer-removed", ", ".join(removed), self.node_id)
         assert self.control_dir is not None
         marker = self.control_dir / RETIRED_SEATS_FILE
         marker.parent.mkdir(parents=True, exist_ok=True)
