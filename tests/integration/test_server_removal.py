@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -86,11 +87,24 @@ def machines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machines4]:
         setup.issue(Role.CONTROL, "m4", m4_creds[1])
         write_private(m4_creds[2], Authority.load(setup.directory).system_user_creds())
         cluster = Machines4(setup, by_name, first, m4_creds)
-        asyncio.run(_provision(cluster.urls, str(setup.control_creds), replicas=3))
+        asyncio.run(_provisioned(cluster.urls, str(setup.control_creds)))
         yield cluster
     finally:
         for server in servers:
             server.stop()
+
+
+async def _provisioned(urls: str, creds: str) -> None:
+    """Every stream at three copies; a JetStream request left unanswered on a loaded machine is asked again
+    (creating what is missing is idempotent)."""
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            await _provision(urls, creds, replicas=3)
+            return
+        except (TimeoutError, nats.errors.TimeoutError):
+            if time.monotonic() > deadline:
+                raise
 
 
 def _user(creds: Path) -> str:
