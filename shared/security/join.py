@@ -315,10 +315,10 @@ class JoinService:
 
     async def _after_removal(self, reply: dict[str, Any]) -> None:
         """Once a removal is answered: the services' and system accounts get its revocations."""
-        if self._machines is None or not reply.get("revoked"):
+        if self._machines is None or not reply.get("revoked") or not reply.get("staying"):
             return
         try:
-            await self._machines.push_control_accounts(self.kv)
+            await self._machines.push_control_accounts([str(u) for u in reply["staying"]])
         except (ZatteraError, OSError, TimeoutError, NatsError) as exc:
             log.error("revocations not pushed to the services' and system accounts: %s", exc)
 

@@ -124,13 +124,14 @@ class Machines:
             return []
         return [str(n) for n in json.loads((self.control_dir / RETIRED_SEATS_FILE).read_text())]
 
-    async def push_control_accounts(self, kv: KeyValue) -> None:
+    async def push_control_accounts(self, staying: list[str]) -> None:
         """After a removal's answer: ``ZATTERA``'s and the system account's JWTs with every revocation of the
-        cluster (a removed server machine's control, operator-role and system users), pushed to the servers
-        that are registered (see :func:`membership.push_accounts`)."""
-        authority = membership.apply_revocations(self.security_dir, await membership.revocations(kv))
-        urls = _client_urls(await membership.servers(kv), "") or self.urls.split(",")
-        await membership.push_accounts(",".join(urls), self.system_creds, self.tls_ca, authority, control=True)
+        cluster (a removed server machine's control, operator-role and system users), read and pushed through
+        the servers that stay (see :func:`membership.push_accounts`)."""
+        async with self._staying(staying) as conn:
+            revoked = await membership.revocations(await conn.js.key_value(JOIN_BUCKET))
+        authority = membership.apply_revocations(self.security_dir, revoked)
+        await membership.push_accounts(",".join(staying), self.system_creds, self.tls_ca, authority, control=True)
         log.info("revocations pushed to the services' and system accounts")
 
     async def seats_holder(self, kv: KeyValue) -> str:
@@ -203,6 +204,7 @@ class Machines:
             "servers": removed,
             "revoked": keys,
             "short": short,
+            "staying": others or self.urls.split(","),
         }
 
     async def retire_seats(self, kv: KeyValue) -> dict[str, Any]:
