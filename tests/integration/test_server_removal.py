@@ -114,7 +114,8 @@ def _user(creds: Path) -> str:
 def _meta_peers(server: EmbeddedNats) -> set[str]:
     with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/jsz", timeout=5) as resp:
         meta = json.loads(resp.read())["meta_cluster"]
-    return {meta["leader"], *(p["name"] for p in meta.get("replicas") or [])}
+    # The server itself, the leader, the other peers (the replicas as this server sees them).
+    return {server.name, meta["leader"], *(p["name"] for p in meta.get("replicas") or [])}
 
 
 async def _connects(url: str, creds: Path) -> bool:
@@ -258,7 +259,7 @@ async def test_a_server_machine_removed_and_then_the_first_machines_seats_retire
     machines.first.stop_retired_seats()
     assert [s.name for s in machines.first.cluster_servers] == ["m1"]
     assert machines.servers["m1-seat2"].pid is None and machines.servers["m1-seat3"].pid is None
-    assert _meta_peers(m1) == {"m1", "m2", "m3"}
+    assert _meta_peers(m1) == {"m1", "m2", "m3"} == _meta_peers(machines.servers["m2"])
     streams = await _streams(machines)
     assert all(on == {"m1", "m2", "m3"} for on in _by_stream(streams).values()), _by_stream(streams)
     assert all(s["current"] == 3 and s["leader"] for s in streams)
