@@ -303,9 +303,9 @@ class JoinService:
         if not via:
             return await self.remove_here(request)
         try:
-            msg = await self._conn.nc.request(
-                f"{JOIN_REMOVE_VIA_PREFIX}{via}", json.dumps(request).encode(), timeout=REMOVE_FORWARD_TIMEOUT
-            )
+            forwarded = json.dumps({**request, "node_id": node_id}).encode()
+            subject = f"{JOIN_REMOVE_VIA_PREFIX}{via}"
+            msg = await self._conn.nc.request(subject, forwarded, timeout=REMOVE_FORWARD_TIMEOUT)
         except (NatsError, TimeoutError):
             raise JoinRefused(f"the join service of server machine {via} did not answer") from None
         reply: dict[str, Any] = json.loads(msg.data or b"{}")

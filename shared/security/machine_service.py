@@ -214,7 +214,8 @@ class Machines:
         seats = names[1:]
         if not seats:
             raise ZatteraError(f"{self.node_id or 'this machine'} has no extra seats to retire")
-        known = await membership.servers(kv)
+        async with self._staying(self.urls.split(",")) as conn:  # a connection of its own (see _staying)
+            known = await membership.servers(await conn.js.key_value(JOIN_BUCKET))
         if len(known) < 3:
             raise ZatteraError(
                 f"retiring {self.node_id}'s extra seats needs 3 server machines (the cluster has {len(known)}): "
@@ -253,7 +254,8 @@ class Machines:
 
     @contextlib.asynccontextmanager
     async def _staying(self, urls: list[str]) -> AsyncIterator[Connection]:
-        """A control connection to the servers that stay."""
+        """A control connection of its own to the servers that stay (the service's connection may be on a server
+        removed, whose JetStream is disabled, or reconnecting)."""
         tls_ca = self.tls_ca or None
         conn = await connect(",".join(urls), name="zattera-removal", creds=self.control_creds, tls_ca=tls_ca)
         try:
