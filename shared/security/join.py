@@ -236,7 +236,7 @@ class JoinService:
                 if not isinstance(request, dict):
                     raise JoinRefused("bad request: expected a JSON object")
                 reply: dict[str, Any] = await handler(request)
-            except JoinRefused as exc:
+            except ZatteraError as exc:  # JoinRefused, or a refusal of the machines' part
                 reply = {"error": str(exc)}
             except (ValueError, TypeError) as exc:
                 reply = {"error": f"bad request: {exc}"}
