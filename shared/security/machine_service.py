@@ -134,9 +134,14 @@ class Machines:
         await membership.push_accounts(",".join(staying), self.system_creds, self.tls_ca, authority, control=True)
         log.info("revocations pushed to the services' and system accounts")
 
+    async def known_servers(self) -> dict[str, dict[str, Any]]:
+        """The registered server machines, read through a connection of its own (see :meth:`_staying`)."""
+        async with self._staying(self.urls.split(",")) as conn:
+            return await membership.servers(await conn.js.key_value(JOIN_BUCKET))
+
     async def seats_holder(self, kv: KeyValue) -> str:
         """The server machine that still has extra seats (the first machine), or a refusal."""
-        for node_id, record in sorted((await membership.servers(kv)).items()):
+        for node_id, record in sorted((await self.known_servers()).items()):
             if len(membership.server_names(record, node_id)) > 1:
                 return node_id
         raise ZatteraError("no server machine has extra seats to retire (retired already?)")
@@ -144,12 +149,11 @@ class Machines:
     async def forward_to(self, kv: KeyValue, node_id: str, seats: bool) -> str:
         """The server machine that must do this removal when it is not this one ('' = this one): never the
         machine removed; for seats, the machine that has them."""
-        known = await membership.servers(kv)
         if seats:
             return "" if node_id == self.node_id else node_id
         if node_id != self.node_id:
             return ""
-        others = sorted(n for n in known if n != node_id)
+        others = sorted(n for n in await self.known_servers() if n != node_id)
         return others[0] if others else ""
 
     async def remove(
@@ -214,8 +218,7 @@ class Machines:
         seats = names[1:]
         if not seats:
             raise ZatteraError(f"{self.node_id or 'this machine'} has no extra seats to retire")
-        async with self._staying(self.urls.split(",")) as conn:  # a connection of its own (see _staying)
-            known = await membership.servers(await conn.js.key_value(JOIN_BUCKET))
+        known = await self.known_servers()
         if len(known) < 3:
             raise ZatteraError(
                 f"retiring {self.node_id}'s extra seats needs 3 server machines (the cluster has {len(known)}): "
