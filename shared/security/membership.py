@@ -226,17 +226,29 @@ async def push_accounts(
         await conn.close()
 
 
-async def peer_remove(urls: str, system_creds: str, tls_ca: str, server_name: str) -> bool:
-    """Remove a server from the JetStream meta group (its streams' replicas are placed elsewhere)."""
+async def peer_remove(urls: str, system_creds: str, tls_ca: str, server_name: str, attempts: int = 4) -> bool:
+    """Remove a server from the JetStream meta group (its streams' replicas are placed elsewhere). Asked again
+    when unanswered (the meta group may be electing a leader: a request then gets no answer); a refusal after
+    an unanswered attempt means that attempt landed (the server is no peer any more)."""
     conn = await connect(urls, name="zattera-peer-remove", creds=system_creds, tls_ca=tls_ca or None)
+    body = json.dumps({"peer": server_name}).encode()
+    unanswered = False
     try:
-        reply = await conn.nc.request("$JS.API.SERVER.REMOVE", json.dumps({"peer": server_name}).encode(), timeout=10)
+        for attempt in range(attempts):
+            try:
+                reply = await conn.nc.request("$JS.API.SERVER.REMOVE", body, timeout=5)
+                break
+            except nats.errors.TimeoutError:
+                unanswered = True
+                log.info("peer-remove of %s: no answer (attempt %d)", server_name, attempt + 1)
+        else:
+            raise ZatteraError(f"JetStream did not answer the removal of server {server_name}")
     finally:
         await conn.close()
     answer: dict[str, Any] = json.loads(reply.data or b"{}")
     if answer.get("error"):
         log.warning("peer-remove of %s: %s", server_name, answer["error"])
-        return False
+        return unanswered
     return bool(answer.get("success"))
 
 
