@@ -24,6 +24,7 @@ from shared import keys as K
 from shared.connection import Connection, connect
 from shared.embedded import RETIRED_SEATS_FILE
 from shared.errors import ZatteraError
+from shared.provisioning import js_api
 from shared.replicas import plan
 from shared.security import membership
 from shared.security.machines import MachineToken
@@ -244,8 +245,16 @@ class Machines:
         return {"node_id": self.node_id, "servers": removed, "retired": seats, "short": short}
 
     async def _peer_remove(self, urls: list[str], names: list[str]) -> list[str]:
-        """Peer-remove ``names`` through the servers that stay (``urls``); the names removed."""
-        return [n for n in names if await membership.peer_remove(",".join(urls), self.system_creds, self.tls_ca, n)]
+        """Peer-remove ``names`` through the servers that stay (``urls``), one at a time: before the next, the
+        meta group answers again (a leader among those left); the names removed."""
+        removed = []
+        for index, name in enumerate(names):
+            if index:
+                async with self._staying(urls) as conn:
+                    await _meta_answers(conn, self.streams_wait)
+            if await membership.peer_remove(",".join(urls), self.system_creds, self.tls_ca, name):
+                removed.append(name)
+        return removed
 
     async def _wait_copies(self, gone: list[str], urls: list[str]) -> list[dict[str, Any]]:
         """Wait until no stream has a copy on ``gone`` and each is at its replica count, caught up; returns the
@@ -308,3 +317,16 @@ async def _check_copies(conn: Connection, machines: int, doing: str, force: bool
             "server machine first (zattera nodes join-token --server), or lower the copies (zattera cluster "
             "replicas 1), or --force to remove it anyway"
         )
+
+
+async def _meta_answers(conn: Connection, wait: float) -> None:
+    """Wait (at most ``wait`` s) until the JetStream meta leader answers (``STREAM.NAMES``)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            await js_api(conn.nc, "STREAM.NAMES", {"offset": 0})
+            return
+        except (TimeoutError, NatsError) as exc:
+            if time.monotonic() > deadline:
+                raise ZatteraError(f"the JetStream meta group did not answer within {wait:.0f} s: {exc}") from None
+            await asyncio.sleep(0.25)
