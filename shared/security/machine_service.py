@@ -238,8 +238,16 @@ class Machines:
         names, client_url, route_url = self._serving()
         users = membership.local_users(self.security_dir)
         async with self._staying(kept) as conn:  # this service's own connection may be on a seat
-            staying_kv = await conn.js.key_value(JOIN_BUCKET)
-            await membership.register_server(staying_kv, self.node_id, client_url, route_url, names, users)
+            deadline = time.monotonic() + self.streams_wait
+            while True:  # the bucket's stream may be electing a leader (its copy on a seat went)
+                try:
+                    staying_kv = await conn.js.key_value(JOIN_BUCKET)
+                    await membership.register_server(staying_kv, self.node_id, client_url, route_url, names, users)
+                    break
+                except (TimeoutError, NatsError) as exc:
+                    if time.monotonic() > deadline:
+                        raise ZatteraError(f"the record of {self.node_id} could not be rewritten: {exc}") from None
+                    await asyncio.sleep(0.25)
             short = await self._copies_back(conn, seats)
         log.info("seats %s of %s retired (%d streams short of copies)", ", ".join(seats), self.node_id, len(short))
         return {"node_id": self.node_id, "servers": removed, "retired": seats, "short": short}
