@@ -70,6 +70,8 @@ AGENT_ROLES = (Role.AGENT, Role.BUILDER)
 """The roles of a node's agent (a proxy's credential, also minted here, opens no view and relays nothing)."""
 DEFAULT_TTL = 3600.0
 MAX_TTL = 7 * 24 * 3600.0
+REPLY_GRACE = 1.0
+"""Seconds between a removal's answer and the update of the ``ZATTERA`` account (which drops reply mappings)."""
 REMOVE_FORWARD_TIMEOUT = 110.0
 """How long a removal handed to another server machine's join service may take (its streams' wait included)."""
 NODE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -317,6 +319,8 @@ class JoinService:
         """Once a removal is answered: the services' and system accounts get its revocations."""
         if self._machines is None or not reply.get("revoked") or not reply.get("staying"):
             return
+        # The answer crosses the routes through a reply mapping the update of ZATTERA drops: give it a moment.
+        await asyncio.sleep(REPLY_GRACE)
         try:
             await self._machines.push_control_accounts([str(u) for u in reply["staying"]])
         except (ZatteraError, OSError, TimeoutError, NatsError) as exc:
