@@ -301,3 +301,12 @@ def _report_json(report: UpgradeReport) -> dict[str, Any]:
         "applied": [asdict(a) for a in report.applied],
         "by_other": report.by_other,
     }
+
+
+def _retire_seats_command() -> None:
+    from cli.machine_cmds import cluster_retire_seats  # the machine commands' imports, only with this command
+
+    cluster_app.command("retire-seats")(cluster_retire_seats)
+
+
+_retire_seats_command()

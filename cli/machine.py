@@ -29,8 +29,9 @@ from services.join.__main__ import (
     MACHINE_MESH_IP_ENV,
     MACHINE_NODE_ENV,
     MACHINE_ROUTE_URL_ENV,
+    MACHINE_SERVER_NAMES_ENV,
 )
-from shared.embedded import SERVER_DIR
+from shared.embedded import RETIRED_SEATS_FILE, SERVER_DIR
 from shared.errors import ZatteraError
 from shared.security.creds import creds_text, write_private
 from shared.security.join import JoinRefused, JoinUnavailable, exchange
@@ -189,18 +190,24 @@ def machine_cluster(data_dir: Path, machine: Machine, **options: Any) -> Cluster
         MACHINE_NODE_ENV: machine.node_id,
         MACHINE_CLIENT_URL_ENV: machine.client_url,
         MACHINE_ROUTE_URL_ENV: machine.route_url,
+        MACHINE_SERVER_NAMES_ENV: machine.node_id,
     }
     join_service = Supervised("join", [sys.executable, "-m", "services.join"], layout.logs / "join.log", {})
     common: dict[str, Any] = {"servers": machine.servers, "agent_args": [*agent_args, "--builder"], "env": env}
     if not machine.routes:  # the first server machine
+        # Its extra seats, once retired (``zattera cluster retire-seats``), are not started again.
+        names = [machine.node_id, *(f"{machine.node_id}-seat{i}" for i in range(2, SEATS + 1))]
+        retired = layout.control / RETIRED_SEATS_FILE
+        size = 1 if retired.exists() and set(json.loads(retired.read_text())) >= set(names[1:]) else SEATS
         seats = {
-            "size": SEATS,
+            "size": size,
             "name": CLUSTER_NAME,
             "host": machine.advertise,
             "ports": (CLIENT_PORT, ROUTE_PORT),
-            "names": [machine.node_id, *(f"{machine.node_id}-seat{i}" for i in range(2, SEATS + 1))],
+            "names": names[:size],
             "unique_tag": "machine:",
         }
+        env[MACHINE_SERVER_NAMES_ENV] = ",".join(names)
         env[MACHINE_CLIENT_URL_ENV] = ",".join(f"nats://{machine.advertise}:{CLIENT_PORT + i}" for i in range(SEATS))
         env[MACHINE_ROUTE_URL_ENV] = ",".join(
             f"nats-route://{machine.advertise}:{ROUTE_PORT + i}" for i in range(SEATS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,15 @@ import typer
 from cli.client import control, run
 from cli.machine import Machine, MachineError, bootstrap, join, machine_cluster
 from cli.up import run_up
-from shared.actions.nodes import NodeRemoved, RemoveNode, remove_node
+from shared.actions.nodes import (
+    NodeRemoved,
+    RemoveNode,
+    RetireSeats,
+    SeatsRetired,
+    StreamShort,
+    remove_node,
+    retire_seats,
+)
 from shared.actions.refusals import ActionRefused
 
 NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,62}[a-z0-9])?$")
@@ -74,23 +83,60 @@ def _run_machine(directory: Path, machine: Machine, options: dict[str, Any] | No
 
 def nodes_remove(
     node_id: str,
+    force: bool = typer.Option(
+        False, "--force", help="remove a server machine even when the machines left cannot hold every stream's copies"
+    ),
     json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
-    """Remove a machine: drain it first (zattera nodes drain), then this peer-removes its NATS server and
-    revokes every credential it was issued; its node record goes."""
+    """Remove a machine: drain its node (its replicas move off), revoke every credential it was issued or made,
+    peer-remove its NATS servers (their stream copies go to the other server machines) and delete its node
+    record. A server machine whose removal would leave streams with fewer machines than copies is refused
+    unless --force."""
 
     async def go() -> NodeRemoved:
-        async with control(view=False) as c:
+        async with control(follow=True) as c:
             try:
-                return await remove_node(c.actions, RemoveNode(node_id))
+                return await remove_node(c.actions, RemoveNode(node_id, force=force))
             except ActionRefused as exc:
                 raise _fail(f"nodes remove {node_id}: {exc}") from None
 
     done = run(go)
     if json_output:
-        typer.echo(json.dumps({"node_id": done.node_id, "revoked": done.revoked, "peer_removed": done.peer_removed}))
+        typer.echo(json.dumps(asdict(done)))
         return
     typer.echo(
-        f"removed {node_id}: {len(done.revoked)} credential(s) revoked"
-        + (", its NATS server peer-removed" if done.peer_removed else "")
+        f"removed {node_id}: {'drained, ' if done.drained else ''}{len(done.revoked)} credential(s) revoked"
+        + (f", NATS server(s) {', '.join(done.servers)} peer-removed" if done.servers else "")
     )
+    _report_short(done.short)
+
+
+def _report_short(short: list[StreamShort]) -> None:
+    for stream in short:
+        typer.echo(
+            f"warning: {stream.stream}: {stream.current} of {stream.replicas} copies caught up "
+            f"(on {', '.join(stream.servers) or 'no server'}): the server machines left cannot hold "
+            f"{stream.replicas}; join another server machine, or zattera cluster replicas 1",
+            err=True,
+        )
+
+
+def cluster_retire_seats(json_output: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Retire the first machine's two extra JetStream seats, once three server machines hold every stream at
+    three copies (zattera cluster replicas 3): they are peer-removed, and the first machine's zattera up stops
+    them and does not start them again. Then losing the first machine costs one server of three, not three of
+    five."""
+
+    async def go() -> SeatsRetired:
+        async with control(view=False) as c:
+            try:
+                return await retire_seats(c.actions, RetireSeats())
+            except ActionRefused as exc:
+                raise _fail(f"cluster retire-seats: {exc}") from None
+
+    done = run(go)
+    if json_output:
+        typer.echo(json.dumps(asdict(done)))
+        return
+    typer.echo(f"retired the extra seats of {done.node_id}: {', '.join(done.retired)} peer-removed and stopped")
+    _report_short(done.short)

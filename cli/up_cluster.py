@@ -5,6 +5,7 @@ The supervisor that drives them is :mod:`cli.up`."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -23,7 +24,14 @@ from cli.up_roll import RESTART_SIGNAL, ROLL_DONE, ROLL_REFUSED, code_identity
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
 from services.proxy.launch import split_listen
 from shared.backoff import exponential
-from shared.embedded import EmbeddedNats, EmbeddedNatsError, RouteSecurity, free_port, start_cluster
+from shared.embedded import (
+    RETIRED_SEATS_FILE,
+    EmbeddedNats,
+    EmbeddedNatsError,
+    RouteSecurity,
+    free_port,
+    start_cluster,
+)
 from shared.runtime_note import RUNTIME_NOTE, RuntimeNote, read_runtime_note
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs", "console")
@@ -360,9 +368,24 @@ class Cluster:
             own["ZATTERA_NATS_TLS_CA"] = str(copy)
         return own
 
+    def stop_retired_seats(self) -> None:
+        """Stop the first machine's extra seats once retired (peer-removed by its join service, which records
+        them): never restarted, since a removed server started again would rejoin JetStream."""
+        if len(self.cluster_servers) < 2 or "seats" not in self.machine:
+            return
+        marker = self.layout.control / RETIRED_SEATS_FILE
+        if not marker.exists():
+            return
+        retired = set(json.loads(marker.read_text()))
+        for server in [s for s in self.cluster_servers[1:] if s.name in retired]:
+            self.console.print(f"NATS server {server.name}: seat retired, stopped")
+            server.stop()
+            self.cluster_servers.remove(server)
+
     def supervise_nats(self) -> None:
         """Restart a NATS server that died (same ports, same store: it rejoins the cluster and catches up),
         with the services' backoff."""
+        self.stop_retired_seats()
         now = time.monotonic()
         for server in self.cluster_servers or ([self.nats] if self.nats is not None else []):
             code = server.exited()

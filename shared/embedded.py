@@ -222,6 +222,11 @@ class EmbeddedNats:
         self.stop()
 
 
+RETIRED_SEATS_FILE = "nats-cluster/retired-seats.json"
+"""Under the first machine's control dir: the names of its extra JetStream seats, retired (peer-removed) by
+``zattera cluster retire-seats``; ``zattera up`` stops them and does not start them again."""
+
+
 @dataclass(frozen=True)
 class RouteSecurity:
     """What the servers of a secured cluster add to their routes: a shared route credential (a server

@@ -33,6 +33,7 @@ MACHINE_NODE_ENV = "ZATTERA_MACHINE_NODE"
 MACHINE_CLIENT_URL_ENV = "ZATTERA_MACHINE_CLIENT_URL"
 MACHINE_ROUTE_URL_ENV = "ZATTERA_MACHINE_ROUTE_URL"
 MACHINE_MESH_IP_ENV = "ZATTERA_MACHINE_MESH_IP"
+MACHINE_SERVER_NAMES_ENV = "ZATTERA_MACHINE_SERVER_NAMES"
 """Set by ``zattera up`` on a server machine (read as :class:`MachineSettings`): its node id and where other
 machines reach its NATS server."""
 
@@ -77,6 +78,8 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
             client_url=machine.client_url,
             route_url=machine.route_url,
             mesh_ip=machine.mesh_ip,
+            server_names=[n for n in machine.server_names.split(",") if n],
+            control_dir=ctx.settings.data_dir,
         )
     service = JoinService(ctx.conn, issuers, sentinel, open_cluster=open_cluster, machines=machines, authz=authz)
     return [watches, replicas, service.run()]

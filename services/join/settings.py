@@ -17,3 +17,5 @@ class MachineSettings(BaseSettings):
     """The cluster route URLs of this machine's NATS servers (comma-separated)."""
     mesh_ip: str = ""
     """This machine's address on the private WireGuard mesh."""
+    server_names: str = ""
+    """This machine's NATS servers' names, comma-separated (the first machine: its three seats)."""

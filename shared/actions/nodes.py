@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from nats.errors import Error as NatsError
 from zattera.v1 import types_pb2 as pb
@@ -22,8 +23,11 @@ from shared.actions.context import ActionContext, commit_edit
 from shared.actions.refusals import Conflicting, NotFound, Unavailable
 from shared.events import node_change_event, node_status_name
 
-REMOVE_TIMEOUT = 30.0
-"""How long the join service is given to peer-remove a machine's server and revoke its credentials."""
+REMOVE_TIMEOUT = 130.0
+"""How long the join service is given to revoke a machine's credentials, peer-remove its NATS servers and wait
+for every stream to be back at its copies on the others (60 s)."""
+DRAIN_TIMEOUT = 120.0
+"""How long a removal waits for the machine's node to be DRAINED (its replicas moved off)."""
 
 
 class NodeChange(StrEnum):
@@ -49,15 +53,47 @@ class EditNode:
 class RemoveNode:
     node_id: str
     timeout: float = REMOVE_TIMEOUT
+    force: bool = False
+    """Remove a server machine even when the machines left cannot hold every stream's copies."""
+    drain_timeout: float = DRAIN_TIMEOUT
+
+
+@dataclass(frozen=True, slots=True)
+class StreamShort:
+    """A stream not at its replica count once the machine's servers left (the servers left cannot hold it)."""
+
+    stream: str
+    replicas: int
+    current: int
+    servers: list[str]
 
 
 @dataclass(frozen=True, slots=True)
 class NodeRemoved:
     node_id: str
     revoked: list[str]
-    """The credentials revoked (every one the machine was issued)."""
+    """The credentials revoked (every one the machine was issued or made)."""
     peer_removed: bool
-    """Its NATS server was removed from the cluster's peers."""
+    """Its NATS servers were removed from the cluster's peers."""
+    servers: list[str] = field(default_factory=list)
+    """The NATS servers peer-removed (the first machine's seats too)."""
+    short: list[StreamShort] = field(default_factory=list)
+    """Streams left short of their copies (empty: every stream kept its replica count elsewhere)."""
+    drained: bool = False
+    """The node was drained by this removal (it was not DRAINED or DOWN already)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetireSeats:
+    timeout: float = REMOVE_TIMEOUT
+
+
+@dataclass(frozen=True, slots=True)
+class SeatsRetired:
+    node_id: str
+    retired: list[str]
+    """The seats' server names, peer-removed and stopped by the first machine's ``zattera up``."""
+    short: list[StreamShort] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,21 +156,67 @@ async def edit_node(ctx: ActionContext, request: EditNode) -> NodeEdited:
 
 
 async def remove_node(ctx: ActionContext, request: RemoveNode) -> NodeRemoved:
-    """Remove a machine (drained first): the join service peer-removes its NATS server, revokes every
-    credential it was issued, and deletes its node record."""
-    from shared.security.permissions import JOIN_REMOVE_SUBJECT  # the security modules' imports, only when used
-
-    payload = json.dumps({"node_id": request.node_id}).encode()
-    try:
-        msg = await ctx.conn.nc.request(JOIN_REMOVE_SUBJECT, payload, timeout=request.timeout)
-    except (NatsError, TimeoutError):
-        raise Unavailable("no join service answered") from None
-    reply = json.loads(msg.data or b"{}")
-    if "error" in reply:
-        raise Conflicting(str(reply["error"]))
+    """Remove a machine: drain its node first (its replicas move off, then DRAINED; a DOWN node is not waited
+    for), then the join service revokes every credential it was issued or made, peer-removes its NATS servers
+    and waits for every stream to be back at its copies on the others, and deletes its node record."""
+    drained = await _drain(ctx, request.node_id, request.drain_timeout)
+    reply = await _ask_join(ctx, {"node_id": request.node_id, "force": request.force}, request.timeout)
     revoked = reply.get("revoked")
     return NodeRemoved(
         request.node_id,
         [str(r) for r in revoked] if isinstance(revoked, list) else [],
         bool(reply.get("peer_removed")),
+        [str(s) for s in reply.get("servers") or []],
+        _short(reply),
+        drained,
     )
+
+
+async def retire_seats(ctx: ActionContext, request: RetireSeats) -> SeatsRetired:
+    """Retire the first machine's two extra JetStream seats once three server machines hold every stream: the
+    first machine's join service peer-removes them and records them, and its ``zattera up`` stops them."""
+    reply = await _ask_join(ctx, {"seats": True}, request.timeout)
+    return SeatsRetired(str(reply.get("node_id") or ""), [str(s) for s in reply.get("retired") or []], _short(reply))
+
+
+def _short(reply: dict[str, Any]) -> list[StreamShort]:
+    found = reply.get("short")
+    return [
+        StreamShort(str(s["stream"]), int(s["replicas"]), int(s["current"]), [str(n) for n in s["servers"]])
+        for s in (found if isinstance(found, list) else [])
+    ]
+
+
+async def _ask_join(ctx: ActionContext, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+    from shared.security.permissions import JOIN_REMOVE_SUBJECT  # the security modules' imports, only when used
+
+    try:
+        msg = await ctx.conn.nc.request(JOIN_REMOVE_SUBJECT, json.dumps(request).encode(), timeout=timeout)
+    except (NatsError, TimeoutError):
+        raise Unavailable("no join service answered") from None
+    reply: dict[str, Any] = json.loads(msg.data or b"{}")
+    if "error" in reply:
+        raise Conflicting(str(reply["error"]))
+    return reply
+
+
+async def _drain(ctx: ActionContext, node_id: str, timeout: float) -> bool:
+    """Drain the node (when it is registered, and not DRAINED or DOWN) and wait until it is DRAINED; the view
+    must follow the state (``control(follow=True)``)."""
+    node = ctx.view.node(node_id)
+    if node is None or node.status in (pb.NODE_STATUS_DRAINED, pb.NODE_STATUS_DOWN):
+        return False
+    if node.status != pb.NODE_STATUS_DRAINING:
+        await edit_node(ctx, EditNode(node_id, NodeChange.DRAIN))
+    deadline = ctx.clock.now() + timeout
+    while True:
+        node = ctx.view.node(node_id)
+        if node is None or node.status in (pb.NODE_STATUS_DRAINED, pb.NODE_STATUS_DOWN):
+            return True
+        if ctx.clock.now() > deadline:
+            running = sum(1 for a in ctx.view.assignments_by_node(node_id) if a.desired == pb.ASSIGNMENT_DESIRED_RUN)
+            raise Conflicting(
+                f"node {node_id} is not drained after {timeout:.0f} s ({running} replica(s) still placed there): "
+                "nothing removed; see zattera nodes list, then run the command again"
+            )
+        await ctx.clock.sleep(0.25)

@@ -200,7 +200,10 @@ class Authority:
         )
 
     def system_account_jwt(self) -> str:
-        return self._account_jwt(self.system, "SYS", {"limits": {**UNLIMITED_ACCOUNT, **JETSTREAM_OFF}})
+        body: dict[str, Any] = {"limits": {**UNLIMITED_ACCOUNT, **JETSTREAM_OFF}}
+        if self.revocations:  # a removed server machine's system user (``zattera nodes remove``)
+            body["revocations"] = self.revocations
+        return self._account_jwt(self.system, "SYS", body)
 
     def _scopes(self, account: Account) -> list[dict[str, Any]]:
         """The scoped signing keys of the roles living in ``account``: the server applies the template."""

@@ -24,12 +24,13 @@ import os
 import re
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import nats
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
@@ -50,6 +51,7 @@ from shared.security.permissions import (
     JOIN_BUCKET,
     JOIN_ISSUE_SUBJECT,
     JOIN_REMOVE_SUBJECT,
+    JOIN_REMOVE_VIA_PREFIX,
     JOIN_SUBJECT,
     VIEW_OPEN_SUBJECT,
     Role,
@@ -68,6 +70,10 @@ AGENT_ROLES = (Role.AGENT, Role.BUILDER)
 """The roles of a node's agent (a proxy's credential, also minted here, opens no view and relays nothing)."""
 DEFAULT_TTL = 3600.0
 MAX_TTL = 7 * 24 * 3600.0
+REPLY_GRACE = 1.0
+"""Seconds between a removal's answer and the update of the ``ZATTERA`` account (which drops reply mappings)."""
+REMOVE_FORWARD_TIMEOUT = 110.0
+"""How long a removal handed to another server machine's join service may take (its streams' wait included)."""
 NODE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 USER_PUBLIC_KEY = re.compile(r"^U[A-Z2-7]{55}$")
 
@@ -168,7 +174,14 @@ class JoinService:
         subs = [
             await self._conn.nc.subscribe(JOIN_SUBJECT, queue="join", cb=self._answer(self.join)),
             await self._conn.nc.subscribe(JOIN_ISSUE_SUBJECT, queue="join", cb=self._answer(self.issue)),
-            await self._conn.nc.subscribe(JOIN_REMOVE_SUBJECT, queue="join", cb=self._answer(self.remove)),
+            await self._conn.nc.subscribe(
+                JOIN_REMOVE_SUBJECT, queue="join", cb=self._answer(self.remove, then=self._after_removal)
+            ),
+            *(
+                [await self._conn.nc.subscribe(f"{JOIN_REMOVE_VIA_PREFIX}{mine}", cb=self._answer(self.remove_here))]
+                if (mine := self._machines.node_id if self._machines is not None else "")
+                else []
+            ),
             await self._conn.nc.subscribe(VIEW_OPEN_SUBJECT, queue="join", cb=self._view_open()),
             await self._conn.nc.subscribe(BATCH_PARTS_SUBJECT, cb=batch_parts_handler(self._batches)),
             await self._conn.nc.subscribe(f"{RELAY_PREFIX}>", queue="relay", cb=self._relay()),
@@ -210,7 +223,13 @@ class JoinService:
     def _relay(self) -> Callable[[Msg], Any]:
         return relay_handler(self._conn, self._agents_account(), self._batches, self._audit, self._authz)
 
-    def _answer(self, handler: Callable[[dict[str, Any]], Any]) -> Callable[[Msg], Any]:
+    def _answer(
+        self,
+        handler: Callable[[dict[str, Any]], Any],
+        then: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+    ) -> Callable[[Msg], Any]:
+        """``then``: run with the reply once it is sent."""
+
         async def callback(msg: Msg) -> None:
             if not answerable(msg):
                 return  # a reply steered at some other subject: nobody to answer
@@ -219,11 +238,17 @@ class JoinService:
                 if not isinstance(request, dict):
                     raise JoinRefused("bad request: expected a JSON object")
                 reply: dict[str, Any] = await handler(request)
-            except JoinRefused as exc:
+            except ZatteraError as exc:  # JoinRefused, or a refusal of the machines' part
                 reply = {"error": str(exc)}
             except (ValueError, TypeError) as exc:
                 reply = {"error": f"bad request: {exc}"}
+            except (TimeoutError, NatsError) as exc:  # never left without an answer
+                log.warning("join service: %s: %s", msg.subject, exc)
+                reply = {"error": f"the cluster did not answer: {exc}"}
             await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
+            if then is not None:
+                await self._conn.nc.flush()
+                await then(reply)
 
         return callback
 
@@ -271,16 +296,57 @@ class JoinService:
         return reply
 
     async def remove(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Remove a machine (``zattera nodes remove``, after its drain): see :mod:`shared.security.membership`."""
-        node_id = str(request.get("node_id") or "")
-        if not NODE_ID.match(node_id):
-            raise JoinRefused("node_id may contain only letters, digits, '-' and '_' (at most 64)")
-        if self._machines is None:
-            raise JoinRefused("this join service cannot remove machines (no security setup)")
+        """Remove a machine (``zattera nodes remove``, after its drain), or retire the first machine's extra
+        seats (``{"seats": true}``): see :mod:`shared.security.membership`. Handed to another server machine's
+        join service when this one is the machine removed (or not the one with the seats)."""
+        node_id, seats = await self._removal(request)
+        assert self._machines is not None
+        via = await self._machines.forward_to(self.kv, node_id, seats)
+        if not via:
+            return await self.remove_here(request)
         try:
-            return await self._machines.remove(self.kv, node_id, self._now())
+            forwarded = json.dumps({**request, "node_id": node_id}).encode()
+            subject = f"{JOIN_REMOVE_VIA_PREFIX}{via}"
+            msg = await self._conn.nc.request(subject, forwarded, timeout=REMOVE_FORWARD_TIMEOUT)
+        except (NatsError, TimeoutError):
+            raise JoinRefused(f"the join service of server machine {via} did not answer") from None
+        reply: dict[str, Any] = json.loads(msg.data or b"{}")
+        if "error" in reply:
+            raise JoinRefused(str(reply["error"]))
+        return reply
+
+    async def _after_removal(self, reply: dict[str, Any]) -> None:
+        """Once a removal is answered: the services' and system accounts get its revocations."""
+        if self._machines is None or not reply.get("revoked") or not reply.get("staying"):
+            return
+        # The answer crosses the routes through a reply mapping the update of ZATTERA drops: give it a moment.
+        await asyncio.sleep(REPLY_GRACE)
+        try:
+            await self._machines.push_control_accounts([str(u) for u in reply["staying"]])
+        except (ZatteraError, OSError, TimeoutError, NatsError) as exc:
+            log.error("revocations not pushed to the services' and system accounts: %s", exc)
+
+    async def remove_here(self, request: dict[str, Any]) -> dict[str, Any]:
+        node_id, seats = await self._removal(request)
+        assert self._machines is not None
+        try:
+            if seats:
+                return await self._machines.retire_seats(self.kv)
+            return await self._machines.remove(self.kv, node_id, self._now(), force=bool(request.get("force")))
         except ZatteraError as exc:
             raise JoinRefused(str(exc)) from None
+
+    async def _removal(self, request: dict[str, Any]) -> tuple[str, bool]:
+        seats = bool(request.get("seats"))
+        if self._machines is None:
+            raise JoinRefused("this join service cannot remove machines (no security setup)")
+        if seats:
+            node_id = str(request.get("node_id") or "") or await self._machines.seats_holder(self.kv)
+        else:
+            node_id = str(request.get("node_id") or "")
+        if not NODE_ID.match(node_id):
+            raise JoinRefused("node_id may contain only letters, digits, '-' and '_' (at most 64)")
+        return node_id, seats
 
     async def join(self, request: dict[str, Any]) -> dict[str, Any]:
         secret = str(request.get("secret") or "")

@@ -6,23 +6,35 @@ pushes them and asks JetStream to remove a peer)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from shared import keys as K
-from shared.connection import Connection
+from shared.connection import Connection, connect
+from shared.embedded import RETIRED_SEATS_FILE
 from shared.errors import ZatteraError
+from shared.provisioning import js_api
+from shared.replicas import plan
 from shared.security import membership
 from shared.security.machines import MachineToken
+from shared.security.permissions import JOIN_BUCKET
 from shared.subjects import STATE_BUCKET
 
 log = logging.getLogger(__name__)
+
+STREAMS_WAIT = 60.0
+"""How long a removal waits for every stream to be back at its replica count on the remaining servers."""
 
 
 @dataclass
@@ -39,6 +51,11 @@ class Machines:
     route_url: str = ""
     mesh_ip: str = ""
     """This server machine's mesh address, recorded as taken at start."""
+    server_names: list[str] = field(default_factory=list)
+    """This machine's NATS servers' names (the first machine: its seats, the first named like the node)."""
+    control_dir: Path | None = None
+    """The control dir (the first machine's retired seats are recorded there for ``zattera up``)."""
+    streams_wait: float = STREAMS_WAIT
     ca_pem: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -48,10 +65,16 @@ class Machines:
     def system_creds(self) -> str:
         return str(self.security_dir / "creds" / "system.creds")
 
+    @property
+    def control_creds(self) -> str:
+        return str(self.security_dir / "creds" / "control.creds")
+
     async def started(self, kv: KeyValue) -> None:
         """Register this server machine; bring this machine's account JWTs up to the cluster's revocations."""
         if self.node_id and self.client_url:
-            await membership.register_server(kv, self.node_id, self.client_url, self.route_url)
+            names, client_url, route_url = self._serving()
+            users = membership.local_users(self.security_dir)
+            await membership.register_server(kv, self.node_id, client_url, route_url, names, users)
         if self.node_id and self.mesh_ip:
             await membership.claim_mesh_ip(kv, self.node_id, self.mesh_ip)
         revoked = await membership.revocations(kv)
@@ -85,22 +108,78 @@ class Machines:
             "servers": [u for s in known.values() for u in s.get("client_url", "").split(",") if u],
         }
 
-    async def remove(self, kv: KeyValue, node_id: str, now: float | None = None) -> dict[str, Any]:
+    def _serving(self) -> tuple[list[str], str, str]:
+        """This machine's server names and URLs without the seats it retired."""
+        names = self.server_names or [self.node_id]
+        clients, routes = self.client_url.split(","), self.route_url.split(",")
+        retired = set(self.retired_seats())
+        kept = [i for i, n in enumerate(names) if n not in retired] or [0]
+
+        def pick(urls: list[str]) -> str:
+            return ",".join(urls[i] for i in kept if i < len(urls))
+
+        return [names[i] for i in kept if i < len(names)], pick(clients), pick(routes)
+
+    def retired_seats(self) -> list[str]:
+        if self.control_dir is None or not (self.control_dir / RETIRED_SEATS_FILE).exists():
+            return []
+        return [str(n) for n in json.loads((self.control_dir / RETIRED_SEATS_FILE).read_text())]
+
+    async def push_control_accounts(self, staying: list[str]) -> None:
+        """After a removal's answer: ``ZATTERA``'s and the system account's JWTs with every revocation of the
+        cluster (a removed server machine's control, operator-role and system users), read and pushed through
+        the servers that stay (see :func:`membership.push_accounts`)."""
+        async with self._staying(staying) as conn:
+            revoked = await membership.revocations(await conn.js.key_value(JOIN_BUCKET))
+        authority = membership.apply_revocations(self.security_dir, revoked)
+        await membership.push_accounts(",".join(staying), self.system_creds, self.tls_ca, authority, control=True)
+        log.info("revocations pushed to the services' and system accounts")
+
+    async def known_servers(self) -> dict[str, dict[str, Any]]:
+        """The registered server machines, read through a connection of its own (see :meth:`_staying`)."""
+        async with self._staying(self.urls.split(",")) as conn:
+            return await membership.servers(await conn.js.key_value(JOIN_BUCKET))
+
+    async def seats_holder(self, kv: KeyValue) -> str:
+        """The server machine that still has extra seats (the first machine), or a refusal."""
+        for node_id, record in sorted((await self.known_servers()).items()):
+            if len(membership.server_names(record, node_id)) > 1:
+                return node_id
+        raise ZatteraError("no server machine has extra seats to retire (retired already?)")
+
+    async def forward_to(self, kv: KeyValue, node_id: str, seats: bool) -> str:
+        """The server machine that must do this removal when it is not this one ('' = this one): never the
+        machine removed; for seats, the machine that has them."""
+        if seats:
+            return "" if node_id == self.node_id else node_id
+        if node_id != self.node_id:
+            return ""
+        others = sorted(n for n in await self.known_servers() if n != node_id)
+        return others[0] if others else ""
+
+    async def remove(
+        self, kv: KeyValue, node_id: str, now: float | None = None, *, force: bool = False
+    ) -> dict[str, Any]:
         known = await membership.servers(kv)
         registered = await membership.node_registered(self.conn, node_id)
         if node_id not in known and not registered:
             raise ZatteraError(f"no machine named {node_id} in the cluster")
         if node_id in known and len(known) == 1:
             raise ZatteraError(f"{node_id} is the last server machine: the cluster would have none")
-        peer_removed = False
-        if node_id in known:
-            peer_removed = await membership.peer_remove(self.urls, self.system_creds, self.tls_ca, node_id)
-            await kv.delete(f"{membership.SERVER_PREFIX}{node_id}")
+        names = membership.server_names(known[node_id], node_id) if node_id in known else []
+        if names:
+            async with self._staying(_client_urls(known, node_id)) as conn:
+                await _check_copies(conn, len(known) - 1, f"removing {node_id}", force)
         keys = await membership.issued_keys(kv, node_id)
+        keys += [str(k) for k in known.get(node_id, {}).get("users") or [] if k not in keys]
         stamp = int(now if now is not None else time.time()) + 1
+        # Revoked first: the machine's services lose the cluster before its servers leave JetStream.
         revoked = await membership.add_revocations(kv, dict.fromkeys(keys, stamp))
         authority = membership.apply_revocations(self.security_dir, revoked)
         await membership.push_accounts(self.urls, self.system_creds, self.tls_ca, authority)
+        log.info("machine %s: %d credentials revoked (the services' and system ones once answered)", node_id, len(keys))
+        if node_id in known:
+            await kv.delete(f"{membership.SERVER_PREFIX}{node_id}")
         for key in await membership._keys(kv):
             if key.startswith(membership.MESH_PREFIX):
                 try:
@@ -113,5 +192,149 @@ class Machines:
             # The node record goes: its mesh peers drop it, nothing is placed there again.
             state = await self.conn.js.key_value(STATE_BUCKET)
             await state.delete(K.node(node_id))
-        log.info("machine %s removed (peer removed: %s, %d credentials revoked)", node_id, peer_removed, len(keys))
-        return {"node_id": node_id, "peer_removed": peer_removed, "revoked": keys}
+        others = _client_urls(known, node_id)
+        removed = await self._peer_remove(others, names)
+        log.info("machine %s: servers %s peer-removed; waiting for every stream's copies", node_id, removed)
+        short = await self._wait_copies(names, others) if names else []
+        log.info(
+            "machine %s removed (peer removed: %s, %d credentials revoked, %d streams short of copies)",
+            node_id,
+            ", ".join(removed) or "none",
+            len(keys),
+            len(short),
+        )
+        return {
+            "node_id": node_id,
+            "peer_removed": bool(names) and len(removed) == len(names),
+            "servers": removed,
+            "revoked": keys,
+            "short": short,
+            "staying": others or self.urls.split(","),
+        }
+
+    async def retire_seats(self, kv: KeyValue) -> dict[str, Any]:
+        """Peer-remove this (first) machine's extra seats once three server machines hold the streams, and
+        record them as retired: ``zattera up`` stops them and does not start them again."""
+        names, _, _ = self._serving()
+        seats = names[1:]
+        if not seats:
+            raise ZatteraError(f"{self.node_id or 'this machine'} has no extra seats to retire")
+        known = await self.known_servers()
+        if len(known) < 3:
+            raise ZatteraError(
+                f"retiring {self.node_id}'s extra seats needs 3 server machines (the cluster has {len(known)}): "
+                "join more with zattera nodes join-token --server"
+            )
+        _, own, _ = self._serving()
+        kept = [*_client_urls(known, self.node_id), *own.split(",")[:1]]  # the first seat stays
+        async with self._staying(kept) as conn:  # this service's own connection may be on a seat
+            await _check_copies(conn, len(known), f"retiring {self.node_id}'s extra seats", force=False, at_least=3)
+        removed = await self._peer_remove(kept, seats)
+        log.info("seats %s of %s peer-removed", ", ".join(removed), self.node_id)
+        assert self.control_dir is not None
+        marker = self.control_dir / RETIRED_SEATS_FILE
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps(sorted({*self.retired_seats(), *seats})))
+        names, client_url, route_url = self._serving()
+        users = membership.local_users(self.security_dir)
+        async with self._staying(kept) as conn:  # this service's own connection may be on a seat
+            deadline = time.monotonic() + self.streams_wait
+            while True:  # the bucket's stream may be electing a leader (its copy on a seat went)
+                try:
+                    staying_kv = await conn.js.key_value(JOIN_BUCKET)
+                    await membership.register_server(staying_kv, self.node_id, client_url, route_url, names, users)
+                    break
+                except (TimeoutError, NatsError) as exc:
+                    if time.monotonic() > deadline:
+                        raise ZatteraError(f"the record of {self.node_id} could not be rewritten: {exc}") from None
+                    await asyncio.sleep(0.25)
+            short = await self._copies_back(conn, seats)
+        log.info("seats %s of %s retired (%d streams short of copies)", ", ".join(seats), self.node_id, len(short))
+        return {"node_id": self.node_id, "servers": removed, "retired": seats, "short": short}
+
+    async def _peer_remove(self, urls: list[str], names: list[str]) -> list[str]:
+        """Peer-remove ``names`` through the servers that stay (``urls``), one at a time: before the next, the
+        meta group answers again (a leader among those left); the names removed."""
+        removed = []
+        for index, name in enumerate(names):
+            if index:
+                async with self._staying(urls) as conn:
+                    await _meta_answers(conn, self.streams_wait)
+            if await membership.peer_remove(",".join(urls), self.system_creds, self.tls_ca, name):
+                removed.append(name)
+        return removed
+
+    async def _wait_copies(self, gone: list[str], urls: list[str]) -> list[dict[str, Any]]:
+        """Wait until no stream has a copy on ``gone`` and each is at its replica count, caught up; returns the
+        streams that are not after :attr:`streams_wait` (copies the remaining servers cannot hold). Asked
+        through the servers that stay (``urls``): a removed server has disabled its JetStream, and a client on
+        it gets no JetStream answer until it reconnects elsewhere."""
+        async with self._staying(urls) as conn:
+            return await self._copies_back(conn, gone)
+
+    @contextlib.asynccontextmanager
+    async def _staying(self, urls: list[str]) -> AsyncIterator[Connection]:
+        """A control connection of its own to the servers that stay (the service's connection may be on a server
+        removed, whose JetStream is disabled, or reconnecting)."""
+        tls_ca = self.tls_ca or None
+        conn = await connect(",".join(urls), name="zattera-removal", creds=self.control_creds, tls_ca=tls_ca)
+        try:
+            yield conn
+        finally:
+            await conn.close()
+
+    async def _copies_back(self, conn: Connection, gone: list[str]) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + self.streams_wait
+        while True:
+            try:
+                streams = (await plan(conn.nc))["streams"]
+            except (TimeoutError, NatsError) as exc:  # a stream between leaders: asked again
+                log.info("streams not answered yet (%s)", exc)
+                if time.monotonic() > deadline:
+                    raise ZatteraError(f"JetStream did not answer for its streams' copies: {exc}") from None
+                await asyncio.sleep(0.25)
+                continue
+            short = [
+                {"stream": s["stream"], "replicas": s["replicas"], "current": s["current"], "servers": s["servers"]}
+                for s in streams
+                if set(s["servers"]) & set(gone)
+                or len(s["servers"]) != s["replicas"]
+                or s["current"] != s["replicas"]
+                or not s["leader"]
+            ]
+            if not short or time.monotonic() > deadline:
+                return short
+            await asyncio.sleep(0.25)
+
+
+def _client_urls(known: dict[str, dict[str, Any]], but: str) -> list[str]:
+    """The client URLs of every server machine but ``but``."""
+    return [u for n, r in known.items() if n != but for u in str(r.get("client_url", "")).split(",") if u]
+
+
+async def _check_copies(conn: Connection, machines: int, doing: str, force: bool, at_least: int = 0) -> None:
+    """Refuse (unless ``force``) when the server machines left cannot hold a copy of every stream each
+    (``at_least``: the streams must be at that many copies already)."""
+    streams = (await plan(conn.nc))["streams"]
+    highest = max((int(s["replicas"]) for s in streams), default=1)
+    if at_least and highest < at_least:
+        raise ZatteraError(f"{doing}: streams have {highest} copies; run zattera cluster replicas 3 first")
+    if machines < highest and not force:
+        raise ZatteraError(
+            f"{doing} would leave {machines} server machine(s) for streams of {highest} copies: join another "
+            "server machine first (zattera nodes join-token --server), or lower the copies (zattera cluster "
+            "replicas 1), or --force to remove it anyway"
+        )
+
+
+async def _meta_answers(conn: Connection, wait: float) -> None:
+    """Wait (at most ``wait`` s) until the JetStream meta leader answers (``STREAM.NAMES``)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            await js_api(conn.nc, "STREAM.NAMES", {"offset": 0})
+            return
+        except (TimeoutError, NatsError) as exc:
+            if time.monotonic() > deadline:
+                raise ZatteraError(f"the JetStream meta group did not answer within {wait:.0f} s: {exc}") from None
+            await asyncio.sleep(0.25)

@@ -2,17 +2,21 @@
 
 Records in the ``zattera-join`` bucket (control only):
 
-- ``server.<node>``: ``{"client_url", "route_url"}`` of a server machine, written by that machine's own join
-  service at start; a machine token names every server's client URL, a joining server routes to all;
+- ``server.<node>``: ``{"client_url", "route_url", "names", "users"}`` of a server machine, written by that
+  machine's own join service at start; a machine token names every server's client URL, a joining server
+  routes to all; ``names``: its NATS servers' names (the first machine's seats too), which a removal
+  peer-removes; ``users``: the public keys of the credentials the machine made itself from the trust root
+  (control, operator, system), which a removal revokes;
 - ``meship.<a>-<b>``: ``<node>``: the mesh address ``10.98.a.b`` taken by a node, created (never updated),
   so two joins cannot take one address;
 - ``revocations``: ``{user public key: epoch seconds}``: every credential revoked, the cluster's record
   (each server's account JWTs are re-signed from it).
 
-Removing a machine (:func:`remove_machine`): its NATS server is peer-removed from JetStream, every
-credential issued to it by a join is revoked — the account JWTs re-signed with the revocation and pushed to
+Removing a machine (:meth:`shared.security.machine_service.Machines.remove`): every credential issued to it
+by a join, or made on it, is revoked — the account JWTs re-signed with the revocation and pushed to
 the servers (``$SYS.REQ.CLAIMS.UPDATE``, the full resolver: every server applies it at once, no restart) —
-and its records go.
+and its records go; then its NATS servers are peer-removed from JetStream (the meta leader places their
+stream copies on other servers) and the removal waits until every stream is back at its replica count.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from shared import keys as K
 from shared.connection import Connection, connect
 from shared.errors import ZatteraError
 from shared.jetstream import is_delete_marker
-from shared.security.accounts import Account
+from shared.security.accounts import ROLE_ACCOUNTS, Account
 from shared.security.authority import Authority
+from shared.security.creds import read_user_jwt
+from shared.security.nkeyjwt import decode_claims
 from shared.subjects import STATE_PREFIX, STATE_STREAM
 
 log = logging.getLogger(__name__)
@@ -47,13 +53,44 @@ class RemoveRefused(ZatteraError):
     """The machine cannot be removed as asked (unknown node, the last server)."""
 
 
-async def register_server(kv: KeyValue, node_id: str, client_url: str, route_url: str) -> None:
-    await kv.put(f"{SERVER_PREFIX}{node_id}", json.dumps({"client_url": client_url, "route_url": route_url}).encode())
+async def register_server(
+    kv: KeyValue,
+    node_id: str,
+    client_url: str,
+    route_url: str,
+    names: list[str] | None = None,
+    users: list[str] | None = None,
+) -> None:
+    record: dict[str, Any] = {"client_url": client_url, "route_url": route_url}
+    if names:
+        record["names"] = names
+    if users:
+        record["users"] = users
+    await kv.put(f"{SERVER_PREFIX}{node_id}", json.dumps(record).encode())
 
 
-async def servers(kv: KeyValue) -> dict[str, dict[str, str]]:
-    """Every registered server machine: node id → its URLs."""
-    found: dict[str, dict[str, str]] = {}
+def server_names(record: dict[str, Any], node_id: str) -> list[str]:
+    """The NATS server names of a server machine (a record written before they were recorded: its node id)."""
+    names = record.get("names")
+    return [str(n) for n in names] if isinstance(names, list) and names else [node_id]
+
+
+def local_users(security_dir: Path) -> list[str]:
+    """The public keys of the credentials a server machine made itself from the trust root (``prepare``):
+    control, operator, system. Revoked with the machine."""
+    found = []
+    for name in ("control", "operator", "system"):
+        path = security_dir / "creds" / f"{name}.creds"
+        if path.exists():
+            subject = decode_claims(read_user_jwt(path)).get("sub")
+            if subject:
+                found.append(str(subject))
+    return found
+
+
+async def servers(kv: KeyValue) -> dict[str, dict[str, Any]]:
+    """Every registered server machine: node id → its record (URLs, server names, users)."""
+    found: dict[str, dict[str, Any]] = {}
     for key in await _keys(kv):
         if key.startswith(SERVER_PREFIX):
             try:
@@ -167,15 +204,21 @@ def apply_revocations(security_dir: Path, revoked: dict[str, int]) -> Authority:
     return authority
 
 
-async def push_accounts(urls: str, system_creds: str, tls_ca: str, authority: Authority) -> None:
-    """Send the role accounts' JWTs to the servers (system account): the full resolver applies them at once
-    on every server of the cluster."""
+async def push_accounts(
+    urls: str, system_creds: str, tls_ca: str, authority: Authority, *, control: bool = False
+) -> None:
+    """Send the role accounts' JWTs to the servers (system account): the full resolver applies them at once on
+    every server of the cluster. ``control``: instead, ``ZATTERA``'s (whose users are the services) and the
+    system account's — sent only after the removal's answer: an update of ``ZATTERA`` drops the reply
+    mappings of the requests in flight into it (nats-server rebuilds its exports), that answer's included."""
     conn = await connect(urls, name="zattera-accounts", creds=system_creds, tls_ca=tls_ca or None)
     try:
-        for account in (Account.AGENTS, Account.PROXIES, Account.OPERATORS, Account.MEMBERS):
-            reply = await conn.nc.request(
-                "$SYS.REQ.CLAIMS.UPDATE", authority.role_account_jwt(account).encode(), timeout=5
-            )
+        if control:
+            jwts = {str(Account.ZATTERA): authority.zattera_account_jwt(), "system": authority.system_account_jwt()}
+        else:
+            jwts = {str(a): authority.role_account_jwt(a) for a in ROLE_ACCOUNTS}
+        for account, jwt in jwts.items():
+            reply = await conn.nc.request("$SYS.REQ.CLAIMS.UPDATE", jwt.encode(), timeout=5)
             answer = json.loads(reply.data or b"{}")
             if answer.get("error"):
                 raise ZatteraError(f"the servers refused the {account} account update: {answer['error']}")
@@ -183,17 +226,29 @@ async def push_accounts(urls: str, system_creds: str, tls_ca: str, authority: Au
         await conn.close()
 
 
-async def peer_remove(urls: str, system_creds: str, tls_ca: str, server_name: str) -> bool:
-    """Remove a server from the JetStream meta group (its streams' replicas are placed elsewhere)."""
+async def peer_remove(urls: str, system_creds: str, tls_ca: str, server_name: str, attempts: int = 4) -> bool:
+    """Remove a server from the JetStream meta group (its streams' replicas are placed elsewhere). Asked again
+    when unanswered (the meta group may be electing a leader: a request then gets no answer); a refusal after
+    an unanswered attempt means that attempt landed (the server is no peer any more)."""
     conn = await connect(urls, name="zattera-peer-remove", creds=system_creds, tls_ca=tls_ca or None)
+    body = json.dumps({"peer": server_name}).encode()
+    unanswered = False
     try:
-        reply = await conn.nc.request("$JS.API.SERVER.REMOVE", json.dumps({"peer": server_name}).encode(), timeout=10)
+        for attempt in range(attempts):
+            try:
+                reply = await conn.nc.request("$JS.API.SERVER.REMOVE", body, timeout=5)
+                break
+            except nats.errors.TimeoutError:
+                unanswered = True
+                log.info("peer-remove of %s: no answer (attempt %d)", server_name, attempt + 1)
+        else:
+            raise ZatteraError(f"JetStream did not answer the removal of server {server_name}")
     finally:
         await conn.close()
     answer: dict[str, Any] = json.loads(reply.data or b"{}")
     if answer.get("error"):
         log.warning("peer-remove of %s: %s", server_name, answer["error"])
-        return False
+        return unanswered
     return bool(answer.get("success"))
 
 

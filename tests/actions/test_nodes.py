@@ -3,6 +3,7 @@ real NATS, announced with the actor, and a change with nothing to do writes and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -17,6 +18,7 @@ from shared.txn import Writer
 from tests import factories
 from tests.actions.conftest import ACTOR
 from tests.eventlog import stored_events, wait_for_kinds
+from tests.waiting import eventually
 
 ALIVE, DOWN = pb.NODE_STATUS_ALIVE, pb.NODE_STATUS_DOWN
 DRAINING, DRAINED = pb.NODE_STATUS_DRAINING, pb.NODE_STATUS_DRAINED
@@ -124,3 +126,47 @@ async def test_remove_node_asks_the_join_service_and_reports_its_answer(ctx: Act
             await remove_node(ctx, RemoveNode("busy"))
     finally:
         await sub.unsubscribe()
+
+
+async def test_remove_node_drains_the_node_first_and_waits_until_it_is_drained(
+    ctx: ActionContext, conn: Connection, writer: Writer
+) -> None:
+    """The scheduler's part (DRAINING → DRAINED once its replicas moved) is played here; the join service's
+    answer is asked only once the node is DRAINED, and its report (servers, streams short) comes back."""
+    from shared.security.permissions import JOIN_REMOVE_SUBJECT
+
+    await writer.commit(writer.txn().create(factories.node("m4")))
+    asked: list[int] = []
+
+    async def answer(msg: Msg) -> None:
+        found = ctx.view.node("m4")
+        asked.append(found.status if found is not None else -1)
+        short = [{"stream": "KV_zattera-live", "replicas": 3, "current": 2, "servers": ["m1", "m2"]}]
+        reply = {"node_id": "m4", "peer_removed": True, "servers": ["m4"], "revoked": ["UA1"], "short": short}
+        await msg.respond(json.dumps(reply).encode())
+
+    sub = await conn.nc.subscribe(JOIN_REMOVE_SUBJECT, cb=answer)
+    try:
+        removal = asyncio.create_task(remove_node(ctx, RemoveNode("m4")))
+        await eventually(lambda: (n := ctx.view.node("m4")) is not None and n.status == DRAINING)
+        assert not asked and not removal.done(), "nothing removed while the node drains"
+        await writer.commit(writer.txn().put(_with_status(ctx, "m4", DRAINED)))
+        done = await asyncio.wait_for(removal, 10)
+        assert asked == [DRAINED]
+        assert (done.drained, done.servers, done.revoked) == (True, ["m4"], ["UA1"])
+        assert [(s.stream, s.current, s.replicas) for s in done.short] == [("KV_zattera-live", 2, 3)]
+
+        with pytest.raises(Conflicting, match=r"^node m4 is not drained after 0 s \(0 replica\(s\) still placed"):
+            await writer.commit(writer.txn().put(_with_status(ctx, "m4", ALIVE)))
+            await remove_node(ctx, RemoveNode("m4", drain_timeout=0.0))
+    finally:
+        await sub.unsubscribe()
+
+
+def _with_status(ctx: ActionContext, node_id: str, status: int) -> pb.Node:
+    found = ctx.view.node(node_id)
+    assert found is not None
+    edited = pb.Node()
+    edited.CopyFrom(found)
+    edited.status = status  # type: ignore[assignment]
+    return edited
