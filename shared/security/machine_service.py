@@ -254,12 +254,15 @@ class Machines:
 
     async def _peer_remove(self, urls: list[str], names: list[str]) -> list[str]:
         """Peer-remove ``names`` through the servers that stay (``urls``), one at a time: before the next, the
-        meta group answers again (a leader among those left); the names removed."""
+        meta group answers again (a leader among those left) and every copy has left the servers removed so far
+        (a copy that moved from one seat onto the next must move again, and one removed mid-move may stay
+        listed on it); the names removed."""
         removed = []
         for index, name in enumerate(names):
             if index:
                 async with self._staying(urls) as conn:
                     await _meta_answers(conn, self.streams_wait)
+                    await self._copies_back(conn, names[:index])
             if await membership.peer_remove(",".join(urls), self.system_creds, self.tls_ca, name):
                 removed.append(name)
         return removed
