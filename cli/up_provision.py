@@ -43,8 +43,9 @@ async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int 
                 await asyncio.wait_for(provision(conn.js, replicas=replicas), 5.0)
                 break
             except Exception:
-                # a fresh cluster elects its JetStream meta leader first; a single server answers at once
-                if replicas == 1 or time.monotonic() > deadline:
+                # a fresh cluster elects its JetStream meta leader first (the first machine's three seats too,
+                # whose streams have one copy); a single server answers at once
+                if ("," not in url and replicas == 1) or time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.5)
         try:
