@@ -49,7 +49,8 @@ from urllib.parse import unquote
 
 import aiodocker
 
-from services.agent import addonbase
+from services.agent.addonbase import WORKDIR as ADDON_WORKDIR
+from services.agent.addonbase import addon_rootfs_tar, inspect_addon_programs
 from services.agent.docker_containers import (
     BRIDGE_NETWORK,
     HOST_NETWORK,
@@ -199,7 +200,7 @@ class DockerLauncher:
         if ref == addon.IMAGE_REF:
             return ContainerImage(
                 ref,
-                Path(addonbase.WORKDIR),
+                Path(ADDON_WORKDIR),
                 cmd=shell_command(unquote(ref[len(EXEC_SCHEME) :])),
                 tag=await self.addon_base(),
                 named_user=True,
@@ -267,10 +268,10 @@ class DockerLauncher:
         """The base image managed databases run on (``addonbase.py``), made from this node's PostgreSQL,
         pgBackRest and Redis the first time an add-on needs it."""
         try:
-            found = await asyncio.to_thread(addonbase.inspect_addon_programs)
+            found = await asyncio.to_thread(inspect_addon_programs)
         except BaseImageError as exc:
             raise ImageError(str(exc)) from exc
-        return await self._base(found.tag, "the add-ons' programs", partial(addonbase.addon_rootfs_tar, found))
+        return await self._base(found.tag, "the add-ons' programs", partial(addon_rootfs_tar, found))
 
     async def _base(self, tag: str, program: str, rootfs: Callable[[], bytes]) -> str:
         """``tag``, made once (concurrent starts share one build) when the daemon lacks it."""
@@ -414,7 +415,7 @@ def _write_passwd(instance_dir: Path, user: str) -> Path:
     if not uid.isdigit():
         uid = "65534"
     lines = [line for line in PASSWD.decode().splitlines() if line.split(":")[2] != uid]
-    lines.append(f"zattera:x:{uid}:{gid if gid.isdigit() else uid}::{addonbase.WORKDIR}:/bin/sh")
+    lines.append(f"zattera:x:{uid}:{gid if gid.isdigit() else uid}::{ADDON_WORKDIR}:/bin/sh")
     path = instance_dir / "passwd"
     instance_dir.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
