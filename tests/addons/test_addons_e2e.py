@@ -15,17 +15,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
-import boto3
 import psutil
 import pytest
-from moto.server import ThreadedMotoServer
 
 from shared.snapshots.store import SnapshotStore
 from tests.addons.pgserver import PG_BIN, require_servers
-from tests.backup.conftest import ACCESS_KEY, BUCKET, SECRET_KEY
+from tests.backup.conftest import BUCKET, SECRET_KEY, s3
 from tests.e2e.cluster import E2ECluster, cli_argv
 from tests.e2e.conftest import running
 from tests.waiting import eventually
+
+__all__ = ["s3"]  # the S3 server fixture of the backup tests
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -314,62 +314,45 @@ async def _copied_off_site(cluster: E2ECluster, snapshot_id: str) -> bool:
     return snapshot_id in events.stdout
 
 
-async def test_a_fork_comes_back_from_off_site_when_the_nodes_backups_are_gone(
-    cluster: E2ECluster, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_fork_comes_back_from_off_site_when_the_nodes_backups_are_gone(cluster: E2ECluster, s3: str) -> None:
     """The whole path on the running cluster: `addons offsite` to an S3 server (moto), a snapshot of the
     backups volume copied there by the cluster's off-site loop, then the node's backups lost (the volume's
     files and every snapshot object in the cluster's store) and `addons restore --from` bringing a fork back
     with exactly the rows archived before the copy."""
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        for name, value in {
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_ENDPOINT_URL": endpoint,
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }.items():
-            monkeypatch.setenv(name, value)  # the CLI's environment, as an operator's would be
-        monkeypatch.delenv("AWS_PROFILE", raising=False)
-        await asyncio.to_thread(boto3.client("s3").create_bucket, Bucket=BUCKET)
-        url = f"s3://{BUCKET}/offsite"
+    # ``s3``: moto's S3 server, the CLI's environment pointed at it as an operator's would be, the bucket made.
+    url = f"s3://{BUCKET}/offsite"
 
-        await _rows(cluster, "create table offsite(x text)")
-        await _rows(cluster, "insert into offsite values ('kept')")
-        written = time.time()
-        await eventually(lambda: _window_reaches(cluster, written), 90, "the row archived")
-        done = await cluster.acli("addons", "offsite", "ledger", url, "--project", "shop")
-        assert f"copied to {url}" in done.stderr and SECRET_KEY not in done.stderr + done.stdout, done.stderr
-        volume_id = str(cast(dict[str, str], (await _info(cluster, "ledger"))["volumes"])["backups"])
-        taken = await cluster.acli("volumes", "snapshot", volume_id)
-        snapshot_id = taken.stderr.split("snapshot ", 2)[-1].split(":", 1)[0].strip()
-        assert ": complete" in taken.stderr and snapshot_id, taken.stderr
-        await eventually(lambda: _copied_off_site(cluster, snapshot_id), 120, "the off-site copy")
-        await _rows(cluster, "insert into offsite values ('after-the-copy')")
+    await _rows(cluster, "create table offsite(x text)")
+    await _rows(cluster, "insert into offsite values ('kept')")
+    written = time.time()
+    await eventually(lambda: _window_reaches(cluster, written), 90, "the row archived")
+    done = await cluster.acli("addons", "offsite", "ledger", url, "--project", "shop")
+    assert f"copied to {url}" in done.stderr and SECRET_KEY not in done.stderr + done.stdout, done.stderr
+    volume_id = str(cast(dict[str, str], (await _info(cluster, "ledger"))["volumes"])["backups"])
+    taken = await cluster.acli("volumes", "snapshot", volume_id)
+    snapshot_id = taken.stderr.split("snapshot ", 2)[-1].split(":", 1)[0].strip()
+    assert ": complete" in taken.stderr and snapshot_id, taken.stderr
+    await eventually(lambda: _copied_off_site(cluster, snapshot_id), 120, "the off-site copy")
+    await _rows(cluster, "insert into offsite values ('after-the-copy')")
 
-        # The node's backups are gone: the volume's files and every snapshot object of the cluster's store.
-        [volume_dir] = [p for p in cluster.root.rglob(volume_id) if p.is_dir()]
-        await asyncio.to_thread(shutil.rmtree, volume_dir)
-        async with cluster.state() as (conn, _view):
-            store = await SnapshotStore.open(conn.js)
-            for obj in await store.list(""):
-                await store.delete(obj.name)
+    # The node's backups are gone: the volume's files and every snapshot object of the cluster's store.
+    [volume_dir] = [p for p in cluster.root.rglob(volume_id) if p.is_dir()]
+    await asyncio.to_thread(shutil.rmtree, volume_dir)
+    async with cluster.state() as (conn, _view):
+        store = await SnapshotStore.open(conn.js)
+        for obj in await store.list(""):
+            await store.delete(obj.name)
 
-        restored = await cluster.acli(
-            "addons", "restore", "ledger", "--project", "shop", "--as", "ledger-o", "--from", url, "--latest"
-        )
-        assert "restoring shop/ledger-o" in restored.stderr, restored.stderr
-        assert SECRET_KEY not in restored.stderr + restored.stdout
-        await eventually(lambda: _healthy(cluster, "ledger-o"), 240, "the fork from off-site healthy")
-        await cluster.acli("addons", "detach", "ledger", "--env", WEB)
-        await cluster.acli("addons", "attach", "ledger-o", "--env", WEB)
-        fork_rows = ["kept"]
-        await eventually(lambda: _answers(cluster, "select x from offsite order by x", fork_rows), 120, "its rows")
-        assert await _rows(cluster, "select count(*) from entries") != ["0"]
-        events = await cluster.acli("events", "--json", "--last", "500", check=False)
-        assert SECRET_KEY not in events.stdout + events.stderr, "an S3 setting in an event"
-    finally:
-        server.stop()
+    restored = await cluster.acli(
+        "addons", "restore", "ledger", "--project", "shop", "--as", "ledger-o", "--from", url, "--latest"
+    )
+    assert "restoring shop/ledger-o" in restored.stderr, restored.stderr
+    assert SECRET_KEY not in restored.stderr + restored.stdout
+    await eventually(lambda: _healthy(cluster, "ledger-o"), 240, "the fork from off-site healthy")
+    await cluster.acli("addons", "detach", "ledger", "--env", WEB)
+    await cluster.acli("addons", "attach", "ledger-o", "--env", WEB)
+    fork_rows = ["kept"]
+    await eventually(lambda: _answers(cluster, "select x from offsite order by x", fork_rows), 120, "its rows")
+    assert await _rows(cluster, "select count(*) from entries") != ["0"]
+    events = await cluster.acli("events", "--json", "--last", "500", check=False)
+    assert SECRET_KEY not in events.stdout + events.stderr, "an S3 setting in an event"
