@@ -261,6 +261,9 @@ def render(plan_: Plan, layout: Layout) -> str:
         "defaults",
         "    mode http",
         "    option http-keep-alive",
+        # On a reload, the old worker answers the next request of each idle client connection (with
+        # "Connection: close") instead of closing it under a client that may be sending on it.
+        "    option idle-close-on-response",
         "    option forwardfor",
         f"    timeout connect {ms(layout.connect_timeout)}",
         f"    timeout client {ms(layout.client_timeout)}",

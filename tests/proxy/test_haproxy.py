@@ -695,3 +695,42 @@ async def test_every_endpoint_added_at_run_time_gets_requests(
         answered = Counter([(await get(fresh, ingress))[1] for _ in range(400)])
         assert set(answered) == {"first", "second", "third", "fourth"}, answered
         assert min(answered.values()) >= 40, answered  # 100 each expected; a server left off the ring gets 0
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> bytes:
+    """One keep-alive GET on an open connection; the response head and body as read (b"" when closed)."""
+    writer.write(f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(v) for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")) if k.lower() == b"content-length"
+    )
+    return head + await reader.readexactly(length)
+
+
+async def test_a_kept_alive_connection_idle_across_a_reload_gets_its_next_request_answered(
+    make_ingress: IngressFactory, routes: Routes
+) -> None:
+    """A reload's old worker answers the next request of a client connection that was idle when it was told
+    to stop (``Connection: close`` on it) instead of closing it under the client: a client that does not retry
+    (most HTTP libraries for a non-idempotent request) would see the request fail."""
+    backend = Backend("one")
+    async with serving(backend):
+        ingress = await make_ingress()
+        await serve(routes, ingress, http_route(HOST, "e1", [endpoint(backend.addr, "a-1")]))
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(ingress.layout.bind.rpartition(":")[2]))
+        try:
+            assert (await _exchange(reader, writer, HOST)).endswith(b"one")
+            reloads = ingress.engine.reloads
+            await serve(
+                routes,
+                ingress,
+                http_route(HOST, "e1", [endpoint(backend.addr, "a-1")]),
+                http_route("other.example.com", "e2", [endpoint(backend.addr, "a-2")]),
+            )
+            assert ingress.engine.reloads > reloads  # a new env: a reload, this connection on the old worker
+            answer = await asyncio.wait_for(_exchange(reader, writer, HOST), 10)
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"one"), answer
+            assert b"connection: close" in answer.lower()  # the old worker's last answer on it
+        finally:
+            writer.close()
