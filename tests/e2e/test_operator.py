@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 PROD = "demo/hello/production"
 IDLE = "demo/hello/idle"
 HOST = "hello.localhost"
+IDLE_HOST = "hello-idle.localhost"
 IDLE_TIMEOUT = 3.0
 TICK = 1.0  # ZATTERA_LOOP_TICK in the harness
 EXTRA_ENVS = f"""
@@ -154,8 +155,15 @@ async def test_a_scale_to_zero_env_cools_after_a_deploy_within_idle_timeout_and_
 ) -> None:
     first = await cluster.acli("deploy", str(sources["v1"]), "--env", IDLE)
     assert "live: release v1" in first.stderr, first.stderr
-    second = await cluster.acli("deploy", str(sources["v2"]), "--env", IDLE)
-    promoted = time.monotonic()
+    # Requests while v2 is deployed keep the env warm however long the deploy takes on a loaded machine (a
+    # deploy outlasting the 3 s idle timeout would find the env cooled and promote with nothing to drain).
+    load = Load(cluster.proxy_port, IDLE_HOST, rate=5).start()
+    try:
+        second = await cluster.acli("deploy", str(sources["v2"]), "--env", IDLE)
+    finally:
+        await load.stop()
+    assert load.failures == [] and load.ok > 0, load.summary()
+    promoted = load.stopped_at  # the last request: the idle timeout counts from it
     deployment_id = deployment_id_of(second.stderr)
     # v1 kept warm: the deploy saw its deployment in the drain window (what the CLI watched; a view opened
     # now may come after the 3 s idle timeout has cooled the env, which ends the drain too).
