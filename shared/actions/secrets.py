@@ -29,8 +29,9 @@ from shared.appconfig import (
     secret_sizes,
     unreferenced_secrets,
 )
+from shared.clock import stamp
 from shared.deploy import ConfigEdit
-from shared.ids import new_id
+from shared.records import new_meta
 from shared.registryauth import REGISTRY_AUTH_SECRET, registry_auth_value
 from shared.secrets import CLUSTER_KEY, ROTATE_SUBJECT, seal
 from shared.state.reader import StateReader
@@ -113,7 +114,7 @@ def set_secret_edit(view: StateReader, name: str, value: str) -> ConfigEdit:
         sizes = secret_sizes(env.service, existing)
         sizes[name] = len(value.encode())
         check_env_size(env.service.vars, sizes, field=f"secrets.{name}")
-        now = time.time_ns()
+        now = time.time()
         record = pb.SealedSecret(
             environment_id=env.meta.id,
             project_id=env.project_id,
@@ -122,12 +123,10 @@ def set_secret_edit(view: StateReader, name: str, value: str) -> ConfigEdit:
             ciphertext=seal(key.public_key, value.encode()),
             key_id=key.key_id,
         )
-        record.meta.id = new_id()
-        record.meta.created_at.FromNanoseconds(now)
-        record.meta.updated_at.FromNanoseconds(now)
+        new_meta(record.meta, now)
         ref = env.service.secrets[name]
         ref.secret_id, ref.version = record.meta.id, record.version
-        ref.updated_at.FromNanoseconds(now)
+        stamp(ref.updated_at, now)
         env.service.config_version += 1
         txn.create(record)
         txn.put(key)  # unchanged: fences the write on the key it was sealed to (a rotation refuses it)
