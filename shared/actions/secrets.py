@@ -13,14 +13,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from nats.errors import Error as NatsError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.actions.config import ConfigChanged, reconfigure
 from shared.actions.context import ActionContext
-from shared.actions.refusals import Conflicting, Unavailable
+from shared.actions.refusals import Conflicting, ask_service
 from shared.appconfig import (
     ConfigError,
     check_env_size,
@@ -177,13 +176,14 @@ async def _set(ctx: ActionContext, env: str, name: str, value: str, *, deploy: b
 
 async def rotate_secrets_key(ctx: ActionContext, request: RotateSecretsKey) -> KeyRotated:
     """Ask the secrets service for a new cluster key; it re-seals every secret under it (apps keep running)."""
-    try:
-        msg = await ctx.conn.nc.request(
-            ROTATE_SUBJECT, cpb.RotateSecretsKeyRequest().SerializeToString(), timeout=request.timeout
-        )
-    except (NatsError, TimeoutError) as exc:
-        raise Unavailable(f"the secrets service did not answer ({type(exc).__name__}): is it running?") from None
-    response = cpb.RotateSecretsKeyResponse.FromString(msg.data)
+    data = await ask_service(
+        ctx.conn.nc,
+        ROTATE_SUBJECT,
+        cpb.RotateSecretsKeyRequest().SerializeToString(),
+        request.timeout,
+        unavailable="the secrets service did not answer ({error}): is it running?",
+    )
+    response = cpb.RotateSecretsKeyResponse.FromString(data)
     if response.error:
         raise Conflicting(response.error)
     return KeyRotated(response.previous_key_id, response.key_id, response.resealed)
