@@ -14,12 +14,14 @@ from cli import render
 from cli.client import FIELD_LABELS, control, fail, run
 from cli.config_cmds import JSON, NO_DEPLOY, say
 from shared.actions.addon_attach import AttachAddon, attach_addon, detach_addon
-from shared.actions.addon_restore import AddonOffsite, RestoreAddon, addon_backups, restore_addon, set_addon_offsite
+from shared.actions.addon_restore import addon_backups, restore_addon, set_addon_offsite
 from shared.actions.addons import (
     AddonCreated,
     AddonInfo,
+    AddonOffsite,
     CreateAddon,
     DeleteAddon,
+    RestoreAddon,
     addon_info,
     create_addon,
     delete_addon,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from zattera.v1 import types_pb2 as pb
@@ -19,10 +18,12 @@ from shared.actions.addons import (
     EVENT_RESTORED,
     FORKED_FROM_VAR,
     AddonCreated,
+    AddonOffsite,
+    RestoreAddon,
     addon_env,
     addon_project,
+    announced,
     create_and_deploy,
-    info_of,
     refuse_input,
 )
 from shared.actions.context import ActionContext
@@ -35,37 +36,9 @@ from shared.addons.backups import BackupStatus, status_from_lines
 from shared.addons.spec import AddonInputError
 from shared.applogs import UnknownLogStream, read_app_logs
 from shared.clock import from_timestamp
-from shared.events import event_for_env
 from shared.ids import new_id
 from shared.records import new_meta
 from shared.volumes import find_volume
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreAddon:
-    name: str
-    project: str
-    as_name: str
-    to_time: float | None = None
-    """Epoch seconds (UTC); None = the latest state the archive holds (``--latest``)."""
-    source: str = ""
-    """An off-site target (``s3://bucket[/prefix]`` or a directory) holding copies of the origin's ``backups``
-    volume (``addons offsite``): restore from its newest copy there, not from the node's volume."""
-    settings: dict[str, str] = field(default_factory=dict, repr=False)
-    """The source's settings (``AWS_*``), used here only."""
-
-
-@dataclass(frozen=True, slots=True)
-class AddonOffsite:
-    name: str
-    project: str
-    target: str
-    """A directory or ``s3://bucket[/prefix]``; "" stops the copies."""
-    schedule: str = "@every 1h"
-    """How often the ``backups`` volume is snapshotted (and each snapshot copied off-site)."""
-    settings: dict[str, str] = field(default_factory=dict, repr=False)
-    """The target's settings (``AWS_*``), stored sealed to the cluster key."""
-
 
 REPORT_LINES = 400
 """How many of a database's last log lines are searched for its backup report."""
@@ -152,16 +125,23 @@ async def restore_addon(ctx: ActionContext, request: RestoreAddon) -> AddonCreat
     spec.vars[FORKED_FROM_VAR] = f"{project.name}/{request.name}"
     pinned = _pinned_volumes(project, backups.node_id, ctx.clock.now())
     env, deployment_id = await create_and_deploy(ctx, project, request.as_name, engine, spec, pinned)
-    info = info_of(ctx.view, env)
-    await ctx.events.publish(
-        event_for_env(
-            env,
-            EVENT_RESTORED,
-            f"database {info.project}/{info.name} restored from {project.name}/{request.name} at {target}",
-            fields={"actor": ctx.actor, "origin": f"{project.name}/{request.name}", "target": target},
-        )
+    return await _restored(ctx, env, deployment_id, f"{project.name}/{request.name}", target)
+
+
+async def _restored(
+    ctx: ActionContext, env: pb.Environment, deployment_id: str, origin: str, target: str, snapshot: str = ""
+) -> AddonCreated:
+    """The fork once its ``addon.restored`` event is published (``snapshot``: the off-site copy it came from)."""
+    copy = f" (off-site copy {snapshot})" if snapshot else ""
+    fields = {"origin": origin, "target": target} | ({"snapshot": snapshot} if snapshot else {})
+    return await announced(
+        ctx,
+        env,
+        deployment_id,
+        EVENT_RESTORED,
+        lambda info: f"database {info.project}/{info.name} restored from {origin} at {target}{copy}",
+        lambda _info: fields,
     )
-    return AddonCreated(info, deployment_id)
 
 
 def _pinned_volumes(project: pb.Project, node_id: str, now: float, env_id: str = "") -> list[pb.Volume]:
@@ -276,22 +256,7 @@ async def _restore_from_offsite(
         if isinstance(exc, ActionRefused):
             raise
         raise Conflicting(f"restore from {target.url} failed: {exc}", field="source") from None
-    info = info_of(ctx.view, env)
-    await ctx.events.publish(
-        event_for_env(
-            env,
-            EVENT_RESTORED,
-            f"database {info.project}/{info.name} restored from {project.name}/{request.name} at {target_time}"
-            f" (off-site copy {record.meta.id})",
-            fields={
-                "actor": ctx.actor,
-                "origin": f"{project.name}/{request.name}",
-                "target": target_time,
-                "snapshot": record.meta.id,
-            },
-        )
-    )
-    return AddonCreated(info, deployment_id)
+    return await _restored(ctx, env, deployment_id, f"{project.name}/{request.name}", target_time, record.meta.id)
 
 
 def _pg_time(epoch: float) -> str:

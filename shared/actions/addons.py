@@ -13,6 +13,7 @@ Attaching and detaching are :mod:`shared.actions.addon_attach`; backups, restore
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zattera.v1 import types_pb2 as pb
@@ -50,6 +51,32 @@ class CreateAddon:
     version: str = ""
     archive_timeout: int = addon.ARCHIVE_TIMEOUT
     backup_interval: int = addon.BACKUP_INTERVAL
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreAddon:
+    name: str
+    project: str
+    as_name: str
+    to_time: float | None = None
+    """Epoch seconds (UTC); None = the latest state the archive holds (``--latest``)."""
+    source: str = ""
+    """An off-site target (``s3://bucket[/prefix]`` or a directory) holding copies of the origin's ``backups``
+    volume (``addons offsite``): restore from its newest copy there, not from the node's volume."""
+    settings: dict[str, str] = field(default_factory=dict, repr=False)
+    """The source's settings (``AWS_*``), used here only."""
+
+
+@dataclass(frozen=True, slots=True)
+class AddonOffsite:
+    name: str
+    project: str
+    target: str
+    """A directory or ``s3://bucket[/prefix]``; "" stops the copies."""
+    schedule: str = "@every 1h"
+    """How often the ``backups`` volume is snapshotted (and each snapshot copied off-site)."""
+    settings: dict[str, str] = field(default_factory=dict, repr=False)
+    """The target's settings (``AWS_*``), stored sealed to the cluster key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,15 +286,28 @@ async def create_addon(ctx: ActionContext, request: CreateAddon) -> AddonCreated
         backup_interval=request.backup_interval,
     )
     env, deployment_id = await create_and_deploy(ctx, project, request.name, request.engine, spec)
-    info = info_of(ctx.view, env)
-    await ctx.events.publish(
-        event_for_env(
-            env,
-            EVENT_CREATED,
-            f"database {info.project}/{info.name} ({info.engine} {info.version}) created",
-            fields={"actor": ctx.actor, "engine": info.engine, "version": info.version},
-        )
+    return await announced(
+        ctx,
+        env,
+        deployment_id,
+        EVENT_CREATED,
+        lambda info: f"database {info.project}/{info.name} ({info.engine} {info.version}) created",
+        lambda info: {"engine": info.engine, "version": info.version},
     )
+
+
+async def announced(
+    ctx: ActionContext,
+    env: pb.Environment,
+    deployment_id: str,
+    kind: str,
+    message: Callable[[AddonInfo], str],
+    fields: Callable[[AddonInfo], dict[str, str]],
+) -> AddonCreated:
+    """A new database (created or forked) once its event is published: ``kind``, with the message and fields
+    made from its info, and the actor."""
+    info = info_of(ctx.view, env)
+    await ctx.events.publish(event_for_env(env, kind, message(info), fields={"actor": ctx.actor, **fields(info)}))
     return AddonCreated(info, deployment_id)
 
 

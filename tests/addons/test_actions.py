@@ -13,8 +13,8 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.actions.addon_attach import AttachAddon, attach_addon, detach_addon
-from shared.actions.addon_restore import RestoreAddon, restore_addon
-from shared.actions.addons import CreateAddon, DeleteAddon, create_addon, delete_addon, list_addons
+from shared.actions.addon_restore import restore_addon
+from shared.actions.addons import CreateAddon, DeleteAddon, RestoreAddon, create_addon, delete_addon, list_addons
 from shared.actions.context import ActionContext
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.addons import spec as addon
