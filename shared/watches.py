@@ -200,6 +200,10 @@ class Watch:
         self._task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
         self.caught_up = caught_up or asyncio.Event()
+        self._set_up()
+
+    def _set_up(self) -> None:
+        """What a kind of watch keeps besides (called last by ``__init__``)."""
 
     async def start(self) -> Watch:
         consumer = await open_watch(self._conn, self._spec)
@@ -331,15 +335,7 @@ class FeedWatch(Watch):
     silent (no heartbeat) or the feed ends without a refusal. A refusal (``end: not authorised…``) stops it:
     :meth:`next_msg` then raises :class:`BadWatch`."""
 
-    def __init__(
-        self,
-        conn: Connection,
-        spec: WatchSpec,
-        cb: Callable[[Msg], Awaitable[None]] | None = None,
-        *,
-        caught_up: asyncio.Event | None = None,
-    ) -> None:
-        super().__init__(conn, spec, cb, caught_up=caught_up)
+    def _set_up(self) -> None:
         self._id = ""
         self._sub: Any = None
         self._heard = 0.0
