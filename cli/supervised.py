@@ -1,5 +1,5 @@
 """One process ``zattera up`` supervises: started, watched, restarted with backoff when it dies, stopped with
-a grace period."""
+a grace period; and :func:`port_free`, whether a port the supervisor would give one is free."""
 
 from __future__ import annotations
 
