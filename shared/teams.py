@@ -353,14 +353,17 @@ EVENTS_POLL = 0.5
 
 
 @dataclass(frozen=True)
-class _Meta:
+class StreamSeq:
     stream: int
-    num_pending: int
 
 
 @dataclass(frozen=True)
-class _Seq:
-    stream: int
+class StreamPosition:
+    """A pushed or paged message's place in its stream, shaped as nats-py's ``msg.metadata`` (``sequence.stream``,
+    ``num_pending``): what watch readers read of it."""
+
+    sequence: StreamSeq
+    num_pending: int
 
 
 @dataclass(frozen=True)
@@ -373,13 +376,7 @@ class EventMsg:
 
     @property
     def metadata(self) -> Any:
-        return _Metadata(_Seq(self.seq), self.pending)
-
-
-@dataclass(frozen=True)
-class _Metadata:
-    sequence: _Seq
-    num_pending: int
+        return StreamPosition(StreamSeq(self.seq), self.pending)
 
 
 class MemberEvents:

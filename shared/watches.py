@@ -49,6 +49,8 @@ from shared.teams import (
     FEED_SUBJECT_HEADER,
     TEAMS_FEED_KEEP_SUBJECT,
     TEAMS_FEED_SUBJECT,
+    StreamPosition,
+    StreamSeq,
     push_subject,
 )
 
@@ -285,22 +287,11 @@ async def follow(
     return await FeedWatch(conn, spec, cb, caught_up=caught_up).start()
 
 
-@dataclass(frozen=True)
-class _FeedSeq:
-    stream: int
-
-
-@dataclass(frozen=True)
-class _FeedMeta:
-    sequence: _FeedSeq
-    num_pending: int
-
-
 class FeedMsg(Msg):
     """A message pushed on a member's feed: the stream's subject, sequence and pending count come as headers
     (a message re-published by control cannot keep its stream subject or JetStream reply)."""
 
-    _feed_meta: _FeedMeta
+    _feed_meta: StreamPosition
 
     @property
     def metadata(self) -> Any:
@@ -318,7 +309,7 @@ def feed_msg(nc: Any, msg: Msg) -> Msg | None:
     seq = int(headers.pop(FEED_SEQ_HEADER, "0") or 0)
     pending = int(headers.pop(FEED_PENDING_HEADER, "0") or 0)
     found = FeedMsg(_client=nc, subject=subject, reply="", data=msg.data, headers=headers or None)
-    found._feed_meta = _FeedMeta(_FeedSeq(seq), pending)
+    found._feed_meta = StreamPosition(StreamSeq(seq), pending)
     return found
 
 
