@@ -57,9 +57,10 @@ from shared.security.permissions import Role
 from shared.security.setup import prepare
 from shared.state.feed import StateView
 from shared.subjects import STATE_PREFIX
-from shared.teams import DEPLOYER, User, save_user
+from shared.teams import DEPLOYER, User
+from shared.teams_store import save_user
 from shared.txn import Writer
-from shared.watches import serve_watches
+from shared.watch_server import serve_watches
 from tests.e2e.cluster import cli_argv
 
 PROJECT, APP, ENV = "p-bench", "a-bench", "e-bench"

@@ -14,6 +14,7 @@ from cli import render
 from cli.client import FIELD_LABELS, control, fail, run
 from cli.config_cmds import JSON, NO_DEPLOY, say
 from shared.actions.addon_attach import AttachAddon, attach_addon, detach_addon
+from shared.actions.addon_restore import addon_backups, restore_addon, set_addon_offsite
 from shared.actions.addons import (
     AddonCreated,
     AddonInfo,
@@ -21,13 +22,10 @@ from shared.actions.addons import (
     CreateAddon,
     DeleteAddon,
     RestoreAddon,
-    addon_backups,
     addon_info,
     create_addon,
     delete_addon,
     list_addons,
-    restore_addon,
-    set_addon_offsite,
 )
 from shared.actions.config import ConfigChanged
 from shared.actions.refusals import ActionRefused

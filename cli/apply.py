@@ -37,7 +37,7 @@ from shared.actions.names import resolve_env as resolve_env
 from shared.actions.volumes import with_policy
 from shared.appconfig import ConfigError, check_env_size, secret_sizes, with_vars
 from shared.clock import stamp
-from shared.ids import new_id
+from shared.records import new_meta
 from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
 from shared.volumes import find_volume
@@ -135,9 +135,9 @@ def field_changes(old: Message | None, new: Message | None) -> list[FieldChange]
 
 def _stamp(meta: pb.Meta, now: float, *, new: bool) -> None:
     if new:
-        meta.id = new_id()
-        stamp(meta.created_at, now)
-    stamp(meta.updated_at, now)
+        new_meta(meta, now)
+    else:
+        stamp(meta.updated_at, now)
 
 
 def _copy(msg: Message) -> Message:

@@ -34,7 +34,8 @@ from services.join.__main__ import (
 from shared.embedded import RETIRED_SEATS_FILE, SERVER_DIR
 from shared.errors import ZatteraError
 from shared.security.creds import creds_text, write_private
-from shared.security.join import JoinRefused, JoinUnavailable, exchange
+from shared.security.join import JoinRefused, JoinUnavailable
+from shared.security.join_client import exchange
 from shared.security.machines import MachineToken, MachineTokenError, open_bundle
 from shared.security.membership import MESH_NETWORK
 from shared.security.nkeyjwt import KeyKind, KeyPair

@@ -8,25 +8,29 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import typer
 
 from cli.client import control, run
 from cli.machine import Machine, MachineError, bootstrap, join, machine_cluster
 from cli.up import run_up
+from shared.actions.context import ActionContext
 from shared.actions.nodes import (
     NodeRemoved,
     RemoveNode,
     RetireSeats,
     SeatsRetired,
-    StreamShort,
     remove_node,
     retire_seats,
 )
 from shared.actions.refusals import ActionRefused
+
+Q = TypeVar("Q")
+T = TypeVar("T")
 
 NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,62}[a-z0-9])?$")
 
@@ -93,26 +97,42 @@ def nodes_remove(
     record. A server machine whose removal would leave streams with fewer machines than copies is refused
     unless --force."""
 
-    async def go() -> NodeRemoved:
-        async with control(follow=True) as c:
-            try:
-                return await remove_node(c.actions, RemoveNode(node_id, force=force))
-            except ActionRefused as exc:
-                raise _fail(f"nodes remove {node_id}: {exc}") from None
+    done = _act(f"nodes remove {node_id}", remove_node, RemoveNode(node_id, force=force), follow=True)
+    _report(
+        done,
+        json_output,
+        f"removed {node_id}: {'drained, ' if done.drained else ''}{len(done.revoked)} credential(s) revoked"
+        + (f", NATS server(s) {', '.join(done.servers)} peer-removed" if done.servers else ""),
+    )
 
-    done = run(go)
+
+def _act(
+    what: str,
+    action: Callable[[ActionContext, Q], Awaitable[T]],
+    request: Q,
+    *,
+    view: bool = True,
+    follow: bool = False,
+) -> T:
+    """Run one node action over the control connection; a refusal is one line starting with ``what``."""
+
+    async def go() -> T:
+        async with control(view=view, follow=follow) as c:
+            try:
+                return await action(c.actions, request)
+            except ActionRefused as exc:
+                raise _fail(f"{what}: {exc}") from None
+
+    return run(go)
+
+
+def _report(done: NodeRemoved | SeatsRetired, json_output: bool, line: str) -> None:
+    """The result as JSON, or ``line`` and a warning per stream left short of its copies."""
     if json_output:
         typer.echo(json.dumps(asdict(done)))
         return
-    typer.echo(
-        f"removed {node_id}: {'drained, ' if done.drained else ''}{len(done.revoked)} credential(s) revoked"
-        + (f", NATS server(s) {', '.join(done.servers)} peer-removed" if done.servers else "")
-    )
-    _report_short(done.short)
-
-
-def _report_short(short: list[StreamShort]) -> None:
-    for stream in short:
+    typer.echo(line)
+    for stream in done.short:
         typer.echo(
             f"warning: {stream.stream}: {stream.current} of {stream.replicas} copies caught up "
             f"(on {', '.join(stream.servers) or 'no server'}): the server machines left cannot hold "
@@ -127,16 +147,9 @@ def cluster_retire_seats(json_output: bool = typer.Option(False, "--json", help=
     them and does not start them again. Then losing the first machine costs one server of three, not three of
     five."""
 
-    async def go() -> SeatsRetired:
-        async with control(view=False) as c:
-            try:
-                return await retire_seats(c.actions, RetireSeats())
-            except ActionRefused as exc:
-                raise _fail(f"cluster retire-seats: {exc}") from None
-
-    done = run(go)
-    if json_output:
-        typer.echo(json.dumps(asdict(done)))
-        return
-    typer.echo(f"retired the extra seats of {done.node_id}: {', '.join(done.retired)} peer-removed and stopped")
-    _report_short(done.short)
+    done = _act("cluster retire-seats", retire_seats, RetireSeats(), view=False)
+    _report(
+        done,
+        json_output,
+        f"retired the extra seats of {done.node_id}: {', '.join(done.retired)} peer-removed and stopped",
+    )

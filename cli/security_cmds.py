@@ -17,7 +17,8 @@ from cli.up import run_up
 from cli.up_cluster import LOCAL_NODE, Cluster
 from shared.embedded import SERVER_DIR
 from shared.security.authority import Authority
-from shared.security.join import DEFAULT_TTL, JoinRefused, new_secret, request_join_token
+from shared.security.join import DEFAULT_TTL, JoinRefused, new_secret
+from shared.security.join_client import request_join_token
 from shared.security.machines import seal_bundle
 from shared.security.permissions import Role
 from shared.security.setup import prepare

@@ -1,5 +1,5 @@
 """One process ``zattera up`` supervises: started, watched, restarted with backoff when it dies, stopped with
-a grace period."""
+a grace period; and :func:`port_free`, whether a port the supervisor would give one is free."""
 
 from __future__ import annotations
 
@@ -74,3 +74,16 @@ class Supervised:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def port_free(port: int) -> bool:
+    """Whether ``127.0.0.1:port`` can be bound now."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -21,21 +21,23 @@ from shared.teams import (
     VIEWER,
     Token,
     User,
-    all_records,
     check_name,
     check_role,
-    delete_record,
     encode_token,
     hash_token,
-    issue_member_creds,
-    load_token,
-    load_user,
     parse_ttl,
-    save_token,
-    save_user,
     token_key,
     token_user_name,
     user_key,
+)
+from shared.teams_store import (
+    all_records,
+    delete_record,
+    issue_member_creds,
+    load_token,
+    load_user,
+    save_token,
+    save_user,
 )
 
 users_app = typer.Typer(no_args_is_help=True, help="People of the teams: one identity for the CLI and console.")

@@ -17,12 +17,11 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from cli.layout import NATS_CA, DataLayout
-from cli.supervised import PROJECT_ROOT, RESTART_FIRST, RESTART_MOST, Supervised
+from cli.layout import DataLayout
+from cli.supervised import PROJECT_ROOT, RESTART_FIRST, RESTART_MOST, Supervised, port_free
 from cli.up_provision import provision_in_child
 from cli.up_roll import RESTART_SIGNAL, ROLL_DONE, ROLL_REFUSED, code_identity
 from services.proxy.launch import DEFAULT_HOST as DEFAULT_PROXY_HOST
-from services.proxy.launch import split_listen
 from shared.backoff import exponential
 from shared.embedded import (
     RETIRED_SEATS_FILE,
@@ -32,7 +31,7 @@ from shared.embedded import (
     free_port,
     start_cluster,
 )
-from shared.runtime_note import RUNTIME_NOTE, RuntimeNote, read_runtime_note
+from shared.runtime_note import RuntimeNote, read_runtime_note
 
 SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secrets", "certs", "console")
 
@@ -140,7 +139,7 @@ class Cluster:
         if name not in self.metrics_ports:
             wanted = self.metrics_port + len(self.metrics_ports)
             taken = set(self.metrics_ports.values())
-            self.metrics_ports[name] = wanted if wanted not in taken and _port_free(wanted) else free_port()
+            self.metrics_ports[name] = wanted if wanted not in taken and port_free(wanted) else free_port()
         return ["--metrics-port", str(self.metrics_ports[name])]
 
     @property
@@ -158,7 +157,8 @@ class Cluster:
             return 1
         return len(self.cluster_servers) or 1
 
-    def _launch(self, child: Supervised) -> None:
+    def launch(self, child: Supervised) -> None:
+        """Start ``child`` (dying with this process when :attr:`die_with_parent`)."""
         child.start(die_with_parent=self.die_with_parent)
 
     def start_nats(self) -> None:
@@ -191,7 +191,7 @@ class Cluster:
             self.nats = self.cluster_servers[0]
             return
         port = self.port
-        if port and not _port_free(port):
+        if port and not port_free(port):
             self.console.print(f"[yellow]port {port} is busy; using a free port instead[/]")
             port = free_port()
         self.nats = EmbeddedNats(
@@ -202,7 +202,7 @@ class Cluster:
         ).start()
 
     def child_env(self) -> dict[str, str]:
-        """The control plane's environment (the local node's: :meth:`_node_env`)."""
+        """The control plane's environment (the local node's: :func:`cli.up_node.node_env`)."""
         env = dict(os.environ)
         env["ZATTERA_NATS_URL"] = self.url
         env["ZATTERA_DATA_DIR"] = str(self.layout.control)
@@ -227,7 +227,7 @@ class Cluster:
         from the environment itself: the resident supervisor loads no settings (pydantic-settings, ~20 MB)."""
         if "ZATTERA_CONSOLE_PORT" in os.environ:
             self.console_port = int(os.environ["ZATTERA_CONSOLE_PORT"])
-        elif not _port_free(self.console_port):
+        elif not port_free(self.console_port):
             self.console_port = free_port()
         return {"ZATTERA_CONSOLE_PORT": str(self.console_port)}
 
@@ -240,15 +240,17 @@ class Cluster:
                 self.layout.logs / f"{name}.log",
                 {**env, **self.console_env()} if name in ("console", ALL_IN_ONE) else env,
             )
-            self._launch(child)
+            self.launch(child)
             self.children.append(child)
         if self.with_node:
-            self.children.extend(self._node_processes(env))
+            from cli.up_node import node_processes  # the node's module reads this one's settings
+
+            self.children.extend(node_processes(self, env))
         for child in self.extra:
             if self.all_in_one and self.services and child.name in ALL_IN_ONE_SERVICES:
                 continue  # the all-in-one process runs it already
             child.env = {**env, **child.env}
-            self._launch(child)
+            self.launch(child)
             self.children.append(child)
 
     @property
@@ -268,105 +270,6 @@ class Cluster:
         if note.isolation:  # how its apps and builds are kept from the node and each other (SECURITY.md "Apps")
             colour = "red" if note.isolation.startswith("NOT") else "green"
             self.console.print(f"  [{colour}]apps: {escape(note.isolation)}[/]")
-
-    def _node_processes(self, env: dict[str, str]) -> list[Supervised]:
-        """The local node: an agent (docker runtime when a Docker daemon answers, else processes; the builder)
-        and the ingress proxy."""
-        found = []
-        root = PROJECT_ROOT / "services"
-        # The proxy's ports first: the agent lets apps connect to them (every other port this process tree
-        # listens on is fenced from apps: services/agent/firewall.py).
-        port = self.proxy_port if _port_free(self.proxy_port) else free_port()
-        self.proxy_port = port
-        public = [port]
-        if self.proxy_tls_listen:
-            tls_host, tls_port = split_listen(self.proxy_tls_listen)
-            tls_port = tls_port if tls_port and _port_free(tls_port) else free_port()
-            self.proxy_tls_listen = f"[{tls_host}]:{tls_port}" if ":" in tls_host else f"{tls_host}:{tls_port}"
-            public.append(tls_port)
-        if (root / "agent" / "__main__.py").exists():
-            (self.agent_data_dir / RUNTIME_NOTE).unlink(missing_ok=True)  # the one this start writes, not a stale one
-            agent = Supervised(
-                "agent",
-                [
-                    sys.executable,
-                    "-m",
-                    "services.agent",
-                    "--nats",
-                    self.url,
-                    "--node-id",
-                    self.node_id,
-                    "--data-dir",
-                    str(self.agent_data_dir),
-                    "--builder",
-                    "--roles",
-                    "worker,control",
-                    # Ctrl-C leaves no process behind: the app instances stop with the agent, and the next
-                    # `zattera up` starts them again from the same desired state.
-                    "--stop-on-exit",
-                    *self.machine.get("agent_args", []),
-                    *self.metrics_args("agent"),
-                ],
-                self.layout.logs / "agent.log",
-                {
-                    **self._node_env(env, "agent", self.agent_data_dir),
-                    # Should an app's directory contain the data dir: every sandbox shows it empty.
-                    "ZATTERA_AGENT_SANDBOX_HIDDEN": str(self.data_dir),
-                    # Apps cannot connect to what this process tree listens on but the proxy's ports.
-                    "ZATTERA_AGENT_SANDBOX_FENCE_PIDS": str(os.getpid()),
-                    "ZATTERA_AGENT_SANDBOX_FENCE_ALLOW": ",".join(map(str, public)),
-                    # ... from the start for the ports known now (the console may not listen yet).
-                    "ZATTERA_AGENT_SANDBOX_FENCE_PORTS": ",".join(map(str, self.known_control_ports())),
-                },
-            )
-            self._launch(agent)
-            found.append(agent)
-        if (root / "proxy" / "__main__.py").exists():
-            proxy = Supervised(
-                "proxy",
-                [
-                    sys.executable,
-                    "-m",
-                    "services.proxy",
-                    "--nats",
-                    self.url,
-                    "--host",
-                    self.proxy_host,
-                    "--port",
-                    str(port),
-                    "--node-id",
-                    self.node_id,
-                    "--proxy-id",
-                    self.node_id,
-                    "--cache-dir",
-                    str(self.layout.proxy),
-                    *(["--tls-listen", self.proxy_tls_listen] if self.proxy_tls_listen else []),
-                    *self.metrics_args("proxy"),
-                ],
-                self.layout.logs / "proxy.log",
-                self._node_env(env, "proxy", self.layout.proxy),
-            )
-            self._launch(proxy)
-            found.append(proxy)
-        return found
-
-    def _node_env(self, env: dict[str, str], name: str, directory: Path) -> dict[str, str]:
-        """The local agent's or proxy's environment: its own directory, credential and CA copy, nothing that
-        points into the control plane's directory."""
-        own = {
-            k: v
-            for k, v in env.items()
-            if k not in ("ZATTERA_NATS_CREDS", "ZATTERA_NATS_TLS_CA") and not k.startswith(CONTROL_ONLY_SETTINGS)
-        }
-        own["ZATTERA_DATA_DIR"] = str(directory)
-        if self.node_creds.get(name):
-            own["ZATTERA_NATS_CREDS"] = self.node_creds[name]
-        if self.tls_ca:
-            copy = directory / NATS_CA
-            directory.mkdir(parents=True, exist_ok=True)
-            copy.write_bytes(Path(self.tls_ca).read_bytes())  # a certificate: public, but the node's own copy
-            own["ZATTERA_NATS_TLS_CA"] = str(copy)
-        return own
 
     def stop_retired_seats(self) -> None:
         """Stop the first machine's extra seats once retired (peer-removed by its join service, which records
@@ -421,7 +324,7 @@ class Cluster:
             elif now >= child.next_start:
                 child.restarts += 1
                 child.next_start = 0.0
-                self._launch(child)
+                self.launch(child)
 
     def roll(self, say: Callable[[str], None], *, wait: float = 120.0) -> bool:
         """Roll every process onto the code installed now, one at a time (control plane, then the rest, the
@@ -448,7 +351,7 @@ class Cluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(child.proc.pid, RESTART_SIGNAL)
                 child.wait_or_kill(time.monotonic() + 30.0)
-            self._launch(child)
+            self.launch(child)
             child.next_start = 0.0
             deadline = time.monotonic() + wait
             while not child.started_since(offset):
@@ -495,15 +398,3 @@ CONFIG_FIELDS = (
 
 """The :class:`Cluster` fields besides ``data_dir`` and ``extra`` that say what to run (the others are
 what runs)."""
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True

@@ -33,7 +33,8 @@ from shared.actions import refusals
 from shared.actions.refusals import ActionRefused, Conflicting, Invalid
 from shared.clock import Clock, RealClock, stamp
 from shared.deployments import is_terminal
-from shared.ids import SAFE_ID_RULE, is_safe_id, new_id
+from shared.ids import SAFE_ID_RULE, is_safe_id
+from shared.records import new_meta
 from shared.retry import Attempt, Decide, RetriesExhausted, commit_with_retry, decide_again
 from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
@@ -212,9 +213,7 @@ class Deployer:
                 git_sha=git_sha,
                 git_branch=git_branch,
             )
-            build.meta.id = new_id()
-            stamp(build.meta.created_at, now)
-            stamp(build.meta.updated_at, now)
+            new_meta(build.meta, now)
             if app is not None:
                 build.platforms.extend(app.build.platforms)
             release = self._new_release(env, "", (), pb.RELEASE_SOURCE_KIND_UPLOAD)
@@ -360,9 +359,7 @@ class Deployer:
             image_ref=image_ref,
             config_hash=config_hash(env.service),
         )
-        release.meta.id = new_id()
-        stamp(release.meta.created_at, now)
-        stamp(release.meta.updated_at, now)
+        new_meta(release.meta, now)
         release.service.CopyFrom(env.service)
         release.platforms.extend(platforms)
         release.source.kind = kind  # type: ignore[assignment]
@@ -383,9 +380,7 @@ class Deployer:
             build_id=build_id,
             created_by_user_id=self._created_by,
         )
-        deployment.meta.id = new_id()
-        stamp(deployment.meta.created_at, now)
-        stamp(deployment.meta.updated_at, now)
+        new_meta(deployment.meta, now)
         return deployment
 
     def _rollback_target(self, env: pb.Environment, to_release_id: str) -> pb.Release:

@@ -11,7 +11,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from zattera.v1 import types_pb2 as pb
 
 from shared.actions.refusals import Invalid
-from shared.ids import new_id
+from shared.clock import stamp
+from shared.records import new_meta
 
 MAX_COMMAND_BYTES = 4096
 """A job's shell command at most (UTF-8): it travels on the assignment every agent pass reads."""
@@ -80,11 +81,8 @@ def one_off_job(env: pb.Environment, command: str, *, now: float) -> pb.Job:
         status=PENDING,
         attempt=1,
     )
-    job.meta.id = new_id()
-    stamp = int(now * 1e9)
-    job.meta.created_at.FromNanoseconds(stamp)
-    job.meta.updated_at.FromNanoseconds(stamp)
-    job.slot_at.FromNanoseconds(stamp)
+    new_meta(job.meta, now)
+    stamp(job.slot_at, now)
     job.deadline.FromSeconds(int(DEFAULT_DEADLINE))
     return job
 

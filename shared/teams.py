@@ -12,7 +12,8 @@ operator credential —, read by control; members never read it):
   public key of the credential it wraps are stored. A revoked, expired or removed token is refused at the next
   request (the record is read at every request).
 
-The decisions are pure functions of the record and the keys' values: :func:`may_write`, :func:`may_read`.
+The decisions are pure functions of the record and the keys' values: :func:`may_write`, :func:`may_read`. Loading and
+saving the records is :mod:`shared.teams_store`.
 """
 
 from __future__ import annotations
@@ -340,91 +341,6 @@ def now() -> float:
     return time.time()
 
 
-# ------------------------------------------------------------------------------------ records (admins' side)
-
-
-class NoTeamsBucket(ZatteraError):
-    """The join service of a secured cluster creates the bucket; an operator credential may not."""
-
-
-async def _bucket(js: Any) -> Any:
-    from nats.js.errors import BucketNotFoundError
-
-    try:
-        return await js.key_value(TEAMS_BUCKET)
-    except BucketNotFoundError:
-        raise NoTeamsBucket(
-            f"no {TEAMS_BUCKET} bucket yet: teams need a secured cluster (`zattera up --secure`, docs/teams.md)"
-        ) from None
-
-
-async def _load(js: Any, key: str) -> bytes | None:
-    from nats.js.errors import KeyNotFoundError
-
-    kv = await _bucket(js)
-    try:
-        entry = await kv.get(key)
-    except KeyNotFoundError:
-        return None
-    return bytes(entry.value) if entry.value else None
-
-
-async def load_user(js: Any, name: str) -> User | None:
-    raw = await _load(js, user_key(name))
-    return User.from_json(raw) if raw else None
-
-
-async def save_user(js: Any, user: User) -> None:
-    await (await _bucket(js)).put(user_key(user.name), user.to_json())
-
-
-async def load_token(js: Any, name: str) -> Token | None:
-    raw = await _load(js, token_key(name))
-    return Token.from_json(raw) if raw else None
-
-
-async def save_token(js: Any, token: Token) -> None:
-    await (await _bucket(js)).put(token_key(token.name), token.to_json())
-
-
-async def delete_record(js: Any, key: str) -> None:
-    await (await _bucket(js)).purge(key)
-
-
-async def all_records(nc: Any, js: Any) -> tuple[list[User], list[Token]]:
-    """Every user and token, with one batch direct get (an operator creates no consumer)."""
-    from shared.directget import last_per_subject
-    from shared.jetstream import is_delete_marker
-
-    await _bucket(js)
-    msgs = await last_per_subject(nc, TEAMS_STREAM, f"$KV.{TEAMS_BUCKET}.>", 5.0)
-    users: list[User] = []
-    tokens: list[Token] = []
-    for msg in msgs:
-        if is_delete_marker(msg.headers) or not msg.data:
-            continue
-        key = (msg.headers or {}).get("Nats-Subject", "").removeprefix(f"$KV.{TEAMS_BUCKET}.")
-        if key.startswith("user."):
-            users.append(User.from_json(msg.data))
-        elif key.startswith("token."):
-            tokens.append(Token.from_json(msg.data))
-    return sorted(users, key=lambda u: u.name), sorted(tokens, key=lambda t: t.name)
-
-
-async def issue_member_creds(nc: Any, name: str) -> tuple[str, str]:
-    """A member credential named ``name`` from control (:data:`TEAMS_ISSUE_SUBJECT`): (creds text, user key)."""
-    import nats.errors
-
-    try:
-        reply = await nc.request(TEAMS_ISSUE_SUBJECT, json.dumps({"name": name}).encode(), timeout=5.0)
-    except nats.errors.NoRespondersError:
-        raise TeamError("no control service issues member credentials: is the cluster secured?") from None
-    answer = json.loads(reply.data or b"{}")
-    if answer.get("error"):
-        raise TeamError(f"member credential refused: {answer['error']}")
-    return str(answer["creds"]), str(answer["user_key"])
-
-
 # ------------------------------------------------------------------------------------- members' events
 
 TEAMS_EVENTS_SUBJECT = "zattera.teams.events"
@@ -437,14 +353,17 @@ EVENTS_POLL = 0.5
 
 
 @dataclass(frozen=True)
-class _Meta:
+class StreamSeq:
     stream: int
-    num_pending: int
 
 
 @dataclass(frozen=True)
-class _Seq:
-    stream: int
+class StreamPosition:
+    """A pushed or paged message's place in its stream, shaped as nats-py's ``msg.metadata`` (``sequence.stream``,
+    ``num_pending``): what watch readers read of it."""
+
+    sequence: StreamSeq
+    num_pending: int
 
 
 @dataclass(frozen=True)
@@ -457,13 +376,7 @@ class EventMsg:
 
     @property
     def metadata(self) -> Any:
-        return _Metadata(_Seq(self.seq), self.pending)
-
-
-@dataclass(frozen=True)
-class _Metadata:
-    sequence: _Seq
-    num_pending: int
+        return StreamPosition(StreamSeq(self.seq), self.pending)
 
 
 class MemberEvents:

@@ -12,6 +12,8 @@ mapping of the operator's import, like every other reply.
 The same request is made on an open cluster (one code path); only when no control service answers at all
 (a development cluster running no join service) does the reader create the same consumer itself, which
 an operator credential is refused.
+
+The control side (answering ``zattera.watch.open``) is :mod:`shared.watch_server`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from shared.backoff import resubscribing
 from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.pull import PullFeed, PullLost
-from shared.security.callers import answerable
 from shared.subjects import STATE_PREFIX, STATE_STREAM
 from shared.tasks import cancel_and_wait
 from shared.teams import (
@@ -48,6 +49,8 @@ from shared.teams import (
     FEED_SUBJECT_HEADER,
     TEAMS_FEED_KEEP_SUBJECT,
     TEAMS_FEED_SUBJECT,
+    StreamPosition,
+    StreamSeq,
     push_subject,
 )
 
@@ -156,34 +159,6 @@ async def create_watch_consumer(conn: Connection, spec: WatchSpec) -> str:
     return name
 
 
-WatchAuthorizer = Callable[[Msg, WatchSpec], Awaitable[str]]
-"""Why a caller may not open a watch ("" = it may): the teams' check (shared/security/authz.py)."""
-
-
-def watch_open_handler(conn: Connection, authorize: WatchAuthorizer | None = None) -> Callable[[Msg], Awaitable[None]]:
-    """Answers ``zattera.watch.open``. Any caller may ask (only operators, members and control may publish it,
-    and a pull consumer has no deliver subject to steer); answers go only to a requester's reply subject.
-    ``authorize``: a team member's watch is checked against its grants first (docs/teams.md)."""
-
-    async def on_request(msg: Msg) -> None:
-        if not answerable(msg):
-            return
-        reply: dict[str, str]
-        try:
-            spec = WatchSpec.from_json(msg.data)
-            refused = await authorize(msg, spec) if authorize is not None else ""
-            if refused:
-                raise BadWatch(refused)
-            reply = {"consumer": await create_watch_consumer(conn, spec)}
-        except BadWatch as exc:
-            reply = {"error": str(exc)}
-        except nats.errors.Error as exc:
-            reply = {"error": f"the watch could not be created: {exc}"}
-        await conn.nc.publish(msg.reply, json.dumps(reply).encode())
-
-    return on_request
-
-
 async def open_watch(conn: Connection, spec: WatchSpec, timeout: float = WATCH_REQUEST_TIMEOUT) -> str:
     """Ask control for a watch consumer; without any control service (an open development cluster) create
     it directly. Raises :class:`WatchUnavailable` or :class:`BadWatch`."""
@@ -227,6 +202,10 @@ class Watch:
         self._task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
         self.caught_up = caught_up or asyncio.Event()
+        self._set_up()
+
+    def _set_up(self) -> None:
+        """What a kind of watch keeps besides (called last by ``__init__``)."""
 
     async def start(self) -> Watch:
         consumer = await open_watch(self._conn, self._spec)
@@ -308,22 +287,11 @@ async def follow(
     return await FeedWatch(conn, spec, cb, caught_up=caught_up).start()
 
 
-@dataclass(frozen=True)
-class _FeedSeq:
-    stream: int
-
-
-@dataclass(frozen=True)
-class _FeedMeta:
-    sequence: _FeedSeq
-    num_pending: int
-
-
 class FeedMsg(Msg):
     """A message pushed on a member's feed: the stream's subject, sequence and pending count come as headers
     (a message re-published by control cannot keep its stream subject or JetStream reply)."""
 
-    _feed_meta: _FeedMeta
+    _feed_meta: StreamPosition
 
     @property
     def metadata(self) -> Any:
@@ -341,7 +309,7 @@ def feed_msg(nc: Any, msg: Msg) -> Msg | None:
     seq = int(headers.pop(FEED_SEQ_HEADER, "0") or 0)
     pending = int(headers.pop(FEED_PENDING_HEADER, "0") or 0)
     found = FeedMsg(_client=nc, subject=subject, reply="", data=msg.data, headers=headers or None)
-    found._feed_meta = _FeedMeta(_FeedSeq(seq), pending)
+    found._feed_meta = StreamPosition(StreamSeq(seq), pending)
     return found
 
 
@@ -358,15 +326,7 @@ class FeedWatch(Watch):
     silent (no heartbeat) or the feed ends without a refusal. A refusal (``end: not authorised…``) stops it:
     :meth:`next_msg` then raises :class:`BadWatch`."""
 
-    def __init__(
-        self,
-        conn: Connection,
-        spec: WatchSpec,
-        cb: Callable[[Msg], Awaitable[None]] | None = None,
-        *,
-        caught_up: asyncio.Event | None = None,
-    ) -> None:
-        super().__init__(conn, spec, cb, caught_up=caught_up)
+    def _set_up(self) -> None:
         self._id = ""
         self._sub: Any = None
         self._heard = 0.0
@@ -472,29 +432,6 @@ class FeedWatch(Watch):
                     TEAMS_FEED_KEEP_SUBJECT, json.dumps({"id": self._id, "close": True}).encode()
                 )
         await self._drop()
-
-
-async def serve(
-    conn: Connection, subject: str, handler: Callable[[Msg], Awaitable[None]], ready: asyncio.Event | None = None
-) -> None:
-    """Answer ``subject`` with ``handler`` until cancelled (queue group named after the subject: any number of
-    replicas share the work); ``ready`` is set once subscribed."""
-    sub = await conn.nc.subscribe(subject, queue=subject, cb=handler)
-    await conn.nc.flush()
-    if ready is not None:
-        ready.set()
-    try:
-        await asyncio.Event().wait()
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-
-
-async def serve_watches(
-    conn: Connection, ready: asyncio.Event | None = None, authorize: WatchAuthorizer | None = None
-) -> None:
-    """Answer ``zattera.watch.open`` until cancelled."""
-    await serve(conn, WATCH_OPEN_SUBJECT, watch_open_handler(conn, authorize), ready)
 
 
 STATE_WATCH = WatchSpec(STATE_STREAM, (f"{STATE_PREFIX}>",), deliver="last_per_subject")

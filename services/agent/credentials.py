@@ -6,7 +6,7 @@ Which credential an agent connects with, first match wins:
    again (the same, now used one, or any other) is then ignored: the node has joined. To re-join (after a
    revocation), delete the file and start with a token bound to the node (``zattera nodes join-token
    --node <id>``).
-2. ``--join-token`` / ``ZATTERA_AGENT_JOIN_TOKEN``: exchanged once with :func:`shared.security.join.join`
+2. ``--join-token`` / ``ZATTERA_AGENT_JOIN_TOKEN``: exchanged once with :func:`shared.security.join_client.join`
    for a credential, stored 0600 as ``node.creds`` before the agent first connects with it. While nobody
    answers (NATS down, join service not started yet) the exchange is retried; a refusal (used, expired,
    unknown, bound to another node) stops the agent with the service's reason.
@@ -24,7 +24,8 @@ from pathlib import Path
 from shared.errors import ZatteraError
 from shared.process import retry_until_stopped
 from shared.security.creds import read_user_jwt, write_private
-from shared.security.join import JoinUnavailable, join
+from shared.security.join import JoinUnavailable
+from shared.security.join_client import join
 from shared.security.nkeyjwt import decode_claims
 
 log = logging.getLogger(__name__)

@@ -30,6 +30,7 @@ from shared import keys as K
 from shared.clock import Clock, stamp
 from shared.connection import Connection
 from shared.jetstream import read_state_key
+from shared.records import new_meta
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry
 from shared.txn import Writer
 from shared.version import zattera_version
@@ -115,11 +116,10 @@ def registered_node(identity: NodeIdentity, existing: pb.Node | None, now: float
     node = pb.Node()
     if existing is not None:
         node.CopyFrom(existing)
+        stamp(node.meta.updated_at, now)
     else:
-        node.meta.id = identity.node_id
-        stamp(node.meta.created_at, now)
+        new_meta(node.meta, now, identity.node_id)
         node.schedulable = True
-    stamp(node.meta.updated_at, now)
     node.status = pb.NODE_STATUS_ALIVE
     node.os_arch = identity.os_arch
     node.capacity.cpu_millis = identity.cpu_millis

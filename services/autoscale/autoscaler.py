@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused
+from services.autoscale.common import ReplicaWrite, ScalingLoop, remember, scale_event, scaling_paused
 from shared import keys as K
 from shared.deployments import desired_replicas as current_replicas
 from shared.events import replica_count
@@ -161,7 +161,9 @@ def evaluate(
     return Decision(write, since, "scale down")
 
 
-class Autoscaler(ScalingLoop):
+class Autoscaler(ScalingLoop[None]):
+    """Its per-env timing is :attr:`timers` (a hold and a cooldown), not ``memory``."""
+
     name = "autoscaler"
     kinds = frozenset({K.ENV, K.DEPLOYMENT, K.ASSIGNMENT})
     live_kinds = frozenset({ENV_TRAFFIC, INSTANCE})
@@ -188,15 +190,11 @@ class Autoscaler(ScalingLoop):
         decision = evaluate(
             self.view, self.live, env, revision, now, self.timers, hold=self.hold, cooldown=self.cooldown
         )
-        if decision.low_since is None:
-            self.timers.low_since.pop(env.meta.id, None)
-        else:
-            self.timers.low_since[env.meta.id] = decision.low_since
+        remember(self.timers.low_since, env.meta.id, decision.low_since)
         return decision.write
 
     def committed(self, write: ReplicaWrite, now: float) -> pb.Event:
         self.timers.last_change[write.env_id] = now
         self.timers.low_since.pop(write.env_id, None)
         message = f"autoscaled {write.env.name} from {write.current} to {replica_count(write.target)}"
-        log.info("%s (env %s, %s)", message, write.env_id, ACTOR)
-        return scale_event(write, EVENT_SCALED, ACTOR, message, now)
+        return scale_event(write, EVENT_SCALED, ACTOR, message, now, logger=log)

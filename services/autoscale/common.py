@@ -14,6 +14,7 @@ import logging
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from zattera.v1 import types_pb2 as pb
 
@@ -30,6 +31,8 @@ from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
 
 log = logging.getLogger(__name__)
+
+V = TypeVar("V")
 
 CATCH_UP_TIMEOUT = 2.0
 """How long a scaling write that conflicted waits for the view to see the write that won."""
@@ -79,11 +82,25 @@ class ReplicaWrite:
         return self.env.meta.id
 
 
-def scale_event(write: ReplicaWrite, kind: str, actor: str, message: str, now: float) -> pb.Event:
-    """The event of a landed ``effective_replicas`` write (see :func:`shared.events.scale_event`)."""
+def scale_event(
+    write: ReplicaWrite, kind: str, actor: str, message: str, now: float, *, logger: logging.Logger | None = None
+) -> pb.Event:
+    """The event of a landed ``effective_replicas`` write (see :func:`shared.events.scale_event`); with
+    ``logger``, the message is also logged there, naming the env and the actor."""
+    if logger is not None:
+        logger.info("%s (env %s, %s)", message, write.env_id, actor)
     return shared_scale_event(
         write.env, write.revision, write.current, write.target, kind=kind, actor=actor, message=message, now=now
     )
+
+
+def remember(memory: dict[str, V], env_id: str, value: V | None) -> None:
+    """Keep ``value`` as the env's entry of a scaling loop's per-env memory (its timer, its low spell);
+    None forgets the env."""
+    if value is None:
+        memory.pop(env_id, None)
+    else:
+        memory[env_id] = value
 
 
 def effective_env(write: ReplicaWrite, now: float) -> pb.Environment:
@@ -100,12 +117,13 @@ def effective_txn(writer: Writer, write: ReplicaWrite, now: float) -> Txn:
     return writer.txn(label="effective_replicas").put(effective_env(write, now), expect=write.revision)
 
 
-class ScalingLoop(LeaderLoop):
+class ScalingLoop(LeaderLoop, Generic[V]):
     """A scaling loop: full passes at term start and on every tick; in between, re-evaluates only the
     envs that a state change or a fresh live sample touched, as soon as it arrives.
 
     Subclasses implement :meth:`decide` (the pure ``evaluate`` of the module plus the timer updates of
-    outcomes that write nothing) and :meth:`committed` (bookkeeping after a write landed).
+    outcomes that write nothing) and :meth:`committed` (bookkeeping after a write landed). ``memory`` is
+    the loop's per-env timing (an idle timer, a low spell: :func:`remember`), forgotten at each new term.
     """
 
     kinds = frozenset({K.ENV, K.DEPLOYMENT})
@@ -116,6 +134,10 @@ class ScalingLoop(LeaderLoop):
         self.live = live
         self.writes = 0
         self.conflicts = 0
+        self.memory: dict[str, V] = {}
+
+    def on_term_start(self) -> None:
+        self.memory = {}
 
     @abstractmethod
     def decide(self, env: pb.Environment, revision: int, now: float) -> ReplicaWrite | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused
+from services.autoscale.common import ReplicaWrite, ScalingLoop, remember, scale_event, scaling_paused
 from services.autoscale.settings import DEFAULTS
 from shared.events import EVENT_COOLED
 from shared.live import LiveView
@@ -78,7 +78,9 @@ def evaluate(
     return Decision(ReplicaWrite(env, revision, env.effective_replicas, 0), seen, "idle")
 
 
-class ScaleToZero(ScalingLoop):
+class ScaleToZero(ScalingLoop[float]):
+    """``memory``: each env's last-active time."""
+
     name = "scaletozero"
 
     def __init__(
@@ -91,10 +93,6 @@ class ScaleToZero(ScalingLoop):
     ) -> None:
         super().__init__(deps, live=live, tick=tick)
         self.default_idle_timeout = default_idle_timeout
-        self.last_active: dict[str, float] = {}
-
-    def on_term_start(self) -> None:
-        self.last_active = {}
 
     def decide(self, env: pb.Environment, revision: int, now: float) -> ReplicaWrite | None:
         decision = evaluate(
@@ -103,17 +101,13 @@ class ScaleToZero(ScalingLoop):
             env,
             revision,
             now,
-            self.last_active.get(env.meta.id),
+            self.memory.get(env.meta.id),
             default_idle_timeout=self.default_idle_timeout,
         )
-        if decision.last_active is None:
-            self.last_active.pop(env.meta.id, None)
-        else:
-            self.last_active[env.meta.id] = decision.last_active
+        remember(self.memory, env.meta.id, decision.last_active)
         return decision.write
 
     def committed(self, write: ReplicaWrite, now: float) -> pb.Event:
-        self.last_active.pop(write.env_id, None)
+        self.memory.pop(write.env_id, None)
         message = f"scaled {write.env.name} to zero after idle"
-        log.info("%s (env %s, %s)", message, write.env_id, ACTOR)
-        return scale_event(write, EVENT_COOLED, ACTOR, message, now)
+        return scale_event(write, EVENT_COOLED, ACTOR, message, now, logger=log)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop, scale_event, scaling_paused, wake_target
+from services.autoscale.common import ReplicaWrite, ScalingLoop, remember, scale_event, scaling_paused, wake_target
 from services.autoscale.settings import DEFAULTS
 from shared.deployments import desired_replicas as current_replicas
 from shared.events import replica_count
@@ -96,7 +96,9 @@ def evaluate(
     return Decision(ReplicaWrite(env, revision, current, low.peak), low, "scale down")
 
 
-class Serverless(ScalingLoop):
+class Serverless(ScalingLoop[LowSpell]):
+    """``memory``: each env's low spell."""
+
     name = "serverless"
 
     def __init__(
@@ -109,21 +111,13 @@ class Serverless(ScalingLoop):
     ) -> None:
         super().__init__(deps, live=live, tick=tick)
         self.window = scale_down_window
-        self.low: dict[str, LowSpell] = {}
-
-    def on_term_start(self) -> None:
-        self.low = {}
 
     def decide(self, env: pb.Environment, revision: int, now: float) -> ReplicaWrite | None:
-        decision = evaluate(self.view, self.live, env, revision, now, self.low.get(env.meta.id), window=self.window)
-        if decision.low is None:
-            self.low.pop(env.meta.id, None)
-        else:
-            self.low[env.meta.id] = decision.low
+        decision = evaluate(self.view, self.live, env, revision, now, self.memory.get(env.meta.id), window=self.window)
+        remember(self.memory, env.meta.id, decision.low)
         return decision.write
 
     def committed(self, write: ReplicaWrite, now: float) -> pb.Event:
-        self.low.pop(write.env_id, None)
+        self.memory.pop(write.env_id, None)
         message = f"serverless scaled {write.env.name} from {write.current} to {replica_count(write.target)}"
-        log.info("%s (env %s, %s)", message, write.env_id, ACTOR)
-        return scale_event(write, EVENT_SCALED, ACTOR, message, now)
+        return scale_event(write, EVENT_SCALED, ACTOR, message, now, logger=log)

@@ -18,17 +18,8 @@ from aiohttp import web
 from services.console.forms import _acting, _done, _form, _refused
 from services.console.handling import console_of, is_api, render
 from shared.actions.addon_attach import AttachAddon, attach_addon, detach_addon
-from shared.actions.addons import (
-    AddonInfo,
-    CreateAddon,
-    RestoreAddon,
-    addon_env,
-    backup_status,
-    create_addon,
-    info_of,
-    list_addons,
-    restore_addon,
-)
+from shared.actions.addon_restore import backup_status, restore_addon
+from shared.actions.addons import AddonInfo, CreateAddon, RestoreAddon, addon_env, create_addon, info_of, list_addons
 from shared.actions.context import ActionContext
 from shared.actions.names import env_path
 from shared.actions.refusals import ActionRefused, Invalid, NotFound

@@ -35,14 +35,11 @@ from shared.teams import (
     TOKEN_USER_PREFIX,
     TeamError,
     User,
-    all_records,
     decode_token,
-    load_token,
-    load_user,
-    save_user,
     token_matches,
     user_key,
 )
+from shared.teams_store import all_records, load_token, load_user, save_user
 
 from .auth import Session
 

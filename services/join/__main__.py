@@ -25,7 +25,7 @@ from shared.security.permissions import VIEW_OPEN_SUBJECT, Role
 from shared.security.setup import SENTINEL_FILE
 from shared.security.views import open_cluster_view_handler
 from shared.service import ServiceContext, main
-from shared.watches import serve, serve_watches
+from shared.watch_server import serve, serve_watches
 
 log = logging.getLogger(__name__)
 

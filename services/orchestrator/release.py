@@ -27,6 +27,7 @@ from shared import keys as K
 from shared.clock import stamp
 from shared.decision import Decision
 from shared.deployments import is_terminal
+from shared.records import new_meta
 from shared.state.reader import StateReader
 
 RELEASING = pb.DEPLOYMENT_PHASE_RELEASING
@@ -69,9 +70,7 @@ def new_release_job(d: pb.Deployment, release: pb.Release, now: float, timers: T
         max_retries=0,
         deployment_id=d.meta.id,
     )
-    job.meta.id = release_job_id(d.meta.id)
-    stamp(job.meta.created_at, now)
-    stamp(job.meta.updated_at, now)
+    new_meta(job.meta, now, release_job_id(d.meta.id))
     stamp(job.slot_at, now)
     job.deadline.FromNanoseconds(int(timers.releasing_timeout * 1e9))
     return job

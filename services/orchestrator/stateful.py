@@ -36,12 +36,11 @@ from services.orchestrator.model import (
     timed_out,
     timeout_reason,
 )
-from shared.clock import stamp
 from shared.decision import Decision
 from shared.events import INFO, WARNING
-from shared.ids import new_id
 from shared.placement.placement import place
 from shared.placement.replicas import new_assignment, with_desired
+from shared.records import new_meta
 from shared.state.reader import StateReader
 from shared.volumes import restoring_volume
 
@@ -156,8 +155,6 @@ def missing_volumes(
             node_id=node_id,
             status=pb.VOLUME_STATUS_ACTIVE,
         )
-        volume.meta.id = new_id()
-        stamp(volume.meta.created_at, now)
-        stamp(volume.meta.updated_at, now)
+        new_meta(volume.meta, now)
         created.append(volume)
     return created

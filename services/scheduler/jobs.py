@@ -43,6 +43,7 @@ from shared.events import INFO, WARNING
 from shared.loop import LeaderLoop, LoopDeps
 from shared.placement.placement import PlacementIndex
 from shared.placement.replicas import new_assignment, node_is_down, stopped
+from shared.records import new_meta
 from shared.schedule import Schedule, ScheduleError, parse_schedule
 from shared.settings import DEFAULTS
 from shared.state.reader import StateReader
@@ -201,9 +202,7 @@ class _Decider:
             attempt=1,
             max_retries=entry.max_retries,
         )
-        job.meta.id = J.cron_job_id(env.meta.id, entry.name, slot)
-        stamp(job.meta.created_at, self.now)
-        stamp(job.meta.updated_at, self.now)
+        new_meta(job.meta, self.now, J.cron_job_id(env.meta.id, entry.name, slot))
         stamp(job.slot_at, slot)
         if entry.HasField("deadline"):
             job.deadline.CopyFrom(entry.deadline)

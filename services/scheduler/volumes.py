@@ -35,10 +35,10 @@ from shared.clock import from_timestamp, stamp
 from shared.decision import Decision
 from shared.deployments import env_ownership
 from shared.events import INFO, WARNING
-from shared.ids import new_id
 from shared.placement.placement import volume_pin
 from shared.placement.platforms import supports
 from shared.placement.replicas import RUN, node_is_down
+from shared.records import new_meta
 from shared.state.reader import StateReader
 from shared.state.tables import reservation
 from shared.volumes import find_volume, lease_expired, lease_held_by_other, lease_of
@@ -148,9 +148,7 @@ def evaluate_volumes(view: StateReader, now: float) -> VolumeDecision:
                 node_id=home,
                 status=pb.VOLUME_STATUS_ACTIVE,
             )
-            created.meta.id = new_id()
-            stamp(created.meta.created_at, now)
-            created.meta.updated_at.CopyFrom(created.meta.created_at)
+            new_meta(created.meta, now)
             writes_for(env.meta.id).creates.append(created)
 
     for volume in view.volumes():

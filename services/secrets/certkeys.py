@@ -111,14 +111,22 @@ def certificate_page(view: StateReader, key_for: KeyById, after: str, limit: int
     return page
 
 
-def answer_page(request_data: bytes, view: StateReader, key_for: KeyById, server_max: int) -> cpb.OpenCertKeysResponse:
-    """The answer on ``zattera.certs.keys.open``: one page (``paged``) or the whole set (an older proxy)."""
+def _request(request_data: bytes) -> cpb.OpenCertKeysRequest | cpb.OpenCertKeysResponse:
+    """The request on ``zattera.certs.keys.open``, or the answer refusing it (malformed, no X25519 key)."""
     try:
         request = cpb.OpenCertKeysRequest.FromString(request_data)
     except Exception:
         return cpb.OpenCertKeysResponse(error="malformed request")
     if len(request.public_key) != 32:
         return cpb.OpenCertKeysResponse(error="public_key: expected 32 bytes (X25519)")
+    return request
+
+
+def answer_page(request_data: bytes, view: StateReader, key_for: KeyById, server_max: int) -> cpb.OpenCertKeysResponse:
+    """The answer on ``zattera.certs.keys.open``: one page (``paged``) or the whole set (an older proxy)."""
+    request = _request(request_data)
+    if isinstance(request, cpb.OpenCertKeysResponse):
+        return request
     if request.max_bytes and request.max_bytes < MIN_PAGE_BYTES:
         return cpb.OpenCertKeysResponse(error=f"max_bytes: at least {MIN_PAGE_BYTES} (got {request.max_bytes})")
     limit = page_limit(server_max, request.max_bytes)
@@ -145,12 +153,9 @@ def account_bundle(view: StateReader, key_for: KeyById) -> cpb.CertBundle | str:
 
 
 def answer(request_data: bytes, bundle: Callable[[], cpb.CertBundle | str]) -> cpb.OpenCertKeysResponse:
-    try:
-        request = cpb.OpenCertKeysRequest.FromString(request_data)
-    except Exception:
-        return cpb.OpenCertKeysResponse(error="malformed request")
-    if len(request.public_key) != 32:
-        return cpb.OpenCertKeysResponse(error="public_key: expected 32 bytes (X25519)")
+    request = _request(request_data)
+    if isinstance(request, cpb.OpenCertKeysResponse):
+        return request
     result = bundle()
     if isinstance(result, str):
         return cpb.OpenCertKeysResponse(error=result)

@@ -37,6 +37,7 @@ from shared import keys as K
 from shared.certs import ACCOUNT_OPEN_SUBJECT, KEYS_OPEN_SUBJECT
 from shared.connection import Connection
 from shared.events import WARNING, EventPublisher, make_event
+from shared.records import new_meta
 from shared.secrets import (
     CLUSTER_KEY,
     ROTATE_SUBJECT,
@@ -197,9 +198,7 @@ class SecretsService:
                 log.error("secrets: the published cluster key %s is not in %s", current.key_id, self._path)
                 return False
             record = pb.SecretsKey(key_id=ident, public_key=public)
-            record.meta.id = CLUSTER_KEY
-            record.meta.created_at.FromNanoseconds(time.time_ns())
-            record.meta.updated_at.FromNanoseconds(time.time_ns())
+            new_meta(record.meta, time.time(), CLUSTER_KEY)
             try:
                 await self._writer.commit(self._writer.txn("secrets-key").put(record))
             except (Conflict, CommitUnknown):

@@ -16,8 +16,7 @@ from shared.actions.context import ActionContext, commit
 from shared.actions.names import env_label, env_path, target_env
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.certs import hostname_problem
-from shared.clock import stamp
-from shared.ids import new_id
+from shared.records import new_meta
 from shared.retry import Attempt
 
 
@@ -60,9 +59,7 @@ async def add_domain(ctx: ActionContext, request: AddDomain) -> DomainAdded:
                 where = env_label(ctx.view, other.environment_id)
                 raise Conflicting(f"{hostname} is already routed to {where}", field="hostname")
         domain = pb.Domain(project_id=env.project_id, app_id=env.app_id, environment_id=env.meta.id, hostname=hostname)
-        domain.meta.id = new_id()
-        stamp(domain.meta.created_at, ctx.clock.now())
-        domain.meta.updated_at.CopyFrom(domain.meta.created_at)
+        new_meta(domain.meta, ctx.clock.now())
         return Attempt(ctx.writer.txn("domains.add").create(domain), domain)
 
     domain = await commit(ctx, attempt, contended=f"hostname {hostname}")

@@ -27,6 +27,7 @@ from shared.actions.refusals import Invalid, NotFound
 from shared.backup.sealed import seal_settings
 from shared.clock import from_timestamp, stamp
 from shared.ids import new_id
+from shared.records import new_meta
 from shared.state.reader import StateReader
 from shared.txn import Txn, Writer
 
@@ -264,9 +265,7 @@ def plan_preview(
         preview_pr_number=event.number,
         effective_replicas=1,
     )
-    env.meta.id = new_id()
-    stamp(env.meta.created_at, now)
-    stamp(env.meta.updated_at, now)
+    new_meta(env.meta, now)
     if expires:
         stamp(env.preview_expires_at, expires)
     env.service.CopyFrom(preview_spec(base.service))
@@ -277,7 +276,7 @@ def plan_preview(
     if base.HasField("logs"):
         env.logs.CopyFrom(base.logs)
     txn = writer.txn("preview.create")
-    stamped = time.time_ns()
+    stamped = time.time()
     by_id = {s.meta.id: s for s in view.secrets(base.meta.id)}
     for name in hook.shared_secrets:
         ref = base.service.secrets.get(name)
@@ -286,10 +285,8 @@ def plan_preview(
             continue
         copy = pb.SealedSecret()
         copy.CopyFrom(original)
-        copy.meta.id = new_id()
+        new_meta(copy.meta, stamped)
         copy.environment_id = env.meta.id
-        copy.meta.created_at.FromNanoseconds(stamped)
-        copy.meta.updated_at.FromNanoseconds(stamped)
         txn.create(copy)
         new_ref = env.service.secrets[name]
         new_ref.CopyFrom(ref)
@@ -298,9 +295,7 @@ def plan_preview(
     hostname = G.preview_hostname(event.number, app.name if app else "app", domain)
     if not any(d.hostname == hostname for d in view.domains()):
         dom = pb.Domain(project_id=env.project_id, app_id=env.app_id, environment_id=env.meta.id, hostname=hostname)
-        dom.meta.id = new_id()
-        dom.meta.created_at.CopyFrom(env.meta.created_at)
-        dom.meta.updated_at.CopyFrom(env.meta.created_at)
+        new_meta(dom.meta, now)
         txn.create(dom)
     return PreviewPlan(txn, env, created=True)
 

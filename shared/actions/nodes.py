@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from nats.errors import Error as NatsError
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.actions.context import ActionContext, commit_edit
-from shared.actions.refusals import Conflicting, NotFound, Unavailable
+from shared.actions.refusals import Conflicting, NotFound, ask_service
 from shared.events import node_change_event, node_status_name
 
 REMOVE_TIMEOUT = 130.0
@@ -190,11 +189,10 @@ def _short(reply: dict[str, Any]) -> list[StreamShort]:
 async def _ask_join(ctx: ActionContext, request: dict[str, Any], timeout: float) -> dict[str, Any]:
     from shared.security.permissions import JOIN_REMOVE_SUBJECT  # the security modules' imports, only when used
 
-    try:
-        msg = await ctx.conn.nc.request(JOIN_REMOVE_SUBJECT, json.dumps(request).encode(), timeout=timeout)
-    except (NatsError, TimeoutError):
-        raise Unavailable("no join service answered") from None
-    reply: dict[str, Any] = json.loads(msg.data or b"{}")
+    data = await ask_service(
+        ctx.conn.nc, JOIN_REMOVE_SUBJECT, json.dumps(request).encode(), timeout, unavailable="no join service answered"
+    )
+    reply: dict[str, Any] = json.loads(data or b"{}")
     if "error" in reply:
         raise Conflicting(str(reply["error"]))
     return reply

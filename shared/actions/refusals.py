@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from shared.errors import ZatteraError
 
@@ -76,6 +76,18 @@ class Forbidden(ActionRefused):
 
 class Unavailable(ActionRefused):
     kind = Refusal.UNAVAILABLE
+
+
+async def ask_service(nc: Any, subject: str, body: bytes, timeout: float, *, unavailable: str) -> bytes:
+    """One request to a control-side service (the join service, the secrets service): its answer, or
+    :class:`Unavailable` saying ``unavailable`` (``{error}`` in it: the error's type) when none came."""
+    from nats.errors import Error as NatsError
+
+    try:
+        msg = await nc.request(subject, body, timeout=timeout)
+    except (NatsError, TimeoutError) as exc:
+        raise Unavailable(unavailable.format(error=type(exc).__name__)) from None
+    return bytes(msg.data or b"")
 
 
 _BY_KIND: dict[Refusal, type[ActionRefused]] = {

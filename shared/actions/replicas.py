@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client as NATS
-from nats.errors import Error as NatsError
 
-from shared.actions.refusals import Unavailable, refusal_from_dict
+from shared.actions.refusals import ask_service, refusal_from_dict
 from shared.replicas import CLUSTER_REPLICAS_SUBJECT, DEFAULT_TIMEOUT, StreamChanged, check_count
 
 
@@ -38,11 +37,14 @@ class ReplicasChanged:
 
 
 async def _ask(nc: NATS, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-    try:
-        msg = await nc.request(CLUSTER_REPLICAS_SUBJECT, json.dumps(request).encode(), timeout=timeout)
-    except (NatsError, TimeoutError):
-        raise Unavailable("no join service answered on zattera.cluster.replicas (is the control plane up?)") from None
-    reply: dict[str, Any] = json.loads(msg.data or b"{}")
+    data = await ask_service(
+        nc,
+        CLUSTER_REPLICAS_SUBJECT,
+        json.dumps(request).encode(),
+        timeout,
+        unavailable="no join service answered on zattera.cluster.replicas (is the control plane up?)",
+    )
+    reply: dict[str, Any] = json.loads(data or b"{}")
     if "refused" in reply:
         raise refusal_from_dict(reply["refused"])
     return reply

@@ -13,14 +13,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from nats.errors import Error as NatsError
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.actions.config import ConfigChanged, reconfigure
 from shared.actions.context import ActionContext
-from shared.actions.refusals import Conflicting, Unavailable
+from shared.actions.refusals import Conflicting, ask_service
 from shared.appconfig import (
     ConfigError,
     check_env_size,
@@ -29,8 +28,9 @@ from shared.appconfig import (
     secret_sizes,
     unreferenced_secrets,
 )
+from shared.clock import stamp
 from shared.deploy import ConfigEdit
-from shared.ids import new_id
+from shared.records import new_meta
 from shared.registryauth import REGISTRY_AUTH_SECRET, registry_auth_value
 from shared.secrets import CLUSTER_KEY, ROTATE_SUBJECT, seal
 from shared.state.reader import StateReader
@@ -113,7 +113,7 @@ def set_secret_edit(view: StateReader, name: str, value: str) -> ConfigEdit:
         sizes = secret_sizes(env.service, existing)
         sizes[name] = len(value.encode())
         check_env_size(env.service.vars, sizes, field=f"secrets.{name}")
-        now = time.time_ns()
+        now = time.time()
         record = pb.SealedSecret(
             environment_id=env.meta.id,
             project_id=env.project_id,
@@ -122,12 +122,10 @@ def set_secret_edit(view: StateReader, name: str, value: str) -> ConfigEdit:
             ciphertext=seal(key.public_key, value.encode()),
             key_id=key.key_id,
         )
-        record.meta.id = new_id()
-        record.meta.created_at.FromNanoseconds(now)
-        record.meta.updated_at.FromNanoseconds(now)
+        new_meta(record.meta, now)
         ref = env.service.secrets[name]
         ref.secret_id, ref.version = record.meta.id, record.version
-        ref.updated_at.FromNanoseconds(now)
+        stamp(ref.updated_at, now)
         env.service.config_version += 1
         txn.create(record)
         txn.put(key)  # unchanged: fences the write on the key it was sealed to (a rotation refuses it)
@@ -178,13 +176,14 @@ async def _set(ctx: ActionContext, env: str, name: str, value: str, *, deploy: b
 
 async def rotate_secrets_key(ctx: ActionContext, request: RotateSecretsKey) -> KeyRotated:
     """Ask the secrets service for a new cluster key; it re-seals every secret under it (apps keep running)."""
-    try:
-        msg = await ctx.conn.nc.request(
-            ROTATE_SUBJECT, cpb.RotateSecretsKeyRequest().SerializeToString(), timeout=request.timeout
-        )
-    except (NatsError, TimeoutError) as exc:
-        raise Unavailable(f"the secrets service did not answer ({type(exc).__name__}): is it running?") from None
-    response = cpb.RotateSecretsKeyResponse.FromString(msg.data)
+    data = await ask_service(
+        ctx.conn.nc,
+        ROTATE_SUBJECT,
+        cpb.RotateSecretsKeyRequest().SerializeToString(),
+        request.timeout,
+        unavailable="the secrets service did not answer ({error}): is it running?",
+    )
+    response = cpb.RotateSecretsKeyResponse.FromString(data)
     if response.error:
         raise Conflicting(response.error)
     return KeyRotated(response.previous_key_id, response.key_id, response.resealed)

@@ -15,7 +15,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared.clock import from_timestamp, stamp
 from shared.deployments import desired_replicas
-from shared.ids import new_id
+from shared.records import new_meta
 from shared.state.reader import StateReader
 
 __all__ = ["desired_replicas"]
@@ -57,9 +57,7 @@ def new_assignment(
         desired=RUN,
         config_hash=release.config_hash,
     )
-    a.meta.id = assignment_id or new_id()
-    stamp(a.meta.created_at, now)
-    stamp(a.meta.updated_at, now)
+    new_meta(a.meta, now, assignment_id)
     return a
 
 

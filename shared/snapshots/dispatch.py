@@ -33,7 +33,7 @@ from shared.actions.refusals import NotFound
 from shared.addons.spec import platform_pre_hook
 from shared.clock import Clock, stamp
 from shared.connection import Connection
-from shared.ids import new_id
+from shared.records import new_meta
 from shared.retry import Attempt, RetriesExhausted, commit_with_retry, decide_again
 from shared.settings import Settings, settings
 from shared.snapshots.guards import (
@@ -133,9 +133,7 @@ class SnapshotDispatcher:
         record = pb.VolumeSnapshot(
             volume_id=volume_id, status=pb.SNAPSHOT_STATUS_RUNNING, key_fingerprint=key_fingerprint(self.target)
         )
-        record.meta.id = new_id()
-        stamp(record.meta.created_at, now)
-        stamp(record.meta.updated_at, now)
+        new_meta(record.meta, now)
         self._busy_volumes.add(volume_id)
         try:
             await writer.commit(writer.txn("snapshot.start").create(record))

@@ -13,15 +13,8 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.actions.addon_attach import AttachAddon, attach_addon, detach_addon
-from shared.actions.addons import (
-    CreateAddon,
-    DeleteAddon,
-    RestoreAddon,
-    create_addon,
-    delete_addon,
-    list_addons,
-    restore_addon,
-)
+from shared.actions.addon_restore import restore_addon
+from shared.actions.addons import CreateAddon, DeleteAddon, RestoreAddon, create_addon, delete_addon, list_addons
 from shared.actions.context import ActionContext
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.addons import spec as addon
@@ -188,7 +181,7 @@ async def test_a_restore_is_a_fork_pinned_to_the_origins_node_and_refuses_times_
 
 
 def test_the_window_comes_from_the_instances_report_and_bounds_the_target() -> None:
-    from shared.actions.addons import check_restore_time
+    from shared.actions.addon_restore import check_restore_time
     from shared.addons.backups import status_from_lines
 
     info = (

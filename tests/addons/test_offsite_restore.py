@@ -22,15 +22,8 @@ from zattera.v1 import types_pb2 as pb
 from services.agent.snapshots.handlers import SnapshotAgent
 from services.secrets.offsite import OffsiteSnapshots
 from shared import keys as K
-from shared.actions.addons import (
-    AddonOffsite,
-    CreateAddon,
-    RestoreAddon,
-    addon_info,
-    create_addon,
-    restore_addon,
-    set_addon_offsite,
-)
+from shared.actions.addon_restore import restore_addon, set_addon_offsite
+from shared.actions.addons import AddonOffsite, CreateAddon, RestoreAddon, addon_info, create_addon
 from shared.actions.refusals import Invalid, NotFound
 from shared.actions.volumes import TakeSnapshot, take_snapshot
 from shared.addons import spec as addon

@@ -14,7 +14,8 @@ from shared.console_users import save_user as save_console_user
 from shared.security.authz import ensure_teams_bucket
 from shared.security.creds import creds_text
 from shared.security.nkeyjwt import KeyKind, KeyPair, encode_jwt
-from shared.teams import DEPLOYER, VIEWER, Token, User, encode_token, hash_token, save_token, save_user
+from shared.teams import DEPLOYER, VIEWER, Token, User, encode_token, hash_token
+from shared.teams_store import save_token, save_user
 from shared.txn import Writer
 from tests import factories
 from tests.console.rig import ADMIN_USER, ENV_ID, PASSWORD, Running

@@ -16,7 +16,7 @@ from shared.embedded import EmbeddedNats, start_cluster, wait_meta_group
 from shared.provisioning import inspect_cluster, provision, recorded_replicas
 from shared.replicas import CLUSTER_REPLICAS_SUBJECT, handler
 from shared.subjects import STATE_STREAM
-from shared.watches import serve
+from shared.watch_server import serve
 
 
 def _cluster(base: Path, tags: list[str]) -> list[EmbeddedNats]:

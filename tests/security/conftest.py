@@ -30,7 +30,7 @@ from shared.security.creds import inbox_prefix
 from shared.security.join import JoinService
 from shared.security.permissions import Role
 from shared.security.setup import SecureSetup, prepare
-from shared.watches import serve_watches
+from shared.watch_server import serve_watches
 
 
 @dataclass

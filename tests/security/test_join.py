@@ -11,7 +11,8 @@ import pytest
 
 from shared.connection import Connection, connect
 from shared.security.creds import read_user_jwt, write_private
-from shared.security.join import JoinRefused, JoinService, JoinToken, join, request_join_token
+from shared.security.join import JoinRefused, JoinService, JoinToken
+from shared.security.join_client import join, request_join_token
 from shared.security.nkeyjwt import decode_claims
 from shared.subjects import STATE_PREFIX
 from tests.security.conftest import ManualClock, SecureCluster

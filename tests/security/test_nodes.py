@@ -33,7 +33,8 @@ from shared.ids import new_id
 from shared.registry import PlatformImage, push_image
 from shared.routewire import content_digest, encode_messages
 from shared.security.authority import RoleIssuer
-from shared.security.join import JoinService, join, request_join_token
+from shared.security.join import JoinService
+from shared.security.join_client import join, request_join_token
 from shared.security.permissions import Role
 from shared.subjects import LIVE_PREFIX, LIVE_STREAM, ROUTES_GET_SUBJECT, STATE_PREFIX, STATE_STREAM
 from shared.tasks import cancel_and_wait

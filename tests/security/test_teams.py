@@ -43,17 +43,15 @@ from shared.teams import (
     User,
     encode_token,
     hash_token,
-    issue_member_creds,
-    load_user,
     push_subject,
-    save_token,
-    save_user,
     token_key,
     token_user_name,
     user_key,
 )
-from shared.teams import delete_record as delete_team_record
-from shared.watches import BadWatch, WatchSpec, follow, open_watch, serve_watches
+from shared.teams_store import delete_record as delete_team_record
+from shared.teams_store import issue_member_creds, load_user, save_token, save_user
+from shared.watch_server import serve_watches
+from shared.watches import BadWatch, WatchSpec, follow, open_watch
 from tests.e2e.cluster import cli_argv
 from tests.security.conftest import ConnectAs, ManualClock, SecureCluster, relayed_request
 from tests.security.test_permissions import publish_refused

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from cli.layout import NODE_CREDS, PROXY_CREDS, DataLayout
 from cli.up_cluster import LOCAL_NODE, Cluster
+from cli.up_node import node_env
 from shared.security.authority import RoleIssuer
 from shared.security.creds import read_user_jwt, write_private
 from shared.security.nkeyjwt import decode_claims
@@ -32,7 +33,7 @@ def test_the_local_node_gets_a_builder_and_a_proxy_credential(tmp_path: Path) ->
     }
 
     for process, role, directory in (("agent", Role.BUILDER, layout.agent), ("proxy", Role.PROXY, layout.proxy)):
-        env = cluster._node_env(services_env, process, directory)
+        env = node_env(cluster, services_env, process, directory)
         assert env["ZATTERA_NATS_URL"] == "nats://x"
         assert env["ZATTERA_DATA_DIR"] == str(directory)
         for value in env.values():  # nothing names the control plane's directory
@@ -48,7 +49,7 @@ def test_the_local_node_gets_a_builder_and_a_proxy_credential(tmp_path: Path) ->
     before = Path(node_creds["agent"]).read_text()
     assert str(setup.issue(Role.BUILDER, LOCAL_NODE, layout.agent / NODE_CREDS)) == node_creds["agent"]
     assert Path(node_creds["agent"]).read_text() == before
-    open_env = Cluster(data_dir=tmp_path)._node_env({"ZATTERA_NATS_URL": "nats://x"}, "agent", layout.agent)
+    open_env = node_env(Cluster(data_dir=tmp_path), {"ZATTERA_NATS_URL": "nats://x"}, "agent", layout.agent)
     assert open_env == {"ZATTERA_NATS_URL": "nats://x", "ZATTERA_DATA_DIR": str(layout.agent)}
 
 
