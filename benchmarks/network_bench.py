@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -100,19 +99,42 @@ threading.Event().wait()
 CLIENT = r"""
 import json, resource, socket, sys, threading, time
 
-host, port, phase, count, streams = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+spec = json.loads(sys.argv[1])
+targets = {mode: (host, port) for mode, (host, port) in spec["targets"].items()}
+modes, shift = list(targets), spec["round"]
 
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
-def connections():
+def server_cpu():
+    with socket.create_connection(("127.0.0.1", spec["control"])) as s:
+        s.sendall(b"C")
+        return float(s.recv(64))
+
+def bench_cpu():  # the bench's main thread (the user-space forwarder's event loop), ns
+    with open(f"/proc/{spec['bench_pid']}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
+
+def softirq():  # the machine's, all CPUs, USER_HZ ticks
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[7]) / spec["user_hz"]
+
+def measured(work, *args):
+    s0, b0, q0 = server_cpu(), bench_cpu(), softirq()
+    c0, t0 = cpu(), time.perf_counter()
+    result = work(*args)
+    seconds, client = time.perf_counter() - t0, cpu() - c0
+    q1, b1, s1 = softirq(), bench_cpu(), server_cpu()
+    return {"seconds": seconds, "client": client, "server": s1 - s0, "bench": b1 - b0, "softirq": q1 - q0}, result
+
+def connections(host, port, count):
     for _ in range(count):
         with socket.create_connection((host, port)) as s:
             s.sendall(b"x")
             s.recv(16)
 
-def trips():
+def trips(host, port, count):
     rtts = []
     with socket.create_connection((host, port)) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -126,9 +148,8 @@ def trips():
             rtts.append(time.perf_counter() - t0)
     return rtts
 
-def stream(each, got):
-    buffer = bytearray(1 << 20)
-    view = memoryview(buffer)
+def stream(host, port, each, got):
+    view = memoryview(bytearray(1 << 20))
     total = 0
     with socket.create_connection((host, port)) as s:
         s.sendall(b"G%d" % each)
@@ -136,9 +157,9 @@ def stream(each, got):
             total += n
     got.append(total)
 
-def bulk():
+def bulk(host, port, count, streams):
     got = []
-    workers = [threading.Thread(target=stream, args=(count // streams, got)) for _ in range(streams)]
+    workers = [threading.Thread(target=stream, args=(host, port, count // streams, got)) for _ in range(streams)]
     for w in workers:
         w.start()
     for w in workers:
@@ -146,10 +167,23 @@ def bulk():
     if sum(got) != count // streams * streams:
         raise SystemExit(f"bulk: {sum(got)} bytes of {count}")
 
-cpu0, t0 = cpu(), time.perf_counter()
-rtts = trips() if phase == "trips" else (connections() if phase == "connections" else bulk())
-print(json.dumps({"seconds": time.perf_counter() - t0, "cpu": cpu() - cpu0, "rtts": rtts or []}))
+out = {phase: {mode: [] for mode in modes} for phase in ("connections", "trips", "bulk", "bulk4")}
+rtts = {}
+block = spec["block"]
+for b in range(spec["connections"] // block):  # blocks of connections, the modes alternating block by block
+    k = (shift + b) % len(modes)
+    for mode in modes[k:] + modes[:k]:
+        out["connections"][mode].append(measured(connections, *targets[mode], block)[0])
+k = shift % len(modes)
+for mode in modes[k:] + modes[:k]:
+    sample, rtts[mode] = measured(trips, *targets[mode], spec["trips"])
+    out["trips"][mode].append(sample)
+for phase, streams in (("bulk", 1), ("bulk4", spec["streams"])):
+    for mode in modes[k:] + modes[:k]:
+        out[phase][mode].append(measured(bulk, *targets[mode], spec["bulk"], streams)[0])
+print(json.dumps({"phases": out, "rtts": rtts}))
 """
+
 
 DB_VIP = "127.128.0.7"
 KERNEL_VIP = "127.128.0.8"  # the kernel path's forwarder: its own consumer addresses, next to the other one's
@@ -159,40 +193,45 @@ LABEL = {"direct": "direct", "forwarder": "user-space forwarder", "kernel": "ker
 PHASES = ("connections", "trips", "bulk", "bulk4")
 GIB = 1 << 30
 MIB = 1 << 20
-USER_HZ = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
 class Params:
     rounds: int
     connections: int
+    """A round's connections per mode, in blocks of :attr:`block` alternating between the modes."""
     trips: int
     bulk_bytes: int
     streams: int = 4
+    block: int = 50
 
     def count(self, phase: str) -> int:
-        return {"connections": self.connections, "trips": self.trips}.get(phase, self.bulk_bytes)
+        return {"connections": self.block, "trips": self.trips}.get(phase, self.bulk_bytes)
 
 
 QUICK = Params(rounds=9, connections=500, trips=1_000, bulk_bytes=256 * MIB)
 FULL = Params(rounds=21, connections=2_000, trips=5_000, bulk_bytes=1024 * MIB)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sample:
-    """One client run: wall seconds and the CPU seconds of the client, the server and the bench's process (the
-    user-space forwarder lives there), and the machine's softirq seconds meanwhile (all CPUs)."""
+    """One block of work of one mode: wall seconds; the CPU seconds of the client, of the server and of the
+    bench's main thread (the user-space forwarder's event loop); the machine's softirq seconds meanwhile (all
+    CPUs, 10 ms ticks: only the sum over many blocks means something)."""
 
     seconds: float
     client: float
     server: float
     bench: float
     softirq: float
-    rtts: list[float]
 
     @property
     def cpu(self) -> float:
         return self.client + self.server + self.bench
+
+
+Results = dict[str, dict[str, list[list[Sample]]]]
+"""phase → mode → its rounds → the round's blocks."""
 
 
 def _snapshot(version: int, port: int, *addrs: str, vip: str = DB_VIP) -> cpb.RouteSnapshot:
@@ -212,29 +251,25 @@ def _web() -> tuple[pb.Assignment, pb.Release]:
     )
 
 
-def _softirq() -> float:
-    """The machine's softirq seconds so far, all CPUs (``/proc/stat``)."""
-    with open("/proc/stat") as stat:
-        return int(stat.readline().split()[7]) / USER_HZ
-
-
-def _server_cpu(port: int) -> float:
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"C")
-        return float(s.recv(64))
-
-
-async def _client(host: str, port: int, phase: str, params: Params, control: int) -> Sample:
-    streams = params.streams if phase == "bulk4" else 1
-    argv = [sys.executable, "-c", CLIENT, host, str(port), phase.rstrip("4"), str(params.count(phase)), str(streams)]
-    server0, bench0, softirq0 = _server_cpu(control), time.process_time(), _softirq()
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE)
+async def _client(where: dict[str, tuple[str, int]], params: Params, round_: int, control: int) -> dict[str, object]:
+    spec = {
+        "targets": where,
+        "round": round_,
+        "control": control,
+        "bench_pid": os.getpid(),
+        "user_hz": os.sysconf("SC_CLK_TCK"),
+        "connections": params.connections,
+        "block": params.block,
+        "trips": params.trips,
+        "bulk": params.bulk_bytes,
+        "streams": params.streams,
+    }
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENT, json.dumps(spec), stdout=subprocess.PIPE)
     out, _ = await proc.communicate()
     if proc.returncode != 0:
-        raise RuntimeError(f"network bench client ({phase} to {host}:{port}) exited with {proc.returncode}")
-    bench, softirq, server = time.process_time() - bench0, _softirq() - softirq0, _server_cpu(control) - server0
-    got = json.loads(out)
-    return Sample(got["seconds"], got["cpu"], server, bench, softirq, got["rtts"])
+        raise RuntimeError(f"network bench client (round {round_}) exited with {proc.returncode}")
+    got: dict[str, object] = json.loads(out)
+    return got
 
 
 def in_private_netns(module: str, quick: bool) -> list[dict[str, object]] | None:
@@ -257,16 +292,14 @@ def kernel_available() -> bool:
     return os.environ.get(NETNS_FLAG) == "1" and not kernel_unavailable()
 
 
-Results = dict[str, dict[str, list[Sample]]]
-"""phase → mode → its rounds."""
-
-
-async def _throughput(params: Params) -> tuple[Results, dict[str, str]]:
-    """Rounds of every phase, the modes alternating within each (their order rotated each round): direct to
+async def _throughput(params: Params) -> tuple[Results, dict[str, list[list[float]]], dict[str, str]]:
+    """Rounds (a client process each) of every phase, the modes alternating within each (connections: block by
+    block; the others: once a round, the order rotated each round). Returns the blocks, the round trips (mode
+    → rounds → seconds) and facts of the run (conntrack, sysctls) for the report. The modes: direct to
     the server's port; the user-space forwarder (a consumer's address; :class:`Forwarder` in this process, as
     in the agent); the kernel path (a second forwarder built as the agent builds it with the kernel path on:
     the same kind of consumer address, its DNAT rule written by :class:`KernelPath`, the forwarder's listener
-    behind it as the fallback). Also returns facts of the run (conntrack, sysctls) for the report."""
+    behind it as the fallback)."""
     # One server port per mode: a translated connection's conntrack entry (reply tuple: server port ↔ the
     # client's port) must not meet a direct one's still in TIME_WAIT (120 s), which stalls or re-tracks it.
     ports, control = {mode: free_port() for mode in MODES}, free_port()
@@ -277,6 +310,7 @@ async def _throughput(params: Params) -> tuple[Results, dict[str, str]]:
     forwarder = Forwarder()
     kernel = Forwarder(kernel=KernelPath(f"network-bench-{os.getpid()}")) if kernel_available() else None
     results: Results = {phase: {mode: [] for mode in MODES} for phase in PHASES}
+    rtts: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
     try:
         assert server.stdout is not None
         await server.stdout.readline()
@@ -294,12 +328,14 @@ async def _throughput(params: Params) -> tuple[Results, dict[str, str]]:
             env = await kernel.instance_env(*_web())
             where["kernel"] = (env["ZATTERA_SERVICE_DB_PRODUCTION_HOST"], vip_ports["kernel"])
             assert kernel.kernel is not None and kernel.kernel.installed, "the consumer's DNAT rule is not written"
-        modes = [mode for mode in MODES if mode in where]
         for i in range(params.rounds):
-            for phase in PHASES:
-                for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
-                    results[phase][mode].append(await _client(*where[mode], phase, params, control))
-        return results, _facts(kernel)
+            got = await _client(where, params, i, control)
+            for phase, by_mode in got["phases"].items():  # type: ignore[attr-defined]
+                for mode, blocks in by_mode.items():
+                    results[phase][mode].append([Sample(**block) for block in blocks])
+            for mode, trips in got["rtts"].items():  # type: ignore[attr-defined]
+                rtts[mode].append(trips)
+        return results, rtts, _facts(kernel)
     finally:
         if kernel is not None:
             await kernel.close()
@@ -388,50 +424,56 @@ def _spread(values: list[float], fmt: str = "{:,.0f}") -> str:
     return "rounds " + ", ".join(fmt.format(v) for v in values)
 
 
-def _paired(rates: dict[str, list[float]], mode: str) -> float:
-    """Median of the per-round ratios to direct (the two measured seconds apart in the same round)."""
-    return 100 * median([m / d for m, d in zip(rates[mode], rates["direct"], strict=True) if d > 0])
-
-
 def _rate_rows(results: Results, params: Params) -> list[dict[str, object]]:
     rows = []
-    for phase, what, unit, scale, fmt in (
-        ("connections", "connections/s (connect, 1 byte each way, close)", "conn/s", 1.0, "{:,.0f}"),
-        ("bulk", f"bytes/s, {params.bulk_bytes // MIB} MiB down one connection", "MiB/s", 1 / MIB, "{:,.0f}"),
+    for phase, what, unit, scale in (
+        ("connections", "connections/s (connect, 1 byte each way, close)", "conn/s", 1.0),
+        ("bulk", f"bytes/s, {params.bulk_bytes // MIB} MiB down one connection", "MiB/s", 1 / MIB),
         (
             "bulk4",
             f"bytes/s, {params.bulk_bytes // MIB} MiB down {params.streams} connections at once",
             "MiB/s",
             1 / MIB,
-            "{:,.0f}",
         ),
     ):
         count = params.count(phase)
-        done = {mode: samples for mode, samples in results[phase].items() if samples}
-        rates = {mode: [count * scale / s.seconds for s in samples] for mode, samples in done.items()}
-        for mode, samples in done.items():
-            total = len(samples) * count
-            per, per_unit = (1e6 / total, "µs per connection") if phase == "connections" else (GIB / total, "s per GiB")
-            client, server = sum(s.client for s in samples) * per, sum(s.server for s in samples) * per
-            bench, softirq = sum(s.bench for s in samples) * per, sum(s.softirq for s in samples) * per
-            cpu = (
-                f"CPU {client + server + bench:,.1f} {per_unit}: client {client:,.1f}, server {server:,.1f},"
-                f" bench process {bench:,.1f}; machine's softirq {softirq:,.1f}"
-            )
-            versus = (
-                ""
-                if mode == "direct"
-                else (
-                    f"; {100 * median(rates[mode]) / median(rates['direct']):.0f} % of direct,"
-                    f" paired rounds {_paired(rates, mode):.0f} %"
+        done = {mode: rounds for mode, rounds in results[phase].items() if rounds}
+        rates = {
+            mode: [count * len(blocks) * scale / sum(b.seconds for b in blocks) for blocks in rounds]
+            for mode, rounds in done.items()
+        }
+        pooled = {
+            mode: count * sum(map(len, rounds)) * scale / sum(b.seconds for blocks in rounds for b in blocks)
+            for mode, rounds in done.items()
+        }
+        per_unit = "µs per connection" if phase == "connections" else "s per GiB"
+        cpu: dict[str, float] = {}
+        for mode, rounds in done.items():
+            blocks = [b for blocks in rounds for b in blocks]
+            unit_scale = 1e6 if phase == "connections" else GIB
+            per = unit_scale / (count * len(blocks))
+            client, server = sum(b.client for b in blocks) * per, sum(b.server for b in blocks) * per
+            bench, softirq = sum(b.bench for b in blocks) * per, sum(b.softirq for b in blocks) * per
+            cpu[mode] = client + server + bench
+            by_round = [sum(b.cpu for b in blocks) * unit_scale / (count * len(blocks)) for blocks in rounds]
+            fmt = "{:.1f}" if phase == "connections" else "{:.2f}"
+            versus = ""
+            if mode != "direct":
+                paired = median([m / d for m, d in zip(rates[mode], rates["direct"], strict=True)])
+                versus = (
+                    f"; of direct: {100 * median(rates[mode]) / median(rates['direct']):.0f} % (medians),"
+                    f" {100 * paired:.0f} % (median of the rounds' ratios),"
+                    f" {100 * pooled[mode] / pooled['direct']:.0f} % (all blocks pooled),"
+                    f" {100 * cpu['direct'] / cpu[mode]:.0f} % (CPU per unit, direct ÷ this)"
                 )
-            )
             rows.append(
                 row(
-                    f"network: {what}, {LABEL[mode]} (median of {len(samples)} rounds)",
+                    f"network: {what}, {LABEL[mode]} (median of {len(rounds)} rounds)",
                     median(rates[mode]),
-                    f"{unit} ({_spread(rates[mode], fmt)}; min {min(rates[mode]):,.0f}, max {max(rates[mode]):,.0f}"
-                    f"{versus}; {cpu})",
+                    f"{unit} ({_spread(rates[mode])}; pooled {pooled[mode]:,.0f}{versus}."
+                    f" CPU {cpu[mode]:,.2f} {per_unit}: client {client:,.2f}, server {server:,.2f},"
+                    f" bench main thread {bench:,.2f}; machine's softirq meanwhile {softirq:,.2f};"
+                    f" CPU by round {_spread(by_round, fmt)})",
                     target="≥ 80 % of direct" if mode == "kernel" else "",
                     anchor="kube-proxy iptables mode adds no hop; userspace mode did" if mode != "direct" else "",
                 )
@@ -439,11 +481,11 @@ def _rate_rows(results: Results, params: Params) -> list[dict[str, object]]:
     return rows
 
 
-def _trip_rows(results: Results) -> list[dict[str, object]]:
+def _trip_rows(rtts: dict[str, list[list[float]]]) -> list[dict[str, object]]:
     ms = 1000.0
-    done = {mode: samples for mode, samples in results["trips"].items() if samples}
-    p50s = {mode: [percentile(s.rtts, 50) * ms for s in samples] for mode, samples in done.items()}
-    p99s = {mode: [percentile(s.rtts, 99) * ms for s in samples] for mode, samples in done.items()}
+    done = {mode: rounds for mode, rounds in rtts.items() if rounds}
+    p50s = {mode: [percentile(r, 50) * ms for r in rounds] for mode, rounds in done.items()}
+    p99s = {mode: [percentile(r, 99) * ms for r in rounds] for mode, rounds in done.items()}
     rows = []
     for mode in p50s:
         rows.append(
@@ -471,9 +513,9 @@ def run(quick: bool = True) -> list[dict[str, object]]:
         return isolated
     params = QUICK if quick else FULL
     load0, started = os.getloadavg()[0], time.time()
-    results, facts = asyncio.run(_throughput(params))
+    results, rtts, facts = asyncio.run(_throughput(params))
     load1 = os.getloadavg()[0]
-    rows = _rate_rows(results, params) + _trip_rows(results)
+    rows = _rate_rows(results, params) + _trip_rows(rtts)
     rows.append(
         row(
             "network: the run's circumstances",
