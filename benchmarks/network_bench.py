@@ -37,8 +37,9 @@ from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import bench_main, embedded_server, median, percentile, row
 from services.agent.forwarder import Forwarder
-from services.agent.kernelnet import KernelPath, restore_text
+from services.agent.kernelnet import Dnat, KernelPath, restore_text
 from services.agent.kernelnet import unavailable as kernel_unavailable
+from services.agent.network import consumer_address
 from shared.connection import connect
 from shared.embedded import free_port
 from shared.routeclient import RouteClient
@@ -188,8 +189,14 @@ print(json.dumps({"phases": out, "rtts": rtts}))
 DB_VIP = "127.128.0.7"
 KERNEL_VIP = "127.128.0.8"  # the kernel path's forwarder: its own consumer addresses, next to the other one's
 NETNS_FLAG = "ZATTERA_BENCH_OWN_NETNS"
-MODES = ("direct", "forwarder", "kernel")
-LABEL = {"direct": "direct", "forwarder": "user-space forwarder", "kernel": "kernel path (iptables DNAT)"}
+MODES = ("direct", "forwarder", "kernel", "kernel-crowded")
+FILL_CONSUMERS, FILL_TARGETS = 100, 10
+LABEL = {
+    "direct": "direct",
+    "forwarder": "user-space forwarder",
+    "kernel": "kernel path (iptables DNAT)",
+    "kernel-crowded": f"kernel path, {FILL_CONSUMERS * FILL_TARGETS:,} other pairs' rules before it",
+}
 PHASES = ("connections", "trips", "bulk", "bulk4")
 GIB = 1 << 30
 MIB = 1 << 20
@@ -309,6 +316,7 @@ async def _throughput(params: Params) -> tuple[Results, dict[str, list[list[floa
     )
     forwarder = Forwarder()
     kernel = Forwarder(kernel=KernelPath(f"network-bench-{os.getpid()}")) if kernel_available() else None
+    crowded = KernelPath(f"network-bench-crowded-{os.getpid()}") if kernel is not None else None
     results: Results = {phase: {mode: [] for mode in MODES} for phase in PHASES}
     rtts: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
     try:
@@ -320,6 +328,18 @@ async def _throughput(params: Params) -> tuple[Results, dict[str, list[list[floa
             "direct": ("127.0.0.1", ports["direct"]),
             "forwarder": (env["ZATTERA_SERVICE_DB_PRODUCTION_HOST"], vip_ports["forwarder"]),
         }
+        if crowded is not None:  # installed first: the forwarder's jump goes before it, as a second agent's would
+            crowded_host = consumer_address(127, KERNEL_VIP)
+            fill = [
+                Dnat(consumer_address(c, f"127.128.1.{t}"), 5432, ("127.0.0.1:9",))
+                for c in range(1, FILL_CONSUMERS + 1)
+                for t in range(1, FILL_TARGETS + 1)
+            ]
+            rules = sorted([*fill, Dnat(crowded_host, vip_ports["kernel"], (f"127.0.0.1:{ports['kernel-crowded']}",))])
+            assert rules[-1].address == crowded_host  # the last pair a new connection is matched against
+            await asyncio.to_thread(crowded.install)
+            await asyncio.to_thread(crowded.apply, rules)
+            where["kernel-crowded"] = (crowded_host, vip_ports["kernel"])
         if kernel is not None:
             path = await kernel.start_kernel()
             if not path.startswith("kernel"):
@@ -339,6 +359,8 @@ async def _throughput(params: Params) -> tuple[Results, dict[str, list[list[floa
     finally:
         if kernel is not None:
             await kernel.close()
+        if crowded is not None:
+            await asyncio.to_thread(crowded.remove)
         await forwarder.close()
         server.terminate()
         await server.wait()
