@@ -331,7 +331,7 @@ async def _throughput(params: Params) -> tuple[Results, dict[str, list[list[floa
         if crowded is not None:  # installed first: the forwarder's jump goes before it, as a second agent's would
             crowded_host = consumer_address(127, KERNEL_VIP)
             fill = [
-                Dnat(consumer_address(c, f"127.128.1.{t}"), 5432, ("127.0.0.1:9",))
+                Dnat(consumer_address(c, f"127.128.0.{20 + t}"), 5432, ("127.0.0.1:9",))
                 for c in range(1, FILL_CONSUMERS + 1)
                 for t in range(1, FILL_TARGETS + 1)
             ]
