@@ -1,20 +1,33 @@
 """Private networking: ``python -m benchmarks.network_bench [--full]``.
 
-A TCP echo server (its own process) stands for a database env; a client (its own process) measures, in
-alternating rounds (quick 5, full 7; the order rotated each round): directly against the echo server,
-through the node forwarder in user space (this process, the agent's
-:class:`services.agent.forwarder.Forwarder` fed the snapshot a route client would give it) and through the
-kernel path (the DNAT rule :mod:`services.agent.kernelnet` writes for a consumer address, nothing listening
-behind it):
+A server (its own process: blocking sockets, a thread per listening port) stands for a database env; a
+client (its own process, one per round; quick 9 rounds, full 21) reaches it in four modes: **direct** (the
+server's port); the **user-space forwarder** (a consumer's address: the agent's
+:class:`services.agent.forwarder.Forwarder` in this process, fed the snapshot a route client would give it);
+the **kernel path** (a second ``Forwarder`` built as the agent builds it with the kernel path on: an env's
+consumer address, the DNAT rule :class:`services.agent.kernelnet.KernelPath` writes for it, the forwarder's
+listener behind it as the fallback); and the kernel path **crowded** (a ``KernelPath`` holding 1,000 other
+pairs' rules, 100 consumers × 10 targets, the measured pair matched last). Each mode has its own server
+port, so conntrack entries (TIME_WAIT: 120 s) are never shared between modes. Per round:
 
-* connections/s: sequential connect, 1-byte exchange, close (quick 1,000, full 5,000 a round);
-* round-trip latency of 64-byte messages on one open connection (quick 2,000, full 20,000 a round):
-  p50/p99, and the added p50 (through minus direct);
-* pgbench TPS (TPC-B-like, scale 1, 4 clients; quick 5 rounds of 4 s, full 7 of 20 s) against a managed
-  PostgreSQL started as the add-on's script starts it (skipped without PostgreSQL and pgBackRest).
+* connections/s: connect, 1 byte each way, close (the client closes first, as a database client does; no
+  SO_LINGER tricks; the namespace's defaults: tcp_tw_reuse 2, ports 32768–60999); quick 500, full 2,000
+  per mode in blocks of 50, the modes alternating block by block (order rotated each block);
+* bytes/s: quick 256 MiB, full 1 GiB, down one connection and down 4 at once (order rotated each round);
+* round-trip latency of 64-byte messages on one open connection (quick 1,000, full 5,000): p50/p99;
+* for each block: wall time; CPU of the client (getrusage), of the server (getrusage, asked on a control
+  port) and of this process's main thread (the forwarder's event loop, ``/proc/<pid>/schedstat``); the
+  machine's softirq time meanwhile (``/proc/stat``, all CPUs, 10 ms ticks): CPU per connection / per GiB.
 
-And the propagation of an endpoint change: a snapshot published on an embedded nats-server → the forwarder
-routes the new endpoint / the DNAT rule points at it (quick 50 samples, full 200).
+Reported: every round, medians, min/max, the ratio to direct as medians, as the median of the rounds' own
+ratios, pooled over all blocks, and as CPU per unit. Plus pgbench TPS (TPC-B-like, scale 1, 4 clients;
+quick 5 rounds of 4 s, full 7 of 20 s) against a managed PostgreSQL started as the add-on's script starts
+it (skipped without PostgreSQL and pgBackRest), and the propagation of an endpoint change: a snapshot
+published on an embedded nats-server → the forwarder routes the new endpoint / the DNAT rule points at it
+(quick 50 samples, full 200). ``ZATTERA_BENCH_NETWORK_ONLY=1``: the rounds alone.
+
+Bypassed: the agent's process (its classes are driven directly with the snapshot), the mesh (endpoints on
+this machine's loopback; another node's adds masquerade and WireGuard: ``mesh_bench``).
 
 As root the bench re-runs itself in a network namespace of its own (``unshare --net``, its ``lo`` only): the
 kernel path's rules never touch the machine's tables. Not root or no iptables: the kernel path is skipped.
