@@ -269,8 +269,19 @@ async def stale() -> dict[str, object]:
     fresh = KernelPath("/var/lib/zattera-test-agent", alive=lambda pid: pid != 2**22 + 7)
     await asyncio.to_thread(fresh.install)
     during = saved()
+    await asyncio.to_thread(fresh.apply, [Dnat("127.130.0.5", 5432, ("127.0.0.1:31000",))])
+    consumer = saved()
+    await asyncio.to_thread(fresh.apply, [])  # the consumer left: its chain goes
+    left = saved()
     await asyncio.to_thread(fresh.remove)
-    return {"before": before, "during": during, "after": saved(), "pid": os.getpid()}
+    return {
+        "before": before,
+        "during": during,
+        "consumer": consumer,
+        "left": left,
+        "after": saved(),
+        "pid": os.getpid(),
+    }
 
 
 async def main() -> None:

@@ -188,6 +188,8 @@ def test_the_chains_of_a_stopped_agent_are_removed_by_the_next(netns: str) -> No
     assert during.count(f"-j {CHAIN_PREFIX}") == 1
     consumer = f"{chains('/var/lib/zattera-test-agent').nat}-129"
     assert f":{consumer} " in before and consumer not in during  # the gone agent's consumer chain went too
+    second = f"{chains('/var/lib/zattera-test-agent').nat}-130"
+    assert f"-j {second}" in str(result["consumer"]) and second not in str(result["left"])
     assert _no_chains(result["after"])
 
 
