@@ -1,20 +1,33 @@
 """Private networking: ``python -m benchmarks.network_bench [--full]``.
 
-A TCP echo server (its own process) stands for a database env; a client (its own process) measures, in
-alternating rounds (quick 5, full 7; the order rotated each round): directly against the echo server,
-through the node forwarder in user space (this process, the agent's
-:class:`services.agent.forwarder.Forwarder` fed the snapshot a route client would give it) and through the
-kernel path (the DNAT rule :mod:`services.agent.kernelnet` writes for a consumer address, nothing listening
-behind it):
+A server (its own process: blocking sockets, a thread per listening port) stands for a database env; a
+client (its own process, one per round; quick 9 rounds, full 21) reaches it in four modes: **direct** (the
+server's port); the **user-space forwarder** (a consumer's address: the agent's
+:class:`services.agent.forwarder.Forwarder` in this process, fed the snapshot a route client would give it);
+the **kernel path** (a second ``Forwarder`` built as the agent builds it with the kernel path on: an env's
+consumer address, the DNAT rule :class:`services.agent.kernelnet.KernelPath` writes for it, the forwarder's
+listener behind it as the fallback); and the kernel path **crowded** (a ``KernelPath`` holding 1,000 other
+pairs' rules, 100 consumers × 10 targets, the measured pair matched last). Each mode has its own server
+port, so conntrack entries (TIME_WAIT: 120 s) are never shared between modes. Per round:
 
-* connections/s: sequential connect, 1-byte exchange, close (quick 1,000, full 5,000 a round);
-* round-trip latency of 64-byte messages on one open connection (quick 2,000, full 20,000 a round):
-  p50/p99, and the added p50 (through minus direct);
-* pgbench TPS (TPC-B-like, scale 1, 4 clients; quick 5 rounds of 4 s, full 7 of 20 s) against a managed
-  PostgreSQL started as the add-on's script starts it (skipped without PostgreSQL and pgBackRest).
+* connections/s: connect, 1 byte each way, close (the client closes first, as a database client does; no
+  SO_LINGER tricks; the namespace's defaults: tcp_tw_reuse 2, ports 32768–60999); quick 500, full 2,000
+  per mode in blocks of 50, the modes alternating block by block (order rotated each block);
+* bytes/s: quick 256 MiB, full 1 GiB, down one connection and down 4 at once (order rotated each round);
+* round-trip latency of 64-byte messages on one open connection (quick 1,000, full 5,000): p50/p99;
+* for each block: wall time; CPU of the client (getrusage), of the server (getrusage, asked on a control
+  port) and of this process's main thread (the forwarder's event loop, ``/proc/<pid>/schedstat``); the
+  machine's softirq time meanwhile (``/proc/stat``, all CPUs, 10 ms ticks): CPU per connection / per GiB.
 
-And the propagation of an endpoint change: a snapshot published on an embedded nats-server → the forwarder
-routes the new endpoint / the DNAT rule points at it (quick 50 samples, full 200).
+Reported: every round, medians, min/max, the ratio to direct as medians, as the median of the rounds' own
+ratios, pooled over all blocks, and as CPU per unit. Plus pgbench TPS (TPC-B-like, scale 1, 4 clients;
+quick 5 rounds of 4 s, full 7 of 20 s) against a managed PostgreSQL started as the add-on's script starts
+it (skipped without PostgreSQL and pgBackRest), and the propagation of an endpoint change: a snapshot
+published on an embedded nats-server → the forwarder routes the new endpoint / the DNAT rule points at it
+(quick 50 samples, full 200). ``ZATTERA_BENCH_NETWORK_ONLY=1``: the rounds alone.
+
+Bypassed: the agent's process (its classes are driven directly with the snapshot), the mesh (endpoints on
+this machine's loopback; another node's adds masquerade and WireGuard: ``mesh_bench``).
 
 As root the bench re-runs itself in a network namespace of its own (``unshare --net``, its ``lo`` only): the
 kernel path's rules never touch the machine's tables. Not root or no iptables: the kernel path is skipped.
@@ -29,13 +42,15 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
 from benchmarks.common import bench_main, embedded_server, median, percentile, row
 from services.agent.forwarder import Forwarder
-from services.agent.kernelnet import Dnat, KernelPath
+from services.agent.kernelnet import Dnat, KernelPath, restore_text
 from services.agent.kernelnet import unavailable as kernel_unavailable
 from services.agent.network import consumer_address
 from shared.connection import connect
@@ -44,56 +59,204 @@ from shared.routeclient import RouteClient
 from shared.routewire import content_digest, encode_messages
 from shared.subjects import ROUTES_SNAPSHOT_SUBJECT
 
-ECHO = """
-import asyncio, sys
+SERVER = r"""
+import resource, socket, sys, threading
 
-async def serve(reader, writer):
-    while data := await reader.read(65536):
-        writer.write(data)
-        await writer.drain()
-    writer.close()
+CHUNK = memoryview(bytes(1 << 20))
 
-async def main():
-    servers = [await asyncio.start_server(serve, "127.0.0.1", int(port)) for port in sys.argv[1:]]
-    print("ready", flush=True)
-    await asyncio.gather(*(server.serve_forever() for server in servers))
+def rusage():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return f"{r.ru_utime + r.ru_stime:.6f}".encode()
 
-asyncio.run(main())
+def echo(conn, first):
+    with conn:
+        data = first
+        while data:
+            conn.sendall(data)
+            data = conn.recv(65536)
+
+def bulk(conn, count):
+    with conn:
+        while count > 0:
+            conn.sendall(CHUNK[: min(count, len(CHUNK))])
+            count -= len(CHUNK)
+
+def serve(listener):
+    while True:
+        conn, _ = listener.accept()
+        first = conn.recv(65536)
+        if first == b"x":  # one connection of the connections/s figure: answered inline, waits for the close
+            conn.sendall(first)
+            conn.recv(16)
+            conn.close()
+        elif first.startswith(b"G"):  # a bulk stream: that many bytes, then close
+            threading.Thread(target=bulk, args=(conn, int(first[1:])), daemon=True).start()
+        elif first == b"C":  # the server's own CPU seconds so far (the bench's control port)
+            conn.sendall(rusage())
+            conn.close()
+        else:
+            threading.Thread(target=echo, args=(conn, first), daemon=True).start()
+
+threads = []
+for port in sys.argv[1:]:
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", int(port)))
+    listener.listen(1024)
+    threads.append(threading.Thread(target=serve, args=(listener,), daemon=True))
+for thread in threads:
+    thread.start()
+print("ready", flush=True)
+threading.Event().wait()
 """
 
-CLIENT = """
-import json, socket, sys, time
+CLIENT = r"""
+import json, resource, socket, sys, threading, time
 
-host, port, connections, trips = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-started = time.perf_counter()
-for _ in range(connections):
+spec = json.loads(sys.argv[1])
+targets = {mode: (host, port) for mode, (host, port) in spec["targets"].items()}
+modes, shift = list(targets), spec["round"]
+
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+def server_cpu():
+    with socket.create_connection(("127.0.0.1", spec["control"])) as s:
+        s.sendall(b"C")
+        return float(s.recv(64))
+
+def bench_cpu():  # the bench's main thread (the user-space forwarder's event loop), ns
+    with open(f"/proc/{spec['bench_pid']}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
+
+def softirq():  # the machine's, all CPUs, USER_HZ ticks
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[7]) / spec["user_hz"]
+
+def measured(work, *args):
+    s0, b0, q0 = server_cpu(), bench_cpu(), softirq()
+    c0, t0 = cpu(), time.perf_counter()
+    result = work(*args)
+    seconds, client = time.perf_counter() - t0, cpu() - c0
+    q1, b1, s1 = softirq(), bench_cpu(), server_cpu()
+    return {"seconds": seconds, "client": client, "server": s1 - s0, "bench": b1 - b0, "softirq": q1 - q0}, result
+
+def connections(host, port, count):
+    for _ in range(count):
+        with socket.create_connection((host, port)) as s:
+            s.sendall(b"x")
+            s.recv(16)
+
+def trips(host, port, count):
+    rtts = []
     with socket.create_connection((host, port)) as s:
-        s.sendall(b"x")
-        s.recv(16)
-rate = connections / (time.perf_counter() - started)
-rtts = []
-with socket.create_connection((host, port)) as s:
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    payload = b"y" * 64
-    for _ in range(trips):
-        t0 = time.perf_counter()
-        s.sendall(payload)
-        got = 0
-        while got < len(payload):
-            got += len(s.recv(4096))
-        rtts.append(time.perf_counter() - t0)
-print(json.dumps({"rate": rate, "rtts": rtts}))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload = b"y" * 64
+        for _ in range(count):
+            t0 = time.perf_counter()
+            s.sendall(payload)
+            got = 0
+            while got < len(payload):
+                got += len(s.recv(4096))
+            rtts.append(time.perf_counter() - t0)
+    return rtts
+
+def stream(host, port, each, got):
+    view = memoryview(bytearray(1 << 20))
+    total = 0
+    with socket.create_connection((host, port)) as s:
+        s.sendall(b"G%d" % each)
+        while n := s.recv_into(view):
+            total += n
+    got.append(total)
+
+def bulk(host, port, count, streams):
+    got = []
+    workers = [threading.Thread(target=stream, args=(host, port, count // streams, got)) for _ in range(streams)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if sum(got) != count // streams * streams:
+        raise SystemExit(f"bulk: {sum(got)} bytes of {count}")
+
+out = {phase: {mode: [] for mode in modes} for phase in ("connections", "trips", "bulk", "bulk4")}
+rtts = {}
+block = spec["block"]
+for b in range(spec["connections"] // block):  # blocks of connections, the modes alternating block by block
+    k = (shift + b) % len(modes)
+    for mode in modes[k:] + modes[:k]:
+        out["connections"][mode].append(measured(connections, *targets[mode], block)[0])
+k = shift % len(modes)
+for mode in modes[k:] + modes[:k]:
+    sample, rtts[mode] = measured(trips, *targets[mode], spec["trips"])
+    out["trips"][mode].append(sample)
+for phase, streams in (("bulk", 1), ("bulk4", spec["streams"])):
+    for mode in modes[k:] + modes[:k]:
+        out[phase][mode].append(measured(bulk, *targets[mode], spec["bulk"], streams)[0])
+print(json.dumps({"phases": out, "rtts": rtts}))
 """
+
 
 DB_VIP = "127.128.0.7"
+KERNEL_VIP = "127.128.0.8"  # the kernel path's forwarder: its own consumer addresses, next to the other one's
 NETNS_FLAG = "ZATTERA_BENCH_OWN_NETNS"
-MODES = ("direct", "forwarder", "kernel")
-LABEL = {"direct": "direct", "forwarder": "user-space forwarder", "kernel": "kernel path (iptables DNAT)"}
+MODES = ("direct", "forwarder", "kernel", "kernel-crowded")
+FILL_CONSUMERS, FILL_TARGETS = 100, 10
+LABEL = {
+    "direct": "direct",
+    "forwarder": "user-space forwarder",
+    "kernel": "kernel path (iptables DNAT)",
+    "kernel-crowded": f"kernel path, {FILL_CONSUMERS * FILL_TARGETS:,} other pairs' rules before it",
+}
+PHASES = ("connections", "trips", "bulk", "bulk4")
+GIB = 1 << 30
+MIB = 1 << 20
 
 
-def _snapshot(version: int, port: int, *addrs: str) -> cpb.RouteSnapshot:
+@dataclass(frozen=True)
+class Params:
+    rounds: int
+    connections: int
+    """A round's connections per mode, in blocks of :attr:`block` alternating between the modes."""
+    trips: int
+    bulk_bytes: int
+    streams: int = 4
+    block: int = 50
+
+    def count(self, phase: str) -> int:
+        return {"connections": self.block, "trips": self.trips}.get(phase, self.bulk_bytes)
+
+
+QUICK = Params(rounds=9, connections=500, trips=1_000, bulk_bytes=256 * MIB)
+FULL = Params(rounds=21, connections=2_000, trips=5_000, bulk_bytes=1024 * MIB)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One block of work of one mode: wall seconds; the CPU seconds of the client, of the server and of the
+    bench's main thread (the user-space forwarder's event loop); the machine's softirq seconds meanwhile (all
+    CPUs, 10 ms ticks: only the sum over many blocks means something)."""
+
+    seconds: float
+    client: float
+    server: float
+    bench: float
+    softirq: float
+
+    @property
+    def cpu(self) -> float:
+        return self.client + self.server + self.bench
+
+
+Results = dict[str, dict[str, list[list[Sample]]]]
+"""phase → mode → its rounds → the round's blocks."""
+
+
+def _snapshot(version: int, port: int, *addrs: str, vip: str = DB_VIP) -> cpb.RouteSnapshot:
     service = cpb.InternalService(
-        fqdn="db.production.shop.internal.", project_id="shop-id", environment_id="db-env", vip=DB_VIP
+        fqdn="db.production.shop.internal.", project_id="shop-id", environment_id="db-env", vip=vip
     )
     service.ports.add(
         name="db", port=port, protocol="tcp", endpoints=[cpb.Endpoint(addr=a, healthy=True) for a in addrs]
@@ -108,13 +271,25 @@ def _web() -> tuple[pb.Assignment, pb.Release]:
     )
 
 
-async def _client(host: str, port: int, connections: int, trips: int) -> dict[str, object]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CLIENT, host, str(port), str(connections), str(trips), stdout=subprocess.PIPE
-    )
+async def _client(where: dict[str, tuple[str, int]], params: Params, round_: int, control: int) -> dict[str, object]:
+    spec = {
+        "targets": where,
+        "round": round_,
+        "control": control,
+        "bench_pid": os.getpid(),
+        "user_hz": os.sysconf("SC_CLK_TCK"),
+        "connections": params.connections,
+        "block": params.block,
+        "trips": params.trips,
+        "bulk": params.bulk_bytes,
+        "streams": params.streams,
+    }
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENT, json.dumps(spec), stdout=subprocess.PIPE)
     out, _ = await proc.communicate()
-    result: dict[str, object] = json.loads(out)
-    return result
+    if proc.returncode != 0:
+        raise RuntimeError(f"network bench client (round {round_}) exited with {proc.returncode}")
+    got: dict[str, object] = json.loads(out)
+    return got
 
 
 def in_private_netns(module: str, quick: bool) -> list[dict[str, object]] | None:
@@ -137,44 +312,97 @@ def kernel_available() -> bool:
     return os.environ.get(NETNS_FLAG) == "1" and not kernel_unavailable()
 
 
-async def _throughput(quick: bool) -> dict[str, list[dict[str, object]]]:
-    """Alternating rounds (the order rotated each round) of direct, the user-space forwarder (its consumer
-    address) and the kernel path (a second consumer's address: a DNAT rule, no listener behind it)."""
-    connections, trips, rounds = (1_000, 2_000, 5) if quick else (5_000, 20_000, 7)
-    # One port of the same echo process per mode: connections to one endpoint port made both directly and
-    # translated reuse the same 4-tuples within conntrack's TIME_WAIT, which slowed the translated ones.
-    echo_ports, vip_port = {mode: free_port() for mode in MODES}, free_port()
-    echo = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", ECHO, *map(str, echo_ports.values()), stdout=subprocess.PIPE
+async def _throughput(params: Params) -> tuple[Results, dict[str, list[list[float]]], dict[str, str]]:
+    """Rounds (a client process each) of every phase, the modes alternating within each (connections: block by
+    block; the others: once a round, the order rotated each round). Returns the blocks, the round trips (mode
+    → rounds → seconds) and facts of the run (conntrack, sysctls) for the report. The modes: direct to
+    the server's port; the user-space forwarder (a consumer's address; :class:`Forwarder` in this process, as
+    in the agent); the kernel path (a second forwarder built as the agent builds it with the kernel path on:
+    the same kind of consumer address, its DNAT rule written by :class:`KernelPath`, the forwarder's listener
+    behind it as the fallback)."""
+    # One server port per mode: a translated connection's conntrack entry (reply tuple: server port ↔ the
+    # client's port) must not meet a direct one's still in TIME_WAIT (120 s), which stalls or re-tracks it.
+    ports, control = {mode: free_port() for mode in MODES}, free_port()
+    vip_ports = {"forwarder": free_port(), "kernel": free_port()}
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SERVER, *map(str, [*ports.values(), control]), stdout=subprocess.PIPE
     )
     forwarder = Forwarder()
-    kernel = KernelPath(f"network-bench-{os.getpid()}") if kernel_available() else None
-    results: dict[str, list[dict[str, object]]] = {mode: [] for mode in MODES}
+    kernel = Forwarder(kernel=KernelPath(f"network-bench-{os.getpid()}")) if kernel_available() else None
+    crowded = KernelPath(f"network-bench-crowded-{os.getpid()}") if kernel is not None else None
+    results: Results = {phase: {mode: [] for mode in MODES} for phase in PHASES}
+    rtts: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
     try:
-        assert echo.stdout is not None
-        await echo.stdout.readline()
-        await forwarder.apply(_snapshot(1, vip_port, f"127.0.0.1:{echo_ports['forwarder']}"))
+        assert server.stdout is not None
+        await server.stdout.readline()
+        await forwarder.apply(_snapshot(1, vip_ports["forwarder"], f"127.0.0.1:{ports['forwarder']}"))
         env = await forwarder.instance_env(*_web())
         where = {
-            "direct": ("127.0.0.1", echo_ports["direct"]),
-            "forwarder": (env["ZATTERA_SERVICE_DB_PRODUCTION_HOST"], vip_port),
+            "direct": ("127.0.0.1", ports["direct"]),
+            "forwarder": (env["ZATTERA_SERVICE_DB_PRODUCTION_HOST"], vip_ports["forwarder"]),
         }
+        if crowded is not None:  # installed first: the forwarder's jump goes before it, as a second agent's would
+            crowded_host = consumer_address(127, KERNEL_VIP)
+            fill = [
+                Dnat(consumer_address(c, f"127.128.0.{20 + t}"), 5432, ("127.0.0.1:9",))
+                for c in range(1, FILL_CONSUMERS + 1)
+                for t in range(1, FILL_TARGETS + 1)
+            ]
+            rules = sorted([*fill, Dnat(crowded_host, vip_ports["kernel"], (f"127.0.0.1:{ports['kernel-crowded']}",))])
+            assert rules[-1].address == crowded_host  # the last pair a new connection is matched against
+            await asyncio.to_thread(crowded.install)
+            await asyncio.to_thread(crowded.apply, rules)
+            where["kernel-crowded"] = (crowded_host, vip_ports["kernel"])
         if kernel is not None:
-            kernel_host = consumer_address(2, DB_VIP)  # slot 2: nothing listens there
-            await asyncio.to_thread(kernel.install)
-            await asyncio.to_thread(kernel.apply, [Dnat(kernel_host, vip_port, (f"127.0.0.1:{echo_ports['kernel']}",))])
-            where["kernel"] = (kernel_host, vip_port)
-        modes = [mode for mode in MODES if mode in where]
-        for i in range(rounds):
-            for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
-                results[mode].append(await _client(*where[mode], connections, trips))
-        return results
+            path = await kernel.start_kernel()
+            if not path.startswith("kernel"):
+                raise RuntimeError(f"network bench: no kernel path in the bench's namespace: {path}")
+            await kernel.apply(_snapshot(1, vip_ports["kernel"], f"127.0.0.1:{ports['kernel']}", vip=KERNEL_VIP))
+            env = await kernel.instance_env(*_web())
+            where["kernel"] = (env["ZATTERA_SERVICE_DB_PRODUCTION_HOST"], vip_ports["kernel"])
+            assert kernel.kernel is not None and kernel.kernel.installed, "the consumer's DNAT rule is not written"
+        for i in range(params.rounds):
+            got = await _client(where, params, i, control)
+            for phase, by_mode in got["phases"].items():  # type: ignore[attr-defined]
+                for mode, blocks in by_mode.items():
+                    results[phase][mode].append([Sample(**block) for block in blocks])
+            for mode, trips in got["rtts"].items():  # type: ignore[attr-defined]
+                rtts[mode].append(trips)
+        return results, rtts, _facts(kernel)
     finally:
         if kernel is not None:
-            await asyncio.to_thread(kernel.remove)
+            await kernel.close()
+        if crowded is not None:
+            await asyncio.to_thread(crowded.remove)
         await forwarder.close()
-        echo.terminate()
-        await echo.wait()
+        server.terminate()
+        await server.wait()
+
+
+def _facts(kernel: Forwarder | None) -> dict[str, str]:
+    def read(path: str) -> str:
+        try:
+            return " ".join(Path(path).read_text().split())
+        except OSError:
+            return "?"
+
+    facts = {
+        name: read(f"/proc/sys/net/{path}")
+        for name, path in (
+            ("conntrack entries at the end", "netfilter/nf_conntrack_count"),
+            ("conntrack max", "netfilter/nf_conntrack_max"),
+            ("conntrack buckets", "netfilter/nf_conntrack_buckets"),
+            ("tcp_tw_reuse", "ipv4/tcp_tw_reuse"),
+            ("ephemeral ports", "ipv4/ip_local_port_range"),
+        )
+    }
+    if kernel is not None and kernel.kernel is not None:
+        facts["rules"] = "; ".join(
+            line
+            for line in restore_text(kernel.kernel.names, kernel.kernel.installed or []).splitlines()
+            if "-A " in line
+        )
+    return facts
 
 
 async def _propagation(samples: int, *, kernel: bool) -> list[float]:
@@ -231,40 +459,69 @@ def _spread(values: list[float], fmt: str = "{:,.0f}") -> str:
     return "rounds " + ", ".join(fmt.format(v) for v in values)
 
 
-def run(quick: bool = True) -> list[dict[str, object]]:
-    isolated = in_private_netns("benchmarks.network_bench", quick)
-    if isolated is not None:
-        return isolated
-    results = asyncio.run(_throughput(quick))
-    samples = 50 if quick else 200
-    delays = {"forwarder": asyncio.run(_propagation(samples, kernel=False))}
-    if kernel_available():
-        delays["kernel"] = asyncio.run(_propagation(samples, kernel=True))
-    pgbench = _pgbench_rounds(quick)
-    ms = 1000.0
+def _rate_rows(results: Results, params: Params) -> list[dict[str, object]]:
     rows = []
-    rates = {mode: [float(r["rate"]) for r in rounds] for mode, rounds in results.items() if rounds}  # type: ignore[arg-type]
-    p50s = {
-        mode: [percentile(r["rtts"], 50) * ms for r in rounds]  # type: ignore[arg-type]
-        for mode, rounds in results.items()
-        if rounds
-    }
-    p99s = {
-        mode: [percentile(r["rtts"], 99) * ms for r in rounds]  # type: ignore[arg-type]
-        for mode, rounds in results.items()
-        if rounds
-    }
-    direct_rate, direct_p50 = median(rates["direct"]), median(p50s["direct"])
-    for mode in rates:
-        rows.append(
-            row(
-                f"network: connections/s, {LABEL[mode]} (median of {len(rates[mode])} rounds)",
-                median(rates[mode]),
-                f"conn/s ({_spread(rates[mode])}; {100 * median(rates[mode]) / direct_rate:.0f} % of direct)",
-                target="≥ 80 % of direct" if mode == "kernel" else "",
-                anchor="kube-proxy iptables mode adds no hop; userspace mode did" if mode != "direct" else "",
+    for phase, what, unit, scale in (
+        ("connections", "connections/s (connect, 1 byte each way, close)", "conn/s", 1.0),
+        ("bulk", f"bytes/s, {params.bulk_bytes // MIB} MiB down one connection", "MiB/s", 1 / MIB),
+        (
+            "bulk4",
+            f"bytes/s, {params.bulk_bytes // MIB} MiB down {params.streams} connections at once",
+            "MiB/s",
+            1 / MIB,
+        ),
+    ):
+        count = params.count(phase)
+        done = {mode: rounds for mode, rounds in results[phase].items() if rounds}
+        rates = {
+            mode: [count * len(blocks) * scale / sum(b.seconds for b in blocks) for blocks in rounds]
+            for mode, rounds in done.items()
+        }
+        pooled = {
+            mode: count * sum(map(len, rounds)) * scale / sum(b.seconds for blocks in rounds for b in blocks)
+            for mode, rounds in done.items()
+        }
+        per_unit = "µs per connection" if phase == "connections" else "s per GiB"
+        cpu: dict[str, float] = {}
+        for mode, rounds in done.items():
+            blocks = [b for blocks in rounds for b in blocks]
+            unit_scale = 1e6 if phase == "connections" else GIB
+            per = unit_scale / (count * len(blocks))
+            client, server = sum(b.client for b in blocks) * per, sum(b.server for b in blocks) * per
+            bench, softirq = sum(b.bench for b in blocks) * per, sum(b.softirq for b in blocks) * per
+            cpu[mode] = client + server + bench
+            by_round = [sum(b.cpu for b in blocks) * unit_scale / (count * len(blocks)) for blocks in rounds]
+            fmt = "{:.1f}" if phase == "connections" else "{:.2f}"
+            versus = ""
+            if mode != "direct":
+                paired = median([m / d for m, d in zip(rates[mode], rates["direct"], strict=True)])
+                versus = (
+                    f"; of direct: {100 * median(rates[mode]) / median(rates['direct']):.0f} % (medians),"
+                    f" {100 * paired:.0f} % (median of the rounds' ratios),"
+                    f" {100 * pooled[mode] / pooled['direct']:.0f} % (all blocks pooled),"
+                    f" {100 * cpu['direct'] / cpu[mode]:.0f} % (CPU per unit, direct ÷ this)"
+                )
+            rows.append(
+                row(
+                    f"network: {what}, {LABEL[mode]} (median of {len(rounds)} rounds)",
+                    median(rates[mode]),
+                    f"{unit} ({_spread(rates[mode])}; pooled {pooled[mode]:,.0f}{versus}."
+                    f" CPU {cpu[mode]:,.2f} {per_unit}: client {client:,.2f}, server {server:,.2f},"
+                    f" bench main thread {bench:,.2f}; machine's softirq meanwhile {softirq:,.2f};"
+                    f" CPU by round {_spread(by_round, fmt)})",
+                    target="≥ 80 % of direct" if mode == "kernel" else "",
+                    anchor="kube-proxy iptables mode adds no hop; userspace mode did" if mode != "direct" else "",
+                )
             )
-        )
+    return rows
+
+
+def _trip_rows(rtts: dict[str, list[list[float]]]) -> list[dict[str, object]]:
+    ms = 1000.0
+    done = {mode: rounds for mode, rounds in rtts.items() if rounds}
+    p50s = {mode: [percentile(r, 50) * ms for r in rounds] for mode, rounds in done.items()}
+    p99s = {mode: [percentile(r, 99) * ms for r in rounds] for mode, rounds in done.items()}
+    rows = []
     for mode in p50s:
         rows.append(
             row(
@@ -277,11 +534,40 @@ def run(quick: bool = True) -> list[dict[str, object]]:
             rows.append(
                 row(
                     f"network: added latency per round trip, {LABEL[mode]} (p50 − direct p50)",
-                    median(p50s[mode]) - direct_p50,
+                    median(p50s[mode]) - median(p50s["direct"]),
                     "ms",
                     target="≤ 1 ms",
                 )
             )
+    return rows
+
+
+def run(quick: bool = True) -> list[dict[str, object]]:
+    isolated = in_private_netns("benchmarks.network_bench", quick)
+    if isolated is not None:
+        return isolated
+    params = QUICK if quick else FULL
+    load0, started = os.getloadavg()[0], time.time()
+    results, rtts, facts = asyncio.run(_throughput(params))
+    load1 = os.getloadavg()[0]
+    rows = _rate_rows(results, params) + _trip_rows(rtts)
+    rows.append(
+        row(
+            "network: the run's circumstances",
+            load1,
+            "load average at the end of the rounds"
+            f" (at the start {load0:.1f}; rounds started {time.strftime('%H:%M:%S', time.gmtime(started))} UTC;"
+            + "; ".join(f"{k}: {v}" for k, v in facts.items())
+            + ")",
+        )
+    )
+    if os.environ.get("ZATTERA_BENCH_NETWORK_ONLY") == "1":
+        return rows  # the throughput rounds alone (a quicker look; not in the published figures)
+    samples = 50 if quick else 200
+    delays = {"forwarder": asyncio.run(_propagation(samples, kernel=False))}
+    if kernel_available():
+        delays["kernel"] = asyncio.run(_propagation(samples, kernel=True))
+    ms = 1000.0
     for mode, samples_ in delays.items():
         rows.append(
             row(
@@ -293,6 +579,7 @@ def run(quick: bool = True) -> list[dict[str, object]]:
                 anchor="same bound as the ingress proxies",
             )
         )
+    pgbench = _pgbench_rounds(quick)
     if pgbench:
         direct_tps = median(pgbench["direct"])
         for mode, tps in pgbench.items():
@@ -309,4 +596,9 @@ def run(quick: bool = True) -> list[dict[str, object]]:
 
 
 if __name__ == "__main__":
-    bench_main("Private networking", run, __doc__, "5,000 connections, 20,000 round trips, 200 snapshots, 7 rounds")
+    bench_main(
+        "Private networking",
+        run,
+        __doc__,
+        "21 rounds: 2,000 connections, 5,000 round trips, 1 GiB down 1 and 4 connections; 200 snapshots",
+    )

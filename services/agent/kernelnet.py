@@ -5,7 +5,11 @@ For each consumer address and port the forwarder would listen on (:func:`service
 whose target has healthy endpoints, the agent's own nat chain holds a DNAT rule to those endpoints
 (``-d 127.(128+c).a.b -p tcp --dport P -j DNAT --to-destination ENDPOINT``; several endpoints are picked at
 random per new connection with ``-m statistic``, as kube-proxy does). A connection is then translated once,
-by the kernel, on its first packet; its later packets never reach user space:
+by the kernel, on its first packet; its later packets never reach user space. The rules are in two levels:
+the agent's chain jumps by consumer (``-d 127.(128+c).0.0/16 -j ZATTERA-NET-<id>-<128+c>``) to a chain holding
+that consumer's pairs, so a new connection is matched against the node's consumers plus its own pairs, not
+every pair of the node (1,000 pairs in one chain cost a new connection ~22 µs of CPU, benchmarks/
+network_bench.py):
 
 * ``OUTPUT -d 127.128.0.0/9 -j ZATTERA-NET-<id>`` (nat): the apps share the node's network namespace (the
   process runtime, a docker node's host-network containers), so their connections pass OUTPUT;
@@ -116,15 +120,32 @@ def remote(rules: Iterable[Dnat]) -> set[str]:
     }
 
 
-def restore_text(names: Chains, rules: Iterable[Dnat]) -> str:
-    """``iptables-restore --noflush`` input replacing the chains' rules (one transaction per table)."""
-    nat = ["*nat", f":{names.nat} - [0:0]", f":{names.post} - [0:0]"]
+def consumer_chain(names: Chains, octet: int) -> str:
+    """The chain of one consumer's pairs (``octet``: the second octet of its addresses, 128 + its slot)."""
+    return f"{names.nat}-{octet}"
+
+
+def consumer_octets(rules: Iterable[Dnat]) -> set[int]:
+    return {int(rule.address.split(".")[1]) for rule in rules}
+
+
+def restore_text(names: Chains, rules: Iterable[Dnat], flush: Iterable[int] = ()) -> str:
+    """``iptables-restore --noflush`` input replacing the chains' rules (one transaction per table); ``flush``:
+    consumers' chains to empty besides (consumers no longer there, their chains deleted afterwards)."""
+    by_octet: dict[int, list[Dnat]] = {}
     for rule in rules:
-        match = f"-A {names.nat} -d {rule.address}/32 -p tcp -m tcp --dport {rule.port}"
-        count = len(rule.endpoints)
-        for i, endpoint in enumerate(rule.endpoints):
-            pick = "" if i == count - 1 else f" -m statistic --mode random --probability {1 / (count - i):.10f}"
-            nat.append(f"{match}{pick} -j DNAT --to-destination {endpoint}")
+        by_octet.setdefault(int(rule.address.split(".")[1]), []).append(rule)
+    octets = sorted(by_octet.keys() | set(flush))
+    nat = ["*nat", f":{names.nat} - [0:0]", f":{names.post} - [0:0]"]
+    nat += [f":{consumer_chain(names, octet)} - [0:0]" for octet in octets]
+    nat += [f"-A {names.nat} -d 127.{octet}.0.0/16 -j {consumer_chain(names, octet)}" for octet in sorted(by_octet)]
+    for octet, pairs in sorted(by_octet.items()):
+        for rule in pairs:
+            match = f"-A {consumer_chain(names, octet)} -d {rule.address}/32 -p tcp -m tcp --dport {rule.port}"
+            count = len(rule.endpoints)
+            for i, endpoint in enumerate(rule.endpoints):
+                pick = "" if i == count - 1 else f" -m statistic --mode random --probability {1 / (count - i):.10f}"
+                nat.append(f"{match}{pick} -j DNAT --to-destination {endpoint}")
     # Translated from a consumer address to an endpoint off this machine's loopback: leave with the source
     # of the outgoing interface (127.0.0.1 may not leave lo).
     nat.append(
@@ -233,6 +254,8 @@ class KernelPath:
             for chain, rule in stale(saved, self.alive, prefixes=(CHAIN_PREFIX, POST_PREFIX, GUARD_PREFIX)):
                 log.info("agent: removing the private network's chain %s of a stopped agent", chain)
                 _drop(table, chain, [rule])
+                for sub in sub_chains(saved, chain):
+                    _drop(table, sub, [])
         self.apply([])
         for table, rule in jumps(self.names, self.pid):
             if _run(["iptables", "-w", "-t", table, "-C", *rule]).returncode != 0:
@@ -252,7 +275,12 @@ class KernelPath:
                     self.localnet[device] = path.read_text().strip()
                     path.write_text("1\n")
                     log.info("agent: route_localnet set on %s (private network endpoints over it)", device)
-        _check(_run(["iptables-restore", "-w", "--noflush"], restore_text(self.names, rules)), "iptables-restore")
+        gone = consumer_octets(self.installed or ()) - consumer_octets(rules)
+        text = restore_text(self.names, rules, flush=gone)
+        _check(_run(["iptables-restore", "-w", "--noflush"], text), "iptables-restore")
+        for octet in gone:  # emptied and no longer jumped to: a chain left behind is harmless, removed on stop
+            with contextlib.suppress(KernelPathError):
+                _run(["iptables", "-w", "-t", "nat", "-X", consumer_chain(self.names, octet)])
         self.installed = list(rules)
         return True
 
@@ -262,7 +290,13 @@ class KernelPath:
         by_table: dict[str, list[list[str]]] = {}
         for table, rule in jumps(names, self.pid):
             by_table.setdefault(table, []).append(rule)
+        try:
+            saved = _run(["iptables-save", "-t", "nat"]).stdout
+        except KernelPathError:
+            saved = ""
         _drop("nat", names.nat, by_table["nat"][:1])
+        for sub in sub_chains(saved, names.nat):
+            _drop("nat", sub, [])
         _drop("nat", names.post, by_table["nat"][1:])
         _drop("raw", names.guard, by_table["raw"])
         for device, value in self.localnet.items():
@@ -271,6 +305,15 @@ class KernelPath:
         self.localnet.clear()
         self.devices.clear()
         self.installed = None
+
+
+def sub_chains(saved: str, chain: str) -> list[str]:
+    """The consumers' chains of an agent's nat ``chain`` declared in ``iptables-save`` output."""
+    return [
+        line[1:].split()[0]
+        for line in saved.splitlines()
+        if line.startswith(f":{chain}-") and line[len(chain) + 2 :].split(" ", 1)[0].isdigit()
+    ]
 
 
 def _drop(table: str, chain: str, rules: Sequence[list[str]]) -> None:

@@ -19,7 +19,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.agent.firewall import Fence
 from services.agent.forwarder import Forwarder
-from services.agent.kernelnet import CONNTRACK, KernelPath
+from services.agent.kernelnet import CONNTRACK, Dnat, KernelPath
 
 DB_VIP = "127.128.0.5"
 DB_PORT = 5432
@@ -264,12 +264,24 @@ async def stale() -> dict[str, object]:
     """Chains of an agent that is gone (its pid named in the jumps) are removed by the next one."""
     dead = KernelPath("/var/lib/zattera-test-agent", pid=2**22 + 7, alive=lambda pid: pid != 2**22 + 7)
     await asyncio.to_thread(dead.install)
+    await asyncio.to_thread(dead.apply, [Dnat("127.129.0.5", 5432, ("127.0.0.1:31000",))])  # a consumer's chain
     before = saved()
     fresh = KernelPath("/var/lib/zattera-test-agent", alive=lambda pid: pid != 2**22 + 7)
     await asyncio.to_thread(fresh.install)
     during = saved()
+    await asyncio.to_thread(fresh.apply, [Dnat("127.130.0.5", 5432, ("127.0.0.1:31000",))])
+    consumer = saved()
+    await asyncio.to_thread(fresh.apply, [])  # the consumer left: its chain goes
+    left = saved()
     await asyncio.to_thread(fresh.remove)
-    return {"before": before, "during": during, "after": saved(), "pid": os.getpid()}
+    return {
+        "before": before,
+        "during": during,
+        "consumer": consumer,
+        "left": left,
+        "after": saved(),
+        "pid": os.getpid(),
+    }
 
 
 async def main() -> None:

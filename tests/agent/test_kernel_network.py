@@ -31,6 +31,7 @@ from services.agent.kernelnet import (
     old_connections,
     remote,
     restore_text,
+    sub_chains,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,6 +186,10 @@ def test_the_chains_of_a_stopped_agent_are_removed_by_the_next(netns: str) -> No
     assert f"{OWNER_MARK}{2**22 + 7}" not in during  # the gone agent's jumps went
     assert f"{OWNER_MARK}{result['pid']}" in during
     assert during.count(f"-j {CHAIN_PREFIX}") == 1
+    consumer = f"{chains('/var/lib/zattera-test-agent').nat}-129"
+    assert f":{consumer} " in before and consumer not in during  # the gone agent's consumer chain went too
+    second = f"{chains('/var/lib/zattera-test-agent').nat}-130"
+    assert f"-j {second}" in str(result["consumer"]) and second not in str(result["left"])
     assert _no_chains(result["after"])
 
 
@@ -217,14 +222,33 @@ def test_rules_per_pair_with_endpoints_only() -> None:
     names = chains("/var/lib/zattera/agent")
     text = restore_text(names, found[:1])
     lines = text.splitlines()
-    assert lines[:3] == ["*nat", f":{names.nat} - [0:0]", f":{names.post} - [0:0]"]
-    match = f"-A {names.nat} -d 127.129.0.5/32 -p tcp -m tcp --dport 5432"
+    consumer = f"{names.nat}-129"  # the first consumer's pairs (slot 1: 127.129.x.y)
+    assert len(consumer) <= 28  # iptables' chain name limit
+    assert lines[:4] == ["*nat", f":{names.nat} - [0:0]", f":{names.post} - [0:0]", f":{consumer} - [0:0]"]
+    assert lines[4] == f"-A {names.nat} -d 127.129.0.0/16 -j {consumer}"
+    match = f"-A {consumer} -d 127.129.0.5/32 -p tcp -m tcp --dport 5432"
     pick = "-m statistic --mode random --probability 0.5000000000"
-    assert lines[3] == f"{match} {pick} -j DNAT --to-destination 10.98.0.2:31000"
-    assert lines[4] == f"{match} -j DNAT --to-destination 127.0.0.1:31001"
-    assert "-j MASQUERADE" in lines[5] and "--ctorigdst 127.128.0.0/9" in lines[5]
+    assert lines[5] == f"{match} {pick} -j DNAT --to-destination 10.98.0.2:31000"
+    assert lines[6] == f"{match} -j DNAT --to-destination 127.0.0.1:31001"
+    assert "-j MASQUERADE" in lines[7] and "--ctorigdst 127.128.0.0/9" in lines[7]
     assert f"-A {names.guard} ! -i lo -d 127.0.0.0/8 -j DROP" in lines
     assert text.count("COMMIT") == 2
+
+
+def test_a_new_connection_is_matched_against_the_consumers_then_its_own_pairs_only() -> None:
+    names = chains("/var/lib/zattera/agent")
+    rules = [Dnat(f"127.{128 + c}.0.{t}", 5432, ("127.0.0.1:31000",)) for c in (1, 2, 3) for t in (5, 6)]
+    lines = restore_text(names, rules, flush=[131, 140]).splitlines()
+    jumps = [line for line in lines if line.startswith(f"-A {names.nat} ")]
+    assert jumps == [f"-A {names.nat} -d 127.{o}.0.0/16 -j {names.nat}-{o}" for o in (129, 130, 131)]
+    assert [line for line in lines if line.startswith(f"-A {names.nat}-130 ")] == [
+        f"-A {names.nat}-130 -d 127.130.0.{t}/32 -p tcp -m tcp --dport 5432 -j DNAT --to-destination 127.0.0.1:31000"
+        for t in (5, 6)
+    ]
+    assert f":{names.nat}-140 - [0:0]" in lines  # a consumer gone: its chain emptied (then deleted)
+    assert not any(line.startswith(f"-A {names.nat}-140") or line.endswith(f"-j {names.nat}-140") for line in lines)
+    saved = "\n".join([*lines, f":{names.nat}-x - [0:0]", f":{names.post} - [0:0]"])
+    assert sub_chains(saved, names.nat) == [f"{names.nat}-{o}" for o in (129, 130, 131, 140)]
 
 
 def test_a_malformed_endpoint_leaves_the_pair_to_the_forwarder() -> None:
