@@ -271,7 +271,9 @@ def h2load(port: int, host: str, seconds: float, *, h1_close_requests: int = 0, 
     if finished is None or done is None or done.group(1) == "0":
         raise RuntimeError(f"h2load {host} on {port}: no request answered: {out}")
     elapsed = float(finished.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[finished.group(2)]
-    return Run(int(done.group(1)), elapsed, float("nan"), int(done.group(2)) + int(done.group(3)))
+    statuses = re.search(r"status codes: \d+ 2xx, \d+ 3xx, (\d+) 4xx, (\d+) 5xx", out)
+    refused = int(statuses.group(1)) + int(statuses.group(2)) if statuses else 0  # h2load counts them succeeded
+    return Run(int(done.group(1)), elapsed, float("nan"), int(done.group(2)) + int(done.group(3)) + refused)
 
 
 def run_load(load: str, side: Side, host: str, seconds: float, script: Path, requests: int = 0, sni: str = "") -> Run:
