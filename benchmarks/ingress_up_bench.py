@@ -20,8 +20,8 @@ configures for apps to learn the client's address, scheme and host, so that comp
 rather than the headers (the three cost ~6,000 of the ~38,000 user-space instructions of a keep-alive
 request, valgrind).
 
-Not here: 10,000 certificates (a proxy receives the cluster's certificate set in one NATS message, at most
-~8,000 of them; ``ingress_bench`` measures the engine with 10,000 envs and certificates).
+Not here: 10,000 envs with a certificate each (``ingress_tls_bench``, through ``zattera up`` too; the
+engine alone: ``ingress_bench``).
 
 ``python -m benchmarks.ingress_up_bench [--full]``: quick, 1 round of 1 s per load and side (~1 min with
 the cluster's start and two deploys); full, 3 rounds of 8 s. Needs wrk, h2load (nghttp2-client), nginx

@@ -17,12 +17,16 @@ Loads (1 client thread, 32 connections):
 * ``h2`` — h2load, HTTP/2 over TLS (ALPN), 10 concurrent streams per connection.
 
 The TLS server name (SNI) is the env's hostname: wrk gets it from the URL while a small script pins the
-address to loopback; h2load from ``--connect-to``.
+address to loopback; h2load from ``--connect-to``. With ``sni`` (``ingress_tls_bench``: 10,000 hosts with a
+certificate each), each run gets another server name from that list — the same for every side within a
+round — while the ``Host`` header (h2: ``:authority``) stays the env's: the certificate is picked among all
+of them, the request routed to the one env that has a replica.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import socket
@@ -248,27 +252,34 @@ def wrk(url: str, host: str, seconds: float, *, close: bool = False, script: Pat
     return Run(int(done.group(1)), elapsed, p50, failed)
 
 
-def h2load(port: int, host: str, seconds: float, *, h1_close_requests: int = 0) -> Run:
+def h2load(port: int, host: str, seconds: float, *, h1_close_requests: int = 0, sni: str = "") -> Run:
     """One h2load run over TLS to ``127.0.0.1:port`` with ``host`` as the server name and authority: HTTP/2
     with :data:`STREAMS` streams per connection for ``seconds``, or (``h1_close_requests``) that many HTTP/1.1
     requests with a new connection and full handshake each (h2load 1.52 never ends a timed run of those)."""
     argv = ["h2load", "-t1", f"-c{CONNECTIONS}", f"--connect-to=127.0.0.1:{port}"]
+    if sni and sni != host:
+        argv += ["-H", f":authority: {host}"]
     if h1_close_requests:
         argv += [f"-n{h1_close_requests}", "--h1", "-H", "connection: close"]
     else:
         argv += [f"-D{max(1, round(seconds))}", f"-m{STREAMS}"]
-    out = subprocess.run([*argv, f"https://{host}/"], capture_output=True, text=True, check=True, timeout=600).stdout
+    out = subprocess.run(
+        [*argv, f"https://{sni or host}/"], capture_output=True, text=True, check=True, timeout=600
+    ).stdout
     finished = re.search(r"finished in ([\d.]+)(us|ms|s)", out)
     done = re.search(r"requests: \d+ total, \d+ started, \d+ done, (\d+) succeeded, (\d+) failed, (\d+) errored", out)
     if finished is None or done is None or done.group(1) == "0":
         raise RuntimeError(f"h2load {host} on {port}: no request answered: {out}")
     elapsed = float(finished.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[finished.group(2)]
-    return Run(int(done.group(1)), elapsed, float("nan"), int(done.group(2)) + int(done.group(3)))
+    statuses = re.search(r"status codes: \d+ 2xx, \d+ 3xx, (\d+) 4xx, (\d+) 5xx", out)
+    refused = int(statuses.group(1)) + int(statuses.group(2)) if statuses else 0  # h2load counts them succeeded
+    return Run(int(done.group(1)), elapsed, float("nan"), int(done.group(2)) + int(done.group(3)) + refused)
 
 
-def run_load(load: str, side: Side, host: str, seconds: float, script: Path, requests: int = 0) -> Run:
-    """One run of ``load``; ``requests``: how many a counted load (``tls-full``) sends."""
-    tls_url = f"https://{host}:{side.tls_port}/"
+def run_load(load: str, side: Side, host: str, seconds: float, script: Path, requests: int = 0, sni: str = "") -> Run:
+    """One run of ``load``; ``requests``: how many a counted load (``tls-full``) sends; ``sni``: the TLS
+    server name when not ``host``."""
+    tls_url = f"https://{sni or host}:{side.tls_port}/"
     if load == "http":
         return wrk(f"http://127.0.0.1:{side.http_port}/", host, seconds)
     if load == "tls":
@@ -276,9 +287,9 @@ def run_load(load: str, side: Side, host: str, seconds: float, script: Path, req
     if load == "tls-resumed":
         return wrk(tls_url, host, seconds, close=True, script=script)
     if load == "tls-full":
-        return h2load(side.tls_port, host, seconds, h1_close_requests=requests or CONNECTIONS * 4)
+        return h2load(side.tls_port, host, seconds, h1_close_requests=requests or CONNECTIONS * 4, sni=sni)
     if load == "h2":
-        return h2load(side.tls_port, host, seconds)
+        return h2load(side.tls_port, host, seconds, sni=sni)
     raise ValueError(f"unknown load {load!r}")
 
 
@@ -290,9 +301,12 @@ def measure(
     rounds: int,
     seconds: float,
     progress: Callable[[str], None] = lambda _: None,
+    sni: Sequence[str] = (),
 ) -> Results:
-    """``rounds`` alternating rounds of every load against every side (TLS loads need ``tls_port``)."""
+    """``rounds`` alternating rounds of every load against every side (TLS loads need ``tls_port``);
+    ``sni``: server names taken in turn, one per round and load (see the module)."""
     results = Results()
+    names = itertools.cycle(sni) if sni else None
     with pin_script() as script:
         for load in loads:
             requests = 0
@@ -301,10 +315,11 @@ def measure(
                 requests = max(CONNECTIONS * 4, round(probe.rate * seconds))
             for index in range(rounds):
                 order = list(sides) if index % 2 == 0 else list(reversed(sides))
+                name = next(names) if names is not None else ""
                 for side in order:
                     before = cpu_seconds(side.pid)
                     started = time.monotonic()
-                    outcome = run_load(load, side, host, seconds, script, requests)
+                    outcome = run_load(load, side, host, seconds, script, requests, name)
                     used = cpu_seconds(side.pid) - before
                     cpu_us = 1e6 * used / outcome.requests if outcome.requests else float("nan")
                     sample = Sample(outcome.rate, cpu_us, outcome.p50_ms, outcome.failed)

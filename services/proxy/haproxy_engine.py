@@ -35,12 +35,12 @@ from pathlib import Path
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.proxy.haproxy_certs import (
+    PemChecker,
     changes,
     crt_list_text,
     digest,
     ensure_fallback,
     installed,
-    pem_problem,
     safe_name,
 )
 from services.proxy.haproxy_changes import RUNTIME_SERVER_IDS, hosts_map_commands, map_rewrite_commands, server_commands
@@ -76,6 +76,10 @@ RESTART_BACKOFF_MAX = 5.0
 
 
 SWEEP_INTERVAL = 1.0
+
+
+CERT_CHUNK = 500
+"""Certificates checked, written and loaded together (:meth:`HAProxyEngine.set_certificates`)."""
 
 
 PR_SET_PDEATHSIG = 1
@@ -344,37 +348,72 @@ class HAProxyEngine:
     async def set_certificates(self, pems: Mapping[str, str]) -> None:
         """Serve exactly ``pems`` (name → PEM of chain + key) on the TLS listener: new and changed ones are
         loaded and swapped in through the runtime API (open connections keep theirs, new handshakes get
-        the new one), missing ones removed. Files are written first, so a restart or reload loads them."""
-        usable = {}
-        for name, pem in pems.items():
-            # Only new and changed PEMs are checked: parsing 10,000 served ones took seconds per renewal.
-            problem = (
-                None
-                if self._certificates.get(safe_name(name)) == digest(pem)
-                else pem_problem(pem, self.layout.socket_dir)
-            )
-            if problem is None:
-                usable[name] = pem
-            else:
-                log.warning("haproxy: certificate %s not served: %s", name, problem)
-        pems = usable
+        the new one), missing ones removed. Files are written first, so a restart or reload loads them.
+
+        The event loop is never held: checking the PEMs, computing the changes and writing the files run
+        in threads (10,000 certificates held the proxy's loop — its NATS client, heartbeats, route changes
+        — for ~24 s). They go in chunks of :data:`CERT_CHUNK`, the next chunk checked while HAProxy loads
+        this one, and the engine's lock is taken per chunk, so route changes are applied in between."""
+        names = await asyncio.to_thread(_changed, pems, dict(self._certificates))
+        chunks = [names[i : i + CERT_CHUNK] for i in range(0, len(names), CERT_CHUNK)]
+        changed = set(names)
+        usable = {name: pem for name, pem in pems.items() if name not in changed}  # served as they are
+        checking: asyncio.Future[dict[str, str]] | None = None
+        try:
+            for index, chunk in enumerate(chunks):
+                if checking is None:
+                    checking = self._check({name: pems[name] for name in chunk})
+                checked = await checking
+                checking = None
+                if index + 1 < len(chunks):
+                    checking = self._check({name: pems[name] for name in chunks[index + 1]})
+                async with self._lock:
+                    await self._install_certificates(checked, only_these=True)
+                usable.update(checked)
+        finally:
+            if checking is not None:
+                await asyncio.gather(checking, return_exceptions=True)
         async with self._lock:
-            commands, to_write, gone = changes(pems, self._certificates, self.layout.certs_dir, self.layout.crt_list)
-            if not commands:
-                return
-            for name, pem in to_write.items():
-                write_atomic(self.layout.certs_dir / f"{name}.pem", pem, mode=PRIVATE, durable=False)
-            for name in gone:
-                (self.layout.certs_dir / f"{name}.pem").unlink(missing_ok=True)
-            write_atomic(self.layout.crt_list, crt_list_text(self.layout.certs_dir), durable=False)
+            await self._install_certificates(usable, only_these=False)  # removes those no longer wanted
+
+    def _check(self, pems: Mapping[str, str]) -> asyncio.Future[dict[str, str]]:
+        """``pems`` without those HAProxy would refuse, in a thread."""
+        return asyncio.ensure_future(asyncio.to_thread(_usable, pems, dict(self._certificates), self.layout.socket_dir))
+
+    async def _install_certificates(self, pems: Mapping[str, str], *, only_these: bool) -> None:
+        """Install ``pems`` (checked) at run time; unless ``only_these``, remove every other certificate."""
+        wanted = {safe_name(name) for name in pems}
+        have = {k: v for k, v in self._certificates.items() if k in wanted} if only_these else dict(self._certificates)
+        commands, to_write, gone = await asyncio.to_thread(
+            changes, pems, have, self.layout.certs_dir, self.layout.crt_list
+        )
+        if not commands:
+            return
+        listed = bool(gone) or not to_write.keys() <= have.keys()  # the crt-list changes: names come or go
+        writing = asyncio.ensure_future(asyncio.to_thread(self._write_certificates, to_write, gone, listed))
+        try:
             answers = await execute(self.layout.stats_socket, commands)
-            failures = [c.split(" <<", 1)[0] + f": {a}" for c, a in zip(commands, answers, strict=True) if refused(a)]
-            if failures:
-                log.warning("haproxy certificate changes refused (%d): %s", len(failures), "; ".join(failures[:3]))
-            for name, pem in to_write.items():
-                self._certificates[name] = digest(pem)
-            for name in gone:
-                self._certificates.pop(name, None)
+        finally:
+            digests = await writing
+        failures = [c.split(" <<", 1)[0] + f": {a}" for c, a in zip(commands, answers, strict=True) if refused(a)]
+        if failures:
+            log.warning("haproxy certificate changes refused (%d): %s", len(failures), "; ".join(failures[:3]))
+        self._certificates.update(digests)
+        for name in gone:
+            self._certificates.pop(name, None)
+
+    def _write_certificates(self, to_write: Mapping[str, str], gone: Iterable[str], listed: bool) -> dict[str, str]:
+        """(In a thread.) The certificate files and (``listed``) the crt-list; name → digest of those written.
+        The runtime API does not read them: HAProxy gets each PEM in its ``set ssl cert``."""
+        digests = {}
+        for name, pem in to_write.items():
+            write_atomic(self.layout.certs_dir / f"{name}.pem", pem, mode=PRIVATE, durable=False)
+            digests[name] = digest(pem)
+        for name in gone:
+            (self.layout.certs_dir / f"{name}.pem").unlink(missing_ok=True)
+        if listed:
+            write_atomic(self.layout.crt_list, crt_list_text(self.layout.certs_dir), durable=False)
+        return digests
 
     # ------------------------------------------------------------------ stats
 
@@ -433,6 +472,25 @@ class HAProxyEngine:
 
     def release_traffic(self) -> list[cpb.ReleaseTraffic]:
         return list(self.server_traffic.report)
+
+
+def _changed(pems: Mapping[str, str], have: Mapping[str, str]) -> list[str]:
+    """(In a thread.) The names in ``pems`` whose PEM HAProxy does not hold, sorted."""
+    return sorted(name for name, pem in pems.items() if have.get(safe_name(name)) != digest(pem))
+
+
+def _usable(pems: Mapping[str, str], have: Mapping[str, str], scratch: Path) -> dict[str, str]:
+    """(In a thread.) ``pems`` without those HAProxy would refuse (logged). Only new and changed PEMs are
+    checked: parsing 10,000 served ones took seconds per renewal."""
+    checker = PemChecker(scratch)
+    usable = {}
+    for name, pem in pems.items():
+        problem = None if have.get(safe_name(name)) == digest(pem) else checker.problem(pem)
+        if problem is None:
+            usable[name] = pem
+        else:
+            log.warning("haproxy: certificate %s not served: %s", name, problem)
+    return usable
 
 
 def _alive(pid: int) -> bool:

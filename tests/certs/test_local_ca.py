@@ -148,6 +148,22 @@ async def test_a_name_gets_its_certificate_as_soon_as_it_is_routed(
         await stop(service)
 
 
+async def test_more_new_names_than_one_write_holds_all_get_their_record(
+    nats_url: str, conn: Connection, view: StateView, secrets_service: SecretsService, tmp_path: Path
+) -> None:
+    """10,000 envs applied at once: one pass finds thousands of new names. Their PENDING records went in one
+    write, over the batch limit (1,000), and the pass failed, every time: no name got a certificate."""
+    service = await start_certs_service(nats_url, tmp_path / "control", ZATTERA_LOOP_TICK="3600")
+    names = [f"e{i}-production.localhost" for i in range(1_200)]
+    try:
+        await eventually(lambda: view.lease("certs") is not None, 30, "the certs loop leading")
+        await publish_cert_hosts(conn, 1, *names)
+        await eventually(lambda: len(view.all(K.CERT)) >= len(names), 30, "a record for every routed name")
+        await eventually(lambda: valid(view, names[0]), 30, "the first of them issued")
+    finally:
+        await stop(service)
+
+
 async def test_a_set_that_arrives_while_the_reader_installs_the_previous_one_is_handed_out_next(
     nats_url: str, conn: Connection, writer: Writer, view: StateView, secrets_service: SecretsService, tmp_path: Path
 ) -> None:
