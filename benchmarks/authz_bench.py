@@ -15,10 +15,20 @@ Figures per mode:
   snapshot (one batch direct get), then the deploy action (release, deployment and env writes, the event) —
   timed from the snapshot request to the action's return; 20 deploys (full: 100) after two warm-ups, p50.
 * **logs -f**: a follower (``shared.applogs.read_app_logs(follow=True)``, the code of ``zattera logs -f``)
-  of an environment's log stream; 200 batches (full: 1,000) published by control one every 5 ms, in 6 rounds
-  per mode with the modes' order alternating; the latency from publish to the line at the follower, p50 and
-  p99 over all rounds and each round's p50 against open mode's in the same round (min, median, max); and the
-  time to start following (stream info, watch opened, backlog read), median of the rounds.
+  of an environment's log stream, one per mode on its own client connection, in 6 rounds; 300 lines per mode
+  (full: 1,500), 50 (250) a round. A round opens the three followers (their order rotating between rounds:
+  the time to start following — stream info, watch or feed opened, backlog read — median of the rounds), then
+  for each line publishes one batch from control to each mode in turn, waiting until that mode's follower
+  has printed it, 5 ms apart; the modes' order rotates through the six permutations line by line, so each
+  mode is first, second and third equally often and the three latencies of a line are taken within a few
+  milliseconds of each other under the same load. Figures: the latency from publish to the line at the
+  follower, p50 and p99 over all rounds; each mode against open mode (ratio of the p50s; each round's p50
+  against open mode's in the same round: min, median, max; and the median of the per-line differences with
+  open mode's same line, in µs).
+
+Until 2026-12-03 07:40 UTC the followers of a round ran one mode after the other (200 lines, 33 a round, the
+modes' order alternating per round); interleaving line by line takes the machine's load, which moves within
+a second here, out of the comparison.
 
     .venv/bin/python -m benchmarks.authz_bench [--full]
 """
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -160,38 +171,76 @@ def _batch(i: int) -> bytes:
     return batch.SerializeToString()
 
 
-async def follow_logs(m: Mode, lines: int) -> tuple[list[float], float]:
-    conn = await _client(m)
-    await m.control.js.publish(app_log_subject(ENV, "i1"), _batch(-1))
-    received: list[float] = []
-    opened = asyncio.Event()
-    start = time.perf_counter()
-    startup = 0.0
+class Follower:
+    """One mode's ``logs -f``: ``read_app_logs(follow=True)`` on a client connection of its own, kept open for a
+    round; :meth:`line` publishes one batch from control and waits until the follower has it."""
 
-    async def reader() -> None:
-        nonlocal startup
+    def __init__(self, m: Mode) -> None:
+        self.mode = m
+        self._conn: Connection | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._opened = asyncio.Event()
+        self._arrived = asyncio.Event()
+        self._latency = 0.0
+
+    async def start(self) -> float:
+        """Open the follower on a stream holding one line; the time until that line is printed."""
+        self._conn = await _client(self.mode)
+        await self.mode.control.js.publish(app_log_subject(ENV, "i1"), _batch(-1))
+        start = time.perf_counter()
+        self._task = asyncio.create_task(self._read(self._conn))
+        await asyncio.wait_for(self._opened.wait(), 10)
+        return time.perf_counter() - start
+
+    async def _read(self, conn: Connection) -> None:
         async for line in read_app_logs(conn, ENV, last=1, follow=True):
             index, sent = line.line.split(" ", 1)
             if int(index) < 0:
-                startup = time.perf_counter() - start
-                opened.set()
+                self._opened.set()
                 continue
-            received.append(time.perf_counter() - float(sent))
-            if len(received) >= lines:
-                return
+            self._latency = time.perf_counter() - float(sent)
+            self._arrived.set()
 
-    task = asyncio.create_task(reader())
+    async def line(self, i: int) -> float:
+        """Publish → printed by the follower, in seconds."""
+        self._arrived.clear()
+        await self.mode.control.js.publish(app_log_subject(ENV, "i1"), _batch(i))
+        await asyncio.wait_for(self._arrived.wait(), 10)
+        return self._latency
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._conn is not None:
+            await self._conn.close()
+
+
+ORDERS = list(itertools.permutations(range(len(MODES))))
+"""The modes' order per line, cycled: each mode is first, second and third equally often."""
+
+
+async def follow_round(modes: list[Mode], r: int, lines: int) -> dict[str, tuple[list[float], float]]:
+    """One round: a follower per mode opened (in a rotating order), then ``lines`` lines per mode, one mode
+    after the other for each line (order rotating per line), LINE_GAP between lines; mode → (latencies,
+    start)."""
+    followers: dict[str, Follower] = {}
+    starts: dict[str, float] = {}
     try:
-        await asyncio.wait_for(opened.wait(), 10)
+        for index in ORDERS[r % len(ORDERS)]:
+            m = modes[index]
+            followers[m.name] = Follower(m)
+            starts[m.name] = await followers[m.name].start()
+        latencies: dict[str, list[float]] = {m.name: [] for m in modes}
         for i in range(lines):
-            await m.control.js.publish(app_log_subject(ENV, "i1"), _batch(i))
-            await asyncio.sleep(LINE_GAP)
-        await asyncio.wait_for(task, 30)
+            for index in ORDERS[(r + i) % len(ORDERS)]:
+                m = modes[index]
+                latencies[m.name].append(await followers[m.name].line(i))
+                await asyncio.sleep(LINE_GAP)
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await conn.close()
-    return received, startup
+        for follower in followers.values():
+            await follower.stop()
+    return {name: (latencies[name], starts[name]) for name in latencies}
 
 
 async def cli_deploy(m: Mode, i: int) -> float:
@@ -208,7 +257,8 @@ async def cli_deploy(m: Mode, i: int) -> float:
 
 async def measure(base: Path, count: int, lines: int, cli_count: int) -> dict[str, dict[str, object]]:
     """The three modes side by side, deploys interleaved (one of each mode in turn), so the machine's load
-    weighs on each alike; then the log followers, one mode after the other."""
+    weighs on each alike; then the log followers' rounds (:func:`follow_round`), the modes interleaved line by
+    line."""
     results: dict[str, dict[str, object]] = {name: {"snapshot": [], "action": [], "cli": []} for name in MODES}
     async with contextlib.AsyncExitStack() as stack:
         envs = count + 2 + cli_count
@@ -227,11 +277,10 @@ async def measure(base: Path, count: int, lines: int, cli_count: int) -> dict[st
             for name in MODES:
                 results[name] |= {"logs": [], "startup": [], "logs_rounds": []}
             for r in range(LOG_ROUNDS):
-                for m in modes if r % 2 == 0 else reversed(modes):
-                    latencies, startup = await follow_logs(m, lines // LOG_ROUNDS)
-                    results[m.name]["logs"].extend(latencies)  # type: ignore[attr-defined]
-                    results[m.name]["startup"].append(startup)  # type: ignore[attr-defined]
-                    results[m.name]["logs_rounds"].append(percentile(latencies, 50))  # type: ignore[attr-defined]
+                for name, (latencies, startup) in (await follow_round(modes, r, lines // LOG_ROUNDS)).items():
+                    results[name]["logs"].extend(latencies)  # type: ignore[attr-defined]
+                    results[name]["startup"].append(startup)  # type: ignore[attr-defined]
+                    results[name]["logs_rounds"].append(percentile(latencies, 50))  # type: ignore[attr-defined]
         finally:
             for conn in clients.values():
                 await conn.close()
@@ -243,7 +292,7 @@ async def measure(base: Path, count: int, lines: int, cli_count: int) -> dict[st
 
 def run(quick: bool = True) -> list[Row]:
     count = 20 if quick else 100
-    lines = 200 if quick else 1000
+    lines = 300 if quick else 1500
     cli_count = 6 if quick else 20
     with tempfile.TemporaryDirectory(prefix="zattera-bench-authz-", dir=Path.home() / ".cache") as tmp:
         results = asyncio.run(measure(Path(tmp), count, lines, cli_count))
@@ -261,14 +310,14 @@ def run(quick: bool = True) -> list[Row]:
             row(f"{name}:   of which snapshot read, p50", percentile(results[name]["snapshot"], 50) * ms, "ms"),  # type: ignore[arg-type]
             row(
                 f"{name}:   of which deploy action (writes, event), p50",
-                percentile(results[name]["action"], 50) * ms,
+                percentile(results[name]["action"], 50) * ms,  # type: ignore[arg-type]
                 "ms",
-            ),  # type: ignore[arg-type]
+            ),
             row(
                 f"{name}: `zattera deploy --image --no-watch` process, median",
-                percentile(results[name]["cli"], 50) * ms,
+                percentile(results[name]["cli"], 50) * ms,  # type: ignore[arg-type]
                 "ms",
-            ),  # type: ignore[arg-type]
+            ),
             row(f"{name}: `zattera deploy` process, min", min(results[name]["cli"]) * ms, "ms"),  # type: ignore[call-overload]
             row(f"{name}: `zattera deploy` process, max", max(results[name]["cli"]) * ms, "ms"),  # type: ignore[call-overload]
             row(f"{name}: logs -f line latency, p50 ({len(logs)})", percentile(logs, 50) * ms, "ms"),  # type: ignore[arg-type]
@@ -299,7 +348,21 @@ def run(quick: bool = True) -> list[Row]:
             "≤ 10",
         ),
         row("operator vs open: logs -f line latency added (p50)", (logs50["operator"] / logs50["open"] - 1) * 100, "%"),
+        row(
+            "member vs operator: logs -f line latency added (p50)",
+            (logs50["member"] / logs50["operator"] - 1) * 100,
+            "%",
+        ),
     ]
+    for name in ("member", "operator"):
+        paired = [a - b for a, b in zip(results[name]["logs"], results["open"]["logs"], strict=True)]  # type: ignore[call-overload]
+        rows.append(
+            row(
+                f"{name} − open: logs -f, the same line's latency, median difference",
+                percentile(paired, 50) * 1e6,
+                "µs",
+            )
+        )
     rounds = list(zip(results["member"]["logs_rounds"], results["open"]["logs_rounds"], strict=True))  # type: ignore[call-overload]
     ratios = sorted((member / opened - 1) * 100 for member, opened in rounds)
     rows += [

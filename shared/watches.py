@@ -201,6 +201,10 @@ class Watch:
         self._last_seq = 0
         self._task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
+        self._end = Msg(_client=conn.nc, subject="")
+        """Queued after the last message once a feed is refused (:class:`FeedWatch`): the reader then waits on
+        the queue alone, with no other future per message."""
+        self.refused = ""
         self.caught_up = caught_up or asyncio.Event()
         self._set_up()
 
@@ -246,8 +250,19 @@ class Watch:
             self.caught_up.set()
 
     async def next_msg(self, timeout: float | None = None) -> Msg:
-        """The next message; raises :class:`TimeoutError` after ``timeout`` seconds without one."""
-        return await asyncio.wait_for(self._queue.get(), timeout)
+        """The next message; raises :class:`TimeoutError` after ``timeout`` seconds without one, and
+        :class:`BadWatch` once a feed was refused (:class:`FeedWatch`)."""
+        msg = await asyncio.wait_for(self._queue.get(), timeout)
+        if msg is self._end:
+            self._queue.put_nowait(msg)  # every later call is refused too
+            raise BadWatch(self.refused)
+        return msg
+
+    def _refuse(self, why: str) -> None:
+        """A refused feed: the reader gets what was queued before, then :class:`BadWatch`."""
+        if not self.refused:
+            self.refused = why
+            self._queue.put_nowait(self._end)
 
     async def next_stored(self, timeout: float) -> Msg | None:
         """The next message stored when the watch opened, or None once there is none left (or none within
@@ -262,7 +277,11 @@ class Watch:
             done.cancel()
             if not got.done():
                 got.cancel()
-        return got.result() if got.done() and not got.cancelled() else None
+        found = got.result() if got.done() and not got.cancelled() else None
+        if found is self._end:
+            self._queue.put_nowait(found)  # the refusal is for next_msg
+            return None
+        return found
 
     async def unsubscribe(self) -> None:
         # Re-cancelled until it ends: asyncio.wait_for (inside the pull) can swallow a cancellation.
@@ -300,7 +319,9 @@ class FeedMsg(Msg):
 
 def feed_msg(nc: Any, msg: Msg) -> Msg | None:
     """The stream message a pushed message carries (None: a status message; a JetStream delivery as it is)."""
-    headers = dict(msg.headers or {})
+    if not msg.headers:
+        return msg  # a JetStream delivery of a message stored without headers (a log batch)
+    headers = dict(msg.headers)
     if FEED_STATUS_HEADER in headers or "Status" in headers:  # ours, or JetStream's idle heartbeat
         return None
     if FEED_SUBJECT_HEADER not in headers:
@@ -331,8 +352,6 @@ class FeedWatch(Watch):
         self._sub: Any = None
         self._heard = 0.0
         self._ended: asyncio.Event = asyncio.Event()
-        self._refusal: asyncio.Event = asyncio.Event()
-        self.refused = ""
 
     async def _open(self, spec: WatchSpec) -> None:
         nc = self._conn.nc
@@ -373,8 +392,7 @@ class FeedWatch(Watch):
         elif status.startswith("end: "):
             why = status.removeprefix("end: ")
             if why.startswith("not authorised"):
-                self.refused = why
-                self._refusal.set()
+                self._refuse(why)
             self._ended.set()
         found = feed_msg(self._conn.nc, msg)
         if found is not None:
@@ -399,30 +417,11 @@ class FeedWatch(Watch):
                 except (WatchUnavailable, BadWatch) as exc:
                     log.warning("feed of %s not reopened: %s", self._spec.stream, exc)
                     if "not authorised" in str(exc):
-                        self.refused = str(exc)
-                        self._refusal.set()
+                        self._refuse(str(exc))
                         return
                 continue
             with contextlib.suppress(nats.errors.Error):
                 await self._conn.nc.publish(TEAMS_FEED_KEEP_SUBJECT, json.dumps({"id": self._id}).encode())
-
-    async def next_msg(self, timeout: float | None = None) -> Msg:
-        """The next message; :class:`BadWatch` once the feed was refused, :class:`TimeoutError` after ``timeout``."""
-        if self._queue.empty() and self.refused:
-            raise BadWatch(self.refused)
-        got = asyncio.ensure_future(self._queue.get())
-        stop = asyncio.ensure_future(self._refusal.wait())
-        try:
-            await asyncio.wait({got, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            if not got.done():
-                got.cancel()
-        if got.done() and not got.cancelled():
-            return got.result()
-        if self.refused:
-            raise BadWatch(self.refused)
-        raise TimeoutError
 
     async def unsubscribe(self) -> None:
         await cancel_and_wait(self._task)

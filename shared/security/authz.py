@@ -15,8 +15,9 @@ request) before anything is written or answered:
 * **watches** (``zattera.watch.open``): a member may follow the log stream of an environment of its projects
   only (:meth:`Authz.authorize_watch`).
 
-It also mints member credentials for admins (``zattera.teams.issue``): the member role's signing key stays
-on the control side.
+Members' pushed feeds are :mod:`shared.security.feeds`, the state index members' snapshots are answered from
+:mod:`shared.security.state_index`, the minting of member credentials for admins (``zattera.teams.issue``,
+with :attr:`Authz.issuer`) :mod:`shared.security.member_issue`.
 """
 
 from __future__ import annotations
@@ -26,12 +27,8 @@ import base64
 import contextlib
 import json
 import logging
-import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from functools import partial
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -41,47 +38,33 @@ from nats.js.kv import KeyValue
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
-from shared.applogs import APP_LOGS_SUBJECT_PREFIX, env_of_stream
+from shared.applogs import env_of_stream
 from shared.connection import Connection
 from shared.jetstream import is_delete_marker
 from shared.provisioning import recorded_replicas
 from shared.security.accounts import AUTHZ_PREFIX
 from shared.security.authority import RoleIssuer
 from shared.security.callers import REQUEST_INFO_HEADER, Caller, answerable, caller
-from shared.security.creds import creds_text
-from shared.security.nkeyjwt import KeyKind, KeyPair
 from shared.security.permissions import JS, object_stream
+from shared.security.state_index import StateIndex, project_or_env
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, SOURCES_STORE, STATE_PREFIX, STATE_STREAM
 from shared.teams import (
     DEPLOYER,
-    FEED_CAUGHT_UP,
-    FEED_HEARTBEAT,
-    FEED_HEARTBEAT_STATUS,
-    FEED_IDLE,
-    FEED_PENDING_HEADER,
-    FEED_RECHECK,
-    FEED_SEQ_HEADER,
-    FEED_STATUS_HEADER,
-    FEED_SUBJECT_HEADER,
     MEMBER_READS_CLUSTER,
     OWNER,
-    PROJECT_KINDS,
     TEAMS_BUCKET,
     TEAMS_FEED_SUBJECT,
     TOKEN_USER_PREFIX,
     Member,
     Token,
     User,
-    decoded,
     may_read,
     may_write,
-    project_of,
-    push_subject,
     token_key,
     user_key,
     value_project,
 )
-from shared.watches import STATE_WATCH, BadWatch, Watch, WatchSpec, WatchUnavailable, follow
+from shared.watches import WatchSpec
 
 log = logging.getLogger(__name__)
 
@@ -128,53 +111,29 @@ class Authz:
     ) -> None:
         self._conn = conn
         self.members_account = members_account
-        self._issuer = issuer
-        self._admins_account = admins_account
+        self.issuer = issuer
+        self.admins_account = admins_account
         self._now = now
         self._kv: KeyValue | None = None
         self._projects: dict[str, str] = {}
         """State key → its project, as last seen readable (a pushed delete has no value to tell it)."""
-        self._feeds: dict[tuple[str, str], _Feed] = {}
-        self._closing: set[asyncio.Future[None]] = set()
         self._known: dict[str, tuple[int, str]] = {}
-        self._index: dict[str, tuple[int, bytes, dict[str, str], str]] = {}
-        """State key → (revision, value, the headers a direct get answers with, project or ``env:<id>``)."""
-        self._applied = 0
-        self._index_moved = asyncio.Event()
-        self._index_watch: Watch | None = None
         """State key → (revision, its project or ``env:<id>``) as last decoded: a member's snapshot read decodes
         only the values that changed since the last read (issue 39 item 4: the read's cost)."""
+        self._index = StateIndex(conn)
 
     async def start(self) -> None:
         self._kv = await ensure_teams_bucket(self._conn)
-        if self._index_watch is None:
-            try:
-                self._index_watch = await follow(self._conn, STATE_WATCH, self._on_index)
-            except (BadWatch, WatchUnavailable, TimeoutError, nats.errors.Error) as exc:
-                # Members' snapshot reads are then filtered from JetStream's answer (slower, same result).
-                log.warning("authz: no state index (%s): members' snapshots are read from JetStream", exc)
+        await self._index.start()
+
+    async def stop(self) -> None:
+        await self._index.stop()
+
+    def now(self) -> float:
+        """The authorising path's clock (tokens' expiry, feeds' rechecks)."""
+        return self._now()
 
     # ------------------------------------------------------------------------------------------ state index
-
-    async def _on_index(self, msg: Msg) -> None:
-        """One change of the state, as control's own watch delivers it: the index members' snapshots are
-        answered from (item 4 of issue 39: no JetStream batch to receive and decode per request)."""
-        seq = msg.metadata.sequence.stream
-        key = msg.subject.removeprefix(STATE_PREFIX)
-        deleted = is_delete_marker(msg.headers)
-        previous = self._index.get(key)
-        # A tombstone keeps the project of the value it replaced: a pushed delete is shown to whoever saw it.
-        project = (previous[3] if previous else "") if deleted else _project_or_env(key, bytes(msg.data))
-        headers = dict(msg.headers or {}) | {
-            "Nats-Stream": STATE_STREAM,
-            "Nats-Subject": msg.subject,
-            "Nats-Sequence": str(seq),
-        }
-        self._index[key] = (seq, b"" if deleted else bytes(msg.data), headers, project)
-        if seq > self._applied:
-            self._applied = seq
-            self._index_moved.set()
-            self._index_moved = asyncio.Event()
 
     async def _stream_last_seq(self) -> int:
         """The state stream's newest sequence: one small direct get (the last message of any key)."""
@@ -183,42 +142,24 @@ class Authz:
         headers = answer.headers or {}
         return 0 if headers.get("Status") else int(headers.get("Nats-Sequence", 0) or 0)
 
-    async def _index_reaches(self, seq: int) -> bool:
-        """Wait (at most READ_TIMEOUT) until the index holds every change up to ``seq``: read-your-writes."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + READ_TIMEOUT
-        while self._applied < seq:
-            left = deadline - loop.time()
-            if left <= 0:
-                return False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._index_moved.wait(), left)
-        return True
-
-    def _index_project(self, key: str, project: str) -> str:
-        if project.startswith("env:"):
-            env = self._index.get(f"{K.ENV}.{project[4:]}")
-            return env[3] if env is not None and not env[3].startswith("env:") else ""
-        return project
-
     async def _answer_from_index(self, msg: Msg, who: Caller | None) -> bool:
         """A member's whole-state snapshot (the CLI's ``multi_last``) from the index, filtered, in JetStream's
         batch form; False when the index cannot answer (not running, or behind the stream for READ_TIMEOUT)."""
-        if self._index_watch is None:
+        if not self._index.running:
             return False
         member, last = await asyncio.gather(self._caller_member(who), self._stream_last_seq())
         nc = self._conn.nc
         if isinstance(member, str):
             await nc.publish(msg.reply, b"", headers=_status("404", f"not authorised: {member}"))
             return True
-        if not await self._index_reaches(last):
+        if not await self._index.reaches(last, READ_TIMEOUT):
             return False
-        for key, (_, data, headers, project) in sorted(self._index.items(), key=lambda item: item[1][0]):
+        for key, (_, data, headers, project) in self._index.in_order():
             kind = key.split(".", 1)[0]
             if member.admin or kind in MEMBER_READS_CLUSTER:
                 allowed = True
             else:
-                found = self._index_project(key, project)
+                found = self._index.project(key, project)
                 allowed = bool(found and member.role(found))
             if allowed:
                 await nc.publish(msg.reply, data, headers=headers)
@@ -298,6 +239,27 @@ class Authz:
         envs = await self._env_projects((key, old), (key, new))
         return may_write(member, key, new, old, envs, delete=delete)
 
+    async def visible_state(self, member: Member, msg: Msg) -> bool:
+        """Whether a change of the state (as a watch delivers it) may be pushed to ``member``; a delete is
+        visible when the key was, as last seen (the index's tombstone keeps its project)."""
+        if member.admin:
+            return True
+        key = msg.subject.removeprefix(STATE_PREFIX)
+        kind = key.split(".", 1)[0]
+        if kind in MEMBER_READS_CLUSTER:
+            return True
+        data = None if is_delete_marker(msg.headers) else msg.data
+        if not data:
+            indexed = self._index.get(key)
+            project = self._index.project(key, indexed[3]) if indexed else self._projects.get(key, "")
+            return bool(member.role(project))
+        project = value_project(key, data, {})
+        if not project and kind in ENV_REFERRING:
+            project = value_project(key, data, await self._env_projects((key, data)))
+        if project:
+            self._projects[key] = project
+        return bool(project and member.role(project))
+
     # ----------------------------------------------------------------------------------------------- reads
 
     async def _ask(self, api: str, body: bytes, headers: dict[str, str] | None, *, batch: bool) -> list[Msg]:
@@ -321,7 +283,7 @@ class Authz:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
 
-    async def _stream_allowed(self, member: Member, stream: str) -> bool:
+    async def stream_allowed(self, member: Member, stream: str) -> bool:
         if member.admin:
             return True
         if stream in (STATE_STREAM, SOURCES_STREAM, EVENTS_STREAM):  # events: counts and kinds, no payload
@@ -374,7 +336,7 @@ class Authz:
             return
         if api.startswith(STREAM_INFO):
             stream = api[len(STREAM_INFO) :]
-            if isinstance(member, str) or not await self._stream_allowed(member, stream):
+            if isinstance(member, str) or not await self.stream_allowed(member, stream):
                 why = member if isinstance(member, str) else f"stream {stream} is not readable with your grants"
                 await nc.publish(msg.reply, api_error(f"not authorised: {why}"))
                 return
@@ -426,7 +388,7 @@ class Authz:
             if known is not None and known[0] == seq and seq:
                 project = known[1]  # this very revision was decoded before: no need to decode it again
             else:
-                project = _project_or_env(key, None if is_delete_marker(headers) else answer.data)
+                project = project_or_env(key, None if is_delete_marker(headers) else answer.data)
                 self._known[key] = (seq, project)
             if key.startswith(f"{K.ENV}."):
                 envs[key.removeprefix(f"{K.ENV}.")] = project
@@ -503,263 +465,8 @@ class Authz:
         who = caller(msg)
         if who is None or not self.is_member(who):
             return ""
-        # A member pulls no consumer (its permissions allow none): what it follows is pushed (:meth:`feed_handler`).
+        # A member pulls no consumer (its permissions allow none): what it follows is pushed (shared.security.feeds).
         return f"not authorised: team members follow through {TEAMS_FEED_SUBJECT} (docs/teams.md)"
-
-    # ------------------------------------------------------------------------------------------------ feeds
-
-    def feed_handler(self) -> Callable[[Msg], Awaitable[None]]:
-        """``zattera.teams.feed``: open a pushed feed of a stream for a member (docs/teams.md, "Feeds")."""
-
-        async def on_feed(msg: Msg) -> None:
-            if not answerable(msg):
-                return
-            try:
-                reply = await self._open_feed(caller(msg), msg.data)
-            except (BadWatch, WatchUnavailable) as exc:
-                reply = {"error": str(exc)}
-            except (TimeoutError, nats.errors.Error) as exc:
-                reply = {"error": f"feed not opened: {exc or type(exc).__name__}"}
-            await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
-
-        return on_feed
-
-    def keep_handler(self) -> Callable[[Msg], Awaitable[None]]:
-        """``zattera.teams.feedkeep`` (every join service gets it): a reader's keepalive or close of its feed."""
-
-        async def on_keep(msg: Msg) -> None:
-            who = caller(msg)
-            try:
-                request = json.loads(msg.data or b"{}")
-                feed_id = str(request.get("id", ""))
-            except (ValueError, AttributeError):
-                return
-            feed = self._feeds.get((who.user, feed_id)) if who is not None and self.is_member(who) else None
-            if feed is None:
-                return
-            if request.get("close"):
-                await self._end_feed(feed, "")
-                return
-            feed.kept = time.monotonic()
-            await self._recheck(feed, force=True)
-
-        return on_keep
-
-    async def _open_feed(self, who: Caller | None, body: bytes) -> dict[str, str]:
-        if who is None or not self.is_member(who):
-            raise BadWatch("not authorised: feeds are for team members (others open watches)")
-        member = await self.member(who)
-        if isinstance(member, str):
-            raise BadWatch(f"not authorised: {member}")
-        try:
-            feed_id = str(json.loads(body or b"{}").get("id", ""))
-        except (ValueError, AttributeError):
-            feed_id = ""
-        if not FEED_ID.match(feed_id):
-            raise BadWatch("id: 1-40 of a-z, A-Z, 0-9, '-', '_'")
-        spec = WatchSpec.from_json(body)
-        if spec.stream not in (STATE_STREAM, EVENTS_STREAM):
-            env_id = env_of_stream(spec.stream)
-            logs = bool(env_id) and all(s.startswith(f"{APP_LOGS_SUBJECT_PREFIX}{env_id}.") for s in spec.subjects)
-            if not member.admin and not (logs and await self._stream_allowed(member, spec.stream)):
-                raise BadWatch(
-                    f"not authorised: stream {spec.stream}: team members follow the state, their projects' "
-                    "events and their environments' logs"
-                )
-        old = self._feeds.pop((who.user, feed_id), None)
-        if old is not None:
-            await self._end_feed(old, "")
-        feed = _Feed(who, member, push_subject(who.user, feed_id), spec.stream, checked=self._now())
-        self._feeds[(who.user, feed_id)] = feed
-        try:
-            if spec.stream in (STATE_STREAM, EVENTS_STREAM):
-                # Filtered message by message: control follows the stream and re-publishes what passes.
-                feed.watch = await follow(self._conn, spec, partial(self._forward, feed))
-            else:
-                # A log stream (or, for an admin, any other stream): nothing to filter, so JetStream pushes it
-                # straight to the member's subject (no hop through control; the subject, sequence and pending
-                # count travel as in any delivery). Gone 30 s after the member stops listening, or at its end.
-                config = spec.consumer_config(f"feed-{uuid.uuid4().hex[:20]}")
-                config.deliver_subject = feed.subject
-                config.idle_heartbeat = FEED_HEARTBEAT
-                info = await self._conn.js.add_consumer(spec.stream, config)
-                feed.consumer = str(info.name)
-                if not info.num_pending:
-                    await self._status(feed, FEED_CAUGHT_UP)
-        except BaseException:
-            self._feeds.pop((who.user, feed_id), None)
-            raise
-        feed.task = asyncio.ensure_future(self._tend(feed))
-        return {"subject": feed.subject}
-
-    async def _recheck(self, feed: _Feed, *, force: bool = False) -> bool:
-        """The caller's record read again (at most every FEED_RECHECK s unless forced); False: the feed ended."""
-        now = self._now()
-        if not force and now - feed.checked < FEED_RECHECK:
-            return True
-        feed.checked = now
-        member = await self.member(feed.who)
-        if isinstance(member, str):
-            await self._end_feed(feed, f"not authorised: {member}")
-            return False
-        feed.member = member
-        if feed.stream not in (STATE_STREAM, EVENTS_STREAM) and not await self._stream_allowed(member, feed.stream):
-            await self._end_feed(feed, f"not authorised: stream {feed.stream} is not readable with your grants")
-            return False
-        return True
-
-    async def _visible(self, feed: _Feed, msg: Msg) -> bool:
-        member = feed.member
-        if member.admin:
-            return True
-        if feed.stream == EVENTS_STREAM:
-            try:
-                return bool(member.role(pb.Event.FromString(msg.data).project_id))
-            except Exception:
-                return False
-        if feed.stream != STATE_STREAM:
-            return True  # a log stream of a granted environment (checked when opened and at each recheck)
-        key = msg.subject.removeprefix(STATE_PREFIX)
-        kind = key.split(".", 1)[0]
-        if kind in MEMBER_READS_CLUSTER:
-            return True
-        data = None if is_delete_marker(msg.headers) else msg.data
-        if not data:  # a delete: visible when the key was, as last seen (the index's tombstone keeps its project)
-            indexed = self._index.get(key)
-            project = self._index_project(key, indexed[3]) if indexed else self._projects.get(key, "")
-            return bool(member.role(project))
-        project = value_project(key, data, {})
-        if not project and kind in ENV_REFERRING:
-            project = value_project(key, data, await self._env_projects((key, data)))
-        if project:
-            self._projects[key] = project
-        return bool(project and member.role(project))
-
-    async def _forward(self, feed: _Feed, msg: Msg) -> None:
-        if feed.ended or not await self._recheck(feed):
-            return
-        if not await self._visible(feed, msg):
-            return
-        meta = msg.metadata
-        headers = dict(msg.headers or {}) | {
-            FEED_SUBJECT_HEADER: msg.subject,
-            FEED_SEQ_HEADER: str(meta.sequence.stream),
-            FEED_PENDING_HEADER: str(meta.num_pending),
-        }
-        feed.sent = time.monotonic()
-        await self._conn.nc.publish(feed.subject, msg.data, headers=headers)
-
-    async def _status(self, feed: _Feed, status: str) -> None:
-        feed.sent = time.monotonic()
-        await self._conn.nc.publish(feed.subject, b"", headers={FEED_STATUS_HEADER: status})
-
-    async def _tend(self, feed: _Feed) -> None:
-        """Tells the reader once the stored messages are all sent, then heartbeats; ends a forgotten feed."""
-        with contextlib.suppress(nats.errors.Error):
-            if feed.watch is not None:
-                await feed.watch.caught_up.wait()
-                await self._status(feed, FEED_CAUGHT_UP)
-            while not feed.ended:
-                await asyncio.sleep(FEED_HEARTBEAT)
-                if time.monotonic() - feed.kept > FEED_IDLE:
-                    await self._end_feed(feed, "no keepalive")
-                    return
-                if feed.watch is not None and time.monotonic() - feed.sent >= FEED_HEARTBEAT:
-                    await self._status(feed, FEED_HEARTBEAT_STATUS)  # a pushed consumer has JetStream's own
-
-    async def _end_feed(self, feed: _Feed, why: str) -> None:
-        if feed.ended:
-            return
-        feed.ended = True
-        if self._feeds.get((feed.who.user, feed.subject.rsplit(".", 1)[-1])) is feed:
-            del self._feeds[(feed.who.user, feed.subject.rsplit(".", 1)[-1])]
-        if why:
-            with contextlib.suppress(nats.errors.Error):
-                await self._status(feed, f"end: {why}")
-        if feed.watch is not None:
-            watch, feed.watch = feed.watch, None
-            # In a task of its own: this may run inside the watch's own callback.
-            closing = asyncio.ensure_future(watch.unsubscribe())
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
-        if feed.consumer:
-            closing = asyncio.ensure_future(self._delete_consumer(feed.stream, feed.consumer))
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
-        if feed.task is not None and feed.task is not asyncio.current_task():
-            feed.task.cancel()
-
-    async def _delete_consumer(self, stream: str, name: str) -> None:
-        with contextlib.suppress(nats.errors.Error, TimeoutError):
-            await self._conn.js.delete_consumer(stream, name)
-
-    async def stop(self) -> None:
-        for feed in list(self._feeds.values()):
-            await self._end_feed(feed, "")
-        watch, self._index_watch = self._index_watch, None
-        if watch is not None:
-            await watch.unsubscribe()
-
-    # ---------------------------------------------------------------------------------------------- issuing
-
-    def issue_handler(self) -> Callable[[Msg], Awaitable[None]]:
-        """``zattera.teams.issue``: a member credential named ``name``, for an admin (operator) or control."""
-
-        async def on_issue(msg: Msg) -> None:
-            if not answerable(msg):
-                return
-            who = caller(msg)
-            reply: dict[str, str]
-            if self._issuer is None:
-                reply = {"error": "no member signing key on this control service"}
-            elif who is not None and who.account != self._admins_account:
-                reply = {"error": "not authorised: only admins issue member credentials"}
-            else:
-                try:
-                    name = str(json.loads(msg.data or b"{}").get("name", ""))
-                except (ValueError, AttributeError):
-                    name = ""
-                if not name or " " in name:
-                    reply = {"error": "name: required"}
-                else:
-                    user = KeyPair.generate(KeyKind.USER)
-                    creds = creds_text(self._issuer.user_jwt(name, user.public_key), user.seed)
-                    reply = {"creds": creds, "user_key": user.public_key}
-            await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
-
-        return on_issue
-
-
-@dataclass
-class _Feed:
-    """A member's pushed feed: the stream control follows for it and the subject only it may subscribe to."""
-
-    who: Caller
-    member: Member
-    subject: str
-    stream: str
-    watch: Watch | None = None
-    consumer: str = ""
-    """A pushed consumer's name (a feed JetStream delivers itself)."""
-    task: asyncio.Future[None] | None = None
-    checked: float = 0.0
-    """When the caller's record was last read (the authorising path's clock)."""
-    kept: float = field(default_factory=time.monotonic)
-    sent: float = field(default_factory=time.monotonic)
-    ended: bool = False
-
-
-FEED_ID = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
-
-
-def _project_or_env(key: str, data: bytes | None) -> str:
-    """A value's project, ``env:<id>`` for a value that names only its environment, "" for none."""
-    kind, value = decoded(key, data)
-    if value is None or kind not in PROJECT_KINDS:
-        return ""
-    project = project_of(kind, value, {})
-    env_ref = str(getattr(value, "environment_id", "") or "")
-    return project or (f"env:{env_ref}" if env_ref else "")
 
 
 def _event_refusal(member: Member, data: bytes) -> str:

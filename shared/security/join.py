@@ -46,6 +46,8 @@ from shared.security.accounts import AUTHZ_PREFIX, RELAY_PREFIX
 from shared.security.authority import RoleIssuer
 from shared.security.authz import Authz
 from shared.security.callers import answerable
+from shared.security.feeds import Feeds
+from shared.security.member_issue import member_issue_handler
 from shared.security.permissions import (
     JOIN_BUCKET,
     JOIN_ISSUE_SUBJECT,
@@ -185,15 +187,20 @@ class JoinService:
             await self._conn.nc.subscribe(BATCH_PARTS_SUBJECT, cb=batch_parts_handler(self._batches)),
             await self._conn.nc.subscribe(f"{RELAY_PREFIX}>", queue="relay", cb=self._relay()),
         ]
-        if self._authz is not None:
+        feeds = Feeds(self._conn, self._authz) if self._authz is not None else None
+        if self._authz is not None and feeds is not None:
             await self._authz.start()
             subs += [
                 await self._conn.nc.subscribe(f"{AUTHZ_PREFIX}>", queue="authz", cb=self._authz.read_handler()),
-                await self._conn.nc.subscribe(TEAMS_ISSUE_SUBJECT, queue="authz", cb=self._authz.issue_handler()),
+                await self._conn.nc.subscribe(
+                    TEAMS_ISSUE_SUBJECT,
+                    queue="authz",
+                    cb=member_issue_handler(self._conn, self._authz.issuer, self._authz.admins_account),
+                ),
                 await self._conn.nc.subscribe(TEAMS_EVENTS_SUBJECT, queue="authz", cb=self._authz.events_handler()),
-                await self._conn.nc.subscribe(TEAMS_FEED_SUBJECT, queue="authz", cb=self._authz.feed_handler()),
+                await self._conn.nc.subscribe(TEAMS_FEED_SUBJECT, queue="authz", cb=feeds.feed_handler()),
                 # Every join service: the one holding the feed acts on its keepalive.
-                await self._conn.nc.subscribe(TEAMS_FEED_KEEP_SUBJECT, cb=self._authz.keep_handler()),
+                await self._conn.nc.subscribe(TEAMS_FEED_KEEP_SUBJECT, cb=feeds.keep_handler()),
             ]
         await self._conn.nc.flush()
         if self._machines is not None:
@@ -204,6 +211,8 @@ class JoinService:
         finally:
             for sub in subs:
                 await sub.unsubscribe()
+            if feeds is not None:
+                await feeds.stop()
             if self._authz is not None:
                 await self._authz.stop()
 
