@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -22,6 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from shared.security.creds import write_private
+
+log = logging.getLogger(__name__)
 
 FALLBACK_NAME = "zattera-ingress"
 FALLBACK_DAYS = 3650
@@ -158,3 +161,22 @@ def changes(
         path = certs_dir / f"{name}.pem"
         commands += [f"del ssl crt-list {crt_list} {path}", f"del ssl cert {path}"]
     return commands, to_write, gone
+
+
+def changed_names(pems: Mapping[str, str], have: Mapping[str, str]) -> list[str]:
+    """(In a thread.) The names in ``pems`` whose PEM HAProxy does not hold, sorted."""
+    return sorted(name for name, pem in pems.items() if have.get(safe_name(name)) != digest(pem))
+
+
+def usable_pems(pems: Mapping[str, str], have: Mapping[str, str], scratch: Path) -> dict[str, str]:
+    """(In a thread.) ``pems`` without those HAProxy would refuse (logged). Only new and changed PEMs are
+    checked: parsing 10,000 served ones took seconds per renewal."""
+    checker = PemChecker(scratch)
+    usable = {}
+    for name, pem in pems.items():
+        problem = None if have.get(safe_name(name)) == digest(pem) else checker.problem(pem)
+        if problem is None:
+            usable[name] = pem
+        else:
+            log.warning("haproxy: certificate %s not served: %s", name, problem)
+    return usable

@@ -35,13 +35,14 @@ from pathlib import Path
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.proxy.haproxy_certs import (
-    PemChecker,
+    changed_names,
     changes,
     crt_list_text,
     digest,
     ensure_fallback,
     installed,
     safe_name,
+    usable_pems,
 )
 from services.proxy.haproxy_changes import RUNTIME_SERVER_IDS, hosts_map_commands, map_rewrite_commands, server_commands
 from services.proxy.haproxy_config import Layout, Plan, map_text, render
@@ -354,7 +355,7 @@ class HAProxyEngine:
         in threads (10,000 certificates held the proxy's loop — its NATS client, heartbeats, route changes
         — for ~24 s). They go in chunks of :data:`CERT_CHUNK`, the next chunk checked while HAProxy loads
         this one, and the engine's lock is taken per chunk, so route changes are applied in between."""
-        names = await asyncio.to_thread(_changed, pems, dict(self._certificates))
+        names = await asyncio.to_thread(changed_names, pems, dict(self._certificates))
         chunks = [names[i : i + CERT_CHUNK] for i in range(0, len(names), CERT_CHUNK)]
         changed = set(names)
         usable = {name: pem for name, pem in pems.items() if name not in changed}  # served as they are
@@ -378,7 +379,9 @@ class HAProxyEngine:
 
     def _check(self, pems: Mapping[str, str]) -> asyncio.Future[dict[str, str]]:
         """``pems`` without those HAProxy would refuse, in a thread."""
-        return asyncio.ensure_future(asyncio.to_thread(_usable, pems, dict(self._certificates), self.layout.socket_dir))
+        return asyncio.ensure_future(
+            asyncio.to_thread(usable_pems, pems, dict(self._certificates), self.layout.socket_dir)
+        )
 
     async def _install_certificates(self, pems: Mapping[str, str], *, only_these: bool) -> None:
         """Install ``pems`` (checked) at run time; unless ``only_these``, remove every other certificate."""
@@ -472,25 +475,6 @@ class HAProxyEngine:
 
     def release_traffic(self) -> list[cpb.ReleaseTraffic]:
         return list(self.server_traffic.report)
-
-
-def _changed(pems: Mapping[str, str], have: Mapping[str, str]) -> list[str]:
-    """(In a thread.) The names in ``pems`` whose PEM HAProxy does not hold, sorted."""
-    return sorted(name for name, pem in pems.items() if have.get(safe_name(name)) != digest(pem))
-
-
-def _usable(pems: Mapping[str, str], have: Mapping[str, str], scratch: Path) -> dict[str, str]:
-    """(In a thread.) ``pems`` without those HAProxy would refuse (logged). Only new and changed PEMs are
-    checked: parsing 10,000 served ones took seconds per renewal."""
-    checker = PemChecker(scratch)
-    usable = {}
-    for name, pem in pems.items():
-        problem = None if have.get(safe_name(name)) == digest(pem) else checker.problem(pem)
-        if problem is None:
-            usable[name] = pem
-        else:
-            log.warning("haproxy: certificate %s not served: %s", name, problem)
-    return usable
 
 
 def _alive(pid: int) -> bool:
