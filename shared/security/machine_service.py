@@ -193,7 +193,7 @@ class Machines:
             state = await self.conn.js.key_value(STATE_BUCKET)
             await state.delete(K.node(node_id))
         others = _client_urls(known, node_id)
-        removed = await self._peer_remove(others, names)
+        removed = await self._peer_remove(others, names, _server_names(known, node_id))
         log.info("machine %s: servers %s peer-removed; waiting for every stream's copies", node_id, removed)
         short = await self._wait_copies(names, others) if names else []
         log.info(
@@ -229,7 +229,7 @@ class Machines:
         kept = [*_client_urls(known, self.node_id), *own.split(",")[:1]]  # the first seat stays
         async with self._staying(kept) as conn:  # this service's own connection may be on a seat
             await _check_copies(conn, len(known), f"retiring {self.node_id}'s extra seats", force=False, at_least=3)
-        removed = await self._peer_remove(kept, seats)
+        removed = await self._peer_remove(kept, seats, [*_server_names(known, self.node_id), names[0]])
         log.info("seats %s of %s peer-removed", ", ".join(removed), self.node_id)
         assert self.control_dir is not None
         marker = self.control_dir / RETIRED_SEATS_FILE
@@ -252,10 +252,11 @@ class Machines:
         log.info("seats %s of %s retired (%d streams short of copies)", ", ".join(seats), self.node_id, len(short))
         return {"node_id": self.node_id, "servers": removed, "retired": seats, "short": short}
 
-    async def _peer_remove(self, urls: list[str], names: list[str]) -> list[str]:
-        """Peer-remove ``names`` through the servers that stay (``urls``), one at a time: before the next, the
-        meta group answers again (a leader among those left) and every copy has left the servers removed so far
-        (a copy that moved from one seat onto the next must move again, and one removed mid-move may stay
+    async def _peer_remove(self, urls: list[str], names: list[str], staying: list[str]) -> list[str]:
+        """Peer-remove ``names`` through the servers that stay (``urls``, named ``staying``), one at a time: the
+        meta leadership moved to a server that stays first (:func:`membership.lead_elsewhere`); before the next,
+        the meta group answers again (a leader among those left) and every copy has left the servers removed so
+        far (a copy that moved from one seat onto the next must move again, and one removed mid-move may stay
         listed on it); the names removed."""
         removed = []
         for index, name in enumerate(names):
@@ -263,7 +264,7 @@ class Machines:
                 async with self._staying(urls) as conn:
                     await _meta_answers(conn, self.streams_wait)
                     await self._copies_back(conn, names[:index])
-            if await membership.peer_remove(",".join(urls), self.system_creds, self.tls_ca, name):
+            if await membership.peer_remove(",".join(urls), self.system_creds, self.tls_ca, name, staying=staying):
                 removed.append(name)
         return removed
 
@@ -308,6 +309,11 @@ class Machines:
             if not short or time.monotonic() > deadline:
                 return short
             await asyncio.sleep(0.25)
+
+
+def _server_names(known: dict[str, dict[str, Any]], but: str) -> list[str]:
+    """The NATS server names of every server machine but ``but``."""
+    return [n for node, r in sorted(known.items()) if node != but for n in membership.server_names(r, node)]
 
 
 def _client_urls(known: dict[str, dict[str, Any]], but: str) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -42,6 +43,8 @@ from shared.security.permissions import JOIN_REMOVE_SUBJECT, Role
 from shared.security.setup import SecureSetup, prepare
 from tests.security.conftest import _provision
 from tests.waiting import eventually
+
+log = logging.getLogger(__name__)
 
 NAMES = ["m1", "m1-seat2", "m1-seat3", "m2", "m3", "m4"]
 MACHINE_OF = {"m1": "m1", "m1-seat2": "m1", "m1-seat3": "m1", "m2": "m2", "m3": "m3", "m4": "m4"}
@@ -196,7 +199,9 @@ async def _ask(machines: Machines4, request: dict[str, Any]) -> dict[str, Any]:
     urls = [s.url for n, s in machines.servers.items() if MACHINE_OF[n] != leaving and s.pid is not None]
     nc = await nats.connect(servers=urls, user_credentials=creds, inbox_prefix=inbox_prefix(creds))
     try:
+        log.info("asking %s through %s", request, nc.connected_url.port if nc.connected_url else "?")
         msg = await nc.request(JOIN_REMOVE_SUBJECT, json.dumps(request).encode(), timeout=120)
+        log.info("answered %s", msg.data[:200])
     finally:
         await nc.close()
     reply: dict[str, Any] = json.loads(msg.data)
