@@ -15,6 +15,7 @@ server machines (m2, m3, m4), each with a join service answering as that machine
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -208,6 +209,25 @@ async def _ask(machines: Machines4, request: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
+async def _lead_on(machines: Machines4, name: str) -> None:
+    """Make ``name`` JetStream's meta leader (the worst case for its removal: a meta leader peer-removed would
+    stop its meta group and answer every stream request "unavailable" until stopped)."""
+    conn = await connect(machines.urls, name="test-lead", creds=str(machines.setup.system_creds))
+    body = json.dumps({"placement": {"preferred": name}}).encode()
+    try:
+
+        async def leading() -> bool:
+            if await membership.meta_leader(conn.nc) == name:
+                return True
+            with contextlib.suppress(nats.errors.TimeoutError):  # an election under way: asked again
+                await conn.nc.request(membership.META_STEPDOWN, body, timeout=5)
+            return False
+
+        await eventually(leading, what=f"{name} leading the meta group", timeout=60)
+    finally:
+        await conn.close()
+
+
 async def _streams(machines: Machines4) -> list[dict[str, Any]]:
     """Every stream's copies, asked through the servers still running."""
     conn = await connect(machines.urls, name="test-streams", creds=str(machines.setup.control_creds))
@@ -234,7 +254,9 @@ async def test_a_server_machine_removed_and_then_the_first_machines_seats_retire
     assert "m4" in _meta_peers(m1)
     assert all([await _connects(m1.url, creds) for creds in machines.m4_creds])
 
-    # zattera nodes remove m4: revoked, peer-removed, every stream back at three copies elsewhere.
+    # zattera nodes remove m4 (m4 leading the meta group): revoked, peer-removed, every stream back at three
+    # copies elsewhere.
+    await _lead_on(machines, "m4")
     removed = await _ask(machines, {"node_id": "m4"})
     assert "error" not in removed, removed
     assert removed["peer_removed"] is True and removed["servers"] == ["m4"]
@@ -258,7 +280,9 @@ async def test_a_server_machine_removed_and_then_the_first_machines_seats_retire
     assert "would leave 2 server machine(s) for streams of 3 copies" in refused["error"], refused
     assert "m3" in _meta_peers(m1) and "m3" in await membership.servers(control.services[0].kv)
 
-    # zattera cluster retire-seats: m1's extra seats leave; its supervisor stops them.
+    # zattera cluster retire-seats (a seat leading the meta group): m1's extra seats leave; its supervisor stops
+    # them.
+    await _lead_on(machines, "m1-seat2")
     retired = await _ask(machines, {"seats": True})
     assert "error" not in retired, retired
     assert (retired["node_id"], retired["retired"]) == ("m1", ["m1-seat2", "m1-seat3"])
