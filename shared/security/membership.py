@@ -53,6 +53,8 @@ SERVER_PREFIX = "server."
 MESH_PREFIX = "meship."
 JSZ_PING = "$SYS.REQ.SERVER.PING.JSZ"
 META_STEPDOWN = "$JS.API.META.LEADER.STEPDOWN"
+LEAD_WAIT = 30.0
+"""How long a removal waits for JetStream's meta leadership to leave the server it removes."""
 
 
 class RemoveRefused(ZatteraError):
@@ -241,7 +243,7 @@ async def meta_leader(nc: NATS, timeout: float = 2.0) -> str:
     return str((json.loads(msg.data or b"{}").get("server") or {}).get("name") or "")
 
 
-async def lead_elsewhere(nc: NATS, leaving: str, staying: Sequence[str], wait: float = 30.0) -> str:
+async def lead_elsewhere(nc: NATS, leaving: str, staying: Sequence[str], wait: float = LEAD_WAIT) -> str:
     """Move JetStream's meta leadership off ``leaving`` (onto one of ``staying``, in order) before it is
     peer-removed, and wait for a leader; its name. A meta leader that is peer-removed steps down and stops its
     meta group but keeps JetStream on: until that server stops, it answers every request for the cluster's
@@ -269,7 +271,13 @@ async def lead_elsewhere(nc: NATS, leaving: str, staying: Sequence[str], wait: f
 
 
 async def peer_remove(
-    urls: str, system_creds: str, tls_ca: str, server_name: str, attempts: int = 4, staying: Sequence[str] = ()
+    urls: str,
+    system_creds: str,
+    tls_ca: str,
+    server_name: str,
+    attempts: int = 4,
+    staying: Sequence[str] = (),
+    lead_wait: float = LEAD_WAIT,
 ) -> bool:
     """Remove a server from the JetStream meta group (its streams' replicas are placed elsewhere). Asked again
     when unanswered (the meta group may be electing a leader: a request then gets no answer); a refusal after
@@ -280,7 +288,7 @@ async def peer_remove(
     unanswered = False
     try:
         if staying:
-            await lead_elsewhere(conn.nc, server_name, staying)
+            await lead_elsewhere(conn.nc, server_name, staying, lead_wait)
         for attempt in range(attempts):
             try:
                 reply = await conn.nc.request("$JS.API.SERVER.REMOVE", body, timeout=5)
