@@ -242,7 +242,6 @@ def _by_stream(streams: list[dict[str, Any]]) -> dict[str, set[str]]:
     return {s["stream"]: {MACHINE_OF[n] for n in s["servers"]} for s in streams}
 
 
-@pytest.mark.chaos  # in `make chaos`: on a loaded machine retire-seats may report streams short (docs/cluster.md)
 @pytest.mark.timeout(300)
 async def test_a_server_machine_removed_and_then_the_first_machines_seats_retired(
     machines: Machines4, control: Control
