@@ -244,29 +244,33 @@ async def meta_leader(nc: NATS, timeout: float = 2.0) -> str:
 
 
 async def lead_elsewhere(nc: NATS, leaving: str, staying: Sequence[str], wait: float = LEAD_WAIT) -> str:
-    """Move JetStream's meta leadership off ``leaving`` (onto one of ``staying``, in order) before it is
-    peer-removed, and wait for a leader; its name. A meta leader that is peer-removed steps down and stops its
-    meta group but keeps JetStream on: until that server stops, it answers every request for the cluster's
-    streams at once with "JetStream system temporarily unavailable" (nats-server 2.15), first of all
-    servers, so the removal could never see the copies back."""
+    """Move JetStream's meta leadership off ``leaving`` (onto one of ``staying``, each in turn) before it is
+    peer-removed, and wait for a leader elsewhere; its name ('' when none came within ``wait``: the removal
+    goes on, as it did before). A meta leader that is peer-removed steps down and stops its meta group but
+    keeps JetStream on: until that server stops, it answers every request for the cluster's streams at once
+    with "JetStream system temporarily unavailable" (nats-server 2.15), first of all servers, so the removal
+    could never see the copies back."""
     deadline = time.monotonic() + wait
+    turn = 0
     while True:
         leader = await meta_leader(nc)
         if leader and leader != leaving:
             return leader
         if time.monotonic() > deadline:
-            raise ZatteraError(f"JetStream's meta leadership did not leave {leaving} within {wait:.0f} s")
-        if leader == leaving:
-            for name in staying:
-                body = json.dumps({"placement": {"preferred": name}}).encode()
-                try:
-                    answer = json.loads((await nc.request(META_STEPDOWN, body, timeout=5)).data or b"{}")
-                except nats.errors.TimeoutError:
-                    continue
-                if answer.get("success"):
-                    log.info("meta leadership moved from %s to %s before its removal", leaving, name)
-                    break
-                log.info("meta leadership not moved from %s to %s: %s", leaving, name, answer.get("error"))
+            log.warning("JetStream's meta leadership did not leave %s within %.0f s", leaving, wait)
+            return ""
+        if leader == leaving and staying:
+            name = staying[turn % len(staying)]
+            turn += 1
+            body = json.dumps({"placement": {"preferred": name}}).encode()
+            try:
+                answer = json.loads((await nc.request(META_STEPDOWN, body, timeout=5)).data or b"{}")
+            except nats.errors.TimeoutError:
+                answer = {"error": "no answer"}
+            if answer.get("success"):
+                log.info("meta leadership handed from %s to %s before its removal", leaving, name)
+            else:
+                log.info("meta leadership not handed from %s to %s: %s", leaving, name, answer.get("error"))
         await asyncio.sleep(0.25)
 
 
