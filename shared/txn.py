@@ -30,9 +30,10 @@ import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import Message
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError, NoStreamResponseError
 
@@ -346,29 +347,26 @@ class Writer:
         self._view.apply_local(op.key, ack.seq, op.msg, headers.get("traceparent", ""))
 
     async def _publish_batch(self, ops: list[Op], *, fence: Lease | None) -> None:
-        nc = self._conn.nc
-        messages = [self._message(op) for op in ops]
-        if fence is not None:
-            messages.append(fence.fence_message())
-        batch_id = new_id()
-        count = len(messages)
+        """Publish the batch, sent again (a new batch id, the same expected revisions) while nobody takes it —
+        "no responders" or a 503 (no stream leader, no relay yet): nothing of it was stored — until the commit
+        timeout. A commit that got no answer at all is unknown (:class:`CommitUnknown`), never sent again."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
         with span("state.batch", writes=len(ops), fenced=fence is not None) as current:
-            for seq, (subject, data, headers) in enumerate(messages[:-1], start=1):
-                headers["Nats-Batch-Id"] = batch_id
-                headers["Nats-Batch-Sequence"] = str(seq)
-                await nc.publish(subject, data, headers=headers)
-            subject, data, headers = messages[-1]
-            headers["Nats-Batch-Id"] = batch_id
-            headers["Nats-Batch-Sequence"] = str(count)
-            headers["Nats-Batch-Commit"] = "1"
-            sent_at = asyncio.get_running_loop().time()
-            try:
-                reply = await nc.request(subject, data, headers=headers, timeout=self._timeout)
-            except (NatsTimeoutError, TimeoutError) as exc:
-                await self._catch_up()
-                raise CommitUnknown(f"no reply for batch {batch_id} ({count} messages)") from exc
-            ack = json.loads(reply.data or b"{}")
-            error = ack.get("error")
+            while True:
+                messages = [self._message(op) for op in ops]
+                if fence is not None:
+                    messages.append(fence.fence_message())
+                sent_at = loop.time()
+                ack = await self._send_batch(messages, max(0.05, deadline - sent_at))
+                error = ack.get("error") if ack is not None else None
+                taken = ack is not None and not (isinstance(error, dict) and error.get("code") == UNAVAILABLE)
+                if taken or deadline - loop.time() <= RESEND_PAUSE:
+                    break
+                self.resent += 1
+                await asyncio.sleep(RESEND_PAUSE)
+            if ack is None:
+                raise TxnError(f"batch of {len(ops)} writes: nobody took it (no stream leader or relay answered)")
             if error:
                 current.set_attribute("error", str(error.get("description")))
                 if error.get("err_code") == WRONG_LAST_SEQUENCE:
@@ -378,11 +376,35 @@ class Writer:
                     raise Conflict(f"batch of {len(ops)} writes: {error.get('description')}")
                 raise TxnError(f"batch refused: {error.get('description')} (code {error.get('err_code')})")
         last = int(ack["seq"])
-        first = last - count + 1
+        first = last - len(messages) + 1
         if fence is not None:
             fence.refreshed(last, sent_at)
         for i, op in enumerate(ops):
             self._view.apply_local(op.key, first + i, op.msg, messages[i][2].get("traceparent", ""))
+
+    async def _send_batch(
+        self, messages: list[tuple[str, bytes, dict[str, str]]], timeout: float
+    ) -> dict[str, Any] | None:
+        """Send one atomic batch; the stream's (or the relay's) answer, or None when nobody took the commit."""
+        nc = self._conn.nc
+        batch_id = new_id()
+        count = len(messages)
+        for seq, (subject, data, headers) in enumerate(messages, start=1):
+            headers["Nats-Batch-Id"] = batch_id
+            headers["Nats-Batch-Sequence"] = str(seq)
+            if seq < count:
+                await nc.publish(subject, data, headers=headers)
+        subject, data, headers = messages[-1]
+        headers["Nats-Batch-Commit"] = "1"
+        try:
+            reply = await nc.request(subject, data, headers=headers, timeout=timeout)
+        except NoRespondersError:
+            return None
+        except (NatsTimeoutError, TimeoutError) as exc:
+            await self._catch_up()
+            raise CommitUnknown(f"no reply for batch {batch_id} ({count} messages)") from exc
+        answer: dict[str, Any] = json.loads(reply.data or b"{}")
+        return answer
 
     async def _catch_up(self) -> None:
         """After an unknown outcome, wait until the view has seen everything the stream holds."""

@@ -11,33 +11,17 @@ import os
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import nats.errors
 import pytest
 from nats.aio.msg import Msg
 
 from shared.connection import connect
-from shared.embedded import EmbeddedNats, start_cluster, wait_meta_group
+from shared.embedded import EmbeddedNats
 from tests.waiting import eventually_sync
 
 DROPPED_WITHIN = 10.0
 """nats-server's defaults (a ping every 2 min, 2 unanswered) keep such a route for minutes."""
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[list[EmbeddedNats]]:
-    servers = start_cluster(tmp_path, 3, name="routeloss")
-    wait_meta_group(servers)
-    try:
-        yield servers
-    finally:
-        for server in servers:
-            if server.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(server.pid, signal.SIGCONT)
-            server.kill()
 
 
 def route_names(server: EmbeddedNats) -> set[str]:
@@ -46,9 +30,9 @@ def route_names(server: EmbeddedNats) -> set[str]:
 
 
 async def test_a_server_that_stopped_answering_is_dropped_with_its_subscriptions_within_seconds(
-    cluster: list[EmbeddedNats],
+    stoppable_cluster: list[EmbeddedNats],
 ) -> None:
-    survivor, _, lost = cluster
+    survivor, _, lost = stoppable_cluster
     eventually_sync(lambda: lost.name in route_names(survivor), timeout=30, what="the full mesh")
     holder = await connect(lost.url, name="holder-on-the-lost-server")
     asker = await connect(survivor.url, name="asker")

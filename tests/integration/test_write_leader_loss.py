@@ -4,16 +4,11 @@ that never comes — and is stored once. Real three-server cluster; the lost ser
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator
-from pathlib import Path
-
-import pytest
 
 from shared.connection import Connection, connect
-from shared.embedded import EmbeddedNats, start_cluster, wait_meta_group
+from shared.embedded import EmbeddedNats
 from shared.provisioning import provision
 from shared.state.feed import StateView
 from shared.subjects import STATE_PREFIX, STATE_STREAM
@@ -22,29 +17,15 @@ from tests.factories import node
 from tests.waiting import eventually
 
 
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[list[EmbeddedNats]]:
-    servers = start_cluster(tmp_path, 3, name="writeloss")
-    wait_meta_group(servers)
-    try:
-        yield servers
-    finally:
-        for server in servers:
-            if server.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(server.pid, signal.SIGCONT)
-            server.kill()
-
-
 async def leader_of_state(conn: Connection) -> str:
     info = await conn.js.stream_info(STATE_STREAM)
     return info.cluster.leader if info.cluster and info.cluster.leader else ""
 
 
 async def test_a_write_sent_while_the_state_leader_is_lost_lands_after_the_election_once(
-    cluster: list[EmbeddedNats],
+    stoppable_cluster: list[EmbeddedNats],
 ) -> None:
-    setup = await connect(",".join(s.url for s in cluster), name="setup")
+    setup = await connect(",".join(s.url for s in stoppable_cluster), name="setup")
     try:
         await provision(setup.js, replicas=3, tombstone_ttl=900)
         leaders: list[str] = []
@@ -56,8 +37,8 @@ async def test_a_write_sent_while_the_state_leader_is_lost_lands_after_the_elect
         await eventually(led, timeout=30, what="a state stream leader")
     finally:
         await setup.close()
-    lost = next(s for s in cluster if s.name == leaders[-1])
-    survivor = next(s for s in cluster if s is not lost)
+    lost = next(s for s in stoppable_cluster if s.name == leaders[-1])
+    survivor = next(s for s in stoppable_cluster if s is not lost)
     conn = await connect(survivor.url, name="writer")  # a survivor's client, as the CLI on another machine
     view = StateView(conn, name="writer")
     await view.start()

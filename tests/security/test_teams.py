@@ -55,7 +55,7 @@ from shared.teams import (
 from shared.teams import delete_record as delete_team_record
 from shared.watches import BadWatch, WatchSpec, follow, open_watch, serve_watches
 from tests.e2e.cluster import cli_argv
-from tests.security.conftest import ConnectAs, ManualClock, SecureCluster
+from tests.security.conftest import ConnectAs, ManualClock, SecureCluster, relayed_request
 from tests.security.test_permissions import publish_refused
 
 CLUSTER_TOO = True  # also on a secured three-server cluster (conftest.py): feeds, imports and replies cross routes
@@ -160,7 +160,7 @@ async def member(secure: SecureCluster, team: Team) -> AsyncIterator[dict[str, C
 async def write(conn: Connection, key: str, value: bytes | None) -> dict[str, object]:
     """A raw KV write as the CLI makes it (relayed); the stream's or the relay's answer."""
     headers = {"KV-Operation": "DEL"} if value is None else None
-    reply = await conn.nc.request(f"{STATE_PREFIX}{key}", value or b"", headers=headers, timeout=5)
+    reply = await relayed_request(conn, f"{STATE_PREFIX}{key}", value or b"", headers)
     answer: dict[str, object] = json.loads(reply.data)
     return answer
 
