@@ -3,12 +3,13 @@ on loopback (operator mode, the full resolver, authenticated routes, every strea
 ``unique_tag``): the first machine's three seats (m1, m1-seat2, m1-seat3, one machine tag) and three more
 server machines (m2, m3, m4), each with a join service answering as that machine's would.
 
-* ``zattera nodes remove m4``: its credentials (the ones a join issued it and the ones it made itself) are
-  refused by every server, its NATS server is not a JetStream peer any more, every stream keeps three
-  copies, caught up, on the other machines;
+* ``zattera nodes remove m4``, m4 leading JetStream's meta group (handed to a server that stays first): its
+  credentials (the ones a join issued it and the ones it made itself) are refused by every server, its NATS
+  server is not a JetStream peer any more, every stream keeps three copies, caught up, on the other machines;
 * removing m3 next (two machines would be left for three copies) is refused and changes nothing;
-* ``zattera cluster retire-seats``: m1's two extra seats are peer-removed and recorded, the first machine's
-  supervisor stops them, every stream keeps three copies on m1, m2, m3 (a meta group of three);
+* ``zattera cluster retire-seats``, m1-seat2 leading the meta group: m1's two extra seats are peer-removed and
+  recorded, the first machine's supervisor stops them, every stream keeps three copies on m1, m2, m3 (a meta
+  group of three);
 * retiring again is refused; ``zattera up`` on the first machine starts one seat once they are retired.
 """
 
