@@ -29,6 +29,7 @@ from typing import Any
 
 import nats
 import pytest
+from nats.js.errors import ServerError
 
 from cli.machine import Machine, machine_cluster
 from cli.up_cluster import Cluster
@@ -100,14 +101,15 @@ def machines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machines4]:
 
 
 async def _provisioned(urls: str, creds: str) -> None:
-    """Every stream at three copies; a JetStream request left unanswered on a loaded machine is asked again
-    (creating what is missing is idempotent)."""
+    """Every stream at three copies; a JetStream request left unanswered on a loaded machine, or a stream a
+    server failed to create (500 "error creating store for stream", seen once while the cluster had just
+    formed), is asked again, as the services' provisioning does (creating what is missing is idempotent)."""
     deadline = time.monotonic() + 90
     while True:
         try:
             await _provision(urls, creds, replicas=3)
             return
-        except (TimeoutError, nats.errors.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError, ServerError):
             if time.monotonic() > deadline:
                 raise
 
