@@ -256,6 +256,13 @@ class JoinService:
             await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
             if then is not None:
                 await self._conn.nc.flush()
+                server = self._conn.nc.connected_url
+                log.info(
+                    "%s answered through %s:%s",
+                    msg.subject,
+                    server.hostname if server else "?",
+                    server.port if server else "?",
+                )
                 await then(reply)
 
         return callback

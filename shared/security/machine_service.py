@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 
 STREAMS_WAIT = 60.0
 """How long a removal waits for every stream to be back at its replica count on the remaining servers."""
+ANSWER_WITHIN = 100.0
+"""A removal or a retirement answers within this many seconds (``zattera nodes remove`` waits 130 s for it, a
+join service handing it over 110 s): its waits — the meta leadership, the meta group, the copies — share it,
+and a JetStream request left unanswered meanwhile is cut at its end (an answer that comes after the asker gave
+up is lost, and the removal would look undone)."""
 
 
 @dataclass
@@ -56,6 +61,7 @@ class Machines:
     control_dir: Path | None = None
     """The control dir (the first machine's retired seats are recorded there for ``zattera up``)."""
     streams_wait: float = STREAMS_WAIT
+    answer_within: float = ANSWER_WITHIN
     ca_pem: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -160,6 +166,7 @@ class Machines:
     async def remove(
         self, kv: KeyValue, node_id: str, now: float | None = None, *, force: bool = False
     ) -> dict[str, Any]:
+        until = time.monotonic() + self.answer_within
         known = await membership.servers(kv)
         registered = await membership.node_registered(self.conn, node_id)
         if node_id not in known and not registered:
@@ -193,9 +200,9 @@ class Machines:
             state = await self.conn.js.key_value(STATE_BUCKET)
             await state.delete(K.node(node_id))
         others = _client_urls(known, node_id)
-        removed = await self._peer_remove(others, names)
+        removed = await self._peer_remove(others, names, _server_names(known, node_id), until)
         log.info("machine %s: servers %s peer-removed; waiting for every stream's copies", node_id, removed)
-        short = await self._wait_copies(names, others) if names else []
+        short = await self._wait_copies(names, others, until) if names else []
         log.info(
             "machine %s removed (peer removed: %s, %d credentials revoked, %d streams short of copies)",
             node_id,
@@ -215,6 +222,7 @@ class Machines:
     async def retire_seats(self, kv: KeyValue) -> dict[str, Any]:
         """Peer-remove this (first) machine's extra seats once three server machines hold the streams, and
         record them as retired: ``zattera up`` stops them and does not start them again."""
+        until = time.monotonic() + self.answer_within
         names, _, _ = self._serving()
         seats = names[1:]
         if not seats:
@@ -229,7 +237,7 @@ class Machines:
         kept = [*_client_urls(known, self.node_id), *own.split(",")[:1]]  # the first seat stays
         async with self._staying(kept) as conn:  # this service's own connection may be on a seat
             await _check_copies(conn, len(known), f"retiring {self.node_id}'s extra seats", force=False, at_least=3)
-        removed = await self._peer_remove(kept, seats)
+        removed = await self._peer_remove(kept, seats, [*_server_names(known, self.node_id), names[0]], until)
         log.info("seats %s of %s peer-removed", ", ".join(removed), self.node_id)
         assert self.control_dir is not None
         marker = self.control_dir / RETIRED_SEATS_FILE
@@ -238,7 +246,7 @@ class Machines:
         names, client_url, route_url = self._serving()
         users = membership.local_users(self.security_dir)
         async with self._staying(kept) as conn:  # this service's own connection may be on a seat
-            deadline = time.monotonic() + self.streams_wait
+            deadline = min(time.monotonic() + self.streams_wait, until)
             while True:  # the bucket's stream may be electing a leader (its copy on a seat went)
                 try:
                     staying_kv = await conn.js.key_value(JOIN_BUCKET)
@@ -248,32 +256,36 @@ class Machines:
                     if time.monotonic() > deadline:
                         raise ZatteraError(f"the record of {self.node_id} could not be rewritten: {exc}") from None
                     await asyncio.sleep(0.25)
-            short = await self._copies_back(conn, seats)
+            short = await self._copies_back(conn, seats, until)
         log.info("seats %s of %s retired (%d streams short of copies)", ", ".join(seats), self.node_id, len(short))
         return {"node_id": self.node_id, "servers": removed, "retired": seats, "short": short}
 
-    async def _peer_remove(self, urls: list[str], names: list[str]) -> list[str]:
-        """Peer-remove ``names`` through the servers that stay (``urls``), one at a time: before the next, the
-        meta group answers again (a leader among those left) and every copy has left the servers removed so far
-        (a copy that moved from one seat onto the next must move again, and one removed mid-move may stay
+    async def _peer_remove(self, urls: list[str], names: list[str], staying: list[str], until: float) -> list[str]:
+        """Peer-remove ``names`` through the servers that stay (``urls``, named ``staying``), one at a time: the
+        meta leadership moved to a server that stays first (:func:`membership.lead_elsewhere`); before the next,
+        the meta group answers again (a leader among those left) and every copy has left the servers removed so
+        far (a copy that moved from one seat onto the next must move again, and one removed mid-move may stay
         listed on it); the names removed."""
         removed = []
         for index, name in enumerate(names):
             if index:
                 async with self._staying(urls) as conn:
-                    await _meta_answers(conn, self.streams_wait)
-                    await self._copies_back(conn, names[:index])
-            if await membership.peer_remove(",".join(urls), self.system_creds, self.tls_ca, name):
+                    await _meta_answers(conn, _left(until, self.streams_wait))
+                    await self._copies_back(conn, names[:index], until)
+            lead_wait = _left(until, membership.LEAD_WAIT)
+            if await membership.peer_remove(
+                ",".join(urls), self.system_creds, self.tls_ca, name, staying=staying, lead_wait=lead_wait
+            ):
                 removed.append(name)
         return removed
 
-    async def _wait_copies(self, gone: list[str], urls: list[str]) -> list[dict[str, Any]]:
+    async def _wait_copies(self, gone: list[str], urls: list[str], until: float) -> list[dict[str, Any]]:
         """Wait until no stream has a copy on ``gone`` and each is at its replica count, caught up; returns the
         streams that are not after :attr:`streams_wait` (copies the remaining servers cannot hold). Asked
         through the servers that stay (``urls``): a removed server has disabled its JetStream, and a client on
         it gets no JetStream answer until it reconnects elsewhere."""
         async with self._staying(urls) as conn:
-            return await self._copies_back(conn, gone)
+            return await self._copies_back(conn, gone, until)
 
     @contextlib.asynccontextmanager
     async def _staying(self, urls: list[str]) -> AsyncIterator[Connection]:
@@ -286,11 +298,11 @@ class Machines:
         finally:
             await conn.close()
 
-    async def _copies_back(self, conn: Connection, gone: list[str]) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + self.streams_wait
+    async def _copies_back(self, conn: Connection, gone: list[str], until: float) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + _left(until, self.streams_wait)
         while True:
-            try:
-                streams = (await plan(conn.nc))["streams"]
+            try:  # one answer of the streams is several JetStream requests: cut at the deadline
+                streams = (await asyncio.wait_for(plan(conn.nc), max(1.0, deadline - time.monotonic())))["streams"]
             except (TimeoutError, NatsError) as exc:  # a stream between leaders: asked again
                 log.info("streams not answered yet (%s)", exc)
                 if time.monotonic() > deadline:
@@ -308,6 +320,16 @@ class Machines:
             if not short or time.monotonic() > deadline:
                 return short
             await asyncio.sleep(0.25)
+
+
+def _left(until: float, at_most: float) -> float:
+    """Seconds left before ``until`` (monotonic), at most ``at_most``, at least a second."""
+    return max(1.0, min(at_most, until - time.monotonic()))
+
+
+def _server_names(known: dict[str, dict[str, Any]], but: str) -> list[str]:
+    """The NATS server names of every server machine but ``but``."""
+    return [n for node, r in sorted(known.items()) if node != but for n in membership.server_names(r, node)]
 
 
 def _client_urls(known: dict[str, dict[str, Any]], but: str) -> list[str]:

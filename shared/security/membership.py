@@ -21,12 +21,16 @@ stream copies on other servers) and the removal waits until every stream is back
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import nats
+from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
@@ -47,6 +51,10 @@ MESH_NETWORK = "10.98"
 REVOCATIONS_KEY = "revocations"
 SERVER_PREFIX = "server."
 MESH_PREFIX = "meship."
+JSZ_PING = "$SYS.REQ.SERVER.PING.JSZ"
+META_STEPDOWN = "$JS.API.META.LEADER.STEPDOWN"
+LEAD_WAIT = 30.0
+"""How long a removal waits for JetStream's meta leadership to leave the server it removes."""
 
 
 class RemoveRefused(ZatteraError):
@@ -226,14 +234,65 @@ async def push_accounts(
         await conn.close()
 
 
-async def peer_remove(urls: str, system_creds: str, tls_ca: str, server_name: str, attempts: int = 4) -> bool:
+async def meta_leader(nc: NATS, timeout: float = 2.0) -> str:
+    """The name of the server leading JetStream's meta group ('' while there is none); system account."""
+    try:
+        msg = await nc.request(JSZ_PING, json.dumps({"leader_only": True}).encode(), timeout=timeout)
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+        return ""
+    return str((json.loads(msg.data or b"{}").get("server") or {}).get("name") or "")
+
+
+async def lead_elsewhere(nc: NATS, leaving: str, staying: Sequence[str], wait: float = LEAD_WAIT) -> str:
+    """Move JetStream's meta leadership off ``leaving`` (onto one of ``staying``, each in turn) before it is
+    peer-removed, and wait for a leader elsewhere; its name ('' when none came within ``wait``: the removal
+    goes on, as it did before). A meta leader that is peer-removed steps down and stops its meta group but
+    keeps JetStream on: until that server stops, it answers every request for the cluster's streams at once
+    with "JetStream system temporarily unavailable" (nats-server 2.15), first of all servers, so the removal
+    could never see the copies back."""
+    deadline = time.monotonic() + wait
+    turn = 0
+    while True:
+        leader = await meta_leader(nc)
+        if leader and leader != leaving:
+            return leader
+        if time.monotonic() > deadline:
+            log.warning("JetStream's meta leadership did not leave %s within %.0f s", leaving, wait)
+            return ""
+        if leader == leaving and staying:
+            name = staying[turn % len(staying)]
+            turn += 1
+            body = json.dumps({"placement": {"preferred": name}}).encode()
+            try:
+                answer = json.loads((await nc.request(META_STEPDOWN, body, timeout=5)).data or b"{}")
+            except nats.errors.TimeoutError:
+                answer = {"error": "no answer"}
+            if answer.get("success"):
+                log.info("meta leadership handed from %s to %s before its removal", leaving, name)
+            else:
+                log.info("meta leadership not handed from %s to %s: %s", leaving, name, answer.get("error"))
+        await asyncio.sleep(0.25)
+
+
+async def peer_remove(
+    urls: str,
+    system_creds: str,
+    tls_ca: str,
+    server_name: str,
+    attempts: int = 4,
+    staying: Sequence[str] = (),
+    lead_wait: float = LEAD_WAIT,
+) -> bool:
     """Remove a server from the JetStream meta group (its streams' replicas are placed elsewhere). Asked again
     when unanswered (the meta group may be electing a leader: a request then gets no answer); a refusal after
-    an unanswered attempt means that attempt landed (the server is no peer any more)."""
+    an unanswered attempt means that attempt landed (the server is no peer any more). ``staying``: the servers
+    that stay, where the meta leadership is moved first when the server removed has it (:func:`lead_elsewhere`)."""
     conn = await connect(urls, name="zattera-peer-remove", creds=system_creds, tls_ca=tls_ca or None)
     body = json.dumps({"peer": server_name}).encode()
     unanswered = False
     try:
+        if staying:
+            await lead_elsewhere(conn.nc, server_name, staying, lead_wait)
         for attempt in range(attempts):
             try:
                 reply = await conn.nc.request("$JS.API.SERVER.REMOVE", body, timeout=5)
