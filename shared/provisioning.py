@@ -77,6 +77,9 @@ placement_log = logging.getLogger(f"{__name__}.placement")
 
 
 NO_PEERS_FOR_PLACEMENT = 10005
+STORE_NOT_CREATED = 10049
+"""JetStream's "error creating store for stream" (500): seen on a cluster whose servers had just formed it, a
+server's store directory not there yet; the same request a moment later succeeds."""
 
 
 """JetStream's "no suitable peers for placement": fewer current servers than the replicas asked for."""
@@ -90,8 +93,9 @@ its meta group within seconds, a server that is down does not (then the refusal 
 
 
 async def until_placed(create: Callable[[], Awaitable[T]], what: str, patience: float = PLACEMENT_PATIENCE) -> T:
-    """``create()``, sent again while JetStream refuses it for want of peers: right after the servers start
-    (``zattera up``, a fresh cluster), the meta group can know fewer of them than the replicas asked for.
+    """``create()``, sent again while JetStream refuses it for want of peers — right after the servers start
+    (``zattera up``, a fresh cluster), the meta group can know fewer of them than the replicas asked for — or
+    because a server could not create the stream's store yet (:data:`STORE_NOT_CREATED`).
     After ``patience``, :class:`ClusterUnavailable` naming what could not be placed."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + patience
@@ -100,7 +104,7 @@ async def until_placed(create: Callable[[], Awaitable[T]], what: str, patience: 
         try:
             return await create()
         except APIError as exc:
-            if exc.err_code != NO_PEERS_FOR_PLACEMENT:
+            if exc.err_code not in (NO_PEERS_FOR_PLACEMENT, STORE_NOT_CREATED):
                 raise
             if loop.time() >= deadline:
                 raise ClusterUnavailable(
