@@ -155,6 +155,16 @@ async def control(secure: SecureCluster) -> AsyncIterator[Connection]:
 
 
 @pytest.fixture
+async def operator(secure: SecureCluster) -> AsyncIterator[Connection]:
+    """A connection with the operator credential, as the CLI's."""
+    conn = await connect(secure.url, name="cli", creds=str(secure.setup.operator_creds))
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
 async def connect_as(secure: SecureCluster) -> AsyncIterator[ConnectAs]:
     clients: list[Client] = []
 

@@ -5,7 +5,6 @@ cannot even publish to it), and an entry holds no value."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import pytest
 from nats.js.errors import APIError
@@ -20,7 +19,7 @@ from shared.audit import (
     Auditor,
     read_entries,
 )
-from shared.connection import Connection, connect
+from shared.connection import Connection
 from shared.security.creds import read_user_jwt
 from shared.security.join import JoinService
 from shared.security.nkeyjwt import decode_claims
@@ -35,15 +34,6 @@ from tests.waiting import eventually
 CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)
 VALUE = "v4lue-that-must-never-be-audited"
 FORGED_INFO = json.dumps({"acc": "AFORGED", "user": "UFORGED", "name_tag": "root", "host": "10.6.6.6"})
-
-
-@pytest.fixture
-async def operator(secure: SecureCluster) -> AsyncIterator[Connection]:
-    conn = await connect(secure.url, name="cli", creds=str(secure.setup.operator_creds))
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 def operator_key(secure: SecureCluster) -> str:

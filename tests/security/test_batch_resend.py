@@ -6,14 +6,12 @@ send was refused."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
-import pytest
 from zattera.v1 import types_pb2 as pb
 
 from cli.writer import CheckedWriter
 from shared.audit import Auditor
-from shared.connection import Connection, connect
+from shared.connection import Connection
 from shared.security.authority import RoleIssuer
 from shared.security.join import JoinService
 from shared.security.permissions import Role
@@ -22,15 +20,6 @@ from shared.subjects import STATE_PREFIX, STATE_STREAM
 from shared.watches import STATE_WATCH, open_watch
 from tests.security.conftest import ManualClock, SecureCluster
 from tests.waiting import eventually
-
-
-@pytest.fixture
-async def operator(secure: SecureCluster) -> AsyncIterator[Connection]:
-    conn = await connect(secure.url, name="cli", creds=str(secure.setup.operator_creds))
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def test_a_batch_sent_before_any_relay_is_there_lands_once_one_is(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
@@ -18,15 +17,6 @@ from shared.subjects import STATE_PREFIX
 from tests.security.conftest import ManualClock, SecureCluster
 
 CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)
-
-
-@pytest.fixture
-async def operator(secure: SecureCluster) -> AsyncIterator[Connection]:
-    conn = await connect(secure.url, name="test-cli", creds=str(secure.setup.operator_creds))
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def test_a_join_token_works_once(
