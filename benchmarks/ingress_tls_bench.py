@@ -34,7 +34,7 @@ from pathlib import Path
 
 from benchmarks.common import Row, bench_main, row
 from benchmarks.ingress_bench import install
-from benchmarks.ingress_up_bench import APP, ENV, HOST, PROJECT, START, TOML, Up, deployed_endpoint, https_ok
+from benchmarks.ingress_up_bench import APP, ENV, HOST, PROJECT, Up, app_dir, deployed_endpoint, https_ok
 from benchmarks.side_by_side import Side, check_certificate, hand_haproxy, haproxy_worker, measure, rows
 from shared.embedded import free_port
 
@@ -99,10 +99,7 @@ def run(quick: bool = True) -> list[Row]:
     rounds, seconds = (1, 1.0) if quick else (3, 8.0)
     with tempfile.TemporaryDirectory(prefix="zattera-tls-bench-") as tmp:
         root = Path(tmp)
-        app = root / "app"
-        app.mkdir()
-        (app / "zattera.toml").write_text(TOML)
-        (app / "start.sh").write_text(START)
+        app = app_dir(root)
         up = Up(root)
         try:
             up.start()

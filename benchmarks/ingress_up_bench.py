@@ -158,15 +158,21 @@ def deployed_endpoint(up: Up) -> cpb.Endpoint:
     raise RuntimeError(f"no endpoint routed for {HOST}")
 
 
+def app_dir(root: Path) -> Path:
+    """The benchmark app's source (``zattera.toml`` and ``start.sh``) in ``root/app``."""
+    app = root / "app"
+    app.mkdir()
+    (app / "zattera.toml").write_text(TOML)
+    (app / "start.sh").write_text(START)
+    return app
+
+
 def run(quick: bool = True) -> list[Row]:
     install()
     rounds, seconds = (1, 1.0) if quick else (3, 8.0)
     with tempfile.TemporaryDirectory(prefix="zattera-up-bench-") as tmp:
         root = Path(tmp)
-        app = root / "app"
-        app.mkdir()
-        (app / "zattera.toml").write_text(TOML)
-        (app / "start.sh").write_text(START)
+        app = app_dir(root)
         up = Up(root)
         try:
             started = time.monotonic()
