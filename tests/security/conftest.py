@@ -213,13 +213,13 @@ async def watches(control: Connection) -> AsyncIterator[None]:
     await asyncio.gather(task, return_exceptions=True)
 
 
-async def relayed_request(
+async def answered_request(
     conn: Connection, subject: str, data: bytes, headers: dict[str, str] | None = None, timeout: float = 5.0
 ) -> Msg:
-    """A raw state write through the relay, sent again on "no responders" as the product's writers do
-    (:mod:`shared.txn`): in a cluster, a relay that has just subscribed is not reached from another account for
-    some milliseconds after its subscription is flushed (measured: 4 of 40 first requests, answered 6–20 ms
-    later); nothing is stored by a request nobody took."""
+    """A raw request to a service (the relay, the join or teams service, a test's responder), sent again on "no
+    responders" as the product's writers do (:mod:`shared.txn`): in a cluster, a service that has just subscribed
+    is not reached from another account or server for some milliseconds after its subscription is flushed
+    (measured: 4 of 40 first requests, answered 6–20 ms later); nothing is done by a request nobody took."""
     deadline = time.monotonic() + timeout
     while True:
         try:

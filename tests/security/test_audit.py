@@ -28,7 +28,7 @@ from shared.security.relay import answer_outcome
 from shared.state.feed import StateView
 from shared.subjects import AUDIT_STREAM, STATE_PREFIX
 from shared.watches import STATE_WATCH, open_watch
-from tests.security.conftest import ConnectAs, SecureCluster, relayed_request
+from tests.security.conftest import ConnectAs, SecureCluster, answered_request
 from tests.waiting import eventually
 
 CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)
@@ -62,7 +62,7 @@ async def test_an_operators_write_is_audited_with_the_servers_identity_not_the_c
         ACTION_HEADER: "apps apply",
         REQUEST_ID_HEADER: "req-forged",
     }
-    reply = await relayed_request(operator, f"{STATE_PREFIX}env.audited", VALUE.encode(), forged)
+    reply = await answered_request(operator, f"{STATE_PREFIX}env.audited", VALUE.encode(), forged)
     ack = json.loads(reply.data)
     assert ack.get("seq"), ack
     entry = await entry_of(operator, "req-forged")
@@ -103,7 +103,7 @@ async def test_a_write_the_relay_refuses_is_audited_as_refused(
     operator: Connection, join_service: JoinService, watches: None
 ) -> None:
     headers = {"KV-Operation": "PURGE", REQUEST_ID_HEADER: "req-purge"}
-    reply = await relayed_request(operator, f"{STATE_PREFIX}env.audited", b"", headers)
+    reply = await answered_request(operator, f"{STATE_PREFIX}env.audited", b"", headers)
     assert "only DEL" in json.loads(reply.data)["error"]["description"]
     entry = await entry_of(operator, "req-purge")
     assert entry.outcome.startswith("refused: ") and "only DEL" in entry.outcome and entry.verified
@@ -128,7 +128,7 @@ async def test_the_operator_can_neither_erase_nor_write_the_audit_log(connect_as
 async def test_the_audit_log_is_append_only_even_for_control(
     control: Connection, operator: Connection, join_service: JoinService
 ) -> None:
-    await relayed_request(operator, f"{STATE_PREFIX}env.kept", b"x", {REQUEST_ID_HEADER: "req-kept"})
+    await answered_request(operator, f"{STATE_PREFIX}env.kept", b"x", {REQUEST_ID_HEADER: "req-kept"})
     info = await control.js.stream_info(AUDIT_STREAM)
     assert info.config.deny_delete and info.config.deny_purge and info.state.messages >= 1
     with pytest.raises(APIError):

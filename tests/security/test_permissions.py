@@ -21,7 +21,7 @@ from shared.subjects import (
     STATE_STREAM,
     agent_subject,
 )
-from tests.security.conftest import ConnectAs, SecureCluster
+from tests.security.conftest import ConnectAs, SecureCluster, answered_request
 
 CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)
 
@@ -199,7 +199,7 @@ async def test_an_agent_asks_for_secrets_only_on_its_own_node_subject(
     await control.nc.subscribe(open_subject("*"), cb=answer)
     await control.nc.flush()
     agent = await connect_as(Role.AGENT, NODE)
-    reply = await agent.nc.request(open_subject(NODE), b"", timeout=2)
+    reply = await answered_request(agent, open_subject(NODE), b"")
     assert reply.data == b"sealed to n1"
     await agent.nc.publish(open_subject("n2"), b"")
     assert await agent.refusal() == publish_refused(open_subject("n2"))

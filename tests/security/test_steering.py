@@ -29,7 +29,7 @@ from shared.subjects import (
     agent_subject,
     is_direct_request,
 )
-from tests.security.conftest import Client, ConnectAs, SecureCluster
+from tests.security.conftest import Client, ConnectAs, SecureCluster, answered_request
 
 CLUSTER_TOO = True  # also against a secured three-server cluster (conftest.py)
 
@@ -120,7 +120,7 @@ async def test_no_reply_a_role_triggers_lands_anywhere_but_its_own_account(
     try:
         client = await connect_as(role, NODE if role is not Role.PROXY else "p1")
         if role is Role.AGENT:
-            await client.nc.request(VIEW_OPEN_SUBJECT, b"", timeout=5)  # its consumer exists: pulls answer
+            await answered_request(client, VIEW_OPEN_SUBJECT, b"")  # its consumer exists: pulls answer
         for trigger in TRIGGERS[role]:
             for subject in VICTIM_SUBJECTS:
                 await trigger(client, subject)

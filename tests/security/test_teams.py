@@ -53,7 +53,7 @@ from shared.teams_store import issue_member_creds, load_user, save_token, save_u
 from shared.watch_server import serve_watches
 from shared.watches import BadWatch, WatchSpec, follow, open_watch
 from tests.e2e.cluster import cli_argv
-from tests.security.conftest import ConnectAs, ManualClock, SecureCluster, relayed_request
+from tests.security.conftest import ConnectAs, ManualClock, SecureCluster, answered_request
 from tests.security.test_permissions import publish_refused
 
 CLUSTER_TOO = True  # also on a secured three-server cluster (conftest.py): feeds, imports and replies cross routes
@@ -158,7 +158,7 @@ async def member(secure: SecureCluster, team: Team) -> AsyncIterator[dict[str, C
 async def write(conn: Connection, key: str, value: bytes | None) -> dict[str, object]:
     """A raw KV write as the CLI makes it (relayed); the stream's or the relay's answer."""
     headers = {"KV-Operation": "DEL"} if value is None else None
-    reply = await relayed_request(conn, f"{STATE_PREFIX}{key}", value or b"", headers)
+    reply = await answered_request(conn, f"{STATE_PREFIX}{key}", value or b"", headers)
     answer: dict[str, object] = json.loads(reply.data)
     return answer
 
@@ -361,7 +361,7 @@ async def test_a_removed_user_is_refused_at_its_next_request(
 
 
 async def test_only_admins_get_member_credentials(member: dict[str, Connection], control: Connection) -> None:
-    answer = await member["olive"].nc.request(TEAMS_ISSUE_SUBJECT, b'{"name": "x"}', timeout=5)
+    answer = await answered_request(member["olive"], TEAMS_ISSUE_SUBJECT, b'{"name": "x"}')
     assert "not authorised" in answer.data.decode() and "creds" not in json.loads(answer.data)
     creds, key = await issue_member_creds(control.nc, "someone")
     assert key.startswith("U") and "NKEY" in creds
@@ -579,7 +579,7 @@ async def test_an_admin_member_does_the_cluster_wide_actions_until_its_flag_is_r
         _, newbie_key = await issue_member_creds(ada.nc, "newbie")
         assert newbie_key.startswith("U")
         # Nodes: a join token.
-        issued = json.loads((await ada.nc.request(JOIN_ISSUE_SUBJECT, b'{"ttl": 60}', timeout=5)).data)
+        issued = json.loads((await answered_request(ada, JOIN_ISSUE_SUBJECT, b'{"ttl": 60}')).data)
         assert "error" not in issued and issued.get("token"), issued
         # A member that is not an admin is refused each, nothing written.
         assert refused(await write(vera, K.node("n8"), b"x"), "admins only")
@@ -587,12 +587,12 @@ async def test_an_admin_member_does_the_cluster_wide_actions_until_its_flag_is_r
             await save_user(vera.js, User("sneaky", "", True, {}))
         assert await load_user(control.js, "sneaky") is None
         for subject in (JOIN_ISSUE_SUBJECT, TEAMS_ISSUE_SUBJECT):
-            answer = (await vera.nc.request(subject, b'{"ttl": 60, "name": "x"}', timeout=5)).data.decode()
+            answer = (await answered_request(vera, subject, b'{"ttl": 60, "name": "x"}')).data.decode()
             assert "not authorised" in answer and "token" not in json.loads(answer), answer
         # The flag taken away: refused from the very next request.
         await save_user(control.js, User("ada", key, False, {}))
         assert refused(await write(ada, K.node("n9"), b"uncordoned"), "admins only")
-        assert "not authorised" in (await ada.nc.request(JOIN_ISSUE_SUBJECT, b'{"ttl": 60}', timeout=5)).data.decode()
+        assert "not authorised" in (await answered_request(ada, JOIN_ISSUE_SUBJECT, b'{"ttl": 60}')).data.decode()
         assert K.env(ENV_B) not in await visible_keys(ada)
         assert await stored(control, K.node("n8")) is None
         assert await stored(control, K.node("n9")) == b"cordoned"
