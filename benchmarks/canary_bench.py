@@ -1,7 +1,7 @@
 """Canary weights in the data plane (issue 41): how fast a weight change reaches every proxy, how closely
 the proxies follow the configured share, and what weighting costs a proxy per request.
 
-``python -m benchmarks.canary_bench [--full] [--json]`` (through ``/work/wt/slot`` on a shared machine).
+``python -m benchmarks.canary_bench [--full] [--json]``.
 
 What runs for real: an embedded nats-server, the route service's publisher (:class:`RoutesPublisher`, in
 this process, on its own connection and state view), two proxy processes (``python -m services.proxy``, one

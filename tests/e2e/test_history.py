@@ -4,7 +4,7 @@ series, and a deploy mark at the deploy's time; the history survives a control-p
 services killed and started again); the env and node pages are screenshotted at desktop and phone widths
 into ``.artifacts/console/``. Every wait is a condition on what the cluster recorded, never a sleep.
 
-Run through the lock: ``/work/wt/slot .venv/bin/python -m pytest tests/e2e/test_history.py``.
+Run alone: ``python -m pytest tests/e2e/test_history.py``.
 """
 
 from __future__ import annotations
