@@ -114,6 +114,16 @@ def node_change_event(
     )
 
 
+SCALE_KINDS = (
+    "autoscale.scaled",
+    "serverless.scaled",
+    "scale.changed",
+    "env.scaled",
+    "scaletozero.cooled",
+    "scaletozero.woken",
+)
+"""The kinds of the events that change an env's replica count (autoscaling, scale to zero, by hand)."""
+
 KINDS = (
     "backup.created",
     "backup.failed",
@@ -126,12 +136,7 @@ KINDS = (
     "deploy.superseded",
     "deploy.maintenance_start",
     "deploy.maintenance_end",
-    "autoscale.scaled",
-    "serverless.scaled",
-    "scale.changed",
-    "env.scaled",
-    "scaletozero.cooled",
-    "scaletozero.woken",
+    *SCALE_KINDS,
     "node.up",
     "node.down",
     "node.suspect",
