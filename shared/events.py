@@ -23,6 +23,7 @@ from shared import keys as K
 from shared.clock import Clock, RealClock, stamp
 from shared.connection import Connection
 from shared.ids import new_id
+from shared.state.feed import key_matches
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 from shared.telemetry import inject
 
@@ -114,6 +115,16 @@ def node_change_event(
     )
 
 
+SCALE_KINDS = (
+    "autoscale.scaled",
+    "serverless.scaled",
+    "scale.changed",
+    "env.scaled",
+    "scaletozero.cooled",
+    "scaletozero.woken",
+)
+"""The kinds of the events that change an env's replica count (autoscaling, scale to zero, by hand)."""
+
 KINDS = (
     "backup.created",
     "backup.failed",
@@ -126,12 +137,7 @@ KINDS = (
     "deploy.superseded",
     "deploy.maintenance_start",
     "deploy.maintenance_end",
-    "autoscale.scaled",
-    "serverless.scaled",
-    "scale.changed",
-    "env.scaled",
-    "scaletozero.cooled",
-    "scaletozero.woken",
+    *SCALE_KINDS,
     "node.up",
     "node.down",
     "node.suspect",
@@ -196,17 +202,6 @@ def kind_subject(kind: str) -> str:
     return EVENTS_SUBJECT_PREFIX + kind
 
 
-def _matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: ``*`` one token, ``>`` the rest (one token at least)."""
-    wanted, tokens = pattern.split("."), subject.split(".")
-    for index, token in enumerate(wanted):
-        if token == ">":
-            return len(tokens) > index
-        if index >= len(tokens) or (token != "*" and token != tokens[index]):
-            return False
-    return len(tokens) == len(wanted)
-
-
 def kind_problem(kind: str, seen: Iterable[str] = ()) -> str | None:
     """Why ``--kind`` matches no event kind (None when it matches one of :data:`KINDS` or of ``seen``, the
     kinds stored in the stream): a typo would otherwise list nothing and look like a quiet platform."""
@@ -214,7 +209,7 @@ def kind_problem(kind: str, seen: Iterable[str] = ()) -> str | None:
         return None
     subject = kind_subject(kind)
     known = sorted({*KINDS, *seen})
-    if any(_matches(subject, EVENTS_SUBJECT_PREFIX + known_kind) for known_kind in known):
+    if any(key_matches(subject, EVENTS_SUBJECT_PREFIX + known_kind) for known_kind in known):
         return None
     families = sorted({k.split(".")[0] for k in known})
     return (

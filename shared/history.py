@@ -26,6 +26,7 @@ from nats.js.api import StorageType, StreamConfig
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from shared.errors import ZatteraError
+from shared.events import SCALE_KINDS
 
 RAW_SPAN = 10
 """Seconds of one raw point."""
@@ -50,12 +51,7 @@ MARK_KINDS = (
     "deploy.rolled_back",
     "deploy.failed",
     "deploy.canceled",
-    "autoscale.scaled",
-    "serverless.scaled",
-    "scale.changed",
-    "env.scaled",
-    "scaletozero.cooled",
-    "scaletozero.woken",
+    *SCALE_KINDS,
 )
 """Event kinds copied as marks on an env's time axis (deploys and scaling)."""
 DUPLICATE_WINDOW = 600.0

@@ -79,6 +79,11 @@ def lines_behind(version: str, cluster: str) -> int | None:
     return theirs[1] - own[1]
 
 
+def _about(verdict: Verdict, component: Component, version: str, what: str) -> Skew:
+    """A verdict on this process, the message naming it (``what`` it is or needs) and the docs."""
+    return Skew(verdict, f"this {component} (Zattera {version}) {what} ({DOCS})")
+
+
 def judge(component: Component, version: str, schema: int, recorded_version: str, recorded_schema: int) -> Skew:
     """May ``component`` of Zattera ``version`` (schema ``schema``) run against a cluster recorded at
     ``recorded_version`` / ``recorded_schema``?"""
@@ -94,24 +99,24 @@ def judge(component: Component, version: str, schema: int, recorded_version: str
     if behind is None or behind > 1:
         line = _line(cluster)
         oldest = f"{line[0]}.{max(0, line[1] - 1)}" if line else cluster
-        return Skew(
-            Verdict.TOO_OLD,
-            f"this {component} (Zattera {version}) is too old for {where}, which accepts {oldest} or newer: "
-            f"upgrade it ({DOCS})",
+        return _about(
+            Verdict.TOO_OLD, component, version, f"is too old for {where}, which accepts {oldest} or newer: upgrade it"
         )
     if schema > recorded_schema:
         if component is Component.CONTROL_PLANE:
             return Skew(Verdict.UPGRADE, f"upgrading {where} to schema {schema} (Zattera {version})")
-        return Skew(
+        return _about(
             Verdict.WAIT,
-            f"this {component} (Zattera {version}) needs schema {schema}; {where} has not been upgraded yet: "
-            f"upgrade the control plane first ({DOCS})",
+            component,
+            version,
+            f"needs schema {schema}; {where} has not been upgraded yet: upgrade the control plane first",
         )
     if behind == 1:
-        return Skew(
+        return _about(
             Verdict.BEHIND,
-            f"this {component} (Zattera {version}) is one release behind {where}: allowed while upgrading; "
-            f"upgrade it next ({DOCS})",
+            component,
+            version,
+            f"is one release behind {where}: allowed while upgrading; upgrade it next",
         )
     return Skew(Verdict.OK)
 
@@ -122,24 +127,13 @@ def judge_peer(component: Component, version: str, control_version: str) -> Skew
     if not control_version:
         return Skew(Verdict.OK)  # a control plane from before versions were sent: the previous line
     behind = lines_behind(version, control_version)
+    where = f"its control plane (Zattera {control_version})"
     if behind is None or behind > 1:
-        return Skew(
-            Verdict.TOO_OLD,
-            f"this {component} (Zattera {version}) is too old for its control plane (Zattera {control_version}): "
-            f"upgrade it ({DOCS})",
-        )
+        return _about(Verdict.TOO_OLD, component, version, f"is too old for {where}: upgrade it")
     if behind < 0:
-        return Skew(
-            Verdict.WAIT,
-            f"this {component} (Zattera {version}) is newer than its control plane (Zattera {control_version}): "
-            f"upgrade the control plane first ({DOCS})",
-        )
+        return _about(Verdict.WAIT, component, version, f"is newer than {where}: upgrade the control plane first")
     if behind == 1:
-        return Skew(
-            Verdict.BEHIND,
-            f"this {component} (Zattera {version}) is one release behind its control "
-            f"plane (Zattera {control_version}): upgrade it next ({DOCS})",
-        )
+        return _about(Verdict.BEHIND, component, version, f"is one release behind {where}: upgrade it next")
     return Skew(Verdict.OK)
 
 

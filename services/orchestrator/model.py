@@ -232,25 +232,11 @@ def copy_of(msg: M) -> M:
     return dup
 
 
-def advance(
-    d: pb.Deployment,
-    phase: int,
-    now: float,
-    *,
-    error: str = "",
-    promoted_at: float | None = None,
-    drain_deadline: float | None = None,
-) -> pb.Deployment:
-    """The deployment entering ``phase`` now (meta.updated_at = phase entry; a set error is sticky)."""
+def advance(d: pb.Deployment, phase: int, now: float) -> pb.Deployment:
+    """The deployment entering ``phase`` now (meta.updated_at = phase entry)."""
     nxt = copy_of(d)
     nxt.phase = phase  # type: ignore[assignment]
     stamp(nxt.meta.updated_at, now)
-    if error:
-        nxt.error = error
-    if promoted_at is not None:
-        stamp(nxt.promoted_at, promoted_at)
-    if drain_deadline is not None:
-        stamp(nxt.drain_deadline, drain_deadline)
     return nxt
 
 
@@ -272,8 +258,14 @@ def move(
     promoted_at: float | None = None,
     drain_deadline: float | None = None,
 ) -> Decision:
-    """A transition into ``phase``; callers add the writes that go with it."""
-    entered = advance(d, phase, now, error=error, promoted_at=promoted_at, drain_deadline=drain_deadline)
+    """A transition into ``phase`` (a set error is sticky); callers add the writes that go with it."""
+    entered = advance(d, phase, now)
+    if error:
+        entered.error = error
+    if promoted_at is not None:
+        stamp(entered.promoted_at, promoted_at)
+    if drain_deadline is not None:
+        stamp(entered.drain_deadline, drain_deadline)
     return Decision(f"{phase_label(d.phase)}->{phase_label(phase)}", fence=entered)
 
 

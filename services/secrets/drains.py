@@ -38,6 +38,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.secrets.drain_cursors import Source, any_made, bind_source, count_dropped, refresh, write_source
 from services.secrets.drain_send import Delivery, DrainTarget, Sender, open_target, records_of
+from services.secrets.statuses import current_status, save_status
 from shared import drains
 from shared import keys as K
 from shared.applogs import app_log_subject, app_logs_stream
@@ -145,12 +146,7 @@ class Drainer(LeaderLoop):
     # ------------------------------------------------------------------ one drain
 
     def _status(self, name: str) -> pb.LogDrainStatus:
-        found = self.view.get(K.LOG_DRAIN_STATUS, name)
-        status = pb.LogDrainStatus()
-        if isinstance(found, pb.LogDrainStatus):
-            status.CopyFrom(found)
-        status.meta.id = name
-        return status
+        return current_status(self, K.LOG_DRAIN_STATUS, pb.LogDrainStatus, name)
 
     async def _follow(self, drain: pb.LogDrain, envs: list[str]) -> None:
         name = drain.meta.id
@@ -329,15 +325,4 @@ class Drainer(LeaderLoop):
         return mine != theirs
 
     async def _save(self, status: pb.LogDrainStatus) -> None:
-        """Write the drain's status and wait until the view shows it (the next write expects it)."""
-        assert self.writer is not None
-        stamp(status.meta.updated_at, self.clock.now())
-        written = pb.LogDrainStatus()
-        written.CopyFrom(status)
-        feed = self.view.subscribe({K.LOG_DRAIN_STATUS})
-        try:
-            await self.writer.commit(self.writer.txn("drains").put(written))
-            while self.view.get(K.LOG_DRAIN_STATUS, written.meta.id) != written:
-                await asyncio.wait_for(feed.wait(), 10.0)
-        finally:
-            feed.close()
+        await save_status(self, K.LOG_DRAIN_STATUS, status)

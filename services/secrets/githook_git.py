@@ -6,8 +6,8 @@ API (:func:`post_commit_status`).
 
 import hashlib
 import logging
-from collections.abc import Awaitable
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aiohttp
 from nats.js.errors import NotFoundError, ObjectNotFoundError
@@ -27,69 +27,57 @@ STATUS_TIMEOUT = 10.0
 """Seconds one commit-status post may take."""
 
 
-class CommitDeployer(Protocol):
-    """Fetch commit ``sha`` of ``repo_url`` and deploy it to env ``env_id`` through ``writer``; returns the
-    deployment's id. ``auth_header``: the ``Authorization`` value git must send ("" = none).
+@dataclass(frozen=True)
+class CommitRequest:
+    """One commit to deploy: commit ``sha`` of ``repo_url`` (at ``ref``) to env ``env_id``.
+    ``auth_header``: the ``Authorization`` value git must send ("" = none)."""
 
-    The integrator may put ``shared/actions/gitdeploy.py``'s ``deploy_commit`` (issue 37, items 2 and 5) behind
-    it::
+    env_id: str
+    repo_url: str
+    sha: str
+    ref: str
+    auth_header: str
+    actor: str
+    author: str
+    message: str
 
-        async def deploy(writer, *, env_id, repo_url, sha, ref, auth_header, actor, author, message):
-            git_env = {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "http.extraHeader",
-                       "GIT_CONFIG_VALUE_0": f"Authorization: {auth_header}"} if auth_header else None
-            done = await deploy_commit(ActionContext(conn, writer, actor), project="", app="", env=env_id,
-                                       repo_path_or_url=repo_url, commit_sha=sha, ref=ref, author=author,
-                                       message=message, progress=lambda line: None, wait=False, git_env=git_env)
-            return done.deployment_id
-    """
 
-    def __call__(
-        self,
-        writer: Writer,
-        *,
-        env_id: str,
-        repo_url: str,
-        sha: str,
-        ref: str,
-        auth_header: str,
-        actor: str,
-        author: str,
-        message: str,
-    ) -> Awaitable[str]: ...
+CommitDeployer = Callable[[Writer, CommitRequest], Awaitable[str]]
+"""Fetch and deploy a :class:`CommitRequest` through the writer; returns the deployment's id.
+
+The integrator may put ``shared/actions/gitdeploy.py``'s ``deploy_commit`` (issue 37, items 2 and 5) behind
+it::
+
+    async def deploy(writer, c):
+        git_env = {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "http.extraHeader",
+                   "GIT_CONFIG_VALUE_0": f"Authorization: {c.auth_header}"} if c.auth_header else None
+        done = await deploy_commit(ActionContext(conn, writer, c.actor), project="", app="", env=c.env_id,
+                                   repo_path_or_url=c.repo_url, commit_sha=c.sha, ref=c.ref, author=c.author,
+                                   message=c.message, progress=lambda line: None, wait=False, git_env=git_env)
+        return done.deployment_id
+"""
 
 
 def git_commit_deployer(conn: Connection) -> CommitDeployer:
     """The deployer of this module: ``git fetch`` + ``git archive`` → the sources store → a source deploy
     (a QUEUED build with the commit id, its release and deployment, in one fenced write)."""
 
-    async def deploy(
-        writer: Writer,
-        *,
-        env_id: str,
-        repo_url: str,
-        sha: str,
-        ref: str,
-        auth_header: str,
-        actor: str,
-        author: str,
-        message: str,
-    ) -> str:
-        data = await archive_commit(repo_url, sha, ref, auth_header=auth_header)
+    async def deploy(writer: Writer, c: CommitRequest) -> str:
+        data = await archive_commit(c.repo_url, c.sha, c.ref, auth_header=c.auth_header)
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         store = await conn.js.object_store(SOURCES_STORE)
         try:
             await store.get_info(digest)
         except (ObjectNotFoundError, NotFoundError):
             await store.put(digest, data)
-        branch = ref.removeprefix("refs/heads/")
-        created = await Deployer(writer, created_by=actor).deploy_source(
-            env_id,
+        created = await Deployer(writer, created_by=c.actor).deploy_source(
+            c.env_id,
             tarball_digest=digest,
-            git_sha=sha,
-            git_branch=branch,
-            git_author=author,
-            git_message=message,
-            git_ref=ref,
+            git_sha=c.sha,
+            git_branch=c.ref.removeprefix("refs/heads/"),
+            git_author=c.author,
+            git_message=c.message,
+            git_ref=c.ref,
         )
         return created.deployment.meta.id
 

@@ -22,6 +22,7 @@ from services.secrets.githook_gate import ensure_stream, open_hook
 from services.secrets.githook_git import (
     STATUS_TIMEOUT,
     CommitDeployer,
+    CommitRequest,
     commit_state,
     git_commit_deployer,
     post_commit_status,
@@ -223,25 +224,21 @@ class GitHooks(LeaderLoop):
         assert self.writer is not None
         writer = self.writer
         auth, token = self._auth(hook)
-
-        async def attempt() -> str:
-            return await self._deploy(
-                writer,
-                env_id=env_id,
-                repo_url=hook.repo_url,
-                sha=event.sha,
-                ref=event.head_ref,
-                auth_header=auth,
-                actor=f"githook:{hook.meta.id}",
-                author=event.author,
-                message=event.message,
-            )
-
+        request = CommitRequest(
+            env_id=env_id,
+            repo_url=hook.repo_url,
+            sha=event.sha,
+            ref=event.head_ref,
+            auth_header=auth,
+            actor=f"githook:{hook.meta.id}",
+            author=event.author,
+            message=event.message,
+        )
         try:
-            deployment_id = await attempt()
+            deployment_id = await self._deploy(writer, request)
         except FailedPrecondition:
             await self._supersede(env_id)
-            deployment_id = await attempt()
+            deployment_id = await self._deploy(writer, request)
         env = self.view.env(env_id)
         await self.events.publish(
             make_event(

@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.v1 import types_pb2 as pb
 
+from services.secrets.statuses import current_status, save_status
 from shared import keys as K
 from shared import notify
 from shared.actions.names import env_label
@@ -126,12 +127,7 @@ class Notifier(LeaderLoop):
         return _Target(opened["url"], opened["secret"])
 
     def _status(self, name: str) -> pb.NotifyStatus:
-        found = self.view.get(K.NOTIFY_STATUS, name)
-        status = pb.NotifyStatus()
-        if isinstance(found, pb.NotifyStatus):
-            status.CopyFrom(found)
-        status.meta.id = name
-        return status
+        return current_status(self, K.NOTIFY_STATUS, pb.NotifyStatus, name)
 
     async def _follow(self, channel: pb.NotifyChannel) -> None:
         name = channel.meta.id
@@ -256,15 +252,4 @@ class Notifier(LeaderLoop):
         )
 
     async def _save(self, status: pb.NotifyStatus) -> None:
-        """Write the channel's status and wait until the view shows it (the next write expects it)."""
-        assert self.writer is not None
-        stamp(status.meta.updated_at, self.clock.now())
-        written = pb.NotifyStatus()
-        written.CopyFrom(status)
-        feed = self.view.subscribe({K.NOTIFY_STATUS})
-        try:
-            await self.writer.commit(self.writer.txn("notify").put(written))
-            while self.view.get(K.NOTIFY_STATUS, written.meta.id) != written:
-                await asyncio.wait_for(feed.wait(), 10.0)
-        finally:
-            feed.close()
+        await save_status(self, K.NOTIFY_STATUS, status)
