@@ -18,6 +18,7 @@ from shared.actions.addons import CreateAddon, DeleteAddon, RestoreAddon, create
 from shared.actions.context import ActionContext
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.addons import spec as addon
+from shared.deploy import Deployer
 from shared.secrets import CLUSTER_KEY, key_id
 from shared.txn import Writer
 from tests import factories
@@ -105,6 +106,28 @@ async def test_bad_input_is_refused_naming_the_field_and_writes_nothing(
     assert getattr(refused.value, "field", None) == field
     assert "\n" not in str(refused.value)
     assert (ctx.view.count(K.APP), ctx.view.count(K.ENV)) == before
+
+
+async def test_a_create_whose_first_deploy_fails_leaves_nothing_behind(
+    ctx: ActionContext, writer: Writer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The app, env and sealed secrets are committed before the first deploy: when that deploy is refused (here
+    a deploy that raises after the records landed), they are removed again and the refusal reaches the caller."""
+    await _seed(writer)
+    before = ctx.view.count(K.APP), ctx.view.count(K.ENV), ctx.view.count(K.SECRET)
+    seen: list[str] = []
+
+    async def refused_deploy(self: Deployer, env_id: str, **_: object) -> object:
+        seen.append(env_id)
+        assert ctx.view.env(env_id) is not None  # the records were written first
+        raise Conflicting("the cluster refused the deploy", field="name")
+
+    monkeypatch.setattr(Deployer, "deploy", refused_deploy)
+    with pytest.raises(Conflicting, match="refused the deploy"):
+        await create_addon(ctx, CreateAddon("postgres", "orders", "shop"))
+    assert len(seen) == 1 and ctx.view.env(seen[0]) is None
+    assert ctx.view.secrets(seen[0]) == []
+    assert (ctx.view.count(K.APP), ctx.view.count(K.ENV), ctx.view.count(K.SECRET)) == before
 
 
 async def test_attach_gives_sealed_copies_and_rolls_the_env_out_then_detach_removes_them(
