@@ -324,17 +324,8 @@ class SnapshotAgent:
             await self.conn.nc.publish(msg.reply, response.SerializeToString())
 
 
-async def serve_snapshot_requests(
-    conn: Connection,
-    node_id: str,
-    volumes_root: Path,
-    *,
-    params: ChunkParams | None = None,
-    hook_runner: HookRunner = run_hook_in_shell,
-    gc_grace: float = DEFAULT_GC_GRACE,
-) -> None:
-    """Serve this node's snapshot/restore/prune requests until cancelled."""
-    agent = SnapshotAgent(conn, node_id, volumes_root, params=params, hook_runner=hook_runner, gc_grace=gc_grace)
+async def serve_snapshot_requests(agent: SnapshotAgent) -> None:
+    """Serve ``agent``'s snapshot/restore/prune requests until cancelled."""
     await agent.start()
     try:
         await asyncio.Event().wait()
