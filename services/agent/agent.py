@@ -59,7 +59,7 @@ from services.agent.sandbox import (
 )
 from services.agent.sandbox_users import UidTable
 from services.agent.settings import AgentSettings
-from services.agent.snapshots.handlers import HookRunner, run_hook_in_shell, serve_snapshot_requests
+from services.agent.snapshots.handlers import HookRunner, SnapshotAgent, run_hook_in_shell, serve_snapshot_requests
 from shared import keys as K
 from shared.activation import request_activation
 from shared.addons.tunnel import serve_psql_sessions
@@ -401,7 +401,9 @@ class Agent:
                 asyncio.create_task(self.reporter.run(), name="reporter"),
                 asyncio.create_task(heartbeat.run(), name="heartbeat"),
                 asyncio.create_task(
-                    serve_snapshot_requests(self.conn, self.node_id, self.volumes_dir, hook_runner=self._pre_hooks()),
+                    serve_snapshot_requests(
+                        SnapshotAgent(self.conn, self.node_id, self.volumes_dir, hook_runner=self._pre_hooks())
+                    ),
                     name="snapshots",
                 ),
                 asyncio.create_task(serve_psql_sessions(self.conn, self.node_id, self.volumes_dir), name="psql"),

@@ -281,16 +281,7 @@ class Builder:
         if plan.dependency_dir and plan.install:
             layers.append(await self._dependency_layer(plan, src, env, events, ref.repo, confinement))
         if plan.build:
-            await run_command(
-                plan.build,
-                src,
-                env,
-                events,
-                step="build",
-                keepalive=self.keepalive,
-                sandbox=self.sandbox,
-                confinement=confinement,
-            )
+            await self._run_step("build", plan.build, src, env, events, confinement)
         elif not layers:
             await events.log("no install or build step: packing the source as is")
         # Without a dependency layer (install skipped), a committed node_modules stays in the app layer.
@@ -377,6 +368,27 @@ class Builder:
             die_with_parent=True,
         )
 
+    async def _run_step(
+        self,
+        step: str,
+        command: str,
+        src: Path,
+        env: Mapping[str, str],
+        events: BuildEventPublisher,
+        confinement: Confinement | None,
+    ) -> None:
+        """Run the plan's ``step`` (``command``) in ``src``, in the build's sandbox when it has one."""
+        await run_command(
+            command,
+            src,
+            env,
+            events,
+            step=step,
+            keepalive=self.keepalive,
+            sandbox=self.sandbox,
+            confinement=confinement,
+        )
+
     async def _dependency_layer(
         self,
         plan: BuildPlan,
@@ -414,16 +426,7 @@ class Builder:
             if plan.build:  # the build step may need them (npm run build)
                 await asyncio.to_thread(unpack_layer, cached[0], src)
             return cached
-        await run_command(
-            plan.install,
-            src,
-            env,
-            events,
-            step="install",
-            keepalive=self.keepalive,
-            sandbox=self.sandbox,
-            confinement=confinement,
-        )
+        await self._run_step("install", plan.install, src, env, events, confinement)
         if plan.provider == "python":
             write_interpreter_shims(src, plan.dependency_dir, env["UV_PYTHON"])
         layer = await asyncio.to_thread(pack_directory, src, only=plan.dependency_dir)

@@ -32,9 +32,6 @@ log = logging.getLogger(__name__)
 LABEL_NODE = "dev.zattera.node"
 
 
-LABEL_ASSIGNMENT = "dev.zattera.assignment"
-
-
 NOBODY = "65534:65534"
 
 

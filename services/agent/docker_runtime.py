@@ -54,7 +54,6 @@ from services.agent.addonbase import addon_rootfs_tar, inspect_addon_programs
 from services.agent.docker_containers import (
     BRIDGE_NETWORK,
     HOST_NETWORK,
-    LABEL_ASSIGNMENT,
     LABEL_NODE,
     LOOPBACK,
     NOBODY,
@@ -84,7 +83,15 @@ from services.agent.hostbase import (
     shell_rootfs_tar,
 )
 from services.agent.images import EXEC_SCHEME, PROCESS_SCHEME, ImageError, PreparedImage, shell_command
-from services.agent.launchers import DOCKER, TENANT_KEY, InstanceHandle, LaunchPlan, ProcessLauncher
+from services.agent.launchers import (
+    DOCKER,
+    LABEL_ASSIGNMENT,
+    InstanceHandle,
+    LaunchPlan,
+    ProcessLauncher,
+    retain_tenant_uids,
+    tenant_key,
+)
 from services.agent.processes import InstanceRecord
 from services.agent.pythonbase import inspect_interpreter, python_of, python_rootfs_tar
 from services.agent.runtime_choice import DockerUnavailable, RuntimeChoice, docker_url
@@ -333,7 +340,7 @@ class DockerLauncher:
         assert isinstance(image, ContainerImage)
         user = image.user or NOBODY
         if self.uids is not None:
-            uid = self.uids.uid(TENANT_KEY + (plan.tenant or labels.get(LABEL_ASSIGNMENT, "")))
+            uid = self.uids.uid(tenant_key(plan, labels))
             user = f"{uid}:{uid}"
         volumes = [path for path, _ in plan.volumes.values()]
         if volumes:
@@ -397,7 +404,7 @@ class DockerLauncher:
 
     def retain_tenants(self, tenants: set[str]) -> None:
         if self.uids is not None:
-            self.uids.retain({TENANT_KEY + t for t in tenants}, prefix=TENANT_KEY)
+            retain_tenant_uids(self.uids, tenants)
 
     async def prune_images(self) -> None:
         """Derived images no container uses (the daemon refuses to remove one in use anyway)."""

@@ -289,6 +289,12 @@ def _drop_chain_now(family: str, chain: str, rules: Sequence[list[str]]) -> None
         except (OSError, subprocess.TimeoutExpired):
             return 1
 
+    drop_chain(run, chain, rules)
+
+
+def drop_chain(run: Callable[..., int], chain: str, rules: Sequence[list[str]]) -> None:
+    """Delete every copy of the ``rules`` that jump to ``chain``, then flush and delete ``chain``, through
+    ``run`` (an iptables command's arguments → its exit status), blocking."""
     for rule in rules:
         while run("-D", *rule) == 0:
             pass

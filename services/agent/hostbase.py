@@ -36,10 +36,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from shared.errors import ZatteraError
+
+T = TypeVar("T")
 
 NODE_LABEL = "dev.zattera.nodejs"
 """Image config label: the absolute path of the ``node`` binary the app's modules were installed with (not
@@ -211,15 +214,24 @@ class NodeProgram:
         return base_tag("node", self.version, self.path)
 
 
+def ask_program(
+    what: str, path: str, args: Sequence[str], read: Callable[[str], T], error: type[BaseImageError] = BaseImageError
+) -> T:
+    """What the program ``what`` at ``path`` (absolute) prints when run with ``args``, as ``read`` makes of
+    it; ``error`` when ``path`` is not absolute, the program fails or ``read`` refuses its output."""
+    if not os.path.isabs(path):
+        raise error(f"{what} {path!r} is not an absolute path")
+    try:
+        return read(subprocess.run([path, *args], capture_output=True, text=True, check=True, timeout=30).stdout)
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        raise error(f"{what} {path} is not usable on this node: {exc}") from exc
+
+
 def inspect_node(path: str) -> NodeProgram:
     """Ask the ``node`` at ``path`` (absolute) its version."""
-    if not os.path.isabs(path):
-        raise BaseImageError(f"node {path!r} is not an absolute path")
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise BaseImageError(f"node {path} is not usable on this node: {exc}") from exc
-    return NodeProgram(path=path, version=out.strip().removeprefix("v"))
+    return NodeProgram(
+        path=path, version=ask_program("node", path, ["--version"], lambda out: out.strip().removeprefix("v"))
+    )
 
 
 def node_rootfs_tar(node: NodeProgram) -> bytes:

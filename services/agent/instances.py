@@ -19,7 +19,7 @@ from services.agent.addon_env import expand_service_refs, seed_fork
 from services.agent.health import HealthMonitor, min_healthy_time, probe_for, seconds
 from services.agent.images import ImageError, PreparedImage
 from services.agent.instance_env import bind_address, config_of, instance_env, launch_plan, port_names, resolve_volumes
-from services.agent.launchers import InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
+from services.agent.launchers import LABEL_ASSIGNMENT, InstanceHandle, Launcher, LaunchPlan, ProcessLauncher
 from services.agent.logs import STREAM_FILES, TAIL_READ, InstanceLogShipper, ShipperSettings
 from services.agent.processes import InstanceRecord, PortAllocator
 from services.agent.reporter import ObservedReporter
@@ -339,7 +339,7 @@ class InstanceSupervisor:
                 env=env,
                 instance_dir=self.dir,
                 plan=plan,
-                labels={"dev.zattera.assignment": self.assignment_id},
+                labels={LABEL_ASSIGNMENT: self.assignment_id},
             )
         if self._ever_started:
             self._restarts += 1

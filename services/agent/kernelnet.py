@@ -48,7 +48,7 @@ from pathlib import Path
 
 import psutil
 
-from services.agent.firewall import COMMAND_TIMEOUT, OWNER_MARK, PRIVATE_NETWORK, stale
+from services.agent.firewall import COMMAND_TIMEOUT, OWNER_MARK, PRIVATE_NETWORK, drop_chain, stale
 from shared.errors import ZatteraError
 
 log = logging.getLogger(__name__)
@@ -323,8 +323,4 @@ def _drop(table: str, chain: str, rules: Sequence[list[str]]) -> None:
         except KernelPathError:
             return 1
 
-    for rule in rules:
-        while run("-D", *rule) == 0:
-            pass
-    run("-F", chain)
-    run("-X", chain)
+    drop_chain(run, chain, rules)

@@ -17,7 +17,7 @@ from typing import Protocol
 from services.agent.images import PreparedImage, prepare_image
 from services.agent.processes import Confined, InstanceRecord, adopt, spawn
 from services.agent.sandbox import Confinement, Sandbox
-from services.agent.sandbox_users import give
+from services.agent.sandbox_users import UidTable, give
 from shared.connection import Connection
 
 PROCESS = "process"
@@ -117,6 +117,18 @@ class Launcher(Protocol):
 
 TENANT_KEY = "env:"
 """Prefix of an environment's key in the sandbox's uid table (builds use ``build:``)."""
+LABEL_ASSIGNMENT = "dev.zattera.assignment"
+"""The label of an instance naming its assignment."""
+
+
+def tenant_key(plan: LaunchPlan, labels: Mapping[str, str]) -> str:
+    """The instance's key in the uid table: its tenant's (its assignment's when the plan names no tenant)."""
+    return TENANT_KEY + (plan.tenant or labels.get(LABEL_ASSIGNMENT, ""))
+
+
+def retain_tenant_uids(uids: UidTable, tenants: set[str]) -> None:
+    """Forget the users of tenants not in ``tenants``."""
+    uids.retain({TENANT_KEY + t for t in tenants}, prefix=TENANT_KEY)
 
 
 class ProcessLauncher:
@@ -152,8 +164,7 @@ class ProcessLauncher:
     ) -> InstanceHandle:
         if self.sandbox is None:
             return await spawn(command, cwd=image.workdir, env=env, instance_dir=instance_dir)
-        tenant = plan.tenant or labels.get("dev.zattera.assignment", "")
-        uid = self.sandbox.uid(TENANT_KEY + tenant)
+        uid = self.sandbox.uid(tenant_key(plan, labels))
         confinement = await asyncio.to_thread(self._confine, uid, image, instance_dir, plan)
         return await spawn(
             command,
@@ -192,7 +203,7 @@ class ProcessLauncher:
 
     def retain_tenants(self, tenants: set[str]) -> None:
         if self.sandbox is not None:
-            self.sandbox.uids.retain({TENANT_KEY + t for t in tenants}, prefix=TENANT_KEY)
+            retain_tenant_uids(self.sandbox.uids, tenants)
 
     async def close(self) -> None:
         return None

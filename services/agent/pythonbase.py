@@ -25,7 +25,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
 import sys
 import zipfile
 from collections.abc import Callable, Mapping
@@ -35,6 +34,7 @@ from pathlib import Path
 from services.agent.hostbase import (
     BaseImageError,
     RootFs,
+    ask_program,
     base_tag,
     program_rootfs_tar,
     shared_libraries,
@@ -79,13 +79,7 @@ class Interpreter:
 
 def inspect_interpreter(path: str) -> Interpreter:
     """Ask the interpreter at ``path`` (absolute) where its standard library and CA bundle are."""
-    if not os.path.isabs(path):
-        raise PythonBaseError(f"python interpreter {path!r} is not an absolute path")
-    try:
-        out = subprocess.run([path, "-I", "-c", _PROBE], capture_output=True, check=True, timeout=30).stdout
-        doc = json.loads(out)
-    except (OSError, subprocess.SubprocessError, ValueError) as exc:
-        raise PythonBaseError(f"python interpreter {path} is not usable on this node: {exc}") from exc
+    doc = ask_program("python interpreter", path, ["-I", "-c", _PROBE], json.loads, PythonBaseError)
     return Interpreter(
         path=path,
         version=str(doc["version"]),

@@ -26,8 +26,9 @@ import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 from nats.aio.msg import Msg
@@ -138,6 +139,35 @@ class _ProgressStream:
             await self._conn.nc.flush(timeout=5)
 
 
+@dataclass(frozen=True)
+class _VolumeOperation(Generic[V]):
+    """How a snapshot or a restore request is served (:meth:`SnapshotAgent._serve_volume_request`)."""
+
+    kind: type[V]
+    snapshot_id_of: Callable[[V], str]
+    span: str
+    failure: str
+    """What failed, for the log: formatted with the ``snapshot`` and ``volume`` ids."""
+    first_phase: str
+
+
+_SNAPSHOT = _VolumeOperation(
+    cpb.SnapshotVolumeRequest,
+    lambda req: req.snapshot.meta.id,
+    "snapshot.volume",
+    "snapshot {snapshot} of volume {volume}",
+    "scan",
+)
+_RESTORE = _VolumeOperation(
+    cpb.RestoreVolumeRequest,
+    # The snapshot id names the staging and retired directories beside the volume: checked like it.
+    lambda req: req.manifest_key or req.snapshot_id,
+    "snapshot.restore",
+    "restore of {snapshot} into volume {volume}",
+    "download",
+)
+
+
 class SnapshotAgent:
     """Serves one node's snapshot, restore and prune requests."""
 
@@ -215,60 +245,64 @@ class SnapshotAgent:
             return None
         return req, snapshot_id, directory
 
-    async def _on_snapshot(self, msg: Msg) -> None:
-        accepted = await self._accept(msg, cpb.SnapshotVolumeRequest, lambda req: req.snapshot.meta.id)
+    async def _serve_volume_request(
+        self,
+        msg: Msg,
+        op: _VolumeOperation[V],
+        work: Callable[[V, str, Path, _ProgressStream], Awaitable[tuple[int, int]]],
+    ) -> None:
+        """A snapshot or restore request (checked by :meth:`_accept`), its progress streamed: the operation's
+        first phase at once, then ``work(request, snapshot id, volume directory, stream)`` under the volume's
+        lock and a shared GC lock; ``done`` with the (bytes done, bytes total) it returns, or ``error``."""
+        accepted = await self._accept(msg, op.kind, op.snapshot_id_of)
         if accepted is None:
             return
         req, snapshot_id, directory = accepted
         stream = _ProgressStream(self.conn, msg.reply, snapshot_id, self.heartbeat)
         try:
-            with span("snapshot.volume", headers=msg.headers, volume=req.volume.meta.id, snapshot=snapshot_id):
-                await stream.send("scan")
+            with span(op.span, headers=msg.headers, volume=req.volume.meta.id, snapshot=snapshot_id):
+                await stream.send(op.first_phase)
                 async with self._volume_lock(req.volume.meta.id), self.gc_lock.shared():
-                    if req.pre_hook_command:
-                        await stream.send("hooks")
-                        await self.hook_runner(req.pre_hook_command, req.pre_hook_container_id, directory)
-                    engine = await self._engine(req.target)
-
-                    async def uploaded(scanned: int, stored: int) -> None:
-                        await stream.send("upload", done=stored, total=scanned)
-
-                    result = await engine.snapshot(
-                        directory,
-                        snapshot_id,
-                        created_at_unix=req.snapshot.meta.created_at.seconds,
-                        progress=uploaded,
-                    )
-            await stream.send("done", done=result.uploaded_bytes, total=result.tar_bytes, manifest_key=snapshot_id)
+                    done, total = await work(req, snapshot_id, directory, stream)
+            await stream.send("done", done=done, total=total, manifest_key=snapshot_id)
         except Exception as exc:
-            log.warning("snapshot %s of volume %s failed: %s", snapshot_id, req.volume.meta.id, exc)
+            log.warning("%s failed: %s", op.failure.format(snapshot=snapshot_id, volume=req.volume.meta.id), exc)
             await stream.send("error", error=str(exc) or type(exc).__name__)
         finally:
             await stream.close()
+
+    async def _on_snapshot(self, msg: Msg) -> None:
+        await self._serve_volume_request(msg, _SNAPSHOT, self._snapshot)
+
+    async def _snapshot(
+        self, req: cpb.SnapshotVolumeRequest, snapshot_id: str, directory: Path, stream: _ProgressStream
+    ) -> tuple[int, int]:
+        if req.pre_hook_command:
+            await stream.send("hooks")
+            await self.hook_runner(req.pre_hook_command, req.pre_hook_container_id, directory)
+        engine = await self._engine(req.target)
+
+        async def uploaded(scanned: int, stored: int) -> None:
+            await stream.send("upload", done=stored, total=scanned)
+
+        result = await engine.snapshot(
+            directory, snapshot_id, created_at_unix=req.snapshot.meta.created_at.seconds, progress=uploaded
+        )
+        return result.uploaded_bytes, result.tar_bytes
 
     async def _on_restore(self, msg: Msg) -> None:
-        # The snapshot id names the staging and retired directories beside the volume: checked like it.
-        accepted = await self._accept(msg, cpb.RestoreVolumeRequest, lambda req: req.manifest_key or req.snapshot_id)
-        if accepted is None:
-            return
-        req, snapshot_id, directory = accepted
-        stream = _ProgressStream(self.conn, msg.reply, snapshot_id, self.heartbeat)
-        try:
-            with span("snapshot.restore", headers=msg.headers, volume=req.volume.meta.id, snapshot=snapshot_id):
-                await stream.send("download")
-                async with self._volume_lock(req.volume.meta.id), self.gc_lock.shared():
-                    engine = await self._engine(req.target)
+        await self._serve_volume_request(msg, _RESTORE, self._restore)
 
-                    async def downloaded(done: int, total: int) -> None:
-                        await stream.send("download", done=done, total=total)
+    async def _restore(
+        self, req: cpb.RestoreVolumeRequest, snapshot_id: str, directory: Path, stream: _ProgressStream
+    ) -> tuple[int, int]:
+        engine = await self._engine(req.target)
 
-                    size = await engine.restore_replacing(snapshot_id, directory, progress=downloaded)
-            await stream.send("done", done=size, total=size, manifest_key=snapshot_id)
-        except Exception as exc:
-            log.warning("restore of %s into volume %s failed: %s", snapshot_id, req.volume.meta.id, exc)
-            await stream.send("error", error=str(exc) or type(exc).__name__)
-        finally:
-            await stream.close()
+        async def downloaded(done: int, total: int) -> None:
+            await stream.send("download", done=done, total=total)
+
+        size = await engine.restore_replacing(snapshot_id, directory, progress=downloaded)
+        return size, size
 
     async def _on_prune(self, msg: Msg) -> None:
         response = cpb.PruneSnapshotsResponse()
@@ -290,17 +324,8 @@ class SnapshotAgent:
             await self.conn.nc.publish(msg.reply, response.SerializeToString())
 
 
-async def serve_snapshot_requests(
-    conn: Connection,
-    node_id: str,
-    volumes_root: Path,
-    *,
-    params: ChunkParams | None = None,
-    hook_runner: HookRunner = run_hook_in_shell,
-    gc_grace: float = DEFAULT_GC_GRACE,
-) -> None:
-    """Serve this node's snapshot/restore/prune requests until cancelled."""
-    agent = SnapshotAgent(conn, node_id, volumes_root, params=params, hook_runner=hook_runner, gc_grace=gc_grace)
+async def serve_snapshot_requests(agent: SnapshotAgent) -> None:
+    """Serve ``agent``'s snapshot/restore/prune requests until cancelled."""
     await agent.start()
     try:
         await asyncio.Event().wait()
