@@ -43,6 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from benchmarks.common import Row, bench_main, row
@@ -193,7 +194,7 @@ def run(quick: bool = True) -> list[Row]:
             if server_name(endpoint) in layout.config_file.read_text():
                 raise RuntimeError("the deployed replica's server is in haproxy.cfg: not the runtime path users get")
             pid = asyncio.run(haproxy_worker(layout.stats_socket))
-            ours = Side("ours", up.http_port, up.tls_port, pid)
+            ours = Side("ours", up.http_port, up.tls_port, pid, proxy_process(pid))
             hand_dir = root / "hand"
             hand_dir.mkdir()
             cert = hand_dir / f"{HOST}.pem"
@@ -215,6 +216,17 @@ def run(quick: bool = True) -> list[Row]:
         *rows(results, "zattera up, 1 env (hand: 10,000 hosts)"),
         *rows(results, "zattera up, 1 env (hand: 10,000 hosts, the same X-Forwarded-* headers)", hand=XF),
     ]
+
+
+def proxy_process(worker: int) -> tuple[int, ...]:
+    """The proxy process that started the HAProxy master of ``worker`` (it reads the request log): the
+    worker's grandparent, checked by its command line; none when the tree is not what the engine makes."""
+    master = psutil.Process(worker).parent()
+    proxy = master.parent() if master is not None else None
+    if proxy is None or not any("proxy" in part for part in proxy.cmdline()):
+        print(f"  (no proxy process above HAProxy worker {worker}: its CPU is not counted)", file=sys.stderr)
+        return ()
+    return (proxy.pid,)
 
 
 def _progress(line: str) -> None:

@@ -65,12 +65,15 @@ LABELS = {
 
 @dataclass(frozen=True)
 class Side:
-    """One HAProxy under test: its listeners and the worker process to charge."""
+    """One HAProxy under test: its listeners and the worker process to charge; ``companions``: other
+    processes whose CPU the ingress also spends per request (ours: the proxy process reading HAProxy's
+    request log for the latency percentiles), reported beside the worker's."""
 
     name: str
     http_port: int
     tls_port: int
     pid: int
+    companions: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ class Sample:
     cpu_us: float
     p50_ms: float
     failed: int
+    companion_us: float = 0.0
+    """CPU per request of the side's companion processes (see :class:`Side`)."""
 
 
 @dataclass
@@ -318,11 +323,14 @@ def measure(
                 name = next(names) if names is not None else ""
                 for side in order:
                     before = cpu_seconds(side.pid)
+                    before_companions = sum(cpu_seconds(pid) for pid in side.companions)
                     started = time.monotonic()
                     outcome = run_load(load, side, host, seconds, script, requests, name)
                     used = cpu_seconds(side.pid) - before
-                    cpu_us = 1e6 * used / outcome.requests if outcome.requests else float("nan")
-                    sample = Sample(outcome.rate, cpu_us, outcome.p50_ms, outcome.failed)
+                    companions = sum(cpu_seconds(pid) for pid in side.companions) - before_companions
+                    per = 1e6 / outcome.requests if outcome.requests else float("nan")
+                    sample = Sample(outcome.rate, used * per, outcome.p50_ms, outcome.failed, companions * per)
+                    cpu_us = sample.cpu_us
                     results.samples.setdefault((load, side.name), []).append(sample)
                     progress(
                         f"{load} round {index + 1} {side.name}: {sample.rate:,.0f} req/s, {cpu_us:.1f} µs CPU/request "
@@ -361,4 +369,17 @@ def rows(results: Results, scale: str, *, ours: str = "ours", hand: str = "hand"
             row(f"{label}: share of hand-configured HAProxy", 100 * rate_ours / rate_hand, "%", "≥ 90 %", per_round),
             row(f"{label}: HAProxy CPU per request, ours / hand", cpu_ours / cpu_hand, "x", "≤ 1.2", cpu),
         ]
+        if any(s.companion_us for s in mine):
+            total = [s.cpu_us + s.companion_us for s in mine]
+            out.append(
+                row(
+                    f"{label}: ingress CPU per request with the proxy process reading the request log, ours / hand",
+                    median(total) / cpu_hand,
+                    "x",
+                    "",
+                    f"ours {median(total):.1f} µs (HAProxy + proxy: "
+                    + _spread([s.cpu_us + s.companion_us for s in mine], "{:.1f}")
+                    + f"; proxy alone {_spread([s.companion_us for s in mine], '{:.1f}')})",
+                )
+            )
     return out
