@@ -9,24 +9,18 @@ as ``scheme://host:port`` only.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
 
 import typer
 
 from cli import render
-from cli.client import control, err, fail, run
+from cli.client import err, fail, on_cluster
 from cli.options import JSON, set_output
 from shared.actions.context import ActionContext
 from shared.actions.drains import AddDrain, RemoveDrain, add_drain, list_drains, remove_drain
 from shared.drain_status import Drain
 from shared.drains import SCHEMES
-
-R = TypeVar("R")
-T = TypeVar("T")
 
 URL_ENV = "ZATTERA_DRAIN_URL"
 
@@ -35,22 +29,10 @@ drains_app = typer.Typer(
 )
 
 
-def _on_cluster(action: Callable[[ActionContext, R], Awaitable[T]], request: R) -> T:
-    async def go() -> T:
-        async with control(view=True) as c:
-            return await action(c.actions, request)
-
-    return run(go)
-
-
-def _when(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
-
-
 def state(drain: Drain) -> str:
     """``ok``, ``retrying (N failed): why`` or ``FAILING since …: why``."""
     if drain.failing:
-        return f"FAILING since {_when(drain.failing_since)}: {drain.last_error}"
+        return f"FAILING since {render.when(drain.failing_since)}: {drain.last_error}"
     if drain.failures:
         return f"retrying ({drain.failures} failed): {drain.last_error}"
     if drain.last_error:
@@ -84,7 +66,7 @@ def add(
             ca = ca_file.read_text()
         except OSError as exc:
             raise fail(f"--ca-file: cannot read {ca_file}: {exc.strerror}") from None
-    drain, replaced = _on_cluster(add_drain, AddDrain(name, target, env, project, events, list(header), ca))
+    drain, replaced = on_cluster(add_drain, AddDrain(name, target, env, project, events, list(header), ca))
     if render.json_mode():
         render.emit_json({**dataclasses.asdict(drain), "replaced": replaced})
         return
@@ -101,7 +83,7 @@ def list_cmd(json: bool = JSON) -> None:
     async def read(ctx: ActionContext, _: None) -> list[Drain]:
         return list_drains(ctx)
 
-    found = _on_cluster(read, None)
+    found = on_cluster(read, None)
     if render.json_mode():
         render.emit_json([dataclasses.asdict(d) for d in found])
         return
@@ -114,7 +96,7 @@ def list_cmd(json: bool = JSON) -> None:
             ",".join(f"{stream}:{seq}" for stream, seq in sorted(d.cursors.items())) or "-",
             d.lag_messages,
             f"{d.dropped_messages} msg (~{d.dropped_lines} lines)" if d.dropped_messages else "0",
-            _when(d.last_delivered_at),
+            render.when(d.last_delivered_at),
             state(d),
         ]
         for d in found
@@ -130,7 +112,7 @@ def list_cmd(json: bool = JSON) -> None:
 def remove(name: str = typer.Argument(..., metavar="NAME"), json: bool = JSON) -> None:
     """Remove a drain (what it has not delivered yet is not delivered)."""
     set_output(json)
-    _on_cluster(remove_drain, RemoveDrain(name))
+    on_cluster(remove_drain, RemoveDrain(name))
     if render.json_mode():
         render.emit_json({"name": name, "removed": True})
         return

@@ -8,15 +8,12 @@ listings, from ``ZATTERA_NOTIFY_URL``; it is stored sealed and shown without its
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 import typer
 
 from cli import render
-from cli.client import control, err, fail, run
+from cli.client import err, fail, on_cluster
 from cli.options import JSON, set_output
 from shared.actions.context import ActionContext
 from shared.actions.notify import (
@@ -31,9 +28,6 @@ from shared.actions.notify import (
 )
 from shared.notify import DEFAULT_EVENTS, FORMATS
 
-R = TypeVar("R")
-T = TypeVar("T")
-
 URL_ENV = "ZATTERA_NOTIFY_URL"
 
 notify_app = typer.Typer(
@@ -41,21 +35,9 @@ notify_app = typer.Typer(
 )
 
 
-def _on_cluster(action: Callable[[ActionContext, R], Awaitable[T]], request: R, *, follow: bool = False) -> T:
-    async def go() -> T:
-        async with control(view=True, follow=follow) as c:
-            return await action(c.actions, request)
-
-    return run(go)
-
-
-def _when(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
-
-
 def _state(channel: Channel) -> str:
     if channel.failing:
-        return f"FAILING since {_when(channel.failing_since)}: {channel.last_error}"
+        return f"FAILING since {render.when(channel.failing_since)}: {channel.last_error}"
     if channel.failures:
         return f"retrying ({channel.failures} failed): {channel.last_error}"
     return "ok"
@@ -83,7 +65,7 @@ def add(
         raise fail(f"--url: give the channel's URL (or set {URL_ENV})")
     kinds = [k.strip() for k in events.split(",") if k.strip()]
     request = AddChannel(name, target, format, kinds, project, console_url or os.environ.get("ZATTERA_CONSOLE_URL", ""))
-    added = _on_cluster(add_channel, request)
+    added = on_cluster(add_channel, request)
     if render.json_mode():
         render.emit_json(
             {**dataclasses.asdict(added.channel), "signing_secret": added.signing_secret, "replaced": added.replaced}
@@ -109,7 +91,7 @@ def list_cmd(json: bool = JSON) -> None:
     async def read(ctx: ActionContext, _: None) -> list[Channel]:
         return list_channels(ctx)
 
-    found = _on_cluster(read, None)
+    found = on_cluster(read, None)
     if render.json_mode():
         render.emit_json([dataclasses.asdict(c) for c in found])
         return
@@ -121,7 +103,7 @@ def list_cmd(json: bool = JSON) -> None:
             ",".join(c.events),
             c.project or "-",
             c.delivered,
-            _when(c.last_delivered_at),
+            render.when(c.last_delivered_at),
             _state(c),
         ]
         for c in found
@@ -135,7 +117,7 @@ def list_cmd(json: bool = JSON) -> None:
 def remove(name: str = typer.Argument(..., metavar="NAME"), json: bool = JSON) -> None:
     """Remove a channel (what it has not delivered yet is dropped)."""
     set_output(json)
-    _on_cluster(remove_channel, RemoveChannel(name))
+    on_cluster(remove_channel, RemoveChannel(name))
     if render.json_mode():
         render.emit_json({"name": name, "removed": True})
         return
@@ -151,7 +133,7 @@ def test(
     """Send a test notification through the same path as every other and wait for its delivery; exits 1
     when it was not delivered."""
     set_output(json)
-    result = _on_cluster(send_test, SendTest(name, wait), follow=True)
+    result = on_cluster(send_test, SendTest(name, wait), follow=True)
     if render.json_mode():
         render.emit_json(dataclasses.asdict(result))
     elif result.delivered:

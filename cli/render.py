@@ -88,6 +88,11 @@ def ts(value: Timestamp) -> str:
     return datetime.fromtimestamp(value.seconds, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def when(seconds: float) -> str:
+    """Epoch seconds as a UTC time, "-" for 0 (never)."""
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M:%S") if seconds else "-"
+
+
 def enum_name(enum: Any, value: int, prefix: str) -> str:
     try:
         name: str = enum.Name(value)

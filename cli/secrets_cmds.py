@@ -16,11 +16,10 @@ from pathlib import Path
 import typer
 
 from cli import render
-from cli.client import control, fail, run
+from cli.client import control, fail, on_cluster, run
 from cli.config_cmds import ENV, JSON, NO_DEPLOY, WATCH, check_names, roll_out, running_release, say
 from shared.actions.names import env_path, target_env
 from shared.actions.secrets import (
-    KeyRotated,
     RotateSecretsKey,
     SetSecret,
     UnsetSecrets,
@@ -156,13 +155,8 @@ def secrets_list(env: str = ENV, json: bool = JSON) -> None:
 @secrets_app.command("rotate-key")
 def secrets_rotate_key(json: bool = JSON) -> None:
     """Make a new cluster secrets key and re-seal every secret under it; apps keep running."""
-
-    async def go() -> KeyRotated:
-        async with control(view=False) as c:
-            return await rotate_secrets_key(c.actions, RotateSecretsKey())
-
     with span("cli.secrets.rotate_key"):
-        done = run(go)
+        done = on_cluster(rotate_secrets_key, RotateSecretsKey(), view=False)
     if json:
         render.emit_json(asdict(done))
         return
