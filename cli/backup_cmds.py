@@ -19,7 +19,7 @@ from typing import Any
 import typer
 
 from cli import render
-from cli.client import err, fail, on_cluster, run
+from cli.client import err, fail, on_cluster, read_on_cluster, run
 from cli.layout import DataLayout
 from cli.options import JSON, set_output
 from shared.actions.backup import CreateBackup, ListBackups, VerifyBackup, create_backup, list_backups, verify_backup
@@ -31,8 +31,7 @@ from shared.actions.backup_schedule import (
     schedule_backups,
     unschedule_backups,
 )
-from shared.actions.context import ActionContext
-from shared.backup.status import BackupStatus, backup_status, describe
+from shared.backup.status import backup_status, describe
 from shared.backup.targets import credentials_from_environment
 from shared.settings import settings
 
@@ -106,14 +105,12 @@ def list_cmd(
 ) -> None:
     """The backups on a target, oldest first (no cluster needed)."""
     set_output(json)
-    found = run(lambda: list_backups(ListBackups(source)))
-    if render.json_mode():
-        render.emit_json([dataclasses.asdict(b) for b in found])
-        return
-    rows = [
-        [b.id, render.when(b.created_at), b.version, b.schema, b.objects, b.bytes, b.problem or "ok"] for b in found
-    ]
-    render.table("backups", ["id", "taken", "version", "schema", "objects", "bytes", "manifest"], rows)
+    render.listing(
+        "backups",
+        ["id", "taken", "version", "schema", "objects", "bytes", "manifest"],
+        run(lambda: list_backups(ListBackups(source))),
+        lambda b: [b.id, render.when(b.created_at), b.version, b.schema, b.objects, b.bytes, b.problem or "ok"],
+    )
 
 
 @backup_app.command("verify")
@@ -187,11 +184,7 @@ def unschedule(json: bool = JSON) -> None:
 def status(json: bool = JSON) -> None:
     """The backup schedule and what its last run did."""
     set_output(json)
-
-    async def read(ctx: ActionContext, _: None) -> BackupStatus:
-        return backup_status(ctx.view)
-
-    found = on_cluster(read, None)
+    found = read_on_cluster(lambda ctx: backup_status(ctx.view))
     if render.json_mode():
         render.emit_json({**dataclasses.asdict(found), "failing": found.failing})
         return

@@ -335,6 +335,16 @@ def on_cluster(
     return run(go)
 
 
+def read_on_cluster(read: Callable[[ActionContext], T]) -> T:
+    """What ``read`` finds in the cluster's state (an operator listing: drains, hooks…)."""
+
+    async def go() -> T:
+        async with control() as c:
+            return read(c.actions)
+
+    return run(go)
+
+
 def fail(message: str, code: int = ExitCode.FAILED) -> typer.Exit:
     import typer
 

@@ -15,9 +15,8 @@ from pathlib import Path
 import typer
 
 from cli import render
-from cli.client import err, fail, on_cluster
+from cli.client import err, fail, on_cluster, read_on_cluster
 from cli.options import JSON, set_output
-from shared.actions.context import ActionContext
 from shared.actions.drains import AddDrain, RemoveDrain, add_drain, list_drains, remove_drain
 from shared.drain_status import Drain
 from shared.drains import SCHEMES
@@ -79,16 +78,11 @@ def add(
 def list_cmd(json: bool = JSON) -> None:
     """The drains and how their deliveries go: lines delivered, lag, lines dropped by retention, state."""
     set_output(json)
-
-    async def read(ctx: ActionContext, _: None) -> list[Drain]:
-        return list_drains(ctx)
-
-    found = on_cluster(read, None)
-    if render.json_mode():
-        render.emit_json([dataclasses.asdict(d) for d in found])
-        return
-    rows = [
-        [
+    render.listing(
+        "log drains",
+        ["name", "ships", "url", "delivered", "cursor", "lag (msgs)", "dropped", "last", "state"],
+        read_on_cluster(list_drains),
+        lambda d: [
             d.name,
             d.scope + (" +events" if d.events else ""),
             d.url,
@@ -98,13 +92,7 @@ def list_cmd(json: bool = JSON) -> None:
             f"{d.dropped_messages} msg (~{d.dropped_lines} lines)" if d.dropped_messages else "0",
             render.when(d.last_delivered_at),
             state(d),
-        ]
-        for d in found
-    ]
-    render.table(
-        "log drains",
-        ["name", "ships", "url", "delivered", "cursor", "lag (msgs)", "dropped", "last", "state"],
-        rows,
+        ],
     )
 
 

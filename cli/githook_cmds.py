@@ -16,10 +16,9 @@ from pathlib import Path
 import typer
 
 from cli import render
-from cli.client import err, fail, on_cluster
+from cli.client import err, fail, on_cluster, read_on_cluster
 from cli.options import JSON, set_output
-from shared.actions.context import ActionContext
-from shared.actions.githooks import AddHook, Hook, RemoveHook, add_hook, list_hooks, remove_hook
+from shared.actions.githooks import AddHook, RemoveHook, add_hook, list_hooks, remove_hook
 from shared.githooks import PROVIDERS
 
 hook_app = typer.Typer(
@@ -107,16 +106,11 @@ def add(
 def list_cmd(json: bool = JSON) -> None:
     """The hooks, their endpoints and live previews."""
     set_output(json)
-
-    async def read(ctx: ActionContext, _: None) -> list[Hook]:
-        return list_hooks(ctx)
-
-    found = on_cluster(read, None)
-    if render.json_mode():
-        render.emit_json([dataclasses.asdict(h) for h in found])
-        return
-    rows = [
-        [
+    render.listing(
+        "git hooks",
+        ["id", "provider", "repo", "branch", "env", "path", "token", "previews", "live"],
+        read_on_cluster(list_hooks),
+        lambda h: [
             h.id,
             h.provider,
             h.repo_url,
@@ -126,10 +120,8 @@ def list_cmd(json: bool = JSON) -> None:
             "yes" if h.has_token else "no",
             (f"on{f' [{h.preview_label}]' if h.preview_label else ''}" if h.previews else "off"),
             ",".join(h.previews_live) or "-",
-        ]
-        for h in found
-    ]
-    render.table("git hooks", ["id", "provider", "repo", "branch", "env", "path", "token", "previews", "live"], rows)
+        ],
+    )
 
 
 @hook_app.command("remove")

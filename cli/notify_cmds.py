@@ -13,9 +13,8 @@ import os
 import typer
 
 from cli import render
-from cli.client import err, fail, on_cluster
+from cli.client import err, fail, on_cluster, read_on_cluster
 from cli.options import JSON, set_output
-from shared.actions.context import ActionContext
 from shared.actions.notify import (
     AddChannel,
     Channel,
@@ -87,16 +86,11 @@ def add(
 def list_cmd(json: bool = JSON) -> None:
     """The channels and how their deliveries go."""
     set_output(json)
-
-    async def read(ctx: ActionContext, _: None) -> list[Channel]:
-        return list_channels(ctx)
-
-    found = on_cluster(read, None)
-    if render.json_mode():
-        render.emit_json([dataclasses.asdict(c) for c in found])
-        return
-    rows = [
-        [
+    render.listing(
+        "notification channels",
+        ["name", "format", "url", "events", "project", "delivered", "last", "state"],
+        read_on_cluster(list_channels),
+        lambda c: [
             c.name,
             c.format,
             c.url,
@@ -105,11 +99,7 @@ def list_cmd(json: bool = JSON) -> None:
             c.delivered,
             render.when(c.last_delivered_at),
             _state(c),
-        ]
-        for c in found
-    ]
-    render.table(
-        "notification channels", ["name", "format", "url", "events", "project", "delivered", "last", "state"], rows
+        ],
     )
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -16,6 +17,11 @@ from rich.table import Table
 from rich.text import Text
 
 from cli.client import OPTIONS
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+D = TypeVar("D", bound="DataclassInstance")
 
 out = Console(soft_wrap=True, emoji=False)  # a long line (an event, an id) is never cut into two in a pipe; no
 # ":name:" in a value is turned into an emoji (and rich's emoji table is not loaded)
@@ -69,6 +75,14 @@ def table(title: str, columns: Sequence[str | Col], rows: Iterable[Sequence[Any]
         out.print(t)
     finally:
         out.width = width
+
+
+def listing(title: str, columns: Sequence[str | Col], items: Sequence[D], row: Callable[[D], Sequence[Any]]) -> None:
+    """``items`` as a JSON list of their fields with ``--json``, else as a :func:`table` of ``row(item)`` each."""
+    if json_mode():
+        emit_json([dataclasses.asdict(item) for item in items])
+        return
+    table(title, columns, [row(item) for item in items])
 
 
 def set_output(flag: bool, wide: bool = False) -> bool:
