@@ -14,12 +14,11 @@ import getpass
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import typer
 
 from cli import render
-from cli.client import err, fail, on_cluster, read_on_cluster, run
+from cli.client import fail, on_cluster, read_on_cluster, run
 from cli.layout import DataLayout
 from cli.options import JSON, set_output
 from shared.actions.backup import CreateBackup, ListBackups, VerifyBackup, create_backup, list_backups, verify_backup
@@ -71,15 +70,6 @@ def _passphrase(*, twice: bool) -> str:
     return first
 
 
-def _say(result: Any, *lines: str) -> None:
-    """The result as JSON with ``--json``, else ``lines`` on stderr."""
-    if render.json_mode():
-        render.emit_json(dataclasses.asdict(result))
-        return
-    for line in lines:
-        err.print(line, markup=False, highlight=False)
-
-
 @backup_app.command("create")
 def create(
     to: str = typer.Option(..., "--to", help="a directory, or s3://bucket[/prefix]"),
@@ -92,7 +82,7 @@ def create(
     request = CreateBackup(to, _passphrase(twice=True), _keyring_path(data_dir), local_ca_dir=_local_ca_dir(data_dir))
 
     created = on_cluster(create_backup, request, view=False)
-    _say(
+    render.report(
         created,
         f"backup {created.id} at {created.target}: {created.objects} objects, {created.bytes} bytes, "
         f"{created.sent_bytes} sent, state revision {created.revision}",
@@ -122,7 +112,7 @@ def verify(
     """Read every object of a backup and check it against the manifest's SHA-256 (no cluster needed)."""
     set_output(json)
     verified = run(lambda: verify_backup(VerifyBackup(source, backup_id)))
-    _say(verified, f"backup {verified.id}: {verified.objects} objects, {verified.bytes} bytes, all intact")
+    render.report(verified, f"backup {verified.id}: {verified.objects} objects, {verified.bytes} bytes, all intact")
 
 
 def restore(
@@ -147,7 +137,7 @@ def restore(
         *(f"local CA restored (SHA-256 {ca}): the certs service issues from it" for ca in [restored.local_ca] if ca),
         *(f"left out: {note}" for note in restored.skipped),
     ]
-    _say(restored, *lines)
+    render.report(restored, *lines)
 
 
 @backup_app.command("schedule")
@@ -166,7 +156,7 @@ def schedule(
     request = ScheduleBackups(cron, to, _passphrase(twice=True), keep, credentials)
     done = on_cluster(schedule_backups, request)
     stored = f"; S3 settings stored sealed: {', '.join(done.credentials)}" if done.credentials else ""
-    _say(done, f"backups scheduled: {done.schedule} to {done.target}, keeping {done.keep} verified{stored}")
+    render.report(done, f"backups scheduled: {done.schedule} to {done.target}, keeping {done.keep} verified{stored}")
 
 
 @backup_app.command("unschedule")
@@ -174,10 +164,7 @@ def unschedule(json: bool = JSON) -> None:
     """Stop the scheduled backups (the backups already taken stay on their target)."""
     set_output(json)
     on_cluster(unschedule_backups, UnscheduleBackups())
-    if render.json_mode():
-        render.emit_json({"scheduled": False})
-        return
-    err.print("scheduled backups stopped", markup=False, highlight=False)
+    render.report({"scheduled": False}, "scheduled backups stopped")
 
 
 @backup_app.command("status")

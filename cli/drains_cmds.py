@@ -101,7 +101,4 @@ def remove(name: str = typer.Argument(..., metavar="NAME"), json: bool = JSON) -
     """Remove a drain (what it has not delivered yet is not delivered)."""
     set_output(json)
     on_cluster(remove_drain, RemoveDrain(name))
-    if render.json_mode():
-        render.emit_json({"name": name, "removed": True})
-        return
-    err.print(f"drain {name} removed", markup=False, highlight=False)
+    render.report({"name": name, "removed": True}, f"drain {name} removed")

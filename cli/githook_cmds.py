@@ -130,7 +130,4 @@ def remove(hook_id: str = typer.Argument(..., metavar="HOOK_ID"), json: bool = J
     deleted)."""
     set_output(json)
     on_cluster(remove_hook, RemoveHook(hook_id))
-    if render.json_mode():
-        render.emit_json({"id": hook_id, "removed": True})
-        return
-    err.print(f"hook {hook_id} removed", markup=False, highlight=False)
+    render.report({"id": hook_id, "removed": True}, f"hook {hook_id} removed")

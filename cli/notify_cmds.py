@@ -108,10 +108,7 @@ def remove(name: str = typer.Argument(..., metavar="NAME"), json: bool = JSON) -
     """Remove a channel (what it has not delivered yet is dropped)."""
     set_output(json)
     on_cluster(remove_channel, RemoveChannel(name))
-    if render.json_mode():
-        render.emit_json({"name": name, "removed": True})
-        return
-    err.print(f"channel {name} removed", markup=False, highlight=False)
+    render.report({"name": name, "removed": True}, f"channel {name} removed")
 
 
 @notify_app.command("test")

@@ -16,7 +16,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from cli.client import OPTIONS
+from cli.client import OPTIONS, err
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -35,6 +35,15 @@ def as_dict(msg: Message) -> dict[str, Any]:
 
 def emit_json(payload: Any) -> None:
     print(json.dumps(payload, indent=2, sort_keys=True, default=str))
+
+
+def report(result: DataclassInstance | dict[str, Any], *lines: str) -> None:
+    """``result`` as JSON with ``--json`` (a dataclass: its fields), else ``lines`` on stderr."""
+    if json_mode():
+        emit_json(result if isinstance(result, dict) else dataclasses.asdict(result))
+        return
+    for line in lines:
+        err.print(line, markup=False, highlight=False)
 
 
 def messages(items: Iterable[Message]) -> None:

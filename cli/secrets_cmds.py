@@ -17,7 +17,17 @@ import typer
 
 from cli import render
 from cli.client import control, fail, on_cluster, run
-from cli.config_cmds import ENV, JSON, NO_DEPLOY, WATCH, check_names, roll_out, running_release, say
+from cli.config_cmds import (
+    ENV,
+    JSON,
+    NO_DEPLOY,
+    WATCH,
+    check_names,
+    emit_config_json,
+    roll_out,
+    running_release,
+    say,
+)
 from shared.actions.names import env_path, target_env
 from shared.actions.secrets import (
     RotateSecretsKey,
@@ -126,14 +136,7 @@ def secrets_list(env: str = ENV, json: bool = JSON) -> None:
                 for name, ref in sorted(target.service.secrets.items())
             ]
             if json:
-                render.emit_json(
-                    {
-                        "environment_id": target.meta.id,
-                        "config_version": target.service.config_version,
-                        "running_config_version": running.service.config_version if running else None,
-                        "secrets": rows,
-                    }
-                )
+                emit_config_json(target, running, "secrets", rows)
                 return
             render.table(
                 f"secrets of {env_path(c.view, target)} (config v{target.service.config_version})",
