@@ -29,14 +29,11 @@ drains_app = typer.Typer(
 
 
 def state(drain: Drain) -> str:
-    """``ok``, ``retrying (N failed): why`` or ``FAILING since …: why``."""
-    if drain.failing:
-        return f"FAILING since {render.when(drain.failing_since)}: {drain.last_error}"
-    if drain.failures:
-        return f"retrying ({drain.failures} failed): {drain.last_error}"
-    if drain.last_error:
-        return drain.last_error
-    return "ok"
+    """``ok``, ``retrying (N failed): why`` or ``FAILING since …: why`` (the last error alone when it did not
+    fail a delivery)."""
+    return render.delivery_state(
+        drain.failing, drain.failing_since, drain.failures, drain.last_error, drain.last_error or "ok"
+    )
 
 
 @drains_app.command("add")

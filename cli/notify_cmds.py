@@ -17,7 +17,6 @@ from cli.client import err, fail, on_cluster, read_on_cluster
 from cli.options import JSON, set_output
 from shared.actions.notify import (
     AddChannel,
-    Channel,
     RemoveChannel,
     SendTest,
     add_channel,
@@ -32,14 +31,6 @@ URL_ENV = "ZATTERA_NOTIFY_URL"
 notify_app = typer.Typer(
     no_args_is_help=True, help="Notifications to webhooks, Slack and Discord (docs/notifications.md)."
 )
-
-
-def _state(channel: Channel) -> str:
-    if channel.failing:
-        return f"FAILING since {render.when(channel.failing_since)}: {channel.last_error}"
-    if channel.failures:
-        return f"retrying ({channel.failures} failed): {channel.last_error}"
-    return "ok"
 
 
 @notify_app.command("add")
@@ -98,7 +89,7 @@ def list_cmd(json: bool = JSON) -> None:
             c.project or "-",
             c.delivered,
             render.when(c.last_delivered_at),
-            _state(c),
+            render.delivery_state(c.failing, c.failing_since, c.failures, c.last_error),
         ],
     )
 

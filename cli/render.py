@@ -116,6 +116,16 @@ def when(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M:%S") if seconds else "-"
 
 
+def delivery_state(failing: bool, failing_since: float, failures: int, last_error: str, idle: str = "ok") -> str:
+    """How a channel's or a drain's deliveries go: ``FAILING since …: why``, ``retrying (N failed): why``, else
+    ``idle``."""
+    if failing:
+        return f"FAILING since {when(failing_since)}: {last_error}"
+    if failures:
+        return f"retrying ({failures} failed): {last_error}"
+    return idle
+
+
 def enum_name(enum: Any, value: int, prefix: str) -> str:
     try:
         name: str = enum.Name(value)
