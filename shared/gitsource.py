@@ -26,13 +26,13 @@ from pathlib import Path
 
 from shared.errors import ZatteraError
 
+_SHOW_FORMAT = "--format=%H%x00%an <%ae>%x00%B"
+"""``git show -s``'s format for a commit's id, author and message (:func:`_shown_commit` reads it)."""
 _SHA_RE = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 GIT_TIMEOUT = 300.0
 """One git step (a fetch of a large repository included) at most, in seconds."""
 MAX_ARCHIVE_BYTES = 1024 * 1024 * 1024
-_SHOW_FORMAT = "--format=%H%x00%an <%ae>%x00%B"
-"""``git show -s``'s format for a commit's id, author and message (:func:`_shown_commit` reads it)."""
 
 
 class GitError(ZatteraError):
