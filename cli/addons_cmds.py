@@ -13,6 +13,7 @@ import typer
 from cli import render
 from cli.client import FIELD_LABELS, control, fail, run
 from cli.config_cmds import JSON, NO_DEPLOY, say
+from cli.options import set_output
 from shared.actions.addon_attach import AttachAddon, attach_addon, detach_addon
 from shared.actions.addon_restore import addon_backups, restore_addon, set_addon_offsite
 from shared.actions.addons import (
@@ -207,21 +208,23 @@ def addons_list(
     project: str = typer.Option("", "--project", "-p", help="only this project's"), json: bool = JSON
 ) -> None:
     """The databases: engine, version, state, private address, attached envs."""
+    set_output(json)
 
     async def go() -> list[AddonInfo]:
         async with control() as c:
             return list_addons(c.view, project)
 
-    rows = _act(go)
-    if json:
-        render.emit_json([asdict(r) for r in rows])
-        return
-    render.table(
+    render.listing(
         "databases",
         ["project", "name", "engine", "state", "address", "attached to"],
-        [
-            [r.project, r.name, f"{r.engine} {r.version}", r.status or "-", r.address, ", ".join(r.attached_to) or "-"]
-            for r in rows
+        _act(go),
+        lambda r: [
+            r.project,
+            r.name,
+            f"{r.engine} {r.version}",
+            r.status or "-",
+            r.address,
+            ", ".join(r.attached_to) or "-",
         ],
     )
 

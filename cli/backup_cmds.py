@@ -10,18 +10,15 @@ never an argument; S3 credentials from boto3's usual sources (``AWS_ACCESS_KEY_I
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import getpass
 import os
 import sys
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import typer
 
 from cli import render
-from cli.client import control, err, fail, run
+from cli.client import fail, on_cluster, read_on_cluster, run
 from cli.layout import DataLayout
 from cli.options import JSON, set_output
 from shared.actions.backup import CreateBackup, ListBackups, VerifyBackup, create_backup, list_backups, verify_backup
@@ -33,13 +30,9 @@ from shared.actions.backup_schedule import (
     schedule_backups,
     unschedule_backups,
 )
-from shared.actions.context import ActionContext
-from shared.backup.status import BackupStatus, backup_status, describe
+from shared.backup.status import backup_status, describe
 from shared.backup.targets import credentials_from_environment
 from shared.settings import settings
-
-R = TypeVar("R")
-T = TypeVar("T")
 
 PASSPHRASE_ENV = "ZATTERA_RECOVERY_PASSPHRASE"
 
@@ -77,28 +70,6 @@ def _passphrase(*, twice: bool) -> str:
     return first
 
 
-def _on_cluster(
-    action: Callable[[ActionContext, R], Awaitable[T]], request: R, *, view: bool = False, follow: bool = False
-) -> T:
-    """Run an action that needs the cluster, as the operator (``view``: one that reads the state;
-    ``follow``: one that reads what it wrote, its view kept current)."""
-
-    async def go() -> T:
-        async with control(view=view or follow, follow=follow) as c:
-            return await action(c.actions, request)
-
-    return run(go)
-
-
-def _say(result: Any, *lines: str) -> None:
-    """The result as JSON with ``--json``, else ``lines`` on stderr."""
-    if render.json_mode():
-        render.emit_json(dataclasses.asdict(result))
-        return
-    for line in lines:
-        err.print(line, markup=False, highlight=False)
-
-
 @backup_app.command("create")
 def create(
     to: str = typer.Option(..., "--to", help="a directory, or s3://bucket[/prefix]"),
@@ -110,16 +81,12 @@ def create(
     set_output(json)
     request = CreateBackup(to, _passphrase(twice=True), _keyring_path(data_dir), local_ca_dir=_local_ca_dir(data_dir))
 
-    created = _on_cluster(create_backup, request)
-    _say(
+    created = on_cluster(create_backup, request, view=False)
+    render.report(
         created,
         f"backup {created.id} at {created.target}: {created.objects} objects, {created.bytes} bytes, "
         f"{created.sent_bytes} sent, state revision {created.revision}",
     )
-
-
-def _when(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
 
 
 @backup_app.command("list")
@@ -128,12 +95,12 @@ def list_cmd(
 ) -> None:
     """The backups on a target, oldest first (no cluster needed)."""
     set_output(json)
-    found = run(lambda: list_backups(ListBackups(source)))
-    if render.json_mode():
-        render.emit_json([dataclasses.asdict(b) for b in found])
-        return
-    rows = [[b.id, _when(b.created_at), b.version, b.schema, b.objects, b.bytes, b.problem or "ok"] for b in found]
-    render.table("backups", ["id", "taken", "version", "schema", "objects", "bytes", "manifest"], rows)
+    render.listing(
+        "backups",
+        ["id", "taken", "version", "schema", "objects", "bytes", "manifest"],
+        run(lambda: list_backups(ListBackups(source))),
+        lambda b: [b.id, render.when(b.created_at), b.version, b.schema, b.objects, b.bytes, b.problem or "ok"],
+    )
 
 
 @backup_app.command("verify")
@@ -145,7 +112,7 @@ def verify(
     """Read every object of a backup and check it against the manifest's SHA-256 (no cluster needed)."""
     set_output(json)
     verified = run(lambda: verify_backup(VerifyBackup(source, backup_id)))
-    _say(verified, f"backup {verified.id}: {verified.objects} objects, {verified.bytes} bytes, all intact")
+    render.report(verified, f"backup {verified.id}: {verified.objects} objects, {verified.bytes} bytes, all intact")
 
 
 def restore(
@@ -163,14 +130,14 @@ def restore(
         source, _passphrase(twice=False), _keyring_path(data_dir), backup_id, force, _local_ca_dir(data_dir)
     )
 
-    restored = _on_cluster(restore_backup, request, follow=True)
+    restored = on_cluster(restore_backup, request, follow=True)
     lines = [
         f"backup {restored.id} restored: {restored.keys} state keys, {restored.objects} objects, "
         f"{restored.console_users} console users, {len(restored.volumes)} volumes' data",
         *(f"local CA restored (SHA-256 {ca}): the certs service issues from it" for ca in [restored.local_ca] if ca),
         *(f"left out: {note}" for note in restored.skipped),
     ]
-    _say(restored, *lines)
+    render.report(restored, *lines)
 
 
 @backup_app.command("schedule")
@@ -187,31 +154,24 @@ def schedule(
     set_output(json)
     credentials = credentials_from_environment() if to.startswith("s3://") else {}
     request = ScheduleBackups(cron, to, _passphrase(twice=True), keep, credentials)
-    done = _on_cluster(schedule_backups, request, view=True)
+    done = on_cluster(schedule_backups, request)
     stored = f"; S3 settings stored sealed: {', '.join(done.credentials)}" if done.credentials else ""
-    _say(done, f"backups scheduled: {done.schedule} to {done.target}, keeping {done.keep} verified{stored}")
+    render.report(done, f"backups scheduled: {done.schedule} to {done.target}, keeping {done.keep} verified{stored}")
 
 
 @backup_app.command("unschedule")
 def unschedule(json: bool = JSON) -> None:
     """Stop the scheduled backups (the backups already taken stay on their target)."""
     set_output(json)
-    _on_cluster(unschedule_backups, UnscheduleBackups(), view=True)
-    if render.json_mode():
-        render.emit_json({"scheduled": False})
-        return
-    err.print("scheduled backups stopped", markup=False, highlight=False)
+    on_cluster(unschedule_backups, UnscheduleBackups())
+    render.report({"scheduled": False}, "scheduled backups stopped")
 
 
 @backup_app.command("status")
 def status(json: bool = JSON) -> None:
     """The backup schedule and what its last run did."""
     set_output(json)
-
-    async def read(ctx: ActionContext, _: None) -> BackupStatus:
-        return backup_status(ctx.view)
-
-    found = _on_cluster(read, None, view=True)
+    found = read_on_cluster(lambda ctx: backup_status(ctx.view))
     if render.json_mode():
         render.emit_json({**dataclasses.asdict(found), "failing": found.failing})
         return

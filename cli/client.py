@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # the writer, the actions and typer load when a command write
     from shared.actions.context import ActionContext
     from shared.watches import Watch
 
+R = TypeVar("R")
 T = TypeVar("T")
 
 err = Console(stderr=True, soft_wrap=True)  # messages are never cut at 80 columns in a pipe
@@ -319,6 +320,29 @@ async def _load(conn: Connection, state: StateView, *, view: bool, follow: bool)
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+
+
+def on_cluster(
+    action: Callable[[ActionContext, R], Awaitable[T]], request: R, *, view: bool = True, follow: bool = False
+) -> T:
+    """Run one operator action on the cluster and return its result (``view``: it reads the state;
+    ``follow``: it reads what it wrote, the view kept current; see :func:`control`)."""
+
+    async def go() -> T:
+        async with control(view=view or follow, follow=follow) as c:
+            return await action(c.actions, request)
+
+    return run(go)
+
+
+def read_on_cluster(read: Callable[[ActionContext], T]) -> T:
+    """What ``read`` finds in the cluster's state (an operator listing: drains, hooks…)."""
+
+    async def go() -> T:
+        async with control() as c:
+            return read(c.actions)
+
+    return run(go)
 
 
 def fail(message: str, code: int = ExitCode.FAILED) -> typer.Exit:

@@ -40,6 +40,19 @@ def running_release(view: StateReader, env: pb.Environment) -> pb.Release | None
     return view.release(env.active_release_id) if env.active_release_id else None
 
 
+def emit_config_json(target: pb.Environment, running: pb.Release | None, key: str, rows: list[Any]) -> None:
+    """``--json`` of ``config list`` and ``secrets list``: the env's config version, the running release's,
+    and ``rows`` as ``key``."""
+    render.emit_json(
+        {
+            "environment_id": target.meta.id,
+            "config_version": target.service.config_version,
+            "running_config_version": running.service.config_version if running else None,
+            key: rows,
+        }
+    )
+
+
 def changed_text(what: str, done: ConfigChanged) -> str:
     """What a configuration change did: rolling out (which release, which deployment) or staged."""
     if done.deployment_id:
@@ -142,14 +155,7 @@ def config_list(env: str = ENV, json: bool = JSON) -> None:
                 for k, v in sorted(target.service.vars.items())
             ]
             if json:
-                render.emit_json(
-                    {
-                        "environment_id": target.meta.id,
-                        "config_version": target.service.config_version,
-                        "running_config_version": running.service.config_version if running else None,
-                        "vars": rows,
-                    }
-                )
+                emit_config_json(target, running, "vars", rows)
                 return
             running_version = f"v{running.service.config_version}" if running else "none"
             config_version = f"config v{target.service.config_version}, running {running_version}"

@@ -9,14 +9,14 @@ key material.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 
 import typer
 
 from cli import render
-from cli.client import control, run
+from cli.client import control, on_cluster, run
 from cli.config_cmds import ENV, JSON, say
-from shared.actions.domains import AddDomain, DomainAdded, RemoveDomain, add_domain, remove_domain
+from cli.options import set_output
+from shared.actions.domains import AddDomain, RemoveDomain, add_domain, remove_domain
 from shared.actions.names import env_label
 from shared.certs import DomainRow, domain_rows, utc_text
 
@@ -29,11 +29,7 @@ HOSTNAME = typer.Argument(..., help="the hostname, e.g. www.example.com")
 def domains_add(hostname: str = HOSTNAME, env: str = ENV) -> None:
     """Route HOSTNAME to an environment; its certificate is obtained automatically."""
 
-    async def go() -> DomainAdded:
-        async with control() as c:
-            return await add_domain(c.actions, AddDomain(hostname, env))
-
-    done = run(go)
+    done = on_cluster(add_domain, AddDomain(hostname, env))
     say(f"domain {hostname} routed to {done.env}; its certificate is pending (`zattera domains list`)")
 
 
@@ -57,23 +53,18 @@ def domains_list(json: bool = JSON) -> None:
         async with control() as c:
             return domain_rows(c.view, time.time(), lambda env_id: env_label(c.view, env_id))
 
-    rows = run(go)
-    if json:
-        render.emit_json([asdict(r) for r in rows])
-        return
-    render.table(
+    set_output(json)
+    render.listing(
         "domains",
         ["hostname", "environment", "certificate", "valid until", "renews", "issuer", render.Col("error", wrap=True)],
-        [
-            [
-                r.hostname,
-                r.environment or "-",
-                r.state,
-                utc_text(r.valid_until),
-                utc_text(r.renew_at),
-                r.issuer or "-",
-                r.error or "-",
-            ]
-            for r in rows
+        run(go),
+        lambda r: [
+            r.hostname,
+            r.environment or "-",
+            r.state,
+            utc_text(r.valid_until),
+            utc_text(r.renew_at),
+            r.issuer or "-",
+            r.error or "-",
         ],
     )

@@ -9,24 +9,17 @@ as ``scheme://host:port`` only.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
 
 import typer
 
 from cli import render
-from cli.client import control, err, fail, run
+from cli.client import err, fail, on_cluster, read_on_cluster
 from cli.options import JSON, set_output
-from shared.actions.context import ActionContext
 from shared.actions.drains import AddDrain, RemoveDrain, add_drain, list_drains, remove_drain
 from shared.drain_status import Drain
 from shared.drains import SCHEMES
-
-R = TypeVar("R")
-T = TypeVar("T")
 
 URL_ENV = "ZATTERA_DRAIN_URL"
 
@@ -35,27 +28,12 @@ drains_app = typer.Typer(
 )
 
 
-def _on_cluster(action: Callable[[ActionContext, R], Awaitable[T]], request: R) -> T:
-    async def go() -> T:
-        async with control(view=True) as c:
-            return await action(c.actions, request)
-
-    return run(go)
-
-
-def _when(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
-
-
 def state(drain: Drain) -> str:
-    """``ok``, ``retrying (N failed): why`` or ``FAILING since …: why``."""
-    if drain.failing:
-        return f"FAILING since {_when(drain.failing_since)}: {drain.last_error}"
-    if drain.failures:
-        return f"retrying ({drain.failures} failed): {drain.last_error}"
-    if drain.last_error:
-        return drain.last_error
-    return "ok"
+    """``ok``, ``retrying (N failed): why`` or ``FAILING since …: why`` (the last error alone when it did not
+    fail a delivery)."""
+    return render.delivery_state(
+        drain.failing, drain.failing_since, drain.failures, drain.last_error, drain.last_error or "ok"
+    )
 
 
 @drains_app.command("add")
@@ -84,7 +62,7 @@ def add(
             ca = ca_file.read_text()
         except OSError as exc:
             raise fail(f"--ca-file: cannot read {ca_file}: {exc.strerror}") from None
-    drain, replaced = _on_cluster(add_drain, AddDrain(name, target, env, project, events, list(header), ca))
+    drain, replaced = on_cluster(add_drain, AddDrain(name, target, env, project, events, list(header), ca))
     if render.json_mode():
         render.emit_json({**dataclasses.asdict(drain), "replaced": replaced})
         return
@@ -97,16 +75,11 @@ def add(
 def list_cmd(json: bool = JSON) -> None:
     """The drains and how their deliveries go: lines delivered, lag, lines dropped by retention, state."""
     set_output(json)
-
-    async def read(ctx: ActionContext, _: None) -> list[Drain]:
-        return list_drains(ctx)
-
-    found = _on_cluster(read, None)
-    if render.json_mode():
-        render.emit_json([dataclasses.asdict(d) for d in found])
-        return
-    rows = [
-        [
+    render.listing(
+        "log drains",
+        ["name", "ships", "url", "delivered", "cursor", "lag (msgs)", "dropped", "last", "state"],
+        read_on_cluster(list_drains),
+        lambda d: [
             d.name,
             d.scope + (" +events" if d.events else ""),
             d.url,
@@ -114,15 +87,9 @@ def list_cmd(json: bool = JSON) -> None:
             ",".join(f"{stream}:{seq}" for stream, seq in sorted(d.cursors.items())) or "-",
             d.lag_messages,
             f"{d.dropped_messages} msg (~{d.dropped_lines} lines)" if d.dropped_messages else "0",
-            _when(d.last_delivered_at),
+            render.when(d.last_delivered_at),
             state(d),
-        ]
-        for d in found
-    ]
-    render.table(
-        "log drains",
-        ["name", "ships", "url", "delivered", "cursor", "lag (msgs)", "dropped", "last", "state"],
-        rows,
+        ],
     )
 
 
@@ -130,8 +97,5 @@ def list_cmd(json: bool = JSON) -> None:
 def remove(name: str = typer.Argument(..., metavar="NAME"), json: bool = JSON) -> None:
     """Remove a drain (what it has not delivered yet is not delivered)."""
     set_output(json)
-    _on_cluster(remove_drain, RemoveDrain(name))
-    if render.json_mode():
-        render.emit_json({"name": name, "removed": True})
-        return
-    err.print(f"drain {name} removed", markup=False, highlight=False)
+    on_cluster(remove_drain, RemoveDrain(name))
+    render.report({"name": name, "removed": True}, f"drain {name} removed")

@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING
 import typer
 
 from cli import reads, render
-from cli.client import ExitCode, control, err, fail, run
+from cli.client import ExitCode, control, err, fail, on_cluster, run
 
 if TYPE_CHECKING:  # the actions load when a command deletes or scales (a plain `status` imports neither)
     from shared.actions.deletion import Delete
-    from shared.actions.envs import Scaled
 
 envs_app = typer.Typer(no_args_is_help=True, help="Environments: delete.")
 projects_app = typer.Typer(no_args_is_help=True, help="Projects: delete.")
@@ -133,11 +132,7 @@ def scale(
 
     request = Scale(env, replicas, minimum, maximum)
 
-    async def go() -> Scaled:
-        async with control() as c:
-            return await scale_env(c.actions, request)
-
-    done = run(go)
+    done = on_cluster(scale_env, request)
     if json:
         render.emit_json({"env": done.env, "replicas": done.replicas, "min": done.minimum, "max": done.maximum})
         return

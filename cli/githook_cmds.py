@@ -11,34 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
 
 import typer
 
 from cli import render
-from cli.client import control, err, fail, run
+from cli.client import err, fail, on_cluster, read_on_cluster
 from cli.options import JSON, set_output
-from shared.actions.context import ActionContext
-from shared.actions.githooks import AddHook, Hook, RemoveHook, add_hook, list_hooks, remove_hook
+from shared.actions.githooks import AddHook, RemoveHook, add_hook, list_hooks, remove_hook
 from shared.githooks import PROVIDERS
-
-R = TypeVar("R")
-T = TypeVar("T")
 
 hook_app = typer.Typer(
     no_args_is_help=True, help="Webhooks from GitHub, GitLab and Gitea: push → deploy, pull request → preview."
 )
 """``zattera git hook …`` (a group of :data:`cli.git_cmds.git_app`)."""
-
-
-def _on_cluster(action: Callable[[ActionContext, R], Awaitable[T]], request: R) -> T:
-    async def go() -> T:
-        async with control(view=True) as c:
-            return await action(c.actions, request)
-
-    return run(go)
 
 
 def _read_token(path: str) -> str:
@@ -103,7 +89,7 @@ def add(
         api_url=api_url,
         console_url=console_url or os.environ.get("ZATTERA_CONSOLE_URL", ""),
     )
-    added = _on_cluster(add_hook, request)
+    added = on_cluster(add_hook, request)
     if render.json_mode():
         render.emit_json({**dataclasses.asdict(added.hook), "url": added.url, "secret": added.secret})
         return
@@ -120,16 +106,11 @@ def add(
 def list_cmd(json: bool = JSON) -> None:
     """The hooks, their endpoints and live previews."""
     set_output(json)
-
-    async def read(ctx: ActionContext, _: None) -> list[Hook]:
-        return list_hooks(ctx)
-
-    found = _on_cluster(read, None)
-    if render.json_mode():
-        render.emit_json([dataclasses.asdict(h) for h in found])
-        return
-    rows = [
-        [
+    render.listing(
+        "git hooks",
+        ["id", "provider", "repo", "branch", "env", "path", "token", "previews", "live"],
+        read_on_cluster(list_hooks),
+        lambda h: [
             h.id,
             h.provider,
             h.repo_url,
@@ -139,10 +120,8 @@ def list_cmd(json: bool = JSON) -> None:
             "yes" if h.has_token else "no",
             (f"on{f' [{h.preview_label}]' if h.preview_label else ''}" if h.previews else "off"),
             ",".join(h.previews_live) or "-",
-        ]
-        for h in found
-    ]
-    render.table("git hooks", ["id", "provider", "repo", "branch", "env", "path", "token", "previews", "live"], rows)
+        ],
+    )
 
 
 @hook_app.command("remove")
@@ -150,8 +129,5 @@ def remove(hook_id: str = typer.Argument(..., metavar="HOOK_ID"), json: bool = J
     """Remove a hook: its endpoint answers 404 from now on (its previews stay until closed, expired or
     deleted)."""
     set_output(json)
-    _on_cluster(remove_hook, RemoveHook(hook_id))
-    if render.json_mode():
-        render.emit_json({"id": hook_id, "removed": True})
-        return
-    err.print(f"hook {hook_id} removed", markup=False, highlight=False)
+    on_cluster(remove_hook, RemoveHook(hook_id))
+    render.report({"id": hook_id, "removed": True}, f"hook {hook_id} removed")

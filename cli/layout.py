@@ -81,25 +81,23 @@ class DataLayout:
         was done, one line each. An entry present at both places is left where it is (said so)."""
         done: list[str] = []
         for name in CONTROL_ENTRIES:
-            old, new = self.root / name, self.control / name
-            if not old.exists() and not old.is_symlink():
-                continue
-            if new.exists():
-                done.append(f"{old} left in place: {new} exists already (remove the one you do not use)")
-                continue
-            self.control.mkdir(parents=True, exist_ok=True)
-            os.chmod(self.control, 0o700)
-            old.rename(new)
-            done.append(f"moved {old} to {new}")
+            old = self.root / name
+            if old.exists() or old.is_symlink():
+                done.append(_move(old, self.control / name))
         for name, (owner, file) in OLD_NODE_CREDS.items():
-            old, new = self.security / name, self.root / owner / file
-            if not old.exists():
-                continue
-            if new.exists():
-                done.append(f"{old} left in place: {new} exists already (remove the one you do not use)")
-                continue
-            new.parent.mkdir(parents=True, exist_ok=True)
-            os.chmod(new.parent, 0o700)
-            old.rename(new)
-            done.append(f"moved {old} to {new} (the node's own credential, apart from the control plane's)")
+            old = self.security / name
+            if old.exists():
+                done.append(
+                    _move(old, self.root / owner / file, " (the node's own credential, apart from the control plane's)")
+                )
         return done
+
+
+def _move(old: Path, new: Path, why: str = "") -> str:
+    """Rename ``old`` to ``new`` (its directory made, 0700), unless ``new`` exists; says which was done."""
+    if new.exists():
+        return f"{old} left in place: {new} exists already (remove the one you do not use)"
+    new.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(new.parent, 0o700)
+    old.rename(new)
+    return f"moved {old} to {new}{why}"

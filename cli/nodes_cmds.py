@@ -9,12 +9,12 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import control, err, fail, run
+from cli.client import control, err, fail, on_cluster, run
 from cli.machine_cmds import nodes_remove
 from cli.options import JSON, WIDE, set_output
 from cli.render import Col
 from cli.security_cmds import join_token
-from shared.actions.nodes import EditNode, NodeChange, NodeEdited, edit_node
+from shared.actions.nodes import EditNode, NodeChange, edit_node
 from shared.provisioning import recorded_config
 from shared.skew import node_version_note
 
@@ -89,11 +89,7 @@ def isolation_text(node: pb.Node) -> str:
 
 
 def _edit_node(node_id: str, change: NodeChange, labels: dict[str, str] | None = None) -> None:
-    async def go() -> NodeEdited:
-        async with control() as c:
-            return await edit_node(c.actions, EditNode(node_id, change, labels or {}))
-
-    done = run(go)
+    done = on_cluster(edit_node, EditNode(node_id, change, labels or {}))
     err.print(
         f"node {node_id}: {change} done" if done.written else f"node {node_id} is {done.status.lower()}: nothing to do"
     )

@@ -8,20 +8,15 @@ listings, from ``ZATTERA_NOTIFY_URL``; it is stored sealed and shown without its
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 import typer
 
 from cli import render
-from cli.client import control, err, fail, run
+from cli.client import err, fail, on_cluster, read_on_cluster
 from cli.options import JSON, set_output
-from shared.actions.context import ActionContext
 from shared.actions.notify import (
     AddChannel,
-    Channel,
     RemoveChannel,
     SendTest,
     add_channel,
@@ -31,34 +26,11 @@ from shared.actions.notify import (
 )
 from shared.notify import DEFAULT_EVENTS, FORMATS
 
-R = TypeVar("R")
-T = TypeVar("T")
-
 URL_ENV = "ZATTERA_NOTIFY_URL"
 
 notify_app = typer.Typer(
     no_args_is_help=True, help="Notifications to webhooks, Slack and Discord (docs/notifications.md)."
 )
-
-
-def _on_cluster(action: Callable[[ActionContext, R], Awaitable[T]], request: R, *, follow: bool = False) -> T:
-    async def go() -> T:
-        async with control(view=True, follow=follow) as c:
-            return await action(c.actions, request)
-
-    return run(go)
-
-
-def _when(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
-
-
-def _state(channel: Channel) -> str:
-    if channel.failing:
-        return f"FAILING since {_when(channel.failing_since)}: {channel.last_error}"
-    if channel.failures:
-        return f"retrying ({channel.failures} failed): {channel.last_error}"
-    return "ok"
 
 
 @notify_app.command("add")
@@ -83,7 +55,7 @@ def add(
         raise fail(f"--url: give the channel's URL (or set {URL_ENV})")
     kinds = [k.strip() for k in events.split(",") if k.strip()]
     request = AddChannel(name, target, format, kinds, project, console_url or os.environ.get("ZATTERA_CONSOLE_URL", ""))
-    added = _on_cluster(add_channel, request)
+    added = on_cluster(add_channel, request)
     if render.json_mode():
         render.emit_json(
             {**dataclasses.asdict(added.channel), "signing_secret": added.signing_secret, "replaced": added.replaced}
@@ -105,29 +77,20 @@ def add(
 def list_cmd(json: bool = JSON) -> None:
     """The channels and how their deliveries go."""
     set_output(json)
-
-    async def read(ctx: ActionContext, _: None) -> list[Channel]:
-        return list_channels(ctx)
-
-    found = _on_cluster(read, None)
-    if render.json_mode():
-        render.emit_json([dataclasses.asdict(c) for c in found])
-        return
-    rows = [
-        [
+    render.listing(
+        "notification channels",
+        ["name", "format", "url", "events", "project", "delivered", "last", "state"],
+        read_on_cluster(list_channels),
+        lambda c: [
             c.name,
             c.format,
             c.url,
             ",".join(c.events),
             c.project or "-",
             c.delivered,
-            _when(c.last_delivered_at),
-            _state(c),
-        ]
-        for c in found
-    ]
-    render.table(
-        "notification channels", ["name", "format", "url", "events", "project", "delivered", "last", "state"], rows
+            render.when(c.last_delivered_at),
+            render.delivery_state(c.failing, c.failing_since, c.failures, c.last_error),
+        ],
     )
 
 
@@ -135,11 +98,8 @@ def list_cmd(json: bool = JSON) -> None:
 def remove(name: str = typer.Argument(..., metavar="NAME"), json: bool = JSON) -> None:
     """Remove a channel (what it has not delivered yet is dropped)."""
     set_output(json)
-    _on_cluster(remove_channel, RemoveChannel(name))
-    if render.json_mode():
-        render.emit_json({"name": name, "removed": True})
-        return
-    err.print(f"channel {name} removed", markup=False, highlight=False)
+    on_cluster(remove_channel, RemoveChannel(name))
+    render.report({"name": name, "removed": True}, f"channel {name} removed")
 
 
 @notify_app.command("test")
@@ -151,7 +111,7 @@ def test(
     """Send a test notification through the same path as every other and wait for its delivery; exits 1
     when it was not delivered."""
     set_output(json)
-    result = _on_cluster(send_test, SendTest(name, wait), follow=True)
+    result = on_cluster(send_test, SendTest(name, wait), follow=True)
     if render.json_mode():
         render.emit_json(dataclasses.asdict(result))
     elif result.delivered:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -15,7 +16,12 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from cli.client import OPTIONS
+from cli.client import OPTIONS, err
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+D = TypeVar("D", bound="DataclassInstance")
 
 out = Console(soft_wrap=True, emoji=False)  # a long line (an event, an id) is never cut into two in a pipe; no
 # ":name:" in a value is turned into an emoji (and rich's emoji table is not loaded)
@@ -29,6 +35,15 @@ def as_dict(msg: Message) -> dict[str, Any]:
 
 def emit_json(payload: Any) -> None:
     print(json.dumps(payload, indent=2, sort_keys=True, default=str))
+
+
+def report(result: DataclassInstance | dict[str, Any], *lines: str) -> None:
+    """``result`` as JSON with ``--json`` (a dataclass: its fields), else ``lines`` on stderr."""
+    if json_mode():
+        emit_json(result if isinstance(result, dict) else dataclasses.asdict(result))
+        return
+    for line in lines:
+        err.print(line, markup=False, highlight=False)
 
 
 def messages(items: Iterable[Message]) -> None:
@@ -71,6 +86,14 @@ def table(title: str, columns: Sequence[str | Col], rows: Iterable[Sequence[Any]
         out.width = width
 
 
+def listing(title: str, columns: Sequence[str | Col], items: Sequence[D], row: Callable[[D], Sequence[Any]]) -> None:
+    """``items`` as a JSON list of their fields with ``--json``, else as a :func:`table` of ``row(item)`` each."""
+    if json_mode():
+        emit_json([dataclasses.asdict(item) for item in items])
+        return
+    table(title, columns, [row(item) for item in items])
+
+
 def set_output(flag: bool, wide: bool = False) -> bool:
     """Record ``--json`` and ``--wide`` for the output below; returns ``--json``."""
     OPTIONS.json = flag
@@ -86,6 +109,21 @@ def ts(value: Timestamp) -> str:
     if not value.seconds and not value.nanos:
         return "-"
     return datetime.fromtimestamp(value.seconds, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def when(seconds: float) -> str:
+    """Epoch seconds as a UTC time, "-" for 0 (never)."""
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M:%S") if seconds else "-"
+
+
+def delivery_state(failing: bool, failing_since: float, failures: int, last_error: str, idle: str = "ok") -> str:
+    """How a channel's or a drain's deliveries go: ``FAILING since …: why``, ``retrying (N failed): why``, else
+    ``idle``."""
+    if failing:
+        return f"FAILING since {when(failing_since)}: {last_error}"
+    if failures:
+        return f"retrying ({failures} failed): {last_error}"
+    return idle
 
 
 def enum_name(enum: Any, value: int, prefix: str) -> str:

@@ -16,11 +16,20 @@ from pathlib import Path
 import typer
 
 from cli import render
-from cli.client import control, fail, run
-from cli.config_cmds import ENV, JSON, NO_DEPLOY, WATCH, check_names, roll_out, running_release, say
+from cli.client import control, fail, on_cluster, run
+from cli.config_cmds import (
+    ENV,
+    JSON,
+    NO_DEPLOY,
+    WATCH,
+    check_names,
+    emit_config_json,
+    roll_out,
+    running_release,
+    say,
+)
 from shared.actions.names import env_path, target_env
 from shared.actions.secrets import (
-    KeyRotated,
     RotateSecretsKey,
     SetSecret,
     UnsetSecrets,
@@ -127,14 +136,7 @@ def secrets_list(env: str = ENV, json: bool = JSON) -> None:
                 for name, ref in sorted(target.service.secrets.items())
             ]
             if json:
-                render.emit_json(
-                    {
-                        "environment_id": target.meta.id,
-                        "config_version": target.service.config_version,
-                        "running_config_version": running.service.config_version if running else None,
-                        "secrets": rows,
-                    }
-                )
+                emit_config_json(target, running, "secrets", rows)
                 return
             render.table(
                 f"secrets of {env_path(c.view, target)} (config v{target.service.config_version})",
@@ -156,13 +158,8 @@ def secrets_list(env: str = ENV, json: bool = JSON) -> None:
 @secrets_app.command("rotate-key")
 def secrets_rotate_key(json: bool = JSON) -> None:
     """Make a new cluster secrets key and re-seal every secret under it; apps keep running."""
-
-    async def go() -> KeyRotated:
-        async with control(view=False) as c:
-            return await rotate_secrets_key(c.actions, RotateSecretsKey())
-
     with span("cli.secrets.rotate_key"):
-        done = run(go)
+        done = on_cluster(rotate_secrets_key, RotateSecretsKey(), view=False)
     if json:
         render.emit_json(asdict(done))
         return

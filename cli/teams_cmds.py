@@ -81,6 +81,16 @@ def _edit(
     return run(go)
 
 
+def _records() -> tuple[list[User], list[Token]]:
+    """Every user and every token of the cluster."""
+
+    async def go() -> tuple[list[User], list[Token]]:
+        async with control(view=False) as c:
+            return await all_records(c.conn.nc, c.conn.js)
+
+    return run(go)
+
+
 def _checked(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
@@ -149,12 +159,7 @@ def users_update(
 @users_app.command("list")
 def users_list(json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
     """Users, whether admin, and their grants (project id → role)."""
-
-    async def go() -> list[User]:
-        async with control(view=False) as c:
-            return (await all_records(c.conn.nc, c.conn.js))[0]
-
-    users = run(go)
+    users = _records()[0]
     rows = [{"name": u.name, "admin": u.admin, "grants": u.grants, "created_at": u.created_at} for u in users]
     if json:
         render.emit_json(rows)
@@ -204,6 +209,21 @@ def _grant(user: User, project_id: str, role: str) -> bool:
     return user.grants.pop(project_id, None) is not None
 
 
+def _set_role(user: str, project: str, role: str, missing: str) -> tuple[str, bool]:
+    """Give ``user`` ``role`` on ``project`` ("": take their role away): the project's id, and whether that
+    changed the user; ``missing`` is the error when there is no such user."""
+
+    async def go() -> tuple[str, bool]:
+        async with control() as c:
+            project_id = _project_id(c.view, project)
+            done = await _edited(c.conn.js, user, load_user, save_user, lambda u: _grant(u, project_id, role))
+            if done is None:
+                raise fail(missing)
+            return project_id, done
+
+    return run(go)
+
+
 @grants_app.command("add")
 def grants_add(
     user: str = typer.Argument(..., help="the user"),
@@ -212,15 +232,7 @@ def grants_add(
 ) -> None:
     """Give USER a role on a project (replaces the role they had there)."""
     _checked(check_role, role)
-
-    async def go() -> str:
-        async with control() as c:
-            project_id = _project_id(c.view, project)
-            if await _edited(c.conn.js, user, load_user, save_user, lambda u: _grant(u, project_id, role)) is None:
-                raise fail(f"user {user!r}: no such user (`zattera users add`)")
-            return project_id
-
-    project_id = run(go)
+    project_id, _ = _set_role(user, project, role, f"user {user!r}: no such user (`zattera users add`)")
     err.print(f"{user} is {role} of project {project} ({project_id})", markup=False, highlight=False)
 
 
@@ -230,16 +242,7 @@ def grants_remove(
     project: str = typer.Option(..., "--project", help="project name or id"),
 ) -> None:
     """Take USER's role on a project away (effective at their next request)."""
-
-    async def go() -> bool:
-        async with control() as c:
-            project_id = _project_id(c.view, project)
-            done = await _edited(c.conn.js, user, load_user, save_user, lambda u: _grant(u, project_id, ""))
-            if done is None:
-                raise fail(f"user {user!r}: no such user")
-            return done
-
-    if not run(go):
+    if not _set_role(user, project, "", f"user {user!r}: no such user")[1]:
         raise fail(f"user {user!r} has no role on project {project!r}")
     err.print(f"{user} has no role on project {project} any more", markup=False, highlight=False)
 
@@ -250,14 +253,9 @@ def grants_list(
     json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
     """Every grant: user, project id, role."""
-
-    async def go() -> list[User]:
-        async with control(view=False) as c:
-            return (await all_records(c.conn.nc, c.conn.js))[0]
-
     rows = [
         {"user": u.name, "project_id": p, "role": r}
-        for u in run(go)
+        for u in _records()[0]
         if not user or u.name == user
         for p, r in sorted(u.grants.items())
     ]
@@ -299,12 +297,7 @@ def tokens_create(
 @tokens_app.command("list")
 def tokens_list(json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
     """Tokens: name, project, role, expiry, revoked (never the token nor its hash)."""
-
-    async def go() -> list[Token]:
-        async with control(view=False) as c:
-            return (await all_records(c.conn.nc, c.conn.js))[1]
-
-    tokens = [t.public() for t in run(go)]
+    tokens = [t.public() for t in _records()[1]]
     if json:
         render.emit_json(tokens)
         return
@@ -316,7 +309,7 @@ def tokens_list(json: bool = typer.Option(False, "--json", help="machine-readabl
                 t["name"],
                 t["project_id"],
                 t["role"],
-                time.strftime("%Y-%m-%d %H:%M", time.gmtime(t["expires_at"])),
+                _utc(t["expires_at"]),
                 "yes" if t["revoked"] else "",
             ]
             for t in tokens

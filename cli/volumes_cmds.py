@@ -7,13 +7,12 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import ExitCode, control, err, fail, run
+from cli.client import ExitCode, control, err, fail, on_cluster, run
 from cli.options import JSON, WIDE, set_output
 from cli.render import Col
 from shared.actions.names import env_label
 from shared.actions.refusals import ActionRefused
 from shared.actions.volumes import (
-    PolicySet,
     RestoreVolume,
     SetSnapshotPolicy,
     SnapshotTaken,
@@ -83,11 +82,7 @@ def volumes_policy(
     settings = credentials_from_environment() if offsite and offsite.startswith("s3://") else {}
     request = SetSnapshotPolicy(volume_id, schedule, keep_last, pre_hook, offsite, settings)
 
-    async def go() -> PolicySet:
-        async with control() as c:
-            return await set_snapshot_policy(c.actions, request)
-
-    done = run(go)
+    done = on_cluster(set_snapshot_policy, request)
     if render.json_mode():
         render.emit_json(
             {

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from shared.errors import ZatteraError
 
+_SHOW_FORMAT = "--format=%H%x00%an <%ae>%x00%B"
+"""``git show -s``'s format for a commit's id, author and message (:func:`_shown_commit` reads it)."""
 _SHA_RE = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 GIT_TIMEOUT = 300.0
@@ -158,40 +160,34 @@ def _extract(data: bytes, destination: Path) -> None:
 
 async def commit_info(repo: str, sha: str, *, git_env: Mapping[str, str] | None = None) -> CommitInfo:
     """Author and message of ``sha`` in a local repository."""
-    out = await git("show", "-s", "--format=%H%x00%an <%ae>%x00%B", sha, cwd=Path(repo), git_env=git_env)
+    out = await git("show", "-s", _SHOW_FORMAT, sha, cwd=Path(repo), git_env=git_env)
+    return _shown_commit(out)
+
+
+def _shown_commit(out: bytes, branch: str = "") -> CommitInfo:
+    """The commit ``git show -s _SHOW_FORMAT`` printed."""
     full, author, message = out.decode(errors="replace").split("\x00", 2)
-    return CommitInfo(full.strip(), author.strip(), message.strip())
+    return CommitInfo(full.strip(), author.strip(), message.strip(), branch)
+
+
+def _git_in(directory: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
+    """Run ``git ARGS`` in ``directory`` and wait for it (at most 10 s), whatever its exit status."""
+    return subprocess.run(["git", *args], cwd=directory, env=_git_environ(None), capture_output=True, timeout=10)
 
 
 def head_commit(directory: Path) -> CommitInfo | None:
     """HEAD of the git working tree ``directory`` is the top of (None: not a checkout, no commit, or no
     git), with its branch ("" when detached). Uncommitted changes are not looked at: the source deployed is
     the directory as it is, the commit says what it was based on."""
-    env = _git_environ(None)
     try:
-        top = subprocess.run(
-            ["git", "rev-parse", "--show-toplevel"], cwd=directory, env=env, capture_output=True, timeout=10
-        )
+        top = _git_in(directory, "rev-parse", "--show-toplevel")
         if top.returncode != 0 or Path(top.stdout.decode().strip()).resolve() != directory.resolve():
             return None
-        shown = subprocess.run(
-            ["git", "show", "-s", "--format=%H%x00%an <%ae>%x00%B", "HEAD"],
-            cwd=directory,
-            env=env,
-            capture_output=True,
-            timeout=10,
-        )
+        shown = _git_in(directory, "show", "-s", _SHOW_FORMAT, "HEAD")
         if shown.returncode != 0:
             return None
-        branch = subprocess.run(
-            ["git", "symbolic-ref", "--quiet", "--short", "HEAD"],
-            cwd=directory,
-            env=env,
-            capture_output=True,
-            timeout=10,
-        )
+        branch = _git_in(directory, "symbolic-ref", "--quiet", "--short", "HEAD")
     except (OSError, subprocess.TimeoutExpired):
         return None
-    full, author, message = shown.stdout.decode(errors="replace").split("\x00", 2)
     name = branch.stdout.decode().strip() if branch.returncode == 0 else ""
-    return CommitInfo(full.strip(), author.strip(), message.strip(), name)
+    return _shown_commit(shown.stdout, name)

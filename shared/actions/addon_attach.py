@@ -20,6 +20,7 @@ from shared.actions.context import ActionContext
 from shared.actions.names import env_path, resolve_env, target_env
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.addons import spec as addon
+from shared.deploy import ConfigEdit
 from shared.events import event_for_env
 from shared.state.reader import StateReader
 from shared.txn import Txn
@@ -73,16 +74,10 @@ async def attach_addon(ctx: ActionContext, request: AttachAddon) -> ConfigChange
         env.service.config_version += 1
         txn.put(key)
 
-    changed = await reconfigure(ctx, consumer.meta.id, edit, deploy=request.deploy)
-    await ctx.events.publish(
-        event_for_env(
-            consumer,
-            EVENT_ATTACHED,
-            f"database {app.name} attached to {changed.env}",
-            fields={"actor": ctx.actor, "addon": app.name, "addon_env_id": database.meta.id},
-        )
+    fields = {"addon": app.name, "addon_env_id": database.meta.id}
+    return await _reconfigured(
+        ctx, consumer, edit, request.deploy, EVENT_ATTACHED, f"database {app.name} attached to", fields
     )
-    return changed
 
 
 async def detach_addon(ctx: ActionContext, request: AttachAddon) -> ConfigChanged:
@@ -106,13 +101,22 @@ async def detach_addon(ctx: ActionContext, request: AttachAddon) -> ConfigChange
             env.service.vars.pop(name, None)
         env.service.config_version += 1
 
-    changed = await reconfigure(ctx, consumer.meta.id, edit, deploy=request.deploy)
+    said = f"database {request.name} detached from"
+    return await _reconfigured(ctx, consumer, edit, request.deploy, EVENT_DETACHED, said, {"addon": request.name})
+
+
+async def _reconfigured(
+    ctx: ActionContext,
+    consumer: pb.Environment,
+    edit: ConfigEdit,
+    deploy: bool,
+    kind: str,
+    said: str,
+    fields: dict[str, str],
+) -> ConfigChanged:
+    """Commit ``edit`` to the consumer (its rollout when ``deploy``) and announce it: ``said`` the env."""
+    changed = await reconfigure(ctx, consumer.meta.id, edit, deploy=deploy)
     await ctx.events.publish(
-        event_for_env(
-            consumer,
-            EVENT_DETACHED,
-            f"database {request.name} detached from {changed.env}",
-            fields={"actor": ctx.actor, "addon": request.name},
-        )
+        event_for_env(consumer, kind, f"{said} {changed.env}", fields={"actor": ctx.actor, **fields})
     )
     return changed

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
+S = TypeVar("S", bound=Message)
 
 
 class Background:
@@ -135,3 +136,16 @@ async def remove_with_status(ctx: ActionContext, kind: str, status_kind: str, na
     if ctx.view.get(status_kind, name) is not None:
         txn.delete(f"{status_kind}.{name}")
     await ctx.writer.commit(txn)
+
+
+def with_status(
+    ctx: ActionContext, kind: str, record_type: type[M], status_kind: str, status_type: type[S]
+) -> list[tuple[M, S | None]]:
+    """Every ``<kind>`` record, by id, with its delivery status ``<status_kind>`` of the same id (None: none
+    yet): the notification channels, the log drains."""
+    found: list[tuple[M, S | None]] = []
+    for record in sorted(ctx.view.all(kind), key=lambda r: r.meta.id):
+        assert isinstance(record, record_type)
+        status = ctx.view.get(status_kind, record.meta.id)  # type: ignore[attr-defined]
+        found.append((record, status if isinstance(status, status_type) else None))
+    return found

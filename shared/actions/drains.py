@@ -16,7 +16,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import drains
 from shared import keys as K
-from shared.actions.context import ActionContext, commit_edit, remove_with_status, stamp_replacing
+from shared.actions.context import ActionContext, commit_edit, remove_with_status, stamp_replacing, with_status
 from shared.actions.names import env_label, resolve_env, resolve_project
 from shared.actions.refusals import Invalid, NotFound
 from shared.backup.sealed import seal_settings
@@ -117,11 +117,7 @@ async def remove_drain(ctx: ActionContext, request: RemoveDrain) -> None:
 
 def list_drains(ctx: ActionContext) -> list[Drain]:
     """Every drain, by name, with how its delivery goes."""
-    found = []
-    for record in sorted(ctx.view.all(K.LOG_DRAIN), key=lambda r: r.meta.id):
-        assert isinstance(record, pb.LogDrain)
-        status = ctx.view.get(K.LOG_DRAIN_STATUS, record.meta.id)
-        found.append(
-            describe(record, status if isinstance(status, pb.LogDrainStatus) else None, scope_of(ctx.view, record))
-        )
-    return found
+    return [
+        describe(record, status, scope_of(ctx.view, record))
+        for record, status in with_status(ctx, K.LOG_DRAIN, pb.LogDrain, K.LOG_DRAIN_STATUS, pb.LogDrainStatus)
+    ]

@@ -18,7 +18,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared import notify
-from shared.actions.context import ActionContext, commit_edit, remove_with_status, stamp_replacing
+from shared.actions.context import ActionContext, commit_edit, remove_with_status, stamp_replacing, with_status
 from shared.actions.names import resolve_project
 from shared.actions.refusals import Invalid, NotFound
 from shared.backup.sealed import seal_settings
@@ -159,17 +159,9 @@ async def remove_channel(ctx: ActionContext, request: RemoveChannel) -> None:
 def list_channels(ctx: ActionContext) -> list[Channel]:
     """Every channel, by name, with how its delivery goes."""
     found = []
-    for record in sorted(ctx.view.all(K.NOTIFY_CHANNEL), key=lambda r: r.meta.id):
-        assert isinstance(record, pb.NotifyChannel)
-        status = ctx.view.get(K.NOTIFY_STATUS, record.meta.id)
+    for record, status in with_status(ctx, K.NOTIFY_CHANNEL, pb.NotifyChannel, K.NOTIFY_STATUS, pb.NotifyStatus):
         project = ctx.view.project(record.project_id) if record.project_id else None
-        found.append(
-            describe(
-                record,
-                status if isinstance(status, pb.NotifyStatus) else None,
-                project.name if project else record.project_id,
-            )
-        )
+        found.append(describe(record, status, project.name if project else record.project_id))
     return found
 
 
