@@ -20,6 +20,12 @@ configures for apps to learn the client's address, scheme and host, so that comp
 rather than the headers (the three cost ~6,000 of the ~38,000 user-space instructions of a keep-alive
 request, valgrind).
 
+Beside each HAProxy worker's CPU per request, ours also reports its companions': every other process of the
+``zattera up`` (the proxy process, which also reads HAProxy's request log for the latency percentiles, the
+agent, the control plane, nats-server, HAProxy's master; not the app's nginx) — what the platform spends
+while it serves, on the same cores. ``ZATTERA_PROXY_LATENCY_LOG`` and ``ZATTERA_PROXY_LATENCY_LOG_SAMPLE``
+in the bench's environment reach the cluster (every other setting is its default).
+
 Not here: 10,000 envs with a certificate each (``ingress_tls_bench``, through ``zattera up`` too; the
 engine alone: ``ingress_bench``).
 
@@ -31,6 +37,7 @@ and haproxy (installed from Debian when running as root).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -82,6 +89,10 @@ exec nginx -c "$d/nginx.conf"
 """
 
 
+PASSED_THROUGH = ("ZATTERA_PROXY_LATENCY_LOG", "ZATTERA_PROXY_LATENCY_LOG_SAMPLE")
+"""The settings of the environment the cluster gets (every other ``ZATTERA_*`` is its default)."""
+
+
 class Up:
     """One ``zattera up`` in its own process group, on free ports."""
 
@@ -89,7 +100,7 @@ class Up:
         self.root = root
         self.data_dir = root / "data"
         self.nats_port, self.http_port, self.tls_port = free_port(), free_port(), free_port()
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ZATTERA_")}
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ZATTERA_") or k in PASSED_THROUGH}
         self.env |= {"PYTHONUNBUFFERED": "1", "OTEL_TRACES_EXPORTER": "none", "COLUMNS": "200"}
         self.env["ZATTERA_CONSOLE_PORT"] = str(free_port())
         self.process: subprocess.Popen[bytes] | None = None
@@ -194,7 +205,7 @@ def run(quick: bool = True) -> list[Row]:
             if server_name(endpoint) in layout.config_file.read_text():
                 raise RuntimeError("the deployed replica's server is in haproxy.cfg: not the runtime path users get")
             pid = asyncio.run(haproxy_worker(layout.stats_socket))
-            ours = Side("ours", up.http_port, up.tls_port, pid, proxy_process(pid))
+            ours = Side("ours", up.http_port, up.tls_port, pid, companions(up, pid))
             hand_dir = root / "hand"
             hand_dir.mkdir()
             cert = hand_dir / f"{HOST}.pem"
@@ -218,15 +229,18 @@ def run(quick: bool = True) -> list[Row]:
     ]
 
 
-def proxy_process(worker: int) -> tuple[int, ...]:
-    """The proxy process that started the HAProxy master of ``worker`` (it reads the request log): the
-    worker's grandparent, checked by its command line; none when the tree is not what the engine makes."""
-    master = psutil.Process(worker).parent()
-    proxy = master.parent() if master is not None else None
-    if proxy is None or not any("proxy" in part for part in proxy.cmdline()):
-        print(f"  (no proxy process above HAProxy worker {worker}: its CPU is not counted)", file=sys.stderr)
-        return ()
-    return (proxy.pid,)
+def companions(up: Up, worker: int) -> tuple[int, ...]:
+    """Every process of ``up``'s session but the HAProxy worker and the app's nginx: the proxy process (it
+    also reads HAProxy's request log for the latency percentiles), the agent, the control plane, nats-server
+    and HAProxy's master — what the platform spends beside the data plane while it serves."""
+    assert up.process is not None
+    found = []
+    for process in [psutil.Process(up.process.pid), *psutil.Process(up.process.pid).children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            if process.pid != worker and process.name() != "nginx":
+                found.append(process.pid)
+    print(f"  companions: {len(found)} processes of zattera up", file=sys.stderr)
+    return tuple(found)
 
 
 def _progress(line: str) -> None:

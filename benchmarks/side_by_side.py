@@ -66,8 +66,7 @@ LABELS = {
 @dataclass(frozen=True)
 class Side:
     """One HAProxy under test: its listeners and the worker process to charge; ``companions``: other
-    processes whose CPU the ingress also spends per request (ours: the proxy process reading HAProxy's
-    request log for the latency percentiles), reported beside the worker's."""
+    processes whose CPU is reported beside the worker's, per request (ours: the rest of ``zattera up``)."""
 
     name: str
     http_port: int
@@ -228,6 +227,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def companions_cpu(pids: Sequence[int]) -> float:
+    """The CPU seconds of those of ``pids`` that still run (a short-lived one's are not counted)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(pid)
+    return total
+
+
 @contextlib.contextmanager
 def pin_script() -> Iterator[Path]:
     with tempfile.NamedTemporaryFile("w", suffix=".lua", prefix="zattera-pin-") as script:
@@ -323,11 +331,11 @@ def measure(
                 name = next(names) if names is not None else ""
                 for side in order:
                     before = cpu_seconds(side.pid)
-                    before_companions = sum(cpu_seconds(pid) for pid in side.companions)
+                    before_companions = companions_cpu(side.companions)
                     started = time.monotonic()
                     outcome = run_load(load, side, host, seconds, script, requests, name)
                     used = cpu_seconds(side.pid) - before
-                    companions = sum(cpu_seconds(pid) for pid in side.companions) - before_companions
+                    companions = companions_cpu(side.companions) - before_companions
                     per = 1e6 / outcome.requests if outcome.requests else float("nan")
                     sample = Sample(outcome.rate, used * per, outcome.p50_ms, outcome.failed, companions * per)
                     cpu_us = sample.cpu_us
@@ -373,13 +381,12 @@ def rows(results: Results, scale: str, *, ours: str = "ours", hand: str = "hand"
             total = [s.cpu_us + s.companion_us for s in mine]
             out.append(
                 row(
-                    f"{label}: ingress CPU per request with the proxy process reading the request log, ours / hand",
+                    f"{label}: CPU per request of ours with its companions (see the bench), ours / hand",
                     median(total) / cpu_hand,
                     "x",
                     "",
-                    f"ours {median(total):.1f} µs (HAProxy + proxy: "
-                    + _spread([s.cpu_us + s.companion_us for s in mine], "{:.1f}")
-                    + f"; proxy alone {_spread([s.companion_us for s in mine], '{:.1f}')})",
+                    f"ours {median(total):.1f} µs (HAProxy + companions: {_spread(total, '{:.1f}')}; companions "
+                    f"alone {_spread([s.companion_us for s in mine], '{:.1f}')})",
                 )
             )
     return out
