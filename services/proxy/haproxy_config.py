@@ -107,6 +107,8 @@ class Layout:
     percentiles, :mod:`services.proxy.haproxy_latency`)."""
     latency_log_sample: int = 1
     """Log one request in this many (1: every request)."""
+    latency_log_lines: float = 128.0
+    """A busy backend logs about this many requests a second (``log_every_map``); 0: every request."""
 
     @property
     def config_file(self) -> Path:
@@ -155,6 +157,12 @@ class Layout:
     def latency_socket(self) -> Path:
         """Where HAProxy's request log ring forwards its lines (this process listens)."""
         return self.socket_dir / "latency.sock"
+
+    @property
+    def log_every_map(self) -> Path:
+        """Backend → log one of its requests in N (:func:`services.proxy.haproxy_latency.log_every`); a
+        backend not in it logs every request."""
+        return self.directory / "log-every.map"
 
 
 def server_line(server: Server, *, sticky: bool, held: bool = False) -> str:
@@ -206,6 +214,8 @@ def _frontend_rules(plan_: Plan, layout: Layout) -> list[str]:
 
 LATENCY_LOG_FORMAT = "%b %s %ST %Ta"
 """Backend, server, status, total active time (ms): all a request log line says (no client, URL or header)."""
+LOG_EVERY_VAR = "zt_log_every"
+"""The transaction variable holding the current backend's N (log one request in N)."""
 LATENCY_RING = "zattera_latency"
 LATENCY_RING_SIZE = 1 << 20
 """Bytes HAProxy buffers (~50,000 lines) while the proxy process is busy or its socket is re-created; the
@@ -238,6 +248,10 @@ def _latency_log_lines(layout: Layout) -> list[str]:
         f'    log-format "{LATENCY_LOG_FORMAT}"',
         '    error-log-format "-"',  # the default names the client and the SNI: nothing of it is wanted
         "    option dontlognull",
+        # A busy backend logs one request in N (its entry in the map, set at run time from its rate): the
+        # percentiles need a few hundred lines a second, not every request (PERFORMANCE.md, "Latency log").
+        f"    http-response set-var(txn.{LOG_EVERY_VAR}) be_name,map_str_int({layout.log_every_map},1)",
+        f"    http-response set-log-level silent if {{ rand,mod(txn.{LOG_EVERY_VAR}) -m int gt 0 }}",
     ]
 
 

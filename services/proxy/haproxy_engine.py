@@ -30,6 +30,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from functools import partial
 from pathlib import Path
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
@@ -46,7 +47,7 @@ from services.proxy.haproxy_certs import (
 )
 from services.proxy.haproxy_changes import RUNTIME_SERVER_IDS, hosts_map_commands, map_rewrite_commands, server_commands
 from services.proxy.haproxy_config import Layout, Plan, map_text, render
-from services.proxy.haproxy_latency import LatencyLog
+from services.proxy.haproxy_latency import LatencyLog, LogEvery
 from services.proxy.haproxy_plan import RouteCache, plan
 from services.proxy.haproxy_runtime import (
     RuntimeAPIError,
@@ -141,6 +142,7 @@ class HAProxyEngine:
         self.server_traffic = ServerTraffic()
         """Weighted (canary) routes' per-release counters (issue 41), refreshed by :meth:`samples`."""
         self.latency_log = LatencyLog(layout.latency_socket, lambda: self.running) if layout.latency_log else None
+        self.log_every = LogEvery(layout.log_every_map, layout.latency_log_lines)
         """HAProxy's request log: real latency percentiles per env and histograms per canary release."""
         self._certificates: dict[str, str] = {}
         """name → digest of the certificates HAProxy holds."""
@@ -193,6 +195,7 @@ class HAProxyEngine:
             write_atomic(self.layout.crt_list, crt_list_text(self.layout.certs_dir), durable=False)
         write_atomic(self.layout.hosts_map, map_text(sorted(target.hosts.items())), durable=False)
         write_atomic(self.layout.paths_map, map_text(target.paths), durable=False)
+        write_atomic(self.layout.log_every_map, self.log_every.map_text(), durable=False)
         write_atomic(self.layout.config_file, render(target, self.layout), durable=False)
 
     async def _spawn(self) -> None:
@@ -450,6 +453,11 @@ class HAProxyEngine:
             latencies = self.latency_log.percentiles(set(self.running.env_of_backend.values()))
         samples = self._sampler.sample(parse_stat_csv(text), self.running.env_of_backend, time.time(), latencies)
         await self._sample_weighted_servers()
+        if self.latency_log is not None:  # busy backends log one request in N
+            weighted = {b.name for b in self.running.backends.values() if any(s.step_tag for s in b.servers)}
+            with contextlib.suppress(OSError, TimeoutError, RuntimeAPIError):  # the rest at the next sample
+                send = partial(command, self.layout.stats_socket)
+                await self.log_every.update(self._sampler.backend_rates, weighted, send)
         if self.requests is not None:
             for answered in self._sampler.responses:
                 for _ in range(answered.count):

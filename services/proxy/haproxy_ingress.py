@@ -176,5 +176,6 @@ def haproxy_ingress(cfg: ProxySettings, *, nats_url: str, cache_dir: Path, metri
         old_worker_lifetime=settings().drain_window,
         latency_log=cfg.latency_log,
         latency_log_sample=cfg.latency_log_sample,
+        latency_log_lines=cfg.latency_log_lines,
     )
     return HAProxyIngress(proxy, layout, certs_dir=cfg.certs_dir, certs_poll_interval=cfg.certs_poll_interval)

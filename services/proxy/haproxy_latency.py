@@ -24,8 +24,13 @@ weighted (canary) server, the release's latency histogram of :data:`shared.canar
 under its step tag (:class:`~services.proxy.stats.ReleaseCounters`, at most ``KEEP_TAGS`` tags). Memory
 is bounded by the routed envs and the tags; envs that leave the routes are forgotten.
 
-``sample 1:N`` (``ZATTERA_PROXY_LATENCY_LOG_SAMPLE``) logs one request in N to bound the cost; request
-and 5xx counts still come from HAProxy's stats (exact), only the latencies are sampled. The socket is read
+A busy backend logs one request in N (:func:`log_every`: N a power of two keeping it at about
+:data:`LOG_LINES_PER_BACKEND` lines a second; an entry of ``Layout.log_every_map`` set at run time from the
+backend's rate; weighted backends, a canary's, always log every request): the percentiles of a busy env
+come from its latest few seconds, and neither HAProxy nor this process pays a line per request
+(PERFORMANCE.md, "Latency log"). ``sample 1:N`` (``ZATTERA_PROXY_LATENCY_LOG_SAMPLE``) logs one request in
+N of every backend on top of that; request and 5xx counts still come from HAProxy's stats (exact), only the
+latencies are sampled. The socket is read
 every :data:`READ_INTERVAL` and before each sample, not per readable event (PERFORMANCE.md, "Latency log").
 
 No library: the lines are four space-separated fields; syslog parsers would parse a format not used here,
@@ -40,7 +45,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +58,72 @@ MAX_LINE = 256
 """Longer pending bytes without a newline are not a line of ours: dropped."""
 SWITCHING_PROTOCOLS = 101
 """A WebSocket's ``Ta`` is the tunnel's whole life: not a request latency."""
+
+
+LOG_LINES_PER_BACKEND = 128.0
+"""About how many lines a second a busy backend logs (the window of an env's percentiles is
+:data:`~services.proxy.stats.LATENCY_WINDOW` lines: a few seconds of a busy env)."""
+LOG_EVERY_MAX = 4096
+
+
+def log_every(
+    rates: Mapping[str, float],
+    exact: Collection[str],
+    applied: Mapping[str, int],
+    *,
+    lines: float = LOG_LINES_PER_BACKEND,
+) -> dict[str, int]:
+    """Backend → log one request in N, for the backends whose requests/s (``rates``) are at least twice
+    ``lines`` (none when ``lines`` is 0): the largest power of two keeping about ``lines`` a second logged, at most
+    :data:`LOG_EVERY_MAX`; an ``applied`` N one step away from it is kept (no flapping at a boundary).
+    Backends not in the result log every request, the ``exact`` ones always (a canary's histograms)."""
+    every: dict[str, int] = {}
+    for backend, rate in rates.items():
+        if lines <= 0 or backend in exact or rate < 2 * lines:
+            continue
+        n = 1
+        while n * 2 <= min(rate / lines, LOG_EVERY_MAX):
+            n *= 2
+        current = applied.get(backend, 1)
+        every[backend] = current if current > 1 and current // 2 <= n <= current * 2 else n
+    return every
+
+
+def log_every_commands(path: Path, applied: Mapping[str, int], target: Mapping[str, int]) -> list[tuple[str, str, int]]:
+    """The runtime commands taking the map at ``path`` from ``applied`` to ``target``, each with the backend
+    and the N it leaves (0: the entry removed)."""
+    commands = [
+        (f"{'add' if name not in applied else 'set'} map {path} {name} {n}", name, n)
+        for name, n in sorted(target.items())
+        if applied.get(name) != n
+    ]
+    return commands + [(f"del map {path} {name}", name, 0) for name in sorted(applied.keys() - target.keys())]
+
+
+class LogEvery:
+    """Which backends log one request in N, as HAProxy has it (``Layout.log_every_map``)."""
+
+    def __init__(self, path: Path, lines: float = LOG_LINES_PER_BACKEND) -> None:
+        self.path = path
+        self.lines = lines
+        self.applied: dict[str, int] = {}
+
+    def map_text(self) -> str:
+        """The map's file as applied so far (what a reloaded HAProxy starts with)."""
+        return "".join(f"{name} {n}\n" for name, n in sorted(self.applied.items()))
+
+    async def update(
+        self, rates: Mapping[str, float], exact: Collection[str], send: Callable[[str], Awaitable[object]]
+    ) -> None:
+        """Take HAProxy's map to :func:`log_every` of ``rates`` with ``send`` (a runtime command); what
+        ``send`` raises leaves the rest for the next call."""
+        target = log_every(rates, exact, self.applied, lines=self.lines)
+        for line, name, n in log_every_commands(self.path, self.applied, target):
+            await send(line)
+            if n:
+                self.applied[name] = n
+            else:
+                del self.applied[name]
 
 
 @dataclass(frozen=True, slots=True)

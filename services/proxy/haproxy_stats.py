@@ -75,6 +75,8 @@ class HAProxySampler:
         self.responses: list[Responses] = []
         """Filled by :meth:`sample`: what was answered since the previous one (hold backend excluded:
         the Python handler measures its own requests)."""
+        self.backend_rates: dict[str, float] = {}
+        """Filled by :meth:`sample`: requests/s of each routed backend since the previous one."""
 
     def sample(
         self,
@@ -90,6 +92,7 @@ class HAProxySampler:
         weights: dict[str, int] = {}
         previous, self._previous = self._previous, {}
         self.responses = []
+        self.backend_rates = {}
         answered_by_backends = [0] * len(STATUS_CLASSES)
         answered_by_frontend = [0] * len(STATUS_CLASSES)
         for row in rows:
@@ -114,6 +117,7 @@ class HAProxySampler:
                 if count
             ]
             requests, errors = delta.requests, delta.by_class[-1]
+            self.backend_rates[key[0]] = requests / elapsed
             totals = self._totals.setdefault(env_id, [0, 0, 0, 0])
             for index, count in enumerate((requests, delta.by_class[1], delta.by_class[3], delta.by_class[4])):
                 totals[index] += count

@@ -72,6 +72,9 @@ class ProxySettings(BaseSettings):
     HAProxy's stats averages (docs/deployments.md, "Latency under HAProxy")."""
     latency_log_sample: int = Field(default=1, ge=1, le=10_000)
     """haproxy engine: log one request in this many for the latency percentiles (1 = every request)."""
+    latency_log_lines: float = Field(default=128.0, ge=0)
+    """haproxy engine: a busy backend logs about this many requests a second, one in a power of two set
+    from its rate (a canary's always every request); 0 = every request of every backend."""
 
     @model_validator(mode="after")
     def _listen(self) -> ProxySettings:

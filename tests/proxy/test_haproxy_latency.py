@@ -17,7 +17,15 @@ from zattera.v1 import types_pb2 as pb
 from services.proxy.haproxy_config import LATENCY_RING, Plan, Server
 from services.proxy.haproxy_config import Backend as PlanBackend
 from services.proxy.haproxy_engine import HAProxyEngine
-from services.proxy.haproxy_latency import Latencies, Owners, _Lines
+from services.proxy.haproxy_latency import (
+    LOG_EVERY_MAX,
+    Latencies,
+    LatencyLog,
+    Owners,
+    _Lines,
+    log_every,
+    log_every_commands,
+)
 from services.proxy.haproxy_runtime import command
 from services.proxy.launch import haproxy_binary
 from shared.canary import LATENCY_BOUNDS_MS, Figures, Side, aggregate, judge, latency_ratio
@@ -63,6 +71,38 @@ def test_log_lines_feed_env_percentiles_and_release_histograms() -> None:
     assert latencies.lines == 102
     latencies.forget({"e1"})
     assert set(latencies.percentiles()) == {"e1"}
+
+
+@pytest.mark.parametrize(
+    ("rates", "applied", "expected"),
+    [
+        ({"b": 255.0}, {}, {}),  # below twice the lines: every request
+        ({"b": 256.0}, {}, {"b": 2}),
+        ({"b": 1000.0}, {}, {"b": 4}),  # the largest power of two keeping >= 128 lines/s (1000 / 4 = 250)
+        ({"b": 1e9}, {}, {"b": LOG_EVERY_MAX}),
+        ({"b": 1000.0, "w": 1e6}, {}, {"b": 4}),  # the weighted (exact) backend always logs everything
+        ({"b": 1100.0}, {"b": 8}, {"b": 8}),  # one step away from what is applied: kept
+        ({"b": 1100.0}, {"b": 4}, {"b": 4}),
+        ({"b": 1100.0}, {"b": 2}, {"b": 8}),  # two steps away: moved
+        ({"b": 5000.0}, {"b": 2}, {"b": 32}),  # further: moved
+        ({"b": 100.0}, {"b": 8}, {}),  # quiet again: every request
+    ],
+)
+def test_a_busy_backend_logs_one_request_in_a_power_of_two(
+    rates: dict[str, float], applied: dict[str, int], expected: dict[str, int]
+) -> None:
+    assert log_every(rates, {"w"}, applied) == expected
+    assert log_every(rates, set(), applied, lines=0) == {}
+
+
+def test_the_map_commands_add_set_and_delete_entries() -> None:
+    path = Path("/x/log-every.map")
+    commands = log_every_commands(path, {"a": 2, "b": 4, "c": 8}, {"a": 2, "b": 16, "d": 4})
+    assert commands == [
+        ("set map /x/log-every.map b 16", "b", 16),
+        ("add map /x/log-every.map d 4", "d", 4),
+        ("del map /x/log-every.map c", "c", 0),
+    ]
 
 
 def test_the_window_keeps_the_last_512_and_memory_stays_fixed() -> None:
@@ -198,7 +238,7 @@ async def test_the_log_survives_a_lost_socket_and_a_reload_and_never_holds_reque
     make_ingress: IngressFactory, routes: Routes
 ) -> None:
     async with timed("app", 0, 0, 0) as upstream, timed("other", 0, 0, 0) as other:
-        ingress = await make_ingress()
+        ingress = await make_ingress(latency_log_lines=0)  # every request logged: the test counts lines
         engine = ingress.engine
         latency_log = engine.latency_log
         assert latency_log is not None
@@ -225,6 +265,62 @@ async def test_the_log_survives_a_lost_socket_and_a_reload_and_never_holds_reque
         before = latency_log.latencies.lines
         await load(url(ingress), 50)
         await eventually(lambda: latency_log.latencies.lines >= before + 50, 10, "lines after the reload")
+
+
+async def settled_lines(latency_log: LatencyLog) -> int:
+    """The lines counted once HAProxy has forwarded everything (two reads 0.2 s apart agree)."""
+    counts: list[int] = []
+
+    async def settled() -> bool:
+        latency_log.drain()
+        counts.append(latency_log.latencies.lines)
+        await asyncio.sleep(0.2)
+        latency_log.drain()
+        return latency_log.latencies.lines == counts[-1]
+
+    await eventually(settled, 15, "the request log settled")
+    return latency_log.latencies.lines
+
+
+async def test_a_busy_backend_logs_one_request_in_n_and_a_canarys_every_request(
+    make_ingress: IngressFactory, routes: Routes
+) -> None:
+    async with timed("app", 0, 0, 0) as upstream, timed("s", 0, 0, 0) as stable, timed("c", 0, 0, 0) as canary:
+        # No heartbeat of its own: the rates are those between this test's samples.
+        ingress = await make_ingress(latency_log_lines=50, heartbeat_interval=3600)
+        engine, latency_log = ingress.engine, ingress.engine.latency_log
+        assert latency_log is not None
+        plain = http_route(HOST, "e1", [endpoint(upstream)])
+        canary_route = http_route("w.example", "e2", [weighted(stable, "rel1", 5000), weighted(canary, "rel2", 5000)])
+        await serve(routes, ingress, plain, canary_route)
+        await engine.samples()  # the rates' baseline
+        await load(url(ingress), 400)
+        await load(url(ingress), 400, Host="w.example")
+        await engine.samples()  # both backends well above 2 x 50 requests/s
+        [(busy, n)] = engine.log_every.applied.items()  # the plain env's backend; never the weighted one
+        assert engine.running.env_of_backend[busy] == "e1" and n >= 2
+        shown = await command(ingress.layout.stats_socket, f"show map {ingress.layout.log_every_map}")
+        assert f" {busy} {n}" in shown, shown
+        # Now one request in n of e1 is logged; every one of the canary's, whatever its rate.
+        before = await settled_lines(latency_log)
+        await load(url(ingress), 32 * n)  # 32 lines expected
+        logged = await settled_lines(latency_log) - before
+        assert 8 <= logged <= 96 and "e1" in latency_log.percentiles({"e1"}), (logged, n)
+        releases = latency_log.latencies.releases
+
+        def canary_counted() -> int:
+            return sum(sum(releases.buckets("e2", release, "dep.0")) for release in ("rel1", "rel2"))
+
+        already = canary_counted()
+        await load(url(ingress), 300, Host="w.example")
+        await settled_lines(latency_log)
+        assert canary_counted() - already == 300
+        # A reload (another env's backend comes) starts the new worker with the map as applied.
+        reloads = engine.reloads
+        await serve(routes, ingress, plain, canary_route, http_route("b.example", "e3", [endpoint(upstream)]))
+        assert engine.reloads == reloads + 1
+        shown = await command(ingress.layout.stats_socket, f"show map {ingress.layout.log_every_map}")
+        assert f" {busy} {n}" in shown, shown
 
 
 async def test_no_url_query_header_or_client_address_is_logged(
