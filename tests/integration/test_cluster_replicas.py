@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from nats.js.errors import NoStreamResponseError
+from nats.js.kv import KeyValue
 
 from shared.actions.refusals import Conflicting, Invalid
 from shared.actions.replicas import ChangeReplicas, change_replicas
@@ -56,9 +59,23 @@ async def control(machines: list[EmbeddedNats]) -> AsyncIterator[Connection]:
         yield conn
 
 
+async def put_once_reachable(kv: KeyValue, key: str, value: bytes, timeout: float = 10.0) -> None:
+    """A put sent again while the stream is not reached yet: a stream just created on one server is not
+    reached from a client of another for some milliseconds ("no responders": nothing was stored)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await kv.put(key, value)
+            return
+        except NoStreamResponseError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
 async def test_every_stream_moves_to_three_copies_and_the_count_is_recorded(control: Connection) -> None:
     kv = await control.js.key_value("zattera-state")
-    await kv.put("env.demo.web.production", b"kept")
+    await put_once_reachable(kv, "env.demo.web.production", b"kept")
     assert await recorded_replicas(control.js) == 1
     seen: list[str] = []
     result = await change_replicas(control.nc, ChangeReplicas(3, timeout=60), lambda s: seen.append(s.stream))
