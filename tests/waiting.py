@@ -6,6 +6,10 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+from nats.js.api import PubAck
+from nats.js.client import JetStreamContext
+from nats.js.errors import NoStreamResponseError
+
 
 async def eventually(cond: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout
@@ -44,3 +48,16 @@ class BlocksUntilCancelled:
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+
+
+async def published(js: JetStreamContext, subject: str, payload: bytes, timeout: float = 10.0) -> PubAck:
+    """A JetStream publish sent again while no stream answers: in a cluster, a stream just created on one
+    server is not reached from a client of another for some milliseconds ("no responders": nothing stored)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await js.publish(subject, payload)
+        except NoStreamResponseError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)

@@ -55,6 +55,7 @@ from shared.watches import BadWatch, WatchSpec, follow, open_watch
 from tests.e2e.cluster import cli_argv
 from tests.security.conftest import ConnectAs, ManualClock, SecureCluster, answered_request
 from tests.security.test_permissions import publish_refused
+from tests.waiting import published
 
 CLUSTER_TOO = True  # also on a secured three-server cluster (conftest.py): feeds, imports and replies cross routes
 PA, PB = "p-alpha", "p-beta"
@@ -196,7 +197,7 @@ async def test_logs_are_followed_for_granted_environments_only(
 ) -> None:
     for eid in (ENV_A, ENV_B):
         await create_or_update_stream(control.js, app_logs_stream_config(eid, LogLimits(1 << 20, 60.0), 1))
-        await control.js.publish(app_log_subject(eid, "i1"), log_batch(eid, f"line of {eid}"))
+        await published(control.js, app_log_subject(eid, "i1"), log_batch(eid, f"line of {eid}"))
     viewer = member["vera"]
     watch = await follow(viewer, WatchSpec(app_logs_stream(ENV_A), (app_log_subject(ENV_A, "*"),), "all"))
     try:
@@ -433,7 +434,7 @@ async def test_the_cli_with_a_token_and_the_admin_commands(
     assert elsewhere.returncode != 0 and "beta/web/prod" in elsewhere.stderr
 
     await create_or_update_stream(control.js, app_logs_stream_config(ENV_A, LogLimits(1 << 20, 60.0), 1))
-    await control.js.publish(app_log_subject(ENV_A, "i1"), log_batch(ENV_A, "hello from alpha"))
+    await published(control.js, app_log_subject(ENV_A, "i1"), log_batch(ENV_A, "hello from alpha"))
     logs = await cli(secure, "logs", "--env", "alpha/web/prod", "--json", token=token)
     assert logs.returncode == 0, logs.stderr
     assert "hello from alpha" in logs.stdout
