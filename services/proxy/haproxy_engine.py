@@ -142,8 +142,9 @@ class HAProxyEngine:
         self.server_traffic = ServerTraffic()
         """Weighted (canary) routes' per-release counters (issue 41), refreshed by :meth:`samples`."""
         self.latency_log = LatencyLog(layout.latency_socket, lambda: self.running) if layout.latency_log else None
-        self.log_every = LogEvery(layout.log_every_map, layout.latency_log_lines)
         """HAProxy's request log: real latency percentiles per env and histograms per canary release."""
+        self.log_every = LogEvery(layout.log_every_map, layout.latency_log_lines)
+        """Which busy backends log one request in N (``Layout.log_every_map``)."""
         self._certificates: dict[str, str] = {}
         """name → digest of the certificates HAProxy holds."""
 
@@ -195,7 +196,7 @@ class HAProxyEngine:
             write_atomic(self.layout.crt_list, crt_list_text(self.layout.certs_dir), durable=False)
         write_atomic(self.layout.hosts_map, map_text(sorted(target.hosts.items())), durable=False)
         write_atomic(self.layout.paths_map, map_text(target.paths), durable=False)
-        write_atomic(self.layout.log_every_map, self.log_every.map_text(), durable=False)
+        write_atomic(self.layout.log_every_map, map_text(self.log_every.entries()), durable=False)
         write_atomic(self.layout.config_file, render(target, self.layout), durable=False)
 
     async def _spawn(self) -> None:

@@ -108,9 +108,9 @@ class LogEvery:
         self.lines = lines
         self.applied: dict[str, int] = {}
 
-    def map_text(self) -> str:
-        """The map's file as applied so far (what a reloaded HAProxy starts with)."""
-        return "".join(f"{name} {n}\n" for name, n in sorted(self.applied.items()))
+    def entries(self) -> list[tuple[str, str]]:
+        """The map's entries as applied so far (what a reloaded HAProxy starts with)."""
+        return [(name, str(n)) for name, n in sorted(self.applied.items())]
 
     async def update(
         self, rates: Mapping[str, float], exact: Collection[str], send: Callable[[str], Awaitable[object]]
