@@ -54,10 +54,10 @@ def checkout(revision: str) -> Iterator[Path]:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=HERE, check=False)
 
 
-def run_benchmarks(tree: Path, names: list[str]) -> dict[str, tuple[float, str]]:
-    """Run the named benchmarks (quick mode) from ``tree``; figure → (value, unit)."""
+def run_benchmarks(tree: Path, names: list[str], *, full: bool) -> dict[str, tuple[float, str]]:
+    """Run the named benchmarks (quick mode, or the large sizes with ``full``) from ``tree``; figure → (value, unit)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [sys.executable, "-m", "benchmarks.run", "--json", out.name]
+        command = [sys.executable, "-m", "benchmarks.run", "--json", out.name, *(["--full"] if full else [])]
         for name in names:
             command += ["--only", name]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "proto")])}
@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--before", required=True, help="the old revision (a commit, tag or branch)")
     parser.add_argument("--only", action="append", required=True, help="a benchmark module, e.g. state_bench")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--full", action="store_true", help="the large sizes (benchmarks.run --full)")
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
     args = parser.parse_args()
     before: dict[str, list[float]] = {}
@@ -80,7 +81,7 @@ def main() -> None:
         for round_number in range(1, args.rounds + 1):
             for label, tree, samples in (("before", old, before), ("after", HERE, after)):
                 print(f"round {round_number}: {label}", file=sys.stderr, flush=True)
-                for figure, (value, unit) in run_benchmarks(tree, args.only).items():
+                for figure, (value, unit) in run_benchmarks(tree, args.only, full=args.full).items():
                     samples.setdefault(figure, []).append(value)
                     units[figure] = unit
     rows = [
@@ -90,7 +91,8 @@ def main() -> None:
     if args.json:
         print(json.dumps([dataclasses.asdict(r) | {"change_pct": r.change_pct} for r in rows], indent=2))
         return
-    table = Table(title=f"{args.before} → working tree, median of {args.rounds} rounds")
+    mode = "full" if args.full else "quick"
+    table = Table(title=f"{args.before} → working tree, {mode} mode, median of {args.rounds} rounds")
     for column in ("figure", "before", "after", "change"):
         table.add_column(column, overflow="fold")
     for r in rows:
