@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TypeVar
 
 from shared.backoff import Backoff
@@ -51,29 +52,21 @@ class HoldRejected(ZatteraError):
         self.retry_after = retry_after
 
 
+@dataclass(eq=False)
 class Holds:
-    def __init__(
-        self,
-        activate: Activate,
-        *,
-        max_held_per_env: int = MAX_HELD_PER_ENV,
-        hold_timeout: float = HOLD_TIMEOUT,
-        max_body_bytes: int = MAX_HELD_BODY_BYTES,
-        retry_initial: float = ACTIVATE_RETRY_INITIAL,
-        retry_max: float = ACTIVATE_RETRY_MAX,
-    ) -> None:
-        self._activate = activate
-        self.max_held_per_env = max_held_per_env
-        self.hold_timeout = hold_timeout
-        self.max_body_bytes = max_body_bytes
-        self.retry_initial = retry_initial
-        self.retry_max = retry_max
-        self._held: dict[str, int] = {}
-        self._signals: dict[str, Signal] = {}
-        self._activations: dict[str, asyncio.Task[None]] = {}
-        self._closed = False
-        self.activations_sent = 0
-        self.completed_holds = 0
+    activate: Activate
+    _: KW_ONLY
+    max_held_per_env: int = MAX_HELD_PER_ENV
+    hold_timeout: float = HOLD_TIMEOUT
+    max_body_bytes: int = MAX_HELD_BODY_BYTES
+    retry_initial: float = ACTIVATE_RETRY_INITIAL
+    retry_max: float = ACTIVATE_RETRY_MAX
+    activations_sent: int = field(init=False, default=0)
+    completed_holds: int = field(init=False, default=0)
+    _held: dict[str, int] = field(init=False, default_factory=dict)
+    _signals: dict[str, Signal] = field(init=False, default_factory=dict)
+    _activations: dict[str, asyncio.Task[None]] = field(init=False, default_factory=dict)
+    _closed: bool = field(init=False, default=False)
 
     @property
     def held(self) -> dict[str, int]:
@@ -136,7 +129,7 @@ class Holds:
             self.activations_sent += 1
             delay = next(backoff)
             try:
-                await self._activate(env_id)
+                await self.activate(env_id)
                 return
             except asyncio.CancelledError:
                 raise

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
@@ -81,30 +81,20 @@ class _Run:
 ProgressFn = Callable[[cpb.SnapshotProgress], Awaitable[None]]
 
 
+@dataclass(eq=False)
 class SnapshotDispatcher:
-    def __init__(
-        self,
-        conn: Connection,
-        view: StateView,
-        clock: Clock,
-        *,
-        target: cpb.SnapshotTarget | None = None,
-        first_reply_timeout: float = FIRST_REPLY_TIMEOUT,
-        idle_timeout: float = IDLE_TIMEOUT,
-        touch_every: float = TOUCH_EVERY,
-        prune_timeout: float = PRUNE_TIMEOUT,
-    ) -> None:
-        self.conn = conn
-        self.view = view
-        self.clock = clock
-        self.target = target if target is not None else cpb.SnapshotTarget()
-        self.first_reply_timeout = first_reply_timeout
-        self.idle_timeout = idle_timeout
-        self.touch_every = touch_every
-        self.prune_timeout = prune_timeout
-        self.gc_lock = SharedExclusiveLock()
-        self._runs: dict[str, _Run] = {}
-        self._busy_volumes: set[str] = set()
+    conn: Connection
+    view: StateView
+    clock: Clock
+    _: KW_ONLY
+    target: cpb.SnapshotTarget = field(default_factory=cpb.SnapshotTarget)
+    first_reply_timeout: float = FIRST_REPLY_TIMEOUT
+    idle_timeout: float = IDLE_TIMEOUT
+    touch_every: float = TOUCH_EVERY
+    prune_timeout: float = PRUNE_TIMEOUT
+    gc_lock: SharedExclusiveLock = field(init=False, default_factory=SharedExclusiveLock)
+    _runs: dict[str, _Run] = field(init=False, default_factory=dict)
+    _busy_volumes: set[str] = field(init=False, default_factory=set)
 
     # ------------------------------------------------------------------ queries
 

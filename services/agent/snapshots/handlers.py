@@ -26,7 +26,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -168,31 +168,22 @@ _RESTORE = _VolumeOperation(
 )
 
 
+@dataclass(eq=False)
 class SnapshotAgent:
     """Serves one node's snapshot, restore and prune requests."""
 
-    def __init__(
-        self,
-        conn: Connection,
-        node_id: str,
-        volumes_root: Path,
-        *,
-        params: ChunkParams | None = None,
-        hook_runner: HookRunner = run_hook_in_shell,
-        gc_grace: float = DEFAULT_GC_GRACE,
-        heartbeat: float = HEARTBEAT,
-    ) -> None:
-        self.conn = conn
-        self.node_id = node_id
-        self.volumes_root = volumes_root
-        self.params = params
-        self.hook_runner = hook_runner
-        self.gc_grace = gc_grace
-        self.heartbeat = heartbeat
-        self.gc_lock = SharedExclusiveLock()
-        self._volume_locks: dict[str, asyncio.Lock] = {}
-        self._subs: list[Subscription] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+    conn: Connection
+    node_id: str
+    volumes_root: Path
+    _: KW_ONLY
+    params: ChunkParams | None = None
+    hook_runner: HookRunner = run_hook_in_shell
+    gc_grace: float = DEFAULT_GC_GRACE
+    heartbeat: float = HEARTBEAT
+    gc_lock: SharedExclusiveLock = field(init=False, default_factory=SharedExclusiveLock)
+    _volume_locks: dict[str, asyncio.Lock] = field(init=False, default_factory=dict)
+    _subs: list[Subscription] = field(init=False, default_factory=list)
+    _tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
 
     async def start(self) -> None:
         handlers = {"snapshot": self._on_snapshot, "restore": self._on_restore, "prune": self._on_prune}

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 
 import aiohttp
 from aiohttp import hdrs, web
@@ -76,23 +77,15 @@ def upstream_request_headers(
     return headers
 
 
+@dataclass(eq=False)
 class Forward:
-    def __init__(
-        self,
-        session: Callable[[], aiohttp.ClientSession | None],
-        table: Callable[[], RouteTable],
-        balancer: Balancer,
-        holds: Holds,
-        stats: ProxyStats,
-        *,
-        behind_engine: bool,
-    ) -> None:
-        self.session = session
-        self.table = table
-        self.balancer = balancer
-        self.holds = holds
-        self.stats = stats
-        self.behind_engine = behind_engine
+    session: Callable[[], aiohttp.ClientSession | None]
+    table: Callable[[], RouteTable]
+    balancer: Balancer
+    holds: Holds
+    stats: ProxyStats
+    _: KW_ONLY
+    behind_engine: bool
 
     async def __call__(self, flow: Flow) -> web.StreamResponse:
         request, route, endpoint = flow.request, flow.route, flow.endpoint
