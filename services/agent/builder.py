@@ -59,6 +59,7 @@ import shutil
 import sys
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -112,30 +113,23 @@ FINISHED_REMEMBERED = 256
 PASSED_THROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
 
 
+@dataclass(eq=False)
 class Builder:
-    def __init__(
-        self,
-        conn: Connection,
-        node_id: str,
-        work_dir: Path,
-        *,
-        os_arch: str,
-        keepalive: float = 60.0,
-        cache_dir: Path | None = None,
-        docker_host: str = "",
-        sandbox: Sandbox | None = None,
-    ) -> None:
-        self.docker_host = docker_host
-        self.sandbox = sandbox
-        self.conn = conn
-        self.node_id = node_id
-        self.work_dir = work_dir
-        # Beside the scratch directories (named by build ids), kept across builds and restarts.
-        self.cache_dir = cache_dir or work_dir.with_name(f"{work_dir.name}-cache")
-        self.layers = LayerCache(self.cache_dir / "layers")
+    conn: Connection
+    node_id: str
+    work_dir: Path
+    _: KW_ONLY
+    os_arch: str
+    keepalive: float = 60.0
+    cache_dir: Path | None = None
+    """Kept across builds and restarts; None: beside the scratch directories (named by build ids)."""
+    docker_host: str = ""
+    sandbox: Sandbox | None = None
+
+    def __post_init__(self) -> None:
+        self.cache_root = self.cache_dir or self.work_dir.with_name(f"{self.work_dir.name}-cache")
+        self.layers = LayerCache(self.cache_root / "layers")
         self.node_python = os.path.realpath(sys.executable)
-        self.os_arch = os_arch
-        self.keepalive = keepalive
         self._builds: dict[str, asyncio.Task[None]] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._stopping: set[asyncio.Task[None]] = set()
@@ -344,11 +338,11 @@ class Builder:
         """Where the builds of ``repo`` keep downloads and dependency layers: one place for every app, unless
         sandboxed (then each app its own: a build could plant files in a shared cache)."""
         if self.sandbox is None:
-            return self.cache_dir
+            return self.cache_root
         name = repo.replace("/", "--")
         if not is_safe_id(name.replace(".", "_")) or name.strip(".-") == "":
             raise BuildError(f"builder: {repo!r} cannot name a cache directory")
-        return self.cache_dir / "apps" / name
+        return self.cache_root / "apps" / name
 
     def _confinement(self, repo: str, scratch: Path, src: Path) -> Confinement | None:
         """The sandbox of this build's steps (None: they run as the agent's user)."""

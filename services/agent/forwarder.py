@@ -30,6 +30,7 @@ import json
 import logging
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -68,25 +69,18 @@ Activate = Callable[[str], Awaitable[object]]
 """Asks the control plane to wake an env; raises when it must be asked again."""
 
 
+@dataclass(eq=False, kw_only=True)
 class Forwarder:
-    def __init__(
-        self,
-        *,
-        activate: Activate | None = None,
-        dns_port: int = 0,
-        state_path: Path | None = None,
-        hold_timeout: float = HOLD_TIMEOUT,
-        max_held_per_env: int = MAX_HELD_PER_ENV,
-        connect_timeout: float = CONNECT_TIMEOUT,
-        kernel: KernelPath | None = None,
-    ) -> None:
-        self._activate = activate
-        self.dns_port = dns_port
-        self.state_path = state_path
-        self.hold_timeout = hold_timeout
-        self.max_held_per_env = max_held_per_env
-        self.connect_timeout = connect_timeout
-        self.slots = SlotTable(_load_consumers(state_path))
+    activate: Activate | None = None
+    dns_port: int = 0
+    state_path: Path | None = None
+    hold_timeout: float = HOLD_TIMEOUT
+    max_held_per_env: int = MAX_HELD_PER_ENV
+    connect_timeout: float = CONNECT_TIMEOUT
+    kernel: KernelPath | None = None
+
+    def __post_init__(self) -> None:
+        self.slots = SlotTable(_load_consumers(self.state_path))
         self.version = 0
         self._targets: list[Target] = []
         self._by_env: dict[str, Target] = {}
@@ -105,7 +99,6 @@ class Forwarder:
         self._outbound: weakref.WeakSet[_Pipe] = weakref.WeakSet()  # joined to an endpoint (its ``route``)
         self.activations_sent = 0
         self.refused = 0
-        self.kernel = kernel
         self.kernel_active = False
         self.path = "user-space forwarder"
         """Which path carries connections to endpoints: "kernel (iptables DNAT)" or "user-space forwarder"."""
@@ -268,7 +261,7 @@ class Forwarder:
     async def _hold(self, route: tuple[str, str]) -> list[str]:
         env_id = route[0]
         target = self._by_env.get(env_id)
-        if target is None or not target.scale_to_zero or self._activate is None:
+        if target is None or not target.scale_to_zero or self.activate is None:
             return []
         if self._held.get(env_id, 0) >= self.max_held_per_env:
             log.warning("forwarder: %d connections already wait for env %s; closing one", self.max_held_per_env, env_id)
@@ -292,13 +285,13 @@ class Forwarder:
                 del self._held[env_id]
 
     async def _activate_while_held(self, env_id: str) -> None:
-        assert self._activate is not None
+        assert self.activate is not None
         backoff = Backoff(ACTIVATE_RETRY_INITIAL, ACTIVATE_RETRY_MAX)
         while self._held.get(env_id):
             self.activations_sent += 1
             delay = next(backoff)
             try:
-                await self._activate(env_id)
+                await self.activate(env_id)
                 return
             except Exception as exc:
                 log.warning("forwarder: waking env %s failed (%s); retrying in %.1fs while held", env_id, exc, delay)

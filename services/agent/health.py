@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from google.protobuf.duration_pb2 import Duration
@@ -143,28 +143,20 @@ async def check_exec(command: str, cwd: Path, env: Mapping[str, str]) -> bool:
     return await run_shell(command, cwd=cwd, env=env) == 0
 
 
+@dataclass(eq=False)
 class HealthMonitor:
     """Probes one instance until cancelled; calls ``on_state`` when its health state changes."""
 
-    def __init__(
-        self,
-        probe: Probe,
-        on_state: Callable[[int], None],
-        *,
-        cwd: Path,
-        env: Mapping[str, str],
-        startup_interval: float,
-        clock: Clock,
-        exec_check: Callable[[str], Awaitable[bool]] | None = None,
-    ) -> None:
-        self.probe = probe
-        self._clock = clock
-        self._exec_check = exec_check
-        self._on_state = on_state
-        self._cwd = cwd
-        self._env = env
-        self._startup_interval = min(startup_interval, probe.interval)
-        self.state = pb.INSTANCE_STATE_UNSPECIFIED
+    probe: Probe
+    on_state: Callable[[int], None]
+    _: KW_ONLY
+    cwd: Path
+    env: Mapping[str, str]
+    startup_interval: float
+    """Between probes while the start grace lasts (never longer than the probe's own interval)."""
+    clock: Clock
+    exec_check: Callable[[str], Awaitable[bool]] | None = None
+    state: int = field(init=False, default=pb.INSTANCE_STATE_UNSPECIFIED)
 
     async def check_once(self) -> bool:
         probe = self.probe
@@ -172,10 +164,10 @@ class HealthMonitor:
             return True
         try:
             async with asyncio.timeout(probe.timeout):
-                if probe.kind == EXEC and self._exec_check is not None:
-                    return await self._exec_check(probe.command)
+                if probe.kind == EXEC and self.exec_check is not None:
+                    return await self.exec_check(probe.command)
                 if probe.kind == EXEC:
-                    return await check_exec(probe.command, self._cwd, self._env)
+                    return await check_exec(probe.command, self.cwd, self.env)
                 if probe.kind == TCP:
                     return await check_tcp(probe.host, probe.port)
                 return await check_http(probe.host, probe.port, probe.path)
@@ -183,18 +175,18 @@ class HealthMonitor:
             return False
 
     async def run(self) -> None:
-        started = self._clock.now()
+        started = self.clock.now()
         healthy_from = started + self.probe.min_healthy
         ever_healthy = False
         failures = 0
         while True:
-            in_grace = not ever_healthy and self._clock.now() - started < self.probe.grace
+            in_grace = not ever_healthy and self.clock.now() - started < self.probe.grace
             if await self.check_once():
                 ever_healthy = True
                 failures = 0
-                early = healthy_from - self._clock.now()
+                early = healthy_from - self.clock.now()
                 if early > 0 and self.state != pb.INSTANCE_STATE_HEALTHY:
-                    await self._clock.sleep(min(early, self.probe.interval))  # passing, not up long enough
+                    await self.clock.sleep(min(early, self.probe.interval))  # passing, not up long enough
                     continue
                 self._set(pb.INSTANCE_STATE_HEALTHY)
                 if self.probe.kind == ALIVE:
@@ -203,9 +195,10 @@ class HealthMonitor:
                 failures += 1
                 if failures >= self.probe.threshold:
                     self._set(pb.INSTANCE_STATE_UNHEALTHY)
-            await self._clock.sleep(self._startup_interval if in_grace else self.probe.interval)
+            interval = min(self.startup_interval, self.probe.interval) if in_grace else self.probe.interval
+            await self.clock.sleep(interval)
 
     def _set(self, state: int) -> None:
         if state != self.state:
-            self.state = state  # type: ignore[assignment]
-            self._on_state(state)
+            self.state = state
+            self.on_state(state)

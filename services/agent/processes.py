@@ -21,7 +21,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from pathlib import Path
 
 import psutil
@@ -96,36 +96,32 @@ class Confined:
     env: Mapping[str, str]
 
 
+@dataclass(eq=False)
 class ProcessHandle:
     """A running instance process: one this agent spawned, or one adopted from a previous agent run."""
 
     oom_killed = False
     """Never known for a bare process (a SIGKILL only makes an OOM kill likely)."""
 
-    def __init__(
-        self,
-        pid: int,
-        create_time: float,
-        *,
-        child: asyncio.subprocess.Process | None = None,
-        poll_interval: float = 1.0,
-        confined: Confined | None = None,
-    ) -> None:
-        self.pid = pid
-        self.create_time = create_time
-        self._child = child
-        self._poll_interval = poll_interval
-        self._confined = confined
+    pid: int
+    create_time: float
+    _: KW_ONLY
+    child: asyncio.subprocess.Process | None = None
+    """The process as spawned by this agent run; None: adopted (polled every ``poll_interval``)."""
+    poll_interval: float = 1.0
+    confined: Confined | None = None
+
+    def __post_init__(self) -> None:
         self._ps: psutil.Process | None = None
         with contextlib.suppress(psutil.Error):
-            self._ps = psutil.Process(pid)
+            self._ps = psutil.Process(self.pid)
         self._sandbox: psutil.Process | None = None
         """The sandbox's pid 1 (bwrap's init in its pid namespace): it exits when nothing is left inside."""
         self.remember_sandbox()
 
     def remember_sandbox(self) -> bool:
         """Find (once) the sandbox's pid 1 while bwrap still runs; True when known (or not sandboxed)."""
-        if self._confined is None or self._sandbox is not None:
+        if self.confined is None or self._sandbox is not None:
             return True
         init = sandbox_init(self.pid, self.create_time)
         if init:
@@ -166,16 +162,16 @@ class ProcessHandle:
 
     @property
     def sandbox_uid(self) -> int:
-        return self._confined.confinement.uid if self._confined is not None else 0
+        return self.confined.confinement.uid if self.confined is not None else 0
 
     @property
     def exec_check(self) -> Callable[[str], Awaitable[bool]] | None:
         """A sandboxed instance's exec health checks run inside its sandbox, as its user; a bare process's on
         the host, in the instance's directory (``health.check_exec``)."""
-        return self._check_inside if self._confined is not None else None
+        return self._check_inside if self.confined is not None else None
 
     async def _check_inside(self, command: str) -> bool:
-        confined = self._confined
+        confined = self.confined
         assert confined is not None
         init = sandbox_init(self.pid, self.create_time)
         if not init:
@@ -215,31 +211,31 @@ class ProcessHandle:
 
     @property
     def adopted(self) -> bool:
-        return self._child is None
+        return self.child is None
 
     def alive(self) -> bool:
-        if self._child is not None:
-            return self._child.returncode is None
+        if self.child is not None:
+            return self.child.returncode is None
         return self._ps is not None and _running(self._ps)
 
     async def wait(self) -> int | None:
         """The exit code; None for an adopted process (not our child: its exit status is not ours to read)."""
-        if self._child is not None:
-            code = await self._child.wait()
-            if self._confined is None:
+        if self.child is not None:
+            code = await self.child.wait()
+            if self.confined is None:
                 return code
             await self._empty_sandbox()
             return exit_status(code)
         # Not our child: no exit notification exists, so poll.
         while self.alive():  # noqa: ASYNC110
-            await asyncio.sleep(self._poll_interval)
+            await asyncio.sleep(self.poll_interval)
         await self._empty_sandbox()
         return None
 
     def signal(self, sig: int) -> None:
         """Signal the whole process group (the instance is its session leader), or the pid alone; in a
         sandbox, every process inside it."""
-        if self._confined is not None and sig != signal.SIGKILL:
+        if self.confined is not None and sig != signal.SIGKILL:
             signal_inside(self.pid, sig)
             return
         if sig == signal.SIGKILL:

@@ -171,7 +171,7 @@ async def test_a_cold_env_is_woken_by_the_first_connection(forwarder: Forwarder)
         woken.append(env_id)
         await forwarder.apply(snapshot(2, service(db_port, db.addr, scale_to_zero=True)))
 
-    forwarder._activate = activate
+    forwarder.activate = activate
     await forwarder.apply(snapshot(1, service(db_port, scale_to_zero=True)))
     env = await forwarder.instance_env(*consumer("web-env", "shop-id"))
     assert await exchange(env["ZATTERA_SERVICE_DB_PRODUCTION_HOST"], db_port, b"hello") == b"woken:hello"
