@@ -29,6 +29,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -96,49 +97,41 @@ async def ensure_teams_bucket(conn: Connection) -> KeyValue:
         return await conn.js.create_key_value(config)
 
 
+@dataclass(eq=False)
 class Authz:
     """The checks and handlers; ``members_account``: the public key of ``MEMBERS``; ``issuer``: the member role's
     issuer (None: no credentials are minted here); ``admins_account``: who may ask for one (``OPERATORS``)."""
 
-    def __init__(
-        self,
-        conn: Connection,
-        members_account: str,
-        *,
-        issuer: RoleIssuer | None = None,
-        admins_account: str = "",
-        now: Callable[[], float] = time.time,
-    ) -> None:
-        self._conn = conn
-        self.members_account = members_account
-        self.issuer = issuer
-        self.admins_account = admins_account
-        self._now = now
+    conn: Connection
+    members_account: str
+    _: KW_ONLY
+    issuer: RoleIssuer | None = None
+    admins_account: str = ""
+    now: Callable[[], float] = time.time
+    """The authorising path's clock (tokens' expiry, feeds' rechecks)."""
+
+    def __post_init__(self) -> None:
         self._kv: KeyValue | None = None
         self._projects: dict[str, str] = {}
         """State key → its project, as last seen readable (a pushed delete has no value to tell it)."""
         self._known: dict[str, tuple[int, str]] = {}
         """State key → (revision, its project or ``env:<id>``) as last decoded: a member's snapshot read decodes
         only the values that changed since the last read (issue 39 item 4: the read's cost)."""
-        self._index = StateIndex(conn)
+        self._index = StateIndex(self.conn)
 
     async def start(self) -> None:
-        self._kv = await ensure_teams_bucket(self._conn)
+        self._kv = await ensure_teams_bucket(self.conn)
         await self._index.start()
 
     async def stop(self) -> None:
         await self._index.stop()
-
-    def now(self) -> float:
-        """The authorising path's clock (tokens' expiry, feeds' rechecks)."""
-        return self._now()
 
     # ------------------------------------------------------------------------------------------ state index
 
     async def _stream_last_seq(self) -> int:
         """The state stream's newest sequence: one small direct get (the last message of any key)."""
         body = json.dumps({"last_by_subj": f"{STATE_PREFIX}>"}).encode()
-        answer = await self._conn.nc.request(f"{DIRECT_GET}{STATE_STREAM}", body, timeout=READ_TIMEOUT)
+        answer = await self.conn.nc.request(f"{DIRECT_GET}{STATE_STREAM}", body, timeout=READ_TIMEOUT)
         headers = answer.headers or {}
         return 0 if headers.get("Status") else int(headers.get("Nats-Sequence", 0) or 0)
 
@@ -148,7 +141,7 @@ class Authz:
         if not self._index.running:
             return False
         member, last = await asyncio.gather(self._caller_member(who), self._stream_last_seq())
-        nc = self._conn.nc
+        nc = self.conn.nc
         if isinstance(member, str):
             await nc.publish(msg.reply, b"", headers=_status("404", f"not authorised: {member}"))
             return True
@@ -189,7 +182,7 @@ class Authz:
             token = Token.from_json(raw)
             if token.user_key != who.user:
                 return f"token {name!r} was re-issued: this credential is no longer valid"
-            why = token.usable(self._now())
+            why = token.usable(self.now())
             if why:
                 return why
             return Member(who.name, {token.project_id: token.role}, token=name)
@@ -205,7 +198,7 @@ class Authz:
 
     async def _stored(self, subject: str) -> bytes | None:
         try:
-            msg = await self._conn.js.get_last_msg(STATE_STREAM, subject, direct=True)
+            msg = await self.conn.js.get_last_msg(STATE_STREAM, subject, direct=True)
         except NotFoundError:
             return None
         if is_delete_marker(msg.headers) or not msg.data:
@@ -264,7 +257,7 @@ class Authz:
 
     async def _ask(self, api: str, body: bytes, headers: dict[str, str] | None, *, batch: bool) -> list[Msg]:
         """JetStream's answer(s) to a read, as the control credential gets them (a batch: up to its status)."""
-        nc = self._conn.nc
+        nc = self.conn.nc
         inbox = nc.new_inbox()
         found: list[Msg] = []
         complete: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -320,7 +313,7 @@ class Authz:
         return await self.member(who) if who is not None and self.is_member(who) else "not a team member"
 
     async def _answer_read(self, msg: Msg, who: Caller | None, api: str) -> None:
-        nc = self._conn.nc
+        nc = self.conn.nc
         if api.startswith(DIRECT_GET) and api[len(DIRECT_GET) :].split(".", 1)[0] == STATE_STREAM:
             await self._answer_state_read(msg, who, api)
             return
@@ -365,7 +358,7 @@ class Authz:
     async def _answer_state_read(self, msg: Msg, who: Caller | None, api: str) -> None:
         """A state read: JetStream's answer and the caller's record are fetched at once, then filtered (a
         whole-state snapshot: answered from the index when it can)."""
-        nc = self._conn.nc
+        nc = self.conn.nc
         batch = _is_batch(msg.data)
         whole = batch and api == f"{DIRECT_GET}{STATE_STREAM}" and _whole_state(msg.data)
         if whole and await self._answer_from_index(msg, who):
@@ -426,7 +419,7 @@ class Authz:
                 reply = await self._events_page(member, msg.data)
             except (TimeoutError, nats.errors.Error, ValueError, KeyError, TypeError) as exc:
                 reply = {"error": f"events not read: {exc or type(exc).__name__}"}
-            await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
+            await self.conn.nc.publish(msg.reply, json.dumps(reply).encode())
 
         return on_events
 

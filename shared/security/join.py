@@ -26,7 +26,7 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any
 
 import nats
@@ -135,76 +135,69 @@ async def ensure_join_bucket(conn: Connection, replicas: int = 1) -> KeyValue:
         return await conn.js.key_value(JOIN_BUCKET)
 
 
+@dataclass(eq=False)
 class JoinService:
     """Answers ``zattera.join.issue`` (new tokens), ``zattera.join`` (token → node credential) and
     ``zattera.view.open`` (an agent's view consumer, :mod:`shared.security.views`), and relays the agents'
     state writes (:mod:`shared.security.relay`): the control side of the agents' account."""
 
-    def __init__(
-        self,
-        conn: Connection,
-        issuers: dict[Role, RoleIssuer],
-        sentinel_jwt: str,
-        *,
-        now: Callable[[], float] = time.time,
-        open_cluster: bool = False,
-        machines: Machines | None = None,
-        audit: bool = True,
-        authz: Authz | None = None,
-    ) -> None:
-        """``authz``: the authorising path of team members (docs/teams.md): their writes are checked by the
-        relay, their reads answered on ``zattera.authz.>``, member credentials minted on ``zattera.teams.issue``.
-        ``open_cluster``: the server authenticates nobody (security keys prepared, server not secured), so
-        no request carries a caller: views are opened for the node a request names, as without keys.
-        ``machines``: machines join with one command (machine tokens, server machines, removal). ``audit``:
-        operators' relayed writes are recorded in the audit log (docs/audit.md; off only to measure its cost)."""
-        self._audit = AuditLog(conn) if audit else None
-        self._machines = machines
-        self._conn = conn
-        self._open_cluster = open_cluster
-        self._issuers = issuers
-        self._sentinel_jwt = sentinel_jwt
-        self._now = now
+    conn: Connection
+    issuers: dict[Role, RoleIssuer]
+    sentinel_jwt: str
+    _: KW_ONLY
+    now: Callable[[], float] = time.time
+    open_cluster: bool = False
+    """The server authenticates nobody (security keys prepared, server not secured), so no request carries a
+    caller: views are opened for the node a request names, as without keys."""
+    machines: Machines | None = None
+    """Machines join with one command (machine tokens, server machines, removal)."""
+    audit: bool = True
+    """Operators' relayed writes are recorded in the audit log (docs/audit.md; off only to measure its cost)."""
+    authz: Authz | None = None
+    """The authorising path of team members (docs/teams.md): their writes are checked by the relay, their reads
+    answered on ``zattera.authz.>``, member credentials minted on ``zattera.teams.issue``."""
+
+    def __post_init__(self) -> None:
+        self._audit_log = AuditLog(self.conn) if self.audit else None
         self._kv: KeyValue | None = None
         self._batches = Batches()
-        self._authz = authz
         self.ready = asyncio.Event()
 
     async def run(self) -> None:
-        self._kv = await ensure_join_bucket(self._conn, replicas=await recorded_replicas(self._conn.js))
+        self._kv = await ensure_join_bucket(self.conn, replicas=await recorded_replicas(self.conn.js))
         subs = [
-            await self._conn.nc.subscribe(JOIN_SUBJECT, queue="join", cb=self._answer(self.join)),
-            await self._conn.nc.subscribe(JOIN_ISSUE_SUBJECT, queue="join", cb=self._answer(self.issue)),
-            await self._conn.nc.subscribe(
+            await self.conn.nc.subscribe(JOIN_SUBJECT, queue="join", cb=self._answer(self.join)),
+            await self.conn.nc.subscribe(JOIN_ISSUE_SUBJECT, queue="join", cb=self._answer(self.issue)),
+            await self.conn.nc.subscribe(
                 JOIN_REMOVE_SUBJECT, queue="join", cb=self._answer(self.remove, then=self._after_removal)
             ),
             *(
-                [await self._conn.nc.subscribe(f"{JOIN_REMOVE_VIA_PREFIX}{mine}", cb=self._answer(self.remove_here))]
-                if (mine := self._machines.node_id if self._machines is not None else "")
+                [await self.conn.nc.subscribe(f"{JOIN_REMOVE_VIA_PREFIX}{mine}", cb=self._answer(self.remove_here))]
+                if (mine := self.machines.node_id if self.machines is not None else "")
                 else []
             ),
-            await self._conn.nc.subscribe(VIEW_OPEN_SUBJECT, queue="join", cb=self._view_open()),
-            await self._conn.nc.subscribe(BATCH_PARTS_SUBJECT, cb=batch_parts_handler(self._batches)),
-            await self._conn.nc.subscribe(f"{RELAY_PREFIX}>", queue="relay", cb=self._relay()),
+            await self.conn.nc.subscribe(VIEW_OPEN_SUBJECT, queue="join", cb=self._view_open()),
+            await self.conn.nc.subscribe(BATCH_PARTS_SUBJECT, cb=batch_parts_handler(self._batches)),
+            await self.conn.nc.subscribe(f"{RELAY_PREFIX}>", queue="relay", cb=self._relay()),
         ]
-        feeds = Feeds(self._conn, self._authz) if self._authz is not None else None
-        if self._authz is not None and feeds is not None:
-            await self._authz.start()
+        feeds = Feeds(self.conn, self.authz) if self.authz is not None else None
+        if self.authz is not None and feeds is not None:
+            await self.authz.start()
             subs += [
-                await self._conn.nc.subscribe(f"{AUTHZ_PREFIX}>", queue="authz", cb=self._authz.read_handler()),
-                await self._conn.nc.subscribe(
+                await self.conn.nc.subscribe(f"{AUTHZ_PREFIX}>", queue="authz", cb=self.authz.read_handler()),
+                await self.conn.nc.subscribe(
                     TEAMS_ISSUE_SUBJECT,
                     queue="authz",
-                    cb=member_issue_handler(self._conn, self._authz.issuer, self._authz.admins_account),
+                    cb=member_issue_handler(self.conn, self.authz.issuer, self.authz.admins_account),
                 ),
-                await self._conn.nc.subscribe(TEAMS_EVENTS_SUBJECT, queue="authz", cb=self._authz.events_handler()),
-                await self._conn.nc.subscribe(TEAMS_FEED_SUBJECT, queue="authz", cb=feeds.feed_handler()),
+                await self.conn.nc.subscribe(TEAMS_EVENTS_SUBJECT, queue="authz", cb=self.authz.events_handler()),
+                await self.conn.nc.subscribe(TEAMS_FEED_SUBJECT, queue="authz", cb=feeds.feed_handler()),
                 # Every join service: the one holding the feed acts on its keepalive.
-                await self._conn.nc.subscribe(TEAMS_FEED_KEEP_SUBJECT, cb=feeds.keep_handler()),
+                await self.conn.nc.subscribe(TEAMS_FEED_KEEP_SUBJECT, cb=feeds.keep_handler()),
             ]
-        await self._conn.nc.flush()
-        if self._machines is not None:
-            await self._machines.started(self.kv)
+        await self.conn.nc.flush()
+        if self.machines is not None:
+            await self.machines.started(self.kv)
         self.ready.set()
         try:
             await asyncio.Event().wait()
@@ -213,23 +206,23 @@ class JoinService:
                 await sub.unsubscribe()
             if feeds is not None:
                 await feeds.stop()
-            if self._authz is not None:
-                await self._authz.stop()
+            if self.authz is not None:
+                await self.authz.stop()
 
     def _agents_account(self) -> str:
-        agents = {issuer.account_public_key for role, issuer in self._issuers.items() if role in AGENT_ROLES}
+        agents = {issuer.account_public_key for role, issuer in self.issuers.items() if role in AGENT_ROLES}
         if len(agents) != 1:
             raise ValueError("the agent and builder role keys must belong to one account (AGENTS)")
         return agents.pop()
 
     def _view_open(self) -> Callable[[Msg], Any]:
-        if self._open_cluster:
-            return open_cluster_view_handler(self._conn)
-        issuers = {issuer.signing_key.public_key for role, issuer in self._issuers.items() if role in AGENT_ROLES}
-        return view_open_handler(self._conn, agents_account=self._agents_account(), agent_issuers=issuers)
+        if self.open_cluster:
+            return open_cluster_view_handler(self.conn)
+        issuers = {issuer.signing_key.public_key for role, issuer in self.issuers.items() if role in AGENT_ROLES}
+        return view_open_handler(self.conn, agents_account=self._agents_account(), agent_issuers=issuers)
 
     def _relay(self) -> Callable[[Msg], Any]:
-        return relay_handler(self._conn, self._agents_account(), self._batches, self._audit, self._authz)
+        return relay_handler(self.conn, self._agents_account(), self._batches, self._audit_log, self.authz)
 
     def _answer(
         self,
@@ -253,10 +246,10 @@ class JoinService:
             except (TimeoutError, NatsError) as exc:  # never left without an answer
                 log.warning("join service: %s: %s", msg.subject, exc)
                 reply = {"error": f"the cluster did not answer: {exc}"}
-            await self._conn.nc.publish(msg.reply, json.dumps(reply).encode())
+            await self.conn.nc.publish(msg.reply, json.dumps(reply).encode())
             if then is not None:
-                await self._conn.nc.flush()
-                server = self._conn.nc.connected_url
+                await self.conn.nc.flush()
+                server = self.conn.nc.connected_url
                 log.info(
                     "%s answered through %s:%s",
                     msg.subject,
@@ -287,12 +280,12 @@ class JoinService:
         secret = str(request.get("secret") or "") if server else new_secret()
         if server and (len(secret) < 40 or not request.get("bundle")):
             raise JoinRefused("a server token needs its secret and sealed bundle (zattera nodes join-token --server)")
-        expires_at = self._now() + ttl
+        expires_at = self.now() + ttl
         record: dict[str, Any] = {
             "expires_at": expires_at,
             "node_id": node_id,
             "role": str(role),
-            "created_at": self._now(),
+            "created_at": self.now(),
             **({"server": True, "bundle": str(request["bundle"])} if server else {}),
         }
         try:
@@ -305,9 +298,9 @@ class JoinService:
             "server" if server else role,
             _iso(expires_at),
         )
-        reply: dict[str, Any] = {"token": str(JoinToken(secret, self._sentinel_jwt)), "expires_at": expires_at}
-        if self._machines is not None:
-            reply["machine_token"] = await self._machines.token(self.kv, secret, self._sentinel_jwt)
+        reply: dict[str, Any] = {"token": str(JoinToken(secret, self.sentinel_jwt)), "expires_at": expires_at}
+        if self.machines is not None:
+            reply["machine_token"] = await self.machines.token(self.kv, secret, self.sentinel_jwt)
         return reply
 
     async def remove(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -315,14 +308,14 @@ class JoinService:
         seats (``{"seats": true}``): see :mod:`shared.security.membership`. Handed to another server machine's
         join service when this one is the machine removed (or not the one with the seats)."""
         node_id, seats = await self._removal(request)
-        assert self._machines is not None
-        via = await self._machines.forward_to(self.kv, node_id, seats)
+        assert self.machines is not None
+        via = await self.machines.forward_to(self.kv, node_id, seats)
         if not via:
             return await self.remove_here(request)
         try:
             forwarded = json.dumps({**request, "node_id": node_id}).encode()
             subject = f"{JOIN_REMOVE_VIA_PREFIX}{via}"
-            msg = await self._conn.nc.request(subject, forwarded, timeout=REMOVE_FORWARD_TIMEOUT)
+            msg = await self.conn.nc.request(subject, forwarded, timeout=REMOVE_FORWARD_TIMEOUT)
         except (NatsError, TimeoutError):
             raise JoinRefused(f"the join service of server machine {via} did not answer") from None
         reply: dict[str, Any] = json.loads(msg.data or b"{}")
@@ -332,31 +325,31 @@ class JoinService:
 
     async def _after_removal(self, reply: dict[str, Any]) -> None:
         """Once a removal is answered: the services' and system accounts get its revocations."""
-        if self._machines is None or not reply.get("revoked") or not reply.get("staying"):
+        if self.machines is None or not reply.get("revoked") or not reply.get("staying"):
             return
         # The answer crosses the routes through a reply mapping the update of ZATTERA drops: give it a moment.
         await asyncio.sleep(REPLY_GRACE)
         try:
-            await self._machines.push_control_accounts([str(u) for u in reply["staying"]])
+            await self.machines.push_control_accounts([str(u) for u in reply["staying"]])
         except (ZatteraError, OSError, TimeoutError, NatsError) as exc:
             log.error("revocations not pushed to the services' and system accounts: %s", exc)
 
     async def remove_here(self, request: dict[str, Any]) -> dict[str, Any]:
         node_id, seats = await self._removal(request)
-        assert self._machines is not None
+        assert self.machines is not None
         try:
             if seats:
-                return await self._machines.retire_seats(self.kv)
-            return await self._machines.remove(self.kv, node_id, self._now(), force=bool(request.get("force")))
+                return await self.machines.retire_seats(self.kv)
+            return await self.machines.remove(self.kv, node_id, self.now(), force=bool(request.get("force")))
         except ZatteraError as exc:
             raise JoinRefused(str(exc)) from None
 
     async def _removal(self, request: dict[str, Any]) -> tuple[str, bool]:
         seats = bool(request.get("seats"))
-        if self._machines is None:
+        if self.machines is None:
             raise JoinRefused("this join service cannot remove machines (no security setup)")
         if seats:
-            node_id = str(request.get("node_id") or "") or await self._machines.seats_holder(self.kv)
+            node_id = str(request.get("node_id") or "") or await self.machines.seats_holder(self.kv)
         else:
             node_id = str(request.get("node_id") or "")
         if not NODE_ID.match(node_id):
@@ -381,7 +374,7 @@ class JoinService:
             raise JoinRefused(
                 f"join token already used (node {record['used_by']} joined with it at {_iso(record['used_at'])})"
             )
-        if self._now() >= float(record["expires_at"]):
+        if self.now() >= float(record["expires_at"]):
             raise JoinRefused(f"join token expired at {_iso(float(record['expires_at']))}; ask for a new one")
         bound = str(record.get("node_id") or "")
         if bound and bound != node_id:
@@ -392,13 +385,13 @@ class JoinService:
                 f"token bound to it (zattera nodes join-token --node {node_id})"
             )
         proxy_key = str(request.get("proxy_public_key") or "")
-        if proxy_key and (not USER_PUBLIC_KEY.match(proxy_key) or Role.PROXY not in self._issuers):
+        if proxy_key and (not USER_PUBLIC_KEY.match(proxy_key) or Role.PROXY not in self.issuers):
             raise JoinRefused("proxy_public_key must be a NATS user public key (U…)")
-        if record.get("server") and self._machines is not None and await self._machines.is_server(self.kv, node_id):
+        if record.get("server") and self.machines is not None and await self.machines.is_server(self.kv, node_id):
             raise JoinRefused(f"a server machine named {node_id} is already in the cluster")
-        if record.get("server") and self._machines is not None and not await self._machines.has_servers(self.kv):
+        if record.get("server") and self.machines is not None and not await self.machines.has_servers(self.kv):
             raise JoinRefused("cannot join as a server machine: no server machine is registered yet; try again")
-        used = {**record, "used_by": node_id, "used_at": self._now(), "public_key": public_key}
+        used = {**record, "used_by": node_id, "used_at": self.now(), "public_key": public_key}
         used.pop("bundle", None)  # handed over once, then gone
         if proxy_key:
             used["proxy_public_key"] = proxy_key
@@ -408,14 +401,14 @@ class JoinService:
             raise JoinRefused("join token already used") from None
         role = Role(record.get("role") or Role.AGENT)
         log.info("node %s joined (role %s, user %s)", node_id, role, public_key)
-        reply = {"jwt": self._issuers[role].user_jwt(node_id, public_key), "node_id": node_id, "role": str(role)}
+        reply = {"jwt": self.issuers[role].user_jwt(node_id, public_key), "node_id": node_id, "role": str(role)}
         if proxy_key:
-            reply["proxy_jwt"] = self._issuers[Role.PROXY].user_jwt(node_id, proxy_key)
-        if self._machines is not None:
-            reply |= await self._machines.joined(self.kv, node_id)
+            reply["proxy_jwt"] = self.issuers[Role.PROXY].user_jwt(node_id, proxy_key)
+        if self.machines is not None:
+            reply |= await self.machines.joined(self.kv, node_id)
         if record.get("server"):
             reply["bundle"] = str(record.get("bundle") or "")
         return reply
 
     async def _node_registered(self, node_id: str) -> bool:
-        return (await read_state_key(self._conn.js, K.node(node_id))).data is not None
+        return (await read_state_key(self.conn.js, K.node(node_id))).data is not None
