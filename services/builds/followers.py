@@ -105,14 +105,16 @@ class _Follower:
     task: asyncio.Task[None] | None = None
 
 
+@dataclass(eq=False)
 class BuildFollowers:
     """The followers of one leadership term (:meth:`start` at its beginning, :meth:`stop` at its end)."""
 
-    def __init__(self, conn: Connection, view: StateView, clock: Clock, config: BuildDispatcherConfig) -> None:
-        self.conn = conn
-        self.view = view
-        self.clock = clock
-        self.config = config
+    conn: Connection
+    view: StateView
+    clock: Clock
+    config: BuildDispatcherConfig
+
+    def __post_init__(self) -> None:
         self._writer: Writer | None = None
         self._followers: dict[str, _Follower] = {}
         self._told_to_stop: set[str] = set()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from zattera.v1 import types_pb2 as pb
 
@@ -57,25 +57,22 @@ class SweepReport:
     freed_bytes: int
 
 
+@dataclass(eq=False)
 class RegistrySweeper:
-    def __init__(
-        self,
-        conn: Connection,
-        view: StateView,
-        clock: Clock,
-        *,
-        grace: float = BLOB_GRACE,
-        bucket: str = IMAGES_STORE,
-    ) -> None:
-        self._view = view
-        self._clock = clock
-        self.grace = grace
-        self._blobs = BlobStore(conn, bucket, clock=clock)
+    conn: Connection
+    view: StateView
+    clock: Clock
+    _: KW_ONLY
+    grace: float = BLOB_GRACE
+    bucket: str = IMAGES_STORE
+
+    def __post_init__(self) -> None:
+        self._blobs = BlobStore(self.conn, self.bucket, clock=self.clock)
 
     async def untag(self, writer: Writer, repo: str, tag: str) -> bool:
         """Remove the tag ``repo:tag``; False when it does not exist (idempotent)."""
         key = K.image(image_id(repo, tag))
-        if self._view.get(K.IMAGE, image_id(repo, tag)) is None:
+        if self.view.get(K.IMAGE, image_id(repo, tag)) is None:
             return False
         await writer.commit(writer.txn("untag").delete(key))
         return True
@@ -86,9 +83,9 @@ class RegistrySweeper:
 
     async def collect(self) -> SweepReport:
         """Delete every unreferenced blob older than the grace period."""
-        await self._view.catch_up(MARK_CATCH_UP)  # marks must include every tag written before the sweep
-        marked_at = self._clock.now()
-        referenced = referenced_blobs(self._view.images())
+        await self.view.catch_up(MARK_CATCH_UP)  # marks must include every tag written before the sweep
+        marked_at = self.clock.now()
+        referenced = referenced_blobs(self.view.images())
         listed = await self._blobs.list()
         deleted: list[str] = []
         freed = 0
@@ -96,13 +93,13 @@ class RegistrySweeper:
         for listed_blob in listed:
             if listed_blob.digest in referenced:
                 continue
-            if self._clock.now() - marked_at > self.grace / 3:
+            if self.clock.now() - marked_at > self.grace / 3:
                 log.info("registry sweep: marks grew old; the rest waits for the next sweep")
                 break
             blob = await self._blobs.stat(listed_blob.digest)
             if blob is None:
                 continue
-            if not collectable(blob, referenced, now=self._clock.now(), grace=self.grace):
+            if not collectable(blob, referenced, now=self.clock.now(), grace=self.grace):
                 recent += 1
                 continue
             if await self._blobs.delete_if_unchanged(blob):

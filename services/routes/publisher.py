@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime
 
 from google.protobuf.message import DecodeError
@@ -96,31 +96,24 @@ class Snapshot:
         return self._messages
 
 
+@dataclass(eq=False)
 class RoutesPublisher:
     """Builds, publishes and serves route snapshots for one replica (see the module docstring)."""
 
-    def __init__(
-        self,
-        conn: Connection,
-        view: StateView,
-        *,
-        domain: str,
-        clock: Clock,
-        quiet: float = QUIET,
-        max_delay: float = MAX_DELAY,
-        keepalive: float = KEEPALIVE,
-        compress_above: int = COMPRESS_ABOVE,
-        max_message_bytes: int | None = None,
-    ) -> None:
-        self.conn = conn
-        self.view = view
-        self.clock = clock
-        self.builder = RouteBuilder(view, domain=domain)
-        self.quiet = quiet
-        self.max_delay = max_delay
-        self.keepalive = keepalive
-        self.compress_above = compress_above
-        self._max_message_bytes = max_message_bytes
+    conn: Connection
+    view: StateView
+    _: KW_ONLY
+    domain: str
+    clock: Clock
+    quiet: float = QUIET
+    max_delay: float = MAX_DELAY
+    keepalive: float = KEEPALIVE
+    compress_above: int = COMPRESS_ABOVE
+    max_message_bytes: int | None = None
+    """None: the server's payload limit, less room for the headers (:attr:`message_limit`)."""
+
+    def __post_init__(self) -> None:
+        self.builder = RouteBuilder(self.view, domain=self.domain)
         self.current: Snapshot | None = None
         self.known_version = -1  # newest version published by anyone (-1: none seen)
         self.known_digest = ""
@@ -129,8 +122,8 @@ class RoutesPublisher:
         self.publishes = 0  # messages sent on the subject (new content and keep-alives)
 
     @property
-    def max_message_bytes(self) -> int:
-        return self._max_message_bytes or self.conn.nc.max_payload - HEADER_ROOM
+    def message_limit(self) -> int:
+        return self.max_message_bytes or self.conn.nc.max_payload - HEADER_ROOM
 
     # ------------------------------------------------------------------ main loop
 
@@ -212,7 +205,7 @@ class RoutesPublisher:
 
     async def _publish(self, snapshot: Snapshot) -> None:
         try:
-            for message in snapshot.messages(self.max_message_bytes, self.compress_above):
+            for message in snapshot.messages(self.message_limit, self.compress_above):
                 await self.conn.js.publish(ROUTES_SNAPSHOT_SUBJECT, message.body, headers=message.headers)
                 self.publishes += 1
             self._unpublished = False
@@ -273,7 +266,7 @@ class RoutesPublisher:
             if request.have_version == current.version and same:
                 await self.conn.nc.publish(msg.reply, b"", headers={UNCHANGED_HEADER: "true"})
                 return
-            for message in current.messages(self.max_message_bytes, self.compress_above):
+            for message in current.messages(self.message_limit, self.compress_above):
                 await self.conn.nc.publish(msg.reply, message.body, headers=message.headers)
         except NatsError as exc:
             log.warning("routes.get: reply not sent: %s", exc)
