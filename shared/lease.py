@@ -32,7 +32,7 @@ import math
 import os
 import socket
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -74,29 +74,23 @@ def default_holder(service: str) -> str:
     return f"{service}@{socket.gethostname()}:{os.getpid()}:{new_id()[-6:]}"
 
 
+@dataclass(eq=False)
 class Lease:
     """One lease key; shared by the renewal task and the fenced writer through :attr:`lock`."""
 
-    def __init__(
-        self,
-        conn: Connection,
-        loop: str,
-        holder: str,
-        *,
-        ttl: float = LEASE_TTL,
-        renew_interval: float = LEASE_RENEW,
-        probe_interval: float = LEASE_PROBE,
-    ) -> None:
-        if ttl < 1.0:
+    conn: Connection
+    loop: str
+    holder: str
+    _: KW_ONLY
+    ttl: float = LEASE_TTL
+    renew_interval: float = LEASE_RENEW
+    probe_interval: float = LEASE_PROBE
+
+    def __post_init__(self) -> None:
+        if self.ttl < 1.0:
             raise ValueError("lease ttl must be at least 1 s (the server's TTL granularity)")
-        self._conn = conn
-        self.loop = loop
-        self.holder = holder
-        self.ttl = ttl
-        self.renew_interval = renew_interval
-        self.probe_interval = probe_interval
         self.last_seen: bytes | None = None  # the value a refused attempt found (its holder's probe)
-        self.key = K.lease(loop)
+        self.key = K.lease(self.loop)
         self.subject = STATE_PREFIX + self.key
         self.lock = asyncio.Lock()
         self.rev = 0
@@ -108,7 +102,7 @@ class Lease:
         self._last_refresh = 0.0
         self._lost = asyncio.Event()
         self.lost_reason = ""
-        self._js = conn.nc.jetstream(timeout=REQUEST_TIMEOUT)
+        self._js = self.conn.nc.jetstream(timeout=REQUEST_TIMEOUT)
         self.probe = f"{LEASE_PROBE_PREFIX}{new_id()}"
         self._probe_sub: Subscription | None = None  # set while this process answers on :attr:`probe`
 
@@ -138,8 +132,8 @@ class Lease:
                 with contextlib.suppress(NatsError):
                     await msg.respond(b"")
 
-        self._probe_sub = await self._conn.nc.subscribe(self.probe, cb=answer)
-        await self._conn.nc.flush(timeout=2)
+        self._probe_sub = await self.conn.nc.subscribe(self.probe, cb=answer)
+        await self.conn.nc.flush(timeout=2)
 
     @property
     def answering(self) -> bool:
@@ -173,7 +167,7 @@ class Lease:
             if attempt:
                 await asyncio.sleep(PROBE_GAP)
             try:
-                await self._conn.nc.request(lease.probe, b"", timeout=PROBE_TIMEOUT)
+                await self.conn.nc.request(lease.probe, b"", timeout=PROBE_TIMEOUT)
                 return False
             except NoRespondersError:
                 continue
@@ -336,7 +330,7 @@ class Lease:
         """Delete the lease if one of this process's acquiring writes holds it. Those writes were sent before the
         cancel and may still land: first let the server take everything sent (a flush), then read and delete,
         again when a write landed between the two (the delete is refused on the moved revision)."""
-        await self._conn.nc.flush(timeout=2)
+        await self.conn.nc.flush(timeout=2)
         for _ in range(UNCONFIRMED_RELEASE_TRIES):
             rev, value = await self._read_last()
             if value is None or not self._ours(value):
@@ -349,7 +343,7 @@ class Lease:
                     raise
 
     async def _delete(self, rev: int) -> None:
-        await self._conn.js.publish(
+        await self.conn.js.publish(
             self.subject,
             b"",
             headers={"Nats-Expected-Last-Subject-Sequence": str(rev), "KV-Operation": "DEL"},

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,19 +61,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Proxy:
-    def __init__(
-        self,
-        cfg: ProxySettings,
-        *,
-        nats_url: str,
-        cache_dir: Path,
-        metrics: bool = False,
-        behind_engine: bool = False,
-    ) -> None:
-        self.cfg = cfg
-        self.behind_engine = behind_engine
-        """Serving for an engine in front (HAProxy): the client is the last ``X-Forwarded-For`` value."""
+    cfg: ProxySettings
+    _: KW_ONLY
+    nats_url: str
+    cache_dir: Path
+    metrics: bool = False
+    behind_engine: bool = False
+    """Serving for an engine in front (HAProxy): the client is the last ``X-Forwarded-For`` value."""
+
+    def __post_init__(self) -> None:
         self.snapshot_listeners: list[Callable[[cpb.RouteSnapshot], None]] = []
         self.sample_sources: list[Callable[[], Awaitable[dict[str, cpb.ProxySample]]]] = []
         """Other data paths' per-env samples, merged into this proxy's heartbeat."""
@@ -87,23 +86,21 @@ class Proxy:
         self.public_ports: Callable[[], tuple[int, int]] = lambda: (self._listening, 0)
         """Where clients reach this proxy: (HTTP port, HTTPS port; 0 = none), reported in the heartbeat so that
         the URLs the CLI and console show carry the port that works (an engine in front reports its own)."""
-        self.metrics = metrics
         self.requests = RequestSeries()
         """Per-env request durations (metrics on), recorded by the HTTP side and exported in the heartbeat."""
-        self.nats_url = nats_url
-        self.proxy_id = cfg.proxy_id or socket.gethostname()
-        self.routes = RouteClient(cache_dir / ROUTES_CACHE_FILE, node_id=cfg.node_id)
+        self.proxy_id = self.cfg.proxy_id or socket.gethostname()
+        self.routes = RouteClient(self.cache_dir / ROUTES_CACHE_FILE, node_id=self.cfg.node_id)
         self.table = RouteTable(self.routes.current)
         self._control_version: str | None = None
-        self.balancer = Balancer(cfg.node_id)
+        self.balancer = Balancer(self.cfg.node_id)
         self.limiter = RateLimiter()
         self.basic_auth = BasicAuth()
         self.stats = ProxyStats()
         self.holds = Holds(
             self._activate,
-            max_held_per_env=cfg.max_held_per_env,
-            hold_timeout=cfg.hold_timeout,
-            max_body_bytes=cfg.max_held_body_bytes,
+            max_held_per_env=self.cfg.max_held_per_env,
+            hold_timeout=self.cfg.hold_timeout,
+            max_body_bytes=self.cfg.max_held_body_bytes,
         )
         self.challenges = ChallengeAnswers()
         self.certificates: CertClient | None = None
