@@ -122,12 +122,13 @@ class Builder:
     os_arch: str
     keepalive: float = 60.0
     cache_dir: Path | None = None
-    """Kept across builds and restarts; None: beside the scratch directories (named by build ids)."""
+    """Where the caches are kept across builds and restarts (:attr:`cache_root`)."""
     docker_host: str = ""
     sandbox: Sandbox | None = None
 
     def __post_init__(self) -> None:
         self.cache_root = self.cache_dir or self.work_dir.with_name(f"{self.work_dir.name}-cache")
+        """``cache_dir``, else ``<work_dir>-cache``: beside the scratch directories (named by build ids)."""
         self.layers = LayerCache(self.cache_root / "layers")
         self.node_python = os.path.realpath(sys.executable)
         self._builds: dict[str, asyncio.Task[None]] = {}
