@@ -453,9 +453,8 @@ class HAProxyEngine:
             await self.latency_log.ensure()
             latencies = self.latency_log.percentiles(set(self.running.env_of_backend.values()))
         samples = self._sampler.sample(parse_stat_csv(text), self.running.env_of_backend, time.time(), latencies)
-        await self._sample_weighted_servers()
+        weighted = await self._sample_weighted_servers()
         if self.latency_log is not None:  # busy backends log one request in N
-            weighted = {b.name for b in self.running.backends.values() if any(s.step_tag for s in b.servers)}
             with contextlib.suppress(OSError, TimeoutError, RuntimeAPIError):  # the rest at the next sample
                 send = partial(command, self.layout.stats_socket)
                 await self.log_every.update(self._sampler.backend_rates, weighted, send)
@@ -465,22 +464,24 @@ class HAProxyEngine:
                     self.requests.observe(answered.env_id, answered.status_class * 100, answered.seconds)
         return samples
 
-    async def _sample_weighted_servers(self) -> None:
-        """Server rows of the weighted backends only (none without a canary: nothing extra is asked)."""
+    async def _sample_weighted_servers(self) -> set[str]:
+        """Samples the weighted backends' server rows (none without a canary) and returns those backends' names."""
         owners: dict[tuple[str, str], tuple[str, str, str]] = {}
         for backend in self.running.backends.values():
             for server in backend.servers:
                 if server.step_tag:
                     owners[(backend.name, server.name)] = (backend.env_id, server.release_id, server.step_tag)
+        weighted = {name for name, _ in owners}
         rows: list[dict[str, str]] = []
-        for backend_name in sorted({name for name, _ in owners}):
+        for backend_name in sorted(weighted):
             try:
                 rows += parse_stat_csv(await command(self.layout.stats_socket, f"show stat {backend_name} 4 -1"))
             except (OSError, TimeoutError, RuntimeAPIError):
-                return
+                return weighted
         self.server_traffic.sample(
             rows, owners, self.latency_log.latencies.releases if self.latency_log is not None else None
         )
+        return weighted
 
     def release_traffic(self) -> list[cpb.ReleaseTraffic]:
         return list(self.server_traffic.report)
