@@ -38,7 +38,7 @@ from zattera.v1 import types_pb2 as pb
 
 from services.secrets.drain_cursors import Source, any_made, bind_source, count_dropped, refresh, write_source
 from services.secrets.drain_send import Delivery, DrainTarget, Sender, open_target, records_of
-from services.secrets.statuses import current_status, save_status
+from services.secrets.statuses import clear_failures, current_status, keep_following, record_failure, save_status
 from shared import drains
 from shared import keys as K
 from shared.applogs import app_log_subject, app_logs_stream
@@ -49,7 +49,6 @@ from shared.loop import LeaderLoop, LoopDeps
 from shared.secrets import Keyring
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 from shared.tasks import cancel_and_wait
-from shared.txn import Deposed
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +119,7 @@ class Drainer(LeaderLoop):
         for name, running in list(self._running.items()):
             entry = wanted.get(name)
             if entry is None or entry[2] != running.version or running.task.done():
-                running.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await running.task
+                await cancel_and_wait(running.task)
                 del self._running[name]
                 kept = set(self._streams(*entry[:2])) if entry is not None else set()
                 await self._delete_consumers(name, [s for s in running.streams if s not in kept])
@@ -159,15 +156,12 @@ class Drainer(LeaderLoop):
             if self._changed(status):
                 await self._save(status)
             return
-        restarts = Backoff(self.settings.retry_first, self.settings.retry_most)
-        while True:
-            try:
-                await self._run_drain(drain, envs, target)
-            except Deposed:
-                raise
-            except Exception as exc:  # a NATS fault (a stream deleted with its env): again from the consumers
-                log.warning("drains: drain %s: reading the logs failed (%s); again shortly", name, type(exc).__name__)
-                await self.clock.sleep(next(restarts))
+        await keep_following(  # a stream deleted with its env: again from the consumers
+            self,
+            lambda: self._run_drain(drain, envs, target),
+            Backoff(self.settings.retry_first, self.settings.retry_most),
+            f"drains: drain {name}: reading the logs",
+        )
 
     async def _run_drain(self, drain: pb.LogDrain, envs: list[str], target: DrainTarget) -> None:
         status = self._status(drain.meta.id)
@@ -274,21 +268,13 @@ class Drainer(LeaderLoop):
                 error = drains.scrub(str(exc), target.secrets)
             else:
                 if status.failures:
-                    recovered = status.failing
-                    status.failing, status.failures, status.last_error = False, 0, ""
-                    status.ClearField("failing_since")
+                    recovered = clear_failures(status)
                     await self._save(status)
                     if recovered:
                         await self._announce(drain, drains.RECOVERED_KIND, "delivers again", INFO)
                 return
-            now = self.clock.now()
-            if status.failures == 0:
-                stamp(status.failing_since, now)
-            status.failures += 1
-            status.last_error = error
+            newly_failing = record_failure(status, error, self.clock.now(), self.settings.failing_after)
             log.warning("drains: drain %s: %s (attempt %d)", drain.meta.id, error, status.failures)
-            newly_failing = not status.failing and status.failures >= self.settings.failing_after
-            status.failing = status.failing or newly_failing
             await self._save(status)
             if newly_failing:
                 await self._announce(drain, drains.FAILING_KIND, f"is failing: {error}", ERROR)

@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.v1 import types_pb2 as pb
 
-from services.secrets.statuses import current_status, save_status
+from services.secrets.statuses import clear_failures, current_status, keep_following, record_failure, save_status
 from shared import keys as K
 from shared import notify
 from shared.actions.names import env_label
@@ -40,7 +40,6 @@ from shared.secrets import Keyring
 from shared.state.feed import guard_ordered_consumer
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 from shared.tasks import cancel_and_wait
-from shared.txn import Deposed
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +110,7 @@ class Notifier(LeaderLoop):
                 or channel.SerializeToString(deterministic=True) != running.version
                 or running.task.done()
             ):
-                running.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await running.task
+                await cancel_and_wait(running.task)
                 del self._running[name]
         for name, channel in channels.items():
             if name not in self._running:
@@ -140,15 +137,12 @@ class Notifier(LeaderLoop):
                 status.last_error = f"cannot open the channel: {exc}"
                 await self._save(status)
             return
-        restarts = Backoff(self.settings.retry_first, self.settings.retry_most)
-        while True:
-            try:
-                await self._follow_from_cursor(channel, target)
-            except Deposed:
-                raise
-            except Exception as exc:  # a NATS fault: read again from the cursor
-                log.warning("notify: channel %s: reading the events failed (%s); again shortly", name, exc)
-                await self.clock.sleep(next(restarts))
+        await keep_following(  # read again from the cursor
+            self,
+            lambda: self._follow_from_cursor(channel, target),
+            Backoff(self.settings.retry_first, self.settings.retry_most),
+            f"notify: channel {name}: reading the events",
+        )
 
     async def _follow_from_cursor(self, channel: pb.NotifyChannel, target: _Target) -> None:
         status = self._status(channel.meta.id)
@@ -201,21 +195,14 @@ class Notifier(LeaderLoop):
             error = await self._post(target, event.meta.id, payload)
             now = self.clock.now()
             if error is None:
-                recovered = status.failing
-                status.failing, status.failures, status.last_error = False, 0, ""
-                status.ClearField("failing_since")
+                recovered = clear_failures(status)
                 status.delivered += 1
                 stamp(status.last_delivered_at, now)
                 if recovered:
                     await self._announce(channel, notify.RECOVERED_KIND, "delivers again", INFO)
                 return
-            if status.failures == 0:
-                stamp(status.failing_since, now)
-            status.failures += 1
-            status.last_error = error
+            newly_failing = record_failure(status, error, now, self.settings.failing_after)
             log.warning("notify: channel %s: %s (attempt %d)", channel.meta.id, error, status.failures)
-            newly_failing = not status.failing and status.failures >= self.settings.failing_after
-            status.failing = status.failing or newly_failing
             await self._save(status)
             if newly_failing:
                 await self._announce(channel, notify.FAILING_KIND, f"is failing: {error}", ERROR)

@@ -1,15 +1,23 @@
-"""The status records of the secrets service's delivery loops (a notification channel's ``NotifyStatus``, a log
-drain's ``LogDrainStatus``): one read as the view holds it, one written and waited for in the view."""
+"""What the secrets service's delivery loops (a notification channel's, a log drain's) share: their status
+records (``NotifyStatus``, ``LogDrainStatus``) read as the view holds them and written and waited for in the
+view, the failure bookkeeping in them (FAILING after some failed attempts, recovered by a delivery), and the
+follower that reads again after a fault."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from zattera.v1 import types_pb2 as pb
 
+from shared.backoff import Backoff
 from shared.clock import stamp
 from shared.loop import LeaderLoop
+from shared.txn import Deposed
+
+log = logging.getLogger(__name__)
 
 Status = TypeVar("Status", pb.NotifyStatus, pb.LogDrainStatus)
 
@@ -41,3 +49,38 @@ async def save_status(loop: LeaderLoop, kind: str, status: Status) -> None:
             await asyncio.wait_for(feed.wait(), SHOWN_WAIT)
     finally:
         feed.close()
+
+
+def record_failure(status: Status, error: str, now: float, failing_after: int) -> bool:
+    """Count one failed delivery in ``status`` (the first of a row stamps ``failing_since``); True when this
+    one makes it FAILING (``failing_after`` in a row), to be announced."""
+    if status.failures == 0:
+        stamp(status.failing_since, now)
+    status.failures += 1
+    status.last_error = error
+    newly_failing = not status.failing and status.failures >= failing_after
+    status.failing = status.failing or newly_failing
+    return newly_failing
+
+
+def clear_failures(status: Status) -> bool:
+    """A delivery was accepted: the failures in ``status`` cleared; True when it was FAILING (it recovered)."""
+    recovered = status.failing
+    status.failing, status.failures, status.last_error = False, 0, ""
+    status.ClearField("failing_since")
+    return recovered
+
+
+async def keep_following(
+    loop: LeaderLoop, follow: Callable[[], Awaitable[None]], backoff: Backoff, what: str
+) -> None:
+    """Run ``follow`` for good: after a fault (a NATS one: a stream deleted, a consumer lost) it runs again
+    after the ``backoff`` pause; a deposed leader stops. ``what`` names it in the log."""
+    while True:
+        try:
+            await follow()
+        except Deposed:
+            raise
+        except Exception as exc:
+            log.warning("%s failed (%s); again shortly", what, type(exc).__name__)
+            await loop.clock.sleep(next(backoff))
