@@ -25,7 +25,6 @@ This module is the loop and the delivery with its retries; what is sent and how 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -36,9 +35,9 @@ from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 from zattera.v1 import types_pb2 as pb
 
+from services.secrets.delivery import Followers, clear_failures, keep_following, record_failure, save_status, status_of
 from services.secrets.drain_cursors import Source, any_made, bind_source, count_dropped, refresh, write_source
 from services.secrets.drain_send import Delivery, DrainTarget, Sender, open_target, records_of
-from services.secrets.statuses import clear_failures, current_status, keep_following, record_failure, save_status
 from shared import drains
 from shared import keys as K
 from shared.applogs import app_log_subject, app_logs_stream
@@ -48,7 +47,6 @@ from shared.events import ERROR, INFO, make_event
 from shared.loop import LeaderLoop, LoopDeps
 from shared.secrets import Keyring
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
-from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +72,6 @@ class DrainSettings:
     while a delivery is retried."""
 
 
-@dataclass
-class _Running:
-    task: asyncio.Task[None]
-    version: bytes
-    streams: tuple[str, ...]
-
-
 class Drainer(LeaderLoop):
     name = "drains"
     kinds = frozenset({K.LOG_DRAIN, K.ENV})
@@ -96,11 +87,11 @@ class Drainer(LeaderLoop):
         super().__init__(deps, tick=tick)
         self.keyring = keyring
         self.settings = settings or DrainSettings()
-        self._running: dict[str, _Running] = {}
+        self._followers: Followers[tuple[str, ...]] = Followers("drain")
+        """Each drain's task, with the streams it reads."""
 
     async def end_term(self) -> None:
-        await cancel_and_wait(*(r.task for r in self._running.values()))
-        self._running.clear()
+        await self._followers.stop_all()
 
     def _envs_of(self, drain: pb.LogDrain) -> list[str]:
         if drain.environment_id:
@@ -110,26 +101,21 @@ class Drainer(LeaderLoop):
     async def run_pass(self) -> None:
         """One task per drain; a drain whose record or environments changed starts again, a removed one's
         task stops and its consumers are deleted."""
-        wanted: dict[str, tuple[pb.LogDrain, list[str], bytes]] = {}
+        targets: dict[str, tuple[pb.LogDrain, list[str]]] = {}
+        wanted: dict[str, tuple[bytes, tuple[str, ...]]] = {}
         for d in self.view.all(K.LOG_DRAIN):
             if isinstance(d, pb.LogDrain):
                 envs = self._envs_of(d)
                 version = d.SerializeToString(deterministic=True) + "|".join(envs).encode()
-                wanted[d.meta.id] = (d, envs, version)
-        for name, running in list(self._running.items()):
-            entry = wanted.get(name)
-            if entry is None or entry[2] != running.version or running.task.done():
-                await cancel_and_wait(running.task)
-                del self._running[name]
-                kept = set(self._streams(*entry[:2])) if entry is not None else set()
-                await self._delete_consumers(name, [s for s in running.streams if s not in kept])
-                if entry is None and self.view.get(K.LOG_DRAIN_STATUS, name) is not None:
-                    assert self.writer is not None  # removed: the status its task may have written meanwhile goes
-                    await self.writer.commit(self.writer.txn("drains").delete(K.log_drain_status(name)))
-        for name, (drain, envs, version) in wanted.items():
-            if name not in self._running:
-                task = asyncio.create_task(self._follow(drain, envs), name=f"drain-{name}")
-                self._running[name] = _Running(task, version, self._streams(drain, envs))
+                targets[d.meta.id] = (d, envs)
+                wanted[d.meta.id] = (version, self._streams(d, envs))
+        for name, streams in await self._followers.stop_changed(wanted):
+            kept = set(wanted[name][1]) if name in wanted else set()
+            await self._delete_consumers(name, [s for s in streams if s not in kept])
+            if name not in wanted and self.view.get(K.LOG_DRAIN_STATUS, name) is not None:
+                assert self.writer is not None  # removed: the status its task may have written meanwhile goes
+                await self.writer.commit(self.writer.txn("drains").delete(K.log_drain_status(name)))
+        self._followers.start_missing(wanted, lambda name: self._follow(*targets[name]))
 
     @staticmethod
     def _streams(drain: pb.LogDrain, envs: list[str]) -> tuple[str, ...]:
@@ -143,7 +129,7 @@ class Drainer(LeaderLoop):
     # ------------------------------------------------------------------ one drain
 
     def _status(self, name: str) -> pb.LogDrainStatus:
-        return current_status(self, K.LOG_DRAIN_STATUS, pb.LogDrainStatus, name)
+        return status_of(self, K.LOG_DRAIN_STATUS, pb.LogDrainStatus, name)
 
     async def _follow(self, drain: pb.LogDrain, envs: list[str]) -> None:
         name = drain.meta.id

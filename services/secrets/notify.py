@@ -15,7 +15,6 @@ secrets key, which only this service holds.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -27,7 +26,7 @@ from google.protobuf.message import DecodeError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.v1 import types_pb2 as pb
 
-from services.secrets.statuses import clear_failures, current_status, keep_following, record_failure, save_status
+from services.secrets.delivery import Followers, clear_failures, keep_following, record_failure, save_status, status_of
 from shared import keys as K
 from shared import notify
 from shared.actions.names import env_label
@@ -39,7 +38,6 @@ from shared.loop import LeaderLoop, LoopDeps
 from shared.secrets import Keyring
 from shared.state.feed import guard_ordered_consumer
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
-from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +55,6 @@ class NotifySettings:
     retry_most: float = 60.0
     failing_after: int = 3
     """Failed attempts in a row after which the channel is FAILING."""
-
-
-@dataclass
-class _Running:
-    task: asyncio.Task[None]
-    version: bytes
-    """The channel record as it was when the task started (a change restarts it)."""
 
 
 @dataclass
@@ -87,15 +78,14 @@ class Notifier(LeaderLoop):
         super().__init__(deps, tick=tick)
         self.keyring = keyring
         self.settings = settings or NotifySettings()
-        self._running: dict[str, _Running] = {}
+        self._followers: Followers[None] = Followers("notify")
         self._session: aiohttp.ClientSession | None = None
 
     async def begin_term(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.timeout))
 
     async def end_term(self) -> None:
-        await cancel_and_wait(*(r.task for r in self._running.values()))
-        self._running.clear()
+        await self._followers.stop_all()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -103,19 +93,9 @@ class Notifier(LeaderLoop):
     async def run_pass(self) -> None:
         """One task per channel; a changed channel's task starts again, a removed one's stops."""
         channels = {c.meta.id: c for c in self.view.all(K.NOTIFY_CHANNEL) if isinstance(c, pb.NotifyChannel)}
-        for name, running in list(self._running.items()):
-            channel = channels.get(name)
-            if (
-                channel is None
-                or channel.SerializeToString(deterministic=True) != running.version
-                or running.task.done()
-            ):
-                await cancel_and_wait(running.task)
-                del self._running[name]
-        for name, channel in channels.items():
-            if name not in self._running:
-                task = asyncio.create_task(self._follow(channel), name=f"notify-{name}")
-                self._running[name] = _Running(task, channel.SerializeToString(deterministic=True))
+        wanted = {name: (c.SerializeToString(deterministic=True), None) for name, c in channels.items()}
+        await self._followers.stop_changed(wanted)
+        self._followers.start_missing(wanted, lambda name: self._follow(channels[name]))
 
     # ------------------------------------------------------------------ one channel
 
@@ -124,7 +104,7 @@ class Notifier(LeaderLoop):
         return _Target(opened["url"], opened["secret"])
 
     def _status(self, name: str) -> pb.NotifyStatus:
-        return current_status(self, K.NOTIFY_STATUS, pb.NotifyStatus, name)
+        return status_of(self, K.NOTIFY_STATUS, pb.NotifyStatus, name)
 
     async def _follow(self, channel: pb.NotifyChannel) -> None:
         name = channel.meta.id

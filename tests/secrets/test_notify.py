@@ -291,4 +291,4 @@ async def test_the_loop_waits_for_nothing_when_there_is_no_channel(
     _, keyring = await _cluster(conn, view)
     loop = await _start(conn, view, keyring, loops)
     await asyncio.wait_for(loop.run_pass(), 5)
-    assert not loop._running
+    assert not loop._followers

@@ -1,31 +1,80 @@
-"""What the secrets service's delivery loops (a notification channel's, a log drain's) share: their status
-records (``NotifyStatus``, ``LogDrainStatus``) read as the view holds them and written and waited for in the
-view, the failure bookkeeping in them (FAILING after some failed attempts, recovered by a delivery), and the
-follower that reads again after a fault."""
+"""What the secrets service's delivery loops (notification channels, log drains) share: one task per target
+(:class:`Followers`) that reads again after a fault, the targets' status records (``NotifyStatus``,
+``LogDrainStatus``) read as the view holds them and written and waited for in the view, and the failure
+bookkeeping in them (FAILING after some failed attempts in a row, recovered by a delivery)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from zattera.v1 import types_pb2 as pb
 
 from shared.backoff import Backoff
 from shared.clock import stamp
 from shared.loop import LeaderLoop
+from shared.tasks import cancel_and_wait
 from shared.txn import Deposed
 
 log = logging.getLogger(__name__)
 
 Status = TypeVar("Status", pb.NotifyStatus, pb.LogDrainStatus)
+T = TypeVar("T")
 
 SHOWN_WAIT = 10.0
 """Seconds the view may take to show one written status."""
 
 
-def current_status(loop: LeaderLoop, kind: str, record: type[Status], name: str) -> Status:
+@dataclass
+class _Follower(Generic[T]):
+    task: asyncio.Task[None]
+    version: bytes
+    """The target as it was when the task started (another version restarts it)."""
+    extra: T
+
+
+class Followers(Generic[T]):
+    """One task per delivery target, started again when the target changes or the task ended; ``T`` is what
+    a loop keeps beside a task (what to clean up once it stopped)."""
+
+    def __init__(self, kind: str) -> None:
+        self._kind = kind
+        """Names the tasks: ``<kind>-<target>``."""
+        self._running: dict[str, _Follower[T]] = {}
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    async def stop_changed(self, wanted: Mapping[str, tuple[bytes, T]]) -> list[tuple[str, T]]:
+        """Stop the tasks whose target is not ``wanted`` (name: version and extra) at the version they started
+        with, or which ended; the names and extras of those stopped."""
+        stopped: list[tuple[str, T]] = []
+        for name, running in list(self._running.items()):
+            entry = wanted.get(name)
+            if entry is None or entry[0] != running.version or running.task.done():
+                await cancel_and_wait(running.task)
+                del self._running[name]
+                stopped.append((name, running.extra))
+        return stopped
+
+    def start_missing(
+        self, wanted: Mapping[str, tuple[bytes, T]], follow: Callable[[str], Coroutine[Any, Any, None]]
+    ) -> None:
+        """Start ``follow(name)`` for each ``wanted`` target without a task."""
+        for name, (version, extra) in wanted.items():
+            if name not in self._running:
+                task = asyncio.create_task(follow(name), name=f"{self._kind}-{name}")
+                self._running[name] = _Follower(task, version, extra)
+
+    async def stop_all(self) -> None:
+        await cancel_and_wait(*(r.task for r in self._running.values()))
+        self._running.clear()
+
+
+def status_of(loop: LeaderLoop, kind: str, record: type[Status], name: str) -> Status:
     """A copy of status ``name`` as the view holds it (an empty one when it has none), to change and save."""
     found = loop.view.get(kind, name)
     status = record()
