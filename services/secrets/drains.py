@@ -28,37 +28,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 from zattera.v1 import types_pb2 as pb
 
-from services.secrets.delivery import Followers, clear_failures, keep_following, record_failure, save_status, status_of
+from services.secrets.delivery import DeliveryLoop, DeliverySettings, clear_failures, save_status, status_of
 from services.secrets.drain_cursors import Source, any_made, bind_source, count_dropped, refresh, write_source
 from services.secrets.drain_send import Delivery, DrainTarget, Sender, open_target, records_of
 from shared import drains
 from shared import keys as K
 from shared.applogs import app_log_subject, app_logs_stream
-from shared.backoff import Backoff
 from shared.clock import stamp
 from shared.events import ERROR, INFO, make_event
-from shared.loop import LeaderLoop, LoopDeps
-from shared.secrets import Keyring
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DrainSettings:
-    timeout: float = 10.0
-    """Seconds one delivery may take."""
-    retry_first: float = 1.0
-    retry_most: float = 60.0
-    failing_after: int = 3
-    """Failed attempts in a row after which the drain is FAILING."""
+class DrainSettings(DeliverySettings):
     batch_lines: int = 10_000
     """Most lines in one delivery (one POST, or one write of syslog frames)."""
     fetch_messages: int = 16
@@ -72,26 +63,11 @@ class DrainSettings:
     while a delivery is retried."""
 
 
-class Drainer(LeaderLoop):
+class Drainer(DeliveryLoop[DrainSettings, tuple[str, ...]]):
+    """``followers``: each drain's task, with the streams it reads."""
+
     name = "drains"
     kinds = frozenset({K.LOG_DRAIN, K.ENV})
-
-    def __init__(
-        self,
-        deps: LoopDeps,
-        keyring: Callable[[], Keyring | None],
-        *,
-        settings: DrainSettings | None = None,
-        tick: float = 30.0,
-    ) -> None:
-        super().__init__(deps, tick=tick)
-        self.keyring = keyring
-        self.settings = settings or DrainSettings()
-        self._followers: Followers[tuple[str, ...]] = Followers("drain")
-        """Each drain's task, with the streams it reads."""
-
-    async def end_term(self) -> None:
-        await self._followers.stop_all()
 
     def _envs_of(self, drain: pb.LogDrain) -> list[str]:
         if drain.environment_id:
@@ -109,13 +85,13 @@ class Drainer(LeaderLoop):
                 version = d.SerializeToString(deterministic=True) + "|".join(envs).encode()
                 targets[d.meta.id] = (d, envs)
                 wanted[d.meta.id] = (version, self._streams(d, envs))
-        for name, streams in await self._followers.stop_changed(wanted):
+        for name, streams in await self.followers.stop_changed(wanted):
             kept = set(wanted[name][1]) if name in wanted else set()
             await self._delete_consumers(name, [s for s in streams if s not in kept])
             if name not in wanted and self.view.get(K.LOG_DRAIN_STATUS, name) is not None:
                 assert self.writer is not None  # removed: the status its task may have written meanwhile goes
                 await self.writer.commit(self.writer.txn("drains").delete(K.log_drain_status(name)))
-        self._followers.start_missing(wanted, lambda name: self._follow(*targets[name]))
+        self.followers.start_missing(wanted, lambda name: self._follow(*targets[name]))
 
     @staticmethod
     def _streams(drain: pb.LogDrain, envs: list[str]) -> tuple[str, ...]:
@@ -142,11 +118,8 @@ class Drainer(LeaderLoop):
             if self._changed(status):
                 await self._save(status)
             return
-        await keep_following(  # a stream deleted with its env: again from the consumers
-            self,
-            lambda: self._run_drain(drain, envs, target),
-            Backoff(self.settings.retry_first, self.settings.retry_most),
-            f"drains: drain {name}: reading the logs",
+        await self.keep_following(  # a stream deleted with its env: again from the consumers
+            lambda: self._run_drain(drain, envs, target), f"drains: drain {name}: reading the logs"
         )
 
     async def _run_drain(self, drain: pb.LogDrain, envs: list[str], target: DrainTarget) -> None:
@@ -246,7 +219,7 @@ class Drainer(LeaderLoop):
     ) -> None:
         """Deliver ``records`` until the receiver accepts them, recording failures in ``status``."""
         payload = drains.encode(drain.scheme, records, observed_ns=time.time_ns())
-        backoff = Backoff(self.settings.retry_first, self.settings.retry_most)
+        backoff = self.settings.backoff()
         while True:
             try:
                 await sender.send(payload)
@@ -259,7 +232,7 @@ class Drainer(LeaderLoop):
                     if recovered:
                         await self._announce(drain, drains.RECOVERED_KIND, "delivers again", INFO)
                 return
-            newly_failing = record_failure(status, error, self.clock.now(), self.settings.failing_after)
+            newly_failing = self.record_failure(status, error)
             log.warning("drains: drain %s: %s (attempt %d)", drain.meta.id, error, status.failures)
             await self._save(status)
             if newly_failing:

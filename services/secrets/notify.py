@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -26,16 +25,13 @@ from google.protobuf.message import DecodeError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.v1 import types_pb2 as pb
 
-from services.secrets.delivery import Followers, clear_failures, keep_following, record_failure, save_status, status_of
+from services.secrets.delivery import DeliveryLoop, DeliverySettings, clear_failures, save_status, status_of
 from shared import keys as K
 from shared import notify
 from shared.actions.names import env_label
-from shared.backoff import Backoff
 from shared.backup.sealed import open_settings
 from shared.clock import stamp
 from shared.events import ERROR, INFO, make_event
-from shared.loop import LeaderLoop, LoopDeps
-from shared.secrets import Keyring
 from shared.state.feed import guard_ordered_consumer
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 
@@ -47,45 +43,22 @@ delivery): at most that much of the stream is read again after a failover."""
 CONSUMER_HEARTBEAT = 2.0
 
 
-@dataclass(frozen=True)
-class NotifySettings:
-    timeout: float = 10.0
-    """Seconds one delivery may take."""
-    retry_first: float = 1.0
-    retry_most: float = 60.0
-    failing_after: int = 3
-    """Failed attempts in a row after which the channel is FAILING."""
-
-
 @dataclass
 class _Target:
     url: str = field(repr=False)
     secret: str = field(repr=False)
 
 
-class Notifier(LeaderLoop):
+class Notifier(DeliveryLoop[DeliverySettings, None]):
     name = "notify"
     kinds = frozenset({K.NOTIFY_CHANNEL})
-
-    def __init__(
-        self,
-        deps: LoopDeps,
-        keyring: Callable[[], Keyring | None],
-        *,
-        settings: NotifySettings | None = None,
-        tick: float = 30.0,
-    ) -> None:
-        super().__init__(deps, tick=tick)
-        self.keyring = keyring
-        self.settings = settings or NotifySettings()
-        self._followers: Followers[None] = Followers("notify")
-        self._session: aiohttp.ClientSession | None = None
+    _session: aiohttp.ClientSession | None = None
 
     async def begin_term(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.timeout))
 
     async def end_term(self) -> None:
-        await self._followers.stop_all()
+        await super().end_term()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -94,8 +67,8 @@ class Notifier(LeaderLoop):
         """One task per channel; a changed channel's task starts again, a removed one's stops."""
         channels = {c.meta.id: c for c in self.view.all(K.NOTIFY_CHANNEL) if isinstance(c, pb.NotifyChannel)}
         wanted = {name: (c.SerializeToString(deterministic=True), None) for name, c in channels.items()}
-        await self._followers.stop_changed(wanted)
-        self._followers.start_missing(wanted, lambda name: self._follow(channels[name]))
+        await self.followers.stop_changed(wanted)
+        self.followers.start_missing(wanted, lambda name: self._follow(channels[name]))
 
     # ------------------------------------------------------------------ one channel
 
@@ -117,11 +90,8 @@ class Notifier(LeaderLoop):
                 status.last_error = f"cannot open the channel: {exc}"
                 await self._save(status)
             return
-        await keep_following(  # read again from the cursor
-            self,
-            lambda: self._follow_from_cursor(channel, target),
-            Backoff(self.settings.retry_first, self.settings.retry_most),
-            f"notify: channel {name}: reading the events",
+        await self.keep_following(  # read again from the cursor
+            lambda: self._follow_from_cursor(channel, target), f"notify: channel {name}: reading the events"
         )
 
     async def _follow_from_cursor(self, channel: pb.NotifyChannel, target: _Target) -> None:
@@ -170,7 +140,7 @@ class Notifier(LeaderLoop):
     ) -> None:
         """Deliver ``event`` until it is accepted, recording failures in ``status`` as they come."""
         payload = notify.body(channel, event, self._names(event))
-        backoff = Backoff(self.settings.retry_first, self.settings.retry_most)
+        backoff = self.settings.backoff()
         while True:
             error = await self._post(target, event.meta.id, payload)
             now = self.clock.now()
@@ -181,7 +151,7 @@ class Notifier(LeaderLoop):
                 if recovered:
                     await self._announce(channel, notify.RECOVERED_KIND, "delivers again", INFO)
                 return
-            newly_failing = record_failure(status, error, now, self.settings.failing_after)
+            newly_failing = self.record_failure(status, error)
             log.warning("notify: channel %s: %s (attempt %d)", channel.meta.id, error, status.failures)
             await self._save(status)
             if newly_failing:
