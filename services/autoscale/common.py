@@ -123,7 +123,8 @@ class ScalingLoop(LeaderLoop, Generic[V]):
 
     Subclasses implement :meth:`decide` (the pure ``evaluate`` of the module plus the timer updates of
     outcomes that write nothing) and :meth:`committed` (bookkeeping after a write landed). ``memory`` is
-    the loop's per-env timing (an idle timer, a low spell: :func:`remember`), forgotten at each new term.
+    the loop's per-env timing (an idle timer, a low spell: :func:`remember`), forgotten at each new term and
+    for an env whose write landed.
     """
 
     kinds = frozenset({K.ENV, K.DEPLOYMENT})
@@ -188,6 +189,7 @@ class ScalingLoop(LeaderLoop, Generic[V]):
                 retry.add(write.env_id)
                 continue
             self.writes += 1
+            self.memory.pop(write.env_id, None)  # the env changed: its timing starts afresh
             event = self.committed(write, now)
             if event is not None:
                 events.append(event)

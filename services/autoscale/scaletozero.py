@@ -108,6 +108,5 @@ class ScaleToZero(ScalingLoop[float]):
         return decision.write
 
     def committed(self, write: ReplicaWrite, now: float) -> pb.Event:
-        self.memory.pop(write.env_id, None)
         message = f"scaled {write.env.name} to zero after idle"
         return scale_event(write, EVENT_COOLED, ACTOR, message, now, logger=log)

@@ -118,6 +118,5 @@ class Serverless(ScalingLoop[LowSpell]):
         return decision.write
 
     def committed(self, write: ReplicaWrite, now: float) -> pb.Event:
-        self.memory.pop(write.env_id, None)
         message = f"serverless scaled {write.env.name} from {write.current} to {replica_count(write.target)}"
         return scale_event(write, EVENT_SCALED, ACTOR, message, now, logger=log)

@@ -111,6 +111,15 @@ class Timers:
         }
         return timeouts.get(phase)
 
+    def overdue(self, d: pb.Deployment, now: float) -> str | None:
+        """Why ``d`` fails when its phase has lasted strictly longer than :meth:`phase_timeout` ("placing timed
+        out after 10m", the cause to follow); None while it has not, or for a phase that is not a timed wait."""
+        limit = self.phase_timeout(d.phase)
+        entered = phase_entered_at(d)
+        if limit is None or entered is None or now <= entered + limit:
+            return None
+        return f"{phase_label(d.phase)} timed out after {format_duration(limit)}"
+
 
 # ---------------------------------------------------------------------- time
 
@@ -120,22 +129,12 @@ def phase_entered_at(d: pb.Deployment) -> float | None:
     return from_timestamp(d.meta.updated_at) if d.meta.HasField("updated_at") else None
 
 
-def timed_out(d: pb.Deployment, now: float, limit: float | None) -> bool:
-    """Strictly after phase entry + limit."""
-    entered = phase_entered_at(d)
-    return limit is not None and entered is not None and now > entered + limit
-
-
 def format_duration(secs: float) -> str:
     """90 -> "1m30s", 600 -> "10m", 1.5 -> "1.5s"."""
     if secs < 60:
         return f"{secs:g}s"
     minutes, rest = divmod(round(secs), 60)
     return f"{minutes}m{rest}s" if rest else f"{minutes}m"
-
-
-def timeout_reason(phase: int, limit: float, cause: str) -> str:
-    return f"{phase_label(phase)} timed out after {format_duration(limit)}: {cause}"
 
 
 def state_name(state: int) -> str:

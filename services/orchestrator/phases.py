@@ -63,8 +63,6 @@ from services.orchestrator.model import (
     stateful_fail,
     stay,
     tagged,
-    timed_out,
-    timeout_reason,
     with_transition_ids,
 )
 from services.orchestrator.release import RELEASING, cancel_with, needs_release_phase, releasing
@@ -221,10 +219,10 @@ def building(
         return t
     if build.status in (pb.BUILD_STATUS_FAILED, pb.BUILD_STATUS_CANCELED):
         return abort(view, d, BUILD_FAILED + build.error, now)
-    limit = timers.building_timeout
-    if timed_out(d, now, limit):
+    late = timers.overdue(d, now)
+    if late is not None:
         status = pb.BuildStatus.Name(build.status).removeprefix("BUILD_STATUS_")
-        return abort(view, d, timeout_reason(d.phase, limit, f"build {build.meta.id} is still {status}"), now)
+        return abort(view, d, f"{late}: build {build.meta.id} is still {status}", now)
     return None
 
 
@@ -269,10 +267,9 @@ def placing(
         t.deletes = drop
         return t
     picks, error = place(view, release, env.meta.id, need)
-    limit = timers.placing_timeout
-    if timed_out(d, now, limit):
-        cause = f"placed {len(live)} of {target} green replicas: {error or 'no capacity'}"
-        return abort(view, d, timeout_reason(d.phase, limit, cause), now)
+    late = timers.overdue(d, now)
+    if late is not None:
+        return abort(view, d, f"{late}: placed {len(live)} of {target} green replicas: {error or 'no capacity'}", now)
     if not picks and not drop:
         return None
     if len(picks) == need:
@@ -292,11 +289,11 @@ def starting(
         return setback
     if all(a.observed.state in UP_STATES for a in live):
         return move(d, HEALTHCHECKING, now)
-    limit = timers.starting_timeout
-    if timed_out(d, now, limit):
+    late = timers.overdue(d, now)
+    if late is not None:
         waiting = [a for a in live if a.observed.state not in UP_STATES]
         cause = f"{len(waiting)} of {len(live)} green instances not running ({observed_summary(waiting)})"
-        return abort(view, d, timeout_reason(d.phase, limit, cause), now)
+        return abort(view, d, f"{late}: {cause}", now)
     return None
 
 

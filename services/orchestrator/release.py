@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from zattera.v1 import types_pb2 as pb
 
-from services.orchestrator.model import Timers, abort, copy_of, move, stay, timed_out, timeout_reason
+from services.orchestrator.model import Timers, abort, copy_of, move, stay
 from shared import jobs as J
 from shared import keys as K
 from shared.clock import stamp
@@ -94,11 +94,11 @@ def releasing(
     view: StateReader, d: pb.Deployment, release: pb.Release, now: float, timers: Timers, *, next_phase: int
 ) -> Decision | None:
     """One step of a RELEASING deployment (None: wait for the job, or for another deploy's to stop)."""
-    limit = timers.releasing_timeout
+    late = timers.overdue(d, now)
     job = job_of(view, d.release_job_id)
     if job is None:
-        if timed_out(d, now, limit):
-            return abort(view, d, timeout_reason(d.phase, limit, "the release command did not start"), now)
+        if late is not None:
+            return abort(view, d, f"{late}: the release command did not start", now)
         if d.release_job_id:  # created, then deleted (history trimmed, or by hand): it cannot report
             return abort(view, d, f"{RELEASE_FAILED}: its job {d.release_job_id} vanished", now)
         if other_release_running(view, d) is not None:
@@ -113,8 +113,8 @@ def releasing(
         return move(d, next_phase, now)
     if not J.is_active(job):
         return abort(view, d, failure_reason(job), now)
-    if timed_out(d, now, limit):
-        return abort(view, d, timeout_reason(d.phase, limit, f"release command still {J.status_name(job.status)}"), now)
+    if late is not None:
+        return abort(view, d, f"{late}: release command still {J.status_name(job.status)}", now)
     return None
 
 

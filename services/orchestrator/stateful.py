@@ -33,8 +33,6 @@ from services.orchestrator.model import (
     state_name,
     stateful_fail,
     stay,
-    timed_out,
-    timeout_reason,
 )
 from shared.decision import Decision
 from shared.events import INFO, WARNING
@@ -73,11 +71,11 @@ def stop_old(view: StateReader, d: pb.Deployment, now: float, timers: Timers) ->
     alive = [a for a in old if a.observed.state not in GONE_STATES]
     if not alive:
         return move(d, pb.DEPLOYMENT_PHASE_STARTING, now)
-    limit = timers.stopping_old_timeout
-    if timed_out(d, now, limit):
+    late = timers.overdue(d, now)
+    if late is not None:
         first = alive[0]
         cause = f"the old instance {first.meta.id} on {first.node_id} is still {state_name(first.observed.state)}"
-        return stateful_fail(view, d, timeout_reason(d.phase, limit, cause), now)
+        return stateful_fail(view, d, f"{late}: {cause}", now)
     return None
 
 
@@ -88,10 +86,9 @@ def start_new(
     if not instances:
         restoring = restoring_volume(view.volumes(env.meta.id))
         if restoring is not None:
-            limit = timers.starting_timeout
-            if timed_out(d, now, limit):
-                cause = f'volume "{restoring.name}" is still being restored'
-                return stateful_fail(view, d, timeout_reason(d.phase, limit, cause), now)
+            late = timers.overdue(d, now)
+            if late is not None:
+                return stateful_fail(view, d, f'{late}: volume "{restoring.name}" is still being restored', now)
             return None  # placed on the first pass after the restore ends (the loop ticks)
         picks, error = place(view, release, env.meta.id, 1)
         if not picks:
@@ -107,12 +104,11 @@ def start_new(
         return stateful_fail(view, d, failed_instance_reason(NEW_INSTANCE_FAILED_TO_START, instances), now)
     if all(a.observed.state in UP_STATES for a in instances):
         return move(d, pb.DEPLOYMENT_PHASE_HEALTHCHECKING, now)
-    limit = timers.starting_timeout
-    if timed_out(d, now, limit):
+    late = timers.overdue(d, now)
+    if late is not None:
         first = instances[0]
         state = state_name(first.observed.state) if first.observed.state else "unreported"
-        cause = f"the new instance on {first.node_id} is still {state}"
-        return stateful_fail(view, d, timeout_reason(d.phase, limit, cause), now)
+        return stateful_fail(view, d, f"{late}: the new instance on {first.node_id} is still {state}", now)
     return None
 
 

@@ -17,10 +17,11 @@ from zattera.v1 import types_pb2 as pb
 
 from services.secrets.backups import ScheduledBackups
 from services.secrets.collector import SecretsCollector
+from services.secrets.delivery import DeliverySettings
 from services.secrets.drains import Drainer, DrainSettings
 from services.secrets.githook_gate import HookGate
 from services.secrets.githooks import GitHooks, GitHooksSettings
-from services.secrets.notify import Notifier, NotifySettings
+from services.secrets.notify import Notifier
 from services.secrets.offsite import OffsiteSnapshots
 from services.secrets.service import SecretsService
 from services.secrets.settings import SecretsSettings
@@ -47,7 +48,7 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     notifier = Notifier(
         ctx.loop_deps,
         lambda: service.keyring,
-        settings=NotifySettings(
+        settings=DeliverySettings(
             timeout=cfg.notify_timeout,
             retry_first=cfg.notify_retry_first,
             retry_most=cfg.notify_retry_most,

@@ -25,43 +25,31 @@ This module is the loop and the delivery with its retries; what is sent and how 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 from zattera.v1 import types_pb2 as pb
 
+from services.secrets.delivery import DeliveryLoop, DeliverySettings, clear_failures, save_status, status_of
 from services.secrets.drain_cursors import Source, any_made, bind_source, count_dropped, refresh, write_source
 from services.secrets.drain_send import Delivery, DrainTarget, Sender, open_target, records_of
-from services.secrets.statuses import current_status, save_status
 from shared import drains
 from shared import keys as K
 from shared.applogs import app_log_subject, app_logs_stream
-from shared.backoff import Backoff
 from shared.clock import stamp
 from shared.events import ERROR, INFO, make_event
-from shared.loop import LeaderLoop, LoopDeps
-from shared.secrets import Keyring
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
-from shared.tasks import cancel_and_wait
-from shared.txn import Deposed
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DrainSettings:
-    timeout: float = 10.0
-    """Seconds one delivery may take."""
-    retry_first: float = 1.0
-    retry_most: float = 60.0
-    failing_after: int = 3
-    """Failed attempts in a row after which the drain is FAILING."""
+class DrainSettings(DeliverySettings):
     batch_lines: int = 10_000
     """Most lines in one delivery (one POST, or one write of syslog frames)."""
     fetch_messages: int = 16
@@ -75,33 +63,11 @@ class DrainSettings:
     while a delivery is retried."""
 
 
-@dataclass
-class _Running:
-    task: asyncio.Task[None]
-    version: bytes
-    streams: tuple[str, ...]
+class Drainer(DeliveryLoop[DrainSettings, tuple[str, ...]]):
+    """``followers``: each drain's task, with the streams it reads."""
 
-
-class Drainer(LeaderLoop):
     name = "drains"
     kinds = frozenset({K.LOG_DRAIN, K.ENV})
-
-    def __init__(
-        self,
-        deps: LoopDeps,
-        keyring: Callable[[], Keyring | None],
-        *,
-        settings: DrainSettings | None = None,
-        tick: float = 30.0,
-    ) -> None:
-        super().__init__(deps, tick=tick)
-        self.keyring = keyring
-        self.settings = settings or DrainSettings()
-        self._running: dict[str, _Running] = {}
-
-    async def end_term(self) -> None:
-        await cancel_and_wait(*(r.task for r in self._running.values()))
-        self._running.clear()
 
     def _envs_of(self, drain: pb.LogDrain) -> list[str]:
         if drain.environment_id:
@@ -111,28 +77,21 @@ class Drainer(LeaderLoop):
     async def run_pass(self) -> None:
         """One task per drain; a drain whose record or environments changed starts again, a removed one's
         task stops and its consumers are deleted."""
-        wanted: dict[str, tuple[pb.LogDrain, list[str], bytes]] = {}
+        targets: dict[str, tuple[pb.LogDrain, list[str]]] = {}
+        wanted: dict[str, tuple[bytes, tuple[str, ...]]] = {}
         for d in self.view.all(K.LOG_DRAIN):
             if isinstance(d, pb.LogDrain):
                 envs = self._envs_of(d)
                 version = d.SerializeToString(deterministic=True) + "|".join(envs).encode()
-                wanted[d.meta.id] = (d, envs, version)
-        for name, running in list(self._running.items()):
-            entry = wanted.get(name)
-            if entry is None or entry[2] != running.version or running.task.done():
-                running.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await running.task
-                del self._running[name]
-                kept = set(self._streams(*entry[:2])) if entry is not None else set()
-                await self._delete_consumers(name, [s for s in running.streams if s not in kept])
-                if entry is None and self.view.get(K.LOG_DRAIN_STATUS, name) is not None:
-                    assert self.writer is not None  # removed: the status its task may have written meanwhile goes
-                    await self.writer.commit(self.writer.txn("drains").delete(K.log_drain_status(name)))
-        for name, (drain, envs, version) in wanted.items():
-            if name not in self._running:
-                task = asyncio.create_task(self._follow(drain, envs), name=f"drain-{name}")
-                self._running[name] = _Running(task, version, self._streams(drain, envs))
+                targets[d.meta.id] = (d, envs)
+                wanted[d.meta.id] = (version, self._streams(d, envs))
+        for name, streams in await self.followers.stop_changed(wanted):
+            kept = set(wanted[name][1]) if name in wanted else set()
+            await self._delete_consumers(name, [s for s in streams if s not in kept])
+            if name not in wanted and self.view.get(K.LOG_DRAIN_STATUS, name) is not None:
+                assert self.writer is not None  # removed: the status its task may have written meanwhile goes
+                await self.writer.commit(self.writer.txn("drains").delete(K.log_drain_status(name)))
+        self.followers.start_missing(wanted, lambda name: self._follow(*targets[name]))
 
     @staticmethod
     def _streams(drain: pb.LogDrain, envs: list[str]) -> tuple[str, ...]:
@@ -146,7 +105,7 @@ class Drainer(LeaderLoop):
     # ------------------------------------------------------------------ one drain
 
     def _status(self, name: str) -> pb.LogDrainStatus:
-        return current_status(self, K.LOG_DRAIN_STATUS, pb.LogDrainStatus, name)
+        return status_of(self, K.LOG_DRAIN_STATUS, pb.LogDrainStatus, name)
 
     async def _follow(self, drain: pb.LogDrain, envs: list[str]) -> None:
         name = drain.meta.id
@@ -159,15 +118,9 @@ class Drainer(LeaderLoop):
             if self._changed(status):
                 await self._save(status)
             return
-        restarts = Backoff(self.settings.retry_first, self.settings.retry_most)
-        while True:
-            try:
-                await self._run_drain(drain, envs, target)
-            except Deposed:
-                raise
-            except Exception as exc:  # a NATS fault (a stream deleted with its env): again from the consumers
-                log.warning("drains: drain %s: reading the logs failed (%s); again shortly", name, type(exc).__name__)
-                await self.clock.sleep(next(restarts))
+        await self.keep_following(  # a stream deleted with its env: again from the consumers
+            lambda: self._run_drain(drain, envs, target), f"drains: drain {name}: reading the logs"
+        )
 
     async def _run_drain(self, drain: pb.LogDrain, envs: list[str], target: DrainTarget) -> None:
         status = self._status(drain.meta.id)
@@ -266,7 +219,7 @@ class Drainer(LeaderLoop):
     ) -> None:
         """Deliver ``records`` until the receiver accepts them, recording failures in ``status``."""
         payload = drains.encode(drain.scheme, records, observed_ns=time.time_ns())
-        backoff = Backoff(self.settings.retry_first, self.settings.retry_most)
+        backoff = self.settings.backoff()
         while True:
             try:
                 await sender.send(payload)
@@ -274,21 +227,13 @@ class Drainer(LeaderLoop):
                 error = drains.scrub(str(exc), target.secrets)
             else:
                 if status.failures:
-                    recovered = status.failing
-                    status.failing, status.failures, status.last_error = False, 0, ""
-                    status.ClearField("failing_since")
+                    recovered = clear_failures(status)
                     await self._save(status)
                     if recovered:
                         await self._announce(drain, drains.RECOVERED_KIND, "delivers again", INFO)
                 return
-            now = self.clock.now()
-            if status.failures == 0:
-                stamp(status.failing_since, now)
-            status.failures += 1
-            status.last_error = error
+            newly_failing = self.record_failure(status, error)
             log.warning("drains: drain %s: %s (attempt %d)", drain.meta.id, error, status.failures)
-            newly_failing = not status.failing and status.failures >= self.settings.failing_after
-            status.failing = status.failing or newly_failing
             await self._save(status)
             if newly_failing:
                 await self._announce(drain, drains.FAILING_KIND, f"is failing: {error}", ERROR)

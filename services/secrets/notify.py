@@ -15,11 +15,9 @@ secrets key, which only this service holds.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -27,20 +25,15 @@ from google.protobuf.message import DecodeError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from zattera.v1 import types_pb2 as pb
 
-from services.secrets.statuses import current_status, save_status
+from services.secrets.delivery import DeliveryLoop, DeliverySettings, clear_failures, save_status, status_of
 from shared import keys as K
 from shared import notify
 from shared.actions.names import env_label
-from shared.backoff import Backoff
 from shared.backup.sealed import open_settings
 from shared.clock import stamp
 from shared.events import ERROR, INFO, make_event
-from shared.loop import LeaderLoop, LoopDeps
-from shared.secrets import Keyring
 from shared.state.feed import guard_ordered_consumer
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
-from shared.tasks import cancel_and_wait
-from shared.txn import Deposed
 
 log = logging.getLogger(__name__)
 
@@ -50,53 +43,22 @@ delivery): at most that much of the stream is read again after a failover."""
 CONSUMER_HEARTBEAT = 2.0
 
 
-@dataclass(frozen=True)
-class NotifySettings:
-    timeout: float = 10.0
-    """Seconds one delivery may take."""
-    retry_first: float = 1.0
-    retry_most: float = 60.0
-    failing_after: int = 3
-    """Failed attempts in a row after which the channel is FAILING."""
-
-
-@dataclass
-class _Running:
-    task: asyncio.Task[None]
-    version: bytes
-    """The channel record as it was when the task started (a change restarts it)."""
-
-
 @dataclass
 class _Target:
     url: str = field(repr=False)
     secret: str = field(repr=False)
 
 
-class Notifier(LeaderLoop):
+class Notifier(DeliveryLoop[DeliverySettings, None]):
     name = "notify"
     kinds = frozenset({K.NOTIFY_CHANNEL})
-
-    def __init__(
-        self,
-        deps: LoopDeps,
-        keyring: Callable[[], Keyring | None],
-        *,
-        settings: NotifySettings | None = None,
-        tick: float = 30.0,
-    ) -> None:
-        super().__init__(deps, tick=tick)
-        self.keyring = keyring
-        self.settings = settings or NotifySettings()
-        self._running: dict[str, _Running] = {}
-        self._session: aiohttp.ClientSession | None = None
+    _session: aiohttp.ClientSession | None = None
 
     async def begin_term(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.timeout))
 
     async def end_term(self) -> None:
-        await cancel_and_wait(*(r.task for r in self._running.values()))
-        self._running.clear()
+        await super().end_term()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -104,21 +66,9 @@ class Notifier(LeaderLoop):
     async def run_pass(self) -> None:
         """One task per channel; a changed channel's task starts again, a removed one's stops."""
         channels = {c.meta.id: c for c in self.view.all(K.NOTIFY_CHANNEL) if isinstance(c, pb.NotifyChannel)}
-        for name, running in list(self._running.items()):
-            channel = channels.get(name)
-            if (
-                channel is None
-                or channel.SerializeToString(deterministic=True) != running.version
-                or running.task.done()
-            ):
-                running.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await running.task
-                del self._running[name]
-        for name, channel in channels.items():
-            if name not in self._running:
-                task = asyncio.create_task(self._follow(channel), name=f"notify-{name}")
-                self._running[name] = _Running(task, channel.SerializeToString(deterministic=True))
+        wanted = {name: (c.SerializeToString(deterministic=True), None) for name, c in channels.items()}
+        await self.followers.stop_changed(wanted)
+        self.followers.start_missing(wanted, lambda name: self._follow(channels[name]))
 
     # ------------------------------------------------------------------ one channel
 
@@ -127,7 +77,7 @@ class Notifier(LeaderLoop):
         return _Target(opened["url"], opened["secret"])
 
     def _status(self, name: str) -> pb.NotifyStatus:
-        return current_status(self, K.NOTIFY_STATUS, pb.NotifyStatus, name)
+        return status_of(self, K.NOTIFY_STATUS, pb.NotifyStatus, name)
 
     async def _follow(self, channel: pb.NotifyChannel) -> None:
         name = channel.meta.id
@@ -140,15 +90,9 @@ class Notifier(LeaderLoop):
                 status.last_error = f"cannot open the channel: {exc}"
                 await self._save(status)
             return
-        restarts = Backoff(self.settings.retry_first, self.settings.retry_most)
-        while True:
-            try:
-                await self._follow_from_cursor(channel, target)
-            except Deposed:
-                raise
-            except Exception as exc:  # a NATS fault: read again from the cursor
-                log.warning("notify: channel %s: reading the events failed (%s); again shortly", name, exc)
-                await self.clock.sleep(next(restarts))
+        await self.keep_following(  # read again from the cursor
+            lambda: self._follow_from_cursor(channel, target), f"notify: channel {name}: reading the events"
+        )
 
     async def _follow_from_cursor(self, channel: pb.NotifyChannel, target: _Target) -> None:
         status = self._status(channel.meta.id)
@@ -196,26 +140,19 @@ class Notifier(LeaderLoop):
     ) -> None:
         """Deliver ``event`` until it is accepted, recording failures in ``status`` as they come."""
         payload = notify.body(channel, event, self._names(event))
-        backoff = Backoff(self.settings.retry_first, self.settings.retry_most)
+        backoff = self.settings.backoff()
         while True:
             error = await self._post(target, event.meta.id, payload)
             now = self.clock.now()
             if error is None:
-                recovered = status.failing
-                status.failing, status.failures, status.last_error = False, 0, ""
-                status.ClearField("failing_since")
+                recovered = clear_failures(status)
                 status.delivered += 1
                 stamp(status.last_delivered_at, now)
                 if recovered:
                     await self._announce(channel, notify.RECOVERED_KIND, "delivers again", INFO)
                 return
-            if status.failures == 0:
-                stamp(status.failing_since, now)
-            status.failures += 1
-            status.last_error = error
+            newly_failing = self.record_failure(status, error)
             log.warning("notify: channel %s: %s (attempt %d)", channel.meta.id, error, status.failures)
-            newly_failing = not status.failing and status.failures >= self.settings.failing_after
-            status.failing = status.failing or newly_failing
             await self._save(status)
             if newly_failing:
                 await self._announce(channel, notify.FAILING_KIND, f"is failing: {error}", ERROR)

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -118,29 +118,26 @@ def authorize(view: StateReader, node_id: str, request: cpb.OpenSecretsRequest) 
     return release, node
 
 
+@dataclass(eq=False)
 class SecretsService:
-    def __init__(
-        self,
-        conn: Connection,
-        view: StateView,
-        writer: Writer,
-        *,
-        keyring_path: Path,
-        seed_key: str = "",
-        open_wait: float = 3.0,
-    ) -> None:
-        self._conn = conn
-        self._events = EventPublisher(conn)
-        self._view = view
-        self._writer = writer
-        self._path = keyring_path
-        self._seed_key = seed_key
-        self._open_wait = open_wait
-        self._keyring: Keyring | None = None
-        self._rotating = asyncio.Lock()
-        self._handling: set[asyncio.Task[None]] = set()
-        self.serving = asyncio.Event()
-        """Set once the key is loaded (or found missing) and requests are answered."""
+    conn: Connection
+    view: StateView
+    writer: Writer
+    _: KW_ONLY
+    keyring_path: Path
+    seed_key: str = ""
+    """The cluster key's private half (hex) that seeds the keyring file when there is none."""
+    open_wait: float = 3.0
+    """How long a request waits for the view to show its node key or assignment, seconds."""
+    serving: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    """Set once the key is loaded (or found missing) and requests are answered."""
+    _events: EventPublisher = field(init=False)
+    _keyring: Keyring | None = field(default=None, init=False)
+    _rotating: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
+    _handling: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+
+    def __post_init__(self) -> None:
+        self._events = EventPublisher(self.conn)
 
     @property
     def keyring(self) -> Keyring | None:
@@ -149,16 +146,16 @@ class SecretsService:
     # ------------------------------------------------------------------ key
 
     def _published(self) -> pb.SecretsKey | None:
-        return self._view.get(K.SECRETS_KEY, CLUSTER_KEY)  # type: ignore[return-value]
+        return self.view.get(K.SECRETS_KEY, CLUSTER_KEY)  # type: ignore[return-value]
 
     def load_key(self) -> None:
         """The keyring from the file, else from the seed, else a new one when the cluster has none yet."""
-        keyring = load_keyring(self._path)
-        if keyring is None and self._seed_key:
-            keyring = create_keyring(self._path, Keyring([private_key_from_hex(self._seed_key)]))
+        keyring = load_keyring(self.keyring_path)
+        if keyring is None and self.seed_key:
+            keyring = create_keyring(self.keyring_path, Keyring([private_key_from_hex(self.seed_key)]))
         if keyring is None and self._published() is None:
-            keyring = create_keyring(self._path, Keyring([PrivateKey.generate()]))
-            log.info("cluster secrets key %s in %s", key_id(public_bytes(keyring.current)), self._path)
+            keyring = create_keyring(self.keyring_path, Keyring([PrivateKey.generate()]))
+            log.info("cluster secrets key %s in %s", key_id(public_bytes(keyring.current)), self.keyring_path)
         self._keyring = keyring
 
     async def start(self) -> None:
@@ -171,10 +168,11 @@ class SecretsService:
         published = self._published()
         if keyring is None:
             assert published is not None
-            log.error("secrets: the cluster key %s is published but %s does not hold it", published.key_id, self._path)
+            path = self.keyring_path
+            log.error("secrets: the cluster key %s is published but %s does not hold it", published.key_id, path)
             return
         if published is not None and keyring.by_id(published.key_id) is None:
-            log.error("secrets: %s does not hold the published cluster key %s", self._path, published.key_id)
+            log.error("secrets: %s does not hold the published cluster key %s", self.keyring_path, published.key_id)
             self._keyring = None
             return
         if not await self._publish(keyring.current):
@@ -195,12 +193,12 @@ class SecretsService:
                 return True
             keyring = self._keyring
             if current is not None and (keyring is None or keyring.by_id(current.key_id) is None):
-                log.error("secrets: the published cluster key %s is not in %s", current.key_id, self._path)
+                log.error("secrets: the published cluster key %s is not in %s", current.key_id, self.keyring_path)
                 return False
             record = pb.SecretsKey(key_id=ident, public_key=public)
             new_meta(record.meta, time.time(), CLUSTER_KEY)
             try:
-                await self._writer.commit(self._writer.txn("secrets-key").put(record))
+                await self.writer.commit(self.writer.txn("secrets-key").put(record))
             except (Conflict, CommitUnknown):
                 await asyncio.sleep(0.05)
                 continue
@@ -214,7 +212,7 @@ class SecretsService:
         key = keyring.by_id(ident) if keyring else None
         if key is None:
             try:
-                fresh = load_keyring(self._path)
+                fresh = load_keyring(self.keyring_path)
             except KeyMaterialError:
                 return None
             if fresh is not None:
@@ -228,7 +226,7 @@ class SecretsService:
         """Plaintexts of the secrets ``release`` references, or why they cannot be opened."""
         values: dict[str, str] = {}
         for name, ref in sorted(release.service.secrets.items()):
-            record = self._view.get(K.SECRET, ref.secret_id)
+            record = self.view.get(K.SECRET, ref.secret_id)
             if not isinstance(record, pb.SealedSecret):
                 return f"secret {name} version {ref.version} is gone"
             key = self._reload_if_unknown(record.key_id)
@@ -271,11 +269,11 @@ class SecretsService:
     ) -> tuple[pb.Release, pb.Node] | str:
         """A request can outrun this replica's view (a node that just re-registered, a fresh assignment):
         re-decide on every change for a short while before refusing."""
-        feed = self._view.subscribe({K.NODE, K.ASSIGNMENT, K.RELEASE})
+        feed = self.view.subscribe({K.NODE, K.ASSIGNMENT, K.RELEASE})
         try:
-            deadline = time.monotonic() + self._open_wait
+            deadline = time.monotonic() + self.open_wait
             while True:
-                decision = authorize(self._view, node_id, request)
+                decision = authorize(self.view, node_id, request)
                 remaining = deadline - time.monotonic()
                 if not isinstance(decision, str) or remaining <= 0:
                     return decision
@@ -307,14 +305,14 @@ class SecretsService:
     async def _on_open_cert_keys(self, msg: Msg) -> None:
         if is_direct_request(msg):
             with span("secrets.open_cert_keys"):
-                limit = self._conn.nc.max_payload
-                response = certkeys.answer_page(msg.data, self._view, self._key_for, limit)
+                limit = self.conn.nc.max_payload
+                response = certkeys.answer_page(msg.data, self.view, self._key_for, limit)
             await msg.respond(response.SerializeToString())
 
     async def _on_open_account(self, msg: Msg) -> None:
         if is_direct_request(msg):
             with span("secrets.open_account"):
-                response = certkeys.answer(msg.data, lambda: certkeys.account_bundle(self._view, self._key_for))
+                response = certkeys.answer(msg.data, lambda: certkeys.account_bundle(self.view, self._key_for))
             await msg.respond(response.SerializeToString())
 
     def _key_for(self, ident: str) -> PrivateKey | None:
@@ -331,7 +329,7 @@ class SecretsService:
             previous = key_id(public_bytes(keyring.current))
             fresh = PrivateKey.generate()
             keyring = Keyring([fresh, *keyring.keys])
-            save_keyring(self._path, keyring)  # before anything is sealed to it
+            save_keyring(self.keyring_path, keyring)  # before anything is sealed to it
             self._keyring = keyring
             if not await self._publish(fresh):
                 return cpb.RotateSecretsKeyResponse(error="the published cluster key is not this service's")
@@ -342,7 +340,7 @@ class SecretsService:
 
     def _reload_current(self) -> Keyring | None:
         try:
-            fresh = load_keyring(self._path)
+            fresh = load_keyring(self.keyring_path)
         except KeyMaterialError:
             fresh = None
         if fresh is not None:
@@ -354,7 +352,7 @@ class SecretsService:
         keyring = self._keyring
         assert keyring is not None
         resealed = await self._reseal_all(keyring)
-        save_keyring(self._path, Keyring([keyring.current]))
+        save_keyring(self.keyring_path, Keyring([keyring.current]))
         self._keyring = Keyring([keyring.current])
         return resealed
 
@@ -374,8 +372,8 @@ class SecretsService:
                 holder = where.holder(updated)
                 setattr(holder, where.field, seal(public, unseal(key, getattr(holder, where.field))))
                 setattr(holder, where.key_field, ident)
-                txns.append(self._writer.txn("secrets-reseal").put(updated))
-            results = await self._writer.commit_many(txns)
+                txns.append(self.writer.txn("secrets-reseal").put(updated))
+            results = await self.writer.commit_many(txns)
             done += sum(1 for r in results if r is None)
         raise RuntimeError("secrets kept changing while re-sealing; rotate again")
 
@@ -383,7 +381,7 @@ class SecretsService:
         """Every sealed value (secrets, certificate keys, the ACME account key, backup and off-site snapshot
         targets' settings, notification channels) not sealed to ``ident``."""
         for kind, where in SEALED_FIELDS.items():
-            for record in self._view.all(kind):
+            for record in self.view.all(kind):
                 holder = where.holder(record)
                 sealed_to: str = getattr(holder, where.key_field)
                 if sealed_to == ident or not getattr(holder, where.field):
@@ -409,7 +407,7 @@ class SecretsService:
 
     async def run(self) -> None:
         await self.start()
-        nc = self._conn.nc
+        nc = self.conn.nc
         if self._keyring is None:
             # Without the cluster key this replica could only answer "no key": it leaves the requests to the
             # replicas that hold it (start() said why; a server machine gets the key when it joins).

@@ -15,7 +15,8 @@ import pytest
 from aiohttp import web
 from zattera.v1 import types_pb2 as pb
 
-from services.secrets.notify import Notifier, NotifySettings
+from services.secrets.delivery import DeliverySettings
+from services.secrets.notify import Notifier
 from shared import keys as K
 from shared import notify
 from shared.actions.notify import (
@@ -41,7 +42,7 @@ from tests.backup.test_schedule import _cluster
 from tests.waiting import eventually
 
 TOKEN = "T0K3N-do-not-leak-7f3a"
-FAST = NotifySettings(timeout=2.0, retry_first=0.05, retry_most=0.2, failing_after=3)
+FAST = DeliverySettings(timeout=2.0, retry_first=0.05, retry_most=0.2, failing_after=3)
 
 
 def _channel(name: str = "ops", *, events: tuple[str, ...] = (), project_id: str = "") -> pb.NotifyChannel:
@@ -291,4 +292,4 @@ async def test_the_loop_waits_for_nothing_when_there_is_no_channel(
     _, keyring = await _cluster(conn, view)
     loop = await _start(conn, view, keyring, loops)
     await asyncio.wait_for(loop.run_pass(), 5)
-    assert not loop._running
+    assert not loop.followers

@@ -254,7 +254,7 @@ async def test_replicas_sharing_the_key_file_both_answer_after_a_rotation(
         # The second replica still holds only the old key in memory: it re-reads the shared file.
         await eventually(
             lambda: (
-                second.service._view.get(K.SECRET, view.secrets(placed.env_id)[0].meta.id).key_id  # type: ignore[union-attr]
+                second.service.view.get(K.SECRET, view.secrets(placed.env_id)[0].meta.id).key_id  # type: ignore[union-attr]
                 == rotated.key_id
             ),
             10,
