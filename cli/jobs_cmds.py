@@ -204,26 +204,21 @@ def list_jobs(
         async with control() as c:
             env_id = target_env(c.view, env).meta.id if env else None
             found = J.newest_first([j for j in c.view.jobs(env_id) if not cron or j.cron_name == cron])
-            if json_output:
-                render.messages(found)
-                return
-            render.table(
+            render.listing(
                 "jobs",
                 ["ID", "ENV", "CRON", "SLOT", "STATUS", "ATTEMPT", "EXIT", "DURATION", render.Col("NODE", wide=True)],
-                [
-                    (
-                        j.meta.id,
-                        env_label(c.view, j.environment_id),
-                        j.cron_name or ("(release)" if j.deployment_id else "(run)"),
-                        render.ts(j.slot_at),
-                        J.status_name(j.status),
-                        j.attempt,
-                        J.exit_text(j),
-                        J.duration(j),
-                        j.node_id or "-",
-                    )
-                    for j in found
-                ],
+                found,
+                lambda j: (
+                    j.meta.id,
+                    env_label(c.view, j.environment_id),
+                    j.cron_name or ("(release)" if j.deployment_id else "(run)"),
+                    render.ts(j.slot_at),
+                    J.status_name(j.status),
+                    j.attempt,
+                    J.exit_text(j),
+                    J.duration(j),
+                    j.node_id or "-",
+                ),
             )
 
     run(go)

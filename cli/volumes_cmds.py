@@ -3,6 +3,8 @@ snapshotting and restoring are operator actions (:mod:`shared.actions.volumes`).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import typer
 from zattera.v1 import types_pb2 as pb
 
@@ -34,26 +36,21 @@ def volumes_list(json: bool = JSON, wide: bool = WIDE) -> None:
 
     async def go() -> None:
         async with control() as c:
-            items = c.view.volumes()
-            if render.json_mode():
-                render.messages(items)
-                return
-            snaps = c.view.snapshots()
-            rows = []
-            for v in items:
-                mine = [s for s in snaps if s.volume_id == v.meta.id]
-                rows.append(
-                    [
-                        v.meta.id,
-                        v.name,
-                        env_label(c.view, v.environment_id),
-                        v.node_id,
-                        render.enum_name(pb.VolumeStatus, v.status, "VOLUME_STATUS_"),
-                        v.snapshot_policy.schedule or "-",
-                        len(mine),
-                    ]
-                )
-            render.table("volumes", ["id", "name", "env", "node", "status", "schedule", "snapshots"], rows)
+            snapshots = Counter(s.volume_id for s in c.view.snapshots())
+            render.listing(
+                "volumes",
+                ["id", "name", "env", "node", "status", "schedule", "snapshots"],
+                c.view.volumes(),
+                lambda v: [
+                    v.meta.id,
+                    v.name,
+                    env_label(c.view, v.environment_id),
+                    v.node_id,
+                    render.enum_name(pb.VolumeStatus, v.status, "VOLUME_STATUS_"),
+                    v.snapshot_policy.schedule or "-",
+                    snapshots[v.meta.id],
+                ],
+            )
 
     run(go)
 
@@ -120,22 +117,17 @@ def volumes_snapshots(
             if volume is None and not records:
                 raise fail(f"volume {volume_id!r} not found")
             records.sort(key=lambda s: (s.meta.created_at.ToNanoseconds(), s.meta.id), reverse=True)
-            if render.json_mode():
-                render.messages(records)
-                return
-            render.table(
+            render.listing(
                 f"snapshots of volume {volume.name if volume else '(deleted)'} ({volume_id})",
                 ["id", "state", "created", "size", "uploaded", Col("error", wrap=True)],
-                [
-                    [
-                        s.meta.id,
-                        render.enum_name(pb.SnapshotStatus, s.status, "SNAPSHOT_STATUS_"),
-                        render.ts(s.meta.created_at),
-                        f"{s.logical_size_bytes:,} B",
-                        f"{s.uploaded_bytes:,} B",
-                        s.error,
-                    ]
-                    for s in records
+                records,
+                lambda s: [
+                    s.meta.id,
+                    render.enum_name(pb.SnapshotStatus, s.status, "SNAPSHOT_STATUS_"),
+                    render.ts(s.meta.created_at),
+                    f"{s.logical_size_bytes:,} B",
+                    f"{s.uploaded_bytes:,} B",
+                    s.error,
                 ],
             )
 
