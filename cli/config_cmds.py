@@ -10,7 +10,7 @@ are.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import typer
 from zattera.v1 import types_pb2 as pb
@@ -64,23 +64,35 @@ def changed_text(what: str, done: ConfigChanged) -> str:
     return f"{what}: config v{done.config_version} of {done.env}, {staged}"
 
 
+class EnvRequest(Protocol):
+    """A configuration action's request: it names the environment it changes."""
+
+    @property
+    def env(self) -> str: ...
+
+
+R = TypeVar("R", bound=EnvRequest)
+
+
 def roll_out(
+    span_name: str,
     what: str,
-    change: Callable[[ActionContext], Awaitable[ConfigChanged]],
+    change: Callable[[ActionContext, R], Awaitable[ConfigChanged]],
+    request: R,
     *,
     watch: bool,
-    span_name: str,
     **attributes: Any,
 ) -> None:
-    """Run the configuration action ``change``, say what it did, then follow its rollout."""
+    """Run the configuration action ``change`` on ``request`` (traced as ``span_name``, with the request's
+    environment), say what it did, then follow its rollout."""
 
     async def go() -> str:
         async with control() as c:
-            done = await change(c.actions)
+            done = await change(c.actions, request)
         say(changed_text(what, done))
         return done.deployment_id
 
-    with span(span_name, **attributes):
+    with span(span_name, env=request.env, **attributes):
         deployment_id = run(go)
     if deployment_id and watch:
         from cli.watch import watch_deployment
@@ -111,14 +123,7 @@ def config_set(
     except ConfigError as exc:
         raise fail(str(exc)) from None
     request = ChangeVars(env, dict(values), deploy=not no_deploy)
-    roll_out(
-        f"set {', '.join(values)}",
-        lambda ctx: change_vars(ctx, request),
-        watch=watch,
-        span_name="cli.config.set",
-        env=env,
-        names=",".join(values),
-    )
+    roll_out("cli.config.set", f"set {', '.join(values)}", change_vars, request, watch=watch, names=",".join(values))
 
 
 @config_app.command("unset")
@@ -131,14 +136,7 @@ def config_unset(
     """Remove environment variables."""
     check_names("vars", names)
     request = ChangeVars(env, dict.fromkeys(names), deploy=not no_deploy)
-    roll_out(
-        f"unset {', '.join(names)}",
-        lambda ctx: change_vars(ctx, request),
-        watch=watch,
-        span_name="cli.config.unset",
-        env=env,
-        names=",".join(names),
-    )
+    roll_out("cli.config.unset", f"unset {', '.join(names)}", change_vars, request, watch=watch, names=",".join(names))
 
 
 @config_app.command("list")

@@ -86,14 +86,7 @@ def secrets_set(
     except ConfigError as exc:
         raise fail(str(exc)) from None
     request = SetSecret(env, name, value, deploy=not no_deploy)
-    roll_out(
-        f"secret {name} set",
-        lambda ctx: set_secret(ctx, request),
-        watch=watch,
-        span_name="cli.secrets.set",
-        env=env,
-        secret=name,
-    )
+    roll_out("cli.secrets.set", f"secret {name} set", set_secret, request, watch=watch, secret=name)
 
 
 @secrets_app.command("unset")
@@ -107,14 +100,8 @@ def secrets_unset(
     names = [name_without_value(name) for name in names]
     check_names("secrets", names)
     request = UnsetSecrets(env, names, deploy=not no_deploy)
-    roll_out(
-        f"secret {', '.join(names)} unset",
-        lambda ctx: unset_secrets(ctx, request),
-        watch=watch,
-        span_name="cli.secrets.unset",
-        env=env,
-        names=",".join(names),
-    )
+    what = f"secret {', '.join(names)} unset"
+    roll_out("cli.secrets.unset", what, unset_secrets, request, watch=watch, names=",".join(names))
 
 
 @secrets_app.command("list")
