@@ -21,7 +21,6 @@ from shared.actions.config import ChangeVars, ConfigChanged, change_vars
 from shared.actions.context import ActionContext
 from shared.actions.names import env_path, target_env
 from shared.appconfig import ConfigError, check_name, parse_assignments
-from shared.state.reader import StateReader
 from shared.telemetry import span
 
 config_app = typer.Typer(no_args_is_help=True, help="Plain environment variables of an environment.")
@@ -36,21 +35,38 @@ def say(message: str) -> None:
     err.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
-def running_release(view: StateReader, env: pb.Environment) -> pb.Release | None:
-    return view.release(env.active_release_id) if env.active_release_id else None
+Rows = list[dict[str, Any]]
 
 
-def emit_config_json(target: pb.Environment, running: pb.Release | None, key: str, rows: list[Any]) -> None:
-    """``--json`` of ``config list`` and ``secrets list``: the env's config version, the running release's,
-    and ``rows`` as ``key``."""
-    render.emit_json(
-        {
-            "environment_id": target.meta.id,
-            "config_version": target.service.config_version,
-            "running_config_version": running.service.config_version if running else None,
-            key: rows,
-        }
-    )
+def list_config(
+    env: str,
+    as_json: bool,
+    key: str,
+    rows: Callable[[pb.Environment, pb.Release | None], Rows],
+    table: Callable[[str, pb.Environment, pb.Release | None, Rows], None],
+) -> None:
+    """``config list`` and ``secrets list``: the ``rows`` of the environment ``env`` (staged, beside the
+    running release's); with ``--json`` as ``key``, beside the env's config version and the running release's,
+    else printed by ``table`` (given the env's ``project/app/env``)."""
+
+    async def go() -> None:
+        async with control() as c:
+            target = target_env(c.view, env)
+            running = c.view.release(target.active_release_id) if target.active_release_id else None
+            found = rows(target, running)
+            if as_json:
+                render.emit_json(
+                    {
+                        "environment_id": target.meta.id,
+                        "config_version": target.service.config_version,
+                        "running_config_version": running.service.config_version if running else None,
+                        key: found,
+                    }
+                )
+                return
+            table(env_path(c.view, target), target, running, found)
+
+    run(go)
 
 
 def changed_text(what: str, done: ConfigChanged) -> str:
@@ -143,24 +159,18 @@ def config_unset(
 def config_list(env: str = ENV, json: bool = JSON) -> None:
     """An environment's variables (staged), its config version and the running release's."""
 
-    async def go() -> None:
-        async with control() as c:
-            target = target_env(c.view, env)
-            running = running_release(c.view, target)
-            running_vars = dict(running.service.vars) if running else {}
-            rows = [
-                {"name": k, "value": v, "running": running_vars.get(k) == v}
-                for k, v in sorted(target.service.vars.items())
-            ]
-            if json:
-                emit_config_json(target, running, "vars", rows)
-                return
-            running_version = f"v{running.service.config_version}" if running else "none"
-            config_version = f"config v{target.service.config_version}, running {running_version}"
-            render.table(
-                f"vars of {env_path(c.view, target)} ({config_version})",
-                ["name", "value", "running"],
-                [[r["name"], r["value"], "yes" if r["running"] else "staged"] for r in rows],
-            )
+    def rows(target: pb.Environment, running: pb.Release | None) -> Rows:
+        running_vars = dict(running.service.vars) if running else {}
+        return [
+            {"name": k, "value": v, "running": running_vars.get(k) == v} for k, v in sorted(target.service.vars.items())
+        ]
 
-    run(go)
+    def table(path: str, target: pb.Environment, running: pb.Release | None, found: Rows) -> None:
+        running_version = f"v{running.service.config_version}" if running else "none"
+        render.table(
+            f"vars of {path} (config v{target.service.config_version}, running {running_version})",
+            ["name", "value", "running"],
+            [[r["name"], r["value"], "yes" if r["running"] else "staged"] for r in found],
+        )
+
+    list_config(env, json, "vars", rows, table)
