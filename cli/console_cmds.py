@@ -13,6 +13,7 @@ import typer
 
 from cli import render
 from cli.client import control, err, fail, run
+from cli.options import JSON
 from shared.console_users import (
     ADMIN,
     ROLES,
@@ -60,7 +61,7 @@ def add_user(
 
 
 @console_app.command("list-users")
-def list_users_cmd(json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+def list_users_cmd(json: bool = JSON) -> None:
     """Console users and their roles (never their password hashes)."""
 
     async def go() -> list[dict[str, object]]:

@@ -13,6 +13,7 @@ import typer
 
 from cli import render
 from cli.client import control, err, run
+from cli.options import JSON
 from shared.imagearchive import ImageArchiveError, read_image_archive
 from shared.registry import PlatformImage, RegistryError, push_image, repository
 
@@ -30,7 +31,7 @@ def images_import(
     archive: Path = typer.Argument(..., help="a `docker save` tarball or an OCI image layout tarball (- = stdin)"),
     app_ref: str = typer.Option(..., "--app", help="project/app whose repository receives the image"),
     tag: str = typer.Option("latest", "--tag", help="tag in the app's repository"),
-    json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    json: bool = JSON,
 ) -> None:
     """Import a container image into the cluster registry; prints the ref to deploy it with --image."""
     from shared.actions.names import find_app, find_project

@@ -20,7 +20,8 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import FIELD_LABELS, OPTIONS, Control, ExitCode, control, err, fail, run
+from cli.client import FIELD_LABELS, Control, ExitCode, control, err, fail, run
+from cli.options import JSON, set_output
 from shared import jobs as J
 from shared import keys as K
 from shared.actions.jobs import CancelJob, RunJob, find_job, request_cancel, run_job
@@ -48,7 +49,7 @@ def run_command(
     json_output: bool = typer.Option(False, "--json", help="with --detach: the job as JSON"),
 ) -> None:
     """Run a command once with the env's release, config and secrets; print its output; exit with its code."""
-    OPTIONS.json = json_output
+    set_output(json_output)
     text = shlex.join(command) if len(command) > 1 else command[0]
     try:
         J.check_command(text)
@@ -195,10 +196,10 @@ async def _request_cancel(c: Control, job_id: str) -> None:
 def list_jobs(
     env: str = typer.Option("", "--env", help="only this environment (project/app/env or id)"),
     cron: str = typer.Option("", "--cron", help="only this cron entry's runs (its history)"),
-    json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
+    json_output: bool = JSON,
 ) -> None:
     """Job runs, newest first: cron slots (entry, slot) and one-off commands, with status and exit code."""
-    OPTIONS.json = json_output
+    set_output(json_output)
 
     async def go() -> None:
         async with control() as c:
@@ -227,10 +228,10 @@ def list_jobs(
 @jobs_app.command("show")
 def show_job(
     job_id: str = typer.Argument(..., help="the job id (`zattera jobs list`)"),
-    json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
+    json_output: bool = JSON,
 ) -> None:
     """One run: status, attempt, node, times, exit code, message and its last output lines."""
-    OPTIONS.json = json_output
+    set_output(json_output)
 
     async def go() -> None:
         async with control() as c:

@@ -20,7 +20,6 @@ from cli import render
 from cli.client import fail, on_cluster
 from cli.config_cmds import (
     ENV,
-    JSON,
     NO_DEPLOY,
     WATCH,
     Rows,
@@ -29,6 +28,7 @@ from cli.config_cmds import (
     roll_out,
     say,
 )
+from cli.options import JSON
 from shared.actions.secrets import (
     RotateSecretsKey,
     SetSecret,

@@ -15,6 +15,7 @@ import typer
 
 from cli import render
 from cli.client import control, err, fail, run
+from cli.options import JSON
 from shared.actions.names import resolve_project
 from shared.security.creds import write_private
 from shared.teams import (
@@ -157,7 +158,7 @@ def users_update(
 
 
 @users_app.command("list")
-def users_list(json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+def users_list(json: bool = JSON) -> None:
     """Users, whether admin, and their grants (project id → role)."""
     users = _records()[0]
     rows = [{"name": u.name, "admin": u.admin, "grants": u.grants, "created_at": u.created_at} for u in users]
@@ -250,7 +251,7 @@ def grants_remove(
 @grants_app.command("list")
 def grants_list(
     user: str = typer.Option("", "--user", help="only this user"),
-    json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    json: bool = JSON,
 ) -> None:
     """Every grant: user, project id, role."""
     rows = [
@@ -295,7 +296,7 @@ def tokens_create(
 
 
 @tokens_app.command("list")
-def tokens_list(json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+def tokens_list(json: bool = JSON) -> None:
     """Tokens: name, project, role, expiry, revoked (never the token nor its hash)."""
     tokens = [t.public() for t in _records()[1]]
     if json:
