@@ -11,8 +11,8 @@ from typing import TypeVar
 import typer
 
 from cli import render
-from cli.client import FIELD_LABELS, control, fail, run
-from cli.config_cmds import NO_DEPLOY, say
+from cli.client import FIELD_LABELS, control, fail, run, say
+from cli.config_cmds import NO_DEPLOY
 from cli.options import JSON, set_output
 from shared.actions.addon_attach import AttachAddon, attach_addon, detach_addon
 from shared.actions.addon_restore import addon_backups, restore_addon, set_addon_offsite

@@ -45,6 +45,12 @@ T = TypeVar("T")
 
 err = Console(stderr=True, soft_wrap=True)  # messages are never cut at 80 columns in a pipe
 
+
+def say(message: str, style: str | None = None) -> None:
+    """A message to the operator on stderr, printed as it is (never read as rich markup, nor highlighted)."""
+    err.print(message, style=style, markup=False, highlight=False)
+
+
 OPERATOR = "operator"
 REQUEST_DEADLINE = 15.0
 """How long a CLI request waits for JetStream across a server loss and a leader election."""
@@ -349,7 +355,7 @@ def fail(message: str, code: int = ExitCode.FAILED) -> typer.Exit:
     import typer
 
     err.print("[red]error:[/] ", end="")
-    err.print(message, markup=False, highlight=False, soft_wrap=True)
+    say(message)
     return typer.Exit(code)
 
 

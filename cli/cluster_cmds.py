@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import ExitCode, connect_cli, err, fail, nats_url, run
+from cli.client import ExitCode, connect_cli, err, fail, nats_url, run, say
 from cli.options import JSON, set_output
 from shared.actions.replicas import ChangeReplicas, ReplicasChanged, change_replicas
 from shared.connection import Connection
@@ -47,7 +47,7 @@ class StderrProgress(logging.Handler):
     """Shows on stderr that init is waiting (for servers still joining), so a wait is never silent."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        err.print(record.getMessage(), style="dim", markup=False, highlight=False)
+        say(record.getMessage(), style="dim")
 
 
 @cluster_app.command("init")

@@ -16,7 +16,7 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import control, err, fail, run
+from cli.client import control, fail, run, say
 from cli.options import JSON
 from shared.actions.config import ChangeVars, ConfigChanged, change_vars
 from shared.actions.context import ActionContext
@@ -29,10 +29,6 @@ config_app = typer.Typer(no_args_is_help=True, help="Plain environment variables
 ENV = typer.Option(..., "--env", help="environment id or project/app/env")
 NO_DEPLOY = typer.Option(False, "--no-deploy", help="stage the change for the next deploy instead of rolling it out")
 WATCH = typer.Option(True, "--watch/--no-watch", help="follow the rollout until it is live")
-
-
-def say(message: str) -> None:
-    err.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
 Rows = list[dict[str, Any]]

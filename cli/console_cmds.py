@@ -12,7 +12,7 @@ import sys
 import typer
 
 from cli import render
-from cli.client import control, err, fail, run
+from cli.client import control, fail, run, say
 from cli.options import JSON
 from shared.console_users import (
     ADMIN,
@@ -57,7 +57,7 @@ def add_user(
                 raise fail(str(exc)) from None
 
     run(go)
-    err.print(f"console user {name} saved ({role})", markup=False, highlight=False)
+    say(f"console user {name} saved ({role})")
 
 
 @console_app.command("list-users")
@@ -85,4 +85,4 @@ def remove_user_cmd(name: str) -> None:
 
     if not run(go):
         raise fail(f"console user {name!r} not found")
-    err.print(f"console user {name} removed", markup=False, highlight=False)
+    say(f"console user {name} removed")

@@ -13,8 +13,8 @@ import time
 import typer
 
 from cli import render
-from cli.client import control, on_cluster, run
-from cli.config_cmds import ENV, say
+from cli.client import control, on_cluster, run, say
+from cli.config_cmds import ENV
 from cli.options import JSON, set_output
 from shared.actions.domains import AddDomain, RemoveDomain, add_domain, remove_domain
 from shared.actions.names import env_label

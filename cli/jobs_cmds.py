@@ -20,7 +20,7 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import FIELD_LABELS, Control, ExitCode, control, err, fail, run
+from cli.client import FIELD_LABELS, Control, ExitCode, control, err, fail, run, say
 from cli.options import JSON, set_output
 from shared import jobs as J
 from shared import keys as K
@@ -97,7 +97,7 @@ async def _follow(c: Control, job_id: str, env_id: str) -> int:
                 break
             if job.status == J.PENDING and job.message and job.message != said:
                 said = job.message  # e.g. waiting for a node, or retrying after a failed attempt
-                err.print(f"job {job_id}: {said}", markup=False, highlight=False)
+                say(f"job {job_id}: {said}")
             if interrupted.is_set():
                 interrupted.clear()
                 err.print(f"canceling job {job_id} (Ctrl-C again leaves without waiting)", highlight=False)
@@ -131,7 +131,7 @@ def _outcome(job: pb.Job) -> int:
     if job.status == J.CANCELED:
         err.print(f"job {job.meta.id} canceled", highlight=False)
         return _EXIT_CANCELED
-    err.print(f"job {job.meta.id} {J.status_name(job.status)}: {job.message}", markup=False, highlight=False)
+    say(f"job {job.meta.id} {J.status_name(job.status)}: {job.message}")
     if job.status == J.FAILED and job.exit_code_known and job.exit_code:
         return job.exit_code
     return ExitCode.FAILED

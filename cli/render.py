@@ -16,7 +16,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from cli.client import OPTIONS, err
+from cli.client import OPTIONS, say
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -43,7 +43,7 @@ def report(result: DataclassInstance | dict[str, Any], *lines: str) -> None:
         emit_json(result if isinstance(result, dict) else dataclasses.asdict(result))
         return
     for line in lines:
-        err.print(line, markup=False, highlight=False)
+        say(line)
 
 
 def messages(items: Iterable[Message]) -> None:

@@ -17,7 +17,7 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import fail, on_cluster
+from cli.client import fail, on_cluster, say
 from cli.config_cmds import (
     ENV,
     NO_DEPLOY,
@@ -26,7 +26,6 @@ from cli.config_cmds import (
     check_names,
     list_config,
     roll_out,
-    say,
 )
 from cli.options import JSON
 from shared.actions.secrets import (

@@ -9,7 +9,7 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import ExitCode, control, err, fail, on_cluster, run
+from cli.client import ExitCode, control, err, fail, on_cluster, run, say
 from cli.options import JSON, WIDE, set_output
 from cli.render import Col
 from shared.actions.names import env_label
@@ -193,4 +193,4 @@ def volumes_restore(
         )
         return
     fetched = f" ({done.fetched_bytes:,} bytes fetched from {source})" if source else ""
-    err.print(f"volume {volume_id} restored from snapshot {done.snapshot_id}{fetched}", markup=False, highlight=False)
+    say(f"volume {volume_id} restored from snapshot {done.snapshot_id}{fetched}")
