@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import IntEnum
@@ -329,14 +329,23 @@ async def _load(conn: Connection, state: StateView, *, view: bool, follow: bool)
 
 
 def on_cluster(
-    action: Callable[[ActionContext, R], Awaitable[T]], request: R, *, view: bool = True, follow: bool = False
+    action: Callable[[ActionContext, R], Awaitable[T]],
+    request: R,
+    *,
+    view: bool = True,
+    follow: bool = False,
+    labels: Mapping[str, str] = FIELD_LABELS,
 ) -> T:
     """Run one operator action on the cluster and return its result (``view``: it reads the state;
-    ``follow``: it reads what it wrote, the view kept current; see :func:`control`)."""
+    ``follow``: it reads what it wrote, the view kept current; see :func:`control`). A refusal is one line
+    naming the request's field as ``labels`` spells it (the command's own options beside the common ones)."""
 
     async def go() -> T:
         async with control(view=view or follow, follow=follow) as c:
-            return await action(c.actions, request)
+            try:
+                return await action(c.actions, request)
+            except ActionRefused as exc:
+                raise fail(exc.said_as(labels), REFUSAL_EXIT[exc.kind]) from None
 
     return run(go)
 
