@@ -335,17 +335,20 @@ def on_cluster(
     view: bool = True,
     follow: bool = False,
     labels: Mapping[str, str] = FIELD_LABELS,
+    what: str = "",
 ) -> T:
     """Run one operator action on the cluster and return its result (``view``: it reads the state;
-    ``follow``: it reads what it wrote, the view kept current; see :func:`control`). A refusal is one line
-    naming the request's field as ``labels`` spells it (the command's own options beside the common ones)."""
+    ``follow``: it reads what it wrote, the view kept current; see :func:`control`). A refusal is one line:
+    ``what: `` and the refusal when ``what`` is given, else the refusal naming the request's field as
+    ``labels`` spells it (the command's own options beside the common ones)."""
 
     async def go() -> T:
         async with control(view=view or follow, follow=follow) as c:
             try:
                 return await action(c.actions, request)
             except ActionRefused as exc:
-                raise fail(exc.said_as(labels), REFUSAL_EXIT[exc.kind]) from None
+                said = f"{what}: {exc}" if what else exc.said_as(labels)
+                raise fail(said, REFUSAL_EXIT[exc.kind]) from None
 
     return run(go)
 

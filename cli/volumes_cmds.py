@@ -19,7 +19,6 @@ from shared.actions.volumes import (
     SetSnapshotPolicy,
     SnapshotTaken,
     TakeSnapshot,
-    VolumeRestored,
     restore_volume,
     set_snapshot_policy,
     take_snapshot,
@@ -178,15 +177,7 @@ def volumes_restore(
     set_output(json)
     settings = credentials_from_environment() if source.startswith("s3://") else {}
     request = RestoreVolume(volume_id, snapshot_id, source=source, settings=settings)
-
-    async def go() -> VolumeRestored:
-        async with control() as c:
-            try:
-                return await restore_volume(c.actions, request)
-            except ActionRefused as exc:
-                raise fail(f"restore refused or failed: {exc}") from None
-
-    done = run(go)
+    done = on_cluster(restore_volume, request, what="restore refused or failed")
     if render.json_mode():
         render.emit_json(
             {"volume_id": done.volume_id, "snapshot_id": done.snapshot_id, "fetched_bytes": done.fetched_bytes}
