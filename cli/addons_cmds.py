@@ -11,9 +11,9 @@ from typing import TypeVar
 import typer
 
 from cli import render
-from cli.client import FIELD_LABELS, control, fail, run
-from cli.config_cmds import JSON, NO_DEPLOY, say
-from cli.options import set_output
+from cli.client import FIELD_LABELS, control, fail, on_cluster, run, say
+from cli.config_cmds import NO_DEPLOY
+from cli.options import JSON, set_output
 from shared.actions.addon_attach import AttachAddon, attach_addon, detach_addon
 from shared.actions.addon_restore import addon_backups, restore_addon, set_addon_offsite
 from shared.actions.addons import (
@@ -28,9 +28,7 @@ from shared.actions.addons import (
     delete_addon,
     list_addons,
 )
-from shared.actions.config import ConfigChanged
 from shared.actions.refusals import ActionRefused
-from shared.actions.volumes import PolicySet
 from shared.addons import spec as addon
 from shared.addons.backups import BackupStatus
 from shared.backup.targets import credentials_from_environment
@@ -58,7 +56,8 @@ PROJECT = typer.Option(..., "--project", "-p", help="the project the database be
 
 
 def _act(fn: Callable[[], Awaitable[T]]) -> T:
-    """Run an action; a refusal is one line naming the option as this command spells it."""
+    """Run a read (or a session) on the cluster; a refusal is one line naming the option as this command spells
+    it. An action goes through :func:`cli.client.on_cluster` with the same ``labels``."""
 
     async def go() -> T:
         try:
@@ -108,12 +107,8 @@ def addons_create(
 ) -> None:
     """Create a database: a stateful env running the real server, passwords generated and sealed."""
 
-    async def go() -> AddonCreated:
-        async with control() as c:
-            request = CreateAddon(engine, name, project, version, archive_timeout, backup_interval)
-            return await create_addon(c.actions, request)
-
-    _created(_act(go), json, "database")
+    request = CreateAddon(engine, name, project, version, archive_timeout, backup_interval)
+    _created(on_cluster(create_addon, request, labels=LABELS), json, "database")
 
 
 @addons_app.command("attach")
@@ -124,11 +119,7 @@ def addons_attach(
 ) -> None:
     """Give an env the database's URL (DATABASE_URL and PG*, or REDIS_URL) as sealed secrets; it rolls out."""
 
-    async def go() -> ConfigChanged:
-        async with control() as c:
-            return await attach_addon(c.actions, AttachAddon(name, env, deploy=not no_deploy))
-
-    done = _act(go)
+    done = on_cluster(attach_addon, AttachAddon(name, env, deploy=not no_deploy), labels=LABELS)
     rolled = f"; rolling out release v{done.release_version}" if done.deployment_id else " (staged for the next deploy)"
     say(f"database {name} attached to {done.env}{rolled}")
 
@@ -139,11 +130,7 @@ def addons_detach(
 ) -> None:
     """Remove the database's URL and PG* variables from an env; it rolls out."""
 
-    async def go() -> ConfigChanged:
-        async with control() as c:
-            return await detach_addon(c.actions, AttachAddon(name, env, deploy=not no_deploy))
-
-    done = _act(go)
+    done = on_cluster(detach_addon, AttachAddon(name, env, deploy=not no_deploy), labels=LABELS)
     say(f"database {name} detached from {done.env}")
 
 
@@ -168,12 +155,8 @@ def addons_restore(
     target = parse_time(to_time) if to_time else None
     settings = credentials_from_environment() if source.startswith("s3://") else {}
 
-    async def go() -> AddonCreated:
-        async with control() as c:
-            request = RestoreAddon(name, project, as_name, target, source=source, settings=settings)
-            return await restore_addon(c.actions, request)
-
-    _created(_act(go), json, "restoring")
+    request = RestoreAddon(name, project, as_name, target, source=source, settings=settings)
+    _created(on_cluster(restore_addon, request, labels=LABELS), json, "restoring")
 
 
 @addons_app.command("offsite")
@@ -188,11 +171,7 @@ def addons_offsite(
     environment, stored sealed): `addons restore --from TARGET` restores from there when the node is gone."""
     settings = credentials_from_environment() if target.startswith("s3://") else {}
 
-    async def go() -> PolicySet:
-        async with control() as c:
-            return await set_addon_offsite(c.actions, AddonOffsite(name, project, target, schedule, settings))
-
-    done = _act(go)
+    done = on_cluster(set_addon_offsite, AddonOffsite(name, project, target, schedule, settings), labels=LABELS)
     if json:
         render.emit_json(asdict(done))
         return
@@ -307,11 +286,7 @@ def addons_delete(
     if purge and not yes:
         typer.confirm(f"delete {project}/{name} with its data and every backup of it?", abort=True)
 
-    async def go() -> dict[str, int]:
-        async with control() as c:
-            return await delete_addon(c.actions, DeleteAddon(name, project, purge))
-
-    done = _act(go)
+    done = on_cluster(delete_addon, DeleteAddon(name, project, purge), labels=LABELS)
     kept = "" if purge else f"; {done.get('volumes_kept', 0)} volume(s) kept (data and backups)"
     say(f"database {project}/{name} deleted{kept}")
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
+from zattera.v1 import types_pb2 as pb
 
 from cli import render
 from cli.apply import ApplyResult, add_addon_steps, declared_addons, plan
@@ -91,23 +93,20 @@ def apps_list(json: bool = JSON, wide: bool = WIDE) -> None:
 
     async def go() -> None:
         async with control() as c:
-            envs = c.view.envs()
-            if render.json_mode():
-                render.messages(envs)
-                return
-            rows = []
-            for e in envs:
+
+            def row(e: pb.Environment) -> list[Any]:
                 release = c.view.release(e.active_release_id)
-                rows.append(
-                    [
-                        env_path(c.view, e),
-                        e.meta.id,
-                        f"v{release.version}" if release else "-",
-                        c.view.env_run_count(e.meta.id),
-                        desired_replicas(e),  # what the scheduler converges to: 0 for a cooled env
-                    ]
-                )
-            render.table("environments", ["env", Col("id", wide=True), "active", "running", "desired"], rows)
+                return [
+                    env_path(c.view, e),
+                    e.meta.id,
+                    f"v{release.version}" if release else "-",
+                    c.view.env_run_count(e.meta.id),
+                    desired_replicas(e),  # what the scheduler converges to: 0 for a cooled env
+                ]
+
+            render.listing(
+                "environments", ["env", Col("id", wide=True), "active", "running", "desired"], c.view.envs(), row
+            )
 
     run(go)
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import typer
 
 from cli import render
-from cli.client import OPTIONS, fail
+from cli.client import fail
+from cli.options import JSON, set_output
 from shared.buildplan import PlanError, detect, read_source
 
 build_app = typer.Typer(no_args_is_help=True, help="Source builds: the detected plan.")
@@ -17,10 +18,10 @@ build_app = typer.Typer(no_args_is_help=True, help="Source builds: the detected 
 @build_app.command("plan")
 def plan(
     directory: Path = typer.Argument(..., help="the app's source directory"),
-    json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    json: bool = JSON,
 ) -> None:
     """Print the build plan (provider, install, build, start) detected for DIR."""
-    OPTIONS.json = json
+    set_output(json)
     if not directory.is_dir():
         raise fail(f"DIR {str(directory)!r}: not a directory")
     try:

@@ -23,23 +23,17 @@ def builds_list(json: bool = JSON, wide: bool = WIDE) -> None:
 
     async def go() -> None:
         async with control() as c:
-            items = list(reversed(c.view.builds()))
-            if render.json_mode():
-                render.messages(items)
-                return
-            render.table(
+            render.listing(
                 "builds",
                 ["id", "env", "status", "node", "image", Col("error", wrap=True)],
-                [
-                    [
-                        b.meta.id,
-                        env_label(c.view, b.environment_id),
-                        render.enum_name(pb.BuildStatus, b.status, "BUILD_STATUS_"),
-                        b.node_id,
-                        b.image_ref,
-                        b.error,
-                    ]
-                    for b in items
+                list(reversed(c.view.builds())),
+                lambda b: [
+                    b.meta.id,
+                    env_label(c.view, b.environment_id),
+                    render.enum_name(pb.BuildStatus, b.status, "BUILD_STATUS_"),
+                    b.node_id,
+                    b.image_ref,
+                    b.error,
                 ],
             )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import IntEnum
@@ -44,6 +44,12 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 err = Console(stderr=True, soft_wrap=True)  # messages are never cut at 80 columns in a pipe
+
+
+def say(message: str, style: str | None = None) -> None:
+    """A message to the operator on stderr, printed as it is (never read as rich markup, nor highlighted)."""
+    err.print(message, style=style, markup=False, highlight=False)
+
 
 OPERATOR = "operator"
 REQUEST_DEADLINE = 15.0
@@ -323,14 +329,26 @@ async def _load(conn: Connection, state: StateView, *, view: bool, follow: bool)
 
 
 def on_cluster(
-    action: Callable[[ActionContext, R], Awaitable[T]], request: R, *, view: bool = True, follow: bool = False
+    action: Callable[[ActionContext, R], Awaitable[T]],
+    request: R,
+    *,
+    view: bool = True,
+    follow: bool = False,
+    labels: Mapping[str, str] = FIELD_LABELS,
+    what: str = "",
 ) -> T:
     """Run one operator action on the cluster and return its result (``view``: it reads the state;
-    ``follow``: it reads what it wrote, the view kept current; see :func:`control`)."""
+    ``follow``: it reads what it wrote, the view kept current; see :func:`control`). A refusal is one line:
+    ``what: `` and the refusal when ``what`` is given, else the refusal naming the request's field as
+    ``labels`` spells it (the command's own options beside the common ones)."""
 
     async def go() -> T:
         async with control(view=view or follow, follow=follow) as c:
-            return await action(c.actions, request)
+            try:
+                return await action(c.actions, request)
+            except ActionRefused as exc:
+                said = f"{what}: {exc}" if what else exc.said_as(labels)
+                raise fail(said, REFUSAL_EXIT[exc.kind]) from None
 
     return run(go)
 
@@ -349,7 +367,7 @@ def fail(message: str, code: int = ExitCode.FAILED) -> typer.Exit:
     import typer
 
     err.print("[red]error:[/] ", end="")
-    err.print(message, markup=False, highlight=False, soft_wrap=True)
+    say(message)
     return typer.Exit(code)
 
 

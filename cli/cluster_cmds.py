@@ -15,7 +15,8 @@ from google.protobuf.message import DecodeError
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import OPTIONS, ExitCode, connect_cli, err, fail, nats_url, run
+from cli.client import ExitCode, connect_cli, err, fail, nats_url, run, say
+from cli.options import JSON, set_output
 from shared.actions.replicas import ChangeReplicas, ReplicasChanged, change_replicas
 from shared.connection import Connection
 from shared.directget import last_per_subject
@@ -41,14 +42,12 @@ cluster_app = typer.Typer(
     no_args_is_help=True, help="The cluster's own configuration: init, status, and upgrades of its schema."
 )
 
-JSON = typer.Option(False, "--json", help="machine-readable output")
-
 
 class StderrProgress(logging.Handler):
     """Shows on stderr that init is waiting (for servers still joining), so a wait is never silent."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        err.print(record.getMessage(), style="dim", markup=False, highlight=False)
+        say(record.getMessage(), style="dim")
 
 
 @cluster_app.command("init")
@@ -60,7 +59,7 @@ def init(
 ) -> None:
     """Create every stream, bucket and object store and record the configuration, once. Run again, it
     creates only what is missing and changes nothing; a different --replicas is refused, not applied."""
-    OPTIONS.json = json
+    set_output(json)
 
     async def go() -> ProvisionReport:
         conn = await connect_cli()
@@ -98,7 +97,7 @@ def init(
 @cluster_app.command("status")
 def status(json: bool = JSON) -> None:
     """The recorded configuration, every stream's replicas, leader and peers, and any mismatch."""
-    OPTIONS.json = json
+    set_output(json)
 
     async def go() -> None:
         conn = await connect_cli()
@@ -200,7 +199,7 @@ def upgrade_cmd(
 ) -> None:
     """Bring the cluster to this version's schema now: the pending migrations, in order, each recorded
     (the control plane also runs them when it starts). A cluster at a newer schema is refused."""
-    OPTIONS.json = json
+    set_output(json)
 
     async def go() -> dict[str, Any]:
         conn = await connect_cli()
@@ -256,7 +255,7 @@ def replicas_cmd(
     N for what is created later: one deliberate step once server machines have joined (docs/cluster.md).
     Stream by stream, the state stream last; streams already at N are skipped, so running it again finishes
     a change cut short."""
-    OPTIONS.json = json
+    set_output(json)
 
     def shown(done: StreamChanged) -> None:
         if render.json_mode():

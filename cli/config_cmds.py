@@ -10,18 +10,18 @@ are.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import control, err, fail, run
+from cli.client import control, fail, run, say
+from cli.options import JSON
 from shared.actions.config import ChangeVars, ConfigChanged, change_vars
 from shared.actions.context import ActionContext
 from shared.actions.names import env_path, target_env
 from shared.appconfig import ConfigError, check_name, parse_assignments
-from shared.state.reader import StateReader
 from shared.telemetry import span
 
 config_app = typer.Typer(no_args_is_help=True, help="Plain environment variables of an environment.")
@@ -29,28 +29,40 @@ config_app = typer.Typer(no_args_is_help=True, help="Plain environment variables
 ENV = typer.Option(..., "--env", help="environment id or project/app/env")
 NO_DEPLOY = typer.Option(False, "--no-deploy", help="stage the change for the next deploy instead of rolling it out")
 WATCH = typer.Option(True, "--watch/--no-watch", help="follow the rollout until it is live")
-JSON = typer.Option(False, "--json", help="machine-readable output")
 
 
-def say(message: str) -> None:
-    err.print(message, markup=False, highlight=False, soft_wrap=True)
+Rows = list[dict[str, Any]]
 
 
-def running_release(view: StateReader, env: pb.Environment) -> pb.Release | None:
-    return view.release(env.active_release_id) if env.active_release_id else None
+def list_config(
+    env: str,
+    as_json: bool,
+    key: str,
+    rows: Callable[[pb.Environment, pb.Release | None], Rows],
+    table: Callable[[str, pb.Environment, pb.Release | None, Rows], None],
+) -> None:
+    """``config list`` and ``secrets list``: the ``rows`` of the environment ``env`` (staged, beside the
+    running release's); with ``--json`` as ``key``, beside the env's config version and the running release's,
+    else printed by ``table`` (given the env's ``project/app/env``)."""
 
+    async def go() -> None:
+        async with control() as c:
+            target = target_env(c.view, env)
+            running = c.view.release(target.active_release_id) if target.active_release_id else None
+            found = rows(target, running)
+            if as_json:
+                render.emit_json(
+                    {
+                        "environment_id": target.meta.id,
+                        "config_version": target.service.config_version,
+                        "running_config_version": running.service.config_version if running else None,
+                        key: found,
+                    }
+                )
+                return
+            table(env_path(c.view, target), target, running, found)
 
-def emit_config_json(target: pb.Environment, running: pb.Release | None, key: str, rows: list[Any]) -> None:
-    """``--json`` of ``config list`` and ``secrets list``: the env's config version, the running release's,
-    and ``rows`` as ``key``."""
-    render.emit_json(
-        {
-            "environment_id": target.meta.id,
-            "config_version": target.service.config_version,
-            "running_config_version": running.service.config_version if running else None,
-            key: rows,
-        }
-    )
+    run(go)
 
 
 def changed_text(what: str, done: ConfigChanged) -> str:
@@ -64,23 +76,35 @@ def changed_text(what: str, done: ConfigChanged) -> str:
     return f"{what}: config v{done.config_version} of {done.env}, {staged}"
 
 
+class EnvRequest(Protocol):
+    """A configuration action's request: it names the environment it changes."""
+
+    @property
+    def env(self) -> str: ...
+
+
+R = TypeVar("R", bound=EnvRequest)
+
+
 def roll_out(
+    span_name: str,
     what: str,
-    change: Callable[[ActionContext], Awaitable[ConfigChanged]],
+    change: Callable[[ActionContext, R], Awaitable[ConfigChanged]],
+    request: R,
     *,
     watch: bool,
-    span_name: str,
     **attributes: Any,
 ) -> None:
-    """Run the configuration action ``change``, say what it did, then follow its rollout."""
+    """Run the configuration action ``change`` on ``request`` (traced as ``span_name``, with the request's
+    environment), say what it did, then follow its rollout."""
 
     async def go() -> str:
         async with control() as c:
-            done = await change(c.actions)
+            done = await change(c.actions, request)
         say(changed_text(what, done))
         return done.deployment_id
 
-    with span(span_name, **attributes):
+    with span(span_name, env=request.env, **attributes):
         deployment_id = run(go)
     if deployment_id and watch:
         from cli.watch import watch_deployment
@@ -111,14 +135,7 @@ def config_set(
     except ConfigError as exc:
         raise fail(str(exc)) from None
     request = ChangeVars(env, dict(values), deploy=not no_deploy)
-    roll_out(
-        f"set {', '.join(values)}",
-        lambda ctx: change_vars(ctx, request),
-        watch=watch,
-        span_name="cli.config.set",
-        env=env,
-        names=",".join(values),
-    )
+    roll_out("cli.config.set", f"set {', '.join(values)}", change_vars, request, watch=watch, names=",".join(values))
 
 
 @config_app.command("unset")
@@ -131,38 +148,25 @@ def config_unset(
     """Remove environment variables."""
     check_names("vars", names)
     request = ChangeVars(env, dict.fromkeys(names), deploy=not no_deploy)
-    roll_out(
-        f"unset {', '.join(names)}",
-        lambda ctx: change_vars(ctx, request),
-        watch=watch,
-        span_name="cli.config.unset",
-        env=env,
-        names=",".join(names),
-    )
+    roll_out("cli.config.unset", f"unset {', '.join(names)}", change_vars, request, watch=watch, names=",".join(names))
 
 
 @config_app.command("list")
 def config_list(env: str = ENV, json: bool = JSON) -> None:
     """An environment's variables (staged), its config version and the running release's."""
 
-    async def go() -> None:
-        async with control() as c:
-            target = target_env(c.view, env)
-            running = running_release(c.view, target)
-            running_vars = dict(running.service.vars) if running else {}
-            rows = [
-                {"name": k, "value": v, "running": running_vars.get(k) == v}
-                for k, v in sorted(target.service.vars.items())
-            ]
-            if json:
-                emit_config_json(target, running, "vars", rows)
-                return
-            running_version = f"v{running.service.config_version}" if running else "none"
-            config_version = f"config v{target.service.config_version}, running {running_version}"
-            render.table(
-                f"vars of {env_path(c.view, target)} ({config_version})",
-                ["name", "value", "running"],
-                [[r["name"], r["value"], "yes" if r["running"] else "staged"] for r in rows],
-            )
+    def rows(target: pb.Environment, running: pb.Release | None) -> Rows:
+        running_vars = dict(running.service.vars) if running else {}
+        return [
+            {"name": k, "value": v, "running": running_vars.get(k) == v} for k, v in sorted(target.service.vars.items())
+        ]
 
-    run(go)
+    def table(path: str, target: pb.Environment, running: pb.Release | None, found: Rows) -> None:
+        running_version = f"v{running.service.config_version}" if running else "none"
+        render.table(
+            f"vars of {path} (config v{target.service.config_version}, running {running_version})",
+            ["name", "value", "running"],
+            [[r["name"], r["value"], "yes" if r["running"] else "staged"] for r in found],
+        )
+
+    list_config(env, json, "vars", rows, table)

@@ -12,7 +12,8 @@ import sys
 import typer
 
 from cli import render
-from cli.client import control, err, fail, run
+from cli.client import control, fail, run, say
+from cli.options import JSON
 from shared.console_users import (
     ADMIN,
     ROLES,
@@ -56,11 +57,11 @@ def add_user(
                 raise fail(str(exc)) from None
 
     run(go)
-    err.print(f"console user {name} saved ({role})", markup=False, highlight=False)
+    say(f"console user {name} saved ({role})")
 
 
 @console_app.command("list-users")
-def list_users_cmd(json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+def list_users_cmd(json: bool = JSON) -> None:
     """Console users and their roles (never their password hashes)."""
 
     async def go() -> list[dict[str, object]]:
@@ -84,4 +85,4 @@ def remove_user_cmd(name: str) -> None:
 
     if not run(go):
         raise fail(f"console user {name!r} not found")
-    err.print(f"console user {name} removed", markup=False, highlight=False)
+    say(f"console user {name} removed")

@@ -9,8 +9,9 @@ import typer
 from pydantic import ValidationError
 
 from cli import contexts, render
-from cli.client import OPTIONS, fail
+from cli.client import fail
 from cli.context_models import Context, ContextFile
+from cli.options import JSON, set_output
 
 context_app = typer.Typer(no_args_is_help=True, help="Saved cluster connections (URLs, credentials, TLS CA).")
 
@@ -66,9 +67,9 @@ def use(name: str = typer.Argument(..., help="a saved context")) -> None:
 
 
 @context_app.command("list")
-def list_contexts(json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+def list_contexts(json: bool = JSON) -> None:
     """Saved contexts; the one in use is marked."""
-    OPTIONS.json = json
+    set_output(json)
     saved = _loaded()
     if render.json_mode():
         render.emit_json(

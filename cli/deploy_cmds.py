@@ -293,11 +293,7 @@ def releases(env: str = typer.Option(..., "--env"), json: bool = JSON, wide: boo
     async def go() -> None:
         async with control() as c:
             target = env_or_fail(c.view, env)
-            items = sorted(c.view.releases(target.meta.id), key=lambda r: r.version, reverse=True)
-            if render.json_mode():
-                render.messages(items)
-                return
-            render.table(
+            render.listing(
                 f"releases of {env_path(c.view, target)}",
                 [
                     "version",
@@ -310,19 +306,17 @@ def releases(env: str = typer.Option(..., "--env"), json: bool = JSON, wide: boo
                     "created",
                     "active",
                 ],
-                [
-                    [
-                        f"v{r.version}",
-                        r.meta.id,
-                        r.image_ref or "(building)",
-                        f"v{r.service.config_version}",
-                        r.source.git_sha[:12],
-                        r.source.git_author,
-                        commit_subject(r.source.git_message),
-                        render.ts(r.meta.created_at),
-                        "*" if r.meta.id == target.active_release_id else "",
-                    ]
-                    for r in items
+                sorted(c.view.releases(target.meta.id), key=lambda r: r.version, reverse=True),
+                lambda r: [
+                    f"v{r.version}",
+                    r.meta.id,
+                    r.image_ref or "(building)",
+                    f"v{r.service.config_version}",
+                    r.source.git_sha[:12],
+                    r.source.git_author,
+                    commit_subject(r.source.git_message),
+                    render.ts(r.meta.created_at),
+                    "*" if r.meta.id == target.active_release_id else "",
                 ],
             )
 
@@ -337,23 +331,23 @@ def deployments(env: str = typer.Option("", "--env"), json: bool = JSON, wide: b
     async def go() -> None:
         async with control() as c:
             target = env_or_fail(c.view, env) if env else None
-            items = list(reversed(c.view.deployments(target.meta.id if target else None)))
-            if render.json_mode():
-                render.messages(items)
-                return
-            rows = []
-            for d in items:
+
+            def row(d: pb.Deployment) -> list[Any]:
                 release = c.view.release(d.release_id)
-                rows.append(
-                    [
-                        d.meta.id,
-                        env_label(c.view, d.environment_id),
-                        f"v{release.version}" if release else "?",
-                        render.enum_name(pb.DeploymentPhase, d.phase, "DEPLOYMENT_PHASE_"),
-                        "rollback" if d.is_rollback else "",
-                        d.error,
-                    ]
-                )
-            render.table("deployments", ["id", "env", "release", "phase", "kind", Col("error", wrap=True)], rows)
+                return [
+                    d.meta.id,
+                    env_label(c.view, d.environment_id),
+                    f"v{release.version}" if release else "?",
+                    render.enum_name(pb.DeploymentPhase, d.phase, "DEPLOYMENT_PHASE_"),
+                    "rollback" if d.is_rollback else "",
+                    d.error,
+                ]
+
+            render.listing(
+                "deployments",
+                ["id", "env", "release", "phase", "kind", Col("error", wrap=True)],
+                list(reversed(c.view.deployments(target.meta.id if target else None))),
+                row,
+            )
 
     run(go)

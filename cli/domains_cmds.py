@@ -13,9 +13,9 @@ import time
 import typer
 
 from cli import render
-from cli.client import control, on_cluster, run
-from cli.config_cmds import ENV, JSON, say
-from cli.options import set_output
+from cli.client import control, on_cluster, run, say
+from cli.config_cmds import ENV
+from cli.options import JSON, set_output
 from shared.actions.domains import AddDomain, RemoveDomain, add_domain, remove_domain
 from shared.actions.names import env_label
 from shared.certs import DomainRow, domain_rows, utc_text

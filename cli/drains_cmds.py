@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 
 from cli import render
-from cli.client import err, fail, on_cluster, read_on_cluster
+from cli.client import fail, on_cluster, read_on_cluster, say
 from cli.options import JSON, set_output
 from shared.actions.drains import AddDrain, RemoveDrain, add_drain, list_drains, remove_drain
 from shared.drain_status import Drain
@@ -68,7 +68,7 @@ def add(
         return
     verb = "replaced" if replaced else "added"
     what = " and platform events" if drain.events else ""
-    err.print(f"drain {drain.name} {verb}: logs{what} of {drain.scope} to {drain.url}", markup=False, highlight=False)
+    say(f"drain {drain.name} {verb}: logs{what} of {drain.scope} to {drain.url}")
 
 
 @drains_app.command("list")

@@ -16,6 +16,7 @@ import typer
 
 from cli import reads, render
 from cli.client import ExitCode, control, err, fail, on_cluster, run
+from cli.options import JSON
 
 if TYPE_CHECKING:  # the actions load when a command deletes or scales (a plain `status` imports neither)
     from shared.actions.deletion import Delete
@@ -23,7 +24,6 @@ if TYPE_CHECKING:  # the actions load when a command deletes or scales (a plain 
 envs_app = typer.Typer(no_args_is_help=True, help="Environments: delete.")
 projects_app = typer.Typer(no_args_is_help=True, help="Projects: delete.")
 
-JSON = typer.Option(False, "--json", help="machine-readable output")
 YES = typer.Option(False, "--yes", "-y", help="do not ask for confirmation (required without a terminal)")
 VOLUMES = typer.Option(False, "--volumes", help="also delete the volumes and their snapshots (kept by default)")
 

@@ -19,7 +19,8 @@ from rich.markup import escape
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import OPTIONS, actor, control, err, fail, run
+from cli.client import actor, control, err, fail, run
+from cli.options import set_output
 from shared import keys as K
 from shared.actions.names import env_path, resolve_env
 from shared.connection import Connection
@@ -71,7 +72,7 @@ def events(
     json_out: bool = typer.Option(False, "--json", help="one JSON object per line"),
 ) -> None:
     """Platform events, newest last: deployments, rollbacks, scaling, wakes and cools, nodes."""
-    OPTIONS.json = json_out
+    set_output(json_out)
     if last < 0:
         err.print("[red]error:[/] --last must be 0 or more")
         raise typer.Exit(2)

@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from cli import render
-from cli.client import err, fail, on_cluster, read_on_cluster
+from cli.client import err, fail, on_cluster, read_on_cluster, say
 from cli.options import JSON, set_output
 from shared.actions.githooks import AddHook, RemoveHook, add_hook, list_hooks, remove_hook
 from shared.githooks import PROVIDERS
@@ -96,9 +96,9 @@ def add(
     h = added.hook
     preview = f", previews on{f' (label {h.preview_label})' if h.preview_label else ''}" if h.previews else ""
     err.print(f"hook {h.id} added: {h.provider} {h.repo_url} {h.branch} → {h.env}{preview}", markup=False)
-    err.print(f"endpoint: {added.url}", markup=False, highlight=False)
+    say(f"endpoint: {added.url}")
     field = "secret token" if h.provider == "gitlab" else "secret"
-    err.print(f"webhook {field} (shown once; paste it in the hook's settings):", markup=False, highlight=False)
+    say(f"webhook {field} (shown once; paste it in the hook's settings):")
     print(added.secret)
 
 

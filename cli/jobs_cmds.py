@@ -20,7 +20,8 @@ import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import FIELD_LABELS, OPTIONS, Control, ExitCode, control, err, fail, run
+from cli.client import FIELD_LABELS, Control, ExitCode, control, err, fail, run, say
+from cli.options import JSON, set_output
 from shared import jobs as J
 from shared import keys as K
 from shared.actions.jobs import CancelJob, RunJob, find_job, request_cancel, run_job
@@ -48,7 +49,7 @@ def run_command(
     json_output: bool = typer.Option(False, "--json", help="with --detach: the job as JSON"),
 ) -> None:
     """Run a command once with the env's release, config and secrets; print its output; exit with its code."""
-    OPTIONS.json = json_output
+    set_output(json_output)
     text = shlex.join(command) if len(command) > 1 else command[0]
     try:
         J.check_command(text)
@@ -96,7 +97,7 @@ async def _follow(c: Control, job_id: str, env_id: str) -> int:
                 break
             if job.status == J.PENDING and job.message and job.message != said:
                 said = job.message  # e.g. waiting for a node, or retrying after a failed attempt
-                err.print(f"job {job_id}: {said}", markup=False, highlight=False)
+                say(f"job {job_id}: {said}")
             if interrupted.is_set():
                 interrupted.clear()
                 err.print(f"canceling job {job_id} (Ctrl-C again leaves without waiting)", highlight=False)
@@ -130,7 +131,7 @@ def _outcome(job: pb.Job) -> int:
     if job.status == J.CANCELED:
         err.print(f"job {job.meta.id} canceled", highlight=False)
         return _EXIT_CANCELED
-    err.print(f"job {job.meta.id} {J.status_name(job.status)}: {job.message}", markup=False, highlight=False)
+    say(f"job {job.meta.id} {J.status_name(job.status)}: {job.message}")
     if job.status == J.FAILED and job.exit_code_known and job.exit_code:
         return job.exit_code
     return ExitCode.FAILED
@@ -195,35 +196,30 @@ async def _request_cancel(c: Control, job_id: str) -> None:
 def list_jobs(
     env: str = typer.Option("", "--env", help="only this environment (project/app/env or id)"),
     cron: str = typer.Option("", "--cron", help="only this cron entry's runs (its history)"),
-    json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
+    json_output: bool = JSON,
 ) -> None:
     """Job runs, newest first: cron slots (entry, slot) and one-off commands, with status and exit code."""
-    OPTIONS.json = json_output
+    set_output(json_output)
 
     async def go() -> None:
         async with control() as c:
             env_id = target_env(c.view, env).meta.id if env else None
             found = J.newest_first([j for j in c.view.jobs(env_id) if not cron or j.cron_name == cron])
-            if json_output:
-                render.messages(found)
-                return
-            render.table(
+            render.listing(
                 "jobs",
                 ["ID", "ENV", "CRON", "SLOT", "STATUS", "ATTEMPT", "EXIT", "DURATION", render.Col("NODE", wide=True)],
-                [
-                    (
-                        j.meta.id,
-                        env_label(c.view, j.environment_id),
-                        j.cron_name or ("(release)" if j.deployment_id else "(run)"),
-                        render.ts(j.slot_at),
-                        J.status_name(j.status),
-                        j.attempt,
-                        J.exit_text(j),
-                        J.duration(j),
-                        j.node_id or "-",
-                    )
-                    for j in found
-                ],
+                found,
+                lambda j: (
+                    j.meta.id,
+                    env_label(c.view, j.environment_id),
+                    j.cron_name or ("(release)" if j.deployment_id else "(run)"),
+                    render.ts(j.slot_at),
+                    J.status_name(j.status),
+                    j.attempt,
+                    J.exit_text(j),
+                    J.duration(j),
+                    j.node_id or "-",
+                ),
             )
 
     run(go)
@@ -232,10 +228,10 @@ def list_jobs(
 @jobs_app.command("show")
 def show_job(
     job_id: str = typer.Argument(..., help="the job id (`zattera jobs list`)"),
-    json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
+    json_output: bool = JSON,
 ) -> None:
     """One run: status, attempt, node, times, exit code, message and its last output lines."""
-    OPTIONS.json = json_output
+    set_output(json_output)
 
     async def go() -> None:
         async with control() as c:

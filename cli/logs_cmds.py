@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 
 import typer
 
-from cli.client import OPTIONS, control, err, run
+from cli.client import OPTIONS, control, err, fail, run
 from cli.spec_values import parse_duration
 from shared.actions.names import resolve_env
 from shared.applogs import STDERR, AppLogLine, UnknownLogStream, read_app_logs
@@ -19,12 +19,6 @@ from shared.ids import is_safe_id, unsafe_id
 
 _STREAM_WAIT = 1.0
 """How often ``-f`` looks again for a log stream that does not exist yet."""
-
-
-def fail(message: str) -> typer.Exit:
-    err.print("[red]error:[/] ", end="")
-    err.print(message, markup=False, highlight=False, soft_wrap=True)
-    return typer.Exit(1)
 
 
 def render_line(line: AppLogLine) -> str:

@@ -8,17 +8,15 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import typer
 
-from cli.client import control, run
+from cli.client import fail, on_cluster
 from cli.machine import Machine, MachineError, bootstrap, join, machine_cluster
 from cli.up import run_up
-from shared.actions.context import ActionContext
 from shared.actions.nodes import (
     NodeRemoved,
     RemoveNode,
@@ -27,17 +25,8 @@ from shared.actions.nodes import (
     remove_node,
     retire_seats,
 )
-from shared.actions.refusals import ActionRefused
-
-Q = TypeVar("Q")
-T = TypeVar("T")
 
 NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,62}[a-z0-9])?$")
-
-
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(1)
 
 
 def machine_up(
@@ -59,11 +48,11 @@ def machine_up(
     if recorded is not None and not token and not name and not advertise:  # a machine started again
         return _run_machine(directory, recorded, options)
     if not NODE_NAME.match(name):
-        raise _fail("--name: this machine's node id is required (lowercase letters, digits, '-', '_')")
+        raise fail("--name: this machine's node id is required (lowercase letters, digits, '-', '_')")
     try:
         ipaddress.ip_address(advertise)
     except ValueError:
-        raise _fail(f"--advertise: {advertise!r} is not an IP address other machines can reach") from None
+        raise fail(f"--advertise: {advertise!r} is not an IP address other machines can reach") from None
     try:
         if token:
             machine = join(directory, token, name, advertise, server=server)
@@ -72,7 +61,7 @@ def machine_up(
                 raise MachineError("--server needs --join TOKEN (the first machine is a server already)")
             machine = bootstrap(directory, name, advertise, tls=tls)
     except MachineError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     return _run_machine(directory, machine, options)
 
 
@@ -80,7 +69,7 @@ def _run_machine(directory: Path, machine: Machine, options: dict[str, Any] | No
     try:
         cluster = machine_cluster(directory, machine, **(options or {}))
     except MachineError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     hint = f"  machine {machine.node_id}: {machine.role}, mesh {machine.mesh_ip or '-'}, servers {cluster.url or '-'}"
     return run_up(cluster, hint=hint)
 
@@ -97,33 +86,13 @@ def nodes_remove(
     record. A server machine whose removal would leave streams with fewer machines than copies is refused
     unless --force."""
 
-    done = _act(f"nodes remove {node_id}", remove_node, RemoveNode(node_id, force=force), follow=True)
+    done = on_cluster(remove_node, RemoveNode(node_id, force=force), follow=True, what=f"nodes remove {node_id}")
     _report(
         done,
         json_output,
         f"removed {node_id}: {'drained, ' if done.drained else ''}{len(done.revoked)} credential(s) revoked"
         + (f", NATS server(s) {', '.join(done.servers)} peer-removed" if done.servers else ""),
     )
-
-
-def _act(
-    what: str,
-    action: Callable[[ActionContext, Q], Awaitable[T]],
-    request: Q,
-    *,
-    view: bool = True,
-    follow: bool = False,
-) -> T:
-    """Run one node action over the control connection; a refusal is one line starting with ``what``."""
-
-    async def go() -> T:
-        async with control(view=view, follow=follow) as c:
-            try:
-                return await action(c.actions, request)
-            except ActionRefused as exc:
-                raise _fail(f"{what}: {exc}") from None
-
-    return run(go)
 
 
 def _report(done: NodeRemoved | SeatsRetired, json_output: bool, line: str) -> None:
@@ -147,7 +116,7 @@ def cluster_retire_seats(json_output: bool = typer.Option(False, "--json", help=
     them and does not start them again. Then losing the first machine costs one server of three, not three of
     five."""
 
-    done = _act("cluster retire-seats", retire_seats, RetireSeats(), view=False)
+    done = on_cluster(retire_seats, RetireSeats(), view=False, what="cluster retire-seats")
     _report(
         done,
         json_output,

@@ -13,7 +13,7 @@ import os
 import typer
 
 from cli import render
-from cli.client import err, fail, on_cluster, read_on_cluster
+from cli.client import fail, on_cluster, read_on_cluster, say
 from cli.options import JSON, set_output
 from shared.actions.notify import (
     AddChannel,
@@ -64,12 +64,8 @@ def add(
     c = added.channel
     verb = "replaced" if added.replaced else "added"
     scope = f" of project {c.project}" if c.project else ""
-    err.print(
-        f"channel {c.name} {verb}: {c.format} to {c.url}, events {', '.join(c.events)}{scope}",
-        markup=False,
-        highlight=False,
-    )
-    err.print("signing secret (shown once; receivers verify Zattera-Signature with it):", markup=False, highlight=False)
+    say(f"channel {c.name} {verb}: {c.format} to {c.url}, events {', '.join(c.events)}{scope}")
+    say("signing secret (shown once; receivers verify Zattera-Signature with it):")
     print(added.signing_secret)
 
 
@@ -115,8 +111,8 @@ def test(
     if render.json_mode():
         render.emit_json(dataclasses.asdict(result))
     elif result.delivered:
-        err.print(f"channel {name}: test notification delivered", markup=False, highlight=False)
+        say(f"channel {name}: test notification delivered")
     else:
-        err.print(f"channel {name}: not delivered: {result.error}", markup=False, highlight=False)
+        say(f"channel {name}: not delivered: {result.error}")
     if not result.delivered:
         raise typer.Exit(1)

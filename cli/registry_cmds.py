@@ -40,24 +40,12 @@ def registry_login(
 ) -> None:
     """Set the environment's registry credentials; the password comes from stdin or a prompt."""
     request = RegistryLogin(env, server, username, _read_password(), deploy=not no_deploy)
-    roll_out(
-        f"registry credentials for {server} set",
-        lambda ctx: registry_login_action(ctx, request),
-        watch=watch,
-        span_name="cli.registry.login",
-        env=env,
-        server=server,
-    )
+    what = f"registry credentials for {server} set"
+    roll_out("cli.registry.login", what, registry_login_action, request, watch=watch, server=server)
 
 
 @registry_app.command("logout")
 def registry_logout(env: str = ENV, no_deploy: bool = NO_DEPLOY, watch: bool = WATCH) -> None:
     """Remove the environment's registry credentials (releases that used them keep them, for rollbacks)."""
     request = RegistryLogout(env, deploy=not no_deploy)
-    roll_out(
-        "registry credentials removed",
-        lambda ctx: registry_logout_action(ctx, request),
-        watch=watch,
-        span_name="cli.registry.logout",
-        env=env,
-    )
+    roll_out("cli.registry.logout", "registry credentials removed", registry_logout_action, request, watch=watch)

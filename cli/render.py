@@ -16,12 +16,12 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from cli.client import OPTIONS, err
+from cli.client import OPTIONS, say
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-D = TypeVar("D", bound="DataclassInstance")
+D = TypeVar("D", bound="DataclassInstance | Message")
 
 out = Console(soft_wrap=True, emoji=False)  # a long line (an event, an id) is never cut into two in a pipe; no
 # ":name:" in a value is turned into an emoji (and rich's emoji table is not loaded)
@@ -43,7 +43,7 @@ def report(result: DataclassInstance | dict[str, Any], *lines: str) -> None:
         emit_json(result if isinstance(result, dict) else dataclasses.asdict(result))
         return
     for line in lines:
-        err.print(line, markup=False, highlight=False)
+        say(line)
 
 
 def messages(items: Iterable[Message]) -> None:
@@ -87,9 +87,10 @@ def table(title: str, columns: Sequence[str | Col], rows: Iterable[Sequence[Any]
 
 
 def listing(title: str, columns: Sequence[str | Col], items: Sequence[D], row: Callable[[D], Sequence[Any]]) -> None:
-    """``items`` as a JSON list of their fields with ``--json``, else as a :func:`table` of ``row(item)`` each."""
+    """``items`` as a JSON list with ``--json`` (a dataclass: its fields; a state record: its canonical JSON), else
+    as a :func:`table` of ``row(item)`` each."""
     if json_mode():
-        emit_json([dataclasses.asdict(item) for item in items])
+        emit_json([as_dict(item) if isinstance(item, Message) else dataclasses.asdict(item) for item in items])
         return
     table(title, columns, [row(item) for item in items])
 

@@ -14,21 +14,20 @@ from dataclasses import asdict
 from pathlib import Path
 
 import typer
+from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import control, fail, on_cluster, run
+from cli.client import fail, on_cluster, say
 from cli.config_cmds import (
     ENV,
-    JSON,
     NO_DEPLOY,
     WATCH,
+    Rows,
     check_names,
-    emit_config_json,
+    list_config,
     roll_out,
-    running_release,
-    say,
 )
-from shared.actions.names import env_path, target_env
+from cli.options import JSON
 from shared.actions.secrets import (
     RotateSecretsKey,
     SetSecret,
@@ -86,14 +85,7 @@ def secrets_set(
     except ConfigError as exc:
         raise fail(str(exc)) from None
     request = SetSecret(env, name, value, deploy=not no_deploy)
-    roll_out(
-        f"secret {name} set",
-        lambda ctx: set_secret(ctx, request),
-        watch=watch,
-        span_name="cli.secrets.set",
-        env=env,
-        secret=name,
-    )
+    roll_out("cli.secrets.set", f"secret {name} set", set_secret, request, watch=watch, secret=name)
 
 
 @secrets_app.command("unset")
@@ -107,52 +99,42 @@ def secrets_unset(
     names = [name_without_value(name) for name in names]
     check_names("secrets", names)
     request = UnsetSecrets(env, names, deploy=not no_deploy)
-    roll_out(
-        f"secret {', '.join(names)} unset",
-        lambda ctx: unset_secrets(ctx, request),
-        watch=watch,
-        span_name="cli.secrets.unset",
-        env=env,
-        names=",".join(names),
-    )
+    what = f"secret {', '.join(names)} unset"
+    roll_out("cli.secrets.unset", what, unset_secrets, request, watch=watch, names=",".join(names))
 
 
 @secrets_app.command("list")
 def secrets_list(env: str = ENV, json: bool = JSON) -> None:
     """Names, versions and update times of an environment's secrets (never values)."""
 
-    async def go() -> None:
-        async with control() as c:
-            target = target_env(c.view, env)
-            running = running_release(c.view, target)
-            running_refs = running.service.secrets if running else {}
-            rows = [
-                {
-                    "name": name,
-                    "version": ref.version,
-                    "updated_at": render.ts(ref.updated_at),
-                    "running_version": running_refs[name].version if name in running_refs else None,
-                }
-                for name, ref in sorted(target.service.secrets.items())
-            ]
-            if json:
-                emit_config_json(target, running, "secrets", rows)
-                return
-            render.table(
-                f"secrets of {env_path(c.view, target)} (config v{target.service.config_version})",
-                ["name", "version", "updated", "running"],
-                [
-                    [
-                        r["name"],
-                        f"v{r['version']}",
-                        r["updated_at"],
-                        f"v{r['running_version']}" if r["running_version"] else "-",
-                    ]
-                    for r in rows
-                ],
-            )
+    def rows(target: pb.Environment, running: pb.Release | None) -> Rows:
+        running_refs = running.service.secrets if running else {}
+        return [
+            {
+                "name": name,
+                "version": ref.version,
+                "updated_at": render.ts(ref.updated_at),
+                "running_version": running_refs[name].version if name in running_refs else None,
+            }
+            for name, ref in sorted(target.service.secrets.items())
+        ]
 
-    run(go)
+    def table(path: str, target: pb.Environment, _running: pb.Release | None, found: Rows) -> None:
+        render.table(
+            f"secrets of {path} (config v{target.service.config_version})",
+            ["name", "version", "updated", "running"],
+            [
+                [
+                    r["name"],
+                    f"v{r['version']}",
+                    r["updated_at"],
+                    f"v{r['running_version']}" if r["running_version"] else "-",
+                ]
+                for r in found
+            ],
+        )
+
+    list_config(env, json, "secrets", rows, table)
 
 
 @secrets_app.command("rotate-key")

@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 import typer
 
 from cli import render
-from cli.client import control, err, fail, run
+from cli.client import control, fail, run, say
+from cli.options import JSON
 from shared.actions.names import resolve_project
 from shared.security.creds import write_private
 from shared.teams import (
@@ -137,7 +138,7 @@ def users_add(
 
     run(go)
     what = " (admin)" if admin else ""
-    err.print(f"user {name} added{what}; credential written to {out}", markup=False, highlight=False)
+    say(f"user {name} added{what}; credential written to {out}")
 
 
 @users_app.command("update")
@@ -153,11 +154,11 @@ def users_update(
 
     if not _edit(name, load_user, save_user, change):
         raise fail(f"name {name!r}: no such user")
-    err.print(f"user {name} is {'an admin' if admin else 'not an admin'}", markup=False, highlight=False)
+    say(f"user {name} is {'an admin' if admin else 'not an admin'}")
 
 
 @users_app.command("list")
-def users_list(json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+def users_list(json: bool = JSON) -> None:
     """Users, whether admin, and their grants (project id → role)."""
     users = _records()[0]
     rows = [{"name": u.name, "admin": u.admin, "grants": u.grants, "created_at": u.created_at} for u in users]
@@ -191,7 +192,7 @@ def users_remove(name: str) -> None:
 
     if not run(go):
         raise fail(f"name {name!r}: no such user")
-    err.print(f"user {name} removed", markup=False, highlight=False)
+    say(f"user {name} removed")
 
 
 def _project_id(view: Any, ref: str) -> str:
@@ -233,7 +234,7 @@ def grants_add(
     """Give USER a role on a project (replaces the role they had there)."""
     _checked(check_role, role)
     project_id, _ = _set_role(user, project, role, f"user {user!r}: no such user (`zattera users add`)")
-    err.print(f"{user} is {role} of project {project} ({project_id})", markup=False, highlight=False)
+    say(f"{user} is {role} of project {project} ({project_id})")
 
 
 @grants_app.command("remove")
@@ -244,13 +245,13 @@ def grants_remove(
     """Take USER's role on a project away (effective at their next request)."""
     if not _set_role(user, project, "", f"user {user!r}: no such user")[1]:
         raise fail(f"user {user!r} has no role on project {project!r}")
-    err.print(f"{user} has no role on project {project} any more", markup=False, highlight=False)
+    say(f"{user} has no role on project {project} any more")
 
 
 @grants_app.command("list")
 def grants_list(
     user: str = typer.Option("", "--user", help="only this user"),
-    json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    json: bool = JSON,
 ) -> None:
     """Every grant: user, project id, role."""
     rows = [
@@ -290,12 +291,12 @@ def tokens_create(
             return token
 
     token = run(go)
-    err.print(f"token {name} ({role} of {project}, {ttl}); shown once:", markup=False, highlight=False)
+    say(f"token {name} ({role} of {project}, {ttl}); shown once:")
     print(token)
 
 
 @tokens_app.command("list")
-def tokens_list(json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+def tokens_list(json: bool = JSON) -> None:
     """Tokens: name, project, role, expiry, revoked (never the token nor its hash)."""
     tokens = [t.public() for t in _records()[1]]
     if json:
@@ -331,7 +332,7 @@ def tokens_revoke(name: str) -> None:
 
     if not _edit(name, load_token, save_token, revoke):
         raise fail(f"name {name!r}: no such token")
-    err.print(f"token {name} revoked", markup=False, highlight=False)
+    say(f"token {name} revoked")
 
 
 __all__ = ["grants_app", "token_key", "tokens_app", "users_app"]

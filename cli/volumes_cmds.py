@@ -3,11 +3,13 @@ snapshotting and restoring are operator actions (:mod:`shared.actions.volumes`).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import typer
 from zattera.v1 import types_pb2 as pb
 
 from cli import render
-from cli.client import ExitCode, control, err, fail, on_cluster, run
+from cli.client import ExitCode, control, err, fail, on_cluster, run, say
 from cli.options import JSON, WIDE, set_output
 from cli.render import Col
 from shared.actions.names import env_label
@@ -17,7 +19,6 @@ from shared.actions.volumes import (
     SetSnapshotPolicy,
     SnapshotTaken,
     TakeSnapshot,
-    VolumeRestored,
     restore_volume,
     set_snapshot_policy,
     take_snapshot,
@@ -34,26 +35,21 @@ def volumes_list(json: bool = JSON, wide: bool = WIDE) -> None:
 
     async def go() -> None:
         async with control() as c:
-            items = c.view.volumes()
-            if render.json_mode():
-                render.messages(items)
-                return
-            snaps = c.view.snapshots()
-            rows = []
-            for v in items:
-                mine = [s for s in snaps if s.volume_id == v.meta.id]
-                rows.append(
-                    [
-                        v.meta.id,
-                        v.name,
-                        env_label(c.view, v.environment_id),
-                        v.node_id,
-                        render.enum_name(pb.VolumeStatus, v.status, "VOLUME_STATUS_"),
-                        v.snapshot_policy.schedule or "-",
-                        len(mine),
-                    ]
-                )
-            render.table("volumes", ["id", "name", "env", "node", "status", "schedule", "snapshots"], rows)
+            snapshots = Counter(s.volume_id for s in c.view.snapshots())
+            render.listing(
+                "volumes",
+                ["id", "name", "env", "node", "status", "schedule", "snapshots"],
+                c.view.volumes(),
+                lambda v: [
+                    v.meta.id,
+                    v.name,
+                    env_label(c.view, v.environment_id),
+                    v.node_id,
+                    render.enum_name(pb.VolumeStatus, v.status, "VOLUME_STATUS_"),
+                    v.snapshot_policy.schedule or "-",
+                    snapshots[v.meta.id],
+                ],
+            )
 
     run(go)
 
@@ -120,22 +116,17 @@ def volumes_snapshots(
             if volume is None and not records:
                 raise fail(f"volume {volume_id!r} not found")
             records.sort(key=lambda s: (s.meta.created_at.ToNanoseconds(), s.meta.id), reverse=True)
-            if render.json_mode():
-                render.messages(records)
-                return
-            render.table(
+            render.listing(
                 f"snapshots of volume {volume.name if volume else '(deleted)'} ({volume_id})",
                 ["id", "state", "created", "size", "uploaded", Col("error", wrap=True)],
-                [
-                    [
-                        s.meta.id,
-                        render.enum_name(pb.SnapshotStatus, s.status, "SNAPSHOT_STATUS_"),
-                        render.ts(s.meta.created_at),
-                        f"{s.logical_size_bytes:,} B",
-                        f"{s.uploaded_bytes:,} B",
-                        s.error,
-                    ]
-                    for s in records
+                records,
+                lambda s: [
+                    s.meta.id,
+                    render.enum_name(pb.SnapshotStatus, s.status, "SNAPSHOT_STATUS_"),
+                    render.ts(s.meta.created_at),
+                    f"{s.logical_size_bytes:,} B",
+                    f"{s.uploaded_bytes:,} B",
+                    s.error,
                 ],
             )
 
@@ -186,19 +177,11 @@ def volumes_restore(
     set_output(json)
     settings = credentials_from_environment() if source.startswith("s3://") else {}
     request = RestoreVolume(volume_id, snapshot_id, source=source, settings=settings)
-
-    async def go() -> VolumeRestored:
-        async with control() as c:
-            try:
-                return await restore_volume(c.actions, request)
-            except ActionRefused as exc:
-                raise fail(f"restore refused or failed: {exc}") from None
-
-    done = run(go)
+    done = on_cluster(restore_volume, request, what="restore refused or failed")
     if render.json_mode():
         render.emit_json(
             {"volume_id": done.volume_id, "snapshot_id": done.snapshot_id, "fetched_bytes": done.fetched_bytes}
         )
         return
     fetched = f" ({done.fetched_bytes:,} bytes fetched from {source})" if source else ""
-    err.print(f"volume {volume_id} restored from snapshot {done.snapshot_id}{fetched}", markup=False, highlight=False)
+    say(f"volume {volume_id} restored from snapshot {done.snapshot_id}{fetched}")

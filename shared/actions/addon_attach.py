@@ -21,7 +21,6 @@ from shared.actions.names import env_path, resolve_env, target_env
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.addons import spec as addon
 from shared.deploy import ConfigEdit
-from shared.events import event_for_env
 from shared.state.reader import StateReader
 from shared.txn import Txn
 
@@ -116,7 +115,5 @@ async def _reconfigured(
 ) -> ConfigChanged:
     """Commit ``edit`` to the consumer (its rollout when ``deploy``) and announce it: ``said`` the env."""
     changed = await reconfigure(ctx, consumer.meta.id, edit, deploy=deploy)
-    await ctx.events.publish(
-        event_for_env(consumer, kind, f"{said} {changed.env}", fields={"actor": ctx.actor, **fields})
-    )
+    await ctx.announce(kind, f"{said} {changed.env}", env=consumer, **fields)
     return changed

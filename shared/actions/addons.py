@@ -27,7 +27,6 @@ from shared.addons import spec as addon
 from shared.addons.spec import AddonInputError
 from shared.clock import from_timestamp, stamp
 from shared.deploy import Deployer
-from shared.events import event_for_env
 from shared.records import new_meta
 from shared.retry import Attempt
 from shared.secrets import CLUSTER_KEY, seal
@@ -307,7 +306,7 @@ async def announced(
     """A new database (created or forked) once its event is published: ``kind``, with the message and fields
     made from its info, and the actor."""
     info = info_of(ctx.view, env)
-    await ctx.events.publish(event_for_env(env, kind, message(info), fields={"actor": ctx.actor, **fields(info)}))
+    await ctx.announce(kind, message(info), env=env, **fields(info))
     return AddonCreated(info, deployment_id)
 
 
@@ -353,12 +352,7 @@ async def delete_addon(ctx: ActionContext, request: DeleteAddon) -> dict[str, in
     if info.attached_to:
         raise Conflicting(f"attached to {', '.join(info.attached_to)}: detach first", field="name")
     summary = await _remove(ctx, env, purge=request.purge)
-    await ctx.events.publish(
-        event_for_env(
-            env,
-            EVENT_DELETED,
-            f"database {project.name}/{request.name} deleted" + ("" if request.purge else " (its volumes kept)"),
-            fields={"actor": ctx.actor, "purge": str(request.purge).lower()},
-        )
-    )
+    kept = "" if request.purge else " (its volumes kept)"
+    message = f"database {project.name}/{request.name} deleted{kept}"
+    await ctx.announce(EVENT_DELETED, message, env=env, purge=str(request.purge).lower())
     return summary

@@ -43,7 +43,7 @@ from shared.backup.manifest import (
 from shared.backup.retention import backup_ids
 from shared.backup.targets import Target, open_target
 from shared.connection import Connection
-from shared.events import ERROR, make_event
+from shared.events import ERROR
 from shared.ids import new_id
 from shared.migrations.registry import SCHEMA
 from shared.provisioning import recorded_config
@@ -165,22 +165,13 @@ async def create_backup(ctx: ActionContext, request: CreateBackup, *, keyring: K
     try:
         created = await _create(ctx, request, keyring)
     except Exception as exc:
-        await ctx.events.publish(
-            make_event(
-                "backup.failed",
-                f"backup to {request.target} failed: {exc}",
-                severity=ERROR,
-                fields={"actor": ctx.actor, "target": request.target},
-            )
+        await ctx.announce(
+            "backup.failed", f"backup to {request.target} failed: {exc}", severity=ERROR, target=request.target
         )
         raise
-    await ctx.events.publish(
-        make_event(
-            "backup.created",
-            f"backup {created.id} to {created.target}: {created.objects} objects, {created.bytes} bytes "
-            f"({created.sent_bytes} sent)",
-            fields={"actor": ctx.actor, "target": created.target, "backup": created.id},
-        )
+    sent = f"{created.objects} objects, {created.bytes} bytes ({created.sent_bytes} sent)"
+    await ctx.announce(
+        "backup.created", f"backup {created.id} to {created.target}: {sent}", target=created.target, backup=created.id
     )
     return created
 

@@ -43,7 +43,6 @@ from shared.backup.manifest import (
 from shared.backup.targets import Target
 from shared.console_users import USERS_BUCKET
 from shared.errors import ZatteraError
-from shared.events import make_event
 from shared.migrations.registry import SCHEMA
 from shared.secrets import KeyMaterialError, Keyring, load_keyring, save_keyring
 from shared.subjects import STATE_BUCKET
@@ -208,14 +207,10 @@ async def restore_backup(ctx: ActionContext, request: RestoreBackup) -> Restored
     await cluster.write_bucket(
         ctx.conn, STATE_BUCKET, [kv for kv in values if kv[0] in late and cluster.kind_of(kv[0]) == K.ENV]
     )
-    await ctx.events.publish(
-        make_event(
-            "backup.restored",
-            f"backup {manifest.id} restored from {target.url}: {len(values)} keys, {objects} objects, "
-            f"{len(data_restored)} volumes' data{', the local CA' if ca_fingerprint else ''}",
-            fields={"actor": ctx.actor, "target": target.url, "backup": manifest.id},
-        )
-    )
+    what = f"{len(values)} keys, {objects} objects, {len(data_restored)} volumes' data"
+    what += ", the local CA" if ca_fingerprint else ""
+    message = f"backup {manifest.id} restored from {target.url}: {what}"
+    await ctx.announce("backup.restored", message, target=target.url, backup=manifest.id)
     return Restored(manifest.id, len(values), objects, restored_users, skipped, data_restored, ca_fingerprint)
 
 

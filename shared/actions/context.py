@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from google.protobuf.message import Message
+from zattera.v1 import types_pb2 as pb
 
 from shared.actions.refusals import Conflicting
 from shared.clock import Clock, RealClock
 from shared.connection import Connection
-from shared.events import EventPublisher
+from shared.events import INFO, EventPublisher, event_for_env, make_event
 from shared.retry import Attempt, Decide, RetriesExhausted, commit_with_retry
 from shared.state.feed import StateView
 from shared.tasks import cancel_and_wait
@@ -79,6 +80,17 @@ class ActionContext:
     def acting_as(self, actor: str) -> ActionContext:
         """The same context for another actor (the console: one per logged-in user)."""
         return dataclasses.replace(self, actor=actor)
+
+    async def announce(
+        self, kind: str, message: str, *, env: pb.Environment | None = None, severity: str = INFO, **fields: str
+    ) -> None:
+        """Publish the event of what the action did (of ``env`` when given), its ``fields`` beside the actor;
+        a failure to publish is logged, never raised."""
+        said = {"actor": self.actor, **fields}
+        if env is None:
+            await self.events.publish(make_event(kind, message, severity=severity, fields=said))
+        else:
+            await self.events.publish(event_for_env(env, kind, message, severity=severity, fields=said))
 
 
 def action_context(conn: Connection, view: StateView, *, actor: str, clock: Clock | None = None) -> ActionContext:

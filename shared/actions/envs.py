@@ -18,7 +18,6 @@ from shared.actions.names import env_path, target_env
 from shared.actions.refusals import Invalid
 from shared.clock import stamp
 from shared.deployments import desired_replicas
-from shared.events import event_for_env
 from shared.retry import Attempt
 from shared.state.reader import StateReader
 
@@ -107,5 +106,5 @@ async def scale(ctx: ActionContext, request: Scale) -> Scaled:
     path = env_path(ctx.view, new)
     bounds = new.service.replicas
     message = f"scaled {path} to {new.effective_replicas} replica(s) (min {bounds.min}, max {bounds.max})"
-    await ctx.events.publish(event_for_env(new, EVENT_ENV_SCALED, message, fields={"actor": ctx.actor}))
+    await ctx.announce(EVENT_ENV_SCALED, message, env=new)
     return Scaled(new.meta.id, path, new.effective_replicas, bounds.min, bounds.max, message)

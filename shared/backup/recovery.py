@@ -50,39 +50,35 @@ def _key(passphrase: str, salt: bytes, opslimit: int, memlimit: int) -> bytes:
     )
 
 
-def seal(plaintext: bytes, passphrase: str, *, opslimit: int | None = None, memlimit: int | None = None) -> bytes:
-    """``plaintext`` sealed to ``passphrase``: a JSON document of the KDF's parameters (default
-    :data:`OPSLIMIT`, :data:`MEMLIMIT`) and the ciphertext."""
+def _fresh_key(passphrase: str, kdf: str, opslimit: int | None, memlimit: int | None) -> tuple[bytes, dict[str, Any]]:
+    """The key ``passphrase`` derives with a fresh salt (the limits default to :data:`OPSLIMIT` and
+    :data:`MEMLIMIT`), and the document that records how: ``kdf``, the limits and the salt."""
     check_passphrase(passphrase)
     opslimit = OPSLIMIT if opslimit is None else opslimit
     memlimit = MEMLIMIT if memlimit is None else memlimit
     salt = utils.random(pwhash.argon2id.SALTBYTES)
-    box = secret.SecretBox(_key(passphrase, salt, opslimit, memlimit))
     doc: dict[str, Any] = {
-        "kdf": KDF,
+        "kdf": kdf,
         "opslimit": opslimit,
         "memlimit": memlimit,
         "salt": base64.b64encode(salt).decode(),
-        "box": base64.b64encode(bytes(box.encrypt(plaintext))).decode(),
     }
+    return _key(passphrase, salt, opslimit, memlimit), doc
+
+
+def seal(plaintext: bytes, passphrase: str, *, opslimit: int | None = None, memlimit: int | None = None) -> bytes:
+    """``plaintext`` sealed to ``passphrase``: a JSON document of the KDF's parameters (default
+    :data:`OPSLIMIT`, :data:`MEMLIMIT`) and the ciphertext."""
+    key, doc = _fresh_key(passphrase, KDF, opslimit, memlimit)
+    doc["box"] = base64.b64encode(bytes(secret.SecretBox(key).encrypt(plaintext))).decode()
     return json.dumps(doc).encode()
 
 
 def recipient(passphrase: str, *, opslimit: int | None = None, memlimit: int | None = None) -> bytes:
     """The public recipient of ``passphrase`` (JSON: the KDF's parameters, a fresh salt, the X25519 public
     key): what :func:`seal_to` needs, and nothing that opens what it seals."""
-    check_passphrase(passphrase)
-    opslimit = OPSLIMIT if opslimit is None else opslimit
-    memlimit = MEMLIMIT if memlimit is None else memlimit
-    salt = utils.random(pwhash.argon2id.SALTBYTES)
-    private = public.PrivateKey(_key(passphrase, salt, opslimit, memlimit))
-    doc = {
-        "kdf": RECIPIENT_KDF,
-        "opslimit": opslimit,
-        "memlimit": memlimit,
-        "salt": base64.b64encode(salt).decode(),
-        "public": base64.b64encode(bytes(private.public_key)).decode(),
-    }
+    key, doc = _fresh_key(passphrase, RECIPIENT_KDF, opslimit, memlimit)
+    doc["public"] = base64.b64encode(bytes(public.PrivateKey(key).public_key)).decode()
     return json.dumps(doc).encode()
 
 

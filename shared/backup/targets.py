@@ -20,6 +20,7 @@ from shared.files import PRIVATE, write_atomic
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
+    from mypy_boto3_s3.type_defs import HeadObjectOutputTypeDef
 
 
 class TargetError(BackupError):
@@ -178,14 +179,17 @@ class S3Target:
                 return None
             raise self._fail(f"cannot read {name}", exc) from None
 
-    def exists(self, name: str) -> bool:
+    def _head(self, name: str) -> HeadObjectOutputTypeDef | None:
+        """The object's metadata, None when there is no such object."""
         try:
-            self._s3.head_object(Bucket=self.bucket, Key=self._key(name))
-            return True
+            return self._s3.head_object(Bucket=self.bucket, Key=self._key(name))
         except Exception as exc:
             if _missing(exc):
-                return False
+                return None
             raise self._fail(f"cannot check {name}", exc) from None
+
+    def exists(self, name: str) -> bool:
+        return self._head(name) is not None
 
     def delete(self, name: str) -> None:
         try:
@@ -194,12 +198,8 @@ class S3Target:
             raise self._fail(f"cannot delete {name}", exc) from None
 
     def modified(self, name: str) -> float | None:
-        try:
-            return self._s3.head_object(Bucket=self.bucket, Key=self._key(name))["LastModified"].timestamp()
-        except Exception as exc:
-            if _missing(exc):
-                return None
-            raise self._fail(f"cannot check {name}", exc) from None
+        head = self._head(name)
+        return head["LastModified"].timestamp() if head is not None else None
 
     def list(self, prefix: str) -> list[str]:
         names: list[str] = []

@@ -11,10 +11,10 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError
@@ -32,6 +32,7 @@ from shared.security.permissions import JOIN_BUCKET
 from shared.subjects import STATE_BUCKET
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STREAMS_WAIT = 60.0
 """How long a removal waits for every stream to be back at its replica count on the remaining servers."""
@@ -246,16 +247,13 @@ class Machines:
         names, client_url, route_url = self._serving()
         users = membership.local_users(self.security_dir)
         async with self._staying(kept) as conn:  # this service's own connection may be on a seat
+
+            async def rewrite() -> None:  # the bucket's stream may be electing a leader (its copy on a seat went)
+                staying_kv = await conn.js.key_value(JOIN_BUCKET)
+                await membership.register_server(staying_kv, self.node_id, client_url, route_url, names, users)
+
             deadline = min(time.monotonic() + self.streams_wait, until)
-            while True:  # the bucket's stream may be electing a leader (its copy on a seat went)
-                try:
-                    staying_kv = await conn.js.key_value(JOIN_BUCKET)
-                    await membership.register_server(staying_kv, self.node_id, client_url, route_url, names, users)
-                    break
-                except (TimeoutError, NatsError) as exc:
-                    if time.monotonic() > deadline:
-                        raise ZatteraError(f"the record of {self.node_id} could not be rewritten: {exc}") from None
-                    await asyncio.sleep(0.25)
+            await _answered(rewrite, deadline, f"the record of {self.node_id} could not be rewritten")
             short = await self._copies_back(conn, seats, until)
         log.info("seats %s of %s retired (%d streams short of copies)", ", ".join(seats), self.node_id, len(short))
         return {"node_id": self.node_id, "servers": removed, "retired": seats, "short": short}
@@ -300,18 +298,17 @@ class Machines:
 
     async def _copies_back(self, conn: Connection, gone: list[str], until: float) -> list[dict[str, Any]]:
         deadline = time.monotonic() + _left(until, self.streams_wait)
+
+        async def streams() -> list[dict[str, Any]]:  # several JetStream requests: cut at the deadline
+            answer = await asyncio.wait_for(plan(conn.nc), max(1.0, deadline - time.monotonic()))
+            found: list[dict[str, Any]] = answer["streams"]
+            return found
+
         while True:
-            try:  # one answer of the streams is several JetStream requests: cut at the deadline
-                streams = (await asyncio.wait_for(plan(conn.nc), max(1.0, deadline - time.monotonic())))["streams"]
-            except (TimeoutError, NatsError) as exc:  # a stream between leaders: asked again
-                log.info("streams not answered yet (%s)", exc)
-                if time.monotonic() > deadline:
-                    raise ZatteraError(f"JetStream did not answer for its streams' copies: {exc}") from None
-                await asyncio.sleep(0.25)
-                continue
+            answered = await _answered(streams, deadline, "JetStream did not answer for its streams' copies")
             short = [
                 {"stream": s["stream"], "replicas": s["replicas"], "current": s["current"], "servers": s["servers"]}
-                for s in streams
+                for s in answered
                 if set(s["servers"]) & set(gone)
                 or len(s["servers"]) != s["replicas"]
                 or s["current"] != s["replicas"]
@@ -354,12 +351,21 @@ async def _check_copies(conn: Connection, machines: int, doing: str, force: bool
 
 async def _meta_answers(conn: Connection, wait: float) -> None:
     """Wait (at most ``wait`` s) until the JetStream meta leader answers (``STREAM.NAMES``)."""
-    deadline = time.monotonic() + wait
+    await _answered(
+        lambda: js_api(conn.nc, "STREAM.NAMES", {"offset": 0}),
+        time.monotonic() + wait,
+        f"the JetStream meta group did not answer within {wait:.0f} s",
+    )
+
+
+async def _answered(ask: Callable[[], Awaitable[T]], deadline: float, failed: str) -> T:
+    """What ``ask`` returns once NATS answers it: asked again every 0.25 s while it does not (a stream or the
+    meta group electing a leader), until ``deadline`` (monotonic), then :class:`ZatteraError` ``failed: why``."""
     while True:
         try:
-            await js_api(conn.nc, "STREAM.NAMES", {"offset": 0})
-            return
+            return await ask()
         except (TimeoutError, NatsError) as exc:
+            log.info("not answered yet (%s): asked again", exc)
             if time.monotonic() > deadline:
-                raise ZatteraError(f"the JetStream meta group did not answer within {wait:.0f} s: {exc}") from None
+                raise ZatteraError(f"{failed}: {exc}") from None
             await asyncio.sleep(0.25)

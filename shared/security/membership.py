@@ -25,7 +25,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,16 +98,19 @@ def local_users(security_dir: Path) -> list[str]:
 
 async def servers(kv: KeyValue) -> dict[str, dict[str, Any]]:
     """Every registered server machine: node id → its record (URLs, server names, users)."""
-    found: dict[str, dict[str, Any]] = {}
+    return {node_id: json.loads(value) async for node_id, value in _entries(kv, SERVER_PREFIX) if value}
+
+
+async def _entries(kv: KeyValue, prefix: str) -> AsyncIterator[tuple[str, bytes]]:
+    """(the key after ``prefix``, its value) of every key of the bucket under ``prefix``, but those deleted
+    since they were listed."""
     for key in await _keys(kv):
-        if key.startswith(SERVER_PREFIX):
+        if key.startswith(prefix):
             try:
                 entry = await kv.get(key)
             except KeyNotFoundError:
                 continue
-            if entry.value:
-                found[key.removeprefix(SERVER_PREFIX)] = json.loads(entry.value)
-    return found
+            yield key.removeprefix(prefix), entry.value or b""
 
 
 async def _keys(kv: KeyValue) -> list[str]:
@@ -123,16 +126,11 @@ async def _keys(kv: KeyValue) -> list[str]:
 async def mesh_ip(kv: KeyValue, node_id: str) -> str:
     """The node's mesh address: the one it holds, else the lowest free one (taken by a KV create)."""
     taken: set[str] = set()
-    for key in await _keys(kv):
-        if key.startswith(MESH_PREFIX):
-            try:
-                entry = await kv.get(key)
-            except KeyNotFoundError:
-                continue
-            address = f"{MESH_NETWORK}.{key.removeprefix(MESH_PREFIX).replace('-', '.')}"
-            if (entry.value or b"").decode() == node_id:
-                return address
-            taken.add(address)
+    async for suffix, value in _entries(kv, MESH_PREFIX):
+        address = f"{MESH_NETWORK}.{suffix.replace('-', '.')}"
+        if value.decode() == node_id:
+            return address
+        taken.add(address)
     for index in range(1, 254 * 254):
         a, b = divmod(index, 254)
         address = f"{MESH_NETWORK}.{a}.{b + 1}"

@@ -138,30 +138,27 @@ def read_key(stream: str, subject: str) -> str:
     return f"{JS}.DIRECT.GET.{stream}.{subject}"
 
 
-def read_whole_stream(stream: str) -> tuple[str, ...]:
-    """Everything needed to read any message of ``stream`` (for streams a role may read entirely): message
-    gets, and pulls of the watch consumers control opens (``zattera.watch.open``, :mod:`shared.watches`) —
-    no consumer of its own (a consumer's deliver subject could name a lease key)."""
+def _message_gets(stream: str) -> tuple[str, ...]:
+    """Read any message of ``stream`` by its sequence or subject (message and direct gets), with no consumer."""
     return (
         f"{JS}.STREAM.INFO.{stream}",
         f"{JS}.STREAM.MSG.GET.{stream}",
         f"{JS}.DIRECT.GET.{stream}",
         f"{JS}.DIRECT.GET.{stream}.>",
-        f"{JS}.CONSUMER.INFO.{stream}.*",
-        pull(stream, "*"),
     )
+
+
+def read_whole_stream(stream: str) -> tuple[str, ...]:
+    """Everything needed to read any message of ``stream`` (for streams a role may read entirely): message
+    gets, and pulls of the watch consumers control opens (``zattera.watch.open``, :mod:`shared.watches`) —
+    no consumer of its own (a consumer's deliver subject could name a lease key)."""
+    return (*_message_gets(stream), f"{JS}.CONSUMER.INFO.{stream}.*", pull(stream, "*"))
 
 
 def read_object_store(store: str) -> tuple[str, ...]:
     """Read objects with message gets only (``shared.objects``; nats-py's put and delete look the meta up with
     ``STREAM.MSG.GET``): no consumer, so no deliver subject to steer, nothing but this store's messages."""
-    stream = object_stream(store)
-    return (
-        f"{JS}.STREAM.INFO.{stream}",
-        f"{JS}.STREAM.MSG.GET.{stream}",
-        f"{JS}.DIRECT.GET.{stream}",
-        f"{JS}.DIRECT.GET.{stream}.>",
-    )
+    return _message_gets(object_stream(store))
 
 
 def view_consumer(node: str) -> str:

@@ -375,14 +375,12 @@ class StateStore:
             self._sorted_cache[kind] = cached
         return cached
 
-    def _env_list(self, env_id: str, kind: str) -> list[Any]:
-        per_env = self._idx.by_env.get(env_id)
-        if not per_env:
-            return []
-        objs = per_env.get(kind)
-        if not objs:
-            return []
-        return [objs[i] for i in sorted(objs)]
+    def _of_env(self, kind: str, env_id: str | None) -> list[Any]:
+        """Every object of a kind (``env_id`` None), else those of that environment; sorted by id."""
+        if env_id is None:
+            return self.all(kind)
+        objs = self._idx.by_env.get(env_id, {}).get(kind)
+        return [objs[i] for i in sorted(objs)] if objs else []
 
     # ------------------------------------------------------------------ typed reads
 
@@ -408,25 +406,25 @@ class StateStore:
         return entry_msg(self._t.release.get(release_id))
 
     def releases(self, env_id: str | None = None) -> list[pb.Release]:
-        return self.all(K.RELEASE) if env_id is None else self._env_list(env_id, K.RELEASE)
+        return self._of_env(K.RELEASE, env_id)
 
     def deployment(self, deployment_id: str) -> pb.Deployment | None:
         return entry_msg(self._t.deployment.get(deployment_id))
 
     def deployments(self, env_id: str | None = None) -> list[pb.Deployment]:
-        return self.all(K.DEPLOYMENT) if env_id is None else self._env_list(env_id, K.DEPLOYMENT)
+        return self._of_env(K.DEPLOYMENT, env_id)
 
     def build(self, build_id: str) -> pb.Build | None:
         return entry_msg(self._t.build.get(build_id))
 
     def builds(self, env_id: str | None = None) -> list[pb.Build]:
-        return self.all(K.BUILD) if env_id is None else self._env_list(env_id, K.BUILD)
+        return self._of_env(K.BUILD, env_id)
 
     def assignment(self, assignment_id: str) -> pb.Assignment | None:
         return entry_msg(self._t.assignment.get(assignment_id))
 
     def assignments(self, env_id: str | None = None) -> list[pb.Assignment]:
-        return self.all(K.ASSIGNMENT) if env_id is None else self._env_list(env_id, K.ASSIGNMENT)
+        return self._of_env(K.ASSIGNMENT, env_id)
 
     def assignments_by_node(self, node_id: str) -> list[pb.Assignment]:
         objs = self._idx.assignments_by_node.get(node_id)
@@ -446,7 +444,7 @@ class StateStore:
         return entry_msg(self._t.volume.get(volume_id))
 
     def volumes(self, env_id: str | None = None) -> list[pb.Volume]:
-        return self.all(K.VOLUME) if env_id is None else self._env_list(env_id, K.VOLUME)
+        return self._of_env(K.VOLUME, env_id)
 
     def snapshot(self, snapshot_id: str) -> pb.VolumeSnapshot | None:
         return entry_msg(self._t.snapshot.get(snapshot_id))
@@ -455,15 +453,15 @@ class StateStore:
         return self.all(K.SNAPSHOT)
 
     def domains(self, env_id: str | None = None) -> list[pb.Domain]:
-        return self.all(K.DOMAIN) if env_id is None else self._env_list(env_id, K.DOMAIN)
+        return self._of_env(K.DOMAIN, env_id)
 
     def jobs(self, env_id: str | None = None) -> list[pb.Job]:
         """Job runs (cron slots and one-off commands), sorted by id."""
-        return self.all(K.JOB) if env_id is None else self._env_list(env_id, K.JOB)
+        return self._of_env(K.JOB, env_id)
 
     def secrets(self, env_id: str) -> list[pb.SealedSecret]:
         """Every sealed secret version of an environment (ciphertexts only)."""
-        return self._env_list(env_id, K.SECRET)
+        return self._of_env(K.SECRET, env_id)
 
     def images(self) -> list[pb.Image]:
         return self.all(K.IMAGE)
