@@ -191,7 +191,7 @@ async def _loop(conn: Connection, view: StateView, env_ids: list[str], passes: i
     ]
 
 
-def _point(t: int, span: int, i: int) -> bytes:
+def metric_point(t: int, span: int, i: int) -> bytes:
     return cpb.MetricPoint(
         time=t,
         span=span,
@@ -239,15 +239,17 @@ async def _seed_history(conn: Connection, env_ids: dict[str, str], now: float) -
         if window == "1h":
             first = H.bucket_of(now - 3600, H.RAW_SPAN)
             for i in range(360):
-                await publish(H.subject(H.RAW, H.ENV, env_id), _point(first + i * H.RAW_SPAN, H.RAW_SPAN, i))
+                await publish(H.subject(H.RAW, H.ENV, env_id), metric_point(first + i * H.RAW_SPAN, H.RAW_SPAN, i))
         else:
             days = 1 if window == "24h" else 7
             buckets = 288 * days
             for i in range(buckets):
                 t = open_bucket - (buckets - i) * H.DOWN_SPAN
-                await publish(H.subject(H.DOWN, H.ENV, env_id), _point(t, H.DOWN_SPAN, i))
+                await publish(H.subject(H.DOWN, H.ENV, env_id), metric_point(t, H.DOWN_SPAN, i))
             for i in range(int(now - open_bucket) // H.RAW_SPAN):
-                await publish(H.subject(H.RAW, H.ENV, env_id), _point(open_bucket + i * H.RAW_SPAN, H.RAW_SPAN, i))
+                await publish(
+                    H.subject(H.RAW, H.ENV, env_id), metric_point(open_bucket + i * H.RAW_SPAN, H.RAW_SPAN, i)
+                )
         for i in range(1 if window == "1h" else 12 * days):
             at = now - i * 7_200
             await publish(H.mark_subject(env_id), H.mark_of(at, "deploy.succeeded", f"release v{i}"))
