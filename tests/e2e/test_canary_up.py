@@ -20,7 +20,7 @@ import pytest
 from zattera.v1 import types_pb2 as pb
 
 from services.proxy.haproxy_config import Layout
-from services.proxy.haproxy_runtime import command, parse_stat_csv
+from services.proxy.haproxy_runtime import RuntimeAPIError, command, parse_stat_csv
 from tests.e2e.cluster import E2ECluster, Load, route_snapshot
 from tests.waiting import eventually
 
@@ -197,6 +197,14 @@ async def test_a_release_failing_one_request_in_ten_is_aborted_at_its_first_step
     assert "max_error_ratio" in events.stdout and deployment_id in events.stdout, events.stdout[-2000:]
 
 
+async def haproxy_pid(cluster: E2ECluster) -> int:
+    """The pid of the HAProxy serving the cluster's proxy (from its stats socket)."""
+    info = await command(Layout(cluster.root / "proxy" / "haproxy", "", "", 0.0, 0.0).stats_socket, "show info")
+    found = re.search(r"^Pid: (\d+)$", info, re.MULTILINE)
+    assert found, info
+    return int(found.group(1))
+
+
 async def share_of(cluster: E2ECluster, version: str, requests: int, bounds: tuple[float, float]) -> None:
     """The share of ``requests`` requests (no cookie kept: each one drawn afresh) ``version`` answered is
     within ``bounds``; else HAProxy's own per-server counts are in the message."""
@@ -225,10 +233,19 @@ async def test_an_orchestrator_kill_and_a_proxy_restart_mid_step_keep_the_step_a
     assert (before.canary.step, before.canary.weight) == (0, 10)
     await share_of(cluster, "v4", 600, (0.04, 0.18))
 
+    old_haproxy = await haproxy_pid(cluster)
     cluster.kill("orchestrator")
     cluster.kill("proxy")
     cluster.killed.discard("proxy")  # the harness starts it again
-    await eventually(cluster._proxy_answers, 60, "the restarted proxy answers")
+
+    async def restarted() -> bool:
+        """The restarted proxy's own HAProxy answers (the killed one's may answer for a moment as it stops)."""
+        try:
+            return await haproxy_pid(cluster) != old_haproxy and await cluster._proxy_answers()
+        except (OSError, TimeoutError, RuntimeAPIError, AssertionError):
+            return False
+
+    await eventually(restarted, 60, "the restarted proxy's HAProxy answers")
     await share_of(cluster, "v4", 600, (0.04, 0.18))  # the restarted proxy applies the same weights
 
     async with cluster.state() as (_, view):
