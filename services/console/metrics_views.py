@@ -38,8 +38,8 @@ class _SparkCache:
     at: float = 0.0
     points: dict[str, list[cpb.MetricPoint]] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    drawn: dict[str, Markup | None] = field(default_factory=dict)
-    """env id → its sparkline (None: no point in the window), drawn once for ``drawn_for``."""
+    drawn: dict[str, Markup] = field(default_factory=dict)
+    """env id → its sparkline, drawn once for ``drawn_for``."""
     drawn_for: tuple[float, int, int] = (0.0, 0, 0)
     """The read (``at``) and the slots (first, last) ``drawn`` is of: a page load redraws nothing until either moves."""
 
@@ -200,8 +200,8 @@ def node_summary(console: Console, node: pb.Node, heartbeat: cpb.Heartbeat | Non
 
 
 async def overview_sparklines(console: Console, env_ids: list[str]) -> dict[str, Markup]:
-    """env id → its sparkline of the last 2 h (requests and 5xx per second), for the envs with a point in that
-    window; from one cached read, each drawn once per read."""
+    """env id → its sparkline of the last 2 h (requests and 5xx per second), from one cached read, each drawn
+    once per read."""
     cache: _SparkCache | None = getattr(console, CACHE_ATTRIBUTE, None)
     if cache is None:
         cache = _SparkCache()
@@ -233,17 +233,13 @@ async def overview_sparklines(console: Console, env_ids: list[str]) -> dict[str,
     for env_id in env_ids:
         if env_id not in cache.drawn:
             cache.drawn[env_id] = _spark(cache.points.get(env_id, []), start, end)
-        spark = cache.drawn[env_id]
-        if spark is not None:
-            out[env_id] = spark
+        out[env_id] = cache.drawn[env_id]
     return out
 
 
-def _spark(points: list[cpb.MetricPoint], start: int, end: int) -> Markup | None:
+def _spark(points: list[cpb.MetricPoint], start: int, end: int) -> Markup:
     """The sparkline of an env's points in the slots ``start``…``end`` (a slot without one: no requests, as the
-    recorder writes nothing for an idle env); None when no slot holds one (the page says so in words)."""
-    if not any(start <= H.bucket_of(p.time, H.DOWN_SPAN) < end for p in points):
-        return None
+    recorder writes nothing for an idle env)."""
     slots = H.dense(points, start, end, H.DOWN_SPAN)
     requests = [p.rps if p is not None else None for _, p in slots]
     errors = [H.rate(p, "responses_5xx") if p is not None else None for _, p in slots]

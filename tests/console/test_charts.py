@@ -156,12 +156,3 @@ def test_replica_lines_are_capped_and_the_caption_says_so() -> None:
     assert cpu_chart.count('<g class="series s-r') == 8
     assert "8 of 11 replicas drawn" in cpu_chart and "…R0000010" in cpu_chart and "…R0000002" not in cpu_chart
 
-
-async def test_an_env_with_nothing_recorded_shows_no_line_at_zero(console: Running) -> None:
-    async with client() as http:
-        await log_in(http, console.url, ADMIN_USER)
-        async with http.get(f"{console.url}/") as overview:
-            over = await overview.text()
-    card = re.search(rf'<li class="env" id="env-{ENV_ID}".*?</li>', over, re.S)
-    assert card is not None
-    assert "no requests recorded in the last 2 h" in card.group(0) and '<svg class="spark"' not in card.group(0)
