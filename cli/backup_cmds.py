@@ -42,6 +42,7 @@ DATA_DIR = typer.Option(
     None, "--data-dir", help="the control plane's data directory (default: $ZATTERA_DATA_DIR or .zattera)"
 )
 BACKUP_ID = typer.Option("", "--backup", help="a backup id (default: the newest)")
+SOURCE = typer.Option(..., "--from", help="a directory, or s3://bucket[/prefix]")
 
 
 def _control_dir(data_dir: Path | None) -> Path:
@@ -90,9 +91,7 @@ def create(
 
 
 @backup_app.command("list")
-def list_cmd(
-    source: str = typer.Option(..., "--from", help="a directory, or s3://bucket[/prefix]"), json: bool = JSON
-) -> None:
+def list_cmd(source: str = SOURCE, json: bool = JSON) -> None:
     """The backups on a target, oldest first (no cluster needed)."""
     set_output(json)
     render.listing(
@@ -105,7 +104,7 @@ def list_cmd(
 
 @backup_app.command("verify")
 def verify(
-    source: str = typer.Option(..., "--from", help="a directory, or s3://bucket[/prefix]"),
+    source: str = SOURCE,
     backup_id: str = BACKUP_ID,
     json: bool = JSON,
 ) -> None:
@@ -116,7 +115,7 @@ def verify(
 
 
 def restore(
-    source: str = typer.Option(..., "--from", help="a directory, or s3://bucket[/prefix]"),
+    source: str = SOURCE,
     backup_id: str = BACKUP_ID,
     force: bool = typer.Option(False, "--force", help="restore into a cluster that is not empty"),
     data_dir: Path = DATA_DIR,

@@ -33,6 +33,7 @@ from shared.applogs import STDERR, AppLogLine, UnknownLogStream, read_app_logs
 jobs_app = typer.Typer(
     help="Job runs: cron entries' slots and `zattera run` commands (docs/jobs.md).", no_args_is_help=True
 )
+JOB_ID = typer.Argument(..., help="the job id (`zattera jobs list`)")
 
 LOG_STREAM_WAIT = 0.5
 """How often a following ``zattera run`` looks again for a log stream that does not exist yet."""
@@ -227,7 +228,7 @@ def list_jobs(
 
 @jobs_app.command("show")
 def show_job(
-    job_id: str = typer.Argument(..., help="the job id (`zattera jobs list`)"),
+    job_id: str = JOB_ID,
     json_output: bool = JSON,
 ) -> None:
     """One run: status, attempt, node, times, exit code, message and its last output lines."""
@@ -264,7 +265,7 @@ def show_job(
 
 
 @jobs_app.command("cancel")
-def cancel_job(job_id: str = typer.Argument(..., help="the job id (`zattera jobs list`)")) -> None:
+def cancel_job(job_id: str = JOB_ID) -> None:
     """Stop a pending or running job (its process gets SIGTERM, then SIGKILL after the stop grace)."""
 
     async def go() -> None:

@@ -45,6 +45,9 @@ users_app = typer.Typer(no_args_is_help=True, help="People of the teams: one ide
 grants_app = typer.Typer(no_args_is_help=True, help="Per-project roles of users: owner, deployer, viewer.")
 tokens_app = typer.Typer(no_args_is_help=True, help="API tokens for CI: one project, one role, an expiry.")
 
+USER = typer.Argument(..., help="the user")
+PROJECT = typer.Option(..., "--project", help="project name or id")
+
 
 R = TypeVar("R", User, Token)
 
@@ -143,7 +146,7 @@ def users_add(
 
 @users_app.command("update")
 def users_update(
-    name: str = typer.Argument(..., help="the user"),
+    name: str = USER,
     admin: bool = typer.Option(..., "--admin/--no-admin", help="make the user a cluster admin, or not any more"),
 ) -> None:
     """Give or take the cluster admin role: effective at the user's next request."""
@@ -227,8 +230,8 @@ def _set_role(user: str, project: str, role: str, missing: str) -> tuple[str, bo
 
 @grants_app.command("add")
 def grants_add(
-    user: str = typer.Argument(..., help="the user"),
-    project: str = typer.Option(..., "--project", help="project name or id"),
+    user: str = USER,
+    project: str = PROJECT,
     role: str = typer.Option(VIEWER, "--role", help="owner, deployer or viewer"),
 ) -> None:
     """Give USER a role on a project (replaces the role they had there)."""
@@ -239,8 +242,8 @@ def grants_add(
 
 @grants_app.command("remove")
 def grants_remove(
-    user: str = typer.Argument(..., help="the user"),
-    project: str = typer.Option(..., "--project", help="project name or id"),
+    user: str = USER,
+    project: str = PROJECT,
 ) -> None:
     """Take USER's role on a project away (effective at their next request)."""
     if not _set_role(user, project, "", f"user {user!r}: no such user")[1]:
@@ -269,7 +272,7 @@ def grants_list(
 @tokens_app.command("create")
 def tokens_create(
     name: str = typer.Argument(..., help="token name (shown in the audit log as token:NAME)"),
-    project: str = typer.Option(..., "--project", help="project name or id"),
+    project: str = PROJECT,
     role: str = typer.Option(..., "--role", help="owner, deployer or viewer"),
     ttl: str = typer.Option("90d", "--ttl", help="lifetime: a number and s, m, h or d"),
 ) -> None:
