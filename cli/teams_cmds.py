@@ -71,18 +71,21 @@ async def _edited(
 
 
 def _edit(
+    kind: str,
     name: str,
     load: Callable[[Any, str], Awaitable[R | None]],
     save: Callable[[Any, R], Awaitable[None]],
     change: Callable[[R], bool],
-) -> bool | None:
-    """:func:`_edited` on the cluster, as one command."""
+) -> None:
+    """:func:`_edited` on the cluster, as one command: it fails when there is no ``kind`` (user, token)
+    ``name``."""
 
     async def go() -> bool | None:
         async with control(view=False) as c:
             return await _edited(c.conn.js, name, load, save, change)
 
-    return run(go)
+    if not run(go):
+        raise fail(f"name {name!r}: no such {kind}")
 
 
 def _records() -> tuple[list[User], list[Token]]:
@@ -155,8 +158,7 @@ def users_update(
         user.admin = admin
         return True
 
-    if not _edit(name, load_user, save_user, change):
-        raise fail(f"name {name!r}: no such user")
+    _edit("user", name, load_user, save_user, change)
     say(f"user {name} is {'an admin' if admin else 'not an admin'}")
 
 
@@ -333,8 +335,7 @@ def tokens_revoke(name: str) -> None:
         token.revoked = True
         return True
 
-    if not _edit(name, load_token, save_token, revoke):
-        raise fail(f"name {name!r}: no such token")
+    _edit("token", name, load_token, save_token, revoke)
     say(f"token {name} revoked")
 
 
