@@ -191,21 +191,7 @@ class Auditor:
     claimed_user: str = ""
 
     def entry(self, keys: Sequence[KeyWrite], outcome: str, seq: int = 0) -> AuditEntry:
-        return AuditEntry(
-            source=self.source,
-            user=self.user,
-            verified=self.verified,
-            keys=tuple(keys),
-            outcome=outcome,
-            verified_by=self.verified_by,
-            action=self.action,
-            action_claimed=self.action_claimed,
-            address=self.address,
-            request_id=self.request_id,
-            seq=seq,
-            credential=dict(self.credential),
-            claimed_user=self.claimed_user,
-        )
+        return AuditEntry(keys=tuple(keys), outcome=outcome, seq=seq, **asdict(self))
 
 
 def txn_keys(txn: Txn) -> list[KeyWrite]:

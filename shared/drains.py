@@ -26,6 +26,8 @@ from opentelemetry.proto.resource.v1 import resource_pb2 as otlp_resource
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from shared.names import label_problem
+
 SYSLOG_TLS = "syslog+tls"
 HTTP_SCHEMES = ("https", "http")
 OTLP_SCHEMES = ("otlp", "otlp+https", "otlp+http")
@@ -38,7 +40,6 @@ SYSLOG_ENTERPRISE = "32473"
 NDJSON = "application/x-ndjson"
 PROTOBUF = "application/x-protobuf"
 
-_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 
 
@@ -48,9 +49,8 @@ def consumer_name(drain: str) -> str:
 
 
 def name_problem(name: str) -> str | None:
-    if not _NAME.match(name):
-        return f"{name!r} is not a drain name (lowercase letters, digits and '-', at most 63)"
-    return None
+    """Why ``name`` cannot name a drain (None: it can)."""
+    return label_problem(name, "drain")
 
 
 def url_problem(url: str) -> str | None:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from google.protobuf.message import DecodeError
 from nats.errors import Error as NatsError
@@ -67,6 +68,31 @@ def make_event(
     if fields:
         event.fields.update(fields)
     return event
+
+
+class OfEnv(Protocol):
+    """A record of one environment (a volume, a log drain): it names its project and environment."""
+
+    @property
+    def project_id(self) -> str: ...
+
+    @property
+    def environment_id(self) -> str: ...
+
+
+def env_event(
+    kind: str, message: str, record: OfEnv, *, clock: Clock, severity: str = INFO, fields: Mapping[str, str]
+) -> pb.Event:
+    """An event about ``record``: it carries the record's project and environment."""
+    return make_event(
+        kind,
+        message,
+        clock=clock,
+        severity=severity,
+        project_id=record.project_id,
+        environment_id=record.environment_id,
+        fields=fields,
+    )
 
 
 def transition_id(key: str, revision: int, what: str) -> str:

@@ -176,6 +176,50 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0][:200] if text.strip() else ""
 
 
+@dataclass(frozen=True)
+class _PullRequestTerms:
+    """How a provider's pull request payload names what the event needs."""
+
+    head_ref: str
+    """The ref its head is fetched from, ``{}`` standing for its number."""
+    label: str
+    """The key of a label's name."""
+    login: str
+    """The key of the author's name in its user object."""
+
+
+_GITHUB_PR = _PullRequestTerms("refs/pull/{}/head", label="name", login="login")
+"""GitHub's and Gitea's."""
+_GITLAB_MR = _PullRequestTerms("refs/merge-requests/{}/head", label="title", login="username")
+
+
+def _pull_request(
+    terms: _PullRequestTerms,
+    repo: str,
+    number: int,
+    action: str,
+    branch: Any,
+    sha: Any,
+    title: Any,
+    holder: dict[str, Any],
+) -> Event:
+    """A pull request's event (a GitLab merge request's) from the provider's fields (``action`` normalised);
+    ``holder`` is the object with its ``labels`` and ``user`` (GitHub's pull request, GitLab's payload)."""
+    user = holder.get("user") or {}
+    return Event(
+        "pull_request",
+        action=action,
+        branch=_str(branch),
+        sha=_str(sha),
+        head_ref=terms.head_ref.format(number),
+        number=number,
+        labels=tuple(_str(x.get(terms.label)) for x in holder.get("labels") or [] if isinstance(x, dict)),
+        repo=repo,
+        author=_str(user.get(terms.login)) if isinstance(user, dict) else "",
+        message=_first_line(_str(title)),
+    )
+
+
 def parse(provider: str, event_name: str, body: bytes) -> Event:
     """The event a verified delivery carries; :class:`DeliveryRefused` (400) for a payload that is not JSON or
     lacks what its event needs. Events other than push and pull request parse as ``ping`` (acknowledged)."""
@@ -214,20 +258,8 @@ def _parse_github_like(provider: str, event_name: str, payload: dict[str, Any]) 
             raise DeliveryRefused(400, "refused: the pull request has no number")
         head = _obj(pr.get("head", {}), "pull_request.head")
         base = _obj(pr.get("base", {}), "pull_request.base")
-        labels = tuple(_str(x.get("name")) for x in pr.get("labels") or [] if isinstance(x, dict))
-        user = pr.get("user") or {}
-        return Event(
-            "pull_request",
-            action=_PR_ACTIONS.get(_str(payload.get("action")), _str(payload.get("action"))),
-            branch=_str(base.get("ref")),
-            sha=_str(head.get("sha")),
-            head_ref=f"refs/pull/{number}/head",
-            number=number,
-            labels=labels,
-            repo=repo,
-            author=_str(user.get("login")) if isinstance(user, dict) else "",
-            message=_first_line(_str(pr.get("title"))),
-        )
+        action = _PR_ACTIONS.get(_str(payload.get("action")), _str(payload.get("action")))
+        return _pull_request(_GITHUB_PR, repo, number, action, base.get("ref"), head.get("sha"), pr.get("title"), pr)
     return Event("ping", repo=repo)
 
 
@@ -260,22 +292,11 @@ def _parse_gitlab(event_name: str, payload: dict[str, Any]) -> Event:
             raise DeliveryRefused(400, "refused: the merge request has no iid")
         last = attrs.get("last_commit") or {}
         last = last if isinstance(last, dict) else {}
-        labels = tuple(_str(x.get("title")) for x in payload.get("labels") or [] if isinstance(x, dict))
         action = _PR_ACTIONS.get(_str(attrs.get("action")), _str(attrs.get("action")))
         if action == "synchronize" and not attrs.get("oldrev"):
             action = "labeled"  # an update that pushed nothing (a label, the title): re-check the gate only
-        user = payload.get("user") or {}
-        return Event(
-            "pull_request",
-            action=action,
-            branch=_str(attrs.get("target_branch")),
-            sha=_str(last.get("id")),
-            head_ref=f"refs/merge-requests/{number}/head",
-            number=number,
-            labels=labels,
-            repo=repo,
-            author=_str(user.get("username")) if isinstance(user, dict) else "",
-            message=_first_line(_str(attrs.get("title"))),
+        return _pull_request(
+            _GITLAB_MR, repo, number, action, attrs.get("target_branch"), last.get("id"), attrs.get("title"), payload
         )
     return Event("ping", repo=repo)
 

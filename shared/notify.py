@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from zattera.v1 import types_pb2 as pb
 
+from shared.names import label_problem
+
 FORMATS = ("generic", "slack", "discord")
 DEFAULT_EVENTS = (
     "deploy.failed",
@@ -42,15 +44,12 @@ EVENT_ID_HEADER = "Zattera-Event-Id"
 TIMESTAMP_HEADER = "Zattera-Timestamp"
 SIGNATURE_HEADER = "Zattera-Signature"
 
-_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _KIND = re.compile(r"^[a-z0-9_*]+(\.[a-z0-9_*]+)*$")
 
 
 def name_problem(name: str) -> str | None:
     """Why ``name`` cannot name a channel (None: it can)."""
-    if not _NAME.match(name):
-        return f"{name!r} is not a channel name (lowercase letters, digits and '-', at most 63)"
-    return None
+    return label_problem(name, "channel")
 
 
 def url_problem(url: str) -> str | None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from typing import Any
+
+from nats.aio.subscription import Subscription
 
 RECANCEL_AFTER = 0.5
 """Seconds after which a task that is still running is cancelled again."""
@@ -61,3 +64,13 @@ class Signal:
 
     async def wait(self) -> None:
         await self._event.wait()
+
+
+async def serve_until_cancelled(ready: asyncio.Event, subscriptions: Sequence[Subscription]) -> None:
+    """Set ``ready``, then let ``subscriptions`` serve until cancelled; they are unsubscribed then."""
+    ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        for sub in subscriptions:
+            await sub.unsubscribe()

@@ -45,26 +45,8 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
         ctx.loop_deps, lambda: service.keyring, local_ca_dir=localca.directory(ctx.settings.data_dir)
     )
     offsite = OffsiteSnapshots(ctx.loop_deps, lambda: service.keyring)
-    notifier = Notifier(
-        ctx.loop_deps,
-        lambda: service.keyring,
-        settings=DeliverySettings(
-            timeout=cfg.notify_timeout,
-            retry_first=cfg.notify_retry_first,
-            retry_most=cfg.notify_retry_most,
-            failing_after=cfg.notify_failing_after,
-        ),
-    )
-    drainer = Drainer(
-        ctx.loop_deps,
-        lambda: service.keyring,
-        settings=DrainSettings(
-            timeout=cfg.drain_timeout,
-            retry_first=cfg.drain_retry_first,
-            retry_most=cfg.drain_retry_most,
-            failing_after=cfg.drain_failing_after,
-        ),
-    )
+    notifier = Notifier(ctx.loop_deps, lambda: service.keyring, settings=DeliverySettings.of(cfg, "notify"))
+    drainer = Drainer(ctx.loop_deps, lambda: service.keyring, settings=DrainSettings.of(cfg, "drain"))
     gate = HookGate(ctx.conn, lambda hook_id: _hook(ctx, hook_id), lambda: service.keyring)
     githooks = GitHooks(ctx.loop_deps, lambda: service.keyring, settings=GitHooksSettings(domain=ctx.settings.domain))
     return [

@@ -9,17 +9,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from zattera.v1 import types_pb2 as pb
 
 from shared.backoff import Backoff
 from shared.clock import stamp
+from shared.events import ERROR
 from shared.loop import LeaderLoop, LoopDeps
 from shared.secrets import Keyring
 from shared.tasks import cancel_and_wait
 from shared.txn import Deposed
+
+from .settings import SecretsSettings
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,12 @@ class DeliverySettings:
     def backoff(self) -> Backoff:
         """The pauses between two attempts: ``retry_first`` doubling up to ``retry_most``."""
         return Backoff(self.retry_first, self.retry_most)
+
+    @classmethod
+    def of(cls: type[S], cfg: SecretsSettings, prefix: Literal["notify", "drain"]) -> S:
+        """These settings as ``cfg`` holds them: each field from its ``<prefix>_<field>`` setting (the fields of
+        a subclass keep their defaults)."""
+        return cls(**{f.name: getattr(cfg, f"{prefix}_{f.name}") for f in fields(DeliverySettings)})
 
 
 @dataclass
@@ -99,6 +108,11 @@ class DeliveryLoop(LeaderLoop, Generic[S, T]):
     """A leader loop delivering to targets whose settings are sealed to the cluster key (``keyring`` opens
     them), with one task per target (:attr:`followers`, each kept with a ``T``)."""
 
+    target_noun: ClassVar[str]
+    """What the log calls a target: ``drain``, ``channel``."""
+    failing_kind: ClassVar[str]
+    """The event that announces a target FAILING."""
+
     def __init__(
         self, deps: LoopDeps, keyring: Callable[[], Keyring | None], *, settings: S, tick: float = 30.0
     ) -> None:
@@ -110,16 +124,26 @@ class DeliveryLoop(LeaderLoop, Generic[S, T]):
     async def end_term(self) -> None:
         await self.followers.stop_all()
 
-    def record_failure(self, status: Status, error: str) -> bool:
-        """Count one failed delivery in ``status`` (the first of a row stamps ``failing_since``); True when this
-        one makes the target FAILING (``failing_after`` in a row), to be announced."""
+    async def record_failure(
+        self,
+        status: Status,
+        error: str,
+        save: Callable[[Status], Awaitable[None]],
+        announce: Callable[[str, str, str], Awaitable[None]],
+    ) -> None:
+        """Count one failed delivery in ``status`` (the first of a row stamps ``failing_since``), log it and
+        ``save`` the status; when this one makes the target FAILING (``failing_after`` in a row), ``announce``
+        (kind, what, severity) says so with :attr:`failing_kind`."""
         if status.failures == 0:
             stamp(status.failing_since, self.clock.now())
         status.failures += 1
         status.last_error = error
         newly_failing = not status.failing and status.failures >= self.settings.failing_after
         status.failing = status.failing or newly_failing
-        return newly_failing
+        log.warning("%s: %s %s: %s (attempt %d)", self.name, self.target_noun, status.meta.id, error, status.failures)
+        await save(status)
+        if newly_failing:
+            await announce(self.failing_kind, f"is failing: {error}", ERROR)
 
     async def keep_following(self, follow: Callable[[], Awaitable[None]], what: str) -> None:
         """Run ``follow`` for good: after a fault (a NATS one: a stream deleted, a consumer lost) it runs again

@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
@@ -42,7 +43,7 @@ from shared import drains
 from shared import keys as K
 from shared.applogs import app_log_subject, app_logs_stream
 from shared.clock import stamp
-from shared.events import ERROR, INFO, make_event
+from shared.events import INFO, env_event
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class Drainer(DeliveryLoop[DrainSettings, tuple[str, ...]]):
     """``followers``: each drain's task, with the streams it reads."""
 
     name = "drains"
+    target_noun = "drain"
+    failing_kind = drains.FAILING_KIND
     kinds = frozenset({K.LOG_DRAIN, K.ENV})
 
     def _envs_of(self, drain: pb.LogDrain) -> list[str]:
@@ -232,11 +235,7 @@ class Drainer(DeliveryLoop[DrainSettings, tuple[str, ...]]):
                     if recovered:
                         await self._announce(drain, drains.RECOVERED_KIND, "delivers again", INFO)
                 return
-            newly_failing = self.record_failure(status, error)
-            log.warning("drains: drain %s: %s (attempt %d)", drain.meta.id, error, status.failures)
-            await self._save(status)
-            if newly_failing:
-                await self._announce(drain, drains.FAILING_KIND, f"is failing: {error}", ERROR)
+            await self.record_failure(status, error, self._save, partial(self._announce, drain))
             for msg in held:
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
@@ -246,15 +245,7 @@ class Drainer(DeliveryLoop[DrainSettings, tuple[str, ...]]):
         name = drain.meta.id
         message = f"log drain {name} ({drain.url_shown}) {what}"
         await self.events.publish(
-            make_event(
-                kind,
-                message,
-                clock=self.clock,
-                severity=severity,
-                environment_id=drain.environment_id,
-                project_id=drain.project_id,
-                fields={"drain": name},
-            )
+            env_event(kind, message, drain, clock=self.clock, severity=severity, fields={"drain": name})
         )
 
     def _changed(self, status: pb.LogDrainStatus) -> bool:

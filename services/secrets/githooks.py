@@ -183,15 +183,14 @@ class GitHooks(LeaderLoop):
         if existing is None:
             app = self.view.app(env.app_id)
             hostname = G.preview_hostname(event.number, app.name if app else "app", domain)
-            await self.events.publish(
-                make_event(
-                    "preview.created",
-                    f"pull request #{event.number} has preview env {env.name} at {hostname}",
-                    project_id=env.project_id,
-                    app_id=env.app_id,
-                    environment_id=env.meta.id,
-                    fields={"hook": hook.meta.id, "number": str(event.number), "hostname": hostname},
-                )
+            await self._preview_event(
+                "preview.created",
+                f"pull request #{event.number} has preview env {env.name} at {hostname}",
+                env,
+                env.meta.id,
+                hook=hook.meta.id,
+                number=str(event.number),
+                hostname=hostname,
             )
         await self._deploy_to(hook, env.meta.id, event)
 
@@ -206,17 +205,29 @@ class GitHooks(LeaderLoop):
             return Attempt(plan_preview_removal(self.view, writer, current, self.clock.now()), None)
 
         await commit_with_retry(writer, decide, clock=self.clock, contended=f"preview {env.name}")
+        await self._preview_event(
+            "preview.deleted",
+            f"preview env {env.name} deleted ({reason})",
+            env,
+            "",
+            hook=hook.meta.id if hook else "",
+            number=str(env.preview_pr_number),
+            reason=reason,
+        )
+
+    async def _preview_event(
+        self, kind: str, message: str, env: pb.Environment, environment_id: str, **fields: str
+    ) -> None:
+        """Announce a change to preview ``env``: the event names its project and app, and ``environment_id``
+        while it exists ("" once deleted)."""
         await self.events.publish(
             make_event(
-                "preview.deleted",
-                f"preview env {env.name} deleted ({reason})",
+                kind,
+                message,
                 project_id=env.project_id,
                 app_id=env.app_id,
-                fields={
-                    "hook": hook.meta.id if hook else "",
-                    "number": str(env.preview_pr_number),
-                    "reason": reason,
-                },
+                environment_id=environment_id,
+                fields=fields,
             )
         )
 

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import aiohttp
 from google.protobuf.message import DecodeError
@@ -31,7 +32,7 @@ from shared import notify
 from shared.actions.names import env_label
 from shared.backup.sealed import open_settings
 from shared.clock import stamp
-from shared.events import ERROR, INFO, make_event
+from shared.events import INFO, make_event
 from shared.state.feed import guard_ordered_consumer
 from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 
@@ -51,6 +52,8 @@ class _Target:
 
 class Notifier(DeliveryLoop[DeliverySettings, None]):
     name = "notify"
+    target_noun = "channel"
+    failing_kind = notify.FAILING_KIND
     kinds = frozenset({K.NOTIFY_CHANNEL})
     _session: aiohttp.ClientSession | None = None
 
@@ -151,11 +154,7 @@ class Notifier(DeliveryLoop[DeliverySettings, None]):
                 if recovered:
                     await self._announce(channel, notify.RECOVERED_KIND, "delivers again", INFO)
                 return
-            newly_failing = self.record_failure(status, error)
-            log.warning("notify: channel %s: %s (attempt %d)", channel.meta.id, error, status.failures)
-            await self._save(status)
-            if newly_failing:
-                await self._announce(channel, notify.FAILING_KIND, f"is failing: {error}", ERROR)
+            await self.record_failure(status, error, self._save, partial(self._announce, channel))
             await self.clock.sleep(next(backoff))
 
     async def _post(self, target: _Target, event_id: str, payload: bytes) -> str | None:

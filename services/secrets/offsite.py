@@ -23,7 +23,7 @@ from shared.backoff import exponential
 from shared.backup.offsite import copy_snapshot, offsite_ids
 from shared.backup.sealed import open_settings
 from shared.backup.targets import Target, open_target
-from shared.events import ERROR, INFO, make_event
+from shared.events import ERROR, env_event
 from shared.loop import LeaderLoop, LoopDeps
 from shared.secrets import Keyring
 from shared.snapshots.guards import snapshot_target
@@ -126,7 +126,7 @@ class OffsiteSnapshots(LeaderLoop):
             f"snapshot {snap.meta.id} of volume {volume.name} ({volume.meta.id}) copied to {target.url}: "
             f"{done.sent_bytes:,} bytes sent ({done.sent_objects} of {done.objects + 1} objects)"
         )
-        await self.events.publish(self._event("volume.offsite_copied", message, volume, fields))
+        await self.events.publish(env_event("volume.offsite_copied", message, volume, clock=self.clock, fields=fields))
 
     async def _failed(self, volume: pb.Volume, snap: pb.VolumeSnapshot, cause: str) -> None:
         key = (volume.snapshot_policy.offsite_target, snap.meta.id)
@@ -147,17 +147,6 @@ class OffsiteSnapshots(LeaderLoop):
             "failures": str(failures),
         }
         message = f"snapshot {snap.meta.id} of volume {volume.name} ({volume.meta.id}) not copied off-site: {cause}"
-        await self.events.publish(self._event("volume.offsite_failed", message, volume, fields, severity=ERROR))
-
-    def _event(
-        self, kind: str, message: str, volume: pb.Volume, fields: dict[str, str], *, severity: str = INFO
-    ) -> pb.Event:
-        return make_event(
-            kind,
-            message,
-            clock=self.clock,
-            severity=severity,
-            project_id=volume.project_id,
-            environment_id=volume.environment_id,
-            fields=fields,
+        await self.events.publish(
+            env_event("volume.offsite_failed", message, volume, clock=self.clock, severity=ERROR, fields=fields)
         )

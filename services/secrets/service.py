@@ -58,7 +58,7 @@ from shared.security.callers import caller
 from shared.state.feed import StateView
 from shared.state.reader import StateReader
 from shared.subjects import is_direct_request
-from shared.tasks import cancel_and_wait
+from shared.tasks import cancel_and_wait, serve_until_cancelled
 from shared.telemetry import span
 from shared.txn import CommitUnknown, Conflict, Writer
 
@@ -420,12 +420,9 @@ class SecretsService:
             await nc.subscribe(KEYS_OPEN_SUBJECT, queue=SECRETS_QUEUE, cb=self._on_open_cert_keys),
             await nc.subscribe(ACCOUNT_OPEN_SUBJECT, queue=SECRETS_QUEUE, cb=self._on_open_account),
         ]
-        self.serving.set()
         try:
-            await asyncio.Event().wait()
+            await serve_until_cancelled(self.serving, subs)
         finally:
-            for sub in subs:
-                await sub.unsubscribe()
             await cancel_and_wait(*self._handling)
 
     def _concurrently(self, handler: Callable[[Msg], Coroutine[Any, Any, None]]) -> Callable[[Msg], Awaitable[None]]:

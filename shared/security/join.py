@@ -59,6 +59,7 @@ from shared.security.permissions import (
 )
 from shared.security.relay import BATCH_PARTS_SUBJECT, Batches, batch_parts_handler, relay_handler
 from shared.security.views import open_cluster_view_handler, view_open_handler
+from shared.tasks import serve_until_cancelled
 from shared.teams import TEAMS_EVENTS_SUBJECT, TEAMS_FEED_KEEP_SUBJECT, TEAMS_FEED_SUBJECT, TEAMS_ISSUE_SUBJECT
 
 if TYPE_CHECKING:
@@ -198,12 +199,9 @@ class JoinService:
         await self.conn.nc.flush()
         if self.machines is not None:
             await self.machines.started(self.kv)
-        self.ready.set()
         try:
-            await asyncio.Event().wait()
+            await serve_until_cancelled(self.ready, subs)
         finally:
-            for sub in subs:
-                await sub.unsubscribe()
             if feeds is not None:
                 await feeds.stop()
             if self.authz is not None:
