@@ -20,14 +20,7 @@ async def build(ctx: ServiceContext) -> Sequence[Coroutine[Any, Any, None]]:
     cfg = BuildsSettings()
     dispatcher = BuildDispatcher(
         ctx.loop_deps,
-        config=BuildDispatcherConfig(
-            source_url_base=cfg.source_url_base,
-            registry_addr=cfg.registry_addr,
-            local_load=cfg.local_load,
-            builder_lost_timeout=cfg.builder_lost_timeout,
-            builder_concurrency=cfg.builder_concurrency,
-            checkpoint_interval=cfg.checkpoint_interval,
-        ),
+        config=BuildDispatcherConfig.of(cfg),
         tick=ctx.settings.loop_tick,
     )
     retention = Retention(

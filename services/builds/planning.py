@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 from zattera.v1 import types_pb2 as pb
 
+from services.builds.settings import BuildsSettings
 from shared.buildlogs import TERMINAL_STATUSES
 from shared.clock import from_timestamp, to_timestamp
 from shared.registry import repository
@@ -55,6 +56,11 @@ class BuildDispatcherConfig:
     builder_concurrency: int = 2
     checkpoint_interval: float = 15.0
     request_timeout: float = 5.0
+
+    @classmethod
+    def of(cls, settings: BuildsSettings) -> BuildDispatcherConfig:
+        """The dispatcher's part of the builds settings: each of its fields that is a setting of the same name."""
+        return cls(**settings.model_dump(include={f.name for f in fields(cls)}))
 
 
 # ---------------------------------------------------------------------------------------- dispatching

@@ -78,16 +78,9 @@ class Timers:
 
     @classmethod
     def from_settings(cls, shared: Settings, own: OrchestratorSettings) -> Timers:
+        """The two shared durations, and every orchestrator setting (each one is a timer of this class)."""
         return cls(
-            drain_window=shared.drain_window,
-            health_default_grace=shared.health_default_grace,
-            health_deadline_extra=own.health_deadline_extra,
-            building_timeout=own.building_timeout,
-            placing_timeout=own.placing_timeout,
-            starting_timeout=own.starting_timeout,
-            stopping_old_timeout=own.stopping_old_timeout,
-            releasing_timeout=own.releasing_timeout,
-            drain_quiet=own.drain_quiet,
+            drain_window=shared.drain_window, health_default_grace=shared.health_default_grace, **own.model_dump()
         )
 
     def health_deadline(self, release: pb.Release) -> float:

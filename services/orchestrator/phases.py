@@ -116,8 +116,8 @@ def next_step(
     d: pb.Deployment,
     now: float,
     timers: Timers,
-    proxies: Sequence[cpb.ProxyHeartbeat] | None = None,
-    nodes: Sequence[cpb.Heartbeat] = (),
+    proxies: Sequence[cpb.ProxyHeartbeat] | None,
+    nodes: Sequence[cpb.Heartbeat],
 ) -> Decision | None:
     if is_terminal(d.phase):
         return None
@@ -236,15 +236,13 @@ def decide_red_green(
     release: pb.Release,
     now: float,
     timers: Timers,
-    proxies: Sequence[cpb.ProxyHeartbeat] | None = None,
-    nodes: Sequence[cpb.Heartbeat] = (),
+    proxies: Sequence[cpb.ProxyHeartbeat] | None,
+    nodes: Sequence[cpb.Heartbeat],
 ) -> Decision | None:
     if d.phase == PLACING:
         return placing(view, d, env, release, now, timers)
-    if d.phase == STARTING:
-        return starting(view, d, env, release, now, timers)
-    if d.phase == HEALTHCHECKING:
-        return healthchecking(view, d, env, release, now, timers)
+    if d.phase in GREEN_FAILURES:
+        return green_coming_up(view, d, env, release, now, timers)
     if d.phase == PROMOTING:
         return promote(view, d, env, release, now, timers)
     if d.phase == DRAINING_OLD:
@@ -281,28 +279,28 @@ def placing(
     return t
 
 
-def starting(
-    view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
-) -> Decision | None:
-    setback, live = green_setback(view, d, env, release, now, GREEN_FAILED_TO_START)
-    if setback is not None:
-        return setback
-    if all(a.observed.state in UP_STATES for a in live):
-        return move(d, HEALTHCHECKING, now)
-    late = timers.overdue(d, now)
-    if late is not None:
-        waiting = [a for a in live if a.observed.state not in UP_STATES]
-        cause = f"{len(waiting)} of {len(live)} green instances not running ({observed_summary(waiting)})"
-        return abort(view, d, f"{late}: {cause}", now)
-    return None
+GREEN_FAILURES = {STARTING: GREEN_FAILED_TO_START, HEALTHCHECKING: GREEN_UNHEALTHY}
+"""The phases of a green set on its way up, and what a failed green instance aborts them with."""
 
 
-def healthchecking(
+def green_coming_up(
     view: StateReader, d: pb.Deployment, env: pb.Environment, release: pb.Release, now: float, timers: Timers
 ) -> Decision | None:
-    setback, live = green_setback(view, d, env, release, now, GREEN_UNHEALTHY)
+    """STARTING and HEALTHCHECKING: a setback of the green set first (a failed instance aborts, a lost or
+    missing replica sends it back to placing); then STARTING waits for every green replica to run, and
+    HEALTHCHECKING for every one to be healthy."""
+    setback, live = green_setback(view, d, env, release, now, GREEN_FAILURES[d.phase])
     if setback is not None:
         return setback
+    if d.phase == STARTING:
+        if all(a.observed.state in UP_STATES for a in live):
+            return move(d, HEALTHCHECKING, now)
+        late = timers.overdue(d, now)
+        if late is not None:
+            waiting = [a for a in live if a.observed.state not in UP_STATES]
+            cause = f"{len(waiting)} of {len(live)} green instances not running ({observed_summary(waiting)})"
+            return abort(view, d, f"{late}: {cause}", now)
+        return None
     if all(a.observed.state == pb.INSTANCE_STATE_HEALTHY for a in live):
         if wants_canary(view, d, env, release):
             return enter_canary(d, release, now)

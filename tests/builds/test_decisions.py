@@ -31,6 +31,8 @@ from services.builds.planning import (
     run_request,
 )
 from services.builds.registry import collectable, referenced_blobs
+from services.builds.settings import DEFAULTS as BUILDS_DEFAULTS
+from services.builds.settings import BuildsSettings
 from shared.registry import BlobInfo, InvalidDigest, image_id, parse_digest, parse_ref
 from tests.builds import seed
 
@@ -179,6 +181,27 @@ def test_events_decide_the_outcome_with_the_reference_texts(
     results = [apply_event(progress, e) for e in events]
     assert results[-1] == verdict
     assert all(r is None for r in results[:-1])
+
+
+def test_dispatcher_config_takes_the_builds_settings_of_its_fields() -> None:
+    settings = BuildsSettings(
+        source_url_base="https://ctrl:8443/internal/blobs/",
+        registry_addr="ctrl:5000",
+        local_load=True,
+        builder_lost_timeout=60.0,
+        builder_concurrency=3,
+        checkpoint_interval=5.0,
+        keep_releases=2,
+    )
+    assert BuildDispatcherConfig.of(settings) == BuildDispatcherConfig(
+        source_url_base="https://ctrl:8443/internal/blobs/",
+        registry_addr="ctrl:5000",
+        local_load=True,
+        builder_lost_timeout=60.0,
+        builder_concurrency=3,
+        checkpoint_interval=5.0,
+    )
+    assert BuildDispatcherConfig.of(BUILDS_DEFAULTS) == BuildDispatcherConfig()
 
 
 @pytest.mark.parametrize(
