@@ -86,11 +86,12 @@ from services.agent.images import EXEC_SCHEME, PROCESS_SCHEME, ImageError, Prepa
 from services.agent.launchers import (
     DOCKER,
     LABEL_ASSIGNMENT,
+    ImageRequest,
     InstanceHandle,
-    LaunchPlan,
+    Launch,
+    Launcher,
     ProcessLauncher,
     retain_tenant_uids,
-    tenant_key,
 )
 from services.agent.processes import InstanceRecord
 from services.agent.pythonbase import inspect_interpreter, python_of, python_rootfs_tar
@@ -98,7 +99,6 @@ from services.agent.runtime_choice import DockerUnavailable, RuntimeChoice, dock
 from services.agent.sandbox_users import UidTable, give
 from services.agent.settings import AgentSettings
 from shared.addons import spec as addon
-from shared.connection import Connection
 from shared.registry import RegistryError, digest_of, fetch_image
 from shared.registryauth import auth_for
 
@@ -120,7 +120,7 @@ async def daemon_answers(host: str, timeout: float = 2.0) -> bool:
         await docker.close()
 
 
-class DockerLauncher:
+class DockerLauncher(Launcher):
     """Instances as containers of one Docker daemon (see the module docstring)."""
 
     name = DOCKER
@@ -189,21 +189,14 @@ class DockerLauncher:
         except aiodocker.DockerError:
             return False
 
-    async def prepare(
-        self,
-        conn: Connection,
-        ref: str,
-        instance_dir: Path,
-        *,
-        platform: str,
-        registry_auth: Mapping[str, str] | None = None,
-    ) -> PreparedImage:
+    async def _prepare(self, request: ImageRequest) -> PreparedImage:
+        ref = request.ref
         if not ref:
             raise ImageError("the release has no image yet")
         if ref.startswith(PROCESS_SCHEME):
             raise ImageError(f"{ref}: process:// images need the process runtime")
         if ref.startswith(DOCKER_SCHEME):
-            return await self._daemon_image(ref, registry_auth)
+            return await self._daemon_image(ref, request.registry_auth)
         if ref == addon.IMAGE_REF:
             return ContainerImage(
                 ref,
@@ -217,7 +210,7 @@ class DockerLauncher:
                 ref, Path("/"), cmd=shell_command(unquote(ref[len(EXEC_SCHEME) :])), tag=self.base_image
             )
         try:
-            fetched = await fetch_image(conn, ref, platform=platform)
+            fetched = await fetch_image(request.conn, ref, platform=request.platform)
         except (RegistryError, KeyError, ValueError) as exc:
             raise ImageError(f"{ref}: {exc}") from exc
         try:
@@ -327,30 +320,22 @@ class DockerLauncher:
         except aiodocker.DockerError as exc:
             raise ImageError(f"loading into docker: {first_line(exc.message)}") from exc
 
-    async def spawn(
-        self,
-        command: Sequence[str],
-        *,
-        image: PreparedImage,
-        env: Mapping[str, str],
-        instance_dir: Path,
-        plan: LaunchPlan,
-        labels: Mapping[str, str],
-    ) -> InstanceHandle:
+    async def _spawn(self, launch: Launch) -> InstanceHandle:
+        image, plan, instance_dir = launch.image, launch.plan, launch.instance_dir
         assert isinstance(image, ContainerImage)
         user = image.user or NOBODY
         if self.uids is not None:
-            uid = self.uids.uid(tenant_key(plan, labels))
+            uid = self.uids.uid(launch.tenant_key)
             user = f"{uid}:{uid}"
         volumes = [path for path, _ in plan.volumes.values()]
         if volumes:
             await asyncio.to_thread(_give_volumes, volumes, user)
         config = container_config(
-            command,
+            launch.command,
             image=image,
-            env=container_env(env, image, plan),
+            env=container_env(launch.env, image, plan),
             plan=plan,
-            labels={**labels, LABEL_MANAGED: "true", LABEL_NODE: self.node_id},
+            labels={**launch.labels, LABEL_MANAGED: "true", LABEL_NODE: self.node_id},
             pids_limit=self.pids_limit,
             network=self.network,
             user=user,

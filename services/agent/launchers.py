@@ -9,6 +9,7 @@ chosen by ``--runtime`` (docs/containers.md).
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,45 @@ class InstanceHandle(Protocol):
     def kill_leftovers(self) -> None: ...
 
 
-class Launcher(Protocol):
+TENANT_KEY = "env:"
+"""Prefix of an environment's key in the sandbox's uid table (builds use ``build:``)."""
+LABEL_ASSIGNMENT = "dev.zattera.assignment"
+"""The label of an instance naming its assignment."""
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """What :meth:`Launcher.prepare` is asked for: the image ``ref`` of an instance in ``instance_dir``."""
+
+    conn: Connection
+    ref: str
+    instance_dir: Path
+    platform: str
+    registry_auth: Mapping[str, str] | None = None
+    """The environment's registry credentials (shared/registryauth.py), for a pull by a Docker daemon."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What :meth:`Launcher.spawn` starts: ``command`` in a prepared ``image``, with ``env``, as ``plan`` asks."""
+
+    command: Sequence[str]
+    image: PreparedImage
+    env: Mapping[str, str]
+    instance_dir: Path
+    plan: LaunchPlan
+    labels: Mapping[str, str]
+
+    @property
+    def tenant_key(self) -> str:
+        """The instance's key in the uid table: its tenant's (its assignment's when the plan names no tenant)."""
+        return TENANT_KEY + (self.plan.tenant or self.labels.get(LABEL_ASSIGNMENT, ""))
+
+
+class Launcher(ABC):
+    """A runtime of this node. The supervisors call :meth:`prepare` and :meth:`spawn`; a runtime implements
+    them as :meth:`_prepare` and :meth:`_spawn`, which take the call's arguments as one object."""
+
     name: str
 
     async def prepare(
@@ -84,73 +123,7 @@ class Launcher(Protocol):
     ) -> PreparedImage:
         """The image ``ref`` ready to run; ``registry_auth``: the environment's registry credentials
         (shared/registryauth.py), for a pull by a Docker daemon."""
-        ...
-
-    async def spawn(
-        self,
-        command: Sequence[str],
-        *,
-        image: PreparedImage,
-        env: Mapping[str, str],
-        instance_dir: Path,
-        plan: LaunchPlan,
-        labels: Mapping[str, str],
-    ) -> InstanceHandle: ...
-
-    async def adopt(self, record: InstanceRecord, instance_dir: Path) -> InstanceHandle | None: ...
-
-    async def sweep(self, keep: set[str]) -> None:
-        """After adoption: remove what this node's runtime left that no instance in ``keep`` (container ids)
-        uses."""
-        ...
-
-    async def prune_images(self) -> None:
-        """Remove the runtime's images no instance uses any more."""
-        ...
-
-    def retain_tenants(self, tenants: set[str]) -> None:
-        """Forget the users of tenants with nothing left on this node."""
-        ...
-
-    async def close(self) -> None: ...
-
-
-TENANT_KEY = "env:"
-"""Prefix of an environment's key in the sandbox's uid table (builds use ``build:``)."""
-LABEL_ASSIGNMENT = "dev.zattera.assignment"
-"""The label of an instance naming its assignment."""
-
-
-def tenant_key(plan: LaunchPlan, labels: Mapping[str, str]) -> str:
-    """The instance's key in the uid table: its tenant's (its assignment's when the plan names no tenant)."""
-    return TENANT_KEY + (plan.tenant or labels.get(LABEL_ASSIGNMENT, ""))
-
-
-def retain_tenant_uids(uids: UidTable, tenants: set[str]) -> None:
-    """Forget the users of tenants not in ``tenants``."""
-    uids.retain({TENANT_KEY + t for t in tenants}, prefix=TENANT_KEY)
-
-
-class ProcessLauncher:
-    """Processes of the host: sandboxed as their environment's user when ``sandbox`` is given (``sandbox.py``),
-    else bare processes of the agent's user (no isolation). No limits either way (``images.py``)."""
-
-    name = PROCESS
-
-    def __init__(self, *, adopted_poll_interval: float = 1.0, sandbox: Sandbox | None = None) -> None:
-        self._poll_interval = adopted_poll_interval
-        self.sandbox = sandbox
-
-    async def prepare(
-        self,
-        conn: Connection,
-        ref: str,
-        instance_dir: Path,
-        *,
-        platform: str,
-        registry_auth: Mapping[str, str] | None = None,
-    ) -> PreparedImage:
-        return await prepare_image(conn, ref, instance_dir, platform=platform)
+        return await self._prepare(ImageRequest(conn, ref, instance_dir, platform, registry_auth))
 
     async def spawn(
         self,
@@ -162,31 +135,79 @@ class ProcessLauncher:
         plan: LaunchPlan,
         labels: Mapping[str, str],
     ) -> InstanceHandle:
-        if self.sandbox is None:
-            return await spawn(command, cwd=image.workdir, env=env, instance_dir=instance_dir)
-        uid = self.sandbox.uid(tenant_key(plan, labels))
-        confinement = await asyncio.to_thread(self._confine, uid, image, instance_dir, plan)
+        return await self._spawn(Launch(command, image, env, instance_dir, plan, labels))
+
+    @abstractmethod
+    async def _prepare(self, request: ImageRequest) -> PreparedImage: ...
+
+    @abstractmethod
+    async def _spawn(self, launch: Launch) -> InstanceHandle: ...
+
+    @abstractmethod
+    async def adopt(self, record: InstanceRecord, instance_dir: Path) -> InstanceHandle | None: ...
+
+    @abstractmethod
+    async def sweep(self, keep: set[str]) -> None:
+        """After adoption: remove what this node's runtime left that no instance in ``keep`` (container ids)
+        uses."""
+
+    @abstractmethod
+    async def prune_images(self) -> None:
+        """Remove the runtime's images no instance uses any more."""
+
+    @abstractmethod
+    def retain_tenants(self, tenants: set[str]) -> None:
+        """Forget the users of tenants with nothing left on this node."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+def retain_tenant_uids(uids: UidTable, tenants: set[str]) -> None:
+    """Forget the users of tenants not in ``tenants``."""
+    uids.retain({TENANT_KEY + t for t in tenants}, prefix=TENANT_KEY)
+
+
+class ProcessLauncher(Launcher):
+    """Processes of the host: sandboxed as their environment's user when ``sandbox`` is given (``sandbox.py``),
+    else bare processes of the agent's user (no isolation). No limits either way (``images.py``)."""
+
+    name = PROCESS
+
+    def __init__(self, *, adopted_poll_interval: float = 1.0, sandbox: Sandbox | None = None) -> None:
+        self._poll_interval = adopted_poll_interval
+        self.sandbox = sandbox
+
+    async def _prepare(self, request: ImageRequest) -> PreparedImage:
+        return await prepare_image(request.conn, request.ref, request.instance_dir, platform=request.platform)
+
+    async def _spawn(self, launch: Launch) -> InstanceHandle:
+        confinement = None
+        if self.sandbox is not None:
+            uid = self.sandbox.uid(launch.tenant_key)
+            confinement = await asyncio.to_thread(self._confine, uid, launch)
         return await spawn(
-            command,
-            cwd=image.workdir,
-            env=env,
-            instance_dir=instance_dir,
+            launch.command,
+            cwd=launch.image.workdir,
+            env=launch.env,
+            instance_dir=launch.instance_dir,
             sandbox=self.sandbox,
             confinement=confinement,
         )
 
     @staticmethod
-    def _confine(uid: int, image: PreparedImage, instance_dir: Path, plan: LaunchPlan) -> Confinement:
+    def _confine(uid: int, launch: Launch) -> Confinement:
         """The instance's own files (an unpacked image: its root filesystem; a ``process://`` image: its
         directory, as it is) and its volumes, read-write; what the agent unpacked becomes the user's."""
-        rootfs = instance_dir / "rootfs"
-        own = rootfs if image.workdir == rootfs or rootfs in image.workdir.parents else image.workdir
+        workdir = launch.image.workdir
+        rootfs = launch.instance_dir / "rootfs"
+        own = rootfs if workdir == rootfs or rootfs in workdir.parents else workdir
         if own == rootfs:
             give(rootfs, uid)
-        volumes = tuple(path for path, _ in plan.volumes.values())
+        volumes = tuple(path for path, _ in launch.plan.volumes.values())
         for path in volumes:
             give(path, uid)
-        return Confinement(uid=uid, workdir=image.workdir, writable=(own, *volumes))
+        return Confinement(uid=uid, workdir=workdir, writable=(own, *volumes))
 
     async def adopt(self, record: InstanceRecord, instance_dir: Path) -> InstanceHandle | None:
         confined = None

@@ -11,7 +11,9 @@ import pytest
 
 from services.agent.docker_containers import Resume, container_config, cpu_percent, exit_of, resident_bytes, since_param
 from services.agent.docker_images import ContainerImage
-from services.agent.launchers import LaunchPlan
+from services.agent.docker_runtime import DockerLauncher
+from services.agent.images import ImageError
+from services.agent.launchers import LABEL_ASSIGNMENT, Launch, LaunchPlan
 from shared.imagearchive import ImageArchiveError, read_image_archive
 
 
@@ -128,3 +130,27 @@ def test_a_resumed_follower_skips_exactly_the_lines_of_that_instant_it_copied() 
     assert [resume.new(stamp) for stamp in ("T", "T", "T", "T+1", "T+1")] == [False, False, True, True, True]
     fresh = Resume("", 0)
     assert fresh.new("T")
+
+
+@pytest.mark.parametrize(
+    ("tenant", "labels", "key"),
+    [
+        ("E1", {LABEL_ASSIGNMENT: "A1"}, "env:E1"),  # instances of one environment share its user
+        ("", {LABEL_ASSIGNMENT: "A1"}, "env:A1"),  # no tenant in the plan: the assignment's own
+        ("", {}, "env:"),
+    ],
+)
+def test_an_instance_runs_as_its_tenants_user(tenant: str, labels: dict[str, str], key: str) -> None:
+    image = ContainerImage("ref", Path("/app"), tag="t")
+    launch = Launch(["app"], image, {}, Path("/i"), LaunchPlan(tenant=tenant), labels)
+    assert launch.tenant_key == key
+
+
+async def test_the_docker_runtime_refuses_what_only_the_process_runtime_runs() -> None:
+    launcher = DockerLauncher("unix:///nonexistent.sock", node_id="n1", base_image="b", pids_limit=0)
+    try:
+        for ref, why in [("", "the release has no image yet"), ("process:///app", "process:// images need")]:
+            with pytest.raises(ImageError, match=why):
+                await launcher.prepare(None, ref, Path("/i"), platform="linux/amd64")  # type: ignore[arg-type]
+    finally:
+        await launcher.close()
