@@ -21,6 +21,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.actions.context import ActionContext, commit
 from shared.actions.deletion import deletion_txn, plan_deletion
+from shared.actions.fields import EnvPath, OneOffSettings, SealedSettings
 from shared.actions.names import env_path, find_app, find_env, resolve_project
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.addons import spec as addon
@@ -62,8 +63,7 @@ class RestoreAddon:
     source: str = ""
     """An off-site target (``s3://bucket[/prefix]`` or a directory) holding copies of the origin's ``backups``
     volume (``addons offsite``): restore from its newest copy there, not from the node's volume."""
-    settings: dict[str, str] = field(default_factory=dict, repr=False)
-    """The source's settings (``AWS_*``), used here only."""
+    settings: OneOffSettings = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +74,7 @@ class AddonOffsite:
     """A directory or ``s3://bucket[/prefix]``; "" stops the copies."""
     schedule: str = "@every 1h"
     """How often the ``backups`` volume is snapshotted (and each snapshot copied off-site)."""
-    settings: dict[str, str] = field(default_factory=dict, repr=False)
-    """The target's settings (``AWS_*``), stored sealed to the cluster key."""
+    settings: SealedSettings = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +92,7 @@ class AddonInfo:
     engine: str
     version: str
     env_id: str
-    env: str
+    env: EnvPath
     """``project/name/db``."""
     address: str
     """The private name: ``name.db.project.internal:port``."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from zattera.v1 import types_pb2 as pb
 
 from shared.actions.context import ActionContext
+from shared.actions.fields import EnvPath, EnvRef, Rollout
 from shared.actions.names import env_path, target_env
 from shared.appconfig import ConfigError, check_env_size, check_name, check_var, secret_sizes, with_vars
 from shared.deploy import ConfigEdit, Deployer
@@ -24,18 +25,16 @@ from shared.txn import Txn
 
 @dataclass(frozen=True, slots=True)
 class ChangeVars:
-    env: str
-    """The environment: its id or ``project/app/env``."""
+    env: EnvRef
     values: dict[str, str | None]
     """Name → the value to set, or None to remove it."""
-    deploy: bool = True
+    deploy: Rollout = True
 
 
 @dataclass(frozen=True, slots=True)
 class ConfigChanged:
     env_id: str
-    env: str
-    """``project/app/env``."""
+    env: EnvPath
     config_version: int
     deployment_id: str = ""
     """The rollout's deployment; "" when the change is staged."""

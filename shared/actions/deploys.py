@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from zattera.v1 import types_pb2 as pb
 
 from shared.actions.context import ActionContext, commit
+from shared.actions.fields import EnvPath, EnvRef
 from shared.actions.names import env_path, target_env
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.canary import ABORT, PROMOTE
@@ -20,8 +21,7 @@ from shared.retry import Attempt
 class Deploy:
     """Exactly one of ``image_ref``, ``build_id`` or ``tarball_digest`` (uploaded source: built first)."""
 
-    env: str
-    """The environment: its id or ``project/app/env``."""
+    env: EnvRef
     image_ref: str = ""
     build_id: str = ""
     tarball_digest: str = ""
@@ -43,7 +43,7 @@ class GitCommit:
 
 @dataclass(frozen=True, slots=True)
 class Rollback:
-    env: str
+    env: EnvRef
     to_release_id: str = ""
     """"": the highest version below the active one that has an image."""
 
@@ -59,8 +59,7 @@ class Deployed:
     release_id: str
     release_version: int
     env_id: str
-    env: str
-    """``project/app/env``."""
+    env: EnvPath
     build_id: str = ""
 
 

@@ -19,6 +19,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.actions.config import ConfigChanged, reconfigure
 from shared.actions.context import ActionContext
+from shared.actions.fields import EnvRef, Rollout
 from shared.actions.refusals import Conflicting, ask_service
 from shared.appconfig import (
     ConfigError,
@@ -42,19 +43,18 @@ ROTATE_TIMEOUT = 120.0
 
 @dataclass(frozen=True, slots=True)
 class SetSecret:
-    env: str
-    """The environment: its id or ``project/app/env``."""
+    env: EnvRef
     name: str
     value: str = field(repr=False)
     """The plaintext: sealed before anything is written; never logged or shown."""
-    deploy: bool = True
+    deploy: Rollout = True
 
 
 @dataclass(frozen=True, slots=True)
 class UnsetSecrets:
-    env: str
+    env: EnvRef
     names: list[str]
-    deploy: bool = True
+    deploy: Rollout = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,17 +62,17 @@ class RegistryLogin:
     """The credentials the docker runtime pulls the env's ``docker://`` images with (its sealed secret
     ``ZATTERA_REGISTRY_AUTH``, docs/containers.md)."""
 
-    env: str
+    env: EnvRef
     server: str
     username: str
     password: str = field(repr=False)
-    deploy: bool = True
+    deploy: Rollout = True
 
 
 @dataclass(frozen=True, slots=True)
 class RegistryLogout:
-    env: str
-    deploy: bool = True
+    env: EnvRef
+    deploy: Rollout = True
 
 
 @dataclass(frozen=True, slots=True)
