@@ -27,7 +27,6 @@ from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.addons import spec as addon
 from shared.addons.spec import AddonInputError
 from shared.clock import from_timestamp, stamp
-from shared.deploy import Deployer
 from shared.records import new_meta
 from shared.retry import Attempt
 from shared.secrets import CLUSTER_KEY, seal
@@ -256,9 +255,7 @@ async def create_and_deploy(
 
     env = await commit(ctx, attempt, contended=f"project {project.name}")
     try:
-        created = await Deployer(ctx.writer, clock=ctx.clock, created_by=ctx.actor).deploy(
-            env.meta.id, image_ref=addon.IMAGE_REF
-        )
+        created = await ctx.deployer().deploy(env.meta.id, image_ref=addon.IMAGE_REF)
     except BaseException:
         await _remove(ctx, env, purge=True)  # a failed create leaves nothing behind
         raise

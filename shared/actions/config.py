@@ -18,7 +18,7 @@ from shared.actions.context import ActionContext
 from shared.actions.fields import EnvPath, EnvRef, Rollout
 from shared.actions.names import env_path, target_env
 from shared.appconfig import ConfigError, check_env_size, check_name, check_var, secret_sizes, with_vars
-from shared.deploy import ConfigEdit, Deployer
+from shared.deploy import ConfigEdit
 from shared.state.reader import StateReader
 from shared.txn import Txn
 
@@ -65,8 +65,7 @@ def vars_edit(view: StateReader, change: Mapping[str, str | None]) -> ConfigEdit
 async def reconfigure(ctx: ActionContext, env_ref: str, edit: ConfigEdit, *, deploy: bool) -> ConfigChanged:
     """Commit ``edit`` to the environment ``env_ref`` names, and its rollout when ``deploy``."""
     env = target_env(ctx.view, env_ref)
-    deployer = Deployer(ctx.writer, clock=ctx.clock, created_by=ctx.actor)
-    done = await deployer.reconfigure(env.meta.id, edit, deploy=deploy)
+    done = await ctx.deployer().reconfigure(env.meta.id, edit, deploy=deploy)
     changed = done.environment
     return ConfigChanged(
         changed.meta.id,

@@ -13,7 +13,7 @@ from shared.actions.fields import EnvPath, EnvRef
 from shared.actions.names import env_path, target_env
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.canary import ABORT, PROMOTE
-from shared.deploy import Created, Deployer, InvalidArgument
+from shared.deploy import Created, InvalidArgument
 from shared.retry import Attempt
 
 
@@ -70,10 +70,6 @@ class CancelRequested:
     """The deployment's phase when the cancel was recorded (PENDING, DRAINING_OLD, …)."""
 
 
-def _deployer(ctx: ActionContext) -> Deployer:
-    return Deployer(ctx.writer, clock=ctx.clock, created_by=ctx.actor)
-
-
 def _deployed(ctx: ActionContext, env: pb.Environment, deployment: pb.Deployment, release: pb.Release) -> Deployed:
     return Deployed(
         deployment.meta.id,
@@ -87,7 +83,7 @@ def _deployed(ctx: ActionContext, env: pb.Environment, deployment: pb.Deployment
 
 async def deploy(ctx: ActionContext, request: Deploy) -> Deployed:
     env = target_env(ctx.view, request.env)
-    deployer = _deployer(ctx)
+    deployer = ctx.deployer()
     created: Created
     if request.tarball_digest and (request.image_ref or request.build_id):
         raise InvalidArgument("tarball_digest", "give source, an image or a build, not several")
@@ -109,7 +105,7 @@ async def deploy(ctx: ActionContext, request: Deploy) -> Deployed:
 
 async def rollback(ctx: ActionContext, request: Rollback) -> Deployed:
     env = target_env(ctx.view, request.env)
-    deployment = await _deployer(ctx).rollback(env.meta.id, to_release_id=request.to_release_id)
+    deployment = await ctx.deployer().rollback(env.meta.id, to_release_id=request.to_release_id)
     release = ctx.view.release(deployment.release_id)
     assert release is not None  # the target release was read to decide
     return _deployed(ctx, env, deployment, release)
@@ -118,7 +114,7 @@ async def rollback(ctx: ActionContext, request: Rollback) -> Deployed:
 async def cancel_deployment(ctx: ActionContext, request: CancelDeployment) -> CancelRequested:
     """Before promotion the deployment fails with its green set removed and traffic untouched; while
     DRAINING_OLD it completes the drain now."""
-    deployment = await _deployer(ctx).cancel(request.deployment_id)
+    deployment = await ctx.deployer().cancel(request.deployment_id)
     phase = pb.DeploymentPhase.Name(deployment.phase).removeprefix("DEPLOYMENT_PHASE_")
     return CancelRequested(deployment.meta.id, phase)
 
