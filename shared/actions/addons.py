@@ -12,7 +12,6 @@ Attaching and detaching are :mod:`shared.actions.addon_attach`; backups, restore
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,12 +23,13 @@ from shared.actions.deletion import deletion_txn, plan_deletion
 from shared.actions.fields import EnvPath, OneOffSettings, SealedSettings
 from shared.actions.names import env_path, find_app, find_env, resolve_project
 from shared.actions.refusals import Conflicting, Invalid, NotFound
+from shared.actions.secrets import secret_version
 from shared.addons import spec as addon
 from shared.addons.spec import AddonInputError
-from shared.clock import from_timestamp, stamp
+from shared.clock import from_timestamp
 from shared.records import new_meta
 from shared.retry import Attempt
-from shared.secrets import CLUSTER_KEY, seal
+from shared.secrets import CLUSTER_KEY
 from shared.state.reader import StateReader
 from shared.txn import Txn
 
@@ -180,21 +180,8 @@ def sealed_secret(
     env: pb.Environment, key: pb.SecretsKey, name: str, *, value: str = "", ciphertext: bytes = b""
 ) -> pb.SealedSecret:
     """A sealed secret of ``env`` (version 1 above what it holds by that name), referenced by its spec."""
-    now = time.time()
     version = env.service.secrets[name].version + 1 if name in env.service.secrets else 1
-    record = pb.SealedSecret(
-        environment_id=env.meta.id,
-        project_id=env.project_id,
-        name=name,
-        version=version,
-        ciphertext=ciphertext or seal(key.public_key, value.encode()),
-        key_id=key.key_id,
-    )
-    new_meta(record.meta, now)
-    ref = env.service.secrets[name]
-    ref.secret_id, ref.version = record.meta.id, record.version
-    stamp(ref.updated_at, now)
-    return record
+    return secret_version(env, key, name, version, value=value, ciphertext=ciphertext)
 
 
 def cluster_key(view: StateReader) -> pb.SecretsKey:

@@ -100,6 +100,27 @@ def prune_secrets(view: StateReader, env: pb.Environment, txn: Txn) -> None:
         txn.delete(K.secret(secret_id))
 
 
+def secret_version(
+    env: pb.Environment, key: pb.SecretsKey, name: str, version: int, *, value: str = "", ciphertext: bytes = b""
+) -> pb.SealedSecret:
+    """Version ``version`` of ``env``'s secret ``name``: ``value`` sealed to ``key`` (or its ``ciphertext``,
+    already sealed to it), which ``env``'s spec now references."""
+    now = time.time()
+    record = pb.SealedSecret(
+        environment_id=env.meta.id,
+        project_id=env.project_id,
+        name=name,
+        version=version,
+        ciphertext=ciphertext or seal(key.public_key, value.encode()),
+        key_id=key.key_id,
+    )
+    new_meta(record.meta, now)
+    ref = env.service.secrets[name]
+    ref.secret_id, ref.version = record.meta.id, record.version
+    stamp(ref.updated_at, now)
+    return record
+
+
 def set_secret_edit(view: StateReader, name: str, value: str) -> ConfigEdit:
     def edit(env: pb.Environment, txn: Txn) -> None:
         key = view.get(K.SECRETS_KEY, CLUSTER_KEY)
@@ -113,21 +134,9 @@ def set_secret_edit(view: StateReader, name: str, value: str) -> ConfigEdit:
         sizes = secret_sizes(env.service, existing)
         sizes[name] = len(value.encode())
         check_env_size(env.service.vars, sizes, field=f"secrets.{name}")
-        now = time.time()
-        record = pb.SealedSecret(
-            environment_id=env.meta.id,
-            project_id=env.project_id,
-            name=name,
-            version=1 + max((s.version for s in existing if s.name == name), default=0),
-            ciphertext=seal(key.public_key, value.encode()),
-            key_id=key.key_id,
-        )
-        new_meta(record.meta, now)
-        ref = env.service.secrets[name]
-        ref.secret_id, ref.version = record.meta.id, record.version
-        stamp(ref.updated_at, now)
+        version = 1 + max((s.version for s in existing if s.name == name), default=0)
         env.service.config_version += 1
-        txn.create(record)
+        txn.create(secret_version(env, key, name, version, value=value))
         txn.put(key)  # unchanged: fences the write on the key it was sealed to (a rotation refuses it)
         prune_secrets(view, env, txn)
 
