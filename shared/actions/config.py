@@ -62,7 +62,7 @@ def vars_edit(view: StateReader, change: Mapping[str, str | None]) -> ConfigEdit
     return edit
 
 
-async def reconfigure(ctx: ActionContext, env_ref: str, edit: ConfigEdit, *, deploy: bool) -> ConfigChanged:
+async def reconfigure(ctx: ActionContext, env_ref: EnvRef, edit: ConfigEdit, *, deploy: Rollout) -> ConfigChanged:
     """Commit ``edit`` to the environment ``env_ref`` names, and its rollout when ``deploy``."""
     env = target_env(ctx.view, env_ref)
     done = await ctx.deployer().reconfigure(env.meta.id, edit, deploy=deploy)
