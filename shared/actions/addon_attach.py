@@ -17,6 +17,7 @@ from shared import keys as K
 from shared.actions.addons import EVENT_ATTACHED, EVENT_DETACHED, addon_env, cluster_key, sealed_secret
 from shared.actions.config import ConfigChanged, reconfigure
 from shared.actions.context import ActionContext
+from shared.actions.fields import EnvRef, Rollout
 from shared.actions.names import env_path, resolve_env, target_env
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.addons import spec as addon
@@ -28,9 +29,9 @@ from shared.txn import Txn
 @dataclass(frozen=True, slots=True)
 class AttachAddon:
     name: str
-    env: str
-    """The env that gets the URL: id or ``project/app/env`` (the database is looked up in its project)."""
-    deploy: bool = True
+    env: EnvRef
+    """The env that gets the URL (the database is looked up in its project)."""
+    deploy: Rollout = True
 
 
 def _consumer_and_addon(view: StateReader, request: AttachAddon) -> tuple[pb.Environment, pb.Environment]:

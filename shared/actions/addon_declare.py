@@ -18,6 +18,7 @@ from zattera.v1 import types_pb2 as pb
 from shared.actions.addon_attach import AttachAddon, attach_addon, detach_addon
 from shared.actions.addons import CreateAddon, create_addon
 from shared.actions.context import ActionContext
+from shared.actions.fields import EnvPath
 from shared.actions.names import env_path, find_app, find_env, find_project
 from shared.actions.refusals import ActionRefused, Conflicting
 from shared.addons import spec as addon
@@ -42,8 +43,8 @@ class AddonStep:
     action: str
     """create | attach | detach | unchanged."""
     database: str
-    env: str = ""
-    """``project/app/env`` for attach/detach (and an unchanged attachment)."""
+    env: EnvPath = ""
+    """For attach/detach (and an unchanged attachment)."""
     note: str = ""
 
 

@@ -12,7 +12,6 @@ Attaching and detaching are :mod:`shared.actions.addon_attach`; backups, restore
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,15 +20,16 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.actions.context import ActionContext, commit
 from shared.actions.deletion import deletion_txn, plan_deletion
+from shared.actions.fields import EnvPath, OneOffSettings, SealedSettings
 from shared.actions.names import env_path, find_app, find_env, resolve_project
 from shared.actions.refusals import Conflicting, Invalid, NotFound
+from shared.actions.secrets import secret_version
 from shared.addons import spec as addon
 from shared.addons.spec import AddonInputError
-from shared.clock import from_timestamp, stamp
-from shared.deploy import Deployer
+from shared.clock import from_timestamp
 from shared.records import new_meta
 from shared.retry import Attempt
-from shared.secrets import CLUSTER_KEY, seal
+from shared.secrets import CLUSTER_KEY
 from shared.state.reader import StateReader
 from shared.txn import Txn
 
@@ -62,8 +62,7 @@ class RestoreAddon:
     source: str = ""
     """An off-site target (``s3://bucket[/prefix]`` or a directory) holding copies of the origin's ``backups``
     volume (``addons offsite``): restore from its newest copy there, not from the node's volume."""
-    settings: dict[str, str] = field(default_factory=dict, repr=False)
-    """The source's settings (``AWS_*``), used here only."""
+    settings: OneOffSettings = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +73,7 @@ class AddonOffsite:
     """A directory or ``s3://bucket[/prefix]``; "" stops the copies."""
     schedule: str = "@every 1h"
     """How often the ``backups`` volume is snapshotted (and each snapshot copied off-site)."""
-    settings: dict[str, str] = field(default_factory=dict, repr=False)
-    """The target's settings (``AWS_*``), stored sealed to the cluster key."""
+    settings: SealedSettings = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +91,7 @@ class AddonInfo:
     engine: str
     version: str
     env_id: str
-    env: str
+    env: EnvPath
     """``project/name/db``."""
     address: str
     """The private name: ``name.db.project.internal:port``."""
@@ -182,21 +180,8 @@ def sealed_secret(
     env: pb.Environment, key: pb.SecretsKey, name: str, *, value: str = "", ciphertext: bytes = b""
 ) -> pb.SealedSecret:
     """A sealed secret of ``env`` (version 1 above what it holds by that name), referenced by its spec."""
-    now = time.time()
     version = env.service.secrets[name].version + 1 if name in env.service.secrets else 1
-    record = pb.SealedSecret(
-        environment_id=env.meta.id,
-        project_id=env.project_id,
-        name=name,
-        version=version,
-        ciphertext=ciphertext or seal(key.public_key, value.encode()),
-        key_id=key.key_id,
-    )
-    new_meta(record.meta, now)
-    ref = env.service.secrets[name]
-    ref.secret_id, ref.version = record.meta.id, record.version
-    stamp(ref.updated_at, now)
-    return record
+    return secret_version(env, key, name, version, value=value, ciphertext=ciphertext)
 
 
 def cluster_key(view: StateReader) -> pb.SecretsKey:
@@ -257,9 +242,7 @@ async def create_and_deploy(
 
     env = await commit(ctx, attempt, contended=f"project {project.name}")
     try:
-        created = await Deployer(ctx.writer, clock=ctx.clock, created_by=ctx.actor).deploy(
-            env.meta.id, image_ref=addon.IMAGE_REF
-        )
+        created = await ctx.deployer().deploy(env.meta.id, image_ref=addon.IMAGE_REF)
     except BaseException:
         await _remove(ctx, env, purge=True)  # a failed create leaves nothing behind
         raise

@@ -21,6 +21,7 @@ import zstandard
 
 from shared import localca
 from shared.actions.context import ActionContext
+from shared.actions.fields import OneOffSettings
 from shared.actions.refusals import Invalid, NotFound
 from shared.backup import cluster, recovery, volumes
 from shared.backup.manifest import (
@@ -68,8 +69,8 @@ class CreateBackup:
     recipient: str = ""
     """A recovery recipient (:func:`shared.backup.recovery.recipient`, its JSON): the key is sealed to it, no
     passphrase needed."""
-    credentials: dict[str, str] = field(default_factory=dict, repr=False)
-    """The target's settings (``AWS_ACCESS_KEY_ID``…) when not from the environment (scheduled backups)."""
+    credentials: OneOffSettings = field(default_factory=dict, repr=False)
+    """When not from the environment (scheduled backups)."""
     local_ca_dir: str = ""
     """The certs service's local CA directory (``<data>/control/certs``): the CA goes into the backup, sealed
     with the keyring; "" (or no CA there): a backup without it."""
@@ -109,7 +110,7 @@ class VerifyBackup:
     target: str
     backup_id: str = ""
     """"" = the newest."""
-    credentials: dict[str, str] = field(default_factory=dict, repr=False)
+    credentials: OneOffSettings = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.actions.context import ActionContext, commit_edit, stamp_replacing
+from shared.actions.fields import SealedSettings
 from shared.actions.refusals import Invalid, NotFound
 from shared.backup import recovery
 from shared.backup.manifest import BackupError
@@ -34,8 +35,7 @@ class ScheduleBackups:
     passphrase: str = field(repr=False)
     """The recovery passphrase; only a public recipient derived from it is stored."""
     keep: int = DEFAULT_KEEP
-    credentials: dict[str, str] = field(default_factory=dict, repr=False)
-    """The target's settings (``AWS_ACCESS_KEY_ID``…), stored sealed to the cluster secrets key."""
+    credentials: SealedSettings = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)

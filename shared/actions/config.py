@@ -15,27 +15,26 @@ from dataclasses import dataclass
 from zattera.v1 import types_pb2 as pb
 
 from shared.actions.context import ActionContext
+from shared.actions.fields import EnvPath, EnvRef, Rollout
 from shared.actions.names import env_path, target_env
 from shared.appconfig import ConfigError, check_env_size, check_name, check_var, secret_sizes, with_vars
-from shared.deploy import ConfigEdit, Deployer
+from shared.deploy import ConfigEdit
 from shared.state.reader import StateReader
 from shared.txn import Txn
 
 
 @dataclass(frozen=True, slots=True)
 class ChangeVars:
-    env: str
-    """The environment: its id or ``project/app/env``."""
+    env: EnvRef
     values: dict[str, str | None]
     """Name → the value to set, or None to remove it."""
-    deploy: bool = True
+    deploy: Rollout = True
 
 
 @dataclass(frozen=True, slots=True)
 class ConfigChanged:
     env_id: str
-    env: str
-    """``project/app/env``."""
+    env: EnvPath
     config_version: int
     deployment_id: str = ""
     """The rollout's deployment; "" when the change is staged."""
@@ -63,11 +62,10 @@ def vars_edit(view: StateReader, change: Mapping[str, str | None]) -> ConfigEdit
     return edit
 
 
-async def reconfigure(ctx: ActionContext, env_ref: str, edit: ConfigEdit, *, deploy: bool) -> ConfigChanged:
+async def reconfigure(ctx: ActionContext, env_ref: EnvRef, edit: ConfigEdit, *, deploy: Rollout) -> ConfigChanged:
     """Commit ``edit`` to the environment ``env_ref`` names, and its rollout when ``deploy``."""
     env = target_env(ctx.view, env_ref)
-    deployer = Deployer(ctx.writer, clock=ctx.clock, created_by=ctx.actor)
-    done = await deployer.reconfigure(env.meta.id, edit, deploy=deploy)
+    done = await ctx.deployer().reconfigure(env.meta.id, edit, deploy=deploy)
     changed = done.environment
     return ConfigChanged(
         changed.meta.id,

@@ -23,6 +23,7 @@ from zattera.v1 import types_pb2 as pb
 from shared.actions.refusals import Conflicting
 from shared.clock import Clock, RealClock
 from shared.connection import Connection
+from shared.deploy import Deployer
 from shared.events import INFO, EventPublisher, event_for_env, make_event
 from shared.retry import Attempt, Decide, RetriesExhausted, commit_with_retry
 from shared.state.feed import StateView
@@ -76,6 +77,11 @@ class ActionContext:
     @property
     def events(self) -> EventPublisher:
         return EventPublisher(self.conn)
+
+    def deployer(self) -> Deployer:
+        """The deployer committing through this context's writer and clock, recording its actor as who
+        created what it writes."""
+        return Deployer(self.writer, clock=self.clock, created_by=self.actor)
 
     def acting_as(self, actor: str) -> ActionContext:
         """The same context for another actor (the console: one per logged-in user)."""

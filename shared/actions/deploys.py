@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from zattera.v1 import types_pb2 as pb
 
 from shared.actions.context import ActionContext, commit
+from shared.actions.fields import EnvPath, EnvRef
 from shared.actions.names import env_path, target_env
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.canary import ABORT, PROMOTE
-from shared.deploy import Created, Deployer, InvalidArgument
+from shared.deploy import Created, InvalidArgument
 from shared.retry import Attempt
 
 
@@ -20,8 +21,7 @@ from shared.retry import Attempt
 class Deploy:
     """Exactly one of ``image_ref``, ``build_id`` or ``tarball_digest`` (uploaded source: built first)."""
 
-    env: str
-    """The environment: its id or ``project/app/env``."""
+    env: EnvRef
     image_ref: str = ""
     build_id: str = ""
     tarball_digest: str = ""
@@ -43,7 +43,7 @@ class GitCommit:
 
 @dataclass(frozen=True, slots=True)
 class Rollback:
-    env: str
+    env: EnvRef
     to_release_id: str = ""
     """"": the highest version below the active one that has an image."""
 
@@ -59,8 +59,7 @@ class Deployed:
     release_id: str
     release_version: int
     env_id: str
-    env: str
-    """``project/app/env``."""
+    env: EnvPath
     build_id: str = ""
 
 
@@ -69,10 +68,6 @@ class CancelRequested:
     deployment_id: str
     phase: str
     """The deployment's phase when the cancel was recorded (PENDING, DRAINING_OLD, …)."""
-
-
-def _deployer(ctx: ActionContext) -> Deployer:
-    return Deployer(ctx.writer, clock=ctx.clock, created_by=ctx.actor)
 
 
 def _deployed(ctx: ActionContext, env: pb.Environment, deployment: pb.Deployment, release: pb.Release) -> Deployed:
@@ -88,7 +83,7 @@ def _deployed(ctx: ActionContext, env: pb.Environment, deployment: pb.Deployment
 
 async def deploy(ctx: ActionContext, request: Deploy) -> Deployed:
     env = target_env(ctx.view, request.env)
-    deployer = _deployer(ctx)
+    deployer = ctx.deployer()
     created: Created
     if request.tarball_digest and (request.image_ref or request.build_id):
         raise InvalidArgument("tarball_digest", "give source, an image or a build, not several")
@@ -110,7 +105,7 @@ async def deploy(ctx: ActionContext, request: Deploy) -> Deployed:
 
 async def rollback(ctx: ActionContext, request: Rollback) -> Deployed:
     env = target_env(ctx.view, request.env)
-    deployment = await _deployer(ctx).rollback(env.meta.id, to_release_id=request.to_release_id)
+    deployment = await ctx.deployer().rollback(env.meta.id, to_release_id=request.to_release_id)
     release = ctx.view.release(deployment.release_id)
     assert release is not None  # the target release was read to decide
     return _deployed(ctx, env, deployment, release)
@@ -119,7 +114,7 @@ async def rollback(ctx: ActionContext, request: Rollback) -> Deployed:
 async def cancel_deployment(ctx: ActionContext, request: CancelDeployment) -> CancelRequested:
     """Before promotion the deployment fails with its green set removed and traffic untouched; while
     DRAINING_OLD it completes the drain now."""
-    deployment = await _deployer(ctx).cancel(request.deployment_id)
+    deployment = await ctx.deployer().cancel(request.deployment_id)
     phase = pb.DeploymentPhase.Name(deployment.phase).removeprefix("DEPLOYMENT_PHASE_")
     return CancelRequested(deployment.meta.id, phase)
 

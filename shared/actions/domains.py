@@ -13,7 +13,8 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.actions.context import ActionContext, commit
-from shared.actions.names import env_label, env_path, target_env
+from shared.actions.fields import EnvPath, EnvRef
+from shared.actions.names import env_label, target_env
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.certs import hostname_problem
 from shared.records import new_meta
@@ -23,8 +24,7 @@ from shared.retry import Attempt
 @dataclass(frozen=True, slots=True)
 class AddDomain:
     hostname: str
-    env: str
-    """The environment: its id or ``project/app/env``."""
+    env: EnvRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +32,7 @@ class DomainAdded:
     hostname: str
     domain_id: str
     env_id: str
-    env: str
-    """``project/app/env``."""
+    env: EnvPath
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +62,7 @@ async def add_domain(ctx: ActionContext, request: AddDomain) -> DomainAdded:
         return Attempt(ctx.writer.txn("domains.add").create(domain), domain)
 
     domain = await commit(ctx, attempt, contended=f"hostname {hostname}")
-    env = ctx.view.env(domain.environment_id)
-    where = env_path(ctx.view, env) if env is not None else domain.environment_id
-    return DomainAdded(hostname, domain.meta.id, domain.environment_id, where)
+    return DomainAdded(hostname, domain.meta.id, domain.environment_id, env_label(ctx.view, domain.environment_id))
 
 
 async def remove_domain(ctx: ActionContext, request: RemoveDomain) -> DomainRemoved:

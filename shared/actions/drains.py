@@ -17,6 +17,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import drains
 from shared import keys as K
 from shared.actions.context import ActionContext, commit_edit, remove_with_status, stamp_replacing, with_status
+from shared.actions.fields import EnvRef
 from shared.actions.names import env_label, resolve_env, resolve_project
 from shared.actions.refusals import Invalid, NotFound
 from shared.backup.sealed import seal_settings
@@ -29,7 +30,7 @@ class AddDrain:
     name: str
     url: str = field(repr=False)
     """Where lines go; sealed (it may hold credentials)."""
-    env: str = ""
+    env: EnvRef = ""
     project: str = ""
     events: bool = False
     headers: list[str] = field(default_factory=list, repr=False)

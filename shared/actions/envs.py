@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from zattera.v1 import types_pb2 as pb
 
 from shared.actions.context import ActionContext, commit
+from shared.actions.fields import EnvPath, EnvRef
 from shared.actions.names import env_path, target_env
 from shared.actions.refusals import Invalid
 from shared.clock import stamp
@@ -26,8 +27,7 @@ EVENT_ENV_SCALED = "env.scaled"
 
 @dataclass(frozen=True, slots=True)
 class Scale:
-    env: str
-    """The environment: its id or ``project/app/env``."""
+    env: EnvRef
     replicas: int | None = None
     minimum: int | None = None
     maximum: int | None = None
@@ -48,8 +48,7 @@ class Scale:
 @dataclass(frozen=True, slots=True)
 class Scaled:
     env_id: str
-    env: str
-    """``project/app/env``."""
+    env: EnvPath
     replicas: int
     minimum: int
     maximum: int

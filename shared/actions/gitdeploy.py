@@ -16,6 +16,7 @@ from pathlib import Path
 
 from shared.actions.context import ActionContext
 from shared.actions.deploys import Deploy, GitCommit, deploy
+from shared.actions.fields import EnvPath
 from shared.actions.names import env_path, target_env
 from shared.actions.refusals import Invalid
 from shared.deploysource import SourceRefused, inspect_source, mismatch
@@ -40,8 +41,7 @@ class CommitDeployed:
     release_id: str
     release_version: int
     env_id: str
-    env: str
-    """``project/app/env``."""
+    env: EnvPath
     commit_sha: str
     live: bool
     phase: str

@@ -22,7 +22,8 @@ from shared import githooks as G
 from shared import keys as K
 from shared.actions.context import ActionContext, commit_edit, stamp_replacing
 from shared.actions.deletion import plan_deletion
-from shared.actions.names import env_path, target_env
+from shared.actions.fields import EnvPath, EnvRef
+from shared.actions.names import env_label, env_path, target_env
 from shared.actions.refusals import Invalid, NotFound
 from shared.backup.sealed import seal_settings
 from shared.clock import from_timestamp, stamp
@@ -39,8 +40,8 @@ BRANCH_RE = re.compile(r"^[A-Za-z0-9._/-]{1,200}$")
 
 @dataclass(frozen=True)
 class AddHook:
-    env: str
-    """The base environment: its id or ``project/app/env``."""
+    env: EnvRef
+    """The base environment."""
     provider: str
     repo_url: str
     branch: str = "main"
@@ -58,8 +59,7 @@ class AddHook:
 @dataclass(frozen=True)
 class Hook:
     id: str
-    env: str
-    """``project/app/env``."""
+    env: EnvPath
     provider: str
     repo_url: str
     branch: str
@@ -93,7 +93,7 @@ def describe(view: StateReader, hook: pb.GitHook) -> Hook:
     previews = [e.name for e in preview_envs(view, hook.environment_id)] if env is not None else []
     return Hook(
         id=hook.meta.id,
-        env=env_path(view, env) if env is not None else hook.environment_id,
+        env=env_label(view, hook.environment_id),
         provider=hook.provider,
         repo_url=hook.repo_url,
         branch=hook.branch,

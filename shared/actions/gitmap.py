@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from zattera.v1 import types_pb2 as pb
 
 from shared.actions.context import ActionContext, commit_edit
+from shared.actions.fields import EnvPath
 from shared.actions.names import env_path, find_app, find_project, target_env
 from shared.actions.refusals import Invalid
 from shared.clock import stamp
@@ -21,8 +22,7 @@ _ZERO_SHA = re.compile(r"^0+$")
 
 @dataclass(frozen=True, slots=True)
 class BranchMapped:
-    env: str
-    """``project/app/env``."""
+    env: EnvPath
     branch: str
     """"" when unmapped."""
     changed: bool

@@ -14,7 +14,8 @@ from zattera.v1 import types_pb2 as pb
 from shared import jobs as J
 from shared import keys as K
 from shared.actions.context import ActionContext, commit
-from shared.actions.names import env_path, target_env
+from shared.actions.fields import EnvPath, EnvRef
+from shared.actions.names import env_label, env_path, target_env
 from shared.actions.refusals import Conflicting, Invalid, NotFound
 from shared.clock import stamp
 from shared.ids import is_safe_id, unsafe_id
@@ -24,8 +25,7 @@ from shared.state.reader import StateReader
 
 @dataclass(frozen=True, slots=True)
 class RunJob:
-    env: str
-    """The environment: its id or ``project/app/env``."""
+    env: EnvRef
     command: str
     """A shell command (at most 4,096 bytes)."""
 
@@ -34,8 +34,7 @@ class RunJob:
 class JobStarted:
     job_id: str
     env_id: str
-    env: str
-    """``project/app/env``."""
+    env: EnvPath
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +73,7 @@ async def run_job(ctx: ActionContext, request: RunJob) -> JobStarted:
         return Attempt(ctx.writer.txn("run").create(job), job)
 
     job = await commit(ctx, attempt, contended=f"env {request.env}")
-    env = ctx.view.env(job.environment_id)
-    return JobStarted(job.meta.id, job.environment_id, env_path(ctx.view, env) if env else job.environment_id)
+    return JobStarted(job.meta.id, job.environment_id, env_label(ctx.view, job.environment_id))
 
 
 async def cancel_job(ctx: ActionContext, request: CancelJob) -> JobCancelRequested:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
+from shared.actions.fields import EnvPath, EnvRef
 from shared.actions.refusals import NotFound
 from shared.state.reader import StateReader
 
@@ -22,7 +23,7 @@ def find_env(view: StateReader, app_id: str, name: str) -> pb.Environment | None
     return next((e for e in view.envs() if e.app_id == app_id and e.name == name), None)
 
 
-def resolve_env(view: StateReader, ref: str) -> pb.Environment | None:
+def resolve_env(view: StateReader, ref: EnvRef) -> pb.Environment | None:
     """An environment by id or by ``project/app/env`` names."""
     env = view.env(ref)
     if env is not None:
@@ -35,7 +36,7 @@ def resolve_env(view: StateReader, ref: str) -> pb.Environment | None:
     return find_env(view, app.meta.id, parts[2]) if app else None
 
 
-def target_env(view: StateReader, ref: str) -> pb.Environment:
+def target_env(view: StateReader, ref: EnvRef) -> pb.Environment:
     """The environment ``ref`` names, else a :class:`NotFound` refusal about the ``env`` field."""
     env = resolve_env(view, ref)
     if env is None:
@@ -58,7 +59,7 @@ def resolve_project(view: StateReader, ref: str) -> pb.Project | None:
     return view.project(ref) or find_project(view, ref)
 
 
-def env_path(view: StateReader, env: pb.Environment) -> str:
+def env_path(view: StateReader, env: pb.Environment) -> EnvPath:
     project = view.project(env.project_id)
     app = view.app(env.app_id)
     return f"{project.name if project else '?'}/{app.name if app else '?'}/{env.name}"

@@ -19,6 +19,7 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.actions.config import ConfigChanged, reconfigure
 from shared.actions.context import ActionContext
+from shared.actions.fields import EnvRef, Rollout
 from shared.actions.refusals import Conflicting, ask_service
 from shared.appconfig import (
     ConfigError,
@@ -42,19 +43,18 @@ ROTATE_TIMEOUT = 120.0
 
 @dataclass(frozen=True, slots=True)
 class SetSecret:
-    env: str
-    """The environment: its id or ``project/app/env``."""
+    env: EnvRef
     name: str
     value: str = field(repr=False)
     """The plaintext: sealed before anything is written; never logged or shown."""
-    deploy: bool = True
+    deploy: Rollout = True
 
 
 @dataclass(frozen=True, slots=True)
 class UnsetSecrets:
-    env: str
+    env: EnvRef
     names: list[str]
-    deploy: bool = True
+    deploy: Rollout = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,17 +62,17 @@ class RegistryLogin:
     """The credentials the docker runtime pulls the env's ``docker://`` images with (its sealed secret
     ``ZATTERA_REGISTRY_AUTH``, docs/containers.md)."""
 
-    env: str
+    env: EnvRef
     server: str
     username: str
     password: str = field(repr=False)
-    deploy: bool = True
+    deploy: Rollout = True
 
 
 @dataclass(frozen=True, slots=True)
 class RegistryLogout:
-    env: str
-    deploy: bool = True
+    env: EnvRef
+    deploy: Rollout = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +100,27 @@ def prune_secrets(view: StateReader, env: pb.Environment, txn: Txn) -> None:
         txn.delete(K.secret(secret_id))
 
 
+def secret_version(
+    env: pb.Environment, key: pb.SecretsKey, name: str, version: int, *, value: str = "", ciphertext: bytes = b""
+) -> pb.SealedSecret:
+    """Version ``version`` of ``env``'s secret ``name``: ``value`` sealed to ``key`` (or its ``ciphertext``,
+    already sealed to it), which ``env``'s spec now references."""
+    now = time.time()
+    record = pb.SealedSecret(
+        environment_id=env.meta.id,
+        project_id=env.project_id,
+        name=name,
+        version=version,
+        ciphertext=ciphertext or seal(key.public_key, value.encode()),
+        key_id=key.key_id,
+    )
+    new_meta(record.meta, now)
+    ref = env.service.secrets[name]
+    ref.secret_id, ref.version = record.meta.id, record.version
+    stamp(ref.updated_at, now)
+    return record
+
+
 def set_secret_edit(view: StateReader, name: str, value: str) -> ConfigEdit:
     def edit(env: pb.Environment, txn: Txn) -> None:
         key = view.get(K.SECRETS_KEY, CLUSTER_KEY)
@@ -113,21 +134,9 @@ def set_secret_edit(view: StateReader, name: str, value: str) -> ConfigEdit:
         sizes = secret_sizes(env.service, existing)
         sizes[name] = len(value.encode())
         check_env_size(env.service.vars, sizes, field=f"secrets.{name}")
-        now = time.time()
-        record = pb.SealedSecret(
-            environment_id=env.meta.id,
-            project_id=env.project_id,
-            name=name,
-            version=1 + max((s.version for s in existing if s.name == name), default=0),
-            ciphertext=seal(key.public_key, value.encode()),
-            key_id=key.key_id,
-        )
-        new_meta(record.meta, now)
-        ref = env.service.secrets[name]
-        ref.secret_id, ref.version = record.meta.id, record.version
-        stamp(ref.updated_at, now)
+        version = 1 + max((s.version for s in existing if s.name == name), default=0)
         env.service.config_version += 1
-        txn.create(record)
+        txn.create(secret_version(env, key, name, version, value=value))
         txn.put(key)  # unchanged: fences the write on the key it was sealed to (a rotation refuses it)
         prune_secrets(view, env, txn)
 

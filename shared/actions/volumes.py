@@ -24,6 +24,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.actions.context import ActionContext, commit_edit
+from shared.actions.fields import OneOffSettings, SealedSettings
 from shared.actions.refusals import Invalid, NotFound
 from shared.clock import stamp
 from shared.schedule import ScheduleError, validate_schedule
@@ -95,8 +96,7 @@ class SetSnapshotPolicy:
     """A shell command run in the instance before each snapshot; "" = none."""
     offsite: str | None = None
     """A directory or s3://bucket[/prefix] each COMPLETE snapshot is copied to; "" = none."""
-    settings: dict[str, str] = field(default_factory=dict, repr=False)
-    """The off-site target's settings (``AWS_ACCESS_KEY_ID``…), stored sealed to the cluster secrets key."""
+    settings: SealedSettings = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +138,7 @@ class RestoreVolume:
     """Seconds to wait for the outcome (None: until it ends); its refusals come sooner."""
     source: str = ""
     """An off-site target to fetch the snapshot from first (a directory or s3://bucket[/prefix])."""
-    settings: dict[str, str] = field(default_factory=dict, repr=False)
-    """The source's settings (``AWS_*``), used here only."""
+    settings: OneOffSettings = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
