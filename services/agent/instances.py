@@ -195,7 +195,7 @@ class InstanceSupervisor:
         await self._stop()
         self.ctx.ports.release(self._ports)
         await self._logs.drain(self.ctx.settings.log_drain_timeout)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, self.dir, ignore_errors=True)  # its logs: off the loop
         self.ctx.reporter.forget(self.assignment_id)
 
     async def stop_for_exit(self) -> None:
