@@ -9,16 +9,21 @@ run, the wall time from that moment to the RUNNING report landing: the loop's de
 spawn itself is not included there; a second figure covers it: a real agent (in-process, real processes)
 runs the jobs of 100 entries (``--full``: 300) due at the same slot, and the delay is from the slot to
 the agent's own ``started_at`` of each process. Quick and full mode both use 1,000 entries for the first
-figure; ``--full`` repeats its slot 3 times.
+figure; ``--full`` repeats its slot 3 times. Beside that wall time, two figures the machine's load does not
+move, from the slot until every job succeeded: the ``fsync`` calls made in this process (the agent runs in
+it) and its CPU time, each per process started.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zattera.v1 import types_pb2 as pb
 
@@ -37,6 +42,9 @@ from shared.state.feed import StateView
 from shared.txn import Writer
 from tests import factories as f
 from tests.agent_sim import RUNNING, AgentSim
+
+if TYPE_CHECKING:
+    from _typeshed import FileDescriptorLike
 
 ENVS = 50
 ENTRIES_PER_ENV = 20
@@ -99,8 +107,26 @@ async def _one_slot(nats_url: str, slot: float) -> list[float]:
         await conn.close()
 
 
-async def _real_agent_slot(nats_url: str, entries: int) -> list[float]:
-    """Slot → the agent's ``started_at`` of each job process, one real agent on this machine."""
+@contextlib.contextmanager
+def _counting_fsyncs() -> Iterator[list[int]]:
+    """The ``os.fsync`` calls made in this process meanwhile, from any thread (one counter in a list)."""
+    count = [0]
+    real = os.fsync
+
+    def fsync(fd: FileDescriptorLike) -> None:
+        count[0] += 1
+        real(fd)
+
+    os.fsync = fsync
+    try:
+        yield count
+    finally:
+        os.fsync = real
+
+
+async def _real_agent_slot(nats_url: str, entries: int) -> tuple[list[float], float, float]:
+    """Slot → the agent's ``started_at`` of each job process, one real agent on this machine; and, per
+    process, the fsync calls and the CPU milliseconds of this process from the slot until all succeeded."""
     conn = await connect(nats_url, name="jobs-bench")
     await provision(conn.js)
     view = StateView(conn, name="jobs-bench")
@@ -133,14 +159,17 @@ async def _real_agent_slot(nats_url: str, entries: int) -> list[float]:
                 if time.monotonic() > deadline:
                     raise TimeoutError("the jobs loop did not settle before the slot")
                 await asyncio.sleep(0.01)
-            started_wall = time.time()
-            await clock.advance(1)
-            while sum(1 for j in view.jobs() if j.status == J.SUCCEEDED) < entries:
-                failed = [j.message for j in view.jobs() if j.status == J.FAILED]
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"jobs did not all succeed: {failed[:3]}")
-                await asyncio.sleep(0.02)
-            return [(j.started_at.ToNanoseconds() / 1e9 - started_wall) * 1000 for j in view.jobs()]
+            started_wall, started_cpu = time.time(), time.process_time()
+            with _counting_fsyncs() as fsyncs:
+                await clock.advance(1)
+                while sum(1 for j in view.jobs() if j.status == J.SUCCEEDED) < entries:
+                    failed = [j.message for j in view.jobs() if j.status == J.FAILED]
+                    if failed or time.monotonic() > deadline:
+                        raise RuntimeError(f"jobs did not all succeed: {failed[:3]}")
+                    await asyncio.sleep(0.02)
+            cpu_ms = (time.process_time() - started_cpu) * 1000
+            delays = [(j.started_at.ToNanoseconds() / 1e9 - started_wall) * 1000 for j in view.jobs()]
+            return delays, fsyncs[0] / entries, cpu_ms / entries
         finally:
             for task in (leading, agent_task):
                 if task is not None:
@@ -159,7 +188,7 @@ async def _run(quick: bool) -> list[dict[str, object]]:
             delays.extend(await _one_slot(server.url, SLOT))
     real_entries = 100 if quick else 300
     with embedded_server("zattera-jobs-bench-") as server:
-        spawned = await _real_agent_slot(server.url, real_entries)
+        spawned, fsyncs, cpu_ms = await _real_agent_slot(server.url, real_entries)
     entries = f"{ENVS * ENTRIES_PER_ENV:,} entries due in the same minute"
     anchor = "Kubernetes CronJob controller: 10 s sync; Nomad periodic: launches at the slot"
     return [
@@ -171,6 +200,8 @@ async def _run(quick: bool) -> list[dict[str, object]]:
         row(
             f"cron slot → process started, p99 ({real_entries} entries, one real agent)", percentile(spawned, 99), "ms"
         ),
+        row("fsync calls per process started (agent, jobs loop and bench in one process)", fsyncs, ""),
+        row("CPU per process started (agent, jobs loop and bench in one process)", cpu_ms, "ms"),
     ]
 
 

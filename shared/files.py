@@ -25,9 +25,13 @@ def prepared_file(path: Path, data: bytes | str, *, mode: int = PUBLIC, durable:
     """``data`` in a fresh temporary file beside ``path``, created with ``mode`` (and synced when
     ``durable``); the caller renames or links it into place. The directory is made when missing: 0700 for
     a private file, else 0755."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700 if mode & 0o077 == 0 else 0o755)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")  # concurrent writers never share one
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, mode)
+    except FileNotFoundError:  # the directory is missing (made here, not tried again at every write)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700 if mode & 0o077 == 0 else 0o755)
+        fd = os.open(tmp, flags, mode)
     try:
         os.fchmod(fd, mode)  # the umask may have narrowed the creation mode
         view = memoryview(data.encode() if isinstance(data, str) else data)

@@ -301,8 +301,9 @@ class Writer:
                 raise Deposed(f"lease {self._lease.loop} is not held")
             await self._publish_batch(ops, fence=self._lease)
 
-    def _message(self, op: Op) -> tuple[str, bytes, dict[str, str]]:
-        headers = inject({**self.extra_headers, "Nats-Expected-Last-Subject-Sequence": str(op.expect)})
+    def _message(self, op: Op, trace: dict[str, str]) -> tuple[str, bytes, dict[str, str]]:
+        """``trace``: the current trace context's headers (:func:`inject`), taken once for a whole batch."""
+        headers = {**self.extra_headers, "Nats-Expected-Last-Subject-Sequence": str(op.expect), **trace}
         if op.msg is None:
             headers["KV-Operation"] = "DEL"
             headers["Nats-TTL"] = self._tombstone_ttl
@@ -317,7 +318,7 @@ class Writer:
         timeout. A resend carries the same ``Nats-Msg-Id``, so the stream stores the write once (a resend of a
         write that was stored is answered with the first one's sequence, as a duplicate); the expected revision
         fences it too."""
-        subject, data, headers = self._message(op)
+        subject, data, headers = self._message(op, inject())
         headers["Nats-Msg-Id"] = new_id()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout
@@ -354,7 +355,8 @@ class Writer:
         deadline = loop.time() + self._timeout
         with span("state.batch", writes=len(ops), fenced=fence is not None) as current:
             while True:
-                messages = [self._message(op) for op in ops]
+                trace = inject()
+                messages = [self._message(op, trace) for op in ops]
                 if fence is not None:
                     messages.append(fence.fence_message())
                 sent_at = loop.time()

@@ -13,7 +13,10 @@ healthy endpoints of those envs, following the route snapshots; and each consume
   asks the activator, retrying while held, until an endpoint appears or ``hold_timeout`` passes; beyond
   ``max_held_per_env`` waiting connections, more are closed at once.
 * Consumers are kept in ``state_path`` so an agent restarted with adopted instances serves the addresses
-  those instances were given.
+  those instances were given: a new or changed consumer is on disk before its instance gets its variables.
+  The table is written only when it changed, off the event loop, by one writer at a time: the changes made
+  while a write is under way go to disk together in the next one (many instances starting at once cost
+  one or two writes, not one each).
 * Kernel path (``kernel``, :mod:`services.agent.kernelnet`): where iptables can be used, each listened pair
   whose target has endpoints is also a DNAT rule, re-pointed with every snapshot: connections to it are
   translated by the kernel and never reach the listener (which still holds a scale-to-zero env's
@@ -97,6 +100,9 @@ class Forwarder:
         self._connections: set[asyncio.Task[None]] = set()  # being joined to an endpoint
         self._pipes: weakref.WeakSet[_Pipe] = weakref.WeakSet()  # accepted, open or not yet collected
         self._outbound: weakref.WeakSet[_Pipe] = weakref.WeakSet()  # joined to an endpoint (its ``route``)
+        self._changes = 0  # of the consumer table, counted; ``_saved``: as many are on disk
+        self._saved = 0
+        self._saving: asyncio.Task[None] | None = None
         self.activations_sent = 0
         self.refused = 0
         self.kernel_active = False
@@ -128,7 +134,8 @@ class Forwarder:
         """Apply every snapshot; consumers whose env left this node (``local_envs``) lose their slot."""
         async for snapshot in snapshots:
             if self.slots.keep_only(local_envs()):
-                self._save_consumers()
+                self._changes += 1
+                await self._persist()
             await self.apply(snapshot)
 
     async def apply(self, snapshot: cpb.RouteSnapshot) -> None:
@@ -162,12 +169,15 @@ class Forwarder:
     async def instance_env(self, assignment: pb.Assignment, release: pb.Release) -> dict[str, str]:
         """The variables an instance of ``assignment`` is started with; its listeners are bound first."""
         consumer = consumer_of(assignment, release)
+        before = dict(self.slots.consumers)
         try:
             slot = self.slots.slot(consumer)
         except NetworkError as exc:
             log.warning("private networking off for env %s: %s", consumer.env_id, exc)
             return {}
-        self._save_consumers()
+        if self.slots.consumers != before:
+            self._changes += 1
+        await self._persist()
         await self._sync()
         return service_env(slot, consumer, self._targets, self.dns_port)
 
@@ -339,14 +349,28 @@ class Forwarder:
 
     # ------------------------------------------------------------------ state and shutdown
 
-    def _save_consumers(self) -> None:
+    async def _persist(self) -> None:
+        """Until the consumer table as it is now is on disk (see the module). The one writer task is shielded:
+        a caller cancelled meanwhile never leaves a write running beside a newer one."""
         if self.state_path is None:
             return
-        data = {
-            str(slot): {"env_id": c.env_id, "project_id": c.project_id, "allow": sorted(c.allow)}
-            for slot, c in self.slots.consumers.items()
-        }
-        write_atomic(self.state_path, json.dumps(data, sort_keys=True).encode())
+        wanted = self._changes
+        while self._saved < wanted:
+            if self._saving is None or self._saving.done():
+                self._saving = asyncio.create_task(self._save_consumers(self.state_path), name="forwarder-consumers")
+            await asyncio.shield(self._saving)
+
+    async def _save_consumers(self, path: Path) -> None:
+        """Write the table until what is on disk has every change counted (a write failing ends it: the
+        callers waiting for it get the error, and the next caller starts a new writer)."""
+        while self._saved < self._changes:
+            changes = self._changes
+            data = {
+                str(slot): {"env_id": c.env_id, "project_id": c.project_id, "allow": sorted(c.allow)}
+                for slot, c in self.slots.consumers.items()
+            }
+            await asyncio.to_thread(write_atomic, path, json.dumps(data, sort_keys=True).encode())
+            self._saved = changes
 
     def stop(self, *, keep_rules: bool = False) -> None:
         """Close every listener, resolver and connection and cancel the pending work, at once (no await: it

@@ -195,7 +195,7 @@ class InstanceSupervisor:
         await self._stop()
         self.ctx.ports.release(self._ports)
         await self._logs.drain(self.ctx.settings.log_drain_timeout)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, self.dir, ignore_errors=True)  # its logs: off the loop
         self.ctx.reporter.forget(self.assignment_id)
 
     async def stop_for_exit(self) -> None:
@@ -346,7 +346,7 @@ class InstanceSupervisor:
         self._ever_started = True
         self._workdir, self._env = image.workdir, env
         self._attach(handle)
-        InstanceRecord(
+        record = InstanceRecord(
             assignment_id=self.assignment_id,
             config=self._history.config,
             pid=handle.pid,
@@ -358,7 +358,8 @@ class InstanceSupervisor:
             # Never a secret on disk: an adopted process's exec health checks run without them.
             env={k: v for k, v in env.items() if k not in self._secret_names},
             sandbox_uid=handle.sandbox_uid,
-        ).save(self.dir)
+        )
+        await asyncio.to_thread(record.save, self.dir)  # two syncs: off the loop, where other instances start
         return handle
 
     def _resume_watching(self) -> None:

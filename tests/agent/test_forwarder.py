@@ -5,8 +5,10 @@ projects; a cold env woken by a connection; bad names. Snapshots are fed as the 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from dnslib import RCODE, DNSRecord
@@ -16,6 +18,7 @@ from zattera.v1 import types_pb2 as pb
 from services.agent.forwarder import Forwarder
 from services.agent.network import consumer_address
 from shared.embedded import free_port
+from shared.files import write_atomic
 from tests.waiting import eventually
 
 DB_VIP = "127.128.0.5"
@@ -261,6 +264,43 @@ async def test_consumers_survive_an_agent_restart(tmp_path: object) -> None:
     assert again.slots.consumers == first.slots.consumers
     assert (await again.instance_env(*consumer("web-env", "shop-id"))) == env
     await again.close()
+
+
+async def test_the_consumer_table_is_written_once_per_burst_and_only_when_it_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import services.agent.forwarder as module
+
+    written: list[bytes] = []
+
+    def counting(path: Path, data: bytes) -> Path:
+        written.append(data)
+        return write_atomic(path, data)
+
+    monkeypatch.setattr(module, "write_atomic", counting)
+    state = tmp_path / "forwarder.json"
+    fw = Forwarder(state_path=state)
+
+    async def start(env_id: str, *allow: str) -> None:
+        await fw.instance_env(*consumer(env_id, "shop-id", *allow))
+        on_disk = json.loads(state.read_bytes())  # a consumer is on disk before its instance gets its variables
+        assert env_id in {c["env_id"] for c in on_disk.values()}
+
+    # 30 instances of 10 envs starting at once: one write holds all 10 consumers
+    await asyncio.gather(*(start(f"env-{i % 10}") for i in range(30)))
+    assert len(written) == 1
+    # a consumer coming while a write is under way waits for the next one, which holds every change since
+    first = asyncio.create_task(start("env-10"))
+    await asyncio.sleep(0)  # its write started
+    await asyncio.gather(first, *(start(f"env-{i}") for i in range(11, 15)))
+    assert len(written) == 3
+    assert Forwarder(state_path=state).slots.consumers == fw.slots.consumers
+    await start("env-3")  # an instance of a known consumer: nothing to write
+    assert len(written) == 3
+    await start("env-3", "other/app/env")  # its new release allows more: written
+    assert len(written) == 4
+    assert Forwarder(state_path=state).slots.consumers == fw.slots.consumers
+    await fw.close()
 
 
 async def test_a_large_transfer_keeps_flow_control_and_a_half_close_is_passed_on(forwarder: Forwarder) -> None:
