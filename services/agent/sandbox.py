@@ -457,10 +457,24 @@ def sandbox_init(pid: int, create_time: float) -> int:
         outer = psutil.Process(pid)
         if abs(outer.create_time() - create_time) > 0.05:
             return 0
-        children = outer.children()
+        children = _children(outer)
     except psutil.Error:
         return 0
-    return children[0].pid if children else 0
+    return children[0] if children else 0
+
+
+def _children(proc: psutil.Process) -> list[int]:
+    """The pids of a single-threaded process's children (bwrap starts no thread): the kernel's list of its
+    thread's children, one small file, where psutil would read the stat file of every process of the machine
+    (looked for at every start of a sandboxed process). psutil's scan where the kernel has no such list
+    (built without ``CONFIG_PROC_CHILDREN``)."""
+    try:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children", "rb") as listed:
+            return [int(pid) for pid in listed.read().split()]
+    except FileNotFoundError:
+        return [child.pid for child in proc.children()]
+    except ProcessLookupError:
+        return []
 
 
 def exit_status(code: int | None) -> int | None:

@@ -6,14 +6,15 @@ of reach of the group's SIGKILL, and must never overlap the instance's next star
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from services.agent import processes
-from services.agent.sandbox import Confinement, Sandbox, probe_now
+from services.agent import processes, sandbox
+from services.agent.sandbox import Confinement, Sandbox, probe_now, sandbox_init
 from services.agent.sandbox_users import UidTable
 from tests.waiting import eventually
 
@@ -59,3 +60,46 @@ async def test_wait_returns_once_the_sandbox_is_empty_and_kills_what_outlives_th
     assert time.monotonic() - started < processes.SANDBOX_KILL_WAIT
     assert not handle.sandbox_left()
     assert leftovers() == []
+
+
+def _namespace_pid(pid: int) -> int:
+    """``pid`` as its own pid namespace numbers it (the last ``NSpid`` field)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    raise AssertionError(f"no NSpid line for {pid}")
+
+
+@pytest.mark.parametrize("kernel_list", [True, False], ids=["children-file", "psutil-scan"])
+async def test_the_sandboxs_pid_1_is_found_from_the_kernels_list_or_else_psutils_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel_list: bool
+) -> None:
+    if not kernel_list:  # a kernel built without CONFIG_PROC_CHILDREN has no such file
+
+        def no_children_file(path: str, *args: object) -> object:
+            raise FileNotFoundError(path)
+
+        monkeypatch.setattr(sandbox, "open", no_children_file, raising=False)
+    box, uid = _sandbox(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    os.chown(work, uid, uid)
+    instance = tmp_path / "instance"
+    instance.mkdir()
+    handle = await processes.spawn(
+        ["sleep", "30"],
+        cwd=work,
+        env={"PATH": "/usr/bin:/bin"},
+        instance_dir=instance,
+        sandbox=box,
+        confinement=Confinement(uid=uid, workdir=work, writable=(work,)),
+    )
+    try:
+        init = sandbox_init(handle.pid, handle.create_time)
+        assert init and _namespace_pid(init) == 1
+        assert [child.pid for child in psutil.Process(handle.pid).children()] == [init]
+        assert sandbox_init(handle.pid, handle.create_time - 1) == 0  # another process under that pid
+    finally:
+        handle.signal(signal.SIGKILL)
+        await handle.wait()
+    assert sandbox_init(handle.pid, handle.create_time) == 0  # gone
