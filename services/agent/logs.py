@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -97,8 +97,12 @@ class Cursor:
         # Saved after every shipped batch: whole, not synced (a crash re-ships a batch the stream drops).
         write_atomic(directory / CURSOR_FILE, json.dumps(doc), mode=PRIVATE, durable=False)
 
+    def copy(self) -> Cursor:
+        return replace(self, offsets=dict(self.offsets))
+
     @classmethod
-    def load(cls, directory: Path) -> Cursor:
+    def load(cls, directory: Path) -> Cursor | None:
+        """The saved cursor; None when there is no cursor file (an unreadable one reads as a fresh cursor)."""
         try:
             doc = json.loads((directory / CURSOR_FILE).read_text())
             offsets = {name: int(doc["offsets"].get(name, 0)) for name in STREAM_FILES}
@@ -107,6 +111,8 @@ class Cursor:
                 offsets=offsets,
                 stderr_run_start=int(doc.get("stderr_run_start", 0)),
             )
+        except FileNotFoundError:
+            return None
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return cls()
 
@@ -219,7 +225,9 @@ class InstanceLogShipper:
         self._subject = app_log_subject(environment_id, instance_id)
         self._stream = app_logs_stream(environment_id)
         self._tags = cpb.InstanceLogBatch(environment_id=environment_id, instance_id=instance_id, node_id=node_id)
-        self._cursor = Cursor.load(directory)
+        self._saved = Cursor.load(directory)
+        """The cursor as in the file; None: no file (a fresh instance directory, nothing shipped from it)."""
+        self._cursor = self._saved.copy() if self._saved is not None else Cursor()
         self._sources = [_Source(s, directory / f) for s, f in STREAM_FILES.items()]
         self._pending: cpb.InstanceLogBatch | None = None
         self._pending_offsets: dict[str, int] = {}
@@ -268,19 +276,29 @@ class InstanceLogShipper:
 
     def process_starting(self) -> None:
         """Before the process starts (again): its stderr tail starts afresh, and the files are emptied when
-        everything in them was shipped."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        everything in them was shipped. A first start in a fresh directory (no cursor file, no output file)
+        writes nothing: there is nothing to empty, and no byte was ever shipped under the cursor's
+        generation."""
+        opened = [s.open() for s in self._sources]
+        if self._saved is None and not any(opened):
+            return
         if self._pending is None and all(s.size() <= self._cursor.offsets[s.stream] for s in self._sources):
             # The new generation is on disk before the files are emptied: a crash in between re-ships the
             # old lines under new ids (duplicates) rather than new lines under ids the stream already holds.
             self._cursor = Cursor(generation=self._cursor.generation + 1)
-            self._cursor.save(self.directory)
+            self._save_cursor()
             for source in self._sources:
                 if source.open():
                     os.ftruncate(source.fd, 0)
                 source.punched = 0
         self._cursor.stderr_run_start = next(s for s in self._sources if s.stream == STDERR).size()
-        self._cursor.save(self.directory)
+        self._save_cursor()  # after the files were emptied it is unchanged (0): no second write
+
+    def _save_cursor(self) -> None:
+        """Write the cursor unless the file already says the same (no file reads as a fresh cursor)."""
+        if self._cursor != (self._saved if self._saved is not None else Cursor()):
+            self._cursor.save(self.directory)
+            self._saved = self._cursor.copy()
 
     # ------------------------------------------------------------------ reading and shipping
 
@@ -303,7 +321,7 @@ class InstanceLogShipper:
         self.shipped_lines += len(self._pending.lines)
         self._pending = None
         self._cursor.offsets = dict(self._pending_offsets)
-        self._cursor.save(self.directory)
+        self._save_cursor()
         self._give_back_space()
         return True
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
 from zattera.v1 import types_pb2 as pb
 
+from services.agent import logs
 from services.agent.logs import CURSOR_FILE, STREAM_FILES, InstanceLogShipper, ShipperSettings, split_lines
 from services.orchestrator.model import GREEN_FAILED_TO_START, failed_instance_reason
 from shared.applogs import STDERR, STDOUT, AppLogLine, LogLimits, app_logs_stream_config, read_app_logs
 from shared.connection import Connection
+from shared.files import write_atomic
 from shared.provisioning import create_or_update_stream
 from shared.state.feed import StateView
 from shared.txn import Writer
@@ -218,6 +222,57 @@ async def test_shipped_files_are_emptied_before_the_next_start_and_shipping_goes
     assert not await resumed.pump(final=False)
     assert [line.line for line in await read(conn)][-1] == "after an agent restart"
     assert len(await read(conn)) == 3
+
+
+async def test_the_cursor_is_written_only_when_it_changes(
+    conn: Connection, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first start in a fresh directory writes no cursor (nothing to empty, nothing shipped); a restart
+    after everything was shipped writes the new generation once, before the files are emptied; each shipped
+    batch writes it. What a restarted agent reads is what it would have read with every write made."""
+    await env_stream(conn)
+    written: list[dict[str, object]] = []
+
+    def counting(path: Path, data: str, **kwargs: Any) -> Path:
+        written.append(json.loads(data))
+        return write_atomic(path, data, **kwargs)
+
+    monkeypatch.setattr(logs, "write_atomic", counting)
+    directory = tmp_path / "instance"
+    directory.mkdir()
+
+    def shipper() -> InstanceLogShipper:
+        return InstanceLogShipper(
+            conn, directory, environment_id=ENV, instance_id="I1", node_id="n1", settings=ShipperSettings()
+        )
+
+    first = shipper()
+    first.process_starting()
+    assert written == [] and not (directory / CURSOR_FILE).exists()
+    out, err = (directory / STREAM_FILES[stream] for stream in (STDOUT, STDERR))
+    out.write_bytes(b"first run\n")
+    err.write_bytes(b"")
+    assert await first.pump(final=False)
+    assert written == [{"generation": 0, "offsets": {STDOUT: 10, STDERR: 0}, "stderr_run_start": 0}]
+    assert not await first.pump(final=False)
+    assert len(written) == 1
+
+    first.process_starting()  # everything shipped: a new generation, the files emptied, stderr starts at 0
+    assert written[1:] == [{"generation": 1, "offsets": {STDOUT: 0, STDERR: 0}, "stderr_run_start": 0}]
+    assert out.stat().st_size == 0
+    out.write_bytes(b"second run\n")
+    err.write_bytes(b"oops\n")
+    first.process_starting()  # not shipped yet: kept, and the stderr tail of this run starts after "oops"
+    assert written[2:] == [{"generation": 1, "offsets": {STDOUT: 0, STDERR: 0}, "stderr_run_start": 5}]
+    first.process_starting()  # nothing changed: nothing written
+    assert len(written) == 3
+
+    resumed = shipper()  # an agent restart: from the file
+    resumed.process_starting()
+    assert len(written) == 3
+    while await resumed.pump(final=False):
+        pass
+    assert [line.line for line in await read(conn)] == ["first run", "second run", "oops"]
 
 
 async def test_a_batch_stored_before_the_cursor_was_saved_does_not_hide_the_lines_read_after_it(
