@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -466,15 +467,21 @@ def sandbox_init(pid: int, create_time: float) -> int:
 def _children(proc: psutil.Process) -> list[int]:
     """The pids of a single-threaded process's children (bwrap starts no thread): the kernel's list of its
     thread's children, one small file, where psutil would read the stat file of every process of the machine
-    (looked for at every start of a sandboxed process). psutil's scan where the kernel has no such list
-    (built without ``CONFIG_PROC_CHILDREN``)."""
+    (looked for at every start of a sandboxed process). psutil's scan where the kernel keeps no such list."""
+    if not _kernel_lists_children():
+        return [child.pid for child in proc.children()]
     try:
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children", "rb") as listed:
             return [int(pid) for pid in listed.read().split()]
-    except FileNotFoundError:
-        return [child.pid for child in proc.children()]
-    except ProcessLookupError:
+    except (FileNotFoundError, ProcessLookupError):  # gone meanwhile
         return []
+
+
+@functools.cache
+def _kernel_lists_children() -> bool:
+    """Whether the kernel lists each thread's children in ``/proc`` (built with ``CONFIG_PROC_CHILDREN``)."""
+    pid = os.getpid()
+    return os.path.exists(f"/proc/{pid}/task/{pid}/children")
 
 
 def exit_status(code: int | None) -> int | None:
