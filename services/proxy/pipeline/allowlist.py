@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from services.proxy.pipeline.flow import Flow, Handler, error_response
+from services.proxy.pipeline.flow import Flow, StepResult, error_response
 
 
 def client_ip(request: web.BaseRequest, behind_engine: bool) -> str:
@@ -20,9 +20,9 @@ class Allowlist:
     def __init__(self, behind_engine: bool) -> None:
         self.behind_engine = behind_engine
 
-    async def __call__(self, flow: Flow, following: Handler) -> web.StreamResponse:
+    def __call__(self, flow: Flow) -> StepResult:
         assert flow.entry is not None, "after the route match"
         flow.client_ip = client_ip(flow.request, self.behind_engine)
         if not flow.entry.admits(flow.client_ip):
             return error_response(403, "forbidden")
-        return await following(flow)
+        return None
