@@ -52,7 +52,7 @@ class HTTPServing:
                 RouteMatch(table),
                 Allowlist(proxy.behind_engine),
                 https_redirect,
-                RateLimit(proxy.limiter),
+                RateLimit(proxy.limiter, proxy.behind_engine),
                 BasicAuthCheck(proxy.basic_auth),
                 body_cap,
                 EndpointChoice(table, proxy.balancer, proxy.holds),

@@ -25,7 +25,6 @@ class Flow:
     path: str
     entry: RouteEntry | None = None
     """The matched route (a held request's may be another one than first matched)."""
-    client_ip: str = ""
     body_cap: int = 0
     endpoint: cpb.Endpoint | None = None
     pin_cookie: bool = False
@@ -59,6 +58,16 @@ def chain(steps: Sequence[Step], last: Handler) -> Callable[[web.BaseRequest], A
         return await last(flow)
 
     return handle
+
+
+def client_ip(request: web.BaseRequest, behind_engine: bool) -> str:
+    """The client: the connection's peer, or the last ``X-Forwarded-For`` value behind an engine in front
+    (HAProxy). Read by the steps that need it (allowlist, rate limit), only for a route that has them."""
+    if behind_engine:
+        forwarded = request.headers.getall("X-Forwarded-For", ())
+        if forwarded:
+            return forwarded[-1].rsplit(",", 1)[-1].strip()
+    return request.remote or ""
 
 
 def error_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
