@@ -17,12 +17,12 @@ from services.proxy.pipeline.allowlist import Allowlist
 from services.proxy.pipeline.basic_auth import BasicAuthCheck
 from services.proxy.pipeline.body_cap import body_cap
 from services.proxy.pipeline.endpoint_choice import EndpointChoice
-from services.proxy.pipeline.flow import ENV_KEY, Flow, chain
+from services.proxy.pipeline.flow import ENV_KEY, chain
 from services.proxy.pipeline.forward import Forward
 from services.proxy.pipeline.https_redirect import https_redirect
 from services.proxy.pipeline.rate_limit import RateLimit
 from services.proxy.pipeline.route_match import RouteMatch
-from services.proxy.routing import RouteTable, request_host
+from services.proxy.routing import RouteTable
 
 if TYPE_CHECKING:
     from services.proxy.server import Proxy
@@ -52,7 +52,7 @@ class HTTPServing:
                 RouteMatch(table),
                 Allowlist(proxy.behind_engine),
                 https_redirect,
-                RateLimit(proxy.limiter),
+                RateLimit(proxy.limiter, proxy.behind_engine),
                 BasicAuthCheck(proxy.basic_auth),
                 body_cap,
                 EndpointChoice(table, proxy.balancer, proxy.holds),
@@ -65,7 +65,7 @@ class HTTPServing:
 
     async def start(self, sock: socket.socket | None) -> int:
         """Serve on ``sock`` (listening already), else on the proxy's ``host:port``; the port served."""
-        handler = self._measured if self.proxy.metrics else self._handle
+        handler = self._measured if self.proxy.metrics else self.pipeline
         server = web.Server(handler, handler_cancellation=True, access_log=None)
         self.runner = web.ServerRunner(server, shutdown_timeout=self.proxy.cfg.shutdown_grace)
         await self.runner.setup()
@@ -86,16 +86,12 @@ class HTTPServing:
         await self.session.close()
 
     async def _measured(self, request: web.BaseRequest) -> web.StreamResponse:
-        """:meth:`_handle`, recording the request in ``zattera.proxy.request.duration`` (env id, status class)."""
+        """The pipeline, recording the request in ``zattera.proxy.request.duration`` (env id, status class)."""
         started = time.perf_counter()
         status = 500
         try:
-            response = await self._handle(request)
+            response = await self.pipeline(request)
             status = response.status
             return response
         finally:
             self.proxy.requests.observe(request.get(ENV_KEY, ""), status, time.perf_counter() - started)
-
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        host = request_host(request.headers.get(hdrs.HOST, ""))
-        return await self.pipeline(Flow(request, host, request.path))

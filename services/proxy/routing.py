@@ -1,8 +1,9 @@
 """Route matching over one snapshot: the first step of the request pipeline, and the IP allowlist.
 
 A :class:`RouteTable` is built once per accepted snapshot: routes grouped by lowercased hostname,
-each group ordered by path-prefix length (longest first, snapshot order on ties), and each route's IP
-allowlist parsed once per snapshot, not per request.
+each group ordered by path-prefix length (longest first, snapshot order on ties), and what the pipeline's
+steps read of each route (its IP allowlist parsed, its users, its limits, whether it is weighted) taken
+out of the protobuf message once per snapshot, not per request.
 """
 
 from __future__ import annotations
@@ -11,15 +12,52 @@ import ipaddress
 from dataclasses import dataclass
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
+
+from services.proxy.auth import route_users
+from services.proxy.balancer import weighted
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 @dataclass(frozen=True, slots=True)
 class RouteEntry:
+    """One route and what the request pipeline reads of it, taken out of the message once per snapshot."""
+
     route: cpb.HTTPRoute
     allowlist: tuple[IPNetwork, ...] | None
     """None = no allowlist; an empty tuple (every entry invalid) admits nobody."""
+    env_id: str
+    middleware: pb.Middleware | None
+    """None = the route has no middleware."""
+    users: dict[str, str]
+    """username → bcrypt hash of every user the route lets in (:func:`route_users`; empty: no basic auth)."""
+    rate_limit: tuple[int, int] | None
+    """(requests per second, burst) of the per-client rate limit; None = no limit."""
+    weighted: bool
+    """A canary's route: its endpoints carry their release's share (:func:`weighted`)."""
+    pinned: bool
+    """A user stays on one endpoint (a cookie): sticky sessions, or a canary's route (a user stays on one
+    release, issue 41)."""
+
+    @classmethod
+    def of(cls, route: cpb.HTTPRoute) -> RouteEntry:
+        middleware = route.middleware if route.HasField("middleware") else None
+        rate_limit: tuple[int, int] | None = None
+        if route.HasField("rate_limit") and route.rate_limit.requests_per_second > 0:
+            rps = route.rate_limit.requests_per_second
+            rate_limit = (rps, route.rate_limit.burst or rps)
+        canary = weighted(route.endpoints)
+        return cls(
+            route,
+            parse_allowlist(list(middleware.ip_allowlist)) if middleware is not None else None,
+            route.environment_id,
+            middleware,
+            route_users(middleware) if middleware is not None else {},
+            rate_limit,
+            canary,
+            canary or (middleware is not None and middleware.sticky_sessions),
+        )
 
     def admits(self, client_ip: str) -> bool:
         if self.allowlist is None:
@@ -62,8 +100,7 @@ class RouteTable:
         self.env_ids = frozenset(route.environment_id for route in snapshot.http_routes)
         by_host: dict[str, list[RouteEntry]] = {}
         for route in snapshot.http_routes:
-            allowlist = parse_allowlist(list(route.middleware.ip_allowlist)) if route.HasField("middleware") else None
-            by_host.setdefault(route.hostname.lower(), []).append(RouteEntry(route, allowlist))
+            by_host.setdefault(route.hostname.lower(), []).append(RouteEntry.of(route))
         for entries in by_host.values():
             entries.sort(key=lambda entry: -len(entry.route.path_prefix))  # stable: snapshot order on ties
         self._by_host = by_host

@@ -278,6 +278,19 @@ class _Endpoints:
         self._replicas = replicas
         self._weights = weights
         self._sized: dict[str, list[bytes]] = {}
+        self._release_fields: dict[str, bytes] = {}
+
+    def _weighted_fields(self, weights: Weights, release_id: str) -> bytes:
+        """The fields a weighted route adds to an endpoint of ``release_id``: its release, that release's share
+        and the step tag, the same for every endpoint of the release (encoded once per release)."""
+        fields = self._release_fields.get(release_id)
+        if fields is None:
+            fields = self._release_fields[release_id] = (
+                string_field(_ENDPOINT_RELEASE, release_id)
+                + uint_field(_ENDPOINT_WEIGHT, weights.shares.get(release_id, 0))
+                + string_field(_ENDPOINT_STEP_TAG, weights.tag)
+            )
+        return fields
 
     def encoded(self, port_name: str, field_tag: bytes) -> bytes:
         """The endpoints of ``port_name`` as elements of the repeated field keyed ``field_tag``."""
@@ -296,12 +309,7 @@ class _Endpoints:
                         + _HEALTHY_TRUE
                     )
                     if self._weights is not None:
-                        release_id = assignment.release_id
-                        endpoint += (
-                            string_field(_ENDPOINT_RELEASE, release_id)
-                            + uint_field(_ENDPOINT_WEIGHT, self._weights.shares.get(release_id, 0))
-                            + string_field(_ENDPOINT_STEP_TAG, self._weights.tag)
-                        )
+                        endpoint += self._weighted_fields(self._weights, assignment.release_id)
                     elements.append(sized(endpoint))
         return repeated_field(field_tag, elements)
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.proxy.activator import HoldRejected, Holds
 from services.proxy.balancer import Balancer, sticky_value
+from services.proxy.pipeline.flow import Flow, StepResult, chain
 from services.proxy.ratelimit import RateLimiter
 from services.proxy.routing import RouteTable, request_host
 from services.proxy.stats import LATENCY_WINDOW, ProxyStats, percentiles
@@ -198,3 +201,59 @@ async def test_hold_limits_are_checked_before_holding() -> None:
         await holds.hold("e1", None, lambda: None)
     assert (full.value.status, full.value.retry_after) == (503, "2")
     assert activations == [] and holds.held == {}
+
+
+async def test_the_pipeline_runs_its_steps_in_order_until_one_answers() -> None:
+    seen: list[str] = []
+
+    def passes(flow: Flow) -> StepResult:
+        seen.append("passes")
+        return None
+
+    async def waits_then_passes(flow: Flow) -> web.StreamResponse | None:
+        seen.append("waits")
+        return None
+
+    def answers(flow: Flow) -> StepResult:
+        seen.append("answers")
+        return web.Response(status=418)
+
+    async def last(flow: Flow) -> web.StreamResponse:
+        seen.append("last")
+        return web.Response(status=200)
+
+    request = make_mocked_request("GET", "/x", headers={"Host": "App.example.com:8080"})
+    handler = chain([passes, lambda flow: waits_then_passes(flow), passes], last)
+    assert (await handler(request)).status == 200
+    assert seen == ["passes", "waits", "passes", "last"]
+    seen.clear()
+    assert (await chain([passes, answers, passes], last)(request)).status == 418
+    assert seen == ["passes", "answers"]
+
+    hosts: list[tuple[str, str]] = []
+
+    def records(flow: Flow) -> StepResult:
+        hosts.append((flow.host, flow.path))
+        return None
+
+    await chain([records], last)(request)
+    assert hosts == [("app.example.com", "/x")]
+
+
+def test_a_route_entry_reads_its_route_once() -> None:
+    route = cpb.HTTPRoute(hostname="h", environment_id="e1", endpoints=[ep("a:1")])
+    plain = RouteTable(cpb.RouteSnapshot(http_routes=[route])).match("h", "/")
+    assert plain is not None
+    assert (plain.env_id, plain.middleware, plain.users, plain.rate_limit) == ("e1", None, {}, None)
+    assert not plain.weighted and not plain.pinned
+    route.middleware.sticky_sessions = True
+    route.middleware.basic_auth_username, route.middleware.basic_auth_password_hash = "u", "hash"
+    route.rate_limit.requests_per_second = 5
+    sticky = RouteTable(cpb.RouteSnapshot(http_routes=[route])).match("h", "/")
+    assert sticky is not None and sticky.pinned and not sticky.weighted
+    assert sticky.users == {"u": "hash"} and sticky.rate_limit == (5, 5)
+    route.ClearField("middleware")
+    route.endpoints[0].step_tag = "dep.0"
+    route.rate_limit.burst = 9
+    canary = RouteTable(cpb.RouteSnapshot(http_routes=[route])).match("h", "/")
+    assert canary is not None and canary.weighted and canary.pinned and canary.rate_limit == (5, 9)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from services.proxy.pipeline.flow import Flow, Handler
+from services.proxy.pipeline.flow import Flow, StepResult
 from shared.acmechallenge import PATH_PREFIX as CHALLENGE_PATH
 from shared.acmechallenge import ChallengeAnswers
 
@@ -14,7 +14,9 @@ class AcmeChallenge:
     def __init__(self, challenges: ChallengeAnswers) -> None:
         self.challenges = challenges
 
-    async def __call__(self, flow: Flow, following: Handler) -> web.StreamResponse:
-        if flow.path.startswith(CHALLENGE_PATH) and (answer := await self.challenges.lookup(flow.path)) is not None:
-            return web.Response(text=answer, content_type="application/octet-stream")
-        return await following(flow)
+    def __call__(self, flow: Flow) -> StepResult:
+        return self._answer(flow.path) if flow.path.startswith(CHALLENGE_PATH) else None
+
+    async def _answer(self, path: str) -> web.StreamResponse | None:
+        answer = await self.challenges.lookup(path)
+        return web.Response(text=answer, content_type="application/octet-stream") if answer is not None else None

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 from aiohttp import hdrs, web
 
-from services.proxy.auth import BasicAuth, route_users
-from services.proxy.pipeline.flow import Flow, Handler, error_response
+from services.proxy.auth import BasicAuth
+from services.proxy.pipeline.flow import Flow, StepResult, error_response
 
 
 class BasicAuthCheck:
     def __init__(self, basic_auth: BasicAuth) -> None:
         self.basic_auth = basic_auth
 
-    async def __call__(self, flow: Flow, following: Handler) -> web.StreamResponse:
-        users = route_users(flow.middleware) if flow.middleware is not None else {}
-        if users and not await self.basic_auth.admits(users, flow.request.headers.get(hdrs.AUTHORIZATION, "")):
-            return error_response(401, "unauthorized", {"WWW-Authenticate": 'Basic realm="zattera"'})
-        return await following(flow)
+    def __call__(self, flow: Flow) -> StepResult:
+        assert flow.entry is not None, "after the route match"
+        users = flow.entry.users
+        return self._check(users, flow.request.headers.get(hdrs.AUTHORIZATION, "")) if users else None
+
+    async def _check(self, users: dict[str, str], authorization: str) -> web.StreamResponse | None:
+        if await self.basic_auth.admits(users, authorization):
+            return None
+        return error_response(401, "unauthorized", {"WWW-Authenticate": 'Basic realm="zattera"'})

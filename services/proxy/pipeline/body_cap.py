@@ -6,17 +6,19 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import aiohttp
-from aiohttp import web
 
-from services.proxy.pipeline.flow import Flow, Handler, error_response
+from services.proxy.pipeline.flow import Flow, StepResult, error_response
 
 
-async def body_cap(flow: Flow, following: Handler) -> web.StreamResponse:
-    flow.body_cap = flow.middleware.max_body_bytes if flow.middleware is not None else 0
-    length = flow.request.content_length
-    if flow.body_cap and length is not None and length > flow.body_cap:
-        return error_response(413, "request body too large")
-    return await following(flow)
+def body_cap(flow: Flow) -> StepResult:
+    assert flow.entry is not None, "after the route match"
+    middleware = flow.entry.middleware
+    flow.body_cap = middleware.max_body_bytes if middleware is not None else 0
+    if flow.body_cap:
+        length = flow.request.content_length
+        if length is not None and length > flow.body_cap:
+            return error_response(413, "request body too large")
+    return None
 
 
 async def capped(body: aiohttp.StreamReader, limit: int) -> AsyncIterator[bytes]:

@@ -11,8 +11,8 @@ from aiohttp import web
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.proxy.activator import HoldRejected, Holds
-from services.proxy.balancer import STICKY_COOKIE, Balancer, sticky_endpoint, weighted
-from services.proxy.pipeline.flow import Flow, Handler, error_response
+from services.proxy.balancer import STICKY_COOKIE, Balancer, sticky_endpoint
+from services.proxy.pipeline.flow import Flow, StepResult, error_response
 from services.proxy.routing import RouteEntry, RouteTable
 
 
@@ -46,37 +46,41 @@ class EndpointChoice:
         self.balancer = balancer
         self.holds = holds
 
-    async def __call__(self, flow: Flow, following: Handler) -> web.StreamResponse:
-        route = flow.route
-        assert route is not None, "after the route match"
+    def __call__(self, flow: Flow) -> StepResult:
+        entry = flow.entry
+        assert entry is not None, "after the route match"
+        route = entry.route
+        endpoints = route.endpoints
         endpoint: cpb.Endpoint | None = None
-        canary = weighted(route.endpoints)  # a user stays on one release (issue 41): pinned like a session
-        if canary or (flow.middleware is not None and flow.middleware.sticky_sessions):
+        if entry.pinned:  # sticky sessions, or a canary's route: a user stays on one release (issue 41)
             cookie = flow.request.cookies.get(STICKY_COOKIE)
-            endpoint = sticky_endpoint(route.endpoints, cookie) if cookie else None
+            endpoint = sticky_endpoint(endpoints, cookie) if cookie else None
             flow.pin_cookie = endpoint is None
-        if endpoint is None and canary:
-            endpoint = self.balancer.pick_weighted(route.endpoints, route.max_concurrency)
+        if endpoint is None and entry.weighted:
+            endpoint = self.balancer.pick_weighted(endpoints, route.max_concurrency)
         elif endpoint is None:
-            endpoint = self.balancer.pick(route.endpoints, route.max_concurrency)
+            endpoint = self.balancer.pick(endpoints, route.max_concurrency)
         if endpoint is None:
-            healthy = any(e.healthy for e in route.endpoints)
+            healthy = any(e.healthy for e in endpoints)
             cold = route.scale_to_zero and not healthy
             full = route.max_concurrency > 0 and healthy
             if not (cold or full):
                 return error_response(502, "no healthy endpoint")
-            host, path = flow.host, flow.path
-            try:
-                choice = await self.holds.hold(
-                    route.environment_id,
-                    flow.request.content_length,
-                    lambda: choose(self.table(), self.balancer, host, path),
-                )
-            except HoldRejected as exc:
-                headers = {"Retry-After": exc.retry_after} if exc.retry_after else None
-                return error_response(exc.status, exc.message, headers)
-            if choice.entry is None or choice.endpoint is None:
-                return error_response(404, "no route for host")
-            flow.route, endpoint = choice.entry.route, choice.endpoint
+            return self._held(flow, entry.env_id)
         flow.endpoint = endpoint
-        return await following(flow)
+        return None
+
+    async def _held(self, flow: Flow, env_id: str) -> web.StreamResponse | None:
+        """Hold the request until its route has an endpoint to take it (then it goes on), or answer it."""
+        host, path = flow.host, flow.path
+        try:
+            choice = await self.holds.hold(
+                env_id, flow.request.content_length, lambda: choose(self.table(), self.balancer, host, path)
+            )
+        except HoldRejected as exc:
+            headers = {"Retry-After": exc.retry_after} if exc.retry_after else None
+            return error_response(exc.status, exc.message, headers)
+        if choice.entry is None or choice.endpoint is None:
+            return error_response(404, "no route for host")
+        flow.entry, flow.endpoint = choice.entry, choice.endpoint
+        return None

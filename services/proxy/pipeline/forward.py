@@ -20,7 +20,6 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from services.proxy.activator import HoldRejected, Holds
-from services.proxy.auth import route_users
 from services.proxy.balancer import STICKY_COOKIE, Balancer, sticky_value
 from services.proxy.pipeline.body_cap import capped
 from services.proxy.pipeline.endpoint_choice import choose
@@ -88,11 +87,11 @@ class Forward:
     behind_engine: bool
 
     async def __call__(self, flow: Flow) -> web.StreamResponse:
-        request, route, endpoint = flow.request, flow.route, flow.endpoint
-        assert route is not None and endpoint is not None, "after the endpoint choice"
+        request, entry, endpoint = flow.request, flow.entry, flow.endpoint
+        assert entry is not None and endpoint is not None, "after the endpoint choice"
         host, path, body_cap = flow.host, flow.path, flow.body_cap
-        env_id, addr = route.environment_id, endpoint.addr
-        checked = route.HasField("middleware") and bool(route_users(route.middleware))
+        route, env_id, addr = entry.route, entry.env_id, endpoint.addr
+        checked = bool(entry.users)
         session = self.session()
         assert session is not None
         self.balancer.acquire(addr, env_id)

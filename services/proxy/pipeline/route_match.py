@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from aiohttp import web
-
-from services.proxy.pipeline.flow import ENV_KEY, Flow, Handler, error_response
+from services.proxy.pipeline.flow import ENV_KEY, Flow, StepResult, error_response
 from services.proxy.routing import RouteTable
 
 
@@ -15,11 +13,10 @@ class RouteMatch:
         self.table = table
         """The current table (replaced on every accepted snapshot)."""
 
-    async def __call__(self, flow: Flow, following: Handler) -> web.StreamResponse:
+    def __call__(self, flow: Flow) -> StepResult:
         entry = self.table().match(flow.host, flow.path)
         if entry is None:
             return error_response(404, "no route for host")
-        flow.entry, flow.route = entry, entry.route
-        flow.middleware = entry.route.middleware if entry.route.HasField("middleware") else None
-        flow.request[ENV_KEY] = entry.route.environment_id
-        return await following(flow)
+        flow.entry = entry
+        flow.request[ENV_KEY] = entry.env_id
+        return None
