@@ -54,8 +54,10 @@ async def seed_history(conn: Connection) -> float:
             time=t, span=10, cpu_percent=30.0, memory_bytes=1 << 30, memory_total_bytes=4 << 30
         )
         await conn.js.publish(H.subject(H.RAW, H.NODE, "n1"), node_point.SerializeToString())
-    for b in range(24):
-        down = cpb.MetricPoint(time=H.bucket_of(now, 300) - 300 * (b + 1), span=300, rps=40.0, responses_5xx=6000)
+    # 25 five-minute points, the current bucket's included: the overview's 2 h still hold 24 of them when a
+    # 5-min boundary passes between this seed and the page's read (the slot before would read as idle).
+    for b in range(25):
+        down = cpb.MetricPoint(time=H.bucket_of(now, 300) - 300 * b, span=300, rps=40.0, responses_5xx=6000)
         await conn.js.publish(H.subject(H.DOWN, H.ENV, ENV_ID), down.SerializeToString())
     deployed = float(start + 1500)
     await conn.js.publish(H.mark_subject(ENV_ID), H.mark_of(deployed, "deploy.succeeded", "release v2 is live"))
