@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -95,7 +96,8 @@ its meta group within seconds, a server that is down does not (then the refusal 
 async def until_placed(create: Callable[[], Awaitable[T]], what: str, patience: float = PLACEMENT_PATIENCE) -> T:
     """``create()``, sent again while JetStream refuses it for want of peers — right after the servers start
     (``zattera up``, a fresh cluster), the meta group can know fewer of them than the replicas asked for — or
-    because a server could not create the stream's store yet (:data:`STORE_NOT_CREATED`).
+    because a server could not create the stream's store yet (:data:`STORE_NOT_CREATED`), or when the request
+    gets no answer (the meta group still electing its leader).
     After ``patience``, :class:`ClusterUnavailable` naming what could not be placed."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + patience
@@ -103,6 +105,12 @@ async def until_placed(create: Callable[[], Awaitable[T]], what: str, patience: 
     while True:
         try:
             return await create()
+        except nats.errors.TimeoutError as exc:
+            # No answer: a fresh cluster's meta group may still be electing its leader. Asking again is safe: a
+            # creation that did land answers the same request with its configuration.
+            if loop.time() >= deadline:
+                raise ClusterUnavailable(f"{what}: JetStream did not answer within {patience:.0f}s") from exc
+            description = "no answer from JetStream yet"
         except APIError as exc:
             if exc.err_code not in (NO_PEERS_FOR_PLACEMENT, STORE_NOT_CREATED):
                 raise
@@ -111,11 +119,10 @@ async def until_placed(create: Callable[[], Awaitable[T]], what: str, patience: 
                     f"{what}: {exc.description} after {patience:.0f}s: fewer JetStream servers are up than the "
                     "copies it needs (`zattera cluster status`; start the missing servers)"
                 ) from exc
-            attempt += 1
-            if attempt == 1:
-                placement_log.info(
-                    "%s: %s; waiting up to %.0fs for the cluster's servers", what, exc.description, patience
-                )
+            description = exc.description or ""
+        attempt += 1
+        if attempt == 1:
+            placement_log.info("%s: %s; waiting up to %.0fs for the cluster's servers", what, description, patience)
         await asyncio.sleep(min(exponential(0.25, attempt, 2.0), max(0.0, deadline - loop.time())))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import nats.errors
 import pytest
 from nats.js.errors import APIError
 
@@ -27,3 +28,15 @@ async def test_another_refusal_is_not() -> None:
 
     with pytest.raises(APIError):
         await until_placed(create, "stream S")
+
+
+async def test_no_answer_is_asked_again() -> None:
+    calls: list[int] = []
+
+    async def create() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise nats.errors.TimeoutError
+        return "created"
+
+    assert await until_placed(create, "stream S") == "created" and len(calls) == 2
