@@ -19,7 +19,7 @@ from zattera.v1 import types_pb2 as pb
 
 from shared import keys as K
 from shared.actions.context import ActionContext, commit_edit
-from shared.actions.refusals import Conflicting, NotFound, ask_service
+from shared.actions.refusals import Conflicting, NotFound, Unavailable
 from shared.events import node_change_event, node_status_name
 
 REMOVE_TIMEOUT = 130.0
@@ -187,11 +187,19 @@ def _short(reply: dict[str, Any]) -> list[StreamShort]:
 
 
 async def _ask_join(ctx: ActionContext, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-    from shared.security.permissions import JOIN_REMOVE_SUBJECT  # the security modules' imports, only when used
+    """The join service's answer, asked again (same request id) while none came: it runs the removal once."""
+    from nats.errors import NoRespondersError
 
-    data = await ask_service(
-        ctx.conn.nc, JOIN_REMOVE_SUBJECT, json.dumps(request).encode(), timeout, unavailable="no join service answered"
-    )
+    # the security modules' imports, only when used
+    from shared.security.permissions import JOIN_REMOVE_SUBJECT
+    from shared.security.removal_answers import ask_removal
+
+    try:
+        data = await ask_removal(ctx.conn.nc, JOIN_REMOVE_SUBJECT, request, timeout)
+    except NoRespondersError:
+        raise Unavailable("no join service answered (none is running)") from None
+    except TimeoutError:
+        raise Unavailable(f"no join service answered within {timeout:.0f} s") from None
     reply: dict[str, Any] = json.loads(data or b"{}")
     if "error" in reply:
         raise Conflicting(str(reply["error"]))

@@ -58,6 +58,7 @@ from shared.security.permissions import (
     Role,
 )
 from shared.security.relay import BATCH_PARTS_SUBJECT, Batches, batch_parts_handler, relay_handler
+from shared.security.removal_answers import RecordedAnswers
 from shared.security.views import open_cluster_view_handler, view_open_handler
 from shared.tasks import serve_until_cancelled
 from shared.teams import TEAMS_EVENTS_SUBJECT, TEAMS_FEED_KEEP_SUBJECT, TEAMS_FEED_SUBJECT, TEAMS_ISSUE_SUBJECT
@@ -304,8 +305,16 @@ class JoinService:
     async def remove(self, request: dict[str, Any]) -> dict[str, Any]:
         """Remove a machine (``zattera nodes remove``, after its drain), or retire the first machine's extra
         seats (``{"seats": true}``): see :mod:`shared.security.membership`. Handed to another server machine's
-        join service when this one is the machine removed (or not the one with the seats)."""
+        join service when this one is the machine removed (or not the one with the seats). Run once per
+        ``request_id`` (:mod:`shared.security.removal_answers`): asked again, the first asking's answer."""
         node_id, seats = await self._removal(request)
+        request_id = str(request.get("request_id") or "")
+        if not request_id:
+            return await self._remove(request, node_id, seats)
+        answers = RecordedAnswers(self.kv, wait=REMOVE_FORWARD_TIMEOUT)
+        return await answers.once(request_id, lambda: self._remove(request, node_id, seats))
+
+    async def _remove(self, request: dict[str, Any], node_id: str, seats: bool) -> dict[str, Any]:
         assert self.machines is not None
         via = await self.machines.forward_to(self.kv, node_id, seats)
         if not via:
@@ -323,8 +332,8 @@ class JoinService:
 
     async def _after_removal(self, reply: dict[str, Any]) -> None:
         """Once a removal is answered: the services' and system accounts get its revocations."""
-        if self.machines is None or not reply.get("revoked") or not reply.get("staying"):
-            return
+        if self.machines is None or not reply.get("revoked") or not reply.get("staying") or reply.get("repeated"):
+            return  # a removal asked again: its first asking pushed them
         # The answer crosses the routes through a reply mapping the update of ZATTERA drops: give it a moment.
         await asyncio.sleep(REPLY_GRACE)
         try:

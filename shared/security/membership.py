@@ -42,6 +42,7 @@ from shared.security.accounts import ROLE_ACCOUNTS, Account
 from shared.security.authority import Authority
 from shared.security.creds import read_user_jwt
 from shared.security.nkeyjwt import decode_claims
+from shared.security.removal_answers import REMOVAL_PREFIX
 from shared.subjects import STATE_PREFIX, STATE_STREAM
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ async def issued_keys(kv: KeyValue, node_id: str) -> list[str]:
     """The user public keys the join service issued credentials for to ``node_id`` (from the used tokens)."""
     found: list[str] = []
     for key in await _keys(kv):
-        if key.startswith((SERVER_PREFIX, MESH_PREFIX)) or key == REVOCATIONS_KEY:
+        if key.startswith((SERVER_PREFIX, MESH_PREFIX, REMOVAL_PREFIX)) or key == REVOCATIONS_KEY:
             continue
         try:
             entry = await kv.get(key)

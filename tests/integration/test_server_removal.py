@@ -43,6 +43,7 @@ from shared.security.join import JoinService
 from shared.security.machine_service import Machines
 from shared.security.nkeyjwt import decode_claims
 from shared.security.permissions import JOIN_REMOVE_SUBJECT, Role
+from shared.security.removal_answers import ask_removal, new_request_id
 from shared.security.setup import SecureSetup, prepare
 from tests.security.conftest import _provision
 from tests.waiting import eventually
@@ -196,19 +197,20 @@ async def control(machines: Machines4) -> AsyncIterator[Control]:
 
 
 async def _ask(machines: Machines4, request: dict[str, Any]) -> dict[str, Any]:
-    """As ``zattera nodes remove`` / ``cluster retire-seats`` ask: with the operator credential, from a machine
-    that stays (the servers of the machine the request removes are left out, docs/cluster.md)."""
+    """As ``zattera nodes remove`` / ``cluster retire-seats`` ask (a request id, asked again with it while no
+    answer came): with the operator credential, from a machine that stays (the servers of the machine the
+    request removes are left out, docs/cluster.md)."""
     creds = str(machines.setup.operator_creds)
     leaving = str(request.get("node_id", ""))
     urls = [s.url for n, s in machines.servers.items() if MACHINE_OF[n] != leaving and s.pid is not None]
     nc = await nats.connect(servers=urls, user_credentials=creds, inbox_prefix=inbox_prefix(creds))
     try:
         log.info("asking %s through %s", request, nc.connected_url.port if nc.connected_url else "?")
-        msg = await nc.request(JOIN_REMOVE_SUBJECT, json.dumps(request).encode(), timeout=120)
-        log.info("answered %s", msg.data[:200])
+        data = await ask_removal(nc, JOIN_REMOVE_SUBJECT, request, timeout=200)
+        log.info("answered %s", data[:200])
     finally:
         await nc.close()
-    reply: dict[str, Any] = json.loads(msg.data)
+    reply: dict[str, Any] = json.loads(data)
     return reply
 
 
@@ -245,7 +247,7 @@ def _by_stream(streams: list[dict[str, Any]]) -> dict[str, set[str]]:
     return {s["stream"]: {MACHINE_OF[n] for n in s["servers"]} for s in streams}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 async def test_a_server_machine_removed_and_then_the_first_machines_seats_retired(
     machines: Machines4, control: Control
 ) -> None:
@@ -259,8 +261,10 @@ async def test_a_server_machine_removed_and_then_the_first_machines_seats_retire
     # zattera nodes remove m4 (m4 leading the meta group): revoked, peer-removed, every stream back at three
     # copies elsewhere.
     await _lead_on(machines, "m4")
-    removed = await _ask(machines, {"node_id": "m4"})
+    request_id = new_request_id()
+    removed = await _ask(machines, {"node_id": "m4", "request_id": request_id})
     assert "error" not in removed, removed
+    assert "repeated" not in removed
     assert removed["peer_removed"] is True and removed["servers"] == ["m4"]
     assert set(removed["revoked"]) == {_user(p) for p in machines.m4_creds}
     assert removed["short"] == [], "every stream keeps its three copies on the remaining machines"
@@ -276,6 +280,9 @@ async def test_a_server_machine_removed_and_then_the_first_machines_seats_retire
         assert "m4" not in on and len(on) == 3, (stream, on)
     assert all(s["current"] == 3 for s in after)
     assert "m4" not in await membership.servers(control.services[0].kv)
+    # Asked again with the same request id (an answer lost on its way back): the first answer, nothing run again.
+    again = await _ask(machines, {"node_id": "m4", "request_id": request_id})
+    assert again == {**removed, "repeated": True}
 
     # Two server machines would be left for three copies: refused, nothing changed.
     refused = await _ask(machines, {"node_id": "m3"})
