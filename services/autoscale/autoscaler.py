@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop, remember, scale_event, scaling_paused
+from services.autoscale.common import Reading, ReplicaWrite, ScalingLoop, remember, scale_event, scaling_paused
 from shared import keys as K
 from shared.deployments import desired_replicas as current_replicas
 from shared.events import replica_count
@@ -110,18 +110,9 @@ def has_targets(targets: pb.Autoscale) -> bool:
     return targets.target_cpu_percent > 0 or targets.target_memory_percent > 0 or targets.target_rps_per_replica > 0
 
 
-def evaluate(
-    view: StateReader,
-    live: LiveView,
-    env: pb.Environment,
-    revision: int,
-    now: float,
-    timers: Timers,
-    *,
-    hold: float = SCALE_DOWN_HOLD,
-    cooldown: float = COOLDOWN,
-) -> Decision:
-    """Decide for one env from the view, fresh live samples, ``now`` and the timers (reads only)."""
+def evaluate(at: Reading, timers: Timers, *, hold: float = SCALE_DOWN_HOLD, cooldown: float = COOLDOWN) -> Decision:
+    """Decide for one env from what it reads and the timers (reads only)."""
+    env, now = at.env, at.now
     env_id = env.meta.id
     low_since = timers.low_since.get(env_id)
     spec = env.service
@@ -129,14 +120,14 @@ def evaluate(
         return Decision(None, low_since, "no autoscale target or no active release")
     if spec.max_concurrency > 0:
         return Decision(None, low_since, "serverless env (the serverless loop owns it)")
-    pause = scaling_paused(view, live, env_id, from_proxy_data=False)
+    pause = scaling_paused(at.view, at.live, env_id, from_proxy_data=False)
     if pause is not None:
         return Decision(None, low_since, pause.reason)  # its low spell is kept through a pause
     min_rep = max(spec.replicas.min, 1)
     max_rep = spec.replicas.max
     if max_rep <= min_rep:
         return Decision(None, low_since, "no room to scale")
-    obs = observe(view, live, env)
+    obs = observe(at.view, at.live, env)
     if obs is None:
         return Decision(None, low_since, "no fresh samples of running replicas (frozen)")
 
@@ -146,7 +137,7 @@ def evaluate(
     desired = scale_target(spec.autoscale, obs, min_rep, max_rep, 1.0)
     last_change = timers.last_change.get(env_id)
     cooling = last_change is not None and now - last_change < cooldown
-    write = ReplicaWrite(env, revision, effective, desired)
+    write = at.write(effective, desired)
     if desired > effective:
         return Decision(None if cooling else write, None, "cooldown" if cooling else "scale up")
     if desired == effective:
@@ -186,11 +177,9 @@ class Autoscaler(ScalingLoop[None]):
         # A new term: the hold restarts (conservative) and the cooldown is cleared.
         self.timers = Timers()
 
-    def decide(self, env: pb.Environment, revision: int, now: float) -> ReplicaWrite | None:
-        decision = evaluate(
-            self.view, self.live, env, revision, now, self.timers, hold=self.hold, cooldown=self.cooldown
-        )
-        remember(self.timers.low_since, env.meta.id, decision.low_since)
+    def decide(self, at: Reading) -> ReplicaWrite | None:
+        decision = evaluate(at, self.timers, hold=self.hold, cooldown=self.cooldown)
+        remember(self.timers.low_since, at.env.meta.id, decision.low_since)
         return decision.write
 
     def committed(self, write: ReplicaWrite, now: float) -> pb.Event:

@@ -48,6 +48,21 @@ class Pause:
     so the next look grants a full window; False: it is kept (missing data must not read as idle)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What one scaling decision reads: the state, the live samples, the env at the revision its write will
+    expect, and ``now``."""
+
+    view: StateReader
+    live: LiveView
+    env: pb.Environment
+    revision: int
+    now: float
+
+    def write(self, current: int, target: int) -> ReplicaWrite:
+        return ReplicaWrite(self.env, self.revision, current, target)
+
+
 DEPLOYMENT_UNDER_WAY = Pause("deployment under way (not promoted yet)", restarts_spell=True)
 NO_FRESH_PROXY_DATA = Pause("no fresh proxy data (frozen)", restarts_spell=False)
 
@@ -141,7 +156,7 @@ class ScalingLoop(LeaderLoop, Generic[V]):
         self.memory = {}
 
     @abstractmethod
-    def decide(self, env: pb.Environment, revision: int, now: float) -> ReplicaWrite | None:
+    def decide(self, at: Reading) -> ReplicaWrite | None:
         """Evaluate one env; return the write to make, if any."""
 
     @abstractmethod
@@ -167,7 +182,7 @@ class ScalingLoop(LeaderLoop, Generic[V]):
     def _decide_all(self, envs: list[pb.Environment], now: float) -> list[ReplicaWrite]:
         writes = []
         for env in envs:
-            write = self.decide(env, self.view.rev(K.env(env.meta.id)), now)
+            write = self.decide(Reading(self.view, self.live, env, self.view.rev(K.env(env.meta.id)), now))
             if write is not None:
                 writes.append(write)
         return writes

@@ -20,13 +20,12 @@ from dataclasses import dataclass
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop, remember, scale_event, scaling_paused
+from services.autoscale.common import Reading, ReplicaWrite, ScalingLoop, remember, scale_event, scaling_paused
 from services.autoscale.settings import DEFAULTS
 from shared.events import EVENT_COOLED
 from shared.live import LiveView
 from shared.loop import LoopDeps
 from shared.settings import DEFAULTS as SHARED
-from shared.state.reader import StateReader
 
 log = logging.getLogger(__name__)
 
@@ -49,25 +48,19 @@ def idle_timeout(env: pb.Environment, default: float = DEFAULTS.scale_to_zero_id
 
 
 def evaluate(
-    view: StateReader,
-    live: LiveView,
-    env: pb.Environment,
-    revision: int,
-    now: float,
-    last_active: float | None,
-    *,
-    default_idle_timeout: float = DEFAULTS.scale_to_zero_idle_timeout,
+    at: Reading, last_active: float | None, *, default_idle_timeout: float = DEFAULTS.scale_to_zero_idle_timeout
 ) -> Decision:
-    """Decide for one env from the view, fresh proxy samples, ``now`` and its last-active time."""
+    """Decide for one env from what it reads and its last-active time."""
+    env, now = at.env, at.now
     spec = env.service
     if not spec.scale_to_zero or spec.stateful or not env.active_release_id or spec.max_concurrency > 0:
         return Decision(None, last_active, "not a scale-to-zero env this loop owns")
     if env.effective_replicas == 0:
         return Decision(None, None, "already cold")
-    pause = scaling_paused(view, live, env.meta.id, from_proxy_data=True)
+    pause = scaling_paused(at.view, at.live, env.meta.id, from_proxy_data=True)
     if pause is not None:
         return Decision(None, None if pause.restarts_spell else last_active, pause.reason)
-    traffic = live.env_traffic(env.meta.id)
+    traffic = at.live.env_traffic(env.meta.id)
     seen = now if last_active is None else last_active
     if traffic.inflight + traffic.held > 0:
         seen = now
@@ -75,7 +68,7 @@ def evaluate(
         seen = traffic.last_request_at
     if now - seen < idle_timeout(env, default_idle_timeout):
         return Decision(None, seen, "active within the idle window")
-    return Decision(ReplicaWrite(env, revision, env.effective_replicas, 0), seen, "idle")
+    return Decision(at.write(env.effective_replicas, 0), seen, "idle")
 
 
 class ScaleToZero(ScalingLoop[float]):
@@ -94,17 +87,9 @@ class ScaleToZero(ScalingLoop[float]):
         super().__init__(deps, live=live, tick=tick)
         self.default_idle_timeout = default_idle_timeout
 
-    def decide(self, env: pb.Environment, revision: int, now: float) -> ReplicaWrite | None:
-        decision = evaluate(
-            self.view,
-            self.live,
-            env,
-            revision,
-            now,
-            self.memory.get(env.meta.id),
-            default_idle_timeout=self.default_idle_timeout,
-        )
-        remember(self.memory, env.meta.id, decision.last_active)
+    def decide(self, at: Reading) -> ReplicaWrite | None:
+        decision = evaluate(at, self.memory.get(at.env.meta.id), default_idle_timeout=self.default_idle_timeout)
+        remember(self.memory, at.env.meta.id, decision.last_active)
         return decision.write
 
     def committed(self, write: ReplicaWrite, now: float) -> pb.Event:

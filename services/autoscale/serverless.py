@@ -22,13 +22,20 @@ from dataclasses import dataclass
 
 from zattera.v1 import types_pb2 as pb
 
-from services.autoscale.common import ReplicaWrite, ScalingLoop, remember, scale_event, scaling_paused, wake_target
+from services.autoscale.common import (
+    Reading,
+    ReplicaWrite,
+    ScalingLoop,
+    remember,
+    scale_event,
+    scaling_paused,
+    wake_target,
+)
 from services.autoscale.settings import DEFAULTS
 from shared.deployments import desired_replicas as current_replicas
 from shared.events import replica_count
 from shared.live import LiveView
 from shared.loop import LoopDeps
-from shared.state.reader import StateReader
 
 log = logging.getLogger(__name__)
 
@@ -62,29 +69,21 @@ def desired_replicas(demand: int, max_concurrency: int, floor: int, ceiling: int
     return max(floor, min(math.ceil(demand / max_concurrency), ceiling))
 
 
-def evaluate(
-    view: StateReader,
-    live: LiveView,
-    env: pb.Environment,
-    revision: int,
-    now: float,
-    low: LowSpell | None,
-    *,
-    window: float = DEFAULTS.serverless_scale_down_window,
-) -> Decision:
-    """Decide for one env from the view, fresh proxy samples, ``now`` and its low spell (reads only)."""
+def evaluate(at: Reading, low: LowSpell | None, *, window: float = DEFAULTS.serverless_scale_down_window) -> Decision:
+    """Decide for one env from what it reads and its low spell (reads only)."""
+    env, now = at.env, at.now
     spec = env.service
     if spec.max_concurrency == 0 or not env.active_release_id:
         return Decision(None, low, "not a serverless env")
-    pause = scaling_paused(view, live, env.meta.id, from_proxy_data=True)
+    pause = scaling_paused(at.view, at.live, env.meta.id, from_proxy_data=True)
     if pause is not None:
         return Decision(None, None if pause.restarts_spell else low, pause.reason)
-    traffic = live.env_traffic(env.meta.id)
+    traffic = at.live.env_traffic(env.meta.id)
     floor, ceiling = replica_bounds(env)
     desired = desired_replicas(traffic.inflight + traffic.held, spec.max_concurrency, floor, ceiling)
     current = current_replicas(env)
     if desired > current:
-        return Decision(ReplicaWrite(env, revision, current, desired), None, "scale up")
+        return Decision(at.write(current, desired), None, "scale up")
     if desired == current:
         return Decision(None, None, "at target")
     if low is None or low.current != current:
@@ -93,7 +92,7 @@ def evaluate(
         low = LowSpell(low.since, current, max(low.peak, desired))
     if now - low.since < window:
         return Decision(None, low, "scale-down window")
-    return Decision(ReplicaWrite(env, revision, current, low.peak), low, "scale down")
+    return Decision(at.write(current, low.peak), low, "scale down")
 
 
 class Serverless(ScalingLoop[LowSpell]):
@@ -112,9 +111,9 @@ class Serverless(ScalingLoop[LowSpell]):
         super().__init__(deps, live=live, tick=tick)
         self.window = scale_down_window
 
-    def decide(self, env: pb.Environment, revision: int, now: float) -> ReplicaWrite | None:
-        decision = evaluate(self.view, self.live, env, revision, now, self.memory.get(env.meta.id), window=self.window)
-        remember(self.memory, env.meta.id, decision.low)
+    def decide(self, at: Reading) -> ReplicaWrite | None:
+        decision = evaluate(at, self.memory.get(at.env.meta.id), window=self.window)
+        remember(self.memory, at.env.meta.id, decision.low)
         return decision.write
 
     def committed(self, write: ReplicaWrite, now: float) -> pb.Event:

@@ -7,6 +7,7 @@ from google.protobuf.message import Message
 from zattera.v1 import types_pb2 as pb
 
 from services.autoscale import activator, autoscaler, scaletozero, serverless
+from services.autoscale.common import Reading
 from services.autoscale.settings import DEFAULTS as AUTOSCALE
 from shared.clock import FakeClock
 from shared.deployments import desired_replicas as current_replicas
@@ -58,7 +59,7 @@ def autoscale_decision(env: pb.Environment, *extra: Message, cpu: float | None =
     beats = [] if cpu is None else [usage_beat(clock.now() - (31 if stale else 0), runs, cpu=cpu)]
     live = offline_live(clock, *beats)
     timers = autoscaler.Timers(low_since={env.meta.id: NOW - 10})
-    return autoscaler.evaluate(view, live, env, 1, clock.now(), timers)
+    return autoscaler.evaluate(Reading(view, live, env, 1, clock.now()), timers)
 
 
 @pytest.mark.parametrize(
@@ -97,7 +98,7 @@ def test_autoscaler_memory_percent_is_relative_to_the_envs_limit():
     clock = FakeClock()
     live = offline_live(clock, usage_beat(clock.now(), runs, cpu=0, mem=80 * MIB))
     decision = autoscaler.evaluate(
-        MemoryState(*base_objects(env, runs)).store, live, env, 1, clock.now(), autoscaler.Timers()
+        Reading(MemoryState(*base_objects(env, runs)).store, live, env, 1, clock.now()), autoscaler.Timers()
     )
     assert decision.write is not None and decision.write.target == 4  # ceil(2 × 80 / 50)
 
@@ -116,7 +117,7 @@ def test_autoscaler_ignores_jobs_stopped_and_unknown_instances():
         | {"job-1": (500.0, 1), "stopped-1": (500.0, 1), "x": (500.0, 1)},
     )
     view = MemoryState(*base_objects(env, [*runs, job, stopped])).store
-    decision = autoscaler.evaluate(view, offline_live(clock, beat), env, 1, clock.now(), autoscaler.Timers())
+    decision = autoscaler.evaluate(Reading(view, offline_live(clock, beat), env, 1, clock.now()), autoscaler.Timers())
     assert decision.write is not None and decision.write.target == 4
 
 
@@ -175,7 +176,7 @@ def test_serverless_desired_counts_held_requests(inflight, held, expected):
     clock = FakeClock()
     live = offline_live(clock, node_beat(clock.now(), proxy={env.meta.id: traffic(inflight=inflight, held=held)}))
     view = MemoryState(*base_objects(env)).store
-    decision = serverless.evaluate(view, live, env, 1, clock.now(), None)
+    decision = serverless.evaluate(Reading(view, live, env, 1, clock.now()), None)
     target = decision.write.target if decision.write else current_replicas(env)
     assert target == expected
 
