@@ -115,6 +115,11 @@ class Layout:
         return self.directory / "haproxy.cfg"
 
     @property
+    def pid_file(self) -> Path:
+        """The HAProxy master's pid (HAProxy's ``-p``): what a proxy process starting after a crash adopts."""
+        return self.directory / "haproxy.pid"
+
+    @property
     def hosts_map(self) -> Path:
         return self.directory / "hosts.map"
 

@@ -3,7 +3,9 @@
 :class:`HAProxyEngine` supervises one HAProxy in master-worker mode (``haproxy -W -S master.sock``):
 started from a configuration rendered from the current routes, restarted (with the routes it has now,
 so from the route cache when the control plane is down) whenever it exits without being asked to, and
-soft-stopped on shutdown (in-flight requests finish).
+soft-stopped on shutdown (in-flight requests finish). It outlives a crash of the proxy process, serving
+the last routes; the next proxy process adopts it and reloads it with its own snapshot
+(:mod:`services.proxy.haproxy_process`: the process side, spawn, adopt, stop, the pid file).
 
 Route changes (:meth:`HAProxyEngine.apply`, serialized, the newest snapshot wins) go through the runtime
 API when they can, so nothing is dropped and nothing is re-parsed: Host map entries, the path map, and
@@ -21,13 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import itertools
 import logging
 import os
 import shutil
-import signal
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from functools import partial
@@ -49,6 +49,7 @@ from services.proxy.haproxy_changes import RUNTIME_SERVER_IDS, hosts_map_command
 from services.proxy.haproxy_config import Layout, Plan, map_text, render
 from services.proxy.haproxy_latency import LatencyLog, LogEvery
 from services.proxy.haproxy_plan import RouteCache, plan
+from services.proxy.haproxy_process import Master, adopt, private_dir, spawn
 from services.proxy.haproxy_runtime import (
     RuntimeAPIError,
     command,
@@ -84,14 +85,6 @@ CERT_CHUNK = 500
 """Certificates checked, written and loaded together (:meth:`HAProxyEngine.set_certificates`)."""
 
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the proxy process dies, so no HAProxy outlives it."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
     """Planning 10,000 routes allocates enough to trigger full collections of the cached plan: 20-40 ms
@@ -103,14 +96,6 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-def _private_dir(path: Path) -> None:
-    """A directory only this user can enter (it holds the admin sockets); refuses one someone else owns."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if path.stat().st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to another user: not keeping the haproxy sockets there")
-    path.chmod(0o700)
 
 
 class HAProxyEngine:
@@ -134,7 +119,7 @@ class HAProxyEngine:
         """Pids of workers replaced by a reload: each keeps its connections (WebSockets) until they end."""
         self._server_ids = itertools.count(RUNTIME_SERVER_IDS)
         """Ids of the servers added at run time (see :data:`RUNTIME_SERVER_IDS`)."""
-        self._process: asyncio.subprocess.Process | None = None
+        self._master: Master | None = None
         self._stopping = False
         self._started = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -152,37 +137,39 @@ class HAProxyEngine:
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        """The HAProxy master's."""
+        return self._master.pid if self._master is not None else None
+
+    @property
+    def adopted(self) -> bool:
+        """Whether the HAProxy served is one a previous proxy process left running (not our child)."""
+        return self._master is not None and self._master.adopted
 
     async def start(self, snapshot: cpb.RouteSnapshot) -> None:
-        """Serve ``snapshot`` (the cached routes at process start); returns once HAProxy answers."""
+        """Serve ``snapshot`` (the cached routes at process start) with the HAProxy a crashed proxy process
+        left running, else a new one; returns once HAProxy answers."""
         self.layout.directory.mkdir(parents=True, exist_ok=True)
-        _private_dir(self.layout.socket_dir)
+        private_dir(self.layout.socket_dir)
         self._snapshot = snapshot
         if self.latency_log is not None:
             await self.latency_log.start()
         async with self._lock:
-            await self._spawn()
+            if not await self._adopt():
+                await self._spawn()
         self._tasks = [asyncio.create_task(self._supervise()), asyncio.create_task(self._sweep())]
 
     async def stop(self) -> None:
-        """Soft stop: the listeners close, in-flight requests finish within the shutdown grace."""
+        """Soft stop: the listeners close, in-flight requests finish within the shutdown grace; nothing is
+        left running (only a crash of the proxy process leaves HAProxy, for the next one to adopt)."""
         self._stopping = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        process = self._process
-        if process is not None and process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGUSR1)
-            try:
-                await asyncio.wait_for(process.wait(), self.layout.shutdown_grace + 1)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
+        if self._master is not None:
+            await self._master.stop(self.layout.shutdown_grace + 1)
+            self.layout.pid_file.unlink(missing_ok=True)
         if self.latency_log is not None:
             await self.latency_log.close()
         if self.layout.socket_dir != self.layout.directory:
@@ -202,42 +189,47 @@ class HAProxyEngine:
     async def _spawn(self) -> None:
         target = self._plan(self._snapshot)
         self._write_files(target)
-        for stale in (self.layout.master_socket, self.layout.stats_socket):
-            stale.unlink(missing_ok=True)  # never mistake a previous HAProxy's socket for this one's
-        output = open(self.layout.directory / "haproxy.log", "ab")  # noqa: SIM115, ASYNC230 - the child keeps it
-        try:
-            self._process = await asyncio.create_subprocess_exec(
-                self.binary,
-                "-W",
-                "-db",
-                "-f",
-                str(self.layout.config_file),
-                "-S",
-                f"{self.layout.master_socket},mode,600",
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=output,
-                stderr=output,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        finally:
-            output.close()
+        self._master = master = await spawn(self.layout, self.binary)
         await self._wait_ready(None)
         self.running = target
         self._certificates = installed(self.layout.certs_dir)
         self._draining.clear()
         self._old_workers.clear()
+        log.info("haproxy: pid %d serving %d hosts, %d backends", master.pid, len(target.hosts), len(target.backends))
+
+    async def _adopt(self) -> bool:
+        """Serve the current snapshot with the HAProxy a crashed proxy process left (a whole configuration
+        and a ``reload``: the listening sockets are kept, no connection is refused); False when there is
+        none to adopt, or it does not take the reload (then it is stopped)."""
+        master = await adopt(self.layout, self.binary)
+        if master is None:
+            return False
+        self._master = master
+        self._old_workers = set(master.old_workers)
+        target = self._plan(self._snapshot)
+        try:
+            await self._reload(target)
+        except (OSError, RuntimeError, TimeoutError, RuntimeAPIError) as exc:
+            log.error("haproxy: adopted pid %d did not reload (%s); starting a new one", master.pid, exc)
+            await master.stop(self.layout.shutdown_grace + 1)
+            self._master = None
+            return False
+        self._certificates = installed(self.layout.certs_dir)
         log.info(
-            "haproxy: pid %d serving %d hosts, %d backends", self._process.pid, len(target.hosts), len(target.backends)
+            "haproxy: adopted pid %d (left running by a previous proxy process), serving %d hosts, %d backends",
+            master.pid,
+            len(target.hosts),
+            len(target.backends),
         )
+        return True
 
     async def _wait_ready(self, old_worker: int | None) -> None:
         """Until a worker other than ``old_worker`` answers on the stats socket."""
         deadline = time.monotonic() + READY_TIMEOUT
         while time.monotonic() < deadline:
-            process = self._process
-            if process is not None and process.returncode is not None:
-                raise RuntimeError(f"haproxy exited with {process.returncode}; see {self.layout.directory}/haproxy.log")
+            master = self._master
+            if master is not None and master.exited:
+                raise RuntimeError(f"haproxy exited with {master.returncode}; see {self.layout.directory}/haproxy.log")
             pid = await worker_pid(self.layout.stats_socket)
             if pid is not None and pid != old_worker:
                 return
@@ -248,9 +240,10 @@ class HAProxyEngine:
         """Restart HAProxy whenever it exits on its own, with the current routes."""
         backoff = Backoff(RESTART_BACKOFF_FIRST, RESTART_BACKOFF_MAX)
         while True:
-            process = self._process
-            assert process is not None
-            code = await process.wait()
+            master = self._master
+            assert master is not None
+            code = await master.wait()
+            master.close()
             if self._stopping:
                 return
             log.error("haproxy exited (%s); restarting with routes version %d", code, self._snapshot.version)

@@ -75,6 +75,21 @@ async def send(socket_path: Path, line: str, *, timeout: float = 10.0) -> None:
             writer.close()
 
 
+async def ask(socket_path: Path, line: str, *, timeout: float = 10.0) -> str:
+    """One command in non-interactive mode, its whole answer (the master CLI answers once the client stops
+    sending, then closes)."""
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_unix_connection(str(socket_path))
+        try:
+            writer.write(line.encode() + b"\n")
+            writer.write_eof()
+            await writer.drain()
+            data = await reader.read()
+        finally:
+            writer.close()
+    return data.decode(errors="replace")
+
+
 async def prepare_map(socket_path: Path, path: Path) -> str:
     """A new, empty version of the map at ``path`` (``prepare map``), to fill and commit."""
     answer = await command(socket_path, f"prepare map {path}")
