@@ -239,7 +239,8 @@ async def test_an_orchestrator_kill_and_a_proxy_restart_mid_step_keep_the_step_a
     cluster.killed.discard("proxy")  # the harness starts it again
 
     async def restarted() -> bool:
-        """The restarted proxy's own HAProxy answers (the killed one's may answer for a moment as it stops)."""
+        """The restarted proxy's HAProxy worker answers: the killed proxy's HAProxy, adopted and reloaded (its
+        worker of before the reload may answer for a moment as it stops)."""
         try:
             return await haproxy_pid(cluster) != old_haproxy and await cluster._proxy_answers()
         except (OSError, TimeoutError, RuntimeAPIError, AssertionError):

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +9,17 @@ import pytest
 
 from services.proxy.server import Proxy
 from shared.connection import Connection
-from tests.proxy.harness import ProxyFactory, Routes, start_proxy
+from tests.proxy.harness import ProxyFactory, Routes, kill_haproxy_under, start_proxy
+
+
+@pytest.fixture(autouse=True)
+def no_haproxy_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A safety net: HAProxy outlives the proxy that started it unless stopped cleanly, so any HAProxy a
+    test leaves naming its tmp dir (a failed start, a test that killed its proxy) is killed after it."""
+    tmp: Path | None = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if tmp is not None:
+        kill_haproxy_under(tmp)
 
 
 @pytest.fixture

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,3 +207,30 @@ async def dying_upstream() -> AsyncIterator[str]:
         yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
         server.close()
+
+
+def haproxy_pids(under: Path) -> list[int]:
+    """The HAProxy processes running (zombies left out) whose command line names a path under ``under``."""
+    prefix = f"{under}/"
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = [arg.decode(errors="replace") for arg in (entry / "cmdline").read_bytes().split(b"\0")[:-1]]
+            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and argv and Path(argv[0]).name == "haproxy" and any(prefix in arg for arg in argv[1:]):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_haproxy_under(under: Path) -> list[int]:
+    """SIGKILL every HAProxy whose command line names a path under ``under`` (it outlives the process that
+    started it: only a clean stop ends it); returns their pids."""
+    pids = haproxy_pids(under)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
