@@ -1,5 +1,6 @@
 """Real pieces for the proxy tests: tiny aiohttp upstreams, route snapshots published on the real subject
-with the route client's wire format, and proxies started on a free port with short timers."""
+with the route client's wire format, proxies started on a free port with short timers (in this process, or as
+the real ``python -m services.proxy``), and the heartbeats they report."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import aiohttp
 from aiohttp import web
@@ -20,11 +22,13 @@ from zattera.v1 import types_pb2 as pb
 from services.proxy.server import Proxy
 from services.proxy.settings import ProxySettings
 from shared.connection import Connection
+from shared.live import proxy_key
 from shared.routewire import content_digest, encode_messages
-from shared.subjects import ROUTES_SNAPSHOT_SUBJECT
+from shared.subjects import LIVE_BUCKET, ROUTES_SNAPSHOT_SUBJECT
 from tests.waiting import eventually
 
 HOST = "app.example.com"
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -234,3 +238,54 @@ def kill_haproxy_under(under: Path) -> list[int]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return pids
+
+
+def proxy_flags(nats_url: str, port: int, cache_dir: Path, *, engine: str, proxy_id: str, node_id: str) -> list[str]:
+    """The flags of a proxy process with ``engine`` on 127.0.0.1:``port``, its identity and its cache directory."""
+    return [
+        *("--engine", engine),
+        *("--nats", nats_url),
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--proxy-id", proxy_id, "--node-id", node_id),
+        *("--cache-dir", str(cache_dir)),
+    ]
+
+
+async def proxy_module(
+    *args: str, env: dict[str, str] | None = None, output: IO[bytes] | int | None = None
+) -> asyncio.subprocess.Process:
+    """``python -m services.proxy ARGS`` from the project root, with PATH and ``env`` alone as its environment;
+    its stdout and stderr both go to ``output`` (None: inherited)."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.proxy",
+        *args,
+        cwd=PROJECT_ROOT,
+        env={"PATH": "/usr/sbin:/usr/bin:/bin", **(env or {})},
+        stdout=output,
+        stderr=output,
+    )
+
+
+async def last_heartbeat(conn: Connection, proxy_id: str = "p1") -> cpb.ProxyHeartbeat:
+    """The newest heartbeat of the proxy ``proxy_id`` (the KV raises when it has none)."""
+    live = await conn.js.key_value(LIVE_BUCKET)
+    entry = await live.get(proxy_key(proxy_id))
+    return cpb.ProxyHeartbeat.FromString(entry.value or b"")
+
+
+async def first_heartbeat(conn: Connection, proxy_id: str, timeout: float = 30.0) -> cpb.ProxyHeartbeat:
+    """Waits until the proxy ``proxy_id`` heartbeats (connected, so subscribed to the routes); that heartbeat."""
+    seen: list[cpb.ProxyHeartbeat] = []
+
+    async def reporting() -> bool:
+        try:
+            beat = await last_heartbeat(conn, proxy_id)
+        except Exception:
+            return False
+        seen.append(beat)
+        return beat.proxy_id == proxy_id
+
+    await eventually(reporting, timeout, f"the heartbeat of proxy {proxy_id}")
+    return seen[-1]

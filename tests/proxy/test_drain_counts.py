@@ -7,27 +7,18 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-from zattera.cluster.v1 import cluster_pb2 as cpb
 
 from services.proxy.balancer import Balancer
 from shared.connection import Connection
-from shared.live import proxy_key
-from shared.subjects import LIVE_BUCKET
-from tests.proxy.harness import HOST, Backend, ProxyFactory, Routes, endpoint, http_route, serving
+from tests.proxy.harness import HOST, Backend, ProxyFactory, Routes, endpoint, http_route, last_heartbeat, serving
 from tests.proxy.test_haproxy import IngressFactory, echo_server, fresh, get, make_ingress, serve, url
 from tests.waiting import eventually
 
 __all__ = ["fresh", "make_ingress"]  # fixtures used below
 
 
-async def heartbeat(conn: Connection, proxy_id: str = "p1") -> cpb.ProxyHeartbeat:
-    live = await conn.js.key_value(LIVE_BUCKET)
-    entry = await live.get(proxy_key(proxy_id))
-    return cpb.ProxyHeartbeat.FromString(entry.value or b"")
-
-
 async def reports(conn: Connection, expected: dict[str, int], complete: bool = True) -> bool:
-    hb = await heartbeat(conn)
+    hb = await last_heartbeat(conn)
     return dict(hb.old_inflight) == expected and hb.drain_counts is complete
 
 

@@ -31,9 +31,7 @@ from services.proxy.launch import haproxy_binary
 from shared.canary import LATENCY_BOUNDS_MS, Figures, Side, aggregate, judge, latency_ratio
 from shared.connection import Connection
 from shared.history import EnvFacts, Recorder
-from shared.live import proxy_key
-from shared.subjects import LIVE_BUCKET
-from tests.proxy.harness import HOST, Routes, endpoint, http_route
+from tests.proxy.harness import HOST, Routes, endpoint, http_route, last_heartbeat
 from tests.proxy.test_haproxy import IngressFactory, make_ingress, serve, url
 from tests.waiting import eventually
 
@@ -171,12 +169,6 @@ def weighted(addr: str, release: str, share: int) -> cpb.Endpoint:
     )
 
 
-async def heartbeat(conn: Connection, proxy_id: str = "p1") -> cpb.ProxyHeartbeat:
-    live = await conn.js.key_value(LIVE_BUCKET)
-    entry = await live.get(proxy_key(proxy_id))
-    return cpb.ProxyHeartbeat.FromString(entry.value or b"")
-
-
 async def test_a_canary_with_the_stable_average_but_a_far_higher_p99_is_a_p99_breach(
     make_ingress: IngressFactory, routes: Routes, conn: Connection
 ) -> None:
@@ -188,7 +180,7 @@ async def test_a_canary_with_the_stable_average_but_a_far_higher_p99_is_a_p99_br
         await load(url(ingress), 800, concurrency=32)
 
         async def figures() -> Figures:
-            return aggregate([await heartbeat(conn)], "e1", "dep.0", "rel2", "rel1")
+            return aggregate([await last_heartbeat(conn)], "e1", "dep.0", "rel2", "rel1")
 
         async def counted() -> bool:
             seen = await figures()
@@ -219,11 +211,11 @@ async def test_history_p50_is_below_p99_for_a_spread_latency(
         await load(url(ingress), 400, concurrency=16)
 
         async def spread() -> bool:
-            sample = (await heartbeat(conn)).envs.get("e1")
+            sample = (await last_heartbeat(conn)).envs.get("e1")
             return sample is not None and sample.latency_p99_ms >= 300
 
         await eventually(spread, 15, "a heartbeat with the logged latencies of e1")
-        hb = await heartbeat(conn)
+        hb = await last_heartbeat(conn)
         sample = hb.envs["e1"]
         assert 2 * sample.latency_p50_ms < 300 <= sample.latency_p95_ms <= sample.latency_p99_ms, sample
         # The metrics history's point (issue 40) from that heartbeat: real percentiles, not the average.
@@ -354,11 +346,11 @@ async def test_off_keeps_the_averages_and_opens_no_socket(
         await load(url(ingress), 100)
 
         async def averaged() -> bool:
-            sample = (await heartbeat(conn)).envs.get("e1")
+            sample = (await last_heartbeat(conn)).envs.get("e1")
             return sample is not None and sample.latency_p99_ms > 0
 
         await eventually(averaged, 15, "a heartbeat of e1")
-        sample = (await heartbeat(conn)).envs["e1"]
+        sample = (await last_heartbeat(conn)).envs["e1"]
         assert sample.latency_p50_ms == sample.latency_p99_ms  # HAProxy's average in both
 
 

@@ -4,7 +4,6 @@ every interface on 8080; ``zattera up --proxy-listen`` passes it on and prints i
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -17,9 +16,8 @@ from cli.up import proxy_listen_text
 from cli.up_cluster import Cluster
 from services.proxy.settings import ProxySettings, split_listen
 from shared.embedded import free_port
+from tests.proxy.harness import proxy_module
 from tests.waiting import eventually
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -52,21 +50,8 @@ async def test_process_listens_where_told_and_refuses_a_bad_address(nats_url: st
     port = free_port()
     log = tmp_path / "proxy.log"
     with log.open("wb") as sink:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "services.proxy",
-            "--nats",
-            nats_url,
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            cwd=PROJECT_ROOT,
-            env={"PATH": "/usr/bin:/bin"},
-            stdout=sink,
-            stderr=sink,
-        )
+        flags = ("--nats", nats_url, "--listen", f"127.0.0.1:{port}", "--cache-dir", str(tmp_path / "cache"))
+        process = await proxy_module("--engine", "python", *flags, output=sink)
         try:
             await eventually(lambda: f"listening on 127.0.0.1:{port}" in log.read_text(), 15, "the listen log line")
             async with aiohttp.ClientSession() as client, client.get(f"http://127.0.0.1:{port}/") as response:
@@ -81,16 +66,7 @@ async def test_process_listens_where_told_and_refuses_a_bad_address(nats_url: st
                 raise
         assert code == 0, log.read_text()
 
-    bad = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "services.proxy",
-        "--listen",
-        "everywhere",
-        cwd=PROJECT_ROOT,
-        env={"PATH": "/usr/bin:/bin"},
-        stderr=asyncio.subprocess.PIPE,
-    )
+    bad = await proxy_module("--listen", "everywhere", output=asyncio.subprocess.PIPE)
     _, stderr = await bad.communicate()
     assert bad.returncode == 2
     assert "listen: 'everywhere' is not HOST:PORT" in stderr.decode()
