@@ -344,10 +344,12 @@ class JoinService:
     async def remove_here(self, request: dict[str, Any]) -> dict[str, Any]:
         node_id, seats = await self._removal(request)
         assert self.machines is not None
+        doing = f"retiring the extra seats of {node_id}" if seats else f"removing {node_id}"
         try:
-            if seats:
-                return await self.machines.retire_seats(self.kv)
-            return await self.machines.remove(self.kv, node_id, self.now(), force=bool(request.get("force")))
+            async with self.machines.bounded(doing):
+                if seats:
+                    return await self.machines.retire_seats(self.kv)
+                return await self.machines.remove(self.kv, node_id, self.now(), force=bool(request.get("force")))
         except ZatteraError as exc:
             raise JoinRefused(str(exc)) from None
 

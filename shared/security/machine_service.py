@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -41,6 +42,16 @@ ANSWER_WITHIN = 100.0
 join service handing it over 110 s): its waits — the meta leadership, the meta group, the copies — share it,
 and a JetStream request left unanswered meanwhile is cut at its end (an answer that comes after the asker gave
 up is lost, and the removal would look undone)."""
+STEP_GRACE = 5.0
+"""A removal or a retirement still running this long after :data:`ANSWER_WITHIN` is cut (a request bounded
+only by its own timeout ran over): it answers an error naming the step it stopped in, before its asker gives up."""
+
+_STEP: contextvars.ContextVar[str] = contextvars.ContextVar("removal_step", default="starting")
+
+
+def at_step(what: str) -> None:
+    """Name the step the removal (or retirement) of this task is in, for the error if it is cut there."""
+    _STEP.set(what)
 
 
 @dataclass
@@ -67,6 +78,22 @@ class Machines:
 
     def __post_init__(self) -> None:
         self.ca_pem = Path(self.tls_ca).read_text() if self.tls_ca else ""
+
+    @contextlib.asynccontextmanager
+    async def bounded(self, doing: str, grace: float = STEP_GRACE) -> AsyncIterator[None]:
+        """Cut ``doing`` (a removal, a retirement) at :attr:`answer_within` plus ``grace``: :class:`TimeoutError`
+        naming the step it was in (:func:`at_step`). A timeout of its own inside passes through as it is."""
+        bound = self.answer_within + grace
+        token = _STEP.set("starting")
+        try:
+            async with asyncio.timeout(bound) as cut:
+                yield
+        except TimeoutError:
+            if not cut.expired():
+                raise
+            raise TimeoutError(f"{doing} was cut after {bound:.0f} s while {_STEP.get()}") from None
+        finally:
+            _STEP.reset(token)
 
     @property
     def system_creds(self) -> str:
@@ -176,16 +203,20 @@ class Machines:
             raise ZatteraError(f"{node_id} is the last server machine: the cluster would have none")
         names = membership.server_names(known[node_id], node_id) if node_id in known else []
         if names:
+            at_step("checking that the machines left can hold every stream")
             async with self._staying(_client_urls(known, node_id)) as conn:
                 await _check_copies(conn, len(known) - 1, f"removing {node_id}", force)
+        at_step("revoking its credentials")
         keys = await membership.issued_keys(kv, node_id)
         keys += [str(k) for k in known.get(node_id, {}).get("users") or [] if k not in keys]
         stamp = int(now if now is not None else time.time()) + 1
         # Revoked first: the machine's services lose the cluster before its servers leave JetStream.
         revoked = await membership.add_revocations(kv, dict.fromkeys(keys, stamp))
         authority = membership.apply_revocations(self.security_dir, revoked)
+        at_step("pushing the revocations to the servers")
         await membership.push_accounts(self.urls, self.system_creds, self.tls_ca, authority)
         log.info("machine %s: %d credentials revoked (the services' and system ones once answered)", node_id, len(keys))
+        at_step("deleting its records")
         if node_id in known:
             await kv.delete(f"{membership.SERVER_PREFIX}{node_id}")
         for key in await membership._keys(kv):
@@ -201,8 +232,10 @@ class Machines:
             state = await self.conn.js.key_value(STATE_BUCKET)
             await state.delete(K.node(node_id))
         others = _client_urls(known, node_id)
+        at_step(f"peer-removing its servers {', '.join(names)}" if names else "peer-removing its servers (none)")
         removed = await self._peer_remove(others, names, _server_names(known, node_id), until)
         log.info("machine %s: servers %s peer-removed; waiting for every stream's copies", node_id, removed)
+        at_step("waiting for every stream's copies on the servers left")
         short = await self._wait_copies(names, others, until) if names else []
         log.info(
             "machine %s removed (peer removed: %s, %d credentials revoked, %d streams short of copies)",
@@ -236,8 +269,10 @@ class Machines:
             )
         _, own, _ = self._serving()
         kept = [*_client_urls(known, self.node_id), *own.split(",")[:1]]  # the first seat stays
+        at_step("checking that three server machines hold every stream")
         async with self._staying(kept) as conn:  # this service's own connection may be on a seat
             await _check_copies(conn, len(known), f"retiring {self.node_id}'s extra seats", force=False, at_least=3)
+        at_step(f"peer-removing the seats {', '.join(seats)}")
         removed = await self._peer_remove(kept, seats, [*_server_names(known, self.node_id), names[0]], until)
         log.info("seats %s of %s peer-removed", ", ".join(removed), self.node_id)
         assert self.control_dir is not None
@@ -246,6 +281,7 @@ class Machines:
         marker.write_text(json.dumps(sorted({*self.retired_seats(), *seats})))
         names, client_url, route_url = self._serving()
         users = membership.local_users(self.security_dir)
+        at_step("rewriting this machine's record and waiting for every stream's copies")
         async with self._staying(kept) as conn:  # this service's own connection may be on a seat
 
             async def rewrite() -> None:  # the bucket's stream may be electing a leader (its copy on a seat went)

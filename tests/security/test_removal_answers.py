@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from nats.js.kv import KeyValue
 from shared.connection import Connection
 from shared.errors import ZatteraError
 from shared.security.join import ensure_join_bucket
+from shared.security.machine_service import Machines, at_step
 from shared.security.membership import issued_keys
 from shared.security.removal_answers import RecordedAnswers, ask_removal, new_request_id
 from tests.waiting import eventually
@@ -136,3 +138,34 @@ async def test_the_asking_side_sends_again_with_the_same_id_while_no_answer_came
             await ask_removal(conn.nc, "test.silent", {"node_id": "m4"}, timeout=0.5, every=0.2)
     finally:
         await silent.unsubscribe()
+
+
+async def test_a_removal_past_its_bound_is_cut_naming_its_step_and_asking_again_runs_it(
+    conn: Connection, kv: KeyValue, tmp_path: Path
+) -> None:
+    machines = Machines(conn, "", tmp_path, answer_within=0.0)
+    stuck = asyncio.Event()  # never set: a request that hangs past every bound of its own
+
+    async def hanging() -> dict[str, Any]:
+        async with machines.bounded("removing m4", grace=0.05):
+            at_step("peer-removing its servers m4")
+            at_step("waiting for every stream's copies on the servers left")
+            await stuck.wait()
+        return {}
+
+    answers = RecordedAnswers(kv, wait=5)
+    request_id = new_request_id()
+    cut = "removing m4 was cut after 0 s while waiting for every stream's copies on the servers left"
+    with pytest.raises(TimeoutError, match=cut):
+        await answers.once(request_id, hanging)
+    removal = Removal({"node_id": "m4"})
+    assert await answers.once(request_id, removal) == {"node_id": "m4"}, "a cut removal is not recorded"
+    assert removal.runs == 1
+
+    async def own_timeout() -> dict[str, Any]:
+        async with machines.bounded("removing m5"):
+            at_step("pushing the revocations to the servers")
+            raise TimeoutError("a request of its own")
+
+    with pytest.raises(TimeoutError, match=r"^a request of its own$"):
+        await own_timeout()
