@@ -25,6 +25,11 @@ from shared.acmechallenge import PATH_PREFIX as CHALLENGE_PATH
 HOLD_BACKEND = "hold"
 HOLD_BACKUP_SERVER = "zattera_hold"
 HELD_CHECK_INTER = "2s"
+HOLD_RETRIES = 10
+HOLD_PORT_FILE = "hold.port"
+"""In the HAProxy directory: the Python handler's loopback port, taken again by the next proxy process while it
+is free, so an HAProxy that outlived a proxy process reaches the next one."""
+"""A request for the Python handler waits this many seconds at most for a proxy process that is restarting."""
 NO_ROUTE_BACKEND = "no_route"
 """Where a request whose host and path match no route goes: the JSON 404, answered by HAProxy."""
 SOCKET_DIR_MAX = 70
@@ -89,7 +94,8 @@ class Layout:
     bind: str
     """``HOST:PORT`` of the public listener."""
     hold_addr: str
-    """``HOST:PORT`` of the Python hold handler."""
+    """``HOST:PORT`` of the proxy process's Python handler (loopback; the same port for the next proxy process
+    while it is free: :data:`HOLD_PORT_FILE`)."""
     hold_timeout: float
     connect_timeout: float
     client_timeout: float = 30.0
@@ -305,6 +311,13 @@ def render(plan_: Plan, layout: Layout) -> str:
         "",
         f"backend {HOLD_BACKEND}",
         "    timeout server " + ms(layout.hold_timeout + layout.server_timeout),
+        # Refused, the proxy process is restarting: retried a second apart (HAProxy waits min(timeout connect, 1 s)
+        # after a refused TCP connection), the request waits for the next one, on the same port, rather than get
+        # 503. A GET or HEAD the process died under (no answer) is sent to the next one too; no other method is.
+        "    timeout connect 1s",
+        f"    retries {HOLD_RETRIES}",
+        "    retry-on conn-failure empty-response",
+        "    http-request disable-l7-retry if !METH_GET",
         f"    server python {layout.hold_addr}",
         "",
         f"backend {NO_ROUTE_BACKEND}",

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from zattera.cluster.v1 import cluster_pb2 as cpb
 
-from services.proxy.haproxy_config import Layout
+from services.proxy.haproxy_config import HOLD_PORT_FILE, Layout
 from services.proxy.haproxy_engine import SWEEP_INTERVAL, HAProxyEngine
 from services.proxy.haproxy_runtime import RuntimeAPIError
 from services.proxy.launch import split_listen
@@ -22,6 +23,7 @@ from services.proxy.settings import ProxySettings
 from shared.certclient import CACHE_FILE as CERTS_CACHE_FILE
 from shared.certclient import CertClient, ServedCert
 from shared.embedded import free_port
+from shared.files import write_atomic
 from shared.metrics import RequestSeries
 from shared.routewire import same_cluster
 from shared.settings import settings
@@ -40,6 +42,29 @@ def _stamps(directory: Path) -> dict[str, float]:
 
 def _read_pems(directory: Path, names: Mapping[str, float]) -> dict[str, str]:
     return {Path(name).stem: (directory / name).read_text() for name in sorted(names)}
+
+
+def hold_port(recorded: Path) -> int:
+    """The loopback port for the Python handler: the one ``recorded`` names (the previous proxy process's, which
+    an HAProxy that outlived it still sends to) while it is free, else a free one; recorded for the next."""
+    try:
+        port = int(recorded.read_text().strip())
+    except (OSError, ValueError):
+        port = 0
+    if not 0 < port < 65536 or not _bindable(port):
+        port = free_port()
+    write_atomic(recorded, f"{port}\n", durable=False)  # lost: a new port, which the reload hands HAProxy
+    return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the handler's listener binds
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class HAProxyIngress:
@@ -152,7 +177,8 @@ class HAProxyIngress:
 
 
 def haproxy_ingress(cfg: ProxySettings, *, nats_url: str, cache_dir: Path, metrics: bool = False) -> HAProxyIngress:
-    """HAProxy on ``cfg.host:cfg.port`` (port 0: a free one), the Python hold handler on a loopback port."""
+    """HAProxy on ``cfg.host:cfg.port`` (port 0: a free one), the Python hold handler on a loopback port (the
+    previous proxy process's while it is free: :func:`hold_port`)."""
     port = cfg.port or free_port()
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     tls_bind = ""
@@ -160,14 +186,12 @@ def haproxy_ingress(cfg: ProxySettings, *, nats_url: str, cache_dir: Path, metri
         tls_host, tls_port = split_listen(cfg.tls_listen)
         tls_bind = f"[{tls_host}]" if ":" in tls_host else tls_host
         tls_bind += f":{tls_port or free_port()}"
-    hold_cfg = cfg.model_copy(update={"host": "127.0.0.1", "port": free_port(), "listen": ""})
-    proxy = Proxy(hold_cfg, nats_url=nats_url, cache_dir=cache_dir, metrics=metrics, behind_engine=True)
-    if tls_bind and cfg.certs_dir is None:
-        proxy.certificates = CertClient(cache_dir / CERTS_CACHE_FILE)
+    directory = cache_dir / "haproxy"
+    hold = hold_port(directory / HOLD_PORT_FILE)
     layout = Layout(
-        directory=cache_dir / "haproxy",
+        directory=directory,
         bind=f"{host}:{port}",
-        hold_addr=f"127.0.0.1:{hold_cfg.port}",
+        hold_addr=f"127.0.0.1:{hold}",
         hold_timeout=cfg.hold_timeout,
         connect_timeout=cfg.upstream_connect_timeout,
         shutdown_grace=cfg.shutdown_grace,
@@ -178,4 +202,8 @@ def haproxy_ingress(cfg: ProxySettings, *, nats_url: str, cache_dir: Path, metri
         latency_log_sample=cfg.latency_log_sample,
         latency_log_lines=cfg.latency_log_lines,
     )
+    hold_cfg = cfg.model_copy(update={"host": "127.0.0.1", "port": hold, "listen": ""})
+    proxy = Proxy(hold_cfg, nats_url=nats_url, cache_dir=cache_dir, metrics=metrics, behind_engine=True)
+    if tls_bind and cfg.certs_dir is None:
+        proxy.certificates = CertClient(cache_dir / CERTS_CACHE_FILE)
     return HAProxyIngress(proxy, layout, certs_dir=cfg.certs_dir, certs_poll_interval=cfg.certs_poll_interval)

@@ -14,10 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 
+from services.proxy.launch import haproxy_binary
 from shared.embedded import free_port
-from tests.e2e.cluster import EXAMPLE, leftovers, version_of
+from tests.e2e.cluster import EXAMPLE, Load, leftovers, version_of
 from tests.e2e.upcmd import Up
 from tests.waiting import eventually
 
@@ -130,3 +132,57 @@ async def test_nothing_is_left_running_when_the_terminal_goes_or_the_supervisor_
         raise
     finally:
         up.kill()
+
+
+def proxy_process_of(data_dir: Path) -> psutil.Process:
+    """The proxy process ``zattera up`` runs for ``data_dir`` (its cache dir is under it)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if "services.proxy" in argv and any(str(data_dir) in arg for arg in argv):
+            found.append(proc)
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.mark.skipif(haproxy_binary() is None, reason="haproxy is not installed (make system-packages)")
+async def test_the_proxy_process_killed_under_zattera_up_fails_no_request(data_dir: Path) -> None:
+    """The proxy process killed outright (the OOM killer, a bug), as ``zattera up`` runs it with HAProxy: HAProxy
+    keeps serving, ``zattera up`` starts the proxy again after its restart delay, and the new one adopts HAProxy.
+    Not one request through the proxy fails, before, during or after."""
+    nats_port, proxy_port = free_port(), free_port()
+    up = Up(data_dir, nats_port, proxy_port)
+    proxy_log = data_dir / "logs" / "proxy.log"
+    load: Load | None = None
+    try:
+        await eventually(lambda: "Press Ctrl-C to stop." in up.text(), 60, "zattera up is up")
+        up.cli("apps", "apply", str(EXAMPLE / "zattera.toml"))
+        up.cli("deploy", str(EXAMPLE), "--env", ENV)
+        await eventually(lambda: hello_is(proxy_port, "v1"), 60, "hello answers through the proxy")
+        killed = proxy_process_of(data_dir)
+        load = Load(proxy_port, "hello.localhost", rate=100).start()
+        await eventually(lambda: load is not None and load.ok >= 100, 30, "requests before the kill")
+        killed.kill()
+        await eventually(lambda: "proxy exited" in up.text(), 30, "zattera up sees the proxy exit")
+        adopted = "haproxy: adopted pid"
+        await eventually(lambda: adopted in proxy_log.read_text(errors="replace"), 60, "the next proxy adopts HAProxy")
+        assert proxy_process_of(data_dir).pid != killed.pid
+        answered = load.ok
+        await eventually(lambda: load is not None and load.ok >= answered + 100, 30, "requests after the adoption")
+        await load.stop()
+        print("through the kill:", load.summary())
+        assert load.failures == [], load.summary()
+        assert up.ctrl_c() == 0, up.text()
+    except BaseException:
+        print(up.text())
+        print(logs_of(data_dir))
+        raise
+    finally:
+        if load is not None:
+            await load.stop()
+        up.kill()
+
+
+async def hello_is(port: int, version: str) -> bool:
+    status, body = await hello(port)
+    return status == 200 and version_of(body) == version

@@ -7,17 +7,18 @@ leaves no HAProxy behind."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import os
 import signal
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import bcrypt
 import pytest
-from zattera.cluster.v1 import cluster_pb2 as cpb
+from zattera.v1 import types_pb2 as pb
 
 from services.proxy.haproxy_config import Layout
 from services.proxy.haproxy_ingress import HAProxyIngress, haproxy_ingress
@@ -26,15 +27,25 @@ from services.proxy.haproxy_runtime import ask
 from services.proxy.launch import haproxy_binary
 from shared.connection import Connection
 from shared.embedded import free_port
-from shared.live import proxy_key
-from shared.subjects import LIVE_BUCKET
-from tests.proxy.harness import HOST, Backend, Routes, endpoint, haproxy_pids, http_route, serving, settings
+from tests.proxy.harness import (
+    HOST,
+    Backend,
+    Routes,
+    endpoint,
+    first_heartbeat,
+    haproxy_pids,
+    http_route,
+    proxy_flags,
+    proxy_module,
+    serving,
+    settings,
+)
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.skipif(haproxy_binary() is None, reason="haproxy is not installed (make system-packages)")
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SECOND = "second.example.com"
+AUTH = "auth.example.com"
 
 
 def layout_of(cache_dir: Path) -> Layout:
@@ -65,11 +76,12 @@ async def answers(client: aiohttp.ClientSession, port: int, host: str, body: str
 
 
 class Load:
-    """Requests to ``HOST`` one after the other, each on a new connection (a refused one shows), answered by
-    the backend ``first``: counts the answers and keeps every failure."""
+    """Requests to ``host`` (with ``headers``) one after the other, each on a new connection (a refused one
+    shows), answered by the backend ``first``: counts the answers and keeps every failure."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, host: str = HOST, headers: dict[str, str] | None = None) -> None:
         self.url = f"http://127.0.0.1:{port}/"
+        self.headers = {"Host": host, **(headers or {})}
         self.ok = 0
         self.failures: list[str] = []
         self._task: asyncio.Task[None] | None = None
@@ -80,10 +92,11 @@ class Load:
 
     async def _run(self) -> None:
         connector = aiohttp.TCPConnector(force_close=True)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as client:
+        # 30 s: a request for the proxy process's handler waits in HAProxy (up to 10 s) while it restarts.
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as client:
             while True:
                 try:
-                    async with client.get(self.url, headers={"Host": HOST}) as response:
+                    async with client.get(self.url, headers=self.headers) as response:
                         body = await response.text()
                     if response.status == 200 and body == "first":
                         self.ok += 1
@@ -110,50 +123,15 @@ async def proxy_process(
     nats_url: str, port: int, cache_dir: Path, proxy_id: str, log: Path
 ) -> AsyncIterator[asyncio.subprocess.Process]:
     """``python -m services.proxy --engine haproxy`` on ``port``, its output in ``log``; killed if still running."""
+    flags = proxy_flags(nats_url, port, cache_dir, engine="haproxy", proxy_id=proxy_id, node_id="n1")
     with log.open("ab") as output:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "services.proxy",
-            "--engine",
-            "haproxy",
-            "--nats",
-            nats_url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--proxy-id",
-            proxy_id,
-            "--node-id",
-            "n1",
-            "--cache-dir",
-            str(cache_dir),
-            cwd=PROJECT_ROOT,
-            env={"PATH": "/usr/sbin:/usr/bin:/bin", "ZATTERA_PROXY_HEARTBEAT_INTERVAL": "0.2"},
-            stdout=output,
-            stderr=output,
-        )
+        process = await proxy_module(*flags, env={"ZATTERA_PROXY_HEARTBEAT_INTERVAL": "0.2"}, output=output)
     try:
         yield process
     finally:
         if process.returncode is None:
             process.kill()
             await process.wait()
-
-
-async def heartbeat(conn: Connection, proxy_id: str) -> None:
-    """Until the proxy ``proxy_id`` heartbeats (connected, so subscribed to the routes)."""
-    live = await conn.js.key_value(LIVE_BUCKET)
-
-    async def reporting() -> bool:
-        try:
-            entry = await live.get(proxy_key(proxy_id))
-        except Exception:
-            return False
-        return cpb.ProxyHeartbeat.FromString(entry.value or b"").proxy_id == proxy_id
-
-    await eventually(reporting, 30, f"the heartbeat of proxy {proxy_id}")
 
 
 async def test_a_proxy_killed_under_load_leaves_haproxy_serving_and_the_next_one_adopts_it(
@@ -169,7 +147,7 @@ async def test_a_proxy_killed_under_load_leaves_haproxy_serving_and_the_next_one
         fresh() as client,
         proxy_process(nats_url, port, cache, "before", tmp_path / "before.log") as before,
     ):
-        await heartbeat(conn, "before")
+        await first_heartbeat(conn, "before")
         await routes.publish(http_route(HOST, "e1", [endpoint(first.addr)]))
         await eventually(lambda: answers(client, port, HOST, "first"), 30, "the route served")
         await eventually(lambda: (cache / "routes.pb").exists(), 10, "the routes cached")
@@ -187,7 +165,7 @@ async def test_a_proxy_killed_under_load_leaves_haproxy_serving_and_the_next_one
             async with proxy_process(nats_url, port, cache, "after", after_log) as after:
                 adopted = f"haproxy: adopted pid {master} "
                 await eventually(lambda: adopted in after_log.read_text(), 60, "the next proxy adopts HAProxy")
-                await heartbeat(conn, "after")
+                await first_heartbeat(conn, "after")
                 await load.answered(100, "requests answered after the adoption")
                 await routes.publish(
                     http_route(HOST, "e1", [endpoint(first.addr)]),
@@ -207,6 +185,48 @@ async def test_a_proxy_killed_under_load_leaves_haproxy_serving_and_the_next_one
             await load.stop()
     await eventually(lambda: haproxy_pids(tmp_path) == [], 10, "no HAProxy left after a clean stop")
     assert not layout.pid_file.exists()
+
+
+async def test_requests_the_proxy_process_answers_wait_for_the_next_one(
+    nats_url: str, conn: Connection, routes: Routes, tmp_path: Path
+) -> None:
+    """A basic-auth route is served by the proxy process's handler behind HAProxy (so are cold envs and ACME
+    challenges): while that process is away, HAProxy retries its socket and the request is answered by the next
+    process, listening at the same path, instead of failing."""
+    first = Backend("first")
+    port = free_port()
+    cache = tmp_path / "cache"
+    password_hash = bcrypt.hashpw(b"secret", bcrypt.gensalt(rounds=4)).decode()
+    guarded = pb.Middleware(basic_auth_username="ann", basic_auth_password_hash=password_hash)
+    good = {"Authorization": "Basic " + base64.b64encode(b"ann:secret").decode()}
+    async with serving(first), proxy_process(nats_url, port, cache, "before", tmp_path / "before.log") as before:
+        await first_heartbeat(conn, "before")
+        await routes.publish(
+            http_route(HOST, "e1", [endpoint(first.addr)]),
+            http_route(AUTH, "e2", [endpoint(first.addr)], middleware=guarded),
+        )
+        async with fresh() as client:
+            await eventually(lambda: answers(client, port, HOST, "first"), 30, "the plain route served")
+        await eventually(lambda: (cache / "routes.pb").exists(), 10, "the routes cached")
+        plain, auth = Load(port).start(), Load(port, AUTH, good).start()
+        try:
+            await auth.answered(20, "basic-auth requests through the first proxy process")
+            before.kill()
+            assert await asyncio.wait_for(before.wait(), 10) == -signal.SIGKILL
+            # Time passes with no proxy process: HAProxy alone answers the plain route meanwhile.
+            await plain.answered(100, "plain requests answered while no proxy process runs")
+            async with proxy_process(nats_url, port, cache, "after", tmp_path / "after.log"):
+                await first_heartbeat(conn, "after")
+                await auth.answered(20, "basic-auth requests through the next proxy process")
+                await plain.stop()
+                await auth.stop()
+                assert plain.failures == []
+                assert auth.failures == [], (
+                    f"{len(auth.failures)} of {auth.ok + len(auth.failures)}: {auth.failures[:5]}"
+                )
+        finally:
+            await plain.stop()
+            await auth.stop()
 
 
 IngressFactory = Callable[..., Awaitable[HAProxyIngress]]
@@ -276,7 +296,7 @@ async def test_an_adopted_haproxy_that_exits_is_restarted(
     layout = layout_of(cache)
     async with serving(backend), fresh() as client:
         async with proxy_process(nats_url, port, cache, "crashed", tmp_path / "crashed.log") as crashed:
-            await heartbeat(conn, "crashed")
+            await first_heartbeat(conn, "crashed")
             await routes.publish(http_route(HOST, "e1", [endpoint(backend.addr)]))
             await eventually(lambda: answers(client, port, HOST, "again"), 30, "the route served")
             await eventually(lambda: (cache / "routes.pb").exists(), 10, "the routes cached")

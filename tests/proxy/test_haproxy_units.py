@@ -3,6 +3,7 @@ changes (table tests, no processes)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from services.proxy import haproxy_config, haproxy_rules
 from services.proxy.haproxy_certs import changes, digest, pem_problem, self_signed_pem
 from services.proxy.haproxy_changes import MAP_REWRITE_ABOVE, hosts_map_commands, server_commands
 from services.proxy.haproxy_config import HOLD_BACKEND, IDLE_POOL, NO_ROUTE_BACKEND, Layout, render
+from services.proxy.haproxy_ingress import hold_port
 from services.proxy.haproxy_plan import backend_name, plan
 from services.proxy.haproxy_rules import BACKEND_STAGES, ELSEWHERE, FRONTEND_STAGES, backend_rules
 from services.proxy.haproxy_stats import HAProxySampler, merge_samples
@@ -134,7 +136,10 @@ def test_render_has_every_backend_and_the_tls_listener(tmp_path: Path) -> None:
     text = render(planned(http_route("h", "e1", [endpoint("10.0.0.1:80", "a1")], max_concurrency=2)), layout)
     assert "bind 0.0.0.0:8443 ssl crt" in text and "alpn h2,http/1.1" in text
     assert f"server s_a1 10.0.0.1:80 weight 101 {IDLE_POOL} maxconn 2" in text
-    assert "server python 127.0.0.1:9" in text
+    hold = text[text.index("\nbackend hold\n") :].split("\n\n")[0]
+    assert "server python 127.0.0.1:9" in hold
+    assert "retries 10" in hold and "timeout connect 1s" in hold  # a request waits for a restarting proxy
+    assert "retry-on conn-failure empty-response" in hold and "disable-l7-retry if !METH_GET" in hold
     challenge = text.index("use_backend hold if { path_beg /.well-known/acme-challenge/ }")  # to the Python answerer
     assert challenge < text.index(f"map({layout.hosts_map})")  # whatever the host
     assert f"default_backend {NO_ROUTE_BACKEND}" in text and "no route for host" in text
@@ -274,3 +279,16 @@ def test_host_map_changes_go_entry_by_entry_until_so_many_that_a_rewrite_is_chea
     assert hosts_map_commands(hosts_map, planned(), few) == [f"add map {hosts_map} a {backend_name(http_route('a'))}"]
     many = planned(*(http_route(f"h{i}", f"e{i}") for i in range(MAP_REWRITE_ABOVE + 1)))
     assert hosts_map_commands(hosts_map, many, planned()) is None  # more than the bound go: rewrite whole
+
+
+def test_the_python_handler_keeps_its_port_for_the_next_proxy_process_while_it_is_free(tmp_path: Path) -> None:
+    """An HAProxy that outlived a proxy process sends to the port recorded: the next process takes it again."""
+    recorded = tmp_path / "haproxy" / "hold.port"
+    first = hold_port(recorded)
+    assert recorded.read_text() == f"{first}\n"
+    assert hold_port(recorded) == first
+    with socket.create_server(("127.0.0.1", first)):  # taken by another program meanwhile: a new port
+        second = hold_port(recorded)
+    assert second != first and recorded.read_text() == f"{second}\n"
+    recorded.write_text("not a port")
+    assert 0 < hold_port(recorded) < 65536
