@@ -1,7 +1,9 @@
-"""ULID identifiers: 26 characters, Crockford base32, sortable by creation time."""
+"""Identifiers: ULIDs for what is named and kept (26 characters, Crockford base32, sortable by creation time), and
+cheap unique ids for what only needs telling apart (a publish's dedupe id)."""
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from typing import TYPE_CHECKING
@@ -26,6 +28,14 @@ def new_id() -> str:
             candidate = ULID.from_int(int(_last) + 1)
         _last = candidate
         return str(candidate)
+
+
+def message_id() -> str:
+    """A publish's dedupe id (``Nats-Msg-Id``, ``Nats-Batch-Id``): 96 random bits, not sortable. About 0.3 µs,
+    where a ULID costs several (the state write path mints one per write). Unguessable: the duplicate window spans
+    the whole stream, so a writer that could predict another's next id could have that write dropped as a
+    duplicate of its own."""
+    return os.urandom(12).hex()
 
 
 def is_safe_id(value: str) -> bool:

@@ -41,7 +41,7 @@ from shared import keys as K
 from shared.connection import Connection
 from shared.defaults import MAX_BATCH, TOMBSTONE_TTL
 from shared.errors import ZatteraError
-from shared.ids import new_id
+from shared.ids import message_id
 from shared.jetstream import WRONG_LAST_SEQUENCE
 from shared.metrics import commit_conflicts, decisions, writer_label
 from shared.state.feed import StateView
@@ -319,7 +319,7 @@ class Writer:
         write that was stored is answered with the first one's sequence, as a duplicate); the expected revision
         fences it too."""
         subject, data, headers = self._message(op, inject())
-        headers["Nats-Msg-Id"] = new_id()
+        headers["Nats-Msg-Id"] = message_id()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout
         with span("state.write", key=op.key):
@@ -389,7 +389,7 @@ class Writer:
     ) -> dict[str, Any] | None:
         """Send one atomic batch; the stream's (or the relay's) answer, or None when nobody took the commit."""
         nc = self._conn.nc
-        batch_id = new_id()
+        batch_id = message_id()
         count = len(messages)
         for seq, (subject, data, headers) in enumerate(messages, start=1):
             headers["Nats-Batch-Id"] = batch_id
