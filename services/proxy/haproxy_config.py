@@ -26,10 +26,10 @@ HOLD_BACKEND = "hold"
 HOLD_BACKUP_SERVER = "zattera_hold"
 HELD_CHECK_INTER = "2s"
 HOLD_RETRIES = 10
+"""A request for the Python handler waits this many seconds at most for a proxy process that is restarting."""
 HOLD_PORT_FILE = "hold.port"
 """In the HAProxy directory: the Python handler's loopback port, taken again by the next proxy process while it
 is free, so an HAProxy that outlived a proxy process reaches the next one."""
-"""A request for the Python handler waits this many seconds at most for a proxy process that is restarting."""
 NO_ROUTE_BACKEND = "no_route"
 """Where a request whose host and path match no route goes: the JSON 404, answered by HAProxy."""
 SOCKET_DIR_MAX = 70
