@@ -20,6 +20,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError, NotFoundError
 
 from shared.actions.refusals import ActionRefused, Conflicting, Invalid, NotFound, Unavailable
@@ -35,6 +36,13 @@ ALLOWED = (1, 3, 5)
 """An even count survives no more losses than the odd count below it and needs one more server."""
 DEFAULT_TIMEOUT = 120.0
 MAX_TIMEOUT = 1800.0
+LIST_TIMEOUT = 10.0
+"""nats-server's meta leader gathers ``STREAM.LIST`` from every stream leader for up to 4 s, then answers
+with the ones that did not answer listed as missing."""
+INFO_TIMEOUT = 5.0
+INFO_TRIES = 2
+PLAN_WAIT = 40.0
+"""How long the plan may take to answer: the list, then each stream no leader answered for asked again."""
 INSUFFICIENT_RESOURCES = 10023
 """nats-server: no set of servers can hold the copies; too few servers with distinct placement tags is said
 as "no suitable peers for placement" (err_code 10005 or this one, by version)."""
@@ -91,33 +99,54 @@ def copies(info: dict[str, Any]) -> StreamCopies:
     return StreamCopies(str(config.get("name") or ""), int(config.get("num_replicas") or 1), current, leader, servers)
 
 
-async def stream_names(nc: NATS) -> list[str]:
-    """Every stream of the account, in name order."""
-    names: list[str] = []
-    offset = 0
+async def stream_list(nc: NATS) -> tuple[list[dict[str, Any]], set[str]]:
+    """Every stream's ``STREAM.INFO`` as the meta leader gathers them (``STREAM.LIST``, page by page), and the
+    names whose leader did not answer it in time: for those the list carries the stream's assignment (its
+    configuration, its copies marked offline)."""
+    infos: list[dict[str, Any]] = []
+    missing: set[str] = set()
     while True:
-        page = await js_api(nc, "STREAM.NAMES", {"offset": offset})
-        batch = [str(n) for n in page.get("streams") or []]
-        names += batch
-        offset += len(batch)
-        if not batch or offset >= int(page.get("total") or 0):
-            return sorted(names)
+        page = await js_api(nc, "STREAM.LIST", {"offset": len(infos)}, timeout=LIST_TIMEOUT)
+        batch = list(page.get("streams") or [])
+        infos += batch
+        missing |= {str(n) for n in page.get("missing") or []}
+        if not batch or len(infos) >= int(page.get("total") or 0):
+            return infos, missing
+
+
+async def _asked_again(nc: NATS, name: str, info: dict[str, Any]) -> dict[str, Any] | None:
+    """A stream the list found no leader for, asked directly (a leader elected meanwhile answers); what the list
+    said when none does (a stream whose servers are down answers "stream is offline", or nothing at first);
+    None: deleted meanwhile."""
+    for _ in range(INFO_TRIES):
+        try:
+            return await js_api(nc, f"STREAM.INFO.{name}", timeout=INFO_TIMEOUT)
+        except NotFoundError:
+            return None
+        except NatsTimeoutError:
+            continue
+        except APIError:
+            break
+    return info
 
 
 async def plan(nc: NATS) -> dict[str, Any]:
-    """Every stream with its replica count, the state stream last (the order a change goes in)."""
+    """Every stream with its replica count, the state stream last (the order a change goes in). A stream no
+    leader answers for (its servers down, an election under way) is listed with no leader and its copies
+    offline rather than failing the plan: the operator needs the plan most while a server is down."""
+    infos, missing = await stream_list(nc)
     streams = []
-    for name in await stream_names(nc):
-        try:
-            streams.append(copies(await js_api(nc, f"STREAM.INFO.{name}")))
-        except NotFoundError:
+    recorded = 1
+    for info in infos:
+        name = str((info.get("config") or {}).get("name") or "")
+        answered = await _asked_again(nc, name, info) if name in missing else info
+        if answered is None:
             continue  # deleted meanwhile
+        streams.append(copies(answered))
+        if name == STATE_STREAM:
+            config = answered.get("config") or {}
+            recorded = int((config.get("metadata") or {}).get(REPLICAS_METADATA) or config.get("num_replicas") or 1)
     streams.sort(key=lambda s: (s.stream == STATE_STREAM, s.stream))
-    state = next((s for s in streams if s.stream == STATE_STREAM), None)
-    recorded = state.replicas if state is not None else 1
-    if state is not None:
-        raw = await raw_stream_config(nc, STATE_STREAM)
-        recorded = int(((raw or {}).get("metadata") or {}).get(REPLICAS_METADATA) or recorded)
     return {"recorded": recorded, "streams": [asdict(s) for s in streams]}
 
 
@@ -161,7 +190,10 @@ async def change(
             raise Conflicting(f"{stream}: the server refused the change: {exc.description}") from None
         log.info("stream %s: replicas %d -> %d", stream, before, replicas)
     while True:
-        now = copies(await js_api(nc, f"STREAM.INFO.{stream}"))
+        try:
+            now = copies(await js_api(nc, f"STREAM.INFO.{stream}", timeout=INFO_TIMEOUT))
+        except NatsTimeoutError:  # no leader answering yet (the copies moving): asked again until ``timeout``
+            now = StreamCopies(stream, replicas, 0)
         if now.caught_up and now.replicas == replicas and len(now.servers) == replicas:
             return StreamChanged(stream, before, replicas, now.current, monotonic() - started, changed, now.servers)
         if monotonic() - started > timeout:

@@ -15,7 +15,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from shared.actions.refusals import ask_service, refusal_from_dict
-from shared.replicas import CLUSTER_REPLICAS_SUBJECT, DEFAULT_TIMEOUT, StreamChanged, check_count
+from shared.replicas import CLUSTER_REPLICAS_SUBJECT, DEFAULT_TIMEOUT, PLAN_WAIT, StreamChanged, check_count
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ async def change_replicas(
     nc: NATS, request: ChangeReplicas, progress: Callable[[StreamChanged], None] = lambda _: None
 ) -> ReplicasChanged:
     replicas = check_count(request.replicas)
-    plan = await _ask(nc, {"replicas": replicas}, timeout=10.0)
+    plan = await _ask(nc, {"replicas": replicas}, timeout=PLAN_WAIT)
     result = ReplicasChanged(replicas, int(plan.get("recorded") or 1))
     for stream in plan.get("streams") or []:
         answer = await _ask(

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from nats.js.api import Placement
 from nats.js.errors import NoStreamResponseError
 from nats.js.kv import KeyValue
 
@@ -17,7 +20,7 @@ from shared.actions.replicas import ChangeReplicas, change_replicas
 from shared.connection import Connection, connect
 from shared.embedded import EmbeddedNats, start_cluster, wait_meta_group
 from shared.provisioning import inspect_cluster, provision, recorded_replicas
-from shared.replicas import CLUSTER_REPLICAS_SUBJECT, handler
+from shared.replicas import CLUSTER_REPLICAS_SUBJECT, handler, plan
 from shared.subjects import STATE_STREAM
 from shared.watch_server import serve
 
@@ -118,6 +121,42 @@ async def test_three_copies_on_one_machine_are_refused_and_nothing_changes(
             _, streams = await inspect_cluster(conn.js)
             assert {s.replicas for s in streams if s.exists} == {1}
             assert await recorded_replicas(conn.js) == 1
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _meta_leader(server: EmbeddedNats) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/jsz", timeout=5) as resp:
+        return str(json.loads(resp.read())["meta_cluster"].get("leader") or "")
+
+
+async def test_the_plan_answers_with_a_server_down_its_streams_offline(tmp_path: Path) -> None:
+    """A server stopped (not the meta leader): the streams whose only copy it held are listed without a leader and
+    with no copy current, every other stream answered as caught up; through the handler, a plan, not a refusal."""
+    servers = _cluster(tmp_path, ["m1", "m2", "m3"])
+    try:
+        async for conn in _control(servers):
+            leader = _meta_leader(servers[0])
+            down = next(s for s in servers if s.name != leader)
+            tag = f"machine:m{servers.index(down) + 1}"
+            await conn.js.add_stream(name="ONLY", subjects=["only.>"], num_replicas=1, placement=Placement(tags=[tag]))
+            before = {s["stream"]: s for s in (await plan(conn.nc))["streams"]}
+            assert before["ONLY"]["servers"] == (down.name,) and before["ONLY"]["leader"] == down.name
+            assert all(s["leader"] and s["current"] == 1 for s in before.values())
+            on_down = {name for name, s in before.items() if s["servers"] == (down.name,)}
+
+            down.stop()
+            raw = await conn.nc.request(CLUSTER_REPLICAS_SUBJECT, b'{"replicas": 1}', timeout=60)
+            answer = json.loads(raw.data)
+            assert "refused" not in answer, answer
+            after = {s["stream"]: s for s in answer["streams"]}
+            assert set(after) == set(before) and answer["streams"][-1]["stream"] == STATE_STREAM
+            for name, stream in after.items():
+                if name in on_down:
+                    assert (stream["leader"], stream["current"], stream["servers"]) == ("", 0, [down.name]), stream
+                else:
+                    assert stream["leader"] and stream["current"] == 1, stream
     finally:
         for server in servers:
             server.stop()
