@@ -16,14 +16,10 @@ from shared.subprocesses import spawn_logged
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 RESTART_FIRST = 0.5
-
-
 """Seconds before a process that died is started again; doubling per restart within a minute of its start."""
 
 
 RESTART_MOST = 30.0
-
-
 """``zattera up``'s first metrics port: scheduler 9400, orchestrator 9401, … in start order."""
 
 

@@ -74,8 +74,6 @@ def proxy_listen_text(host: str, port: int) -> str:
 
 
 CLUSTER_ENV = "ZATTERA_UP_CLUSTER"
-
-
 """How :func:`run_up` hands the cluster to the supervisor it execs (the environment: never on a command
 line, where other users could read the NATS server configuration)."""
 

@@ -37,8 +37,6 @@ SERVICES = ("scheduler", "orchestrator", "autoscale", "builds", "routes", "secre
 
 
 ALL_IN_ONE = "control-plane"
-
-
 """The process that runs every service of ``cli.control_plane`` (``join`` included: idle unless secured)."""
 
 
@@ -49,8 +47,6 @@ LOCAL_NODE = "local"
 
 
 CONTROL_ONLY_SETTINGS = tuple(sorted(f"ZATTERA_{name.upper()}_" for name in ALL_IN_ONE_SERVICES))
-
-
 """The control-plane services' own variables (``ZATTERA_SECRETS_KEY``: the cluster key): never given to the
 local agent or proxy."""
 
@@ -394,7 +390,5 @@ CONFIG_FIELDS = (
     "node_id",
     "machine",
 )
-
-
 """The :class:`Cluster` fields besides ``data_dir`` and ``extra`` that say what to run (the others are
 what runs)."""

@@ -18,8 +18,6 @@ if TYPE_CHECKING:
 
 
 REFUSED_EXIT = 2
-
-
 """The provisioning child's status when this version may not run on the cluster (it said why on stderr)."""
 
 
@@ -64,8 +62,6 @@ async def _provision(url: str, creds: str = "", tls_ca: str = "", replicas: int 
 
 
 PROVISION_ENV = "ZATTERA_UP_PROVISION"
-
-
 """How :func:`provision_in_child` hands what to provision (URL, credentials file, CA file, replicas) to it."""
 
 

@@ -15,26 +15,18 @@ from typing import IO
 from cli.supervised import PROJECT_ROOT
 
 PID_FILE = "up.pid"
-
-
 """``<data_dir>/up.pid``: the running supervisor's pid, locked (``flock``) for as long as it lives."""
 
 
 ROLL_LOG = "up-roll.log"
-
-
 """``<data_dir>/up-roll.log``: the progress of the last roll, which the requesting ``zattera up`` prints."""
 
 
 ROLL_SIGNAL = signal.SIGUSR1
-
-
 """Sent to the supervisor: roll every process onto the code installed now."""
 
 
 RESTART_SIGNAL = signal.SIGUSR2
-
-
 """Sent to one process: stop to be started again at once (``shared.process.RESTART_SIGNAL``; not imported:
 the supervisor loads no asyncio)."""
 

@@ -77,11 +77,7 @@ RETRY_PAUSE = 0.25
 
 
 FIRST_ATTEMPT_TIMEOUT = 1.0
-
-
 LONGEST_ATTEMPT_TIMEOUT = 2.0
-
-
 """Attempts wait 1 s, then 2 s each: a request sent during a leader election is never answered, so an
 attempt waiting longer only delays the first one sent after the election (up to 9 s after the loss)."""
 

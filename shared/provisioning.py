@@ -72,23 +72,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 placement_log = logging.getLogger(f"{__name__}.placement")
-
-
 """Where :func:`until_placed` says it waits (``zattera cluster init`` shows it on stderr)."""
 
-
 NO_PEERS_FOR_PLACEMENT = 10005
+"""JetStream's "no suitable peers for placement": fewer current servers than the replicas asked for."""
 STORE_NOT_CREATED = 10049
 """JetStream's "error creating store for stream" (500): seen on a cluster whose servers had just formed it, a
 server's store directory not there yet; the same request a moment later succeeds."""
-
-
-"""JetStream's "no suitable peers for placement": fewer current servers than the replicas asked for."""
-
-
 PLACEMENT_PATIENCE = 30.0
-
-
 """How long a stream's creation waits for enough servers: a cluster's servers started together all join
 its meta group within seconds, a server that is down does not (then the refusal stands, named)."""
 

@@ -45,8 +45,6 @@ _NO_RESPONDERS = "503"
 
 
 VERIFY_RETRY = 0.5
-
-
 """Seconds before asking a route replica again when it answered with an older snapshot than pushed."""
 
 

@@ -65,20 +65,14 @@ GZIP = "gzip"
 
 
 COMPRESS_ABOVE = 64 * 1024
-
-
 """Snapshots larger than this (bytes, serialized) are zstd-compressed."""
 
 
 HEADER_ROOM = 4096
-
-
 """Bytes of a message kept for headers when cutting chunks."""
 
 
 MAX_SNAPSHOT_BYTES = 1 << 30
-
-
 """Decompression bound: a corrupt or hostile body cannot make a receiver allocate more."""
 
 

@@ -91,8 +91,6 @@ def routes_stream_config(replicas: int) -> StreamConfig:
 
 
 BUILD_LOG_END_SLOTS = 1
-
-
 """Messages of a build's log subject that are not log lines: the dispatcher's end marker."""
 
 
@@ -133,8 +131,6 @@ def audit_stream_config(replicas: int, max_age: float = AUDIT_MAX_AGE) -> Stream
 
 
 CONFIG_METADATA_PREFIX = "zattera."
-
-
 """The cluster configuration is recorded in the state stream's metadata (keys ``zattera.<field>``): it is
 created with the stream, atomically, by the one init that wins; nothing ever rewrites it."""
 
@@ -163,8 +159,6 @@ VERSION_KEY = f"{CONFIG_METADATA_PREFIX}version"
 
 
 MIGRATION_KEY_PREFIX = f"{CONFIG_METADATA_PREFIX}migration."
-
-
 """``zattera.migration.<NNNN>`` = ``<when> <version> <what it changed>``: one per migration the cluster ran."""
 
 

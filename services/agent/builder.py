@@ -105,8 +105,6 @@ log = logging.getLogger(__name__)
 
 
 FINISHED_REMEMBERED = 256
-
-
 """Finished build ids kept to recognise a resent RunBuild (a build id is never dispatched again)."""
 
 

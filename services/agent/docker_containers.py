@@ -39,8 +39,6 @@ HOST_NETWORK = "host"
 
 
 BRIDGE_NETWORK = "zattera"
-
-
 """The daemon's bridge network instances join when the node runs them bridged (``docker_network``)."""
 
 

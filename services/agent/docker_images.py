@@ -16,8 +16,6 @@ from services.agent.images import PreparedImage
 
 LABEL_MANAGED = "dev.zattera.managed"
 LABEL_ROOTFS = "dev.zattera.rootfs"
-
-
 """On a registry image config: ``full`` = its layers are a whole root filesystem (no base image under it)."""
 
 

@@ -20,8 +20,6 @@ from shared.actions.volumes import RestoreVolume, TakeSnapshot, restore_volume, 
 from shared.audit import AuditedWriter, Auditor
 
 QUICK_ANSWER = 1.0
-
-
 """How long a restore is waited for before the answer is "started" (its refusals come sooner than this)."""
 
 
@@ -35,8 +33,6 @@ REFUSAL_STATUS = {
     Refusal.FORBIDDEN: 403,
     Refusal.UNAVAILABLE: 503,
 }
-
-
 """The console answers a refused action 409 with the message naming the bad field (docs/console.md); a
 node or service that did not answer, 503."""
 

@@ -24,8 +24,6 @@ from shared.subjects import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX
 from . import pages
 
 HEARTBEAT = 15.0
-
-
 """An SSE comment this often keeps proxies from closing an idle stream."""
 
 

@@ -42,8 +42,6 @@ from shared.state.reader import StateReader
 from shared.version import VERSION
 
 RELEVANT_KINDS = frozenset({K.ENV, K.APP, K.PROJECT, K.DOMAIN, K.ASSIGNMENT, K.OBSERVED, K.NODE, K.VIP, K.DEPLOYMENT})
-
-
 """Every kind the snapshot reads; the snapshot version is the newest revision among them."""
 
 

@@ -89,8 +89,6 @@ def routable_host(node: pb.Node | None) -> str | None:
 
 
 NodeHosts = Mapping[str, str | None]
-
-
 """node id -> :func:`routable_host` of that node (a missing id is a missing node)."""
 
 
@@ -99,8 +97,6 @@ def node_hosts(view: StateReader) -> dict[str, str | None]:
 
 
 Replica = tuple[pb.Assignment, pb.AssignmentObserved, str]
-
-
 """A replica that may carry traffic: its assignment, the observed report joined into it, its host."""
 
 

@@ -58,23 +58,17 @@ __all__ = [
 
 
 FILTERS = ("excluded", "not alive", "cordoned", "control only", "arch", "labels", "volume pin", "cpu", "memory")
-
-
 """Placement's filters by name, in the order they apply; a node that fails several counts under the first:
 the caller's exclusions, node status ALIVE, schedulable, the WORKER role, the release's platforms, its
 label constraints, the stateful volume pin, then room for one more replica's reservation (cpu, memory)."""
 
 
 SCORES = ("env replicas on the node", "env replicas in the node's region", "free memory", "node id")
-
-
 """The greedy pick's sort key, term by term: fewest replicas of the env on the node, then in its region,
 then the most free memory (unreported capacity = unlimited), then the node id."""
 
 
 UNLIMITED_FREE = 2**63 - 1
-
-
 """Free memory of a node with unreported (0) memory capacity: the most preferred target."""
 
 

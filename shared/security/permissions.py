@@ -59,11 +59,11 @@ from shared.watches import WATCH_OPEN_SUBJECT
 JOIN_SUBJECT = "zattera.join"
 JOIN_ISSUE_SUBJECT = "zattera.join.issue"
 JOIN_REMOVE_SUBJECT = "zattera.join.remove"
+"""``zattera nodes remove``: peer-remove a machine's NATS server and revoke its credentials (operator)."""
 JOIN_REMOVE_VIA_PREFIX = "zattera.join.remove.via."
 """``<prefix><node>``: a removal handed to that server machine's join service (control only): a machine never
 removes itself (revoking its own credentials would cut the connection doing it), and the first machine's
 seats are retired by its own join service (it records them in its data dir)."""
-"""``zattera nodes remove``: peer-remove a machine's NATS server and revoke its credentials (operator)."""
 JOIN_BUCKET = "zattera-join"
 JOIN_STREAM = f"KV_{JOIN_BUCKET}"
 VIEW_OPEN_SUBJECT = "zattera.view.open"

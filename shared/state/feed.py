@@ -65,9 +65,9 @@ INACTIVE_THRESHOLD = 300.0
 FILTERED_INACTIVE_THRESHOLD = 60.0
 """A filtered view's replaced consumers (resync, ordered reset) linger this long after losing interest."""
 LOAD_STALL = 10.0
+"""A view load that receives nothing this long is started again (see :meth:`StateView._until_loaded`)."""
 MAX_FLOOR_MISSES = 3
 """Loads in a row that stayed below the view's revision before one is applied as it is."""
-"""A view load that receives nothing this long is started again (see :meth:`StateView._until_loaded`)."""
 SNAPSHOT_ATTEMPT = 0.5
 """A snapshot read (:meth:`StateView.load_snapshot`) silent this long is asked again at once."""
 SNAPSHOT_PAUSE = 0.1

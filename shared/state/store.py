@@ -44,8 +44,6 @@ log = logging.getLogger(__name__)
 
 
 UNKNOWN_KIND = "unknown"
-
-
 """The kind :attr:`StateStore.skipped_by_kind` counts keys under that name no known kind."""
 
 
@@ -53,8 +51,6 @@ _skipped_counter = counter("zattera.view.skipped", "state values skipped because
 
 
 Snapshot = dict[str, tuple[int, bytes | None, str]]
-
-
 """key -> (revision, value or None for a deletion, traceparent or ""): a whole bucket read at once."""
 
 
