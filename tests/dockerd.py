@@ -2,6 +2,10 @@
 
 The daemon runs with the flags our machines allow (no iptables, no bridge, vfs storage) and its own data
 root, exec root and socket under a temporary directory, so it never touches a daemon the machine may run.
+The networks made on it (the agent's ``zattera`` bridge, a compose project's) take their subnets from a pool
+of its own (:data:`ADDRESS_POOL`) and are removed with it: a daemon that stops leaves its bridges in the
+kernel, and enough of them (one or two per test session) take every default pool, after which no daemon of
+the machine can make a network.
 No image registry is reachable: the base image is ``docker import``ed from a root filesystem holding the
 static busybox of Debian's ``busybox-static`` (a shell, ``httpd``, ``nc``), ``/etc/passwd`` with
 ``nobody`` and a world-writable ``/tmp``.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import io
 import os
 import shutil
@@ -50,6 +55,9 @@ APPLETS = (
     "wget",
 )
 _START_TIMEOUT = 60.0
+ADDRESS_POOL = "10.213.0.0/16"
+"""Where the private daemons' networks get their /24s (docker's defaults, 172.17-31/16 and 192.168/16, are
+also the machine's own daemon's)."""
 
 
 class DockerUnavailableForTests(Exception):
@@ -124,6 +132,7 @@ def private_dockerd(root: Path) -> Iterator[str]:
         f"--data-root={root}/data",
         f"--exec-root={root}/exec",
         f"--pidfile={root}/docker.pid",
+        f"--default-address-pool=base={ADDRESS_POOL},size=24",
         "-H",
         url,
     ]
@@ -144,13 +153,38 @@ def private_dockerd(root: Path) -> Iterator[str]:
         _run_apart(import_base_image, url)
         yield url
     finally:
+        bridges = _run_apart(_remove_networks, url) if daemon.poll() is None else []
         daemon.send_signal(signal.SIGTERM)
         try:
             daemon.wait(timeout=20)
         except subprocess.TimeoutExpired:
             os.killpg(daemon.pid, signal.SIGKILL)
             daemon.wait()
+        for bridge in bridges:  # what the daemon could not remove (a container it failed to stop)
+            subprocess.run(["ip", "link", "delete", bridge], check=False, capture_output=True)
         _unmount_under(root)
+
+
+async def _remove_networks(url: str) -> list[str]:
+    """Remove every container and every network of the daemon at ``url``; the names of the networks' bridges
+    (``br-<id>``, docker's name for a bridge network's interface)."""
+    docker = aiodocker.Docker(url=url)
+    try:
+        for container in await docker.containers.list(all=True):
+            with contextlib.suppress(aiodocker.DockerError):
+                await container.delete(force=True)
+        bridges = []
+        for network in await docker.networks.list():
+            if network["Name"] in ("bridge", "host", "none"):
+                continue
+            bridges.append(f"br-{network['Id'][:12]}")
+            with contextlib.suppress(aiodocker.DockerError):
+                await (await docker.networks.get(network["Id"])).delete()
+        return bridges
+    except (aiodocker.DockerError, OSError):
+        return []
+    finally:
+        await docker.close()
 
 
 def _unmount_under(root: Path) -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from nats.js.api import PubAck
 from nats.js.client import JetStreamContext
 from nats.js.errors import NoStreamResponseError
+
+T = TypeVar("T")
 
 
 async def eventually(cond: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "") -> None:
@@ -50,14 +53,22 @@ class BlocksUntilCancelled:
             raise
 
 
-async def published(js: JetStreamContext, subject: str, payload: bytes, timeout: float = 10.0) -> PubAck:
-    """A JetStream publish sent again while no stream answers: in a cluster, a stream just created on one
-    server is not reached from a client of another for some milliseconds ("no responders": nothing stored)."""
+async def retried(
+    call: Callable[[], Awaitable[T]], errors: tuple[type[Exception], ...], timeout: float = 10.0, pause: float = 0.05
+) -> T:
+    """``call()``, made again while it raises one of ``errors`` (a stream or a service not reached yet), until
+    ``timeout``; then its error stands."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return await js.publish(subject, payload)
-        except NoStreamResponseError:
+            return await call()
+        except errors:
             if time.monotonic() > deadline:
                 raise
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(pause)
+
+
+async def published(js: JetStreamContext, subject: str, payload: bytes, timeout: float = 10.0) -> PubAck:
+    """A JetStream publish sent again while no stream answers: in a cluster, a stream just created on one
+    server is not reached from a client of another for some milliseconds ("no responders": nothing stored)."""
+    return await retried(lambda: js.publish(subject, payload), (NoStreamResponseError,), timeout)

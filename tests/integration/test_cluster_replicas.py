@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from nats.errors import NoRespondersError
 from nats.js.api import Placement
 from nats.js.errors import NoStreamResponseError
 from nats.js.kv import KeyValue
@@ -23,6 +26,7 @@ from shared.provisioning import inspect_cluster, provision, recorded_replicas
 from shared.replicas import CLUSTER_REPLICAS_SUBJECT, handler, plan
 from shared.subjects import STATE_STREAM
 from shared.watch_server import serve
+from tests.waiting import retried
 
 
 def _cluster(base: Path, tags: list[str]) -> list[EmbeddedNats]:
@@ -131,14 +135,28 @@ def _meta_leader(server: EmbeddedNats) -> str:
         return str(json.loads(resp.read())["meta_cluster"].get("leader") or "")
 
 
+async def _plan_asked(urls: str) -> dict[str, Any]:
+    """The plan as the CLI asks it, from a connection of its own, asked again while no join service answers
+    ("no responders": the service reconnecting after its server stopped)."""
+    asker = await connect(urls, name="test-asker")
+    try:
+        ask = functools.partial(asker.nc.request, CLUSTER_REPLICAS_SUBJECT, b'{"replicas": 1}', timeout=60)
+        answer: dict[str, Any] = json.loads((await retried(ask, (NoRespondersError,), timeout=60)).data)
+        return answer
+    finally:
+        await asker.close()
+
+
 async def test_the_plan_answers_with_a_server_down_its_streams_offline(tmp_path: Path) -> None:
-    """A server stopped (not the meta leader): the streams whose only copy it held are listed without a leader and
-    with no copy current, every other stream answered as caught up; through the handler, a plan, not a refusal."""
+    """A server stopped (not the meta leader, the one the join service is connected to): the streams whose only
+    copy it held are listed without a leader and with no copy current, every other stream answered as caught
+    up; through the handler, a plan, not a refusal."""
     servers = _cluster(tmp_path, ["m1", "m2", "m3"])
     try:
-        async for conn in _control(servers):
-            leader = _meta_leader(servers[0])
-            down = next(s for s in servers if s.name != leader)
+        leader = _meta_leader(servers[0])
+        down = next(s for s in servers if s.name != leader)
+        staying = ",".join(s.url for s in servers if s is not down)
+        async for conn in _control([down]):  # the service's connection moves to another server when it stops
             tag = f"machine:m{servers.index(down) + 1}"
             await conn.js.add_stream(name="ONLY", subjects=["only.>"], num_replicas=1, placement=Placement(tags=[tag]))
             before = {s["stream"]: s for s in (await plan(conn.nc))["streams"]}
@@ -147,8 +165,7 @@ async def test_the_plan_answers_with_a_server_down_its_streams_offline(tmp_path:
             on_down = {name for name, s in before.items() if s["servers"] == (down.name,)}
 
             down.stop()
-            raw = await conn.nc.request(CLUSTER_REPLICAS_SUBJECT, b'{"replicas": 1}', timeout=60)
-            answer = json.loads(raw.data)
+            answer = await _plan_asked(staying)
             assert "refused" not in answer, answer
             after = {s["stream"]: s for s in answer["streams"]}
             assert set(after) == set(before) and answer["streams"][-1]["stream"] == STATE_STREAM
