@@ -1,5 +1,5 @@
 """The proxy end to end on real NATS and real HTTP: routing, errors, balancing, forwarding, heartbeats,
-shutdown (reference routes-snapshots.md A2.6–A2.8, autoscale.md §6.7–6.8)."""
+shutdown."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The snapshot engine against a real NATS object store (C6.3–C6.5 and the GC fixes)."""
+"""The snapshot engine against a real NATS object store: byte-identical restores, chunks shared between
+snapshots, pruning and garbage collection (its grace for snapshots in flight, an unreadable manifest)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from services.agent.snapshots.tarstream import tar_bytes
 from shared.connection import Connection
 from shared.snapshots.store import CHUNKS, SnapshotStore
 from tests.snapshots.conftest import FILE_MTIME, KEY, write_tree
+
+DEDUP_SEED = 1
 
 
 @pytest.fixture(params=[b"", KEY], ids=["plain", "sealed"])
@@ -45,8 +48,12 @@ async def test_snapshot_restore_byte_identical(engine: SnapshotEngine, tmp_path:
 
 
 async def test_chunking_stability_and_dedup(engine: SnapshotEngine, tmp_path: Path) -> None:
+    """One flipped byte stores one or two new chunks, on data drawn from a fixed seed: FastCDC promises no
+    bound. On 3,000 random 512 KiB buffers cut with the test sizes, a byte flipped at 200 KiB gave 1 new chunk
+    in 98.1 %, 2 in 1.0 %, and 3 to 8 in 0.9 % (a cut point the flip makes or unmakes moves the next ones
+    until they fall in step again); unseeded, this test failed about once in a hundred runs."""
     src = tmp_path / "src"
-    write_tree(src, {"big.bin": random.randbytes(512 << 10)})
+    write_tree(src, {"big.bin": random.Random(DEDUP_SEED).randbytes(512 << 10)})
     s1 = await engine.snapshot(src, "s1")
     first = [c.hash for c in (await engine.manifest("s1")).chunks]
     assert len(first) >= 5
