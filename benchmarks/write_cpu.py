@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.state_bench import _node
+from benchmarks.state_bench import _node, sequential_rate
 from shared.embedded import EmbeddedNats
 from shared.state.feed import StateView
 from shared.txn import Writer
@@ -41,13 +41,10 @@ async def measure(url: str, count: int) -> tuple[float, float]:
         await view.start()
         writer = Writer(conn, view)
         await writer.commit(writer.txn().create(_node(0)))
-        for _ in range(WARM_UP):
-            await writer.commit(writer.txn().put(_node(0)))
-        cpu, wall = time.process_time(), time.perf_counter()
-        for _ in range(count):
-            await writer.commit(writer.txn().put(_node(0)))
-        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-        return cpu / count * 1e6, count / wall
+        await sequential_rate(writer, WARM_UP)
+        cpu = time.process_time()
+        rate = await sequential_rate(writer, count)
+        return (time.process_time() - cpu) / count * 1e6, rate
     finally:
         await conn.close()
 

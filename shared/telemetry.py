@@ -148,14 +148,12 @@ def span(name: str, *, headers: Mapping[str, str] | None = None, **attributes: A
     if not _recording:
         from opentelemetry import context, trace
 
-        if not headers:
-            yield trace.get_current_span()
-            return
-        token = context.attach(extract(headers))
+        token = context.attach(extract(headers)) if headers else None
         try:
             yield trace.get_current_span()
         finally:
-            context.detach(token)
+            if token is not None:
+                context.detach(token)
         return
     ctx = extract(headers) if headers else None
     with tracer().start_as_current_span(name, context=ctx) as current:
