@@ -95,7 +95,7 @@ from services.agent.launchers import (
 )
 from services.agent.processes import InstanceRecord
 from services.agent.pythonbase import inspect_interpreter, python_of, python_rootfs_tar
-from services.agent.runtime_choice import DockerUnavailable, RuntimeChoice, docker_url
+from services.agent.runtime_choice import PROCESS_FALLBACK, DockerUnavailable, RuntimeChoice, docker_url
 from services.agent.sandbox_users import UidTable, give
 from services.agent.settings import AgentSettings
 from shared.addons import spec as addon
@@ -450,7 +450,7 @@ async def docker_choice(settings: AgentSettings) -> RuntimeChoice:
             raise DockerUnavailable(f"runtime docker: the base image {settings.docker_base_image}: {exc}") from exc
         why = (
             f"the Docker daemon at {url} answers, but making its base image {settings.docker_base_image} failed "
-            f"({exc}): apps run as bare processes, without isolation or limits"
+            f"({exc}): {PROCESS_FALLBACK}"
         )
         log.warning("%s (--runtime to choose)", why)
         return RuntimeChoice(process, why)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_DOCKER_URL = "unix:///var/run/docker.sock"
+PROCESS_FALLBACK = "apps run as processes, without containers' memory and CPU limits"
+"""What falling back to the process runtime costs (how apps are isolated there is said apart: ``Isolation``)."""
 
 
 class DockerUnavailable(ZatteraError):
@@ -49,8 +52,8 @@ class RuntimeChoice:
 
 async def choose_launcher(settings: AgentSettings) -> RuntimeChoice:
     """The node's runtime: as ``settings.runtime`` says; unset, docker when a daemon answers (the agent makes
-    the base image when the daemon lacks it), else processes with a warning (bare processes are neither
-    isolated nor limited)."""
+    the base image when the daemon lacks it), else processes with a warning (processes get no memory or CPU
+    limits; the sandbox, ``sandbox.py``, isolates them where the machine allows)."""
     process = ProcessLauncher(adopted_poll_interval=settings.adopted_poll_interval)
     if settings.runtime == PROCESS:
         return RuntimeChoice(process, "chosen by --runtime process (ZATTERA_AGENT_RUNTIME)")
@@ -63,12 +66,19 @@ async def choose_launcher(settings: AgentSettings) -> RuntimeChoice:
     if not answers and settings.runtime == DOCKER:
         raise DockerUnavailable(f"runtime docker: no Docker daemon answers at {url}")
     if not answers:
-        why = f"no Docker daemon answers at {url}: apps run as bare processes, without isolation or limits"
+        why = f"no Docker daemon answers at {url}: {PROCESS_FALLBACK}{daemon_hint(settings.docker_host)}"
         log.warning("%s (install Docker, or --runtime to choose)", why)
         return RuntimeChoice(process, why)
     from services.agent.docker_runtime import docker_choice
 
     return await docker_choice(settings)
+
+
+def daemon_hint(host: str) -> str:
+    """How to get containers when Docker is installed here but its daemon is not running at the standard socket."""
+    if host or shutil.which("dockerd") is None:
+        return ""
+    return " (Docker is installed but its daemon is not running: `systemctl start docker`, then restart this agent)"
 
 
 def docker_launcher(launcher: Launcher) -> DockerLauncher | None:

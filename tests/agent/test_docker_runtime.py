@@ -296,7 +296,7 @@ async def test_the_runtime_is_docker_whenever_a_daemon_answers_and_says_why(dock
     )
     assert await chosen(runtime="", docker_host=missing) == (
         "process",
-        f"no Docker daemon answers at {missing}: apps run as bare processes, without isolation or limits",
+        f"no Docker daemon answers at {missing}: apps run as processes, without containers' memory and CPU limits",
     )
     assert await chosen(runtime="process", docker_host=docker_host) == (
         "process",

@@ -41,7 +41,7 @@ def test_a_node_without_a_docker_socket_runs_processes_without_loading_the_docke
     missing = f"unix://{tmp_path}/no.sock"
     assert out == [
         "process False False",
-        f"no Docker daemon answers at {missing}: apps run as bare processes, without isolation or limits",
+        f"no Docker daemon answers at {missing}: apps run as processes, without containers' memory and CPU limits",
     ]
 
 
