@@ -8,6 +8,7 @@ its commands runs (:class:`LazyCommands`).
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -121,8 +122,18 @@ class LazyCommands(TyperGroup):
                 single.command(name, **settings)(found)
                 command = typer.main.get_command(single)
             command.name = name
+            _one_line_summaries(command)
             self.commands[name] = command
         return self.commands.get(name)
+
+
+def _one_line_summaries(command: Any) -> None:
+    """Give ``command`` and every command under it a one-line summary (its help's first paragraph): typer's rich
+    listing keeps a docstring's line breaks there ("… the other projects' envs each may" / "reach.")."""
+    if command.short_help is None and command.help and not command.help.startswith("\b"):
+        command.short_help = " ".join(inspect.cleandoc(command.help).split("\n\n")[0].split())
+    for sub in getattr(command, "commands", {}).values():
+        _one_line_summaries(sub)
 
 
 app = typer.Typer(
