@@ -60,7 +60,9 @@ def volumes_policy(
     schedule: str | None = typer.Option(
         None, "--schedule", help='cron, 5 fields in UTC (CRON_TZ=Zone prefix, @daily, @every 6h); "" = manual only'
     ),
-    keep_last: int | None = typer.Option(None, "--keep-last", min=0, max=1000, help="COMPLETE snapshots kept; 0 = 7"),
+    keep_last: int | None = typer.Option(
+        None, "--keep-last", min=0, max=1000, help="COMPLETE snapshots kept (here and off-site); 0 = 7"
+    ),
     pre_hook: str | None = typer.Option(
         None, "--pre-hook", help='shell command run in the instance before each snapshot; "" = none'
     ),

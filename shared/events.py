@@ -180,6 +180,8 @@ KINDS = (
     "volume.restore_failed",
     "volume.offsite_copied",
     "volume.offsite_failed",
+    "volume.offsite_pruned",
+    "volume.offsite_prune_failed",
     "build.waiting_for_builder",
     "certificate.issued",
     "certificate.renewed",

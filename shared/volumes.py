@@ -1,6 +1,7 @@
-"""Volume fencing leases (``Volume.lease``): who may mount a stateful volume right now.
+"""Volume fencing leases (``Volume.lease``): who may mount a stateful volume right now; and how many
+snapshots a volume's policy keeps.
 
-The scheduler grants and renews them, the snapshot dispatcher and the agent check them; one definition
+The scheduler grants and renews the leases, the snapshot dispatcher and the agent check them; one definition
 keeps the three in agreement. A RESTORING volume belongs to its restore: no replica is placed on it and no
 lease is granted until the restore ends (or the snapshot scheduler's reaper gives up on it).
 """
@@ -12,6 +13,14 @@ from collections.abc import Iterable
 from zattera.v1 import types_pb2 as pb
 
 from shared.state.reader import StateReader
+
+DEFAULT_KEEP_LAST = 7
+"""COMPLETE snapshots a policy with ``keep_last`` 0 keeps."""
+
+
+def snapshots_kept(policy: pb.SnapshotPolicy) -> int:
+    """The COMPLETE snapshots a volume keeps, in the local store and on its off-site target alike."""
+    return policy.keep_last or DEFAULT_KEEP_LAST
 
 
 def lease_of(volume: pb.Volume) -> pb.VolumeLease | None:

@@ -52,11 +52,11 @@ from shared.settings import DEFAULTS
 from shared.snapshots.guards import RecordNotWritten, SnapshotBusy, SnapshotKeyMismatch
 from shared.state.reader import StateReader
 from shared.txn import Writer
+from shared.volumes import snapshots_kept
 
 log = logging.getLogger(__name__)
 
 TICK = 30.0
-DEFAULT_KEEP_LAST = 7
 STUCK_AFTER = 3600.0
 FAILED_KEEP = 24 * 3600.0
 RETRY_AFTER = 30.0
@@ -83,9 +83,9 @@ def _newest_first(records: Iterable[pb.VolumeSnapshot]) -> list[pb.VolumeSnapsho
     return sorted(records, key=lambda r: (from_timestamp(r.meta.created_at), r.meta.id), reverse=True)
 
 
-def retention_victims(records: Iterable[pb.VolumeSnapshot], keep_last: int) -> list[pb.VolumeSnapshot]:
-    """COMPLETE snapshots beyond the newest ``keep_last`` (0 = the default 7)."""
-    keep = keep_last or DEFAULT_KEEP_LAST
+def retention_victims(records: Iterable[pb.VolumeSnapshot], policy: pb.SnapshotPolicy) -> list[pb.VolumeSnapshot]:
+    """COMPLETE snapshots beyond the newest the policy keeps (``keep_last``; 0 = the default 7)."""
+    keep = snapshots_kept(policy)
     complete = [r for r in records if r.status == pb.SNAPSHOT_STATUS_COMPLETE]
     return _newest_first(complete)[keep:]
 
@@ -253,7 +253,7 @@ class SnapshotScheduler(LeaderLoop):
         self._track(task, self._background)
 
     async def _enforce_retention(self, volume: pb.Volume, records: list[pb.VolumeSnapshot], now: float) -> None:
-        victims = retention_victims(records, volume.snapshot_policy.keep_last) + expired_failures(records, now)
+        victims = retention_victims(records, volume.snapshot_policy) + expired_failures(records, now)
         if not victims:
             return
         landed = await self.commit_decisions(

@@ -7,6 +7,12 @@ only this service holds. What is on a target is learnt once per term by listing 
 then remembered; a snapshot copied is ``volume.offsite_copied``. **A failed copy is loud**: a
 ``volume.offsite_failed`` event (error) with the cause, retried after 1 minute, doubling up to an hour,
 each failure an event again. Causes name the target and the S3 error, never a setting's value.
+
+After the copies, each target is pruned at most once per ``prune_interval``
+(:mod:`shared.backup.offsite_retention`): every volume whose policy names it keeps there the newest snapshots
+its policy keeps locally; a snapshot deleted is ``volume.offsite_pruned``, a prune that failed
+``volume.offsite_prune_failed`` (warning, tried again after ``prune_interval``). Only a volume's newest kept
+snapshots are copied, so what retention deleted is never sent again.
 """
 
 from __future__ import annotations
@@ -21,30 +27,51 @@ from zattera.v1 import types_pb2 as pb
 from shared import keys as K
 from shared.backoff import exponential
 from shared.backup.offsite import copy_snapshot, offsite_ids
+from shared.backup.offsite_retention import OffsitePruned, prune_offsite
 from shared.backup.sealed import open_settings
 from shared.backup.targets import Target, open_target
-from shared.events import ERROR, env_event
+from shared.events import ERROR, WARNING, env_event
 from shared.loop import LeaderLoop, LoopDeps
 from shared.secrets import Keyring
 from shared.snapshots.guards import snapshot_target
+from shared.volumes import snapshots_kept
 
 log = logging.getLogger(__name__)
 
 TICK = 300.0
 FIRST_RETRY = 60.0
 LAST_RETRY = 3600.0
+PRUNE_INTERVAL = 3600.0
+"""Seconds between two prunes of one target (each reads every index there and lists its objects)."""
+
+
+def _created(pair: tuple[pb.Volume, pb.VolumeSnapshot]) -> tuple[int, str]:
+    return pair[1].meta.created_at.ToNanoseconds(), pair[1].meta.id
 
 
 def pending(volumes: list[pb.Volume], snapshots: list[pb.VolumeSnapshot]) -> list[tuple[pb.Volume, pb.VolumeSnapshot]]:
-    """Each COMPLETE snapshot of a volume whose policy names an off-site target, with its volume, oldest
-    first (pure)."""
+    """The COMPLETE snapshots of each volume whose policy names an off-site target, the newest its policy
+    keeps, with their volume, oldest first (pure)."""
     offsite = {v.meta.id: v for v in volumes if v.snapshot_policy.offsite_target}
     found = [
         (offsite[s.volume_id], s)
         for s in snapshots
         if s.status == pb.SNAPSHOT_STATUS_COMPLETE and s.volume_id in offsite
     ]
-    return sorted(found, key=lambda p: (p[1].meta.created_at.ToNanoseconds(), p[1].meta.id))
+    kept: list[tuple[pb.Volume, pb.VolumeSnapshot]] = []
+    for volume in offsite.values():
+        own = sorted((p for p in found if p[0] is volume), key=_created)
+        kept += own[-snapshots_kept(volume.snapshot_policy) :]
+    return sorted(kept, key=_created)
+
+
+def by_target(volumes: list[pb.Volume]) -> dict[str, list[pb.Volume]]:
+    """The volumes whose policy names each off-site target, by id (pure)."""
+    targets: dict[str, list[pb.Volume]] = {}
+    for volume in sorted(volumes, key=lambda v: v.meta.id):
+        if volume.snapshot_policy.offsite_target:
+            targets.setdefault(volume.snapshot_policy.offsite_target, []).append(volume)
+    return targets
 
 
 @dataclass
@@ -57,9 +84,19 @@ class OffsiteSnapshots(LeaderLoop):
     name = "snapshot-offsite"
     kinds = frozenset({K.SNAPSHOT, K.VOLUME})
 
-    def __init__(self, deps: LoopDeps, keyring: Callable[[], Keyring | None], *, tick: float = TICK) -> None:
+    def __init__(
+        self,
+        deps: LoopDeps,
+        keyring: Callable[[], Keyring | None],
+        *,
+        tick: float = TICK,
+        prune_interval: float = PRUNE_INTERVAL,
+    ) -> None:
         super().__init__(deps, tick=tick)
         self.keyring = keyring
+        self.prune_interval = prune_interval
+        self._pruned_at: dict[str, float] = {}
+        """Target (as the policies name it) → when it was last pruned, or a prune of it last failed."""
         self._copied: set[tuple[str, str]] = set()
         """(target URL, snapshot id) known to be on the target."""
         self._listed: set[tuple[str, str]] = set()
@@ -70,6 +107,7 @@ class OffsiteSnapshots(LeaderLoop):
         self._copied.clear()
         self._listed.clear()
         self._failing.clear()
+        self._pruned_at.clear()
 
     def seconds_until_due(self) -> float | None:
         if not self._failing:
@@ -103,6 +141,54 @@ class OffsiteSnapshots(LeaderLoop):
             else:
                 self._failing.pop(key, None)
                 self._copied.add(key)
+        for url, volumes in by_target(self.view.volumes()).items():
+            if self.clock.now() - self._pruned_at.get(url, float("-inf")) >= self.prune_interval:
+                self._pruned_at[url] = self.clock.now()
+                await self._prune(url, volumes)
+
+    async def _prune(self, url: str, volumes: list[pb.Volume]) -> None:
+        """Prune ``url`` of the snapshots of ``volumes`` (every volume whose policy names it) beyond what each
+        keeps; opened with the first one's settings."""
+        policy = volumes[0].snapshot_policy
+        try:
+            settings = open_settings(self.keyring(), policy.offsite_sealed_settings, policy.offsite_key_id)
+            target = open_target(url, settings)
+            keep_of = {v.meta.id: snapshots_kept(v.snapshot_policy) for v in volumes}
+            pruned = await asyncio.to_thread(prune_offsite, target, keep_of, self.clock.now())
+        except Exception as exc:
+            cause = str(exc) or type(exc).__name__
+            log.error("off-site target %s not pruned: %s", url, cause)
+            message = f"off-site target {url} not pruned (snapshots of volume {volumes[0].name} and others): {cause}"
+            fields = {"volume": volumes[0].meta.id, "target": url}
+            event = env_event(
+                "volume.offsite_prune_failed", message, volumes[0], clock=self.clock, severity=WARNING, fields=fields
+            )
+            await self.events.publish(event)
+            return
+        await self._pruned(target, volumes, pruned)
+
+    async def _pruned(self, target: Target, volumes: list[pb.Volume], pruned: OffsitePruned) -> None:
+        if pruned.kept_objects:
+            log.error("off-site target %s: %s", target.url, pruned.kept_objects)
+        log.info(
+            "off-site target %s pruned: %d snapshot(s) and %d object(s) deleted",
+            target.url,
+            sum(len(ids) for ids in pruned.deleted.values()),
+            pruned.objects_deleted,
+        )
+        for volume in volumes:
+            gone = pruned.deleted.get(volume.meta.id, [])
+            if not gone:
+                continue
+            self._copied.difference_update((target.url, s) for s in gone)
+            kept = snapshots_kept(volume.snapshot_policy)
+            message = (
+                f"{len(gone)} snapshot(s) of volume {volume.name} ({volume.meta.id}) deleted from {target.url} "
+                f"(it keeps the newest {kept} there)"
+            )
+            fields = {"volume": volume.meta.id, "target": target.url, "snapshots": ",".join(gone), "keep": str(kept)}
+            event = env_event("volume.offsite_pruned", message, volume, clock=self.clock, fields=fields)
+            await self.events.publish(event)
 
     async def _copy(self, target: Target, volume: pb.Volume, snap: pb.VolumeSnapshot) -> None:
         done = await copy_snapshot(self.conn, snapshot_target(), target, volume, snap)

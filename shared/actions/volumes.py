@@ -91,7 +91,7 @@ class SetSnapshotPolicy:
     schedule: str | None = None
     """Cron, 5 fields in UTC (``CRON_TZ=Zone`` prefix, ``@daily``, ``@every 6h``); "" = manual only."""
     keep_last: int | None = None
-    """COMPLETE snapshots kept; 0 = 7."""
+    """COMPLETE snapshots kept, locally and on the off-site target; 0 = 7."""
     pre_hook: str | None = None
     """A shell command run in the instance before each snapshot; "" = none."""
     offsite: str | None = None

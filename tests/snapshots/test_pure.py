@@ -131,7 +131,8 @@ def test_retention_drops_the_oldest_complete_beyond_keep_last(
     records = [snapshot_record("v", BASE + i * H, snapshot_id=f"s{i}") for i in range(complete)]
     records.append(snapshot_record("v", BASE - H, pb.SNAPSHOT_STATUS_FAILED, snapshot_id="failed"))
     records.append(snapshot_record("v", BASE - 2 * H, pb.SNAPSHOT_STATUS_RUNNING, snapshot_id="running"))
-    assert [r.meta.id for r in retention_victims(records, keep_last)] == [f"s{i}" for i in expected_dead]
+    policy = pb.SnapshotPolicy(keep_last=keep_last)
+    assert [r.meta.id for r in retention_victims(records, policy)] == [f"s{i}" for i in expected_dead]
 
 
 def test_old_failures_expire_but_never_the_newest_record() -> None:
