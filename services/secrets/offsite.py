@@ -53,15 +53,13 @@ def pending(volumes: list[pb.Volume], snapshots: list[pb.VolumeSnapshot]) -> lis
     """The COMPLETE snapshots of each volume whose policy names an off-site target, the newest its policy
     keeps, with their volume, oldest first (pure)."""
     offsite = {v.meta.id: v for v in volumes if v.snapshot_policy.offsite_target}
-    found = [
-        (offsite[s.volume_id], s)
-        for s in snapshots
-        if s.status == pb.SNAPSHOT_STATUS_COMPLETE and s.volume_id in offsite
-    ]
+    found: dict[str, list[tuple[pb.Volume, pb.VolumeSnapshot]]] = {}
+    for snap in snapshots:
+        if snap.status == pb.SNAPSHOT_STATUS_COMPLETE and snap.volume_id in offsite:
+            found.setdefault(snap.volume_id, []).append((offsite[snap.volume_id], snap))
     kept: list[tuple[pb.Volume, pb.VolumeSnapshot]] = []
-    for volume in offsite.values():
-        own = sorted((p for p in found if p[0] is volume), key=_created)
-        kept += own[-snapshots_kept(volume.snapshot_policy) :]
+    for volume_id, own in found.items():
+        kept += sorted(own, key=_created)[-snapshots_kept(offsite[volume_id].snapshot_policy) :]
     return sorted(kept, key=_created)
 
 
