@@ -11,7 +11,8 @@ each failure an event again. Causes name the target and the S3 error, never a se
 After the copies, each target is pruned at most once per ``prune_interval``
 (:mod:`shared.backup.offsite_retention`): every volume whose policy names it keeps there the newest snapshots
 its policy keeps locally; a snapshot deleted is ``volume.offsite_pruned``, a prune that failed
-``volume.offsite_prune_failed`` (warning, tried again after ``prune_interval``). Only a volume's newest kept
+``volume.offsite_prune_failed`` (warning, tried again after ``prune_interval``). A target whose copies are
+failing is not pruned until one works. Only a volume's newest kept
 snapshots are copied, so what retention deleted is never sent again.
 """
 
@@ -140,6 +141,8 @@ class OffsiteSnapshots(LeaderLoop):
                 self._failing.pop(key, None)
                 self._copied.add(key)
         for url, volumes in by_target(self.view.volumes()).items():
+            if any(failing_url == url for failing_url, _ in self._failing):
+                continue  # the target fails its copies (each an event already): no prune until one works
             if self.clock.now() - self._pruned_at.get(url, float("-inf")) >= self.prune_interval:
                 self._pruned_at[url] = self.clock.now()
                 await self._prune(url, volumes)

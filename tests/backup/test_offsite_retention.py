@@ -30,6 +30,7 @@ from shared.backup.retention import ORPHAN_GRACE
 from shared.backup.targets import DirectoryTarget, credentials_from_environment, open_target
 from shared.clock import FakeClock
 from shared.snapshots.store import SnapshotStore
+from shared.subjects import EVENTS_SUBJECT_PREFIX
 from tests.backup.conftest import BUCKET
 from tests.backup.test_drill import cluster
 from tests.backup.test_offsite import _loop, _of, _seen
@@ -191,3 +192,30 @@ async def test_the_loop_prunes_the_target_to_the_policy_and_what_is_left_restore
         assert restored.snapshot_id == taken[1] and restored.finished
         assert (root / "kept.bin").read_bytes() == kept_part
         assert (root / "changing.bin").read_bytes() == contents[1]
+
+
+async def test_a_target_failing_its_copies_is_not_pruned_until_one_works(nats_url: str, tmp_path: Path) -> None:
+    place = tmp_path / "offsite"
+    async with cluster(nats_url, tmp_path / "c") as c, old_volume(c, tmp_path) as root:
+        events = await _events(c.conn)
+        (root / "f").write_bytes(b"data")
+        await take_snapshot(c.ctx, TakeSnapshot(VOLUME))
+        await set_snapshot_policy(c.ctx, SetSnapshotPolicy(VOLUME, keep_last=1, offsite=str(place)))
+        place.rmdir()
+        place.write_text("a file where the snapshots should go")
+        clock = FakeClock(time.time())
+        loop = _loop(c, clock)
+        await loop.run_pass()
+        await _seen(events, "volume.offsite_failed", 1)
+        await c.conn.nc.publish(f"{EVENTS_SUBJECT_PREFIX}test.marker", pb.Event(kind="test.marker").SerializeToString())
+        await _seen(events, "test.marker", 1)  # published after whatever the pass published, on one connection
+        assert not _of(events, "volume.offsite_prune_failed"), "the copy's failure is the one event"
+
+        place.unlink()
+        (root / "f").write_bytes(b"data, changed")
+        await take_snapshot(c.ctx, TakeSnapshot(VOLUME))
+        await clock.advance(3600)
+        await loop.run_pass()
+        assert len(await _seen(events, "volume.offsite_copied", 1)) == 1  # the newest (it keeps 1) only
+        assert len(offsite_ids(DirectoryTarget(place), VOLUME)) == 1
+        assert not _of(events, "volume.offsite_prune_failed")
