@@ -12,8 +12,8 @@ After the copies, each target is pruned at most once per ``prune_interval``
 (:mod:`shared.backup.offsite_retention`): every volume whose policy names it keeps there the newest snapshots
 its policy keeps locally; a snapshot deleted is ``volume.offsite_pruned``, a prune that failed
 ``volume.offsite_prune_failed`` (warning, tried again after ``prune_interval``). A target whose copies are
-failing is not pruned until one works. Only a volume's newest kept
-snapshots are copied, so what retention deleted is never sent again.
+failing is not pruned until one works. Only a volume's newest kept snapshots are copied, so what retention
+deleted is never sent again.
 """
 
 from __future__ import annotations
