@@ -8,10 +8,10 @@ then remembered; a snapshot copied is ``volume.offsite_copied``. **A failed copy
 ``volume.offsite_failed`` event (error) with the cause, retried after 1 minute, doubling up to an hour,
 each failure an event again. Causes name the target and the S3 error, never a setting's value.
 
-After the copies, each target is pruned at most once per ``prune_interval``
+After the copies, each target is pruned at most once per :data:`PRUNE_INTERVAL`
 (:mod:`shared.backup.offsite_retention`): every volume whose policy names it keeps there the newest snapshots
 its policy keeps locally; a snapshot deleted is ``volume.offsite_pruned``, a prune that failed
-``volume.offsite_prune_failed`` (warning, tried again after ``prune_interval``). A target whose copies are
+``volume.offsite_prune_failed`` (warning, tried again an interval later). A target whose copies are
 failing is not pruned until one works. Only a volume's newest kept snapshots are copied, so what retention
 deleted is never sent again.
 """
@@ -83,17 +83,9 @@ class OffsiteSnapshots(LeaderLoop):
     name = "snapshot-offsite"
     kinds = frozenset({K.SNAPSHOT, K.VOLUME})
 
-    def __init__(
-        self,
-        deps: LoopDeps,
-        keyring: Callable[[], Keyring | None],
-        *,
-        tick: float = TICK,
-        prune_interval: float = PRUNE_INTERVAL,
-    ) -> None:
+    def __init__(self, deps: LoopDeps, keyring: Callable[[], Keyring | None], *, tick: float = TICK) -> None:
         super().__init__(deps, tick=tick)
         self.keyring = keyring
-        self.prune_interval = prune_interval
         self._pruned_at: dict[str, float] = {}
         """Target (as the policies name it) → when it was last pruned, or a prune of it last failed."""
         self._copied: set[tuple[str, str]] = set()
@@ -143,7 +135,7 @@ class OffsiteSnapshots(LeaderLoop):
         for url, volumes in by_target(self.view.volumes()).items():
             if any(failing_url == url for failing_url, _ in self._failing):
                 continue  # the target fails its copies (each an event already): no prune until one works
-            if self.clock.now() - self._pruned_at.get(url, float("-inf")) >= self.prune_interval:
+            if self.clock.now() - self._pruned_at.get(url, float("-inf")) >= PRUNE_INTERVAL:
                 self._pruned_at[url] = self.clock.now()
                 await self._prune(url, volumes)
 
