@@ -36,7 +36,7 @@ from shared.migrations.registry import SCHEMA
 from shared.provisioning import recorded_config
 from shared.settings import Settings, settings
 from shared.skew import Component, SkewRefused, Verdict, judge
-from shared.tasks import cancel_and_wait
+from shared.tasks import RECANCEL_AFTER, cancel_and_wait
 from shared.telemetry import setup as setup_telemetry
 from shared.version import VERSION
 
@@ -50,6 +50,8 @@ FIRST_RETRY = 0.2
 LAST_RETRY = 5.0
 SHUTDOWN_GRACE = 10.0
 """Seconds a stopping process is given to cancel its tasks and close its connection."""
+LEFTOVER_GRACE = 5.0
+"""Seconds the tasks still running after that are given to end once cancelled (:func:`end_leftovers`)."""
 RESTART_SIGNAL = signal.SIGUSR2
 """Stop to be restarted at once (``zattera up`` rolling its processes onto new code): like SIGTERM, but what
 outlives a restart is kept (:attr:`Process.restarting`)."""
@@ -242,15 +244,15 @@ class Process:
         limit) exit at once with status 1: every transition is one atomic batch, so nothing is
         half-written, and leases expire by TTL."""
         log.info("%s: stopping", self.name)
-        if grace is None:
-            await cleanup()
-        else:
-            try:
-                await asyncio.wait_for(cleanup(), grace)
-            except TimeoutError:
-                log.error("%s: did not stop within %.0fs; exiting anyway", self.name, grace)
-                logging.shutdown()
-                os._exit(1)
+        work = asyncio.ensure_future(cleanup())
+        done, _ = await asyncio.wait({work}, timeout=grace)  # not wait_for: it waits for a cancelled clean-up
+        if not done:
+            log.error("%s: did not stop within %.0fs; exiting anyway", self.name, grace)
+            logging.shutdown()
+            os._exit(1)
+        failure = None if work.cancelled() else work.exception()
+        if failure is not None:  # a connection already gone, say: the process stops all the same
+            log.error("%s: stop: clean-up failed: %r", self.name, failure)
         log.info("%s: stopped", self.name)
 
 
@@ -288,4 +290,30 @@ async def run_process(
         stop.set()
 
     loop.add_signal_handler(RESTART_SIGNAL, restart)
-    return await body(process)
+    try:
+        return await body(process)
+    finally:
+        await end_leftovers(name)
+
+
+async def end_leftovers(
+    name: str, grace: float = LEFTOVER_GRACE, *, exit_now: Callable[[int], object] = os._exit
+) -> None:
+    """Cancel the tasks still running once the process body is done, again while they run, for at most
+    ``grace`` seconds. One that outlives that (a library swallowed each cancellation, and a retry loop around
+    it went on) would keep ``asyncio.run``, which waits for every task, from ever returning: the process
+    exits at once with status 1 instead, naming the tasks."""
+    current = asyncio.current_task()
+    left = {t for t in asyncio.all_tasks() if t is not current and not t.done()}
+    deadline = asyncio.get_running_loop().time() + grace
+    while left:
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            names = ", ".join(sorted(t.get_name() for t in left))
+            log.error("%s: %d task(s) did not end when cancelled (%s); exiting anyway", name, len(left), names)
+            logging.shutdown()
+            exit_now(1)
+            return
+        for task in left:
+            task.cancel()
+        _, left = await asyncio.wait(left, timeout=min(RECANCEL_AFTER, remaining))

@@ -19,7 +19,7 @@ from shared.clock import stamp
 from shared.events import ERROR
 from shared.loop import LeaderLoop, LoopDeps
 from shared.secrets import Keyring
-from shared.tasks import cancel_and_wait
+from shared.tasks import cancel_and_wait, raise_if_cancelling
 from shared.txn import Deposed
 
 from .settings import SecretsSettings
@@ -155,6 +155,7 @@ class DeliveryLoop(LeaderLoop, Generic[S, T]):
             except Deposed:
                 raise
             except Exception as exc:
+                raise_if_cancelling()  # a cancellation nats-py turned into an error ends the follower
                 log.warning("%s failed (%s); again shortly", what, type(exc).__name__)
                 await self.clock.sleep(next(backoff))
 

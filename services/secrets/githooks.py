@@ -38,6 +38,7 @@ from shared.loop import LeaderLoop, LoopDeps
 from shared.retry import Attempt, commit_with_retry
 from shared.secrets import Keyring
 from shared.subjects import GITHOOKS_DELIVERY_PREFIX, GITHOOKS_STREAM
+from shared.tasks import raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +115,14 @@ class GitHooks(LeaderLoop):
                     try:
                         msgs = await sub.fetch(1, timeout=self.settings.fetch_wait)
                     except NatsTimeout:
+                        raise_if_cancelling()  # nats-py turns a cancellation inside the fetch into a timeout
                         continue
                     for msg in msgs:
                         await self.handle(msg.headers or {}, msg.subject, msg.data)
                         await msg.ack()
                         backoff.reset()
             except Exception as exc:
+                raise_if_cancelling()  # the term ended while nats-py was sending: stop, do not open it again
                 log.warning("git hooks: the deliveries consumer failed (%s); opening it again", exc)
                 await self.clock.sleep(next(backoff))
 

@@ -1,10 +1,12 @@
 """The one process shell (shared/process.py): retries until stopped, fatal errors propagate, exit statuses
-of supervision, and the agent and the proxy start in it (a real agent process, SIGTERM while NATS is away)."""
+of supervision, tasks left running at the end cannot keep a process alive, and the agent and the proxy start
+in it (a real agent process, SIGTERM while NATS is away)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -15,11 +17,56 @@ import pytest
 
 import shared.process
 from shared.embedded import free_port
-from shared.process import Process
+from shared.process import Process, end_leftovers
 from shared.settings import Settings
 from tests.waiting import BlocksUntilCancelled, eventually
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_a_task_that_swallows_its_cancellations_cannot_keep_the_process_alive(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    released = asyncio.Event()
+    swallowed = 0
+
+    async def stubborn() -> None:  # what a retry loop around a library that swallows a cancellation does
+        nonlocal swallowed
+        while not released.is_set():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                swallowed += 1
+
+    async def polite() -> None:
+        await asyncio.sleep(3600)
+
+    kept = asyncio.create_task(stubborn(), name="githooks-consumer")
+    ends = asyncio.create_task(polite(), name="polite")
+    await asyncio.sleep(0)  # both started (a task cancelled before its first step never runs)
+    exits: list[int] = []
+    await end_leftovers("probe", 0.3, exit_now=exits.append)
+    assert exits == [1] and ends.cancelled() and not kept.done()
+    assert swallowed >= 1, "cancelled again while it ran"
+    assert "probe: 1 task(s) did not end when cancelled (githooks-consumer); exiting anyway" in caplog.text
+
+    released.set()
+    kept.cancel()
+    await asyncio.wait({kept}, timeout=5)
+    assert kept.done()
+    exits.clear()
+    await end_leftovers("probe", 0.3, exit_now=exits.append)
+    assert exits == [], "nothing left: no exit forced"
+
+
+async def test_a_stop_whose_clean_up_fails_still_says_it_stopped(caplog: pytest.LogCaptureFixture) -> None:
+    async def failing() -> None:
+        raise RuntimeError("the connection is already closed")
+
+    caplog.set_level(logging.INFO, logger="shared.process")
+    await process().shut_down(failing, grace=5)
+    assert "probe: stop: clean-up failed: RuntimeError('the connection is already closed')" in caplog.text
+    assert "probe: stopped" in caplog.text
 
 
 def process() -> Process:
