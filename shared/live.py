@@ -36,6 +36,7 @@ from shared.jetstream import is_delete_marker
 from shared.state.changes import ChangeFeed
 from shared.state.feed import CONSUMER_HEARTBEAT, guard_ordered_consumer, server_delivered
 from shared.subjects import LIVE_PREFIX, LIVE_STREAM
+from shared.tasks import raise_if_cancelling
 from shared.telemetry import counter
 from shared.watches import WatchSpec
 from shared.watches import follow as follow_watch
@@ -169,6 +170,7 @@ class LiveView:
                 await self._subscribe()
                 return
             except Exception as exc:
+                raise_if_cancelling()
                 delay = next(backoff)
                 log.warning("live view: subscribing again failed, retrying in %.1fs: %r", delay, exc)
                 await asyncio.sleep(delay)

@@ -57,7 +57,7 @@ from services.agent.network import (
 )
 from shared.backoff import Backoff
 from shared.files import write_atomic
-from shared.tasks import Signal
+from shared.tasks import Signal, raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +304,7 @@ class Forwarder:
                 await self.activate(env_id)
                 return
             except Exception as exc:
+                raise_if_cancelling()
                 log.warning("forwarder: waking env %s failed (%s); retrying in %.1fs while held", env_id, exc, delay)
             await asyncio.sleep(delay)
 

@@ -23,6 +23,7 @@ from shared.connection import Connection
 from shared.live import publish_node_heartbeat
 from shared.metrics import enabled as metrics_enabled
 from shared.metrics import observe_gauges
+from shared.tasks import raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class HeartbeatPublisher:
             try:
                 await publish_node_heartbeat(self._conn, self.sample())
             except Exception as exc:
+                raise_if_cancelling()  # a stop that nats-py turned into an error ends the loop
                 log.warning("heartbeat not published: %s", exc)
             await asyncio.sleep(self.interval)
 

@@ -50,6 +50,7 @@ from services.agent.launchers import InstanceHandle
 from services.agent.processes import STATE_FILE, InstanceRecord
 from shared import keys as K
 from shared.clock import wait_or_timer
+from shared.tasks import raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class ProcessRuntime:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                raise_if_cancelling()
                 log.exception("%s: supervisor failed; resuming", sup.assignment_id)
                 await self.ctx.clock.sleep(self.ctx.settings.restart_backoff)
 

@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from shared.backoff import Backoff
 from shared.errors import ZatteraError
-from shared.tasks import Signal
+from shared.tasks import Signal, raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ class Holds:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                raise_if_cancelling()
                 log.warning("activation of env %s failed (%s); retrying in %.1fs while held", env_id, exc, delay)
             await asyncio.sleep(delay)
             if not self._held.get(env_id):

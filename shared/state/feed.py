@@ -57,7 +57,7 @@ from shared.jetstream import is_delete_marker
 from shared.pull import PullFeed, PullLost
 from shared.state.store import Snapshot, StateStore
 from shared.subjects import STATE_PREFIX, STATE_STREAM
-from shared.tasks import cancel_and_wait
+from shared.tasks import cancel_and_wait, raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,7 @@ class StateView(StateStore):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                raise_if_cancelling()  # nats-py may turn a cancellation into an error: it ends the retries
                 delay = next(backoff)
                 log.warning("view %s resync failed, retrying in %.1fs: %s", self._name, delay, exc)
                 await asyncio.sleep(delay)
