@@ -46,6 +46,9 @@ PLAN_WAIT = 40.0
 INSUFFICIENT_RESOURCES = 10023
 """nats-server: no set of servers can hold the copies; too few servers with distinct placement tags is said
 as "no suitable peers for placement" (err_code 10005 or this one, by version)."""
+PLACEMENT_RETRY = 10.0
+"""Seconds a change refused for want of peers is sent again before the refusal stands: a busy server the
+meta leader has not heard from lately counts as no peer for a moment (seen on a loaded machine)."""
 REPLICAS_METADATA = f"{CONFIG_METADATA_PREFIX}replicas"
 
 
@@ -177,17 +180,21 @@ async def change(
         config["num_replicas"] = replicas
         if stream == STATE_STREAM:
             config["metadata"] = meta | {REPLICAS_METADATA: str(replicas)}
-        try:
-            await update_stream_raw(nc, config)
-        except APIError as exc:
-            if exc.err_code == INSUFFICIENT_RESOURCES or "no suitable peers" in str(exc.description):
-                raise Conflicting(
-                    f"cannot place {replicas} copies of {stream}: the cluster has fewer than {replicas} server "
-                    "machines able to hold one (each server machine holds at most one copy; join more with "
-                    "zattera nodes join-token --server)",
-                    field="replicas",
-                ) from None
-            raise Conflicting(f"{stream}: the server refused the change: {exc.description}") from None
+        while True:
+            try:
+                await update_stream_raw(nc, config)
+                break
+            except APIError as exc:
+                if exc.err_code != INSUFFICIENT_RESOURCES and "no suitable peers" not in str(exc.description):
+                    raise Conflicting(f"{stream}: the server refused the change: {exc.description}") from None
+                if monotonic() - started >= min(timeout, PLACEMENT_RETRY):
+                    raise Conflicting(
+                        f"cannot place {replicas} copies of {stream}: the cluster has fewer than {replicas} server "
+                        "machines able to hold one (each server machine holds at most one copy; join more with "
+                        "zattera nodes join-token --server)",
+                        field="replicas",
+                    ) from None
+            await wait(0.5)  # a server the meta leader has not heard from lately is no peer for a moment
         log.info("stream %s: replicas %d -> %d", stream, before, replicas)
     while True:
         try:
