@@ -36,7 +36,7 @@ from shared.migrations.registry import SCHEMA
 from shared.provisioning import recorded_config
 from shared.settings import Settings, settings
 from shared.skew import Component, SkewRefused, Verdict, judge
-from shared.tasks import RECANCEL_AFTER, cancel_and_wait
+from shared.tasks import cancel_and_wait
 from shared.telemetry import setup as setup_telemetry
 from shared.version import VERSION
 
@@ -304,16 +304,15 @@ async def end_leftovers(
     it went on) would keep ``asyncio.run``, which waits for every task, from ever returning: the process
     exits at once with status 1 instead, naming the tasks."""
     current = asyncio.current_task()
-    left = {t for t in asyncio.all_tasks() if t is not current and not t.done()}
-    deadline = asyncio.get_running_loop().time() + grace
-    while left:
-        remaining = deadline - asyncio.get_running_loop().time()
-        if remaining <= 0:
-            names = ", ".join(sorted(t.get_name() for t in left))
-            log.error("%s: %d task(s) did not end when cancelled (%s); exiting anyway", name, len(left), names)
-            logging.shutdown()
-            exit_now(1)
-            return
-        for task in left:
-            task.cancel()
-        _, left = await asyncio.wait(left, timeout=min(RECANCEL_AFTER, remaining))
+    left = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    if not left:
+        return
+    ending = asyncio.ensure_future(cancel_and_wait(*left))  # cancels again while they run
+    done, _ = await asyncio.wait({ending}, timeout=grace)
+    if done:
+        return
+    ending.cancel()
+    still = sorted(t.get_name() for t in left if not t.done())
+    log.error("%s: %d task(s) did not end when cancelled (%s); exiting anyway", name, len(still), ", ".join(still))
+    logging.shutdown()
+    exit_now(1)
